@@ -1,0 +1,69 @@
+"""Typed errors: what callers and clients receive instead of bare strings."""
+
+from __future__ import annotations
+
+
+class CharonError(Exception):
+    """Base class of every error Charon raises on purpose."""
+
+
+class UnknownOperator(CharonError):
+    """The request names an operator the application does not define."""
+
+
+class UnknownFunction(CharonError):
+    """The request names a function its operator does not define."""
+
+
+class BadArguments(CharonError):
+    """Wrong number or types of arguments for a function."""
+
+
+class SerializationError(CharonError):
+    """A value (argument, state or return value) is not msgpack-serializable, or a payload is malformed."""
+
+
+class PayloadTooLarge(CharonError):
+    """A request body or argument list exceeds the configured limit."""
+
+
+class CallGraphLimitExceeded(CharonError):
+    """A transaction's call graph did not finish within the engine's limits (depth, calls or rounds)."""
+
+
+class NonDeterministicFunction(CharonError):
+    """A function behaved differently when replayed from its journal (it must be deterministic)."""
+
+
+class IllegalAwait(CharonError):
+    """A function awaited something other than ``ctx.call`` (functions cannot block on I/O)."""
+
+
+#: Errors raised by the engine itself rather than by application code, looked up by name on decode.
+ENGINE_ERRORS: dict[str, type[CharonError]] = {
+    cls.__name__: cls
+    for cls in (
+        UnknownOperator,
+        UnknownFunction,
+        BadArguments,
+        SerializationError,
+        PayloadTooLarge,
+        CallGraphLimitExceeded,
+        NonDeterministicFunction,
+        IllegalAwait,
+    )
+}
+
+
+class TransactionAborted(CharonError):
+    """The transaction was aborted because a function in its call graph raised.
+
+    ``error_type`` is the raised exception's class name and ``message`` its message; nothing of the
+    transaction was applied.
+    """
+
+    def __init__(self, error_type: str, message: str, request_id: str = "") -> None:
+        super().__init__(f"{error_type}: {message}")
+        self.error_type = error_type
+        self.message = message
+        self.request_id = request_id

@@ -1,0 +1,28 @@
+"""Records that cross process boundaries: requests (the input log) and replies (the output log)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Request(msgspec.Struct, frozen=True):
+    """One client invocation; the engine runs it as one transaction over its whole call graph."""
+
+    request_id: str
+    operator: str
+    key: str
+    function: str
+    args: bytes  # msgpack-encoded list of positional arguments
+    ts: float = 0.0  # append time, assigned by the log; ``ctx.now()`` returns it
+
+
+class Reply(msgspec.Struct, frozen=True):
+    """The outcome of one request, delivered exactly once per ``request_id``."""
+
+    request_id: str
+    tid: int
+    epoch: int
+    ok: bool
+    value: bytes = b""  # msgpack-encoded return value when ok
+    error_type: str = ""
+    error_message: str = ""
