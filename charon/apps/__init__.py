@@ -1,0 +1,1 @@
+"""Example and benchmark applications, written with Charon's public programming model only."""

@@ -1,0 +1,438 @@
+"""The ``charon`` command line: run an application behind its gateway, invoke functions, read state, demo.
+
+``charon demo`` is the quickest tour: it deploys the YCSB-T bank (``charon.apps.ycsb``) on embedded Spark
+(or the in-process runtime where the Spark runtime is unavailable), drives transfers through the HTTP
+gateway with a live progress display, then checks that the total balance is conserved and that every
+request was answered exactly once (retrying a sample of request ids returns the same transaction).
+
+``--url`` and ``--token`` default to the ``CHARON_URL`` and ``CHARON_TOKEN`` environment variables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import random
+import secrets
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import msgspec
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from charon.errors import CharonError, TransactionAborted
+
+app = typer.Typer(
+    name="charon",
+    help="Charon: transactional stateful functions on Apache Spark.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def load_app(target: str) -> Any:
+    """Import ``module:attribute`` (attribute defaults to ``app``) and return the Application."""
+    module_name, _, attr = target.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise typer.BadParameter(f"cannot import {module_name!r}: {exc}") from None
+    obj = module
+    for part in (attr or "app").split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise typer.BadParameter(f"{module_name!r} has no attribute {attr or 'app'!r}")
+    if callable(obj) and not hasattr(obj, "validate"):
+        obj = obj()  # an application factory
+    if not hasattr(obj, "validate"):
+        raise typer.BadParameter(f"{target!r} is not a charon Application")
+    return obj
+
+
+def spark_available() -> bool:
+    """Whether the Spark runtime module is part of this installation."""
+    try:
+        return importlib.util.find_spec("charon.spark.runtime") is not None
+    except ImportError:
+        return False
+
+
+def make_runtime(application: Any, engine: str, partitions: int, **options: Any) -> Any:
+    """Build (not start) a runtime for ``application``: ``inprocess`` or ``spark``."""
+    if engine == "inprocess":
+        from charon.inprocess import InProcessRuntime
+
+        return InProcessRuntime(application, partitions=partitions, **options)
+    if engine == "spark":
+        if not spark_available():
+            raise typer.BadParameter("the Spark runtime (charon.spark.runtime) is not available")
+        module = importlib.import_module("charon.spark.runtime")
+        cls = getattr(module, "SparkRuntime", None)
+        if cls is None:
+            raise typer.BadParameter("charon.spark.runtime has no SparkRuntime")
+        return cls(application, partitions=partitions, **options)
+    raise typer.BadParameter(f"unknown engine {engine!r} (inprocess or spark)")
+
+
+async def _maybe_await(value: Any) -> Any:
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+def _print_json(value: Any) -> None:
+    typer.echo(msgspec.json.encode(value).decode())
+
+
+def _client(url: str, token: str | None) -> Any:
+    from charon.client import Client
+
+    return Client(url, token=token, timeout=30.0, retries=2)
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code)
+
+
+UrlOpt = typer.Option(DEFAULT_URL, "--url", envvar="CHARON_URL", help="Gateway URL.")
+TokenOpt = typer.Option(None, "--token", envvar="CHARON_TOKEN", help="Bearer token.")
+
+
+# --------------------------------------------------------------------------------------------------
+# commands
+
+
+@app.command()
+def run(
+    target: str = typer.Argument(..., metavar="MODULE:APP", help="The Application to deploy."),
+    engine: str = typer.Option("inprocess", help="inprocess or spark."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    port: int = typer.Option(8000, help="TCP port."),
+    token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send."),
+    partitions: int = typer.Option(4, min=1, help="Number of partitions."),
+    max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
+) -> None:
+    """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
+    from charon.gateway import serve
+
+    application = load_app(target)
+    runtime = make_runtime(application, engine, partitions)
+    if token is None:
+        err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
+    err_console.print(
+        f"charon: serving [bold]{getattr(application, 'name', target)}[/] "
+        f"({engine}, {partitions} partitions) on http://{host}:{port}"
+    )
+    serve(runtime, host, port, token, max_body=max_body)
+
+
+@app.command()
+def invoke(
+    operator: str = typer.Argument(..., help="Operator name."),
+    key: str = typer.Argument(..., help="Entity key."),
+    function: str = typer.Argument(..., help="Function name."),
+    args_json: str = typer.Argument("[]", metavar="ARGS_JSON", help="JSON list of positional arguments."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+    request_id: str | None = typer.Option(None, "--request-id", help="Idempotency key."),
+) -> None:
+    """Invoke OPERATOR/KEY.FUNCTION(*ARGS_JSON) as one transaction and print the value as JSON.
+
+    Exit status: 0 committed, 2 aborted (the error type and message go to stderr), 1 rejected or failed.
+    """
+    try:
+        args = json.loads(args_json)
+    except json.JSONDecodeError as exc:
+        raise _fail(f"ARGS_JSON is not valid JSON: {exc}") from None
+    if not isinstance(args, list):
+        raise _fail("ARGS_JSON must be a JSON list, e.g. '[\"bob\", 10]'")
+    import httpx
+
+    with _client(url, token) as client:
+        try:
+            value = client.invoke(operator, key, function, *args, request_id=request_id)
+        except TransactionAborted as exc:
+            raise _fail(f"transaction aborted: {exc.error_type}: {exc.message}", 2) from None
+        except CharonError as exc:
+            raise _fail(f"{type(exc).__name__}: {exc}") from None
+        except httpx.HTTPError as exc:
+            raise _fail(f"cannot reach the gateway at {url}: {exc}") from None
+    _print_json(value)
+
+
+@app.command()
+def state(
+    operator: str = typer.Argument(..., help="Operator name."),
+    key: str = typer.Argument(..., help="Entity key."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """Print the committed state of OPERATOR/KEY as JSON (an admin read)."""
+    import httpx
+
+    with _client(url, token) as client:
+        try:
+            value = client.state(operator, key)
+        except CharonError as exc:
+            raise _fail(f"{type(exc).__name__}: {exc}") from None
+        except httpx.HTTPError as exc:
+            raise _fail(f"cannot reach the gateway at {url}: {exc}") from None
+    _print_json(value)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context) -> None:
+    """Run the benchmark suite (``charon.bench``); extra arguments are passed to it."""
+    if importlib.util.find_spec("charon.bench") is None:
+        raise _fail("the benchmark suite (charon.bench) is not part of this installation")
+    module = importlib.import_module("charon.bench")
+    entry = getattr(module, "main", None) or getattr(module, "app", None)
+    if entry is None:
+        raise _fail("charon.bench has no `main` or `app` entry point")
+    result = entry(list(ctx.args))
+    if isinstance(result, int) and result:
+        raise typer.Exit(result)
+
+
+# --------------------------------------------------------------------------------------------------
+# demo
+
+
+def _ycsb() -> Any:
+    try:
+        return importlib.import_module("charon.apps.ycsb")
+    except ImportError as exc:
+        raise _fail(f"the YCSB-T example app (charon.apps.ycsb) is not available: {exc}") from None
+
+
+def _ycsb_app(module: Any) -> Any:
+    for name in ("app", "application", "APP"):
+        obj = getattr(module, name, None)
+        if obj is not None and hasattr(obj, "validate"):
+            return obj
+    factory = getattr(module, "make_app", None) or getattr(module, "build_app", None)
+    if factory is not None:
+        return factory()
+    raise _fail("charon.apps.ycsb defines no Application")
+
+
+async def _load_accounts(runtime: Any, module: Any, balances: dict[str, int]) -> None:
+    helper = getattr(module, "load_accounts", None)
+    if helper is not None:
+        try:
+            await _maybe_await(helper(runtime, balances))
+            return
+        except TypeError:
+            pass
+    await _maybe_await(runtime.load("account", balances))
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    idx = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[idx]
+
+
+async def _drive(
+    url: str,
+    token: str,
+    accounts: list[str],
+    transactions: int,
+    concurrency: int,
+    max_amount: int,
+    seed: int,
+    progress: Progress,
+) -> dict[str, Any]:
+    from charon.client import AsyncClient
+
+    rng = random.Random(seed)
+    plan = []
+    for i in range(transactions):
+        src, dst = rng.sample(accounts, 2)
+        plan.append((f"demo-{seed}-{i}", src, dst, rng.randint(1, max_amount)))
+    task = progress.add_task("transfers", total=transactions, committed=0, aborted=0)
+    outcomes: dict[str, tuple[str, int | None]] = {}
+    latencies: list[float] = []
+    failures: Counter[str] = Counter()
+    aborts: Counter[str] = Counter()
+    committed = aborted = 0
+    sem = asyncio.Semaphore(concurrency)
+
+    async with AsyncClient(url, token=token, timeout=60.0, retries=5) as client:
+
+        async def one(rid: str, src: str, dst: str, amount: int) -> None:
+            nonlocal committed, aborted
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    res = await client.invoke_result("account", src, "transfer", dst, amount, request_id=rid)
+                    outcomes[rid] = ("committed", res.tid)
+                    committed += 1
+                except TransactionAborted as exc:
+                    outcomes[rid] = ("aborted", getattr(exc, "tid", None))
+                    aborts[exc.error_type] += 1
+                    aborted += 1
+                except Exception as exc:  # noqa: BLE001 - counted and reported
+                    failures[type(exc).__name__] += 1
+                latencies.append(time.perf_counter() - t0)
+                progress.update(task, advance=1, committed=committed, aborted=aborted)
+
+        t_start = time.perf_counter()
+        await asyncio.gather(*(one(*p) for p in plan))
+        elapsed = time.perf_counter() - t_start
+
+        # exactly once: retrying a sample with the same request ids must return the same transactions
+        sample = rng.sample(plan, min(len(plan), 100))
+        mismatched = 0
+        for rid, src, dst, amount in sample:
+            if rid not in outcomes:
+                continue
+            try:
+                res = await client.invoke_result("account", src, "transfer", dst, amount, request_id=rid)
+                again: tuple[str, int | None] = ("committed", res.tid)
+            except TransactionAborted as exc:
+                again = ("aborted", getattr(exc, "tid", None))
+            if again != outcomes[rid]:
+                mismatched += 1
+
+        final = await asyncio.gather(*(client.state("account", a) for a in accounts))
+    return {
+        "elapsed": elapsed,
+        "committed": committed,
+        "aborted": aborted,
+        "aborts": aborts,
+        "failures": failures,
+        "latencies": sorted(latencies),
+        "answered": len(outcomes),
+        "retried": len(sample),
+        "mismatched": mismatched,
+        "final_total": sum(int(v or 0) for v in final),
+    }
+
+
+@app.command()
+def demo(
+    engine: str = typer.Option("auto", help="auto (spark when available), spark or inprocess."),
+    accounts: int = typer.Option(1000, min=2, help="Number of accounts."),
+    transactions: int = typer.Option(3000, min=1, help="Number of transfers."),
+    concurrency: int = typer.Option(64, min=1, help="Transfers in flight at once."),
+    balance: int = typer.Option(100, min=0, help="Initial balance of every account."),
+    partitions: int = typer.Option(4, min=1, help="Number of partitions."),
+    seed: int = typer.Option(7, help="Workload seed."),
+) -> None:
+    """Deploy the YCSB-T bank end to end, drive transfers through the gateway and check the invariants."""
+    from charon.gateway import BackgroundServer
+
+    if engine == "auto":
+        engine = "spark" if spark_available() else "inprocess"
+        if engine == "inprocess":
+            console.print(
+                "[yellow]note:[/] the Spark runtime is not available here; running on the in-process runtime "
+                "(same engine core, in-memory exchange)."
+            )
+    module = _ycsb()
+    application = _ycsb_app(module)
+    token = secrets.token_urlsafe(16)
+    names = [f"user{i:06d}" for i in range(accounts)]
+    initial = {n: balance for n in names}
+
+    with console.status(f"starting the {engine} runtime and its gateway…"):
+        runtime = make_runtime(application, engine, partitions)
+        server = BackgroundServer(runtime, token=token).start(timeout=300.0)
+    try:
+        with console.status(f"loading {accounts} accounts…"):
+            server.call(_load_accounts(runtime, module, initial), timeout=600.0)
+        console.print(
+            f"gateway on {server.url}; {accounts} accounts × {balance} loaded; {transactions} transfers"
+        )
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(
+                "committed [green]{task.fields[committed]}[/] aborted [yellow]{task.fields[aborted]}[/]"
+            ),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        with progress:
+            stats = asyncio.run(
+                _drive(
+                    server.url, token, names, transactions, concurrency, max(1, balance // 2), seed, progress
+                )
+            )
+        replies_missing = sum(1 for i in range(transactions) if runtime.get_reply(f"demo-{seed}-{i}") is None)
+    finally:
+        with console.status("stopping…"):
+            server.stop()
+
+    expected_total = accounts * balance
+    conserved = stats["final_total"] == expected_total
+    once = (
+        stats["answered"] == transactions
+        and not stats["failures"]
+        and stats["mismatched"] == 0
+        and replies_missing == 0
+    )
+    lat = stats["latencies"]
+    table = Table(title=f"charon demo — YCSB-T transfers on {engine}", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    table.add_row("engine / partitions", f"{engine} / {partitions}")
+    table.add_row("accounts × initial balance", f"{accounts} × {balance}")
+    table.add_row("transfers sent (concurrency)", f"{transactions} ({concurrency})")
+    table.add_row("committed", str(stats["committed"]))
+    aborts = ", ".join(f"{k} {v}" for k, v in stats["aborts"].most_common()) or "none"
+    table.add_row("aborted (typed)", f"{stats['aborted']} ({aborts})")
+    if stats["failures"]:
+        table.add_row("failed requests", ", ".join(f"{k} {v}" for k, v in stats["failures"].items()))
+    table.add_row("duration", f"{stats['elapsed']:.2f} s")
+    table.add_row("throughput", f"{transactions / stats['elapsed']:.0f} tx/s")
+    table.add_row(
+        "latency p50 / p95 / p99",
+        " / ".join(f"{_percentile(lat, q) * 1000:.1f}" for q in (0.5, 0.95, 0.99)) + " ms",
+    )
+    if lat:
+        table.add_row("latency mean", f"{statistics.fmean(lat) * 1000:.1f} ms")
+    table.add_row("total balance before → after", f"{expected_total} → {stats['final_total']}")
+    table.add_row("balance conserved", "[green]✓[/]" if conserved else "[red]✗[/]")
+    table.add_row(
+        "every request answered once",
+        ("[green]✓[/]" if once else "[red]✗[/]")
+        + f" ({stats['answered']}/{transactions} answered, {stats['retried']} retried with the same id, "
+        f"{stats['mismatched']} differed, {replies_missing} without a reply)",
+    )
+    console.print(table)
+    if not (conserved and once):
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    """Entry point of the ``charon`` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

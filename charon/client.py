@@ -1,0 +1,466 @@
+"""Python clients of the Charon HTTP gateway: :class:`Client` (blocking) and :class:`AsyncClient` (asyncio).
+
+Every invocation carries an ``Idempotency-Key`` (the caller's ``request_id`` or a fresh uuid4 hex), so
+retries after connection errors, timeouts and 5xx answers reuse the same key and the transaction executes
+once. Requests and replies travel as msgpack (so ``bytes`` values round-trip); errors come back typed:
+
+============  ====================================================================================
+HTTP status   raised
+============  ====================================================================================
+409           :class:`charon.errors.TransactionAborted` (``error_type``, ``message``, ``request_id``)
+404           :class:`charon.errors.UnknownOperator` / :class:`~charon.errors.UnknownFunction`
+              (or :class:`RequestNotFound` when polling an unknown request id)
+422           :class:`charon.errors.BadArguments`
+413           :class:`charon.errors.PayloadTooLarge`
+401           :class:`Unauthorized` (also a ``PermissionError``)
+400           :class:`BadRequest` (also a ``ValueError``)
+other         :class:`GatewayError` (after the retries, for 5xx)
+============  ====================================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NoReturn
+from urllib.parse import quote
+
+import httpx
+import msgspec
+
+from charon.errors import (
+    BadArguments,
+    CharonError,
+    PayloadTooLarge,
+    SerializationError,
+    TransactionAborted,
+    UnknownFunction,
+    UnknownOperator,
+)
+
+__all__ = [
+    "Client",
+    "AsyncClient",
+    "Call",
+    "Result",
+    "Unauthorized",
+    "BadRequest",
+    "RequestNotFound",
+    "GatewayError",
+]
+
+MSGPACK = "application/msgpack"
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder()
+
+
+class Unauthorized(CharonError, PermissionError):
+    """The gateway refused the bearer token (missing or wrong)."""
+
+
+class BadRequest(CharonError, ValueError):
+    """The gateway could not parse the request (malformed body, bad header)."""
+
+
+class RequestNotFound(CharonError, LookupError):
+    """Neither the gateway nor the runtime knows this request id."""
+
+
+class GatewayError(CharonError):
+    """Any other error answer of the gateway (e.g. 503 after all retries)."""
+
+    def __init__(self, status: int, error_type: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {error_type}: {message}")
+        self.status = status
+        self.error_type = error_type
+        self.message = message
+
+
+_TYPED: dict[str, type[CharonError]] = {
+    "UnknownOperator": UnknownOperator,
+    "UnknownFunction": UnknownFunction,
+    "BadArguments": BadArguments,
+    "PayloadTooLarge": PayloadTooLarge,
+    "SerializationError": SerializationError,
+    "Unauthorized": Unauthorized,
+    "BadRequest": BadRequest,
+    "NotFound": RequestNotFound,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A committed reply: the function's return value and where the transaction ran."""
+
+    request_id: str
+    tid: int
+    epoch: int
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One invocation for :meth:`AsyncClient.invoke_many` / :meth:`Client.invoke_many`."""
+
+    operator: str
+    key: str
+    function: str
+    args: Sequence[Any] = ()
+    request_id: str | None = None
+
+
+class _Pending(Exception):
+    """Internal: the gateway answered 202 (still running)."""
+
+
+def _as_call(c: Call | Sequence[Any]) -> Call:
+    if isinstance(c, Call):
+        return c
+    op, key, fn, *rest = c
+    return Call(op, key, fn, tuple(rest[0]) if rest else ())
+
+
+def _decode_body(resp: httpx.Response) -> Any:
+    ctype = resp.headers.get("content-type", "")
+    try:
+        if ctype.startswith(MSGPACK):
+            return _dec.decode(resp.content)
+        return msgspec.json.decode(resp.content) if resp.content else None
+    except msgspec.DecodeError:
+        return None
+
+
+def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
+    err = body.get("error") if isinstance(body, dict) else None
+    etype = str(err.get("type", "")) if isinstance(err, dict) else ""
+    message = str(err.get("message", "")) if isinstance(err, dict) else ""
+    if status == 409:
+        exc = TransactionAborted(etype, message, str(body.get("request_id", request_id or "")))
+        exc.tid = body.get("tid")  # type: ignore[attr-defined]
+        exc.epoch = body.get("epoch")  # type: ignore[attr-defined]
+        raise exc
+    cls = _TYPED.get(etype)
+    if cls is None:
+        cls = {401: Unauthorized, 413: PayloadTooLarge, 422: BadArguments, 400: BadRequest}.get(status)
+    if cls is not None and status < 500:
+        raise cls(message or etype or f"HTTP {status}")
+    raise GatewayError(status, etype or "HTTPError", message or (str(body) if body else ""))
+
+
+def _result(resp: httpx.Response, request_id: str | None) -> Result:
+    """Interpret an invoke/poll answer: a Result, _Pending, or a raised typed error."""
+    body = _decode_body(resp)
+    if resp.status_code == 200:
+        return Result(str(body["request_id"]), int(body["tid"]), int(body["epoch"]), body.get("value"))
+    if resp.status_code == 202:
+        raise _Pending(body.get("request_id", request_id) if isinstance(body, dict) else request_id)
+    _raise_error(resp.status_code, body, request_id)
+
+
+def _retryable(resp: httpx.Response) -> bool:
+    return resp.status_code >= 500
+
+
+def _backoff(attempt: int) -> float:
+    return min(0.05 * (2**attempt), 2.0)
+
+
+class _Base:
+    def __init__(self, url: str, token: str | None, timeout: float, retries: int) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self.retries = retries
+        self.headers = {"Accept": MSGPACK}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+
+    @staticmethod
+    def _invoke_path(operator: str, key: str, function: str) -> str:
+        return f"/invoke/{quote(operator, safe='')}/{quote(key, safe='')}/{quote(function, safe='')}"
+
+    @staticmethod
+    def _payload(args: Sequence[Any]) -> bytes:
+        try:
+            return _enc.encode({"args": list(args)})
+        except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+            raise SerializationError(f"arguments are not msgpack-serializable: {exc}") from None
+
+    def _invoke_headers(self, request_id: str) -> dict[str, str]:
+        return {**self.headers, "Content-Type": MSGPACK, "Idempotency-Key": request_id}
+
+
+class Client(_Base):
+    """Blocking client (httpx). Thread-safe; use as a context manager or call :meth:`close`."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 3) -> None:
+        super().__init__(url, token, timeout, retries)
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+
+    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                resp = self._http.request(method, path, **kw)
+            except httpx.TransportError as exc:
+                last = exc
+            else:
+                if not _retryable(resp) or attempt == self.retries:
+                    return resp
+            if attempt < self.retries:
+                time.sleep(_backoff(attempt))
+        assert last is not None
+        raise last
+
+    def invoke_result(
+        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
+    ) -> Result:
+        """Run one transaction and return its :class:`Result` (value, tid, epoch); raises typed errors."""
+        rid = request_id or uuid.uuid4().hex
+        resp = self._send(
+            "POST",
+            self._invoke_path(operator, key, function),
+            content=self._payload(args),
+            headers=self._invoke_headers(rid),
+        )
+        try:
+            return _result(resp, rid)
+        except _Pending:
+            return self.result_of(rid, None)
+
+    def invoke(
+        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
+    ) -> Any:
+        """Run one transaction and return the root function's value.
+
+        Raises :class:`~charon.errors.TransactionAborted` when the transaction aborted, and the typed errors
+        of the module docstring for rejected requests.
+        """
+        return self.invoke_result(operator, key, function, *args, request_id=request_id).value
+
+    def submit(
+        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
+    ) -> str:
+        """Start a transaction without waiting (``?mode=async``); returns its request id."""
+        rid = request_id or uuid.uuid4().hex
+        resp = self._send(
+            "POST",
+            self._invoke_path(operator, key, function),
+            params={"mode": "async"},
+            content=self._payload(args),
+            headers=self._invoke_headers(rid),
+        )
+        if resp.status_code != 202:
+            _result(resp, rid)  # raises the typed error of a rejected request
+        return rid
+
+    def result_of(self, request_id: str, timeout: float | None = 30.0) -> Result:
+        """Wait for a submitted request's :class:`Result` (long-polling); TimeoutError after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 10.0 if deadline is None else max(0.0, min(10.0, deadline - time.monotonic()))
+            resp = self._send(
+                "GET",
+                f"/requests/{quote(request_id, safe='')}",
+                params={"wait": f"{wait:.3f}"},
+                headers=self.headers,
+                timeout=wait + self.timeout,
+            )
+            try:
+                return _result(resp, request_id)
+            except _Pending:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"request {request_id} still pending after {timeout} s") from None
+                if wait < 0.05:
+                    time.sleep(0.02)
+
+    def result(self, request_id: str, timeout: float | None = 30.0) -> Any:
+        """Wait for a submitted request and return its value (or raise its typed error)."""
+        return self.result_of(request_id, timeout).value
+
+    def state(self, operator: str, key: str) -> Any:
+        """An entity's committed state (an admin read: needs the token)."""
+        resp = self._send(
+            "GET", f"/state/{quote(operator, safe='')}/{quote(key, safe='')}", headers=self.headers
+        )
+        body = _decode_body(resp)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, body, None)
+        return body["value"]
+
+    def health(self) -> dict[str, Any]:
+        """The gateway's ``/health`` document."""
+        resp = self._send("GET", "/health", headers=self.headers)
+        return _decode_body(resp)
+
+    def invoke_many(
+        self, calls: Iterable[Call | Sequence[Any]], *, concurrency: int = 16, return_exceptions: bool = False
+    ) -> list[Any]:
+        """Run many invocations from a thread pool; values in call order (exceptions in place if asked)."""
+        items = [_as_call(c) for c in calls]
+
+        def one(c: Call) -> Any:
+            try:
+                return self.invoke(c.operator, c.key, c.function, *c.args, request_id=c.request_id)
+            except Exception as exc:
+                if return_exceptions:
+                    return exc
+                raise
+
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            return list(pool.map(one, items))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client (httpx). Many invocations may run concurrently on one instance."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 3,
+        max_connections: int = 256,
+    ) -> None:
+        super().__init__(url, token, timeout, retries)
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                resp = await self._http.request(method, path, **kw)
+            except httpx.TransportError as exc:
+                last = exc
+            else:
+                if not _retryable(resp) or attempt == self.retries:
+                    return resp
+            if attempt < self.retries:
+                await asyncio.sleep(_backoff(attempt))
+        assert last is not None
+        raise last
+
+    async def invoke_result(
+        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
+    ) -> Result:
+        """Run one transaction and return its :class:`Result` (value, tid, epoch); raises typed errors."""
+        rid = request_id or uuid.uuid4().hex
+        resp = await self._send(
+            "POST",
+            self._invoke_path(operator, key, function),
+            content=self._payload(args),
+            headers=self._invoke_headers(rid),
+        )
+        try:
+            return _result(resp, rid)
+        except _Pending:
+            return await self.result_of(rid, None)
+
+    async def invoke(
+        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
+    ) -> Any:
+        """Run one transaction and return the root function's value (see :meth:`Client.invoke`)."""
+        return (await self.invoke_result(operator, key, function, *args, request_id=request_id)).value
+
+    def invoke_future(
+        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
+    ) -> asyncio.Task[Any]:
+        """Start :meth:`invoke` as a task on the running loop and return it (a future of the value)."""
+        return asyncio.ensure_future(self.invoke(operator, key, function, *args, request_id=request_id))
+
+    async def invoke_many(
+        self, calls: Iterable[Call | Sequence[Any]], *, concurrency: int = 64, return_exceptions: bool = False
+    ) -> list[Any]:
+        """Run many invocations concurrently (at most ``concurrency`` in flight); values in call order."""
+        items = [_as_call(c) for c in calls]
+        sem = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(c: Call) -> Any:
+            async with sem:
+                return await self.invoke(c.operator, c.key, c.function, *c.args, request_id=c.request_id)
+
+        return await asyncio.gather(*(one(c) for c in items), return_exceptions=return_exceptions)
+
+    async def submit(
+        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
+    ) -> str:
+        """Start a transaction without waiting (``?mode=async``); returns its request id."""
+        rid = request_id or uuid.uuid4().hex
+        resp = await self._send(
+            "POST",
+            self._invoke_path(operator, key, function),
+            params={"mode": "async"},
+            content=self._payload(args),
+            headers=self._invoke_headers(rid),
+        )
+        if resp.status_code != 202:
+            _result(resp, rid)  # raises the typed error of a rejected request
+        return rid
+
+    async def result_of(self, request_id: str, timeout: float | None = 30.0) -> Result:
+        """Wait for a submitted request's :class:`Result` (long-polling); TimeoutError after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 10.0 if deadline is None else max(0.0, min(10.0, deadline - time.monotonic()))
+            resp = await self._send(
+                "GET",
+                f"/requests/{quote(request_id, safe='')}",
+                params={"wait": f"{wait:.3f}"},
+                headers=self.headers,
+                timeout=wait + self.timeout,
+            )
+            try:
+                return _result(resp, request_id)
+            except _Pending:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"request {request_id} still pending after {timeout} s") from None
+                if wait < 0.05:
+                    await asyncio.sleep(0.02)
+
+    async def result(self, request_id: str, timeout: float | None = 30.0) -> Any:
+        """Wait for a submitted request and return its value (or raise its typed error)."""
+        return (await self.result_of(request_id, timeout)).value
+
+    async def state(self, operator: str, key: str) -> Any:
+        """An entity's committed state (an admin read: needs the token)."""
+        resp = await self._send(
+            "GET", f"/state/{quote(operator, safe='')}/{quote(key, safe='')}", headers=self.headers
+        )
+        body = _decode_body(resp)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, body, None)
+        return body["value"]
+
+    async def health(self) -> dict[str, Any]:
+        """The gateway's ``/health`` document."""
+        return _decode_body(await self._send("GET", "/health", headers=self.headers))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,418 @@
+"""Durable partition state under a checkpoint location: an immutable base snapshot plus per-epoch deltas.
+
+Layout, one directory per partition::
+
+    root/p{pid}/manifest.json             atomically replaced; the only mutable file
+    root/p{pid}/base-{epoch:012d}-{tag}.arrow   full snapshot as of ``epoch`` (sorted by key)
+    root/p{pid}/delta-{epoch:012d}.arrow  the writes of one epoch (value null = delete)
+    root/p{pid}/.lock                     flock serializing manifest read-modify-write
+
+A checkpoint is the manifest: it names the base file and epoch, the delta epochs after the base, and the
+last epoch recorded (``epoch``; an epoch with an empty delta only advances it, no file is written). Files
+are written to a temporary name, fsynced and renamed into place, so a reader or a SIGKILL only ever sees
+whole files. Compaction writes a new base, swaps the manifest, then deletes what the old manifest named.
+
+Data files are Arrow IPC files with columns ``key: binary`` and ``value: binary`` (nullable).
+
+All filesystem access goes through :class:`_LocalFS`, so another backend (e.g. an fsspec URI) can be
+added in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+SCHEMA = pa.schema([pa.field("key", pa.binary(), nullable=False), pa.field("value", pa.binary())])
+BATCH_ROWS = 65536
+TMP_MAX_AGE = 3600.0  # seconds: temp files older than this are debris of a killed writer
+_BASE_RE = re.compile(r"^base-(-?\d+)-([0-9a-f]+)\.arrow$")
+_DELTA_RE = re.compile(r"^delta-(-?\d+)\.arrow$")
+
+
+class DurableStateError(Exception):
+    """The durable copy cannot provide the requested version."""
+
+
+class _LocalFS:
+    """Local-filesystem backend: the one place that knows how paths are read, written and locked."""
+
+    def __init__(self, fsync: bool = True) -> None:
+        self.fsync = fsync
+
+    @staticmethod
+    def join(*parts: str) -> str:
+        return os.path.join(*parts)
+
+    @staticmethod
+    def makedirs(path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    @staticmethod
+    def exists(path: str) -> bool:
+        return os.path.exists(path)
+
+    @staticmethod
+    def listdir(path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except FileNotFoundError:
+            return []
+
+    @staticmethod
+    def remove(path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+    @staticmethod
+    def mtime(path: str) -> float:
+        return os.stat(path).st_mtime
+
+    @staticmethod
+    def size(path: str) -> int:
+        return os.stat(path).st_size
+
+    @staticmethod
+    def read_bytes(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    @staticmethod
+    def open_arrow(path: str) -> pa.NativeFile:
+        return pa.memory_map(path, "r")
+
+    def write_atomic(self, path: str, write: Callable[[BinaryIO], None], sync_dir: bool = True) -> int:
+        """Write a file under a temporary name, fsync it, rename it over ``path``; returns its size.
+
+        ``sync_dir=False`` leaves the rename to be made durable by a later write in the same directory
+        (the manifest's), saving one fsync."""
+        d, name = os.path.split(path)
+        tmp = os.path.join(d, f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                size = f.tell()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            self.remove(tmp)
+            raise
+        if sync_dir:
+            self.sync_dir(d)
+        return size
+
+    def sync_dir(self, path: str) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def lock(self, path: str) -> Iterator[None]:
+        """An exclusive inter-process lock (flock) on a lock file."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+
+@dataclass
+class Manifest:
+    """The current checkpoint of one partition."""
+
+    base: str | None = None  # base file name, None = empty base
+    base_epoch: int = -1
+    deltas: list[int] = field(default_factory=list)  # ascending epochs > base_epoch with a delta file
+    epoch: int = -1  # last epoch recorded (>= base_epoch and >= every delta)
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {"version": 1, "base": self.base, "base_epoch": self.base_epoch, "deltas": self.deltas,
+             "epoch": self.epoch}
+        ).encode()
+
+    @classmethod
+    def from_json(cls, b: bytes) -> Manifest:
+        d = json.loads(b)
+        return cls(d["base"], int(d["base_epoch"]), [int(e) for e in d["deltas"]], int(d["epoch"]))
+
+
+def _write_table(f: BinaryIO, rows: Iterable[tuple[bytes, bytes | None]], meta: dict[str, str]) -> bool:
+    """Stream rows into an Arrow IPC file; returns whether keys came strictly ascending."""
+    schema = SCHEMA.with_metadata({k: v.encode() for k, v in meta.items()})
+    ascending = True
+    prev: bytes | None = None
+    keys: list[bytes] = []
+    values: list[bytes | None] = []
+    with ipc.new_file(f, schema) as w:
+        for k, v in rows:
+            if prev is not None and k <= prev:
+                ascending = False
+            prev = k
+            keys.append(k)
+            values.append(v)
+            if len(keys) >= BATCH_ROWS:
+                w.write_batch(pa.record_batch([pa.array(keys, pa.binary()), pa.array(values, pa.binary())],
+                                              schema=schema))
+                keys, values = [], []
+        w.write_batch(pa.record_batch([pa.array(keys, pa.binary()), pa.array(values, pa.binary())],
+                                      schema=schema))
+    return ascending
+
+
+class DurableState:
+    """Base snapshot + per-epoch deltas for every partition under ``root`` (a local directory for now)."""
+
+    def __init__(self, root: str, *, fsync: bool = True) -> None:
+        self.root = root
+        self.fs = _LocalFS(fsync=fsync)
+        self.fs.makedirs(root)
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    # ---- paths and manifest -------------------------------------------------------------------
+    def _dir(self, pid: int) -> str:
+        return self.fs.join(self.root, f"p{pid}")
+
+    def _path(self, pid: int, name: str) -> str:
+        return self.fs.join(self._dir(pid), name)
+
+    @staticmethod
+    def _delta_name(epoch: int) -> str:
+        return f"delta-{epoch:012d}.arrow"
+
+    def manifest(self, pid: int) -> Manifest:
+        """The partition's current manifest (an empty one if none was written)."""
+        try:
+            return Manifest.from_json(self.fs.read_bytes(self._path(pid, "manifest.json")))
+        except FileNotFoundError:
+            return Manifest()
+
+    def _put_manifest(self, pid: int, m: Manifest) -> None:
+        data = m.to_json()
+        self.bytes_written += self.fs.write_atomic(self._path(pid, "manifest.json"), lambda f: f.write(data))
+
+    @contextlib.contextmanager
+    def _locked(self, pid: int) -> Iterator[None]:
+        self.fs.makedirs(self._dir(pid))
+        with self.fs.lock(self._path(pid, ".lock")):
+            yield
+
+    def latest_epoch(self, pid: int) -> int:
+        """The last epoch recorded durably for the partition (-1 if none)."""
+        return self.manifest(pid).epoch
+
+    # ---- writing ------------------------------------------------------------------------------
+    def write_delta(self, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
+        """Record the writes of ``epoch`` (None deletes). A no-op if ``epoch`` is already recorded."""
+        if self.manifest(pid).epoch >= epoch:
+            return
+        self.fs.makedirs(self._dir(pid))
+        if delta:
+            rows = sorted(delta.items())
+            meta = {"charon": "delta", "pid": str(pid), "epoch": str(epoch)}
+            path = self._path(pid, self._delta_name(epoch))
+            self.bytes_written += self.fs.write_atomic(
+                path, lambda f: _write_table(f, rows, meta), sync_dir=False
+            )
+        with self._locked(pid):
+            m = self.manifest(pid)
+            if m.epoch >= epoch:
+                return
+            if delta:
+                m.deltas.append(epoch)
+            m.epoch = epoch
+            self._put_manifest(pid, m)
+
+    def write_base(self, pid: int, epoch: int, items: Iterable[tuple[bytes, bytes]]) -> None:
+        """Install a full snapshot as of ``epoch`` (the bulk load uses -1 or 0); drops deltas ≤ epoch."""
+        self._swap_base(pid, epoch, self._write_base_file(pid, epoch, items), check=None)
+
+    def _write_base_file(self, pid: int, epoch: int, rows: Iterable[tuple[bytes, bytes]]) -> str:
+        self.fs.makedirs(self._dir(pid))
+        name = f"base-{epoch:012d}-{uuid.uuid4().hex[:12]}.arrow"
+        meta = {"charon": "base", "pid": str(pid), "epoch": str(epoch)}
+        path = self._path(pid, name)
+        self.bytes_written += self.fs.write_atomic(
+            path, lambda f: _write_table(f, rows, meta), sync_dir=False
+        )
+        return name
+
+    def _swap_base(self, pid: int, epoch: int, name: str, check: Callable[[Manifest], bool] | None) -> bool:
+        with self._locked(pid):
+            m = self.manifest(pid)
+            if check is not None and not check(m):
+                self.fs.remove(self._path(pid, name))  # raced with another compaction or a truncation
+                return False
+            old = m
+            m = Manifest(name, epoch, [e for e in old.deltas if e > epoch], max(old.epoch, epoch))
+            self._put_manifest(pid, m)
+        # The new manifest is durable: what only the old one named is garbage now.
+        if old.base is not None and old.base != name:
+            self.fs.remove(self._path(pid, old.base))
+        for e in old.deltas:
+            if e <= epoch:
+                self.fs.remove(self._path(pid, self._delta_name(e)))
+        self._collect_garbage(pid)
+        return True
+
+    def _collect_garbage(self, pid: int) -> None:
+        """Remove debris of killed writers: unreferenced old bases, stale deltas, old temp files."""
+        m = self.manifest(pid)
+        now = time.time()
+        for name in self.fs.listdir(self._dir(pid)):
+            path = self._path(pid, name)
+            try:
+                if name.startswith(".tmp-"):
+                    if now - self.fs.mtime(path) > TMP_MAX_AGE:
+                        self.fs.remove(path)
+                elif mb := _BASE_RE.match(name):
+                    # bases newer than the current one may belong to a compaction still in flight
+                    if name != m.base and int(mb.group(1)) <= m.base_epoch:
+                        self.fs.remove(path)
+                elif md := _DELTA_RE.match(name):
+                    if int(md.group(1)) <= m.base_epoch:
+                        self.fs.remove(path)
+            except FileNotFoundError:
+                pass
+
+    def truncate_after(self, pid: int, epoch: int) -> None:
+        """Forget every epoch after ``epoch`` (an epoch replayed after a crash will be recorded again)."""
+        with self._locked(pid):
+            m = self.manifest(pid)
+            if m.base_epoch > epoch:
+                raise DurableStateError(
+                    f"p{pid}: cannot truncate after {epoch}: compacted up to {m.base_epoch}"
+                )
+            if m.epoch <= epoch:
+                return
+            dropped = [e for e in m.deltas if e > epoch]
+            m.deltas = [e for e in m.deltas if e <= epoch]
+            m.epoch = epoch
+            self._put_manifest(pid, m)
+        for e in sorted(dropped, reverse=True):
+            self.fs.remove(self._path(pid, self._delta_name(e)))
+
+    # ---- reading ------------------------------------------------------------------------------
+    def _read_rows(self, path: str) -> tuple[list[bytes], list[bytes | None]]:
+        self.bytes_read += self.fs.size(path)
+        with self.fs.open_arrow(path) as src:
+            t = ipc.open_file(src).read_all()
+        return t.column("key").to_pylist(), t.column("value").to_pylist()
+
+    def _read_delta(self, pid: int, epoch: int) -> dict[bytes, bytes | None]:
+        keys, values = self._read_rows(self._path(pid, self._delta_name(epoch)))
+        return dict(zip(keys, values, strict=True))
+
+    def _retry(self, fn: Callable[[], object]) -> object:
+        # a concurrent compaction may delete files named by the manifest we read: read it again
+        for attempt in range(20):
+            try:
+                return fn()
+            except FileNotFoundError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.005 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def _merge(self, pid: int, m: Manifest, upto: int) -> tuple[dict[bytes, bytes], int]:
+        if m.base_epoch > upto:
+            raise DurableStateError(f"p{pid}: state as of {upto} was compacted into base {m.base_epoch}")
+        state: dict[bytes, bytes] = {}
+        if m.base is not None:
+            keys, values = self._read_rows(self._path(pid, m.base))
+            state = dict(zip(keys, values, strict=True))  # type: ignore[arg-type]
+        for e in m.deltas:
+            if e > upto:
+                break
+            for k, v in self._read_delta(pid, e).items():
+                if v is None:
+                    state.pop(k, None)
+                else:
+                    state[k] = v
+        return state, min(upto, m.epoch)
+
+    def load(self, pid: int, upto_epoch: int | None = None) -> tuple[dict[bytes, bytes], int]:
+        """The state as of ``upto_epoch`` (default: latest): base merged with deltas ≤ upto_epoch.
+
+        Returns ``(state, epoch_reached)``; epoch_reached < upto_epoch if less was recorded.
+        Raises :class:`DurableStateError` if the base is already newer than ``upto_epoch``.
+        """
+
+        def attempt() -> tuple[dict[bytes, bytes], int]:
+            m = self.manifest(pid)
+            return self._merge(pid, m, m.epoch if upto_epoch is None else upto_epoch)
+
+        return self._retry(attempt)  # type: ignore[return-value]
+
+    def deltas_after(
+        self, pid: int, epoch: int, upto: int | None = None
+    ) -> tuple[list[tuple[int, dict[bytes, bytes | None]]], int] | None:
+        """The deltas of epochs in (epoch, upto] in order, and the epoch they reach.
+
+        None if they are no longer available separately (compacted into a base after ``epoch``):
+        the caller must do a full :meth:`load`.
+        """
+
+        def attempt() -> tuple[list[tuple[int, dict[bytes, bytes | None]]], int] | None:
+            m = self.manifest(pid)
+            hi = m.epoch if upto is None else upto
+            if m.base_epoch > epoch:
+                return None
+            out = [(e, self._read_delta(pid, e)) for e in m.deltas if epoch < e <= hi]
+            return out, max(epoch, min(hi, m.epoch))
+
+        return self._retry(attempt)  # type: ignore[return-value]
+
+    # ---- compaction ---------------------------------------------------------------------------
+    def compact(self, pid: int, upto_epoch: int) -> bool:
+        """Merge the base and the deltas ≤ upto_epoch into a new base; returns whether it did.
+
+        Crash-safe: the new base is complete before the manifest names it, and superseded files are
+        deleted only after the new manifest is durable. Only compact epochs that are committed for good
+        (a replay must never need a state older than the base).
+        """
+
+        def attempt() -> tuple[Manifest, int, list[tuple[bytes, bytes]]] | None:
+            m = self.manifest(pid)
+            upto = min(upto_epoch, m.epoch)
+            if upto <= m.base_epoch or not any(m.base_epoch < e <= upto for e in m.deltas):
+                return None  # nothing to merge
+            state, reached = self._merge(pid, m, upto)
+            return m, reached, sorted(state.items())
+
+        got = self._retry(attempt)
+        if got is None:
+            return False
+        m, reached, rows = got  # type: ignore[misc]
+        name = self._write_base_file(pid, reached, rows)
+        del rows
+
+        def unchanged(cur: Manifest) -> bool:
+            # no concurrent compaction or truncation touched what we merged
+            return (cur.base == m.base and cur.epoch >= reached
+                    and [e for e in cur.deltas if e <= reached] == [e for e in m.deltas if e <= reached])
+
+        return self._swap_base(pid, reached, name, check=unchanged)
+
+    def files(self, pid: int) -> list[str]:
+        """Names of the data files in the partition directory (for tests and tooling)."""
+        return sorted(n for n in self.fs.listdir(self._dir(pid)) if n.endswith(".arrow"))

@@ -1,0 +1,336 @@
+"""The epoch protocol (Styx §5–§6, Aria): the coordinator every runtime calls to run one epoch.
+
+1. Sequencing: requests get TIDs from the :class:`~charon.sequencer.Sequencer`; transactions deferred by
+   the previous epoch keep their (lower) TIDs, hence their priority.
+2. Dry run: rounds of the runtime's :class:`Exchange` until no message is in flight; every transaction
+   runs against the previous epoch's state plus its own writes; each partition reports the entities each
+   transaction read or wrote. A call graph is complete when its ack shares (exact ``Fraction``) sum to 1.
+3. Lock-free commit (Aria): a transaction commits unless a lower TID wrote an entity it read or wrote.
+   A transaction that raised is aborted for good (its error is the reply) unless it read an entity a
+   lower TID wrote, in which case it is rerun like a conflict. Replies go out at once (early replies).
+4. Fallback, in TID order. First the call-graph cache: every conflicting transaction's dry-run
+   invocations are re-run at their partitions in one round with their cached arguments and replies; the
+   ones that replay identically and share no entity with a lower unresolved transaction commit. The rest
+   rerun from the root under deterministic locks on their known entity sets, acquired in TID order; one
+   that touches an entity outside its set moves to the next epoch, keeping its TID.
+5. Finalize: each partition writes the epoch's delta to its store, idempotently.
+
+The serial order reported (``EpochResult.order``): lock-free outcomes in TID order, then fallback
+outcomes in TID order. Running those transactions one at a time in that order on the state before the
+epoch gives exactly the state after it and the same replies (see ``charon.testing``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Protocol
+
+from charon import serde
+from charon.errors import CallGraphLimitExceeded, CharonError
+from charon.messages import Reply, Request
+from charon.operator import Application
+from charon.partition import ROOT, Control, Invoke, RoundOutput
+from charon.partition import Reply as ReplyMsg
+from charon.routing import partition_of
+from charon.sequencer import Sequencer
+
+_ONE = Fraction(1)
+Entity = tuple[str, str]
+
+
+class Exchange(Protocol):
+    """How a runtime moves one round's messages to the partitions and back."""
+
+    partitions: int
+
+    def round(self, control: Control, inboxes: list[list[Invoke | ReplyMsg]]) -> list[RoundOutput]: ...
+
+
+@dataclass
+class EpochResult:
+    """Outcome of one epoch."""
+
+    epoch: int
+    replies: dict[int, Reply]  # by TID
+    requests: dict[int, Request]  # by TID, every transaction run in this epoch
+    order: list[int]  # the equivalent serial order of committed and definitively aborted TIDs
+    lockfree: list[int] = field(default_factory=list)
+    fast: list[int] = field(default_factory=list)  # committed by the call-graph-cached fallback
+    slow: list[int] = field(default_factory=list)  # committed or aborted by the locked fallback
+    deferred: list[int] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class _Track:
+    __slots__ = ("done", "shares", "failed", "rw", "invalid")
+
+    def __init__(self) -> None:
+        self.done: dict[int, bytes] = {}
+        self.shares: dict[int, Fraction] = {}
+        self.failed: dict[int, tuple[str, str]] = {}
+        self.rw: dict[int, dict[Entity, bool]] = {}
+        self.invalid: set[int] = set()
+
+    def complete(self, tid: int) -> bool:
+        return tid in self.done and self.shares.get(tid) == _ONE
+
+
+class EpochCoordinator:
+    """Runs epochs through an :class:`Exchange`; keeps the sequencer and the deferred transactions."""
+
+    def __init__(
+        self,
+        app: Application,
+        exchange: Exchange,
+        *,
+        sequencers: int = 1,
+        max_rounds: int = 200,
+        on_replies: Callable[[list[Reply]], None] | None = None,
+    ) -> None:
+        self.app = app
+        self.exchange = exchange
+        self.sequencer = Sequencer(sequencers)
+        self.max_rounds = max_rounds
+        self.on_replies = on_replies
+        self.deferred: list[tuple[int, Request]] = []
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _round(self, control: Control, msgs: list, track: _Track, stats: dict) -> list:
+        parts = self.exchange.partitions
+        inboxes: list[list] = [[] for _ in range(parts)]
+        failed = track.failed
+        for m in msgs:
+            if m.tid not in failed:
+                inboxes[partition_of(m.op, m.key, parts)].append(m)
+        t0 = time.perf_counter()
+        outs = self.exchange.round(control, inboxes)
+        stats["exchange_s"] = stats.get("exchange_s", 0.0) + time.perf_counter() - t0
+        stats["rounds"] = stats.get("rounds", 0) + 1
+        nxt: list = []
+        shares = track.shares
+        for o in outs:
+            for tid, value, share in o.done:
+                track.done[tid] = value
+                shares[tid] = shares.get(tid, 0) + share
+            for tid, share in o.acks:
+                shares[tid] = shares.get(tid, 0) + share
+            for tid, etype, msg in o.failed:
+                failed.setdefault(tid, (etype, msg))
+            rw = track.rw
+            for tid, op, key, wrote in o.rw:
+                d = rw.get(tid)
+                if d is None:
+                    d = rw[tid] = {}
+                e = (op, key)
+                d[e] = wrote or d.get(e, False)
+            track.invalid.update(o.invalid)
+            nxt.extend(o.messages)
+            for k, v in o.stats.items():
+                stats[k] = stats.get(k, 0) + v
+        return nxt
+
+    def _emit(self, replies: list[Reply]) -> None:
+        if replies and self.on_replies is not None:
+            self.on_replies(replies)
+
+    # -- one epoch --------------------------------------------------------------------------------
+    def run_epoch(self, epoch: int, requests: list[tuple[int, Request]]) -> EpochResult:
+        """Run one epoch of ``requests`` given as (input-log partition, request) in log order."""
+        t_start = time.perf_counter()
+        stats: dict[str, float] = {}
+        txns: dict[int, Request] = dict(self.deferred)
+        self.deferred = []
+        for sid, req in requests:
+            txns[self.sequencer.assign(sid)] = req
+        self.sequencer.end_epoch()
+        result = EpochResult(epoch, {}, txns, [])
+        replies = result.replies
+
+        def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
+            r = Reply(txns[tid].request_id, tid, epoch, ok, value, err[0], err[1])
+            replies[tid] = r
+            return r
+
+        # Validation: a request naming nothing runnable gets its typed error and never runs.
+        roots: list[Invoke] = []
+        early: list[Reply] = []
+        for tid in sorted(txns):
+            req = txns[tid]
+            try:
+                self.app.validate(req.operator, req.function, serde.decode(req.args))
+            except CharonError as exc:
+                early.append(reply(tid, False, err=(type(exc).__name__, str(exc))))
+                result.order.append(tid)
+                continue
+            roots.append(Invoke(tid, "0", req.operator, req.key, req.function, req.args, _ONE, ROOT, None,
+                                req.ts, 0))
+        self._emit(early)
+
+        # Dry run.
+        track = _Track()
+        control = Control(epoch, Control.DRY)
+        msgs: list = roots
+        n = 0
+        while msgs and n < self.max_rounds:
+            msgs = self._round(control, msgs, track, stats)
+            n += 1
+        stats["dry_rounds"] = n
+        for tid in {m.tid for m in msgs} - track.failed.keys():
+            track.failed[tid] = ("CallGraphLimitExceeded", f"call graph still running after {n} rounds")
+        for r in roots:
+            if r.tid not in track.failed and not track.complete(r.tid):  # pragma: no cover - engine bug
+                raise AssertionError(f"transaction {r.tid}: call graph ended with shares {track.shares.get(r.tid)}")
+
+        # Aria's rule, with reservations from every transaction that did not raise.
+        rw = track.rw
+        min_writer: dict[Entity, int] = {}
+        for tid, ents in rw.items():
+            if tid in track.failed:
+                continue
+            for e, wrote in ents.items():
+                if wrote and (e not in min_writer or tid < min_writer[e]):
+                    min_writer[e] = tid
+        lockfree: list[int] = []
+        conflicted: list[int] = []
+        aborted_now: list[int] = []
+        for r in roots:
+            tid = r.tid
+            ents = rw.get(tid, {})
+            if any(min_writer.get(e, tid) < tid for e in ents):
+                conflicted.append(tid)
+            elif tid in track.failed:
+                aborted_now.append(tid)
+            else:
+                lockfree.append(tid)
+        early = [reply(t, True, track.done[t]) for t in lockfree]
+        early += [reply(t, False, err=track.failed[t]) for t in aborted_now]
+        self._emit(early)
+        result.lockfree = lockfree
+        result.order.extend(sorted(lockfree + aborted_now))
+        stats["lockfree"] = len(lockfree)
+        stats["aborted"] = len(aborted_now)
+        stats["conflicts"] = len(conflicted)
+
+        apply_next: list[int] = list(lockfree)
+        reset_next: list[int] = []
+        fallback_order: list[int] = []
+        if conflicted:
+            apply_next, reset_next = self._fallback(epoch, conflicted, track, result, reply, fallback_order,
+                                                    apply_next, stats)
+        result.order.extend(sorted(fallback_order))
+
+        # Finalize: apply what is left and write each partition's delta.
+        self._round(Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, finalize=True), [],
+                    _Track(), stats)
+        stats["duration_ms"] = (time.perf_counter() - t_start) * 1000.0
+        stats["size"] = len(txns)
+        stats["committed"] = len(lockfree) + len(result.fast) + sum(1 for t in result.slow if replies[t].ok)
+        result.stats = stats
+        return result
+
+    def _fallback(self, epoch, conflicted, track, result, reply, order, apply_lockfree, stats):
+        """Alternate call-graph-cached rounds and locked re-runs until every conflict is resolved.
+
+        A cached round re-runs the dry-run invocations of the candidates in one round; a transaction
+        commits if it replayed identically and no lower unresolved transaction shares an entity with it
+        (otherwise it stays a candidate). Transactions that did not replay identically re-run from their
+        root in disjoint waves: a wave takes, in TID order, every such transaction that shares no entity
+        with a lower unresolved one, so the result equals running them in TID order.
+        """
+        K = {tid: track.rw.get(tid, {}) for tid in conflicted}
+        candidates = {t for t in conflicted if t not in track.failed}
+        rest = list(conflicted)
+        apply_next, reset_next = list(apply_lockfree), list(conflicted)
+        fast_rounds = slow_rounds = 0
+        while rest:
+            if candidates:
+                ft = _Track()
+                self._round(
+                    Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, fast=sorted(candidates)),
+                    [], ft, stats,
+                )
+                fast_rounds += 1
+                candidates -= ft.invalid
+                blocked: set[Entity] = set()
+                committed: list[int] = []
+                remaining: list[int] = []
+                for tid in rest:
+                    if tid in candidates and not blocked.intersection(K[tid]):
+                        committed.append(tid)
+                    else:
+                        remaining.append(tid)
+                        blocked.update(K[tid])
+                self._emit([reply(t, True, ft.done[t]) for t in committed])
+                result.fast.extend(committed)
+                order.extend(committed)
+                candidates.difference_update(committed)
+                rest = remaining
+                apply_next, reset_next = committed, list(remaining)
+                if not rest:
+                    break
+            # One wave of locked re-runs from the root.
+            blocked = set()
+            wave: list[int] = []
+            for tid in rest:
+                if tid not in candidates and not blocked.intersection(K[tid]):
+                    wave.append(tid)
+                blocked.update(K[tid])
+            if not wave:  # pragma: no cover - the lowest unresolved transaction is always free
+                raise AssertionError("fallback made no progress")
+            a, r, n = self._locked_wave(epoch, wave, K, result, reply, order, apply_next, reset_next, stats)
+            apply_next, reset_next = a, r
+            slow_rounds += n
+            waved = set(wave)
+            rest = [t for t in rest if t not in waved]
+        stats["fast_rounds"] = fast_rounds
+        stats["slow_rounds"] = slow_rounds
+        stats["fast"] = len(result.fast)
+        stats["deferred"] = len(result.deferred)
+        return apply_next, reset_next
+
+    def _locked_wave(self, epoch, wave, K, result, reply, order, apply_next, reset_next, stats):
+        """Re-run ``wave`` (pairwise entity-disjoint) from the root; decide commit, abort or defer."""
+        slow_track = _Track()
+        msgs = []
+        for tid in wave:
+            req = result.requests[tid]
+            msgs.append(Invoke(tid, "0", req.operator, req.key, req.function, req.args, _ONE, ROOT, None, req.ts, 0))
+        running = set(wave)
+        rounds = 0
+        replies: list[Reply] = []
+        done_apply: list[int] = []
+        done_reset: list[int] = []
+        while running:
+            control = Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next)
+            apply_next, reset_next = [], []
+            msgs = self._round(control, msgs, slow_track, stats)
+            rounds += 1
+            in_flight = {m.tid for m in msgs}
+            for tid in sorted(running):
+                if tid not in slow_track.failed and not slow_track.complete(tid):
+                    if rounds < self.max_rounds and tid in in_flight:
+                        continue
+                    slow_track.failed[tid] = (CallGraphLimitExceeded.__name__,
+                                              f"call graph still running after {rounds} rounds")
+                running.discard(tid)
+                touched = slow_track.rw.get(tid, {})
+                if not set(touched) <= set(K[tid]):
+                    self.deferred.append((tid, result.requests[tid]))
+                    result.deferred.append(tid)
+                    done_reset.append(tid)
+                elif tid in slow_track.failed:
+                    replies.append(reply(tid, False, err=slow_track.failed[tid]))
+                    done_reset.append(tid)
+                    result.slow.append(tid)
+                    order.append(tid)
+                else:
+                    replies.append(reply(tid, True, slow_track.done[tid]))
+                    done_apply.append(tid)
+                    result.slow.append(tid)
+                    order.append(tid)
+            msgs = [m for m in msgs if m.tid in running]
+        self._emit(replies)
+        return done_apply, done_reset, rounds

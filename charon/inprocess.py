@@ -1,0 +1,226 @@
+"""The in-process runtime: the same deterministic core with an in-memory exchange.
+
+It is the test harness application authors write their tests with (full transactional semantics) and a
+low-latency single-process mode. Epochs close when ``epoch_max_txns`` requests are waiting or
+``epoch_max_ms`` after the first one arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from charon import serde
+from charon.epoch import EpochCoordinator, EpochResult
+from charon.messages import Reply, Request
+from charon.operator import Application, Operator
+from charon.partition import Control, Invoke, PartitionUnit, RoundOutput
+from charon.partition import Reply as ReplyMsg
+from charon.routing import entity_prefix, partition_of, store_key
+from charon.store import MemoryStore
+
+
+class LocalExchange:
+    """Delivers a round's inboxes to in-memory partition units, one after the other."""
+
+    def __init__(self, units: list[PartitionUnit]) -> None:
+        self.units = units
+        self.partitions = len(units)
+
+    def round(self, control: Control, inboxes: list[list[Invoke | ReplyMsg]]) -> list[RoundOutput]:
+        return [u.step(control, box) for u, box in zip(self.units, inboxes, strict=True)]
+
+
+class InProcessRuntime:
+    """Run an :class:`~charon.operator.Application` in this process."""
+
+    def __init__(
+        self,
+        app: Application,
+        partitions: int = 4,
+        epoch_max_txns: int = 1000,
+        epoch_max_ms: float = 1.0,
+        max_rounds: int = 200,
+        reply_retention: int = 1_000_000,
+    ) -> None:
+        self.app = app
+        self.partitions = partitions
+        self.epoch_max_txns = epoch_max_txns
+        self.epoch_max_ms = epoch_max_ms
+        self.stores = [MemoryStore() for _ in range(partitions)]
+        self.units = [PartitionUnit(p, partitions, app, s) for p, s in enumerate(self.stores)]
+        self.coordinator = EpochCoordinator(
+            app, LocalExchange(self.units), sequencers=1, max_rounds=max_rounds, on_replies=self._deliver
+        )
+        self.epoch = 0
+        self.epoch_stats: list[dict[str, float]] = []
+        self._queue: list[Request] = []
+        self._futures: dict[str, asyncio.Future[Reply]] = {}
+        self._replies: OrderedDict[str, Reply] = OrderedDict()
+        self._retention = reply_retention
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._stopping = False
+
+    # -- state --------------------------------------------------------------------------------------
+    def _store_of(self, operator: str, key: str) -> MemoryStore:
+        return self.stores[partition_of(operator, key, self.partitions)]
+
+    def load(self, operator: str | Operator, values: dict[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Bulk-load entity values (before or between epochs)."""
+        op = operator.name if isinstance(operator, Operator) else operator
+        items = values.items() if isinstance(values, dict) else values
+        for key, value in items:
+            self._store_of(op, key).data[store_key(op, key)] = serde.encode(value)
+
+    def load_items(self, operator: str | Operator, key: str, items: dict[str, Any]) -> None:
+        """Bulk-load named items of one entity."""
+        op = operator.name if isinstance(operator, Operator) else operator
+        data = self._store_of(op, key).data
+        for name, value in items.items():
+            data[store_key(op, key, "\x01" + name)] = serde.encode(value)
+
+    def read_state(self, operator: str | Operator, key: str, default: Any = None) -> Any:
+        """An entity's committed value (consistent: read between epochs)."""
+        op = operator.name if isinstance(operator, Operator) else operator
+        raw = self._store_of(op, key).get(store_key(op, key))
+        return default if raw is None else serde.decode(raw)
+
+    def read_items(self, operator: str | Operator, key: str) -> dict[str, Any]:
+        """An entity's committed named items."""
+        op = operator.name if isinstance(operator, Operator) else operator
+        prefix = entity_prefix(op, key) + b"\x01"
+        return {k[len(prefix):].decode(): serde.decode(v) for k, v in self._store_of(op, key).scan(prefix)}
+
+    def entities(self, operator: str | Operator) -> dict[str, Any]:
+        """All committed main values of one operator (for checks in tests and benchmarks)."""
+        op = operator.name if isinstance(operator, Operator) else operator
+        out = {}
+        for s in self.stores:
+            for k, v in s.scan(f"{op}\0".encode()):
+                o, key, item = k.decode().split("\0", 2)
+                if item == "":
+                    out[key] = serde.decode(v)
+        return out
+
+    def snapshot(self) -> dict[bytes, bytes]:
+        """All committed state as store keys (sorted)."""
+        merged: dict[bytes, bytes] = {}
+        for s in self.stores:
+            merged.update(s.items())
+        return dict(sorted(merged.items()))
+
+    def state_digest(self) -> str:
+        """SHA-256 over all committed state: equal digests mean byte-identical state."""
+        h = hashlib.sha256()
+        for k, v in self.snapshot().items():
+            h.update(len(k).to_bytes(4, "big") + k + len(v).to_bytes(4, "big") + v)
+        return h.hexdigest()
+
+    # -- synchronous batch mode (deterministic epoch boundaries) -----------------------------------
+    def run_epoch(self, requests: list[Request]) -> EpochResult:
+        """Run the given requests as exactly one epoch (plus transactions deferred into it)."""
+        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests])
+        self.epoch += 1
+        self.epoch_stats.append({"epoch": result.epoch, **result.stats})
+        return result
+
+    def drain(self) -> list[EpochResult]:
+        """Run empty epochs until no deferred transaction is left."""
+        out = []
+        while self.coordinator.deferred:
+            out.append(self.run_epoch([]))
+        return out
+
+    # -- asynchronous service mode -----------------------------------------------------------------
+    async def start(self) -> None:
+        """Start closing epochs in the background of the running event loop."""
+        if self._task is None:
+            self._stopping = False
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Finish waiting work and stop."""
+        if self._task is not None:
+            while self._queue or self.coordinator.deferred or self._futures:
+                await asyncio.sleep(0.001)
+            self._stopping = True
+            assert self._wake is not None
+            self._wake.set()
+            await self._task
+            self._task = None
+
+    async def __aenter__(self) -> InProcessRuntime:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _deliver(self, replies: list[Reply]) -> None:
+        for r in replies:
+            self._replies[r.request_id] = r
+            fut = self._futures.pop(r.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(r)
+        while len(self._replies) > self._retention:
+            self._replies.popitem(last=False)
+
+    def get_reply(self, request_id: str) -> Reply | None:
+        """The reply of a request, if it has been answered."""
+        return self._replies.get(request_id)
+
+    def enqueue(self, request: Request) -> asyncio.Future[Reply]:
+        """Queue a request; the future resolves with its reply. A known request_id is not run twice."""
+        loop = asyncio.get_running_loop()
+        done = self._replies.get(request.request_id)
+        fut = self._futures.get(request.request_id)
+        if done is not None or fut is not None:
+            if fut is None:
+                fut = loop.create_future()
+                fut.set_result(done)
+            return fut
+        fut = self._futures[request.request_id] = loop.create_future()
+        self._queue.append(request)
+        if self._wake is not None:
+            self._wake.set()
+        return fut
+
+    async def submit(
+        self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None
+    ) -> Reply:
+        """Invoke ``operator/key.function(*args)`` as one transaction and wait for its reply."""
+        if self._task is None:
+            raise RuntimeError("the runtime is not started: use `async with runtime:` or `await runtime.start()`")
+        req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
+        return await asyncio.shield(self.enqueue(req))
+
+    async def invoke(self, operator: str | Operator, key: str, function: Any, *args: Any) -> Any:
+        """Like :meth:`submit` but returns the value, or raises TransactionAborted / the engine's error."""
+        from charon.client_errors import raise_for_reply
+
+        op = operator.name if isinstance(operator, Operator) else operator
+        fn = getattr(function, "name", function)
+        return raise_for_reply(await self.submit(op, key, fn, list(args)))
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            if not self._queue and not self.coordinator.deferred:
+                if self._stopping:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
+                await asyncio.sleep(self.epoch_max_ms / 1000.0)
+            batch = self._queue[: self.epoch_max_txns]
+            del self._queue[: len(batch)]
+            self.run_epoch(batch)
+            await asyncio.sleep(0)

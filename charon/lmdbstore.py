@@ -1,0 +1,343 @@
+"""Executor-local partition state on LMDB, versioned by epoch, restored from the durable copy on demand.
+
+One LMDB environment per partition directory (``path/p{pid}``) with two named databases: ``data`` (the
+state) and ``meta`` (``epoch``: the last committed epoch, 8-byte signed big-endian; absent in a fresh env).
+A commit writes the epoch's delta and the epoch marker in one write transaction, after the delta was made
+durable (:mod:`charon.durable`), so the local copy is never ahead of the durable one.
+
+Multi-process rules (measured, see DESIGN.md §6): never open an environment in a process that later forks;
+handles are cached per ``(path, os.getpid())``; one constant ``map_size``; locking stays on;
+``reader_check()`` runs on open to free reader slots of killed processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+
+import lmdb
+
+from charon.durable import DurableState, DurableStateError
+
+MAP_SIZE = 1 << 34  # 16 GiB of address space (sparse); must be the same in every process
+_EPOCH_KEY = b"epoch"
+_EPOCH = struct.Struct(">q")
+
+
+class StoreError(Exception):
+    """The local store cannot reach the requested version."""
+
+
+class _Env:
+    """An open environment and its two databases, owned by one process."""
+
+    def __init__(self, path: str, map_size: int, sync: bool) -> None:
+        self.path = path
+        self.env = self._open(path, map_size, sync)
+        self.data = self.env.open_db(b"data")
+        self.meta = self.env.open_db(b"meta")
+        self.fresh = False
+
+    @staticmethod
+    def _open(path: str, map_size: int, sync: bool) -> lmdb.Environment:
+        os.makedirs(path, exist_ok=True)
+        env = lmdb.open(path, map_size=map_size, subdir=True, max_dbs=2, lock=True, sync=sync,
+                        readahead=False, max_readers=256)
+        env.reader_check()
+        return env
+
+
+_ENVS: dict[tuple[str, int], _Env] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _get_env(path: str, map_size: int, sync: bool) -> _Env:
+    """The process's handle on the environment at ``path``; a corrupt environment is recreated empty."""
+    key = (os.path.realpath(path), os.getpid())
+    with _ENVS_LOCK:
+        e = _ENVS.get(key)
+        if e is None:
+            try:
+                e = _Env(path, map_size, sync)
+            except lmdb.Error:
+                # not an LMDB file / corrupted / version mismatch: drop it; the durable copy restores it
+                shutil.rmtree(path, ignore_errors=True)
+                e = _Env(path, map_size, sync)
+            _ENVS[key] = e
+        return e
+
+
+def _drop_env(path: str) -> None:
+    key = (os.path.realpath(path), os.getpid())
+    with _ENVS_LOCK:
+        e = _ENVS.pop(key, None)
+    if e is not None:
+        e.env.close()
+
+
+class LmdbStore:
+    """A :class:`charon.store.PartitionStore` on an executor-local LMDB environment.
+
+    ``epoch`` is read from the environment (another process may have committed). Reads use the active
+    read transaction of :meth:`begin_read` (one per round), else a short one per call.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        pid: int,
+        durable: DurableState | None = None,
+        map_size: int = MAP_SIZE,
+        *,
+        sync: bool = True,
+    ) -> None:
+        self.path = os.path.join(path, f"p{pid}")
+        self.pid = pid
+        self.durable = durable
+        self.map_size = map_size
+        self.sync = sync
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._rtxn: lmdb.Transaction | None = None
+        self._rtxn_pid = 0
+        self._h = _get_env(self.path, map_size, sync)
+        self._owner = os.getpid()
+
+    # ---- handles ------------------------------------------------------------------------------
+    @property
+    def _env(self) -> _Env:
+        if os.getpid() != self._owner:  # forked: never touch the parent's handle
+            self._h = _get_env(self.path, self.map_size, self.sync)
+            self._owner = os.getpid()
+            self._rtxn = None
+        return self._h
+
+    def close(self) -> None:
+        """End any read transaction and close this process's handle on the environment."""
+        self.end_read()
+        _drop_env(self.path)
+
+    # ---- reads --------------------------------------------------------------------------------
+    def begin_read(self) -> None:
+        """Open the read transaction that ``get``/``scan``/``epoch`` use until :meth:`end_read`."""
+        self.end_read()
+        h = self._env
+        self._rtxn = h.env.begin(db=h.data, buffers=False)
+
+    def end_read(self) -> None:
+        """Release the read transaction (do it at the end of every round: readers pin old pages)."""
+        t, self._rtxn = self._rtxn, None
+        if t is not None and self._owner == os.getpid():
+            t.abort()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[LmdbStore]:
+        """``with store.reading(): ...`` = one read transaction (a consistent snapshot) for the block."""
+        self.begin_read()
+        try:
+            yield self
+        finally:
+            self.end_read()
+
+    @contextlib.contextmanager
+    def _txn(self) -> Iterator[lmdb.Transaction]:
+        h = self._env
+        if self._rtxn is not None:
+            yield self._rtxn
+        else:
+            with h.env.begin(db=h.data, buffers=False) as t:
+                yield t
+
+    def _local_epoch(self, txn: lmdb.Transaction) -> int | None:
+        v = txn.get(_EPOCH_KEY, db=self._env.meta)
+        return None if v is None else _EPOCH.unpack(v)[0]
+
+    @property
+    def epoch(self) -> int:
+        """Last epoch committed into the local copy (-1 = empty / never restored)."""
+        with self._txn() as t:
+            e = self._local_epoch(t)
+        return -1 if e is None else e
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._txn() as t:
+            v = t.get(key)
+        if v is not None:
+            self.bytes_read += len(key) + len(v)
+        return v
+
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """Items whose key starts with ``prefix``, ascending."""
+        with self._txn() as t:
+            cur = t.cursor()
+            if not cur.set_range(prefix):
+                return
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    break
+                self.bytes_read += len(k) + len(v)
+                yield k, v
+
+    # ---- writes -------------------------------------------------------------------------------
+    def commit(self, epoch: int, delta: dict[bytes, bytes | None]) -> None:
+        """Make ``delta`` the writes of ``epoch``: durable copy first, then one local write transaction.
+
+        A no-op if the local copy already holds ``epoch`` (a replayed epoch). Keys must be 1..511 bytes
+        (LMDB's key limit); a bad key raises ValueError before anything is written."""
+        h = self._env
+        with self._txn() as t:
+            local = self._local_epoch(t)
+        if local is not None and epoch <= local:
+            return
+        limit = h.env.max_key_size()
+        for k in delta:
+            if not 0 < len(k) <= limit:
+                raise ValueError(f"LMDB keys must be 1..{limit} bytes, got {len(k)}: {k[:40]!r}...")
+        d = self.durable
+        if d is not None:
+            m = d.manifest(self.pid)
+            if m.epoch < epoch:  # else: a replayed epoch already recorded durably
+                fresh_durable = m.base is None and m.epoch == -1
+                if (m.epoch > local) if local is not None else not fresh_durable:
+                    raise StoreError(
+                        f"p{self.pid}: local copy at {local} is behind the durable copy at {m.epoch}: "
+                        f"call ensure_epoch({epoch - 1}) before the epoch's reads"
+                    )
+                before = d.bytes_written
+                d.write_delta(self.pid, epoch, delta)
+                self.bytes_written += d.bytes_written - before
+        written = 0
+        with h.env.begin(write=True, db=h.data) as t:
+            cur = self._local_epoch(t)
+            if cur is not None and epoch <= cur:
+                t.abort()  # a concurrent (stale) task committed it meanwhile
+                return
+            for k in sorted(delta):
+                v = delta[k]
+                if v is None:
+                    t.delete(k)
+                    written += len(k)
+                else:
+                    t.put(k, v)
+                    written += len(k) + len(v)
+            t.put(_EPOCH_KEY, _EPOCH.pack(epoch), db=h.meta)
+        self.bytes_written += written
+
+    def _replace_all(self, epoch: int, items: Iterable[tuple[bytes, bytes]]) -> None:
+        """Replace the whole local state (sorted items) and the epoch marker in one transaction."""
+        h = self._env
+        written = 0
+        with h.env.begin(write=True, db=h.data) as t:
+            t.drop(h.data, delete=False)
+            cur = t.cursor()
+            for k, v in items:
+                cur.put(k, v, append=True)
+                written += len(k) + len(v)
+            t.put(_EPOCH_KEY, _EPOCH.pack(epoch), db=h.meta)
+        self.bytes_written += written
+
+    def bulk_load(self, epoch: int, items: Iterable[tuple[bytes, bytes]]) -> None:
+        """Install an initial state as of ``epoch`` (e.g. -1): durable base first, then the local copy."""
+        rows = sorted(items)
+        if self.durable is not None:
+            before = self.durable.bytes_written
+            self.durable.write_base(self.pid, epoch, rows)
+            self.bytes_written += self.durable.bytes_written - before
+        self._replace_all(epoch, rows)
+
+    # ---- versioning ---------------------------------------------------------------------------
+    def ensure_epoch(self, epoch: int) -> None:
+        """Make the local copy hold exactly the state as of ``epoch`` (call before an epoch's reads).
+
+        Missing or behind: apply the missing durable deltas (or reload fully if they were compacted).
+        Ahead (an epoch replayed after a crash): forget the durable epochs after ``epoch`` and rebuild
+        the local copy as of ``epoch``.
+        """
+        self.end_read()
+        with self._txn() as t:
+            cur = self._local_epoch(t)
+        if cur == epoch:
+            return
+        d = self.durable
+        if d is None:
+            raise StoreError(f"p{self.pid}: local copy at {cur}, need {epoch}, and no durable copy")
+        if cur is not None and cur > epoch:
+            try:
+                d.truncate_after(self.pid, epoch)
+            except DurableStateError as e:
+                raise StoreError(str(e)) from e
+            self._reload(epoch)
+            return
+        got = d.deltas_after(self.pid, cur, epoch) if cur is not None else None
+        if got is None:
+            self._reload(epoch)
+            return
+        deltas, reached = got
+        if reached < epoch:
+            raise StoreError(f"p{self.pid}: durable copy reaches only epoch {reached}, need {epoch}")
+        h = self._env
+        written = 0
+        before = d.bytes_read
+        with h.env.begin(write=True, db=h.data) as t:
+            if self._local_epoch(t) != cur:
+                t.abort()
+                return self.ensure_epoch(epoch)  # another process moved it meanwhile
+            for _, delta in deltas:
+                for k in sorted(delta):
+                    v = delta[k]
+                    if v is None:
+                        t.delete(k)
+                        written += len(k)
+                    else:
+                        t.put(k, v)
+                        written += len(k) + len(v)
+            t.put(_EPOCH_KEY, _EPOCH.pack(epoch), db=h.meta)
+        self.bytes_written += written
+        self.bytes_read += d.bytes_read - before
+
+    def _reload(self, epoch: int) -> None:
+        d = self.durable
+        assert d is not None
+        before = d.bytes_read
+        try:
+            state, reached = d.load(self.pid, epoch)
+        except DurableStateError as e:
+            raise StoreError(str(e)) from e
+        self.bytes_read += d.bytes_read - before
+        if reached < epoch:
+            raise StoreError(f"p{self.pid}: durable copy reaches only epoch {reached}, need {epoch}")
+        self._replace_all(epoch, sorted(state.items()))
+
+    def compact_durable(self, upto_epoch: int) -> bool:
+        """Compact this partition's durable copy up to ``upto_epoch`` (only epochs committed for good)."""
+        return self.durable.compact(self.pid, upto_epoch) if self.durable is not None else False
+
+    def items(self) -> Iterator[tuple[bytes, bytes]]:
+        """All items, ascending."""
+        return self.scan(b"")
+
+
+_STORES: dict[tuple[str, int, str | None, int], LmdbStore] = {}
+_DURABLES: dict[tuple[str, int], DurableState] = {}
+
+
+def open_store(path: str, pid: int, durable_root: str | None = None) -> LmdbStore:
+    """The calling process's cached store for partition ``pid`` under ``path`` (use this on executors)."""
+    me = os.getpid()
+    key = (os.path.realpath(path), pid, durable_root, me)
+    with _ENVS_LOCK:
+        s = _STORES.get(key)
+    if s is None:
+        durable = None
+        if durable_root is not None:
+            durable = _DURABLES.get((durable_root, me))
+            if durable is None:
+                durable = _DURABLES[(durable_root, me)] = DurableState(durable_root)
+        s = LmdbStore(path, pid, durable)
+        with _ENVS_LOCK:
+            s = _STORES.setdefault(key, s)
+    return s

@@ -1,0 +1,138 @@
+"""The programming model: operators (entity types), their functions, and the application grouping them."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
+
+import msgspec
+
+from charon.errors import BadArguments, UnknownFunction, UnknownOperator
+
+FunctionBody = Callable[..., Coroutine[Any, Any, Any]]
+
+
+class Function:
+    """A registered ``async def`` function of an operator; calls go through ``ctx.call``/``ctx.send``."""
+
+    def __init__(self, operator: Operator, body: FunctionBody) -> None:
+        if not inspect.iscoroutinefunction(body):
+            raise TypeError(f"{body.__qualname__} must be an `async def` function")
+        self.operator = operator
+        self.body = body
+        self.name = body.__name__
+        sig = inspect.signature(body)
+        params = list(sig.parameters.values())
+        if not params:
+            raise TypeError(f"{self.name} must take the context as its first parameter")
+        self.params = params[1:]
+        try:
+            hints = typing.get_type_hints(body)
+        except Exception:  # unresolvable forward references: skip type checks
+            hints = {}
+        self._types = [hints.get(p.name, Any) for p in self.params]
+        self._min_args = sum(
+            1 for p in self.params if p.default is inspect.Parameter.empty and p.kind != p.VAR_POSITIONAL
+        )
+        self._varargs = any(p.kind == p.VAR_POSITIONAL for p in self.params)
+        self._max_args = len(self.params)
+        self.__doc__ = body.__doc__
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.operator.name}.{self.name}"
+
+    def check_args(self, args: list | tuple) -> None:
+        """Raise BadArguments unless ``args`` fit this function's arity and type hints."""
+        n = len(args)
+        if n < self._min_args or (not self._varargs and n > self._max_args):
+            expected = (
+                f"{self._min_args}" if self._min_args == self._max_args else f"{self._min_args}..{self._max_args}"
+            )
+            raise BadArguments(f"{self.qualname} takes {expected} argument(s), got {n}")
+        for i, value in enumerate(args):
+            if i >= len(self._types) or self.params[i].kind == inspect.Parameter.VAR_POSITIONAL:
+                break
+            tp = self._types[i]
+            if tp is Any:
+                continue
+            try:
+                msgspec.convert(value, tp, strict=True)
+            except msgspec.ValidationError as exc:
+                raise BadArguments(f"{self.qualname} argument {self.params[i].name!r}: {exc}") from None
+            except TypeError:  # a hint msgspec cannot check (e.g. a class): skip
+                pass
+
+    def signature(self) -> list[dict[str, Any]]:
+        """Parameter names and annotations, for documentation (OpenAPI, CLI)."""
+        return [
+            {"name": p.name, "type": getattr(t, "__name__", str(t)), "required": p.default is p.empty}
+            for p, t in zip(self.params, self._types, strict=False)
+        ]
+
+    def __repr__(self) -> str:
+        return f"<charon function {self.qualname}>"
+
+
+class Operator:
+    """An entity type: state partitioned by key, and the functions that run on one entity at a time."""
+
+    def __init__(self, name: str) -> None:
+        if not name or "\0" in name or "/" in name:
+            raise ValueError(f"invalid operator name {name!r}")
+        self.name = name
+        self.functions: dict[str, Function] = {}
+
+    def function(self, body: FunctionBody) -> Function:
+        """Decorator registering an ``async def f(ctx, *args)`` as a function of this operator."""
+        fn = Function(self, body)
+        if fn.name in self.functions:
+            raise ValueError(f"{self.name}.{fn.name} is defined twice")
+        self.functions[fn.name] = fn
+        return fn
+
+    def __repr__(self) -> str:
+        return f"<charon operator {self.name}>"
+
+
+class Application:
+    """A deployable set of operators."""
+
+    def __init__(self, name: str, operators: Iterable[Operator]) -> None:
+        self.name = name
+        self.operators: dict[str, Operator] = {}
+        for op in operators:
+            if op.name in self.operators:
+                raise ValueError(f"operator {op.name!r} is registered twice")
+            self.operators[op.name] = op
+
+    def resolve(self, operator: str | Operator, function: str | Function) -> Function:
+        """The function object for (operator, function) names; raises UnknownOperator/UnknownFunction."""
+        op_name = operator.name if isinstance(operator, Operator) else operator
+        op = self.operators.get(op_name)
+        if op is None:
+            raise UnknownOperator(f"unknown operator {op_name!r} (have: {', '.join(sorted(self.operators))})")
+        fn_name = function.name if isinstance(function, Function) else function
+        fn = op.functions.get(fn_name)
+        if fn is None:
+            raise UnknownFunction(
+                f"operator {op_name!r} has no function {fn_name!r} (have: {', '.join(sorted(op.functions))})"
+            )
+        return fn
+
+    def validate(self, operator: str, function: str, args: list | tuple) -> Function:
+        """Check a request before it enters the log: names exist and arguments fit."""
+        if not isinstance(args, list | tuple):
+            raise BadArguments("args must be a list")
+        fn = self.resolve(operator, function)
+        fn.check_args(args)
+        return fn
+
+    def describe(self) -> dict[str, dict[str, list[dict[str, Any]]]]:
+        """Operators, their functions and parameters (for OpenAPI and the CLI)."""
+        return {
+            name: {fname: fn.signature() for fname, fn in op.functions.items()}
+            for name, op in self.operators.items()
+        }

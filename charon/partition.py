@@ -1,0 +1,446 @@
+"""The partition-level unit of the deterministic core: one partition's share of an epoch, round by round.
+
+A runtime drives a :class:`PartitionUnit` with ``step(control, inbox) -> RoundOutput``: the control part
+(apply committed transactions, reset aborted ones, run the call-graph-cached fallback, finalize the epoch)
+is processed first, then the inbox of messages (invocations and replies). Calls to entities of this same
+partition are executed within the round; the rest are returned for the runtime to route. Everything the
+unit keeps between rounds of an epoch is its *scratch* (write buffers, suspended frames, the dry run's
+call-graph cache, the epoch's committed overlay), which :meth:`dump_scratch`/:meth:`load_scratch` move
+between processes: on Spark the driver holds it, so any task in any worker can run the next round.
+Committed state is read from a :class:`~charon.store.PartitionStore` as of the end of the previous epoch;
+the store is written once per epoch, at finalize, idempotently.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import deque
+from fractions import Fraction
+from typing import Any
+
+from charon import serde
+from charon.context import Context
+from charon.errors import CallGraphLimitExceeded, IllegalAwait
+from charon.operator import Application
+from charon.routing import entity_prefix, partition_of, store_key
+from charon.store import PartitionStore
+
+ROOT, SYNC, ASYNC = 0, 1, 2
+_ZERO = Fraction(0)
+
+Entity = tuple[str, str]
+
+
+class Invoke:
+    """Run ``fn(*args)`` on entity (op, key) as invocation ``inv`` of transaction ``tid``."""
+
+    __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth")
+
+    def __init__(self, tid, inv, op, key, fn, args, share, kind, caller, ts, depth) -> None:
+        self.tid, self.inv, self.op, self.key, self.fn, self.args = tid, inv, op, key, fn, args
+        self.share, self.kind, self.caller, self.ts, self.depth = share, kind, caller, ts, depth
+
+    def __getstate__(self):
+        return tuple(getattr(self, s) for s in self.__slots__)
+
+    def __setstate__(self, st):
+        for s, v in zip(self.__slots__, st, strict=True):
+            setattr(self, s, v)
+
+
+class Reply:
+    """The return value of a synchronous call, addressed to the suspended caller (op, key, inv)."""
+
+    __slots__ = ("tid", "op", "key", "inv", "value", "share")
+
+    def __init__(self, tid, op, key, inv, value, share) -> None:
+        self.tid, self.op, self.key, self.inv, self.value, self.share = tid, op, key, inv, value, share
+
+    def __getstate__(self):
+        return (self.tid, self.op, self.key, self.inv, self.value, self.share)
+
+    def __setstate__(self, st):
+        self.tid, self.op, self.key, self.inv, self.value, self.share = st
+
+
+class Frame:
+    """An invocation in progress: what is needed to replay it when its pending call's reply arrives."""
+
+    __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth",
+                 "replies", "reads")
+
+    def __init__(self, m: Invoke, replies: list | None = None) -> None:
+        self.tid, self.inv, self.op, self.key, self.fn, self.args = m.tid, m.inv, m.op, m.key, m.fn, m.args
+        self.share, self.kind, self.caller, self.ts, self.depth = m.share, m.kind, m.caller, m.ts, m.depth
+        self.replies: list[bytes] = replies if replies is not None else []
+        self.reads: list[Any] = []
+
+    def __getstate__(self):
+        return tuple(getattr(self, s) for s in self.__slots__)
+
+    def __setstate__(self, st):
+        for s, v in zip(self.__slots__, st, strict=True):
+            setattr(self, s, v)
+
+
+class Control:
+    """The coordinator's instructions for one round, the same for every partition."""
+
+    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize")
+
+    DRY, FALLBACK = 0, 1
+
+    def __init__(self, epoch: int, phase: int = 0, apply=(), reset=(), fast=(), finalize: bool = False):
+        self.epoch, self.phase, self.apply, self.reset = epoch, phase, list(apply), list(reset)
+        self.fast, self.finalize = list(fast), finalize
+
+    def __getstate__(self):
+        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize)
+
+    def __setstate__(self, st):
+        self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize = st
+
+
+class RoundOutput:
+    """What one partition returns from a round."""
+
+    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "stats")
+
+    def __init__(self) -> None:
+        self.messages: list[Invoke | Reply] = []  # for other partitions
+        self.done: list[tuple[int, bytes, Fraction]] = []  # root finished: (tid, value, share)
+        self.acks: list[tuple[int, Fraction]] = []  # terminal ack shares
+        self.failed: list[tuple[int, str, str]] = []  # (tid, error type, message)
+        self.rw: list[tuple[int, str, str, bool]] = []  # (tid, op, key, wrote) first touch / first write
+        self.invalid: list[int] = []  # call-graph-cached fallback: tids that did not replay identically
+        self.stats: dict[str, int] = {}
+
+    def __getstate__(self):
+        return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.stats)
+
+    def __setstate__(self, st):
+        self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.stats = st
+
+
+class Cached:
+    """A dry-run invocation remembered for the call-graph-cached fallback."""
+
+    __slots__ = ("inv", "op", "key", "fn", "args", "replies", "result", "calls", "ts", "depth", "kind")
+
+    def __init__(self, frame: Frame, result: bytes, calls: list) -> None:
+        self.inv, self.op, self.key, self.fn, self.args = frame.inv, frame.op, frame.key, frame.fn, frame.args
+        self.replies, self.result, self.calls, self.ts, self.depth = frame.replies, result, calls, frame.ts, frame.depth
+        self.kind = frame.kind
+
+    def __getstate__(self):
+        return tuple(getattr(self, s) for s in self.__slots__)
+
+    def __setstate__(self, st):
+        for s, v in zip(self.__slots__, st, strict=True):
+            setattr(self, s, v)
+
+
+class PartitionUnit:
+    """One partition of the deterministic core (see the module docstring)."""
+
+    def __init__(
+        self, pid: int, partitions: int, app: Application, store: PartitionStore, max_invocations: int = 100_000
+    ) -> None:
+        self.pid = pid
+        self.partitions = partitions
+        self.app = app
+        self.store = store
+        self.max_invocations = max_invocations
+        self._clear(-1)
+
+    # -- scratch ----------------------------------------------------------------------------------
+    def _clear(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.buffers: dict[int, dict[Entity, dict[str, bytes | None]]] = {}
+        self.frames: dict[int, dict[str, Frame]] = {}
+        self.touched: dict[int, dict[Entity, bool]] = {}
+        self.cache: dict[int, list[Cached]] = {}
+        self.overlay: dict[Entity, dict[str, bytes | None]] = {}
+        self.counts: dict[int, int] = {}
+        self.dead: set[int] = set()
+        self.fast_layer: dict[Entity, dict[str, bytes | None]] | None = None
+        self._recording = True
+
+    _SCRATCH = ("epoch", "buffers", "frames", "touched", "cache", "overlay", "counts", "dead")
+
+    def dump_scratch(self) -> bytes:
+        """The unit's between-round state, for a runtime that runs the next round elsewhere."""
+        return pickle.dumps(tuple(getattr(self, n) for n in self._SCRATCH), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def load_scratch(self, data: bytes | None) -> None:
+        """Restore what :meth:`dump_scratch` produced (None or empty: a fresh epoch)."""
+        if not data:
+            self._clear(-1)
+            return
+        for n, v in zip(self._SCRATCH, pickle.loads(data), strict=True):
+            setattr(self, n, v)
+        self.fast_layer = None
+
+    # -- state access used by Context -------------------------------------------------------------
+    def _touch(self, tid: int, e: Entity, wrote: bool) -> None:
+        t = self.touched.get(tid)
+        if t is None:
+            t = self.touched[tid] = {}
+        prev = t.get(e)
+        if prev is None or (wrote and not prev):
+            t[e] = wrote or bool(prev)
+            self._out.rw.append((tid, e[0], e[1], wrote))
+
+    def read(self, tid: int, op: str, key: str, item: str) -> bytes | None:
+        e = (op, key)
+        self._touch(tid, e, False)
+        b = self.buffers.get(tid)
+        if b is not None:
+            items = b.get(e)
+            if items is not None and item in items:
+                return items[item]
+        if self.fast_layer is not None:
+            items = self.fast_layer.get(e)
+            if items is not None and item in items:
+                return items[item]
+        items = self.overlay.get(e)
+        if items is not None and item in items:
+            return items[item]
+        self._stat_reads += 1
+        return self.store.get(store_key(op, key, item))
+
+    def scan(self, tid: int, op: str, key: str, item_prefix: str) -> list[tuple[str, bytes]]:
+        e = (op, key)
+        self._touch(tid, e, False)
+        plen = len(entity_prefix(op, key))
+        merged: dict[str, bytes | None] = {
+            k[plen:].decode(): v for k, v in self.store.scan(store_key(op, key, item_prefix))
+        }
+        layers = [self.overlay.get(e), self.fast_layer.get(e) if self.fast_layer is not None else None]
+        b = self.buffers.get(tid)
+        layers.append(b.get(e) if b is not None else None)
+        for layer in layers:
+            if layer:
+                for it, v in layer.items():
+                    if it.startswith(item_prefix):
+                        merged[it] = v
+        return sorted((k, v) for k, v in merged.items() if v is not None and k)
+
+    def write(self, tid: int, op: str, key: str, item: str, value: bytes | None) -> None:
+        e = (op, key)
+        self._touch(tid, e, True)
+        b = self.buffers.get(tid)
+        if b is None:
+            b = self.buffers[tid] = {}
+        items = b.get(e)
+        if items is None:
+            items = b[e] = {}
+        items[item] = value
+
+    # -- one round --------------------------------------------------------------------------------
+    def step(self, control: Control, inbox: list[Invoke | Reply]) -> RoundOutput:
+        """Process one round: control first (apply, reset, fast fallback), then messages, then finalize."""
+        if control.epoch != self.epoch:
+            self._clear(control.epoch)
+        out = self._out = RoundOutput()
+        self._stat_reads = 0
+        self._stat_runs = 0
+        self._recording = control.phase == Control.DRY
+        overlay = self.overlay
+        for tid in control.apply:
+            buf = self.buffers.pop(tid, None)
+            if buf:
+                for e, items in buf.items():
+                    o = overlay.get(e)
+                    if o is None:
+                        overlay[e] = dict(items)
+                    else:
+                        o.update(items)
+        for tid in control.reset:
+            self.buffers.pop(tid, None)
+            self.frames.pop(tid, None)
+            self.touched.pop(tid, None)
+            self.counts.pop(tid, None)
+            self.dead.discard(tid)
+        if control.fast:
+            self._fast_round(control.fast)
+        if inbox:
+            self._process(inbox)
+        delta = self._finalize() if control.finalize else 0
+        out.stats = {"reads": self._stat_reads, "runs": self._stat_runs, "delta": delta}
+        self._out = None  # type: ignore[assignment]
+        return out
+
+    def _process(self, inbox: list[Invoke | Reply]) -> None:
+        queue = deque(inbox)
+        pid, parts = self.pid, self.partitions
+        out = self._out
+        frames = self.frames
+        dead = self.dead
+        while queue:
+            m = queue.popleft()
+            tid = m.tid
+            if tid in dead:
+                continue
+            if type(m) is Invoke:
+                n = self.counts.get(tid, 0) + 1
+                self.counts[tid] = n
+                if n > self.max_invocations:
+                    self._fail(tid, CallGraphLimitExceeded(f"more than {self.max_invocations} invocations"))
+                    continue
+                frame = Frame(m)
+            else:
+                tframes = frames.get(tid)
+                frame = tframes.pop(m.inv, None) if tframes is not None else None
+                if frame is None:
+                    continue  # its transaction was reset
+                frame.replies.append(m.value)
+                frame.share += m.share
+            for msg in self._run(frame):
+                if partition_of(msg.op, msg.key, parts) == pid:
+                    queue.append(msg)
+                else:
+                    out.messages.append(msg)
+
+    def _run(self, frame: Frame) -> list[Invoke | Reply]:
+        """Run (or replay) one invocation until it completes, suspends on a call, or raises."""
+        self._stat_runs += 1
+        ctx = Context(self, frame)
+        try:
+            fn = self.app.resolve(frame.op, frame.fn)
+            coro = fn.body(ctx, *serde.decode(frame.args))
+            try:
+                yielded = coro.send(None)
+            except StopIteration as stop:
+                return self._complete(frame, ctx, serde.encode(stop.value))
+            coro.close()
+            if ctx._pending is None or yielded is None:
+                raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
+            return self._suspend(frame, ctx)
+        except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
+            self._fail(frame.tid, exc)
+            return []
+
+    def _fail(self, tid: int, exc: BaseException) -> None:
+        self.dead.add(tid)
+        self.frames.pop(tid, None)
+        self._out.failed.append((tid, type(exc).__name__, str(exc)))
+
+    def _emit_sends(self, frame: Frame, sends: list[tuple], share: Fraction, msgs: list) -> None:
+        tid, inv, ts, depth = frame.tid, frame.inv, frame.ts, frame.depth + 1
+        for n, op, key, fn, args in sends:
+            msgs.append(Invoke(tid, f"{inv}.{n}", op, key, fn, args, share, ASYNC, None, ts, depth))
+
+    def _complete(self, frame: Frame, ctx: Context, value: bytes) -> list[Invoke | Reply]:
+        msgs: list[Invoke | Reply] = []
+        sends = ctx._sends
+        share = frame.share
+        if sends:
+            self._emit_sends(frame, sends, share / len(sends), msgs)
+            leftover = _ZERO
+        else:
+            leftover = share
+        tid = frame.tid
+        if frame.kind == SYNC:
+            cop, ckey, cinv = frame.caller
+            msgs.append(Reply(tid, cop, ckey, cinv, value, leftover))
+        elif frame.kind == ROOT:
+            self._out.done.append((tid, value, leftover))
+        elif leftover:
+            self._out.acks.append((tid, leftover))
+        if self._recording:
+            c = self.cache.get(tid)
+            if c is None:
+                c = self.cache[tid] = []
+            c.append(Cached(frame, value, ctx._calls))
+        return msgs
+
+    def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
+        msgs: list[Invoke | Reply] = []
+        sends = ctx._sends
+        each = frame.share / (len(sends) + 2)
+        self._emit_sends(frame, sends, each, msgs)
+        op, key, fn, args = ctx._pending  # type: ignore[misc]
+        msgs.append(
+            Invoke(frame.tid, f"{frame.inv}.{ctx._nchild}", op, key, fn, args, each, SYNC,
+                   (frame.op, frame.key, frame.inv), frame.ts, frame.depth + 1)
+        )
+        frame.share = each
+        tframes = self.frames.get(frame.tid)
+        if tframes is None:
+            tframes = self.frames[frame.tid] = {}
+        tframes[frame.inv] = frame
+        return msgs
+
+    # -- call-graph-cached fallback ---------------------------------------------------------------
+    def _fast_round(self, tids: list[int]) -> None:
+        """Re-run each listed transaction's cached invocations here, in TID order, on the latest state.
+
+        A transaction is valid here if every invocation makes the same calls with the same arguments and
+        returns the same value as in the dry run (replies of its calls are taken from the dry run; the
+        callees are re-run at their own partitions in this same round and checked there). Writes of valid
+        transactions are visible to later ones in this round through the fast layer; the coordinator
+        commits a transaction only if no lower-TID transaction sharing an entity failed to commit.
+        """
+        self.fast_layer = layer = {}
+        invalid = self._out.invalid
+        for tid in sorted(tids):
+            cached = self.cache.get(tid)
+            if not cached:
+                continue
+            entities = {(c.op, c.key) for c in cached}
+            ok = len(entities) == len(cached) and self._replay_cached(tid, cached)
+            buf = self.buffers.get(tid)
+            if ok:
+                if buf:
+                    for e, items in buf.items():
+                        o = layer.get(e)
+                        if o is None:
+                            layer[e] = dict(items)
+                        else:
+                            o.update(items)
+            else:
+                invalid.append(tid)
+                self.buffers.pop(tid, None)
+        self.fast_layer = None
+
+    def _replay_cached(self, tid: int, cached: list[Cached]) -> bool:
+        for c in sorted(cached, key=lambda c: c.inv):
+            m = Invoke(tid, c.inv, c.op, c.key, c.fn, c.args, _ZERO, ROOT, None, c.ts, c.depth)
+            frame = Frame(m, list(c.replies))
+            ctx = Context(self, frame, fast=True)
+            self._stat_runs += 1
+            try:
+                fn = self.app.resolve(c.op, c.fn)
+                coro = fn.body(ctx, *serde.decode(c.args))
+                try:
+                    coro.send(None)
+                except StopIteration as stop:
+                    if ctx._calls != c.calls:
+                        return False
+                    value = serde.encode(stop.value)
+                    if c.kind == ROOT:  # the client's reply may change; nothing else consumed it
+                        self._out.done.append((tid, value, _ZERO))
+                    elif c.kind == SYNC and value != c.result:  # the caller consumed the cached reply
+                        return False
+                    continue
+                coro.close()
+                return False
+            except Exception:  # noqa: BLE001 - raising in the fast path sends it to the slow path
+                return False
+        return True
+
+    # -- end of epoch -----------------------------------------------------------------------------
+    def epoch_delta(self) -> dict[bytes, bytes | None]:
+        """The epoch's committed changes as store keys."""
+        delta: dict[bytes, bytes | None] = {}
+        for (op, key), items in self.overlay.items():
+            for item, v in items.items():
+                delta[store_key(op, key, item)] = v
+        return delta
+
+    def _finalize(self) -> int:
+        delta = self.epoch_delta()
+        self.store.commit(self.epoch, delta)
+        self._clear(self.epoch)
+        return len(delta)

@@ -1,0 +1,415 @@
+"""PySpark streaming data sources over Charon's logs: ``charon_log`` (input log) and ``charon_replies``.
+
+Usage::
+
+    from charon.spark.source import register, batch_offsets
+    register(spark)
+    df = spark.readStream.format("charon_log").option("path", log_path).load()
+    q = df.writeStream.foreachBatch(run_epoch).option("checkpointLocation", ckpt).start()
+
+``charon_log`` options
+    ``path`` (required) the :class:`~charon.log.InputLog` file; ``partitions`` (optional, checked against the
+    log; default: the log's stored count); ``maxRecordsPerBatch`` (default 10000) caps a micro-batch,
+    spread fairly over the log partitions; ``startingOffsets`` (a fresh query only): ``"earliest"`` (default:
+    the first retained offsets, i.e. all zeros for an untruncated log), ``"latest"``, or a JSON list with
+    one offset per log partition.
+
+    Rows: ``partition INT, offset LONG, request_id STRING, operator STRING, key STRING, function STRING,
+    args BINARY, ts DOUBLE``; within a log partition, in offset order.
+
+Offsets (JSON, what Spark writes to ``<checkpoint>/offsets/<batch_id>`` *before* the batch runs)
+    ``{"offsets": [end_0, ..., end_{n-1}], "start": [start_0, ..., start_{n-1}]}``: the batch covers the
+    offsets ``[start_p, end_p)`` of every log partition ``p``. ``"start"`` is redundant with the previous
+    batch's end; it makes each offset-log entry self-describing. The initial offset (and so an empty first
+    batch) is ``{"offsets": [...]}`` without ``"start"``. Spark hands a batch's offsets back unchanged on
+    replay, so a batch always re-reads exactly the same requests. Use :func:`batch_offsets` inside
+    ``foreachBatch`` to get ``(starts, ends)`` of the running batch, then read the requests on the driver
+    with :meth:`charon.log.InputLog.read_range` (cheaper than collecting the DataFrame).
+
+``charon_replies`` options: ``path`` (the :class:`~charon.log.OutputLog`), ``maxRecordsPerBatch`` (default
+    10000). Offsets ``{"seq": end, "start": start}``: the batch holds the replies with ``start < seq <= end``.
+    Rows: ``seq LONG, request_id STRING, tid LONG, epoch LONG, ok BOOLEAN, value BINARY, error_type STRING,
+    error_message STRING``. With a checkpoint, each reply reaches the consuming query's sink exactly once
+    per committed batch, and each micro-batch's replies form one atom.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadLimit,
+    ReadMaxRows,
+    ReadMinRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    BinaryType,
+    BooleanType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+__all__ = [
+    "LOG_SCHEMA",
+    "REPLIES_SCHEMA",
+    "CharonLogDataSource",
+    "CharonRepliesDataSource",
+    "batch_offsets",
+    "cap_offsets",
+    "read_offset_log",
+    "register",
+]
+
+DEFAULT_MAX_RECORDS = 10000
+
+LOG_SCHEMA = StructType(
+    [
+        StructField("partition", IntegerType(), False),
+        StructField("offset", LongType(), False),
+        StructField("request_id", StringType(), False),
+        StructField("operator", StringType(), False),
+        StructField("key", StringType(), False),
+        StructField("function", StringType(), False),
+        StructField("args", BinaryType(), False),
+        StructField("ts", DoubleType(), False),
+    ]
+)
+
+REPLIES_SCHEMA = StructType(
+    [
+        StructField("seq", LongType(), False),
+        StructField("request_id", StringType(), False),
+        StructField("tid", LongType(), False),
+        StructField("epoch", LongType(), False),
+        StructField("ok", BooleanType(), False),
+        StructField("value", BinaryType(), False),
+        StructField("error_type", StringType(), False),
+        StructField("error_message", StringType(), False),
+    ]
+)
+
+# One open log per (process, path): Python workers are reused across tasks.
+_open_logs: dict[tuple[int, str, str], Any] = {}
+
+
+def _input_log(path: str) -> Any:
+    from charon.log import InputLog
+
+    k = (os.getpid(), "in", path)
+    log = _open_logs.get(k)
+    if log is None:
+        log = _open_logs[k] = InputLog(path)
+    return log
+
+
+def _output_log(path: str) -> Any:
+    from charon.log import OutputLog
+
+    k = (os.getpid(), "out", path)
+    log = _open_logs.get(k)
+    if log is None:
+        log = _open_logs[k] = OutputLog(path)
+    return log
+
+
+def _close_cached(path: str) -> None:
+    for k in [k for k in _open_logs if k[0] == os.getpid() and k[2] == path]:
+        _open_logs.pop(k).close()
+
+
+def _max_records(options: Any) -> int:
+    n = int(options.get("maxRecordsPerBatch", DEFAULT_MAX_RECORDS))
+    if n < 1:
+        raise ValueError(f"maxRecordsPerBatch must be >= 1, got {n}")
+    return n
+
+
+def cap_offsets(starts: Sequence[int], ends: Sequence[int], max_records: int) -> list[int]:
+    """End offsets of a batch of at most ``max_records`` entries starting at ``starts``.
+
+    Water-filling: every partition with data gets an equal share, shares a partition cannot use go to the
+    others; the remainder (< number of partitions) rotates with the start position, so no partition
+    starves. Deterministic in its arguments.
+    """
+    avail = [max(0, e - s) for s, e in zip(starts, ends, strict=True)]
+    if sum(avail) <= max_records:
+        return [s + a for s, a in zip(starts, avail, strict=True)]
+    n = len(avail)
+    alloc = [0] * n
+    left = max_records
+    active = [p for p in range(n) if avail[p] > 0]
+    while left > 0 and active:
+        share = left // len(active)
+        if share == 0:
+            rot = sum(starts) % len(active)
+            for p in (active[rot:] + active[:rot])[:left]:
+                alloc[p] += 1
+            break
+        for p in active:
+            g = min(share, avail[p] - alloc[p])
+            alloc[p] += g
+            left -= g
+        active = [p for p in active if alloc[p] < avail[p]]
+    return [s + a for s, a in zip(starts, alloc, strict=True)]
+
+
+class LogRange(InputPartition):
+    """Offsets ``[start, end)`` of one input-log partition (one Spark task)."""
+
+    def __init__(self, path: str, partition: int, start: int, end: int) -> None:
+        self.path = path
+        self.partition = partition
+        self.start = start
+        self.end = end
+
+    def __repr__(self) -> str:
+        return f"LogRange(partition={self.partition}, start={self.start}, end={self.end})"
+
+
+class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Stream reader over an :class:`~charon.log.InputLog`; see the module docstring."""
+
+    def __init__(self, options: Any) -> None:
+        if "path" not in options:
+            raise ValueError("charon_log needs option 'path' (the input log file)")
+        self.path = os.path.abspath(options["path"])
+        parts = options.get("partitions")
+        from charon.log import InputLog
+
+        # The reader is pickled to the Python workers: it keeps only plain attributes, logs are opened
+        # per process through a module-level cache (see ``log``).
+        with InputLog(self.path, None if parts is None else int(parts)) as log:
+            self.n = log.partitions
+        self.max_records = _max_records(options)
+        self.starting = options.get("startingOffsets", "earliest")
+        self._target: list[int] | None = None
+
+    @property
+    def log(self) -> Any:
+        return _input_log(self.path)
+
+    def initialOffset(self) -> dict:
+        s = self.starting
+        if s == "earliest":
+            offs = self.log.start_offsets()
+        elif s == "latest":
+            offs = self.log.end_offsets()
+        else:
+            offs = [int(x) for x in json.loads(s)]
+            if len(offs) != self.n:
+                raise ValueError(f"startingOffsets needs {self.n} offsets, got {offs}")
+        return {"offsets": offs}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxRows(self.max_records)
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        starts = list(start["offsets"])
+        ends = self.log.end_offsets() if self._target is None else list(self._target)
+        if isinstance(limit, ReadMaxRows):
+            ends = cap_offsets(starts, ends, limit.max_rows)
+        elif isinstance(limit, ReadMinRows):
+            if sum(max(0, e - s) for s, e in zip(starts, ends, strict=True)) < limit.min_rows:
+                return start
+        # ReadAllAvailable and limits that do not apply to a log (files, bytes): everything up to ends.
+        ends = [max(s, e) for s, e in zip(starts, ends, strict=True)]
+        if ends == starts:
+            return start  # no new data: Spark plans no batch
+        return {"offsets": ends, "start": starts}
+
+    def reportLatestOffset(self) -> dict:
+        return {"offsets": self.log.end_offsets()}
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self.log.end_offsets()
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        s, e = start["offsets"], end["offsets"]
+        return [LogRange(self.path, p, s[p], e[p]) for p in range(self.n) if e[p] > s[p]]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        import pyarrow as pa
+
+        from charon.serde import decode_request
+
+        assert isinstance(partition, LogRange)
+        rows = _input_log(partition.path).read_raw(partition.partition, partition.start, partition.end)
+        if not rows:
+            return
+        reqs = [decode_request(d) for _, d in rows]
+        yield pa.RecordBatch.from_arrays(
+            [
+                pa.array([partition.partition] * len(rows), pa.int32()),
+                pa.array([o for o, _ in rows], pa.int64()),
+                pa.array([r.request_id for r in reqs], pa.string()),
+                pa.array([r.operator for r in reqs], pa.string()),
+                pa.array([r.key for r in reqs], pa.string()),
+                pa.array([r.function for r in reqs], pa.string()),
+                pa.array([r.args for r in reqs], pa.binary()),
+                pa.array([r.ts for r in reqs], pa.float64()),
+            ],
+            schema=pa.schema(
+                [
+                    pa.field("partition", pa.int32(), False),
+                    pa.field("offset", pa.int64(), False),
+                    pa.field("request_id", pa.string(), False),
+                    pa.field("operator", pa.string(), False),
+                    pa.field("key", pa.string(), False),
+                    pa.field("function", pa.string(), False),
+                    pa.field("args", pa.binary(), False),
+                    pa.field("ts", pa.float64(), False),
+                ]
+            ),
+        )
+
+    def commit(self, end: dict) -> None:
+        """Nothing to do: retention (:meth:`InputLog.truncate`) follows the runtime's snapshots."""
+
+    def stop(self) -> None:
+        _close_cached(self.path)
+
+
+class CharonLogDataSource(DataSource):
+    """``spark.readStream.format("charon_log")``: the Charon input log as a stream."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "charon_log"
+
+    def schema(self) -> StructType:
+        return LOG_SCHEMA
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return CharonLogStreamReader(self.options)
+
+
+class SeqRange(InputPartition):
+    """Replies with ``start < seq <= end``."""
+
+    def __init__(self, path: str, start: int, end: int) -> None:
+        self.path = path
+        self.start = start
+        self.end = end
+
+    def __repr__(self) -> str:
+        return f"SeqRange(start={self.start}, end={self.end})"
+
+
+class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Stream reader over an :class:`~charon.log.OutputLog`; see the module docstring."""
+
+    def __init__(self, options: Any) -> None:
+        if "path" not in options:
+            raise ValueError("charon_replies needs option 'path' (the output log file)")
+        self.path = os.path.abspath(options["path"])
+        from charon.log import OutputLog
+
+        OutputLog(self.path).close()  # create it if missing; reopened per process (see ``log``)
+        self.max_records = _max_records(options)
+        self._target: int | None = None
+
+    @property
+    def log(self) -> Any:
+        return _output_log(self.path)
+
+    def initialOffset(self) -> dict:
+        return {"seq": 0}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxRows(self.max_records)
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        s = int(start["seq"])
+        last = self.log.last_seq() if self._target is None else self._target
+        if isinstance(limit, ReadMaxRows):
+            end = min(last, self.log.seq_after(s, limit.max_rows))
+        elif isinstance(limit, ReadMinRows):
+            end = last if len(self.log.read_between(s, last)) >= limit.min_rows else s
+        else:
+            end = last
+        if end <= s:
+            return start
+        return {"seq": end, "start": s}
+
+    def reportLatestOffset(self) -> dict:
+        return {"seq": self.log.last_seq()}
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self.log.last_seq()
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        s, e = int(start["seq"]), int(end["seq"])
+        return [SeqRange(self.path, s, e)] if e > s else []
+
+    def read(self, partition: InputPartition) -> Iterator[tuple]:
+        assert isinstance(partition, SeqRange)
+        for seq, r in _output_log(partition.path).read_between(partition.start, partition.end):
+            yield (seq, r.request_id, r.tid, r.epoch, r.ok, r.value, r.error_type, r.error_message)
+
+    def stop(self) -> None:
+        _close_cached(self.path)
+
+
+class CharonRepliesDataSource(DataSource):
+    """``spark.readStream.format("charon_replies")``: the Charon output log as a stream."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "charon_replies"
+
+    def schema(self) -> StructType:
+        return REPLIES_SCHEMA
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return CharonRepliesStreamReader(self.options)
+
+
+def register(spark: Any) -> None:
+    """Register the ``charon_log`` and ``charon_replies`` data sources with a SparkSession."""
+    spark.dataSource.register(CharonLogDataSource)
+    spark.dataSource.register(CharonRepliesDataSource)
+
+
+def read_offset_log(checkpoint_location: str | os.PathLike[str], batch_id: int) -> list[dict] | None:
+    """The source offsets Spark recorded for a batch (one dict per source, in query order), or None.
+
+    Parses ``<checkpoint>/offsets/<batch_id>`` (line 1: version, line 2: metadata, then one JSON offset
+    per source).
+    """
+    f = os.path.join(os.fspath(checkpoint_location), "offsets", str(batch_id))
+    try:
+        with open(f, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except FileNotFoundError:
+        return None
+    return [json.loads(x) if x and x != "-" else {} for x in lines[2:]]
+
+
+def batch_offsets(
+    checkpoint_location: str | os.PathLike[str], batch_id: int, source_index: int = 0
+) -> tuple[list[int], list[int]]:
+    """``(starts, ends)`` of a ``charon_log`` micro-batch: it covers offsets ``[starts[p], ends[p])``.
+
+    Call it inside ``foreachBatch(df, batch_id)`` with the query's checkpoint location (Spark writes the
+    offsets before calling the batch function, so this is exactly what a replay of the batch sees).
+    A batch whose end equals the previous batch's end is empty (``starts == ends``).
+    """
+    offs = read_offset_log(checkpoint_location, batch_id)
+    if offs is None:
+        raise FileNotFoundError(f"no offsets for batch {batch_id} under {checkpoint_location!r}")
+    cur = offs[source_index]
+    ends = list(cur["offsets"])
+    if batch_id > 0:
+        prev = read_offset_log(checkpoint_location, batch_id - 1)
+        if prev is not None and list(prev[source_index].get("offsets", [])) == ends:
+            return list(ends), ends
+    return list(cur.get("start", ends)), ends
