@@ -14,6 +14,6 @@ def raise_for_reply(reply: Reply) -> Any:
     if reply.ok:
         return serde.decode(reply.value) if reply.value else None
     cls = ENGINE_ERRORS.get(reply.error_type)
-    if cls is not None and reply.error_type != "CallGraphLimitExceeded":
+    if cls is not None:
         raise cls(reply.error_message)
     raise TransactionAborted(reply.error_type, reply.error_message, reply.request_id)
