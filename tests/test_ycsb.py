@@ -54,7 +54,7 @@ def test_aborted_transfers_leave_no_trace_and_fallback_commits_conflicts():
         check_epoch(ycsb.app, before, after, result)
         assert len(result.replies) + len(result.deferred) == len(result.requests) >= len(reqs)
         assert result.fast or result.slow, "conflicts are resolved by the fallback, not client retries"
-        for tid, rep in result.replies.items():
+        for rep in result.replies.values():
             if not rep.ok:
                 with pytest.raises(TransactionAborted) as exc:
                     raise_for_reply(rep)
