@@ -291,9 +291,9 @@ def populate(W: int = 1, scale: Scale = Scale(), seed: int = 0) -> Iterator[Reco
     orders undelivered with NEW-ORDER rows), scaled by ``scale``; string fields are shortened.
     """
     rng = random.Random(seed)
-    C, I, D = scale.customers, scale.items, scale.districts
-    O = scale.initial_orders
-    for i in range(1, I + 1):
+    C, n_items, D = scale.customers, scale.items, scale.districts
+    n_orders = scale.initial_orders
+    for i in range(1, n_items + 1):
         data = _astring(rng, 26, 50)
         if rng.random() < 0.1:
             data = data[:10] + "ORIGINAL" + data[18:]
@@ -301,13 +301,13 @@ def populate(W: int = 1, scale: Scale = Scale(), seed: int = 0) -> Iterator[Reco
     for w in range(1, W + 1):
         yield "warehouse", str(w), {"ytd": 3_000_000 * D}, {"info": {"name": f"W{w}",
                                                                      "tax": rng.randint(0, 2000) / 10000}}
-        for i in range(1, I + 1):
+        for i in range(1, n_items + 1):
             yield "stock", f"{w}:{i}", {
                 "quantity": rng.randint(10, 100), "ytd": 0, "order_cnt": 0, "remote_cnt": 0,
                 "dist": _astring(rng, 24, 24), "data": _astring(rng, 26, 50),
             }, None
         for d in range(1, D + 1):
-            yield "district", f"{w}:{d}", {"tax": rng.randint(0, 2000) / 10000, "next_o_id": O + 1}, \
+            yield "district", f"{w}:{d}", {"tax": rng.randint(0, 2000) / 10000, "next_o_id": n_orders + 1}, \
                 {"ytd": 3_000_000}
             index: dict[str, int] = {}
             for c in range(1, C + 1):
@@ -325,8 +325,8 @@ def populate(W: int = 1, scale: Scale = Scale(), seed: int = 0) -> Iterator[Reco
             yield "customer_index", f"{w}:{d}", None, index
             perm = list(range(1, C + 1))
             rng.shuffle(perm)
-            first_new = O - (O * 3) // 10 + 1  # 2101 of 3000
-            for o in range(1, O + 1):
+            first_new = n_orders - (n_orders * 3) // 10 + 1  # 2101 of 3000
+            for o in range(1, n_orders + 1):
                 ol_cnt = rng.randint(5, 15)
                 delivered = o < first_new
                 yield "order", f"{w}:{d}:{o}", {"c_id": perm[(o - 1) % C], "ol_cnt": ol_cnt, "all_local": True,
@@ -334,7 +334,7 @@ def populate(W: int = 1, scale: Scale = Scale(), seed: int = 0) -> Iterator[Reco
                                                  "carrier_id": rng.randint(1, 10) if delivered else None}, None
                 for n in range(1, ol_cnt + 1):
                     yield "order_line", f"{w}:{d}:{o}:{n}", {
-                        "i_id": rng.randint(1, I), "supply_w_id": w, "quantity": 5,
+                        "i_id": rng.randint(1, n_items), "supply_w_id": w, "quantity": 5,
                         "amount": 0 if delivered else rng.randint(1, 999999),
                         "dist_info": _astring(rng, 24, 24), "delivery_d": 0.0 if delivered else None,
                     }, None
@@ -428,9 +428,9 @@ def check(read_state: Callable[[str, str], Any], read_items: Callable[[str, str]
 
     1. W_YTD = sum(D_YTD); 2. D_NEXT_O_ID - 1 = max(O_ID) = max(NO_O_ID); 3. NEW-ORDER rows of a district
     are contiguous (max - min + 1 = count); 4. sum(O_OL_CNT) = number of ORDER-LINE rows.
-    ``read_state(operator, key)`` gives an entity's value, ``read_items(operator, key)`` its items (D_YTD). Warehouses and
-    districts are discovered by probing ids 1, 2, ... Rows beyond ``next_o_id`` (up to ``slack``) and lines
-    beyond ``ol_cnt`` are probed too, so stray rows are reported.
+    ``read_state(operator, key)`` gives an entity's value, ``read_items(operator, key)`` its items (D_YTD).
+    Warehouses and districts are discovered by probing ids 1, 2, ... Rows beyond ``next_o_id`` (up to
+    ``slack``) and lines beyond ``ol_cnt`` are probed too, so stray rows are reported.
     """
     errors: list[str] = []
     w = 1

@@ -475,7 +475,7 @@ class PostgresBaseline:
     async def start(self) -> None:
         for _ in range(self.pool_size):
             conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
-            conn.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+            await conn.set_isolation_level(psycopg.IsolationLevel.SERIALIZABLE)
             self._conns.append(conn)
             self._pool.put_nowait(conn)
 

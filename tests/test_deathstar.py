@@ -1,0 +1,78 @@
+"""Deathstar travel and movie review on the in-process runtime: capacity, atomic pairs, review indexes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from charon import serde
+from charon.apps import deathstar as ds
+from charon.inprocess import InProcessRuntime
+
+SIZES = {"hotels": 3, "flights": 3, "users": 40, "movies": 15, "movie_users": 15}
+
+
+def fresh() -> InProcessRuntime:
+    rt = InProcessRuntime(ds.app, partitions=4)
+    for op, key, value, items in ds.populate(capacity=5, **SIZES):
+        if value is not None:
+            rt.load(op, {key: value})
+        if items:
+            rt.load_items(op, key, items)
+    return rt
+
+
+async def test_capacity_never_exceeded_under_concurrent_reservations() -> None:
+    rt = fresh()
+    rng = random.Random(2)
+    reqs = [ds.reserve_request(rng, 3, 3, 40) for _ in range(60)]
+    async with rt:
+        replies = await asyncio.gather(*(rt.submit(op, k, f, a) for op, k, f, a in reqs))
+    ok = [r for r in replies if r.ok]
+    assert {r.error_type for r in replies if not r.ok} == {"SoldOut"}
+    assert 0 < len(ok) <= 15  # 3 hotels x 5 rooms
+    booked = sum(len(rt.read_state("hotel", f"h{i:03d}")["reservations"]) for i in range(3))
+    seats = sum(len(rt.read_state("flight", f"f{i:03d}")["reservations"]) for i in range(3))
+    assert booked == seats == len(ok)
+    assert ds.check(rt.read_state, **SIZES) == []
+    # the check notices an overbooked hotel
+    h = rt.read_state("hotel", "h000")
+    rt.load("hotel", {"h000": {**h, "reservations": ["x"] * 6}})
+    assert any("capacity" in e for e in ds.check(rt.read_state, **SIZES))
+
+
+async def test_reviews_stored_once_per_index() -> None:
+    rt = fresh()
+    rng = random.Random(4)
+    reqs = [ds.next_movie_request(rng, 15, 15) for _ in range(30)]
+    dup = (reqs[0][0], reqs[0][1], reqs[0][2], ["user1", "title2", 5, "again"])  # same review id
+    bad = ("compose_review", "r-bad", "compose", ["nobody", "title1", 3, "x"])  # unknown user
+    async with rt:
+        replies = await asyncio.gather(*(rt.submit(op, k, f, a) for op, k, f, a in reqs))
+        rep_dup = await rt.submit(*dup[:3], dup[3])
+        rep_bad = await rt.submit(*bad[:3], bad[3])
+    assert all(r.ok for r in replies)
+    assert not rep_dup.ok and rep_dup.error_type == "DuplicateReview"
+    assert not rep_bad.ok and rep_bad.error_type == "NotFound"
+    assert rt.read_state("review_text", "r-bad") is None
+    ids = [q[1] for q in reqs]
+    assert ds.check(rt.read_state, review_ids=ids, **SIZES) == []
+    assert sum(len(rt.read_state("user_review", f"mu{u}") or []) for u in range(15)) == 30
+    # an index entry pointing nowhere is reported
+    rt.load("movie_review", {"m0": (rt.read_state("movie_review", "m0") or []) + ["ghost"]})
+    assert any("ghost" in e for e in ds.check(rt.read_state, review_ids=ids, **SIZES))
+
+
+async def test_search_returns_the_nearest_hotels() -> None:
+    rt = fresh()
+    hotels = {f"h{i:03d}": rt.read_state("hotel", f"h{i:03d}") for i in range(3)}
+    lat, lon = ds.LAT0 + 0.05, ds.LON0 + 0.05
+    async with rt:
+        rep = await rt.submit("geo", ds.REGION, "search", [lat, lon, 2])
+        rec = await rt.submit("geo", ds.REGION, "recommend", [lat, lon, "dis"])
+        log = await rt.submit("user", "u001", "login", ["wrong"])
+    assert rep.ok and rec.ok
+    want = sorted(hotels, key=lambda h: (hotels[h]["lat"] - lat) ** 2 + (hotels[h]["lon"] - lon) ** 2)
+    assert [p["id"] for p in serde.decode(rep.value)] == want[:2]
+    assert serde.decode(rec.value) == want
+    assert not log.ok and log.error_type == "InvalidLogin"
