@@ -1,0 +1,297 @@
+"""InputLog / OutputLog on real SQLite files (several threads and spawned processes, no mocks)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sqlite3
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from charon.log import InputLog, OutputLog, log_partition_of
+from charon.messages import Reply, Request
+from charon.serde import encode
+
+
+def req(i: int | str, key: str | None = None, ts: float = 0.0) -> Request:
+    rid = f"r{i}"
+    return Request(rid, "account", key if key is not None else f"k{i}", "deposit", encode([i]), ts)
+
+
+def rep(i: int, epoch: int = 0) -> Reply:
+    return Reply(f"r{i}", tid=i + 1, epoch=epoch, ok=True, value=encode(i))
+
+
+# -- InputLog ------------------------------------------------------------------------------------
+
+
+def test_append_read_dense_offsets(tmp_path: Path) -> None:
+    log = InputLog(tmp_path / "in.db", partitions=4)
+    positions = [log.append(req(i)) for i in range(40)]
+    # default partition: crc32 of the key string
+    for i, (p, _) in enumerate(positions):
+        assert p == zlib.crc32(f"k{i}".encode()) % 4 == log_partition_of(f"k{i}", 4)
+    # offsets dense per partition, in append order
+    for p in range(4):
+        offs = [o for q, o in positions if q == p]
+        assert offs == list(range(len(offs)))
+    ends = log.end_offsets()
+    assert ends == [sum(1 for q, _ in positions if q == p) for p in range(4)]
+    assert log.count() == 40
+    for p in range(4):
+        got = log.read(p, 0, ends[p])
+        want = [f"r{i}" for i, (q, _) in enumerate(positions) if q == p]
+        assert [r.request_id for r in got] == want
+        assert all(r.ts > 0 for r in got)  # ts assigned at append
+    # sub-range
+    p = max(range(4), key=lambda q: ends[q])
+    assert [r.request_id for r in log.read(p, 1, 3)] == [r.request_id for r in log.read(p, 0, 3)[1:]]
+    assert log.read(p, 2, 2) == []
+
+
+def test_explicit_partition_ts_kept_and_roundtrip(tmp_path: Path) -> None:
+    log = InputLog(tmp_path / "in.db", partitions=3)
+    r = req(1, ts=123.5)
+    assert log.append(r, partition=2) == (2, 0)
+    assert log.read(2, 0, 1) == [r]  # full fidelity, given ts kept
+    before = time.time()
+    log.append(req(2), partition=2)
+    (stored,) = log.read(2, 1, 2)
+    assert before <= stored.ts <= time.time()
+    with pytest.raises(ValueError):
+        log.append(req(3), partition=3)
+
+
+def test_read_range_ordered(tmp_path: Path) -> None:
+    log = InputLog(tmp_path / "in.db", partitions=4)
+    log.append_many([req(i) for i in range(100)])
+    ends = log.end_offsets()
+    starts = [min(2, e) for e in ends]
+    rows = log.read_range(starts, ends)
+    assert [(p, o) for p, o, _ in rows] == [(p, o) for p in range(4) for o in range(starts[p], ends[p])]
+    assert len(rows) == 100 - sum(starts)
+    for p, o, r in rows:
+        assert log.read(p, o, o + 1) == [r]
+
+
+def test_read_beyond_end_or_truncated_raises(tmp_path: Path) -> None:
+    log = InputLog(tmp_path / "in.db", partitions=1)
+    log.append_many([req(i) for i in range(5)])
+    with pytest.raises(ValueError, match="ends at 5"):
+        log.read(0, 0, 6)
+    log.truncate([3])
+    with pytest.raises(ValueError, match="truncated"):
+        log.read(0, 2, 5)
+    assert [r.request_id for r in log.read(0, 3, 5)] == ["r3", "r4"]
+
+
+def test_partition_count_is_persistent(tmp_path: Path) -> None:
+    path = tmp_path / "in.db"
+    InputLog(path, partitions=8).close()
+    assert InputLog(path).partitions == 8
+    assert InputLog(path, partitions=8).partitions == 8
+    with pytest.raises(ValueError, match="8 partitions"):
+        InputLog(path, partitions=4)
+    assert InputLog(tmp_path / "new.db").partitions == 4
+
+
+def test_wal_mode(tmp_path: Path) -> None:
+    path = tmp_path / "in.db"
+    InputLog(path).close()
+    OutputLog(tmp_path / "out.db").close()
+    for f in ("in.db", "out.db"):
+        c = sqlite3.connect(tmp_path / f)
+        assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        c.close()
+
+
+def test_idempotent_append(tmp_path: Path) -> None:
+    log = InputLog(tmp_path / "in.db", partitions=4)
+    first = log.append(req(1))
+    assert log.contains("r1") and not log.contains("r2")
+    # a retry with the same request id, even with another key/partition, is not appended again
+    assert log.append(Request("r1", "account", "other", "deposit", b"\x90"), partition=3) == first
+    assert log.count() == 1
+    # duplicates inside one batch and against the log
+    got = log.append_many([req(2), req(1), req(2), req(3)])
+    assert got[1] == first and got[0] == got[2] and got[3] != got[0]
+    assert log.count() == 3
+    assert sum(log.end_offsets()) == 3
+    assert log.position("r2") == got[0]
+
+
+def test_append_many_is_one_transaction(tmp_path: Path) -> None:
+    log = InputLog(tmp_path / "in.db", partitions=2)
+    bad = Request("bad", "account", "k", "f", b"", 0.0)
+    with pytest.raises(ValueError):
+        log.append_many([req(1), (bad, 7)])  # invalid partition: nothing of the batch is stored
+    assert log.count() == 0 and log.end_offsets() == [0, 0] and not log.contains("r1")
+    out = log.append_many([(req(i), i % 2) for i in range(6)])
+    assert out == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+
+
+def test_truncate_keeps_counting(tmp_path: Path) -> None:
+    log = InputLog(tmp_path / "in.db", partitions=2)
+    log.append_many([(req(i), i % 2) for i in range(10)])
+    assert log.end_offsets() == [5, 5]
+    log.truncate([3, 5])
+    assert log.count() == 2
+    assert log.start_offsets() == [3, 5]
+    assert log.end_offsets() == [5, 5]
+    log.truncate([1, 1])  # below the truncation point: no-op
+    assert log.start_offsets() == [3, 5]
+    assert log.append(req("new"), partition=1) == (1, 5)  # offsets never reused
+    assert [r.request_id for r in log.read(1, 5, 6)] == ["rnew"]
+    # idempotency outlives retention
+    assert log.contains("r0")
+    assert log.append(req(0), partition=0) == (0, 0)
+    assert log.count() == 3
+    with pytest.raises(ValueError):
+        log.truncate([6, 0])
+    with pytest.raises(ValueError):
+        log.truncate([1])
+
+
+def test_reopen_sees_data(tmp_path: Path) -> None:
+    path = tmp_path / "in.db"
+    with InputLog(path, partitions=2) as log:
+        log.append_many([req(i) for i in range(7)])
+        ends = log.end_offsets()
+    log2 = InputLog(path)
+    assert log2.end_offsets() == ends
+    assert sorted(r.request_id for _, _, r in log2.read_range([0, 0], ends)) == sorted(
+        f"r{i}" for i in range(7)
+    )
+
+
+def test_threads_append_concurrently(tmp_path: Path) -> None:
+    log = InputLog(tmp_path / "in.db", partitions=4)
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(50):
+                log.append(req(f"t{t}-{i}"))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert log.count() == 200
+    rows = log.read_range([0] * 4, log.end_offsets())
+    assert len({r.request_id for _, _, r in rows}) == 200
+
+
+def _proc_append(path: str, worker: int, n: int, batch: int) -> None:
+    log = InputLog(path)
+    i = 0
+    while i < n:
+        # every id appears in two workers: (worker, i) and (worker ^ 1, i) share "s{pair}-{i}"
+        chunk = []
+        for j in range(i, min(n, i + batch)):
+            chunk.append(req(f"w{worker}-{j}"))
+            chunk.append(req(f"s{worker // 2}-{j}"))
+        if batch == 1:
+            for r in chunk:
+                log.append(r)
+        else:
+            log.append_many(chunk)
+        i += batch
+    log.close()
+
+
+def test_multiprocess_appends(tmp_path: Path) -> None:
+    path = str(tmp_path / "in.db")
+    InputLog(path, partitions=4).close()
+    ctx = mp.get_context("spawn")
+    n = 60
+    procs = [ctx.Process(target=_proc_append, args=(path, w, n, 1 if w % 2 else 7)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    log = InputLog(path)
+    ends = log.end_offsets()
+    rows = log.read_range([0] * 4, ends)
+    ids = [r.request_id for _, _, r in rows]
+    want = {f"rw{w}-{j}" for w in range(4) for j in range(n)}
+    want |= {f"rs{k}-{j}" for k in range(2) for j in range(n)}
+    assert len(ids) == len(set(ids)) == len(want)  # shared ids appended once
+    assert set(ids) == want
+    assert sum(ends) == len(want) == log.count()
+    for p in range(4):  # dense, per partition
+        assert [o for q, o, _ in rows if q == p] == list(range(ends[p]))
+    for q, _, r in rows:
+        assert q == log_partition_of(r.key, 4)
+
+
+# -- OutputLog -----------------------------------------------------------------------------------
+
+
+def test_output_log_exactly_once(tmp_path: Path) -> None:
+    out = OutputLog(tmp_path / "out.db")
+    assert out.put_many([rep(1), rep(2), rep(3)]) == 3
+    # a replayed epoch re-delivers 2 and 3 (maybe with other tids): ignored
+    assert out.put_many([Reply("r2", 99, 1, False, b"", "X", "y"), rep(3), rep(4)]) == 1
+    assert out.put_many([]) == 0
+    assert out.count() == 4
+    assert out.get("r2") == rep(2)
+    assert out.get("nope") is None
+    seen = out.read_since(0)
+    assert [r.request_id for _, r in seen] == ["r1", "r2", "r3", "r4"]
+    seqs = [s for s, _ in seen]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 4
+    assert [r.request_id for _, r in out.read_since(seqs[1])] == ["r3", "r4"]
+    assert [r.request_id for _, r in out.read_since(0, limit=2)] == ["r1", "r2"]
+    assert out.read_between(seqs[0], seqs[2]) == seen[1:3]
+    assert out.last_seq() == seqs[-1]
+    assert out.seq_after(0, 2) == seqs[1] and out.seq_after(0, 100) == seqs[-1]
+    assert out.put(rep(5)) is True and out.put(rep(5)) is False
+
+
+def test_output_log_consumer_sees_each_reply_once(tmp_path: Path) -> None:
+    path = tmp_path / "out.db"
+    out = OutputLog(path)
+    stop = threading.Event()
+
+    def producer() -> None:
+        for i in range(300):
+            batch = [rep(i), rep(max(0, i - 1))]  # every reply is re-put once (replay)
+            out.put_many(batch)
+        stop.set()
+
+    consumer_log = OutputLog(path)
+    seen: list[str] = []
+    seq = 0
+    th = threading.Thread(target=producer)
+    th.start()
+    while True:
+        done = stop.is_set()
+        for s, r in consumer_log.read_since(seq, limit=17):
+            assert s > seq
+            seq = s
+            seen.append(r.request_id)
+        if done and not consumer_log.read_since(seq):
+            break
+    th.join()
+    assert seen == [f"r{i}" for i in range(300)]
+
+
+def test_wait_for(tmp_path: Path) -> None:
+    out = OutputLog(tmp_path / "out.db")
+    t0 = time.monotonic()
+    assert out.wait_for("r1", timeout=0.05) is None
+    assert time.monotonic() - t0 >= 0.05
+    timer = threading.Timer(0.1, lambda: OutputLog(tmp_path / "out.db").put_many([rep(1)]))
+    timer.start()
+    got = out.wait_for("r1", timeout=5)
+    timer.join()
+    assert got == rep(1)

@@ -1,0 +1,232 @@
+"""The ``charon_log`` / ``charon_replies`` streaming sources on a real local[2] SparkSession."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from charon.log import InputLog, OutputLog
+from charon.messages import Reply, Request
+from charon.serde import encode
+from charon.spark.source import batch_offsets, cap_offsets, read_offset_log
+
+PYTHON = "/work/main/.venv/bin/python"
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    os.environ.setdefault("PYSPARK_PYTHON", PYTHON)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", PYTHON)
+    from pyspark.sql import SparkSession
+
+    from charon.spark.source import register
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("charon-test-spark-source")
+        .config("spark.python.unix.domain.socket.enabled", "true")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.streaming.stopTimeout", "30s")
+        .getOrCreate()
+    )
+    register(session)
+    yield session
+    session.stop()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 90.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def make_reqs(prefix: str, n: int) -> list[Request]:
+    return [Request(f"{prefix}{i}", "account", f"{prefix}-key{i}", "deposit", encode([i])) for i in range(n)]
+
+
+# -- pure functions ------------------------------------------------------------------------------
+
+
+def test_cap_offsets_fair_and_bounded() -> None:
+    assert cap_offsets([0, 0], [3, 5], 100) == [3, 5]  # under the cap: everything
+    assert cap_offsets([0, 0, 0, 0], [10, 10, 10, 10], 8) == [2, 2, 2, 2]
+    assert cap_offsets([0, 0, 0, 0], [1, 100, 0, 100], 9) == [1, 4, 0, 4]  # unused share redistributed
+    got = cap_offsets([5, 0, 0], [100, 100, 100], 7)
+    assert sum(g - s for g, s in zip(got, [5, 0, 0], strict=True)) == 7
+    assert all(2 <= g - s <= 3 for g, s in zip(got, [5, 0, 0], strict=True))
+    # fewer records than partitions: the remainder rotates with the start position (no starvation)
+    a = cap_offsets([0, 0, 0, 0], [9, 9, 9, 9], 1)
+    b = cap_offsets(a, [9, 9, 9, 9], 1)
+    assert sum(a) == 1 and sum(b) == 2 and a != [x - y for x, y in zip(b, a, strict=True)]
+    assert cap_offsets([3, 3], [3, 3], 10) == [3, 3]
+
+
+# -- streaming over the input log ----------------------------------------------------------------
+
+
+class Collector:
+    """foreachBatch sink: records every attempt of every batch (rows sorted by partition, offset)."""
+
+    def __init__(self, ckpt: str, fail_batches_with_data_after: int | None = None) -> None:
+        self.ckpt = ckpt
+        self.lock = threading.Lock()
+        self.batches: dict[int, list[tuple[int, int, str]]] = {}
+        self.ranges: dict[int, tuple[list[int], list[int]]] = {}
+        self.failed: dict[int, list[tuple[int, int, str]]] = {}
+        self.fail_after = fail_batches_with_data_after
+        self.times: list[float] = []
+
+    def __call__(self, df: Any, batch_id: int) -> None:
+        t0 = time.perf_counter()
+        rows = sorted((r.partition, r.offset, r.request_id) for r in df.collect())
+        starts, ends = batch_offsets(self.ckpt, batch_id)
+        with self.lock:
+            if rows and self.fail_after is not None and len(self.batches_with_data()) >= self.fail_after:
+                self.failed[batch_id] = rows
+                self.ranges[batch_id] = (starts, ends)
+                raise RuntimeError(f"injected failure in batch {batch_id}")
+            self.batches[batch_id] = rows
+            self.ranges[batch_id] = (starts, ends)
+            self.times.append(time.perf_counter() - t0)
+
+    def batches_with_data(self) -> list[int]:
+        return [b for b, rows in self.batches.items() if rows]
+
+    def count(self) -> int:
+        with self.lock:
+            return sum(len(r) for r in self.batches.values())
+
+
+@pytest.mark.spark
+def test_log_stream_exactly_once_replay_and_restart(spark: Any, tmp_path: Path) -> None:
+    log_path = str(tmp_path / "in.db")
+    ckpt = str(tmp_path / "ckpt")
+    log = InputLog(log_path, partitions=4)
+    cap = 4
+
+    def start(sink: Collector) -> Any:
+        return (
+            spark.readStream.format("charon_log")
+            .option("path", log_path)
+            .option("partitions", "4")
+            .option("maxRecordsPerBatch", str(cap))
+            .load()
+            .writeStream.foreachBatch(sink)
+            .option("checkpointLocation", ckpt)
+            .start()
+        )
+
+    # 1. first run: 10 requests (>= 3 capped batches), 6 more while running, then an injected crash.
+    log.append_many(make_reqs("a", 10))
+    first = Collector(ckpt)
+    q = start(first)
+    wait_until(lambda: first.count() >= 10, what="first 10 requests")
+    log.append_many(make_reqs("b", 6))
+    wait_until(lambda: first.count() >= 16, what="16 requests")
+    assert len(first.batches_with_data()) >= 3 + 2
+    first.fail_after = 0  # the next batch with data fails after seeing its rows
+    log.append_many(make_reqs("c", 5))
+    wait_until(lambda: bool(first.failed), what="the injected failure")
+    with pytest.raises(Exception, match="injected failure"):
+        q.awaitTermination(60)
+    (failed_id,) = first.failed
+    assert max(first.batches) < failed_id
+    assert read_offset_log(ckpt, failed_id) is not None  # offsets written before the batch ran
+    assert not os.path.exists(os.path.join(ckpt, "commits", str(failed_id)))
+
+    # 2. more data while the query is down; a restart must replay the failed batch identically.
+    log.append_many(make_reqs("d", 7))
+    second = Collector(ckpt)
+    q = start(second)
+    try:
+        wait_until(lambda: second.count() + first.count() >= 28, what="all 28 requests")
+    finally:
+        q.stop()
+
+    assert second.batches[failed_id] == first.failed[failed_id]  # same (partition, offset, id) rows
+    assert second.ranges[failed_id] == first.ranges[failed_id]
+    assert set(first.batches).isdisjoint(second.batches)
+
+    committed = {**first.batches, **second.batches}
+    ranges = {**first.ranges, **second.ranges}
+    ends = log.end_offsets()
+    assert sum(ends) == 28
+    per_part: dict[int, list[int]] = {p: [] for p in range(4)}
+    ids: list[str] = []
+    for b in sorted(committed):
+        rows = committed[b]
+        assert len(rows) <= cap
+        starts_b, ends_b = ranges[b]
+        # the batch's rows are exactly the log's entries in [starts, ends), in (partition, offset) order
+        assert [(p, o, r.request_id) for p, o, r in log.read_range(starts_b, ends_b)] == rows
+        for p, o, rid in rows:
+            per_part[p].append(o)
+            ids.append(rid)
+    for p in range(4):  # no gaps, no duplicates, in order, across batches and the restart
+        assert per_part[p] == list(range(ends[p]))
+    assert sorted(ids) == sorted(r.request_id for _, _, r in log.read_range([0] * 4, ends))
+    assert len(ids) == len(set(ids)) == 28
+    print(f"\nforeachBatch collect+offsets per batch (s): {sorted(second.times)}")
+
+
+@pytest.mark.spark
+def test_replies_stream_exactly_once(spark: Any, tmp_path: Path) -> None:
+    out_path = str(tmp_path / "out.db")
+    ckpt = str(tmp_path / "ckpt")
+    out = OutputLog(out_path)
+    seen: list[tuple[int, int, str]] = []  # (batch_id, seq, request_id)
+    lock = threading.Lock()
+
+    def sink(df: Any, batch_id: int) -> None:
+        rows = sorted((r.seq, r.request_id, r.epoch, r.ok) for r in df.collect())
+        with lock:
+            seen.extend((batch_id, s, rid) for s, rid, _, _ in rows)
+        for s, rid, epoch, ok in rows:
+            assert out.get(rid) == Reply(rid, tid=s * 10, epoch=epoch, ok=ok)
+
+    def put_epoch(epoch: int, n: int) -> None:
+        base = out.last_seq()
+        replies = [Reply(f"e{epoch}-{i}", tid=(base + i + 1) * 10, epoch=epoch, ok=True) for i in range(n)]
+        assert out.put_many(replies) == n
+
+    def start() -> Any:
+        return (
+            spark.readStream.format("charon_replies")
+            .option("path", out_path)
+            .option("maxRecordsPerBatch", "5")
+            .load()
+            .writeStream.foreachBatch(sink)
+            .option("checkpointLocation", ckpt)
+            .start()
+        )
+
+    put_epoch(0, 3)
+    q = start()
+    wait_until(lambda: len(seen) >= 3, what="epoch 0 replies")
+    put_epoch(1, 8)  # more than one batch's worth
+    wait_until(lambda: len(seen) >= 11, what="epoch 1 replies")
+    q.stop()
+    put_epoch(2, 4)
+    assert out.put_many([Reply("e1-0", 1, 1, False)]) == 0  # a replayed reply is not stored again
+    q = start()
+    try:
+        wait_until(lambda: len(seen) >= 15, what="epoch 2 replies")
+        time.sleep(1.0)  # let any (wrong) duplicate batch show up
+    finally:
+        q.stop()
+
+    assert [s for _, s, _ in seen] == [s for s, _ in out.read_since(0)]  # each once, in seq order
+    assert len(seen) == out.count() == 15
+    per_batch: dict[int, int] = {}
+    for b, _, _ in seen:
+        per_batch[b] = per_batch.get(b, 0) + 1
+    assert max(per_batch.values()) <= 5 and len(per_batch) >= 4
