@@ -21,6 +21,8 @@ other         :class:`GatewayError` (after the retries, for 5xx)
 from __future__ import annotations
 
 import asyncio
+import itertools
+import sys
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -52,6 +54,11 @@ __all__ = [
     "RequestNotFound",
     "GatewayError",
 ]
+
+try:  # httpcore re-imports sniffio on every async request; a failed import is not cached by Python
+    import sniffio  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the environment
+    sys.modules.setdefault("sniffio", None)  # type: ignore[arg-type]
 
 MSGPACK = "application/msgpack"
 _enc = msgspec.msgpack.Encoder()
@@ -165,6 +172,19 @@ def _retryable(resp: httpx.Response) -> bool:
     return resp.status_code >= 500
 
 
+#: Connections per httpx pool: httpcore's pool does work quadratic in its size on every request, so the
+#: clients spread requests round-robin over several small pools instead of one large one.
+_SHARD_CONNECTIONS = 8
+
+
+def _shard_limits() -> httpx.Limits:
+    return httpx.Limits(max_connections=_SHARD_CONNECTIONS, max_keepalive_connections=_SHARD_CONNECTIONS)
+
+
+def _shard_count(max_connections: int) -> int:
+    return max(1, -(-max_connections // _SHARD_CONNECTIONS))
+
+
 def _backoff(attempt: int) -> float:
     return min(0.05 * (2**attempt), 2.0)
 
@@ -197,19 +217,27 @@ class _Base:
 class Client(_Base):
     """Blocking client (httpx). Thread-safe; use as a context manager or call :meth:`close`."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 3) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 3,
+        max_connections: int = 64,
+    ) -> None:
         super().__init__(url, token, timeout, retries)
-        self._http = httpx.Client(
-            base_url=self.url,
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-        )
+        self._shards = [
+            httpx.Client(base_url=self.url, timeout=timeout, limits=_shard_limits())
+            for _ in range(_shard_count(max_connections))
+        ]
+        self._next = itertools.count()
 
     def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
-                resp = self._http.request(method, path, **kw)
+                http = self._shards[next(self._next) % len(self._shards)]
+                resp = http.request(method, path, **kw)
             except httpx.TransportError as exc:
                 last = exc
             else:
@@ -236,9 +264,7 @@ class Client(_Base):
         except _Pending:
             return self.result_of(rid, None)
 
-    def invoke(
-        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
-    ) -> Any:
+    def invoke(self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None) -> Any:
         """Run one transaction and return the root function's value.
 
         Raises :class:`~charon.errors.TransactionAborted` when the transaction aborted, and the typed errors
@@ -246,9 +272,7 @@ class Client(_Base):
         """
         return self.invoke_result(operator, key, function, *args, request_id=request_id).value
 
-    def submit(
-        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
-    ) -> str:
+    def submit(self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None) -> str:
         """Start a transaction without waiting (``?mode=async``); returns its request id."""
         rid = request_id or uuid.uuid4().hex
         resp = self._send(
@@ -288,9 +312,7 @@ class Client(_Base):
 
     def state(self, operator: str, key: str) -> Any:
         """An entity's committed state (an admin read: needs the token)."""
-        resp = self._send(
-            "GET", f"/state/{quote(operator, safe='')}/{quote(key, safe='')}", headers=self.headers
-        )
+        resp = self._send("GET", f"/state/{quote(operator, safe='')}/{quote(key, safe='')}", headers=self.headers)
         body = _decode_body(resp)
         if resp.status_code != 200:
             _raise_error(resp.status_code, body, None)
@@ -319,7 +341,8 @@ class Client(_Base):
             return list(pool.map(one, items))
 
     def close(self) -> None:
-        self._http.close()
+        for http in self._shards:
+            http.close()
 
     def __enter__(self) -> Client:
         return self
@@ -340,17 +363,18 @@ class AsyncClient(_Base):
         max_connections: int = 256,
     ) -> None:
         super().__init__(url, token, timeout, retries)
-        self._http = httpx.AsyncClient(
-            base_url=self.url,
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        self._shards = [
+            httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=_shard_limits())
+            for _ in range(_shard_count(max_connections))
+        ]
+        self._next = itertools.count()
 
     async def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
-                resp = await self._http.request(method, path, **kw)
+                http = self._shards[next(self._next) % len(self._shards)]
+                resp = await http.request(method, path, **kw)
             except httpx.TransportError as exc:
                 last = exc
             else:
@@ -377,9 +401,7 @@ class AsyncClient(_Base):
         except _Pending:
             return await self.result_of(rid, None)
 
-    async def invoke(
-        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
-    ) -> Any:
+    async def invoke(self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None) -> Any:
         """Run one transaction and return the root function's value (see :meth:`Client.invoke`)."""
         return (await self.invoke_result(operator, key, function, *args, request_id=request_id)).value
 
@@ -402,9 +424,7 @@ class AsyncClient(_Base):
 
         return await asyncio.gather(*(one(c) for c in items), return_exceptions=return_exceptions)
 
-    async def submit(
-        self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
-    ) -> str:
+    async def submit(self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None) -> str:
         """Start a transaction without waiting (``?mode=async``); returns its request id."""
         rid = request_id or uuid.uuid4().hex
         resp = await self._send(
@@ -444,9 +464,7 @@ class AsyncClient(_Base):
 
     async def state(self, operator: str, key: str) -> Any:
         """An entity's committed state (an admin read: needs the token)."""
-        resp = await self._send(
-            "GET", f"/state/{quote(operator, safe='')}/{quote(key, safe='')}", headers=self.headers
-        )
+        resp = await self._send("GET", f"/state/{quote(operator, safe='')}/{quote(key, safe='')}", headers=self.headers)
         body = _decode_body(resp)
         if resp.status_code != 200:
             _raise_error(resp.status_code, body, None)
@@ -457,7 +475,8 @@ class AsyncClient(_Base):
         return _decode_body(await self._send("GET", "/health", headers=self.headers))
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for http in self._shards:
+            await http.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self
