@@ -1,0 +1,504 @@
+"""The Spark runtime: one epoch per Structured Streaming micro-batch, partition state resident on executors.
+
+* The input log (:mod:`charon.log`) is read by the ``charon_log`` streaming source; Spark writes
+  ``offsets/N`` before batch N runs, which makes epoch boundaries durable. ``foreachBatch`` runs epoch
+  ``N = batch_id``: the driver reads the batch's requests straight from the log (cheaper than a Spark read
+  job) and calls the one core, :class:`~charon.epoch.EpochCoordinator`, through :class:`SparkExchange`.
+* Each round is one Spark job: the partitions' inboxes and scratch go out in as many tasks as there are
+  cores; each task opens its partitions' executor-local LMDB stores (:mod:`charon.lmdbstore`), brings them
+  to the previous epoch from the durable copy if they are missing or behind, and steps the
+  :class:`~charon.partition.PartitionUnit`. Rounds only read the store; the finalize round writes the
+  epoch's delta (durable file first, then LMDB) idempotently, so a replayed epoch is harmless.
+* After the epoch, an epoch record (sequencer counters, deferred transactions, offsets) is written under
+  the checkpoint; a replayed batch whose record exists is skipped. Replies go to the output log at once
+  (early replies; ``INSERT OR IGNORE`` by request id makes delivery exactly-once).
+* Every ``compact_every`` epochs the durable deltas are compacted in a background thread and the input log
+  is truncated up to the compacted snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from functools import partial
+from typing import Any
+
+import msgspec
+
+from charon import serde
+from charon.config import SparkConfig
+from charon.durable import DurableState
+from charon.epoch import EpochCoordinator, EpochResult
+from charon.log import InputLog, OutputLog
+from charon.messages import Reply, Request
+from charon.operator import Application
+from charon.partition import Control, PartitionUnit, RoundOutput
+from charon.routing import partition_of, split_store_key, store_key
+
+TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
+
+
+class EpochRecord(msgspec.Struct):
+    """What the driver keeps per epoch under ``<checkpoint>/epochs``: enough to continue after a crash."""
+
+    epoch: int
+    counters: list[int]
+    deferred: list[tuple[int, bytes]]  # (tid, encoded request)
+    starts: list[int]
+    ends: list[int]
+    stats: dict[str, float] = {}
+
+
+# -- fault injection for the crash tests: CHARON_CRASH_AT="point:epoch" SIGKILLs this process there ----------
+def crash_point(point: str, epoch: int) -> None:
+    spec = os.environ.get("CHARON_CRASH_AT")
+    if spec and spec == f"{point}:{epoch}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def check_java() -> None:
+    """Raise a readable error when no Java runtime is available for Spark."""
+    java = shutil.which("java") or (
+        os.path.join(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else None
+    )
+    if not java or not os.path.exists(java):
+        raise RuntimeError(
+            "Spark needs Java 17 or newer, and none was found: install a JDK (Debian: apt-get install "
+            "openjdk-17-jre-headless) or set JAVA_HOME."
+        )
+    try:
+        subprocess.run([java, "-version"], capture_output=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"Java at {java} does not run: {exc}") from None
+
+
+def make_session(config: SparkConfig) -> Any:
+    """A SparkSession configured for Charon (Unix-domain sockets to Python workers, small shuffles)."""
+    check_java()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    b = (
+        SparkSession.builder.master(config.master)
+        .appName(config.app_name)
+        .config("spark.python.unix.domain.socket.enabled", "true")
+        .config("spark.sql.shuffle.partitions", str(config.partitions))
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+        .config("spark.executorEnv.PYSPARK_PYTHON", os.environ["PYSPARK_PYTHON"])
+    )
+    for k, v in config.spark_conf.items():
+        b = b.config(k, v)
+    spark = b.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+# -- executor side ------------------------------------------------------------------------------------------
+_APPS: dict[str, Application] = {}
+
+
+def load_app(ref: str) -> Application:
+    """Import ``module:attribute`` (an installed module: code is only loaded from what is deployed)."""
+    app = _APPS.get(ref)
+    if app is None:
+        mod, _, attr = ref.partition(":")
+        app = getattr(importlib.import_module(mod), attr or "app")
+        if not isinstance(app, Application):
+            raise TypeError(f"{ref} is not a charon.Application")
+        _APPS[ref] = app
+    return app
+
+
+def executor_local_dir(configured: str | None, checkpoint: str) -> str:
+    """Where an executor keeps its resident stores: configured, else the executor's Spark dirs, else /tmp."""
+    if configured:
+        return configured
+    base = (
+        os.environ.get("CHARON_LOCAL_DIR")
+        or (os.environ.get("SPARK_EXECUTOR_DIRS") or "").split(os.pathsep)[0].split(",")[0]
+        or (os.environ.get("SPARK_LOCAL_DIRS") or "").split(",")[0]
+        or tempfile.gettempdir()
+    )
+    import zlib
+
+    return os.path.join(base, f"charon-{zlib.crc32(checkpoint.encode()):08x}")
+
+
+def _run_partitions(
+    app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
+    items: Iterable[tuple[int, bytes]],
+) -> Iterator[tuple[int, bytes]]:
+    from charon.lmdbstore import open_store
+
+    app = load_app(app_ref)
+    root = executor_local_dir(local_dir, checkpoint)
+    for pid, payload in items:
+        control, scratch, inbox = pickle.loads(payload)
+        store = open_store(root, pid, durable_root)
+        t0 = time.perf_counter()
+        store.ensure_epoch(control.epoch - 1)
+        t1 = time.perf_counter()
+        unit = PartitionUnit(pid, parts, app, store)
+        unit.load_scratch(scratch)
+        if control.finalize:
+            out = unit.step(control, inbox)
+        else:
+            with store.reading():
+                out = unit.step(control, inbox)
+        t2 = time.perf_counter()
+        out.stats["restore_us"] = int((t1 - t0) * 1e6)
+        out.stats["step_us"] = int((t2 - t1) * 1e6)
+        scratch_out = None if control.finalize else unit.dump_scratch()
+        yield pid, pickle.dumps((scratch_out, out), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _read_entities(
+    app_ref: str, local_dir: str | None, durable_root: str, checkpoint: str, epoch: int,
+    items: Iterable[tuple[int, list[bytes]]],
+) -> Iterator[tuple[bytes, bytes | None]]:
+    from charon.lmdbstore import open_store
+
+    root = executor_local_dir(local_dir, checkpoint)
+    for pid, keys in items:
+        store = open_store(root, pid, durable_root)
+        store.ensure_epoch(epoch)
+        with store.reading():
+            for k in keys:
+                yield k, store.get(k)
+
+
+def _write_bases(durable_root: str, parts: int, rows: Iterable[Any]) -> Iterator[int]:
+    by_pid: dict[int, dict[bytes, bytes]] = {}
+    for r in rows:
+        op, key, item, value = r[0], r[1], r[2] or "", r[3]
+        by_pid.setdefault(partition_of(op, key, parts), {})[store_key(op, key, item)] = bytes(value)
+    durable = DurableState(durable_root)
+    for pid, items in by_pid.items():
+        durable.write_base(pid, -1, sorted(items.items()))
+        yield len(items)
+
+
+# -- driver side --------------------------------------------------------------------------------------------
+class SparkExchange:
+    """Runs one round as one Spark job; holds each partition's scratch between rounds of an epoch."""
+
+    def __init__(self, spark: Any, app_ref: str, config: SparkConfig) -> None:
+        self.sc = spark.sparkContext
+        self.partitions = config.partitions
+        self.config = config
+        self.slots = max(1, min(config.partitions, self.sc.defaultParallelism))
+        self.scratch: list[bytes | None] = [None] * config.partitions
+        self.durable_root = os.path.join(config.checkpoint_dir, "state")
+        self.fn = partial(_run_partitions, app_ref, config.partitions, config.local_dir, self.durable_root,
+                          config.checkpoint_dir)
+        self.stats: dict[str, float] = {}
+
+    def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
+        t0 = time.perf_counter()
+        busy = bool(control.apply or control.reset or control.fast or control.finalize)
+        payloads = []
+        outs: list[RoundOutput] = [RoundOutput() for _ in range(self.partitions)]
+        for p in range(self.partitions):
+            if busy or inboxes[p] or self.scratch[p] is None and control.phase == Control.DRY and inboxes[p]:
+                payloads.append((p, pickle.dumps((control, self.scratch[p], inboxes[p]),
+                                                 protocol=pickle.HIGHEST_PROTOCOL)))
+        t1 = time.perf_counter()
+        if payloads:
+            n = min(self.slots, len(payloads))
+            results = self.sc.parallelize(payloads, n).mapPartitions(self.fn).collect()
+        else:
+            results = []
+        t2 = time.perf_counter()
+        for pid, blob in results:
+            scratch, out = pickle.loads(blob)
+            self.scratch[pid] = scratch
+            outs[pid] = out
+        if control.finalize:
+            self.scratch = [None] * self.partitions
+        t3 = time.perf_counter()
+        s = self.stats
+        s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
+        s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
+        s["bytes_out"] = s.get("bytes_out", 0) + sum(len(b) for _, b in payloads)
+        s["bytes_in"] = s.get("bytes_in", 0) + sum(len(b) for _, b in results)
+        s["step_s"] = s.get("step_s", 0.0) + sum(o.stats.get("step_us", 0) for o in outs) / 1e6
+        s["restore_s"] = s.get("restore_s", 0.0) + sum(o.stats.get("restore_us", 0) for o in outs) / 1e6
+        return outs
+
+
+class SparkRuntime:
+    """Deploy an application on Spark. ``app_ref`` is ``"module:attribute"`` of an installed module."""
+
+    def __init__(self, app_ref: str, config: SparkConfig | None = None, spark: Any = None) -> None:
+        self.app_ref = app_ref
+        self.app = load_app(app_ref)
+        self.config = config or SparkConfig.from_env()
+        cfg = self.config
+        os.makedirs(cfg.data_dir, exist_ok=True)
+        self.ckpt = cfg.checkpoint_dir
+        os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
+        self.input_log = InputLog(os.path.join(cfg.data_dir, "input.sqlite"), cfg.n_log_partitions)
+        self.output_log = OutputLog(os.path.join(cfg.data_dir, "output.sqlite"))
+        self.durable = DurableState(os.path.join(self.ckpt, "state"))
+        self._spark = spark
+        self._query: Any = None
+        self._compactor: threading.Thread | None = None
+        self.epoch_stats: list[dict[str, float]] = []
+        self.last_epoch = self._last_recorded_epoch()
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    @property
+    def spark(self) -> Any:
+        if self._spark is None:
+            self._spark = make_session(self.config)
+        return self._spark
+
+    def start(self) -> None:
+        """Start the streaming query (epochs run in Spark's micro-batch thread)."""
+        from charon.spark.source import register
+
+        spark = self.spark
+        register(spark)
+        self.exchange = SparkExchange(spark, self.app_ref, self.config)
+        df = (
+            spark.readStream.format("charon_log")
+            .option("path", os.path.abspath(self.input_log.path))
+            .option("partitions", str(self.config.n_log_partitions))
+            .option("maxRecordsPerBatch", str(self.config.max_batch))
+            .load()
+        )
+        w = df.writeStream.foreachBatch(self._on_batch).option("checkpointLocation", self._query_ckpt)
+        if self.config.trigger_ms > 0:
+            w = w.trigger(processingTime=f"{self.config.trigger_ms} milliseconds")
+        self._query = w.start()
+
+    def stop(self) -> None:
+        if self._query is not None:
+            self._query.stop()
+            self._query = None
+        if self._compactor is not None:
+            self._compactor.join()
+
+    def close(self) -> None:
+        self.stop()
+        if self._spark is not None:
+            self._spark.stop()
+            self._spark = None
+
+    def __enter__(self) -> SparkRuntime:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def _query_ckpt(self) -> str:
+        return os.path.join(self.ckpt, "query")
+
+    def _record_path(self, epoch: int) -> str:
+        return os.path.join(self.ckpt, "epochs", f"{epoch:012d}.msgpack")
+
+    def _last_recorded_epoch(self) -> int:
+        names = [n for n in os.listdir(os.path.join(self.ckpt, "epochs")) if n.endswith(".msgpack")]
+        return max((int(n.split(".")[0]) for n in names), default=-1)
+
+    def read_record(self, epoch: int) -> EpochRecord | None:
+        try:
+            with open(self._record_path(epoch), "rb") as f:
+                return msgspec.msgpack.decode(f.read(), type=EpochRecord)
+        except FileNotFoundError:
+            return None
+
+    def _write_record(self, rec: EpochRecord) -> None:
+        path = self._record_path(rec.epoch)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(msgspec.msgpack.encode(rec))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    # -- bulk load --------------------------------------------------------------------------------------------
+    def load_dataframe(self, df: Any) -> int:
+        """Initial state from a DataFrame (operator, key, item, value: msgpack bytes) as the first snapshot."""
+        if self.last_epoch >= 0:
+            raise RuntimeError("bulk load is only possible before the first epoch")
+        fn = partial(_write_bases, os.path.join(self.ckpt, "state"), self.config.partitions)
+        parts = self.config.partitions
+        rdd = df.rdd.keyBy(lambda r: partition_of(r[0], r[1], parts)).partitionBy(parts).values()
+        return sum(rdd.mapPartitions(fn).collect())
+
+    def load(self, operator: str, values: dict[str, Any]) -> int:
+        """Bulk-load entity values from the driver (small states; use :meth:`load_dataframe` for big ones)."""
+        rows = [(operator, k, "", serde.encode(v)) for k, v in values.items()]
+        df = self.spark.createDataFrame(rows, "operator string, key string, item string, value binary")
+        return self.load_dataframe(df)
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def append(self, operator: str, key: str, function: str, args: list, request_id: str | None = None) -> str:
+        """Append one request to the input log (validated first); returns its request id."""
+        self.app.validate(operator, function, args)
+        rid = request_id or uuid.uuid4().hex
+        self.input_log.append(Request(rid, operator, key, function, serde.encode(list(args))))
+        return rid
+
+    async def submit(
+        self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None,
+        timeout: float = 120.0,
+    ) -> Reply:
+        """Append a request and wait for its reply in the output log."""
+        rid = request_id or uuid.uuid4().hex
+        done = self.output_log.get(rid)
+        if done is not None:
+            return done
+        req = Request(rid, operator, key, function, serde.encode(list(args)))
+        await asyncio.to_thread(self.input_log.append, req)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rep = self.output_log.get(rid)
+            if rep is not None:
+                return rep
+            await asyncio.sleep(0.01)
+        raise TimeoutError(f"no reply for {rid} within {timeout} s")
+
+    def get_reply(self, request_id: str) -> Reply | None:
+        return self.output_log.get(request_id)
+
+    def wait_idle(self, timeout: float = 300.0) -> None:
+        """Block until every request appended so far has been run and nothing is deferred."""
+        deadline = time.monotonic() + timeout
+        target = self.input_log.end_offsets()
+        while time.monotonic() < deadline:
+            if self._query is not None and self._query.exception() is not None:
+                raise RuntimeError(f"the streaming query failed: {self._query.exception()}")
+            rec = self.read_record(self._last_recorded_epoch())
+            if rec is not None and all(e >= t for e, t in zip(rec.ends, target, strict=True)) and not rec.deferred:
+                return
+            time.sleep(0.05)
+        raise TimeoutError("the runtime did not become idle")
+
+    # -- one epoch per micro-batch ----------------------------------------------------------------------------
+    def _on_batch(self, df: Any, batch_id: int) -> None:
+        from charon.spark.source import batch_offsets
+
+        epoch = int(batch_id)
+        if self.read_record(epoch) is not None:
+            return  # already run before a crash: its state and replies are durable
+        prev = self.read_record(epoch - 1) if epoch > 0 else None
+        if epoch > 0 and prev is None and self._last_recorded_epoch() >= 0:
+            raise RuntimeError(f"epoch record {epoch - 1} is missing under {self.ckpt}")
+        starts, ends = batch_offsets(self._query_ckpt, epoch)
+        rows = self.input_log.read_range(starts, ends)
+        requests = [(p, r) for p, _, r in rows if r.operator != TICK]
+        coord = EpochCoordinator(
+            self.app, self.exchange, sequencers=self.config.n_log_partitions, max_rounds=self.config.max_rounds,
+            on_replies=self.output_log.put_many,
+        )
+        if prev is not None:
+            coord.sequencer.counters = list(prev.counters)
+            coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
+        self.exchange.stats = {}
+        crash_point("before_epoch", epoch)
+        result = coord.run_epoch(epoch, requests)
+        crash_point("after_finalize", epoch)
+        stats = dict(result.stats)
+        stats.update({f"spark_{k}": v for k, v in self.exchange.stats.items()})
+        rec = EpochRecord(
+            epoch, list(coord.sequencer.counters),
+            [(tid, serde.encode_request(r)) for tid, r in coord.deferred], list(starts), list(ends), stats,
+        )
+        self._write_record(rec)
+        self.last_epoch = epoch
+        self.epoch_stats.append({"epoch": epoch, **stats})
+        crash_point("after_record", epoch)
+        if coord.deferred:
+            self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
+        if self.config.compact_every and epoch > 0 and epoch % self.config.compact_every == 0:
+            self._start_compaction(epoch - 1)
+
+    def _start_compaction(self, upto: int) -> None:
+        if self._compactor is not None and self._compactor.is_alive():
+            return
+        self._compactor = threading.Thread(target=self._compact, args=(upto,), daemon=True)
+        self._compactor.start()
+
+    def _compact(self, upto: int) -> None:
+        """Merge durable deltas up to a Spark-committed epoch; truncate the log up to that snapshot."""
+        for pid in range(self.config.partitions):
+            crash_point("compaction", upto + 1)
+            self.durable.compact(pid, upto)
+        rec = self.read_record(upto)
+        if rec is not None and self.config.truncate_log:
+            self.input_log.truncate(rec.ends)
+
+    # -- state inspection ---------------------------------------------------------------------------------------
+    def read_state(self, operator: str, key: str, default: Any = None) -> Any:
+        """An entity's value as of the last completed epoch (consistent: read at an epoch boundary)."""
+        got = self.read_keys([store_key(operator, key)])
+        raw = got.get(store_key(operator, key))
+        return default if raw is None else serde.decode(raw)
+
+    def read_keys(self, keys: list[bytes]) -> dict[bytes, bytes | None]:
+        epoch = self._last_recorded_epoch()
+        by_pid: dict[int, list[bytes]] = {}
+        for k in keys:
+            op, key, _ = split_store_key(k)
+            by_pid.setdefault(partition_of(op, key, self.config.partitions), []).append(k)
+        fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
+                     self.ckpt, epoch)
+        items = list(by_pid.items())
+        if not items:
+            return {}
+        return dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
+
+    def snapshot(self) -> dict[bytes, bytes]:
+        """All committed state (from the durable copy, as of the last recorded epoch)."""
+        epoch = self._last_recorded_epoch()
+        merged: dict[bytes, bytes] = {}
+        for pid in range(self.config.partitions):
+            if self.durable.latest_epoch(pid) >= -1 and os.path.isdir(os.path.join(self.ckpt, "state", f"p{pid}")):
+                data, _ = self.durable.load(pid, epoch)
+                merged.update(data)
+        return dict(sorted(merged.items()))
+
+    def replies(self) -> list[Reply]:
+        return [r for _, r in self.output_log.read_since(0, limit=1 << 30)]
+
+    def epoch_requests(self, epoch: int) -> list[tuple[int, Request]]:
+        """The (log partition, request) pairs epoch ``epoch`` ran, from its record (for differential tests)."""
+        rec = self.read_record(epoch)
+        if rec is None:
+            raise KeyError(epoch)
+        return [(p, r) for p, _, r in self.input_log.read_range(rec.starts, rec.ends) if r.operator != TICK]
+
+
+def replay_in_process(
+    app: Application, runtime: SparkRuntime, initial: dict[bytes, bytes]
+) -> tuple[Any, list[EpochResult]]:
+    """Run the Spark runtime's recorded epochs through the in-process runtime (same boundaries, same TIDs)."""
+    from charon.inprocess import InProcessRuntime
+
+    rt = InProcessRuntime(app, partitions=runtime.config.partitions)
+    rt.coordinator.sequencer.__init__(runtime.config.n_log_partitions)
+    for k, v in initial.items():
+        op, key, _ = split_store_key(k)
+        rt.stores[partition_of(op, key, rt.partitions)].data[k] = v
+    results = []
+    for e in range(runtime._last_recorded_epoch() + 1):
+        results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e)))
+    return rt, results
