@@ -77,20 +77,25 @@ def spark_available() -> bool:
         return False
 
 
-def make_runtime(application: Any, engine: str, partitions: int, **options: Any) -> Any:
-    """Build (not start) a runtime for ``application``: ``inprocess`` or ``spark``."""
+def make_runtime(target: str, engine: str, partitions: int, data_dir: str | None = None) -> Any:
+    """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
+
+    ``inprocess``: :class:`charon.inprocess.InProcessRuntime`. ``spark``:
+    :class:`charon.spark.runtime.SparkRuntime` configured from ``CHARON_*`` variables, then the options.
+    """
     if engine == "inprocess":
         from charon.inprocess import InProcessRuntime
 
-        return InProcessRuntime(application, partitions=partitions, **options)
+        return InProcessRuntime(load_app(target), partitions=partitions)
     if engine == "spark":
         if not spark_available():
             raise typer.BadParameter("the Spark runtime (charon.spark.runtime) is not available")
-        module = importlib.import_module("charon.spark.runtime")
-        cls = getattr(module, "SparkRuntime", None)
-        if cls is None:
-            raise typer.BadParameter("charon.spark.runtime has no SparkRuntime")
-        return cls(application, partitions=partitions, **options)
+        from charon.config import SparkConfig
+        from charon.spark.runtime import SparkRuntime
+
+        load_app(target)  # fail early with a clear message
+        config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir)
+        return SparkRuntime(target if ":" in target else f"{target}:app", config)
     raise typer.BadParameter(f"unknown engine {engine!r} (inprocess or spark)")
 
 
@@ -132,12 +137,13 @@ def run(
     token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send."),
     partitions: int = typer.Option(4, min=1, help="Number of partitions."),
     max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
+    data_dir: str | None = typer.Option(None, help="Spark engine: logs and checkpoint (default ./charon-data)."),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
     from charon.gateway import serve
 
     application = load_app(target)
-    runtime = make_runtime(application, engine, partitions)
+    runtime = make_runtime(target, engine, partitions, data_dir)
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
     err_console.print(
@@ -219,33 +225,14 @@ def bench(ctx: typer.Context) -> None:
 # demo
 
 
+YCSB_REF = "charon.apps.ycsb:app"
+
+
 def _ycsb() -> Any:
     try:
         return importlib.import_module("charon.apps.ycsb")
     except ImportError as exc:
         raise _fail(f"the YCSB-T example app (charon.apps.ycsb) is not available: {exc}") from None
-
-
-def _ycsb_app(module: Any) -> Any:
-    for name in ("app", "application", "APP"):
-        obj = getattr(module, name, None)
-        if obj is not None and hasattr(obj, "validate"):
-            return obj
-    factory = getattr(module, "make_app", None) or getattr(module, "build_app", None)
-    if factory is not None:
-        return factory()
-    raise _fail("charon.apps.ycsb defines no Application")
-
-
-async def _load_accounts(runtime: Any, module: Any, balances: dict[str, int]) -> None:
-    helper = getattr(module, "load_accounts", None)
-    if helper is not None:
-        try:
-            await _maybe_await(helper(runtime, balances))
-            return
-        except TypeError:
-            pass
-    await _maybe_await(runtime.load("account", balances))
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -256,80 +243,107 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 async def _drive(
-    url: str,
-    token: str,
-    accounts: list[str],
-    transactions: int,
-    concurrency: int,
-    max_amount: int,
-    seed: int,
-    progress: Progress,
+    url: str, token: str, plan: list[tuple[str, str, str, int]], concurrency: int, progress: Progress
 ) -> dict[str, Any]:
+    """Send ``plan`` (request id, debtor, creditor, amount) through the gateway; then retry a sample."""
     from charon.client import AsyncClient
 
-    rng = random.Random(seed)
-    plan = []
-    for i in range(transactions):
-        src, dst = rng.sample(accounts, 2)
-        plan.append((f"demo-{seed}-{i}", src, dst, rng.randint(1, max_amount)))
-    task = progress.add_task("transfers", total=transactions, committed=0, aborted=0)
+    task = progress.add_task("transfers", total=len(plan), committed=0, aborted=0)
     outcomes: dict[str, tuple[str, int | None]] = {}
     latencies: list[float] = []
     failures: Counter[str] = Counter()
     aborts: Counter[str] = Counter()
-    committed = aborted = 0
+    counts = {"committed": 0, "aborted": 0}
     sem = asyncio.Semaphore(concurrency)
 
-    async with AsyncClient(url, token=token, timeout=60.0, retries=5) as client:
+    async with AsyncClient(url, token=token, timeout=120.0, retries=5, max_connections=concurrency) as client:
 
         async def one(rid: str, src: str, dst: str, amount: int) -> None:
-            nonlocal committed, aborted
             async with sem:
                 t0 = time.perf_counter()
                 try:
                     res = await client.invoke_result("account", src, "transfer", dst, amount, request_id=rid)
                     outcomes[rid] = ("committed", res.tid)
-                    committed += 1
+                    counts["committed"] += 1
                 except TransactionAborted as exc:
                     outcomes[rid] = ("aborted", getattr(exc, "tid", None))
                     aborts[exc.error_type] += 1
-                    aborted += 1
+                    counts["aborted"] += 1
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     failures[type(exc).__name__] += 1
                 latencies.append(time.perf_counter() - t0)
-                progress.update(task, advance=1, committed=committed, aborted=aborted)
+                progress.update(task, advance=1, **counts)
 
         t_start = time.perf_counter()
         await asyncio.gather(*(one(*p) for p in plan))
         elapsed = time.perf_counter() - t_start
 
-        # exactly once: retrying a sample with the same request ids must return the same transactions
-        sample = rng.sample(plan, min(len(plan), 100))
+        # exactly once: resending a sample with the same request ids must return the same transactions
+        sample = random.Random(len(plan)).sample(plan, min(len(plan), 100))
         mismatched = 0
         for rid, src, dst, amount in sample:
-            if rid not in outcomes:
-                continue
             try:
                 res = await client.invoke_result("account", src, "transfer", dst, amount, request_id=rid)
                 again: tuple[str, int | None] = ("committed", res.tid)
             except TransactionAborted as exc:
                 again = ("aborted", getattr(exc, "tid", None))
-            if again != outcomes[rid]:
+            if again != outcomes.get(rid):
                 mismatched += 1
-
-        final = await asyncio.gather(*(client.state("account", a) for a in accounts))
+        accounts = sorted({p[1] for p in plan} | {p[2] for p in plan})
+        touched = await asyncio.gather(*(client.state("account", a) for a in accounts))
     return {
         "elapsed": elapsed,
-        "committed": committed,
-        "aborted": aborted,
+        **counts,
         "aborts": aborts,
         "failures": failures,
         "latencies": sorted(latencies),
         "answered": len(outcomes),
         "retried": len(sample),
         "mismatched": mismatched,
-        "final_total": sum(int(v or 0) for v in final),
+        "touched": dict(zip(accounts, touched, strict=True)),
     }
+
+
+async def _serve_and_drive(
+    runtime: Any, token: str, plan: list[tuple[str, str, str, int]], concurrency: int, shape: tuple
+) -> dict[str, Any]:
+    """Serve the gateway and drive the workload on one event loop (no GIL hand-offs between threads)."""
+    import uvicorn
+
+    from charon.gateway import create_app, free_port
+
+    port = free_port()
+    gateway = create_app(runtime, token=token, manage_runtime=True)
+    server = uvicorn.Server(
+        uvicorn.Config(gateway, host="127.0.0.1", port=port, log_level="warning", lifespan="on", access_log=False)
+    )
+    serving = asyncio.create_task(server.serve())
+    with console.status("starting the gateway (and the runtime's epochs)…"):
+        while not server.started:
+            if serving.done():
+                serving.result()
+                raise _fail("the gateway stopped during startup")
+            await asyncio.sleep(0.05)
+    accounts, balance, max_amount, zipf = shape
+    console.print(
+        f"gateway on http://127.0.0.1:{port}: {accounts} accounts × {balance}, {len(plan)} transfers "
+        f"(amounts 1..{max_amount}, zipf {zipf}), {concurrency} in flight"
+    )
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("committed [green]{task.fields[committed]}[/] aborted [yellow]{task.fields[aborted]}[/]"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    try:
+        with progress:
+            return await _drive(f"http://127.0.0.1:{port}", token, plan, concurrency, progress)
+    finally:
+        server.should_exit = True
+        with console.status("stopping the gateway…"):
+            await serving
 
 
 @app.command()
@@ -339,11 +353,13 @@ def demo(
     transactions: int = typer.Option(3000, min=1, help="Number of transfers."),
     concurrency: int = typer.Option(64, min=1, help="Transfers in flight at once."),
     balance: int = typer.Option(100, min=0, help="Initial balance of every account."),
+    max_amount: int = typer.Option(30, min=1, help="Largest transfer amount."),
+    zipf: float = typer.Option(0.0, min=0.0, help="Zipf coefficient of the creditors (0 = uniform)."),
     partitions: int = typer.Option(4, min=1, help="Number of partitions."),
     seed: int = typer.Option(7, help="Workload seed."),
 ) -> None:
     """Deploy the YCSB-T bank end to end, drive transfers through the gateway and check the invariants."""
-    from charon.gateway import BackgroundServer
+    import tempfile
 
     if engine == "auto":
         engine = "spark" if spark_available() else "inprocess"
@@ -352,44 +368,32 @@ def demo(
                 "[yellow]note:[/] the Spark runtime is not available here; running on the in-process runtime "
                 "(same engine core, in-memory exchange)."
             )
-    module = _ycsb()
-    application = _ycsb_app(module)
+    ycsb = _ycsb()
     token = secrets.token_urlsafe(16)
-    names = [f"user{i:06d}" for i in range(accounts)]
-    initial = {n: balance for n in names}
-
-    with console.status(f"starting the {engine} runtime and its gateway…"):
-        runtime = make_runtime(application, engine, partitions)
-        server = BackgroundServer(runtime, token=token).start(timeout=300.0)
+    initial = ycsb.initial_state(accounts, balance)
+    plan = [
+        (f"demo-{seed}-{i}", key, args[0], args[1])
+        for i, (_, key, _, args) in enumerate(
+            ycsb.workload(accounts, transactions, zipf=zipf, seed=seed, max_amount=max_amount)
+        )
+    ]
+    data_dir = tempfile.mkdtemp(prefix="charon-demo-") if engine == "spark" else None
+    with console.status(f"starting the {engine} runtime…"):
+        runtime = make_runtime(YCSB_REF, engine, partitions, data_dir)
+    with console.status(f"loading {accounts} accounts…"):
+        runtime.load("account", initial)  # before the first epoch
     try:
-        with console.status(f"loading {accounts} accounts…"):
-            server.call(_load_accounts(runtime, module, initial), timeout=600.0)
-        console.print(
-            f"gateway on {server.url}; {accounts} accounts × {balance} loaded; {transactions} transfers"
-        )
-        progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn(
-                "committed [green]{task.fields[committed]}[/] aborted [yellow]{task.fields[aborted]}[/]"
-            ),
-            TimeElapsedColumn(),
-            console=console,
-        )
-        with progress:
-            stats = asyncio.run(
-                _drive(
-                    server.url, token, names, transactions, concurrency, max(1, balance // 2), seed, progress
-                )
-            )
-        replies_missing = sum(1 for i in range(transactions) if runtime.get_reply(f"demo-{seed}-{i}") is None)
+        stats = asyncio.run(_serve_and_drive(runtime, token, plan, concurrency, (accounts, balance, max_amount, zipf)))
+        replies_missing = sum(1 for p in plan if runtime.get_reply(p[0]) is None)
     finally:
-        with console.status("stopping…"):
-            server.stop()
+        close = getattr(runtime, "close", None)
+        if close is not None:
+            with console.status("stopping…"):
+                close()
 
-    expected_total = accounts * balance
-    conserved = stats["final_total"] == expected_total
+    expected_total = sum(initial.values())
+    final_total = expected_total + sum(int(v or 0) - initial.get(k, 0) for k, v in stats["touched"].items())
+    conserved = final_total == expected_total
     once = (
         stats["answered"] == transactions
         and not stats["failures"]
@@ -397,12 +401,12 @@ def demo(
         and replies_missing == 0
     )
     lat = stats["latencies"]
-    table = Table(title=f"charon demo — YCSB-T transfers on {engine}", show_header=False)
+    table = Table(title=f"charon demo: YCSB-T transfers on {engine}", show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
     table.add_row("engine / partitions", f"{engine} / {partitions}")
     table.add_row("accounts × initial balance", f"{accounts} × {balance}")
-    table.add_row("transfers sent (concurrency)", f"{transactions} ({concurrency})")
+    table.add_row("transfers sent (in flight)", f"{transactions} ({concurrency})")
     table.add_row("committed", str(stats["committed"]))
     aborts = ", ".join(f"{k} {v}" for k, v in stats["aborts"].most_common()) or "none"
     table.add_row("aborted (typed)", f"{stats['aborted']} ({aborts})")
@@ -416,13 +420,13 @@ def demo(
     )
     if lat:
         table.add_row("latency mean", f"{statistics.fmean(lat) * 1000:.1f} ms")
-    table.add_row("total balance before → after", f"{expected_total} → {stats['final_total']}")
+    table.add_row("total balance before → after", f"{expected_total} → {final_total}")
     table.add_row("balance conserved", "[green]✓[/]" if conserved else "[red]✗[/]")
     table.add_row(
         "every request answered once",
         ("[green]✓[/]" if once else "[red]✗[/]")
-        + f" ({stats['answered']}/{transactions} answered, {stats['retried']} retried with the same id, "
-        f"{stats['mismatched']} differed, {replies_missing} without a reply)",
+        + f" ({stats['answered']}/{transactions} answered; {stats['retried']} resent with the same id, "
+        f"{stats['mismatched']} got a different reply; {replies_missing} without a reply)",
     )
     console.print(table)
     if not (conserved and once):

@@ -624,6 +624,14 @@ def _guard(
     return endpoint
 
 
+async def _call_lifecycle(method: Callable[[], Any]) -> None:
+    """Await an async start/stop; run a blocking one (the Spark runtime's) in a thread."""
+    if inspect.iscoroutinefunction(method):
+        await method()
+    else:
+        await asyncio.to_thread(method)
+
+
 def create_app(
     runtime: RuntimeLike,
     *,
@@ -646,7 +654,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         if manage_runtime:
-            await runtime.start()  # type: ignore[attr-defined]
+            await _call_lifecycle(runtime.start)  # type: ignore[attr-defined]
         try:
             yield
         finally:
@@ -654,7 +662,7 @@ def create_app(
             if pending:
                 await asyncio.wait(pending, timeout=5.0)
             if manage_runtime:
-                await runtime.stop()  # type: ignore[attr-defined]
+                await _call_lifecycle(runtime.stop)  # type: ignore[attr-defined]
 
     routes = [
         Route(
