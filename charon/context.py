@@ -145,10 +145,13 @@ class Context:
 
     def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _Call:
         """Call a function of another entity and wait for its return value (same transaction)."""
-        target = self._target(operator, key, function, args)
+        replies = self._frame.replies
+        if self._replaying and self._ncall < len(replies):  # validated when it was first made
+            target = _replayed_target(operator, key, function, args)
+        else:
+            target = self._target(operator, key, function, args)
         self._nchild += 1
         self._calls.append((1,) + target)
-        replies = self._frame.replies
         if self._ncall < len(replies):
             value = serde.decode(replies[self._ncall])
             self._ncall += 1
@@ -176,6 +179,14 @@ class Context:
     def now(self) -> float:
         """The transaction's timestamp (its request's append time), the same on every replay."""
         return self._frame.ts
+
+
+def _replayed_target(operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
+    op = operator if type(operator) is str else operator.name
+    fn = function if type(function) is str else function.name
+    if isinstance(function, Function):
+        op = function.operator.name if type(operator) is not str else op
+    return (op, key, fn, serde.encode(list(args)))
 
 
 def _item(name: str) -> str:

@@ -12,6 +12,7 @@ import msgspec
 from charon.errors import BadArguments, UnknownFunction, UnknownOperator
 
 FunctionBody = Callable[..., Coroutine[Any, Any, Any]]
+_FAST: dict[Any, tuple[type, ...]] = {int: (int,), str: (str,), bool: (bool,), float: (float, int), bytes: (bytes,)}
 
 
 class Function:
@@ -38,6 +39,11 @@ class Function:
         )
         self._varargs = any(p.kind == p.VAR_POSITIONAL for p in self.params)
         self._max_args = len(self.params)
+        # Fast paths for plain scalar hints; anything else is checked with msgspec.convert.
+        self._checks = [
+            None if t is Any else _FAST.get(t, t) for t, p in zip(self._types, self.params, strict=True)
+            if p.kind != p.VAR_POSITIONAL
+        ]
         self.__doc__ = body.__doc__
 
     @property
@@ -52,12 +58,20 @@ class Function:
                 f"{self._min_args}" if self._min_args == self._max_args else f"{self._min_args}..{self._max_args}"
             )
             raise BadArguments(f"{self.qualname} takes {expected} argument(s), got {n}")
+        checks = self._checks
         for i, value in enumerate(args):
-            if i >= len(self._types) or self.params[i].kind == inspect.Parameter.VAR_POSITIONAL:
+            if i >= len(checks):
                 break
-            tp = self._types[i]
-            if tp is Any:
+            tp = checks[i]
+            if tp is None:
                 continue
+            if type(tp) is tuple:  # fast scalar check: (exact types accepted)
+                if type(value) in tp:
+                    continue
+                raise BadArguments(
+                    f"{self.qualname} argument {self.params[i].name!r}: expected {tp[0].__name__}, "
+                    f"got {type(value).__name__}"
+                )
             try:
                 msgspec.convert(value, tp, strict=True)
             except msgspec.ValidationError as exc:
@@ -103,6 +117,7 @@ class Application:
     def __init__(self, name: str, operators: Iterable[Operator]) -> None:
         self.name = name
         self.operators: dict[str, Operator] = {}
+        self._resolved: dict[tuple[str, str], Function] = {}
         for op in operators:
             if op.name in self.operators:
                 raise ValueError(f"operator {op.name!r} is registered twice")
@@ -110,6 +125,10 @@ class Application:
 
     def resolve(self, operator: str | Operator, function: str | Function) -> Function:
         """The function object for (operator, function) names; raises UnknownOperator/UnknownFunction."""
+        if type(operator) is str and type(function) is str:
+            fn = self._resolved.get((operator, function))
+            if fn is not None:
+                return fn
         op_name = operator.name if isinstance(operator, Operator) else operator
         op = self.operators.get(op_name)
         if op is None:
@@ -120,6 +139,7 @@ class Application:
             raise UnknownFunction(
                 f"operator {op_name!r} has no function {fn_name!r} (have: {', '.join(sorted(op.functions))})"
             )
+        self._resolved[(op_name, fn_name)] = fn
         return fn
 
     def validate(self, operator: str, function: str, args: list | tuple) -> Function:
