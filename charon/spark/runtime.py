@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import os
 import pickle
@@ -223,6 +222,7 @@ class SparkExchange:
         else:
             results = []
         t2 = time.perf_counter()
+        crash_point("after_round", control.epoch)  # fires after the epoch's first round (fault tests)
         for pid, blob in results:
             scratch, out = pickle.loads(blob)
             self.scratch[pid] = scratch
@@ -257,6 +257,7 @@ class SparkRuntime:
         self._spark = spark
         self._query: Any = None
         self._compactor: threading.Thread | None = None
+        self._log_client: Any = None
         self.epoch_stats: list[dict[str, float]] = []
         self.last_epoch = self._last_recorded_epoch()
 
@@ -361,20 +362,12 @@ class SparkRuntime:
         self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None,
         timeout: float = 120.0,
     ) -> Reply:
-        """Append a request and wait for its reply in the output log."""
-        rid = request_id or uuid.uuid4().hex
-        done = self.output_log.get(rid)
-        if done is not None:
-            return done
-        req = Request(rid, operator, key, function, serde.encode(list(args)))
-        await asyncio.to_thread(self.input_log.append, req)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            rep = self.output_log.get(rid)
-            if rep is not None:
-                return rep
-            await asyncio.sleep(0.01)
-        raise TimeoutError(f"no reply for {rid} within {timeout} s")
+        """Append a request (group-committed) and wait for its reply in the output log."""
+        from charon.logclient import LogClient
+
+        if self._log_client is None:
+            self._log_client = LogClient(self.input_log, self.output_log)
+        return await self._log_client.submit(operator, key, function, args, request_id=request_id, timeout=timeout)
 
     def get_reply(self, request_id: str) -> Reply | None:
         return self.output_log.get(request_id)
@@ -397,8 +390,11 @@ class SparkRuntime:
         from charon.spark.source import batch_offsets
 
         epoch = int(batch_id)
-        if self.read_record(epoch) is not None:
-            return  # already run before a crash: its state and replies are durable
+        done = self.read_record(epoch)
+        if done is not None:  # already run before a crash: its state and replies are durable
+            if done.deferred:  # the crash may have come before the tick that runs the deferred transactions
+                self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
+            return
         prev = self.read_record(epoch - 1) if epoch > 0 else None
         if epoch > 0 and prev is None and self._last_recorded_epoch() >= 0:
             raise RuntimeError(f"epoch record {epoch - 1} is missing under {self.ckpt}")
@@ -440,8 +436,8 @@ class SparkRuntime:
     def _compact(self, upto: int) -> None:
         """Merge durable deltas up to a Spark-committed epoch; truncate the log up to that snapshot."""
         for pid in range(self.config.partitions):
-            crash_point("compaction", upto + 1)
             self.durable.compact(pid, upto)
+            crash_point("compaction", upto + 1)  # after the first partition: a compaction half done
         rec = self.read_record(upto)
         if rec is not None and self.config.truncate_log:
             self.input_log.truncate(rec.ends)
