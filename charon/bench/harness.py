@@ -119,12 +119,14 @@ def epoch_summary(epochs: list[dict]) -> dict:
         "duration_ms_p99": percentile(durs, 99),
         "duration_ms_max": max(durs) if durs else math.nan,
     }
-    for k in ("committed", "aborted", "fallback"):
+    for k in ("committed", "aborted", "lockfree", "conflicts", "fallback", "deferred"):
         vals = [e.get(k) for e in epochs if isinstance(e.get(k), int | float)]
         if vals:
             out[f"{k}_total"] = sum(vals)
-    if total and "fallback_total" in out:
-        out["fallback_share"] = out["fallback_total"] / total
+    # transactions that lost Aria's lock-free commit to a conflict and went through the fallback
+    fb = out.get("fallback_total", out.get("conflicts_total"))
+    if total and fb is not None:
+        out["fallback_share"] = fb / total
     return out
 
 
