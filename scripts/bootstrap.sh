@@ -10,8 +10,12 @@ fi
 stamp=.venv/.charon-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[charon] installing dependencies into .venv (PySpark builds a large wheel the first time: ~1 min)"
-  .venv/bin/pip install --quiet --upgrade pip >/dev/null
-  .venv/bin/pip install --quiet -e '.[dev]'
+  log=.venv/install.log
+  if ! { .venv/bin/pip install --quiet --upgrade pip && .venv/bin/pip install --quiet -e '.[dev]'; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "[charon] installation failed (log above, also in $log)" >&2
+    exit 1
+  fi
   touch "$stamp"
 fi
 if ! command -v java >/dev/null 2>&1; then
