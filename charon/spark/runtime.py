@@ -87,6 +87,8 @@ def make_session(config: SparkConfig) -> Any:
     check_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if config.master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # no hostname warnings, nothing off-host
     from pyspark.sql import SparkSession
 
     b = (
