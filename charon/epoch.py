@@ -78,6 +78,39 @@ class _Track:
         return tid in self.done and self.shares.get(tid) == _ONE
 
 
+def _within(touched: dict[Entity, bool], known: dict[Entity, bool]) -> bool:
+    """Whether a re-run stayed inside its known read/write set (no new entity, no new write)."""
+    for e, wrote in touched.items():
+        k = known.get(e)
+        if k is None or (wrote and not k):
+            return False
+    return True
+
+
+class _Locks:
+    """Read/write locks held by lower unresolved transactions, for TID-ordered scheduling.
+
+    Two transactions conflict when one writes an entity the other reads or writes; transactions that only
+    read an entity in common commute, so they may run (or commit) in the same wave.
+    """
+
+    __slots__ = ("reads", "writes")
+
+    def __init__(self) -> None:
+        self.reads: set[Entity] = set()
+        self.writes: set[Entity] = set()
+
+    def conflicts(self, rw: dict[Entity, bool]) -> bool:
+        writes, reads = self.writes, self.reads
+        return any(e in writes or (w and e in reads) for e, w in rw.items())
+
+    def add(self, rw: dict[Entity, bool]) -> None:
+        for e, w in rw.items():
+            self.reads.add(e)
+            if w:
+                self.writes.add(e)
+
+
 class EpochCoordinator:
     """Runs epochs through an :class:`Exchange`; keeps the sequencer and the deferred transactions."""
 
@@ -235,10 +268,10 @@ class EpochCoordinator:
         """Alternate call-graph-cached rounds and locked re-runs until every conflict is resolved.
 
         A cached round re-runs the dry-run invocations of the candidates in one round; a transaction
-        commits if it replayed identically and no lower unresolved transaction shares an entity with it
-        (otherwise it stays a candidate). Transactions that did not replay identically re-run from their
-        root in disjoint waves: a wave takes, in TID order, every such transaction that shares no entity
-        with a lower unresolved one, so the result equals running them in TID order.
+        commits if it replayed identically and conflicts (read/write or write/write on an entity) with no
+        lower unresolved transaction (otherwise it stays a candidate). Transactions that did not replay
+        identically re-run from their root in waves: a wave takes, in TID order, every such transaction
+        that conflicts with no lower unresolved one, so the result equals running them in TID order.
         """
         K = {tid: track.rw.get(tid, {}) for tid in conflicted}
         candidates = {t for t in conflicted if t not in track.failed}
@@ -254,15 +287,17 @@ class EpochCoordinator:
                 )
                 fast_rounds += 1
                 candidates -= ft.invalid
-                blocked: set[Entity] = set()
+                # a cached re-run that writes what the dry run only read has a new read/write set
+                candidates -= {t for t in candidates if not _within(ft.rw.get(t, {}), K[t])}
+                blocked = _Locks()
                 committed: list[int] = []
                 remaining: list[int] = []
                 for tid in rest:
-                    if tid in candidates and not blocked.intersection(K[tid]):
+                    if tid in candidates and not blocked.conflicts(K[tid]):
                         committed.append(tid)
                     else:
                         remaining.append(tid)
-                        blocked.update(K[tid])
+                        blocked.add(K[tid])
                 self._emit([reply(t, True, ft.done[t]) for t in committed])
                 result.fast.extend(committed)
                 order.extend(committed)
@@ -272,12 +307,12 @@ class EpochCoordinator:
                 if not rest:
                     break
             # One wave of locked re-runs from the root.
-            blocked = set()
+            blocked = _Locks()
             wave: list[int] = []
             for tid in rest:
-                if tid not in candidates and not blocked.intersection(K[tid]):
+                if tid not in candidates and not blocked.conflicts(K[tid]):
                     wave.append(tid)
-                blocked.update(K[tid])
+                blocked.add(K[tid])
             if not wave:  # pragma: no cover - the lowest unresolved transaction is always free
                 raise AssertionError("fallback made no progress")
             a, r, n = self._locked_wave(epoch, wave, K, result, reply, order, apply_next, reset_next, stats)
@@ -292,7 +327,7 @@ class EpochCoordinator:
         return apply_next, reset_next
 
     def _locked_wave(self, epoch, wave, K, result, reply, order, apply_next, reset_next, stats):
-        """Re-run ``wave`` (pairwise entity-disjoint) from the root; decide commit, abort or defer."""
+        """Re-run ``wave`` (pairwise non-conflicting) from the root; decide commit, abort or defer."""
         slow_track = _Track()
         msgs = []
         for tid in wave:
@@ -316,8 +351,7 @@ class EpochCoordinator:
                     slow_track.failed[tid] = (CallGraphLimitExceeded.__name__,
                                               f"call graph still running after {rounds} rounds")
                 running.discard(tid)
-                touched = slow_track.rw.get(tid, {})
-                if not set(touched) <= set(K[tid]):
+                if not _within(slow_track.rw.get(tid, {}), K[tid]):
                     self.deferred.append((tid, result.requests[tid]))
                     result.deferred.append(tid)
                     done_reset.append(tid)
