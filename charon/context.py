@@ -42,8 +42,8 @@ class _Call:
         if self.ready:
             return self.value
         self.ctx._pending = self.target
-        yield self  # the engine closes the coroutine here and resumes it by replay
-        raise RuntimeError("a suspended charon function was resumed directly")  # pragma: no cover
+        # The engine either resumes the coroutine here with the reply, or drops it and replays the function.
+        return (yield self)
 
 
 class Context:
@@ -69,6 +69,14 @@ class Context:
         self.key: str = frame.key
         self.operator: str = frame.op
         self.tid: int = frame.tid
+
+    def _resume(self, unit: PartitionUnit, frame: Frame) -> None:
+        """Continue a live coroutine in a new round (possibly with a new unit object for the partition)."""
+        self._unit = unit
+        self._frame = frame
+        self._replaying = False
+        self._pending = None
+        self._sends = []
 
     # -- state of this entity ---------------------------------------------------------------------
     def _read(self, item: str) -> bytes | None:

@@ -26,6 +26,10 @@ from charon.routing import entity_prefix, partition_of, store_key
 from charon.store import PartitionStore
 
 ROOT, SYNC, ASYNC = 0, 1, 2
+_LIVE: dict[int, tuple[int, dict]] = {}
+#: Keep suspended coroutines alive in this process and resume them directly (an optimization; the
+#: journal replay is always available and is what a resumed frame uses in any other process).
+KEEP_LIVE_COROUTINES = True
 _ZERO = Fraction(0)
 
 Entity = tuple[str, str]
@@ -257,6 +261,7 @@ class PartitionUnit:
                     else:
                         o.update(items)
         for tid in control.reset:
+            self._live_drop(tid)
             self.buffers.pop(tid, None)
             self.frames.pop(tid, None)
             self.touched.pop(tid, None)
@@ -303,25 +308,61 @@ class PartitionUnit:
                     out.messages.append(msg)
 
     def _run(self, frame: Frame) -> list[Invoke | Reply]:
-        """Run (or replay) one invocation until it completes, suspends on a call, or raises."""
+        """Run one invocation until it completes, suspends on a call, or raises.
+
+        A frame resumed by a reply continues its live coroutine when this process still holds it (the
+        in-process runtime always; a Spark worker when it ran the previous round of this partition);
+        otherwise the function is replayed from its journal. Both give the same effects.
+        """
         self._stat_runs += 1
-        ctx = Context(self, frame)
+        coro = None
+        live = self._live_pop(frame) if frame.replies else None
         try:
-            fn = self.app.resolve(frame.op, frame.fn)
-            coro = fn.body(ctx, *serde.decode(frame.args))
+            if live is not None:
+                coro, ctx = live
+                ctx._resume(self, frame)
+                send_value = serde.decode(frame.replies[-1])
+            else:
+                ctx = Context(self, frame)
+                fn = self.app.resolve(frame.op, frame.fn)
+                coro = fn.body(ctx, *serde.decode(frame.args))
+                send_value = None
             try:
-                yielded = coro.send(None)
+                yielded = coro.send(send_value)
             except StopIteration as stop:
                 return self._complete(frame, ctx, serde.encode(stop.value))
-            coro.close()
             if ctx._pending is None or yielded is None:
+                coro.close()
                 raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
-            return self._suspend(frame, ctx)
+            msgs = self._suspend(frame, ctx)
+            self._live_put(frame, coro, ctx)
+            return msgs
         except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
             self._fail(frame.tid, exc)
             return []
 
+    # Live coroutines of suspended frames, per process: {pid: (epoch, {tid: {(inv, replies): (coro, ctx)}})}.
+    def _live_table(self) -> dict[int, dict]:
+        entry = _LIVE.get(self.pid)
+        if entry is None or entry[0] != self.epoch:
+            entry = _LIVE[self.pid] = (self.epoch, {})
+        return entry[1]
+
+    def _live_put(self, frame: Frame, coro: Any, ctx: Context) -> None:
+        if not KEEP_LIVE_COROUTINES:
+            coro.close()
+            return
+        self._live_table().setdefault(frame.tid, {})[(frame.inv, len(frame.replies))] = (coro, ctx)
+
+    def _live_pop(self, frame: Frame) -> tuple[Any, Context] | None:
+        t = self._live_table().get(frame.tid)
+        return t.pop((frame.inv, len(frame.replies) - 1), None) if t else None
+
+    def _live_drop(self, tid: int) -> None:
+        self._live_table().pop(tid, None)
+
     def _fail(self, tid: int, exc: BaseException) -> None:
+        self._live_drop(tid)
         self.dead.add(tid)
         self.frames.pop(tid, None)
         self._out.failed.append((tid, type(exc).__name__, str(exc)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charon import Application, Context, InProcessRuntime, Operator, Request, serde
+from charon import Application, Context, InProcessRuntime, Operator, Request, partition, serde
 from charon.testing import check_epoch
 
 n0 = Operator("n0")
@@ -66,12 +66,16 @@ def transactions(draw):
     return op, f"r-{draw(st.integers(0, 2))}", draw(plans("r", draw(st.integers(0, 4))))
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     epochs=st.lists(st.lists(transactions(), min_size=1, max_size=25), min_size=1, max_size=4),
     partitions=st.sampled_from([1, 2, 4]),
+    live=st.booleans(),
 )
-def test_every_epoch_equals_serial_execution(epochs, partitions):
+def test_every_epoch_equals_serial_execution(epochs, partitions, live, monkeypatch):
+    """Both ways of resuming a suspended function (live coroutine, journal replay) are checked."""
+    monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", live)
     rt = InProcessRuntime(app, partitions=partitions)
     n = 0
     for batch in epochs:
