@@ -317,8 +317,15 @@ class SparkRuntime:
         return os.path.join(self.ckpt, "epochs", f"{epoch:012d}.msgpack")
 
     def _last_recorded_epoch(self) -> int:
-        names = [n for n in os.listdir(os.path.join(self.ckpt, "epochs")) if n.endswith(".msgpack")]
-        return max((int(n.split(".")[0]) for n in names), default=-1)
+        """The newest epoch with a record (records are only ever added, so probe forward from the last)."""
+        e = getattr(self, "_known_epoch", None)
+        if e is None:
+            names = [n for n in os.listdir(os.path.join(self.ckpt, "epochs")) if n.endswith(".msgpack")]
+            e = max((int(n.split(".")[0]) for n in names), default=-1)
+        while os.path.exists(self._record_path(e + 1)):
+            e += 1
+        self._known_epoch = e
+        return e
 
     def read_record(self, epoch: int) -> EpochRecord | None:
         try:
@@ -451,8 +458,24 @@ class SparkRuntime:
         raw = got.get(store_key(operator, key))
         return default if raw is None else serde.decode(raw)
 
-    def read_keys(self, keys: list[bytes]) -> dict[bytes, bytes | None]:
+    def _settled_epoch(self, timeout: float = 60.0) -> int:
+        """The last recorded epoch, after waiting for the epoch of the newest reply to be recorded.
+
+        Replies go out early (before their epoch's state is finalized); waiting here gives a client that
+        got a reply read-your-writes on the next state read, still read at an epoch boundary.
+        """
+        last = self.output_log.last_seq()
+        newest = self.output_log.read_between(last - 1, last) if last > 0 else []
+        want = newest[0][1].epoch if newest else -1
+        deadline = time.monotonic() + timeout
         epoch = self._last_recorded_epoch()
+        while epoch < want and time.monotonic() < deadline:
+            time.sleep(0.01)
+            epoch = self._last_recorded_epoch()
+        return epoch
+
+    def read_keys(self, keys: list[bytes]) -> dict[bytes, bytes | None]:
+        epoch = self._settled_epoch()
         by_pid: dict[int, list[bytes]] = {}
         for k in keys:
             op, key, _ = split_store_key(k)
