@@ -1,0 +1,112 @@
+"""Gateway overhead: HTTP invoke through `charon run` (a separate process) vs a direct in-process submit.
+
+Both measured in the same run, closed loop at a fixed number of requests in flight, YCSB-T deposits.
+
+    .venv/bin/python benchmarks/gateway_overhead.py --requests 3000 --concurrency 1,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from charon.bench.harness import latency_summary
+
+ROOT = Path(__file__).resolve().parent
+TOKEN = "bench"
+
+
+async def closed_loop(call, n: int, concurrency: int) -> dict:
+    lat: list[float] = []
+    it = iter(range(n))
+
+    async def worker() -> None:
+        for i in it:
+            t = time.perf_counter()
+            await call(i)
+            lat.append((time.perf_counter() - t) * 1000)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    return {"requests_per_s": n / wall, "latency_ms": latency_summary(lat), "requests": n}
+
+
+async def direct(n: int, concurrency: int) -> dict:
+    from charon.apps import ycsb
+    from charon.inprocess import InProcessRuntime
+
+    rt = InProcessRuntime(ycsb.app, partitions=4)
+    async with rt:
+        async def call(i: int) -> None:
+            rep = await rt.submit("account", f"a{i % 1000}", "deposit", [1])
+            assert rep.ok
+        return await closed_loop(call, n, concurrency)
+
+
+async def http(url: str, n: int, concurrency: int) -> dict:
+    from charon.client import AsyncClient
+
+    async with AsyncClient(url, token=TOKEN) as client:
+        async def call(i: int) -> None:
+            await client.invoke("account", f"a{i % 1000}", "deposit", 1)
+        return await closed_loop(call, n, concurrency)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--out", default=str(ROOT / "out" / "gateway_overhead.json"))
+    args = ap.parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "charon"), "run", "charon.apps.ycsb:app", "--engine", "inprocess",
+         "--port", str(port), "--token", TOKEN], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("gateway did not start")
+            time.sleep(0.2)
+        rows = []
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            d = asyncio.run(direct(args.requests, c))
+            h = asyncio.run(http(url, args.requests, c))
+            rows.append({"concurrency": c, "direct": d, "http": h,
+                         "throughput_ratio_http_over_direct": h["requests_per_s"] / d["requests_per_s"],
+                         "p50_ratio_http_over_direct": h["latency_ms"]["p50"] / d["latency_ms"]["p50"]})
+            print(f"concurrency {c:>3}: direct {d['requests_per_s']:8.0f}/s p50 {d['latency_ms']['p50']:6.2f} ms | "
+                  f"http {h['requests_per_s']:7.0f}/s p50 {h['latency_ms']['p50']:6.2f} ms "
+                  f"p99 {h['latency_ms']['p99']:6.2f} ms", flush=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
