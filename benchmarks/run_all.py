@@ -7,7 +7,13 @@
 Experiments: YCSB-T at several input rates; a Zipf sweep (0.0/0.5/0.9/0.99/0.999) with abort rates; TPC-C
 NewOrder+Payment (W=1, reduced scale by default); the Deathstar travel mix and movie reviews. Systems:
 ``inprocess`` (Charon's in-process runtime), ``postgres`` (the SERIALIZABLE baseline) and ``spark``
-(hook: :data:`SYSTEM_FACTORIES` gets a ``"spark"`` entry once the Spark runtime exists).
+(:func:`charon.bench.spark.spark_target`: the Spark runtime on ``--spark-master``, default local[2], its driver
+in a child process so it does not share a GIL with the load generator):
+
+    .venv/bin/python benchmarks/run_all.py --systems inprocess,postgres,spark
+
+The TPC-C population is :class:`charon.apps.tpcc_spark.Population`: every system loads the same database,
+which the Spark target generates in parallel in Spark.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from charon.apps import deathstar, tpcc, ycsb  # noqa: E402
+from charon.apps import deathstar, tpcc, tpcc_spark, ycsb  # noqa: E402
 from charon.bench import harness, report  # noqa: E402
 from charon.bench.postgres import (  # noqa: E402
     DeathstarSql,
@@ -173,7 +179,7 @@ def tpcc_scale(name: str) -> tpcc.Scale:
 async def exp_tpcc(ctx: Ctx, system: str) -> list[dict]:
     a = ctx.args
     scale = tpcc_scale(a.tpcc_scale)
-    records = list(tpcc.populate(a.warehouses, scale))
+    records = tpcc_spark.Population(a.warehouses, scale)  # the Spark target generates it in Spark
     async with SYSTEM_FACTORIES[system](ctx, tpcc.app, records, TpccSql()) as target:
         res = await run_points(ctx, "tpcc", system, target, tpcc.generator(a.warehouses, scale), a.tpcc_rates,
                                {"warehouses": a.warehouses, "scale": a.tpcc_scale})
@@ -243,6 +249,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--epoch-max-txns", type=int, default=1000)
     p.add_argument("--epoch-max-ms", type=float, default=1.0)
+    p.add_argument("--spark-master", default="local[2]", help="Spark master of the spark system")
+    p.add_argument("--spark-max-batch", type=int, default=20_000, help="most requests per Spark epoch")
     p.add_argument("--pg-pool", type=int, default=16, help="PostgreSQL connections")
     p.add_argument("--accounts", type=int, default=10_000)
     p.add_argument("--ycsb-rates", type=floats, default=floats("250,500,1000,2000"))
