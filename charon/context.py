@@ -30,19 +30,40 @@ MAX_DEPTH = 200
 class _Call:
     """Awaitable returned by ``ctx.call``: ready at once when the reply is journaled, else suspends."""
 
-    __slots__ = ("ctx", "ready", "value", "target")
+    __slots__ = ("ctx", "ready", "value", "target", "child")
 
-    def __init__(self, ctx: Context, ready: bool, value: Any, target: tuple | None) -> None:
+    def __init__(self, ctx: Context, ready: bool, value: Any, target: tuple | None, child: int) -> None:
         self.ctx = ctx
         self.ready = ready
         self.value = value
         self.target = target
+        self.child = child
 
     def __await__(self) -> Generator[Any, None, Any]:
         if self.ready:
             return self.value
-        self.ctx._pending = self.target
+        self.ctx._pending = [(self.child, self.target)]
+        self.ctx._gathered = False
         # The engine either resumes the coroutine here with the reply, or drops it and replays the function.
+        return (yield self)
+
+
+class _Gather:
+    """Awaitable returned by ``ctx.gather``: several synchronous calls in flight at once."""
+
+    __slots__ = ("ctx", "calls")
+
+    def __init__(self, ctx: Context, calls: tuple[_Call, ...]) -> None:
+        self.ctx = ctx
+        self.calls = calls
+
+    def __await__(self) -> Generator[Any, None, list]:
+        if all(c.ready for c in self.calls):
+            return [c.value for c in self.calls]
+        if any(c.ready for c in self.calls):  # pragma: no cover - replies of a gather are journaled together
+            raise NonDeterministicFunction("a gather was replayed with part of its replies")
+        self.ctx._pending = [(c.child, c.target) for c in self.calls]
+        self.ctx._gathered = True
         return (yield self)
 
 
@@ -51,7 +72,7 @@ class Context:
 
     __slots__ = (
         "_unit", "_frame", "_replaying", "_ncall", "_nread", "_nchild", "_pending", "_sends", "_calls",
-        "_fast", "_rng", "key", "operator", "tid",
+        "_fast", "_rng", "_gathered", "key", "operator", "tid",
     )
 
     def __init__(self, unit: PartitionUnit, frame: Frame, fast: bool = False) -> None:
@@ -62,7 +83,8 @@ class Context:
         self._ncall = 0
         self._nread = 0
         self._nchild = 0
-        self._pending: tuple | None = None
+        self._pending: list[tuple[int, tuple]] | None = None
+        self._gathered = False
         self._sends: list[tuple] = []
         self._calls: list[tuple] = []
         self._rng: _random.Random | None = None
@@ -165,9 +187,20 @@ class Context:
             self._ncall += 1
             if self._ncall == len(replies):
                 self._replaying = False
-            return _Call(self, True, value, None)
+            return _Call(self, True, value, None, self._nchild)
         self._ncall += 1
-        return _Call(self, False, None, target)
+        return _Call(self, False, None, target, self._nchild)
+
+    def gather(self, *calls: _Call) -> _Gather:
+        """Wait for several ``ctx.call(...)`` at once: they run concurrently; returns their values in order.
+
+        ``values = await ctx.gather(ctx.call(a, k1, f), ctx.call(b, k2, g, x))``. The gathered calls'
+        call graphs run concurrently, so they should not touch the same entities.
+        """
+        for c in calls:
+            if not isinstance(c, _Call) or c.ctx is not self:
+                raise TypeError("ctx.gather takes the results of this context's ctx.call(...)")
+        return _Gather(self, calls)
 
     def send(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> None:
         """Call a function of another entity without waiting (it still belongs to this transaction)."""

@@ -53,31 +53,36 @@ class Invoke:
 
 
 class Reply:
-    """The return value of a synchronous call, addressed to the suspended caller (op, key, inv)."""
+    """The return value of synchronous call ``child``, addressed to the suspended caller (op, key, inv)."""
 
-    __slots__ = ("tid", "op", "key", "inv", "value", "share")
+    __slots__ = ("tid", "op", "key", "inv", "value", "share", "child")
 
-    def __init__(self, tid, op, key, inv, value, share) -> None:
+    def __init__(self, tid, op, key, inv, value, share, child) -> None:
         self.tid, self.op, self.key, self.inv, self.value, self.share = tid, op, key, inv, value, share
+        self.child = child
 
     def __getstate__(self):
-        return (self.tid, self.op, self.key, self.inv, self.value, self.share)
+        return (self.tid, self.op, self.key, self.inv, self.value, self.share, self.child)
 
     def __setstate__(self, st):
-        self.tid, self.op, self.key, self.inv, self.value, self.share = st
+        self.tid, self.op, self.key, self.inv, self.value, self.share, self.child = st
 
 
 class Frame:
     """An invocation in progress: what is needed to replay it when its pending call's reply arrives."""
 
     __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth",
-                 "replies", "reads")
+                 "replies", "reads", "waiting", "slots", "gathered", "nsusp")
 
     def __init__(self, m: Invoke, replies: list | None = None) -> None:
         self.tid, self.inv, self.op, self.key, self.fn, self.args = m.tid, m.inv, m.op, m.key, m.fn, m.args
         self.share, self.kind, self.caller, self.ts, self.depth = m.share, m.kind, m.caller, m.ts, m.depth
         self.replies: list[bytes] = replies if replies is not None else []
         self.reads: list[Any] = []
+        self.waiting: list[str] | None = None  # invocation ids of the pending calls, in call order
+        self.slots: dict[str, bytes] | None = None  # replies received so far for them
+        self.gathered = False  # suspended in ctx.gather (resume with a list of values)
+        self.nsusp = 0  # journaled replies when it suspended
 
     def __getstate__(self):
         return tuple(getattr(self, s) for s in self.__slots__)
@@ -296,11 +301,16 @@ class PartitionUnit:
                 frame = Frame(m)
             else:
                 tframes = frames.get(tid)
-                frame = tframes.pop(m.inv, None) if tframes is not None else None
+                frame = tframes.get(m.inv) if tframes is not None else None
                 if frame is None:
                     continue  # its transaction was reset
-                frame.replies.append(m.value)
                 frame.share += m.share
+                frame.slots[m.child] = m.value
+                if len(frame.slots) < len(frame.waiting):
+                    continue  # a gather still waiting for other replies
+                del tframes[m.inv]
+                frame.replies.extend(frame.slots[c] for c in frame.waiting)
+                frame.waiting = frame.slots = None
             for msg in self._run(frame):
                 if partition_of(msg.op, msg.key, parts) == pid:
                     queue.append(msg)
@@ -321,7 +331,8 @@ class PartitionUnit:
             if live is not None:
                 coro, ctx = live
                 ctx._resume(self, frame)
-                send_value = serde.decode(frame.replies[-1])
+                new = frame.replies[frame.nsusp:]
+                send_value = [serde.decode(v) for v in new] if frame.gathered else serde.decode(new[0])
             else:
                 ctx = Context(self, frame)
                 fn = self.app.resolve(frame.op, frame.fn)
@@ -352,11 +363,11 @@ class PartitionUnit:
         if not KEEP_LIVE_COROUTINES:
             coro.close()
             return
-        self._live_table().setdefault(frame.tid, {})[(frame.inv, len(frame.replies))] = (coro, ctx)
+        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.nsusp)] = (coro, ctx)
 
     def _live_pop(self, frame: Frame) -> tuple[Any, Context] | None:
         t = self._live_table().get(frame.tid)
-        return t.pop((frame.inv, len(frame.replies) - 1), None) if t else None
+        return t.pop((frame.inv, frame.nsusp), None) if t else None
 
     def _live_drop(self, tid: int) -> None:
         self._live_table().pop(tid, None)
@@ -384,7 +395,7 @@ class PartitionUnit:
         tid = frame.tid
         if frame.kind == SYNC:
             cop, ckey, cinv = frame.caller
-            msgs.append(Reply(tid, cop, ckey, cinv, value, leftover))
+            msgs.append(Reply(tid, cop, ckey, cinv, value, leftover, frame.inv))
         elif frame.kind == ROOT:
             self._out.done.append((tid, value, leftover))
         elif leftover:
@@ -399,14 +410,20 @@ class PartitionUnit:
     def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
         msgs: list[Invoke | Reply] = []
         sends = ctx._sends
-        each = frame.share / (len(sends) + 2)
+        pending = ctx._pending or []
+        each = frame.share / (len(sends) + len(pending) + 1)
         self._emit_sends(frame, sends, each, msgs)
-        op, key, fn, args = ctx._pending  # type: ignore[misc]
-        msgs.append(
-            Invoke(frame.tid, f"{frame.inv}.{ctx._nchild}", op, key, fn, args, each, SYNC,
-                   (frame.op, frame.key, frame.inv), frame.ts, frame.depth + 1)
-        )
+        caller = (frame.op, frame.key, frame.inv)
+        waiting = []
+        for n, (op, key, fn, args) in pending:
+            inv = f"{frame.inv}.{n}"
+            waiting.append(inv)
+            msgs.append(Invoke(frame.tid, inv, op, key, fn, args, each, SYNC, caller, frame.ts, frame.depth + 1))
         frame.share = each
+        frame.waiting = waiting
+        frame.slots = {}
+        frame.gathered = ctx._gathered
+        frame.nsusp = len(frame.replies)
         tframes = self.frames.get(frame.tid)
         if tframes is None:
             tframes = self.frames[frame.tid] = {}

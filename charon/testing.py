@@ -90,6 +90,10 @@ class SerialContext:
         value = await fn.body(ctx, *serde.decode(serde.encode(list(args))))
         return serde.decode(serde.encode(value))
 
+    async def gather(self, *calls: Any) -> list:
+        """The oracle runs gathered calls one after the other, in order."""
+        return [await c for c in calls]
+
     def send(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> None:
         fn = self._target(operator, key, function, args)
         self._txn.sends.append((fn, key, f"{self._inv}.{self._nchild}", self._depth + 1, serde.encode(list(args))))

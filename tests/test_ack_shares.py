@@ -73,3 +73,21 @@ def test_shares_are_exact_fractions():
     rt = InProcessRuntime(app, partitions=2)
     r = rt.run_epoch([Request("w", "tree", "w", "fan", serde.encode([2, 5]))])
     assert r.replies[1].ok and len(rt.entities("tree")) == 1 + 5 + 25
+
+
+@tree.function
+async def gather_tree(ctx: Context, depth: int, width: int) -> int:
+    """Synchronous fan-out with ctx.gather: children run concurrently; returns the subtree size."""
+    ctx.put(depth)
+    if depth == 0:
+        return 1
+    sizes = await ctx.gather(*(ctx.call(tree, f"{ctx.key}.{i}", gather_tree, depth - 1, width) for i in range(width)))
+    return 1 + sum(sizes)
+
+
+def test_gathered_calls_complete_in_depth_rounds_not_size_rounds():
+    rt = InProcessRuntime(app, partitions=4)
+    r = rt.run_epoch([Request("g", "tree", "g", "gather_tree", serde.encode([5, 3]))])
+    assert serde.decode(r.replies[1].value) == sum(3**i for i in range(6))
+    # each level costs a call round and a reply round: far fewer than one round trip per call
+    assert r.stats["dry_rounds"] <= 2 * 5 + 2

@@ -27,6 +27,9 @@ def _body(op: Operator):
         for mode, opn, key, sub in children:
             if mode == "call":
                 total += await ctx.call(opn, key, "node", sub)
+            elif mode == "gather":  # sub: several [op, key, plan] run concurrently
+                values = await ctx.gather(*(ctx.call(o, k, "node", p) for o, k, p in sub))
+                total += sum(values)
             else:
                 ctx.send(opn, key, "node", sub)
         if delta:
@@ -51,8 +54,17 @@ def plans(draw, pool: str, depth: int, path: str = ""):
     children = []
     if depth > 0:
         for i in range(draw(st.integers(0, 3))):
-            mode = draw(st.sampled_from(["call", "call", "send"]))
+            mode = draw(st.sampled_from(["call", "call", "send", "gather"]))
             op = draw(st.sampled_from(["n0", "n1"]))
+            if mode == "gather":  # concurrent calls: each gets its own keys so the result is defined
+                subs = []
+                for j in range(draw(st.integers(1, 3))):
+                    g_pool = f"g{path}{i}.{j}"
+                    g_op = draw(st.sampled_from(["n0", "n1"]))
+                    g_key = f"{g_pool}-{draw(st.integers(0, 2))}"
+                    subs.append([g_op, g_key, draw(plans(g_pool, depth - 1, f"{path}{i}.{j}."))])
+                children.append(["gather", "", "", subs])
+                continue
             # Asynchronous branches run concurrently: give each its own keys so the result is defined.
             sub_pool = pool if mode == "call" else f"s{path}{i}"
             key = f"{sub_pool}-{draw(st.integers(0, 2))}"
