@@ -130,14 +130,8 @@ async def search(ctx: Context, lat: float, lon: float, k: int) -> list:
         radius *= 2
         rows = _nearby(ctx, lat, lon, radius)
     rows.sort(key=lambda r: (_dist2(lat, lon, r[1]), r[0]))
-    out = []
-    for name, _ in rows[: 2 * k]:
-        prof = await ctx.call(hotel, name.rsplit(":", 1)[1], get_profile)
-        if prof["available"] > 0:
-            out.append(prof)
-        if len(out) == k:
-            break
-    return out
+    profs = await ctx.gather(*(ctx.call(hotel, name.rsplit(":", 1)[1], get_profile) for name, _ in rows[: 2 * k]))
+    return [p for p in profs if p["available"] > 0][:k]
 
 
 @geo.function
@@ -148,9 +142,7 @@ async def recommend(ctx: Context, lat: float, lon: float, require: str) -> list:
         rows.sort(key=lambda r: (_dist2(lat, lon, r[1]), r[0]))
         return [name.rsplit(":", 1)[1] for name, _ in rows[:5]]
     rows = _nearby(ctx, lat, lon, 2)
-    profs = []
-    for name, _ in rows:
-        profs.append(await ctx.call(hotel, name.rsplit(":", 1)[1], get_profile))
+    profs = await ctx.gather(*(ctx.call(hotel, name.rsplit(":", 1)[1], get_profile) for name, _ in rows))
     if require == "rate":
         profs.sort(key=lambda p: (-p["rate"], p["id"]))
     else:
@@ -177,8 +169,9 @@ async def reserve(ctx: Context, hotel_id: str, flight_id: str) -> dict:
     u = ctx.get()
     if u is None:
         raise NotFound(f"user {ctx.key}")
-    rooms = await ctx.call(hotel, hotel_id, reserve_room, ctx.key)
-    seats = await ctx.call(flight, flight_id, reserve_seat, ctx.key)
+    rooms, seats = await ctx.gather(
+        ctx.call(hotel, hotel_id, reserve_room, ctx.key), ctx.call(flight, flight_id, reserve_seat, ctx.key)
+    )
     u["reservations"] += 1
     ctx.put(u)
     return {"rooms_left": rooms, "seats_left": seats}
@@ -262,9 +255,11 @@ async def compose(ctx: Context, username: str, title: str, rating: int, text: st
     """Compose a review (this entity's key is the review id) across the 7 review services."""
     if ctx.get() is not None:
         raise DuplicateReview(ctx.key)
-    user_id = await ctx.call(movie_user, username, get_user_id)
-    movie_id = await ctx.call(movie_title, title, get_movie_id)
-    stored_text = await ctx.call(review_text, ctx.key, upload_text, text)
+    user_id, movie_id, stored_text = await ctx.gather(
+        ctx.call(movie_user, username, get_user_id),
+        ctx.call(movie_title, title, get_movie_id),
+        ctx.call(review_text, ctx.key, upload_text, text),
+    )
     avg = await ctx.call(movie_rating, movie_id, upload_rating, rating)
     ctx.send(review_storage, ctx.key, store_review,
              {"user_id": user_id, "movie_id": movie_id, "rating": rating, "text": stored_text,

@@ -188,14 +188,17 @@ async def new_order(ctx: Context, c_id: int, lines: list) -> dict:
         raise UnknownDistrict(f"district {ctx.key}")
     w_s, d_s = ctx.key.split(":")
     w_id = int(w_s)
-    w_tax = await ctx.call(warehouse, w_s, get_tax)
-    cust = await ctx.call(customer, f"{w_s}:{d_s}:{c_id}", get_for_order)
     o_id = d["next_o_id"]
     all_local = all(int(line[1]) == w_id for line in lines)
+    # One concurrent fan-out: warehouse tax, customer, and every line's item price and stock update.
+    calls = [ctx.call(warehouse, w_s, get_tax), ctx.call(customer, f"{w_s}:{d_s}:{c_id}", get_for_order)]
+    for i_id, supply_w, qty in lines:
+        calls.append(ctx.call(item, str(i_id), get_price))
+        calls.append(ctx.call(stock, f"{supply_w}:{i_id}", take, qty, int(supply_w) != w_id))
+    w_tax, cust, *per_line = await ctx.gather(*calls)
     total = 0
     for n, (i_id, supply_w, qty) in enumerate(lines, start=1):
-        price = await ctx.call(item, str(i_id), get_price)
-        dist_info = await ctx.call(stock, f"{supply_w}:{i_id}", take, qty, int(supply_w) != w_id)
+        price, dist_info = per_line[2 * (n - 1)], per_line[2 * (n - 1) + 1]
         amount = price * qty
         total += amount
         ctx.send(
@@ -226,10 +229,17 @@ async def payment(ctx: Context, c_w_id: int, c_d_id: int, c_id: int, c_last: str
         raise UnknownDistrict(f"district {ctx.key}")
     w_s, d_s = ctx.key.split(":")
     ctx.put_item("ytd", ytd + amount)
-    w_name = await ctx.call(warehouse, w_s, warehouse_pay, amount)
-    if c_id == 0:
-        c_id = await ctx.call(customer_index, f"{c_w_id}:{c_d_id}", lookup, c_last)
-    balance = await ctx.call(customer, f"{c_w_id}:{c_d_id}:{c_id}", customer_pay, amount, int(w_s), int(d_s))
+    if c_id == 0:  # by last name: the index lookup runs concurrently with the warehouse update
+        w_name, c_id = await ctx.gather(
+            ctx.call(warehouse, w_s, warehouse_pay, amount),
+            ctx.call(customer_index, f"{c_w_id}:{c_d_id}", lookup, c_last),
+        )
+        balance = await ctx.call(customer, f"{c_w_id}:{c_d_id}:{c_id}", customer_pay, amount, int(w_s), int(d_s))
+    else:
+        w_name, balance = await ctx.gather(
+            ctx.call(warehouse, w_s, warehouse_pay, amount),
+            ctx.call(customer, f"{c_w_id}:{c_d_id}:{c_id}", customer_pay, amount, int(w_s), int(d_s)),
+        )
     ctx.send(
         history,
         f"{c_w_id}:{c_d_id}:{c_id}",
