@@ -107,3 +107,13 @@ async def test_postgres_tpcc_keeps_consistency(pg_cluster) -> None:
     assert replies[-1].error_type == "UnknownItem"
     assert all(r.ok for r in replies[:-1]), [r for r in replies if not r.ok]
     assert TpccSql.check(pg_cluster.dsn) == []
+
+
+def test_charon_bench_arguments_map_to_the_suite():
+    from charon.bench import translate
+
+    assert translate(["ycsb", "--engine", "inprocess,spark", "--rates", "500,1000", "--duration", "3"]) == [
+        "--only", "ycsb", "--systems", "inprocess,spark", "--ycsb-rates", "500,1000", "--duration", "3"]
+    assert translate(["--engine", "postgres"]) == ["--systems", "postgres"]
+    with pytest.raises(SystemExit):
+        translate(["nosuch"])
