@@ -1,0 +1,132 @@
+"""The Spark runtime on a real standalone cluster (a Master and 2 Workers on 127.0.0.1, ``bin/spark-class``).
+
+YCSB-T runs with one single-core executor per Worker; each Worker has its own ``CHARON_LOCAL_DIR``, so the
+executors' resident partition stores are per Worker. One Worker (with its executor and Python workers) is
+SIGKILLed mid-run: Spark reschedules the lost tasks on the remaining executor, which restores the partition
+stores it lacks or has behind from the durable copy, and the result still equals the in-process runtime's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from spark_driver import Driver, check_result, driver_args, last_epoch, make_config, transfers
+
+from charon.lmdbstore import LmdbStore
+from charon.log import InputLog
+from charon.spark.cluster import StandaloneCluster
+from charon.spark.runtime import EpochRecord, SparkRuntime
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(1200)]
+
+APP = "charon.apps.ycsb:app"
+ACCOUNTS = 1000
+BALANCE = 100
+MAX_BATCH = 200
+COMPACT_EVERY = 5
+START_TIMEOUT = 300.0
+RUN_TIMEOUT = 600.0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[StandaloneCluster]:
+    cl = StandaloneCluster(str(tmp_path / "cluster"), workers=2, cores=1, memory="1g")
+    try:
+        cl.start()  # stops what it started if it fails
+        yield cl
+    finally:
+        cl.stop()
+
+
+def stores(root: str) -> dict[int, str]:
+    """Partition stores (LMDB environments) under a worker's ``CHARON_LOCAL_DIR``: {pid: directory}."""
+    return {int(p.parent.name[1:]): str(p.parent.parent) for p in Path(root).glob("charon-*/p*/data.mdb")}
+
+
+def local_epoch(root: str, pid: int) -> int:
+    s = LmdbStore(root, pid)  # no durable copy: only reads the local marker
+    try:
+        return s.epoch
+    finally:
+        s.close()
+
+
+def consumed(data_dir: str) -> int:
+    path = os.path.join(make_config(data_dir).checkpoint_dir, "epochs", f"{last_epoch(data_dir):012d}.msgpack")
+    with open(path, "rb") as f:
+        return sum(msgspec.msgpack.decode(f.read(), type=EpochRecord).ends)
+
+
+def test_cluster_starts_and_stops(tmp_path: Path) -> None:
+    cl = StandaloneCluster(str(tmp_path / "c"), workers=1)
+    try:
+        cl.start()
+        assert cl.master_url.startswith("spark://127.0.0.1:")
+        assert all(d.alive() for d in cl.daemons)
+        assert "Registering worker 127.0.0.1" in cl.master.log()
+    finally:
+        cl.stop()
+    assert not any(d.alive() for d in cl.daemons)
+    assert all(not d.tree._alive() for d in cl.daemons)
+
+
+def test_worker_killed_mid_run_matches_in_process(cluster: StandaloneCluster, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    data = str(tmp_path / "data")
+    args = driver_args(master=cluster.master_url, max_batch=MAX_BATCH, compact_every=COMPACT_EVERY,
+                       conf=cluster.app_conf(executor_cores=1, max_cores=2))
+    workload = transfers(ACCOUNTS, 3000, seed=3)
+    appended = workload[:2000]
+    log: InputLog | None = None
+    d = Driver(data, ["--load", str(ACCOUNTS), "--run", "--balance", str(BALANCE), *args],
+               str(tmp_path / "driver.log"))
+    try:
+        d.wait_until(lambda: "loaded" in d.output(), START_TIMEOUT, "the bulk load")
+        initial = SparkRuntime(APP, make_config(data)).snapshot()
+        assert len(initial) == ACCOUNTS
+        log = InputLog(os.path.join(data, "input.sqlite"), 4)
+        log.append_many(appended)
+        Path(data, "go").touch()
+
+        # residency: each Worker's executor keeps partition stores in its own local directory
+        dirs = [cluster.worker_store_dir(i) for i in range(2)]
+
+        def both_resident() -> bool:
+            cluster.scan()
+            return last_epoch(data) >= 2 and all(stores(x) for x in dirs)
+
+        d.wait_until(both_resident, RUN_TIMEOUT, "partition stores on both workers")
+        before = [stores(x) for x in dirs]
+        at_kill = last_epoch(data)
+        assert consumed(data) < len(appended), "the run finished before the kill"
+        assert cluster.kill_worker(1), "worker 1 survived SIGKILL"
+        assert not cluster.workers[1].alive() and cluster.workers[0].alive()
+
+        log.append_many(workload[2000:])
+        appended = workload
+        Path(data, "done").touch()
+        rc = d.wait(RUN_TIMEOUT)
+        assert rc == 0, f"the run failed after losing a worker (exit {rc})\n{d.tail()}"
+        assert "Lost executor" in d.output(), "Spark did not notice the lost executor"
+    finally:
+        d.kill()
+        if log is not None:
+            log.close()
+
+    last = last_epoch(data)
+    print(f"\nstores before the kill: {before}; killed at epoch {at_kill}, last epoch {last}, "
+          f"{time.monotonic() - t0:.0f} s")
+    assert all(before), before
+    assert {os.path.dirname(p) for b in before for p in b.values()} == set(dirs)
+    assert last >= at_kill + 3, "too few epochs ran after the kill"
+    check_result(data, initial, appended, ACCOUNTS * BALANCE, master=cluster.master_url, max_batch=MAX_BATCH,
+                 compact_every=COMPACT_EVERY)
+    # the survivor ran every partition to the end: its stores hold all of them at the last epoch
+    survivor = stores(dirs[0])
+    assert sorted(survivor) == [0, 1, 2, 3]
+    assert [local_epoch(survivor[p], p) for p in range(4)] == [last] * 4
