@@ -164,8 +164,12 @@ class LmdbStore:
         return -1 if e is None else e
 
     def get(self, key: bytes) -> bytes | None:
-        with self._txn() as t:
+        t = self._rtxn
+        if t is not None:  # the round's read transaction (the hot path)
             v = t.get(key)
+        else:
+            with self._txn() as t:
+                v = t.get(key)
         if v is not None:
             self.bytes_read += len(key) + len(v)
         return v

@@ -44,12 +44,11 @@ class Invoke:
         self.tid, self.inv, self.op, self.key, self.fn, self.args = tid, inv, op, key, fn, args
         self.share, self.kind, self.caller, self.ts, self.depth = share, kind, caller, ts, depth
 
-    def __getstate__(self):
-        return tuple(getattr(self, s) for s in self.__slots__)
-
-    def __setstate__(self, st):
-        for s, v in zip(self.__slots__, st, strict=True):
-            setattr(self, s, v)
+    def __reduce__(self):
+        return (_new_invoke, (
+            self.tid, self.inv, self.op, self.key, self.fn, self.args, _pack(self.share), self.kind, self.caller,
+            self.ts, self.depth,
+        ))
 
 
 class Reply:
@@ -61,11 +60,10 @@ class Reply:
         self.tid, self.op, self.key, self.inv, self.value, self.share = tid, op, key, inv, value, share
         self.child = child
 
-    def __getstate__(self):
-        return (self.tid, self.op, self.key, self.inv, self.value, self.share, self.child)
-
-    def __setstate__(self, st):
-        self.tid, self.op, self.key, self.inv, self.value, self.share, self.child = st
+    def __reduce__(self):
+        return (_new_reply, (
+            self.tid, self.op, self.key, self.inv, self.value, _pack(self.share), self.child,
+        ))
 
 
 class Frame:
@@ -84,12 +82,11 @@ class Frame:
         self.gathered = False  # suspended in ctx.gather (resume with a list of values)
         self.nsusp = 0  # journaled replies when it suspended
 
-    def __getstate__(self):
-        return tuple(getattr(self, s) for s in self.__slots__)
-
-    def __setstate__(self, st):
-        for s, v in zip(self.__slots__, st, strict=True):
-            setattr(self, s, v)
+    def __reduce__(self):
+        return (_new_frame, (
+            self.tid, self.inv, self.op, self.key, self.fn, self.args, _pack(self.share), self.kind, self.caller,
+            self.ts, self.depth, self.replies, self.reads, self.waiting, self.slots, self.gathered, self.nsusp,
+        ))
 
 
 class Control:
@@ -113,7 +110,7 @@ class Control:
 class RoundOutput:
     """What one partition returns from a round."""
 
-    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "stats")
+    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "stats", "cached")
 
     def __init__(self) -> None:
         self.messages: list[Invoke | Reply] = []  # for other partitions
@@ -123,12 +120,15 @@ class RoundOutput:
         self.rw: list[tuple[int, str, str, bool]] = []  # (tid, op, key, wrote) first touch / first write
         self.invalid: list[int] = []  # call-graph-cached fallback: tids that did not replay identically
         self.stats: dict[str, int] = {}
+        # dry-run invocations completed this round, for the call-graph cache (a runtime that does not keep
+        # the unit between rounds keeps them and hands back those of the fallback's transactions)
+        self.cached: dict[int, list[Cached]] = {}
 
     def __getstate__(self):
-        return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.stats)
+        return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.stats, self.cached)
 
     def __setstate__(self, st):
-        self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.stats = st
+        self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.stats, self.cached = st
 
 
 class Cached:
@@ -141,12 +141,11 @@ class Cached:
         self.replies, self.result, self.calls, self.ts, self.depth = frame.replies, result, calls, frame.ts, frame.depth
         self.kind = frame.kind
 
-    def __getstate__(self):
-        return tuple(getattr(self, s) for s in self.__slots__)
-
-    def __setstate__(self, st):
-        for s, v in zip(self.__slots__, st, strict=True):
-            setattr(self, s, v)
+    def __reduce__(self):
+        return (_new_cached, (
+            self.inv, self.op, self.key, self.fn, self.args, self.replies, self.result, self.calls, self.ts,
+            self.depth, self.kind,
+        ))
 
 
 class PartitionUnit:
@@ -175,7 +174,8 @@ class PartitionUnit:
         self.fast_layer: dict[Entity, dict[str, bytes | None]] | None = None
         self._recording = True
 
-    _SCRATCH = ("epoch", "buffers", "frames", "touched", "cache", "overlay", "counts", "dead")
+    # The call-graph cache is not scratch: it leaves the unit once, in RoundOutput.cached (see load_cache).
+    _SCRATCH = ("epoch", "buffers", "frames", "touched", "overlay", "counts", "dead")
 
     def dump_scratch(self) -> bytes:
         """The unit's between-round state, for a runtime that runs the next round elsewhere."""
@@ -188,7 +188,13 @@ class PartitionUnit:
             return
         for n, v in zip(self._SCRATCH, pickle.loads(data), strict=True):
             setattr(self, n, v)
+        self.cache = {}
         self.fast_layer = None
+
+    def load_cache(self, cached: dict[int, list[Cached]]) -> None:
+        """Hand back dry-run invocations (from earlier RoundOutput.cached) before a call-graph-cached round."""
+        for tid, entries in cached.items():
+            self.cache.setdefault(tid, []).extend(entries)
 
     # -- state access used by Context -------------------------------------------------------------
     def _touch(self, tid: int, e: Entity, wrote: bool) -> None:
@@ -401,10 +407,15 @@ class PartitionUnit:
         elif leftover:
             self._out.acks.append((tid, leftover))
         if self._recording:
+            entry = Cached(frame, value, ctx._calls)
             c = self.cache.get(tid)
             if c is None:
                 c = self.cache[tid] = []
-            c.append(Cached(frame, value, ctx._calls))
+            c.append(entry)
+            c = self._out.cached.get(tid)
+            if c is None:
+                c = self._out.cached[tid] = []
+            c.append(entry)
         return msgs
 
     def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
@@ -502,3 +513,80 @@ class PartitionUnit:
         self.store.commit(self.epoch, delta)
         self._clear(self.epoch)
         return len(delta)
+
+
+def _pack(f: Fraction) -> tuple[int, int]:
+    return (f.numerator, f.denominator)
+
+
+def _unpack(nd: tuple[int, int]) -> Fraction:
+    """A Fraction from an already reduced (numerator, denominator) pair, without re-normalizing."""
+    f = object.__new__(Fraction)
+    f._numerator, f._denominator = nd
+    return f
+
+
+def _new_invoke(*st: Any) -> Invoke:
+    o = Invoke.__new__(Invoke)
+    o.tid = st[0]
+    o.inv = st[1]
+    o.op = st[2]
+    o.key = st[3]
+    o.fn = st[4]
+    o.args = st[5]
+    o.share = _unpack(st[6])
+    o.kind = st[7]
+    o.caller = st[8]
+    o.ts = st[9]
+    o.depth = st[10]
+    return o
+
+
+def _new_reply(*st: Any) -> Reply:
+    o = Reply.__new__(Reply)
+    o.tid = st[0]
+    o.op = st[1]
+    o.key = st[2]
+    o.inv = st[3]
+    o.value = st[4]
+    o.share = _unpack(st[5])
+    o.child = st[6]
+    return o
+
+
+def _new_frame(*st: Any) -> Frame:
+    o = Frame.__new__(Frame)
+    o.tid = st[0]
+    o.inv = st[1]
+    o.op = st[2]
+    o.key = st[3]
+    o.fn = st[4]
+    o.args = st[5]
+    o.share = _unpack(st[6])
+    o.kind = st[7]
+    o.caller = st[8]
+    o.ts = st[9]
+    o.depth = st[10]
+    o.replies = st[11]
+    o.reads = st[12]
+    o.waiting = st[13]
+    o.slots = st[14]
+    o.gathered = st[15]
+    o.nsusp = st[16]
+    return o
+
+
+def _new_cached(*st: Any) -> Cached:
+    o = Cached.__new__(Cached)
+    o.inv = st[0]
+    o.op = st[1]
+    o.key = st[2]
+    o.fn = st[3]
+    o.args = st[4]
+    o.replies = st[5]
+    o.result = st[6]
+    o.calls = st[7]
+    o.ts = st[8]
+    o.depth = st[9]
+    o.kind = st[10]
+    return o
