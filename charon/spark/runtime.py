@@ -148,13 +148,15 @@ def _run_partitions(
     app = load_app(app_ref)
     root = executor_local_dir(local_dir, checkpoint)
     for pid, payload in items:
-        control, scratch, inbox = pickle.loads(payload)
+        control, scratch, inbox, cached = pickle.loads(payload)
         store = open_store(root, pid, durable_root)
         t0 = time.perf_counter()
         store.ensure_epoch(control.epoch - 1)
         t1 = time.perf_counter()
         unit = PartitionUnit(pid, parts, app, store)
         unit.load_scratch(scratch)
+        if cached:
+            unit.load_cache(cached)
         if control.finalize:
             out = unit.step(control, inbox)
         else:
@@ -198,11 +200,13 @@ class SparkExchange:
     """Runs one round as one Spark job; holds each partition's scratch between rounds of an epoch."""
 
     def __init__(self, spark: Any, app_ref: str, config: SparkConfig) -> None:
-        self.sc = spark.sparkContext
+        self.sc = spark.sparkContext if spark is not None else None
         self.partitions = config.partitions
         self.config = config
-        self.slots = max(1, min(config.partitions, self.sc.defaultParallelism))
+        self.slots = max(1, min(config.partitions, self.sc.defaultParallelism if self.sc else 1))
         self.scratch: list[bytes | None] = [None] * config.partitions
+        # The dry run's call-graph cache stays here; a cached fallback round gets back only its transactions.
+        self.cache: list[dict[int, list]] = [{} for _ in range(config.partitions)]
         self.durable_root = os.path.join(config.checkpoint_dir, "state")
         self.fn = partial(_run_partitions, app_ref, config.partitions, config.local_dir, self.durable_root,
                           config.checkpoint_dir)
@@ -214,23 +218,27 @@ class SparkExchange:
         payloads = []
         outs: list[RoundOutput] = [RoundOutput() for _ in range(self.partitions)]
         for p in range(self.partitions):
-            if busy or inboxes[p] or self.scratch[p] is None and control.phase == Control.DRY and inboxes[p]:
-                payloads.append((p, pickle.dumps((control, self.scratch[p], inboxes[p]),
+            if busy or inboxes[p]:
+                cache = self.cache[p]
+                cached = {t: cache[t] for t in control.fast if t in cache} if control.fast else None
+                payloads.append((p, pickle.dumps((control, self.scratch[p], inboxes[p], cached),
                                                  protocol=pickle.HIGHEST_PROTOCOL)))
         t1 = time.perf_counter()
-        if payloads:
-            n = min(self.slots, len(payloads))
-            results = self.sc.parallelize(payloads, n).mapPartitions(self.fn).collect()
-        else:
-            results = []
+        results = self.run_job(payloads) if payloads else []
         t2 = time.perf_counter()
         crash_point("after_round", control.epoch)  # fires after the epoch's first round (fault tests)
         for pid, blob in results:
             scratch, out = pickle.loads(blob)
             self.scratch[pid] = scratch
             outs[pid] = out
+            if out.cached:
+                cache = self.cache[pid]
+                for tid, entries in out.cached.items():
+                    cache.setdefault(tid, []).extend(entries)
+                out.cached = {}
         if control.finalize:
             self.scratch = [None] * self.partitions
+            self.cache = [{} for _ in range(self.partitions)]
         t3 = time.perf_counter()
         s = self.stats
         s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
@@ -240,6 +248,11 @@ class SparkExchange:
         s["step_s"] = s.get("step_s", 0.0) + sum(o.stats.get("step_us", 0) for o in outs) / 1e6
         s["restore_s"] = s.get("restore_s", 0.0) + sum(o.stats.get("restore_us", 0) for o in outs) / 1e6
         return outs
+
+    def run_job(self, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        """One Spark job: the payloads in as many tasks as there are cores, results collected."""
+        n = min(self.slots, len(payloads))
+        return self.sc.parallelize(payloads, n).mapPartitions(self.fn).collect()
 
 
 class SparkRuntime:
