@@ -294,62 +294,112 @@ def _astring(rng: random.Random, lo: int, hi: int) -> str:
     return "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(lo, hi)))
 
 
+CHUNK = 2_500  # items (and stock rows) per unit: part of the population's definition (it seeds the units)
+Unit = tuple  # ("item", lo, hi) | ("warehouse", w) | ("stock", w, lo, hi) | ("district", w, d)
+
+
+def units(W: int, scale: Scale) -> list[Unit]:
+    """The generation units of a population, in canonical order (the order :func:`populate` yields)."""
+    out: list[Unit] = []
+    chunks = [(lo, min(lo + CHUNK - 1, scale.items)) for lo in range(1, scale.items + 1, CHUNK)]
+    out += [("item", lo, hi) for lo, hi in chunks]
+    for w in range(1, W + 1):
+        out.append(("warehouse", w))
+        out += [("stock", w, lo, hi) for lo, hi in chunks]
+        out += [("district", w, d) for d in range(1, scale.districts + 1)]
+    return out
+
+
+def unit_rng(seed: int, unit: Unit) -> random.Random:
+    """The unit's own generator (string seeds are hashed with SHA-512: stable across processes)."""
+    return random.Random("tpcc:" + ":".join(str(x) for x in (seed, *unit)))
+
+
+def _items(rng: random.Random, lo: int, hi: int) -> Iterator[Record]:
+    for i in range(lo, hi + 1):
+        data = _astring(rng, 26, 50)
+        if rng.random() < 0.1:
+            data = data[:10] + "ORIGINAL" + data[18:]
+        yield "item", str(i), {"name": _astring(rng, 14, 24), "price": rng.randint(100, 10000),
+                               "data": data}, None
+
+
+def _warehouse(rng: random.Random, w: int, scale: Scale) -> Iterator[Record]:
+    yield "warehouse", str(w), {"ytd": 3_000_000 * scale.districts}, {
+        "info": {"name": f"W{w}", "tax": rng.randint(0, 2000) / 10000}}
+
+
+def _stock(rng: random.Random, w: int, lo: int, hi: int) -> Iterator[Record]:
+    for i in range(lo, hi + 1):
+        yield "stock", f"{w}:{i}", {
+            "quantity": rng.randint(10, 100), "ytd": 0, "order_cnt": 0, "remote_cnt": 0,
+            "dist": _astring(rng, 24, 24), "data": _astring(rng, 26, 50),
+        }, None
+
+
+def _district(rng: random.Random, w: int, d: int, scale: Scale) -> Iterator[Record]:
+    """One district exactly as ``populate`` builds it (same rows, same order of draws)."""
+    C, n_items, n_orders = scale.customers, scale.items, scale.initial_orders
+    yield "district", f"{w}:{d}", {"tax": rng.randint(0, 2000) / 10000, "next_o_id": n_orders + 1}, \
+        {"ytd": 3_000_000}
+    index: dict[str, int] = {}
+    for c in range(1, C + 1):
+        last = last_name(c - 1 if c <= 1000 else nurand(rng, 255, 0, 999, _C_LAST))
+        first = _astring(rng, 8, 16)
+        index[f"{last}:{first}:{c:06d}"] = c
+        yield "customer", f"{w}:{d}:{c}", {
+            "balance": -1000, "ytd_payment": 1000, "payment_cnt": 1, "delivery_cnt": 0,
+            "data": _astring(rng, 30, 60),
+        }, {"info": {"first": first, "middle": "OE", "last": last,
+                     "credit": "BC" if rng.random() < 0.1 else "GC",
+                     "discount": rng.randint(0, 5000) / 10000}}
+        yield "history", f"{w}:{d}:{c}", 1, {"00000001": {"w_id": w, "d_id": d, "amount": 1000,
+                                                          "date": 0.0, "data": "initial"}}
+    yield "customer_index", f"{w}:{d}", None, index
+    perm = list(range(1, C + 1))
+    rng.shuffle(perm)
+    first_new = n_orders - (n_orders * 3) // 10 + 1  # 2101 of 3000
+    for o in range(1, n_orders + 1):
+        ol_cnt = rng.randint(5, 15)
+        delivered = o < first_new
+        yield "order", f"{w}:{d}:{o}", {"c_id": perm[(o - 1) % C], "ol_cnt": ol_cnt, "all_local": True,
+                                        "entry_d": 0.0,
+                                        "carrier_id": rng.randint(1, 10) if delivered else None}, None
+        for n in range(1, ol_cnt + 1):
+            yield "order_line", f"{w}:{d}:{o}:{n}", {
+                "i_id": rng.randint(1, n_items), "supply_w_id": w, "quantity": 5,
+                "amount": 0 if delivered else rng.randint(1, 999999),
+                "dist_info": _astring(rng, 24, 24), "delivery_d": 0.0 if delivered else None,
+            }, None
+        if not delivered:
+            yield "new_order", f"{w}:{d}:{o}", 1, None
+
+
+def unit_records(unit: Unit, scale: Scale, seed: int = 0) -> Iterator[Record]:
+    """The records ``(operator, key, value, items)`` of one unit (deterministic in ``unit, scale, seed``)."""
+    rng = unit_rng(seed, unit)
+    kind = unit[0]
+    if kind == "item":
+        return _items(rng, unit[1], unit[2])
+    if kind == "warehouse":
+        return _warehouse(rng, unit[1], scale)
+    if kind == "stock":
+        return _stock(rng, unit[1], unit[2], unit[3])
+    if kind == "district":
+        return _district(rng, unit[1], unit[2], scale)
+    raise ValueError(f"unknown unit {unit!r}")
+
+
 def populate(W: int = 1, scale: Scale = Scale(), seed: int = 0) -> Iterator[Record]:
     """Yield the initial database as ``(operator, key, value, items)``; ``items`` is None or a dict.
 
     Follows the specification's initial state (W_YTD = 300,000.00 = 10 x D_YTD, 30% of the initial
-    orders undelivered with NEW-ORDER rows), scaled by ``scale``; string fields are shortened.
+    orders undelivered with NEW-ORDER rows), scaled by ``scale``; string fields are shortened. The
+    population is made of independent *units* (:func:`units`), each with its own seeded generator, so
+    :mod:`charon.apps.tpcc_spark` can generate it in parallel with Spark and get the same records.
     """
-    rng = random.Random(seed)
-    C, n_items, D = scale.customers, scale.items, scale.districts
-    n_orders = scale.initial_orders
-    for i in range(1, n_items + 1):
-        data = _astring(rng, 26, 50)
-        if rng.random() < 0.1:
-            data = data[:10] + "ORIGINAL" + data[18:]
-        yield "item", str(i), {"name": _astring(rng, 14, 24), "price": rng.randint(100, 10000), "data": data}, None
-    for w in range(1, W + 1):
-        yield "warehouse", str(w), {"ytd": 3_000_000 * D}, {"info": {"name": f"W{w}",
-                                                                     "tax": rng.randint(0, 2000) / 10000}}
-        for i in range(1, n_items + 1):
-            yield "stock", f"{w}:{i}", {
-                "quantity": rng.randint(10, 100), "ytd": 0, "order_cnt": 0, "remote_cnt": 0,
-                "dist": _astring(rng, 24, 24), "data": _astring(rng, 26, 50),
-            }, None
-        for d in range(1, D + 1):
-            yield "district", f"{w}:{d}", {"tax": rng.randint(0, 2000) / 10000, "next_o_id": n_orders + 1}, \
-                {"ytd": 3_000_000}
-            index: dict[str, int] = {}
-            for c in range(1, C + 1):
-                last = last_name(c - 1 if c <= 1000 else nurand(rng, 255, 0, 999, _C_LAST))
-                first = _astring(rng, 8, 16)
-                index[f"{last}:{first}:{c:06d}"] = c
-                yield "customer", f"{w}:{d}:{c}", {
-                    "balance": -1000, "ytd_payment": 1000, "payment_cnt": 1, "delivery_cnt": 0,
-                    "data": _astring(rng, 30, 60),
-                }, {"info": {"first": first, "middle": "OE", "last": last,
-                             "credit": "BC" if rng.random() < 0.1 else "GC",
-                             "discount": rng.randint(0, 5000) / 10000}}
-                yield "history", f"{w}:{d}:{c}", 1, {"00000001": {"w_id": w, "d_id": d, "amount": 1000,
-                                                                  "date": 0.0, "data": "initial"}}
-            yield "customer_index", f"{w}:{d}", None, index
-            perm = list(range(1, C + 1))
-            rng.shuffle(perm)
-            first_new = n_orders - (n_orders * 3) // 10 + 1  # 2101 of 3000
-            for o in range(1, n_orders + 1):
-                ol_cnt = rng.randint(5, 15)
-                delivered = o < first_new
-                yield "order", f"{w}:{d}:{o}", {"c_id": perm[(o - 1) % C], "ol_cnt": ol_cnt, "all_local": True,
-                                                 "entry_d": 0.0,
-                                                 "carrier_id": rng.randint(1, 10) if delivered else None}, None
-                for n in range(1, ol_cnt + 1):
-                    yield "order_line", f"{w}:{d}:{o}:{n}", {
-                        "i_id": rng.randint(1, n_items), "supply_w_id": w, "quantity": 5,
-                        "amount": 0 if delivered else rng.randint(1, 999999),
-                        "dist_info": _astring(rng, 24, 24), "delivery_d": 0.0 if delivered else None,
-                    }, None
-                if not delivered:
-                    yield "new_order", f"{w}:{d}:{o}", 1, None
+    for u in units(W, scale):
+        yield from unit_records(u, scale, seed)
 
 
 def load(runtime: Any, records: Iterator[Record], batch: int = 10_000) -> int:
