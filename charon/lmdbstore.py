@@ -214,20 +214,12 @@ class LmdbStore:
                 before = d.bytes_written
                 d.write_delta(self.pid, epoch, delta)
                 self.bytes_written += d.bytes_written - before
-        written = 0
         with h.env.begin(write=True, db=h.data) as t:
             cur = self._local_epoch(t)
             if cur is not None and epoch <= cur:
                 t.abort()  # a concurrent (stale) task committed it meanwhile
                 return
-            for k in sorted(delta):
-                v = delta[k]
-                if v is None:
-                    t.delete(k)
-                    written += len(k)
-                else:
-                    t.put(k, v)
-                    written += len(k) + len(v)
+            written = _apply(t, delta)
             t.put(_EPOCH_KEY, _EPOCH.pack(epoch), db=h.meta)
         self.bytes_written += written
 
@@ -291,14 +283,7 @@ class LmdbStore:
                 t.abort()
                 return self.ensure_epoch(epoch)  # another process moved it meanwhile
             for _, delta in deltas:
-                for k in sorted(delta):
-                    v = delta[k]
-                    if v is None:
-                        t.delete(k)
-                        written += len(k)
-                    else:
-                        t.put(k, v)
-                        written += len(k) + len(v)
+                written += _apply(t, delta)
             t.put(_EPOCH_KEY, _EPOCH.pack(epoch), db=h.meta)
         self.bytes_written += written
         self.bytes_read += d.bytes_read - before
@@ -327,6 +312,20 @@ class LmdbStore:
 
 _STORES: dict[tuple[str, int, str | None, int], LmdbStore] = {}
 _DURABLES: dict[tuple[str, int], DurableState] = {}
+
+
+def _apply(t: lmdb.Transaction, delta: dict[bytes, bytes | None]) -> int:
+    """Write one delta (None deletes) in key order inside ``t``; returns the bytes written."""
+    written = 0
+    for k in sorted(delta):
+        v = delta[k]
+        if v is None:
+            t.delete(k)
+            written += len(k)
+        else:
+            t.put(k, v)
+            written += len(k) + len(v)
+    return written
 
 
 def open_store(path: str, pid: int, durable_root: str | None = None) -> LmdbStore:
