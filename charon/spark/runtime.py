@@ -124,6 +124,33 @@ def load_app(ref: str) -> Application:
     return app
 
 
+def ship_app_module(spark: Any, app_ref: str) -> None:
+    """Make an application module that is not installed (e.g. ``bank.py`` beside the CLI) importable on
+    the executors, with ``addPyFile``; installed modules and Charon's own apps need nothing."""
+    import importlib.util
+    import zipfile
+
+    name = app_ref.partition(":")[0]
+    if name.split(".")[0] == "charon":
+        return
+    spec = importlib.util.find_spec(name.split(".")[0])
+    origin = getattr(spec, "origin", None) if spec else None
+    if not origin or "site-packages" in origin or "dist-packages" in origin:
+        return
+    if os.path.basename(origin) == "__init__.py":  # a package: ship it zipped
+        pkg_dir = os.path.dirname(origin)
+        zpath = os.path.join(tempfile.mkdtemp(prefix="charon-app-"), f"{os.path.basename(pkg_dir)}.zip")
+        with zipfile.ZipFile(zpath, "w") as z:
+            for root, _, files in os.walk(pkg_dir):
+                for f in files:
+                    if f.endswith(".py"):
+                        full = os.path.join(root, f)
+                        z.write(full, os.path.relpath(full, os.path.dirname(pkg_dir)))
+        spark.sparkContext.addPyFile(zpath)
+    else:
+        spark.sparkContext.addPyFile(origin)
+
+
 def executor_local_dir(configured: str | None, checkpoint: str) -> str:
     """Where an executor keeps its resident stores: configured, else the executor's Spark dirs, else /tmp."""
     if configured:
@@ -289,6 +316,7 @@ class SparkRuntime:
 
         spark = self.spark
         register(spark)
+        ship_app_module(spark, self.app_ref)
         self.exchange = SparkExchange(spark, self.app_ref, self.config)
         df = (
             spark.readStream.format("charon_log")
