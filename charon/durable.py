@@ -401,6 +401,8 @@ class DurableState:
 
         got = self._retry(attempt)
         if got is None:
+            with self._locked(pid):  # a compaction killed after its swap may have left superseded files
+                self._collect_garbage(pid)
             return False
         m, reached, rows = got  # type: ignore[misc]
         name = self._write_base_file(pid, reached, rows)

@@ -238,6 +238,6 @@ def test_compaction_in_another_process_races_with_writes(tmp_path):
         if e % 10 == 0:
             assert d.load(0) == (model, e)  # readers retry when a compaction swaps files under them
     out, _ = p.communicate(timeout=120)
-    assert p.returncode == 0 and int(out) >= 5, "the compactor ran concurrently several times"
+    assert p.returncode == 0 and int(out) >= 2, "the compactor ran concurrently more than once"
     assert d.load(0) == (model, last)
     assert d.manifest(0).base_epoch > 0
