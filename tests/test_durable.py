@@ -204,7 +204,12 @@ def test_sigkill_during_deltas_and_compactions(tmp_path):
     # debris of killed writers does not accumulate beyond temp files; a final compaction cleans the rest
     d.compact(0, reached_prev)
     names = os.listdir(os.path.join(root, "p0"))
-    assert len([n for n in names if n.endswith(".arrow")]) == 1
+    bases = [n for n in names if n.startswith("base-")]
+    assert len(bases) == 1, names
+    # a delta written after the last recorded epoch by a killed writer may remain: the replay of that
+    # epoch overwrites it atomically, and nothing reads it before
+    stray = [n for n in names if n.startswith("delta-")]
+    assert all(int(n[6:18]) > reached_prev for n in stray), names
     assert d.load(0) == (models[reached_prev + 1], reached_prev)
 
 
