@@ -38,6 +38,7 @@ from charon.routing import partition_of
 from charon.sequencer import Sequencer
 
 _ONE = Fraction(1)
+MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set within an epoch
 Entity = tuple[str, str]
 
 
@@ -278,6 +279,8 @@ class EpochCoordinator:
         rest = list(conflicted)
         apply_next, reset_next = list(apply_lockfree), list(conflicted)
         fast_rounds = slow_rounds = 0
+        committed_by: dict[Entity, int] = {}  # entity -> highest TID committed by the fallback touching it
+        requeues: dict[int, int] = {}
         while rest:
             if candidates:
                 ft = _Track()
@@ -299,6 +302,9 @@ class EpochCoordinator:
                         remaining.append(tid)
                         blocked.add(K[tid])
                 self._emit([reply(t, True, ft.done[t]) for t in committed])
+                for t in committed:
+                    for e in K[t]:
+                        committed_by[e] = max(committed_by.get(e, 0), t)
                 result.fast.extend(committed)
                 order.extend(committed)
                 candidates.difference_update(committed)
@@ -315,19 +321,30 @@ class EpochCoordinator:
                 blocked.add(K[tid])
             if not wave:  # pragma: no cover - the lowest unresolved transaction is always free
                 raise AssertionError("fallback made no progress")
-            a, r, n = self._locked_wave(epoch, wave, K, result, reply, order, apply_next, reset_next, stats)
+            a, r, n, again = self._locked_wave(epoch, wave, K, result, reply, order, apply_next, reset_next,
+                                               stats, committed_by, requeues)
             apply_next, reset_next = a, r
             slow_rounds += n
-            waved = set(wave)
+            waved = set(wave) - set(again)
             rest = [t for t in rest if t not in waved]
         stats["fast_rounds"] = fast_rounds
         stats["slow_rounds"] = slow_rounds
         stats["fast"] = len(result.fast)
         stats["deferred"] = len(result.deferred)
+        stats["requeued"] = sum(requeues.values())
         return apply_next, reset_next
 
-    def _locked_wave(self, epoch, wave, K, result, reply, order, apply_next, reset_next, stats):
-        """Re-run ``wave`` (pairwise non-conflicting) from the root; decide commit, abort or defer."""
+    def _locked_wave(self, epoch, wave, K, result, reply, order, apply_next, reset_next, stats, committed_by,
+                     requeues):
+        """Re-run ``wave`` (pairwise non-conflicting) from the root; decide commit, abort, re-queue or defer.
+
+        A re-run that stepped outside its known read/write set is re-queued in this epoch's fallback with
+        the larger set (reconnaissance, as in Calvin's OLLP), as long as no higher TID already committed
+        on what it now touches (so TID order still serializes it); otherwise, or after
+        ``MAX_REQUEUES`` tries, it moves to the next epoch keeping its TID.
+        """
+        again: list[int] = []
+        outside: list[int] = []
         slow_track = _Track()
         msgs = []
         for tid in wave:
@@ -351,20 +368,36 @@ class EpochCoordinator:
                     slow_track.failed[tid] = (CallGraphLimitExceeded.__name__,
                                               f"call graph still running after {rounds} rounds")
                 running.discard(tid)
-                if not _within(slow_track.rw.get(tid, {}), K[tid]):
-                    self.deferred.append((tid, result.requests[tid]))
-                    result.deferred.append(tid)
+                touched = slow_track.rw.get(tid, {})
+                if not _within(touched, K[tid]):
                     done_reset.append(tid)
+                    outside.append(tid)  # decided once the whole wave has finished
                 elif tid in slow_track.failed:
                     replies.append(reply(tid, False, err=slow_track.failed[tid]))
                     done_reset.append(tid)
                     result.slow.append(tid)
                     order.append(tid)
+                    for e in touched:  # an abort is an outcome in TID order too: what it read is settled
+                        committed_by[e] = max(committed_by.get(e, 0), tid)
                 else:
                     replies.append(reply(tid, True, slow_track.done[tid]))
                     done_apply.append(tid)
                     result.slow.append(tid)
                     order.append(tid)
+                    for e in touched:
+                        committed_by[e] = max(committed_by.get(e, 0), tid)
             msgs = [m for m in msgs if m.tid in running]
+        for tid in sorted(outside):
+            touched = slow_track.rw.get(tid, {})
+            if requeues.get(tid, 0) < MAX_REQUEUES and all(committed_by.get(e, 0) < tid for e in touched):
+                requeues[tid] = requeues.get(tid, 0) + 1
+                merged = dict(K[tid])
+                for e, w in touched.items():
+                    merged[e] = w or merged.get(e, False)
+                K[tid] = merged
+                again.append(tid)
+            else:
+                self.deferred.append((tid, result.requests[tid]))
+                result.deferred.append(tid)
         self._emit(replies)
-        return done_apply, done_reset, rounds
+        return done_apply, done_reset, rounds, again

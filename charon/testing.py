@@ -92,7 +92,14 @@ class SerialContext:
 
     async def gather(self, *calls: Any) -> list:
         """The oracle runs gathered calls one after the other, in order."""
-        return [await c for c in calls]
+        out = []
+        try:
+            for c in calls:
+                out.append(await c)
+        finally:
+            for c in calls[len(out) + 1:]:
+                c.close()  # not started because an earlier one raised
+        return out
 
     def send(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> None:
         fn = self._target(operator, key, function, args)
@@ -151,6 +158,9 @@ def check_epoch(app: Application, before: dict[bytes, bytes], after: dict[bytes,
         if ok:
             assert rep.value == out, f"tid {tid}: engine {serde.decode(rep.value)!r} != oracle {serde.decode(out)!r}"
         else:
-            assert (rep.error_type, rep.error_message) == out, f"tid {tid}: {rep} vs oracle {out}"
+            # With concurrent branches (gather, send) several functions may raise; which error the client
+            # sees is deterministic but not defined by the serial order, so only the abort is compared
+            # strictly, with the error's type.
+            assert rep.error_type == out[0], f"tid {tid}: {rep} vs oracle {out}"
     assert set(result.order) | set(result.deferred) == set(result.requests), "every transaction is accounted for"
     assert dict(sorted(state.items())) == after, "state after the epoch differs from the serial execution"

@@ -27,6 +27,8 @@ def _body(op: Operator):
         for mode, opn, key, sub in children:
             if mode == "call":
                 total += await ctx.call(opn, key, "node", sub)
+            elif mode == "dyn":  # the callee's key depends on the state read: read/write sets change on rerun
+                total += await ctx.call(opn, f"{key.rsplit('-', 1)[0]}-{v % 3}", "node", sub)
             elif mode == "gather":  # sub: several [op, key, plan] run concurrently
                 values = await ctx.gather(*(ctx.call(o, k, "node", p) for o, k, p in sub))
                 total += sum(values)
@@ -54,7 +56,7 @@ def plans(draw, pool: str, depth: int, path: str = ""):
     children = []
     if depth > 0:
         for i in range(draw(st.integers(0, 3))):
-            mode = draw(st.sampled_from(["call", "call", "send", "gather"]))
+            mode = draw(st.sampled_from(["call", "call", "send", "gather", "dyn"]))
             op = draw(st.sampled_from(["n0", "n1"]))
             if mode == "gather":  # concurrent calls: each gets its own keys so the result is defined
                 subs = []
@@ -66,7 +68,7 @@ def plans(draw, pool: str, depth: int, path: str = ""):
                 children.append(["gather", "", "", subs])
                 continue
             # Asynchronous branches run concurrently: give each its own keys so the result is defined.
-            sub_pool = pool if mode == "call" else f"s{path}{i}"
+            sub_pool = pool if mode in ("call", "dyn") else f"s{path}{i}"
             key = f"{sub_pool}-{draw(st.integers(0, 2))}"
             children.append([mode, op, key, draw(plans(sub_pool, depth - 1, f"{path}{i}."))])
     return [delta, fail, children]
