@@ -13,6 +13,8 @@ the store is written once per epoch, at finalize, idempotently.
 
 from __future__ import annotations
 
+import itertools
+import os
 import pickle
 from collections import deque
 from fractions import Fraction
@@ -27,6 +29,13 @@ from charon.store import PartitionStore
 
 ROOT, SYNC, ASYNC = 0, 1, 2
 _LIVE: dict[int, tuple[int, dict]] = {}
+_SALT = int.from_bytes(os.urandom(4), "big")
+_COUNTER = itertools.count()
+
+
+def _next_token() -> tuple[int, int, int]:
+    """Unique per frame across processes (a forked worker shares the salt and counter, not the pid)."""
+    return (_SALT, os.getpid(), next(_COUNTER))
 #: Keep suspended coroutines alive in this process and resume them directly (an optimization; the
 #: journal replay is always available and is what a resumed frame uses in any other process).
 KEEP_LIVE_COROUTINES = True
@@ -70,7 +79,7 @@ class Frame:
     """An invocation in progress: what is needed to replay it when its pending call's reply arrives."""
 
     __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth",
-                 "replies", "reads", "waiting", "slots", "gathered", "nsusp")
+                 "replies", "reads", "waiting", "slots", "gathered", "nsusp", "token")
 
     def __init__(self, m: Invoke, replies: list | None = None) -> None:
         self.tid, self.inv, self.op, self.key, self.fn, self.args = m.tid, m.inv, m.op, m.key, m.fn, m.args
@@ -81,11 +90,15 @@ class Frame:
         self.slots: dict[str, bytes] | None = None  # replies received so far for them
         self.gathered = False  # suspended in ctx.gather (resume with a list of values)
         self.nsusp = 0  # journaled replies when it suspended
+        # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
+        # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
+        self.token = _next_token()
 
     def __reduce__(self):
         return (_new_frame, (
             self.tid, self.inv, self.op, self.key, self.fn, self.args, _pack(self.share), self.kind, self.caller,
             self.ts, self.depth, self.replies, self.reads, self.waiting, self.slots, self.gathered, self.nsusp,
+            self.token,
         ))
 
 
@@ -369,11 +382,11 @@ class PartitionUnit:
         if not KEEP_LIVE_COROUTINES:
             coro.close()
             return
-        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.nsusp)] = (coro, ctx)
+        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
 
     def _live_pop(self, frame: Frame) -> tuple[Any, Context] | None:
         t = self._live_table().get(frame.tid)
-        return t.pop((frame.inv, frame.nsusp), None) if t else None
+        return t.pop((frame.inv, frame.nsusp, frame.token), None) if t else None
 
     def _live_drop(self, tid: int) -> None:
         self._live_table().pop(tid, None)
@@ -573,6 +586,7 @@ def _new_frame(*st: Any) -> Frame:
     o.slots = st[14]
     o.gathered = st[15]
     o.nsusp = st[16]
+    o.token = st[17]
     return o
 
 
