@@ -431,8 +431,10 @@ class _Gateway:
         try:
             if ctype in (MSGPACK, "application/x-msgpack", "application/vnd.msgpack"):
                 doc = _mp_dec.decode(body)
-            elif ctype in ("application/json", "", "text/json") or ctype.endswith("+json"):
+            elif ctype in ("application/json", "", "text/json", "text/plain") or ctype.endswith("+json"):
                 doc = _json_dec.decode(body)
+            elif ctype == "application/x-www-form-urlencoded" and body.lstrip()[:1] in (b"{", b"["):
+                doc = _json_dec.decode(body)  # `curl -d '{"args": ...}'` without a Content-Type header
             else:
                 raise _HTTPError("BadRequest", f"unsupported content type {ctype!r}", 415)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

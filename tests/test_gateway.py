@@ -339,6 +339,18 @@ def test_malformed_body_is_400(
     assert_never_seen(server, http, rid)
 
 
+def test_curl_style_json_without_content_type_is_accepted(server: BackgroundServer, http: httpx.Client) -> None:
+    """`curl -d '{"args": [...]}'` sends form-urlencoded; a JSON document there is read as JSON."""
+    key = uid()
+    r = http.post(f"/invoke/counter/{key}/incr", content=b'{"args": [3]}',
+                  headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200, r.text
+    assert state(http, "counter", key) == 3
+    bad = http.post(f"/invoke/counter/{uid()}/incr", content=b"a=1&b=2",
+                    headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert bad.status_code == 415
+
+
 def test_ten_megabyte_body_is_413(server: BackgroundServer, http: httpx.Client) -> None:
     key, rid = uid(), uid("rid")
     big = b'{"args": ["' + b"x" * (10 * 1024 * 1024) + b'"]}'
