@@ -326,6 +326,8 @@ class OutputLog:
                 "CREATE TABLE IF NOT EXISTS replies (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
                 "request_id TEXT NOT NULL UNIQUE, epoch INTEGER NOT NULL, data BLOB NOT NULL)"
             )
+            # epoch -> the last seq once all its replies are in: readers cut atoms at these boundaries
+            c.execute("CREATE TABLE IF NOT EXISTS epochs (epoch INTEGER PRIMARY KEY, last_seq INTEGER NOT NULL)")
 
     def put_many(self, replies: Iterable[Reply]) -> int:
         """Store replies in one transaction; ones whose request id is already stored are ignored.
@@ -369,6 +371,21 @@ class OutputLog:
     def last_seq(self) -> int:
         """The highest seq stored (0 when empty)."""
         return self._db.conn().execute("SELECT coalesce(max(seq), 0) FROM replies").fetchone()[0]
+
+    def mark_epoch(self, epoch: int) -> None:
+        """Record that every reply of ``epoch`` (and of the epochs before) is in the log (idempotent)."""
+        with self._db.write() as c:
+            last = c.execute("SELECT coalesce(max(seq), 0) FROM replies").fetchone()[0]
+            c.execute("INSERT OR IGNORE INTO epochs (epoch, last_seq) VALUES (?, ?)", (epoch, last))
+
+    def epoch_boundaries(self, after: int, upto: int | None = None) -> list[int]:
+        """Seqs that end a complete epoch, greater than ``after`` (and at most ``upto``), ascending."""
+        q = "SELECT DISTINCT last_seq FROM epochs WHERE last_seq > ?"
+        args: tuple = (after,)
+        if upto is not None:
+            q += " AND last_seq <= ?"
+            args += (upto,)
+        return [r[0] for r in self._db.conn().execute(q + " ORDER BY last_seq", args).fetchall()]
 
     def seq_after(self, seq: int, n: int) -> int:
         """The seq of the ``n``-th reply after ``seq`` (or :meth:`last_seq` if there are fewer)."""

@@ -295,3 +295,31 @@ def test_wait_for(tmp_path: Path) -> None:
     got = out.wait_for("r1", timeout=5)
     timer.join()
     assert got == rep(1)
+
+
+def test_reply_stream_atoms_are_whole_epochs(tmp_path):
+    """Early replies of one epoch arrive in several groups; the replies stream cuts only at epoch ends."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+    from charon.spark.source import CharonRepliesStreamReader
+
+    path = tmp_path / "out.sqlite"
+    out = OutputLog(path)
+    reader = CharonRepliesStreamReader({"path": str(path)})
+    out.mark_epoch(-1)  # what the Spark runtime does when it opens its output log
+
+    def put(epoch: int, ids: range) -> None:
+        out.put_many([Reply(f"e{epoch}-{i}", i, epoch, True) for i in ids])
+
+    put(0, range(0, 3))  # lock-free replies of epoch 0 ...
+    assert reader.latestOffset({"seq": 0}, ReadAllAvailable()) == {"seq": 0}, "no batch before an epoch ends"
+    put(0, range(3, 5))  # ... then its fallback replies
+    out.mark_epoch(0)
+    put(1, range(0, 4))
+    end = reader.latestOffset({"seq": 0}, ReadAllAvailable())
+    assert end == {"seq": 5, "start": 0}, "epoch 1 is not finished: the batch stops at the end of epoch 0"
+    assert {r.epoch for _, r in out.read_between(0, 5)} == {0}
+    out.mark_epoch(1)
+    out.mark_epoch(1)  # idempotent (a replayed epoch marks again)
+    assert reader.latestOffset({"seq": 5}, ReadMaxRows(2)) == {"seq": 9, "start": 5}, "a whole epoch beyond the cap"
+    assert reader.latestOffset({"seq": 0}, ReadMaxRows(6)) == {"seq": 5, "start": 0}, "cut back to an epoch end"

@@ -295,6 +295,7 @@ class SparkRuntime:
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
         self.input_log = InputLog(os.path.join(cfg.data_dir, "input.sqlite"), cfg.n_log_partitions)
         self.output_log = OutputLog(os.path.join(cfg.data_dir, "output.sqlite"))
+        self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
         self.durable = DurableState(os.path.join(self.ckpt, "state"))
         self._spark = spark
         self._query: Any = None
@@ -442,6 +443,7 @@ class SparkRuntime:
         epoch = int(batch_id)
         done = self.read_record(epoch)
         if done is not None:  # already run before a crash: its state and replies are durable
+            self.output_log.mark_epoch(epoch)
             if done.deferred:  # the crash may have come before the tick that runs the deferred transactions
                 self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
             return
@@ -469,6 +471,7 @@ class SparkRuntime:
             [(tid, serde.encode_request(r)) for tid, r in coord.deferred], list(starts), list(ends), stats,
         )
         self._write_record(rec)
+        self.output_log.mark_epoch(epoch)  # the replies stream cuts its atoms here
         self.last_epoch = epoch
         self.epoch_stats.append({"epoch": epoch, **stats})
         crash_point("after_record", epoch)

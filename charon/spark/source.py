@@ -336,9 +336,21 @@ class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailable
             end = last if len(self.log.read_between(s, last)) >= limit.min_rows else s
         else:
             end = last
+        end = self._epoch_cut(s, end, last)
         if end <= s:
             return start
         return {"seq": end, "start": s}
+
+    def _epoch_cut(self, s: int, end: int, last: int) -> int:
+        """Move ``end`` to an epoch boundary so each micro-batch holds whole epochs (one atom per epoch).
+
+        Logs written by the Spark runtime mark every finished epoch; a log without marks is cut as is.
+        """
+        later = self.log.epoch_boundaries(s, last)
+        if not later:
+            return s if self.log.epoch_boundaries(-1) else end  # marks exist: wait for a whole epoch
+        within = [b for b in later if b <= end]
+        return within[-1] if within else later[0]  # at least one whole epoch, even beyond the cap
 
     def reportLatestOffset(self) -> dict:
         return {"seq": self.log.last_seq()}
