@@ -66,6 +66,14 @@ def test_crash_point_is_inert_without_the_variable(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("CHARON_CRASH_AT", "after_finalize:4")
     crash_point("after_finalize", 3)
     crash_point("before_epoch", 4)
+    # ... and fires (SIGKILL) on an exact match, in a child process
+    code = "from charon.spark.runtime import crash_point; crash_point('after_finalize', 4); print('alive')"
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120,
+                           env=dict(os.environ, CHARON_CRASH_AT="after_finalize:4"))
+    assert child.returncode == -signal.SIGKILL and b"alive" not in child.stdout
 
 
 def test_driver_killed_repeatedly_matches_in_process(tmp_path: Path) -> None:
