@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from charon.bench.harness import percentile
 from charon.errors import CharonError, TransactionAborted
 
 app = typer.Typer(
@@ -235,13 +236,6 @@ def _ycsb() -> Any:
         raise _fail(f"the YCSB-T example app (charon.apps.ycsb) is not available: {exc}") from None
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    idx = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[idx]
-
-
 async def _drive(
     url: str, token: str, plan: list[tuple[str, str, str, int]], concurrency: int, progress: Progress
 ) -> dict[str, Any]:
@@ -416,7 +410,7 @@ def demo(
     table.add_row("throughput", f"{transactions / stats['elapsed']:.0f} tx/s")
     table.add_row(
         "latency p50 / p95 / p99",
-        " / ".join(f"{_percentile(lat, q) * 1000:.1f}" for q in (0.5, 0.95, 0.99)) + " ms",
+        " / ".join(f"{percentile(lat, q) * 1000:.1f}" for q in (50, 95, 99)) + " ms",
     )
     if lat:
         table.add_row("latency mean", f"{statistics.fmean(lat) * 1000:.1f} ms")

@@ -79,6 +79,11 @@ class _Track:
         return tid in self.done and self.shares.get(tid) == _ONE
 
 
+def _root(tid: int, req: Request) -> Invoke:
+    """The root invocation of a transaction: the whole ack share, no caller."""
+    return Invoke(tid, "0", req.operator, req.key, req.function, req.args, _ONE, ROOT, None, req.ts, 0)
+
+
 def _within(touched: dict[Entity, bool], known: dict[Entity, bool]) -> bool:
     """Whether a re-run stayed inside its known read/write set (no new entity, no new write)."""
     for e, wrote in touched.items():
@@ -199,8 +204,7 @@ class EpochCoordinator:
                 early.append(reply(tid, False, err=(type(exc).__name__, str(exc))))
                 result.order.append(tid)
                 continue
-            roots.append(Invoke(tid, "0", req.operator, req.key, req.function, req.args, _ONE, ROOT, None,
-                                req.ts, 0))
+            roots.append(_root(tid, req))
         self._emit(early)
 
         # Dry run.
@@ -349,7 +353,7 @@ class EpochCoordinator:
         msgs = []
         for tid in wave:
             req = result.requests[tid]
-            msgs.append(Invoke(tid, "0", req.operator, req.key, req.function, req.args, _ONE, ROOT, None, req.ts, 0))
+            msgs.append(_root(tid, req))
         running = set(wave)
         rounds = 0
         replies: list[Reply] = []

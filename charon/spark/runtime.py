@@ -28,7 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Any
@@ -44,6 +43,7 @@ from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.partition import Control, PartitionUnit, RoundOutput
 from charon.routing import partition_of, split_store_key, store_key
+from charon.sequencer import Sequencer
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
 
@@ -402,13 +402,6 @@ class SparkRuntime:
         return self.load_dataframe(df)
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def append(self, operator: str, key: str, function: str, args: list, request_id: str | None = None) -> str:
-        """Append one request to the input log (validated first); returns its request id."""
-        self.app.validate(operator, function, args)
-        rid = request_id or uuid.uuid4().hex
-        self.input_log.append(Request(rid, operator, key, function, serde.encode(list(args))))
-        return rid
-
     async def submit(
         self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None,
         timeout: float = 120.0,
@@ -559,7 +552,7 @@ def replay_in_process(
     from charon.inprocess import InProcessRuntime
 
     rt = InProcessRuntime(app, partitions=runtime.config.partitions)
-    rt.coordinator.sequencer.__init__(runtime.config.n_log_partitions)
+    rt.coordinator.sequencer = Sequencer(runtime.config.n_log_partitions)
     for k, v in initial.items():
         op, key, _ = split_store_key(k)
         rt.stores[partition_of(op, key, rt.partitions)].data[k] = v
