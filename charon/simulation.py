@@ -1,0 +1,475 @@
+"""Deterministic simulation of the Spark runtime's paths, driving the real code with a simulated cluster.
+
+Per seed, a generated workload (:mod:`charon.workloads`) runs through the real
+:meth:`charon.spark.runtime.SparkRuntime._on_batch` (epoch records, replay of a recorded batch, ticks for
+deferred work, compaction, the output log) and the real :class:`~charon.spark.runtime.SparkExchange`,
+whose ``run_job`` is replaced by a simulated cluster: each round's payloads are cut into tasks that run
+the real task function ``_run_partitions`` in simulated workers, each with its own live-coroutine table
+(``charon.partition._LIVE``) and its own executor-local LMDB directory. Spark's micro-batch loop is
+simulated too: offsets are written before a batch runs (in Spark's format, read back by the real
+``batch_offsets``), and a batch is re-run until it completes.
+
+Faults, drawn from the seed: a round's tasks land in another worker (live coroutines present or not), a
+worker loses its local state (directory deleted, live table dropped) or its Python process (live table
+dropped), a task runs twice (the first result discarded), state reads (the real ``_read_entities``) run
+between rounds, and the driver crashes at every fault point of an epoch (before a job, after a round,
+``before_epoch``, ``after_finalize``, ``after_record``, during compaction). A crash abandons the runtime
+object; recovery is the real one: a new ``SparkRuntime`` over the same directories (durable copy, epoch
+records, input log) re-running the batch.
+
+Checked after every recorded epoch: the epoch equals serial execution (``charon.testing.check_epoch``)
+from the previous verified state, with the durable copy as the state after; the replies delivered to the
+output log equal the epoch's results, and a replay never contradicts a reply already delivered; state
+reads return the verified state of the epoch they read. At the end: every request has exactly one reply,
+nothing deferred is left, and the executors' state equals the verified state.
+
+``python -m charon.simulation --seeds 100000 [--start N]`` runs many seeds; ``--seed N`` reruns one and
+prints its trace. A failing seed prints one line that reproduces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from charon import lmdbstore, partition, serde
+from charon.config import SparkConfig
+from charon.durable import DurableState
+from charon.messages import Reply
+from charon.routing import partition_of, split_store_key, store_key
+from charon.spark import runtime as sr
+from charon.workloads import COUNTERS, FEATURES, ITEMS, Shape, Workload, app, engine_abort_rule, random_workload
+
+APP_REF = "charon.workloads:app"
+
+
+class SimCrash(Exception):
+    """The driver process dies here (the simulator abandons the runtime object and recovers)."""
+
+
+class Violation(AssertionError):
+    """An invariant or the serial oracle failed."""
+
+
+@dataclass
+class Faults:
+    """Per-seed fault rates."""
+
+    workers: int
+    hop: float  # a task goes to a random worker instead of its partition's usual one
+    lose: float  # per round: a worker loses its local directory and live coroutines
+    restart: float  # per round: a worker's Python process is replaced (live coroutines lost)
+    retry: float  # per task: run twice, first result discarded
+    read: float  # per round: a state read between rounds
+    crash: float  # per fault point: the driver crashes
+    max_crashes: int
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Faults:
+        calm = rng.random() < 0.2  # some seeds without faults: the plain path must hold too
+        p = (lambda hi: 0.0) if calm else (lambda hi: rng.choice([0.0, hi / 4, hi]))  # noqa: E731
+        return cls(rng.randint(1, 3), p(0.6), p(0.1), p(0.2), p(0.3), p(0.4), p(0.15), rng.randint(0, 3))
+
+
+class Worker:
+    """A simulated executor: its local store directory and its Python worker's live-coroutine table."""
+
+    def __init__(self, wid: int, root: str) -> None:
+        self.wid = wid
+        self.dir = os.path.join(root, f"w{wid}")
+        self.live: dict = {}
+
+    @contextlib.contextmanager
+    def process(self) -> Iterator[None]:
+        saved = partition._LIVE
+        partition._LIVE = self.live
+        try:
+            yield
+        finally:
+            partition._LIVE = saved
+
+    def close_stores(self) -> None:
+        """Close this worker's LMDB handles (what its process exit does)."""
+        prefix = os.path.realpath(self.dir) + os.sep
+        for key in [k for k in lmdbstore._STORES if (k[0] + os.sep).startswith(prefix)]:
+            lmdbstore._STORES.pop(key).close()
+
+    def lose_state(self) -> None:
+        self.close_stores()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.live = {}
+
+
+class SimExchange(sr.SparkExchange):
+    """The real SparkExchange with ``run_job`` replaced by the simulated cluster."""
+
+    def __init__(self, sim: Simulation, config: SparkConfig) -> None:
+        super().__init__(None, APP_REF, config)
+        self.sim = sim
+
+    def run_job(self, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        return self.sim.run_job(self, payloads)
+
+
+class Simulation:
+    """One seed: workload, faults, cluster; :meth:`run` raises :class:`Violation` or an engine error."""
+
+    def __init__(self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset()) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        shape = Shape(depth=2, ops=4, features=FEATURES - without)
+        self.w: Workload = random_workload(self.rng, shape, epochs=(1, 4), txns=(1, 5))
+        self.faults = Faults.draw(self.rng)
+        self.root = root
+        self.trace_on = trace
+        self.events: list[str] = []
+        self.config = SparkConfig(
+            data_dir=os.path.join(root, "data"), partitions=self.w.partitions,
+            compact_every=self.rng.choice([0, 2, 3]), max_rounds=200,
+        )
+        self.durable_root = os.path.join(self.config.checkpoint_dir, "state")
+        self.workers = [Worker(i, os.path.join(root, "local")) for i in range(self.faults.workers)]
+        self.results: dict[int, Any] = {}  # epoch -> EpochResult of the run that completed it
+        self.expected: dict[int, dict[bytes, bytes]] = {}  # epoch -> verified state after it
+        self.delivered: dict[str, Reply] = {}
+        self.crashes = 0
+        self.rounds = 0
+        self.where = "start"
+        self.rt: sr.SparkRuntime | None = None
+
+    # -- tracing ------------------------------------------------------------------------------------
+    def trace(self, msg: str) -> None:
+        self.events.append(msg)
+        if self.trace_on:
+            print(f"  [{self.seed}] {msg}")
+
+    def fault_point(self, point: str, epoch: int) -> None:
+        """The runtime's ``crash_point``: concurrent events happen here, then perhaps a crash."""
+        self.where = f"{point}:{epoch}"
+        self.between_rounds()
+        self.maybe_crash(point, epoch)
+
+    def maybe_crash(self, point: str, epoch: int) -> None:
+        if self.crashes < self.faults.max_crashes and self.rng.random() < self.faults.crash:
+            self.crashes += 1
+            self.trace(f"CRASH at {point} (epoch {epoch})")
+            for w in self.workers:  # executors die with the driver's application; local dirs stay
+                w.live = {}
+            raise SimCrash(point)
+
+    # -- the simulated cluster ----------------------------------------------------------------------
+    def run_job(self, ex: SimExchange, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        f, rng = self.faults, self.rng
+        self.rounds += 1
+        self.where = f"before job {self.rounds}"
+        self.maybe_crash("before_job", -1)
+        self.between_rounds()
+        n = rng.randint(1, len(payloads))
+        cuts = sorted(rng.sample(range(1, len(payloads)), n - 1)) if n > 1 else []
+        tasks = [payloads[a:b] for a, b in zip([0, *cuts], [*cuts, len(payloads)], strict=True)]
+        out: list[tuple[int, bytes]] = []
+        for task in tasks:
+            w = self.pick_worker(task[0][0])
+            if rng.random() < f.retry:
+                self.trace(f"round {self.rounds}: task {[p for p, _ in task]} run in w{w.wid}, result discarded")
+                self.run_task(w, task)
+                w = self.pick_worker(task[0][0])
+            out.extend(self.run_task(w, task))
+        return out
+
+    def pick_worker(self, pid: int) -> Worker:
+        if self.rng.random() < self.faults.hop:
+            return self.rng.choice(self.workers)
+        return self.workers[pid % len(self.workers)]
+
+    def run_task(self, w: Worker, task: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        fn = partial(sr._run_partitions, APP_REF, self.config.partitions, w.dir, self.durable_root,
+                     self.config.checkpoint_dir)
+        with w.process():
+            return list(fn(task))
+
+    def between_rounds(self) -> None:
+        f, rng = self.faults, self.rng
+        if rng.random() < f.lose:
+            w = rng.choice(self.workers)
+            self.trace(f"{self.where}: w{w.wid} loses its local state")
+            w.lose_state()
+        if rng.random() < f.restart:
+            w = rng.choice(self.workers)
+            self.trace(f"{self.where}: w{w.wid}'s Python worker restarts")
+            w.live = {}
+        if rng.random() < f.read:
+            self.read_check()
+
+    def read_check(self) -> None:
+        """A state read as the runtime does it (at the last recorded epoch), compared with the verified state."""
+        assert self.rt is not None
+        epoch = self.rt._last_recorded_epoch()
+        want = self.expected.get(epoch)
+        if want is None:  # recorded but not verified yet (only right after a crash): nothing to compare
+            return
+        keys = [store_key("node", k, i) for k in self.rng.sample(list(self.w_keys), 2)
+                for i in ("", *("\x01" + n for n in ITEMS + COUNTERS))]
+        by_pid: dict[int, list[bytes]] = {}
+        for k in keys:
+            op, key, _ = split_store_key(k)
+            by_pid.setdefault(partition_of(op, key, self.config.partitions), []).append(k)
+        w = self.rng.choice(self.workers)
+        self.trace(f"{self.where}: state read at epoch {epoch} in w{w.wid}")
+        with w.process():
+            got = dict(sr._read_entities(APP_REF, w.dir, self.durable_root, self.config.checkpoint_dir, epoch,
+                                         list(by_pid.items())))
+        for k in keys:
+            if got.get(k) != want.get(k):
+                raise Violation(f"state read at epoch {epoch}: {k!r} = {got.get(k)!r}, verified {want.get(k)!r}")
+
+    @property
+    def w_keys(self) -> tuple[str, ...]:
+        return Shape().keys
+
+    # -- the driver ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """Route the runtime's fault points and coordinator through this simulation (restored after)."""
+        sim = self
+
+        class Recording(sr.EpochCoordinator):
+            def run_epoch(self, epoch: int, requests: list) -> Any:
+                res = super().run_epoch(epoch, requests)
+                sim.results[epoch] = res
+                return res
+
+        saved = (sr.crash_point, sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES)
+        sr.crash_point = self.fault_point
+        sr.EpochCoordinator = Recording
+        partition.KEEP_LIVE_COROUTINES = self.w.live
+        try:
+            with engine_abort_rule():
+                yield
+        finally:
+            sr.crash_point, sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES = saved
+
+    def start_runtime(self) -> sr.SparkRuntime:
+        """A driver (re)start: the real constructor over the same directories."""
+        if self.rt is not None:
+            self.rt.input_log.close()
+            self.rt.output_log.close()
+        rt = sr.SparkRuntime(APP_REF, self.config)
+        rt.exchange = SimExchange(self, self.config)
+        rt._start_compaction = rt._compact  # synchronous: compaction's crash point is an ordinary step
+        put_many = rt.output_log.put_many
+
+        def deliver(replies: list[Reply]) -> int:
+            for r in replies:
+                old = self.delivered.get(r.request_id)
+                if old is not None and old != r:
+                    raise Violation(f"a replay contradicts a delivered reply: {old} then {r}")
+                self.delivered.setdefault(r.request_id, r)
+            return put_many(replies)
+
+        rt.output_log.put_many = deliver  # type: ignore[method-assign]
+        self.rt = rt
+        return rt
+
+    def write_offsets(self, batch: int, starts: list[int], ends: list[int]) -> None:
+        d = os.path.join(self.config.checkpoint_dir, "query", "offsets")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, str(batch)), "w", encoding="utf-8") as f:
+            f.write("v1\n{}\n" + json.dumps({"offsets": ends, "start": starts}) + "\n")
+
+    def load_initial(self) -> None:
+        by_pid: dict[int, list[tuple[bytes, bytes]]] = {p: [] for p in range(self.config.partitions)}
+        state: dict[bytes, bytes] = {}
+        for key, item, value in self.w.initial_state():
+            k = store_key("node", key, "\x01" + item if item else "")
+            state[k] = serde.encode(value)
+            by_pid[partition_of("node", key, self.config.partitions)].append((k, state[k]))
+        durable = DurableState(self.durable_root)
+        for pid, rows in by_pid.items():
+            durable.write_base(pid, -1, sorted(rows))
+        self.expected[-1] = dict(sorted(state.items()))
+
+    def durable_state(self, epoch: int) -> dict[bytes, bytes]:
+        durable = DurableState(self.durable_root)
+        merged: dict[bytes, bytes] = {}
+        for pid in range(self.config.partitions):
+            data, reached = durable.load(pid, epoch)
+            if reached != epoch:
+                raise Violation(f"epoch {epoch} is recorded but p{pid}'s durable copy reaches {reached}")
+            merged.update(data)
+        return dict(sorted(merged.items()))
+
+    def verify_recorded(self) -> None:
+        """Check every newly recorded epoch against the oracle, in order."""
+        from charon import testing
+
+        assert self.rt is not None
+        last = self.rt._last_recorded_epoch()
+        e = max(self.expected) + 1
+        while e <= last:
+            res = self.results.get(e)
+            if res is None:
+                raise Violation(f"epoch {e} is recorded but no run of it completed")
+            after = self.durable_state(e)
+            try:
+                testing.check_epoch(app, self.expected[e - 1], after, res)
+            except AssertionError as exc:
+                raise Violation(f"epoch {e}: {exc}") from None
+            for tid in res.order:
+                rid = res.requests[tid].request_id
+                got = self.rt.output_log.get(rid)
+                if got != res.replies[tid]:
+                    raise Violation(f"epoch {e}: delivered reply {got} != epoch result {res.replies[tid]}")
+            self.expected[e] = after
+            self.trace(f"epoch {e} verified: {len(res.order)} outcomes, deferred {res.deferred}")
+            e += 1
+
+    def run(self) -> dict[str, int]:
+        with self.patched():
+            try:
+                return self._run()
+            finally:
+                if self.rt is not None:
+                    self.rt.input_log.close()
+                    self.rt.output_log.close()
+                for w in self.workers:
+                    w.close_stores()
+
+    def _run(self) -> dict[str, int]:
+        self.trace(f"workload: {len(self.w.epochs)} epochs, {self.w.partitions} partitions, live={self.w.live}, "
+                   f"{self.faults}")
+        self.load_initial()
+        rt = self.start_runtime()
+        submitted: list[str] = []
+        batch, next_epoch = 0, 0
+        prev_ends = [0] * self.config.n_log_partitions
+        offsets_written = -1
+        attempts = 0
+        while True:
+            if offsets_written < batch:
+                if next_epoch < len(self.w.epochs):
+                    reqs = self.w.requests(next_epoch)
+                    rt.input_log.append_many(reqs)
+                    submitted += [r.request_id for r in reqs]
+                    next_epoch += 1
+                ends = rt.input_log.end_offsets()
+                if ends == prev_ends:
+                    break  # no new data: Spark runs no batch
+                self.write_offsets(batch, prev_ends, ends)
+                offsets_written = batch
+            attempts += 1
+            if attempts > 200:
+                raise Violation("the run does not finish")
+            try:
+                self.trace(f"batch {batch}")
+                rt._on_batch(None, batch)
+            except SimCrash:
+                self.verify_recorded()  # what the crashed driver recorded is final
+                rt = self.start_runtime()
+                continue
+            self.verify_recorded()
+            prev_ends = ends
+            batch += 1
+            if self.rng.random() < self.faults.read:
+                self.where = f"after batch {batch - 1}"
+                self.read_check()
+        last = rt._last_recorded_epoch()
+        rec = rt.read_record(last)
+        if rec is not None and rec.deferred:
+            raise Violation(f"deferred transactions left with no batch to run them: {rec.deferred}")
+        outcomes = [r.request_id for e in range(last + 1) for t, r in self.results[e].requests.items()
+                    if t in self.results[e].order]
+        if sorted(outcomes) != sorted(submitted):
+            raise Violation(f"requests and outcomes differ: {sorted(set(submitted) ^ set(outcomes))} "
+                            f"or duplicates ({len(outcomes)} outcomes, {len(submitted)} requests)")
+        for rid in submitted:
+            if rt.output_log.get(rid) is None:
+                raise Violation(f"{rid} has no reply")
+        for w in self.workers:  # every executor's copy, brought to the last epoch, equals the verified state
+            got = self.local_state(w, last)
+            if got != self.expected[last]:
+                raise Violation(f"w{w.wid}'s local state at epoch {last} differs from the verified state")
+        return {"epochs": last + 1, "requests": len(submitted), "crashes": self.crashes, "rounds": self.rounds}
+
+    def local_state(self, w: Worker, epoch: int) -> dict[bytes, bytes]:
+        merged: dict[bytes, bytes] = {}
+        with w.process():
+            for pid in range(self.config.partitions):
+                store = lmdbstore.open_store(w.dir, pid, self.durable_root)
+                store.ensure_epoch(epoch)
+                merged.update(store.items())
+        return dict(sorted(merged.items()))
+
+
+@dataclass
+class Outcome:
+    seed: int
+    ok: bool
+    error: str = ""
+    stats: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozenset[str] = frozenset()) -> Outcome:
+    """Run one seed in a fresh directory (on tmpfs when available); never raises."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = tempfile.mkdtemp(prefix=f"charon-sim-{seed}-", dir=base)
+    t0 = time.perf_counter()
+    sim = Simulation(seed, root, trace, without)
+    try:
+        stats = sim.run()
+        out = Outcome(seed, True, stats=stats)
+    except Exception as exc:  # noqa: BLE001 - any failure of a seed is reported, not raised
+        out = Outcome(seed, False, f"{type(exc).__name__}: {exc}".replace("\n", " ")[:400])
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def repro_line(o: Outcome, without: frozenset[str] = frozenset()) -> str:
+    opt = f" --without {','.join(sorted(without))}" if without else ""
+    return f"FAIL seed {o.seed}: {o.error} | reproduce: python -m charon.simulation --seed {o.seed}{opt}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m charon.simulation", description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=1000, help="how many seeds to run")
+    ap.add_argument("--start", type=int, default=0, help="first seed")
+    ap.add_argument("--seed", type=int, default=None, help="rerun one seed and print its trace")
+    ap.add_argument("--keep", action="store_true", help="keep the seed's directory (with --seed)")
+    ap.add_argument("--without", default="", help=f"program features to leave out, of {','.join(sorted(FEATURES))}")
+    a = ap.parse_args(argv)
+    without = frozenset(x for x in a.without.split(",") if x)
+    if without - FEATURES:
+        ap.error(f"unknown features: {sorted(without - FEATURES)}")
+    if a.seed is not None:
+        o = run_seed(a.seed, trace=True, keep=a.keep, without=without)
+        print(repro_line(o, without) if not o.ok else f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s")
+        return 0 if o.ok else 1
+    t0 = time.perf_counter()
+    failed = 0
+    for seed in range(a.start, a.start + a.seeds):
+        o = run_seed(seed, without=without)
+        if not o.ok:
+            failed += 1
+            print(repro_line(o, without), flush=True)
+    dt = time.perf_counter() - t0
+    print(f"{a.seeds} seeds from {a.start}: {failed} failed, {dt:.1f}s ({dt / max(1, a.seeds) * 1000:.0f} ms/seed)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
