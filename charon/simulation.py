@@ -125,12 +125,17 @@ class SimExchange(sr.SparkExchange):
 class Simulation:
     """One seed: workload, faults, cluster; :meth:`run` raises :class:`Violation` or an engine error."""
 
-    def __init__(self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset(),
+        workload: Workload | None = None, faults: Faults | None = None,
+    ) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         shape = Shape(depth=2, ops=4, features=FEATURES - without)
-        self.w: Workload = random_workload(self.rng, shape, epochs=(1, 4), txns=(1, 5))
-        self.faults = Faults.draw(self.rng)
+        w = random_workload(self.rng, shape, epochs=(1, 4), txns=(1, 5))
+        self.w: Workload = workload or w
+        f = Faults.draw(self.rng)
+        self.faults = faults or f
         self.root = root
         self.trace_on = trace
         self.events: list[str] = []

@@ -14,13 +14,14 @@ import os
 import pytest
 from hypothesis import given, settings
 
-from charon.workloads import CI, Workload, check_inprocess, workloads
+from charon.workloads import CI, FEATURES, Shape, Workload, check_inprocess, workloads
 
 EXAMPLES = int(os.environ.get("CHARON_ORACLE_EXAMPLES", "1000"))
+WITHOUT = frozenset(x for x in os.environ.get("CHARON_WORKLOAD_WITHOUT", "").split(",") if x)  # local bisecting
 
 
 @settings(CI, max_examples=EXAMPLES)
-@given(workloads())
+@given(workloads(Shape(features=FEATURES - WITHOUT)))
 def test_generated_workloads_equal_serial_execution(w: Workload) -> None:
     check_inprocess(w)
 
