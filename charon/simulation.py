@@ -141,7 +141,7 @@ class Simulation:
         self.events: list[str] = []
         self.config = SparkConfig(
             data_dir=os.path.join(root, "data"), partitions=self.w.partitions,
-            compact_every=self.rng.choice([0, 2, 3]), max_rounds=200,
+            compact_every=self.rng.choice([0, 2, 3]),
         )
         self.durable_root = os.path.join(self.config.checkpoint_dir, "state")
         self.workers = [Worker(i, os.path.join(root, "local")) for i in range(self.faults.workers)]
