@@ -340,36 +340,48 @@ settings.register_profile("charon-ci", CI)
 _STICKY: list[BaseException] = []
 
 
+def _oracle_aborts_caught_callee() -> bool:
+    """Whether ``charon.testing``'s oracle already aborts when a caller catches its callee's exception."""
+    import warnings
+
+    from charon import testing
+
+    req = Request("probe", "node", "a", "run", serde.encode([0, [["try", "b", [["raise_if", -1]]]]]), ts=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ok, _ = testing.serial_execute(app, {}, 1, req)
+    return not ok
+
+
 @contextlib.contextmanager
 def engine_abort_rule() -> Iterator[None]:
     """Make ``charon.testing``'s oracle follow the engine's rule while active: a callee's exception aborts
-    the transaction even when its caller catches it (the error type is the callee's). A no-op for an
-    oracle that already aborts there, or whose internals changed (then it is expected to model the rule)."""
+    the transaction even when its caller catches it (the error type is the callee's). Inert when the
+    oracle already models the rule."""
     from charon import testing
 
-    orig_call, orig_drive = getattr(testing.SerialContext, "call", None), getattr(testing, "_drive", None)
-    orig_exec = getattr(testing, "serial_execute", None)
-    if orig_call is None or orig_drive is None or orig_exec is None:
+    if _oracle_aborts_caught_callee():
         yield
         return
+    orig_call, orig_drive, orig_exec = testing.SerialContext.call, testing._drive, testing.serial_execute
 
-    async def call(self: Any, *args: Any) -> Any:
+    async def call(self: Any, *args: Any, **kw: Any) -> Any:
         try:
-            return await orig_call(self, *args)
+            return await orig_call(self, *args, **kw)
         except Exception as exc:
             _STICKY.append(exc)
             raise
 
-    def drive(coro: Any) -> Any:
-        value = orig_drive(coro)
+    def drive(coro: Any, *args: Any, **kw: Any) -> Any:
+        value = orig_drive(coro, *args, **kw)
         if _STICKY:
             raise _STICKY[0]
         return value
 
-    def serial_execute(*args: Any) -> Any:
+    def serial_execute(*args: Any, **kw: Any) -> Any:
         _STICKY.clear()
         try:
-            return orig_exec(*args)
+            return orig_exec(*args, **kw)
         finally:
             _STICKY.clear()
 
