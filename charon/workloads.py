@@ -51,7 +51,7 @@ class Rejected(ValueError):
 
 
 ERRORS: tuple[type[Exception], ...] = (Boom, Overdrawn, Rejected)
-KEYS = ("a", "b", "c", "d", "e")
+KEYS = ("a", "b", "c", "d")
 ITEMS = ("i0", "i1", "i2")
 COUNTERS = ("c0", "c1")
 TIMES = (1.0, 2.0, 3.0)
@@ -196,9 +196,15 @@ class _Source:
         return self.draw(st.sampled_from(seq)) if self.draw else self.rng.choice(seq)  # type: ignore[union-attr]
 
 
-def _sync_prog(src: _Source, shape: Shape, depth: int, root: bool = False) -> list:
+def _sync_prog(src: _Source, shape: Shape, depth: int, root: bool = False, ro: bool = False) -> list:
+    """A program for the synchronous chain; ``ro``: reads only (with calls to read-only programs)."""
     f = shape.features
-    kinds = ["get", "get", "put", "put_if", "raise_if", "add", "iget", "iput"]
+    if ro:
+        kinds = ["get", "get", "iget", "raise_if"] + (["scan"] if "scan" in f else [])
+        kinds += ["call"] * (depth > 0)
+        ops = [_sync_op(src, shape, depth, src.pick(kinds), ro) for _ in range(src.int(1, shape.ops))]
+        return ops
+    kinds = ["get", "get", "put", "put_if", "put_if", "raise_if", "add", "iget", "iput"]
     if "del" in f:
         kinds += ["del", "idel"]
     if "scan" in f:
@@ -214,7 +220,7 @@ def _sync_prog(src: _Source, shape: Shape, depth: int, root: bool = False) -> li
     return ops
 
 
-def _sync_op(src: _Source, shape: Shape, depth: int, kind: str) -> list:
+def _sync_op(src: _Source, shape: Shape, depth: int, kind: str, ro: bool = False) -> list:
     key = lambda: src.pick(shape.keys)  # noqa: E731
     if kind in ("get", "del"):
         return [kind]
@@ -233,7 +239,7 @@ def _sync_op(src: _Source, shape: Shape, depth: int, kind: str) -> list:
     if kind == "scan":
         bounds = [None, *ITEMS]
         return ["scan", src.pick(bounds), src.pick(bounds)]
-    sub = lambda: _sync_prog(src, shape, depth - 1)  # noqa: E731
+    sub = lambda: _sync_prog(src, shape, depth - 1, ro=ro)  # noqa: E731
     if kind == "call":
         return ["call", key(), sub()]
     if kind == "dcall":
@@ -302,13 +308,23 @@ class Workload:
         return rows
 
 
+def _root_prog(src: _Source, shape: Shape) -> list:
+    """A transaction's program: a query, a query that writes only if what it read says so, or anything."""
+    mode = src.int(0, 4)
+    if mode == 0:
+        return _sync_prog(src, shape, shape.depth, True, ro=True)
+    if mode == 1:
+        return [*_sync_prog(src, shape, shape.depth, True, ro=True), _sync_op(src, shape, 0, "put_if")]
+    return _sync_prog(src, shape, shape.depth, True)
+
+
 def _workload(src: _Source, shape: Shape, epochs: tuple[int, int], txns: tuple[int, int]) -> Workload:
     initial = {k: src.int(0, 9) for k in shape.keys if src.int(0, 2)}
     items = {k: {n: src.int(0, 5) for n in ITEMS if src.int(0, 1)} for k in shape.keys if src.int(0, 2) == 0}
     eps = []
     for _ in range(src.int(*epochs)):
-        eps.append([(src.pick(shape.keys), src.int(0, len(ERRORS) - 1), _sync_prog(src, shape, shape.depth, True),
-                     src.pick(TIMES)) for _ in range(src.int(*txns))])
+        eps.append([(src.pick(shape.keys), src.int(0, len(ERRORS) - 1), _root_prog(src, shape), src.pick(TIMES))
+                    for _ in range(src.int(*txns))])
     return Workload(initial, items, eps, src.pick([1, 2, 4]), bool(src.int(0, 1)))
 
 
@@ -320,13 +336,13 @@ def programs(draw: Any, shape: Shape = Shape()) -> list:
 
 @st.composite
 def workloads(draw: Any, shape: Shape = Shape(), epochs: tuple[int, int] = (1, 3),
-              txns: tuple[int, int] = (1, 6)) -> Workload:
+              txns: tuple[int, int] = (1, 8)) -> Workload:
     """Initial state, epochs of transactions, partitions (1/2/4) and live coroutines on/off."""
     return _workload(_Source(draw), shape, epochs, txns)
 
 
 def random_workload(rng: _random.Random, shape: Shape = Shape(), epochs: tuple[int, int] = (1, 3),
-                    txns: tuple[int, int] = (1, 6)) -> Workload:
+                    txns: tuple[int, int] = (1, 8)) -> Workload:
     """The same distribution as :func:`workloads`, from a seeded generator."""
     return _workload(_Source(rng=rng), shape, epochs, txns)
 
