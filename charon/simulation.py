@@ -132,7 +132,7 @@ class Simulation:
         self.seed = seed
         self.rng = random.Random(seed)
         shape = Shape(depth=2, ops=4, features=FEATURES - without)
-        w = random_workload(self.rng, shape, epochs=(1, 4), txns=(1, 5))
+        w = random_workload(self.rng, shape, epochs=(1, 4), txns=(2, 7))
         self.w: Workload = workload or w
         f = Faults.draw(self.rng)
         self.faults = faults or f
@@ -141,7 +141,7 @@ class Simulation:
         self.events: list[str] = []
         self.config = SparkConfig(
             data_dir=os.path.join(root, "data"), partitions=self.w.partitions,
-            compact_every=self.rng.choice([0, 2, 3]),
+            compact_every=self.rng.choice([0, 1, 2]),
         )
         self.durable_root = os.path.join(self.config.checkpoint_dir, "state")
         self.workers = [Worker(i, os.path.join(root, "local")) for i in range(self.faults.workers)]
