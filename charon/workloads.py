@@ -357,7 +357,7 @@ settings.register_profile("charon-ci", CI)
 _STICKY: list[BaseException] = []
 
 
-def _oracle_aborts_caught_callee() -> bool:
+def oracle_aborts_caught_callee() -> bool:
     """Whether ``charon.testing``'s oracle already aborts when a caller catches its callee's exception."""
     from charon import testing
 
@@ -375,7 +375,7 @@ def engine_abort_rule() -> Iterator[None]:
     oracle already models the rule."""
     from charon import testing
 
-    if _oracle_aborts_caught_callee():
+    if oracle_aborts_caught_callee():
         with warnings.catch_warnings():  # its diagnostic for a caught callee error: generated on purpose here
             warnings.filterwarnings("ignore", message=".*caught a callee's exception")
             yield

@@ -14,7 +14,9 @@ import os
 import pytest
 from hypothesis import given, settings
 
-from charon.workloads import CI, FEATURES, Shape, Workload, check_inprocess, workloads
+from charon.workloads import (
+    CI, FEATURES, Shape, Workload, check_inprocess, oracle_aborts_caught_callee, workloads,
+)
 
 EXAMPLES = int(os.environ.get("CHARON_ORACLE_EXAMPLES", "1000"))
 WITHOUT = frozenset(x for x in os.environ.get("CHARON_WORKLOAD_WITHOUT", "").split(",") if x)  # local bisecting
@@ -54,3 +56,9 @@ def test_found_cases(name: str) -> None:
         for live in (True, False):
             w = FOUND[name]
             check_inprocess(Workload(w.initial, w.items, w.epochs, parts, live))
+
+
+def test_r5_the_oracle_itself_models_the_abort_rule() -> None:
+    """r5: charon.testing's oracle aborts a transaction whose caller caught its callee's exception, as the
+    engine does (the checks above model the rule themselves until then: charon.workloads.engine_abort_rule)."""
+    assert oracle_aborts_caught_callee()
