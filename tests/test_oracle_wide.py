@@ -15,7 +15,13 @@ import pytest
 from hypothesis import given, settings
 
 from charon.workloads import (
-    CI, FEATURES, Shape, Workload, check_inprocess, oracle_aborts_caught_callee, workloads,
+    CI,
+    FEATURES,
+    Shape,
+    Workload,
+    check_inprocess,
+    oracle_aborts_caught_callee,
+    workloads,
 )
 
 EXAMPLES = int(os.environ.get("CHARON_ORACLE_EXAMPLES", "1000"))
