@@ -11,11 +11,11 @@ simulated too: offsets are written before a batch runs (in Spark's format, read 
 
 Faults, drawn from the seed: a round's tasks land in another worker (live coroutines present or not), a
 worker loses its local state (directory deleted, live table dropped) or its Python process (live table
-dropped), a task runs twice (the first result discarded), state reads (the real ``_read_entities``) run
-between rounds, and the driver crashes at every fault point of an epoch (before a job, after a round,
-``before_epoch``, ``after_finalize``, ``after_record``, during compaction). A crash abandons the runtime
-object; recovery is the real one: a new ``SparkRuntime`` over the same directories (durable copy, epoch
-records, input log) re-running the batch.
+dropped), a task runs twice (the first attempt dies after some of its partitions, or its result is lost),
+state reads (the real ``_read_entities``) run between rounds, and the driver crashes at every fault point of
+an epoch (before a job, after a round, ``before_epoch``, ``after_finalize``, ``after_record``, during
+compaction). A crash abandons the runtime object; recovery is the real one: a new ``SparkRuntime`` over the
+same directories (durable copy, epoch records, input log) re-running the batch.
 
 Checked after every recorded epoch: the epoch equals serial execution (``charon.testing.check_epoch``)
 from the previous verified state, with the durable copy as the state after; the replies delivered to the
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -187,9 +188,11 @@ class Simulation:
         out: list[tuple[int, bytes]] = []
         for task in tasks:
             w = self.pick_worker(task[0][0])
-            if rng.random() < f.retry:
-                self.trace(f"round {self.rounds}: task {[p for p, _ in task]} run in w{w.wid}, result discarded")
-                self.run_task(w, task)
+            if rng.random() < f.retry:  # the attempt dies after some of its partitions, or its result is lost
+                upto = rng.randint(1, len(task))
+                self.trace(f"round {self.rounds}: task {[p for p, _ in task]} run in w{w.wid} up to its "
+                           f"partition #{upto}, result discarded")
+                self.run_task(w, task, upto)
                 w = self.pick_worker(task[0][0])
             out.extend(self.run_task(w, task))
         return out
@@ -199,11 +202,12 @@ class Simulation:
             return self.rng.choice(self.workers)
         return self.workers[pid % len(self.workers)]
 
-    def run_task(self, w: Worker, task: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    def run_task(self, w: Worker, task: list[tuple[int, bytes]], upto: int | None = None) -> list[tuple[int, bytes]]:
+        """The real task function over the task's partitions in worker ``w`` (only the first ``upto``)."""
         fn = partial(sr._run_partitions, APP_REF, self.config.partitions, w.dir, self.durable_root,
                      self.config.checkpoint_dir)
         with w.process():
-            return list(fn(task))
+            return list(itertools.islice(fn(task), upto))
 
     def between_rounds(self) -> None:
         f, rng = self.faults, self.rng
