@@ -33,7 +33,7 @@ FOUND_SEEDS = {
     2: "r2: calls created before they are awaited, replayed from the journal: the root's reply differs",
     5: "r7: a state read during an epoch rolled the durable copy back ('durable copy reaches -1')",
     8: "r2: a read journaled twice shifts the replay: a scan gets None (TypeError abort the oracle never sees)",
-    192: "r3: after a driver crash the replayed epoch contradicts a reply already delivered",
+    272: "r3: after a driver crash the replayed epoch contradicts a reply already delivered",
 }
 
 
