@@ -483,3 +483,34 @@ def _check_inprocess(w: Workload, max_drain: int) -> list:
         assert rt.get_reply(rid) == rep
     assert rt.snapshot() == dict(sorted(oracle.items())), "final state differs from serial execution"
     return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m charon.workloads --seeds N [--start S]``: seeded workloads checked in-process; ``--seed N``
+    shows one workload and its outcome. A failure prints one line that reproduces it."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(prog="python -m charon.workloads", description=main.__doc__)
+    ap.add_argument("--seeds", type=int, default=1000)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None)
+    a = ap.parse_args(argv)
+    seeds = [a.seed] if a.seed is not None else range(a.start, a.start + a.seeds)
+    failed, t0 = 0, time.perf_counter()
+    for seed in seeds:
+        w = random_workload(_random.Random(seed))
+        if a.seed is not None:
+            print(repr(w))
+        try:
+            check_inprocess(w)
+        except AssertionError as exc:
+            failed += 1
+            msg = " ".join(str(exc).split())[:300]
+            print(f"FAIL seed {seed}: {msg} | reproduce: python -m charon.workloads --seed {seed}", flush=True)
+    print(f"{len(seeds)} workloads: {failed} failed, {time.perf_counter() - t0:.1f}s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
