@@ -64,11 +64,12 @@ def _case(tmp_path, epochs: list, live: bool, faults: Faults, seed: int = 1, par
 QUIET = dict(hop=0.0, lose=0.0, restart=0.0, retry=0.0, read=0.0, crash=0.0, max_crashes=0)
 
 
-def test_r3_resumed_in_another_worker(tmp_path) -> None:
-    """r3: a call created before a send and awaited after it; the resuming round lands in another worker
-    (no live coroutine there), so the function is replayed from its journal and must not send twice."""
+@pytest.mark.parametrize("seed", range(6))
+def test_r3_resumed_in_another_worker(tmp_path, seed: int) -> None:
+    """r3: a call created before a send and awaited after it; rounds land in random workers, so the resuming
+    round finds its live coroutine or replays the function from its journal: it must not send twice."""
     prog = [["early", "d", [], [["send", "c", [["add", "c0", 10]]]]]]
-    sim = _case(tmp_path, [[("a", prog)]], live=True, faults=Faults(workers=2, **{**QUIET, "hop": 1.0}))
+    sim = _case(tmp_path, [[("a", prog)]], live=True, faults=Faults(workers=2, **{**QUIET, "hop": 1.0}), seed=seed)
     sim.run()
 
 
