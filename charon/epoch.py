@@ -273,10 +273,12 @@ class EpochCoordinator:
         """Alternate call-graph-cached rounds and locked re-runs until every conflict is resolved.
 
         A cached round re-runs the dry-run invocations of the candidates in one round; a transaction
-        commits if it replayed identically and conflicts (read/write or write/write on an entity) with no
-        lower unresolved transaction (otherwise it stays a candidate). Transactions that did not replay
-        identically re-run from their root in waves: a wave takes, in TID order, every such transaction
-        that conflicts with no lower unresolved one, so the result equals running them in TID order.
+        commits if it replayed validly at every partition (:meth:`PartitionUnit._fast_round` defines it,
+        and argues why no uncommitted write leaks) and conflicts (read/write or write/write on an entity)
+        with no lower unresolved transaction's dry-run set (otherwise it stays a candidate). Transactions
+        that did not replay validly re-run from their root in waves: a wave takes, in TID order, every such
+        transaction that conflicts with no lower unresolved one, so the result equals running them in TID
+        order.
         """
         K = {tid: track.rw.get(tid, {}) for tid in conflicted}
         candidates = {t for t in conflicted if t not in track.failed}
@@ -293,9 +295,9 @@ class EpochCoordinator:
                     [], ft, stats,
                 )
                 fast_rounds += 1
+                # valid = replayed within its dry-run set K at every partition (PartitionUnit._fast_round
+                # owns that rule and keeps invalid writes out of its fast layer), so blocking on K is exact
                 candidates -= ft.invalid
-                # a cached re-run that writes what the dry run only read has a new read/write set
-                candidates -= {t for t in candidates if not _within(ft.rw.get(t, {}), K[t])}
                 blocked = _Locks()
                 committed: list[int] = []
                 remaining: list[int] = []

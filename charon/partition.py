@@ -145,19 +145,24 @@ class RoundOutput:
 
 
 class Cached:
-    """A dry-run invocation remembered for the call-graph-cached fallback."""
+    """A dry-run invocation remembered for the call-graph-cached fallback.
 
-    __slots__ = ("inv", "op", "key", "fn", "args", "replies", "result", "calls", "ts", "depth", "kind")
+    ``access`` is how the dry run touched the invocation's entity: None (not at all), False (read),
+    True (wrote); a cached replay must stay within it (see :meth:`PartitionUnit._fast_round`).
+    """
 
-    def __init__(self, frame: Frame, result: bytes, calls: list) -> None:
+    __slots__ = ("inv", "op", "key", "fn", "args", "replies", "result", "calls", "ts", "depth", "kind", "access")
+
+    def __init__(self, frame: Frame, result: bytes, calls: list, access: bool | None) -> None:
         self.inv, self.op, self.key, self.fn, self.args = frame.inv, frame.op, frame.key, frame.fn, frame.args
         self.replies, self.result, self.calls, self.ts, self.depth = frame.replies, result, calls, frame.ts, frame.depth
         self.kind = frame.kind
+        self.access = access
 
     def __reduce__(self):
         return (_new_cached, (
             self.inv, self.op, self.key, self.fn, self.args, self.replies, self.result, self.calls, self.ts,
-            self.depth, self.kind,
+            self.depth, self.kind, self.access,
         ))
 
 
@@ -420,7 +425,8 @@ class PartitionUnit:
         elif leftover:
             self._out.acks.append((tid, leftover))
         if self._recording:
-            entry = Cached(frame, value, ctx._calls)
+            touched = self.touched.get(tid)
+            entry = Cached(frame, value, ctx._calls, touched.get((frame.op, frame.key)) if touched else None)
             c = self.cache.get(tid)
             if c is None:
                 c = self.cache[tid] = []
@@ -458,11 +464,24 @@ class PartitionUnit:
     def _fast_round(self, tids: list[int]) -> None:
         """Re-run each listed transaction's cached invocations here, in TID order, on the latest state.
 
-        A transaction is valid here if every invocation makes the same calls with the same arguments and
-        returns the same value as in the dry run (replies of its calls are taken from the dry run; the
-        callees are re-run at their own partitions in this same round and checked there). Writes of valid
-        transactions are visible to later ones in this round through the fast layer; the coordinator
-        commits a transaction only if no lower-TID transaction sharing an entity failed to commit.
+        This method owns the rule of what a transaction may see of another in the call-graph-cached
+        fallback. A transaction is *valid here* when each of its invocations at this partition (at most one
+        per entity) makes the same calls with the same arguments as in the dry run, returns the same value
+        to a synchronous caller (its callees' replies are the dry run's; the callees re-run at their own
+        partitions in this same round and are checked there), and touches its entity within the dry run's
+        access (:attr:`Cached.access`: no write where the dry run only read, no touch where it did not).
+        Only a valid transaction's writes enter the fast layer, which the higher TIDs replayed after it
+        here read; an invalid one's writes are dropped. The coordinator commits a transaction only if it
+        is valid at every partition and conflicts with no lower unresolved transaction's *dry-run*
+        read/write set K.
+
+        Why no uncommitted value reaches a committed transaction: let T commit, having read here a value
+        written by a lower U in this round. U was valid here, so that write lies in U's dry-run write set:
+        either U commits in this round as well (U precedes T in the serial order, as T's read assumes), or
+        U stays unresolved (invalid at some other partition, or valid but blocked by a lower unresolved
+        transaction) and its K, which contains the write, blocks T. Conversely nothing T wrote was read by a
+        lower unresolved U's dry run (K[U] would block T), and a U whose rerun later reaches outside K[U]
+        onto what T touched is moved to the next epoch by the coordinator (T committed there first).
         """
         self.fast_layer = layer = {}
         invalid = self._out.invalid
@@ -470,8 +489,16 @@ class PartitionUnit:
             cached = self.cache.get(tid)
             if not cached:
                 continue
-            entities = {(c.op, c.key) for c in cached}
-            ok = len(entities) == len(cached) and self._replay_cached(tid, cached)
+            self.buffers.pop(tid, None)
+            self.touched.pop(tid, None)
+            access = {(c.op, c.key): c.access for c in cached}
+            ok = len(access) == len(cached) and self._replay_cached(tid, cached)
+            if ok:
+                for e, wrote in self.touched.get(tid, {}).items():
+                    known = access.get(e)
+                    if known is None or (wrote and not known):
+                        ok = False
+                        break
             buf = self.buffers.get(tid)
             if ok:
                 if buf:
@@ -603,4 +630,5 @@ def _new_cached(*st: Any) -> Cached:
     o.ts = st[8]
     o.depth = st[9]
     o.kind = st[10]
+    o.access = st[11]
     return o
