@@ -24,7 +24,7 @@ class SparkConfig:
     local_dir: str | None = None  # executor-local store directory (default: per-executor temp dir)
     compact_every: int = 20  # compact durable deltas every N epochs (in the background)
     truncate_log: bool = True  # drop input-log entries older than the last compacted snapshot
-    max_rounds: int = 200  # rounds after which a call graph is aborted as never finishing
+    max_invocations: int = 100_000  # most invocations of one transaction, over all partitions
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 

@@ -32,7 +32,7 @@ from charon import serde
 from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Reply, Request
 from charon.operator import Application
-from charon.partition import ROOT, Control, Invoke, RoundOutput
+from charon.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, RoundOutput, too_many_invocations
 from charon.partition import Reply as ReplyMsg
 from charon.routing import partition_of
 from charon.sequencer import Sequencer
@@ -66,7 +66,7 @@ class EpochResult:
 
 
 class _Track:
-    __slots__ = ("done", "shares", "failed", "rw", "invalid")
+    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations")
 
     def __init__(self) -> None:
         self.done: dict[int, bytes] = {}
@@ -74,6 +74,7 @@ class _Track:
         self.failed: dict[int, tuple[str, str]] = {}
         self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: set[int] = set()
+        self.invocations: dict[int, int] = {}  # summed over partitions and rounds
 
     def complete(self, tid: int) -> bool:
         return tid in self.done and self.shares.get(tid) == _ONE
@@ -118,7 +119,15 @@ class _Locks:
 
 
 class EpochCoordinator:
-    """Runs epochs through an :class:`Exchange`; keeps the sequencer and the deferred transactions."""
+    """Runs epochs through an :class:`Exchange`; keeps the sequencer and the deferred transactions.
+
+    Limits a user sees do not depend on placement: call depth (``context.MAX_DEPTH``, checked where a
+    call is made) and ``max_invocations`` per transaction, counted over all partitions here (partitions
+    report per-TID counts in :class:`RoundOutput`). Rounds are not a limit: while a transaction is in
+    flight every round consumes at least one of its messages (an invocation, or a reply to one), so it
+    needs at most ``2 * max_invocations + 1`` rounds before it completes or exceeds its invocations;
+    ``max_rounds`` is that bound plus one, a safety net that never binds first.
+    """
 
     def __init__(
         self,
@@ -126,13 +135,16 @@ class EpochCoordinator:
         exchange: Exchange,
         *,
         sequencers: int = 1,
-        max_rounds: int = 200,
+        max_invocations: int = MAX_INVOCATIONS,
         on_replies: Callable[[list[Reply]], None] | None = None,
     ) -> None:
+        if max_invocations < 1:
+            raise ValueError("max_invocations must be at least 1")
         self.app = app
         self.exchange = exchange
         self.sequencer = Sequencer(sequencers)
-        self.max_rounds = max_rounds
+        self.max_invocations = max_invocations
+        self.max_rounds = 2 * max_invocations + 2
         self.on_replies = on_replies
         self.deferred: list[tuple[int, Request]] = []
 
@@ -144,6 +156,8 @@ class EpochCoordinator:
         for m in msgs:
             if m.tid not in failed:
                 inboxes[partition_of(m.op, m.key, parts)].append(m)
+        control.max_invocations = limit = self.max_invocations
+        counts = track.invocations
         t0 = time.perf_counter()
         outs = self.exchange.round(control, inboxes)
         stats["exchange_s"] = stats.get("exchange_s", 0.0) + time.perf_counter() - t0
@@ -158,6 +172,10 @@ class EpochCoordinator:
                 shares[tid] = shares.get(tid, 0) + share
             for tid, etype, msg in o.failed:
                 failed.setdefault(tid, (etype, msg))
+            for tid, n in o.invocations.items():
+                n = counts[tid] = counts.get(tid, 0) + n
+                if n > limit and tid not in failed:
+                    failed[tid] = (CallGraphLimitExceeded.__name__, str(too_many_invocations(limit)))
             rw = track.rw
             for tid, op, key, wrote in o.rw:
                 d = rw.get(tid)
@@ -216,7 +234,7 @@ class EpochCoordinator:
             msgs = self._round(control, msgs, track, stats)
             n += 1
         stats["dry_rounds"] = n
-        for tid in {m.tid for m in msgs} - track.failed.keys():
+        for tid in {m.tid for m in msgs} - track.failed.keys():  # pragma: no cover - safety net, never binds
             track.failed[tid] = ("CallGraphLimitExceeded", f"call graph still running after {n} rounds")
         for r in roots:
             if r.tid not in track.failed and not track.complete(r.tid):  # pragma: no cover - engine bug
@@ -369,7 +387,7 @@ class EpochCoordinator:
             in_flight = {m.tid for m in msgs}
             for tid in sorted(running):
                 if tid not in slow_track.failed and not slow_track.complete(tid):
-                    if rounds < self.max_rounds and tid in in_flight:
+                    if rounds < self.max_rounds and tid in in_flight:  # the cap: a safety net, never binds
                         continue
                     slow_track.failed[tid] = (CallGraphLimitExceeded.__name__,
                                               f"call graph still running after {rounds} rounds")

@@ -19,7 +19,7 @@ from charon import serde
 from charon.epoch import EpochCoordinator, EpochResult
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator
-from charon.partition import Control, Invoke, PartitionUnit, RoundOutput
+from charon.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUnit, RoundOutput
 from charon.partition import Reply as ReplyMsg
 from charon.routing import entity_prefix, partition_of, store_key
 from charon.store import MemoryStore
@@ -45,7 +45,7 @@ class InProcessRuntime:
         partitions: int = 4,
         epoch_max_txns: int = 1000,
         epoch_max_ms: float = 1.0,
-        max_rounds: int = 200,
+        max_invocations: int = MAX_INVOCATIONS,
         reply_retention: int = 1_000_000,
     ) -> None:
         self.app = app
@@ -55,7 +55,8 @@ class InProcessRuntime:
         self.stores = [MemoryStore() for _ in range(partitions)]
         self.units = [PartitionUnit(p, partitions, app, s) for p, s in enumerate(self.stores)]
         self.coordinator = EpochCoordinator(
-            app, LocalExchange(self.units), sequencers=1, max_rounds=max_rounds, on_replies=self._deliver
+            app, LocalExchange(self.units), sequencers=1, max_invocations=max_invocations,
+            on_replies=self._deliver
         )
         self.epoch = 0
         self.epoch_stats: list[dict[str, float]] = []

@@ -40,8 +40,16 @@ def _next_token() -> tuple[int, int, int]:
 #: journal replay is always available and is what a resumed frame uses in any other process).
 KEEP_LIVE_COROUTINES = True
 _ZERO = Fraction(0)
+#: Default limit on the invocations (root, calls and sends) of one transaction, counted over all partitions
+#: by the coordinator (a user-visible limit: it must not depend on placement; see ``EpochCoordinator``).
+MAX_INVOCATIONS = 100_000
 
 Entity = tuple[str, str]
+
+
+def too_many_invocations(limit: int) -> CallGraphLimitExceeded:
+    """The abort of a transaction that started more than ``limit`` invocations (one message everywhere)."""
+    return CallGraphLimitExceeded(f"more than {limit} invocations")
 
 
 class Invoke:
@@ -103,27 +111,32 @@ class Frame:
 
 
 class Control:
-    """The coordinator's instructions for one round, the same for every partition."""
+    """The coordinator's instructions for one round, the same for every partition.
 
-    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize")
+    ``max_invocations`` is the coordinator's per-transaction limit; a partition fails a transaction on
+    its own only when it alone started more than that within one epoch phase (so no round runs away).
+    """
+
+    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize", "max_invocations")
 
     DRY, FALLBACK = 0, 1
 
-    def __init__(self, epoch: int, phase: int = 0, apply=(), reset=(), fast=(), finalize: bool = False):
+    def __init__(self, epoch: int, phase: int = 0, apply=(), reset=(), fast=(), finalize: bool = False,
+                 max_invocations: int = MAX_INVOCATIONS):
         self.epoch, self.phase, self.apply, self.reset = epoch, phase, list(apply), list(reset)
-        self.fast, self.finalize = list(fast), finalize
+        self.fast, self.finalize, self.max_invocations = list(fast), finalize, max_invocations
 
     def __getstate__(self):
-        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize)
+        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations)
 
     def __setstate__(self, st):
-        self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize = st
+        (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations) = st
 
 
 class RoundOutput:
     """What one partition returns from a round."""
 
-    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "stats", "cached")
+    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached")
 
     def __init__(self) -> None:
         self.messages: list[Invoke | Reply] = []  # for other partitions
@@ -132,16 +145,19 @@ class RoundOutput:
         self.failed: list[tuple[int, str, str]] = []  # (tid, error type, message)
         self.rw: list[tuple[int, str, str, bool]] = []  # (tid, op, key, wrote) first touch / first write
         self.invalid: list[int] = []  # call-graph-cached fallback: tids that did not replay identically
+        self.invocations: dict[int, int] = {}  # tid -> invocations started this round (the coordinator sums)
         self.stats: dict[str, int] = {}
         # dry-run invocations completed this round, for the call-graph cache (a runtime that does not keep
         # the unit between rounds keeps them and hands back those of the fallback's transactions)
         self.cached: dict[int, list[Cached]] = {}
 
     def __getstate__(self):
-        return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.stats, self.cached)
+        return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations,
+                self.stats, self.cached)
 
     def __setstate__(self, st):
-        self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.stats, self.cached = st
+        (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations, self.stats,
+         self.cached) = st
 
 
 class Cached:
@@ -169,14 +185,12 @@ class Cached:
 class PartitionUnit:
     """One partition of the deterministic core (see the module docstring)."""
 
-    def __init__(
-        self, pid: int, partitions: int, app: Application, store: PartitionStore, max_invocations: int = 100_000
-    ) -> None:
+    def __init__(self, pid: int, partitions: int, app: Application, store: PartitionStore) -> None:
         self.pid = pid
         self.partitions = partitions
         self.app = app
         self.store = store
-        self.max_invocations = max_invocations
+        self.max_invocations = MAX_INVOCATIONS  # set by each round's Control
         self._clear(-1)
 
     # -- scratch ----------------------------------------------------------------------------------
@@ -276,6 +290,7 @@ class PartitionUnit:
         if control.epoch != self.epoch:
             self._clear(control.epoch)
         out = self._out = RoundOutput()
+        self.max_invocations = control.max_invocations
         self._stat_reads = 0
         self._stat_runs = 0
         self._recording = control.phase == Control.DRY
@@ -311,6 +326,7 @@ class PartitionUnit:
         out = self._out
         frames = self.frames
         dead = self.dead
+        started = out.invocations
         while queue:
             m = queue.popleft()
             tid = m.tid
@@ -319,8 +335,9 @@ class PartitionUnit:
             if type(m) is Invoke:
                 n = self.counts.get(tid, 0) + 1
                 self.counts[tid] = n
+                started[tid] = started.get(tid, 0) + 1
                 if n > self.max_invocations:
-                    self._fail(tid, CallGraphLimitExceeded(f"more than {self.max_invocations} invocations"))
+                    self._fail(tid, too_many_invocations(self.max_invocations))
                     continue
                 frame = Frame(m)
             else:

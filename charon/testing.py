@@ -18,12 +18,14 @@ from charon.epoch import EpochResult
 from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Request
 from charon.operator import Application, Function, Operator
+from charon.partition import MAX_INVOCATIONS, too_many_invocations
 from charon.routing import entity_prefix, store_key
 
 
 class _Txn:
-    def __init__(self, app: Application, state: dict[bytes, bytes], tid: int, ts: float) -> None:
+    def __init__(self, app: Application, state: dict[bytes, bytes], tid: int, ts: float, limit: int) -> None:
         self.app, self.state, self.tid, self.ts = app, state, tid, ts
+        self.invocations, self.limit = 0, limit
         self.writes: dict[bytes, bytes | None] = {}
         self.sends: deque = deque()
 
@@ -37,6 +39,9 @@ class SerialContext:
     """The oracle's context: same API as :class:`charon.context.Context`, executed directly."""
 
     def __init__(self, txn: _Txn, op: str, key: str, inv: str, depth: int) -> None:
+        txn.invocations += 1  # one context per invocation: the engine's per-transaction limit
+        if txn.invocations > txn.limit:
+            raise too_many_invocations(txn.limit)
         self._txn, self.operator, self.key, self._inv, self._depth = txn, op, key, inv, depth
         self.tid = txn.tid
         self._nchild = 0
@@ -124,14 +129,17 @@ def _drive(coro: Any) -> Any:
 
 
 def serial_execute(
-    app: Application, state: dict[bytes, bytes], tid: int, request: Request
+    app: Application, state: dict[bytes, bytes], tid: int, request: Request, *,
+    max_invocations: int = MAX_INVOCATIONS,
 ) -> tuple[bool, bytes | tuple[str, str]]:
-    """Run one transaction on ``state`` (updated in place if it commits); returns (ok, value | error)."""
+    """Run one transaction on ``state`` (updated in place if it commits); returns (ok, value | error).
+
+    ``max_invocations`` must be the engine's (``EpochCoordinator.max_invocations``)."""
     try:
         fn = app.validate(request.operator, request.function, serde.decode(request.args))
     except CharonError as exc:
         return False, (type(exc).__name__, str(exc))
-    txn = _Txn(app, state, tid, request.ts)
+    txn = _Txn(app, state, tid, request.ts, max_invocations)
     try:
         root = SerialContext(txn, request.operator, request.key, "0", 0)
         value = serde.encode(_drive(fn.body(root, *serde.decode(request.args))))
@@ -148,11 +156,14 @@ def serial_execute(
     return True, value
 
 
-def check_epoch(app: Application, before: dict[bytes, bytes], after: dict[bytes, bytes], result: EpochResult) -> None:
+def check_epoch(
+    app: Application, before: dict[bytes, bytes], after: dict[bytes, bytes], result: EpochResult, *,
+    max_invocations: int = MAX_INVOCATIONS,
+) -> None:
     """Assert the epoch equals a serial execution of its transactions in the reported order."""
     state = dict(before)
     for tid in result.order:
-        ok, out = serial_execute(app, state, tid, result.requests[tid])
+        ok, out = serial_execute(app, state, tid, result.requests[tid], max_invocations=max_invocations)
         rep = result.replies[tid]
         assert rep.ok == ok, f"tid {tid}: engine ok={rep.ok} ({rep.error_type}: {rep.error_message}), oracle {out}"
         if ok:

@@ -447,8 +447,8 @@ class SparkRuntime:
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
         coord = EpochCoordinator(
-            self.app, self.exchange, sequencers=self.config.n_log_partitions, max_rounds=self.config.max_rounds,
-            on_replies=self.output_log.put_many,
+            self.app, self.exchange, sequencers=self.config.n_log_partitions,
+            max_invocations=self.config.max_invocations, on_replies=self.output_log.put_many,
         )
         if prev is not None:
             coord.sequencer.counters = list(prev.counters)
