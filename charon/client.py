@@ -101,12 +101,16 @@ _TYPED: dict[str, type[CharonError]] = {
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A committed reply: the function's return value and where the transaction ran."""
+    """A committed reply: the function's return value and where the transaction ran.
+
+    Results (and aborts) ordered by (epoch, position) form a serial order equivalent to the execution.
+    """
 
     request_id: str
     tid: int
     epoch: int
     value: Any
+    position: int | None = None  # place in the epoch's serial order (None from a gateway without it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,7 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
         exc = TransactionAborted(etype, message, str(body.get("request_id", request_id or "")))
         exc.tid = body.get("tid")  # type: ignore[attr-defined]
         exc.epoch = body.get("epoch")  # type: ignore[attr-defined]
+        exc.position = body.get("position")  # type: ignore[attr-defined]
         raise exc
     cls = _TYPED.get(etype)
     if cls is None:
@@ -162,7 +167,9 @@ def _result(resp: httpx.Response, request_id: str | None) -> Result:
     """Interpret an invoke/poll answer: a Result, _Pending, or a raised typed error."""
     body = _decode_body(resp)
     if resp.status_code == 200:
-        return Result(str(body["request_id"]), int(body["tid"]), int(body["epoch"]), body.get("value"))
+        pos = body.get("position")
+        return Result(str(body["request_id"]), int(body["tid"]), int(body["epoch"]), body.get("value"),
+                      None if pos is None else int(pos))
     if resp.status_code == 202:
         raise _Pending(body.get("request_id", request_id) if isinstance(body, dict) else request_id)
     _raise_error(resp.status_code, body, request_id)

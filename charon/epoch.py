@@ -15,9 +15,12 @@
    that touches an entity outside its set moves to the next epoch, keeping its TID.
 5. Finalize: each partition writes the epoch's delta to its store, idempotently.
 
-The serial order reported (``EpochResult.order``): lock-free outcomes in TID order, then fallback
-outcomes in TID order. Running those transactions one at a time in that order on the state before the
-epoch gives exactly the state after it and the same replies (see ``charon.testing``).
+The serial order: first every outcome decided without the fallback (validation errors, lock-free
+commits, immediate aborts) in TID order, then the fallback's outcomes in TID order. Running the epoch's
+transactions one at a time in that order on the state before the epoch gives exactly the state after it
+and the same replies (see ``charon.testing``). Each reply carries its place in it (:func:`position`), known
+when the reply is sent, so ordering all replies by (epoch, position) is a serial order of the whole
+history; ``EpochResult.order`` is the epoch's TIDs sorted by position.
 """
 
 from __future__ import annotations
@@ -57,12 +60,21 @@ class EpochResult:
     epoch: int
     replies: dict[int, Reply]  # by TID
     requests: dict[int, Request]  # by TID, every transaction run in this epoch
-    order: list[int]  # the equivalent serial order of committed and definitively aborted TIDs
+    order: list[int]  # committed and definitively aborted TIDs in serial order (by Reply.position)
     lockfree: list[int] = field(default_factory=list)
     fast: list[int] = field(default_factory=list)  # committed by the call-graph-cached fallback
     slow: list[int] = field(default_factory=list)  # committed or aborted by the locked fallback
     deferred: list[int] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+
+
+def position(tid: int, last_tid: int, fallback: bool) -> int:
+    """A reply's place in its epoch's serial order (monotone, not dense).
+
+    ``last_tid`` is the highest TID of the epoch (known once it is sequenced); a fallback outcome comes
+    after every outcome decided without the fallback.
+    """
+    return last_tid + 1 + tid if fallback else tid
 
 
 class _Track:
@@ -205,9 +217,12 @@ class EpochCoordinator:
         self.sequencer.end_epoch()
         result = EpochResult(epoch, {}, txns, [])
         replies = result.replies
+        last_tid = max(txns, default=0)
+        in_fallback: set[int] = set()  # filled once the lock-free decision is made
 
         def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
-            r = Reply(txns[tid].request_id, tid, epoch, ok, value, err[0], err[1])
+            pos = position(tid, last_tid, tid in in_fallback)
+            r = Reply(txns[tid].request_id, tid, epoch, ok, value, err[0], err[1], pos)
             replies[tid] = r
             return r
 
@@ -220,7 +235,6 @@ class EpochCoordinator:
                 self.app.validate(req.operator, req.function, serde.decode(req.args))
             except CharonError as exc:
                 early.append(reply(tid, False, err=(type(exc).__name__, str(exc))))
-                result.order.append(tid)
                 continue
             roots.append(_root(tid, req))
         self._emit(early)
@@ -261,22 +275,20 @@ class EpochCoordinator:
                 aborted_now.append(tid)
             else:
                 lockfree.append(tid)
+        in_fallback.update(conflicted)
         early = [reply(t, True, track.done[t]) for t in lockfree]
         early += [reply(t, False, err=track.failed[t]) for t in aborted_now]
         self._emit(early)
         result.lockfree = lockfree
-        result.order.extend(sorted(lockfree + aborted_now))
         stats["lockfree"] = len(lockfree)
         stats["aborted"] = len(aborted_now)
         stats["conflicts"] = len(conflicted)
 
         apply_next: list[int] = list(lockfree)
         reset_next: list[int] = []
-        fallback_order: list[int] = []
         if conflicted:
-            apply_next, reset_next = self._fallback(epoch, conflicted, track, result, reply, fallback_order,
-                                                    apply_next, stats)
-        result.order.extend(sorted(fallback_order))
+            apply_next, reset_next = self._fallback(epoch, conflicted, track, result, reply, apply_next, stats)
+        result.order = sorted(replies, key=lambda t: replies[t].position)
 
         # Finalize: apply what is left and write each partition's delta.
         self._round(Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, finalize=True), [],
@@ -287,7 +299,7 @@ class EpochCoordinator:
         result.stats = stats
         return result
 
-    def _fallback(self, epoch, conflicted, track, result, reply, order, apply_lockfree, stats):
+    def _fallback(self, epoch, conflicted, track, result, reply, apply_lockfree, stats):
         """Alternate call-graph-cached rounds and locked re-runs until every conflict is resolved.
 
         A cached round re-runs the dry-run invocations of the candidates in one round; a transaction
@@ -330,7 +342,6 @@ class EpochCoordinator:
                     for e in K[t]:
                         committed_by[e] = max(committed_by.get(e, 0), t)
                 result.fast.extend(committed)
-                order.extend(committed)
                 candidates.difference_update(committed)
                 rest = remaining
                 apply_next, reset_next = committed, list(remaining)
@@ -345,7 +356,7 @@ class EpochCoordinator:
                 blocked.add(K[tid])
             if not wave:  # pragma: no cover - the lowest unresolved transaction is always free
                 raise AssertionError("fallback made no progress")
-            a, r, n, again = self._locked_wave(epoch, wave, K, result, reply, order, apply_next, reset_next,
+            a, r, n, again = self._locked_wave(epoch, wave, K, result, reply, apply_next, reset_next,
                                                stats, committed_by, requeues)
             apply_next, reset_next = a, r
             slow_rounds += n
@@ -358,7 +369,7 @@ class EpochCoordinator:
         stats["requeued"] = sum(requeues.values())
         return apply_next, reset_next
 
-    def _locked_wave(self, epoch, wave, K, result, reply, order, apply_next, reset_next, stats, committed_by,
+    def _locked_wave(self, epoch, wave, K, result, reply, apply_next, reset_next, stats, committed_by,
                      requeues):
         """Re-run ``wave`` (pairwise non-conflicting) from the root; decide commit, abort, re-queue or defer.
 
@@ -400,14 +411,12 @@ class EpochCoordinator:
                     replies.append(reply(tid, False, err=slow_track.failed[tid]))
                     done_reset.append(tid)
                     result.slow.append(tid)
-                    order.append(tid)
                     for e in touched:  # an abort is an outcome in TID order too: what it read is settled
                         committed_by[e] = max(committed_by.get(e, 0), tid)
                 else:
                     replies.append(reply(tid, True, slow_track.done[tid]))
                     done_apply.append(tid)
                     result.slow.append(tid)
-                    order.append(tid)
                     for e in touched:
                         committed_by[e] = max(committed_by.get(e, 0), tid)
             msgs = [m for m in msgs if m.tid in running]

@@ -4,9 +4,10 @@ Routes (every body is JSON unless the request says ``Content-Type: application/m
 is JSON unless the request says ``Accept: application/msgpack``):
 
 - ``POST /invoke/{operator}/{key}/{function}`` with body ``{"args": [...]}`` runs one transaction.
-  200 ``{"request_id", "tid", "epoch", "value", "status": "committed"}`` when it committed;
-  409 ``{"error": {"type", "message"}, "request_id", "tid", "epoch", "status": "aborted"}`` when a function
-  in its call graph raised (nothing was applied). The ``Idempotency-Key`` header becomes the request id:
+  200 ``{"request_id", "tid", "epoch", "position", "value", "status": "committed"}`` when it committed;
+  409 ``{"error": {"type", "message"}, "request_id", "tid", "epoch", "position", "status": "aborted"}`` when
+  a function in its call graph raised (nothing was applied). Replies ordered by (epoch, position) form a
+  serial order equivalent to the execution. The ``Idempotency-Key`` header becomes the request id:
   a retried request executes once and every retry gets the first reply. ``?mode=async`` answers at once
   with 202 ``{"request_id", "status_url"}``. A synchronous call still unanswered after ``wait_timeout``
   seconds also turns into that 202 (the transaction keeps running).
@@ -202,6 +203,13 @@ def describe_app(app: Any) -> dict[str, dict[str, list[tuple[str, dict[str, Any]
     return out
 
 
+_POSITION_SCHEMA = {
+    "type": ["integer", "null"],
+    "description": "place in the epoch's serial order: replies ordered by (epoch, position) form a serial "
+    "order equivalent to the execution (increasing, not consecutive; null only for replies recorded before "
+    "positions existed)",
+}
+
 _ERROR_SCHEMA = {
     "type": "object",
     "properties": {
@@ -213,6 +221,7 @@ _ERROR_SCHEMA = {
         "request_id": {"type": "string"},
         "tid": {"type": "integer"},
         "epoch": {"type": "integer"},
+        "position": _POSITION_SCHEMA,
     },
     "required": ["error"],
 }
@@ -361,10 +370,11 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
                         "request_id": {"type": "string"},
                         "tid": {"type": "integer"},
                         "epoch": {"type": "integer"},
+                        "position": _POSITION_SCHEMA,
                         "value": {},
                         "status": {"type": "string", "enum": ["committed"]},
                     },
-                    "required": ["request_id", "tid", "epoch", "value"],
+                    "required": ["request_id", "tid", "epoch", "position", "value"],
                 },
                 "Accepted": {
                     "type": "object",
@@ -516,6 +526,7 @@ class _Gateway:
                 "request_id": rep.request_id,
                 "tid": rep.tid,
                 "epoch": rep.epoch,
+                "position": rep.position,
                 "value": value,
                 "status": "committed",
             }
@@ -525,6 +536,7 @@ class _Gateway:
             "request_id": rep.request_id,
             "tid": rep.tid,
             "epoch": rep.epoch,
+            "position": rep.position,
             "status": "aborted",
         }
         return self.respond(request, 409, body)

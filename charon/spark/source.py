@@ -29,8 +29,10 @@ Offsets (JSON, what Spark writes to ``<checkpoint>/offsets/<batch_id>`` *before*
 ``charon_replies`` options: ``path`` (the :class:`~charon.log.OutputLog`), ``maxRecordsPerBatch`` (default
     10000). Offsets ``{"seq": end, "start": start}``: the batch holds the replies with ``start < seq <= end``.
     Rows: ``seq LONG, request_id STRING, tid LONG, epoch LONG, ok BOOLEAN, value BINARY, error_type STRING,
-    error_message STRING``. With a checkpoint, each reply reaches the consuming query's sink exactly once
-    per committed batch, and each micro-batch's replies form one atom.
+    error_message STRING, position LONG``. Ordering replies by ``(epoch, position)`` gives a serial order
+    equivalent to the execution (``seq`` is delivery order, not serial order; ``position`` is null only
+    for replies recorded before positions existed). With a checkpoint, each reply reaches the consuming
+    query's sink exactly once per committed batch, and each micro-batch's replies form one atom.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ REPLIES_SCHEMA = StructType(
         StructField("value", BinaryType(), False),
         StructField("error_type", StringType(), False),
         StructField("error_message", StringType(), False),
+        StructField("position", LongType(), True),
     ]
 )
 
@@ -365,7 +368,7 @@ class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailable
     def read(self, partition: InputPartition) -> Iterator[tuple]:
         assert isinstance(partition, SeqRange)
         for seq, r in _output_log(partition.path).read_between(partition.start, partition.end):
-            yield (seq, r.request_id, r.tid, r.epoch, r.ok, r.value, r.error_type, r.error_message)
+            yield (seq, r.request_id, r.tid, r.epoch, r.ok, r.value, r.error_type, r.error_message, r.position)
 
     def stop(self) -> None:
         _close_cached(self.path)
