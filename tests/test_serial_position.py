@@ -145,8 +145,10 @@ def test_epoch_and_position_order_is_a_serial_order(seed: int) -> None:
     assert sum(len(res.fast) for res in results) and sum(len(res.slow) for res in results)
     assert sum(len(res.deferred) for res in results), "the history must include a deferral"
 
-    for res in results:  # EpochResult.order agrees with the positions
+    for res in results:  # positions: outcomes decided without the fallback by TID, then the fallback's
+        late = set(res.fast) | set(res.slow)
         assert res.order == sorted(res.replies, key=lambda t: res.replies[t].position)
+        assert res.order == sorted(set(res.replies) - late) + sorted(late)
         assert len({r.position for r in res.replies.values()}) == len(res.replies)
 
     serial = sorted(replies.values(), key=lambda r: (r.epoch, r.position))
