@@ -77,7 +77,7 @@ class SerialContext:
         return out
 
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> Function:
-        fn = self._txn.app.validate(operator, function, args)
+        fn = self._txn.app.validate(operator, function, args, key=key)
         if self._depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
         serde.encode(list(args))
@@ -128,7 +128,7 @@ def serial_execute(
 ) -> tuple[bool, bytes | tuple[str, str]]:
     """Run one transaction on ``state`` (updated in place if it commits); returns (ok, value | error)."""
     try:
-        fn = app.validate(request.operator, request.function, serde.decode(request.args))
+        fn = app.validate(request.operator, request.function, serde.decode(request.args), key=request.key)
     except CharonError as exc:
         return False, (type(exc).__name__, str(exc))
     txn = _Txn(app, state, tid, request.ts)
