@@ -923,7 +923,8 @@ def serve(
 ) -> None:
     """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it."""
     app = create_app(runtime, token=token, max_body=max_body, manage_runtime=True, config=config)
-    uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level)).run()
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
+        uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level)).run()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
