@@ -334,3 +334,24 @@ def test_request_in_the_log_is_pending_after_a_gateway_restart(tmp_path: Any) ->
         runtime.output_log.put(Reply(rid, 1, 0, True, serde.encode(1)))  # the engine answers
         done = c.get(f"/requests/{rid}")
         assert done.status_code == 200 and done.json()["value"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ Python client
+
+
+def test_client_raises_the_typed_errors(server: BackgroundServer) -> None:
+    from charon.client import Client
+    from charon.errors import IdempotencyConflict, InvalidKey
+
+    with Client(server.url, token=TOKEN) as c:
+        for bad in ("a\0b", "k" * (MAX_KEY_BYTES + 1), "\ud800"):
+            with pytest.raises(InvalidKey):
+                c.invoke("box", bad, "add", 1)
+            with pytest.raises(InvalidKey):
+                c.state("box", bad)
+        rid, key = uid("rid"), uid()
+        assert c.invoke("box", key, "add", 2, request_id=rid) == 2
+        assert c.invoke("box", key, "add", 2, request_id=rid) == 2
+        with pytest.raises(IdempotencyConflict):
+            c.invoke("box", key, "add", 3, request_id=rid)
+        assert c.state("box", key) == 2
