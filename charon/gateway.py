@@ -1,7 +1,8 @@
 """HTTP gateway: the ASGI front door of a Charon runtime (starlette, served by uvicorn).
 
-Routes (every body is JSON unless the request says ``Content-Type: application/msgpack``; every response
-is JSON unless the request says ``Accept: application/msgpack``):
+Routes (bodies of mutating routes must be ``application/json`` or ``application/msgpack``, 415 otherwise; an
+empty body without a type means no arguments; every response is JSON unless the request says
+``Accept: application/msgpack``):
 
 - ``POST /invoke/{operator}/{key}/{function}`` with body ``{"args": [...]}`` runs one transaction.
   200 ``{"request_id", "tid", "epoch", "value", "status": "committed"}`` when it committed;
@@ -11,23 +12,31 @@ is JSON unless the request says ``Accept: application/msgpack``):
   with 202 ``{"request_id", "status_url"}``. A synchronous call still unanswered after ``wait_timeout``
   seconds also turns into that 202 (the transaction keeps running).
 - ``GET /requests/{request_id}[?wait=SECONDS]`` polls: the reply (200 or 409 as above), 202
-  ``{"status": "pending"}``, or 404 when neither this gateway nor the runtime knows the id. ``wait``
-  long-polls up to that many seconds (at most 30) while the request is in flight here.
+  ``{"status": "pending"}`` (also for a request in the runtime's input log that this gateway never saw,
+  e.g. after a restart), or 404 when nobody knows the id. ``wait`` long-polls up to that many seconds (at
+  most 30) while the request is in flight here.
 - ``GET /state/{operator}/{key}`` returns ``{"operator", "key", "value"}`` (an admin read).
 - ``GET /health`` (open) and ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
   including one ``/invoke`` path per function of the application with its parameter names and types.
 
 Everything is checked *before* anything reaches the runtime (and so its input log): the bearer token
-(401; ``Authorization: Bearer <token>`` on every route but ``/health`` and ``/openapi.json`` when a token
-is configured), the body size (413, from ``Content-Length`` and again while streaming), the body syntax
-(400), the operator and function names (404) and the arguments' arity and types (422, through
-``Application.validate``). Keys may contain ``/`` (the last path segment is the function). Bodies are
-decoded with msgspec (JSON or msgpack); nothing is ever unpickled.
+(401), the body size (413, from ``Content-Length`` and again while streaming) and arrival time (408), the
+content type (415), the body syntax and plainness (400: malformed, non-UTF-8 strings, msgpack extension
+types, nesting deeper than ``max_depth``), the URL path (400 unless it percent-decodes to valid UTF-8), the
+key (400 ``InvalidKey``, by :func:`charon.routing.check_key`), the operator and function names (404) and the
+arguments' arity and types (422, through ``Application.validate``). Keys may contain ``/`` (the last path
+segment is the function). Bodies are decoded with msgspec; nothing is ever unpickled.
 
-Decisions: a reused ``Idempotency-Key`` returns the first reply even if the payload differs (the key
-*is* the request's identity, as in the runtime); requests without one get a fresh uuid4 hex id. The
-gateway keeps in-flight transactions in a map so concurrent duplicates share one submission, and a bounded
-cache of recent replies so polling works even where the runtime's own reply lookup is slow.
+Idempotency: a reused ``Idempotency-Key`` with the same operator, key, function and arguments gets the
+first reply; with anything else it is refused with 422 ``IdempotencyConflict`` (checked against the
+gateway's in-flight and recent requests and the runtime's input log, :func:`check_same_request`). Request
+ids are 1-200 characters of ``A-Z a-z 0-9 . _ ~ : @ + = -``; requests without one get a uuid4 hex id.
+Status URLs are relative, or under ``public_url``; never built from the ``Host`` header.
+
+Limits (:class:`charon.config.GatewayConfig`): retained replies are bounded by count and bytes, runtime
+reads run in a small thread pool (never on the event loop), and the uvicorn protocol closes connections
+that do not deliver a request head within ``header_timeout`` and caps open connections at
+``max_connections`` by shedding the one that has waited longest for its head.
 """
 
 from __future__ import annotations
