@@ -23,6 +23,7 @@ from charon import serde
 from charon.errors import IdempotencyConflict, LogUnavailable
 from charon.log import InputLog, OutputLog
 from charon.messages import Reply, Request
+from charon.routing import check_key
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class LogClient:
         timeout: float = 120.0,
     ) -> Reply:
         """Append one request (group-committed) and wait for its reply; a known request id runs once."""
+        check_key(key)  # the log cannot hold every string (lone surrogates); the engine checks the rest again
         req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
         rid = req.request_id
         fut = self._waiters.get(rid)
@@ -137,6 +139,14 @@ class LogClient:
                 log.info("input log append failed (%s); retrying in %.2f s", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+            except Exception as exc:  # not transient (e.g. an unencodable request): fail it alone, not the pump
+                if len(batch) > 1:
+                    for req in batch:
+                        await self._append([req])
+                    return
+                log.warning("input log refused request %r: %s", batch[0].request_id, exc)
+                self._resolve(batch[0].request_id, exc=LogUnavailable(f"the input log refused the request: {exc}"))
+                return
 
     async def _pump(self) -> None:
         while self._waiters or self._pending:

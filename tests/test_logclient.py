@@ -15,7 +15,7 @@ import time
 import pytest
 
 from charon import serde
-from charon.errors import IdempotencyConflict, LogUnavailable
+from charon.errors import IdempotencyConflict, InvalidKey, LogUnavailable
 from charon.log import InputLog, OutputLog
 from charon.logclient import LogClient
 from charon.messages import Reply
@@ -111,5 +111,21 @@ def test_reused_request_id_with_other_payload_is_a_conflict(logs) -> None:
         with pytest.raises(IdempotencyConflict):
             await c2.submit("op", "k", "f", [7], request_id="r1", timeout=30)
         assert await c2.submit("op", "k", "f", [5], request_id="r1", timeout=30) == first
+
+    asyncio.run(main())
+
+
+def test_unloggable_requests_fail_alone(logs) -> None:
+    inp, out = logs
+
+    async def main() -> None:
+        c = LogClient(inp, out)
+        with pytest.raises(InvalidKey):
+            await c.submit("op", "bad\ud800", "f", [1], timeout=30)
+        bad = asyncio.ensure_future(c.submit("op", "k", "f\udcff", [1], timeout=30))
+        good = asyncio.ensure_future(c.submit("op", "k", "f", [9], timeout=30))
+        results = await asyncio.gather(bad, good, return_exceptions=True)
+        assert isinstance(results[0], LogUnavailable)
+        assert serde.decode(results[1].value) == 9  # same batch, appended on its own
 
     asyncio.run(main())
