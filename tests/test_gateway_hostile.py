@@ -355,3 +355,17 @@ def test_client_raises_the_typed_errors(server: BackgroundServer) -> None:
         with pytest.raises(IdempotencyConflict):
             c.invoke("box", key, "add", 3, request_id=rid)
         assert c.state("box", key) == 2
+
+
+def test_openapi_bodies_are_strict_and_valid(server: BackgroundServer) -> None:
+    doc = httpx.get(server.url + "/openapi.json").json()
+    for path, item in doc["paths"].items():
+        if not path.startswith("/invoke/"):
+            continue
+        for ctype, media in item["post"]["requestBody"]["content"].items():
+            body = media["schema"]
+            assert body["required"] == ["args"] and body["additionalProperties"] is False, (path, ctype)
+            assert body["properties"]["args"].get("prefixItems") != [], path
+    ping_args = doc["paths"]["/invoke/box/{key}/ping"]["post"]["requestBody"]["content"]["application/json"]
+    assert ping_args["schema"]["properties"]["args"]["maxItems"] == 0
+    assert "prefixItems" not in ping_args["schema"]["properties"]["args"]
