@@ -70,6 +70,7 @@ def test_slow_connections_do_not_starve_a_normal_request(tmp_path: Path) -> None
         r = httpx.post(url + "/invoke/c/k/incr", json={"args": [1]}, timeout=10)
         took = time.monotonic() - t0
         assert r.status_code == 200 and r.json()["value"] == 1, r.text
+        print(f"normal request among 1,100 slow connections: {took * 1000:.0f} ms")
         assert took < 3.0, f"a normal request took {took:.2f} s among 1,100 slow connections"
         assert proc.poll() is None
     finally:
