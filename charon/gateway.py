@@ -111,7 +111,12 @@ _mp_dec = msgspec.msgpack.Decoder()
 
 
 class RuntimeLike(Protocol):
-    """What the gateway needs from a runtime (the in-process and the Spark runtime both provide it)."""
+    """What the gateway needs from a runtime (the in-process and the Spark runtime both provide it).
+
+    Optional: an ``input_log`` attribute (:class:`charon.log.InputLog`). With it, a request id reused for
+    another operation is refused from the log (not only from the gateway's memory), and a request in the log
+    without a reply polls as 202 pending (e.g. after a gateway restart) instead of 404.
+    """
 
     app: Any
 
@@ -929,10 +934,17 @@ def serve(
     *,
     max_body: int | None = None,
     log_level: str = "warning",
+    recent_replies: int | None = None,
     config: GatewayConfig | None = None,
 ) -> None:
-    """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it."""
-    app = create_app(runtime, token=token, max_body=max_body, manage_runtime=True, config=config)
+    """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it.
+
+    Settings come from ``config`` (default :meth:`GatewayConfig.from_env`); ``max_body`` and
+    ``recent_replies`` override it when given.
+    """
+    app = create_app(
+        runtime, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config
+    )
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
         uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level)).run()
 
