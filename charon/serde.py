@@ -19,7 +19,7 @@ def encode(value: Any) -> bytes:
     """Encode a value as msgpack; raises SerializationError for values msgpack cannot carry."""
     try:
         return _enc.encode(value)
-    except (TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError) as exc:
+    except (TypeError, OverflowError, UnicodeEncodeError, RecursionError, msgspec.EncodeError) as exc:
         raise SerializationError(f"value of type {type(value).__name__} is not serializable: {exc}") from None
 
 

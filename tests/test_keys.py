@@ -181,3 +181,20 @@ def test_valid_names_make_unambiguous_store_keys_within_the_limit(o: str, k: str
     skey = store_key(o, k, "\x01" + i)
     assert len(skey) <= STORE_KEY_LIMIT
     assert split_store_key(skey) == (o, k, "\x01" + i)
+
+
+def test_unserializable_return_values_abort_typed() -> None:
+    deep_op = Operator("deep")
+
+    @deep_op.function
+    async def nest(ctx: Context, n: int) -> list:
+        v: list = []
+        for _ in range(n):
+            v = [v]
+        return v
+
+    dapp = Application("deep", [deep_op])
+    rt = InProcessRuntime(dapp, partitions=1)
+    res = rt.run_epoch([Request("d", "deep", "k", "nest", serde.encode([5000]), ts=1.0)])
+    (rep,) = res.replies.values()
+    assert not rep.ok and rep.error_type == "SerializationError", rep
