@@ -626,9 +626,13 @@ class _Gateway:
     def respond(
         request: HTTPRequest, status: int, body: Any, headers: dict[str, str] | None = None
     ) -> Response:
-        if MSGPACK in request.headers.get("accept", ""):
-            return Response(_mp_enc.encode(body), status, headers=headers, media_type=MSGPACK)
-        return Response(_json_enc.encode(body), status, headers=headers, media_type="application/json")
+        mp = MSGPACK in request.headers.get("accept", "")
+        try:
+            data = _mp_enc.encode(body) if mp else _json_enc.encode(body)
+        except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:  # a stored value it cannot show
+            status, mp = 500, False
+            data = _json_enc.encode({"error": {"type": "SerializationError", "message": f"cannot encode: {exc}"}})
+        return Response(data, status, headers=headers, media_type=MSGPACK if mp else "application/json")
 
     def reply_response(self, request: HTTPRequest, rep: Reply) -> Response:
         if rep.ok:
