@@ -107,7 +107,10 @@ async def _maybe_await(value: Any) -> Any:
 
 
 def _print_json(value: Any) -> None:
-    typer.echo(msgspec.json.encode(value).decode())
+    try:
+        typer.echo(msgspec.json.encode(value).decode())
+    except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
+        raise _fail(f"the value cannot be shown as JSON: {exc}") from None
 
 
 def _client(url: str, token: str | None) -> Any:

@@ -10,10 +10,12 @@ HTTP status   raised
 409           :class:`charon.errors.TransactionAborted` (``error_type``, ``message``, ``request_id``)
 404           :class:`charon.errors.UnknownOperator` / :class:`~charon.errors.UnknownFunction`
               (or :class:`RequestNotFound` when polling an unknown request id)
-422           :class:`charon.errors.BadArguments`
+422           :class:`charon.errors.BadArguments`, or :class:`charon.errors.IdempotencyConflict` when a
+              request id is reused for another operation
 413           :class:`charon.errors.PayloadTooLarge`
 401           :class:`Unauthorized` (also a ``PermissionError``)
-400           :class:`BadRequest` (also a ``ValueError``)
+400           :class:`charon.errors.InvalidKey` (key rules of :mod:`charon.routing`, also checked here
+              before sending), else :class:`BadRequest` (also a ``ValueError``)
 other         :class:`GatewayError` (after the retries, for 5xx)
 ============  ====================================================================================
 """
@@ -37,12 +39,15 @@ import msgspec
 from charon.errors import (
     BadArguments,
     CharonError,
+    IdempotencyConflict,
+    InvalidKey,
     PayloadTooLarge,
     SerializationError,
     TransactionAborted,
     UnknownFunction,
     UnknownOperator,
 )
+from charon.routing import check_key
 
 __all__ = [
     "Client",
@@ -96,6 +101,8 @@ _TYPED: dict[str, type[CharonError]] = {
     "Unauthorized": Unauthorized,
     "BadRequest": BadRequest,
     "NotFound": RequestNotFound,
+    "InvalidKey": InvalidKey,
+    "IdempotencyConflict": IdempotencyConflict,
 }
 
 
@@ -208,7 +215,13 @@ class _Base:
 
     @staticmethod
     def _invoke_path(operator: str, key: str, function: str) -> str:
+        check_key(key)
         return f"/invoke/{quote(operator, safe='')}/{quote(key, safe='')}/{quote(function, safe='')}"
+
+    @staticmethod
+    def _state_path(operator: str, key: str) -> str:
+        check_key(key)
+        return f"/state/{quote(operator, safe='')}/{quote(key, safe='')}"
 
     @staticmethod
     def _payload(args: Sequence[Any]) -> bytes:
@@ -319,7 +332,7 @@ class Client(_Base):
 
     def state(self, operator: str, key: str) -> Any:
         """An entity's committed state (an admin read: needs the token)."""
-        resp = self._send("GET", f"/state/{quote(operator, safe='')}/{quote(key, safe='')}", headers=self.headers)
+        resp = self._send("GET", self._state_path(operator, key), headers=self.headers)
         body = _decode_body(resp)
         if resp.status_code != 200:
             _raise_error(resp.status_code, body, None)
@@ -471,7 +484,7 @@ class AsyncClient(_Base):
 
     async def state(self, operator: str, key: str) -> Any:
         """An entity's committed state (an admin read: needs the token)."""
-        resp = await self._send("GET", f"/state/{quote(operator, safe='')}/{quote(key, safe='')}", headers=self.headers)
+        resp = await self._send("GET", self._state_path(operator, key), headers=self.headers)
         body = _decode_body(resp)
         if resp.status_code != 200:
             _raise_error(resp.status_code, body, None)

@@ -60,3 +60,51 @@ class SparkConfig:
         if cfg.partitions < 1:
             raise ValueError("partitions must be at least 1")
         return cfg
+
+
+def _default_max_connections() -> int:
+    """Half the process's open-file limit (the rest is for logs, stores and Spark), within [64, 4096]."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # pragma: no cover - non-POSIX
+        return 512
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(64, min(4096, soft // 2))
+
+
+@dataclass
+class GatewayConfig:
+    """Limits and settings of the HTTP gateway (each also ``CHARON_GATEWAY_<FIELD>`` in the environment)."""
+
+    max_body: int = 1 << 20  # largest request body in bytes (413 above)
+    max_depth: int = 64  # deepest nesting of lists/maps in arguments (400 above)
+    wait_timeout: float = 25.0  # a synchronous invoke still running after this answers 202 + status URL
+    recent_replies: int = 10_000  # replies the gateway keeps for polling and retries (count) ...
+    recent_bytes: int = 64 << 20  # ... and their total size in bytes
+    max_connections: int = field(default_factory=_default_max_connections)  # open connections; at the cap
+    # the connection that has waited longest for its request head is closed to make room
+    header_timeout: float = 10.0  # a connection must send a complete request head within this (seconds)
+    body_timeout: float = 30.0  # a request body must arrive completely within this (408 otherwise)
+    keep_alive: float = 5.0  # idle keep-alive connections are closed after this (seconds)
+    max_header_bytes: int = 16 << 10  # largest request head (h11's incomplete-event limit)
+    read_threads: int = 8  # threads for runtime reads (replies, state), off the event loop
+    public_url: str | None = None  # base of status URLs (e.g. https://api.example.com); None: relative URLs
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> GatewayConfig:
+        """Defaults, then ``CHARON_GATEWAY_*`` environment variables, then ``overrides`` that are not None."""
+        cfg = cls()
+        for name in cls.__dataclass_fields__:
+            raw = os.environ.get(f"CHARON_GATEWAY_{name.upper()}")
+            if raw is not None:
+                cur = getattr(cfg, name)
+                setattr(cfg, name, raw if cur is None or isinstance(cur, str) else type(cur)(raw))
+        for k, v in overrides.items():
+            if k not in cls.__dataclass_fields__:
+                raise TypeError(f"unknown gateway setting {k!r}")
+            if v is not None:
+                setattr(cfg, k, v)
+        return cfg

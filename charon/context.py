@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from charon import serde
 from charon.errors import CallGraphLimitExceeded, NonDeterministicFunction
 from charon.operator import Function, Operator
+from charon.routing import check_item
 
 if TYPE_CHECKING:  # pragma: no cover
     from charon.partition import Frame, PartitionUnit
@@ -166,11 +167,9 @@ class Context:
 
     # -- calls ------------------------------------------------------------------------------------
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
-        fn = self._unit.app.validate(operator, function, args)
+        fn = self._unit.app.validate(operator, function, args, key=key)  # key: routing.check_key
         if self._frame.depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
-        if not isinstance(key, str):
-            raise TypeError(f"entity keys are strings, got {type(key).__name__}")
         return (fn.operator.name, key, fn.name, serde.encode(list(args)))
 
     def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _Call:
@@ -231,5 +230,8 @@ def _replayed_target(operator: Operator | str, key: str, function: Function | st
 
 
 def _item(name: str) -> str:
-    """Store item of a user item name (``""`` is the entity's main value, so items are prefixed)."""
-    return "\x01" + name
+    """Store item of a user item name (``""`` is the entity's main value, so items are prefixed).
+
+    Raises InvalidKey for a name :func:`charon.routing.check_item` rejects (inside a function: it aborts).
+    """
+    return "\x01" + check_item(name)

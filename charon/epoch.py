@@ -232,7 +232,7 @@ class EpochCoordinator:
         for tid in sorted(txns):
             req = txns[tid]
             try:
-                self.app.validate(req.operator, req.function, serde.decode(req.args))
+                self.app.validate(req.operator, req.function, serde.decode(req.args), key=req.key)
             except CharonError as exc:
                 early.append(reply(tid, False, err=(type(exc).__name__, str(exc))))
                 continue

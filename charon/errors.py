@@ -23,6 +23,19 @@ class SerializationError(CharonError):
     """A value (argument, state or return value) is not msgpack-serializable, or a payload is malformed."""
 
 
+class InvalidKey(CharonError):
+    """An entity key, item name or operator name breaks the rules of :mod:`charon.routing` (UTF-8, no NUL,
+    byte limits)."""
+
+
+class IdempotencyConflict(CharonError):
+    """A request id (``Idempotency-Key``) was reused with a different operator, key, function or arguments."""
+
+
+class LogUnavailable(CharonError):
+    """The input log could not take a request (e.g. it stayed locked); nothing was appended, retry later."""
+
+
 class PayloadTooLarge(CharonError):
     """A request body or argument list exceeds the configured limit."""
 
@@ -47,6 +60,7 @@ ENGINE_ERRORS: dict[str, type[CharonError]] = {
         UnknownFunction,
         BadArguments,
         SerializationError,
+        InvalidKey,
         PayloadTooLarge,
         CallGraphLimitExceeded,
         NonDeterministicFunction,

@@ -82,7 +82,7 @@ class SerialContext:
         return out
 
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> Function:
-        fn = self._txn.app.validate(operator, function, args)
+        fn = self._txn.app.validate(operator, function, args, key=key)
         if self._depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
         serde.encode(list(args))
@@ -136,7 +136,7 @@ def serial_execute(
 
     ``max_invocations`` must be the engine's (``EpochCoordinator.max_invocations``)."""
     try:
-        fn = app.validate(request.operator, request.function, serde.decode(request.args))
+        fn = app.validate(request.operator, request.function, serde.decode(request.args), key=request.key)
     except CharonError as exc:
         return False, (type(exc).__name__, str(exc))
     txn = _Txn(app, state, tid, request.ts, max_invocations)
