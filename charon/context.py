@@ -125,7 +125,11 @@ class _Call:
         if not self.done:
             ctx = self.ctx
             if ctx._settle((self,)):
-                yield self  # suspended: the engine resumes the coroutine, or drops it and replays
+                try:
+                    yield self  # suspended: the engine resumes the coroutine, or drops it and replays
+                except GeneratorExit:  # closed (explicitly or when collected): refuse what finally blocks do
+                    ctx._dropped = True
+                    raise
                 ctx._resumed()
         return self.value
 
@@ -142,7 +146,11 @@ class _Gather:
     def __await__(self) -> Generator[Any, None, list]:
         ctx = self.ctx
         if ctx._settle(self.calls):
-            yield self
+            try:
+                yield self
+            except GeneratorExit:
+                ctx._dropped = True
+                raise
             ctx._resumed()
         return [c.value for c in self.calls]
 
