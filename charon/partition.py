@@ -22,7 +22,7 @@ from typing import Any
 
 from charon import serde
 from charon.context import Context, Journal, raised_in
-from charon.errors import CallGraphLimitExceeded, IllegalAwait
+from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
 from charon.operator import Application
 from charon.routing import entity_prefix, partition_of, store_key
 from charon.store import PartitionStore
@@ -338,7 +338,8 @@ class PartitionUnit:
 
         A frame resumed by a reply continues its live coroutine when this process still holds it (the
         in-process runtime always; a Spark worker when it ran the previous round of this partition);
-        otherwise the function is replayed from its journal. Both give the same effects.
+        otherwise the function is replayed from its journal (:class:`charon.context.Journal`, which alone
+        decides what is replayed). Both give the same effects.
         """
         self._stat_runs += 1
         live = self._live_pop(frame) if frame.journal.nsusp else None
@@ -353,6 +354,9 @@ class PartitionUnit:
             try:
                 yielded = coro.send(None)
             except StopIteration as stop:
+                if not frame.journal.live:
+                    msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
+                    raise NonDeterministicFunction(msg) from None
                 return self._complete(frame, ctx, serde.encode(stop.value))
             if ctx._pending is None or getattr(yielded, "ctx", None) is not ctx:
                 ctx._drop(coro)

@@ -14,7 +14,7 @@ import random
 import pytest
 import replay_app
 
-from charon import InProcessRuntime, Request, partition, serde
+from charon import Application, Context, InProcessRuntime, Operator, Request, partition, serde
 from charon.config import SparkConfig
 from charon.durable import DurableState
 from charon.epoch import EpochCoordinator
@@ -162,3 +162,47 @@ def test_r3_spark_hop(tmp_path):
         state.update(durable.load(pid, 0)[0])
     assert [r.ok for r in result.replies.values()] == [True]
     assert serde.decode(state[store_key("acct", "early_send.C")]) == 10
+
+
+flaky_op = Operator("flaky")
+_RUNS = {"reads": 0, "returns": 0}
+
+
+@flaky_op.function
+async def noop(ctx: Context) -> int:
+    return 0
+
+
+@flaky_op.function
+async def reads_once(ctx: Context) -> int:
+    """Reads only in its first run: a replay would serve later reads from the wrong journal entries."""
+    _RUNS["reads"] += 1
+    if _RUNS["reads"] == 1:
+        ctx.get()
+    await ctx.call(flaky_op, "x", noop)
+    return ctx.get(default=0)
+
+
+@flaky_op.function
+async def returns_early(ctx: Context) -> int:
+    """Suspends at a second call in its second run, returns without it in the third."""
+    _RUNS["returns"] += 1
+    await ctx.call(flaky_op, "x", noop)
+    if _RUNS["returns"] <= 2:
+        await ctx.call(flaky_op, "y", noop)
+    return 0
+
+
+flaky_app = Application("flaky", [flaky_op])
+
+
+@pytest.mark.parametrize("fn", ["reads_once", "returns_early"])
+def test_a_replay_that_diverges_aborts(monkeypatch, fn):
+    monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", False)
+    monkeypatch.setitem(_RUNS, "reads", 0)
+    monkeypatch.setitem(_RUNS, "returns", 0)
+    rt = InProcessRuntime(flaky_app, partitions=2)
+    result = rt.run_epoch([Request("q", "flaky", "me", fn, serde.encode([]))])
+    (reply,) = result.replies.values()
+    assert (reply.ok, reply.error_type) == (False, "NonDeterministicFunction")
+    assert rt.snapshot() == {}
