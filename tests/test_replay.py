@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import warnings
 
 import pytest
@@ -312,3 +313,36 @@ def test_random_programs_equal_the_oracle_both_ways(monkeypatch, batch, partitio
             check_epoch(prog_app, before, rt.snapshot(), result)
         outcomes.append((_outcome(result), rt.snapshot()))
     assert outcomes[0] == outcomes[1]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(
+    batch=st.lists(st.tuples(st.integers(0, 3), programs("t", 3)), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+    live=st.booleans(),
+)
+def test_random_programs_hopping_workers_equal_in_process(monkeypatch, batch, seed, live):
+    """Through the Spark task function, each round in a random simulated worker: as in-process, as the oracle."""
+    monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", live)
+    reqs = [Request(f"q{i}", "p", f"root-{k}", "prog", serde.encode([steps]), ts=10.0 + i)
+            for i, (k, steps) in enumerate(batch)]
+    parts = 3
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = SparkConfig(data_dir=tmp, partitions=parts, local_dir=os.path.join(tmp, "local"))
+        durable = DurableState(os.path.join(cfg.checkpoint_dir, "state"))
+        for pid in range(parts):
+            durable.write_base(pid, -1, [])
+        rng = random.Random(seed)
+        ex = HoppingExchange(None, "test_replay:prog_app", cfg, pick=lambda n: rng.randrange(2))
+        result = EpochCoordinator(prog_app, ex, sequencers=1).run_epoch(0, [(0, r) for r in reqs])
+        state: dict[bytes, bytes] = {}
+        for pid in range(parts):
+            state.update(durable.load(pid, 0)[0])
+    reference = InProcessRuntime(prog_app, partitions=parts)
+    expected = reference.run_epoch(reqs)
+    assert _outcome(result) == _outcome(expected)
+    assert dict(sorted(state.items())) == reference.snapshot()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaughtCalleeError)
+        check_epoch(prog_app, {}, reference.snapshot(), expected)
