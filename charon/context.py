@@ -332,7 +332,7 @@ class Context:
                 f"{self.operator}/{self.key}: replay reached an await whose replies are not all journaled"
             )
         self._pending = todo
-        j.suspend({f"{self._frame.inv}.{c.child}": c.child for c in todo})
+        j.suspend({child_inv(self._frame.inv, c.child): c.child for c in todo})
         return True
 
     def _resumed(self) -> None:
@@ -353,6 +353,11 @@ class Context:
     def now(self) -> float:
         """The transaction's timestamp (its request's append time), the same on every replay."""
         return self._frame.ts
+
+
+def child_inv(inv: str, child: int) -> str:
+    """The invocation id of call or send number ``child`` made by invocation ``inv``."""
+    return f"{inv}.{child}"
 
 
 def raised_in(message: str, op: str, key: str, fn: str) -> str:

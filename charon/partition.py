@@ -21,7 +21,7 @@ from fractions import Fraction
 from typing import Any
 
 from charon import serde
-from charon.context import Context, Journal, raised_in
+from charon.context import Context, Journal, child_inv, raised_in
 from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
 from charon.operator import Application
 from charon.routing import entity_prefix, partition_of, store_key
@@ -372,12 +372,17 @@ class PartitionUnit:
     def _live_table(self) -> dict[int, dict]:
         entry = _LIVE.get(self.pid)
         if entry is None or entry[0] != self.epoch:
-            if entry is not None:  # an earlier epoch's leftovers (their transactions finished elsewhere)
-                for t in entry[1].values():
-                    for coro, ctx in t.values():
-                        ctx._drop(coro)
+            self._live_clear()  # an earlier epoch's leftovers (finished elsewhere, or aborted by a callee)
             entry = _LIVE[self.pid] = (self.epoch, {})
         return entry[1]
+
+    def _live_clear(self) -> None:
+        """Close every coroutine this process keeps for this partition (at finalize, or a new epoch)."""
+        entry = _LIVE.pop(self.pid, None)
+        if entry is not None:
+            for t in entry[1].values():
+                for coro, ctx in t.values():
+                    ctx._drop(coro)
 
     def _live_put(self, frame: Frame, coro: Any, ctx: Context) -> None:
         if not KEEP_LIVE_COROUTINES:
@@ -406,7 +411,7 @@ class PartitionUnit:
     def _emit_sends(self, frame: Frame, sends: list[tuple], share: Fraction, msgs: list) -> None:
         tid, inv, ts, depth = frame.tid, frame.inv, frame.ts, frame.depth + 1
         for n, op, key, fn, args in sends:
-            msgs.append(Invoke(tid, f"{inv}.{n}", op, key, fn, args, share, ASYNC, None, ts, depth))
+            msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
 
     def _complete(self, frame: Frame, ctx: Context, value: bytes) -> list[Invoke | Reply]:
         msgs: list[Invoke | Reply] = []
@@ -446,7 +451,7 @@ class PartitionUnit:
         caller = (frame.op, frame.key, frame.inv)
         for c in pending:  # the calls the await sent, already in the journal's pending table
             op, key, fn, args = c.target
-            inv = f"{frame.inv}.{c.child}"
+            inv = child_inv(frame.inv, c.child)
             msgs.append(Invoke(frame.tid, inv, op, key, fn, args, each, SYNC, caller, frame.ts, frame.depth + 1))
         frame.share = each
         tframes = self.frames.get(frame.tid)
@@ -526,6 +531,7 @@ class PartitionUnit:
         delta = self.epoch_delta()
         self.store.commit(self.epoch, delta)
         self._clear(self.epoch)
+        self._live_clear()
         return len(delta)
 
 

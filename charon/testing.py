@@ -20,7 +20,7 @@ from collections.abc import Generator
 from typing import Any
 
 from charon import serde
-from charon.context import MAX_DEPTH, _item, raised_in
+from charon.context import MAX_DEPTH, _item, child_inv, raised_in
 from charon.epoch import EpochResult
 from charon.errors import CallGraphLimitExceeded, CharonError, IllegalAwait
 from charon.messages import Request
@@ -106,7 +106,7 @@ class SerialContext:
     def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _SerialCall:
         """Validated and numbered now; the callee runs inline when the call is first awaited."""
         fn = self._target(operator, key, function, args)
-        return _SerialCall(self, fn, key, f"{self._inv}.{self._nchild}", serde.encode(list(args)))
+        return _SerialCall(self, fn, key, child_inv(self._inv, self._nchild), serde.encode(list(args)))
 
     def gather(self, *calls: _SerialCall) -> Any:
         """The oracle runs gathered calls one after the other, in order."""
@@ -120,7 +120,8 @@ class SerialContext:
 
     def send(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> None:
         fn = self._target(operator, key, function, args)
-        self._txn.sends.append((fn, key, f"{self._inv}.{self._nchild}", self._depth + 1, serde.encode(list(args))))
+        inv = child_inv(self._inv, self._nchild)
+        self._txn.sends.append((fn, key, inv, self._depth + 1, serde.encode(list(args))))
 
     def random(self) -> float:
         if self._rng is None:
