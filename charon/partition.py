@@ -21,8 +21,8 @@ from fractions import Fraction
 from typing import Any
 
 from charon import serde
-from charon.context import Context
-from charon.errors import CallGraphLimitExceeded, IllegalAwait
+from charon.context import Context, Journal, child_inv, raised_in
+from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
 from charon.operator import Application
 from charon.routing import entity_prefix, partition_of, store_key
 from charon.store import PartitionStore
@@ -84,20 +84,16 @@ class Reply:
 
 
 class Frame:
-    """An invocation in progress: what is needed to replay it when its pending call's reply arrives."""
+    """An invocation in progress: its message and its journal (all a replay needs, see charon.context)."""
 
     __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth",
-                 "replies", "reads", "waiting", "slots", "gathered", "nsusp", "token")
+                 "journal", "token")
 
-    def __init__(self, m: Invoke, replies: list | None = None) -> None:
+    def __init__(self, m: Invoke, replies: Any = None) -> None:
+        """``replies``: (child, reply) pairs to preset (the call-graph-cached fallback's dry-run replies)."""
         self.tid, self.inv, self.op, self.key, self.fn, self.args = m.tid, m.inv, m.op, m.key, m.fn, m.args
         self.share, self.kind, self.caller, self.ts, self.depth = m.share, m.kind, m.caller, m.ts, m.depth
-        self.replies: list[bytes] = replies if replies is not None else []
-        self.reads: list[Any] = []
-        self.waiting: list[str] | None = None  # invocation ids of the pending calls, in call order
-        self.slots: dict[str, bytes] | None = None  # replies received so far for them
-        self.gathered = False  # suspended in ctx.gather (resume with a list of values)
-        self.nsusp = 0  # journaled replies when it suspended
+        self.journal = Journal(replies)
         # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
         # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
         self.token = _next_token()
@@ -105,9 +101,13 @@ class Frame:
     def __reduce__(self):
         return (_new_frame, (
             self.tid, self.inv, self.op, self.key, self.fn, self.args, _pack(self.share), self.kind, self.caller,
-            self.ts, self.depth, self.replies, self.reads, self.waiting, self.slots, self.gathered, self.nsusp,
-            self.token,
+            self.ts, self.depth, self.journal, self.token,
         ))
+
+    @property
+    def replies(self) -> list[tuple[int, bytes]]:
+        """The journaled replies as (child, reply) pairs (a copy, for the call-graph cache)."""
+        return sorted(self.journal.replies.items())
 
 
 class Control:
@@ -346,12 +346,9 @@ class PartitionUnit:
                 if frame is None:
                     continue  # its transaction was reset
                 frame.share += m.share
-                frame.slots[m.child] = m.value
-                if len(frame.slots) < len(frame.waiting):
+                if not frame.journal.receive(m.child, m.value):
                     continue  # a gather still waiting for other replies
                 del tframes[m.inv]
-                frame.replies.extend(frame.slots[c] for c in frame.waiting)
-                frame.waiting = frame.slots = None
             for msg in self._run(frame):
                 if partition_of(msg.op, msg.key, parts) == pid:
                     queue.append(msg)
@@ -363,66 +360,80 @@ class PartitionUnit:
 
         A frame resumed by a reply continues its live coroutine when this process still holds it (the
         in-process runtime always; a Spark worker when it ran the previous round of this partition);
-        otherwise the function is replayed from its journal. Both give the same effects.
+        otherwise the function is replayed from its journal (:class:`charon.context.Journal`, which alone
+        decides what is replayed). Both give the same effects.
         """
         self._stat_runs += 1
-        coro = None
-        live = self._live_pop(frame) if frame.replies else None
+        live = self._live_pop(frame) if frame.journal.nsusp else None
         try:
             if live is not None:
                 coro, ctx = live
                 ctx._resume(self, frame)
-                new = frame.replies[frame.nsusp:]
-                send_value = [serde.decode(v) for v in new] if frame.gathered else serde.decode(new[0])
             else:
                 ctx = Context(self, frame)
                 fn = self.app.resolve(frame.op, frame.fn)
                 coro = fn.body(ctx, *serde.decode(frame.args))
-                send_value = None
             try:
-                yielded = coro.send(send_value)
+                yielded = coro.send(None)
             except StopIteration as stop:
+                if not frame.journal.live:
+                    msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
+                    raise NonDeterministicFunction(msg) from None
                 return self._complete(frame, ctx, serde.encode(stop.value))
-            if ctx._pending is None or yielded is None:
-                coro.close()
+            if ctx._pending is None or getattr(yielded, "ctx", None) is not ctx:
+                ctx._drop(coro)
                 raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
             msgs = self._suspend(frame, ctx)
             self._live_put(frame, coro, ctx)
             return msgs
         except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
-            self._fail(frame.tid, exc)
+            self._fail(frame.tid, exc, frame)
             return []
 
-    # Live coroutines of suspended frames, per process: {pid: (epoch, {tid: {(inv, replies): (coro, ctx)}})}.
+    # Live coroutines of suspended frames, per process: {pid: (epoch, {tid: {(inv, nsusp, token): (coro, ctx)}})}.
     def _live_table(self) -> dict[int, dict]:
         entry = _LIVE.get(self.pid)
         if entry is None or entry[0] != self.epoch:
+            self._live_clear()  # an earlier epoch's leftovers (finished elsewhere, or aborted by a callee)
             entry = _LIVE[self.pid] = (self.epoch, {})
         return entry[1]
 
+    def _live_clear(self) -> None:
+        """Close every coroutine this process keeps for this partition (at finalize, or a new epoch)."""
+        entry = _LIVE.pop(self.pid, None)
+        if entry is not None:
+            for t in entry[1].values():
+                for coro, ctx in t.values():
+                    ctx._drop(coro)
+
     def _live_put(self, frame: Frame, coro: Any, ctx: Context) -> None:
         if not KEEP_LIVE_COROUTINES:
-            coro.close()
+            ctx._drop(coro)
             return
-        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
+        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.journal.nsusp, frame.token)] = (coro, ctx)
 
     def _live_pop(self, frame: Frame) -> tuple[Any, Context] | None:
         t = self._live_table().get(frame.tid)
-        return t.pop((frame.inv, frame.nsusp, frame.token), None) if t else None
+        return t.pop((frame.inv, frame.journal.nsusp, frame.token), None) if t else None
 
     def _live_drop(self, tid: int) -> None:
-        self._live_table().pop(tid, None)
+        for coro, ctx in self._live_table().pop(tid, {}).values():
+            ctx._drop(coro)
 
-    def _fail(self, tid: int, exc: BaseException) -> None:
+    def _fail(self, tid: int, exc: BaseException, frame: Frame | None = None) -> None:
+        """Abort ``tid``: the error names the called or sent function (``frame``) that raised it."""
         self._live_drop(tid)
         self.dead.add(tid)
         self.frames.pop(tid, None)
-        self._out.failed.append((tid, type(exc).__name__, str(exc)))
+        message = str(exc)
+        if frame is not None and frame.kind != ROOT:
+            message = raised_in(message, frame.op, frame.key, frame.fn)
+        self._out.failed.append((tid, type(exc).__name__, message))
 
     def _emit_sends(self, frame: Frame, sends: list[tuple], share: Fraction, msgs: list) -> None:
         tid, inv, ts, depth = frame.tid, frame.inv, frame.ts, frame.depth + 1
         for n, op, key, fn, args in sends:
-            msgs.append(Invoke(tid, f"{inv}.{n}", op, key, fn, args, share, ASYNC, None, ts, depth))
+            msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
 
     def _complete(self, frame: Frame, ctx: Context, value: bytes) -> list[Invoke | Reply]:
         msgs: list[Invoke | Reply] = []
@@ -461,16 +472,11 @@ class PartitionUnit:
         each = frame.share / (len(sends) + len(pending) + 1)
         self._emit_sends(frame, sends, each, msgs)
         caller = (frame.op, frame.key, frame.inv)
-        waiting = []
-        for n, (op, key, fn, args) in pending:
-            inv = f"{frame.inv}.{n}"
-            waiting.append(inv)
+        for c in pending:  # the calls the await sent, already in the journal's pending table
+            op, key, fn, args = c.target
+            inv = child_inv(frame.inv, c.child)
             msgs.append(Invoke(frame.tid, inv, op, key, fn, args, each, SYNC, caller, frame.ts, frame.depth + 1))
         frame.share = each
-        frame.waiting = waiting
-        frame.slots = {}
-        frame.gathered = ctx._gathered
-        frame.nsusp = len(frame.replies)
         tframes = self.frames.get(frame.tid)
         if tframes is None:
             tframes = self.frames[frame.tid] = {}
@@ -569,6 +575,7 @@ class PartitionUnit:
         delta = self.epoch_delta()
         self.store.commit(self.epoch, delta)
         self._clear(self.epoch)
+        self._live_clear()
         return len(delta)
 
 
@@ -624,13 +631,8 @@ def _new_frame(*st: Any) -> Frame:
     o.caller = st[8]
     o.ts = st[9]
     o.depth = st[10]
-    o.replies = st[11]
-    o.reads = st[12]
-    o.waiting = st[13]
-    o.slots = st[14]
-    o.gathered = st[15]
-    o.nsusp = st[16]
-    o.token = st[17]
+    o.journal = st[11]
+    o.token = st[12]
     return o
 
 
