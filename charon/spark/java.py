@@ -121,8 +121,9 @@ def _install_packaged() -> None:
     importlib.invalidate_caches()
 
 
-def _shim_home(real_java: str) -> str:
-    """A JAVA_HOME whose ``bin/java`` runs ``real_java`` without the option the packaged runtime rejects."""
+def shim_home(real_java: str, root: str | None = None) -> str:
+    """A JAVA_HOME whose ``bin/java`` runs ``real_java`` without the option the packaged runtime rejects
+    (under ``root``; by default in the venv, else the temp dir)."""
     script = (
         "#!/bin/sh\n"
         f"# {_SHIM_MARK}: Spark's launcher adds an option this (jlink-trimmed) Java rejects.\n"
@@ -132,8 +133,9 @@ def _shim_home(real_java: str) -> str:
         "done\n"
         f'exec {shlex.quote(real_java)} "$@"\n'
     )
-    for root in (sys.prefix, tempfile.gettempdir()):
-        home = os.path.join(root, f"charon-java-{os.getuid()}" if root != sys.prefix else "charon-java")
+    homes = [root] if root else [os.path.join(sys.prefix, "charon-java"),
+                                 os.path.join(tempfile.gettempdir(), f"charon-java-{os.getuid()}")]
+    for home in homes:
         path = os.path.join(home, "bin", "java")
         try:
             if os.path.exists(path):
@@ -149,7 +151,7 @@ def _shim_home(real_java: str) -> str:
             return home
         except OSError:
             continue
-    raise JavaUnavailable("cannot write a JAVA_HOME for the packaged JDK (neither the venv nor the temp dir)")
+    raise JavaUnavailable(f"cannot write a JAVA_HOME for the packaged JDK in {' or '.join(homes)}")
 
 
 def packaged_java(install: bool = True) -> Java:
@@ -165,7 +167,7 @@ def packaged_java(install: bool = True) -> Java:
     version = java_version(real)
     if not version or _major(version) < MIN_MAJOR:
         raise JavaUnavailable(f"the packaged Java at {real} does not run or is older than {MIN_MAJOR}")
-    return Java(_shim_home(real), version, "packaged")
+    return Java(shim_home(real), version, "packaged")
 
 
 def ensure_java(install: bool = True) -> Java:
