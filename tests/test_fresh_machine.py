@@ -155,3 +155,24 @@ def test_spark_demo_terminal_shows_only_charon(tmp_path: Path) -> None:
     assert log.parent.parent == tmp_path and log.name == "spark.log"  # under the demo's data directory
     assert " WARN " in log.read_text()  # Spark's output went there
     assert "balance conserved" in r.stdout and "200/200 answered" in r.stdout
+
+
+def test_spark_failing_to_start_shows_the_error_and_points_at_the_log(tmp_path: Path) -> None:
+    """Something failed (here the JVM cannot start): then, and only then, a traceback, with the log's tail."""
+    home = tmp_path / "broken-jdk"
+    fake_java(
+        home / "bin" / "java",
+        'if [ "$1" = "-version" ]; then echo \'openjdk version "17.0.1"\' >&2; exit 0; fi\n'
+        "echo 'Error: Could not create the Java Virtual Machine (charon-probe)' >&2; exit 1\n",
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "charon.cli", "demo", "--engine", "spark", "--transactions", "5"],
+        capture_output=True, text=True, env=spark_env(JAVA_HOME=str(home), TMPDIR=str(tmp_path), COLUMNS="200"),
+        cwd=tmp_path, timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    log = Path(re.search(r"Spark log: (\S+)", r.stdout).group(1))
+    assert "charon-probe" in log.read_text()
+    assert "Spark's JVM did not start" in out and "charon-probe" in out  # the log's tail in the error
+    assert f"the demo failed; Spark's own output is in {log}" in out
