@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import re
 import signal
 import sys
 import tempfile
@@ -116,8 +117,11 @@ def make_session(config: SparkConfig) -> Any:
         "spark.executorEnv.PYSPARK_PYTHON": os.environ["PYSPARK_PYTHON"],
         **config.spark_conf,
     }
+    # executors elsewhere keep their cluster's log4j setup (this file's path is only known to exist here)
+    same_machine = re.match(r"(local\b|spark://(127\.|localhost\b|\[::1\]))", config.master) is not None
     for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
-        settings[key] = f"{log4j} {settings[key]}" if settings.get(key) else log4j
+        if key.startswith("spark.driver") or same_machine:
+            settings[key] = f"{log4j} {settings[key]}" if settings.get(key) else log4j
     if SparkContext._gateway is None:  # no JVM in this process yet: start it with its output in the log
         log = spark_log_path(config)
         os.makedirs(os.path.dirname(log), exist_ok=True)
