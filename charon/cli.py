@@ -154,6 +154,10 @@ def run(
         f"charon: serving [bold]{getattr(application, 'name', target)}[/] "
         f"({engine}, {partitions} partitions) on http://{host}:{port}"
     )
+    if engine == "spark":
+        from charon.spark.runtime import spark_log_path
+
+        err_console.print(f"charon: Spark log: {spark_log_path(runtime.config)}")
     serve(runtime, host, port, token, max_body=max_body)
 
 
@@ -375,13 +379,26 @@ def demo(
         )
     ]
     data_dir = tempfile.mkdtemp(prefix="charon-demo-") if engine == "spark" else None
-    with console.status(f"starting the {engine} runtime…"):
-        runtime = make_runtime(YCSB_REF, engine, partitions, data_dir)
-    with console.status(f"loading {accounts} accounts…"):
-        runtime.load("account", initial)  # before the first epoch
+    spark_log = None
+    runtime = None
     try:
+        with console.status(f"starting the {engine} runtime…"):
+            runtime = make_runtime(YCSB_REF, engine, partitions, data_dir)
+            if engine == "spark":
+                from charon.spark.runtime import spark_log_path
+
+                spark_log = spark_log_path(runtime.config)
+                console.print(f"Spark log: {spark_log}")
+                _ = runtime.spark  # start Spark (its JVM's output goes to the log)
+        with console.status(f"loading {accounts} accounts…"):
+            runtime.load("account", initial)  # before the first epoch
         stats = asyncio.run(_serve_and_drive(runtime, token, plan, concurrency, (accounts, balance, max_amount, zipf)))
         replies_missing = sum(1 for p in plan if runtime.get_reply(p[0]) is None)
+    except (typer.Exit, KeyboardInterrupt):
+        raise
+    except Exception:  # noqa: BLE001 - the one place a traceback is shown: something failed
+        console.print_exception()
+        raise _fail("the demo failed" + (f"; Spark's own output is in {spark_log}" if spark_log else "")) from None
     finally:
         close = getattr(runtime, "close", None)
         if close is not None:

@@ -21,9 +21,8 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import shutil
+import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -66,46 +65,79 @@ def crash_point(point: str, epoch: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def check_java() -> None:
-    """Raise a readable error when no Java runtime is available for Spark."""
-    java = shutil.which("java") or (
-        os.path.join(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else None
-    )
-    if not java or not os.path.exists(java):
-        raise RuntimeError(
-            "Spark needs Java 17 or newer, and none was found: install a JDK (Debian: apt-get install "
-            "openjdk-17-jre-headless) or set JAVA_HOME."
-        )
+def check_java() -> str:
+    """Point ``JAVA_HOME`` at a Java Spark runs on (a system Java 17+, else the packaged JDK, installed into
+    the venv when missing; :mod:`charon.spark.java`) and return it. Raises ``JavaUnavailable`` otherwise."""
+    from charon.spark.java import ensure_java
+
+    return ensure_java().home
+
+
+LOG4J2_CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
+
+
+def spark_log_path(config: SparkConfig) -> str:
+    """Where the JVM that :func:`make_session` starts writes everything it prints: ``<data_dir>/spark.log``."""
+    return os.path.join(os.path.abspath(config.data_dir), "spark.log")
+
+
+def _tail(path: str, lines: int = 30) -> str:
     try:
-        subprocess.run([java, "-version"], capture_output=True, check=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"Java at {java} does not run: {exc}") from None
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def make_session(config: SparkConfig) -> Any:
-    """A SparkSession configured for Charon (Unix-domain sockets to Python workers, small shuffles)."""
+    """A SparkSession configured for Charon (Unix-domain sockets to Python workers, small shuffles).
+
+    When this process has no JVM yet, the JVM is started with its stdout and stderr appended to
+    :func:`spark_log_path` (log4j output, JVM warnings, and the Python workers' stderr, which the JVM
+    relays), so nothing of Spark's reaches the terminal; only a failure to start is raised, with the log's
+    tail."""
     check_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if config.master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # no hostname warnings, nothing off-host
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
     from pyspark.sql import SparkSession
 
-    b = (
-        SparkSession.builder.master(config.master)
-        .appName(config.app_name)
-        .config("spark.python.unix.domain.socket.enabled", "true")
-        .config("spark.sql.shuffle.partitions", str(config.partitions))
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
-        .config("spark.executorEnv.PYSPARK_PYTHON", os.environ["PYSPARK_PYTHON"])
-    )
-    for k, v in config.spark_conf.items():
+    log4j = f"-Dlog4j.configurationFile={LOG4J2_CONF}"
+    settings = {
+        "spark.master": config.master,
+        "spark.app.name": config.app_name,
+        "spark.python.unix.domain.socket.enabled": "true",
+        "spark.sql.shuffle.partitions": str(config.partitions),
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.streaming.noDataMicroBatches.enabled": "false",
+        "spark.executorEnv.PYSPARK_PYTHON": os.environ["PYSPARK_PYTHON"],
+        **config.spark_conf,
+    }
+    # executors elsewhere keep their cluster's log4j setup (this file's path is only known to exist here)
+    same_machine = re.match(r"(local\b|spark://(127\.|localhost\b|\[::1\]))", config.master) is not None
+    for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
+        if key.startswith("spark.driver") or same_machine:
+            settings[key] = f"{log4j} {settings[key]}" if settings.get(key) else log4j
+    if SparkContext._gateway is None:  # no JVM in this process yet: start it with its output in the log
+        log = spark_log_path(config)
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        conf = SparkConf()
+        for k, v in settings.items():
+            conf.set(k, v)
+        with open(log, "ab") as out:
+            try:
+                gateway = launch_gateway(conf, popen_kwargs={"stdout": out, "stderr": out})
+            except Exception as exc:  # noqa: BLE001 - the reason is in the log
+                raise RuntimeError(f"Spark's JVM did not start ({exc}); the end of {log}:\n{_tail(log)}") from None
+        SparkContext(conf=conf, gateway=gateway)
+    b = SparkSession.builder
+    for k, v in settings.items():
         b = b.config(k, v)
-    spark = b.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+    return b.getOrCreate()
 
 
 # -- executor side ------------------------------------------------------------------------------------------
