@@ -205,10 +205,7 @@ def _read_entities(
     root = executor_local_dir(local_dir, checkpoint)
     for pid, keys in items:
         store = open_store(root, pid, durable_root)
-        store.ensure_epoch(epoch)
-        with store.reading():
-            for k in keys:
-                yield k, store.get(k)
+        yield from store.read_at(epoch, keys).items()  # catches up, never rolls back
 
 
 def _write_bases(durable_root: str, parts: int, rows: Iterable[Any]) -> Iterator[int]:
