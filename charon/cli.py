@@ -117,7 +117,7 @@ def _client(url: str, token: str | None) -> Any:
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
+    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -141,10 +141,14 @@ def run(
     data_dir: str | None = typer.Option(None, help="Spark engine: logs and checkpoint (default ./charon-data)."),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
+    from charon.errors import CharonError
     from charon.gateway import serve
 
     application = load_app(target)
-    runtime = make_runtime(target, engine, partitions, data_dir)
+    try:
+        runtime = make_runtime(target, engine, partitions, data_dir)
+    except CharonError as exc:  # e.g. the Spark checkpoint's partition layout differs from the configured one
+        raise _fail(str(exc)) from None
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
     err_console.print(

@@ -57,6 +57,7 @@ from charon import serde
 from charon.errors import (
     BadArguments,
     CharonError,
+    EngineUnavailable,
     PayloadTooLarge,
     SerializationError,
     UnknownFunction,
@@ -599,7 +600,13 @@ class _Gateway:
         return self.respond(request, 200, {"operator": operator, "key": key, "value": value})
 
     async def health(self, request: HTTPRequest) -> Response:
-        return self.respond(request, 200, {"status": "ok", "inflight": len(self.inflight)})
+        """200 while the runtime serves; 503 with its state (status, epoch, last error...) otherwise."""
+        probe = getattr(self.runtime, "health", None)
+        doc: dict[str, Any] = {"status": "ok", "ok": True}
+        if probe is not None:
+            doc = await asyncio.to_thread(probe)
+        doc["inflight"] = len(self.inflight)
+        return self.respond(request, 200 if doc.get("ok", True) else 503, doc)
 
     async def openapi(self, request: HTTPRequest) -> Response:
         if self._openapi is None:
@@ -613,6 +620,8 @@ def _guard(
     async def endpoint(request: HTTPRequest) -> Response:
         try:
             return await fn(request)
+        except EngineUnavailable as exc:  # the runtime cannot serve (recovering, failed): retry later
+            return gw.respond(request, 503, {"error": {"type": "Unavailable", "message": str(exc)}})
         except _HTTPError as exc:
             headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
             if exc.status == 413:

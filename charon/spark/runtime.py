@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -38,6 +39,7 @@ from charon import serde
 from charon.config import SparkConfig
 from charon.durable import DurableState
 from charon.epoch import EpochCoordinator, EpochResult
+from charon.errors import CharonError, EngineUnavailable
 from charon.log import InputLog, OutputLog
 from charon.messages import Reply, Request
 from charon.operator import Application
@@ -46,6 +48,41 @@ from charon.routing import partition_of, split_store_key, store_key
 from charon.sequencer import Sequencer
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
+
+
+class LayoutMismatch(CharonError):
+    """The configured partition layout differs from the one the checkpoint was created with."""
+
+
+class Layout(msgspec.Struct):
+    """The partition layout a checkpoint was created with (``<checkpoint>/layout.json``)."""
+
+    partitions: int
+    log_partitions: int
+
+
+def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> None:
+    """Record the layout at a checkpoint's first start; refuse another one later (rescaling is not supported)."""
+    path = os.path.join(checkpoint, "layout.json")
+    want = Layout(partitions, log_partitions)
+    try:
+        with open(path, "rb") as f:
+            have = msgspec.json.decode(f.read(), type=Layout)
+    except FileNotFoundError:
+        os.makedirs(checkpoint, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode(want))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return
+    if have != want:
+        raise LayoutMismatch(
+            f"the checkpoint {checkpoint} was created with {have.partitions} partitions and "
+            f"{have.log_partitions} log partitions, configured: {partitions} and {log_partitions} "
+            "(rescaling is not supported: keep the original counts or use a new data directory)"
+        )
 
 
 class EpochRecord(msgspec.Struct):
@@ -82,6 +119,13 @@ def check_java() -> None:
         raise RuntimeError(f"Java at {java} does not run: {exc}") from None
 
 
+def master_with_retries(master: str, failures: int) -> str:
+    """``local``/``local[N]``/``local[*]`` with Spark's task retries on (``local[N,F]``); others unchanged
+    (they take ``spark.task.maxFailures``). Local mode otherwise gives up on a job at the first failure."""
+    m = re.fullmatch(r"local(?:\[\s*(\*|\d+)\s*(?:,\s*\d+\s*)?\])?", master.strip())
+    return f"local[{m.group(1) or 1},{failures}]" if m else master
+
+
 def make_session(config: SparkConfig) -> Any:
     """A SparkSession configured for Charon (Unix-domain sockets to Python workers, small shuffles)."""
     check_java()
@@ -92,8 +136,9 @@ def make_session(config: SparkConfig) -> Any:
     from pyspark.sql import SparkSession
 
     b = (
-        SparkSession.builder.master(config.master)
+        SparkSession.builder.master(master_with_retries(config.master, config.task_max_failures))
         .appName(config.app_name)
+        .config("spark.task.maxFailures", str(config.task_max_failures))
         .config("spark.python.unix.domain.socket.enabled", "true")
         .config("spark.sql.shuffle.partitions", str(config.partitions))
         .config("spark.ui.enabled", "false")
@@ -106,6 +151,16 @@ def make_session(config: SparkConfig) -> Any:
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+def _short_error(e: BaseException) -> str:
+    """One line naming a (possibly Java-wrapped) failure: the innermost Python error if there is one."""
+    text = str(e)
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", line):
+            return line[:300]
+    return (text.splitlines() or [type(e).__name__])[0][:300]
 
 
 # -- executor side ------------------------------------------------------------------------------------------
@@ -289,6 +344,7 @@ class SparkRuntime:
         cfg = self.config
         os.makedirs(cfg.data_dir, exist_ok=True)
         self.ckpt = cfg.checkpoint_dir
+        check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions)
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
         self.input_log = InputLog(os.path.join(cfg.data_dir, "input.sqlite"), cfg.n_log_partitions)
         self.output_log = OutputLog(os.path.join(cfg.data_dir, "output.sqlite"))
@@ -298,8 +354,18 @@ class SparkRuntime:
         self._query: Any = None
         self._compactor: threading.Thread | None = None
         self._log_client: Any = None
-        self.epoch_stats: list[dict[str, float]] = []
+        self.epoch_stats: list[dict[str, float]] = []  # the newest ``keep_epoch_stats`` epochs
         self.last_epoch = self._last_recorded_epoch()
+        # supervision (see _supervise); health() reports these
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # set by stop(): ends a restart back-off at once
+        self._supervisor: threading.Thread | None = None
+        self._status = "stopped"
+        self._fatal: str | None = None
+        self._last_error: str | None = None
+        self._restarts = 0
+        self._failures: dict[int, int] = {}  # epoch -> query failures while running it
+        self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -309,12 +375,23 @@ class SparkRuntime:
         return self._spark
 
     def start(self) -> None:
-        """Start the streaming query (epochs run in Spark's micro-batch thread)."""
+        """Start the streaming query (epochs run in Spark's micro-batch thread) and its supervisor."""
         from charon.spark.source import register
 
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
+        with self._lock:
+            self._wake.clear()
+            self._fatal = None
+            self._status = "starting"
+            self._start_query()
+            self._status = "ok"
+        self._supervisor = threading.Thread(target=self._supervise, name="charon-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _start_query(self) -> None:
+        spark = self.spark
         self.exchange = SparkExchange(spark, self.app_ref, self.config)
         df = (
             spark.readStream.format("charon_log")
@@ -328,10 +405,82 @@ class SparkRuntime:
             w = w.trigger(processingTime=f"{self.config.trigger_ms} milliseconds")
         self._query = w.start()
 
+    def _supervise(self) -> None:
+        """Restart the query from its checkpoint when it fails (back-off doubling from ``restart_backoff_s``);
+        give up loudly when the same epoch failed ``epoch_max_failures`` times (a deterministic failure)."""
+        cfg = self.config
+        while True:
+            q = self._query
+            if q is None:
+                return
+            err: BaseException | None = None
+            try:
+                q.awaitTermination()
+            except BaseException as e:  # noqa: BLE001 - StreamingQueryException or a py4j error
+                err = e
+            with self._lock:
+                if self._query is not q or self._status == "stopped":
+                    return  # stopped on purpose
+                epoch = self._last_recorded_epoch() + 1
+                n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
+                msg = _short_error(err) if err is not None else "the streaming query terminated"
+                self._last_error = f"epoch {epoch}: {msg}"
+                if n >= cfg.epoch_max_failures:
+                    self._fatal = f"epoch {epoch} failed {n} times, giving up: {msg}"
+                    self._status = "failed"
+                    print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                    return
+                self._status = "recovering"
+                print(f"charon: the streaming query failed at epoch {epoch} (failure {n} of at most "
+                      f"{cfg.epoch_max_failures}); restarting from the checkpoint: {msg}", file=sys.stderr, flush=True)
+            delay = min(30.0, cfg.restart_backoff_s * 2 ** (n - 1))
+            if self._wake.wait(delay):
+                return
+            with self._lock:
+                if self._status == "stopped":
+                    return
+                self._restarts += 1
+                try:
+                    self._start_query()
+                except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch next time round
+                    self._last_error = f"restart: {_short_error(e)}"
+                    self._failures[epoch] = self._failures.get(epoch, 0) + 1
+                    if self._failures[epoch] >= cfg.epoch_max_failures:
+                        self._fatal = f"cannot restart the streaming query: {_short_error(e)}"
+                        self._status = "failed"
+                        print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                        return
+                    continue
+
+    def _caught_up(self) -> bool:
+        rec = self.read_record(self._last_recorded_epoch())
+        target = self.input_log.end_offsets()
+        ends = rec.ends if rec is not None else [0] * len(target)
+        return not (rec is not None and rec.deferred) and all(e >= t for e, t in zip(ends, target, strict=True))
+
+    def health(self) -> dict[str, Any]:
+        """The runtime's state: ``status`` (ok, starting, recovering, failed, stopped), the last recorded
+        epoch, the last error and the number of query restarts; ``ok`` is true only when serving."""
+        status = self._status
+        q = self._query
+        if status == "ok" and q is not None and not q.isActive:
+            status = "recovering"  # terminated; the supervisor is about to notice
+        elif status == "recovering" and q is not None and q.isActive and self._caught_up():
+            status = self._status = "ok"  # restarted, and nothing was left to replay
+        return {"status": status, "ok": status == "ok", "epoch": self._last_recorded_epoch(),
+                "last_error": self._last_error, "restarts": self._restarts, "fatal": self._fatal,
+                "unconfirmed_epoch": self._unconfirmed}
+
     def stop(self) -> None:
-        if self._query is not None:
-            self._query.stop()
-            self._query = None
+        with self._lock:
+            self._status = "stopped"
+            self._wake.set()
+            q, self._query = self._query, None
+        if q is not None:
+            q.stop()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=60)
+            self._supervisor = None
         if self._compactor is not None:
             self._compactor.join()
 
@@ -418,8 +567,8 @@ class SparkRuntime:
         deadline = time.monotonic() + timeout
         target = self.input_log.end_offsets()
         while time.monotonic() < deadline:
-            if self._query is not None and self._query.exception() is not None:
-                raise RuntimeError(f"the streaming query failed: {self._query.exception()}")
+            if self._fatal is not None:
+                raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
             rec = self.read_record(self._last_recorded_epoch())
             if rec is not None and all(e >= t for e, t in zip(rec.ends, target, strict=True)) and not rec.deferred:
                 return
@@ -433,6 +582,8 @@ class SparkRuntime:
         epoch = int(batch_id)
         done = self.read_record(epoch)
         if done is not None:  # already run before a crash: its state and replies are durable
+            if self._status == "recovering":
+                self._status = "ok"
             self.output_log.mark_epoch(epoch)
             if done.deferred:  # the crash may have come before the tick that runs the deferred transactions
                 self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
@@ -443,9 +594,14 @@ class SparkRuntime:
         starts, ends = batch_offsets(self._query_ckpt, epoch)
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
+        def deliver(replies: list[Reply]) -> None:
+            if replies:
+                self._unconfirmed = epoch  # from here on, the state must reach this epoch before reads
+            self.output_log.put_many(replies)
+
         coord = EpochCoordinator(
             self.app, self.exchange, sequencers=self.config.n_log_partitions, max_rounds=self.config.max_rounds,
-            on_replies=self.output_log.put_many,
+            on_replies=deliver,
         )
         if prev is not None:
             coord.sequencer.counters = list(prev.counters)
@@ -461,9 +617,16 @@ class SparkRuntime:
             [(tid, serde.encode_request(r)) for tid, r in coord.deferred], list(starts), list(ends), stats,
         )
         self._write_record(rec)
+        self._unconfirmed = None
         self.output_log.mark_epoch(epoch)  # the replies stream cuts its atoms here
         self.last_epoch = epoch
+        self._failures.pop(epoch, None)
+        if self._status == "recovering":
+            self._status = "ok"
         self.epoch_stats.append({"epoch": epoch, **stats})
+        keep = max(1, self.config.keep_epoch_stats)
+        if len(self.epoch_stats) > 2 * keep:  # amortized: trim to the newest ``keep``
+            del self.epoch_stats[:-keep]
         crash_point("after_record", epoch)
         if coord.deferred:
             self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
@@ -496,30 +659,50 @@ class SparkRuntime:
         """The last recorded epoch, after waiting for the epoch of the newest reply to be recorded.
 
         Replies go out early (before their epoch's state is finalized); waiting here gives a client that
-        got a reply read-your-writes on the next state read, still read at an epoch boundary.
+        got a reply read-your-writes on the next state read, still read at an epoch boundary. A state that
+        cannot reach the newest reply (the runtime failed, or it did not get there in ``timeout``) is not
+        served: :class:`~charon.errors.EngineUnavailable`.
         """
         last = self.output_log.last_seq()
         newest = self.output_log.read_between(last - 1, last) if last > 0 else []
         want = newest[0][1].epoch if newest else -1
         deadline = time.monotonic() + timeout
         epoch = self._last_recorded_epoch()
-        while epoch < want and time.monotonic() < deadline:
+        while epoch < want:
+            if self._fatal is not None:
+                raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"epoch {want} (of the newest reply) is not recorded yet; retry later")
             time.sleep(0.01)
             epoch = self._last_recorded_epoch()
         return epoch
 
     def read_keys(self, keys: list[bytes]) -> dict[bytes, bytes | None]:
-        epoch = self._settled_epoch()
+        """The values of ``keys`` as of one epoch boundary (see :meth:`read_keys_at`)."""
+        return self.read_keys_at(keys)[1]
+
+    def read_keys_at(self, keys: list[bytes]) -> tuple[int, dict[bytes, bytes | None]]:
+        """``(epoch, values)``: every key as of the same recorded epoch (one consistent cut)."""
+        if self._fatal is not None:
+            raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
         by_pid: dict[int, list[bytes]] = {}
         for k in keys:
             op, key, _ = split_store_key(k)
             by_pid.setdefault(partition_of(op, key, self.config.partitions), []).append(k)
-        fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
-                     self.ckpt, epoch)
         items = list(by_pid.items())
-        if not items:
-            return {}
-        return dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
+        for attempt in range(3):
+            epoch = self._settled_epoch()
+            if not items:
+                return epoch, {}
+            fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
+                         self.ckpt, epoch)
+            try:
+                return epoch, dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
+            except Exception as e:
+                # a compaction after the epoch was chosen: read again at a newer one
+                if "compacted" not in str(e) or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state (from the durable copy, as of the last recorded epoch)."""
