@@ -398,6 +398,7 @@ class SparkRuntime:
             .option("path", os.path.abspath(self.input_log.path))
             .option("partitions", str(self.config.n_log_partitions))
             .option("maxRecordsPerBatch", str(self.config.max_batch))
+            .option("idleWaitMs", str(self.config.idle_wait_ms))
             .load()
         )
         w = df.writeStream.foreachBatch(self._on_batch).option("checkpointLocation", self._query_ckpt)
