@@ -21,7 +21,7 @@ class SparkConfig:
     log_partitions: int | None = None  # input-log partitions = sequencers (default: partitions)
     max_batch: int = 10_000  # most requests per epoch (micro-batch)
     trigger_ms: int = 0  # micro-batch trigger interval; 0 = as soon as the previous one ends
-    idle_wait_ms: int = 250  # an idle source waits this long for an append before reporting "no data"
+    idle_wait_ms: int = 1000  # an idle source waits this long for an append before reporting "no data"
     local_dir: str | None = None  # executor-local store directory (default: per-executor temp dir)
     compact_every: int = 20  # compact durable deltas every N epochs (in the background)
     truncate_log: bool = True  # drop input-log entries older than the last compacted snapshot

@@ -55,6 +55,16 @@ def test_layout_mismatch_is_refused_in_one_line(tmp_path: Path) -> None:
     SparkRuntime(APP, _cfg(tmp_path, partitions=4))  # the same layout: fine
     with pytest.raises(LayoutMismatch, match="4 partitions and 4 log partitions, configured: 2 and 4"):
         SparkRuntime(APP, _cfg(tmp_path, partitions=2, log_partitions=4))
+    legacy = tmp_path / "legacy"  # a checkpoint from before layout.json: its state shows 4 partitions
+    SparkRuntime(APP, _cfg(legacy, partitions=4))
+    for p in range(4):
+        (legacy / "checkpoint" / "state" / f"p{p}").mkdir(parents=True)
+    (legacy / "checkpoint" / "layout.json").unlink()
+    with pytest.raises(LayoutMismatch, match="state of 4 partitions, configured: 2"):
+        SparkRuntime(APP, _cfg(legacy, partitions=2, log_partitions=4))
+    with pytest.raises(LayoutMismatch, match="has 4 partitions, opened with partitions=8"):
+        SparkRuntime(APP, _cfg(legacy, partitions=4, log_partitions=8))  # the input log's count
+    assert not (legacy / "checkpoint" / "layout.json").exists()  # nothing recorded from a refused start
     env = dict(os.environ, CHARON_MASTER="local[2]")
     out = subprocess.run([CHARON, "run", APP, "--engine", "spark", "--data-dir", str(tmp_path), "--partitions", "2",
                           "--port", "1"], capture_output=True, text=True, timeout=120, env=env)

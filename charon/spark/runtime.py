@@ -69,6 +69,15 @@ def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> None:
         with open(path, "rb") as f:
             have = msgspec.json.decode(f.read(), type=Layout)
     except FileNotFoundError:
+        # a checkpoint from before layouts were recorded: its durable state names the partitions it has
+        state = os.path.join(checkpoint, "state")
+        pids = [int(n[1:]) for n in (os.listdir(state) if os.path.isdir(state) else [])
+                if n.startswith("p") and n[1:].isdigit()]
+        if pids and max(pids) + 1 > partitions:
+            raise LayoutMismatch(
+                f"the checkpoint {checkpoint} holds state of {max(pids) + 1} partitions, configured: {partitions} "
+                "(rescaling is not supported: keep the original count or use a new data directory)"
+            ) from None
         os.makedirs(checkpoint, exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "wb") as f:
@@ -153,14 +162,22 @@ def make_session(config: SparkConfig) -> Any:
     return spark
 
 
+_PY_ERROR = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception): .+")
+_WRAPPERS = ("py4j.", "org.apache.", "java.", "pyspark.errors.", "scala.")
+
+
 def _short_error(e: BaseException) -> str:
-    """One line naming a (possibly Java-wrapped) failure: the innermost Python error if there is one."""
+    """One line naming a (Java-wrapped) query failure: the innermost application/engine Python error if the
+    text has one, else Spark's reason (a crashed worker, a failed stage), else the first line."""
     text = str(e)
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", line):
-            return line[:300]
-    return (text.splitlines() or [type(e).__name__])[0][:300]
+    lines = [ln.strip() for ln in text.splitlines()]
+    py = [ln for ln in lines if _PY_ERROR.match(ln) and not ln.startswith(_WRAPPERS)]
+    if py:
+        return py[-1][:300]
+    for needle in ("Python worker exited unexpectedly (crashed)", "Job aborted due to stage failure"):
+        if needle in text:
+            return needle
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 # -- executor side ------------------------------------------------------------------------------------------
@@ -344,9 +361,12 @@ class SparkRuntime:
         cfg = self.config
         os.makedirs(cfg.data_dir, exist_ok=True)
         self.ckpt = cfg.checkpoint_dir
+        try:
+            self.input_log = InputLog(os.path.join(cfg.data_dir, "input.sqlite"), cfg.n_log_partitions)
+        except ValueError as e:  # the log was created with another partition count
+            raise LayoutMismatch(f"{e} (rescaling is not supported)") from None
         check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions)
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
-        self.input_log = InputLog(os.path.join(cfg.data_dir, "input.sqlite"), cfg.n_log_partitions)
         self.output_log = OutputLog(os.path.join(cfg.data_dir, "output.sqlite"))
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
         self.durable = DurableState(os.path.join(self.ckpt, "state"))

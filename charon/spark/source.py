@@ -12,7 +12,7 @@ Usage::
     log; default: the log's stored count); ``maxRecordsPerBatch`` (default 10000) caps a micro-batch,
     spread fairly over the log partitions; ``startingOffsets`` (a fresh query only): ``"earliest"`` (default:
     the first retained offsets, i.e. all zeros for an untruncated log), ``"latest"``, or a JSON list with
-    one offset per log partition. ``idleWaitMs`` (default 250): when the log has nothing new, how long
+    one offset per log partition. ``idleWaitMs`` (default 1000): when the log has nothing new, how long
     ``latestOffset`` waits for an append before answering "no data" (idle means idle; 0 = answer at once).
 
     Rows: ``partition INT, offset LONG, request_id STRING, operator STRING, key STRING, function STRING,
@@ -72,8 +72,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_RECORDS = 10000
-DEFAULT_IDLE_WAIT_MS = 250
-_IDLE_POLL_S = 0.005  # how often an idle wait looks for an append (a stat; the extra latency at most)
+DEFAULT_IDLE_WAIT_MS = 1000
+_IDLE_POLL_S = (0.002, 0.02)  # an idle wait looks for an append (a stat) every 2 ms, backing off to 20 ms
 
 LOG_SCHEMA = StructType(
     [
@@ -233,14 +233,16 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
         Spark asks again every few milliseconds while a query is idle (trigger 0), each time a round trip
         JVM -> this process -> SQLite: an idle deployment would burn CPU. Waiting here on a file stamp makes
-        idle cost a ``stat`` every 5 ms, and an append is seen within 5 ms."""
+        idle cost a ``stat`` every 20 ms (2 ms right after activity), and an append is seen within that."""
         ends = self.log.end_offsets()
         if self.idle_wait <= 0 or any(e > s for s, e in zip(starts, ends, strict=True)):
             return ends
         deadline = time.monotonic() + self.idle_wait
         stamp = self._stamp()
+        pause, longest = _IDLE_POLL_S
         while time.monotonic() < deadline:
-            time.sleep(_IDLE_POLL_S)
+            time.sleep(pause)
+            pause = min(longest, pause * 1.5)
             now = self._stamp()
             if now != stamp:
                 stamp = now
