@@ -5,6 +5,7 @@ item 2, repros r7_*), an epoch that cannot be finalized after its replies went o
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -160,6 +161,8 @@ def test_epoch_that_cannot_be_finalized_stops_the_runtime_loudly(spark, tmp_path
         assert h["unconfirmed_epoch"] == nxt
         with pytest.raises(EngineUnavailable):
             rt.read_state("account", "a")  # 2 would contradict the reply to dep-1
+        with pytest.raises(EngineUnavailable):  # nothing would run a new request
+            asyncio.run(rt.submit("account", "a", "deposit", [1], request_id="dep-2"))
     finally:
         rt.stop()
     for d in blocked:

@@ -573,9 +573,12 @@ class SparkRuntime:
         self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None,
         timeout: float = 120.0,
     ) -> Reply:
-        """Append a request (group-committed) and wait for its reply in the output log."""
+        """Append a request (group-committed) and wait for its reply in the output log; refused with
+        :class:`~charon.errors.EngineUnavailable` once the runtime gave up (nothing would run it)."""
         from charon.logclient import LogClient
 
+        if self._fatal is not None:
+            raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
         if self._log_client is None:
             self._log_client = LogClient(self.input_log, self.output_log)
         return await self._log_client.submit(operator, key, function, args, request_id=request_id, timeout=timeout)
@@ -615,6 +618,7 @@ class SparkRuntime:
         starts, ends = batch_offsets(self._query_ckpt, epoch)
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
+
         def deliver(replies: list[Reply]) -> None:
             if replies:
                 self._unconfirmed = epoch  # from here on, the state must reach this epoch before reads
@@ -672,9 +676,13 @@ class SparkRuntime:
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
         """An entity's value as of the last completed epoch (consistent: read at an epoch boundary)."""
-        got = self.read_keys([store_key(operator, key)])
+        return self.read_state_at(operator, key, default)[1]
+
+    def read_state_at(self, operator: str, key: str, default: Any = None) -> tuple[int, Any]:
+        """``(epoch, value)``: an entity's value and the (recorded) epoch it reflects."""
+        epoch, got = self.read_keys_at([store_key(operator, key)])
         raw = got.get(store_key(operator, key))
-        return default if raw is None else serde.decode(raw)
+        return epoch, default if raw is None else serde.decode(raw)
 
     def _settled_epoch(self, timeout: float = 60.0) -> int:
         """The last recorded epoch, after waiting for the epoch of the newest reply to be recorded.
