@@ -103,7 +103,7 @@ def test_reads_during_empty_epochs_never_roll_back_and_survive_restart(spark, tm
     reads = 0
     try:
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 10:
+        while time.monotonic() - t0 < 10 or (rt._last_recorded_epoch() < 5 and time.monotonic() - t0 < 120):
             epoch, got = rt.read_keys_at([store_key("account", "a"), store_key("account", "b")])
             assert {k: serde.decode(v) for k, v in got.items()} == {store_key("account", "a"): 1,
                                                                      store_key("account", "b"): 2}
@@ -118,7 +118,7 @@ def test_reads_during_empty_epochs_never_roll_back_and_survive_restart(spark, tm
         stop.set()
         t.join()
         rt.stop()
-    assert reads > 5 and rt.last_epoch >= 3
+    assert reads > 5 and rt.last_epoch >= 5
     assert 1 <= len(rt.epoch_stats) <= 2 and rt.epoch_stats[-1]["epoch"] == rt.last_epoch  # bounded
     assert rt.health()["status"] == "stopped" and not rt.health()["ok"]
 
@@ -158,7 +158,7 @@ def test_epoch_that_cannot_be_finalized_stops_the_runtime_loudly(spark, tmp_path
             time.sleep(0.1)
         h = rt.health()
         assert h["status"] == "failed" and not h["ok"] and h["fatal"] and f"epoch {nxt}" in h["fatal"], h
-        assert h["unconfirmed_epoch"] == nxt
+        assert h["unconfirmed_epoch"] == nxt and "IsADirectoryError" in h["fatal"], h  # named, one line
         with pytest.raises(EngineUnavailable):
             rt.read_state("account", "a")  # 2 would contradict the reply to dep-1
         with pytest.raises(EngineUnavailable):  # nothing would run a new request
