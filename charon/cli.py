@@ -95,8 +95,13 @@ def make_runtime(target: str, engine: str, partitions: int, data_dir: str | None
         from charon.spark.runtime import SparkRuntime
 
         load_app(target)  # fail early with a clear message
+        from charon.spark.runtime import LayoutMismatch
+
         config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir)
-        return SparkRuntime(target if ":" in target else f"{target}:app", config)
+        try:
+            return SparkRuntime(target if ":" in target else f"{target}:app", config)
+        except LayoutMismatch as exc:  # the checkpoint was made with another partition count
+            raise _fail(str(exc)) from None
     raise typer.BadParameter(f"unknown engine {engine!r} (inprocess or spark)")
 
 
@@ -141,14 +146,10 @@ def run(
     data_dir: str | None = typer.Option(None, help="Spark engine: logs and checkpoint (default ./charon-data)."),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
-    from charon.errors import CharonError
     from charon.gateway import serve
 
     application = load_app(target)
-    try:
-        runtime = make_runtime(target, engine, partitions, data_dir)
-    except CharonError as exc:  # e.g. the Spark checkpoint's partition layout differs from the configured one
-        raise _fail(str(exc)) from None
+    runtime = make_runtime(target, engine, partitions, data_dir)
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
     err_console.print(
