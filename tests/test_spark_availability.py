@@ -6,6 +6,7 @@ item 2, repros r7_*), an epoch that cannot be finalized after its replies went o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -174,3 +175,50 @@ def test_epoch_that_cannot_be_finalized_stops_the_runtime_loudly(spark, tmp_path
         assert rt2.read_state("account", "a") == 12 and rt2.health()["ok"]
     finally:
         rt2.stop()
+
+
+def _task_workers_of_this_process() -> list[int]:
+    """Forked `pyspark.daemon pyspark.worker` processes under this process's JVM."""
+    procs: dict[int, tuple[int, str]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            procs[int(d)] = (ppid, cmd)
+    daemons = {p for p, (pp, cmd) in procs.items()
+               if cmd.endswith("pyspark.daemon pyspark.worker") and procs.get(pp, (0, ""))[0] == os.getpid()}
+    return [p for p, (pp, _) in procs.items() if pp in daemons]
+
+
+@pytest.mark.spark
+def test_killed_python_workers_are_retried_by_spark(spark, tmp_path: Path) -> None:
+    """With Spark's task retries on (the default), SIGKILLed task workers cost a task attempt, not the query:
+    no restart, every request answered once."""
+    import signal
+
+    rt = SparkRuntime(APP, _cfg(tmp_path), spark=spark)
+    rt.load("account", {})
+    rt.start()
+    try:
+        killed = 0
+        for i in range(200):
+            rt.input_log.append(Request(f"d{i}", "account", f"k{i % 4}", "deposit", serde.encode([1])))
+            if i % 20 == 10:
+                for pid in _task_workers_of_this_process():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                        killed += 1
+            time.sleep(0.02)
+        rt.wait_idle(240)
+        assert killed > 0
+        assert all(rt.get_reply(f"d{i}").ok for i in range(200))
+        assert [rt.read_state("account", f"k{j}") for j in range(4)] == [50] * 4
+        h = rt.health()
+        assert h["ok"] and h["restarts"] == 0, h
+    finally:
+        rt.stop()
