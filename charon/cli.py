@@ -95,8 +95,13 @@ def make_runtime(target: str, engine: str, partitions: int, data_dir: str | None
         from charon.spark.runtime import SparkRuntime
 
         load_app(target)  # fail early with a clear message
+        from charon.spark.runtime import LayoutMismatch
+
         config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir)
-        return SparkRuntime(target if ":" in target else f"{target}:app", config)
+        try:
+            return SparkRuntime(target if ":" in target else f"{target}:app", config)
+        except LayoutMismatch as exc:  # the checkpoint was made with another partition count
+            raise _fail(str(exc)) from None
     raise typer.BadParameter(f"unknown engine {engine!r} (inprocess or spark)")
 
 
@@ -120,7 +125,7 @@ def _client(url: str, token: str | None) -> Any:
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
+    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
     return typer.Exit(code)
 
 

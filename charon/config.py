@@ -21,10 +21,15 @@ class SparkConfig:
     log_partitions: int | None = None  # input-log partitions = sequencers (default: partitions)
     max_batch: int = 10_000  # most requests per epoch (micro-batch)
     trigger_ms: int = 0  # micro-batch trigger interval; 0 = as soon as the previous one ends
+    idle_wait_ms: int = 1000  # an idle source waits this long for an append before reporting "no data"
     local_dir: str | None = None  # executor-local store directory (default: per-executor temp dir)
     compact_every: int = 20  # compact durable deltas every N epochs (in the background)
     truncate_log: bool = True  # drop input-log entries older than the last compacted snapshot
     max_invocations: int = 100_000  # most invocations of one transaction, over all partitions
+    task_max_failures: int = 4  # Spark attempts per task (local[N,F] in local mode, spark.task.maxFailures)
+    epoch_max_failures: int = 3  # query restarts on the same epoch before the runtime gives up (deterministic)
+    restart_backoff_s: float = 1.0  # first delay before restarting a failed query; doubles, at most 30 s
+    keep_epoch_stats: int = 1000  # per-epoch statistics kept in memory (the newest N)
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 
@@ -47,6 +52,8 @@ class SparkConfig:
             cur = getattr(cfg, name)
             if isinstance(cur, bool):
                 value: object = raw.lower() in ("1", "true", "yes", "on")
+            elif isinstance(cur, float):
+                value = float(raw)
             elif isinstance(cur, int) or f.type in ("int", "int | None"):
                 value = int(raw)
             else:

@@ -52,6 +52,10 @@ class IllegalAwait(CharonError):
     """A function awaited something other than ``ctx.call`` (functions cannot block on I/O)."""
 
 
+class EngineUnavailable(CharonError):
+    """The engine cannot answer now (starting, recovering from a failure, or stopped after one)."""
+
+
 #: Errors raised by the engine itself rather than by application code, looked up by name on decode.
 ENGINE_ERRORS: dict[str, type[CharonError]] = {
     cls.__name__: cls

@@ -72,6 +72,7 @@ from charon.config import GatewayConfig
 from charon.errors import (
     BadArguments,
     CharonError,
+    EngineUnavailable,
     IdempotencyConflict,
     InvalidKey,
     PayloadTooLarge,
@@ -391,7 +392,10 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
             },
         }
     }
-    paths["/health"] = {"get": {"summary": "Liveness", "responses": {"200": {"description": "ok"}}}}
+    paths["/health"] = {"get": {"summary": "Liveness", "responses": {
+        "200": {"description": "the runtime serves"},
+        "503": {"description": "the runtime does not serve (starting, recovering, failed, stopped)"},
+    }}}
     paths["/openapi.json"] = {
         "get": {"summary": "This document", "responses": {"200": {"description": "ok"}}}
     }
@@ -757,7 +761,13 @@ class _Gateway:
         return self.respond(request, 200, {"operator": operator, "key": key, "value": value})
 
     async def health(self, request: HTTPRequest) -> Response:
-        return self.respond(request, 200, {"status": "ok", "inflight": len(self.inflight)})
+        """200 while the runtime serves; 503 with its state (status, epoch, last error...) otherwise."""
+        probe = getattr(self.runtime, "health", None)
+        doc: dict[str, Any] = {"status": "ok", "ok": True}
+        if probe is not None:
+            doc = await self.off_loop(probe)
+        doc["inflight"] = len(self.inflight)
+        return self.respond(request, 200 if doc.get("ok", True) else 503, doc)
 
     async def openapi(self, request: HTTPRequest) -> Response:
         if self._openapi is None:
@@ -771,6 +781,8 @@ def _guard(
     async def endpoint(request: HTTPRequest) -> Response:
         try:
             return await fn(request)
+        except EngineUnavailable as exc:  # the runtime cannot serve (recovering, failed): retry later
+            return gw.respond(request, 503, {"error": {"type": "Unavailable", "message": str(exc)}})
         except _HTTPError as exc:
             headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
             if exc.status in (408, 413):
