@@ -79,7 +79,8 @@ def spark_available() -> bool:
 
 
 def make_runtime(
-    target: str, engine: str, partitions: int, data_dir: str | None = None, *, fsync: bool = True
+    target: str, engine: str, partitions: int, data_dir: str | None = None, *, fsync: bool = True,
+    reply_retention: int | None = None,
 ) -> Any:
     """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
 
@@ -92,7 +93,8 @@ def make_runtime(
         from charon.node import NodeError
 
         try:
-            return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync)
+            return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync,
+                                    reply_retention=reply_retention)
         except NodeError as exc:
             raise _fail(str(exc)) from None
     if engine == "spark":
@@ -151,6 +153,10 @@ def run(
     ephemeral: bool = typer.Option(
         False, "--ephemeral", help="inprocess: keep everything in memory (lost when the process stops)."
     ),
+    reply_retention: int | None = typer.Option(
+        None, min=1, help="Replies kept in memory for retries by the runtime and the gateway (default: 100,000; "
+        "durable inprocess: 10,000, older ones come from the output log).",
+    ),
     fsync: bool = typer.Option(
         True, "--fsync/--no-fsync",
         help="inprocess: fsync each epoch's input before it runs (acknowledged replies survive power loss); "
@@ -175,7 +181,7 @@ def run(
         raise _fail("--ephemeral applies to --engine inprocess only")
     else:
         mode = f"durable in {os.path.abspath(data_dir or 'charon-data')}"
-    runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync)
+    runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention)
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
     replayed = getattr(runtime, "replayed_epochs", 0)
@@ -185,7 +191,8 @@ def run(
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
     )
     try:
-        serve(runtime, host, port, token, max_body=max_body)
+        recent = reply_retention or (10_000 if getattr(runtime, "durable", False) else 100_000)
+        serve(runtime, host, port, token, max_body=max_body, recent_replies=recent)
     finally:
         close = getattr(runtime, "close", None)
         if engine == "inprocess" and close is not None:

@@ -691,9 +691,10 @@ def serve(
     *,
     max_body: int = 1 << 20,
     log_level: str = "warning",
+    recent_replies: int = 100_000,
 ) -> None:
     """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it."""
-    app = create_app(runtime, token=token, max_body=max_body, manage_runtime=True)
+    app = create_app(runtime, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies)
     uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False)
 
 

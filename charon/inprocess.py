@@ -54,7 +54,7 @@ class InProcessRuntime:
         epoch_max_txns: int = 1000,
         epoch_max_ms: float = 1.0,
         max_rounds: int = 200,
-        reply_retention: int = 100_000,
+        reply_retention: int | None = None,
         *,
         data_dir: str | None = None,
         fsync: bool = True,
@@ -62,9 +62,10 @@ class InProcessRuntime:
         compact_every: int = 20,
         stats_kept: int = 10_000,
     ) -> None:
-        """``reply_retention``: replies kept in memory for retries (durable mode: older ones are read from
-        the output log). ``data_dir``: durable mode (see :mod:`charon.node` for ``fsync``, ``checkpoint_s``
-        and ``compact_every``). ``stats_kept``: how many recent epochs ``epoch_stats`` keeps."""
+        """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
+        cache in front of the output log, which keeps every reply). ``data_dir``: durable mode (see
+        :mod:`charon.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``). ``stats_kept``: how many
+        recent epochs ``epoch_stats`` keeps."""
         self.app = app
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
@@ -91,7 +92,7 @@ class InProcessRuntime:
         self._queue: list[Request] = []
         self._futures: dict[str, asyncio.Future[Reply]] = {}
         self._replies: OrderedDict[str, Reply] = OrderedDict()
-        self._retention = reply_retention
+        self._retention = reply_retention or (100_000 if data_dir is None else 10_000)
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
