@@ -60,7 +60,7 @@ class InProcessRuntime:
         fsync: bool = True,
         checkpoint_s: float = 0.5,
         compact_every: int = 20,
-        stats_kept: int = 10_000,
+        stats_kept: int = 1000,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps every reply). ``data_dir``: durable mode (see
