@@ -343,7 +343,8 @@ class InProcessRuntime:
             else:  # the batch is committed to the input log off the loop, then the epoch runs
                 try:
                     batch, self._log_end = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
-                except Exception as exc:  # noqa: BLE001 - the log failed: these requests did not run
+                except Exception as exc:  # noqa: BLE001 - outcome unknown until a restart replays the log
+                    self.node.error = exc  # and nothing runs any more: later requests fail at once
                     for r in batch:
                         f = self._futures.pop(r.request_id, None)
                         if f is not None and not f.done():
