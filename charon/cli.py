@@ -179,9 +179,10 @@ def run(
         )
     elif ephemeral:
         raise _fail("--ephemeral applies to --engine inprocess only")
-    else:
-        mode = f"durable in {os.path.abspath(data_dir or 'charon-data')}"
     runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention)
+    if engine != "inprocess":
+        config = getattr(runtime, "config", None)
+        mode = f"durable in {os.path.abspath(getattr(config, 'data_dir', None) or data_dir or 'charon-data')}"
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
     replayed = getattr(runtime, "replayed_epochs", 0)
