@@ -1,11 +1,12 @@
 """Soak: minutes of mixed load on one engine through the HTTP gateway, with the RSS of every process sampled.
 
 `charon run charon.apps.ycsb:app` runs in its own process (with Spark: plus the JVM and Python workers, all
-its descendants are sampled). The load is open-loop at ``--rate`` requests/s: YCSB-T transfers, balance reads
-(a read-only transaction), transfers that abort (amount above any balance) and ``GET /state`` reads, each
-POST with its own Idempotency-Key. Every ``--sample-s`` seconds the RSS of each process is recorded with the
-window's throughput and latency. The verdict fits a line to the total RSS after ``--warmup-min`` minutes:
-"RSS flat after warm-up" when the fitted growth over that window is at most max(10 MB, 3 % of its mean).
+its descendants are sampled). The load is ``--workers`` paced clients sharing ``--rate`` requests/s (a
+client never bursts to catch up): YCSB-T transfers, balance reads (a read-only transaction), transfers that
+abort (amount above any balance) and ``GET /state`` reads, each POST with its own Idempotency-Key.
+Every ``--sample-s`` seconds the RSS of each process is recorded with the window's throughput and
+latency. The verdict fits a line to the total RSS after ``--warmup-min`` minutes: "RSS flat after warm-up"
+when the fitted growth over that window is at most max(10 MB, 3 % of its mean).
 At the end the total balance is checked (money is conserved) and a JSON file and a PNG plot are written.
 
     .venv/bin/python benchmarks/soak.py --engine inprocess --minutes 10
@@ -92,7 +93,7 @@ def fit_slope(xs: list[float], ys: list[float]) -> float:
 async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict:
     rng = random.Random(args.seed)
     accounts = [f"a{i}" for i in range(args.accounts)]
-    limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
+    limits = httpx.Limits(max_connections=args.workers + 32, max_keepalive_connections=args.workers + 32)
     async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=60, limits=limits) as client:
         # initial balances, through the gateway like everything else
         sem = asyncio.Semaphore(32)
@@ -109,7 +110,6 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
         cur: dict = {"lat": [], "ok": 0, "aborted": 0, "errors": 0}
         kinds = [k for k, _ in MIX]
         weights = [w for _, w in MIX]
-        inflight: set[asyncio.Task] = set()
 
         async def one(kind: str) -> None:
             src, dst = rng.sample(accounts, 2)
@@ -136,38 +136,50 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
 
         t0 = time.monotonic()
         end = t0 + args.minutes * 60
-        next_sample = t0
-        i = 0
-        while True:
-            now = time.monotonic()
-            if now >= next_sample:
+        sent = 0
+
+        async def worker(w: int) -> None:
+            # paced: each worker sends rate/workers requests per second and never bursts to catch up,
+            # so a slow moment shows as lower throughput and higher latency, not as a client-side backlog
+            nonlocal sent
+            period = args.workers / args.rate
+            due = t0 + period * w / args.workers
+            while True:
+                now = time.monotonic()
+                if now >= end:
+                    return
+                if due > now:
+                    await asyncio.sleep(due - now)
+                due = max(due + period, time.monotonic())
+                sent += 1
+                await one(rng.choices(kinds, weights)[0])
+
+        async def sampler() -> None:
+            nonlocal cur
+            next_sample = t0
+            while True:
+                now = time.monotonic()
                 rss = rss_sample(proc)
                 lat = cur["lat"]
                 windows.append({
                     "t_s": round(now - t0, 2), "rss": rss, "rss_total_mb": sum(rss.values()) / 2**20,
                     "ok": cur["ok"], "aborted": cur["aborted"], "errors": cur["errors"],
                     "p50_ms": percentile(lat, 50) if lat else None, "p99_ms": percentile(lat, 99) if lat else None,
-                    "inflight": len(inflight),
                 })
                 cur = {"lat": [], "ok": 0, "aborted": 0, "errors": 0}
-                next_sample += args.sample_s
                 if args.verbose:
                     w = windows[-1]
+                    p50 = f"{w['p50_ms']:.1f}" if lat else "-"
+                    p99 = f"{w['p99_ms']:.1f}" if lat else "-"
                     print(f"{w['t_s']:7.1f}s rss {w['rss_total_mb']:8.1f} MB  ok {w['ok']} aborted {w['aborted']} "
-                          f"errors {w['errors']} p50 {w['p50_ms']} p99 {w['p99_ms']}", flush=True)
-            if now >= end:
-                break
-            due = t0 + i / args.rate
-            if due > now:
-                await asyncio.sleep(min(due - now, max(next_sample - now, 0)))
-                continue
-            while t0 + i / args.rate <= now:
-                task = asyncio.ensure_future(one(rng.choices(kinds, weights)[0]))
-                inflight.add(task)
-                task.add_done_callback(inflight.discard)
-                i += 1
-        if inflight:
-            await asyncio.wait(inflight, timeout=60)
+                          f"errors {w['errors']} p50 {p50} ms p99 {p99} ms", flush=True)
+                if now >= end:
+                    return
+                next_sample += args.sample_s
+                await asyncio.sleep(max(0.0, min(next_sample, end) - time.monotonic()))
+
+        await asyncio.gather(sampler(), *(worker(w) for w in range(args.workers)))
+        i = sent
 
         async def bal(a: str) -> int:
             async with sem:
@@ -237,7 +249,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=150.0, help="requests per second (open loop)")
     ap.add_argument("--accounts", type=int, default=1000)
     ap.add_argument("--partitions", type=int, default=4)
-    ap.add_argument("--connections", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=16, help="concurrent clients sharing --rate")
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--warmup-min", type=float, default=None, help="default: a fifth of the run, at most 2 min")
     ap.add_argument("--seed", type=int, default=0)

@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,13 @@ from charon.store import MemoryStore
 
 EPOCH_MARK = "\x00epoch"  # operator of the marker entry that closes an epoch's batch in the input log
 _RECORDS_KEPT = 2
+
+
+def crash_point(point: str, epoch: int) -> None:
+    """Fault injection for the crash tests: ``CHARON_CRASH_AT=node:<point>:<epoch>`` SIGKILLs this process."""
+    spec = os.environ.get("CHARON_CRASH_AT")
+    if spec and spec == f"node:{point}:{epoch}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class NodeError(Exception):
@@ -236,6 +244,7 @@ class NodeStorage:
             raise NodeError(f"input log already holds epoch {epoch}")
         # a request id the log already had is not run again (it is answered by its first execution)
         fresh = [r for r, (_, off) in zip(requests, pos, strict=False) if off >= start]
+        crash_point("logged", epoch)
         return fresh, pos[-1][1] + 1
 
     def add_replies(self, replies: list[Reply]) -> None:
@@ -299,6 +308,9 @@ class NodeStorage:
                     merged.update(d)
             if merged:
                 self.durable.write_delta(pid, last.epoch, merged)
+            if pid == 0:
+                crash_point("delta0", last.epoch)  # one partition's delta written, the others not
+        crash_point("deltas", last.epoch)
         rec = NodeRecord(last.epoch, last.counters, [(t, serde.encode_request(r)) for t, r in last.deferred],
                          last.log_end)
         self._write_record(rec)  # the commit point of this checkpoint
@@ -309,10 +321,12 @@ class NodeStorage:
         for e in self._record_epochs()[:-_RECORDS_KEPT]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self._record_path(e))
+        crash_point("record", last.epoch)
         self._checkpoints += 1
         if self.compact_every and self._checkpoints % self.compact_every == 0:
             for pid in range(self.partitions):
                 self.durable.compact(pid, last.epoch)
+                crash_point("compacting", last.epoch)  # after the first partition
             self.input_log.truncate([last.log_end])
         self._last_checkpoint = time.monotonic()
         with self._cv:
