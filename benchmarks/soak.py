@@ -162,7 +162,8 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
                 rss = rss_sample(proc)
                 lat = cur["lat"]
                 windows.append({
-                    "t_s": round(now - t0, 2), "rss": rss, "rss_total_mb": sum(rss.values()) / 2**20,
+                    "t_s": round(now - t0, 2), "loadavg": os.getloadavg()[0], "rss": rss,
+                    "rss_total_mb": sum(rss.values()) / 2**20,
                     "ok": cur["ok"], "aborted": cur["aborted"], "errors": cur["errors"],
                     "p50_ms": percentile(lat, 50) if lat else None, "p99_ms": percentile(lat, 99) if lat else None,
                 })
@@ -179,6 +180,8 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
                 await asyncio.sleep(max(0.0, min(next_sample, end) - time.monotonic()))
 
         await asyncio.gather(sampler(), *(worker(w) for w in range(args.workers)))
+        for k in ("ok", "aborted", "errors"):  # requests that finished after the last sample
+            windows[-1][k] += cur[k]
         i = sent
 
         async def bal(a: str) -> int:
