@@ -197,6 +197,9 @@ def test_sigkill_under_http_load_then_clean_restart(tmp_path: Path) -> None:
     assert st2 == st
     sample = sorted(acked)[::7]
     assert asyncio.run(_retry_all(srv.url, sample)) == {t: acked[t] for t in sample}
+    for tag in sorted(acked)[1::97]:  # the status URL answers from the output log after a restart
+        r = httpx.get(f"{srv.url}/requests/{tag}", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert {**r.json(), "http": r.status_code} == acked[tag]
     assert "recovered by replaying" not in srv.stop()  # the clean stop checkpointed everything
     _check_ledger(data, acked, sent)
 
