@@ -2,7 +2,8 @@
 
 It is the test harness application authors write their tests with (full transactional semantics) and a
 low-latency single-node engine. Epochs close when ``epoch_max_txns`` requests are waiting or
-``epoch_max_ms`` after the first one arrived.
+``epoch_max_ms`` after the first one arrived (durable mode: as soon as the previous epoch is done; requests
+arriving while an epoch's batch is being committed to the log form the next batch).
 
 Without ``data_dir`` it is *volatile*: state, replies and request ids live in memory only. With
 ``data_dir`` it is *durable* (:mod:`charon.node`): every epoch's batch is in the SQLite input log before the
@@ -334,7 +335,8 @@ class InProcessRuntime:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
+            # durable mode: the previous batch's log commit is the batching window; no extra wait
+            if self.node is None and len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
                 await asyncio.sleep(self.epoch_max_ms / 1000.0)
             batch = self._queue[: self.epoch_max_txns]
             del self._queue[: len(batch)]
