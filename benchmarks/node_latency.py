@@ -40,7 +40,8 @@ def measure(mode: str, n: int, warmup: int) -> list[float]:
         env["PYTHONPATH"] = BEFORE or ""
     elif mode != "ephemeral":
         args += ["--data-dir", os.path.join(tmp, "data")]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    # cwd: `python -c` puts the working directory first on sys.path, which must not shadow --before
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp)
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
