@@ -270,7 +270,8 @@ sys.path.insert(0, sys.argv[1])
 from node_app import app
 from test_node import epoch_requests
 from charon.inprocess import InProcessRuntime
-rt = InProcessRuntime(app, partitions=4, data_dir=sys.argv[2], compact_every=int(sys.argv[3]))
+rt = InProcessRuntime(app, partitions=4, data_dir=sys.argv[2], compact_every=int(sys.argv[3]),
+                      fsync=sys.argv[4] == "fsync")
 rt.load("acct", {"a0": 0})
 for e in range(8):
     rt.run_epoch(epoch_requests(e))
@@ -286,13 +287,16 @@ def epoch_requests(e: int) -> list[Request]:
     return out
 
 
-@pytest.mark.parametrize("point,compact_every", [
-    ("logged", 2), ("delta0", 2), ("deltas", 2), ("record", 2), ("compacting", 5),
+@pytest.mark.parametrize("point,compact_every,fsync", [
+    ("logged", 2, "fsync"), ("delta0", 2, "fsync"), ("deltas", 2, "fsync"), ("record", 2, "fsync"),
+    ("compacting", 5, "fsync"), ("delta0", 2, "no-fsync"),
 ])
-def test_crash_points_recover_the_serial_outcome(tmp_path: Path, point: str, compact_every: int) -> None:
+def test_crash_points_recover_the_serial_outcome(
+    tmp_path: Path, point: str, compact_every: int, fsync: str
+) -> None:
     """SIGKILL at each step of logging and checkpointing epoch 4; recovery equals an uninterrupted run."""
     env = {**os.environ, "CHARON_CRASH_AT": f"node:{point}:4"}
-    p = subprocess.run([sys.executable, "-c", _CRASH_SCRIPT, str(TESTS), str(tmp_path), str(compact_every)],
+    p = subprocess.run([sys.executable, "-c", _CRASH_SCRIPT, str(TESTS), str(tmp_path), str(compact_every), fsync],
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == -signal.SIGKILL, p.stderr
     ref = InProcessRuntime(ledger, partitions=4)
