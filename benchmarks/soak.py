@@ -42,6 +42,17 @@ HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 MIX = (("transfer", 0.60), ("balance", 0.20), ("abort", 0.10), ("state", 0.10))
 
 
+def parse_mix(spec: str) -> dict[str, float]:
+    """``kind=weight,...`` over the kinds of MIX."""
+    out = {}
+    for part in spec.split(","):
+        kind, _, w = part.partition("=")
+        if kind not in dict(MIX):
+            raise argparse.ArgumentTypeError(f"unknown kind {kind!r} (one of {', '.join(dict(MIX))})")
+        out[kind] = float(w)
+    return out
+
+
 def start_server(engine: str, port: int, data_dir: str, partitions: int, extra: list[str]) -> subprocess.Popen:
     args = [sys.executable, "-c", "from charon.cli import main; main()", "run", "charon.apps.ycsb:app",
             "--engine", engine, "--port", str(port), "--token", TOKEN, "--partitions", str(partitions), *extra]
@@ -108,8 +119,8 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
 
         windows: list[dict] = []
         cur: dict = {"lat": [], "ok": 0, "aborted": 0, "errors": 0}
-        kinds = [k for k, _ in MIX]
-        weights = [w for _, w in MIX]
+        kinds = list(args.mix)
+        weights = list(args.mix.values())
 
         async def one(kind: str) -> None:
             src, dst = rng.sample(accounts, 2)
@@ -137,6 +148,7 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
         t0 = time.monotonic()
         end = t0 + args.minutes * 60
         sent = 0
+        stalled: float | None = None  # when nothing was answered for --stall-s seconds
 
         async def worker(w: int) -> None:
             # paced: each worker sends rate/workers requests per second and never bursts to catch up,
@@ -155,8 +167,9 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
                 await one(rng.choices(kinds, weights)[0])
 
         async def sampler() -> None:
-            nonlocal cur
+            nonlocal cur, stalled
             next_sample = t0
+            last_answer = t0
             while True:
                 now = time.monotonic()
                 rss = rss_sample(proc)
@@ -174,24 +187,40 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
                     p99 = f"{w['p99_ms']:.1f}" if lat else "-"
                     print(f"{w['t_s']:7.1f}s rss {w['rss_total_mb']:8.1f} MB  ok {w['ok']} aborted {w['aborted']} "
                           f"errors {w['errors']} p50 {p50} ms p99 {p99} ms", flush=True)
+                if windows[-1]["ok"] + windows[-1]["aborted"]:
+                    last_answer = now
+                if now - last_answer > args.stall_s:
+                    stalled = round(now - t0, 1)
+                    print(f"the engine answered nothing for {args.stall_s:.0f} s: stopping", flush=True)
+                    return
                 if now >= end:
                     return
                 next_sample += args.sample_s
                 await asyncio.sleep(max(0.0, min(next_sample, end) - time.monotonic()))
 
-        await asyncio.gather(sampler(), *(worker(w) for w in range(args.workers)))
+        workers = [asyncio.ensure_future(worker(w)) for w in range(args.workers)]
+        await sampler()
+        if stalled is not None:
+            for t in workers:
+                t.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
         for k in ("ok", "aborted", "errors"):  # requests that finished after the last sample
             windows[-1][k] += cur[k]
-        i = sent
 
-        async def bal(a: str) -> int:
+        async def bal(a: str) -> int:  # a read-only transaction per account, after the load
             async with sem:
-                r = await client.get(f"/state/account/{a}")
+                r = await client.post(f"/invoke/account/{a}/balance", json={"args": []}, timeout=60)
+                r.raise_for_status()
                 return int(r.json()["value"] or 0)
 
-        total = sum(await asyncio.gather(*(bal(a) for a in accounts)))
-    return {"windows": windows, "sent": i, "total_balance": total,
-            "conserved": total == INITIAL_BALANCE * args.accounts}
+        total: int | None = None
+        if stalled is None:
+            try:
+                total = sum(await asyncio.gather(*(bal(a) for a in accounts)))
+            except httpx.HTTPError as exc:
+                print(f"could not read the balances: {exc!r}", flush=True)
+    return {"windows": windows, "sent": sent, "total_balance": total, "stalled_at_s": stalled,
+            "conserved": None if total is None else total == INITIAL_BALANCE * args.accounts}
 
 
 def verdict(windows: list[dict], warmup_s: float) -> dict:
@@ -255,7 +284,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16, help="concurrent clients sharing --rate")
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--warmup-min", type=float, default=None, help="default: a fifth of the run, at most 2 min")
+    ap.add_argument("--mix", type=parse_mix, default=dict(MIX),
+                    help="weights, e.g. transfer=0.6,balance=0.2,abort=0.1,state=0.1 (the default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stall-s", type=float, default=90.0, help="stop when nothing is answered this long")
     ap.add_argument("--data-dir", default=None, help="default: a fresh temporary directory")
     ap.add_argument("--out", default=None, help="output prefix (default benchmarks/soak-ENGINE)")
     ap.add_argument("--verbose", "-v", action="store_true")
@@ -281,13 +313,15 @@ def main() -> None:
     lat_ok = [w for w in ws if w["p50_ms"] is not None]
     result = {
         "config": {**{k: v for k, v in vars(args).items() if k != "verbose"}, "data_dir": data_dir,
-                   "started": t_start, "mix": dict(MIX), "python": sys.version.split()[0],
+                   "started": t_start, "mix": args.mix, "python": sys.version.split()[0],
                    "cpus": os.cpu_count()},
-        "verdict": verdict(ws, warmup_s),
+        "verdict": verdict(ws, warmup_s) if run["stalled_at_s"] is None else {
+            "warmup_s": warmup_s, "flat": False, "slope_mb_per_min": None,
+            "verdict": f"engine stalled: nothing answered for {args.stall_s:.0f} s, at {run['stalled_at_s']} s"},
         "sent": run["sent"],
         "answered": sum(w["ok"] + w["aborted"] for w in ws),
         "errors": sum(w["errors"] for w in ws),
-        "conserved": run["conserved"], "total_balance": run["total_balance"],
+        "conserved": run["conserved"], "total_balance": run["total_balance"], "stalled_at_s": run["stalled_at_s"],
         "p50_ms_median_window": statistics.median(w["p50_ms"] for w in lat_ok) if lat_ok else None,
         "p99_ms_max_window": max(w["p99_ms"] for w in lat_ok) if lat_ok else None,
         "windows": ws,
@@ -296,6 +330,10 @@ def main() -> None:
     prefix.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(result, prefix.with_suffix(".png"))
     v = result["verdict"]
+    if run["stalled_at_s"] is not None:
+        print(f"{args.engine}: {v['verdict']}; sent {result['sent']}, errors {result['errors']}; "
+              f"wrote {prefix}.json/.png (server log: {data_dir}/server.log)")
+        sys.exit(1)
     print(f"{args.engine}: {v['verdict']}: slope {v['slope_mb_per_min']} MB/min after {warmup_s:.0f} s "
           f"(fitted growth {v['fitted_growth_mb']} MB, allowed {v['allowed_growth_mb']} MB; "
           f"RSS {v['rss_min_mb']}-{v['rss_max_mb']} MB); sent {result['sent']}, errors {result['errors']}, "
