@@ -90,6 +90,7 @@ class InProcessRuntime:
         self._log_end = 0
         self._base_dirty = False
         self.replayed_epochs = 0  # durable mode: epochs replayed from the input log at recovery
+        self.failed: BaseException | None = None  # set when an epoch could not be logged or run
         self._queue: list[Request] = []
         self._futures: dict[str, asyncio.Future[Reply]] = {}
         self._replies: OrderedDict[str, Reply] = OrderedDict()
@@ -242,17 +243,30 @@ class InProcessRuntime:
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
+    def _halt(self, exc: BaseException) -> None:
+        """An epoch could not be logged or run: fail every waiting request and accept no more.
+
+        Durable mode: a request whose batch reached the log gets its real reply after a restart (replay)."""
+        self.failed = exc
+        if self.node is not None and self.node.error is None:
+            self.node.error = exc
+        self._queue.clear()
+        futures, self._futures = self._futures, {}
+        for f in futures.values():
+            if not f.done():
+                f.set_exception(RuntimeError(f"the runtime stopped: {type(exc).__name__}: {exc}"))
+
     async def stop(self) -> None:
         """Finish waiting work and stop."""
         if self._task is not None:
-            while self._queue or self.coordinator.deferred or self._futures:
+            while (self._queue or self.coordinator.deferred or self._futures) and self.failed is None:
                 await asyncio.sleep(0.001)
             self._stopping = True
             assert self._wake is not None
             self._wake.set()
             await self._task
             self._task = None
-        if self.node is not None:
+        if self.node is not None and self.failed is None:
             await asyncio.to_thread(self.node.flush)
 
     async def __aenter__(self) -> InProcessRuntime:
@@ -286,6 +300,8 @@ class InProcessRuntime:
         """Queue a request; the future resolves with its reply. A known request_id is not run twice."""
         loop = asyncio.get_running_loop()
         rid = request.request_id
+        if self.failed is not None:
+            raise RuntimeError(f"the runtime stopped: {type(self.failed).__name__}: {self.failed}")
         done = self._replies.get(rid)
         fut = self._futures.get(rid)
         if done is None and fut is None and self.node is not None:
@@ -340,17 +356,13 @@ class InProcessRuntime:
                 await asyncio.sleep(self.epoch_max_ms / 1000.0)
             batch = self._queue[: self.epoch_max_txns]
             del self._queue[: len(batch)]
-            if self.node is None:
-                self.run_epoch(batch)
-            else:  # the batch is committed to the input log off the loop, then the epoch runs
-                try:
+            try:
+                if self.node is None:
+                    self.run_epoch(batch)
+                else:  # the batch is committed to the input log off the loop, then the epoch runs
                     batch, self._log_end = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
-                except Exception as exc:  # noqa: BLE001 - outcome unknown until a restart replays the log
-                    self.node.error = exc  # and nothing runs any more: later requests fail at once
-                    for r in batch:
-                        f = self._futures.pop(r.request_id, None)
-                        if f is not None and not f.done():
-                            f.set_exception(exc)
-                    continue
-                self._run_logged(batch)
+                    self._run_logged(batch)
+            except Exception as exc:  # noqa: BLE001 - the runtime stops loudly instead of hanging its clients
+                self._halt(exc)
+                return
             await asyncio.sleep(0)

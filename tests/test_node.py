@@ -18,7 +18,7 @@ from charon import serde
 from charon.gateway import free_port
 from charon.inprocess import InProcessRuntime
 from charon.messages import Request
-from charon.node import NodeError, NodeStorage
+from charon.node import EPOCH_MARK, NodeError, NodeStorage
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -316,3 +316,22 @@ def test_crash_points_recover_the_serial_outcome(
         assert rt.snapshot() == ref.snapshot()
     finally:
         rt.close()
+
+
+async def test_a_failed_log_stops_the_node_loudly(tmp_path: Path) -> None:
+    """When an epoch cannot be logged, its requests fail at once and new ones are refused (no hang); a
+    log that does not add up is refused at the next start."""
+    rt = InProcessRuntime(ledger, partitions=2, data_dir=str(tmp_path))
+    async with rt:
+        await rt.submit("acct", "a0", "pay", ["a1", "ok"], request_id="ok")
+        # someone else wrote the next epoch's marker: logging that epoch must fail
+        rt.node.input_log.append_many([(Request(f"{EPOCH_MARK}:{rt.epoch}", EPOCH_MARK, str(rt.epoch), "",
+                                                serde.encode([]), 1.0), 0)])
+        with pytest.raises(RuntimeError, match="runtime stopped.*already holds epoch"):
+            await asyncio.wait_for(rt.submit("acct", "a0", "pay", ["a1", "x"], request_id="x"), 10)
+        assert rt.failed is not None
+        with pytest.raises(RuntimeError, match="runtime stopped"):
+            await rt.submit("acct", "a0", "pay", ["a1", "y"], request_id="y")
+    rt.close()
+    with pytest.raises(NodeError, match="after the last epoch marker"):
+        InProcessRuntime(ledger, partitions=2, data_dir=str(tmp_path))
