@@ -262,6 +262,25 @@ class InProcessRuntime:
             if not f.done():
                 f.set_exception(RuntimeError(f"the runtime stopped: {type(exc).__name__}: {exc}"))
 
+    def health(self) -> dict[str, Any]:
+        """What ``GET /health`` reports: ``ok`` only while epochs run (not before start, after stop, or once
+        an epoch or the durable writer failed); ``status``, the current epoch and the last error."""
+        error = self.failed or (self.node.error if self.node is not None else None)
+        if error is not None:
+            status = "failed"
+        elif self._task is None:
+            status = "stopped"
+        elif self._task.done():
+            status = "failed"
+            if not self._task.cancelled() and self._task.exception() is not None:
+                error = self._task.exception()
+        else:
+            status = "ok"
+        return {
+            "status": status, "ok": status == "ok", "epoch": self.epoch - 1, "durable": self.durable,
+            "last_error": f"{type(error).__name__}: {error}" if error is not None else None,
+        }
+
     async def stop(self) -> None:
         """Finish waiting work and stop."""
         if self._task is not None:

@@ -322,14 +322,18 @@ async def test_a_failed_log_stops_the_node_loudly(tmp_path: Path) -> None:
     """When an epoch cannot be logged, its requests fail at once and new ones are refused (no hang); a
     log that does not add up is refused at the next start."""
     rt = InProcessRuntime(ledger, partitions=2, data_dir=str(tmp_path))
+    assert rt.health()["status"] == "stopped" and not rt.health()["ok"]
     async with rt:
         await rt.submit("acct", "a0", "pay", ["a1", "ok"], request_id="ok")
+        assert rt.health()["ok"] and rt.health()["status"] == "ok"
         # someone else wrote the next epoch's marker: logging that epoch must fail
         rt.node.input_log.append_many([(Request(f"{EPOCH_MARK}:{rt.epoch}", EPOCH_MARK, str(rt.epoch), "",
                                                 serde.encode([]), 1.0), 0)])
         with pytest.raises(RuntimeError, match="runtime stopped.*already holds epoch"):
             await asyncio.wait_for(rt.submit("acct", "a0", "pay", ["a1", "x"], request_id="x"), 10)
         assert rt.failed is not None
+        health = rt.health()  # what GET /health reports: the outage, not "ok"
+        assert health["status"] == "failed" and not health["ok"] and "already holds epoch" in health["last_error"]
         with pytest.raises(RuntimeError, match="runtime stopped"):
             await rt.submit("acct", "a0", "pay", ["a1", "y"], request_id="y")
     rt.close()
