@@ -78,16 +78,25 @@ def spark_available() -> bool:
         return False
 
 
-def make_runtime(target: str, engine: str, partitions: int, data_dir: str | None = None) -> Any:
+def make_runtime(
+    target: str, engine: str, partitions: int, data_dir: str | None = None, *, fsync: bool = True,
+    reply_retention: int | None = None,
+) -> Any:
     """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
 
-    ``inprocess``: :class:`charon.inprocess.InProcessRuntime`. ``spark``:
-    :class:`charon.spark.runtime.SparkRuntime` configured from ``CHARON_*`` variables, then the options.
+    ``inprocess``: :class:`charon.inprocess.InProcessRuntime`, durable under ``data_dir`` when one is given,
+    volatile without. ``spark``: :class:`charon.spark.runtime.SparkRuntime` configured from ``CHARON_*``
+    variables, then the options.
     """
     if engine == "inprocess":
         from charon.inprocess import InProcessRuntime
+        from charon.node import NodeError
 
-        return InProcessRuntime(load_app(target), partitions=partitions)
+        try:
+            return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync,
+                                    reply_retention=reply_retention)
+        except NodeError as exc:
+            raise _fail(str(exc)) from None
     if engine == "spark":
         if not spark_available():
             raise typer.BadParameter("the Spark runtime (charon.spark.runtime) is not available")
@@ -95,8 +104,13 @@ def make_runtime(target: str, engine: str, partitions: int, data_dir: str | None
         from charon.spark.runtime import SparkRuntime
 
         load_app(target)  # fail early with a clear message
+        from charon.spark.runtime import LayoutMismatch
+
         config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir)
-        return SparkRuntime(target if ":" in target else f"{target}:app", config)
+        try:
+            return SparkRuntime(target if ":" in target else f"{target}:app", config)
+        except LayoutMismatch as exc:  # the checkpoint was made with another partition count
+            raise _fail(str(exc)) from None
     raise typer.BadParameter(f"unknown engine {engine!r} (inprocess or spark)")
 
 
@@ -107,7 +121,10 @@ async def _maybe_await(value: Any) -> Any:
 
 
 def _print_json(value: Any) -> None:
-    typer.echo(msgspec.json.encode(value).decode())
+    try:
+        typer.echo(msgspec.json.encode(value).decode())
+    except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
+        raise _fail(f"the value cannot be shown as JSON: {exc}") from None
 
 
 def _client(url: str, token: str | None) -> Any:
@@ -117,7 +134,7 @@ def _client(url: str, token: str | None) -> Any:
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
+    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -138,20 +155,61 @@ def run(
     token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send."),
     partitions: int = typer.Option(4, min=1, help="Number of partitions."),
     max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
-    data_dir: str | None = typer.Option(None, help="Spark engine: logs and checkpoint (default ./charon-data)."),
+    data_dir: str | None = typer.Option(
+        None, help="Logs, durable state and checkpoints (default ./charon-data)."
+    ),
+    ephemeral: bool = typer.Option(
+        False, "--ephemeral", help="inprocess: keep everything in memory (lost when the process stops)."
+    ),
+    reply_retention: int | None = typer.Option(
+        None, min=1, help="Replies kept in memory for retries by the runtime and the gateway (default: 100,000; "
+        "durable inprocess: 10,000, older ones come from the output log).",
+    ),
+    fsync: bool = typer.Option(
+        True, "--fsync/--no-fsync",
+        help="inprocess: fsync each epoch's input before it runs (acknowledged replies survive power loss); "
+        "--no-fsync survives a killed process but not an OS crash, for lower latency.",
+    ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
     from charon.gateway import serve
 
     application = load_app(target)
-    runtime = make_runtime(target, engine, partitions, data_dir)
+    if engine == "inprocess":
+        if ephemeral and data_dir is not None:
+            raise _fail("--ephemeral keeps nothing on disk: it takes no --data-dir")
+        data_dir = None if ephemeral else os.path.abspath(data_dir or "charon-data")
+        mode = (
+            "EPHEMERAL: state, replies and request ids live in memory and are lost when it stops"
+            if ephemeral
+            else f"durable in {data_dir}, " + ("fsync per epoch" if fsync else "no fsync: survives a killed "
+                                               "process, not an OS crash")
+        )
+    elif ephemeral:
+        raise _fail("--ephemeral applies to --engine inprocess only")
+    runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention)
+    if engine != "inprocess":
+        config = getattr(runtime, "config", None)
+        mode = f"durable in {os.path.abspath(getattr(config, 'data_dir', None) or data_dir or 'charon-data')}"
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
+    replayed = getattr(runtime, "replayed_epochs", 0)
     err_console.print(
         f"charon: serving [bold]{getattr(application, 'name', target)}[/] "
-        f"({engine}, {partitions} partitions) on http://{host}:{port}"
+        f"({engine}, {partitions} partitions; {mode}) on http://{host}:{port}"
+        + (f"; recovered by replaying {replayed} epochs" if replayed else "")
     )
-    serve(runtime, host, port, token, max_body=max_body)
+    if engine == "spark":
+        from charon.spark.runtime import spark_log_path
+
+        err_console.print(f"charon: Spark log: {spark_log_path(runtime.config)}")
+    try:
+        recent = reply_retention or (10_000 if getattr(runtime, "durable", False) else 100_000)
+        serve(runtime, host, port, token, max_body=max_body, recent_replies=recent)
+    finally:
+        close = getattr(runtime, "close", None)
+        if engine == "inprocess" and close is not None:
+            close()
 
 
 @app.command()
@@ -372,13 +430,26 @@ def demo(
         )
     ]
     data_dir = tempfile.mkdtemp(prefix="charon-demo-") if engine == "spark" else None
-    with console.status(f"starting the {engine} runtime…"):
-        runtime = make_runtime(YCSB_REF, engine, partitions, data_dir)
-    with console.status(f"loading {accounts} accounts…"):
-        runtime.load("account", initial)  # before the first epoch
+    spark_log = None
+    runtime = None
     try:
+        with console.status(f"starting the {engine} runtime…"):
+            runtime = make_runtime(YCSB_REF, engine, partitions, data_dir)
+            if engine == "spark":
+                from charon.spark.runtime import spark_log_path
+
+                spark_log = spark_log_path(runtime.config)
+                console.print(f"Spark log: {spark_log}")
+                _ = runtime.spark  # start Spark (its JVM's output goes to the log)
+        with console.status(f"loading {accounts} accounts…"):
+            runtime.load("account", initial)  # before the first epoch
         stats = asyncio.run(_serve_and_drive(runtime, token, plan, concurrency, (accounts, balance, max_amount, zipf)))
         replies_missing = sum(1 for p in plan if runtime.get_reply(p[0]) is None)
+    except (typer.Exit, KeyboardInterrupt):
+        raise
+    except Exception:  # noqa: BLE001 - the one place a traceback is shown: something failed
+        console.print_exception()
+        raise _fail("the demo failed" + (f"; Spark's own output is in {spark_log}" if spark_log else "")) from None
     finally:
         close = getattr(runtime, "close", None)
         if close is not None:

@@ -10,10 +10,12 @@ HTTP status   raised
 409           :class:`charon.errors.TransactionAborted` (``error_type``, ``message``, ``request_id``)
 404           :class:`charon.errors.UnknownOperator` / :class:`~charon.errors.UnknownFunction`
               (or :class:`RequestNotFound` when polling an unknown request id)
-422           :class:`charon.errors.BadArguments`
+422           :class:`charon.errors.BadArguments`, or :class:`charon.errors.IdempotencyConflict` when a
+              request id is reused for another operation
 413           :class:`charon.errors.PayloadTooLarge`
 401           :class:`Unauthorized` (also a ``PermissionError``)
-400           :class:`BadRequest` (also a ``ValueError``)
+400           :class:`charon.errors.InvalidKey` (key rules of :mod:`charon.routing`, also checked here
+              before sending), else :class:`BadRequest` (also a ``ValueError``)
 other         :class:`GatewayError` (after the retries, for 5xx)
 ============  ====================================================================================
 """
@@ -37,12 +39,15 @@ import msgspec
 from charon.errors import (
     BadArguments,
     CharonError,
+    IdempotencyConflict,
+    InvalidKey,
     PayloadTooLarge,
     SerializationError,
     TransactionAborted,
     UnknownFunction,
     UnknownOperator,
 )
+from charon.routing import check_key
 
 __all__ = [
     "Client",
@@ -96,17 +101,23 @@ _TYPED: dict[str, type[CharonError]] = {
     "Unauthorized": Unauthorized,
     "BadRequest": BadRequest,
     "NotFound": RequestNotFound,
+    "InvalidKey": InvalidKey,
+    "IdempotencyConflict": IdempotencyConflict,
 }
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A committed reply: the function's return value and where the transaction ran."""
+    """A committed reply: the function's return value and where the transaction ran.
+
+    Results (and aborts) ordered by (epoch, position) form a serial order equivalent to the execution.
+    """
 
     request_id: str
     tid: int
     epoch: int
     value: Any
+    position: int | None = None  # place in the epoch's serial order (None from a gateway without it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +160,7 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
         exc = TransactionAborted(etype, message, str(body.get("request_id", request_id or "")))
         exc.tid = body.get("tid")  # type: ignore[attr-defined]
         exc.epoch = body.get("epoch")  # type: ignore[attr-defined]
+        exc.position = body.get("position")  # type: ignore[attr-defined]
         raise exc
     cls = _TYPED.get(etype)
     if cls is None:
@@ -162,7 +174,9 @@ def _result(resp: httpx.Response, request_id: str | None) -> Result:
     """Interpret an invoke/poll answer: a Result, _Pending, or a raised typed error."""
     body = _decode_body(resp)
     if resp.status_code == 200:
-        return Result(str(body["request_id"]), int(body["tid"]), int(body["epoch"]), body.get("value"))
+        pos = body.get("position")
+        return Result(str(body["request_id"]), int(body["tid"]), int(body["epoch"]), body.get("value"),
+                      None if pos is None else int(pos))
     if resp.status_code == 202:
         raise _Pending(body.get("request_id", request_id) if isinstance(body, dict) else request_id)
     _raise_error(resp.status_code, body, request_id)
@@ -201,7 +215,13 @@ class _Base:
 
     @staticmethod
     def _invoke_path(operator: str, key: str, function: str) -> str:
+        check_key(key)
         return f"/invoke/{quote(operator, safe='')}/{quote(key, safe='')}/{quote(function, safe='')}"
+
+    @staticmethod
+    def _state_path(operator: str, key: str) -> str:
+        check_key(key)
+        return f"/state/{quote(operator, safe='')}/{quote(key, safe='')}"
 
     @staticmethod
     def _payload(args: Sequence[Any]) -> bytes:
@@ -312,7 +332,7 @@ class Client(_Base):
 
     def state(self, operator: str, key: str) -> Any:
         """An entity's committed state (an admin read: needs the token)."""
-        resp = self._send("GET", f"/state/{quote(operator, safe='')}/{quote(key, safe='')}", headers=self.headers)
+        resp = self._send("GET", self._state_path(operator, key), headers=self.headers)
         body = _decode_body(resp)
         if resp.status_code != 200:
             _raise_error(resp.status_code, body, None)
@@ -464,7 +484,7 @@ class AsyncClient(_Base):
 
     async def state(self, operator: str, key: str) -> Any:
         """An entity's committed state (an admin read: needs the token)."""
-        resp = await self._send("GET", f"/state/{quote(operator, safe='')}/{quote(key, safe='')}", headers=self.headers)
+        resp = await self._send("GET", self._state_path(operator, key), headers=self.headers)
         body = _decode_body(resp)
         if resp.status_code != 200:
             _raise_error(resp.status_code, body, None)

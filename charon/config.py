@@ -21,10 +21,15 @@ class SparkConfig:
     log_partitions: int | None = None  # input-log partitions = sequencers (default: partitions)
     max_batch: int = 10_000  # most requests per epoch (micro-batch)
     trigger_ms: int = 0  # micro-batch trigger interval; 0 = as soon as the previous one ends
+    idle_wait_ms: int = 1000  # an idle source waits this long for an append before reporting "no data"
     local_dir: str | None = None  # executor-local store directory (default: per-executor temp dir)
     compact_every: int = 20  # compact durable deltas every N epochs (in the background)
     truncate_log: bool = True  # drop input-log entries older than the last compacted snapshot
-    max_rounds: int = 200  # rounds after which a call graph is aborted as never finishing
+    max_invocations: int = 100_000  # most invocations of one transaction, over all partitions
+    task_max_failures: int = 4  # Spark attempts per task (local[N,F] in local mode, spark.task.maxFailures)
+    epoch_max_failures: int = 3  # query restarts on the same epoch before the runtime gives up (deterministic)
+    restart_backoff_s: float = 1.0  # first delay before restarting a failed query; doubles, at most 30 s
+    keep_epoch_stats: int = 1000  # per-epoch statistics kept in memory (the newest N)
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 
@@ -47,6 +52,8 @@ class SparkConfig:
             cur = getattr(cfg, name)
             if isinstance(cur, bool):
                 value: object = raw.lower() in ("1", "true", "yes", "on")
+            elif isinstance(cur, float):
+                value = float(raw)
             elif isinstance(cur, int) or f.type in ("int", "int | None"):
                 value = int(raw)
             else:
@@ -59,4 +66,52 @@ class SparkConfig:
                 setattr(cfg, k, v)
         if cfg.partitions < 1:
             raise ValueError("partitions must be at least 1")
+        return cfg
+
+
+def _default_max_connections() -> int:
+    """Half the process's open-file limit (the rest is for logs, stores and Spark), within [64, 4096]."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # pragma: no cover - non-POSIX
+        return 512
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(64, min(4096, soft // 2))
+
+
+@dataclass
+class GatewayConfig:
+    """Limits and settings of the HTTP gateway (each also ``CHARON_GATEWAY_<FIELD>`` in the environment)."""
+
+    max_body: int = 1 << 20  # largest request body in bytes (413 above)
+    max_depth: int = 64  # deepest nesting of lists/maps in arguments (400 above)
+    wait_timeout: float = 25.0  # a synchronous invoke still running after this answers 202 + status URL
+    recent_replies: int = 10_000  # replies the gateway keeps for polling and retries (count) ...
+    recent_bytes: int = 64 << 20  # ... and their total size in bytes
+    max_connections: int = field(default_factory=_default_max_connections)  # open connections; at the cap
+    # the connection that has waited longest for its request head is closed to make room
+    header_timeout: float = 10.0  # a connection must send a complete request head within this (seconds)
+    body_timeout: float = 30.0  # a request body must arrive completely within this (408 otherwise)
+    keep_alive: float = 5.0  # idle keep-alive connections are closed after this (seconds)
+    max_header_bytes: int = 16 << 10  # largest request head (h11's incomplete-event limit)
+    read_threads: int = 8  # threads for runtime reads (replies, state), off the event loop
+    public_url: str | None = None  # base of status URLs (e.g. https://api.example.com); None: relative URLs
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> GatewayConfig:
+        """Defaults, then ``CHARON_GATEWAY_*`` environment variables, then ``overrides`` that are not None."""
+        cfg = cls()
+        for name in cls.__dataclass_fields__:
+            raw = os.environ.get(f"CHARON_GATEWAY_{name.upper()}")
+            if raw is not None:
+                cur = getattr(cfg, name)
+                setattr(cfg, name, raw if cur is None or isinstance(cur, str) else type(cur)(raw))
+        for k, v in overrides.items():
+            if k not in cls.__dataclass_fields__:
+                raise TypeError(f"unknown gateway setting {k!r}")
+            if v is not None:
+                setattr(cfg, k, v)
         return cfg

@@ -1,14 +1,24 @@
 """The context a function receives: its entity's state, calls to other entities, deterministic randomness.
 
-Suspension and replay (why functions may run more than once)
------------------------------------------------------------
-A synchronous ``await ctx.call(...)`` cannot keep a coroutine alive across rounds: on Spark every round is
-a separate task, possibly in another process. So a function that calls synchronously *suspends*: the
-engine stores a small journal (the replies it has received and the state values it has read) and drops
-the coroutine. When the reply arrives, the function is run again from the start in *replay* mode: reads
-are served from the journal, writes and calls already made are skipped, and ``ctx.call`` returns the
-journaled replies, until the function passes the newest reply and continues live. Functions are
-deterministic (randomness and time come from the context), so the replay reaches the same point.
+Calls, suspension and replay (why functions may run more than once)
+------------------------------------------------------------------
+``ctx.call(...)`` *creates* a call: it validates the target and gives the call the next child number of
+this invocation (calls and sends share the numbering), but sends nothing. The call is *sent* when it is
+first awaited (``await c`` or ``await ctx.gather(c, ...)``); awaiting it again returns the same value. A
+call that is created and never awaited is never sent and has no effect (its validation and its child
+number apart); the oracle (:mod:`charon.testing`) does the same.
+
+A synchronous call cannot keep a coroutine alive across rounds: on Spark every round is a separate task,
+possibly in another process. So an await that sends calls *suspends* the function; the engine keeps its
+:class:`Journal` (the values it read, the replies it received keyed by child number, and how many times it
+suspended) and may drop the coroutine. When the replies arrive, the function either continues its live
+coroutine (when this process still holds it) or is *replayed* from the start: until it passes the await
+at which it suspended last, reads are served from the journal, writes and sends are skipped, and each
+suspending await takes its replies from the journal; from that await on it runs live, once. Functions are
+deterministic (randomness and time come from the context), so both ways give the same effects.
+
+A function's coroutine dropped by the engine is closed; its ``finally`` blocks then see a context that
+refuses every operation (raising ``GeneratorExit``), so nothing runs twice.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from charon import serde
 from charon.errors import CallGraphLimitExceeded, NonDeterministicFunction
 from charon.operator import Function, Operator
+from charon.routing import check_item
 
 if TYPE_CHECKING:  # pragma: no cover
     from charon.partition import Frame, PartitionUnit
@@ -27,25 +38,101 @@ if TYPE_CHECKING:  # pragma: no cover
 MAX_DEPTH = 200
 
 
+class Journal:
+    """What replaying an invocation needs, and the replay cursor: the single owner of replay state.
+
+    ``replies`` maps a synchronous call's child number to its reply, ``reads`` holds the values read in
+    order, ``nsusp`` counts the awaits that suspended, ``pending`` maps the invocation ids of the calls in
+    flight to their child numbers. The cursor (awaits and reads passed in the current run) is reset when a
+    run starts from the beginning; the run is *replaying* until it has passed ``nsusp`` suspending awaits.
+    """
+
+    __slots__ = ("replies", "reads", "nsusp", "pending", "live", "_awaits", "_nread")
+
+    def __init__(self, replies: Any = None) -> None:
+        self.replies: dict[int, bytes] = dict(replies) if replies else {}
+        self.reads: list[Any] = []
+        self.nsusp = 0
+        self.pending: dict[str, int] | None = None
+        self.at_end()
+
+    def __reduce__(self):
+        return (_new_journal, (self.replies, self.reads, self.nsusp, self.pending))
+
+    def rewind(self) -> None:
+        """A run from the beginning: replay up to the last suspension."""
+        self._awaits = 0
+        self._nread = 0
+        self.live = self.nsusp == 0
+
+    def at_end(self) -> None:
+        """A run continuing where the last one suspended (a live coroutine): nothing to replay."""
+        self._awaits = self.nsusp
+        self._nread = len(self.reads)
+        self.live = True
+
+    def replayed_read(self) -> Any:
+        """The next journaled read of a replaying run (a live run appends what it reads to ``reads``)."""
+        if self._nread >= len(self.reads):
+            raise NonDeterministicFunction("replay read past its journal")
+        value = self.reads[self._nread]
+        self._nread += 1
+        return value
+
+    def passed(self) -> None:
+        """A replayed await that suspended in an earlier run; after the last one the run goes live."""
+        self._awaits += 1
+        if self._awaits == self.nsusp:
+            if self._nread != len(self.reads):
+                raise NonDeterministicFunction("replay made fewer reads than its journal holds")
+            self.live = True
+
+    def suspend(self, pending: dict[str, int]) -> None:
+        """A live await sends calls and suspends until their replies are all in."""
+        self.nsusp += 1
+        self._awaits = self.nsusp
+        self.pending = pending
+
+    def receive(self, inv: str, value: bytes) -> bool:
+        """Journal the reply of call ``inv``; True when no reply is missing any more."""
+        assert self.pending is not None
+        self.replies[self.pending.pop(inv)] = value
+        if self.pending:
+            return False
+        self.pending = None
+        return True
+
+
+def _new_journal(replies: dict, reads: list, nsusp: int, pending: dict | None) -> Journal:
+    j = Journal.__new__(Journal)
+    j.replies, j.reads, j.nsusp, j.pending = replies, reads, nsusp, pending
+    j.at_end()
+    return j
+
+
 class _Call:
-    """Awaitable returned by ``ctx.call``: ready at once when the reply is journaled, else suspends."""
+    """A call created by ``ctx.call``: sent when first awaited; its value is kept for later awaits."""
 
-    __slots__ = ("ctx", "ready", "value", "target", "child")
+    __slots__ = ("ctx", "child", "target", "done", "value")
 
-    def __init__(self, ctx: Context, ready: bool, value: Any, target: tuple | None, child: int) -> None:
+    def __init__(self, ctx: Context, child: int, target: tuple) -> None:
         self.ctx = ctx
-        self.ready = ready
-        self.value = value
-        self.target = target
         self.child = child
+        self.target = target
+        self.done = False
+        self.value: Any = None
 
     def __await__(self) -> Generator[Any, None, Any]:
-        if self.ready:
-            return self.value
-        self.ctx._pending = [(self.child, self.target)]
-        self.ctx._gathered = False
-        # The engine either resumes the coroutine here with the reply, or drops it and replays the function.
-        return (yield self)
+        if not self.done:
+            ctx = self.ctx
+            if ctx._settle((self,)):
+                try:
+                    yield self  # suspended: the engine resumes the coroutine, or drops it and replays
+                except GeneratorExit:  # closed (explicitly or when collected): refuse what finally blocks do
+                    ctx._dropped = True
+                    raise
+                ctx._resumed()
+        return self.value
 
 
 class _Gather:
@@ -58,60 +145,71 @@ class _Gather:
         self.calls = calls
 
     def __await__(self) -> Generator[Any, None, list]:
-        if all(c.ready for c in self.calls):
-            return [c.value for c in self.calls]
-        if any(c.ready for c in self.calls):  # pragma: no cover - replies of a gather are journaled together
-            raise NonDeterministicFunction("a gather was replayed with part of its replies")
-        self.ctx._pending = [(c.child, c.target) for c in self.calls]
-        self.ctx._gathered = True
-        return (yield self)
+        ctx = self.ctx
+        if ctx._settle(self.calls):
+            try:
+                yield self
+            except GeneratorExit:
+                ctx._dropped = True
+                raise
+            ctx._resumed()
+        return [c.value for c in self.calls]
 
 
 class Context:
     """What a function sees: ``key``, its entity's state, ``call``/``send``, ``random``/``now``."""
 
     __slots__ = (
-        "_unit", "_frame", "_replaying", "_ncall", "_nread", "_nchild", "_pending", "_sends", "_calls",
-        "_fast", "_rng", "_gathered", "key", "operator", "tid",
+        "_unit", "_frame", "_journal", "_nchild", "_pending", "_sends", "_calls", "_fast", "_rng", "_dropped",
+        "key", "operator", "tid",
     )
 
     def __init__(self, unit: PartitionUnit, frame: Frame, fast: bool = False) -> None:
         self._unit = unit
         self._frame = frame
-        self._fast = fast
-        self._replaying = bool(frame.replies) and not fast
-        self._ncall = 0
-        self._nread = 0
+        self._journal: Journal = frame.journal
+        self._journal.rewind()
+        self._fast = fast  # the call-graph-cached fallback: replies preset, nothing journaled
         self._nchild = 0
-        self._pending: list[tuple[int, tuple]] | None = None
-        self._gathered = False
+        self._pending: list[_Call] | None = None  # the calls the last suspending await sent
         self._sends: list[tuple] = []
         self._calls: list[tuple] = []
         self._rng: _random.Random | None = None
+        self._dropped = False
         self.key: str = frame.key
         self.operator: str = frame.op
         self.tid: int = frame.tid
 
     def _resume(self, unit: PartitionUnit, frame: Frame) -> None:
-        """Continue a live coroutine in a new round (possibly with a new unit object for the partition)."""
+        """Continue a live coroutine in a new round (possibly with a new unit and frame for the partition)."""
         self._unit = unit
         self._frame = frame
-        self._replaying = False
-        self._pending = None
+        self._journal = frame.journal
+        self._journal.at_end()
         self._sends = []
+
+    def _drop(self, coro: Any) -> None:
+        """Close the coroutine the engine gives up; its ``finally`` blocks find every operation refused."""
+        self._dropped = True
+        try:
+            coro.close()
+        except Exception:  # noqa: BLE001, S110 - a finally block that misbehaves while being discarded
+            pass
+
+    def _live(self) -> bool:
+        """True if effects happen now (live), False while replaying; a dropped coroutine may do nothing."""
+        if self._dropped:
+            raise GeneratorExit
+        return self._journal.live
 
     # -- state of this entity ---------------------------------------------------------------------
     def _read(self, item: str) -> bytes | None:
-        if self._replaying:
-            reads = self._frame.reads
-            if self._nread >= len(reads):
-                raise NonDeterministicFunction(f"{self.operator}/{self.key}: replay read past its journal")
-            raw = reads[self._nread]
-            self._nread += 1
-            return raw
-        raw = self._unit.read(self._frame.tid, self._frame.op, self._frame.key, item)
+        if not self._live():
+            return self._journal.replayed_read()
+        f = self._frame
+        raw = self._unit.read(f.tid, f.op, f.key, item)
         if not self._fast:
-            self._frame.reads.append(raw)
+            self._journal.reads.append(raw)
         return raw
 
     def get(self, default: Any = None) -> Any:
@@ -121,12 +219,12 @@ class Context:
 
     def put(self, value: Any) -> None:
         """Set the entity's value (buffered in the transaction until it commits)."""
-        if not self._replaying:
+        if self._live():
             self._unit.write(self._frame.tid, self._frame.op, self._frame.key, "", serde.encode(value))
 
     def delete(self) -> None:
         """Remove the entity's value."""
-        if not self._replaying:
+        if self._live():
             self._unit.write(self._frame.tid, self._frame.op, self._frame.key, "", None)
 
     def get_item(self, name: str, default: Any = None) -> Any:
@@ -136,26 +234,23 @@ class Context:
 
     def put_item(self, name: str, value: Any) -> None:
         """Set one named item of the entity's ordered item map."""
-        if not self._replaying:
+        if self._live():
             self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), serde.encode(value))
 
     def delete_item(self, name: str) -> None:
         """Remove one named item."""
-        if not self._replaying:
+        if self._live():
             self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), None)
 
     def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list:
         """Items whose name starts with ``prefix`` and lies in [start, stop), sorted by name."""
-        if self._replaying:
-            reads = self._frame.reads
-            if self._nread >= len(reads):
-                raise NonDeterministicFunction(f"{self.operator}/{self.key}: replay read past its journal")
-            raw_items = reads[self._nread]
-            self._nread += 1
-        else:
-            raw_items = self._unit.scan(self._frame.tid, self._frame.op, self._frame.key, _item(prefix))
+        if self._live():
+            f = self._frame
+            raw_items = self._unit.scan(f.tid, f.op, f.key, _item(prefix))
             if not self._fast:
-                self._frame.reads.append(raw_items)
+                self._journal.reads.append(raw_items)
+        else:
+            raw_items = self._journal.replayed_read()
         out = []
         for name, raw in raw_items:
             name = name[1:]
@@ -166,36 +261,34 @@ class Context:
 
     # -- calls ------------------------------------------------------------------------------------
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
-        fn = self._unit.app.validate(operator, function, args)
+        fn = self._unit.app.validate(operator, function, args, key=key)  # key: routing.check_key
         if self._frame.depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
-        if not isinstance(key, str):
-            raise TypeError(f"entity keys are strings, got {type(key).__name__}")
         return (fn.operator.name, key, fn.name, serde.encode(list(args)))
 
     def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _Call:
-        """Call a function of another entity and wait for its return value (same transaction)."""
-        replies = self._frame.replies
-        if self._replaying and self._ncall < len(replies):  # validated when it was first made
-            target = _replayed_target(operator, key, function, args)
-        else:
-            target = self._target(operator, key, function, args)
+        """Call a function of another entity and wait for its return value (same transaction).
+
+        ``ctx.call`` validates the call and numbers it; ``await`` sends it and suspends until the reply
+        (awaiting it again returns the same value). A call never awaited is never sent. If the callee (or
+        anything it calls or sends) raises, the whole transaction aborts with that error, which names
+        where it was raised: the caller is never resumed, so a ``try``/``except`` around the await cannot
+        catch a callee's exception. Check conditions before calling, or return a value that says so.
+        """
+        # Validated when first created (every call site runs live once before any replay of it).
+        target = self._target(operator, key, function, args) if self._live() else _replayed_target(
+            operator, key, function, args
+        )
         self._nchild += 1
         self._calls.append((1,) + target)
-        if self._ncall < len(replies):
-            value = serde.decode(replies[self._ncall])
-            self._ncall += 1
-            if self._ncall == len(replies):
-                self._replaying = False
-            return _Call(self, True, value, None, self._nchild)
-        self._ncall += 1
-        return _Call(self, False, None, target, self._nchild)
+        return _Call(self, self._nchild, target)
 
     def gather(self, *calls: _Call) -> _Gather:
         """Wait for several ``ctx.call(...)`` at once: they run concurrently; returns their values in order.
 
         ``values = await ctx.gather(ctx.call(a, k1, f), ctx.call(b, k2, g, x))``. The gathered calls'
-        call graphs run concurrently, so they should not touch the same entities.
+        call graphs run concurrently, so they should not touch the same entities. Calls already awaited
+        give their values without being sent again.
         """
         for c in calls:
             if not isinstance(c, _Call) or c.ctx is not self:
@@ -204,11 +297,50 @@ class Context:
 
     def send(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> None:
         """Call a function of another entity without waiting (it still belongs to this transaction)."""
-        target = self._target(operator, key, function, args)
+        live = self._live()
+        target = self._target(operator, key, function, args) if live else _replayed_target(
+            operator, key, function, args
+        )
         self._nchild += 1
         self._calls.append((0,) + target)
-        if not self._replaying:
+        if live:
             self._sends.append((self._nchild,) + target)
+
+    def _settle(self, calls: tuple[_Call, ...]) -> bool:
+        """An await of ``calls``: take journaled replies (True: suspend, the unsent calls are sent)."""
+        if self._dropped:
+            raise GeneratorExit
+        todo: list[_Call] = []
+        for c in calls:
+            if not c.done and c not in todo:
+                todo.append(c)
+        if not todo:
+            return False
+        j = self._journal
+        replies = j.replies
+        have = sum(1 for c in todo if c.child in replies)
+        if have == len(todo):  # replaying an await that suspended before (or the cached fallback's replies)
+            if not j.live:
+                j.passed()
+            for c in todo:
+                c.value = serde.decode(replies[c.child])
+                c.done = True
+            return False
+        if have or not j.live:
+            raise NonDeterministicFunction(
+                f"{self.operator}/{self.key}: replay reached an await whose replies are not all journaled"
+            )
+        self._pending = todo
+        j.suspend({child_inv(self._frame.inv, c.child): c.child for c in todo})
+        return True
+
+    def _resumed(self) -> None:
+        """The live coroutine continues after a suspending await: the replies are in the journal."""
+        replies = self._journal.replies
+        for c in self._pending or ():
+            c.value = serde.decode(replies[c.child])
+            c.done = True
+        self._pending = None
 
     # -- determinism ------------------------------------------------------------------------------
     def random(self) -> float:
@@ -222,14 +354,27 @@ class Context:
         return self._frame.ts
 
 
+def child_inv(inv: str, child: int) -> str:
+    """The invocation id of call or send number ``child`` made by invocation ``inv``."""
+    return f"{inv}.{child}"
+
+
+def raised_in(message: str, op: str, key: str, fn: str) -> str:
+    """An error message naming the called or sent function that raised it (not used for the root)."""
+    return (f"{message} [raised by {op}.{fn} on key {key!r}: an exception anywhere in the call graph aborts "
+            "the whole transaction; callers cannot catch it]")
+
+
 def _replayed_target(operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
+    """The target of a call or send already validated in the run that first made it (as ``_target``)."""
     op = operator if type(operator) is str else operator.name
     fn = function if type(function) is str else function.name
-    if isinstance(function, Function):
-        op = function.operator.name if type(operator) is not str else op
     return (op, key, fn, serde.encode(list(args)))
 
 
 def _item(name: str) -> str:
-    """Store item of a user item name (``""`` is the entity's main value, so items are prefixed)."""
-    return "\x01" + name
+    """Store item of a user item name (``""`` is the entity's main value, so items are prefixed).
+
+    Raises InvalidKey for a name :func:`charon.routing.check_item` rejects (inside a function: it aborts).
+    """
+    return "\x01" + check_item(name)

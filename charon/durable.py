@@ -363,6 +363,36 @@ class DurableState:
 
         return self._retry(attempt)  # type: ignore[return-value]
 
+    def read_keys(self, pid: int, keys: list[bytes], upto_epoch: int) -> tuple[dict[bytes, bytes | None], int]:
+        """The values of ``keys`` as of ``upto_epoch`` (None = absent), and the epoch reached.
+
+        Raises :class:`DurableStateError` if the base is already newer than ``upto_epoch``."""
+        import pyarrow.compute as pc
+
+        wanted = pa.array(sorted(set(keys)), pa.binary())
+
+        def pick(path: str) -> dict[bytes, bytes | None]:
+            self.bytes_read += self.fs.size(path)
+            with self.fs.open_arrow(path) as src:
+                t = ipc.open_file(src).read_all()
+            t = t.filter(pc.is_in(t.column("key"), value_set=wanted))
+            return dict(zip(t.column("key").to_pylist(), t.column("value").to_pylist(), strict=True))
+
+        def attempt() -> tuple[dict[bytes, bytes | None], int]:
+            m = self.manifest(pid)
+            if m.base_epoch > upto_epoch:
+                raise DurableStateError(f"p{pid}: state as of {upto_epoch} was compacted into base {m.base_epoch}")
+            state: dict[bytes, bytes | None] = dict.fromkeys(keys)
+            if m.base is not None:
+                state.update(pick(self._path(pid, m.base)))
+            for e in m.deltas:
+                if e > upto_epoch:
+                    break
+                state.update(pick(self._path(pid, self._delta_name(e))))
+            return state, min(upto_epoch, m.epoch)
+
+        return self._retry(attempt)  # type: ignore[return-value]
+
     def deltas_after(
         self, pid: int, epoch: int, upto: int | None = None
     ) -> tuple[list[tuple[int, dict[bytes, bytes | None]]], int] | None:

@@ -15,9 +15,12 @@
    that touches an entity outside its set moves to the next epoch, keeping its TID.
 5. Finalize: each partition writes the epoch's delta to its store, idempotently.
 
-The serial order reported (``EpochResult.order``): lock-free outcomes in TID order, then fallback
-outcomes in TID order. Running those transactions one at a time in that order on the state before the
-epoch gives exactly the state after it and the same replies (see ``charon.testing``).
+The serial order: first every outcome decided without the fallback (validation errors, lock-free
+commits, immediate aborts) in TID order, then the fallback's outcomes in TID order. Running the epoch's
+transactions one at a time in that order on the state before the epoch gives exactly the state after it
+and the same replies (see ``charon.testing``). Each reply carries its place in it (:func:`position`), known
+when the reply is sent, so ordering all replies by (epoch, position) is a serial order of the whole
+history; ``EpochResult.order`` is the epoch's TIDs sorted by position.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from charon import serde
 from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Reply, Request
 from charon.operator import Application
-from charon.partition import ROOT, Control, Invoke, RoundOutput
+from charon.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, RoundOutput, too_many_invocations
 from charon.partition import Reply as ReplyMsg
 from charon.routing import partition_of
 from charon.sequencer import Sequencer
@@ -57,7 +60,7 @@ class EpochResult:
     epoch: int
     replies: dict[int, Reply]  # by TID
     requests: dict[int, Request]  # by TID, every transaction run in this epoch
-    order: list[int]  # the equivalent serial order of committed and definitively aborted TIDs
+    order: list[int]  # committed and definitively aborted TIDs in serial order (by Reply.position)
     lockfree: list[int] = field(default_factory=list)
     fast: list[int] = field(default_factory=list)  # committed by the call-graph-cached fallback
     slow: list[int] = field(default_factory=list)  # committed or aborted by the locked fallback
@@ -65,8 +68,17 @@ class EpochResult:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+def position(tid: int, last_tid: int, fallback: bool) -> int:
+    """A reply's place in its epoch's serial order (monotone, not dense).
+
+    ``last_tid`` is the highest TID of the epoch (known once it is sequenced); a fallback outcome comes
+    after every outcome decided without the fallback.
+    """
+    return last_tid + 1 + tid if fallback else tid
+
+
 class _Track:
-    __slots__ = ("done", "shares", "failed", "rw", "invalid")
+    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations")
 
     def __init__(self) -> None:
         self.done: dict[int, bytes] = {}
@@ -74,6 +86,7 @@ class _Track:
         self.failed: dict[int, tuple[str, str]] = {}
         self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: set[int] = set()
+        self.invocations: dict[int, int] = {}  # summed over partitions and rounds
 
     def complete(self, tid: int) -> bool:
         return tid in self.done and self.shares.get(tid) == _ONE
@@ -118,7 +131,15 @@ class _Locks:
 
 
 class EpochCoordinator:
-    """Runs epochs through an :class:`Exchange`; keeps the sequencer and the deferred transactions."""
+    """Runs epochs through an :class:`Exchange`; keeps the sequencer and the deferred transactions.
+
+    Limits a user sees do not depend on placement: call depth (``context.MAX_DEPTH``, checked where a
+    call is made) and ``max_invocations`` per transaction, counted over all partitions here (partitions
+    report per-TID counts in :class:`RoundOutput`). Rounds are not a limit: while a transaction is in
+    flight every round consumes at least one of its messages (an invocation, or a reply to one), so it
+    needs at most ``2 * max_invocations + 1`` rounds before it completes or exceeds its invocations;
+    ``max_rounds`` is that bound plus one, a safety net that never binds first.
+    """
 
     def __init__(
         self,
@@ -126,13 +147,16 @@ class EpochCoordinator:
         exchange: Exchange,
         *,
         sequencers: int = 1,
-        max_rounds: int = 200,
+        max_invocations: int = MAX_INVOCATIONS,
         on_replies: Callable[[list[Reply]], None] | None = None,
     ) -> None:
+        if max_invocations < 1:
+            raise ValueError("max_invocations must be at least 1")
         self.app = app
         self.exchange = exchange
         self.sequencer = Sequencer(sequencers)
-        self.max_rounds = max_rounds
+        self.max_invocations = max_invocations
+        self.max_rounds = 2 * max_invocations + 2
         self.on_replies = on_replies
         self.deferred: list[tuple[int, Request]] = []
 
@@ -144,6 +168,8 @@ class EpochCoordinator:
         for m in msgs:
             if m.tid not in failed:
                 inboxes[partition_of(m.op, m.key, parts)].append(m)
+        control.max_invocations = limit = self.max_invocations
+        counts = track.invocations
         t0 = time.perf_counter()
         outs = self.exchange.round(control, inboxes)
         stats["exchange_s"] = stats.get("exchange_s", 0.0) + time.perf_counter() - t0
@@ -158,6 +184,10 @@ class EpochCoordinator:
                 shares[tid] = shares.get(tid, 0) + share
             for tid, etype, msg in o.failed:
                 failed.setdefault(tid, (etype, msg))
+            for tid, n in o.invocations.items():
+                n = counts[tid] = counts.get(tid, 0) + n
+                if n > limit and tid not in failed:
+                    failed[tid] = (CallGraphLimitExceeded.__name__, str(too_many_invocations(limit)))
             rw = track.rw
             for tid, op, key, wrote in o.rw:
                 d = rw.get(tid)
@@ -187,9 +217,12 @@ class EpochCoordinator:
         self.sequencer.end_epoch()
         result = EpochResult(epoch, {}, txns, [])
         replies = result.replies
+        last_tid = max(txns, default=0)
+        in_fallback: set[int] = set()  # filled once the lock-free decision is made
 
         def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
-            r = Reply(txns[tid].request_id, tid, epoch, ok, value, err[0], err[1])
+            pos = position(tid, last_tid, tid in in_fallback)
+            r = Reply(txns[tid].request_id, tid, epoch, ok, value, err[0], err[1], pos)
             replies[tid] = r
             return r
 
@@ -199,10 +232,9 @@ class EpochCoordinator:
         for tid in sorted(txns):
             req = txns[tid]
             try:
-                self.app.validate(req.operator, req.function, serde.decode(req.args))
+                self.app.validate(req.operator, req.function, serde.decode(req.args), key=req.key)
             except CharonError as exc:
                 early.append(reply(tid, False, err=(type(exc).__name__, str(exc))))
-                result.order.append(tid)
                 continue
             roots.append(_root(tid, req))
         self._emit(early)
@@ -216,7 +248,7 @@ class EpochCoordinator:
             msgs = self._round(control, msgs, track, stats)
             n += 1
         stats["dry_rounds"] = n
-        for tid in {m.tid for m in msgs} - track.failed.keys():
+        for tid in {m.tid for m in msgs} - track.failed.keys():  # pragma: no cover - safety net, never binds
             track.failed[tid] = ("CallGraphLimitExceeded", f"call graph still running after {n} rounds")
         for r in roots:
             if r.tid not in track.failed and not track.complete(r.tid):  # pragma: no cover - engine bug
@@ -243,22 +275,20 @@ class EpochCoordinator:
                 aborted_now.append(tid)
             else:
                 lockfree.append(tid)
+        in_fallback.update(conflicted)
         early = [reply(t, True, track.done[t]) for t in lockfree]
         early += [reply(t, False, err=track.failed[t]) for t in aborted_now]
         self._emit(early)
         result.lockfree = lockfree
-        result.order.extend(sorted(lockfree + aborted_now))
         stats["lockfree"] = len(lockfree)
         stats["aborted"] = len(aborted_now)
         stats["conflicts"] = len(conflicted)
 
         apply_next: list[int] = list(lockfree)
         reset_next: list[int] = []
-        fallback_order: list[int] = []
         if conflicted:
-            apply_next, reset_next = self._fallback(epoch, conflicted, track, result, reply, fallback_order,
-                                                    apply_next, stats)
-        result.order.extend(sorted(fallback_order))
+            apply_next, reset_next = self._fallback(epoch, conflicted, track, result, reply, apply_next, stats)
+        result.order = sorted(replies, key=lambda t: replies[t].position)
 
         # Finalize: apply what is left and write each partition's delta.
         self._round(Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, finalize=True), [],
@@ -269,14 +299,16 @@ class EpochCoordinator:
         result.stats = stats
         return result
 
-    def _fallback(self, epoch, conflicted, track, result, reply, order, apply_lockfree, stats):
+    def _fallback(self, epoch, conflicted, track, result, reply, apply_lockfree, stats):
         """Alternate call-graph-cached rounds and locked re-runs until every conflict is resolved.
 
         A cached round re-runs the dry-run invocations of the candidates in one round; a transaction
-        commits if it replayed identically and conflicts (read/write or write/write on an entity) with no
-        lower unresolved transaction (otherwise it stays a candidate). Transactions that did not replay
-        identically re-run from their root in waves: a wave takes, in TID order, every such transaction
-        that conflicts with no lower unresolved one, so the result equals running them in TID order.
+        commits if it replayed validly at every partition (:meth:`PartitionUnit._fast_round` defines it,
+        and argues why no uncommitted write leaks) and conflicts (read/write or write/write on an entity)
+        with no lower unresolved transaction's dry-run set (otherwise it stays a candidate). Transactions
+        that did not replay validly re-run from their root in waves: a wave takes, in TID order, every such
+        transaction that conflicts with no lower unresolved one, so the result equals running them in TID
+        order.
         """
         K = {tid: track.rw.get(tid, {}) for tid in conflicted}
         candidates = {t for t in conflicted if t not in track.failed}
@@ -293,9 +325,9 @@ class EpochCoordinator:
                     [], ft, stats,
                 )
                 fast_rounds += 1
+                # valid = replayed within its dry-run set K at every partition (PartitionUnit._fast_round
+                # owns that rule and keeps invalid writes out of its fast layer), so blocking on K is exact
                 candidates -= ft.invalid
-                # a cached re-run that writes what the dry run only read has a new read/write set
-                candidates -= {t for t in candidates if not _within(ft.rw.get(t, {}), K[t])}
                 blocked = _Locks()
                 committed: list[int] = []
                 remaining: list[int] = []
@@ -310,7 +342,6 @@ class EpochCoordinator:
                     for e in K[t]:
                         committed_by[e] = max(committed_by.get(e, 0), t)
                 result.fast.extend(committed)
-                order.extend(committed)
                 candidates.difference_update(committed)
                 rest = remaining
                 apply_next, reset_next = committed, list(remaining)
@@ -325,7 +356,7 @@ class EpochCoordinator:
                 blocked.add(K[tid])
             if not wave:  # pragma: no cover - the lowest unresolved transaction is always free
                 raise AssertionError("fallback made no progress")
-            a, r, n, again = self._locked_wave(epoch, wave, K, result, reply, order, apply_next, reset_next,
+            a, r, n, again = self._locked_wave(epoch, wave, K, result, reply, apply_next, reset_next,
                                                stats, committed_by, requeues)
             apply_next, reset_next = a, r
             slow_rounds += n
@@ -338,7 +369,7 @@ class EpochCoordinator:
         stats["requeued"] = sum(requeues.values())
         return apply_next, reset_next
 
-    def _locked_wave(self, epoch, wave, K, result, reply, order, apply_next, reset_next, stats, committed_by,
+    def _locked_wave(self, epoch, wave, K, result, reply, apply_next, reset_next, stats, committed_by,
                      requeues):
         """Re-run ``wave`` (pairwise non-conflicting) from the root; decide commit, abort, re-queue or defer.
 
@@ -367,7 +398,7 @@ class EpochCoordinator:
             in_flight = {m.tid for m in msgs}
             for tid in sorted(running):
                 if tid not in slow_track.failed and not slow_track.complete(tid):
-                    if rounds < self.max_rounds and tid in in_flight:
+                    if rounds < self.max_rounds and tid in in_flight:  # the cap: a safety net, never binds
                         continue
                     slow_track.failed[tid] = (CallGraphLimitExceeded.__name__,
                                               f"call graph still running after {rounds} rounds")
@@ -380,14 +411,12 @@ class EpochCoordinator:
                     replies.append(reply(tid, False, err=slow_track.failed[tid]))
                     done_reset.append(tid)
                     result.slow.append(tid)
-                    order.append(tid)
                     for e in touched:  # an abort is an outcome in TID order too: what it read is settled
                         committed_by[e] = max(committed_by.get(e, 0), tid)
                 else:
                     replies.append(reply(tid, True, slow_track.done[tid]))
                     done_apply.append(tid)
                     result.slow.append(tid)
-                    order.append(tid)
                     for e in touched:
                         committed_by[e] = max(committed_by.get(e, 0), tid)
             msgs = [m for m in msgs if m.tid in running]

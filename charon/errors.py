@@ -23,6 +23,19 @@ class SerializationError(CharonError):
     """A value (argument, state or return value) is not msgpack-serializable, or a payload is malformed."""
 
 
+class InvalidKey(CharonError):
+    """An entity key, item name or operator name breaks the rules of :mod:`charon.routing` (UTF-8, no NUL,
+    byte limits)."""
+
+
+class IdempotencyConflict(CharonError):
+    """A request id (``Idempotency-Key``) was reused with a different operator, key, function or arguments."""
+
+
+class LogUnavailable(CharonError):
+    """The input log could not take a request (e.g. it stayed locked); nothing was appended, retry later."""
+
+
 class PayloadTooLarge(CharonError):
     """A request body or argument list exceeds the configured limit."""
 
@@ -39,6 +52,10 @@ class IllegalAwait(CharonError):
     """A function awaited something other than ``ctx.call`` (functions cannot block on I/O)."""
 
 
+class EngineUnavailable(CharonError):
+    """The engine cannot answer now (starting, recovering from a failure, or stopped after one)."""
+
+
 #: Errors raised by the engine itself rather than by application code, looked up by name on decode.
 ENGINE_ERRORS: dict[str, type[CharonError]] = {
     cls.__name__: cls
@@ -47,6 +64,7 @@ ENGINE_ERRORS: dict[str, type[CharonError]] = {
         UnknownFunction,
         BadArguments,
         SerializationError,
+        InvalidKey,
         PayloadTooLarge,
         CallGraphLimitExceeded,
         NonDeterministicFunction,

@@ -1,39 +1,50 @@
 """HTTP gateway: the ASGI front door of a Charon runtime (starlette, served by uvicorn).
 
-Routes (every body is JSON unless the request says ``Content-Type: application/msgpack``; every response
-is JSON unless the request says ``Accept: application/msgpack``):
+Routes (bodies of mutating routes must be ``application/json`` or ``application/msgpack``, 415 otherwise; an
+empty body without a type means no arguments; every response is JSON unless the request says
+``Accept: application/msgpack``):
 
 - ``POST /invoke/{operator}/{key}/{function}`` with body ``{"args": [...]}`` runs one transaction.
-  200 ``{"request_id", "tid", "epoch", "value", "status": "committed"}`` when it committed;
-  409 ``{"error": {"type", "message"}, "request_id", "tid", "epoch", "status": "aborted"}`` when a function
-  in its call graph raised (nothing was applied). The ``Idempotency-Key`` header becomes the request id:
+  200 ``{"request_id", "tid", "epoch", "position", "value", "status": "committed"}`` when it committed;
+  409 ``{"error": {"type", "message"}, "request_id", "tid", "epoch", "position", "status": "aborted"}`` when
+  a function in its call graph raised (nothing was applied). Replies ordered by (epoch, position) form a
+  serial order equivalent to the execution. The ``Idempotency-Key`` header becomes the request id:
   a retried request executes once and every retry gets the first reply. ``?mode=async`` answers at once
   with 202 ``{"request_id", "status_url"}``. A synchronous call still unanswered after ``wait_timeout``
   seconds also turns into that 202 (the transaction keeps running).
 - ``GET /requests/{request_id}[?wait=SECONDS]`` polls: the reply (200 or 409 as above), 202
-  ``{"status": "pending"}``, or 404 when neither this gateway nor the runtime knows the id. ``wait``
-  long-polls up to that many seconds (at most 30) while the request is in flight here.
+  ``{"status": "pending"}`` (also for a request in the runtime's input log that this gateway never saw,
+  e.g. after a restart), or 404 when nobody knows the id. ``wait`` long-polls up to that many seconds (at
+  most 30) while the request is in flight here.
 - ``GET /state/{operator}/{key}`` returns ``{"operator", "key", "value"}`` (an admin read).
 - ``GET /health`` (open) and ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
   including one ``/invoke`` path per function of the application with its parameter names and types.
 
 Everything is checked *before* anything reaches the runtime (and so its input log): the bearer token
-(401; ``Authorization: Bearer <token>`` on every route but ``/health`` and ``/openapi.json`` when a token
-is configured), the body size (413, from ``Content-Length`` and again while streaming), the body syntax
-(400), the operator and function names (404) and the arguments' arity and types (422, through
-``Application.validate``). Keys may contain ``/`` (the last path segment is the function). Bodies are
-decoded with msgspec (JSON or msgpack); nothing is ever unpickled.
+(401), the body size (413, from ``Content-Length`` and again while streaming) and arrival time (408), the
+content type (415), the body syntax and plainness (400: malformed, non-UTF-8 strings, msgpack extension
+types, nesting deeper than ``max_depth``), the URL path (400 unless it percent-decodes to valid UTF-8), the
+key (400 ``InvalidKey``, by :func:`charon.routing.check_key`), the operator and function names (404) and the
+arguments' arity and types (422, through ``Application.validate``). Keys may contain ``/`` (the last path
+segment is the function). Bodies are decoded with msgspec; nothing is ever unpickled.
 
-Decisions: a reused ``Idempotency-Key`` returns the first reply even if the payload differs (the key
-*is* the request's identity, as in the runtime); requests without one get a fresh uuid4 hex id. The
-gateway keeps in-flight transactions in a map so concurrent duplicates share one submission, and a bounded
-cache of recent replies so polling works even where the runtime's own reply lookup is slow.
+Idempotency: a reused ``Idempotency-Key`` with the same operator, key, function and arguments gets the
+first reply; with anything else it is refused with 422 ``IdempotencyConflict`` (checked against the
+gateway's in-flight and recent requests and the runtime's input log, :func:`check_same_request`). Request
+ids are 1-200 characters of ``A-Z a-z 0-9 . _ ~ : @ + = -``; requests without one get a uuid4 hex id.
+Status URLs are relative, or under ``public_url``; never built from the ``Host`` header.
+
+Limits (:class:`charon.config.GatewayConfig`): retained replies are bounded by count and bytes, runtime
+reads run in a small thread pool (never on the event loop), and the uvicorn protocol closes connections
+that do not deliver a request head within ``header_timeout`` and caps open connections at
+``max_connections`` by shedding the one that has waited longest for its head.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import inspect
 import re
@@ -44,7 +55,9 @@ import typing
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
+from urllib.parse import quote, unquote_to_bytes
 
 import msgspec
 import uvicorn
@@ -52,17 +65,24 @@ from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from charon import serde
+from charon.config import GatewayConfig
 from charon.errors import (
     BadArguments,
     CharonError,
+    EngineUnavailable,
+    IdempotencyConflict,
+    InvalidKey,
     PayloadTooLarge,
     SerializationError,
     UnknownFunction,
     UnknownOperator,
 )
-from charon.messages import Reply
+from charon.logclient import check_same_request, stored_request
+from charon.messages import Reply, Request
+from charon.routing import check_key
 
 __all__ = ["RuntimeLike", "create_app", "serve", "BackgroundServer", "describe_app", "STATUS_OF_ERROR"]
 
@@ -72,14 +92,20 @@ STATUS_OF_ERROR: dict[str, int] = {
     "BadRequest": 400,
     "SerializationError": 400,
     "Unauthorized": 401,
+    "InvalidKey": 400,
     "NotFound": 404,
     "UnknownOperator": 404,
     "UnknownFunction": 404,
+    "RequestTimeout": 408,
     "PayloadTooLarge": 413,
+    "UnsupportedMediaType": 415,
     "BadArguments": 422,
+    "IdempotencyConflict": 422,
     "Unavailable": 503,
+    "LogUnavailable": 503,
 }
-_IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
+MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
+_IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._~:@+=-]{1,200}$")
 _json_enc = msgspec.json.Encoder()
 _json_dec = msgspec.json.Decoder()
 _mp_enc = msgspec.msgpack.Encoder()
@@ -87,7 +113,12 @@ _mp_dec = msgspec.msgpack.Decoder()
 
 
 class RuntimeLike(Protocol):
-    """What the gateway needs from a runtime (the in-process and the Spark runtime both provide it)."""
+    """What the gateway needs from a runtime (the in-process and the Spark runtime both provide it).
+
+    Optional: an ``input_log`` attribute (:class:`charon.log.InputLog`). With it, a request id reused for
+    another operation is refused from the log (not only from the gateway's memory), and a request in the log
+    without a reply polls as 202 pending (e.g. after a gateway restart) instead of 404.
+    """
 
     app: Any
 
@@ -202,6 +233,13 @@ def describe_app(app: Any) -> dict[str, dict[str, list[tuple[str, dict[str, Any]
     return out
 
 
+_POSITION_SCHEMA = {
+    "type": ["integer", "null"],
+    "description": "place in the epoch's serial order: replies ordered by (epoch, position) form a serial "
+    "order equivalent to the execution (increasing, not consecutive; null only for replies recorded before "
+    "positions existed)",
+}
+
 _ERROR_SCHEMA = {
     "type": "object",
     "properties": {
@@ -213,6 +251,7 @@ _ERROR_SCHEMA = {
         "request_id": {"type": "string"},
         "tid": {"type": "integer"},
         "epoch": {"type": "integer"},
+        "position": _POSITION_SCHEMA,
     },
     "required": ["error"],
 }
@@ -246,16 +285,18 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
                     {
                         "name": "Idempotency-Key",
                         "in": "header",
-                        "schema": {"type": "string", "maxLength": 200},
+                        "schema": {"type": "string", "pattern": _IDEMPOTENCY_KEY.pattern},
                     },
                 ],
                 "requestBody": {
-                    "required": False,
+                    "required": True,
                     "content": {
                         ctype: {
                             "schema": {
                                 "type": "object",
                                 "properties": {"args": args_schema},
+                                "required": ["args"],
+                                "additionalProperties": False,
                             }
                         }
                         for ctype in ("application/json", MSGPACK)
@@ -264,12 +305,15 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
                 "responses": {
                     "200": reply_ok,
                     "202": accepted,
-                    "400": err("malformed body"),
+                    "400": err("malformed body, invalid key (InvalidKey) or invalid Idempotency-Key"),
                     "401": err("missing or wrong bearer token"),
                     "404": err("unknown operator or function"),
+                    "408": err("the body did not arrive in time"),
                     "409": err("the transaction aborted: a function raised (error.type is its class name)"),
                     "413": err("body larger than the gateway's limit"),
-                    "422": err("wrong number or types of arguments"),
+                    "415": err("the body is neither application/json nor application/msgpack"),
+                    "422": err("wrong arguments (BadArguments), or an Idempotency-Key reused for another "
+                               "operation (IdempotencyConflict)"),
                     "503": err("the runtime could not take the request; retry with the same Idempotency-Key"),
                 },
             }
@@ -280,7 +324,7 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
             "name": name,
             "in": "path",
             "required": True,
-            "schema": {"type": "string"},
+            "schema": {"type": "string", "minLength": 1},
             "description": desc,
         }
 
@@ -300,13 +344,14 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
         operators[op] = {"functions": {}}
         for fn, params in fns.items():
             operators[op]["functions"][fn] = {"parameters": [{"name": n, "schema": s} for n, s in params]}
-            args_schema = {
+            args_schema: dict[str, Any] = {
                 "type": "array",
-                "prefixItems": [dict(s, title=n) for n, s in params],
                 "minItems": len(params),
                 "maxItems": len(params),
-                "description": "positional arguments: " + ", ".join(n for n, _ in params),
+                "description": "positional arguments: " + (", ".join(n for n, _ in params) or "none"),
             }
+            if params:
+                args_schema["prefixItems"] = [dict(s, title=n) for n, s in params]
             item = invoke_op(
                 f"{op}.{fn}({', '.join(n for n, _ in params)})",
                 args_schema,
@@ -324,10 +369,13 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
             ],
             "responses": {
                 "200": reply_ok,
-                "202": {"description": "still pending"},
+                "202": accepted,
+                "400": err("bad wait parameter"),
                 "401": err("missing or wrong bearer token"),
                 "404": err("unknown request id"),
                 "409": err("the transaction aborted"),
+                "422": err("the request id was reused for another operation"),
+                "503": err("the runtime could not take the request; retry with the same Idempotency-Key"),
             },
         }
     }
@@ -338,12 +386,16 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
             "parameters": [path_param("operator", "operator name"), path_param("key", "entity key")],
             "responses": {
                 "200": {"description": "the entity's value"},
+                "400": err("invalid key"),
                 "401": err("missing or wrong bearer token"),
                 "404": err("unknown operator"),
             },
         }
     }
-    paths["/health"] = {"get": {"summary": "Liveness", "responses": {"200": {"description": "ok"}}}}
+    paths["/health"] = {"get": {"summary": "Liveness", "responses": {
+        "200": {"description": "the runtime serves"},
+        "503": {"description": "the runtime does not serve (starting, recovering, failed, stopped)"},
+    }}}
     paths["/openapi.json"] = {
         "get": {"summary": "This document", "responses": {"200": {"description": "ok"}}}
     }
@@ -361,14 +413,19 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
                         "request_id": {"type": "string"},
                         "tid": {"type": "integer"},
                         "epoch": {"type": "integer"},
+                        "position": _POSITION_SCHEMA,
                         "value": {},
                         "status": {"type": "string", "enum": ["committed"]},
                     },
-                    "required": ["request_id", "tid", "epoch", "value"],
+                    "required": ["request_id", "tid", "epoch", "position", "value"],
                 },
                 "Accepted": {
                     "type": "object",
-                    "properties": {"request_id": {"type": "string"}, "status_url": {"type": "string"}},
+                    "properties": {
+                        "request_id": {"type": "string"},
+                        "status_url": {"type": "string"},
+                        "status": {"type": "string", "enum": ["pending"]},
+                    },
                 },
             },
         },
@@ -380,19 +437,25 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
 # The gateway
 
 
+def _reply_size(rep: Reply) -> int:
+    return 128 + len(rep.request_id) + len(rep.value) + len(rep.error_type) + len(rep.error_message)
+
+
 class _Gateway:
-    def __init__(
-        self, runtime: RuntimeLike, token: str | None, max_body: int, wait_timeout: float, recent: int
-    ) -> None:
+    def __init__(self, runtime: RuntimeLike, token: str | None, cfg: GatewayConfig) -> None:
         self.runtime = runtime
         self.token = token.encode() if token else None
-        self.max_body = max_body
-        self.wait_timeout = wait_timeout
+        self.cfg = cfg
+        self.max_body = cfg.max_body
+        self.wait_timeout = cfg.wait_timeout
+        # in-flight submissions and recent replies, each with the fingerprint of its request
         self.inflight: dict[str, asyncio.Future[Reply]] = {}
-        self.recent: OrderedDict[str, Reply] = OrderedDict()
-        self.recent_max = recent
+        self.inflight_req: dict[str, Request] = {}
+        self.recent: OrderedDict[str, tuple[Reply, Request]] = OrderedDict()
+        self.recent_size = 0
         self.known_ops = set(describe_app(runtime.app))
         self._openapi: bytes | None = None
+        self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
 
     # ---- helpers
 
@@ -406,6 +469,15 @@ class _Gateway:
         if not hmac.compare_digest(given.strip().encode(), self.token):
             raise _HTTPError("Unauthorized", "wrong bearer token")
 
+    async def off_loop(self, method: Callable[..., Any], *args: Any) -> Any:
+        """Call a runtime method without blocking the event loop (awaited if it is a coroutine function)."""
+        if inspect.iscoroutinefunction(method):
+            return await method(*args)
+        value = await asyncio.get_running_loop().run_in_executor(self._pool, method, *args)
+        if inspect.isawaitable(value):
+            value = await value
+        return value
+
     async def read_body(self, request: HTTPRequest) -> bytes:
         cl = request.headers.get("content-length")
         if cl is not None:
@@ -417,28 +489,39 @@ class _Gateway:
                 raise _HTTPError("PayloadTooLarge", f"body of {n} bytes exceeds the limit of {self.max_body}")
         chunks: list[bytes] = []
         total = 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > self.max_body:
-                raise _HTTPError("PayloadTooLarge", f"body exceeds the limit of {self.max_body} bytes")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout):
+                async for chunk in request.stream():
+                    total += len(chunk)
+                    if total > self.max_body:
+                        raise _HTTPError("PayloadTooLarge", f"body exceeds the limit of {self.max_body} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise _HTTPError("RequestTimeout", f"body not received within {self.cfg.body_timeout} s") from None
         return b"".join(chunks)
 
     def parse_args(self, request: HTTPRequest, body: bytes) -> list[Any]:
-        if not body.strip():
-            return []
-        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        raw_ctype = request.headers.get("content-type")
+        if raw_ctype is None and not body:
+            return []  # `POST` with no body at all: no arguments
+        ctype = (raw_ctype or "").split(";")[0].strip().lower()
         try:
-            if ctype in (MSGPACK, "application/x-msgpack", "application/vnd.msgpack"):
+            if ctype in MSGPACK_TYPES:
                 doc = _mp_dec.decode(body)
-            elif ctype in ("application/json", "", "text/json", "text/plain") or ctype.endswith("+json"):
+            elif ctype in ("application/json", "text/json") or (ctype.startswith("application/") and
+                                                                 ctype.endswith("+json")):
+                if not body.strip():
+                    return []
                 doc = _json_dec.decode(body)
-            elif ctype == "application/x-www-form-urlencoded" and body.lstrip()[:1] in (b"{", b"["):
-                doc = _json_dec.decode(body)  # `curl -d '{"args": ...}'` without a Content-Type header
             else:
-                raise _HTTPError("BadRequest", f"unsupported content type {ctype!r}", 415)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise _HTTPError(
+                    "UnsupportedMediaType",
+                    f"Content-Type must be application/json or {MSGPACK}, got {raw_ctype or 'none'!r}",
+                )
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise _HTTPError("BadRequest", f"malformed body: {exc}") from None
+        except RecursionError:
+            raise _HTTPError("BadRequest", "malformed body: nested too deeply") from None
         if not isinstance(doc, dict):
             raise _HTTPError("BadRequest", 'body must be an object {"args": [...]}')
         extra = set(doc) - {"args"}
@@ -447,54 +530,109 @@ class _Gateway:
         args = doc.get("args", [])
         if not isinstance(args, list):
             raise _HTTPError("BadArguments", '"args" must be a list of positional arguments')
+        try:
+            serde.check_plain(args, self.cfg.max_depth)
+        except SerializationError as exc:
+            raise _HTTPError("BadRequest", f"malformed body: {exc}") from None
         return args
 
-    def validate(self, operator: str, function: str, args: list[Any]) -> None:
+    def validate(self, operator: str, key: str, function: str, args: list[Any]) -> Request:
+        """The request, if its names, key and arguments are valid (typed 4xx otherwise)."""
         try:
-            self.runtime.app.validate(operator, function, args)
-        except (UnknownOperator, UnknownFunction, BadArguments, PayloadTooLarge, SerializationError) as exc:
+            self.runtime.app.validate(operator, function, args, key=key)
+            return Request("", operator, key, function, serde.encode(list(args)))
+        except (UnknownOperator, UnknownFunction, BadArguments, PayloadTooLarge, SerializationError,
+                InvalidKey) as exc:
             raise _HTTPError(type(exc).__name__, str(exc) or type(exc).__name__) from None
 
-    def request_id(self, request: HTTPRequest) -> str:
+    def request_id(self, request: HTTPRequest) -> str | None:
         rid = request.headers.get("idempotency-key")
         if rid is None:
-            return uuid.uuid4().hex
+            return None
         if not _IDEMPOTENCY_KEY.match(rid):
-            raise _HTTPError("BadRequest", "Idempotency-Key must be 1-200 printable ASCII characters")
+            raise _HTTPError(
+                "BadRequest", "Idempotency-Key must be 1-200 characters of A-Z a-z 0-9 and . _ ~ : @ + = -"
+            )
         return rid
 
-    def start(
-        self, rid: str, operator: str, key: str, function: str, args: list[Any]
-    ) -> asyncio.Future[Reply]:
+    def conflict(self, req: Request) -> None:
+        """422 if a request id this gateway knows was used for another operation."""
+        known = self.inflight_req.get(req.request_id)
+        if known is None:
+            entry = self.recent.get(req.request_id)
+            known = entry[1] if entry is not None else None
+        try:
+            check_same_request(known, req)
+        except IdempotencyConflict as exc:
+            raise _HTTPError("IdempotencyConflict", str(exc)) from None
+
+    async def check_log(self, req: Request) -> None:
+        """422 if the runtime's input log holds this request id for another operation."""
+        log = getattr(self.runtime, "input_log", None)
+        if log is None or req.request_id in self.inflight or req.request_id in self.recent:
+            return
+        stored = await self.off_loop(stored_request, log, req.request_id)
+        self.conflict(req)  # the caches may have learned the id meanwhile
+        try:
+            check_same_request(stored, req)
+        except IdempotencyConflict as exc:
+            raise _HTTPError("IdempotencyConflict", str(exc)) from None
+
+    def start(self, req: Request, args: list[Any]) -> asyncio.Future[Reply]:
+        rid = req.request_id
+        self.conflict(req)
         fut = self.inflight.get(rid)
         if fut is not None:
             return fut
         loop = asyncio.get_running_loop()
-        rep = self.recent.get(rid)
-        if rep is not None:
+        entry = self.recent.get(rid)
+        if entry is not None:
             done: asyncio.Future[Reply] = loop.create_future()
-            done.set_result(rep)
+            done.set_result(entry[0])
             return done
-        task = asyncio.ensure_future(self.runtime.submit(operator, key, function, args, request_id=rid))
+        task = asyncio.ensure_future(
+            self.runtime.submit(req.operator, req.key, req.function, args, request_id=rid)
+        )
         self.inflight[rid] = task
+        self.inflight_req[rid] = req
         task.add_done_callback(lambda t: self._finished(rid, t))
         return task
 
     def _finished(self, rid: str, task: asyncio.Future[Reply]) -> None:
         if self.inflight.get(rid) is task:
             del self.inflight[rid]
+            req = self.inflight_req.pop(rid)
+        else:  # pragma: no cover - a finished task is replaced only after it finished
+            return
         if task.cancelled() or task.exception() is not None:
             return
-        self.recent[rid] = task.result()
-        self.recent.move_to_end(rid)
-        while len(self.recent) > self.recent_max:
-            self.recent.popitem(last=False)
+        self.remember(task.result(), req)
 
-    def lookup(self, rid: str) -> Reply | None:
-        rep = self.recent.get(rid)
-        if rep is None:
-            rep = self.runtime.get_reply(rid)
-        return rep
+    def remember(self, rep: Reply, req: Request) -> None:
+        """Keep a reply for polls and retries, within the count and byte bounds."""
+        old = self.recent.pop(rep.request_id, None)
+        if old is not None:
+            self.recent_size -= _reply_size(old[0])
+        self.recent[rep.request_id] = (rep, req)
+        self.recent_size += _reply_size(rep)
+        while self.recent and (
+            len(self.recent) > self.cfg.recent_replies or self.recent_size > self.cfg.recent_bytes
+        ):
+            _, (dropped, _) = self.recent.popitem(last=False)
+            self.recent_size -= _reply_size(dropped)
+
+    async def lookup(self, rid: str) -> Reply | None:
+        entry = self.recent.get(rid)
+        if entry is not None:
+            return entry[0]
+        return await self.off_loop(self.runtime.get_reply, rid)
+
+    async def known_pending(self, rid: str) -> bool:
+        """Whether the runtime's input log holds the request (it is pending if it has no reply)."""
+        log = getattr(self.runtime, "input_log", None)
+        if log is None:
+            return False
+        return bool(await self.off_loop(log.contains, rid))
 
     # ---- responses
 
@@ -502,9 +640,13 @@ class _Gateway:
     def respond(
         request: HTTPRequest, status: int, body: Any, headers: dict[str, str] | None = None
     ) -> Response:
-        if MSGPACK in request.headers.get("accept", ""):
-            return Response(_mp_enc.encode(body), status, headers=headers, media_type=MSGPACK)
-        return Response(_json_enc.encode(body), status, headers=headers, media_type="application/json")
+        mp = MSGPACK in request.headers.get("accept", "")
+        try:
+            data = _mp_enc.encode(body) if mp else _json_enc.encode(body)
+        except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:  # a stored value it cannot show
+            status, mp = 500, False
+            data = _json_enc.encode({"error": {"type": "SerializationError", "message": f"cannot encode: {exc}"}})
+        return Response(data, status, headers=headers, media_type=MSGPACK if mp else "application/json")
 
     def reply_response(self, request: HTTPRequest, rep: Reply) -> Response:
         if rep.ok:
@@ -516,6 +658,7 @@ class _Gateway:
                 "request_id": rep.request_id,
                 "tid": rep.tid,
                 "epoch": rep.epoch,
+                "position": rep.position,
                 "value": value,
                 "status": "committed",
             }
@@ -525,12 +668,19 @@ class _Gateway:
             "request_id": rep.request_id,
             "tid": rep.tid,
             "epoch": rep.epoch,
+            "position": rep.position,
             "status": "aborted",
         }
         return self.respond(request, 409, body)
 
+    def status_url(self, request: HTTPRequest, rid: str) -> str:
+        """The poll URL of a request: under the configured public URL, else relative (never the Host header)."""
+        path = f"{request.scope.get('root_path', '')}/requests/{quote(rid, safe='')}"
+        base = self.cfg.public_url
+        return base.rstrip("/") + path if base else path
+
     def accepted(self, request: HTTPRequest, rid: str) -> Response:
-        url = str(request.url_for("request_status", request_id=rid))
+        url = self.status_url(request, rid)
         return self.respond(
             request, 202, {"request_id": rid, "status_url": url, "status": "pending"}, {"Location": url}
         )
@@ -545,13 +695,16 @@ class _Gateway:
         mode = request.query_params.get("mode", "sync")
         if mode not in ("sync", "async"):
             raise _HTTPError("BadRequest", "mode must be 'sync' or 'async'")
-        if not key:
-            raise _HTTPError("BadRequest", "empty key")
-        rid = self.request_id(request)
+        given = self.request_id(request)
         body = await self.read_body(request)
         args = self.parse_args(request, body)
-        self.validate(operator, function, args)
-        fut = self.start(rid, operator, key, function, args)
+        req = self.validate(operator, key, function, args)
+        rid = given or uuid.uuid4().hex
+        req = Request(rid, req.operator, req.key, req.function, req.args)
+        if given is not None:
+            self.conflict(req)
+            await self.check_log(req)
+        fut = self.start(req, args)
         if mode == "async":
             return self.accepted(request, rid)
         return await self.await_reply(request, rid, fut, self.wait_timeout)
@@ -575,16 +728,23 @@ class _Gateway:
     async def request_status(self, request: HTTPRequest) -> Response:
         self.check_auth(request)
         rid = request.path_params["request_id"]
+        try:
+            wait = min(max(float(request.query_params.get("wait", 0)), 0.0), 30.0)
+        except ValueError:
+            raise _HTTPError("BadRequest", "wait must be a number of seconds") from None
+        if wait != wait:  # NaN
+            raise _HTTPError("BadRequest", "wait must be a number of seconds")
         fut = self.inflight.get(rid)
         if fut is not None:
-            try:
-                wait = min(max(float(request.query_params.get("wait", 0)), 0.0), 30.0)
-            except ValueError:
-                raise _HTTPError("BadRequest", "wait must be a number of seconds") from None
             return await self.await_reply(request, rid, fut, wait)
-        rep = self.lookup(rid)
+        rep = await self.lookup(rid)
         if rep is None:
-            raise _HTTPError("NotFound", f"unknown request id {rid!r}")
+            if await self.known_pending(rid):  # e.g. accepted before a gateway restart
+                rep = await self.lookup(rid)  # it may have been answered in between
+                if rep is None:
+                    return self.accepted(request, rid)
+            else:
+                raise _HTTPError("NotFound", f"unknown request id {rid!r}")
         return self.reply_response(request, rep)
 
     async def state(self, request: HTTPRequest) -> Response:
@@ -593,13 +753,21 @@ class _Gateway:
         key = request.path_params["key"]
         if self.known_ops and operator not in self.known_ops:
             raise _HTTPError("UnknownOperator", f"unknown operator {operator!r}")
-        value = self.runtime.read_state(operator, key)
-        if inspect.isawaitable(value):
-            value = await value
+        try:
+            check_key(key)
+        except InvalidKey as exc:
+            raise _HTTPError("InvalidKey", str(exc)) from None
+        value = await self.off_loop(self.runtime.read_state, operator, key)
         return self.respond(request, 200, {"operator": operator, "key": key, "value": value})
 
     async def health(self, request: HTTPRequest) -> Response:
-        return self.respond(request, 200, {"status": "ok", "inflight": len(self.inflight)})
+        """200 while the runtime serves; 503 with its state (status, epoch, last error...) otherwise."""
+        probe = getattr(self.runtime, "health", None)
+        doc: dict[str, Any] = {"status": "ok", "ok": True}
+        if probe is not None:
+            doc = await self.off_loop(probe)
+        doc["inflight"] = len(self.inflight)
+        return self.respond(request, 200 if doc.get("ok", True) else 503, doc)
 
     async def openapi(self, request: HTTPRequest) -> Response:
         if self._openapi is None:
@@ -613,9 +781,11 @@ def _guard(
     async def endpoint(request: HTTPRequest) -> Response:
         try:
             return await fn(request)
+        except EngineUnavailable as exc:  # the runtime cannot serve (recovering, failed): retry later
+            return gw.respond(request, 503, {"error": {"type": "Unavailable", "message": str(exc)}})
         except _HTTPError as exc:
             headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-            if exc.status == 413:
+            if exc.status in (408, 413):
                 headers = {"Connection": "close"}
             return gw.respond(
                 request, exc.status, {"error": {"type": exc.error_type, "message": exc.message}}, headers
@@ -624,6 +794,33 @@ def _guard(
     endpoint.__name__ = fn.__name__
     endpoint.__doc__ = fn.__doc__
     return endpoint
+
+
+class _StrictPath:
+    """ASGI middleware: the URL path is percent-decoded strictly as UTF-8 (400 otherwise).
+
+    Servers decode ``%FF`` to U+FFFD, so ``%FF`` and ``%FE`` would name one entity; this re-decodes the raw
+    path and rejects invalid UTF-8 instead of replacing it.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("raw_path") is not None:
+            root = scope.get("root_path", "")
+            try:
+                scope = dict(scope, path=root + unquote_to_bytes(scope["raw_path"][len(root):]).decode("utf-8"))
+            except UnicodeDecodeError:
+                body = _json_enc.encode(
+                    {"error": {"type": "InvalidKey", "message": "the URL path is not valid UTF-8"}}
+                )
+                await send({"type": "http.response.start", "status": 400,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 async def _call_lifecycle(method: Callable[[], Any]) -> None:
@@ -638,20 +835,25 @@ def create_app(
     runtime: RuntimeLike,
     *,
     token: str | None,
-    max_body: int = 1 << 20,
-    wait_timeout: float = 25.0,
+    max_body: int | None = None,
+    wait_timeout: float | None = None,
     manage_runtime: bool = False,
-    recent_replies: int = 100_000,
-) -> Starlette:
+    recent_replies: int | None = None,
+    config: GatewayConfig | None = None,
+) -> Any:
     """Build the gateway's ASGI app over ``runtime``.
 
     ``token``: the bearer token required on every route but ``/health`` and ``/openapi.json`` (``None``
-    disables authentication: development only). ``max_body``: the largest request body in bytes.
-    ``wait_timeout``: how long a synchronous invoke waits before answering 202 with a status URL.
+    disables authentication: development only). ``config``: limits and settings (default
+    :meth:`GatewayConfig.from_env`); ``max_body``, ``wait_timeout`` and ``recent_replies`` override it.
     ``manage_runtime``: start and stop the runtime with the app's lifespan (the runtime then lives on the
     server's event loop, which is what the in-process runtime needs).
     """
-    gw = _Gateway(runtime, token, max_body, wait_timeout, recent_replies)
+    cfg = dataclasses.replace(config) if config is not None else GatewayConfig.from_env()
+    for name, value in (("max_body", max_body), ("wait_timeout", wait_timeout), ("recent_replies", recent_replies)):
+        if value is not None:
+            setattr(cfg, name, value)
+    gw = _Gateway(runtime, token, cfg)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -665,6 +867,7 @@ def create_app(
                 await asyncio.wait(pending, timeout=5.0)
             if manage_runtime:
                 await _call_lifecycle(runtime.stop)  # type: ignore[attr-defined]
+            gw._pool.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route(
@@ -680,7 +883,75 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.gateway = gw
     app.state.runtime = runtime
-    return app
+    outer = _StrictPath(app)
+    outer.state = app.state  # type: ignore[attr-defined]
+    outer.config = cfg  # type: ignore[attr-defined]
+    return outer
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with a request-head timeout and a connection cap (slow-loris protection).
+
+    A connection must deliver a complete request head within ``header_timeout`` seconds of opening (or of
+    its previous response); at ``max_connections`` open connections, the one that has waited longest for
+    its request head is closed to admit the new one (if none is waiting, the new one is closed).
+    """
+
+    header_timeout = 10.0
+    max_connections = 1000
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_since = 0.0
+        self._arm_head_timer()
+        if len(self.connections) > self.max_connections:
+            waiting = [c for c in self.connections if getattr(c, "_head_timer", None) is not None and c is not self]
+            victim = min(waiting, key=lambda c: c._head_since) if waiting else self
+            victim._close_idle()
+
+    def _arm_head_timer(self) -> None:
+        self._head_cycle = self.cycle
+        self._head_since = self.loop.time()
+        self._head_timer = self.loop.call_later(self.header_timeout, self._close_idle)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _close_idle(self) -> None:
+        self._disarm_head_timer()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._head_timer is not None and self.cycle is not self._head_cycle:
+            self._disarm_head_timer()  # a request head arrived
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._disarm_head_timer()
+            self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+
+def uvicorn_config(app: Any, host: str, port: int, cfg: GatewayConfig, log_level: str = "warning") -> uvicorn.Config:
+    """The uvicorn configuration that enforces ``cfg``'s connection limits and timeouts."""
+    protocol = type(
+        "CharonH11", (_GuardedH11,), {"header_timeout": cfg.header_timeout, "max_connections": cfg.max_connections}
+    )
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False, http=protocol,
+        timeout_keep_alive=int(max(1, cfg.keep_alive)), h11_max_incomplete_event_size=cfg.max_header_bytes,
+        backlog=min(2048, max(128, cfg.max_connections)),
+        timeout_graceful_shutdown=10,
+    )
 
 
 def serve(
@@ -689,12 +960,21 @@ def serve(
     port: int = 8000,
     token: str | None = None,
     *,
-    max_body: int = 1 << 20,
+    max_body: int | None = None,
     log_level: str = "warning",
+    recent_replies: int | None = None,
+    config: GatewayConfig | None = None,
 ) -> None:
-    """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it."""
-    app = create_app(runtime, token=token, max_body=max_body, manage_runtime=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False)
+    """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it.
+
+    Settings come from ``config`` (default :meth:`GatewayConfig.from_env`); ``max_body`` and
+    ``recent_replies`` override it when given.
+    """
+    app = create_app(
+        runtime, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config
+    )
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
+        uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level)).run()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -717,19 +997,17 @@ class BackgroundServer:
         token: str | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
-        max_body: int = 1 << 20,
-        wait_timeout: float = 25.0,
+        max_body: int | None = None,
+        wait_timeout: float | None = None,
+        config: GatewayConfig | None = None,
     ) -> None:
         self.runtime = runtime
         self.host = host
         self.port = port or free_port(host)
         self.app = create_app(
-            runtime, token=token, max_body=max_body, wait_timeout=wait_timeout, manage_runtime=True
+            runtime, token=token, max_body=max_body, wait_timeout=wait_timeout, manage_runtime=True, config=config
         )
-        config = uvicorn.Config(
-            self.app, host=host, port=self.port, log_level="warning", lifespan="on", access_log=False
-        )
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(self.app, host, self.port, self.app.config))
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -223,11 +223,16 @@ class LmdbStore:
             t.put(_EPOCH_KEY, _EPOCH.pack(epoch), db=h.meta)
         self.bytes_written += written
 
-    def _replace_all(self, epoch: int, items: Iterable[tuple[bytes, bytes]]) -> None:
+    def _replace_all(
+        self, epoch: int, items: Iterable[tuple[bytes, bytes]], expect: int | None | bool = False
+    ) -> None:
         """Replace the whole local state (sorted items) and the epoch marker in one transaction."""
         h = self._env
         written = 0
         with h.env.begin(write=True, db=h.data) as t:
+            if expect is not False and self._local_epoch(t) != expect:
+                t.abort()  # another process moved the local copy meanwhile: leave it
+                return
             t.drop(h.data, delete=False)
             cur = t.cursor()
             for k, v in items:
@@ -246,31 +251,50 @@ class LmdbStore:
         self._replace_all(epoch, rows)
 
     # ---- versioning ---------------------------------------------------------------------------
+    # Two operations, one owner each: ``catch_up`` only ever moves the local copy forward (anyone may call
+    # it, e.g. state reads); ``ensure_epoch`` may also roll back, and only an epoch's rounds call it (the
+    # driver runs epoch N+1 only when it decided that nothing after N is committed: its crash recovery).
+    def catch_up(self, epoch: int) -> int:
+        """Bring the local copy forward to at least ``epoch`` from the durable copy; never backward.
+
+        Returns the local epoch afterwards (> ``epoch`` when the copy was already ahead)."""
+        self.end_read()
+        while True:  # another process may move the copy meanwhile: look again after each step
+            with self._txn() as t:
+                cur = self._local_epoch(t)
+            if cur is not None and cur >= epoch:
+                return cur
+            self._forward(cur, epoch)
+
     def ensure_epoch(self, epoch: int) -> None:
-        """Make the local copy hold exactly the state as of ``epoch`` (call before an epoch's reads).
+        """Make the local copy hold exactly the state as of ``epoch`` (an epoch's rounds call this, only).
 
         Missing or behind: apply the missing durable deltas (or reload fully if they were compacted).
         Ahead (an epoch replayed after a crash): forget the durable epochs after ``epoch`` and rebuild
-        the local copy as of ``epoch``.
+        the local copy as of ``epoch``. State reads must use :meth:`catch_up` / :meth:`read_at` instead.
         """
-        self.end_read()
-        with self._txn() as t:
-            cur = self._local_epoch(t)
-        if cur == epoch:
-            return
+        cur = self.catch_up(epoch)
+        if cur > epoch:
+            self._rewind(epoch)
+
+    def _rewind(self, epoch: int) -> None:
+        d = self.durable
+        if d is None:
+            raise StoreError(f"p{self.pid}: local copy ahead of {epoch}, and no durable copy")
+        try:
+            d.truncate_after(self.pid, epoch)
+        except DurableStateError as e:
+            raise StoreError(str(e)) from e
+        self._reload(epoch)
+
+    def _forward(self, cur: int | None, epoch: int) -> None:
+        """Apply durable deltas (cur, epoch]; nothing if another process moved the local copy meanwhile."""
         d = self.durable
         if d is None:
             raise StoreError(f"p{self.pid}: local copy at {cur}, need {epoch}, and no durable copy")
-        if cur is not None and cur > epoch:
-            try:
-                d.truncate_after(self.pid, epoch)
-            except DurableStateError as e:
-                raise StoreError(str(e)) from e
-            self._reload(epoch)
-            return
         got = d.deltas_after(self.pid, cur, epoch) if cur is not None else None
         if got is None:
-            self._reload(epoch)
+            self._reload(epoch, expect=cur)
             return
         deltas, reached = got
         if reached < epoch:
@@ -281,14 +305,37 @@ class LmdbStore:
         with h.env.begin(write=True, db=h.data) as t:
             if self._local_epoch(t) != cur:
                 t.abort()
-                return self.ensure_epoch(epoch)  # another process moved it meanwhile
+                return  # another process moved it meanwhile
             for _, delta in deltas:
                 written += _apply(t, delta)
             t.put(_EPOCH_KEY, _EPOCH.pack(epoch), db=h.meta)
         self.bytes_written += written
         self.bytes_read += d.bytes_read - before
 
-    def _reload(self, epoch: int) -> None:
+    def read_at(self, epoch: int, keys: list[bytes]) -> dict[bytes, bytes | None]:
+        """The values of ``keys`` as of exactly ``epoch`` (a consistent cut), never moving state back.
+
+        Catches the local copy up if it is behind; if it is already ahead (a later epoch finalized but not
+        yet recorded), the keys are read as of ``epoch`` from the durable copy instead."""
+        self.catch_up(epoch)
+        with self.reading():
+            local = self.epoch
+            if local == epoch:
+                return {k: self.get(k) for k in keys}
+        d = self.durable
+        if d is None:
+            raise StoreError(f"p{self.pid}: local copy at {local}, need {epoch}, and no durable copy")
+        try:
+            got, reached = d.read_keys(self.pid, keys, epoch)
+        except DurableStateError as e:
+            raise StoreError(str(e)) from e
+        if reached < epoch:
+            raise StoreError(f"p{self.pid}: durable copy reaches only epoch {reached}, need {epoch}")
+        return got
+
+    def _reload(self, epoch: int, expect: int | None | bool = False) -> None:
+        """Replace the local copy by the durable state as of ``epoch`` (if the local epoch is still
+        ``expect``, when given: a catch-up must not undo another process's progress)."""
         d = self.durable
         assert d is not None
         before = d.bytes_read
@@ -299,7 +346,7 @@ class LmdbStore:
         self.bytes_read += d.bytes_read - before
         if reached < epoch:
             raise StoreError(f"p{self.pid}: durable copy reaches only epoch {reached}, need {epoch}")
-        self._replace_all(epoch, sorted(state.items()))
+        self._replace_all(epoch, sorted(state.items()), expect)
 
     def compact_durable(self, upto_epoch: int) -> bool:
         """Compact this partition's durable copy up to ``upto_epoch`` (only epochs committed for good)."""

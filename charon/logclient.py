@@ -3,28 +3,69 @@
 Used by the Spark runtime's ``submit`` (and so by the gateway): appends are group-committed (one SQLite
 transaction for every request that arrived in the last few milliseconds, after S-Store's group commit),
 and a single task tails the output log and resolves the waiting futures, instead of every request polling.
+
+Failure behaviour: an append that fails (e.g. the log stays locked longer than SQLite's busy wait) is
+retried with exponential backoff for up to ``append_retry_s`` seconds; if it still fails, the waiters of
+that batch get :class:`~charon.errors.LogUnavailable` (nothing of theirs was appended, a retry with the
+same request id is safe) and the pump keeps serving everyone else. A request id already in the log with a
+different operator, key, function or arguments raises :class:`~charon.errors.IdempotencyConflict`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import sqlite3
 import time
 import uuid
 
 from charon import serde
+from charon.errors import IdempotencyConflict, LogUnavailable
 from charon.log import InputLog, OutputLog
 from charon.messages import Reply, Request
+from charon.routing import check_key
+
+log = logging.getLogger(__name__)
+
+
+def check_same_request(stored: Request | None, req: Request) -> None:
+    """Raise IdempotencyConflict if ``req`` reuses ``stored``'s id for another operation (the one rule)."""
+    if stored is None:
+        return
+    if (stored.operator, stored.key, stored.function) != (req.operator, req.key, req.function):
+        what = f"{stored.operator}/{stored.key}.{stored.function}"
+    elif stored.args != req.args:
+        what = f"{stored.operator}/{stored.key}.{stored.function} with other arguments"
+    else:
+        return
+    raise IdempotencyConflict(f"request id {req.request_id!r} was already used for {what}")
+
+
+def stored_request(input_log: InputLog, request_id: str) -> Request | None:
+    """The request appended under ``request_id`` if the log still holds it (None if unknown or truncated)."""
+    pos = input_log.position(request_id)
+    if pos is None:
+        return None
+    try:
+        got = input_log.read(pos[0], pos[1], pos[1] + 1)
+    except ValueError:  # truncated
+        return None
+    return got[0] if got else None
 
 
 class LogClient:
     """Async submit over an input log and an output log (one instance per event loop)."""
 
-    def __init__(self, input_log: InputLog, output_log: OutputLog, poll_s: float = 0.003) -> None:
+    def __init__(
+        self, input_log: InputLog, output_log: OutputLog, poll_s: float = 0.003, append_retry_s: float = 60.0
+    ) -> None:
         self.input_log = input_log
         self.output_log = output_log
         self.poll_s = poll_s
+        self.append_retry_s = append_retry_s
         self._pending: list[Request] = []
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._requests: dict[str, Request] = {}  # the request of each waiter (for the conflict check)
         self._seq = output_log.last_seq()
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -33,37 +74,94 @@ class LogClient:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._pump())
 
+    def _lookup(self, rid: str) -> tuple[Reply | None, Request | None]:
+        return self.output_log.get(rid), stored_request(self.input_log, rid)
+
+    def is_pending(self, request_id: str) -> bool:
+        """Whether the request is in the input log (or waiting to be appended here) but not answered."""
+        if request_id in self._waiters:
+            return True
+        return self.output_log.get(request_id) is None and self.input_log.contains(request_id)
+
     async def submit(
         self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None,
         timeout: float = 120.0,
     ) -> Reply:
         """Append one request (group-committed) and wait for its reply; a known request id runs once."""
-        rid = request_id or uuid.uuid4().hex
+        check_key(key)  # the log cannot hold every string (lone surrogates); the engine checks the rest again
+        req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
+        rid = req.request_id
         fut = self._waiters.get(rid)
-        if fut is None:
-            done = self.output_log.get(rid)
+        if fut is None and request_id is not None:
+            done, stored = await asyncio.to_thread(self._lookup, rid)
+            check_same_request(stored, req)
             if done is not None:
                 return done
+            fut = self._waiters.get(rid)  # another submit of this id may have registered meanwhile
+        if fut is None:
             fut = self._waiters[rid] = asyncio.get_running_loop().create_future()
-            self._pending.append(Request(rid, operator, key, function, serde.encode(list(args)), time.time()))
+            self._requests[rid] = req
+            self._pending.append(req)
             self._wake.set()
+        else:
+            check_same_request(self._requests.get(rid), req)
         self._ensure_task()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             raise TimeoutError(f"no reply for request {rid} within {timeout} s") from None
 
+    def _resolve(self, rid: str, rep: Reply | None = None, exc: BaseException | None = None) -> None:
+        fut = self._waiters.pop(rid, None)
+        self._requests.pop(rid, None)
+        if fut is not None and not fut.done():
+            if exc is not None:
+                fut.set_exception(exc)
+                fut.exception()  # a waiter may have timed out: never warn "exception never retrieved"
+            else:
+                fut.set_result(rep)
+
+    async def _append(self, batch: list[Request]) -> None:
+        """Append with retries and backoff; on final failure fail the batch's waiters (never the pump)."""
+        deadline = time.monotonic() + self.append_retry_s
+        delay = 0.05
+        while True:
+            try:
+                await asyncio.to_thread(self.input_log.append_many, batch)
+                return
+            except (sqlite3.Error, OSError) as exc:
+                if time.monotonic() + delay > deadline:
+                    log.warning("input log append failed for %d request(s): %s", len(batch), exc)
+                    err = LogUnavailable(f"the input log did not take the request: {exc}; retry with the same id")
+                    for req in batch:
+                        self._resolve(req.request_id, exc=err)
+                    return
+                log.info("input log append failed (%s); retrying in %.2f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except Exception as exc:  # not transient (e.g. an unencodable request): fail it alone, not the pump
+                if len(batch) > 1:
+                    for req in batch:
+                        await self._append([req])
+                    return
+                log.warning("input log refused request %r: %s", batch[0].request_id, exc)
+                self._resolve(batch[0].request_id, exc=LogUnavailable(f"the input log refused the request: {exc}"))
+                return
+
     async def _pump(self) -> None:
         while self._waiters or self._pending:
-            if self._pending:
-                batch, self._pending = self._pending, []
-                await asyncio.to_thread(self.input_log.append_many, batch)
-            rows = await asyncio.to_thread(self.output_log.read_since, self._seq, 100_000)
+            try:
+                if self._pending:
+                    batch, self._pending = self._pending, []
+                    await self._append(batch)
+                rows = await asyncio.to_thread(self.output_log.read_since, self._seq, 100_000)
+            except (sqlite3.Error, OSError) as exc:  # the output log is briefly unavailable: try again
+                log.info("output log read failed (%s); retrying", exc)
+                await asyncio.sleep(0.1)
+                continue
             for seq, rep in rows:
                 self._seq = max(self._seq, seq)
-                fut = self._waiters.pop(rep.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(rep)
+                self._resolve(rep.request_id, rep)
             if not rows:
                 self._wake.clear()
                 try:

@@ -17,7 +17,13 @@ class Request(msgspec.Struct, frozen=True):
 
 
 class Reply(msgspec.Struct, frozen=True):
-    """The outcome of one request, delivered exactly once per ``request_id``."""
+    """The outcome of one request, delivered exactly once per ``request_id``.
+
+    ``position`` is the transaction's place in its epoch's serial order: ordering replies by
+    (epoch, position) gives a serial order equivalent to what the engine executed (positions are
+    increasing, not consecutive; see ``charon.epoch.position``). None only in replies recorded before
+    positions existed.
+    """
 
     request_id: str
     tid: int
@@ -26,3 +32,4 @@ class Reply(msgspec.Struct, frozen=True):
     value: bytes = b""  # msgpack-encoded return value when ok
     error_type: str = ""
     error_message: str = ""
+    position: int | None = None

@@ -9,7 +9,8 @@ from typing import Any
 
 import msgspec
 
-from charon.errors import BadArguments, UnknownFunction, UnknownOperator
+from charon.errors import BadArguments, InvalidKey, UnknownFunction, UnknownOperator
+from charon.routing import check_key, check_operator_name
 
 FunctionBody = Callable[..., Coroutine[Any, Any, Any]]
 _FAST: dict[Any, tuple[type, ...]] = {int: (int,), str: (str,), bool: (bool,), float: (float, int), bytes: (bytes,)}
@@ -94,8 +95,10 @@ class Operator:
     """An entity type: state partitioned by key, and the functions that run on one entity at a time."""
 
     def __init__(self, name: str) -> None:
-        if not name or "\0" in name or "/" in name:
-            raise ValueError(f"invalid operator name {name!r}")
+        try:
+            check_operator_name(name)
+        except InvalidKey as exc:
+            raise ValueError(f"invalid operator name {name!r}: {exc}") from None
         self.name = name
         self.functions: dict[str, Function] = {}
 
@@ -142,11 +145,18 @@ class Application:
         self._resolved[(op_name, fn_name)] = fn
         return fn
 
-    def validate(self, operator: str, function: str, args: list | tuple) -> Function:
-        """Check a request before it enters the log: names exist and arguments fit."""
+    def validate(
+        self, operator: str | Operator, function: str | Function, args: list | tuple, key: object = None
+    ) -> Function:
+        """Check a request before it enters the log: names exist, the key is valid and arguments fit.
+
+        ``key`` is checked with :func:`charon.routing.check_key` unless it is ``None``.
+        """
         if not isinstance(args, list | tuple):
             raise BadArguments("args must be a list")
         fn = self.resolve(operator, function)
+        if key is not None:
+            check_key(key)
         fn.check_args(args)
         return fn
 

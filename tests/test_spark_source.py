@@ -187,20 +187,22 @@ def test_replies_stream_exactly_once(spark: Any, tmp_path: Path) -> None:
     lock = threading.Lock()
 
     def sink(df: Any, batch_id: int) -> None:
-        rows = sorted((r.seq, r.request_id, r.epoch, r.ok) for r in df.collect())
+        rows = sorted((r.seq, r.request_id, r.epoch, r.ok, r.position) for r in df.collect())
         with lock:
             if any(b == batch_id for b, _, _ in seen):
                 # a batch stopped before Spark committed it is replayed with the same id and offsets:
                 # an idempotent sink (keyed by batch id) sees it once
-                assert [(s, rid) for b, s, rid in seen if b == batch_id] == [(s, rid) for s, rid, _, _ in rows]
+                assert [(s, rid) for b, s, rid in seen if b == batch_id] == [(s, rid) for s, rid, *_ in rows]
                 return
-            seen.extend((batch_id, s, rid) for s, rid, _, _ in rows)
-        for s, rid, epoch, ok in rows:
-            assert out.get(rid) == Reply(rid, tid=s * 10, epoch=epoch, ok=ok)
+            seen.extend((batch_id, s, rid) for s, rid, *_ in rows)
+        for s, rid, epoch, ok, position in rows:
+            assert out.get(rid) == Reply(rid, tid=s * 10, epoch=epoch, ok=ok, position=position)
+            assert position == (None if epoch == 0 else 100 - s)  # carried as stored (epoch 0: no position)
 
     def put_epoch(epoch: int, n: int) -> None:
         base = out.last_seq()
-        replies = [Reply(f"e{epoch}-{i}", tid=(base + i + 1) * 10, epoch=epoch, ok=True) for i in range(n)]
+        replies = [Reply(f"e{epoch}-{i}", tid=(base + i + 1) * 10, epoch=epoch, ok=True,
+                         position=None if epoch == 0 else 100 - (base + i + 1)) for i in range(n)]
         assert out.put_many(replies) == n
 
     def start() -> Any:

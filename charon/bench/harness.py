@@ -152,7 +152,8 @@ async def run_open_loop(
     total = int((warmup + duration) * rate)
     samples: list[dict] = []
     tasks: set[asyncio.Task] = set()
-    epochs_before = len(getattr(target, "epoch_stats", None) or [])
+    before = getattr(target, "epoch_stats", None) or []
+    last_before = before[-1]["epoch"] if before else -1  # stats are bounded (oldest dropped): go by epoch
     loop = asyncio.get_running_loop()
     retries_before = getattr(target, "retries", 0)
 
@@ -192,7 +193,7 @@ async def run_open_loop(
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
     all_epochs = getattr(target, "epoch_stats", None)
-    epochs = list(all_epochs[epochs_before:]) if all_epochs is not None else None
+    epochs = [e for e in all_epochs if e["epoch"] > last_before] if all_epochs is not None else None
     extra: dict[str, Any] = {"label": label, "wall_s": loop.time() - t0, "when": time.time()}
     if hasattr(target, "retries"):
         extra["retries"] = target.retries - retries_before

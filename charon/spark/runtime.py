@@ -21,9 +21,8 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import shutil
+import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +37,7 @@ from charon import serde
 from charon.config import SparkConfig
 from charon.durable import DurableState
 from charon.epoch import EpochCoordinator, EpochResult
+from charon.errors import CharonError, EngineUnavailable
 from charon.log import InputLog, OutputLog
 from charon.messages import Reply, Request
 from charon.operator import Application
@@ -46,6 +46,50 @@ from charon.routing import partition_of, split_store_key, store_key
 from charon.sequencer import Sequencer
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
+
+
+class LayoutMismatch(CharonError):
+    """The configured partition layout differs from the one the checkpoint was created with."""
+
+
+class Layout(msgspec.Struct):
+    """The partition layout a checkpoint was created with (``<checkpoint>/layout.json``)."""
+
+    partitions: int
+    log_partitions: int
+
+
+def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> None:
+    """Record the layout at a checkpoint's first start; refuse another one later (rescaling is not supported)."""
+    path = os.path.join(checkpoint, "layout.json")
+    want = Layout(partitions, log_partitions)
+    try:
+        with open(path, "rb") as f:
+            have = msgspec.json.decode(f.read(), type=Layout)
+    except FileNotFoundError:
+        # a checkpoint from before layouts were recorded: its durable state names the partitions it has
+        state = os.path.join(checkpoint, "state")
+        pids = [int(n[1:]) for n in (os.listdir(state) if os.path.isdir(state) else [])
+                if n.startswith("p") and n[1:].isdigit()]
+        if pids and max(pids) + 1 > partitions:
+            raise LayoutMismatch(
+                f"the checkpoint {checkpoint} holds state of {max(pids) + 1} partitions, configured: {partitions} "
+                "(rescaling is not supported: keep the original count or use a new data directory)"
+            ) from None
+        os.makedirs(checkpoint, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode(want))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return
+    if have != want:
+        raise LayoutMismatch(
+            f"the checkpoint {checkpoint} was created with {have.partitions} partitions and "
+            f"{have.log_partitions} log partitions, configured: {partitions} and {log_partitions} "
+            "(rescaling is not supported: keep the original counts or use a new data directory)"
+        )
 
 
 class EpochRecord(msgspec.Struct):
@@ -66,46 +110,105 @@ def crash_point(point: str, epoch: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def check_java() -> None:
-    """Raise a readable error when no Java runtime is available for Spark."""
-    java = shutil.which("java") or (
-        os.path.join(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else None
-    )
-    if not java or not os.path.exists(java):
-        raise RuntimeError(
-            "Spark needs Java 17 or newer, and none was found: install a JDK (Debian: apt-get install "
-            "openjdk-17-jre-headless) or set JAVA_HOME."
-        )
+def check_java() -> str:
+    """Point ``JAVA_HOME`` at a Java Spark runs on (a system Java 17+, else the packaged JDK, installed into
+    the venv when missing; :mod:`charon.spark.java`) and return it. Raises ``JavaUnavailable`` otherwise."""
+    from charon.spark.java import ensure_java
+
+    return ensure_java().home
+
+
+LOG4J2_CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
+
+
+def spark_log_path(config: SparkConfig) -> str:
+    """Where the JVM that :func:`make_session` starts writes everything it prints: ``<data_dir>/spark.log``."""
+    return os.path.join(os.path.abspath(config.data_dir), "spark.log")
+
+
+def _tail(path: str, lines: int = 30) -> str:
     try:
-        subprocess.run([java, "-version"], capture_output=True, check=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"Java at {java} does not run: {exc}") from None
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def master_with_retries(master: str, failures: int) -> str:
+    """``local``/``local[N]``/``local[*]`` with Spark's task retries on (``local[N,F]``); others unchanged
+    (they take ``spark.task.maxFailures``). Local mode otherwise gives up on a job at the first failure."""
+    m = re.fullmatch(r"local(?:\[\s*(\*|\d+)\s*(?:,\s*\d+\s*)?\])?", master.strip())
+    return f"local[{m.group(1) or 1},{failures}]" if m else master
 
 
 def make_session(config: SparkConfig) -> Any:
-    """A SparkSession configured for Charon (Unix-domain sockets to Python workers, small shuffles)."""
+    """A SparkSession configured for Charon (Unix-domain sockets to Python workers, small shuffles).
+
+    When this process has no JVM yet, the JVM is started with its stdout and stderr appended to
+    :func:`spark_log_path` (log4j output, JVM warnings, and the Python workers' stderr, which the JVM
+    relays), so nothing of Spark's reaches the terminal; only a failure to start is raised, with the log's
+    tail."""
     check_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if config.master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # no hostname warnings, nothing off-host
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
     from pyspark.sql import SparkSession
 
-    b = (
-        SparkSession.builder.master(config.master)
-        .appName(config.app_name)
-        .config("spark.python.unix.domain.socket.enabled", "true")
-        .config("spark.sql.shuffle.partitions", str(config.partitions))
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
-        .config("spark.executorEnv.PYSPARK_PYTHON", os.environ["PYSPARK_PYTHON"])
-    )
-    for k, v in config.spark_conf.items():
+    log4j = f"-Dlog4j.configurationFile={LOG4J2_CONF}"
+    settings = {
+        "spark.master": master_with_retries(config.master, config.task_max_failures),
+        "spark.task.maxFailures": str(config.task_max_failures),
+        "spark.app.name": config.app_name,
+        "spark.python.unix.domain.socket.enabled": "true",
+        "spark.sql.shuffle.partitions": str(config.partitions),
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.streaming.noDataMicroBatches.enabled": "false",
+        "spark.executorEnv.PYSPARK_PYTHON": os.environ["PYSPARK_PYTHON"],
+        **config.spark_conf,
+    }
+    # executors elsewhere keep their cluster's log4j setup (this file's path is only known to exist here)
+    same_machine = re.match(r"(local\b|spark://(127\.|localhost\b|\[::1\]))", config.master) is not None
+    for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
+        if key.startswith("spark.driver") or same_machine:
+            settings[key] = f"{log4j} {settings[key]}" if settings.get(key) else log4j
+    if SparkContext._gateway is None:  # no JVM in this process yet: start it with its output in the log
+        log = spark_log_path(config)
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        conf = SparkConf()
+        for k, v in settings.items():
+            conf.set(k, v)
+        with open(log, "ab") as out:
+            try:
+                gateway = launch_gateway(conf, popen_kwargs={"stdout": out, "stderr": out})
+            except Exception as exc:  # noqa: BLE001 - the reason is in the log
+                raise RuntimeError(f"Spark's JVM did not start ({exc}); the end of {log}:\n{_tail(log)}") from None
+        SparkContext(conf=conf, gateway=gateway)
+    b = SparkSession.builder
+    for k, v in settings.items():
         b = b.config(k, v)
-    spark = b.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+    return b.getOrCreate()
+
+
+_PY_ERROR = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception): .+")
+_WRAPPERS = ("py4j.", "org.apache.", "java.", "pyspark.errors.", "scala.")
+
+
+def _short_error(e: BaseException) -> str:
+    """One line naming a (Java-wrapped) query failure: the innermost application/engine Python error if the
+    text has one, else Spark's reason (a crashed worker, a failed stage), else the first line."""
+    text = str(e)
+    lines = [ln.strip() for ln in text.splitlines()]
+    py = [ln for ln in lines if _PY_ERROR.match(ln) and not ln.startswith(_WRAPPERS)]
+    if py:
+        return py[-1][:300]
+    for needle in ("Python worker exited unexpectedly (crashed)", "Job aborted due to stage failure"):
+        if needle in text:
+            return needle
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 # -- executor side ------------------------------------------------------------------------------------------
@@ -205,10 +308,7 @@ def _read_entities(
     root = executor_local_dir(local_dir, checkpoint)
     for pid, keys in items:
         store = open_store(root, pid, durable_root)
-        store.ensure_epoch(epoch)
-        with store.reading():
-            for k in keys:
-                yield k, store.get(k)
+        yield from store.read_at(epoch, keys).items()  # catches up, never rolls back
 
 
 def _write_bases(durable_root: str, parts: int, rows: Iterable[Any]) -> Iterator[int]:
@@ -292,8 +392,12 @@ class SparkRuntime:
         cfg = self.config
         os.makedirs(cfg.data_dir, exist_ok=True)
         self.ckpt = cfg.checkpoint_dir
+        try:
+            self.input_log = InputLog(os.path.join(cfg.data_dir, "input.sqlite"), cfg.n_log_partitions)
+        except ValueError as e:  # the log was created with another partition count
+            raise LayoutMismatch(f"{e} (rescaling is not supported)") from None
+        check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions)
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
-        self.input_log = InputLog(os.path.join(cfg.data_dir, "input.sqlite"), cfg.n_log_partitions)
         self.output_log = OutputLog(os.path.join(cfg.data_dir, "output.sqlite"))
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
         self.durable = DurableState(os.path.join(self.ckpt, "state"))
@@ -301,8 +405,18 @@ class SparkRuntime:
         self._query: Any = None
         self._compactor: threading.Thread | None = None
         self._log_client: Any = None
-        self.epoch_stats: list[dict[str, float]] = []
+        self.epoch_stats: list[dict[str, float]] = []  # the newest ``keep_epoch_stats`` epochs
         self.last_epoch = self._last_recorded_epoch()
+        # supervision (see _supervise); health() reports these
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # set by stop(): ends a restart back-off at once
+        self._supervisor: threading.Thread | None = None
+        self._status = "stopped"
+        self._fatal: str | None = None
+        self._last_error: str | None = None
+        self._restarts = 0
+        self._failures: dict[int, int] = {}  # epoch -> query failures while running it
+        self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -312,18 +426,30 @@ class SparkRuntime:
         return self._spark
 
     def start(self) -> None:
-        """Start the streaming query (epochs run in Spark's micro-batch thread)."""
+        """Start the streaming query (epochs run in Spark's micro-batch thread) and its supervisor."""
         from charon.spark.source import register
 
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
+        with self._lock:
+            self._wake.clear()
+            self._fatal = None
+            self._status = "starting"
+            self._start_query()
+            self._status = "ok"
+        self._supervisor = threading.Thread(target=self._supervise, name="charon-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _start_query(self) -> None:
+        spark = self.spark
         self.exchange = SparkExchange(spark, self.app_ref, self.config)
         df = (
             spark.readStream.format("charon_log")
             .option("path", os.path.abspath(self.input_log.path))
             .option("partitions", str(self.config.n_log_partitions))
             .option("maxRecordsPerBatch", str(self.config.max_batch))
+            .option("idleWaitMs", str(self.config.idle_wait_ms))
             .load()
         )
         w = df.writeStream.foreachBatch(self._on_batch).option("checkpointLocation", self._query_ckpt)
@@ -331,10 +457,82 @@ class SparkRuntime:
             w = w.trigger(processingTime=f"{self.config.trigger_ms} milliseconds")
         self._query = w.start()
 
+    def _supervise(self) -> None:
+        """Restart the query from its checkpoint when it fails (back-off doubling from ``restart_backoff_s``);
+        give up loudly when the same epoch failed ``epoch_max_failures`` times (a deterministic failure)."""
+        cfg = self.config
+        while True:
+            q = self._query
+            if q is None:
+                return
+            err: BaseException | None = None
+            try:
+                q.awaitTermination()
+            except BaseException as e:  # noqa: BLE001 - StreamingQueryException or a py4j error
+                err = e
+            with self._lock:
+                if self._query is not q or self._status == "stopped":
+                    return  # stopped on purpose
+                epoch = self._last_recorded_epoch() + 1
+                n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
+                msg = _short_error(err) if err is not None else "the streaming query terminated"
+                self._last_error = f"epoch {epoch}: {msg}"
+                if n >= cfg.epoch_max_failures:
+                    self._fatal = f"epoch {epoch} failed {n} times, giving up: {msg}"
+                    self._status = "failed"
+                    print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                    return
+                self._status = "recovering"
+                print(f"charon: the streaming query failed at epoch {epoch} (failure {n} of at most "
+                      f"{cfg.epoch_max_failures}); restarting from the checkpoint: {msg}", file=sys.stderr, flush=True)
+            delay = min(30.0, cfg.restart_backoff_s * 2 ** (n - 1))
+            if self._wake.wait(delay):
+                return
+            with self._lock:
+                if self._status == "stopped":
+                    return
+                self._restarts += 1
+                try:
+                    self._start_query()
+                except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch next time round
+                    self._last_error = f"restart: {_short_error(e)}"
+                    self._failures[epoch] = self._failures.get(epoch, 0) + 1
+                    if self._failures[epoch] >= cfg.epoch_max_failures:
+                        self._fatal = f"cannot restart the streaming query: {_short_error(e)}"
+                        self._status = "failed"
+                        print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                        return
+                    continue
+
+    def _caught_up(self) -> bool:
+        rec = self.read_record(self._last_recorded_epoch())
+        target = self.input_log.end_offsets()
+        ends = rec.ends if rec is not None else [0] * len(target)
+        return not (rec is not None and rec.deferred) and all(e >= t for e, t in zip(ends, target, strict=True))
+
+    def health(self) -> dict[str, Any]:
+        """The runtime's state: ``status`` (ok, starting, recovering, failed, stopped), the last recorded
+        epoch, the last error and the number of query restarts; ``ok`` is true only when serving."""
+        status = self._status
+        q = self._query
+        if status == "ok" and q is not None and not q.isActive:
+            status = "recovering"  # terminated; the supervisor is about to notice
+        elif status == "recovering" and q is not None and q.isActive and self._caught_up():
+            status = self._status = "ok"  # restarted, and nothing was left to replay
+        return {"status": status, "ok": status == "ok", "epoch": self._last_recorded_epoch(),
+                "last_error": self._last_error, "restarts": self._restarts, "fatal": self._fatal,
+                "unconfirmed_epoch": self._unconfirmed}
+
     def stop(self) -> None:
-        if self._query is not None:
-            self._query.stop()
-            self._query = None
+        with self._lock:
+            self._status = "stopped"
+            self._wake.set()
+            q, self._query = self._query, None
+        if q is not None:
+            q.stop()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=60)
+            self._supervisor = None
         if self._compactor is not None:
             self._compactor.join()
 
@@ -406,9 +604,12 @@ class SparkRuntime:
         self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None,
         timeout: float = 120.0,
     ) -> Reply:
-        """Append a request (group-committed) and wait for its reply in the output log."""
+        """Append a request (group-committed) and wait for its reply in the output log; refused with
+        :class:`~charon.errors.EngineUnavailable` once the runtime gave up (nothing would run it)."""
         from charon.logclient import LogClient
 
+        if self._fatal is not None:
+            raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
         if self._log_client is None:
             self._log_client = LogClient(self.input_log, self.output_log)
         return await self._log_client.submit(operator, key, function, args, request_id=request_id, timeout=timeout)
@@ -421,8 +622,8 @@ class SparkRuntime:
         deadline = time.monotonic() + timeout
         target = self.input_log.end_offsets()
         while time.monotonic() < deadline:
-            if self._query is not None and self._query.exception() is not None:
-                raise RuntimeError(f"the streaming query failed: {self._query.exception()}")
+            if self._fatal is not None:
+                raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
             rec = self.read_record(self._last_recorded_epoch())
             if rec is not None and all(e >= t for e, t in zip(rec.ends, target, strict=True)) and not rec.deferred:
                 return
@@ -436,6 +637,8 @@ class SparkRuntime:
         epoch = int(batch_id)
         done = self.read_record(epoch)
         if done is not None:  # already run before a crash: its state and replies are durable
+            if self._status == "recovering":
+                self._status = "ok"
             self.output_log.mark_epoch(epoch)
             if done.deferred:  # the crash may have come before the tick that runs the deferred transactions
                 self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
@@ -446,9 +649,15 @@ class SparkRuntime:
         starts, ends = batch_offsets(self._query_ckpt, epoch)
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
+
+        def deliver(replies: list[Reply]) -> None:
+            if replies:
+                self._unconfirmed = epoch  # from here on, the state must reach this epoch before reads
+            self.output_log.put_many(replies)
+
         coord = EpochCoordinator(
-            self.app, self.exchange, sequencers=self.config.n_log_partitions, max_rounds=self.config.max_rounds,
-            on_replies=self.output_log.put_many,
+            self.app, self.exchange, sequencers=self.config.n_log_partitions,
+            max_invocations=self.config.max_invocations, on_replies=deliver,
         )
         if prev is not None:
             coord.sequencer.counters = list(prev.counters)
@@ -464,9 +673,16 @@ class SparkRuntime:
             [(tid, serde.encode_request(r)) for tid, r in coord.deferred], list(starts), list(ends), stats,
         )
         self._write_record(rec)
+        self._unconfirmed = None
         self.output_log.mark_epoch(epoch)  # the replies stream cuts its atoms here
         self.last_epoch = epoch
+        self._failures.pop(epoch, None)
+        if self._status == "recovering":
+            self._status = "ok"
         self.epoch_stats.append({"epoch": epoch, **stats})
+        keep = max(1, self.config.keep_epoch_stats)
+        if len(self.epoch_stats) > 2 * keep:  # amortized: trim to the newest ``keep``
+            del self.epoch_stats[:-keep]
         crash_point("after_record", epoch)
         if coord.deferred:
             self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
@@ -491,38 +707,62 @@ class SparkRuntime:
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
         """An entity's value as of the last completed epoch (consistent: read at an epoch boundary)."""
-        got = self.read_keys([store_key(operator, key)])
+        return self.read_state_at(operator, key, default)[1]
+
+    def read_state_at(self, operator: str, key: str, default: Any = None) -> tuple[int, Any]:
+        """``(epoch, value)``: an entity's value and the (recorded) epoch it reflects."""
+        epoch, got = self.read_keys_at([store_key(operator, key)])
         raw = got.get(store_key(operator, key))
-        return default if raw is None else serde.decode(raw)
+        return epoch, default if raw is None else serde.decode(raw)
 
     def _settled_epoch(self, timeout: float = 60.0) -> int:
         """The last recorded epoch, after waiting for the epoch of the newest reply to be recorded.
 
         Replies go out early (before their epoch's state is finalized); waiting here gives a client that
-        got a reply read-your-writes on the next state read, still read at an epoch boundary.
+        got a reply read-your-writes on the next state read, still read at an epoch boundary. A state that
+        cannot reach the newest reply (the runtime failed, or it did not get there in ``timeout``) is not
+        served: :class:`~charon.errors.EngineUnavailable`.
         """
         last = self.output_log.last_seq()
         newest = self.output_log.read_between(last - 1, last) if last > 0 else []
         want = newest[0][1].epoch if newest else -1
         deadline = time.monotonic() + timeout
         epoch = self._last_recorded_epoch()
-        while epoch < want and time.monotonic() < deadline:
+        while epoch < want:
+            if self._fatal is not None:
+                raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"epoch {want} (of the newest reply) is not recorded yet; retry later")
             time.sleep(0.01)
             epoch = self._last_recorded_epoch()
         return epoch
 
     def read_keys(self, keys: list[bytes]) -> dict[bytes, bytes | None]:
-        epoch = self._settled_epoch()
+        """The values of ``keys`` as of one epoch boundary (see :meth:`read_keys_at`)."""
+        return self.read_keys_at(keys)[1]
+
+    def read_keys_at(self, keys: list[bytes]) -> tuple[int, dict[bytes, bytes | None]]:
+        """``(epoch, values)``: every key as of the same recorded epoch (one consistent cut)."""
+        if self._fatal is not None:
+            raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
         by_pid: dict[int, list[bytes]] = {}
         for k in keys:
             op, key, _ = split_store_key(k)
             by_pid.setdefault(partition_of(op, key, self.config.partitions), []).append(k)
-        fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
-                     self.ckpt, epoch)
         items = list(by_pid.items())
-        if not items:
-            return {}
-        return dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
+        for attempt in range(3):
+            epoch = self._settled_epoch()
+            if not items:
+                return epoch, {}
+            fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
+                         self.ckpt, epoch)
+            try:
+                return epoch, dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
+            except Exception as e:
+                # a compaction after the epoch was chosen: read again at a newer one
+                if "compacted" not in str(e) or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state (from the durable copy, as of the last recorded epoch)."""

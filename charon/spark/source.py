@@ -12,7 +12,8 @@ Usage::
     log; default: the log's stored count); ``maxRecordsPerBatch`` (default 10000) caps a micro-batch,
     spread fairly over the log partitions; ``startingOffsets`` (a fresh query only): ``"earliest"`` (default:
     the first retained offsets, i.e. all zeros for an untruncated log), ``"latest"``, or a JSON list with
-    one offset per log partition.
+    one offset per log partition. ``idleWaitMs`` (default 1000): when the log has nothing new, how long
+    ``latestOffset`` waits for an append before answering "no data" (idle means idle; 0 = answer at once).
 
     Rows: ``partition INT, offset LONG, request_id STRING, operator STRING, key STRING, function STRING,
     args BINARY, ts DOUBLE``; within a log partition, in offset order.
@@ -29,14 +30,17 @@ Offsets (JSON, what Spark writes to ``<checkpoint>/offsets/<batch_id>`` *before*
 ``charon_replies`` options: ``path`` (the :class:`~charon.log.OutputLog`), ``maxRecordsPerBatch`` (default
     10000). Offsets ``{"seq": end, "start": start}``: the batch holds the replies with ``start < seq <= end``.
     Rows: ``seq LONG, request_id STRING, tid LONG, epoch LONG, ok BOOLEAN, value BINARY, error_type STRING,
-    error_message STRING``. With a checkpoint, each reply reaches the consuming query's sink exactly once
-    per committed batch, and each micro-batch's replies form one atom.
+    error_message STRING, position LONG``. Ordering replies by ``(epoch, position)`` gives a serial order
+    equivalent to the execution (``seq`` is delivery order, not serial order; ``position`` is null only
+    for replies recorded before positions existed). With a checkpoint, each reply reaches the consuming
+    query's sink exactly once per committed batch, and each micro-batch's replies form one atom.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -70,6 +74,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_RECORDS = 10000
+DEFAULT_IDLE_WAIT_MS = 1000
+_IDLE_POLL_S = (0.002, 0.02)  # an idle wait looks for an append (a stat) every 2 ms, backing off to 20 ms
 
 LOG_SCHEMA = StructType(
     [
@@ -94,6 +100,7 @@ REPLIES_SCHEMA = StructType(
         StructField("value", BinaryType(), False),
         StructField("error_type", StringType(), False),
         StructField("error_message", StringType(), False),
+        StructField("position", LongType(), True),
     ]
 )
 
@@ -191,6 +198,7 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             self.n = log.partitions
         self.max_records = _max_records(options)
         self.starting = options.get("startingOffsets", "earliest")
+        self.idle_wait = int(options.get("idleWaitMs", DEFAULT_IDLE_WAIT_MS)) / 1000.0
         self._target: list[int] | None = None
 
     @property
@@ -212,9 +220,43 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_records)
 
+    def _stamp(self) -> tuple:
+        """Changes whenever the log is written (SQLite WAL mode: the -wal file, or the db after a checkpoint)."""
+        out = []
+        for path in (self.path + "-wal", self.path):
+            try:
+                st = os.stat(path)
+                out.append((st.st_mtime_ns, st.st_size))
+            except FileNotFoundError:
+                out.append(None)
+        return tuple(out)
+
+    def _end_offsets(self, starts: list[int]) -> list[int]:
+        """The log's end offsets; when nothing is new, wait up to ``idleWaitMs`` for an append first.
+
+        Spark asks again every few milliseconds while a query is idle (trigger 0), each time a round trip
+        JVM -> this process -> SQLite: an idle deployment would burn CPU. Waiting here on a file stamp makes
+        idle cost a ``stat`` every 20 ms (2 ms right after activity), and an append is seen within that."""
+        ends = self.log.end_offsets()
+        if self.idle_wait <= 0 or any(e > s for s, e in zip(starts, ends, strict=True)):
+            return ends
+        deadline = time.monotonic() + self.idle_wait
+        stamp = self._stamp()
+        pause, longest = _IDLE_POLL_S
+        while time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(longest, pause * 1.5)
+            now = self._stamp()
+            if now != stamp:
+                stamp = now
+                ends = self.log.end_offsets()
+                if any(e > s for s, e in zip(starts, ends, strict=True)):
+                    break
+        return ends
+
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         starts = list(start["offsets"])
-        ends = self.log.end_offsets() if self._target is None else list(self._target)
+        ends = self._end_offsets(starts) if self._target is None else list(self._target)
         if isinstance(limit, ReadMaxRows):
             ends = cap_offsets(starts, ends, limit.max_rows)
         elif isinstance(limit, ReadMinRows):
@@ -365,7 +407,7 @@ class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailable
     def read(self, partition: InputPartition) -> Iterator[tuple]:
         assert isinstance(partition, SeqRange)
         for seq, r in _output_log(partition.path).read_between(partition.start, partition.end):
-            yield (seq, r.request_id, r.tid, r.epoch, r.ok, r.value, r.error_type, r.error_message)
+            yield (seq, r.request_id, r.tid, r.epoch, r.ok, r.value, r.error_type, r.error_message, r.position)
 
     def stop(self) -> None:
         _close_cached(self.path)

@@ -1,0 +1,372 @@
+"""Durable single-node storage for the in-process engine: input log, output log, durable state, records.
+
+One owner for what makes ``InProcessRuntime(app, data_dir=...)`` durable (the Spark runtime's pieces, reused):
+
+* **Epoch boundaries before the epoch runs.** An epoch's requests are appended to the SQLite input log
+  (:class:`charon.log.InputLog`, one partition) together with a marker entry naming the epoch, in one
+  transaction: one commit (one fsync with ``fsync=True``) per epoch, however many requests it has (group
+  commit). An epoch never runs before its batch is durable, so its TIDs and results are reproducible, and
+  replies may go out early (while the epoch still runs).
+* **Checkpoints in the background.** A writer thread takes the finished epochs, stores their replies in the
+  output log (:class:`charon.log.OutputLog`, once per request id), writes each partition's merged writes as
+  one delta of the durable copy (:class:`charon.durable.DurableState`: Arrow base + deltas), then an epoch
+  record (sequencer counters, deferred transactions, input-log position) that commits the checkpoint.
+  Every ``compact_every`` checkpoints it compacts the deltas and truncates the input log before the record.
+* **Recovery** loads the state as of the newest record, drops partition deltas written after it, and
+  replays the input log's epochs after it (same boundaries, same TIDs, same replies); replies the output
+  log already has are not stored again.
+
+``fsync=True``: an acknowledged reply survives a power loss or OS crash (its epoch's input is fsynced
+before the epoch runs). ``fsync=False``: it survives the process being killed (SIGKILL), not an OS crash;
+nothing waits for the disk. A data directory is used by one process at a time (an exclusive ``flock``), and
+its layout (partition count) is fixed when it is created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from charon import serde
+from charon.durable import DurableState
+from charon.log import InputLog, OutputLog
+from charon.messages import Reply, Request
+from charon.store import MemoryStore
+
+EPOCH_MARK = "\x00epoch"  # operator of the marker entry that closes an epoch's batch in the input log
+_RECORDS_KEPT = 2
+
+
+def crash_point(point: str, epoch: int) -> None:
+    """Fault injection for the crash tests: ``CHARON_CRASH_AT=node:<point>:<epoch>`` SIGKILLs this process."""
+    spec = os.environ.get("CHARON_CRASH_AT")
+    if spec and spec == f"node:{point}:{epoch}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class NodeError(Exception):
+    """The data directory cannot be used (in use by another process, other layout, not fresh, failed)."""
+
+
+class NodeRecord(msgspec.Struct):
+    """The checkpoint of epoch ``epoch``: with the durable state as of ``epoch``, enough to continue."""
+
+    epoch: int
+    counters: list[int]
+    deferred: list[tuple[int, bytes]]  # (tid, encoded request)
+    log_end: int  # input-log offset after this epoch's marker: replay starts here
+
+
+class RecordingStore(MemoryStore):
+    """A :class:`MemoryStore` that also keeps each committed epoch's delta until the writer takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[dict[bytes, bytes | None]] = []
+
+    def commit(self, epoch: int, delta: dict[bytes, bytes | None]) -> None:
+        if epoch <= self.epoch:
+            return
+        super().commit(epoch, delta)
+        if delta:
+            self.pending.append(dict(delta))
+
+    def take(self) -> list[dict[bytes, bytes | None]]:
+        out, self.pending = self.pending, []
+        return out
+
+
+@dataclass
+class _Finished:
+    """One finished epoch, waiting to be checkpointed."""
+
+    epoch: int
+    counters: list[int]
+    deferred: list[tuple[int, Request]]
+    log_end: int
+    deltas: list[list[dict[bytes, bytes | None]]]
+    replies: list[Reply] = field(default_factory=list)
+
+
+class NodeStorage:
+    """The durable side of one in-process node under ``data_dir`` (see the module docstring)."""
+
+    def __init__(
+        self, data_dir: str, partitions: int, *, fsync: bool = True, checkpoint_s: float = 0.5,
+        compact_every: int = 20,
+    ) -> None:
+        self.data_dir = os.path.abspath(data_dir)
+        self.partitions = partitions
+        self.fsync = fsync
+        self.checkpoint_s = checkpoint_s
+        self.compact_every = compact_every
+        os.makedirs(self.data_dir, exist_ok=True)
+        if os.path.isdir(os.path.join(self.data_dir, "checkpoint")):
+            raise NodeError(f"{self.data_dir} holds a Spark deployment; use another --data-dir")
+        self._lock_fd = os.open(os.path.join(self.data_dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise NodeError(f"{self.data_dir} is in use by another process") from None
+        try:
+            self._check_layout()
+            self.input_log = InputLog(os.path.join(self.data_dir, "input.sqlite"), 1, durable=fsync)
+            self.output_log = OutputLog(os.path.join(self.data_dir, "output.sqlite"), durable=fsync)
+            self.durable = DurableState(os.path.join(self.data_dir, "state"), fsync=fsync)
+            os.makedirs(self._records_dir, exist_ok=True)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._cv = threading.Condition()
+        self._finished: list[_Finished] = []
+        self._epoch_replies: list[Reply] = []
+        self._unflushed: dict[str, Reply] = {}
+        self._flushing = 0  # epochs handed to the writer and not yet checkpointed
+        self._writer: threading.Thread | None = None
+        self._stop = False
+        self._force = False
+        self._last_checkpoint = 0.0
+        self._checkpoints = 0
+        self.error: BaseException | None = None
+        self.checkpointed_epoch = self._newest_record_epoch()
+
+    # -- layout, lock, records -----------------------------------------------------------------------
+    def _check_layout(self) -> None:
+        path = os.path.join(self.data_dir, "node.json")
+        want = {"engine": "inprocess", "partitions": self.partitions, "version": 1}
+        try:
+            with open(path) as f:
+                have = json.load(f)
+        except FileNotFoundError:
+            with open(path + ".tmp", "w") as f:
+                json.dump(want, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+            return
+        if have.get("partitions") != self.partitions:
+            raise NodeError(
+                f"{self.data_dir} was created with {have.get('partitions')} partitions, not {self.partitions}: "
+                "rescaling is not supported; use --partitions " + str(have.get("partitions"))
+            )
+
+    @property
+    def _records_dir(self) -> str:
+        return os.path.join(self.data_dir, "epochs")
+
+    def _record_path(self, epoch: int) -> str:
+        return os.path.join(self._records_dir, f"{epoch:012d}.msgpack")
+
+    def _record_epochs(self) -> list[int]:
+        return sorted(int(n.split(".")[0]) for n in os.listdir(self._records_dir) if n.endswith(".msgpack"))
+
+    def _newest_record_epoch(self) -> int:
+        return max(self._record_epochs(), default=-1)
+
+    def read_record(self, epoch: int) -> NodeRecord | None:
+        try:
+            with open(self._record_path(epoch), "rb") as f:
+                return msgspec.msgpack.decode(f.read(), type=NodeRecord)
+        except FileNotFoundError:
+            return None
+
+    def _write_record(self, rec: NodeRecord) -> None:
+        data = msgspec.msgpack.encode(rec)
+        self.durable.fs.write_atomic(self._record_path(rec.epoch), lambda f: f.write(data))
+
+    # -- recovery ------------------------------------------------------------------------------------
+    def is_fresh(self) -> bool:
+        """No epoch was ever logged here (bulk loads are only allowed then)."""
+        return self.input_log.end_offsets()[0] == 0
+
+    def write_bases(self, stores: list[MemoryStore]) -> None:
+        """Install the stores' contents as every partition's base before epoch 0 (after a bulk load)."""
+        if not self.is_fresh():
+            raise NodeError("bulk load is only possible into a fresh data directory")
+        for pid, s in enumerate(stores):
+            self.durable.write_base(pid, -1, list(s.items()))
+
+    def recover(self) -> tuple[list[dict[bytes, bytes]], NodeRecord | None, list[tuple[int, list[Request]]]]:
+        """State per partition as of the newest record, that record, and the logged epochs after it."""
+        rec = self.read_record(self.checkpointed_epoch) if self.checkpointed_epoch >= 0 else None
+        if self.checkpointed_epoch >= 0 and rec is None:
+            raise NodeError(f"epoch record {self.checkpointed_epoch} is unreadable under {self.data_dir}")
+        upto = rec.epoch if rec is not None else -1
+        states = []
+        for pid in range(self.partitions):
+            self.durable.truncate_after(pid, upto)  # deltas of a checkpoint that did not complete
+            state, _ = self.durable.load(pid, upto)
+            states.append(state)
+        start = rec.log_end if rec is not None else self.input_log.start_offsets()[0]
+        end = self.input_log.end_offsets()[0]
+        epochs: list[tuple[int, list[Request]]] = []
+        batch: list[Request] = []
+        expect = upto + 1
+        for _, data in self.input_log.read_raw(0, start, end):
+            req = serde.decode_request(data)
+            if req.operator == EPOCH_MARK:
+                if int(req.key) != expect:
+                    raise NodeError(f"input log: epoch {req.key} follows epoch {expect - 1}")
+                epochs.append((expect, batch))
+                batch, expect = [], expect + 1
+            else:
+                batch.append(req)
+        if batch:
+            raise NodeError(f"input log: {len(batch)} entries after the last epoch marker")
+        return states, rec, epochs
+
+    # -- the epoch path ------------------------------------------------------------------------------
+    def known(self, request_id: str) -> Reply | bool:
+        """The stored reply of a request id, else whether the id is in the input log (False: new)."""
+        rep = self._unflushed.get(request_id)
+        if rep is None:
+            rep = self.output_log.get(request_id)
+        if rep is not None:
+            return rep
+        return self.input_log.contains(request_id)
+
+    def log_epoch(self, epoch: int, requests: list[Request]) -> tuple[list[Request], int]:
+        """Append an epoch's batch and its marker in one commit; returns the new requests and the log end."""
+        self.raise_if_failed()
+        start = self.input_log.end_offsets()[0]
+        mark = Request(f"{EPOCH_MARK}:{epoch}", EPOCH_MARK, str(epoch), "", serde.encode([]), time.time())
+        pos = self.input_log.append_many([(r, 0) for r in requests] + [(mark, 0)])
+        if pos[-1][1] < start:
+            raise NodeError(f"input log already holds epoch {epoch}")
+        # a request id the log already had is not run again (it is answered by its first execution)
+        fresh = [r for r, (_, off) in zip(requests, pos, strict=False) if off >= start]
+        crash_point("logged", epoch)
+        return fresh, pos[-1][1] + 1
+
+    def add_replies(self, replies: list[Reply]) -> None:
+        for r in replies:
+            self._unflushed[r.request_id] = r
+        self._epoch_replies.extend(replies)
+
+    def epoch_done(
+        self, epoch: int, counters: list[int], deferred: list[tuple[int, Request]], log_end: int,
+        stores: list[RecordingStore],
+    ) -> None:
+        """Hand a finished epoch (its deltas and replies) to the writer."""
+        item = _Finished(epoch, list(counters), list(deferred), log_end, [s.take() for s in stores],
+                         self._epoch_replies)
+        self._epoch_replies = []
+        with self._cv:
+            self._finished.append(item)
+            self._flushing += 1
+            self._cv.notify()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise NodeError(f"the node's storage failed: {type(self.error).__name__}: {self.error}")
+
+    # -- the writer ----------------------------------------------------------------------------------
+    def start_writer(self) -> None:
+        if self._writer is None:
+            self._stop = False
+            self._writer = threading.Thread(target=self._write_loop, name="charon-node-writer", daemon=True)
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stop or self._force
+                           or (self._finished and time.monotonic() >= self._last_checkpoint + self.checkpoint_s)):
+                    wait = self._last_checkpoint + self.checkpoint_s - time.monotonic() if self._finished else None
+                    self._cv.wait(None if wait is None else max(wait, 0.001))
+                batch, self._finished = self._finished, []
+                self._force = False
+                stop = self._stop
+            if batch:
+                try:
+                    self._checkpoint(batch)
+                except BaseException as exc:  # noqa: BLE001 - surfaced to every later request
+                    self.error = exc
+                    with self._cv:
+                        self._cv.notify_all()
+                    return
+            if stop:
+                return
+
+    def _checkpoint(self, batch: list[_Finished]) -> None:
+        last = batch[-1]
+        replies = [r for f in batch for r in f.replies]
+        self.output_log.put_many(replies)
+        for pid in range(self.partitions):
+            merged: dict[bytes, bytes | None] = {}
+            for f in batch:
+                for d in f.deltas[pid]:
+                    merged.update(d)
+            if merged:
+                self.durable.write_delta(pid, last.epoch, merged)
+            if pid == 0:
+                crash_point("delta0", last.epoch)  # one partition's delta written, the others not
+        crash_point("deltas", last.epoch)
+        rec = NodeRecord(last.epoch, last.counters, [(t, serde.encode_request(r)) for t, r in last.deferred],
+                         last.log_end)
+        self._write_record(rec)  # the commit point of this checkpoint
+        self.checkpointed_epoch = last.epoch
+        for r in replies:
+            if self._unflushed.get(r.request_id) is r:
+                self._unflushed.pop(r.request_id, None)
+        for e in self._record_epochs()[:-_RECORDS_KEPT]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._record_path(e))
+        crash_point("record", last.epoch)
+        self._checkpoints += 1
+        if self.compact_every and self._checkpoints % self.compact_every == 0:
+            for pid in range(self.partitions):
+                self.durable.compact(pid, last.epoch)
+                crash_point("compacting", last.epoch)  # after the first partition
+            self.input_log.truncate([last.log_end])
+        self._last_checkpoint = time.monotonic()
+        with self._cv:
+            self._flushing -= len(batch)
+            self._cv.notify_all()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Checkpoint every finished epoch now and wait for it."""
+        deadline = time.monotonic() + timeout
+        if self._writer is None or not self._writer.is_alive():
+            with self._cv:
+                batch, self._finished = self._finished, []
+            if batch and self.error is None:
+                self._checkpoint(batch)
+            self.raise_if_failed()
+            return
+        with self._cv:
+            self._force = True
+            self._cv.notify_all()
+            while self._flushing and self.error is None and self._writer.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the node's checkpoint writer did not finish in time")
+                self._cv.wait(min(left, 0.05))
+        self.raise_if_failed()
+
+    def close(self) -> None:
+        """Checkpoint what is finished, stop the writer, close the logs and release the directory."""
+        try:
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
+            if self._writer is not None:
+                self._writer.join()
+                self._writer = None
+            if self.error is None and self._finished:
+                batch, self._finished = self._finished, []
+                self._checkpoint(batch)
+        finally:
+            self.input_log.close()
+            self.output_log.close()
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)

@@ -1,0 +1,131 @@
+"""LogClient survives a locked input log (issue 9 item 3) and enforces one payload per request id.
+
+The "engine" here is a thread that answers every appended request in the output log, as the Spark
+runtime's streaming query does; the LogClient, the SQLite logs and the lock are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import threading
+import time
+
+import pytest
+
+from charon import serde
+from charon.errors import IdempotencyConflict, InvalidKey, LogUnavailable
+from charon.log import InputLog, OutputLog
+from charon.logclient import LogClient
+from charon.messages import Reply
+
+
+class Echo:
+    """Answers every request of the input log with its first argument, like a running engine."""
+
+    def __init__(self, inp: InputLog, out: OutputLog) -> None:
+        self.inp, self.out = inp, out
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        seen = [0] * self.inp.partitions
+        while not self.stop.is_set():
+            ends = self.inp.end_offsets()
+            for p, off, req in self.inp.read_range(seen, ends):
+                self.out.put(Reply(req.request_id, off, p, True, serde.encode(serde.decode(req.args)[0])))
+            seen = ends
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def logs(tmp_path: os.PathLike[str]):
+    inp = InputLog(os.path.join(tmp_path, "in.sqlite"), 2)
+    out = OutputLog(os.path.join(tmp_path, "out.sqlite"))
+    echo = Echo(inp, out)
+    echo.thread.start()
+    yield inp, out
+    echo.stop.set()
+    echo.thread.join(5)
+
+
+def hold_lock(path: str, seconds: float) -> threading.Thread:
+    """Another connection holds the database's write lock for ``seconds``."""
+    ready = threading.Event()
+
+    def run() -> None:
+        c = sqlite3.connect(path, isolation_level=None)
+        c.execute("BEGIN EXCLUSIVE")
+        ready.set()
+        time.sleep(seconds)
+        c.execute("ROLLBACK")
+        c.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    ready.wait(5)
+    return t
+
+
+def test_locked_log_is_retried_or_fails_waiters_typed_and_the_pump_survives(logs) -> None:
+    inp, out = logs
+
+    async def main() -> None:
+        patient = LogClient(inp, out, append_retry_s=60.0)
+        impatient = LogClient(inp, out, append_retry_s=0.0)
+        locker = hold_lock(inp.path, 11.5)  # longer than SQLite's 10 s busy wait
+        t0 = time.monotonic()
+        a = asyncio.ensure_future(impatient.submit("op", "k1", "f", [1], request_id="a1", timeout=60))
+        b = asyncio.ensure_future(patient.submit("op", "k2", "f", [2], request_id="b1", timeout=60))
+        with pytest.raises(LogUnavailable):
+            await a
+        rep = await b
+        assert rep.ok and serde.decode(rep.value) == 2
+        assert time.monotonic() - t0 >= 11.0
+        locker.join()
+        # the failed request was never appended; a retry with the same id works, on the same client
+        rep_a = await impatient.submit("op", "k1", "f", [1], request_id="a1", timeout=30)
+        assert rep_a.ok and serde.decode(rep_a.value) == 1
+        # a fresh request on the client whose append failed still goes through
+        rep_c = await impatient.submit("op", "k3", "f", [3], timeout=30)
+        assert serde.decode(rep_c.value) == 3
+
+    asyncio.run(main())
+
+
+def test_reused_request_id_with_other_payload_is_a_conflict(logs) -> None:
+    inp, out = logs
+
+    async def main() -> None:
+        c = LogClient(inp, out)
+        first = await c.submit("op", "k", "f", [5], request_id="r1", timeout=30)
+        again = await c.submit("op", "k", "f", [5], request_id="r1", timeout=30)
+        assert again == first
+        for op, key, fn, args in [("op", "k", "f", [6]), ("op", "other", "f", [5]), ("op2", "k", "f", [5]),
+                                  ("op", "k", "g", [5])]:
+            with pytest.raises(IdempotencyConflict):
+                await c.submit(op, key, fn, args, request_id="r1", timeout=30)
+        # a fresh client (a restarted gateway) sees the same rule from the log alone
+        c2 = LogClient(inp, out)
+        with pytest.raises(IdempotencyConflict):
+            await c2.submit("op", "k", "f", [7], request_id="r1", timeout=30)
+        assert await c2.submit("op", "k", "f", [5], request_id="r1", timeout=30) == first
+
+    asyncio.run(main())
+
+
+def test_unloggable_requests_fail_alone(logs) -> None:
+    inp, out = logs
+
+    async def main() -> None:
+        c = LogClient(inp, out)
+        with pytest.raises(InvalidKey):
+            await c.submit("op", "bad\ud800", "f", [1], timeout=30)
+        bad = asyncio.ensure_future(c.submit("op", "k", "f\udcff", [1], timeout=30))
+        good = asyncio.ensure_future(c.submit("op", "k", "f", [9], timeout=30))
+        results = await asyncio.gather(bad, good, return_exceptions=True)
+        assert isinstance(results[0], LogUnavailable)
+        assert serde.decode(results[1].value) == 9  # same batch, appended on its own
+
+    asyncio.run(main())
