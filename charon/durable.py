@@ -45,6 +45,12 @@ class DurableStateError(Exception):
     """The durable copy cannot provide the requested version."""
 
 
+def write_file_atomic(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably (temporary file, fsync, rename, directory fsync):
+    for small files such as epoch records and the checkpoint's layout."""
+    _LocalFS().write_atomic(path, lambda f: f.write(data))
+
+
 class _LocalFS:
     """Local-filesystem backend: the one place that knows how paths are read, written and locked."""
 

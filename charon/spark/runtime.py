@@ -35,7 +35,7 @@ import msgspec
 
 from charon import serde
 from charon.config import SparkConfig
-from charon.durable import DurableState
+from charon.durable import DurableState, write_file_atomic
 from charon.epoch import EpochCoordinator, EpochResult
 from charon.errors import CharonError, EngineUnavailable
 from charon.log import InputLog, OutputLog
@@ -77,12 +77,7 @@ def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> None:
                 "(rescaling is not supported: keep the original count or use a new data directory)"
             ) from None
         os.makedirs(checkpoint, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(msgspec.json.encode(want))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_file_atomic(path, msgspec.json.encode(want))
         return
     if have != want:
         raise LayoutMismatch(
@@ -575,13 +570,7 @@ class SparkRuntime:
             return None
 
     def _write_record(self, rec: EpochRecord) -> None:
-        path = self._record_path(rec.epoch)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(msgspec.msgpack.encode(rec))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_file_atomic(self._record_path(rec.epoch), msgspec.msgpack.encode(rec))
 
     # -- bulk load --------------------------------------------------------------------------------------------
     def load_dataframe(self, df: Any) -> int:
