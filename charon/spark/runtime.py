@@ -157,6 +157,7 @@ def make_session(config: SparkConfig) -> Any:
         "spark.master": master_with_retries(config.master, config.task_max_failures),
         "spark.task.maxFailures": str(config.task_max_failures),
         "spark.app.name": config.app_name,
+        "spark.driver.memory": config.driver_memory,  # applies when this process starts the JVM
         "spark.python.unix.domain.socket.enabled": "true",
         "spark.sql.shuffle.partitions": str(config.partitions),
         "spark.ui.enabled": "false",
