@@ -70,6 +70,13 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
 
 
+def _segment(name: str) -> str:
+    """One URL path segment naming ``name`` exactly: percent-encoded, and the dot segments ``.``/``..``
+    (which HTTP clients and servers resolve away) spelled ``%2E``."""
+    q = quote(name, safe="")
+    return q.replace(".", "%2E") if set(name) == {"."} else q
+
+
 class Unauthorized(CharonError, PermissionError):
     """The gateway refused the bearer token (missing or wrong)."""
 
@@ -216,12 +223,12 @@ class _Base:
     @staticmethod
     def _invoke_path(operator: str, key: str, function: str) -> str:
         check_key(key)
-        return f"/invoke/{quote(operator, safe='')}/{quote(key, safe='')}/{quote(function, safe='')}"
+        return f"/invoke/{_segment(operator)}/{_segment(key)}/{_segment(function)}"
 
     @staticmethod
     def _state_path(operator: str, key: str) -> str:
         check_key(key)
-        return f"/state/{quote(operator, safe='')}/{quote(key, safe='')}"
+        return f"/state/{_segment(operator)}/{_segment(key)}"
 
     @staticmethod
     def _payload(args: Sequence[Any]) -> bytes:
@@ -313,7 +320,7 @@ class Client(_Base):
             wait = 10.0 if deadline is None else max(0.0, min(10.0, deadline - time.monotonic()))
             resp = self._send(
                 "GET",
-                f"/requests/{quote(request_id, safe='')}",
+                f"/requests/{_segment(request_id)}",
                 params={"wait": f"{wait:.3f}"},
                 headers=self.headers,
                 timeout=wait + self.timeout,
@@ -465,7 +472,7 @@ class AsyncClient(_Base):
             wait = 10.0 if deadline is None else max(0.0, min(10.0, deadline - time.monotonic()))
             resp = await self._send(
                 "GET",
-                f"/requests/{quote(request_id, safe='')}",
+                f"/requests/{_segment(request_id)}",
                 params={"wait": f"{wait:.3f}"},
                 headers=self.headers,
                 timeout=wait + self.timeout,

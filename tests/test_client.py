@@ -176,6 +176,18 @@ def test_invoke_returns_value(client: Client) -> None:
     assert client.state("counter", key) == 12
 
 
+def test_dot_keys_name_their_own_entities(client: Client) -> None:
+    """`.` and `..` are valid keys: the client must not let them become dot segments that the URL resolves away
+    (`/invoke/counter/../add` would be `/invoke/add`)."""
+    base = uid()
+    keys = [".", "..", "...", f"{base}.", f".{base}"]
+    for i, key in enumerate(keys):
+        client.invoke("counter", key, "add", 0)  # may exist from an earlier run of this module's server
+        before = client.state("counter", key)
+        assert client.invoke("counter", key, "add", i + 1) == before + i + 1
+        assert client.state("counter", key) == before + i + 1
+
+
 def test_invoke_result_carries_tid_and_request_id(client: Client) -> None:
     res = client.invoke_result("counter", uid(), "add", 1, request_id="my-request-1-" + uid())
     assert isinstance(res, Result)
