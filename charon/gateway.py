@@ -880,7 +880,15 @@ def create_app(
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    async def http_error(request: HTTPRequest, exc: Exception) -> Response:
+        # routing errors (no such route, wrong method) in the same typed JSON shape as every other error
+        status = getattr(exc, "status_code", 500)
+        kind = {404: "NotFound", 405: "MethodNotAllowed"}.get(status, "HTTPError")
+        detail = getattr(exc, "detail", "") or kind
+        return gw.respond(request, status, {"error": {"type": kind, "message": str(detail)}},
+                          getattr(exc, "headers", None))
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: http_error, 405: http_error})
     app.state.gateway = gw
     app.state.runtime = runtime
     outer = _StrictPath(app)

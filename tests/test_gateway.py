@@ -202,6 +202,15 @@ def test_poll_unknown_request_is_404(http: httpx.Client) -> None:
     assert r.json()["error"]["type"] == "NotFound"
 
 
+def test_routing_errors_are_typed_json(http: httpx.Client) -> None:
+    """No such route (404) and a wrong method (405) answer in the same JSON error shape as every other error."""
+    r = http.get("/no/such/route")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFound"
+    r = http.get("/invoke/counter/k/incr")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "MethodNotAllowed"
+    assert "POST" in r.headers["allow"]
+
+
 # ------------------------------------------------------------------------------------------------ idempotency
 
 
