@@ -194,15 +194,18 @@ def run(
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
     replayed = getattr(runtime, "replayed_epochs", 0)
+    verb = "starting" if engine == "spark" else "serving"
     err_console.print(
-        f"charon: serving [bold]{getattr(application, 'name', target)}[/] "
+        f"charon: {verb} [bold]{getattr(application, 'name', target)}[/] "
         f"({engine}, {partitions} partitions; {mode}) on http://{host}:{port}"
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
+        + (" (Spark starts in ~20 s; the port opens when it is up)" if engine == "spark" else ""),
+        soft_wrap=True,  # one line even when stderr is not a terminal (grep-able)
     )
     if engine == "spark":
         from charon.spark.runtime import spark_log_path
 
-        err_console.print(f"charon: Spark log: {spark_log_path(runtime.config)}")
+        err_console.print(f"charon: Spark log: {spark_log_path(runtime.config)}", soft_wrap=True)
     try:
         recent = reply_retention or (10_000 if getattr(runtime, "durable", False) else 100_000)
         serve(runtime, host, port, token, max_body=max_body, recent_replies=recent)
