@@ -18,6 +18,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import statistics
 import sys
 import time
@@ -452,7 +453,8 @@ def demo(
         raise
     except Exception:  # noqa: BLE001 - the one place a traceback is shown: something failed
         console.print_exception()
-        raise _fail("the demo failed" + (f"; Spark's own output is in {spark_log}" if spark_log else "")) from None
+        raise _fail("the demo failed" + (f"; Spark's own output is in {spark_log}" if spark_log else "")
+                    + (f" (data kept in {data_dir})" if data_dir else "")) from None
     finally:
         close = getattr(runtime, "close", None)
         if close is not None:
@@ -498,7 +500,11 @@ def demo(
     )
     console.print(table)
     if not (conserved and once):
+        if data_dir:
+            console.print(f"the demo's data (logs, state, Spark log) is kept in {data_dir}")
         raise typer.Exit(1)
+    if data_dir:
+        shutil.rmtree(data_dir, ignore_errors=True)  # a passing demo leaves nothing behind
 
 
 def main() -> None:
