@@ -413,6 +413,8 @@ def demo(
     zipf: float = typer.Option(0.0, min=0.0, help="Zipf coefficient of the creditors (0 = uniform)."),
     partitions: int = typer.Option(4, min=1, help="Number of partitions."),
     seed: int = typer.Option(7, help="Workload seed."),
+    keep_data: bool = typer.Option(False, "--keep-data", help="Keep the temporary data directory (logs, state, "
+                                   "Spark log) after a passing run too."),
 ) -> None:
     """Deploy the YCSB-T bank end to end, drive transfers through the gateway and check the invariants."""
     import tempfile
@@ -503,7 +505,9 @@ def demo(
         if data_dir:
             console.print(f"the demo's data (logs, state, Spark log) is kept in {data_dir}")
         raise typer.Exit(1)
-    if data_dir:
+    if data_dir and keep_data:
+        console.print(f"the demo's data is kept in {data_dir}")
+    elif data_dir:
         shutil.rmtree(data_dir, ignore_errors=True)  # a passing demo leaves nothing behind
 
 

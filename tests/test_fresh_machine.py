@@ -141,7 +141,7 @@ def test_spark_demo_terminal_shows_only_charon(tmp_path: Path) -> None:
     """``charon demo`` on Spark: the progress display and summary, the log's name, and nothing of Spark's."""
     r = subprocess.run(
         [sys.executable, "-m", "charon.cli", "demo", "--engine", "spark", "--accounts", "100",
-         "--transactions", "200", "--concurrency", "16", "--partitions", "2"],
+         "--transactions", "200", "--concurrency", "16", "--partitions", "2", "--keep-data"],
         capture_output=True, text=True, env=spark_env(TMPDIR=str(tmp_path), COLUMNS="200"), cwd=tmp_path,
         timeout=900,
     )
