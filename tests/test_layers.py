@@ -18,9 +18,10 @@ import charon
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "charon"
 
-#: Top-level modules every layer may use: the programming model, its errors, records and encoding.
+#: Top-level modules every layer may use: the programming model, its errors, records, encoding and config.
+#: (The HTTP client, cli, testing, simulation, apps and bench are entry points above every layer.)
 MODEL = {"charon.errors", "charon.serde", "charon.messages", "charon.operator", "charon.config",
-         "charon.client_errors", "charon.client"}
+         "charon.client_errors"}
 LAYERS = ("core", "state", "log", "runtime", "server")
 #: What each layer may import besides itself and MODEL (a module name or a ``layer.`` prefix).
 ALLOWED = {
