@@ -44,7 +44,7 @@ async def closed_loop(call, n: int, concurrency: int) -> dict:
 
 async def direct(n: int, concurrency: int) -> dict:
     from charon.apps import ycsb
-    from charon.inprocess import InProcessRuntime
+    from charon.runtime.inprocess import InProcessRuntime
 
     rt = InProcessRuntime(ycsb.app, partitions=4)
     async with rt:

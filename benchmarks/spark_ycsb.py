@@ -28,8 +28,8 @@ def _generator(data_dir: str, rate: float, duration: float, warmup: float, n: in
                out: str) -> None:
     from charon.apps import ycsb
     from charon.bench.harness import run_open_loop
-    from charon.log import InputLog, OutputLog
-    from charon.logclient import LogClient
+    from charon.log.client import LogClient
+    from charon.log.sqlite import InputLog, OutputLog
 
     sampler = ycsb.Zipf(n, zipf)
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from charon.apps import ycsb
     from charon.bench.harness import save
     from charon.config import SparkConfig
-    from charon.spark.runtime import SparkRuntime
+    from charon.runtime.spark.runtime import SparkRuntime
 
     data = tempfile.mkdtemp(prefix="charon-bench-spark-")
     cfg = SparkConfig(master=args.master, data_dir=data, partitions=args.partitions, max_batch=20_000,

@@ -1,22 +1,31 @@
 """Charon: transactional stateful functions on Apache Spark (after Styx).
 
 Write operators and ``async def`` functions; every client invocation runs as a serializable,
-exactly-once transaction over its whole call graph.
+exactly-once transaction over its whole call graph. This module is the public surface; the layers behind it
+are ``charon.core`` (the deterministic core), ``charon.state``, ``charon.log``, ``charon.runtime`` and
+``charon.server``.
 """
 
-from charon.context import Context
+from charon.core.context import Context
 from charon.errors import (
     BadArguments,
     CallGraphLimitExceeded,
     CharonError,
+    EngineUnavailable,
+    IdempotencyConflict,
+    IllegalAwait,
+    InvalidKey,
+    LogUnavailable,
+    NonDeterministicFunction,
+    PayloadTooLarge,
     SerializationError,
     TransactionAborted,
     UnknownFunction,
     UnknownOperator,
 )
-from charon.inprocess import InProcessRuntime
 from charon.messages import Reply, Request
 from charon.operator import Application, Function, Operator
+from charon.runtime.inprocess import InProcessRuntime
 
 __all__ = [
     "Application",
@@ -24,9 +33,16 @@ __all__ = [
     "CallGraphLimitExceeded",
     "CharonError",
     "Context",
+    "EngineUnavailable",
     "Function",
+    "IdempotencyConflict",
+    "IllegalAwait",
     "InProcessRuntime",
+    "InvalidKey",
+    "LogUnavailable",
+    "NonDeterministicFunction",
     "Operator",
+    "PayloadTooLarge",
     "Reply",
     "Request",
     "SerializationError",

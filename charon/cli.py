@@ -74,7 +74,7 @@ def load_app(target: str) -> Any:
 def spark_available() -> bool:
     """Whether the Spark runtime module is part of this installation."""
     try:
-        return importlib.util.find_spec("charon.spark.runtime") is not None
+        return importlib.util.find_spec("charon.runtime.spark.runtime") is not None
     except ImportError:
         return False
 
@@ -85,13 +85,13 @@ def make_runtime(
 ) -> Any:
     """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
 
-    ``inprocess``: :class:`charon.inprocess.InProcessRuntime`, durable under ``data_dir`` when one is given,
-    volatile without. ``spark``: :class:`charon.spark.runtime.SparkRuntime` configured from ``CHARON_*``
+    ``inprocess``: :class:`charon.runtime.inprocess.InProcessRuntime`, durable under ``data_dir`` when one is given,
+    volatile without. ``spark``: :class:`charon.runtime.spark.runtime.SparkRuntime` configured from ``CHARON_*``
     variables, then the options.
     """
     if engine == "inprocess":
-        from charon.inprocess import InProcessRuntime
-        from charon.node import NodeError
+        from charon.runtime.inprocess import InProcessRuntime
+        from charon.runtime.node import NodeError
 
         try:
             return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync,
@@ -100,12 +100,12 @@ def make_runtime(
             raise _fail(str(exc)) from None
     if engine == "spark":
         if not spark_available():
-            raise typer.BadParameter("the Spark runtime (charon.spark.runtime) is not available")
+            raise typer.BadParameter("the Spark runtime (charon.runtime.spark.runtime) is not available")
         from charon.config import SparkConfig
-        from charon.spark.runtime import SparkRuntime
+        from charon.runtime.spark.runtime import SparkRuntime
 
         load_app(target)  # fail early with a clear message
-        from charon.spark.runtime import LayoutMismatch
+        from charon.runtime.spark.runtime import LayoutMismatch
 
         config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir)
         try:
@@ -173,7 +173,7 @@ def run(
     ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
-    from charon.gateway import serve
+    from charon.server.gateway import serve
 
     application = load_app(target)
     if engine == "inprocess":
@@ -204,7 +204,7 @@ def run(
         soft_wrap=True,  # one line even when stderr is not a terminal (grep-able)
     )
     if engine == "spark":
-        from charon.spark.runtime import spark_log_path
+        from charon.runtime.spark.runtime import spark_log_path
 
         err_console.print(f"charon: Spark log: {spark_log_path(runtime.config)}", soft_wrap=True)
     try:
@@ -366,7 +366,7 @@ async def _serve_and_drive(
     """Serve the gateway and drive the workload on one event loop (no GIL hand-offs between threads)."""
     import uvicorn
 
-    from charon.gateway import create_app, free_port
+    from charon.server.gateway import create_app, free_port
 
     port = free_port()
     gateway = create_app(runtime, token=token, manage_runtime=True)
@@ -442,7 +442,7 @@ def demo(
         with console.status(f"starting the {engine} runtime…"):
             runtime = make_runtime(YCSB_REF, engine, partitions, data_dir)
             if engine == "spark":
-                from charon.spark.runtime import spark_log_path
+                from charon.runtime.spark.runtime import spark_log_path
 
                 spark_log = spark_log_path(runtime.config)
                 console.print(f"Spark log: {spark_log}")

@@ -14,7 +14,7 @@ HTTP status   raised
               request id is reused for another operation
 413           :class:`charon.errors.PayloadTooLarge`
 401           :class:`Unauthorized` (also a ``PermissionError``)
-400           :class:`charon.errors.InvalidKey` (key rules of :mod:`charon.routing`, also checked here
+400           :class:`charon.errors.InvalidKey` (key rules of :mod:`charon.core.routing`, also checked here
               before sending), else :class:`BadRequest` (also a ``ValueError``)
 other         :class:`GatewayError` (after the retries, for 5xx)
 ============  ====================================================================================
@@ -36,6 +36,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from charon.core.routing import check_key
 from charon.errors import (
     BadArguments,
     CharonError,
@@ -47,7 +48,6 @@ from charon.errors import (
     UnknownFunction,
     UnknownOperator,
 )
-from charon.routing import check_key
 
 __all__ = [
     "Client",

@@ -24,7 +24,7 @@ class SerializationError(CharonError):
 
 
 class InvalidKey(CharonError):
-    """An entity key, item name or operator name breaks the rules of :mod:`charon.routing` (UTF-8, no NUL,
+    """An entity key, item name or operator name breaks the rules of :mod:`charon.core.routing` (UTF-8, no NUL,
     byte limits)."""
 
 

@@ -21,7 +21,7 @@ class Reply(msgspec.Struct, frozen=True):
 
     ``position`` is the transaction's place in its epoch's serial order: ordering replies by
     (epoch, position) gives a serial order equivalent to what the engine executed (positions are
-    increasing, not consecutive; see ``charon.epoch.position``). None only in replies recorded before
+    increasing, not consecutive; see ``charon.core.epoch.position``). None only in replies recorded before
     positions existed.
     """
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import msgspec
 
+from charon.core.routing import check_key, check_operator_name
 from charon.errors import BadArguments, InvalidKey, UnknownFunction, UnknownOperator
-from charon.routing import check_key, check_operator_name
 
 FunctionBody = Callable[..., Coroutine[Any, Any, Any]]
 _FAST: dict[Any, tuple[type, ...]] = {int: (int,), str: (str,), bool: (bool,), float: (float, int), bytes: (bytes,)}
@@ -150,7 +150,7 @@ class Application:
     ) -> Function:
         """Check a request before it enters the log: names exist, the key is valid and arguments fit.
 
-        ``key`` is checked with :func:`charon.routing.check_key` unless it is ``None``.
+        ``key`` is checked with :func:`charon.core.routing.check_key` unless it is ``None``.
         """
         if not isinstance(args, list | tuple):
             raise BadArguments("args must be a list")

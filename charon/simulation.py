@@ -1,11 +1,11 @@
 """Deterministic simulation of the Spark runtime's paths, driving the real code with a simulated cluster.
 
 Per seed, a generated workload (:mod:`charon.workloads`) runs through the real
-:meth:`charon.spark.runtime.SparkRuntime._on_batch` (epoch records, replay of a recorded batch, ticks for
-deferred work, compaction, the output log) and the real :class:`~charon.spark.runtime.SparkExchange`,
+:meth:`charon.runtime.spark.runtime.SparkRuntime._on_batch` (epoch records, replay of a recorded batch, ticks for
+deferred work, compaction, the output log) and the real :class:`~charon.runtime.spark.runtime.SparkExchange`,
 whose ``run_job`` is replaced by a simulated cluster: each round's payloads are cut into tasks that run
 the real task function ``_run_partitions`` in simulated workers, each with its own live-coroutine table
-(``charon.partition._LIVE``) and its own executor-local LMDB directory. Spark's micro-batch loop is
+(``charon.core.partition._LIVE``) and its own executor-local LMDB directory. Spark's micro-batch loop is
 simulated too: offsets are written before a batch runs (in Spark's format, read back by the real
 ``batch_offsets``), and a batch is re-run until it completes.
 
@@ -45,12 +45,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from charon import lmdbstore, partition, serde
+from charon import serde
 from charon.config import SparkConfig
-from charon.durable import DurableState
+from charon.core import partition
+from charon.core.routing import partition_of, split_store_key, store_key
 from charon.messages import Reply
-from charon.routing import partition_of, split_store_key, store_key
-from charon.spark import runtime as sr
+from charon.runtime.spark import runtime as sr
+from charon.state import lmdbstore
+from charon.state.durable import DurableState
 from charon.workloads import COUNTERS, FEATURES, ITEMS, KEYS, Shape, Workload, app, engine_abort_rule, random_workload
 
 APP_REF = "charon.workloads:app"

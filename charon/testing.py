@@ -20,13 +20,13 @@ from collections.abc import Generator
 from typing import Any
 
 from charon import serde
-from charon.context import MAX_DEPTH, _item, child_inv, raised_in
-from charon.epoch import EpochResult
+from charon.core.context import MAX_DEPTH, _item, child_inv, raised_in
+from charon.core.epoch import EpochResult
+from charon.core.partition import MAX_INVOCATIONS, too_many_invocations
+from charon.core.routing import entity_prefix, store_key
 from charon.errors import CallGraphLimitExceeded, CharonError, IllegalAwait
 from charon.messages import Request
 from charon.operator import Application, Function, Operator
-from charon.partition import MAX_INVOCATIONS, too_many_invocations
-from charon.routing import entity_prefix, store_key
 
 
 class CaughtCalleeError(UserWarning):
@@ -53,7 +53,7 @@ class _Txn:
 
 
 class SerialContext:
-    """The oracle's context: same API as :class:`charon.context.Context`, executed directly."""
+    """The oracle's context: same API as :class:`charon.core.context.Context`, executed directly."""
 
     def __init__(self, txn: _Txn, op: str, key: str, inv: str, depth: int) -> None:
         txn.invocations += 1  # one context per invocation: the engine's per-transaction limit

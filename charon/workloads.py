@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from charon import serde
-from charon.context import Context
+from charon.core.context import Context
 from charon.messages import Request
 from charon.operator import Application, Operator
 
@@ -422,7 +422,7 @@ def check_inprocess(w: Workload, max_drain: int = 20) -> list:
     epochs, that every request is accounted for exactly once (committed, aborted, or deferred and finished
     later), that the replies delivered through the runtime's reply path equal the epochs' results, and that
     the final state equals serial execution of the reported order. Returns the epoch results."""
-    from charon import partition
+    from charon.core import partition
 
     saved = partition.KEEP_LIVE_COROUTINES
     partition.KEEP_LIVE_COROUTINES = w.live
@@ -435,7 +435,7 @@ def check_inprocess(w: Workload, max_drain: int = 20) -> list:
 
 def _check_inprocess(w: Workload, max_drain: int) -> list:
     from charon import testing
-    from charon.inprocess import InProcessRuntime
+    from charon.runtime.inprocess import InProcessRuntime
 
     check_epoch, serial_execute = testing.check_epoch, testing.serial_execute
     rt = InProcessRuntime(app, partitions=w.partitions)

@@ -21,4 +21,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 # prints "[charon] Java <version> (system|packaged: <home>)" on stderr, JAVA_HOME on stdout; fails with the reason
-.venv/bin/python -m charon.spark.java >.venv/java-home
+.venv/bin/python -m charon.runtime.spark.java >.venv/java-home

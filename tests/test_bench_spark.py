@@ -14,9 +14,9 @@ from charon import serde
 from charon.apps import deathstar, tpcc, tpcc_spark, ycsb
 from charon.bench.spark import app_ref, bulk_load, load_spec
 from charon.config import SparkConfig
+from charon.core.routing import split_store_key
 from charon.messages import Request
-from charon.routing import split_store_key
-from charon.spark.runtime import SparkRuntime, make_session, replay_in_process
+from charon.runtime.spark.runtime import SparkRuntime, make_session, replay_in_process
 
 pytestmark = pytest.mark.spark
 

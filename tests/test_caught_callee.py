@@ -10,7 +10,8 @@ import warnings
 
 import pytest
 
-from charon import Application, Context, InProcessRuntime, Operator, Request, partition, serde
+from charon import Application, Context, InProcessRuntime, Operator, Request, serde
+from charon.core import partition
 from charon.testing import CaughtCalleeError, check_epoch, serial_execute
 
 op = Operator("a")

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from charon import Application, Context, Operator
 from charon.cli import app as cli
-from charon.gateway import BackgroundServer, free_port
-from charon.inprocess import InProcessRuntime
+from charon.runtime.inprocess import InProcessRuntime
+from charon.server.gateway import BackgroundServer, free_port
 
 TOKEN = "cli-test-token"
 runner = CliRunner()

@@ -34,8 +34,8 @@ from charon.errors import (
     UnknownFunction,
     UnknownOperator,
 )
-from charon.gateway import BackgroundServer, free_port
-from charon.inprocess import InProcessRuntime
+from charon.runtime.inprocess import InProcessRuntime
+from charon.server.gateway import BackgroundServer, free_port
 
 TOKEN = "client-test-token"
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charon.durable import DurableState, DurableStateError
+from charon.state.durable import DurableState, DurableStateError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,7 +142,7 @@ def test_compaction_is_equivalent(base, deltas, cuts):
 
 WORKER = r"""
 import random, sys
-from charon.durable import DurableState
+from charon.state.durable import DurableState
 root, seed = sys.argv[1], int(sys.argv[2])
 def delta(e):
     r = random.Random(seed * 1_000_003 + e)
@@ -215,7 +215,7 @@ def test_sigkill_during_deltas_and_compactions(tmp_path):
 
 COMPACTOR = r"""
 import sys, time
-from charon.durable import DurableState
+from charon.state.durable import DurableState
 d = DurableState(sys.argv[1])
 print("ready", flush=True)
 n = 0

@@ -7,7 +7,7 @@ import itertools
 import random
 
 from charon import Application, Context, InProcessRuntime, Operator, Request, serde
-from charon.routing import partition_of
+from charon.core.routing import partition_of
 from charon.testing import check_epoch
 
 acct = Operator("acct")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from charon.spark import java as charon_java
+from charon.runtime.spark import java as charon_java
 
 ROOT = Path(__file__).resolve().parents[1]
 SPARK_NOISE = ("WARN", "log4j", "Traceback", "BrokenPipeError", "jdk.incubator")
@@ -92,7 +92,7 @@ PROBE = textwrap.dedent(
     """
     import os, sys
     from charon.config import SparkConfig
-    from charon.spark.runtime import make_session, spark_log_path
+    from charon.runtime.spark.runtime import make_session, spark_log_path
 
     cfg = SparkConfig(master="local[1]", data_dir=sys.argv[1], partitions=1)
     spark = make_session(cfg)

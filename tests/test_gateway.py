@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from charon import Application, Context, Operator
-from charon.gateway import BackgroundServer
-from charon.inprocess import InProcessRuntime
+from charon.runtime.inprocess import InProcessRuntime
+from charon.server.gateway import BackgroundServer
 
 TOKEN = "gw-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

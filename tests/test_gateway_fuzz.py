@@ -15,8 +15,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from charon import Application, Context, Operator
-from charon.gateway import BackgroundServer
-from charon.inprocess import InProcessRuntime
+from charon.runtime.inprocess import InProcessRuntime
+from charon.server.gateway import BackgroundServer
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

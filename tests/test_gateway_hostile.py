@@ -16,12 +16,12 @@ import pytest
 
 from charon import Application, Context, Operator, serde
 from charon.config import GatewayConfig
-from charon.gateway import BackgroundServer
-from charon.inprocess import InProcessRuntime
-from charon.log import InputLog, OutputLog
-from charon.logclient import LogClient
+from charon.core.routing import MAX_KEY_BYTES
+from charon.log.client import LogClient
+from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply
-from charon.routing import MAX_KEY_BYTES
+from charon.runtime.inprocess import InProcessRuntime
+from charon.server.gateway import BackgroundServer
 
 TOKEN = "hostile-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import httpx
 
-from charon.gateway import free_port
+from charon.server.gateway import free_port
 
 SERVER = """
 import sys
 from charon import Application, Context, Operator
-from charon.gateway import serve
-from charon.inprocess import InProcessRuntime
+from charon.server.gateway import serve
+from charon.runtime.inprocess import InProcessRuntime
 
 c = Operator("c")
 

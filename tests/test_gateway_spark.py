@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from charon.log import OutputLog
+from charon.log.sqlite import OutputLog
 
 pytestmark = pytest.mark.spark
 TOKEN = "t0ken"

@@ -1,4 +1,4 @@
-"""Entity keys, item names and operator names: one validator (charon.routing), applied by the engine's
+"""Entity keys, item names and operator names: one validator (charon.core.routing), applied by the engine's
 request validation and by the context (repros r6_nul_keys and r8_long_key_poison)."""
 
 from __future__ import annotations
@@ -10,13 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from charon import Application, Context, InProcessRuntime, Operator, Request, serde
-from charon.durable import DurableState
-from charon.epoch import EpochCoordinator
-from charon.errors import InvalidKey
-from charon.inprocess import LocalExchange
-from charon.lmdbstore import LmdbStore
-from charon.partition import PartitionUnit
-from charon.routing import (
+from charon.core.epoch import EpochCoordinator
+from charon.core.partition import PartitionUnit
+from charon.core.routing import (
     MAX_ITEM_BYTES,
     MAX_KEY_BYTES,
     MAX_OPERATOR_BYTES,
@@ -27,6 +23,10 @@ from charon.routing import (
     split_store_key,
     store_key,
 )
+from charon.errors import InvalidKey
+from charon.runtime.inprocess import LocalExchange
+from charon.state.durable import DurableState
+from charon.state.lmdbstore import LmdbStore
 from charon.testing import check_epoch
 
 op = Operator("a")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from charon import Application, Context, InProcessRuntime, Operator, Request, serde
-from charon.context import MAX_DEPTH
+from charon.core.context import MAX_DEPTH
 from charon.testing import check_epoch
 
 op = Operator("c")

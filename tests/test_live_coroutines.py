@@ -13,13 +13,14 @@ import random
 
 import pytest
 
-from charon import InProcessRuntime, Request, partition, serde
+from charon import InProcessRuntime, Request, serde
 from charon.apps import tpcc
 from charon.config import SparkConfig
-from charon.durable import DurableState
-from charon.epoch import EpochCoordinator
-from charon.routing import partition_of, split_store_key
-from charon.spark.runtime import SparkExchange
+from charon.core import partition
+from charon.core.epoch import EpochCoordinator
+from charon.core.routing import partition_of, split_store_key
+from charon.runtime.spark.runtime import SparkExchange
+from charon.state.durable import DurableState
 
 SCALE = tpcc.Scale(districts=2, customers=30, items=200)
 

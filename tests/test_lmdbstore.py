@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charon.durable import DurableState
-from charon.lmdbstore import LmdbStore, StoreError, open_store
-from charon.routing import entity_prefix, store_key
-from charon.store import MemoryStore
+from charon.core.routing import entity_prefix, store_key
+from charon.state.durable import DurableState
+from charon.state.lmdbstore import LmdbStore, StoreError, open_store
+from charon.state.store import MemoryStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
@@ -268,7 +268,7 @@ def test_open_store_caches_per_process(tmp_path):
 
 READER = r"""
 import hashlib, sys, time
-from charon.lmdbstore import open_store
+from charon.state.lmdbstore import open_store
 s = open_store(sys.argv[1], 0, None)
 for _ in range(int(sys.argv[2])):
     with s.reading():
@@ -321,7 +321,7 @@ def test_two_processes_read_the_same_env(tmp_path):
 
 WORKER = r"""
 import random, sys
-from charon.lmdbstore import open_store
+from charon.state.lmdbstore import open_store
 local, dur, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 def delta(e):
     r = random.Random(seed * 1_000_003 + e)
@@ -436,7 +436,7 @@ def test_state_read_of_an_older_epoch_never_rolls_back(tmp_path):
     """Epoch 1 is finalized on the partition but not yet recorded when a read of epoch 0 (the last recorded)
     runs its task: the read sees epoch 0's value and leaves the local and durable copies at epoch 1, so the
     next epoch's rounds find epoch 1 (before the fix the read truncated delta 1 and epoch 2 failed)."""
-    from charon.spark.runtime import _read_entities, executor_local_dir
+    from charon.runtime.spark.runtime import _read_entities, executor_local_dir
 
     ckpt = str(tmp_path / "ckpt")
     durable_root = os.path.join(ckpt, "state")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from charon.log import InputLog, OutputLog, log_partition_of
+from charon.log.sqlite import InputLog, OutputLog, log_partition_of
 from charon.messages import Reply, Request
 from charon.serde import encode
 
@@ -301,7 +301,7 @@ def test_reply_stream_atoms_are_whole_epochs(tmp_path):
     """Early replies of one epoch arrive in several groups; the replies stream cuts only at epoch ends."""
     from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
-    from charon.spark.source import CharonRepliesStreamReader
+    from charon.runtime.spark.source import CharonRepliesStreamReader
 
     path = tmp_path / "out.sqlite"
     out = OutputLog(path)

@@ -16,8 +16,8 @@ import pytest
 
 from charon import serde
 from charon.errors import IdempotencyConflict, InvalidKey, LogUnavailable
-from charon.log import InputLog, OutputLog
-from charon.logclient import LogClient
+from charon.log.client import LogClient
+from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply
 
 

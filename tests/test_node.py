@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from charon import serde
-from charon.gateway import free_port
-from charon.inprocess import InProcessRuntime
 from charon.messages import Request
-from charon.node import EPOCH_MARK, NodeError, NodeStorage
+from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node import EPOCH_MARK, NodeError, NodeStorage
+from charon.server.gateway import free_port
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -269,7 +269,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from node_app import app
 from test_node import epoch_requests
-from charon.inprocess import InProcessRuntime
+from charon.runtime.inprocess import InProcessRuntime
 rt = InProcessRuntime(app, partitions=4, data_dir=sys.argv[2], compact_every=int(sys.argv[3]),
                       fsync=sys.argv[4] == "fsync")
 rt.load("acct", {"a0": 0})

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charon import Application, Context, InProcessRuntime, Operator, Request, partition, serde
+from charon import Application, Context, InProcessRuntime, Operator, Request, serde
+from charon.core import partition
 from charon.testing import check_epoch
 
 n0 = Operator("n0")

@@ -18,12 +18,13 @@ import replay_app
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charon import Application, Context, InProcessRuntime, Operator, Request, partition, serde
+from charon import Application, Context, InProcessRuntime, Operator, Request, serde
 from charon.config import SparkConfig
-from charon.durable import DurableState
-from charon.epoch import EpochCoordinator
-from charon.routing import partition_of, split_store_key, store_key
-from charon.spark.runtime import SparkExchange
+from charon.core import partition
+from charon.core.epoch import EpochCoordinator
+from charon.core.routing import partition_of, split_store_key, store_key
+from charon.runtime.spark.runtime import SparkExchange
+from charon.state.durable import DurableState
 from charon.testing import CaughtCalleeError, check_epoch
 
 FUNCTIONS = list(replay_app.SCENARIOS)

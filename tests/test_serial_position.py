@@ -14,11 +14,11 @@ import pytest
 
 from charon import Application, Context, InProcessRuntime, Operator, Request, serde
 from charon.client import Client
+from charon.core.routing import partition_of
 from charon.errors import TransactionAborted
-from charon.gateway import BackgroundServer
-from charon.log import OutputLog
+from charon.log.sqlite import OutputLog
 from charon.messages import Reply
-from charon.routing import partition_of
+from charon.server.gateway import BackgroundServer
 from charon.testing import check_epoch, serial_execute
 
 acct = Operator("acct")

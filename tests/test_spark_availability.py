@@ -18,10 +18,10 @@ import pytest
 
 from charon import serde
 from charon.config import SparkConfig
+from charon.core.routing import store_key
 from charon.errors import EngineUnavailable
 from charon.messages import Request
-from charon.routing import store_key
-from charon.spark.runtime import TICK, LayoutMismatch, SparkRuntime, make_session, master_with_retries
+from charon.runtime.spark.runtime import TICK, LayoutMismatch, SparkRuntime, make_session, master_with_retries
 
 APP = "charon.apps.ycsb:app"
 CHARON = str(Path(sys.executable).parent / "charon")

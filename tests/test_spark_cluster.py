@@ -17,10 +17,10 @@ import msgspec
 import pytest
 from spark_driver import Driver, check_result, driver_args, last_epoch, make_config, transfers
 
-from charon.lmdbstore import LmdbStore
-from charon.log import InputLog
-from charon.spark.cluster import StandaloneCluster
-from charon.spark.runtime import EpochRecord, SparkRuntime
+from charon.log.sqlite import InputLog
+from charon.runtime.spark.cluster import StandaloneCluster
+from charon.runtime.spark.runtime import EpochRecord, SparkRuntime
+from charon.state.lmdbstore import LmdbStore
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(1200)]
 

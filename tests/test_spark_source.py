@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from charon.log import InputLog, OutputLog
+from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply, Request
+from charon.runtime.spark.source import batch_offsets, cap_offsets, read_offset_log
 from charon.serde import encode
-from charon.spark.source import batch_offsets, cap_offsets, read_offset_log
 
-PYTHON = "/work/main/.venv/bin/python"
+PYTHON = sys.executable
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def spark() -> Iterator[Any]:
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", PYTHON)
     from pyspark.sql import SparkSession
 
-    from charon.spark.source import register
+    from charon.runtime.spark.source import register
 
     session = (
         SparkSession.builder.master("local[2]")

@@ -17,7 +17,7 @@ after another, in the driver) and :func:`population_dataframe` (one Spark task p
 same records, so every system of a benchmark can load the identical database.
 
 Spark rows are ``(operator, key, item, value)`` with ``value`` msgpack bytes: the entity's main value has item
-``""``, a named item ``name`` is stored as ``"\\x01" + name`` (as :meth:`charon.context.Context.put_item` does).
+``""``, a named item ``name`` is stored as ``"\\x01" + name`` (as :meth:`charon.core.context.Context.put_item` does).
 """
 
 from __future__ import annotations
@@ -62,14 +62,15 @@ def population_dataframe(spark: Any, W: int = 1, scale: Scale = Scale(), seed: i
 
 
 def load(runtime: Any, W: int = 1, scale: Scale = Scale(), seed: int = 0) -> int:
-    """Generate the population in Spark and bulk-load it into a fresh :class:`~charon.spark.runtime.SparkRuntime`
-    as its first snapshot; returns the number of store rows written."""
+    """Generate the population in Spark and bulk-load it into a fresh
+    :class:`~charon.runtime.spark.runtime.SparkRuntime` as its first snapshot; returns the number of store
+    rows written."""
     return runtime.load_dataframe(population_dataframe(runtime.spark, W, scale, seed))
 
 
 def expected_state(W: int = 1, scale: Scale = Scale(), seed: int = 0) -> dict[bytes, bytes]:
     """The store contents (store key -> msgpack value) the population must produce (for tests)."""
-    from charon.routing import store_key
+    from charon.core.routing import store_key
 
     return {store_key(op, key, item): v for op, key, item, v in to_rows(populate(W, scale, seed))}
 

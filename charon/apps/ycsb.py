@@ -82,7 +82,7 @@ def workload(
     ``multi_partition`` (with ``partitions``) sets the share of transfers whose creditor lives in another
     partition than the debtor (the rest stay in the debtor's partition).
     """
-    from charon.routing import partition_of
+    from charon.core.routing import partition_of
 
     rng = random.Random(seed)
     creditors = Zipf(n, zipf)

@@ -1,10 +1,10 @@
 """The Spark runtime as a benchmark target for ``benchmarks/run_all.py`` (system ``spark``).
 
-:func:`spark_target` starts a :class:`~charon.spark.runtime.SparkRuntime` (``local[2]`` by default, a temporary
+:func:`spark_target` starts a :class:`~charon.runtime.spark.runtime.SparkRuntime` (``local[2]`` by default, a temporary
 data directory) **in a child process** and gives the benchmark a :class:`SparkTarget` in its own process:
 
 - ``submit`` appends to the runtime's SQLite input log (group-committed) and tails its output log through a
-  :class:`~charon.logclient.LogClient`, exactly as the HTTP gateway or ``benchmarks/spark_ycsb.py``'s load
+  :class:`~charon.log.client.LogClient`, exactly as the HTTP gateway or ``benchmarks/spark_ycsb.py``'s load
   generator does. The Spark driver (the streaming query, the epoch coordinator, the serialization of every
   round) and the open-loop generator therefore do not share a GIL: in one process the generator's event loop
   and the coordinator would slow each other down and the measured latency would include that contention.
@@ -119,7 +119,7 @@ def _driver(conn: Any, ref: str, cfg: SparkConfig, spec: LoadSpec) -> None:
     """Child process: the Spark driver. Commands over ``conn``: ``snapshot``, ``stop``."""
     rt = None
     try:
-        from charon.spark.runtime import SparkRuntime
+        from charon.runtime.spark.runtime import SparkRuntime
 
         t0 = time.time()
         rt = SparkRuntime(ref, cfg)
@@ -180,8 +180,8 @@ class SparkTarget:
 
     async def start(self) -> None:
         """Wait for the child to load the state and start the streaming query; open the log client."""
-        from charon.log import InputLog, OutputLog
-        from charon.logclient import LogClient
+        from charon.log.client import LogClient
+        from charon.log.sqlite import InputLog, OutputLog
 
         self.info = await asyncio.to_thread(self._recv, "ready", self._start_timeout)
         d = self.config.data_dir
@@ -196,7 +196,7 @@ class SparkTarget:
     @property
     def epoch_stats(self) -> list[dict[str, float]]:
         """Per-epoch statistics, from the epoch records under the driver's checkpoint (in epoch order)."""
-        from charon.spark.runtime import EpochRecord
+        from charon.runtime.spark.runtime import EpochRecord
 
         folder = os.path.join(self.config.checkpoint_dir, "epochs")
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
@@ -208,7 +208,7 @@ class SparkTarget:
 
     def _snapshot(self) -> dict[tuple[str, str], Any]:
         if self._state is None:
-            from charon.routing import split_store_key
+            from charon.core.routing import split_store_key
 
             self._conn.send("snapshot")
             _, snap = self._recv("snapshot", 900.0)

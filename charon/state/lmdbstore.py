@@ -3,7 +3,7 @@
 One LMDB environment per partition directory (``path/p{pid}``) with two named databases: ``data`` (the
 state) and ``meta`` (``epoch``: the last committed epoch, 8-byte signed big-endian; absent in a fresh env).
 A commit writes the epoch's delta and the epoch marker in one write transaction, after the delta was made
-durable (:mod:`charon.durable`), so the local copy is never ahead of the durable one.
+durable (:mod:`charon.state.durable`), so the local copy is never ahead of the durable one.
 
 Multi-process rules (measured, see DESIGN.md §6): never open an environment in a process that later forks;
 handles are cached per ``(path, os.getpid())``; one constant ``map_size``; locking stays on;
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 
 import lmdb
 
-from charon.durable import DurableState, DurableStateError
+from charon.state.durable import DurableState, DurableStateError
 
 MAP_SIZE = 1 << 34  # 16 GiB of address space (sparse); must be the same in every process
 _EPOCH_KEY = b"epoch"
@@ -80,7 +80,7 @@ def _drop_env(path: str) -> None:
 
 
 class LmdbStore:
-    """A :class:`charon.store.PartitionStore` on an executor-local LMDB environment.
+    """A :class:`charon.state.store.PartitionStore` on an executor-local LMDB environment.
 
     ``epoch`` is read from the environment (another process may have committed). Reads use the active
     read transaction of :meth:`begin_read` (one per round), else a short one per call.

@@ -28,12 +28,12 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
+from charon.core.routing import check_item
 from charon.errors import CallGraphLimitExceeded, NonDeterministicFunction
 from charon.operator import Function, Operator
-from charon.routing import check_item
 
 if TYPE_CHECKING:  # pragma: no cover
-    from charon.partition import Frame, PartitionUnit
+    from charon.core.partition import Frame, PartitionUnit
 
 MAX_DEPTH = 200
 
@@ -375,6 +375,6 @@ def _replayed_target(operator: Operator | str, key: str, function: Function | st
 def _item(name: str) -> str:
     """Store item of a user item name (``""`` is the entity's main value, so items are prefixed).
 
-    Raises InvalidKey for a name :func:`charon.routing.check_item` rejects (inside a function: it aborts).
+    Raises InvalidKey for a name :func:`charon.core.routing.check_item` rejects (inside a function: it aborts).
     """
     return "\x01" + check_item(name)

@@ -2,13 +2,13 @@
 
 Usage::
 
-    from charon.spark.source import register, batch_offsets
+    from charon.runtime.spark.source import register, batch_offsets
     register(spark)
     df = spark.readStream.format("charon_log").option("path", log_path).load()
     q = df.writeStream.foreachBatch(run_epoch).option("checkpointLocation", ckpt).start()
 
 ``charon_log`` options
-    ``path`` (required) the :class:`~charon.log.InputLog` file; ``partitions`` (optional, checked against the
+    ``path`` (required) the :class:`~charon.log.sqlite.InputLog` file; ``partitions`` (optional, checked against the
     log; default: the log's stored count); ``maxRecordsPerBatch`` (default 10000) caps a micro-batch,
     spread fairly over the log partitions; ``startingOffsets`` (a fresh query only): ``"earliest"`` (default:
     the first retained offsets, i.e. all zeros for an untruncated log), ``"latest"``, or a JSON list with
@@ -25,9 +25,9 @@ Offsets (JSON, what Spark writes to ``<checkpoint>/offsets/<batch_id>`` *before*
     batch) is ``{"offsets": [...]}`` without ``"start"``. Spark hands a batch's offsets back unchanged on
     replay, so a batch always re-reads exactly the same requests. Use :func:`batch_offsets` inside
     ``foreachBatch`` to get ``(starts, ends)`` of the running batch, then read the requests on the driver
-    with :meth:`charon.log.InputLog.read_range` (cheaper than collecting the DataFrame).
+    with :meth:`charon.log.sqlite.InputLog.read_range` (cheaper than collecting the DataFrame).
 
-``charon_replies`` options: ``path`` (the :class:`~charon.log.OutputLog`), ``maxRecordsPerBatch`` (default
+``charon_replies`` options: ``path`` (the :class:`~charon.log.sqlite.OutputLog`), ``maxRecordsPerBatch`` (default
     10000). Offsets ``{"seq": end, "start": start}``: the batch holds the replies with ``start < seq <= end``.
     Rows: ``seq LONG, request_id STRING, tid LONG, epoch LONG, ok BOOLEAN, value BINARY, error_type STRING,
     error_message STRING, position LONG``. Ordering replies by ``(epoch, position)`` gives a serial order
@@ -109,7 +109,7 @@ _open_logs: dict[tuple[int, str, str], Any] = {}
 
 
 def _input_log(path: str) -> Any:
-    from charon.log import InputLog
+    from charon.log.sqlite import InputLog
 
     k = (os.getpid(), "in", path)
     log = _open_logs.get(k)
@@ -119,7 +119,7 @@ def _input_log(path: str) -> Any:
 
 
 def _output_log(path: str) -> Any:
-    from charon.log import OutputLog
+    from charon.log.sqlite import OutputLog
 
     k = (os.getpid(), "out", path)
     log = _open_logs.get(k)
@@ -183,14 +183,14 @@ class LogRange(InputPartition):
 
 
 class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Stream reader over an :class:`~charon.log.InputLog`; see the module docstring."""
+    """Stream reader over an :class:`~charon.log.sqlite.InputLog`; see the module docstring."""
 
     def __init__(self, options: Any) -> None:
         if "path" not in options:
             raise ValueError("charon_log needs option 'path' (the input log file)")
         self.path = os.path.abspath(options["path"])
         parts = options.get("partitions")
-        from charon.log import InputLog
+        from charon.log.sqlite import InputLog
 
         # The reader is pickled to the Python workers: it keeps only plain attributes, logs are opened
         # per process through a module-level cache (see ``log``).
@@ -347,13 +347,13 @@ class SeqRange(InputPartition):
 
 
 class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Stream reader over an :class:`~charon.log.OutputLog`; see the module docstring."""
+    """Stream reader over an :class:`~charon.log.sqlite.OutputLog`; see the module docstring."""
 
     def __init__(self, options: Any) -> None:
         if "path" not in options:
             raise ValueError("charon_replies needs option 'path' (the output log file)")
         self.path = os.path.abspath(options["path"])
-        from charon.log import OutputLog
+        from charon.log.sqlite import OutputLog
 
         OutputLog(self.path).close()  # create it if missing; reopened per process (see ``log``)
         self.max_records = _max_records(options)

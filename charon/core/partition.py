@@ -7,7 +7,7 @@ partition are executed within the round; the rest are returned for the runtime t
 unit keeps between rounds of an epoch is its *scratch* (write buffers, suspended frames, the dry run's
 call-graph cache, the epoch's committed overlay), which :meth:`dump_scratch`/:meth:`load_scratch` move
 between processes: on Spark the driver holds it, so any task in any worker can run the next round.
-Committed state is read from a :class:`~charon.store.PartitionStore` as of the end of the previous epoch;
+Committed state is read from a :class:`~charon.state.store.PartitionStore` as of the end of the previous epoch;
 the store is written once per epoch, at finalize, idempotently.
 """
 
@@ -21,11 +21,11 @@ from fractions import Fraction
 from typing import Any
 
 from charon import serde
-from charon.context import Context, Journal, child_inv, raised_in
+from charon.core.context import Context, Journal, child_inv, raised_in
+from charon.core.routing import entity_prefix, partition_of, store_key
 from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
 from charon.operator import Application
-from charon.routing import entity_prefix, partition_of, store_key
-from charon.store import PartitionStore
+from charon.state.store import PartitionStore
 
 ROOT, SYNC, ASYNC = 0, 1, 2
 _LIVE: dict[int, tuple[int, dict]] = {}
@@ -84,7 +84,7 @@ class Reply:
 
 
 class Frame:
-    """An invocation in progress: its message and its journal (all a replay needs, see charon.context)."""
+    """An invocation in progress: its message and its journal (all a replay needs, see charon.core.context)."""
 
     __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth",
                  "journal", "token")
@@ -360,7 +360,7 @@ class PartitionUnit:
 
         A frame resumed by a reply continues its live coroutine when this process still holds it (the
         in-process runtime always; a Spark worker when it ran the previous round of this partition);
-        otherwise the function is replayed from its journal (:class:`charon.context.Journal`, which alone
+        otherwise the function is replayed from its journal (:class:`charon.core.context.Journal`, which alone
         decides what is replayed). Both give the same effects.
         """
         self._stat_runs += 1

@@ -1,6 +1,6 @@
 """The epoch protocol (Styx §5–§6, Aria): the coordinator every runtime calls to run one epoch.
 
-1. Sequencing: requests get TIDs from the :class:`~charon.sequencer.Sequencer`; transactions deferred by
+1. Sequencing: requests get TIDs from the :class:`~charon.core.sequencer.Sequencer`; transactions deferred by
    the previous epoch keep their (lower) TIDs, hence their priority.
 2. Dry run: rounds of the runtime's :class:`Exchange` until no message is in flight; every transaction
    runs against the previous epoch's state plus its own writes; each partition reports the entities each
@@ -32,13 +32,13 @@ from fractions import Fraction
 from typing import Protocol
 
 from charon import serde
+from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, RoundOutput, too_many_invocations
+from charon.core.partition import Reply as ReplyMsg
+from charon.core.routing import partition_of
+from charon.core.sequencer import Sequencer
 from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Reply, Request
 from charon.operator import Application
-from charon.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, RoundOutput, too_many_invocations
-from charon.partition import Reply as ReplyMsg
-from charon.routing import partition_of
-from charon.sequencer import Sequencer
 
 _ONE = Fraction(1)
 MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set within an epoch

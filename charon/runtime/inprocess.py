@@ -6,7 +6,7 @@ low-latency single-node engine. Epochs close when ``epoch_max_txns`` requests ar
 arriving while an epoch's batch is being committed to the log form the next batch).
 
 Without ``data_dir`` it is *volatile*: state, replies and request ids live in memory only. With
-``data_dir`` it is *durable* (:mod:`charon.node`): every epoch's batch is in the SQLite input log before the
+``data_dir`` it is *durable* (:mod:`charon.runtime.node`): every epoch's batch is in the SQLite input log before the
 epoch runs, state and replies are checkpointed in the background, and a restart (clean or after SIGKILL)
 recovers by replaying the log; a request id runs once across restarts and a retry gets the first reply.
 """
@@ -22,16 +22,16 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
-from charon.epoch import EpochCoordinator, EpochResult
+from charon.core.epoch import EpochCoordinator, EpochResult
+from charon.core.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUnit, RoundOutput
+from charon.core.partition import Reply as ReplyMsg
+from charon.core.routing import entity_prefix, partition_of, store_key
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator
-from charon.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUnit, RoundOutput
-from charon.partition import Reply as ReplyMsg
-from charon.routing import entity_prefix, partition_of, store_key
-from charon.store import MemoryStore
+from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
-    from charon.node import NodeStorage
+    from charon.runtime.node import NodeStorage
 
 
 class LocalExchange:
@@ -65,7 +65,7 @@ class InProcessRuntime:
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps every reply). ``data_dir``: durable mode (see
-        :mod:`charon.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``). ``stats_kept``: how many
+        :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``). ``stats_kept``: how many
         recent epochs ``epoch_stats`` keeps."""
         self.app = app
         self.partitions = partitions
@@ -73,7 +73,7 @@ class InProcessRuntime:
         self.epoch_max_ms = epoch_max_ms
         self.node: NodeStorage | None = None
         if data_dir is not None:
-            from charon.node import NodeStorage, RecordingStore
+            from charon.runtime.node import NodeStorage, RecordingStore
 
             self.node = NodeStorage(data_dir, partitions, fsync=fsync, checkpoint_s=checkpoint_s,
                                     compact_every=compact_every)

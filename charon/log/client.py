@@ -20,10 +20,10 @@ import time
 import uuid
 
 from charon import serde
+from charon.core.routing import check_key
 from charon.errors import IdempotencyConflict, LogUnavailable
-from charon.log import InputLog, OutputLog
+from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply, Request
-from charon.routing import check_key
 
 log = logging.getLogger(__name__)
 

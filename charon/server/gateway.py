@@ -24,7 +24,7 @@ Everything is checked *before* anything reaches the runtime (and so its input lo
 (401), the body size (413, from ``Content-Length`` and again while streaming) and arrival time (408), the
 content type (415), the body syntax and plainness (400: malformed, non-UTF-8 strings, msgpack extension
 types, nesting deeper than ``max_depth``), the URL path (400 unless it percent-decodes to valid UTF-8), the
-key (400 ``InvalidKey``, by :func:`charon.routing.check_key`), the operator and function names (404) and the
+key (400 ``InvalidKey``, by :func:`charon.core.routing.check_key`), the operator and function names (404) and the
 arguments' arity and types (422, through ``Application.validate``). Keys may contain ``/`` (the last path
 segment is the function). Bodies are decoded with msgspec; nothing is ever unpickled.
 
@@ -69,6 +69,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from charon import serde
 from charon.config import GatewayConfig
+from charon.core.routing import check_key
 from charon.errors import (
     BadArguments,
     CharonError,
@@ -80,9 +81,8 @@ from charon.errors import (
     UnknownFunction,
     UnknownOperator,
 )
-from charon.logclient import check_same_request, stored_request
+from charon.log.client import check_same_request, stored_request
 from charon.messages import Reply, Request
-from charon.routing import check_key
 
 __all__ = ["RuntimeLike", "create_app", "serve", "BackgroundServer", "describe_app", "STATUS_OF_ERROR"]
 
@@ -115,7 +115,7 @@ _mp_dec = msgspec.msgpack.Decoder()
 class RuntimeLike(Protocol):
     """What the gateway needs from a runtime (the in-process and the Spark runtime both provide it).
 
-    Optional: an ``input_log`` attribute (:class:`charon.log.InputLog`). With it, a request id reused for
+    Optional: an ``input_log`` attribute (:class:`charon.log.sqlite.InputLog`). With it, a request id reused for
     another operation is refused from the log (not only from the gateway's memory), and a request in the log
     without a reply polls as 202 pending (e.g. after a gateway restart) instead of 404.
     """

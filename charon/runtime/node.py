@@ -3,13 +3,13 @@
 One owner for what makes ``InProcessRuntime(app, data_dir=...)`` durable (the Spark runtime's pieces, reused):
 
 * **Epoch boundaries before the epoch runs.** An epoch's requests are appended to the SQLite input log
-  (:class:`charon.log.InputLog`, one partition) together with a marker entry naming the epoch, in one
+  (:class:`charon.log.sqlite.InputLog`, one partition) together with a marker entry naming the epoch, in one
   transaction: one commit (one fsync with ``fsync=True``) per epoch, however many requests it has (group
   commit). An epoch never runs before its batch is durable, so its TIDs and results are reproducible, and
   replies may go out early (while the epoch still runs).
 * **Checkpoints in the background.** A writer thread takes the finished epochs, stores their replies in the
-  output log (:class:`charon.log.OutputLog`, once per request id), writes each partition's merged writes as
-  one delta of the durable copy (:class:`charon.durable.DurableState`: Arrow base + deltas), then an epoch
+  output log (:class:`charon.log.sqlite.OutputLog`, once per request id), writes each partition's merged writes as
+  one delta of the durable copy (:class:`charon.state.durable.DurableState`: Arrow base + deltas), then an epoch
   record (sequencer counters, deferred transactions, input-log position) that commits the checkpoint.
   Every ``compact_every`` checkpoints it compacts the deltas and truncates the input log before the record.
 * **Recovery** loads the state as of the newest record, drops partition deltas written after it, and
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import msgspec
 
 from charon import serde
-from charon.durable import DurableState
-from charon.log import InputLog, OutputLog
+from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply, Request
-from charon.store import MemoryStore
+from charon.state.durable import DurableState
+from charon.state.store import MemoryStore
 
 EPOCH_MARK = "\x00epoch"  # operator of the marker entry that closes an epoch's batch in the input log
 _RECORDS_KEPT = 2
