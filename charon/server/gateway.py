@@ -106,6 +106,8 @@ STATUS_OF_ERROR: dict[str, int] = {
 }
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 _IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._~:@+=-]{1,200}$")
+#: request ids the runtimes use for their own input-log records; clients may not take them
+RESERVED_ID_PREFIX = "__charon"
 _json_enc = msgspec.json.Encoder()
 _json_dec = msgspec.json.Decoder()
 _mp_enc = msgspec.msgpack.Encoder()
@@ -553,6 +555,8 @@ class _Gateway:
             raise _HTTPError(
                 "BadRequest", "Idempotency-Key must be 1-200 characters of A-Z a-z 0-9 and . _ ~ : @ + = -"
             )
+        if rid.startswith(RESERVED_ID_PREFIX):  # the runtimes' own log records (e.g. Spark's epoch ticks)
+            raise _HTTPError("BadRequest", f"Idempotency-Key must not start with {RESERVED_ID_PREFIX!r} (reserved)")
         return rid
 
     def conflict(self, req: Request) -> None:
