@@ -11,6 +11,8 @@ import os
 
 import pytest
 
+from charon import serde
+from charon.core.routing import store_key
 from charon.simulation import Faults, Simulation, repro_line, run_seed
 from charon.workloads import Workload
 
@@ -70,7 +72,12 @@ def test_r3_resumed_in_another_worker(tmp_path, seed: int) -> None:
     round finds its live coroutine or replays the function from its journal: it must not send twice."""
     prog = [["early", "d", [], [["send", "c", [["add", "c0", 10]]]]]]
     sim = _case(tmp_path, [[("a", prog)]], live=True, faults=Faults(workers=2, **{**QUIET, "hop": 1.0}), seed=seed)
-    sim.run()
+    out = sim.run()  # raises a Violation on any oracle difference
+    assert out["requests"] == 1 and len(sim.delivered) == 1
+    (reply,) = sim.delivered.values()
+    assert reply.ok, reply
+    final = sim.durable_state(out["epochs"] - 1)
+    assert serde.decode(final[store_key("node", "c", "\x01c0")]) == 10  # the send ran once, not twice
 
 
 def test_r7_state_read_during_an_epoch(tmp_path) -> None:
@@ -78,7 +85,11 @@ def test_r7_state_read_during_an_epoch(tmp_path) -> None:
     its record is written must not roll the durable copy back."""
     sim = _case(tmp_path, [[("a", [["put", 1]])], [("a", [["get"], ["put", 2]])]], live=True,
                 faults=Faults(workers=1, **{**QUIET, "read": 1.0}))
-    sim.run()
+    out = sim.run()  # before the fix: Violation "epoch 0 is recorded but p0's durable copy reaches -1"
+    assert out["epochs"] == 2 and out["requests"] == 2
+    assert all(r.ok for r in sim.delivered.values()) and len(sim.delivered) == 2
+    # the durable copy reaches the last epoch (nothing rolled back) and holds the oracle's state
+    assert sim.durable_state(1) == sim.expected[1] and store_key("node", "a") in sim.expected[1]
 
 
 DEFERS = Workload(  # found by search: the first epoch defers one transaction to the next (1 partition)
