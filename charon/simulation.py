@@ -13,8 +13,10 @@ Faults, drawn from the seed: a round's tasks land in another worker (live corout
 worker loses its local state (directory deleted, live table dropped) or its Python process (live table
 dropped), a task runs twice (the first attempt dies after some of its partitions, or its result is lost),
 state reads (the real ``_read_entities``) run between rounds, and the driver crashes at every fault point of
-an epoch (before a job, after a round, ``before_epoch``, ``after_finalize``, ``after_record``, during
-compaction). A crash abandons the runtime object; recovery is the real one: a new ``SparkRuntime`` over the
+an epoch (before a job, after a round, ``before_epoch``, ``after_finalize``, ``after_defer``, ``after_record``,
+during compaction). The next epoch's requests may arrive while a batch runs, so that the runtime defers the
+batch's finalize into the next batch's first round (``pipeline_finalize``): crashes then also hit a batch
+whose predecessor is not recorded yet, and recovery re-runs that epoch. A crash abandons the runtime object; recovery is the real one: a new ``SparkRuntime`` over the
 same directories (durable copy, epoch records, input log) re-running the batch.
 
 Checked after every recorded epoch: the epoch equals serial execution (``charon.testing.check_epoch``)
@@ -154,6 +156,8 @@ class Simulation:
         self.delivered: dict[str, Reply] = {}
         self.crashes = 0
         self.rounds = 0
+        self.pipelined = self.rng.choice([0.0, 0.5, 1.0])  # chance that the next epoch's requests come early
+        self.pipelined_epochs = 0
         self.where = "start"
         self.rt: sr.SparkRuntime | None = None
 
@@ -253,8 +257,11 @@ class Simulation:
         sim = self
 
         class Recording(sr.EpochCoordinator):
-            def run_epoch(self, epoch: int, requests: list) -> Any:
-                res = super().run_epoch(epoch, requests)
+            def run_epoch(self, epoch: int, requests: list, **kw: Any) -> Any:
+                res = super().run_epoch(epoch, requests, **kw)
+                if res.finalize is not None:
+                    sim.pipelined_epochs += 1
+                    sim.trace(f"epoch {epoch}: finalize deferred into the next batch's first round")
                 sim.results[epoch] = res
                 return res
 
@@ -364,13 +371,15 @@ class Simulation:
         prev_ends = [0] * self.config.n_log_partitions
         offsets_written = -1
         attempts = 0
+        early = False  # the next epoch's requests were appended while the previous batch ran
         while True:
             if offsets_written < batch:
-                if next_epoch < len(self.w.epochs):
+                if next_epoch < len(self.w.epochs) and not early:
                     reqs = self.w.requests(next_epoch)
                     rt.input_log.append_many(reqs)
                     submitted += [r.request_id for r in reqs]
                     next_epoch += 1
+                early = False
                 ends = rt.input_log.end_offsets()
                 if ends == prev_ends:
                     break  # no new data: Spark runs no batch
@@ -379,6 +388,13 @@ class Simulation:
             attempts += 1
             if attempts > 200:
                 raise Violation("the run does not finish")
+            if not early and next_epoch < len(self.w.epochs) and self.rng.random() < self.pipelined:
+                # requests arrive while this batch runs: the runtime defers its finalize into the next batch
+                reqs = self.w.requests(next_epoch)
+                rt.input_log.append_many(reqs)
+                submitted += [r.request_id for r in reqs]
+                next_epoch += 1
+                early = True
             try:
                 self.trace(f"batch {batch}")
                 rt._on_batch(None, batch)
@@ -408,7 +424,8 @@ class Simulation:
             got = self.local_state(w, last)
             if got != self.expected[last]:
                 raise Violation(f"w{w.wid}'s local state at epoch {last} differs from the verified state")
-        return {"epochs": last + 1, "requests": len(submitted), "crashes": self.crashes, "rounds": self.rounds}
+        return {"epochs": last + 1, "requests": len(submitted), "crashes": self.crashes, "rounds": self.rounds,
+                "pipelined": self.pipelined_epochs}
 
     def local_state(self, w: Worker, epoch: int) -> dict[bytes, bytes]:
         merged: dict[bytes, bytes] = {}

@@ -13,7 +13,11 @@
    ones that replay identically and share no entity with a lower unresolved transaction commit. The rest
    rerun from the root under deterministic locks on their known entity sets, acquired in TID order; one
    that touches an entity outside its set moves to the next epoch, keeping its TID.
-5. Finalize: each partition writes the epoch's delta to its store, idempotently.
+5. Finalize: each partition writes the epoch's delta to its store, idempotently. A runtime may defer it
+   (``run_epoch(defer=...)``): the epoch's result then carries a :class:`~charon.core.partition.Prior`
+   that the next epoch's first round executes before its own work (``run_epoch(prior=...)``), which
+   saves a round per epoch; replies never wait for it (they are safe once the outcome is decided, as a
+   replay is deterministic), only the epoch's durable record does.
 
 The serial order: first every outcome decided without the fallback (validation errors, lock-free
 commits, immediate aborts) in TID order, then the fallback's outcomes in TID order. Running the epoch's
@@ -32,7 +36,7 @@ from fractions import Fraction
 from typing import Protocol
 
 from charon import serde
-from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, RoundOutput, too_many_invocations
+from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, Prior, RoundOutput, too_many_invocations
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import partition_of
 from charon.core.sequencer import Sequencer
@@ -66,6 +70,7 @@ class EpochResult:
     slow: list[int] = field(default_factory=list)  # committed or aborted by the locked fallback
     deferred: list[int] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+    finalize: Prior | None = None  # set when the finalize was deferred: pass it as the next epoch's prior
 
 
 def position(tid: int, last_tid: int, fallback: bool) -> int:
@@ -149,6 +154,7 @@ class EpochCoordinator:
         sequencers: int = 1,
         max_invocations: int = MAX_INVOCATIONS,
         on_replies: Callable[[list[Reply]], None] | None = None,
+        on_finalized: Callable[[int], None] | None = None,
     ) -> None:
         if max_invocations < 1:
             raise ValueError("max_invocations must be at least 1")
@@ -158,6 +164,7 @@ class EpochCoordinator:
         self.max_invocations = max_invocations
         self.max_rounds = 2 * max_invocations + 2
         self.on_replies = on_replies
+        self.on_finalized = on_finalized  # called with a prior epoch once the round that wrote it returned
         self.deferred: list[tuple[int, Request]] = []
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -206,8 +213,21 @@ class EpochCoordinator:
             self.on_replies(replies)
 
     # -- one epoch --------------------------------------------------------------------------------
-    def run_epoch(self, epoch: int, requests: list[tuple[int, Request]]) -> EpochResult:
-        """Run one epoch of ``requests`` given as (input-log partition, request) in log order."""
+    def finalize(self, prior: Prior, stats: dict | None = None) -> None:
+        """Write an epoch's delta at every partition in a round of its own."""
+        self._round(Control(prior.epoch, Control.FALLBACK, apply=prior.apply, reset=prior.reset, finalize=True), [],
+                    _Track(), {} if stats is None else stats)
+
+    def run_epoch(
+        self, epoch: int, requests: list[tuple[int, Request]], *, prior: Prior | None = None,
+        defer: bool | Callable[[], bool] = False,
+    ) -> EpochResult:
+        """Run one epoch of ``requests`` given as (input-log partition, request) in log order.
+
+        ``prior``: the previous epoch's deferred finalize, run within this epoch's first round (or a round of
+        its own if this epoch has nothing to run). ``defer`` (asked once the outcome is decided): leave this
+        epoch's finalize to the caller, in :attr:`EpochResult.finalize`, instead of running it now.
+        """
         t_start = time.perf_counter()
         stats: dict[str, float] = {}
         txns: dict[int, Request] = dict(self.deferred)
@@ -239,14 +259,20 @@ class EpochCoordinator:
             roots.append(_root(tid, req))
         self._emit(early)
 
-        # Dry run.
+        # Dry run (its first round carries the previous epoch's finalize, if deferred).
         track = _Track()
-        control = Control(epoch, Control.DRY)
         msgs: list = roots
+        if prior is not None and not msgs:
+            self.finalize(prior, stats)
         n = 0
         while msgs and n < self.max_rounds:
-            msgs = self._round(control, msgs, track, stats)
+            msgs = self._round(Control(epoch, Control.DRY, prior=prior), msgs, track, stats)
+            if prior is not None and self.on_finalized is not None:
+                self.on_finalized(prior.epoch)
+            prior = None
             n += 1
+        if prior is not None and self.on_finalized is not None:  # written by a round of its own above
+            self.on_finalized(prior.epoch)
         stats["dry_rounds"] = n
         for tid in {m.tid for m in msgs} - track.failed.keys():  # pragma: no cover - safety net, never binds
             track.failed[tid] = ("CallGraphLimitExceeded", f"call graph still running after {n} rounds")
@@ -290,9 +316,13 @@ class EpochCoordinator:
             apply_next, reset_next = self._fallback(epoch, conflicted, track, result, reply, apply_next, stats)
         result.order = sorted(replies, key=lambda t: replies[t].position)
 
-        # Finalize: apply what is left and write each partition's delta.
-        self._round(Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, finalize=True), [],
-                    _Track(), stats)
+        # Finalize: apply what is left and write each partition's delta (now, or in the next epoch's first round).
+        fin = Prior(epoch, apply_next, reset_next)
+        if defer() if callable(defer) else defer:
+            result.finalize = fin
+            stats["finalize_deferred"] = 1
+        else:
+            self.finalize(fin, stats)
         stats["duration_ms"] = (time.perf_counter() - t_start) * 1000.0
         stats["size"] = len(txns)
         stats["committed"] = len(lockfree) + len(result.fast) + sum(1 for t in result.slow if replies[t].ok)

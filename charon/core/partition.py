@@ -18,7 +18,7 @@ import os
 import pickle
 from collections import deque
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 from charon import serde
 from charon.core.context import Context, Journal, child_inv, raised_in
@@ -110,27 +110,43 @@ class Frame:
         return sorted(self.journal.replies.items())
 
 
+class Prior(NamedTuple):
+    """The finalize of an earlier epoch carried by the next epoch's first round (one Spark job less).
+
+    ``apply`` are the transactions whose buffered writes still enter the epoch's overlay, ``reset`` the
+    ones whose writes are dropped; then the epoch's delta is written (:meth:`PartitionUnit.finalize_prior`).
+    """
+
+    epoch: int
+    apply: list[int]
+    reset: list[int]
+
+
 class Control:
     """The coordinator's instructions for one round, the same for every partition.
 
     ``max_invocations`` is the coordinator's per-transaction limit; a partition fails a transaction on
     its own only when it alone started more than that within one epoch phase (so no round runs away).
+    ``prior``: the previous epoch's finalize, done before anything of this round (see :class:`Prior`).
     """
 
-    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize", "max_invocations")
+    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize", "max_invocations", "prior")
 
     DRY, FALLBACK = 0, 1
 
     def __init__(self, epoch: int, phase: int = 0, apply=(), reset=(), fast=(), finalize: bool = False,
-                 max_invocations: int = MAX_INVOCATIONS):
+                 max_invocations: int = MAX_INVOCATIONS, prior: Prior | None = None):
         self.epoch, self.phase, self.apply, self.reset = epoch, phase, list(apply), list(reset)
         self.fast, self.finalize, self.max_invocations = list(fast), finalize, max_invocations
+        self.prior = prior
 
     def __getstate__(self):
-        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations)
+        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
+                self.prior)
 
     def __setstate__(self, st):
-        (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations) = st
+        (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
+         self.prior) = st
 
 
 class RoundOutput:
@@ -285,8 +301,18 @@ class PartitionUnit:
         items[item] = value
 
     # -- one round --------------------------------------------------------------------------------
+    def finalize_prior(self, prior: Prior) -> int:
+        """Settle and write an earlier epoch (:class:`Prior`) from this unit's scratch of that epoch (none
+        here: an empty delta, which still advances the store to that epoch); returns the delta's size."""
+        if self.epoch != prior.epoch:
+            self._clear(prior.epoch)
+        self._settle(prior.apply, prior.reset)
+        return self._finalize()
+
     def step(self, control: Control, inbox: list[Invoke | Reply]) -> RoundOutput:
-        """Process one round: control first (apply, reset, fast fallback), then messages, then finalize."""
+        """Process one round: the prior epoch's finalize, control (apply, reset, fast fallback), then
+        messages, then finalize."""
+        prior_delta = self.finalize_prior(control.prior) if control.prior is not None else 0
         if control.epoch != self.epoch:
             self._clear(control.epoch)
         out = self._out = RoundOutput()
@@ -294,8 +320,20 @@ class PartitionUnit:
         self._stat_reads = 0
         self._stat_runs = 0
         self._recording = control.phase == Control.DRY
+        self._settle(control.apply, control.reset)
+        if control.fast:
+            self._fast_round(control.fast)
+        if inbox:
+            self._process(inbox)
+        delta = self._finalize() if control.finalize else 0
+        out.stats = {"reads": self._stat_reads, "runs": self._stat_runs, "delta": delta + prior_delta}
+        self._out = None  # type: ignore[assignment]
+        return out
+
+    def _settle(self, apply: list[int], reset: list[int]) -> None:
+        """Committed transactions' buffers enter the overlay; reset ones are forgotten."""
         overlay = self.overlay
-        for tid in control.apply:
+        for tid in apply:
             buf = self.buffers.pop(tid, None)
             if buf:
                 for e, items in buf.items():
@@ -304,21 +342,13 @@ class PartitionUnit:
                         overlay[e] = dict(items)
                     else:
                         o.update(items)
-        for tid in control.reset:
+        for tid in reset:
             self._live_drop(tid)
             self.buffers.pop(tid, None)
             self.frames.pop(tid, None)
             self.touched.pop(tid, None)
             self.counts.pop(tid, None)
             self.dead.discard(tid)
-        if control.fast:
-            self._fast_round(control.fast)
-        if inbox:
-            self._process(inbox)
-        delta = self._finalize() if control.finalize else 0
-        out.stats = {"reads": self._stat_reads, "runs": self._stat_runs, "delta": delta}
-        self._out = None  # type: ignore[assignment]
-        return out
 
     def _process(self, inbox: list[Invoke | Reply]) -> None:
         queue = deque(inbox)
