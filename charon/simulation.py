@@ -16,8 +16,9 @@ state reads (the real ``_read_entities``) run between rounds, and the driver cra
 an epoch (before a job, after a round, ``before_epoch``, ``after_finalize``, ``after_defer``, ``after_record``,
 during compaction). The next epoch's requests may arrive while a batch runs, so that the runtime defers the
 batch's finalize into the next batch's first round (``pipeline_finalize``): crashes then also hit a batch
-whose predecessor is not recorded yet, and recovery re-runs that epoch. A crash abandons the runtime object; recovery is the real one: a new ``SparkRuntime`` over the
-same directories (durable copy, epoch records, input log) re-running the batch.
+whose predecessor is not recorded yet, and recovery re-runs that epoch. A crash abandons the runtime object;
+recovery is the real one: a new ``SparkRuntime`` over the same directories (durable copy, epoch records,
+input log) re-running the batch.
 
 Checked after every recorded epoch: the epoch equals serial execution (``charon.testing.check_epoch``)
 from the previous verified state, with the durable copy as the state after; the replies delivered to the

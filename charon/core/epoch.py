@@ -135,6 +135,60 @@ class _Locks:
                 self.writes.add(e)
 
 
+@dataclass
+class FallbackJob:
+    """Everything the fallback of one epoch needs (picklable: a runtime may run it in one remote task)."""
+
+    epoch: int
+    conflicted: list[int]  # in TID order
+    rw: dict[int, dict[Entity, bool]]  # the dry run's read/write sets of the conflicted transactions
+    failed: dict[int, tuple[str, str]]  # conflicted transactions that raised in the dry run
+    requests: dict[int, Request]  # of the conflicted transactions
+    apply: list[int]  # lock-free commits, applied before the fallback's first round
+    last_tid: int
+    max_invocations: int
+
+
+@dataclass
+class FallbackOutcome:
+    """What the fallback decided: replies in the order they were sent, and what the finalize applies."""
+
+    replies: list[Reply]
+    fast: list[int]
+    slow: list[int]
+    deferred: list[tuple[int, Request]]  # moved to the next epoch, keeping their TIDs
+    apply: list[int]
+    reset: list[int]
+    stats: dict[str, float]
+
+
+def run_fallback(
+    app: Application, exchange: Exchange, job: FallbackJob, on_replies: Callable[[list[Reply]], None] | None = None,
+) -> FallbackOutcome:
+    """The fallback of one epoch (see :meth:`EpochCoordinator._fallback`) through ``exchange``.
+
+    A runtime whose exchange has a ``fallback(job) -> FallbackOutcome`` method calls this where the
+    partitions are (e.g. one Spark task holding them all, with an in-task exchange), so that all waves cost
+    one job; the outcome is the same wherever it runs (it only depends on the job and the partitions' state).
+    """
+    coord = EpochCoordinator(app, exchange, max_invocations=job.max_invocations, on_replies=on_replies)
+    result = EpochResult(job.epoch, {}, job.requests, [])
+
+    def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
+        r = Reply(job.requests[tid].request_id, tid, job.epoch, ok, value, err[0], err[1],
+                  position(tid, job.last_tid, True))
+        result.replies[tid] = r
+        return r
+
+    track = _Track()
+    track.rw = job.rw
+    track.failed = dict(job.failed)
+    stats: dict[str, float] = {}
+    apply, reset = coord._fallback(job.epoch, job.conflicted, track, result, reply, job.apply, stats)
+    return FallbackOutcome(list(result.replies.values()), result.fast, result.slow, coord.deferred, apply, reset,
+                           stats)
+
+
 class EpochCoordinator:
     """Runs epochs through an :class:`Exchange`; keeps the sequencer and the deferred transactions.
 
@@ -313,7 +367,26 @@ class EpochCoordinator:
         apply_next: list[int] = list(lockfree)
         reset_next: list[int] = []
         if conflicted:
-            apply_next, reset_next = self._fallback(epoch, conflicted, track, result, reply, apply_next, stats)
+            job = FallbackJob(
+                epoch, conflicted, {t: rw.get(t, {}) for t in conflicted},
+                {t: track.failed[t] for t in conflicted if t in track.failed}, {t: txns[t] for t in conflicted},
+                lockfree, last_tid, self.max_invocations,
+            )
+            runner = getattr(self.exchange, "fallback", None)
+            if runner is None:  # round by round through the exchange, replies per wave
+                out = run_fallback(self.app, self.exchange, job, self._emit)
+                prefix = ""
+            else:  # the exchange runs all of it at once (one Spark job)
+                out = runner(job)
+                self._emit(out.replies)
+                prefix = "fallback_"
+            for r in out.replies:
+                replies[r.tid] = r
+            result.fast, result.slow, result.deferred = out.fast, out.slow, [t for t, _ in out.deferred]
+            self.deferred.extend(out.deferred)
+            for k, v in out.stats.items():
+                stats[prefix + k] = stats.get(prefix + k, 0) + v
+            apply_next, reset_next = out.apply, out.reset
         result.order = sorted(replies, key=lambda t: replies[t].position)
 
         # Finalize: apply what is left and write each partition's delta (now, or in the next epoch's first round).

@@ -36,7 +36,7 @@ import msgspec
 
 from charon import serde
 from charon.config import SparkConfig
-from charon.core.epoch import EpochCoordinator, EpochResult
+from charon.core.epoch import EpochCoordinator, EpochResult, FallbackJob, FallbackOutcome
 from charon.core.partition import Control, PartitionUnit, Prior, RoundOutput
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
@@ -275,6 +275,9 @@ def _run_partitions(
     app = load_app(app_ref)
     root = executor_local_dir(local_dir, checkpoint)
     for pid, payload in items:
+        if pid == FALLBACK_TASK:
+            yield pid, _run_fallback_task(app, parts, root, durable_root, payload)
+            continue
         control, scratch, inbox, cached = pickle.loads(payload)
         store = open_store(root, pid, durable_root)
         unit = PartitionUnit(pid, parts, app, store)
@@ -299,6 +302,47 @@ def _run_partitions(
         out.stats["step_us"] = int((t2 - t1) * 1e6)
         scratch_out = None if control.finalize else unit.dump_scratch()
         yield pid, pickle.dumps((scratch_out, out), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+FALLBACK_TASK = -1  # the payload id of a task that runs an epoch's whole fallback over every partition
+
+
+class _TaskExchange:
+    """An exchange inside one task: every partition's unit is here, a round steps them all in turn."""
+
+    def __init__(self, units: list[PartitionUnit]) -> None:
+        self.units = units
+        self.partitions = len(units)
+
+    def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
+        outs = []
+        for unit, inbox in zip(self.units, inboxes, strict=True):
+            with unit.store.reading():
+                outs.append(unit.step(control, inbox))
+        return outs
+
+
+def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes) -> bytes:
+    """An epoch's whole fallback (all cached rounds and locked waves) in this task, over every partition's
+    store as of the previous epoch; returns the outcome and each partition's scratch. Writes nothing."""
+    from charon.core.epoch import run_fallback
+    from charon.state.lmdbstore import open_store
+
+    job, scratches, caches = pickle.loads(payload)
+    units = []
+    t0 = time.perf_counter()
+    for pid in range(parts):
+        store = open_store(root, pid, durable_root)
+        store.ensure_epoch(job.epoch - 1)
+        unit = PartitionUnit(pid, parts, app, store)
+        unit.load_scratch(scratches[pid])
+        unit.load_cache(caches[pid])
+        units.append(unit)
+    t1 = time.perf_counter()
+    out = run_fallback(app, _TaskExchange(units), job)
+    out.stats["restore_us"] = int((t1 - t0) * 1e6)
+    out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
+    return pickle.dumps((out, [u.dump_scratch() for u in units]), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _read_entities(
@@ -341,6 +385,8 @@ class SparkExchange:
                           config.checkpoint_dir)
         self.stats: dict[str, float] = {}
         self.epoch = -1
+        if not config.single_task_fallback:
+            self.fallback = None  # type: ignore[assignment]  # the coordinator then runs it round by round
         # (record, finalize) of the last epoch when its finalize was deferred to the next epoch's first round:
         # it needs this exchange's scratch, so a new exchange (a restarted query) starts without one
         self.pending: tuple[EpochRecord, Prior] | None = None
@@ -380,16 +426,51 @@ class SparkExchange:
         s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
         s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
         s["jobs"] = s.get("jobs", 0) + (1 if payloads else 0)
+        s["tasks"] = s.get("tasks", 0) + (self.tasks_for(payloads) if payloads else 0)
         s["bytes_out"] = s.get("bytes_out", 0) + sum(len(b) for _, b in payloads)
         s["bytes_in"] = s.get("bytes_in", 0) + sum(len(b) for _, b in results)
         s["step_s"] = s.get("step_s", 0.0) + sum(o.stats.get("step_us", 0) for o in outs) / 1e6
         s["restore_s"] = s.get("restore_s", 0.0) + sum(o.stats.get("restore_us", 0) for o in outs) / 1e6
         return outs
 
+    def fallback(self, job: FallbackJob) -> FallbackOutcome:
+        """Run the epoch's whole fallback as one Spark job of one task (``single_task_fallback``): one job
+        instead of one per round of every wave; the task reaches every partition's store (executor-local, or
+        restored from the durable copy), which costs little here as the fallback only reads."""
+        cache = self.cache
+        caches = [{t: cache[p][t] for t in job.conflicted if t in cache[p]} for p in range(self.partitions)]
+        t0 = time.perf_counter()
+        payload = pickle.dumps((job, self.scratch, caches), protocol=pickle.HIGHEST_PROTOCOL)
+        t1 = time.perf_counter()
+        results = self.run_job([(FALLBACK_TASK, payload)])
+        t2 = time.perf_counter()
+        crash_point("after_round", job.epoch)
+        [(_, blob)] = results
+        out, scratches = pickle.loads(blob)
+        self.scratch = scratches
+        t3 = time.perf_counter()
+        s = self.stats
+        s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
+        s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
+        s["jobs"] = s.get("jobs", 0) + 1
+        s["tasks"] = s.get("tasks", 0) + 1
+        s["bytes_out"] = s.get("bytes_out", 0) + len(payload)
+        s["bytes_in"] = s.get("bytes_in", 0) + len(blob)
+        s["step_s"] = s.get("step_s", 0.0) + out.stats.pop("step_us", 0) / 1e6
+        s["restore_s"] = s.get("restore_s", 0.0) + out.stats.pop("restore_us", 0) / 1e6
+        return out
+
     def run_job(self, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
-        """One Spark job: the payloads in as many tasks as there are cores, results collected."""
-        n = min(self.slots, len(payloads))
-        return self.sc.parallelize(payloads, n).mapPartitions(self.fn).collect()
+        """One Spark job: the payloads in at most as many tasks as there are cores, results collected.
+
+        A task costs ~30 ms of PySpark overhead whatever it does, so a round gets a second task only for
+        every ``task_min_bytes`` of payload (small rounds run their partitions one after another in one task)."""
+        return self.sc.parallelize(payloads, self.tasks_for(payloads)).mapPartitions(self.fn).collect()
+
+    def tasks_for(self, payloads: list[tuple[int, bytes]]) -> int:
+        """How many tasks a round's payloads get (see :meth:`run_job`)."""
+        size = sum(len(b) for _, b in payloads)
+        return max(1, min(self.slots, len(payloads), size // max(1, self.config.task_min_bytes)))
 
 
 class SparkRuntime:
