@@ -56,6 +56,11 @@ def breakdown(epochs: list[dict]) -> dict:
     return {
         "epoch_ms": mean("duration_ms", 1.0),
         "rounds": mean("rounds", 1.0),
+        "spark_jobs_per_epoch": mean("spark_jobs", 1.0),
+        "spark_tasks_per_epoch": mean("spark_tasks", 1.0),
+        "ms_per_job": (mean("spark_job_s") / mean("spark_jobs", 1.0)) if mean("spark_jobs", 1.0) else float("nan"),
+        "finalize_deferred": mean("finalize_deferred", 1.0),
+        "conflicts": mean("conflicts", 1.0),
         "spark_jobs_ms": mean("spark_job_s"),
         "task_function_exec_ms": mean("spark_step_s"),
         "task_state_restore_ms": mean("spark_restore_s"),
@@ -78,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--out", default=str(ROOT / "out"))
+    ap.add_argument("--label", default="", help="suffix of the JSON file name (e.g. before/after)")
+    ap.add_argument("--pipeline-finalize", type=int, choices=(0, 1), default=1,
+                    help="an epoch's finalize rides in the next epoch's first round (SparkConfig.pipeline_finalize)")
+    ap.add_argument("--single-task-fallback", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--task-min-bytes", type=int, default=None,
+                    help="payload bytes per extra task of a round (default: SparkConfig's); 1 = one task per core")
     args = ap.parse_args(argv)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -88,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
 
     data = tempfile.mkdtemp(prefix="charon-bench-spark-")
     cfg = SparkConfig(master=args.master, data_dir=data, partitions=args.partitions, max_batch=20_000,
-                      compact_every=50)
+                      compact_every=50, pipeline_finalize=bool(args.pipeline_finalize),
+                      single_task_fallback=bool(args.single_task_fallback))
+    if args.task_min_bytes is not None:
+        cfg.task_min_bytes = args.task_min_bytes
     rt = SparkRuntime("charon.apps.ycsb:app", cfg)
     t0 = time.time()
     rt.load("account", ycsb.initial_state(args.accounts))
@@ -111,18 +125,24 @@ def main(argv: list[str] | None = None) -> int:
             res = json.loads(Path(out).read_text())
             epochs = [e for e in rt.epoch_stats[before:] if e.get("size", 0) > 0]
             res.update({"system": "charon-spark", "experiment": "ycsb", "zipf": args.zipf, "rate": rate,
-                        "breakdown": breakdown(epochs), "master": args.master})
+                        "breakdown": breakdown(epochs), "master": args.master, "variant": args.label,
+                        "settings": {"pipeline_finalize": cfg.pipeline_finalize,
+                                     "single_task_fallback": cfg.single_task_fallback,
+                                     "task_min_bytes": cfg.task_min_bytes, "partitions": args.partitions}})
             results.append(res)
             lat = res.get("latency_ms", {})
+            b = res["breakdown"]
             print(f"[bench] rate {rate:>7.0f}/s: committed {res.get('committed_per_s', 0):8.1f}/s "
                   f"p50 {lat.get('p50', float('nan')):7.1f} ms p99 {lat.get('p99', float('nan')):7.1f} ms "
                   f"unfinished {res.get('unfinished', 0)}; epoch {res['breakdown']['epoch_ms']:.0f} ms "
-                  f"({res['breakdown']['rounds']:.1f} rounds, jobs {res['breakdown']['spark_jobs_ms']:.0f} ms)",
+                  f"({b['spark_jobs_per_epoch']:.1f} jobs, {b['spark_tasks_per_epoch']:.1f} tasks, "
+                  f"jobs {b['spark_jobs_ms']:.0f} ms)",
                   flush=True)
     finally:
         rt.close()
         shutil.rmtree(data, ignore_errors=True)
-    path = save(results, Path(args.out) / f"spark_ycsb_zipf{args.zipf}.json")
+    suffix = f"_{args.label}" if args.label else ""
+    path = save(results, Path(args.out) / f"spark_ycsb_zipf{args.zipf}{suffix}.json")
     print(f"[bench] wrote {path}")
     return 0
 

@@ -246,8 +246,9 @@ class SparkTarget:
 
 
 def bench_config(args: Any, data_dir: str) -> SparkConfig:
-    """The Spark runtime settings of a benchmark run (``--spark-master``, ``--partitions``, ...)."""
-    return SparkConfig(
+    """The Spark runtime settings of a benchmark run (``--spark-master``, ``--partitions``, ...; other
+    settings from ``CHARON_*`` variables, e.g. ``CHARON_PIPELINE_FINALIZE=0`` for a before/after)."""
+    return SparkConfig.from_env(
         master=getattr(args, "spark_master", None) or "local[2]",
         data_dir=data_dir,
         partitions=getattr(args, "partitions", 4),
