@@ -159,6 +159,7 @@ class Simulation:
         self.rounds = 0
         self.pipelined = self.rng.choice([0.0, 0.5, 1.0])  # chance that the next epoch's requests come early
         self.pipelined_epochs = 0
+        self.fallback_jobs = 0
         self.where = "start"
         self.rt: sr.SparkRuntime | None = None
 
@@ -186,6 +187,9 @@ class Simulation:
     def run_job(self, ex: SimExchange, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         f, rng = self.faults, self.rng
         self.rounds += 1
+        if payloads[0][0] == sr.FALLBACK_TASK:
+            self.fallback_jobs += 1
+            self.trace(f"round {self.rounds}: the epoch's whole fallback in one task")
         self.where = f"before job {self.rounds}"
         self.maybe_crash("before_job", -1)
         self.between_rounds()
@@ -426,7 +430,7 @@ class Simulation:
             if got != self.expected[last]:
                 raise Violation(f"w{w.wid}'s local state at epoch {last} differs from the verified state")
         return {"epochs": last + 1, "requests": len(submitted), "crashes": self.crashes, "rounds": self.rounds,
-                "pipelined": self.pipelined_epochs}
+                "pipelined": self.pipelined_epochs, "fallback_jobs": self.fallback_jobs}
 
     def local_state(self, w: Worker, epoch: int) -> dict[bytes, bytes]:
         merged: dict[bytes, bytes] = {}

@@ -157,6 +157,10 @@ def test_driver_killed_repeatedly_matches_in_process(tmp_path: Path) -> None:
             point, _, e = how.partition(":")
             if point == "compaction":  # the next epoch may finish while the compaction runs
                 assert died_at in (int(e), int(e) + 1), (how, died_at)
+            elif point in ("before_epoch", "after_round"):
+                # under load epoch e-1's finalize rides in epoch e's first round (pipeline_finalize), and its
+                # record is written after that round: then the records stop two below
+                assert died_at in (int(e) - 1, int(e) - 2), (how, died_at)
             else:
                 assert died_at == (int(e) if point == "after_record" else int(e) - 1), (how, died_at)
     assert last_epoch(data) + 1 >= 20
