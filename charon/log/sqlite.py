@@ -368,6 +368,11 @@ class OutputLog:
         ).fetchall()
         return [(s, decode_reply(d)) for s, d in rows]
 
+    def version(self) -> int:
+        """A number that changes when another connection committed to the log (SQLite's ``data_version``, on
+        this thread's connection): a cheap check before reading, which never waits for a writer."""
+        return self._db.conn().execute("PRAGMA data_version").fetchone()[0]
+
     def last_seq(self) -> int:
         """The highest seq stored (0 when empty)."""
         return self._db.conn().execute("SELECT coalesce(max(seq), 0) FROM replies").fetchone()[0]
