@@ -30,6 +30,7 @@ class SparkConfig:
     epoch_max_failures: int = 3  # query restarts on the same epoch before the runtime gives up (deterministic)
     restart_backoff_s: float = 1.0  # first delay before restarting a failed query; doubles, at most 30 s
     task_min_bytes: int = 262_144  # a round's payload bytes per extra Spark task (small rounds: one task)
+    single_task_rest: bool = True  # a small epoch's rest (from the round where it is small) in one task
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task
     pipeline_finalize: bool = True  # under load, an epoch's finalize rides in the next epoch's first round
     keep_epoch_stats: int = 1000  # per-epoch statistics kept in memory (the newest N)

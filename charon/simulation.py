@@ -14,11 +14,13 @@ worker loses its local state (directory deleted, live table dropped) or its Pyth
 dropped), a task runs twice (the first attempt dies after some of its partitions, or its result is lost),
 state reads (the real ``_read_entities``) run between rounds, and the driver crashes at every fault point of
 an epoch (before a job, after a round, ``before_epoch``, ``after_finalize``, ``after_defer``, ``after_record``,
-during compaction). The next epoch's requests may arrive while a batch runs, so that the runtime defers the
-batch's finalize into the next batch's first round (``pipeline_finalize``): crashes then also hit a batch
-whose predecessor is not recorded yet, and recovery re-runs that epoch. A crash abandons the runtime object;
-recovery is the real one: a new ``SparkRuntime`` over the same directories (durable copy, epoch records,
-input log) re-running the batch.
+during compaction). Per seed, an epoch's rest runs in one task from the round where it is small
+(``single_task_rest``, at a random ``task_min_bytes``) or round by round with the fallback in one task.
+The next epoch's requests may arrive while a batch runs, so that the runtime defers the batch's finalize
+into the next batch's first round (``pipeline_finalize``): crashes then also hit a batch whose predecessor
+is not recorded yet, and recovery re-runs that epoch. A crash abandons the runtime object; recovery is the
+real one: a new ``SparkRuntime`` over the same directories (durable copy, epoch records, input log)
+re-running the batch.
 
 Checked after every recorded epoch: the epoch equals serial execution (``charon.testing.check_epoch``)
 from the previous verified state, with the durable copy as the state after; the replies delivered to the
@@ -158,8 +160,12 @@ class Simulation:
         self.crashes = 0
         self.rounds = 0
         self.pipelined = self.rng.choice([0.0, 0.5, 1.0])  # chance that the next epoch's requests come early
+        # an epoch's rest in one task from the round where it is small, or round by round (fallback in one task)
+        self.config.single_task_rest = self.rng.random() < 0.6
+        self.config.task_min_bytes = self.rng.choice([1, 3000, 262_144])
         self.pipelined_epochs = 0
         self.fallback_jobs = 0
+        self.rest_jobs = 0
         self.where = "start"
         self.rt: sr.SparkRuntime | None = None
 
@@ -190,6 +196,9 @@ class Simulation:
         if payloads[0][0] == sr.FALLBACK_TASK:
             self.fallback_jobs += 1
             self.trace(f"round {self.rounds}: the epoch's whole fallback in one task")
+        elif payloads[0][0] == sr.REST_TASK:
+            self.rest_jobs += 1
+            self.trace(f"round {self.rounds}: the rest of the epoch in one task")
         self.where = f"before job {self.rounds}"
         self.maybe_crash("before_job", -1)
         self.between_rounds()
@@ -430,7 +439,8 @@ class Simulation:
             if got != self.expected[last]:
                 raise Violation(f"w{w.wid}'s local state at epoch {last} differs from the verified state")
         return {"epochs": last + 1, "requests": len(submitted), "crashes": self.crashes, "rounds": self.rounds,
-                "pipelined": self.pipelined_epochs, "fallback_jobs": self.fallback_jobs}
+                "pipelined": self.pipelined_epochs, "fallback_jobs": self.fallback_jobs,
+                "rest_jobs": self.rest_jobs}
 
     def local_state(self, w: Worker, epoch: int) -> dict[bytes, bytes]:
         merged: dict[bytes, bytes] = {}

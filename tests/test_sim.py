@@ -125,13 +125,14 @@ def test_deferred_work_survives_crashes(tmp_path, seed: int) -> None:
 
 def test_new_structure_is_exercised_under_crashes(tmp_path) -> None:
     """The seeds reach the epoch structure of issue 10: finalizes deferred into the next batch's first round
-    (pipeline_finalize), whole fallbacks in one task, and driver crashes while an epoch's finalize is pending
-    at every fault point (recovery then re-runs that epoch); every seed still equals the serial oracle."""
+    (pipeline_finalize), whole fallbacks in one task, an epoch's rest in one task, and driver crashes while
+    an epoch's finalize is pending at every fault point (recovery then re-runs that epoch); every seed still
+    equals the serial oracle."""
     import re
     import shutil
 
     pending_crashes: set[str] = set()
-    pipelined = fallback_jobs = 0
+    pipelined = fallback_jobs = rest_jobs = 0
     for seed in range(200):
         sim = Simulation(seed, str(tmp_path / str(seed)))
         try:
@@ -140,6 +141,7 @@ def test_new_structure_is_exercised_under_crashes(tmp_path) -> None:
             shutil.rmtree(tmp_path / str(seed), ignore_errors=True)
         pipelined += stats["pipelined"]
         fallback_jobs += stats["fallback_jobs"]
+        rest_jobs += stats["rest_jobs"]
         pending: set[int] = set()
         for ev in sim.events:
             if m := re.match(r"epoch (\d+): finalize deferred", ev):
@@ -148,6 +150,6 @@ def test_new_structure_is_exercised_under_crashes(tmp_path) -> None:
                 pending.discard(int(m.group(1)))
             elif ev.startswith("CRASH at ") and pending:
                 pending_crashes.add(ev.split()[2])
-    assert pipelined > 50 and fallback_jobs > 20, (pipelined, fallback_jobs)
+    assert pipelined > 50 and fallback_jobs > 20 and rest_jobs > 20, (pipelined, fallback_jobs, rest_jobs)
     assert {"before_epoch", "before_job", "after_round", "after_finalize", "after_defer",
             "after_record"} <= pending_crashes, pending_crashes

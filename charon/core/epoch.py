@@ -175,10 +175,7 @@ def run_fallback(
     result = EpochResult(job.epoch, {}, job.requests, [])
 
     def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
-        r = Reply(job.requests[tid].request_id, tid, job.epoch, ok, value, err[0], err[1],
-                  position(tid, job.last_tid, True))
-        result.replies[tid] = r
-        return r
+        return _reply(result, job.last_tid, tid, True, ok, value, err)
 
     track = _Track()
     track.rw = job.rw
@@ -187,6 +184,55 @@ def run_fallback(
     apply, reset = coord._fallback(job.epoch, job.conflicted, track, result, reply, job.apply, stats)
     return FallbackOutcome(list(result.replies.values()), result.fast, result.slow, coord.deferred, apply, reset,
                            stats)
+
+
+def _reply(result: EpochResult, last_tid: int, tid: int, fallback: bool, ok: bool, value: bytes = b"",
+           err: tuple[str, str] = ("", "")) -> Reply:
+    """The reply of ``tid`` (recorded in ``result``) at its place in the epoch's serial order."""
+    r = Reply(result.requests[tid].request_id, tid, result.epoch, ok, value, err[0], err[1],
+              position(tid, last_tid, fallback))
+    result.replies[tid] = r
+    return r
+
+
+@dataclass
+class RestJob:
+    """The rest of an epoch from a dry-run round on (picklable: a runtime may run it in one task)."""
+
+    epoch: int
+    requests: dict[int, Request]  # of the transactions that run (not the ones refused by validation)
+    roots: list[int]  # their TIDs, in order
+    msgs: list  # the messages of round ``n``
+    track: _Track  # what rounds 0..n-1 reported
+    n: int
+    prior: Prior | None  # the previous epoch's finalize, to run before anything else
+    last_tid: int
+    max_invocations: int
+
+
+@dataclass
+class RestOutcome:
+    """What the rest of an epoch decided: replies in the order they were sent and the outcome lists."""
+
+    replies: list[Reply]
+    lockfree: list[int]
+    fast: list[int]
+    slow: list[int]
+    deferred: list[tuple[int, Request]]
+    apply: list[int]
+    reset: list[int]
+    stats: dict[str, float]
+
+
+def run_rest(app: Application, exchange: Exchange, job: RestJob) -> RestOutcome:
+    """Run :class:`RestJob` through ``exchange`` (whose partitions already ran ``job.prior``, if any)."""
+    coord = EpochCoordinator(app, exchange, max_invocations=job.max_invocations)
+    result = EpochResult(job.epoch, {}, job.requests, [])
+    sent: list[Reply] = []
+    coord.on_replies = sent.extend
+    stats: dict[str, float] = {}
+    apply, reset = coord._rest(job.epoch, job.roots, job.msgs, job.track, job.n, None, job.last_tid, result, stats)
+    return RestOutcome(sent, result.lockfree, result.fast, result.slow, coord.deferred, apply, reset, stats)
 
 
 class EpochCoordinator:
@@ -290,16 +336,7 @@ class EpochCoordinator:
             txns[self.sequencer.assign(sid)] = req
         self.sequencer.end_epoch()
         result = EpochResult(epoch, {}, txns, [])
-        replies = result.replies
         last_tid = max(txns, default=0)
-        in_fallback: set[int] = set()  # filled once the lock-free decision is made
-
-        def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
-            pos = position(tid, last_tid, tid in in_fallback)
-            r = Reply(txns[tid].request_id, tid, epoch, ok, value, err[0], err[1], pos)
-            replies[tid] = r
-            return r
-
         # Validation: a request naming nothing runnable gets its typed error and never runs.
         roots: list[Invoke] = []
         early: list[Reply] = []
@@ -308,18 +345,58 @@ class EpochCoordinator:
             try:
                 self.app.validate(req.operator, req.function, serde.decode(req.args), key=req.key)
             except CharonError as exc:
-                early.append(reply(tid, False, err=(type(exc).__name__, str(exc))))
+                early.append(_reply(result, last_tid, tid, False, False, err=(type(exc).__name__, str(exc))))
                 continue
             roots.append(_root(tid, req))
         self._emit(early)
 
-        # Dry run (its first round carries the previous epoch's finalize, if deferred).
-        track = _Track()
-        msgs: list = roots
+        apply_next, reset_next = self._rest(epoch, [r.tid for r in roots], roots, _Track(), 0, prior, last_tid,
+                                            result, stats)
+        replies = result.replies
+        result.order = sorted(replies, key=lambda t: replies[t].position)
+
+        # Finalize: apply what is left and write each partition's delta (now, or in the next epoch's first round).
+        fin = Prior(epoch, apply_next, reset_next)
+        if defer() if callable(defer) else defer:
+            result.finalize = fin
+            stats["finalize_deferred"] = 1
+        else:
+            self.finalize(fin, stats)
+        stats["duration_ms"] = (time.perf_counter() - t_start) * 1000.0
+        stats["size"] = len(txns)
+        stats["committed"] = len(result.lockfree) + len(result.fast) + sum(1 for t in result.slow if replies[t].ok)
+        result.stats = stats
+        return result
+
+    def _rest(self, epoch: int, roots: list[int], msgs: list, track: _Track, n: int, prior: Prior | None,
+              last_tid: int, result: EpochResult, stats: dict) -> tuple[list[int], list[int]]:
+        """The epoch from dry-run round ``n`` on: the dry run's remaining rounds, the lock-free decision and
+        the fallback; replies go out as decided. Returns what the finalize applies and resets.
+
+        An exchange with a ``rest(job) -> RestOutcome | None`` method may take all of it at any round (e.g.
+        in one Spark task holding every partition, when the rest is small); the outcome is the same."""
+        taker = getattr(self.exchange, "rest", None)
         if prior is not None and not msgs:
             self.finalize(prior, stats)
-        n = 0
         while msgs and n < self.max_rounds:
+            if taker is not None:
+                job = RestJob(epoch, {t: result.requests[t] for t in roots}, roots, msgs, track, n, prior, last_tid,
+                              self.max_invocations)
+                out = taker(job)
+                if out is not None:
+                    if prior is not None and self.on_finalized is not None:
+                        self.on_finalized(prior.epoch)
+                    self._emit(out.replies)
+                    for r in out.replies:
+                        result.replies[r.tid] = r
+                    result.lockfree, result.fast, result.slow = out.lockfree, out.fast, out.slow
+                    result.deferred = [t for t, _ in out.deferred]
+                    self.deferred.extend(out.deferred)
+                    inner = {"rounds": "task_rounds", "exchange_s": "task_s"}
+                    for k, v in out.stats.items():
+                        k = inner.get(k, k)
+                        stats[k] = stats.get(k, 0) + v
+                    return out.apply, out.reset
             msgs = self._round(Control(epoch, Control.DRY, prior=prior), msgs, track, stats)
             if prior is not None and self.on_finalized is not None:
                 self.on_finalized(prior.epoch)
@@ -327,12 +404,12 @@ class EpochCoordinator:
             n += 1
         if prior is not None and self.on_finalized is not None:  # written by a round of its own above
             self.on_finalized(prior.epoch)
-        stats["dry_rounds"] = n
+        stats["dry_rounds"] = stats.get("dry_rounds", 0) + n
         for tid in {m.tid for m in msgs} - track.failed.keys():  # pragma: no cover - safety net, never binds
             track.failed[tid] = ("CallGraphLimitExceeded", f"call graph still running after {n} rounds")
-        for r in roots:
-            if r.tid not in track.failed and not track.complete(r.tid):  # pragma: no cover - engine bug
-                raise AssertionError(f"transaction {r.tid}: call graph ended with shares {track.shares.get(r.tid)}")
+        for tid in roots:
+            if tid not in track.failed and not track.complete(tid):  # pragma: no cover - engine bug
+                raise AssertionError(f"transaction {tid}: call graph ended with shares {track.shares.get(tid)}")
 
         # Aria's rule, with reservations from every transaction that did not raise.
         rw = track.rw
@@ -346,8 +423,7 @@ class EpochCoordinator:
         lockfree: list[int] = []
         conflicted: list[int] = []
         aborted_now: list[int] = []
-        for r in roots:
-            tid = r.tid
+        for tid in roots:
             ents = rw.get(tid, {})
             if any(min_writer.get(e, tid) < tid for e in ents):
                 conflicted.append(tid)
@@ -355,52 +431,36 @@ class EpochCoordinator:
                 aborted_now.append(tid)
             else:
                 lockfree.append(tid)
-        in_fallback.update(conflicted)
-        early = [reply(t, True, track.done[t]) for t in lockfree]
-        early += [reply(t, False, err=track.failed[t]) for t in aborted_now]
+        early = [_reply(result, last_tid, t, False, True, track.done[t]) for t in lockfree]
+        early += [_reply(result, last_tid, t, False, False, err=track.failed[t]) for t in aborted_now]
         self._emit(early)
         result.lockfree = lockfree
         stats["lockfree"] = len(lockfree)
         stats["aborted"] = len(aborted_now)
         stats["conflicts"] = len(conflicted)
-
-        apply_next: list[int] = list(lockfree)
-        reset_next: list[int] = []
-        if conflicted:
-            job = FallbackJob(
-                epoch, conflicted, {t: rw.get(t, {}) for t in conflicted},
-                {t: track.failed[t] for t in conflicted if t in track.failed}, {t: txns[t] for t in conflicted},
-                lockfree, last_tid, self.max_invocations,
-            )
-            runner = getattr(self.exchange, "fallback", None)
-            if runner is None:  # round by round through the exchange, replies per wave
-                out = run_fallback(self.app, self.exchange, job, self._emit)
-                prefix = ""
-            else:  # the exchange runs all of it at once (one Spark job)
-                out = runner(job)
-                self._emit(out.replies)
-                prefix = "fallback_"
-            for r in out.replies:
-                replies[r.tid] = r
-            result.fast, result.slow, result.deferred = out.fast, out.slow, [t for t, _ in out.deferred]
-            self.deferred.extend(out.deferred)
-            for k, v in out.stats.items():
-                stats[prefix + k] = stats.get(prefix + k, 0) + v
-            apply_next, reset_next = out.apply, out.reset
-        result.order = sorted(replies, key=lambda t: replies[t].position)
-
-        # Finalize: apply what is left and write each partition's delta (now, or in the next epoch's first round).
-        fin = Prior(epoch, apply_next, reset_next)
-        if defer() if callable(defer) else defer:
-            result.finalize = fin
-            stats["finalize_deferred"] = 1
-        else:
-            self.finalize(fin, stats)
-        stats["duration_ms"] = (time.perf_counter() - t_start) * 1000.0
-        stats["size"] = len(txns)
-        stats["committed"] = len(lockfree) + len(result.fast) + sum(1 for t in result.slow if replies[t].ok)
-        result.stats = stats
-        return result
+        if not conflicted:
+            return list(lockfree), []
+        job = FallbackJob(
+            epoch, conflicted, {t: rw.get(t, {}) for t in conflicted},
+            {t: track.failed[t] for t in conflicted if t in track.failed},
+            {t: result.requests[t] for t in conflicted}, lockfree, last_tid, self.max_invocations,
+        )
+        runner = getattr(self.exchange, "fallback", None)
+        if runner is None:  # round by round through the exchange, replies per wave
+            out = run_fallback(self.app, self.exchange, job, self._emit)
+            inner: dict[str, str] = {}
+        else:  # the exchange runs all of it at once (one Spark job): its rounds are not the exchange's
+            out = runner(job)
+            self._emit(out.replies)
+            inner = {"rounds": "fallback_task_rounds", "exchange_s": "fallback_task_s"}
+        for r in out.replies:
+            result.replies[r.tid] = r
+        result.fast, result.slow, result.deferred = out.fast, out.slow, [t for t, _ in out.deferred]
+        self.deferred.extend(out.deferred)
+        for k, v in out.stats.items():
+            k = inner.get(k, k)
+            stats[k] = stats.get(k, 0) + v
+        return out.apply, out.reset
 
     def _fallback(self, epoch, conflicted, track, result, reply, apply_lockfree, stats):
         """Alternate call-graph-cached rounds and locked re-runs until every conflict is resolved.

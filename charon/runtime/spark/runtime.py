@@ -36,7 +36,7 @@ import msgspec
 
 from charon import serde
 from charon.config import SparkConfig
-from charon.core.epoch import EpochCoordinator, EpochResult, FallbackJob, FallbackOutcome
+from charon.core.epoch import EpochCoordinator, EpochResult, FallbackJob, FallbackOutcome, RestJob, RestOutcome
 from charon.core.partition import Control, PartitionUnit, Prior, RoundOutput
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
@@ -278,6 +278,9 @@ def _run_partitions(
         if pid == FALLBACK_TASK:
             yield pid, _run_fallback_task(app, parts, root, durable_root, payload)
             continue
+        if pid == REST_TASK:
+            yield pid, _run_rest_task(app, parts, root, durable_root, payload)
+            continue
         control, scratch, inbox, cached = pickle.loads(payload)
         store = open_store(root, pid, durable_root)
         unit = PartitionUnit(pid, parts, app, store)
@@ -340,6 +343,35 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
         units.append(unit)
     t1 = time.perf_counter()
     out = run_fallback(app, _TaskExchange(units), job)
+    out.stats["restore_us"] = int((t1 - t0) * 1e6)
+    out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
+    return pickle.dumps((out, [u.dump_scratch() for u in units]), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over every partition
+
+
+def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes) -> bytes:
+    """The rest of an epoch (remaining dry-run rounds, lock-free decision, fallback) in this task over every
+    partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round)."""
+    from charon.core.epoch import run_rest
+    from charon.state.lmdbstore import open_store
+
+    job, scratches, caches = pickle.loads(payload)
+    units = []
+    t0 = time.perf_counter()
+    for pid in range(parts):
+        store = open_store(root, pid, durable_root)
+        unit = PartitionUnit(pid, parts, app, store)
+        unit.load_scratch(scratches[pid])
+        if job.prior is not None:
+            store.ensure_epoch(job.prior.epoch - 1)
+            unit.finalize_prior(job.prior)
+        store.ensure_epoch(job.epoch - 1)
+        unit.load_cache(caches[pid])
+        units.append(unit)
+    t1 = time.perf_counter()
+    out = run_rest(app, _TaskExchange(units), job)
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
     out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
     return pickle.dumps((out, [u.dump_scratch() for u in units]), protocol=pickle.HIGHEST_PROTOCOL)
@@ -433,6 +465,41 @@ class SparkExchange:
         s["restore_s"] = s.get("restore_s", 0.0) + sum(o.stats.get("restore_us", 0) for o in outs) / 1e6
         return outs
 
+    def rest(self, job: RestJob) -> RestOutcome | None:
+        """Take the rest of the epoch as one Spark job of one task when it is small (``single_task_rest``:
+        its messages and scratch under ``task_min_bytes``, where a round would get one task anyway), else
+        None: the coordinator runs the next round as a job of its own."""
+        if not self.config.single_task_rest:
+            return None
+        scratch = self.scratch
+        if len(job.msgs) * 160 + sum(len(x) for x in scratch if x) >= self.config.task_min_bytes:
+            return None
+        cache = self.cache if job.epoch == self.epoch else [{} for _ in range(self.partitions)]
+        t0 = time.perf_counter()
+        payload = pickle.dumps((job, scratch, cache), protocol=pickle.HIGHEST_PROTOCOL)
+        t1 = time.perf_counter()
+        results = self.run_job([(REST_TASK, payload)])
+        t2 = time.perf_counter()
+        crash_point("after_round", job.epoch)
+        [(_, blob)] = results
+        out, scratches = pickle.loads(blob)
+        self.scratch = scratches
+        self.epoch = job.epoch
+        self.cache = [{} for _ in range(self.partitions)]
+        self._account(t0, t1, t2, time.perf_counter(), len(payload), len(blob), out.stats)
+        return out
+
+    def _account(self, t0: float, t1: float, t2: float, t3: float, sent: int, got: int, task: dict) -> None:
+        s = self.stats
+        s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
+        s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
+        s["jobs"] = s.get("jobs", 0) + 1
+        s["tasks"] = s.get("tasks", 0) + 1
+        s["bytes_out"] = s.get("bytes_out", 0) + sent
+        s["bytes_in"] = s.get("bytes_in", 0) + got
+        s["step_s"] = s.get("step_s", 0.0) + task.pop("step_us", 0) / 1e6
+        s["restore_s"] = s.get("restore_s", 0.0) + task.pop("restore_us", 0) / 1e6
+
     def fallback(self, job: FallbackJob) -> FallbackOutcome:
         """Run the epoch's whole fallback as one Spark job of one task (``single_task_fallback``): one job
         instead of one per round of every wave; the task reaches every partition's store (executor-local, or
@@ -448,16 +515,7 @@ class SparkExchange:
         [(_, blob)] = results
         out, scratches = pickle.loads(blob)
         self.scratch = scratches
-        t3 = time.perf_counter()
-        s = self.stats
-        s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
-        s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
-        s["jobs"] = s.get("jobs", 0) + 1
-        s["tasks"] = s.get("tasks", 0) + 1
-        s["bytes_out"] = s.get("bytes_out", 0) + len(payload)
-        s["bytes_in"] = s.get("bytes_in", 0) + len(blob)
-        s["step_s"] = s.get("step_s", 0.0) + out.stats.pop("step_us", 0) / 1e6
-        s["restore_s"] = s.get("restore_s", 0.0) + out.stats.pop("restore_us", 0) / 1e6
+        self._account(t0, t1, t2, time.perf_counter(), len(payload), len(blob), out.stats)
         return out
 
     def run_job(self, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
