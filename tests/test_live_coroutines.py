@@ -24,6 +24,9 @@ from charon.state.durable import DurableState
 
 SCALE = tpcc.Scale(districts=2, customers=30, items=200)
 
+# every round a job of its own, as these tests hop rounds between workers (the one-task modes: test_sim)
+ROUND_BY_ROUND = {"single_task_rest": False, "single_task_fallback": False}
+
 
 class HoppingExchange(SparkExchange):
     """Runs each round's tasks in this process, in one of two workers' live-coroutine tables at random."""
@@ -55,7 +58,8 @@ def _requests(seed: int, n: int) -> list[Request]:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_rounds_hopping_between_workers_equal_in_process(tmp_path, seed):
     parts = 3
-    cfg = SparkConfig(data_dir=str(tmp_path), partitions=parts, local_dir=str(tmp_path / "local"))
+    cfg = SparkConfig(data_dir=str(tmp_path), partitions=parts, local_dir=str(tmp_path / "local"),
+                      **ROUND_BY_ROUND)
     durable = DurableState(os.path.join(cfg.checkpoint_dir, "state"))
     reference = InProcessRuntime(tpcc.app, partitions=parts)
     tpcc.load(reference, tpcc.populate(1, SCALE, seed=seed))

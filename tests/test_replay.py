@@ -29,6 +29,9 @@ from charon.testing import CaughtCalleeError, check_epoch
 
 FUNCTIONS = list(replay_app.SCENARIOS)
 
+# every round a job of its own, as these tests hop rounds between workers (the one-task modes: test_sim)
+ROUND_BY_ROUND = {"single_task_rest": False, "single_task_fallback": False}
+
 
 def _requests() -> list[Request]:
     return [Request(fn, "s", fn, fn, serde.encode([]), ts=100.0 + i) for i, fn in enumerate(FUNCTIONS)]
@@ -127,7 +130,8 @@ _PATTERNS = {
 def test_scenarios_through_spark_task_function(tmp_path, monkeypatch, pattern, live):
     monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", live)
     parts = 2
-    cfg = SparkConfig(data_dir=str(tmp_path), partitions=parts, local_dir=str(tmp_path / "local"))
+    cfg = SparkConfig(data_dir=str(tmp_path), partitions=parts, local_dir=str(tmp_path / "local"),
+                      **ROUND_BY_ROUND)
     durable = DurableState(os.path.join(cfg.checkpoint_dir, "state"))
     reference = _reference()
     before = reference.snapshot()
@@ -154,7 +158,8 @@ def test_scenarios_through_spark_task_function(tmp_path, monkeypatch, pattern, l
 def test_r3_spark_hop(tmp_path):
     """Repro r3: the round resuming ``early_send`` lands in another worker than the one holding its coroutine."""
     parts = 2
-    cfg = SparkConfig(data_dir=str(tmp_path), partitions=parts, local_dir=str(tmp_path / "local"))
+    cfg = SparkConfig(data_dir=str(tmp_path), partitions=parts, local_dir=str(tmp_path / "local"),
+                      **ROUND_BY_ROUND)
     durable = DurableState(os.path.join(cfg.checkpoint_dir, "state"))
     for pid in range(parts):
         durable.write_base(pid, -1, [])
@@ -330,7 +335,8 @@ def test_random_programs_hopping_workers_equal_in_process(monkeypatch, batch, se
             for i, (k, steps) in enumerate(batch)]
     parts = 3
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = SparkConfig(data_dir=tmp, partitions=parts, local_dir=os.path.join(tmp, "local"))
+        cfg = SparkConfig(data_dir=tmp, partitions=parts, local_dir=os.path.join(tmp, "local"),
+                          **ROUND_BY_ROUND)
         durable = DurableState(os.path.join(cfg.checkpoint_dir, "state"))
         for pid in range(parts):
             durable.write_base(pid, -1, [])
