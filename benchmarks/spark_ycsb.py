@@ -5,6 +5,7 @@ separate process that appends to the input log and tails the output log (as a ga
 do not share a GIL.
 
     .venv/bin/python benchmarks/spark_ycsb.py --rates 250,500,1000,2000,4000 --duration 20
+    .venv/bin/python benchmarks/spark_ycsb.py --rates 1000 --variants before,after,before,after --label ab
 """
 
 from __future__ import annotations
@@ -83,68 +84,106 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--out", default=str(ROOT / "out"))
-    ap.add_argument("--label", default="", help="suffix of the JSON file name (e.g. before/after)")
-    ap.add_argument("--pipeline-finalize", type=int, choices=(0, 1), default=1,
-                    help="an epoch's finalize rides in the next epoch's first round (SparkConfig.pipeline_finalize)")
-    ap.add_argument("--single-task-fallback", type=int, choices=(0, 1), default=1)
-    ap.add_argument("--task-min-bytes", type=int, default=None,
-                    help="payload bytes per extra task of a round (default: SparkConfig's); 1 = one task per core")
+    ap.add_argument("--label", default="", help="suffix of the output file names")
+    ap.add_argument("--variants", default="after",
+                    help="comma-separated, run in turn on one Spark session per rate (e.g. before,after,before,"
+                         "after to average out load drift): after = the defaults; before = every issue-10 lever "
+                         "off (finalize round of its own, fallback and rest round by round, tasks per core)")
     args = ap.parse_args(argv)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
     from charon.apps import ycsb
     from charon.bench.harness import save
     from charon.config import SparkConfig
-    from charon.runtime.spark.runtime import SparkRuntime
+    from charon.runtime.spark.runtime import SparkRuntime, make_session
 
-    data = tempfile.mkdtemp(prefix="charon-bench-spark-")
-    cfg = SparkConfig(master=args.master, data_dir=data, partitions=args.partitions, max_batch=20_000,
-                      compact_every=50, pipeline_finalize=bool(args.pipeline_finalize),
-                      single_task_fallback=bool(args.single_task_fallback))
-    if args.task_min_bytes is not None:
-        cfg.task_min_bytes = args.task_min_bytes
-    rt = SparkRuntime("charon.apps.ycsb:app", cfg)
-    t0 = time.time()
-    rt.load("account", ycsb.initial_state(args.accounts))
-    rt.start()
-    print(f"[bench] Spark runtime up in {time.time() - t0:.1f}s ({args.master}, {args.partitions} partitions)",
-          flush=True)
+    levers = {
+        "after": {},
+        "before": {"pipeline_finalize": False, "single_task_fallback": False, "single_task_rest": False,
+                   "task_min_bytes": 1},
+    }
+    variants = args.variants.split(",")
+    unknown = set(variants) - levers.keys()
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}")
+    session_dir = tempfile.mkdtemp(prefix="charon-bench-session-")  # spark.log of the shared session
+    spark = make_session(SparkConfig(master=args.master, partitions=args.partitions, data_dir=session_dir))
     results = []
     ctx = mp.get_context("spawn")
-    try:
-        for rate in [float(r) for r in args.rates.split(",")]:
-            out = os.path.join(data, f"run-{rate}.json")
-            before = len(rt.epoch_stats)
-            p = ctx.Process(target=_generator, args=(data, rate, args.duration, args.warmup, args.accounts,
-                                                     args.zipf, int(rate), out))
-            p.start()
-            p.join()
-            if p.exitcode != 0 or not os.path.exists(out):
-                print(f"[bench] rate {rate}: load generator failed ({p.exitcode})", flush=True)
-                continue
-            res = json.loads(Path(out).read_text())
-            epochs = [e for e in rt.epoch_stats[before:] if e.get("size", 0) > 0]
+    for rate in [float(r) for r in args.rates.split(",")]:
+        for variant in variants:
+            data = tempfile.mkdtemp(prefix="charon-bench-spark-")
+            cfg = SparkConfig(master=args.master, data_dir=data, partitions=args.partitions, max_batch=20_000,
+                              compact_every=50, **levers[variant])
+            rt = SparkRuntime("charon.apps.ycsb:app", cfg, spark=spark)
+            try:
+                t0 = time.time()
+                rt.load("account", ycsb.initial_state(args.accounts))
+                rt.start()
+                print(f"[bench] {variant}: Spark runtime up in {time.time() - t0:.1f}s ({args.master}, "
+                      f"{args.partitions} partitions)", flush=True)
+                out = os.path.join(data, f"run-{rate}.json")
+                before = len(rt.epoch_stats)
+                c0 = time.process_time()
+                p = ctx.Process(target=_generator, args=(data, rate, args.duration, args.warmup, args.accounts,
+                                                         args.zipf, int(rate), out))
+                p.start()
+                p.join()
+                driver_cpu = time.process_time() - c0
+                if p.exitcode != 0 or not os.path.exists(out):
+                    print(f"[bench] rate {rate}: load generator failed ({p.exitcode})", flush=True)
+                    continue
+                res = json.loads(Path(out).read_text())
+                epochs = [e for e in rt.epoch_stats[before:] if e.get("size", 0) > 0]
+            finally:
+                rt.stop()
+                shutil.rmtree(data, ignore_errors=True)
             res.update({"system": "charon-spark", "experiment": "ycsb", "zipf": args.zipf, "rate": rate,
-                        "breakdown": breakdown(epochs), "master": args.master, "variant": args.label,
-                        "settings": {"pipeline_finalize": cfg.pipeline_finalize,
-                                     "single_task_fallback": cfg.single_task_fallback,
-                                     "task_min_bytes": cfg.task_min_bytes, "partitions": args.partitions}})
+                        "breakdown": breakdown(epochs), "master": args.master, "variant": variant,
+                        "driver_cpu_s": driver_cpu, "load_average": os.getloadavg()[0],
+                        "settings": {k: getattr(cfg, k) for k in ("pipeline_finalize", "single_task_fallback",
+                                                                   "single_task_rest", "task_min_bytes",
+                                                                   "partitions")}})
             results.append(res)
             lat = res.get("latency_ms", {})
             b = res["breakdown"]
-            print(f"[bench] rate {rate:>7.0f}/s: committed {res.get('committed_per_s', 0):8.1f}/s "
+            print(f"[bench] {variant} rate {rate:>7.0f}/s: committed {res.get('committed_per_s', 0):8.1f}/s "
                   f"p50 {lat.get('p50', float('nan')):7.1f} ms p99 {lat.get('p99', float('nan')):7.1f} ms "
-                  f"unfinished {res.get('unfinished', 0)}; epoch {res['breakdown']['epoch_ms']:.0f} ms "
+                  f"unfinished {res.get('unfinished', 0)}; epoch {b['epoch_ms']:.0f} ms "
                   f"({b['spark_jobs_per_epoch']:.1f} jobs, {b['spark_tasks_per_epoch']:.1f} tasks, "
-                  f"jobs {b['spark_jobs_ms']:.0f} ms)",
-                  flush=True)
-    finally:
-        rt.close()
-        shutil.rmtree(data, ignore_errors=True)
-    suffix = f"_{args.label}" if args.label else ""
-    path = save(results, Path(args.out) / f"spark_ycsb_zipf{args.zipf}{suffix}.json")
+                  f"{b['ms_per_job']:.0f} ms/job); load average {res['load_average']:.1f}", flush=True)
+    spark.stop()
+    shutil.rmtree(session_dir, ignore_errors=True)
+    name = f"spark_ycsb_zipf{args.zipf}{'_' + args.label if args.label else ''}"
+    path = save(results, Path(args.out) / f"{name}.json")
+    plot(results, Path(args.out) / f"{name}.png")
     print(f"[bench] wrote {path}")
     return 0
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Latency (p50, p99) and Spark jobs per epoch by variant, one group per rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['variant']}\n{r['rate']:.0f}/s" for r in results]
+    x = range(len(results))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a1.bar([i - 0.2 for i in x], [r["latency_ms"]["p50"] for r in results], 0.4, label="p50")
+    a1.bar([i + 0.2 for i in x], [r["latency_ms"]["p99"] for r in results], 0.4, label="p99")
+    a1.set_xticks(list(x), labels)
+    a1.set_ylabel("latency (ms)")
+    a1.legend()
+    a2.bar([i - 0.2 for i in x], [r["breakdown"]["spark_jobs_per_epoch"] for r in results], 0.4, label="jobs")
+    a2.bar([i + 0.2 for i in x], [r["breakdown"]["spark_tasks_per_epoch"] for r in results], 0.4, label="tasks")
+    a2.set_xticks(list(x), labels)
+    a2.set_ylabel("per epoch")
+    a2.legend()
+    fig.suptitle("YCSB-T on Spark local[2] (shared 2-core machine: see load_average in the JSON)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

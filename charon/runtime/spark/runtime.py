@@ -417,7 +417,11 @@ class SparkExchange:
                           config.checkpoint_dir)
         self.stats: dict[str, float] = {}
         self.epoch = -1
-        if not config.single_task_fallback:
+        # One task over every partition only where every task sees every partition's resident store (local
+        # mode: one executor-local directory); on a cluster that task would restore stores other executors hold.
+        local = config.master.strip().startswith("local")
+        self.one_task_rest = config.single_task_rest and local
+        if not (config.single_task_fallback and local):
             self.fallback = None  # type: ignore[assignment]  # the coordinator then runs it round by round
         # (record, finalize) of the last epoch when its finalize was deferred to the next epoch's first round:
         # it needs this exchange's scratch, so a new exchange (a restarted query) starts without one
@@ -466,10 +470,10 @@ class SparkExchange:
         return outs
 
     def rest(self, job: RestJob) -> RestOutcome | None:
-        """Take the rest of the epoch as one Spark job of one task when it is small (``single_task_rest``:
-        its messages and scratch under ``task_min_bytes``, where a round would get one task anyway), else
-        None: the coordinator runs the next round as a job of its own."""
-        if not self.config.single_task_rest:
+        """Take the rest of the epoch as one Spark job of one task when it is small (``single_task_rest``, in
+        local mode: its messages and scratch under ``task_min_bytes``, where a round would get one task
+        anyway), else None: the coordinator runs the next round as a job of its own."""
+        if not self.one_task_rest:
             return None
         scratch = self.scratch
         if len(job.msgs) * 160 + sum(len(x) for x in scratch if x) >= self.config.task_min_bytes:
