@@ -48,6 +48,21 @@ def _generator(data_dir: str, rate: float, duration: float, warmup: float, n: in
     Path(out).write_text(json.dumps(res))
 
 
+def _tree_cpu() -> dict[int, float]:
+    """CPU seconds of this process and every live descendant (the JVM, Python workers), by pid."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[int, float] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        out[proc.pid] = t.user + t.system
+    return out
+
+
 def breakdown(epochs: list[dict]) -> dict:
     """Where an epoch's time goes, as means over the epochs (ms)."""
     def mean(k: str, scale: float = 1000.0) -> float:
@@ -125,11 +140,15 @@ def main(argv: list[str] | None = None) -> int:
                 out = os.path.join(data, f"run-{rate}.json")
                 before = len(rt.epoch_stats)
                 c0 = time.process_time()
+                cpu0 = _tree_cpu()
                 p = ctx.Process(target=_generator, args=(data, rate, args.duration, args.warmup, args.accounts,
                                                          args.zipf, int(rate), out))
                 p.start()
                 p.join()
+                cpu1 = _tree_cpu()
                 driver_cpu = time.process_time() - c0
+                # CPU of the driver, its JVM and the Python workers (not the load generator): load-independent
+                spark_cpu = sum(v - cpu0.get(pid, 0.0) for pid, v in cpu1.items() if pid != p.pid)
                 if p.exitcode != 0 or not os.path.exists(out):
                     print(f"[bench] rate {rate}: load generator failed ({p.exitcode})", flush=True)
                     continue
@@ -140,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(data, ignore_errors=True)
             res.update({"system": "charon-spark", "experiment": "ycsb", "zipf": args.zipf, "rate": rate,
                         "breakdown": breakdown(epochs), "master": args.master, "variant": variant,
-                        "driver_cpu_s": driver_cpu, "load_average": os.getloadavg()[0],
+                        "driver_cpu_s": driver_cpu, "spark_cpu_s": spark_cpu,
+                        "spark_cpu_us_per_request": spark_cpu / max(1, res.get("sent", 0)) * 1e6,
+                        "load_average": os.getloadavg()[0],
                         "settings": {k: getattr(cfg, k) for k in ("pipeline_finalize", "single_task_fallback",
                                                                    "single_task_rest", "task_min_bytes",
                                                                    "partitions")}})
@@ -151,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"p50 {lat.get('p50', float('nan')):7.1f} ms p99 {lat.get('p99', float('nan')):7.1f} ms "
                   f"unfinished {res.get('unfinished', 0)}; epoch {b['epoch_ms']:.0f} ms "
                   f"({b['spark_jobs_per_epoch']:.1f} jobs, {b['spark_tasks_per_epoch']:.1f} tasks, "
-                  f"{b['ms_per_job']:.0f} ms/job); load average {res['load_average']:.1f}", flush=True)
+                  f"{b['ms_per_job']:.0f} ms/job); Spark side CPU {res['spark_cpu_us_per_request']:.0f} µs/request; "
+                  f"load average {res['load_average']:.1f}", flush=True)
     spark.stop()
     shutil.rmtree(session_dir, ignore_errors=True)
     name = f"spark_ycsb_zipf{args.zipf}{'_' + args.label if args.label else ''}"
