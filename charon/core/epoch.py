@@ -50,7 +50,13 @@ Entity = tuple[str, str]
 
 
 class Exchange(Protocol):
-    """How a runtime moves one round's messages to the partitions and back."""
+    """How a runtime moves one round's messages to the partitions and back.
+
+    Optional, looked up with ``getattr``: ``rest(job: RestJob) -> RestOutcome | None`` takes the rest of an
+    epoch at a dry-run round (None: not this time), and ``fallback(job: FallbackJob) -> FallbackOutcome``
+    runs an epoch's whole fallback; both must give what :func:`run_rest` / :func:`run_fallback` give over
+    this exchange's partitions (the Spark runtime runs them in one task over every partition).
+    """
 
     partitions: int
 
