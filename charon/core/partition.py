@@ -136,7 +136,7 @@ class Control:
 class RoundOutput:
     """What one partition returns from a round."""
 
-    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached")
+    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached", "events")
 
     def __init__(self) -> None:
         self.messages: list[Invoke | Reply] = []  # for other partitions
@@ -150,14 +150,16 @@ class RoundOutput:
         # dry-run invocations completed this round, for the call-graph cache (a runtime that does not keep
         # the unit between rounds keeps them and hands back those of the fallback's transactions)
         self.cached: dict[int, list[Cached]] = {}
+        # at finalize: the epoch's committed events here, (tid, inv, n, stream, value) (see Context.emit)
+        self.events: list[tuple[int, str, int, str, bytes]] = []
 
     def __getstate__(self):
         return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations,
-                self.stats, self.cached)
+                self.stats, self.cached, self.events)
 
     def __setstate__(self, st):
         (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations, self.stats,
-         self.cached) = st
+         self.cached, self.events) = st
 
 
 class Cached:
@@ -205,9 +207,12 @@ class PartitionUnit:
         self.dead: set[int] = set()
         self.fast_layer: dict[Entity, dict[str, bytes | None]] | None = None
         self._recording = True
+        # events buffered like writes: per uncommitted TID, then the epoch's committed ones (applied)
+        self.emits: dict[int, list[tuple[int, str, int, str, bytes]]] = {}
+        self.emitted: list[tuple[int, str, int, str, bytes]] = []
 
     # The call-graph cache is not scratch: it leaves the unit once, in RoundOutput.cached (see load_cache).
-    _SCRATCH = ("epoch", "buffers", "frames", "touched", "overlay", "counts", "dead")
+    _SCRATCH = ("epoch", "buffers", "frames", "touched", "overlay", "counts", "dead", "emits", "emitted")
 
     def dump_scratch(self) -> bytes:
         """The unit's between-round state, for a runtime that runs the next round elsewhere."""
@@ -284,6 +289,13 @@ class PartitionUnit:
             items = b[e] = {}
         items[item] = value
 
+    def emit(self, tid: int, inv: str, n: int, stream: str, value: bytes) -> None:
+        """Buffer event ``n`` of invocation ``inv`` with the transaction's writes (no read/write set entry)."""
+        e = self.emits.get(tid)
+        if e is None:
+            e = self.emits[tid] = []
+        e.append((tid, inv, n, stream, value))
+
     # -- one round --------------------------------------------------------------------------------
     def step(self, control: Control, inbox: list[Invoke | Reply]) -> RoundOutput:
         """Process one round: control first (apply, reset, fast fallback), then messages, then finalize."""
@@ -304,9 +316,13 @@ class PartitionUnit:
                         overlay[e] = dict(items)
                     else:
                         o.update(items)
+            ev = self.emits.pop(tid, None)
+            if ev:
+                self.emitted.extend(ev)
         for tid in control.reset:
             self._live_drop(tid)
             self.buffers.pop(tid, None)
+            self.emits.pop(tid, None)
             self.frames.pop(tid, None)
             self.touched.pop(tid, None)
             self.counts.pop(tid, None)
@@ -513,6 +529,7 @@ class PartitionUnit:
             if not cached:
                 continue
             self.buffers.pop(tid, None)
+            self.emits.pop(tid, None)
             self.touched.pop(tid, None)
             access = {(c.op, c.key): c.access for c in cached}
             ok = len(access) == len(cached) and self._replay_cached(tid, cached)
@@ -534,6 +551,7 @@ class PartitionUnit:
             else:
                 invalid.append(tid)
                 self.buffers.pop(tid, None)
+                self.emits.pop(tid, None)
         self.fast_layer = None
 
     def _replay_cached(self, tid: int, cached: list[Cached]) -> bool:
@@ -573,6 +591,7 @@ class PartitionUnit:
 
     def _finalize(self) -> int:
         delta = self.epoch_delta()
+        self._out.events = self.emitted
         self.store.commit(self.epoch, delta)
         self._clear(self.epoch)
         self._live_clear()
