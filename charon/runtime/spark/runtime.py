@@ -41,6 +41,7 @@ from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
 from charon.errors import CharonError, EngineUnavailable
 from charon.log.sqlite import InputLog, OutputLog
+from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.state.durable import DurableState, write_file_atomic
@@ -396,6 +397,7 @@ class SparkRuntime:
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
         self.output_log = OutputLog(os.path.join(cfg.data_dir, "output.sqlite"))
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
+        self.streams = StreamLog(os.path.join(cfg.data_dir, "streams.sqlite"))  # ctx.emit's atoms
         self.durable = DurableState(os.path.join(self.ckpt, "state"))
         self._spark = spark
         self._query: Any = None
@@ -655,6 +657,8 @@ class SparkRuntime:
         self.exchange.stats = {}
         crash_point("before_epoch", epoch)
         result = coord.run_epoch(epoch, requests)
+        if result.events:  # before the record: a replay of this epoch re-derives them, appended once
+            self.streams.append_atom(epoch, [(s, v) for _, s, v in result.events])
         crash_point("after_finalize", epoch)
         stats = dict(result.stats)
         stats.update({f"spark_{k}": v for k, v in self.exchange.stats.items()})
