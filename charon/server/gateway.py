@@ -17,6 +17,12 @@ empty body without a type means no arguments; every response is JSON unless the 
   e.g. after a restart), or 404 when nobody knows the id. ``wait`` long-polls up to that many seconds (at
   most 30) while the request is in flight here.
 - ``GET /state/{operator}/{key}`` returns ``{"operator", "key", "value"}`` (an admin read).
+- ``GET /streams/{stream}?from_offset=N&limit=M&wait=S`` reads an output stream (``ctx.emit``): 200
+  ``{"stream", "events": [{"offset", "epoch", "value"}], "next_offset", "first_offset", "end_offset"}``
+  with whole atoms (at most ``limit``, capped by ``stream_max_events``, events, except that a larger first
+  atom is returned whole); long-polls up to ``wait`` seconds (at most 30) when nothing is there yet. With
+  ``Accept: text/event-stream`` it answers with server-sent events instead (``id`` = the offset after the
+  event, ``data`` = the JSON event; resumable with ``Last-Event-ID``), for at most ``stream_sse_seconds``.
 - ``GET /health`` (open) and ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
   including one ``/invoke`` path per function of the application with its parameter names and types.
 
@@ -63,13 +69,13 @@ import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from charon import serde
 from charon.config import GatewayConfig
-from charon.core.routing import check_key
+from charon.core.routing import check_key, check_stream
 from charon.errors import (
     BadArguments,
     CharonError,
@@ -108,6 +114,7 @@ MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 _IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._~:@+=-]{1,200}$")
 #: request ids the runtimes use for their own input-log records; clients may not take them
 RESERVED_ID_PREFIX = "__charon"
+_STREAM_POLL_S = 0.01  # how often a waiting stream reader looks for a new atom
 _json_enc = msgspec.json.Encoder()
 _json_dec = msgspec.json.Decoder()
 _mp_enc = msgspec.msgpack.Encoder()
@@ -394,6 +401,25 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
             },
         }
     }
+    paths["/streams/{stream}"] = {
+        "get": {
+            "summary": "Read an output stream from an offset (whole atoms; long polling or server-sent events)",
+            "security": security,
+            "parameters": [
+                path_param("stream", "stream name"),
+                {"name": "from_offset", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}},
+                {"name": "wait", "in": "query", "schema": {"type": "number", "minimum": 0, "maximum": 30}},
+            ],
+            "responses": {
+                "200": {"description": "events (JSON page, or text/event-stream when accepted)"},
+                "400": err("invalid stream name or parameters"),
+                "401": err("missing or wrong bearer token"),
+                "404": err("the runtime has no output streams"),
+                "503": err("too many stream readers; retry later"),
+            },
+        }
+    }
     paths["/health"] = {"get": {"summary": "Liveness", "responses": {
         "200": {"description": "the runtime serves"},
         "503": {"description": "the runtime does not serve (starting, recovering, failed, stopped)"},
@@ -458,6 +484,7 @@ class _Gateway:
         self.known_ops = set(describe_app(runtime.app))
         self._openapi: bytes | None = None
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
+        self.stream_waiters = 0  # long polls and server-sent-event connections open now
 
     # ---- helpers
 
@@ -764,6 +791,84 @@ class _Gateway:
         value = await self.off_loop(self.runtime.read_state, operator, key)
         return self.respond(request, 200, {"operator": operator, "key": key, "value": value})
 
+    def _stream_params(self, request: HTTPRequest) -> tuple[Any, str, int, int, float]:
+        log = getattr(self.runtime, "streams", None)
+        if log is None:
+            raise _HTTPError("NotFound", "this runtime has no output streams")
+        stream = request.path_params["stream"]
+        try:
+            check_stream(stream)
+        except InvalidKey as exc:
+            raise _HTTPError("InvalidKey", str(exc)) from None
+        q = request.query_params
+        try:
+            start = q.get("from_offset") or request.headers.get("last-event-id") or "0"
+            offset = int(start)
+            limit = int(q.get("limit", self.cfg.stream_max_events))
+            wait = float(q.get("wait", 0))
+        except ValueError:
+            raise _HTTPError("BadRequest", "from_offset and limit must be integers, wait a number") from None
+        if offset < 0 or limit < 1 or not 0 <= wait <= 30:
+            raise _HTTPError("BadRequest", "from_offset >= 0, limit >= 1 and 0 <= wait <= 30 are required")
+        return log, stream, offset, min(limit, self.cfg.stream_max_events), wait
+
+    def _check_waiters(self) -> None:
+        if self.stream_waiters >= self.cfg.stream_max_waiters:
+            raise _HTTPError("Unavailable", f"{self.cfg.stream_max_waiters} stream readers are waiting; retry later")
+
+    @contextlib.contextmanager
+    def _waiter(self) -> typing.Iterator[None]:
+        """One of the ``stream_max_waiters`` slots of waiting stream readers (checked just before)."""
+        self.stream_waiters += 1
+        try:
+            yield
+        finally:
+            self.stream_waiters -= 1
+
+    @staticmethod
+    def _event_doc(ev: Any) -> dict[str, Any]:
+        return {"offset": ev.offset, "epoch": ev.epoch, "value": serde.decode(ev.value)}
+
+    async def stream(self, request: HTTPRequest) -> Response:
+        """A page of an output stream (long polling), or server-sent events (see the module docstring)."""
+        self.check_auth(request)
+        log, stream, offset, limit, wait = self._stream_params(request)
+        if "text/event-stream" in request.headers.get("accept", ""):
+            return self._sse(log, stream, offset, limit)
+        page = await self.off_loop(log.read, stream, offset, limit)
+        if not page.events and wait > 0:
+            self._check_waiters()
+            with self._waiter():
+                deadline = time.monotonic() + wait
+                while not page.events and time.monotonic() < deadline:
+                    await asyncio.sleep(_STREAM_POLL_S)
+                    if await self.off_loop(log.end_offset, stream) > page.next_offset:
+                        page = await self.off_loop(log.read, stream, page.next_offset, limit)
+        body = {"stream": stream, "events": [self._event_doc(e) for e in page.events],
+                "next_offset": page.next_offset, "first_offset": page.first_offset, "end_offset": page.end_offset}
+        return self.respond(request, 200, body)
+
+    def _sse(self, log: Any, stream: str, offset: int, limit: int) -> Response:
+        self._check_waiters()
+        gw = self
+
+        async def events() -> AsyncIterator[bytes]:
+            nonlocal offset
+            with gw._waiter():
+                deadline = time.monotonic() + gw.cfg.stream_sse_seconds
+                yield b": charon stream " + stream.encode() + b"\n\n"
+                while time.monotonic() < deadline:
+                    page = await gw.off_loop(log.read, stream, offset, limit)
+                    for ev in page.events:
+                        data = _json_enc.encode(dict(gw._event_doc(ev), stream=stream))
+                        yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.offset + 1, stream.encode(), data)
+                    offset = page.next_offset
+                    if not page.events:
+                        await asyncio.sleep(_STREAM_POLL_S)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
     async def health(self, request: HTTPRequest) -> Response:
         """200 while the runtime serves; 503 with its state (status, epoch, last error...) otherwise."""
         probe = getattr(self.runtime, "health", None)
@@ -881,6 +986,7 @@ def create_app(
             "/requests/{request_id}", _guard(gw, gw.request_status), methods=["GET"], name="request_status"
         ),
         Route("/state/{operator}/{key:path}", _guard(gw, gw.state), methods=["GET"], name="state"),
+        Route("/streams/{stream}", _guard(gw, gw.stream), methods=["GET"], name="stream"),
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
