@@ -269,6 +269,16 @@ class _Base:
         except (TypeError, OverflowError, msgspec.EncodeError) as exc:
             raise SerializationError(f"arguments are not msgpack-serializable: {exc}") from None
 
+    @staticmethod
+    def _batch_payload(calls: Iterable[Call | Sequence[Any]]) -> bytes:
+        items = [_as_call(c) for c in calls]
+        for c in items:
+            check_key(c.key)
+        try:
+            return _enc.encode({"calls": [[c.operator, c.key, c.function, list(c.args)] for c in items]})
+        except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+            raise SerializationError(f"arguments are not msgpack-serializable: {exc}") from None
+
     def _stream_request(self, stream: str, from_offset: int, limit: int, wait: float) -> dict[str, Any]:
         check_stream(stream)
         return {"params": {"from_offset": from_offset, "limit": limit, "wait": wait}, "headers": self.headers,
@@ -386,6 +396,17 @@ class Client(_Base):
         """The gateway's ``/health`` document."""
         resp = self._send("GET", "/health", headers=self.headers)
         return _decode_body(resp)
+
+    def invoke_batch(self, calls: Iterable[Call | Sequence[Any]], *, batch_id: str | None = None) -> list[Any]:
+        """Run ``calls`` as one client atomic batch (one transaction, in order: all commit or none) and return
+        their values. Raises TransactionAborted (nothing applied) when any call raised. ``batch_id`` is the
+        batch's Idempotency-Key: retries run it once; reusing it for other calls raises IdempotencyConflict."""
+        bid = batch_id or uuid.uuid4().hex
+        resp = self._send("POST", "/batch", content=self._batch_payload(calls), headers=self._invoke_headers(bid))
+        try:
+            return _result(resp, bid).value
+        except _Pending:
+            return self.result_of(bid, None).value
 
     def read_stream(self, stream: str, from_offset: int = 0, *, limit: int = 1000, wait: float = 0.0) -> StreamPage:
         """Events of output stream ``stream`` from ``from_offset`` (whole atoms, up to ``limit`` events; waits up
@@ -556,6 +577,16 @@ class AsyncClient(_Base):
     async def health(self) -> dict[str, Any]:
         """The gateway's ``/health`` document."""
         return _decode_body(await self._send("GET", "/health", headers=self.headers))
+
+    async def invoke_batch(self, calls: Iterable[Call | Sequence[Any]], *, batch_id: str | None = None) -> list[Any]:
+        """As :meth:`Client.invoke_batch`."""
+        bid = batch_id or uuid.uuid4().hex
+        resp = await self._send("POST", "/batch", content=self._batch_payload(calls),
+                                headers=self._invoke_headers(bid))
+        try:
+            return _result(resp, bid).value
+        except _Pending:
+            return (await self.result_of(bid, None)).value
 
     async def read_stream(
         self, stream: str, from_offset: int = 0, *, limit: int = 1000, wait: float = 0.0

@@ -100,6 +100,7 @@ class GatewayConfig:
     max_header_bytes: int = 16 << 10  # largest request head (h11's incomplete-event limit)
     read_threads: int = 8  # threads for runtime reads (replies, state), off the event loop
     public_url: str | None = None  # base of status URLs (e.g. https://api.example.com); None: relative URLs
+    max_batch_calls: int = 1000  # invocations in one client atomic batch (POST /batch; 422 above)
     stream_max_events: int = 1000  # events per GET /streams page (whole atoms; a larger first atom is whole)
     stream_max_waiters: int = 256  # concurrent long polls and server-sent-event connections (503 above)
     stream_sse_seconds: float = 300.0  # a server-sent-event connection ends after this; resume by offset

@@ -32,7 +32,7 @@ from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import check_stream, entity_prefix, partition_of, store_key
 from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
-from charon.operator import Application, Operator
+from charon.operator import Application, Operator, batch_request
 from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
@@ -404,6 +404,14 @@ class InProcessRuntime:
             raise RuntimeError("the runtime is not started: use `async with runtime:` or `await runtime.start()`")
         req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
         return await asyncio.shield(self.enqueue(req))
+
+    async def submit_batch(self, calls: Iterable[Any], *, batch_id: str | None = None) -> Reply:
+        """Run ``calls`` (``[operator, key, function, [args...]]`` each) as one client atomic batch: one
+        transaction calling them in order, so all commit or none; the reply's value lists their values.
+        ``batch_id`` is its request id (and entity key): a batch runs once per id."""
+        op, fn, args = batch_request(calls)
+        bid = batch_id or uuid.uuid4().hex
+        return await self.submit(op, bid, fn, args, request_id=bid)
 
     async def invoke(self, operator: str | Operator, key: str, function: Any, *args: Any) -> Any:
         """Like :meth:`submit` but returns the value, or raises TransactionAborted / the engine's error."""

@@ -17,6 +17,11 @@ empty body without a type means no arguments; every response is JSON unless the 
   e.g. after a restart), or 404 when nobody knows the id. ``wait`` long-polls up to that many seconds (at
   most 30) while the request is in flight here.
 - ``GET /state/{operator}/{key}`` returns ``{"operator", "key", "value"}`` (an admin read).
+- ``POST /batch`` with body ``{"calls": [[operator, key, function, [args...]], ...]}`` (1..``max_batch_calls``)
+  runs a client atomic batch: one transaction whose root calls each invocation in order (each sees the
+  writes of those before it), so all commit or none; 200 with ``value`` = the list of the calls' values,
+  409 when any call raised. Every call is validated first (typed 4xx naming the call). The
+  ``Idempotency-Key`` is the batch id: it runs once; reused with other calls it gets 422.
 - ``GET /streams/{stream}?from_offset=N&limit=M&wait=S`` reads an output stream (``ctx.emit``): 200
   ``{"stream", "events": [{"offset", "epoch", "value"}], "next_offset", "first_offset", "end_offset"}``
   with whole atoms (at most ``limit``, capped by ``stream_max_events``, events, except that a larger first
@@ -89,6 +94,7 @@ from charon.errors import (
 )
 from charon.log.client import check_same_request, stored_request
 from charon.messages import Reply, Request
+from charon.operator import BATCH_OPERATOR, batch_request, check_batch
 
 __all__ = ["RuntimeLike", "create_app", "serve", "BackgroundServer", "describe_app", "STATUS_OF_ERROR"]
 
@@ -401,6 +407,29 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
             },
         }
     }
+    paths["/batch"] = {
+        "post": {
+            "summary": "Run a client atomic batch: the calls in order, as one transaction (all or none)",
+            "security": security,
+            "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"},
+                            "description": "the batch id"}],
+            "requestBody": {"required": True, "content": {ct: {"schema": {
+                "type": "object", "required": ["calls"], "properties": {"calls": {
+                    "type": "array", "minItems": 1,
+                    "items": {"type": "array", "minItems": 4, "maxItems": 4,
+                              "description": "[operator, key, function, [args...]]"}}}}}
+                for ct in ("application/json", MSGPACK)}},
+            "responses": {
+                "200": reply_ok,
+                "202": accepted,
+                "400": err("malformed body or invalid key"),
+                "401": err("missing or wrong bearer token"),
+                "404": err("unknown operator or function in a call"),
+                "409": err("a call raised: the whole batch aborted"),
+                "422": err("bad arguments, or the batch id was reused for other calls"),
+            },
+        }
+    }
     paths["/streams/{stream}"] = {
         "get": {
             "summary": "Read an output stream from an offset (whole atoms; long polling or server-sent events)",
@@ -529,7 +558,7 @@ class _Gateway:
             raise _HTTPError("RequestTimeout", f"body not received within {self.cfg.body_timeout} s") from None
         return b"".join(chunks)
 
-    def parse_args(self, request: HTTPRequest, body: bytes) -> list[Any]:
+    def parse_args(self, request: HTTPRequest, body: bytes, field: str = "args") -> list[Any]:
         raw_ctype = request.headers.get("content-type")
         if raw_ctype is None and not body:
             return []  # `POST` with no body at all: no arguments
@@ -552,13 +581,13 @@ class _Gateway:
         except RecursionError:
             raise _HTTPError("BadRequest", "malformed body: nested too deeply") from None
         if not isinstance(doc, dict):
-            raise _HTTPError("BadRequest", 'body must be an object {"args": [...]}')
-        extra = set(doc) - {"args"}
+            raise _HTTPError("BadRequest", f'body must be an object {{"{field}": [...]}}')
+        extra = set(doc) - {field}
         if extra:
             raise _HTTPError("BadRequest", f"unexpected body fields: {sorted(map(str, extra))}")
-        args = doc.get("args", [])
+        args = doc.get(field, [])
         if not isinstance(args, list):
-            raise _HTTPError("BadArguments", '"args" must be a list of positional arguments')
+            raise _HTTPError("BadArguments", f'"{field}" must be a list')
         try:
             serde.check_plain(args, self.cfg.max_depth)
         except SerializationError as exc:
@@ -732,6 +761,34 @@ class _Gateway:
         req = self.validate(operator, key, function, args)
         rid = given or uuid.uuid4().hex
         req = Request(rid, req.operator, req.key, req.function, req.args)
+        if given is not None:
+            self.conflict(req)
+            await self.check_log(req)
+        fut = self.start(req, args)
+        if mode == "async":
+            return self.accepted(request, rid)
+        return await self.await_reply(request, rid, fut, self.wait_timeout)
+
+    async def batch(self, request: HTTPRequest) -> Response:
+        """A client atomic batch: the calls run in order as one transaction (all commit or none)."""
+        self.check_auth(request)
+        mode = request.query_params.get("mode", "sync")
+        if mode not in ("sync", "async"):
+            raise _HTTPError("BadRequest", "mode must be 'sync' or 'async'")
+        given = self.request_id(request)
+        calls = self.parse_args(request, await self.read_body(request), "calls")
+        try:
+            calls = check_batch(calls, self.cfg.max_batch_calls)
+        except BadArguments as exc:
+            raise _HTTPError("BadArguments", str(exc)) from None
+        for i, (operator, key, function, args) in enumerate(calls):
+            try:
+                self.validate(operator, key, function, args)
+            except _HTTPError as exc:
+                raise _HTTPError(exc.error_type, f"batch call {i}: {exc.message}") from None
+        rid = given or uuid.uuid4().hex
+        _, function, args = batch_request(calls)
+        req = Request(rid, BATCH_OPERATOR, rid, function, serde.encode(args))
         if given is not None:
             self.conflict(req)
             await self.check_log(req)
@@ -987,6 +1044,7 @@ def create_app(
         ),
         Route("/state/{operator}/{key:path}", _guard(gw, gw.state), methods=["GET"], name="state"),
         Route("/streams/{stream}", _guard(gw, gw.stream), methods=["GET"], name="stream"),
+        Route("/batch", _guard(gw, gw.batch), methods=["POST"], name="batch"),
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
