@@ -95,3 +95,71 @@ def test_downstream_query_sees_each_atom_once_across_a_consumer_sigkill(tmp_path
     assert all(max(os_) + 1 in ends for os_ in per_batch.values())
     assert any(len(os_) > 1 for os_ in per_batch.values()) and len(per_batch) >= 4
     rt.close()
+
+
+def test_spark_producer_sigkill_keeps_each_atom_once_and_drops_aborted_events(tmp_path: Path) -> None:
+    """The Spark runtime runs emitting transactions (deposits, and transfers that often abort); it is
+    SIGKILLed after epoch 3's state and atom are written but before its epoch record, restarted, and runs
+    the rest. Its streams then equal the in-process replay of its recorded epochs, each atom once, and
+    hold exactly the committed requests' events."""
+    from stream_producer import APP, config
+
+    from charon import serde
+    from charon.log.sqlite import InputLog, OutputLog
+    from charon.log.streams import StreamLog
+    from charon.messages import Request
+    from charon.runtime.spark.cluster import ProcessTree
+    from charon.runtime.spark.runtime import SparkRuntime, replay_in_process
+
+    data = str(tmp_path / "data")
+    os.makedirs(data)
+    rng = random.Random(3)
+    reqs = []
+    for i in range(70):
+        if i % 3 == 0:
+            reqs.append(Request(f"d{i}", "acct", f"a{i % 4}", "credit", serde.encode([rng.randint(5, 30), f"d{i}"])))
+        else:
+            src, dst = rng.sample([f"a{j}" for j in range(4)], 2)
+            reqs.append(Request(f"t{i}", "acct", src, "transfer", serde.encode([dst, rng.randint(1, 40), f"t{i}"])))
+    log = InputLog(os.path.join(data, "input.sqlite"), 2)
+    log.append_many([(r, None) for r in reqs])
+    log.close()
+
+    def run(crash_at: str | None) -> subprocess.Popen:
+        env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+               "SPARK_LOCAL_IP": "127.0.0.1"}
+        env.pop("CHARON_CRASH_AT", None)
+        if crash_at:
+            env["CHARON_CRASH_AT"] = crash_at
+        return subprocess.Popen([sys.executable, str(TESTS / "stream_producer.py"), data], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    first = run("after_finalize:3")
+    tree = ProcessTree(first)
+    try:
+        _, err = first.communicate(timeout=400)
+    finally:
+        tree.kill()
+    assert first.returncode == -signal.SIGKILL, err[-3000:]
+    streams = StreamLog(os.path.join(data, "streams.sqlite"))
+    assert streams.last_epoch() == 3  # the atom of the epoch whose record was lost is already there
+    second = run(None)
+    tree = ProcessTree(second)
+    try:
+        out, err = second.communicate(timeout=400)
+    finally:
+        tree.kill()
+    assert second.returncode == 0, err[-3000:]
+
+    spark_rt = SparkRuntime(APP, config(data))
+    ref, results = replay_in_process(spark_rt.app, spark_rt, {})
+    replies = {r.request_id: r for _, r in OutputLog(os.path.join(data, "output.sqlite")).read_since(0, 1000)}
+    assert len(replies) == 70 and any(not r.ok for r in replies.values()) and any(r.ok for r in replies.values())
+    for s in ("payments", "credits"):
+        want = [(r.epoch, v) for r in results for _, st, v in r.events if st == s]
+        got = streams.read_range(s, 0, 10_000)
+        assert [(e.epoch, e.value) for e in got] == want and [e.offset for e in got] == list(range(len(want)))
+    payments = [serde.decode(e.value)["tag"] for e in streams.read_range("payments", 0, 10_000)]
+    assert sorted(payments) == sorted(rid for rid, r in replies.items() if r.ok and rid.startswith("t"))
+    credits = [serde.decode(e.value)[0] for e in streams.read_range("credits", 0, 10_000)]
+    assert sorted(credits) == sorted(rid for rid, r in replies.items() if r.ok)
