@@ -29,6 +29,7 @@ class SparkConfig:
     task_max_failures: int = 4  # Spark attempts per task (local[N,F] in local mode, spark.task.maxFailures)
     epoch_max_failures: int = 3  # query restarts on the same epoch before the runtime gives up (deterministic)
     restart_backoff_s: float = 1.0  # first delay before restarting a failed query; doubles, at most 30 s
+    stop_timeout_s: float = 60.0  # on stop, wait at most this long for the running epoch to finish
     keep_epoch_stats: int = 1000  # per-epoch statistics kept in memory (the newest N)
     driver_memory: str = "1g"  # the driver JVM's heap (in local mode also the executors'): bounds its RSS
     app_name: str = "charon"

@@ -48,6 +48,10 @@ from charon.state.durable import DurableState, write_file_atomic
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
 
 
+class _Stopping(Exception):
+    """Raised into a micro-batch that would start while the runtime stops (the batch stays uncommitted)."""
+
+
 class LayoutMismatch(CharonError):
     """The configured partition layout differs from the one the checkpoint was created with."""
 
@@ -413,6 +417,11 @@ class SparkRuntime:
         self._restarts = 0
         self._failures: dict[int, int] = {}  # epoch -> query failures while running it
         self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
+        # shutdown between epochs (see stop): stopping a query while an epoch's job runs cancels the job from
+        # under the py4j callback (a StackOverflowError in Spark's stream thread, an epoch left half done)
+        self._epoch_cv = threading.Condition()
+        self._in_epoch = False
+        self._stopping = False
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -428,6 +437,8 @@ class SparkRuntime:
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
+        with self._epoch_cv:
+            self._stopping = False
         with self._lock:
             self._wake.clear()
             self._fatal = None
@@ -520,10 +531,15 @@ class SparkRuntime:
                 "unconfirmed_epoch": self._unconfirmed}
 
     def stop(self) -> None:
+        """Stop between epochs: no new epoch starts (its batch is left uncommitted, to run after a restart),
+        the running one finishes (at most ``stop_timeout_s``), then the query is stopped."""
         with self._lock:
             self._status = "stopped"
             self._wake.set()
             q, self._query = self._query, None
+        with self._epoch_cv:
+            self._stopping = True
+            self._epoch_cv.wait_for(lambda: not self._in_epoch, timeout=self.config.stop_timeout_s)
         if q is not None:
             q.stop()
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
@@ -622,9 +638,20 @@ class SparkRuntime:
 
     # -- one epoch per micro-batch ----------------------------------------------------------------------------
     def _on_batch(self, df: Any, batch_id: int) -> None:
+        with self._epoch_cv:
+            if self._stopping:  # fail the batch: Spark does not commit it, a restart runs it
+                raise _Stopping(f"the runtime is stopping; epoch {batch_id} runs after the restart")
+            self._in_epoch = True
+        try:
+            self._run_batch(int(batch_id))
+        finally:
+            with self._epoch_cv:
+                self._in_epoch = False
+                self._epoch_cv.notify_all()
+
+    def _run_batch(self, epoch: int) -> None:
         from charon.runtime.spark.source import batch_offsets
 
-        epoch = int(batch_id)
         done = self.read_record(epoch)
         if done is not None:  # already run before a crash: its state and replies are durable
             if self._status == "recovering":
