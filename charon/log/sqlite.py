@@ -227,6 +227,26 @@ class InputLog:
                     c.execute("DELETE FROM entries WHERE part = ? AND off < ?", (p, u))
                     c.execute("UPDATE parts SET low = ? WHERE part = ?", (u, p))
 
+    def forget(self, request_ids: Iterable[str], truncated_prefix: str | None = None) -> list[str]:
+        """Forget request ids (dedup retention): a request with a forgotten id is appended again, as new.
+
+        Only ids whose entries were already truncated are forgotten (a request still in the log keeps its id).
+        ``truncated_prefix``: also forget every id with this prefix whose entry was truncated (the runtimes'
+        own records, which get no reply). Returns the ids of ``request_ids`` that were forgotten. Freed pages
+        are reused, so the file stops growing once retention is in effect."""
+        below = "off < (SELECT low FROM parts WHERE parts.part = ids.part)"
+        out = []
+        with self._db.write() as c:
+            for rid in request_ids:
+                if c.execute(f"DELETE FROM ids WHERE request_id = ? AND {below}", (rid,)).rowcount:
+                    out.append(rid)
+            if truncated_prefix:
+                c.execute(
+                    f"DELETE FROM ids WHERE request_id >= ? AND request_id < ? AND {below}",
+                    (truncated_prefix, truncated_prefix + "\U0010ffff"),
+                )
+        return out
+
     # -- reading -----------------------------------------------------------------------------------
 
     def contains(self, request_id: str) -> bool:
@@ -395,6 +415,25 @@ class OutputLog:
             "SELECT seq FROM replies WHERE seq > ? ORDER BY seq LIMIT 1 OFFSET ?", (seq, n - 1)
         ).fetchone()
         return max(seq, self.last_seq()) if row is None else row[0]
+
+    def request_ids_through(self, seq: int) -> list[str]:
+        """The request ids of the replies with seq <= ``seq`` (what :meth:`prune_through` would delete)."""
+        rows = self._db.conn().execute("SELECT request_id FROM replies WHERE seq <= ?", (seq,)).fetchall()
+        return [r[0] for r in rows]
+
+    def prune(self, request_ids: Iterable[str]) -> int:
+        """Delete these requests' replies and the epoch boundaries below the oldest reply left (reply
+        retention; seqs are never reused). Returns how many replies were deleted."""
+        n = 0
+        with self._db.write() as c:
+            for rid in request_ids:
+                n += c.execute("DELETE FROM replies WHERE request_id = ?", (rid,)).rowcount
+            low = c.execute("SELECT min(seq) FROM replies").fetchone()[0]
+            if low is not None:
+                keep = c.execute("SELECT max(epoch) FROM epochs WHERE last_seq < ?", (low,)).fetchone()[0]
+                if keep is not None:  # the newest boundary below the oldest reply stays: readers resume there
+                    c.execute("DELETE FROM epochs WHERE epoch < ?", (keep,))
+        return n
 
     def count(self) -> int:
         """Number of stored replies."""

@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import importlib
 import os
 import pickle
@@ -419,6 +421,7 @@ class SparkRuntime:
         self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
         # shutdown between epochs (see stop): stopping a query while an epoch's job runs cancels the job from
         # under the py4j callback (a StackOverflowError in Spark's stream thread, an epoch left half done)
+        self._marks: collections.deque[tuple[float, int]] = collections.deque()  # (time, output seq), _retain
         self._epoch_cv = threading.Condition()
         self._in_epoch = False
         self._stopping = False
@@ -720,6 +723,31 @@ class SparkRuntime:
         rec = self.read_record(upto)
         if rec is not None and self.config.truncate_log:
             self.input_log.truncate(rec.ends)
+            self._retain(upto)
+
+    def _retain(self, upto: int) -> None:
+        """Disk retention after a compaction: request ids and their replies older than ``dedup_window_s``
+        (their input-log entries are truncated) are forgotten; epoch records older than the compacted epoch
+        minus ``keep_epoch_records`` are deleted. The window's marks live in memory: after a restart, replies
+        are kept at least one more window."""
+        cfg = self.config
+        now = time.monotonic()
+        self._marks.append((now, self.output_log.last_seq()))
+        cut = None
+        while self._marks and self._marks[0][0] <= now - cfg.dedup_window_s:
+            cut = self._marks.popleft()[1]
+        if cut is not None:
+            forgotten = self.input_log.forget(self.output_log.request_ids_through(cut), truncated_prefix=TICK)
+            self.output_log.prune(forgotten)
+        lo = upto - max(1, cfg.keep_epoch_records)
+        known = getattr(self, "_known_epoch", None)
+        if known is not None and known < lo:
+            self._known_epoch = None  # probing forward from there would stop at a deleted record: rescan
+        epochs = os.path.join(self.ckpt, "epochs")
+        for name in os.listdir(epochs):
+            if name.endswith(".msgpack") and name[:-8].isdigit() and int(name[:-8]) < lo:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(epochs, name))
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
@@ -771,15 +799,31 @@ class SparkRuntime:
             epoch = self._settled_epoch()
             if not items:
                 return epoch, {}
-            fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
-                         self.ckpt, epoch)
             try:
+                if self.config.driver_reads:
+                    return epoch, self._read_durable(items, epoch)
+                fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
+                             self.ckpt, epoch)
                 return epoch, dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
             except Exception as e:
                 # a compaction after the epoch was chosen: read again at a newer one
                 if "compacted" not in str(e) or attempt == 2:
                     raise
         raise AssertionError("unreachable")
+
+    def _read_durable(self, items: list[tuple[int, list[bytes]]], epoch: int) -> dict[bytes, bytes | None]:
+        """Read keys from the durable copy in the driver, as of recorded epoch ``epoch``.
+
+        As consistent as reading the executors' stores: every partition's delta of a recorded epoch is durable
+        (the finalize round writes it before the record), deltas after ``epoch`` are skipped, and a base
+        compacted past ``epoch`` raises (the caller reads again at a newer epoch). Much cheaper than a Spark
+        job per read (no job, stage, task or py4j objects on the driver), and it works while the query restarts.
+        """
+        out: dict[bytes, bytes | None] = {}
+        for pid, keys in items:
+            got, _ = self.durable.read_keys(pid, keys, epoch)
+            out.update(got)
+        return out
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state (from the durable copy, as of the last recorded epoch)."""
