@@ -35,7 +35,9 @@ class SparkConfig:
     driver_reads: bool = True  # state reads from the durable copy in the driver (False: a Spark job per read)
     stop_timeout_s: float = 60.0  # on stop, wait at most this long for the running epoch to finish
     keep_epoch_stats: int = 1000  # per-epoch statistics kept in memory (the newest N)
-    driver_memory: str = "1g"  # the driver JVM's heap (in local mode also the executors'): bounds its RSS
+    driver_memory: str = "512m"  # the driver JVM's heap (in local mode also the executors'): bounds its RSS
+    fixed_heap: bool = True  # -Xms = -Xmx, pre-touched: the JVM's RSS does not step up during a long run
+    checkpoint_batches: int = 100  # micro-batches Spark's query checkpoint retains (minBatchesToRetain)
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 

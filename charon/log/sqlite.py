@@ -42,6 +42,10 @@ from charon.serde import decode_reply, decode_request, encode_reply, encode_requ
 __all__ = ["InputLog", "OutputLog", "log_partition_of"]
 
 BUSY_TIMEOUT_S = 10.0
+#: page cache per connection (KiB; SQLite's default is 2,000). Every thread that touches a log has its own
+#: connection (the gateway's read pool, the log pump, Spark's batch thread...), so this bounds their sum;
+#: reads are indexed point lookups and short ranges, the OS page cache does the rest.
+CACHE_KIB = int(os.environ.get("CHARON_SQLITE_CACHE_KIB", "256"))
 
 
 def log_partition_of(key: str, partitions: int) -> int:
@@ -80,6 +84,7 @@ class _SQLite:
                 c.close()
                 raise OSError(f"could not put {self.path!r} in WAL mode (got {mode!r})")
             c.execute(f"PRAGMA synchronous={self._sync}")
+            c.execute(f"PRAGMA cache_size=-{max(16, CACHE_KIB)}")
             self._local.conn = c
             with self._lock:
                 self._conns.append(c)

@@ -170,13 +170,28 @@ def make_session(config: SparkConfig) -> Any:
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.streaming.noDataMicroBatches.enabled": "false",
         "spark.executorEnv.PYSPARK_PYTHON": os.environ["PYSPARK_PYTHON"],
+        # A long run must not grow the driver: the status store (kept even without the UI) retains 1,000 jobs
+        # and 100,000 tasks by default, and each epoch runs a few jobs; the cleaner's periodic GC (which
+        # releases shuffles, broadcasts and RDDs the driver no longer references) runs every 30 min by default.
+        "spark.ui.retainedJobs": "50",
+        "spark.ui.retainedStages": "50",
+        "spark.ui.retainedTasks": "1000",
+        "spark.ui.retainedDeadExecutors": "10",
+        "spark.sql.ui.retainedExecutions": "20",
+        "spark.sql.streaming.numRecentProgressUpdates": "20",
+        "spark.cleaner.periodicGC.interval": "5min",
+        # Spark's own query checkpoint keeps this many batches (offsets/commits files) and no more
+        "spark.sql.streaming.minBatchesToRetain": str(config.checkpoint_batches),
         **config.spark_conf,
     }
     # executors elsewhere keep their cluster's log4j setup (this file's path is only known to exist here)
     same_machine = re.match(r"(local\b|spark://(127\.|localhost\b|\[::1\]))", config.master) is not None
+    # a fixed, pre-touched heap: the JVM's RSS is its size from the start instead of stepping up toward -Xmx
+    heap = f" -Xms{config.driver_memory} -XX:+AlwaysPreTouch" if config.fixed_heap else ""
     for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
         if key.startswith("spark.driver") or same_machine:
-            settings[key] = f"{log4j} {settings[key]}" if settings.get(key) else log4j
+            opts = log4j + (heap if key.startswith("spark.driver") else "")
+            settings[key] = f"{opts} {settings[key]}" if settings.get(key) else opts
     if SparkContext._gateway is None:  # no JVM in this process yet: start it with its output in the log
         log = spark_log_path(config)
         os.makedirs(os.path.dirname(log), exist_ok=True)
