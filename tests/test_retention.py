@@ -67,3 +67,28 @@ def test_spark_runtime_retention_bounds_replies_ids_and_epoch_records(tmp_path: 
     rt2.input_log.truncate([1])
     rt2._retain(0)
     assert rt2.input_log.contains("x") and rt2.get_reply("x") is not None
+
+
+async def test_durable_inprocess_engine_forgets_after_the_window(tmp_path: Path, monkeypatch) -> None:
+    from charon.apps.ycsb import app
+    from charon.runtime.inprocess import InProcessRuntime
+
+    monkeypatch.setenv("CHARON_DEDUP_WINDOW_S", "0")
+    rt = InProcessRuntime(app, partitions=2, data_dir=str(tmp_path), checkpoint_s=0.0, compact_every=1,
+                          reply_retention=1)  # the in-memory reply cache would answer the retry itself
+    await rt.start()
+    try:
+        for i in range(30):
+            await rt.submit("account", f"a{i % 3}", "deposit", [1], request_id=f"r{i}")
+        rt.node.flush()
+        await rt.submit("account", "b", "deposit", [1], request_id="last")  # one more checkpoint + compaction
+        rt.node.flush()
+        log, out = rt.node.input_log, rt.node.output_log
+        assert not log.contains("r0") and out.get("r0") is None  # forgotten together
+        assert out.count() < 31
+        before = rt.read_state("account", "a0")
+        await rt.submit("account", "a0", "deposit", [1], request_id="r0")  # after the window: runs again
+        assert rt.read_state("account", "a0") == before + 1
+    finally:
+        await rt.stop()
+        rt.close()

@@ -31,6 +31,7 @@ import sqlite3
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -39,7 +40,7 @@ import msgspec
 from charon.messages import Reply, Request
 from charon.serde import decode_reply, decode_request, encode_reply, encode_request
 
-__all__ = ["InputLog", "OutputLog", "log_partition_of"]
+__all__ = ["DedupRetention", "InputLog", "OutputLog", "log_partition_of"]
 
 BUSY_TIMEOUT_S = 10.0
 #: page cache per connection (KiB; SQLite's default is 2,000). Every thread that touches a log has its own
@@ -468,3 +469,35 @@ class OutputLog:
 
     def __repr__(self) -> str:
         return f"OutputLog({self.path!r})"
+
+
+class DedupRetention:
+    """Forgets request ids and their replies together once they are older than ``window_s`` seconds.
+
+    Call :meth:`after_truncate` after each truncation of the input log (the runtimes do it after compaction).
+    Each call records a mark (now, the output log's last seq); replies up to the newest mark older than the
+    window are candidates, and only those whose input-log entries are already truncated are forgotten, the
+    id first (so a reply is never missing for an id the log still knows, which would make a retry wait
+    forever). A retry with a forgotten id runs again, as a new request. Ids starting with
+    ``runtime_prefix`` (the runtime's own records, which get no reply) are forgotten once truncated. The
+    marks live in memory: after a restart, replies are kept at least one more window.
+    """
+
+    def __init__(self, input_log: InputLog, output_log: OutputLog, window_s: float, runtime_prefix: str) -> None:
+        self.input_log = input_log
+        self.output_log = output_log
+        self.window_s = window_s
+        self.runtime_prefix = runtime_prefix
+        self._marks: deque[tuple[float, int]] = deque()
+
+    def after_truncate(self) -> int:
+        """Forget what is older than the window; returns how many replies were deleted."""
+        now = time.monotonic()
+        self._marks.append((now, self.output_log.last_seq()))
+        cut = None
+        while self._marks and self._marks[0][0] <= now - self.window_s:
+            cut = self._marks.popleft()[1]
+        if cut is None:
+            return 0
+        forgotten = self.input_log.forget(self.output_log.request_ids_through(cut), self.runtime_prefix)
+        return self.output_log.prune(forgotten)

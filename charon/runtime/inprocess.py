@@ -64,7 +64,8 @@ class InProcessRuntime:
         stats_kept: int = 1000,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
-        cache in front of the output log, which keeps every reply). ``data_dir``: durable mode (see
+        cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days).
+        ``data_dir``: durable mode (see
         :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``). ``stats_kept``: how many
         recent epochs ``epoch_stats`` keeps."""
         self.app = app

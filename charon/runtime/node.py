@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from charon import serde
-from charon.log.sqlite import InputLog, OutputLog
+from charon.log.sqlite import DedupRetention, InputLog, OutputLog
 from charon.messages import Reply, Request
 from charon.state.durable import DurableState
 from charon.state.store import MemoryStore
@@ -101,7 +101,7 @@ class NodeStorage:
 
     def __init__(
         self, data_dir: str, partitions: int, *, fsync: bool = True, checkpoint_s: float = 0.5,
-        compact_every: int = 20,
+        compact_every: int = 20, dedup_window_s: float | None = None,
     ) -> None:
         self.data_dir = os.path.abspath(data_dir)
         self.partitions = partitions
@@ -123,6 +123,10 @@ class NodeStorage:
             self.output_log = OutputLog(os.path.join(self.data_dir, "output.sqlite"), durable=fsync)
             self.durable = DurableState(os.path.join(self.data_dir, "state"), fsync=fsync)
             os.makedirs(self._records_dir, exist_ok=True)
+            # request ids and replies older than the window are forgotten (CHARON_DEDUP_WINDOW_S, default 7 days)
+            window = dedup_window_s if dedup_window_s is not None else float(
+                os.environ.get("CHARON_DEDUP_WINDOW_S", 7 * 24 * 3600))
+            self.retention = DedupRetention(self.input_log, self.output_log, window, EPOCH_MARK)
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -328,6 +332,7 @@ class NodeStorage:
                 self.durable.compact(pid, last.epoch)
                 crash_point("compacting", last.epoch)  # after the first partition
             self.input_log.truncate([last.log_end])
+            self.retention.after_truncate()
         self._last_checkpoint = time.monotonic()
         with self._cv:
             self._flushing -= len(batch)

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import importlib
 import os
@@ -42,7 +41,7 @@ from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
 from charon.errors import CharonError, EngineUnavailable
-from charon.log.sqlite import InputLog, OutputLog
+from charon.log.sqlite import DedupRetention, InputLog, OutputLog
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.state.durable import DurableState, write_file_atomic
@@ -417,6 +416,7 @@ class SparkRuntime:
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
         self.output_log = OutputLog(os.path.join(cfg.data_dir, "output.sqlite"))
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
+        self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
         self.durable = DurableState(os.path.join(self.ckpt, "state"))
         self._spark = spark
         self._query: Any = None
@@ -436,7 +436,6 @@ class SparkRuntime:
         self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
         # shutdown between epochs (see stop): stopping a query while an epoch's job runs cancels the job from
         # under the py4j callback (a StackOverflowError in Spark's stream thread, an epoch left half done)
-        self._marks: collections.deque[tuple[float, int]] = collections.deque()  # (time, output seq), _retain
         self._epoch_cv = threading.Condition()
         self._in_epoch = False
         self._stopping = False
@@ -742,18 +741,10 @@ class SparkRuntime:
 
     def _retain(self, upto: int) -> None:
         """Disk retention after a compaction: request ids and their replies older than ``dedup_window_s``
-        (their input-log entries are truncated) are forgotten; epoch records older than the compacted epoch
-        minus ``keep_epoch_records`` are deleted. The window's marks live in memory: after a restart, replies
-        are kept at least one more window."""
+        are forgotten (:class:`~charon.log.sqlite.DedupRetention`); epoch records older than the compacted
+        epoch minus ``keep_epoch_records`` are deleted."""
         cfg = self.config
-        now = time.monotonic()
-        self._marks.append((now, self.output_log.last_seq()))
-        cut = None
-        while self._marks and self._marks[0][0] <= now - cfg.dedup_window_s:
-            cut = self._marks.popleft()[1]
-        if cut is not None:
-            forgotten = self.input_log.forget(self.output_log.request_ids_through(cut), truncated_prefix=TICK)
-            self.output_log.prune(forgotten)
+        self._retention.after_truncate()
         lo = upto - max(1, cfg.keep_epoch_records)
         known = getattr(self, "_known_epoch", None)
         if known is not None and known < lo:
