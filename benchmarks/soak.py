@@ -371,6 +371,7 @@ def main() -> None:
         "config": {**{k: v for k, v in vars(args).items() if k not in ("verbose", "data_dir_used")},
                    "data_dir": data_dir,
                    "started": t_start, "mix": args.mix, "python": sys.version.split()[0],
+                   "env": {k: v for k, v in os.environ.items() if k.startswith("CHARON_")},
                    "cpus": os.cpu_count()},
         "verdict": verdict(ws, warmup_s) if run["stalled_at_s"] is None else {
             "warmup_s": warmup_s, "flat": False, "slope_mb_per_min": None,
