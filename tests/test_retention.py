@@ -92,3 +92,12 @@ async def test_durable_inprocess_engine_forgets_after_the_window(tmp_path: Path,
     finally:
         await rt.stop()
         rt.close()
+
+
+def test_last_seq_survives_pruning_everything(tmp_path: Path) -> None:
+    out = OutputLog(tmp_path / "out.sqlite")
+    out.put_many([_rep("a", 0), _rep("b", 0)])
+    assert out.prune(["a", "b"]) == 2 and out.count() == 0
+    assert out.last_seq() == 2  # readers positioned at 2 are not sent back to 0
+    out.put(_rep("c", 1))
+    assert out.read_since(2) and out.read_since(2)[0][0] == 3

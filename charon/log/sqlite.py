@@ -395,8 +395,11 @@ class OutputLog:
         return [(s, decode_reply(d)) for s, d in rows]
 
     def last_seq(self) -> int:
-        """The highest seq stored (0 when empty)."""
-        return self._db.conn().execute("SELECT coalesce(max(seq), 0) FROM replies").fetchone()[0]
+        """The highest seq ever stored (0 when none), also after retention pruned that reply."""
+        return self._db.conn().execute(
+            "SELECT max(coalesce((SELECT max(seq) FROM replies), 0), "
+            "coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'replies'), 0))"
+        ).fetchone()[0]
 
     def mark_epoch(self, epoch: int) -> None:
         """Record that every reply of ``epoch`` (and of the epochs before) is in the log (idempotent)."""
