@@ -166,3 +166,17 @@ def test_spark_port_opens_at_once_and_sigint_under_load_exits_cleanly(tmp_path: 
     for key, n in acked.items():
         raw = snap.get(store_key("account", key))
         assert raw is not None and serde.decode(raw) >= n, (key, n, raw)
+
+
+@pytest.mark.spark
+def test_spark_start_failure_turns_health_red_and_exits_1(tmp_path: Path) -> None:
+    proc, url = _start(["--engine", "spark", "--data-dir", str(tmp_path / "data")],
+                       {"CHARON_MASTER": "nonsense://nowhere"}, tmp_path)
+    try:
+        first = _wait_port(proc, url, 20)
+        assert first.status_code == 503 and first.json()["status"] == "starting"
+        proc.wait(180)
+    finally:
+        code, err = _stop(proc)
+    assert code == 1, err
+    assert "did not start" in err and "Traceback" not in err, err

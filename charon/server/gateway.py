@@ -17,7 +17,10 @@ empty body without a type means no arguments; every response is JSON unless the 
   e.g. after a restart), or 404 when nobody knows the id. ``wait`` long-polls up to that many seconds (at
   most 30) while the request is in flight here.
 - ``GET /state/{operator}/{key}`` returns ``{"operator", "key", "value"}`` (an admin read).
-- ``GET /health`` (open) and ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
+- ``GET /health`` (open): 200 while the runtime serves, else 503 with its ``status`` (``starting`` while a
+  runtime started in the background comes up, ``recovering``, ``failed``, ``stopped``). While starting, state
+  reads answer 503 with ``Retry-After`` and invokes are accepted into the runtime's durable input log.
+- ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
   including one ``/invoke`` path per function of the application with its parameter names and types.
 
 Everything is checked *before* anything reaches the runtime (and so its input log): the bearer token
