@@ -62,7 +62,7 @@ class _SQLite:
         self._sync = "FULL" if durable else "NORMAL"
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._conns: list[sqlite3.Connection] = []
+        self._conns: list[tuple[threading.Thread, sqlite3.Connection]] = []  # (owner, connection)
         self._pid = os.getpid()
         self._closed = False
 
@@ -88,7 +88,16 @@ class _SQLite:
             c.execute(f"PRAGMA cache_size=-{max(16, CACHE_KIB)}")
             self._local.conn = c
             with self._lock:
-                self._conns.append(c)
+                # a thread's connection outlives it (threading.local keeps no destructor hook we can use):
+                # close those of finished threads, or every short-lived thread leaks a connection and its fd
+                alive = []
+                for owner, other in self._conns:
+                    if owner.is_alive():
+                        alive.append((owner, other))
+                    else:
+                        other.close()
+                alive.append((threading.current_thread(), c))
+                self._conns = alive
         return c
 
     @contextmanager
@@ -117,7 +126,7 @@ class _SQLite:
         with self._lock:
             self._closed = True
             if self._pid == os.getpid():
-                for c in self._conns:
+                for _, c in self._conns:
                     c.close()
             self._conns = []
             self._local = threading.local()
