@@ -250,44 +250,52 @@ class _Base:
         raise NatsLogError(f"could not create or read key {key!r}")
 
     async def _fetch(
-        self, stream: str, subject: str, first_seq: int, count: int | None, last_seq: int | None = None,
+        self, stream: str, subject: str, first_seq: int, last_seq: int, limit: int | None = None,
         start_time: float | None = None,
     ) -> list[Any]:
-        """Messages of ``stream`` from sequence ``first_seq`` (or from ``start_time``) up to ``last_seq``.
+        """Messages of ``stream`` with sequence in ``[first_seq, last_seq]`` (or from ``start_time`` up to
+        ``last_seq``), at most ``limit``, in order.
 
-        An ephemeral pull consumer (no acks, cleaned up by the server after 30 s idle) reads them in order.
-        ``count`` bounds how many; reading stops at ``last_seq`` (inclusive) or when the stream has no more.
+        An ephemeral pull consumer (no acks, removed after reading, else by the server after 30 s idle) reads
+        them; it stops at ``last_seq``, at ``limit``, or when nothing more arrives (deleted messages).
         """
         from datetime import UTC, datetime
 
         import nats.errors
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+        if last_seq < max(first_seq, 1) and start_time is None:
+            return []
         if start_time is not None:
             cfg = ConsumerConfig(
                 deliver_policy=DeliverPolicy.BY_START_TIME,
                 opt_start_time=datetime.fromtimestamp(start_time, UTC).isoformat(),
                 ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True,
             )
+            bound = last_seq
         else:
             cfg = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first_seq,
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(first_seq, 1),
                 ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True,
             )
+            bound = last_seq - max(first_seq, 1) + 1
+        if limit is not None:
+            bound = min(bound, limit)
         sub = await self.c.js.pull_subscribe(subject, stream=stream, config=cfg)
         out: list[Any] = []
         try:
-            while count is None or len(out) < count:
-                want = FETCH_BATCH if count is None else min(FETCH_BATCH, count - len(out))
+            while len(out) < bound:
                 try:
-                    msgs = await sub.fetch(want, timeout=0.5 if count is None else self.timeout_s)
+                    msgs = await sub.fetch(min(FETCH_BATCH, bound - len(out)), timeout=2.0)
                 except nats.errors.TimeoutError:
                     break
                 for m in msgs:
                     seq = m.metadata.sequence.stream
-                    if last_seq is not None and seq > last_seq:
+                    if seq > last_seq:
                         return out
                     out.append(m)
+                    if seq == last_seq or len(out) >= bound:
+                        return out
                 if not msgs:
                     break
         finally:
@@ -420,7 +428,7 @@ class NatsInputLog(_Base):
         if info.state.messages == 0:
             return None
         last = info.state.last_seq
-        for m in await self._fetch(self._stream(p), self._subject(p), 0, None, last, start_time=since - 5):
+        for m in await self._fetch(self._stream(p), self._subject(p), 0, last, start_time=since - 5):
             if (m.headers or {}).get("Nats-Msg-Id") == h:
                 return m.metadata.sequence.stream - 1
         return None
@@ -518,7 +526,7 @@ class NatsInputLog(_Base):
             raise ValueError(f"partition {p}: offsets below {low} were truncated (asked from {start})")
         if end > nxt:
             raise ValueError(f"partition {p}: ends at {nxt}, asked up to {end}")
-        msgs = await self._fetch(self._stream(p), self._subject(p), start + 1, end - start, end)
+        msgs = await self._fetch(self._stream(p), self._subject(p), start + 1, end)
         rows = [(m.metadata.sequence.stream - 1, m.data) for m in msgs]
         if [o for o, _ in rows] != list(range(start, end)):
             raise ValueError(f"partition {p}: offsets [{start}, {end}) are not all retained")
@@ -570,7 +578,7 @@ class NatsOutputLog(_Base):
         start = int(w) if w else 0
         last = await self._last()
         if last > start:
-            for m in await self._fetch(self.stream, self.subject, start + 1, None, last):
+            for m in await self._fetch(self.stream, self.subject, start + 1, last):
                 h = (m.headers or {}).get("Nats-Msg-Id", "")
                 seq = m.metadata.sequence.stream
                 old = await self._kv_create(f"out.{h}", str(seq).encode())
@@ -641,8 +649,7 @@ class NatsOutputLog(_Base):
             hi = last if end is None else min(end, last)
             if hi <= start:
                 return []
-            n = hi - start if limit is None else min(limit, hi - start)
-            msgs = await self._fetch(self.stream, self.subject, start + 1, n, hi)
+            msgs = await self._fetch(self.stream, self.subject, start + 1, hi, limit)
             return [(m.metadata.sequence.stream, decode_reply(m.data)) for m in msgs]
 
         return self._run(go, timeout=self.timeout_s * 6)
@@ -677,7 +684,7 @@ class NatsOutputLog(_Base):
         info = await self.c.js.stream_info(self.marks_stream)
         last = info.state.last_seq
         if last > self._marks_read:
-            for m in await self._fetch(self.marks_stream, self.marks_subject, self._marks_read + 1, None, last):
+            for m in await self._fetch(self.marks_stream, self.marks_subject, self._marks_read + 1, last):
                 e, s = msgspec.msgpack.decode(m.data)
                 self._marks.append((int(e), int(s)))
                 self._marks_read = m.metadata.sequence.stream
@@ -697,7 +704,7 @@ class NatsOutputLog(_Base):
             last = info.state.last_seq
             if not info.state.num_deleted:
                 return max(seq, min(seq + n, last))
-            msgs = await self._fetch(self.stream, self.subject, seq + 1, n, last)
+            msgs = await self._fetch(self.stream, self.subject, seq + 1, last, n)
             return max(seq, last) if len(msgs) < n else msgs[-1].metadata.sequence.stream
 
         return self._run(go)
