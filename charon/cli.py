@@ -81,21 +81,29 @@ def spark_available() -> bool:
 
 def make_runtime(
     target: str, engine: str, partitions: int, data_dir: str | None = None, *, fsync: bool = True,
-    reply_retention: int | None = None,
+    reply_retention: int | None = None, log_url: str | None = None,
 ) -> Any:
     """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
 
     ``inprocess``: :class:`charon.runtime.inprocess.InProcessRuntime`, durable under ``data_dir`` when one is given,
     volatile without. ``spark``: :class:`charon.runtime.spark.runtime.SparkRuntime` configured from ``CHARON_*``
-    variables, then the options.
+    variables, then the options. ``log_url`` (``nats://host:port/deployment``) puts the input and output logs on
+    NATS JetStream instead of SQLite files under ``data_dir`` (:mod:`charon.log.nats`).
     """
+    if log_url is not None:
+        from charon.log import is_networked
+
+        if not is_networked(log_url):
+            raise typer.BadParameter(f"--log must be a nats://host:port/deployment URL, got {log_url!r}")
+        if engine == "inprocess" and data_dir is None:
+            raise typer.BadParameter("--log needs a durable deployment (not --ephemeral)")
     if engine == "inprocess":
         from charon.runtime.inprocess import InProcessRuntime
         from charon.runtime.node import NodeError
 
         try:
             return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync,
-                                    reply_retention=reply_retention)
+                                    reply_retention=reply_retention, log_url=log_url)
         except NodeError as exc:
             raise _fail(str(exc)) from None
     if engine == "spark":
@@ -107,7 +115,7 @@ def make_runtime(
         load_app(target)  # fail early with a clear message
         from charon.runtime.spark.runtime import LayoutMismatch
 
-        config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir)
+        config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url)
         try:
             return SparkRuntime(target if ":" in target else f"{target}:app", config)
         except LayoutMismatch as exc:  # the checkpoint was made with another partition count
@@ -171,6 +179,10 @@ def run(
         help="inprocess: fsync each epoch's input before it runs (acknowledged replies survive power loss); "
         "--no-fsync survives a killed process but not an OS crash, for lower latency.",
     ),
+    log: str | None = typer.Option(
+        None, "--log", envvar="CHARON_LOG_URL", help="Put the input and output logs on NATS JetStream, e.g. "
+        "nats://127.0.0.1:4222/mydeployment (default: SQLite files in the data directory).",
+    ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
     from charon.server.gateway import serve
@@ -188,7 +200,8 @@ def run(
         )
     elif ephemeral:
         raise _fail("--ephemeral applies to --engine inprocess only")
-    runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention)
+    runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention,
+                           log_url=log)
     if engine != "inprocess":
         config = getattr(runtime, "config", None)
         mode = f"durable in {os.path.abspath(getattr(config, 'data_dir', None) or data_dir or 'charon-data')}"
@@ -198,7 +211,7 @@ def run(
     verb = "starting" if engine == "spark" else "serving"
     err_console.print(
         f"charon: {verb} [bold]{getattr(application, 'name', target)}[/] "
-        f"({engine}, {partitions} partitions; {mode}) on http://{host}:{port}"
+        f"({engine}, {partitions} partitions; {mode}{'; logs on ' + log if log else ''}) on http://{host}:{port}"
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
         + (" (Spark starts in ~20 s; the port opens when it is up)" if engine == "spark" else ""),
         soft_wrap=True,  # one line even when stderr is not a terminal (grep-able)
