@@ -91,7 +91,7 @@ def make_runtime(
     NATS JetStream instead of SQLite files under ``data_dir`` (:mod:`charon.log.nats`).
     """
     if log_url is not None:
-        from charon.log import is_networked
+        from charon.log.location import is_networked
 
         if not is_networked(log_url):
             raise typer.BadParameter(f"--log must be a nats://host:port/deployment URL, got {log_url!r}")

@@ -180,8 +180,8 @@ class SparkTarget:
 
     async def start(self) -> None:
         """Wait for the child to load the state and start the streaming query; open the log client."""
-        from charon.log import log_locations, open_input_log, open_output_log
         from charon.log.client import LogClient
+        from charon.log.location import log_locations, open_input_log, open_output_log
 
         self.info = await asyncio.to_thread(self._recv, "ready", self._start_timeout)
         inp, out = log_locations(os.path.abspath(self.config.data_dir), self.config.log_url)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from charon import serde
-from charon.log import open_input_log, open_output_log
+from charon.log.location import open_input_log, open_output_log
 from charon.messages import Reply, Request
 from charon.state.durable import DurableState
 from charon.state.store import MemoryStore

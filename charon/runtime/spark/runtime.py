@@ -40,7 +40,7 @@ from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
 from charon.errors import CharonError, EngineUnavailable
-from charon.log import log_locations, open_input_log, open_output_log
+from charon.log.location import log_locations, open_input_log, open_output_log
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.state.durable import DurableState, write_file_atomic

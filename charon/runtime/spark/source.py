@@ -111,13 +111,13 @@ _open_logs: dict[tuple[int, str, str], Any] = {}
 
 def _location(path: str) -> str:
     """A log location as given: a NATS URL unchanged, a file path made absolute."""
-    from charon.log import is_networked
+    from charon.log.location import is_networked
 
     return path if is_networked(path) else os.path.abspath(path)
 
 
 def _input_log(path: str) -> Any:
-    from charon.log import open_input_log
+    from charon.log.location import open_input_log
 
     k = (os.getpid(), "in", path)
     log = _open_logs.get(k)
@@ -127,7 +127,7 @@ def _input_log(path: str) -> Any:
 
 
 def _output_log(path: str) -> Any:
-    from charon.log import open_output_log
+    from charon.log.location import open_output_log
 
     k = (os.getpid(), "out", path)
     log = _open_logs.get(k)
@@ -198,7 +198,7 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             raise ValueError("charon_log needs option 'path' (the input log file)")
         self.path = _location(options["path"])
         parts = options.get("partitions")
-        from charon.log import is_networked, open_input_log
+        from charon.log.location import is_networked, open_input_log
 
         # The reader is pickled to the Python workers: it keeps only plain attributes, logs are opened
         # per process through a module-level cache (see ``log``).
@@ -365,7 +365,7 @@ class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailable
         if "path" not in options:
             raise ValueError("charon_replies needs option 'path' (the output log file)")
         self.path = _location(options["path"])
-        from charon.log import open_output_log
+        from charon.log.location import open_output_log
 
         open_output_log(self.path).close()  # create it if missing; reopened per process (see ``log``)
         self.max_records = _max_records(options)
