@@ -120,7 +120,16 @@ def make_runtime(
             return SparkRuntime(target if ":" in target else f"{target}:app", config)
         except LayoutMismatch as exc:  # the checkpoint was made with another partition count
             raise _fail(str(exc)) from None
-    raise typer.BadParameter(f"unknown engine {engine!r} (inprocess or spark)")
+    if engine == "remote":
+        if log_url is None:
+            raise typer.BadParameter("--engine remote needs --log nats://host:port/deployment (the engine's log)")
+        from charon.runtime.remote import LogRuntime
+
+        try:
+            return LogRuntime(load_app(target), log_url)
+        except OSError as exc:
+            raise _fail(f"the log at {log_url} is not reachable: {exc}") from None
+    raise typer.BadParameter(f"unknown engine {engine!r} (inprocess, spark or remote)")
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -158,7 +167,8 @@ TokenOpt = typer.Option(None, "--token", envvar="CHARON_TOKEN", help="Bearer tok
 @app.command()
 def run(
     target: str = typer.Argument(..., metavar="MODULE:APP", help="The Application to deploy."),
-    engine: str = typer.Option("inprocess", help="inprocess or spark."),
+    engine: str = typer.Option("inprocess", help="inprocess, spark, or remote (a gateway only: the engine "
+                               "runs elsewhere on the same --log)."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     port: int = typer.Option(8000, help="TCP port."),
     token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send."),
@@ -202,7 +212,9 @@ def run(
         raise _fail("--ephemeral applies to --engine inprocess only")
     runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention,
                            log_url=log)
-    if engine != "inprocess":
+    if engine == "remote":
+        mode = "gateway only, the engine runs elsewhere"
+    elif engine != "inprocess":
         config = getattr(runtime, "config", None)
         mode = f"durable in {os.path.abspath(getattr(config, 'data_dir', None) or data_dir or 'charon-data')}"
     if token is None:
