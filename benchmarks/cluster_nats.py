@@ -143,7 +143,11 @@ def main() -> int:
     p.add_argument("--kill-at", type=float, default=30)
     p.add_argument("--replace-after", type=float, default=10)
     p.add_argument("--out", default=str(OUT / "cluster_nats"))
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON of --out")
     args = p.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.out + ".json").read_text()), args.out + ".png")
+        return 0
 
     root = Path(tempfile.mkdtemp(prefix="charon-cluster-"))
     procs: list[subprocess.Popen] = []
@@ -259,19 +263,24 @@ def plot(doc: dict, path: str) -> None:
 
     rows = doc["per_second"]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    a1.plot([r["t"] for r in rows], [r["completed"] for r in rows], lw=1)
+    done = [r["completed"] for r in rows]
+    w = 5  # replies arrive per epoch (seconds apart here): a 5 s moving average shows the rate
+    avg = [sum(done[max(0, i - w + 1):i + 1]) / min(w, i + 1) for i in range(len(done))]
+    a1.bar([r["t"] for r in rows], done, width=0.8, color="#cfd8e3", label="per second")
+    a1.plot([r["t"] for r in rows], avg, lw=1.5, label=f"{w} s moving average")
     a1.set_ylabel("completed requests / s")
-    a2.plot([r["t"] for r in rows if r["p50_ms"] is not None], [r["p50_ms"] for r in rows if r["p50_ms"] is not None],
-            label="p50", lw=1)
-    a2.plot([r["t"] for r in rows if r["max_ms"] is not None], [r["max_ms"] for r in rows if r["max_ms"] is not None],
-            label="max", lw=1)
+    a1.legend(loc="upper left", fontsize=8)
+    a2.scatter([r["t"] for r in rows if r["p50_ms"] is not None],
+               [r["p50_ms"] for r in rows if r["p50_ms"] is not None], s=8, label="p50 of the second")
+    a2.scatter([r["t"] for r in rows if r["max_ms"] is not None],
+               [r["max_ms"] for r in rows if r["max_ms"] is not None], s=8, marker="x", label="max of the second")
     a2.set_yscale("log")
     a2.set_ylabel("latency (ms)")
     a2.set_xlabel("seconds")
     for name, t in doc["events_s"].items():
         for ax in (a1, a2):
             ax.axvline(t, color="red" if name == "kill" else "green", ls="--", lw=1)
-        a1.annotate(f"worker {'killed' if name == 'kill' else 'replaced'}", (t, a1.get_ylim()[1] * 0.9), fontsize=8)
+        a1.annotate(f" worker {'killed' if name == 'kill' else 'replaced'}", (t, a1.get_ylim()[1] * 0.9), fontsize=8)
     a2.legend()
     fig.suptitle("YCSB-T, standalone cluster + NATS log + remote gateways")
     fig.tight_layout()

@@ -33,6 +33,11 @@ Exactly once, beyond JetStream's dedup window
 Appends of one call are published in order (so a batch's entries get increasing offsets in a partition) but,
 unlike SQLite, not atomically: a crash can leave a prefix of a batch in the log (each entry exactly once).
 
+Durability: streams use file storage. nats-server acknowledges a message once it is written to its store
+(it survives the server being killed, as the SIGKILL tests check) and fsyncs every ``sync_interval`` (2 min by
+default; nats-server 2.10+ accepts ``jetstream { sync_interval: always }`` for power-loss safety, or run a
+3-node cluster with replicas). The ``durable`` argument is accepted for interface parity and changes nothing.
+
 Failures: while the server is unreachable the client reconnects forever; an operation that does not complete
 within ``timeout_s`` raises :class:`NatsLogError` (an ``OSError``: :class:`~charon.log.client.LogClient` retries
 it like a locked SQLite file). Connections are per process (re-opened after ``fork``), one background event
