@@ -120,6 +120,8 @@ def make_runtime(
             return SparkRuntime(target if ":" in target else f"{target}:app", config)
         except LayoutMismatch as exc:  # the checkpoint was made with another partition count
             raise _fail(str(exc)) from None
+        except OSError as exc:  # e.g. the NATS log is not reachable
+            raise _fail(f"the log is not reachable: {exc}") from None
     if engine == "remote":
         if log_url is None:
             raise typer.BadParameter("--engine remote needs --log nats://host:port/deployment (the engine's log)")

@@ -183,3 +183,22 @@ def test_sigkill_server_and_appenders_nothing_lost_nothing_twice(server: NatsSer
     assert len(rids) == len(set(rids)) == 300, "each reply stored once"
     log.close()
     out.close()
+
+
+def test_cli_log_options_are_checked(tmp_path: Path) -> None:
+    """--engine remote needs --log; --log must be a NATS URL; an unreachable server is a clear error."""
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", "from charon.cli import main; main()", "run",
+                               "charon.apps.ycsb:app", *args], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
+
+    p = run("--engine", "remote")
+    assert p.returncode != 0 and "--engine remote needs --log" in p.stderr
+    p = run("--engine", "inprocess", "--log", str(tmp_path / "x"))
+    assert p.returncode != 0 and "must be a nats://" in p.stderr
+    port = __import__("natsfix").free_port()  # nothing listens there
+    p = run("--engine", "remote", "--log", f"nats://127.0.0.1:{port}/x")
+    assert p.returncode == 1 and "is not reachable" in p.stderr and "Traceback" not in p.stderr

@@ -125,7 +125,12 @@ class _Client:
         self._thread.start()
         self.nc: Any = None
         self.js: Any = None
-        self.run(self._connect)
+        try:
+            self.run(self._connect)
+        except BaseException:
+            self.closed = True
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise
 
     async def _connect(self) -> None:
         import nats
