@@ -81,21 +81,29 @@ def spark_available() -> bool:
 
 def make_runtime(
     target: str, engine: str, partitions: int | None = None, data_dir: str | None = None, *, fsync: bool = True,
-    reply_retention: int | None = None,
+    reply_retention: int | None = None, log_url: str | None = None,
 ) -> Any:
     """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
 
     ``inprocess``: :class:`charon.runtime.inprocess.InProcessRuntime`, durable under ``data_dir`` when one is given,
     volatile without. ``spark``: :class:`charon.runtime.spark.runtime.SparkRuntime` configured from ``CHARON_*``
-    variables, then the options.
+    variables, then the options. ``log_url`` (``nats://host:port/deployment``) puts the input and output logs on
+    NATS JetStream instead of SQLite files under ``data_dir`` (:mod:`charon.log.nats`).
     """
+    if log_url is not None:
+        from charon.log.location import is_networked
+
+        if not is_networked(log_url):
+            raise typer.BadParameter(f"--log must be a nats://host:port/deployment URL, got {log_url!r}")
+        if engine == "inprocess" and data_dir is None:
+            raise typer.BadParameter("--log needs a durable deployment (not --ephemeral)")
     if engine == "inprocess":
         from charon.runtime.inprocess import InProcessRuntime
         from charon.runtime.node import NodeError
 
         try:
             return InProcessRuntime(load_app(target), partitions=partitions or 4, data_dir=data_dir, fsync=fsync,
-                                    reply_retention=reply_retention)
+                                    reply_retention=reply_retention, log_url=log_url)
         except NodeError as exc:
             raise _fail(str(exc)) from None
     if engine == "spark":
@@ -107,12 +115,23 @@ def make_runtime(
         load_app(target)  # fail early with a clear message
         from charon.runtime.spark.runtime import LayoutMismatch
 
-        config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir)
+        config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url)
         try:
             return SparkRuntime(target if ":" in target else f"{target}:app", config)
         except LayoutMismatch as exc:  # the checkpoint was made with another partition count
             raise _fail(str(exc)) from None
-    raise typer.BadParameter(f"unknown engine {engine!r} (inprocess or spark)")
+        except OSError as exc:  # e.g. the NATS log is not reachable
+            raise _fail(f"the log is not reachable: {exc}") from None
+    if engine == "remote":
+        if log_url is None:
+            raise typer.BadParameter("--engine remote needs --log nats://host:port/deployment (the engine's log)")
+        from charon.runtime.remote import LogRuntime
+
+        try:
+            return LogRuntime(load_app(target), log_url)
+        except OSError as exc:
+            raise _fail(f"the log at {log_url} is not reachable: {exc}") from None
+    raise typer.BadParameter(f"unknown engine {engine!r} (inprocess, spark or remote)")
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -150,7 +169,8 @@ TokenOpt = typer.Option(None, "--token", envvar="CHARON_TOKEN", help="Bearer tok
 @app.command()
 def run(
     target: str = typer.Argument(..., metavar="MODULE:APP", help="The Application to deploy."),
-    engine: str = typer.Option("inprocess", help="inprocess or spark."),
+    engine: str = typer.Option("inprocess", help="inprocess, spark, or remote (a gateway only: the engine "
+                               "runs elsewhere on the same --log)."),
     host: str = typer.Option("127.0.0.1", envvar="CHARON_HOST", help="Interface to listen on."),
     port: int = typer.Option(8000, envvar="CHARON_PORT", help="TCP port."),
     token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send."),
@@ -177,6 +197,10 @@ def run(
         help="inprocess: fsync each epoch's input before it runs (acknowledged replies survive power loss); "
         "--no-fsync survives a killed process but not an OS crash, for lower latency.",
     ),
+    log: str | None = typer.Option(
+        None, "--log", envvar="CHARON_LOG_URL", help="Put the input and output logs on NATS JetStream, e.g. "
+        "nats://127.0.0.1:4222/mydeployment (default: SQLite files in the data directory).",
+    ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
     from charon.server.gateway import RuntimeStartError, serve
@@ -194,8 +218,11 @@ def run(
         )
     elif ephemeral:
         raise _fail("--ephemeral applies to --engine inprocess only")
-    runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention)
-    if engine != "inprocess":
+    runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention,
+                           log_url=log)
+    if engine == "remote":
+        mode = "gateway only, the engine runs elsewhere"
+    elif engine != "inprocess":
         config = getattr(runtime, "config", None)
         mode = f"durable in {os.path.abspath(getattr(config, 'data_dir', None) or data_dir or 'charon-data')}"
     if token is None:
@@ -206,7 +233,7 @@ def run(
     verb = "starting" if engine == "spark" else "serving"
     err_console.print(
         f"charon: {verb} [bold]{getattr(application, 'name', target)}[/] "
-        f"({engine}, {partitions} partitions; {mode}) on http://{host}:{port}"
+        f"({engine}, {partitions} partitions; {mode}{'; logs on ' + log if log else ''}) on http://{host}:{port}"
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
         + ("; Spark starts in ~20 s: /health answers 503 starting until then, invokes are logged and wait"
            if engine == "spark" else ""),

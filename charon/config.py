@@ -17,6 +17,8 @@ class SparkConfig:
     master: str = "local[*]"  # local[N], spark://host:port, yarn, k8s://...
     data_dir: str = "charon-data"  # input log, output log and (by default) the checkpoint location
     checkpoint: str | None = None  # durable state, epoch records and Spark's query checkpoint
+    log_url: str | None = None  # input/output logs on NATS JetStream (nats://host:port/deployment); default:
+    # SQLite files under data_dir (see charon.log.nats)
     partitions: int = 4  # engine partitions (each with its own resident store)
     log_partitions: int | None = None  # input-log partitions = sequencers (default: partitions)
     max_batch: int = 10_000  # most requests per epoch (micro-batch)

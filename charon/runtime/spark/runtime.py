@@ -41,7 +41,8 @@ from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
 from charon.errors import CharonError, EngineUnavailable
-from charon.log.sqlite import DedupRetention, InputLog, OutputLog
+from charon.log.location import log_locations, open_input_log, open_output_log
+from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.state.durable import DurableState, write_file_atomic
@@ -434,13 +435,14 @@ class SparkRuntime:
         cfg = self.config
         os.makedirs(cfg.data_dir, exist_ok=True)
         self.ckpt = cfg.checkpoint_dir
+        self.input_location, self.output_location = log_locations(os.path.abspath(cfg.data_dir), cfg.log_url)
         try:
-            self.input_log = InputLog(os.path.join(cfg.data_dir, "input.sqlite"), cfg.n_log_partitions)
+            self.input_log = open_input_log(self.input_location, cfg.n_log_partitions)
         except ValueError as e:  # the log was created with another partition count
             raise LayoutMismatch(f"{e} (rescaling is not supported)") from None
         check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions)
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
-        self.output_log = OutputLog(os.path.join(cfg.data_dir, "output.sqlite"))
+        self.output_log = open_output_log(self.output_location)
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
         self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
         self.durable = DurableState(os.path.join(self.ckpt, "state"))
@@ -496,7 +498,7 @@ class SparkRuntime:
         self.exchange = SparkExchange(spark, self.app_ref, self.config)
         df = (
             spark.readStream.format("charon_log")
-            .option("path", os.path.abspath(self.input_log.path))
+            .option("path", self.input_location)
             .option("partitions", str(self.config.n_log_partitions))
             .option("maxRecordsPerBatch", str(self.config.max_batch))
             .option("idleWaitMs", str(self.config.idle_wait_ms))
