@@ -128,9 +128,9 @@ async def _retry_all(url: str, tags: list[str], workers: int = 16) -> dict[str, 
     return out
 
 
-def _check_ledger(data_dir: Path, acked: dict[str, dict], sent: set[str]) -> None:
+def _check_ledger(data_dir: Path, acked: dict[str, dict], sent: set[str], log_url: str | None = None) -> None:
     """Every acknowledged payment is in the state once; nothing ran twice; no aborted write survived."""
-    rt = InProcessRuntime(ledger, partitions=4, data_dir=str(data_dir))
+    rt = InProcessRuntime(ledger, partitions=4, data_dir=str(data_dir), log_url=log_url)
     try:
         items = {a: rt.read_items("acct", a) for a in ACCOUNTS}
         totals = {a: rt.read_state("acct", a, 0) for a in ACCOUNTS}

@@ -121,6 +121,11 @@ def test_server_sent_events_resume_by_last_event_id(server: BackgroundServer) ->
     assert [d["value"]["tag"] for _, d in first] == ["s0", "s1"] and first[-1][0] == "2"
     rest = read_sse({**h, "Last-Event-ID": first[-1][0]}, 2)
     assert [(i, d["offset"], d["value"]["tag"]) for i, d in rest] == [("3", 2, "s2"), ("4", 3, "s3")]
+    gw = server.app.state.gateway
+    deadline = time.monotonic() + 10
+    while gw.stream_waiters and time.monotonic() < deadline:  # closed event streams give their slots back
+        time.sleep(0.05)
+    assert gw.stream_waiters == 0
 
 
 async def test_async_client_subscribe(server: BackgroundServer) -> None:

@@ -28,6 +28,15 @@ from charon.operator import Application
 from charon.state.store import PartitionStore
 
 ROOT, SYNC, ASYNC = 0, 1, 2
+# Live coroutines kept across rounds in this process (see ``_live_table``). Keyed by partition and epoch,
+# then by (tid, inv, journal.nsusp, frame.token). A stale coroutine of a failed attempt cannot be resumed
+# wrongly (issue 9): ``token`` is drawn once per Frame, when an Invoke is first run (random salt per process,
+# pid, a counter never reused), and travels in the scratch the driver re-sends. A query restart or a reset
+# round re-creates the frames from new Invokes, so they get new tokens and never match an old entry (which is
+# dropped at the partition's next epoch). The same (token, nsusp) comes back only when Spark retries a round
+# from the very same inputs (the last successful scratch, the same inbox, a store that rounds only read):
+# the stale coroutine is then exactly where replaying its journal would bring it, and an attempt that runs
+# the frame again replaces the entry under the same key.
 _LIVE: dict[int, tuple[int, dict]] = {}
 _SALT = int.from_bytes(os.urandom(4), "big")
 _COUNTER = itertools.count()

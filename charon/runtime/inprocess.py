@@ -67,11 +67,14 @@ class InProcessRuntime:
         checkpoint_s: float = 0.5,
         compact_every: int = 20,
         stats_kept: int = 1000,
+        log_url: str | None = None,
         retain_events: int = DEFAULT_RETAIN_EVENTS,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
-        cache in front of the output log, which keeps every reply). ``data_dir``: durable mode (see
-        :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``). ``stats_kept``: how many
+        cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days).
+        ``data_dir``: durable mode (see
+        :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``; ``log_url`` puts its logs
+        on NATS, see :mod:`charon.log.nats`). ``stats_kept``: how many
         recent epochs ``epoch_stats`` keeps. ``retain_events``: events kept per output stream
         (:class:`charon.log.streams.StreamLog`; durable mode: ``data_dir/streams.sqlite``, volatile: a temporary
         file removed with the runtime)."""
@@ -84,7 +87,7 @@ class InProcessRuntime:
             from charon.runtime.node import NodeStorage, RecordingStore
 
             self.node = NodeStorage(data_dir, partitions, fsync=fsync, checkpoint_s=checkpoint_s,
-                                    compact_every=compact_every)
+                                    compact_every=compact_every, log_url=log_url)
             self.stores: list[MemoryStore] = [RecordingStore() for _ in range(partitions)]
         else:
             self.stores = [MemoryStore() for _ in range(partitions)]

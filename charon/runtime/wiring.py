@@ -10,9 +10,11 @@ has the request id ``__charon.wire.<name>.<offset>``, so a durable target runs i
 is submitted (a retried id gets the first reply), and the producer's stream is itself append-once by
 epoch. The wire resumes from the offset stored in ``checkpoint`` (a small file, written after each atom
 is fully answered); the request ids, not the file, are what makes delivery exactly once, so losing the
-file only costs re-submissions. An event whose value does not name a valid invocation is answered like
-any bad request (its reply records the error) and skipped. Cycles are allowed (a runtime may be wired to
-its own stream); the events of one atom are submitted together and run in the target's next epochs.
+file only costs re-submissions (within the target's request-id dedup window: a durable node remembers
+ids for ``CHARON_DEDUP_WINDOW_S``, so the checkpoint must not be older than that). An event whose value
+does not name a valid invocation is answered like any bad request (its reply records the error) and
+skipped. Cycles are allowed (a runtime may be wired to its own stream); the events of one atom are
+submitted together and run in the target's next epochs.
 """
 
 from __future__ import annotations

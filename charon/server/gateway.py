@@ -28,7 +28,10 @@ empty body without a type means no arguments; every response is JSON unless the 
   atom is returned whole); long-polls up to ``wait`` seconds (at most 30) when nothing is there yet. With
   ``Accept: text/event-stream`` it answers with server-sent events instead (``id`` = the offset after the
   event, ``data`` = the JSON event; resumable with ``Last-Event-ID``), for at most ``stream_sse_seconds``.
-- ``GET /health`` (open) and ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
+- ``GET /health`` (open): 200 while the runtime serves, else 503 with its ``status`` (``starting`` while a
+  runtime started in the background comes up, ``recovering``, ``failed``, ``stopped``). While starting, state
+  reads answer 503 with ``Retry-After`` and invokes are accepted into the runtime's durable input log.
+- ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
   including one ``/invoke`` path per function of the application with its parameter names and types.
 
 Everything is checked *before* anything reaches the runtime (and so its input log): the bearer token
@@ -121,6 +124,8 @@ _IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._~:@+=-]{1,200}$")
 #: request ids the runtimes use for their own input-log records; clients may not take them
 RESERVED_ID_PREFIX = "__charon"
 _STREAM_POLL_S = 0.01  # how often a waiting stream reader looks for a new atom
+#: seconds a 503 (starting, recovering, failed to take a request) asks the client to wait before retrying
+RETRY_AFTER_S = 2
 _json_enc = msgspec.json.Encoder()
 _json_dec = msgspec.json.Decoder()
 _mp_enc = msgspec.msgpack.Encoder()
@@ -514,6 +519,17 @@ class _Gateway:
         self._openapi: bytes | None = None
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
         self.stream_waiters = 0  # long polls and server-sent-event connections open now
+        # a runtime started in the background (see create_app's ``background_start``): until it is up,
+        # /health answers 503 starting and state reads a 503 with Retry-After; invokes go to the input log
+        self.starting = False
+        self.start_error: str | None = None
+
+    def check_ready(self) -> None:
+        """503 (with Retry-After) while the runtime is starting in the background or failed to start."""
+        if self.start_error is not None:
+            raise _HTTPError("Unavailable", f"the runtime failed to start: {self.start_error}")
+        if self.starting:
+            raise _HTTPError("Unavailable", "the runtime is starting; retry shortly")
 
     # ---- helpers
 
@@ -761,6 +777,8 @@ class _Gateway:
         req = self.validate(operator, key, function, args)
         rid = given or uuid.uuid4().hex
         req = Request(rid, req.operator, req.key, req.function, req.args)
+        if self.start_error is not None:  # nothing would ever run it (while starting, the log takes it)
+            self.check_ready()
         if given is not None:
             self.conflict(req)
             await self.check_log(req)
@@ -789,6 +807,8 @@ class _Gateway:
         rid = given or uuid.uuid4().hex
         _, function, args = batch_request(calls)
         req = Request(rid, BATCH_OPERATOR, rid, function, serde.encode(args))
+        if self.start_error is not None:  # as for invoke: nothing would ever run it
+            self.check_ready()
         if given is not None:
             self.conflict(req)
             await self.check_log(req)
@@ -845,6 +865,7 @@ class _Gateway:
             check_key(key)
         except InvalidKey as exc:
             raise _HTTPError("InvalidKey", str(exc)) from None
+        self.check_ready()
         value = await self.off_loop(self.runtime.read_state, operator, key)
         return self.respond(request, 200, {"operator": operator, "key": key, "value": value})
 
@@ -930,7 +951,11 @@ class _Gateway:
         """200 while the runtime serves; 503 with its state (status, epoch, last error...) otherwise."""
         probe = getattr(self.runtime, "health", None)
         doc: dict[str, Any] = {"status": "ok", "ok": True}
-        if probe is not None:
+        if self.start_error is not None:
+            doc = {"status": "failed", "ok": False, "last_error": self.start_error}
+        elif self.starting:
+            doc = {"status": "starting", "ok": False}
+        elif probe is not None:
             doc = await self.off_loop(probe)
         doc["inflight"] = len(self.inflight)
         return self.respond(request, 200 if doc.get("ok", True) else 503, doc)
@@ -948,11 +973,14 @@ def _guard(
         try:
             return await fn(request)
         except EngineUnavailable as exc:  # the runtime cannot serve (recovering, failed): retry later
-            return gw.respond(request, 503, {"error": {"type": "Unavailable", "message": str(exc)}})
+            return gw.respond(request, 503, {"error": {"type": "Unavailable", "message": str(exc)}},
+                              {"Retry-After": str(RETRY_AFTER_S)})
         except _HTTPError as exc:
             headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
             if exc.status in (408, 413):
                 headers = {"Connection": "close"}
+            if exc.status == 503:
+                headers = {"Retry-After": str(RETRY_AFTER_S)}
             return gw.respond(
                 request, exc.status, {"error": {"type": exc.error_type, "message": exc.message}}, headers
             )
@@ -1006,6 +1034,8 @@ def create_app(
     manage_runtime: bool = False,
     recent_replies: int | None = None,
     config: GatewayConfig | None = None,
+    background_start: bool = False,
+    on_start_failure: Callable[[str], None] | None = None,
 ) -> Any:
     """Build the gateway's ASGI app over ``runtime``.
 
@@ -1014,6 +1044,11 @@ def create_app(
     :meth:`GatewayConfig.from_env`); ``max_body``, ``wait_timeout`` and ``recent_replies`` override it.
     ``manage_runtime``: start and stop the runtime with the app's lifespan (the runtime then lives on the
     server's event loop, which is what the in-process runtime needs).
+    ``background_start``: a blocking ``start`` (the Spark runtime's, ~20 s) runs in a thread while the port
+    is already open: until it returns, ``/health`` answers 503 ``{"status": "starting"}``, state reads 503
+    with ``Retry-After``, and invokes are accepted into the runtime's durable input log (they run once the
+    engine is up; a synchronous call answers 202 with its status URL after ``wait_timeout``). A failed start
+    turns ``/health`` to ``{"status": "failed"}`` and calls ``on_start_failure`` with the reason.
     """
     cfg = dataclasses.replace(config) if config is not None else GatewayConfig.from_env()
     for name, value in (("max_body", max_body), ("wait_timeout", wait_timeout), ("recent_replies", recent_replies)):
@@ -1021,17 +1056,35 @@ def create_app(
             setattr(cfg, name, value)
     gw = _Gateway(runtime, token, cfg)
 
+    async def start_in_background() -> None:
+        try:
+            await asyncio.to_thread(runtime.start)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - reported in /health and to the server
+            gw.start_error = f"{type(exc).__name__}: {exc}"
+            if on_start_failure is not None:
+                on_start_failure(gw.start_error)
+        finally:
+            gw.starting = False
+
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        starter: asyncio.Task[None] | None = None
         if manage_runtime:
-            await _call_lifecycle(runtime.start)  # type: ignore[attr-defined]
+            start = runtime.start  # type: ignore[attr-defined]
+            if background_start and not inspect.iscoroutinefunction(start):
+                gw.starting = True
+                starter = asyncio.ensure_future(start_in_background())
+            else:
+                await _call_lifecycle(start)
         try:
             yield
         finally:
+            if starter is not None and not starter.done():
+                await asyncio.wait({starter})  # a half-started runtime is stopped once its start returns
             pending = list(gw.inflight.values())
             if pending:
                 await asyncio.wait(pending, timeout=5.0)
-            if manage_runtime:
+            if manage_runtime and gw.start_error is None:
                 await _call_lifecycle(runtime.stop)  # type: ignore[attr-defined]
             gw._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -1143,14 +1196,32 @@ def serve(
 ) -> None:
     """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it.
 
-    Settings come from ``config`` (default :meth:`GatewayConfig.from_env`); ``max_body`` and
+    The port opens at once: a blocking runtime start (Spark's) runs in the background (see
+    :func:`create_app`'s ``background_start``). If it fails, the server stops and :class:`RuntimeStartError`
+    is raised. Settings come from ``config`` (default :meth:`GatewayConfig.from_env`); ``max_body`` and
     ``recent_replies`` override it when given.
     """
+    failed: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def start_failed(reason: str) -> None:
+        failed.append(reason)
+        if server is not None:
+            server.should_exit = True
+
     app = create_app(
-        runtime, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config
+        runtime, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
+        background_start=True, on_start_failure=start_failed,
     )
+    server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
-        uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level)).run()
+        server.run()
+    if failed:
+        raise RuntimeStartError(failed[0])
+
+
+class RuntimeStartError(RuntimeError):
+    """The runtime that :func:`serve` started in the background failed to start."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
