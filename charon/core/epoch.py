@@ -25,6 +25,7 @@ history; ``EpochResult.order`` is the epoch's TIDs sorted by position.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from fractions import Fraction
 from typing import Protocol
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, RoundOutput, too_many_invocations
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import partition_of
@@ -66,6 +68,8 @@ class EpochResult:
     slow: list[int] = field(default_factory=list)  # committed or aborted by the locked fallback
     deferred: list[int] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+    time: float = 0.0  # the epoch's deterministic time (Sequencer.advance)
+    timers: list[_timers.Timer] = field(default_factory=list)  # fired at the epoch's start, in TID order
 
 
 def position(tid: int, last_tid: int, fallback: bool) -> int:
@@ -78,7 +82,7 @@ def position(tid: int, last_tid: int, fallback: bool) -> int:
 
 
 class _Track:
-    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations")
+    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "timers", "next_due")
 
     def __init__(self) -> None:
         self.done: dict[int, bytes] = {}
@@ -87,6 +91,8 @@ class _Track:
         self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: set[int] = set()
         self.invocations: dict[int, int] = {}  # summed over partitions and rounds
+        self.timers: list[bytes] = []
+        self.next_due = math.inf
 
     def complete(self, tid: int) -> bool:
         return tid in self.done and self.shares.get(tid) == _ONE
@@ -159,6 +165,9 @@ class EpochCoordinator:
         self.max_rounds = 2 * max_invocations + 2
         self.on_replies = on_replies
         self.deferred: list[tuple[int, Request]] = []
+        # the earliest due timer after the last epoch (-inf: unknown, e.g. after a restart; inf: none)
+        self.next_due = -math.inf
+        self.timer_limit = _timers.MAX_TIMERS_PER_EPOCH  # timers one partition fires per epoch (at most)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _round(self, control: Control, msgs: list, track: _Track, stats: dict) -> list:
@@ -197,6 +206,10 @@ class EpochCoordinator:
                 d[e] = wrote or d.get(e, False)
             track.invalid.update(o.invalid)
             nxt.extend(o.messages)
+            if o.timers:
+                track.timers.extend(o.timers)
+            if o.next_due is not None and o.next_due < track.next_due:
+                track.next_due = o.next_due
             for k, v in o.stats.items():
                 stats[k] = stats.get(k, 0) + v
         return nxt
@@ -206,16 +219,28 @@ class EpochCoordinator:
             self.on_replies(replies)
 
     # -- one epoch --------------------------------------------------------------------------------
-    def run_epoch(self, epoch: int, requests: list[tuple[int, Request]]) -> EpochResult:
-        """Run one epoch of ``requests`` given as (input-log partition, request) in log order."""
+    def run_epoch(self, epoch: int, requests: list[tuple[int, Request]], now: float | None = None) -> EpochResult:
+        """Run one epoch of ``requests`` given as (input-log partition, request) in log order.
+
+        ``now``: the time the runtime logged for this epoch (None: the previous epoch's); the timers due by
+        then fire first, as their own transactions (:mod:`charon.core.timers`)."""
         t_start = time.perf_counter()
         stats: dict[str, float] = {}
         txns: dict[int, Request] = dict(self.deferred)
         self.deferred = []
+        t_epoch = self.sequencer.advance(now)
+        fired: list[_timers.Timer] = []
+        if self.next_due <= t_epoch:  # a collect round: the due timers leave the state before the epoch
+            ct = _Track()
+            self._round(Control(epoch, Control.DRY, timers=(t_epoch, self.timer_limit)), [], ct, stats)
+            fired = sorted((_timers.decode(b) for b in ct.timers), key=lambda t: (t.due, t.id))
+            for t in fired:
+                txns[self.sequencer.assign(0)] = t.request(t_epoch)
+            stats["timers"] = len(fired)
         for sid, req in requests:
             txns[self.sequencer.assign(sid)] = req
         self.sequencer.end_epoch()
-        result = EpochResult(epoch, {}, txns, [])
+        result = EpochResult(epoch, {}, txns, [], time=t_epoch, timers=fired)
         replies = result.replies
         last_tid = max(txns, default=0)
         in_fallback: set[int] = set()  # filled once the lock-free decision is made
@@ -291,8 +316,10 @@ class EpochCoordinator:
         result.order = sorted(replies, key=lambda t: replies[t].position)
 
         # Finalize: apply what is left and write each partition's delta.
+        ft = _Track()
         self._round(Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, finalize=True), [],
-                    _Track(), stats)
+                    ft, stats)
+        self.next_due = ft.next_due
         stats["duration_ms"] = (time.perf_counter() - t_start) * 1000.0
         stats["size"] = len(txns)
         stats["committed"] = len(lockfree) + len(result.fast) + sum(1 for t in result.slow if replies[t].ok)

@@ -14,7 +14,9 @@ recovers by replaying the log; a request id runs once across restarts and a retr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -22,10 +24,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult
 from charon.core.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUnit, RoundOutput
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import entity_prefix, partition_of, store_key
+from charon.core.timers import MAX_TIMERS_PER_EPOCH, Timer
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator
 from charon.state.store import MemoryStore
@@ -62,11 +66,13 @@ class InProcessRuntime:
         checkpoint_s: float = 0.5,
         compact_every: int = 20,
         stats_kept: int = 1000,
+        max_timers_per_epoch: int = MAX_TIMERS_PER_EPOCH,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps every reply). ``data_dir``: durable mode (see
         :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``). ``stats_kept``: how many
-        recent epochs ``epoch_stats`` keeps."""
+        recent epochs ``epoch_stats`` keeps. ``max_timers_per_epoch``: timers one partition fires per epoch (the
+        rest fire in the following epochs; a durable directory must keep the same value for exact replay)."""
         self.app = app
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
@@ -85,6 +91,10 @@ class InProcessRuntime:
             app, LocalExchange(self.units), sequencers=1, max_invocations=max_invocations,
             on_replies=self._deliver
         )
+        self.coordinator.next_due = math.inf  # a fresh state has no timers (a recovered one: its record's)
+        if max_timers_per_epoch < 1:
+            raise ValueError("max_timers_per_epoch must be at least 1")
+        self.coordinator.timer_limit = max_timers_per_epoch
         self.epoch = 0
         self.epoch_stats: list[dict[str, float]] = []
         self._stats_kept = stats_kept
@@ -128,11 +138,13 @@ class InProcessRuntime:
             self._log_end = rec.log_end
             self.coordinator.sequencer.counters = list(rec.counters)
             self.coordinator.deferred = [(tid, serde.decode_request(b)) for tid, b in rec.deferred]
-        for epoch, requests in epochs:
+            self.coordinator.sequencer.time = rec.time
+            self.coordinator.next_due = rec.next_due
+        for epoch, requests, now in epochs:
             if epoch != self.epoch:
                 raise RuntimeError(f"replay: epoch {epoch} logged where {self.epoch} was expected")
             self._log_end += len(requests) + 1
-            self._run_logged(requests)
+            self._run_logged(requests, now)
         self.replayed_epochs = len(epochs)
 
     def close(self) -> None:
@@ -184,6 +196,16 @@ class InProcessRuntime:
         prefix = entity_prefix(op, key) + b"\x01"
         return {k[len(prefix):].decode(): serde.decode(v) for k, v in self._store_of(op, key).scan(prefix)}
 
+    def timers(self, operator: str | Operator, key: str) -> list[Timer]:
+        """The committed pending timers an entity registered (by id)."""
+        op = operator.name if isinstance(operator, Operator) else operator
+        return [_timers.decode(v) for _, v in self._store_of(op, key).scan(_timers.owner_prefix(op, key))]
+
+    def pending_timers(self) -> list[Timer]:
+        """Every committed pending timer, by due time (then id)."""
+        out = [_timers.decode(v) for s in self.stores for _, v in s.scan(_timers.INDEX_PREFIX)]
+        return sorted(out, key=lambda t: (t.due, t.id))
+
     def entities(self, operator: str | Operator) -> dict[str, Any]:
         """All committed main values of one operator (for checks in tests and benchmarks)."""
         op = operator.name if isinstance(operator, Operator) else operator
@@ -210,20 +232,21 @@ class InProcessRuntime:
         return h.hexdigest()
 
     # -- synchronous batch mode (deterministic epoch boundaries) -----------------------------------
-    def run_epoch(self, requests: list[Request]) -> EpochResult:
-        """Run the given requests as exactly one epoch (plus transactions deferred into it)."""
+    def run_epoch(self, requests: list[Request], now: float | None = None) -> EpochResult:
+        """Run the given requests as exactly one epoch (plus transactions deferred into it, and the timers
+        due at the epoch's time ``now``, default the clock; durable mode logs it with the batch)."""
         if self.node is not None:
             self._write_base()
-            requests, self._log_end = self.node.log_epoch(self.epoch, requests)
-        return self._run_logged(requests)
+            requests, self._log_end, now = self.node.log_epoch(self.epoch, requests, now)
+        return self._run_logged(requests, time.time() if now is None else now)
 
-    def _run_logged(self, requests: list[Request]) -> EpochResult:
-        """Run one epoch whose batch is logged (durable mode) or needs no log (volatile)."""
-        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests])
+    def _run_logged(self, requests: list[Request], now: float) -> EpochResult:
+        """Run one epoch whose batch (and time) is logged (durable mode) or needs no log (volatile)."""
+        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now)
         if self.node is not None:
             c = self.coordinator
             self.node.epoch_done(self.epoch, c.sequencer.counters, c.deferred, self._log_end,
-                                 self.stores)  # type: ignore[arg-type]
+                                 self.stores, c.sequencer.time, c.next_due)  # type: ignore[arg-type]
         self.epoch += 1
         stats = self.epoch_stats
         stats.append({"epoch": result.epoch, **result.stats})
@@ -373,9 +396,15 @@ class InProcessRuntime:
             if not self._queue and not self.coordinator.deferred:
                 if self._stopping:
                     return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
+                wait = self.coordinator.next_due - time.time()  # an empty epoch fires a due timer
+                if wait > 0:
+                    self._wake.clear()
+                    if wait == math.inf:
+                        await self._wake.wait()
+                    else:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), wait + 0.001)
+                    continue
             # durable mode: the previous batch's log commit is the batching window; no extra wait
             if self.node is None and len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
                 await asyncio.sleep(self.epoch_max_ms / 1000.0)
@@ -385,8 +414,8 @@ class InProcessRuntime:
                 if self.node is None:
                     self.run_epoch(batch)
                 else:  # the batch is committed to the input log off the loop, then the epoch runs
-                    batch, self._log_end = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
-                    self._run_logged(batch)
+                    batch, self._log_end, now = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
+                    self._run_logged(batch, now)
             except Exception as exc:  # noqa: BLE001 - the runtime stops loudly instead of hanging its clients
                 self._halt(exc)
                 return

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import signal
 import threading
@@ -63,6 +64,8 @@ class NodeRecord(msgspec.Struct):
     counters: list[int]
     deferred: list[tuple[int, bytes]]  # (tid, encoded request)
     log_end: int  # input-log offset after this epoch's marker: replay starts here
+    time: float = 0.0  # the epoch's deterministic time (the sequencer's, see charon.core.timers)
+    next_due: float = -math.inf  # the earliest pending timer after this epoch (-inf: unknown)
 
 
 class RecordingStore(MemoryStore):
@@ -94,6 +97,8 @@ class _Finished:
     log_end: int
     deltas: list[list[dict[bytes, bytes | None]]]
     replies: list[Reply] = field(default_factory=list)
+    time: float = 0.0
+    next_due: float = -math.inf
 
 
 class NodeStorage:
@@ -195,8 +200,11 @@ class NodeStorage:
         for pid, s in enumerate(stores):
             self.durable.write_base(pid, -1, list(s.items()))
 
-    def recover(self) -> tuple[list[dict[bytes, bytes]], NodeRecord | None, list[tuple[int, list[Request]]]]:
-        """State per partition as of the newest record, that record, and the logged epochs after it."""
+    def recover(
+        self,
+    ) -> tuple[list[dict[bytes, bytes]], NodeRecord | None, list[tuple[int, list[Request], float]]]:
+        """State per partition as of the newest record, that record, and the logged epochs after it (each with
+        the time logged in its marker)."""
         rec = self.read_record(self.checkpointed_epoch) if self.checkpointed_epoch >= 0 else None
         if self.checkpointed_epoch >= 0 and rec is None:
             raise NodeError(f"epoch record {self.checkpointed_epoch} is unreadable under {self.data_dir}")
@@ -208,7 +216,7 @@ class NodeStorage:
             states.append(state)
         start = rec.log_end if rec is not None else self.input_log.start_offsets()[0]
         end = self.input_log.end_offsets()[0]
-        epochs: list[tuple[int, list[Request]]] = []
+        epochs: list[tuple[int, list[Request], float]] = []
         batch: list[Request] = []
         expect = upto + 1
         for _, data in self.input_log.read_raw(0, start, end):
@@ -216,7 +224,7 @@ class NodeStorage:
             if req.operator == EPOCH_MARK:
                 if int(req.key) != expect:
                     raise NodeError(f"input log: epoch {req.key} follows epoch {expect - 1}")
-                epochs.append((expect, batch))
+                epochs.append((expect, batch, req.ts))
                 batch, expect = [], expect + 1
             else:
                 batch.append(req)
@@ -234,18 +242,22 @@ class NodeStorage:
             return rep
         return self.input_log.contains(request_id)
 
-    def log_epoch(self, epoch: int, requests: list[Request]) -> tuple[list[Request], int]:
-        """Append an epoch's batch and its marker in one commit; returns the new requests and the log end."""
+    def log_epoch(
+        self, epoch: int, requests: list[Request], now: float | None = None,
+    ) -> tuple[list[Request], int, float]:
+        """Append an epoch's batch and its marker in one commit; returns the new requests, the log end and
+        the epoch's logged time (``now``, default the clock: the marker's timestamp, which timers fire by)."""
         self.raise_if_failed()
         start = self.input_log.end_offsets()[0]
-        mark = Request(f"{EPOCH_MARK}:{epoch}", EPOCH_MARK, str(epoch), "", serde.encode([]), time.time())
+        now = time.time() if now is None else now
+        mark = Request(f"{EPOCH_MARK}:{epoch}", EPOCH_MARK, str(epoch), "", serde.encode([]), now)
         pos = self.input_log.append_many([(r, 0) for r in requests] + [(mark, 0)])
         if pos[-1][1] < start:
             raise NodeError(f"input log already holds epoch {epoch}")
         # a request id the log already had is not run again (it is answered by its first execution)
         fresh = [r for r, (_, off) in zip(requests, pos, strict=False) if off >= start]
         crash_point("logged", epoch)
-        return fresh, pos[-1][1] + 1
+        return fresh, pos[-1][1] + 1, now
 
     def add_replies(self, replies: list[Reply]) -> None:
         for r in replies:
@@ -254,11 +266,11 @@ class NodeStorage:
 
     def epoch_done(
         self, epoch: int, counters: list[int], deferred: list[tuple[int, Request]], log_end: int,
-        stores: list[RecordingStore],
+        stores: list[RecordingStore], time: float = 0.0, next_due: float = -math.inf,
     ) -> None:
-        """Hand a finished epoch (its deltas and replies) to the writer."""
+        """Hand a finished epoch (its deltas and replies, its time and next due timer) to the writer."""
         item = _Finished(epoch, list(counters), list(deferred), log_end, [s.take() for s in stores],
-                         self._epoch_replies)
+                         self._epoch_replies, time, next_due)
         self._epoch_replies = []
         with self._cv:
             self._finished.append(item)
@@ -312,7 +324,7 @@ class NodeStorage:
                 crash_point("delta0", last.epoch)  # one partition's delta written, the others not
         crash_point("deltas", last.epoch)
         rec = NodeRecord(last.epoch, last.counters, [(t, serde.encode_request(r)) for t, r in last.deferred],
-                         last.log_end)
+                         last.log_end, last.time, last.next_due)
         self._write_record(rec)  # the commit point of this checkpoint
         self.checkpointed_epoch = last.epoch
         for r in replies:
