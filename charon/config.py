@@ -30,6 +30,8 @@ class SparkConfig:
     epoch_max_failures: int = 3  # query restarts on the same epoch before the runtime gives up (deterministic)
     restart_backoff_s: float = 1.0  # first delay before restarting a failed query; doubles, at most 30 s
     keep_epoch_stats: int = 1000  # per-epoch statistics kept in memory (the newest N)
+    max_timers_per_epoch: int = 10_000  # timers one partition fires per epoch (keep it fixed for a checkpoint)
+    timer_poll_ms: int = 50  # an idle driver checks this often whether a timer is due (then appends a tick)
     driver_memory: str = "1g"  # the driver JVM's heap (in local mode also the executors'): bounds its RSS
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
