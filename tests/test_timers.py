@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -325,3 +326,33 @@ def test_timer_records_are_typed() -> None:
     assert timers.index_key(t) < timers.index_key(Timer("t0", T0 + 0.000001, "a", "b", "a", "b", "f", b""))
     with pytest.raises(ValueError):
         timers.check_due("soon")
+
+
+def test_http_admin_lists_timers_with_the_token() -> None:
+    """``GET /timers/{operator}/{key}`` (and ``Client.timers``): the entity's pending timers; 401 without the
+    token, 400 for a bad key, 404 for an unknown operator; a timer that fired is no longer listed."""
+    import httpx
+
+    from charon.client import Client, Unauthorized
+    from charon.server.gateway import BackgroundServer
+
+    rt = InProcessRuntime(app, partitions=2, epoch_max_ms=1.0)
+    rt.load("acct", {"a": 50})
+    with BackgroundServer(rt, token="tok") as srv, Client(srv.url, token="tok") as c:
+        near = c.invoke("acct", "a", "hold", "x", 10, 0.2)
+        far = c.invoke("acct", "a", "remind", "b/c", "hello", 4e9)
+        listed = c.timers("acct", "a")
+        assert sorted(t["id"] for t in listed) == sorted([near, far])
+        assert {t["id"]: (t["function"], t["key"], t["args"]) for t in listed}[far] == ("noted", "b/c", ["hello"])
+        assert c.timers("acct", "b/c") == []
+        with Client(srv.url, token=None) as anon, pytest.raises(Unauthorized):
+            anon.timers("acct", "a")
+        assert httpx.get(f"{srv.url}/timers/nope/a", headers={"Authorization": "Bearer tok"}).status_code == 404
+        bad = httpx.get(f"{srv.url}/timers/acct/%00", headers={"Authorization": "Bearer tok"})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "InvalidKey"
+        for _ in range(300):
+            if [t["id"] for t in c.timers("acct", "a")] == [far]:
+                break
+            time.sleep(0.01)
+        assert [t["id"] for t in c.timers("acct", "a")] == [far], "the near timer fired"
+        assert c.state("acct", "a") == 50

@@ -17,6 +17,8 @@ empty body without a type means no arguments; every response is JSON unless the 
   e.g. after a restart), or 404 when nobody knows the id. ``wait`` long-polls up to that many seconds (at
   most 30) while the request is in flight here.
 - ``GET /state/{operator}/{key}`` returns ``{"operator", "key", "value"}`` (an admin read).
+- ``GET /timers/{operator}/{key}`` returns ``{"operator", "key", "timers": [{"id", "due", "operator", "key",
+  "function", "args"}, ...]}``: the entity's pending timers (an admin read, see :mod:`charon.core.timers`).
 - ``GET /health`` (open) and ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
   including one ``/invoke`` path per function of the application with its parameter names and types.
 
@@ -394,6 +396,19 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
             },
         }
     }
+    paths["/timers/{operator}/{key}"] = {
+        "get": {
+            "summary": "List the pending timers an entity registered (admin)",
+            "security": security,
+            "parameters": [path_param("operator", "operator name"), path_param("key", "entity key")],
+            "responses": {
+                "200": {"description": "the entity's pending timers"},
+                "400": err("invalid key"),
+                "401": err("missing or wrong bearer token"),
+                "404": err("unknown operator"),
+            },
+        }
+    }
     paths["/health"] = {"get": {"summary": "Liveness", "responses": {
         "200": {"description": "the runtime serves"},
         "503": {"description": "the runtime does not serve (starting, recovering, failed, stopped)"},
@@ -764,6 +779,25 @@ class _Gateway:
         value = await self.off_loop(self.runtime.read_state, operator, key)
         return self.respond(request, 200, {"operator": operator, "key": key, "value": value})
 
+    async def timers(self, request: HTTPRequest) -> Response:
+        """The pending timers an entity registered (an admin read)."""
+        self.check_auth(request)
+        operator = request.path_params["operator"]
+        key = request.path_params["key"]
+        if self.known_ops and operator not in self.known_ops:
+            raise _HTTPError("UnknownOperator", f"unknown operator {operator!r}")
+        try:
+            check_key(key)
+        except InvalidKey as exc:
+            raise _HTTPError("InvalidKey", str(exc)) from None
+        lister = getattr(self.runtime, "timers", None)
+        if lister is None:
+            raise _HTTPError("NotFound", "this runtime does not list timers")
+        found = await self.off_loop(lister, operator, key)
+        doc = [{"id": t.id, "due": t.due, "operator": t.operator, "key": t.key, "function": t.function,
+                "args": serde.decode(t.args)} for t in found]
+        return self.respond(request, 200, {"operator": operator, "key": key, "timers": doc})
+
     async def health(self, request: HTTPRequest) -> Response:
         """200 while the runtime serves; 503 with its state (status, epoch, last error...) otherwise."""
         probe = getattr(self.runtime, "health", None)
@@ -881,6 +915,7 @@ def create_app(
             "/requests/{request_id}", _guard(gw, gw.request_status), methods=["GET"], name="request_status"
         ),
         Route("/state/{operator}/{key:path}", _guard(gw, gw.state), methods=["GET"], name="state"),
+        Route("/timers/{operator}/{key:path}", _guard(gw, gw.timers), methods=["GET"], name="timers"),
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
