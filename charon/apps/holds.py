@@ -22,6 +22,17 @@ async def deposit(ctx: Context, amount: int) -> int:
 
 
 @acct.function
+async def transfer(ctx: Context, to: str, amount: int) -> int:
+    """Move ``amount`` to ``to`` (aborts if the balance is short); returns the new balance."""
+    b = ctx.get(default=0)
+    if amount <= 0 or b < amount or to == ctx.key:
+        raise ValueError(f"cannot transfer {amount} of {b}")
+    ctx.put(b - amount)
+    await ctx.call(acct, to, deposit, amount)
+    return b - amount
+
+
+@acct.function
 async def hold(ctx: Context, tag: str, amount: int, seconds: float) -> str:
     """Hold ``amount`` for ``seconds``, then release it (unless captured); returns the timer id."""
     b = ctx.get(default=0)

@@ -120,6 +120,15 @@ def is_item_key(k: bytes) -> bool:
     return j > 0 and k[j + 1:j + 2] == b"\x02"
 
 
+def placed_by(k: bytes, v: bytes) -> tuple[str, str]:
+    """The entity whose partition holds store key ``k`` (an index entry lives with its timer's owner)."""
+    if k.startswith(INDEX_PREFIX):
+        t = decode(v)
+        return t.owner_operator, t.owner_key
+    op, key, _ = k.decode().split("\0", 2)
+    return op, key
+
+
 def index_delta(get: Any, delta: dict[bytes, bytes | None]) -> dict[bytes, bytes | None]:
     """Index changes implied by an epoch's ``delta`` (``get`` reads the state before it)."""
     out: dict[bytes, bytes | None] = {}

@@ -83,10 +83,13 @@ class InProcessRuntime:
 
             self.node = NodeStorage(data_dir, partitions, fsync=fsync, checkpoint_s=checkpoint_s,
                                     compact_every=compact_every)
-            self.stores: list[MemoryStore] = [RecordingStore() for _ in range(partitions)]
+            self.partitions = self.node.partitions  # the directory's layout; rescaled after recovery
+            self.stores: list[MemoryStore] = [RecordingStore() for _ in range(self.partitions)]
         else:
+            if partitions < 1:
+                raise ValueError("partitions must be at least 1")
             self.stores = [MemoryStore() for _ in range(partitions)]
-        self.units = [PartitionUnit(p, partitions, app, s) for p, s in enumerate(self.stores)]
+        self.units = [PartitionUnit(p, self.partitions, app, s) for p, s in enumerate(self.stores)]
         self.coordinator = EpochCoordinator(
             app, LocalExchange(self.units), sequencers=1, max_invocations=max_invocations,
             on_replies=self._deliver
@@ -109,9 +112,13 @@ class InProcessRuntime:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
+        self._rescales: list[tuple[int, asyncio.Future[float]]] = []
+        self.rescale_pauses: list[dict[str, float]] = []  # one per rescale: from, to, epoch, pause_s, keys
         if self.node is not None:
             try:
                 self._recover()
+                if partitions != self.partitions:
+                    self._rescale_now(partitions)
             except BaseException:
                 self.node.close()
                 raise
@@ -157,6 +164,59 @@ class InProcessRuntime:
         if self._base_dirty and self.node is not None:
             self.node.write_bases(self.stores)
             self._base_dirty = False
+
+    # -- rescaling ----------------------------------------------------------------------------------
+    def _rescale_now(self, partitions: int) -> float:
+        """Move every key group to its partition under ``partitions`` (between epochs); returns the pause.
+
+        Entities map to a fixed set of key groups (:data:`charon.core.routing.KEY_GROUPS`), groups to
+        partitions (``group % partitions``); rescaling re-places the groups' items, timers with their owner.
+        Results never depend on placement, so epochs before and after are unaffected. Durable mode: the new
+        layout is committed as new bases at the last epoch (:meth:`NodeStorage.relayout`) before it is used.
+        """
+        if partitions < 1:
+            raise ValueError("partitions must be at least 1")
+        t0 = time.perf_counter()
+        old = self.partitions
+        parts: list[list[tuple[bytes, bytes]]] = [[] for _ in range(partitions)]
+        n = 0
+        for s in self.stores:
+            for k, v in s.items():
+                op, key = _timers.placed_by(k, v)
+                parts[partition_of(op, key, partitions)].append((k, v))
+                n += 1
+        for p in parts:
+            p.sort()
+        if self.node is not None:
+            from charon.runtime.node import RecordingStore
+
+            self.node.relayout(partitions, parts, self.epoch - 1)
+            self._base_dirty = False
+            stores: list[MemoryStore] = [RecordingStore() for _ in range(partitions)]
+        else:
+            stores = [MemoryStore() for _ in range(partitions)]
+        for s, items in zip(stores, parts, strict=True):
+            s.data.update(items)
+            s.epoch = self.epoch - 1
+        self.stores = stores
+        self.partitions = partitions
+        self.units = [PartitionUnit(p, partitions, self.app, s) for p, s in enumerate(stores)]
+        self.coordinator.exchange = LocalExchange(self.units)
+        pause = time.perf_counter() - t0
+        self.rescale_pauses.append({"from": old, "to": partitions, "epoch": self.epoch, "pause_s": pause, "keys": n})
+        return pause
+
+    async def rescale(self, partitions: int) -> float:
+        """Change the number of partitions at the next epoch boundary (serving or not); returns the pause in
+        seconds (requests keep queueing meanwhile and run in the next epoch). A durable directory keeps the
+        new count (reopening it with another ``partitions`` rescales it again)."""
+        if self._task is None or self._task.done():
+            return self._rescale_now(partitions)
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._rescales.append((partitions, fut))
+        assert self._wake is not None
+        self._wake.set()
+        return await fut
 
     # -- state --------------------------------------------------------------------------------------
     def _store_of(self, operator: str, key: str) -> MemoryStore:
@@ -393,6 +453,16 @@ class InProcessRuntime:
     async def _loop(self) -> None:
         assert self._wake is not None
         while True:
+            while self._rescales:  # at an epoch boundary: nothing is running
+                n, fut = self._rescales.pop(0)
+                try:
+                    pause = self._rescale_now(n)
+                except Exception as exc:  # noqa: BLE001 - the caller gets it; epochs go on in the old layout
+                    if not fut.done():
+                        fut.set_exception(exc)
+                else:
+                    if not fut.done():
+                        fut.set_result(pause)
             if not self._queue and not self.coordinator.deferred:
                 if self._stopping:
                     return

@@ -29,9 +29,11 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgspec
@@ -123,10 +125,10 @@ class NodeStorage:
             os.close(self._lock_fd)
             raise NodeError(f"{self.data_dir} is in use by another process") from None
         try:
-            self._check_layout()
+            state_dir = self._check_layout()
             self.input_log = InputLog(os.path.join(self.data_dir, "input.sqlite"), 1, durable=fsync)
             self.output_log = OutputLog(os.path.join(self.data_dir, "output.sqlite"), durable=fsync)
-            self.durable = DurableState(os.path.join(self.data_dir, "state"), fsync=fsync)
+            self.durable = DurableState(os.path.join(self.data_dir, state_dir), fsync=fsync)
             os.makedirs(self._records_dir, exist_ok=True)
         except BaseException:
             os.close(self._lock_fd)
@@ -145,24 +147,53 @@ class NodeStorage:
         self.checkpointed_epoch = self._newest_record_epoch()
 
     # -- layout, lock, records -----------------------------------------------------------------------
-    def _check_layout(self) -> None:
+    def _check_layout(self) -> str:
+        """The layout (``node.json``): partition count and state directory. A directory created with another
+        partition count opens with its own (``self.partitions``); the runtime then rescales it. Returns the
+        state directory's name; state directories of an interrupted rescale are removed."""
         path = os.path.join(self.data_dir, "node.json")
-        want = {"engine": "inprocess", "partitions": self.partitions, "version": 1}
         try:
             with open(path) as f:
                 have = json.load(f)
         except FileNotFoundError:
-            with open(path + ".tmp", "w") as f:
-                json.dump(want, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(path + ".tmp", path)
-            return
-        if have.get("partitions") != self.partitions:
-            raise NodeError(
-                f"{self.data_dir} was created with {have.get('partitions')} partitions, not {self.partitions}: "
-                "rescaling is not supported; use --partitions " + str(have.get("partitions"))
-            )
+            have = {"engine": "inprocess", "partitions": self.partitions, "version": 1}
+            self._write_layout(have)
+        self.partitions = int(have["partitions"])
+        state = have.get("state", "state")
+        for name in os.listdir(self.data_dir):  # leftovers of a rescale that did not reach its commit point
+            if name.startswith("state") and name != state and os.path.isdir(os.path.join(self.data_dir, name)):
+                shutil.rmtree(os.path.join(self.data_dir, name), ignore_errors=True)
+        return state
+
+    def _write_layout(self, layout: dict) -> None:
+        path = os.path.join(self.data_dir, "node.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(layout, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        fd = os.open(self.data_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def relayout(self, partitions: int, parts: list[list[tuple[bytes, bytes]]], epoch: int) -> None:
+        """Rescale: install ``parts`` (each new partition's sorted items, the state as of ``epoch``, which the
+        newest record must be) as the bases of a new state directory, then switch ``node.json`` to it (the
+        commit point: a crash before it leaves the old layout, whose leftovers the next open removes)."""
+        self.flush()
+        if epoch != self.checkpointed_epoch:
+            raise NodeError(f"rescale at epoch {epoch}, but the last checkpoint is epoch {self.checkpointed_epoch}")
+        old_root = self.durable.root
+        name = f"state-{uuid.uuid4().hex[:12]}"
+        new = DurableState(os.path.join(self.data_dir, name), fsync=self.fsync)
+        for pid, items in enumerate(parts):
+            new.write_base(pid, epoch, items)
+        crash_point("relayout", epoch)  # the new state is written, the layout not switched
+        self._write_layout({"engine": "inprocess", "partitions": partitions, "version": 1, "state": name})
+        self.durable, self.partitions = new, partitions
+        shutil.rmtree(old_root, ignore_errors=True)
 
     @property
     def _records_dir(self) -> str:
