@@ -36,8 +36,9 @@ def value(result, rid: str):
 
 def epoch(rt: InProcessRuntime, reqs: list[Request], now: float, partitions: int, limit: int = 10_000):
     """One checked epoch: the engine against the serial oracle, which also decides which timers are due."""
-    before = rt.snapshot()
+    before, last = rt.snapshot(), rt.coordinator.sequencer.time
     result = rt.run_epoch(reqs, now=now)
+    assert result.time == max(now, last), "the epoch's time is the logged one (never going back)"
     check_epoch(app, before, rt.snapshot(), result, partitions=partitions, timer_limit=limit)
     return result
 
