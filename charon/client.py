@@ -263,6 +263,11 @@ class _Base:
         return f"/state/{_segment(operator)}/{_segment(key)}"
 
     @staticmethod
+    def _timers_path(operator: str, key: str) -> str:
+        check_key(key)
+        return f"/timers/{_segment(operator)}/{_segment(key)}"
+
+    @staticmethod
     def _payload(args: Sequence[Any]) -> bytes:
         try:
             return _enc.encode({"args": list(args)})
@@ -391,6 +396,15 @@ class Client(_Base):
         if resp.status_code != 200:
             _raise_error(resp.status_code, body, None)
         return body["value"]
+
+    def timers(self, operator: str, key: str) -> list[dict[str, Any]]:
+        """The pending timers an entity registered: ``{"id", "due", "operator", "key", "function", "args"}``
+        each (an admin read: needs the token)."""
+        resp = self._send("GET", self._timers_path(operator, key), headers=self.headers)
+        body = _decode_body(resp)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, body, None)
+        return body["timers"]
 
     def health(self) -> dict[str, Any]:
         """The gateway's ``/health`` document."""
@@ -573,6 +587,14 @@ class AsyncClient(_Base):
         if resp.status_code != 200:
             _raise_error(resp.status_code, body, None)
         return body["value"]
+
+    async def timers(self, operator: str, key: str) -> list[dict[str, Any]]:
+        """The pending timers an entity registered (see :meth:`CharonClient.timers`)."""
+        resp = await self._send("GET", self._timers_path(operator, key), headers=self.headers)
+        body = _decode_body(resp)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, body, None)
+        return body["timers"]
 
     async def health(self) -> dict[str, Any]:
         """The gateway's ``/health`` document."""

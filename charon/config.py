@@ -40,6 +40,8 @@ class SparkConfig:
     driver_memory: str = "512m"  # the driver JVM's heap (in local mode also the executors'): bounds its RSS
     fixed_heap: bool = True  # -Xms = -Xmx, pre-touched: the JVM's RSS does not step up during a long run
     checkpoint_batches: int = 100  # micro-batches Spark's query checkpoint retains (minBatchesToRetain)
+    max_timers_per_epoch: int = 10_000  # timers one partition fires per epoch (keep it fixed for a checkpoint)
+    timer_poll_ms: int = 50  # an idle driver checks this often whether a timer is due (then appends a tick)
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 

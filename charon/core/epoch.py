@@ -25,6 +25,7 @@ history; ``EpochResult.order`` is the epoch's TIDs sorted by position.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from fractions import Fraction
 from typing import Protocol
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, RoundOutput, too_many_invocations
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import partition_of
@@ -69,6 +71,8 @@ class EpochResult:
     stats: dict[str, float] = field(default_factory=dict)
     # the epoch's atom: committed transactions' events (tid, stream, value) in serial order (Context.emit)
     events: list[Event] = field(default_factory=list)
+    time: float = 0.0  # the epoch's deterministic time (Sequencer.advance)
+    timers: list[_timers.Timer] = field(default_factory=list)  # fired at the epoch's start, in TID order
 
 
 def position(tid: int, last_tid: int, fallback: bool) -> int:
@@ -91,7 +95,7 @@ def atom_order(events: list[tuple[int, str, int, str, bytes]], replies: dict[int
 
 
 class _Track:
-    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "events")
+    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "events", "timers", "next_due")
 
     def __init__(self) -> None:
         self.done: dict[int, bytes] = {}
@@ -101,6 +105,8 @@ class _Track:
         self.invalid: set[int] = set()
         self.invocations: dict[int, int] = {}  # summed over partitions and rounds
         self.events: list[tuple[int, str, int, str, bytes]] = []  # finalize: committed events, any order
+        self.timers: list[bytes] = []
+        self.next_due = math.inf
 
     def complete(self, tid: int) -> bool:
         return tid in self.done and self.shares.get(tid) == _ONE
@@ -173,6 +179,9 @@ class EpochCoordinator:
         self.max_rounds = 2 * max_invocations + 2
         self.on_replies = on_replies
         self.deferred: list[tuple[int, Request]] = []
+        # the earliest due timer after the last epoch (-inf: unknown, e.g. after a restart; inf: none)
+        self.next_due = -math.inf
+        self.timer_limit = _timers.MAX_TIMERS_PER_EPOCH  # timers one partition fires per epoch (at most)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _round(self, control: Control, msgs: list, track: _Track, stats: dict) -> list:
@@ -213,6 +222,10 @@ class EpochCoordinator:
             nxt.extend(o.messages)
             if o.events:
                 track.events.extend(o.events)
+            if o.timers:
+                track.timers.extend(o.timers)
+            if o.next_due is not None and o.next_due < track.next_due:
+                track.next_due = o.next_due
             for k, v in o.stats.items():
                 stats[k] = stats.get(k, 0) + v
         return nxt
@@ -222,16 +235,28 @@ class EpochCoordinator:
             self.on_replies(replies)
 
     # -- one epoch --------------------------------------------------------------------------------
-    def run_epoch(self, epoch: int, requests: list[tuple[int, Request]]) -> EpochResult:
-        """Run one epoch of ``requests`` given as (input-log partition, request) in log order."""
+    def run_epoch(self, epoch: int, requests: list[tuple[int, Request]], now: float | None = None) -> EpochResult:
+        """Run one epoch of ``requests`` given as (input-log partition, request) in log order.
+
+        ``now``: the time the runtime logged for this epoch (None: the previous epoch's); the timers due by
+        then fire first, as their own transactions (:mod:`charon.core.timers`)."""
         t_start = time.perf_counter()
         stats: dict[str, float] = {}
         txns: dict[int, Request] = dict(self.deferred)
         self.deferred = []
+        t_epoch = self.sequencer.advance(now)
+        fired: list[_timers.Timer] = []
+        if self.next_due <= t_epoch:  # a collect round: the due timers leave the state before the epoch
+            ct = _Track()
+            self._round(Control(epoch, Control.DRY, timers=(t_epoch, self.timer_limit)), [], ct, stats)
+            fired = sorted((_timers.decode(b) for b in ct.timers), key=lambda t: (t.due, t.id))
+            for t in fired:
+                txns[self.sequencer.assign(0)] = t.request(t_epoch)
+            stats["timers"] = len(fired)
         for sid, req in requests:
             txns[self.sequencer.assign(sid)] = req
         self.sequencer.end_epoch()
-        result = EpochResult(epoch, {}, txns, [])
+        result = EpochResult(epoch, {}, txns, [], time=t_epoch, timers=fired)
         replies = result.replies
         last_tid = max(txns, default=0)
         in_fallback: set[int] = set()  # filled once the lock-free decision is made
@@ -310,6 +335,7 @@ class EpochCoordinator:
         final = _Track()
         self._round(Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, finalize=True), [],
                     final, stats)
+        self.next_due = final.next_due
         if final.events:
             result.events = atom_order(final.events, replies)
         stats["duration_ms"] = (time.perf_counter() - t_start) * 1000.0

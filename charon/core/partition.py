@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import Any
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.context import Context, Journal, child_inv, raised_in
 from charon.core.routing import entity_prefix, partition_of, store_key
 from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
@@ -126,26 +127,31 @@ class Control:
     its own only when it alone started more than that within one epoch phase (so no round runs away).
     """
 
-    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize", "max_invocations")
+    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize", "max_invocations", "timers")
 
     DRY, FALLBACK = 0, 1
 
     def __init__(self, epoch: int, phase: int = 0, apply=(), reset=(), fast=(), finalize: bool = False,
-                 max_invocations: int = MAX_INVOCATIONS):
+                 max_invocations: int = MAX_INVOCATIONS, timers: tuple[float, int] | None = None):
+        """``timers``: a collect round (epoch time, per-partition limit); see :mod:`charon.core.timers`."""
         self.epoch, self.phase, self.apply, self.reset = epoch, phase, list(apply), list(reset)
         self.fast, self.finalize, self.max_invocations = list(fast), finalize, max_invocations
+        self.timers = timers
 
     def __getstate__(self):
-        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations)
+        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
+                self.timers)
 
     def __setstate__(self, st):
-        (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations) = st
+        (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
+         self.timers) = st
 
 
 class RoundOutput:
     """What one partition returns from a round."""
 
-    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached", "events")
+    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached", "events",
+                 "timers", "next_due")
 
     def __init__(self) -> None:
         self.messages: list[Invoke | Reply] = []  # for other partitions
@@ -161,14 +167,16 @@ class RoundOutput:
         self.cached: dict[int, list[Cached]] = {}
         # at finalize: the epoch's committed events here, (tid, inv, n, stream, value) (see Context.emit)
         self.events: list[tuple[int, str, int, str, bytes]] = []
+        self.timers: list[bytes] = []  # a collect round: the encoded timers this partition fires
+        self.next_due: float | None = None  # collect and finalize rounds: this partition's next due time
 
     def __getstate__(self):
         return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations,
-                self.stats, self.cached, self.events)
+                self.stats, self.cached, self.events, self.timers, self.next_due)
 
     def __setstate__(self, st):
         (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations, self.stats,
-         self.cached, self.events) = st
+         self.cached, self.events, self.timers, self.next_due) = st
 
 
 class Cached:
@@ -336,6 +344,8 @@ class PartitionUnit:
             self.touched.pop(tid, None)
             self.counts.pop(tid, None)
             self.dead.discard(tid)
+        if control.timers is not None:
+            self._collect_timers(*control.timers)
         if control.fast:
             self._fast_round(control.fast)
         if inbox:
@@ -598,10 +608,23 @@ class PartitionUnit:
                 delta[store_key(op, key, item)] = v
         return delta
 
+    def _collect_timers(self, now: float, limit: int) -> None:
+        """A collect round (first of the epoch): take the timers due at ``now`` out of the state before
+        any of the epoch's transactions runs, and report them (see :mod:`charon.core.timers`)."""
+        fired, nxt = _timers.due(self.store.scan(_timers.INDEX_PREFIX), now, limit)
+        out = self._out
+        for t in fired:
+            e = (t.owner_operator, t.owner_key)
+            self.overlay.setdefault(e, {})[_timers.ITEM_PREFIX + t.id] = None
+            out.timers.append(_timers.encode(t))
+        out.next_due = nxt
+
     def _finalize(self) -> int:
         delta = self.epoch_delta()
         self._out.events = self.emitted
+        delta.update(_timers.index_delta(self.store.get, delta))
         self.store.commit(self.epoch, delta)
+        self._out.next_due = _timers.next_due(self.store.scan(_timers.INDEX_PREFIX))
         self._clear(self.epoch)
         self._live_clear()
         return len(delta)

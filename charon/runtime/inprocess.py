@@ -14,7 +14,9 @@ recovers by replaying the log; a request id runs once across restarts and a retr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import math
 import os
 import shutil
 import tempfile
@@ -26,10 +28,12 @@ from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult
 from charon.core.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUnit, RoundOutput
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import check_stream, entity_prefix, partition_of, store_key
+from charon.core.timers import MAX_TIMERS_PER_EPOCH, Timer
 from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator, batch_request
@@ -69,6 +73,7 @@ class InProcessRuntime:
         stats_kept: int = 1000,
         log_url: str | None = None,
         retain_events: int = DEFAULT_RETAIN_EVENTS,
+        max_timers_per_epoch: int = MAX_TIMERS_PER_EPOCH,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days).
@@ -77,7 +82,8 @@ class InProcessRuntime:
         on NATS, see :mod:`charon.log.nats`). ``stats_kept``: how many
         recent epochs ``epoch_stats`` keeps. ``retain_events``: events kept per output stream
         (:class:`charon.log.streams.StreamLog`; durable mode: ``data_dir/streams.sqlite``, volatile: a temporary
-        file removed with the runtime)."""
+        file removed with the runtime). ``max_timers_per_epoch``: timers one partition fires per epoch (the
+        rest fire in the following epochs; a durable directory must keep the same value for exact replay)."""
         self.app = app
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
@@ -88,14 +94,21 @@ class InProcessRuntime:
 
             self.node = NodeStorage(data_dir, partitions, fsync=fsync, checkpoint_s=checkpoint_s,
                                     compact_every=compact_every, log_url=log_url)
-            self.stores: list[MemoryStore] = [RecordingStore() for _ in range(partitions)]
+            self.partitions = self.node.partitions  # the directory's layout; rescaled after recovery
+            self.stores: list[MemoryStore] = [RecordingStore() for _ in range(self.partitions)]
         else:
+            if partitions < 1:
+                raise ValueError("partitions must be at least 1")
             self.stores = [MemoryStore() for _ in range(partitions)]
-        self.units = [PartitionUnit(p, partitions, app, s) for p, s in enumerate(self.stores)]
+        self.units = [PartitionUnit(p, self.partitions, app, s) for p, s in enumerate(self.stores)]
         self.coordinator = EpochCoordinator(
             app, LocalExchange(self.units), sequencers=1, max_invocations=max_invocations,
             on_replies=self._deliver
         )
+        self.coordinator.next_due = math.inf  # a fresh state has no timers (a recovered one: its record's)
+        if max_timers_per_epoch < 1:
+            raise ValueError("max_timers_per_epoch must be at least 1")
+        self.coordinator.timer_limit = max_timers_per_epoch
         self.epoch = 0
         self.epoch_stats: list[dict[str, float]] = []
         self._stats_kept = stats_kept
@@ -112,9 +125,13 @@ class InProcessRuntime:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
+        self._rescales: list[tuple[int, asyncio.Future[float]]] = []
+        self.rescale_pauses: list[dict[str, float]] = []  # one per rescale: from, to, epoch, pause_s, keys
         if self.node is not None:
             try:
                 self._recover()
+                if partitions != self.partitions:
+                    self._rescale_now(partitions)
             except BaseException:
                 self.node.close()
                 raise
@@ -141,11 +158,13 @@ class InProcessRuntime:
             self._log_end = rec.log_end
             self.coordinator.sequencer.counters = list(rec.counters)
             self.coordinator.deferred = [(tid, serde.decode_request(b)) for tid, b in rec.deferred]
-        for epoch, requests in epochs:
+            self.coordinator.sequencer.time = rec.time
+            self.coordinator.next_due = rec.next_due
+        for epoch, requests, now in epochs:
             if epoch != self.epoch:
                 raise RuntimeError(f"replay: epoch {epoch} logged where {self.epoch} was expected")
             self._log_end += len(requests) + 1
-            self._run_logged(requests)
+            self._run_logged(requests, now)
         self.replayed_epochs = len(epochs)
 
     def close(self) -> None:
@@ -193,6 +212,59 @@ class InProcessRuntime:
             self.node.write_bases(self.stores)
             self._base_dirty = False
 
+    # -- rescaling ----------------------------------------------------------------------------------
+    def _rescale_now(self, partitions: int) -> float:
+        """Move every key group to its partition under ``partitions`` (between epochs); returns the pause.
+
+        Entities map to a fixed set of key groups (:data:`charon.core.routing.KEY_GROUPS`), groups to
+        partitions (``group % partitions``); rescaling re-places the groups' items, timers with their owner.
+        Results never depend on placement, so epochs before and after are unaffected. Durable mode: the new
+        layout is committed as new bases at the last epoch (:meth:`NodeStorage.relayout`) before it is used.
+        """
+        if partitions < 1:
+            raise ValueError("partitions must be at least 1")
+        t0 = time.perf_counter()
+        old = self.partitions
+        parts: list[list[tuple[bytes, bytes]]] = [[] for _ in range(partitions)]
+        n = 0
+        for s in self.stores:
+            for k, v in s.items():
+                op, key = _timers.placed_by(k, v)
+                parts[partition_of(op, key, partitions)].append((k, v))
+                n += 1
+        for p in parts:
+            p.sort()
+        if self.node is not None:
+            from charon.runtime.node import RecordingStore
+
+            self.node.relayout(partitions, parts, self.epoch - 1)
+            self._base_dirty = False
+            stores: list[MemoryStore] = [RecordingStore() for _ in range(partitions)]
+        else:
+            stores = [MemoryStore() for _ in range(partitions)]
+        for s, items in zip(stores, parts, strict=True):
+            s.data.update(items)
+            s.epoch = self.epoch - 1
+        self.stores = stores
+        self.partitions = partitions
+        self.units = [PartitionUnit(p, partitions, self.app, s) for p, s in enumerate(stores)]
+        self.coordinator.exchange = LocalExchange(self.units)
+        pause = time.perf_counter() - t0
+        self.rescale_pauses.append({"from": old, "to": partitions, "epoch": self.epoch, "pause_s": pause, "keys": n})
+        return pause
+
+    async def rescale(self, partitions: int) -> float:
+        """Change the number of partitions at the next epoch boundary (serving or not); returns the pause in
+        seconds (requests keep queueing meanwhile and run in the next epoch). A durable directory keeps the
+        new count (reopening it with another ``partitions`` rescales it again)."""
+        if self._task is None or self._task.done():
+            return self._rescale_now(partitions)
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._rescales.append((partitions, fut))
+        assert self._wake is not None
+        self._wake.set()
+        return await fut
+
     # -- state --------------------------------------------------------------------------------------
     def _store_of(self, operator: str, key: str) -> MemoryStore:
         return self.stores[partition_of(operator, key, self.partitions)]
@@ -231,6 +303,16 @@ class InProcessRuntime:
         prefix = entity_prefix(op, key) + b"\x01"
         return {k[len(prefix):].decode(): serde.decode(v) for k, v in self._store_of(op, key).scan(prefix)}
 
+    def timers(self, operator: str | Operator, key: str) -> list[Timer]:
+        """The committed pending timers an entity registered (by id)."""
+        op = operator.name if isinstance(operator, Operator) else operator
+        return [_timers.decode(v) for _, v in self._store_of(op, key).scan(_timers.owner_prefix(op, key))]
+
+    def pending_timers(self) -> list[Timer]:
+        """Every committed pending timer, by due time (then id)."""
+        out = [_timers.decode(v) for s in self.stores for _, v in s.scan(_timers.INDEX_PREFIX)]
+        return sorted(out, key=lambda t: (t.due, t.id))
+
     def entities(self, operator: str | Operator) -> dict[str, Any]:
         """All committed main values of one operator (for checks in tests and benchmarks)."""
         op = operator.name if isinstance(operator, Operator) else operator
@@ -257,22 +339,23 @@ class InProcessRuntime:
         return h.hexdigest()
 
     # -- synchronous batch mode (deterministic epoch boundaries) -----------------------------------
-    def run_epoch(self, requests: list[Request]) -> EpochResult:
-        """Run the given requests as exactly one epoch (plus transactions deferred into it)."""
+    def run_epoch(self, requests: list[Request], now: float | None = None) -> EpochResult:
+        """Run the given requests as exactly one epoch (plus transactions deferred into it, and the timers
+        due at the epoch's time ``now``, default the clock; durable mode logs it with the batch)."""
         if self.node is not None:
             self._write_base()
-            requests, self._log_end = self.node.log_epoch(self.epoch, requests)
-        return self._run_logged(requests)
+            requests, self._log_end, now = self.node.log_epoch(self.epoch, requests, now)
+        return self._run_logged(requests, time.time() if now is None else now)
 
-    def _run_logged(self, requests: list[Request]) -> EpochResult:
-        """Run one epoch whose batch is logged (durable mode) or needs no log (volatile)."""
-        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests])
+    def _run_logged(self, requests: list[Request], now: float) -> EpochResult:
+        """Run one epoch whose batch (and time) is logged (durable mode) or needs no log (volatile)."""
+        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now)
         if result.events:  # idempotent by epoch: a replayed epoch appends nothing again
             self.streams.append_atom(self.epoch, [(s, v) for _, s, v in result.events])
         if self.node is not None:
             c = self.coordinator
             self.node.epoch_done(self.epoch, c.sequencer.counters, c.deferred, self._log_end,
-                                 self.stores)  # type: ignore[arg-type]
+                                 self.stores, c.sequencer.time, c.next_due)  # type: ignore[arg-type]
         self.epoch += 1
         stats = self.epoch_stats
         stats.append({"epoch": result.epoch, **result.stats})
@@ -427,12 +510,28 @@ class InProcessRuntime:
     async def _loop(self) -> None:
         assert self._wake is not None
         while True:
+            while self._rescales:  # at an epoch boundary: nothing is running
+                n, fut = self._rescales.pop(0)
+                try:
+                    pause = self._rescale_now(n)
+                except Exception as exc:  # noqa: BLE001 - the caller gets it; epochs go on in the old layout
+                    if not fut.done():
+                        fut.set_exception(exc)
+                else:
+                    if not fut.done():
+                        fut.set_result(pause)
             if not self._queue and not self.coordinator.deferred:
                 if self._stopping:
                     return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
+                wait = self.coordinator.next_due - time.time()  # an empty epoch fires a due timer
+                if wait > 0:
+                    self._wake.clear()
+                    if wait == math.inf:
+                        await self._wake.wait()
+                    else:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), wait + 0.001)
+                    continue
             # durable mode: the previous batch's log commit is the batching window; no extra wait
             if self.node is None and len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
                 await asyncio.sleep(self.epoch_max_ms / 1000.0)
@@ -442,8 +541,8 @@ class InProcessRuntime:
                 if self.node is None:
                     self.run_epoch(batch)
                 else:  # the batch is committed to the input log off the loop, then the epoch runs
-                    batch, self._log_end = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
-                    self._run_logged(batch)
+                    batch, self._log_end, now = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
+                    self._run_logged(batch, now)
             except Exception as exc:  # noqa: BLE001 - the runtime stops loudly instead of hanging its clients
                 self._halt(exc)
                 return

@@ -17,6 +17,8 @@ empty body without a type means no arguments; every response is JSON unless the 
   e.g. after a restart), or 404 when nobody knows the id. ``wait`` long-polls up to that many seconds (at
   most 30) while the request is in flight here.
 - ``GET /state/{operator}/{key}`` returns ``{"operator", "key", "value"}`` (an admin read).
+- ``GET /timers/{operator}/{key}`` returns ``{"operator", "key", "timers": [{"id", "due", "operator", "key",
+  "function", "args"}, ...]}``: the entity's pending timers (an admin read, see :mod:`charon.core.timers`).
 - ``POST /batch`` with body ``{"calls": [[operator, key, function, [args...]], ...]}`` (1..``max_batch_calls``)
   runs a client atomic batch: one transaction whose root calls each invocation in order (each sees the
   writes of those before it), so all commit or none; 200 with ``value`` = the list of the calls' values,
@@ -451,6 +453,19 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
                 "401": err("missing or wrong bearer token"),
                 "404": err("the runtime has no output streams"),
                 "503": err("too many stream readers; retry later"),
+            },
+        }
+    }
+    paths["/timers/{operator}/{key}"] = {
+        "get": {
+            "summary": "List the pending timers an entity registered (admin)",
+            "security": security,
+            "parameters": [path_param("operator", "operator name"), path_param("key", "entity key")],
+            "responses": {
+                "200": {"description": "the entity's pending timers"},
+                "400": err("invalid key"),
+                "401": err("missing or wrong bearer token"),
+                "404": err("unknown operator"),
             },
         }
     }
@@ -947,6 +962,25 @@ class _Gateway:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+    async def timers(self, request: HTTPRequest) -> Response:
+        """The pending timers an entity registered (an admin read)."""
+        self.check_auth(request)
+        operator = request.path_params["operator"]
+        key = request.path_params["key"]
+        if self.known_ops and operator not in self.known_ops:
+            raise _HTTPError("UnknownOperator", f"unknown operator {operator!r}")
+        try:
+            check_key(key)
+        except InvalidKey as exc:
+            raise _HTTPError("InvalidKey", str(exc)) from None
+        lister = getattr(self.runtime, "timers", None)
+        if lister is None:
+            raise _HTTPError("NotFound", "this runtime does not list timers")
+        found = await self.off_loop(lister, operator, key)
+        doc = [{"id": t.id, "due": t.due, "operator": t.operator, "key": t.key, "function": t.function,
+                "args": serde.decode(t.args)} for t in found]
+        return self.respond(request, 200, {"operator": operator, "key": key, "timers": doc})
+
     async def health(self, request: HTTPRequest) -> Response:
         """200 while the runtime serves; 503 with its state (status, epoch, last error...) otherwise."""
         probe = getattr(self.runtime, "health", None)
@@ -1098,6 +1132,7 @@ def create_app(
         Route("/state/{operator}/{key:path}", _guard(gw, gw.state), methods=["GET"], name="state"),
         Route("/streams/{stream}", _guard(gw, gw.stream), methods=["GET"], name="stream"),
         Route("/batch", _guard(gw, gw.batch), methods=["POST"], name="batch"),
+        Route("/timers/{operator}/{key:path}", _guard(gw, gw.timers), methods=["GET"], name="timers"),
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]

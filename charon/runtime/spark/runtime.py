@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 import pickle
 import re
@@ -36,6 +37,7 @@ import msgspec
 
 from charon import serde
 from charon.config import SparkConfig
+from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult
 from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.core.routing import partition_of, split_store_key, store_key
@@ -103,6 +105,8 @@ class EpochRecord(msgspec.Struct):
     starts: list[int]
     ends: list[int]
     stats: dict[str, float] = {}
+    time: float = 0.0  # the epoch's deterministic time: the newest timestamp of its input-log records
+    next_due: float = -math.inf  # the earliest pending timer after this epoch (-inf: unknown)
 
 
 # -- fault injection for the crash tests: CHARON_CRASH_AT="point:epoch" SIGKILLs this process there ----------
@@ -355,6 +359,24 @@ def _read_entities(
         yield from store.read_at(epoch, keys).items()  # catches up, never rolls back
 
 
+def _scan_prefix(
+    local_dir: str | None, durable_root: str, checkpoint: str, epoch: int, items: Iterable[tuple[int, bytes]],
+) -> Iterator[tuple[bytes, bytes]]:
+    """The items under a key prefix of a partition as of exactly ``epoch`` (timer listings)."""
+    from charon.state.lmdbstore import open_store
+
+    root = executor_local_dir(local_dir, checkpoint)
+    for pid, prefix in items:
+        store = open_store(root, pid, durable_root)
+        store.catch_up(epoch)
+        with store.reading():
+            if store.epoch == epoch:
+                yield from list(store.scan(prefix))
+                continue
+        state, _ = DurableState(durable_root).load(pid, epoch)  # the local copy is already ahead
+        yield from sorted((k, v) for k, v in state.items() if k.startswith(prefix))
+
+
 def _write_bases(durable_root: str, parts: int, rows: Iterable[Any]) -> Iterator[int]:
     by_pid: dict[int, dict[bytes, bytes]] = {}
     for r in rows:
@@ -385,7 +407,7 @@ class SparkExchange:
 
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
         t0 = time.perf_counter()
-        busy = bool(control.apply or control.reset or control.fast or control.finalize)
+        busy = bool(control.apply or control.reset or control.fast or control.finalize or control.timers)
         payloads = []
         outs: list[RoundOutput] = [RoundOutput() for _ in range(self.partitions)]
         for p in range(self.partitions):
@@ -469,6 +491,10 @@ class SparkRuntime:
         self._epoch_cv = threading.Condition()
         self._in_epoch = False
         self._stopping = False
+        last = self.read_record(self.last_epoch)
+        # when the next timer is due (recorded per epoch; a fresh checkpoint has none): the ticker's cue
+        self._next_due = last.next_due if last is not None else math.inf
+        self._ticker: threading.Thread | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -494,6 +520,24 @@ class SparkRuntime:
             self._status = "ok"
         self._supervisor = threading.Thread(target=self._supervise, name="charon-supervisor", daemon=True)
         self._supervisor.start()
+        if self._ticker is None or not self._ticker.is_alive():
+            self._ticker = threading.Thread(target=self._tick_timers, name="charon-timers", daemon=True)
+            self._ticker.start()
+
+    def _tick_timers(self) -> None:
+        """While idle, append a tick when a timer is due: the epoch it triggers takes the tick's timestamp as
+        its time (``EpochRecord.time``), so the timer fires there, deterministically on replay."""
+        poll = max(self.config.timer_poll_ms, 1) / 1000.0
+        n = 0
+        while not self._wake.wait(poll):
+            if self._status != "ok" or self._next_due > time.time():
+                continue
+            rec = self.read_record(self._last_recorded_epoch())
+            ends = rec.ends if rec is not None else [0] * self.config.n_log_partitions
+            if any(e < t for e, t in zip(ends, self.input_log.end_offsets(), strict=True)):
+                continue  # an epoch is coming anyway (it advances the time too)
+            n += 1
+            self.input_log.append(Request(f"{TICK}timer:{time.time_ns()}:{n}", TICK, "", "", serde.encode([])))
 
     def _start_query(self) -> None:
         spark = self.spark
@@ -592,6 +636,9 @@ class SparkRuntime:
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(timeout=60)
             self._supervisor = None
+        if self._ticker is not None and self._ticker is not threading.current_thread():
+            self._ticker.join(timeout=60)
+            self._ticker = None
         if self._compactor is not None:
             self._compactor.join()
 
@@ -713,6 +760,7 @@ class SparkRuntime:
         starts, ends = batch_offsets(self._query_ckpt, epoch)
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
+        now = max((r.ts for _, _, r in rows), default=None)  # logged: the epoch's time (ticks included)
 
         def deliver(replies: list[Reply]) -> None:
             if replies:
@@ -723,12 +771,16 @@ class SparkRuntime:
             self.app, self.exchange, sequencers=self.config.n_log_partitions,
             max_invocations=self.config.max_invocations, on_replies=deliver,
         )
+        coord.timer_limit = self.config.max_timers_per_epoch
+        coord.next_due = math.inf if epoch == 0 else -math.inf
         if prev is not None:
             coord.sequencer.counters = list(prev.counters)
+            coord.sequencer.time = prev.time
+            coord.next_due = prev.next_due
             coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
         self.exchange.stats = {}
         crash_point("before_epoch", epoch)
-        result = coord.run_epoch(epoch, requests)
+        result = coord.run_epoch(epoch, requests, now)
         if result.events:  # before the record: a replay of this epoch re-derives them, appended once
             self.streams.append_atom(epoch, [(s, v) for _, s, v in result.events])
         crash_point("after_finalize", epoch)
@@ -737,8 +789,10 @@ class SparkRuntime:
         rec = EpochRecord(
             epoch, list(coord.sequencer.counters),
             [(tid, serde.encode_request(r)) for tid, r in coord.deferred], list(starts), list(ends), stats,
+            coord.sequencer.time, coord.next_due,
         )
         self._write_record(rec)
+        self._next_due = coord.next_due
         self._unconfirmed = None
         self.output_log.mark_epoch(epoch)  # the replies stream cuts its atoms here
         self.last_epoch = epoch
@@ -864,6 +918,14 @@ class SparkRuntime:
             out.update(got)
         return out
 
+    def timers(self, operator: str, key: str) -> list[_timers.Timer]:
+        """The pending timers an entity registered, as of the last recorded epoch (by id)."""
+        epoch = self._settled_epoch()
+        fn = partial(_scan_prefix, self.config.local_dir, os.path.join(self.ckpt, "state"), self.ckpt, epoch)
+        item = (partition_of(operator, key, self.config.partitions), _timers.owner_prefix(operator, key))
+        rows = self.spark.sparkContext.parallelize([item], 1).mapPartitions(fn).collect()
+        return [_timers.decode(v) for _, v in rows]
+
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state (from the durable copy, as of the last recorded epoch)."""
         epoch = self._last_recorded_epoch()
@@ -891,12 +953,14 @@ def replay_in_process(
     """Run the Spark runtime's recorded epochs through the in-process runtime (same boundaries, same TIDs)."""
     from charon.runtime.inprocess import InProcessRuntime
 
-    rt = InProcessRuntime(app, partitions=runtime.config.partitions)
+    rt = InProcessRuntime(app, partitions=runtime.config.partitions,
+                          max_timers_per_epoch=runtime.config.max_timers_per_epoch)
     rt.coordinator.sequencer = Sequencer(runtime.config.n_log_partitions)
     for k, v in initial.items():
         op, key, _ = split_store_key(k)
         rt.stores[partition_of(op, key, rt.partitions)].data[k] = v
     results = []
     for e in range(runtime._last_recorded_epoch() + 1):
-        results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e)))
+        rec = runtime.read_record(e)
+        results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e), rec.time if rec else None))
     return rt, results
