@@ -100,6 +100,8 @@ class GatewayConfig:
     max_header_bytes: int = 16 << 10  # largest request head (h11's incomplete-event limit)
     read_threads: int = 8  # threads for runtime reads (replies, state), off the event loop
     public_url: str | None = None  # base of status URLs (e.g. https://api.example.com); None: relative URLs
+    max_scan: int = 10_000  # most entities one admin state read returns (/admin/state)
+    metrics_samples: int = 10_000  # recent replies the dashboard's throughput and percentiles are computed from
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:

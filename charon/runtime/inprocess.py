@@ -28,6 +28,7 @@ from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import entity_prefix, partition_of, store_key
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator
+from charon.runtime import control
 from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ class InProcessRuntime:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
+        self.gate = control.EpochGate()  # pause/resume at an epoch boundary
         if self.node is not None:
             try:
                 self._recover()
@@ -282,8 +284,9 @@ class InProcessRuntime:
         }
 
     async def stop(self) -> None:
-        """Finish waiting work and stop."""
+        """Finish waiting work and stop (a paused runtime is resumed: its queued requests run first)."""
         if self._task is not None:
+            self.gate.resume()
             while (self._queue or self.coordinator.deferred or self._futures) and self.failed is None:
                 await asyncio.sleep(0.001)
             self._stopping = True
@@ -379,6 +382,7 @@ class InProcessRuntime:
             # durable mode: the previous batch's log commit is the batching window; no extra wait
             if self.node is None and len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
                 await asyncio.sleep(self.epoch_max_ms / 1000.0)
+            await self.gate.enter_async(self.epoch)  # paused: no epoch starts, requests wait in the queue
             batch = self._queue[: self.epoch_max_txns]
             del self._queue[: len(batch)]
             try:
@@ -390,4 +394,27 @@ class InProcessRuntime:
             except Exception as exc:  # noqa: BLE001 - the runtime stops loudly instead of hanging its clients
                 self._halt(exc)
                 return
+            finally:
+                self.gate.leave()
             await asyncio.sleep(0)
+
+    # -- control (charon.runtime.control) ----------------------------------------------------------
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; returns the status."""
+        self.gate.pause(after_epoch)
+        return self.control_status()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; queued requests run in arrival order."""
+        self.gate.resume()
+        return self.control_status()
+
+    def control_status(self) -> dict[str, Any]:
+        """``state`` (running, pausing, paused), the last committed ``epoch``, the ``backlog``."""
+        return control.inprocess_status(self)
+
+    async def inspect(
+        self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
+    ) -> tuple[int, dict[bytes, bytes]]:
+        """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch (:mod:`charon.runtime.control`)."""
+        return await control.inprocess_inspect(self, operator, keys, epoch, limit)

@@ -458,6 +458,7 @@ class _Gateway:
         self.known_ops = set(describe_app(runtime.app))
         self._openapi: bytes | None = None
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
+        self.metrics: Any = None  # charon.server.metrics.GatewayMetrics, set by create_app
 
     # ---- helpers
 
@@ -599,10 +600,13 @@ class _Gateway:
         )
         self.inflight[rid] = task
         self.inflight_req[rid] = req
-        task.add_done_callback(lambda t: self._finished(rid, t))
+        t0 = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.observe_request(req)
+        task.add_done_callback(lambda t: self._finished(rid, t, t0))
         return task
 
-    def _finished(self, rid: str, task: asyncio.Future[Reply]) -> None:
+    def _finished(self, rid: str, task: asyncio.Future[Reply], t0: float = 0.0) -> None:
         if self.inflight.get(rid) is task:
             del self.inflight[rid]
             req = self.inflight_req.pop(rid)
@@ -611,6 +615,8 @@ class _Gateway:
         if task.cancelled() or task.exception() is not None:
             return
         self.remember(task.result(), req)
+        if self.metrics is not None:
+            self.metrics.observe_reply(task.result(), time.perf_counter() - t0)
 
     def remember(self, rep: Reply, req: Request) -> None:
         """Keep a reply for polls and retries, within the count and byte bounds."""
@@ -884,6 +890,12 @@ def create_app(
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
+    from charon.server.admin import admin_routes  # imports this module
+    from charon.server.metrics import GatewayMetrics
+
+    parts = getattr(runtime, "partitions", None) or getattr(getattr(runtime, "config", None), "partitions", 1)
+    gw.metrics = GatewayMetrics(runtime, int(parts), samples=cfg.metrics_samples)
+    routes += admin_routes(gw, gw.metrics)
     async def http_error(request: HTTPRequest, exc: Exception) -> Response:
         # routing errors (no such route, wrong method) in the same typed JSON shape as every other error
         status = getattr(exc, "status_code", 500)

@@ -43,6 +43,7 @@ from charon.errors import CharonError, EngineUnavailable
 from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply, Request
 from charon.operator import Application
+from charon.runtime import control
 from charon.state.durable import DurableState, write_file_atomic
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
@@ -413,6 +414,7 @@ class SparkRuntime:
         self._restarts = 0
         self._failures: dict[int, int] = {}  # epoch -> query failures while running it
         self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
+        self.gate = control.EpochGate()  # pause/resume at an epoch boundary
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -428,6 +430,7 @@ class SparkRuntime:
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
+        self.gate.reset()
         with self._lock:
             self._wake.clear()
             self._fatal = None
@@ -523,6 +526,7 @@ class SparkRuntime:
         with self._lock:
             self._status = "stopped"
             self._wake.set()
+            self.gate.stopping()  # an epoch waiting at a paused gate fails and is replayed after a restart
             q, self._query = self._query, None
         if q is not None:
             q.stop()
@@ -653,6 +657,7 @@ class SparkRuntime:
             coord.sequencer.counters = list(prev.counters)
             coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
         self.exchange.stats = {}
+        self.gate.enter(epoch)  # paused: the batch is fixed but its epoch does not start
         crash_point("before_epoch", epoch)
         result = coord.run_epoch(epoch, requests)
         crash_point("after_finalize", epoch)
@@ -663,6 +668,7 @@ class SparkRuntime:
             [(tid, serde.encode_request(r)) for tid, r in coord.deferred], list(starts), list(ends), stats,
         )
         self._write_record(rec)
+        self.gate.leave()
         self._unconfirmed = None
         self.output_log.mark_epoch(epoch)  # the replies stream cuts its atoms here
         self.last_epoch = epoch
@@ -693,6 +699,27 @@ class SparkRuntime:
         rec = self.read_record(upto)
         if rec is not None and self.config.truncate_log:
             self.input_log.truncate(rec.ends)
+
+    # -- control (charon.runtime.control) ------------------------------------------------------------------------
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; requests wait in the input log."""
+        self.gate.pause(after_epoch)
+        return self.control_status()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; the waiting requests run in log order."""
+        self.gate.resume()
+        return self.control_status()
+
+    def control_status(self) -> dict[str, Any]:
+        """``state`` (running, pausing, paused), the last recorded ``epoch``, the ``backlog``."""
+        return control.spark_status(self)
+
+    def inspect(
+        self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
+    ) -> tuple[int, dict[bytes, bytes]]:
+        """``(epoch, rows)``: ``operator``'s state rows as of one recorded epoch, from the durable copy."""
+        return control.spark_inspect(self, operator, keys, epoch, limit)
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:

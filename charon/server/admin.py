@@ -1,0 +1,169 @@
+"""The gateway's admin API (every route needs the bearer token), ``/metrics`` and the dashboard.
+
+- ``GET /admin/status``: ``{"state": "running"|"pausing"|"paused", "paused", "epoch", "backlog",
+  "pause_after", "active_epoch", "engine", "durable", "retained_from", "inflight"}``. ``epoch`` is the last
+  committed epoch; ``backlog`` the requests waiting for an epoch; ``retained_from`` the oldest epoch whose
+  state can still be read (the durable copy's base).
+- ``POST /admin/pause`` (body optional: ``{"after_epoch": N}``) stops starting epochs now, or once epoch N is
+  done; ``POST /admin/resume`` lets them start again. Requests keep arriving while paused and wait (clients
+  get 202 + a status URL after ``wait_timeout``, never an error). Both answer with the status.
+- ``GET /admin/state/{operator}?key=K&key=K2&epoch=N&limit=M``: the operator's entities (all of them, at
+  most ``limit`` <= ``max_scan``, or the given keys) as of one committed epoch (default the latest; an earlier
+  one while the durable copy retains it, else 410 ``EpochNotRetained``):
+  ``{"operator", "epoch", "entities": {key: value}, "items": {key: {item: value}}, "count", "truncated"}``.
+  Every entity of one answer is read at the same epoch.
+- ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
+- ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
+- ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import FileResponse, Response
+from starlette.routing import Route
+
+from charon import serde
+from charon.core.routing import check_key, split_store_key
+from charon.errors import InvalidKey
+from charon.server.gateway import MSGPACK_TYPES, STATUS_OF_ERROR, _Gateway, _guard, _HTTPError
+from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+
+__all__ = ["admin_routes"]
+
+STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+STATUS_OF_ERROR.setdefault("EpochNotRetained", 410)
+STATUS_OF_ERROR.setdefault("NotSupported", 501)
+
+
+def _method(gw: _Gateway, name: str) -> Any:
+    fn = getattr(gw.runtime, name, None)
+    if fn is None:
+        raise _HTTPError("NotSupported", f"this runtime has no {name}()")
+    return fn
+
+
+async def _json_body(gw: _Gateway, request: HTTPRequest) -> dict[str, Any]:
+    body = await gw.read_body(request)
+    if not body:
+        return {}
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    try:
+        if ctype == "application/json":
+            doc = msgspec.json.decode(body)
+        elif ctype in MSGPACK_TYPES:
+            doc = msgspec.msgpack.decode(body)
+        else:
+            raise _HTTPError("UnsupportedMediaType", "the body must be application/json or application/msgpack")
+    except msgspec.DecodeError as exc:
+        raise _HTTPError("BadRequest", f"malformed body: {exc}") from None
+    if not isinstance(doc, dict):
+        raise _HTTPError("BadRequest", "the body must be an object")
+    return doc
+
+
+def _epoch_param(raw: Any, name: str) -> int | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | str):
+        raise _HTTPError("BadRequest", f"{name} must be an integer")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _HTTPError("BadRequest", f"{name} must be an integer") from None
+    if value < -1 or value > 1 << 62:
+        raise _HTTPError("BadRequest", f"{name} out of range")
+    return value
+
+
+def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
+    """The admin, metrics and dashboard routes over one gateway."""
+
+    async def status(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        st = await gw.off_loop(_method(gw, "control_status"))
+        return gw.respond(request, 200, {**st, "inflight": len(gw.inflight)})
+
+    async def pause(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        doc = await _json_body(gw, request)
+        unknown = set(doc) - {"after_epoch"}
+        if unknown:
+            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        after = _epoch_param(doc.get("after_epoch"), "after_epoch")
+        st = await gw.off_loop(_method(gw, "pause"), after)
+        return gw.respond(request, 200, {**st, "inflight": len(gw.inflight)})
+
+    async def resume(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        await _json_body(gw, request)
+        st = await gw.off_loop(_method(gw, "resume"))
+        return gw.respond(request, 200, {**st, "inflight": len(gw.inflight)})
+
+    async def state(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        operator = request.path_params["operator"]
+        if gw.known_ops and operator not in gw.known_ops:
+            raise _HTTPError("UnknownOperator", f"unknown operator {operator!r}")
+        keys = request.query_params.getlist("key") or None
+        cap = gw.cfg.max_scan
+        if keys is not None:
+            if len(keys) > cap:
+                raise _HTTPError("BadRequest", f"at most {cap} keys per read (max_scan)")
+            for k in keys:
+                try:
+                    check_key(k)
+                except InvalidKey as exc:
+                    raise _HTTPError("InvalidKey", str(exc)) from None
+        epoch = _epoch_param(request.query_params.get("epoch"), "epoch")
+        limit_raw = request.query_params.get("limit")
+        limit = cap if limit_raw is None else _epoch_param(limit_raw, "limit")
+        if limit is None or limit < 1 or limit > cap:
+            raise _HTTPError("BadRequest", f"limit must be 1..{cap} (max_scan)")
+        try:
+            at, rows = await gw.off_loop(_method(gw, "inspect"), operator, keys, epoch, limit + 1)
+        except Exception as exc:
+            if type(exc).__name__ == "EpochNotRetained":  # charon.runtime.control's (another layer)
+                raise _HTTPError("EpochNotRetained", str(exc)) from None
+            raise
+        entities: dict[str, Any] = {}
+        items: dict[str, dict[str, Any]] = {}
+        for k, v in sorted(rows.items()):
+            _, key, item = split_store_key(k)
+            if key not in entities and len(entities) >= limit:
+                continue
+            if item == "":
+                entities[key] = serde.decode(v)
+            else:
+                entities.setdefault(key, None)
+                items.setdefault(key, {})[item.lstrip("\x01")] = serde.decode(v)
+        truncated = len({split_store_key(k)[1] for k in rows}) > limit
+        return gw.respond(request, 200, {"operator": operator, "epoch": at, "entities": entities, "items": items,
+                                         "count": len(entities), "truncated": truncated})
+
+    async def summary(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        doc = await gw.off_loop(metrics.summary, len(gw.inflight))
+        return gw.respond(request, 200, doc)
+
+    async def prometheus(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        data = await gw.off_loop(metrics.exposition, len(gw.inflight))
+        return Response(data, 200, media_type=CONTENT_TYPE_LATEST)
+
+    async def dashboard(request: HTTPRequest) -> Response:
+        return FileResponse(os.path.join(STATIC, "dashboard.html"), media_type="text/html")
+
+    return [
+        Route("/admin/status", _guard(gw, status), methods=["GET"], name="admin_status"),
+        Route("/admin/pause", _guard(gw, pause), methods=["POST"], name="admin_pause"),
+        Route("/admin/resume", _guard(gw, resume), methods=["POST"], name="admin_resume"),
+        Route("/admin/state/{operator}", _guard(gw, state), methods=["GET"], name="admin_state"),
+        Route("/admin/summary", _guard(gw, summary), methods=["GET"], name="admin_summary"),
+        Route("/metrics", _guard(gw, prometheus), methods=["GET"], name="metrics"),
+        Route("/dashboard", dashboard, methods=["GET"], name="dashboard"),
+    ]
