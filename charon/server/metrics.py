@@ -118,7 +118,7 @@ class GatewayMetrics:
                 self.epoch_size.observe(size)
                 self.epoch_rounds.observe(float(s.get("rounds", 0)))
                 if spark:
-                    self.epoch_jobs.observe(float(s.get("spark_jobs", s.get("rounds", 0))))
+                    self.epoch_jobs.observe(float(s.get("spark_jobs", 0)))
                 self.epoch_tx.inc(size)
                 aborted = float(s.get("aborted", 0))
                 self.epoch_aborted.inc(aborted)

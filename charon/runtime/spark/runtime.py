@@ -367,6 +367,7 @@ class SparkExchange:
         s = self.stats
         s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
         s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
+        s["jobs"] = s.get("jobs", 0) + (1 if payloads else 0)
         s["bytes_out"] = s.get("bytes_out", 0) + sum(len(b) for _, b in payloads)
         s["bytes_in"] = s.get("bytes_in", 0) + sum(len(b) for _, b in results)
         s["step_s"] = s.get("step_s", 0.0) + sum(o.stats.get("step_us", 0) for o in outs) / 1e6
@@ -720,6 +721,14 @@ class SparkRuntime:
     ) -> tuple[int, dict[bytes, bytes]]:
         """``(epoch, rows)``: ``operator``'s state rows as of one recorded epoch, from the durable copy."""
         return control.spark_inspect(self, operator, keys, epoch, limit)
+
+    def state_frame(self, operator: str, epoch: int | None = None) -> Any:
+        """``operator``'s state as a Spark DataFrame (key, item, value, value_json, epoch) at one epoch (default:
+        the last recorded), read from the durable copy by parallel tasks (:mod:`charon.runtime.spark.statesql`)."""
+        from charon.runtime.spark.statesql import DataDirLayout, state_frame
+
+        layout = DataDirLayout(self.durable.root, self.config.partitions, self._settled_epoch(), "spark")
+        return state_frame(self.spark, layout, operator, epoch)
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
