@@ -328,6 +328,26 @@ def read_state(
 
 
 @app.command()
+def update(
+    update_id: str = typer.Argument(..., metavar="ID", help="Update id: an id runs once."),
+    operator: str = typer.Argument(..., help="Operator name."),
+    function: str = typer.Argument(..., help="A function of the deployed application."),
+    args_json: str = typer.Argument("[]", metavar="ARGS_JSON", help="JSON list of positional arguments."),
+    keys: list[str] = typer.Option(None, "--key", help="Entity keys (default: every entity of OPERATOR)."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """A serializable admin update: FUNCTION on every entity, alone at an epoch boundary, once per ID."""
+    try:
+        args = json.loads(args_json)
+    except json.JSONDecodeError as exc:
+        raise _fail(f"ARGS_JSON is not valid JSON: {exc}") from None
+    if not isinstance(args, list):
+        raise _fail("ARGS_JSON must be a JSON list")
+    _print_json(_admin(url, token, lambda c: c.admin_update(update_id, operator, function, *args, keys=keys or None)))
+
+
+@app.command()
 def metrics(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Print the Prometheus metrics (/metrics)."""
     typer.echo(_admin(url, token, lambda c: c.metrics()), nl=False)

@@ -388,6 +388,17 @@ class Client(_Base):
         return self._admin_doc(self._send("GET", f"/admin/state/{_segment(operator)}",
                                           params=self._scan_params(keys, epoch, limit), headers=self.headers))
 
+    def admin_update(
+        self, update_id: str, operator: str, function: str, *args: Any, keys: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Run the deployed ``function`` on every key (default: every entity of ``operator``) alone at an epoch
+        boundary, once per ``update_id`` (in-process runtime); returns the outcome."""
+        body: dict[str, Any] = {"id": update_id, "operator": operator, "function": function, "args": list(args)}
+        if keys is not None:
+            body["keys"] = list(keys)
+        return self._admin_doc(self._send("POST", "/admin/update", content=msgspec.msgpack.encode(body),
+                                          headers={**self.headers, "Content-Type": MSGPACK}))
+
     def metrics(self) -> str:
         """The Prometheus exposition of ``/metrics``."""
         resp = self._send("GET", "/metrics", headers=self.headers)

@@ -211,3 +211,66 @@ def test_metrics_exposition(gateway) -> None:
     summary = httpx.get(c.url + "/admin/summary", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     assert summary["throughput"] > 0 and summary["latency_ms"]["p50"] is not None
     assert sum(summary["partition_load"]) == 31 and summary["epochs"]
+
+
+def test_admin_update_runs_once_and_alone_under_load(gateway) -> None:
+    rt, srv, c = gateway
+    stop = threading.Event()
+    client_rids: list[str] = []
+
+    def drive() -> None:
+        rng = random.Random(9)
+        while not stop.is_set():
+            a, b = rng.randrange(N_ACCOUNTS), rng.randrange(N_ACCOUNTS)
+            client_rids.append(c.submit("account", ycsb.key(a), "transfer", ycsb.key(b), rng.randint(1, 5)))
+            time.sleep(0.002)
+
+    t = threading.Thread(target=drive)
+    t.start()
+    try:
+        time.sleep(0.3)
+        out = c.admin_update("bonus-1", "account", "deposit", 10)  # every account gets 10, alone
+        again = c.admin_update("bonus-1", "account", "deposit", 10)
+        some = c.admin_update("bonus-2", "account", "deposit", 1, keys=["a1", "a2"])
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        t.join()
+    assert out["transactions"] == out["committed"] == N_ACCOUNTS and not out["aborted"] and not out["repeated"]
+    assert again["repeated"] is True and again["committed"] == N_ACCOUNTS
+    assert some["committed"] == 2
+    _wait(lambda: c.status()["backlog"] == 0, what="drained")
+    assert sum(rt.entities("account").values()) == N_ACCOUNTS * (BALANCE + 10) + 2, "ran exactly once"
+    admin_epochs = set(out["epochs"]) | set(some["epochs"])
+    client_epochs = set()
+    for rid in client_rids:
+        try:
+            client_epochs.add(c.result_of(rid, 30).epoch)
+        except CharonError as exc:
+            client_epochs.add(exc.epoch)  # aborted (NotEnoughCredit): it still ran in an epoch
+    assert len(client_rids) > 20 and not admin_epochs & client_epochs, "no client transaction shared its epochs"
+    for bad in [{"id": "x y", "operator": "account", "function": "deposit", "args": [1]},
+                {"id": "u", "operator": "nosuch", "function": "deposit", "args": [1]},
+                {"id": "u", "operator": "account", "function": "deposit", "args": ["x"]},
+                {"id": "u", "operator": "account", "function": "deposit", "args": [1], "keys": [""]}]:
+        r = httpx.post(f"{srv.url}/admin/update", json=bad, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert 400 <= r.status_code < 500, (bad, r.text)
+
+
+def test_admin_update_is_logged_and_survives_a_restart(tmp_path) -> None:
+    data = str(tmp_path / "node")
+    rt = _runtime(data_dir=data, fsync=False)
+    with BackgroundServer(rt, token=TOKEN) as srv, Client(srv.url, token=TOKEN) as c:
+        c.invoke("account", "a0", "transfer", "a1", 5)
+        out = c.admin_update("grow", "account", "deposit", 3)
+        assert out["committed"] == N_ACCOUNTS
+    rt.close()
+    rt = InProcessRuntime(ycsb.app, partitions=4, data_dir=data, fsync=False)
+    try:
+        assert sum(rt.entities("account").values()) == N_ACCOUNTS * (BALANCE + 3)
+        with BackgroundServer(rt, token=TOKEN) as srv, Client(srv.url, token=TOKEN) as c:
+            again = c.admin_update("grow", "account", "deposit", 3)
+            assert again["repeated"] is True
+            assert sum(c.read_state("account")["entities"].values()) == N_ACCOUNTS * (BALANCE + 3)
+    finally:
+        rt.close()

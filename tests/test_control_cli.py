@@ -38,6 +38,10 @@ def test_cli_pause_resume_read_metrics() -> None:
         cut = _run("read", "account", url=srv.url)
         assert cut["count"] == 10 and sum(cut["entities"].values()) == 500 and "epoch" in cut
         assert _run("read", "account", "a1", "a2", url=srv.url)["entities"] == {"a1": 50, "a2": 50}
+        up = _run("update", "bonus", "account", "deposit", "[5]", url=srv.url)
+        assert up["committed"] == 10 and up["repeated"] is False
+        assert _run("update", "bonus", "account", "deposit", "[5]", url=srv.url)["repeated"] is True
+        assert sum(_run("read", "account", url=srv.url)["entities"].values()) == 550
         res = CliRunner().invoke(app, ["metrics", "--url", srv.url, "--token", TOKEN])
         assert res.exit_code == 0 and "charon_paused 0.0" in res.output
         bad = CliRunner().invoke(app, ["status", "--url", srv.url, "--token", "wrong"])

@@ -277,3 +277,64 @@ def spark_inspect(
     if epoch > last or epoch < -1:
         raise EpochNotRetained(f"epoch {epoch} is not recorded (the last recorded epoch is {last})")
     return epoch, read_durable(rt.durable, rt.config.partitions, operator, epoch, keys, limit)
+
+
+# -- serializable admin updates (in-process runtime) ----------------------------------------------------------
+ADMIN_PREFIX = "__charon_admin:"  # request ids of admin updates (the gateway reserves __charon* for runtimes)
+
+
+async def inprocess_run_alone(
+    rt: Any, update_id: str, operator: str, function: str, args: bytes, keys: list[str] | None
+) -> dict[str, Any]:
+    """A serializable admin update: ``operator/key.function(*args)`` for every key (default: every entity of
+    ``operator`` as of the boundary), run alone at an epoch boundary, once per ``update_id``.
+
+    The runtime pauses after its running epoch, runs the epochs that only hold transactions deferred before
+    the update, then one epoch with exactly the update's transactions (logged like any epoch in durable mode,
+    so recovery replays it), then the epochs its own deferred transactions need, and resumes (unless it was
+    paused before). No client transaction shares those epochs. The functions are the deployed
+    application's; request ids are ``__charon_admin:<id>:<key>``, so an update id runs once (a repeat
+    returns the first outcome)."""
+    import time
+
+    from charon.messages import Request
+
+    lock = getattr(rt, "_admin_lock", None)
+    if lock is None:
+        lock = rt._admin_lock = asyncio.Lock()
+    async with lock:
+        marker = f"{ADMIN_PREFIX}{update_id}"
+        history: dict[str, dict[str, Any]] = rt.__dict__.setdefault("_admin_done", {})
+        if update_id in history:
+            return {**history[update_id], "repeated": True}
+        was_paused = rt.gate._paused
+        rt.gate.pause()
+        try:
+            while rt.gate._active is not None:  # the running epoch finishes first
+                await asyncio.sleep(0.001)
+            rt.drain()  # transactions deferred before the update run without it
+            if keys is None:
+                keys = sorted({split_store_key(k)[1] for k in read_stores(rt.stores, operator, None, 1 << 62)})
+            reqs = [Request(f"{marker}:{k}", operator, k, function, args, time.time()) for k in keys]
+            known = [rt.get_reply(r.request_id) for r in reqs]
+            if any(k is not None for k in known):  # it ran before a restart: its epoch ran all of them
+                return _update_outcome(update_id, reqs, known, [], repeated=True)
+            result = rt.run_epoch(reqs)
+            epochs = [result.epoch] + [r.epoch for r in rt.drain()]
+        finally:
+            if not was_paused:
+                rt.gate.resume()
+        out = _update_outcome(update_id, reqs, [rt.get_reply(r.request_id) for r in reqs], epochs, repeated=False)
+        history[update_id] = out
+        while len(history) > 1000:
+            history.pop(next(iter(history)))
+        return out
+
+
+def _update_outcome(update_id: str, reqs: list[Any], replies: list[Any], epochs: list[int],
+                    repeated: bool) -> dict[str, Any]:
+    aborted = {r.key: f"{rep.error_type}: {rep.error_message}" for r, rep in zip(reqs, replies, strict=True)
+               if rep is not None and not rep.ok}
+    seen = sorted({rep.epoch for rep in replies if rep is not None})
+    return {"id": update_id, "transactions": len(reqs), "committed": sum(1 for rep in replies if rep and rep.ok),
+            "aborted": aborted, "epochs": epochs or seen, "repeated": repeated}

@@ -413,6 +413,13 @@ class InProcessRuntime:
         """``state`` (running, pausing, paused), the last committed ``epoch``, the ``backlog``."""
         return control.inprocess_status(self)
 
+    async def run_alone(
+        self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
+    ) -> dict[str, Any]:
+        """A serializable admin update: ``function`` on every key (default: every entity of ``operator``), alone
+        at an epoch boundary, once per ``update_id`` (:func:`charon.runtime.control.inprocess_run_alone`)."""
+        return await control.inprocess_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
+
     async def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
     ) -> tuple[int, dict[bytes, bytes]]:

@@ -12,6 +12,11 @@
   one while the durable copy retains it, else 410 ``EpochNotRetained``):
   ``{"operator", "epoch", "entities": {key: value}, "items": {key: {item: value}}, "count", "truncated"}``.
   Every entity of one answer is read at the same epoch.
+- ``POST /admin/update`` ``{"id", "operator", "function", "args": [...], "keys": [...]?}``: a serializable
+  admin update (in-process runtime; 501 ``NotSupported`` on Spark): the deployed ``function`` runs on every
+  key (default: every entity of the operator), alone at an epoch boundary, once per ``id`` (a repeat answers
+  with the first outcome, ``"repeated": true``): ``{"id", "transactions", "committed", "aborted": {key:
+  error}, "epochs", "repeated"}``.
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
 - ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
 - ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
@@ -30,7 +35,7 @@ from starlette.routing import Route
 from charon import serde
 from charon.core.routing import check_key, split_store_key
 from charon.errors import InvalidKey
-from charon.server.gateway import MSGPACK_TYPES, STATUS_OF_ERROR, _Gateway, _guard, _HTTPError
+from charon.server.gateway import _IDEMPOTENCY_KEY, MSGPACK_TYPES, STATUS_OF_ERROR, _Gateway, _guard, _HTTPError
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 
 __all__ = ["admin_routes"]
@@ -145,6 +150,32 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         return gw.respond(request, 200, {"operator": operator, "epoch": at, "entities": entities, "items": items,
                                          "count": len(entities), "truncated": truncated})
 
+    async def update(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        doc = await _json_body(gw, request)
+        unknown = set(doc) - {"id", "operator", "function", "args", "keys"}
+        if unknown:
+            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        uid, operator, function = doc.get("id"), doc.get("operator"), doc.get("function")
+        if not isinstance(uid, str) or not _IDEMPOTENCY_KEY.match(uid):
+            raise _HTTPError("BadRequest", "id must be 1-200 characters of A-Z a-z 0-9 and . _ ~ : @ + = -")
+        if not isinstance(operator, str) or not isinstance(function, str):
+            raise _HTTPError("BadRequest", "operator and function must be strings")
+        args, keys = doc.get("args", []), doc.get("keys")
+        if not isinstance(args, list):
+            raise _HTTPError("BadArguments", '"args" must be a list of positional arguments')
+        if keys is not None:
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise _HTTPError("BadRequest", '"keys" must be a list of entity keys')
+            for k in keys:
+                try:
+                    check_key(k)
+                except InvalidKey as exc:
+                    raise _HTTPError("InvalidKey", str(exc)) from None
+        gw.validate(operator, keys[0] if keys else "k", function, args)  # names, arity, types: 4xx
+        out = await gw.off_loop(_method(gw, "run_alone"), uid, operator, function, args, keys)
+        return gw.respond(request, 200, out)
+
     async def summary(request: HTTPRequest) -> Response:
         gw.check_auth(request)
         doc = await gw.off_loop(metrics.summary, len(gw.inflight))
@@ -163,6 +194,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         Route("/admin/pause", _guard(gw, pause), methods=["POST"], name="admin_pause"),
         Route("/admin/resume", _guard(gw, resume), methods=["POST"], name="admin_resume"),
         Route("/admin/state/{operator}", _guard(gw, state), methods=["GET"], name="admin_state"),
+        Route("/admin/update", _guard(gw, update), methods=["POST"], name="admin_update"),
         Route("/admin/summary", _guard(gw, summary), methods=["GET"], name="admin_summary"),
         Route("/metrics", _guard(gw, prometheus), methods=["GET"], name="metrics"),
         Route("/dashboard", dashboard, methods=["GET"], name="dashboard"),

@@ -17,6 +17,8 @@ empty body without a type means no arguments; every response is JSON unless the 
   e.g. after a restart), or 404 when nobody knows the id. ``wait`` long-polls up to that many seconds (at
   most 30) while the request is in flight here.
 - ``GET /state/{operator}/{key}`` returns ``{"operator", "key", "value"}`` (an admin read).
+- Admin, metrics and dashboard routes (``/admin/status``, ``/admin/pause``, ``/admin/resume``,
+  ``/admin/state/{operator}``, ``/admin/summary``, ``/metrics``, ``/dashboard``): :mod:`charon.server.admin`.
 - ``GET /health`` (open) and ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
   including one ``/invoke`` path per function of the application with its parameter names and types.
 
