@@ -274,3 +274,65 @@ def test_admin_update_is_logged_and_survives_a_restart(tmp_path) -> None:
             assert sum(c.read_state("account")["entities"].values()) == N_ACCOUNTS * (BALANCE + 3)
     finally:
         rt.close()
+
+
+def test_durable_pause_logs_waiting_requests_and_a_crash_loses_none(tmp_path) -> None:
+    """In durable mode the requests that arrive while paused are in the input log at once (as the next
+    epochs); a runtime abandoned while paused (no stop, no checkpoint of them) replays them on restart."""
+    import asyncio
+
+    from charon import serde
+    from charon.messages import Request
+
+    data = str(tmp_path / "node")
+
+    async def paused_then_abandoned() -> int:
+        rt = _runtime(data_dir=data, fsync=False)
+        await rt.start()
+        await rt.submit("account", "a0", "transfer", ["a1", 1])
+        rt.pause()
+        frozen = rt.control_status()["epoch"]
+        futs = [rt.enqueue(Request(f"w{i}", "account", ycsb.key(i), "deposit", serde.encode([1])))
+                for i in range(25)]
+        for _ in range(500):
+            if all(rt.input_log.contains(f"w{i}") for i in range(25)):
+                break
+            await asyncio.sleep(0.01)
+        st = rt.control_status()
+        assert all(rt.input_log.contains(f"w{i}") for i in range(25)), "waiting requests are durable"
+        assert st["epoch"] == frozen and st["backlog"] == 25 and st["logged_waiting"] >= 1
+        assert not any(f.done() for f in futs)
+        rt._task.cancel()  # the process "dies" while paused
+        rt.node.close()
+        return frozen
+
+    frozen = asyncio.run(paused_then_abandoned())
+    rt = InProcessRuntime(ycsb.app, partitions=4, data_dir=data, fsync=False)
+    try:
+        assert rt.epoch - 1 > frozen and rt.replayed_epochs >= 1
+        assert all(rt.get_reply(f"w{i}") is not None and rt.get_reply(f"w{i}").ok for i in range(25))
+        assert sum(rt.entities("account").values()) == N_ACCOUNTS * BALANCE + 25
+    finally:
+        rt.close()
+
+
+def test_durable_pause_resume_runs_logged_epochs_in_order(tmp_path) -> None:
+    rt = _runtime(data_dir=str(tmp_path / "node"), fsync=False)
+    try:
+        with BackgroundServer(rt, token=TOKEN, wait_timeout=0.2) as srv, Client(srv.url, token=TOKEN) as c:
+            c.invoke("account", "a0", "deposit", 1)
+            c.pause()
+            _wait(lambda: c.status()["state"] == "paused", what="paused")
+            frozen = c.status()["epoch"]
+            rids = [c.submit("account", ycsb.key(i % 5), "deposit", 1) for i in range(30)]
+            _wait(lambda: c.status()["backlog"] == 30, what="backlog")
+            assert c.status()["epoch"] == frozen
+            c.resume()
+            results = [c.result_of(r, 30) for r in rids]
+            assert all(r.epoch > frozen for r in results)
+            order = [(r.epoch, r.tid) for r in results]
+            assert order == sorted(order)
+            assert c.admin_update("after", "account", "deposit", 1)["committed"] == N_ACCOUNTS
+            assert sum(c.read_state("account")["entities"].values()) == N_ACCOUNTS * (BALANCE + 1) + 31
+    finally:
+        rt.close()

@@ -98,6 +98,15 @@ class EpochGate:
                 self._waiters.append((asyncio.get_running_loop(), ev))
             await ev.wait()
 
+    def wake_on_open(self, epoch: int, event: asyncio.Event) -> None:
+        """Set ``event`` (on the running loop) when epoch ``epoch`` may start; at once if it may already."""
+        with self._cv:
+            if not self.closed_for(epoch):
+                event.set()
+                return
+            if not any(ev is event for _, ev in self._waiters):
+                self._waiters.append((asyncio.get_running_loop(), event))
+
     def leave(self) -> None:
         """The running epoch is done."""
         with self._cv:
@@ -211,7 +220,8 @@ def inprocess_status(rt: Any) -> dict[str, Any]:
     """Pause state, the last committed epoch and the backlog (queued + deferred) of an in-process runtime."""
     last = rt.epoch - 1
     retained = node_retained_epochs(rt.node.durable, rt.partitions) if rt.node is not None else []
-    return {**rt.gate.status(last), "epoch": last, "backlog": len(rt._queue) + len(rt.coordinator.deferred),
+    backlog = len(rt._queue) + len(rt.coordinator.deferred) + sum(len(b) for b, _ in rt._parked)
+    return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "logged_waiting": len(rt._parked),
             "engine": "inprocess", "durable": rt.durable, "retained_from": retained[0] if retained else last,
             "retained_epochs": retained + [last]}
 
@@ -312,6 +322,7 @@ async def inprocess_run_alone(
         try:
             while rt.gate._active is not None:  # the running epoch finishes first
                 await asyncio.sleep(0.001)
+            rt._run_parked()  # epochs logged while paused come first
             rt.drain()  # transactions deferred before the update run without it
             if keys is None:
                 keys = sorted({split_store_key(k)[1] for k in read_stores(rt.stores, operator, None, 1 << 62)})

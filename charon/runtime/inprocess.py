@@ -101,6 +101,8 @@ class InProcessRuntime:
         self._wake: asyncio.Event | None = None
         self._stopping = False
         self.gate = control.EpochGate()  # pause/resume at an epoch boundary
+        # durable mode, paused: epochs logged (their requests durable) but not run yet, with their log ends
+        self._parked: list[tuple[list[Request], int]] = []
         if self.node is not None:
             try:
                 self._recover()
@@ -214,6 +216,7 @@ class InProcessRuntime:
     # -- synchronous batch mode (deterministic epoch boundaries) -----------------------------------
     def run_epoch(self, requests: list[Request]) -> EpochResult:
         """Run the given requests as exactly one epoch (plus transactions deferred into it)."""
+        self._run_parked()
         if self.node is not None:
             self._write_base()
             requests, self._log_end = self.node.log_epoch(self.epoch, requests)
@@ -232,6 +235,12 @@ class InProcessRuntime:
         if len(stats) > self._stats_kept:
             del stats[: len(stats) - self._stats_kept]
         return result
+
+    def _run_parked(self) -> None:
+        """Run the epochs logged while paused (durable mode), in log order."""
+        while self._parked:
+            batch, self._log_end = self._parked.pop(0)
+            self._run_logged(batch)
 
     def drain(self) -> list[EpochResult]:
         """Run empty epochs until no deferred transaction is left."""
@@ -259,6 +268,7 @@ class InProcessRuntime:
         if self.node is not None and self.node.error is None:
             self.node.error = exc
         self._queue.clear()
+        self._parked.clear()  # logged: a restart replays them
         futures, self._futures = self._futures, {}
         for f in futures.values():
             if not f.done():
@@ -373,7 +383,7 @@ class InProcessRuntime:
     async def _loop(self) -> None:
         assert self._wake is not None
         while True:
-            if not self._queue and not self.coordinator.deferred:
+            if not self._queue and not self.coordinator.deferred and not self._parked:
                 if self._stopping:
                     return
                 self._wake.clear()
@@ -382,11 +392,30 @@ class InProcessRuntime:
             # durable mode: the previous batch's log commit is the batching window; no extra wait
             if self.node is None and len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
                 await asyncio.sleep(self.epoch_max_ms / 1000.0)
+            if self.node is not None and self.gate.closed_for(self.epoch):
+                # paused (durable mode): waiting requests go to the input log as the next epochs, run on resume
+                self._wake.clear()
+                if self._queue:
+                    batch = self._queue[: self.epoch_max_txns]
+                    del self._queue[: len(batch)]
+                    try:
+                        self._parked.append(await asyncio.to_thread(
+                            self.node.log_epoch, self.epoch + len(self._parked), batch))
+                    except Exception as exc:  # noqa: BLE001 - as below
+                        self._halt(exc)
+                        return
+                else:
+                    self.gate.wake_on_open(self.epoch, self._wake)
+                    await self._wake.wait()
+                continue
             await self.gate.enter_async(self.epoch)  # paused: no epoch starts, requests wait in the queue
             batch = self._queue[: self.epoch_max_txns]
             del self._queue[: len(batch)]
             try:
-                if self.node is None:
+                if self._parked:
+                    self._queue[:0] = batch
+                    self._run_parked()
+                elif self.node is None:
                     self.run_epoch(batch)
                 else:  # the batch is committed to the input log off the loop, then the epoch runs
                     batch, self._log_end = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
