@@ -348,6 +348,29 @@ def update(
 
 
 @app.command()
+def deploy(
+    ref: str = typer.Argument(..., metavar="MODULE:APP", help="The new code (allowed by the gateway's code_refs)."),
+    version: str = typer.Argument(..., help="Its version label."),
+    migrate: tuple[str, str, str] = typer.Option(
+        (None, None, None), "--migrate", metavar="OPERATOR FUNCTION ARGS_JSON",
+        help="A function of the new code run on every entity of OPERATOR at the boundary."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """A strict code update: every partition switches to MODULE:APP at one epoch boundary (in-process runtime)."""
+    migration = None
+    if migrate[0] is not None:
+        try:
+            args = json.loads(migrate[2])
+        except json.JSONDecodeError as exc:
+            raise _fail(f"ARGS_JSON is not valid JSON: {exc}") from None
+        if not isinstance(args, list):
+            raise _fail("ARGS_JSON must be a JSON list")
+        migration = (migrate[0], migrate[1], args)
+    _print_json(_admin(url, token, lambda c: c.update_code(ref, version, migration)))
+
+
+@app.command()
 def metrics(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Print the Prometheus metrics (/metrics)."""
     typer.echo(_admin(url, token, lambda c: c.metrics()), nl=False)
