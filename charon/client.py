@@ -399,6 +399,17 @@ class Client(_Base):
         return self._admin_doc(self._send("POST", "/admin/update", content=msgspec.msgpack.encode(body),
                                           headers={**self.headers, "Content-Type": MSGPACK}))
 
+    def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, Sequence[Any]] | None = None
+    ) -> dict[str, Any]:
+        """Strict code update to the deployed ``ref`` (``module:attribute``, allowed by the gateway's
+        ``code_refs``) at one epoch boundary; ``migration`` = (operator, function, args) of the new code."""
+        body: dict[str, Any] = {"ref": ref, "version": version}
+        if migration is not None:
+            body["migration"] = {"operator": migration[0], "function": migration[1], "args": list(migration[2])}
+        return self._admin_doc(self._send("POST", "/admin/code", content=msgspec.msgpack.encode(body),
+                                          headers={**self.headers, "Content-Type": MSGPACK}))
+
     def metrics(self) -> str:
         """The Prometheus exposition of ``/metrics``."""
         resp = self._send("GET", "/metrics", headers=self.headers)

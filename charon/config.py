@@ -101,6 +101,7 @@ class GatewayConfig:
     read_threads: int = 8  # threads for runtime reads (replies, state), off the event loop
     public_url: str | None = None  # base of status URLs (e.g. https://api.example.com); None: relative URLs
     max_scan: int = 10_000  # most entities one admin state read returns (/admin/state)
+    code_refs: str | None = None  # comma-separated "module:attribute" refs /admin/code may deploy (None: none)
     metrics_samples: int = 10_000  # recent replies the dashboard's throughput and percentiles are computed from
 
     @classmethod

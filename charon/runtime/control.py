@@ -13,8 +13,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
+import time
+from collections.abc import AsyncIterator
 from typing import Any
+
+import msgspec
 
 from charon import serde
 from charon.core.routing import entity_prefix, partition_of, split_store_key, store_key
@@ -223,6 +229,7 @@ def inprocess_status(rt: Any) -> dict[str, Any]:
     backlog = len(rt._queue) + len(rt.coordinator.deferred) + sum(len(b) for b, _ in rt._parked)
     return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "logged_waiting": len(rt._parked),
             "engine": "inprocess", "durable": rt.durable, "retained_from": retained[0] if retained else last,
+            "code_version": version_at(rt, last + 1),
             "retained_epochs": retained + [last]}
 
 
@@ -293,6 +300,47 @@ def spark_inspect(
 ADMIN_PREFIX = "__charon_admin:"  # request ids of admin updates (the gateway reserves __charon* for runtimes)
 
 
+@contextlib.asynccontextmanager
+async def _alone(rt: Any) -> AsyncIterator[None]:
+    """Hold the in-process runtime at an epoch boundary with nothing in flight: paused after the running
+    epoch, epochs logged while paused run, transactions deferred before run (alone); resumed afterwards
+    unless it was paused before. One at a time."""
+    lock = getattr(rt, "_admin_lock", None)
+    if lock is None:
+        lock = rt._admin_lock = asyncio.Lock()
+    async with lock:
+        was_paused = rt.gate._paused
+        rt.gate.pause()
+        try:
+            while rt.gate._active is not None:  # the running epoch finishes first
+                await asyncio.sleep(0.001)
+            rt._run_parked()  # epochs logged while paused come first
+            rt.drain()  # transactions deferred before run without what follows
+            yield
+        finally:
+            if not was_paused:
+                rt.gate.resume()
+
+
+def _update_epochs(
+    rt: Any, update_id: str, operator: str, function: str, args: bytes, keys: list[str] | None
+) -> dict[str, Any]:
+    """Run ``function`` on every key (default: every entity of ``operator``) as one epoch, then the epochs its
+    deferred transactions need; call it at a quiet boundary (:func:`_alone`, or during recovery)."""
+    from charon.messages import Request
+
+    marker = f"{ADMIN_PREFIX}{update_id}"
+    if keys is None:
+        keys = sorted({split_store_key(k)[1] for k in read_stores(rt.stores, operator, None, 1 << 62)})
+    reqs = [Request(f"{marker}:{k}", operator, k, function, args, time.time()) for k in keys]
+    known = [rt.get_reply(r.request_id) for r in reqs]
+    if any(k is not None for k in known):  # it ran before (e.g. before a restart): its epoch ran all of them
+        return _update_outcome(update_id, reqs, known, [], repeated=True)
+    result = rt.run_epoch(reqs)
+    epochs = [result.epoch] + [r.epoch for r in rt.drain()]
+    return _update_outcome(update_id, reqs, [rt.get_reply(r.request_id) for r in reqs], epochs, repeated=False)
+
+
 async def inprocess_run_alone(
     rt: Any, update_id: str, operator: str, function: str, args: bytes, keys: list[str] | None
 ) -> dict[str, Any]:
@@ -305,41 +353,119 @@ async def inprocess_run_alone(
     paused before). No client transaction shares those epochs. The functions are the deployed
     application's; request ids are ``__charon_admin:<id>:<key>``, so an update id runs once (a repeat
     returns the first outcome)."""
-    import time
+    history: dict[str, dict[str, Any]] = rt.__dict__.setdefault("_admin_done", {})
+    if update_id in history:
+        return {**history[update_id], "repeated": True}
+    async with _alone(rt):
+        out = _update_epochs(rt, update_id, operator, function, args, keys)
+    history[update_id] = out
+    while len(history) > 1000:
+        history.pop(next(iter(history)))
+    return out
 
-    from charon.messages import Request
 
-    lock = getattr(rt, "_admin_lock", None)
-    if lock is None:
-        lock = rt._admin_lock = asyncio.Lock()
-    async with lock:
-        marker = f"{ADMIN_PREFIX}{update_id}"
-        history: dict[str, dict[str, Any]] = rt.__dict__.setdefault("_admin_done", {})
-        if update_id in history:
-            return {**history[update_id], "repeated": True}
-        was_paused = rt.gate._paused
-        rt.gate.pause()
-        try:
-            while rt.gate._active is not None:  # the running epoch finishes first
-                await asyncio.sleep(0.001)
-            rt._run_parked()  # epochs logged while paused come first
-            rt.drain()  # transactions deferred before the update run without it
-            if keys is None:
-                keys = sorted({split_store_key(k)[1] for k in read_stores(rt.stores, operator, None, 1 << 62)})
-            reqs = [Request(f"{marker}:{k}", operator, k, function, args, time.time()) for k in keys]
-            known = [rt.get_reply(r.request_id) for r in reqs]
-            if any(k is not None for k in known):  # it ran before a restart: its epoch ran all of them
-                return _update_outcome(update_id, reqs, known, [], repeated=True)
-            result = rt.run_epoch(reqs)
-            epochs = [result.epoch] + [r.epoch for r in rt.drain()]
-        finally:
-            if not was_paused:
-                rt.gate.resume()
-        out = _update_outcome(update_id, reqs, [rt.get_reply(r.request_id) for r in reqs], epochs, repeated=False)
-        history[update_id] = out
-        while len(history) > 1000:
-            history.pop(next(iter(history)))
-        return out
+# -- strict code updates (in-process runtime) -----------------------------------------------------------------
+class CodeVersion(msgspec.Struct):
+    """One deployed code version: from which epoch on, its label, its module reference, its migration."""
+
+    from_epoch: int
+    version: str
+    ref: str | None  # "module:attribute"; None: the application the runtime was constructed with
+    migration: list[Any] | None = None  # [update id, operator, function, encoded args]
+
+
+def load_app_ref(ref: str) -> Any:
+    """Import ``module:attribute`` of an installed module (code only comes from what is deployed)."""
+    import importlib
+
+    from charon.operator import Application
+
+    mod, _, attr = ref.partition(":")
+    app = getattr(importlib.import_module(mod), attr or "app", None)
+    if not isinstance(app, Application):
+        raise TypeError(f"{ref} is not a charon.Application")
+    return app
+
+
+def _switch(rt: Any, app: Any) -> None:
+    rt.app = app
+    rt.coordinator.app = app
+    for u in rt.units:
+        u.app = app
+
+
+def _code_file(rt: Any) -> str | None:
+    return os.path.join(rt.node.data_dir, "code.json") if rt.node is not None else None
+
+
+def code_history(rt: Any) -> list[CodeVersion]:
+    """The code versions of a runtime, oldest first (the first is the one it was constructed with)."""
+    hist = rt.__dict__.get("_code_history")
+    if hist is None:
+        hist = [CodeVersion(0, str(getattr(rt.app, "version", "1")), None)]
+        path = _code_file(rt)
+        if path is not None and os.path.exists(path):
+            with open(path, "rb") as f:
+                hist = msgspec.json.decode(f.read(), type=list[CodeVersion])
+        rt._code_history = hist
+    return hist
+
+
+def version_at(rt: Any, epoch: int) -> str:
+    """The code version epoch ``epoch`` ran (or runs) with."""
+    label = code_history(rt)[0].version
+    for v in code_history(rt):
+        if v.from_epoch <= epoch:
+            label = v.version
+    return label
+
+
+def recover_code(rt: Any) -> None:
+    """Durable mode, at start-up (before replay): run the newest recorded code version, and finish its
+    migration if a crash came before it ran. An update flushes a checkpoint before it is recorded, so every
+    epoch a recovery replays ran with the newest version."""
+    hist = code_history(rt)
+    newest = hist[-1]
+    if newest.ref is not None:
+        _switch(rt, load_app_ref(newest.ref))
+
+
+def finish_migration(rt: Any) -> None:
+    """After recovery: run the newest update's migration if it never ran (idempotent by its request ids)."""
+    newest = code_history(rt)[-1]
+    if newest.migration is not None:
+        uid, op, fn, args = newest.migration
+        _update_epochs(rt, uid, op, fn, bytes(args) if isinstance(args, list) else args, None)
+
+
+async def inprocess_update_code(
+    rt: Any, ref: str, version: str, migration: tuple[str, str, bytes] | None = None
+) -> dict[str, Any]:
+    """A strict code update: every partition switches to ``ref`` at the same epoch boundary e, after every
+    transaction that started on the old code finished (deferred ones included); ``migration`` (operator,
+    function of the new code, encoded args) then runs on every entity of the operator in one epoch of its
+    own, before any client transaction sees the new code. Durable mode records it (``code.json``) after a
+    checkpoint, so a restart keeps the new code and completes an interrupted migration. Rolling back is
+    another update."""
+    app = load_app_ref(ref)
+    hist = code_history(rt)
+    async with _alone(rt):
+        e = rt.epoch
+        mig = None
+        if migration is not None:
+            mig = [f"code-{len(hist)}-{version}", migration[0], migration[1], list(migration[2])]
+        entry = CodeVersion(e, version, ref, mig)
+        path = _code_file(rt)
+        if path is not None:
+            await asyncio.to_thread(rt.node.flush)  # every epoch before e is checkpointed: no replay crosses e
+            data = msgspec.json.encode([*hist, entry])
+            await asyncio.to_thread(rt.node.durable.fs.write_atomic, path, lambda f: f.write(data))
+        hist.append(entry)
+        _switch(rt, app)
+        out = None
+        if mig is not None:
+            out = _update_epochs(rt, mig[0], mig[1], mig[2], migration[2], None)  # type: ignore[index]
+    return {"version": version, "ref": ref, "from_epoch": e, "migration": out}
 
 
 def _update_outcome(update_id: str, reqs: list[Any], replies: list[Any], epochs: list[int],

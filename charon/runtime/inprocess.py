@@ -132,12 +132,14 @@ class InProcessRuntime:
             self._log_end = rec.log_end
             self.coordinator.sequencer.counters = list(rec.counters)
             self.coordinator.deferred = [(tid, serde.decode_request(b)) for tid, b in rec.deferred]
+        control.recover_code(self)  # the newest code version recorded (code updates)
         for epoch, requests in epochs:
             if epoch != self.epoch:
                 raise RuntimeError(f"replay: epoch {epoch} logged where {self.epoch} was expected")
             self._log_end += len(requests) + 1
             self._run_logged(requests)
         self.replayed_epochs = len(epochs)
+        control.finish_migration(self)  # a code update's migration a crash interrupted
 
     def close(self) -> None:
         """Durable mode: checkpoint everything and release the data directory (volatile: nothing)."""
@@ -448,6 +450,18 @@ class InProcessRuntime:
         """A serializable admin update: ``function`` on every key (default: every entity of ``operator``), alone
         at an epoch boundary, once per ``update_id`` (:func:`charon.runtime.control.inprocess_run_alone`)."""
         return await control.inprocess_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
+
+    async def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None
+    ) -> dict[str, Any]:
+        """Strict code update to ``ref`` (``module:attribute``) at one epoch boundary, with an optional
+        ``migration`` (operator, function, args) over every entity (see :mod:`charon.runtime.control`)."""
+        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
+        return await control.inprocess_update_code(self, ref, version, mig)
+
+    def version_at(self, epoch: int) -> str:
+        """The code version epoch ``epoch`` ran with."""
+        return control.version_at(self, epoch)
 
     async def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000

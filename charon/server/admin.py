@@ -17,6 +17,13 @@
   key (default: every entity of the operator), alone at an epoch boundary, once per ``id`` (a repeat answers
   with the first outcome, ``"repeated": true``): ``{"id", "transactions", "committed", "aborted": {key:
   error}, "epochs", "repeated"}``.
+- ``POST /admin/code`` ``{"ref": "module:attribute", "version": "v2", "migration": {"operator", "function",
+  "args"}?}``: a strict code update (in-process runtime) to an application among the ``code_refs`` setting
+  (403 ``Forbidden`` otherwise; clients only name deployed code): every partition switches at one epoch
+  boundary, after every transaction begun on the old code finished; the migration (a function of the new
+  code) then runs on every entity of the operator in an epoch of its own before any client transaction.
+  ``{"version", "ref", "from_epoch", "migration"}``. Replies carry ``code_version``; rolling back is another
+  update.
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
 - ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
 - ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
@@ -43,6 +50,7 @@ __all__ = ["admin_routes"]
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 STATUS_OF_ERROR.setdefault("EpochNotRetained", 410)
 STATUS_OF_ERROR.setdefault("NotSupported", 501)
+STATUS_OF_ERROR.setdefault("Forbidden", 403)
 
 
 def _method(gw: _Gateway, name: str) -> Any:
@@ -176,6 +184,33 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         out = await gw.off_loop(_method(gw, "run_alone"), uid, operator, function, args, keys)
         return gw.respond(request, 200, out)
 
+    async def code(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        doc = await _json_body(gw, request)
+        unknown = set(doc) - {"ref", "version", "migration"}
+        if unknown:
+            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        ref, version, mig = doc.get("ref"), doc.get("version"), doc.get("migration")
+        if not isinstance(ref, str) or not isinstance(version, str) or not 0 < len(version) <= 100:
+            raise _HTTPError("BadRequest", "ref (module:attribute) and version (1-100 characters) are required")
+        allowed = {r.strip() for r in (gw.cfg.code_refs or "").split(",") if r.strip()}
+        if ref not in allowed:
+            raise _HTTPError("Forbidden", f"{ref!r} is not among the deployable code refs (code_refs setting)")
+        migration = None
+        if mig is not None:
+            if not isinstance(mig, dict) or set(mig) - {"operator", "function", "args"}:
+                raise _HTTPError("BadRequest", 'migration must be {"operator", "function", "args"}')
+            args = mig.get("args", [])
+            if not isinstance(mig.get("operator"), str) or not isinstance(mig.get("function"), str) \
+                    or not isinstance(args, list):
+                raise _HTTPError("BadRequest", "migration operator and function are strings, args a list")
+            migration = (mig["operator"], mig["function"], args)
+        try:
+            out = await gw.off_loop(_method(gw, "update_code"), ref, version, migration)
+        except (ImportError, TypeError) as exc:
+            raise _HTTPError("BadRequest", f"cannot deploy {ref!r}: {exc}") from None
+        return gw.respond(request, 200, out)
+
     async def summary(request: HTTPRequest) -> Response:
         gw.check_auth(request)
         doc = await gw.off_loop(metrics.summary, len(gw.inflight))
@@ -195,6 +230,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         Route("/admin/resume", _guard(gw, resume), methods=["POST"], name="admin_resume"),
         Route("/admin/state/{operator}", _guard(gw, state), methods=["GET"], name="admin_state"),
         Route("/admin/update", _guard(gw, update), methods=["POST"], name="admin_update"),
+        Route("/admin/code", _guard(gw, code), methods=["POST"], name="admin_code"),
         Route("/admin/summary", _guard(gw, summary), methods=["GET"], name="admin_summary"),
         Route("/metrics", _guard(gw, prometheus), methods=["GET"], name="metrics"),
         Route("/dashboard", dashboard, methods=["GET"], name="dashboard"),

@@ -8,7 +8,9 @@ empty body without a type means no arguments; every response is JSON unless the 
   200 ``{"request_id", "tid", "epoch", "position", "value", "status": "committed"}`` when it committed;
   409 ``{"error": {"type", "message"}, "request_id", "tid", "epoch", "position", "status": "aborted"}`` when
   a function in its call graph raised (nothing was applied). Replies ordered by (epoch, position) form a
-  serial order equivalent to the execution. The ``Idempotency-Key`` header becomes the request id:
+  serial order equivalent to the execution. With the in-process runtime both also carry ``"code_version"``,
+  the application version the epoch ran (code updates, :mod:`charon.server.admin`). The ``Idempotency-Key``
+  header becomes the request id:
   a retried request executes once and every retry gets the first reply. ``?mode=async`` answers at once
   with 202 ``{"request_id", "status_url"}``. A synchronous call still unanswered after ``wait_timeout``
   seconds also turns into that 202 (the transaction keeps running).
@@ -420,6 +422,7 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
                         "position": _POSITION_SCHEMA,
                         "value": {},
                         "status": {"type": "string", "enum": ["committed"]},
+                        "code_version": {"type": "string"},
                     },
                     "required": ["request_id", "tid", "epoch", "position", "value"],
                 },
@@ -661,6 +664,8 @@ class _Gateway:
         return Response(data, status, headers=headers, media_type=MSGPACK if mp else "application/json")
 
     def reply_response(self, request: HTTPRequest, rep: Reply) -> Response:
+        version_at = getattr(self.runtime, "version_at", None)  # code updates: the version its epoch ran
+        extra = {"code_version": version_at(rep.epoch)} if version_at is not None and rep.epoch >= 0 else {}
         if rep.ok:
             try:
                 value = serde.decode(rep.value) if rep.value else None
@@ -673,6 +678,7 @@ class _Gateway:
                 "position": rep.position,
                 "value": value,
                 "status": "committed",
+                **extra,
             }
             return self.respond(request, 200, body)
         body = {
@@ -682,6 +688,7 @@ class _Gateway:
             "epoch": rep.epoch,
             "position": rep.position,
             "status": "aborted",
+            **extra,
         }
         return self.respond(request, 409, body)
 

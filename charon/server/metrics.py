@@ -68,7 +68,8 @@ class GatewayMetrics:
         self.g_inflight = Gauge("charon_inflight", "Requests in flight at the gateway.", registry=r)
         self.code = Info("charon_code", "The deployed application and its code version.", registry=r)
         app = getattr(runtime, "app", None)
-        self.code.info({"app": str(getattr(app, "name", "")), "version": str(getattr(app, "version", "1"))})
+        self._version = str(getattr(app, "version", "1"))
+        self.code.info({"app": str(getattr(app, "name", "")), "version": self._version})
         self._reasons: set[str] = set()
         self._lock = threading.Lock()
         self._last_epoch_seen = -1
@@ -140,6 +141,9 @@ class GatewayMetrics:
         self.g_backlog.set(st.get("backlog", 0))
         self.g_paused.set(1 if st.get("paused") else 0)
         self.g_inflight.set(inflight)
+        if "code_version" in st and st["code_version"] != self._version:
+            self._version = str(st["code_version"])
+            self.code.info({"app": str(getattr(self.runtime.app, "name", "")), "version": self._version})
         return st
 
     def exposition(self, inflight: int) -> bytes:
@@ -167,6 +171,5 @@ class GatewayMetrics:
             "aborts_per_s": sum(aborts.values()) / window, "aborts": aborts,
             "latency_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)},
             "epochs": list(self._epochs)[-60:], "partition_load": list(self._load),
-            "code": {"app": str(getattr(getattr(self.runtime, "app", None), "name", "")),
-                     "version": str(getattr(getattr(self.runtime, "app", None), "version", "1"))},
+            "code": {"app": str(getattr(getattr(self.runtime, "app", None), "name", "")), "version": self._version},
         }
