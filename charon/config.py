@@ -115,6 +115,9 @@ class GatewayConfig:
     stream_max_events: int = 1000  # events per GET /streams page (whole atoms; a larger first atom is whole)
     stream_max_waiters: int = 256  # concurrent long polls and server-sent-event connections (503 above)
     stream_sse_seconds: float = 300.0  # a server-sent-event connection ends after this; resume by offset
+    max_scan: int = 10_000  # most entities one admin state read returns (/admin/state)
+    code_refs: str | None = None  # comma-separated "module:attribute" refs /admin/code may deploy (None: none)
+    metrics_samples: int = 10_000  # recent replies the dashboard's throughput and percentiles are computed from
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:

@@ -37,6 +37,7 @@ from charon.core.timers import MAX_TIMERS_PER_EPOCH, Timer
 from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator, batch_request
+from charon.runtime import control
 from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
@@ -127,6 +128,9 @@ class InProcessRuntime:
         self._stopping = False
         self._rescales: list[tuple[int, asyncio.Future[float]]] = []
         self.rescale_pauses: list[dict[str, float]] = []  # one per rescale: from, to, epoch, pause_s, keys
+        self.gate = control.EpochGate()  # pause/resume at an epoch boundary
+        # durable mode, paused: epochs logged (their requests durable) but not run yet, with their log ends and times
+        self._parked: list[tuple[list[Request], int, float]] = []
         if self.node is not None:
             try:
                 self._recover()
@@ -160,12 +164,14 @@ class InProcessRuntime:
             self.coordinator.deferred = [(tid, serde.decode_request(b)) for tid, b in rec.deferred]
             self.coordinator.sequencer.time = rec.time
             self.coordinator.next_due = rec.next_due
+        control.recover_code(self)  # the newest code version recorded (code updates)
         for epoch, requests, now in epochs:
             if epoch != self.epoch:
                 raise RuntimeError(f"replay: epoch {epoch} logged where {self.epoch} was expected")
             self._log_end += len(requests) + 1
             self._run_logged(requests, now)
         self.replayed_epochs = len(epochs)
+        control.finish_migration(self)  # a code update's migration a crash interrupted
 
     def close(self) -> None:
         """Durable mode: checkpoint everything and release the data directory (volatile: nothing)."""
@@ -342,6 +348,7 @@ class InProcessRuntime:
     def run_epoch(self, requests: list[Request], now: float | None = None) -> EpochResult:
         """Run the given requests as exactly one epoch (plus transactions deferred into it, and the timers
         due at the epoch's time ``now``, default the clock; durable mode logs it with the batch)."""
+        self._run_parked()
         if self.node is not None:
             self._write_base()
             requests, self._log_end, now = self.node.log_epoch(self.epoch, requests, now)
@@ -362,6 +369,12 @@ class InProcessRuntime:
         if len(stats) > self._stats_kept:
             del stats[: len(stats) - self._stats_kept]
         return result
+
+    def _run_parked(self) -> None:
+        """Run the epochs logged while paused (durable mode), in log order."""
+        while self._parked:
+            batch, self._log_end, now = self._parked.pop(0)
+            self._run_logged(batch, now)
 
     def drain(self) -> list[EpochResult]:
         """Run empty epochs until no deferred transaction is left."""
@@ -389,6 +402,7 @@ class InProcessRuntime:
         if self.node is not None and self.node.error is None:
             self.node.error = exc
         self._queue.clear()
+        self._parked.clear()  # logged: a restart replays them
         futures, self._futures = self._futures, {}
         for f in futures.values():
             if not f.done():
@@ -414,8 +428,9 @@ class InProcessRuntime:
         }
 
     async def stop(self) -> None:
-        """Finish waiting work and stop."""
+        """Finish waiting work and stop (a paused runtime is resumed: its queued requests run first)."""
         if self._task is not None:
+            self.gate.resume()
             while (self._queue or self.coordinator.deferred or self._futures) and self.failed is None:
                 await asyncio.sleep(0.001)
             self._stopping = True
@@ -520,7 +535,7 @@ class InProcessRuntime:
                 else:
                     if not fut.done():
                         fut.set_result(pause)
-            if not self._queue and not self.coordinator.deferred:
+            if not self._queue and not self.coordinator.deferred and not self._parked:
                 if self._stopping:
                     return
                 wait = self.coordinator.next_due - time.time()  # an empty epoch fires a due timer
@@ -535,10 +550,30 @@ class InProcessRuntime:
             # durable mode: the previous batch's log commit is the batching window; no extra wait
             if self.node is None and len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
                 await asyncio.sleep(self.epoch_max_ms / 1000.0)
+            if self.node is not None and self.gate.closed_for(self.epoch):
+                # paused (durable mode): waiting requests go to the input log as the next epochs, run on resume
+                self._wake.clear()
+                if self._queue:
+                    batch = self._queue[: self.epoch_max_txns]
+                    del self._queue[: len(batch)]
+                    try:
+                        self._parked.append(await asyncio.to_thread(
+                            self.node.log_epoch, self.epoch + len(self._parked), batch))
+                    except Exception as exc:  # noqa: BLE001 - as below
+                        self._halt(exc)
+                        return
+                else:
+                    self.gate.wake_on_open(self.epoch, self._wake)
+                    await self._wake.wait()
+                continue
+            await self.gate.enter_async(self.epoch)  # paused: no epoch starts, requests wait in the queue
             batch = self._queue[: self.epoch_max_txns]
             del self._queue[: len(batch)]
             try:
-                if self.node is None:
+                if self._parked:
+                    self._queue[:0] = batch
+                    self._run_parked()
+                elif self.node is None:
                     self.run_epoch(batch)
                 else:  # the batch is committed to the input log off the loop, then the epoch runs
                     batch, self._log_end, now = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
@@ -546,7 +581,49 @@ class InProcessRuntime:
             except Exception as exc:  # noqa: BLE001 - the runtime stops loudly instead of hanging its clients
                 self._halt(exc)
                 return
+            finally:
+                self.gate.leave()
             await asyncio.sleep(0)
+
+    # -- control (charon.runtime.control) ----------------------------------------------------------
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; returns the status."""
+        self.gate.pause(after_epoch)
+        return self.control_status()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; queued requests run in arrival order."""
+        self.gate.resume()
+        return self.control_status()
+
+    def control_status(self) -> dict[str, Any]:
+        """``state`` (running, pausing, paused), the last committed ``epoch``, the ``backlog``."""
+        return control.inprocess_status(self)
+
+    async def run_alone(
+        self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
+    ) -> dict[str, Any]:
+        """A serializable admin update: ``function`` on every key (default: every entity of ``operator``), alone
+        at an epoch boundary, once per ``update_id`` (:func:`charon.runtime.control.inprocess_run_alone`)."""
+        return await control.inprocess_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
+
+    async def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None
+    ) -> dict[str, Any]:
+        """Strict code update to ``ref`` (``module:attribute``) at one epoch boundary, with an optional
+        ``migration`` (operator, function, args) over every entity (see :mod:`charon.runtime.control`)."""
+        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
+        return await control.inprocess_update_code(self, ref, version, mig)
+
+    def version_at(self, epoch: int) -> str:
+        """The code version epoch ``epoch`` ran with."""
+        return control.version_at(self, epoch)
+
+    async def inspect(
+        self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
+    ) -> tuple[int, dict[bytes, bytes]]:
+        """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch (:mod:`charon.runtime.control`)."""
+        return await control.inprocess_inspect(self, operator, keys, epoch, limit)
 
 
 def _remove_volatile(log: StreamLog, tmp: str) -> None:

@@ -8,7 +8,9 @@ empty body without a type means no arguments; every response is JSON unless the 
   200 ``{"request_id", "tid", "epoch", "position", "value", "status": "committed"}`` when it committed;
   409 ``{"error": {"type", "message"}, "request_id", "tid", "epoch", "position", "status": "aborted"}`` when
   a function in its call graph raised (nothing was applied). Replies ordered by (epoch, position) form a
-  serial order equivalent to the execution. The ``Idempotency-Key`` header becomes the request id:
+  serial order equivalent to the execution. With the in-process runtime both also carry ``"code_version"``,
+  the application version the epoch ran (code updates, :mod:`charon.server.admin`). The ``Idempotency-Key``
+  header becomes the request id:
   a retried request executes once and every retry gets the first reply. ``?mode=async`` answers at once
   with 202 ``{"request_id", "status_url"}``. A synchronous call still unanswered after ``wait_timeout``
   seconds also turns into that 202 (the transaction keeps running).
@@ -30,6 +32,8 @@ empty body without a type means no arguments; every response is JSON unless the 
   atom is returned whole); long-polls up to ``wait`` seconds (at most 30) when nothing is there yet. With
   ``Accept: text/event-stream`` it answers with server-sent events instead (``id`` = the offset after the
   event, ``data`` = the JSON event; resumable with ``Last-Event-ID``), for at most ``stream_sse_seconds``.
+- Admin, metrics and dashboard routes (``/admin/status``, ``/admin/pause``, ``/admin/resume``,
+  ``/admin/state/{operator}``, ``/admin/summary``, ``/metrics``, ``/dashboard``): :mod:`charon.server.admin`.
 - ``GET /health`` (open): 200 while the runtime serves, else 503 with its ``status`` (``starting`` while a
   runtime started in the background comes up, ``recovering``, ``failed``, ``stopped``). While starting, state
   reads answer 503 with ``Retry-After`` and invokes are accepted into the runtime's durable input log.
@@ -493,6 +497,7 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
                         "position": _POSITION_SCHEMA,
                         "value": {},
                         "status": {"type": "string", "enum": ["committed"]},
+                        "code_version": {"type": "string"},
                     },
                     "required": ["request_id", "tid", "epoch", "position", "value"],
                 },
@@ -545,6 +550,7 @@ class _Gateway:
             raise _HTTPError("Unavailable", f"the runtime failed to start: {self.start_error}")
         if self.starting:
             raise _HTTPError("Unavailable", "the runtime is starting; retry shortly")
+        self.metrics: Any = None  # charon.server.metrics.GatewayMetrics, set by create_app
 
     # ---- helpers
 
@@ -686,10 +692,13 @@ class _Gateway:
         )
         self.inflight[rid] = task
         self.inflight_req[rid] = req
-        task.add_done_callback(lambda t: self._finished(rid, t))
+        t0 = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.observe_request(req)
+        task.add_done_callback(lambda t: self._finished(rid, t, t0))
         return task
 
-    def _finished(self, rid: str, task: asyncio.Future[Reply]) -> None:
+    def _finished(self, rid: str, task: asyncio.Future[Reply], t0: float = 0.0) -> None:
         if self.inflight.get(rid) is task:
             del self.inflight[rid]
             req = self.inflight_req.pop(rid)
@@ -698,6 +707,8 @@ class _Gateway:
         if task.cancelled() or task.exception() is not None:
             return
         self.remember(task.result(), req)
+        if self.metrics is not None:
+            self.metrics.observe_reply(task.result(), time.perf_counter() - t0)
 
     def remember(self, rep: Reply, req: Request) -> None:
         """Keep a reply for polls and retries, within the count and byte bounds."""
@@ -740,6 +751,8 @@ class _Gateway:
         return Response(data, status, headers=headers, media_type=MSGPACK if mp else "application/json")
 
     def reply_response(self, request: HTTPRequest, rep: Reply) -> Response:
+        version_at = getattr(self.runtime, "version_at", None)  # code updates: the version its epoch ran
+        extra = {"code_version": version_at(rep.epoch)} if version_at is not None and rep.epoch >= 0 else {}
         if rep.ok:
             try:
                 value = serde.decode(rep.value) if rep.value else None
@@ -752,6 +765,7 @@ class _Gateway:
                 "position": rep.position,
                 "value": value,
                 "status": "committed",
+                **extra,
             }
             return self.respond(request, 200, body)
         body = {
@@ -761,6 +775,7 @@ class _Gateway:
             "epoch": rep.epoch,
             "position": rep.position,
             "status": "aborted",
+            **extra,
         }
         return self.respond(request, 409, body)
 
@@ -1136,6 +1151,12 @@ def create_app(
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
+    from charon.server.admin import admin_routes  # imports this module
+    from charon.server.metrics import GatewayMetrics
+
+    parts = getattr(runtime, "partitions", None) or getattr(getattr(runtime, "config", None), "partitions", 1)
+    gw.metrics = GatewayMetrics(runtime, int(parts), samples=cfg.metrics_samples)
+    routes += admin_routes(gw, gw.metrics)
     async def http_error(request: HTTPRequest, exc: Exception) -> Response:
         # routing errors (no such route, wrong method) in the same typed JSON shape as every other error
         status = getattr(exc, "status_code", 500)

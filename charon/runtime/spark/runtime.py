@@ -48,6 +48,7 @@ from charon.log.sqlite import DedupRetention
 from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application
+from charon.runtime import control
 from charon.state.durable import DurableState, write_file_atomic
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
@@ -436,6 +437,7 @@ class SparkExchange:
         s = self.stats
         s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
         s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
+        s["jobs"] = s.get("jobs", 0) + (1 if payloads else 0)
         s["bytes_out"] = s.get("bytes_out", 0) + sum(len(b) for _, b in payloads)
         s["bytes_in"] = s.get("bytes_in", 0) + sum(len(b) for _, b in results)
         s["step_s"] = s.get("step_s", 0.0) + sum(o.stats.get("step_us", 0) for o in outs) / 1e6
@@ -495,6 +497,7 @@ class SparkRuntime:
         # when the next timer is due (recorded per epoch; a fresh checkpoint has none): the ticker's cue
         self._next_due = last.next_due if last is not None else math.inf
         self._ticker: threading.Thread | None = None
+        self.gate = control.EpochGate()  # pause/resume at an epoch boundary
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -512,6 +515,7 @@ class SparkRuntime:
         ship_app_module(spark, self.app_ref)
         with self._epoch_cv:
             self._stopping = False
+        self.gate.reset()
         with self._lock:
             self._wake.clear()
             self._fatal = None
@@ -627,6 +631,7 @@ class SparkRuntime:
         with self._lock:
             self._status = "stopped"
             self._wake.set()
+            self.gate.stopping()  # an epoch waiting at a paused gate fails and is replayed after a restart
             q, self._query = self._query, None
         with self._epoch_cv:
             self._stopping = True
@@ -779,6 +784,7 @@ class SparkRuntime:
             coord.next_due = prev.next_due
             coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
         self.exchange.stats = {}
+        self.gate.enter(epoch)  # paused: the batch is fixed but its epoch does not start
         crash_point("before_epoch", epoch)
         result = coord.run_epoch(epoch, requests, now)
         if result.events:  # before the record: a replay of this epoch re-derives them, appended once
@@ -793,6 +799,7 @@ class SparkRuntime:
         )
         self._write_record(rec)
         self._next_due = coord.next_due
+        self.gate.leave()
         self._unconfirmed = None
         self.output_log.mark_epoch(epoch)  # the replies stream cuts its atoms here
         self.last_epoch = epoch
@@ -841,6 +848,35 @@ class SparkRuntime:
             if name.endswith(".msgpack") and name[:-8].isdigit() and int(name[:-8]) < lo:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(epochs, name))
+
+    # -- control (charon.runtime.control) ------------------------------------------------------------------------
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; requests wait in the input log."""
+        self.gate.pause(after_epoch)
+        return self.control_status()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; the waiting requests run in log order."""
+        self.gate.resume()
+        return self.control_status()
+
+    def control_status(self) -> dict[str, Any]:
+        """``state`` (running, pausing, paused), the last recorded ``epoch``, the ``backlog``."""
+        return control.spark_status(self)
+
+    def inspect(
+        self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
+    ) -> tuple[int, dict[bytes, bytes]]:
+        """``(epoch, rows)``: ``operator``'s state rows as of one recorded epoch, from the durable copy."""
+        return control.spark_inspect(self, operator, keys, epoch, limit)
+
+    def state_frame(self, operator: str, epoch: int | None = None) -> Any:
+        """``operator``'s state as a Spark DataFrame (key, item, value, value_json, epoch) at one epoch (default:
+        the last recorded), read from the durable copy by parallel tasks (:mod:`charon.runtime.spark.statesql`)."""
+        from charon.runtime.spark.statesql import DataDirLayout, state_frame
+
+        layout = DataDirLayout(self.durable.root, self.config.partitions, self._settled_epoch(), "spark")
+        return state_frame(self.spark, layout, operator, epoch)
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
