@@ -17,12 +17,13 @@ import itertools
 import os
 import pickle
 from collections import deque
-from fractions import Fraction
 from typing import Any
 
 from charon import serde
 from charon.core.context import Context, Journal, child_inv, raised_in
 from charon.core.routing import entity_prefix, partition_of, store_key
+from charon.core.shares import ZERO as _ZERO
+from charon.core.shares import Share, add, split
 from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
 from charon.operator import Application
 from charon.state.store import PartitionStore
@@ -33,13 +34,23 @@ _SALT = int.from_bytes(os.urandom(4), "big")
 _COUNTER = itertools.count()
 
 
+_PID = os.getpid()
+
+
+def _forked() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _next_token() -> tuple[int, int, int]:
     """Unique per frame across processes (a forked worker shares the salt and counter, not the pid)."""
-    return (_SALT, os.getpid(), next(_COUNTER))
+    return (_SALT, _PID, next(_COUNTER))
 #: Keep suspended coroutines alive in this process and resume them directly (an optimization; the
 #: journal replay is always available and is what a resumed frame uses in any other process).
 KEEP_LIVE_COROUTINES = True
-_ZERO = Fraction(0)
 #: Default limit on the invocations (root, calls and sends) of one transaction, counted over all partitions
 #: by the coordinator (a user-visible limit: it must not depend on placement; see ``EpochCoordinator``).
 MAX_INVOCATIONS = 100_000
@@ -63,7 +74,7 @@ class Invoke:
 
     def __reduce__(self):
         return (_new_invoke, (
-            self.tid, self.inv, self.op, self.key, self.fn, self.args, _pack(self.share), self.kind, self.caller,
+            self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
             self.ts, self.depth,
         ))
 
@@ -79,7 +90,7 @@ class Reply:
 
     def __reduce__(self):
         return (_new_reply, (
-            self.tid, self.op, self.key, self.inv, self.value, _pack(self.share), self.child,
+            self.tid, self.op, self.key, self.inv, self.value, self.share, self.child,
         ))
 
 
@@ -100,7 +111,7 @@ class Frame:
 
     def __reduce__(self):
         return (_new_frame, (
-            self.tid, self.inv, self.op, self.key, self.fn, self.args, _pack(self.share), self.kind, self.caller,
+            self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
             self.ts, self.depth, self.journal, self.token,
         ))
 
@@ -140,8 +151,8 @@ class RoundOutput:
 
     def __init__(self) -> None:
         self.messages: list[Invoke | Reply] = []  # for other partitions
-        self.done: list[tuple[int, bytes, Fraction]] = []  # root finished: (tid, value, share)
-        self.acks: list[tuple[int, Fraction]] = []  # terminal ack shares
+        self.done: list[tuple[int, bytes, Share]] = []  # root finished: (tid, value, share)
+        self.acks: list[tuple[int, Share]] = []  # terminal ack shares
         self.failed: list[tuple[int, str, str]] = []  # (tid, error type, message)
         self.rw: list[tuple[int, str, str, bool]] = []  # (tid, op, key, wrote) first touch / first write
         self.invalid: list[int] = []  # call-graph-cached fallback: tids that did not replay identically
@@ -345,7 +356,7 @@ class PartitionUnit:
                 frame = tframes.get(m.inv) if tframes is not None else None
                 if frame is None:
                     continue  # its transaction was reset
-                frame.share += m.share
+                frame.share = add(frame.share, m.share)
                 if not frame.journal.receive(m.child, m.value):
                     continue  # a gather still waiting for other replies
                 del tframes[m.inv]
@@ -430,7 +441,7 @@ class PartitionUnit:
             message = raised_in(message, frame.op, frame.key, frame.fn)
         self._out.failed.append((tid, type(exc).__name__, message))
 
-    def _emit_sends(self, frame: Frame, sends: list[tuple], share: Fraction, msgs: list) -> None:
+    def _emit_sends(self, frame: Frame, sends: list[tuple], share: Share, msgs: list) -> None:
         tid, inv, ts, depth = frame.tid, frame.inv, frame.ts, frame.depth + 1
         for n, op, key, fn, args in sends:
             msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
@@ -440,8 +451,8 @@ class PartitionUnit:
         sends = ctx._sends
         share = frame.share
         if sends:
-            self._emit_sends(frame, sends, share / len(sends), msgs)
-            leftover = _ZERO
+            part, leftover = split(share, len(sends))
+            self._emit_sends(frame, sends, part, msgs)
         else:
             leftover = share
         tid = frame.tid
@@ -450,7 +461,7 @@ class PartitionUnit:
             msgs.append(Reply(tid, cop, ckey, cinv, value, leftover, frame.inv))
         elif frame.kind == ROOT:
             self._out.done.append((tid, value, leftover))
-        elif leftover:
+        elif leftover[0]:
             self._out.acks.append((tid, leftover))
         if self._recording:
             touched = self.touched.get(tid)
@@ -469,14 +480,14 @@ class PartitionUnit:
         msgs: list[Invoke | Reply] = []
         sends = ctx._sends
         pending = ctx._pending or []
-        each = frame.share / (len(sends) + len(pending) + 1)
+        each, rest = split(frame.share, len(sends) + len(pending) + 1)  # the frame keeps one part + rest
         self._emit_sends(frame, sends, each, msgs)
         caller = (frame.op, frame.key, frame.inv)
         for c in pending:  # the calls the await sent, already in the journal's pending table
             op, key, fn, args = c.target
             inv = child_inv(frame.inv, c.child)
             msgs.append(Invoke(frame.tid, inv, op, key, fn, args, each, SYNC, caller, frame.ts, frame.depth + 1))
-        frame.share = each
+        frame.share = (each[0] + rest[0], each[1]) if rest[0] else each
         tframes = self.frames.get(frame.tid)
         if tframes is None:
             tframes = self.frames[frame.tid] = {}
@@ -579,17 +590,6 @@ class PartitionUnit:
         return len(delta)
 
 
-def _pack(f: Fraction) -> tuple[int, int]:
-    return (f.numerator, f.denominator)
-
-
-def _unpack(nd: tuple[int, int]) -> Fraction:
-    """A Fraction from an already reduced (numerator, denominator) pair, without re-normalizing."""
-    f = object.__new__(Fraction)
-    f._numerator, f._denominator = nd
-    return f
-
-
 def _new_invoke(*st: Any) -> Invoke:
     o = Invoke.__new__(Invoke)
     o.tid = st[0]
@@ -598,7 +598,7 @@ def _new_invoke(*st: Any) -> Invoke:
     o.key = st[3]
     o.fn = st[4]
     o.args = st[5]
-    o.share = _unpack(st[6])
+    o.share = st[6]
     o.kind = st[7]
     o.caller = st[8]
     o.ts = st[9]
@@ -613,7 +613,7 @@ def _new_reply(*st: Any) -> Reply:
     o.key = st[2]
     o.inv = st[3]
     o.value = st[4]
-    o.share = _unpack(st[5])
+    o.share = st[5]
     o.child = st[6]
     return o
 
@@ -626,7 +626,7 @@ def _new_frame(*st: Any) -> Frame:
     o.key = st[3]
     o.fn = st[4]
     o.args = st[5]
-    o.share = _unpack(st[6])
+    o.share = st[6]
     o.kind = st[7]
     o.caller = st[8]
     o.ts = st[9]
