@@ -107,7 +107,8 @@ class Frame:
         self.journal = Journal(replies)
         # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
         # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
-        self.token = _next_token()
+        # (_next_token(), inlined: one frame per invocation)
+        self.token = (_SALT, _PID, next(_COUNTER))
 
     def __reduce__(self):
         return (_new_frame, (
@@ -202,6 +203,7 @@ class PartitionUnit:
         self.app = app
         self.store = store
         self.max_invocations = MAX_INVOCATIONS  # set by each round's Control
+        self._resolved = app._resolved  # the application's (operator, function) -> Function cache
         self._clear(-1)
 
     # -- scratch ----------------------------------------------------------------------------------
@@ -382,7 +384,7 @@ class PartitionUnit:
                 ctx._resume(self, frame)
             else:
                 ctx = Context(self, frame)
-                fn = self.app.resolve(frame.op, frame.fn)
+                fn = self._resolved.get((frame.op, frame.fn)) or self.app.resolve(frame.op, frame.fn)
                 coro = fn.body(ctx, *serde.decode(frame.args))
             try:
                 yielded = coro.send(None)

@@ -1,9 +1,18 @@
 """The in-process runtime: the same deterministic core with an in-memory exchange.
 
 It is the test harness application authors write their tests with (full transactional semantics) and a
-low-latency single-node engine. Epochs close when ``epoch_max_txns`` requests are waiting or
-``epoch_max_ms`` after the first one arrived (durable mode: as soon as the previous epoch is done; requests
-arriving while an epoch's batch is being committed to the log form the next batch).
+low-latency single-node engine.
+
+Epochs are adaptive (service mode): an epoch takes every waiting request (at most ``epoch_max_txns``, a
+memory bound) as soon as the previous epoch is done, so the batch grows with the arrival rate times the
+epoch's cost (high rates get big epochs, low rates short ones) and there is no fixed batch-size cliff. It
+waits for more requests (at most ``epoch_max_ms``) only while the batch is too small to amortize the measured
+fixed cost of an epoch (:class:`EpochSizer`). Durable mode: the previous batch's log commit is the window.
+
+A long-lived engine tunes Python's garbage collector at ``start()`` (``gc_tuning``, see :func:`tune_gc`): the
+loaded state and code are frozen out of the collector and young collections run every ``gc_threshold``
+allocations instead of 700; a short warm-up (``warmup_txns`` read-only calls that fail validation-free on a
+scratch runtime) runs the hot path once before the first request.
 
 Without ``data_dir`` it is *volatile*: state, replies and request ids live in memory only. With
 ``data_dir`` it is *durable* (:mod:`charon.runtime.node`): every epoch's batch is in the SQLite input log before the
@@ -14,6 +23,7 @@ recovers by replaying the log; a request id runs once across restarts and a retr
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import time
 import uuid
@@ -34,6 +44,75 @@ if TYPE_CHECKING:
     from charon.runtime.node import NodeStorage
 
 
+#: Young-generation threshold of :func:`tune_gc` (CPython's default is 700).
+GC_THRESHOLD = 50_000
+_GC_TUNED = False
+
+
+def tune_gc(threshold: int = GC_THRESHOLD) -> None:
+    """Tune the collector for a long-lived engine: collect once, freeze what exists, collect young objects rarely.
+
+    ``gc.freeze()`` moves every object alive now (modules, the application, loaded state) out of the
+    collector's generations, so full collections no longer traverse them; it runs once per process. Objects
+    still die by reference counting; only cycles among the frozen objects would never be collected.
+    """
+    global _GC_TUNED
+    if not _GC_TUNED:
+        gc.collect()
+        gc.freeze()
+        _GC_TUNED = True
+    t0, t1, t2 = gc.get_threshold()
+    if t0 < threshold:
+        gc.set_threshold(threshold, max(t1, 20), max(t2, 100))
+
+
+class EpochSizer:
+    """Adaptive epoch closing: how long to wait for more requests, from the arrival rate and measured costs.
+
+    It keeps moving averages of the per-transaction cost ``c`` and the fixed per-epoch cost ``F`` (from
+    epoch durations and sizes) and of the arrival rate. An epoch of ``B`` requests spends ``F / (F + c·B)`` of
+    its time on fixed cost; the target batch keeps that at most ``overhead`` (``B* = F·(1 - o) / (o·c)``).
+    With fewer waiting, it waits for the expected time until ``B*`` have arrived, at most ``max_wait_s``;
+    with at least ``B*`` waiting (or under load: requests arrived while the last epoch ran), it does not wait.
+    """
+
+    def __init__(self, max_wait_s: float, overhead: float = 0.1, alpha: float = 0.2) -> None:
+        self.max_wait_s = max_wait_s
+        self.overhead = overhead
+        self.alpha = alpha
+        self.per_txn_s = 20e-6
+        self.fixed_s = 200e-6
+        self.rate = 0.0  # requests per second (moving average)
+        self._last = time.perf_counter()
+
+    def observe(self, size: int, duration_s: float, arrived: int) -> None:
+        """One epoch of ``size`` requests took ``duration_s``; ``arrived`` requests came since the last call."""
+        now = time.perf_counter()
+        a = self.alpha
+        span = now - self._last
+        self._last = now
+        if span > 0:
+            self.rate += a * (arrived / span - self.rate)
+        if size >= 50:
+            c = max(duration_s - self.fixed_s, 0.0) / size
+            self.per_txn_s += a * (c - self.per_txn_s)
+        elif size > 0:
+            f = max(duration_s - self.per_txn_s * size, 0.0)
+            self.fixed_s += a * (f - self.fixed_s)
+
+    def target(self) -> float:
+        """The batch size at which the fixed cost is ``overhead`` of the epoch."""
+        o = self.overhead
+        return self.fixed_s * (1 - o) / (o * max(self.per_txn_s, 1e-7))
+
+    def wait_s(self, waiting: int) -> float:
+        """How long to wait before closing an epoch with ``waiting`` requests."""
+        missing = self.target() - waiting
+        if missing <= 0 or self.rate <= 0:
+            return 0.0
+        return min(self.max_wait_s, missing / self.rate)
+
+
 class LocalExchange:
     """Delivers a round's inboxes to in-memory partition units, one after the other."""
 
@@ -52,7 +131,7 @@ class InProcessRuntime:
         self,
         app: Application,
         partitions: int = 4,
-        epoch_max_txns: int = 1000,
+        epoch_max_txns: int = 10_000,
         epoch_max_ms: float = 1.0,
         max_invocations: int = MAX_INVOCATIONS,
         reply_retention: int | None = None,
@@ -62,15 +141,24 @@ class InProcessRuntime:
         checkpoint_s: float = 0.5,
         compact_every: int = 20,
         stats_kept: int = 1000,
+        gc_tuning: bool = True,
+        gc_threshold: int = GC_THRESHOLD,
+        warmup_txns: int = 200,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps every reply). ``data_dir``: durable mode (see
         :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``). ``stats_kept``: how many
-        recent epochs ``epoch_stats`` keeps."""
+        recent epochs ``epoch_stats`` keeps. ``gc_tuning``/``gc_threshold``: :func:`tune_gc` at ``start()``.
+        ``warmup_txns``: calls run on a scratch copy of the application at ``start()`` (0: none)."""
         self.app = app
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
         self.epoch_max_ms = epoch_max_ms
+        self.sizer = EpochSizer(epoch_max_ms / 1000.0)
+        self.gc_tuning = gc_tuning
+        self.gc_threshold = gc_threshold
+        self.warmup_txns = warmup_txns
+        self._arrived = 0
         self.node: NodeStorage | None = None
         if data_dir is not None:
             from charon.runtime.node import NodeStorage, RecordingStore
@@ -242,12 +330,34 @@ class InProcessRuntime:
     async def start(self) -> None:
         """Start closing epochs in the background of the running event loop."""
         if self._task is None:
+            if self.warmup_txns > 0:
+                self._warm_up()
+            if self.gc_tuning:
+                tune_gc(self.gc_threshold)
             if self.node is not None:
                 self._write_base()
                 self.node.start_writer()
             self._stopping = False
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def _warm_up(self) -> None:
+        """Run the engine's hot path once on a scratch runtime (no state or log of this one is touched).
+
+        Each function gets ``warmup_txns`` calls with no arguments on scratch keys; they fail argument
+        validation or raise inside the function (aborts), which still runs the validation, sequencing,
+        epoch and round code the first real requests would otherwise pay for.
+        """
+        scratch = InProcessRuntime(self.app, partitions=self.partitions, gc_tuning=False, warmup_txns=0)
+        fns = [(op.name, fn) for op in self.app.operators.values() for fn in op.functions]
+        if not fns:
+            return
+        reqs = [Request(f"w{i}", fns[i % len(fns)][0], f"warmup{i}", fns[i % len(fns)][1], serde.encode([]))
+                for i in range(self.warmup_txns)]
+        try:
+            scratch.run_epoch(reqs)
+        except Exception:  # noqa: BLE001, S110 - warming up is best effort; real epochs report their errors
+            pass
 
     def _halt(self, exc: BaseException) -> None:
         """An epoch could not be logged or run: fail every waiting request and accept no more.
@@ -346,6 +456,7 @@ class InProcessRuntime:
             return fut
         fut = self._futures[rid] = loop.create_future()
         self._queue.append(request)
+        self._arrived += 1
         if self._wake is not None:
             self._wake.set()
         return fut
@@ -378,9 +489,12 @@ class InProcessRuntime:
                 continue
             # durable mode: the previous batch's log commit is the batching window; no extra wait
             if self.node is None and len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
-                await asyncio.sleep(self.epoch_max_ms / 1000.0)
+                wait = self.sizer.wait_s(len(self._queue))
+                if wait > 0:
+                    await asyncio.sleep(wait)
             batch = self._queue[: self.epoch_max_txns]
             del self._queue[: len(batch)]
+            t0 = time.perf_counter()
             try:
                 if self.node is None:
                     self.run_epoch(batch)
@@ -390,4 +504,6 @@ class InProcessRuntime:
             except Exception as exc:  # noqa: BLE001 - the runtime stops loudly instead of hanging its clients
                 self._halt(exc)
                 return
+            self.sizer.observe(len(batch), time.perf_counter() - t0, self._arrived)
+            self._arrived = 0
             await asyncio.sleep(0)
