@@ -256,7 +256,9 @@ class Context:
         """Items whose name starts with ``prefix`` and lies in [start, stop), sorted by name."""
         if self._live():
             f = self._frame
-            raw_items = self._unit.scan(f.tid, f.op, f.key, _item(prefix))
+            raw_items = self._unit.scan(f.tid, f.op, f.key, _item(prefix),
+                                        None if start is None else "\x01" + start,  # bounds, not names:
+                                        None if stop is None else "\x01" + stop)  # no length limit
             if not self._fast:
                 self._journal.reads.append(raw_items)
         else:

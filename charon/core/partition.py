@@ -269,20 +269,41 @@ class PartitionUnit:
         self._stat_reads += 1
         return self.store.get(store_key(op, key, item))
 
-    def scan(self, tid: int, op: str, key: str, item_prefix: str) -> list[tuple[str, bytes]]:
+    def scan(self, tid: int, op: str, key: str, item_prefix: str, start: str | None = None,
+             stop: str | None = None) -> list[tuple[str, bytes]]:
+        """Items (store item names, sorted) starting with ``item_prefix`` and within ``[start, stop)``.
+
+        ``start``/``stop`` are store item names too. Every name in ``[start, stop)`` starts with their common
+        prefix, so the store is scanned under the longer of that and ``item_prefix``; names are compared as
+        UTF-8 bytes, which order like the strings, and only the items in range are decoded.
+        """
         e = (op, key)
         self._touch(tid, e, False)
+        narrow = item_prefix
+        if start is not None and stop is not None:
+            common = os.path.commonprefix([start, stop])
+            if common.startswith(narrow):
+                narrow = common
+            elif not narrow.startswith(common):
+                return []  # no name starts with both
+        lo = start.encode() if start is not None else None
+        hi = stop.encode() if stop is not None else None
         plen = len(entity_prefix(op, key))
-        merged: dict[str, bytes | None] = {
-            k[plen:].decode(): v for k, v in self.store.scan(store_key(op, key, item_prefix))
-        }
+        merged: dict[str, bytes | None] = {}
+        for k, v in self.store.scan(store_key(op, key, narrow)):
+            it = k[plen:]
+            if lo is not None and it < lo:
+                continue
+            if hi is not None and it >= hi:
+                break  # the store scans in key order
+            merged[it.decode()] = v
         layers = [self.overlay.get(e), self.fast_layer.get(e) if self.fast_layer is not None else None]
         b = self.buffers.get(tid)
         layers.append(b.get(e) if b is not None else None)
         for layer in layers:
             if layer:
                 for it, v in layer.items():
-                    if it.startswith(item_prefix):
+                    if it.startswith(narrow) and (start is None or it >= start) and (stop is None or it < stop):
                         merged[it] = v
         return sorted((k, v) for k, v in merged.items() if v is not None and k)
 
