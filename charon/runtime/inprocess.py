@@ -7,7 +7,8 @@ Epochs are adaptive (service mode): an epoch takes every waiting request (at mos
 memory bound) as soon as the previous epoch is done, so the batch grows with the arrival rate times the
 epoch's cost (high rates get big epochs, low rates short ones) and there is no fixed batch-size cliff. It
 waits for more requests (at most ``epoch_max_ms``) only while the batch is too small to amortize the measured
-fixed cost of an epoch (:class:`EpochSizer`). Durable mode: the previous batch's log commit is the window.
+fixed cost of an epoch, and limits a backlog's batch while too many of its transactions conflict
+(:class:`EpochSizer`). Durable mode: the previous batch's log commit is the window.
 
 A long-lived engine tunes Python's garbage collector at ``start()`` (``gc_tuning``, see :func:`tune_gc`): the
 loaded state and code are frozen out of the collector and young collections run every ``gc_threshold``
@@ -74,19 +75,40 @@ class EpochSizer:
     its time on fixed cost; the target batch keeps that at most ``overhead`` (``B* = F·(1 - o) / (o·c)``).
     With fewer waiting, it waits for the expected time until ``B*`` have arrived, at most ``max_wait_s``;
     with at least ``B*`` waiting (or under load: requests arrived while the last epoch ran), it does not wait.
+
+    Under a backlog, bigger epochs mean more conflicts (each one costs a fallback re-run), so the batch is
+    also limited (:meth:`limit`): the limit shrinks while more than ``conflicts_high`` of an epoch's
+    transactions conflicted and grows back while fewer than half that did, between ``min_batch`` and
+    ``max_batch``.
     """
 
-    def __init__(self, max_wait_s: float, overhead: float = 0.1, alpha: float = 0.2) -> None:
+    def __init__(self, max_wait_s: float, max_batch: int = 10_000, overhead: float = 0.1, alpha: float = 0.2,
+                 conflicts_high: float = 0.15, min_batch: int = 100) -> None:
         self.max_wait_s = max_wait_s
         self.overhead = overhead
         self.alpha = alpha
+        self.max_batch = max_batch
+        self.min_batch = min(min_batch, max_batch)
+        self.conflicts_high = conflicts_high
+        self._limit = float(max_batch)
         self.per_txn_s = 20e-6
         self.fixed_s = 200e-6
         self.rate = 0.0  # requests per second (moving average)
         self._last = time.perf_counter()
 
-    def observe(self, size: int, duration_s: float, arrived: int) -> None:
-        """One epoch of ``size`` requests took ``duration_s``; ``arrived`` requests came since the last call."""
+    def limit(self) -> int:
+        """The most requests the next epoch takes."""
+        return int(self._limit)
+
+    def observe(self, size: int, duration_s: float, arrived: int, conflicts: int = 0) -> None:
+        """One epoch of ``size`` requests took ``duration_s`` (``conflicts`` of them went to the fallback);
+        ``arrived`` requests came since the last call."""
+        if size >= self.min_batch:
+            share = conflicts / size
+            if share > self.conflicts_high:
+                self._limit = max(float(self.min_batch), min(self._limit, size) * 0.8)
+            elif share < self.conflicts_high / 2:
+                self._limit = min(float(self.max_batch), self._limit * 1.25)
         now = time.perf_counter()
         a = self.alpha
         span = now - self._last
@@ -154,7 +176,7 @@ class InProcessRuntime:
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
         self.epoch_max_ms = epoch_max_ms
-        self.sizer = EpochSizer(epoch_max_ms / 1000.0)
+        self.sizer = EpochSizer(epoch_max_ms / 1000.0, max_batch=epoch_max_txns)
         self.gc_tuning = gc_tuning
         self.gc_threshold = gc_threshold
         self.warmup_txns = warmup_txns
@@ -488,11 +510,12 @@ class InProcessRuntime:
                 await self._wake.wait()
                 continue
             # durable mode: the previous batch's log commit is the batching window; no extra wait
-            if self.node is None and len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
+            limit = self.sizer.limit()
+            if self.node is None and len(self._queue) < limit and self.epoch_max_ms > 0:
                 wait = self.sizer.wait_s(len(self._queue))
                 if wait > 0:
                     await asyncio.sleep(wait)
-            batch = self._queue[: self.epoch_max_txns]
+            batch = self._queue[:limit]
             del self._queue[: len(batch)]
             t0 = time.perf_counter()
             try:
@@ -504,6 +527,7 @@ class InProcessRuntime:
             except Exception as exc:  # noqa: BLE001 - the runtime stops loudly instead of hanging its clients
                 self._halt(exc)
                 return
-            self.sizer.observe(len(batch), time.perf_counter() - t0, self._arrived)
+            last = self.epoch_stats[-1] if self.epoch_stats else {}
+            self.sizer.observe(len(batch), time.perf_counter() - t0, self._arrived, int(last.get("conflicts", 0)))
             self._arrived = 0
             await asyncio.sleep(0)
