@@ -42,3 +42,4 @@ def test_started_runtime_tunes_gc_and_keeps_money_under_a_burst():
     assert max(sizes) <= 500 and sum(sizes) >= 3000  # the cap holds; deferred ones ran again
     # the warm-up ran on a scratch runtime: this runtime's epochs start at 0 and hold only real requests
     assert rt.epoch_stats[0]["epoch"] == 0
+    assert rt.entities("__warmup") == {}  # the built-in warm-up application ran elsewhere

@@ -12,8 +12,8 @@ fixed cost of an epoch, and limits a backlog's batch while too many of its trans
 
 A long-lived engine tunes Python's garbage collector at ``start()`` (``gc_tuning``, see :func:`tune_gc`): the
 loaded state and code are frozen out of the collector and young collections run every ``gc_threshold``
-allocations instead of 700; a short warm-up (``warmup_txns`` read-only calls that fail validation-free on a
-scratch runtime) runs the hot path once before the first request.
+allocations instead of 700; a short warm-up (``warmup_txns`` transfers of a built-in application on a scratch
+runtime; no user code runs) takes the engine's hot path once before the first request.
 
 Without ``data_dir`` it is *volatile*: state, replies and request ids live in memory only. With
 ``data_dir`` it is *durable* (:mod:`charon.runtime.node`): every epoch's batch is in the SQLite input log before the
@@ -65,6 +65,25 @@ def tune_gc(threshold: int = GC_THRESHOLD) -> None:
     t0, t1, t2 = gc.get_threshold()
     if t0 < threshold:
         gc.set_threshold(threshold, max(t1, 20), max(t2, 100))
+
+
+def _warmup_app() -> Application:
+    """A built-in application exercising the engine like a transfer: read, write, a call, a reply, aborts."""
+    op = Operator("__warmup")
+
+    async def deposit(ctx: Any, amount: int) -> int:
+        ctx.put(ctx.get(0) + amount)
+        return amount
+
+    async def hop(ctx: Any, to: str, amount: int) -> int:
+        if amount == 0:
+            raise ValueError("warm-up abort")
+        ctx.put(ctx.get(0) - amount)
+        return await ctx.call(op, to, "deposit", amount)
+
+    op.function(deposit)
+    op.function(hop)
+    return Application("__warmup", [op])
 
 
 class EpochSizer:
@@ -171,7 +190,7 @@ class InProcessRuntime:
         cache in front of the output log, which keeps every reply). ``data_dir``: durable mode (see
         :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``). ``stats_kept``: how many
         recent epochs ``epoch_stats`` keeps. ``gc_tuning``/``gc_threshold``: :func:`tune_gc` at ``start()``.
-        ``warmup_txns``: calls run on a scratch copy of the application at ``start()`` (0: none)."""
+        ``warmup_txns``: transactions of a built-in application run on a scratch runtime at ``start()`` (0: none)."""
         self.app = app
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
@@ -364,22 +383,15 @@ class InProcessRuntime:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     def _warm_up(self) -> None:
-        """Run the engine's hot path once on a scratch runtime (no state or log of this one is touched).
-
-        Each function gets ``warmup_txns`` calls with no arguments on scratch keys; they fail argument
-        validation or raise inside the function (aborts), which still runs the validation, sequencing,
-        epoch and round code the first real requests would otherwise pay for.
-        """
-        scratch = InProcessRuntime(self.app, partitions=self.partitions, gc_tuning=False, warmup_txns=0)
-        fns = [(op.name, fn) for op in self.app.operators.values() for fn in op.functions]
-        if not fns:
-            return
-        reqs = [Request(f"w{i}", fns[i % len(fns)][0], f"warmup{i}", fns[i % len(fns)][1], serde.encode([]))
-                for i in range(self.warmup_txns)]
-        try:
-            scratch.run_epoch(reqs)
-        except Exception:  # noqa: BLE001, S110 - warming up is best effort; real epochs report their errors
-            pass
+        """Run the engine's hot path on a scratch runtime of a built-in application (no user code runs, and
+        no state, log or counter of this runtime is touched): validation, sequencing, rounds, calls, replies,
+        conflicts and the fallback, so the first real requests do not pay for cold code paths."""
+        scratch = InProcessRuntime(_warmup_app(), partitions=self.partitions, gc_tuning=False, warmup_txns=0)
+        n = max(self.warmup_txns, 2)
+        reqs = [Request(f"w{i}", "__warmup", f"k{i % (n // 2 + 1)}", "hop",
+                        serde.encode([f"k{(i * 7 + 1) % (n // 2 + 1)}", i % 3]))
+                for i in range(n)]
+        scratch.run_epoch(reqs)
 
     def _halt(self, exc: BaseException) -> None:
         """An epoch could not be logged or run: fail every waiting request and accept no more.
