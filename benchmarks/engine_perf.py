@@ -247,6 +247,15 @@ def run_child(kind: str, **kw: object) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def server_cpu_s(data_dir: Path) -> float:
+    """CPU seconds of a PostgreSQL server: the postmaster's own plus its exited children's (the backends of a
+    pool are reaped when the pool's connections close)."""
+    pid = int((data_dir / "postmaster.pid").read_text().split()[0])
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
+
+
 def git_head(src: str) -> str:
     try:
         return subprocess.run(["git", "-C", src, "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -261,7 +270,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     ax = axes[0]
     labels, vals = [], []
     for side in ("before", "after"):
@@ -292,6 +301,21 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel(f"{key} latency (ms)")
         ax.set_title(f"{2 + i}. {side} open loop (shared machine)")
         ax.legend(fontsize=8)
+    ax = axes[3]
+    for who, style in (("before", "o--"), ("after", "o-")):
+        pts = result["open_loop"].get("deathstar", {}).get(who)
+        if pts:
+            ax.plot([p["input_rate"] for p in pts], [p["cpu_us_per_request"] for p in pts], style,
+                    label=f"charon {who} (engine + generator)")
+    for iso, pts in result.get("postgres", {}).get("deathstar", {}).items():
+        if pts and "total_cpu_us_per_request" in pts[0]:
+            ax.plot([p["input_rate"] for p in pts], [p["total_cpu_us_per_request"] for p in pts], "s:",
+                    label=f"pg {iso} (server + generator)")
+    ax.set_xlabel("input rate (requests/s)")
+    ax.set_ylabel("CPU µs per request")
+    ax.set_title("3. deathstar: CPU per request (load-independent)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -307,6 +331,7 @@ def main() -> int:
     ap.add_argument("--deathstar-rates", default="250,500,1000")
     ap.add_argument("--pg-pools", default="4,8,16,32")
     ap.add_argument("--no-postgres", action="store_true")
+    ap.add_argument("--postgres-only", action="store_true", help="re-measure PostgreSQL into an existing --out")
     ap.add_argument("--repeat", type=int, default=3, help="engine-alone runs per side, alternating")
     ap.add_argument("--out", default=str(HERE / "engine_perf.json"))
     a = ap.parse_args()
@@ -328,6 +353,10 @@ def main() -> int:
         res["before_commit"] = git_head(a.before_src)
     ycsb_rates = [float(x) for x in a.ycsb_rates.split(",")]
     ds_rates = [float(x) for x in a.deathstar_rates.split(",")]
+    if a.postgres_only:
+        res = json.loads(Path(a.out).read_text())
+        res["postgres"] = {}
+        sides = {}
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for i in range(a.repeat):  # alternate before/after: the neighbours' load hits both alike
         for side, src in sides.items():
@@ -375,13 +404,21 @@ def main() -> int:
                         best = (score, pool)
                 pool = best[1]
                 DeathstarSql().setup(cluster.dsn, deathstar.populate())
-                pts = run_child("postgres", dsn=cluster.dsn, workload="deathstar", isolation=iso, pool=pool,
-                                rates=ds_rates, duration=dur, warmup=warm)["points"]
+                pts = []
+                for rate in ds_rates:  # one child per rate: the server's CPU is read around each
+                    before = server_cpu_s(cluster.dir / "data")
+                    p = run_child("postgres", dsn=cluster.dsn, workload="deathstar", isolation=iso, pool=pool,
+                                  rates=[rate], duration=dur, warmup=warm)["points"][0]
+                    time.sleep(0.5)  # the backends exit and are reaped
+                    p["server_cpu_us_per_request"] = (server_cpu_s(cluster.dir / "data") - before) / p["sent"] * 1e6
+                    p["total_cpu_us_per_request"] = p["server_cpu_us_per_request"] + p["client_cpu_us_per_request"]
+                    pts.append(p)
                 res["postgres"]["deathstar"][iso] = pts
                 for p in pts:
                     print(f"    pg {iso} pool {pool} {p['input_rate']:6.0f}/s: {p['committed_per_s']:7.0f} c/s "
                           f"p50 {p['latency_ms']['p50']:7.1f} p99 {p['latency_ms']['p99']:7.1f} ms, client cpu "
-                          f"{p['client_cpu_us_per_request']:.0f} us/req", flush=True)
+                          f"{p['client_cpu_us_per_request']:.0f} us/req, server cpu "
+                          f"{p['server_cpu_us_per_request']:.0f} us/req", flush=True)
     out = Path(a.out)
     out.write_text(json.dumps(res, indent=1, default=float))
     plot(res, out.with_suffix(".png"))
