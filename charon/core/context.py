@@ -55,7 +55,9 @@ class Journal:
         self.reads: list[Any] = []
         self.nsusp = 0
         self.pending: dict[str, int] | None = None
-        self.at_end()
+        self._awaits = 0  # at_end() of an empty journal, inlined (a frame is created per invocation)
+        self._nread = 0
+        self.live = True
 
     def __reduce__(self):
         return (_new_journal, (self.replies, self.reads, self.nsusp, self.pending))
@@ -168,8 +170,10 @@ class Context:
     def __init__(self, unit: PartitionUnit, frame: Frame, fast: bool = False) -> None:
         self._unit = unit
         self._frame = frame
-        self._journal: Journal = frame.journal
-        self._journal.rewind()
+        j = self._journal = frame.journal
+        j._awaits = 0  # j.rewind(), inlined (a context is created per run of an invocation)
+        j._nread = 0
+        j.live = j.nsusp == 0
         self._fast = fast  # the call-graph-cached fallback: replies preset, nothing journaled
         self._nchild = 0
         self._nemit = 0  # events emitted by this run so far (replayed ones included): their order
@@ -207,12 +211,15 @@ class Context:
 
     # -- state of this entity ---------------------------------------------------------------------
     def _read(self, item: str) -> bytes | None:
-        if not self._live():
-            return self._journal.replayed_read()
+        if self._dropped:
+            raise GeneratorExit
+        j = self._journal
+        if not j.live:
+            return j.replayed_read()
         f = self._frame
         raw = self._unit.read(f.tid, f.op, f.key, item)
         if not self._fast:
-            self._journal.reads.append(raw)
+            j.reads.append(raw)
         return raw
 
     def get(self, default: Any = None) -> Any:
@@ -222,8 +229,11 @@ class Context:
 
     def put(self, value: Any) -> None:
         """Set the entity's value (buffered in the transaction until it commits)."""
-        if self._live():
-            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, "", serde.encode(value))
+        if self._dropped:
+            raise GeneratorExit
+        if self._journal.live:
+            f = self._frame
+            self._unit.write(f.tid, f.op, f.key, "", serde.encode(value))
 
     def delete(self) -> None:
         """Remove the entity's value."""
@@ -249,7 +259,9 @@ class Context:
         """Items whose name starts with ``prefix`` and lies in [start, stop), sorted by name."""
         if self._live():
             f = self._frame
-            raw_items = self._unit.scan(f.tid, f.op, f.key, _item(prefix))
+            raw_items = self._unit.scan(f.tid, f.op, f.key, _item(prefix),
+                                        None if start is None else "\x01" + start,  # bounds, not names:
+                                        None if stop is None else "\x01" + stop)  # no length limit
             if not self._fast:
                 self._journal.reads.append(raw_items)
         else:

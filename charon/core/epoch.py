@@ -4,7 +4,8 @@
    the previous epoch keep their (lower) TIDs, hence their priority.
 2. Dry run: rounds of the runtime's :class:`Exchange` until no message is in flight; every transaction
    runs against the previous epoch's state plus its own writes; each partition reports the entities each
-   transaction read or wrote. A call graph is complete when its ack shares (exact ``Fraction``) sum to 1.
+   transaction read or wrote. A call graph is complete when its ack shares (exact dyadic integers,
+   :mod:`charon.core.shares`) sum to 1.
 3. Lock-free commit (Aria): a transaction commits unless a lower TID wrote an entity it read or wrote.
    A transaction that raised is aborted for good (its error is the reply) unless it read an entity a
    lower TID wrote, in which case it is rerun like a conflict. Replies go out at once (early replies).
@@ -29,7 +30,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Protocol
 
 from charon import serde
@@ -38,11 +38,11 @@ from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, RoundO
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import partition_of
 from charon.core.sequencer import Sequencer
+from charon.core.shares import ONE, ZERO, Share, add, is_one
 from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Reply, Request
 from charon.operator import Application
 
-_ONE = Fraction(1)
 MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set within an epoch
 Entity = tuple[str, str]
 Event = tuple[int, str, bytes]  # (tid, stream, encoded value)
@@ -99,7 +99,7 @@ class _Track:
 
     def __init__(self) -> None:
         self.done: dict[int, bytes] = {}
-        self.shares: dict[int, Fraction] = {}
+        self.shares: dict[int, Share] = {}
         self.failed: dict[int, tuple[str, str]] = {}
         self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: set[int] = set()
@@ -109,12 +109,12 @@ class _Track:
         self.next_due = math.inf
 
     def complete(self, tid: int) -> bool:
-        return tid in self.done and self.shares.get(tid) == _ONE
+        return tid in self.done and is_one(self.shares.get(tid))
 
 
 def _root(tid: int, req: Request) -> Invoke:
     """The root invocation of a transaction: the whole ack share, no caller."""
-    return Invoke(tid, "0", req.operator, req.key, req.function, req.args, _ONE, ROOT, None, req.ts, 0)
+    return Invoke(tid, "0", req.operator, req.key, req.function, req.args, ONE, ROOT, None, req.ts, 0)
 
 
 def _within(touched: dict[Entity, bool], known: dict[Entity, bool]) -> bool:
@@ -202,9 +202,9 @@ class EpochCoordinator:
         for o in outs:
             for tid, value, share in o.done:
                 track.done[tid] = value
-                shares[tid] = shares.get(tid, 0) + share
+                shares[tid] = add(shares.get(tid, ZERO), share)
             for tid, share in o.acks:
-                shares[tid] = shares.get(tid, 0) + share
+                shares[tid] = add(shares.get(tid, ZERO), share)
             for tid, etype, msg in o.failed:
                 failed.setdefault(tid, (etype, msg))
             for tid, n in o.invocations.items():

@@ -1,9 +1,19 @@
 """The in-process runtime: the same deterministic core with an in-memory exchange.
 
 It is the test harness application authors write their tests with (full transactional semantics) and a
-low-latency single-node engine. Epochs close when ``epoch_max_txns`` requests are waiting or
-``epoch_max_ms`` after the first one arrived (durable mode: as soon as the previous epoch is done; requests
-arriving while an epoch's batch is being committed to the log form the next batch).
+low-latency single-node engine.
+
+Epochs are adaptive (service mode): an epoch takes every waiting request (at most ``epoch_max_txns``, a
+memory bound) as soon as the previous epoch is done, so the batch grows with the arrival rate times the
+epoch's cost (high rates get big epochs, low rates short ones) and there is no fixed batch-size cliff. It
+waits for more requests (at most ``epoch_max_ms``) only while the batch is too small to amortize the measured
+fixed cost of an epoch, and limits a backlog's batch while too many of its transactions conflict
+(:class:`EpochSizer`). Durable mode: the previous batch's log commit is the window.
+
+A long-lived engine tunes Python's garbage collector at ``start()`` (``gc_tuning``, see :func:`tune_gc`): the
+loaded state and code are frozen out of the collector and young collections run every ``gc_threshold``
+allocations instead of 700; a short warm-up (``warmup_txns`` transfers of a built-in application on a scratch
+runtime; no user code runs) takes the engine's hot path once before the first request.
 
 Without ``data_dir`` it is *volatile*: state, replies and request ids live in memory only. With
 ``data_dir`` it is *durable* (:mod:`charon.runtime.node`): every epoch's batch is in the SQLite input log before the
@@ -15,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import math
 import os
@@ -44,6 +55,115 @@ if TYPE_CHECKING:
     from charon.runtime.node import NodeStorage
 
 
+#: Young-generation threshold of :func:`tune_gc` (CPython's default is 700).
+GC_THRESHOLD = 50_000
+_GC_TUNED = False
+
+
+def tune_gc(threshold: int = GC_THRESHOLD) -> None:
+    """Tune the collector for a long-lived engine: collect once, freeze what exists, collect young objects rarely.
+
+    ``gc.freeze()`` moves every object alive now (modules, the application, loaded state) out of the
+    collector's generations, so full collections no longer traverse them; it runs once per process. Objects
+    still die by reference counting; only cycles among the frozen objects would never be collected.
+    """
+    global _GC_TUNED
+    if not _GC_TUNED:
+        gc.collect()
+        gc.freeze()
+        _GC_TUNED = True
+    t0, t1, t2 = gc.get_threshold()
+    if t0 < threshold:
+        gc.set_threshold(threshold, max(t1, 20), max(t2, 100))
+
+
+def _warmup_app() -> Application:
+    """A built-in application exercising the engine like a transfer: read, write, a call, a reply, aborts."""
+    op = Operator("__warmup")
+
+    async def deposit(ctx: Any, amount: int) -> int:
+        ctx.put(ctx.get(0) + amount)
+        return amount
+
+    async def hop(ctx: Any, to: str, amount: int) -> int:
+        if amount == 0:
+            raise ValueError("warm-up abort")
+        ctx.put(ctx.get(0) - amount)
+        return await ctx.call(op, to, "deposit", amount)
+
+    op.function(deposit)
+    op.function(hop)
+    return Application("__warmup", [op])
+
+
+class EpochSizer:
+    """Adaptive epoch closing: how long to wait for more requests, from the arrival rate and measured costs.
+
+    It keeps moving averages of the per-transaction cost ``c`` and the fixed per-epoch cost ``F`` (from
+    epoch durations and sizes) and of the arrival rate. An epoch of ``B`` requests spends ``F / (F + c·B)`` of
+    its time on fixed cost; the target batch keeps that at most ``overhead`` (``B* = F·(1 - o) / (o·c)``).
+    With fewer waiting, it waits for the expected time until ``B*`` have arrived, at most ``max_wait_s``;
+    with at least ``B*`` waiting (or under load: requests arrived while the last epoch ran), it does not wait.
+
+    Under a backlog, bigger epochs mean more conflicts (each one costs a fallback re-run), so the batch is
+    also limited (:meth:`limit`): the limit shrinks while more than ``conflicts_high`` of an epoch's
+    transactions conflicted and grows back while fewer than half that did, between ``min_batch`` and
+    ``max_batch``.
+    """
+
+    def __init__(self, max_wait_s: float, max_batch: int = 10_000, overhead: float = 0.1, alpha: float = 0.2,
+                 conflicts_high: float = 0.15, min_batch: int = 100) -> None:
+        self.max_wait_s = max_wait_s
+        self.overhead = overhead
+        self.alpha = alpha
+        self.max_batch = max_batch
+        self.min_batch = min(min_batch, max_batch)
+        self.conflicts_high = conflicts_high
+        self._limit = float(max_batch)
+        self.per_txn_s = 20e-6
+        self.fixed_s = 200e-6
+        self.rate = 0.0  # requests per second (moving average)
+        self._last = time.perf_counter()
+
+    def limit(self) -> int:
+        """The most requests the next epoch takes."""
+        return int(self._limit)
+
+    def observe(self, size: int, duration_s: float, arrived: int, conflicts: int = 0) -> None:
+        """One epoch of ``size`` requests took ``duration_s`` (``conflicts`` of them went to the fallback);
+        ``arrived`` requests came since the last call."""
+        if size >= self.min_batch:
+            share = conflicts / size
+            if share > self.conflicts_high:
+                self._limit = max(float(self.min_batch), min(self._limit, size) * 0.8)
+            elif share < self.conflicts_high / 2:
+                self._limit = min(float(self.max_batch), self._limit * 1.25)
+        now = time.perf_counter()
+        a = self.alpha
+        span = now - self._last
+        self._last = now
+        if span > 0:
+            self.rate += a * (arrived / span - self.rate)
+        if size >= 50:
+            c = max(duration_s - self.fixed_s, 0.0) / size
+            self.per_txn_s += a * (c - self.per_txn_s)
+        elif size > 0:
+            f = max(duration_s - self.per_txn_s * size, 0.0)
+            self.fixed_s += a * (f - self.fixed_s)
+
+    def target(self) -> float:
+        """The batch size at which the fixed cost is ``overhead`` of the epoch."""
+        o = self.overhead
+        return self.fixed_s * (1 - o) / (o * max(self.per_txn_s, 1e-7))
+
+    def wait_s(self, waiting: int) -> float:
+        """How long to wait before closing an epoch with ``waiting`` requests."""
+        missing = self.target() - waiting
+        if missing <= 0 or self.rate <= 0:
+            return 0.0
+        return min(self.max_wait_s, missing / self.rate)
+
+
 class LocalExchange:
     """Delivers a round's inboxes to in-memory partition units, one after the other."""
 
@@ -62,7 +182,7 @@ class InProcessRuntime:
         self,
         app: Application,
         partitions: int = 4,
-        epoch_max_txns: int = 1000,
+        epoch_max_txns: int = 10_000,
         epoch_max_ms: float = 1.0,
         max_invocations: int = MAX_INVOCATIONS,
         reply_retention: int | None = None,
@@ -75,6 +195,9 @@ class InProcessRuntime:
         log_url: str | None = None,
         retain_events: int = DEFAULT_RETAIN_EVENTS,
         max_timers_per_epoch: int = MAX_TIMERS_PER_EPOCH,
+        gc_tuning: bool = True,
+        gc_threshold: int = GC_THRESHOLD,
+        warmup_txns: int = 200,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days).
@@ -84,11 +207,18 @@ class InProcessRuntime:
         recent epochs ``epoch_stats`` keeps. ``retain_events``: events kept per output stream
         (:class:`charon.log.streams.StreamLog`; durable mode: ``data_dir/streams.sqlite``, volatile: a temporary
         file removed with the runtime). ``max_timers_per_epoch``: timers one partition fires per epoch (the
-        rest fire in the following epochs; a durable directory must keep the same value for exact replay)."""
+        rest fire in the following epochs; a durable directory must keep the same value for exact replay).
+        ``gc_tuning``/``gc_threshold``: :func:`tune_gc` at ``start()``. ``warmup_txns``: transactions of a
+        built-in application run on a scratch runtime at ``start()`` (0: none)."""
         self.app = app
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
         self.epoch_max_ms = epoch_max_ms
+        self.sizer = EpochSizer(epoch_max_ms / 1000.0, max_batch=epoch_max_txns)
+        self.gc_tuning = gc_tuning
+        self.gc_threshold = gc_threshold
+        self.warmup_txns = warmup_txns
+        self._arrived = 0
         self.node: NodeStorage | None = None
         if data_dir is not None:
             from charon.runtime.node import NodeStorage, RecordingStore
@@ -387,12 +517,27 @@ class InProcessRuntime:
     async def start(self) -> None:
         """Start closing epochs in the background of the running event loop."""
         if self._task is None:
+            if self.warmup_txns > 0:
+                self._warm_up()
+            if self.gc_tuning:
+                tune_gc(self.gc_threshold)
             if self.node is not None:
                 self._write_base()
                 self.node.start_writer()
             self._stopping = False
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def _warm_up(self) -> None:
+        """Run the engine's hot path on a scratch runtime of a built-in application (no user code runs, and
+        no state, log or counter of this runtime is touched): validation, sequencing, rounds, calls, replies,
+        conflicts and the fallback, so the first real requests do not pay for cold code paths."""
+        scratch = InProcessRuntime(_warmup_app(), partitions=self.partitions, gc_tuning=False, warmup_txns=0)
+        n = max(self.warmup_txns, 2)
+        reqs = [Request(f"w{i}", "__warmup", f"k{i % (n // 2 + 1)}", "hop",
+                        serde.encode([f"k{(i * 7 + 1) % (n // 2 + 1)}", i % 3]))
+                for i in range(n)]
+        scratch.run_epoch(reqs)
 
     def _halt(self, exc: BaseException) -> None:
         """An epoch could not be logged or run: fail every waiting request and accept no more.
@@ -493,6 +638,7 @@ class InProcessRuntime:
             return fut
         fut = self._futures[rid] = loop.create_future()
         self._queue.append(request)
+        self._arrived += 1
         if self._wake is not None:
             self._wake.set()
         return fut
@@ -548,13 +694,16 @@ class InProcessRuntime:
                             await asyncio.wait_for(self._wake.wait(), wait + 0.001)
                     continue
             # durable mode: the previous batch's log commit is the batching window; no extra wait
-            if self.node is None and len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
-                await asyncio.sleep(self.epoch_max_ms / 1000.0)
+            limit = self.sizer.limit()
+            if self.node is None and len(self._queue) < limit and self.epoch_max_ms > 0:
+                wait = self.sizer.wait_s(len(self._queue))
+                if wait > 0:
+                    await asyncio.sleep(wait)
             if self.node is not None and self.gate.closed_for(self.epoch):
                 # paused (durable mode): waiting requests go to the input log as the next epochs, run on resume
                 self._wake.clear()
                 if self._queue:
-                    batch = self._queue[: self.epoch_max_txns]
+                    batch = self._queue[:limit]
                     del self._queue[: len(batch)]
                     try:
                         self._parked.append(await asyncio.to_thread(
@@ -567,8 +716,9 @@ class InProcessRuntime:
                     await self._wake.wait()
                 continue
             await self.gate.enter_async(self.epoch)  # paused: no epoch starts, requests wait in the queue
-            batch = self._queue[: self.epoch_max_txns]
+            batch = self._queue[:limit]
             del self._queue[: len(batch)]
+            t0 = time.perf_counter()
             try:
                 if self._parked:
                     self._queue[:0] = batch
@@ -583,6 +733,9 @@ class InProcessRuntime:
                 return
             finally:
                 self.gate.leave()
+            last = self.epoch_stats[-1] if self.epoch_stats else {}
+            self.sizer.observe(len(batch), time.perf_counter() - t0, self._arrived, int(last.get("conflicts", 0)))
+            self._arrived = 0
             await asyncio.sleep(0)
 
     # -- control (charon.runtime.control) ----------------------------------------------------------
