@@ -80,22 +80,30 @@ def spark_available() -> bool:
 
 
 def make_runtime(
-    target: str, engine: str, partitions: int, data_dir: str | None = None, *, fsync: bool = True,
-    reply_retention: int | None = None,
+    target: str, engine: str, partitions: int | None = None, data_dir: str | None = None, *, fsync: bool = True,
+    reply_retention: int | None = None, log_url: str | None = None,
 ) -> Any:
     """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
 
     ``inprocess``: :class:`charon.runtime.inprocess.InProcessRuntime`, durable under ``data_dir`` when one is given,
     volatile without. ``spark``: :class:`charon.runtime.spark.runtime.SparkRuntime` configured from ``CHARON_*``
-    variables, then the options.
+    variables, then the options. ``log_url`` (``nats://host:port/deployment``) puts the input and output logs on
+    NATS JetStream instead of SQLite files under ``data_dir`` (:mod:`charon.log.nats`).
     """
+    if log_url is not None:
+        from charon.log.location import is_networked
+
+        if not is_networked(log_url):
+            raise typer.BadParameter(f"--log must be a nats://host:port/deployment URL, got {log_url!r}")
+        if engine == "inprocess" and data_dir is None:
+            raise typer.BadParameter("--log needs a durable deployment (not --ephemeral)")
     if engine == "inprocess":
         from charon.runtime.inprocess import InProcessRuntime
         from charon.runtime.node import NodeError
 
         try:
-            return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync,
-                                    reply_retention=reply_retention)
+            return InProcessRuntime(load_app(target), partitions=partitions or 4, data_dir=data_dir, fsync=fsync,
+                                    reply_retention=reply_retention, log_url=log_url)
         except NodeError as exc:
             raise _fail(str(exc)) from None
     if engine == "spark":
@@ -107,12 +115,23 @@ def make_runtime(
         load_app(target)  # fail early with a clear message
         from charon.runtime.spark.runtime import LayoutMismatch
 
-        config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir)
+        config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url)
         try:
             return SparkRuntime(target if ":" in target else f"{target}:app", config)
         except LayoutMismatch as exc:  # the checkpoint was made with another partition count
             raise _fail(str(exc)) from None
-    raise typer.BadParameter(f"unknown engine {engine!r} (inprocess or spark)")
+        except OSError as exc:  # e.g. the NATS log is not reachable
+            raise _fail(f"the log is not reachable: {exc}") from None
+    if engine == "remote":
+        if log_url is None:
+            raise typer.BadParameter("--engine remote needs --log nats://host:port/deployment (the engine's log)")
+        from charon.runtime.remote import LogRuntime
+
+        try:
+            return LogRuntime(load_app(target), log_url)
+        except OSError as exc:
+            raise _fail(f"the log at {log_url} is not reachable: {exc}") from None
+    raise typer.BadParameter(f"unknown engine {engine!r} (inprocess, spark or remote)")
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -150,20 +169,27 @@ TokenOpt = typer.Option(None, "--token", envvar="CHARON_TOKEN", help="Bearer tok
 @app.command()
 def run(
     target: str = typer.Argument(..., metavar="MODULE:APP", help="The Application to deploy."),
-    engine: str = typer.Option("inprocess", help="inprocess or spark."),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    port: int = typer.Option(8000, help="TCP port."),
+    engine: str = typer.Option("inprocess", help="inprocess, spark, or remote (a gateway only: the engine "
+                               "runs elsewhere on the same --log)."),
+    host: str = typer.Option("127.0.0.1", envvar="CHARON_HOST", help="Interface to listen on."),
+    port: int = typer.Option(8000, envvar="CHARON_PORT", help="TCP port."),
     token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send."),
-    partitions: int = typer.Option(4, min=1, help="Number of partitions."),
-    max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
+    partitions: int | None = typer.Option(
+        None, min=1, envvar="CHARON_PARTITIONS", help="Number of partitions (default 4).", show_default=False
+    ),
+    max_body: int | None = typer.Option(
+        None, min=1, envvar="CHARON_GATEWAY_MAX_BODY", help="Largest request body in bytes (default 1 MiB).",
+        show_default=False,
+    ),
     data_dir: str | None = typer.Option(
-        None, help="Logs, durable state and checkpoints (default ./charon-data)."
+        None, envvar="CHARON_DATA_DIR", help="Logs, durable state and checkpoints (default ./charon-data)."
     ),
     ephemeral: bool = typer.Option(
         False, "--ephemeral", help="inprocess: keep everything in memory (lost when the process stops)."
     ),
     reply_retention: int | None = typer.Option(
-        None, min=1, help="Replies kept in memory for retries by the runtime and the gateway (default: 100,000; "
+        None, min=1, envvar="CHARON_GATEWAY_RECENT_REPLIES",
+        help="Replies kept in memory for retries by the runtime and the gateway (default: 100,000; "
         "durable inprocess: 10,000, older ones come from the output log).",
     ),
     fsync: bool = typer.Option(
@@ -171,9 +197,13 @@ def run(
         help="inprocess: fsync each epoch's input before it runs (acknowledged replies survive power loss); "
         "--no-fsync survives a killed process but not an OS crash, for lower latency.",
     ),
+    log: str | None = typer.Option(
+        None, "--log", envvar="CHARON_LOG_URL", help="Put the input and output logs on NATS JetStream, e.g. "
+        "nats://127.0.0.1:4222/mydeployment (default: SQLite files in the data directory).",
+    ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
-    from charon.server.gateway import serve
+    from charon.server.gateway import RuntimeStartError, serve
 
     application = load_app(target)
     if engine == "inprocess":
@@ -188,19 +218,25 @@ def run(
         )
     elif ephemeral:
         raise _fail("--ephemeral applies to --engine inprocess only")
-    runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention)
-    if engine != "inprocess":
+    runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention,
+                           log_url=log)
+    if engine == "remote":
+        mode = "gateway only, the engine runs elsewhere"
+    elif engine != "inprocess":
         config = getattr(runtime, "config", None)
         mode = f"durable in {os.path.abspath(getattr(config, 'data_dir', None) or data_dir or 'charon-data')}"
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
+    config = getattr(runtime, "config", None)
+    partitions = getattr(config, "partitions", None) or getattr(runtime, "partitions", None) or partitions
     replayed = getattr(runtime, "replayed_epochs", 0)
     verb = "starting" if engine == "spark" else "serving"
     err_console.print(
         f"charon: {verb} [bold]{getattr(application, 'name', target)}[/] "
-        f"({engine}, {partitions} partitions; {mode}) on http://{host}:{port}"
+        f"({engine}, {partitions} partitions; {mode}{'; logs on ' + log if log else ''}) on http://{host}:{port}"
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
-        + (" (Spark starts in ~20 s; the port opens when it is up)" if engine == "spark" else ""),
+        + ("; Spark starts in ~20 s: /health answers 503 starting until then, invokes are logged and wait"
+           if engine == "spark" else ""),
         soft_wrap=True,  # one line even when stderr is not a terminal (grep-able)
     )
     if engine == "spark":
@@ -209,7 +245,10 @@ def run(
         err_console.print(f"charon: Spark log: {spark_log_path(runtime.config)}", soft_wrap=True)
     try:
         recent = reply_retention or (10_000 if getattr(runtime, "durable", False) else 100_000)
-        serve(runtime, host, port, token, max_body=max_body, recent_replies=recent)
+        try:
+            serve(runtime, host, port, token, max_body=max_body, recent_replies=recent)
+        except RuntimeStartError as exc:
+            raise _fail(f"the {engine} runtime did not start: {exc}") from None
     finally:
         close = getattr(runtime, "close", None)
         if engine == "inprocess" and close is not None:
@@ -268,6 +307,156 @@ def state(
         except httpx.HTTPError as exc:
             raise _fail(f"cannot reach the gateway at {url}: {exc}") from None
     _print_json(value)
+
+
+def _admin(url: str, token: str | None, call: Any) -> Any:
+    import httpx
+
+    with _client(url, token) as client:
+        try:
+            return call(client)
+        except CharonError as exc:
+            raise _fail(f"{type(exc).__name__}: {exc}") from None
+        except httpx.HTTPError as exc:
+            raise _fail(f"cannot reach the gateway at {url}: {exc}") from None
+
+
+@app.command()
+def status(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
+    """Print the runtime's control status (running/pausing/paused, last committed epoch, backlog) as JSON."""
+    _print_json(_admin(url, token, lambda c: c.status()))
+
+
+@app.command()
+def pause(
+    after_epoch: int | None = typer.Option(None, "--after-epoch", min=-1, help="Pause once this epoch is done."),
+    wait: bool = typer.Option(True, help="Wait until no epoch runs any more."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """Start no new epoch (requests keep being accepted and wait); prints the status."""
+
+    def go(c: Any) -> Any:
+        st = c.pause(after_epoch)
+        deadline = time.monotonic() + 60
+        while wait and after_epoch is None and st["state"] != "paused" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            st = c.status()
+        return st
+
+    _print_json(_admin(url, token, go))
+
+
+@app.command()
+def resume(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
+    """Let epochs start again (waiting requests run in arrival order); prints the status."""
+    _print_json(_admin(url, token, lambda c: c.resume()))
+
+
+@app.command("read")
+def read_state(
+    operator: str = typer.Argument(..., help="Operator name."),
+    keys: list[str] = typer.Argument(None, help="Entity keys (default: every entity, up to --limit)."),
+    epoch: int | None = typer.Option(None, help="An earlier epoch still retained (default: the latest)."),
+    limit: int | None = typer.Option(None, min=1, help="Most entities to return."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """Print OPERATOR's entities as of one committed epoch (one consistent cut) as JSON, with that epoch."""
+    _print_json(_admin(url, token, lambda c: c.read_state(operator, keys or None, epoch=epoch, limit=limit)))
+
+
+@app.command()
+def update(
+    update_id: str = typer.Argument(..., metavar="ID", help="Update id: an id runs once."),
+    operator: str = typer.Argument(..., help="Operator name."),
+    function: str = typer.Argument(..., help="A function of the deployed application."),
+    args_json: str = typer.Argument("[]", metavar="ARGS_JSON", help="JSON list of positional arguments."),
+    keys: list[str] = typer.Option(None, "--key", help="Entity keys (default: every entity of OPERATOR)."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """A serializable admin update: FUNCTION on every entity, alone at an epoch boundary, once per ID."""
+    try:
+        args = json.loads(args_json)
+    except json.JSONDecodeError as exc:
+        raise _fail(f"ARGS_JSON is not valid JSON: {exc}") from None
+    if not isinstance(args, list):
+        raise _fail("ARGS_JSON must be a JSON list")
+    _print_json(_admin(url, token, lambda c: c.admin_update(update_id, operator, function, *args, keys=keys or None)))
+
+
+@app.command()
+def deploy(
+    ref: str = typer.Argument(..., metavar="MODULE:APP", help="The new code (allowed by the gateway's code_refs)."),
+    version: str = typer.Argument(..., help="Its version label."),
+    migrate: tuple[str, str, str] = typer.Option(
+        (None, None, None), "--migrate", metavar="OPERATOR FUNCTION ARGS_JSON",
+        help="A function of the new code run on every entity of OPERATOR at the boundary."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """A strict code update: every partition switches to MODULE:APP at one epoch boundary (in-process runtime)."""
+    migration = None
+    if migrate[0] is not None:
+        try:
+            args = json.loads(migrate[2])
+        except json.JSONDecodeError as exc:
+            raise _fail(f"ARGS_JSON is not valid JSON: {exc}") from None
+        if not isinstance(args, list):
+            raise _fail("ARGS_JSON must be a JSON list")
+        migration = (migrate[0], migrate[1], args)
+    _print_json(_admin(url, token, lambda c: c.update_code(ref, version, migration)))
+
+
+@app.command()
+def metrics(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
+    """Print the Prometheus metrics (/metrics)."""
+    typer.echo(_admin(url, token, lambda c: c.metrics()), nl=False)
+
+
+@app.command()
+def sql(
+    query: str = typer.Argument(..., help='e.g. "SELECT sum(value) FROM account"'),
+    data_dir: str = typer.Option("charon-data", "--data-dir", envvar="CHARON_DATA_DIR",
+                                 help="The deployment's data directory (either runtime; it may be running)."),
+    epoch: int | None = typer.Option(None, help="An earlier retained epoch (default: the newest)."),
+    limit: int = typer.Option(1000, min=1, help="Most rows to print."),
+    master: str = typer.Option("local[2]", envvar="CHARON_MASTER", help="Spark master of the reading session."),
+) -> None:
+    """Run Spark SQL over the durable state at one consistent epoch: one view per operator with the columns
+    key, item, value, value_json, epoch (see charon.runtime.spark.statesql)."""
+    try:
+        from charon.runtime.spark.statesql import layout_of, register_views
+    except ImportError as exc:
+        raise _fail(f"SQL over state needs PySpark: {exc}") from None
+    try:
+        layout = layout_of(data_dir)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise _fail(str(exc)) from None
+    import tempfile
+
+    from charon.config import SparkConfig
+    from charon.runtime.spark.runtime import make_session
+
+    scratch = tempfile.mkdtemp(prefix="charon-sql-")  # the reading session's own log, never the deployment's
+    spark = make_session(SparkConfig(master=master, data_dir=scratch, app_name="charon-sql"))
+    try:
+        try:
+            register_views(spark, layout, epoch)
+            df = spark.sql(query)
+            rows = df.limit(limit).collect()
+        except CharonError as exc:
+            raise _fail(f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - Spark's analysis/parse errors, shown to the user
+            raise _fail(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+        table = Table(*df.columns, title=f"epoch {layout.epoch if epoch is None else epoch}")
+        for r in rows:
+            table.add_row(*[json.dumps(v, default=str) if not isinstance(v, str) else v for v in r])
+        console.print(table)
+    finally:
+        spark.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -27,7 +27,7 @@ import itertools
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -36,7 +36,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from charon.core.routing import check_key
+from charon.core.routing import check_key, check_stream
 from charon.errors import (
     BadArguments,
     CharonError,
@@ -54,6 +54,8 @@ __all__ = [
     "AsyncClient",
     "Call",
     "Result",
+    "Event",
+    "StreamPage",
     "Unauthorized",
     "BadRequest",
     "RequestNotFound",
@@ -125,6 +127,36 @@ class Result:
     epoch: int
     value: Any
     position: int | None = None  # place in the epoch's serial order (None from a gateway without it)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One event of an output stream (``ctx.emit``): ``offset`` in its stream, the ``epoch`` whose atom holds it."""
+
+    stream: str
+    offset: int
+    epoch: int
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPage:
+    """One read of a stream: whole atoms; resume at ``next_offset`` (``first_offset``: oldest retained)."""
+
+    stream: str
+    events: list[Event]
+    next_offset: int
+    first_offset: int
+    end_offset: int
+
+
+def _page(resp: httpx.Response) -> StreamPage:
+    body = _decode_body(resp)
+    if resp.status_code != 200:
+        _raise_error(resp.status_code, body, None)
+    s = body["stream"]
+    events = [Event(s, e["offset"], e["epoch"], e["value"]) for e in body["events"]]
+    return StreamPage(s, events, body["next_offset"], body["first_offset"], body["end_offset"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,14 +263,50 @@ class _Base:
         return f"/state/{_segment(operator)}/{_segment(key)}"
 
     @staticmethod
+    def _timers_path(operator: str, key: str) -> str:
+        check_key(key)
+        return f"/timers/{_segment(operator)}/{_segment(key)}"
+
+    @staticmethod
     def _payload(args: Sequence[Any]) -> bytes:
         try:
             return _enc.encode({"args": list(args)})
         except (TypeError, OverflowError, msgspec.EncodeError) as exc:
             raise SerializationError(f"arguments are not msgpack-serializable: {exc}") from None
 
+    @staticmethod
+    def _batch_payload(calls: Iterable[Call | Sequence[Any]]) -> bytes:
+        items = [_as_call(c) for c in calls]
+        for c in items:
+            check_key(c.key)
+        try:
+            return _enc.encode({"calls": [[c.operator, c.key, c.function, list(c.args)] for c in items]})
+        except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+            raise SerializationError(f"arguments are not msgpack-serializable: {exc}") from None
+
+    def _stream_request(self, stream: str, from_offset: int, limit: int, wait: float) -> dict[str, Any]:
+        check_stream(stream)
+        return {"params": {"from_offset": from_offset, "limit": limit, "wait": wait}, "headers": self.headers,
+                "timeout": self.timeout + wait}
+
     def _invoke_headers(self, request_id: str) -> dict[str, str]:
         return {**self.headers, "Content-Type": MSGPACK, "Idempotency-Key": request_id}
+
+    @staticmethod
+    def _scan_params(keys: Sequence[str] | None, epoch: int | None, limit: int | None) -> list[tuple[str, Any]]:
+        params: list[tuple[str, Any]] = [("key", check_key(k)) for k in keys or ()]
+        if epoch is not None:
+            params.append(("epoch", int(epoch)))
+        if limit is not None:
+            params.append(("limit", int(limit)))
+        return params
+
+    @staticmethod
+    def _admin_doc(resp: httpx.Response) -> dict[str, Any]:
+        body = _decode_body(resp)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, body, None)
+        return body
 
 
 class Client(_Base):
@@ -345,10 +413,100 @@ class Client(_Base):
             _raise_error(resp.status_code, body, None)
         return body["value"]
 
+    def timers(self, operator: str, key: str) -> list[dict[str, Any]]:
+        """The pending timers an entity registered: ``{"id", "due", "operator", "key", "function", "args"}``
+        each (an admin read: needs the token)."""
+        resp = self._send("GET", self._timers_path(operator, key), headers=self.headers)
+        body = _decode_body(resp)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, body, None)
+        return body["timers"]
+
     def health(self) -> dict[str, Any]:
         """The gateway's ``/health`` document."""
         resp = self._send("GET", "/health", headers=self.headers)
         return _decode_body(resp)
+
+    def invoke_batch(self, calls: Iterable[Call | Sequence[Any]], *, batch_id: str | None = None) -> list[Any]:
+        """Run ``calls`` as one client atomic batch (one transaction, in order: all commit or none) and return
+        their values. Raises TransactionAborted (nothing applied) when any call raised. ``batch_id`` is the
+        batch's Idempotency-Key: retries run it once; reusing it for other calls raises IdempotencyConflict."""
+        bid = batch_id or uuid.uuid4().hex
+        resp = self._send("POST", "/batch", content=self._batch_payload(calls), headers=self._invoke_headers(bid))
+        try:
+            return _result(resp, bid).value
+        except _Pending:
+            return self.result_of(bid, None).value
+
+    def read_stream(self, stream: str, from_offset: int = 0, *, limit: int = 1000, wait: float = 0.0) -> StreamPage:
+        """Events of output stream ``stream`` from ``from_offset`` (whole atoms, up to ``limit`` events; waits up
+        to ``wait`` seconds, at most 30, for the first one)."""
+        kw = self._stream_request(stream, from_offset, limit, wait)
+        return _page(self._send("GET", f"/streams/{stream}", **kw))
+
+    def subscribe(
+        self, stream: str, from_offset: int = 0, *, limit: int = 1000, wait: float = 20.0
+    ) -> Iterator[Event]:
+        """Every event of ``stream`` from ``from_offset`` on, as the atoms commit (long polling; endless).
+
+        Exactly once across restarts: store ``event.offset + 1`` with what you did with the event, and
+        pass it back as ``from_offset``."""
+        offset = from_offset
+        while True:
+            page = self.read_stream(stream, offset, limit=limit, wait=wait)
+            yield from page.events
+            offset = page.next_offset
+
+    # -- admin (token) -----------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """The runtime's control status: ``state`` (running, pausing, paused), ``epoch``, ``backlog``..."""
+        return self._admin_doc(self._send("GET", "/admin/status", headers=self.headers))
+
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no new epoch (now, or after epoch ``after_epoch``); requests keep being accepted."""
+        body = {} if after_epoch is None else {"after_epoch": int(after_epoch)}
+        return self._admin_doc(self._send("POST", "/admin/pause", json=body, headers=self.headers))
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again."""
+        return self._admin_doc(self._send("POST", "/admin/resume", headers=self.headers))
+
+    def read_state(
+        self, operator: str, keys: Sequence[str] | None = None, *, epoch: int | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """Entities of ``operator`` (``keys``, or all up to ``limit``) as of one committed epoch (default: the
+        latest): ``{"epoch", "entities": {key: value}, "items": {key: {item: value}}, "count", "truncated"}``."""
+        return self._admin_doc(self._send("GET", f"/admin/state/{_segment(operator)}",
+                                          params=self._scan_params(keys, epoch, limit), headers=self.headers))
+
+    def admin_update(
+        self, update_id: str, operator: str, function: str, *args: Any, keys: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Run the deployed ``function`` on every key (default: every entity of ``operator``) alone at an epoch
+        boundary, once per ``update_id`` (in-process runtime); returns the outcome."""
+        body: dict[str, Any] = {"id": update_id, "operator": operator, "function": function, "args": list(args)}
+        if keys is not None:
+            body["keys"] = list(keys)
+        return self._admin_doc(self._send("POST", "/admin/update", content=msgspec.msgpack.encode(body),
+                                          headers={**self.headers, "Content-Type": MSGPACK}))
+
+    def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, Sequence[Any]] | None = None
+    ) -> dict[str, Any]:
+        """Strict code update to the deployed ``ref`` (``module:attribute``, allowed by the gateway's
+        ``code_refs``) at one epoch boundary; ``migration`` = (operator, function, args) of the new code."""
+        body: dict[str, Any] = {"ref": ref, "version": version}
+        if migration is not None:
+            body["migration"] = {"operator": migration[0], "function": migration[1], "args": list(migration[2])}
+        return self._admin_doc(self._send("POST", "/admin/code", content=msgspec.msgpack.encode(body),
+                                          headers={**self.headers, "Content-Type": MSGPACK}))
+
+    def metrics(self) -> str:
+        """The Prometheus exposition of ``/metrics``."""
+        resp = self._send("GET", "/metrics", headers=self.headers)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, _decode_body(resp), None)
+        return resp.text
 
     def invoke_many(
         self, calls: Iterable[Call | Sequence[Any]], *, concurrency: int = 16, return_exceptions: bool = False
@@ -497,9 +655,66 @@ class AsyncClient(_Base):
             _raise_error(resp.status_code, body, None)
         return body["value"]
 
+    async def timers(self, operator: str, key: str) -> list[dict[str, Any]]:
+        """The pending timers an entity registered (see :meth:`CharonClient.timers`)."""
+        resp = await self._send("GET", self._timers_path(operator, key), headers=self.headers)
+        body = _decode_body(resp)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, body, None)
+        return body["timers"]
+
     async def health(self) -> dict[str, Any]:
         """The gateway's ``/health`` document."""
         return _decode_body(await self._send("GET", "/health", headers=self.headers))
+
+    async def invoke_batch(self, calls: Iterable[Call | Sequence[Any]], *, batch_id: str | None = None) -> list[Any]:
+        """As :meth:`Client.invoke_batch`."""
+        bid = batch_id or uuid.uuid4().hex
+        resp = await self._send("POST", "/batch", content=self._batch_payload(calls),
+                                headers=self._invoke_headers(bid))
+        try:
+            return _result(resp, bid).value
+        except _Pending:
+            return (await self.result_of(bid, None)).value
+
+    async def read_stream(
+        self, stream: str, from_offset: int = 0, *, limit: int = 1000, wait: float = 0.0
+    ) -> StreamPage:
+        """As :meth:`Client.read_stream`."""
+        kw = self._stream_request(stream, from_offset, limit, wait)
+        return _page(await self._send("GET", f"/streams/{stream}", **kw))
+
+    async def subscribe(
+        self, stream: str, from_offset: int = 0, *, limit: int = 1000, wait: float = 20.0
+    ) -> AsyncIterator[Event]:
+        """As :meth:`Client.subscribe` (an async iterator)."""
+        offset = from_offset
+        while True:
+            page = await self.read_stream(stream, offset, limit=limit, wait=wait)
+            for ev in page.events:
+                yield ev
+            offset = page.next_offset
+
+    # -- admin (token): see :class:`Client` ----------------------------------------------------------------
+    async def status(self) -> dict[str, Any]:
+        """The runtime's control status."""
+        return self._admin_doc(await self._send("GET", "/admin/status", headers=self.headers))
+
+    async def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no new epoch (now, or after epoch ``after_epoch``)."""
+        body = {} if after_epoch is None else {"after_epoch": int(after_epoch)}
+        return self._admin_doc(await self._send("POST", "/admin/pause", json=body, headers=self.headers))
+
+    async def resume(self) -> dict[str, Any]:
+        """Let epochs start again."""
+        return self._admin_doc(await self._send("POST", "/admin/resume", headers=self.headers))
+
+    async def read_state(
+        self, operator: str, keys: Sequence[str] | None = None, *, epoch: int | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """Entities of ``operator`` as of one committed epoch (see :meth:`Client.read_state`)."""
+        return self._admin_doc(await self._send("GET", f"/admin/state/{_segment(operator)}",
+                                                params=self._scan_params(keys, epoch, limit), headers=self.headers))
 
     async def aclose(self) -> None:
         for http in self._shards:

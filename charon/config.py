@@ -17,6 +17,8 @@ class SparkConfig:
     master: str = "local[*]"  # local[N], spark://host:port, yarn, k8s://...
     data_dir: str = "charon-data"  # input log, output log and (by default) the checkpoint location
     checkpoint: str | None = None  # durable state, epoch records and Spark's query checkpoint
+    log_url: str | None = None  # input/output logs on NATS JetStream (nats://host:port/deployment); default:
+    # SQLite files under data_dir (see charon.log.nats)
     partitions: int = 4  # engine partitions (each with its own resident store)
     log_partitions: int | None = None  # input-log partitions = sequencers (default: partitions)
     max_batch: int = 10_000  # most requests per epoch (micro-batch)
@@ -25,6 +27,9 @@ class SparkConfig:
     local_dir: str | None = None  # executor-local store directory (default: per-executor temp dir)
     compact_every: int = 20  # compact durable deltas every N epochs (in the background)
     truncate_log: bool = True  # drop input-log entries older than the last compacted snapshot
+    # request ids (dedup) and their replies are kept this long; a retry after the window may run again
+    dedup_window_s: float = 7 * 24 * 3600.0
+    keep_epoch_records: int = 100  # epoch records kept before the last compacted epoch
     max_invocations: int = 100_000  # most invocations of one transaction, over all partitions
     task_max_failures: int = 4  # Spark attempts per task (local[N,F] in local mode, spark.task.maxFailures)
     epoch_max_failures: int = 3  # query restarts on the same epoch before the runtime gives up (deterministic)
@@ -33,8 +38,14 @@ class SparkConfig:
     single_task_rest: bool = True  # a small epoch's rest (from the round where it is small) in one task
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task
     pipeline_finalize: bool = True  # under load, an epoch's finalize rides in the next epoch's first round
+    driver_reads: bool = True  # state reads from the durable copy in the driver (False: a Spark job per read)
+    stop_timeout_s: float = 60.0  # on stop, wait at most this long for the running epoch to finish
     keep_epoch_stats: int = 1000  # per-epoch statistics kept in memory (the newest N)
-    driver_memory: str = "1g"  # the driver JVM's heap (in local mode also the executors'): bounds its RSS
+    driver_memory: str = "512m"  # the driver JVM's heap (in local mode also the executors'): bounds its RSS
+    fixed_heap: bool = True  # -Xms = -Xmx, pre-touched: the JVM's RSS does not step up during a long run
+    checkpoint_batches: int = 100  # micro-batches Spark's query checkpoint retains (minBatchesToRetain)
+    max_timers_per_epoch: int = 10_000  # timers one partition fires per epoch (keep it fixed for a checkpoint)
+    timer_poll_ms: int = 50  # an idle driver checks this often whether a timer is due (then appends a tick)
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 
@@ -104,6 +115,13 @@ class GatewayConfig:
     max_header_bytes: int = 16 << 10  # largest request head (h11's incomplete-event limit)
     read_threads: int = 8  # threads for runtime reads (replies, state), off the event loop
     public_url: str | None = None  # base of status URLs (e.g. https://api.example.com); None: relative URLs
+    max_batch_calls: int = 1000  # invocations in one client atomic batch (POST /batch; 422 above)
+    stream_max_events: int = 1000  # events per GET /streams page (whole atoms; a larger first atom is whole)
+    stream_max_waiters: int = 256  # concurrent long polls and server-sent-event connections (503 above)
+    stream_sse_seconds: float = 300.0  # a server-sent-event connection ends after this; resume by offset
+    max_scan: int = 10_000  # most entities one admin state read returns (/admin/state)
+    code_refs: str | None = None  # comma-separated "module:attribute" refs /admin/code may deploy (None: none)
+    metrics_samples: int = 10_000  # recent replies the dashboard's throughput and percentiles are computed from
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:

@@ -271,8 +271,8 @@ class Simulation:
         sim = self
 
         class Recording(sr.EpochCoordinator):
-            def run_epoch(self, epoch: int, requests: list, **kw: Any) -> Any:
-                res = super().run_epoch(epoch, requests, **kw)
+            def run_epoch(self, epoch: int, requests: list, now: float | None = None, **kw: Any) -> Any:
+                res = super().run_epoch(epoch, requests, now, **kw)
                 if res.finalize is not None:
                     sim.pipelined_epochs += 1
                     sim.trace(f"epoch {epoch}: finalize deferred into the next batch's first round")

@@ -1,4 +1,6 @@
-"""InputLog / OutputLog on real SQLite files (several threads and spawned processes, no mocks)."""
+"""The log contract, one suite run against both implementations: the SQLite logs (real files, several
+threads and spawned processes) and the NATS JetStream logs (a real ``nats-server -js`` on a free port).
+No mocks. SQLite-only properties (WAL mode) are marked as such."""
 
 from __future__ import annotations
 
@@ -6,11 +8,16 @@ import multiprocessing as mp
 import sqlite3
 import threading
 import time
+import uuid
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from natsfix import NatsServer
 
+from charon.log import open_input_log, open_output_log
 from charon.log.sqlite import InputLog, OutputLog, log_partition_of
 from charon.messages import Reply, Request
 from charon.serde import encode
@@ -25,11 +32,57 @@ def rep(i: int, epoch: int = 0) -> Reply:
     return Reply(f"r{i}", tid=i + 1, epoch=epoch, ok=True, value=encode(i))
 
 
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    srv = NatsServer(tmp_path_factory.mktemp("nats")).start()
+    yield srv.url
+    srv.stop()
+
+
+class Logs:
+    """Opens the input and output logs of one fresh location (a directory or a NATS deployment)."""
+
+    def __init__(self, in_loc: str, out_loc: str) -> None:
+        self.in_loc, self.out_loc = in_loc, out_loc
+        self.opened: list[Any] = []
+
+    def input(self, partitions: int | None = None) -> Any:
+        log = open_input_log(self.in_loc, partitions)
+        self.opened.append(log)
+        return log
+
+    def output(self) -> Any:
+        log = open_output_log(self.out_loc)
+        self.opened.append(log)
+        return log
+
+    def fresh(self) -> Logs:
+        """Another empty location of the same kind."""
+        if self.in_loc.startswith("nats://"):
+            base = self.in_loc.rsplit("/", 1)[0]
+            d = f"{base}/t{uuid.uuid4().hex[:12]}"
+            return Logs(d, d)
+        return Logs(self.in_loc + ".2", self.out_loc + ".2")
+
+
+@pytest.fixture(params=["sqlite", "nats"])
+def logs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Logs]:
+    if request.param == "sqlite":
+        lg = Logs(str(tmp_path / "in.db"), str(tmp_path / "out.db"))
+    else:
+        url = request.getfixturevalue("nats_url")
+        d = f"{url}/t{uuid.uuid4().hex[:12]}"
+        lg = Logs(d, d)
+    yield lg
+    for log in lg.opened:
+        log.close()
+
+
 # -- InputLog ------------------------------------------------------------------------------------
 
 
-def test_append_read_dense_offsets(tmp_path: Path) -> None:
-    log = InputLog(tmp_path / "in.db", partitions=4)
+def test_append_read_dense_offsets(logs: Logs) -> None:
+    log = logs.input(4)
     positions = [log.append(req(i)) for i in range(40)]
     # default partition: crc32 of the key string
     for i, (p, _) in enumerate(positions):
@@ -52,8 +105,8 @@ def test_append_read_dense_offsets(tmp_path: Path) -> None:
     assert log.read(p, 2, 2) == []
 
 
-def test_explicit_partition_ts_kept_and_roundtrip(tmp_path: Path) -> None:
-    log = InputLog(tmp_path / "in.db", partitions=3)
+def test_explicit_partition_ts_kept_and_roundtrip(logs: Logs) -> None:
+    log = logs.input(3)
     r = req(1, ts=123.5)
     assert log.append(r, partition=2) == (2, 0)
     assert log.read(2, 0, 1) == [r]  # full fidelity, given ts kept
@@ -65,8 +118,8 @@ def test_explicit_partition_ts_kept_and_roundtrip(tmp_path: Path) -> None:
         log.append(req(3), partition=3)
 
 
-def test_read_range_ordered(tmp_path: Path) -> None:
-    log = InputLog(tmp_path / "in.db", partitions=4)
+def test_read_range_ordered(logs: Logs) -> None:
+    log = logs.input(4)
     log.append_many([req(i) for i in range(100)])
     ends = log.end_offsets()
     starts = [min(2, e) for e in ends]
@@ -77,8 +130,8 @@ def test_read_range_ordered(tmp_path: Path) -> None:
         assert log.read(p, o, o + 1) == [r]
 
 
-def test_read_beyond_end_or_truncated_raises(tmp_path: Path) -> None:
-    log = InputLog(tmp_path / "in.db", partitions=1)
+def test_read_beyond_end_or_truncated_raises(logs: Logs) -> None:
+    log = logs.input(1)
     log.append_many([req(i) for i in range(5)])
     with pytest.raises(ValueError, match="ends at 5"):
         log.read(0, 0, 6)
@@ -88,17 +141,19 @@ def test_read_beyond_end_or_truncated_raises(tmp_path: Path) -> None:
     assert [r.request_id for r in log.read(0, 3, 5)] == ["r3", "r4"]
 
 
-def test_partition_count_is_persistent(tmp_path: Path) -> None:
-    path = tmp_path / "in.db"
-    InputLog(path, partitions=8).close()
-    assert InputLog(path).partitions == 8
-    assert InputLog(path, partitions=8).partitions == 8
+def test_partition_count_is_persistent(logs: Logs) -> None:
+    logs.input(8).close()
+    assert logs.input().partitions == 8
+    assert logs.input(8).partitions == 8
     with pytest.raises(ValueError, match="8 partitions"):
-        InputLog(path, partitions=4)
-    assert InputLog(tmp_path / "new.db").partitions == 4
+        logs.input(4)
+    fresh = logs.fresh()
+    assert fresh.input().partitions == 4
+    for log in fresh.opened:
+        log.close()
 
 
-def test_wal_mode(tmp_path: Path) -> None:
+def test_wal_mode_sqlite(tmp_path: Path) -> None:
     path = tmp_path / "in.db"
     InputLog(path).close()
     OutputLog(tmp_path / "out.db").close()
@@ -108,8 +163,8 @@ def test_wal_mode(tmp_path: Path) -> None:
         c.close()
 
 
-def test_idempotent_append(tmp_path: Path) -> None:
-    log = InputLog(tmp_path / "in.db", partitions=4)
+def test_idempotent_append(logs: Logs) -> None:
+    log = logs.input(4)
     first = log.append(req(1))
     assert log.contains("r1") and not log.contains("r2")
     # a retry with the same request id, even with another key/partition, is not appended again
@@ -123,8 +178,8 @@ def test_idempotent_append(tmp_path: Path) -> None:
     assert log.position("r2") == got[0]
 
 
-def test_append_many_is_one_transaction(tmp_path: Path) -> None:
-    log = InputLog(tmp_path / "in.db", partitions=2)
+def test_append_many_is_one_transaction(logs: Logs) -> None:
+    log = logs.input(2)
     bad = Request("bad", "account", "k", "f", b"", 0.0)
     with pytest.raises(ValueError):
         log.append_many([req(1), (bad, 7)])  # invalid partition: nothing of the batch is stored
@@ -133,8 +188,8 @@ def test_append_many_is_one_transaction(tmp_path: Path) -> None:
     assert out == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
 
 
-def test_truncate_keeps_counting(tmp_path: Path) -> None:
-    log = InputLog(tmp_path / "in.db", partitions=2)
+def test_truncate_keeps_counting(logs: Logs) -> None:
+    log = logs.input(2)
     log.append_many([(req(i), i % 2) for i in range(10)])
     assert log.end_offsets() == [5, 5]
     log.truncate([3, 5])
@@ -155,20 +210,19 @@ def test_truncate_keeps_counting(tmp_path: Path) -> None:
         log.truncate([1])
 
 
-def test_reopen_sees_data(tmp_path: Path) -> None:
-    path = tmp_path / "in.db"
-    with InputLog(path, partitions=2) as log:
+def test_reopen_sees_data(logs: Logs) -> None:
+    with open_input_log(logs.in_loc, 2) as log:
         log.append_many([req(i) for i in range(7)])
         ends = log.end_offsets()
-    log2 = InputLog(path)
+    log2 = logs.input()
     assert log2.end_offsets() == ends
     assert sorted(r.request_id for _, _, r in log2.read_range([0, 0], ends)) == sorted(
         f"r{i}" for i in range(7)
     )
 
 
-def test_threads_append_concurrently(tmp_path: Path) -> None:
-    log = InputLog(tmp_path / "in.db", partitions=4)
+def test_threads_append_concurrently(logs: Logs) -> None:
+    log = logs.input(4)
     errors: list[BaseException] = []
 
     def work(t: int) -> None:
@@ -190,7 +244,7 @@ def test_threads_append_concurrently(tmp_path: Path) -> None:
 
 
 def _proc_append(path: str, worker: int, n: int, batch: int) -> None:
-    log = InputLog(path)
+    log = open_input_log(path)
     i = 0
     while i < n:
         # every id appears in two workers: (worker, i) and (worker ^ 1, i) share "s{pair}-{i}"
@@ -207,9 +261,9 @@ def _proc_append(path: str, worker: int, n: int, batch: int) -> None:
     log.close()
 
 
-def test_multiprocess_appends(tmp_path: Path) -> None:
-    path = str(tmp_path / "in.db")
-    InputLog(path, partitions=4).close()
+def test_multiprocess_appends(logs: Logs) -> None:
+    path = logs.in_loc
+    logs.input(4).close()
     ctx = mp.get_context("spawn")
     n = 60
     procs = [ctx.Process(target=_proc_append, args=(path, w, n, 1 if w % 2 else 7)) for w in range(4)]
@@ -218,7 +272,7 @@ def test_multiprocess_appends(tmp_path: Path) -> None:
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
-    log = InputLog(path)
+    log = logs.input()
     ends = log.end_offsets()
     rows = log.read_range([0] * 4, ends)
     ids = [r.request_id for _, _, r in rows]
@@ -236,8 +290,8 @@ def test_multiprocess_appends(tmp_path: Path) -> None:
 # -- OutputLog -----------------------------------------------------------------------------------
 
 
-def test_output_log_exactly_once(tmp_path: Path) -> None:
-    out = OutputLog(tmp_path / "out.db")
+def test_output_log_exactly_once(logs: Logs) -> None:
+    out = logs.output()
     assert out.put_many([rep(1), rep(2), rep(3)]) == 3
     # a replayed epoch re-delivers 2 and 3 (maybe with other tids): ignored
     assert out.put_many([Reply("r2", 99, 1, False, b"", "X", "y"), rep(3), rep(4)]) == 1
@@ -257,9 +311,8 @@ def test_output_log_exactly_once(tmp_path: Path) -> None:
     assert out.put(rep(5)) is True and out.put(rep(5)) is False
 
 
-def test_output_log_consumer_sees_each_reply_once(tmp_path: Path) -> None:
-    path = tmp_path / "out.db"
-    out = OutputLog(path)
+def test_output_log_consumer_sees_each_reply_once(logs: Logs) -> None:
+    out = logs.output()
     stop = threading.Event()
 
     def producer() -> None:
@@ -268,7 +321,7 @@ def test_output_log_consumer_sees_each_reply_once(tmp_path: Path) -> None:
             out.put_many(batch)
         stop.set()
 
-    consumer_log = OutputLog(path)
+    consumer_log = logs.output()
     seen: list[str] = []
     seq = 0
     th = threading.Thread(target=producer)
@@ -285,27 +338,26 @@ def test_output_log_consumer_sees_each_reply_once(tmp_path: Path) -> None:
     assert seen == [f"r{i}" for i in range(300)]
 
 
-def test_wait_for(tmp_path: Path) -> None:
-    out = OutputLog(tmp_path / "out.db")
+def test_wait_for(logs: Logs) -> None:
+    out = logs.output()
     t0 = time.monotonic()
     assert out.wait_for("r1", timeout=0.05) is None
     assert time.monotonic() - t0 >= 0.05
-    timer = threading.Timer(0.1, lambda: OutputLog(tmp_path / "out.db").put_many([rep(1)]))
+    timer = threading.Timer(0.1, lambda: logs.output().put_many([rep(1)]))
     timer.start()
     got = out.wait_for("r1", timeout=5)
     timer.join()
     assert got == rep(1)
 
 
-def test_reply_stream_atoms_are_whole_epochs(tmp_path):
+def test_reply_stream_atoms_are_whole_epochs(logs: Logs) -> None:
     """Early replies of one epoch arrive in several groups; the replies stream cuts only at epoch ends."""
     from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
     from charon.runtime.spark.source import CharonRepliesStreamReader
 
-    path = tmp_path / "out.sqlite"
-    out = OutputLog(path)
-    reader = CharonRepliesStreamReader({"path": str(path)})
+    out = logs.output()
+    reader = CharonRepliesStreamReader({"path": logs.out_loc})
     out.mark_epoch(-1)  # what the Spark runtime does when it opens its output log
 
     def put(epoch: int, ids: range) -> None:

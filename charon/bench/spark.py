@@ -181,11 +181,11 @@ class SparkTarget:
     async def start(self) -> None:
         """Wait for the child to load the state and start the streaming query; open the log client."""
         from charon.log.client import LogClient
-        from charon.log.sqlite import InputLog, OutputLog
+        from charon.log.location import log_locations, open_input_log, open_output_log
 
         self.info = await asyncio.to_thread(self._recv, "ready", self._start_timeout)
-        d = self.config.data_dir
-        self.client = LogClient(InputLog(os.path.join(d, "input.sqlite")), OutputLog(os.path.join(d, "output.sqlite")))
+        inp, out = log_locations(os.path.abspath(self.config.data_dir), self.config.log_url)
+        self.client = LogClient(open_input_log(inp), open_output_log(out))
 
     async def submit(self, operator: str, key: str, function: str, args: list | tuple = (), *,
                      request_id: str | None = None) -> Any:

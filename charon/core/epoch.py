@@ -4,7 +4,8 @@
    the previous epoch keep their (lower) TIDs, hence their priority.
 2. Dry run: rounds of the runtime's :class:`Exchange` until no message is in flight; every transaction
    runs against the previous epoch's state plus its own writes; each partition reports the entities each
-   transaction read or wrote. A call graph is complete when its ack shares (exact ``Fraction``) sum to 1.
+   transaction read or wrote. A call graph is complete when its ack shares (exact dyadic integers,
+   :mod:`charon.core.shares`) sum to 1.
 3. Lock-free commit (Aria): a transaction commits unless a lower TID wrote an entity it read or wrote.
    A transaction that raised is aborted for good (its error is the reply) unless it read an entity a
    lower TID wrote, in which case it is rerun like a conflict. Replies go out at once (early replies).
@@ -15,9 +16,10 @@
    that touches an entity outside its set moves to the next epoch, keeping its TID.
 5. Finalize: each partition writes the epoch's delta to its store, idempotently. A runtime may defer it
    (``run_epoch(defer=...)``): the epoch's result then carries a :class:`~charon.core.partition.Prior`
-   that the next epoch's first round executes before its own work (``run_epoch(prior=...)``), which
+   that the next epoch's first round executes before its own work (``run_epoch(prior=result)``), which
    saves a round per epoch; replies never wait for it (they are safe once the outcome is decided, as a
-   replay is deterministic), only the epoch's durable record does.
+   replay is deterministic), only the epoch's durable record does, and its atom of events (the finalize
+   gathers them): ``on_finalized(result)`` gets the deferred epoch with its events once that round returned.
 
 The serial order: first every outcome decided without the fallback (validation errors, lock-free
 commits, immediate aborts) in TID order, then the fallback's outcomes in TID order. Running the epoch's
@@ -29,24 +31,26 @@ history; ``EpochResult.order`` is the epoch's TIDs sorted by position.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Protocol
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, Prior, RoundOutput, too_many_invocations
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import partition_of
 from charon.core.sequencer import Sequencer
+from charon.core.shares import ONE, ZERO, Share, add, is_one
 from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Reply, Request
 from charon.operator import Application
 
-_ONE = Fraction(1)
 MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set within an epoch
 Entity = tuple[str, str]
+Event = tuple[int, str, bytes]  # (tid, stream, encoded value)
 
 
 class Exchange(Protocol):
@@ -76,7 +80,12 @@ class EpochResult:
     slow: list[int] = field(default_factory=list)  # committed or aborted by the locked fallback
     deferred: list[int] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
-    finalize: Prior | None = None  # set when the finalize was deferred: pass it as the next epoch's prior
+    # the epoch's atom: committed transactions' events (tid, stream, value) in serial order (Context.emit);
+    # when the finalize was deferred, set once it ran (before on_finalized sees this result)
+    events: list[Event] = field(default_factory=list)
+    time: float = 0.0  # the epoch's deterministic time (Sequencer.advance)
+    timers: list[_timers.Timer] = field(default_factory=list)  # fired at the epoch's start, in TID order
+    finalize: Prior | None = None  # set when the finalize was deferred: pass this result as the next's prior
 
 
 def position(tid: int, last_tid: int, fallback: bool) -> int:
@@ -88,24 +97,37 @@ def position(tid: int, last_tid: int, fallback: bool) -> int:
     return last_tid + 1 + tid if fallback else tid
 
 
+def atom_order(events: list[tuple[int, str, int, str, bytes]], replies: dict[int, Reply]) -> list[Event]:
+    """An epoch's committed events as (tid, stream, value) in atom order: by the transaction's place in the
+    serial order, then by invocation (an invocation before its callees, callees in call order), then by
+    emit order within the invocation. Placement-independent, so the same on every runtime and replay."""
+    def key(ev: tuple[int, str, int, str, bytes]) -> tuple:
+        return (replies[ev[0]].position, tuple(int(x) for x in ev[1].split(".")), ev[2])
+
+    return [(tid, stream, value) for tid, _, _, stream, value in sorted(events, key=key)]
+
+
 class _Track:
-    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations")
+    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "events", "timers", "next_due")
 
     def __init__(self) -> None:
         self.done: dict[int, bytes] = {}
-        self.shares: dict[int, Fraction] = {}
+        self.shares: dict[int, Share] = {}
         self.failed: dict[int, tuple[str, str]] = {}
         self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: set[int] = set()
         self.invocations: dict[int, int] = {}  # summed over partitions and rounds
+        self.events: list[tuple[int, str, int, str, bytes]] = []  # finalize: committed events, any order
+        self.timers: list[bytes] = []
+        self.next_due = math.inf
 
     def complete(self, tid: int) -> bool:
-        return tid in self.done and self.shares.get(tid) == _ONE
+        return tid in self.done and is_one(self.shares.get(tid))
 
 
 def _root(tid: int, req: Request) -> Invoke:
     """The root invocation of a transaction: the whole ack share, no caller."""
-    return Invoke(tid, "0", req.operator, req.key, req.function, req.args, _ONE, ROOT, None, req.ts, 0)
+    return Invoke(tid, "0", req.operator, req.key, req.function, req.args, ONE, ROOT, None, req.ts, 0)
 
 
 def _within(touched: dict[Entity, bool], known: dict[Entity, bool]) -> bool:
@@ -166,6 +188,7 @@ class FallbackOutcome:
     apply: list[int]
     reset: list[int]
     stats: dict[str, float]
+    next_due: float = math.inf  # the least due time of a timer registered in its rounds (see run_epoch)
 
 
 def run_fallback(
@@ -189,7 +212,7 @@ def run_fallback(
     stats: dict[str, float] = {}
     apply, reset = coord._fallback(job.epoch, job.conflicted, track, result, reply, job.apply, stats)
     return FallbackOutcome(list(result.replies.values()), result.fast, result.slow, coord.deferred, apply, reset,
-                           stats)
+                           stats, coord.due_seen)
 
 
 def _reply(result: EpochResult, last_tid: int, tid: int, fallback: bool, ok: bool, value: bytes = b"",
@@ -228,6 +251,9 @@ class RestOutcome:
     apply: list[int]
     reset: list[int]
     stats: dict[str, float]
+    next_due: float = math.inf  # the least next due time reported in its rounds (see run_epoch)
+    # the job's prior's finalize: its raw events (tid, inv, n, stream, value), put in atom order by the driver
+    prior_events: list = field(default_factory=list)
 
 
 def run_rest(app: Application, exchange: Exchange, job: RestJob) -> RestOutcome:
@@ -238,7 +264,8 @@ def run_rest(app: Application, exchange: Exchange, job: RestJob) -> RestOutcome:
     coord.on_replies = sent.extend
     stats: dict[str, float] = {}
     apply, reset = coord._rest(job.epoch, job.roots, job.msgs, job.track, job.n, None, job.last_tid, result, stats)
-    return RestOutcome(sent, result.lockfree, result.fast, result.slow, coord.deferred, apply, reset, stats)
+    return RestOutcome(sent, result.lockfree, result.fast, result.slow, coord.deferred, apply, reset, stats,
+                       coord.due_seen)
 
 
 class EpochCoordinator:
@@ -260,7 +287,7 @@ class EpochCoordinator:
         sequencers: int = 1,
         max_invocations: int = MAX_INVOCATIONS,
         on_replies: Callable[[list[Reply]], None] | None = None,
-        on_finalized: Callable[[int], None] | None = None,
+        on_finalized: Callable[[EpochResult], None] | None = None,
     ) -> None:
         if max_invocations < 1:
             raise ValueError("max_invocations must be at least 1")
@@ -270,8 +297,14 @@ class EpochCoordinator:
         self.max_invocations = max_invocations
         self.max_rounds = 2 * max_invocations + 2
         self.on_replies = on_replies
-        self.on_finalized = on_finalized  # called with a prior epoch once the round that wrote it returned
+        # called with a deferred epoch's result (its events set) once the round that finalized it returned
+        self.on_finalized = on_finalized
+        self._prior: EpochResult | None = None  # the deferred epoch whose finalize this epoch carries
+        self.due_seen = math.inf  # the least next due time any partition reported in this epoch's rounds
         self.deferred: list[tuple[int, Request]] = []
+        # the earliest due timer after the last epoch (-inf: unknown, e.g. after a restart; inf: none)
+        self.next_due = -math.inf
+        self.timer_limit = _timers.MAX_TIMERS_PER_EPOCH  # timers one partition fires per epoch (at most)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _round(self, control: Control, msgs: list, track: _Track, stats: dict) -> list:
@@ -292,9 +325,9 @@ class EpochCoordinator:
         for o in outs:
             for tid, value, share in o.done:
                 track.done[tid] = value
-                shares[tid] = shares.get(tid, 0) + share
+                shares[tid] = add(shares.get(tid, ZERO), share)
             for tid, share in o.acks:
-                shares[tid] = shares.get(tid, 0) + share
+                shares[tid] = add(shares.get(tid, ZERO), share)
             for tid, etype, msg in o.failed:
                 failed.setdefault(tid, (etype, msg))
             for tid, n in o.invocations.items():
@@ -310,6 +343,14 @@ class EpochCoordinator:
                 d[e] = wrote or d.get(e, False)
             track.invalid.update(o.invalid)
             nxt.extend(o.messages)
+            if o.events:
+                track.events.extend(o.events)
+            if o.timers:
+                track.timers.extend(o.timers)
+            if o.next_due is not None and o.next_due < track.next_due:
+                track.next_due = o.next_due
+                if o.next_due < self.due_seen:
+                    self.due_seen = o.next_due
             for k, v in o.stats.items():
                 stats[k] = stats.get(k, 0) + v
         return nxt
@@ -319,29 +360,69 @@ class EpochCoordinator:
             self.on_replies(replies)
 
     # -- one epoch --------------------------------------------------------------------------------
-    def finalize(self, prior: Prior, stats: dict | None = None) -> None:
-        """Write an epoch's delta at every partition in a round of its own."""
-        self._round(Control(prior.epoch, Control.FALLBACK, apply=prior.apply, reset=prior.reset, finalize=True), [],
-                    _Track(), {} if stats is None else stats)
+    def finalize(self, result: EpochResult, stats: dict | None = None) -> float:
+        """Run the deferred finalize of ``result`` (an epoch's :attr:`EpochResult.finalize`) in a round of its
+        own: set its events, clear ``finalize``, call ``on_finalized``; returns its exact next due time."""
+        final = self._final_round(result, {} if stats is None else stats)
+        self._finalized(result, final.events)
+        return final.next_due
+
+    def _final_round(self, result: EpochResult, stats: dict) -> _Track:
+        fin = result.finalize
+        assert fin is not None
+        final = _Track()
+        self._round(Control(fin.epoch, Control.FALLBACK, apply=fin.apply, reset=fin.reset, finalize=True), [],
+                    final, stats)
+        return final
+
+    def _finalized(self, result: EpochResult, events: list) -> None:
+        """The deferred finalize of ``result`` has run (its round returned with ``events``, raw): its atom
+        is put in the same order as an undeferred finalize gives (:func:`atom_order`), then the runtime
+        is told (it appends the atom, then writes the epoch's record: the one place that orders the two)."""
+        result.events = atom_order(events, result.replies) if events else []
+        result.finalize = None
+        if self.on_finalized is not None:
+            self.on_finalized(result)
 
     def run_epoch(
-        self, epoch: int, requests: list[tuple[int, Request]], *, prior: Prior | None = None,
-        defer: bool | Callable[[], bool] = False,
+        self, epoch: int, requests: list[tuple[int, Request]], now: float | None = None, *,
+        prior: EpochResult | None = None, defer: bool | Callable[[], bool] = False,
     ) -> EpochResult:
         """Run one epoch of ``requests`` given as (input-log partition, request) in log order.
 
-        ``prior``: the previous epoch's deferred finalize, run within this epoch's first round (or a round of
-        its own if this epoch has nothing to run). ``defer`` (asked once the outcome is decided): leave this
-        epoch's finalize to the caller, in :attr:`EpochResult.finalize`, instead of running it now.
+        ``now``: the time the runtime logged for this epoch (None: the previous epoch's); the timers due by
+        then fire first, as their own transactions (:mod:`charon.core.timers`). ``prior``: the previous
+        epoch's result whose finalize was deferred, run within this epoch's first round (the collect round
+        if there is one, else the dry run's first round, else a round of its own). ``defer`` (asked once the
+        outcome is decided): leave this epoch's finalize to the caller, in :attr:`EpochResult.finalize`.
         """
         t_start = time.perf_counter()
         stats: dict[str, float] = {}
         txns: dict[int, Request] = dict(self.deferred)
         self.deferred = []
+        self.due_seen = math.inf
+        self._prior = prior if prior is not None and prior.finalize is not None else None
+        fin_prior = self._prior.finalize if self._prior is not None else None
+        t_epoch = self.sequencer.advance(now)
+        fired: list[_timers.Timer] = []
+        collected = self.next_due <= t_epoch
+        if collected:  # a collect round: the due timers leave the state before the epoch
+            # The previous epoch's deferred finalize rides in it and runs first (PartitionUnit.step), so
+            # the timers are collected from that epoch's finalized state, as without pipelining.
+            ct = _Track()
+            self._round(Control(epoch, Control.DRY, timers=(t_epoch, self.timer_limit), prior=fin_prior), [], ct,
+                        stats)
+            if fin_prior is not None:
+                self._prior_ran(ct.events)
+                fin_prior = None
+            fired = sorted((_timers.decode(b) for b in ct.timers), key=lambda t: (t.due, t.id))
+            for t in fired:
+                txns[self.sequencer.assign(0)] = t.request(t_epoch)
+            stats["timers"] = len(fired)
         for sid, req in requests:
             txns[self.sequencer.assign(sid)] = req
         self.sequencer.end_epoch()
-        result = EpochResult(epoch, {}, txns, [])
+        result = EpochResult(epoch, {}, txns, [], time=t_epoch, timers=fired)
         last_tid = max(txns, default=0)
         # Validation: a request naming nothing runnable gets its typed error and never runs.
         roots: list[Invoke] = []
@@ -356,23 +437,39 @@ class EpochCoordinator:
             roots.append(_root(tid, req))
         self._emit(early)
 
-        apply_next, reset_next = self._rest(epoch, [r.tid for r in roots], roots, _Track(), 0, prior, last_tid,
+        apply_next, reset_next = self._rest(epoch, [r.tid for r in roots], roots, _Track(), 0, fin_prior, last_tid,
                                             result, stats)
         replies = result.replies
         result.order = sorted(replies, key=lambda t: replies[t].position)
 
         # Finalize: apply what is left and write each partition's delta (now, or in the next epoch's first round).
-        fin = Prior(epoch, apply_next, reset_next)
+        result.finalize = Prior(epoch, apply_next, reset_next)
         if defer() if callable(defer) else defer:
-            result.finalize = fin
             stats["finalize_deferred"] = 1
+            # Timers and a deferred finalize (the rule's one owner): the next epoch decides whether to collect
+            # before this finalize reported the exact next due time, so ``next_due`` is kept a lower bound:
+            # the state's earliest due timer before this epoch (exact after a collect round) or any timer a
+            # transaction registered in one of this epoch's rounds (partitions report those dues, in-task
+            # rounds included). A collect round that finds nothing due changes nothing, so a low bound only
+            # costs a round; the collect round then carries the deferred finalize and runs it first.
+            self.next_due = self.due_seen if collected else min(self.next_due, self.due_seen)
         else:
-            self.finalize(fin, stats)
+            final = self._final_round(result, stats)
+            result.finalize = None
+            self.next_due = final.next_due
+            if final.events:
+                result.events = atom_order(final.events, replies)
         stats["duration_ms"] = (time.perf_counter() - t_start) * 1000.0
         stats["size"] = len(txns)
         stats["committed"] = len(result.lockfree) + len(result.fast) + sum(1 for t in result.slow if replies[t].ok)
         result.stats = stats
         return result
+
+    def _prior_ran(self, events: list) -> None:
+        """The round carrying the previous epoch's deferred finalize returned with its (raw) events."""
+        prior, self._prior = self._prior, None
+        if prior is not None:
+            self._finalized(prior, events)
 
     def _rest(self, epoch: int, roots: list[int], msgs: list, track: _Track, n: int, prior: Prior | None,
               last_tid: int, result: EpochResult, stats: dict) -> tuple[list[int], list[int]]:
@@ -382,16 +479,19 @@ class EpochCoordinator:
         An exchange with a ``rest(job) -> RestOutcome | None`` method may take all of it at any round (e.g.
         in one Spark task holding every partition, when the rest is small); the outcome is the same."""
         taker = getattr(self.exchange, "rest", None)
-        if prior is not None and not msgs:
-            self.finalize(prior, stats)
+        if prior is not None and not msgs:  # nothing to run: the prior's finalize in a round of its own
+            assert self._prior is not None
+            self.due_seen = min(self.due_seen, self.finalize(self._prior, stats))
+            self._prior = prior = None
         while msgs and n < self.max_rounds:
             if taker is not None:
                 job = RestJob(epoch, {t: result.requests[t] for t in roots}, roots, msgs, track, n, prior, last_tid,
                               self.max_invocations)
                 out = taker(job)
                 if out is not None:
-                    if prior is not None and self.on_finalized is not None:
-                        self.on_finalized(prior.epoch)
+                    if prior is not None:
+                        self._prior_ran(out.prior_events)
+                    self.due_seen = min(self.due_seen, out.next_due)
                     self._emit(out.replies)
                     for r in out.replies:
                         result.replies[r.tid] = r
@@ -404,12 +504,11 @@ class EpochCoordinator:
                         stats[k] = stats.get(k, 0) + v
                     return out.apply, out.reset
             msgs = self._round(Control(epoch, Control.DRY, prior=prior), msgs, track, stats)
-            if prior is not None and self.on_finalized is not None:
-                self.on_finalized(prior.epoch)
+            if prior is not None:  # a dry round's events are the prior's (an epoch's own come at its finalize)
+                events, track.events = track.events, []
+                self._prior_ran(events)
             prior = None
             n += 1
-        if prior is not None and self.on_finalized is not None:  # written by a round of its own above
-            self.on_finalized(prior.epoch)
         stats["dry_rounds"] = stats.get("dry_rounds", 0) + n
         for tid in {m.tid for m in msgs} - track.failed.keys():  # pragma: no cover - safety net, never binds
             track.failed[tid] = ("CallGraphLimitExceeded", f"call graph still running after {n} rounds")
@@ -459,6 +558,7 @@ class EpochCoordinator:
             out = runner(job)
             self._emit(out.replies)
             inner = {"rounds": "fallback_task_rounds", "exchange_s": "fallback_task_s"}
+        self.due_seen = min(self.due_seen, out.next_due)  # a no-op when run_fallback ran here
         for r in out.replies:
             result.replies[r.tid] = r
         result.fast, result.slow, result.deferred = out.fast, out.slow, [t for t, _ in out.deferred]

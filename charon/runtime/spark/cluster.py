@@ -306,6 +306,15 @@ class StandaloneCluster:
         """SIGKILL Worker ``i`` with its executor and Python workers (a lost machine)."""
         return self.workers[i].kill()
 
+    def add_worker(self, timeout: float | None = None) -> int:
+        """Start one more Worker (e.g. replacing a killed one) with fresh directories; returns its index once
+        it is registered with the Master."""
+        i = len(self.workers)
+        w = self._start_worker(i)
+        self.workers.append(w)
+        self._await_log(w, "Successfully registered with master", time.monotonic() + (timeout or self.start_timeout))
+        return i
+
     def stop(self, grace: float = 10.0) -> None:
         """Stop the Workers then the Master (SIGTERM, then SIGKILL after ``grace`` s); safe to call twice."""
         for d in self.daemons:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 import pickle
 import re
@@ -36,17 +37,25 @@ import msgspec
 
 from charon import serde
 from charon.config import SparkConfig
+from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult, FallbackJob, FallbackOutcome, RestJob, RestOutcome
-from charon.core.partition import Control, PartitionUnit, Prior, RoundOutput
+from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
 from charon.errors import CharonError, EngineUnavailable
-from charon.log.sqlite import InputLog, OutputLog
+from charon.log.location import log_locations, open_input_log, open_output_log
+from charon.log.sqlite import DedupRetention
+from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application
+from charon.runtime import control
 from charon.state.durable import DurableState, write_file_atomic
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
+
+
+class _Stopping(Exception):
+    """Raised into a micro-batch that would start while the runtime stops (the batch stays uncommitted)."""
 
 
 class LayoutMismatch(CharonError):
@@ -97,6 +106,8 @@ class EpochRecord(msgspec.Struct):
     starts: list[int]
     ends: list[int]
     stats: dict[str, float] = {}
+    time: float = 0.0  # the epoch's deterministic time: the newest timestamp of its input-log records
+    next_due: float = -math.inf  # the earliest pending timer after this epoch (-inf: unknown)
 
 
 # -- fault injection for the crash tests: CHARON_CRASH_AT="point:epoch" SIGKILLs this process there ----------
@@ -104,6 +115,32 @@ def crash_point(point: str, epoch: int) -> None:
     spec = os.environ.get("CHARON_CRASH_AT")
     if spec and spec == f"{point}:{epoch}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def trim_native_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere), and Arrow's.
+
+    The driver allocates from many threads (py4j callbacks, the gateway's read pool, the log pump, Spark's
+    batch thread), and glibc keeps freed memory of its per-thread arenas mapped: without a trim the driver's
+    RSS creeps up by about a MB a minute in a long run although nothing live grows."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+    pa = sys.modules.get("pyarrow")  # the durable copy's reads and compactions allocate from Arrow's pool
+    if pa is not None:
+        pa.default_memory_pool().release_unused()
+
+
+_LIBC: Any = None
 
 
 def check_java() -> str:
@@ -165,13 +202,28 @@ def make_session(config: SparkConfig) -> Any:
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.streaming.noDataMicroBatches.enabled": "false",
         "spark.executorEnv.PYSPARK_PYTHON": os.environ["PYSPARK_PYTHON"],
+        # A long run must not grow the driver: the status store (kept even without the UI) retains 1,000 jobs
+        # and 100,000 tasks by default, and each epoch runs a few jobs; the cleaner's periodic GC (which
+        # releases shuffles, broadcasts and RDDs the driver no longer references) runs every 30 min by default.
+        "spark.ui.retainedJobs": "50",
+        "spark.ui.retainedStages": "50",
+        "spark.ui.retainedTasks": "1000",
+        "spark.ui.retainedDeadExecutors": "10",
+        "spark.sql.ui.retainedExecutions": "20",
+        "spark.sql.streaming.numRecentProgressUpdates": "20",
+        "spark.cleaner.periodicGC.interval": "5min",
+        # Spark's own query checkpoint keeps this many batches (offsets/commits files) and no more
+        "spark.sql.streaming.minBatchesToRetain": str(config.checkpoint_batches),
         **config.spark_conf,
     }
     # executors elsewhere keep their cluster's log4j setup (this file's path is only known to exist here)
     same_machine = re.match(r"(local\b|spark://(127\.|localhost\b|\[::1\]))", config.master) is not None
+    # a fixed, pre-touched heap: the JVM's RSS is its size from the start instead of stepping up toward -Xmx
+    heap = f" -Xms{config.driver_memory} -XX:+AlwaysPreTouch" if config.fixed_heap else ""
     for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
         if key.startswith("spark.driver") or same_machine:
-            settings[key] = f"{log4j} {settings[key]}" if settings.get(key) else log4j
+            opts = log4j + (heap if key.startswith("spark.driver") else "")
+            settings[key] = f"{opts} {settings[key]}" if settings.get(key) else opts
     if SparkContext._gateway is None:  # no JVM in this process yet: start it with its output in the log
         log = spark_log_path(config)
         os.makedirs(os.path.dirname(log), exist_ok=True)
@@ -287,19 +339,20 @@ def _run_partitions(
         unit.load_scratch(scratch)
         t0 = time.perf_counter()
         prior = control.prior
+        done = None
         if prior is not None:  # the previous epoch's deferred finalize: its delta first (idempotent)
             store.ensure_epoch(prior.epoch - 1)
-            unit.finalize_prior(prior)
+            done = unit.finalize_prior(prior)  # its events and next due time return with this round
             control.prior = None
         store.ensure_epoch(control.epoch - 1)
         t1 = time.perf_counter()
         if cached:
             unit.load_cache(cached)
         if control.finalize:
-            out = unit.step(control, inbox)
+            out = unit.step(control, inbox, done)
         else:
             with store.reading():
-                out = unit.step(control, inbox)
+                out = unit.step(control, inbox, done)
         t2 = time.perf_counter()
         out.stats["restore_us"] = int((t1 - t0) * 1e6)
         out.stats["step_us"] = int((t2 - t1) * 1e6)
@@ -359,6 +412,8 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
 
     job, scratches, caches = pickle.loads(payload)
     units = []
+    prior_events: list = []
+    prior_due = math.inf
     t0 = time.perf_counter()
     for pid in range(parts):
         store = open_store(root, pid, durable_root)
@@ -366,12 +421,17 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
         unit.load_scratch(scratches[pid])
         if job.prior is not None:
             store.ensure_epoch(job.prior.epoch - 1)
-            unit.finalize_prior(job.prior)
+            done = unit.finalize_prior(job.prior)
+            prior_events.extend(done.events)
+            if done.next_due is not None:
+                prior_due = min(prior_due, done.next_due)
         store.ensure_epoch(job.epoch - 1)
         unit.load_cache(caches[pid])
         units.append(unit)
     t1 = time.perf_counter()
     out = run_rest(app, _TaskExchange(units), job)
+    out.prior_events = prior_events  # the driver puts them in atom order (it has the prior epoch's replies)
+    out.next_due = min(out.next_due, prior_due)
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
     out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
     return pickle.dumps((out, [u.dump_scratch() for u in units]), protocol=pickle.HIGHEST_PROTOCOL)
@@ -387,6 +447,24 @@ def _read_entities(
     for pid, keys in items:
         store = open_store(root, pid, durable_root)
         yield from store.read_at(epoch, keys).items()  # catches up, never rolls back
+
+
+def _scan_prefix(
+    local_dir: str | None, durable_root: str, checkpoint: str, epoch: int, items: Iterable[tuple[int, bytes]],
+) -> Iterator[tuple[bytes, bytes]]:
+    """The items under a key prefix of a partition as of exactly ``epoch`` (timer listings)."""
+    from charon.state.lmdbstore import open_store
+
+    root = executor_local_dir(local_dir, checkpoint)
+    for pid, prefix in items:
+        store = open_store(root, pid, durable_root)
+        store.catch_up(epoch)
+        with store.reading():
+            if store.epoch == epoch:
+                yield from list(store.scan(prefix))
+                continue
+        state, _ = DurableState(durable_root).load(pid, epoch)  # the local copy is already ahead
+        yield from sorted((k, v) for k, v in state.items() if k.startswith(prefix))
 
 
 def _write_bases(durable_root: str, parts: int, rows: Iterable[Any]) -> Iterator[int]:
@@ -425,14 +503,15 @@ class SparkExchange:
             self.fallback = None  # type: ignore[assignment]  # the coordinator then runs it round by round
         # (record, finalize) of the last epoch when its finalize was deferred to the next epoch's first round:
         # it needs this exchange's scratch, so a new exchange (a restarted query) starts without one
-        self.pending: tuple[EpochRecord, Prior] | None = None
+        self.pending: tuple[EpochRecord, EpochResult] | None = None
 
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
         t0 = time.perf_counter()
         if control.epoch != self.epoch:  # the call-graph cache serves one epoch's fallback
             self.epoch = control.epoch
             self.cache = [{} for _ in range(self.partitions)]
-        busy = bool(control.apply or control.reset or control.fast or control.finalize or control.prior)
+        busy = bool(control.apply or control.reset or control.fast or control.finalize or control.prior
+                    or control.timers)
         payloads = []
         outs: list[RoundOutput] = [RoundOutput() for _ in range(self.partitions)]
         for p in range(self.partitions):
@@ -545,14 +624,17 @@ class SparkRuntime:
         cfg = self.config
         os.makedirs(cfg.data_dir, exist_ok=True)
         self.ckpt = cfg.checkpoint_dir
+        self.input_location, self.output_location = log_locations(os.path.abspath(cfg.data_dir), cfg.log_url)
         try:
-            self.input_log = InputLog(os.path.join(cfg.data_dir, "input.sqlite"), cfg.n_log_partitions)
+            self.input_log = open_input_log(self.input_location, cfg.n_log_partitions)
         except ValueError as e:  # the log was created with another partition count
             raise LayoutMismatch(f"{e} (rescaling is not supported)") from None
         check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions)
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
-        self.output_log = OutputLog(os.path.join(cfg.data_dir, "output.sqlite"))
+        self.output_log = open_output_log(self.output_location)
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
+        self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
+        self.streams = StreamLog(os.path.join(cfg.data_dir, "streams.sqlite"))  # ctx.emit's atoms
         self.durable = DurableState(os.path.join(self.ckpt, "state"))
         self._spark = spark
         self._query: Any = None
@@ -570,6 +652,16 @@ class SparkRuntime:
         self._restarts = 0
         self._failures: dict[int, int] = {}  # epoch -> query failures while running it
         self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
+        # shutdown between epochs (see stop): stopping a query while an epoch's job runs cancels the job from
+        # under the py4j callback (a StackOverflowError in Spark's stream thread, an epoch left half done)
+        self._epoch_cv = threading.Condition()
+        self._in_epoch = False
+        self._stopping = False
+        last = self.read_record(self.last_epoch)
+        # when the next timer is due (recorded per epoch; a fresh checkpoint has none): the ticker's cue
+        self._next_due = last.next_due if last is not None else math.inf
+        self._ticker: threading.Thread | None = None
+        self.gate = control.EpochGate()  # pause/resume at an epoch boundary
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -585,6 +677,9 @@ class SparkRuntime:
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
+        with self._epoch_cv:
+            self._stopping = False
+        self.gate.reset()
         with self._lock:
             self._wake.clear()
             self._fatal = None
@@ -593,13 +688,31 @@ class SparkRuntime:
             self._status = "ok"
         self._supervisor = threading.Thread(target=self._supervise, name="charon-supervisor", daemon=True)
         self._supervisor.start()
+        if self._ticker is None or not self._ticker.is_alive():
+            self._ticker = threading.Thread(target=self._tick_timers, name="charon-timers", daemon=True)
+            self._ticker.start()
+
+    def _tick_timers(self) -> None:
+        """While idle, append a tick when a timer is due: the epoch it triggers takes the tick's timestamp as
+        its time (``EpochRecord.time``), so the timer fires there, deterministically on replay."""
+        poll = max(self.config.timer_poll_ms, 1) / 1000.0
+        n = 0
+        while not self._wake.wait(poll):
+            if self._status != "ok" or self._next_due > time.time():
+                continue
+            rec = self.read_record(self._last_recorded_epoch())
+            ends = rec.ends if rec is not None else [0] * self.config.n_log_partitions
+            if any(e < t for e, t in zip(ends, self.input_log.end_offsets(), strict=True)):
+                continue  # an epoch is coming anyway (it advances the time too)
+            n += 1
+            self.input_log.append(Request(f"{TICK}timer:{time.time_ns()}:{n}", TICK, "", "", serde.encode([])))
 
     def _start_query(self) -> None:
         spark = self.spark
         self.exchange = SparkExchange(spark, self.app_ref, self.config)
         df = (
             spark.readStream.format("charon_log")
-            .option("path", os.path.abspath(self.input_log.path))
+            .option("path", self.input_location)
             .option("partitions", str(self.config.n_log_partitions))
             .option("maxRecordsPerBatch", str(self.config.max_batch))
             .option("idleWaitMs", str(self.config.idle_wait_ms))
@@ -677,10 +790,16 @@ class SparkRuntime:
                 "unconfirmed_epoch": self._unconfirmed}
 
     def stop(self) -> None:
+        """Stop between epochs: no new epoch starts (its batch is left uncommitted, to run after a restart),
+        the running one finishes (at most ``stop_timeout_s``), then the query is stopped."""
         with self._lock:
             self._status = "stopped"
             self._wake.set()
+            self.gate.stopping()  # an epoch waiting at a paused gate fails and is replayed after a restart
             q, self._query = self._query, None
+        with self._epoch_cv:
+            self._stopping = True
+            self._epoch_cv.wait_for(lambda: not self._in_epoch, timeout=self.config.stop_timeout_s)
         if q is not None:
             q.stop()
             with contextlib.suppress(Exception):  # else the next start finalizes it (replays the epoch)
@@ -688,6 +807,9 @@ class SparkRuntime:
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(timeout=60)
             self._supervisor = None
+        if self._ticker is not None and self._ticker is not threading.current_thread():
+            self._ticker.join(timeout=60)
+            self._ticker = None
         if self._compactor is not None:
             self._compactor.join()
 
@@ -781,7 +903,18 @@ class SparkRuntime:
 
     # -- one epoch per micro-batch ----------------------------------------------------------------------------
     def _on_batch(self, df: Any, batch_id: int) -> None:
-        epoch = int(batch_id)
+        with self._epoch_cv:
+            if self._stopping:  # fail the batch: Spark does not commit it, a restart runs it
+                raise _Stopping(f"the runtime is stopping; epoch {batch_id} runs after the restart")
+            self._in_epoch = True
+        try:
+            self._run_batch(int(batch_id))
+        finally:
+            with self._epoch_cv:
+                self._in_epoch = False
+                self._epoch_cv.notify_all()
+
+    def _run_batch(self, epoch: int) -> None:
         ex = self.exchange
         pending, ex.pending = ex.pending, None
         done = self.read_record(epoch)
@@ -801,7 +934,8 @@ class SparkRuntime:
                 self._run_epoch(e, None, recovering=True)
         self._run_epoch(epoch, pending)
 
-    def _run_epoch(self, epoch: int, pending: tuple[EpochRecord, Prior] | None, recovering: bool = False) -> None:
+    def _run_epoch(self, epoch: int, pending: tuple[EpochRecord, EpochResult] | None, recovering: bool = False,
+                   ) -> None:
         """Run epoch ``epoch`` (its first round also finalizes ``pending``, the previous epoch, whose record is
         written once that round returned). Its own finalize is deferred to the next epoch when the input log
         already holds more (so that the next micro-batch comes at once) and ``pipeline_finalize`` is on."""
@@ -813,54 +947,78 @@ class SparkRuntime:
         starts, ends = batch_offsets(self._query_ckpt, epoch)
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
+        now = max((r.ts for _, _, r in rows), default=None)  # logged: the epoch's time (ticks included)
 
         def deliver(replies: list[Reply]) -> None:
             if replies and self._unconfirmed is None:
                 self._unconfirmed = epoch  # from here on, the state must reach this epoch before reads
             self.output_log.put_many(replies)
 
-        def finalized(e: int) -> None:
-            assert pending is not None and pending[0].epoch == e
-            self._recorded(pending[0])
+        def finalized(res: EpochResult) -> None:
+            assert pending is not None and pending[0].epoch == res.epoch
+            self._recorded(pending[0], res)
 
         def defer() -> bool:
-            if recovering or not self.config.pipeline_finalize:
-                return False
+            if recovering or not self.config.pipeline_finalize or self.gate.closed_for(epoch + 1):
+                return False  # paused after this epoch: it is recorded before the pause, as without pipelining
             return bool(coord.deferred) or any(t > e for t, e in zip(self.input_log.end_offsets(), ends, strict=True))
 
         coord = EpochCoordinator(
             self.app, self.exchange, sequencers=self.config.n_log_partitions,
             max_invocations=self.config.max_invocations, on_replies=deliver, on_finalized=finalized,
         )
+        coord.timer_limit = self.config.max_timers_per_epoch
+        coord.next_due = math.inf if epoch == 0 else -math.inf
         if prev is not None:
             coord.sequencer.counters = list(prev.counters)
+            coord.sequencer.time = prev.time
+            coord.next_due = prev.next_due
             coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
         self.exchange.stats = {}
-        crash_point("before_epoch", epoch)
-        result = coord.run_epoch(epoch, requests, prior=pending[1] if pending is not None else None, defer=defer)
+        if pending is not None and self.gate.closed_for(epoch):  # a pause came after the previous one deferred
+            self._flush(pending)
+            pending = None
+        self.gate.enter(epoch)  # paused: the batch is fixed but its epoch does not start
+        try:
+            crash_point("before_epoch", epoch)
+            result = coord.run_epoch(epoch, requests, now, prior=pending[1] if pending is not None else None,
+                                     defer=defer)
+            self._after_epoch(epoch, coord, result, starts, ends)
+        finally:
+            self.gate.leave()
+
+    def _after_epoch(self, epoch: int, coord: EpochCoordinator, result: EpochResult, starts: list[int],
+                     ends: list[int]) -> None:
+        """Record the epoch, or leave it pending when its finalize was deferred to the next epoch."""
         crash_point("after_finalize", epoch)
         stats = dict(result.stats)
         stats.update({f"spark_{k}": v for k, v in self.exchange.stats.items()})
         rec = EpochRecord(
             epoch, list(coord.sequencer.counters),
             [(tid, serde.encode_request(r)) for tid, r in coord.deferred], list(starts), list(ends), stats,
+            coord.sequencer.time, coord.next_due,
         )
         if result.finalize is not None:  # written by the next epoch's first round, recorded after it
             if coord.deferred:  # the next epoch must come even if no request does
                 self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
             crash_point("after_defer", epoch)
-            self.exchange.pending = (rec, result.finalize)
+            self.exchange.pending = (rec, result)
             return
-        self._recorded(rec)
+        self._recorded(rec, result)
         if coord.deferred:
             self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
 
-    def _recorded(self, rec: EpochRecord) -> None:
-        """Write the record of an epoch whose state is durable at every partition; then it counts as done."""
+    def _recorded(self, rec: EpochRecord, result: EpochResult) -> None:
+        """Write the record of an epoch whose state is durable at every partition; then it counts as done.
+        Its atom of events goes first (also for a deferred finalize, whose events are known only now): a
+        replay of an unrecorded epoch re-derives them, and ``append_atom`` appends an epoch's atom once."""
         epoch = rec.epoch
+        if result.events:
+            self.streams.append_atom(epoch, [(s, v) for _, s, v in result.events])
         self._write_record(rec)
         if self._unconfirmed is not None and self._unconfirmed <= epoch:
             self._unconfirmed = None
+        self._next_due = rec.next_due
         self.output_log.mark_epoch(epoch)  # the replies stream cuts its atoms here
         self.last_epoch = epoch
         self._failures.pop(epoch, None)
@@ -881,11 +1039,15 @@ class SparkRuntime:
         if pending is None:
             return
         ex.pending = None
-        rec, prior = pending
-        coord = EpochCoordinator(self.app, ex, sequencers=self.config.n_log_partitions,
+        self._flush(pending)
+
+    def _flush(self, pending: tuple[EpochRecord, EpochResult]) -> None:
+        """Finalize a deferred epoch in a round of its own, then append its atom and write its record."""
+        rec, result = pending
+        coord = EpochCoordinator(self.app, self.exchange, sequencers=self.config.n_log_partitions,
                                  max_invocations=self.config.max_invocations)
-        coord.finalize(prior)
-        self._recorded(rec)
+        coord.finalize(result)
+        self._recorded(rec, result)
 
     def _start_compaction(self, upto: int) -> None:
         if self._compactor is not None and self._compactor.is_alive():
@@ -901,6 +1063,53 @@ class SparkRuntime:
         rec = self.read_record(upto)
         if rec is not None and self.config.truncate_log:
             self.input_log.truncate(rec.ends)
+            self._retain(upto)
+        trim_native_heap()
+
+    def _retain(self, upto: int) -> None:
+        """Disk retention after a compaction: request ids and their replies older than ``dedup_window_s``
+        are forgotten (:class:`~charon.log.sqlite.DedupRetention`); epoch records older than the compacted
+        epoch minus ``keep_epoch_records`` are deleted."""
+        cfg = self.config
+        self._retention.after_truncate()
+        lo = upto - max(1, cfg.keep_epoch_records)
+        known = getattr(self, "_known_epoch", None)
+        if known is not None and known < lo:
+            self._known_epoch = None  # probing forward from there would stop at a deleted record: rescan
+        epochs = os.path.join(self.ckpt, "epochs")
+        for name in os.listdir(epochs):
+            if name.endswith(".msgpack") and name[:-8].isdigit() and int(name[:-8]) < lo:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(epochs, name))
+
+    # -- control (charon.runtime.control) ------------------------------------------------------------------------
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; requests wait in the input log."""
+        self.gate.pause(after_epoch)
+        return self.control_status()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; the waiting requests run in log order."""
+        self.gate.resume()
+        return self.control_status()
+
+    def control_status(self) -> dict[str, Any]:
+        """``state`` (running, pausing, paused), the last recorded ``epoch``, the ``backlog``."""
+        return control.spark_status(self)
+
+    def inspect(
+        self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
+    ) -> tuple[int, dict[bytes, bytes]]:
+        """``(epoch, rows)``: ``operator``'s state rows as of one recorded epoch, from the durable copy."""
+        return control.spark_inspect(self, operator, keys, epoch, limit)
+
+    def state_frame(self, operator: str, epoch: int | None = None) -> Any:
+        """``operator``'s state as a Spark DataFrame (key, item, value, value_json, epoch) at one epoch (default:
+        the last recorded), read from the durable copy by parallel tasks (:mod:`charon.runtime.spark.statesql`)."""
+        from charon.runtime.spark.statesql import DataDirLayout, state_frame
+
+        layout = DataDirLayout(self.durable.root, self.config.partitions, self._settled_epoch(), "spark")
+        return state_frame(self.spark, layout, operator, epoch)
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
@@ -952,15 +1161,39 @@ class SparkRuntime:
             epoch = self._settled_epoch()
             if not items:
                 return epoch, {}
-            fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
-                         self.ckpt, epoch)
             try:
+                if self.config.driver_reads:
+                    return epoch, self._read_durable(items, epoch)
+                fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
+                             self.ckpt, epoch)
                 return epoch, dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
             except Exception as e:
                 # a compaction after the epoch was chosen: read again at a newer one
                 if "compacted" not in str(e) or attempt == 2:
                     raise
         raise AssertionError("unreachable")
+
+    def _read_durable(self, items: list[tuple[int, list[bytes]]], epoch: int) -> dict[bytes, bytes | None]:
+        """Read keys from the durable copy in the driver, as of recorded epoch ``epoch``.
+
+        As consistent as reading the executors' stores: every partition's delta of a recorded epoch is durable
+        (the finalize round writes it before the record), deltas after ``epoch`` are skipped, and a base
+        compacted past ``epoch`` raises (the caller reads again at a newer epoch). Much cheaper than a Spark
+        job per read (no job, stage, task or py4j objects on the driver), and it works while the query restarts.
+        """
+        out: dict[bytes, bytes | None] = {}
+        for pid, keys in items:
+            got, _ = self.durable.read_keys(pid, keys, epoch)
+            out.update(got)
+        return out
+
+    def timers(self, operator: str, key: str) -> list[_timers.Timer]:
+        """The pending timers an entity registered, as of the last recorded epoch (by id)."""
+        epoch = self._settled_epoch()
+        fn = partial(_scan_prefix, self.config.local_dir, os.path.join(self.ckpt, "state"), self.ckpt, epoch)
+        item = (partition_of(operator, key, self.config.partitions), _timers.owner_prefix(operator, key))
+        rows = self.spark.sparkContext.parallelize([item], 1).mapPartitions(fn).collect()
+        return [_timers.decode(v) for _, v in rows]
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state (from the durable copy, as of the last recorded epoch)."""
@@ -989,12 +1222,14 @@ def replay_in_process(
     """Run the Spark runtime's recorded epochs through the in-process runtime (same boundaries, same TIDs)."""
     from charon.runtime.inprocess import InProcessRuntime
 
-    rt = InProcessRuntime(app, partitions=runtime.config.partitions)
+    rt = InProcessRuntime(app, partitions=runtime.config.partitions,
+                          max_timers_per_epoch=runtime.config.max_timers_per_epoch)
     rt.coordinator.sequencer = Sequencer(runtime.config.n_log_partitions)
     for k, v in initial.items():
         op, key, _ = split_store_key(k)
         rt.stores[partition_of(op, key, rt.partitions)].data[k] = v
     results = []
     for e in range(runtime._last_recorded_epoch() + 1):
-        results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e)))
+        rec = runtime.read_record(e)
+        results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e), rec.time if rec else None))
     return rt, results

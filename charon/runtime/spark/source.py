@@ -8,7 +8,8 @@ Usage::
     q = df.writeStream.foreachBatch(run_epoch).option("checkpointLocation", ckpt).start()
 
 ``charon_log`` options
-    ``path`` (required) the :class:`~charon.log.sqlite.InputLog` file; ``partitions`` (optional, checked against the
+    ``path`` (required) the :class:`~charon.log.sqlite.InputLog` file or a NATS log URL
+    (:mod:`charon.log.nats`); ``partitions`` (optional, checked against the
     log; default: the log's stored count); ``maxRecordsPerBatch`` (default 10000) caps a micro-batch,
     spread fairly over the log partitions; ``startingOffsets`` (a fresh query only): ``"earliest"`` (default:
     the first retained offsets, i.e. all zeros for an untruncated log), ``"latest"``, or a JSON list with
@@ -108,23 +109,30 @@ REPLIES_SCHEMA = StructType(
 _open_logs: dict[tuple[int, str, str], Any] = {}
 
 
+def _location(path: str) -> str:
+    """A log location as given: a NATS URL unchanged, a file path made absolute."""
+    from charon.log.location import is_networked
+
+    return path if is_networked(path) else os.path.abspath(path)
+
+
 def _input_log(path: str) -> Any:
-    from charon.log.sqlite import InputLog
+    from charon.log.location import open_input_log
 
     k = (os.getpid(), "in", path)
     log = _open_logs.get(k)
     if log is None:
-        log = _open_logs[k] = InputLog(path)
+        log = _open_logs[k] = open_input_log(path)
     return log
 
 
 def _output_log(path: str) -> Any:
-    from charon.log.sqlite import OutputLog
+    from charon.log.location import open_output_log
 
     k = (os.getpid(), "out", path)
     log = _open_logs.get(k)
     if log is None:
-        log = _open_logs[k] = OutputLog(path)
+        log = _open_logs[k] = open_output_log(path)
     return log
 
 
@@ -188,14 +196,15 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def __init__(self, options: Any) -> None:
         if "path" not in options:
             raise ValueError("charon_log needs option 'path' (the input log file)")
-        self.path = os.path.abspath(options["path"])
+        self.path = _location(options["path"])
         parts = options.get("partitions")
-        from charon.log.sqlite import InputLog
+        from charon.log.location import is_networked, open_input_log
 
         # The reader is pickled to the Python workers: it keeps only plain attributes, logs are opened
         # per process through a module-level cache (see ``log``).
-        with InputLog(self.path, None if parts is None else int(parts)) as log:
+        with open_input_log(self.path, None if parts is None else int(parts)) as log:
             self.n = log.partitions
+        self.networked = is_networked(self.path)
         self.max_records = _max_records(options)
         self.starting = options.get("startingOffsets", "earliest")
         self.idle_wait = int(options.get("idleWaitMs", DEFAULT_IDLE_WAIT_MS)) / 1000.0
@@ -221,7 +230,10 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return ReadMaxRows(self.max_records)
 
     def _stamp(self) -> tuple:
-        """Changes whenever the log is written (SQLite WAL mode: the -wal file, or the db after a checkpoint)."""
+        """Changes whenever the log is written (SQLite WAL mode: the -wal file, or the db after a checkpoint;
+        a NATS log: its end offsets, one request to the server)."""
+        if self.networked:
+            return tuple(self.log.end_offsets())
         out = []
         for path in (self.path + "-wal", self.path):
             try:
@@ -352,10 +364,10 @@ class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailable
     def __init__(self, options: Any) -> None:
         if "path" not in options:
             raise ValueError("charon_replies needs option 'path' (the output log file)")
-        self.path = os.path.abspath(options["path"])
-        from charon.log.sqlite import OutputLog
+        self.path = _location(options["path"])
+        from charon.log.location import open_output_log
 
-        OutputLog(self.path).close()  # create it if missing; reopened per process (see ``log``)
+        open_output_log(self.path).close()  # create it if missing; reopened per process (see ``log``)
         self.max_records = _max_records(options)
         self._target: int | None = None
 
@@ -428,9 +440,12 @@ class CharonRepliesDataSource(DataSource):
 
 
 def register(spark: Any) -> None:
-    """Register the ``charon_log`` and ``charon_replies`` data sources with a SparkSession."""
+    """Register the ``charon_log``, ``charon_replies`` and ``charon_stream`` data sources with a SparkSession."""
+    from charon.runtime.spark.stream_source import CharonStreamDataSource
+
     spark.dataSource.register(CharonLogDataSource)
     spark.dataSource.register(CharonRepliesDataSource)
+    spark.dataSource.register(CharonStreamDataSource)
 
 
 def read_offset_log(checkpoint_location: str | os.PathLike[str], batch_id: int) -> list[dict] | None:

@@ -1,0 +1,66 @@
+"""A gateway's runtime when the engine runs elsewhere: requests go to a networked log, replies come from it.
+
+``charon run MODULE:APP --engine remote --log nats://host:port/deployment`` serves the HTTP gateway on a machine
+without Spark: :meth:`LogRuntime.submit` appends to the NATS input log and awaits the reply in the NATS output
+log (:class:`~charon.log.client.LogClient`), exactly as the Spark runtime's own gateway does; the Spark driver
+(``charon run MODULE:APP --engine spark --log <same URL>``, or any process running :class:`SparkRuntime` with
+``log_url``) executes them. Idempotency keys, conflict checks and status polling work from the logs. Entity
+state lives with the engine, so ``GET /state`` answers 503 here (ask the driver's gateway).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from charon.errors import EngineUnavailable
+from charon.log.client import LogClient
+from charon.log.location import is_networked, open_input_log, open_output_log
+from charon.messages import Reply
+
+__all__ = ["LogRuntime"]
+
+
+class LogRuntime:
+    """Submit through the logs at ``log_url``; the engine reading them runs in another process or machine."""
+
+    def __init__(self, app: Any, log_url: str) -> None:
+        if not is_networked(log_url):
+            raise ValueError(f"a remote gateway needs a networked log (nats://...), got {log_url!r}")
+        self.app = app
+        self.log_url = log_url
+        self.input_log = open_input_log(log_url)
+        self.output_log = open_output_log(log_url)
+        self._client: LogClient | None = None
+
+    async def start(self) -> None:
+        """Nothing to start: the engine runs elsewhere."""
+
+    async def stop(self) -> None:
+        """Nothing to stop (the logs stay open until :meth:`close`)."""
+
+    def health(self) -> dict[str, Any]:
+        """``ok`` while the log answers (the engine's own health is reported by its process)."""
+        try:
+            ends = self.input_log.end_offsets()
+        except OSError as exc:
+            return {"status": "log unavailable", "ok": False, "error": str(exc)}
+        return {"status": "ok", "ok": True, "log": self.log_url, "log_end_offsets": ends}
+
+    async def submit(
+        self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None,
+        timeout: float = 120.0,
+    ) -> Reply:
+        """Append the request to the input log and await its reply from the output log."""
+        if self._client is None:
+            self._client = LogClient(self.input_log, self.output_log)
+        return await self._client.submit(operator, key, function, args, request_id=request_id, timeout=timeout)
+
+    def get_reply(self, request_id: str) -> Reply | None:
+        return self.output_log.get(request_id)
+
+    def read_state(self, operator: str, key: str, default: Any = None) -> Any:
+        raise EngineUnavailable("entity state is served by the engine's gateway, not by a remote gateway")
+
+    def close(self) -> None:
+        self.input_log.close()
+        self.output_log.close()

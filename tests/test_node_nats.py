@@ -1,0 +1,112 @@
+"""The durable node engine (`charon run --engine inprocess --log nats://...`) over the NATS JetStream log:
+SIGKILL of nats-server and of the engine under concurrent HTTP load, restart, then every acknowledged
+payment is in the state once and nothing executed twice (the ledger of tests/test_node.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from natsfix import NatsServer
+from test_node import ACCOUNTS, Server, _check_ledger, _invoke, _load, _retry_all, _tag_call, ledger
+
+from charon import serde
+from charon.log.nats import NatsInputLog
+from charon.messages import Request
+from charon.runtime.inprocess import InProcessRuntime
+
+
+@pytest.mark.timeout(300)
+def test_node_over_nats_survives_sigkill_of_server_and_engine(tmp_path: Path) -> None:
+    nats = NatsServer(tmp_path / "nats").start()
+    url = f"{nats.url}/node"
+    data = tmp_path / "data"
+    try:
+        srv = Server(data, "--log", url)
+
+        async def load_kill_nats_then_engine() -> tuple[dict, set]:
+            load = asyncio.ensure_future(_load(srv.url, 60.0, workers=16))
+            await asyncio.sleep(2.0)
+            nats.kill()  # the log goes away under load: appends wait and retry
+            await asyncio.sleep(1.0)
+            nats.start()
+            await asyncio.sleep(2.0)
+            assert not load.done()
+            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as client:  # served again
+                r = await _invoke(client, *_tag_call("t999-0"), "t999-0")
+            assert r.status_code == 200, r.text
+            probe.append("t999-0")
+            srv.kill()  # then the engine, with requests in flight
+            return await load
+
+        probe: list[str] = []
+        acked, sent = asyncio.run(load_kill_nats_then_engine())
+        sent |= set(probe)
+        err = srv.proc.stderr.read()  # type: ignore[union-attr]
+        assert "logs on nats://" in err, err
+        assert len(acked) > 50, len(acked)
+        started = time.monotonic()
+        srv = Server(data, "--log", url)
+        assert time.monotonic() - started < 60
+        again = asyncio.run(_retry_all(srv.url, sorted(sent)))
+        for tag, body in acked.items():
+            assert again[tag] == body, (tag, body, again[tag])
+        assert "recovered by replaying" in srv.stop()
+        _check_ledger(data, acked, sent, log_url=url)
+    finally:
+        nats.kill()
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path):
+    srv = NatsServer(tmp_path / "nats").start()
+    yield f"{srv.url}/n{uuid.uuid4().hex[:8]}"
+    srv.kill()
+
+
+def test_node_over_nats_compacts_truncates_and_reopens(tmp_path: Path, nats_url: str) -> None:
+    rt = InProcessRuntime(ledger, partitions=2, data_dir=str(tmp_path / "d"), compact_every=2, log_url=nats_url)
+    rt.load("acct", {a: 0 for a in ACCOUNTS})
+    for e in range(8):
+        rt.run_epoch([Request(f"r{e}", "acct", ACCOUNTS[e % 8], "pay", serde.encode(["a1", f"t{e:02d}"]), 1.0)])
+        rt.node.flush()
+    assert rt.node.input_log.start_offsets()[0] > 0  # the NATS stream was purged below the snapshot
+    before = rt.snapshot()
+    rt.close()
+    rt = InProcessRuntime(ledger, partitions=2, data_dir=str(tmp_path / "d"), log_url=nats_url)
+    try:
+        assert rt.snapshot() == before and rt.epoch == 8
+    finally:
+        rt.close()
+
+
+def test_node_recovery_completes_a_partial_batch(tmp_path: Path, nats_url: str) -> None:
+    """A crash in the middle of appending an epoch's batch leaves a prefix without its marker in a networked
+    log: recovery runs it as that epoch, once; a client's retry of those ids is not run again."""
+    data = str(tmp_path / "d")
+    rt = InProcessRuntime(ledger, partitions=2, data_dir=data, log_url=nats_url)
+    rt.load("acct", {a: 0 for a in ACCOUNTS})
+    rt.run_epoch([Request("p0", "acct", "a0", "pay", serde.encode(["a1", "p0"]), 1.0)])
+    rt.close()
+    with NatsInputLog(nats_url) as log:  # what a crash after two of three publishes leaves
+        log.append_many([(Request(f"p{i}", "acct", "a2", "pay", serde.encode(["a3", f"p{i}"]), 2.0), 0)
+                         for i in (1, 2)])
+    rt = InProcessRuntime(ledger, partitions=2, data_dir=data, log_url=nats_url)
+    try:
+        assert rt.epoch == 2 and rt.replayed_epochs >= 1
+        assert rt.read_items("acct", "a2") == {"p1": 1, "p2": 1}
+        assert rt.read_items("acct", "a3") == {"in:p1": 1, "in:p2": 1}
+        rt.run_epoch([Request("p1", "acct", "a2", "pay", serde.encode(["a3", "p1"]), 3.0),
+                      Request("p3", "acct", "a2", "pay", serde.encode(["a3", "p3"]), 3.0)])
+        assert rt.read_items("acct", "a2") == {"p1": 1, "p2": 1, "p3": 1}
+    finally:
+        rt.close()
+    rt = InProcessRuntime(ledger, partitions=2, data_dir=data, log_url=nats_url)  # and it stays consistent
+    try:
+        assert rt.read_items("acct", "a2") == {"p1": 1, "p2": 1, "p3": 1}
+    finally:
+        rt.close()

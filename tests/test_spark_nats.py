@@ -1,0 +1,137 @@
+"""The Spark runtime over the NATS JetStream log, end to end on real PySpark: the driver runs here, the HTTP
+gateway is another process (`charon run --engine remote --log nats://...`) that only talks to nats-server.
+Also: nats-server SIGKILLed and restarted while requests flow, and the gateway SIGKILLed and replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from natsfix import NatsServer, free_port
+
+from charon.config import SparkConfig
+from charon.runtime.spark.runtime import SparkRuntime
+
+pytestmark = pytest.mark.spark
+TOKEN = "t0k"
+CHARON = str(Path(sys.executable).parent / "charon")
+N = 10  # accounts
+
+
+class RemoteGateway:
+    def __init__(self, log_url: str, logdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        out = open(logdir / f"gateway-{self.port}.log", "wb")
+        self.proc = subprocess.Popen(
+            [CHARON, "run", "charon.apps.ycsb:app", "--engine", "remote", "--log", log_url, "--port",
+             str(self.port), "--token", TOKEN],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        out.close()
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, "the remote gateway exited during start-up"
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the remote gateway did not start"
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+async def _invoke_all(url: str, calls: list[tuple[str, str, list, str]]) -> dict[str, dict]:
+    """POST every call with its Idempotency-Key, retrying transport errors and 503s with the same key."""
+    out: dict[str, dict] = {}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def one(client: httpx.AsyncClient, key: str, fn: str, args: list, tag: str) -> None:
+        for _ in range(120):
+            try:
+                r = await client.post(f"/invoke/account/{key}/{fn}", json={"args": args},
+                                      headers={**headers, "Idempotency-Key": tag})
+            except httpx.HTTPError:
+                await asyncio.sleep(0.5)
+                continue
+            if r.status_code in (200, 409):
+                out[tag] = {**r.json(), "http": r.status_code}
+                return
+            assert r.status_code in (202, 503), (tag, r.status_code, r.text)
+            await asyncio.sleep(0.5)
+        raise AssertionError(f"{tag} was never answered")
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        await asyncio.gather(*(one(client, *c) for c in calls))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_spark_driver_and_remote_gateway_over_nats(tmp_path: Path) -> None:
+    nats = NatsServer(tmp_path / "nats").start()
+    log_url = f"{nats.url}/ycsb{uuid.uuid4().hex[:6]}"
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path / "driver"), partitions=2, log_url=log_url,
+                      max_batch=200, idle_wait_ms=200)
+    rt = SparkRuntime("charon.apps.ycsb:app", cfg)
+    gw: RemoteGateway | None = None
+    try:
+        rt.start()
+        gw = RemoteGateway(log_url, tmp_path)
+        seed = asyncio.run(_invoke_all(gw.url, [(f"a{i}", "deposit", [100], f"seed{i}") for i in range(N)]))
+        assert all(b["http"] == 200 for b in seed.values())
+        transfers = [(f"a{i % N}", "transfer", [f"a{(i * 7 + 3) % N}", 1 + i % 5], f"t{i}") for i in range(80)]
+        first = asyncio.run(_invoke_all(gw.url, transfers[:40]))
+
+        async def during_outage() -> dict[str, dict]:
+            task = asyncio.ensure_future(_invoke_all(gw.url, transfers[40:]))
+            await asyncio.sleep(0.3)
+            nats.kill()  # the log goes away with requests in flight, then comes back
+            await asyncio.sleep(1.5)
+            nats.start()
+            return await task
+
+        second = asyncio.run(during_outage())
+        replies = {**first, **second}
+        assert len(replies) == 80
+        gw.kill()  # a gateway dies; a new one answers every key from the NATS output log, identically
+        gw = RemoteGateway(log_url, tmp_path)
+        again = asyncio.run(_invoke_all(gw.url, transfers))
+        assert again == replies
+        r = httpx.get(f"{gw.url}/requests/t5", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+        assert r.status_code in (200, 409) and {**r.json(), "http": r.status_code} == replies["t5"]
+        assert httpx.get(f"{gw.url}/state/account/a0", headers={"Authorization": f"Bearer {TOKEN}"},
+                         timeout=30).status_code == 503  # state is served by the driver, not a remote gateway
+
+        rt.wait_idle(120)
+        balances = {f"a{i}": rt.read_state("account", f"a{i}", 0) for i in range(N)}
+        assert sum(balances.values()) == 100 * N, balances  # money conserved: each transfer ran at most once
+        ok = [t for t in replies if replies[t]["http"] == 200]
+        assert len(ok) > 40
+        # each acknowledged transfer executed exactly once, the refused ones not at all
+        want = {f"a{i}": 100 for i in range(N)}
+        for key, _, args, tag in transfers:
+            if replies[tag]["http"] == 200:
+                want[key] -= args[1]
+                want[args[0]] += args[1]
+        assert balances == want, (balances, want)
+        counts: dict[str, int] = {}
+        for _, rep in rt.output_log.read_since(0, limit=10**6):
+            counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
+        assert all(counts.get(t) == 1 for t in replies), "each request answered exactly once"
+    finally:
+        if gw is not None:
+            gw.kill()
+        rt.close()
+        nats.kill()
