@@ -587,7 +587,7 @@ class EpochCoordinator:
         committed_by: dict[Entity, int] = {}  # entity -> highest TID committed by the fallback touching it
         requeues: dict[int, int] = {}
         while rest:
-            if candidates:
+            if candidates and self._may_commit(rest, candidates, K):
                 ft = _Track()
                 self._round(
                     Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, fast=sorted(candidates)),
@@ -637,6 +637,21 @@ class EpochCoordinator:
         stats["deferred"] = len(result.deferred)
         stats["requeued"] = sum(requeues.values())
         return apply_next, reset_next
+
+    @staticmethod
+    def _may_commit(rest: list[int], candidates: set[int], K: dict) -> bool:
+        """Whether a cached round could commit anything: some candidate is not blocked by a lower unresolved
+        non-candidate (assuming every candidate replays validly, the most a round can commit). When none
+        can, the round is skipped: it would commit nothing, and the lowest unresolved transaction is then
+        not a candidate, so the locked wave makes progress."""
+        blocked = _Locks()
+        for tid in rest:
+            if tid in candidates:
+                if not blocked.conflicts(K[tid]):
+                    return True
+            else:
+                blocked.add(K[tid])
+        return False
 
     def _locked_wave(self, epoch, wave, K, result, reply, apply_next, reset_next, stats, committed_by,
                      requeues):
