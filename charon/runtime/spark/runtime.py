@@ -979,17 +979,19 @@ class SparkRuntime:
             self._flush(pending)
             pending = None
         self.gate.enter(epoch)  # paused: the batch is fixed but its epoch does not start
+        deferred = False
         try:
             crash_point("before_epoch", epoch)
             result = coord.run_epoch(epoch, requests, now, prior=pending[1] if pending is not None else None,
                                      defer=defer)
-            self._after_epoch(epoch, coord, result, starts, ends)
+            deferred = self._after_epoch(epoch, coord, result, starts, ends)
         finally:
-            self.gate.leave()
+            if not deferred:  # a deferred epoch stays the gate's running one until it is recorded
+                self.gate.leave()
 
     def _after_epoch(self, epoch: int, coord: EpochCoordinator, result: EpochResult, starts: list[int],
-                     ends: list[int]) -> None:
-        """Record the epoch, or leave it pending when its finalize was deferred to the next epoch."""
+                     ends: list[int]) -> bool:
+        """Record the epoch, or leave it pending (True) when its finalize was deferred to the next epoch."""
         crash_point("after_finalize", epoch)
         stats = dict(result.stats)
         stats.update({f"spark_{k}": v for k, v in self.exchange.stats.items()})
@@ -1003,10 +1005,11 @@ class SparkRuntime:
                 self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
             crash_point("after_defer", epoch)
             self.exchange.pending = (rec, result)
-            return
+            return True
         self._recorded(rec, result)
         if coord.deferred:
             self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
+        return False
 
     def _recorded(self, rec: EpochRecord, result: EpochResult) -> None:
         """Write the record of an epoch whose state is durable at every partition; then it counts as done.
@@ -1048,6 +1051,7 @@ class SparkRuntime:
                                  max_invocations=self.config.max_invocations)
         coord.finalize(result)
         self._recorded(rec, result)
+        self.gate.leave()
 
     def _start_compaction(self, upto: int) -> None:
         if self._compactor is not None and self._compactor.is_alive():
