@@ -24,7 +24,8 @@ re-running the batch.
 
 Checked after every recorded epoch: the epoch equals serial execution (``charon.testing.check_epoch``)
 from the previous verified state, with the durable copy as the state after; the replies delivered to the
-output log equal the epoch's results, and a replay never contradicts a reply already delivered; state
+output log equal the epoch's results, and a replay never contradicts a reply already delivered; the stream
+log holds the epoch's atom of events exactly once (the programs emit at every put and add); state
 reads return the verified state of the epoch they read. At the end: every request has exactly one reply,
 nothing deferred is left, and the executors' state equals the verified state.
 
@@ -165,6 +166,7 @@ class Simulation:
         self.config.task_min_bytes = self.rng.choice([1, 3000, 262_144])
         self.pipelined_epochs = 0
         self.fallback_jobs = 0
+        self.atoms = 0  # epochs whose atom of events was checked in the stream log
         self.rest_jobs = 0
         self.where = "start"
         self.rt: sr.SparkRuntime | None = None
@@ -360,9 +362,25 @@ class Simulation:
                 got = self.rt.output_log.get(rid)
                 if got != res.replies[tid]:
                     raise Violation(f"epoch {e}: delivered reply {got} != epoch result {res.replies[tid]}")
+            self.check_atom(e, res)
             self.expected[e] = after
             self.trace(f"epoch {e} verified: {len(res.order)} outcomes, deferred {res.deferred}")
             e += 1
+
+    def check_atom(self, e: int, res: Any) -> None:
+        """The stream log holds epoch ``e``'s atom exactly once, as the oracle-checked result has it (also when
+        the epoch's finalize was deferred into the next batch, or the epoch re-run after a crash)."""
+        assert self.rt is not None
+        streams = self.rt.streams
+        want: dict[str, list[bytes]] = {}
+        for _, stream, value in res.events:
+            want.setdefault(stream, []).append(value)
+        for stream in set(want) | set(streams.streams()):
+            got = [ev.value for ev in streams.read_range(stream, 0, streams.end_offset(stream)) if ev.epoch == e]
+            if got != want.get(stream, []):
+                raise Violation(f"epoch {e}: stream {stream!r} holds {len(got)} events, the epoch emitted "
+                                f"{len(want.get(stream, []))}")
+        self.atoms += bool(res.events)
 
     def run(self) -> dict[str, int]:
         with self.patched():
@@ -440,7 +458,7 @@ class Simulation:
                 raise Violation(f"w{w.wid}'s local state at epoch {last} differs from the verified state")
         return {"epochs": last + 1, "requests": len(submitted), "crashes": self.crashes, "rounds": self.rounds,
                 "pipelined": self.pipelined_epochs, "fallback_jobs": self.fallback_jobs,
-                "rest_jobs": self.rest_jobs}
+                "rest_jobs": self.rest_jobs, "atoms": self.atoms}
 
     def local_state(self, w: Worker, epoch: int) -> dict[bytes, bytes]:
         merged: dict[bytes, bytes] = {}

@@ -89,6 +89,7 @@ class _Interp:
             self.out.append(self.v)
         elif kind == "put":
             ctx.put(self.v + op[1])
+            ctx.emit("puts", [ctx.key, self.v + op[1]])  # every program's events: the oracle checks each atom
         elif kind == "del":
             ctx.delete()
         elif kind == "put_if":
@@ -112,6 +113,7 @@ class _Interp:
             self.out.append(ctx.scan_items())
         elif kind == "add":  # the one op concurrent branches may write with: an atomic increment
             ctx.put_item(op[1], ctx.get_item(op[1], 0) + op[2])
+            ctx.emit("adds", [ctx.key, op[1], op[2]])
         elif kind == "raise_r":
             if ctx.random() < op[1]:
                 raise self.fail("random")
