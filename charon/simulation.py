@@ -25,7 +25,8 @@ re-running the batch.
 Checked after every recorded epoch: the epoch equals serial execution (``charon.testing.check_epoch``)
 from the previous verified state, with the durable copy as the state after; the replies delivered to the
 output log equal the epoch's results, and a replay never contradicts a reply already delivered; the stream
-log holds the epoch's atom of events exactly once (the programs emit at every put and add); state
+log holds the epoch's atom of events exactly once (the programs emit at every put and add); the timers
+programs register (``timer`` ops) fire exactly when due (``check_epoch`` with the partitions); state
 reads return the verified state of the epoch they read. At the end: every request has exactly one reply,
 nothing deferred is left, and the executors' state equals the verified state.
 
@@ -53,13 +54,24 @@ from typing import Any
 
 from charon import serde
 from charon.config import SparkConfig
-from charon.core import partition
+from charon.core import partition, timers
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.messages import Reply
 from charon.runtime.spark import runtime as sr
 from charon.state import lmdbstore
 from charon.state.durable import DurableState
-from charon.workloads import COUNTERS, FEATURES, ITEMS, KEYS, Shape, Workload, app, engine_abort_rule, random_workload
+from charon.workloads import (
+    COUNTERS,
+    FEATURES,
+    ITEMS,
+    KEYS,
+    OPTIONAL_FEATURES,
+    Shape,
+    Workload,
+    app,
+    engine_abort_rule,
+    random_workload,
+)
 
 APP_REF = "charon.workloads:app"
 
@@ -141,7 +153,7 @@ class Simulation:
     ) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
-        shape = Shape(depth=2, ops=4, features=FEATURES - without)
+        shape = Shape(depth=2, ops=4, features=(FEATURES | OPTIONAL_FEATURES) - without)
         w = random_workload(self.rng, shape, epochs=(1, 4), txns=(2, 7))
         self.w: Workload = workload or w
         f = Faults.draw(self.rng)
@@ -354,7 +366,8 @@ class Simulation:
                 raise Violation(f"epoch {e} is recorded but no run of it completed")
             after = self.durable_state(e)
             try:
-                testing.check_epoch(app, self.expected[e - 1], after, res)
+                testing.check_epoch(app, self.expected[e - 1], after, res, partitions=self.config.partitions,
+                                    timer_limit=self.config.max_timers_per_epoch)
             except AssertionError as exc:
                 raise Violation(f"epoch {e}: {exc}") from None
             for tid in res.order:
@@ -445,7 +458,8 @@ class Simulation:
         if rec is not None and rec.deferred:
             raise Violation(f"deferred transactions left with no batch to run them: {rec.deferred}")
         outcomes = [r.request_id for e in range(last + 1) for t, r in self.results[e].requests.items()
-                    if t in self.results[e].order]
+                    if t in self.results[e].order and not r.request_id.startswith(timers.REQUEST_PREFIX)]
+        self.fired = sum(len(self.results[e].timers) for e in range(last + 1))
         if sorted(outcomes) != sorted(submitted):
             raise Violation(f"requests and outcomes differ: {sorted(set(submitted) ^ set(outcomes))} "
                             f"or duplicates ({len(outcomes)} outcomes, {len(submitted)} requests)")
@@ -458,7 +472,7 @@ class Simulation:
                 raise Violation(f"w{w.wid}'s local state at epoch {last} differs from the verified state")
         return {"epochs": last + 1, "requests": len(submitted), "crashes": self.crashes, "rounds": self.rounds,
                 "pipelined": self.pipelined_epochs, "fallback_jobs": self.fallback_jobs,
-                "rest_jobs": self.rest_jobs, "atoms": self.atoms}
+                "rest_jobs": self.rest_jobs, "atoms": self.atoms, "fired": self.fired}
 
     def local_state(self, w: Worker, epoch: int) -> dict[bytes, bytes]:
         merged: dict[bytes, bytes] = {}

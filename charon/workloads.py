@@ -139,6 +139,8 @@ class _Interp:
             self.took([r1, r2])
         elif kind == "send":
             ctx.send(node, op[1], "run", self.err, op[2])
+        elif kind == "timer":  # a delayed call: its own transaction once the epoch's time passes
+            self.out.append(ctx.send_after(op[1], node, op[2], "run", self.err, op[3]))
         elif kind == "gather":
             self.took(await ctx.gather(*(ctx.call(node, k, "run", self.err, p) for k, p in op[1])))
         elif kind == "try":  # catching a callee's exception: the engine aborts anyway
@@ -171,6 +173,8 @@ app = Application("workloads", [node])
 # -- program shapes ------------------------------------------------------------------------------------------
 #: Program features; a generator can be restricted to a subset (e.g. to isolate a defect).
 FEATURES = frozenset({"early", "early2", "try", "send", "gather", "dcall", "rand", "now", "scan", "items", "del"})
+#: Opt-in program features (not in FEATURES, so that the default generators draw as before).
+OPTIONAL_FEATURES = frozenset({"timer"})
 
 
 @dataclass
@@ -213,7 +217,7 @@ def _sync_prog(src: _Source, shape: Shape, depth: int, root: bool = False, ro: b
         kinds.append("scan")
     if depth > 0:
         kinds += ["call", "call"]
-        kinds += [k for k in ("early", "early2", "try", "send", "gather", "dcall", "rand", "now") if k in f]
+        kinds += [k for k in ("early", "early2", "try", "send", "gather", "dcall", "rand", "now", "timer") if k in f]
     ops: list = []
     if root and src.int(0, 3) == 0:
         ops.append(["scan_all"])
@@ -262,6 +266,8 @@ def _sync_op(src: _Source, shape: Shape, depth: int, kind: str, ro: bool = False
         return ["rand", src.pick([0.3, 0.5, 0.7]), sub(), sub()]
     if kind == "now":
         return ["now", src.pick([1.5, 2.5]), sub(), sub()]
+    if kind == "timer":
+        return ["timer", src.pick([0.0, 1.0]), key(), sub()]
     raise AssertionError(kind)
 
 
