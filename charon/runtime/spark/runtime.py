@@ -956,7 +956,8 @@ class SparkRuntime:
 
         def finalized(res: EpochResult) -> None:
             assert pending is not None and pending[0].epoch == res.epoch
-            self._recorded(pending[0], res)
+            self._append_atom(res)
+            self._recorded(pending[0])
 
         def defer() -> bool:
             if recovering or not self.config.pipeline_finalize or self.gate.closed_for(epoch + 1):
@@ -992,6 +993,8 @@ class SparkRuntime:
     def _after_epoch(self, epoch: int, coord: EpochCoordinator, result: EpochResult, starts: list[int],
                      ends: list[int]) -> bool:
         """Record the epoch, or leave it pending (True) when its finalize was deferred to the next epoch."""
+        if result.finalize is None:
+            self._append_atom(result)
         crash_point("after_finalize", epoch)
         stats = dict(result.stats)
         stats.update({f"spark_{k}": v for k, v in self.exchange.stats.items()})
@@ -1006,18 +1009,23 @@ class SparkRuntime:
             crash_point("after_defer", epoch)
             self.exchange.pending = (rec, result)
             return True
-        self._recorded(rec, result)
+        self._recorded(rec)
         if coord.deferred:
             self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
         return False
 
-    def _recorded(self, rec: EpochRecord, result: EpochResult) -> None:
-        """Write the record of an epoch whose state is durable at every partition; then it counts as done.
-        Its atom of events goes first (also for a deferred finalize, whose events are known only now): a
-        replay of an unrecorded epoch re-derives them, and ``append_atom`` appends an epoch's atom once."""
-        epoch = rec.epoch
+    def _append_atom(self, result: EpochResult) -> None:
+        """Append an epoch's atom of events once its finalize ran and before its record is written (the one
+        place of this rule): right after the epoch for an undeferred finalize, from ``on_finalized`` (or a
+        flush) for a deferred one, whose events are known only then. A replay of an unrecorded epoch
+        re-derives the same atom, and ``append_atom`` appends an epoch's atom once."""
         if result.events:
-            self.streams.append_atom(epoch, [(s, v) for _, s, v in result.events])
+            self.streams.append_atom(result.epoch, [(s, v) for _, s, v in result.events])
+
+    def _recorded(self, rec: EpochRecord) -> None:
+        """Write the record of an epoch whose state is durable at every partition (and whose atom is
+        appended, :meth:`_append_atom`); then it counts as done."""
+        epoch = rec.epoch
         self._write_record(rec)
         if self._unconfirmed is not None and self._unconfirmed <= epoch:
             self._unconfirmed = None
@@ -1050,7 +1058,8 @@ class SparkRuntime:
         coord = EpochCoordinator(self.app, self.exchange, sequencers=self.config.n_log_partitions,
                                  max_invocations=self.config.max_invocations)
         coord.finalize(result)
-        self._recorded(rec, result)
+        self._append_atom(result)
+        self._recorded(rec)
         self.gate.leave()
 
     def _start_compaction(self, upto: int) -> None:
