@@ -957,6 +957,7 @@ class SparkRuntime:
         def finalized(res: EpochResult) -> None:
             assert pending is not None and pending[0].epoch == res.epoch
             self._append_atom(res)
+            crash_point("after_finalize", res.epoch)  # its state and atom are written, its record is not
             self._recorded(pending[0])
 
         def defer() -> bool:
@@ -993,9 +994,9 @@ class SparkRuntime:
     def _after_epoch(self, epoch: int, coord: EpochCoordinator, result: EpochResult, starts: list[int],
                      ends: list[int]) -> bool:
         """Record the epoch, or leave it pending (True) when its finalize was deferred to the next epoch."""
-        if result.finalize is None:
+        if result.finalize is None:  # else the atom and this fault point come once the finalize ran
             self._append_atom(result)
-        crash_point("after_finalize", epoch)
+            crash_point("after_finalize", epoch)
         stats = dict(result.stats)
         stats.update({f"spark_{k}": v for k, v in self.exchange.stats.items()})
         rec = EpochRecord(
@@ -1059,6 +1060,7 @@ class SparkRuntime:
                                  max_invocations=self.config.max_invocations)
         coord.finalize(result)
         self._append_atom(result)
+        crash_point("after_finalize", rec.epoch)
         self._recorded(rec)
         self.gate.leave()
 
