@@ -78,17 +78,44 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def rss_sample(root: psutil.Process) -> dict[str, int]:
-    """RSS in bytes of the server and each of its descendants, keyed 'pid name'."""
+    """RSS in bytes of the server and each of its descendants, keyed 'pid name'.
+
+    A JVM forks before it execs a helper (Spark's Python workers, shell commands): for that instant the child
+    is a copy of the JVM named after the forking thread ("stream executio") whose RSS repeats the JVM's.
+    Such a child (the JVM's executable under another name) is not counted."""
     out: dict[str, int] = {}
     for p in [root, *root.children(recursive=True)]:
         try:
             name = p.name()
+            if p is not root and name != "java" and os.path.basename(p.exe()) == "java":
+                continue  # a JVM thread's fork that has not exec'd its helper yet
             if name.startswith("python"):
                 cmd = " ".join(p.cmdline()[1:3])[:40]
                 name = f"python {cmd}"
             out[f"{p.pid} {name}"] = p.memory_info().rss
         except psutil.Error:
             pass
+    return out
+
+
+def disk_sample(data_dir: str) -> dict[str, int]:
+    """Bytes on disk under ``data_dir`` by part: the logs, the durable state, the epoch records, Spark's query
+    checkpoint, the log files (spark.log, server.log) and the rest."""
+    out: dict[str, int] = {}
+    for root, _, files in os.walk(data_dir):
+        rel = os.path.relpath(root, data_dir).split(os.sep)
+        for f in files:
+            try:
+                size = os.lstat(os.path.join(root, f)).st_blocks * 512
+            except OSError:
+                continue  # replaced meanwhile
+            if rel[0] == ".":
+                part = "logs" if f.endswith(".log") else f.split(".")[0]  # input/output(.sqlite, -wal, -shm)
+            elif rel[0] == "checkpoint" and len(rel) > 1:
+                part = f"checkpoint/{rel[1]}"
+            else:
+                part = rel[0]
+            out[part] = out.get(part, 0) + size
     return out
 
 
@@ -173,10 +200,12 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
             while True:
                 now = time.monotonic()
                 rss = rss_sample(proc)
+                disk = disk_sample(args.data_dir_used)
                 lat = cur["lat"]
                 windows.append({
                     "t_s": round(now - t0, 2), "loadavg": os.getloadavg()[0], "rss": rss,
-                    "rss_total_mb": sum(rss.values()) / 2**20,
+                    "rss_total_mb": sum(rss.values()) / 2**20, "disk": disk,
+                    "disk_mb": sum(v for k, v in disk.items() if k != "logs") / 2**20,
                     "ok": cur["ok"], "aborted": cur["aborted"], "errors": cur["errors"],
                     "p50_ms": percentile(lat, 50) if lat else None, "p99_ms": percentile(lat, 99) if lat else None,
                 })
@@ -185,7 +214,8 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
                     w = windows[-1]
                     p50 = f"{w['p50_ms']:.1f}" if lat else "-"
                     p99 = f"{w['p99_ms']:.1f}" if lat else "-"
-                    print(f"{w['t_s']:7.1f}s rss {w['rss_total_mb']:8.1f} MB  ok {w['ok']} aborted {w['aborted']} "
+                    print(f"{w['t_s']:7.1f}s rss {w['rss_total_mb']:8.1f} MB disk {w['disk_mb']:6.1f} MB  "
+                          f"ok {w['ok']} aborted {w['aborted']} "
                           f"errors {w['errors']} p50 {p50} ms p99 {p99} ms", flush=True)
                 if windows[-1]["ok"] + windows[-1]["aborted"]:
                     last_answer = now
@@ -223,6 +253,29 @@ async def soak(args: argparse.Namespace, url: str, proc: psutil.Process) -> dict
             "conserved": None if total is None else total == INITIAL_BALANCE * args.accounts}
 
 
+def per_process_slopes(windows: list[dict], warmup_s: float) -> dict[str, float]:
+    """MB/min after warm-up of each process that lived through the whole window (fitted like the total)."""
+    ws = [w for w in windows if w["t_s"] >= warmup_s]
+    procs = set.intersection(*(set(w["rss"]) for w in ws)) if ws else set()
+    return {p: round(fit_slope([w["t_s"] / 60 for w in ws], [w["rss"][p] / 2**20 for w in ws]), 3)
+            for p in sorted(procs)}
+
+
+def disk_verdict(windows: list[dict], warmup_s: float) -> dict:
+    """The data directory's size (without log files) after warm-up: fitted slope and range."""
+    pts = [(w["t_s"] / 60, w["disk_mb"]) for w in windows if w["t_s"] >= warmup_s and "disk_mb" in w]
+    if not pts:
+        return {}
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    slope = fit_slope(xs, ys)
+    growth = slope * (xs[-1] - xs[0])
+    limit = max(5.0, 0.05 * statistics.fmean(ys))
+    return {"slope_mb_per_min": round(slope, 3), "fitted_growth_mb": round(growth, 2),
+            "allowed_growth_mb": round(limit, 2), "min_mb": round(min(ys), 2), "max_mb": round(max(ys), 2),
+            "flat": growth <= limit, "final_by_part_mb": {k: round(v / 2**20, 2)
+                                                         for k, v in windows[-1].get("disk", {}).items()}}
+
+
 def verdict(windows: list[dict], warmup_s: float) -> dict:
     pts = [(w["t_s"], w["rss_total_mb"]) for w in windows if w["t_s"] >= warmup_s]
     xs, ys = [p[0] / 60 for p in pts], [p[1] for p in pts]
@@ -238,6 +291,8 @@ def verdict(windows: list[dict], warmup_s: float) -> dict:
         "rss_max_mb": round(max(ys), 1) if ys else None,
         "flat": bool(pts) and growth <= limit,
         "verdict": "RSS flat after warm-up" if pts and growth <= limit else "RSS grows after warm-up",
+        "slope_mb_per_min_by_process": per_process_slopes(windows, warmup_s),
+        "disk": disk_verdict(windows, warmup_s),
     }
 
 
@@ -295,6 +350,7 @@ def main() -> None:
     args = ap.parse_args()
     data_dir = args.data_dir or tempfile.mkdtemp(prefix=f"charon-soak-{args.engine}-")
     os.makedirs(data_dir, exist_ok=True)
+    args.data_dir_used = data_dir
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     srv = start_server(args.engine, port, data_dir, args.partitions, args.extra)
@@ -312,8 +368,10 @@ def main() -> None:
     ws = run["windows"]
     lat_ok = [w for w in ws if w["p50_ms"] is not None]
     result = {
-        "config": {**{k: v for k, v in vars(args).items() if k != "verbose"}, "data_dir": data_dir,
+        "config": {**{k: v for k, v in vars(args).items() if k not in ("verbose", "data_dir_used")},
+                   "data_dir": data_dir,
                    "started": t_start, "mix": args.mix, "python": sys.version.split()[0],
+                   "env": {k: v for k, v in os.environ.items() if k.startswith("CHARON_")},
                    "cpus": os.cpu_count()},
         "verdict": verdict(ws, warmup_s) if run["stalled_at_s"] is None else {
             "warmup_s": warmup_s, "flat": False, "slope_mb_per_min": None,
@@ -336,9 +394,10 @@ def main() -> None:
         sys.exit(1)
     print(f"{args.engine}: {v['verdict']}: slope {v['slope_mb_per_min']} MB/min after {warmup_s:.0f} s "
           f"(fitted growth {v['fitted_growth_mb']} MB, allowed {v['allowed_growth_mb']} MB; "
-          f"RSS {v['rss_min_mb']}-{v['rss_max_mb']} MB); sent {result['sent']}, errors {result['errors']}, "
+          f"RSS {v['rss_min_mb']}-{v['rss_max_mb']} MB; by process {v['slope_mb_per_min_by_process']}; "
+          f"disk {v['disk']}); sent {result['sent']}, errors {result['errors']}, "
           f"money conserved: {result['conserved']}; wrote {prefix}.json/.png")
-    if not result["conserved"] or not v["flat"]:
+    if not result["conserved"] or not v["flat"] or not v["disk"].get("flat", True):
         sys.exit(1)
 
 

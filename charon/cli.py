@@ -80,7 +80,7 @@ def spark_available() -> bool:
 
 
 def make_runtime(
-    target: str, engine: str, partitions: int, data_dir: str | None = None, *, fsync: bool = True,
+    target: str, engine: str, partitions: int | None = None, data_dir: str | None = None, *, fsync: bool = True,
     reply_retention: int | None = None, log_url: str | None = None,
 ) -> Any:
     """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
@@ -102,7 +102,7 @@ def make_runtime(
         from charon.runtime.node import NodeError
 
         try:
-            return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync,
+            return InProcessRuntime(load_app(target), partitions=partitions or 4, data_dir=data_dir, fsync=fsync,
                                     reply_retention=reply_retention, log_url=log_url)
         except NodeError as exc:
             raise _fail(str(exc)) from None
@@ -171,19 +171,25 @@ def run(
     target: str = typer.Argument(..., metavar="MODULE:APP", help="The Application to deploy."),
     engine: str = typer.Option("inprocess", help="inprocess, spark, or remote (a gateway only: the engine "
                                "runs elsewhere on the same --log)."),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    port: int = typer.Option(8000, help="TCP port."),
+    host: str = typer.Option("127.0.0.1", envvar="CHARON_HOST", help="Interface to listen on."),
+    port: int = typer.Option(8000, envvar="CHARON_PORT", help="TCP port."),
     token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send."),
-    partitions: int = typer.Option(4, min=1, help="Number of partitions."),
-    max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
+    partitions: int | None = typer.Option(
+        None, min=1, envvar="CHARON_PARTITIONS", help="Number of partitions (default 4).", show_default=False
+    ),
+    max_body: int | None = typer.Option(
+        None, min=1, envvar="CHARON_GATEWAY_MAX_BODY", help="Largest request body in bytes (default 1 MiB).",
+        show_default=False,
+    ),
     data_dir: str | None = typer.Option(
-        None, help="Logs, durable state and checkpoints (default ./charon-data)."
+        None, envvar="CHARON_DATA_DIR", help="Logs, durable state and checkpoints (default ./charon-data)."
     ),
     ephemeral: bool = typer.Option(
         False, "--ephemeral", help="inprocess: keep everything in memory (lost when the process stops)."
     ),
     reply_retention: int | None = typer.Option(
-        None, min=1, help="Replies kept in memory for retries by the runtime and the gateway (default: 100,000; "
+        None, min=1, envvar="CHARON_GATEWAY_RECENT_REPLIES",
+        help="Replies kept in memory for retries by the runtime and the gateway (default: 100,000; "
         "durable inprocess: 10,000, older ones come from the output log).",
     ),
     fsync: bool = typer.Option(
@@ -197,7 +203,7 @@ def run(
     ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
-    from charon.server.gateway import serve
+    from charon.server.gateway import RuntimeStartError, serve
 
     application = load_app(target)
     if engine == "inprocess":
@@ -221,13 +227,16 @@ def run(
         mode = f"durable in {os.path.abspath(getattr(config, 'data_dir', None) or data_dir or 'charon-data')}"
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
+    config = getattr(runtime, "config", None)
+    partitions = getattr(config, "partitions", None) or getattr(runtime, "partitions", None) or partitions
     replayed = getattr(runtime, "replayed_epochs", 0)
     verb = "starting" if engine == "spark" else "serving"
     err_console.print(
         f"charon: {verb} [bold]{getattr(application, 'name', target)}[/] "
         f"({engine}, {partitions} partitions; {mode}{'; logs on ' + log if log else ''}) on http://{host}:{port}"
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
-        + (" (Spark starts in ~20 s; the port opens when it is up)" if engine == "spark" else ""),
+        + ("; Spark starts in ~20 s: /health answers 503 starting until then, invokes are logged and wait"
+           if engine == "spark" else ""),
         soft_wrap=True,  # one line even when stderr is not a terminal (grep-able)
     )
     if engine == "spark":
@@ -236,7 +245,10 @@ def run(
         err_console.print(f"charon: Spark log: {spark_log_path(runtime.config)}", soft_wrap=True)
     try:
         recent = reply_retention or (10_000 if getattr(runtime, "durable", False) else 100_000)
-        serve(runtime, host, port, token, max_body=max_body, recent_replies=recent)
+        try:
+            serve(runtime, host, port, token, max_body=max_body, recent_replies=recent)
+        except RuntimeStartError as exc:
+            raise _fail(f"the {engine} runtime did not start: {exc}") from None
     finally:
         close = getattr(runtime, "close", None)
         if engine == "inprocess" and close is not None:

@@ -27,7 +27,7 @@ import itertools
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -36,7 +36,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from charon.core.routing import check_key
+from charon.core.routing import check_key, check_stream
 from charon.errors import (
     BadArguments,
     CharonError,
@@ -54,6 +54,8 @@ __all__ = [
     "AsyncClient",
     "Call",
     "Result",
+    "Event",
+    "StreamPage",
     "Unauthorized",
     "BadRequest",
     "RequestNotFound",
@@ -125,6 +127,36 @@ class Result:
     epoch: int
     value: Any
     position: int | None = None  # place in the epoch's serial order (None from a gateway without it)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One event of an output stream (``ctx.emit``): ``offset`` in its stream, the ``epoch`` whose atom holds it."""
+
+    stream: str
+    offset: int
+    epoch: int
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPage:
+    """One read of a stream: whole atoms; resume at ``next_offset`` (``first_offset``: oldest retained)."""
+
+    stream: str
+    events: list[Event]
+    next_offset: int
+    first_offset: int
+    end_offset: int
+
+
+def _page(resp: httpx.Response) -> StreamPage:
+    body = _decode_body(resp)
+    if resp.status_code != 200:
+        _raise_error(resp.status_code, body, None)
+    s = body["stream"]
+    events = [Event(s, e["offset"], e["epoch"], e["value"]) for e in body["events"]]
+    return StreamPage(s, events, body["next_offset"], body["first_offset"], body["end_offset"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +268,21 @@ class _Base:
             return _enc.encode({"args": list(args)})
         except (TypeError, OverflowError, msgspec.EncodeError) as exc:
             raise SerializationError(f"arguments are not msgpack-serializable: {exc}") from None
+
+    @staticmethod
+    def _batch_payload(calls: Iterable[Call | Sequence[Any]]) -> bytes:
+        items = [_as_call(c) for c in calls]
+        for c in items:
+            check_key(c.key)
+        try:
+            return _enc.encode({"calls": [[c.operator, c.key, c.function, list(c.args)] for c in items]})
+        except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+            raise SerializationError(f"arguments are not msgpack-serializable: {exc}") from None
+
+    def _stream_request(self, stream: str, from_offset: int, limit: int, wait: float) -> dict[str, Any]:
+        check_stream(stream)
+        return {"params": {"from_offset": from_offset, "limit": limit, "wait": wait}, "headers": self.headers,
+                "timeout": self.timeout + wait}
 
     def _invoke_headers(self, request_id: str) -> dict[str, str]:
         return {**self.headers, "Content-Type": MSGPACK, "Idempotency-Key": request_id}
@@ -349,6 +396,36 @@ class Client(_Base):
         """The gateway's ``/health`` document."""
         resp = self._send("GET", "/health", headers=self.headers)
         return _decode_body(resp)
+
+    def invoke_batch(self, calls: Iterable[Call | Sequence[Any]], *, batch_id: str | None = None) -> list[Any]:
+        """Run ``calls`` as one client atomic batch (one transaction, in order: all commit or none) and return
+        their values. Raises TransactionAborted (nothing applied) when any call raised. ``batch_id`` is the
+        batch's Idempotency-Key: retries run it once; reusing it for other calls raises IdempotencyConflict."""
+        bid = batch_id or uuid.uuid4().hex
+        resp = self._send("POST", "/batch", content=self._batch_payload(calls), headers=self._invoke_headers(bid))
+        try:
+            return _result(resp, bid).value
+        except _Pending:
+            return self.result_of(bid, None).value
+
+    def read_stream(self, stream: str, from_offset: int = 0, *, limit: int = 1000, wait: float = 0.0) -> StreamPage:
+        """Events of output stream ``stream`` from ``from_offset`` (whole atoms, up to ``limit`` events; waits up
+        to ``wait`` seconds, at most 30, for the first one)."""
+        kw = self._stream_request(stream, from_offset, limit, wait)
+        return _page(self._send("GET", f"/streams/{stream}", **kw))
+
+    def subscribe(
+        self, stream: str, from_offset: int = 0, *, limit: int = 1000, wait: float = 20.0
+    ) -> Iterator[Event]:
+        """Every event of ``stream`` from ``from_offset`` on, as the atoms commit (long polling; endless).
+
+        Exactly once across restarts: store ``event.offset + 1`` with what you did with the event, and
+        pass it back as ``from_offset``."""
+        offset = from_offset
+        while True:
+            page = self.read_stream(stream, offset, limit=limit, wait=wait)
+            yield from page.events
+            offset = page.next_offset
 
     def invoke_many(
         self, calls: Iterable[Call | Sequence[Any]], *, concurrency: int = 16, return_exceptions: bool = False
@@ -500,6 +577,34 @@ class AsyncClient(_Base):
     async def health(self) -> dict[str, Any]:
         """The gateway's ``/health`` document."""
         return _decode_body(await self._send("GET", "/health", headers=self.headers))
+
+    async def invoke_batch(self, calls: Iterable[Call | Sequence[Any]], *, batch_id: str | None = None) -> list[Any]:
+        """As :meth:`Client.invoke_batch`."""
+        bid = batch_id or uuid.uuid4().hex
+        resp = await self._send("POST", "/batch", content=self._batch_payload(calls),
+                                headers=self._invoke_headers(bid))
+        try:
+            return _result(resp, bid).value
+        except _Pending:
+            return (await self.result_of(bid, None)).value
+
+    async def read_stream(
+        self, stream: str, from_offset: int = 0, *, limit: int = 1000, wait: float = 0.0
+    ) -> StreamPage:
+        """As :meth:`Client.read_stream`."""
+        kw = self._stream_request(stream, from_offset, limit, wait)
+        return _page(await self._send("GET", f"/streams/{stream}", **kw))
+
+    async def subscribe(
+        self, stream: str, from_offset: int = 0, *, limit: int = 1000, wait: float = 20.0
+    ) -> AsyncIterator[Event]:
+        """As :meth:`Client.subscribe` (an async iterator)."""
+        offset = from_offset
+        while True:
+            page = await self.read_stream(stream, offset, limit=limit, wait=wait)
+            for ev in page.events:
+                yield ev
+            offset = page.next_offset
 
     async def aclose(self) -> None:
         for http in self._shards:

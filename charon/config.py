@@ -27,12 +27,19 @@ class SparkConfig:
     local_dir: str | None = None  # executor-local store directory (default: per-executor temp dir)
     compact_every: int = 20  # compact durable deltas every N epochs (in the background)
     truncate_log: bool = True  # drop input-log entries older than the last compacted snapshot
+    # request ids (dedup) and their replies are kept this long; a retry after the window may run again
+    dedup_window_s: float = 7 * 24 * 3600.0
+    keep_epoch_records: int = 100  # epoch records kept before the last compacted epoch
     max_invocations: int = 100_000  # most invocations of one transaction, over all partitions
     task_max_failures: int = 4  # Spark attempts per task (local[N,F] in local mode, spark.task.maxFailures)
     epoch_max_failures: int = 3  # query restarts on the same epoch before the runtime gives up (deterministic)
     restart_backoff_s: float = 1.0  # first delay before restarting a failed query; doubles, at most 30 s
+    driver_reads: bool = True  # state reads from the durable copy in the driver (False: a Spark job per read)
+    stop_timeout_s: float = 60.0  # on stop, wait at most this long for the running epoch to finish
     keep_epoch_stats: int = 1000  # per-epoch statistics kept in memory (the newest N)
-    driver_memory: str = "1g"  # the driver JVM's heap (in local mode also the executors'): bounds its RSS
+    driver_memory: str = "512m"  # the driver JVM's heap (in local mode also the executors'): bounds its RSS
+    fixed_heap: bool = True  # -Xms = -Xmx, pre-touched: the JVM's RSS does not step up during a long run
+    checkpoint_batches: int = 100  # micro-batches Spark's query checkpoint retains (minBatchesToRetain)
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 
@@ -102,6 +109,10 @@ class GatewayConfig:
     max_header_bytes: int = 16 << 10  # largest request head (h11's incomplete-event limit)
     read_threads: int = 8  # threads for runtime reads (replies, state), off the event loop
     public_url: str | None = None  # base of status URLs (e.g. https://api.example.com); None: relative URLs
+    max_batch_calls: int = 1000  # invocations in one client atomic batch (POST /batch; 422 above)
+    stream_max_events: int = 1000  # events per GET /streams page (whole atoms; a larger first atom is whole)
+    stream_max_waiters: int = 256  # concurrent long polls and server-sent-event connections (503 above)
+    stream_sse_seconds: float = 300.0  # a server-sent-event connection ends after this; resume by offset
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:

@@ -124,6 +124,8 @@ class Application:
         for op in operators:
             if op.name in self.operators:
                 raise ValueError(f"operator {op.name!r} is registered twice")
+            if op.name == BATCH_OPERATOR:
+                raise ValueError(f"operator name {BATCH_OPERATOR!r} is reserved (client atomic batches)")
             self.operators[op.name] = op
 
     def resolve(self, operator: str | Operator, function: str | Function) -> Function:
@@ -134,6 +136,8 @@ class Application:
                 return fn
         op_name = operator.name if isinstance(operator, Operator) else operator
         op = self.operators.get(op_name)
+        if op is None and op_name == BATCH_OPERATOR:
+            op = _batch_operator  # every application runs client atomic batches
         if op is None:
             raise UnknownOperator(f"unknown operator {op_name!r} (have: {', '.join(sorted(self.operators))})")
         fn_name = function.name if isinstance(function, Function) else function
@@ -166,3 +170,40 @@ class Application:
             name: {fname: fn.signature() for fname, fn in op.functions.items()}
             for name, op in self.operators.items()
         }
+
+
+# -- client atomic batches (S-Store) -------------------------------------------------------------------------
+#: The built-in operator every application has: a batch is one transaction whose root calls each invocation.
+BATCH_OPERATOR = "charon.batch"
+BATCH_FUNCTION = "run"
+MAX_BATCH_CALLS = 1000  # invocations in one batch (the gateway's default bound)
+_batch_operator = Operator(BATCH_OPERATOR)
+
+
+def check_batch(calls: object, max_calls: int = MAX_BATCH_CALLS) -> list[list]:
+    """``calls`` as ``[[operator, key, function, args], ...]`` (1..``max_calls`` of them); BadArguments otherwise."""
+    if not isinstance(calls, list | tuple) or not 1 <= len(calls) <= max_calls:
+        raise BadArguments(f"a batch is a list of 1..{max_calls} calls")
+    out = []
+    for i, c in enumerate(calls):
+        if (not isinstance(c, list | tuple) or len(c) != 4 or not all(type(x) is str for x in c[:3])
+                or not isinstance(c[3], list | tuple)):
+            raise BadArguments(f"batch call {i} must be [operator, key, function, [args...]]")
+        out.append([c[0], c[1], c[2], list(c[3])])
+    return out
+
+
+@_batch_operator.function
+async def run(ctx: Any, calls: list) -> list:
+    """Run a client's atomic batch: each call in order, each seeing the writes of the ones before it, all
+    in this one transaction (so all commit or none: any call that raises aborts the batch)."""
+    out = []
+    for op, key, fn, args in check_batch(calls, len(calls) or 1):
+        out.append(await ctx.call(op, key, fn, *args))
+    return out
+
+
+def batch_request(calls: Iterable[Any]) -> tuple[str, str, list]:
+    """(operator, function, args) of the transaction that runs ``calls`` as one atomic batch; its key and
+    request id are the batch id."""
+    return BATCH_OPERATOR, BATCH_FUNCTION, [check_batch(list(calls), 1 << 30)]

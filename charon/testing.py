@@ -23,7 +23,7 @@ from charon import serde
 from charon.core.context import MAX_DEPTH, _item, child_inv, raised_in
 from charon.core.epoch import EpochResult
 from charon.core.partition import MAX_INVOCATIONS, too_many_invocations
-from charon.core.routing import entity_prefix, store_key
+from charon.core.routing import check_stream, entity_prefix, store_key
 from charon.errors import CallGraphLimitExceeded, CharonError, IllegalAwait
 from charon.messages import Request
 from charon.operator import Application, Function, Operator
@@ -45,6 +45,7 @@ class _Txn:
         self.sends: deque = deque()
         self.abort: tuple[str, str] | None = None  # the first error raised: (type, message)
         self.caught: list[str] = []  # diagnostics: callers that went on after a callee raised
+        self.events: list[tuple[tuple[int, ...], int, str, bytes]] = []  # (inv, n, stream, value)
 
     def read(self, k: bytes) -> bytes | None:
         if k in self.writes:
@@ -65,6 +66,7 @@ class SerialContext:
         self._rng: _random.Random | None = None
         self._received: BaseException | None = None  # the first exception a callee raised into this function
         self._fn = ""
+        self._nemit = 0
 
     def get(self, default: Any = None) -> Any:
         raw = self._txn.read(store_key(self.operator, self.key))
@@ -127,6 +129,12 @@ class SerialContext:
         fn = self._target(operator, key, function, args)
         inv = child_inv(self._inv, self._nchild)
         self._txn.sends.append((fn, key, inv, self._depth + 1, serde.encode(list(args))))
+
+    def emit(self, stream: str, value: Any) -> None:
+        check_stream(stream)
+        self._nemit += 1
+        inv = tuple(int(x) for x in self._inv.split("."))
+        self._txn.events.append((inv, self._nemit, stream, serde.encode(value)))
 
     def random(self) -> float:
         if self._rng is None:
@@ -198,11 +206,12 @@ def _drive(coro: Any) -> Any:
 
 def serial_execute(
     app: Application, state: dict[bytes, bytes], tid: int, request: Request, *,
-    max_invocations: int = MAX_INVOCATIONS,
+    max_invocations: int = MAX_INVOCATIONS, events: list[tuple[str, bytes]] | None = None,
 ) -> tuple[bool, bytes | tuple[str, str]]:
     """Run one transaction on ``state`` (updated in place if it commits); returns (ok, value | error).
 
-    ``max_invocations`` must be the engine's (``EpochCoordinator.max_invocations``)."""
+    ``max_invocations`` must be the engine's (``EpochCoordinator.max_invocations``). ``events``: a committed
+    transaction's emitted (stream, value) pairs are appended to it, in the engine's atom order."""
     try:
         fn = app.validate(request.operator, request.function, serde.decode(request.args), key=request.key)
     except CharonError as exc:
@@ -226,6 +235,8 @@ def serial_execute(
             state.pop(k, None)
         else:
             state[k] = v
+    if events is not None:
+        events.extend((stream, v) for _, _, stream, v in sorted(txn.events, key=lambda e: (e[0], e[1])))
     return True, value
 
 
@@ -235,8 +246,10 @@ def check_epoch(
 ) -> None:
     """Assert the epoch equals a serial execution of its transactions in the reported order."""
     state = dict(before)
+    events: list[tuple[str, bytes]] = []
     for tid in result.order:
-        ok, out = serial_execute(app, state, tid, result.requests[tid], max_invocations=max_invocations)
+        ok, out = serial_execute(app, state, tid, result.requests[tid], max_invocations=max_invocations,
+                                 events=events)
         rep = result.replies[tid]
         assert rep.ok == ok, f"tid {tid}: engine ok={rep.ok} ({rep.error_type}: {rep.error_message}), oracle {out}"
         if ok:
@@ -248,3 +261,4 @@ def check_epoch(
             assert rep.error_type == out[0], f"tid {tid}: {rep} vs oracle {out}"
     assert set(result.order) | set(result.deferred) == set(result.requests), "every transaction is accounted for"
     assert dict(sorted(state.items())) == after, "state after the epoch differs from the serial execution"
+    assert [(s, v) for _, s, v in result.events] == events, "the epoch's atom differs from the serial execution's"

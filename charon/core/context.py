@@ -28,7 +28,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
-from charon.core.routing import check_item
+from charon.core.routing import check_item, check_stream
 from charon.errors import CallGraphLimitExceeded, NonDeterministicFunction
 from charon.operator import Function, Operator
 
@@ -161,7 +161,7 @@ class Context:
 
     __slots__ = (
         "_unit", "_frame", "_journal", "_nchild", "_pending", "_sends", "_calls", "_fast", "_rng", "_dropped",
-        "key", "operator", "tid",
+        "_nemit", "key", "operator", "tid",
     )
 
     def __init__(self, unit: PartitionUnit, frame: Frame, fast: bool = False) -> None:
@@ -171,6 +171,7 @@ class Context:
         self._journal.rewind()
         self._fast = fast  # the call-graph-cached fallback: replies preset, nothing journaled
         self._nchild = 0
+        self._nemit = 0  # events emitted by this run so far (replayed ones included): their order
         self._pending: list[_Call] | None = None  # the calls the last suspending await sent
         self._sends: list[tuple] = []
         self._calls: list[tuple] = []
@@ -258,6 +259,21 @@ class Context:
                 continue
             out.append((name, serde.decode(raw)))
         return out
+
+    # -- events ---------------------------------------------------------------------------------------
+    def emit(self, stream: str, value: Any) -> None:
+        """Append ``value`` to the output stream ``stream`` if (and only if) this transaction commits.
+
+        Events travel with the transaction's writes: an aborted (or re-run) transaction's events are
+        discarded. Each epoch's committed events form one atom per stream, ordered by the transactions'
+        serial order, then by the call graph (an invocation before its callees), then by emit order.
+        """
+        check_stream(stream)
+        data = serde.encode(value)
+        self._nemit += 1
+        if self._live():
+            f = self._frame
+            self._unit.emit(f.tid, f.inv, self._nemit, stream, data)
 
     # -- calls ------------------------------------------------------------------------------------
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:

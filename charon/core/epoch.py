@@ -43,6 +43,7 @@ from charon.operator import Application
 _ONE = Fraction(1)
 MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set within an epoch
 Entity = tuple[str, str]
+Event = tuple[int, str, bytes]  # (tid, stream, encoded value)
 
 
 class Exchange(Protocol):
@@ -66,6 +67,8 @@ class EpochResult:
     slow: list[int] = field(default_factory=list)  # committed or aborted by the locked fallback
     deferred: list[int] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+    # the epoch's atom: committed transactions' events (tid, stream, value) in serial order (Context.emit)
+    events: list[Event] = field(default_factory=list)
 
 
 def position(tid: int, last_tid: int, fallback: bool) -> int:
@@ -77,8 +80,18 @@ def position(tid: int, last_tid: int, fallback: bool) -> int:
     return last_tid + 1 + tid if fallback else tid
 
 
+def atom_order(events: list[tuple[int, str, int, str, bytes]], replies: dict[int, Reply]) -> list[Event]:
+    """An epoch's committed events as (tid, stream, value) in atom order: by the transaction's place in the
+    serial order, then by invocation (an invocation before its callees, callees in call order), then by
+    emit order within the invocation. Placement-independent, so the same on every runtime and replay."""
+    def key(ev: tuple[int, str, int, str, bytes]) -> tuple:
+        return (replies[ev[0]].position, tuple(int(x) for x in ev[1].split(".")), ev[2])
+
+    return [(tid, stream, value) for tid, _, _, stream, value in sorted(events, key=key)]
+
+
 class _Track:
-    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations")
+    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "events")
 
     def __init__(self) -> None:
         self.done: dict[int, bytes] = {}
@@ -87,6 +100,7 @@ class _Track:
         self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: set[int] = set()
         self.invocations: dict[int, int] = {}  # summed over partitions and rounds
+        self.events: list[tuple[int, str, int, str, bytes]] = []  # finalize: committed events, any order
 
     def complete(self, tid: int) -> bool:
         return tid in self.done and self.shares.get(tid) == _ONE
@@ -197,6 +211,8 @@ class EpochCoordinator:
                 d[e] = wrote or d.get(e, False)
             track.invalid.update(o.invalid)
             nxt.extend(o.messages)
+            if o.events:
+                track.events.extend(o.events)
             for k, v in o.stats.items():
                 stats[k] = stats.get(k, 0) + v
         return nxt
@@ -291,8 +307,11 @@ class EpochCoordinator:
         result.order = sorted(replies, key=lambda t: replies[t].position)
 
         # Finalize: apply what is left and write each partition's delta.
+        final = _Track()
         self._round(Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, finalize=True), [],
-                    _Track(), stats)
+                    final, stats)
+        if final.events:
+            result.events = atom_order(final.events, replies)
         stats["duration_ms"] = (time.perf_counter() - t_start) * 1000.0
         stats["size"] = len(txns)
         stats["committed"] = len(lockfree) + len(result.fast) + sum(1 for t in result.slow if replies[t].ok)

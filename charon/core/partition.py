@@ -28,6 +28,15 @@ from charon.operator import Application
 from charon.state.store import PartitionStore
 
 ROOT, SYNC, ASYNC = 0, 1, 2
+# Live coroutines kept across rounds in this process (see ``_live_table``). Keyed by partition and epoch,
+# then by (tid, inv, journal.nsusp, frame.token). A stale coroutine of a failed attempt cannot be resumed
+# wrongly (issue 9): ``token`` is drawn once per Frame, when an Invoke is first run (random salt per process,
+# pid, a counter never reused), and travels in the scratch the driver re-sends. A query restart or a reset
+# round re-creates the frames from new Invokes, so they get new tokens and never match an old entry (which is
+# dropped at the partition's next epoch). The same (token, nsusp) comes back only when Spark retries a round
+# from the very same inputs (the last successful scratch, the same inbox, a store that rounds only read):
+# the stale coroutine is then exactly where replaying its journal would bring it, and an attempt that runs
+# the frame again replaces the entry under the same key.
 _LIVE: dict[int, tuple[int, dict]] = {}
 _SALT = int.from_bytes(os.urandom(4), "big")
 _COUNTER = itertools.count()
@@ -136,7 +145,7 @@ class Control:
 class RoundOutput:
     """What one partition returns from a round."""
 
-    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached")
+    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached", "events")
 
     def __init__(self) -> None:
         self.messages: list[Invoke | Reply] = []  # for other partitions
@@ -150,14 +159,16 @@ class RoundOutput:
         # dry-run invocations completed this round, for the call-graph cache (a runtime that does not keep
         # the unit between rounds keeps them and hands back those of the fallback's transactions)
         self.cached: dict[int, list[Cached]] = {}
+        # at finalize: the epoch's committed events here, (tid, inv, n, stream, value) (see Context.emit)
+        self.events: list[tuple[int, str, int, str, bytes]] = []
 
     def __getstate__(self):
         return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations,
-                self.stats, self.cached)
+                self.stats, self.cached, self.events)
 
     def __setstate__(self, st):
         (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations, self.stats,
-         self.cached) = st
+         self.cached, self.events) = st
 
 
 class Cached:
@@ -205,9 +216,12 @@ class PartitionUnit:
         self.dead: set[int] = set()
         self.fast_layer: dict[Entity, dict[str, bytes | None]] | None = None
         self._recording = True
+        # events buffered like writes: per uncommitted TID, then the epoch's committed ones (applied)
+        self.emits: dict[int, list[tuple[int, str, int, str, bytes]]] = {}
+        self.emitted: list[tuple[int, str, int, str, bytes]] = []
 
     # The call-graph cache is not scratch: it leaves the unit once, in RoundOutput.cached (see load_cache).
-    _SCRATCH = ("epoch", "buffers", "frames", "touched", "overlay", "counts", "dead")
+    _SCRATCH = ("epoch", "buffers", "frames", "touched", "overlay", "counts", "dead", "emits", "emitted")
 
     def dump_scratch(self) -> bytes:
         """The unit's between-round state, for a runtime that runs the next round elsewhere."""
@@ -284,6 +298,13 @@ class PartitionUnit:
             items = b[e] = {}
         items[item] = value
 
+    def emit(self, tid: int, inv: str, n: int, stream: str, value: bytes) -> None:
+        """Buffer event ``n`` of invocation ``inv`` with the transaction's writes (no read/write set entry)."""
+        e = self.emits.get(tid)
+        if e is None:
+            e = self.emits[tid] = []
+        e.append((tid, inv, n, stream, value))
+
     # -- one round --------------------------------------------------------------------------------
     def step(self, control: Control, inbox: list[Invoke | Reply]) -> RoundOutput:
         """Process one round: control first (apply, reset, fast fallback), then messages, then finalize."""
@@ -304,9 +325,13 @@ class PartitionUnit:
                         overlay[e] = dict(items)
                     else:
                         o.update(items)
+            ev = self.emits.pop(tid, None)
+            if ev:
+                self.emitted.extend(ev)
         for tid in control.reset:
             self._live_drop(tid)
             self.buffers.pop(tid, None)
+            self.emits.pop(tid, None)
             self.frames.pop(tid, None)
             self.touched.pop(tid, None)
             self.counts.pop(tid, None)
@@ -513,6 +538,7 @@ class PartitionUnit:
             if not cached:
                 continue
             self.buffers.pop(tid, None)
+            self.emits.pop(tid, None)
             self.touched.pop(tid, None)
             access = {(c.op, c.key): c.access for c in cached}
             ok = len(access) == len(cached) and self._replay_cached(tid, cached)
@@ -534,6 +560,7 @@ class PartitionUnit:
             else:
                 invalid.append(tid)
                 self.buffers.pop(tid, None)
+                self.emits.pop(tid, None)
         self.fast_layer = None
 
     def _replay_cached(self, tid: int, cached: list[Cached]) -> bool:
@@ -573,6 +600,7 @@ class PartitionUnit:
 
     def _finalize(self) -> int:
         delta = self.epoch_delta()
+        self._out.events = self.emitted
         self.store.commit(self.epoch, delta)
         self._clear(self.epoch)
         self._live_clear()

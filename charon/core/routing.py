@@ -18,6 +18,7 @@ and item accessors all use these three.
 
 from __future__ import annotations
 
+import re
 import zlib
 from functools import lru_cache
 
@@ -63,6 +64,21 @@ def check_key(key: object) -> str:
 def check_item(name: object) -> str:
     """Return ``name`` if it is a valid item name (or item-name prefix); raise InvalidKey otherwise."""
     return _check("item name", name, 0, MAX_ITEM_BYTES)
+
+
+MAX_STREAM_BYTES = 64
+_STREAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def check_stream(name: object) -> str:
+    """Return ``name`` if it is a valid output-stream name (``[A-Za-z0-9][A-Za-z0-9_.-]*``, at most
+    :data:`MAX_STREAM_BYTES`: safe in a URL path); raise InvalidKey otherwise."""
+    if type(name) is not str:
+        raise InvalidKey(f"stream name must be a string, got {type(name).__name__}")
+    if len(name) > MAX_STREAM_BYTES or not _STREAM_NAME.fullmatch(name):
+        raise InvalidKey(f"stream name must match [A-Za-z0-9][A-Za-z0-9_.-]* (at most {MAX_STREAM_BYTES}): "
+                         f"{name[:80]!r}")
+    return name
 
 
 @lru_cache(maxsize=ROUTING_CACHE)

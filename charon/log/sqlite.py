@@ -31,6 +31,7 @@ import sqlite3
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -39,9 +40,13 @@ import msgspec
 from charon.messages import Reply, Request
 from charon.serde import decode_reply, decode_request, encode_reply, encode_request
 
-__all__ = ["InputLog", "OutputLog", "log_partition_of"]
+__all__ = ["DedupRetention", "InputLog", "OutputLog", "log_partition_of"]
 
 BUSY_TIMEOUT_S = 10.0
+#: page cache per connection (KiB; SQLite's default is 2,000). Every thread that touches a log has its own
+#: connection (the gateway's read pool, the log pump, Spark's batch thread...), so this bounds their sum;
+#: reads are indexed point lookups and short ranges, the OS page cache does the rest.
+CACHE_KIB = int(os.environ.get("CHARON_SQLITE_CACHE_KIB", "256"))
 
 
 def log_partition_of(key: str, partitions: int) -> int:
@@ -57,7 +62,7 @@ class _SQLite:
         self._sync = "FULL" if durable else "NORMAL"
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._conns: list[sqlite3.Connection] = []
+        self._conns: list[tuple[threading.Thread, sqlite3.Connection]] = []  # (owner, connection)
         self._pid = os.getpid()
         self._closed = False
 
@@ -80,9 +85,19 @@ class _SQLite:
                 c.close()
                 raise OSError(f"could not put {self.path!r} in WAL mode (got {mode!r})")
             c.execute(f"PRAGMA synchronous={self._sync}")
+            c.execute(f"PRAGMA cache_size=-{max(16, CACHE_KIB)}")
             self._local.conn = c
             with self._lock:
-                self._conns.append(c)
+                # a thread's connection outlives it (threading.local keeps no destructor hook we can use):
+                # close those of finished threads, or every short-lived thread leaks a connection and its fd
+                alive = []
+                for owner, other in self._conns:
+                    if owner.is_alive():
+                        alive.append((owner, other))
+                    else:
+                        other.close()
+                alive.append((threading.current_thread(), c))
+                self._conns = alive
         return c
 
     @contextmanager
@@ -111,7 +126,7 @@ class _SQLite:
         with self._lock:
             self._closed = True
             if self._pid == os.getpid():
-                for c in self._conns:
+                for _, c in self._conns:
                     c.close()
             self._conns = []
             self._local = threading.local()
@@ -226,6 +241,26 @@ class InputLog:
                 if u > low:
                     c.execute("DELETE FROM entries WHERE part = ? AND off < ?", (p, u))
                     c.execute("UPDATE parts SET low = ? WHERE part = ?", (u, p))
+
+    def forget(self, request_ids: Iterable[str], truncated_prefix: str | None = None) -> list[str]:
+        """Forget request ids (dedup retention): a request with a forgotten id is appended again, as new.
+
+        Only ids whose entries were already truncated are forgotten (a request still in the log keeps its id).
+        ``truncated_prefix``: also forget every id with this prefix whose entry was truncated (the runtimes'
+        own records, which get no reply). Returns the ids of ``request_ids`` that were forgotten. Freed pages
+        are reused, so the file stops growing once retention is in effect."""
+        below = "off < (SELECT low FROM parts WHERE parts.part = ids.part)"
+        out = []
+        with self._db.write() as c:
+            for rid in request_ids:
+                if c.execute(f"DELETE FROM ids WHERE request_id = ? AND {below}", (rid,)).rowcount:
+                    out.append(rid)
+            if truncated_prefix:
+                c.execute(
+                    f"DELETE FROM ids WHERE request_id >= ? AND request_id < ? AND {below}",
+                    (truncated_prefix, truncated_prefix + "\U0010ffff"),
+                )
+        return out
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -369,8 +404,11 @@ class OutputLog:
         return [(s, decode_reply(d)) for s, d in rows]
 
     def last_seq(self) -> int:
-        """The highest seq stored (0 when empty)."""
-        return self._db.conn().execute("SELECT coalesce(max(seq), 0) FROM replies").fetchone()[0]
+        """The highest seq ever stored (0 when none), also after retention pruned that reply."""
+        return self._db.conn().execute(
+            "SELECT max(coalesce((SELECT max(seq) FROM replies), 0), "
+            "coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'replies'), 0))"
+        ).fetchone()[0]
 
     def mark_epoch(self, epoch: int) -> None:
         """Record that every reply of ``epoch`` (and of the epochs before) is in the log (idempotent)."""
@@ -395,6 +433,25 @@ class OutputLog:
             "SELECT seq FROM replies WHERE seq > ? ORDER BY seq LIMIT 1 OFFSET ?", (seq, n - 1)
         ).fetchone()
         return max(seq, self.last_seq()) if row is None else row[0]
+
+    def request_ids_through(self, seq: int) -> list[str]:
+        """The request ids of the replies with seq <= ``seq`` (what :meth:`prune_through` would delete)."""
+        rows = self._db.conn().execute("SELECT request_id FROM replies WHERE seq <= ?", (seq,)).fetchall()
+        return [r[0] for r in rows]
+
+    def prune(self, request_ids: Iterable[str]) -> int:
+        """Delete these requests' replies and the epoch boundaries below the oldest reply left (reply
+        retention; seqs are never reused). Returns how many replies were deleted."""
+        n = 0
+        with self._db.write() as c:
+            for rid in request_ids:
+                n += c.execute("DELETE FROM replies WHERE request_id = ?", (rid,)).rowcount
+            low = c.execute("SELECT min(seq) FROM replies").fetchone()[0]
+            if low is not None:
+                keep = c.execute("SELECT max(epoch) FROM epochs WHERE last_seq < ?", (low,)).fetchone()[0]
+                if keep is not None:  # the newest boundary below the oldest reply stays: readers resume there
+                    c.execute("DELETE FROM epochs WHERE epoch < ?", (keep,))
+        return n
 
     def count(self) -> int:
         """Number of stored replies."""
@@ -424,3 +481,40 @@ class OutputLog:
 
     def __repr__(self) -> str:
         return f"OutputLog({self.path!r})"
+
+
+class DedupRetention:
+    """Forgets request ids and their replies together once they are older than ``window_s`` seconds.
+
+    Call :meth:`after_truncate` after each truncation of the input log (the runtimes do it after compaction).
+    Each call records a mark (now, the output log's last seq); replies up to the newest mark older than the
+    window are candidates, and only those whose input-log entries are already truncated are forgotten, the
+    id first (so a reply is never missing for an id the log still knows, which would make a retry wait
+    forever). A retry with a forgotten id runs again, as a new request. Ids starting with
+    ``runtime_prefix`` (the runtime's own records, which get no reply) are forgotten once truncated. The
+    marks live in memory: after a restart, replies are kept at least one more window.
+    """
+
+    def __init__(self, input_log: InputLog, output_log: OutputLog, window_s: float, runtime_prefix: str) -> None:
+        self.input_log = input_log
+        self.output_log = output_log
+        self.window_s = window_s
+        self.runtime_prefix = runtime_prefix
+        self._marks: deque[tuple[float, int]] = deque()
+        # a networked log (NATS) without these operations keeps its own retention: nothing to forget here
+        self.enabled = all(hasattr(log, m) for log, m in ((input_log, "forget"), (output_log, "prune"),
+                                                          (output_log, "request_ids_through")))
+
+    def after_truncate(self) -> int:
+        """Forget what is older than the window; returns how many replies were deleted."""
+        if not self.enabled:
+            return 0
+        now = time.monotonic()
+        self._marks.append((now, self.output_log.last_seq()))
+        cut = None
+        while self._marks and self._marks[0][0] <= now - self.window_s:
+            cut = self._marks.popleft()[1]
+        if cut is None:
+            return 0
+        forgotten = self.input_log.forget(self.output_log.request_ids_through(cut), self.runtime_prefix)
+        return self.output_log.prune(forgotten)

@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import shutil
+import tempfile
 import time
 import uuid
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
 from charon.core.epoch import EpochCoordinator, EpochResult
 from charon.core.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUnit, RoundOutput
 from charon.core.partition import Reply as ReplyMsg
-from charon.core.routing import entity_prefix, partition_of, store_key
+from charon.core.routing import check_stream, entity_prefix, partition_of, store_key
+from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
-from charon.operator import Application, Operator
+from charon.operator import Application, Operator, batch_request
 from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
@@ -63,12 +68,16 @@ class InProcessRuntime:
         compact_every: int = 20,
         stats_kept: int = 1000,
         log_url: str | None = None,
+        retain_events: int = DEFAULT_RETAIN_EVENTS,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
-        cache in front of the output log, which keeps every reply). ``data_dir``: durable mode (see
+        cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days).
+        ``data_dir``: durable mode (see
         :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``; ``log_url`` puts its logs
         on NATS, see :mod:`charon.log.nats`). ``stats_kept``: how many
-        recent epochs ``epoch_stats`` keeps."""
+        recent epochs ``epoch_stats`` keeps. ``retain_events``: events kept per output stream
+        (:class:`charon.log.streams.StreamLog`; durable mode: ``data_dir/streams.sqlite``, volatile: a temporary
+        file removed with the runtime)."""
         self.app = app
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
@@ -90,6 +99,8 @@ class InProcessRuntime:
         self.epoch = 0
         self.epoch_stats: list[dict[str, float]] = []
         self._stats_kept = stats_kept
+        self._retain_events = retain_events
+        self._streams: StreamLog | None = None
         self._log_end = 0
         self._base_dirty = False
         self.replayed_epochs = 0  # durable mode: epochs replayed from the input log at recovery
@@ -142,6 +153,40 @@ class InProcessRuntime:
         if self.node is not None:
             self._write_base()
             self.node.close()
+        if self._streams is not None:
+            self._streams.close()
+
+    # -- output streams -----------------------------------------------------------------------------
+    @property
+    def streams(self) -> StreamLog:
+        """The output streams ``ctx.emit`` appends to (one atom per epoch and stream; see charon.log.streams)."""
+        if self._streams is None:
+            if self.node is not None:
+                path = os.path.join(self.node.data_dir, "streams.sqlite")
+                self._streams = StreamLog(path, durable=self.node.fsync, retain_events=self._retain_events)
+            else:
+                tmp = tempfile.mkdtemp(prefix="charon-streams-")
+                self._streams = StreamLog(os.path.join(tmp, "streams.sqlite"), durable=False,
+                                          retain_events=self._retain_events)
+                weakref.finalize(self, _remove_volatile, self._streams, tmp)
+        return self._streams
+
+    async def subscribe(
+        self, stream: str, from_offset: int = 0, *, max_events: int = 1000, poll_s: float = 0.005,
+    ) -> AsyncIterator[StreamEvent]:
+        """Events of ``stream`` from ``from_offset`` on, as they commit (whole atoms at a time; endless).
+
+        Resume after a restart by passing the offset after the last event processed."""
+        check_stream(stream)
+        offset = from_offset
+        log = self.streams
+        while True:
+            r = log.read(stream, offset, max_events)
+            for ev in r.events:
+                yield ev
+            offset = r.next_offset
+            if not r.events:
+                await asyncio.sleep(poll_s)
 
     def _write_base(self) -> None:
         if self._base_dirty and self.node is not None:
@@ -222,6 +267,8 @@ class InProcessRuntime:
     def _run_logged(self, requests: list[Request]) -> EpochResult:
         """Run one epoch whose batch is logged (durable mode) or needs no log (volatile)."""
         result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests])
+        if result.events:  # idempotent by epoch: a replayed epoch appends nothing again
+            self.streams.append_atom(self.epoch, [(s, v) for _, s, v in result.events])
         if self.node is not None:
             c = self.coordinator
             self.node.epoch_done(self.epoch, c.sequencer.counters, c.deferred, self._log_end,
@@ -361,6 +408,14 @@ class InProcessRuntime:
         req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
         return await asyncio.shield(self.enqueue(req))
 
+    async def submit_batch(self, calls: Iterable[Any], *, batch_id: str | None = None) -> Reply:
+        """Run ``calls`` (``[operator, key, function, [args...]]`` each) as one client atomic batch: one
+        transaction calling them in order, so all commit or none; the reply's value lists their values.
+        ``batch_id`` is its request id (and entity key): a batch runs once per id."""
+        op, fn, args = batch_request(calls)
+        bid = batch_id or uuid.uuid4().hex
+        return await self.submit(op, bid, fn, args, request_id=bid)
+
     async def invoke(self, operator: str | Operator, key: str, function: Any, *args: Any) -> Any:
         """Like :meth:`submit` but returns the value, or raises TransactionAborted / the engine's error."""
         from charon.client_errors import raise_for_reply
@@ -393,3 +448,8 @@ class InProcessRuntime:
                 self._halt(exc)
                 return
             await asyncio.sleep(0)
+
+
+def _remove_volatile(log: StreamLog, tmp: str) -> None:
+    log.close()
+    shutil.rmtree(tmp, ignore_errors=True)

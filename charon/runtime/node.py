@@ -37,6 +37,7 @@ import msgspec
 
 from charon import serde
 from charon.log.location import open_input_log, open_output_log
+from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.state.durable import DurableState
 from charon.state.store import MemoryStore
@@ -101,7 +102,7 @@ class NodeStorage:
 
     def __init__(
         self, data_dir: str, partitions: int, *, fsync: bool = True, checkpoint_s: float = 0.5,
-        compact_every: int = 20, log_url: str | None = None,
+        compact_every: int = 20, dedup_window_s: float | None = None, log_url: str | None = None,
     ) -> None:
         self.data_dir = os.path.abspath(data_dir)
         self.log_url = log_url  # nats://host:port/deployment: the input/output logs on NATS (one node per URL)
@@ -125,6 +126,10 @@ class NodeStorage:
             self.output_log = open_output_log(log_url or os.path.join(self.data_dir, "output.sqlite"), durable=fsync)
             self.durable = DurableState(os.path.join(self.data_dir, "state"), fsync=fsync)
             os.makedirs(self._records_dir, exist_ok=True)
+            # request ids and replies older than the window are forgotten (CHARON_DEDUP_WINDOW_S, default 7 days)
+            window = dedup_window_s if dedup_window_s is not None else float(
+                os.environ.get("CHARON_DEDUP_WINDOW_S", 7 * 24 * 3600))
+            self.retention = DedupRetention(self.input_log, self.output_log, window, EPOCH_MARK)
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -334,6 +339,7 @@ class NodeStorage:
                 self.durable.compact(pid, last.epoch)
                 crash_point("compacting", last.epoch)  # after the first partition
             self.input_log.truncate([last.log_end])
+            self.retention.after_truncate()
         self._last_checkpoint = time.monotonic()
         with self._cv:
             self._flushing -= len(batch)

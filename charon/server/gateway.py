@@ -17,7 +17,21 @@ empty body without a type means no arguments; every response is JSON unless the 
   e.g. after a restart), or 404 when nobody knows the id. ``wait`` long-polls up to that many seconds (at
   most 30) while the request is in flight here.
 - ``GET /state/{operator}/{key}`` returns ``{"operator", "key", "value"}`` (an admin read).
-- ``GET /health`` (open) and ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
+- ``POST /batch`` with body ``{"calls": [[operator, key, function, [args...]], ...]}`` (1..``max_batch_calls``)
+  runs a client atomic batch: one transaction whose root calls each invocation in order (each sees the
+  writes of those before it), so all commit or none; 200 with ``value`` = the list of the calls' values,
+  409 when any call raised. Every call is validated first (typed 4xx naming the call). The
+  ``Idempotency-Key`` is the batch id: it runs once; reused with other calls it gets 422.
+- ``GET /streams/{stream}?from_offset=N&limit=M&wait=S`` reads an output stream (``ctx.emit``): 200
+  ``{"stream", "events": [{"offset", "epoch", "value"}], "next_offset", "first_offset", "end_offset"}``
+  with whole atoms (at most ``limit``, capped by ``stream_max_events``, events, except that a larger first
+  atom is returned whole); long-polls up to ``wait`` seconds (at most 30) when nothing is there yet. With
+  ``Accept: text/event-stream`` it answers with server-sent events instead (``id`` = the offset after the
+  event, ``data`` = the JSON event; resumable with ``Last-Event-ID``), for at most ``stream_sse_seconds``.
+- ``GET /health`` (open): 200 while the runtime serves, else 503 with its ``status`` (``starting`` while a
+  runtime started in the background comes up, ``recovering``, ``failed``, ``stopped``). While starting, state
+  reads answer 503 with ``Retry-After`` and invokes are accepted into the runtime's durable input log.
+- ``GET /openapi.json`` (open): the OpenAPI 3.1 description of these routes,
   including one ``/invoke`` path per function of the application with its parameter names and types.
 
 Everything is checked *before* anything reaches the runtime (and so its input log): the bearer token
@@ -63,13 +77,13 @@ import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from charon import serde
 from charon.config import GatewayConfig
-from charon.core.routing import check_key
+from charon.core.routing import check_key, check_stream
 from charon.errors import (
     BadArguments,
     CharonError,
@@ -83,6 +97,7 @@ from charon.errors import (
 )
 from charon.log.client import check_same_request, stored_request
 from charon.messages import Reply, Request
+from charon.operator import BATCH_OPERATOR, batch_request, check_batch
 
 __all__ = ["RuntimeLike", "create_app", "serve", "BackgroundServer", "describe_app", "STATUS_OF_ERROR"]
 
@@ -108,6 +123,9 @@ MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 _IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._~:@+=-]{1,200}$")
 #: request ids the runtimes use for their own input-log records; clients may not take them
 RESERVED_ID_PREFIX = "__charon"
+_STREAM_POLL_S = 0.01  # how often a waiting stream reader looks for a new atom
+#: seconds a 503 (starting, recovering, failed to take a request) asks the client to wait before retrying
+RETRY_AFTER_S = 2
 _json_enc = msgspec.json.Encoder()
 _json_dec = msgspec.json.Decoder()
 _mp_enc = msgspec.msgpack.Encoder()
@@ -394,6 +412,48 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
             },
         }
     }
+    paths["/batch"] = {
+        "post": {
+            "summary": "Run a client atomic batch: the calls in order, as one transaction (all or none)",
+            "security": security,
+            "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"},
+                            "description": "the batch id"}],
+            "requestBody": {"required": True, "content": {ct: {"schema": {
+                "type": "object", "required": ["calls"], "properties": {"calls": {
+                    "type": "array", "minItems": 1,
+                    "items": {"type": "array", "minItems": 4, "maxItems": 4,
+                              "description": "[operator, key, function, [args...]]"}}}}}
+                for ct in ("application/json", MSGPACK)}},
+            "responses": {
+                "200": reply_ok,
+                "202": accepted,
+                "400": err("malformed body or invalid key"),
+                "401": err("missing or wrong bearer token"),
+                "404": err("unknown operator or function in a call"),
+                "409": err("a call raised: the whole batch aborted"),
+                "422": err("bad arguments, or the batch id was reused for other calls"),
+            },
+        }
+    }
+    paths["/streams/{stream}"] = {
+        "get": {
+            "summary": "Read an output stream from an offset (whole atoms; long polling or server-sent events)",
+            "security": security,
+            "parameters": [
+                path_param("stream", "stream name"),
+                {"name": "from_offset", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}},
+                {"name": "wait", "in": "query", "schema": {"type": "number", "minimum": 0, "maximum": 30}},
+            ],
+            "responses": {
+                "200": {"description": "events (JSON page, or text/event-stream when accepted)"},
+                "400": err("invalid stream name or parameters"),
+                "401": err("missing or wrong bearer token"),
+                "404": err("the runtime has no output streams"),
+                "503": err("too many stream readers; retry later"),
+            },
+        }
+    }
     paths["/health"] = {"get": {"summary": "Liveness", "responses": {
         "200": {"description": "the runtime serves"},
         "503": {"description": "the runtime does not serve (starting, recovering, failed, stopped)"},
@@ -458,6 +518,18 @@ class _Gateway:
         self.known_ops = set(describe_app(runtime.app))
         self._openapi: bytes | None = None
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
+        self.stream_waiters = 0  # long polls and server-sent-event connections open now
+        # a runtime started in the background (see create_app's ``background_start``): until it is up,
+        # /health answers 503 starting and state reads a 503 with Retry-After; invokes go to the input log
+        self.starting = False
+        self.start_error: str | None = None
+
+    def check_ready(self) -> None:
+        """503 (with Retry-After) while the runtime is starting in the background or failed to start."""
+        if self.start_error is not None:
+            raise _HTTPError("Unavailable", f"the runtime failed to start: {self.start_error}")
+        if self.starting:
+            raise _HTTPError("Unavailable", "the runtime is starting; retry shortly")
 
     # ---- helpers
 
@@ -502,7 +574,7 @@ class _Gateway:
             raise _HTTPError("RequestTimeout", f"body not received within {self.cfg.body_timeout} s") from None
         return b"".join(chunks)
 
-    def parse_args(self, request: HTTPRequest, body: bytes) -> list[Any]:
+    def parse_args(self, request: HTTPRequest, body: bytes, field: str = "args") -> list[Any]:
         raw_ctype = request.headers.get("content-type")
         if raw_ctype is None and not body:
             return []  # `POST` with no body at all: no arguments
@@ -525,13 +597,13 @@ class _Gateway:
         except RecursionError:
             raise _HTTPError("BadRequest", "malformed body: nested too deeply") from None
         if not isinstance(doc, dict):
-            raise _HTTPError("BadRequest", 'body must be an object {"args": [...]}')
-        extra = set(doc) - {"args"}
+            raise _HTTPError("BadRequest", f'body must be an object {{"{field}": [...]}}')
+        extra = set(doc) - {field}
         if extra:
             raise _HTTPError("BadRequest", f"unexpected body fields: {sorted(map(str, extra))}")
-        args = doc.get("args", [])
+        args = doc.get(field, [])
         if not isinstance(args, list):
-            raise _HTTPError("BadArguments", '"args" must be a list of positional arguments')
+            raise _HTTPError("BadArguments", f'"{field}" must be a list')
         try:
             serde.check_plain(args, self.cfg.max_depth)
         except SerializationError as exc:
@@ -705,6 +777,38 @@ class _Gateway:
         req = self.validate(operator, key, function, args)
         rid = given or uuid.uuid4().hex
         req = Request(rid, req.operator, req.key, req.function, req.args)
+        if self.start_error is not None:  # nothing would ever run it (while starting, the log takes it)
+            self.check_ready()
+        if given is not None:
+            self.conflict(req)
+            await self.check_log(req)
+        fut = self.start(req, args)
+        if mode == "async":
+            return self.accepted(request, rid)
+        return await self.await_reply(request, rid, fut, self.wait_timeout)
+
+    async def batch(self, request: HTTPRequest) -> Response:
+        """A client atomic batch: the calls run in order as one transaction (all commit or none)."""
+        self.check_auth(request)
+        mode = request.query_params.get("mode", "sync")
+        if mode not in ("sync", "async"):
+            raise _HTTPError("BadRequest", "mode must be 'sync' or 'async'")
+        given = self.request_id(request)
+        calls = self.parse_args(request, await self.read_body(request), "calls")
+        try:
+            calls = check_batch(calls, self.cfg.max_batch_calls)
+        except BadArguments as exc:
+            raise _HTTPError("BadArguments", str(exc)) from None
+        for i, (operator, key, function, args) in enumerate(calls):
+            try:
+                self.validate(operator, key, function, args)
+            except _HTTPError as exc:
+                raise _HTTPError(exc.error_type, f"batch call {i}: {exc.message}") from None
+        rid = given or uuid.uuid4().hex
+        _, function, args = batch_request(calls)
+        req = Request(rid, BATCH_OPERATOR, rid, function, serde.encode(args))
+        if self.start_error is not None:  # as for invoke: nothing would ever run it
+            self.check_ready()
         if given is not None:
             self.conflict(req)
             await self.check_log(req)
@@ -761,14 +865,97 @@ class _Gateway:
             check_key(key)
         except InvalidKey as exc:
             raise _HTTPError("InvalidKey", str(exc)) from None
+        self.check_ready()
         value = await self.off_loop(self.runtime.read_state, operator, key)
         return self.respond(request, 200, {"operator": operator, "key": key, "value": value})
+
+    def _stream_params(self, request: HTTPRequest) -> tuple[Any, str, int, int, float]:
+        log = getattr(self.runtime, "streams", None)
+        if log is None:
+            raise _HTTPError("NotFound", "this runtime has no output streams")
+        stream = request.path_params["stream"]
+        try:
+            check_stream(stream)
+        except InvalidKey as exc:
+            raise _HTTPError("InvalidKey", str(exc)) from None
+        q = request.query_params
+        try:
+            start = q.get("from_offset") or request.headers.get("last-event-id") or "0"
+            offset = int(start)
+            limit = int(q.get("limit", self.cfg.stream_max_events))
+            wait = float(q.get("wait", 0))
+        except ValueError:
+            raise _HTTPError("BadRequest", "from_offset and limit must be integers, wait a number") from None
+        if offset < 0 or limit < 1 or not 0 <= wait <= 30:
+            raise _HTTPError("BadRequest", "from_offset >= 0, limit >= 1 and 0 <= wait <= 30 are required")
+        return log, stream, offset, min(limit, self.cfg.stream_max_events), wait
+
+    def _check_waiters(self) -> None:
+        if self.stream_waiters >= self.cfg.stream_max_waiters:
+            raise _HTTPError("Unavailable", f"{self.cfg.stream_max_waiters} stream readers are waiting; retry later")
+
+    @contextlib.contextmanager
+    def _waiter(self) -> typing.Iterator[None]:
+        """One of the ``stream_max_waiters`` slots of waiting stream readers (checked just before)."""
+        self.stream_waiters += 1
+        try:
+            yield
+        finally:
+            self.stream_waiters -= 1
+
+    @staticmethod
+    def _event_doc(ev: Any) -> dict[str, Any]:
+        return {"offset": ev.offset, "epoch": ev.epoch, "value": serde.decode(ev.value)}
+
+    async def stream(self, request: HTTPRequest) -> Response:
+        """A page of an output stream (long polling), or server-sent events (see the module docstring)."""
+        self.check_auth(request)
+        log, stream, offset, limit, wait = self._stream_params(request)
+        if "text/event-stream" in request.headers.get("accept", ""):
+            return self._sse(log, stream, offset, limit)
+        page = await self.off_loop(log.read, stream, offset, limit)
+        if not page.events and wait > 0:
+            self._check_waiters()
+            with self._waiter():
+                deadline = time.monotonic() + wait
+                while not page.events and time.monotonic() < deadline:
+                    await asyncio.sleep(_STREAM_POLL_S)
+                    if await self.off_loop(log.end_offset, stream) > page.next_offset:
+                        page = await self.off_loop(log.read, stream, page.next_offset, limit)
+        body = {"stream": stream, "events": [self._event_doc(e) for e in page.events],
+                "next_offset": page.next_offset, "first_offset": page.first_offset, "end_offset": page.end_offset}
+        return self.respond(request, 200, body)
+
+    def _sse(self, log: Any, stream: str, offset: int, limit: int) -> Response:
+        self._check_waiters()
+        gw = self
+
+        async def events() -> AsyncIterator[bytes]:
+            nonlocal offset
+            with gw._waiter():
+                deadline = time.monotonic() + gw.cfg.stream_sse_seconds
+                yield b": charon stream " + stream.encode() + b"\n\n"
+                while time.monotonic() < deadline:
+                    page = await gw.off_loop(log.read, stream, offset, limit)
+                    for ev in page.events:
+                        data = _json_enc.encode(dict(gw._event_doc(ev), stream=stream))
+                        yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.offset + 1, stream.encode(), data)
+                    offset = page.next_offset
+                    if not page.events:
+                        await asyncio.sleep(_STREAM_POLL_S)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     async def health(self, request: HTTPRequest) -> Response:
         """200 while the runtime serves; 503 with its state (status, epoch, last error...) otherwise."""
         probe = getattr(self.runtime, "health", None)
         doc: dict[str, Any] = {"status": "ok", "ok": True}
-        if probe is not None:
+        if self.start_error is not None:
+            doc = {"status": "failed", "ok": False, "last_error": self.start_error}
+        elif self.starting:
+            doc = {"status": "starting", "ok": False}
+        elif probe is not None:
             doc = await self.off_loop(probe)
         doc["inflight"] = len(self.inflight)
         return self.respond(request, 200 if doc.get("ok", True) else 503, doc)
@@ -786,11 +973,14 @@ def _guard(
         try:
             return await fn(request)
         except EngineUnavailable as exc:  # the runtime cannot serve (recovering, failed): retry later
-            return gw.respond(request, 503, {"error": {"type": "Unavailable", "message": str(exc)}})
+            return gw.respond(request, 503, {"error": {"type": "Unavailable", "message": str(exc)}},
+                              {"Retry-After": str(RETRY_AFTER_S)})
         except _HTTPError as exc:
             headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
             if exc.status in (408, 413):
                 headers = {"Connection": "close"}
+            if exc.status == 503:
+                headers = {"Retry-After": str(RETRY_AFTER_S)}
             return gw.respond(
                 request, exc.status, {"error": {"type": exc.error_type, "message": exc.message}}, headers
             )
@@ -844,6 +1034,8 @@ def create_app(
     manage_runtime: bool = False,
     recent_replies: int | None = None,
     config: GatewayConfig | None = None,
+    background_start: bool = False,
+    on_start_failure: Callable[[str], None] | None = None,
 ) -> Any:
     """Build the gateway's ASGI app over ``runtime``.
 
@@ -852,6 +1044,11 @@ def create_app(
     :meth:`GatewayConfig.from_env`); ``max_body``, ``wait_timeout`` and ``recent_replies`` override it.
     ``manage_runtime``: start and stop the runtime with the app's lifespan (the runtime then lives on the
     server's event loop, which is what the in-process runtime needs).
+    ``background_start``: a blocking ``start`` (the Spark runtime's, ~20 s) runs in a thread while the port
+    is already open: until it returns, ``/health`` answers 503 ``{"status": "starting"}``, state reads 503
+    with ``Retry-After``, and invokes are accepted into the runtime's durable input log (they run once the
+    engine is up; a synchronous call answers 202 with its status URL after ``wait_timeout``). A failed start
+    turns ``/health`` to ``{"status": "failed"}`` and calls ``on_start_failure`` with the reason.
     """
     cfg = dataclasses.replace(config) if config is not None else GatewayConfig.from_env()
     for name, value in (("max_body", max_body), ("wait_timeout", wait_timeout), ("recent_replies", recent_replies)):
@@ -859,17 +1056,35 @@ def create_app(
             setattr(cfg, name, value)
     gw = _Gateway(runtime, token, cfg)
 
+    async def start_in_background() -> None:
+        try:
+            await asyncio.to_thread(runtime.start)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - reported in /health and to the server
+            gw.start_error = f"{type(exc).__name__}: {exc}"
+            if on_start_failure is not None:
+                on_start_failure(gw.start_error)
+        finally:
+            gw.starting = False
+
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        starter: asyncio.Task[None] | None = None
         if manage_runtime:
-            await _call_lifecycle(runtime.start)  # type: ignore[attr-defined]
+            start = runtime.start  # type: ignore[attr-defined]
+            if background_start and not inspect.iscoroutinefunction(start):
+                gw.starting = True
+                starter = asyncio.ensure_future(start_in_background())
+            else:
+                await _call_lifecycle(start)
         try:
             yield
         finally:
+            if starter is not None and not starter.done():
+                await asyncio.wait({starter})  # a half-started runtime is stopped once its start returns
             pending = list(gw.inflight.values())
             if pending:
                 await asyncio.wait(pending, timeout=5.0)
-            if manage_runtime:
+            if manage_runtime and gw.start_error is None:
                 await _call_lifecycle(runtime.stop)  # type: ignore[attr-defined]
             gw._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -881,6 +1096,8 @@ def create_app(
             "/requests/{request_id}", _guard(gw, gw.request_status), methods=["GET"], name="request_status"
         ),
         Route("/state/{operator}/{key:path}", _guard(gw, gw.state), methods=["GET"], name="state"),
+        Route("/streams/{stream}", _guard(gw, gw.stream), methods=["GET"], name="stream"),
+        Route("/batch", _guard(gw, gw.batch), methods=["POST"], name="batch"),
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
@@ -979,14 +1196,32 @@ def serve(
 ) -> None:
     """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it.
 
-    Settings come from ``config`` (default :meth:`GatewayConfig.from_env`); ``max_body`` and
+    The port opens at once: a blocking runtime start (Spark's) runs in the background (see
+    :func:`create_app`'s ``background_start``). If it fails, the server stops and :class:`RuntimeStartError`
+    is raised. Settings come from ``config`` (default :meth:`GatewayConfig.from_env`); ``max_body`` and
     ``recent_replies`` override it when given.
     """
+    failed: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def start_failed(reason: str) -> None:
+        failed.append(reason)
+        if server is not None:
+            server.should_exit = True
+
     app = create_app(
-        runtime, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config
+        runtime, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
+        background_start=True, on_start_failure=start_failed,
     )
+    server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
-        uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level)).run()
+        server.run()
+    if failed:
+        raise RuntimeStartError(failed[0])
+
+
+class RuntimeStartError(RuntimeError):
+    """The runtime that :func:`serve` started in the background failed to start."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -41,11 +42,17 @@ from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
 from charon.errors import CharonError, EngineUnavailable
 from charon.log.location import log_locations, open_input_log, open_output_log
+from charon.log.sqlite import DedupRetention
+from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.state.durable import DurableState, write_file_atomic
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
+
+
+class _Stopping(Exception):
+    """Raised into a micro-batch that would start while the runtime stops (the batch stays uncommitted)."""
 
 
 class LayoutMismatch(CharonError):
@@ -103,6 +110,32 @@ def crash_point(point: str, epoch: int) -> None:
     spec = os.environ.get("CHARON_CRASH_AT")
     if spec and spec == f"{point}:{epoch}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def trim_native_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere), and Arrow's.
+
+    The driver allocates from many threads (py4j callbacks, the gateway's read pool, the log pump, Spark's
+    batch thread), and glibc keeps freed memory of its per-thread arenas mapped: without a trim the driver's
+    RSS creeps up by about a MB a minute in a long run although nothing live grows."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+    pa = sys.modules.get("pyarrow")  # the durable copy's reads and compactions allocate from Arrow's pool
+    if pa is not None:
+        pa.default_memory_pool().release_unused()
+
+
+_LIBC: Any = None
 
 
 def check_java() -> str:
@@ -164,13 +197,28 @@ def make_session(config: SparkConfig) -> Any:
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.streaming.noDataMicroBatches.enabled": "false",
         "spark.executorEnv.PYSPARK_PYTHON": os.environ["PYSPARK_PYTHON"],
+        # A long run must not grow the driver: the status store (kept even without the UI) retains 1,000 jobs
+        # and 100,000 tasks by default, and each epoch runs a few jobs; the cleaner's periodic GC (which
+        # releases shuffles, broadcasts and RDDs the driver no longer references) runs every 30 min by default.
+        "spark.ui.retainedJobs": "50",
+        "spark.ui.retainedStages": "50",
+        "spark.ui.retainedTasks": "1000",
+        "spark.ui.retainedDeadExecutors": "10",
+        "spark.sql.ui.retainedExecutions": "20",
+        "spark.sql.streaming.numRecentProgressUpdates": "20",
+        "spark.cleaner.periodicGC.interval": "5min",
+        # Spark's own query checkpoint keeps this many batches (offsets/commits files) and no more
+        "spark.sql.streaming.minBatchesToRetain": str(config.checkpoint_batches),
         **config.spark_conf,
     }
     # executors elsewhere keep their cluster's log4j setup (this file's path is only known to exist here)
     same_machine = re.match(r"(local\b|spark://(127\.|localhost\b|\[::1\]))", config.master) is not None
+    # a fixed, pre-touched heap: the JVM's RSS is its size from the start instead of stepping up toward -Xmx
+    heap = f" -Xms{config.driver_memory} -XX:+AlwaysPreTouch" if config.fixed_heap else ""
     for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
         if key.startswith("spark.driver") or same_machine:
-            settings[key] = f"{log4j} {settings[key]}" if settings.get(key) else log4j
+            opts = log4j + (heap if key.startswith("spark.driver") else "")
+            settings[key] = f"{opts} {settings[key]}" if settings.get(key) else opts
     if SparkContext._gateway is None:  # no JVM in this process yet: start it with its output in the log
         log = spark_log_path(config)
         os.makedirs(os.path.dirname(log), exist_ok=True)
@@ -397,6 +445,8 @@ class SparkRuntime:
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
         self.output_log = open_output_log(self.output_location)
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
+        self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
+        self.streams = StreamLog(os.path.join(cfg.data_dir, "streams.sqlite"))  # ctx.emit's atoms
         self.durable = DurableState(os.path.join(self.ckpt, "state"))
         self._spark = spark
         self._query: Any = None
@@ -414,6 +464,11 @@ class SparkRuntime:
         self._restarts = 0
         self._failures: dict[int, int] = {}  # epoch -> query failures while running it
         self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
+        # shutdown between epochs (see stop): stopping a query while an epoch's job runs cancels the job from
+        # under the py4j callback (a StackOverflowError in Spark's stream thread, an epoch left half done)
+        self._epoch_cv = threading.Condition()
+        self._in_epoch = False
+        self._stopping = False
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -429,6 +484,8 @@ class SparkRuntime:
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
+        with self._epoch_cv:
+            self._stopping = False
         with self._lock:
             self._wake.clear()
             self._fatal = None
@@ -521,10 +578,15 @@ class SparkRuntime:
                 "unconfirmed_epoch": self._unconfirmed}
 
     def stop(self) -> None:
+        """Stop between epochs: no new epoch starts (its batch is left uncommitted, to run after a restart),
+        the running one finishes (at most ``stop_timeout_s``), then the query is stopped."""
         with self._lock:
             self._status = "stopped"
             self._wake.set()
             q, self._query = self._query, None
+        with self._epoch_cv:
+            self._stopping = True
+            self._epoch_cv.wait_for(lambda: not self._in_epoch, timeout=self.config.stop_timeout_s)
         if q is not None:
             q.stop()
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
@@ -623,9 +685,20 @@ class SparkRuntime:
 
     # -- one epoch per micro-batch ----------------------------------------------------------------------------
     def _on_batch(self, df: Any, batch_id: int) -> None:
+        with self._epoch_cv:
+            if self._stopping:  # fail the batch: Spark does not commit it, a restart runs it
+                raise _Stopping(f"the runtime is stopping; epoch {batch_id} runs after the restart")
+            self._in_epoch = True
+        try:
+            self._run_batch(int(batch_id))
+        finally:
+            with self._epoch_cv:
+                self._in_epoch = False
+                self._epoch_cv.notify_all()
+
+    def _run_batch(self, epoch: int) -> None:
         from charon.runtime.spark.source import batch_offsets
 
-        epoch = int(batch_id)
         done = self.read_record(epoch)
         if done is not None:  # already run before a crash: its state and replies are durable
             if self._status == "recovering":
@@ -656,6 +729,8 @@ class SparkRuntime:
         self.exchange.stats = {}
         crash_point("before_epoch", epoch)
         result = coord.run_epoch(epoch, requests)
+        if result.events:  # before the record: a replay of this epoch re-derives them, appended once
+            self.streams.append_atom(epoch, [(s, v) for _, s, v in result.events])
         crash_point("after_finalize", epoch)
         stats = dict(result.stats)
         stats.update({f"spark_{k}": v for k, v in self.exchange.stats.items()})
@@ -694,6 +769,24 @@ class SparkRuntime:
         rec = self.read_record(upto)
         if rec is not None and self.config.truncate_log:
             self.input_log.truncate(rec.ends)
+            self._retain(upto)
+        trim_native_heap()
+
+    def _retain(self, upto: int) -> None:
+        """Disk retention after a compaction: request ids and their replies older than ``dedup_window_s``
+        are forgotten (:class:`~charon.log.sqlite.DedupRetention`); epoch records older than the compacted
+        epoch minus ``keep_epoch_records`` are deleted."""
+        cfg = self.config
+        self._retention.after_truncate()
+        lo = upto - max(1, cfg.keep_epoch_records)
+        known = getattr(self, "_known_epoch", None)
+        if known is not None and known < lo:
+            self._known_epoch = None  # probing forward from there would stop at a deleted record: rescan
+        epochs = os.path.join(self.ckpt, "epochs")
+        for name in os.listdir(epochs):
+            if name.endswith(".msgpack") and name[:-8].isdigit() and int(name[:-8]) < lo:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(epochs, name))
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
@@ -745,15 +838,31 @@ class SparkRuntime:
             epoch = self._settled_epoch()
             if not items:
                 return epoch, {}
-            fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
-                         self.ckpt, epoch)
             try:
+                if self.config.driver_reads:
+                    return epoch, self._read_durable(items, epoch)
+                fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
+                             self.ckpt, epoch)
                 return epoch, dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
             except Exception as e:
                 # a compaction after the epoch was chosen: read again at a newer one
                 if "compacted" not in str(e) or attempt == 2:
                     raise
         raise AssertionError("unreachable")
+
+    def _read_durable(self, items: list[tuple[int, list[bytes]]], epoch: int) -> dict[bytes, bytes | None]:
+        """Read keys from the durable copy in the driver, as of recorded epoch ``epoch``.
+
+        As consistent as reading the executors' stores: every partition's delta of a recorded epoch is durable
+        (the finalize round writes it before the record), deltas after ``epoch`` are skipped, and a base
+        compacted past ``epoch`` raises (the caller reads again at a newer epoch). Much cheaper than a Spark
+        job per read (no job, stage, task or py4j objects on the driver), and it works while the query restarts.
+        """
+        out: dict[bytes, bytes | None] = {}
+        for pid, keys in items:
+            got, _ = self.durable.read_keys(pid, keys, epoch)
+            out.update(got)
+        return out
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state (from the durable copy, as of the last recorded epoch)."""

@@ -440,9 +440,12 @@ class CharonRepliesDataSource(DataSource):
 
 
 def register(spark: Any) -> None:
-    """Register the ``charon_log`` and ``charon_replies`` data sources with a SparkSession."""
+    """Register the ``charon_log``, ``charon_replies`` and ``charon_stream`` data sources with a SparkSession."""
+    from charon.runtime.spark.stream_source import CharonStreamDataSource
+
     spark.dataSource.register(CharonLogDataSource)
     spark.dataSource.register(CharonRepliesDataSource)
+    spark.dataSource.register(CharonStreamDataSource)
 
 
 def read_offset_log(checkpoint_location: str | os.PathLike[str], batch_id: int) -> list[dict] | None:

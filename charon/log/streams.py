@@ -1,0 +1,214 @@
+"""Atomic output streams: the storage behind ``ctx.emit`` (one SQLite file, WAL, shared across processes).
+
+Each epoch's committed events (:attr:`charon.core.epoch.EpochResult.events`) are appended as one *atom* per
+stream, in one SQLite transaction, by :meth:`StreamLog.append_atom`. Appends are idempotent by epoch: a
+runtime that replays an epoch after a crash (same input, same TIDs, so the same events) appends nothing
+the second time, so every event is stored, and so delivered, exactly once.
+
+Offsets are per stream, dense, from 0: event ``n`` of stream ``s`` has offset ``n``. An atom of stream
+``s`` is the offset range ``[start, end)`` of one epoch. Readers resume by offset; :meth:`StreamLog.read`
+never ends a read inside an atom (it may start inside one when asked to), so a consumer that commits the
+``next_offset`` it was given has consumed whole atoms only.
+
+Retention (a bound): at most ``retain_events`` events per stream are kept (the oldest whole atoms are
+dropped first); a read from a dropped offset starts at the first retained one (``first_offset``).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from charon.core.routing import check_stream
+from charon.log.sqlite import _SQLite
+
+__all__ = ["DEFAULT_RETAIN_EVENTS", "MAX_READ_EVENTS", "StreamEvent", "StreamLog", "StreamRead"]
+
+DEFAULT_RETAIN_EVENTS = 1_000_000  # per stream
+MAX_READ_EVENTS = 10_000  # a single read returns at most this many events (plus the rest of one atom)
+
+
+class StreamEvent(msgspec.Struct, frozen=True):
+    """One stored event: its stream, offset, the epoch whose atom holds it, and its encoded value."""
+
+    stream: str
+    offset: int
+    epoch: int
+    value: bytes  # charon.serde encoding (msgpack)
+
+
+class StreamRead(msgspec.Struct, frozen=True):
+    """The result of a read: ``events`` (whole atoms, except possibly a first partial one when the read
+    started inside an atom), ``next_offset`` (where to resume), ``first_offset`` (oldest retained) and
+    ``end_offset`` (the stream's end when read)."""
+
+    stream: str
+    events: list[StreamEvent]
+    next_offset: int
+    first_offset: int
+    end_offset: int
+
+
+class StreamLog:
+    """Durable, idempotent storage of atomic output streams (see the module docstring)."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, durable: bool = True, retain_events: int = DEFAULT_RETAIN_EVENTS
+    ) -> None:
+        if retain_events < 1:
+            raise ValueError("retain_events must be at least 1")
+        self._db = _SQLite(path, durable)
+        self.path = self._db.path
+        self.retain_events = retain_events
+        self._cv = threading.Condition()  # wakes waiters of this process at once (others poll)
+        with self._db.write() as c:
+            c.execute("CREATE TABLE IF NOT EXISTS epochs (epoch INTEGER PRIMARY KEY)")
+            c.execute(
+                "CREATE TABLE IF NOT EXISTS atoms (stream TEXT NOT NULL, epoch INTEGER NOT NULL, "
+                "start INTEGER NOT NULL, end INTEGER NOT NULL, PRIMARY KEY (stream, end)) WITHOUT ROWID"
+            )
+            c.execute(
+                "CREATE TABLE IF NOT EXISTS events (stream TEXT NOT NULL, offset INTEGER NOT NULL, "
+                "epoch INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (stream, offset)) WITHOUT ROWID"
+            )
+
+    # -- writing -------------------------------------------------------------------------------------
+    def append_atom(self, epoch: int, events: Sequence[tuple[str, bytes]]) -> bool:
+        """Append epoch ``epoch``'s events ((stream, encoded value), in atom order) as one atom per stream.
+
+        Idempotent: False (nothing written) if an epoch >= ``epoch`` was appended already. Epochs without
+        events need no call.
+        """
+        if not events:
+            return False
+        with self._db.write() as c:
+            last = c.execute("SELECT coalesce(max(epoch), -1) FROM epochs").fetchone()[0]
+            if epoch <= last:
+                return False
+            c.execute("INSERT INTO epochs (epoch) VALUES (?)", (epoch,))
+            by_stream: dict[str, list[bytes]] = {}
+            for stream, value in events:
+                by_stream.setdefault(stream, []).append(value)
+            for stream, values in by_stream.items():
+                start = self._end(c, stream)
+                c.executemany(
+                    "INSERT INTO events (stream, offset, epoch, data) VALUES (?, ?, ?, ?)",
+                    [(stream, start + i, epoch, v) for i, v in enumerate(values)],
+                )
+                end = start + len(values)
+                c.execute("INSERT INTO atoms (stream, epoch, start, end) VALUES (?, ?, ?, ?)",
+                          (stream, epoch, start, end))
+                self._trim(c, stream, end)
+        with self._cv:
+            self._cv.notify_all()
+        return True
+
+    def _trim(self, c: sqlite3.Connection, stream: str, end: int) -> None:
+        """Keep the newest whole atoms holding at most ``retain_events`` events (at least the newest atom)."""
+        row = c.execute("SELECT min(start) FROM atoms WHERE stream = ? AND start >= ?",
+                        (stream, end - self.retain_events)).fetchone()
+        keep = row[0]
+        if keep is None:
+            keep = c.execute("SELECT start FROM atoms WHERE stream = ? AND end = ?", (stream, end)).fetchone()[0]
+        if keep > self._first(c, stream):
+            c.execute("DELETE FROM events WHERE stream = ? AND offset < ?", (stream, keep))
+            c.execute("DELETE FROM atoms WHERE stream = ? AND end <= ?", (stream, keep))
+
+    # -- reading -------------------------------------------------------------------------------------
+    @staticmethod
+    def _end(c: sqlite3.Connection, stream: str) -> int:
+        row = c.execute("SELECT max(end) FROM atoms WHERE stream = ?", (stream,)).fetchone()
+        return row[0] if row[0] is not None else 0
+
+    @staticmethod
+    def _first(c: sqlite3.Connection, stream: str) -> int:
+        row = c.execute("SELECT min(start) FROM atoms WHERE stream = ?", (stream,)).fetchone()
+        return row[0] if row[0] is not None else 0
+
+    def end_offset(self, stream: str) -> int:
+        """The offset the next event of ``stream`` will get (its number of events ever appended)."""
+        return self._end(self._db.conn(), stream)
+
+    def last_epoch(self) -> int:
+        """The newest epoch appended (-1 if none)."""
+        return self._db.conn().execute("SELECT coalesce(max(epoch), -1) FROM epochs").fetchone()[0]
+
+    def streams(self) -> dict[str, int]:
+        """Every stream with events, and its end offset."""
+        rows = self._db.conn().execute("SELECT stream, max(end) FROM atoms GROUP BY stream ORDER BY stream")
+        return {s: e for s, e in rows.fetchall()}
+
+    def atom_ends(self, stream: str, after: int, upto: int | None = None) -> list[int]:
+        """End offsets of the atoms of ``stream`` ending after ``after`` (and at most ``upto``), ascending."""
+        q, args = "SELECT end FROM atoms WHERE stream = ? AND end > ?", [stream, after]
+        if upto is not None:
+            q += " AND end <= ?"
+            args.append(upto)
+        return [r[0] for r in self._db.conn().execute(q + " ORDER BY end", args).fetchall()]
+
+    def read(self, stream: str, from_offset: int = 0, max_events: int = 1000) -> StreamRead:
+        """Events of ``stream`` from ``from_offset``: whole atoms up to about ``max_events`` (at least the
+        first atom, whatever its size; at most :data:`MAX_READ_EVENTS` besides it)."""
+        check_stream(stream)
+        if from_offset < 0:
+            raise ValueError("from_offset must be >= 0")
+        max_events = max(1, min(max_events, MAX_READ_EVENTS))
+        with self._db.read() as c:
+            first, end = self._first(c, stream), self._end(c, stream)
+            start = max(from_offset, first)
+            if start >= end:
+                return StreamRead(stream, [], max(start, from_offset), first, end)
+            ends = [r[0] for r in c.execute(
+                "SELECT end FROM atoms WHERE stream = ? AND end > ? ORDER BY end LIMIT ?",
+                (stream, start, max_events + 1),
+            ).fetchall()]
+            stop = ends[0]
+            for e in ends[1:]:
+                if e - start > max_events:
+                    break
+                stop = e
+            rows = c.execute(
+                "SELECT offset, epoch, data FROM events WHERE stream = ? AND offset >= ? AND offset < ? "
+                "ORDER BY offset", (stream, start, stop),
+            ).fetchall()
+        return StreamRead(stream, [StreamEvent(stream, o, e, d) for o, e, d in rows], stop, first, end)
+
+    def read_range(self, stream: str, start: int, end: int) -> list[StreamEvent]:
+        """Events with ``start <= offset < end`` (what a Spark micro-batch covers)."""
+        rows = self._db.conn().execute(
+            "SELECT offset, epoch, data FROM events WHERE stream = ? AND offset >= ? AND offset < ? ORDER BY offset",
+            (stream, start, end),
+        ).fetchall()
+        return [StreamEvent(stream, o, e, d) for o, e, d in rows]
+
+    def wait(self, stream: str, offset: int, timeout: float, poll: float = 0.01) -> bool:
+        """Block until ``stream`` has an event at ``offset`` or beyond (True) or ``timeout`` passes (False).
+
+        Appends by this process wake the waiter at once; another process's appends are polled for."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.end_offset(stream) > offset:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with self._cv:
+                self._cv.wait(min(poll, left))
+
+    def close(self) -> None:
+        """Close this object's connections."""
+        self._db.close()
+
+    def __enter__(self) -> StreamLog:
+        return self
+
+    def __exit__(self, *exc: sqlite3.Connection) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"StreamLog({self.path!r})"
