@@ -25,8 +25,8 @@ Exactly once, beyond JetStream's dedup window
     processes can therefore append concurrently. The one residual case is an appender that stalls for longer
     than the dedup window between claiming and publishing (document your window accordingly).
 
-    The output log has one writer at a time (the engine's driver); replies are published with the request id
-    as ``Nats-Msg-Id`` and indexed in the bucket after the server accepted them. The writer re-indexes the
+    The output log has one writer at a time (the engine's driver); a reply whose request id is not in the bucket is
+    published (its ``Nats-Msg-Id`` carries the id's hash), then indexed in the bucket. The writer re-indexes the
     stream's tail past the index watermark when it starts, so a reply stored just before a crash is known
     after the window too and a replayed epoch never stores it twice.
 
