@@ -66,6 +66,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from charon.errors import EngineUnavailable
 from charon.messages import Reply, Request
 from charon.serde import decode_reply, decode_request, encode_reply, encode_request
 
@@ -79,8 +80,11 @@ FETCH_BATCH = 5000  # messages per pull request of a range read
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-class NatsLogError(OSError):
-    """A NATS log operation failed or timed out (the server is unreachable or refused it); retry it."""
+class NatsLogError(OSError, EngineUnavailable):
+    """A NATS log operation failed or timed out (the server is unreachable or refused it); retry it.
+
+    An ``OSError`` (the log client retries appends on it, as for a locked SQLite file) and an
+    :class:`~charon.errors.EngineUnavailable` (the gateway answers 503 with ``Retry-After``)."""
 
 
 def is_nats_url(location: str | os.PathLike[str]) -> bool:
