@@ -121,8 +121,8 @@ def trim_native_heap() -> None:
     """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere), and Arrow's.
 
     The driver allocates from many threads (py4j callbacks, the gateway's read pool, the log pump, Spark's
-    batch thread), and glibc keeps freed memory of its per-thread arenas mapped: without a trim the driver's
-    RSS creeps up by about a MB a minute in a long run although nothing live grows."""
+    batch thread, a compaction thread each time), and glibc keeps the freed memory of its per-thread arenas
+    mapped; called after each compaction, so a long run's RSS follows what is live."""
     global _LIBC
     if _LIBC is None:
         import ctypes
@@ -218,8 +218,11 @@ def make_session(config: SparkConfig) -> Any:
     }
     # executors elsewhere keep their cluster's log4j setup (this file's path is only known to exist here)
     same_machine = re.match(r"(local\b|spark://(127\.|localhost\b|\[::1\]))", config.master) is not None
-    # a fixed, pre-touched heap: the JVM's RSS is its size from the start instead of stepping up toward -Xmx
-    heap = f" -Xms{config.driver_memory} -XX:+AlwaysPreTouch" if config.fixed_heap else ""
+    # a fixed, pre-touched heap: the JVM's RSS is its size from the start instead of stepping up toward -Xmx;
+    # what a long run still adds outside the heap is JIT code (a 10-min soak: +14 MB in 3 min, native memory
+    # tracking) and classes: both capped (the code cache flushes cold code when full; ~120 MB of classes live)
+    heap = (f" -Xms{config.driver_memory} -XX:+AlwaysPreTouch -XX:ReservedCodeCacheSize=128m"
+            " -XX:MaxMetaspaceSize=512m") if config.fixed_heap else ""
     for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
         if key.startswith("spark.driver") or same_machine:
             opts = log4j + (heap if key.startswith("spark.driver") else "")
@@ -946,7 +949,10 @@ class SparkRuntime:
         As consistent as reading the executors' stores: every partition's delta of a recorded epoch is durable
         (the finalize round writes it before the record), deltas after ``epoch`` are skipped, and a base
         compacted past ``epoch`` raises (the caller reads again at a newer epoch). Much cheaper than a Spark
-        job per read (no job, stage, task or py4j objects on the driver), and it works while the query restarts.
+        job per read (no job, stage, task or py4j objects on the driver; benchmarks/state_reads.py), and it
+        works while the query restarts. Its cost grows with the partition's durable files (a scan of their
+        memory-mapped key columns): for very large states, ``driver_reads=False`` reads the executors' indexed
+        stores with a Spark job instead.
         """
         out: dict[bytes, bytes | None] = {}
         for pid, keys in items:
