@@ -475,3 +475,56 @@ def _update_outcome(update_id: str, reqs: list[Any], replies: list[Any], epochs:
     seen = sorted({rep.epoch for rep in replies if rep is not None})
     return {"id": update_id, "transactions": len(reqs), "committed": sum(1 for rep in replies if rep and rep.ok),
             "aborted": aborted, "epochs": epochs or seen, "repeated": repeated}
+
+
+async def spark_run_alone(
+    rt: Any, update_id: str, operator: str, function: str, args: bytes, keys: list[str] | None,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """A serializable admin update on the Spark runtime (see :func:`inprocess_run_alone`).
+
+    New submissions are held (they wait in the gateway, not yet in the log) until the update is done; the
+    submissions already under way run to their replies, then the update's requests are appended (request ids
+    ``__charon_admin:<id>:<key>``: the log and the output log make them run once) and run by epochs that hold
+    nothing else, then submissions continue."""
+    from charon.messages import Request
+
+    lock = getattr(rt, "_admin_lock", None)
+    if lock is None:
+        lock = rt._admin_lock = asyncio.Lock()
+    deadline = time.monotonic() + timeout
+
+    async def until(pred: Any, what: str) -> None:
+        while not await asyncio.to_thread(pred):
+            if rt._fatal is not None:
+                raise GateClosed(f"the runtime stopped: {rt._fatal}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"admin update {update_id}: timed out waiting for {what}")
+            await asyncio.sleep(0.02)
+
+    async with lock:
+        hold = rt.__dict__.setdefault("_admin_hold", asyncio.Event())
+        hold.clear()
+        try:
+            # every request accepted before runs first (new ones wait at the hold)
+            await until(lambda: rt.__dict__.get("_submitting", 0) == 0 and rt._caught_up(), "accepted requests")
+            marker = f"{ADMIN_PREFIX}{update_id}"
+            if keys is None:
+                last = rt._last_recorded_epoch()
+                rows = await asyncio.to_thread(read_durable, rt.durable, rt.config.partitions, operator, last, None,
+                                               1 << 62)
+                keys = sorted({split_store_key(k)[1] for k in rows})
+            reqs = [Request(f"{marker}:{k}", operator, k, function, args, time.time()) for k in keys]
+            known = [rt.get_reply(r.request_id) for r in reqs]
+            if any(k is not None for k in known):
+                return _update_outcome(update_id, reqs, known, [], repeated=True)
+            first = rt._last_recorded_epoch() + 1
+            if reqs:
+                await asyncio.to_thread(rt.input_log.append_many, reqs)
+            await until(lambda: rt._caught_up() and all(rt.get_reply(r.request_id) is not None for r in reqs),
+                        "the update to run")
+            replies = [rt.get_reply(r.request_id) for r in reqs]
+            epochs = list(range(first, rt._last_recorded_epoch() + 1))
+            return _update_outcome(update_id, reqs, replies, epochs, repeated=False)
+        finally:
+            hold.set()

@@ -13,7 +13,7 @@
   ``{"operator", "epoch", "entities": {key: value}, "items": {key: {item: value}}, "count", "truncated"}``.
   Every entity of one answer is read at the same epoch.
 - ``POST /admin/update`` ``{"id", "operator", "function", "args": [...], "keys": [...]?}``: a serializable
-  admin update (in-process runtime; 501 ``NotSupported`` on Spark): the deployed ``function`` runs on every
+  admin update (both runtimes): the deployed ``function`` runs on every
   key (default: every entity of the operator), alone at an epoch boundary, once per ``id`` (a repeat answers
   with the first outcome, ``"repeated": true``): ``{"id", "transactions", "committed", "aborted": {key:
   error}, "epochs", "repeated"}``.

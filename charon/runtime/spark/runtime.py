@@ -605,9 +605,17 @@ class SparkRuntime:
 
         if self._fatal is not None:
             raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
+        hold = self.__dict__.get("_admin_hold")
+        if hold is not None:  # an admin update runs alone: new requests wait for it
+            await hold.wait()
         if self._log_client is None:
             self._log_client = LogClient(self.input_log, self.output_log)
-        return await self._log_client.submit(operator, key, function, args, request_id=request_id, timeout=timeout)
+        self._submitting = self.__dict__.get("_submitting", 0) + 1  # admin updates wait for these to finish
+        try:
+            return await self._log_client.submit(operator, key, function, args, request_id=request_id,
+                                                 timeout=timeout)
+        finally:
+            self._submitting -= 1
 
     def get_reply(self, request_id: str) -> Reply | None:
         return self.output_log.get(request_id)
@@ -715,6 +723,13 @@ class SparkRuntime:
     def control_status(self) -> dict[str, Any]:
         """``state`` (running, pausing, paused), the last recorded ``epoch``, the ``backlog``."""
         return control.spark_status(self)
+
+    async def run_alone(
+        self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
+    ) -> dict[str, Any]:
+        """A serializable admin update: ``function`` on every key (default: every entity of ``operator``) in
+        epochs that hold nothing else, once per ``update_id`` (:func:`charon.runtime.control.spark_run_alone`)."""
+        return await control.spark_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
 
     def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
