@@ -18,7 +18,7 @@
   with the first outcome, ``"repeated": true``): ``{"id", "transactions", "committed", "aborted": {key:
   error}, "epochs", "repeated"}``.
 - ``POST /admin/code`` ``{"ref": "module:attribute", "version": "v2", "migration": {"operator", "function",
-  "args"}?}``: a strict code update (in-process runtime) to an application among the ``code_refs`` setting
+  "args"}?}``: a strict code update (both runtimes) to an application among the ``code_refs`` setting
   (403 ``Forbidden`` otherwise; clients only name deployed code): every partition switches at one epoch
   boundary, after every transaction begun on the old code finished; the migration (a function of the new
   code) then runs on every entity of the operator in an epoch of its own before any client transaction.

@@ -399,6 +399,7 @@ class SparkRuntime:
         self.output_log = OutputLog(os.path.join(cfg.data_dir, "output.sqlite"))
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
         self.durable = DurableState(os.path.join(self.ckpt, "state"))
+        control.spark_recorded_code(self)  # a code update recorded here survives a restart
         self._spark = spark
         self._query: Any = None
         self._compactor: threading.Thread | None = None
@@ -431,6 +432,7 @@ class SparkRuntime:
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
+        control.spark_finish_update(self)  # a code update's migration a crash interrupted, before any request
         self.gate.reset()
         with self._lock:
             self._wake.clear()
@@ -730,6 +732,18 @@ class SparkRuntime:
         """A serializable admin update: ``function`` on every key (default: every entity of ``operator``) in
         epochs that hold nothing else, once per ``update_id`` (:func:`charon.runtime.control.spark_run_alone`)."""
         return await control.spark_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
+
+    async def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None
+    ) -> dict[str, Any]:
+        """Strict code update to ``ref`` at one epoch boundary, with an optional ``migration`` (operator,
+        function, args) over every entity (:func:`charon.runtime.control.spark_update_code`)."""
+        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
+        return await control.spark_update_code(self, ref, version, mig)
+
+    def version_at(self, epoch: int) -> str:
+        """The code version epoch ``epoch`` ran with."""
+        return control.spark_version_at(self, epoch)
 
     def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
