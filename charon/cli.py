@@ -397,7 +397,7 @@ def deploy(
     url: str = UrlOpt,
     token: str | None = TokenOpt,
 ) -> None:
-    """A strict code update: every partition switches to MODULE:APP at one epoch boundary (in-process runtime)."""
+    """A strict code update: every partition switches to MODULE:APP at one epoch boundary."""
     migration = None
     if migrate[0] is not None:
         try:

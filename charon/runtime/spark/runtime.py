@@ -475,6 +475,7 @@ class SparkRuntime:
         self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
         self.streams = StreamLog(os.path.join(cfg.data_dir, "streams.sqlite"))  # ctx.emit's atoms
         self.durable = DurableState(os.path.join(self.ckpt, "state"))
+        control.spark_recorded_code(self)  # a code update recorded here survives a restart
         self._spark = spark
         self._query: Any = None
         self._compactor: threading.Thread | None = None
@@ -518,6 +519,7 @@ class SparkRuntime:
         ship_app_module(spark, self.app_ref)
         with self._epoch_cv:
             self._stopping = False
+        control.spark_finish_update(self)  # a code update's migration a crash interrupted, before any request
         self.gate.reset()
         with self._lock:
             self._wake.clear()
@@ -718,9 +720,17 @@ class SparkRuntime:
 
         if self._fatal is not None:
             raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
+        hold = self.__dict__.get("_admin_hold")
+        if hold is not None:  # an admin update runs alone: new requests wait for it
+            await hold.wait()
         if self._log_client is None:
             self._log_client = LogClient(self.input_log, self.output_log)
-        return await self._log_client.submit(operator, key, function, args, request_id=request_id, timeout=timeout)
+        self._submitting = self.__dict__.get("_submitting", 0) + 1  # admin updates wait for these to finish
+        try:
+            return await self._log_client.submit(operator, key, function, args, request_id=request_id,
+                                                 timeout=timeout)
+        finally:
+            self._submitting -= 1
 
     def get_reply(self, request_id: str) -> Reply | None:
         return self.output_log.get(request_id)
@@ -866,6 +876,25 @@ class SparkRuntime:
     def control_status(self) -> dict[str, Any]:
         """``state`` (running, pausing, paused), the last recorded ``epoch``, the ``backlog``."""
         return control.spark_status(self)
+
+    async def run_alone(
+        self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
+    ) -> dict[str, Any]:
+        """A serializable admin update: ``function`` on every key (default: every entity of ``operator``) in
+        epochs that hold nothing else, once per ``update_id`` (:func:`charon.runtime.control.spark_run_alone`)."""
+        return await control.spark_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
+
+    async def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None
+    ) -> dict[str, Any]:
+        """Strict code update to ``ref`` at one epoch boundary, with an optional ``migration`` (operator,
+        function, args) over every entity (:func:`charon.runtime.control.spark_update_code`)."""
+        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
+        return await control.spark_update_code(self, ref, version, mig)
+
+    def version_at(self, epoch: int) -> str:
+        """The code version epoch ``epoch`` ran with."""
+        return control.spark_version_at(self, epoch)
 
     def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
