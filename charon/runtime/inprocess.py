@@ -18,6 +18,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -160,6 +161,10 @@ class InProcessRuntime:
     @property
     def streams(self) -> StreamLog:
         """The output streams ``ctx.emit`` appends to (one atom per epoch and stream; see charon.log.streams)."""
+        with _STREAMS_LOCK:  # created once, also when the gateway's read threads ask first
+            return self._open_streams()
+
+    def _open_streams(self) -> StreamLog:
         if self._streams is None:
             if self.node is not None:
                 path = os.path.join(self.node.data_dir, "streams.sqlite")
@@ -448,6 +453,9 @@ class InProcessRuntime:
                 self._halt(exc)
                 return
             await asyncio.sleep(0)
+
+
+_STREAMS_LOCK = threading.Lock()
 
 
 def _remove_volatile(log: StreamLog, tmp: str) -> None:
