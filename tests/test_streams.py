@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from charon import Application, Context, InProcessRuntime, Operator, Request, serde
+from charon.core.context import MAX_EMITS
 from charon.errors import InvalidKey
 from charon.log.streams import StreamLog
 from charon.testing import check_epoch
@@ -208,6 +209,22 @@ def test_invalid_stream_name_aborts_the_transaction() -> None:
     assert not reps["r1"].ok and reps["r1"].error_type == "InvalidKey"
     assert reps["r2"].ok and [s for _, s, _ in res.events] == ["ok-name.1"]
     assert rt.read_state("o", "k") is None
+
+
+def test_events_per_invocation_are_bounded() -> None:
+    op = Operator("o")
+
+    @op.function
+    async def many(ctx: Context, n: int) -> None:
+        for i in range(n):
+            ctx.emit("s", i)
+
+    rt = InProcessRuntime(Application("o", [op]), partitions=1)
+    res = rt.run_epoch([Request("r1", "o", "k", "many", serde.encode([MAX_EMITS]), 0.0),
+                        Request("r2", "o", "k2", "many", serde.encode([MAX_EMITS + 1]), 0.0)])
+    reps = {r.request_id: r for r in res.replies.values()}
+    assert reps["r1"].ok and len(res.events) == MAX_EMITS
+    assert not reps["r2"].ok and reps["r2"].error_type == "CallGraphLimitExceeded"
 
 
 async def test_subscribe_sees_atoms_as_they_commit() -> None:
