@@ -7,6 +7,7 @@ are ``charon.core`` (the deterministic core), ``charon.state``, ``charon.log``, 
 """
 
 from charon.core.context import Context
+from charon.core.timers import Timer
 from charon.errors import (
     BadArguments,
     CallGraphLimitExceeded,
@@ -46,6 +47,7 @@ __all__ = [
     "Reply",
     "Request",
     "SerializationError",
+    "Timer",
     "TransactionAborted",
     "UnknownFunction",
     "UnknownOperator",

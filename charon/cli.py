@@ -309,6 +309,156 @@ def state(
     _print_json(value)
 
 
+def _admin(url: str, token: str | None, call: Any) -> Any:
+    import httpx
+
+    with _client(url, token) as client:
+        try:
+            return call(client)
+        except CharonError as exc:
+            raise _fail(f"{type(exc).__name__}: {exc}") from None
+        except httpx.HTTPError as exc:
+            raise _fail(f"cannot reach the gateway at {url}: {exc}") from None
+
+
+@app.command()
+def status(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
+    """Print the runtime's control status (running/pausing/paused, last committed epoch, backlog) as JSON."""
+    _print_json(_admin(url, token, lambda c: c.status()))
+
+
+@app.command()
+def pause(
+    after_epoch: int | None = typer.Option(None, "--after-epoch", min=-1, help="Pause once this epoch is done."),
+    wait: bool = typer.Option(True, help="Wait until no epoch runs any more."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """Start no new epoch (requests keep being accepted and wait); prints the status."""
+
+    def go(c: Any) -> Any:
+        st = c.pause(after_epoch)
+        deadline = time.monotonic() + 60
+        while wait and after_epoch is None and st["state"] != "paused" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            st = c.status()
+        return st
+
+    _print_json(_admin(url, token, go))
+
+
+@app.command()
+def resume(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
+    """Let epochs start again (waiting requests run in arrival order); prints the status."""
+    _print_json(_admin(url, token, lambda c: c.resume()))
+
+
+@app.command("read")
+def read_state(
+    operator: str = typer.Argument(..., help="Operator name."),
+    keys: list[str] = typer.Argument(None, help="Entity keys (default: every entity, up to --limit)."),
+    epoch: int | None = typer.Option(None, help="An earlier epoch still retained (default: the latest)."),
+    limit: int | None = typer.Option(None, min=1, help="Most entities to return."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """Print OPERATOR's entities as of one committed epoch (one consistent cut) as JSON, with that epoch."""
+    _print_json(_admin(url, token, lambda c: c.read_state(operator, keys or None, epoch=epoch, limit=limit)))
+
+
+@app.command()
+def update(
+    update_id: str = typer.Argument(..., metavar="ID", help="Update id: an id runs once."),
+    operator: str = typer.Argument(..., help="Operator name."),
+    function: str = typer.Argument(..., help="A function of the deployed application."),
+    args_json: str = typer.Argument("[]", metavar="ARGS_JSON", help="JSON list of positional arguments."),
+    keys: list[str] = typer.Option(None, "--key", help="Entity keys (default: every entity of OPERATOR)."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """A serializable admin update: FUNCTION on every entity, alone at an epoch boundary, once per ID."""
+    try:
+        args = json.loads(args_json)
+    except json.JSONDecodeError as exc:
+        raise _fail(f"ARGS_JSON is not valid JSON: {exc}") from None
+    if not isinstance(args, list):
+        raise _fail("ARGS_JSON must be a JSON list")
+    _print_json(_admin(url, token, lambda c: c.admin_update(update_id, operator, function, *args, keys=keys or None)))
+
+
+@app.command()
+def deploy(
+    ref: str = typer.Argument(..., metavar="MODULE:APP", help="The new code (allowed by the gateway's code_refs)."),
+    version: str = typer.Argument(..., help="Its version label."),
+    migrate: tuple[str, str, str] = typer.Option(
+        (None, None, None), "--migrate", metavar="OPERATOR FUNCTION ARGS_JSON",
+        help="A function of the new code run on every entity of OPERATOR at the boundary."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """A strict code update: every partition switches to MODULE:APP at one epoch boundary (in-process runtime)."""
+    migration = None
+    if migrate[0] is not None:
+        try:
+            args = json.loads(migrate[2])
+        except json.JSONDecodeError as exc:
+            raise _fail(f"ARGS_JSON is not valid JSON: {exc}") from None
+        if not isinstance(args, list):
+            raise _fail("ARGS_JSON must be a JSON list")
+        migration = (migrate[0], migrate[1], args)
+    _print_json(_admin(url, token, lambda c: c.update_code(ref, version, migration)))
+
+
+@app.command()
+def metrics(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
+    """Print the Prometheus metrics (/metrics)."""
+    typer.echo(_admin(url, token, lambda c: c.metrics()), nl=False)
+
+
+@app.command()
+def sql(
+    query: str = typer.Argument(..., help='e.g. "SELECT sum(value) FROM account"'),
+    data_dir: str = typer.Option("charon-data", "--data-dir", envvar="CHARON_DATA_DIR",
+                                 help="The deployment's data directory (either runtime; it may be running)."),
+    epoch: int | None = typer.Option(None, help="An earlier retained epoch (default: the newest)."),
+    limit: int = typer.Option(1000, min=1, help="Most rows to print."),
+    master: str = typer.Option("local[2]", envvar="CHARON_MASTER", help="Spark master of the reading session."),
+) -> None:
+    """Run Spark SQL over the durable state at one consistent epoch: one view per operator with the columns
+    key, item, value, value_json, epoch (see charon.runtime.spark.statesql)."""
+    try:
+        from charon.runtime.spark.statesql import layout_of, register_views
+    except ImportError as exc:
+        raise _fail(f"SQL over state needs PySpark: {exc}") from None
+    try:
+        layout = layout_of(data_dir)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise _fail(str(exc)) from None
+    import tempfile
+
+    from charon.config import SparkConfig
+    from charon.runtime.spark.runtime import make_session
+
+    scratch = tempfile.mkdtemp(prefix="charon-sql-")  # the reading session's own log, never the deployment's
+    spark = make_session(SparkConfig(master=master, data_dir=scratch, app_name="charon-sql"))
+    try:
+        try:
+            register_views(spark, layout, epoch)
+            df = spark.sql(query)
+            rows = df.limit(limit).collect()
+        except CharonError as exc:
+            raise _fail(f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - Spark's analysis/parse errors, shown to the user
+            raise _fail(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+        table = Table(*df.columns, title=f"epoch {layout.epoch if epoch is None else epoch}")
+        for r in rows:
+            table.add_row(*[json.dumps(v, default=str) if not isinstance(v, str) else v for v in r])
+        console.print(table)
+    finally:
+        spark.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
     """Run the benchmark suite (``charon.bench``); extra arguments are passed to it."""

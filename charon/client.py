@@ -263,6 +263,11 @@ class _Base:
         return f"/state/{_segment(operator)}/{_segment(key)}"
 
     @staticmethod
+    def _timers_path(operator: str, key: str) -> str:
+        check_key(key)
+        return f"/timers/{_segment(operator)}/{_segment(key)}"
+
+    @staticmethod
     def _payload(args: Sequence[Any]) -> bytes:
         try:
             return _enc.encode({"args": list(args)})
@@ -286,6 +291,22 @@ class _Base:
 
     def _invoke_headers(self, request_id: str) -> dict[str, str]:
         return {**self.headers, "Content-Type": MSGPACK, "Idempotency-Key": request_id}
+
+    @staticmethod
+    def _scan_params(keys: Sequence[str] | None, epoch: int | None, limit: int | None) -> list[tuple[str, Any]]:
+        params: list[tuple[str, Any]] = [("key", check_key(k)) for k in keys or ()]
+        if epoch is not None:
+            params.append(("epoch", int(epoch)))
+        if limit is not None:
+            params.append(("limit", int(limit)))
+        return params
+
+    @staticmethod
+    def _admin_doc(resp: httpx.Response) -> dict[str, Any]:
+        body = _decode_body(resp)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, body, None)
+        return body
 
 
 class Client(_Base):
@@ -392,6 +413,15 @@ class Client(_Base):
             _raise_error(resp.status_code, body, None)
         return body["value"]
 
+    def timers(self, operator: str, key: str) -> list[dict[str, Any]]:
+        """The pending timers an entity registered: ``{"id", "due", "operator", "key", "function", "args"}``
+        each (an admin read: needs the token)."""
+        resp = self._send("GET", self._timers_path(operator, key), headers=self.headers)
+        body = _decode_body(resp)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, body, None)
+        return body["timers"]
+
     def health(self) -> dict[str, Any]:
         """The gateway's ``/health`` document."""
         resp = self._send("GET", "/health", headers=self.headers)
@@ -426,6 +456,57 @@ class Client(_Base):
             page = self.read_stream(stream, offset, limit=limit, wait=wait)
             yield from page.events
             offset = page.next_offset
+
+    # -- admin (token) -----------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """The runtime's control status: ``state`` (running, pausing, paused), ``epoch``, ``backlog``..."""
+        return self._admin_doc(self._send("GET", "/admin/status", headers=self.headers))
+
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no new epoch (now, or after epoch ``after_epoch``); requests keep being accepted."""
+        body = {} if after_epoch is None else {"after_epoch": int(after_epoch)}
+        return self._admin_doc(self._send("POST", "/admin/pause", json=body, headers=self.headers))
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again."""
+        return self._admin_doc(self._send("POST", "/admin/resume", headers=self.headers))
+
+    def read_state(
+        self, operator: str, keys: Sequence[str] | None = None, *, epoch: int | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """Entities of ``operator`` (``keys``, or all up to ``limit``) as of one committed epoch (default: the
+        latest): ``{"epoch", "entities": {key: value}, "items": {key: {item: value}}, "count", "truncated"}``."""
+        return self._admin_doc(self._send("GET", f"/admin/state/{_segment(operator)}",
+                                          params=self._scan_params(keys, epoch, limit), headers=self.headers))
+
+    def admin_update(
+        self, update_id: str, operator: str, function: str, *args: Any, keys: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Run the deployed ``function`` on every key (default: every entity of ``operator``) alone at an epoch
+        boundary, once per ``update_id`` (in-process runtime); returns the outcome."""
+        body: dict[str, Any] = {"id": update_id, "operator": operator, "function": function, "args": list(args)}
+        if keys is not None:
+            body["keys"] = list(keys)
+        return self._admin_doc(self._send("POST", "/admin/update", content=msgspec.msgpack.encode(body),
+                                          headers={**self.headers, "Content-Type": MSGPACK}))
+
+    def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, Sequence[Any]] | None = None
+    ) -> dict[str, Any]:
+        """Strict code update to the deployed ``ref`` (``module:attribute``, allowed by the gateway's
+        ``code_refs``) at one epoch boundary; ``migration`` = (operator, function, args) of the new code."""
+        body: dict[str, Any] = {"ref": ref, "version": version}
+        if migration is not None:
+            body["migration"] = {"operator": migration[0], "function": migration[1], "args": list(migration[2])}
+        return self._admin_doc(self._send("POST", "/admin/code", content=msgspec.msgpack.encode(body),
+                                          headers={**self.headers, "Content-Type": MSGPACK}))
+
+    def metrics(self) -> str:
+        """The Prometheus exposition of ``/metrics``."""
+        resp = self._send("GET", "/metrics", headers=self.headers)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, _decode_body(resp), None)
+        return resp.text
 
     def invoke_many(
         self, calls: Iterable[Call | Sequence[Any]], *, concurrency: int = 16, return_exceptions: bool = False
@@ -574,6 +655,14 @@ class AsyncClient(_Base):
             _raise_error(resp.status_code, body, None)
         return body["value"]
 
+    async def timers(self, operator: str, key: str) -> list[dict[str, Any]]:
+        """The pending timers an entity registered (see :meth:`CharonClient.timers`)."""
+        resp = await self._send("GET", self._timers_path(operator, key), headers=self.headers)
+        body = _decode_body(resp)
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, body, None)
+        return body["timers"]
+
     async def health(self) -> dict[str, Any]:
         """The gateway's ``/health`` document."""
         return _decode_body(await self._send("GET", "/health", headers=self.headers))
@@ -605,6 +694,27 @@ class AsyncClient(_Base):
             for ev in page.events:
                 yield ev
             offset = page.next_offset
+
+    # -- admin (token): see :class:`Client` ----------------------------------------------------------------
+    async def status(self) -> dict[str, Any]:
+        """The runtime's control status."""
+        return self._admin_doc(await self._send("GET", "/admin/status", headers=self.headers))
+
+    async def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no new epoch (now, or after epoch ``after_epoch``)."""
+        body = {} if after_epoch is None else {"after_epoch": int(after_epoch)}
+        return self._admin_doc(await self._send("POST", "/admin/pause", json=body, headers=self.headers))
+
+    async def resume(self) -> dict[str, Any]:
+        """Let epochs start again."""
+        return self._admin_doc(await self._send("POST", "/admin/resume", headers=self.headers))
+
+    async def read_state(
+        self, operator: str, keys: Sequence[str] | None = None, *, epoch: int | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """Entities of ``operator`` as of one committed epoch (see :meth:`Client.read_state`)."""
+        return self._admin_doc(await self._send("GET", f"/admin/state/{_segment(operator)}",
+                                                params=self._scan_params(keys, epoch, limit), headers=self.headers))
 
     async def aclose(self) -> None:
         for http in self._shards:

@@ -40,6 +40,8 @@ class SparkConfig:
     driver_memory: str = "512m"  # the driver JVM's heap (in local mode also the executors'): bounds its RSS
     fixed_heap: bool = True  # -Xms = -Xmx, pre-touched: the JVM's RSS does not step up during a long run
     checkpoint_batches: int = 100  # micro-batches Spark's query checkpoint retains (minBatchesToRetain)
+    max_timers_per_epoch: int = 10_000  # timers one partition fires per epoch (keep it fixed for a checkpoint)
+    timer_poll_ms: int = 50  # an idle driver checks this often whether a timer is due (then appends a tick)
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 
@@ -113,6 +115,9 @@ class GatewayConfig:
     stream_max_events: int = 1000  # events per GET /streams page (whole atoms; a larger first atom is whole)
     stream_max_waiters: int = 256  # concurrent long polls and server-sent-event connections (503 above)
     stream_sse_seconds: float = 300.0  # a server-sent-event connection ends after this; resume by offset
+    max_scan: int = 10_000  # most entities one admin state read returns (/admin/state)
+    code_refs: str | None = None  # comma-separated "module:attribute" refs /admin/code may deploy (None: none)
+    metrics_samples: int = 10_000  # recent replies the dashboard's throughput and percentiles are computed from
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:

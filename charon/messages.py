@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 
-class Request(msgspec.Struct, frozen=True):
+class Request(msgspec.Struct, frozen=True, gc=False):
     """One client invocation; the engine runs it as one transaction over its whole call graph."""
 
     request_id: str
@@ -16,7 +16,7 @@ class Request(msgspec.Struct, frozen=True):
     ts: float = 0.0  # append time, assigned by the log; ``ctx.now()`` returns it
 
 
-class Reply(msgspec.Struct, frozen=True):
+class Reply(msgspec.Struct, frozen=True, gc=False):
     """The outcome of one request, delivered exactly once per ``request_id``.
 
     ``position`` is the transaction's place in its epoch's serial order: ordering replies by

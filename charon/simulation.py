@@ -253,8 +253,8 @@ class Simulation:
         sim = self
 
         class Recording(sr.EpochCoordinator):
-            def run_epoch(self, epoch: int, requests: list) -> Any:
-                res = super().run_epoch(epoch, requests)
+            def run_epoch(self, epoch: int, requests: list, now: float | None = None) -> Any:
+                res = super().run_epoch(epoch, requests, now)
                 sim.results[epoch] = res
                 return res
 

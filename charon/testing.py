@@ -20,10 +20,11 @@ from collections.abc import Generator
 from typing import Any
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.context import MAX_DEPTH, MAX_EMITS, _item, child_inv, raised_in
 from charon.core.epoch import EpochResult
 from charon.core.partition import MAX_INVOCATIONS, too_many_invocations
-from charon.core.routing import check_stream, entity_prefix, store_key
+from charon.core.routing import check_item, check_stream, entity_prefix, partition_of, store_key
 from charon.errors import CallGraphLimitExceeded, CharonError, IllegalAwait
 from charon.messages import Request
 from charon.operator import Application, Function, Operator
@@ -63,6 +64,7 @@ class SerialContext:
         self._txn, self.operator, self.key, self._inv, self._depth = txn, op, key, inv, depth
         self.tid = txn.tid
         self._nchild = 0
+        self._ntimer = 0
         self._rng: _random.Random | None = None
         self._received: BaseException | None = None  # the first exception a callee raised into this function
         self._fn = ""
@@ -137,6 +139,40 @@ class SerialContext:
         self._nemit += 1
         inv = tuple(int(x) for x in self._inv.split("."))
         self._txn.events.append((inv, self._nemit, stream, serde.encode(value)))
+
+    # timers: the same items (ids, records) as the engine's; firing is modelled by check_epoch
+    def send_at(self, t: float, operator: Operator | str, key: str, function: Function | str, *args: Any) -> str:
+        due = _timers.check_due(t)
+        fn = self._txn.app.validate(operator, function, args, key=key)
+        if self._depth >= MAX_DEPTH:
+            raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
+        self._ntimer += 1
+        tid = _timers.make_id(self.tid, self._inv, self._ntimer)
+        timer = _timers.Timer(tid, due, self.operator, self.key, fn.operator.name, key, fn.name,
+                              serde.encode(list(args)))
+        self._txn.writes[_timers.item_key(self.operator, self.key, tid)] = _timers.encode(timer)
+        return tid
+
+    def send_after(self, seconds: float, operator: Operator | str, key: str, function: Function | str,
+                   *args: Any) -> str:
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+            raise ValueError(f"send_after needs a number of seconds >= 0, got {seconds!r}")
+        return self.send_at(self.now() + seconds, operator, key, function, *args)
+
+    def cancel_timer(self, timer_id: str) -> bool:
+        if type(timer_id) is not str or not timer_id:
+            raise ValueError("a timer id is a non-empty string")
+        k = store_key(self.operator, self.key, _timers.ITEM_PREFIX + check_item(timer_id))
+        if self._txn.read(k) is None:
+            return False
+        self._txn.writes[k] = None
+        return True
+
+    def timers(self) -> list[_timers.Timer]:
+        p = _timers.owner_prefix(self.operator, self.key)
+        merged = {k: v for k, v in self._txn.state.items() if k.startswith(p)}
+        merged.update({k: v for k, v in self._txn.writes.items() if k.startswith(p)})
+        return [_timers.decode(merged[k]) for k in sorted(merged) if merged[k] is not None]
 
     def random(self) -> float:
         if self._rng is None:
@@ -244,11 +280,26 @@ def serial_execute(
 
 def check_epoch(
     app: Application, before: dict[bytes, bytes], after: dict[bytes, bytes], result: EpochResult, *,
-    max_invocations: int = MAX_INVOCATIONS,
+    max_invocations: int = MAX_INVOCATIONS, partitions: int | None = None,
+    timer_limit: int = _timers.MAX_TIMERS_PER_EPOCH,
 ) -> None:
-    """Assert the epoch equals a serial execution of its transactions in the reported order."""
+    """Assert the epoch equals a serial execution of its transactions in the reported order.
+
+    Timers: the ones the epoch fired leave the state before its transactions, and the index equals the one
+    the timer items imply. With ``partitions`` (the engine's), the fired timers must be exactly those due
+    at the epoch's time (at most ``timer_limit`` per partition), each firing as a transaction of its own."""
     state = dict(before)
     events: list[tuple[str, bytes]] = []
+    if partitions is not None:
+        want = _timers.due_in_state(before, result.time, timer_limit, lambda o, k: partition_of(o, k, partitions))
+        assert [t.id for t in result.timers] == [t.id for t in want], (
+            f"epoch {result.epoch} at time {result.time}: fired {[t.id for t in result.timers]}, "
+            f"due {[t.id for t in want]}")
+    fired_reqs = {_timers.REQUEST_PREFIX + t.id for t in result.timers}
+    assert fired_reqs <= {r.request_id for r in result.requests.values()}, "every fired timer runs"
+    for t in result.timers:
+        assert state.pop(_timers.item_key(t.owner_operator, t.owner_key, t.id), None) is not None, (
+            f"timer {t.id} fired but was not pending")
     for tid in result.order:
         ok, out = serial_execute(app, state, tid, result.requests[tid], max_invocations=max_invocations,
                                  events=events)
@@ -262,5 +313,5 @@ def check_epoch(
             # strictly, with the error's type.
             assert rep.error_type == out[0], f"tid {tid}: {rep} vs oracle {out}"
     assert set(result.order) | set(result.deferred) == set(result.requests), "every transaction is accounted for"
-    assert dict(sorted(state.items())) == after, "state after the epoch differs from the serial execution"
+    assert _timers.reindex(state) == after, "state after the epoch differs from the serial execution"
     assert [(s, v) for _, s, v in result.events] == events, "the epoch's atom differs from the serial execution's"

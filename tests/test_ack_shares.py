@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from charon import Application, Context, InProcessRuntime, Operator, Request, serde
+from charon.core import shares
 
 tree = Operator("tree")
 
@@ -91,3 +95,31 @@ def test_gathered_calls_complete_in_depth_rounds_not_size_rounds():
     assert serde.decode(r.replies[1].value) == sum(3**i for i in range(6))
     # each level costs a call round and a reply round: far fewer than one round trip per call
     assert r.stats["dry_rounds"] <= 2 * 5 + 2
+
+
+# -- the share arithmetic itself (charon.core.shares): exact for any fan-out, never a zero part ----------
+def _frac(s: shares.Share) -> Fraction:
+    return Fraction(s[0], 1 << s[1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=70), min_size=1, max_size=30), st.randoms())
+def test_split_and_add_are_exact_and_complete_only_at_one(fanouts, rnd):
+    """Random split trees: parts are non-zero, parts + rest equal the share, the sum is one only at the end."""
+    live = [shares.ONE]
+    done: list[shares.Share] = []
+    for k in fanouts:  # one invocation splits its share among k callees and keeps the rest (as in _suspend)
+        s = live.pop(rnd.randrange(len(live)))
+        part, rest = shares.split(s, k)
+        assert part[0] > 0 and _frac(part) * k + _frac(rest) == _frac(s)
+        assert (rest == shares.ZERO) == (k & (k - 1) == 0)
+        live += [part] * k
+        if rest[0]:
+            done.append(rest)
+    total = shares.ZERO
+    order = live + done
+    rnd.shuffle(order)
+    for i, s in enumerate(order):
+        total = shares.add(total, s)
+        assert shares.is_one(total) == (i == len(order) - 1)  # never early: every part is > 0
+    assert _frac(total) == 1

@@ -147,6 +147,7 @@ PUBLIC = [
     "Reply",
     "Request",
     "SerializationError",
+    "Timer",
     "TransactionAborted",
     "UnknownFunction",
     "UnknownOperator",

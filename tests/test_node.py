@@ -241,8 +241,9 @@ def test_directory_lock_and_layout(tmp_path: Path) -> None:
     with pytest.raises(NodeError, match="in use"):
         NodeStorage(str(tmp_path), 4)
     rt.close()
-    with pytest.raises(NodeError, match="created with 4 partitions"):
-        NodeStorage(str(tmp_path), 2)
+    other = NodeStorage(str(tmp_path), 2)  # another count opens with the directory's; the runtime rescales it
+    assert other.partitions == 4
+    other.close()
 
 
 def test_compaction_truncates_log_and_bounds_stats(tmp_path: Path) -> None:

@@ -196,7 +196,8 @@ def write_report(out_dir: str | Path, md_path: str | Path, command: str = "", no
         "Open-loop load at a fixed input rate; latency from a request's due time to its reply (so client lag "
         "counts); warm-up discarded. `charon-inprocess` runs the engine and the load generator in one Python "
         "process (one event loop); `postgres` is PostgreSQL from Debian's packages on 127.0.0.1 with "
-        "SERIALIZABLE transactions retried on serialization failure, driven by the same harness. Both share the "
+        "SERIALIZABLE transactions retried on serialization failure (`postgres-rc`: READ COMMITTED with "
+        "`SELECT ... FOR UPDATE` in a fixed lock order), driven by the same harness. Both share the "
         "same 2 cores, so compare them as ratios within this run, not as absolute figures.",
         "",
     ]

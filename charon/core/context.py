@@ -28,6 +28,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.routing import check_item, check_stream
 from charon.errors import CallGraphLimitExceeded, NonDeterministicFunction
 from charon.operator import Function, Operator
@@ -56,7 +57,9 @@ class Journal:
         self.reads: list[Any] = []
         self.nsusp = 0
         self.pending: dict[str, int] | None = None
-        self.at_end()
+        self._awaits = 0  # at_end() of an empty journal, inlined (a frame is created per invocation)
+        self._nread = 0
+        self.live = True
 
     def __reduce__(self):
         return (_new_journal, (self.replies, self.reads, self.nsusp, self.pending))
@@ -163,17 +166,20 @@ class Context:
 
     __slots__ = (
         "_unit", "_frame", "_journal", "_nchild", "_pending", "_sends", "_calls", "_fast", "_rng", "_dropped",
-        "_nemit", "key", "operator", "tid",
+        "_nemit", "_ntimer", "key", "operator", "tid",
     )
 
     def __init__(self, unit: PartitionUnit, frame: Frame, fast: bool = False) -> None:
         self._unit = unit
         self._frame = frame
-        self._journal: Journal = frame.journal
-        self._journal.rewind()
+        j = self._journal = frame.journal
+        j._awaits = 0  # j.rewind(), inlined (a context is created per run of an invocation)
+        j._nread = 0
+        j.live = j.nsusp == 0
         self._fast = fast  # the call-graph-cached fallback: replies preset, nothing journaled
         self._nchild = 0
         self._nemit = 0  # events emitted by this run so far (replayed ones included): their order
+        self._ntimer = 0
         self._pending: list[_Call] | None = None  # the calls the last suspending await sent
         self._sends: list[tuple] = []
         self._calls: list[tuple] = []
@@ -207,12 +213,15 @@ class Context:
 
     # -- state of this entity ---------------------------------------------------------------------
     def _read(self, item: str) -> bytes | None:
-        if not self._live():
-            return self._journal.replayed_read()
+        if self._dropped:
+            raise GeneratorExit
+        j = self._journal
+        if not j.live:
+            return j.replayed_read()
         f = self._frame
         raw = self._unit.read(f.tid, f.op, f.key, item)
         if not self._fast:
-            self._journal.reads.append(raw)
+            j.reads.append(raw)
         return raw
 
     def get(self, default: Any = None) -> Any:
@@ -222,8 +231,11 @@ class Context:
 
     def put(self, value: Any) -> None:
         """Set the entity's value (buffered in the transaction until it commits)."""
-        if self._live():
-            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, "", serde.encode(value))
+        if self._dropped:
+            raise GeneratorExit
+        if self._journal.live:
+            f = self._frame
+            self._unit.write(f.tid, f.op, f.key, "", serde.encode(value))
 
     def delete(self) -> None:
         """Remove the entity's value."""
@@ -249,7 +261,9 @@ class Context:
         """Items whose name starts with ``prefix`` and lies in [start, stop), sorted by name."""
         if self._live():
             f = self._frame
-            raw_items = self._unit.scan(f.tid, f.op, f.key, _item(prefix))
+            raw_items = self._unit.scan(f.tid, f.op, f.key, _item(prefix),
+                                        None if start is None else "\x01" + start,  # bounds, not names:
+                                        None if stop is None else "\x01" + stop)  # no length limit
             if not self._fast:
                 self._journal.reads.append(raw_items)
         else:
@@ -363,6 +377,57 @@ class Context:
             c.value = serde.decode(replies[c.child])
             c.done = True
         self._pending = None
+
+    # -- timers (charon.core.timers) ---------------------------------------------------------------
+    def send_at(self, t: float, operator: Operator | str, key: str, function: Function | str, *args: Any) -> str:
+        """Call ``operator/key.function(*args)`` as its own transaction in the first epoch whose time passes
+        ``t`` (seconds since the Unix epoch, like :meth:`now`); returns the timer's id.
+
+        The timer belongs to this entity (listed by :meth:`timers`, cancelled by :meth:`cancel_timer`) and
+        is registered only if this transaction commits. It fires exactly once, also across crashes.
+        """
+        due = _timers.check_due(t)
+        live = self._live()
+        target = self._target(operator, key, function, args) if live else _replayed_target(
+            operator, key, function, args
+        )
+        self._ntimer += 1
+        f = self._frame
+        tid = _timers.make_id(f.tid, f.inv, self._ntimer)
+        if live:
+            timer = _timers.Timer(tid, due, f.op, f.key, *target)
+            self._unit.write(f.tid, f.op, f.key, _timers.ITEM_PREFIX + tid, _timers.encode(timer))
+        return tid
+
+    def send_after(self, seconds: float, operator: Operator | str, key: str, function: Function | str,
+                   *args: Any) -> str:
+        """:meth:`send_at` ``ctx.now() + seconds``; returns the timer's id."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+            raise ValueError(f"send_after needs a number of seconds >= 0, got {seconds!r}")
+        return self.send_at(self.now() + seconds, operator, key, function, *args)
+
+    def cancel_timer(self, timer_id: str) -> bool:
+        """Cancel a pending timer of this entity; False if there is none with that id (fired, cancelled,
+        never registered, or another entity's)."""
+        if type(timer_id) is not str or not timer_id:
+            raise ValueError("a timer id is a non-empty string")
+        item = _timers.ITEM_PREFIX + check_item(timer_id)
+        if self._read(item) is None:
+            return False
+        if self._live():
+            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, item, None)
+        return True
+
+    def timers(self) -> list[_timers.Timer]:
+        """This entity's pending timers, by id (a timer due in this epoch has already fired)."""
+        if self._live():
+            f = self._frame
+            raw_items = self._unit.scan(f.tid, f.op, f.key, _timers.ITEM_PREFIX)
+            if not self._fast:
+                self._journal.reads.append(raw_items)
+        else:
+            raw_items = self._journal.replayed_read()
+        return [_timers.decode(raw) for _, raw in raw_items]
 
     # -- determinism ------------------------------------------------------------------------------
     def random(self) -> float:

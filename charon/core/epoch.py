@@ -4,7 +4,8 @@
    the previous epoch keep their (lower) TIDs, hence their priority.
 2. Dry run: rounds of the runtime's :class:`Exchange` until no message is in flight; every transaction
    runs against the previous epoch's state plus its own writes; each partition reports the entities each
-   transaction read or wrote. A call graph is complete when its ack shares (exact ``Fraction``) sum to 1.
+   transaction read or wrote. A call graph is complete when its ack shares (exact dyadic integers,
+   :mod:`charon.core.shares`) sum to 1.
 3. Lock-free commit (Aria): a transaction commits unless a lower TID wrote an entity it read or wrote.
    A transaction that raised is aborted for good (its error is the reply) unless it read an entity a
    lower TID wrote, in which case it is rerun like a conflict. Replies go out at once (early replies).
@@ -25,22 +26,23 @@ history; ``EpochResult.order`` is the epoch's TIDs sorted by position.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Protocol
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, RoundOutput, too_many_invocations
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import partition_of
 from charon.core.sequencer import Sequencer
+from charon.core.shares import ONE, ZERO, Share, add, is_one
 from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Reply, Request
 from charon.operator import Application
 
-_ONE = Fraction(1)
 MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set within an epoch
 Entity = tuple[str, str]
 Event = tuple[int, str, bytes]  # (tid, stream, encoded value)
@@ -69,6 +71,8 @@ class EpochResult:
     stats: dict[str, float] = field(default_factory=dict)
     # the epoch's atom: committed transactions' events (tid, stream, value) in serial order (Context.emit)
     events: list[Event] = field(default_factory=list)
+    time: float = 0.0  # the epoch's deterministic time (Sequencer.advance)
+    timers: list[_timers.Timer] = field(default_factory=list)  # fired at the epoch's start, in TID order
 
 
 def position(tid: int, last_tid: int, fallback: bool) -> int:
@@ -91,24 +95,26 @@ def atom_order(events: list[tuple[int, str, int, str, bytes]], replies: dict[int
 
 
 class _Track:
-    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "events")
+    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "events", "timers", "next_due")
 
     def __init__(self) -> None:
         self.done: dict[int, bytes] = {}
-        self.shares: dict[int, Fraction] = {}
+        self.shares: dict[int, Share] = {}
         self.failed: dict[int, tuple[str, str]] = {}
         self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: set[int] = set()
         self.invocations: dict[int, int] = {}  # summed over partitions and rounds
         self.events: list[tuple[int, str, int, str, bytes]] = []  # finalize: committed events, any order
+        self.timers: list[bytes] = []
+        self.next_due = math.inf
 
     def complete(self, tid: int) -> bool:
-        return tid in self.done and self.shares.get(tid) == _ONE
+        return tid in self.done and is_one(self.shares.get(tid))
 
 
 def _root(tid: int, req: Request) -> Invoke:
     """The root invocation of a transaction: the whole ack share, no caller."""
-    return Invoke(tid, "0", req.operator, req.key, req.function, req.args, _ONE, ROOT, None, req.ts, 0)
+    return Invoke(tid, "0", req.operator, req.key, req.function, req.args, ONE, ROOT, None, req.ts, 0)
 
 
 def _within(touched: dict[Entity, bool], known: dict[Entity, bool]) -> bool:
@@ -173,6 +179,9 @@ class EpochCoordinator:
         self.max_rounds = 2 * max_invocations + 2
         self.on_replies = on_replies
         self.deferred: list[tuple[int, Request]] = []
+        # the earliest due timer after the last epoch (-inf: unknown, e.g. after a restart; inf: none)
+        self.next_due = -math.inf
+        self.timer_limit = _timers.MAX_TIMERS_PER_EPOCH  # timers one partition fires per epoch (at most)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _round(self, control: Control, msgs: list, track: _Track, stats: dict) -> list:
@@ -193,9 +202,9 @@ class EpochCoordinator:
         for o in outs:
             for tid, value, share in o.done:
                 track.done[tid] = value
-                shares[tid] = shares.get(tid, 0) + share
+                shares[tid] = add(shares.get(tid, ZERO), share)
             for tid, share in o.acks:
-                shares[tid] = shares.get(tid, 0) + share
+                shares[tid] = add(shares.get(tid, ZERO), share)
             for tid, etype, msg in o.failed:
                 failed.setdefault(tid, (etype, msg))
             for tid, n in o.invocations.items():
@@ -213,6 +222,10 @@ class EpochCoordinator:
             nxt.extend(o.messages)
             if o.events:
                 track.events.extend(o.events)
+            if o.timers:
+                track.timers.extend(o.timers)
+            if o.next_due is not None and o.next_due < track.next_due:
+                track.next_due = o.next_due
             for k, v in o.stats.items():
                 stats[k] = stats.get(k, 0) + v
         return nxt
@@ -222,16 +235,28 @@ class EpochCoordinator:
             self.on_replies(replies)
 
     # -- one epoch --------------------------------------------------------------------------------
-    def run_epoch(self, epoch: int, requests: list[tuple[int, Request]]) -> EpochResult:
-        """Run one epoch of ``requests`` given as (input-log partition, request) in log order."""
+    def run_epoch(self, epoch: int, requests: list[tuple[int, Request]], now: float | None = None) -> EpochResult:
+        """Run one epoch of ``requests`` given as (input-log partition, request) in log order.
+
+        ``now``: the time the runtime logged for this epoch (None: the previous epoch's); the timers due by
+        then fire first, as their own transactions (:mod:`charon.core.timers`)."""
         t_start = time.perf_counter()
         stats: dict[str, float] = {}
         txns: dict[int, Request] = dict(self.deferred)
         self.deferred = []
+        t_epoch = self.sequencer.advance(now)
+        fired: list[_timers.Timer] = []
+        if self.next_due <= t_epoch:  # a collect round: the due timers leave the state before the epoch
+            ct = _Track()
+            self._round(Control(epoch, Control.DRY, timers=(t_epoch, self.timer_limit)), [], ct, stats)
+            fired = sorted((_timers.decode(b) for b in ct.timers), key=lambda t: (t.due, t.id))
+            for t in fired:
+                txns[self.sequencer.assign(0)] = t.request(t_epoch)
+            stats["timers"] = len(fired)
         for sid, req in requests:
             txns[self.sequencer.assign(sid)] = req
         self.sequencer.end_epoch()
-        result = EpochResult(epoch, {}, txns, [])
+        result = EpochResult(epoch, {}, txns, [], time=t_epoch, timers=fired)
         replies = result.replies
         last_tid = max(txns, default=0)
         in_fallback: set[int] = set()  # filled once the lock-free decision is made
@@ -310,6 +335,7 @@ class EpochCoordinator:
         final = _Track()
         self._round(Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, finalize=True), [],
                     final, stats)
+        self.next_due = final.next_due
         if final.events:
             result.events = atom_order(final.events, replies)
         stats["duration_ms"] = (time.perf_counter() - t_start) * 1000.0

@@ -17,12 +17,14 @@ import itertools
 import os
 import pickle
 from collections import deque
-from fractions import Fraction
 from typing import Any
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.context import Context, Journal, child_inv, raised_in
 from charon.core.routing import entity_prefix, partition_of, store_key
+from charon.core.shares import ZERO as _ZERO
+from charon.core.shares import Share, add, split
 from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
 from charon.operator import Application
 from charon.state.store import PartitionStore
@@ -42,13 +44,23 @@ _SALT = int.from_bytes(os.urandom(4), "big")
 _COUNTER = itertools.count()
 
 
+_PID = os.getpid()
+
+
+def _forked() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _next_token() -> tuple[int, int, int]:
     """Unique per frame across processes (a forked worker shares the salt and counter, not the pid)."""
-    return (_SALT, os.getpid(), next(_COUNTER))
+    return (_SALT, _PID, next(_COUNTER))
 #: Keep suspended coroutines alive in this process and resume them directly (an optimization; the
 #: journal replay is always available and is what a resumed frame uses in any other process).
 KEEP_LIVE_COROUTINES = True
-_ZERO = Fraction(0)
 #: Default limit on the invocations (root, calls and sends) of one transaction, counted over all partitions
 #: by the coordinator (a user-visible limit: it must not depend on placement; see ``EpochCoordinator``).
 MAX_INVOCATIONS = 100_000
@@ -72,7 +84,7 @@ class Invoke:
 
     def __reduce__(self):
         return (_new_invoke, (
-            self.tid, self.inv, self.op, self.key, self.fn, self.args, _pack(self.share), self.kind, self.caller,
+            self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
             self.ts, self.depth,
         ))
 
@@ -88,7 +100,7 @@ class Reply:
 
     def __reduce__(self):
         return (_new_reply, (
-            self.tid, self.op, self.key, self.inv, self.value, _pack(self.share), self.child,
+            self.tid, self.op, self.key, self.inv, self.value, self.share, self.child,
         ))
 
 
@@ -105,11 +117,12 @@ class Frame:
         self.journal = Journal(replies)
         # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
         # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
-        self.token = _next_token()
+        # (_next_token(), inlined: one frame per invocation)
+        self.token = (_SALT, _PID, next(_COUNTER))
 
     def __reduce__(self):
         return (_new_frame, (
-            self.tid, self.inv, self.op, self.key, self.fn, self.args, _pack(self.share), self.kind, self.caller,
+            self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
             self.ts, self.depth, self.journal, self.token,
         ))
 
@@ -126,31 +139,36 @@ class Control:
     its own only when it alone started more than that within one epoch phase (so no round runs away).
     """
 
-    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize", "max_invocations")
+    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize", "max_invocations", "timers")
 
     DRY, FALLBACK = 0, 1
 
     def __init__(self, epoch: int, phase: int = 0, apply=(), reset=(), fast=(), finalize: bool = False,
-                 max_invocations: int = MAX_INVOCATIONS):
+                 max_invocations: int = MAX_INVOCATIONS, timers: tuple[float, int] | None = None):
+        """``timers``: a collect round (epoch time, per-partition limit); see :mod:`charon.core.timers`."""
         self.epoch, self.phase, self.apply, self.reset = epoch, phase, list(apply), list(reset)
         self.fast, self.finalize, self.max_invocations = list(fast), finalize, max_invocations
+        self.timers = timers
 
     def __getstate__(self):
-        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations)
+        return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
+                self.timers)
 
     def __setstate__(self, st):
-        (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations) = st
+        (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
+         self.timers) = st
 
 
 class RoundOutput:
     """What one partition returns from a round."""
 
-    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached", "events")
+    __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached", "events",
+                 "timers", "next_due")
 
     def __init__(self) -> None:
         self.messages: list[Invoke | Reply] = []  # for other partitions
-        self.done: list[tuple[int, bytes, Fraction]] = []  # root finished: (tid, value, share)
-        self.acks: list[tuple[int, Fraction]] = []  # terminal ack shares
+        self.done: list[tuple[int, bytes, Share]] = []  # root finished: (tid, value, share)
+        self.acks: list[tuple[int, Share]] = []  # terminal ack shares
         self.failed: list[tuple[int, str, str]] = []  # (tid, error type, message)
         self.rw: list[tuple[int, str, str, bool]] = []  # (tid, op, key, wrote) first touch / first write
         self.invalid: list[int] = []  # call-graph-cached fallback: tids that did not replay identically
@@ -161,14 +179,16 @@ class RoundOutput:
         self.cached: dict[int, list[Cached]] = {}
         # at finalize: the epoch's committed events here, (tid, inv, n, stream, value) (see Context.emit)
         self.events: list[tuple[int, str, int, str, bytes]] = []
+        self.timers: list[bytes] = []  # a collect round: the encoded timers this partition fires
+        self.next_due: float | None = None  # collect and finalize rounds: this partition's next due time
 
     def __getstate__(self):
         return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations,
-                self.stats, self.cached, self.events)
+                self.stats, self.cached, self.events, self.timers, self.next_due)
 
     def __setstate__(self, st):
         (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations, self.stats,
-         self.cached, self.events) = st
+         self.cached, self.events, self.timers, self.next_due) = st
 
 
 class Cached:
@@ -202,6 +222,7 @@ class PartitionUnit:
         self.app = app
         self.store = store
         self.max_invocations = MAX_INVOCATIONS  # set by each round's Control
+        self._resolved = app._resolved  # the application's (operator, function) -> Function cache
         self._clear(-1)
 
     # -- scratch ----------------------------------------------------------------------------------
@@ -270,20 +291,41 @@ class PartitionUnit:
         self._stat_reads += 1
         return self.store.get(store_key(op, key, item))
 
-    def scan(self, tid: int, op: str, key: str, item_prefix: str) -> list[tuple[str, bytes]]:
+    def scan(self, tid: int, op: str, key: str, item_prefix: str, start: str | None = None,
+             stop: str | None = None) -> list[tuple[str, bytes]]:
+        """Items (store item names, sorted) starting with ``item_prefix`` and within ``[start, stop)``.
+
+        ``start``/``stop`` are store item names too. Every name in ``[start, stop)`` starts with their common
+        prefix, so the store is scanned under the longer of that and ``item_prefix``; names are compared as
+        UTF-8 bytes, which order like the strings, and only the items in range are decoded.
+        """
         e = (op, key)
         self._touch(tid, e, False)
+        narrow = item_prefix
+        if start is not None and stop is not None:
+            common = os.path.commonprefix([start, stop])
+            if common.startswith(narrow):
+                narrow = common
+            elif not narrow.startswith(common):
+                return []  # no name starts with both
+        lo = start.encode() if start is not None else None
+        hi = stop.encode() if stop is not None else None
         plen = len(entity_prefix(op, key))
-        merged: dict[str, bytes | None] = {
-            k[plen:].decode(): v for k, v in self.store.scan(store_key(op, key, item_prefix))
-        }
+        merged: dict[str, bytes | None] = {}
+        for k, v in self.store.scan(store_key(op, key, narrow)):
+            it = k[plen:]
+            if lo is not None and it < lo:
+                continue
+            if hi is not None and it >= hi:
+                break  # the store scans in key order
+            merged[it.decode()] = v
         layers = [self.overlay.get(e), self.fast_layer.get(e) if self.fast_layer is not None else None]
         b = self.buffers.get(tid)
         layers.append(b.get(e) if b is not None else None)
         for layer in layers:
             if layer:
                 for it, v in layer.items():
-                    if it.startswith(item_prefix):
+                    if it.startswith(narrow) and (start is None or it >= start) and (stop is None or it < stop):
                         merged[it] = v
         return sorted((k, v) for k, v in merged.items() if v is not None and k)
 
@@ -336,6 +378,8 @@ class PartitionUnit:
             self.touched.pop(tid, None)
             self.counts.pop(tid, None)
             self.dead.discard(tid)
+        if control.timers is not None:
+            self._collect_timers(*control.timers)
         if control.fast:
             self._fast_round(control.fast)
         if inbox:
@@ -370,7 +414,7 @@ class PartitionUnit:
                 frame = tframes.get(m.inv) if tframes is not None else None
                 if frame is None:
                     continue  # its transaction was reset
-                frame.share += m.share
+                frame.share = add(frame.share, m.share)
                 if not frame.journal.receive(m.child, m.value):
                     continue  # a gather still waiting for other replies
                 del tframes[m.inv]
@@ -396,7 +440,7 @@ class PartitionUnit:
                 ctx._resume(self, frame)
             else:
                 ctx = Context(self, frame)
-                fn = self.app.resolve(frame.op, frame.fn)
+                fn = self._resolved.get((frame.op, frame.fn)) or self.app.resolve(frame.op, frame.fn)
                 coro = fn.body(ctx, *serde.decode(frame.args))
             try:
                 yielded = coro.send(None)
@@ -455,7 +499,7 @@ class PartitionUnit:
             message = raised_in(message, frame.op, frame.key, frame.fn)
         self._out.failed.append((tid, type(exc).__name__, message))
 
-    def _emit_sends(self, frame: Frame, sends: list[tuple], share: Fraction, msgs: list) -> None:
+    def _emit_sends(self, frame: Frame, sends: list[tuple], share: Share, msgs: list) -> None:
         tid, inv, ts, depth = frame.tid, frame.inv, frame.ts, frame.depth + 1
         for n, op, key, fn, args in sends:
             msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
@@ -465,8 +509,8 @@ class PartitionUnit:
         sends = ctx._sends
         share = frame.share
         if sends:
-            self._emit_sends(frame, sends, share / len(sends), msgs)
-            leftover = _ZERO
+            part, leftover = split(share, len(sends))
+            self._emit_sends(frame, sends, part, msgs)
         else:
             leftover = share
         tid = frame.tid
@@ -475,7 +519,7 @@ class PartitionUnit:
             msgs.append(Reply(tid, cop, ckey, cinv, value, leftover, frame.inv))
         elif frame.kind == ROOT:
             self._out.done.append((tid, value, leftover))
-        elif leftover:
+        elif leftover[0]:
             self._out.acks.append((tid, leftover))
         if self._recording:
             touched = self.touched.get(tid)
@@ -494,14 +538,14 @@ class PartitionUnit:
         msgs: list[Invoke | Reply] = []
         sends = ctx._sends
         pending = ctx._pending or []
-        each = frame.share / (len(sends) + len(pending) + 1)
+        each, rest = split(frame.share, len(sends) + len(pending) + 1)  # the frame keeps one part + rest
         self._emit_sends(frame, sends, each, msgs)
         caller = (frame.op, frame.key, frame.inv)
         for c in pending:  # the calls the await sent, already in the journal's pending table
             op, key, fn, args = c.target
             inv = child_inv(frame.inv, c.child)
             msgs.append(Invoke(frame.tid, inv, op, key, fn, args, each, SYNC, caller, frame.ts, frame.depth + 1))
-        frame.share = each
+        frame.share = (each[0] + rest[0], each[1]) if rest[0] else each
         tframes = self.frames.get(frame.tid)
         if tframes is None:
             tframes = self.frames[frame.tid] = {}
@@ -598,24 +642,26 @@ class PartitionUnit:
                 delta[store_key(op, key, item)] = v
         return delta
 
+    def _collect_timers(self, now: float, limit: int) -> None:
+        """A collect round (first of the epoch): take the timers due at ``now`` out of the state before
+        any of the epoch's transactions runs, and report them (see :mod:`charon.core.timers`)."""
+        fired, nxt = _timers.due(self.store.scan(_timers.INDEX_PREFIX), now, limit)
+        out = self._out
+        for t in fired:
+            e = (t.owner_operator, t.owner_key)
+            self.overlay.setdefault(e, {})[_timers.ITEM_PREFIX + t.id] = None
+            out.timers.append(_timers.encode(t))
+        out.next_due = nxt
+
     def _finalize(self) -> int:
         delta = self.epoch_delta()
         self._out.events = self.emitted
+        delta.update(_timers.index_delta(self.store.get, delta))
         self.store.commit(self.epoch, delta)
+        self._out.next_due = _timers.next_due(self.store.scan(_timers.INDEX_PREFIX))
         self._clear(self.epoch)
         self._live_clear()
         return len(delta)
-
-
-def _pack(f: Fraction) -> tuple[int, int]:
-    return (f.numerator, f.denominator)
-
-
-def _unpack(nd: tuple[int, int]) -> Fraction:
-    """A Fraction from an already reduced (numerator, denominator) pair, without re-normalizing."""
-    f = object.__new__(Fraction)
-    f._numerator, f._denominator = nd
-    return f
 
 
 def _new_invoke(*st: Any) -> Invoke:
@@ -626,7 +672,7 @@ def _new_invoke(*st: Any) -> Invoke:
     o.key = st[3]
     o.fn = st[4]
     o.args = st[5]
-    o.share = _unpack(st[6])
+    o.share = st[6]
     o.kind = st[7]
     o.caller = st[8]
     o.ts = st[9]
@@ -641,7 +687,7 @@ def _new_reply(*st: Any) -> Reply:
     o.key = st[2]
     o.inv = st[3]
     o.value = st[4]
-    o.share = _unpack(st[5])
+    o.share = st[5]
     o.child = st[6]
     return o
 
@@ -654,7 +700,7 @@ def _new_frame(*st: Any) -> Frame:
     o.key = st[3]
     o.fn = st[4]
     o.args = st[5]
-    o.share = _unpack(st[6])
+    o.share = st[6]
     o.kind = st[7]
     o.caller = st[8]
     o.ts = st[9]

@@ -1,9 +1,19 @@
 """The in-process runtime: the same deterministic core with an in-memory exchange.
 
 It is the test harness application authors write their tests with (full transactional semantics) and a
-low-latency single-node engine. Epochs close when ``epoch_max_txns`` requests are waiting or
-``epoch_max_ms`` after the first one arrived (durable mode: as soon as the previous epoch is done; requests
-arriving while an epoch's batch is being committed to the log form the next batch).
+low-latency single-node engine.
+
+Epochs are adaptive (service mode): an epoch takes every waiting request (at most ``epoch_max_txns``, a
+memory bound) as soon as the previous epoch is done, so the batch grows with the arrival rate times the
+epoch's cost (high rates get big epochs, low rates short ones) and there is no fixed batch-size cliff. It
+waits for more requests (at most ``epoch_max_ms``) only while the batch is too small to amortize the measured
+fixed cost of an epoch, and limits a backlog's batch while too many of its transactions conflict
+(:class:`EpochSizer`). Durable mode: the previous batch's log commit is the window.
+
+A long-lived engine tunes Python's garbage collector at ``start()`` (``gc_tuning``, see :func:`tune_gc`): the
+loaded state and code are frozen out of the collector and young collections run every ``gc_threshold``
+allocations instead of 700; a short warm-up (``warmup_txns`` transfers of a built-in application on a scratch
+runtime; no user code runs) takes the engine's hot path once before the first request.
 
 Without ``data_dir`` it is *volatile*: state, replies and request ids live in memory only. With
 ``data_dir`` it is *durable* (:mod:`charon.runtime.node`): every epoch's batch is in the SQLite input log before the
@@ -14,7 +24,10 @@ recovers by replaying the log; a request id runs once across restarts and a retr
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import hashlib
+import math
 import os
 import shutil
 import tempfile
@@ -27,17 +40,129 @@ from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
+from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult
 from charon.core.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUnit, RoundOutput
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import check_stream, entity_prefix, partition_of, store_key
+from charon.core.timers import MAX_TIMERS_PER_EPOCH, Timer
 from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator, batch_request
+from charon.runtime import control
 from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
     from charon.runtime.node import NodeStorage
+
+
+#: Young-generation threshold of :func:`tune_gc` (CPython's default is 700).
+GC_THRESHOLD = 50_000
+_GC_TUNED = False
+
+
+def tune_gc(threshold: int = GC_THRESHOLD) -> None:
+    """Tune the collector for a long-lived engine: collect once, freeze what exists, collect young objects rarely.
+
+    ``gc.freeze()`` moves every object alive now (modules, the application, loaded state) out of the
+    collector's generations, so full collections no longer traverse them; it runs once per process. Objects
+    still die by reference counting; only cycles among the frozen objects would never be collected.
+    """
+    global _GC_TUNED
+    if not _GC_TUNED:
+        gc.collect()
+        gc.freeze()
+        _GC_TUNED = True
+    t0, t1, t2 = gc.get_threshold()
+    if t0 < threshold:
+        gc.set_threshold(threshold, max(t1, 20), max(t2, 100))
+
+
+def _warmup_app() -> Application:
+    """A built-in application exercising the engine like a transfer: read, write, a call, a reply, aborts."""
+    op = Operator("__warmup")
+
+    async def deposit(ctx: Any, amount: int) -> int:
+        ctx.put(ctx.get(0) + amount)
+        return amount
+
+    async def hop(ctx: Any, to: str, amount: int) -> int:
+        if amount == 0:
+            raise ValueError("warm-up abort")
+        ctx.put(ctx.get(0) - amount)
+        return await ctx.call(op, to, "deposit", amount)
+
+    op.function(deposit)
+    op.function(hop)
+    return Application("__warmup", [op])
+
+
+class EpochSizer:
+    """Adaptive epoch closing: how long to wait for more requests, from the arrival rate and measured costs.
+
+    It keeps moving averages of the per-transaction cost ``c`` and the fixed per-epoch cost ``F`` (from
+    epoch durations and sizes) and of the arrival rate. An epoch of ``B`` requests spends ``F / (F + c·B)`` of
+    its time on fixed cost; the target batch keeps that at most ``overhead`` (``B* = F·(1 - o) / (o·c)``).
+    With fewer waiting, it waits for the expected time until ``B*`` have arrived, at most ``max_wait_s``;
+    with at least ``B*`` waiting (or under load: requests arrived while the last epoch ran), it does not wait.
+
+    Under a backlog, bigger epochs mean more conflicts (each one costs a fallback re-run), so the batch is
+    also limited (:meth:`limit`): the limit shrinks while more than ``conflicts_high`` of an epoch's
+    transactions conflicted and grows back while fewer than half that did, between ``min_batch`` and
+    ``max_batch``.
+    """
+
+    def __init__(self, max_wait_s: float, max_batch: int = 10_000, overhead: float = 0.1, alpha: float = 0.2,
+                 conflicts_high: float = 0.15, min_batch: int = 100) -> None:
+        self.max_wait_s = max_wait_s
+        self.overhead = overhead
+        self.alpha = alpha
+        self.max_batch = max_batch
+        self.min_batch = min(min_batch, max_batch)
+        self.conflicts_high = conflicts_high
+        self._limit = float(max_batch)
+        self.per_txn_s = 20e-6
+        self.fixed_s = 200e-6
+        self.rate = 0.0  # requests per second (moving average)
+        self._last = time.perf_counter()
+
+    def limit(self) -> int:
+        """The most requests the next epoch takes."""
+        return int(self._limit)
+
+    def observe(self, size: int, duration_s: float, arrived: int, conflicts: int = 0) -> None:
+        """One epoch of ``size`` requests took ``duration_s`` (``conflicts`` of them went to the fallback);
+        ``arrived`` requests came since the last call."""
+        if size >= self.min_batch:
+            share = conflicts / size
+            if share > self.conflicts_high:
+                self._limit = max(float(self.min_batch), min(self._limit, size) * 0.8)
+            elif share < self.conflicts_high / 2:
+                self._limit = min(float(self.max_batch), self._limit * 1.25)
+        now = time.perf_counter()
+        a = self.alpha
+        span = now - self._last
+        self._last = now
+        if span > 0:
+            self.rate += a * (arrived / span - self.rate)
+        if size >= 50:
+            c = max(duration_s - self.fixed_s, 0.0) / size
+            self.per_txn_s += a * (c - self.per_txn_s)
+        elif size > 0:
+            f = max(duration_s - self.per_txn_s * size, 0.0)
+            self.fixed_s += a * (f - self.fixed_s)
+
+    def target(self) -> float:
+        """The batch size at which the fixed cost is ``overhead`` of the epoch."""
+        o = self.overhead
+        return self.fixed_s * (1 - o) / (o * max(self.per_txn_s, 1e-7))
+
+    def wait_s(self, waiting: int) -> float:
+        """How long to wait before closing an epoch with ``waiting`` requests."""
+        missing = self.target() - waiting
+        if missing <= 0 or self.rate <= 0:
+            return 0.0
+        return min(self.max_wait_s, missing / self.rate)
 
 
 class LocalExchange:
@@ -58,7 +183,7 @@ class InProcessRuntime:
         self,
         app: Application,
         partitions: int = 4,
-        epoch_max_txns: int = 1000,
+        epoch_max_txns: int = 10_000,
         epoch_max_ms: float = 1.0,
         max_invocations: int = MAX_INVOCATIONS,
         reply_retention: int | None = None,
@@ -70,6 +195,10 @@ class InProcessRuntime:
         stats_kept: int = 1000,
         log_url: str | None = None,
         retain_events: int = DEFAULT_RETAIN_EVENTS,
+        max_timers_per_epoch: int = MAX_TIMERS_PER_EPOCH,
+        gc_tuning: bool = True,
+        gc_threshold: int = GC_THRESHOLD,
+        warmup_txns: int = 200,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days).
@@ -78,25 +207,40 @@ class InProcessRuntime:
         on NATS, see :mod:`charon.log.nats`). ``stats_kept``: how many
         recent epochs ``epoch_stats`` keeps. ``retain_events``: events kept per output stream
         (:class:`charon.log.streams.StreamLog`; durable mode: ``data_dir/streams.sqlite``, volatile: a temporary
-        file removed with the runtime)."""
+        file removed with the runtime). ``max_timers_per_epoch``: timers one partition fires per epoch (the
+        rest fire in the following epochs; a durable directory must keep the same value for exact replay).
+        ``gc_tuning``/``gc_threshold``: :func:`tune_gc` at ``start()``. ``warmup_txns``: transactions of a
+        built-in application run on a scratch runtime at ``start()`` (0: none)."""
         self.app = app
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
         self.epoch_max_ms = epoch_max_ms
+        self.sizer = EpochSizer(epoch_max_ms / 1000.0, max_batch=epoch_max_txns)
+        self.gc_tuning = gc_tuning
+        self.gc_threshold = gc_threshold
+        self.warmup_txns = warmup_txns
+        self._arrived = 0
         self.node: NodeStorage | None = None
         if data_dir is not None:
             from charon.runtime.node import NodeStorage, RecordingStore
 
             self.node = NodeStorage(data_dir, partitions, fsync=fsync, checkpoint_s=checkpoint_s,
                                     compact_every=compact_every, log_url=log_url)
-            self.stores: list[MemoryStore] = [RecordingStore() for _ in range(partitions)]
+            self.partitions = self.node.partitions  # the directory's layout; rescaled after recovery
+            self.stores: list[MemoryStore] = [RecordingStore() for _ in range(self.partitions)]
         else:
+            if partitions < 1:
+                raise ValueError("partitions must be at least 1")
             self.stores = [MemoryStore() for _ in range(partitions)]
-        self.units = [PartitionUnit(p, partitions, app, s) for p, s in enumerate(self.stores)]
+        self.units = [PartitionUnit(p, self.partitions, app, s) for p, s in enumerate(self.stores)]
         self.coordinator = EpochCoordinator(
             app, LocalExchange(self.units), sequencers=1, max_invocations=max_invocations,
             on_replies=self._deliver
         )
+        self.coordinator.next_due = math.inf  # a fresh state has no timers (a recovered one: its record's)
+        if max_timers_per_epoch < 1:
+            raise ValueError("max_timers_per_epoch must be at least 1")
+        self.coordinator.timer_limit = max_timers_per_epoch
         self.epoch = 0
         self.epoch_stats: list[dict[str, float]] = []
         self._stats_kept = stats_kept
@@ -113,9 +257,16 @@ class InProcessRuntime:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
+        self._rescales: list[tuple[int, asyncio.Future[float]]] = []
+        self.rescale_pauses: list[dict[str, float]] = []  # one per rescale: from, to, epoch, pause_s, keys
+        self.gate = control.EpochGate()  # pause/resume at an epoch boundary
+        # durable mode, paused: epochs logged (their requests durable) but not run yet, with their log ends and times
+        self._parked: list[tuple[list[Request], int, float]] = []
         if self.node is not None:
             try:
                 self._recover()
+                if partitions != self.partitions:
+                    self._rescale_now(partitions)
             except BaseException:
                 self.node.close()
                 raise
@@ -142,12 +293,16 @@ class InProcessRuntime:
             self._log_end = rec.log_end
             self.coordinator.sequencer.counters = list(rec.counters)
             self.coordinator.deferred = [(tid, serde.decode_request(b)) for tid, b in rec.deferred]
-        for epoch, requests in epochs:
+            self.coordinator.sequencer.time = rec.time
+            self.coordinator.next_due = rec.next_due
+        control.recover_code(self)  # the newest code version recorded (code updates)
+        for epoch, requests, now in epochs:
             if epoch != self.epoch:
                 raise RuntimeError(f"replay: epoch {epoch} logged where {self.epoch} was expected")
             self._log_end += len(requests) + 1
-            self._run_logged(requests)
+            self._run_logged(requests, now)
         self.replayed_epochs = len(epochs)
+        control.finish_migration(self)  # a code update's migration a crash interrupted
 
     def close(self) -> None:
         """Durable mode: checkpoint everything and release the data directory (volatile: nothing)."""
@@ -198,6 +353,59 @@ class InProcessRuntime:
             self.node.write_bases(self.stores)
             self._base_dirty = False
 
+    # -- rescaling ----------------------------------------------------------------------------------
+    def _rescale_now(self, partitions: int) -> float:
+        """Move every key group to its partition under ``partitions`` (between epochs); returns the pause.
+
+        Entities map to a fixed set of key groups (:data:`charon.core.routing.KEY_GROUPS`), groups to
+        partitions (``group % partitions``); rescaling re-places the groups' items, timers with their owner.
+        Results never depend on placement, so epochs before and after are unaffected. Durable mode: the new
+        layout is committed as new bases at the last epoch (:meth:`NodeStorage.relayout`) before it is used.
+        """
+        if partitions < 1:
+            raise ValueError("partitions must be at least 1")
+        t0 = time.perf_counter()
+        old = self.partitions
+        parts: list[list[tuple[bytes, bytes]]] = [[] for _ in range(partitions)]
+        n = 0
+        for s in self.stores:
+            for k, v in s.items():
+                op, key = _timers.placed_by(k, v)
+                parts[partition_of(op, key, partitions)].append((k, v))
+                n += 1
+        for p in parts:
+            p.sort()
+        if self.node is not None:
+            from charon.runtime.node import RecordingStore
+
+            self.node.relayout(partitions, parts, self.epoch - 1)
+            self._base_dirty = False
+            stores: list[MemoryStore] = [RecordingStore() for _ in range(partitions)]
+        else:
+            stores = [MemoryStore() for _ in range(partitions)]
+        for s, items in zip(stores, parts, strict=True):
+            s.data.update(items)
+            s.epoch = self.epoch - 1
+        self.stores = stores
+        self.partitions = partitions
+        self.units = [PartitionUnit(p, partitions, self.app, s) for p, s in enumerate(stores)]
+        self.coordinator.exchange = LocalExchange(self.units)
+        pause = time.perf_counter() - t0
+        self.rescale_pauses.append({"from": old, "to": partitions, "epoch": self.epoch, "pause_s": pause, "keys": n})
+        return pause
+
+    async def rescale(self, partitions: int) -> float:
+        """Change the number of partitions at the next epoch boundary (serving or not); returns the pause in
+        seconds (requests keep queueing meanwhile and run in the next epoch). A durable directory keeps the
+        new count (reopening it with another ``partitions`` rescales it again)."""
+        if self._task is None or self._task.done():
+            return self._rescale_now(partitions)
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._rescales.append((partitions, fut))
+        assert self._wake is not None
+        self._wake.set()
+        return await fut
+
     # -- state --------------------------------------------------------------------------------------
     def _store_of(self, operator: str, key: str) -> MemoryStore:
         return self.stores[partition_of(operator, key, self.partitions)]
@@ -236,6 +444,16 @@ class InProcessRuntime:
         prefix = entity_prefix(op, key) + b"\x01"
         return {k[len(prefix):].decode(): serde.decode(v) for k, v in self._store_of(op, key).scan(prefix)}
 
+    def timers(self, operator: str | Operator, key: str) -> list[Timer]:
+        """The committed pending timers an entity registered (by id)."""
+        op = operator.name if isinstance(operator, Operator) else operator
+        return [_timers.decode(v) for _, v in self._store_of(op, key).scan(_timers.owner_prefix(op, key))]
+
+    def pending_timers(self) -> list[Timer]:
+        """Every committed pending timer, by due time (then id)."""
+        out = [_timers.decode(v) for s in self.stores for _, v in s.scan(_timers.INDEX_PREFIX)]
+        return sorted(out, key=lambda t: (t.due, t.id))
+
     def entities(self, operator: str | Operator) -> dict[str, Any]:
         """All committed main values of one operator (for checks in tests and benchmarks)."""
         op = operator.name if isinstance(operator, Operator) else operator
@@ -262,28 +480,36 @@ class InProcessRuntime:
         return h.hexdigest()
 
     # -- synchronous batch mode (deterministic epoch boundaries) -----------------------------------
-    def run_epoch(self, requests: list[Request]) -> EpochResult:
-        """Run the given requests as exactly one epoch (plus transactions deferred into it)."""
+    def run_epoch(self, requests: list[Request], now: float | None = None) -> EpochResult:
+        """Run the given requests as exactly one epoch (plus transactions deferred into it, and the timers
+        due at the epoch's time ``now``, default the clock; durable mode logs it with the batch)."""
+        self._run_parked()
         if self.node is not None:
             self._write_base()
-            requests, self._log_end = self.node.log_epoch(self.epoch, requests)
-        return self._run_logged(requests)
+            requests, self._log_end, now = self.node.log_epoch(self.epoch, requests, now)
+        return self._run_logged(requests, time.time() if now is None else now)
 
-    def _run_logged(self, requests: list[Request]) -> EpochResult:
-        """Run one epoch whose batch is logged (durable mode) or needs no log (volatile)."""
-        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests])
+    def _run_logged(self, requests: list[Request], now: float) -> EpochResult:
+        """Run one epoch whose batch (and time) is logged (durable mode) or needs no log (volatile)."""
+        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now)
         if result.events:  # idempotent by epoch: a replayed epoch appends nothing again
             self.streams.append_atom(self.epoch, [(s, v) for _, s, v in result.events])
         if self.node is not None:
             c = self.coordinator
             self.node.epoch_done(self.epoch, c.sequencer.counters, c.deferred, self._log_end,
-                                 self.stores)  # type: ignore[arg-type]
+                                 self.stores, c.sequencer.time, c.next_due)  # type: ignore[arg-type]
         self.epoch += 1
         stats = self.epoch_stats
         stats.append({"epoch": result.epoch, **result.stats})
         if len(stats) > self._stats_kept:
             del stats[: len(stats) - self._stats_kept]
         return result
+
+    def _run_parked(self) -> None:
+        """Run the epochs logged while paused (durable mode), in log order."""
+        while self._parked:
+            batch, self._log_end, now = self._parked.pop(0)
+            self._run_logged(batch, now)
 
     def drain(self) -> list[EpochResult]:
         """Run empty epochs until no deferred transaction is left."""
@@ -296,12 +522,27 @@ class InProcessRuntime:
     async def start(self) -> None:
         """Start closing epochs in the background of the running event loop."""
         if self._task is None:
+            if self.warmup_txns > 0:
+                self._warm_up()
+            if self.gc_tuning:
+                tune_gc(self.gc_threshold)
             if self.node is not None:
                 self._write_base()
                 self.node.start_writer()
             self._stopping = False
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def _warm_up(self) -> None:
+        """Run the engine's hot path on a scratch runtime of a built-in application (no user code runs, and
+        no state, log or counter of this runtime is touched): validation, sequencing, rounds, calls, replies,
+        conflicts and the fallback, so the first real requests do not pay for cold code paths."""
+        scratch = InProcessRuntime(_warmup_app(), partitions=self.partitions, gc_tuning=False, warmup_txns=0)
+        n = max(self.warmup_txns, 2)
+        reqs = [Request(f"w{i}", "__warmup", f"k{i % (n // 2 + 1)}", "hop",
+                        serde.encode([f"k{(i * 7 + 1) % (n // 2 + 1)}", i % 3]))
+                for i in range(n)]
+        scratch.run_epoch(reqs)
 
     def _halt(self, exc: BaseException) -> None:
         """An epoch could not be logged or run: fail every waiting request and accept no more.
@@ -311,6 +552,7 @@ class InProcessRuntime:
         if self.node is not None and self.node.error is None:
             self.node.error = exc
         self._queue.clear()
+        self._parked.clear()  # logged: a restart replays them
         futures, self._futures = self._futures, {}
         for f in futures.values():
             if not f.done():
@@ -336,8 +578,9 @@ class InProcessRuntime:
         }
 
     async def stop(self) -> None:
-        """Finish waiting work and stop."""
+        """Finish waiting work and stop (a paused runtime is resumed: its queued requests run first)."""
         if self._task is not None:
+            self.gate.resume()
             while (self._queue or self.coordinator.deferred or self._futures) and self.failed is None:
                 await asyncio.sleep(0.001)
             self._stopping = True
@@ -400,6 +643,7 @@ class InProcessRuntime:
             return fut
         fut = self._futures[rid] = loop.create_future()
         self._queue.append(request)
+        self._arrived += 1
         if self._wake is not None:
             self._wake.set()
         return fut
@@ -432,27 +676,112 @@ class InProcessRuntime:
     async def _loop(self) -> None:
         assert self._wake is not None
         while True:
-            if not self._queue and not self.coordinator.deferred:
+            while self._rescales:  # at an epoch boundary: nothing is running
+                n, fut = self._rescales.pop(0)
+                try:
+                    pause = self._rescale_now(n)
+                except Exception as exc:  # noqa: BLE001 - the caller gets it; epochs go on in the old layout
+                    if not fut.done():
+                        fut.set_exception(exc)
+                else:
+                    if not fut.done():
+                        fut.set_result(pause)
+            if not self._queue and not self.coordinator.deferred and not self._parked:
                 if self._stopping:
                     return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
+                wait = self.coordinator.next_due - time.time()  # an empty epoch fires a due timer
+                if wait > 0:
+                    self._wake.clear()
+                    if wait == math.inf:
+                        await self._wake.wait()
+                    else:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), wait + 0.001)
+                    continue
             # durable mode: the previous batch's log commit is the batching window; no extra wait
-            if self.node is None and len(self._queue) < self.epoch_max_txns and self.epoch_max_ms > 0:
-                await asyncio.sleep(self.epoch_max_ms / 1000.0)
-            batch = self._queue[: self.epoch_max_txns]
+            limit = self.sizer.limit()
+            if self.node is None and len(self._queue) < limit and self.epoch_max_ms > 0:
+                wait = self.sizer.wait_s(len(self._queue))
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            if self.node is not None and self.gate.closed_for(self.epoch):
+                # paused (durable mode): waiting requests go to the input log as the next epochs, run on resume
+                self._wake.clear()
+                if self._queue:
+                    batch = self._queue[:limit]
+                    del self._queue[: len(batch)]
+                    try:
+                        self._parked.append(await asyncio.to_thread(
+                            self.node.log_epoch, self.epoch + len(self._parked), batch))
+                    except Exception as exc:  # noqa: BLE001 - as below
+                        self._halt(exc)
+                        return
+                else:
+                    self.gate.wake_on_open(self.epoch, self._wake)
+                    await self._wake.wait()
+                continue
+            await self.gate.enter_async(self.epoch)  # paused: no epoch starts, requests wait in the queue
+            batch = self._queue[:limit]
             del self._queue[: len(batch)]
+            t0 = time.perf_counter()
             try:
-                if self.node is None:
+                if self._parked:
+                    self._queue[:0] = batch
+                    self._run_parked()
+                elif self.node is None:
                     self.run_epoch(batch)
                 else:  # the batch is committed to the input log off the loop, then the epoch runs
-                    batch, self._log_end = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
-                    self._run_logged(batch)
+                    batch, self._log_end, now = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
+                    self._run_logged(batch, now)
             except Exception as exc:  # noqa: BLE001 - the runtime stops loudly instead of hanging its clients
                 self._halt(exc)
                 return
+            finally:
+                self.gate.leave()
+            last = self.epoch_stats[-1] if self.epoch_stats else {}
+            self.sizer.observe(len(batch), time.perf_counter() - t0, self._arrived, int(last.get("conflicts", 0)))
+            self._arrived = 0
             await asyncio.sleep(0)
+
+    # -- control (charon.runtime.control) ----------------------------------------------------------
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; returns the status."""
+        self.gate.pause(after_epoch)
+        return self.control_status()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; queued requests run in arrival order."""
+        self.gate.resume()
+        return self.control_status()
+
+    def control_status(self) -> dict[str, Any]:
+        """``state`` (running, pausing, paused), the last committed ``epoch``, the ``backlog``."""
+        return control.inprocess_status(self)
+
+    async def run_alone(
+        self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
+    ) -> dict[str, Any]:
+        """A serializable admin update: ``function`` on every key (default: every entity of ``operator``), alone
+        at an epoch boundary, once per ``update_id`` (:func:`charon.runtime.control.inprocess_run_alone`)."""
+        return await control.inprocess_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
+
+    async def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None
+    ) -> dict[str, Any]:
+        """Strict code update to ``ref`` (``module:attribute``) at one epoch boundary, with an optional
+        ``migration`` (operator, function, args) over every entity (see :mod:`charon.runtime.control`)."""
+        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
+        return await control.inprocess_update_code(self, ref, version, mig)
+
+    def version_at(self, epoch: int) -> str:
+        """The code version epoch ``epoch`` ran with."""
+        return control.version_at(self, epoch)
+
+    async def inspect(
+        self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
+    ) -> tuple[int, dict[bytes, bytes]]:
+        """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch (:mod:`charon.runtime.control`)."""
+        return await control.inprocess_inspect(self, operator, keys, epoch, limit)
 
 
 _STREAMS_LOCK = threading.Lock()

@@ -27,10 +27,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
+import shutil
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgspec
@@ -64,6 +67,8 @@ class NodeRecord(msgspec.Struct):
     counters: list[int]
     deferred: list[tuple[int, bytes]]  # (tid, encoded request)
     log_end: int  # input-log offset after this epoch's marker: replay starts here
+    time: float = 0.0  # the epoch's deterministic time (the sequencer's, see charon.core.timers)
+    next_due: float = -math.inf  # the earliest pending timer after this epoch (-inf: unknown)
 
 
 class RecordingStore(MemoryStore):
@@ -95,6 +100,8 @@ class _Finished:
     log_end: int
     deltas: list[list[dict[bytes, bytes | None]]]
     replies: list[Reply] = field(default_factory=list)
+    time: float = 0.0
+    next_due: float = -math.inf
 
 
 class NodeStorage:
@@ -120,11 +127,11 @@ class NodeStorage:
             os.close(self._lock_fd)
             raise NodeError(f"{self.data_dir} is in use by another process") from None
         try:
-            self._check_layout()
+            state_dir = self._check_layout()
             in_loc = log_url or os.path.join(self.data_dir, "input.sqlite")
             self.input_log = open_input_log(in_loc, 1, durable=fsync)
             self.output_log = open_output_log(log_url or os.path.join(self.data_dir, "output.sqlite"), durable=fsync)
-            self.durable = DurableState(os.path.join(self.data_dir, "state"), fsync=fsync)
+            self.durable = DurableState(os.path.join(self.data_dir, state_dir), fsync=fsync)
             os.makedirs(self._records_dir, exist_ok=True)
             # request ids and replies older than the window are forgotten (CHARON_DEDUP_WINDOW_S, default 7 days)
             window = dedup_window_s if dedup_window_s is not None else float(
@@ -147,24 +154,53 @@ class NodeStorage:
         self.checkpointed_epoch = self._newest_record_epoch()
 
     # -- layout, lock, records -----------------------------------------------------------------------
-    def _check_layout(self) -> None:
+    def _check_layout(self) -> str:
+        """The layout (``node.json``): partition count and state directory. A directory created with another
+        partition count opens with its own (``self.partitions``); the runtime then rescales it. Returns the
+        state directory's name; state directories of an interrupted rescale are removed."""
         path = os.path.join(self.data_dir, "node.json")
-        want = {"engine": "inprocess", "partitions": self.partitions, "version": 1}
         try:
             with open(path) as f:
                 have = json.load(f)
         except FileNotFoundError:
-            with open(path + ".tmp", "w") as f:
-                json.dump(want, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(path + ".tmp", path)
-            return
-        if have.get("partitions") != self.partitions:
-            raise NodeError(
-                f"{self.data_dir} was created with {have.get('partitions')} partitions, not {self.partitions}: "
-                "rescaling is not supported; use --partitions " + str(have.get("partitions"))
-            )
+            have = {"engine": "inprocess", "partitions": self.partitions, "version": 1}
+            self._write_layout(have)
+        self.partitions = int(have["partitions"])
+        state = have.get("state", "state")
+        for name in os.listdir(self.data_dir):  # leftovers of a rescale that did not reach its commit point
+            if name.startswith("state") and name != state and os.path.isdir(os.path.join(self.data_dir, name)):
+                shutil.rmtree(os.path.join(self.data_dir, name), ignore_errors=True)
+        return state
+
+    def _write_layout(self, layout: dict) -> None:
+        path = os.path.join(self.data_dir, "node.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(layout, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        fd = os.open(self.data_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def relayout(self, partitions: int, parts: list[list[tuple[bytes, bytes]]], epoch: int) -> None:
+        """Rescale: install ``parts`` (each new partition's sorted items, the state as of ``epoch``, which the
+        newest record must be) as the bases of a new state directory, then switch ``node.json`` to it (the
+        commit point: a crash before it leaves the old layout, whose leftovers the next open removes)."""
+        self.flush()
+        if epoch != self.checkpointed_epoch:
+            raise NodeError(f"rescale at epoch {epoch}, but the last checkpoint is epoch {self.checkpointed_epoch}")
+        old_root = self.durable.root
+        name = f"state-{uuid.uuid4().hex[:12]}"
+        new = DurableState(os.path.join(self.data_dir, name), fsync=self.fsync)
+        for pid, items in enumerate(parts):
+            new.write_base(pid, epoch, items)
+        crash_point("relayout", epoch)  # the new state is written, the layout not switched
+        self._write_layout({"engine": "inprocess", "partitions": partitions, "version": 1, "state": name})
+        self.durable, self.partitions = new, partitions
+        shutil.rmtree(old_root, ignore_errors=True)
 
     @property
     def _records_dir(self) -> str:
@@ -202,8 +238,11 @@ class NodeStorage:
         for pid, s in enumerate(stores):
             self.durable.write_base(pid, -1, list(s.items()))
 
-    def recover(self) -> tuple[list[dict[bytes, bytes]], NodeRecord | None, list[tuple[int, list[Request]]]]:
-        """State per partition as of the newest record, that record, and the logged epochs after it."""
+    def recover(
+        self,
+    ) -> tuple[list[dict[bytes, bytes]], NodeRecord | None, list[tuple[int, list[Request], float]]]:
+        """State per partition as of the newest record, that record, and the logged epochs after it (each with
+        the time logged in its marker)."""
         rec = self.read_record(self.checkpointed_epoch) if self.checkpointed_epoch >= 0 else None
         if self.checkpointed_epoch >= 0 and rec is None:
             raise NodeError(f"epoch record {self.checkpointed_epoch} is unreadable under {self.data_dir}")
@@ -215,7 +254,7 @@ class NodeStorage:
             states.append(state)
         start = rec.log_end if rec is not None else self.input_log.start_offsets()[0]
         end = self.input_log.end_offsets()[0]
-        epochs: list[tuple[int, list[Request]]] = []
+        epochs: list[tuple[int, list[Request], float]] = []
         batch: list[Request] = []
         expect = upto + 1
         for _, data in self.input_log.read_raw(0, start, end):
@@ -223,7 +262,7 @@ class NodeStorage:
             if req.operator == EPOCH_MARK:
                 if int(req.key) != expect:
                     raise NodeError(f"input log: epoch {req.key} follows epoch {expect - 1}")
-                epochs.append((expect, batch))
+                epochs.append((expect, batch, req.ts))
                 batch, expect = [], expect + 1
             else:
                 batch.append(req)
@@ -245,18 +284,22 @@ class NodeStorage:
             return rep
         return self.input_log.contains(request_id)
 
-    def log_epoch(self, epoch: int, requests: list[Request]) -> tuple[list[Request], int]:
-        """Append an epoch's batch and its marker in one commit; returns the new requests and the log end."""
+    def log_epoch(
+        self, epoch: int, requests: list[Request], now: float | None = None,
+    ) -> tuple[list[Request], int, float]:
+        """Append an epoch's batch and its marker in one commit; returns the new requests, the log end and
+        the epoch's logged time (``now``, default the clock: the marker's timestamp, which timers fire by)."""
         self.raise_if_failed()
         start = self.input_log.end_offsets()[0]
-        mark = Request(f"{EPOCH_MARK}:{epoch}", EPOCH_MARK, str(epoch), "", serde.encode([]), time.time())
+        now = time.time() if now is None else now
+        mark = Request(f"{EPOCH_MARK}:{epoch}", EPOCH_MARK, str(epoch), "", serde.encode([]), now)
         pos = self.input_log.append_many([(r, 0) for r in requests] + [(mark, 0)])
         if pos[-1][1] < start:
             raise NodeError(f"input log already holds epoch {epoch}")
         # a request id the log already had is not run again (it is answered by its first execution)
         fresh = [r for r, (_, off) in zip(requests, pos, strict=False) if off >= start]
         crash_point("logged", epoch)
-        return fresh, pos[-1][1] + 1
+        return fresh, pos[-1][1] + 1, now
 
     def add_replies(self, replies: list[Reply]) -> None:
         for r in replies:
@@ -265,11 +308,11 @@ class NodeStorage:
 
     def epoch_done(
         self, epoch: int, counters: list[int], deferred: list[tuple[int, Request]], log_end: int,
-        stores: list[RecordingStore],
+        stores: list[RecordingStore], time: float = 0.0, next_due: float = -math.inf,
     ) -> None:
-        """Hand a finished epoch (its deltas and replies) to the writer."""
+        """Hand a finished epoch (its deltas and replies, its time and next due timer) to the writer."""
         item = _Finished(epoch, list(counters), list(deferred), log_end, [s.take() for s in stores],
-                         self._epoch_replies)
+                         self._epoch_replies, time, next_due)
         self._epoch_replies = []
         with self._cv:
             self._finished.append(item)
@@ -323,7 +366,7 @@ class NodeStorage:
                 crash_point("delta0", last.epoch)  # one partition's delta written, the others not
         crash_point("deltas", last.epoch)
         rec = NodeRecord(last.epoch, last.counters, [(t, serde.encode_request(r)) for t, r in last.deferred],
-                         last.log_end)
+                         last.log_end, last.time, last.next_due)
         self._write_record(rec)  # the commit point of this checkpoint
         self.checkpointed_epoch = last.epoch
         for r in replies:

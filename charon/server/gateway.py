@@ -8,7 +8,9 @@ empty body without a type means no arguments; every response is JSON unless the 
   200 ``{"request_id", "tid", "epoch", "position", "value", "status": "committed"}`` when it committed;
   409 ``{"error": {"type", "message"}, "request_id", "tid", "epoch", "position", "status": "aborted"}`` when
   a function in its call graph raised (nothing was applied). Replies ordered by (epoch, position) form a
-  serial order equivalent to the execution. The ``Idempotency-Key`` header becomes the request id:
+  serial order equivalent to the execution. With the in-process runtime both also carry ``"code_version"``,
+  the application version the epoch ran (code updates, :mod:`charon.server.admin`). The ``Idempotency-Key``
+  header becomes the request id:
   a retried request executes once and every retry gets the first reply. ``?mode=async`` answers at once
   with 202 ``{"request_id", "status_url"}``. A synchronous call still unanswered after ``wait_timeout``
   seconds also turns into that 202 (the transaction keeps running).
@@ -17,6 +19,8 @@ empty body without a type means no arguments; every response is JSON unless the 
   e.g. after a restart), or 404 when nobody knows the id. ``wait`` long-polls up to that many seconds (at
   most 30) while the request is in flight here.
 - ``GET /state/{operator}/{key}`` returns ``{"operator", "key", "value"}`` (an admin read).
+- ``GET /timers/{operator}/{key}`` returns ``{"operator", "key", "timers": [{"id", "due", "operator", "key",
+  "function", "args"}, ...]}``: the entity's pending timers (an admin read, see :mod:`charon.core.timers`).
 - ``POST /batch`` with body ``{"calls": [[operator, key, function, [args...]], ...]}`` (1..``max_batch_calls``)
   runs a client atomic batch: one transaction whose root calls each invocation in order (each sees the
   writes of those before it), so all commit or none; 200 with ``value`` = the list of the calls' values,
@@ -28,6 +32,8 @@ empty body without a type means no arguments; every response is JSON unless the 
   atom is returned whole); long-polls up to ``wait`` seconds (at most 30) when nothing is there yet. With
   ``Accept: text/event-stream`` it answers with server-sent events instead (``id`` = the offset after the
   event, ``data`` = the JSON event; resumable with ``Last-Event-ID``), for at most ``stream_sse_seconds``.
+- Admin, metrics and dashboard routes (``/admin/status``, ``/admin/pause``, ``/admin/resume``,
+  ``/admin/state/{operator}``, ``/admin/summary``, ``/metrics``, ``/dashboard``): :mod:`charon.server.admin`.
 - ``GET /health`` (open): 200 while the runtime serves, else 503 with its ``status`` (``starting`` while a
   runtime started in the background comes up, ``recovering``, ``failed``, ``stopped``). While starting, state
   reads answer 503 with ``Retry-After`` and invokes are accepted into the runtime's durable input log.
@@ -454,6 +460,19 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
             },
         }
     }
+    paths["/timers/{operator}/{key}"] = {
+        "get": {
+            "summary": "List the pending timers an entity registered (admin)",
+            "security": security,
+            "parameters": [path_param("operator", "operator name"), path_param("key", "entity key")],
+            "responses": {
+                "200": {"description": "the entity's pending timers"},
+                "400": err("invalid key"),
+                "401": err("missing or wrong bearer token"),
+                "404": err("unknown operator"),
+            },
+        }
+    }
     paths["/health"] = {"get": {"summary": "Liveness", "responses": {
         "200": {"description": "the runtime serves"},
         "503": {"description": "the runtime does not serve (starting, recovering, failed, stopped)"},
@@ -478,6 +497,7 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
                         "position": _POSITION_SCHEMA,
                         "value": {},
                         "status": {"type": "string", "enum": ["committed"]},
+                        "code_version": {"type": "string"},
                     },
                     "required": ["request_id", "tid", "epoch", "position", "value"],
                 },
@@ -530,6 +550,7 @@ class _Gateway:
             raise _HTTPError("Unavailable", f"the runtime failed to start: {self.start_error}")
         if self.starting:
             raise _HTTPError("Unavailable", "the runtime is starting; retry shortly")
+        self.metrics: Any = None  # charon.server.metrics.GatewayMetrics, set by create_app
 
     # ---- helpers
 
@@ -671,10 +692,13 @@ class _Gateway:
         )
         self.inflight[rid] = task
         self.inflight_req[rid] = req
-        task.add_done_callback(lambda t: self._finished(rid, t))
+        t0 = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.observe_request(req)
+        task.add_done_callback(lambda t: self._finished(rid, t, t0))
         return task
 
-    def _finished(self, rid: str, task: asyncio.Future[Reply]) -> None:
+    def _finished(self, rid: str, task: asyncio.Future[Reply], t0: float = 0.0) -> None:
         if self.inflight.get(rid) is task:
             del self.inflight[rid]
             req = self.inflight_req.pop(rid)
@@ -683,6 +707,8 @@ class _Gateway:
         if task.cancelled() or task.exception() is not None:
             return
         self.remember(task.result(), req)
+        if self.metrics is not None:
+            self.metrics.observe_reply(task.result(), time.perf_counter() - t0)
 
     def remember(self, rep: Reply, req: Request) -> None:
         """Keep a reply for polls and retries, within the count and byte bounds."""
@@ -725,6 +751,8 @@ class _Gateway:
         return Response(data, status, headers=headers, media_type=MSGPACK if mp else "application/json")
 
     def reply_response(self, request: HTTPRequest, rep: Reply) -> Response:
+        version_at = getattr(self.runtime, "version_at", None)  # code updates: the version its epoch ran
+        extra = {"code_version": version_at(rep.epoch)} if version_at is not None and rep.epoch >= 0 else {}
         if rep.ok:
             try:
                 value = serde.decode(rep.value) if rep.value else None
@@ -737,6 +765,7 @@ class _Gateway:
                 "position": rep.position,
                 "value": value,
                 "status": "committed",
+                **extra,
             }
             return self.respond(request, 200, body)
         body = {
@@ -746,6 +775,7 @@ class _Gateway:
             "epoch": rep.epoch,
             "position": rep.position,
             "status": "aborted",
+            **extra,
         }
         return self.respond(request, 409, body)
 
@@ -947,6 +977,25 @@ class _Gateway:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+    async def timers(self, request: HTTPRequest) -> Response:
+        """The pending timers an entity registered (an admin read)."""
+        self.check_auth(request)
+        operator = request.path_params["operator"]
+        key = request.path_params["key"]
+        if self.known_ops and operator not in self.known_ops:
+            raise _HTTPError("UnknownOperator", f"unknown operator {operator!r}")
+        try:
+            check_key(key)
+        except InvalidKey as exc:
+            raise _HTTPError("InvalidKey", str(exc)) from None
+        lister = getattr(self.runtime, "timers", None)
+        if lister is None:
+            raise _HTTPError("NotFound", "this runtime does not list timers")
+        found = await self.off_loop(lister, operator, key)
+        doc = [{"id": t.id, "due": t.due, "operator": t.operator, "key": t.key, "function": t.function,
+                "args": serde.decode(t.args)} for t in found]
+        return self.respond(request, 200, {"operator": operator, "key": key, "timers": doc})
+
     async def health(self, request: HTTPRequest) -> Response:
         """200 while the runtime serves; 503 with its state (status, epoch, last error...) otherwise."""
         probe = getattr(self.runtime, "health", None)
@@ -1098,9 +1147,16 @@ def create_app(
         Route("/state/{operator}/{key:path}", _guard(gw, gw.state), methods=["GET"], name="state"),
         Route("/streams/{stream}", _guard(gw, gw.stream), methods=["GET"], name="stream"),
         Route("/batch", _guard(gw, gw.batch), methods=["POST"], name="batch"),
+        Route("/timers/{operator}/{key:path}", _guard(gw, gw.timers), methods=["GET"], name="timers"),
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
+    from charon.server.admin import admin_routes  # imports this module
+    from charon.server.metrics import GatewayMetrics
+
+    parts = getattr(runtime, "partitions", None) or getattr(getattr(runtime, "config", None), "partitions", 1)
+    gw.metrics = GatewayMetrics(runtime, int(parts), samples=cfg.metrics_samples)
+    routes += admin_routes(gw, gw.metrics)
     async def http_error(request: HTTPRequest, exc: Exception) -> Response:
         # routing errors (no such route, wrong method) in the same typed JSON shape as every other error
         status = getattr(exc, "status_code", 500)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 import pickle
 import re
@@ -36,6 +37,7 @@ import msgspec
 
 from charon import serde
 from charon.config import SparkConfig
+from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult
 from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.core.routing import partition_of, split_store_key, store_key
@@ -46,6 +48,7 @@ from charon.log.sqlite import DedupRetention
 from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application
+from charon.runtime import control
 from charon.state.durable import DurableState, write_file_atomic
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
@@ -103,6 +106,8 @@ class EpochRecord(msgspec.Struct):
     starts: list[int]
     ends: list[int]
     stats: dict[str, float] = {}
+    time: float = 0.0  # the epoch's deterministic time: the newest timestamp of its input-log records
+    next_due: float = -math.inf  # the earliest pending timer after this epoch (-inf: unknown)
 
 
 # -- fault injection for the crash tests: CHARON_CRASH_AT="point:epoch" SIGKILLs this process there ----------
@@ -355,6 +360,24 @@ def _read_entities(
         yield from store.read_at(epoch, keys).items()  # catches up, never rolls back
 
 
+def _scan_prefix(
+    local_dir: str | None, durable_root: str, checkpoint: str, epoch: int, items: Iterable[tuple[int, bytes]],
+) -> Iterator[tuple[bytes, bytes]]:
+    """The items under a key prefix of a partition as of exactly ``epoch`` (timer listings)."""
+    from charon.state.lmdbstore import open_store
+
+    root = executor_local_dir(local_dir, checkpoint)
+    for pid, prefix in items:
+        store = open_store(root, pid, durable_root)
+        store.catch_up(epoch)
+        with store.reading():
+            if store.epoch == epoch:
+                yield from list(store.scan(prefix))
+                continue
+        state, _ = DurableState(durable_root).load(pid, epoch)  # the local copy is already ahead
+        yield from sorted((k, v) for k, v in state.items() if k.startswith(prefix))
+
+
 def _write_bases(durable_root: str, parts: int, rows: Iterable[Any]) -> Iterator[int]:
     by_pid: dict[int, dict[bytes, bytes]] = {}
     for r in rows:
@@ -385,7 +408,7 @@ class SparkExchange:
 
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
         t0 = time.perf_counter()
-        busy = bool(control.apply or control.reset or control.fast or control.finalize)
+        busy = bool(control.apply or control.reset or control.fast or control.finalize or control.timers)
         payloads = []
         outs: list[RoundOutput] = [RoundOutput() for _ in range(self.partitions)]
         for p in range(self.partitions):
@@ -414,6 +437,7 @@ class SparkExchange:
         s = self.stats
         s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
         s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
+        s["jobs"] = s.get("jobs", 0) + (1 if payloads else 0)
         s["bytes_out"] = s.get("bytes_out", 0) + sum(len(b) for _, b in payloads)
         s["bytes_in"] = s.get("bytes_in", 0) + sum(len(b) for _, b in results)
         s["step_s"] = s.get("step_s", 0.0) + sum(o.stats.get("step_us", 0) for o in outs) / 1e6
@@ -469,6 +493,11 @@ class SparkRuntime:
         self._epoch_cv = threading.Condition()
         self._in_epoch = False
         self._stopping = False
+        last = self.read_record(self.last_epoch)
+        # when the next timer is due (recorded per epoch; a fresh checkpoint has none): the ticker's cue
+        self._next_due = last.next_due if last is not None else math.inf
+        self._ticker: threading.Thread | None = None
+        self.gate = control.EpochGate()  # pause/resume at an epoch boundary
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -486,6 +515,7 @@ class SparkRuntime:
         ship_app_module(spark, self.app_ref)
         with self._epoch_cv:
             self._stopping = False
+        self.gate.reset()
         with self._lock:
             self._wake.clear()
             self._fatal = None
@@ -494,6 +524,24 @@ class SparkRuntime:
             self._status = "ok"
         self._supervisor = threading.Thread(target=self._supervise, name="charon-supervisor", daemon=True)
         self._supervisor.start()
+        if self._ticker is None or not self._ticker.is_alive():
+            self._ticker = threading.Thread(target=self._tick_timers, name="charon-timers", daemon=True)
+            self._ticker.start()
+
+    def _tick_timers(self) -> None:
+        """While idle, append a tick when a timer is due: the epoch it triggers takes the tick's timestamp as
+        its time (``EpochRecord.time``), so the timer fires there, deterministically on replay."""
+        poll = max(self.config.timer_poll_ms, 1) / 1000.0
+        n = 0
+        while not self._wake.wait(poll):
+            if self._status != "ok" or self._next_due > time.time():
+                continue
+            rec = self.read_record(self._last_recorded_epoch())
+            ends = rec.ends if rec is not None else [0] * self.config.n_log_partitions
+            if any(e < t for e, t in zip(ends, self.input_log.end_offsets(), strict=True)):
+                continue  # an epoch is coming anyway (it advances the time too)
+            n += 1
+            self.input_log.append(Request(f"{TICK}timer:{time.time_ns()}:{n}", TICK, "", "", serde.encode([])))
 
     def _start_query(self) -> None:
         spark = self.spark
@@ -583,6 +631,7 @@ class SparkRuntime:
         with self._lock:
             self._status = "stopped"
             self._wake.set()
+            self.gate.stopping()  # an epoch waiting at a paused gate fails and is replayed after a restart
             q, self._query = self._query, None
         with self._epoch_cv:
             self._stopping = True
@@ -592,6 +641,9 @@ class SparkRuntime:
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(timeout=60)
             self._supervisor = None
+        if self._ticker is not None and self._ticker is not threading.current_thread():
+            self._ticker.join(timeout=60)
+            self._ticker = None
         if self._compactor is not None:
             self._compactor.join()
 
@@ -713,6 +765,7 @@ class SparkRuntime:
         starts, ends = batch_offsets(self._query_ckpt, epoch)
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
+        now = max((r.ts for _, _, r in rows), default=None)  # logged: the epoch's time (ticks included)
 
         def deliver(replies: list[Reply]) -> None:
             if replies:
@@ -723,12 +776,17 @@ class SparkRuntime:
             self.app, self.exchange, sequencers=self.config.n_log_partitions,
             max_invocations=self.config.max_invocations, on_replies=deliver,
         )
+        coord.timer_limit = self.config.max_timers_per_epoch
+        coord.next_due = math.inf if epoch == 0 else -math.inf
         if prev is not None:
             coord.sequencer.counters = list(prev.counters)
+            coord.sequencer.time = prev.time
+            coord.next_due = prev.next_due
             coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
         self.exchange.stats = {}
+        self.gate.enter(epoch)  # paused: the batch is fixed but its epoch does not start
         crash_point("before_epoch", epoch)
-        result = coord.run_epoch(epoch, requests)
+        result = coord.run_epoch(epoch, requests, now)
         if result.events:  # before the record: a replay of this epoch re-derives them, appended once
             self.streams.append_atom(epoch, [(s, v) for _, s, v in result.events])
         crash_point("after_finalize", epoch)
@@ -737,8 +795,11 @@ class SparkRuntime:
         rec = EpochRecord(
             epoch, list(coord.sequencer.counters),
             [(tid, serde.encode_request(r)) for tid, r in coord.deferred], list(starts), list(ends), stats,
+            coord.sequencer.time, coord.next_due,
         )
         self._write_record(rec)
+        self._next_due = coord.next_due
+        self.gate.leave()
         self._unconfirmed = None
         self.output_log.mark_epoch(epoch)  # the replies stream cuts its atoms here
         self.last_epoch = epoch
@@ -787,6 +848,35 @@ class SparkRuntime:
             if name.endswith(".msgpack") and name[:-8].isdigit() and int(name[:-8]) < lo:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(epochs, name))
+
+    # -- control (charon.runtime.control) ------------------------------------------------------------------------
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; requests wait in the input log."""
+        self.gate.pause(after_epoch)
+        return self.control_status()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; the waiting requests run in log order."""
+        self.gate.resume()
+        return self.control_status()
+
+    def control_status(self) -> dict[str, Any]:
+        """``state`` (running, pausing, paused), the last recorded ``epoch``, the ``backlog``."""
+        return control.spark_status(self)
+
+    def inspect(
+        self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
+    ) -> tuple[int, dict[bytes, bytes]]:
+        """``(epoch, rows)``: ``operator``'s state rows as of one recorded epoch, from the durable copy."""
+        return control.spark_inspect(self, operator, keys, epoch, limit)
+
+    def state_frame(self, operator: str, epoch: int | None = None) -> Any:
+        """``operator``'s state as a Spark DataFrame (key, item, value, value_json, epoch) at one epoch (default:
+        the last recorded), read from the durable copy by parallel tasks (:mod:`charon.runtime.spark.statesql`)."""
+        from charon.runtime.spark.statesql import DataDirLayout, state_frame
+
+        layout = DataDirLayout(self.durable.root, self.config.partitions, self._settled_epoch(), "spark")
+        return state_frame(self.spark, layout, operator, epoch)
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
@@ -864,6 +954,14 @@ class SparkRuntime:
             out.update(got)
         return out
 
+    def timers(self, operator: str, key: str) -> list[_timers.Timer]:
+        """The pending timers an entity registered, as of the last recorded epoch (by id)."""
+        epoch = self._settled_epoch()
+        fn = partial(_scan_prefix, self.config.local_dir, os.path.join(self.ckpt, "state"), self.ckpt, epoch)
+        item = (partition_of(operator, key, self.config.partitions), _timers.owner_prefix(operator, key))
+        rows = self.spark.sparkContext.parallelize([item], 1).mapPartitions(fn).collect()
+        return [_timers.decode(v) for _, v in rows]
+
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state (from the durable copy, as of the last recorded epoch)."""
         epoch = self._last_recorded_epoch()
@@ -891,12 +989,14 @@ def replay_in_process(
     """Run the Spark runtime's recorded epochs through the in-process runtime (same boundaries, same TIDs)."""
     from charon.runtime.inprocess import InProcessRuntime
 
-    rt = InProcessRuntime(app, partitions=runtime.config.partitions)
+    rt = InProcessRuntime(app, partitions=runtime.config.partitions,
+                          max_timers_per_epoch=runtime.config.max_timers_per_epoch)
     rt.coordinator.sequencer = Sequencer(runtime.config.n_log_partitions)
     for k, v in initial.items():
         op, key, _ = split_store_key(k)
         rt.stores[partition_of(op, key, rt.partitions)].data[k] = v
     results = []
     for e in range(runtime._last_recorded_epoch() + 1):
-        results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e)))
+        rec = runtime.read_record(e)
+        results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e), rec.time if rec else None))
     return rt, results

@@ -1,0 +1,430 @@
+"""Issue 10, in-process targets: the engine alone, the YCSB-T open loop, Deathstar travel against PostgreSQL.
+
+    .venv/bin/python benchmarks/engine_perf.py --before-src /work/main      # before (that checkout) and after
+    .venv/bin/python benchmarks/engine_perf.py --quick                      # shorter runs
+
+Writes ``benchmarks/engine_perf.json`` and ``benchmarks/engine_perf.png``. Every measurement runs in a fresh
+child process; ``--before-src`` points at a checkout of the code before the change (the child imports
+``charon`` from there), so before and after come from the same run on the same machine.
+
+The machine is shared (2 cores, other jobs): wall-clock latencies depend on how much CPU this process got,
+so each point also reports the CPU time per request (``time.process_time``, robust to the others' load) and
+the CPU share the process received (CPU seconds / wall seconds). Figures:
+
+1. engine alone: batches of 1,000 YCSB-T transfers (10k accounts, 4 partitions) through ``run_epoch``, one
+   core; µs of CPU per transaction with the default collector and with :func:`tune_gc` (what a started
+   runtime uses); before and after alternate ``--repeat`` times (the best median counts), next to a bare
+   arithmetic epoch loop with Aria's commit rule (no functions, no messages: a machine-speed reference
+   showing how much the shared machine inflates CPU times, not a reachable ceiling).
+2. open loop: YCSB-T at several rates against a started ``InProcessRuntime`` (load generator in the same
+   process, as the suite runs it): latency percentiles, epoch sizes, CPU per request.
+3. Deathstar travel mix: CPU per request in batches, and the open loop at several rates, next to PostgreSQL
+   (both isolation modes, the load generator in its own process reporting its own CPU, pool size chosen by
+   measurement: the best of ``--pg-pools`` at the highest rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+# ------------------------------------------------------------------------------------------- child side
+
+
+def _use_src(src: str | None) -> None:
+    """Import ``charon`` from ``src`` (a checkout) instead of the installed (editable) package."""
+    if src:
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
+                            and "editable" not in getattr(f, "__name__", "").lower()]
+        sys.path.insert(0, src)
+
+
+def bare_loop(n_accounts: int, batches: list[list[tuple[int, int, int]]]) -> float:
+    """CPU µs per transfer of a minimal deterministic epoch loop: dry run on a snapshot, Aria commit, serial rerun."""
+    state = dict.fromkeys(range(n_accounts), 1_000_000)
+    t0 = time.process_time()
+    n = 0
+    for batch in batches:
+        writes: list[dict[int, int]] = []
+        min_writer: dict[int, int] = {}
+        for tid, (a, b, amt) in enumerate(batch):
+            w = {}
+            bal = state[a]
+            if bal >= amt:
+                w[a] = bal - amt
+                w[b] = state[b] + amt if b != a else bal
+            writes.append(w)
+            for k in (a, b):
+                if k not in min_writer:
+                    min_writer[k] = tid
+        for tid, (a, b, _amt) in enumerate(batch):
+            if min_writer[a] < tid or min_writer[b] < tid:  # conflict: rerun in TID order after the commits
+                continue
+            state.update(writes[tid])
+        for tid, (a, b, amt) in enumerate(batch):
+            if min_writer[a] < tid or min_writer[b] < tid:
+                if state[a] >= amt:
+                    state[a] -= amt
+                    state[b] += amt
+        n += len(batch)
+    return (time.process_time() - t0) / n * 1e6
+
+
+def child_engine(src: str | None, epochs: int) -> dict:
+    _use_src(src)
+    import gc
+    import random
+    import uuid
+
+    from charon import serde
+    from charon.apps import ycsb
+    from charon.messages import Request
+    from charon.runtime.inprocess import InProcessRuntime
+
+    n = 10_000
+    rng = random.Random(0)
+    raw = [[(rng.randrange(n), rng.randrange(n), rng.randint(1, 10)) for _ in range(1000)] for _ in range(epochs)]
+    out: dict = {"bare_loop_us": min(bare_loop(n, raw) for _ in range(3))}
+    for mode in ("default_gc", "tuned_gc"):
+        rt = InProcessRuntime(ycsb.app, partitions=4)
+        rt.load("account", ycsb.initial_state(n))
+        batches = [[Request(uuid.uuid4().hex, "account", ycsb.key(a), "transfer", serde.encode([ycsb.key(b), x]))
+                    for a, b, x in batch] for batch in raw]
+        for b in batches[:3]:  # warm-up
+            rt.run_epoch(b)
+        if mode == "tuned_gc":
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(50_000, 20, 100)
+        chunks = []
+        for i in range(3, len(batches), 5):
+            t = time.process_time()
+            for b in batches[i:i + 5]:
+                rt.run_epoch(b)
+            chunks.append((time.process_time() - t) / (1000 * len(batches[i:i + 5])) * 1e6)
+        out[mode] = {"us_per_tx_chunks": chunks, "us_per_tx_best": min(chunks),
+                     "us_per_tx_median": sorted(chunks)[len(chunks) // 2]}
+        if mode == "tuned_gc":
+            gc.unfreeze()
+            gc.set_threshold(700, 10, 10)
+    return out
+
+
+def child_deathstar_batch(src: str | None, epochs: int, size: int) -> dict:
+    _use_src(src)
+    import gc
+    import random
+    import uuid
+
+    from charon import serde
+    from charon.apps import deathstar
+    from charon.messages import Request
+    from charon.runtime.inprocess import InProcessRuntime
+
+    rt = InProcessRuntime(deathstar.app, partitions=4)
+    for op, key, value, items in deathstar.populate():
+        if value is not None:
+            rt.load(op, {key: value})
+        if items:
+            rt.load_items(op, key, items)
+    rng = random.Random(0)
+    batches = []
+    for _ in range(epochs):
+        b = []
+        for _ in range(size):
+            op, key, fn, args = deathstar.next_request(rng)
+            b.append(Request(uuid.uuid4().hex, op, key, fn, serde.encode(args)))
+        batches.append(b)
+    for b in batches[:2]:
+        rt.run_epoch(b)
+    gc.collect()
+    gc.freeze()
+    t = time.process_time()
+    for b in batches[2:]:
+        rt.run_epoch(b)
+    return {"us_per_request": (time.process_time() - t) / ((epochs - 2) * size) * 1e6, "epoch_size": size}
+
+
+def child_open_loop(src: str | None, workload: str, rates: list[float], duration: float, warmup: float) -> dict:
+    _use_src(src)
+    import asyncio
+
+    from charon.apps import deathstar, ycsb
+    from charon.bench import harness
+    from charon.runtime.inprocess import InProcessRuntime
+
+    async def main() -> list[dict]:
+        if workload == "ycsb":
+            import random as _r
+            n = 10_000
+
+            def gen(rng: _r.Random) -> tuple:
+                return ("account", ycsb.key(rng.randrange(n)), "transfer", [ycsb.key(rng.randrange(n)),
+                                                                             rng.randint(1, 10)])
+            rt = InProcessRuntime(ycsb.app, partitions=4)
+            rt.load("account", ycsb.initial_state(n))
+        else:
+            gen = deathstar.next_request
+            rt = InProcessRuntime(deathstar.app, partitions=4)
+            for op, key, value, items in deathstar.populate():
+                if value is not None:
+                    rt.load(op, {key: value})
+                if items:
+                    rt.load_items(op, key, items)
+        res = []
+        async with rt:
+            for rate in rates:
+                c0, w0 = time.process_time(), time.perf_counter()
+                r = await harness.run_open_loop(rt, gen, rate=rate, duration=duration, warmup=warmup, seed=int(rate),
+                                                drain_timeout=20)
+                cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+                r.pop("timeline", None)
+                r["cpu_us_per_request"] = cpu / max(r["sent"], 1) * 1e6
+                r["cpu_share"] = cpu / wall
+                res.append(r)
+        return res
+
+    return {"points": asyncio.run(main())}
+
+
+def child_postgres(dsn: str, workload: str, isolation: str, pool: int, rates: list[float], duration: float,
+                   warmup: float) -> dict:
+    import asyncio
+
+    from charon.apps import deathstar, ycsb
+    from charon.bench import harness
+    from charon.bench.postgres import DeathstarSql, PostgresBaseline, YcsbSql
+
+    async def main() -> list[dict]:
+        if workload == "ycsb":
+            n = 10_000
+
+            def gen(rng):  # noqa: ANN001, ANN202
+                return ("account", ycsb.key(rng.randrange(n)), "transfer", [ycsb.key(rng.randrange(n)),
+                                                                             rng.randint(1, 10)])
+            sql = YcsbSql()
+        else:
+            gen, sql = deathstar.next_request, DeathstarSql()
+        res = []
+        async with PostgresBaseline(dsn, sql, pool_size=pool, isolation=isolation) as pg:
+            for rate in rates:
+                c0, w0 = time.process_time(), time.perf_counter()
+                r = await harness.run_open_loop(pg, gen, rate=rate, duration=duration, warmup=warmup, seed=int(rate),
+                                                drain_timeout=20)
+                cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+                r.pop("timeline", None)
+                r["client_cpu_us_per_request"] = cpu / max(r["sent"], 1) * 1e6
+                r["client_cpu_share"] = cpu / wall  # the load generator's own process
+                r.update({"isolation": isolation, "pool": pool})
+                res.append(r)
+        return res
+
+    return {"points": asyncio.run(main())}
+
+
+CHILDREN = {"engine": child_engine, "deathstar_batch": child_deathstar_batch, "open_loop": child_open_loop,
+            "postgres": child_postgres}
+
+
+# ------------------------------------------------------------------------------------------ parent side
+
+
+def run_child(kind: str, **kw: object) -> dict:
+    """Run one measurement in a fresh interpreter (this file, ``--child``) and return its JSON."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-args", json.dumps(kw)]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"{kind} child failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def server_cpu_s(data_dir: Path) -> float:
+    """CPU seconds of a PostgreSQL server: the postmaster's own plus its exited children's (the backends of a
+    pool are reaped when the pool's connections close)."""
+    pid = int((data_dir / "postmaster.pid").read_text().split()[0])
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
+
+
+def git_head(src: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", src, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - not a git checkout
+        return "unknown"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    ax = axes[0]
+    labels, vals = [], []
+    for side in ("before", "after"):
+        e = result["engine"].get(side)
+        if e:
+            for mode in ("default_gc", "tuned_gc"):
+                labels.append(f"{side}\n{mode.replace('_gc', ' GC')}")
+                vals.append(e[mode]["us_per_tx_median"])
+    e = result["engine"]["after"]
+    labels.append("bare loop\n(reference)")
+    vals.append(e["bare_loop_us"])
+    ax.bar(labels, vals, color=["#999", "#bbb", "#1f77b4", "#4a9fe0", "#2ca02c"][-len(vals):])
+    ax.axhline(25, color="r", ls="--", lw=1, label="target 25 µs")
+    ax.set_ylabel("CPU µs per transaction")
+    ax.set_title("1. engine alone (YCSB-T, batches of 1,000)")
+    ax.legend()
+    for i, (side, key) in enumerate((("ycsb", "p99"), ("deathstar", "p99"))):
+        ax = axes[1 + i]
+        for who, style in (("before", "o--"), ("after", "o-")):
+            pts = result["open_loop"].get(side, {}).get(who)
+            if pts:
+                ax.plot([p["input_rate"] for p in pts], [p["latency_ms"][key] for p in pts], style,
+                        label=f"charon {who}")
+        for iso, pts in result.get("postgres", {}).get(side, {}).items():
+            ax.plot([p["input_rate"] for p in pts], [p["latency_ms"][key] for p in pts], "s:", label=f"pg {iso}")
+        ax.set_yscale("log")
+        ax.set_xlabel("input rate (requests/s)")
+        ax.set_ylabel(f"{key} latency (ms)")
+        ax.set_title(f"{2 + i}. {side} open loop (shared machine)")
+        ax.legend(fontsize=8)
+    ax = axes[3]
+    for who, style in (("before", "o--"), ("after", "o-")):
+        pts = result["open_loop"].get("deathstar", {}).get(who)
+        if pts:
+            ax.plot([p["input_rate"] for p in pts], [p["cpu_us_per_request"] for p in pts], style,
+                    label=f"charon {who} (engine + generator)")
+    for iso, pts in result.get("postgres", {}).get("deathstar", {}).items():
+        if pts and "total_cpu_us_per_request" in pts[0]:
+            ax.plot([p["input_rate"] for p in pts], [p["total_cpu_us_per_request"] for p in pts], "s:",
+                    label=f"pg {iso} (server + generator)")
+    ax.set_xlabel("input rate (requests/s)")
+    ax.set_ylabel("CPU µs per request")
+    ax.set_title("3. deathstar: CPU per request (load-independent)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-args", help=argparse.SUPPRESS)
+    ap.add_argument("--before-src", help="checkout of the code before the change (e.g. /work/main)")
+    ap.add_argument("--after-src", help="checkout of the code after the change (default: the installed charon)")
+    ap.add_argument("--quick", action="store_true", help="shorter runs")
+    ap.add_argument("--ycsb-rates", default="5000,10000,20000")
+    ap.add_argument("--deathstar-rates", default="250,500,1000")
+    ap.add_argument("--pg-pools", default="4,8,16,32")
+    ap.add_argument("--no-postgres", action="store_true")
+    ap.add_argument("--postgres-only", action="store_true", help="re-measure PostgreSQL into an existing --out")
+    ap.add_argument("--repeat", type=int, default=3, help="engine-alone runs per side, alternating")
+    ap.add_argument("--out", default=str(HERE / "engine_perf.json"))
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(CHILDREN[a.child](**json.loads(a.child_args))))
+        return 0
+    dur, warm, epochs = (3.0, 1.0, 13) if a.quick else (8.0, 2.0, 23)
+    sides = {"after": a.after_src}
+    if a.before_src:
+        sides = {"before": a.before_src, "after": a.after_src}
+    after_commit = git_head(a.after_src) if a.after_src else "unknown"
+    if after_commit == "unknown":  # a snapshot (git archive) of this checkout
+        after_commit = git_head(str(ROOT))
+    res: dict = {"when": time.time(), "after_commit": after_commit, "machine": os.uname().nodename,
+                 "cpus": os.cpu_count(), "engine": {}, "deathstar_batch": {}, "open_loop": {"ycsb": {},
+                                                                                        "deathstar": {}},
+                 "postgres": {}}
+    if a.before_src:
+        res["before_commit"] = git_head(a.before_src)
+    ycsb_rates = [float(x) for x in a.ycsb_rates.split(",")]
+    ds_rates = [float(x) for x in a.deathstar_rates.split(",")]
+    if a.postgres_only:
+        res = json.loads(Path(a.out).read_text())
+        res["postgres"] = {}
+        sides = {}
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for i in range(a.repeat):  # alternate before/after: the neighbours' load hits both alike
+        for side, src in sides.items():
+            r = run_child("engine", src=src, epochs=epochs)
+            runs[side].append(r)
+            print(f"[{side}] engine alone run {i}: default GC {r['default_gc']['us_per_tx_median']:.1f}, tuned GC "
+                  f"{r['tuned_gc']['us_per_tx_median']:.1f} us/tx; bare loop {r['bare_loop_us']:.2f}", flush=True)
+    for side in sides:
+        best = {"runs": runs[side], "bare_loop_us": min(r["bare_loop_us"] for r in runs[side])}
+        for mode in ("default_gc", "tuned_gc"):
+            m = min(r[mode]["us_per_tx_median"] for r in runs[side])
+            best[mode] = {"us_per_tx_median": m, "tx_per_s": 1e6 / m}
+        res["engine"][side] = best
+    for side, src in sides.items():
+        res["deathstar_batch"][side] = run_child("deathstar_batch", src=src, epochs=12, size=100)
+        print(f"[{side}] deathstar batch: {res['deathstar_batch'][side]['us_per_request']:.0f} us/request",
+              flush=True)
+    for side, src in sides.items():
+        for wl, rates in (("ycsb", ycsb_rates), ("deathstar", ds_rates)):
+            print(f"[{side}] open loop {wl} {rates} ...", flush=True)
+            pts = run_child("open_loop", src=src, workload=wl, rates=rates, duration=dur, warmup=warm)["points"]
+            res["open_loop"][wl][side] = pts
+            for p in pts:
+                lat = p["latency_ms"]
+                print(f"    {p['input_rate']:7.0f}/s: {p['committed_per_s']:8.0f} c/s p50 {lat['p50']:8.1f} "
+                      f"p99 {p['latency_ms']['p99']:8.1f} ms, cpu {p['cpu_us_per_request']:.0f} us/req, "
+                      f"cpu share {p['cpu_share']:.2f}, epochs {p['epochs']['size_mean']:.0f}", flush=True)
+    if not a.no_postgres:
+        from charon.apps import deathstar
+        from charon.bench.postgres import DeathstarSql, PostgresCluster
+
+        with PostgresCluster() as cluster:
+            pools = [int(x) for x in a.pg_pools.split(",")]
+            res["postgres"]["deathstar"] = {}
+            res["postgres"]["pool_sweep"] = {}
+            for iso in ("serializable", "read_committed"):
+                best = None
+                for pool in pools:  # pool size by measurement: the best committed rate at the highest rate
+                    DeathstarSql().setup(cluster.dsn, deathstar.populate())
+                    p = run_child("postgres", dsn=cluster.dsn, workload="deathstar", isolation=iso, pool=pool,
+                                  rates=[max(ds_rates)], duration=min(dur, 3.0), warmup=1.0)["points"][0]
+                    res["postgres"]["pool_sweep"].setdefault(iso, []).append(p)
+                    score = (p["committed_per_s"], -p["latency_ms"]["p99"])
+                    if best is None or score > best[0]:
+                        best = (score, pool)
+                pool = best[1]
+                DeathstarSql().setup(cluster.dsn, deathstar.populate())
+                pts = []
+                for rate in ds_rates:  # one child per rate: the server's CPU is read around each
+                    before = server_cpu_s(cluster.dir / "data")
+                    p = run_child("postgres", dsn=cluster.dsn, workload="deathstar", isolation=iso, pool=pool,
+                                  rates=[rate], duration=dur, warmup=warm)["points"][0]
+                    time.sleep(0.5)  # the backends exit and are reaped
+                    p["server_cpu_us_per_request"] = (server_cpu_s(cluster.dir / "data") - before) / p["sent"] * 1e6
+                    p["total_cpu_us_per_request"] = p["server_cpu_us_per_request"] + p["client_cpu_us_per_request"]
+                    pts.append(p)
+                res["postgres"]["deathstar"][iso] = pts
+                for p in pts:
+                    print(f"    pg {iso} pool {pool} {p['input_rate']:6.0f}/s: {p['committed_per_s']:7.0f} c/s "
+                          f"p50 {p['latency_ms']['p50']:7.1f} p99 {p['latency_ms']['p99']:7.1f} ms, client cpu "
+                          f"{p['client_cpu_us_per_request']:.0f} us/req, server cpu "
+                          f"{p['server_cpu_us_per_request']:.0f} us/req", flush=True)
+    out = Path(a.out)
+    out.write_text(json.dumps(res, indent=1, default=float))
+    plot(res, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

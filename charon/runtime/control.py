@@ -1,0 +1,477 @@
+"""Runtime control shared by both runtimes: pause/resume at an epoch boundary and consistent state reads.
+
+* :class:`EpochGate` is the one owner of "may the next epoch start?". A runtime asks it right before an epoch
+  runs (:meth:`EpochGate.enter`, after the epoch's batch is fixed and before the coordinator runs it) and tells
+  it when the epoch is done (:meth:`EpochGate.leave`). While the gate is closed no epoch starts; requests keep
+  arriving (in the Spark runtime they wait in the durable input log). ``pause(after_epoch=N)`` lets epochs up
+  to ``N`` run and closes the gate for every later one.
+* :func:`read_durable` reads an operator's entities (or some of them) from the durable copy as of one epoch: one
+  consistent cut, never mixing epochs; an epoch older than the durable copy's base is refused with
+  :class:`EpochNotRetained`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from charon import serde
+from charon.core.routing import entity_prefix, partition_of, split_store_key, store_key
+from charon.errors import CharonError
+from charon.state.durable import DurableState, DurableStateError
+from charon.state.store import MemoryStore
+
+__all__ = ["EpochGate", "GateClosed", "EpochNotRetained", "read_durable", "read_stores", "decode_entities"]
+
+
+class GateClosed(CharonError):
+    """The runtime stopped while an epoch waited at a closed gate (the epoch did not run)."""
+
+
+class EpochNotRetained(CharonError):
+    """The state as of the requested epoch is not available (not reached yet, or compacted away)."""
+
+
+class EpochGate:
+    """Pause/resume at an epoch boundary (thread-safe; the in-process runtime awaits it on its event loop)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._paused = False
+        self._after: int | None = None
+        self._active: int | None = None  # the epoch running now
+        self._stopping = False
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    def closed_for(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` must wait."""
+        return self._paused or (self._after is not None and epoch > self._after)
+
+    def pause(self, after_epoch: int | None = None) -> None:
+        """Close the gate now (``after_epoch`` None) or once epoch ``after_epoch`` is done."""
+        with self._cv:
+            if after_epoch is None:
+                self._paused = True
+            else:
+                self._after = after_epoch
+            self._cv.notify_all()
+
+    def resume(self) -> None:
+        """Open the gate: waiting epochs start in order."""
+        with self._cv:
+            self._paused = False
+            self._after = None
+            self._cv.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, ev in waiters:
+            loop.call_soon_threadsafe(ev.set)
+
+    def stopping(self) -> None:
+        """The runtime stops: an epoch waiting at the closed gate gives up with :class:`GateClosed`."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
+    def reset(self) -> None:
+        """The runtime (re)starts: waiting is possible again (the pause itself is kept)."""
+        with self._cv:
+            self._stopping = False
+
+    def enter(self, epoch: int, timeout: float | None = None) -> None:
+        """Block until epoch ``epoch`` may start, then mark it running (a thread of the runtime calls this)."""
+        with self._cv:
+            while self.closed_for(epoch):
+                if self._stopping:
+                    raise GateClosed(f"stopped while epoch {epoch} waited at the paused gate")
+                self._cv.wait(timeout)
+            self._active = epoch
+
+    async def enter_async(self, epoch: int) -> None:
+        """Like :meth:`enter`, awaited on an event loop."""
+        while True:
+            with self._cv:
+                if not self.closed_for(epoch):
+                    self._active = epoch
+                    return
+                ev = asyncio.Event()
+                self._waiters.append((asyncio.get_running_loop(), ev))
+            await ev.wait()
+
+    def wake_on_open(self, epoch: int, event: asyncio.Event) -> None:
+        """Set ``event`` (on the running loop) when epoch ``epoch`` may start; at once if it may already."""
+        with self._cv:
+            if not self.closed_for(epoch):
+                event.set()
+                return
+            if not any(ev is event for _, ev in self._waiters):
+                self._waiters.append((asyncio.get_running_loop(), event))
+
+    def leave(self) -> None:
+        """The running epoch is done."""
+        with self._cv:
+            self._active = None
+            self._cv.notify_all()
+
+    def status(self, last_epoch: int) -> dict[str, Any]:
+        """``state`` (running, pausing: closed with an epoch still running, paused), the pause settings."""
+        with self._cv:
+            closed = self.closed_for(last_epoch + 1)
+            active = self._active
+            state = "running" if not closed else ("pausing" if active is not None else "paused")
+            if self._after is not None and not self._paused and last_epoch < self._after:
+                state = "running"
+            return {"state": state, "paused": state == "paused", "pause_requested": self._paused,
+                    "pause_after": self._after, "active_epoch": active}
+
+    def wait_paused(self, last_epoch: Any, timeout: float = 60.0) -> bool:
+        """Block until no epoch runs and the next one would wait (``last_epoch``: a callable)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._active is None and self.closed_for(last_epoch() + 1), timeout)
+
+
+def decode_entities(rows: dict[bytes, bytes], operator: str) -> dict[str, dict[str, Any]]:
+    """``{key: {"value": v, "items": {name: v}}}`` of ``operator`` from store rows (other operators ignored)."""
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in rows.items():
+        op, key, item = split_store_key(k)
+        if op != operator:
+            continue
+        ent = out.setdefault(key, {"value": None, "items": {}})
+        if item == "":
+            ent["value"] = serde.decode(v)
+        else:
+            ent["items"][item.lstrip("\x01")] = serde.decode(v)
+    return out
+
+
+def _wanted(operator: str, keys: list[str] | None, partitions: int) -> dict[int, list[str]] | None:
+    if keys is None:
+        return None
+    by_pid: dict[int, list[str]] = {}
+    for k in keys:
+        by_pid.setdefault(partition_of(operator, k, partitions), []).append(k)
+    return by_pid
+
+
+def _pick(state: Any, operator: str, keys: list[str] | None, limit: int) -> dict[bytes, bytes]:
+    """Rows of ``operator`` (only ``keys`` if given) from one partition's state; at most ``limit`` entities."""
+    rows: dict[bytes, bytes] = {}
+    if keys is not None:
+        for key in keys:
+            prefix = entity_prefix(operator, key)
+            main = state.get(store_key(operator, key))
+            if main is not None:
+                rows[store_key(operator, key)] = main
+            for k, v in _scan(state, prefix + b"\x01"):
+                rows[k] = v
+        return rows
+    seen: set[bytes] = set()
+    for k, v in _scan(state, f"{operator}\0".encode()):
+        ent = k.split(b"\0", 2)[1]
+        if ent not in seen:
+            if len(seen) >= limit:
+                continue
+            seen.add(ent)
+        rows[k] = v
+    return rows
+
+
+def _scan(state: Any, prefix: bytes) -> Any:
+    if isinstance(state, MemoryStore):
+        return state.scan(prefix)
+    return ((k, v) for k, v in state.items() if k.startswith(prefix))
+
+
+def read_stores(stores: list[MemoryStore], operator: str, keys: list[str] | None, limit: int) -> dict[bytes, bytes]:
+    """The committed rows of ``operator`` in live stores (call it at an epoch boundary)."""
+    wanted = _wanted(operator, keys, len(stores))
+    rows: dict[bytes, bytes] = {}
+    for pid, s in enumerate(stores):
+        if wanted is not None and pid not in wanted:
+            continue
+        rows.update(_pick(s, operator, None if wanted is None else wanted[pid], limit - _count(rows)))
+    return rows
+
+
+def _count(rows: dict[bytes, bytes]) -> int:
+    return len({k.split(b"\0", 2)[1] for k in rows})
+
+
+def read_durable(
+    durable: DurableState, partitions: int, operator: str, epoch: int, keys: list[str] | None, limit: int
+) -> dict[bytes, bytes]:
+    """The rows of ``operator`` as of ``epoch`` from the durable copy (every partition at the same epoch)."""
+    wanted = _wanted(operator, keys, partitions)
+    rows: dict[bytes, bytes] = {}
+    for pid in range(partitions):
+        if wanted is not None and pid not in wanted:
+            continue
+        try:
+            state, _ = durable.load(pid, epoch)
+        except DurableStateError as exc:
+            raise EpochNotRetained(f"the state as of epoch {epoch} is no longer retained: {exc}") from None
+        rows.update(_pick(state, operator, None if wanted is None else wanted[pid], limit - _count(rows)))
+    return rows
+
+
+# -- the runtimes' control surface (their methods delegate here; the gateway calls those) --------------------
+def inprocess_status(rt: Any) -> dict[str, Any]:
+    """Pause state, the last committed epoch and the backlog (queued + deferred) of an in-process runtime."""
+    last = rt.epoch - 1
+    retained = node_retained_epochs(rt.node.durable, rt.partitions) if rt.node is not None else []
+    backlog = len(rt._queue) + len(rt.coordinator.deferred) + sum(len(p[0]) for p in rt._parked)
+    return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "logged_waiting": len(rt._parked),
+            "engine": "inprocess", "durable": rt.durable, "retained_from": retained[0] if retained else last,
+            "code_version": version_at(rt, last + 1),
+            "retained_epochs": retained + [last]}
+
+
+def node_retained_epochs(durable: DurableState, partitions: int) -> list[int]:
+    """The epochs the node's durable copy can still show: its checkpoints (a checkpoint covers several epochs,
+    written as one delta named after its last epoch) since the oldest base, ascending."""
+    found: set[int] = set()
+    floor = -1
+    for pid in range(partitions):
+        m = durable.manifest(pid)
+        floor = max(floor, m.base_epoch)
+        found.update(m.deltas)
+        found.add(m.base_epoch)
+    return sorted(e for e in found if e >= floor and e >= 0)
+
+
+def _retained_from(durable: DurableState, partitions: int) -> int:
+    return max((durable.manifest(pid).base_epoch for pid in range(partitions)), default=-1)
+
+
+async def inprocess_inspect(
+    rt: Any, operator: str, keys: list[str] | None, epoch: int | None, limit: int
+) -> tuple[int, dict[bytes, bytes]]:
+    """Rows of ``operator`` as of ``epoch`` (default: the last committed one), read on the runtime's loop
+    (the live stores between two epochs) or, for an earlier epoch, from the durable copy."""
+    last = rt.epoch - 1
+    if epoch is None or epoch == last:
+        return last, read_stores(rt.stores, operator, keys, limit)
+    if epoch > last or epoch < -1:
+        raise EpochNotRetained(f"epoch {epoch} is not committed (the last committed epoch is {last})")
+    node = rt.node
+    if node is None:
+        raise EpochNotRetained("a volatile runtime keeps only the state of its last committed epoch")
+    if epoch > node.checkpointed_epoch:
+        raise EpochNotRetained(f"epoch {epoch} is not checkpointed yet (checkpointed: {node.checkpointed_epoch})")
+    retained = await asyncio.to_thread(node_retained_epochs, node.durable, rt.partitions)
+    if epoch not in retained:
+        raise EpochNotRetained(f"the state as of epoch {epoch} is not retained (retained: the checkpoints "
+                               f"{retained[-20:]} and the last committed epoch {last})")
+    return epoch, await asyncio.to_thread(read_durable, node.durable, rt.partitions, operator, epoch, keys, limit)
+
+
+def spark_status(rt: Any) -> dict[str, Any]:
+    """Pause state, the last recorded epoch and the backlog (log entries after it) of a Spark runtime."""
+    last = rt._last_recorded_epoch()
+    rec = rt.read_record(last) if last >= 0 else None
+    ends = rt.input_log.end_offsets()
+    done = rec.ends if rec is not None else rt.input_log.start_offsets()
+    backlog = sum(max(0, e - d) for e, d in zip(ends, done, strict=True))
+    return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "engine": "spark", "durable": True,
+            "retained_from": _retained_from(rt.durable, rt.config.partitions)}
+
+
+def spark_inspect(
+    rt: Any, operator: str, keys: list[str] | None, epoch: int | None, limit: int
+) -> tuple[int, dict[bytes, bytes]]:
+    """Rows of ``operator`` as of ``epoch`` (default: the last recorded one, after the newest reply's) from the
+    durable copy, on the driver (no Spark job: it never waits for the running query)."""
+    last = rt._settled_epoch()
+    if epoch is None:
+        epoch = last
+    if epoch > last or epoch < -1:
+        raise EpochNotRetained(f"epoch {epoch} is not recorded (the last recorded epoch is {last})")
+    return epoch, read_durable(rt.durable, rt.config.partitions, operator, epoch, keys, limit)
+
+
+# -- serializable admin updates (in-process runtime) ----------------------------------------------------------
+ADMIN_PREFIX = "__charon_admin:"  # request ids of admin updates (the gateway reserves __charon* for runtimes)
+
+
+@contextlib.asynccontextmanager
+async def _alone(rt: Any) -> AsyncIterator[None]:
+    """Hold the in-process runtime at an epoch boundary with nothing in flight: paused after the running
+    epoch, epochs logged while paused run, transactions deferred before run (alone); resumed afterwards
+    unless it was paused before. One at a time."""
+    lock = getattr(rt, "_admin_lock", None)
+    if lock is None:
+        lock = rt._admin_lock = asyncio.Lock()
+    async with lock:
+        was_paused = rt.gate._paused
+        rt.gate.pause()
+        try:
+            while rt.gate._active is not None:  # the running epoch finishes first
+                await asyncio.sleep(0.001)
+            rt._run_parked()  # epochs logged while paused come first
+            rt.drain()  # transactions deferred before run without what follows
+            yield
+        finally:
+            if not was_paused:
+                rt.gate.resume()
+
+
+def _update_epochs(
+    rt: Any, update_id: str, operator: str, function: str, args: bytes, keys: list[str] | None
+) -> dict[str, Any]:
+    """Run ``function`` on every key (default: every entity of ``operator``) as one epoch, then the epochs its
+    deferred transactions need; call it at a quiet boundary (:func:`_alone`, or during recovery)."""
+    from charon.messages import Request
+
+    marker = f"{ADMIN_PREFIX}{update_id}"
+    if keys is None:
+        keys = sorted({split_store_key(k)[1] for k in read_stores(rt.stores, operator, None, 1 << 62)})
+    reqs = [Request(f"{marker}:{k}", operator, k, function, args, time.time()) for k in keys]
+    known = [rt.get_reply(r.request_id) for r in reqs]
+    if any(k is not None for k in known):  # it ran before (e.g. before a restart): its epoch ran all of them
+        return _update_outcome(update_id, reqs, known, [], repeated=True)
+    result = rt.run_epoch(reqs)
+    epochs = [result.epoch] + [r.epoch for r in rt.drain()]
+    return _update_outcome(update_id, reqs, [rt.get_reply(r.request_id) for r in reqs], epochs, repeated=False)
+
+
+async def inprocess_run_alone(
+    rt: Any, update_id: str, operator: str, function: str, args: bytes, keys: list[str] | None
+) -> dict[str, Any]:
+    """A serializable admin update: ``operator/key.function(*args)`` for every key (default: every entity of
+    ``operator`` as of the boundary), run alone at an epoch boundary, once per ``update_id``.
+
+    The runtime pauses after its running epoch, runs the epochs that only hold transactions deferred before
+    the update, then one epoch with exactly the update's transactions (logged like any epoch in durable mode,
+    so recovery replays it), then the epochs its own deferred transactions need, and resumes (unless it was
+    paused before). No client transaction shares those epochs. The functions are the deployed
+    application's; request ids are ``__charon_admin:<id>:<key>``, so an update id runs once (a repeat
+    returns the first outcome)."""
+    history: dict[str, dict[str, Any]] = rt.__dict__.setdefault("_admin_done", {})
+    if update_id in history:
+        return {**history[update_id], "repeated": True}
+    async with _alone(rt):
+        out = _update_epochs(rt, update_id, operator, function, args, keys)
+    history[update_id] = out
+    while len(history) > 1000:
+        history.pop(next(iter(history)))
+    return out
+
+
+# -- strict code updates (in-process runtime) -----------------------------------------------------------------
+class CodeVersion(msgspec.Struct):
+    """One deployed code version: from which epoch on, its label, its module reference, its migration."""
+
+    from_epoch: int
+    version: str
+    ref: str | None  # "module:attribute"; None: the application the runtime was constructed with
+    migration: list[Any] | None = None  # [update id, operator, function, encoded args]
+
+
+def load_app_ref(ref: str) -> Any:
+    """Import ``module:attribute`` of an installed module (code only comes from what is deployed)."""
+    import importlib
+
+    from charon.operator import Application
+
+    mod, _, attr = ref.partition(":")
+    app = getattr(importlib.import_module(mod), attr or "app", None)
+    if not isinstance(app, Application):
+        raise TypeError(f"{ref} is not a charon.Application")
+    return app
+
+
+def _switch(rt: Any, app: Any) -> None:
+    rt.app = app
+    rt.coordinator.app = app
+    for u in rt.units:
+        u.app = app
+
+
+def _code_file(rt: Any) -> str | None:
+    return os.path.join(rt.node.data_dir, "code.json") if rt.node is not None else None
+
+
+def code_history(rt: Any) -> list[CodeVersion]:
+    """The code versions of a runtime, oldest first (the first is the one it was constructed with)."""
+    hist = rt.__dict__.get("_code_history")
+    if hist is None:
+        hist = [CodeVersion(0, str(getattr(rt.app, "version", "1")), None)]
+        path = _code_file(rt)
+        if path is not None and os.path.exists(path):
+            with open(path, "rb") as f:
+                hist = msgspec.json.decode(f.read(), type=list[CodeVersion])
+        rt._code_history = hist
+    return hist
+
+
+def version_at(rt: Any, epoch: int) -> str:
+    """The code version epoch ``epoch`` ran (or runs) with."""
+    label = code_history(rt)[0].version
+    for v in code_history(rt):
+        if v.from_epoch <= epoch:
+            label = v.version
+    return label
+
+
+def recover_code(rt: Any) -> None:
+    """Durable mode, at start-up (before replay): run the newest recorded code version, and finish its
+    migration if a crash came before it ran. An update flushes a checkpoint before it is recorded, so every
+    epoch a recovery replays ran with the newest version."""
+    hist = code_history(rt)
+    newest = hist[-1]
+    if newest.ref is not None:
+        _switch(rt, load_app_ref(newest.ref))
+
+
+def finish_migration(rt: Any) -> None:
+    """After recovery: run the newest update's migration if it never ran (idempotent by its request ids)."""
+    newest = code_history(rt)[-1]
+    if newest.migration is not None:
+        uid, op, fn, args = newest.migration
+        _update_epochs(rt, uid, op, fn, bytes(args) if isinstance(args, list) else args, None)
+
+
+async def inprocess_update_code(
+    rt: Any, ref: str, version: str, migration: tuple[str, str, bytes] | None = None
+) -> dict[str, Any]:
+    """A strict code update: every partition switches to ``ref`` at the same epoch boundary e, after every
+    transaction that started on the old code finished (deferred ones included); ``migration`` (operator,
+    function of the new code, encoded args) then runs on every entity of the operator in one epoch of its
+    own, before any client transaction sees the new code. Durable mode records it (``code.json``) after a
+    checkpoint, so a restart keeps the new code and completes an interrupted migration. Rolling back is
+    another update."""
+    app = load_app_ref(ref)
+    hist = code_history(rt)
+    async with _alone(rt):
+        e = rt.epoch
+        mig = None
+        if migration is not None:
+            mig = [f"code-{len(hist)}-{version}", migration[0], migration[1], list(migration[2])]
+        entry = CodeVersion(e, version, ref, mig)
+        path = _code_file(rt)
+        if path is not None:
+            await asyncio.to_thread(rt.node.flush)  # every epoch before e is checkpointed: no replay crosses e
+            data = msgspec.json.encode([*hist, entry])
+            await asyncio.to_thread(rt.node.durable.fs.write_atomic, path, lambda f: f.write(data))
+        hist.append(entry)
+        _switch(rt, app)
+        out = None
+        if mig is not None:
+            out = _update_epochs(rt, mig[0], mig[1], mig[2], migration[2], None)  # type: ignore[index]
+    return {"version": version, "ref": ref, "from_epoch": e, "migration": out}
+
+
+def _update_outcome(update_id: str, reqs: list[Any], replies: list[Any], epochs: list[int],
+                    repeated: bool) -> dict[str, Any]:
+    aborted = {r.key: f"{rep.error_type}: {rep.error_message}" for r, rep in zip(reqs, replies, strict=True)
+               if rep is not None and not rep.ok}
+    seen = sorted({rep.epoch for rep in replies if rep is not None})
+    return {"id": update_id, "transactions": len(reqs), "committed": sum(1 for rep in replies if rep and rep.ok),
+            "aborted": aborted, "epochs": epochs or seen, "repeated": repeated}

@@ -1,0 +1,237 @@
+"""The gateway's admin API (every route needs the bearer token), ``/metrics`` and the dashboard.
+
+- ``GET /admin/status``: ``{"state": "running"|"pausing"|"paused", "paused", "epoch", "backlog",
+  "pause_after", "active_epoch", "engine", "durable", "retained_from", "inflight"}``. ``epoch`` is the last
+  committed epoch; ``backlog`` the requests waiting for an epoch; ``retained_from`` the oldest epoch whose
+  state can still be read (the durable copy's base).
+- ``POST /admin/pause`` (body optional: ``{"after_epoch": N}``) stops starting epochs now, or once epoch N is
+  done; ``POST /admin/resume`` lets them start again. Requests keep arriving while paused and wait (clients
+  get 202 + a status URL after ``wait_timeout``, never an error). Both answer with the status.
+- ``GET /admin/state/{operator}?key=K&key=K2&epoch=N&limit=M``: the operator's entities (all of them, at
+  most ``limit`` <= ``max_scan``, or the given keys) as of one committed epoch (default the latest; an earlier
+  one while the durable copy retains it, else 410 ``EpochNotRetained``):
+  ``{"operator", "epoch", "entities": {key: value}, "items": {key: {item: value}}, "count", "truncated"}``.
+  Every entity of one answer is read at the same epoch.
+- ``POST /admin/update`` ``{"id", "operator", "function", "args": [...], "keys": [...]?}``: a serializable
+  admin update (in-process runtime; 501 ``NotSupported`` on Spark): the deployed ``function`` runs on every
+  key (default: every entity of the operator), alone at an epoch boundary, once per ``id`` (a repeat answers
+  with the first outcome, ``"repeated": true``): ``{"id", "transactions", "committed", "aborted": {key:
+  error}, "epochs", "repeated"}``.
+- ``POST /admin/code`` ``{"ref": "module:attribute", "version": "v2", "migration": {"operator", "function",
+  "args"}?}``: a strict code update (in-process runtime) to an application among the ``code_refs`` setting
+  (403 ``Forbidden`` otherwise; clients only name deployed code): every partition switches at one epoch
+  boundary, after every transaction begun on the old code finished; the migration (a function of the new
+  code) then runs on every entity of the operator in an epoch of its own before any client transaction.
+  ``{"version", "ref", "from_epoch", "migration"}``. Replies carry ``code_version``; rolling back is another
+  update.
+- ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
+- ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
+- ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import FileResponse, Response
+from starlette.routing import Route
+
+from charon import serde
+from charon.core.routing import check_key, split_store_key
+from charon.errors import InvalidKey
+from charon.server.gateway import _IDEMPOTENCY_KEY, MSGPACK_TYPES, STATUS_OF_ERROR, _Gateway, _guard, _HTTPError
+from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+
+__all__ = ["admin_routes"]
+
+STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+STATUS_OF_ERROR.setdefault("EpochNotRetained", 410)
+STATUS_OF_ERROR.setdefault("NotSupported", 501)
+STATUS_OF_ERROR.setdefault("Forbidden", 403)
+
+
+def _method(gw: _Gateway, name: str) -> Any:
+    fn = getattr(gw.runtime, name, None)
+    if fn is None:
+        raise _HTTPError("NotSupported", f"this runtime has no {name}()")
+    return fn
+
+
+async def _json_body(gw: _Gateway, request: HTTPRequest) -> dict[str, Any]:
+    body = await gw.read_body(request)
+    if not body:
+        return {}
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    try:
+        if ctype == "application/json":
+            doc = msgspec.json.decode(body)
+        elif ctype in MSGPACK_TYPES:
+            doc = msgspec.msgpack.decode(body)
+        else:
+            raise _HTTPError("UnsupportedMediaType", "the body must be application/json or application/msgpack")
+    except msgspec.DecodeError as exc:
+        raise _HTTPError("BadRequest", f"malformed body: {exc}") from None
+    if not isinstance(doc, dict):
+        raise _HTTPError("BadRequest", "the body must be an object")
+    return doc
+
+
+def _epoch_param(raw: Any, name: str) -> int | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | str):
+        raise _HTTPError("BadRequest", f"{name} must be an integer")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _HTTPError("BadRequest", f"{name} must be an integer") from None
+    if value < -1 or value > 1 << 62:
+        raise _HTTPError("BadRequest", f"{name} out of range")
+    return value
+
+
+def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
+    """The admin, metrics and dashboard routes over one gateway."""
+
+    async def status(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        st = await gw.off_loop(_method(gw, "control_status"))
+        return gw.respond(request, 200, {**st, "inflight": len(gw.inflight)})
+
+    async def pause(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        doc = await _json_body(gw, request)
+        unknown = set(doc) - {"after_epoch"}
+        if unknown:
+            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        after = _epoch_param(doc.get("after_epoch"), "after_epoch")
+        st = await gw.off_loop(_method(gw, "pause"), after)
+        return gw.respond(request, 200, {**st, "inflight": len(gw.inflight)})
+
+    async def resume(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        await _json_body(gw, request)
+        st = await gw.off_loop(_method(gw, "resume"))
+        return gw.respond(request, 200, {**st, "inflight": len(gw.inflight)})
+
+    async def state(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        operator = request.path_params["operator"]
+        if gw.known_ops and operator not in gw.known_ops:
+            raise _HTTPError("UnknownOperator", f"unknown operator {operator!r}")
+        keys = request.query_params.getlist("key") or None
+        cap = gw.cfg.max_scan
+        if keys is not None:
+            if len(keys) > cap:
+                raise _HTTPError("BadRequest", f"at most {cap} keys per read (max_scan)")
+            for k in keys:
+                try:
+                    check_key(k)
+                except InvalidKey as exc:
+                    raise _HTTPError("InvalidKey", str(exc)) from None
+        epoch = _epoch_param(request.query_params.get("epoch"), "epoch")
+        limit_raw = request.query_params.get("limit")
+        limit = cap if limit_raw is None else _epoch_param(limit_raw, "limit")
+        if limit is None or limit < 1 or limit > cap:
+            raise _HTTPError("BadRequest", f"limit must be 1..{cap} (max_scan)")
+        try:
+            at, rows = await gw.off_loop(_method(gw, "inspect"), operator, keys, epoch, limit + 1)
+        except Exception as exc:
+            if type(exc).__name__ == "EpochNotRetained":  # charon.runtime.control's (another layer)
+                raise _HTTPError("EpochNotRetained", str(exc)) from None
+            raise
+        entities: dict[str, Any] = {}
+        items: dict[str, dict[str, Any]] = {}
+        for k, v in sorted(rows.items()):
+            _, key, item = split_store_key(k)
+            if key not in entities and len(entities) >= limit:
+                continue
+            if item == "":
+                entities[key] = serde.decode(v)
+            else:
+                entities.setdefault(key, None)
+                items.setdefault(key, {})[item.lstrip("\x01")] = serde.decode(v)
+        truncated = len({split_store_key(k)[1] for k in rows}) > limit
+        return gw.respond(request, 200, {"operator": operator, "epoch": at, "entities": entities, "items": items,
+                                         "count": len(entities), "truncated": truncated})
+
+    async def update(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        doc = await _json_body(gw, request)
+        unknown = set(doc) - {"id", "operator", "function", "args", "keys"}
+        if unknown:
+            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        uid, operator, function = doc.get("id"), doc.get("operator"), doc.get("function")
+        if not isinstance(uid, str) or not _IDEMPOTENCY_KEY.match(uid):
+            raise _HTTPError("BadRequest", "id must be 1-200 characters of A-Z a-z 0-9 and . _ ~ : @ + = -")
+        if not isinstance(operator, str) or not isinstance(function, str):
+            raise _HTTPError("BadRequest", "operator and function must be strings")
+        args, keys = doc.get("args", []), doc.get("keys")
+        if not isinstance(args, list):
+            raise _HTTPError("BadArguments", '"args" must be a list of positional arguments')
+        if keys is not None:
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise _HTTPError("BadRequest", '"keys" must be a list of entity keys')
+            for k in keys:
+                try:
+                    check_key(k)
+                except InvalidKey as exc:
+                    raise _HTTPError("InvalidKey", str(exc)) from None
+        gw.validate(operator, keys[0] if keys else "k", function, args)  # names, arity, types: 4xx
+        out = await gw.off_loop(_method(gw, "run_alone"), uid, operator, function, args, keys)
+        return gw.respond(request, 200, out)
+
+    async def code(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        doc = await _json_body(gw, request)
+        unknown = set(doc) - {"ref", "version", "migration"}
+        if unknown:
+            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        ref, version, mig = doc.get("ref"), doc.get("version"), doc.get("migration")
+        if not isinstance(ref, str) or not isinstance(version, str) or not 0 < len(version) <= 100:
+            raise _HTTPError("BadRequest", "ref (module:attribute) and version (1-100 characters) are required")
+        allowed = {r.strip() for r in (gw.cfg.code_refs or "").split(",") if r.strip()}
+        if ref not in allowed:
+            raise _HTTPError("Forbidden", f"{ref!r} is not among the deployable code refs (code_refs setting)")
+        migration = None
+        if mig is not None:
+            if not isinstance(mig, dict) or set(mig) - {"operator", "function", "args"}:
+                raise _HTTPError("BadRequest", 'migration must be {"operator", "function", "args"}')
+            args = mig.get("args", [])
+            if not isinstance(mig.get("operator"), str) or not isinstance(mig.get("function"), str) \
+                    or not isinstance(args, list):
+                raise _HTTPError("BadRequest", "migration operator and function are strings, args a list")
+            migration = (mig["operator"], mig["function"], args)
+        try:
+            out = await gw.off_loop(_method(gw, "update_code"), ref, version, migration)
+        except (ImportError, TypeError) as exc:
+            raise _HTTPError("BadRequest", f"cannot deploy {ref!r}: {exc}") from None
+        return gw.respond(request, 200, out)
+
+    async def summary(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        doc = await gw.off_loop(metrics.summary, len(gw.inflight))
+        return gw.respond(request, 200, doc)
+
+    async def prometheus(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        data = await gw.off_loop(metrics.exposition, len(gw.inflight))
+        return Response(data, 200, media_type=CONTENT_TYPE_LATEST)
+
+    async def dashboard(request: HTTPRequest) -> Response:
+        return FileResponse(os.path.join(STATIC, "dashboard.html"), media_type="text/html")
+
+    return [
+        Route("/admin/status", _guard(gw, status), methods=["GET"], name="admin_status"),
+        Route("/admin/pause", _guard(gw, pause), methods=["POST"], name="admin_pause"),
+        Route("/admin/resume", _guard(gw, resume), methods=["POST"], name="admin_resume"),
+        Route("/admin/state/{operator}", _guard(gw, state), methods=["GET"], name="admin_state"),
+        Route("/admin/update", _guard(gw, update), methods=["POST"], name="admin_update"),
+        Route("/admin/code", _guard(gw, code), methods=["POST"], name="admin_code"),
+        Route("/admin/summary", _guard(gw, summary), methods=["GET"], name="admin_summary"),
+        Route("/metrics", _guard(gw, prometheus), methods=["GET"], name="metrics"),
+        Route("/dashboard", dashboard, methods=["GET"], name="dashboard"),
+    ]

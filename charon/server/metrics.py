@@ -1,0 +1,175 @@
+"""Prometheus metrics of a gateway and its runtime (prometheus-client), and the dashboard's JSON summary.
+
+Every label set is bounded: ``outcome`` (committed, aborted), ``reason`` (the first ``MAX_REASONS`` error
+types seen, then ``other``), ``partition`` (the runtime's partition count). Served at ``GET /metrics``
+(token-protected) in the Prometheus text format. Metric names:
+
+- ``charon_transactions_total{outcome, reason}`` replies the gateway delivered (reason ``""`` when committed)
+- ``charon_request_latency_seconds`` gateway-measured latency (arrival to reply) of transactions
+- ``charon_epochs_total``, ``charon_epoch_duration_seconds``, ``charon_epoch_size`` (transactions),
+  ``charon_epoch_rounds``, ``charon_epoch_spark_jobs`` (Spark runtime), ``charon_epoch_transactions_total``,
+  ``charon_fallback_transactions_total`` (share: the ratio of the two), ``charon_epoch_aborted_total``
+- ``charon_partition_requests_total{partition}`` requests per partition of their target entity (load)
+- gauges read at scrape time: ``charon_epoch`` (last committed), ``charon_backlog``, ``charon_deferred``,
+  ``charon_paused``, ``charon_inflight``; ``charon_code_info{app, version}``
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from charon.core.routing import partition_of
+from charon.messages import Reply, Request
+
+__all__ = ["GatewayMetrics", "CONTENT_TYPE_LATEST", "MAX_REASONS"]
+
+MAX_REASONS = 20
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_EPOCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SIZE_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+_ROUND_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 50)
+
+
+class GatewayMetrics:
+    """The metrics of one gateway (its own registry); ``samples`` bounds the dashboard's latency window."""
+
+    def __init__(self, runtime: Any, partitions: int, *, samples: int = 10_000, epochs_kept: int = 200) -> None:
+        self.runtime = runtime
+        self.partitions = max(1, partitions)
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.tx = Counter("charon_transactions", "Transactions answered, by outcome and abort reason.",
+                          ["outcome", "reason"], registry=r)
+        self.latency = Histogram("charon_request_latency_seconds", "Transaction latency seen by the gateway.",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.epochs = Counter("charon_epochs", "Epochs run.", registry=r)
+        self.epoch_duration = Histogram("charon_epoch_duration_seconds", "Epoch duration.",
+                                        buckets=_EPOCH_BUCKETS, registry=r)
+        self.epoch_size = Histogram("charon_epoch_size", "Transactions per epoch.", buckets=_SIZE_BUCKETS,
+                                    registry=r)
+        self.epoch_rounds = Histogram("charon_epoch_rounds", "Exchange rounds per epoch.", buckets=_ROUND_BUCKETS,
+                                      registry=r)
+        self.epoch_jobs = Histogram("charon_epoch_spark_jobs", "Spark jobs per epoch (Spark runtime).",
+                                    buckets=_ROUND_BUCKETS, registry=r)
+        self.epoch_tx = Counter("charon_epoch_transactions", "Transactions run in epochs.", registry=r)
+        self.fallback = Counter("charon_fallback_transactions", "Transactions decided by the fallback.", registry=r)
+        self.epoch_aborted = Counter("charon_epoch_aborted", "Transactions aborted in epochs.", registry=r)
+        self.partition_load = Counter("charon_partition_requests", "Requests per target partition.",
+                                      ["partition"], registry=r)
+        self.g_epoch = Gauge("charon_epoch", "Last committed epoch.", registry=r)
+        self.g_backlog = Gauge("charon_backlog", "Requests waiting for an epoch.", registry=r)
+        self.g_deferred = Gauge("charon_deferred", "Transactions deferred by the last epoch.", registry=r)
+        self.g_paused = Gauge("charon_paused", "1 while no epoch may start (paused).", registry=r)
+        self.g_inflight = Gauge("charon_inflight", "Requests in flight at the gateway.", registry=r)
+        self.code = Info("charon_code", "The deployed application and its code version.", registry=r)
+        app = getattr(runtime, "app", None)
+        self._version = str(getattr(app, "version", "1"))
+        self.code.info({"app": str(getattr(app, "name", "")), "version": self._version})
+        self._reasons: set[str] = set()
+        self._lock = threading.Lock()
+        self._last_epoch_seen = -1
+        # for the dashboard: recent (time, latency) samples, per-second outcomes, recent epochs
+        self._lat: collections.deque[tuple[float, float]] = collections.deque(maxlen=samples)
+        self._events: collections.deque[tuple[float, bool, str]] = collections.deque(maxlen=samples)
+        self._epochs: collections.deque[dict[str, float]] = collections.deque(maxlen=epochs_kept)
+        self._load = [0] * self.partitions
+
+    # -- fed by the gateway -------------------------------------------------------------------------------
+    def observe_request(self, req: Request) -> None:
+        """A request reached the runtime: count it against its target's partition."""
+        p = partition_of(req.operator, req.key, self.partitions)
+        self.partition_load.labels(str(p)).inc()
+        self._load[p] += 1
+
+    def observe_reply(self, rep: Reply, latency: float) -> None:
+        """A reply came back after ``latency`` seconds."""
+        if rep.ok:
+            self.tx.labels("committed", "").inc()
+        else:
+            reason = rep.error_type or "unknown"
+            if reason not in self._reasons:
+                if len(self._reasons) >= MAX_REASONS:
+                    reason = "other"
+                else:
+                    self._reasons.add(reason)
+            self.tx.labels("aborted", reason).inc()
+        self.latency.observe(latency)
+        now = time.time()
+        self._lat.append((now, latency))
+        self._events.append((now, rep.ok, "" if rep.ok else (rep.error_type or "unknown")))
+
+    # -- read at scrape time ------------------------------------------------------------------------------
+    def _ingest_epochs(self) -> None:
+        stats = list(getattr(self.runtime, "epoch_stats", []) or [])
+        spark = type(self.runtime).__name__ == "SparkRuntime"
+        with self._lock:
+            for s in stats:
+                e = int(s.get("epoch", -1))
+                if e <= self._last_epoch_seen:
+                    continue
+                self._last_epoch_seen = e
+                size = float(s.get("size", 0))
+                self.epochs.inc()
+                self.epoch_duration.observe(float(s.get("duration_ms", 0.0)) / 1000.0)
+                self.epoch_size.observe(size)
+                self.epoch_rounds.observe(float(s.get("rounds", 0)))
+                if spark:
+                    self.epoch_jobs.observe(float(s.get("spark_jobs", 0)))
+                self.epoch_tx.inc(size)
+                aborted = float(s.get("aborted", 0))
+                self.epoch_aborted.inc(aborted)
+                self.fallback.inc(max(0.0, size - float(s.get("lockfree", 0)) - aborted))
+                self.g_deferred.set(float(s.get("deferred", 0)))
+                self._epochs.append({"epoch": e, "t": time.time(), "duration_ms": float(s.get("duration_ms", 0.0)),
+                                     "size": size, "committed": float(s.get("committed", 0)), "aborted": aborted,
+                                     "rounds": float(s.get("rounds", 0)), "deferred": float(s.get("deferred", 0))})
+
+    def _status(self) -> dict[str, Any]:
+        probe = getattr(self.runtime, "control_status", None)
+        return probe() if probe is not None else {}
+
+    def refresh(self, inflight: int) -> dict[str, Any]:
+        """Update the scrape-time gauges; returns the runtime's control status."""
+        self._ingest_epochs()
+        st = self._status()
+        self.g_epoch.set(st.get("epoch", -1))
+        self.g_backlog.set(st.get("backlog", 0))
+        self.g_paused.set(1 if st.get("paused") else 0)
+        self.g_inflight.set(inflight)
+        if "code_version" in st and st["code_version"] != self._version:
+            self._version = str(st["code_version"])
+            self.code.info({"app": str(getattr(self.runtime.app, "name", "")), "version": self._version})
+        return st
+
+    def exposition(self, inflight: int) -> bytes:
+        """The Prometheus text format."""
+        self.refresh(inflight)
+        return generate_latest(self.registry)
+
+    def summary(self, inflight: int, window: float = 10.0) -> dict[str, Any]:
+        """What the dashboard shows: throughput, latency percentiles, aborts, epochs, load, backlog, status."""
+        st = self.refresh(inflight)
+        now = time.time()
+        lats = sorted(v for t, v in list(self._lat) if t >= now - window)
+        events = [e for e in list(self._events) if e[0] >= now - window]
+        aborts: dict[str, int] = {}
+        for _, ok, reason in events:
+            if not ok:
+                aborts[reason] = aborts.get(reason, 0) + 1
+
+        def pct(q: float) -> float | None:
+            return lats[min(len(lats) - 1, int(q * len(lats)))] * 1000.0 if lats else None
+
+        return {
+            "status": st, "inflight": inflight, "window_s": window,
+            "throughput": sum(1 for e in events if e[1]) / window,
+            "aborts_per_s": sum(aborts.values()) / window, "aborts": aborts,
+            "latency_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)},
+            "epochs": list(self._epochs)[-60:], "partition_load": list(self._load),
+            "code": {"app": str(getattr(getattr(self.runtime, "app", None), "name", "")), "version": self._version},
+        }

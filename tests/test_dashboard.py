@@ -1,0 +1,106 @@
+"""The dashboard in a real headless browser (Debian's chromium driven by Playwright): numbers change under
+load, Pause stops epochs while the backlog grows, Resume drains it, the state browser shows a cut and its epoch.
+
+Set ``CHARON_DASHBOARD_SCREENSHOT=path.png`` to save a screenshot (docs/dashboard.png is made this way)."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+import time
+
+import pytest
+
+from charon import InProcessRuntime
+from charon.apps import ycsb
+from charon.client import Client
+from charon.server.gateway import BackgroundServer
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt-get install chromium; .ci/run does)"
+)
+TOKEN = "dash-t0ken"
+N = 50
+
+
+def _number(page, sel: str) -> float:
+    text = page.text_content(sel) or ""
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
+def test_dashboard_live_pause_resume_and_state_browser(tmp_path) -> None:
+    rt = InProcessRuntime(ycsb.app, partitions=4, epoch_max_ms=2.0)
+    rt.load("account", ycsb.initial_state(N, 100))
+    stop = threading.Event()
+    with BackgroundServer(rt, token=TOKEN, wait_timeout=0.2) as srv, Client(srv.url, token=TOKEN) as c:
+        def drive() -> None:
+            rng = random.Random(5)
+            while not stop.is_set():
+                c.submit("account", ycsb.key(rng.randrange(N)), "transfer", ycsb.key(rng.randrange(N)), 1)
+                time.sleep(0.004)
+
+        loader = threading.Thread(target=drive, daemon=True)
+        loader.start()
+        try:
+            with sync_api.sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu"])
+                try:
+                    page = browser.new_page(viewport={"width": 1280, "height": 800})
+                    page.goto(f"{srv.url}/dashboard#token={TOKEN}")
+                    page.wait_for_function("Number(document.getElementById('throughput').textContent) > 0",
+                                           timeout=20_000)
+                    first = _number(page, "#epoch")
+                    page.wait_for_function(f"Number(document.getElementById('epoch').textContent) > {first}",
+                                           timeout=20_000)
+                    assert page.text_content("#state") == "running"
+                    assert page.text_content("#p50") != "-"
+                    # pause: the epoch stops, the backlog grows
+                    page.click("#pause")
+                    page.wait_for_function("document.getElementById('state').textContent === 'paused'",
+                                           timeout=20_000)
+                    frozen = _number(page, "#epoch")
+                    page.wait_for_function("Number(document.getElementById('backlog').textContent) > 30",
+                                           timeout=20_000)
+                    assert _number(page, "#epoch") == frozen
+                    if os.environ.get("CHARON_DASHBOARD_SCREENSHOT"):
+                        page.screenshot(path=os.environ["CHARON_DASHBOARD_SCREENSHOT"], full_page=True)
+                    # resume: epochs run again, the backlog drains
+                    page.click("#resume")
+                    page.wait_for_function("document.getElementById('state').textContent === 'running'",
+                                           timeout=20_000)
+                    page.wait_for_function(f"Number(document.getElementById('epoch').textContent) > {frozen}",
+                                           timeout=20_000)
+                    stop.set()
+                    page.wait_for_function("document.getElementById('backlog').textContent === '0'", timeout=20_000)
+                    # the state browser: one consistent cut, with its epoch
+                    page.fill("#browse-operator", "account")
+                    page.click("#browse-go")
+                    page.wait_for_function("document.getElementById('browse-count').textContent === '50'",
+                                           timeout=20_000)
+                    rows = page.locator("#browse-result tr")
+                    assert rows.count() == N
+                    total = sum(int(rows.nth(i).locator("td").nth(1).text_content()) for i in range(N))
+                    assert total == N * 100
+                    assert _number(page, "#browse-at") >= frozen
+                    page.fill("#browse-keys", "a1, a2")
+                    page.click("#browse-go")
+                    page.wait_for_function("document.getElementById('browse-count').textContent === '2'",
+                                           timeout=20_000)
+                    # a wrong token shows an error instead of numbers
+                    page.fill("#token", "wrong")
+                    page.dispatch_event("#token", "change")
+                    page.wait_for_function("document.getElementById('error').textContent.includes('Unauthorized')",
+                                           timeout=20_000)
+                finally:
+                    browser.close()
+        finally:
+            stop.set()
+            loader.join()
