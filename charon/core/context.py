@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from charon.core.partition import Frame, PartitionUnit
 
 MAX_DEPTH = 200
+#: Most events one invocation may emit (beyond it the transaction aborts with CallGraphLimitExceeded).
+MAX_EMITS = 10_000
 
 
 class Journal:
@@ -279,11 +281,15 @@ class Context:
         """Append ``value`` to the output stream ``stream`` if (and only if) this transaction commits.
 
         Events travel with the transaction's writes: an aborted (or re-run) transaction's events are
-        discarded. Each epoch's committed events form one atom per stream, ordered by the transactions'
-        serial order, then by the call graph (an invocation before its callees), then by emit order.
+        discarded (as is the whole transaction when one invocation emits more than :data:`MAX_EMITS`).
+        Each epoch's committed events form one atom per stream, ordered by the transactions' serial
+        order, then by invocation in call-graph preorder (all of an invocation's events, even those emitted
+        after a call returned, before its callees' events; callees in call order), then by emit order.
         """
         check_stream(stream)
         data = serde.encode(value)
+        if self._nemit >= MAX_EMITS:
+            raise CallGraphLimitExceeded(f"more than {MAX_EMITS} events emitted by one invocation")
         self._nemit += 1
         if self._live():
             f = self._frame
