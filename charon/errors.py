@@ -74,6 +74,7 @@ ENGINE_ERRORS: dict[str, type[CharonError]] = {
         CallGraphLimitExceeded,
         NonDeterministicFunction,
         IllegalAwait,
+        UndeclaredPortal,
     )
 }
 
