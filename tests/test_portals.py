@@ -134,3 +134,10 @@ def test_sigkill_between_requests_and_replies_keeps_each_side_exactly_once(tmp_p
     finally:
         for rt in rts:
             rt.close()
+
+
+def test_the_readme_example_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "charon.apps.orderflow"], capture_output=True, text=True,
+                         timeout=120, cwd=TESTS.parent)
+    assert out.returncode == 0, out.stderr
+    assert "money and stock conserved" in out.stdout and '"shipped"' in out.stdout
