@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,64 @@ def test_the_readme_example_runs() -> None:
                          timeout=120, cwd=TESTS.parent)
     assert out.returncode == 0, out.stderr
     assert "money and stock conserved" in out.stdout and '"shipped"' in out.stdout
+
+
+def _start(*args: str) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, str(TESTS / "portal_split.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("started"), proc.stderr.read() if proc.stderr else ""
+    return proc, int(line.split()[1])
+
+
+def _kill(proc: subprocess.Popen) -> bool:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    return proc.returncode == -signal.SIGKILL
+
+
+def test_sigkill_of_one_side_in_its_own_process_keeps_exactly_once(tmp_path: Path) -> None:
+    """Orders in one process, payments + shipping in another (PortalServer / outbox / ReplyPump): the callee
+    process is SIGKILLed three times and the caller once, each alone while the other runs; at the end
+    every order is final, each charge/refund/shipment/continuation ran once, money and stock conserved."""
+    n, rng = 150, random.Random(11)
+    caller, _ = _start("caller", str(tmp_path), str(n))
+    callee, _ = _start("callee", str(tmp_path))
+    kills, resumed = 0, []
+    for _ in range(3):
+        time.sleep(rng.uniform(0.4, 1.0))
+        kills += _kill(callee)
+        callee, off = _start("callee", str(tmp_path))
+        resumed.append(off)
+    time.sleep(rng.uniform(0.2, 0.6))
+    if caller.poll() is None:
+        kills += _kill(caller)
+        caller, off = _start("caller", str(tmp_path), str(n))
+    out, err = caller.communicate(timeout=240)
+    assert caller.returncode == 0 and "done" in out, err[-3000:]
+    (tmp_path / "stop").touch()
+    out, err = callee.communicate(timeout=60)
+    assert callee.returncode == 0 and "done" in out, err[-3000:]
+    assert kills == 4 and any(r > 0 for r in resumed), (kills, resumed)  # 3 callee kills, 1 caller kill
+    rts = [InProcessRuntime(a, partitions=2, data_dir=str(tmp_path / a.name / "node"))
+           for a in (orders_app, payments_app, shipping_app)]
+    try:
+        by = check_conservation(*rts, CUSTOMERS * MONEY_EACH, ITEMS * STOCK_EACH)
+        assert sum(by.values()) == n, by
+    finally:
+        for rt in rts:
+            rt.close()
+
+
+def test_the_outbox_records_each_reply_once(tmp_path: Path) -> None:
+    from charon.runtime.deployment import PortalOutbox
+
+    box = PortalOutbox(str(tmp_path / "sub" / "outbox.sqlite"))
+    box.put("a", "r1", {"reply": 1})
+    box.put("a", "r1", {"reply": 2})  # a re-served request: the first reply stays
+    box.put("b", "r2", {"reply": 3})
+    rows = box.read("a", 0, 10)
+    assert [(r, d) for _, r, d in rows] == [("r1", {"reply": 1})]
+    assert box.read("a", rows[0][0], 10) == [] and [r for _, r, _ in box.read("b", 0, 10)] == ["r2"]
+    box.close()

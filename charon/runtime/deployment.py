@@ -26,6 +26,12 @@ node remembers ids for ``CHARON_DEDUP_WINDOW_S``), and A runs each continuation 
 keeps the offset of the first request atom not fully answered in ``<A's data_dir>/portals.offset``; after a
 crash it re-submits from there, getting the stored replies back. The router itself holds nothing else.
 Replies arrive in no particular order across requests (each request's continuation follows its reply).
+
+**Across processes** (each application its own process, each killable alone): the callee's process runs a
+:class:`PortalServer` that reads the callers' request streams (their ``streams.sqlite`` files), runs the
+requests addressed to it and records each reply once (by request id) in its *outbox* (an SQLite file); the
+caller's process runs a :class:`ReplyPump` that reads the outboxes and submits the continuations. Both keep
+an offset checkpoint and rely on the same request-id dedup, so either process may be SIGKILLed anywhere.
 """
 
 from __future__ import annotations
@@ -33,16 +39,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterable
+import sqlite3
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from charon import serde
 from charon.core.context import PORTAL_STREAM
 from charon.errors import UndeclaredPortal
+from charon.log.streams import StreamLog
 from charon.messages import Reply
 from charon.runtime.wiring import StreamWire
 
-__all__ = ["Deployment", "PortalRouter"]
+__all__ = ["Deployment", "PortalOutbox", "PortalRouter", "PortalServer", "ReplyPump"]
 
 _DEFAULT_MAX_EVENTS = 500
 
@@ -246,3 +254,139 @@ class Deployment:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+
+
+def _reply_doc(reply: Reply) -> dict[str, Any]:
+    if reply.ok:
+        return {"ok": True, "value": serde.decode(reply.value) if reply.value else None}
+    return {"ok": False, "error_type": reply.error_type, "error": reply.error_message}
+
+
+def _load_offset(path: str | None) -> int:
+    if path is None:
+        return 0
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        with open(path, encoding="ascii") as f:
+            return int(f.read().strip())
+    return 0
+
+
+def _store_offset(path: str | None, offset: int) -> None:
+    if path is not None:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(str(offset))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+class PortalOutbox:
+    """The replies of one callee application, each recorded once by request id, read in insertion order."""
+
+    def __init__(self, path: str, *, retain: int = 1_000_000) -> None:
+        self.path = path
+        self.retain = retain
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS replies (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                         "caller TEXT NOT NULL, rid TEXT NOT NULL UNIQUE, doc BLOB NOT NULL)")
+
+    def put(self, caller: str, rid: str, doc: dict[str, Any]) -> None:
+        """Record ``doc`` as the reply to ``rid`` unless one is recorded already (keeps ``retain`` newest)."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            cur = self._db.execute("INSERT OR IGNORE INTO replies (caller, rid, doc) VALUES (?, ?, ?)",
+                                   (caller, rid, serde.encode(doc)))
+            if cur.rowcount and cur.lastrowid and cur.lastrowid % 1000 == 0:
+                self._db.execute("DELETE FROM replies WHERE seq <= ?", (cur.lastrowid - self.retain,))
+
+    def read(self, caller: str, after: int, limit: int) -> list[tuple[int, str, dict[str, Any]]]:
+        """Replies for ``caller`` with ``seq > after``: (seq, request id, reply document)."""
+        rows = self._db.execute("SELECT seq, rid, doc FROM replies WHERE caller = ? AND seq > ? ORDER BY seq "
+                                "LIMIT ?", (caller, after, limit)).fetchall()
+        return [(q, r, serde.decode(d)) for q, r, d in rows]
+
+    def close(self) -> None:
+        self._db.close()
+
+
+class PortalServer:
+    """In the callee's process: run the portal requests that the ``callers`` (name -> path of their
+    ``streams.sqlite``) address to ``runtime``'s application, and record the replies in ``outbox``.
+    Checkpoints: ``<checkpoint_dir>/portal-server.<caller>.offset``."""
+
+    def __init__(self, runtime: Any, callers: Mapping[str, str], outbox: PortalOutbox, *,
+                 checkpoint_dir: str | None = None, max_events: int = _DEFAULT_MAX_EVENTS) -> None:
+        self.runtime = runtime
+        self.outbox = outbox
+        self.max_events = max_events
+        self.sources = {c: StreamLog(p, durable=False) for c, p in callers.items()}
+        self._ck = {c: os.path.join(checkpoint_dir, f"portal-server.{c}.offset") if checkpoint_dir else None
+                    for c in callers}
+        self.offsets = {c: _load_offset(self._ck[c]) for c in callers}
+        self.served = 0
+
+    async def _serve(self, caller: str, doc: dict[str, Any]) -> None:
+        app, portal = doc["portal"].partition(".")[::2]
+        if app != self.runtime.app.name:
+            return
+        target = self.runtime.app.portals.get(portal)
+        if target is None:
+            reply = {"ok": False, "error_type": "UndeclaredPortal",
+                     "error": f"application {app!r} does not expose portal {portal!r}"}
+        else:
+            reply = _reply_doc(await self.runtime.submit(target[0], doc["key"], target[1], doc["args"],
+                                                         request_id=doc["rid"]))
+        self.outbox.put(caller, doc["rid"], {"reply": reply, "op": doc["op"], "from": doc["from"],
+                                             "then": doc["then"], "carry": doc["carry"]})
+        self.served += 1
+
+    async def step(self) -> int:
+        """Serve the next request atoms of every caller; returns how many events were read."""
+        n = 0
+        for caller, log in self.sources.items():
+            page = log.read(PORTAL_STREAM, self.offsets[caller], self.max_events)
+            if page.events:
+                await asyncio.gather(*(self._serve(caller, serde.decode(e.value)) for e in page.events))
+                n += len(page.events)
+            if page.next_offset != self.offsets[caller]:
+                self.offsets[caller] = max(self.offsets[caller], page.next_offset)
+                _store_offset(self._ck[caller], self.offsets[caller])
+        return n
+
+
+class ReplyPump:
+    """In the caller's process: submit the replies that the callees recorded for ``runtime``'s application
+    (``outboxes``: callee name -> :class:`PortalOutbox`) as continuations (the outbox entry names the
+    continuation: operator, key, function, carry). Checkpoints:
+    ``<checkpoint_dir>/reply-pump.<callee>.offset``."""
+
+    def __init__(self, runtime: Any, outboxes: Mapping[str, PortalOutbox], *, checkpoint_dir: str | None = None,
+                 max_events: int = _DEFAULT_MAX_EVENTS) -> None:
+        self.runtime = runtime
+        self.outboxes = dict(outboxes)
+        self.max_events = max_events
+        self._ck = {c: os.path.join(checkpoint_dir, f"reply-pump.{c}.offset") if checkpoint_dir else None
+                    for c in outboxes}
+        self.offsets = {c: _load_offset(self._ck[c]) for c in outboxes}
+        self.continuations = 0
+
+    async def _resume(self, rid: str, doc: dict[str, Any]) -> None:
+        await self.runtime.submit(doc["op"], doc["from"], doc["then"], [doc["reply"], *doc["carry"]],
+                                  request_id=rid + ".reply")
+        self.continuations += 1
+
+    async def step(self) -> int:
+        """Submit the next recorded replies as continuations; returns how many."""
+        n = 0
+        for callee, box in self.outboxes.items():
+            rows = box.read(self.runtime.app.name, self.offsets[callee], self.max_events)
+            if not rows:
+                continue
+            await asyncio.gather(*(self._resume(rid, doc) for _, rid, doc in rows))
+            self.offsets[callee] = rows[-1][0]
+            _store_offset(self._ck[callee], self.offsets[callee])
+            n += len(rows)
+        return n
