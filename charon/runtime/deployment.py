@@ -23,7 +23,8 @@ awaits B's reply and submits the continuation ``op/from.then(reply, *carry)`` to
 
 Exactly once across crashes of either side: B runs each request id once (its request-id dedup: a durable
 node remembers ids for ``CHARON_DEDUP_WINDOW_S``), and A runs each continuation id once likewise. The router
-keeps the offset of the first request atom not fully answered in ``<A's data_dir>/portals.offset``; after a
+keeps the offset of the first request atom not fully answered in ``portals.offset`` next to A's
+``streams.sqlite`` (a durable node's ``data_dir``, Spark's ``data_dir``); after a
 crash it re-submits from there, getting the stored replies back. The router itself holds nothing else.
 Replies arrive in no particular order across requests (each request's continuation follows its reply).
 
@@ -148,8 +149,7 @@ class Deployment:
         self.routers: dict[str, PortalRouter] = {}
         for name, rt in self.runtimes.items():
             if any(self._is_portal(u) for u in rt.app.uses):
-                node = getattr(rt, "node", None)
-                ck = os.path.join(node.data_dir, "portals.offset") if node is not None else None
+                ck = os.path.join(os.path.dirname(rt.streams.path), "portals.offset")  # by its streams file
                 self.routers[name] = PortalRouter(self, name, max_events=max_events, checkpoint=ck)
         self.wires: list[StreamWire] = []
         self._tasks: list[asyncio.Task] = []
@@ -186,9 +186,9 @@ class Deployment:
         if to not in self.runtimes or stream not in self.runtimes[to].app.uses:
             raise UndeclaredPortal(f"application {to!r} does not declare {stream!r} in its uses")
         self.runtimes[to].app.resolve(operator, function)
-        node = getattr(self.runtimes[to], "node", None)
-        if node is not None and "checkpoint" not in kwargs:
-            kwargs["checkpoint"] = os.path.join(node.data_dir, f"wire.{app}.{name}.offset")
+        if "checkpoint" not in kwargs:
+            where = os.path.dirname(self.runtimes[to].streams.path)
+            kwargs["checkpoint"] = os.path.join(where, f"wire.{app}.{name}.{to}.offset")
         w = StreamWire(self.runtimes[app].streams, name, self.runtimes[to], operator, function,
                        name=f"{app}.{name}.{to}", **kwargs)
         self.wires.append(w)
