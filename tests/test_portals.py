@@ -43,6 +43,21 @@ async def ask_with_carry(ctx: Context) -> str:
     return ctx.ask("payments.refund", "c9", 5, ctx.key, then=got, carry=["a", "b"])
 
 
+@probe.function
+async def fails(ctx: Context, reply: dict) -> None:
+    raise RuntimeError("the continuation aborts")
+
+
+@probe.function
+async def ask_then_fail(ctx: Context) -> str:
+    return ctx.ask("payments.refund", "c8", 1, ctx.key, then="fails")
+
+
+@probe.function
+async def ask_missing(ctx: Context) -> str:
+    return ctx.ask("payments.refund", "c8", 1, ctx.key, then="no_such_function")
+
+
 def test_the_registry_refuses_what_is_not_declared() -> None:
     """A use that no application exposes, a stream wired without being exposed or used: UndeclaredPortal."""
     o, p, s = (InProcessRuntime(a, partitions=1) for a in (orders_app, payments_app, shipping_app))
@@ -78,6 +93,14 @@ async def test_an_undeclared_portal_aborts_and_a_declared_one_round_trips_with_c
         assert reply["ok"] and reply["value"] == 5 and carry == ["a", "b"]
         assert p.entities("wallets") == {"c9": 5}
         assert dep.routers["prober"].requests == 1 and dep.routers["prober"].continuations == 1
+        assert not dep.routers["prober"].failed
+        r = await q.submit("probe", "k2", "ask_missing", [])
+        assert not r.ok and r.error_type == "UnknownFunction"  # the continuation must exist when asking
+        async with dep:
+            assert (await q.submit("probe", "k3", "ask_then_fail", [])).ok
+            await dep.settle()
+        (failed,) = dep.routers["prober"].failed  # the callee ran; the aborted continuation is recorded
+        assert failed.error_type == "RuntimeError" and p.entities("wallets")["c8"] == 1
 
 
 async def test_order_flow_under_load_conserves_money_and_stock() -> None:

@@ -77,6 +77,7 @@ class PortalRouter:
         self.offset = self._load()
         self.requests = 0  # requests answered by this router object (first or retried replies)
         self.continuations = 0
+        self.failed: list[Reply] = []  # replies of continuations that aborted (the newest max_events)
 
     def _load(self) -> int:
         if self.checkpoint is None:
@@ -115,9 +116,12 @@ class PortalRouter:
             {"ok": True, "value": serde.decode(reply.value) if reply.value else None}
             if reply.ok else {"ok": False, "error_type": reply.error_type, "error": reply.error_message}
         )
-        await self.runtime.submit(doc["op"], doc["from"], doc["then"], [arg, *doc["carry"]],
-                                  request_id=doc["rid"] + ".reply")
+        done = await self.runtime.submit(doc["op"], doc["from"], doc["then"], [arg, *doc["carry"]],
+                                         request_id=doc["rid"] + ".reply")
         self.continuations += 1
+        if not done.ok:  # the continuation aborted (its reply says why); kept for inspection, bounded
+            self.failed.append(done)
+            del self.failed[:-self.max_events]
 
     async def step(self) -> int:
         """Route the next request atoms (up to ``max_events`` requests); returns how many were routed."""
@@ -372,11 +376,15 @@ class ReplyPump:
                     for c in outboxes}
         self.offsets = {c: _load_offset(self._ck[c]) for c in outboxes}
         self.continuations = 0
+        self.failed: list[Reply] = []  # replies of continuations that aborted (the newest max_events)
 
     async def _resume(self, rid: str, doc: dict[str, Any]) -> None:
-        await self.runtime.submit(doc["op"], doc["from"], doc["then"], [doc["reply"], *doc["carry"]],
-                                  request_id=rid + ".reply")
+        done = await self.runtime.submit(doc["op"], doc["from"], doc["then"], [doc["reply"], *doc["carry"]],
+                                         request_id=rid + ".reply")
         self.continuations += 1
+        if not done.ok:  # the continuation aborted; kept for inspection, bounded
+            self.failed.append(done)
+            del self.failed[:-self.max_events]
 
     async def step(self) -> int:
         """Submit the next recorded replies as continuations; returns how many."""
