@@ -44,6 +44,11 @@ async def ask_with_carry(ctx: Context) -> str:
 
 
 @probe.function
+async def forge(ctx: Context) -> None:
+    ctx.emit("charon.portal.requests", {"rid": "x"})  # reserved: refused
+
+
+@probe.function
 async def fails(ctx: Context, reply: dict) -> None:
     raise RuntimeError("the continuation aborts")
 
@@ -76,6 +81,8 @@ def test_the_registry_refuses_what_is_not_declared() -> None:
         dep.wire("payments.ledger", "orders", "orders", "on_paid")
     with pytest.raises(ValueError):
         Deployment([o, InProcessRuntime(orders_app, partitions=1)])  # two applications of one name
+    with pytest.raises(ValueError, match="without"):
+        Deployment([InProcessRuntime(Application("a.b", [probe]), partitions=1)])
 
 
 async def test_an_undeclared_portal_aborts_and_a_declared_one_round_trips_with_carry() -> None:
@@ -94,6 +101,8 @@ async def test_an_undeclared_portal_aborts_and_a_declared_one_round_trips_with_c
         assert p.entities("wallets") == {"c9": 5}
         assert dep.routers["prober"].requests == 1 and dep.routers["prober"].continuations == 1
         assert not dep.routers["prober"].failed
+        r = await q.submit("probe", "k2", "forge", [])
+        assert not r.ok and r.error_type == "InvalidKey"
         r = await q.submit("probe", "k2", "ask_missing", [])
         assert not r.ok and r.error_type == "UnknownFunction"  # the continuation must exist when asking
         async with dep:

@@ -30,14 +30,21 @@ from typing import TYPE_CHECKING, Any
 from charon import serde
 from charon.core import timers as _timers
 from charon.core.routing import check_item, check_key, check_stream
-from charon.errors import BadArguments, CallGraphLimitExceeded, NonDeterministicFunction, UndeclaredPortal
+from charon.errors import (
+    BadArguments,
+    CallGraphLimitExceeded,
+    InvalidKey,
+    NonDeterministicFunction,
+    UndeclaredPortal,
+)
 from charon.operator import Function, Operator
 
 if TYPE_CHECKING:  # pragma: no cover
     from charon.core.partition import Frame, PartitionUnit
 
 MAX_DEPTH = 200
-PORTAL_STREAM = "charon.portal.requests"  # the output stream ctx.ask appends requests to (reserved)
+RESERVED_STREAM_PREFIX = "charon."  # streams only the engine appends to (ctx.emit refuses them)
+PORTAL_STREAM = "charon.portal.requests"  # the output stream ctx.ask appends requests to
 PORTAL_ID_PREFIX = "__charon.portal."  # request ids of portal requests (+ '.reply' for continuations)
 
 
@@ -286,6 +293,11 @@ class Context:
         serial order, then by the call graph (an invocation before its callees), then by emit order.
         """
         check_stream(stream)
+        if stream.startswith(RESERVED_STREAM_PREFIX):
+            raise InvalidKey(f"stream names starting with {RESERVED_STREAM_PREFIX!r} are reserved: {stream!r}")
+        self._emit(stream, value)
+
+    def _emit(self, stream: str, value: Any) -> None:
         data = serde.encode(value)
         self._nemit += 1
         if self._live():
@@ -314,7 +326,7 @@ class Context:
         self._nask += 1
         f = self._frame
         rid = f"{PORTAL_ID_PREFIX}{app.name}.{f.tid}.{f.inv}.{self._nask}"
-        self.emit(PORTAL_STREAM, {"rid": rid, "portal": portal, "key": key, "args": list(args),
+        self._emit(PORTAL_STREAM, {"rid": rid, "portal": portal, "key": key, "args": list(args),
                                   "op": self.operator, "from": self.key, "then": then_name, "carry": list(carry)})
         return rid
 

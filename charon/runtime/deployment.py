@@ -56,6 +56,14 @@ __all__ = ["Deployment", "PortalOutbox", "PortalRouter", "PortalServer", "ReplyP
 _DEFAULT_MAX_EVENTS = 500
 
 
+_FIELDS = {"rid": str, "portal": str, "key": str, "args": list, "op": str, "from": str, "then": str, "carry": list}
+
+
+def _well_formed(doc: object) -> bool:
+    """A request event as ``ctx.ask`` writes it (anything else on the stream is skipped)."""
+    return isinstance(doc, dict) and all(isinstance(doc.get(k), t) for k, t in _FIELDS.items())
+
+
 def _split(name: str) -> tuple[str, str]:
     app, _, rest = name.partition(".")
     if not app or not rest:
@@ -78,6 +86,7 @@ class PortalRouter:
         self.requests = 0  # requests answered by this router object (first or retried replies)
         self.continuations = 0
         self.failed: list[Reply] = []  # replies of continuations that aborted (the newest max_events)
+        self.malformed = 0  # events of the request stream that are not requests (skipped)
 
     def _load(self) -> int:
         if self.checkpoint is None:
@@ -110,6 +119,9 @@ class PortalRouter:
 
     async def _route(self, value: bytes) -> None:
         doc = serde.decode(value)
+        if not _well_formed(doc):
+            self.malformed += 1
+            return
         reply = await self._request(doc)
         self.requests += 1
         arg: dict[str, Any] = (
@@ -143,6 +155,8 @@ class Deployment:
     def __init__(self, runtimes: Iterable[Any], *, max_events: int = _DEFAULT_MAX_EVENTS, poll_s: float = 0.005):
         self.runtimes: dict[str, Any] = {}
         for rt in runtimes:
+            if "." in rt.app.name or not rt.app.name:
+                raise ValueError(f"an application in a deployment needs a name without '.', got {rt.app.name!r}")
             if rt.app.name in self.runtimes:
                 raise ValueError(f"two applications are named {rt.app.name!r}")
             self.runtimes[rt.app.name] = rt
@@ -333,6 +347,8 @@ class PortalServer:
         self.served = 0
 
     async def _serve(self, caller: str, doc: dict[str, Any]) -> None:
+        if not _well_formed(doc):
+            return
         app, portal = doc["portal"].partition(".")[::2]
         if app != self.runtime.app.name:
             return
@@ -377,6 +393,7 @@ class ReplyPump:
         self.offsets = {c: _load_offset(self._ck[c]) for c in outboxes}
         self.continuations = 0
         self.failed: list[Reply] = []  # replies of continuations that aborted (the newest max_events)
+        self.malformed = 0  # events of the request stream that are not requests (skipped)
 
     async def _resume(self, rid: str, doc: dict[str, Any]) -> None:
         done = await self.runtime.submit(doc["op"], doc["from"], doc["then"], [doc["reply"], *doc["carry"]],
