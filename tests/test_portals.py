@@ -148,7 +148,7 @@ def test_sigkill_between_requests_and_replies_keeps_each_side_exactly_once(tmp_p
         resumed.append(int(line.split()[1]))
         if attempt < 4:
             try:
-                proc.wait(rng.uniform(0.3, 1.2))
+                proc.wait(rng.uniform(0.3, 0.8))
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(30)
