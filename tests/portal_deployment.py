@@ -39,7 +39,7 @@ async def main() -> None:
             for start in range(0, n, 10):
                 await asyncio.gather(*(o.submit("orders", f"o{k}", "place", order(k), request_id=f"place-{k}")
                                        for k in range(start, min(n, start + 10))))
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.05)  # paced, so that the test's kills land while orders flow
             await dep.settle(timeout=120)
     for rt in (o, p, s):
         rt.close()

@@ -56,6 +56,7 @@ async def caller(root: str, n: int) -> None:
             await asyncio.gather(*(o.submit("orders", f"o{k}", "place", order(k), request_id=f"place-{k}")
                                    for k in range(start, min(n, start + 10))))
             await pump.step()
+            await asyncio.sleep(0.05)  # paced, so that the test's kills land while orders flow
         while True:
             if not await pump.step():
                 orders = o.entities("orders")

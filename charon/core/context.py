@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 from charon import serde
 from charon.core import timers as _timers
 from charon.core.routing import check_item, check_key, check_stream
-from charon.errors import BadArguments, CallGraphLimitExceeded, NonDeterministicFunction, UndeclaredPortal
+from charon.errors import (
+    BadArguments,
+    CallGraphLimitExceeded,
+    InvalidKey,
+    NonDeterministicFunction,
+    UndeclaredPortal,
+)
 from charon.operator import Function, Operator
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,7 +45,8 @@ if TYPE_CHECKING:  # pragma: no cover
 MAX_DEPTH = 200
 #: Most events one invocation may emit (beyond it the transaction aborts with CallGraphLimitExceeded).
 MAX_EMITS = 10_000
-PORTAL_STREAM = "charon.portal.requests"  # the output stream ctx.ask appends requests to (reserved)
+RESERVED_STREAM_PREFIX = "charon."  # streams only the engine appends to (ctx.emit refuses them)
+PORTAL_STREAM = "charon.portal.requests"  # the output stream ctx.ask appends requests to
 PORTAL_ID_PREFIX = "__charon.portal."  # request ids of portal requests (+ '.reply' for continuations)
 
 
@@ -290,6 +297,11 @@ class Context:
         after a call returned, before its callees' events; callees in call order), then by emit order.
         """
         check_stream(stream)
+        if stream.startswith(RESERVED_STREAM_PREFIX):
+            raise InvalidKey(f"stream names starting with {RESERVED_STREAM_PREFIX!r} are reserved: {stream!r}")
+        self._emit(stream, value)
+
+    def _emit(self, stream: str, value: Any) -> None:
         data = serde.encode(value)
         if self._nemit >= MAX_EMITS:
             raise CallGraphLimitExceeded(f"more than {MAX_EMITS} events emitted by one invocation")
@@ -320,7 +332,7 @@ class Context:
         self._nask += 1
         f = self._frame
         rid = f"{PORTAL_ID_PREFIX}{app.name}.{f.tid}.{f.inv}.{self._nask}"
-        self.emit(PORTAL_STREAM, {"rid": rid, "portal": portal, "key": key, "args": list(args),
+        self._emit(PORTAL_STREAM, {"rid": rid, "portal": portal, "key": key, "args": list(args),
                                   "op": self.operator, "from": self.key, "then": then_name, "carry": list(carry)})
         return rid
 

@@ -23,7 +23,8 @@ awaits B's reply and submits the continuation ``op/from.then(reply, *carry)`` to
 
 Exactly once across crashes of either side: B runs each request id once (its request-id dedup: a durable
 node remembers ids for ``CHARON_DEDUP_WINDOW_S``), and A runs each continuation id once likewise. The router
-keeps the offset of the first request atom not fully answered in ``<A's data_dir>/portals.offset``; after a
+keeps the offset of the first request atom not fully answered in ``portals.offset`` next to A's
+``streams.sqlite`` (a durable node's ``data_dir``, Spark's ``data_dir``); after a
 crash it re-submits from there, getting the stored replies back. The router itself holds nothing else.
 Replies arrive in no particular order across requests (each request's continuation follows its reply).
 
@@ -55,6 +56,14 @@ __all__ = ["Deployment", "PortalOutbox", "PortalRouter", "PortalServer", "ReplyP
 _DEFAULT_MAX_EVENTS = 500
 
 
+_FIELDS = {"rid": str, "portal": str, "key": str, "args": list, "op": str, "from": str, "then": str, "carry": list}
+
+
+def _well_formed(doc: object) -> bool:
+    """A request event as ``ctx.ask`` writes it (anything else on the stream is skipped)."""
+    return isinstance(doc, dict) and all(isinstance(doc.get(k), t) for k, t in _FIELDS.items())
+
+
 def _split(name: str) -> tuple[str, str]:
     app, _, rest = name.partition(".")
     if not app or not rest:
@@ -76,6 +85,8 @@ class PortalRouter:
         self.offset = self._load()
         self.requests = 0  # requests answered by this router object (first or retried replies)
         self.continuations = 0
+        self.failed: list[Reply] = []  # replies of continuations that aborted (the newest max_events)
+        self.malformed = 0  # events of the request stream that are not requests (skipped)
 
     def _load(self) -> int:
         if self.checkpoint is None:
@@ -108,15 +119,21 @@ class PortalRouter:
 
     async def _route(self, value: bytes) -> None:
         doc = serde.decode(value)
+        if not _well_formed(doc):
+            self.malformed += 1
+            return
         reply = await self._request(doc)
         self.requests += 1
         arg: dict[str, Any] = (
             {"ok": True, "value": serde.decode(reply.value) if reply.value else None}
             if reply.ok else {"ok": False, "error_type": reply.error_type, "error": reply.error_message}
         )
-        await self.runtime.submit(doc["op"], doc["from"], doc["then"], [arg, *doc["carry"]],
-                                  request_id=doc["rid"] + ".reply")
+        done = await self.runtime.submit(doc["op"], doc["from"], doc["then"], [arg, *doc["carry"]],
+                                         request_id=doc["rid"] + ".reply")
         self.continuations += 1
+        if not done.ok:  # the continuation aborted (its reply says why); kept for inspection, bounded
+            self.failed.append(done)
+            del self.failed[:-self.max_events]
 
     async def step(self) -> int:
         """Route the next request atoms (up to ``max_events`` requests); returns how many were routed."""
@@ -138,6 +155,8 @@ class Deployment:
     def __init__(self, runtimes: Iterable[Any], *, max_events: int = _DEFAULT_MAX_EVENTS, poll_s: float = 0.005):
         self.runtimes: dict[str, Any] = {}
         for rt in runtimes:
+            if "." in rt.app.name or not rt.app.name:
+                raise ValueError(f"an application in a deployment needs a name without '.', got {rt.app.name!r}")
             if rt.app.name in self.runtimes:
                 raise ValueError(f"two applications are named {rt.app.name!r}")
             self.runtimes[rt.app.name] = rt
@@ -148,8 +167,7 @@ class Deployment:
         self.routers: dict[str, PortalRouter] = {}
         for name, rt in self.runtimes.items():
             if any(self._is_portal(u) for u in rt.app.uses):
-                node = getattr(rt, "node", None)
-                ck = os.path.join(node.data_dir, "portals.offset") if node is not None else None
+                ck = os.path.join(os.path.dirname(rt.streams.path), "portals.offset")  # by its streams file
                 self.routers[name] = PortalRouter(self, name, max_events=max_events, checkpoint=ck)
         self.wires: list[StreamWire] = []
         self._tasks: list[asyncio.Task] = []
@@ -186,9 +204,9 @@ class Deployment:
         if to not in self.runtimes or stream not in self.runtimes[to].app.uses:
             raise UndeclaredPortal(f"application {to!r} does not declare {stream!r} in its uses")
         self.runtimes[to].app.resolve(operator, function)
-        node = getattr(self.runtimes[to], "node", None)
-        if node is not None and "checkpoint" not in kwargs:
-            kwargs["checkpoint"] = os.path.join(node.data_dir, f"wire.{app}.{name}.offset")
+        if "checkpoint" not in kwargs:
+            where = os.path.dirname(self.runtimes[to].streams.path)
+            kwargs["checkpoint"] = os.path.join(where, f"wire.{app}.{name}.{to}.offset")
         w = StreamWire(self.runtimes[app].streams, name, self.runtimes[to], operator, function,
                        name=f"{app}.{name}.{to}", **kwargs)
         self.wires.append(w)
@@ -329,6 +347,8 @@ class PortalServer:
         self.served = 0
 
     async def _serve(self, caller: str, doc: dict[str, Any]) -> None:
+        if not _well_formed(doc):
+            return
         app, portal = doc["portal"].partition(".")[::2]
         if app != self.runtime.app.name:
             return
@@ -372,11 +392,16 @@ class ReplyPump:
                     for c in outboxes}
         self.offsets = {c: _load_offset(self._ck[c]) for c in outboxes}
         self.continuations = 0
+        self.failed: list[Reply] = []  # replies of continuations that aborted (the newest max_events)
+        self.malformed = 0  # events of the request stream that are not requests (skipped)
 
     async def _resume(self, rid: str, doc: dict[str, Any]) -> None:
-        await self.runtime.submit(doc["op"], doc["from"], doc["then"], [doc["reply"], *doc["carry"]],
-                                  request_id=rid + ".reply")
+        done = await self.runtime.submit(doc["op"], doc["from"], doc["then"], [doc["reply"], *doc["carry"]],
+                                         request_id=rid + ".reply")
         self.continuations += 1
+        if not done.ok:  # the continuation aborted; kept for inspection, bounded
+            self.failed.append(done)
+            del self.failed[:-self.max_events]
 
     async def step(self) -> int:
         """Submit the next recorded replies as continuations; returns how many."""
