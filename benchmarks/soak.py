@@ -304,7 +304,7 @@ def plot(result: dict, path: Path) -> None:
 
     ws = result["windows"]
     ts = [w["t_s"] / 60 for w in ws]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
+    fig, (ax1, ax2, ax4) = plt.subplots(3, 1, figsize=(10, 10), sharex=True, height_ratios=[3, 3, 1.5])
     procs = sorted({p for w in ws for p in w["rss"]})
     for p in procs:
         ax1.plot(ts, [w["rss"].get(p, 0) / 2**20 for w in ws], label=p, linewidth=1)
@@ -322,7 +322,10 @@ def plot(result: dict, path: Path) -> None:
     ax3.plot(ts, [w["p99_ms"] for w in ws], color="tab:red", label="p99 ms")
     ax3.set_ylabel("latency (ms)")
     ax3.set_yscale("log")
-    ax2.set_xlabel("minutes")
+    ax4.plot(ts, [w.get("disk_mb", 0) for w in ws], color="tab:brown")
+    ax4.set_ylabel("data dir (MB)")
+    ax4.set_ylim(bottom=0)
+    ax4.set_xlabel("minutes")
     ax2.legend(loc="upper left")
     ax3.legend(loc="upper right")
     fig.tight_layout()
@@ -346,8 +349,12 @@ def main() -> None:
     ap.add_argument("--data-dir", default=None, help="default: a fresh temporary directory")
     ap.add_argument("--out", default=None, help="output prefix (default benchmarks/soak-ENGINE)")
     ap.add_argument("--verbose", "-v", action="store_true")
+    ap.add_argument("--replot", default=None, help="only redraw the PNG of this result JSON")
     ap.add_argument("extra", nargs="*", help="more `charon run` options after --, e.g. -- --no-fsync")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        return
     data_dir = args.data_dir or tempfile.mkdtemp(prefix=f"charon-soak-{args.engine}-")
     os.makedirs(data_dir, exist_ok=True)
     args.data_dir_used = data_dir

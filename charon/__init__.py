@@ -21,11 +21,13 @@ from charon.errors import (
     PayloadTooLarge,
     SerializationError,
     TransactionAborted,
+    UndeclaredPortal,
     UnknownFunction,
     UnknownOperator,
 )
 from charon.messages import Reply, Request
 from charon.operator import Application, Function, Operator
+from charon.runtime.deployment import Deployment
 from charon.runtime.inprocess import InProcessRuntime
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "CallGraphLimitExceeded",
     "CharonError",
     "Context",
+    "Deployment",
     "EngineUnavailable",
     "Function",
     "IdempotencyConflict",
@@ -49,6 +52,7 @@ __all__ = [
     "SerializationError",
     "Timer",
     "TransactionAborted",
+    "UndeclaredPortal",
     "UnknownFunction",
     "UnknownOperator",
 ]

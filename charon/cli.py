@@ -233,7 +233,8 @@ def run(
     verb = "starting" if engine == "spark" else "serving"
     err_console.print(
         f"charon: {verb} [bold]{getattr(application, 'name', target)}[/] "
-        f"({engine}, {partitions} partitions; {mode}{'; logs on ' + log if log else ''}) on http://{host}:{port}"
+        f"({engine}{'' if engine == 'remote' else f', {partitions} partitions'}; {mode}"
+        f"{'; logs on ' + log if log else ''}) on http://{host}:{port}"
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
         + ("; Spark starts in ~20 s: /health answers 503 starting until then, invokes are logged and wait"
            if engine == "spark" else ""),
@@ -396,7 +397,7 @@ def deploy(
     url: str = UrlOpt,
     token: str | None = TokenOpt,
 ) -> None:
-    """A strict code update: every partition switches to MODULE:APP at one epoch boundary (in-process runtime)."""
+    """A strict code update: every partition switches to MODULE:APP at one epoch boundary."""
     migration = None
     if migrate[0] is not None:
         try:

@@ -57,6 +57,11 @@ class EngineUnavailable(CharonError):
 
 
 #: Errors raised by the engine itself rather than by application code, looked up by name on decode.
+class UndeclaredPortal(CharonError):
+    """An application reached a portal or stream of another application that it did not declare in ``uses``,
+    or that the other application does not expose (see :mod:`charon.runtime.deployment`)."""
+
+
 ENGINE_ERRORS: dict[str, type[CharonError]] = {
     cls.__name__: cls
     for cls in (
@@ -69,6 +74,7 @@ ENGINE_ERRORS: dict[str, type[CharonError]] = {
         CallGraphLimitExceeded,
         NonDeterministicFunction,
         IllegalAwait,
+        UndeclaredPortal,
     )
 }
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 import msgspec
 
-from charon.core.routing import check_key, check_operator_name
+from charon.core.routing import check_key, check_operator_name, check_stream
 from charon.errors import BadArguments, InvalidKey, UnknownFunction, UnknownOperator
 
 FunctionBody = Callable[..., Coroutine[Any, Any, Any]]
@@ -115,9 +115,18 @@ class Operator:
 
 
 class Application:
-    """A deployable set of operators."""
+    """A deployable set of operators, and what it exposes to (and uses of) other applications.
 
-    def __init__(self, name: str, operators: Iterable[Operator]) -> None:
+    ``portals``: request/reply entry points other applications may ``ctx.ask``: portal name ->
+    ``(operator, function)`` of this application. ``streams``: output streams other applications may be
+    wired to. ``uses``: what this application reaches in others, as ``"app.portal"`` / ``"app.stream"``
+    (checked by :class:`charon.runtime.deployment.Deployment`; ``ctx.ask`` refuses anything else).
+    """
+
+    def __init__(
+        self, name: str, operators: Iterable[Operator], *, portals: Mapping[str, tuple[str, str]] | None = None,
+        streams: Iterable[str] = (), uses: Iterable[str] = (),
+    ) -> None:
         self.name = name
         self.operators: dict[str, Operator] = {}
         self._resolved: dict[tuple[str, str], Function] = {}
@@ -127,6 +136,16 @@ class Application:
             if op.name == BATCH_OPERATOR:
                 raise ValueError(f"operator name {BATCH_OPERATOR!r} is reserved (client atomic batches)")
             self.operators[op.name] = op
+        self.portals: dict[str, tuple[str, str]] = {}
+        for pname, (op_name, fn_name) in (portals or {}).items():
+            check_stream(pname)  # URL-safe, no '/'
+            self.resolve(op_name, fn_name)  # the target exists
+            self.portals[pname] = (op_name, fn_name)
+        self.streams: frozenset[str] = frozenset(streams)
+        self.uses: frozenset[str] = frozenset(uses)
+        for u in self.uses:
+            if not isinstance(u, str) or u.count(".") < 1 or not all(u.split(".", 1)):
+                raise ValueError(f"uses entries are 'app.portal' or 'app.stream', got {u!r}")
 
     def resolve(self, operator: str | Operator, function: str | Function) -> Function:
         """The function object for (operator, function) names; raises UnknownOperator/UnknownFunction."""

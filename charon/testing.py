@@ -21,7 +21,7 @@ from typing import Any
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.context import MAX_DEPTH, _item, child_inv, raised_in
+from charon.core.context import MAX_DEPTH, MAX_EMITS, _item, child_inv, raised_in
 from charon.core.epoch import EpochResult
 from charon.core.partition import MAX_INVOCATIONS, too_many_invocations
 from charon.core.routing import check_item, check_stream, entity_prefix, partition_of, store_key
@@ -134,6 +134,8 @@ class SerialContext:
 
     def emit(self, stream: str, value: Any) -> None:
         check_stream(stream)
+        if self._nemit >= MAX_EMITS:
+            raise CallGraphLimitExceeded(f"more than {MAX_EMITS} events emitted by one invocation")
         self._nemit += 1
         inv = tuple(int(x) for x in self._inv.split("."))
         self._txn.events.append((inv, self._nemit, stream, serde.encode(value)))

@@ -107,3 +107,31 @@ def test_update_is_recorded_and_survives_a_restart(tmp_path) -> None:
             assert err.value.status == 403
     finally:
         rt.close()
+
+
+def test_a_migration_interrupted_by_a_crash_is_finished_at_restart(tmp_path) -> None:
+    """The update was recorded (code.json) but the process died before its migration epoch was logged."""
+    import msgspec
+
+    from charon import serde
+    from charon.runtime.control import CodeVersion
+
+    data = tmp_path / "node"
+    rt = _runtime(data_dir=str(data), fsync=False)
+    rt.run_epoch([])
+    rt.close()
+    migration = ["code-1-v2", "account", "migrate", list(serde.encode(["EUR"]))]
+    entries = [CodeVersion(0, "1", None), CodeVersion(1, "v2", "code_versions:v2", migration)]
+    (data / "code.json").write_bytes(msgspec.json.encode(entries))
+    rt = InProcessRuntime(code_versions.v1, partitions=4, data_dir=str(data), fsync=False)
+    try:
+        assert rt.app is code_versions.v2
+        state = rt.entities("account")
+        assert len(state) == N and all(v == {"balance": 100, "currency": "EUR"} for v in state.values())
+    finally:
+        rt.close()
+    rt = InProcessRuntime(code_versions.v1, partitions=4, data_dir=str(data), fsync=False)  # and only once
+    try:
+        assert all(v == {"balance": 100, "currency": "EUR"} for v in rt.entities("account").values())
+    finally:
+        rt.close()

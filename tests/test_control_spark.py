@@ -89,17 +89,26 @@ def test_pause_inspect_sql_on_spark(spark, tmp_path) -> None:
             by_arrival = sorted(zip(mine, results, strict=True), key=lambda m: offset[m[0]])
             order = [(r.epoch, r.tid) for _, r in by_arrival]
             assert order == sorted(order), "the requests that waited ran in arrival order"
+            # a serializable admin update under load: in epochs of its own, once
+            up = c.admin_update("bonus", "account", "deposit", 1)
+            assert up["committed"] == N and not up["repeated"] and up["epochs"]
+            assert c.admin_update("bonus", "account", "deposit", 1)["repeated"] is True
+            time.sleep(0.5)
             stop.set()
             loader.join()
             assert not errors, errors
+            client_epochs = set()
             for rid in driven:  # nothing was lost: every request committed or aborted (NotEnoughCredit)
                 try:
-                    assert c.result_of(rid, 120).epoch >= 0
+                    client_epochs.add(c.result_of(rid, 120).epoch)
                 except TransactionAborted as exc:
                     assert exc.error_type == "NotEnoughCredit"
+                    client_epochs.add(exc.epoch)
+            assert not client_epochs & set(up["epochs"]), "the admin update ran alone"
+            assert max(client_epochs) > max(up["epochs"]), "the load went on after it"
             _wait(lambda: c.status()["backlog"] == 0, what="drained")
             last = c.status()
-            total = TOTAL + 20
+            total = TOTAL + 20 + N
             assert sum(c.read_state("account")["entities"].values()) == total
             # an earlier epoch, still retained by the durable copy: the cut still conserves money
             early = c.read_state("account", epoch=frozen)

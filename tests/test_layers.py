@@ -134,6 +134,7 @@ PUBLIC = [
     "CallGraphLimitExceeded",
     "CharonError",
     "Context",
+    "Deployment",
     "EngineUnavailable",
     "Function",
     "IdempotencyConflict",
@@ -149,6 +150,7 @@ PUBLIC = [
     "SerializationError",
     "Timer",
     "TransactionAborted",
+    "UndeclaredPortal",
     "UnknownFunction",
     "UnknownOperator",
 ]
@@ -160,7 +162,7 @@ def test_public_surface_is_pinned() -> None:
         assert getattr(charon, name) is not None
     errors = {n for n in PUBLIC if n.endswith(("Error", "Aborted", "Unavailable", "Large", "Exceeded"))}
     errors |= {"BadArguments", "IdempotencyConflict", "IllegalAwait", "InvalidKey", "NonDeterministicFunction",
-               "UnknownFunction", "UnknownOperator"}
+               "UndeclaredPortal", "UnknownFunction", "UnknownOperator"}
     for name in errors:
         assert issubclass(getattr(charon, name), charon.CharonError), name
     # Every engine error a reply can carry is importable from the top level.

@@ -375,3 +375,33 @@ def test_reply_stream_atoms_are_whole_epochs(logs: Logs) -> None:
     out.mark_epoch(1)  # idempotent (a replayed epoch marks again)
     assert reader.latestOffset({"seq": 5}, ReadMaxRows(2)) == {"seq": 9, "start": 5}, "a whole epoch beyond the cap"
     assert reader.latestOffset({"seq": 0}, ReadMaxRows(6)) == {"seq": 5, "start": 0}, "cut back to an epoch end"
+
+
+# -- retention (dedup window) --------------------------------------------------------------------
+
+
+def test_forget_only_truncated_ids_and_prune_their_replies(logs: Logs) -> None:
+    tick = "__charon_tick:"  # a runtime's own record (Spark's ticks, the node's markers): no reply
+    log = logs.input(1)
+    out = logs.output()
+    for i in range(6):
+        log.append(req(i))
+    log.append(Request(f"{tick}3", "__tick", "", "", encode([]), 0.0))
+    for e in range(6):
+        out.put_many([rep(e, e)])
+        out.mark_epoch(e)  # boundary of epoch e: seq e + 1
+    log.truncate([4])  # r0..r3 left the log; r4, r5 and the tick are still in it
+    forgotten = log.forget(out.request_ids_through(out.last_seq()), truncated_prefix=tick)
+    assert forgotten == ["r0", "r1", "r2", "r3"]
+    assert not log.contains("r0") and log.contains("r4") and log.contains(f"{tick}3")
+    assert out.prune(forgotten) == 4
+    assert out.get("r3") is None and out.get("r4") is not None and out.count() == 2
+    assert out.epoch_boundaries(0) == [4, 5, 6]  # epoch 3's boundary, below the oldest reply (seq 5), stays
+    assert out.last_seq() == 6 and [s for s, _ in out.read_since(0)] == [5, 6]
+    # a forgotten id is new again: the retry is appended (and would run) again
+    assert log.append(req(0)) == (0, 7)
+    log.truncate([8])
+    assert log.forget([], truncated_prefix=tick) == [] and not log.contains(f"{tick}3")
+    assert out.prune(["r4", "r5"]) == 2 and out.count() == 0 and out.last_seq() == 6
+    out.put(rep(9))
+    assert [s for s, _ in out.read_since(6)] == [7]

@@ -202,3 +202,46 @@ def test_cli_log_options_are_checked(tmp_path: Path) -> None:
     port = __import__("natsfix").free_port()  # nothing listens there
     p = run("--engine", "remote", "--log", f"nats://127.0.0.1:{port}/x")
     assert p.returncode == 1 and "is not reachable" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_remote_gateway_answers_503_while_the_log_is_down(server: NatsServer, tmp_path: Path) -> None:
+    """A gateway without an engine (``--engine remote``): while nats-server is down, invokes, status polls and
+    /health answer 503 with Retry-After (a retry with the same key is safe), and it serves again after."""
+    import subprocess
+    import sys
+
+    import httpx
+    from natsfix import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": "Bearer t"}
+    gw = subprocess.Popen([sys.executable, "-c", "from charon.cli import main; main()", "run", "charon.apps.ycsb:app",
+                           "--engine", "remote", "--log", f"{server.url}/g", "--port", str(port), "--token", "t"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert gw.poll() is None and time.monotonic() < deadline, "the remote gateway did not start"
+            time.sleep(0.1)
+        server.kill()
+        r = httpx.post(f"{url}/invoke/account/a0/deposit", json={"args": [1]}, timeout=60,
+                       headers={**auth, "Idempotency-Key": "k1"})
+        assert r.status_code == 503 and "Retry-After" in r.headers, r.text
+        assert httpx.get(f"{url}/requests/k1", headers=auth, timeout=60).status_code == 503
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 503
+        server.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health", timeout=60).status_code != 200:
+            assert time.monotonic() < deadline, "the gateway did not recover with the log"
+            time.sleep(0.5)
+        assert httpx.get(f"{url}/requests/never-sent", headers=auth, timeout=60).status_code == 404
+    finally:
+        gw.terminate()
+        _, err = gw.communicate(timeout=30)
+    assert "Traceback" not in err, err

@@ -9,11 +9,15 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from charon import Application, Context, InProcessRuntime, Operator, Request, serde
+from charon.core.context import MAX_EMITS
 from charon.errors import InvalidKey
 from charon.log.streams import StreamLog
 from charon.testing import check_epoch
@@ -207,6 +211,22 @@ def test_invalid_stream_name_aborts_the_transaction() -> None:
     assert rt.read_state("o", "k") is None
 
 
+def test_events_per_invocation_are_bounded() -> None:
+    op = Operator("o")
+
+    @op.function
+    async def many(ctx: Context, n: int) -> None:
+        for i in range(n):
+            ctx.emit("s", i)
+
+    rt = InProcessRuntime(Application("o", [op]), partitions=1)
+    res = rt.run_epoch([Request("r1", "o", "k", "many", serde.encode([MAX_EMITS]), 0.0),
+                        Request("r2", "o", "k2", "many", serde.encode([MAX_EMITS + 1]), 0.0)])
+    reps = {r.request_id: r for r in res.replies.values()}
+    assert reps["r1"].ok and len(res.events) == MAX_EMITS
+    assert not reps["r2"].ok and reps["r2"].error_type == "CallGraphLimitExceeded"
+
+
 async def test_subscribe_sees_atoms_as_they_commit() -> None:
     rt = InProcessRuntime(ledger, partitions=2, epoch_max_ms=0.5)
     rt.load("acct", {"a": 100, "b": 0})
@@ -270,3 +290,33 @@ def test_sigkill_of_the_durable_producer_keeps_each_atom_once(tmp_path: Path, po
         assert rt.snapshot() == ref.snapshot()
     finally:
         rt.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=25), retain=st.integers(1, 20),
+       limit=st.integers(1, 12))
+def test_stream_log_retention_and_reads_generated(sizes: list[int], retain: int, limit: int) -> None:
+    """Random atom sizes and bounds: the retained events are a suffix of whole atoms, within the bound
+    (or exactly the newest atom when it alone is larger), and paging from 0 returns each retained event
+    once, in offset order, cut at atom boundaries."""
+    with tempfile.TemporaryDirectory() as d:
+        log = StreamLog(os.path.join(d, "s.sqlite"), durable=False, retain_events=retain)
+        bounds = []
+        end = 0
+        for epoch, n in enumerate(sizes):
+            assert log.append_atom(epoch, [("x", f"{epoch}.{i}".encode()) for i in range(n)])
+            bounds.append((end, end + n))
+            end += n
+        ends = log.atom_ends("x", -1)
+        first = log.read("x", 0, 1).first_offset
+        assert first in {s for s, _ in bounds} and ends == [e for s, e in bounds if s >= first]
+        kept = end - first
+        assert kept <= retain or (len(ends) == 1 and kept == sizes[-1])
+        off, seen = 0, []
+        while off < end:
+            page = log.read("x", off, limit)
+            assert page.next_offset in ends and page.events
+            seen += [e.offset for e in page.events]
+            off = page.next_offset
+        assert seen == list(range(first, end))
+        log.close()

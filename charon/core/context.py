@@ -29,14 +29,25 @@ from typing import TYPE_CHECKING, Any
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.routing import check_item, check_stream
-from charon.errors import CallGraphLimitExceeded, NonDeterministicFunction
+from charon.core.routing import check_item, check_key, check_stream
+from charon.errors import (
+    BadArguments,
+    CallGraphLimitExceeded,
+    InvalidKey,
+    NonDeterministicFunction,
+    UndeclaredPortal,
+)
 from charon.operator import Function, Operator
 
 if TYPE_CHECKING:  # pragma: no cover
     from charon.core.partition import Frame, PartitionUnit
 
 MAX_DEPTH = 200
+#: Most events one invocation may emit (beyond it the transaction aborts with CallGraphLimitExceeded).
+MAX_EMITS = 10_000
+RESERVED_STREAM_PREFIX = "charon."  # streams only the engine appends to (ctx.emit refuses them)
+PORTAL_STREAM = "charon.portal.requests"  # the output stream ctx.ask appends requests to
+PORTAL_ID_PREFIX = "__charon.portal."  # request ids of portal requests (+ '.reply' for continuations)
 
 
 class Journal:
@@ -164,7 +175,7 @@ class Context:
 
     __slots__ = (
         "_unit", "_frame", "_journal", "_nchild", "_pending", "_sends", "_calls", "_fast", "_rng", "_dropped",
-        "_nemit", "_ntimer", "key", "operator", "tid",
+        "_nemit", "_ntimer", "_nask", "key", "operator", "tid",
     )
 
     def __init__(self, unit: PartitionUnit, frame: Frame, fast: bool = False) -> None:
@@ -178,6 +189,7 @@ class Context:
         self._nchild = 0
         self._nemit = 0  # events emitted by this run so far (replayed ones included): their order
         self._ntimer = 0
+        self._nask = 0
         self._pending: list[_Call] | None = None  # the calls the last suspending await sent
         self._sends: list[tuple] = []
         self._calls: list[tuple] = []
@@ -279,15 +291,50 @@ class Context:
         """Append ``value`` to the output stream ``stream`` if (and only if) this transaction commits.
 
         Events travel with the transaction's writes: an aborted (or re-run) transaction's events are
-        discarded. Each epoch's committed events form one atom per stream, ordered by the transactions'
-        serial order, then by the call graph (an invocation before its callees), then by emit order.
+        discarded (as is the whole transaction when one invocation emits more than :data:`MAX_EMITS`).
+        Each epoch's committed events form one atom per stream, ordered by the transactions' serial
+        order, then by invocation in call-graph preorder (all of an invocation's events, even those emitted
+        after a call returned, before its callees' events; callees in call order), then by emit order.
         """
         check_stream(stream)
+        if stream.startswith(RESERVED_STREAM_PREFIX):
+            raise InvalidKey(f"stream names starting with {RESERVED_STREAM_PREFIX!r} are reserved: {stream!r}")
+        self._emit(stream, value)
+
+    def _emit(self, stream: str, value: Any) -> None:
         data = serde.encode(value)
+        if self._nemit >= MAX_EMITS:
+            raise CallGraphLimitExceeded(f"more than {MAX_EMITS} events emitted by one invocation")
         self._nemit += 1
         if self._live():
             f = self._frame
             self._unit.emit(f.tid, f.inv, self._nemit, stream, data)
+
+    # -- portals (requests to other applications) -----------------------------------------------------
+    def ask(self, portal: str, key: str, *args: Any, then: Function | str, carry: list | tuple = ()) -> str:
+        """Ask ``portal`` (``"app.name"``, declared in this application's ``uses``) to run on entity ``key``
+        of that application with ``args``; returns the request id.
+
+        The request is an event of this transaction (sent only if it commits). The other application runs it
+        as its own transaction; its reply resumes *this entity* later, as a new transaction running this
+        operator's function ``then(ctx, reply, *carry)`` with ``reply`` = ``{"ok": True, "value": v}`` or
+        ``{"ok": False, "error_type": t, "error": message}``. Nothing waits meanwhile (see
+        :mod:`charon.runtime.deployment` for the exact guarantees).
+        """
+        app = self._unit.app
+        if portal not in app.uses:
+            raise UndeclaredPortal(f"application {app.name!r} does not declare portal {portal!r} in its uses")
+        then_name = then.name if isinstance(then, Function) else then
+        app.resolve(self.operator, then_name)  # the continuation exists (a typed error otherwise)
+        check_key(key)
+        if not isinstance(carry, list | tuple):
+            raise BadArguments("carry must be a list")
+        self._nask += 1
+        f = self._frame
+        rid = f"{PORTAL_ID_PREFIX}{app.name}.{f.tid}.{f.inv}.{self._nask}"
+        self._emit(PORTAL_STREAM, {"rid": rid, "portal": portal, "key": key, "args": list(args),
+                                  "op": self.operator, "from": self.key, "then": then_name, "carry": list(carry)})
+        return rid
 
     # -- calls ------------------------------------------------------------------------------------
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:

@@ -237,7 +237,6 @@ class PartitionUnit:
         self.app = app
         self.store = store
         self.max_invocations = MAX_INVOCATIONS  # set by each round's Control
-        self._resolved = app._resolved  # the application's (operator, function) -> Function cache
         self._clear(-1)
 
     # -- scratch ----------------------------------------------------------------------------------
@@ -490,7 +489,8 @@ class PartitionUnit:
                 ctx._resume(self, frame)
             else:
                 ctx = Context(self, frame)
-                fn = self._resolved.get((frame.op, frame.fn)) or self.app.resolve(frame.op, frame.fn)
+                # through self.app each time: a code update swaps the unit's app (charon.runtime.control)
+                fn = self.app._resolved.get((frame.op, frame.fn)) or self.app.resolve(frame.op, frame.fn)
                 coro = fn.body(ctx, *serde.decode(frame.args))
             try:
                 yielded = coro.send(None)

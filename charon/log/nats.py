@@ -14,21 +14,27 @@ Layout on the server (``<D>`` = the deployment name)
 
 Exactly once, beyond JetStream's dedup window
     JetStream drops a message whose ``Nats-Msg-Id`` it saw within the stream's ``duplicate_window``
-    (``dedup_window_s``, default 10 min) and answers with the original sequence; after the window it would
-    store it again. So a request id is first *claimed* in the ``IDS`` bucket with an atomic create (which
-    lasts forever, also after truncation), then published with ``Nats-Msg-Id`` = a hash of the id, then the
-    claim is resolved to ``(partition, offset)``. A second append of the id finds the claim: a resolved one
-    is answered at once; an unresolved one (its appender is still publishing, or crashed) is published again
-    with the same ``Nats-Msg-Id`` while the claim is younger than the window (the server dedups it to the
-    original offset, or stores it if the first publish never arrived); an older unresolved claim is resolved
-    by scanning its partition from the claim's time for the message id. Gateways in several processes can
-    therefore append concurrently. The one residual case is an appender that stalls for longer than the
-    dedup window between claiming and publishing (document your window accordingly).
+    (``dedup_window_s``, default 10 min) and answers with the original sequence; after the window it would store
+    it again. So a request id is first *claimed* in the ``IDS`` bucket with an atomic create (kept until
+    retention forgets the id, also after truncation), then published with ``Nats-Msg-Id`` = a hash of the id and
+    the claim's time, then the claim is resolved to ``(partition, offset)``. A second append of the id finds the
+    claim: a resolved one is answered at once; an unresolved one (its appender is still publishing, or crashed)
+    is published again with the same ``Nats-Msg-Id`` while the claim is younger than the window (the server
+    dedups it to the original offset, or stores it if the first publish never arrived); an older unresolved
+    claim is resolved by scanning its partition from the claim's time for the message id. Gateways in several
+    processes can therefore append concurrently. The one residual case is an appender that stalls for longer
+    than the dedup window between claiming and publishing (document your window accordingly).
 
-    The output log has one writer at a time (the engine's driver); replies are published with the request id
-    as ``Nats-Msg-Id`` and indexed in the bucket after the server accepted them. The writer re-indexes the
+    The output log has one writer at a time (the engine's driver); a reply whose request id is not in the bucket is
+    published (its ``Nats-Msg-Id`` carries the id's hash), then indexed in the bucket. The writer re-indexes the
     stream's tail past the index watermark when it starts, so a reply stored just before a crash is known
     after the window too and a replayed epoch never stores it twice.
+
+    Retention: :meth:`NatsInputLog.forget` and :meth:`NatsOutputLog.prune` (driven by the runtimes'
+    ``DedupRetention``, window ``dedup_window_s`` of the deployment, 7 days by default) remove forgotten ids'
+    index entries (purged, no delete markers), their replies and old epoch marks, so the bucket and streams
+    stay bounded in a long run; a forgotten id is appended again as new. The runtimes' own records (ids
+    starting with ``__charon`` or ``\x00``) are indexed in a second bucket that ``forget`` lists.
 
 Appends of one call are published in order (so a batch's entries get increasing offsets in a partition) but,
 unlike SQLite, not atomically: a crash can leave a prefix of a batch in the log (each entry exactly once).
@@ -60,6 +66,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from charon.errors import EngineUnavailable
 from charon.messages import Reply, Request
 from charon.serde import decode_reply, decode_request, encode_reply, encode_request
 
@@ -73,8 +80,11 @@ FETCH_BATCH = 5000  # messages per pull request of a range read
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-class NatsLogError(OSError):
-    """A NATS log operation failed or timed out (the server is unreachable or refused it); retry it."""
+class NatsLogError(OSError, EngineUnavailable):
+    """A NATS log operation failed or timed out (the server is unreachable or refused it); retry it.
+
+    An ``OSError`` (the log client retries appends on it, as for a locked SQLite file) and an
+    :class:`~charon.errors.EngineUnavailable` (the gateway answers 503 with ``Retry-After``)."""
 
 
 def is_nats_url(location: str | os.PathLike[str]) -> bool:
@@ -92,6 +102,11 @@ def parse_nats_url(url: str) -> tuple[str, str]:
         raise ValueError(f"deployment name {name!r} in {url!r} must match [A-Za-z0-9_-]{{1,64}}")
     server = f"{u.scheme}://{u.netloc}"
     return server, name
+
+
+#: request ids of the runtimes' own records (Spark's ticks, the node's epoch markers): indexed in a separate
+#: bucket so that :meth:`NatsInputLog.forget` can list them (they get no reply to be forgotten with)
+RUNTIME_ID_PREFIXES = ("__charon", "\x00")
 
 
 def _rid_hash(request_id: str) -> str:
@@ -193,6 +208,8 @@ class _Base:
         self._client = _Client.get(self.server, timeout_s)
         self._kv: Any = None
         self._kv_pid = -1
+        self._rt: Any = None
+        self._rt_pid = -1
 
     @property
     def c(self) -> _Client:
@@ -232,27 +249,52 @@ class _Base:
             self._kv_pid = os.getpid()
         return self._kv
 
-    async def _kv_get(self, key: str) -> bytes | None:
+    async def _rt_bucket(self) -> Any:
+        """The bucket indexing the runtimes' own records (see ``RUNTIME_ID_PREFIXES``)."""
+        if self._rt is None or self._rt_pid != os.getpid():
+            from nats.js.api import KeyValueConfig, StorageType
+            from nats.js.errors import BucketNotFoundError
+
+            bucket = f"CHARON_{self.name}_RTIDS"
+            try:
+                self._rt = await self.c.js.key_value(bucket)
+            except BucketNotFoundError:
+                self._rt = await self.c.js.create_key_value(
+                    KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE)
+                )
+            self._rt_pid = os.getpid()
+        return self._rt
+
+    async def _drop_entry(self, bucket: Any, entry: Any) -> None:
+        """Remove a key-value entry without leaving a delete marker (purge its subject in the bucket's stream;
+        a bucket's stream denies single-message deletes)."""
+        name = bucket._name  # noqa: SLF001
+        await self.c.js.purge_stream(f"KV_{name}", subject=f"$KV.{name}.{entry.key}")
+
+    async def _bucket_for(self, request_id: str) -> Any:
+        return await (self._rt_bucket() if request_id.startswith(RUNTIME_ID_PREFIXES) else self._bucket())
+
+    async def _kv_get(self, key: str, kv: Any = None) -> bytes | None:
         from nats.js.errors import KeyNotFoundError
 
-        kv = await self._bucket()
+        kv = kv or await self._bucket()
         try:
             e = await kv.get(key)
         except KeyNotFoundError:
             return None
         return e.value
 
-    async def _kv_create(self, key: str, value: bytes) -> bytes | None:
+    async def _kv_create(self, key: str, value: bytes, kv: Any = None) -> bytes | None:
         """Create ``key``; None if created, else the existing value (atomic)."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        kv = await self._bucket()
+        kv = kv or await self._bucket()
         for _ in range(50):
             try:
                 await kv.create(key, value)
                 return None
             except KeyWrongLastSequenceError:
-                old = await self._kv_get(key)
+                old = await self._kv_get(key, kv)
                 if old is not None:
                     return old
                 # deleted in between (never here) or not yet visible: try again
@@ -395,16 +437,20 @@ class NatsInputLog(_Base):
             first.setdefault(h, i)
         uniq = sorted(first.values())
         stamp = f"{time.time():.6f}"
+        kvs = {i: await self._bucket_for(items[i][0].request_id) for i in uniq}
         olds = await asyncio.gather(
-            *(self._kv_create(f"in.{items[i][2]}", f"c|{items[i][1]}|{stamp}".encode()) for i in uniq)
+            *(self._kv_create(f"in.{items[i][2]}", f"c|{items[i][1]}|{stamp}".encode(), kvs[i]) for i in uniq)
         )
         pos: dict[str, tuple[int, int]] = {}
-        publish: list[tuple[int, int]] = []  # (item index, partition) to publish, in batch order
+        # (item index, partition, message id) to publish, in batch order; the message id names the claim
+        # (id hash + claim time), so a republish of that claim is deduplicated, but an id appended again after
+        # retention forgot it is not taken for its old, truncated message
+        publish: list[tuple[int, int, str]] = []
         for i, old in zip(uniq, olds, strict=True):
             if old is None:
-                publish.append((i, items[i][1]))
+                publish.append((i, items[i][1], f"{items[i][2]}.{stamp}"))
             elif old.startswith(b"r|"):
-                _, p, off = old.decode().split("|")
+                _, p, off = old.decode().split("|")[:3]
                 pos[items[i][2]] = (int(p), int(off))
             else:  # another appender's claim: it is publishing, or it crashed before resolving it
                 _, p_s, t_s = old.decode().split("|")
@@ -412,23 +458,23 @@ class NatsInputLog(_Base):
                 if time.time() - float(t_s) >= self.dedup_window_s * 0.8:  # the server cannot dedup it now
                     found = await self._scan_for(int(p_s), items[i][2], float(t_s))
                 if found is None:  # publish it again under the same message id: the server dedups it
-                    publish.append((i, int(p_s)))
+                    publish.append((i, int(p_s), f"{items[i][2]}.{t_s}"))
                 else:
                     pos[items[i][2]] = (int(p_s), found)
         # publish in batch order (a partition's offsets follow it), then resolve the claims
         futs = []
-        for i, p in publish:
-            req, _, h = items[i]
+        for i, p, msg_id in publish:
             futs.append(await self.c.js.publish_async(
-                self._subject(p), encode_request(req), stream=self._stream(p), headers={"Nats-Msg-Id": h},
+                self._subject(p), encode_request(items[i][0]), stream=self._stream(p),
+                headers={"Nats-Msg-Id": msg_id},
             ))
-        for (i, p), fut in zip(publish, futs, strict=True):
+        for (i, p, _), fut in zip(publish, futs, strict=True):
             ack = await asyncio.wait_for(fut, self.timeout_s)
             pos[items[i][2]] = (p, ack.seq - 1)
-        kv = await self._bucket()
         await asyncio.gather(
-            *(kv.put(f"in.{items[i][2]}", f"r|{pos[items[i][2]][0]}|{pos[items[i][2]][1]}".encode())
-              for i, _ in publish)
+            *(kvs[i].put(f"in.{items[i][2]}",
+                         f"r|{pos[items[i][2]][0]}|{pos[items[i][2]][1]}|{items[i][0].request_id}".encode())
+              for i, _, _ in publish)
         )
         return [pos[h] for _, _, h in items]
 
@@ -439,7 +485,7 @@ class NatsInputLog(_Base):
             return None
         last = info.state.last_seq
         for m in await self._fetch(self._stream(p), self._subject(p), 0, last, start_time=since - 5):
-            if (m.headers or {}).get("Nats-Msg-Id") == h:
+            if (m.headers or {}).get("Nats-Msg-Id", "").split(".")[0] == h:
                 return m.metadata.sequence.stream - 1
         return None
 
@@ -458,6 +504,51 @@ class NatsInputLog(_Base):
 
         self._run(go)
 
+    def forget(self, request_ids: Iterable[str], truncated_prefix: str | None = None) -> list[str]:
+        """Forget request ids whose entries were truncated (dedup retention; see
+        :meth:`charon.log.sqlite.InputLog.forget`); ``truncated_prefix`` also forgets the runtimes' own
+        truncated records with that prefix. Index entries are removed without delete markers, so the
+        bucket shrinks. Returns the ids of ``request_ids`` that were forgotten."""
+        ids = list(request_ids)
+
+        async def go() -> list[str]:
+            lows = [s for s, _ in await self._infos()]
+            out: list[str] = []
+
+            async def one(rid: str, kv: Any, key: str) -> bool:
+                from nats.js.errors import KeyNotFoundError
+
+                try:
+                    e = await kv.get(key)
+                except KeyNotFoundError:
+                    return False
+                parts = (e.value or b"").decode().split("|", 3)
+                if parts[0] != "r" or int(parts[2]) >= lows[int(parts[1])]:
+                    return False  # still in the log (or not resolved): keeps its id
+                await self._drop_entry(kv, e)
+                return True
+
+            for start in range(0, len(ids), 256):
+                chunk = ids[start:start + 256]
+                kvs = [await self._bucket_for(r) for r in chunk]
+                got = await asyncio.gather(*(one(r, kv, f"in.{_rid_hash(r)}") for r, kv in zip(chunk, kvs,
+                                                                                               strict=True)))
+                out.extend(r for r, g in zip(chunk, got, strict=True) if g)
+            if truncated_prefix:
+                rt = await self._rt_bucket()
+                try:
+                    keys = await rt.keys()
+                except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
+                    keys = []
+                for key in keys:
+                    v = await self._kv_get(key, rt)
+                    parts = (v or b"").decode().split("|", 3)
+                    if len(parts) == 4 and parts[3].startswith(truncated_prefix):
+                        await one(parts[3], rt, key)
+            return out
+
+        return self._run(go, timeout=self.timeout_s * 6)
+
     # -- reading -----------------------------------------------------------------------------------
     async def _infos(self) -> list[tuple[int, int]]:
         """``(start, end)`` offsets of every partition."""
@@ -473,7 +564,7 @@ class NatsInputLog(_Base):
 
         async def go() -> tuple[int, int] | None:
             h = _rid_hash(request_id)
-            v = await self._kv_get(f"in.{h}")
+            v = await self._kv_get(f"in.{h}", await self._bucket_for(request_id))
             if v is None:
                 return None
             parts = v.decode().split("|")
@@ -564,7 +655,7 @@ class NatsOutputLog(_Base):
         self.subject = f"charon.{self.name}.out"
         self.marks_stream = f"CHARON_{self.name}_MARKS"
         self.marks_subject = f"charon.{self.name}.marks"
-        self._marks: list[tuple[int, int]] = []  # (epoch, last_seq) in mark order, cached
+        self._marks: list[tuple[int, int, int]] = []  # (epoch, last_seq, marks-stream seq) in order, cached
         self._marks_read = 0  # marks-stream sequence read up to
         self._indexed = False  # this process re-indexed the stream's tail (done by the writer, once)
         self._wlock = threading.Lock()
@@ -589,7 +680,7 @@ class NatsOutputLog(_Base):
         last = await self._last()
         if last > start:
             for m in await self._fetch(self.stream, self.subject, start + 1, last):
-                h = (m.headers or {}).get("Nats-Msg-Id", "")
+                h = (m.headers or {}).get("Nats-Msg-Id", "").split(".")[0]
                 seq = m.metadata.sequence.stream
                 old = await self._kv_create(f"out.{h}", str(seq).encode())
                 if old is not None and int(old) != seq:
@@ -616,7 +707,8 @@ class NatsOutputLog(_Base):
         known = await asyncio.gather(*(self._kv_get(f"out.{h}") for h in hashes))
         new = [h for h, k in zip(hashes, known, strict=True) if k is None]
         futs = [
-            await self.c.js.publish_async(self.subject, seen[h], stream=self.stream, headers={"Nats-Msg-Id": h})
+            await self.c.js.publish_async(self.subject, seen[h], stream=self.stream,
+                                          headers={"Nats-Msg-Id": f"{h}.{time.time_ns()}"})
             for h in new
         ]
         acks = [await asyncio.wait_for(f, self.timeout_s) for f in futs]
@@ -681,7 +773,7 @@ class NatsOutputLog(_Base):
 
         async def go() -> None:
             await self._sync_marks()
-            if any(e == epoch for e, _ in self._marks[-64:]) or (self._marks and self._marks[-1][0] > epoch):
+            if any(m[0] == epoch for m in self._marks[-64:]) or (self._marks and self._marks[-1][0] > epoch):
                 return
             last = await self._last()
             await self.c.js.publish(self.marks_subject, msgspec.msgpack.encode([epoch, last]),
@@ -696,13 +788,13 @@ class NatsOutputLog(_Base):
         if last > self._marks_read:
             for m in await self._fetch(self.marks_stream, self.marks_subject, self._marks_read + 1, last):
                 e, s = msgspec.msgpack.decode(m.data)
-                self._marks.append((int(e), int(s)))
+                self._marks.append((int(e), int(s), m.metadata.sequence.stream))
                 self._marks_read = m.metadata.sequence.stream
 
     def epoch_boundaries(self, after: int, upto: int | None = None) -> list[int]:
         """Seqs that end a complete epoch, greater than ``after`` (and at most ``upto``), ascending."""
         self._run(self._sync_marks)
-        return sorted({s for _, s in self._marks if s > after and (upto is None or s <= upto)})
+        return sorted({m[1] for m in self._marks if m[1] > after and (upto is None or m[1] <= upto)})
 
     def seq_after(self, seq: int, n: int) -> int:
         """The seq of the ``n``-th reply after ``seq`` (or :meth:`last_seq` if there are fewer)."""
@@ -718,6 +810,57 @@ class NatsOutputLog(_Base):
             return max(seq, last) if len(msgs) < n else msgs[-1].metadata.sequence.stream
 
         return self._run(go)
+
+    def request_ids_through(self, seq: int) -> list[str]:
+        """The request ids of the replies with seq <= ``seq`` (what :meth:`prune` would be given)."""
+
+        async def go() -> list[str]:
+            info = await self.c.js.stream_info(self.stream)
+            hi = min(seq, info.state.last_seq)
+            msgs = await self._fetch(self.stream, self.subject, info.state.first_seq, hi)
+            return [decode_reply(m.data).request_id for m in msgs]
+
+        return self._run(go, timeout=self.timeout_s * 6)
+
+    def prune(self, request_ids: Iterable[str]) -> int:
+        """Delete these requests' replies, their index entries and the epoch marks below the oldest reply
+        left (reply retention; seqs are never reused). Returns how many replies were deleted."""
+        ids = list(request_ids)
+
+        async def go() -> int:
+            from nats.js.errors import KeyNotFoundError, NotFoundError
+
+            kv = await self._bucket()
+
+            async def one(rid: str) -> int:
+                try:
+                    e = await kv.get(f"out.{_rid_hash(rid)}")
+                except KeyNotFoundError:
+                    return 0
+                try:
+                    await self.c.js.delete_msg(self.stream, int(e.value))
+                    n = 1
+                except NotFoundError:
+                    n = 0
+                await self._drop_entry(kv, e)
+                return n
+
+            n = 0
+            for start in range(0, len(ids), 256):
+                n += sum(await asyncio.gather(*(one(r) for r in ids[start:start + 256])))
+            info = await self.c.js.stream_info(self.stream)
+            low = info.state.first_seq if info.state.messages else None
+            await self._sync_marks()
+            if low is not None:
+                below = [m for m in self._marks if m[1] < low]
+                if len(below) > 1:  # the newest boundary below the oldest reply stays: readers resume there
+                    keep = below[-1]
+                    await self.c.js.purge_stream(self.marks_stream, seq=keep[2])
+                    self._marks = [m for m in self._marks if m[2] >= keep[2]]
+            return n
+
+        with self._wlock:
+            return self._run(go, timeout=self.timeout_s * 6)
 
     def count(self) -> int:
         """Number of stored replies."""

@@ -103,19 +103,21 @@ class StreamLog:
                 end = start + len(values)
                 c.execute("INSERT INTO atoms (stream, epoch, start, end) VALUES (?, ?, ?, ?)",
                           (stream, epoch, start, end))
-                self._trim(c, stream, end)
+                self._trim(c, stream, start, end)
         with self._cv:
             self._cv.notify_all()
         return True
 
-    def _trim(self, c: sqlite3.Connection, stream: str, end: int) -> None:
-        """Keep the newest whole atoms holding at most ``retain_events`` events (at least the newest atom)."""
-        row = c.execute("SELECT min(start) FROM atoms WHERE stream = ? AND start >= ?",
-                        (stream, end - self.retain_events)).fetchone()
-        keep = row[0]
-        if keep is None:
-            keep = c.execute("SELECT start FROM atoms WHERE stream = ? AND end = ?", (stream, end)).fetchone()[0]
-        if keep > self._first(c, stream):
+    def _trim(self, c: sqlite3.Connection, stream: str, start: int, end: int) -> None:
+        """Keep the newest whole atoms holding at most ``retain_events`` events, and at least the newest atom
+        (``[start, end)``). Index lookups only: an atom starts where the one before it ends."""
+        low = end - self.retain_events
+        first = self._first(c, stream)
+        if first >= low:
+            return
+        cut = c.execute("SELECT min(end) FROM atoms WHERE stream = ? AND end >= ?", (stream, low)).fetchone()[0]
+        keep = min(cut, start)
+        if keep > first:
             c.execute("DELETE FROM events WHERE stream = ? AND offset < ?", (stream, keep))
             c.execute("DELETE FROM atoms WHERE stream = ? AND end <= ?", (stream, keep))
 
@@ -127,8 +129,8 @@ class StreamLog:
 
     @staticmethod
     def _first(c: sqlite3.Connection, stream: str) -> int:
-        row = c.execute("SELECT min(start) FROM atoms WHERE stream = ?", (stream,)).fetchone()
-        return row[0] if row[0] is not None else 0
+        row = c.execute("SELECT start FROM atoms WHERE stream = ? ORDER BY end LIMIT 1", (stream,)).fetchone()
+        return row[0] if row is not None else 0
 
     def end_offset(self, stream: str) -> int:
         """The offset the next event of ``stream`` will get (its number of events ever appended)."""

@@ -25,7 +25,7 @@ import msgspec
 from charon import serde
 from charon.core.routing import entity_prefix, partition_of, split_store_key, store_key
 from charon.errors import CharonError
-from charon.state.durable import DurableState, DurableStateError
+from charon.state.durable import DurableState, DurableStateError, write_file_atomic
 from charon.state.store import MemoryStore
 
 __all__ = ["EpochGate", "GateClosed", "EpochNotRetained", "read_durable", "read_stores", "decode_entities"]
@@ -280,7 +280,8 @@ def spark_status(rt: Any) -> dict[str, Any]:
     done = rec.ends if rec is not None else rt.input_log.start_offsets()
     backlog = sum(max(0, e - d) for e, d in zip(ends, done, strict=True))
     return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "engine": "spark", "durable": True,
-            "retained_from": _retained_from(rt.durable, rt.config.partitions)}
+            "retained_from": _retained_from(rt.durable, rt.config.partitions),
+            "code_version": spark_version_at(rt, last + 1)}
 
 
 def spark_inspect(
@@ -475,3 +476,153 @@ def _update_outcome(update_id: str, reqs: list[Any], replies: list[Any], epochs:
     seen = sorted({rep.epoch for rep in replies if rep is not None})
     return {"id": update_id, "transactions": len(reqs), "committed": sum(1 for rep in replies if rep and rep.ok),
             "aborted": aborted, "epochs": epochs or seen, "repeated": repeated}
+
+
+async def _until(rt: Any, pred: Any, what: str, deadline: float) -> None:
+    while not await asyncio.to_thread(pred):
+        if rt._fatal is not None:
+            raise GateClosed(f"the runtime stopped: {rt._fatal}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def _spark_alone(rt: Any, deadline: float) -> AsyncIterator[None]:
+    """Hold new submissions of a Spark runtime (they wait in the gateway), let the ones under way finish and
+    every logged request run; release afterwards. One at a time."""
+    lock = getattr(rt, "_admin_lock", None)
+    if lock is None:
+        lock = rt._admin_lock = asyncio.Lock()
+    async with lock:
+        hold = rt.__dict__.setdefault("_admin_hold", asyncio.Event())
+        hold.clear()
+        try:
+            await _until(rt, lambda: rt.__dict__.get("_submitting", 0) == 0 and rt._caught_up(),
+                         "the accepted requests", deadline)
+            yield
+        finally:
+            hold.set()
+
+
+def _spark_update_requests(rt: Any, update_id: str, operator: str, function: str, args: bytes,
+                           keys: list[str] | None) -> list[Any]:
+    from charon.messages import Request
+
+    if keys is None:
+        rows = read_durable(rt.durable, rt.config.partitions, operator, rt._last_recorded_epoch(), None, 1 << 62)
+        keys = sorted({split_store_key(k)[1] for k in rows})
+    marker = f"{ADMIN_PREFIX}{update_id}"
+    return [Request(f"{marker}:{k}", operator, k, function, args, time.time()) for k in keys]
+
+
+async def _spark_update_epochs(rt: Any, update_id: str, operator: str, function: str, args: bytes,
+                               keys: list[str] | None, deadline: float) -> dict[str, Any]:
+    reqs = await asyncio.to_thread(_spark_update_requests, rt, update_id, operator, function, args, keys)
+    known = [rt.get_reply(r.request_id) for r in reqs]
+    if any(k is not None for k in known):
+        return _update_outcome(update_id, reqs, known, [], repeated=True)
+    first = rt._last_recorded_epoch() + 1
+    if reqs:
+        await asyncio.to_thread(rt.input_log.append_many, reqs)
+    await _until(rt, lambda: rt._caught_up() and all(rt.get_reply(r.request_id) is not None for r in reqs),
+                 f"update {update_id} to run", deadline)
+    epochs = list(range(first, rt._last_recorded_epoch() + 1))
+    return _update_outcome(update_id, reqs, [rt.get_reply(r.request_id) for r in reqs], epochs, repeated=False)
+
+
+async def spark_run_alone(
+    rt: Any, update_id: str, operator: str, function: str, args: bytes, keys: list[str] | None,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """A serializable admin update on the Spark runtime (see :func:`inprocess_run_alone`).
+
+    New submissions are held (they wait in the gateway, not yet in the log) until the update is done; the
+    submissions already under way run to their replies, then the update's requests are appended (request ids
+    ``__charon_admin:<id>:<key>``: the log and the output log make them run once) and run by epochs that hold
+    nothing else, then submissions continue."""
+    deadline = time.monotonic() + timeout
+    async with _spark_alone(rt, deadline):
+        return await _spark_update_epochs(rt, update_id, operator, function, args, keys, deadline)
+
+
+# -- strict code updates on Spark: <checkpoint>/code.json ------------------------------------------------------
+def _spark_code_path(ckpt: str) -> str:
+    return os.path.join(ckpt, "code.json")
+
+
+def spark_code_history(rt: Any) -> list[CodeVersion]:
+    """The Spark runtime's code versions (the first is the ref it was started with when none is recorded)."""
+    hist = rt.__dict__.get("_code_history")
+    if hist is None:
+        path = _spark_code_path(rt.ckpt)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                hist = msgspec.json.decode(f.read(), type=list[CodeVersion])
+        else:
+            hist = [CodeVersion(0, str(getattr(rt.app, "version", "1")), rt.app_ref)]
+        rt._code_history = hist
+    return hist
+
+
+def spark_recorded_code(rt: Any) -> None:
+    """At construction: run the newest recorded code version (a code update survives a restart)."""
+    newest = spark_code_history(rt)[-1]
+    if newest.ref is not None and newest.ref != rt.app_ref:
+        rt.app_ref, rt.app = newest.ref, load_app_ref(newest.ref)
+
+
+def spark_finish_update(rt: Any) -> None:
+    """At start, before the query runs: a code update a crash interrupted appends its migration now (before
+    any client request can be logged), so it still runs alone; :func:`spark_update_code` marks it done."""
+    newest = spark_code_history(rt)[-1]
+    if newest.migration is not None and newest.migration[0].endswith("?"):  # pending
+        uid, op, fn, args = newest.migration
+        reqs = _spark_update_requests(rt, uid[:-1], op, fn, bytes(args), None)
+        if reqs and not any(rt.get_reply(r.request_id) is not None for r in reqs):  # it never ran
+            rt.input_log.append_many(reqs)
+
+
+async def spark_update_code(
+    rt: Any, ref: str, version: str, migration: tuple[str, str, bytes] | None = None, timeout: float = 600.0
+) -> dict[str, Any]:
+    """A strict code update on the Spark runtime: with submissions held and everything logged run (so no
+    transaction spans versions), the driver and the executors switch to ``ref`` from the next epoch; the
+    migration runs alone, then submissions continue. Recorded in ``<checkpoint>/code.json`` first (pending)
+    and again once the migration ran, so a restart keeps the new code and finishes the migration."""
+    deadline = time.monotonic() + timeout
+    app = load_app_ref(ref)
+    hist = spark_code_history(rt)
+    async with _spark_alone(rt, deadline):
+        e = rt._last_recorded_epoch() + 1
+        uid = f"code-{len(hist)}-{version}"
+        mig = None if migration is None else [uid + "?", migration[0], migration[1], list(migration[2])]
+        entry = CodeVersion(e, version, ref, mig)
+        path = _spark_code_path(rt.ckpt)
+
+        def record(entries: list[CodeVersion]) -> None:
+            write_file_atomic(path, msgspec.json.encode(entries))
+
+        await asyncio.to_thread(record, [*hist, entry])
+        hist.append(entry)
+        from charon.runtime.spark.runtime import SparkExchange, ship_app_module
+
+        await asyncio.to_thread(ship_app_module, rt.spark, ref)
+        rt.app_ref, rt.app = ref, app
+        rt.exchange = SparkExchange(rt.spark, ref, rt.config)
+        out = None
+        if migration is not None:
+            out = await _spark_update_epochs(rt, uid, migration[0], migration[1], migration[2], None, deadline)
+            entry.migration = [uid, migration[0], migration[1], list(migration[2])]
+            await asyncio.to_thread(record, hist)
+    return {"version": version, "ref": ref, "from_epoch": e, "migration": out}
+
+
+def spark_version_at(rt: Any, epoch: int) -> str:
+    """The code version epoch ``epoch`` ran (or runs) with."""
+    hist = spark_code_history(rt)
+    label = hist[0].version
+    for v in hist:
+        if v.from_epoch <= epoch:
+            label = v.version
+    return label

@@ -31,6 +31,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -315,6 +316,10 @@ class InProcessRuntime:
     @property
     def streams(self) -> StreamLog:
         """The output streams ``ctx.emit`` appends to (one atom per epoch and stream; see charon.log.streams)."""
+        with _STREAMS_LOCK:  # created once, also when the gateway's read threads ask first
+            return self._open_streams()
+
+    def _open_streams(self) -> StreamLog:
         if self._streams is None:
             if self.node is not None:
                 path = os.path.join(self.node.data_dir, "streams.sqlite")
@@ -777,6 +782,9 @@ class InProcessRuntime:
     ) -> tuple[int, dict[bytes, bytes]]:
         """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch (:mod:`charon.runtime.control`)."""
         return await control.inprocess_inspect(self, operator, keys, epoch, limit)
+
+
+_STREAMS_LOCK = threading.Lock()
 
 
 def _remove_volatile(log: StreamLog, tmp: str) -> None:

@@ -271,7 +271,7 @@ class NodeStorage:
         if batch:  # a networked log took part of an epoch's batch before a crash: that epoch never ran
             mark = Request(f"{EPOCH_MARK}:{expect}", EPOCH_MARK, str(expect), "", serde.encode([]), time.time())
             self.input_log.append_many([(mark, 0)])
-            epochs.append((expect, batch))
+            epochs.append((expect, batch, mark.ts))  # its time is the marker's, as for any logged epoch
         return states, rec, epochs
 
     # -- the epoch path ------------------------------------------------------------------------------

@@ -13,12 +13,12 @@
   ``{"operator", "epoch", "entities": {key: value}, "items": {key: {item: value}}, "count", "truncated"}``.
   Every entity of one answer is read at the same epoch.
 - ``POST /admin/update`` ``{"id", "operator", "function", "args": [...], "keys": [...]?}``: a serializable
-  admin update (in-process runtime; 501 ``NotSupported`` on Spark): the deployed ``function`` runs on every
+  admin update (both runtimes): the deployed ``function`` runs on every
   key (default: every entity of the operator), alone at an epoch boundary, once per ``id`` (a repeat answers
   with the first outcome, ``"repeated": true``): ``{"id", "transactions", "committed", "aborted": {key:
   error}, "epochs", "repeated"}``.
 - ``POST /admin/code`` ``{"ref": "module:attribute", "version": "v2", "migration": {"operator", "function",
-  "args"}?}``: a strict code update (in-process runtime) to an application among the ``code_refs`` setting
+  "args"}?}``: a strict code update (both runtimes) to an application among the ``code_refs`` setting
   (403 ``Forbidden`` otherwise; clients only name deployed code): every partition switches at one epoch
   boundary, after every transaction begun on the old code finished; the migration (a function of the new
   code) then runs on every entity of the operator in an epoch of its own before any client transaction.

@@ -144,6 +144,11 @@ class RuntimeLike(Protocol):
     Optional: an ``input_log`` attribute (:class:`charon.log.sqlite.InputLog`). With it, a request id reused for
     another operation is refused from the log (not only from the gateway's memory), and a request in the log
     without a reply polls as 202 pending (e.g. after a gateway restart) instead of 404.
+
+    Optional control methods (:mod:`charon.server.admin`; a route answers 501 ``NotSupported`` without
+    them): ``pause(after_epoch)``, ``resume()``, ``control_status()``, ``inspect(operator, keys, epoch,
+    limit)``, ``run_alone(...)``, ``update_code(ref, version, migration)``, ``version_at(epoch)``, and the
+    ``epoch_stats`` list the metrics read.
     """
 
     app: Any

@@ -121,8 +121,8 @@ def trim_native_heap() -> None:
     """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere), and Arrow's.
 
     The driver allocates from many threads (py4j callbacks, the gateway's read pool, the log pump, Spark's
-    batch thread), and glibc keeps freed memory of its per-thread arenas mapped: without a trim the driver's
-    RSS creeps up by about a MB a minute in a long run although nothing live grows."""
+    batch thread, a compaction thread each time), and glibc keeps the freed memory of its per-thread arenas
+    mapped; called after each compaction, so a long run's RSS follows what is live."""
     global _LIBC
     if _LIBC is None:
         import ctypes
@@ -218,8 +218,11 @@ def make_session(config: SparkConfig) -> Any:
     }
     # executors elsewhere keep their cluster's log4j setup (this file's path is only known to exist here)
     same_machine = re.match(r"(local\b|spark://(127\.|localhost\b|\[::1\]))", config.master) is not None
-    # a fixed, pre-touched heap: the JVM's RSS is its size from the start instead of stepping up toward -Xmx
-    heap = f" -Xms{config.driver_memory} -XX:+AlwaysPreTouch" if config.fixed_heap else ""
+    # a fixed, pre-touched heap: the JVM's RSS is its size from the start instead of stepping up toward -Xmx;
+    # what a long run still adds outside the heap is JIT code (a 10-min soak: +14 MB in 3 min, native memory
+    # tracking) and classes: both capped (the code cache flushes cold code when full; ~120 MB of classes live)
+    heap = (f" -Xms{config.driver_memory} -XX:+AlwaysPreTouch -XX:ReservedCodeCacheSize=128m"
+            " -XX:MaxMetaspaceSize=512m") if config.fixed_heap else ""
     for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
         if key.startswith("spark.driver") or same_machine:
             opts = log4j + (heap if key.startswith("spark.driver") else "")
@@ -636,6 +639,7 @@ class SparkRuntime:
         self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
         self.streams = StreamLog(os.path.join(cfg.data_dir, "streams.sqlite"))  # ctx.emit's atoms
         self.durable = DurableState(os.path.join(self.ckpt, "state"))
+        control.spark_recorded_code(self)  # a code update recorded here survives a restart
         self._spark = spark
         self._query: Any = None
         self._compactor: threading.Thread | None = None
@@ -679,6 +683,7 @@ class SparkRuntime:
         ship_app_module(spark, self.app_ref)
         with self._epoch_cv:
             self._stopping = False
+        control.spark_finish_update(self)  # a code update's migration a crash interrupted, before any request
         self.gate.reset()
         with self._lock:
             self._wake.clear()
@@ -881,9 +886,17 @@ class SparkRuntime:
 
         if self._fatal is not None:
             raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
+        hold = self.__dict__.get("_admin_hold")
+        if hold is not None:  # an admin update runs alone: new requests wait for it
+            await hold.wait()
         if self._log_client is None:
             self._log_client = LogClient(self.input_log, self.output_log)
-        return await self._log_client.submit(operator, key, function, args, request_id=request_id, timeout=timeout)
+        self._submitting = self.__dict__.get("_submitting", 0) + 1  # admin updates wait for these to finish
+        try:
+            return await self._log_client.submit(operator, key, function, args, request_id=request_id,
+                                                 timeout=timeout)
+        finally:
+            self._submitting -= 1
 
     def get_reply(self, request_id: str) -> Reply | None:
         return self.output_log.get(request_id)
@@ -1112,6 +1125,25 @@ class SparkRuntime:
         """``state`` (running, pausing, paused), the last recorded ``epoch``, the ``backlog``."""
         return control.spark_status(self)
 
+    async def run_alone(
+        self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
+    ) -> dict[str, Any]:
+        """A serializable admin update: ``function`` on every key (default: every entity of ``operator``) in
+        epochs that hold nothing else, once per ``update_id`` (:func:`charon.runtime.control.spark_run_alone`)."""
+        return await control.spark_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
+
+    async def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None
+    ) -> dict[str, Any]:
+        """Strict code update to ``ref`` at one epoch boundary, with an optional ``migration`` (operator,
+        function, args) over every entity (:func:`charon.runtime.control.spark_update_code`)."""
+        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
+        return await control.spark_update_code(self, ref, version, mig)
+
+    def version_at(self, epoch: int) -> str:
+        """The code version epoch ``epoch`` ran with."""
+        return control.spark_version_at(self, epoch)
+
     def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
     ) -> tuple[int, dict[bytes, bytes]]:
@@ -1194,7 +1226,10 @@ class SparkRuntime:
         As consistent as reading the executors' stores: every partition's delta of a recorded epoch is durable
         (the finalize round writes it before the record), deltas after ``epoch`` are skipped, and a base
         compacted past ``epoch`` raises (the caller reads again at a newer epoch). Much cheaper than a Spark
-        job per read (no job, stage, task or py4j objects on the driver), and it works while the query restarts.
+        job per read (no job, stage, task or py4j objects on the driver; benchmarks/state_reads.py), and it
+        works while the query restarts. Its cost grows with the partition's durable files (a scan of their
+        memory-mapped key columns): for very large states, ``driver_reads=False`` reads the executors' indexed
+        stores with a Spark job instead.
         """
         out: dict[bytes, bytes | None] = {}
         for pid, keys in items:
