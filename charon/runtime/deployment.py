@@ -49,7 +49,7 @@ from charon.core.context import PORTAL_STREAM
 from charon.errors import UndeclaredPortal
 from charon.log.streams import StreamLog
 from charon.messages import Reply
-from charon.runtime.wiring import StreamWire
+from charon.runtime.wiring import StreamWire, load_offset, store_offset
 
 __all__ = ["Deployment", "PortalOutbox", "PortalRouter", "PortalServer", "ReplyPump"]
 
@@ -89,21 +89,10 @@ class PortalRouter:
         self.malformed = 0  # events of the request stream that are not requests (skipped)
 
     def _load(self) -> int:
-        if self.checkpoint is None:
-            return 0
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            with open(self.checkpoint, encoding="ascii") as f:
-                return int(f.read().strip())
-        return 0
+        return load_offset(self.checkpoint)
 
     def _store(self) -> None:
-        if self.checkpoint is not None:
-            tmp = self.checkpoint + ".tmp"
-            with open(tmp, "w", encoding="ascii") as f:
-                f.write(str(self.offset))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.checkpoint)
+        store_offset(self.checkpoint, self.offset)
 
     async def _request(self, doc: dict[str, Any]) -> Reply:
         rid = doc["rid"]

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from typing import Any
 
 from charon import serde
 from charon.core.routing import check_stream
 from charon.log.streams import StreamLog
 from charon.messages import Reply
+from charon.state.durable import write_file_atomic
 
 __all__ = ["StreamWire", "WIRE_ID_PREFIX"]
 
@@ -55,21 +55,10 @@ class StreamWire:
         self.rejected: list[Reply] = []  # events answered with an error (bounded by max_events per atom read)
 
     def _load(self) -> int:
-        if self.checkpoint is None:
-            return 0
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            with open(self.checkpoint, encoding="ascii") as f:
-                return int(f.read().strip())
-        return 0
+        return load_offset(self.checkpoint)
 
     def _store(self) -> None:
-        if self.checkpoint is not None:
-            tmp = self.checkpoint + ".tmp"
-            with open(tmp, "w", encoding="ascii") as f:
-                f.write(str(self.offset))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.checkpoint)
+        store_offset(self.checkpoint, self.offset)
 
     def request_id(self, offset: int) -> str:
         """The request id of the event at ``offset`` (the same on every delivery)."""
@@ -103,3 +92,19 @@ class StreamWire:
         while stop is None or not stop.is_set():
             if not await self.step():
                 await asyncio.sleep(self.poll_s)
+
+
+def load_offset(path: str | None) -> int:
+    """A stream reader's saved offset (0 when there is no checkpoint file yet)."""
+    if path is None:
+        return 0
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        with open(path, encoding="ascii") as f:
+            return int(f.read().strip())
+    return 0
+
+
+def store_offset(path: str | None, offset: int) -> None:
+    """Save a stream reader's offset atomically and durably (nothing without a checkpoint path)."""
+    if path is not None:
+        write_file_atomic(path, str(offset).encode("ascii"))
