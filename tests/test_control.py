@@ -146,6 +146,7 @@ def test_read_at_earlier_epoch_durable(tmp_path) -> None:
             _wait(lambda: rt.node.checkpointed_epoch >= now["epoch"], what="checkpoint")
             retained = c.status()["retained_epochs"]
             assert len(retained) >= 2 and retained[-1] == now["epoch"]
+            assert retained == sorted(set(retained)), f"no duplicate epochs: {retained}"
             seen = []
             for e in retained:
                 cut = c.read_state("account", epoch=e)

@@ -230,7 +230,7 @@ def inprocess_status(rt: Any) -> dict[str, Any]:
     return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "logged_waiting": len(rt._parked),
             "engine": "inprocess", "durable": rt.durable, "retained_from": retained[0] if retained else last,
             "code_version": version_at(rt, last + 1),
-            "retained_epochs": retained + [last]}
+            "retained_epochs": sorted({*retained, last})}  # the last may be checkpointed too
 
 
 def node_retained_epochs(durable: DurableState, partitions: int) -> list[int]:
