@@ -394,10 +394,14 @@ def deploy(
     migrate: tuple[str, str, str] = typer.Option(
         (None, None, None), "--migrate", metavar="OPERATOR FUNCTION ARGS_JSON",
         help="A function of the new code run on every entity of OPERATOR at the boundary."),
+    compatible: bool = typer.Option(
+        False, "--compatible", help="Transactions deferred before the boundary finish on the old code "
+        "(in-process runtimes; no --migrate)."),
     url: str = UrlOpt,
     token: str | None = TokenOpt,
 ) -> None:
-    """A strict code update: every partition switches to MODULE:APP at one epoch boundary."""
+    """A code update at one epoch boundary: strict (every partition switches to MODULE:APP once every
+    transaction begun on the old code finished) or --compatible (deferred ones finish on the old code)."""
     migration = None
     if migrate[0] is not None:
         try:
@@ -407,7 +411,10 @@ def deploy(
         if not isinstance(args, list):
             raise _fail("ARGS_JSON must be a JSON list")
         migration = (migrate[0], migrate[1], args)
-    _print_json(_admin(url, token, lambda c: c.update_code(ref, version, migration)))
+    if compatible and migration is not None:
+        raise _fail("a --compatible update has no --migrate")
+    mode = "compatible" if compatible else "strict"
+    _print_json(_admin(url, token, lambda c: c.update_code(ref, version, migration, mode)))
 
 
 @app.command()

@@ -491,11 +491,15 @@ class Client(_Base):
                                           headers={**self.headers, "Content-Type": MSGPACK}))
 
     def update_code(
-        self, ref: str, version: str, migration: tuple[str, str, Sequence[Any]] | None = None
+        self, ref: str, version: str, migration: tuple[str, str, Sequence[Any]] | None = None,
+        mode: str = "strict",
     ) -> dict[str, Any]:
-        """Strict code update to the deployed ``ref`` (``module:attribute``, allowed by the gateway's
-        ``code_refs``) at one epoch boundary; ``migration`` = (operator, function, args) of the new code."""
+        """Code update to the deployed ``ref`` (``module:attribute``, allowed by the gateway's ``code_refs``)
+        at one epoch boundary: ``mode="strict"`` with an optional ``migration`` = (operator, function, args)
+        of the new code, or ``"compatible"`` (transactions deferred before it finish on the old code)."""
         body: dict[str, Any] = {"ref": ref, "version": version}
+        if mode != "strict":
+            body["mode"] = mode
         if migration is not None:
             body["migration"] = {"operator": migration[0], "function": migration[1], "args": list(migration[2])}
         return self._admin_doc(self._send("POST", "/admin/code", content=msgspec.msgpack.encode(body),

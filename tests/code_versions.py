@@ -43,3 +43,35 @@ async def migrate(ctx: Context, currency: str) -> None:
 
 
 v2 = Application("bank", [account_v2])
+
+
+# -- compatible versions (same state format): each function reports its version and its callee's ------------
+def _compatible(label: str) -> Application:
+    op = Operator("acct")
+
+    @op.function
+    async def deposit(ctx: Context, amount: int) -> str:
+        ctx.put(ctx.get(default=0) + amount)
+        return label
+
+    @op.function
+    async def route(ctx: Context, base: str) -> list:
+        """The callee depends on the state read, so contended runs defer some transactions."""
+        v = ctx.get(default=0)
+        callee = await ctx.call(op, f"{base}{v % 3}", "deposit", 1)
+        ctx.put(v + 1)
+        return [label, callee]
+
+    @op.function
+    async def transfer(ctx: Context, to: str, amount: int) -> list:
+        ctx.put(ctx.get(default=0) - amount)
+        callee = await ctx.call(op, to, "deposit", amount)
+        return [label, callee]
+
+    app = Application("compat", [op])
+    app.version = label  # type: ignore[attr-defined]  # the label the runtime reports before any update
+    return app
+
+
+c1 = _compatible("c1")
+c2 = _compatible("c2")

@@ -321,7 +321,7 @@ class Context:
         ``{"ok": False, "error_type": t, "error": message}``. Nothing waits meanwhile (see
         :mod:`charon.runtime.deployment` for the exact guarantees).
         """
-        app = self._unit.app
+        app = self._unit.app_for(self._frame.tid)
         if portal not in app.uses:
             raise UndeclaredPortal(f"application {app.name!r} does not declare portal {portal!r} in its uses")
         then_name = then.name if isinstance(then, Function) else then
@@ -338,7 +338,7 @@ class Context:
 
     # -- calls ------------------------------------------------------------------------------------
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
-        fn = self._unit.app.validate(operator, function, args, key=key)  # key: routing.check_key
+        fn = self._unit.app_for(self._frame.tid).validate(operator, function, args, key=key)  # key: routing.check_key
         if self._frame.depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
         return (fn.operator.name, key, fn.name, serde.encode(list(args)))

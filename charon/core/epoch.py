@@ -292,6 +292,7 @@ class EpochCoordinator:
         if max_invocations < 1:
             raise ValueError("max_invocations must be at least 1")
         self.app = app
+        self.previous: tuple[int, Application] | None = None  # see PartitionUnit.previous
         self.exchange = exchange
         self.sequencer = Sequencer(sequencers)
         self.max_invocations = max_invocations
@@ -430,7 +431,9 @@ class EpochCoordinator:
         for tid in sorted(txns):
             req = txns[tid]
             try:
-                self.app.validate(req.operator, req.function, serde.decode(req.args), key=req.key)
+                prev = self.previous
+                app = prev[1] if prev is not None and tid < prev[0] else self.app
+                app.validate(req.operator, req.function, serde.decode(req.args), key=req.key)
             except CharonError as exc:
                 early.append(_reply(result, last_tid, tid, False, False, err=(type(exc).__name__, str(exc))))
                 continue

@@ -235,9 +235,17 @@ class PartitionUnit:
         self.pid = pid
         self.partitions = partitions
         self.app = app
+        # a compatible code update (charon.runtime.control): (first TID on ``app``, the previous application);
+        # a transaction with a lower TID started before the update and finishes on the previous application
+        self.previous: tuple[int, Application] | None = None
         self.store = store
         self.max_invocations = MAX_INVOCATIONS  # set by each round's Control
         self._clear(-1)
+
+    def app_for(self, tid: int) -> Application:
+        """The application transaction ``tid`` runs with (see :attr:`previous`)."""
+        prev = self.previous
+        return prev[1] if prev is not None and tid < prev[0] else self.app
 
     # -- scratch ----------------------------------------------------------------------------------
     def _clear(self, epoch: int) -> None:
@@ -490,7 +498,9 @@ class PartitionUnit:
             else:
                 ctx = Context(self, frame)
                 # through self.app each time: a code update swaps the unit's app (charon.runtime.control)
-                fn = self.app._resolved.get((frame.op, frame.fn)) or self.app.resolve(frame.op, frame.fn)
+                prev = self.previous  # app_for, inlined (the hot path)
+                app = self.app if prev is None or frame.tid >= prev[0] else prev[1]
+                fn = app._resolved.get((frame.op, frame.fn)) or app.resolve(frame.op, frame.fn)
                 coro = fn.body(ctx, *serde.decode(frame.args))
             try:
                 yielded = coro.send(None)
@@ -664,7 +674,7 @@ class PartitionUnit:
             ctx = Context(self, frame, fast=True)
             self._stat_runs += 1
             try:
-                fn = self.app.resolve(c.op, c.fn)
+                fn = self.app_for(tid).resolve(c.op, c.fn)
                 coro = fn.body(ctx, *serde.decode(c.args))
                 try:
                     coro.send(None)

@@ -302,10 +302,10 @@ ADMIN_PREFIX = "__charon_admin:"  # request ids of admin updates (the gateway re
 
 
 @contextlib.asynccontextmanager
-async def _alone(rt: Any) -> AsyncIterator[None]:
+async def _alone(rt: Any, drain: bool = True) -> AsyncIterator[None]:
     """Hold the in-process runtime at an epoch boundary with nothing in flight: paused after the running
-    epoch, epochs logged while paused run, transactions deferred before run (alone); resumed afterwards
-    unless it was paused before. One at a time."""
+    epoch, epochs logged while paused run, transactions deferred before run (alone; not with ``drain``
+    False: they stay deferred); resumed afterwards unless it was paused before. One at a time."""
     lock = getattr(rt, "_admin_lock", None)
     if lock is None:
         lock = rt._admin_lock = asyncio.Lock()
@@ -316,7 +316,8 @@ async def _alone(rt: Any) -> AsyncIterator[None]:
             while rt.gate._active is not None:  # the running epoch finishes first
                 await asyncio.sleep(0.001)
             rt._run_parked()  # epochs logged while paused come first
-            rt.drain()  # transactions deferred before run without what follows
+            if drain:
+                rt.drain()  # transactions deferred before run without what follows
             yield
         finally:
             if not was_paused:
@@ -373,6 +374,8 @@ class CodeVersion(msgspec.Struct):
     version: str
     ref: str | None  # "module:attribute"; None: the application the runtime was constructed with
     migration: list[Any] | None = None  # [update id, operator, function, encoded args]
+    # compatible updates: the first TID on this version (a lower TID started before, on the previous one)
+    first_tid: int | None = None
 
 
 def load_app_ref(ref: str) -> Any:
@@ -403,6 +406,7 @@ def code_history(rt: Any) -> list[CodeVersion]:
     """The code versions of a runtime, oldest first (the first is the one it was constructed with)."""
     hist = rt.__dict__.get("_code_history")
     if hist is None:
+        rt.__dict__.setdefault("_base_app", rt.app)  # the constructed application (before any switch)
         hist = [CodeVersion(0, str(getattr(rt.app, "version", "1")), None)]
         path = _code_file(rt)
         if path is not None and os.path.exists(path):
@@ -412,13 +416,32 @@ def code_history(rt: Any) -> list[CodeVersion]:
     return hist
 
 
-def version_at(rt: Any, epoch: int) -> str:
-    """The code version epoch ``epoch`` ran (or runs) with."""
+def version_at(rt: Any, epoch: int, tid: int | None = None) -> str:
+    """The code version epoch ``epoch`` ran (or runs) with; with ``tid``, the version transaction ``tid``
+    (committed in ``epoch``) ran with: after a compatible update, one started before it kept the old one."""
     label = code_history(rt)[0].version
     for v in code_history(rt):
-        if v.from_epoch <= epoch:
+        if v.from_epoch <= epoch and (tid is None or v.first_tid is None or tid >= v.first_tid):
             label = v.version
     return label
+
+
+def _set_previous(rt: Any, previous: tuple[int, Any] | None) -> None:
+    rt.coordinator.previous = previous
+    for u in rt.units:
+        u.previous = previous
+
+
+def retire_previous(rt: Any) -> None:
+    """After an epoch: drop the application kept by a compatible update once no transaction started on it
+    is deferred any more."""
+    prev = rt.coordinator.previous
+    if prev is not None and not any(tid < prev[0] for tid, _ in rt.coordinator.deferred):
+        _set_previous(rt, None)
+
+
+def _app_of(rt: Any, entry: CodeVersion) -> Any:
+    return load_app_ref(entry.ref) if entry.ref is not None else rt.__dict__.get("_base_app", rt.app)
 
 
 def recover_code(rt: Any) -> None:
@@ -427,6 +450,9 @@ def recover_code(rt: Any) -> None:
     epoch a recovery replays ran with the newest version."""
     hist = code_history(rt)
     newest = hist[-1]
+    if newest.first_tid is not None and len(hist) > 1:  # compatible: deferred transactions keep the old code
+        _set_previous(rt, (newest.first_tid, _app_of(rt, hist[-2])))
+        retire_previous(rt)
     if newest.ref is not None:
         _switch(rt, load_app_ref(newest.ref))
 
@@ -440,33 +466,56 @@ def finish_migration(rt: Any) -> None:
 
 
 async def inprocess_update_code(
-    rt: Any, ref: str, version: str, migration: tuple[str, str, bytes] | None = None
+    rt: Any, ref: str, version: str, migration: tuple[str, str, bytes] | None = None, mode: str = "strict"
 ) -> dict[str, Any]:
-    """A strict code update: every partition switches to ``ref`` at the same epoch boundary e, after every
-    transaction that started on the old code finished (deferred ones included); ``migration`` (operator,
-    function of the new code, encoded args) then runs on every entity of the operator in one epoch of its
-    own, before any client transaction sees the new code. Durable mode records it (``code.json``) after a
-    checkpoint, so a restart keeps the new code and completes an interrupted migration. Rolling back is
-    another update."""
+    """A code update at one epoch boundary e.
+
+    ``mode="strict"``: every partition switches to ``ref`` at e, after every transaction that started on the
+    old code finished (deferred ones included); ``migration`` (operator, function of the new code, encoded
+    args) then runs on every entity of the operator in one epoch of its own, before any client transaction
+    sees the new code. ``mode="compatible"`` (no migration): transactions sequenced from e on run the new
+    code, while the ones deferred before e (re-run in later epochs) finish on the version they started with,
+    kept until none is left (a reply's ``code_version`` says which); nothing waits for them. Durable mode
+    records the update (``code.json``) after a checkpoint, so a restart keeps the new code (and the old one
+    for the deferred transactions) and completes an interrupted migration. Rolling back is another update."""
+    if mode not in ("strict", "compatible"):
+        raise ValueError(f"mode must be 'strict' or 'compatible', not {mode!r}")
+    if mode == "compatible" and migration is not None:
+        raise ValueError("a compatible update has no migration (old and new code run side by side)")
     app = load_app_ref(ref)
     hist = code_history(rt)
-    async with _alone(rt):
+    compatible = mode == "compatible"
+    async with _alone(rt, drain=not compatible):
         e = rt.epoch
+        first_tid = None
+        if compatible:
+            if rt.coordinator.previous is not None:  # a third version at once: the oldest one finishes first
+                while rt.coordinator.previous is not None and rt.coordinator.deferred:
+                    rt.run_epoch([])
+                    retire_previous(rt)
+                e = rt.epoch
+            c = rt.coordinator
+            first_tid = max(c.sequencer.counters) * c.sequencer.n + 1  # every later TID is at least this
         mig = None
         if migration is not None:
             mig = [f"code-{len(hist)}-{version}", migration[0], migration[1], list(migration[2])]
-        entry = CodeVersion(e, version, ref, mig)
+        entry = CodeVersion(e, version, ref, mig, first_tid)
         path = _code_file(rt)
         if path is not None:
             await asyncio.to_thread(rt.node.flush)  # every epoch before e is checkpointed: no replay crosses e
             data = msgspec.json.encode([*hist, entry])
             await asyncio.to_thread(rt.node.durable.fs.write_atomic, path, lambda f: f.write(data))
+        kept = len(rt.coordinator.deferred)  # deferred before e: they finish on the old code
+        if compatible:
+            _set_previous(rt, (first_tid, rt.app))
         hist.append(entry)
         _switch(rt, app)
+        if compatible:
+            retire_previous(rt)  # nothing deferred: no need to keep the old code
         out = None
         if mig is not None:
             out = _update_epochs(rt, mig[0], mig[1], mig[2], migration[2], None)  # type: ignore[index]
-    return {"version": version, "ref": ref, "from_epoch": e, "migration": out}
+    return {"version": version, "ref": ref, "from_epoch": e, "migration": out, "mode": mode, "kept_deferred": kept}
 
 
 def _update_outcome(update_id: str, reqs: list[Any], replies: list[Any], epochs: list[int],

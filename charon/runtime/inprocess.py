@@ -389,6 +389,8 @@ class InProcessRuntime:
         self.stores = stores
         self.partitions = partitions
         self.units = [PartitionUnit(p, partitions, self.app, s) for p, s in enumerate(stores)]
+        for u in self.units:
+            u.previous = self.coordinator.previous  # a compatible code update's old code, if still needed
         self.coordinator.exchange = LocalExchange(self.units)
         pause = time.perf_counter() - t0
         self.rescale_pauses.append({"from": old, "to": partitions, "epoch": self.epoch, "pause_s": pause, "keys": n})
@@ -499,6 +501,8 @@ class InProcessRuntime:
             self.node.epoch_done(self.epoch, c.sequencer.counters, c.deferred, self._log_end,
                                  self.stores, c.sequencer.time, c.next_due)  # type: ignore[arg-type]
         self.epoch += 1
+        if self.coordinator.previous is not None:  # a compatible code update's old code, while still needed
+            control.retire_previous(self)
         stats = self.epoch_stats
         stats.append({"epoch": result.epoch, **result.stats})
         if len(stats) > self._stats_kept:
@@ -765,17 +769,20 @@ class InProcessRuntime:
         at an epoch boundary, once per ``update_id`` (:func:`charon.runtime.control.inprocess_run_alone`)."""
         return await control.inprocess_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
 
-    async def update_code(
-        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None
-    ) -> dict[str, Any]:
-        """Strict code update to ``ref`` (``module:attribute``) at one epoch boundary, with an optional
-        ``migration`` (operator, function, args) over every entity (see :mod:`charon.runtime.control`)."""
-        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
-        return await control.inprocess_update_code(self, ref, version, mig)
+    code_update_modes = ("strict", "compatible")
 
-    def version_at(self, epoch: int) -> str:
-        """The code version epoch ``epoch`` ran with."""
-        return control.version_at(self, epoch)
+    async def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None, mode: str = "strict"
+    ) -> dict[str, Any]:
+        """Code update to ``ref`` (``module:attribute``) at one epoch boundary: ``mode="strict"`` with an
+        optional ``migration`` (operator, function, args) over every entity, or ``"compatible"`` (deferred
+        transactions finish on the old code) (see :func:`charon.runtime.control.inprocess_update_code`)."""
+        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
+        return await control.inprocess_update_code(self, ref, version, mig, mode)
+
+    def version_at(self, epoch: int, tid: int | None = None) -> str:
+        """The code version epoch ``epoch`` ran with (with ``tid``: the one that transaction ran with)."""
+        return control.version_at(self, epoch, tid)
 
     async def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000

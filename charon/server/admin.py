@@ -18,12 +18,14 @@
   with the first outcome, ``"repeated": true``): ``{"id", "transactions", "committed", "aborted": {key:
   error}, "epochs", "repeated"}``.
 - ``POST /admin/code`` ``{"ref": "module:attribute", "version": "v2", "migration": {"operator", "function",
-  "args"}?}``: a strict code update (both runtimes) to an application among the ``code_refs`` setting
-  (403 ``Forbidden`` otherwise; clients only name deployed code): every partition switches at one epoch
-  boundary, after every transaction begun on the old code finished; the migration (a function of the new
-  code) then runs on every entity of the operator in an epoch of its own before any client transaction.
-  ``{"version", "ref", "from_epoch", "migration"}``. Replies carry ``code_version``; rolling back is another
-  update.
+  "args"}?, "mode": "strict" | "compatible"?}``: a code update to an application among the ``code_refs``
+  setting (403 ``Forbidden`` otherwise; clients only name deployed code). *strict* (default, both runtimes):
+  every partition switches at one epoch boundary, after every transaction begun on the old code finished;
+  the migration (a function of the new code) then runs on every entity of the operator in an epoch of its
+  own before any client transaction. *compatible* (in-process runtimes; 501 ``NotSupported`` on Spark; no
+  migration): transactions sequenced from the boundary on run the new code while those deferred before it
+  finish on the old one. ``{"version", "ref", "from_epoch", "migration", "mode"}``. Replies carry
+  ``code_version`` (the version that transaction ran with); rolling back is another update.
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
 - ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
 - ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
@@ -187,10 +189,17 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
     async def code(request: HTTPRequest) -> Response:
         gw.check_auth(request)
         doc = await _json_body(gw, request)
-        unknown = set(doc) - {"ref", "version", "migration"}
+        unknown = set(doc) - {"ref", "version", "migration", "mode"}
         if unknown:
             raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
         ref, version, mig = doc.get("ref"), doc.get("version"), doc.get("migration")
+        mode = doc.get("mode", "strict")
+        if mode not in ("strict", "compatible"):
+            raise _HTTPError("BadRequest", 'mode is "strict" or "compatible"')
+        if mode == "compatible" and mig is not None:
+            raise _HTTPError("BadRequest", "a compatible update has no migration")
+        if mode not in getattr(gw.runtime, "code_update_modes", ("strict",)):
+            raise _HTTPError("NotSupported", f"this runtime has no {mode} code updates")
         if not isinstance(ref, str) or not isinstance(version, str) or not 0 < len(version) <= 100:
             raise _HTTPError("BadRequest", "ref (module:attribute) and version (1-100 characters) are required")
         allowed = {r.strip() for r in (gw.cfg.code_refs or "").split(",") if r.strip()}
@@ -206,7 +215,11 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
                 raise _HTTPError("BadRequest", "migration operator and function are strings, args a list")
             migration = (mig["operator"], mig["function"], args)
         try:
-            out = await gw.off_loop(_method(gw, "update_code"), ref, version, migration)
+            fn = _method(gw, "update_code")
+            if mode == "strict":
+                out = await gw.off_loop(fn, ref, version, migration)
+            else:
+                out = await gw.off_loop(fn, ref, version, None, mode)
         except (ImportError, TypeError) as exc:
             raise _HTTPError("BadRequest", f"cannot deploy {ref!r}: {exc}") from None
         return gw.respond(request, 200, out)

@@ -757,7 +757,10 @@ class _Gateway:
 
     def reply_response(self, request: HTTPRequest, rep: Reply) -> Response:
         version_at = getattr(self.runtime, "version_at", None)  # code updates: the version its epoch ran
-        extra = {"code_version": version_at(rep.epoch)} if version_at is not None and rep.epoch >= 0 else {}
+        extra = {}
+        if version_at is not None and rep.epoch >= 0:
+            modes = getattr(self.runtime, "code_update_modes", ())  # compatible updates: by transaction too
+            extra["code_version"] = version_at(rep.epoch, rep.tid) if "compatible" in modes else version_at(rep.epoch)
         if rep.ok:
             try:
                 value = serde.decode(rep.value) if rep.value else None
