@@ -391,8 +391,8 @@ def update(
 def deploy(
     ref: str = typer.Argument(..., metavar="MODULE:APP", help="The new code (allowed by the gateway's code_refs)."),
     version: str = typer.Argument(..., help="Its version label."),
-    migrate: tuple[str, str, str] = typer.Option(
-        (None, None, None), "--migrate", metavar="OPERATOR FUNCTION ARGS_JSON",
+    migrate: tuple[str, str, str] | None = typer.Option(
+        None, "--migrate", metavar="OPERATOR FUNCTION ARGS_JSON",
         help="A function of the new code run on every entity of OPERATOR at the boundary."),
     compatible: bool = typer.Option(
         False, "--compatible", help="Transactions deferred before the boundary finish on the old code "
@@ -403,7 +403,7 @@ def deploy(
     """A code update at one epoch boundary: strict (every partition switches to MODULE:APP once every
     transaction begun on the old code finished) or --compatible (deferred ones finish on the old code)."""
     migration = None
-    if migrate[0] is not None:
+    if migrate is not None and migrate[0] is not None:
         try:
             args = json.loads(migrate[2])
         except json.JSONDecodeError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import threading
 import time
 
@@ -36,16 +37,18 @@ def _batch(rng: random.Random, tag: str, n: int) -> list[Request]:
     return out
 
 
-def _deferring_runtime() -> tuple[InProcessRuntime, list[Request]]:
+def _deferring_runtime(**kw) -> tuple[InProcessRuntime, list[Request]]:
     """A runtime holding transactions deferred by a contended epoch (the seed is searched, not assumed)."""
     for seed in range(50):
-        rt = InProcessRuntime(code_versions.c1, partitions=4)
+        rt = InProcessRuntime(code_versions.c1, partitions=4, **kw)
         rt.load("acct", {k: 100 for k in KEYS})
         reqs = _batch(random.Random(seed), "old", 40)
         rt.run_epoch(reqs)
         if rt.coordinator.deferred:
             return rt, reqs
         rt.close()
+        if "data_dir" in kw:
+            shutil.rmtree(kw["data_dir"])
     pytest.fail("no contended epoch defers a transaction any more: change the workload")
 
 
@@ -74,6 +77,34 @@ def test_deferred_transactions_finish_on_the_old_code() -> None:
                 assert value == [label, label], f"{r.request_id} ran {value}, reported {label}"
             assert label == ("c1" if r in old else "c2"), r.request_id
         assert finished_late == len(deferred)
+    finally:
+        rt.close()
+
+
+def test_a_restart_keeps_the_old_code_for_the_deferred(tmp_path) -> None:
+    """Durable: the update is recorded with its first TID; after a restart the new code runs new
+    transactions and the transactions still deferred from before the boundary finish on the old one."""
+    data = str(tmp_path / "node")
+    rt, old = _deferring_runtime(data_dir=data, fsync=False)
+    deferred = {tid for tid, _ in rt.coordinator.deferred}
+    out = asyncio.run(rt.update_code("code_versions:c2", "c2", mode="compatible"))
+    assert out["kept_deferred"] == len(deferred) > 0
+    rt.close()
+    rt = InProcessRuntime(code_versions.c1, partitions=4, data_dir=data, fsync=False)  # the old ref at start
+    try:
+        assert rt.app is code_versions.c2 and {t for t, _ in rt.coordinator.deferred} == deferred
+        assert rt.coordinator.previous is not None and rt.coordinator.previous[1] is code_versions.c1
+        new = _batch(random.Random(3), "after", 10)
+        rt.run_epoch(new)
+        rt.drain()
+        assert rt.coordinator.previous is None
+        for r in old + new:
+            rep = rt.get_reply(r.request_id)
+            assert rep is not None
+            want = "c1" if r in old else "c2"
+            assert rt.version_at(rep.epoch, rep.tid) == want
+            if rep.ok:
+                assert serde.decode(rep.value) == [want, want], r.request_id
     finally:
         rt.close()
 
@@ -138,3 +169,15 @@ def test_compatible_update_under_load_through_the_gateway() -> None:
             assert httpx.post(f"{srv.url}/admin/code", json=body, headers=auth).status_code == 400, body
         with pytest.raises(CharonError):
             c.update_code("code_versions:c2", "c3", mode="eventual")
+        # the CLI
+        from typer.testing import CliRunner
+
+        from charon.cli import app as cli
+
+        res = CliRunner().invoke(cli, ["deploy", "code_versions:c1", "c1b", "--compatible", "--url", srv.url,
+                                       "--token", TOKEN])
+        assert res.exit_code == 0, res.output
+        assert '"mode":"compatible"' in res.output and c.status()["code_version"] == "c1b"
+        res = CliRunner().invoke(cli, ["deploy", "code_versions:c1", "c1c", "--compatible", "--migrate", "acct",
+                                       "deposit", "[1]", "--url", srv.url, "--token", TOKEN])
+        assert res.exit_code != 0 and c.status()["code_version"] == "c1b"
