@@ -1,6 +1,7 @@
 """Schemathesis over /openapi.json against a real uvicorn gateway with the in-process engine: no 5xx.
 
-Positive and negative cases for every operation (invoke routes of each function, polling, state reads);
+Positive and negative cases for every operation (invoke routes of each function, polling, state reads, the
+admin routes and /metrics);
 ``CHARON_FUZZ_EXAMPLES`` sets the examples per operation (default 30)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -73,6 +75,10 @@ def api_schema() -> Any:
 def test_no_server_errors(api_schema: Any, mode: GenerationMode) -> None:
     operations = [result.ok() for result in api_schema.get_all_operations()]
     assert len(operations) >= 8  # the generic routes and one invoke route per function
+    paths = {op.path for op in operations}
+    admin = {"/admin/status", "/admin/pause", "/admin/resume", "/admin/state/{operator}", "/admin/update",
+             "/admin/code", "/admin/summary", "/metrics", "/timers/{operator}/{key}"}
+    assert admin <= paths, sorted(admin - paths)
     seen: dict[int, int] = {}
     for op in operations:
 
@@ -81,6 +87,8 @@ def test_no_server_errors(api_schema: Any, mode: GenerationMode) -> None:
                   derandomize=True, database=None)
         def run(case: Any) -> None:
             response = case.call(headers=AUTH, timeout=30)
+            if case.operation.path == "/admin/pause" and response.status_code == 200:
+                httpx.post(case.operation.base_url + "/admin/resume", headers=AUTH, timeout=30)  # the rest runs
             seen[response.status_code] = seen.get(response.status_code, 0) + 1
             assert response.status_code < 500, (
                 f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:300]}"

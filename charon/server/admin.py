@@ -248,3 +248,80 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         Route("/metrics", _guard(gw, prometheus), methods=["GET"], name="metrics"),
         Route("/dashboard", dashboard, methods=["GET"], name="dashboard"),
     ]
+
+
+def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
+    """The OpenAPI path items of the routes above (merged into the gateway's ``/openapi.json``)."""
+
+    def err(desc: str) -> dict[str, Any]:
+        ref = {"$ref": "#/components/schemas/Error"}
+        return {"description": desc, "content": {"application/json": {"schema": ref}}}
+
+    def ok(desc: str) -> dict[str, Any]:
+        return {"description": desc, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+    def body(props: dict[str, Any], required: list[str], optional: bool = False) -> dict[str, Any]:
+        schema = {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+        return {"required": not optional,
+                "content": {ct: {"schema": schema} for ct in ("application/json", "application/msgpack")}}
+
+    common = {"401": err("missing or wrong bearer token"), "501": err("this runtime has no such control method")}
+    status = ok("the control status (state, epoch, backlog, ...)")
+    epoch = {"type": "integer", "minimum": -1}
+    args = {"type": "array", "description": "positional arguments"}
+    key = {"type": "string", "minLength": 1, "maxLength": 200}
+    return {
+        "/admin/status": {"get": {"summary": "Pause state, last committed epoch, backlog (admin)",
+                                  "security": security, "responses": {"200": status, **common}}},
+        "/admin/pause": {"post": {
+            "summary": "Start no epoch (after epoch N, if given) until resumed (admin)", "security": security,
+            "requestBody": body({"after_epoch": epoch}, [], optional=True),
+            "responses": {"200": status, "400": err("malformed body"), "415": err("unsupported body type"),
+                          **common}}},
+        "/admin/resume": {"post": {
+            "summary": "Let epochs start again (admin)", "security": security,
+            "requestBody": body({}, [], optional=True),
+            "responses": {"200": status, "400": err("malformed body"), "415": err("unsupported body type"),
+                          **common}}},
+        "/admin/state/{operator}": {"get": {
+            "summary": "An operator's entities as of one committed epoch (admin)", "security": security,
+            "parameters": [
+                {"name": "operator", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}},
+                {"name": "key", "in": "query", "schema": {"type": "array", "items": key}, "style": "form",
+                 "explode": True},
+                {"name": "epoch", "in": "query", "schema": epoch},
+                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}},
+            ],
+            "responses": {"200": ok("{operator, epoch, entities, items, count, truncated}"),
+                          "400": err("invalid key, epoch or limit"), "404": err("unknown operator"),
+                          "410": err("the epoch is not retained"), **common}}},
+        "/admin/update": {"post": {
+            "summary": "A serializable admin update: a function on every entity, alone at an epoch boundary",
+            "security": security,
+            "requestBody": body({"id": {"type": "string", "pattern": _IDEMPOTENCY_KEY.pattern},
+                                 "operator": {"type": "string"}, "function": {"type": "string"}, "args": args,
+                                 "keys": {"type": "array", "items": key}}, ["id", "operator", "function"]),
+            "responses": {"200": ok("{id, transactions, committed, aborted, epochs, repeated}"),
+                          "400": err("malformed body"), "404": err("unknown operator or function"),
+                          "415": err("unsupported body type"), "422": err("bad arguments"), **common}}},
+        "/admin/code": {"post": {
+            "summary": "A code update at an epoch boundary (strict or compatible) to a deployable ref",
+            "security": security,
+            "requestBody": body({
+                "ref": {"type": "string", "description": "module:attribute, among the code_refs setting"},
+                "version": {"type": "string", "minLength": 1, "maxLength": 100},
+                "mode": {"type": "string", "enum": ["strict", "compatible"]},
+                "migration": {"type": "object", "required": ["operator", "function"], "additionalProperties": False,
+                              "properties": {"operator": {"type": "string"}, "function": {"type": "string"},
+                                             "args": args}},
+            }, ["ref", "version"]),
+            "responses": {"200": ok("{version, ref, from_epoch, migration, mode}"), "400": err("malformed body"),
+                          "403": err("not a deployable ref"), "415": err("unsupported body type"), **common}}},
+        "/admin/summary": {"get": {"summary": "The dashboard's JSON (admin)", "security": security,
+                                   "responses": {"200": ok("throughput, latency, epochs, status"), **common}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "security": security, "responses": {
+            "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            "401": err("missing or wrong bearer token")}}},
+        "/dashboard": {"get": {"summary": "The dashboard page (asks for the token)", "responses": {
+            "200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+    }

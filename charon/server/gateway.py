@@ -9,7 +9,7 @@ empty body without a type means no arguments; every response is JSON unless the 
   409 ``{"error": {"type", "message"}, "request_id", "tid", "epoch", "position", "status": "aborted"}`` when
   a function in its call graph raised (nothing was applied). Replies ordered by (epoch, position) form a
   serial order equivalent to the execution. With the in-process runtime both also carry ``"code_version"``,
-  the application version the epoch ran (code updates, :mod:`charon.server.admin`). The ``Idempotency-Key``
+  the application version the transaction ran (code updates, :mod:`charon.server.admin`). The ``Idempotency-Key``
   header becomes the request id:
   a retried request executes once and every retry gets the first reply. ``?mode=async`` answers at once
   with 202 ``{"request_id", "status_url"}``. A synchronous call still unanswered after ``wait_timeout``
@@ -485,6 +485,9 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
     paths["/openapi.json"] = {
         "get": {"summary": "This document", "responses": {"200": {"description": "ok"}}}
     }
+    from charon.server.admin import openapi_paths  # imports this module
+
+    paths.update(openapi_paths(security))
     return {
         "openapi": "3.1.0",
         "info": {"title": f"Charon gateway: {getattr(app, 'name', 'app')}", "version": "1"},
