@@ -81,6 +81,26 @@ def test_deferred_transactions_finish_on_the_old_code() -> None:
         rt.close()
 
 
+def test_a_second_update_first_finishes_the_oldest_code() -> None:
+    """Two compatible updates in a row: the transactions still deferred on c1 finish (on c1) before the second
+    boundary, so at most two versions run side by side."""
+    rt, old = _deferring_runtime()
+    try:
+        deferred = {tid for tid, _ in rt.coordinator.deferred}
+        first = asyncio.run(rt.update_code("code_versions:c2", "c2", mode="compatible"))
+        second = asyncio.run(rt.update_code("code_versions:c1", "c1-again", mode="compatible"))
+        assert deferred and second["from_epoch"] > first["from_epoch"]
+        for r in old:
+            rep = rt.get_reply(r.request_id)
+            assert rep is not None and rep.epoch < second["from_epoch"], "finished before the second boundary"
+            assert rt.version_at(rep.epoch, rep.tid) == "c1"
+            if rep.ok:
+                assert serde.decode(rep.value) == ["c1", "c1"]
+        assert rt.version_at(second["from_epoch"]) == "c1-again"
+    finally:
+        rt.close()
+
+
 def test_a_restart_keeps_the_old_code_for_the_deferred(tmp_path) -> None:
     """Durable: the update is recorded with its first TID; after a restart the new code runs new
     transactions and the transactions still deferred from before the boundary finish on the old one."""
