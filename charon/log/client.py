@@ -169,8 +169,9 @@ class LogClient:
                     self._last_append = time.monotonic()
                     batch, self._pending = self._pending, []
                     await self._append(batch)
-                version = self.output_log.version()
-                if version != seen:
+                # a log without a cheap change counter (NATS) is read on every pass
+                version = self.output_log.version() if hasattr(self.output_log, "version") else None
+                if version is None or version != seen:
                     rows = await asyncio.to_thread(self.output_log.read_since, self._seq, limit)
                     if len(rows) < limit:  # else more are waiting: read again before sleeping
                         seen = version

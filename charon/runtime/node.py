@@ -34,7 +34,9 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 
@@ -44,6 +46,8 @@ from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.state.durable import DurableState
 from charon.state.store import MemoryStore
+
+T = TypeVar("T")
 
 EPOCH_MARK = "\x00epoch"  # operator of the marker entry that closes an epoch's batch in the input log
 _RECORDS_KEPT = 2
@@ -290,16 +294,33 @@ class NodeStorage:
         """Append an epoch's batch and its marker in one commit; returns the new requests, the log end and
         the epoch's logged time (``now``, default the clock: the marker's timestamp, which timers fire by)."""
         self.raise_if_failed()
-        start = self.input_log.end_offsets()[0]
+        start = self._retry_log(lambda: self.input_log.end_offsets()[0])
         now = time.time() if now is None else now
         mark = Request(f"{EPOCH_MARK}:{epoch}", EPOCH_MARK, str(epoch), "", serde.encode([]), now)
-        pos = self.input_log.append_many([(r, 0) for r in requests] + [(mark, 0)])
+        pos = self._retry_log(lambda: self.input_log.append_many([(r, 0) for r in requests] + [(mark, 0)]))
         if pos[-1][1] < start:
             raise NodeError(f"input log already holds epoch {epoch}")
         # a request id the log already had is not run again (it is answered by its first execution)
         fresh = [r for r, (_, off) in zip(requests, pos, strict=False) if off >= start]
         crash_point("logged", epoch)
         return fresh, pos[-1][1] + 1, now
+
+    @staticmethod
+    def _retry_log(op: Callable[[], T], budget_s: float = 60.0) -> T:
+        """``op()`` retried with back-off while the log is briefly unreachable (an ``OSError``: a NATS outage),
+        for at most ``budget_s``. Safe for :meth:`log_epoch`'s append: request ids and the epoch marker are
+        deduplicated by the log, and ``start`` is read once before the first attempt, so whatever a failed
+        attempt stored still counts as this epoch's (live run and replay see the same batch)."""
+        deadline = time.monotonic() + budget_s
+        delay = 0.1
+        while True:
+            try:
+                return op()
+            except OSError:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     def add_replies(self, replies: list[Reply]) -> None:
         for r in replies:
