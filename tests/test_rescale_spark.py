@@ -3,7 +3,7 @@
 * Without Spark (the move only touches the durable copy): a stopped runtime rescales, reopening with another
   count rescales at open, the input log's count is refused, and a SIGKILL on either side of the commit point
   (``layout.json``) leaves exactly one layout.
-* On real PySpark: 2 -> 4 -> 3 engine partitions while six clients call through the real gateway over HTTP:
+* On real PySpark: 2 -> 4 -> 3 engine partitions while sixteen clients call through the real gateway over HTTP:
   every request answered exactly once, money conserved, timers registered before a move fire after it, each
   partition holds only its key groups, the run equals an in-process replay, and the pause is measured.
 * On real PySpark, a driver SIGKILLed inside the move (before and after the commit point) while requests
@@ -165,15 +165,15 @@ def test_spark_rescale_2_4_3_under_gateway_load(tmp_path: Path) -> None:
         initial = {store_key("acct", k): serde.encode(100) for k in KEYS}
         with BackgroundServer(rt, token=TOKEN) as srv:
             clients = [threading.Thread(target=_client, args=(srv.url, s, stop, replies, errors), daemon=True)
-                       for s in range(6)]
+                       for s in range(16)]
             for c in clients:
                 c.start()
             moves = []
             for target in (4, 3):
-                _epochs_pass(rt, 3)
+                _epochs_pass(rt, 4)
                 moves.append(rt.rescale(target))
                 assert rt.config.partitions == target and _placed_right(rt)
-            _epochs_pass(rt, 3)
+            _epochs_pass(rt, 4)
             stop.set()
             for c in clients:
                 c.join(200)
