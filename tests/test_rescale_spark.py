@@ -81,6 +81,9 @@ def test_stopped_runtime_rescales_and_reopening_rescales(tmp_path: Path) -> None
     layout = read_layout(str(ckpt))
     assert layout is not None and (layout.partitions, layout.log_partitions) == (4, 2)
     assert _state_dirs(ckpt) == sorted(["state", layout.state]), "the old layout goes at the next start"
+    from charon.runtime.spark.statesql import layout_of
+
+    assert layout_of(str(tmp_path)).root == str(ckpt / layout.state), "the SQL view reads the layout in force"
     again = SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=4))
     assert again.rescale_pauses == [] and again.snapshot() == before
     assert _state_dirs(ckpt) == [layout.state]
