@@ -6,7 +6,7 @@ output log); at ``t = duration/3`` and ``2*duration/3`` the runtime rescales (:m
 while the query keeps running. Reported per move: ``wait_s`` (from the request until the running epoch was
 done; epochs still ran), ``pause_s`` (the gate closed with no epoch running: re-placing every key group from
 the durable copy, writing the new layout's bases, switching ``layout.json``), the driver's CPU time in the
-move, and committed transactions and median latency per 250 ms around it. Wall times are disturbed by other
+move, and answered transactions per second and each transaction's latency around it. Wall times are disturbed by other
 work on the machine (2 cores shared); the CPU time is the steadier figure.
 
     .venv/bin/python benchmarks/rescale_spark.py --keys 10000 100000 --duration 30
@@ -31,7 +31,7 @@ from charon.runtime.spark.runtime import SparkRuntime, make_session
 
 OUT = Path(__file__).resolve().parent
 APP = "charon.apps.holds:app"
-BIN = 0.25
+BIN = 1.0
 
 
 async def client(rt: SparkRuntime, keys: int, seed: int, stop: threading.Event, done: list) -> None:
@@ -78,15 +78,15 @@ def run(spark: object, keys: int, duration: float, clients: int) -> dict:
         total = sum(serde.decode(v) for k, v in rt.snapshot().items() if k.endswith(b"\0"))  # money conserved
         bins = int(duration / BIN) + 1
         per_bin = [0] * bins
-        lat: list[list[float]] = [[] for _ in range(bins)]
-        for t, dt, _ in done:
+        for t, _, _ in done:
             i = int((t - t0) / BIN)
             if 0 <= i < bins:
                 per_bin[i] += 1
-                lat[i].append(dt)
+        lats = sorted(dt for _, dt, _ in done)
         return {"keys": keys, "clients": clients, "duration_s": duration, "committed": sum(ok for *_, ok in done),
                 "answered": len(done), "moves": moves, "bin_s": BIN, "per_bin": per_bin,
-                "p50_ms_per_bin": [statistics.median(x) * 1000 if x else None for x in lat],
+                "p50_ms": statistics.median(lats) * 1000, "p99_ms": lats[int(0.99 * (len(lats) - 1))] * 1000,
+                "replies": [(round(t - t0, 4), round(dt * 1000, 1)) for t, dt, _ in done],
                 "money": total, "money_expected": 1000 * keys,
                 "epochs": rt._last_recorded_epoch() + 1}
     finally:
@@ -101,13 +101,12 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(len(results), 1, figsize=(9, 3.2 * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results, strict=True):
-        xs = [i * r["bin_s"] for i in range(len(r["per_bin"]))]
-        ax.plot(xs, [n / r["bin_s"] for n in r["per_bin"]], label="answered / s", color="tab:blue")
-        ax.set_ylabel("answered / s")
+        xs = [(i + 0.5) * r["bin_s"] for i in range(len(r["per_bin"]))]
+        ax.step(xs, [n / r["bin_s"] for n in r["per_bin"]], where="mid", color="tab:blue")
+        ax.set_ylabel("answered / s (1 s bins)", color="tab:blue")
         ax2 = ax.twinx()
-        ax2.plot(xs, [v if v is not None else float("nan") for v in r["p50_ms_per_bin"]], color="tab:orange",
-                 label="p50 latency (ms)")
-        ax2.set_ylabel("p50 latency (ms)")
+        ax2.scatter([t for t, _ in r["replies"]], [ms for _, ms in r["replies"]], s=2, color="tab:orange")
+        ax2.set_ylabel("latency of each reply (ms)", color="tab:orange")
         for m in r["moves"]:
             start = m["at_s"] + m["wait_s"]
             ax.axvspan(start, start + m["pause_s"], color="red", alpha=0.3)

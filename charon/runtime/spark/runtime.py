@@ -1316,7 +1316,8 @@ class SparkRuntime:
         the last recorded), read from the durable copy by parallel tasks (:mod:`charon.runtime.spark.statesql`)."""
         from charon.runtime.spark.statesql import DataDirLayout, state_frame
 
-        layout = DataDirLayout(self.durable.root, self.config.partitions, self._settled_epoch(), "spark")
+        parts, durable, _ = self._placement()
+        layout = DataDirLayout(durable.root, parts, self._settled_epoch(), "spark")
         return state_frame(self.spark, layout, operator, epoch)
 
     # -- state inspection ---------------------------------------------------------------------------------------
