@@ -28,7 +28,8 @@ from charon.errors import CharonError
 from charon.state.durable import DurableState, DurableStateError, write_file_atomic
 from charon.state.store import MemoryStore
 
-__all__ = ["EpochGate", "GateClosed", "EpochNotRetained", "read_durable", "read_stores", "decode_entities"]
+__all__ = ["Controllable", "EpochGate", "GateClosed", "EpochNotRetained", "read_durable", "read_stores",
+           "decode_entities"]
 
 
 class GateClosed(CharonError):
@@ -134,6 +135,31 @@ class EpochGate:
         """Block until no epoch runs and the next one would wait (``last_epoch``: a callable)."""
         with self._cv:
             return self._cv.wait_for(lambda: self._active is None and self.closed_for(last_epoch() + 1), timeout)
+
+
+class Controllable:
+    """The control surface both runtimes share (the gateway's ``/admin/pause|resume|status`` call it): the one
+    owner of pause/resume/status. A runtime sets ``gate`` (an :class:`EpochGate`) and ``control_engine``
+    (``"inprocess"`` or ``"spark"``: which status function reads its epoch and backlog)."""
+
+    gate: EpochGate
+    control_engine: str = "inprocess"
+
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; requests keep arriving and
+        wait (in the input log on Spark and on a durable node). Returns the status."""
+        self.gate.pause(after_epoch)
+        return self.control_status()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; the waiting requests run in arrival (log) order. Returns the status."""
+        self.gate.resume()
+        return self.control_status()
+
+    def control_status(self) -> dict[str, Any]:
+        """``state`` (running, pausing, paused), the last committed ``epoch``, the ``backlog``, the code
+        version and the retained epochs."""
+        return spark_status(self) if self.control_engine == "spark" else inprocess_status(self)
 
 
 def decode_entities(rows: dict[bytes, bytes], operator: str) -> dict[str, dict[str, Any]]:

@@ -617,7 +617,7 @@ class SparkExchange:
         return max(1, min(self.slots, len(payloads), size // max(1, self.config.task_min_bytes)))
 
 
-class SparkRuntime:
+class SparkRuntime(control.Controllable):
     """Deploy an application on Spark. ``app_ref`` is ``"module:attribute"`` of an installed module."""
 
     def __init__(self, app_ref: str, config: SparkConfig | None = None, spark: Any = None) -> None:
@@ -1110,20 +1110,8 @@ class SparkRuntime:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(epochs, name))
 
-    # -- control (charon.runtime.control) ------------------------------------------------------------------------
-    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
-        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; requests wait in the input log."""
-        self.gate.pause(after_epoch)
-        return self.control_status()
-
-    def resume(self) -> dict[str, Any]:
-        """Let epochs start again; the waiting requests run in log order."""
-        self.gate.resume()
-        return self.control_status()
-
-    def control_status(self) -> dict[str, Any]:
-        """``state`` (running, pausing, paused), the last recorded ``epoch``, the ``backlog``."""
-        return control.spark_status(self)
+    # -- control (charon.runtime.control; pause/resume/control_status: control.Controllable) -----------
+    control_engine = "spark"
 
     async def run_alone(
         self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
