@@ -22,7 +22,7 @@
   setting (403 ``Forbidden`` otherwise; clients only name deployed code). *strict* (default, both runtimes):
   every partition switches at one epoch boundary, after every transaction begun on the old code finished;
   the migration (a function of the new code) then runs on every entity of the operator in an epoch of its
-  own before any client transaction. *compatible* (in-process runtimes; 501 ``NotSupported`` on Spark; no
+  own before any client transaction. *compatible* (both runtimes; no
   migration): transactions sequenced from the boundary on run the new code while those deferred before it
   finish on the old one. ``{"version", "ref", "from_epoch", "migration", "mode"}``. Replies carry
   ``code_version`` (the version that transaction ran with); rolling back is another update.
