@@ -298,6 +298,36 @@ async def inprocess_inspect(
     return epoch, await asyncio.to_thread(read_durable, node.durable, rt.partitions, operator, epoch, keys, limit)
 
 
+async def inprocess_sql(
+    rt: Any, sql: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
+    max_entities: int = 100_000,
+) -> dict[str, Any]:
+    """The dashboard's SQL box on an in-process runtime: ``sql`` (one safe SELECT, checked by SQLite's
+    authorizer) over the operators it names, read as one cut at ``epoch`` (default: the last committed one;
+    all of them between the same two epochs) (:mod:`charon.runtime.sqlstate`)."""
+    from charon.runtime import sqlstate
+
+    ops = sorted(rt.app.operators)
+    used = sorted(await asyncio.to_thread(sqlstate.referenced_tables, sql, ops))
+    raw: dict[str, dict[bytes, bytes]] = {}
+    if epoch is None or epoch == rt.epoch - 1:
+        at = rt.epoch - 1
+        for op in used:  # no await in between: every operator as of the same boundary
+            raw[op] = read_stores(rt.stores, op, None, max_entities + 1)
+    else:
+        at = epoch
+        await inprocess_inspect(rt, ops[0] if ops else "", [], epoch, 1)  # EpochNotRetained, even for no table
+        for op in used:
+            _, raw[op] = await inprocess_inspect(rt, op, None, epoch, max_entities + 1)
+    tables = {}
+    for op, rows in raw.items():
+        if _count(rows) > max_entities:
+            raise sqlstate.StateTooLarge(f"operator {op!r} holds more than {max_entities} entities (sql_max_entities);"
+                                         " use the Spark runtime's SQL or `charon sql` for big states")
+        tables[op] = sqlstate.rows_of(rows, op, at)
+    return await asyncio.to_thread(sqlstate.sqlite_sql, sql, ops, tables, at, max_rows, timeout_s)
+
+
 def spark_status(rt: Any) -> dict[str, Any]:
     """Pause state, the last recorded epoch and the backlog (log entries after it) of a Spark runtime."""
     last = rt._last_recorded_epoch()

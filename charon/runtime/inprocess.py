@@ -776,6 +776,14 @@ class InProcessRuntime(control.Controllable):
         """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch (:mod:`charon.runtime.control`)."""
         return await control.inprocess_inspect(self, operator, keys, epoch, limit)
 
+    async def sql(
+        self, query: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
+        max_entities: int = 100_000,
+    ) -> dict[str, Any]:
+        """One safe SELECT over the operators' state at one committed epoch, answered by SQLite
+        (:mod:`charon.runtime.sqlstate`): ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
+        return await control.inprocess_sql(self, query, epoch, max_rows, timeout_s, max_entities)
+
 
 _STREAMS_LOCK = threading.Lock()
 

@@ -1172,6 +1172,17 @@ class SparkRuntime(control.Controllable):
         layout = DataDirLayout(self.durable.root, self.config.partitions, self._settled_epoch(), "spark")
         return state_frame(self.spark, layout, operator, epoch)
 
+    def sql(
+        self, query: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
+        max_entities: int | None = None,
+    ) -> dict[str, Any]:
+        """One safe SELECT over the operators' state views at one recorded epoch (the dashboard's SQL box),
+        checked on Spark's parsed and analyzed plans (:func:`charon.runtime.spark.statesql.safe_sql`)."""
+        from charon.runtime.spark.statesql import DataDirLayout, safe_sql
+
+        layout = DataDirLayout(self.durable.root, self.config.partitions, self._settled_epoch(), "spark")
+        return safe_sql(self.spark, layout, sorted(self.app.operators), query, epoch, max_rows, timeout_s)
+
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
         """An entity's value as of the last completed epoch (consistent: read at an epoch boundary)."""
