@@ -94,6 +94,14 @@ class EpochGate:
                 self._cv.wait(timeout)
             self._active = epoch
 
+    def try_enter(self, epoch: int) -> bool:
+        """Mark epoch ``epoch`` running if it may start now (checked and marked at once); False if it must wait."""
+        with self._cv:
+            if self.closed_for(epoch):
+                return False
+            self._active = epoch
+            return True
+
     async def enter_async(self, epoch: int) -> None:
         """Like :meth:`enter`, awaited on an event loop."""
         while True:

@@ -391,3 +391,15 @@ def open_store(path: str, pid: int, durable_root: str | None = None) -> LmdbStor
         with _ENVS_LOCK:
             s = _STORES.setdefault(key, s)
     return s
+
+
+def close_stores(under: str, keep_durable_root: str) -> None:
+    """Close this process's cached stores under local directory ``under`` except those restored from
+    ``keep_durable_root`` (the stores of a layout a rescale retired; their files are deleted next)."""
+    me = os.getpid()
+    prefix = os.path.realpath(under) + os.sep
+    with _ENVS_LOCK:
+        gone = [k for k in _STORES if k[3] == me and (k[0] + os.sep).startswith(prefix) and k[2] != keep_durable_root]
+        stores = [_STORES.pop(k) for k in gone]
+    for s in stores:
+        s.close()

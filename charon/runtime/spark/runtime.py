@@ -19,11 +19,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import math
 import os
 import pickle
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -63,20 +65,45 @@ class LayoutMismatch(CharonError):
 
 
 class Layout(msgspec.Struct):
-    """The partition layout a checkpoint was created with (``<checkpoint>/layout.json``)."""
+    """The partition layout of a checkpoint (``<checkpoint>/layout.json``): engine and input-log partitions and
+    the directory of the durable state (a rescale writes a new one; switching this file is its commit point)."""
 
     partitions: int
     log_partitions: int
+    state: str = "state"
 
 
-def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> None:
-    """Record the layout at a checkpoint's first start; refuse another one later (rescaling is not supported)."""
+def read_layout(checkpoint: str) -> Layout | None:
+    """The checkpoint's recorded layout, or None before its first start."""
+    try:
+        with open(os.path.join(checkpoint, "layout.json"), "rb") as f:
+            return msgspec.json.decode(f.read(), type=Layout)
+    except FileNotFoundError:
+        return None
+
+
+def state_root(checkpoint: str) -> str:
+    """The durable state's directory of the layout in force."""
+    layout = read_layout(checkpoint)
+    return os.path.join(checkpoint, layout.state if layout is not None else "state")
+
+
+def remove_old_layouts(checkpoint: str, keep: str) -> None:
+    """Delete the state directories of layouts other than ``keep`` (a rescale's old one, or the new one of a
+    rescale that did not reach its commit point)."""
+    for name in os.listdir(checkpoint):
+        if name.startswith("state") and name != keep and os.path.isdir(os.path.join(checkpoint, name)):
+            shutil.rmtree(os.path.join(checkpoint, name), ignore_errors=True)
+
+
+def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> Layout:
+    """Record the layout at a checkpoint's first start; later, refuse another input-log partition count and
+    return the recorded layout (whose engine partition count the runtime then rescales to the configured one,
+    :meth:`SparkRuntime.rescale`). State directories of an interrupted rescale are removed."""
     path = os.path.join(checkpoint, "layout.json")
     want = Layout(partitions, log_partitions)
-    try:
-        with open(path, "rb") as f:
-            have = msgspec.json.decode(f.read(), type=Layout)
-    except FileNotFoundError:
+    have = read_layout(checkpoint)
+    if have is None:
         # a checkpoint from before layouts were recorded: its durable state names the partitions it has
         state = os.path.join(checkpoint, "state")
         pids = [int(n[1:]) for n in (os.listdir(state) if os.path.isdir(state) else [])
@@ -88,13 +115,15 @@ def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> None:
             ) from None
         os.makedirs(checkpoint, exist_ok=True)
         write_file_atomic(path, msgspec.json.encode(want))
-        return
-    if have != want:
+        return want
+    if have.log_partitions != log_partitions:
         raise LayoutMismatch(
             f"the checkpoint {checkpoint} was created with {have.partitions} partitions and "
             f"{have.log_partitions} log partitions, configured: {partitions} and {log_partitions} "
-            "(rescaling is not supported: keep the original counts or use a new data directory)"
+            "(the input log's partition count cannot change: keep it or use a new data directory)"
         )
+    remove_old_layouts(checkpoint, have.state)
+    return have
 
 
 class EpochRecord(msgspec.Struct):
@@ -113,7 +142,7 @@ class EpochRecord(msgspec.Struct):
 # -- fault injection for the crash tests: CHARON_CRASH_AT="point:epoch" SIGKILLs this process there ----------
 def crash_point(point: str, epoch: int) -> None:
     spec = os.environ.get("CHARON_CRASH_AT")
-    if spec and spec == f"{point}:{epoch}":
+    if spec and spec in (f"{point}:{epoch}", f"{point}:*"):  # "*": at the first epoch that gets there
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -321,6 +350,31 @@ def executor_local_dir(configured: str | None, checkpoint: str) -> str:
     return os.path.join(base, f"charon-{zlib.crc32(checkpoint.encode()):08x}")
 
 
+_LOCAL_LAYOUT: dict[str, str] = {}  # executor-local base directory -> the layout this process last used there
+
+
+def local_root(configured: str | None, checkpoint: str, durable_root: str) -> str:
+    """The executor-local directory of the resident stores of the layout whose durable state is ``durable_root``:
+    the base directory for the first layout, ``<base>/<state dir>`` for a rescaled one (its stores start empty
+    and restore from the new bases). The first task of a new layout in a process closes that process's stores
+    of older layouts and deletes their directories (disk stays bounded; on a cluster each executor does so
+    when it first runs the new layout)."""
+    base = executor_local_dir(configured, checkpoint)
+    name = os.path.basename(durable_root.rstrip(os.sep))
+    if _LOCAL_LAYOUT.get(base) != name:
+        from charon.state.lmdbstore import close_stores
+
+        close_stores(base, durable_root)
+        if os.path.isdir(base):
+            for entry in os.listdir(base):
+                old = (entry.startswith("state") and entry != name) or (
+                    name != "state" and entry.startswith("p") and entry[1:].isdigit())
+                if old:
+                    shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
+        _LOCAL_LAYOUT[base] = name
+    return base if name == "state" else os.path.join(base, name)
+
+
 def _run_partitions(
     app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
     items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None,
@@ -331,7 +385,7 @@ def _run_partitions(
 
     app = load_app(app_ref)
     prev = None if previous is None else (previous[0], load_app(previous[1]))
-    root = executor_local_dir(local_dir, checkpoint)
+    root = local_root(local_dir, checkpoint, durable_root)
     for pid, payload in items:
         if pid == FALLBACK_TASK:
             yield pid, _run_fallback_task(app, parts, root, durable_root, payload, prev)
@@ -454,7 +508,7 @@ def _read_entities(
 ) -> Iterator[tuple[bytes, bytes | None]]:
     from charon.state.lmdbstore import open_store
 
-    root = executor_local_dir(local_dir, checkpoint)
+    root = local_root(local_dir, checkpoint, durable_root)
     for pid, keys in items:
         store = open_store(root, pid, durable_root)
         yield from store.read_at(epoch, keys).items()  # catches up, never rolls back
@@ -466,7 +520,7 @@ def _scan_prefix(
     """The items under a key prefix of a partition as of exactly ``epoch`` (timer listings)."""
     from charon.state.lmdbstore import open_store
 
-    root = executor_local_dir(local_dir, checkpoint)
+    root = local_root(local_dir, checkpoint, durable_root)
     for pid, prefix in items:
         store = open_store(root, pid, durable_root)
         store.catch_up(epoch)
@@ -489,6 +543,17 @@ def _write_bases(durable_root: str, parts: int, rows: Iterable[Any]) -> Iterator
         yield len(items)
 
 
+def _fsync_dir(path: str) -> None:
+    """Make a new directory tree's entries durable (its subdirectories', then its own)."""
+    for sub in [os.path.join(path, n) for n in os.listdir(path)] + [path]:
+        if os.path.isdir(sub):
+            fd = os.open(sub, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 # -- driver side --------------------------------------------------------------------------------------------
 class SparkExchange:
     """Runs one round as one Spark job; holds each partition's scratch between rounds of an epoch."""
@@ -502,7 +567,7 @@ class SparkExchange:
         self.scratch: list[bytes | None] = [None] * config.partitions
         # The dry run's call-graph cache stays here; a cached fallback round gets back only its transactions.
         self.cache: list[dict[int, list]] = [{} for _ in range(config.partitions)]
-        self.durable_root = os.path.join(config.checkpoint_dir, "state")
+        self.durable_root = state_root(config.checkpoint_dir)  # the layout in force (a rescale changes it)
         self.set_code(app_ref, previous)
         self.stats: dict[str, float] = {}
         self.epoch = -1
@@ -638,22 +703,31 @@ class SparkRuntime(control.Controllable):
     def __init__(self, app_ref: str, config: SparkConfig | None = None, spark: Any = None) -> None:
         self.app_ref = app_ref
         self.app = load_app(app_ref)
-        self.config = config or SparkConfig.from_env()
-        cfg = self.config
+        cfg = config or SparkConfig.from_env()
         os.makedirs(cfg.data_dir, exist_ok=True)
         self.ckpt = cfg.checkpoint_dir
+        recorded = read_layout(self.ckpt)
+        if recorded is not None and cfg.log_partitions is None:  # not set: an existing log keeps its count
+            cfg = dataclasses.replace(cfg, log_partitions=recorded.log_partitions)
         self.input_location, self.output_location = log_locations(os.path.abspath(cfg.data_dir), cfg.log_url)
         try:
             self.input_log = open_input_log(self.input_location, cfg.n_log_partitions)
         except ValueError as e:  # the log was created with another partition count
-            raise LayoutMismatch(f"{e} (rescaling is not supported)") from None
-        check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions)
+            raise LayoutMismatch(f"{e} (the input log's partition count cannot change)") from None
+        layout = check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions)
+        wanted = cfg.partitions  # another count than the layout's: rescaled below, before anything runs
+        self.config = dataclasses.replace(cfg, partitions=layout.partitions, log_partitions=cfg.n_log_partitions)
+        cfg = self.config
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
         self.output_log = open_output_log(self.output_location)
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
         self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
         self.streams = StreamLog(os.path.join(cfg.data_dir, "streams.sqlite"))  # ctx.emit's atoms
-        self.durable = DurableState(os.path.join(self.ckpt, "state"))
+        self.durable = DurableState(os.path.join(self.ckpt, layout.state))
+        self._layout_lock = threading.Lock()  # (config.partitions, durable) change together (see _placement)
+        self._layout_gen = 0
+        self._rescale_lock = threading.Lock()
+        self.rescale_pauses: list[dict[str, Any]] = []  # one per rescale (see rescale)
         # a compatible code update's (first TID on the new code, the old ref) while transactions begun on the
         # old code are deferred (charon.runtime.control.spark_update_code)
         self._code_previous: tuple[int, str] | None = None
@@ -684,6 +758,8 @@ class SparkRuntime(control.Controllable):
         self._next_due = last.next_due if last is not None else math.inf
         self._ticker: threading.Thread | None = None
         self.gate = control.EpochGate()  # pause/resume at an epoch boundary
+        if wanted != self.config.partitions:
+            self.rescale(wanted)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -836,6 +912,86 @@ class SparkRuntime(control.Controllable):
         if self._compactor is not None:
             self._compactor.join()
 
+    # -- rescaling by key groups ------------------------------------------------------------------------------
+    def rescale(self, partitions: int, timeout: float = 300.0) -> dict[str, Any]:
+        """Change the number of engine partitions at an epoch boundary, the streaming query running or not.
+
+        Entities map to fixed key groups (:data:`charon.core.routing.KEY_GROUPS`), groups to partitions
+        (``group % partitions``). A running runtime closes its epoch gate: the running epoch finishes (a
+        deferred finalize is recorded first) and the next micro-batch, already fixed, waits at the gate while
+        the state as of the last recorded epoch is re-placed by key group (timers with their owner) into the
+        bases of a new state directory; ``layout.json`` then names it (the commit point: a crash before it
+        keeps the old layout, whose leftovers the next start removes), the driver switches to a new exchange,
+        and the gate opens. The query itself is never stopped; requests keep being appended to the input log
+        meanwhile and run right after. Executors restore the new layout's stores from its bases on first
+        use. The input log's partitions (the sequencers) do not change.
+
+        Returns (and appends to ``rescale_pauses``) ``from``, ``to``, ``epoch`` (the last epoch before the
+        move), ``keys`` (items moved), ``wait_s`` (until the running epoch was done; epochs still ran),
+        ``pause_s`` (no epoch could run: the move), ``cpu_s`` (the driver's CPU time in the move).
+        """
+        if partitions < 1:
+            raise ValueError("partitions must be at least 1")
+        with self._rescale_lock:
+            t0 = time.perf_counter()
+            running = self._query is not None and self._status != "stopped"
+            st = self.gate.status(self._last_recorded_epoch())
+            was_paused = st["pause_requested"] or st["pause_after"] is not None
+            if running:
+                self.gate.pause()
+            try:
+                if running and not self.gate.wait_paused(self._last_recorded_epoch, timeout):
+                    raise TimeoutError(f"no epoch boundary within {timeout} s: {self.control_status()}")
+                t1 = time.perf_counter()
+                if self._compactor is not None:  # it reads the old layout's files
+                    self._compactor.join()
+                info = self._move(partitions)
+                info.update(wait_s=t1 - t0, pause_s=time.perf_counter() - t1)
+            finally:
+                if running and not was_paused:
+                    self.gate.resume()
+            self.rescale_pauses.append(info)
+            return info
+
+    def _move(self, partitions: int) -> dict[str, Any]:
+        """Re-place the state as of the last recorded epoch into a new layout and commit it (no epoch runs)."""
+        c0 = time.process_time()
+        epoch = self._last_recorded_epoch()
+        old = self.config.partitions
+        parts: list[list[tuple[bytes, bytes]]] = [[] for _ in range(partitions)]
+        n = 0
+        for pid in range(old):
+            if not os.path.isdir(os.path.join(self.durable.root, f"p{pid}")):
+                continue  # nothing was ever stored there
+            state, _ = self.durable.load(pid, epoch)
+            for k, v in state.items():
+                parts[partition_of(*_timers.placed_by(k, v), partitions)].append((k, v))
+            n += len(state)
+        name = f"state-{time.time_ns():x}"
+        new = DurableState(os.path.join(self.ckpt, name))
+        for pid, items in enumerate(parts):
+            items.sort()
+            new.write_base(pid, epoch, items)
+        _fsync_dir(new.root)
+        crash_point("relayout", epoch)  # the new state is written, the layout not switched
+        with self._lock:  # a supervisor restarting the query meanwhile builds its exchange after the switch
+            write_file_atomic(os.path.join(self.ckpt, "layout.json"),
+                              msgspec.json.encode(Layout(partitions, self.config.n_log_partitions, name)))
+            crash_point("relayout_committed", epoch)  # switched; the old state directory is still there
+            with self._layout_lock:
+                self.config = dataclasses.replace(self.config, partitions=partitions)
+                self.durable = new
+                self._layout_gen += 1
+            if self._spark is not None and getattr(self, "exchange", None) is not None:
+                self.exchange = SparkExchange(self._spark, self.app_ref, self.config, self._code_previous)
+        # the old directory goes with the next compaction (a state read may still be reading it) or restart
+        return {"from": old, "to": partitions, "epoch": epoch, "keys": n, "cpu_s": time.process_time() - c0}
+
+    def _placement(self) -> tuple[int, DurableState, int]:
+        """``(partitions, durable state, layout generation)`` of the layout in force, taken together."""
+        with self._layout_lock:
+            return self.config.partitions, self.durable, self._layout_gen
+
     def close(self) -> None:
         self.stop()
         if self._spark is not None:
@@ -882,7 +1038,7 @@ class SparkRuntime(control.Controllable):
         """Initial state from a DataFrame (operator, key, item, value: msgpack bytes) as the first snapshot."""
         if self.last_epoch >= 0:
             raise RuntimeError("bulk load is only possible before the first epoch")
-        fn = partial(_write_bases, os.path.join(self.ckpt, "state"), self.config.partitions)
+        fn = partial(_write_bases, self.durable.root, self.config.partitions)
         parts = self.config.partitions
         rdd = df.rdd.keyBy(lambda r: partition_of(r[0], r[1], parts)).partitionBy(parts).values()
         return sum(rdd.mapPartitions(fn).collect())
@@ -996,14 +1152,15 @@ class SparkRuntime(control.Controllable):
                 return False  # paused after this epoch: it is recorded before the pause, as without pipelining
             return bool(coord.deferred) or any(t > e for t, e in zip(self.input_log.end_offsets(), ends, strict=True))
 
-        self.exchange.stats = {}
-        if pending is not None and self.gate.closed_for(epoch):  # a pause came after the previous one deferred
-            self._flush(pending)
-            pending = None
-        self.gate.enter(epoch)  # paused: the batch is fixed but its epoch does not start
+        if not self.gate.try_enter(epoch):  # paused: the batch is fixed but its epoch does not start
+            if pending is not None:  # the previous epoch, deferred, is finalized and recorded before the pause
+                self._flush(pending)
+                pending = None
+            self.gate.enter(epoch)
         deferred = False
         try:
-            # built after the gate: a code update made at this boundary (while paused) applies to this epoch
+            # built after the gate: a code update or a rescale made at this boundary (while paused) applies to
+            # this epoch (a rescale replaced the exchange and the partition count)
             coord = EpochCoordinator(
                 self.app, self.exchange, sequencers=self.config.n_log_partitions,
                 max_invocations=self.config.max_invocations, on_replies=deliver, on_finalized=finalized,
@@ -1017,6 +1174,7 @@ class SparkRuntime(control.Controllable):
                 coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
             if self._code_previous is not None:  # a compatible update: deferred transactions keep the old code
                 coord.previous = (self._code_previous[0], load_app(self._code_previous[1]))
+            self.exchange.stats = {}
             crash_point("before_epoch", epoch)
             result = coord.run_epoch(epoch, requests, now, prior=pending[1] if pending is not None else None,
                                      defer=defer)
@@ -1107,10 +1265,13 @@ class SparkRuntime(control.Controllable):
         self._compactor.start()
 
     def _compact(self, upto: int) -> None:
-        """Merge durable deltas up to a Spark-committed epoch; truncate the log up to that snapshot."""
-        for pid in range(self.config.partitions):
-            self.durable.compact(pid, upto)
+        """Merge durable deltas up to a Spark-committed epoch; truncate the log up to that snapshot; delete
+        the state directory a rescale retired."""
+        parts, durable, _ = self._placement()
+        for pid in range(parts):
+            durable.compact(pid, upto)
             crash_point("compaction", upto + 1)  # after the first partition: a compaction half done
+        remove_old_layouts(self.ckpt, os.path.basename(durable.root))
         rec = self.read_record(upto)
         if rec is not None and self.config.truncate_log:
             self.input_log.truncate(rec.ends)
@@ -1224,28 +1385,32 @@ class SparkRuntime(control.Controllable):
         """``(epoch, values)``: every key as of the same recorded epoch (one consistent cut)."""
         if self._fatal is not None:
             raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
-        by_pid: dict[int, list[bytes]] = {}
-        for k in keys:
-            op, key, _ = split_store_key(k)
-            by_pid.setdefault(partition_of(op, key, self.config.partitions), []).append(k)
-        items = list(by_pid.items())
-        for attempt in range(3):
+        for attempt in range(5):
+            parts, durable, gen = self._placement()
             epoch = self._settled_epoch()
+            if gen != self._layout_gen:  # rescaled meanwhile: the epoch may be newer than that layout's state
+                continue
+            by_pid: dict[int, list[bytes]] = {}
+            for k in keys:
+                op, key, _ = split_store_key(k)
+                by_pid.setdefault(partition_of(op, key, parts), []).append(k)
+            items = list(by_pid.items())
             if not items:
                 return epoch, {}
             try:
                 if self.config.driver_reads:
-                    return epoch, self._read_durable(items, epoch)
-                fn = partial(_read_entities, self.app_ref, self.config.local_dir, os.path.join(self.ckpt, "state"),
-                             self.ckpt, epoch)
+                    return epoch, self._read_durable(durable, items, epoch)
+                fn = partial(_read_entities, self.app_ref, self.config.local_dir, durable.root, self.ckpt, epoch)
                 return epoch, dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
             except Exception as e:
                 # a compaction after the epoch was chosen: read again at a newer one
-                if "compacted" not in str(e) or attempt == 2:
+                if "compacted" not in str(e) or attempt == 4:
                     raise
-        raise AssertionError("unreachable")
+        raise EngineUnavailable("the layout kept changing during the read; retry")
 
-    def _read_durable(self, items: list[tuple[int, list[bytes]]], epoch: int) -> dict[bytes, bytes | None]:
+    @staticmethod
+    def _read_durable(durable: DurableState, items: list[tuple[int, list[bytes]]], epoch: int,
+                      ) -> dict[bytes, bytes | None]:
         """Read keys from the durable copy in the driver, as of recorded epoch ``epoch``.
 
         As consistent as reading the executors' stores: every partition's delta of a recorded epoch is durable
@@ -1258,25 +1423,30 @@ class SparkRuntime(control.Controllable):
         """
         out: dict[bytes, bytes | None] = {}
         for pid, keys in items:
-            got, _ = self.durable.read_keys(pid, keys, epoch)
+            got, _ = durable.read_keys(pid, keys, epoch)
             out.update(got)
         return out
 
     def timers(self, operator: str, key: str) -> list[_timers.Timer]:
         """The pending timers an entity registered, as of the last recorded epoch (by id)."""
-        epoch = self._settled_epoch()
-        fn = partial(_scan_prefix, self.config.local_dir, os.path.join(self.ckpt, "state"), self.ckpt, epoch)
-        item = (partition_of(operator, key, self.config.partitions), _timers.owner_prefix(operator, key))
+        for _ in range(5):
+            parts, durable, gen = self._placement()
+            epoch = self._settled_epoch()
+            if gen == self._layout_gen:
+                break
+        fn = partial(_scan_prefix, self.config.local_dir, durable.root, self.ckpt, epoch)
+        item = (partition_of(operator, key, parts), _timers.owner_prefix(operator, key))
         rows = self.spark.sparkContext.parallelize([item], 1).mapPartitions(fn).collect()
         return [_timers.decode(v) for _, v in rows]
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state (from the durable copy, as of the last recorded epoch)."""
+        parts, durable, _ = self._placement()
         epoch = self._last_recorded_epoch()
         merged: dict[bytes, bytes] = {}
-        for pid in range(self.config.partitions):
-            if self.durable.latest_epoch(pid) >= -1 and os.path.isdir(os.path.join(self.ckpt, "state", f"p{pid}")):
-                data, _ = self.durable.load(pid, epoch)
+        for pid in range(parts):
+            if durable.latest_epoch(pid) >= -1 and os.path.isdir(os.path.join(durable.root, f"p{pid}")):
+                data, _ = durable.load(pid, epoch)
                 merged.update(data)
         return dict(sorted(merged.items()))
 

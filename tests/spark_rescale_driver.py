@@ -1,0 +1,63 @@
+"""A Spark driver for the rescale crash test, run as a subprocess (so it can be SIGKILLed inside the move).
+
+    python tests/spark_rescale_driver.py DATA_DIR --partitions N [--load K] --rescale M
+
+Opens ``SparkRuntime("charon.apps.holds:app")`` over DATA_DIR with N engine partitions (a checkpoint of
+another count is rescaled at open), bulk-loads K accounts of 100 if asked, starts the query, waits until two
+epochs ran in this process, then rescales to M partitions while the test keeps appending to the input log
+(``CHARON_CRASH_AT=relayout:*`` or ``relayout_committed:*`` kills it inside the move). Then it waits for
+the file ``DATA_DIR/done`` and for every appended request to have run, prints ``idle <epoch>`` and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from charon.config import SparkConfig
+from charon.runtime.spark.runtime import SparkRuntime
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("data_dir")
+    p.add_argument("--partitions", type=int, required=True)
+    p.add_argument("--load", type=int, default=0)
+    p.add_argument("--rescale", type=int, required=True)
+    args = p.parse_args()
+    cfg = SparkConfig(master="local[2]", data_dir=args.data_dir, partitions=args.partitions, log_partitions=2,
+                      max_batch=100, compact_every=3, truncate_log=False, timer_poll_ms=20)
+    rt = SparkRuntime("charon.apps.holds:app", cfg)
+    try:
+        if args.load:
+            rt.load("acct", {f"k{i}": 100 for i in range(args.load)})
+        rt.start()
+        print("started", flush=True)
+        first = rt._last_recorded_epoch()
+        deadline = time.monotonic() + 300
+        while rt._last_recorded_epoch() < first + 2:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no epochs: {rt.health()}")
+            time.sleep(0.05)
+        info = rt.rescale(args.rescale)
+        print("rescaled " + json.dumps(info), flush=True)
+        done = os.path.join(args.data_dir, "done")
+        while not os.path.exists(done):
+            if rt.health()["fatal"]:
+                raise RuntimeError(rt.health()["fatal"])
+            time.sleep(0.1)
+        rt.wait_idle(300)
+        time.sleep(1.0)  # the last holds' timers come due
+        rt.wait_idle(300)
+        print(f"idle {rt._last_recorded_epoch()}", flush=True)
+        rt.stop()
+        return 0
+    finally:
+        rt.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
