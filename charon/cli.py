@@ -266,7 +266,9 @@ def invoke(
     token: str | None = TokenOpt,
     request_id: str | None = typer.Option(None, "--request-id", help="Idempotency key."),
 ) -> None:
-    """Invoke OPERATOR/KEY.FUNCTION(*ARGS_JSON) as one transaction and print the value as JSON.
+    """Invoke FUNCTION(*ARGS_JSON) on entity KEY of OPERATOR as one transaction; print the value as JSON.
+
+    Example: ``charon invoke account alice deposit '[100]'``.
 
     Exit status: 0 committed, 2 aborted (the error type and message go to stderr), 1 rejected or failed.
     """

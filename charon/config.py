@@ -121,6 +121,10 @@ class GatewayConfig:
     stream_sse_seconds: float = 300.0  # a server-sent-event connection ends after this; resume by offset
     max_scan: int = 10_000  # most entities one admin state read returns (/admin/state)
     code_refs: str | None = None  # comma-separated "module:attribute" refs /admin/code may deploy (None: none)
+    sql_max_rows: int = 1000  # rows one /admin/sql answer returns (the rest: "truncated": true)
+    sql_timeout_s: float = 30.0  # an /admin/sql query is cancelled after this (408 SQLTimeout)
+    sql_max_chars: int = 10_000  # longest /admin/sql query text (400 above)
+    sql_max_entities: int = 100_000  # in-process /admin/sql: most entities of one operator it loads (413 above)
     metrics_samples: int = 10_000  # recent replies the dashboard's throughput and percentiles are computed from
 
     @classmethod

@@ -67,3 +67,86 @@ def test_strict_update_on_spark(tmp_path) -> None:
         assert again.app_ref == "code_versions:v2" and again.version_at(e - 1) == "1" and again.version_at(e) == "v2"
     finally:
         spark.stop()
+
+
+def test_compatible_update_on_spark_under_load(tmp_path) -> None:
+    """Compatible updates on real PySpark while clients submit contended transactions: updates alternate
+    c1 -> c2 -> c1 ... until a boundary held deferred transactions. Every reply names the code it ran (its
+    value says what the executors ran: never a mix), the deferred ones finished on the old code after the
+    boundary, at most two versions ran after it; a restart keeps the update (and the old code while needed)."""
+    import random
+
+    import httpx
+
+    keys = [f"a{i}" for i in range(6)]
+    spark = make_session(SparkConfig(master="local[2]", partitions=2))
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path), partitions=2, log_partitions=2, idle_wait_ms=50)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        rt = SparkRuntime("code_versions:c1", cfg, spark=spark)
+        rt.load("acct", {k: 100 for k in keys})
+        rids: list[str] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+        gcfg = GatewayConfig(code_refs="code_versions:c1,code_versions:c2")
+        srv = BackgroundServer(rt, token=TOKEN, config=gcfg).start(timeout=120)
+        updates: list[dict] = []
+        try:
+            with Client(srv.url, token=TOKEN, timeout=120) as c:
+                def drive(seed: int) -> None:
+                    rng = random.Random(seed)
+                    try:
+                        while not stop.is_set():
+                            rids.append(c.submit("acct", rng.choice(keys), "route", "a"))
+                            time.sleep(0.01)
+                    except BaseException as exc:  # noqa: BLE001 - reported by the test
+                        errors.append(exc)
+
+                threads = [threading.Thread(target=drive, args=(k,)) for k in range(4)]
+                for t in threads:
+                    t.start()
+                try:
+                    time.sleep(2)
+                    for n in range(30):
+                        label = ("c2", "c1")[n % 2]
+                        updates.append(c.update_code(f"code_versions:{label}", label, mode="compatible"))
+                        if updates[-1]["kept_deferred"] and n >= 1:
+                            break
+                        while c.status()["epoch"] <= updates[-1]["from_epoch"]:  # an epoch runs in between
+                            time.sleep(0.02)
+                    time.sleep(1.5)
+                finally:
+                    stop.set()
+                    for t in threads:
+                        t.join()
+                assert not errors, errors
+                u = updates[-1]
+                assert u["kept_deferred"] > 0, f"no boundary held a deferred transaction: {updates}"
+                replies = []
+                with httpx.Client(base_url=srv.url, headers=auth, timeout=120) as h:
+                    for rid in rids:
+                        r = h.get(f"/requests/{rid}", params={"wait": 60})
+                        assert r.status_code == 200, r.text
+                        replies.append(r.json())
+                assert all(d["value"] == [d["code_version"]] * 2 for d in replies), "each reply names its code"
+                e, new, old = u["from_epoch"], u["version"], "c1" if u["version"] == "c2" else "c2"
+                after = [d for d in replies if d["epoch"] >= e]
+                late = [d for d in after if d["tid"] < u["first_tid"]]
+                assert late and all(d["code_version"] == old for d in late), "deferred ones finished on the old code"
+                assert {d["code_version"] for d in after} <= {old, new}, "at most two versions after the boundary"
+                assert any(d["code_version"] == new for d in after)
+                assert c.status()["code_version"] == new
+                assert all(upd["mode"] == "compatible" for upd in updates)
+        finally:
+            stop.set()
+            srv.stop(timeout=120)
+        # a restart (with the old ref) keeps the newest code, and the previous one while the last record holds
+        # transactions deferred before the boundary
+        again = SparkRuntime("code_versions:c1", cfg, spark=spark)
+        rec = again.read_record(again._last_recorded_epoch())
+        waiting = [tid for tid, _ in rec.deferred if tid < u["first_tid"]]
+        assert again.app_ref == f"code_versions:{new}"
+        assert again._code_previous == ((u["first_tid"], f"code_versions:{old}") if waiting else None)
+        assert again.version_at(e, u["first_tid"] - 1) == old and again.version_at(e, u["first_tid"]) == new
+    finally:
+        spark.stop()

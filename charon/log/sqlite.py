@@ -506,14 +506,9 @@ class DedupRetention:
         self.window_s = window_s
         self.runtime_prefix = runtime_prefix
         self._marks: deque[tuple[float, int]] = deque()
-        # a networked log (NATS) without these operations keeps its own retention: nothing to forget here
-        self.enabled = all(hasattr(log, m) for log, m in ((input_log, "forget"), (output_log, "prune"),
-                                                          (output_log, "request_ids_through")))
 
     def after_truncate(self) -> int:
         """Forget what is older than the window; returns how many replies were deleted."""
-        if not self.enabled:
-            return 0
         now = time.monotonic()
         self._marks.append((now, self.output_log.last_seq()))
         cut = None

@@ -28,7 +28,8 @@ from charon.errors import CharonError
 from charon.state.durable import DurableState, DurableStateError, write_file_atomic
 from charon.state.store import MemoryStore
 
-__all__ = ["EpochGate", "GateClosed", "EpochNotRetained", "read_durable", "read_stores", "decode_entities"]
+__all__ = ["Controllable", "EpochGate", "GateClosed", "EpochNotRetained", "read_durable", "read_stores",
+           "decode_entities"]
 
 
 class GateClosed(CharonError):
@@ -142,6 +143,31 @@ class EpochGate:
         """Block until no epoch runs and the next one would wait (``last_epoch``: a callable)."""
         with self._cv:
             return self._cv.wait_for(lambda: self._active is None and self.closed_for(last_epoch() + 1), timeout)
+
+
+class Controllable:
+    """The control surface both runtimes share (the gateway's ``/admin/pause|resume|status`` call it): the one
+    owner of pause/resume/status. A runtime sets ``gate`` (an :class:`EpochGate`) and ``control_engine``
+    (``"inprocess"`` or ``"spark"``: which status function reads its epoch and backlog)."""
+
+    gate: EpochGate
+    control_engine: str = "inprocess"
+
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; requests keep arriving and
+        wait (in the input log on Spark and on a durable node). Returns the status."""
+        self.gate.pause(after_epoch)
+        return self.control_status()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; the waiting requests run in arrival (log) order. Returns the status."""
+        self.gate.resume()
+        return self.control_status()
+
+    def control_status(self) -> dict[str, Any]:
+        """``state`` (running, pausing, paused), the last committed ``epoch``, the ``backlog``, the code
+        version and the retained epochs."""
+        return spark_status(self) if self.control_engine == "spark" else inprocess_status(self)
 
 
 def decode_entities(rows: dict[bytes, bytes], operator: str) -> dict[str, dict[str, Any]]:
@@ -278,6 +304,36 @@ async def inprocess_inspect(
         raise EpochNotRetained(f"the state as of epoch {epoch} is not retained (retained: the checkpoints "
                                f"{retained[-20:]} and the last committed epoch {last})")
     return epoch, await asyncio.to_thread(read_durable, node.durable, rt.partitions, operator, epoch, keys, limit)
+
+
+async def inprocess_sql(
+    rt: Any, sql: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
+    max_entities: int = 100_000,
+) -> dict[str, Any]:
+    """The dashboard's SQL box on an in-process runtime: ``sql`` (one safe SELECT, checked by SQLite's
+    authorizer) over the operators it names, read as one cut at ``epoch`` (default: the last committed one;
+    all of them between the same two epochs) (:mod:`charon.runtime.sqlstate`)."""
+    from charon.runtime import sqlstate
+
+    ops = sorted(rt.app.operators)
+    used = sorted(await asyncio.to_thread(sqlstate.referenced_tables, sql, ops))
+    raw: dict[str, dict[bytes, bytes]] = {}
+    if epoch is None or epoch == rt.epoch - 1:
+        at = rt.epoch - 1
+        for op in used:  # no await in between: every operator as of the same boundary
+            raw[op] = read_stores(rt.stores, op, None, max_entities + 1)
+    else:
+        at = epoch
+        await inprocess_inspect(rt, ops[0] if ops else "", [], epoch, 1)  # EpochNotRetained, even for no table
+        for op in used:
+            _, raw[op] = await inprocess_inspect(rt, op, None, epoch, max_entities + 1)
+    tables = {}
+    for op, rows in raw.items():
+        if _count(rows) > max_entities:
+            raise sqlstate.StateTooLarge(f"operator {op!r} holds more than {max_entities} entities (sql_max_entities);"
+                                         " use the Spark runtime's SQL or `charon sql` for big states")
+        tables[op] = sqlstate.rows_of(rows, op, at)
+    return await asyncio.to_thread(sqlstate.sqlite_sql, sql, ops, tables, at, max_rows, timeout_s)
 
 
 def spark_status(rt: Any) -> dict[str, Any]:
@@ -431,8 +487,12 @@ def code_history(rt: Any) -> list[CodeVersion]:
 def version_at(rt: Any, epoch: int, tid: int | None = None) -> str:
     """The code version epoch ``epoch`` ran (or runs) with; with ``tid``, the version transaction ``tid``
     (committed in ``epoch``) ran with: after a compatible update, one started before it kept the old one."""
-    label = code_history(rt)[0].version
-    for v in code_history(rt):
+    return _label(code_history(rt), epoch, tid)
+
+
+def _label(hist: list[CodeVersion], epoch: int, tid: int | None) -> str:
+    label = hist[0].version
+    for v in hist:
         if v.from_epoch <= epoch and (tid is None or v.first_tid is None or tid >= v.first_tid):
             label = v.version
     return label
@@ -627,10 +687,29 @@ def spark_code_history(rt: Any) -> list[CodeVersion]:
 
 
 def spark_recorded_code(rt: Any) -> None:
-    """At construction: run the newest recorded code version (a code update survives a restart)."""
-    newest = spark_code_history(rt)[-1]
+    """At construction: run the newest recorded code version (a code update survives a restart); after a
+    compatible one, keep the previous code while the last record holds transactions deferred before it."""
+    hist = spark_code_history(rt)
+    newest = hist[-1]
     if newest.ref is not None and newest.ref != rt.app_ref:
         rt.app_ref, rt.app = newest.ref, load_app_ref(newest.ref)
+    rt._code_previous = None
+    if newest.first_tid is not None and len(hist) > 1 and hist[-2].ref is not None:
+        rec = rt.read_record(rt._last_recorded_epoch())
+        deferred = [] if rec is None else [(tid, None) for tid, _ in rec.deferred]
+        rt._code_previous = (newest.first_tid, hist[-2].ref)
+        spark_retire_previous(rt, deferred)
+
+
+def spark_retire_previous(rt: Any, deferred: list[tuple[int, Any]]) -> None:
+    """After an epoch (``deferred``: what it left for the next): drop the code a compatible update kept
+    once no transaction that started on it is deferred any more (the executors stop loading it)."""
+    prev = rt._code_previous
+    if prev is not None and not any(tid < prev[0] for tid, _ in deferred):
+        rt._code_previous = None
+        ex = rt.__dict__.get("exchange")
+        if ex is not None:
+            ex.set_code(rt.app_ref, None)
 
 
 def spark_finish_update(rt: Any) -> None:
@@ -644,14 +723,87 @@ def spark_finish_update(rt: Any) -> None:
             rt.input_log.append_many(reqs)
 
 
+@contextlib.asynccontextmanager
+async def _spark_boundary(rt: Any, deadline: float) -> AsyncIterator[None]:
+    """Hold a Spark runtime at an epoch boundary (its gate closed, no epoch running, the last one recorded;
+    the next batch may be fixed and waits at the gate) without draining anything; reopened afterwards
+    unless it was paused before. Call it holding the admin lock."""
+    was_paused = rt.gate._paused
+    rt.gate.pause()
+    try:
+        await _until(rt, lambda: rt.gate.wait_paused(rt._last_recorded_epoch, 0.05), "an epoch boundary", deadline)
+        yield
+    finally:
+        if not was_paused:
+            rt.gate.resume()
+
+
+async def _spark_update_compatible(rt: Any, ref: str, version: str, deadline: float) -> dict[str, Any]:
+    """See :func:`spark_update_code` (``mode="compatible"``)."""
+    from charon.runtime.spark.runtime import ship_app_module
+
+    app = load_app_ref(ref)
+    hist = spark_code_history(rt)
+    lock = getattr(rt, "_admin_lock", None)
+    if lock is None:
+        lock = rt._admin_lock = asyncio.Lock()
+    async with lock:
+        # at most two versions at once: the transactions still deferred on the oldest code finish first
+        await _until(rt, lambda: rt._code_previous is None, "the transactions deferred on the oldest code",
+                     deadline)
+        await asyncio.to_thread(ship_app_module, rt.spark, ref)
+        async with _spark_boundary(rt, deadline):
+            return await _switch_compatible(rt, ref, app, version, hist)
+
+
+async def _switch_compatible(rt: Any, ref: str, app: Any, version: str, hist: list[CodeVersion]) -> dict[str, Any]:
+    """At the boundary: record the update (the commit point), then run ``ref`` with the old code kept for
+    the transactions deferred before it."""
+    last = rt._last_recorded_epoch()
+    rec = rt.read_record(last) if last >= 0 else None
+    e = last + 1
+    n = rt.config.n_log_partitions
+    first_tid = (max(rec.counters) if rec is not None else 0) * n + 1  # every TID from epoch e on is >= it
+    entry = CodeVersion(e, version, ref, None, first_tid)
+    data = msgspec.json.encode([*hist, entry])
+    await asyncio.to_thread(write_file_atomic, _spark_code_path(rt.ckpt), data)  # the commit point
+    hist.append(entry)
+    old_ref = rt.app_ref
+    kept = sum(1 for tid, _ in (rec.deferred if rec is not None else []) if tid < first_tid)
+    rt._code_previous = (first_tid, old_ref) if kept else None
+    rt.app_ref, rt.app = ref, app
+    ex = rt.__dict__.get("exchange")  # none before the first start (then _start_query builds it)
+    if ex is not None:
+        ex.set_code(ref, rt._code_previous)
+    return {"version": version, "ref": ref, "from_epoch": e, "migration": None, "mode": "compatible",
+            "kept_deferred": kept, "first_tid": first_tid}
+
+
 async def spark_update_code(
-    rt: Any, ref: str, version: str, migration: tuple[str, str, bytes] | None = None, timeout: float = 600.0
+    rt: Any, ref: str, version: str, migration: tuple[str, str, bytes] | None = None, mode: str = "strict",
+    timeout: float = 600.0,
 ) -> dict[str, Any]:
-    """A strict code update on the Spark runtime: with submissions held and everything logged run (so no
-    transaction spans versions), the driver and the executors switch to ``ref`` from the next epoch; the
-    migration runs alone, then submissions continue. Recorded in ``<checkpoint>/code.json`` first (pending)
-    and again once the migration ran, so a restart keeps the new code and finishes the migration."""
+    """A code update on the Spark runtime.
+
+    *strict*: with submissions held and everything logged run (so no transaction spans versions), the driver
+    and the executors switch to ``ref`` from the next epoch; the migration runs alone, then submissions
+    continue. Recorded in ``<checkpoint>/code.json`` first (pending) and again once the migration ran, so a
+    restart keeps the new code and finishes the migration.
+
+    *compatible* (no migration): nothing is drained or held. The gate closes at the next epoch boundary e
+    (the epoch running finishes and is recorded), the update is recorded in ``code.json`` with the first TID
+    of e (every transaction sequenced from e on has at least that TID), and the driver and the executors run
+    ``ref`` from e on, while a transaction deferred before e (a lower TID) finishes on the old code, kept
+    until no such transaction is left (:func:`spark_retire_previous`; a reply's ``code_version`` says which
+    it ran). A restart reads the same from ``code.json`` and the last epoch record. A second compatible
+    update first waits for the transactions still deferred on the oldest code: at most two versions run."""
+    if mode not in ("strict", "compatible"):
+        raise ValueError(f"mode must be 'strict' or 'compatible', not {mode!r}")
     deadline = time.monotonic() + timeout
+    if mode == "compatible":
+        if migration is not None:
+            raise ValueError("a compatible update has no migration (old and new code run side by side)")
+        return await _spark_update_compatible(rt, ref, version, deadline)
     app = load_app_ref(ref)
     hist = spark_code_history(rt)
     async with _spark_alone(rt, deadline):
@@ -666,24 +818,20 @@ async def spark_update_code(
 
         await asyncio.to_thread(record, [*hist, entry])
         hist.append(entry)
-        from charon.runtime.spark.runtime import SparkExchange, ship_app_module
+        from charon.runtime.spark.runtime import ship_app_module
 
         await asyncio.to_thread(ship_app_module, rt.spark, ref)
         rt.app_ref, rt.app = ref, app
-        rt.exchange = SparkExchange(rt.spark, ref, rt.config)
+        rt._code_previous = None  # nothing is deferred here: no transaction of an older version is left
+        rt.exchange.set_code(ref, None)
         out = None
         if migration is not None:
             out = await _spark_update_epochs(rt, uid, migration[0], migration[1], migration[2], None, deadline)
             entry.migration = [uid, migration[0], migration[1], list(migration[2])]
             await asyncio.to_thread(record, hist)
-    return {"version": version, "ref": ref, "from_epoch": e, "migration": out}
+    return {"version": version, "ref": ref, "from_epoch": e, "migration": out, "mode": "strict"}
 
 
-def spark_version_at(rt: Any, epoch: int) -> str:
-    """The code version epoch ``epoch`` ran (or runs) with."""
-    hist = spark_code_history(rt)
-    label = hist[0].version
-    for v in hist:
-        if v.from_epoch <= epoch:
-            label = v.version
-    return label
+def spark_version_at(rt: Any, epoch: int, tid: int | None = None) -> str:
+    """The code version epoch ``epoch`` ran (or runs) with; with ``tid``, the one transaction ``tid`` ran."""
+    return _label(spark_code_history(rt), epoch, tid)

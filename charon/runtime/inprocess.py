@@ -176,7 +176,7 @@ class LocalExchange:
         return [u.step(control, box) for u, box in zip(self.units, inboxes, strict=True)]
 
 
-class InProcessRuntime:
+class InProcessRuntime(control.Controllable):
     """Run an :class:`~charon.operator.Application` in this process."""
 
     def __init__(
@@ -747,21 +747,7 @@ class InProcessRuntime:
             self._arrived = 0
             await asyncio.sleep(0)
 
-    # -- control (charon.runtime.control) ----------------------------------------------------------
-    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
-        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; returns the status."""
-        self.gate.pause(after_epoch)
-        return self.control_status()
-
-    def resume(self) -> dict[str, Any]:
-        """Let epochs start again; queued requests run in arrival order."""
-        self.gate.resume()
-        return self.control_status()
-
-    def control_status(self) -> dict[str, Any]:
-        """``state`` (running, pausing, paused), the last committed ``epoch``, the ``backlog``."""
-        return control.inprocess_status(self)
-
+    # -- control (charon.runtime.control; pause/resume/control_status: control.Controllable) -----------
     async def run_alone(
         self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
     ) -> dict[str, Any]:
@@ -789,6 +775,14 @@ class InProcessRuntime:
     ) -> tuple[int, dict[bytes, bytes]]:
         """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch (:mod:`charon.runtime.control`)."""
         return await control.inprocess_inspect(self, operator, keys, epoch, limit)
+
+    async def sql(
+        self, query: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
+        max_entities: int = 100_000,
+    ) -> dict[str, Any]:
+        """One safe SELECT over the operators' state at one committed epoch, answered by SQLite
+        (:mod:`charon.runtime.sqlstate`): ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
+        return await control.inprocess_sql(self, query, epoch, max_rows, timeout_s, max_entities)
 
 
 _STREAMS_LOCK = threading.Lock()

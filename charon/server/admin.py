@@ -22,10 +22,20 @@
   setting (403 ``Forbidden`` otherwise; clients only name deployed code). *strict* (default, both runtimes):
   every partition switches at one epoch boundary, after every transaction begun on the old code finished;
   the migration (a function of the new code) then runs on every entity of the operator in an epoch of its
-  own before any client transaction. *compatible* (in-process runtimes; 501 ``NotSupported`` on Spark; no
+  own before any client transaction. *compatible* (both runtimes; no
   migration): transactions sequenced from the boundary on run the new code while those deferred before it
   finish on the old one. ``{"version", "ref", "from_epoch", "migration", "mode"}``. Replies carry
   ``code_version`` (the version that transaction ran with); rolling back is another update.
+- ``POST /admin/sql`` ``{"sql": "SELECT ...", "epoch": N?}``: the dashboard's SQL box, one safe ``SELECT``
+  over the state views (one per operator: ``key``, ``item``, ``value``, ``value_json``, ``epoch``) at one
+  consistent epoch (default the latest): ``{"epoch", "columns", "rows", "truncated", "engine"}``. Spark
+  checks it on its parsed and analyzed plans (:func:`charon.runtime.spark.statesql.safe_sql`), the
+  in-process runtime with SQLite's authorizer over a cut (:mod:`charon.runtime.sqlstate`). Anything but a
+  single SELECT over the views with allowed functions is 422 ``SQLRejected`` (DDL/DML, commands,
+  ``reflect``/``java_method``, files, catalogs, other tables); a query that does not parse or resolve 400
+  ``SQLSyntaxError``; at most ``sql_max_rows`` rows, cancelled after ``sql_timeout_s`` (422 ``SQLTimeout``),
+  text of at most ``sql_max_chars``; in-process at most ``sql_max_entities`` per operator (413
+  ``StateTooLarge``); at most two at once (429 ``SQLBusy``).
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
 - ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
 - ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
@@ -53,6 +63,11 @@ STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 STATUS_OF_ERROR.setdefault("EpochNotRetained", 410)
 STATUS_OF_ERROR.setdefault("NotSupported", 501)
 STATUS_OF_ERROR.setdefault("Forbidden", 403)
+for _name, _status in (("SQLRejected", 422), ("SQLSyntaxError", 400), ("SQLTimeout", 422), ("StateTooLarge", 413),
+                       ("SQLBusy", 429)):
+    STATUS_OF_ERROR.setdefault(_name, _status)
+SQL_ERRORS = ("SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "EpochNotRetained")
+SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy beyond)
 
 
 def _method(gw: _Gateway, name: str) -> Any:
@@ -224,6 +239,35 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
             raise _HTTPError("BadRequest", f"cannot deploy {ref!r}: {exc}") from None
         return gw.respond(request, 200, out)
 
+    slots = {"free": SQL_SLOTS}
+
+    async def sql(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        doc = await _json_body(gw, request)
+        unknown = set(doc) - {"sql", "epoch"}
+        if unknown:
+            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        query = doc.get("sql")
+        cfg = gw.cfg
+        if not isinstance(query, str) or not query.strip():
+            raise _HTTPError("BadRequest", '"sql" must be a non-empty string')
+        if len(query) > cfg.sql_max_chars:
+            raise _HTTPError("BadRequest", f"the query is longer than {cfg.sql_max_chars} characters (sql_max_chars)")
+        epoch = _epoch_param(doc.get("epoch"), "epoch")
+        fn = _method(gw, "sql")
+        if slots["free"] <= 0:
+            raise _HTTPError("SQLBusy", f"{SQL_SLOTS} SQL queries are running; retry later")
+        slots["free"] -= 1
+        try:
+            out = await gw.off_loop(fn, query, epoch, cfg.sql_max_rows, cfg.sql_timeout_s, cfg.sql_max_entities)
+        except Exception as exc:
+            if type(exc).__name__ in SQL_ERRORS:  # charon.runtime's (another layer)
+                raise _HTTPError(type(exc).__name__, str(exc)) from None
+            raise
+        finally:
+            slots["free"] += 1
+        return gw.respond(request, 200, out)
+
     async def summary(request: HTTPRequest) -> Response:
         gw.check_auth(request)
         doc = await gw.off_loop(metrics.summary, len(gw.inflight))
@@ -244,6 +288,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         Route("/admin/state/{operator}", _guard(gw, state), methods=["GET"], name="admin_state"),
         Route("/admin/update", _guard(gw, update), methods=["POST"], name="admin_update"),
         Route("/admin/code", _guard(gw, code), methods=["POST"], name="admin_code"),
+        Route("/admin/sql", _guard(gw, sql), methods=["POST"], name="admin_sql"),
         Route("/admin/summary", _guard(gw, summary), methods=["GET"], name="admin_summary"),
         Route("/metrics", _guard(gw, prometheus), methods=["GET"], name="metrics"),
         Route("/dashboard", dashboard, methods=["GET"], name="dashboard"),
@@ -317,6 +362,16 @@ def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
             }, ["ref", "version"]),
             "responses": {"200": ok("{version, ref, from_epoch, migration, mode}"), "400": err("malformed body"),
                           "403": err("not a deployable ref"), "415": err("unsupported body type"), **common}}},
+        "/admin/sql": {"post": {
+            "summary": "One safe SELECT over the operators' state views at one consistent epoch (admin)",
+            "security": security,
+            "requestBody": body({"sql": {"type": "string", "minLength": 1}, "epoch": epoch}, ["sql"]),
+            "responses": {"200": ok("{epoch, columns, rows, truncated, engine}"),
+                          "400": err("malformed body, or SQL that does not parse or resolve"),
+                          "410": err("the epoch is not retained"), "413": err("the state is too large"),
+                          "415": err("unsupported body type"),
+                          "422": err("SQL outside the safe subset (SQLRejected) or too slow (SQLTimeout)"),
+                          "429": err("too many SQL queries at once"), **common}}},
         "/admin/summary": {"get": {"summary": "The dashboard's JSON (admin)", "security": security,
                                    "responses": {"200": ok("throughput, latency, epochs, status"), **common}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "security": security, "responses": {

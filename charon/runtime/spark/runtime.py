@@ -377,22 +377,26 @@ def local_root(configured: str | None, checkpoint: str, durable_root: str) -> st
 
 def _run_partitions(
     app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
-    items: Iterable[tuple[int, bytes]],
+    items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None,
 ) -> Iterator[tuple[int, bytes]]:
+    """One task of a round. ``previous``: a compatible code update's (first TID on ``app_ref``, the old
+    code's ref): a transaction with a lower TID started before the update and runs the old code."""
     from charon.state.lmdbstore import open_store
 
     app = load_app(app_ref)
+    prev = None if previous is None else (previous[0], load_app(previous[1]))
     root = local_root(local_dir, checkpoint, durable_root)
     for pid, payload in items:
         if pid == FALLBACK_TASK:
-            yield pid, _run_fallback_task(app, parts, root, durable_root, payload)
+            yield pid, _run_fallback_task(app, parts, root, durable_root, payload, prev)
             continue
         if pid == REST_TASK:
-            yield pid, _run_rest_task(app, parts, root, durable_root, payload)
+            yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev)
             continue
         control, scratch, inbox, cached = pickle.loads(payload)
         store = open_store(root, pid, durable_root)
         unit = PartitionUnit(pid, parts, app, store)
+        unit.previous = prev
         unit.load_scratch(scratch)
         t0 = time.perf_counter()
         prior = control.prior
@@ -435,7 +439,8 @@ class _TaskExchange:
         return outs
 
 
-def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes) -> bytes:
+def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
+                       prev: tuple[int, Any] | None = None) -> bytes:
     """An epoch's whole fallback (all cached rounds and locked waves) in this task, over every partition's
     store as of the previous epoch; returns the outcome and each partition's scratch. Writes nothing."""
     from charon.core.epoch import run_fallback
@@ -448,6 +453,7 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
         store = open_store(root, pid, durable_root)
         store.ensure_epoch(job.epoch - 1)
         unit = PartitionUnit(pid, parts, app, store)
+        unit.previous = prev
         unit.load_scratch(scratches[pid])
         unit.load_cache(caches[pid])
         units.append(unit)
@@ -461,7 +467,8 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
 REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over every partition
 
 
-def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes) -> bytes:
+def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
+                   prev: tuple[int, Any] | None = None) -> bytes:
     """The rest of an epoch (remaining dry-run rounds, lock-free decision, fallback) in this task over every
     partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round)."""
     from charon.core.epoch import run_rest
@@ -475,6 +482,7 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
     for pid in range(parts):
         store = open_store(root, pid, durable_root)
         unit = PartitionUnit(pid, parts, app, store)
+        unit.previous = prev
         unit.load_scratch(scratches[pid])
         if job.prior is not None:
             store.ensure_epoch(job.prior.epoch - 1)
@@ -550,7 +558,8 @@ def _fsync_dir(path: str) -> None:
 class SparkExchange:
     """Runs one round as one Spark job; holds each partition's scratch between rounds of an epoch."""
 
-    def __init__(self, spark: Any, app_ref: str, config: SparkConfig) -> None:
+    def __init__(self, spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
+                 ) -> None:
         self.sc = spark.sparkContext if spark is not None else None
         self.partitions = config.partitions
         self.config = config
@@ -559,8 +568,7 @@ class SparkExchange:
         # The dry run's call-graph cache stays here; a cached fallback round gets back only its transactions.
         self.cache: list[dict[int, list]] = [{} for _ in range(config.partitions)]
         self.durable_root = state_root(config.checkpoint_dir)  # the layout in force (a rescale changes it)
-        self.fn = partial(_run_partitions, app_ref, config.partitions, config.local_dir, self.durable_root,
-                          config.checkpoint_dir)
+        self.set_code(app_ref, previous)
         self.stats: dict[str, float] = {}
         self.epoch = -1
         # One task over every partition only where every task sees every partition's resident store (local
@@ -572,6 +580,13 @@ class SparkExchange:
         # (record, finalize) of the last epoch when its finalize was deferred to the next epoch's first round:
         # it needs this exchange's scratch, so a new exchange (a restarted query) starts without one
         self.pending: tuple[EpochRecord, EpochResult] | None = None
+
+    def set_code(self, app_ref: str, previous: tuple[int, str] | None = None) -> None:
+        """The code the next rounds' tasks run (a code update, at an epoch boundary): ``app_ref``, and for a
+        compatible update ``previous`` = (first TID on ``app_ref``, the old ref) while the old one is needed."""
+        cfg = self.config
+        self.fn = partial(_run_partitions, app_ref, cfg.partitions, cfg.local_dir, self.durable_root,
+                          cfg.checkpoint_dir, previous=previous)
 
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
         t0 = time.perf_counter()
@@ -682,7 +697,7 @@ class SparkExchange:
         return max(1, min(self.slots, len(payloads), size // max(1, self.config.task_min_bytes)))
 
 
-class SparkRuntime:
+class SparkRuntime(control.Controllable):
     """Deploy an application on Spark. ``app_ref`` is ``"module:attribute"`` of an installed module."""
 
     def __init__(self, app_ref: str, config: SparkConfig | None = None, spark: Any = None) -> None:
@@ -713,6 +728,9 @@ class SparkRuntime:
         self._layout_gen = 0
         self._rescale_lock = threading.Lock()
         self.rescale_pauses: list[dict[str, Any]] = []  # one per rescale (see rescale)
+        # a compatible code update's (first TID on the new code, the old ref) while transactions begun on the
+        # old code are deferred (charon.runtime.control.spark_update_code)
+        self._code_previous: tuple[int, str] | None = None
         control.spark_recorded_code(self)  # a code update recorded here survives a restart
         self._spark = spark
         self._query: Any = None
@@ -790,7 +808,7 @@ class SparkRuntime:
 
     def _start_query(self) -> None:
         spark = self.spark
-        self.exchange = SparkExchange(spark, self.app_ref, self.config)
+        self.exchange = SparkExchange(spark, self.app_ref, self.config, self._code_previous)
         df = (
             spark.readStream.format("charon_log")
             .option("path", self.input_location)
@@ -965,7 +983,7 @@ class SparkRuntime:
                 self.durable = new
                 self._layout_gen += 1
             if self._spark is not None and getattr(self, "exchange", None) is not None:
-                self.exchange = SparkExchange(self._spark, self.app_ref, self.config)
+                self.exchange = SparkExchange(self._spark, self.app_ref, self.config, self._code_previous)
         # the old directory goes with the next compaction (a state read may still be reading it) or restart
         return {"from": old, "to": partitions, "epoch": epoch, "keys": n, "cpu_s": time.process_time() - c0}
 
@@ -1141,7 +1159,8 @@ class SparkRuntime:
             self.gate.enter(epoch)
         deferred = False
         try:
-            # built after the gate: a rescale during the pause replaced the exchange (and the partition count)
+            # built after the gate: a code update or a rescale made at this boundary (while paused) applies to
+            # this epoch (a rescale replaced the exchange and the partition count)
             coord = EpochCoordinator(
                 self.app, self.exchange, sequencers=self.config.n_log_partitions,
                 max_invocations=self.config.max_invocations, on_replies=deliver, on_finalized=finalized,
@@ -1153,6 +1172,8 @@ class SparkRuntime:
                 coord.sequencer.time = prev.time
                 coord.next_due = prev.next_due
                 coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
+            if self._code_previous is not None:  # a compatible update: deferred transactions keep the old code
+                coord.previous = (self._code_previous[0], load_app(self._code_previous[1]))
             self.exchange.stats = {}
             crash_point("before_epoch", epoch)
             result = coord.run_epoch(epoch, requests, now, prior=pending[1] if pending is not None else None,
@@ -1165,6 +1186,8 @@ class SparkRuntime:
     def _after_epoch(self, epoch: int, coord: EpochCoordinator, result: EpochResult, starts: list[int],
                      ends: list[int]) -> bool:
         """Record the epoch, or leave it pending (True) when its finalize was deferred to the next epoch."""
+        if self._code_previous is not None:
+            control.spark_retire_previous(self, coord.deferred)
         if result.finalize is None:  # else the atom and this fault point come once the finalize ran
             self._append_atom(result)
             crash_point("after_finalize", epoch)
@@ -1271,20 +1294,8 @@ class SparkRuntime:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(epochs, name))
 
-    # -- control (charon.runtime.control) ------------------------------------------------------------------------
-    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
-        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; requests wait in the input log."""
-        self.gate.pause(after_epoch)
-        return self.control_status()
-
-    def resume(self) -> dict[str, Any]:
-        """Let epochs start again; the waiting requests run in log order."""
-        self.gate.resume()
-        return self.control_status()
-
-    def control_status(self) -> dict[str, Any]:
-        """``state`` (running, pausing, paused), the last recorded ``epoch``, the ``backlog``."""
-        return control.spark_status(self)
+    # -- control (charon.runtime.control; pause/resume/control_status: control.Controllable) -----------
+    control_engine = "spark"
 
     async def run_alone(
         self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
@@ -1293,17 +1304,20 @@ class SparkRuntime:
         epochs that hold nothing else, once per ``update_id`` (:func:`charon.runtime.control.spark_run_alone`)."""
         return await control.spark_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
 
-    async def update_code(
-        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None
-    ) -> dict[str, Any]:
-        """Strict code update to ``ref`` at one epoch boundary, with an optional ``migration`` (operator,
-        function, args) over every entity (:func:`charon.runtime.control.spark_update_code`)."""
-        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
-        return await control.spark_update_code(self, ref, version, mig)
+    code_update_modes = ("strict", "compatible")
 
-    def version_at(self, epoch: int) -> str:
-        """The code version epoch ``epoch`` ran with."""
-        return control.spark_version_at(self, epoch)
+    async def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None, mode: str = "strict"
+    ) -> dict[str, Any]:
+        """Code update to ``ref`` at one epoch boundary: ``mode="strict"`` with an optional ``migration``
+        (operator, function, args) over every entity, or ``"compatible"`` (transactions deferred before the
+        boundary finish on the old code) (:func:`charon.runtime.control.spark_update_code`)."""
+        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
+        return await control.spark_update_code(self, ref, version, mig, mode)
+
+    def version_at(self, epoch: int, tid: int | None = None) -> str:
+        """The code version epoch ``epoch`` ran with (with ``tid``: the one that transaction ran with)."""
+        return control.spark_version_at(self, epoch, tid)
 
     def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
@@ -1316,9 +1330,27 @@ class SparkRuntime:
         the last recorded), read from the durable copy by parallel tasks (:mod:`charon.runtime.spark.statesql`)."""
         from charon.runtime.spark.statesql import DataDirLayout, state_frame
 
-        parts, durable, _ = self._placement()
-        layout = DataDirLayout(durable.root, parts, self._settled_epoch(), "spark")
-        return state_frame(self.spark, layout, operator, epoch)
+        return state_frame(self.spark, self._data_layout(DataDirLayout), operator, epoch)
+
+    def _data_layout(self, kind: Any) -> Any:
+        """The layout in force and the settled epoch, both from the same side of a rescale."""
+        for _ in range(5):
+            parts, durable, gen = self._placement()
+            epoch = self._settled_epoch()
+            if gen == self._layout_gen:
+                break
+        return kind(durable.root, parts, epoch, "spark")
+
+    def sql(
+        self, query: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
+        max_entities: int | None = None,
+    ) -> dict[str, Any]:
+        """One safe SELECT over the operators' state views at one recorded epoch (the dashboard's SQL box),
+        checked on Spark's parsed and analyzed plans (:func:`charon.runtime.spark.statesql.safe_sql`)."""
+        from charon.runtime.spark.statesql import DataDirLayout, safe_sql
+
+        layout = self._data_layout(DataDirLayout)
+        return safe_sql(self.spark, layout, sorted(self.app.operators), query, epoch, max_rows, timeout_s)
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:

@@ -21,6 +21,7 @@ copy's base; an in-process node's data directory the epochs it checkpointed (``r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -31,9 +32,11 @@ import msgspec
 from charon import serde
 from charon.core.routing import split_store_key
 from charon.runtime.control import EpochNotRetained, node_retained_epochs
+from charon.runtime.sqlstate import SQLRejected, SQLSyntaxError, SQLTimeout
 from charon.state.durable import DurableState, DurableStateError
 
-__all__ = ["state_frame", "layout_of", "register_views", "DataDirLayout"]
+__all__ = ["state_frame", "layout_of", "register_views", "DataDirLayout", "safe_sql", "SQLRejected", "SQLSyntaxError",
+           "SQLTimeout"]
 
 
 class DataDirLayout(msgspec.Struct):
@@ -164,3 +167,239 @@ def register_views(spark: Any, layout: DataDirLayout, epoch: int | None = None) 
         df.createOrReplaceTempView(op)
         views[op] = df
     return views
+
+
+# -- the dashboard's SQL box: a safe subset, checked on Spark's parsed and analyzed plans ------------------------
+#: Logical plan nodes a query may contain (parsed plan): one SELECT over the state views, with joins,
+#: set operations, grouping, ordering and limits. Everything else (commands, DDL/DML, CTEs, table-valued
+#: functions, file or catalog relations, IDENTIFIER(...) clauses, hints, scripts) is refused.
+ALLOWED_PLANS = frozenset({
+    "Project", "Filter", "Aggregate", "Sort", "GlobalLimit", "LocalLimit", "Offset", "Distinct", "Deduplicate",
+    "SubqueryAlias", "UnresolvedRelation", "Join", "Union", "Intersect", "Except", "OneRowRelation",
+    "UnresolvedSubqueryColumnAliases", "Window", "UnresolvedHaving", "UnresolvedInlineTable",
+    "RepartitionByExpression",
+})
+#: Expression nodes a query may contain (parsed plan): columns, literals, operators, CASE/CAST/IN/LIKE,
+#: subqueries (their plans are checked the same way) and calls of :data:`ALLOWED_FUNCTIONS`.
+ALLOWED_EXPRESSIONS = frozenset({
+    "UnresolvedAttribute", "UnresolvedStar", "UnresolvedAlias", "Alias", "Literal", "UnresolvedFunction",
+    "UnresolvedExtractValue", "UnresolvedRegex", "UnresolvedOrdinal", "UnresolvedSeed", "SortOrder",
+    "Add", "Subtract", "Multiply", "Divide", "Remainder", "UnaryMinus", "UnaryPositive", "IntegralDivide", "Pmod",
+    "EqualTo", "EqualNullSafe", "LessThan", "LessThanOrEqual", "GreaterThan", "GreaterThanOrEqual", "Not",
+    "And", "Or", "In", "InSubquery", "IsNull", "IsNotNull", "Like", "ILike", "LikeAny", "NotLikeAny", "RLike",
+    "CaseWhen", "If", "Cast", "Coalesce", "Concat", "Between", "Exists", "ScalarSubquery", "ListQuery",
+    "UnresolvedWindowExpression", "WindowExpression", "WindowSpecDefinition", "SpecifiedWindowFrame",
+    "UnspecifiedFrame", "UnspecifiedFrame$", "RowFrame", "RangeFrame", "UnboundedPreceding$",
+    "UnboundedFollowing$", "CurrentRow$",
+    "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "MultiAlias", "UnresolvedNamedLambdaVariable",
+    "LambdaFunction",
+})
+#: Functions a query may call (case-insensitive): aggregates, arithmetic, strings, JSON, conditionals.
+#: No reflection (``reflect``/``java_method``), no files (``input_file_name``, ``read_files``), no UDFs.
+ALLOWED_FUNCTIONS = frozenset({
+    "sum", "count", "avg", "mean", "min", "max", "stddev", "stddev_samp", "stddev_pop", "variance", "var_samp",
+    "var_pop", "count_if", "approx_count_distinct", "percentile", "percentile_approx", "median", "first", "last",
+    "any_value", "collect_list", "collect_set", "bool_and", "bool_or", "every", "some", "any", "max_by",
+    "min_by", "abs", "round", "bround", "floor", "ceil", "ceiling", "sqrt", "pow", "power", "exp", "ln", "log",
+    "log10", "log2", "sign", "signum", "greatest", "least", "mod", "pmod", "lower", "upper", "lcase", "ucase",
+    "length", "char_length", "character_length", "substr", "substring", "left", "right", "trim", "ltrim",
+    "rtrim", "concat", "concat_ws", "replace", "split", "split_part", "startswith", "endswith", "contains",
+    "instr", "locate", "format_number", "regexp_extract", "regexp_replace", "regexp_like",
+    "get_json_object", "json_tuple", "from_json", "to_json", "coalesce", "nvl", "nvl2", "ifnull", "nullif",
+    "if", "isnull", "isnotnull", "cast", "try_cast", "int", "bigint", "double", "string", "boolean", "size",
+    "array_contains", "element_at", "row_number", "rank", "dense_rank", "lag", "lead", "ntile",
+    "hash", "md5", "sha1", "sha2", "struct", "array", "map",
+})
+#: Leaves an analyzed plan may read: the state views' rows (built from the durable copy) and constants.
+ALLOWED_LEAVES = frozenset({"LogicalRDD", "OneRowRelation"})
+#: Expression classes refused anywhere in the analyzed plan (a second line behind the allow-lists above).
+DENIED_EXPRESSIONS = frozenset({
+    "CallMethodViaReflection", "StaticInvoke", "Invoke", "NewInstance", "ScalaUDF", "PythonUDF", "ScalaUDAF",
+    "HiveGenericUDF", "HiveSimpleUDF", "InputFileName", "InputFileBlockStart", "InputFileBlockLength",
+    "CurrentDatabase", "CurrentCatalog", "CurrentUser", "Uuid", "Rand", "Randn", "SparkPartitionID",
+    "MonotonicallyIncreasingID", "AssertTrue", "RaiseError", "SparkVersion", "TypeOf",
+})
+
+
+def _seq(obj: Any) -> list[Any]:
+    """A Scala ``Seq`` (py4j) as a list."""
+    return [obj.apply(i) for i in range(obj.size())]
+
+
+def _name(obj: Any) -> str:
+    return str(obj.getClass().getSimpleName())
+
+
+def referenced_views(spark: Any, sql: str, views: set[str]) -> set[str]:
+    """Check ``sql`` on Spark's parsed plan and return the state views it reads (lower-case names).
+
+    Raises :class:`SQLSyntaxError` when it does not parse, :class:`SQLRejected` for anything outside the safe
+    subset: a node or expression not in :data:`ALLOWED_PLANS`/:data:`ALLOWED_EXPRESSIONS`, a function not in
+    :data:`ALLOWED_FUNCTIONS`, a relation that is not one of ``views`` (no catalog, file or qualified names)."""
+    jss = spark._jsparkSession
+    try:
+        plan = jss.sessionState().sqlParser().parsePlan(sql)
+    except Exception as exc:  # noqa: BLE001 - py4j's wrapper of Spark's ParseException
+        raise SQLSyntaxError(_first_line(exc)) from None
+    wanted = {v.lower() for v in views}
+    used: set[str] = set()
+    budget = [10_000]  # nodes visited: a bound on the checker's own work
+
+    def plan_node(node: Any) -> None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise SQLRejected("the query is too large")
+        name = _name(node)
+        if name not in ALLOWED_PLANS:
+            raise SQLRejected(f"only a single SELECT over the state views is allowed (found {name})")
+        if name == "UnresolvedRelation":
+            parts = [str(p) for p in _seq(node.multipartIdentifier())]
+            if len(parts) != 1 or parts[0].lower() not in wanted:
+                raise SQLRejected(f"unknown relation {'.'.join(parts)!r}: the state views are {sorted(views)}")
+            used.add(parts[0].lower())
+        for e in _seq(node.expressions()):
+            expr(e)
+        for c in _seq(node.children()):
+            plan_node(c)
+
+    def expr(e: Any) -> None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise SQLRejected("the query is too large")
+        name = _name(e)
+        if name not in ALLOWED_EXPRESSIONS:
+            raise SQLRejected(f"expression {name} is not allowed")
+        if name == "UnresolvedFunction":
+            fn = ".".join(str(p) for p in _seq(e.nameParts())).lower()
+            if fn not in ALLOWED_FUNCTIONS:
+                raise SQLRejected(f"function {fn}() is not allowed")
+        if name in ("Exists", "ScalarSubquery", "ListQuery", "InSubquery"):
+            sub = e.query() if name == "InSubquery" else e.plan()
+            if name == "InSubquery":
+                expr(sub)
+            else:
+                plan_node(sub)
+        for c in _seq(e.children()):
+            expr(c)
+
+    plan_node(plan)
+    return used
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("py4j", "at ", "JVM stacktrace")):
+            return line[:500]
+    return type(exc).__name__
+
+
+def check_analyzed(df: Any) -> None:
+    """The analyzed plan reads only :data:`ALLOWED_LEAVES` and holds no :data:`DENIED_EXPRESSIONS`."""
+    budget = [20_000]
+
+    def walk(node: Any) -> None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise SQLRejected("the query is too large")
+        children = _seq(node.children())
+        if not children and _name(node) not in ALLOWED_LEAVES:
+            raise SQLRejected(f"the query reads {_name(node)}, not a state view")
+        for e in _seq(node.expressions()):
+            walk_expr(e)
+        for c in children:
+            walk(c)
+
+    def walk_expr(e: Any) -> None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise SQLRejected("the query is too large")
+        if _name(e) in DENIED_EXPRESSIONS:
+            raise SQLRejected(f"expression {_name(e)} is not allowed")
+        with contextlib.suppress(Exception):  # a subquery expression: its plan too
+            if hasattr(e, "plan") and _name(e) in ("ScalarSubquery", "Exists", "ListQuery"):
+                walk(e.plan())
+        for c in _seq(e.children()):
+            walk_expr(c)
+
+    walk(df._jdf.queryExecution().analyzed())
+
+
+def _cell(v: Any) -> Any:
+    """A result cell as JSON: numbers, strings, booleans, null; decimals and times as text, bytes as hex."""
+    import datetime
+    import decimal
+    import math
+
+    if v is None or isinstance(v, bool | int | str):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else str(v)
+    if isinstance(v, decimal.Decimal):
+        return str(v)
+    if isinstance(v, datetime.date | datetime.datetime):
+        return v.isoformat()
+    if isinstance(v, bytes | bytearray):
+        return bytes(v).hex()
+    if isinstance(v, dict):
+        return {str(k): _cell(x) for k, x in v.items()}
+    if hasattr(v, "asDict"):
+        return {k: _cell(x) for k, x in v.asDict().items()}
+    if isinstance(v, list | tuple):
+        return [_cell(x) for x in v]
+    return str(v)
+
+
+def safe_sql(
+    spark: Any, layout: DataDirLayout, views: list[str], sql: str, epoch: int | None = None, max_rows: int = 1000,
+    timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    """Run one safe SELECT over the state views (an operator's :func:`state_frame`) at one consistent epoch.
+
+    Checked first on the parsed plan (:func:`referenced_views`), then on the analyzed one
+    (:func:`check_analyzed`), in a session of its own whose only relations are the views the query names.
+    At most ``max_rows`` rows (``truncated`` says if there were more); the Spark jobs are cancelled after
+    ``timeout_s`` (:class:`SQLTimeout`). Returns ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
+    import threading
+    import uuid
+
+    at = layout.epoch if epoch is None else epoch
+    used = referenced_views(spark, sql, set(views))
+    session = spark.newSession()  # its own temporary views: nothing else is visible by name
+    by_lower = {v.lower(): v for v in views}
+    sc = spark.sparkContext
+    group = f"charon-sql-{uuid.uuid4().hex}"
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        sc.cancelJobGroup(group)
+
+    timer = threading.Timer(timeout_s, expire)
+    sc.setJobGroup(group, "charon sql (admin)", interruptOnCancel=True)
+    timer.start()
+    try:
+        for v in used:
+            state_frame(session, layout, by_lower[v], at).createOrReplaceTempView(v)
+        try:
+            df = session.sql(sql)
+        except Exception as exc:  # noqa: BLE001 - an AnalysisException (unknown column, types)
+            raise SQLSyntaxError(_first_line(exc)) from None
+        check_analyzed(df)
+        try:
+            rows = df.limit(max_rows + 1).collect()
+        except Exception as exc:  # noqa: BLE001 - cancelled, or a runtime error of the query (ANSI casts)
+            if expired.is_set():
+                raise SQLTimeout(f"the query ran longer than {timeout_s:g} s and was cancelled") from None
+            raise SQLRejected(f"the query failed: {_first_line(exc)}") from None
+    except Exception:
+        if expired.is_set():
+            raise SQLTimeout(f"the query ran longer than {timeout_s:g} s and was cancelled") from None
+        raise
+    finally:
+        timer.cancel()
+        sc.setLocalProperty("spark.jobGroup.id", None)
+        sc.setLocalProperty("spark.job.description", None)
+    return {"epoch": at, "columns": list(df.columns), "rows": [[_cell(x) for x in r] for r in rows[:max_rows]],
+            "truncated": len(rows) > max_rows, "engine": "spark"}
