@@ -2,12 +2,13 @@
 
 ``SparkRuntime("charon.apps.holds:app")`` on ``local[2]`` with ``--keys`` accounts; closed-loop clients submit
 transfers through the real log path (:meth:`SparkRuntime.submit`: the input log, the streaming query, the
-output log); at ``t = duration/3`` and ``2*duration/3`` the runtime rescales (:meth:`SparkRuntime.rescale`)
-while the query keeps running. Reported per move: ``wait_s`` (from the request until the running epoch was
-done; epochs still ran), ``pause_s`` (the gate closed with no epoch running: re-placing every key group from
-the durable copy, writing the new layout's bases, switching ``layout.json``), the driver's CPU time in the
-move, and answered transactions per second and each transaction's latency around it. Wall times are disturbed by other
-work on the machine (2 cores shared); the CPU time is the steadier figure.
+output log); after a warm-up of four epochs, at ``t = duration/3`` and ``2*duration/3`` the runtime rescales
+(:meth:`SparkRuntime.rescale`) while the query keeps running. Reported per move: ``wait_s`` (from the request
+until the running epoch was done; epochs still ran), ``pause_s`` (the gate closed with no epoch running:
+re-placing every key group from the durable copy, writing the new layout's bases, switching ``layout.json``),
+the driver's CPU time in the move, and answered transactions per second and each transaction's latency
+around it. Wall times are disturbed by other work on the machine (2 cores shared); the CPU time is the
+steadier figure.
 
     .venv/bin/python benchmarks/rescale_spark.py --keys 10000 100000 --duration 30
 """
@@ -60,8 +61,11 @@ def run(spark: object, keys: int, duration: float, clients: int) -> dict:
             await asyncio.gather(*(client(rt, keys, s, stop, done) for s in range(clients)))
 
         th = threading.Thread(target=loop.run_until_complete, args=(clients_run(),), daemon=True)
-        t0 = time.perf_counter()
         th.start()
+        while rt._last_recorded_epoch() < 3:  # warm-up (Python workers, first jobs): not measured
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+        done.clear()
         moves = []
         for target in (4, 3):
             time.sleep(max(0.0, t0 + duration * len(moves + [0]) / 3 - time.perf_counter()))

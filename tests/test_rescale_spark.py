@@ -300,3 +300,21 @@ def test_spark_driver_sigkill_inside_the_move_under_load(tmp_path: Path) -> None
     balances, held = _money(rt.snapshot())
     assert balances + held == 100 * len(KEYS), "money is conserved"
     assert _placed_right(rt)
+
+
+def test_executor_stores_of_an_older_layout_are_removed_and_a_late_task_removes_nothing(tmp_path: Path) -> None:
+    from charon.runtime.spark.runtime import local_root
+
+    base, ckpt = tmp_path / "local", str(tmp_path / "checkpoint")
+    assert local_root(str(base), ckpt, f"{ckpt}/state") == str(base)
+    for d in ("p0", "p1"):
+        (base / d).mkdir(parents=True)
+    new = f"state-{time.time_ns():x}"
+    assert local_root(str(base), ckpt, f"{ckpt}/{new}") == str(base / new)
+    (base / new / "p0").mkdir(parents=True)
+    assert sorted(p.name for p in base.iterdir()) == [new], "the first layout's stores are gone"
+    assert local_root(str(base), ckpt, f"{ckpt}/state") == str(base)  # a late read of the old layout
+    assert (base / new / "p0").is_dir(), "a late task of an older layout deletes nothing"
+    newer = f"state-{time.time_ns() + 1:x}"
+    local_root(str(base), ckpt, f"{ckpt}/{newer}")
+    assert not (base / new).exists()
