@@ -939,7 +939,9 @@ class SparkRuntime(control.Controllable):
 
         Returns (and appends to ``rescale_pauses``) ``from``, ``to``, ``epoch`` (the last epoch before the
         move), ``keys`` (items moved), ``wait_s`` (until the running epoch was done; epochs still ran),
-        ``pause_s`` (no epoch could run: the move), ``cpu_s`` (the driver's CPU time in the move).
+        ``pause_s`` (no epoch could run: the move), ``cpu_s`` (the driver's CPU time in the move). It blocks:
+        on an event loop, call it with ``asyncio.to_thread``. ``timeout``: the longest wait for the running
+        epoch (``TimeoutError`` then, nothing moved, the gate reopened).
         """
         if partitions < 1:
             raise ValueError("partitions must be at least 1")
@@ -1282,7 +1284,9 @@ class SparkRuntime(control.Controllable):
         for pid in range(parts):
             durable.compact(pid, upto)
             crash_point("compaction", upto + 1)  # after the first partition: a compaction half done
-        remove_old_layouts(self.ckpt, os.path.basename(durable.root))
+        layout = read_layout(self.ckpt)  # the layout in force (never the one this compaction began on)
+        if layout is not None:
+            remove_old_layouts(self.ckpt, layout.state)
         rec = self.read_record(upto)
         if rec is not None and self.config.truncate_log:
             self.input_log.truncate(rec.ends)
