@@ -5,7 +5,7 @@
 Opens ``SparkRuntime("charon.apps.holds:app")`` over DATA_DIR with N engine partitions (a checkpoint of
 another count is rescaled at open), bulk-loads K accounts of 100 if asked, starts the query, waits until two
 epochs ran in this process, then rescales to M partitions while the test keeps appending to the input log
-(``CHARON_CRASH_AT=relayout:*`` or ``relayout_committed:*`` kills it inside the move). Then it waits for
+(``CHARON_CRASH_AT=relayout:*`` kills it inside the move, before its commit point). Then it waits for
 the file ``DATA_DIR/done`` and for every appended request to have run, prints ``idle <epoch>`` and exits 0.
 """
 
@@ -28,14 +28,20 @@ def main() -> int:
     p.add_argument("--load", type=int, default=0)
     p.add_argument("--rescale", type=int, required=True)
     args = p.parse_args()
+    t0 = time.monotonic()
+
+    def say(what: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {what}", flush=True)
+
     cfg = SparkConfig(master="local[2]", data_dir=args.data_dir, partitions=args.partitions, log_partitions=2,
-                      max_batch=100, compact_every=3, truncate_log=False, timer_poll_ms=20)
+                      max_batch=500, compact_every=3, truncate_log=False, timer_poll_ms=20)
     rt = SparkRuntime("charon.apps.holds:app", cfg)
+    say(f"opened at {rt.config.partitions} partitions")
     try:
         if args.load:
             rt.load("acct", {f"k{i}": 100 for i in range(args.load)})
         rt.start()
-        print("started", flush=True)
+        say("started")
         first = rt._last_recorded_epoch()
         deadline = time.monotonic() + 300
         while rt._last_recorded_epoch() < first + 2:
@@ -43,16 +49,19 @@ def main() -> int:
                 raise TimeoutError(f"no epochs: {rt.health()}")
             time.sleep(0.05)
         info = rt.rescale(args.rescale)
-        print("rescaled " + json.dumps(info), flush=True)
+        say("rescaled " + json.dumps(info))
+        say("waiting for done")
         done = os.path.join(args.data_dir, "done")
         while not os.path.exists(done):
             if rt.health()["fatal"]:
                 raise RuntimeError(rt.health()["fatal"])
             time.sleep(0.1)
+        say("done")
         rt.wait_idle(300)
+        say("idle once")
         time.sleep(1.0)  # the last holds' timers come due
         rt.wait_idle(300)
-        print(f"idle {rt._last_recorded_epoch()}", flush=True)
+        say(f"idle {rt._last_recorded_epoch()}")
         rt.stop()
         return 0
     finally:

@@ -6,8 +6,9 @@
 * On real PySpark: 2 -> 4 -> 3 engine partitions while sixteen clients call through the real gateway over HTTP:
   every request answered exactly once, money conserved, timers registered before a move fire after it, each
   partition holds only its key groups, the run equals an in-process replay, and the pause is measured.
-* On real PySpark, a driver SIGKILLed inside the move (before and after the commit point) while requests
-  keep being appended: one layout after each restart, every request answered once, money conserved.
+* On real PySpark, a driver SIGKILLed inside the move (before the commit point) while requests keep being
+  appended: the restart keeps the old layout, rescales at open, rescales again online; every request
+  answered once, money conserved, one layout left.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def test_stopped_runtime_rescales_and_reopening_rescales(tmp_path: Path) -> None
     layout = read_layout(str(ckpt))
     assert layout is not None and (layout.partitions, layout.log_partitions) == (4, 2)
     assert _state_dirs(ckpt) == sorted(["state", layout.state]), "the old layout goes at the next start"
+    from charon.runtime.spark.statesql import layout_of
+
+    assert layout_of(str(tmp_path)).root == str(ckpt / layout.state), "the SQL view reads the layout in force"
     again = SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=4))
     assert again.rescale_pauses == [] and again.snapshot() == before
     assert _state_dirs(ckpt) == [layout.state]
@@ -260,6 +264,14 @@ def test_spark_driver_sigkill_inside_the_move_under_load(tmp_path: Path) -> None
             appended.extend(r.request_id for r in reqs)
             time.sleep(0.25)
 
+    def finish() -> None:  # the load goes on for 3 s after the online move, then the driver may finish
+        while "rescaled" not in (log.read_text() if log.exists() else "") and not stop.is_set():
+            time.sleep(0.2)
+        time.sleep(3.0)
+        stop.set()
+        feed.join()
+        (data / "done").touch()
+
     feed = threading.Thread(target=feeder, daemon=True)
     feed.start()
     try:
@@ -267,19 +279,16 @@ def test_spark_driver_sigkill_inside_the_move_under_load(tmp_path: Path) -> None
         assert rc == -signal.SIGKILL, log.read_text()[-3000:]
         layout = read_layout(str(ckpt))
         assert layout is not None and (layout.partitions, layout.state) == (2, "state"), "killed before the switch"
-        assert len(_state_dirs(ckpt)) == 2
-        rc = _run(data, ["--partitions", "2", "--rescale", "4"], log, "relayout_committed:*")
-        assert rc == -signal.SIGKILL, log.read_text()[-3000:]
-        layout = read_layout(str(ckpt))
-        assert layout is not None and layout.partitions == 4 and layout.state != "state", "killed after the switch"
-        assert "state" in _state_dirs(ckpt), "the old layout was still there"
-        done = threading.Timer(12.0, lambda: (stop.set(), feed.join(), (data / "done").touch()))
-        done.start()
+        assert len(_state_dirs(ckpt)) == 2, "the new layout's directory was written"
+        log.write_text("")
+        closer = threading.Thread(target=finish, daemon=True)
+        closer.start()
+        # reopened with 4: the leftover goes, the open rescales 2 -> 4, then 4 -> 3 online under load
         rc = _run(data, ["--partitions", "4", "--rescale", "3"], log, None)
-        done.join()
+        closer.join(60)
         text = log.read_text()
         assert rc == 0, text[-3000:]
-        assert '"from": 4, "to": 3' in text and "idle " in text
+        assert "opened at 4 partitions" in text and '"from": 4, "to": 3' in text and "idle " in text
     finally:
         stop.set()
     rt = SparkRuntime(APP, SparkConfig(data_dir=str(data), partitions=3, log_partitions=2))
@@ -291,3 +300,21 @@ def test_spark_driver_sigkill_inside_the_move_under_load(tmp_path: Path) -> None
     balances, held = _money(rt.snapshot())
     assert balances + held == 100 * len(KEYS), "money is conserved"
     assert _placed_right(rt)
+
+
+def test_executor_stores_of_an_older_layout_are_removed_and_a_late_task_removes_nothing(tmp_path: Path) -> None:
+    from charon.runtime.spark.runtime import local_root
+
+    base, ckpt = tmp_path / "local", str(tmp_path / "checkpoint")
+    assert local_root(str(base), ckpt, f"{ckpt}/state") == str(base)
+    for d in ("p0", "p1"):
+        (base / d).mkdir(parents=True)
+    new = f"state-{time.time_ns():x}"
+    assert local_root(str(base), ckpt, f"{ckpt}/{new}") == str(base / new)
+    (base / new / "p0").mkdir(parents=True)
+    assert sorted(p.name for p in base.iterdir()) == [new], "the first layout's stores are gone"
+    assert local_root(str(base), ckpt, f"{ckpt}/state") == str(base)  # a late read of the old layout
+    assert (base / new / "p0").is_dir(), "a late task of an older layout deletes nothing"
+    newer = f"state-{time.time_ns() + 1:x}"
+    local_root(str(base), ckpt, f"{ckpt}/{newer}")
+    assert not (base / new).exists()

@@ -353,12 +353,16 @@ def spark_inspect(
 ) -> tuple[int, dict[bytes, bytes]]:
     """Rows of ``operator`` as of ``epoch`` (default: the last recorded one, after the newest reply's) from the
     durable copy, on the driver (no Spark job: it never waits for the running query)."""
-    last = rt._settled_epoch()
+    for _ in range(5):  # the layout and the epoch from the same side of a rescale
+        parts, durable, gen = rt._placement()
+        last = rt._settled_epoch()
+        if gen == rt._layout_gen:
+            break
     if epoch is None:
         epoch = last
     if epoch > last or epoch < -1:
         raise EpochNotRetained(f"epoch {epoch} is not recorded (the last recorded epoch is {last})")
-    return epoch, read_durable(rt.durable, rt.config.partitions, operator, epoch, keys, limit)
+    return epoch, read_durable(durable, parts, operator, epoch, keys, limit)
 
 
 # -- serializable admin updates (in-process runtime) ----------------------------------------------------------

@@ -350,26 +350,37 @@ def executor_local_dir(configured: str | None, checkpoint: str) -> str:
     return os.path.join(base, f"charon-{zlib.crc32(checkpoint.encode()):08x}")
 
 
-_LOCAL_LAYOUT: dict[str, str] = {}  # executor-local base directory -> the layout this process last used there
+_LOCAL_LAYOUT: dict[str, str] = {}  # executor-local base directory -> the newest layout this process used there
+
+
+def _layout_rank(name: str | None) -> int:
+    """Layouts in the order they were made: ``state`` first, then ``state-<time_ns in hex>``."""
+    if name is None:
+        return -1
+    try:
+        return int(name.split("-", 1)[1], 16) if name.startswith("state-") else 0
+    except ValueError:
+        return 0
 
 
 def local_root(configured: str | None, checkpoint: str, durable_root: str) -> str:
     """The executor-local directory of the resident stores of the layout whose durable state is ``durable_root``:
     the base directory for the first layout, ``<base>/<state dir>`` for a rescaled one (its stores start empty
-    and restore from the new bases). The first task of a new layout in a process closes that process's stores
-    of older layouts and deletes their directories (disk stays bounded; on a cluster each executor does so
-    when it first runs the new layout)."""
+    and restore from the new bases). The first task of a newer layout in a process closes that process's
+    stores of older layouts and deletes their directories (disk stays bounded; on a cluster each executor does
+    so when it first runs the new layout). A late task of an older layout (a state read) deletes nothing."""
     base = executor_local_dir(configured, checkpoint)
     name = os.path.basename(durable_root.rstrip(os.sep))
-    if _LOCAL_LAYOUT.get(base) != name:
+    rank = _layout_rank(name)
+    if rank > _layout_rank(_LOCAL_LAYOUT.get(base)):
         from charon.state.lmdbstore import close_stores
 
         close_stores(base, durable_root)
         if os.path.isdir(base):
             for entry in os.listdir(base):
-                old = (entry.startswith("state") and entry != name) or (
-                    name != "state" and entry.startswith("p") and entry[1:].isdigit())
-                if old:
+                older = (entry.startswith("state") and _layout_rank(entry) < rank) or (
+                    rank > 0 and entry.startswith("p") and entry[1:].isdigit())
+                if older:
                     shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
         _LOCAL_LAYOUT[base] = name
     return base if name == "state" else os.path.join(base, name)
@@ -1330,8 +1341,16 @@ class SparkRuntime(control.Controllable):
         the last recorded), read from the durable copy by parallel tasks (:mod:`charon.runtime.spark.statesql`)."""
         from charon.runtime.spark.statesql import DataDirLayout, state_frame
 
-        layout = DataDirLayout(self.durable.root, self.config.partitions, self._settled_epoch(), "spark")
-        return state_frame(self.spark, layout, operator, epoch)
+        return state_frame(self.spark, self._data_layout(DataDirLayout), operator, epoch)
+
+    def _data_layout(self, kind: Any) -> Any:
+        """The layout in force and the settled epoch, both from the same side of a rescale."""
+        for _ in range(5):
+            parts, durable, gen = self._placement()
+            epoch = self._settled_epoch()
+            if gen == self._layout_gen:
+                break
+        return kind(durable.root, parts, epoch, "spark")
 
     def sql(
         self, query: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
@@ -1341,7 +1360,7 @@ class SparkRuntime(control.Controllable):
         checked on Spark's parsed and analyzed plans (:func:`charon.runtime.spark.statesql.safe_sql`)."""
         from charon.runtime.spark.statesql import DataDirLayout, safe_sql
 
-        layout = DataDirLayout(self.durable.root, self.config.partitions, self._settled_epoch(), "spark")
+        layout = self._data_layout(DataDirLayout)
         return safe_sql(self.spark, layout, sorted(self.app.operators), query, epoch, max_rows, timeout_s)
 
     # -- state inspection ---------------------------------------------------------------------------------------

@@ -54,15 +54,17 @@ def layout_of(data_dir: str) -> DataDirLayout:
     ckpt = os.path.join(data_dir, "checkpoint")
     if os.path.isfile(os.path.join(ckpt, "layout.json")):
         with open(os.path.join(ckpt, "layout.json"), "rb") as f:
-            parts = int(json.loads(f.read())["partitions"])
+            layout = json.loads(f.read())
+        parts = int(layout["partitions"])
         names = os.listdir(os.path.join(ckpt, "epochs")) if os.path.isdir(os.path.join(ckpt, "epochs")) else []
         epoch = max((int(n.split(".")[0]) for n in names if n.endswith(".msgpack")), default=-1)
-        return DataDirLayout(os.path.join(ckpt, "state"), parts, epoch, "spark")
+        return DataDirLayout(os.path.join(ckpt, layout.get("state", "state")), parts, epoch, "spark")  # rescaled
     node = os.path.join(data_dir, "node.json")
     if os.path.isfile(node):
         with open(node) as f:
-            parts = int(json.load(f)["partitions"])
-        root = os.path.join(data_dir, "state")
+            layout = json.load(f)
+        parts = int(layout["partitions"])
+        root = os.path.join(data_dir, layout.get("state", "state"))  # a rescaled node names its state directory
         retained = node_retained_epochs(DurableState(root, fsync=False), parts)
         names = os.listdir(os.path.join(data_dir, "epochs")) if os.path.isdir(os.path.join(data_dir, "epochs")) else []
         epoch = max((int(n.split(".")[0]) for n in names if n.endswith(".msgpack")), default=-1)
