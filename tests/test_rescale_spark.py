@@ -2,7 +2,8 @@
 
 * Without Spark (the move only touches the durable copy): a stopped runtime rescales, reopening with another
   count rescales at open, the input log's count is refused, and a SIGKILL on either side of the commit point
-  (``layout.json``) leaves exactly one layout.
+  (``layout.json``) leaves exactly one layout; executors retire only older layouts' stores; the SQL views of
+  a data directory read the state directory a rescale recorded.
 * On real PySpark: 2 -> 4 -> 3 engine partitions while sixteen clients call through the real gateway over HTTP:
   every request answered exactly once, money conserved, timers registered before a move fire after it, each
   partition holds only its key groups, the run equals an in-process replay, and the pause is measured.
@@ -318,3 +319,19 @@ def test_executor_stores_of_an_older_layout_are_removed_and_a_late_task_removes_
     newer = f"state-{time.time_ns() + 1:x}"
     local_root(str(base), ckpt, f"{ckpt}/{newer}")
     assert not (base / new).exists()
+
+
+def test_sql_views_of_a_rescaled_node_read_its_state_directory(tmp_path: Path) -> None:
+    """``charon sql --data-dir`` (statesql.layout_of) on a node data directory a rescale moved."""
+    import asyncio
+
+    from charon import InProcessRuntime
+    from charon.runtime.spark.statesql import layout_of
+
+    rt = InProcessRuntime(holds.app, partitions=2, data_dir=str(tmp_path))
+    rt.load("acct", {k: 100 for k in KEYS})
+    asyncio.run(rt.rescale(3))
+    root = rt.node.durable.root
+    rt.close()
+    layout = layout_of(str(tmp_path))
+    assert os.path.basename(root) != "state" and layout.root == root and layout.partitions == 3
