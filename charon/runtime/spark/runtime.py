@@ -869,8 +869,19 @@ class SparkRuntime:
         rdd = df.rdd.keyBy(lambda r: partition_of(r[0], r[1], parts)).partitionBy(parts).values()
         return sum(rdd.mapPartitions(fn).collect())
 
+    def load_rows(self, rows: Iterable[tuple[str, str, str, bytes]]) -> int:
+        """Initial state from ``(operator, key, item, value: msgpack bytes)`` rows, written by this process
+        straight into the durable copy as the first snapshot (epoch -1): no Spark session, no job, no
+        request per key. The fastest import path for a state that fits in this process's memory (1M accounts
+        load in a few seconds); each executor copies its partitions into its local store at the first epoch.
+        Returns the number of items written."""
+        if self.last_epoch >= 0:
+            raise RuntimeError("bulk load is only possible before the first epoch")
+        return sum(_write_bases(os.path.join(self.ckpt, "state"), self.config.partitions, rows))
+
     def load(self, operator: str, values: dict[str, Any]) -> int:
-        """Bulk-load entity values from the driver (small states; use :meth:`load_dataframe` for big ones)."""
+        """Bulk-load entity values from the driver (small states; use :meth:`load_rows` or
+        :meth:`load_dataframe` for big ones)."""
         rows = [(operator, k, "", serde.encode(v)) for k, v in values.items()]
         df = self.spark.createDataFrame(rows, "operator string, key string, item string, value binary")
         return self.load_dataframe(df)
