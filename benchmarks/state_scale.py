@@ -45,7 +45,7 @@ def _config(data_dir: str, partitions: int, master: str):
 
     # compaction only from the snapshot thread below (compact_every=0), at the interval the parent sets
     return SparkConfig(master=master, data_dir=data_dir, partitions=partitions, max_batch=20_000, compact_every=0,
-                       local_dir=os.path.join(data_dir, "local"), restart_backoff_s=0.2, task_max_failures=1)
+                       local_dir=os.path.join(data_dir, "local"))
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -285,21 +285,30 @@ def window(samples: list[list], lo: float, hi: float) -> dict:
 
 
 def conservation(data_dir: str, partitions: int, keys: int) -> dict:
-    """Sum the account balances in the durable copy (latest epoch): YCSB-T conserves money."""
+    """Sum the account balances in the durable copy as of the last recorded epoch: YCSB-T conserves money."""
     from charon import serde
     from charon.apps import ycsb
     from charon.state.durable import DurableState
 
     d = DurableState(os.path.join(data_dir, "checkpoint", "state"))
+    names = os.listdir(os.path.join(data_dir, "checkpoint", "epochs"))
+    last = max(int(n.split(".")[0]) for n in names if n.endswith(".msgpack"))  # the last recorded epoch
     total, n = 0, 0
     for p in range(partitions):
-        state, _ = d.load(p)
+        state, _ = d.load(p, last)
         for k, v in state.items():
             if k.endswith(b"\0"):  # item "" = the balance
                 total += serde.decode(v)
                 n += 1
-    return {"accounts": n, "total": total, "expected": keys * ycsb.INITIAL_BALANCE,
+    return {"epoch": last, "accounts": n, "total": total, "expected": keys * ycsb.INITIAL_BALANCE,
             "conserved": total == keys * ycsb.INITIAL_BALANCE and n == keys}
+
+
+def _cleanup(args: argparse.Namespace, data: str) -> None:
+    if args.keep:
+        print(f"[scale] kept {data}", flush=True)
+    else:
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def _env() -> None:
@@ -375,7 +384,7 @@ def interference(args: argparse.Namespace) -> dict:
                           "bytes": e["bytes"]} for e in snaps],
            "unanswered": sum(1 for s in res["samples"] if s[1] is None),
            "conservation": conservation(data, args.partitions, args.keys), "disk_end": disk_sample(data)}
-    shutil.rmtree(data, ignore_errors=True)
+    _cleanup(args, data)
     return out
 
 
@@ -444,7 +453,7 @@ def recovery(args: argparse.Namespace) -> dict:
            "unanswered": sum(1 for s in res["samples"] if s[1] is None),
            "aborted_or_failed": sum(1 for s in res["samples"] if s[1] is not None and not s[2]),
            "conservation": conservation(data, args.partitions, args.keys), "disk_end": disk_sample(data)}
-    shutil.rmtree(data, ignore_errors=True)
+    _cleanup(args, data)
     return out
 
 
@@ -482,7 +491,7 @@ def import_state(args: argparse.Namespace) -> dict:
            "timeline": bins(res["samples"], t0, max((s[1] or 0) for s in res["samples"])),
            "unanswered": sum(1 for s in res["samples"] if s[1] is None),
            "conservation": conservation(data, args.partitions, args.keys)}
-    shutil.rmtree(data, ignore_errors=True)
+    _cleanup(args, data)
     return out
 
 
@@ -548,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--tmp", default=None, help="parent of the run's data directory")
     common.add_argument("--out", default=str(ROOT), help="directory of the JSON and PNG")
     common.add_argument("--label", default="")
+    common.add_argument("--keep", action="store_true", help="keep the data directory")
     d = sub.add_parser("driver")
     d.add_argument("--data-dir", required=True)
     d.add_argument("--partitions", type=int, default=4)

@@ -756,24 +756,29 @@ class SparkRuntime:
                 self._status = "recovering"
                 print(f"charon: the streaming query failed at epoch {epoch} (failure {n} of at most "
                       f"{cfg.epoch_max_failures}); restarting from the checkpoint: {msg}", file=sys.stderr, flush=True)
-            delay = min(30.0, cfg.restart_backoff_s * 2 ** (n - 1))
-            if self._wake.wait(delay):
-                return
-            with self._lock:
-                if self._status == "stopped":
+            # Restart; a restart that fails (e.g. its source's planning needs a Python worker Spark is still
+            # replacing) is retried after the next back-off: awaiting the dead query again would count its old
+            # failure once more and give up early.
+            while True:
+                delay = min(30.0, cfg.restart_backoff_s * 2 ** (n - 1))
+                if self._wake.wait(delay):
                     return
-                self._restarts += 1
-                try:
-                    self._start_query()
-                except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch next time round
-                    self._last_error = f"restart: {_short_error(e)}"
-                    self._failures[epoch] = self._failures.get(epoch, 0) + 1
-                    if self._failures[epoch] >= cfg.epoch_max_failures:
-                        self._fatal = f"cannot restart the streaming query: {_short_error(e)}"
-                        self._status = "failed"
-                        print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                with self._lock:
+                    if self._status == "stopped":
                         return
-                    continue
+                    self._restarts += 1
+                    try:
+                        self._start_query()
+                        break
+                    except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch
+                        self._last_error = f"restart: {_short_error(e)}"
+                        print(f"charon: restarting the streaming query failed: {e}", file=sys.stderr, flush=True)
+                        n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
+                        if n >= cfg.epoch_max_failures:
+                            self._fatal = f"cannot restart the streaming query: {_short_error(e)}"
+                            self._status = "failed"
+                            print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                            return
 
     def _caught_up(self) -> bool:
         rec = self.read_record(self._last_recorded_epoch())
