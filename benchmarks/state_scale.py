@@ -121,7 +121,7 @@ def bulk_load(data_dir: str, keys: int, partitions: int, master: str, value_byte
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     size = _du(os.path.join(rt.ckpt, "state"))
     return {"items": n, "keys": keys, "value_bytes": value_bytes, "wall_s": wall, "cpu_s": cpu, "bytes": size,
-            "mb_per_s": size / 1e6 / wall}
+            "mb_per_s": size / 1e6 / wall, "items_per_s": n / wall}
 
 
 def _du(path: str) -> int:
@@ -320,7 +320,7 @@ def _setup(args: argparse.Namespace, value_bytes: int = 0) -> tuple[str, dict]:
     data = tempfile.mkdtemp(prefix="charon-scale-", dir=args.tmp)
     load = bulk_load(data, args.keys, args.partitions, args.master, value_bytes)
     print(f"[scale] loaded {load['items']:,} items ({load['bytes'] / 1e6:.0f} MB) in {load['wall_s']:.1f} s "
-          f"({load['mb_per_s']:.0f} MB/s)", flush=True)
+          f"({load['mb_per_s']:.0f} MB/s, {load['items_per_s']:,.0f} items/s)", flush=True)
     return data, load
 
 
