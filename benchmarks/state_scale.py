@@ -507,11 +507,11 @@ def plot(res: dict, path: Path) -> None:
     rows = 3 if res["experiment"] == "import" else 2
     fig, axes = plt.subplots(rows, 1, figsize=(10, 2.6 * rows), sharex=True)
     a1, a2 = axes[0], axes[1]
-    a1.plot(t, [b["committed"] for b in tl], lw=1, label="committed/s")
+    a1.plot(t, [b["committed"] for b in tl], lw=1, marker=".", ms=2, label="committed/s")
     a1.axhline(res["rate"], color="gray", ls=":", lw=1, label=f"input {res['rate']:.0f}/s")
     a1.set_ylabel("transactions/s")
-    a2.plot(t, [b["p50_ms"] for b in tl], lw=1, label="p50")
-    a2.plot(t, [b["p99_ms"] for b in tl], lw=1, label="p99")
+    a2.plot(t, [b["p50_ms"] for b in tl], lw=1, marker=".", ms=2, label="p50")
+    a2.plot(t, [b["p99_ms"] for b in tl], lw=1, marker=".", ms=2, label="p99")
     a2.set_ylabel("latency (ms)")
     a2.set_yscale("log")
     for s in res.get("snapshots", []):
@@ -578,8 +578,13 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--seconds", type=float, default=120.0)
     m.add_argument("--snapshot-s", type=float, default=10.0)
     m.add_argument("--sample-s", type=float, default=2.0)
+    rp = sub.add_parser("replot", help="redraw the PNG of a result JSON")
+    rp.add_argument("json")
     args = ap.parse_args(argv)
     _env()
+    if args.cmd == "replot":
+        plot(json.loads(Path(args.json).read_text()), Path(args.json).with_suffix(".png"))
+        return 0
     if args.cmd == "driver":
         return run_driver(args)
     res = {"interference": interference, "recovery": recovery, "import": import_state}[args.cmd](args)

@@ -378,7 +378,8 @@ class DurableState:
     def _merge_table(self, pid: int, m: Manifest, upto: int) -> tuple[pa.Table, int]:
         """As :meth:`_merge`, in Arrow (no Python object per item): the base and the deltas ≤ ``upto``
         concatenated, sorted by key with the newest write first, the first row per key kept, deletes dropped.
-        The result is sorted by key and shares no buffers with the (memory-mapped) files."""
+        The result is sorted by key; it may reference the memory-mapped files, which stay mapped while it lives
+        (on Linux even after a later compaction deleted them)."""
         import pyarrow.compute as pc
 
         if m.base_epoch > upto:
