@@ -117,7 +117,7 @@ class EpochSizer:
     """
 
     def __init__(self, max_wait_s: float, max_batch: int = 10_000, overhead: float = 0.1, alpha: float = 0.2,
-                 conflicts_high: float = 0.15, min_batch: int = 100, idle_load: float = 0.5,
+                 conflicts_high: float = 0.15, min_batch: int = 100, idle_load: float = 0.9,
                  rate_window_s: float = 0.05) -> None:
         self.max_wait_s = max_wait_s
         self.idle_load = idle_load
