@@ -57,6 +57,11 @@ def py(script: str, *args: str) -> list[str]:
     return [sys.executable, str(HERE / script), *args]
 
 
+def rel(p: Path) -> str:
+    """``p`` relative to the repository root (commands run from there; the report quotes them so)."""
+    return str(p.relative_to(ROOT))
+
+
 def sustained(p: dict, p99_ms: float) -> bool:
     """Fully served at its rate: everything committed or aborted in time, p99 under ``p99_ms``."""
     done = p.get("committed_per_s", 0) + p.get("aborted_per_s", 0)
@@ -99,14 +104,19 @@ def row_open_loop(q: bool) -> dict:
             "met": best is not None and best["input_rate"] >= 20000}
 
 
+BEFORE_SRC: str | None = None  # --before-src: the Deathstar row measures that checkout too
+
+
 def row_deathstar(q: bool) -> dict:
     out = OUT / "deathstar.json"
     rates = "500,1000" if q else "250,500,1000,2000"
     cmd = py("engine_perf.py", "--only-deathstar", "--deathstar-rates", rates, "--pg-pools", "4,16",
-             "--http-rates", "100" if q else "100,250", "--out", str(out), *(["--quick"] if q else []))
+             "--http-rates", "100" if q else "100,250", "--out", rel(out), *(["--quick"] if q else []),
+             *(["--before-src", BEFORE_SRC] if BEFORE_SRC else []))
     sh(cmd, OUT / "deathstar.log")
     res = json.loads(out.read_text())
     charon = res["open_loop"]["deathstar"]["after"]
+    before = {p["input_rate"]: p for p in res["open_loop"]["deathstar"].get("before", [])}
     pg = res.get("postgres", {}).get("deathstar", {})
     http = res.get("http", {}).get("deathstar", {}).get("after", [])
     rows, ahead = [], True
@@ -120,22 +130,24 @@ def row_deathstar(q: bool) -> dict:
         win = p["latency_ms"]["p50"] <= b50 and p["latency_ms"]["p99"] <= b99 and sustained(p, 1000.0)
         ahead &= win
         rows.append({"rate": r, "charon_p50": p["latency_ms"]["p50"], "charon_p99": p["latency_ms"]["p99"],
-                     "pg_best_p50": b50, "pg_best_p99": b99, "ahead": win})
+                     "pg_best_p50": b50, "pg_best_p99": b99, "ahead": win,
+                     "before_p50": before[r]["latency_ms"]["p50"] if r in before else None,
+                     "before_p99": before[r]["latency_ms"]["p99"] if r in before else None})
     fig = "; ".join(f"{x['rate']:,.0f}/s: p50 {x['charon_p50']:.2f} / p99 {x['charon_p99']:.2f} ms "
                     f"(PostgreSQL best {x['pg_best_p50']:.2f} / {x['pg_best_p99']:.2f})" for x in rows)
     return {"command": shlex.join(["engine_perf.py", *cmd[2:]]), "compare": rows, "http": http, "figure": fig,
-            "met": ahead and bool(rows), "result_file": out.name}
+            "met": ahead and bool(rows), "result_file": out.name, "before_commit": res.get("before_commit")}
 
 
 def row_spark(q: bool) -> dict:
     dur, warm = ("5", "2") if q else ("10", "3")
     c1 = py("spark_ycsb.py", "--rates", "1000", "--duration", dur, "--warmup", warm, "--variants", "before,after",
-            "--out", str(OUT), "--label", "table_1000")
+            "--out", rel(OUT), "--label", "table_1000")
     sh(c1, OUT / "spark_1000.log")
     at1000 = json.loads((OUT / "spark_ycsb_zipf0.0_table_1000.json").read_text())
     rates = "2000,4000" if q else "2000,4000,6000,8000,12000,16000"
     c2 = py("spark_ycsb.py", "--rates", rates, "--duration", "5" if q else "8", "--warmup", warm,
-            "--variants", "after", "--stop-p99-ms", "2000", "--out", str(OUT), "--label", "table_max")
+            "--variants", "after", "--stop-p99-ms", "2000", "--out", rel(OUT), "--label", "table_max")
     sh(c2, OUT / "spark_max.log")
     sweep = json.loads((OUT / "spark_ycsb_zipf0.0_table_max.json").read_text())
     after = next(r for r in at1000 if r["variant"] == "after")
@@ -156,16 +168,17 @@ def row_spark(q: bool) -> dict:
 
 
 def row_structure(q: bool) -> dict:
-    cmd = py("spark_epoch_structure.py", "--sizes", "100" if q else "100,500", "--out", str(OUT))
+    cmd = py("spark_epoch_structure.py", "--sizes", "100" if q else "100,500", "--out", rel(OUT))
     sh(cmd, OUT / "structure.log")
-    return {"command": shlex.join(["spark_epoch_structure.py", *cmd[2:]]),
-            "results": json.loads((OUT / "spark_epoch_structure.json").read_text())}
+    res = json.loads((OUT / "spark_epoch_structure.json").read_text())
+    fig = "; ".join(f"{x['workload']} {x['size']} {x['variant']}: {x['jobs_per_epoch']:.1f} jobs" for x in res)
+    return {"command": shlex.join(["spark_epoch_structure.py", *cmd[2:]]), "results": res, "figure": fig}
 
 
 def row_tpcc(q: bool) -> dict:
     d = OUT / "tpcc"
     cmd = py("run_all.py", "--only", "tpcc", "--systems", "spark", "--tpcc-rates", "25" if q else "25,50,100",
-             "--duration", "5" if q else "8", "--warmup", "2", "--out", str(d), "--results-md", str(d / "RESULTS.md"))
+             "--duration", "5" if q else "8", "--warmup", "2", "--out", rel(d), "--results-md", rel(d / "RESULTS.md"))
     sh(cmd, OUT / "tpcc.log")
     pts = json.loads((d / "tpcc-spark.json").read_text())
     pts = pts if isinstance(pts, list) else [pts]
@@ -286,11 +299,13 @@ def section(t: dict) -> str:
                   "and core (the comparison the target names). **Charon HTTP**: the layout PostgreSQL has — the "
                   "engine behind its HTTP gateway (uvicorn) in one process, the generator (Charon's `AsyncClient`, "
                   "httpx) in another.", "",
-                  "| rate | Charon in-process p50 / p99 ms | PostgreSQL best p50 / p99 ms | ahead? |",
-                  "|---|---|---|---|"]
+                  f"| rate | Charon in-process p50 / p99 ms | PostgreSQL best p50 / p99 ms | ahead? | Charon before "
+                  f"({(d.get('before_commit') or 'not measured')[:7]}) p50 / p99 ms |",
+                  "|---|---|---|---|---|"]
         for x in d["compare"]:
+            b = (f"{x['before_p50']:.2f} / {x['before_p99']:.2f}" if x.get("before_p50") is not None else "–")
             lines.append(f"| {x['rate']:,.0f}/s | {x['charon_p50']:.2f} / {x['charon_p99']:.2f} | "
-                         f"{x['pg_best_p50']:.2f} / {x['pg_best_p99']:.2f} | {yes(x['ahead'])} |")
+                         f"{x['pg_best_p50']:.2f} / {x['pg_best_p99']:.2f} | {yes(x['ahead'])} | {b} |")
         if d.get("http"):
             lines += ["", "Charon through HTTP (generator in its own process):", "",
                       "| rate | p50 / p99 ms | client CPU µs/request | server CPU µs/request |", "|---|---|---|---|"]
@@ -353,7 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, of {', '.join(ROWS)}")
     ap.add_argument("--quick", action="store_true", help="short runs (to check the script, not for the table)")
     ap.add_argument("--results-md", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--before-src", help="a checkout of the code before (e.g. `git archive` of main): the Deathstar "
+                                         "row measures it too")
     a = ap.parse_args(argv)
+    global BEFORE_SRC
+    BEFORE_SRC = a.before_src
     rows = [x for x in a.rows.split(",") if x]
     bad = set(rows) - set(ROWS)
     if bad:
