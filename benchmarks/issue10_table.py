@@ -39,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 OUT = HERE / "issue10"
-ROWS = ("engine", "open_loop", "deathstar", "spark", "structure", "tpcc")
+ROWS = ("deathstar", "engine", "open_loop", "structure", "spark", "tpcc")
 START, END = "<!-- issue10:start -->", "<!-- issue10:end -->"
 
 
@@ -267,6 +267,9 @@ def section(t: dict) -> str:
              "after it (2 would mean both cores busy before our own load). CPU-time figures are robust to that load; "
              "wall-clock latencies are not. Raw data: `benchmarks/issue10/table.json` and the files named below.", "",
              "| row | target | figure (this run) | met? | load avg | command |", "|---|---|---|---|---|---|"]
+    for k in [k for k in r if "error" in r[k]]:
+        lines.append(f"| {k} | – | **failed**: {r[k]['error'][:200]} | – | {la(k)} | – |")
+    r = {k: v for k, v in r.items() if "error" not in v}
     if "engine" in r:
         lines.append(f"| in-process engine alone (batches of 1,000, one core) | ≥ 40,000 tx/s (≤ 25 µs/tx) | "
                      f"{r['engine']['figure']} | {yes(r['engine']['met'])} | {la('engine')} | "
@@ -386,7 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in rows:
         load0, t0 = os.getloadavg()[0], time.time()
         print(f"[issue10] {name} (load average {load0:.1f}) ...", flush=True)
-        row = RUN[name](a.quick)
+        try:
+            row = RUN[name](a.quick)
+        except Exception as exc:  # noqa: BLE001 - one failed row must not cost the others; it is reported
+            row = {"error": f"{type(exc).__name__}: {exc}", "figure": f"failed: {type(exc).__name__}",
+                   "command": "see benchmarks/issue10/*.log"}
         row.update({"load": [load0, os.getloadavg()[0]], "seconds": time.time() - t0, "when": t0})
         t["rows"][name] = row
         print(f"[issue10] {name}: {row.get('figure', row.get('figure_1000', ''))} ({row['seconds']:.0f} s)",
