@@ -400,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         t["finished"] = time.time()
         path.write_text(json.dumps(t, indent=1, default=float))  # after every row: a failure keeps the others
-    plot(t, OUT / "table.png")
-    write_results(t, Path(a.results_md))
+        plot(t, OUT / "table.png")
+        write_results(t, Path(a.results_md))
     print(f"[issue10] wrote {path}, {OUT / 'table.png'} and {a.results_md}")
     return 0
 
