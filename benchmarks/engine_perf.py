@@ -48,6 +48,29 @@ def _use_src(src: str | None) -> None:
         sys.path.insert(0, src)
 
 
+def _run(main: object) -> object:
+    """Run a coroutine on an event loop with microsecond timers (select(2); epoll rounds every timeout up to a
+    whole millisecond, which would delay the generator's sends): the same loop for every system measured."""
+    import asyncio
+    import selectors
+
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())) as runner:
+        return runner.run(main)
+
+
+def _deathstar_runtime(**kw: object) -> object:
+    from charon.apps import deathstar
+    from charon.runtime.inprocess import InProcessRuntime
+
+    rt = InProcessRuntime(deathstar.app, partitions=4, **kw)
+    for op, key, value, items in deathstar.populate():
+        if value is not None:
+            rt.load(op, {key: value})
+        if items:
+            rt.load_items(op, key, items)
+    return rt
+
+
 def bare_loop(n_accounts: int, batches: list[list[tuple[int, int, int]]]) -> float:
     """CPU µs per transfer of a minimal deterministic epoch loop: dry run on a snapshot, Aria commit, serial rerun."""
     state = dict.fromkeys(range(n_accounts), 1_000_000)
@@ -156,7 +179,6 @@ def child_deathstar_batch(src: str | None, epochs: int, size: int) -> dict:
 
 def child_open_loop(src: str | None, workload: str, rates: list[float], duration: float, warmup: float) -> dict:
     _use_src(src)
-    import asyncio
 
     from charon.apps import deathstar, ycsb
     from charon.bench import harness
@@ -193,12 +215,11 @@ def child_open_loop(src: str | None, workload: str, rates: list[float], duration
                 res.append(r)
         return res
 
-    return {"points": asyncio.run(main())}
+    return {"points": _run(main())}
 
 
 def child_postgres(dsn: str, workload: str, isolation: str, pool: int, rates: list[float], duration: float,
                    warmup: float) -> dict:
-    import asyncio
 
     from charon.apps import deathstar, ycsb
     from charon.bench import harness
@@ -228,10 +249,61 @@ def child_postgres(dsn: str, workload: str, isolation: str, pool: int, rates: li
                 res.append(r)
         return res
 
-    return {"points": asyncio.run(main())}
+    return {"points": _run(main())}
 
 
-CHILDREN = {"engine": child_engine, "deathstar_batch": child_deathstar_batch, "open_loop": child_open_loop,
+def child_serve(src: str | None, port: int, token: str) -> dict:
+    """The Deathstar application on an in-process runtime behind Charon's HTTP gateway (``charon run``'s
+    server: uvicorn, volatile runtime), until SIGTERM."""
+    _use_src(src)
+    from charon.server.gateway import serve
+
+    serve(_deathstar_runtime(), port=port, token=token)  # type: ignore[arg-type]
+    return {}
+
+
+class _HttpReply:
+    __slots__ = ("ok", "error_type")
+
+    def __init__(self, ok: bool, error_type: str = "") -> None:
+        self.ok, self.error_type = ok, error_type
+
+
+def child_http_loop(url: str, token: str, rates: list[float], duration: float, warmup: float) -> dict:
+    """The open loop in its own process against the gateway at ``url`` (Charon's own ``AsyncClient``)."""
+    from charon.apps import deathstar
+    from charon.bench import harness
+    from charon.client import AsyncClient
+    from charon.errors import TransactionAborted
+
+    async def main() -> list[dict]:
+        async with AsyncClient(url, token=token, retries=0) as client:
+            class Target:
+                async def submit(self, op: str, key: str, fn: str, args: list, *,
+                                 request_id: str | None = None) -> _HttpReply:
+                    try:
+                        await client.invoke_result(op, key, fn, *args, request_id=request_id)
+                    except TransactionAborted as exc:
+                        return _HttpReply(False, exc.error_type)
+                    return _HttpReply(True)
+
+            res = []
+            for rate in rates:
+                c0, w0 = time.process_time(), time.perf_counter()
+                r = await harness.run_open_loop(Target(), deathstar.next_request, rate=rate, duration=duration,
+                                                warmup=warmup, seed=int(rate), drain_timeout=20)
+                cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+                r.pop("timeline", None)
+                r["client_cpu_us_per_request"] = cpu / max(r["sent"], 1) * 1e6
+                r["client_cpu_share"] = cpu / wall
+                res.append(r)
+            return res
+
+    return {"points": _run(main())}
+
+
+CHILDREN = {"serve": child_serve, "http_loop": child_http_loop,
+            "engine": child_engine, "deathstar_batch": child_deathstar_batch, "open_loop": child_open_loop,
             "postgres": child_postgres}
 
 
@@ -245,6 +317,55 @@ def run_child(kind: str, **kw: object) -> dict:
     if p.returncode != 0:
         raise RuntimeError(f"{kind} child failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def proc_cpu_s(pid: int, children: bool = False) -> float:
+    """CPU seconds of process ``pid`` (all its threads; with ``children``, plus its reaped children's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime + ((cutime + cstime) if children else 0)) / os.sysconf("SC_CLK_TCK")
+
+
+def http_layout(src: str | None, rates: list[float], duration: float, warmup: float) -> list[dict]:
+    """Deathstar through the gateway: the engine (in-process runtime + HTTP gateway) in one process, the load
+    generator in another (one fresh generator per rate, the server kept), as PostgreSQL is driven; the server's
+    CPU per request is read from /proc around each rate."""
+    import signal
+    import socket
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url, token = f"http://127.0.0.1:{port}", "bench"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "serve", "--child-args",
+           json.dumps({"src": src, "port": port, "token": token})]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start")
+            time.sleep(0.2)
+        pts = []
+        for rate in rates:
+            before = proc_cpu_s(proc.pid)
+            p = run_child("http_loop", url=url, token=token, rates=[rate], duration=duration,
+                          warmup=warmup)["points"][0]
+            p["server_cpu_us_per_request"] = (proc_cpu_s(proc.pid) - before) / max(p["sent"], 1) * 1e6
+            p["total_cpu_us_per_request"] = p["server_cpu_us_per_request"] + p["client_cpu_us_per_request"]
+            pts.append(p)
+        return pts
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
 
 
 def server_cpu_s(data_dir: Path) -> float:
@@ -270,7 +391,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4.2))
     ax = axes[0]
     labels, vals = [], []
     for side in ("before", "after"):
@@ -279,29 +400,34 @@ def plot(result: dict, path: Path) -> None:
             for mode in ("default_gc", "tuned_gc"):
                 labels.append(f"{side}\n{mode.replace('_gc', ' GC')}")
                 vals.append(e[mode]["us_per_tx_median"])
-    e = result["engine"]["after"]
-    labels.append("bare loop\n(reference)")
-    vals.append(e["bare_loop_us"])
+    e = result["engine"].get("after")
+    if e:
+        labels.append("bare loop\n(reference)")
+        vals.append(e["bare_loop_us"])
     ax.bar(labels, vals, color=["#999", "#bbb", "#1f77b4", "#4a9fe0", "#2ca02c"][-len(vals):])
     ax.axhline(25, color="r", ls="--", lw=1, label="target 25 µs")
     ax.set_ylabel("CPU µs per transaction")
     ax.set_title("1. engine alone (YCSB-T, batches of 1,000)")
     ax.legend()
-    for i, (side, key) in enumerate((("ycsb", "p99"), ("deathstar", "p99"))):
+    for i, (side, key) in enumerate((("ycsb", "p99"), ("deathstar", "p99"), ("deathstar", "p50"))):
         ax = axes[1 + i]
         for who, style in (("before", "o--"), ("after", "o-")):
             pts = result["open_loop"].get(side, {}).get(who)
             if pts:
                 ax.plot([p["input_rate"] for p in pts], [p["latency_ms"][key] for p in pts], style,
-                        label=f"charon {who}")
+                        label=f"charon {who} (one process)")
+            pts = result.get("http", {}).get(side, {}).get(who)
+            if pts:
+                ax.plot([p["input_rate"] for p in pts], [p["latency_ms"][key] for p in pts], "^" + style[1:],
+                        label=f"charon {who} (HTTP, generator apart)")
         for iso, pts in result.get("postgres", {}).get(side, {}).items():
             ax.plot([p["input_rate"] for p in pts], [p["latency_ms"][key] for p in pts], "s:", label=f"pg {iso}")
         ax.set_yscale("log")
         ax.set_xlabel("input rate (requests/s)")
         ax.set_ylabel(f"{key} latency (ms)")
-        ax.set_title(f"{2 + i}. {side} open loop (shared machine)")
+        ax.set_title(f"{2 + i}. {side} open loop, {key} (shared machine)")
         ax.legend(fontsize=8)
-    ax = axes[3]
+    ax = axes[4]
     for who, style in (("before", "o--"), ("after", "o-")):
         pts = result["open_loop"].get("deathstar", {}).get(who)
         if pts:
@@ -313,7 +439,12 @@ def plot(result: dict, path: Path) -> None:
                     label=f"pg {iso} (server + generator)")
     ax.set_xlabel("input rate (requests/s)")
     ax.set_ylabel("CPU µs per request")
-    ax.set_title("3. deathstar: CPU per request (load-independent)")
+    for who, style in (("before", "^--"), ("after", "^-")):
+        pts = result.get("http", {}).get("deathstar", {}).get(who)
+        if pts:
+            ax.plot([p["input_rate"] for p in pts], [p["total_cpu_us_per_request"] for p in pts], style,
+                    label=f"charon {who} HTTP (server + generator)")
+    ax.set_title("5. deathstar: CPU per request (load-independent)")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -331,6 +462,9 @@ def main() -> int:
     ap.add_argument("--deathstar-rates", default="250,500,1000")
     ap.add_argument("--pg-pools", default="4,8,16,32")
     ap.add_argument("--no-postgres", action="store_true")
+    ap.add_argument("--no-http", action="store_true", help="skip Deathstar through the HTTP gateway")
+    ap.add_argument("--http-rates", default="100,250", help="Deathstar rates through the HTTP gateway")
+    ap.add_argument("--only-deathstar", action="store_true", help="skip the engine-alone and YCSB-T measurements")
     ap.add_argument("--postgres-only", action="store_true", help="re-measure PostgreSQL into an existing --out")
     ap.add_argument("--repeat", type=int, default=3, help="engine-alone runs per side, alternating")
     ap.add_argument("--out", default=str(HERE / "engine_perf.json"))
@@ -358,32 +492,43 @@ def main() -> int:
         res["postgres"] = {}
         sides = {}
     runs: dict[str, list[dict]] = {side: [] for side in sides}
-    for i in range(a.repeat):  # alternate before/after: the neighbours' load hits both alike
+    for i in range(0 if a.only_deathstar else a.repeat):  # alternate before/after: the neighbours' load hits both alike
         for side, src in sides.items():
             r = run_child("engine", src=src, epochs=epochs)
             runs[side].append(r)
             print(f"[{side}] engine alone run {i}: default GC {r['default_gc']['us_per_tx_median']:.1f}, tuned GC "
                   f"{r['tuned_gc']['us_per_tx_median']:.1f} us/tx; bare loop {r['bare_loop_us']:.2f}", flush=True)
-    for side in sides:
+    for side in ([] if a.only_deathstar else sides):
         best = {"runs": runs[side], "bare_loop_us": min(r["bare_loop_us"] for r in runs[side])}
         for mode in ("default_gc", "tuned_gc"):
             m = min(r[mode]["us_per_tx_median"] for r in runs[side])
             best[mode] = {"us_per_tx_median": m, "tx_per_s": 1e6 / m}
         res["engine"][side] = best
-    for side, src in sides.items():
+    for side, src in ([] if a.only_deathstar else sides.items()):
         res["deathstar_batch"][side] = run_child("deathstar_batch", src=src, epochs=12, size=100)
         print(f"[{side}] deathstar batch: {res['deathstar_batch'][side]['us_per_request']:.0f} us/request",
               flush=True)
     for side, src in sides.items():
-        for wl, rates in (("ycsb", ycsb_rates), ("deathstar", ds_rates)):
+        for wl, rates in ((("ycsb", ycsb_rates),) if not a.only_deathstar else ()) + (("deathstar", ds_rates),):
             print(f"[{side}] open loop {wl} {rates} ...", flush=True)
             pts = run_child("open_loop", src=src, workload=wl, rates=rates, duration=dur, warmup=warm)["points"]
             res["open_loop"][wl][side] = pts
             for p in pts:
                 lat = p["latency_ms"]
-                print(f"    {p['input_rate']:7.0f}/s: {p['committed_per_s']:8.0f} c/s p50 {lat['p50']:8.1f} "
-                      f"p99 {p['latency_ms']['p99']:8.1f} ms, cpu {p['cpu_us_per_request']:.0f} us/req, "
+                print(f"    {p['input_rate']:7.0f}/s: {p['committed_per_s']:8.0f} c/s p50 {lat['p50']:8.2f} "
+                      f"p99 {p['latency_ms']['p99']:8.2f} ms, cpu {p['cpu_us_per_request']:.0f} us/req, "
                       f"cpu share {p['cpu_share']:.2f}, epochs {p['epochs']['size_mean']:.0f}", flush=True)
+    if not a.no_http:
+        res["http"] = {"deathstar": {}}
+        for side, src in sides.items():
+            print(f"[{side}] deathstar over HTTP (generator in its own process) {a.http_rates} ...", flush=True)
+            http_rates = [float(x) for x in a.http_rates.split(",")]
+            pts = res["http"]["deathstar"][side] = http_layout(src, http_rates, dur, warm)
+            for p in pts:
+                lat = p["latency_ms"]
+                print(f"    {p['input_rate']:7.0f}/s: {p['committed_per_s']:8.0f} c/s p50 {lat['p50']:8.2f} "
+                      f"p99 {p['latency_ms']['p99']:8.2f} ms, client cpu {p['client_cpu_us_per_request']:.0f} "
+                      f"us/req, server cpu {p['server_cpu_us_per_request']:.0f} us/req", flush=True)
     if not a.no_postgres:
         from charon.apps import deathstar
         from charon.bench.postgres import DeathstarSql, PostgresCluster

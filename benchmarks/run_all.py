@@ -5,13 +5,13 @@
 The suite lives in :mod:`charon.bench.suite` (also reachable as ``charon bench``); see its ``--help``.
 """
 
-import asyncio
 import os
 import sys
 from pathlib import Path
 
 if __name__ == "__main__":
     os.chdir(Path(__file__).resolve().parent.parent)
+    from charon.bench.harness import run
     from charon.bench.suite import main
 
-    raise SystemExit(asyncio.run(main(sys.argv[1:])))
+    raise SystemExit(run(main(sys.argv[1:])))

@@ -11,7 +11,6 @@ do not share a GIL.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing as mp
 import os
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parent
 def _generator(data_dir: str, rate: float, duration: float, warmup: float, n: int, zipf: float, seed: int,
                out: str) -> None:
     from charon.apps import ycsb
-    from charon.bench.harness import run_open_loop
+    from charon.bench.harness import run, run_open_loop
     from charon.log.client import LogClient
     from charon.log.sqlite import InputLog, OutputLog
 
@@ -44,7 +43,7 @@ def _generator(data_dir: str, rate: float, duration: float, warmup: float, n: in
         return await run_open_loop(target, gen, rate=rate, duration=duration, warmup=warmup,
                                    drain_timeout=30.0, seed=seed, label=f"spark zipf={zipf}")
 
-    res = asyncio.run(main())
+    res = run(main())
     Path(out).write_text(json.dumps(res))
 
 
@@ -104,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated, run in turn on one Spark session per rate (e.g. before,after,before,"
                          "after to average out load drift): after = the defaults; before = every issue-10 lever "
                          "off (finalize round of its own, fallback and rest round by round, tasks per core)")
+    ap.add_argument("--stop-p99-ms", type=float, default=None,
+                    help="stop after the first rate whose p99 exceeds this (or that leaves requests unfinished)")
     args = ap.parse_args(argv)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -125,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     spark = make_session(SparkConfig(master=args.master, partitions=args.partitions, data_dir=session_dir))
     results = []
     ctx = mp.get_context("spawn")
+    stop = False
     for rate in [float(r) for r in args.rates.split(",")]:
+        if stop:
+            break
         for variant in variants:
             data = tempfile.mkdtemp(prefix="charon-bench-spark-")
             cfg = SparkConfig(master=args.master, data_dir=data, partitions=args.partitions, max_batch=20_000,
@@ -174,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({b['spark_jobs_per_epoch']:.1f} jobs, {b['spark_tasks_per_epoch']:.1f} tasks, "
                   f"{b['ms_per_job']:.0f} ms/job); Spark side CPU {res['spark_cpu_us_per_request']:.0f} µs/request; "
                   f"load average {res['load_average']:.1f}", flush=True)
+            if args.stop_p99_ms is not None and (res.get("unfinished", 0) or lat.get("p99", 0) > args.stop_p99_ms):
+                stop = True
     spark.stop()
     shutil.rmtree(session_dir, ignore_errors=True)
     name = f"spark_ycsb_zipf{args.zipf}{'_' + args.label if args.label else ''}"

@@ -505,6 +505,12 @@ class Client(_Base):
         return self._admin_doc(self._send("POST", "/admin/code", content=msgspec.msgpack.encode(body),
                                           headers={**self.headers, "Content-Type": MSGPACK}))
 
+    def sql(self, query: str, epoch: int | None = None) -> dict[str, Any]:
+        """One safe SELECT over the operators' state views at one consistent epoch (``POST /admin/sql``):
+        ``{"epoch", "columns", "rows", "truncated", "engine"}``; refused SQL raises the typed error."""
+        body: dict[str, Any] = {"sql": query} if epoch is None else {"sql": query, "epoch": epoch}
+        return self._admin_doc(self._send("POST", "/admin/sql", json=body, headers=self.headers))
+
     def metrics(self) -> str:
         """The Prometheus exposition of ``/metrics``."""
         resp = self._send("GET", "/metrics", headers=self.headers)
@@ -719,6 +725,11 @@ class AsyncClient(_Base):
         """Entities of ``operator`` as of one committed epoch (see :meth:`Client.read_state`)."""
         return self._admin_doc(await self._send("GET", f"/admin/state/{_segment(operator)}",
                                                 params=self._scan_params(keys, epoch, limit), headers=self.headers))
+
+    async def sql(self, query: str, epoch: int | None = None) -> dict[str, Any]:
+        """See :meth:`Client.sql`."""
+        body: dict[str, Any] = {"sql": query} if epoch is None else {"sql": query, "epoch": epoch}
+        return self._admin_doc(await self._send("POST", "/admin/sql", json=body, headers=self.headers))
 
     async def aclose(self) -> None:
         for http in self._shards:

@@ -150,3 +150,78 @@ def test_compatible_update_on_spark_under_load(tmp_path) -> None:
         assert again.version_at(e, u["first_tid"] - 1) == old and again.version_at(e, u["first_tid"]) == new
     finally:
         spark.stop()
+
+
+def test_compatible_update_on_spark_survives_a_crash(tmp_path) -> None:
+    """SIGKILL right after a compatible update was recorded (as the boundary epoch starts): the restarted
+    runtime runs the new code and still finishes the transactions deferred before the boundary on the old
+    code; every reply's value matches the version it names; the old code is dropped afterwards."""
+    import json
+    import os
+    import random
+    import subprocess
+    import sys
+
+    import code_versions
+    from code_update_driver import KEYS, config
+
+    from charon import InProcessRuntime, Request, serde
+
+    # one contended batch that defers transactions (found in-process: Spark runs the same epoch identically)
+    for seed in range(100):
+        rng = random.Random(seed)
+        calls = []
+        for i in range(40):
+            k = rng.choice(KEYS)
+            if rng.random() < 0.6:
+                calls.append((f"old-{i}", k, "route", ["a"]))
+            else:
+                calls.append((f"old-{i}", k, "transfer", [rng.choice(KEYS), rng.randint(1, 5)]))
+        probe = InProcessRuntime(code_versions.c1, partitions=2, warmup_txns=0)
+        probe.load("acct", {k: 100 for k in KEYS})
+        probe.run_epoch([Request(r, "acct", k, f, serde.encode(a), float(i)) for i, (r, k, f, a) in enumerate(calls)])
+        if probe.coordinator.deferred:
+            break
+    else:
+        pytest.fail("no contended batch defers a transaction any more: change the workload")
+    reqs_path = tmp_path / "requests.json"
+    reqs_path.write_text(json.dumps(calls))
+    data = str(tmp_path / "data")
+    env = {**os.environ, "CHARON_CRASH_AT": "before_epoch:1", "PYSPARK_PYTHON": sys.executable,
+           "PYSPARK_DRIVER_PYTHON": sys.executable}
+    driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_update_driver.py")
+    child = subprocess.run([sys.executable, driver, data, str(reqs_path)], capture_output=True, text=True,
+                           timeout=600, env=env)
+    assert child.returncode == -9, child.stdout[-3000:] + child.stderr[-3000:]
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    assert out["mode"] == "compatible" and out["from_epoch"] == 1 and out["kept_deferred"] > 0, out
+    spark = make_session(SparkConfig(master="local[2]", partitions=2))
+    try:
+        rt = SparkRuntime("code_versions:c1", config(data), spark=spark)  # restarted with the old ref
+        assert rt._last_recorded_epoch() == 0, "the crash came before the boundary epoch was recorded"
+        assert rt.app_ref == "code_versions:c2"
+        assert rt._code_previous == (out["first_tid"], "code_versions:c1")
+        rt.start()
+        try:
+            new = [Request(f"new-{i}", "acct", KEYS[i % 6], "route", serde.encode(["a"]), 100.0 + i)
+                   for i in range(10)]
+            rt.input_log.append_many(new)
+            rt.wait_idle(300)
+        finally:
+            rt.stop()
+        assert rt._code_previous is None, "the old code is dropped once its transactions finished"
+        late = 0
+        for rid, *_ in calls:
+            rep = rt.get_reply(rid)
+            assert rep is not None and rt.version_at(rep.epoch, rep.tid) == "c1", rid
+            if rep.ok:
+                assert serde.decode(rep.value) == ["c1", "c1"], rid
+            late += rep.epoch >= 1
+        assert late == out["kept_deferred"], "the deferred ones finished after the boundary, on c1"
+        for r in new:
+            rep = rt.get_reply(r.request_id)
+            assert rep is not None and rep.epoch >= 1 and rt.version_at(rep.epoch, rep.tid) == "c2"
+            if rep.ok:
+                assert serde.decode(rep.value) == ["c2", "c2"]
+    finally:
+        spark.stop()

@@ -1,7 +1,10 @@
 """The dashboard in a real headless browser (Debian's chromium driven by Playwright): numbers change under
-load, Pause stops epochs while the backlog grows, Resume drains it, the state browser shows a cut and its epoch.
+load, Pause stops epochs while the backlog grows, Resume drains it, the state browser shows a cut and its epoch,
+the SQL box answers a SELECT over the state and shows the typed refusal of anything else.
 
-Set ``CHARON_DASHBOARD_SCREENSHOT=path.png`` to save a screenshot (docs/dashboard.png is made this way)."""
+Screenshots (dashboard.png running, dashboard-paused.png, dashboard-sql.png) go to the directory
+``CHARON_DASHBOARD_SCREENSHOTS`` (default: the test's temporary directory); the docs' ones are made with
+``CHARON_DASHBOARD_SCREENSHOTS=docs .venv/bin/pytest tests/test_dashboard.py``."""
 
 from __future__ import annotations
 
@@ -35,7 +38,16 @@ def _number(page, sel: str) -> float:
         return float("nan")
 
 
+def _shot(page, shots: str, name: str) -> None:
+    path = os.path.join(shots, name)
+    page.screenshot(path=path, full_page=True)
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 10_000, path
+
+
 def test_dashboard_live_pause_resume_and_state_browser(tmp_path) -> None:
+    shots = os.environ.get("CHARON_DASHBOARD_SCREENSHOTS") or str(tmp_path)
+    os.makedirs(shots, exist_ok=True)
     rt = InProcessRuntime(ycsb.app, partitions=4, epoch_max_ms=2.0)
     rt.load("account", ycsb.initial_state(N, 100))
     stop = threading.Event()
@@ -62,6 +74,7 @@ def test_dashboard_live_pause_resume_and_state_browser(tmp_path) -> None:
                                            timeout=20_000)
                     assert page.text_content("#state") == "running"
                     assert page.text_content("#p50") != "-"
+                    _shot(page, shots, "dashboard.png")
                     # pause: the epoch stops, the backlog grows
                     page.click("#pause")
                     page.wait_for_function("document.getElementById('state').textContent === 'paused'",
@@ -70,8 +83,7 @@ def test_dashboard_live_pause_resume_and_state_browser(tmp_path) -> None:
                     page.wait_for_function("Number(document.getElementById('backlog').textContent) > 30",
                                            timeout=20_000)
                     assert _number(page, "#epoch") == frozen
-                    if os.environ.get("CHARON_DASHBOARD_SCREENSHOT"):
-                        page.screenshot(path=os.environ["CHARON_DASHBOARD_SCREENSHOT"], full_page=True)
+                    _shot(page, shots, "dashboard-paused.png")
                     # resume: epochs run again, the backlog drains
                     page.click("#resume")
                     page.wait_for_function("document.getElementById('state').textContent === 'running'",
@@ -94,6 +106,31 @@ def test_dashboard_live_pause_resume_and_state_browser(tmp_path) -> None:
                     page.click("#browse-go")
                     page.wait_for_function("document.getElementById('browse-count').textContent === '2'",
                                            timeout=20_000)
+                    # the SQL box: refusals are typed and shown; a good query answers over one cut
+                    for bad, kind in [("DROP TABLE account", "SQLRejected"),
+                                      ("ATTACH DATABASE '/tmp/x.db' AS x", "SQLRejected"),
+                                      ("SELECT load_extension('/tmp/x')", "SQLRejected"),
+                                      ("SELECT * FROM sqlite_master", "SQLRejected"),
+                                      ("SELECT 1; DELETE FROM account", "SQLSyntaxError")]:
+                        page.fill("#sql", bad)
+                        page.click("#sql-go")
+                        page.wait_for_function(
+                            f"document.getElementById('sql-error').textContent.startsWith('Error: {kind}')",
+                            timeout=20_000)
+                        assert page.locator("#sql-result tr").count() == 0
+                    page.fill("#sql", "SELECT count(*) AS entities, sum(value) AS total, max(epoch) AS epoch "
+                                      "FROM account")
+                    page.click("#sql-go")
+                    page.wait_for_function("document.getElementById('sql-count').textContent === '1'",
+                                           timeout=20_000)
+                    assert page.text_content("#sql-error") == ""
+                    cells = page.locator("#sql-result tr").nth(0).locator("td")
+                    assert [cells.nth(i).text_content() for i in range(2)] == [str(N), str(N * 100)]
+                    assert cells.nth(2).text_content() == page.text_content("#sql-at")
+                    assert page.text_content("#sql-engine") == "sqlite"
+                    assert [h.text_content() for h in page.locator("#sql-head th").all()] == \
+                        ["entities", "total", "epoch"]
+                    _shot(page, shots, "dashboard-sql.png")
                     # a wrong token shows an error instead of numbers
                     page.fill("#token", "wrong")
                     page.dispatch_event("#token", "change")

@@ -43,3 +43,44 @@ def test_started_runtime_tunes_gc_and_keeps_money_under_a_burst():
     # the warm-up ran on a scratch runtime: this runtime's epochs start at 0 and hold only real requests
     assert rt.epoch_stats[0]["epoch"] == 0
     assert rt.entities("__warmup") == {}  # the built-in warm-up application ran elsewhere
+
+
+def _feed(s: EpochSizer, span: float, arrived: int, epochs: int) -> None:
+    """``epochs`` epochs, each ``span`` seconds after the previous one, with ``arrived`` requests each."""
+    for _ in range(epochs):
+        s._last -= span  # as if ``span`` seconds passed since the last observation
+        s.observe(1, 0.0002, arrived)
+
+
+def test_sizer_starts_at_once_while_the_engine_is_mostly_idle():
+    s = EpochSizer(max_wait_s=0.001)
+    _feed(s, 0.001, 1, 200)  # 1,000 requests/s, one per epoch: one-request epochs keep it busy ~20%
+    assert 800 < s.rate < 1200
+    assert s.wait_s(1) == 0.0  # waiting would only add latency
+    _feed(s, 0.0001, 10, 200)  # 100,000/s: batching pays, it waits (boundedly)
+    assert s.rate > 10_000  # (real time passes between the calls too)
+    assert 0 < s.wait_s(1) <= 0.001
+    many_short = EpochSizer(max_wait_s=0.001)  # many short epochs do not inflate the rate (weighted by time)
+    for _ in range(100):
+        _feed(many_short, 0.00005, 0, 9)
+        _feed(many_short, 0.00055, 1, 1)
+    assert many_short.rate < 2000
+    assert many_short.wait_s(1) == 0.0
+
+
+def test_idle_runtime_answers_without_a_batching_window():
+    rt = InProcessRuntime(ycsb.app, partitions=4, epoch_max_ms=5.0)
+    rt.load("account", ycsb.initial_state(100))
+
+    async def run() -> None:
+        async with rt:
+            for i in range(200):  # one request at a time, spaced: the engine is idle at each arrival
+                rep = await rt.submit("account", ycsb.key(i % 100), "transfer", [ycsb.key((i + 1) % 100), 1])
+                assert rep.ok
+                await asyncio.sleep(0.002)
+
+    asyncio.run(run())
+    waits = [e["wait_ms"] for e in rt.epoch_stats if "wait_ms" in e]
+    assert len(waits) >= 190
+    assert sum(1 for w in waits if w > 0) <= 5  # the first few, before the rate is known
+    assert sum(rt.entities("account").values()) == 100 * ycsb.INITIAL_BALANCE

@@ -14,8 +14,9 @@ import pytest
 
 from charon import InProcessRuntime
 from charon.apps import ycsb
-from charon.client import Client
+from charon.client import AsyncClient, Client
 from charon.config import GatewayConfig
+from charon.errors import CharonError
 from charon.runtime.sqlstate import SQLRejected, SQLSyntaxError, StateTooLarge
 from charon.server.gateway import BackgroundServer
 
@@ -94,6 +95,16 @@ def test_sql_box_answers_over_one_cut_and_refuses_the_rest() -> None:
         assert httpx.post(f"{srv.url}/admin/sql", json={"sql": "SELECT 1"}).status_code == 401
         assert h.post("/admin/sql", json={"sql": "SELECT 1", "epoch": 0}).json()["error"]["type"] == \
             "EpochNotRetained"  # volatile: only the last committed epoch
+        # the Python clients
+        assert c.sql("SELECT sum(value) FROM account")["rows"] == [[N * 100]]
+        with pytest.raises(CharonError, match="SQLRejected|not authorized"):
+            c.sql("DROP TABLE account")
+
+        async def via_async() -> dict:
+            async with AsyncClient(srv.url, token=TOKEN) as ac:
+                return await ac.sql("SELECT count(*) FROM account")
+
+        assert asyncio.run(via_async())["rows"] == [[N]]
 
 
 def test_sql_box_bounds_time_and_size() -> None:

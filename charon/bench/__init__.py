@@ -6,8 +6,6 @@ runs one workload (ycsb, zipf, tpcc, deathstar, movie, or all) of :mod:`charon.b
 
 from __future__ import annotations
 
-import asyncio
-
 _RATES = {"ycsb": "--ycsb-rates", "tpcc": "--tpcc-rates", "deathstar": "--deathstar-rates",
           "movie": "--movie-rates", "zipf": "--zipf-rate"}
 
@@ -42,6 +40,7 @@ def translate(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``charon bench``."""
+    from charon.bench.harness import run
     from charon.bench.suite import main as suite_main
 
-    return asyncio.run(suite_main(translate(list(argv or []))))
+    return run(suite_main(translate(list(argv or []))))

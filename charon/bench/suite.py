@@ -20,7 +20,6 @@ which the Spark target generates in parallel in Spark.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import shlex
 import sys
@@ -314,4 +313,4 @@ async def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(asyncio.run(main()))
+    raise SystemExit(harness.run(main()))

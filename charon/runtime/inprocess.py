@@ -101,10 +101,14 @@ class EpochSizer:
     """Adaptive epoch closing: how long to wait for more requests, from the arrival rate and measured costs.
 
     It keeps moving averages of the per-transaction cost ``c`` and the fixed per-epoch cost ``F`` (from
-    epoch durations and sizes) and of the arrival rate. An epoch of ``B`` requests spends ``F / (F + c·B)`` of
-    its time on fixed cost; the target batch keeps that at most ``overhead`` (``B* = F·(1 - o) / (o·c)``).
+    epoch durations and sizes) and of the arrival rate (over the last ``rate_window_s``, weighted by time).
+    An epoch of ``B`` requests spends ``F / (F + c·B)`` of its time on fixed cost; the target batch keeps
+    that at most ``overhead`` (``B* = F·(1 - o) / (o·c)``).
     With fewer waiting, it waits for the expected time until ``B*`` have arrived, at most ``max_wait_s``;
-    with at least ``B*`` waiting (or under load: requests arrived while the last epoch ran), it does not wait.
+    with at least ``B*`` waiting, it does not wait. Nor does it while the engine is mostly idle: when epochs of
+    one request each would keep it busy less than ``idle_load`` of the time (``rate·(F + c) < idle_load``),
+    waiting saves no CPU that anything needs and only adds latency, so an epoch starts at once (the latency
+    floor at low rates is then one epoch, not the batching window).
 
     Under a backlog, bigger epochs mean more conflicts (each one costs a fallback re-run), so the batch is
     also limited (:meth:`limit`): the limit shrinks while more than ``conflicts_high`` of an epoch's
@@ -113,8 +117,11 @@ class EpochSizer:
     """
 
     def __init__(self, max_wait_s: float, max_batch: int = 10_000, overhead: float = 0.1, alpha: float = 0.2,
-                 conflicts_high: float = 0.15, min_batch: int = 100) -> None:
+                 conflicts_high: float = 0.15, min_batch: int = 100, idle_load: float = 0.9,
+                 rate_window_s: float = 0.05) -> None:
         self.max_wait_s = max_wait_s
+        self.idle_load = idle_load
+        self.rate_window_s = rate_window_s
         self.overhead = overhead
         self.alpha = alpha
         self.max_batch = max_batch
@@ -143,8 +150,8 @@ class EpochSizer:
         a = self.alpha
         span = now - self._last
         self._last = now
-        if span > 0:
-            self.rate += a * (arrived / span - self.rate)
+        if span > 0:  # weighted by time (not per epoch: many short epochs would inflate it)
+            self.rate += (1.0 - math.exp(-span / self.rate_window_s)) * (arrived / span - self.rate)
         if size >= 50:
             c = max(duration_s - self.fixed_s, 0.0) / size
             self.per_txn_s += a * (c - self.per_txn_s)
@@ -160,7 +167,7 @@ class EpochSizer:
     def wait_s(self, waiting: int) -> float:
         """How long to wait before closing an epoch with ``waiting`` requests."""
         missing = self.target() - waiting
-        if missing <= 0 or self.rate <= 0:
+        if missing <= 0 or self.rate * (self.fixed_s + self.per_txn_s) < self.idle_load:
             return 0.0
         return min(self.max_wait_s, missing / self.rate)
 
@@ -704,6 +711,7 @@ class InProcessRuntime(control.Controllable):
                     continue
             # durable mode: the previous batch's log commit is the batching window; no extra wait
             limit = self.sizer.limit()
+            wait = 0.0
             if self.node is None and len(self._queue) < limit and self.epoch_max_ms > 0:
                 wait = self.sizer.wait_s(len(self._queue))
                 if wait > 0:
@@ -743,6 +751,8 @@ class InProcessRuntime(control.Controllable):
             finally:
                 self.gate.leave()
             last = self.epoch_stats[-1] if self.epoch_stats else {}
+            if last:
+                last["wait_ms"] = wait * 1000.0  # the batching window this epoch waited (0: started at once)
             self.sizer.observe(len(batch), time.perf_counter() - t0, self._arrived, int(last.get("conflicts", 0)))
             self._arrived = 0
             await asyncio.sleep(0)

@@ -18,6 +18,7 @@ import shutil
 import struct
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import lmdb
 
@@ -340,13 +341,13 @@ class LmdbStore:
         assert d is not None
         before = d.bytes_read
         try:
-            state, reached = d.load(self.pid, epoch)
+            table, reached = d.load_table(self.pid, epoch)  # merged in Arrow, sorted by key
         except DurableStateError as e:
             raise StoreError(str(e)) from e
         self.bytes_read += d.bytes_read - before
         if reached < epoch:
             raise StoreError(f"p{self.pid}: durable copy reaches only epoch {reached}, need {epoch}")
-        self._replace_all(epoch, sorted(state.items()), expect)
+        self._replace_all(epoch, _rows(table), expect)
 
     def compact_durable(self, upto_epoch: int) -> bool:
         """Compact this partition's durable copy up to ``upto_epoch`` (only epochs committed for good)."""
@@ -359,6 +360,12 @@ class LmdbStore:
 
 _STORES: dict[tuple[str, int, str | None, int], LmdbStore] = {}
 _DURABLES: dict[tuple[str, int], DurableState] = {}
+
+
+def _rows(table: Any) -> Iterator[tuple[bytes, bytes]]:
+    """The (key, value) rows of a sorted Arrow table, a batch of Python objects at a time (bounded memory)."""
+    for batch in table.to_batches(max_chunksize=65536):
+        yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True)
 
 
 def _apply(t: lmdb.Transaction, delta: dict[bytes, bytes | None]) -> int:

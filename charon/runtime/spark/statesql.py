@@ -371,12 +371,17 @@ def safe_sql(
     sc = spark.sparkContext
     group = f"charon-sql-{uuid.uuid4().hex}"
     expired = threading.Event()
+    done = threading.Event()
 
-    def expire() -> None:
+    def expire() -> None:  # again and again: a job the query starts after the deadline is cancelled too
         expired.set()
-        sc.cancelJobGroup(group)
+        while not done.is_set():
+            with contextlib.suppress(Exception):
+                sc.cancelJobGroup(group)
+            done.wait(0.2)
 
     timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
     sc.setJobGroup(group, "charon sql (admin)", interruptOnCancel=True)
     timer.start()
     try:
@@ -398,6 +403,7 @@ def safe_sql(
             raise SQLTimeout(f"the query ran longer than {timeout_s:g} s and was cancelled") from None
         raise
     finally:
+        done.set()
         timer.cancel()
         sc.setLocalProperty("spark.jobGroup.id", None)
         sc.setLocalProperty("spark.job.description", None)
