@@ -32,6 +32,7 @@ history; ``EpochResult.order`` is the epoch's TIDs sorted by position.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -199,7 +200,11 @@ class _Queues:
         fast: list[int] = []
         roots: list[int] = []
         chain: set[int] = set()
-        for tid in sorted(dirty & self.waiting):
+        waiting = self.waiting
+        heap = sorted(dirty & waiting)
+        seen = set(heap)
+        while heap:
+            tid = heapq.heappop(heap)
             cand = tid in candidates
             ok = True
             for e, w in K[tid].items():
@@ -217,7 +222,7 @@ class _Queues:
                     break
             if not ok:
                 continue
-            self.waiting.discard(tid)
+            waiting.discard(tid)
             if cand:
                 fast.append(tid)
                 chain.add(tid)
@@ -229,6 +234,15 @@ class _Queues:
                     holders[e] = {tid}
                 else:
                     hs.add(tid)
+                if cand:  # the candidates queued right behind it may chain
+                    q = queues[e]
+                    for i in range(bisect.bisect_right(q, tid), len(q)):
+                        v = q[i]
+                        if v in waiting and v not in seen:
+                            seen.add(v)
+                            heapq.heappush(heap, v)
+                        if K[v][e]:
+                            break
         return fast, roots
 
     def clear(self, tid: int, touched: dict[Entity, bool], start: int | None) -> bool:
@@ -261,24 +275,26 @@ class _Queues:
         decided, decided_w = self.decided, self.decided_w
         return all((decided if w else decided_w).get(e, 0) < tid for e, w in touched.items())
 
-    def _release(self, tid: int, dirty: set[int], candidates: set[int]) -> None:
+    def _release(self, tid: int, dirty: set[int]) -> None:
         """``tid`` stops holding its entities: wake those its queues may now grant."""
         K, queues, holders, waiting = self.K, self.queues, self.holders, self.waiting
         for e in K[tid]:
             hs = holders.get(e)
             if hs:
                 hs.discard(tid)
-            for v in queues[e]:
+            for v in queues[e]:  # the readers at the head, up to and with the first writer
+                if v == tid:
+                    continue
                 if v in waiting:
                     dirty.add(v)
-                if K[v][e] and v not in candidates and v != tid:
+                if K[v][e]:
                     break
 
     def resolve(self, tid: int, touched: dict[Entity, bool], rnd: int, committed: bool,
                 candidates: set[int]) -> set[int]:
         """``tid`` has its outcome (``touched``: what it touched; empty for a deferral) in round ``rnd``."""
         dirty: set[int] = set()
-        self._release(tid, dirty, candidates)
+        self._release(tid, dirty)
         for e in self.K[tid]:
             self.queues[e].remove(tid)
         self.unresolved.discard(tid)
@@ -299,7 +315,7 @@ class _Queues:
     def requeue(self, tid: int, grow: dict[Entity, bool] | None, candidates: set[int]) -> set[int]:
         """``tid`` waits again, on its set grown by ``grow`` (None: the same set)."""
         dirty = {tid}
-        self._release(tid, dirty, candidates)
+        self._release(tid, dirty)
         self.waiting.add(tid)
         if grow:
             known = self.K[tid]
