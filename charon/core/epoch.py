@@ -757,7 +757,7 @@ class EpochCoordinator:
         candidates = {t for t in conflicted if t not in track.failed}
         st = _Track()
         apply_next, reset_next = list(apply_lockfree), list(conflicted)
-        fast_rounds = slow_rounds = rounds = 0
+        fast_rounds = slow_rounds = rounds = outside = 0
         requeues: dict[int, int] = {}
         started: dict[int, int] = {}  # locked re-runs in flight -> the round their root runs in
         fast_now: list[int] = []  # candidates replayed in the coming round
@@ -809,7 +809,9 @@ class EpochCoordinator:
                     dirty |= q.requeue(tid, None, candidates)
                     continue
                 start = started.pop(tid)
+                grows = not _within(touched, K[tid])
                 if q.clear(tid, touched, start):
+                    outside += grows
                     failed = st.failed.get(tid)
                     if failed is not None:
                         replies.append(reply(tid, False, err=failed))
@@ -821,7 +823,6 @@ class EpochCoordinator:
                     dirty |= q.resolve(tid, touched, rounds, failed is None, candidates)
                     continue
                 reset_next.append(tid)
-                grows = not _within(touched, K[tid])
                 if grows and requeues.get(tid, 0) >= MAX_REQUEUES or not q.settled_below(tid, touched):
                     self.deferred.append((tid, result.requests[tid]))
                     result.deferred.append(tid)
@@ -839,4 +840,5 @@ class EpochCoordinator:
         stats["fast"] = len(result.fast)
         stats["deferred"] = len(result.deferred)
         stats["requeued"] = sum(requeues.values())
+        stats["outside"] = outside  # re-runs that stepped outside their known set and were decided at once
         return apply_next, reset_next
