@@ -40,7 +40,7 @@ def run(size: int, epochs: int, seed: int, partitions: int, profile: bool = Fals
     rt.run_epoch(batches[0])  # warm-up
     prof = cProfile.Profile() if profile else None
     keys = ("rounds", "dry_rounds", "conflicts", "fast", "requeued", "deferred", "committed", "slow_rounds",
-            "fast_rounds", "lock_rounds")
+            "fast_rounds", "fallback_rounds", "outside")
     tot = dict.fromkeys(keys, 0.0)
     n = 0
     cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -66,6 +66,32 @@ def run(size: int, epochs: int, seed: int, partitions: int, profile: bool = Fals
     return out
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """CPU per transaction and rounds per epoch, by variant and epoch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    sizes = sorted({r["size"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(labels)
+    for i, lab in enumerate(labels):
+        by = {r["size"]: r for r in rows if r["label"] == lab}
+        xs = [j + i * width for j in range(len(sizes))]
+        axes[0].bar(xs, [by[s]["cpu_us_per_tx"] / 1000 if s in by else 0 for s in sizes], width, label=lab)
+        axes[1].bar(xs, [by[s]["rounds_per_epoch"] if s in by else 0 for s in sizes], width, label=lab)
+    for ax, title in zip(axes, ("engine CPU per transaction (ms)", "rounds per epoch"), strict=True):
+        ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(sizes))])
+        ax.set_xticklabels([f"{s}-tx epochs" for s in sizes])
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("TPC-C NewOrder+Payment W=1, in-process engine (process_time)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="100,500")
@@ -75,7 +101,11 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
+    p.add_argument("--plot", default="", help="only draw this PNG from --out's JSON")
     a = p.parse_args()
+    if a.plot:
+        plot(json.loads(Path(a.out).read_text()), a.plot)
+        return
     sizes = [int(s) for s in a.sizes.split(",")]
     rows = []
     for s in sizes:
