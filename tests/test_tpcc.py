@@ -23,7 +23,7 @@ def test_population_is_consistent_and_check_detects_violations() -> None:
     assert tpcc.check(rt.read_state, rt.read_items) == []
     assert rt.read_state("district", "1:1")["next_o_id"] == SCALE.customers + 1
     # break condition 1 and condition 2: the check must say so
-    rt.load_items("district", "1:2", {"ytd": 1})
+    rt.load("district_ytd", {"1:2": 1})
     rt.load("order", {f"1:1:{SCALE.customers + 1}": {"c_id": 1, "ol_cnt": 0, "all_local": True,
                                                       "entry_d": 0.0, "carrier_id": None}})
     errors = tpcc.check(rt.read_state, rt.read_items)

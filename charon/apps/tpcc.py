@@ -3,15 +3,18 @@
 Layout (entity keys are plain strings; money is integer cents so the checks are exact):
 
 - ``warehouse`` ``"w"``: value ``{ytd}``; item ``"info"`` = ``{name, tax}``
-- ``district`` ``"w:d"``: value ``{tax, next_o_id}``; item ``"ytd"`` = D_YTD. The root of both transactions
-  (NewOrder serializes on ``next_o_id``, Payment updates ``D_YTD``)
+- ``warehouse_tax`` ``"w"``: value W_TAX (a read-only copy of the static column, for NewOrder)
+- ``district`` ``"w:d"``: value ``{tax, next_o_id}``. The root of both transactions (NewOrder serializes on
+  ``next_o_id``; Payment's root does not touch it)
+- ``district_ytd`` ``"w:d"``: value D_YTD (Payment)
 - ``customer`` ``"w:d:c"``: value ``{balance, ytd_payment, payment_cnt, delivery_cnt, data}``; item
   ``"info"`` = ``{first, middle, last, credit, discount}``
 
-Columns that NewOrder only reads (W_TAX, the customer's name, credit and discount) live in an item apart
-from the columns Payment writes (W_YTD, D_YTD, C_BALANCE...), and D_YTD apart from D_NEXT_O_ID: the engine
-tracks conflicts per item, so a NewOrder and a Payment of the same warehouse, district or customer do not
-conflict (TPC-C implementations split these rows vertically for the same reason).
+The engine tracks conflicts per entity (operator, key), so the columns Payment writes (W_YTD, D_YTD) live in
+entities apart from the ones NewOrder reads or writes (W_TAX, D_NEXT_O_ID): a NewOrder and a Payment of the
+same warehouse or district do not conflict (TPC-C implementations split these rows vertically for the same
+reason). A customer's name, credit and discount are an item of the entity Payment writes, so a NewOrder and
+a Payment of the same customer in one epoch do conflict (rare).
 - ``customer_index`` ``"w:d"``: no value; one per-entity item per customer named ``"LAST:FIRST:000042"`` whose
   value is the customer id. Payment by last name scans the prefix ``"LAST:"`` (rows sorted by first name)
   and takes the middle row, as the specification says.
@@ -41,7 +44,9 @@ from typing import Any
 from charon import Application, Context, Operator
 
 warehouse = Operator("warehouse")
+warehouse_tax = Operator("warehouse_tax")
 district = Operator("district")
+district_ytd = Operator("district_ytd")
 customer = Operator("customer")
 customer_index = Operator("customer_index")
 item = Operator("item")
@@ -70,13 +75,13 @@ class UnknownDistrict(Exception):
 # ---------------------------------------------------------------------------------------------- leaves
 
 
-@warehouse.function
+@warehouse_tax.function
 async def get_tax(ctx: Context) -> float:
     """W_TAX, for NewOrder."""
-    w = ctx.get_item("info")
-    if w is None:
+    tax = ctx.get()
+    if tax is None:
         raise UnknownDistrict(f"warehouse {ctx.key}")
-    return w["tax"]
+    return tax
 
 
 @warehouse.function
@@ -88,6 +93,15 @@ async def warehouse_pay(ctx: Context, amount: int) -> str:
     w["ytd"] += amount
     ctx.put(w)
     return ctx.get_item("info")["name"]
+
+
+@district_ytd.function
+async def district_pay(ctx: Context, amount: int) -> None:
+    """Payment: D_YTD += amount."""
+    ytd = ctx.get()
+    if ytd is None:
+        raise UnknownDistrict(f"district {ctx.key}")
+    ctx.put(ytd + amount)
 
 
 @customer.function
@@ -191,7 +205,7 @@ async def new_order(ctx: Context, c_id: int, lines: list) -> dict:
     o_id = d["next_o_id"]
     all_local = all(int(line[1]) == w_id for line in lines)
     # One concurrent fan-out: warehouse tax, customer, and every line's item price and stock update.
-    calls = [ctx.call(warehouse, w_s, get_tax), ctx.call(customer, f"{w_s}:{d_s}:{c_id}", get_for_order)]
+    calls = [ctx.call(warehouse_tax, w_s, get_tax), ctx.call(customer, f"{w_s}:{d_s}:{c_id}", get_for_order)]
     for i_id, supply_w, qty in lines:
         calls.append(ctx.call(item, str(i_id), get_price))
         calls.append(ctx.call(stock, f"{supply_w}:{i_id}", take, qty, int(supply_w) != w_id))
@@ -224,20 +238,18 @@ async def new_order(ctx: Context, c_id: int, lines: list) -> dict:
 @district.function
 async def payment(ctx: Context, c_w_id: int, c_d_id: int, c_id: int, c_last: str, amount: int) -> dict:
     """TPC-C Payment at this (home) district; the customer by id, or by last name when ``c_id`` is 0."""
-    ytd = ctx.get_item("ytd")
-    if ytd is None:
-        raise UnknownDistrict(f"district {ctx.key}")
     w_s, d_s = ctx.key.split(":")
-    ctx.put_item("ytd", ytd + amount)
-    if c_id == 0:  # by last name: the index lookup runs concurrently with the warehouse update
-        w_name, c_id = await ctx.gather(
+    if c_id == 0:  # by last name: the index lookup runs concurrently with the warehouse and district updates
+        w_name, _, c_id = await ctx.gather(
             ctx.call(warehouse, w_s, warehouse_pay, amount),
+            ctx.call(district_ytd, ctx.key, district_pay, amount),
             ctx.call(customer_index, f"{c_w_id}:{c_d_id}", lookup, c_last),
         )
         balance = await ctx.call(customer, f"{c_w_id}:{c_d_id}:{c_id}", customer_pay, amount, int(w_s), int(d_s))
     else:
-        w_name, balance = await ctx.gather(
+        w_name, _, balance = await ctx.gather(
             ctx.call(warehouse, w_s, warehouse_pay, amount),
+            ctx.call(district_ytd, ctx.key, district_pay, amount),
             ctx.call(customer, f"{c_w_id}:{c_d_id}:{c_id}", customer_pay, amount, int(w_s), int(d_s)),
         )
     ctx.send(
@@ -251,7 +263,8 @@ async def payment(ctx: Context, c_w_id: int, c_d_id: int, c_id: int, c_last: str
 
 app = Application(
     "tpcc",
-    [warehouse, district, customer, customer_index, item, stock, order, new_order_op, order_line, history],
+    [warehouse, warehouse_tax, district, district_ytd, customer, customer_index, item, stock, order,
+     new_order_op, order_line, history],
 )
 
 # ---------------------------------------------------------------------------------------------- population
@@ -325,8 +338,9 @@ def _items(rng: random.Random, lo: int, hi: int) -> Iterator[Record]:
 
 
 def _warehouse(rng: random.Random, w: int, scale: Scale) -> Iterator[Record]:
-    yield "warehouse", str(w), {"ytd": 3_000_000 * scale.districts}, {
-        "info": {"name": f"W{w}", "tax": rng.randint(0, 2000) / 10000}}
+    tax = rng.randint(0, 2000) / 10000
+    yield "warehouse", str(w), {"ytd": 3_000_000 * scale.districts}, {"info": {"name": f"W{w}", "tax": tax}}
+    yield "warehouse_tax", str(w), tax, None
 
 
 def _stock(rng: random.Random, w: int, lo: int, hi: int) -> Iterator[Record]:
@@ -340,8 +354,8 @@ def _stock(rng: random.Random, w: int, lo: int, hi: int) -> Iterator[Record]:
 def _district(rng: random.Random, w: int, d: int, scale: Scale) -> Iterator[Record]:
     """One district exactly as ``populate`` builds it (same rows, same order of draws)."""
     C, n_items, n_orders = scale.customers, scale.items, scale.initial_orders
-    yield "district", f"{w}:{d}", {"tax": rng.randint(0, 2000) / 10000, "next_o_id": n_orders + 1}, \
-        {"ytd": 3_000_000}
+    yield "district", f"{w}:{d}", {"tax": rng.randint(0, 2000) / 10000, "next_o_id": n_orders + 1}, None
+    yield "district_ytd", f"{w}:{d}", 3_000_000, None
     index: dict[str, int] = {}
     for c in range(1, C + 1):
         last = last_name(c - 1 if c <= 1000 else nurand(rng, 255, 0, 999, _C_LAST))
@@ -488,7 +502,8 @@ def check(read_state: Callable[[str, str], Any], read_items: Callable[[str, str]
 
     1. W_YTD = sum(D_YTD); 2. D_NEXT_O_ID - 1 = max(O_ID) = max(NO_O_ID); 3. NEW-ORDER rows of a district
     are contiguous (max - min + 1 = count); 4. sum(O_OL_CNT) = number of ORDER-LINE rows.
-    ``read_state(operator, key)`` gives an entity's value, ``read_items(operator, key)`` its items (D_YTD).
+    ``read_state(operator, key)`` gives an entity's value, ``read_items(operator, key)`` its items (unused
+    since D_YTD became an entity of its own; kept for the callers).
     Warehouses and districts are discovered by probing ids 1, 2, ... Rows beyond ``next_o_id`` (up to
     ``slack``) and lines beyond ``ol_cnt`` are probed too, so stray rows are reported.
     """
@@ -498,7 +513,7 @@ def check(read_state: Callable[[str, str], Any], read_items: Callable[[str, str]
         d_ytd = 0
         d = 1
         while (dist := read_state("district", f"{w}:{d}")) is not None:
-            d_ytd += read_items("district", f"{w}:{d}").get("ytd", 0)
+            d_ytd += read_state("district_ytd", f"{w}:{d}") or 0
             nxt = dist["next_o_id"]
             max_o = 0
             no_ids: list[int] = []

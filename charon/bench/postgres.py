@@ -252,13 +252,16 @@ class TpccSql(SqlWorkload):
     def rows(self, records: Iterable[Record]) -> dict[str, list[tuple]]:
         t: dict[str, list[tuple]] = {k: [] for k in (
             "warehouse", "district", "customer", "history", "item", "stock", "orders", "new_order", "order_line")}
+        d_ytd: dict[str, int] = {}
         for op, key, v, items in records:
             ids = [int(x) for x in key.split(":")]
             if op == "warehouse":
                 info = (items or {})["info"]
                 t["warehouse"].append((ids[0], info["name"], info["tax"], v["ytd"]))
             elif op == "district":
-                t["district"].append((*ids, v["tax"], (items or {})["ytd"], v["next_o_id"]))
+                t["district"].append((*ids, v["tax"], key, v["next_o_id"]))  # D_YTD: its own record
+            elif op == "district_ytd":
+                d_ytd[key] = v
             elif op == "customer":
                 i = (items or {})["info"]
                 t["customer"].append((*ids, i["first"], i["middle"], i["last"], i["credit"], i["discount"],
@@ -279,6 +282,7 @@ class TpccSql(SqlWorkload):
             elif op == "order_line":
                 t["order_line"].append((*ids, v["i_id"], v["supply_w_id"], v["quantity"], v["amount"],
                                         v["dist_info"], v["delivery_d"]))
+        t["district"] = [(w, d, tax, d_ytd[key], nxt) for w, d, tax, key, nxt in t["district"]]
         return t
 
     def handlers(self) -> dict[tuple[str, str], Handler]:

@@ -31,6 +31,8 @@ history; ``EpochResult.order`` is the epoch's TIDs sorted by position.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -124,6 +126,15 @@ class _Track:
     def complete(self, tid: int) -> bool:
         return tid in self.done and is_one(self.shares.get(tid))
 
+    def forget(self, tid: int) -> None:
+        """Drop what earlier runs of ``tid`` reported (it runs again)."""
+        self.done.pop(tid, None)
+        self.shares.pop(tid, None)
+        self.failed.pop(tid, None)
+        self.rw.pop(tid, None)
+        self.invocations.pop(tid, None)
+        self.invalid.discard(tid)
+
 
 def _root(tid: int, req: Request) -> Invoke:
     """The root invocation of a transaction: the whole ack share, no caller."""
@@ -139,28 +150,185 @@ def _within(touched: dict[Entity, bool], known: dict[Entity, bool]) -> bool:
     return True
 
 
-class _Locks:
-    """Read/write locks held by lower unresolved transactions, for TID-ordered scheduling.
+class _Queues:
+    """Deterministic per-entity lock queues of the fallback (Calvin-style), and the rule deciding its outcomes.
 
-    Two transactions conflict when one writes an entity the other reads or writes; transactions that only
-    read an entity in common commute, so they may run (or commit) in the same wave.
+    ``K[tid]`` is a transaction's known set (entity -> whether it writes it). Every unresolved transaction is
+    queued, in TID order, on each entity of its set; two accesses conflict when one of them writes. A waiting
+    transaction is *granted* (starts) when no lower unresolved transaction in its queues conflicts with it and
+    no higher transaction that holds (is running on) one of its entities does (possible only after a lower
+    one was re-queued onto that entity).
+
+    Why the outcomes are those of the serial order (the fallback's transactions one at a time in TID order):
+    :meth:`clear` decides a finished run of T as an outcome only if, for every entity e it touched, (i) no
+    higher transaction's outcome (commit or abort: it did not see T) wrote e, nor touched it if T wrote it,
+    (ii) no write to e was committed from T's first round on (T read every lower write to e), (iii) no lower
+    unresolved transaction conflicting on e is queued on e (it still has to run before T) and no higher one
+    holds e (it started before T's writes). On the entities of K[T] the queues guarantee all three; an entity
+    outside K[T] (a re-run that stepped outside its set, e.g. a key derived from a counter) is validated by
+    the same three checks, so a run that stepped outside its set onto entities nobody else wants commits at once. A run
+    that fails them is queued again with the set it touched added (reconnaissance, Calvin's OLLP; at most
+    ``MAX_REQUEUES`` times) only while no higher transaction's outcome touched what it touched
+    (:meth:`settled_below`); otherwise it moves to the next epoch, keeping its TID. A lower transaction that
+    later steps onto an entity a higher one decided on is deferred by that same rule.
     """
 
-    __slots__ = ("reads", "writes")
+    __slots__ = ("K", "unresolved", "waiting", "queues", "holders", "decided", "decided_w", "wround")
 
-    def __init__(self) -> None:
-        self.reads: set[Entity] = set()
-        self.writes: set[Entity] = set()
+    def __init__(self, K: dict[int, dict[Entity, bool]]) -> None:
+        self.K = K
+        self.unresolved = set(K)
+        self.waiting = set(K)
+        self.queues: dict[Entity, list[int]] = {}
+        for tid in sorted(K):
+            for e in K[tid]:
+                q = self.queues.get(e)
+                if q is None:
+                    self.queues[e] = [tid]
+                else:
+                    q.append(tid)
+        self.holders: dict[Entity, set[int]] = {}
+        self.decided: dict[Entity, int] = {}  # entity -> highest TID whose outcome touched it
+        self.decided_w: dict[Entity, int] = {}  # entity -> highest TID whose outcome wrote it
+        self.wround: dict[Entity, int] = {}  # entity -> the last round a committed write to it was decided
 
-    def conflicts(self, rw: dict[Entity, bool]) -> bool:
-        writes, reads = self.writes, self.reads
-        return any(e in writes or (w and e in reads) for e, w in rw.items())
+    def grant(self, dirty: set[int], candidates: set[int]) -> tuple[list[int], list[int]]:
+        """Start the granted transactions among ``dirty`` (the others wait): (cached replays, re-runs).
 
-    def add(self, rw: dict[Entity, bool]) -> None:
-        for e, w in rw.items():
-            self.reads.add(e)
+        A candidate may also start behind lower conflicting candidates that start in the same round."""
+        K, queues, holders = self.K, self.queues, self.holders
+        fast: list[int] = []
+        roots: list[int] = []
+        chain: set[int] = set()
+        waiting = self.waiting
+        heap = sorted(dirty & waiting)
+        seen = set(heap)
+        while heap:
+            tid = heapq.heappop(heap)
+            cand = tid in candidates
+            ok = True
+            for e, w in K[tid].items():
+                for v in queues[e]:
+                    if v >= tid:
+                        break
+                    if (w or K[v][e]) and not (cand and v in chain):
+                        ok = False
+                        break
+                if not ok:
+                    break
+                hs = holders.get(e)
+                if hs and any(v > tid and (w or K[v][e]) for v in hs):
+                    ok = False
+                    break
+            if not ok:
+                continue
+            waiting.discard(tid)
+            if cand:
+                fast.append(tid)
+                chain.add(tid)
+            else:
+                roots.append(tid)
+            for e in K[tid]:
+                hs = holders.get(e)
+                if hs is None:
+                    holders[e] = {tid}
+                else:
+                    hs.add(tid)
+                if cand:  # the candidates queued right behind it may chain
+                    q = queues[e]
+                    for i in range(bisect.bisect_right(q, tid), len(q)):
+                        v = q[i]
+                        if v in waiting and v not in seen:
+                            seen.add(v)
+                            heapq.heappush(heap, v)
+                        if K[v][e]:
+                            break
+        return fast, roots
+
+    def clear(self, tid: int, touched: dict[Entity, bool], start: int | None) -> bool:
+        """Whether a finished run of ``tid`` that touched ``touched``, started in round ``start`` (None: a cached
+        replay, whose reads of lower writes the fast layer owns) is an outcome in TID order (see the class)."""
+        K, queues, holders, wround = self.K, self.queues, self.holders, self.wround
+        decided = self.decided
+        for e, w in touched.items():
+            if (decided if w else self.decided_w).get(e, 0) > tid:
+                return False
+            if start is None:  # a cached replay: the higher ones replayed with it read its writes (fast layer)
+                hs = None
+            else:
+                if wround.get(e, -1) >= start:
+                    return False
+                hs = holders.get(e)
+            q = queues.get(e)
+            if q:
+                for v in q:
+                    if v >= tid:
+                        break
+                    if w or K[v][e]:
+                        return False
+            if hs and any(v > tid and (w or K[v][e]) for v in hs):
+                return False
+        return True
+
+    def settled_below(self, tid: int, touched: dict[Entity, bool]) -> bool:
+        """No higher transaction's outcome conflicts on what ``tid`` touched (so it may still run in TID order)."""
+        decided, decided_w = self.decided, self.decided_w
+        return all((decided if w else decided_w).get(e, 0) < tid for e, w in touched.items())
+
+    def _release(self, tid: int, dirty: set[int]) -> None:
+        """``tid`` stops holding its entities: wake those its queues may now grant."""
+        K, queues, holders, waiting = self.K, self.queues, self.holders, self.waiting
+        for e in K[tid]:
+            hs = holders.get(e)
+            if hs:
+                hs.discard(tid)
+            for v in queues[e]:  # the readers at the head, up to and with the first writer
+                if v == tid:
+                    continue
+                if v in waiting:
+                    dirty.add(v)
+                if K[v][e]:
+                    break
+
+    def resolve(self, tid: int, touched: dict[Entity, bool], rnd: int, committed: bool,
+                candidates: set[int]) -> set[int]:
+        """``tid`` has its outcome (``touched``: what it touched; empty for a deferral) in round ``rnd``."""
+        dirty: set[int] = set()
+        self._release(tid, dirty)
+        for e in self.K[tid]:
+            self.queues[e].remove(tid)
+        self.unresolved.discard(tid)
+        self.waiting.discard(tid)
+        dirty.discard(tid)
+        candidates.discard(tid)
+        decided, decided_w, wround = self.decided, self.decided_w, self.wround
+        for e, w in touched.items():
+            if decided.get(e, 0) < tid:
+                decided[e] = tid
             if w:
-                self.writes.add(e)
+                if decided_w.get(e, 0) < tid:
+                    decided_w[e] = tid
+                if committed:
+                    wround[e] = rnd
+        return dirty
+
+    def requeue(self, tid: int, grow: dict[Entity, bool] | None, candidates: set[int]) -> set[int]:
+        """``tid`` waits again, on its set grown by ``grow`` (None: the same set)."""
+        dirty = {tid}
+        self._release(tid, dirty)
+        self.waiting.add(tid)
+        if grow:
+            known = self.K[tid]
+            for e, w in grow.items():
+                k = known.get(e)
+                if k is None:
+                    q = self.queues.get(e)
+                    if q is None:
+                        self.queues[e] = [tid]
+                    else:
+                        bisect.insort(q, tid)
+                known[e] = w or bool(k)
+        return dirty
 
 
 @dataclass
@@ -572,152 +740,105 @@ class EpochCoordinator:
         return out.apply, out.reset
 
     def _fallback(self, epoch, conflicted, track, result, reply, apply_lockfree, stats):
-        """Alternate call-graph-cached rounds and locked re-runs until every conflict is resolved.
+        """Resolve the conflicted transactions through deterministic per-entity lock queues (see :class:`_Queues`).
 
-        A cached round re-runs the dry-run invocations of the candidates in one round; a transaction
-        commits if it replayed validly at every partition (:meth:`PartitionUnit._fast_round` defines it,
-        and argues why no uncommitted write leaks) and conflicts (read/write or write/write on an entity)
-        with no lower unresolved transaction's dry-run set (otherwise it stays a candidate). Transactions
-        that did not replay validly re-run from their root in waves: a wave takes, in TID order, every such
-        transaction that conflicts with no lower unresolved one, so the result equals running them in TID
-        order.
+        Every unresolved transaction waits in TID order in the queue of each entity of its known set K (the dry
+        run's read/write set, grown by re-queues). Each round starts every waiting transaction whose locks are
+        all granted, and the round runs everything started alongside (no wave barrier: a transaction that
+        finishes releases its locks, so the next in its queues starts in the next round). A transaction whose
+        dry run may be replayed (a *candidate*) starts as a call-graph-cached replay
+        (:meth:`PartitionUnit._fast_round`), and so does a candidate queued only behind candidates starting in
+        the same round (a chain commits in one round, each replay reading the valid ones below it); the others
+        re-run from their root with their cached replies forgotten. The decisions (:meth:`_Queues.clear`) make
+        every outcome equal to running the fallback's transactions one at a time in TID order.
         """
-        K = {tid: track.rw.get(tid, {}) for tid in conflicted}
+        q = _Queues({tid: dict(track.rw.get(tid, {})) for tid in conflicted})
+        K = q.K
         candidates = {t for t in conflicted if t not in track.failed}
-        rest = list(conflicted)
+        st = _Track()
         apply_next, reset_next = list(apply_lockfree), list(conflicted)
-        fast_rounds = slow_rounds = 0
-        committed_by: dict[Entity, int] = {}  # entity -> highest TID committed by the fallback touching it
+        fast_rounds = slow_rounds = rounds = outside = 0
         requeues: dict[int, int] = {}
-        while rest:
-            if candidates and self._may_commit(rest, candidates, K):
-                ft = _Track()
-                self._round(
-                    Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, fast=sorted(candidates)),
-                    [], ft, stats,
-                )
-                fast_rounds += 1
-                # valid = replayed within its dry-run set K at every partition (PartitionUnit._fast_round
-                # owns that rule and keeps invalid writes out of its fast layer), so blocking on K is exact
-                candidates -= ft.invalid
-                blocked = _Locks()
-                committed: list[int] = []
-                remaining: list[int] = []
-                for tid in rest:
-                    if tid in candidates and not blocked.conflicts(K[tid]):
-                        committed.append(tid)
+        started: dict[int, int] = {}  # locked re-runs in flight -> the round their root runs in
+        fast_now: list[int] = []  # candidates replayed in the coming round
+        msgs: list = []
+        dirty = set(conflicted)
+        while q.unresolved:
+            fast_now, roots = q.grant(dirty, candidates)
+            dirty = set()
+            if not fast_now and not roots and not started:  # pragma: no cover - the lowest one is always free
+                fast_now, roots = q.grant(set(q.waiting), candidates)
+                if not fast_now and not roots:
+                    raise AssertionError("fallback made no progress")
+            for tid in fast_now:
+                st.forget(tid)
+            for tid in roots:
+                st.forget(tid)
+                started[tid] = rounds
+                msgs.append(_root(tid, result.requests[tid]))
+            control = Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, fast=fast_now)
+            msgs = self._round(control, msgs, st, stats)
+            fast_rounds += bool(fast_now)
+            slow_rounds += bool(started)
+            apply_next, reset_next = [], []
+            in_flight = {m.tid for m in msgs}
+            finished: list[int] = []
+            for tid in sorted(started):
+                if tid not in st.failed and not st.complete(tid):
+                    if rounds - started[tid] + 1 < self.max_rounds and tid in in_flight:
+                        continue  # the cap: a safety net, never binds
+                    st.failed[tid] = (CallGraphLimitExceeded.__name__,
+                                      f"call graph still running after {rounds - started[tid] + 1} rounds")
+                finished.append(tid)
+            replies: list[Reply] = []
+            fast_set = set(fast_now)
+            for tid in sorted(fast_set.union(finished)):
+                touched = st.rw.get(tid, {})
+                if tid in fast_set:
+                    if tid in st.invalid:
+                        candidates.discard(tid)
+                    elif tid in st.done and q.clear(tid, K[tid], None):
+                        replies.append(reply(tid, True, st.done[tid]))
+                        result.fast.append(tid)
+                        apply_next.append(tid)
+                        dirty |= q.resolve(tid, touched, rounds, True, candidates)
+                        continue
+                    elif not q.settled_below(tid, K[tid]):  # never clear now: its re-run decides (defers it)
+                        candidates.discard(tid)
+                    reset_next.append(tid)
+                    dirty |= q.requeue(tid, None, candidates)
+                    continue
+                start = started.pop(tid)
+                grows = not _within(touched, K[tid])
+                if q.clear(tid, touched, start):
+                    outside += grows
+                    failed = st.failed.get(tid)
+                    if failed is not None:
+                        replies.append(reply(tid, False, err=failed))
+                        reset_next.append(tid)
                     else:
-                        remaining.append(tid)
-                        blocked.add(K[tid])
-                self._emit([reply(t, True, ft.done[t]) for t in committed])
-                for t in committed:
-                    for e in K[t]:
-                        committed_by[e] = max(committed_by.get(e, 0), t)
-                result.fast.extend(committed)
-                candidates.difference_update(committed)
-                rest = remaining
-                apply_next, reset_next = committed, list(remaining)
-                if not rest:
-                    break
-            # One wave of locked re-runs from the root.
-            blocked = _Locks()
-            wave: list[int] = []
-            for tid in rest:
-                if tid not in candidates and not blocked.conflicts(K[tid]):
-                    wave.append(tid)
-                blocked.add(K[tid])
-            if not wave:  # pragma: no cover - the lowest unresolved transaction is always free
-                raise AssertionError("fallback made no progress")
-            a, r, n, again = self._locked_wave(epoch, wave, K, result, reply, apply_next, reset_next,
-                                               stats, committed_by, requeues)
-            apply_next, reset_next = a, r
-            slow_rounds += n
-            waved = set(wave) - set(again)
-            rest = [t for t in rest if t not in waved]
+                        replies.append(reply(tid, True, st.done[tid]))
+                        apply_next.append(tid)
+                    result.slow.append(tid)
+                    dirty |= q.resolve(tid, touched, rounds, failed is None, candidates)
+                    continue
+                reset_next.append(tid)
+                if grows and requeues.get(tid, 0) >= MAX_REQUEUES or not q.settled_below(tid, touched):
+                    self.deferred.append((tid, result.requests[tid]))
+                    result.deferred.append(tid)
+                    dirty |= q.resolve(tid, {}, rounds, False, candidates)
+                    continue
+                if grows:  # reconnaissance (Calvin's OLLP): queue again with the larger set
+                    requeues[tid] = requeues.get(tid, 0) + 1
+                dirty |= q.requeue(tid, touched if grows else None, candidates)
+            msgs = [m for m in msgs if m.tid in started]
+            rounds += 1
+            self._emit(replies)
         stats["fast_rounds"] = fast_rounds
         stats["slow_rounds"] = slow_rounds
+        stats["fallback_rounds"] = rounds
         stats["fast"] = len(result.fast)
         stats["deferred"] = len(result.deferred)
         stats["requeued"] = sum(requeues.values())
+        stats["outside"] = outside  # re-runs that stepped outside their known set and were decided at once
         return apply_next, reset_next
-
-    @staticmethod
-    def _may_commit(rest: list[int], candidates: set[int], K: dict) -> bool:
-        """Whether a cached round could commit anything: some candidate is not blocked by a lower unresolved
-        non-candidate (assuming every candidate replays validly, the most a round can commit). When none
-        can, the round is skipped: it would commit nothing, and the lowest unresolved transaction is then
-        not a candidate, so the locked wave makes progress."""
-        blocked = _Locks()
-        for tid in rest:
-            if tid in candidates:
-                if not blocked.conflicts(K[tid]):
-                    return True
-            else:
-                blocked.add(K[tid])
-        return False
-
-    def _locked_wave(self, epoch, wave, K, result, reply, apply_next, reset_next, stats, committed_by,
-                     requeues):
-        """Re-run ``wave`` (pairwise non-conflicting) from the root; decide commit, abort, re-queue or defer.
-
-        A re-run that stepped outside its known read/write set is re-queued in this epoch's fallback with
-        the larger set (reconnaissance, as in Calvin's OLLP), as long as no higher TID already committed
-        on what it now touches (so TID order still serializes it); otherwise, or after
-        ``MAX_REQUEUES`` tries, it moves to the next epoch keeping its TID.
-        """
-        again: list[int] = []
-        outside: list[int] = []
-        slow_track = _Track()
-        msgs = []
-        for tid in wave:
-            req = result.requests[tid]
-            msgs.append(_root(tid, req))
-        running = set(wave)
-        rounds = 0
-        replies: list[Reply] = []
-        done_apply: list[int] = []
-        done_reset: list[int] = []
-        while running:
-            control = Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next)
-            apply_next, reset_next = [], []
-            msgs = self._round(control, msgs, slow_track, stats)
-            rounds += 1
-            in_flight = {m.tid for m in msgs}
-            for tid in sorted(running):
-                if tid not in slow_track.failed and not slow_track.complete(tid):
-                    if rounds < self.max_rounds and tid in in_flight:  # the cap: a safety net, never binds
-                        continue
-                    slow_track.failed[tid] = (CallGraphLimitExceeded.__name__,
-                                              f"call graph still running after {rounds} rounds")
-                running.discard(tid)
-                touched = slow_track.rw.get(tid, {})
-                if not _within(touched, K[tid]):
-                    done_reset.append(tid)
-                    outside.append(tid)  # decided once the whole wave has finished
-                elif tid in slow_track.failed:
-                    replies.append(reply(tid, False, err=slow_track.failed[tid]))
-                    done_reset.append(tid)
-                    result.slow.append(tid)
-                    for e in touched:  # an abort is an outcome in TID order too: what it read is settled
-                        committed_by[e] = max(committed_by.get(e, 0), tid)
-                else:
-                    replies.append(reply(tid, True, slow_track.done[tid]))
-                    done_apply.append(tid)
-                    result.slow.append(tid)
-                    for e in touched:
-                        committed_by[e] = max(committed_by.get(e, 0), tid)
-            msgs = [m for m in msgs if m.tid in running]
-        for tid in sorted(outside):
-            touched = slow_track.rw.get(tid, {})
-            if requeues.get(tid, 0) < MAX_REQUEUES and all(committed_by.get(e, 0) < tid for e in touched):
-                requeues[tid] = requeues.get(tid, 0) + 1
-                merged = dict(K[tid])
-                for e, w in touched.items():
-                    merged[e] = w or merged.get(e, False)
-                K[tid] = merged
-                again.append(tid)
-            else:
-                self.deferred.append((tid, result.requests[tid]))
-                result.deferred.append(tid)
-        self._emit(replies)
-        return done_apply, done_reset, rounds, again
