@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.cli import app as cli_app
-from charon.client import BadRequest, Client, RescaleRunning, Unauthorized
+from charon.client import AsyncClient, BadRequest, Client, RescaleRunning, Unauthorized
 from charon.config import GatewayConfig
 from charon.errors import TransactionAborted
 from charon.server.gateway import BackgroundServer
@@ -120,6 +120,15 @@ def test_rescale_route_errors() -> None:
         c.resume()
         out = c.rescale(3)  # not volatile-only: a non-durable in-process runtime rescales too
         assert out["to"] == 3 and rt.partitions == 3 and sum(rt.entities("account").values()) == 10 * BALANCE
+
+        async def via_async() -> dict:
+            async with AsyncClient(srv.url, token=TOKEN) as ac:
+                with pytest.raises(BadRequest):
+                    await ac.rescale(0)
+                return await ac.rescale(5)
+
+        out = asyncio.run(via_async())
+        assert out["from"] == 3 and out["to"] == 5 and c.status()["partitions"] == 5
         assert "/admin/rescale" in httpx.get(srv.url + "/openapi.json").json()["paths"]
 
 
