@@ -356,6 +356,17 @@ def resume(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     _print_json(_admin(url, token, lambda c: c.resume()))
 
 
+@app.command()
+def rescale(
+    partitions: int = typer.Argument(..., min=1, help="The new number of engine partitions."),
+    url: str = UrlOpt,
+    token: str | None = TokenOpt,
+) -> None:
+    """Change the running deployment's engine partition count at an epoch boundary; prints the measured pause
+    (from, to, epoch, keys, wait_s, pause_s, cpu_s)."""
+    _print_json(_admin(url, token, lambda c: c.rescale(partitions)))
+
+
 @app.command("read")
 def read_state(
     operator: str = typer.Argument(..., help="Operator name."),

@@ -59,6 +59,7 @@ __all__ = [
     "Unauthorized",
     "BadRequest",
     "RequestNotFound",
+    "RescaleRunning",
     "GatewayError",
 ]
 
@@ -91,6 +92,10 @@ class RequestNotFound(CharonError, LookupError):
     """Neither the gateway nor the runtime knows this request id."""
 
 
+class RescaleRunning(CharonError):
+    """A rescale is already running (or the in-process runtime is paused); retry when it is done."""
+
+
 class GatewayError(CharonError):
     """Any other error answer of the gateway (e.g. 503 after all retries)."""
 
@@ -112,6 +117,7 @@ _TYPED: dict[str, type[CharonError]] = {
     "NotFound": RequestNotFound,
     "InvalidKey": InvalidKey,
     "IdempotencyConflict": IdempotencyConflict,
+    "RescaleRunning": RescaleRunning,
 }
 
 
@@ -195,7 +201,7 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
     err = body.get("error") if isinstance(body, dict) else None
     etype = str(err.get("type", "")) if isinstance(err, dict) else ""
     message = str(err.get("message", "")) if isinstance(err, dict) else ""
-    if status == 409:
+    if status == 409 and not (etype == "RescaleRunning" and isinstance(body, dict) and "tid" not in body):
         exc = TransactionAborted(etype, message, str(body.get("request_id", request_id or "")))
         exc.tid = body.get("tid")  # type: ignore[attr-defined]
         exc.epoch = body.get("epoch")  # type: ignore[attr-defined]
@@ -471,6 +477,14 @@ class Client(_Base):
         """Let epochs start again."""
         return self._admin_doc(self._send("POST", "/admin/resume", headers=self.headers))
 
+    def rescale(self, partitions: int, *, timeout: float = 600.0) -> dict[str, Any]:
+        """Change the number of engine partitions at an epoch boundary (``POST /admin/rescale``; blocks until
+        done, at most ``timeout`` s): ``{"from", "to", "epoch", "keys", "wait_s", "pause_s", "cpu_s"}``.
+        :class:`RescaleRunning` while another rescale runs."""
+        resp = self._shards[0].post("/admin/rescale", json={"partitions": int(partitions)}, headers=self.headers,
+                                    timeout=timeout)  # once: no retry of a long admin move
+        return self._admin_doc(resp)
+
     def read_state(
         self, operator: str, keys: Sequence[str] | None = None, *, epoch: int | None = None, limit: int | None = None
     ) -> dict[str, Any]:
@@ -718,6 +732,12 @@ class AsyncClient(_Base):
     async def resume(self) -> dict[str, Any]:
         """Let epochs start again."""
         return self._admin_doc(await self._send("POST", "/admin/resume", headers=self.headers))
+
+    async def rescale(self, partitions: int, *, timeout: float = 600.0) -> dict[str, Any]:
+        """See :meth:`Client.rescale`."""
+        resp = await self._shards[0].post("/admin/rescale", json={"partitions": int(partitions)},
+                                          headers=self.headers, timeout=timeout)  # once: no retry
+        return self._admin_doc(resp)
 
     async def read_state(
         self, operator: str, keys: Sequence[str] | None = None, *, epoch: int | None = None, limit: int | None = None

@@ -77,7 +77,7 @@ def test_no_server_errors(api_schema: Any, mode: GenerationMode) -> None:
     assert len(operations) >= 8  # the generic routes and one invoke route per function
     paths = {op.path for op in operations}
     admin = {"/admin/status", "/admin/pause", "/admin/resume", "/admin/state/{operator}", "/admin/update",
-             "/admin/code", "/admin/summary", "/metrics", "/timers/{operator}/{key}"}
+             "/admin/code", "/admin/summary", "/metrics", "/timers/{operator}/{key}", "/admin/rescale"}
     assert admin <= paths, sorted(admin - paths)
     seen: dict[int, int] = {}
     for op in operations:

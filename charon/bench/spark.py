@@ -35,8 +35,6 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from charon import serde
 from charon.config import SparkConfig
 from charon.operator import Application
@@ -196,13 +194,13 @@ class SparkTarget:
     @property
     def epoch_stats(self) -> list[dict[str, float]]:
         """Per-epoch statistics, from the epoch records under the driver's checkpoint (in epoch order)."""
-        from charon.runtime.spark.runtime import EpochRecord
+        from charon.state.records import decode_record
 
         folder = os.path.join(self.config.checkpoint_dir, "epochs")
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             if name.endswith(".msgpack") and name not in self._records:
                 with open(os.path.join(folder, name), "rb") as f:
-                    rec = msgspec.msgpack.decode(f.read(), type=EpochRecord)
+                    rec = decode_record(f.read())
                 self._records[name] = {"epoch": rec.epoch, **rec.stats}
         return [self._records[k] for k in sorted(self._records)]
 

@@ -371,7 +371,7 @@ class InProcessRuntime(control.Controllable):
         """
         if partitions < 1:
             raise ValueError("partitions must be at least 1")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         old = self.partitions
         parts: list[list[tuple[bytes, bytes]]] = [[] for _ in range(partitions)]
         n = 0
@@ -400,20 +400,25 @@ class InProcessRuntime(control.Controllable):
             u.previous = self.coordinator.previous  # a compatible code update's old code, if still needed
         self.coordinator.exchange = LocalExchange(self.units)
         pause = time.perf_counter() - t0
-        self.rescale_pauses.append({"from": old, "to": partitions, "epoch": self.epoch, "pause_s": pause, "keys": n})
+        self.rescale_pauses.append({"from": old, "to": partitions, "epoch": self.epoch, "pause_s": pause, "keys": n,
+                                    "cpu_s": time.process_time() - c0, "wait_s": 0.0})
         return pause
 
     async def rescale(self, partitions: int) -> float:
         """Change the number of partitions at the next epoch boundary (serving or not); returns the pause in
         seconds (requests keep queueing meanwhile and run in the next epoch). A durable directory keeps the
-        new count (reopening it with another ``partitions`` rescales it again)."""
+        new count (reopening it with another ``partitions`` rescales it again). ``rescale_pauses`` records
+        ``from``, ``to``, ``epoch``, ``keys``, ``pause_s``, ``cpu_s`` and ``wait_s`` (until the epoch boundary)."""
         if self._task is None or self._task.done():
             return self._rescale_now(partitions)
+        t0 = time.perf_counter()
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._rescales.append((partitions, fut))
         assert self._wake is not None
         self._wake.set()
-        return await fut
+        pause = await fut
+        self.rescale_pauses[-1]["wait_s"] = max(0.0, time.perf_counter() - t0 - pause)
+        return pause
 
     # -- state --------------------------------------------------------------------------------------
     def _store_of(self, operator: str, key: str) -> MemoryStore:

@@ -38,13 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import msgspec
-
 from charon import serde
 from charon.log.location import open_input_log, open_output_log
 from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.state.durable import DurableState
+from charon.state.records import EpochRecord, encode_record, read_record
 from charon.state.store import MemoryStore
 
 T = TypeVar("T")
@@ -62,17 +61,6 @@ def crash_point(point: str, epoch: int) -> None:
 
 class NodeError(Exception):
     """The data directory cannot be used (in use by another process, other layout, not fresh, failed)."""
-
-
-class NodeRecord(msgspec.Struct):
-    """The checkpoint of epoch ``epoch``: with the durable state as of ``epoch``, enough to continue."""
-
-    epoch: int
-    counters: list[int]
-    deferred: list[tuple[int, bytes]]  # (tid, encoded request)
-    log_end: int  # input-log offset after this epoch's marker: replay starts here
-    time: float = 0.0  # the epoch's deterministic time (the sequencer's, see charon.core.timers)
-    next_due: float = -math.inf  # the earliest pending timer after this epoch (-inf: unknown)
 
 
 class RecordingStore(MemoryStore):
@@ -219,15 +207,11 @@ class NodeStorage:
     def _newest_record_epoch(self) -> int:
         return max(self._record_epochs(), default=-1)
 
-    def read_record(self, epoch: int) -> NodeRecord | None:
-        try:
-            with open(self._record_path(epoch), "rb") as f:
-                return msgspec.msgpack.decode(f.read(), type=NodeRecord)
-        except FileNotFoundError:
-            return None
+    def read_record(self, epoch: int) -> EpochRecord | None:
+        return read_record(self._record_path(epoch))
 
-    def _write_record(self, rec: NodeRecord) -> None:
-        data = msgspec.msgpack.encode(rec)
+    def _write_record(self, rec: EpochRecord) -> None:
+        data = encode_record(rec)
         self.durable.fs.write_atomic(self._record_path(rec.epoch), lambda f: f.write(data))
 
     # -- recovery ------------------------------------------------------------------------------------
@@ -244,7 +228,7 @@ class NodeStorage:
 
     def recover(
         self,
-    ) -> tuple[list[dict[bytes, bytes]], NodeRecord | None, list[tuple[int, list[Request], float]]]:
+    ) -> tuple[list[dict[bytes, bytes]], EpochRecord | None, list[tuple[int, list[Request], float]]]:
         """State per partition as of the newest record, that record, and the logged epochs after it (each with
         the time logged in its marker)."""
         rec = self.read_record(self.checkpointed_epoch) if self.checkpointed_epoch >= 0 else None
@@ -386,8 +370,8 @@ class NodeStorage:
             if pid == 0:
                 crash_point("delta0", last.epoch)  # one partition's delta written, the others not
         crash_point("deltas", last.epoch)
-        rec = NodeRecord(last.epoch, last.counters, [(t, serde.encode_request(r)) for t, r in last.deferred],
-                         last.log_end, last.time, last.next_due)
+        rec = EpochRecord(last.epoch, last.counters, [(t, serde.encode_request(r)) for t, r in last.deferred],
+                          time=last.time, next_due=last.next_due, log_end=last.log_end)
         self._write_record(rec)  # the commit point of this checkpoint
         self.checkpointed_epoch = last.epoch
         for r in replies:

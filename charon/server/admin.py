@@ -36,6 +36,12 @@
   ``SQLSyntaxError``; at most ``sql_max_rows`` rows, cancelled after ``sql_timeout_s`` (422 ``SQLTimeout``),
   text of at most ``sql_max_chars``; in-process at most ``sql_max_entities`` per operator (413
   ``StateTooLarge``); at most two at once (429 ``SQLBusy``).
+- ``POST /admin/rescale`` ``{"partitions": n}`` (1 <= n <= the ``max_partitions`` setting): change the number of
+  engine partitions of the running deployment at an epoch boundary (key groups move; both runtimes; blocks until
+  done): ``{"from", "to", "epoch", "keys", "wait_s", "pause_s", "cpu_s"}`` (``wait_s``: until the running epoch
+  was done, epochs still ran; ``pause_s``: no epoch could run). 409 ``RescaleRunning`` while another one runs
+  (or, in-process, while paused: resume first); 503 ``RescaleTimeout`` if no epoch boundary came in time.
+  ``/admin/status`` shows ``partitions`` and ``last_rescale`` (that answer).
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
 - ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
 - ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
@@ -44,6 +50,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import msgspec
@@ -65,6 +72,8 @@ STATUS_OF_ERROR.setdefault("NotSupported", 501)
 STATUS_OF_ERROR.setdefault("Forbidden", 403)
 for _name, _status in (("SQLRejected", 422), ("SQLSyntaxError", 400), ("SQLTimeout", 422), ("StateTooLarge", 413),
                        ("SQLBusy", 429)):
+    STATUS_OF_ERROR.setdefault(_name, _status)
+for _name, _status in (("RescaleRunning", 409), ("RescaleTimeout", 503)):
     STATUS_OF_ERROR.setdefault(_name, _status)
 SQL_ERRORS = ("SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "EpochNotRetained")
 SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy beyond)
@@ -110,13 +119,37 @@ def _epoch_param(raw: Any, name: str) -> int | None:
     return value
 
 
+def _partitions(runtime: Any) -> int | None:
+    """The runtime's engine partition count (in-process: ``partitions``; Spark: ``config.partitions``)."""
+    n = getattr(runtime, "partitions", None)
+    if not isinstance(n, int):
+        n = getattr(getattr(runtime, "config", None), "partitions", None)
+    return n if isinstance(n, int) else None
+
+
+def _rescale_info(runtime: Any, out: Any, elapsed: float) -> dict[str, Any]:
+    """One shape for both runtimes' rescale answers (Spark: a dict; in-process: the pause, details recorded)."""
+    if isinstance(out, dict):
+        info = dict(out)
+    else:
+        pauses = getattr(runtime, "rescale_pauses", None) or [{}]
+        info = {**pauses[-1], "pause_s": float(out)}
+        info.setdefault("wait_s", max(0.0, elapsed - float(out)))
+    return {k: info.get(k) for k in ("from", "to", "epoch", "keys", "wait_s", "pause_s", "cpu_s")}
+
+
 def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
     """The admin, metrics and dashboard routes over one gateway."""
+
+    def with_layout(st: dict[str, Any]) -> dict[str, Any]:
+        pauses = getattr(gw.runtime, "rescale_pauses", None)
+        last = _rescale_info(gw.runtime, pauses[-1], 0.0) if pauses else None
+        return {**st, "inflight": len(gw.inflight), "partitions": _partitions(gw.runtime), "last_rescale": last}
 
     async def status(request: HTTPRequest) -> Response:
         gw.check_auth(request)
         st = await gw.off_loop(_method(gw, "control_status"))
-        return gw.respond(request, 200, {**st, "inflight": len(gw.inflight)})
+        return gw.respond(request, 200, with_layout(st))
 
     async def pause(request: HTTPRequest) -> Response:
         gw.check_auth(request)
@@ -126,13 +159,43 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
             raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
         after = _epoch_param(doc.get("after_epoch"), "after_epoch")
         st = await gw.off_loop(_method(gw, "pause"), after)
-        return gw.respond(request, 200, {**st, "inflight": len(gw.inflight)})
+        return gw.respond(request, 200, with_layout(st))
 
     async def resume(request: HTTPRequest) -> Response:
         gw.check_auth(request)
         await _json_body(gw, request)
         st = await gw.off_loop(_method(gw, "resume"))
-        return gw.respond(request, 200, {**st, "inflight": len(gw.inflight)})
+        return gw.respond(request, 200, with_layout(st))
+
+    rescaling = {"busy": False}
+
+    async def rescale(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        doc = await _json_body(gw, request)
+        unknown = set(doc) - {"partitions"}
+        if unknown:
+            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        n, cap = doc.get("partitions"), gw.cfg.max_partitions
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cap:
+            raise _HTTPError("BadRequest", f"partitions must be an integer 1..{cap} (max_partitions)")
+        fn = _method(gw, "rescale")
+        if rescaling["busy"]:
+            raise _HTTPError("RescaleRunning", "a rescale is running; retry when it is done")
+        if getattr(gw.runtime, "control_engine", None) == "inprocess":
+            st = await gw.off_loop(_method(gw, "control_status"))
+            if st.get("paused"):  # its epoch loop waits at the gate: the move would wait for the resume
+                raise _HTTPError("RescaleRunning", "the runtime is paused; resume it, then rescale")
+        rescaling["busy"] = True
+        t0 = time.perf_counter()
+        try:
+            out = await gw.off_loop(fn, n)
+        except TimeoutError as exc:
+            raise _HTTPError("RescaleTimeout", f"no epoch boundary in time, nothing moved: {exc}") from None
+        except ValueError as exc:
+            raise _HTTPError("BadRequest", f"cannot rescale to {n}: {exc}") from None
+        finally:
+            rescaling["busy"] = False
+        return gw.respond(request, 200, _rescale_info(gw.runtime, out, time.perf_counter() - t0))
 
     async def state(request: HTTPRequest) -> Response:
         gw.check_auth(request)
@@ -285,6 +348,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         Route("/admin/status", _guard(gw, status), methods=["GET"], name="admin_status"),
         Route("/admin/pause", _guard(gw, pause), methods=["POST"], name="admin_pause"),
         Route("/admin/resume", _guard(gw, resume), methods=["POST"], name="admin_resume"),
+        Route("/admin/rescale", _guard(gw, rescale), methods=["POST"], name="admin_rescale"),
         Route("/admin/state/{operator}", _guard(gw, state), methods=["GET"], name="admin_state"),
         Route("/admin/update", _guard(gw, update), methods=["POST"], name="admin_update"),
         Route("/admin/code", _guard(gw, code), methods=["POST"], name="admin_code"),
@@ -328,6 +392,17 @@ def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
             "requestBody": body({}, [], optional=True),
             "responses": {"200": status, "400": err("malformed body"), "415": err("unsupported body type"),
                           **common}}},
+        "/admin/rescale": {"post": {
+            "summary": "Change the number of engine partitions at an epoch boundary; answers the pause (admin)",
+            "security": security,
+            "requestBody": body({"partitions": {"type": "integer", "minimum": 1,
+                                                "description": "at most the max_partitions setting"}},
+                                ["partitions"]),
+            "responses": {"200": ok("{from, to, epoch, keys, wait_s, pause_s, cpu_s}"),
+                          "400": err("malformed body or a partition count out of range"),
+                          "409": err("a rescale is running (or the in-process runtime is paused)"),
+                          "415": err("unsupported body type"),
+                          "503": err("no epoch boundary in time; nothing moved"), **common}}},
         "/admin/state/{operator}": {"get": {
             "summary": "An operator's entities as of one committed epoch (admin)", "security": security,
             "parameters": [

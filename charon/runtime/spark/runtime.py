@@ -52,6 +52,7 @@ from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime import control
 from charon.state.durable import DurableState, write_file_atomic
+from charon.state.records import EpochRecord, encode_record, read_record
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
 
@@ -124,19 +125,6 @@ def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> Layou
         )
     remove_old_layouts(checkpoint, have.state)
     return have
-
-
-class EpochRecord(msgspec.Struct):
-    """What the driver keeps per epoch under ``<checkpoint>/epochs``: enough to continue after a crash."""
-
-    epoch: int
-    counters: list[int]
-    deferred: list[tuple[int, bytes]]  # (tid, encoded request)
-    starts: list[int]
-    ends: list[int]
-    stats: dict[str, float] = {}
-    time: float = 0.0  # the epoch's deterministic time: the newest timestamp of its input-log records
-    next_due: float = -math.inf  # the earliest pending timer after this epoch (-inf: unknown)
 
 
 # -- fault injection for the crash tests: CHARON_CRASH_AT="point:epoch" SIGKILLs this process there ----------
@@ -1042,14 +1030,10 @@ class SparkRuntime(control.Controllable):
         return e
 
     def read_record(self, epoch: int) -> EpochRecord | None:
-        try:
-            with open(self._record_path(epoch), "rb") as f:
-                return msgspec.msgpack.decode(f.read(), type=EpochRecord)
-        except FileNotFoundError:
-            return None
+        return read_record(self._record_path(epoch))
 
     def _write_record(self, rec: EpochRecord) -> None:
-        write_file_atomic(self._record_path(rec.epoch), msgspec.msgpack.encode(rec))
+        write_file_atomic(self._record_path(rec.epoch), encode_record(rec))
 
     # -- bulk load --------------------------------------------------------------------------------------------
     def load_dataframe(self, df: Any) -> int:
