@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import time
 from collections import defaultdict
@@ -49,6 +50,11 @@ def _group(results: list[dict], experiment: str) -> dict[str, list[dict]]:
     return dict(by_sys)
 
 
+def _ms(v: float | None) -> float:
+    """A latency for a log-scale plot: NaN (a gap) where nothing finished."""
+    return math.nan if v is None or v <= 0 else v
+
+
 def plot_latency_throughput(results: list[dict], experiment: str, path: Path) -> Path | None:
     """Latency (p50 solid, p99 dashed, log scale) against committed throughput, one curve per system."""
     groups = _group(results, experiment)
@@ -58,9 +64,11 @@ def plot_latency_throughput(results: list[dict], experiment: str, path: Path) ->
     for i, (system, runs) in enumerate(sorted(groups.items())):
         color = f"C{i}"
         x = [r["committed_per_s"] for r in runs]
-        ax.plot(x, [r["latency_ms"]["p50"] for r in runs], "o-", color=color, label=f"{system} p50")
-        ax.plot(x, [r["latency_ms"]["p99"] for r in runs], "s--", color=color, label=f"{system} p99")
+        ax.plot(x, [_ms(r["latency_ms"]["p50"]) for r in runs], "o-", color=color, label=f"{system} p50")
+        ax.plot(x, [_ms(r["latency_ms"]["p99"]) for r in runs], "s--", color=color, label=f"{system} p99")
         for r in runs:
+            if r["latency_ms"]["p50"] is None:
+                continue
             ax.annotate(f"{r['input_rate']:g}", (r["committed_per_s"], r["latency_ms"]["p50"]), fontsize=6,
                         textcoords="offset points", xytext=(2, 3))
     ax.set_yscale("log")
@@ -92,8 +100,8 @@ def plot_zipf(results: list[dict], path: Path) -> Path | None:
         if any("retries" in r for r in runs):
             ax1.plot(labels, [100 * r.get("retries", 0) / max(1, r["completed"]) for r in runs], "v:",
                      color=f"C{i}", label=f"{system} retries/txn")
-        ax2.plot(labels, [r["latency_ms"]["p50"] for r in runs], "o-", color=f"C{i}", label=f"{system} p50")
-        ax2.plot(labels, [r["latency_ms"]["p99"] for r in runs], "s--", color=f"C{i}", label=f"{system} p99")
+        ax2.plot(labels, [_ms(r["latency_ms"]["p50"]) for r in runs], "o-", color=f"C{i}", label=f"{system} p50")
+        ax2.plot(labels, [_ms(r["latency_ms"]["p99"]) for r in runs], "s--", color=f"C{i}", label=f"{system} p99")
     ax1.set_xlabel("Zipf coefficient")
     ax1.set_ylabel("% of transactions")
     ax1.set_title("YCSB-T aborts / conflicts")
@@ -122,7 +130,7 @@ def plot_timeline(results: list[dict], experiment: str, path: Path) -> Path | No
         tl = r.get("timeline", [])
         t = [p["t"] for p in tl]
         ax1.plot(t, [p["committed"] for p in tl], color=f"C{i}", label=f"{system} @ {r['input_rate']:g}/s")
-        ax2.plot(t, [p["p50_ms"] if p["p50_ms"] is not None else math.nan for p in tl], color=f"C{i}")
+        ax2.plot(t, [_ms(p["p50_ms"]) for p in tl], color=f"C{i}")
         if r.get("warmup_s"):
             ax1.axvline(r["warmup_s"], color="grey", ls=":", lw=0.8)
     ax1.set_ylabel("committed / s")
@@ -184,7 +192,7 @@ def write_report(out_dir: str | Path, md_path: str | Path, command: str = "", no
     out.mkdir(parents=True, exist_ok=True)
     md = Path(md_path)
     results = load_results(out)
-    rel = lambda p: Path(p).resolve().relative_to(md.parent.resolve()).as_posix()  # noqa: E731
+    rel = lambda p: Path(os.path.relpath(Path(p).resolve(), md.parent.resolve())).as_posix()  # noqa: E731
     parts = [
         "# Benchmark results",
         "",
