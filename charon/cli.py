@@ -11,6 +11,7 @@ request was answered exactly once (retrying a sample of request ids returns the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -102,7 +103,7 @@ def make_runtime(
         from charon.runtime.node import NodeError
 
         try:
-            return InProcessRuntime(load_app(target), partitions=partitions or 4, data_dir=data_dir, fsync=fsync,
+            return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync,
                                     reply_retention=reply_retention, log_url=log_url)
         except NodeError as exc:
             raise _fail(str(exc)) from None
@@ -116,6 +117,12 @@ def make_runtime(
         from charon.runtime.spark.runtime import LayoutMismatch
 
         config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url)
+        if partitions is None:  # not given (flag or CHARON_PARTITIONS): a checkpoint keeps its recorded layout
+            from charon.runtime.spark.runtime import read_layout
+
+            layout = read_layout(config.checkpoint_dir)
+            if layout is not None:
+                config = dataclasses.replace(config, partitions=layout.partitions)
         try:
             return SparkRuntime(target if ":" in target else f"{target}:app", config)
         except LayoutMismatch as exc:  # the checkpoint was made with another partition count
@@ -175,7 +182,8 @@ def run(
     port: int = typer.Option(8000, envvar="CHARON_PORT", help="TCP port."),
     token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send."),
     partitions: int | None = typer.Option(
-        None, min=1, envvar="CHARON_PARTITIONS", help="Number of partitions (default 4).", show_default=False
+        None, min=1, envvar="CHARON_PARTITIONS", show_default=False,
+        help="Engine partitions (default: the data directory's recorded count, else 4; another count rescales it).",
     ),
     max_body: int | None = typer.Option(
         None, min=1, envvar="CHARON_GATEWAY_MAX_BODY", help="Largest request body in bytes (default 1 MiB).",

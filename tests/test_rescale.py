@@ -117,7 +117,7 @@ async def test_durable_rescale_under_load_2_4_3(tmp_path: Path) -> None:
     assert len(epochs) == 2 and min(epochs) > 0, "both moves happened under load, between epochs"
     snap = rt.snapshot()
     rt.close()
-    again = InProcessRuntime(app, partitions=3, data_dir=str(tmp_path))
+    again = InProcessRuntime(app, data_dir=str(tmp_path))  # no count given: the recorded layout is kept
     try:
         assert again.partitions == 3 and again.snapshot() == snap and again.rescale_pauses == []
         for rid, rep in list(replies.items())[:50]:
@@ -129,6 +129,27 @@ async def test_durable_rescale_under_load_2_4_3(tmp_path: Path) -> None:
         assert two.partitions == 2 and two.snapshot() == snap and placed_right(two)
     finally:
         two.close()
+
+
+def test_charon_run_without_a_count_keeps_a_rescaled_layout(tmp_path: Path) -> None:
+    """``charon run`` without --partitions (or CHARON_PARTITIONS) reopens a rescaled directory at its recorded
+    count, not at the default 4 (a restart must not undo an operator's rescale)."""
+    from charon.cli import make_runtime
+
+    rt = InProcessRuntime(app, partitions=2, data_dir=str(tmp_path))
+    rt.load("acct", {k: 100 for k in KEYS})
+    asyncio.run(rt.rescale(3))
+    rt.close()
+    again = make_runtime("charon.apps.holds:app", "inprocess", None, str(tmp_path))
+    try:
+        assert again.partitions == 3 and again.rescale_pauses == [] and placed_right(again)
+    finally:
+        again.close()
+    fresh = make_runtime("charon.apps.holds:app", "inprocess", None, str(tmp_path / "new"))
+    try:
+        assert fresh.partitions == 4
+    finally:
+        fresh.close()
 
 
 _CRASH = """

@@ -95,6 +95,10 @@ def test_stopped_runtime_rescales_and_reopening_rescales(tmp_path: Path) -> None
         SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=3, log_partitions=5))
     with pytest.raises(ValueError):
         three.rescale(0)
+    from charon.cli import make_runtime
+
+    kept = make_runtime(APP, "spark", None, str(tmp_path))  # `charon run` without --partitions: no rescale
+    assert kept.config.partitions == 3 and kept.rescale_pauses == [] and kept.snapshot() == before
 
 
 _CRASH = """

@@ -189,7 +189,7 @@ class InProcessRuntime(control.Controllable):
     def __init__(
         self,
         app: Application,
-        partitions: int = 4,
+        partitions: int | None = None,
         epoch_max_txns: int = 10_000,
         epoch_max_ms: float = 1.0,
         max_invocations: int = MAX_INVOCATIONS,
@@ -209,7 +209,8 @@ class InProcessRuntime(control.Controllable):
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days).
-        ``data_dir``: durable mode (see
+        ``partitions``: engine partitions (default 4; a durable directory keeps the count it has unless another
+        one is given, which rescales it). ``data_dir``: durable mode (see
         :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``; ``log_url`` puts its logs
         on NATS, see :mod:`charon.log.nats`). ``stats_kept``: how many
         recent epochs ``epoch_stats`` keeps. ``retain_events``: events kept per output stream
@@ -231,11 +232,12 @@ class InProcessRuntime(control.Controllable):
         if data_dir is not None:
             from charon.runtime.node import NodeStorage, RecordingStore
 
-            self.node = NodeStorage(data_dir, partitions, fsync=fsync, checkpoint_s=checkpoint_s,
+            self.node = NodeStorage(data_dir, partitions or 4, fsync=fsync, checkpoint_s=checkpoint_s,
                                     compact_every=compact_every, log_url=log_url)
             self.partitions = self.node.partitions  # the directory's layout; rescaled after recovery
             self.stores: list[MemoryStore] = [RecordingStore() for _ in range(self.partitions)]
         else:
+            partitions = self.partitions = 4 if partitions is None else partitions
             if partitions < 1:
                 raise ValueError("partitions must be at least 1")
             self.stores = [MemoryStore() for _ in range(partitions)]
@@ -272,7 +274,7 @@ class InProcessRuntime(control.Controllable):
         if self.node is not None:
             try:
                 self._recover()
-                if partitions != self.partitions:
+                if partitions is not None and partitions != self.partitions:  # None: keep the recorded layout
                     self._rescale_now(partitions)
             except BaseException:
                 self.node.close()
