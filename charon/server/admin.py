@@ -86,7 +86,8 @@ def _method(gw: _Gateway, name: str) -> Any:
     return fn
 
 
-async def _json_body(gw: _Gateway, request: HTTPRequest) -> dict[str, Any]:
+async def _json_body(gw: _Gateway, request: HTTPRequest, fields: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The request's JSON or msgpack object; 400 for a field not in ``fields`` (415 for another media type)."""
     body = await gw.read_body(request)
     if not body:
         return {}
@@ -102,6 +103,9 @@ async def _json_body(gw: _Gateway, request: HTTPRequest) -> dict[str, Any]:
         raise _HTTPError("BadRequest", f"malformed body: {exc}") from None
     if not isinstance(doc, dict):
         raise _HTTPError("BadRequest", "the body must be an object")
+    unknown = set(doc) - fields
+    if unknown:
+        raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
     return doc
 
 
@@ -153,10 +157,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
 
     async def pause(request: HTTPRequest) -> Response:
         gw.check_auth(request)
-        doc = await _json_body(gw, request)
-        unknown = set(doc) - {"after_epoch"}
-        if unknown:
-            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        doc = await _json_body(gw, request, frozenset({"after_epoch"}))
         after = _epoch_param(doc.get("after_epoch"), "after_epoch")
         st = await gw.off_loop(_method(gw, "pause"), after)
         return gw.respond(request, 200, with_layout(st))
@@ -171,10 +172,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
 
     async def rescale(request: HTTPRequest) -> Response:
         gw.check_auth(request)
-        doc = await _json_body(gw, request)
-        unknown = set(doc) - {"partitions"}
-        if unknown:
-            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        doc = await _json_body(gw, request, frozenset({"partitions"}))
         n, cap = doc.get("partitions"), gw.cfg.max_partitions
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cap:
             raise _HTTPError("BadRequest", f"partitions must be an integer 1..{cap} (max_partitions)")
@@ -240,10 +238,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
 
     async def update(request: HTTPRequest) -> Response:
         gw.check_auth(request)
-        doc = await _json_body(gw, request)
-        unknown = set(doc) - {"id", "operator", "function", "args", "keys"}
-        if unknown:
-            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        doc = await _json_body(gw, request, frozenset({"id", "operator", "function", "args", "keys"}))
         uid, operator, function = doc.get("id"), doc.get("operator"), doc.get("function")
         if not isinstance(uid, str) or not _IDEMPOTENCY_KEY.match(uid):
             raise _HTTPError("BadRequest", "id must be 1-200 characters of A-Z a-z 0-9 and . _ ~ : @ + = -")
@@ -266,10 +261,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
 
     async def code(request: HTTPRequest) -> Response:
         gw.check_auth(request)
-        doc = await _json_body(gw, request)
-        unknown = set(doc) - {"ref", "version", "migration", "mode"}
-        if unknown:
-            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        doc = await _json_body(gw, request, frozenset({"ref", "version", "migration", "mode"}))
         ref, version, mig = doc.get("ref"), doc.get("version"), doc.get("migration")
         mode = doc.get("mode", "strict")
         if mode not in ("strict", "compatible"):
@@ -306,10 +298,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
 
     async def sql(request: HTTPRequest) -> Response:
         gw.check_auth(request)
-        doc = await _json_body(gw, request)
-        unknown = set(doc) - {"sql", "epoch"}
-        if unknown:
-            raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        doc = await _json_body(gw, request, frozenset({"sql", "epoch"}))
         query = doc.get("sql")
         cfg = gw.cfg
         if not isinstance(query, str) or not query.strip():
