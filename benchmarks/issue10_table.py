@@ -90,7 +90,7 @@ def row_open_loop(q: bool) -> dict:
     sys.path.insert(0, str(HERE))
     import engine_perf
 
-    rates = [5000.0, 20000.0] if q else [10000.0, 15000.0, 20000.0, 25000.0, 30000.0]
+    rates = [5000.0, 20000.0] if q else [2500.0, 5000.0, 10000.0, 15000.0, 20000.0, 25000.0]
     dur, warm = (3.0, 1.0) if q else (8.0, 2.0)
     pts = engine_perf.run_child("open_loop", src=None, workload="ycsb", rates=rates, duration=dur,
                                 warmup=warm)["points"]
