@@ -40,12 +40,13 @@ APP = "charon.apps.ycsb:app"
 
 
 # ---- the driver (a child process) ---------------------------------------------------------------------------
-def _config(data_dir: str, partitions: int, master: str):
+def _config(data_dir: str, partitions: int, master: str, restart_batch: int | None = None):
     from charon.config import SparkConfig
 
     # compaction only from the snapshot thread below (compact_every=0), at the interval the parent sets
+    extra = {} if restart_batch is None else {"restart_batch": restart_batch}
     return SparkConfig(master=master, data_dir=data_dir, partitions=partitions, max_batch=20_000, compact_every=0,
-                       local_dir=os.path.join(data_dir, "local"))
+                       local_dir=os.path.join(data_dir, "local"), **extra)
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -61,7 +62,7 @@ def run_driver(args: argparse.Namespace) -> int:
             events.flush()
 
     log("process_start")
-    rt = SparkRuntime(APP, _config(args.data_dir, args.partitions, args.master))
+    rt = SparkRuntime(APP, _config(args.data_dir, args.partitions, args.master, args.restart_batch))
     rt.spark  # noqa: B018 - the JVM and the session, timed apart from the query
     log("session_ready")
     compact = rt._compact
@@ -74,6 +75,7 @@ def run_driver(args: argparse.Namespace) -> int:
         log("snapshot", start=t0, end=time.time(), cpu_s=time.thread_time() - c0, upto=upto, bytes=size)
 
     rt._compact = timed_compaction  # type: ignore[method-assign]
+    _trace_restart(rt, log)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     rt.start()
@@ -96,6 +98,50 @@ def run_driver(args: argparse.Namespace) -> int:
     rt.close()
     log("stopped")
     return 0
+
+
+def _trace_restart(rt, log, jobs: int = 40) -> None:
+    """Log the restart path: the query's start, each micro-batch (its epoch and size), the first ``jobs`` Spark
+    jobs (one per round) and each epoch record written, with the epoch's restore time (executor LMDB open)."""
+    from charon.runtime.spark import runtime as sr
+    from charon.runtime.spark.source import batch_offsets
+
+    start_query, on_batch, recorded = rt._start_query, rt._on_batch, rt._recorded
+    run_job = sr.SparkExchange.run_job
+    left = [jobs]
+
+    def traced_start_query() -> None:
+        log("query_start_begin")
+        start_query()
+        log("query_start_returned")
+
+    def traced_on_batch(df, batch_id: int) -> None:
+        try:
+            s, e = batch_offsets(rt._query_ckpt, int(batch_id))
+            n = sum(b - a for a, b in zip(s, e, strict=True))
+        except FileNotFoundError:
+            n = None
+        log("batch_begin", epoch=int(batch_id), requests=n, recorded=rt._last_recorded_epoch())
+        on_batch(df, batch_id)
+        log("batch_end", epoch=int(batch_id))
+
+    def traced_recorded(rec) -> None:
+        recorded(rec)
+        log("recorded", epoch=rec.epoch, requests=sum(b - a for a, b in zip(rec.starts, rec.ends, strict=True)),
+            restore_s=rec.stats.get("spark_restore_s"), job_s=rec.stats.get("spark_job_s"),
+            jobs=rec.stats.get("spark_jobs"))
+
+    def traced_run_job(self, payloads):
+        t = time.time()
+        out = run_job(self, payloads)
+        if left[0] > 0:
+            left[0] -= 1
+            log("job", start=t, epoch=self.epoch, tasks=self.tasks_for(payloads),
+                bytes=sum(len(b) for _, b in payloads))
+        return out
+
+    rt._start_query, rt._on_batch, rt._recorded = traced_start_query, traced_on_batch, traced_recorded
+    sr.SparkExchange.run_job = traced_run_job
 
 
 # ---- the load (this process) --------------------------------------------------------------------------------
@@ -149,6 +195,8 @@ def disk_sample(data_dir: str) -> dict[str, int]:
 def spawn_driver(args: argparse.Namespace, data_dir: str) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "driver", "--data-dir", data_dir, "--partitions", str(args.partitions),
            "--master", args.master]
+    if getattr(args, "restart_batch", None) is not None:
+        cmd += ["--restart-batch", str(args.restart_batch)]
     log = open(os.path.join(data_dir, "driver.out"), "a")  # noqa: SIM115 - the child keeps it
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -327,7 +375,7 @@ def _setup(args: argparse.Namespace, value_bytes: int = 0) -> tuple[str, dict]:
 def _meta(args: argparse.Namespace) -> dict:
     return {"command": " ".join([".venv/bin/python", "benchmarks/state_scale.py", *sys.argv[1:]]),
             "master": args.master, "partitions": args.partitions, "keys": args.keys, "when": time.time(),
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "restart_batch": getattr(args, "restart_batch", None)}
 
 
 # ---- experiments --------------------------------------------------------------------------------------------
@@ -443,6 +491,9 @@ def recovery(args: argparse.Namespace) -> dict:
         rec["query_start_s"] = ev_after.get("query_started", math.nan) - ev_after.get("session_ready", math.nan)
         rec["first_commit_after_query_start_s"] = (first - ev_after["query_started"]) if first and \
             "query_started" in ev_after else None
+    # the restart path, from the kill: query start, micro-batches, Spark jobs (rounds), epoch records
+    rec["trace"] = [{**{k: v for k, v in e.items() if k not in ("t", "pid")}, "t_s": e["t"] - kill}
+                    for e in events if e["t"] > kill and e["ev"] not in ("snapshot",)][:80]
     out = {"experiment": f"recovery_{args.kill}", **_meta(args), "rate": args.rate, "kill_at_s": kill - t0,
            "killed_pids": info["killed_pids"], "recovery": rec, "load": load,
            "load_average_mean": sum(loads) / max(1, len(loads)), "load_average_max": max(loads, default=None),
@@ -558,10 +609,13 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--out", default=str(ROOT), help="directory of the JSON and PNG")
     common.add_argument("--label", default="")
     common.add_argument("--keep", action="store_true", help="keep the data directory")
+    common.add_argument("--restart-batch", type=int, default=None,
+                        help="SparkConfig.restart_batch (default: its default; 20000 = no ramp after a restart)")
     d = sub.add_parser("driver")
     d.add_argument("--data-dir", required=True)
     d.add_argument("--partitions", type=int, default=4)
     d.add_argument("--master", default="local[2]")
+    d.add_argument("--restart-batch", type=int, default=None)
     i = sub.add_parser("interference", parents=[common])
     i.add_argument("--phases", default="rare,every,rare,every")
     i.add_argument("--phase-s", type=float, default=40.0)
