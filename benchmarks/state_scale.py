@@ -485,6 +485,11 @@ def recovery(args: argparse.Namespace) -> dict:
            "last_commit_before_kill_s": kill - before[-1] if before else None,
            "first_reply_after_kill_s": replies_after[0] - kill if replies_after else None,
            "epoch_gap_s": (first - before[-1]) if first and before else None}
+    # the backlog the downtime left (the requests due before the first new commit): answered by when
+    backlog = [s[1] for s in res["samples"] if first and kill <= s[0] < first and s[1] is not None]
+    rec["backlog_requests"] = len(backlog)
+    rec["backlog_answered_after_kill_s"] = max(backlog) - kill if backlog else None
+    rec["commits_in_10s_after_first"] = sum(1 for t in after if first and t <= first + 10)
     if args.kill == "driver":
         rec["driver_process_start_s"] = ev_after.get("process_start", math.nan) - kill
         rec["jvm_session_start_s"] = ev_after.get("session_ready", math.nan) - ev_after.get("process_start", math.nan)
@@ -578,6 +583,16 @@ def plot(res: dict, path: Path) -> None:
             a.axvline(res["kill_at_s"], color="red", lw=1, label=f"SIGKILL {res['experiment'][9:]}")
         for c in res["commits_s"]:
             a1.plot([c], [0], "|", color="tab:green", ms=4)
+        rec = res.get("recovery", {})
+        t = res["kill_at_s"]  # the restart's phases, shaded from the kill to the first new commit
+        for key, color, name in (("driver_process_start_s", "tab:gray", "process"),
+                                 ("jvm_session_start_s", "tab:purple", "JVM+session"),
+                                 ("query_start_s", "tab:blue", "query start"),
+                                 ("first_commit_after_query_start_s", "tab:cyan", "to 1st commit")):
+            d = rec.get(key)
+            if isinstance(d, (int, float)) and d == d:
+                a1.axvspan(t, t + d, color=color, alpha=0.2, lw=0, label=f"{name} {d:.1f} s")
+                t += d
     if rows == 3:
         d = res["disk"]
         a3 = axes[2]
