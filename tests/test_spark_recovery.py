@@ -81,7 +81,7 @@ def test_driver_killed_repeatedly_matches_in_process(tmp_path: Path) -> None:
     data = str(tmp_path / "data")
     local = str(tmp_path / "local")  # executor-local LMDB stores, kept across restarts
     env = {"CHARON_LOCAL_DIR": local}
-    # each restart ramps its first batches (25, 50, then MAX_BATCH): sized epochs are replayed exactly too
+    # each restart ramps its first batches (25, then MAX_BATCH): sized epochs are replayed exactly too
     args = driver_args(max_batch=MAX_BATCH, compact_every=COMPACT_EVERY, restart_batch=MAX_BATCH // 4)
     rng = random.Random(2024)
     workload = transfers(ACCOUNTS, 8000, seed=7)

@@ -93,12 +93,12 @@ def test_restart_ramp_sizes_new_batches_after_a_start(tmp_path: Path) -> None:
 
     first = CharonLogStreamReader(opts)
     got, at = sizes(first, first.initialOffset(), 6)
-    assert got == [300, 600, 1200, 2000, 900, 0]  # ramp, capped at maxRecordsPerBatch, then the log's end
+    assert got == [300, 1200, 2000, 1500, 0, 0]  # ramp (x4), capped at maxRecordsPerBatch, then the log's end
     assert at == {"offsets": log.end_offsets()}
     log.append_many(make_reqs("b", 5000))
     assert sizes(first, at, 1)[0] == [2000], "the ramp is only after a start: an idle reader stays at the cap"
     restarted = CharonLogStreamReader(opts)
-    assert sizes(restarted, at, 3)[0] == [300, 600, 1200]
+    assert sizes(restarted, at, 3)[0] == [300, 1200, 2000]
     assert restarted.latestOffset(at, ReadAllAvailable())["offsets"] == log.end_offsets(), "only ReadMaxRows"
     assert CharonLogStreamReader({**opts, "startRecordsPerBatch": "99999"}).ramp == 2000
     assert sizes(CharonLogStreamReader({k: v for k, v in opts.items() if k != "startRecordsPerBatch"}), at, 1)[0] \

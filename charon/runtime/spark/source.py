@@ -13,9 +13,9 @@ Usage::
     log; default: the log's stored count); ``maxRecordsPerBatch`` (default 10000) caps a micro-batch,
     spread fairly over the log partitions; ``startRecordsPerBatch`` (default: ``maxRecordsPerBatch``, no ramp)
     caps the first micro-batch this reader plans (after a query start or restart), each next one may take
-    twice as many, up to ``maxRecordsPerBatch``: a backlog left by a crash is taken in short epochs, not one
-    long one (a batch in Spark's offset log but not committed is replayed with its recorded offsets, never
-    re-planned); ``startingOffsets`` (a fresh query only): ``"earliest"`` (default:
+    ``RAMP_GROWTH`` (4) times as many, up to ``maxRecordsPerBatch``: a backlog left by a crash is not taken in
+    one long epoch (a batch in Spark's offset log but not committed is replayed with its recorded offsets,
+    never re-planned); ``startingOffsets`` (a fresh query only): ``"earliest"`` (default:
     the first retained offsets, i.e. all zeros for an untruncated log), ``"latest"``, or a JSON list with
     one offset per log partition. ``idleWaitMs`` (default 1000): when the log has nothing new, how long
     ``latestOffset`` waits for an append before answering "no data" (idle means idle; 0 = answer at once).
@@ -80,6 +80,7 @@ __all__ = [
 
 DEFAULT_MAX_RECORDS = 10000
 DEFAULT_IDLE_WAIT_MS = 1000
+RAMP_GROWTH = 4  # after a start, each planned batch's cap grows by this factor up to maxRecordsPerBatch
 _IDLE_POLL_S = (0.002, 0.02)  # an idle wait looks for an append (a stat) every 2 ms, backing off to 20 ms
 
 LOG_SCHEMA = StructType(
@@ -291,7 +292,7 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         ends = [max(s, e) for s, e in zip(starts, ends, strict=True)]
         if ends == starts:
             return start  # no new data: Spark plans no batch
-        self.ramp = min(self.max_records, 2 * self.ramp)  # a batch is planned: the next may be twice as big
+        self.ramp = min(self.max_records, RAMP_GROWTH * self.ramp)  # a batch is planned: the next may be bigger
         return {"offsets": ends, "start": starts}
 
     def reportLatestOffset(self) -> dict:
