@@ -14,6 +14,9 @@ a recovery loads); every epoch's delta file (the incremental snapshot) is always
     # Fig. 14: SIGKILL the driver (restarted at once), then lose the Python workers (pyspark daemon)
     .venv/bin/python benchmarks/state_scale.py recovery --keys 1000000 --rate 300 --kill driver
     .venv/bin/python benchmarks/state_scale.py recovery --keys 1000000 --rate 300 --kill worker
+    # the driver restart without the restart ramp (SparkConfig.restart_batch = max_batch); the JSON's
+    # recovery.trace lists the restarted driver's events (query start, micro-batches, Spark jobs, records)
+    .venv/bin/python benchmarks/state_scale.py recovery --keys 1000000 --rate 200 --kill driver --restart-batch 20000
     # Fig. 15 scaled down: a 3 GB state imported and snapshotted; disk use over a run with snapshots
     .venv/bin/python benchmarks/state_scale.py import --keys 1000000 --value-bytes 3000 --seconds 120
 """
