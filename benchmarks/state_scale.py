@@ -14,6 +14,9 @@ a recovery loads); every epoch's delta file (the incremental snapshot) is always
     # Fig. 14: SIGKILL the driver (restarted at once), then lose the Python workers (pyspark daemon)
     .venv/bin/python benchmarks/state_scale.py recovery --keys 1000000 --rate 300 --kill driver
     .venv/bin/python benchmarks/state_scale.py recovery --keys 1000000 --rate 300 --kill worker
+    # the driver restart without the restart ramp (SparkConfig.restart_batch = max_batch); the JSON's
+    # recovery.trace lists the restarted driver's events (query start, micro-batches, Spark jobs, records)
+    .venv/bin/python benchmarks/state_scale.py recovery --keys 1000000 --rate 200 --kill driver --restart-batch 20000
     # Fig. 15 scaled down: a 3 GB state imported and snapshotted; disk use over a run with snapshots
     .venv/bin/python benchmarks/state_scale.py import --keys 1000000 --value-bytes 3000 --seconds 120
 """
@@ -40,12 +43,13 @@ APP = "charon.apps.ycsb:app"
 
 
 # ---- the driver (a child process) ---------------------------------------------------------------------------
-def _config(data_dir: str, partitions: int, master: str):
+def _config(data_dir: str, partitions: int, master: str, restart_batch: int | None = None):
     from charon.config import SparkConfig
 
     # compaction only from the snapshot thread below (compact_every=0), at the interval the parent sets
+    extra = {} if restart_batch is None else {"restart_batch": restart_batch}
     return SparkConfig(master=master, data_dir=data_dir, partitions=partitions, max_batch=20_000, compact_every=0,
-                       local_dir=os.path.join(data_dir, "local"))
+                       local_dir=os.path.join(data_dir, "local"), **extra)
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -61,7 +65,7 @@ def run_driver(args: argparse.Namespace) -> int:
             events.flush()
 
     log("process_start")
-    rt = SparkRuntime(APP, _config(args.data_dir, args.partitions, args.master))
+    rt = SparkRuntime(APP, _config(args.data_dir, args.partitions, args.master, args.restart_batch))
     rt.spark  # noqa: B018 - the JVM and the session, timed apart from the query
     log("session_ready")
     compact = rt._compact
@@ -74,6 +78,7 @@ def run_driver(args: argparse.Namespace) -> int:
         log("snapshot", start=t0, end=time.time(), cpu_s=time.thread_time() - c0, upto=upto, bytes=size)
 
     rt._compact = timed_compaction  # type: ignore[method-assign]
+    _trace_restart(rt, log)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     rt.start()
@@ -96,6 +101,50 @@ def run_driver(args: argparse.Namespace) -> int:
     rt.close()
     log("stopped")
     return 0
+
+
+def _trace_restart(rt, log, jobs: int = 40) -> None:
+    """Log the restart path: the query's start, each micro-batch (its epoch and size), the first ``jobs`` Spark
+    jobs (one per round) and each epoch record written, with the epoch's restore time (executor LMDB open)."""
+    from charon.runtime.spark import runtime as sr
+    from charon.runtime.spark.source import batch_offsets
+
+    start_query, on_batch, recorded = rt._start_query, rt._on_batch, rt._recorded
+    run_job = sr.SparkExchange.run_job
+    left = [jobs]
+
+    def traced_start_query() -> None:
+        log("query_start_begin")
+        start_query()
+        log("query_start_returned")
+
+    def traced_on_batch(df, batch_id: int) -> None:
+        try:
+            s, e = batch_offsets(rt._query_ckpt, int(batch_id))
+            n = sum(b - a for a, b in zip(s, e, strict=True))
+        except FileNotFoundError:
+            n = None
+        log("batch_begin", epoch=int(batch_id), requests=n, recorded=rt._last_recorded_epoch())
+        on_batch(df, batch_id)
+        log("batch_end", epoch=int(batch_id))
+
+    def traced_recorded(rec) -> None:
+        recorded(rec)
+        log("recorded", epoch=rec.epoch, requests=sum(b - a for a, b in zip(rec.starts, rec.ends, strict=True)),
+            restore_s=rec.stats.get("spark_restore_s"), job_s=rec.stats.get("spark_job_s"),
+            jobs=rec.stats.get("spark_jobs"))
+
+    def traced_run_job(self, payloads):
+        t = time.time()
+        out = run_job(self, payloads)
+        if left[0] > 0:
+            left[0] -= 1
+            log("job", start=t, epoch=self.epoch, tasks=self.tasks_for(payloads),
+                bytes=sum(len(b) for _, b in payloads))
+        return out
+
+    rt._start_query, rt._on_batch, rt._recorded = traced_start_query, traced_on_batch, traced_recorded
+    sr.SparkExchange.run_job = traced_run_job
 
 
 # ---- the load (this process) --------------------------------------------------------------------------------
@@ -149,6 +198,8 @@ def disk_sample(data_dir: str) -> dict[str, int]:
 def spawn_driver(args: argparse.Namespace, data_dir: str) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "driver", "--data-dir", data_dir, "--partitions", str(args.partitions),
            "--master", args.master]
+    if getattr(args, "restart_batch", None) is not None:
+        cmd += ["--restart-batch", str(args.restart_batch)]
     log = open(os.path.join(data_dir, "driver.out"), "a")  # noqa: SIM115 - the child keeps it
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -327,7 +378,7 @@ def _setup(args: argparse.Namespace, value_bytes: int = 0) -> tuple[str, dict]:
 def _meta(args: argparse.Namespace) -> dict:
     return {"command": " ".join([".venv/bin/python", "benchmarks/state_scale.py", *sys.argv[1:]]),
             "master": args.master, "partitions": args.partitions, "keys": args.keys, "when": time.time(),
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "restart_batch": getattr(args, "restart_batch", None)}
 
 
 # ---- experiments --------------------------------------------------------------------------------------------
@@ -437,12 +488,20 @@ def recovery(args: argparse.Namespace) -> dict:
            "last_commit_before_kill_s": kill - before[-1] if before else None,
            "first_reply_after_kill_s": replies_after[0] - kill if replies_after else None,
            "epoch_gap_s": (first - before[-1]) if first and before else None}
+    # the backlog the downtime left (the requests due before the first new commit): answered by when
+    backlog = [s[1] for s in res["samples"] if first and kill <= s[0] < first and s[1] is not None]
+    rec["backlog_requests"] = len(backlog)
+    rec["backlog_answered_after_kill_s"] = max(backlog) - kill if backlog else None
+    rec["commits_in_10s_after_first"] = sum(1 for t in after if first and t <= first + 10)
     if args.kill == "driver":
         rec["driver_process_start_s"] = ev_after.get("process_start", math.nan) - kill
         rec["jvm_session_start_s"] = ev_after.get("session_ready", math.nan) - ev_after.get("process_start", math.nan)
         rec["query_start_s"] = ev_after.get("query_started", math.nan) - ev_after.get("session_ready", math.nan)
         rec["first_commit_after_query_start_s"] = (first - ev_after["query_started"]) if first and \
             "query_started" in ev_after else None
+    # the restart path, from the kill: query start, micro-batches, Spark jobs (rounds), epoch records
+    rec["trace"] = [{**{k: v for k, v in e.items() if k not in ("t", "pid")}, "t_s": e["t"] - kill}
+                    for e in events if e["t"] > kill and e["ev"] not in ("snapshot",)][:80]
     out = {"experiment": f"recovery_{args.kill}", **_meta(args), "rate": args.rate, "kill_at_s": kill - t0,
            "killed_pids": info["killed_pids"], "recovery": rec, "load": load,
            "load_average_mean": sum(loads) / max(1, len(loads)), "load_average_max": max(loads, default=None),
@@ -527,6 +586,16 @@ def plot(res: dict, path: Path) -> None:
             a.axvline(res["kill_at_s"], color="red", lw=1, label=f"SIGKILL {res['experiment'][9:]}")
         for c in res["commits_s"]:
             a1.plot([c], [0], "|", color="tab:green", ms=4)
+        rec = res.get("recovery", {})
+        t = res["kill_at_s"]  # the restart's phases, shaded from the kill to the first new commit
+        for key, color, name in (("driver_process_start_s", "tab:gray", "process"),
+                                 ("jvm_session_start_s", "tab:purple", "JVM+session"),
+                                 ("query_start_s", "tab:blue", "query start"),
+                                 ("first_commit_after_query_start_s", "tab:cyan", "to 1st commit")):
+            d = rec.get(key)
+            if isinstance(d, (int, float)) and d == d:
+                a1.axvspan(t, t + d, color=color, alpha=0.2, lw=0, label=f"{name} {d:.1f} s")
+                t += d
     if rows == 3:
         d = res["disk"]
         a3 = axes[2]
@@ -558,10 +627,13 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--out", default=str(ROOT), help="directory of the JSON and PNG")
     common.add_argument("--label", default="")
     common.add_argument("--keep", action="store_true", help="keep the data directory")
+    common.add_argument("--restart-batch", type=int, default=None,
+                        help="SparkConfig.restart_batch (default: its default; 20000 = no ramp after a restart)")
     d = sub.add_parser("driver")
     d.add_argument("--data-dir", required=True)
     d.add_argument("--partitions", type=int, default=4)
     d.add_argument("--master", default="local[2]")
+    d.add_argument("--restart-batch", type=int, default=None)
     i = sub.add_parser("interference", parents=[common])
     i.add_argument("--phases", default="rare,every,rare,every")
     i.add_argument("--phase-s", type=float, default=40.0)

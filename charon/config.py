@@ -22,6 +22,9 @@ class SparkConfig:
     partitions: int = 4  # engine partitions (each with its own resident store)
     log_partitions: int | None = None  # input-log partitions = sequencers (default: partitions)
     max_batch: int = 10_000  # most requests per epoch (micro-batch)
+    # after a (re)start, the first new epoch takes at most this many requests, each next one 4x as many up to
+    # max_batch: the backlog a crash left does not all land in one long epoch, so new commits come quickly
+    restart_batch: int = 1000
     trigger_ms: int = 0  # micro-batch trigger interval; 0 = as soon as the previous one ends
     idle_wait_ms: int = 1000  # an idle source waits this long for an append before reporting "no data"
     local_dir: str | None = None  # executor-local store directory (default: per-executor temp dir)

@@ -33,6 +33,7 @@ def config(args: argparse.Namespace) -> SparkConfig:
     return SparkConfig(
         master=args.master, data_dir=args.data_dir, partitions=args.partitions, max_batch=args.max_batch,
         compact_every=args.compact_every, truncate_log=False, spark_conf=conf,
+        **({} if getattr(args, "restart_batch", None) is None else {"restart_batch": args.restart_batch}),
     )
 
 
@@ -45,6 +46,7 @@ def main() -> int:
     p.add_argument("--master", default="local[2]")
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--max-batch", type=int, default=100)
+    p.add_argument("--restart-batch", type=int, default=None)  # SparkConfig.restart_batch (default: its default)
     p.add_argument("--compact-every", type=int, default=3)
     p.add_argument("--conf", action="append", default=[])
     p.add_argument("--idle-timeout", type=float, default=600.0)
@@ -93,10 +95,12 @@ def make_config(
 
 def driver_args(
     *, master: str = "local[2]", partitions: int = 4, max_batch: int = 100, compact_every: int = 3,
-    conf: dict[str, str] | None = None,
+    conf: dict[str, str] | None = None, restart_batch: int | None = None,
 ) -> list[str]:
     out = ["--master", master, "--partitions", str(partitions), "--max-batch", str(max_batch),
            "--compact-every", str(compact_every)]
+    if restart_batch is not None:
+        out += ["--restart-batch", str(restart_batch)]
     for k, v in (conf or {}).items():
         out += ["--conf", f"{k}={v}"]
     return out

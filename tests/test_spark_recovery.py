@@ -81,7 +81,8 @@ def test_driver_killed_repeatedly_matches_in_process(tmp_path: Path) -> None:
     data = str(tmp_path / "data")
     local = str(tmp_path / "local")  # executor-local LMDB stores, kept across restarts
     env = {"CHARON_LOCAL_DIR": local}
-    args = driver_args(max_batch=MAX_BATCH, compact_every=COMPACT_EVERY)
+    # each restart ramps its first batches (25, then MAX_BATCH): sized epochs are replayed exactly too
+    args = driver_args(max_batch=MAX_BATCH, compact_every=COMPACT_EVERY, restart_batch=MAX_BATCH // 4)
     rng = random.Random(2024)
     workload = transfers(ACCOUNTS, 8000, seed=7)
     appended: list = []
@@ -181,7 +182,7 @@ def test_crash_after_recording_an_epoch_with_deferred_transactions(tmp_path: Pat
     data = str(tmp_path / "data")
     env = {"CHARON_LOCAL_DIR": str(tmp_path / "local")}
     balance = 20  # low balances: transfers refused in the dry run succeed in the fallback and touch a new key
-    args = driver_args(max_batch=10_000, compact_every=0)
+    args = driver_args(max_batch=10_000, compact_every=0, restart_batch=10_000)
     workload = transfers(ACCOUNTS, 1000, seed=1)  # appended before the start: epoch 0 is all of it, then no data
     drivers: list[Driver] = []
     try:

@@ -71,6 +71,42 @@ def test_cap_offsets_fair_and_bounded() -> None:
     assert cap_offsets([3, 3], [3, 3], 10) == [3, 3]
 
 
+def test_restart_ramp_sizes_new_batches_after_a_start(tmp_path: Path) -> None:
+    """After a (re)start the reader plans short batches first (``startRecordsPerBatch``), doubling up to the cap;
+    a new reader (a restarted query) starts short again. An idle call plans nothing and keeps the ramp."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    from charon.runtime.spark.source import CharonLogStreamReader
+
+    log_path = str(tmp_path / "in.db")
+    log = InputLog(log_path, partitions=2)
+    log.append_many(make_reqs("a", 5000))
+    opts = {"path": log_path, "maxRecordsPerBatch": "2000", "startRecordsPerBatch": "300", "idleWaitMs": "0"}
+
+    def sizes(reader: CharonLogStreamReader, start: dict, n: int) -> tuple[list[int], dict]:
+        out = []
+        for _ in range(n):
+            end = reader.latestOffset(start, reader.getDefaultReadLimit())
+            out.append(sum(end["offsets"]) - sum(start["offsets"]))
+            start = {"offsets": end["offsets"]}
+        return out, start
+
+    first = CharonLogStreamReader(opts)
+    got, at = sizes(first, first.initialOffset(), 6)
+    assert got == [300, 1200, 2000, 1500, 0, 0]  # ramp (x4), capped at maxRecordsPerBatch, then the log's end
+    assert at == {"offsets": log.end_offsets()}
+    log.append_many(make_reqs("b", 5000))
+    assert sizes(first, at, 1)[0] == [2000], "the ramp is only after a start: an idle reader stays at the cap"
+    restarted = CharonLogStreamReader(opts)
+    assert sizes(restarted, at, 3)[0] == [300, 1200, 2000]
+    assert restarted.latestOffset(at, ReadAllAvailable())["offsets"] == log.end_offsets(), "only ReadMaxRows"
+    assert CharonLogStreamReader({**opts, "startRecordsPerBatch": "99999"}).ramp == 2000
+    assert sizes(CharonLogStreamReader({k: v for k, v in opts.items() if k != "startRecordsPerBatch"}), at, 1)[0] \
+        == [2000], "no option: no ramp"
+    with pytest.raises(ValueError, match="startRecordsPerBatch"):
+        CharonLogStreamReader({**opts, "startRecordsPerBatch": "0"})
+
+
 # -- streaming over the input log ----------------------------------------------------------------
 
 

@@ -813,6 +813,7 @@ class SparkRuntime(control.Controllable):
             .option("path", self.input_location)
             .option("partitions", str(self.config.n_log_partitions))
             .option("maxRecordsPerBatch", str(self.config.max_batch))
+            .option("startRecordsPerBatch", str(self.config.restart_batch))  # short epochs first (a backlog)
             .option("idleWaitMs", str(self.config.idle_wait_ms))
             .load()
         )

@@ -11,7 +11,11 @@ Usage::
     ``path`` (required) the :class:`~charon.log.sqlite.InputLog` file or a NATS log URL
     (:mod:`charon.log.nats`); ``partitions`` (optional, checked against the
     log; default: the log's stored count); ``maxRecordsPerBatch`` (default 10000) caps a micro-batch,
-    spread fairly over the log partitions; ``startingOffsets`` (a fresh query only): ``"earliest"`` (default:
+    spread fairly over the log partitions; ``startRecordsPerBatch`` (default: ``maxRecordsPerBatch``, no ramp)
+    caps the first micro-batch this reader plans (after a query start or restart), each next one may take
+    ``RAMP_GROWTH`` (4) times as many, up to ``maxRecordsPerBatch``: a backlog left by a crash is not taken in
+    one long epoch (a batch in Spark's offset log but not committed is replayed with its recorded offsets,
+    never re-planned); ``startingOffsets`` (a fresh query only): ``"earliest"`` (default:
     the first retained offsets, i.e. all zeros for an untruncated log), ``"latest"``, or a JSON list with
     one offset per log partition. ``idleWaitMs`` (default 1000): when the log has nothing new, how long
     ``latestOffset`` waits for an append before answering "no data" (idle means idle; 0 = answer at once).
@@ -76,6 +80,7 @@ __all__ = [
 
 DEFAULT_MAX_RECORDS = 10000
 DEFAULT_IDLE_WAIT_MS = 1000
+RAMP_GROWTH = 4  # after a start, each planned batch's cap grows by this factor up to maxRecordsPerBatch
 _IDLE_POLL_S = (0.002, 0.02)  # an idle wait looks for an append (a stat) every 2 ms, backing off to 20 ms
 
 LOG_SCHEMA = StructType(
@@ -148,6 +153,13 @@ def _max_records(options: Any) -> int:
     return n
 
 
+def _start_records(options: Any, max_records: int) -> int:
+    n = int(options.get("startRecordsPerBatch", max_records))
+    if n < 1:
+        raise ValueError(f"startRecordsPerBatch must be >= 1, got {n}")
+    return min(n, max_records)
+
+
 def cap_offsets(starts: Sequence[int], ends: Sequence[int], max_records: int) -> list[int]:
     """End offsets of a batch of at most ``max_records`` entries starting at ``starts``.
 
@@ -206,6 +218,8 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             self.n = log.partitions
         self.networked = is_networked(self.path)
         self.max_records = _max_records(options)
+        # the ramp after a (re)start: the cap of the next batch this reader plans (it lives as long as the query)
+        self.ramp = _start_records(options, self.max_records)
         self.starting = options.get("startingOffsets", "earliest")
         self.idle_wait = int(options.get("idleWaitMs", DEFAULT_IDLE_WAIT_MS)) / 1000.0
         self._target: list[int] | None = None
@@ -270,7 +284,7 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         starts = list(start["offsets"])
         ends = self._end_offsets(starts) if self._target is None else list(self._target)
         if isinstance(limit, ReadMaxRows):
-            ends = cap_offsets(starts, ends, limit.max_rows)
+            ends = cap_offsets(starts, ends, min(limit.max_rows, self.ramp))
         elif isinstance(limit, ReadMinRows):
             if sum(max(0, e - s) for s, e in zip(starts, ends, strict=True)) < limit.min_rows:
                 return start
@@ -278,6 +292,7 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         ends = [max(s, e) for s, e in zip(starts, ends, strict=True)]
         if ends == starts:
             return start  # no new data: Spark plans no batch
+        self.ramp = min(self.max_records, RAMP_GROWTH * self.ramp)  # a batch is planned: the next may be bigger
         return {"offsets": ends, "start": starts}
 
     def reportLatestOffset(self) -> dict:
