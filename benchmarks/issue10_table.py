@@ -177,7 +177,7 @@ def row_structure(q: bool) -> dict:
 
 def row_tpcc(q: bool) -> dict:
     d = OUT / "tpcc"
-    cmd = py("run_all.py", "--only", "tpcc", "--systems", "spark", "--tpcc-rates", "25" if q else "50,100,200,400",
+    cmd = py("run_all.py", "--only", "tpcc", "--systems", "spark", "--tpcc-rates", "25" if q else "100,200,400,500,600",
              "--duration", "5" if q else "8", "--warmup", "2", "--out", rel(d), "--results-md", rel(d / "RESULTS.md"))
     sh(cmd, OUT / "tpcc.log")
     pts = json.loads((d / "tpcc-spark.json").read_text())
