@@ -245,3 +245,30 @@ def test_remote_gateway_answers_503_while_the_log_is_down(server: NatsServer, tm
         gw.terminate()
         _, err = gw.communicate(timeout=30)
     assert "Traceback" not in err, err
+
+
+def test_a_reply_stored_by_a_failed_attempt_is_not_stored_again(server: NatsServer) -> None:
+    """The server can fail after a reply's publish is acknowledged and before its index entry exists (the
+    attempt then raises): the writer's retry must find that copy instead of storing a second one."""
+    url = f"{server.url}/r{uuid.uuid4().hex[:8]}"
+    out = NatsOutputLog(url)
+    try:
+        real = out._kv_create
+        failed = []
+
+        async def index_fails_once(key: str, value: bytes, kv=None):  # noqa: ANN001, ANN202
+            if key.startswith("out.") and key != "out.watermark" and not failed:
+                failed.append(key)
+                raise NatsLogError("injected: the server went away before the index entry")
+            return await real(key, value, kv)
+
+        out._kv_create = index_fails_once
+        with pytest.raises(NatsLogError):
+            out.put_many([Reply("a", 1, 0, True, encode(1)), Reply("b", 2, 0, True, encode(2))])
+        assert failed, "the fault was injected"
+        assert out.put_many([Reply("a", 1, 0, True, encode(1)), Reply("b", 2, 0, True, encode(2))]) in (0, 1, 2)
+        rids = [r.request_id for _, r in out.read_since(0, limit=100)]
+        assert sorted(rids) == ["a", "b"], rids
+        assert out.get("a") is not None and out.get("b") is not None
+    finally:
+        out.close()

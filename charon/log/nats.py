@@ -694,7 +694,13 @@ class NatsOutputLog(_Base):
         if not rows:
             return 0
         with self._wlock:
-            return self._run(lambda: self._put_async(rows), timeout=self.timeout_s * 3)
+            try:
+                return self._run(lambda: self._put_async(rows), timeout=self.timeout_s * 3)
+            except BaseException:
+                # a failed attempt may have stored replies it never indexed (e.g. the server died between
+                # the publish ack and the index entry): the retry indexes them first, so it stores no copy
+                self._indexed = False
+                raise
 
     async def _put_async(self, rows: list[tuple[str, bytes]]) -> int:
         if not self._indexed:
@@ -719,6 +725,8 @@ class NatsOutputLog(_Base):
             old = await self._kv_create(f"out.{h}", str(ack.seq).encode())
             if old is None and not ack.duplicate:
                 fresh += 1
+            elif old is not None and int(old) != ack.seq:
+                await self.c.js.delete_msg(self.stream, ack.seq)  # stored meanwhile by another attempt
         if last:
             kv = await self._bucket()
             await kv.put("out.watermark", str(last).encode())
