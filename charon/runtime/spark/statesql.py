@@ -49,16 +49,21 @@ class DataDirLayout(msgspec.Struct):
     retained: list[int] | None = None  # node: the readable epochs (None: every epoch since the base)
 
 
+def _newest_record(epochs_dir: str) -> int:
+    """The newest epoch with a record under ``epochs_dir`` (-1: none)."""
+    names = os.listdir(epochs_dir) if os.path.isdir(epochs_dir) else []
+    return max((int(n.split(".")[0]) for n in names if n.endswith(".msgpack")), default=-1)
+
+
 def layout_of(data_dir: str) -> DataDirLayout:
     """Inspect a data directory of either runtime (``charon run --data-dir``; it may be in use)."""
+    from charon.runtime.spark.runtime import read_layout
+
     ckpt = os.path.join(data_dir, "checkpoint")
-    if os.path.isfile(os.path.join(ckpt, "layout.json")):
-        with open(os.path.join(ckpt, "layout.json"), "rb") as f:
-            layout = json.loads(f.read())
-        parts = int(layout["partitions"])
-        names = os.listdir(os.path.join(ckpt, "epochs")) if os.path.isdir(os.path.join(ckpt, "epochs")) else []
-        epoch = max((int(n.split(".")[0]) for n in names if n.endswith(".msgpack")), default=-1)
-        return DataDirLayout(os.path.join(ckpt, layout.get("state", "state")), parts, epoch, "spark")  # rescaled
+    spark = read_layout(ckpt)
+    if spark is not None:  # a rescale names its state directory
+        return DataDirLayout(os.path.join(ckpt, spark.state), spark.partitions,
+                             _newest_record(os.path.join(ckpt, "epochs")), "spark")
     node = os.path.join(data_dir, "node.json")
     if os.path.isfile(node):
         with open(node) as f:
@@ -66,8 +71,7 @@ def layout_of(data_dir: str) -> DataDirLayout:
         parts = int(layout["partitions"])
         root = os.path.join(data_dir, layout.get("state", "state"))  # a rescaled node names its state directory
         retained = node_retained_epochs(DurableState(root, fsync=False), parts)
-        names = os.listdir(os.path.join(data_dir, "epochs")) if os.path.isdir(os.path.join(data_dir, "epochs")) else []
-        epoch = max((int(n.split(".")[0]) for n in names if n.endswith(".msgpack")), default=-1)
+        epoch = _newest_record(os.path.join(data_dir, "epochs"))
         return DataDirLayout(root, parts, epoch, "inprocess", retained + ([epoch] if epoch not in retained else []))
     raise FileNotFoundError(f"{data_dir} holds no Charon deployment (no checkpoint/layout.json, no node.json)")
 
