@@ -153,6 +153,75 @@ def test_partition_count_is_persistent(logs: Logs) -> None:
         log.close()
 
 
+def test_resize_grow_shrink_regrow_keeps_offsets_and_routes_by_the_new_count(logs: Logs) -> None:
+    """Physical partitions only grow; the routing count follows resize; every offset stays readable."""
+    log = logs.input(2)
+    first = log.append_many([req(i) for i in range(20)])
+    assert all(p == log_partition_of(f"k{i}", 2) for i, (p, _) in enumerate(first))
+    ends2 = log.end_offsets()
+    assert log.resize(4) == (4, 4)
+    assert (log.partitions, log.route) == (4, 4)
+    assert log.end_offsets() == ends2 + [0, 0]  # new partitions start at 0
+    grown = log.append_many([req(i) for i in range(20, 60)])
+    assert all(p == log_partition_of(f"k{i}", 4) for i, (p, _) in zip(range(20, 60), grown, strict=True))
+    assert {p for p, _ in grown} >= {2, 3}
+    assert log.resize(3) == (4, 3)  # shrink: only the route goes down
+    shrunk = log.append_many([req(i) for i in range(60, 100)])
+    assert all(p == log_partition_of(f"k{i}", 3) for i, (p, _) in zip(range(60, 100), shrunk, strict=True))
+    assert log.append(req(100), partition=3)[0] == 3  # a retired partition still takes explicit appends
+    ends = log.end_offsets()
+    assert len(ends) == 4 and sum(ends) == 101
+    # a shorter offsets list (from before the growth) is padded with 0s
+    rows = log.read_range(ends2, ends)
+    assert len(rows) == 101 - sum(ends2)
+    assert [r.request_id for _, _, r in log.read_range([0, 0], ends)] == [
+        r.request_id for p in range(4) for r in log.read(p, 0, ends[p])
+    ]
+    with pytest.raises(ValueError):
+        log.read_range([0] * 5, ends + [0])
+    assert log.resize(4) == (4, 4)  # regrow reuses the retired partition: its offsets continue
+    before = log.end_offsets()[3]
+    k = next(i for i in range(1000, 2000) if log_partition_of(f"k{i}", 4) == 3)
+    assert log.append(req(k)) == (3, before)
+    log.truncate(ends2)  # a short list truncates the partitions it names
+    assert log.start_offsets() == ends2 + [0, 0]
+    with pytest.raises(ValueError):
+        log.resize(0)
+
+
+def test_resize_dedup_and_a_stale_second_handle(logs: Logs) -> None:
+    """Dedup holds across partitions after a resize; another handle on the same log keeps appending correctly
+    (it sees the new counts at its next append or within a second); a reopen sees the new counts."""
+    a = logs.input(2)
+    b = logs.input()
+    assert b.partitions == 2
+    pos = a.append_many([req(i) for i in range(30)])
+    a.resize(4)
+    # the same ids through either handle: the original positions, wherever the new route would put them
+    assert b.append_many([req(i) for i in range(30)]) == pos
+    assert a.append_many([req(i) for i in range(30)]) == pos
+    b.append(req("x"), partition=3)  # names a partition b did not know: it refreshes and takes it
+    time.sleep(1.1)  # NATS handles refresh their cached counts at most every second
+    new = b.append_many([req(i) for i in range(30, 90)])
+    assert all(p == log_partition_of(f"k{i}", 4) for i, (p, _) in zip(range(30, 90), new, strict=True))
+    a.resize(3)
+    time.sleep(1.1)
+    later = b.append_many([req(i) for i in range(90, 130)])
+    assert all(p == log_partition_of(f"k{i}", 3) for i, (p, _) in zip(range(90, 130), later, strict=True))
+    assert a.count() == b.count() == 131
+    assert sorted(r.request_id for _, _, r in b.read_range([0, 0], b.end_offsets())) == sorted(
+        [f"r{i}" for i in range(130)] + ["rx"])
+    # reopen: the counts are the log's; an explicit other count raises unless a resize is asked
+    assert (logs.input().partitions, logs.input().route) == (4, 3)
+    assert logs.input(3).route == 3
+    with pytest.raises(ValueError, match="3 partitions"):
+        logs.input(2)
+    again = open_input_log(logs.in_loc, 6, resize=True)
+    logs.opened.append(again)
+    assert (again.partitions, again.route) == (6, 6)
+    assert again.end_offsets()[4:] == [0, 0]
+
+
 def test_wal_mode_sqlite(tmp_path: Path) -> None:
     path = tmp_path / "in.db"
     InputLog(path).close()
@@ -206,8 +275,10 @@ def test_truncate_keeps_counting(logs: Logs) -> None:
     assert log.count() == 3
     with pytest.raises(ValueError):
         log.truncate([6, 0])
+    log.truncate([1])  # a shorter list (from before a resize) names fewer partitions: here a no-op
+    assert log.start_offsets() == [3, 5]
     with pytest.raises(ValueError):
-        log.truncate([1])
+        log.truncate([1, 1, 1])  # more offsets than partitions
 
 
 def test_reopen_sees_data(logs: Logs) -> None:

@@ -8,6 +8,8 @@ or a URL ``nats://host:port/deployment`` (JetStream).
 """
 
 from charon.log.location import is_networked, log_locations, open_input_log, open_output_log
+from charon.log.offsets import pad_offsets, pad_pair
 from charon.log.sqlite import InputLog, OutputLog
 
-__all__ = ["InputLog", "OutputLog", "is_networked", "log_locations", "open_input_log", "open_output_log"]
+__all__ = ["InputLog", "OutputLog", "is_networked", "log_locations", "open_input_log", "open_output_log",
+           "pad_offsets", "pad_pair"]

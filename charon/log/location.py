@@ -26,14 +26,17 @@ def log_locations(data_dir: str, log_url: str | None) -> tuple[str, str]:
     return os.path.join(data_dir, "input.sqlite"), os.path.join(data_dir, "output.sqlite")
 
 
-def open_input_log(location: str | os.PathLike[str], partitions: int | None = None, *, durable: bool = True) -> Any:
+def open_input_log(
+    location: str | os.PathLike[str], partitions: int | None = None, *, durable: bool = True, resize: bool = False,
+) -> Any:
     """The input log at ``location``: :class:`InputLog` for a path, :class:`~charon.log.nats.NatsInputLog` for a
-    NATS URL (same interface)."""
+    NATS URL (same interface). An explicit ``partitions`` other than the log's routing count raises
+    ``ValueError``, or with ``resize=True`` resizes the log (:meth:`InputLog.resize`)."""
     if is_networked(location):
         from charon.log.nats import NatsInputLog
 
-        return NatsInputLog(str(location), partitions, durable=durable)
-    return InputLog(location, partitions, durable=durable)
+        return NatsInputLog(str(location), partitions, durable=durable, resize=resize)
+    return InputLog(location, partitions, durable=durable, resize=resize)
 
 
 def open_output_log(location: str | os.PathLike[str], *, durable: bool = True) -> Any:

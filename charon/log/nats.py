@@ -10,7 +10,8 @@ Layout on the server (``<D>`` = the deployment name)
       reused: :meth:`NatsInputLog.truncate` purges below a sequence and the stream keeps counting.
     * output log: stream ``CHARON_<D>_OUT``; a reply's ``seq`` is its stream sequence. Epoch marks go to
       ``CHARON_<D>_MARKS``.
-    * key-value bucket ``CHARON_<D>_IDS``: the partition count and the request-id index (below).
+    * key-value bucket ``CHARON_<D>_IDS``: the partition counts (``meta.partitions``, physical, only grows;
+      ``meta.route``, the routing count, see :meth:`NatsInputLog.resize`) and the request-id index (below).
 
 Exactly once, beyond JetStream's dedup window
     JetStream drops a message whose ``Nats-Msg-Id`` it saw within the stream's ``duplicate_window``
@@ -55,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import re
 import threading
@@ -67,6 +69,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from charon.errors import EngineUnavailable
+from charon.log.offsets import pad_offsets
 from charon.messages import Reply, Request
 from charon.serde import decode_reply, decode_request, encode_reply, encode_request
 
@@ -77,6 +80,8 @@ log = logging.getLogger(__name__)
 DEFAULT_DEDUP_WINDOW_S = 600.0
 DEFAULT_TIMEOUT_S = 10.0
 FETCH_BATCH = 5000  # messages per pull request of a range read
+#: how old a handle's cached partition counts may get before an operation reads them again (see resize)
+COUNTS_REFRESH_S = 1.0
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -372,33 +377,109 @@ class _Base:
 
 class NatsInputLog(_Base):
     """Partitioned input log of :class:`Request` s on JetStream, same contract as
-    :class:`charon.log.sqlite.InputLog` (see the module docstring for the layout and dedup)."""
+    :class:`charon.log.sqlite.InputLog` (see the module docstring for the layout and dedup).
+
+    Resizing (:meth:`resize`): the bucket keeps ``meta.partitions`` (physical: streams ``0..n-1`` exist and
+    are consumed forever; only grows, by compare-and-set) and ``meta.route`` (appends without a partition go
+    to ``crc32(key) % route``). Every handle caches the two and refreshes them at most every
+    ``COUNTS_REFRESH_S`` seconds, and at once when it meets a partition it does not know (an offsets list or
+    an explicit partition beyond its count). A stale appender appending to a partition the route no longer
+    names is still correct: that partition is consumed, and dedup spans the whole log."""
 
     atomic_batches = False  # a crash can leave a prefix of an ``append_many`` batch (never a duplicate)
 
     def __init__(
         self, url: str, partitions: int | None = None, *, durable: bool = True,
         dedup_window_s: float = DEFAULT_DEDUP_WINDOW_S, timeout_s: float = DEFAULT_TIMEOUT_S,
+        resize: bool = False,
     ) -> None:
         if partitions is not None and partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         super().__init__(url, timeout_s, dedup_window_s)
         self.durable = durable  # JetStream file storage; the server's sync interval governs power loss
+        self._n = 0
+        self._route = 0
+        self._counts_at = -math.inf  # time.monotonic() of the last refresh
         try:
-            self.partitions: int = self._run(lambda: self._open(partitions))
+            self._run(lambda: self._open(partitions, resize))
         except BaseException:
             self.close()
             raise
 
-    async def _open(self, partitions: int | None) -> int:
+    async def _open(self, partitions: int | None, resize: bool) -> None:
         want = 4 if partitions is None else partitions
-        old = await self._kv_create("meta.partitions", str(want).encode())
-        n = want if old is None else int(old)
-        if partitions is not None and partitions != n:
-            raise ValueError(f"input log {self.path!r} has {n} partitions, opened with partitions={partitions}")
+        created = await self._kv_create("meta.partitions", str(want).encode()) is None
+        if created:
+            await self._kv_create("meta.route", str(want).encode())
+        n, route = await self._refresh()
+        if partitions is not None and partitions != route:
+            if not resize:
+                raise ValueError(
+                    f"input log {self.path!r} has {route} partitions, opened with partitions={partitions}"
+                )
+            await self._resize_async(partitions)
+            return
         for p in range(n):
             await self._ensure_stream(self._stream(p), self._subject(p))
-        return n
+
+    async def _refresh(self) -> tuple[int, int]:
+        """Read the counts from the bucket (a log from before resizing has no ``meta.route``: = physical)."""
+        n_b = await self._kv_get("meta.partitions")
+        r_b = await self._kv_get("meta.route")
+        n = int(n_b) if n_b else max(self._n, 1)
+        route = min(n, int(r_b)) if r_b else n
+        self._n, self._route, self._counts_at = max(n, self._n), route, time.monotonic()
+        return self._n, self._route
+
+    async def _known(self, need: int = 0) -> int:
+        """The physical count, refreshed when older than ``COUNTS_REFRESH_S`` or smaller than ``need``."""
+        if self._n < need or time.monotonic() - self._counts_at >= COUNTS_REFRESH_S:
+            await self._refresh()
+        return self._n
+
+    @property
+    def partitions(self) -> int:
+        """The physical partition count (offsets lists have this many entries; it only grows)."""
+        return self._run(self._known)
+
+    @property
+    def route(self) -> int:
+        """The routing count: an append without an explicit partition goes to ``crc32(key) % route``."""
+        self._run(self._known)
+        return self._route
+
+    def counts(self) -> tuple[int, int]:
+        """``(physical partitions, routing count)``, read from the server now."""
+        return self._run(self._refresh)
+
+    def resize(self, route: int) -> tuple[int, int]:
+        """Route new appends over ``route`` partitions (same contract as
+        :meth:`charon.log.sqlite.InputLog.resize`): growing creates the missing streams first, then raises the
+        physical count (compare-and-set, it never goes down), then sets the routing count. Appenders in other
+        processes switch within ``COUNTS_REFRESH_S``. Returns ``(physical, route)``."""
+        if route < 1:
+            raise ValueError(f"partitions must be >= 1, got {route}")
+        return self._run(lambda: self._resize_async(route))
+
+    async def _resize_async(self, route: int) -> tuple[int, int]:
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        kv = await self._bucket()
+        for p in range(route):  # every stream up to the new count exists before any handle can name it
+            await self._ensure_stream(self._stream(p), self._subject(p))
+        for _ in range(50):
+            e = await kv.get("meta.partitions")
+            if int(e.value) >= route:
+                break
+            try:
+                await kv.update("meta.partitions", str(route).encode(), last=e.revision)
+                break
+            except KeyWrongLastSequenceError:  # another resize raced us: read again
+                await asyncio.sleep(0.01)
+        else:
+            raise NatsLogError(f"could not raise the partition count of {self.path!r}")
+        await kv.put("meta.route", str(route).encode())
+        return await self._refresh()
 
     def _stream(self, p: int) -> str:
         return f"CHARON_{self.name}_IN_{p}"
@@ -417,7 +498,9 @@ class NatsInputLog(_Base):
         return self._append(items) if items else []
 
     def _append(self, items: Sequence[tuple[Request, int | None]]) -> list[tuple[int, int]]:
-        n = self.partitions
+        need = max((p + 1 for _, p in items if p is not None), default=0)
+        n = self._run(lambda: self._known(need))
+        route = self._route
         for _, p in items:
             if p is not None and not 0 <= p < n:
                 raise ValueError(f"partition {p} out of range [0, {n})")
@@ -426,7 +509,7 @@ class NatsInputLog(_Base):
         for req, p in items:
             if req.ts == 0:
                 req = msgspec.structs.replace(req, ts=now)
-            part = zlib.crc32(req.key.encode()) % n if p is None else p
+            part = zlib.crc32(req.key.encode()) % route if p is None else p
             encode_request(req)  # refuse an unencodable request before claiming its id
             prepared.append((req, part, _rid_hash(req.request_id)))
         return self._run(lambda: self._append_async(prepared), timeout=self.timeout_s * 3)
@@ -490,15 +573,16 @@ class NatsInputLog(_Base):
         return None
 
     def truncate(self, upto: Sequence[int]) -> None:
-        """Delete the entries below ``upto[p]`` in every partition (retention); offsets keep counting."""
-        self._check_len(upto)
+        """Delete the entries below ``upto[p]`` in every partition (retention); offsets keep counting. A
+        shorter ``upto`` (from before the log grew) leaves the partitions it does not name as they are."""
 
         async def go() -> None:
-            infos = await self._infos()
-            for p, (u, (_, nxt)) in enumerate(zip(upto, infos, strict=True)):
+            infos = await self._infos(len(upto))
+            upto_ = pad_offsets(upto, len(infos))
+            for p, (u, (_, nxt)) in enumerate(zip(upto_, infos, strict=True)):
                 if u > nxt:
                     raise ValueError(f"cannot truncate partition {p} to {u}: it ends at {nxt}")
-            for p, (u, (low, _)) in enumerate(zip(upto, infos, strict=True)):
+            for p, (u, (low, _)) in enumerate(zip(upto_, infos, strict=True)):
                 if u > low:
                     await self.c.js.purge_stream(self._stream(p), seq=u + 1)
 
@@ -512,6 +596,7 @@ class NatsInputLog(_Base):
         ids = list(request_ids)
 
         async def go() -> list[str]:
+            await self._refresh()  # an id may name a partition a stale count does not know
             lows = [s for s, _ in await self._infos()]
             out: list[str] = []
 
@@ -550,9 +635,12 @@ class NatsInputLog(_Base):
         return self._run(go, timeout=self.timeout_s * 6)
 
     # -- reading -----------------------------------------------------------------------------------
-    async def _infos(self) -> list[tuple[int, int]]:
-        """``(start, end)`` offsets of every partition."""
-        infos = await asyncio.gather(*(self.c.js.stream_info(self._stream(p)) for p in range(self.partitions)))
+    async def _infos(self, need: int = 0) -> list[tuple[int, int]]:
+        """``(start, end)`` offsets of every physical partition (at least ``need``, else ``ValueError``)."""
+        n = await self._known(need)
+        if n < need:
+            raise ValueError(f"expected at most {n} offsets, got {need}")
+        infos = await asyncio.gather(*(self.c.js.stream_info(self._stream(p)) for p in range(n)))
         return [(max(i.state.first_seq - 1, 0), i.state.last_seq) for i in infos]
 
     def contains(self, request_id: str) -> bool:
@@ -592,14 +680,14 @@ class NatsInputLog(_Base):
         return [decode_request(d) for _, d in self.read_raw(partition, start, end)]
 
     def read_range(self, starts: Sequence[int], ends: Sequence[int]) -> list[tuple[int, int, Request]]:
-        """``(partition, offset, request)`` for offsets ``[starts[p], ends[p])`` of every partition."""
-        self._check_len(starts)
-        self._check_len(ends)
+        """``(partition, offset, request)`` for offsets ``[starts[p], ends[p])`` of every partition (shorter
+        lists are padded with 0s, :func:`~charon.log.offsets.pad_offsets`)."""
 
         async def go() -> list[list[tuple[int, bytes]]]:
-            infos = await self._infos()
+            infos = await self._infos(max(len(starts), len(ends)))
+            s, e = pad_offsets(starts, len(infos)), pad_offsets(ends, len(infos))
             return list(await asyncio.gather(
-                *(self._read_async(p, starts[p], ends[p], infos[p]) for p in range(self.partitions))
+                *(self._read_async(p, s[p], e[p], infos[p]) for p in range(len(infos)))
             ))
 
         got = self._run(go, timeout=self.timeout_s * 6)
@@ -607,10 +695,11 @@ class NatsInputLog(_Base):
 
     def read_raw(self, partition: int, start: int, end: int) -> list[tuple[int, bytes]]:
         """Like :meth:`read` but ``(offset, msgpack bytes)`` pairs."""
-        if not 0 <= partition < self.partitions:
-            raise ValueError(f"partition {partition} out of range [0, {self.partitions})")
 
         async def go() -> list[tuple[int, bytes]]:
+            n = await self._known(partition + 1)
+            if not 0 <= partition < n:
+                raise ValueError(f"partition {partition} out of range [0, {n})")
             info = await self.c.js.stream_info(self._stream(partition))
             bounds = (max(info.state.first_seq - 1, 0), info.state.last_seq)
             return await self._read_async(partition, start, end, bounds)
@@ -633,12 +722,8 @@ class NatsInputLog(_Base):
             raise ValueError(f"partition {p}: offsets [{start}, {end}) are not all retained")
         return rows
 
-    def _check_len(self, offsets: Sequence[int]) -> None:
-        if len(offsets) != self.partitions:
-            raise ValueError(f"expected {self.partitions} offsets, got {len(offsets)}")
-
     def __repr__(self) -> str:
-        return f"NatsInputLog({self.path!r}, partitions={self.partitions})"
+        return f"NatsInputLog({self.path!r}, partitions={self._n}, route={self._route})"
 
 
 class NatsOutputLog(_Base):

@@ -3,7 +3,8 @@
 Input log (:class:`InputLog`)
     Requests are appended to one of ``partitions`` partitions; each partition numbers its entries with dense
     offsets ``0, 1, 2, ...`` that are never reused, not even after :meth:`InputLog.truncate`. The default
-    partition of a request is ``zlib.crc32(key) % partitions`` (the key string, UTF-8). Each append is one
+    partition of a request is ``zlib.crc32(key) % route`` (the key string, UTF-8; ``route`` is the routing
+    count, :meth:`InputLog.resize` changes it online; physical partitions only grow). Each append is one
     SQLite write transaction (``BEGIN IMMEDIATE``), so several threads and processes can append to the same
     file; :meth:`InputLog.append_many` appends a whole batch in one transaction (group commit).
 
@@ -37,6 +38,7 @@ from contextlib import contextmanager
 
 import msgspec
 
+from charon.log.offsets import pad_offsets
 from charon.messages import Reply, Request
 from charon.serde import decode_reply, decode_request, encode_reply, encode_request
 
@@ -136,11 +138,19 @@ class InputLog:
     """Durable partitioned input log of :class:`Request` s on SQLite (see the module docstring).
 
     ``partitions=None`` opens an existing log with its stored partition count (a new log gets 4);
-    an explicit count that differs from the stored one raises ``ValueError``.
+    an explicit count that differs from the stored routing count raises ``ValueError``, unless
+    ``resize=True``: then the log is resized to it (:meth:`resize`).
+
+    Two counts, kept in the log's metadata: :attr:`partitions` (physical: partitions ``0..n-1`` exist and
+    are consumed forever; it only grows) and :attr:`route` (appends without an explicit partition go to
+    ``crc32(key) % route``; ``route <= partitions``). Offsets lists (``end_offsets``, ``read_range``,
+    ``truncate``) have one entry per physical partition; a shorter list, written before the log grew, is
+    padded with 0s (:func:`charon.log.offsets.pad_offsets`).
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], partitions: int | None = None, *, durable: bool = True
+        self, path: str | os.PathLike[str], partitions: int | None = None, *, durable: bool = True,
+        resize: bool = False,
     ) -> None:
         if partitions is not None and partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
@@ -164,14 +174,58 @@ class InputLog:
             if row is None:
                 n = 4 if partitions is None else partitions
                 c.execute("INSERT INTO meta VALUES ('partitions', ?)", (str(n),))
+                c.execute("INSERT INTO meta VALUES ('route', ?)", (str(n),))
                 c.executemany("INSERT INTO parts VALUES (?, 0, 0)", [(p,) for p in range(n)])
             else:
-                n = int(row[0])
-                if partitions is not None and partitions != n:
-                    raise ValueError(
-                        f"input log {self.path!r} has {n} partitions, opened with partitions={partitions}"
-                    )
-        self.partitions: int = n
+                route = self._counts(c)[1]
+                if partitions is not None and partitions != route:
+                    if not resize:
+                        raise ValueError(
+                            f"input log {self.path!r} has {route} partitions, opened with partitions={partitions}"
+                        )
+                    self._resize(c, partitions)
+
+    @staticmethod
+    def _counts(c: sqlite3.Connection) -> tuple[int, int]:
+        rows = dict(c.execute("SELECT k, v FROM meta WHERE k IN ('partitions', 'route')").fetchall())
+        n = int(rows["partitions"])
+        return n, min(n, int(rows.get("route", n)))  # a log from before resizing: route = physical
+
+    @property
+    def partitions(self) -> int:
+        """The physical partition count (offsets lists have this many entries; it only grows)."""
+        return self.counts()[0]
+
+    @property
+    def route(self) -> int:
+        """The routing count: an append without an explicit partition goes to ``crc32(key) % route``."""
+        return self.counts()[1]
+
+    def counts(self) -> tuple[int, int]:
+        """``(physical partitions, routing count)``, read together."""
+        with self._db.read() as c:
+            return self._counts(c)
+
+    def resize(self, route: int) -> tuple[int, int]:
+        """Route new appends over ``route`` partitions, atomically for every appender (the count is read in
+        each append's write transaction). Growing beyond the physical count adds partitions (their offsets
+        start at 0); shrinking only lowers the routing count: the partitions beyond it keep their entries,
+        are still consumed, and get appends again when the log grows back. Request-id dedup spans the whole
+        log, so where a request lands never matters for exactly-once. Returns ``(physical, route)``."""
+        if route < 1:
+            raise ValueError(f"partitions must be >= 1, got {route}")
+        with self._db.write() as c:
+            return self._resize(c, route)
+
+    @staticmethod
+    def _resize(c: sqlite3.Connection, route: int) -> tuple[int, int]:
+        n = InputLog._counts(c)[0]
+        if route > n:
+            c.executemany("INSERT INTO parts VALUES (?, 0, 0)", [(p,) for p in range(n, route)])
+            c.execute("UPDATE meta SET v = ? WHERE k = 'partitions'", (str(route),))
+            n = route
+        c.execute("INSERT OR REPLACE INTO meta VALUES ('route', ?)", (str(route),))
+        return n, route
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -191,18 +245,18 @@ class InputLog:
         return self._append(items) if items else []
 
     def _append(self, items: Sequence[tuple[Request, int | None]]) -> list[tuple[int, int]]:
-        n = self.partitions
-        for _, p in items:
-            if p is not None and not 0 <= p < n:
-                raise ValueError(f"partition {p} out of range [0, {n})")
         out: list[tuple[int, int]] = []
         now = time.time()
         with self._db.write() as c:
+            n, route = self._counts(c)  # in the write transaction: a resize switches every appender at once
+            for _, p in items:
+                if p is not None and not 0 <= p < n:
+                    raise ValueError(f"partition {p} out of range [0, {n})")
             nxt = dict(c.execute("SELECT part, next FROM parts").fetchall())
             start = dict(nxt)
             new_rows: list[tuple[int, int, str, bytes]] = []
             for req, p in items:
-                part = log_partition_of(req.key, n) if p is None else p
+                part = log_partition_of(req.key, route) if p is None else p
                 off = nxt[part]
                 cur = c.execute(
                     "INSERT OR IGNORE INTO ids VALUES (?, ?, ?)", (req.request_id, part, off)
@@ -230,11 +284,12 @@ class InputLog:
         """Delete the entries below ``upto[p]`` in every partition ``p`` (retention); offsets keep counting.
 
         Offsets at or below the current truncation point are a no-op; ``upto[p]`` beyond the end of a
-        partition raises ``ValueError``. Request ids stay known (idempotency outlives retention).
+        partition raises ``ValueError``. Request ids stay known (idempotency outlives retention). A shorter
+        ``upto`` (from before the log grew) leaves the partitions it does not name as they are.
         """
-        self._check_len(upto)
         with self._db.write() as c:
             rows = c.execute("SELECT part, next, low FROM parts ORDER BY part").fetchall()
+            upto = pad_offsets(upto, len(rows))
             for (p, nxt, low), u in zip(rows, upto, strict=True):
                 if u > nxt:
                     raise ValueError(f"cannot truncate partition {p} to {u}: it ends at {nxt}")
@@ -300,12 +355,13 @@ class InputLog:
 
     def read_range(self, starts: Sequence[int], ends: Sequence[int]) -> list[tuple[int, int, Request]]:
         """``(partition, offset, request)`` for offsets ``[starts[p], ends[p])`` of every partition,
-        ordered by (partition, offset), read from one consistent snapshot."""
-        self._check_len(starts)
-        self._check_len(ends)
+        ordered by (partition, offset), read from one consistent snapshot. Lists shorter than the physical
+        count are padded with 0s (:func:`~charon.log.offsets.pad_offsets`)."""
         out: list[tuple[int, int, Request]] = []
         with self._db.read() as c:
-            for p in range(self.partitions):
+            n = self._counts(c)[0]
+            starts, ends = pad_offsets(starts, n), pad_offsets(ends, n)
+            for p in range(n):
                 out.extend((p, off, decode_request(d)) for off, d in self._read_raw(c, p, starts[p], ends[p]))
         return out
 
@@ -315,13 +371,14 @@ class InputLog:
             return self._read_raw(c, partition, start, end)
 
     def _read_raw(self, c: sqlite3.Connection, p: int, start: int, end: int) -> list[tuple[int, bytes]]:
-        if not 0 <= p < self.partitions:
-            raise ValueError(f"partition {p} out of range [0, {self.partitions})")
+        row = c.execute("SELECT next, low FROM parts WHERE part = ?", (p,)).fetchone()
+        if row is None:
+            raise ValueError(f"partition {p} out of range [0, {self._counts(c)[0]})")
         if start >= end:
             if start > end:
                 raise ValueError(f"empty range: start {start} > end {end}")
             return []
-        nxt, low = c.execute("SELECT next, low FROM parts WHERE part = ?", (p,)).fetchone()
+        nxt, low = row
         if start < low:
             raise ValueError(f"partition {p}: offsets below {low} were truncated (asked from {start})")
         if end > nxt:
@@ -331,10 +388,6 @@ class InputLog:
             (p, start, end),
         ).fetchall()
         return rows
-
-    def _check_len(self, offsets: Sequence[int]) -> None:
-        if len(offsets) != self.partitions:
-            raise ValueError(f"expected {self.partitions} offsets, got {len(offsets)}")
 
     def close(self) -> None:
         """Close this object's connections (call when no other thread is using it)."""
@@ -347,7 +400,8 @@ class InputLog:
         self.close()
 
     def __repr__(self) -> str:
-        return f"InputLog({self.path!r}, partitions={self.partitions})"
+        n, route = self.counts()
+        return f"InputLog({self.path!r}, partitions={n}, route={route})"
 
 
 class OutputLog:
