@@ -1,7 +1,7 @@
 """Rescaling the Spark runtime by key groups (:meth:`SparkRuntime.rescale`).
 
 * Without Spark (the move only touches the durable copy): a stopped runtime rescales, reopening with another
-  count rescales at open, the input log's count is refused, and a SIGKILL on either side of the commit point
+  count rescales at open, another input-log count resizes the log, and a SIGKILL on either side of the commit point
   (``layout.json``) leaves exactly one layout; executors retire only older layouts' stores; the SQL views of
   a data directory read the state directory a rescale recorded.
 * On real PySpark: 2 -> 4 -> 3 engine partitions while sixteen clients call through the real gateway over HTTP:
@@ -32,7 +32,7 @@ from charon.apps import holds
 from charon.config import SparkConfig
 from charon.core import timers
 from charon.core.routing import partition_of, store_key
-from charon.runtime.spark.runtime import LayoutMismatch, SparkRuntime, _write_bases, read_layout, replay_in_process
+from charon.runtime.spark.runtime import SparkRuntime, _write_bases, read_layout, replay_in_process
 
 APP = "charon.apps.holds:app"
 KEYS = [f"k{i}" for i in range(40)]
@@ -91,8 +91,13 @@ def test_stopped_runtime_rescales_and_reopening_rescales(tmp_path: Path) -> None
     three = SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=3))  # another count: rescaled
     assert three.config.partitions == 3 and [p["to"] for p in three.rescale_pauses] == [3]
     assert three.snapshot() == before and _placed_right(three) and len(_state_dirs(ckpt)) == 2
-    with pytest.raises(LayoutMismatch, match="input log's partition count cannot change"):
-        SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=3, log_partitions=5))
+    five = SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=3, log_partitions=5))
+    assert five.input_log.counts() == (5, 5) and read_layout(str(ckpt)).log_partitions == 5, "the log is resized"
+    assert five.rescale(log_partitions=3)["log"] == {**five.log_rescales[-1], "from": 5, "to": 3, "physical": 5}
+    assert five.input_log.counts() == (5, 3) and read_layout(str(ckpt)).log_partitions == 3
+    kept_log = SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=3))  # no count: the recorded one
+    assert kept_log.config.n_log_partitions == 3 and kept_log.input_log.counts() == (5, 3)
+    assert kept_log.snapshot() == before
     with pytest.raises(ValueError):
         three.rescale(0)
     from charon.cli import make_runtime

@@ -55,9 +55,10 @@ def test_master_gets_task_retries() -> None:
 def test_layout_mismatch_is_refused_in_one_line(tmp_path: Path) -> None:
     SparkRuntime(APP, _cfg(tmp_path, partitions=4))  # first start records the layout
     SparkRuntime(APP, _cfg(tmp_path, partitions=4))  # the same layout: fine
-    with pytest.raises(LayoutMismatch, match="has 4 partitions, opened with partitions=2 .the input log's partition"):
-        SparkRuntime(APP, _cfg(tmp_path, partitions=4, log_partitions=2))  # the log's count cannot change
+    grown = SparkRuntime(APP, _cfg(tmp_path, partitions=4, log_partitions=6))  # another log count: resized
+    assert grown.input_log.counts() == (6, 6)
     assert SparkRuntime(APP, _cfg(tmp_path, partitions=2, log_partitions=4)).config.partitions == 2  # rescaled
+    assert grown.input_log.counts() == (6, 4), "the log routes over 4, its 6 partitions stay (and are read)"
     legacy = tmp_path / "legacy"  # a checkpoint from before layout.json: its state shows 4 partitions
     SparkRuntime(APP, _cfg(legacy, partitions=4))
     for p in range(4):
@@ -65,14 +66,12 @@ def test_layout_mismatch_is_refused_in_one_line(tmp_path: Path) -> None:
     (legacy / "checkpoint" / "layout.json").unlink()
     with pytest.raises(LayoutMismatch, match="state of 4 partitions, configured: 2"):
         SparkRuntime(APP, _cfg(legacy, partitions=2, log_partitions=4))
-    with pytest.raises(LayoutMismatch, match="has 4 partitions, opened with partitions=8"):
-        SparkRuntime(APP, _cfg(legacy, partitions=4, log_partitions=8))  # the input log's count
     assert not (legacy / "checkpoint" / "layout.json").exists()  # nothing recorded from a refused start
     env = dict(os.environ, CHARON_MASTER="local[2]", CHARON_LOG_PARTITIONS="3")
-    out = subprocess.run([CHARON, "run", APP, "--engine", "spark", "--data-dir", str(tmp_path), "--partitions", "2",
+    out = subprocess.run([CHARON, "run", APP, "--engine", "spark", "--data-dir", str(legacy), "--partitions", "2",
                           "--port", "1"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 1
-    assert "Traceback" not in out.stderr and "partition count cannot change" in out.stderr
+    assert "Traceback" not in out.stderr and "state of 4 partitions" in out.stderr
     assert [ln for ln in out.stderr.splitlines() if ln.strip()] == [out.stderr.strip()]  # one line
 
 

@@ -24,7 +24,9 @@ import msgspec
 
 from charon import serde
 from charon.core.routing import entity_prefix, partition_of, split_store_key, store_key
+from charon.core.sequencer import Sequencer
 from charon.errors import CharonError
+from charon.log.offsets import pad_pair
 from charon.state.durable import DurableState, DurableStateError, write_file_atomic
 from charon.state.store import MemoryStore
 
@@ -340,10 +342,11 @@ def spark_status(rt: Any) -> dict[str, Any]:
     """Pause state, the last recorded epoch and the backlog (log entries after it) of a Spark runtime."""
     last = rt._last_recorded_epoch()
     rec = rt.read_record(last) if last >= 0 else None
-    ends = rt.input_log.end_offsets()
-    done = rec.ends if rec is not None else rt.input_log.start_offsets()
+    ends, done = pad_pair(rt.input_log.end_offsets(), rec.ends if rec is not None else rt.input_log.start_offsets())
     backlog = sum(max(0, e - d) for e, d in zip(ends, done, strict=True))
+    physical, route = rt.input_log.counts()
     return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "engine": "spark", "durable": True,
+            "partitions": rt.config.partitions, "log_partitions": {"route": route, "physical": physical},
             "retained_from": _retained_from(rt.durable, rt.config.partitions),
             "code_version": spark_version_at(rt, last + 1)}
 
@@ -567,7 +570,7 @@ async def inprocess_update_code(
                     retire_previous(rt)
                 e = rt.epoch
             c = rt.coordinator
-            first_tid = max(c.sequencer.counters) * c.sequencer.n + 1  # every later TID is at least this
+            first_tid = c.sequencer.first_tid()  # every later TID is at least this
         mig = None
         if migration is not None:
             mig = [f"code-{len(hist)}-{version}", migration[0], migration[1], list(migration[2])]
@@ -762,8 +765,8 @@ async def _switch_compatible(rt: Any, ref: str, app: Any, version: str, hist: li
     last = rt._last_recorded_epoch()
     rec = rt.read_record(last) if last >= 0 else None
     e = last + 1
-    n = rt.config.n_log_partitions
-    first_tid = (max(rec.counters) if rec is not None else 0) * n + 1  # every TID from epoch e on is >= it
+    # every TID from epoch e on is >= it (the recorded counters' own count: the log may have grown since)
+    first_tid = Sequencer.restore(rec.counters).first_tid() if rec is not None and rec.counters else 1
     entry = CodeVersion(e, version, ref, None, first_tid)
     data = msgspec.json.encode([*hist, entry])
     await asyncio.to_thread(write_file_atomic, _spark_code_path(rt.ckpt), data)  # the commit point

@@ -46,6 +46,7 @@ from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
 from charon.errors import CharonError, EngineUnavailable
 from charon.log.location import log_locations, open_input_log, open_output_log
+from charon.log.offsets import pad_pair
 from charon.log.sqlite import DedupRetention
 from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
@@ -66,8 +67,9 @@ class LayoutMismatch(CharonError):
 
 
 class Layout(msgspec.Struct):
-    """The partition layout of a checkpoint (``<checkpoint>/layout.json``): engine and input-log partitions and
-    the directory of the durable state (a rescale writes a new one; switching this file is its commit point)."""
+    """The partition layout of a checkpoint (``<checkpoint>/layout.json``): engine partitions, the input log's
+    routing count (``log_partitions``; the log's own metadata holds it too, and its physical count) and the
+    directory of the durable state (a rescale writes a new one; switching this file is its commit point)."""
 
     partitions: int
     log_partitions: int
@@ -98,9 +100,10 @@ def remove_old_layouts(checkpoint: str, keep: str) -> None:
 
 
 def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> Layout:
-    """Record the layout at a checkpoint's first start; later, refuse another input-log partition count and
-    return the recorded layout (whose engine partition count the runtime then rescales to the configured one,
-    :meth:`SparkRuntime.rescale`). State directories of an interrupted rescale are removed."""
+    """Record the layout at a checkpoint's first start; later, record the input log's routing count (the
+    runtime resized the log to it) and return the recorded layout (whose engine partition count the runtime
+    then rescales to the configured one, :meth:`SparkRuntime.rescale`). State directories of an interrupted
+    rescale are removed."""
     path = os.path.join(checkpoint, "layout.json")
     want = Layout(partitions, log_partitions)
     have = read_layout(checkpoint)
@@ -118,11 +121,8 @@ def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> Layou
         write_file_atomic(path, msgspec.json.encode(want))
         return want
     if have.log_partitions != log_partitions:
-        raise LayoutMismatch(
-            f"the checkpoint {checkpoint} was created with {have.partitions} partitions and "
-            f"{have.log_partitions} log partitions, configured: {partitions} and {log_partitions} "
-            "(the input log's partition count cannot change: keep it or use a new data directory)"
-        )
+        have = msgspec.structs.replace(have, log_partitions=log_partitions)
+        write_file_atomic(path, msgspec.json.encode(have))
     remove_old_layouts(checkpoint, have.state)
     return have
 
@@ -709,11 +709,10 @@ class SparkRuntime(control.Controllable):
         if recorded is not None and cfg.log_partitions is None:  # not set: an existing log keeps its count
             cfg = dataclasses.replace(cfg, log_partitions=recorded.log_partitions)
         self.input_location, self.output_location = log_locations(os.path.abspath(cfg.data_dir), cfg.log_url)
-        try:
-            self.input_log = open_input_log(self.input_location, cfg.n_log_partitions)
-        except ValueError as e:  # the log was created with another partition count
-            raise LayoutMismatch(f"{e} (the input log's partition count cannot change)") from None
-        layout = check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions)
+        layout = check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions)  # records the log count first
+        # another count than the log's routes appends over it from now on (physical partitions only grow;
+        # the epoch that first reads the new ones grows the sequencers, see _run_epoch)
+        self.input_log = open_input_log(self.input_location, cfg.n_log_partitions, resize=True)
         wanted = cfg.partitions  # another count than the layout's: rescaled below, before anything runs
         self.config = dataclasses.replace(cfg, partitions=layout.partitions, log_partitions=cfg.n_log_partitions)
         cfg = self.config
@@ -727,6 +726,7 @@ class SparkRuntime(control.Controllable):
         self._layout_gen = 0
         self._rescale_lock = threading.Lock()
         self.rescale_pauses: list[dict[str, Any]] = []  # one per rescale (see rescale)
+        self.log_rescales: list[dict[str, Any]] = []  # one per input-log resize (see rescale_log)
         # a compatible code update's (first TID on the new code, the old ref) while transactions begun on the
         # old code are deferred (charon.runtime.control.spark_update_code)
         self._code_previous: tuple[int, str] | None = None
@@ -799,8 +799,8 @@ class SparkRuntime(control.Controllable):
             if self._status != "ok" or self._next_due > time.time():
                 continue
             rec = self.read_record(self._last_recorded_epoch())
-            ends = rec.ends if rec is not None else [0] * self.config.n_log_partitions
-            if any(e < t for e, t in zip(ends, self.input_log.end_offsets(), strict=True)):
+            ends, tops = pad_pair(rec.ends if rec is not None else [], self.input_log.end_offsets())
+            if any(e < t for e, t in zip(ends, tops, strict=True)):
                 continue  # an epoch is coming anyway (it advances the time too)
             n += 1
             self.input_log.append(Request(f"{TICK}timer:{time.time_ns()}:{n}", TICK, "", "", serde.encode([])))
@@ -811,7 +811,6 @@ class SparkRuntime(control.Controllable):
         df = (
             spark.readStream.format("charon_log")
             .option("path", self.input_location)
-            .option("partitions", str(self.config.n_log_partitions))
             .option("maxRecordsPerBatch", str(self.config.max_batch))
             .option("startRecordsPerBatch", str(self.config.restart_batch))  # short epochs first (a backlog)
             .option("idleWaitMs", str(self.config.idle_wait_ms))
@@ -876,8 +875,7 @@ class SparkRuntime(control.Controllable):
 
     def _caught_up(self) -> bool:
         rec = self.read_record(self._last_recorded_epoch())
-        target = self.input_log.end_offsets()
-        ends = rec.ends if rec is not None else [0] * len(target)
+        ends, target = pad_pair(rec.ends if rec is not None else [], self.input_log.end_offsets())
         return not (rec is not None and rec.deferred) and all(e >= t for e, t in zip(ends, target, strict=True))
 
     def health(self) -> dict[str, Any]:
@@ -918,8 +916,11 @@ class SparkRuntime(control.Controllable):
             self._compactor.join()
 
     # -- rescaling by key groups ------------------------------------------------------------------------------
-    def rescale(self, partitions: int, timeout: float = 300.0) -> dict[str, Any]:
-        """Change the number of engine partitions at an epoch boundary, the streaming query running or not.
+    def rescale(self, partitions: int | None = None, timeout: float = 300.0, *, log_partitions: int | None = None,
+                ) -> dict[str, Any]:
+        """Change the number of engine partitions at an epoch boundary, the streaming query running or not;
+        with ``log_partitions``, first change the input log's partition count (:meth:`rescale_log`, no pause;
+        its answer is merged in under ``log``). ``partitions=None``: the engine partitions stay.
 
         Entities map to fixed key groups (:data:`charon.core.routing.KEY_GROUPS`), groups to partitions
         (``group % partitions``). A running runtime closes its epoch gate: the running epoch finishes (a
@@ -929,7 +930,7 @@ class SparkRuntime(control.Controllable):
         keeps the old layout, whose leftovers the next start removes), the driver switches to a new exchange,
         and the gate opens. The query itself is never stopped; requests keep being appended to the input log
         meanwhile and run right after. Executors restore the new layout's stores from its bases on first
-        use. The input log's partitions (the sequencers) do not change.
+        use. The input log's partitions (the sequencers) change only with ``log_partitions``.
 
         Returns (and appends to ``rescale_pauses``) ``from``, ``to``, ``epoch`` (the last epoch before the
         move), ``keys`` (items moved), ``wait_s`` (until the running epoch was done; epochs still ran),
@@ -937,8 +938,52 @@ class SparkRuntime(control.Controllable):
         on an event loop, call it with ``asyncio.to_thread``. ``timeout``: the longest wait for the running
         epoch (``TimeoutError`` then, nothing moved, the gate reopened).
         """
-        if partitions < 1:
+        if partitions is not None and partitions < 1:
             raise ValueError("partitions must be at least 1")
+        if log_partitions is not None and log_partitions < 1:
+            raise ValueError("log_partitions must be at least 1")
+        if partitions is None and log_partitions is None:
+            raise ValueError("give partitions, log_partitions or both")
+        log_info = self.rescale_log(log_partitions) if log_partitions is not None else None
+        if partitions is None:
+            return {"log": log_info}
+        info = self._rescale_engine(partitions, timeout)
+        return info if log_info is None else {**info, "log": log_info}
+
+    def rescale_log(self, log_partitions: int) -> dict[str, Any]:
+        """Change the input log's partition count (= the sequencers) of a running deployment; no pause.
+
+        ``layout.json`` records the new routing count first (a restart applies it), then the log switches its
+        appenders atomically (:meth:`~charon.log.sqlite.InputLog.resize`; NATS appenders in other processes
+        within a second): growing adds physical partitions, shrinking only retires some from routing (they
+        drain, and are still read). The streaming query reads the physical count at every batch it plans; the
+        first epoch whose offsets name more partitions grows its sequencers so every new TID exceeds every
+        earlier one (:meth:`~charon.core.sequencer.Sequencer.resize`). Nothing is fenced: dedup by request id
+        spans the whole log and every physical partition is consumed, so no request is lost or run twice.
+
+        Returns (and appends to ``log_rescales``) ``from`` / ``to`` (routing counts), ``physical`` (after),
+        ``epoch`` (the last recorded one when it switched), ``switch_s`` (wall time of the switch; no epoch
+        waits for it) and ``cpu_s``."""
+        if log_partitions < 1:
+            raise ValueError("log_partitions must be at least 1")
+        with self._rescale_lock:
+            t0, c0 = time.perf_counter(), time.process_time()
+            old = self.input_log.counts()[1]
+            epoch = self._last_recorded_epoch()
+            with self._lock:
+                layout = read_layout(self.ckpt) or Layout(self.config.partitions, old)
+                write_file_atomic(os.path.join(self.ckpt, "layout.json"),
+                                  msgspec.json.encode(msgspec.structs.replace(layout, log_partitions=log_partitions)))
+                crash_point("log_relayout", epoch)  # recorded, the log not resized yet: the restart resizes it
+                physical, route = self.input_log.resize(log_partitions)
+                self.config = dataclasses.replace(self.config, log_partitions=route)
+            crash_point("log_resized", epoch)
+            info = {"from": old, "to": route, "physical": physical, "epoch": epoch,
+                    "switch_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+            self.log_rescales.append(info)
+            return info
+
+    def _rescale_engine(self, partitions: int, timeout: float) -> dict[str, Any]:
         with self._rescale_lock:
             t0 = time.perf_counter()
             running = self._query is not None and self._status != "stopped"
@@ -1097,7 +1142,8 @@ class SparkRuntime(control.Controllable):
             if self._fatal is not None:
                 raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
             rec = self.read_record(self._last_recorded_epoch())
-            if rec is not None and all(e >= t for e, t in zip(rec.ends, target, strict=True)) and not rec.deferred:
+            if rec is not None and not rec.deferred and all(e >= t for e, t in zip(*pad_pair(rec.ends, target),
+                                                                                  strict=True)):
                 return
             time.sleep(0.05)
         raise TimeoutError("the runtime did not become idle")
@@ -1164,7 +1210,8 @@ class SparkRuntime(control.Controllable):
         def defer() -> bool:
             if recovering or not self.config.pipeline_finalize or self.gate.closed_for(epoch + 1):
                 return False  # paused after this epoch: it is recorded before the pause, as without pipelining
-            return bool(coord.deferred) or any(t > e for t, e in zip(self.input_log.end_offsets(), ends, strict=True))
+            return bool(coord.deferred) or any(t > e for t, e in zip(*pad_pair(self.input_log.end_offsets(), ends),
+                                                                     strict=True))
 
         if not self.gate.try_enter(epoch):  # paused: the batch is fixed but its epoch does not start
             if pending is not None:  # the previous epoch, deferred, is finalized and recorded before the pause
@@ -1176,14 +1223,15 @@ class SparkRuntime(control.Controllable):
             # built after the gate: a code update or a rescale made at this boundary (while paused) applies to
             # this epoch (a rescale replaced the exchange and the partition count)
             coord = EpochCoordinator(
-                self.app, self.exchange, sequencers=self.config.n_log_partitions,
+                self.app, self.exchange, sequencers=len(ends),
                 max_invocations=self.config.max_invocations, on_replies=deliver, on_finalized=finalized,
             )
             coord.timer_limit = self.config.max_timers_per_epoch
             coord.next_due = math.inf if epoch == 0 else -math.inf
             if prev is not None:
-                coord.sequencer.counters = list(prev.counters)
-                coord.sequencer.time = prev.time
+                # the epoch's sequencer count is its end offsets' length: the log grew since prev -> rebase
+                coord.sequencer = Sequencer.restore(prev.counters, prev.time)
+                coord.sequencer.resize(len(ends))
                 coord.next_due = prev.next_due
                 coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
             if self._code_previous is not None:  # a compatible update: deferred transactions keep the old code
@@ -1264,7 +1312,7 @@ class SparkRuntime(control.Controllable):
     def _flush(self, pending: tuple[EpochRecord, EpochResult]) -> None:
         """Finalize a deferred epoch in a round of its own, then append its atom and write its record."""
         rec, result = pending
-        coord = EpochCoordinator(self.app, self.exchange, sequencers=self.config.n_log_partitions,
+        coord = EpochCoordinator(self.app, self.exchange, sequencers=len(rec.counters),
                                  max_invocations=self.config.max_invocations)
         coord.finalize(result)
         self._append_atom(result)
@@ -1493,12 +1541,14 @@ def replay_in_process(
 
     rt = InProcessRuntime(app, partitions=runtime.config.partitions,
                           max_timers_per_epoch=runtime.config.max_timers_per_epoch)
-    rt.coordinator.sequencer = Sequencer(runtime.config.n_log_partitions)
+    rt.coordinator.sequencer = Sequencer(1)
     for k, v in initial.items():
         op, key, _ = split_store_key(k)
         rt.stores[partition_of(op, key, rt.partitions)].data[k] = v
     results = []
     for e in range(runtime._last_recorded_epoch() + 1):
         rec = runtime.read_record(e)
+        if rec is not None:  # the epoch read len(ends) log partitions: as many sequencers (grown like Spark's)
+            rt.coordinator.sequencer.resize(len(rec.ends))
         results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e), rec.time if rec else None))
     return rt, results

@@ -9,8 +9,8 @@ Usage::
 
 ``charon_log`` options
     ``path`` (required) the :class:`~charon.log.sqlite.InputLog` file or a NATS log URL
-    (:mod:`charon.log.nats`); ``partitions`` (optional, checked against the
-    log; default: the log's stored count); ``maxRecordsPerBatch`` (default 10000) caps a micro-batch,
+    (:mod:`charon.log.nats`); ``partitions`` (optional, checked against the log's routing count when the
+    query starts); ``maxRecordsPerBatch`` (default 10000) caps a micro-batch,
     spread fairly over the log partitions; ``startRecordsPerBatch`` (default: ``maxRecordsPerBatch``, no ramp)
     caps the first micro-batch this reader plans (after a query start or restart), each next one may take
     ``RAMP_GROWTH`` (4) times as many, up to ``maxRecordsPerBatch``: a backlog left by a crash is not taken in
@@ -26,8 +26,11 @@ Usage::
 Offsets (JSON, what Spark writes to ``<checkpoint>/offsets/<batch_id>`` *before* the batch runs)
     ``{"offsets": [end_0, ..., end_{n-1}], "start": [start_0, ..., start_{n-1}]}``: the batch covers the
     offsets ``[start_p, end_p)`` of every log partition ``p``. ``"start"`` is redundant with the previous
-    batch's end; it makes each offset-log entry self-describing. The initial offset (and so an empty first
-    batch) is ``{"offsets": [...]}`` without ``"start"``. Spark hands a batch's offsets back unchanged on
+    batch's end; it makes each offset-log entry self-describing. The lists have one entry per physical log
+    partition when the batch was planned: the reader reads the count from the log at every plan, so a log
+    that grew (:meth:`~charon.log.sqlite.InputLog.resize`) is read from the next batch on, and a shorter
+    list (from before) is padded with 0s (:func:`charon.log.offsets.pad_offsets`). The initial offset (and so
+    an empty first batch) is ``{"offsets": [...]}`` without ``"start"``. Spark hands a batch's offsets back unchanged on
     replay, so a batch always re-reads exactly the same requests. Use :func:`batch_offsets` inside
     ``foreachBatch`` to get ``(starts, ends)`` of the running batch, then read the requests on the driver
     with :meth:`charon.log.sqlite.InputLog.read_range` (cheaper than collecting the DataFrame).
@@ -66,6 +69,8 @@ from pyspark.sql.types import (
     StructField,
     StructType,
 )
+
+from charon.log.offsets import pad_offsets, pad_pair
 
 __all__ = [
     "LOG_SCHEMA",
@@ -214,8 +219,8 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
         # The reader is pickled to the Python workers: it keeps only plain attributes, logs are opened
         # per process through a module-level cache (see ``log``).
-        with open_input_log(self.path, None if parts is None else int(parts)) as log:
-            self.n = log.partitions
+        with open_input_log(self.path, None if parts is None else int(parts)):
+            pass  # checks the count (the physical count is read from the log at every plan: it can grow)
         self.networked = is_networked(self.path)
         self.max_records = _max_records(options)
         # the ramp after a (re)start: the cap of the next batch this reader plans (it lives as long as the query)
@@ -236,8 +241,9 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             offs = self.log.end_offsets()
         else:
             offs = [int(x) for x in json.loads(s)]
-            if len(offs) != self.n:
-                raise ValueError(f"startingOffsets needs {self.n} offsets, got {offs}")
+            n = self.log.partitions
+            if len(offs) != n:
+                raise ValueError(f"startingOffsets needs {n} offsets, got {offs}")
         return {"offsets": offs}
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -264,7 +270,7 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         JVM -> this process -> SQLite: an idle deployment would burn CPU. Waiting here on a file stamp makes
         idle cost a ``stat`` every 20 ms (2 ms right after activity), and an append is seen within that."""
         ends = self.log.end_offsets()
-        if self.idle_wait <= 0 or any(e > s for s, e in zip(starts, ends, strict=True)):
+        if self.idle_wait <= 0 or any(e > s for s, e in zip(*pad_pair(starts, ends), strict=True)):
             return ends
         deadline = time.monotonic() + self.idle_wait
         stamp = self._stamp()
@@ -276,13 +282,14 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             if now != stamp:
                 stamp = now
                 ends = self.log.end_offsets()
-                if any(e > s for s, e in zip(starts, ends, strict=True)):
+                if any(e > s for s, e in zip(*pad_pair(starts, ends), strict=True)):
                     break
         return ends
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         starts = list(start["offsets"])
         ends = self._end_offsets(starts) if self._target is None else list(self._target)
+        starts, ends = pad_pair(starts, ends)  # the log grew since the start offsets: new partitions from 0
         if isinstance(limit, ReadMaxRows):
             ends = cap_offsets(starts, ends, min(limit.max_rows, self.ramp))
         elif isinstance(limit, ReadMinRows):
@@ -291,7 +298,7 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         # ReadAllAvailable and limits that do not apply to a log (files, bytes): everything up to ends.
         ends = [max(s, e) for s, e in zip(starts, ends, strict=True)]
         if ends == starts:
-            return start  # no new data: Spark plans no batch
+            return start  # no new data (in the new partitions neither): Spark plans no batch
         self.ramp = min(self.max_records, RAMP_GROWTH * self.ramp)  # a batch is planned: the next may be bigger
         return {"offsets": ends, "start": starts}
 
@@ -302,8 +309,8 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self._target = self.log.end_offsets()
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
-        s, e = start["offsets"], end["offsets"]
-        return [LogRange(self.path, p, s[p], e[p]) for p in range(self.n) if e[p] > s[p]]
+        s, e = pad_pair(start["offsets"], end["offsets"])
+        return [LogRange(self.path, p, s[p], e[p]) for p in range(len(e)) if e[p] > s[p]]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         import pyarrow as pa
@@ -485,7 +492,8 @@ def batch_offsets(
 
     Call it inside ``foreachBatch(df, batch_id)`` with the query's checkpoint location (Spark writes the
     offsets before calling the batch function, so this is exactly what a replay of the batch sees).
-    A batch whose end equals the previous batch's end is empty (``starts == ends``).
+    A batch whose end equals the previous batch's end is empty (``starts == ends``). ``starts`` has as many
+    entries as ``ends`` (padded with 0s for partitions the log gained since the previous batch).
     """
     offs = read_offset_log(checkpoint_location, batch_id)
     if offs is None:
@@ -496,4 +504,4 @@ def batch_offsets(
         prev = read_offset_log(checkpoint_location, batch_id - 1)
         if prev is not None and list(prev[source_index].get("offsets", [])) == ends:
             return list(ends), ends
-    return list(cur.get("start", ends)), ends
+    return pad_offsets(cur.get("start", ends), len(ends)), ends
