@@ -334,7 +334,8 @@ def _admin(url: str, token: str | None, call: Any) -> Any:
 
 @app.command()
 def status(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
-    """Print the runtime's control status (running/pausing/paused, last committed epoch, backlog) as JSON."""
+    """Print the runtime's control status (running/pausing/paused, last committed epoch, backlog, partitions;
+    on Spark the input log's ``log_partitions``: routing count and physical count) as JSON."""
     _print_json(_admin(url, token, lambda c: c.status()))
 
 
@@ -366,13 +367,17 @@ def resume(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
 
 @app.command()
 def rescale(
-    partitions: int = typer.Argument(..., min=1, help="The new number of engine partitions."),
+    partitions: int | None = typer.Argument(None, min=1, help="The new number of engine partitions."),
+    log_partitions: int | None = typer.Option(
+        None, "--log-partitions", min=1, help="The new number of input-log partitions (Spark; no pause)."),
     url: str = UrlOpt,
     token: str | None = TokenOpt,
 ) -> None:
-    """Change the running deployment's engine partition count at an epoch boundary; prints the measured pause
-    (from, to, epoch, keys, wait_s, pause_s, cpu_s)."""
-    _print_json(_admin(url, token, lambda c: c.rescale(partitions)))
+    """Change the running deployment's engine partition count at an epoch boundary and/or its input log's
+    partition count; prints the measured pause (from, to, epoch, keys, wait_s, pause_s, cpu_s, log)."""
+    if partitions is None and log_partitions is None:
+        raise typer.BadParameter("give PARTITIONS, --log-partitions or both")
+    _print_json(_admin(url, token, lambda c: c.rescale(partitions, log_partitions=log_partitions)))
 
 
 @app.command("read")

@@ -73,6 +73,14 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
 
 
+def _rescale_body(partitions: int | None, log_partitions: int | None) -> dict[str, int]:
+    """The body of ``POST /admin/rescale``: the counts given (the server refuses neither)."""
+    body = {} if partitions is None else {"partitions": int(partitions)}
+    if log_partitions is not None:
+        body["log_partitions"] = int(log_partitions)
+    return body
+
+
 def _segment(name: str) -> str:
     """One URL path segment naming ``name`` exactly: percent-encoded, and the dot segments ``.``/``..``
     (which HTTP clients and servers resolve away) spelled ``%2E``."""
@@ -477,12 +485,14 @@ class Client(_Base):
         """Let epochs start again."""
         return self._admin_doc(self._send("POST", "/admin/resume", headers=self.headers))
 
-    def rescale(self, partitions: int, *, timeout: float = 600.0) -> dict[str, Any]:
-        """Change the number of engine partitions at an epoch boundary (``POST /admin/rescale``; blocks until
-        done, at most ``timeout`` s): ``{"from", "to", "epoch", "keys", "wait_s", "pause_s", "cpu_s"}``.
-        :class:`RescaleRunning` while another rescale runs."""
-        resp = self._shards[0].post("/admin/rescale", json={"partitions": int(partitions)}, headers=self.headers,
-                                    timeout=timeout)  # once: no retry of a long admin move
+    def rescale(self, partitions: int | None = None, *, log_partitions: int | None = None,
+                timeout: float = 600.0) -> dict[str, Any]:
+        """Change the number of engine partitions at an epoch boundary and/or (``log_partitions``, Spark) the
+        input log's partition count (``POST /admin/rescale``; blocks until done, at most ``timeout`` s):
+        ``{"from", "to", "epoch", "keys", "wait_s", "pause_s", "cpu_s", "log"}``. :class:`RescaleRunning` while
+        another rescale runs."""
+        resp = self._shards[0].post("/admin/rescale", json=_rescale_body(partitions, log_partitions),
+                                    headers=self.headers, timeout=timeout)  # once: no retry of a long admin move
         return self._admin_doc(resp)
 
     def read_state(
@@ -733,9 +743,10 @@ class AsyncClient(_Base):
         """Let epochs start again."""
         return self._admin_doc(await self._send("POST", "/admin/resume", headers=self.headers))
 
-    async def rescale(self, partitions: int, *, timeout: float = 600.0) -> dict[str, Any]:
+    async def rescale(self, partitions: int | None = None, *, log_partitions: int | None = None,
+                      timeout: float = 600.0) -> dict[str, Any]:
         """See :meth:`Client.rescale`."""
-        resp = await self._shards[0].post("/admin/rescale", json={"partitions": int(partitions)},
+        resp = await self._shards[0].post("/admin/rescale", json=_rescale_body(partitions, log_partitions),
                                           headers=self.headers, timeout=timeout)  # once: no retry
         return self._admin_doc(resp)
 

@@ -56,6 +56,7 @@ from charon import serde
 from charon.config import SparkConfig
 from charon.core import partition, timers
 from charon.core.routing import partition_of, split_store_key, store_key
+from charon.log.offsets import pad_offsets
 from charon.messages import Reply
 from charon.runtime.spark import runtime as sr
 from charon.state import lmdbstore
@@ -426,6 +427,7 @@ class Simulation:
                     next_epoch += 1
                 early = False
                 ends = rt.input_log.end_offsets()
+                prev_ends = pad_offsets(prev_ends, len(ends))  # as the source does when the log grew
                 if ends == prev_ends:
                     break  # no new data: Spark runs no batch
                 self.write_offsets(batch, prev_ends, ends)

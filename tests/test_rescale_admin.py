@@ -107,6 +107,17 @@ def test_rescale_route_errors() -> None:
             assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequest", (bad, r.text)
         r = httpx.post(srv.url + "/admin/rescale", json={"partitions": 3, "x": 1}, headers=auth)
         assert r.status_code == 400
+        for bad in (0, 9, "3", True, 2.5):
+            r = httpx.post(srv.url + "/admin/rescale", json={"log_partitions": bad}, headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequest", (bad, r.text)
+        r = httpx.post(srv.url + "/admin/rescale", json={}, headers=auth)
+        assert r.status_code == 400 and "log_partitions" in r.json()["error"]["message"]
+        # the in-process runtime's input log is one epoch log: no log partitions to rescale, typed, nothing moved
+        r = httpx.post(srv.url + "/admin/rescale", json={"partitions": 3, "log_partitions": 2}, headers=auth)
+        assert r.status_code == 501 and r.json()["error"]["type"] == "NotSupported" and rt.partitions == 2
+        assert httpx.post(srv.url + "/admin/rescale", json={"log_partitions": 2}).status_code == 401
+        res = CliRunner().invoke(cli_app, ["rescale", "--url", srv.url, "--token", TOKEN])
+        assert res.exit_code != 0 and "--log-partitions" in res.output and rt.partitions == 2
         r = httpx.post(srv.url + "/admin/rescale", content=b"{", headers={**auth, "Content-Type": "application/json"})
         assert r.status_code == 400
         assert httpx.post(srv.url + "/admin/rescale", json={"partitions": 3}).status_code == 401

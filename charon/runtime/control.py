@@ -346,7 +346,7 @@ def spark_status(rt: Any) -> dict[str, Any]:
     backlog = sum(max(0, e - d) for e, d in zip(ends, done, strict=True))
     physical, route = rt.input_log.counts()
     return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "engine": "spark", "durable": True,
-            "partitions": rt.config.partitions, "log_partitions": {"route": route, "physical": physical},
+            "log_partitions": {"route": route, "physical": physical},
             "retained_from": _retained_from(rt.durable, rt.config.partitions),
             "code_version": spark_version_at(rt, last + 1)}
 

@@ -36,12 +36,17 @@
   ``SQLSyntaxError``; at most ``sql_max_rows`` rows, cancelled after ``sql_timeout_s`` (422 ``SQLTimeout``),
   text of at most ``sql_max_chars``; in-process at most ``sql_max_entities`` per operator (413
   ``StateTooLarge``); at most two at once (429 ``SQLBusy``).
-- ``POST /admin/rescale`` ``{"partitions": n}`` (1 <= n <= the ``max_partitions`` setting): change the number of
-  engine partitions of the running deployment at an epoch boundary (key groups move; both runtimes; blocks until
-  done): ``{"from", "to", "epoch", "keys", "wait_s", "pause_s", "cpu_s"}`` (``wait_s``: until the running epoch
-  was done, epochs still ran; ``pause_s``: no epoch could run). 409 ``RescaleRunning`` while another one runs
+- ``POST /admin/rescale`` ``{"partitions"?: n, "log_partitions"?: m}`` (at least one; each 1 .. the
+  ``max_partitions`` setting): change the number of engine partitions of the running deployment at an epoch
+  boundary (key groups move; both runtimes; blocks until done): ``{"from", "to", "epoch", "keys", "wait_s",
+  "pause_s", "cpu_s", "log"}`` (``wait_s``: until the running epoch was done, epochs still ran; ``pause_s``: no
+  epoch could run). ``log_partitions`` (Spark) first changes the input log's partition count, without a pause:
+  ``log`` is ``{"from", "to", "physical", "epoch", "switch_s", "cpu_s"}``
+  (:meth:`charon.runtime.spark.runtime.SparkRuntime.rescale_log`); the in-process runtime has no log partitions
+  (its node's input log is one epoch log): 501 ``NotSupported``. 409 ``RescaleRunning`` while another one runs
   (or, in-process, while paused: resume first); 503 ``RescaleTimeout`` if no epoch boundary came in time.
-  ``/admin/status`` shows ``partitions`` and ``last_rescale`` (that answer).
+  ``/admin/status`` shows ``partitions``, ``last_rescale`` (that answer) and, on Spark, ``log_partitions``
+  (``{"route", "physical"}``).
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
 - ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
 - ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
@@ -131,15 +136,19 @@ def _partitions(runtime: Any) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def _rescale_info(runtime: Any, out: Any, elapsed: float) -> dict[str, Any]:
-    """One shape for both runtimes' rescale answers (Spark: a dict; in-process: the pause, details recorded)."""
-    if isinstance(out, dict):
+def _rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One shape for both runtimes' rescale answers (Spark: a dict; in-process: the pause, details recorded;
+    None: no engine rescale); ``log``: the input log's resize, if one was asked."""
+    if out is None:
+        info: dict[str, Any] = {}
+    elif isinstance(out, dict):
         info = dict(out)
     else:
         pauses = getattr(runtime, "rescale_pauses", None) or [{}]
         info = {**pauses[-1], "pause_s": float(out)}
         info.setdefault("wait_s", max(0.0, elapsed - float(out)))
-    return {k: info.get(k) for k in ("from", "to", "epoch", "keys", "wait_s", "pause_s", "cpu_s")}
+    shaped = {k: info.get(k) for k in ("from", "to", "epoch", "keys", "wait_s", "pause_s", "cpu_s")}
+    return {**shaped, "log": log if log is not None else info.get("log")}
 
 
 def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
@@ -148,6 +157,9 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
     def with_layout(st: dict[str, Any]) -> dict[str, Any]:
         pauses = getattr(gw.runtime, "rescale_pauses", None)
         last = _rescale_info(gw.runtime, pauses[-1], 0.0) if pauses else None
+        logs = getattr(gw.runtime, "log_rescales", None)
+        if logs and (last is None or last.get("epoch") is None or logs[-1]["epoch"] >= last["epoch"]):
+            last = _rescale_info(gw.runtime, None, 0.0, logs[-1])  # the newer of the two kinds
         return {**st, "inflight": len(gw.inflight), "partitions": _partitions(gw.runtime), "last_rescale": last}
 
     async def status(request: HTTPRequest) -> Response:
@@ -172,11 +184,20 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
 
     async def rescale(request: HTTPRequest) -> Response:
         gw.check_auth(request)
-        doc = await _json_body(gw, request, frozenset({"partitions"}))
-        n, cap = doc.get("partitions"), gw.cfg.max_partitions
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cap:
-            raise _HTTPError("BadRequest", f"partitions must be an integer 1..{cap} (max_partitions)")
+        doc = await _json_body(gw, request, frozenset({"partitions", "log_partitions"}))
+        n, m, cap = doc.get("partitions"), doc.get("log_partitions"), gw.cfg.max_partitions
+        if n is None and m is None:
+            raise _HTTPError("BadRequest", "give partitions, log_partitions or both")
+        for name, v in (("partitions", n), ("log_partitions", m)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= cap):
+                raise _HTTPError("BadRequest", f"{name} must be an integer 1..{cap} (max_partitions)")
         fn = _method(gw, "rescale")
+        log_fn = None
+        if m is not None:
+            log_fn = getattr(gw.runtime, "rescale_log", None)
+            if log_fn is None:
+                raise _HTTPError("NotSupported", "this runtime has no input-log partitions to rescale (the in-process "
+                                 "runtime's input log is its node's single epoch log)")
         if rescaling["busy"]:
             raise _HTTPError("RescaleRunning", "a rescale is running; retry when it is done")
         if getattr(gw.runtime, "control_engine", None) == "inprocess":
@@ -185,15 +206,20 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
                 raise _HTTPError("RescaleRunning", "the runtime is paused; resume it, then rescale")
         rescaling["busy"] = True
         t0 = time.perf_counter()
+        log = out = None
         try:
-            out = await gw.off_loop(fn, n)
+            if log_fn is not None:  # the log first: it needs no pause
+                log = await gw.off_loop(log_fn, m)
+            t0 = time.perf_counter()
+            if n is not None:
+                out = await gw.off_loop(fn, n)
         except TimeoutError as exc:
             raise _HTTPError("RescaleTimeout", f"no epoch boundary in time, nothing moved: {exc}") from None
         except ValueError as exc:
-            raise _HTTPError("BadRequest", f"cannot rescale to {n}: {exc}") from None
+            raise _HTTPError("BadRequest", f"cannot rescale to {n if m is None else (n, m)}: {exc}") from None
         finally:
             rescaling["busy"] = False
-        return gw.respond(request, 200, _rescale_info(gw.runtime, out, time.perf_counter() - t0))
+        return gw.respond(request, 200, _rescale_info(gw.runtime, out, time.perf_counter() - t0, log))
 
     async def state(request: HTTPRequest) -> Response:
         gw.check_auth(request)
@@ -382,13 +408,17 @@ def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
             "responses": {"200": status, "400": err("malformed body"), "415": err("unsupported body type"),
                           **common}}},
         "/admin/rescale": {"post": {
-            "summary": "Change the number of engine partitions at an epoch boundary; answers the pause (admin)",
+            "summary": "Change the number of engine partitions at an epoch boundary (and/or the input log's "
+                       "partition count, no pause); answers the pause (admin)",
             "security": security,
             "requestBody": body({"partitions": {"type": "integer", "minimum": 1,
-                                                "description": "at most the max_partitions setting"}},
-                                ["partitions"]),
-            "responses": {"200": ok("{from, to, epoch, keys, wait_s, pause_s, cpu_s}"),
-                          "400": err("malformed body or a partition count out of range"),
+                                                "description": "at most the max_partitions setting"},
+                                 "log_partitions": {"type": "integer", "minimum": 1,
+                                                    "description": "input-log partitions (Spark); at most "
+                                                                   "the max_partitions setting"}},
+                                []),
+            "responses": {"200": ok("{from, to, epoch, keys, wait_s, pause_s, cpu_s, log}"),
+                          "400": err("malformed body, neither count given, or a count out of range"),
                           "409": err("a rescale is running (or the in-process runtime is paused)"),
                           "415": err("unsupported body type"),
                           "503": err("no epoch boundary in time; nothing moved"), **common}}},
