@@ -1,4 +1,5 @@
-"""The pause of an online rescale of the Spark runtime (2 -> 4 -> 3 engine partitions) under load.
+"""The pause of an online rescale of the Spark runtime (2 -> 4 -> 3 engine partitions, and 2 -> 4 -> 3 input-log
+partitions) under load.
 
 ``SparkRuntime("charon.apps.holds:app")`` on ``local[2]`` with ``--keys`` accounts; closed-loop clients submit
 transfers through the real log path (:meth:`SparkRuntime.submit`: the input log, the streaming query, the
@@ -7,8 +8,11 @@ output log); after a warm-up of four epochs, at ``t = duration/3`` and ``2*durat
 until the running epoch was done; epochs still ran), ``pause_s`` (the gate closed with no epoch running:
 re-placing every key group from the durable copy, writing the new layout's bases, switching ``layout.json``),
 the driver's CPU time in the move, and answered transactions per second and each transaction's latency
-around it. Wall times are disturbed by other work on the machine (2 cores shared); the CPU time is the
-steadier figure.
+around it. The input log is resized too (:meth:`SparkRuntime.rescale_log`, 2 -> 4 at ``duration/6``, 4 -> 3
+at ``duration/2``): it has no pause; reported per switch are its wall and CPU time and, in the ``WINDOW_S``
+seconds before and after it, answered transactions per second, latency p50/p99 and the longest gap between
+two answers (a pause would show there). Wall times are disturbed by other work on the machine (2 cores
+shared); the CPU time is the steadier figure.
 
     .venv/bin/python benchmarks/rescale_spark.py --keys 10000 100000 --duration 30
 """
@@ -33,6 +37,20 @@ from charon.runtime.spark.runtime import SparkRuntime, make_session
 OUT = Path(__file__).resolve().parent
 APP = "charon.apps.holds:app"
 BIN = 1.0
+WINDOW_S = 2.0  # seconds before/after a log switch compared
+
+
+def around(done: list[tuple[float, float, bool]], t0: float, at: float) -> dict:
+    """Answers in the ``WINDOW_S`` before and after ``at`` (seconds since ``t0``): rate, p50/p99, longest gap."""
+    out = {}
+    for name, lo, hi in (("before", at - WINDOW_S, at), ("after", at, at + WINDOW_S)):
+        ts = sorted(t - t0 for t, _, _ in done if lo <= t - t0 < hi)
+        lats = sorted(dt * 1000 for t, dt, _ in done if lo <= t - t0 < hi)
+        gaps = [b - a for a, b in zip([lo, *ts], [*ts, hi], strict=True)]
+        out[name] = {"per_s": len(ts) / WINDOW_S, "p50_ms": statistics.median(lats) if lats else None,
+                     "p99_ms": lats[int(0.99 * (len(lats) - 1))] if lats else None,
+                     "max_gap_ms": max(gaps) * 1000}
+    return out
 
 
 async def client(rt: SparkRuntime, keys: int, seed: int, stop: threading.Event, done: list) -> None:
@@ -66,10 +84,17 @@ def run(spark: object, keys: int, duration: float, clients: int) -> dict:
             time.sleep(0.05)
         t0 = time.perf_counter()
         done.clear()
-        moves = []
-        for target in (4, 3):
-            time.sleep(max(0.0, t0 + duration * len(moves + [0]) / 3 - time.perf_counter()))
+        moves, switches = [], []
+        # (when, kind, count): the log grows, the engine grows, the log shrinks (route), the engine shrinks
+        for when, kind, target in ((1 / 6, "log", 4), (1 / 3, "engine", 4), (1 / 2, "log", 3), (2 / 3, "engine", 3)):
+            time.sleep(max(0.0, t0 + duration * when - time.perf_counter()))
             at = time.perf_counter() - t0
+            if kind == "log":
+                info = rt.rescale_log(target)
+                switches.append({"at_s": at, **info})
+                print(f"keys {keys}: log {info['from']} -> {info['to']} (physical {info['physical']}) switch "
+                      f"{info['switch_s'] * 1000:.1f} ms, cpu {info['cpu_s'] * 1000:.1f} ms", flush=True)
+                continue
             info = rt.rescale(target)
             moves.append({"at_s": at, **info})
             print(f"keys {keys}: {info['from']} -> {info['to']} wait {info['wait_s']:.3f} s, "
@@ -87,7 +112,12 @@ def run(spark: object, keys: int, duration: float, clients: int) -> dict:
             if 0 <= i < bins:
                 per_bin[i] += 1
         lats = sorted(dt for _, dt, _ in done)
-        return {"keys": keys, "clients": clients, "duration_s": duration, "committed": sum(ok for *_, ok in done),
+        for sw in switches:
+            sw["around"] = around(done, t0, sw["at_s"])
+        last = rt.read_record(rt._last_recorded_epoch())
+        return {"log_switches": switches, "log_counts": list(rt.input_log.counts()),
+                "last_epoch_log_partitions": len(last.ends) if last is not None else None,
+                "keys": keys, "clients": clients, "duration_s": duration, "committed": sum(ok for *_, ok in done),
                 "answered": len(done), "moves": moves, "bin_s": BIN, "per_bin": per_bin,
                 "p50_ms": statistics.median(lats) * 1000, "p99_ms": lats[int(0.99 * (len(lats) - 1))] * 1000,
                 "replies": [(round(t - t0, 4), round(dt * 1000, 1)) for t, dt, _ in done],
@@ -116,7 +146,12 @@ def plot(results: list[dict], path: Path) -> None:
             ax.axvspan(start, start + m["pause_s"], color="red", alpha=0.3)
             ax.annotate(f"{m['from']}→{m['to']}: pause {m['pause_s'] * 1000:.0f} ms", (start, ax.get_ylim()[1] * 0.9),
                         fontsize=8)
-        ax.set_title(f"Spark rescale under load, {r['keys']:,} accounts, {r['clients']} clients")
+        for sw in r.get("log_switches", []):
+            ax.axvline(sw["at_s"], color="green", linestyle="--")
+            ax.annotate(f"log {sw['from']}→{sw['to']}: no pause ({sw['switch_s'] * 1000:.0f} ms switch)",
+                        (sw["at_s"], ax.get_ylim()[1] * 0.75), fontsize=8, color="green")
+        ax.set_title(f"Spark rescale under load (engine: red pauses; input log: green), {r['keys']:,} accounts, "
+                     f"{r['clients']} clients")
         ax.set_xlabel("s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -135,8 +170,8 @@ def main() -> None:
           f"--clients {args.clients}"
     (OUT / "rescale_spark.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
     plot(results, OUT / "rescale_spark.png")
-    print(json.dumps([{k: r[k] for k in ("keys", "committed", "answered", "epochs")} | {"moves": r["moves"]}
-                      for r in results], indent=1))
+    print(json.dumps([{k: r[k] for k in ("keys", "committed", "answered", "epochs")}
+                      | {"moves": r["moves"], "log_switches": r["log_switches"]} for r in results], indent=1))
 
 
 if __name__ == "__main__":

@@ -499,7 +499,9 @@ class NatsInputLog(_Base):
 
     def _append(self, items: Sequence[tuple[Request, int | None]]) -> list[tuple[int, int]]:
         need = max((p + 1 for _, p in items if p is not None), default=0)
-        n = self._run(lambda: self._known(need))
+        n = self._n
+        if n < need or time.monotonic() - self._counts_at >= COUNTS_REFRESH_S:  # else no hop to the loop
+            n = self._run(lambda: self._known(need))
         route = self._route
         for _, p in items:
             if p is not None and not 0 <= p < n:
