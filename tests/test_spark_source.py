@@ -107,6 +107,40 @@ def test_restart_ramp_sizes_new_batches_after_a_start(tmp_path: Path) -> None:
         CharonLogStreamReader({**opts, "startRecordsPerBatch": "0"})
 
 
+def test_reader_follows_a_log_that_grows_and_shrinks_while_the_query_runs(tmp_path: Path) -> None:
+    """The reader lives as long as the query: it reads the physical count at every plan, pads the older start
+    offsets with 0s, plans tasks only for non-empty ranges, and keeps reading retired partitions; the offset log
+    entries it writes give ``batch_offsets`` equal-length lists."""
+    import json
+
+    from charon.runtime.spark.source import CharonLogStreamReader, LogRange
+
+    log_path = str(tmp_path / "in.db")
+    log = InputLog(log_path, partitions=2)
+    log.append_many(make_reqs("a", 10))
+    reader = CharonLogStreamReader({"path": log_path, "idleWaitMs": "0"})
+    start = reader.initialOffset()
+    first = reader.latestOffset(start, reader.getDefaultReadLimit())
+    assert len(first["offsets"]) == 2
+    log.resize(4)
+    log.append_many([(r, 3) for r in make_reqs("b", 5)])  # only the new partition 3 has data
+    second = reader.latestOffset({"offsets": first["offsets"]}, reader.getDefaultReadLimit())
+    assert second["start"] == first["offsets"] + [0, 0] and second["offsets"] == first["offsets"] + [0, 5]
+    parts = reader.partitions({"offsets": first["offsets"]}, {"offsets": second["offsets"]})
+    assert [(p.partition, p.start, p.end) for p in parts if isinstance(p, LogRange)] == [(3, 0, 5)]
+    assert next(iter(reader.read(parts[0]))).column(2).to_pylist() == [r.request_id for r in log.read(3, 0, 5)]
+    log.resize(3)  # route only: partition 3 is still read
+    log.append(make_reqs("c", 1)[0], partition=3)
+    third = reader.latestOffset({"offsets": second["offsets"]}, reader.getDefaultReadLimit())
+    assert third["offsets"][3] == 6 and len(third["offsets"]) == 4
+    ckpt = tmp_path / "q"
+    (ckpt / "offsets").mkdir(parents=True)
+    (ckpt / "offsets" / "0").write_text("v1\n{}\n" + json.dumps(first) + "\n")
+    (ckpt / "offsets" / "1").write_text("v1\n{}\n" + json.dumps({"offsets": second["offsets"],
+                                                                   "start": first["offsets"]}) + "\n")
+    assert batch_offsets(str(ckpt), 1) == (first["offsets"] + [0, 0], second["offsets"])
+
+
 # -- streaming over the input log ----------------------------------------------------------------
 
 
