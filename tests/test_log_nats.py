@@ -185,6 +185,43 @@ def test_sigkill_server_and_appenders_nothing_lost_nothing_twice(server: NatsSer
     out.close()
 
 
+def test_resize_under_load_from_appenders_in_other_processes(server: NatsServer, tmp_path: Path) -> None:
+    """Three appender processes (each with its own cached counts, some retrying ids) while this process resizes
+    the log 2 -> 4 -> 3: every id exactly once across all partitions, the new partitions took the other
+    processes' appends (they refreshed their counts), offsets stay dense."""
+    url = f"{server.url}/z{uuid.uuid4().hex[:8]}"
+    NatsInputLog(url, 2).close()
+    ctx = mp.get_context("spawn")
+    n, workers = 600, 3
+    acks = [str(tmp_path / f"acks{w}") for w in range(workers)]
+    procs = [ctx.Process(target=_appender, args=(url, w, n, 1 + 4 * (w % 2), acks[w])) for w in range(workers)]
+    for p in procs:
+        p.start()
+
+    def acked() -> int:
+        return sum(len(Path(a).read_text().split()) for a in acks if os.path.exists(a))
+
+    log = NatsInputLog(url)
+    deadline = time.monotonic() + 120
+    for step, count in enumerate((4, 3)):
+        while acked() < (step + 1) * n * workers // 3:
+            assert time.monotonic() < deadline, "the appenders made no progress"
+            time.sleep(0.02)
+        assert log.resize(count) == (4, count)
+    for p in procs:
+        p.join(180)
+        assert p.exitcode == 0
+    ends = log.end_offsets()
+    rows = log.read_range([0, 0], ends)  # an offsets list from before the growth: padded
+    ids = [r.request_id for _, _, r in rows]
+    assert len(ids) == len(set(ids)), "an id was appended twice"
+    assert set(ids) == {f"w{w}-{i}" for w in range(workers) for i in range(n)}, "an acknowledged id is missing"
+    assert len(ends) == 4 and ends[2] > 0 and ends[3] > 0, "appenders in other processes used the new partitions"
+    for p in range(4):
+        assert [o for q, o, _ in rows if q == p] == list(range(ends[p])), "offsets are dense per partition"
+    log.close()
+
+
 def test_cli_log_options_are_checked(tmp_path: Path) -> None:
     """--engine remote needs --log; --log must be a NATS URL; an unreachable server is a clear error."""
     import subprocess
