@@ -4,6 +4,7 @@
   while the log goes 2 -> 4 -> 3 partitions (and the engine 2 -> 3 in the same call as the second switch):
   every request answered once, money conserved, the TIDs assigned by each epoch exceed every earlier one
   (also across the growth), the run equals an in-process replay of its epochs, and the switch needs no pause.
+* Without Spark, a driver SIGKILLed on either side of the log switch restarts at the recorded count.
 * On real PySpark, a driver SIGKILLed right after a log resize while requests keep being appended (some to the
   new partitions): the restart reads every partition, resizes online again, and nothing is lost or run twice.
 """
@@ -67,6 +68,45 @@ def _check_tids(rt: SparkRuntime, replies: dict[str, tuple[str, dict]]) -> int:
 def _cfg(tmp_path: Path, log_url: str | None) -> SparkConfig:
     return SparkConfig(master="local[2]", data_dir=str(tmp_path), partitions=2, log_partitions=2, max_batch=200,
                        truncate_log=False, compact_every=3, timer_poll_ms=20, log_url=log_url)
+
+
+_CRASH = """
+import sys
+from charon.config import SparkConfig
+from charon.runtime.spark.runtime import SparkRuntime
+rt = SparkRuntime("charon.apps.holds:app", SparkConfig(data_dir=sys.argv[1], partitions=2))
+rt.rescale_log(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("point", ["log_relayout", "log_resized"])
+def test_sigkill_around_the_log_switch_restarts_at_the_recorded_count(tmp_path: Path, point: str) -> None:
+    """Without Spark: ``layout.json`` records the new count before the log switches, so a driver killed on
+    either side of the switch restarts with the log at the new count; a later start with another
+    ``log_partitions`` resizes it again (shrinking keeps the physical partitions)."""
+    import os
+    import subprocess
+    import sys
+
+    SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=2)).close()
+    env = dict(os.environ, CHARON_CRASH_AT=f"{point}:*")
+    proc = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path), "5"], env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    from charon.log.sqlite import InputLog
+
+    with InputLog(str(tmp_path / "input.sqlite")) as log:
+        assert log.counts() == ((5, 5) if point == "log_resized" else (2, 2))
+    assert read_layout(str(tmp_path / "checkpoint")).log_partitions == 5
+    rt = SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=2))
+    assert rt.config.n_log_partitions == 5 and rt.input_log.counts() == (5, 5)
+    rt.close()
+    rt = SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=2, log_partitions=3))
+    assert rt.input_log.counts() == (5, 3) and read_layout(str(tmp_path / "checkpoint")).log_partitions == 3
+    with pytest.raises(ValueError):
+        rt.rescale_log(0)
+    with pytest.raises(ValueError):
+        rt.rescale()
+    rt.close()
 
 
 @pytest.mark.spark
