@@ -30,6 +30,10 @@ programs register (``timer`` ops) fire exactly when due (``check_epoch`` with th
 reads return the verified state of the epoch they read. At the end: every request has exactly one reply,
 nothing deferred is left, and the executors' state equals the verified state.
 
+With ``log_growth`` (``--log-growth``) the input log is resized before some epochs' requests are appended
+(:meth:`SparkRuntime.rescale_log`: it grows, then maybe shrinks its routing count), so batches read offsets
+lists of different lengths and epochs grow their sequencers, under the same faults and checks.
+
 ``python -m charon.simulation --seeds 100000 [--start N]`` runs many seeds; ``--seed N`` reruns one and
 prints its trace. A failing seed prints one line that reproduces it. ``--without early,early2`` leaves
 program features out (to tell apart failures of different defects).
@@ -150,13 +154,15 @@ class Simulation:
 
     def __init__(
         self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset(),
-        workload: Workload | None = None, faults: Faults | None = None,
+        workload: Workload | None = None, faults: Faults | None = None, log_growth: bool = False,
     ) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         shape = Shape(depth=2, ops=4, features=(FEATURES | OPTIONAL_FEATURES) - without)
         w = random_workload(self.rng, shape, epochs=(1, 4), txns=(2, 7))
         self.w: Workload = workload or w
+        self.log_plan = self.draw_log_plan(seed, len(self.w.epochs), self.w.partitions) if log_growth else {}
+        self.log_resizes = 0
         f = Faults.draw(self.rng)
         self.faults = faults or f
         self.root = root
@@ -304,6 +310,36 @@ class Simulation:
         finally:
             sr.crash_point, sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES = saved
 
+    @staticmethod
+    def draw_log_plan(seed: int, epochs: int, n: int) -> dict[int, int]:
+        """Input-log resizes (``log_growth``): {workload epoch: routing count} applied before its requests are
+        appended. Drawn from their own generator, so a seed's other draws stay what they are without it."""
+        g = random.Random(f"log-growth-{seed}")
+        if epochs < 2:
+            return {}
+        k = g.randrange(1, epochs)
+        m = n + g.choice([1, 2, 3])
+        plan = {k: m}
+        if k + 1 < epochs and g.random() < 0.5:  # and shrink (route only) later
+            plan[g.randrange(k + 1, epochs)] = g.randrange(1, m)
+        return plan
+
+    def append_epoch(self, rt: sr.SparkRuntime, index: int) -> tuple[sr.SparkRuntime, list[str]]:
+        """Append workload epoch ``index``'s requests (resizing the input log first if the plan says so; the
+        driver may crash inside the switch: the restarted one opens the log at the recorded count). Returns the
+        runtime in use after it and the appended request ids."""
+        if index in self.log_plan:
+            try:
+                info = rt.rescale_log(self.log_plan[index])
+                self.trace(f"input log {info['from']} -> {info['to']} partitions (physical {info['physical']})")
+            except SimCrash:
+                self.verify_recorded()
+                rt = self.start_runtime()
+            self.log_resizes += 1
+        reqs = self.w.requests(index)
+        rt.input_log.append_many(reqs)
+        return rt, [r.request_id for r in reqs]
+
     def start_runtime(self) -> sr.SparkRuntime:
         """A driver (re)start: the real constructor over the same directories."""
         if self.rt is not None:
@@ -421,9 +457,8 @@ class Simulation:
         while True:
             if offsets_written < batch:
                 if next_epoch < len(self.w.epochs) and not early:
-                    reqs = self.w.requests(next_epoch)
-                    rt.input_log.append_many(reqs)
-                    submitted += [r.request_id for r in reqs]
+                    rt, ids = self.append_epoch(rt, next_epoch)
+                    submitted += ids
                     next_epoch += 1
                 early = False
                 ends = rt.input_log.end_offsets()
@@ -437,9 +472,8 @@ class Simulation:
                 raise Violation("the run does not finish")
             if not early and next_epoch < len(self.w.epochs) and self.rng.random() < self.pipelined:
                 # requests arrive while this batch runs: the runtime defers its finalize into the next batch
-                reqs = self.w.requests(next_epoch)
-                rt.input_log.append_many(reqs)
-                submitted += [r.request_id for r in reqs]
+                rt, ids = self.append_epoch(rt, next_epoch)
+                submitted += ids
                 next_epoch += 1
                 early = True
             try:
@@ -474,7 +508,8 @@ class Simulation:
                 raise Violation(f"w{w.wid}'s local state at epoch {last} differs from the verified state")
         return {"epochs": last + 1, "requests": len(submitted), "crashes": self.crashes, "rounds": self.rounds,
                 "pipelined": self.pipelined_epochs, "fallback_jobs": self.fallback_jobs,
-                "rest_jobs": self.rest_jobs, "atoms": self.atoms, "fired": self.fired}
+                "rest_jobs": self.rest_jobs, "atoms": self.atoms, "fired": self.fired,
+                "log_resizes": self.log_resizes, "log_partitions_read": len(rec.ends) if rec is not None else 0}
 
     def local_state(self, w: Worker, epoch: int) -> dict[bytes, bytes]:
         merged: dict[bytes, bytes] = {}
@@ -495,12 +530,14 @@ class Outcome:
     seconds: float = 0.0
 
 
-def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozenset[str] = frozenset()) -> Outcome:
-    """Run one seed in a fresh directory (on tmpfs when available); never raises."""
+def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozenset[str] = frozenset(),
+             log_growth: bool = False) -> Outcome:
+    """Run one seed in a fresh directory (on tmpfs when available); never raises. ``log_growth``: the input
+    log is resized between epochs (:meth:`Simulation.draw_log_plan`)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix=f"charon-sim-{seed}-", dir=base)
     t0 = time.perf_counter()
-    sim = Simulation(seed, root, trace, without)
+    sim = Simulation(seed, root, trace, without, log_growth=log_growth)
     try:
         stats = sim.run()
         out = Outcome(seed, True, stats=stats)
@@ -513,8 +550,9 @@ def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozen
     return out
 
 
-def repro_line(o: Outcome, without: frozenset[str] = frozenset()) -> str:
+def repro_line(o: Outcome, without: frozenset[str] = frozenset(), log_growth: bool = False) -> str:
     opt = f" --without {','.join(sorted(without))}" if without else ""
+    opt += " --log-growth" if log_growth else ""
     return f"FAIL seed {o.seed}: {o.error} | reproduce: python -m charon.simulation --seed {o.seed}{opt}"
 
 
@@ -525,21 +563,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="rerun one seed and print its trace")
     ap.add_argument("--keep", action="store_true", help="keep the seed's directory (with --seed)")
     ap.add_argument("--without", default="", help=f"program features to leave out, of {','.join(sorted(FEATURES))}")
+    ap.add_argument("--log-growth", action="store_true", help="resize the input log between epochs")
     a = ap.parse_args(argv)
+    lg = a.log_growth
     without = frozenset(x for x in a.without.split(",") if x)
     if without - FEATURES:
         ap.error(f"unknown features: {sorted(without - FEATURES)}")
     if a.seed is not None:
-        o = run_seed(a.seed, trace=True, keep=a.keep, without=without)
-        print(repro_line(o, without) if not o.ok else f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s")
+        o = run_seed(a.seed, trace=True, keep=a.keep, without=without, log_growth=lg)
+        print(repro_line(o, without, lg) if not o.ok else f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s")
         return 0 if o.ok else 1
     t0 = time.perf_counter()
     failed = 0
     for seed in range(a.start, a.start + a.seeds):
-        o = run_seed(seed, without=without)
+        o = run_seed(seed, without=without, log_growth=lg)
         if not o.ok:
             failed += 1
-            print(repro_line(o, without), flush=True)
+            print(repro_line(o, without, lg), flush=True)
     dt = time.perf_counter() - t0
     print(f"{a.seeds} seeds from {a.start}: {failed} failed, {dt:.1f}s ({dt / max(1, a.seeds) * 1000:.0f} ms/seed)")
     return 1 if failed else 0

@@ -45,6 +45,16 @@ def test_found_seeds(seed: int) -> None:
     assert o.ok, f"{FOUND_SEEDS[seed]}\n{repro_line(o)}"
 
 
+def test_seeds_with_the_input_log_resized_between_epochs() -> None:
+    """``log_growth``: the input log grows (and maybe shrinks its routing count) before some epochs, the driver
+    may crash inside the switch; every check of the simulation holds, and the epochs read the grown log."""
+    outcomes = [run_seed(s, log_growth=True) for s in range(120)]
+    failed = [repro_line(o, log_growth=True) for o in outcomes if not o.ok]
+    assert not failed, "\n".join(failed)
+    assert sum(o.stats["log_resizes"] > 0 for o in outcomes) > 40
+    assert sum(o.stats["log_partitions_read"] > 4 for o in outcomes) > 10, "epochs read more partitions than any start"
+
+
 def test_a_seed_is_deterministic(tmp_path) -> None:
     runs = []
     for i in range(2):
