@@ -163,6 +163,7 @@ class Simulation:
         self.w: Workload = workload or w
         self.log_plan = self.draw_log_plan(seed, len(self.w.epochs), self.w.partitions) if log_growth else {}
         self.log_resizes = 0
+        self.max_tid = 0  # the highest TID of the verified epochs
         f = Faults.draw(self.rng)
         self.faults = faults or f
         self.root = root
@@ -413,6 +414,13 @@ class Simulation:
                 if got != res.replies[tid]:
                     raise Violation(f"epoch {e}: delivered reply {got} != epoch result {res.replies[tid]}")
             self.check_atom(e, res)
+            # TIDs new in this epoch (not carried over deferred) exceed every earlier epoch's, also across a
+            # growth of the input log (the sequencer's rebase)
+            carried = set(self.results[e - 1].deferred) if e > 0 and e - 1 in self.results else set()
+            new = [t for t in res.requests if t not in carried]
+            if new and min(new) <= self.max_tid:
+                raise Violation(f"epoch {e}: TID {min(new)} is not above the earlier epochs' {self.max_tid}")
+            self.max_tid = max([self.max_tid, *res.requests])
             self.expected[e] = after
             self.trace(f"epoch {e} verified: {len(res.order)} outcomes, deferred {res.deferred}")
             e += 1
