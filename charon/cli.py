@@ -82,13 +82,14 @@ def spark_available() -> bool:
 
 def make_runtime(
     target: str, engine: str, partitions: int | None = None, data_dir: str | None = None, *, fsync: bool = True,
-    reply_retention: int | None = None, log_url: str | None = None,
+    reply_retention: int | None = None, log_url: str | None = None, log_partitions: int | None = None,
 ) -> Any:
     """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
 
     ``inprocess``: :class:`charon.runtime.inprocess.InProcessRuntime`, durable under ``data_dir`` when one is given,
     volatile without. ``spark``: :class:`charon.runtime.spark.runtime.SparkRuntime` configured from ``CHARON_*``
-    variables, then the options. ``log_url`` (``nats://host:port/deployment``) puts the input and output logs on
+    variables, then the options (``log_partitions``: the input log's partition count, Spark only; another count than
+    the log's resizes it at start). ``log_url`` (``nats://host:port/deployment``) puts the input and output logs on
     NATS JetStream instead of SQLite files under ``data_dir`` (:mod:`charon.log.nats`).
     """
     if log_url is not None:
@@ -98,6 +99,9 @@ def make_runtime(
             raise typer.BadParameter(f"--log must be a nats://host:port/deployment URL, got {log_url!r}")
         if engine == "inprocess" and data_dir is None:
             raise typer.BadParameter("--log needs a durable deployment (not --ephemeral)")
+    if log_partitions is not None and engine != "spark":
+        raise typer.BadParameter("--log-partitions applies to --engine spark only (the in-process engine logs its "
+                                 "epochs in one partition)")
     if engine == "inprocess":
         from charon.runtime.inprocess import InProcessRuntime
         from charon.runtime.node import NodeError
@@ -116,7 +120,8 @@ def make_runtime(
         load_app(target)  # fail early with a clear message
         from charon.runtime.spark.runtime import LayoutMismatch
 
-        config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url)
+        config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url,
+                                      log_partitions=log_partitions)
         if partitions is None:  # not given (flag or CHARON_PARTITIONS): a checkpoint keeps its recorded layout
             from charon.runtime.spark.runtime import read_layout
 
@@ -209,6 +214,11 @@ def run(
         None, "--log", envvar="CHARON_LOG_URL", help="Put the input and output logs on NATS JetStream, e.g. "
         "nats://127.0.0.1:4222/mydeployment (default: SQLite files in the data directory).",
     ),
+    log_partitions: int | None = typer.Option(
+        None, "--log-partitions", min=1, show_default=False,
+        help="spark: input-log partitions (default: CHARON_LOG_PARTITIONS, else the log's recorded count, else "
+        "--partitions; another count resizes the log, no pause).",
+    ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
     from charon.server.gateway import RuntimeStartError, serve
@@ -227,7 +237,7 @@ def run(
     elif ephemeral:
         raise _fail("--ephemeral applies to --engine inprocess only")
     runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention,
-                           log_url=log)
+                           log_url=log, log_partitions=log_partitions)
     if engine == "remote":
         mode = "gateway only, the engine runs elsewhere"
     elif engine != "inprocess":

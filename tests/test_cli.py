@@ -197,6 +197,13 @@ def test_run_rejects_a_bad_target(tmp_path: Path) -> None:
     assert "no_such_module_xyz" in r.output
 
 
+def test_run_refuses_log_partitions_in_process(tmp_path: Path) -> None:
+    r = runner.invoke(cli, ["run", "charon.apps.ycsb:app", "--data-dir", str(tmp_path / "d"), "--log-partitions", "2"])
+    assert r.exit_code != 0
+    assert "--log-partitions applies to --engine spark only" in r.output
+    assert not (tmp_path / "d").exists()  # refused before anything was created
+
+
 def test_demo_inprocess_checks_invariants() -> None:
     r = cli_run("demo", "--engine", "inprocess", "--accounts", "50", "--transactions", "300", "--concurrency", "32")
     assert r.exit_code == 0, r.output
