@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 from charon import Application, Context, InProcessRuntime, Operator, Request, serde
+from charon.core.partition import MAX_INVOCATIONS
 from charon.testing import check_epoch
 
 dist = Operator("dist")
@@ -150,8 +151,8 @@ async def audit(ctx: Context) -> int:
 app = Application("lockq_adv", [dist, order, stock, acct])
 
 
-def _request(rng: random.Random, n: int) -> Request:
-    d = rng.choice(["d0", "d1"])
+def _request(rng: random.Random, n: int, districts: list[str]) -> Request:
+    d = rng.choice(districts)
     a = rng.choice(ACCTS)
     x = rng.random()
     if x < 0.3:
@@ -182,24 +183,37 @@ def run_seed(seed: int, totals: dict[str, float] | None = None) -> list[tuple]:
     """A few contended epochs and their drain, each checked against the serial oracle; returns fingerprints."""
     totals = {} if totals is None else totals
     rng = random.Random(seed)
-    rt = InProcessRuntime(app, partitions=rng.choice([1, 2, 3, 4]))
+    # a small invocation limit makes some re-runs (longer walks than their dry run) abort in the fallback
+    limit = rng.choice([4, 6, MAX_INVOCATIONS])
+    rt = InProcessRuntime(app, partitions=rng.choice([1, 2, 3, 4]), max_invocations=limit)
     rt.load("acct", {k: rng.randint(0, 8) for k in ACCTS})
-    rt.load("dist", {d: rng.randint(0, 5) for d in ("d0", "d1")})
+    districts = ["d0"] if rng.random() < 0.3 else ["d0", "d1"]  # one district: every new order on one counter
+    rt.load("dist", {d: rng.randint(0, 5) for d in districts})
+    size = rng.choice([12, 28, 60])
     n = 0
     prints: list[tuple] = []
+    prev = None
     for e in range(12):
         reqs = []
         if e < 3:
-            for _ in range(rng.randint(4, 28)):
+            for _ in range(rng.randint(4, size)):
                 n += 1
-                reqs.append(_request(rng, n))
+                reqs.append(_request(rng, n, districts))
         elif not rt.coordinator.deferred:
             break
         before = rt.snapshot()
         res = rt.run_epoch(reqs)
         after = rt.snapshot()
-        check_epoch(app, before, after, res)
+        check_epoch(app, before, after, res, max_invocations=limit)
+        if prev is not None:  # a deferred transaction runs in the next epoch under its TID, before the new ones
+            for t in prev.deferred:
+                assert res.requests[t] == prev.requests[t], f"deferred tid {t} lost its request"
+        fb = {t for t in res.order if t in res.fast or t in res.slow}
+        assert res.order == sorted(set(res.order) - fb) + sorted(fb), "serial order: decided first, then fallback"
+        prev = res
         prints.append(_fingerprint(res, after))
+        totals["limit_aborts"] = totals.get("limit_aborts", 0) + sum(
+            1 for t in res.slow if res.replies[t].error_type == "CallGraphLimitExceeded")
         for k in ("fast", "outside", "requeued", "deferred", "conflicts"):
             totals[k] = totals.get(k, 0) + res.stats.get(k, 0)
         totals["slow_aborts"] = totals.get("slow_aborts", 0) + sum(1 for t in res.slow if not res.replies[t].ok)
@@ -223,5 +237,18 @@ def test_adversarial_workloads_are_serial_and_deterministic() -> None:
                 assert run_seed(seed) == first, "a second run of the same seed differs"
         except AssertionError as exc:
             raise AssertionError(f"seed {seed}: {exc}\nreproduce: {_repro(seed)}") from exc
-    for k in ("fast", "outside", "requeued", "deferred", "slow_aborts", "slow_commits"):
+    for k in ("fast", "outside", "requeued", "deferred", "slow_aborts", "slow_commits", "limit_aborts"):
         assert totals[k] > 0, (k, totals)
+
+
+def test_the_invocation_limit_is_the_error_when_exceeded_before_a_raise() -> None:
+    """A synchronous chain whose fifth invocation (limit 4) runs in the same round as its later raise: the
+    serial execution stops at the fifth call, so the reply is the limit's error, not the raise's (on every
+    partition count; 3 partitions put both in one round)."""
+    for parts in (1, 2, 3, 4):
+        rt = InProcessRuntime(app, partitions=parts, max_invocations=4)
+        rt.load("dist", {"d0": 3})
+        before = rt.snapshot()
+        res = rt.run_epoch([Request("r1", "dist", "d0", "new_order", serde.encode([[0, 1, 2], 8]), ts=1.0)])
+        check_epoch(app, before, rt.snapshot(), res, max_invocations=4)
+        assert res.replies[res.order[0]].error_type == "CallGraphLimitExceeded", parts
