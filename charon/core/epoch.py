@@ -491,6 +491,11 @@ class EpochCoordinator:
         stats["rounds"] = stats.get("rounds", 0) + 1
         nxt: list = []
         shares = track.shares
+        for o in outs:  # the limit before the round's errors: an error ends a synchronous chain, so every
+            for tid, n in o.invocations.items():  # invocation counted in its round came before it
+                n = counts[tid] = counts.get(tid, 0) + n
+                if n > limit and tid not in failed:
+                    failed[tid] = (CallGraphLimitExceeded.__name__, str(too_many_invocations(limit)))
         for o in outs:
             for tid, value, share in o.done:
                 track.done[tid] = value
@@ -499,10 +504,6 @@ class EpochCoordinator:
                 shares[tid] = add(shares.get(tid, ZERO), share)
             for tid, etype, msg in o.failed:
                 failed.setdefault(tid, (etype, msg))
-            for tid, n in o.invocations.items():
-                n = counts[tid] = counts.get(tid, 0) + n
-                if n > limit and tid not in failed:
-                    failed[tid] = (CallGraphLimitExceeded.__name__, str(too_many_invocations(limit)))
             rw = track.rw
             for tid, op, key, wrote in o.rw:
                 d = rw.get(tid)
