@@ -41,6 +41,9 @@ class SparkConfig:
     single_task_rest: bool = True  # a small epoch's rest (from the round where it is small) in one task
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task
     pipeline_finalize: bool = True  # under load, an epoch's finalize rides in the next epoch's first round
+    # Python's collector in the driver and the Python workers (charon.runtime.inprocess.tune_gc): what is alive
+    # at start is frozen, young collections every gc_threshold allocations (0: CPython's defaults untouched)
+    gc_threshold: int = 50_000
     driver_reads: bool = True  # state reads from the durable copy in the driver (False: a Spark job per read)
     stop_timeout_s: float = 60.0  # on stop, wait at most this long for the running epoch to finish
     keep_epoch_stats: int = 1000  # per-epoch statistics kept in memory (the newest N)

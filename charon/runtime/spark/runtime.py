@@ -374,14 +374,26 @@ def local_root(configured: str | None, checkpoint: str, durable_root: str) -> st
     return base if name == "state" else os.path.join(base, name)
 
 
+def tune_worker_gc(threshold: int) -> None:
+    """Tune the collector of this process once (a Python worker runs many tasks; the driver many epochs):
+    unpickling a round's scratch and messages allocates objects by the hundred thousand, and with CPython's
+    default threshold (700) each young collection walks the survivors again (half a big epoch's CPU)."""
+    if threshold > 0:
+        from charon.runtime.inprocess import tune_gc
+
+        tune_gc(threshold)
+
+
 def _run_partitions(
     app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
-    items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None,
+    items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None, gc_threshold: int = 0,
 ) -> Iterator[tuple[int, bytes]]:
     """One task of a round. ``previous``: a compatible code update's (first TID on ``app_ref``, the old
-    code's ref): a transaction with a lower TID started before the update and runs the old code."""
+    code's ref): a transaction with a lower TID started before the update and runs the old code.
+    ``gc_threshold``: see :func:`tune_worker_gc`."""
     from charon.state.lmdbstore import open_store
 
+    tune_worker_gc(gc_threshold)
     app = load_app(app_ref)
     prev = None if previous is None else (previous[0], load_app(previous[1]))
     root = local_root(local_dir, checkpoint, durable_root)
@@ -585,7 +597,7 @@ class SparkExchange:
         compatible update ``previous`` = (first TID on ``app_ref``, the old ref) while the old one is needed."""
         cfg = self.config
         self.fn = partial(_run_partitions, app_ref, cfg.partitions, cfg.local_dir, self.durable_root,
-                          cfg.checkpoint_dir, previous=previous)
+                          cfg.checkpoint_dir, previous=previous, gc_threshold=cfg.gc_threshold)
 
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
         t0 = time.perf_counter()
@@ -774,6 +786,7 @@ class SparkRuntime(control.Controllable):
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
+        tune_worker_gc(self.config.gc_threshold)  # the driver: loaded code, the session's objects frozen
         with self._epoch_cv:
             self._stopping = False
         control.spark_finish_update(self)  # a code update's migration a crash interrupted, before any request
