@@ -644,12 +644,13 @@ class SparkExchange:
 
     def rest(self, job: RestJob) -> RestOutcome | None:
         """Take the rest of the epoch as one Spark job of one task when it is small (``single_task_rest``, in
-        local mode: its messages and scratch under ``task_min_bytes``, where a round would get one task
-        anyway), else None: the coordinator runs the next round as a job of its own."""
+        local mode: its messages and scratch under ``rest_max_bytes``), else None: the coordinator runs the
+        next round as a job of its own. One job of one task costs less than a job per round (each ~40 ms of
+        PySpark whatever it carries, ~70 ms with two tasks) as long as a core is not idle meanwhile."""
         if not self.one_task_rest:
             return None
         scratch = self.scratch
-        if len(job.msgs) * 160 + sum(len(x) for x in scratch if x) >= self.config.task_min_bytes:
+        if len(job.msgs) * 160 + sum(len(x) for x in scratch if x) >= self.config.rest_max_bytes:
             return None
         cache = self.cache if job.epoch == self.epoch else [{} for _ in range(self.partitions)]
         t0 = time.perf_counter()
@@ -1155,6 +1156,7 @@ class SparkRuntime(control.Controllable):
         already holds more (so that the next micro-batch comes at once) and ``pipeline_finalize`` is on."""
         from charon.runtime.spark.source import batch_offsets
 
+        cpu0 = time.thread_time()  # this thread's CPU in the epoch, by phase (epoch stats driver_*_cpu_s)
         prev = pending[0] if pending is not None else (self.read_record(epoch - 1) if epoch > 0 else None)
         if epoch > 0 and prev is None and self._last_recorded_epoch() >= 0:
             raise RuntimeError(f"epoch record {epoch - 1} is missing under {self.ckpt}")
@@ -1162,11 +1164,14 @@ class SparkRuntime(control.Controllable):
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
         now = max((r.ts for _, _, r in rows), default=None)  # logged: the epoch's time (ticks included)
+        cpu = {"read": time.thread_time() - cpu0, "deliver": 0.0}
 
         def deliver(replies: list[Reply]) -> None:
             if replies and self._unconfirmed is None:
                 self._unconfirmed = epoch  # from here on, the state must reach this epoch before reads
+            c = time.thread_time()
             self.output_log.put_many(replies)
+            cpu["deliver"] += time.thread_time() - c
 
         def finalized(res: EpochResult) -> None:
             assert pending is not None and pending[0].epoch == res.epoch
@@ -1205,6 +1210,8 @@ class SparkRuntime(control.Controllable):
             crash_point("before_epoch", epoch)
             result = coord.run_epoch(epoch, requests, now, prior=pending[1] if pending is not None else None,
                                      defer=defer)
+            result.stats.update({"driver_read_cpu_s": cpu["read"], "driver_deliver_cpu_s": cpu["deliver"],
+                                 "driver_cpu_s": time.thread_time() - cpu0})
             deferred = self._after_epoch(epoch, coord, result, starts, ends)
         finally:
             if not deferred:  # a deferred epoch stays the gate's running one until it is recorded
