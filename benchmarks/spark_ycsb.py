@@ -44,21 +44,33 @@ def _generator(data_dir: str, rate: float, duration: float, warmup: float, n: in
                                    drain_timeout=30.0, seed=seed, label=f"spark zipf={zipf}")
 
     res = run(main())
+    res["generator_cpu_s"] = time.process_time()  # this process: the generator and its SQLite log client
     Path(out).write_text(json.dumps(res))
 
 
-def _tree_cpu() -> dict[int, float]:
-    """CPU seconds of this process and every live descendant (the JVM, Python workers), by pid."""
+def _tree_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of this process and every live descendant, by pid: (kind, seconds), kind ``driver`` (this
+    process), ``jvm`` or ``python`` (the Python workers, including the source's planner)."""
     import psutil
 
     me = psutil.Process()
-    out: dict[int, float] = {}
+    out: dict[int, tuple[str, float]] = {}
     for proc in [me, *me.children(recursive=True)]:
         try:
             t = proc.cpu_times()
+            kind = "driver" if proc.pid == me.pid else ("jvm" if "java" in proc.name() else "python")
         except psutil.Error:
             continue
-        out[proc.pid] = t.user + t.system
+        out[proc.pid] = (kind, t.user + t.system)
+    return out
+
+
+def cpu_split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], skip: int) -> dict:
+    """CPU seconds per process kind between two :func:`_tree_cpu` samples (``skip``: the generator's pid)."""
+    out = {"driver": 0.0, "jvm": 0.0, "python": 0.0}
+    for pid, (kind, v) in after.items():
+        if pid != skip:
+            out[kind] += v - before.get(pid, (kind, 0.0))[1]
     return out
 
 
@@ -84,6 +96,11 @@ def breakdown(epochs: list[dict]) -> dict:
             [e.get("duration_ms", 0.0) - 1000 * e.get("exchange_s", 0.0) for e in epochs]
         ) if epochs else float("nan"),
         "bytes_per_epoch": mean("spark_bytes_out", 1.0) + mean("spark_bytes_in", 1.0),
+        # the epoch thread's CPU in the driver (time.thread_time): all of it, the input-log read, the replies' write
+        "driver_thread_cpu_ms": mean("driver_cpu_s"),
+        "driver_read_cpu_ms": mean("driver_read_cpu_s"),
+        "driver_deliver_cpu_ms": mean("driver_deliver_cpu_s"),
+        "driver_ser_ms": mean("spark_ser_s"),
         "size": mean("size", 1.0),
     }
 
@@ -116,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     levers = {
         "after": {},
         "before": {"pipeline_finalize": False, "single_task_fallback": False, "single_task_rest": False,
-                   "task_min_bytes": 1},
+                   "task_min_bytes": 1, "gc_threshold": 0},  # the collector's tuning is per process: run before first
     }
     variants = args.variants.split(",")
     unknown = set(variants) - levers.keys()
@@ -152,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                 cpu1 = _tree_cpu()
                 driver_cpu = time.process_time() - c0
                 # CPU of the driver, its JVM and the Python workers (not the load generator): load-independent
-                spark_cpu = sum(v - cpu0.get(pid, 0.0) for pid, v in cpu1.items() if pid != p.pid)
+                split = cpu_split(cpu0, cpu1, p.pid)
+                spark_cpu = sum(split.values())
                 if p.exitcode != 0 or not os.path.exists(out):
                     print(f"[bench] rate {rate}: load generator failed ({p.exitcode})", flush=True)
                     continue
@@ -165,9 +183,13 @@ def main(argv: list[str] | None = None) -> int:
                         "breakdown": breakdown(epochs), "master": args.master, "variant": variant,
                         "driver_cpu_s": driver_cpu, "spark_cpu_s": spark_cpu,
                         "spark_cpu_us_per_request": spark_cpu / max(1, res.get("sent", 0)) * 1e6,
+                        "cpu_us_per_request": {k: v / max(1, res.get("sent", 0)) * 1e6 for k, v in
+                                               {**split, "generator": res.get("generator_cpu_s", 0.0)}.items()},
+                        "epochs": len(epochs),
                         "load_average": os.getloadavg()[0],
                         "settings": {k: getattr(cfg, k) for k in ("pipeline_finalize", "single_task_fallback",
                                                                    "single_task_rest", "task_min_bytes",
+                                                                   "rest_max_bytes", "gc_threshold",
                                                                    "partitions")}})
             results.append(res)
             lat = res.get("latency_ms", {})
@@ -178,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"({b['spark_jobs_per_epoch']:.1f} jobs, {b['spark_tasks_per_epoch']:.1f} tasks, "
                   f"{b['ms_per_job']:.0f} ms/job); Spark side CPU {res['spark_cpu_us_per_request']:.0f} µs/request; "
                   f"load average {res['load_average']:.1f}", flush=True)
+            print("[bench]   CPU µs/request: " + ", ".join(f"{k} {v:.0f}" for k, v in res["cpu_us_per_request"].items())
+                  + f"; per epoch of {b['size']:.0f}: driver thread {b['driver_thread_cpu_ms']:.1f} ms CPU (log read "
+                  f"{b['driver_read_cpu_ms']:.1f}, replies {b['driver_deliver_cpu_ms']:.1f}, pickling "
+                  f"{b['driver_ser_ms']:.1f} wall), task function {b['task_function_exec_ms']:.1f} ms", flush=True)
             if args.stop_p99_ms is not None and (res.get("unfinished", 0) or lat.get("p99", 0) > args.stop_p99_ms):
                 stop = True
     spark.stop()
