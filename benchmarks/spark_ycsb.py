@@ -156,6 +156,7 @@ def breakdown(epochs: list[dict]) -> dict:
         "conflicts": mean("conflicts", 1.0),
         "spark_jobs_ms": mean("spark_job_s"),
         "task_function_exec_ms": mean("spark_step_s"),
+        "task_cpu_ms": mean("spark_task_cpu_s"),  # the task functions' own CPU (time.thread_time), all tasks
         "task_state_restore_ms": mean("spark_restore_s"),
         "driver_serialization_ms": mean("spark_ser_s"),
         "coordinator_ms": statistics.fmean(
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             print("[bench]   CPU µs/request: " + ", ".join(f"{k} {v:.0f}" for k, v in res["cpu_us_per_request"].items())
                   + f"; per epoch of {b['size']:.0f}: driver thread {b['driver_thread_cpu_ms']:.1f} ms CPU (log read "
                   f"{b['driver_read_cpu_ms']:.1f}, replies {b['driver_deliver_cpu_ms']:.1f}, pickling "
-                  f"{b['driver_ser_ms']:.1f} wall), task function {b['task_function_exec_ms']:.1f} ms", flush=True)
+                  f"{b['driver_ser_ms']:.1f} wall), task function {b['task_function_exec_ms']:.1f} ms wall, "
+                  f"{b['task_cpu_ms']:.1f} ms CPU", flush=True)
             if args.stop_p99_ms is not None and (res.get("unfinished", 0) or lat.get("p99", 0) > args.stop_p99_ms):
                 stop = True
     if args.python_profile:

@@ -404,6 +404,7 @@ def _run_partitions(
         if pid == REST_TASK:
             yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev)
             continue
+        c0 = time.thread_time()  # the task's CPU for this partition (unpickling included): stats cpu_us
         control, scratch, inbox, cached = pickle.loads(payload)
         store = open_store(root, pid, durable_root)
         unit = PartitionUnit(pid, parts, app, store)
@@ -429,6 +430,7 @@ def _run_partitions(
         out.stats["restore_us"] = int((t1 - t0) * 1e6)
         out.stats["step_us"] = int((t2 - t1) * 1e6)
         scratch_out = None if control.finalize else unit.dump_scratch()
+        out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
         yield pid, pickle.dumps((scratch_out, out), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -457,6 +459,7 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
     from charon.core.epoch import run_fallback
     from charon.state.lmdbstore import open_store
 
+    c0 = time.thread_time()
     job, scratches, caches = pickle.loads(payload)
     units = []
     t0 = time.perf_counter()
@@ -472,7 +475,9 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
     out = run_fallback(app, _TaskExchange(units), job)
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
     out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
-    return pickle.dumps((out, [u.dump_scratch() for u in units]), protocol=pickle.HIGHEST_PROTOCOL)
+    scratches_out = [u.dump_scratch() for u in units]
+    out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
+    return pickle.dumps((out, scratches_out), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over every partition
@@ -485,6 +490,7 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
     from charon.core.epoch import run_rest
     from charon.state.lmdbstore import open_store
 
+    c0 = time.thread_time()
     job, scratches, caches = pickle.loads(payload)
     units = []
     prior_events: list = []
@@ -510,7 +516,9 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
     out.next_due = min(out.next_due, prior_due)
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
     out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
-    return pickle.dumps((out, [u.dump_scratch() for u in units]), protocol=pickle.HIGHEST_PROTOCOL)
+    scratches_out = [u.dump_scratch() for u in units]
+    out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
+    return pickle.dumps((out, scratches_out), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _read_entities(
@@ -638,6 +646,7 @@ class SparkExchange:
         s["tasks"] = s.get("tasks", 0) + (self.tasks_for(payloads) if payloads else 0)
         s["bytes_out"] = s.get("bytes_out", 0) + sum(len(b) for _, b in payloads)
         s["bytes_in"] = s.get("bytes_in", 0) + sum(len(b) for _, b in results)
+        s["task_cpu_s"] = s.get("task_cpu_s", 0.0) + sum(o.stats.pop("cpu_us", 0) for o in outs) / 1e6
         s["step_s"] = s.get("step_s", 0.0) + sum(o.stats.get("step_us", 0) for o in outs) / 1e6
         s["restore_s"] = s.get("restore_s", 0.0) + sum(o.stats.get("restore_us", 0) for o in outs) / 1e6
         return outs
@@ -675,6 +684,7 @@ class SparkExchange:
         s["tasks"] = s.get("tasks", 0) + 1
         s["bytes_out"] = s.get("bytes_out", 0) + sent
         s["bytes_in"] = s.get("bytes_in", 0) + got
+        s["task_cpu_s"] = s.get("task_cpu_s", 0.0) + task.pop("cpu_us", 0) / 1e6
         s["step_s"] = s.get("step_s", 0.0) + task.pop("step_us", 0) / 1e6
         s["restore_s"] = s.get("restore_s", 0.0) + task.pop("restore_us", 0) / 1e6
 
