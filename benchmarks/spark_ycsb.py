@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "after": {},
         "before": {"pipeline_finalize": False, "single_task_fallback": False, "single_task_rest": False,
                    "task_min_bytes": 1, "gc_threshold": 0},  # the collector's tuning is per process: run before first
+        "serial_finalize": {"finalize_threads": 1},
     }
     variants = args.variants.split(",")
     unknown = set(variants) - levers.keys()
@@ -265,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                         "settings": {k: getattr(cfg, k) for k in ("pipeline_finalize", "single_task_fallback",
                                                                    "single_task_rest", "task_min_bytes",
                                                                    "rest_max_bytes", "gc_threshold",
+                                                                   "finalize_threads",
                                                                    "partitions")}})
             results.append(res)
             lat = res.get("latency_ms", {})

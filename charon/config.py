@@ -42,6 +42,7 @@ class SparkConfig:
     # ... "small": its messages and scratch under this many bytes (local mode: one job of one task beats a
     # job of two tasks per round on few cores, and conflicts make the rounds' payloads grow with the epoch)
     rest_max_bytes: int = 32 << 20
+    finalize_threads: int = 4  # a one-task rest writes the previous epoch's partitions' deltas in this many threads
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task
     pipeline_finalize: bool = True  # under load, an epoch's finalize rides in the next epoch's first round
     # Python's collector in the driver and the Python workers (charon.runtime.inprocess.tune_gc): what is alive

@@ -40,7 +40,9 @@ def _requests(n: int, seed: int) -> list[tuple[int, Request]]:
                         serde.encode([ycsb.key(rng.randrange(ACCOUNTS)), rng.randint(1, 10)]))) for i in range(n)]
 
 
-def _run(tmp_path, **settings) -> tuple[CountingExchange, dict, dict, object]:
+def _run(tmp_path, epochs: int = 1, **settings) -> tuple[CountingExchange, dict, dict, object]:
+    """Run ``epochs`` epochs of 3,000 transfers (each finalize but the last deferred into the next epoch's
+    rest); return the exchange, the state before, the durable state after, and the last epoch's result."""
     cfg = SparkConfig(data_dir=str(tmp_path), partitions=PARTS, local_dir=str(tmp_path / "local"),
                       master="local[2]", gc_threshold=0, **settings)
     ref = InProcessRuntime(ycsb.app, partitions=PARTS)
@@ -58,10 +60,13 @@ def _run(tmp_path, **settings) -> tuple[CountingExchange, dict, dict, object]:
     ex.jobs = ex.tasks = 0
     coord = EpochCoordinator(ycsb.app, ex, sequencers=1)
     coord.next_due = math.inf  # a fresh checkpoint: no timer to collect first (as the runtime's epoch 0)
-    result = coord.run_epoch(0, _requests(3_000, 1))
+    prior = None
+    for e in range(epochs):
+        result = coord.run_epoch(e, _requests(3_000, e + 1), prior=prior, defer=e < epochs - 1)
+        prior = result if result.finalize is not None else None
     after: dict[bytes, bytes] = {}
     for pid in range(PARTS):
-        after.update(durable.load(pid, 0)[0])
+        after.update(durable.load(pid, epochs - 1)[0])
     return ex, before, dict(sorted(after.items())), result
 
 
@@ -98,3 +103,19 @@ print(gc.get_threshold()[0], gc.get_freeze_count() > before)
         assert got == [str(threshold), "True"]
     else:
         assert got == ["700", "False"]
+
+
+def test_a_deferred_finalize_in_threads_writes_what_one_thread_writes(tmp_path) -> None:
+    """The previous epoch's partitions finalized in threads inside the next epoch's rest task: the same state
+    and the same replies as one partition after the other, and as the in-process runtime."""
+    threaded, before, after_threaded, res_threaded = _run(tmp_path / "threads", epochs=3, finalize_threads=4)
+    serial, _, after_serial, res_serial = _run(tmp_path / "serial", epochs=3, finalize_threads=1)
+    assert threaded.jobs == serial.jobs == 4  # three rests (two carrying a finalize), the last finalize
+    assert after_threaded == after_serial
+    assert {t: (r.ok, r.value) for t, r in res_threaded.replies.items()} == \
+        {t: (r.ok, r.value) for t, r in res_serial.replies.items()}
+    ref = InProcessRuntime(ycsb.app, partitions=PARTS)
+    ref.load("account", ycsb.initial_state(ACCOUNTS))
+    for e in range(3):
+        ref.run_epoch([r for _, r in _requests(3_000, e + 1)])
+    assert after_threaded == ref.snapshot()
