@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-BEFORE = {"pipeline_finalize": False, "single_task_fallback": False, "single_task_rest": False, "task_min_bytes": 1}
+BEFORE = {"pipeline_finalize": False, "single_task_fallback": False, "single_task_rest": False, "task_min_bytes": 1,
+          "gc_threshold": 0}
 
 
-def run(workload: str, variant: str, size: int, epochs: int = 3) -> dict:
+def run(workload: str, variant: str, size: int, epochs: int = 3, overrides: dict | None = None) -> dict:
     from charon import InProcessRuntime, Request, serde
     from charon.apps import tpcc, ycsb
     from charon.config import SparkConfig
@@ -42,11 +43,19 @@ def run(workload: str, variant: str, size: int, epochs: int = 3) -> dict:
             self.tasks += self.tasks_for(payloads) if payloads[0][0] >= 0 else 1
             return list(self.fn(payloads))
 
+    import gc
+
+    import charon.runtime.inprocess as inprocess
+
+    # the collector as a fresh process has it (tune_gc, which the after variant's tasks call, is per process)
+    gc.unfreeze()
+    gc.set_threshold(700, 10, 10)
+    inprocess._GC_TUNED = False
     parts = 4
     tmp = tempfile.mkdtemp(prefix="charon-structure-")
     try:
         cfg = SparkConfig(data_dir=tmp, partitions=parts, local_dir=os.path.join(tmp, "local"), master="local[2]",
-                          **(BEFORE if variant == "before" else {}))
+                          **{**(BEFORE if variant == "before" else {}), **(overrides or {})})
         ref = InProcessRuntime(ycsb.app if workload == "ycsb" else tpcc.app, partitions=parts)
         if workload == "ycsb":
             ref.load("account", ycsb.initial_state(10_000))
@@ -100,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="100,500")
     ap.add_argument("--workloads", default="ycsb,tpcc")
     ap.add_argument("--out", default=str(ROOT / "issue10"))
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
+                    help="a SparkConfig override for both variants (e.g. task_min_bytes=100000000)")
     a = ap.parse_args(argv)
+    overrides = {k: int(v) for k, v in (x.split("=", 1) for x in a.set)}
     results = []
     for w in a.workloads.split(","):
         for size in [int(x) for x in a.sizes.split(",")]:
             for variant in ("before", "after"):
-                r = run(w, variant, size)
+                r = run(w, variant, size, overrides=overrides)
                 results.append(r)
                 print(f"{w:5} {variant:6} epoch of {size:5}: {r['jobs_per_epoch']:6.1f} jobs "
                       f"{r['tasks_per_epoch']:6.1f} tasks, engine {r['engine_cpu_us_per_tx']:6.0f} µs CPU/tx, "

@@ -44,21 +44,99 @@ def _generator(data_dir: str, rate: float, duration: float, warmup: float, n: in
                                    drain_timeout=30.0, seed=seed, label=f"spark zipf={zipf}")
 
     res = run(main())
+    res["generator_cpu_s"] = time.process_time()  # this process: the generator and its SQLite log client
     Path(out).write_text(json.dumps(res))
 
 
-def _tree_cpu() -> dict[int, float]:
-    """CPU seconds of this process and every live descendant (the JVM, Python workers), by pid."""
+def _lean_generator(data_dir: str, rate: float, duration: float, warmup: float, n: int, zipf: float, seed: int,
+                    out: str, group_commit_s: float = 0.004) -> None:
+    """The same open loop as :func:`_generator` without a coroutine, future and timeout per request: one loop
+    that appends what is due every ``group_commit_s`` (one SQLite transaction, as LogClient's group commit)
+    and reads the replies that arrived (when the output log's ``data_version`` moved). Latency is still
+    measured from each request's due time. What it leaves out is the client library's per-request cost, so
+    it measures the engine's ceiling on a machine whose cores the generator shares."""
+    import random
+    import uuid
+
+    from charon import serde
+    from charon.apps import ycsb
+    from charon.bench.harness import summarize
+    from charon.log.sqlite import InputLog, OutputLog
+    from charon.messages import Request
+
+    sampler = ycsb.Zipf(n, zipf)
+    rng = random.Random(seed)
+    inp = InputLog(os.path.join(data_dir, "input.sqlite"))
+    outp = OutputLog(os.path.join(data_dir, "output.sqlite"))
+    seq = outp.last_seq()
+    total = int((warmup + duration) * rate)
+    samples: list[dict] = []
+    waiting: dict[str, dict] = {}
+    prefix = uuid.uuid4().hex[:16]
+    t0 = time.monotonic() + 0.05
+    i = 0
+    seen = None
+    drain_end = None
+    while True:
+        now = time.monotonic()
+        batch = []
+        while i < total and t0 + i / rate <= now:
+            d = rng.randrange(n)
+            rid = f"{prefix}{i:x}"
+            args = [ycsb.key(sampler.sample(rng)), rng.randint(1, 10)]
+            batch.append(Request(rid, "account", ycsb.key(d), "transfer", serde.encode(args), time.time()))
+            sample = {"due": i / rate, "done": None, "ok": False, "error_type": ""}
+            samples.append(sample)
+            waiting[rid] = sample
+            i += 1
+        if batch:
+            inp.append_many(batch)
+        version = outp.version()
+        if version != seen:
+            rows = outp.read_since(seq, 100_000)
+            if len(rows) < 100_000:
+                seen = version
+            done = time.monotonic() - t0
+            for s_, rep in rows:
+                seq = max(seq, s_)
+                sample = waiting.pop(rep.request_id, None)
+                if sample is not None:
+                    sample["done"], sample["ok"], sample["error_type"] = done, bool(rep.ok), rep.error_type
+        if i >= total:
+            drain_end = drain_end or time.monotonic() + 30.0
+            if not waiting or time.monotonic() > drain_end:
+                break
+        nxt = t0 + i / rate
+        time.sleep(max(0.0, min(group_commit_s, nxt - time.monotonic())) if i < total else 0.003)
+    res = summarize(samples, rate=rate, duration=duration, warmup=warmup,
+                    extra={"label": f"spark zipf={zipf} lean", "wall_s": time.monotonic() - t0, "when": time.time()})
+    res["generator_cpu_s"] = time.process_time()
+    Path(out).write_text(json.dumps(res))
+
+
+def _tree_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of this process and every live descendant, by pid: (kind, seconds), kind ``driver`` (this
+    process), ``jvm`` or ``python`` (the Python workers, including the source's planner)."""
     import psutil
 
     me = psutil.Process()
-    out: dict[int, float] = {}
+    out: dict[int, tuple[str, float]] = {}
     for proc in [me, *me.children(recursive=True)]:
         try:
             t = proc.cpu_times()
+            kind = "driver" if proc.pid == me.pid else ("jvm" if "java" in proc.name() else "python")
         except psutil.Error:
             continue
-        out[proc.pid] = t.user + t.system
+        out[proc.pid] = (kind, t.user + t.system)
+    return out
+
+
+def cpu_split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], skip: int) -> dict:
+    """CPU seconds per process kind between two :func:`_tree_cpu` samples (``skip``: the generator's pid)."""
+    out = {"driver": 0.0, "jvm": 0.0, "python": 0.0}
+    for pid, (kind, v) in after.items():
+        if pid != skip:
+            out[kind] += v - before.get(pid, (kind, 0.0))[1]
     return out
 
 
@@ -78,12 +156,18 @@ def breakdown(epochs: list[dict]) -> dict:
         "conflicts": mean("conflicts", 1.0),
         "spark_jobs_ms": mean("spark_job_s"),
         "task_function_exec_ms": mean("spark_step_s"),
+        "task_cpu_ms": mean("spark_task_cpu_s"),  # the task functions' own CPU (time.thread_time), all tasks
         "task_state_restore_ms": mean("spark_restore_s"),
         "driver_serialization_ms": mean("spark_ser_s"),
         "coordinator_ms": statistics.fmean(
             [e.get("duration_ms", 0.0) - 1000 * e.get("exchange_s", 0.0) for e in epochs]
         ) if epochs else float("nan"),
         "bytes_per_epoch": mean("spark_bytes_out", 1.0) + mean("spark_bytes_in", 1.0),
+        # the epoch thread's CPU in the driver (time.thread_time): all of it, the input-log read, the replies' write
+        "driver_thread_cpu_ms": mean("driver_cpu_s"),
+        "driver_read_cpu_ms": mean("driver_read_cpu_s"),
+        "driver_deliver_cpu_ms": mean("driver_deliver_cpu_s"),
+        "driver_ser_ms": mean("spark_ser_s"),
         "size": mean("size", 1.0),
     }
 
@@ -105,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                          "off (finalize round of its own, fallback and rest round by round, tasks per core)")
     ap.add_argument("--stop-p99-ms", type=float, default=None,
                     help="stop after the first rate whose p99 exceeds this (or that leaves requests unfinished)")
+    ap.add_argument("--generator", choices=("logclient", "lean"), default="logclient",
+                    help="logclient: a coroutine per request through charon.log.client.LogClient (as the gateway); "
+                         "lean: one loop appending and reading in batches (the engine's ceiling, see _lean_generator)")
+    ap.add_argument("--python-profile", default=None, metavar="DIR",
+                    help="profile the Python workers' tasks (spark.python.profile) and dump cProfile stats here")
     args = ap.parse_args(argv)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -116,14 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     levers = {
         "after": {},
         "before": {"pipeline_finalize": False, "single_task_fallback": False, "single_task_rest": False,
-                   "task_min_bytes": 1},
+                   "task_min_bytes": 1, "gc_threshold": 0},  # the collector's tuning is per process: run before first
+        "serial_finalize": {"finalize_threads": 1},
     }
     variants = args.variants.split(",")
     unknown = set(variants) - levers.keys()
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}")
     session_dir = tempfile.mkdtemp(prefix="charon-bench-session-")  # spark.log of the shared session
-    spark = make_session(SparkConfig(master=args.master, partitions=args.partitions, data_dir=session_dir))
+    conf = {"spark.python.profile": "true"} if args.python_profile else {}
+    spark = make_session(SparkConfig(master=args.master, partitions=args.partitions, data_dir=session_dir,
+                                     spark_conf=conf))
     results = []
     ctx = mp.get_context("spawn")
     stop = False
@@ -145,14 +237,16 @@ def main(argv: list[str] | None = None) -> int:
                 before = len(rt.epoch_stats)
                 c0 = time.process_time()
                 cpu0 = _tree_cpu()
-                p = ctx.Process(target=_generator, args=(data, rate, args.duration, args.warmup, args.accounts,
-                                                         args.zipf, int(rate), out))
+                target = _lean_generator if args.generator == "lean" else _generator
+                p = ctx.Process(target=target, args=(data, rate, args.duration, args.warmup, args.accounts,
+                                                     args.zipf, int(rate), out))
                 p.start()
                 p.join()
                 cpu1 = _tree_cpu()
                 driver_cpu = time.process_time() - c0
                 # CPU of the driver, its JVM and the Python workers (not the load generator): load-independent
-                spark_cpu = sum(v - cpu0.get(pid, 0.0) for pid, v in cpu1.items() if pid != p.pid)
+                split = cpu_split(cpu0, cpu1, p.pid)
+                spark_cpu = sum(split.values())
                 if p.exitcode != 0 or not os.path.exists(out):
                     print(f"[bench] rate {rate}: load generator failed ({p.exitcode})", flush=True)
                     continue
@@ -163,11 +257,16 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(data, ignore_errors=True)
             res.update({"system": "charon-spark", "experiment": "ycsb", "zipf": args.zipf, "rate": rate,
                         "breakdown": breakdown(epochs), "master": args.master, "variant": variant,
-                        "driver_cpu_s": driver_cpu, "spark_cpu_s": spark_cpu,
+                        "driver_cpu_s": driver_cpu, "spark_cpu_s": spark_cpu, "generator": args.generator,
                         "spark_cpu_us_per_request": spark_cpu / max(1, res.get("sent", 0)) * 1e6,
+                        "cpu_us_per_request": {k: v / max(1, res.get("sent", 0)) * 1e6 for k, v in
+                                               {**split, "generator": res.get("generator_cpu_s", 0.0)}.items()},
+                        "epochs": len(epochs),
                         "load_average": os.getloadavg()[0],
                         "settings": {k: getattr(cfg, k) for k in ("pipeline_finalize", "single_task_fallback",
                                                                    "single_task_rest", "task_min_bytes",
+                                                                   "rest_max_bytes", "gc_threshold",
+                                                                   "finalize_threads",
                                                                    "partitions")}})
             results.append(res)
             lat = res.get("latency_ms", {})
@@ -178,8 +277,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"({b['spark_jobs_per_epoch']:.1f} jobs, {b['spark_tasks_per_epoch']:.1f} tasks, "
                   f"{b['ms_per_job']:.0f} ms/job); Spark side CPU {res['spark_cpu_us_per_request']:.0f} µs/request; "
                   f"load average {res['load_average']:.1f}", flush=True)
+            print("[bench]   CPU µs/request: " + ", ".join(f"{k} {v:.0f}" for k, v in res["cpu_us_per_request"].items())
+                  + f"; per epoch of {b['size']:.0f}: driver thread {b['driver_thread_cpu_ms']:.1f} ms CPU (log read "
+                  f"{b['driver_read_cpu_ms']:.1f}, replies {b['driver_deliver_cpu_ms']:.1f}, pickling "
+                  f"{b['driver_ser_ms']:.1f} wall), task function {b['task_function_exec_ms']:.1f} ms wall, "
+                  f"{b['task_cpu_ms']:.1f} ms CPU", flush=True)
             if args.stop_p99_ms is not None and (res.get("unfinished", 0) or lat.get("p99", 0) > args.stop_p99_ms):
                 stop = True
+    if args.python_profile:
+        spark.sparkContext.dump_profiles(args.python_profile)
     spark.stop()
     shutil.rmtree(session_dir, ignore_errors=True)
     name = f"spark_ycsb_zipf{args.zipf}{'_' + args.label if args.label else ''}"

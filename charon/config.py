@@ -39,8 +39,15 @@ class SparkConfig:
     restart_backoff_s: float = 1.0  # first delay before restarting a failed query; doubles, at most 30 s
     task_min_bytes: int = 262_144  # a round's payload bytes per extra Spark task (small rounds: one task)
     single_task_rest: bool = True  # a small epoch's rest (from the round where it is small) in one task
+    # ... "small": its messages and scratch under this many bytes (local mode: one job of one task beats a
+    # job of two tasks per round on few cores, and conflicts make the rounds' payloads grow with the epoch)
+    rest_max_bytes: int = 32 << 20
+    finalize_threads: int = 4  # a one-task rest writes the previous epoch's partitions' deltas in this many threads
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task
     pipeline_finalize: bool = True  # under load, an epoch's finalize rides in the next epoch's first round
+    # Python's collector in the driver and the Python workers (charon.runtime.inprocess.tune_gc): what is alive
+    # at start is frozen, young collections every gc_threshold allocations (0: CPython's defaults untouched)
+    gc_threshold: int = 50_000
     driver_reads: bool = True  # state reads from the durable copy in the driver (False: a Spark job per read)
     stop_timeout_s: float = 60.0  # on stop, wait at most this long for the running epoch to finish
     keep_epoch_stats: int = 1000  # per-epoch statistics kept in memory (the newest N)

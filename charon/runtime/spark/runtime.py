@@ -374,14 +374,27 @@ def local_root(configured: str | None, checkpoint: str, durable_root: str) -> st
     return base if name == "state" else os.path.join(base, name)
 
 
+def tune_worker_gc(threshold: int) -> None:
+    """Tune the collector of this process once (a Python worker runs many tasks; the driver many epochs):
+    unpickling a round's scratch and messages allocates objects by the hundred thousand, and with CPython's
+    default threshold (700) each young collection walks the survivors again (half a big epoch's CPU)."""
+    if threshold > 0:
+        from charon.runtime.inprocess import tune_gc
+
+        tune_gc(threshold)
+
+
 def _run_partitions(
     app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
-    items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None,
+    items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None, gc_threshold: int = 0,
+    finalize_threads: int = 1,
 ) -> Iterator[tuple[int, bytes]]:
     """One task of a round. ``previous``: a compatible code update's (first TID on ``app_ref``, the old
-    code's ref): a transaction with a lower TID started before the update and runs the old code."""
+    code's ref): a transaction with a lower TID started before the update and runs the old code.
+    ``gc_threshold``: see :func:`tune_worker_gc`."""
     from charon.state.lmdbstore import open_store
 
+    tune_worker_gc(gc_threshold)
     app = load_app(app_ref)
     prev = None if previous is None else (previous[0], load_app(previous[1]))
     root = local_root(local_dir, checkpoint, durable_root)
@@ -390,8 +403,9 @@ def _run_partitions(
             yield pid, _run_fallback_task(app, parts, root, durable_root, payload, prev)
             continue
         if pid == REST_TASK:
-            yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev)
+            yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads)
             continue
+        c0 = time.thread_time()  # the task's CPU for this partition (unpickling included): stats cpu_us
         control, scratch, inbox, cached = pickle.loads(payload)
         store = open_store(root, pid, durable_root)
         unit = PartitionUnit(pid, parts, app, store)
@@ -417,6 +431,7 @@ def _run_partitions(
         out.stats["restore_us"] = int((t1 - t0) * 1e6)
         out.stats["step_us"] = int((t2 - t1) * 1e6)
         scratch_out = None if control.finalize else unit.dump_scratch()
+        out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
         yield pid, pickle.dumps((scratch_out, out), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -445,6 +460,7 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
     from charon.core.epoch import run_fallback
     from charon.state.lmdbstore import open_store
 
+    c0 = time.thread_time()
     job, scratches, caches = pickle.loads(payload)
     units = []
     t0 = time.perf_counter()
@@ -460,45 +476,66 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
     out = run_fallback(app, _TaskExchange(units), job)
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
     out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
-    return pickle.dumps((out, [u.dump_scratch() for u in units]), protocol=pickle.HIGHEST_PROTOCOL)
+    scratches_out = [u.dump_scratch() for u in units]
+    out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
+    return pickle.dumps((out, scratches_out), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over every partition
 
 
 def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
-                   prev: tuple[int, Any] | None = None) -> bytes:
+                   prev: tuple[int, Any] | None = None, finalize_threads: int = 1) -> bytes:
     """The rest of an epoch (remaining dry-run rounds, lock-free decision, fallback) in this task over every
-    partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round)."""
+    partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round), the
+    partitions' in up to ``finalize_threads`` threads."""
     from charon.core.epoch import run_rest
     from charon.state.lmdbstore import open_store
 
+    c0 = time.process_time()  # this process's (the finalize's threads included)
     job, scratches, caches = pickle.loads(payload)
     units = []
     prior_events: list = []
     prior_due = math.inf
     t0 = time.perf_counter()
     for pid in range(parts):
-        store = open_store(root, pid, durable_root)
-        unit = PartitionUnit(pid, parts, app, store)
+        unit = PartitionUnit(pid, parts, app, open_store(root, pid, durable_root))
         unit.previous = prev
         unit.load_scratch(scratches[pid])
-        if job.prior is not None:
-            store.ensure_epoch(job.prior.epoch - 1)
-            done = unit.finalize_prior(job.prior)
+        units.append(unit)
+    if job.prior is not None:
+        prior = job.prior
+
+        def finalize(unit: PartitionUnit) -> RoundOutput:
+            unit.store.ensure_epoch(prior.epoch - 1)
+            return unit.finalize_prior(prior)
+
+        # Each partition's delta goes to its own durable file and LMDB environment, each with its fsyncs, which
+        # queue behind the logs' (the same file system's journal): in threads, the waits overlap. The events
+        # are still gathered in partition order.
+        if finalize_threads > 1 and parts > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(finalize_threads, parts), thread_name_prefix="charon-finalize") as pool:
+                dones = list(pool.map(finalize, units))
+        else:
+            dones = [finalize(u) for u in units]
+        for done in dones:
             prior_events.extend(done.events)
             if done.next_due is not None:
                 prior_due = min(prior_due, done.next_due)
-        store.ensure_epoch(job.epoch - 1)
+    for pid, unit in enumerate(units):
+        unit.store.ensure_epoch(job.epoch - 1)
         unit.load_cache(caches[pid])
-        units.append(unit)
     t1 = time.perf_counter()
     out = run_rest(app, _TaskExchange(units), job)
     out.prior_events = prior_events  # the driver puts them in atom order (it has the prior epoch's replies)
     out.next_due = min(out.next_due, prior_due)
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
     out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
-    return pickle.dumps((out, [u.dump_scratch() for u in units]), protocol=pickle.HIGHEST_PROTOCOL)
+    scratches_out = [u.dump_scratch() for u in units]
+    out.stats["cpu_us"] = int((time.process_time() - c0) * 1e6)
+    return pickle.dumps((out, scratches_out), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _read_entities(
@@ -585,7 +622,8 @@ class SparkExchange:
         compatible update ``previous`` = (first TID on ``app_ref``, the old ref) while the old one is needed."""
         cfg = self.config
         self.fn = partial(_run_partitions, app_ref, cfg.partitions, cfg.local_dir, self.durable_root,
-                          cfg.checkpoint_dir, previous=previous)
+                          cfg.checkpoint_dir, previous=previous, gc_threshold=cfg.gc_threshold,
+                          finalize_threads=cfg.finalize_threads)
 
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
         t0 = time.perf_counter()
@@ -626,18 +664,20 @@ class SparkExchange:
         s["tasks"] = s.get("tasks", 0) + (self.tasks_for(payloads) if payloads else 0)
         s["bytes_out"] = s.get("bytes_out", 0) + sum(len(b) for _, b in payloads)
         s["bytes_in"] = s.get("bytes_in", 0) + sum(len(b) for _, b in results)
+        s["task_cpu_s"] = s.get("task_cpu_s", 0.0) + sum(o.stats.pop("cpu_us", 0) for o in outs) / 1e6
         s["step_s"] = s.get("step_s", 0.0) + sum(o.stats.get("step_us", 0) for o in outs) / 1e6
         s["restore_s"] = s.get("restore_s", 0.0) + sum(o.stats.get("restore_us", 0) for o in outs) / 1e6
         return outs
 
     def rest(self, job: RestJob) -> RestOutcome | None:
         """Take the rest of the epoch as one Spark job of one task when it is small (``single_task_rest``, in
-        local mode: its messages and scratch under ``task_min_bytes``, where a round would get one task
-        anyway), else None: the coordinator runs the next round as a job of its own."""
+        local mode: its messages and scratch under ``rest_max_bytes``), else None: the coordinator runs the
+        next round as a job of its own. One job of one task costs less than a job per round (each ~40 ms of
+        PySpark whatever it carries, ~70 ms with two tasks) as long as a core is not idle meanwhile."""
         if not self.one_task_rest:
             return None
         scratch = self.scratch
-        if len(job.msgs) * 160 + sum(len(x) for x in scratch if x) >= self.config.task_min_bytes:
+        if len(job.msgs) * 160 + sum(len(x) for x in scratch if x) >= self.config.rest_max_bytes:
             return None
         cache = self.cache if job.epoch == self.epoch else [{} for _ in range(self.partitions)]
         t0 = time.perf_counter()
@@ -662,6 +702,7 @@ class SparkExchange:
         s["tasks"] = s.get("tasks", 0) + 1
         s["bytes_out"] = s.get("bytes_out", 0) + sent
         s["bytes_in"] = s.get("bytes_in", 0) + got
+        s["task_cpu_s"] = s.get("task_cpu_s", 0.0) + task.pop("cpu_us", 0) / 1e6
         s["step_s"] = s.get("step_s", 0.0) + task.pop("step_us", 0) / 1e6
         s["restore_s"] = s.get("restore_s", 0.0) + task.pop("restore_us", 0) / 1e6
 
@@ -774,6 +815,7 @@ class SparkRuntime(control.Controllable):
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
+        tune_worker_gc(self.config.gc_threshold)  # the driver: loaded code, the session's objects frozen
         with self._epoch_cv:
             self._stopping = False
         control.spark_finish_update(self)  # a code update's migration a crash interrupted, before any request
@@ -1188,6 +1230,7 @@ class SparkRuntime(control.Controllable):
         already holds more (so that the next micro-batch comes at once) and ``pipeline_finalize`` is on."""
         from charon.runtime.spark.source import batch_offsets
 
+        cpu0 = time.thread_time()  # this thread's CPU in the epoch, by phase (epoch stats driver_*_cpu_s)
         prev = pending[0] if pending is not None else (self.read_record(epoch - 1) if epoch > 0 else None)
         if epoch > 0 and prev is None and self._last_recorded_epoch() >= 0:
             raise RuntimeError(f"epoch record {epoch - 1} is missing under {self.ckpt}")
@@ -1195,11 +1238,14 @@ class SparkRuntime(control.Controllable):
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
         now = max((r.ts for _, _, r in rows), default=None)  # logged: the epoch's time (ticks included)
+        cpu = {"read": time.thread_time() - cpu0, "deliver": 0.0}
 
         def deliver(replies: list[Reply]) -> None:
             if replies and self._unconfirmed is None:
                 self._unconfirmed = epoch  # from here on, the state must reach this epoch before reads
+            c = time.thread_time()
             self.output_log.put_many(replies)
+            cpu["deliver"] += time.thread_time() - c
 
         def finalized(res: EpochResult) -> None:
             assert pending is not None and pending[0].epoch == res.epoch
@@ -1240,6 +1286,8 @@ class SparkRuntime(control.Controllable):
             crash_point("before_epoch", epoch)
             result = coord.run_epoch(epoch, requests, now, prior=pending[1] if pending is not None else None,
                                      defer=defer)
+            result.stats.update({"driver_read_cpu_s": cpu["read"], "driver_deliver_cpu_s": cpu["deliver"],
+                                 "driver_cpu_s": time.thread_time() - cpu0})
             deferred = self._after_epoch(epoch, coord, result, starts, ends)
         finally:
             if not deferred:  # a deferred epoch stays the gate's running one until it is recorded
