@@ -143,3 +143,29 @@ def test_a_replay_behind_a_failed_chain_member_is_refused() -> None:
     assert q.grant({1, 2}, cands) == ([1, 2], [])
     q.requeue(1, None, cands)  # 1's replay was invalid somewhere: 2 read its write in the fast layer
     assert not q.clear(2, q.K[2], None)
+
+
+def test_a_fallback_that_never_decides_fails_loudly_instead_of_hanging(monkeypatch) -> None:
+    """The fallback's round cap: a (deliberately broken) queue that never clears a re-run raises, it does not spin."""
+    import pytest
+
+    from charon import Application, Context, InProcessRuntime, Operator, Request, serde
+    from charon.core import epoch as epoch_mod
+
+    acct = Operator("acct")
+
+    @acct.function
+    async def bump(ctx: Context, other: str) -> int:
+        v = ctx.get(default=0) + 1
+        ctx.put(v)
+        if other:
+            await ctx.call(acct, other, "bump", "")
+        return v
+
+    app = Application("cap", [acct])
+    rt = InProcessRuntime(app, partitions=2, max_invocations=4)
+    monkeypatch.setattr(epoch_mod._Queues, "clear", lambda self, tid, touched, start: False)
+    monkeypatch.setattr(epoch_mod._Queues, "settled_below", lambda self, tid, touched: True)
+    reqs = [Request(f"r{i}", "acct", "a", "bump", serde.encode(["b"])) for i in range(3)]
+    with pytest.raises(RuntimeError, match="the fallback made no progress"):
+        rt.run_epoch(reqs)

@@ -764,7 +764,13 @@ class EpochCoordinator:
         fast_now: list[int] = []  # candidates replayed in the coming round
         msgs: list = []
         dirty = set(conflicted)
+        # a safety net, like max_rounds: every transaction runs at most MAX_REQUEUES + 1 times (more only while
+        # a lower one commits first), each run in at most max_rounds rounds; a livelock fails loudly, not hangs
+        round_cap = 4 * (len(conflicted) + 1) * (MAX_REQUEUES + 2) * (self.max_rounds + 1)
         while q.unresolved:
+            if rounds > round_cap:
+                raise RuntimeError(f"epoch {epoch}: the fallback made no progress in {rounds} rounds "
+                                   f"({len(q.unresolved)} of {len(conflicted)} transactions unresolved)")
             fast_now, roots = q.grant(dirty, candidates)
             dirty = set()
             if not fast_now and not roots and not started:  # pragma: no cover - the lowest one is always free
