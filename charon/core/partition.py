@@ -217,7 +217,10 @@ class Cached:
 
     def __init__(self, frame: Frame, result: bytes, calls: list, access: bool | None) -> None:
         self.inv, self.op, self.key, self.fn, self.args = frame.inv, frame.op, frame.key, frame.fn, frame.args
-        self.replies, self.result, self.calls, self.ts, self.depth = frame.replies, result, calls, frame.ts, frame.depth
+        # the journal's reply dict itself (no copy: a completed frame's journal never changes again; a replay
+        # copies it into its own journal)
+        self.replies, self.result, self.calls, self.ts, self.depth = (frame.journal.replies, result, calls, frame.ts,
+                                                                      frame.depth)
         self.kind = frame.kind
         self.access = access
 
@@ -431,7 +434,7 @@ class PartitionUnit:
                 for e, items in buf.items():
                     o = overlay.get(e)
                     if o is None:
-                        overlay[e] = dict(items)
+                        overlay[e] = items  # moved: the popped buffer was its only holder
                     else:
                         o.update(items)
             ev = self.emits.pop(tid, None)
@@ -670,7 +673,7 @@ class PartitionUnit:
     def _replay_cached(self, tid: int, cached: list[Cached]) -> bool:
         for c in sorted(cached, key=lambda c: c.inv):
             m = Invoke(tid, c.inv, c.op, c.key, c.fn, c.args, _ZERO, ROOT, None, c.ts, c.depth)
-            frame = Frame(m, list(c.replies))
+            frame = Frame(m, c.replies)
             ctx = Context(self, frame, fast=True)
             self._stat_runs += 1
             try:
