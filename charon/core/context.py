@@ -338,7 +338,13 @@ class Context:
 
     # -- calls ------------------------------------------------------------------------------------
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
-        fn = self._unit.app_for(self._frame.tid).validate(operator, function, args, key=key)  # key: routing.check_key
+        # Application.validate, inlined (``args`` is a tuple): names, then routing.check_key, then the arguments
+        unit = self._unit
+        prev = unit.previous  # unit.app_for, inlined
+        app = unit.app if prev is None or self.tid >= prev[0] else prev[1]
+        fn = app.resolve(operator, function)
+        check_key(key)
+        fn.check_args(args)
         if self._frame.depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
         return (fn.operator.name, key, fn.name, serde.encode(list(args)))
