@@ -300,7 +300,12 @@ class PartitionUnit:
 
     def read(self, tid: int, op: str, key: str, item: str) -> bytes | None:
         e = (op, key)
-        self._touch(tid, e, False)
+        t = self.touched.get(tid)  # self._touch(tid, e, False), inlined (the hot path)
+        if t is None:
+            t = self.touched[tid] = {}
+        if e not in t:
+            t[e] = False
+            self._out.rw.append((tid, op, key, False))
         b = self.buffers.get(tid)
         if b is not None:
             items = b.get(e)
@@ -356,7 +361,12 @@ class PartitionUnit:
 
     def write(self, tid: int, op: str, key: str, item: str, value: bytes | None) -> None:
         e = (op, key)
-        self._touch(tid, e, True)
+        t = self.touched.get(tid)  # self._touch(tid, e, True), inlined
+        if t is None:
+            t = self.touched[tid] = {}
+        if t.get(e) is not True:
+            t[e] = True
+            self._out.rw.append((tid, op, key, True))
         b = self.buffers.get(tid)
         if b is None:
             b = self.buffers[tid] = {}
