@@ -43,7 +43,7 @@ from charon import serde
 from charon.core import timers as _timers
 from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, Prior, RoundOutput, too_many_invocations
 from charon.core.partition import Reply as ReplyMsg
-from charon.core.routing import partition_of
+from charon.core.routing import key_group
 from charon.core.sequencer import Sequencer
 from charon.core.shares import ONE, ZERO, Share, add, is_one
 from charon.errors import CallGraphLimitExceeded, CharonError
@@ -482,7 +482,7 @@ class EpochCoordinator:
         failed = track.failed
         for m in msgs:
             if m.tid not in failed:
-                inboxes[partition_of(m.op, m.key, parts)].append(m)
+                inboxes[key_group(m.op, m.key) % parts].append(m)  # routing.partition_of, inlined
         control.max_invocations = limit = self.max_invocations
         counts = track.invocations
         t0 = time.perf_counter()

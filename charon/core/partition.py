@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from charon import serde
 from charon.core import timers as _timers
 from charon.core.context import Context, Journal, child_inv, raised_in
-from charon.core.routing import entity_prefix, partition_of, store_key
+from charon.core.routing import entity_prefix, key_group, store_key
 from charon.core.shares import ZERO as _ZERO
 from charon.core.shares import Share, add, split
 from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
@@ -243,6 +243,9 @@ class PartitionUnit:
         self.previous: tuple[int, Application] | None = None
         self.store = store
         self.max_invocations = MAX_INVOCATIONS  # set by each round's Control
+        #: Whether rounds hand their dry-run invocations out in ``RoundOutput.cached``: a runtime that keeps this
+        #: unit between rounds (the in-process one) turns it off, its cache stays here
+        self.report_cache = True
         self._clear(-1)
 
     def app_for(self, tid: int) -> Application:
@@ -489,7 +492,7 @@ class PartitionUnit:
                     continue  # a gather still waiting for other replies
                 del tframes[m.inv]
             for msg in self._run(frame):
-                if partition_of(msg.op, msg.key, parts) == pid:
+                if key_group(msg.op, msg.key) % parts == pid:  # routing.partition_of, inlined
                     queue.append(msg)
                 else:
                     out.messages.append(msg)
@@ -601,10 +604,11 @@ class PartitionUnit:
             if c is None:
                 c = self.cache[tid] = []
             c.append(entry)
-            c = self._out.cached.get(tid)
-            if c is None:
-                c = self._out.cached[tid] = []
-            c.append(entry)
+            if self.report_cache:
+                c = self._out.cached.get(tid)
+                if c is None:
+                    c = self._out.cached[tid] = []
+                c.append(entry)
         return msgs
 
     def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
@@ -709,11 +713,24 @@ class PartitionUnit:
     # -- end of epoch -----------------------------------------------------------------------------
     def epoch_delta(self) -> dict[bytes, bytes | None]:
         """The epoch's committed changes as store keys."""
+        return self._delta()[0]
+
+    def _delta(self) -> tuple[dict[bytes, bytes | None], dict[bytes, bytes | None]]:
+        """The epoch's committed changes as store keys, and the part of them that are timer items."""
         delta: dict[bytes, bytes | None] = {}
+        timer_items: dict[bytes, bytes | None] = {}
+        tp = _timers.ITEM_PREFIX
         for (op, key), items in self.overlay.items():
+            if len(items) == 1 and "" in items:  # the main value alone (the common case)
+                delta[store_key(op, key)] = items[""]
+                continue
+            prefix = entity_prefix(op, key)
             for item, v in items.items():
-                delta[store_key(op, key, item)] = v
-        return delta
+                k = prefix + item.encode()
+                delta[k] = v
+                if item.startswith(tp):
+                    timer_items[k] = v
+        return delta, timer_items
 
     def _collect_timers(self, now: float, limit: int) -> None:
         """A collect round (first of the epoch): take the timers due at ``now`` out of the state before
@@ -727,9 +744,10 @@ class PartitionUnit:
         out.next_due = nxt
 
     def _finalize(self) -> int:
-        delta = self.epoch_delta()
+        delta, timer_items = self._delta()
         self._out.events = self.emitted
-        delta.update(_timers.index_delta(self.store.get, delta))
+        if timer_items:  # index_delta looks at timer items only
+            delta.update(_timers.index_delta(self.store.get, timer_items))
         self.store.commit(self.epoch, delta)
         self._out.next_due = _timers.next_due(self.store.scan(_timers.INDEX_PREFIX))
         self._clear(self.epoch)

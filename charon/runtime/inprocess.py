@@ -177,6 +177,8 @@ class LocalExchange:
 
     def __init__(self, units: list[PartitionUnit]) -> None:
         self.units = units
+        for u in units:  # kept between rounds: the call-graph cache stays in each unit
+            u.report_cache = False
         self.partitions = len(units)
 
     def round(self, control: Control, inboxes: list[list[Invoke | ReplyMsg]]) -> list[RoundOutput]:
