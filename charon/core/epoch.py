@@ -699,14 +699,17 @@ class EpochCoordinator:
         lockfree: list[int] = []
         conflicted: list[int] = []
         aborted_now: list[int] = []
+        failed = track.failed
         for tid in roots:
-            ents = rw.get(tid, {})
-            if any(min_writer.get(e, tid) < tid for e in ents):
-                conflicted.append(tid)
-            elif tid in track.failed:
-                aborted_now.append(tid)
+            for e in rw.get(tid, ()):  # a lower writer of anything it touched: conflicted
+                if min_writer.get(e, tid) < tid:
+                    conflicted.append(tid)
+                    break
             else:
-                lockfree.append(tid)
+                if tid in failed:
+                    aborted_now.append(tid)
+                else:
+                    lockfree.append(tid)
         early = [_reply(result, last_tid, t, False, True, track.done[t]) for t in lockfree]
         early += [_reply(result, last_tid, t, False, False, err=track.failed[t]) for t in aborted_now]
         self._emit(early)

@@ -441,26 +441,34 @@ class PartitionUnit:
     def _settle(self, apply: list[int], reset: list[int]) -> None:
         """Committed transactions' buffers enter the overlay; reset ones are forgotten."""
         overlay = self.overlay
+        buffers, emits = self.buffers, self.emits
         for tid in apply:
-            buf = self.buffers.pop(tid, None)
-            if buf:
-                for e, items in buf.items():
+            if tid in buffers:
+                for e, items in buffers.pop(tid).items():
                     o = overlay.get(e)
                     if o is None:
                         overlay[e] = items  # moved: the popped buffer was its only holder
                     else:
                         o.update(items)
-            ev = self.emits.pop(tid, None)
-            if ev:
-                self.emitted.extend(ev)
+            if emits:
+                ev = emits.pop(tid, None)
+                if ev:
+                    self.emitted.extend(ev)
+        if not reset:
+            return
+        counts, touched, frames, dead = self.counts, self.touched, self.frames, self.dead
+        live = self._live_table()
         for tid in reset:
-            self._live_drop(tid)
-            self.buffers.pop(tid, None)
-            self.emits.pop(tid, None)
-            self.frames.pop(tid, None)
-            self.touched.pop(tid, None)
-            self.counts.pop(tid, None)
-            self.dead.discard(tid)
+            t = live.pop(tid, None)  # self._live_drop(tid), inlined
+            if t:
+                for coro, ctx in t.values():
+                    ctx._drop(coro)
+            buffers.pop(tid, None)
+            emits.pop(tid, None)
+            frames.pop(tid, None)
+            touched.pop(tid, None)
+            counts.pop(tid, None)
+            dead.discard(tid)
 
     def _process(self, inbox: list[Invoke | Reply]) -> None:
         queue = deque(inbox)
