@@ -410,7 +410,10 @@ class Context:
             return False
         j = self._journal
         replies = j.replies
-        have = sum(1 for c in todo if c.child in replies)
+        have = 0
+        for c in todo:
+            if c.child in replies:
+                have += 1
         if have == len(todo):  # replaying an await that suspended before (or the cached fallback's replies)
             if not j.live:
                 j.passed()

@@ -504,12 +504,12 @@ class EpochCoordinator:
                 if n > limit and tid not in failed:
                     failed[tid] = (CallGraphLimitExceeded.__name__, str(too_many_invocations(limit)))
             rw = track.rw
-            for tid, op, key, wrote in o.rw:
+            for tid, e, wrote in o.rw:
                 d = rw.get(tid)
                 if d is None:
-                    d = rw[tid] = {}
-                e = (op, key)
-                d[e] = wrote or d.get(e, False)
+                    rw[tid] = {e: wrote}
+                elif wrote or e not in d:
+                    d[e] = wrote
             track.invalid.update(o.invalid)
             nxt.extend(o.messages)
             if o.events:

@@ -185,7 +185,7 @@ class RoundOutput:
         self.done: list[tuple[int, bytes, Share]] = []  # root finished: (tid, value, share)
         self.acks: list[tuple[int, Share]] = []  # terminal ack shares
         self.failed: list[tuple[int, str, str]] = []  # (tid, error type, message)
-        self.rw: list[tuple[int, str, str, bool]] = []  # (tid, op, key, wrote) first touch / first write
+        self.rw: list[tuple[int, Entity, bool]] = []  # (tid, (op, key), wrote) first touch / first write
         self.invalid: list[int] = []  # call-graph-cached fallback: tids that did not replay identically
         self.invocations: dict[int, int] = {}  # tid -> invocations started this round (the coordinator sums)
         self.stats: dict[str, int] = {}
@@ -299,7 +299,7 @@ class PartitionUnit:
         prev = t.get(e)
         if prev is None or (wrote and not prev):
             t[e] = wrote or bool(prev)
-            self._out.rw.append((tid, e[0], e[1], wrote))
+            self._out.rw.append((tid, e, wrote))
 
     def read(self, tid: int, op: str, key: str, item: str) -> bytes | None:
         e = (op, key)
@@ -308,7 +308,7 @@ class PartitionUnit:
             t = self.touched[tid] = {}
         if e not in t:
             t[e] = False
-            self._out.rw.append((tid, op, key, False))
+            self._out.rw.append((tid, e, False))
         b = self.buffers.get(tid)
         if b is not None:
             items = b.get(e)
@@ -369,7 +369,7 @@ class PartitionUnit:
             t = self.touched[tid] = {}
         if t.get(e) is not True:
             t[e] = True
-            self._out.rw.append((tid, op, key, True))
+            self._out.rw.append((tid, e, True))
         b = self.buffers.get(tid)
         if b is None:
             b = self.buffers[tid] = {}
