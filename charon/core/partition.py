@@ -624,12 +624,14 @@ class PartitionUnit:
         sends = ctx._sends
         pending = ctx._pending or []
         each, rest = split(frame.share, len(sends) + len(pending) + 1)  # the frame keeps one part + rest
-        self._emit_sends(frame, sends, each, msgs)
+        if sends:
+            self._emit_sends(frame, sends, each, msgs)
         caller = (frame.op, frame.key, frame.inv)
-        for c in pending:  # the calls the await sent, already in the journal's pending table
+        tid, ts, depth = frame.tid, frame.ts, frame.depth + 1
+        # the calls the await sent, with their invocation ids from the journal's pending table (same order)
+        for c, inv in zip(pending, frame.journal.pending or (), strict=True):
             op, key, fn, args = c.target
-            inv = child_inv(frame.inv, c.child)
-            msgs.append(Invoke(frame.tid, inv, op, key, fn, args, each, SYNC, caller, frame.ts, frame.depth + 1))
+            msgs.append(Invoke(tid, inv, op, key, fn, args, each, SYNC, caller, ts, depth))
         frame.share = (each[0] + rest[0], each[1]) if rest[0] else each
         tframes = self.frames.get(frame.tid)
         if tframes is None:
