@@ -527,12 +527,15 @@ def main() -> int:
                     help="the engine-alone figures only (CPU time and, with perf, instructions per transaction)")
     ap.add_argument("--postgres-only", action="store_true", help="re-measure PostgreSQL into an existing --out")
     ap.add_argument("--repeat", type=int, default=3, help="engine-alone runs per side, alternating")
+    ap.add_argument("--engine-epochs", type=int, default=None,
+                    help="epochs of 1,000 of the engine-alone runs (default 23, --quick 13)")
     ap.add_argument("--out", default=str(HERE / "engine_perf.json"))
     a = ap.parse_args()
     if a.child:
         print(json.dumps(CHILDREN[a.child](**json.loads(a.child_args))))
         return 0
     dur, warm, epochs = (3.0, 1.0, 13) if a.quick else (8.0, 2.0, 23)
+    epochs = a.engine_epochs or epochs
     sides = {"after": a.after_src}
     if a.before_src:
         sides = {"before": a.before_src, "after": a.after_src}
@@ -571,7 +574,8 @@ def main() -> int:
     if a.only_engine:
         out = Path(a.out)
         out.write_text(json.dumps(res, indent=1, default=float))
-        print(f"wrote {out}")
+        plot(res, out.with_suffix(".png"))
+        print(f"wrote {out} and {out.with_suffix('.png')}")
         return 0
     for side, src in ([] if a.only_deathstar else sides.items()):
         res["deathstar_batch"][side] = run_child("deathstar_batch", src=src, epochs=12, size=100)
