@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/engine_perf.py --before-src /work/main      # before (that checkout) and after
     .venv/bin/python benchmarks/engine_perf.py --quick                      # shorter runs
+    .venv/bin/python benchmarks/engine_perf.py --only-engine --before-src /work/main   # figure 1 only
 
 Writes ``benchmarks/engine_perf.json`` and ``benchmarks/engine_perf.png``. Every measurement runs in a fresh
 child process; ``--before-src`` points at a checkout of the code before the change (the child imports
@@ -15,7 +16,9 @@ the CPU share the process received (CPU seconds / wall seconds). Figures:
    core; µs of CPU per transaction with the default collector and with :func:`tune_gc` (what a started
    runtime uses); before and after alternate ``--repeat`` times (the best median counts), next to a bare
    arithmetic epoch loop with Aria's commit rule (no functions, no messages: a machine-speed reference
-   showing how much the shared machine inflates CPU times, not a reachable ceiling).
+   showing how much the shared machine inflates CPU times, not a reachable ceiling). With ``perf`` installed,
+   also user-space instructions per transaction (:func:`engine_instructions`), which the neighbours' load
+   hardly moves: the figure to compare small before/after differences with.
 2. open loop: YCSB-T at several rates against a started ``InProcessRuntime`` (load generator in the same
    process, as the suite runs it): latency percentiles, epoch sizes, CPU per request.
 3. Deathstar travel mix: CPU per request in batches, and the open loop at several rates, next to PostgreSQL
@@ -140,6 +143,36 @@ def child_engine(src: str | None, epochs: int) -> dict:
             gc.unfreeze()
             gc.set_threshold(700, 10, 10)
     return out
+
+
+def child_engine_run(src: str | None, epochs: int, run: int) -> dict:
+    """The engine-alone workload of :func:`child_engine` (tuned GC): three warm-up epochs, then ``run`` more
+    (for :func:`engine_instructions`, which counts the difference of two such processes)."""
+    _use_src(src)
+    import gc
+    import random
+    import uuid
+
+    from charon import serde
+    from charon.apps import ycsb
+    from charon.messages import Request
+    from charon.runtime.inprocess import InProcessRuntime
+
+    n = 10_000
+    rng = random.Random(0)
+    raw = [[(rng.randrange(n), rng.randrange(n), rng.randint(1, 10)) for _ in range(1000)] for _ in range(epochs)]
+    rt = InProcessRuntime(ycsb.app, partitions=4)
+    rt.load("account", ycsb.initial_state(n))
+    batches = [[Request(uuid.uuid4().hex, "account", ycsb.key(a), "transfer", serde.encode([ycsb.key(b), x]))
+                for a, b, x in batch] for batch in raw]
+    for b in batches[:3]:
+        rt.run_epoch(b)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    for b in batches[3:3 + run]:
+        rt.run_epoch(b)
+    return {"ran": min(run, epochs - 3)}
 
 
 def child_deathstar_batch(src: str | None, epochs: int, size: int) -> dict:
@@ -303,7 +336,8 @@ def child_http_loop(url: str, token: str, rates: list[float], duration: float, w
 
 
 CHILDREN = {"serve": child_serve, "http_loop": child_http_loop,
-            "engine": child_engine, "deathstar_batch": child_deathstar_batch, "open_loop": child_open_loop,
+            "engine": child_engine, "engine_run": child_engine_run, "deathstar_batch": child_deathstar_batch,
+            "open_loop": child_open_loop,
             "postgres": child_postgres}
 
 
@@ -317,6 +351,30 @@ def run_child(kind: str, **kw: object) -> dict:
     if p.returncode != 0:
         raise RuntimeError(f"{kind} child failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def engine_instructions(src: str | None, epochs: int) -> float | None:
+    """User-space instructions per transaction of the engine-alone workload (``perf stat``; None without perf).
+
+    Two children build the same workload and run 3 warm-up epochs; one then runs ``epochs - 3`` more: the
+    difference, per transaction, is what those epochs cost. Unlike CPU time it hardly moves with the
+    neighbours' load (about 0.3% between runs here), so small before/after differences show."""
+    import shutil
+
+    perf = shutil.which("perf")
+    if perf is None:
+        return None
+    counts = []
+    for run in (0, epochs - 3):
+        cmd = [perf, "stat", "-x,", "-e", "instructions:u", sys.executable, str(Path(__file__).resolve()), "--child",
+               "engine_run", "--child-args", json.dumps({"src": src, "epochs": epochs, "run": run})]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+        lines = [ln for ln in p.stderr.splitlines() if "instructions" in ln]
+        value = lines[-1].split(",")[0] if lines else ""
+        if p.returncode != 0 or not value.isdigit():  # perf missing permissions or counters (a VM): no figure
+            return None
+        counts.append(int(value))
+    return (counts[1] - counts[0]) / ((epochs - 3) * 1000)
 
 
 def proc_cpu_s(pid: int, children: bool = False) -> float:
@@ -451,6 +509,39 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_engine(result: dict, path: Path) -> None:
+    """Figure 1 alone (``--only-engine``): CPU µs and user instructions per transaction, before and after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels, vals, ilabels, ivals = [], [], [], []
+    for side in ("before", "after"):
+        e = result["engine"].get(side)
+        if not e:
+            continue
+        for mode in ("default_gc", "tuned_gc"):
+            labels.append(f"{side}\n{mode.replace('_gc', ' GC')}")
+            vals.append(e[mode]["us_per_tx_median"])
+        if e.get("instructions_per_tx"):
+            ilabels.append(side)
+            ivals.append(e["instructions_per_tx"] / 1000)
+    ax.bar(labels, vals, color=["#999", "#bbb", "#1f77b4", "#4a9fe0"][-len(vals):])
+    ax.axhline(25, color="r", ls="--", lw=1, label="target 25 µs (quiet machine)")
+    ax.set_ylabel("CPU µs per transaction (best of the runs' medians)")
+    ax.set_title("engine alone: CPU time (shared machine, load-dependent)")
+    ax.legend(fontsize=8)
+    bx.bar(ilabels, ivals, color=["#bbb", "#4a9fe0"][-len(ivals):])
+    for i, v in enumerate(ivals):
+        bx.text(i, v, f"{v:,.1f}K", ha="center", va="bottom")
+    bx.set_ylabel("user instructions per transaction (thousands)")
+    bx.set_title("engine alone: instructions (perf stat, tuned GC)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -465,14 +556,19 @@ def main() -> int:
     ap.add_argument("--no-http", action="store_true", help="skip Deathstar through the HTTP gateway")
     ap.add_argument("--http-rates", default="100,250", help="Deathstar rates through the HTTP gateway")
     ap.add_argument("--only-deathstar", action="store_true", help="skip the engine-alone and YCSB-T measurements")
+    ap.add_argument("--only-engine", action="store_true",
+                    help="the engine-alone figures only (CPU time and, with perf, instructions per transaction)")
     ap.add_argument("--postgres-only", action="store_true", help="re-measure PostgreSQL into an existing --out")
     ap.add_argument("--repeat", type=int, default=3, help="engine-alone runs per side, alternating")
+    ap.add_argument("--engine-epochs", type=int, default=None,
+                    help="epochs of 1,000 of the engine-alone runs (default 23, --quick 13)")
     ap.add_argument("--out", default=str(HERE / "engine_perf.json"))
     a = ap.parse_args()
     if a.child:
         print(json.dumps(CHILDREN[a.child](**json.loads(a.child_args))))
         return 0
     dur, warm, epochs = (3.0, 1.0, 13) if a.quick else (8.0, 2.0, 23)
+    epochs = a.engine_epochs or epochs
     sides = {"after": a.after_src}
     if a.before_src:
         sides = {"before": a.before_src, "after": a.after_src}
@@ -503,7 +599,17 @@ def main() -> int:
         for mode in ("default_gc", "tuned_gc"):
             m = min(r[mode]["us_per_tx_median"] for r in runs[side])
             best[mode] = {"us_per_tx_median": m, "tx_per_s": 1e6 / m}
+        best["instructions_per_tx"] = engine_instructions(sides[side], epochs)
+        if best["instructions_per_tx"] is not None:
+            print(f"[{side}] engine alone: {best['instructions_per_tx']:,.0f} user instructions per transaction "
+                  "(perf stat, tuned GC)", flush=True)
         res["engine"][side] = best
+    if a.only_engine:
+        out = Path(a.out)
+        out.write_text(json.dumps(res, indent=1, default=float))
+        plot_engine(res, out.with_suffix(".png"))
+        print(f"wrote {out} and {out.with_suffix('.png')}")
+        return 0
     for side, src in ([] if a.only_deathstar else sides.items()):
         res["deathstar_batch"][side] = run_child("deathstar_batch", src=src, epochs=12, size=100)
         print(f"[{side}] deathstar batch: {res['deathstar_batch'][side]['us_per_request']:.0f} us/request",

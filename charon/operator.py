@@ -149,10 +149,9 @@ class Application:
 
     def resolve(self, operator: str | Operator, function: str | Function) -> Function:
         """The function object for (operator, function) names; raises UnknownOperator/UnknownFunction."""
-        if type(operator) is str and type(function) is str:
-            fn = self._resolved.get((operator, function))
-            if fn is not None:
-                return fn
+        fn = self._resolved.get((operator, function))  # names, or this application's own objects
+        if fn is not None:
+            return fn
         op_name = operator.name if isinstance(operator, Operator) else operator
         op = self.operators.get(op_name)
         if op is None and op_name == BATCH_OPERATOR:
@@ -166,6 +165,8 @@ class Application:
                 f"operator {op_name!r} has no function {fn_name!r} (have: {', '.join(sorted(op.functions))})"
             )
         self._resolved[(op_name, fn_name)] = fn
+        if (op is operator or type(operator) is str) and (fn is function or type(function) is str):
+            self._resolved[(operator, function)] = fn  # the app's own objects only: the cache stays bounded
         return fn
 
     def validate(

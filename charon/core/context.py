@@ -236,7 +236,16 @@ class Context:
 
     def get(self, default: Any = None) -> Any:
         """The entity's value, or ``default`` if it has none."""
-        raw = self._read("")
+        if self._dropped:  # self._read(""), inlined (the hot path)
+            raise GeneratorExit
+        j = self._journal
+        if j.live:
+            f = self._frame
+            raw = self._unit.read(f.tid, f.op, f.key, "")
+            if not self._fast:
+                j.reads.append(raw)
+        else:
+            raw = j.replayed_read()
         return default if raw is None else serde.decode(raw)
 
     def put(self, value: Any) -> None:
@@ -338,7 +347,13 @@ class Context:
 
     # -- calls ------------------------------------------------------------------------------------
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
-        fn = self._unit.app_for(self._frame.tid).validate(operator, function, args, key=key)  # key: routing.check_key
+        # Application.validate, inlined (``args`` is a tuple): names, then routing.check_key, then the arguments
+        unit = self._unit
+        prev = unit.previous  # unit.app_for, inlined
+        app = unit.app if prev is None or self.tid >= prev[0] else prev[1]
+        fn = app.resolve(operator, function)
+        check_key(key)
+        fn.check_args(args)
         if self._frame.depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
         return (fn.operator.name, key, fn.name, serde.encode(list(args)))
@@ -395,7 +410,10 @@ class Context:
             return False
         j = self._journal
         replies = j.replies
-        have = sum(1 for c in todo if c.child in replies)
+        have = 0
+        for c in todo:
+            if c.child in replies:
+                have += 1
         if have == len(todo):  # replaying an await that suspended before (or the cached fallback's replies)
             if not j.live:
                 j.passed()

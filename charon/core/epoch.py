@@ -43,7 +43,7 @@ from charon import serde
 from charon.core import timers as _timers
 from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, Prior, RoundOutput, too_many_invocations
 from charon.core.partition import Reply as ReplyMsg
-from charon.core.routing import partition_of
+from charon.core.routing import key_group
 from charon.core.sequencer import Sequencer
 from charon.core.shares import ONE, ZERO, Share, add, is_one
 from charon.errors import CallGraphLimitExceeded, CharonError
@@ -482,7 +482,7 @@ class EpochCoordinator:
         failed = track.failed
         for m in msgs:
             if m.tid not in failed:
-                inboxes[partition_of(m.op, m.key, parts)].append(m)
+                inboxes[key_group(m.op, m.key) % parts].append(m)  # routing.partition_of, inlined
         control.max_invocations = limit = self.max_invocations
         counts = track.invocations
         t0 = time.perf_counter()
@@ -505,12 +505,12 @@ class EpochCoordinator:
             for tid, etype, msg in o.failed:
                 failed.setdefault(tid, (etype, msg))
             rw = track.rw
-            for tid, op, key, wrote in o.rw:
+            for tid, e, wrote in o.rw:
                 d = rw.get(tid)
                 if d is None:
-                    d = rw[tid] = {}
-                e = (op, key)
-                d[e] = wrote or d.get(e, False)
+                    rw[tid] = {e: wrote}
+                elif wrote or e not in d:
+                    d[e] = wrote
             track.invalid.update(o.invalid)
             nxt.extend(o.messages)
             if o.events:
@@ -700,14 +700,17 @@ class EpochCoordinator:
         lockfree: list[int] = []
         conflicted: list[int] = []
         aborted_now: list[int] = []
+        failed = track.failed
         for tid in roots:
-            ents = rw.get(tid, {})
-            if any(min_writer.get(e, tid) < tid for e in ents):
-                conflicted.append(tid)
-            elif tid in track.failed:
-                aborted_now.append(tid)
+            for e in rw.get(tid, ()):  # a lower writer of anything it touched: conflicted
+                if min_writer.get(e, tid) < tid:
+                    conflicted.append(tid)
+                    break
             else:
-                lockfree.append(tid)
+                if tid in failed:
+                    aborted_now.append(tid)
+                else:
+                    lockfree.append(tid)
         early = [_reply(result, last_tid, t, False, True, track.done[t]) for t in lockfree]
         early += [_reply(result, last_tid, t, False, False, err=track.failed[t]) for t in aborted_now]
         self._emit(early)

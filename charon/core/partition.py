@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from charon import serde
 from charon.core import timers as _timers
 from charon.core.context import Context, Journal, child_inv, raised_in
-from charon.core.routing import entity_prefix, partition_of, store_key
+from charon.core.routing import entity_prefix, key_group, store_key
 from charon.core.shares import ZERO as _ZERO
 from charon.core.shares import Share, add, split
 from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
@@ -185,7 +185,7 @@ class RoundOutput:
         self.done: list[tuple[int, bytes, Share]] = []  # root finished: (tid, value, share)
         self.acks: list[tuple[int, Share]] = []  # terminal ack shares
         self.failed: list[tuple[int, str, str]] = []  # (tid, error type, message)
-        self.rw: list[tuple[int, str, str, bool]] = []  # (tid, op, key, wrote) first touch / first write
+        self.rw: list[tuple[int, Entity, bool]] = []  # (tid, (op, key), wrote) first touch / first write
         self.invalid: list[int] = []  # call-graph-cached fallback: tids that did not replay identically
         self.invocations: dict[int, int] = {}  # tid -> invocations started this round (the coordinator sums)
         self.stats: dict[str, int] = {}
@@ -217,7 +217,10 @@ class Cached:
 
     def __init__(self, frame: Frame, result: bytes, calls: list, access: bool | None) -> None:
         self.inv, self.op, self.key, self.fn, self.args = frame.inv, frame.op, frame.key, frame.fn, frame.args
-        self.replies, self.result, self.calls, self.ts, self.depth = frame.replies, result, calls, frame.ts, frame.depth
+        # the journal's reply dict itself (no copy: a completed frame's journal never changes again; a replay
+        # copies it into its own journal)
+        self.replies, self.result, self.calls, self.ts, self.depth = (frame.journal.replies, result, calls, frame.ts,
+                                                                      frame.depth)
         self.kind = frame.kind
         self.access = access
 
@@ -240,6 +243,9 @@ class PartitionUnit:
         self.previous: tuple[int, Application] | None = None
         self.store = store
         self.max_invocations = MAX_INVOCATIONS  # set by each round's Control
+        #: Whether rounds hand their dry-run invocations out in ``RoundOutput.cached``: a runtime that keeps this
+        #: unit between rounds (the in-process one) turns it off, its cache stays here
+        self.report_cache = True
         self._clear(-1)
 
     def app_for(self, tid: int) -> Application:
@@ -293,11 +299,16 @@ class PartitionUnit:
         prev = t.get(e)
         if prev is None or (wrote and not prev):
             t[e] = wrote or bool(prev)
-            self._out.rw.append((tid, e[0], e[1], wrote))
+            self._out.rw.append((tid, e, wrote))
 
     def read(self, tid: int, op: str, key: str, item: str) -> bytes | None:
         e = (op, key)
-        self._touch(tid, e, False)
+        t = self.touched.get(tid)  # self._touch(tid, e, False), inlined (the hot path)
+        if t is None:
+            t = self.touched[tid] = {}
+        if e not in t:
+            t[e] = False
+            self._out.rw.append((tid, e, False))
         b = self.buffers.get(tid)
         if b is not None:
             items = b.get(e)
@@ -353,7 +364,12 @@ class PartitionUnit:
 
     def write(self, tid: int, op: str, key: str, item: str, value: bytes | None) -> None:
         e = (op, key)
-        self._touch(tid, e, True)
+        t = self.touched.get(tid)  # self._touch(tid, e, True), inlined
+        if t is None:
+            t = self.touched[tid] = {}
+        if t.get(e) is not True:
+            t[e] = True
+            self._out.rw.append((tid, e, True))
         b = self.buffers.get(tid)
         if b is None:
             b = self.buffers[tid] = {}
@@ -425,26 +441,34 @@ class PartitionUnit:
     def _settle(self, apply: list[int], reset: list[int]) -> None:
         """Committed transactions' buffers enter the overlay; reset ones are forgotten."""
         overlay = self.overlay
+        buffers, emits = self.buffers, self.emits
         for tid in apply:
-            buf = self.buffers.pop(tid, None)
-            if buf:
-                for e, items in buf.items():
+            if tid in buffers:
+                for e, items in buffers.pop(tid).items():
                     o = overlay.get(e)
                     if o is None:
-                        overlay[e] = dict(items)
+                        overlay[e] = items  # moved: the popped buffer was its only holder
                     else:
                         o.update(items)
-            ev = self.emits.pop(tid, None)
-            if ev:
-                self.emitted.extend(ev)
+            if emits:
+                ev = emits.pop(tid, None)
+                if ev:
+                    self.emitted.extend(ev)
+        if not reset:
+            return
+        counts, touched, frames, dead = self.counts, self.touched, self.frames, self.dead
+        live = self._live_table()
         for tid in reset:
-            self._live_drop(tid)
-            self.buffers.pop(tid, None)
-            self.emits.pop(tid, None)
-            self.frames.pop(tid, None)
-            self.touched.pop(tid, None)
-            self.counts.pop(tid, None)
-            self.dead.discard(tid)
+            t = live.pop(tid, None)  # self._live_drop(tid), inlined
+            if t:
+                for coro, ctx in t.values():
+                    ctx._drop(coro)
+            buffers.pop(tid, None)
+            emits.pop(tid, None)
+            frames.pop(tid, None)
+            touched.pop(tid, None)
+            counts.pop(tid, None)
+            dead.discard(tid)
 
     def _process(self, inbox: list[Invoke | Reply]) -> None:
         queue = deque(inbox)
@@ -476,7 +500,7 @@ class PartitionUnit:
                     continue  # a gather still waiting for other replies
                 del tframes[m.inv]
             for msg in self._run(frame):
-                if partition_of(msg.op, msg.key, parts) == pid:
+                if key_group(msg.op, msg.key) % parts == pid:  # routing.partition_of, inlined
                     queue.append(msg)
                 else:
                     out.messages.append(msg)
@@ -588,10 +612,11 @@ class PartitionUnit:
             if c is None:
                 c = self.cache[tid] = []
             c.append(entry)
-            c = self._out.cached.get(tid)
-            if c is None:
-                c = self._out.cached[tid] = []
-            c.append(entry)
+            if self.report_cache:
+                c = self._out.cached.get(tid)
+                if c is None:
+                    c = self._out.cached[tid] = []
+                c.append(entry)
         return msgs
 
     def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
@@ -599,12 +624,14 @@ class PartitionUnit:
         sends = ctx._sends
         pending = ctx._pending or []
         each, rest = split(frame.share, len(sends) + len(pending) + 1)  # the frame keeps one part + rest
-        self._emit_sends(frame, sends, each, msgs)
+        if sends:
+            self._emit_sends(frame, sends, each, msgs)
         caller = (frame.op, frame.key, frame.inv)
-        for c in pending:  # the calls the await sent, already in the journal's pending table
+        tid, ts, depth = frame.tid, frame.ts, frame.depth + 1
+        # the calls the await sent, with their invocation ids from the journal's pending table (same order)
+        for c, inv in zip(pending, frame.journal.pending or (), strict=True):
             op, key, fn, args = c.target
-            inv = child_inv(frame.inv, c.child)
-            msgs.append(Invoke(frame.tid, inv, op, key, fn, args, each, SYNC, caller, frame.ts, frame.depth + 1))
+            msgs.append(Invoke(tid, inv, op, key, fn, args, each, SYNC, caller, ts, depth))
         frame.share = (each[0] + rest[0], each[1]) if rest[0] else each
         tframes = self.frames.get(frame.tid)
         if tframes is None:
@@ -670,7 +697,7 @@ class PartitionUnit:
     def _replay_cached(self, tid: int, cached: list[Cached]) -> bool:
         for c in sorted(cached, key=lambda c: c.inv):
             m = Invoke(tid, c.inv, c.op, c.key, c.fn, c.args, _ZERO, ROOT, None, c.ts, c.depth)
-            frame = Frame(m, list(c.replies))
+            frame = Frame(m, c.replies)
             ctx = Context(self, frame, fast=True)
             self._stat_runs += 1
             try:
@@ -696,11 +723,24 @@ class PartitionUnit:
     # -- end of epoch -----------------------------------------------------------------------------
     def epoch_delta(self) -> dict[bytes, bytes | None]:
         """The epoch's committed changes as store keys."""
+        return self._delta()[0]
+
+    def _delta(self) -> tuple[dict[bytes, bytes | None], dict[bytes, bytes | None]]:
+        """The epoch's committed changes as store keys, and the part of them that are timer items."""
         delta: dict[bytes, bytes | None] = {}
+        timer_items: dict[bytes, bytes | None] = {}
+        tp = _timers.ITEM_PREFIX
         for (op, key), items in self.overlay.items():
+            if len(items) == 1 and "" in items:  # the main value alone (the common case)
+                delta[store_key(op, key)] = items[""]
+                continue
+            prefix = entity_prefix(op, key)
             for item, v in items.items():
-                delta[store_key(op, key, item)] = v
-        return delta
+                k = prefix + item.encode()
+                delta[k] = v
+                if item.startswith(tp):
+                    timer_items[k] = v
+        return delta, timer_items
 
     def _collect_timers(self, now: float, limit: int) -> None:
         """A collect round (first of the epoch): take the timers due at ``now`` out of the state before
@@ -714,9 +754,10 @@ class PartitionUnit:
         out.next_due = nxt
 
     def _finalize(self) -> int:
-        delta = self.epoch_delta()
+        delta, timer_items = self._delta()
         self._out.events = self.emitted
-        delta.update(_timers.index_delta(self.store.get, delta))
+        if timer_items:  # index_delta looks at timer items only
+            delta.update(_timers.index_delta(self.store.get, timer_items))
         self.store.commit(self.epoch, delta)
         self._out.next_due = _timers.next_due(self.store.scan(_timers.INDEX_PREFIX))
         self._clear(self.epoch)

@@ -177,6 +177,8 @@ class LocalExchange:
 
     def __init__(self, units: list[PartitionUnit]) -> None:
         self.units = units
+        for u in units:  # kept between rounds: the call-graph cache stays in each unit
+            u.report_cache = False
         self.partitions = len(units)
 
     def round(self, control: Control, inboxes: list[list[Invoke | ReplyMsg]]) -> list[RoundOutput]:
@@ -261,6 +263,7 @@ class InProcessRuntime(control.Controllable):
         self.failed: BaseException | None = None  # set when an epoch could not be logged or run
         self._queue: list[Request] = []
         self._futures: dict[str, asyncio.Future[Reply]] = {}
+        self._waiters: dict[str, list[asyncio.Future[Reply]]] = {}  # more callers of a request already waiting
         self._replies: OrderedDict[str, Reply] = OrderedDict()
         self._retention = reply_retention or (100_000 if data_dir is None else 10_000)
         self._task: asyncio.Task | None = None
@@ -572,7 +575,8 @@ class InProcessRuntime(control.Controllable):
         self._queue.clear()
         self._parked.clear()  # logged: a restart replays them
         futures, self._futures = self._futures, {}
-        for f in futures.values():
+        waiters, self._waiters = self._waiters, {}
+        for f in [*futures.values(), *(w for ws in waiters.values() for w in ws)]:
             if not f.done():
                 f.set_exception(RuntimeError(f"the runtime stopped: {type(exc).__name__}: {exc}"))
 
@@ -619,11 +623,17 @@ class InProcessRuntime(control.Controllable):
     def _deliver(self, replies: list[Reply]) -> None:
         if self.node is not None:
             self.node.add_replies(replies)
+        waiters = self._waiters
         for r in replies:
-            self._replies[r.request_id] = r
-            fut = self._futures.pop(r.request_id, None)
-            if fut is not None and not fut.done():
+            rid = r.request_id
+            self._replies[rid] = r
+            fut = self._futures.pop(rid, None)
+            if fut is not None and not fut.done():  # done: cancelled by its caller
                 fut.set_result(r)
+            if waiters:
+                for f in waiters.pop(rid, ()):
+                    if not f.done():
+                        f.set_result(r)
         while len(self._replies) > self._retention:
             self._replies.popitem(last=False)
 
@@ -637,14 +647,21 @@ class InProcessRuntime(control.Controllable):
         return rep
 
     def enqueue(self, request: Request) -> asyncio.Future[Reply]:
-        """Queue a request; the future resolves with its reply. A known request_id is not run twice."""
+        """Queue a request; the future resolves with its reply. A known request_id is not run twice.
+
+        Each call gets a future of its own (a request already waiting gets another waiter), so cancelling it
+        concerns that caller only: the request still runs and the other waiters get the reply."""
         loop = asyncio.get_running_loop()
         rid = request.request_id
         if self.failed is not None:
             raise RuntimeError(f"the runtime stopped: {type(self.failed).__name__}: {self.failed}")
         done = self._replies.get(rid)
         fut = self._futures.get(rid)
-        if done is None and fut is None and self.node is not None:
+        if fut is not None:  # waiting already: one more waiter
+            extra = loop.create_future()
+            self._waiters.setdefault(rid, []).append(extra)
+            return extra
+        if done is None and self.node is not None:
             self.node.raise_if_failed()
             if rid.startswith("\x00"):
                 raise ValueError("request ids starting with NUL are reserved")
@@ -654,10 +671,9 @@ class InProcessRuntime(control.Controllable):
             elif known:  # logged before a restart and not answered yet (deferred): its reply will come
                 fut = self._futures[rid] = loop.create_future()
                 return fut
-        if done is not None or fut is not None:
-            if fut is None:
-                fut = loop.create_future()
-                fut.set_result(done)
+        if done is not None:
+            fut = loop.create_future()
+            fut.set_result(done)
             return fut
         fut = self._futures[rid] = loop.create_future()
         self._queue.append(request)
@@ -673,7 +689,7 @@ class InProcessRuntime(control.Controllable):
         if self._task is None:
             raise RuntimeError("the runtime is not started: use `async with runtime:` or `await runtime.start()`")
         req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
-        return await asyncio.shield(self.enqueue(req))
+        return await self.enqueue(req)  # this call's own future: no shield needed (see enqueue)
 
     async def submit_batch(self, calls: Iterable[Any], *, batch_id: str | None = None) -> Reply:
         """Run ``calls`` (``[operator, key, function, [args...]]`` each) as one client atomic batch: one
