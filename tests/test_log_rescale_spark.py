@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import random
 import signal
 import threading
 import time
@@ -20,12 +19,11 @@ from pathlib import Path
 
 import pytest
 from natsfix import NatsServer
-from test_rescale_spark import KEYS, TOKEN, _client, _epochs_pass, _money, _run, _state_dirs
+from test_rescale_spark import KEYS, TOKEN, _client, _epochs_pass, _Load, _money, _run, _state_dirs
 
-from charon import Request, serde
+from charon import serde
 from charon.apps import holds
 from charon.config import SparkConfig
-from charon.core import timers
 from charon.core.routing import store_key
 from charon.core.sequencer import Sequencer
 from charon.runtime.spark.runtime import SparkRuntime, read_layout, replay_in_process
@@ -170,43 +168,14 @@ def test_spark_log_2_4_3_under_gateway_load(tmp_path: Path, backend: str) -> Non
 
 @pytest.mark.spark
 def test_spark_driver_sigkill_right_after_a_log_resize(tmp_path: Path) -> None:
-    from charon.log.sqlite import InputLog, OutputLog
+    from charon.log.sqlite import InputLog
 
     data = tmp_path / "data"
     ckpt = data / "checkpoint"
     log = tmp_path / "driver.log"
-    appended: list[str] = []
-    stop = threading.Event()
-
-    def feeder() -> None:  # requests keep arriving in the input log, driver up or down
-        rng = random.Random(11)
-        while "started" not in (log.read_text() if log.exists() else ""):  # the driver created the log (2)
-            time.sleep(0.1)
-        inp = InputLog(str(data / "input.sqlite"))
-        i = 0
-        while not stop.is_set():
-            reqs = []
-            for _ in range(10):
-                i += 1
-                k = rng.choice(KEYS)
-                if i % 8 == 0:
-                    reqs.append(Request(f"h{i}", "acct", k, "hold", serde.encode([f"g{i}", 5, 0.3])))
-                else:
-                    reqs.append(Request(f"t{i}", "acct", k, "transfer", serde.encode([rng.choice(KEYS), 7])))
-            inp.append_many(reqs)
-            appended.extend(r.request_id for r in reqs)
-            time.sleep(0.25)
-
-    def finish() -> None:  # the load goes on for 3 s after the online switch, then the driver may finish
-        while "rescaled" not in (log.read_text() if log.exists() else "") and not stop.is_set():
-            time.sleep(0.2)
-        time.sleep(3.0)
-        stop.set()
-        feed.join()
-        (data / "done").touch()
-
-    feed = threading.Thread(target=feeder, daemon=True)
-    feed.start()
+    # requests keep arriving once the driver created the log (2 partitions), driver up or down
+    load = _Load(data, log, seed=11, ready=lambda: "started" in (log.read_text() if log.exists() else ""))
+    stop = load.stop
     try:
         rc = _run(data, ["--partitions", "2", "--load", str(len(KEYS)), "--rescale-log", "4"], log, "log_resized:*")
         assert rc == -signal.SIGKILL, log.read_text()[-3000:]
@@ -216,8 +185,7 @@ def test_spark_driver_sigkill_right_after_a_log_resize(tmp_path: Path) -> None:
         time.sleep(1.0)  # appends land in the new partitions while the driver is down
         assert sum(inp.end_offsets()[2:]) > 0
         log.write_text("")
-        closer = threading.Thread(target=finish, daemon=True)
-        closer.start()
+        closer = load.finish_after("rescaled")
         rc = _run(data, ["--partitions", "2", "--rescale-log", "3"], log, None)  # restart: the recorded count
         closer.join(60)
         text = log.read_text()
@@ -228,11 +196,6 @@ def test_spark_driver_sigkill_right_after_a_log_resize(tmp_path: Path) -> None:
     rt = SparkRuntime(APP, SparkConfig(data_dir=str(data), partitions=2))
     assert rt.config.n_log_partitions == 3 and rt.input_log.counts() == (4, 3)
     assert _state_dirs(ckpt) == [read_layout(str(ckpt)).state]
-    out = OutputLog(str(data / "output.sqlite"))
-    got = [r.request_id for _, r in out.read_since(0, limit=1 << 30)]
-    client = [rid for rid in got if not rid.startswith(timers.REQUEST_PREFIX)]
-    assert len(appended) > 100 and sorted(client) == sorted(appended), "every request answered exactly once"
-    balances, held = _money(rt.snapshot())
-    assert balances + held == 100 * len(KEYS), "money is conserved"
+    load.check_answered_once(rt)
     last = rt.read_record(rt._last_recorded_epoch())
     assert len(last.ends) == 4 and len(last.counters) == 4, "the epochs read all four partitions"

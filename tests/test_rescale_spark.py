@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -69,6 +70,64 @@ def _seed(rt: SparkRuntime) -> dict[bytes, bytes]:
     list(_write_bases(rt.durable.root, rt.config.partitions, rows))
     return rt.snapshot()
 
+
+
+class _Load:
+    """Requests appended straight to a deployment's input log every 0.25 s, driver up or down (transfers and holds
+    over KEYS, idempotent ids), until :attr:`stop`; :meth:`finish_after` stops them 3 s after a marker appears in
+    the driver's log and lets the driver finish."""
+
+    def __init__(self, data: Path, log: Path, seed: int, ready: Callable[[], bool]) -> None:
+        self.data, self.log = data, log
+        self.appended: list[str] = []
+        self.stop = threading.Event()
+        self._feed = threading.Thread(target=self._feeder, args=(seed, ready), daemon=True)
+        self._feed.start()
+
+    def _feeder(self, seed: int, ready: Callable[[], bool]) -> None:
+        from charon.log.sqlite import InputLog
+
+        rng = random.Random(seed)
+        while not ready():
+            time.sleep(0.1)
+        inp = InputLog(str(self.data / "input.sqlite"))
+        i = 0
+        while not self.stop.is_set():
+            reqs = []
+            for _ in range(10):
+                i += 1
+                k = rng.choice(KEYS)
+                if i % 8 == 0:
+                    reqs.append(Request(f"h{i}", "acct", k, "hold", serde.encode([f"g{i}", 5, 0.3])))
+                else:
+                    reqs.append(Request(f"t{i}", "acct", k, "transfer", serde.encode([rng.choice(KEYS), 7])))
+            inp.append_many(reqs)
+            self.appended.extend(r.request_id for r in reqs)
+            time.sleep(0.25)
+
+    def finish_after(self, marker: str) -> threading.Thread:
+        def finish() -> None:
+            while marker not in (self.log.read_text() if self.log.exists() else "") and not self.stop.is_set():
+                time.sleep(0.2)
+            time.sleep(3.0)
+            self.stop.set()
+            self._feed.join()
+            (self.data / "done").touch()
+
+        t = threading.Thread(target=finish, daemon=True)
+        t.start()
+        return t
+
+    def check_answered_once(self, rt: SparkRuntime) -> None:
+        """Every appended request answered exactly once, and money conserved."""
+        from charon.log.sqlite import OutputLog
+
+        out = OutputLog(str(self.data / "output.sqlite"))
+        got = [r.request_id for _, r in out.read_since(0, limit=1 << 30)]
+        client = [rid for rid in got if not rid.startswith(timers.REQUEST_PREFIX)]
+        assert len(self.appended) > 100 and sorted(client) == sorted(self.appended), "every request answered once"
+        balances, held = _money(rt.snapshot())
+        assert balances + held == 100 * len(KEYS), "money is conserved"
 
 def test_stopped_runtime_rescales_and_reopening_rescales(tmp_path: Path) -> None:
     rt = SparkRuntime(APP, SparkConfig(data_dir=str(tmp_path), partitions=2))
@@ -247,43 +306,12 @@ def _run(data: Path, args: list[str], log: Path, crash: str | None, timeout: flo
 
 @pytest.mark.spark
 def test_spark_driver_sigkill_inside_the_move_under_load(tmp_path: Path) -> None:
-    from charon.log.sqlite import InputLog, OutputLog
 
     data = tmp_path / "data"
     ckpt = data / "checkpoint"
     log = tmp_path / "driver.log"
-    appended: list[str] = []
-    stop = threading.Event()
-
-    def feeder() -> None:  # requests keep arriving in the input log, driver up or down
-        rng = random.Random(7)
-        while not (data / "input.sqlite").exists():
-            time.sleep(0.1)
-        inp = InputLog(str(data / "input.sqlite"))
-        i = 0
-        while not stop.is_set():
-            reqs = []
-            for _ in range(10):
-                i += 1
-                k = rng.choice(KEYS)
-                if i % 8 == 0:
-                    reqs.append(Request(f"h{i}", "acct", k, "hold", serde.encode([f"g{i}", 5, 0.3])))
-                else:
-                    reqs.append(Request(f"t{i}", "acct", k, "transfer", serde.encode([rng.choice(KEYS), 7])))
-            inp.append_many(reqs)
-            appended.extend(r.request_id for r in reqs)
-            time.sleep(0.25)
-
-    def finish() -> None:  # the load goes on for 3 s after the online move, then the driver may finish
-        while "rescaled" not in (log.read_text() if log.exists() else "") and not stop.is_set():
-            time.sleep(0.2)
-        time.sleep(3.0)
-        stop.set()
-        feed.join()
-        (data / "done").touch()
-
-    feed = threading.Thread(target=feeder, daemon=True)
-    feed.start()
+    load = _Load(data, log, seed=7, ready=lambda: (data / "input.sqlite").exists())
+    stop = load.stop
     try:
         rc = _run(data, ["--partitions", "2", "--load", str(len(KEYS)), "--rescale", "4"], log, "relayout:*")
         assert rc == -signal.SIGKILL, log.read_text()[-3000:]
@@ -291,8 +319,7 @@ def test_spark_driver_sigkill_inside_the_move_under_load(tmp_path: Path) -> None
         assert layout is not None and (layout.partitions, layout.state) == (2, "state"), "killed before the switch"
         assert len(_state_dirs(ckpt)) == 2, "the new layout's directory was written"
         log.write_text("")
-        closer = threading.Thread(target=finish, daemon=True)
-        closer.start()
+        closer = load.finish_after("rescaled")
         # reopened with 4: the leftover goes, the open rescales 2 -> 4, then 4 -> 3 online under load
         rc = _run(data, ["--partitions", "4", "--rescale", "3"], log, None)
         closer.join(60)
@@ -303,12 +330,7 @@ def test_spark_driver_sigkill_inside_the_move_under_load(tmp_path: Path) -> None
         stop.set()
     rt = SparkRuntime(APP, SparkConfig(data_dir=str(data), partitions=3, log_partitions=2))
     assert rt.rescale_pauses == [] and _state_dirs(ckpt) == [read_layout(str(ckpt)).state], "one layout"
-    out = OutputLog(str(data / "output.sqlite"))
-    got = [r.request_id for _, r in out.read_since(0, limit=1 << 30)]
-    client = [rid for rid in got if not rid.startswith(timers.REQUEST_PREFIX)]
-    assert len(appended) > 100 and sorted(client) == sorted(appended), "every request answered exactly once"
-    balances, held = _money(rt.snapshot())
-    assert balances + held == 100 * len(KEYS), "money is conserved"
+    load.check_answered_once(rt)
     assert _placed_right(rt)
 
 
