@@ -272,7 +272,8 @@ class InProcessRuntime(control.Controllable):
         self.replayed_epochs = 0  # durable mode: epochs replayed from the input log at recovery
         self.failed: BaseException | None = None  # set when an epoch could not be logged or run
         self._queue: list[Request] = []
-        self._futures: dict[str, asyncio.Future[Reply]] = {}
+        self._futures: dict[str, asyncio.Future[Reply]] = {}  # the first waiter's, per request in flight
+        self._more: dict[str, list[asyncio.Future[Reply]]] = {}  # further waiters for the same request id
         self._replies: OrderedDict[str, Reply] = OrderedDict()
         self._retention = reply_retention or (100_000 if data_dir is None else 10_000)
         self._task: asyncio.Task | None = None
@@ -584,7 +585,8 @@ class InProcessRuntime(control.Controllable):
         self._queue.clear()
         self._parked.clear()  # logged: a restart replays them
         futures, self._futures = self._futures, {}
-        for f in futures.values():
+        more, self._more = self._more, {}
+        for f in [*futures.values(), *(f for fs in more.values() for f in fs)]:
             if not f.done():
                 f.set_exception(RuntimeError(f"the runtime stopped: {type(exc).__name__}: {exc}"))
 
@@ -636,6 +638,10 @@ class InProcessRuntime(control.Controllable):
             fut = self._futures.pop(r.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(r)
+            if self._more:
+                for f in self._more.pop(r.request_id, ()):
+                    if not f.done():
+                        f.set_result(r)
         while len(self._replies) > self._retention:
             self._replies.popitem(last=False)
 
@@ -649,7 +655,9 @@ class InProcessRuntime(control.Controllable):
         return rep
 
     def enqueue(self, request: Request) -> asyncio.Future[Reply]:
-        """Queue a request; the future resolves with its reply. A known request_id is not run twice."""
+        """Queue a request; the future resolves with its reply. A known request_id is not run twice.
+
+        Every call gets a future of its own (a caller that cancels its wait cancels no other's)."""
         loop = asyncio.get_running_loop()
         rid = request.request_id
         if self.failed is not None:
@@ -666,10 +674,13 @@ class InProcessRuntime(control.Controllable):
             elif known:  # logged before a restart and not answered yet (deferred): its reply will come
                 fut = self._futures[rid] = loop.create_future()
                 return fut
-        if done is not None or fut is not None:
-            if fut is None:
-                fut = loop.create_future()
-                fut.set_result(done)
+        if done is not None:
+            fut = loop.create_future()
+            fut.set_result(done)
+            return fut
+        if fut is not None:  # in flight: one more waiter
+            fut = loop.create_future()
+            self._more.setdefault(rid, []).append(fut)
             return fut
         fut = self._futures[rid] = loop.create_future()
         self._queue.append(request)
@@ -685,7 +696,7 @@ class InProcessRuntime(control.Controllable):
         if self._task is None:
             raise RuntimeError("the runtime is not started: use `async with runtime:` or `await runtime.start()`")
         req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
-        return await asyncio.shield(self.enqueue(req))
+        return await self.enqueue(req)  # this call's own future: cancelling the wait cancels no other waiter
 
     async def submit_batch(self, calls: Iterable[Any], *, batch_id: str | None = None) -> Reply:
         """Run ``calls`` (``[operator, key, function, [args...]]`` each) as one client atomic batch: one
