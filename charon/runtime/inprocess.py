@@ -173,7 +173,11 @@ class EpochSizer:
 
 
 class LocalExchange:
-    """Delivers a round's inboxes to in-memory partition units, one after the other."""
+    """Delivers a round's inboxes to in-memory partition units, one after the other.
+
+    A partition with an empty inbox in a plain dry-run round (no apply, reset, fast replay, timers, prior
+    or finalize) is not stepped: such a step changes nothing (its scratch is the epoch's, cleared at the
+    last finalize, or left as it is) and reports nothing, so an empty output stands for it."""
 
     def __init__(self, units: list[PartitionUnit]) -> None:
         self.units = units
@@ -182,7 +186,15 @@ class LocalExchange:
         self.partitions = len(units)
 
     def round(self, control: Control, inboxes: list[list[Invoke | ReplyMsg]]) -> list[RoundOutput]:
+        if _plain(control):
+            return [u.step(control, box) if box else RoundOutput() for u, box in zip(self.units, inboxes, strict=True)]
         return [u.step(control, box) for u, box in zip(self.units, inboxes, strict=True)]
+
+
+def _plain(control: Control) -> bool:
+    """A dry-run round that only delivers messages (an empty inbox's step is a no-op in it)."""
+    return (control.phase == Control.DRY and not control.finalize and control.prior is None
+            and control.timers is None and not control.apply and not control.reset and not control.fast)
 
 
 class InProcessRuntime(control.Controllable):

@@ -162,6 +162,20 @@ class RuntimeLike(Protocol):
     def read_state(self, operator: str, key: str) -> Any: ...
 
 
+def _enqueuer(runtime: Any) -> Callable[[Request], asyncio.Future[Reply]] | None:
+    """A runtime's ``enqueue(request) -> Future[Reply]`` (the in-process runtime's), if its ``submit`` is the
+    one defined beside it (a subclass that overrides ``submit`` keeps getting every request through it)."""
+    cls = type(runtime)
+    enqueue, submit = getattr(cls, "enqueue", None), getattr(cls, "submit", None)
+    if enqueue is None or submit is None:
+        return None
+    if getattr(cls, "health", None) is None:
+        return None
+    if enqueue.__qualname__.rsplit(".", 1)[0] != submit.__qualname__.rsplit(".", 1)[0]:
+        return None
+    return runtime.enqueue
+
+
 class _HTTPError(Exception):
     def __init__(self, error_type: str, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -534,6 +548,7 @@ def _reply_size(rep: Reply) -> int:
 class _Gateway:
     def __init__(self, runtime: RuntimeLike, token: str | None, cfg: GatewayConfig) -> None:
         self.runtime = runtime
+        self._enqueue = _enqueuer(runtime)
         self.token = token.encode() if token else None
         self.cfg = cfg
         self.max_body = cfg.max_body
@@ -695,9 +710,18 @@ class _Gateway:
             done: asyncio.Future[Reply] = loop.create_future()
             done.set_result(entry[0])
             return done
-        task = asyncio.ensure_future(
-            self.runtime.submit(req.operator, req.key, req.function, args, request_id=rid)
-        )
+        task: asyncio.Future[Reply]
+        if self._enqueue is not None and self.runtime.health()["status"] != "stopped":  # type: ignore[attr-defined]
+            # the request as built here, without a task per request (a stopped runtime: submit says why)
+            try:
+                task = self._enqueue(Request(rid, req.operator, req.key, req.function, req.args, time.time()))
+            except Exception as exc:  # noqa: BLE001 - as the task below would hold it (503 Unavailable)
+                task = loop.create_future()
+                task.set_exception(exc)
+        else:
+            task = asyncio.ensure_future(
+                self.runtime.submit(req.operator, req.key, req.function, args, request_id=rid)
+            )
         self.inflight[rid] = task
         self.inflight_req[rid] = req
         t0 = time.perf_counter()
@@ -1185,8 +1209,8 @@ def create_app(
     return outer
 
 
-class _GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with a request-head timeout and a connection cap (slow-loris protection).
+class _HeadGuard:
+    """Slow-loris protection shared by both uvicorn protocols: a request-head timeout and a connection cap.
 
     A connection must deliver a complete request head within ``header_timeout`` seconds of opening (or of
     its previous response); at ``max_connections`` open connections, the one that has waited longest for
@@ -1195,9 +1219,12 @@ class _GuardedH11(H11Protocol):
 
     header_timeout = 10.0
     max_connections = 1000
+    connections: set[Any]
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: Any
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def _guard_open(self) -> None:
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_since = 0.0
         self._arm_head_timer()
@@ -1209,6 +1236,7 @@ class _GuardedH11(H11Protocol):
     def _arm_head_timer(self) -> None:
         self._head_cycle = self.cycle
         self._head_since = self.loop.time()
+        self._head_bytes = 0
         self._head_timer = self.loop.call_later(self.header_timeout, self._close_idle)
 
     def _disarm_head_timer(self) -> None:
@@ -1221,6 +1249,19 @@ class _GuardedH11(H11Protocol):
         if not self.transport.is_closing():
             self.transport.close()
 
+    def _guard_response_complete(self) -> None:
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._disarm_head_timer()
+            self._arm_head_timer()
+
+
+class _GuardedH11(_HeadGuard, H11Protocol):
+    """uvicorn's h11 protocol with :class:`_HeadGuard` (the fallback when httptools is not installed)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._guard_open()
+
     def handle_events(self) -> None:
         super().handle_events()
         if self._head_timer is not None and self.cycle is not self._head_cycle:
@@ -1228,20 +1269,58 @@ class _GuardedH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
-            self._disarm_head_timer()
-            self._arm_head_timer()
+        self._guard_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
         super().connection_lost(exc)
 
 
+try:  # httptools (llhttp, in C) parses and writes HTTP/1.1 in a fraction of h11's CPU
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # pragma: no cover - depends on the environment
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
+
+if HttpToolsProtocol is not None:
+
+    class _GuardedHttpTools(_HeadGuard, HttpToolsProtocol):
+        """uvicorn's httptools protocol with :class:`_HeadGuard`, and ``max_header_bytes`` as h11's limit: a
+        connection that sends more than that without completing a request head gets 400 and is closed."""
+
+        max_header_bytes = 16 << 10
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._guard_open()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._head_timer is not None:  # still no complete head
+                self._head_bytes += len(data)
+                if self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+                    self._disarm_head_timer()
+                    self.send_400_response("Invalid HTTP request received.")
+
+        def on_headers_complete(self) -> None:
+            self._disarm_head_timer()  # a request head arrived
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._guard_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+
 def uvicorn_config(app: Any, host: str, port: int, cfg: GatewayConfig, log_level: str = "warning") -> uvicorn.Config:
-    """The uvicorn configuration that enforces ``cfg``'s connection limits and timeouts."""
-    protocol = type(
-        "CharonH11", (_GuardedH11,), {"header_timeout": cfg.header_timeout, "max_connections": cfg.max_connections}
-    )
+    """The uvicorn configuration that enforces ``cfg``'s connection limits and timeouts (httptools' protocol
+    when it is installed, else h11's)."""
+    limits = {"header_timeout": cfg.header_timeout, "max_connections": cfg.max_connections,
+              "max_header_bytes": cfg.max_header_bytes}
+    base = _GuardedH11 if HttpToolsProtocol is None else _GuardedHttpTools
+    protocol = type("CharonHTTP", (base,), limits)
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False, http=protocol,
         timeout_keep_alive=int(max(1, cfg.keep_alive)), h11_max_incomplete_event_size=cfg.max_header_bytes,
