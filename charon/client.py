@@ -27,6 +27,8 @@ import itertools
 import ssl
 import sys
 import time
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -250,6 +252,17 @@ def _shard_limits() -> httpx.Limits:
 
 
 _SSL: list[ssl.SSLContext] = []
+
+
+def _env_proxy(url: str) -> str | None:
+    """The proxy the environment names for ``url`` (``HTTP(S)_PROXY``/``ALL_PROXY``, minus ``NO_PROXY``), as httpx
+    would use it: the async client's pools are built by hand (one per shard), so they take it explicitly."""
+    parts = urllib.parse.urlsplit(url)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
+        return None
+    return proxy
 
 
 def _ssl_context() -> ssl.SSLContext:
@@ -596,8 +609,9 @@ class AsyncClient(_Base):
         super().__init__(url, token, timeout, retries)
         # one transport (connection pool) per shard: the invoke hot path sends through it directly
         # (:meth:`_post`), everything else through the shard's httpx client over the same pool
+        proxy = _env_proxy(self.url)
         self._transports = [
-            httpx.AsyncHTTPTransport(verify=_ssl_context(), limits=_shard_limits())
+            httpx.AsyncHTTPTransport(verify=_ssl_context(), limits=_shard_limits(), proxy=proxy)
             for _ in range(_shard_count(max_connections))
         ]
         self._shards = [

@@ -373,3 +373,40 @@ async def test_async_lost_reply_executes_once(server: BackgroundServer) -> None:
             assert await c.invoke("counter", key, "add", 8) == 8
             assert proxy.dropped == 1
             assert await c.state("counter", key) == 8
+
+
+def test_async_client_pools_honour_http_proxy_and_no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The async client's hand-built pools take the environment's proxy like httpx's own clients (and skip it for
+    NO_PROXY hosts): a real listener standing in for the proxy sees the request in absolute form."""
+    from charon.client import AsyncClient
+
+    seen: list[bytes] = []
+
+    async def main() -> None:
+        async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(await reader.readline())
+            writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        target = f"http://127.0.0.1:{free_port()}"
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        c = AsyncClient(target, retries=0)
+        with pytest.raises(Exception):  # noqa: B017 - the stand-in proxy answers 400: any error will do
+            await c.invoke("acct", "k", "get")
+        await c.aclose()
+        assert seen and seen[0].startswith(f"POST {target}/".encode()), seen
+        seen.clear()
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        c = AsyncClient(target, retries=0)
+        with pytest.raises(httpx.ConnectError):  # straight to the (closed) target port, not through the proxy
+            await c.invoke("acct", "k", "get")
+        await c.aclose()
+        assert seen == []
+        server.close()
+
+    asyncio.run(main())
