@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "cap3k": {"max_batch": 3000},
         "cap5k": {"max_batch": 5000},
         "cap10k": {"max_batch": 10_000},
+        "uncapped": {"max_batch": 20_000},  # the fixed cap before --max-batch
     }
     variants = args.variants.split(",")
     unknown = set(variants) - levers.keys()
