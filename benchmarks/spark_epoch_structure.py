@@ -108,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="100,500")
     ap.add_argument("--workloads", default="ycsb,tpcc")
+    ap.add_argument("--variants", default="before,after", help="comma-separated: before, after")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs per point (the first is not counted)")
+    ap.add_argument("--label", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=str(ROOT / "issue10"))
+    ap.add_argument("--fixed-ms", type=float, default=250.0,
+                    help="per-epoch cost outside the engine (jobs, micro-batch) for the printed tx/s estimate")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
                     help="a SparkConfig override for both variants (e.g. task_min_bytes=100000000)")
     a = ap.parse_args(argv)
@@ -116,15 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for w in a.workloads.split(","):
         for size in [int(x) for x in a.sizes.split(",")]:
-            for variant in ("before", "after"):
-                r = run(w, variant, size, overrides=overrides)
+            for variant in a.variants.split(","):
+                r = run(w, variant, size, epochs=a.epochs, overrides=overrides)
+                rate = size / (r["engine_cpu_us_per_tx"] * size / 1e6 + a.fixed_ms / 1e3)
                 results.append(r)
                 print(f"{w:5} {variant:6} epoch of {size:5}: {r['jobs_per_epoch']:6.1f} jobs "
                       f"{r['tasks_per_epoch']:6.1f} tasks, engine {r['engine_cpu_us_per_tx']:6.0f} µs CPU/tx, "
-                      f"fallback {r['fallback_share']:.0%}",
+                      f"fallback {r['fallback_share']:.0%}, {rate:,.0f} tx/s with {a.fixed_ms:.0f} ms fixed per epoch",
                       flush=True)
     out = Path(a.out)
-    (out / "spark_epoch_structure.json").write_text(json.dumps(results, indent=1, default=float))
+    name = "spark_epoch_structure" + (f"_{a.label}" if a.label else "")
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=float))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, r in enumerate(results):
         ax.text(i, r["jobs_per_epoch"], f"{r['jobs_per_epoch']:.0f}", ha="center", va="bottom", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "spark_epoch_structure.png", dpi=100)
-    print(f"wrote {out / 'spark_epoch_structure.json'}")
+    fig.savefig(out / f"{name}.png", dpi=100)
+    print(f"wrote {out / name}.json")
     return 0
 
 
