@@ -17,7 +17,8 @@ since the machine is shared):
 - ``spark``: YCSB-T on Spark ``local[2]`` at 1,000 TPS, every issue-10 lever off (``before``) and the defaults
   (``after``), with the epoch breakdown; then rising rates (``after``) until p99 exceeds 2 s (``spark_ycsb.py``),
   driven by ``--generator lean`` (one loop appending in group commits and reading replies in batches: the
-  ``LogClient`` generator spends a whole core by 4,000/s, which is the client library's cost, not the engine's).
+  ``LogClient`` generator spends a whole core by 4,000/s, which is the client library's cost, not the engine's),
+  with the product's default epoch cap (``SparkConfig.max_batch``, 10,000).
 - ``structure``: Spark jobs and tasks per epoch and engine CPU per transaction, levers off and on
   (``spark_epoch_structure.py``).
 - ``tpcc``: TPC-C NewOrder + Payment, W=1, on Spark (``run_all.py --only tpcc --systems spark``).
@@ -156,7 +157,7 @@ def row_spark(q: bool) -> dict:
     at1000 = json.loads((OUT / "spark_ycsb_zipf0.0_table_1000.json").read_text())
     rates = "2000,4000" if q else "2000,4000,6000,8000,12000,16000"
     c2 = py("spark_ycsb.py", "--rates", rates, "--duration", "5" if q else "8", "--warmup", warm,
-            "--variants", "after", "--stop-p99-ms", "2000", "--generator", "lean", "--out", rel(OUT),
+            "--variants", "after", "--stop-p99-ms", "2000", "--generator", "lean", "--max-batch", "10000", "--out", rel(OUT),
             "--label", "table_max")
     sh(c2, OUT / "spark_max.log")
     sweep = json.loads((OUT / "spark_ycsb_zipf0.0_table_max.json").read_text())
