@@ -157,8 +157,8 @@ def row_spark(q: bool) -> dict:
     at1000 = json.loads((OUT / "spark_ycsb_zipf0.0_table_1000.json").read_text())
     rates = "2000,4000" if q else "2000,4000,6000,8000,12000,16000"
     c2 = py("spark_ycsb.py", "--rates", rates, "--duration", "5" if q else "8", "--warmup", warm,
-            "--variants", "after", "--stop-p99-ms", "2000", "--generator", "lean", "--max-batch", "10000", "--out", rel(OUT),
-            "--label", "table_max")
+            "--variants", "after", "--stop-p99-ms", "2000", "--generator", "lean", "--max-batch", "10000",
+            "--out", rel(OUT), "--label", "table_max")
     sh(c2, OUT / "spark_max.log")
     sweep = json.loads((OUT / "spark_ycsb_zipf0.0_table_max.json").read_text())
     after = next(r for r in at1000 if r["variant"] == "after")
