@@ -157,12 +157,20 @@ def _rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | 
 def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
     """The admin, metrics and dashboard routes over one gateway."""
 
+    def counts() -> tuple[int, int]:
+        return (len(getattr(gw.runtime, "rescale_pauses", None) or ()),
+                len(getattr(gw.runtime, "log_rescales", None) or ()))
+
     def with_layout(st: dict[str, Any]) -> dict[str, Any]:
-        pauses = getattr(gw.runtime, "rescale_pauses", None)
-        last = _rescale_info(gw.runtime, pauses[-1], 0.0) if pauses else None
-        logs = getattr(gw.runtime, "log_rescales", None)
-        if logs and (last is None or last.get("epoch") is None or logs[-1]["epoch"] >= last["epoch"]):
-            last = _rescale_info(gw.runtime, None, 0.0, logs[-1])  # the newer of the two kinds
+        answered = rescaling["last"]
+        if answered is not None and answered[0] == counts():  # the route's answer is the newest rescale
+            last = answered[1]  # an engine and a log rescale asked together are shown together
+        else:  # rescaled by the runtime's own API: the newer of the two kinds
+            pauses = getattr(gw.runtime, "rescale_pauses", None)
+            last = _rescale_info(gw.runtime, pauses[-1], 0.0) if pauses else None
+            logs = getattr(gw.runtime, "log_rescales", None)
+            if logs and (last is None or last.get("epoch") is None or logs[-1]["epoch"] >= last["epoch"]):
+                last = _rescale_info(gw.runtime, None, 0.0, logs[-1])
         return {**st, "inflight": len(gw.inflight), "partitions": _partitions(gw.runtime), "last_rescale": last}
 
     async def status(request: HTTPRequest) -> Response:
@@ -183,7 +191,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         st = await gw.off_loop(_method(gw, "resume"))
         return gw.respond(request, 200, with_layout(st))
 
-    rescaling = {"busy": False}
+    rescaling: dict[str, Any] = {"busy": False, "last": None}  # last: (counts(), the route's last answer)
 
     async def rescale(request: HTTPRequest) -> Response:
         gw.check_auth(request)
@@ -225,7 +233,9 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
             raise _HTTPError("BadRequest", f"cannot rescale to {n if m is None else (n, m)}: {exc}") from None
         finally:
             rescaling["busy"] = False
-        return gw.respond(request, 200, _rescale_info(gw.runtime, out, time.perf_counter() - t0, log))
+        answer = _rescale_info(gw.runtime, out, time.perf_counter() - t0, log)
+        rescaling["last"] = (counts(), answer)
+        return gw.respond(request, 200, answer)
 
     async def state(request: HTTPRequest) -> Response:
         gw.check_auth(request)
