@@ -214,3 +214,21 @@ def test_the_client_does_not_round_a_count() -> None:
         assert rt.partitions == 3 and rt.rescale_pauses == []
         assert c.rescale(2)["to"] == 2
     rt.close()
+
+
+def test_admin_on_a_remote_gateway_says_where_to_go(tmp_path) -> None:  # noqa: ANN001
+    """``charon status`` / ``charon rescale`` against an ``--engine remote`` gateway: 501 that names the cause."""
+    from natsfix import NatsServer
+
+    from charon.runtime.remote import LogRuntime
+
+    nats = NatsServer(tmp_path / "nats").start()
+    try:
+        with BackgroundServer(LogRuntime(ycsb.app, f"{nats.url}/remote"), token=TOKEN) as srv:
+            for method, path, body in (("GET", "/admin/status", None), ("POST", "/admin/rescale", {"partitions": 3}),
+                                       ("POST", "/admin/rescale", {"log_partitions": 3})):
+                r = httpx.request(method, srv.url + path, json=body, headers=AUTH)
+                assert r.status_code == 501 and r.json()["error"]["type"] == "NotSupported", r.text
+                assert "--engine remote" in r.json()["error"]["message"], r.text
+    finally:
+        nats.kill()

@@ -88,7 +88,10 @@ SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy bey
 def _method(gw: _Gateway, name: str) -> Any:
     fn = getattr(gw.runtime, name, None)
     if fn is None:
-        raise _HTTPError("NotSupported", f"this runtime has no {name}()")
+        hint = "" if hasattr(gw.runtime, "control_status") else (
+            " (a gateway without an engine, --engine remote, serves invokes and request status only: send admin "
+            "requests to the gateway of the engine's driver)")
+        raise _HTTPError("NotSupported", f"this runtime has no {name}(){hint}")
     return fn
 
 
