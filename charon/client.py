@@ -77,10 +77,11 @@ _dec = msgspec.msgpack.Decoder()
 
 
 def _rescale_body(partitions: int | None, log_partitions: int | None) -> dict[str, int]:
-    """The body of ``POST /admin/rescale``: the counts given (the server refuses neither)."""
-    body = {} if partitions is None else {"partitions": int(partitions)}
+    """The body of ``POST /admin/rescale``: the counts given, as given (no ``int()``: 2.5 must be refused by
+    the server with 400, not rescale to 2)."""
+    body = {} if partitions is None else {"partitions": partitions}
     if log_partitions is not None:
-        body["log_partitions"] = int(log_partitions)
+        body["log_partitions"] = log_partitions
     return body
 
 

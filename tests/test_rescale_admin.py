@@ -172,7 +172,7 @@ def test_second_rescale_while_one_runs_is_409(tmp_path: Path) -> None:
 def test_rescale_route_on_spark(tmp_path: Path) -> None:
     pytest.importorskip("pyspark")
     from charon.config import SparkConfig
-    from charon.runtime.spark.runtime import SparkRuntime
+    from charon.runtime.spark.runtime import SparkRuntime, read_layout
 
     cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path), partitions=2, log_partitions=1, idle_wait_ms=100)
     rt = SparkRuntime("charon.apps.ycsb:app", cfg)
@@ -188,7 +188,15 @@ def test_rescale_route_on_spark(tmp_path: Path) -> None:
         assert st["partitions"] == 3 and st["last_rescale"]["to"] == 3
         for i in range(5):
             c.invoke("account", ycsb.key(i), "transfer", ycsb.key(i + 10), 1)
+        both = c.rescale(2, log_partitions=2)  # one call, both kinds: status shows both (it showed only the log)
+        assert both["from"] == 3 and both["to"] == 2 and both["log"]["from"] == 1 and both["log"]["to"] == 2
+        st = c.status()
+        assert st["last_rescale"] == both and st["partitions"] == 2
+        assert st["log_partitions"] == {"route": 2, "physical": 2}
+        for i in range(5):
+            c.invoke("account", ycsb.key(i), "transfer", ycsb.key(i + 10), 1)
         state = c.read_state("account")
         assert sum(state["entities"].values()) == 20 * BALANCE
-        assert state["entities"][ycsb.key(10)] == BALANCE + 2
-    assert os.path.exists(os.path.join(str(tmp_path), "layout.json")) or rt.config.partitions == 3
+        assert state["entities"][ycsb.key(10)] == BALANCE + 3
+    layout = read_layout(os.path.join(str(tmp_path), "checkpoint"))  # the layout survives a restart
+    assert layout is not None and (layout.partitions, layout.log_partitions) == (2, 2)

@@ -44,7 +44,8 @@
   ``log`` is ``{"from", "to", "physical", "epoch", "switch_s", "cpu_s"}``
   (:meth:`charon.runtime.spark.runtime.SparkRuntime.rescale_log`); the in-process runtime has no log partitions
   (its node's input log is one epoch log): 501 ``NotSupported``. 409 ``RescaleRunning`` while another one runs
-  (or, in-process, while paused: resume first); 503 ``RescaleTimeout`` if no epoch boundary came in time.
+  (or, in-process, while paused: resume first); 503 ``RescaleTimeout`` if no epoch boundary came in time,
+  503 ``Unavailable`` (with ``Retry-After``) while the runtime is still starting (``/health`` 503 starting).
   ``/admin/status`` shows ``partitions``, ``last_rescale`` (that answer) and, on Spark, ``log_partitions``
   (``{"route", "physical"}``).
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
@@ -87,7 +88,10 @@ SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy bey
 def _method(gw: _Gateway, name: str) -> Any:
     fn = getattr(gw.runtime, name, None)
     if fn is None:
-        raise _HTTPError("NotSupported", f"this runtime has no {name}()")
+        hint = "" if hasattr(gw.runtime, "control_status") else (
+            " (a gateway without an engine, --engine remote, serves invokes and request status only: send admin "
+            "requests to the gateway of the engine's driver)")
+        raise _HTTPError("NotSupported", f"this runtime has no {name}(){hint}")
     return fn
 
 
@@ -104,13 +108,15 @@ async def _json_body(gw: _Gateway, request: HTTPRequest, fields: frozenset[str] 
             doc = msgspec.msgpack.decode(body)
         else:
             raise _HTTPError("UnsupportedMediaType", "the body must be application/json or application/msgpack")
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise _HTTPError("BadRequest", f"malformed body: {exc}") from None
+    except RecursionError:
+        raise _HTTPError("BadRequest", "malformed body: nested too deeply") from None
     if not isinstance(doc, dict):
         raise _HTTPError("BadRequest", "the body must be an object")
     unknown = set(doc) - fields
     if unknown:
-        raise _HTTPError("BadRequest", f"unknown fields {sorted(unknown)}")
+        raise _HTTPError("BadRequest", f"unknown fields {sorted(map(str, unknown))}")  # msgpack keys: any type
     return doc
 
 
@@ -154,12 +160,20 @@ def _rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | 
 def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
     """The admin, metrics and dashboard routes over one gateway."""
 
+    def counts() -> tuple[int, int]:
+        return (len(getattr(gw.runtime, "rescale_pauses", None) or ()),
+                len(getattr(gw.runtime, "log_rescales", None) or ()))
+
     def with_layout(st: dict[str, Any]) -> dict[str, Any]:
-        pauses = getattr(gw.runtime, "rescale_pauses", None)
-        last = _rescale_info(gw.runtime, pauses[-1], 0.0) if pauses else None
-        logs = getattr(gw.runtime, "log_rescales", None)
-        if logs and (last is None or last.get("epoch") is None or logs[-1]["epoch"] >= last["epoch"]):
-            last = _rescale_info(gw.runtime, None, 0.0, logs[-1])  # the newer of the two kinds
+        answered = rescaling["last"]
+        if answered is not None and answered[0] == counts():  # the route's answer is the newest rescale
+            last = answered[1]  # an engine and a log rescale asked together are shown together
+        else:  # rescaled by the runtime's own API: the newer of the two kinds
+            pauses = getattr(gw.runtime, "rescale_pauses", None)
+            last = _rescale_info(gw.runtime, pauses[-1], 0.0) if pauses else None
+            logs = getattr(gw.runtime, "log_rescales", None)
+            if logs and (last is None or last.get("epoch") is None or logs[-1]["epoch"] >= last["epoch"]):
+                last = _rescale_info(gw.runtime, None, 0.0, logs[-1])
         return {**st, "inflight": len(gw.inflight), "partitions": _partitions(gw.runtime), "last_rescale": last}
 
     async def status(request: HTTPRequest) -> Response:
@@ -180,7 +194,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         st = await gw.off_loop(_method(gw, "resume"))
         return gw.respond(request, 200, with_layout(st))
 
-    rescaling = {"busy": False}
+    rescaling: dict[str, Any] = {"busy": False, "last": None}  # last: (counts(), the route's last answer)
 
     async def rescale(request: HTTPRequest) -> Response:
         gw.check_auth(request)
@@ -198,28 +212,33 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
             if log_fn is None:
                 raise _HTTPError("NotSupported", "this runtime has no input-log partitions to rescale (the in-process "
                                  "runtime's input log is its node's single epoch log)")
+        gw.check_ready()  # 503 while the runtime starts in the background: a move then races the query's start
         if rescaling["busy"]:
             raise _HTTPError("RescaleRunning", "a rescale is running; retry when it is done")
-        if getattr(gw.runtime, "control_engine", None) == "inprocess":
-            st = await gw.off_loop(_method(gw, "control_status"))
-            if st.get("paused"):  # its epoch loop waits at the gate: the move would wait for the resume
-                raise _HTTPError("RescaleRunning", "the runtime is paused; resume it, then rescale")
-        rescaling["busy"] = True
+        rescaling["busy"] = True  # before any await: two requests arriving together must not both pass
         t0 = time.perf_counter()
         log = out = None
         try:
+            if getattr(gw.runtime, "control_engine", None) == "inprocess":
+                st = await gw.off_loop(_method(gw, "control_status"))
+                if st.get("paused"):  # its epoch loop waits at the gate: the move would wait for the resume
+                    raise _HTTPError("RescaleRunning", "the runtime is paused; resume it, then rescale")
             if log_fn is not None:  # the log first: it needs no pause
                 log = await gw.off_loop(log_fn, m)
             t0 = time.perf_counter()
             if n is not None:
                 out = await gw.off_loop(fn, n)
         except TimeoutError as exc:
-            raise _HTTPError("RescaleTimeout", f"no epoch boundary in time, nothing moved: {exc}") from None
+            done = "" if log is None else f" (the input log did switch to {log['to']} partitions)"
+            raise _HTTPError("RescaleTimeout", f"no epoch boundary in time, the engine partitions did not move"
+                             f"{done}: {exc}") from None
         except ValueError as exc:
             raise _HTTPError("BadRequest", f"cannot rescale to {n if m is None else (n, m)}: {exc}") from None
         finally:
             rescaling["busy"] = False
-        return gw.respond(request, 200, _rescale_info(gw.runtime, out, time.perf_counter() - t0, log))
+        answer = _rescale_info(gw.runtime, out, time.perf_counter() - t0, log)
+        rescaling["last"] = (counts(), answer)
+        return gw.respond(request, 200, answer)
 
     async def state(request: HTTPRequest) -> Response:
         gw.check_auth(request)
@@ -421,7 +440,8 @@ def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
                           "400": err("malformed body, neither count given, or a count out of range"),
                           "409": err("a rescale is running (or the in-process runtime is paused)"),
                           "415": err("unsupported body type"),
-                          "503": err("no epoch boundary in time; nothing moved"), **common}}},
+                          "503": err("no epoch boundary in time (the engine partitions did not move), or "
+                                     "the runtime is still starting"), **common}}},
         "/admin/state/{operator}": {"get": {
             "summary": "An operator's entities as of one committed epoch (admin)", "security": security,
             "parameters": [

@@ -566,6 +566,7 @@ class _Gateway:
         # /health answers 503 starting and state reads a 503 with Retry-After; invokes go to the input log
         self.starting = False
         self.start_error: str | None = None
+        self.metrics: Any = None  # charon.server.metrics.GatewayMetrics, set by create_app
 
     def check_ready(self) -> None:
         """503 (with Retry-After) while the runtime is starting in the background or failed to start."""
@@ -573,7 +574,6 @@ class _Gateway:
             raise _HTTPError("Unavailable", f"the runtime failed to start: {self.start_error}")
         if self.starting:
             raise _HTTPError("Unavailable", "the runtime is starting; retry shortly")
-        self.metrics: Any = None  # charon.server.metrics.GatewayMetrics, set by create_app
 
     # ---- helpers
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of a gateway and its runtime (prometheus-client), and the dashboard's JSON summary.
 
 Every label set is bounded: ``outcome`` (committed, aborted), ``reason`` (the first ``MAX_REASONS`` error
-types seen, then ``other``), ``partition`` (the runtime's partition count). Served at ``GET /metrics``
+types seen, then ``other``), ``partition`` (the runtime's partition count; after a rescale, requests count
+against the new layout). Served at ``GET /metrics``
 (token-protected) in the Prometheus text format. Metric names:
 
 - ``charon_transactions_total{outcome, reason}`` replies the gateway delivered (reason ``""`` when committed)
@@ -82,9 +83,19 @@ class GatewayMetrics:
     # -- fed by the gateway -------------------------------------------------------------------------------
     def observe_request(self, req: Request) -> None:
         """A request reached the runtime: count it against its target's partition."""
-        p = partition_of(req.operator, req.key, self.partitions)
+        n = self._runtime_partitions()
+        if n != self.partitions:  # the runtime was rescaled: count against the new layout from now on
+            self.partitions, self._load = n, [0] * n
+        p = partition_of(req.operator, req.key, n)
         self.partition_load.labels(str(p)).inc()
         self._load[p] += 1
+
+    def _runtime_partitions(self) -> int:
+        """The runtime's engine partition count now (in-process ``partitions``, Spark ``config.partitions``)."""
+        n = getattr(self.runtime, "partitions", None)
+        if not isinstance(n, int):
+            n = getattr(getattr(self.runtime, "config", None), "partitions", None)
+        return max(1, n) if isinstance(n, int) else self.partitions
 
     def observe_reply(self, rep: Reply, latency: float) -> None:
         """A reply came back after ``latency`` seconds."""
@@ -170,6 +181,7 @@ class GatewayMetrics:
             "throughput": sum(1 for e in events if e[1]) / window,
             "aborts_per_s": sum(aborts.values()) / window, "aborts": aborts,
             "latency_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)},
-            "epochs": list(self._epochs)[-60:], "partition_load": list(self._load),
+            "epochs": list(self._epochs)[-60:], "partition_load": list(self._load) if len(self._load) ==
+            self._runtime_partitions() else [0] * self._runtime_partitions(),
             "code": {"app": str(getattr(getattr(self.runtime, "app", None), "name", "")), "version": self._version},
         }
