@@ -344,6 +344,20 @@ class PartitionUnit:
         lo = start.encode() if start is not None else None
         hi = stop.encode() if stop is not None else None
         plen = len(entity_prefix(op, key))
+        b = self.buffers.get(tid)
+        layers = [self.overlay.get(e), self.fast_layer.get(e) if self.fast_layer is not None else None,
+                  b.get(e) if b is not None else None]
+        if not (layers[0] or layers[1] or layers[2]):  # committed state alone: the store's order is the answer
+            rows: list[tuple[str, bytes]] = []
+            for k, v in self.store.scan(store_key(op, key, narrow)):
+                it = k[plen:]
+                if lo is not None and it < lo:
+                    continue
+                if hi is not None and it >= hi:
+                    break  # the store scans in key order (UTF-8 bytes order like the strings)
+                if it:  # never the main value (item "")
+                    rows.append((it.decode(), v))
+            return rows
         merged: dict[str, bytes | None] = {}
         for k, v in self.store.scan(store_key(op, key, narrow)):
             it = k[plen:]
@@ -352,9 +366,6 @@ class PartitionUnit:
             if hi is not None and it >= hi:
                 break  # the store scans in key order
             merged[it.decode()] = v
-        layers = [self.overlay.get(e), self.fast_layer.get(e) if self.fast_layer is not None else None]
-        b = self.buffers.get(tid)
-        layers.append(b.get(e) if b is not None else None)
         for layer in layers:
             if layer:
                 for it, v in layer.items():
