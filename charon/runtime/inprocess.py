@@ -183,6 +183,7 @@ class LocalExchange:
         self.units = units
         for u in units:  # kept between rounds: the call-graph cache stays in each unit
             u.report_cache = False
+            u.sole_writer = True  # the runtime writes its stores only through the units (bulk loads aside)
         self.partitions = len(units)
 
     def round(self, control: Control, inboxes: list[list[Invoke | ReplyMsg]]) -> list[RoundOutput]:
@@ -458,6 +459,8 @@ class InProcessRuntime(control.Controllable):
             data[store_key(op, key, "\x01" + name)] = serde.encode(value)
 
     def _check_loadable(self) -> None:
+        for u in self.units:  # a bulk load writes the stores beside the units: no next due time is reused
+            u._due = None
         if self.node is not None:
             if self.epoch > 0 or not self.node.is_fresh():
                 raise RuntimeError("bulk load is only possible into a fresh data directory, before epoch 0")
