@@ -188,8 +188,12 @@ class LocalExchange:
 
     def round(self, control: Control, inboxes: list[list[Invoke | ReplyMsg]]) -> list[RoundOutput]:
         if _plain(control):
-            return [u.step(control, box) if box else RoundOutput() for u, box in zip(self.units, inboxes, strict=True)]
+            return [u.step(control, box) if box else _IDLE for u, box in zip(self.units, inboxes, strict=True)]
         return [u.step(control, box) for u, box in zip(self.units, inboxes, strict=True)]
+
+
+#: The output of a partition not stepped in a plain round (shared: the coordinator only reads outputs).
+_IDLE = RoundOutput()
 
 
 def _plain(control: Control) -> bool:
