@@ -177,7 +177,8 @@ class LocalExchange:
 
     A partition with an empty inbox in a plain dry-run round (no apply, reset, fast replay, timers, prior
     or finalize) is not stepped: such a step changes nothing (its scratch is the epoch's, cleared at the
-    last finalize, or left as it is) and reports nothing, so an empty output stands for it."""
+    last finalize, or left as it is) and reports nothing, so the round returns no output for it (the
+    coordinator merges the outputs it gets, in any number; an empty one would add nothing)."""
 
     def __init__(self, units: list[PartitionUnit]) -> None:
         self.units = units
@@ -188,12 +189,8 @@ class LocalExchange:
 
     def round(self, control: Control, inboxes: list[list[Invoke | ReplyMsg]]) -> list[RoundOutput]:
         if _plain(control):
-            return [u.step(control, box) if box else _IDLE for u, box in zip(self.units, inboxes, strict=True)]
+            return [u.step(control, box) for u, box in zip(self.units, inboxes, strict=True) if box]
         return [u.step(control, box) for u, box in zip(self.units, inboxes, strict=True)]
-
-
-#: The output of a partition not stepped in a plain round (shared: the coordinator only reads outputs).
-_IDLE = RoundOutput()
 
 
 def _plain(control: Control) -> bool:
