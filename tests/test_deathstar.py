@@ -76,3 +76,49 @@ async def test_search_returns_the_nearest_hotels() -> None:
     assert [p["id"] for p in serde.decode(rep.value)] == want[:2]
     assert serde.decode(rec.value) == want
     assert not log.ok and log.error_type == "InvalidLogin"
+
+
+def test_recommend_by_distance_equals_a_sort_of_every_hotel() -> None:
+    """The widening grid search gives what sorting the whole index gives, inside the region, on cell
+    boundaries, and far outside it (where it falls back to the whole index)."""
+    from charon.messages import Request
+
+    rt = InProcessRuntime(ds.app, partitions=4)
+    index: dict[str, list] = {}
+    for op, key, value, items in ds.populate():
+        if value is not None:
+            rt.load(op, {key: value})
+        if items:
+            rt.load_items(op, key, items)
+            index.update(items)
+    rng = random.Random(3)
+    points = [(ds.LAT0 + rng.random() * ds.SPAN, ds.LON0 + rng.random() * ds.SPAN) for _ in range(300)]
+    points += [(ds.LAT0 + i * ds.CELL, ds.LON0 + j * ds.CELL) for i in range(0, 13, 3) for j in range(0, 13, 4)]
+    points += [(ds.LAT0 - 1.0, ds.LON0), (ds.LAT0 + 0.5, ds.LON0 + 0.5), (ds.LAT0 + ds.SPAN / 2, ds.LON0 - 0.3)]
+    reqs = [Request(f"r{i}", "geo", ds.REGION, "recommend", serde.encode([lat, lon, "dis"]))
+            for i, (lat, lon) in enumerate(points)]
+    result = rt.run_epoch(reqs)
+    for r, (lat, lon) in zip(reqs, points, strict=True):
+        want = sorted(index, key=lambda n: ((index[n][0] - lat) ** 2 + (index[n][1] - lon) ** 2, n))[:5]
+        rep = next(x for x in result.replies.values() if x.request_id == r.request_id)
+        assert rep.ok and serde.decode(rep.value) == [n.rsplit(":", 1)[1] for n in want], (lat, lon)
+
+
+def test_nearest_rows_are_exact_for_any_count() -> None:
+    """``_nearest`` over the populated index (its range scans answered from a sorted dict) equals a sort of
+    the whole index for every count, so no hotel outside the scanned square is ever nearer."""
+    index: dict[str, list] = {}
+    for _, _, _, items in ds.populate():
+        index.update(items or {})
+
+    class Items:
+        def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list:
+            return [(k, index[k]) for k in sorted(index)
+                    if k.startswith(prefix) and (start is None or k >= start) and (stop is None or k < stop)]
+
+    rng = random.Random(11)
+    for _ in range(200):
+        lat, lon = ds.LAT0 + rng.uniform(-0.02, ds.SPAN + 0.02), ds.LON0 + rng.uniform(-0.02, ds.SPAN + 0.02)
+        for n in (1, 5, 20, 60, 100, 150):
+            want = sorted(index, key=lambda k: ((index[k][0] - lat) ** 2 + (index[k][1] - lon) ** 2, k))[:n]
+            assert [k for k, _ in ds._nearest(Items(), lat, lon, n)] == want, (lat, lon, n)

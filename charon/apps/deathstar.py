@@ -6,7 +6,8 @@ Travel (hotel + flight):
 - ``geo`` ``"sf"`` (one region): a grid index in per-entity items named ``"CCCC:RRRR:h007"`` (grid column and
   row of 0.01 degree cells, then the hotel) -> ``[lat, lon]``; ``search`` range-scans the cells around the
   point row by row (``scan_items(start=..., stop=...)``) and asks the nearest hotels for their profile;
-  ``recommend`` ranks by distance, rate or price.
+  ``recommend`` ranks by distance (grid squares widening until the 5 nearest are certain, the same answer as
+  sorting the whole index), rate or price.
 - ``user`` ``"u007"``: ``{password, logins, reservations}``; ``login`` checks the password;
   ``reserve(hotel, flight)`` books one room and one seat in one transaction: a sold-out flight raises
   :class:`SoldOut` and the room is released with it.
@@ -121,6 +122,22 @@ def _nearby(ctx: Context, lat: float, lon: float, radius: int) -> list[tuple[str
     return rows
 
 
+def _nearest(ctx: Context, lat: float, lon: float, n: int) -> list[tuple[str, list]]:
+    """The ``n`` nearest index rows by (distance, name), as a sort of the whole index gives: grid squares
+    widening from the point until the ``n``-th nearest is closer than any cell outside the square (a point
+    outside lies more than ``radius`` cells away; half a cell of margin covers rounding), else the whole index."""
+    radius = 3
+    while radius <= int(SPAN / CELL) + 2:
+        rows = _nearby(ctx, lat, lon, radius)
+        rows.sort(key=lambda r: (_dist2(lat, lon, r[1]), r[0]))
+        if len(rows) >= n and _dist2(lat, lon, rows[n - 1][1]) < ((radius - 0.5) * CELL) ** 2:
+            return rows[:n]
+        radius *= 2
+    rows = ctx.scan_items()
+    rows.sort(key=lambda r: (_dist2(lat, lon, r[1]), r[0]))
+    return rows[:n]
+
+
 @geo.function
 async def search(ctx: Context, lat: float, lon: float, k: int) -> list:
     """The ``k`` nearest hotels with rooms left, nearest first: grid range scans widening from the point."""
@@ -138,9 +155,7 @@ async def search(ctx: Context, lat: float, lon: float, k: int) -> list:
 async def recommend(ctx: Context, lat: float, lon: float, require: str) -> list:
     """Recommend up to 5 hotels around the point by ``require``: ``"dis"``, ``"rate"`` or ``"price"``."""
     if require == "dis":
-        rows = ctx.scan_items()
-        rows.sort(key=lambda r: (_dist2(lat, lon, r[1]), r[0]))
-        return [name.rsplit(":", 1)[1] for name, _ in rows[:5]]
+        return [name.rsplit(":", 1)[1] for name, _ in _nearest(ctx, lat, lon, 5)]
     rows = _nearby(ctx, lat, lon, 2)
     profs = await ctx.gather(*(ctx.call(hotel, name.rsplit(":", 1)[1], get_profile) for name, _ in rows))
     if require == "rate":

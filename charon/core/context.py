@@ -287,13 +287,9 @@ class Context:
                 self._journal.reads.append(raw_items)
         else:
             raw_items = self._journal.replayed_read()
-        out = []
-        for name, raw in raw_items:
-            name = name[1:]
-            if (start is not None and name < start) or (stop is not None and name >= stop):
-                continue
-            out.append((name, serde.decode(raw)))
-        return out
+        # the unit returns exactly the items within [start, stop) (as store names: "\x01" + name)
+        decode = serde.decode
+        return [(name[1:], decode(raw)) for name, raw in raw_items]
 
     # -- events ---------------------------------------------------------------------------------------
     def emit(self, stream: str, value: Any) -> None:

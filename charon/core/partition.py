@@ -246,6 +246,10 @@ class PartitionUnit:
         #: Whether rounds hand their dry-run invocations out in ``RoundOutput.cached``: a runtime that keeps this
         #: unit between rounds (the in-process one) turns it off, its cache stays here
         self.report_cache = True
+        #: Whether this unit is its store's only writer (the in-process runtime): a finalize that writes nothing
+        #: then reports the next due time it found last instead of scanning the timer index again
+        self.sole_writer = False
+        self._due: tuple[int, float] | None = None  # (store epoch, next due time) after the last finalize
         self._clear(-1)
 
     def app_for(self, tid: int) -> Application:
@@ -344,6 +348,20 @@ class PartitionUnit:
         lo = start.encode() if start is not None else None
         hi = stop.encode() if stop is not None else None
         plen = len(entity_prefix(op, key))
+        b = self.buffers.get(tid)
+        layers = [self.overlay.get(e), self.fast_layer.get(e) if self.fast_layer is not None else None,
+                  b.get(e) if b is not None else None]
+        if not (layers[0] or layers[1] or layers[2]):  # committed state alone: the store's order is the answer
+            rows: list[tuple[str, bytes]] = []
+            for k, v in self.store.scan(store_key(op, key, narrow)):
+                it = k[plen:]
+                if lo is not None and it < lo:
+                    continue
+                if hi is not None and it >= hi:
+                    break  # the store scans in key order (UTF-8 bytes order like the strings)
+                if it:  # never the main value (item "")
+                    rows.append((it.decode(), v))
+            return rows
         merged: dict[str, bytes | None] = {}
         for k, v in self.store.scan(store_key(op, key, narrow)):
             it = k[plen:]
@@ -352,9 +370,6 @@ class PartitionUnit:
             if hi is not None and it >= hi:
                 break  # the store scans in key order
             merged[it.decode()] = v
-        layers = [self.overlay.get(e), self.fast_layer.get(e) if self.fast_layer is not None else None]
-        b = self.buffers.get(tid)
-        layers.append(b.get(e) if b is not None else None)
         for layer in layers:
             if layer:
                 for it, v in layer.items():
@@ -758,8 +773,15 @@ class PartitionUnit:
         self._out.events = self.emitted
         if timer_items:  # index_delta looks at timer items only
             delta.update(_timers.index_delta(self.store.get, timer_items))
-        self.store.commit(self.epoch, delta)
-        self._out.next_due = _timers.next_due(self.store.scan(_timers.INDEX_PREFIX))
+        store = self.store
+        due = self._due
+        # an empty delta leaves the timer index as the last finalize found it (nothing else writes the store)
+        same = not delta and due is not None and due[0] == getattr(store, "epoch", None)
+        store.commit(self.epoch, delta)
+        nxt = due[1] if same else _timers.next_due(store.scan(_timers.INDEX_PREFIX))  # type: ignore[index]
+        self._out.next_due = nxt
+        if self.sole_writer:
+            self._due = (getattr(store, "epoch", None), nxt)  # type: ignore[assignment]
         self._clear(self.epoch)
         self._live_clear()
         return len(delta)

@@ -177,17 +177,19 @@ class LocalExchange:
 
     A partition with an empty inbox in a plain dry-run round (no apply, reset, fast replay, timers, prior
     or finalize) is not stepped: such a step changes nothing (its scratch is the epoch's, cleared at the
-    last finalize, or left as it is) and reports nothing, so an empty output stands for it."""
+    last finalize, or left as it is) and reports nothing, so the round returns no output for it (the
+    coordinator merges the outputs it gets, in any number; an empty one would add nothing)."""
 
     def __init__(self, units: list[PartitionUnit]) -> None:
         self.units = units
         for u in units:  # kept between rounds: the call-graph cache stays in each unit
             u.report_cache = False
+            u.sole_writer = True  # the runtime writes its stores only through the units (bulk loads aside)
         self.partitions = len(units)
 
     def round(self, control: Control, inboxes: list[list[Invoke | ReplyMsg]]) -> list[RoundOutput]:
         if _plain(control):
-            return [u.step(control, box) if box else RoundOutput() for u, box in zip(self.units, inboxes, strict=True)]
+            return [u.step(control, box) for u, box in zip(self.units, inboxes, strict=True) if box]
         return [u.step(control, box) for u, box in zip(self.units, inboxes, strict=True)]
 
 
@@ -274,6 +276,9 @@ class InProcessRuntime(control.Controllable):
         self.replayed_epochs = 0  # durable mode: epochs replayed from the input log at recovery
         self.failed: BaseException | None = None  # set when an epoch could not be logged or run
         self._queue: list[Request] = []
+        # service mode (volatile): the last epoch, its replies delivered, with its finalize still to run (_finish)
+        self._unfinalized: EpochResult | None = None
+        self._finish_lock = threading.Lock()
         self._futures: dict[str, asyncio.Future[Reply]] = {}
         self._waiters: dict[str, list[asyncio.Future[Reply]]] = {}  # more callers of a request already waiting
         self._replies: OrderedDict[str, Reply] = OrderedDict()
@@ -340,6 +345,7 @@ class InProcessRuntime(control.Controllable):
     @property
     def streams(self) -> StreamLog:
         """The output streams ``ctx.emit`` appends to (one atom per epoch and stream; see charon.log.streams)."""
+        self._finish()  # a reply's waiter reading at once finds its epoch's atom
         with _STREAMS_LOCK:  # created once, also when the gateway's read threads ask first
             return self._open_streams()
 
@@ -388,6 +394,7 @@ class InProcessRuntime(control.Controllable):
         """
         if partitions < 1:
             raise ValueError("partitions must be at least 1")
+        self._finish()
         t0, c0 = time.perf_counter(), time.process_time()
         old = self.partitions
         parts: list[list[tuple[bytes, bytes]]] = [[] for _ in range(partitions)]
@@ -439,6 +446,7 @@ class InProcessRuntime(control.Controllable):
 
     # -- state --------------------------------------------------------------------------------------
     def _store_of(self, operator: str, key: str) -> MemoryStore:
+        self._finish()
         return self.stores[partition_of(operator, key, self.partitions)]
 
     def load(self, operator: str | Operator, values: dict[str, Any] | Iterable[tuple[str, Any]]) -> None:
@@ -458,6 +466,8 @@ class InProcessRuntime(control.Controllable):
             data[store_key(op, key, "\x01" + name)] = serde.encode(value)
 
     def _check_loadable(self) -> None:
+        for u in self.units:  # a bulk load writes the stores beside the units: no next due time is reused
+            u._due = None
         if self.node is not None:
             if self.epoch > 0 or not self.node.is_fresh():
                 raise RuntimeError("bulk load is only possible into a fresh data directory, before epoch 0")
@@ -482,11 +492,13 @@ class InProcessRuntime(control.Controllable):
 
     def pending_timers(self) -> list[Timer]:
         """Every committed pending timer, by due time (then id)."""
+        self._finish()
         out = [_timers.decode(v) for s in self.stores for _, v in s.scan(_timers.INDEX_PREFIX)]
         return sorted(out, key=lambda t: (t.due, t.id))
 
     def entities(self, operator: str | Operator) -> dict[str, Any]:
         """All committed main values of one operator (for checks in tests and benchmarks)."""
+        self._finish()
         op = operator.name if isinstance(operator, Operator) else operator
         out = {}
         for s in self.stores:
@@ -498,6 +510,7 @@ class InProcessRuntime(control.Controllable):
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state as store keys (sorted)."""
+        self._finish()
         merged: dict[bytes, bytes] = {}
         for s in self.stores:
             merged.update(s.items())
@@ -520,10 +533,16 @@ class InProcessRuntime(control.Controllable):
             requests, self._log_end, now = self.node.log_epoch(self.epoch, requests, now)
         return self._run_logged(requests, time.time() if now is None else now)
 
-    def _run_logged(self, requests: list[Request], now: float) -> EpochResult:
-        """Run one epoch whose batch (and time) is logged (durable mode) or needs no log (volatile)."""
-        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now)
-        if result.events:  # idempotent by epoch: a replayed epoch appends nothing again
+    def _run_logged(self, requests: list[Request], now: float, defer: bool = False) -> EpochResult:
+        """Run one epoch whose batch (and time) is logged (durable mode) or needs no log (volatile).
+
+        ``defer`` (volatile service mode): leave the epoch's finalize round for :meth:`_finish`, so the loop
+        can hand the replies (already decided and delivered) to their waiters first."""
+        self._finish()
+        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now, defer=defer)
+        if result.finalize is not None:
+            self._unfinalized = result
+        elif result.events:  # idempotent by epoch: a replayed epoch appends nothing again
             self.streams.append_atom(self.epoch, [(s, v) for _, s, v in result.events])
         if self.node is not None:
             c = self.coordinator
@@ -537,6 +556,31 @@ class InProcessRuntime(control.Controllable):
         if len(stats) > self._stats_kept:
             del stats[: len(stats) - self._stats_kept]
         return result
+
+    def _finish(self) -> None:
+        """Run the finalize the last epoch deferred (if any): its writes reach the stores, its events the streams.
+
+        Everything that reads committed state calls this first (also from a gateway thread, hence the lock),
+        so a reply's waiter that reads state at once sees its transaction's writes."""
+        if self._unfinalized is None:
+            return
+        with self._finish_lock:  # cleared once done: a reader in another thread waits for a finalize running
+            result = self._unfinalized
+            if result is None:
+                return
+            fin: dict[str, float] = {}
+            t0 = time.perf_counter()
+            try:
+                self.coordinator.next_due = self.coordinator.finalize(result, fin)
+            finally:
+                self._unfinalized = None
+            fin["finalize_ms"] = (time.perf_counter() - t0) * 1000.0
+            last = self.epoch_stats[-1] if self.epoch_stats else None
+            if last is not None and last.get("epoch") == result.epoch:  # the epoch's record includes its finalize
+                for k, v in fin.items():
+                    last[k] = last.get(k, 0) + v
+            if result.events:
+                self.streams.append_atom(result.epoch, [(s, v) for _, s, v in result.events])
 
     def _run_parked(self) -> None:
         """Run the epochs logged while paused (durable mode), in log order."""
@@ -771,12 +815,21 @@ class InProcessRuntime(control.Controllable):
             batch = self._queue[:limit]
             del self._queue[: len(batch)]
             t0 = time.perf_counter()
+            yielded = False
             try:
                 if self._parked:
                     self._queue[:0] = batch
                     self._run_parked()
                 elif self.node is None:
-                    self.run_epoch(batch)
+                    # The finalize waits until the replies' waiters ran (one loop pass): it is off their latency.
+                    # The gate stays held until it ran, so control operations still see a finished boundary.
+                    self._run_logged(batch, time.time(), defer=self.coordinator.previous is None)
+                    if self._unfinalized is not None:
+                        t1 = time.perf_counter()
+                        await asyncio.sleep(0)
+                        yielded = True
+                        t0 += time.perf_counter() - t1  # the sizer measures the epoch, not the waiters
+                        self._finish()
                 else:  # the batch is committed to the input log off the loop, then the epoch runs
                     batch, self._log_end, now = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
                     self._run_logged(batch, now)
@@ -790,7 +843,8 @@ class InProcessRuntime(control.Controllable):
                 last["wait_ms"] = wait * 1000.0  # the batching window this epoch waited (0: started at once)
             self.sizer.observe(len(batch), time.perf_counter() - t0, self._arrived, int(last.get("conflicts", 0)))
             self._arrived = 0
-            await asyncio.sleep(0)
+            if not yielded:
+                await asyncio.sleep(0)
 
     # -- control (charon.runtime.control; pause/resume/control_status: control.Controllable) -----------
     async def run_alone(
@@ -819,6 +873,7 @@ class InProcessRuntime(control.Controllable):
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
     ) -> tuple[int, dict[bytes, bytes]]:
         """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch (:mod:`charon.runtime.control`)."""
+        self._finish()
         return await control.inprocess_inspect(self, operator, keys, epoch, limit)
 
     async def sql(
@@ -827,6 +882,7 @@ class InProcessRuntime(control.Controllable):
     ) -> dict[str, Any]:
         """One safe SELECT over the operators' state at one committed epoch, answered by SQLite
         (:mod:`charon.runtime.sqlstate`): ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
+        self._finish()
         return await control.inprocess_sql(self, query, epoch, max_rows, timeout_s, max_entities)
 
 

@@ -1,0 +1,120 @@
+"""Cost of one-request Deathstar epochs (the in-process engine at low rates: every request is its own epoch).
+
+    .venv/bin/python benchmarks/deathstar_epoch_cost.py                     # CPU µs per epoch, by request kind
+    .venv/bin/python benchmarks/deathstar_epoch_cost.py --perf              # + user instructions per epoch
+    .venv/bin/python benchmarks/deathstar_epoch_cost.py --src /tmp/before   # another checkout (before/after)
+    .venv/bin/python benchmarks/deathstar_epoch_cost.py --profile           # cProfile of the mix
+
+Kinds: ``mix`` (the travel mix), ``search``, ``dis`` (recommend by distance), ``rp`` (recommend by rate or
+price). CPU time is disturbed by a shared machine; ``--perf`` counts instructions (``perf stat -e
+instructions:u``) of two runs that differ only in their number of epochs, so start-up cancels out (run with
+``PYTHONHASHSEED=0`` for counts stable to ~1%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+
+def _use_src(src: str | None) -> None:
+    if src:
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
+                            and "editable" not in getattr(f, "__name__", "").lower()]
+        sys.path.insert(0, src)
+
+
+def _wanted(kind: str, fn: str, args: list) -> bool:
+    if kind == "mix":
+        return True
+    if kind == "search":
+        return fn == "search"
+    if kind == "dis":
+        return fn == "recommend" and args[2] == "dis"
+    return fn == "recommend" and args[2] != "dis"  # rp
+
+
+def run(src: str | None, kinds: list[str], epochs: int, profile: bool) -> dict[str, float]:
+    """CPU µs per one-request epoch of each kind (200 warm-up epochs first)."""
+    _use_src(src)
+    import cProfile
+    import gc
+    import pstats
+
+    from charon import serde
+    from charon.apps import deathstar
+    from charon.messages import Request
+    from charon.runtime.inprocess import InProcessRuntime
+
+    rt = InProcessRuntime(deathstar.app, partitions=4)
+    for op, key, value, items in deathstar.populate():
+        if value is not None:
+            rt.load(op, {key: value})
+        if items:
+            rt.load_items(op, key, items)
+    out = {}
+    rng = random.Random(1)
+    for kind in kinds:
+        batches = []
+        while len(batches) < epochs + 200:
+            op, key, fn, args = deathstar.next_request(rng)
+            if _wanted(kind, fn, args):
+                batches.append([Request(uuid.uuid4().hex, op, key, fn, serde.encode(args))])
+        for b in batches[:200]:
+            rt.run_epoch(b)
+        gc.collect()
+        gc.freeze()
+        pr = cProfile.Profile() if profile else None
+        if pr is not None:
+            pr.enable()
+        t = time.process_time()
+        for b in batches[200:]:
+            rt.run_epoch(b)
+        out[kind] = (time.process_time() - t) / epochs * 1e6
+        if pr is not None:
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+    return out
+
+
+def instructions(src: str | None, kind: str, epochs: int) -> float | None:
+    """User instructions per epoch: perf stat of (epochs + 500) minus 500 epochs."""
+    perf = shutil.which("perf")
+    if perf is None:
+        return None
+    counts = []
+    for n in (500, 500 + epochs):
+        cmd = [perf, "stat", "-x,", "-e", "instructions:u", sys.executable, __file__, "--kinds", kind,
+               "--epochs", str(n)] + (["--src", src] if src else [])
+        err = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ).stderr
+        line = next(x for x in err.splitlines() if "instructions" in x)
+        counts.append(int(line.split(",")[0]))
+    return (counts[1] - counts[0]) / epochs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--src", help="a checkout to import charon from (default: the installed one)")
+    ap.add_argument("--kinds", default="mix,search,dis,rp")
+    ap.add_argument("--epochs", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--perf", action="store_true", help="also count user instructions per epoch (perf stat)")
+    a = ap.parse_args()
+    kinds = a.kinds.split(",")
+    for kind, us in run(a.src, kinds, a.epochs, a.profile).items():
+        line = f"{kind}: {us:.1f} us CPU per one-request epoch"
+        if a.perf:
+            ins = instructions(a.src, kind, 1500)
+            line += f", {ins:,.0f} user instructions per epoch" if ins is not None else " (no perf)"
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
