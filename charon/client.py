@@ -30,7 +30,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -621,12 +621,12 @@ class AsyncClient(_Base):
         self._next = itertools.count()
         self._timeout = {"timeout": httpx.Timeout(timeout).as_dict()}
 
-    async def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def _retrying(self, once: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+        """``once()`` again (with back-off, up to ``retries`` times) on a transport error or a retryable answer."""
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
-                http = self._shards[next(self._next) % len(self._shards)]
-                resp = await http.request(method, path, **kw)
+                resp = await once()
             except httpx.TransportError as exc:
                 last = exc
             else:
@@ -637,30 +637,27 @@ class AsyncClient(_Base):
         assert last is not None
         raise last
 
+    async def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        return await self._retrying(lambda: self._shards[next(self._next) % len(self._shards)].request(
+            method, path, **kw))
+
     async def _post(self, path: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
         """``POST path`` straight through a shard's transport (the invoke hot path): the same pools, retries,
         timeouts and httpx errors as :meth:`_send`, without the httpx client's per-request work (URL merging,
         cookies, auth and redirect handling, event hooks), about a third of a request's client CPU."""
         url = self.url + path
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
+
+        async def once() -> httpx.Response:
+            transport = self._transports[next(self._next) % len(self._transports)]
+            req = httpx.Request("POST", url, content=content, headers=headers, extensions=self._timeout)
+            resp = await transport.handle_async_request(req)
             try:
-                transport = self._transports[next(self._next) % len(self._transports)]
-                req = httpx.Request("POST", url, content=content, headers=headers, extensions=self._timeout)
-                resp = await transport.handle_async_request(req)
-                try:
-                    await resp.aread()
-                finally:
-                    await resp.aclose()
-            except httpx.TransportError as exc:
-                last = exc
-            else:
-                if not _retryable(resp) or attempt == self.retries:
-                    return resp
-            if attempt < self.retries:
-                await asyncio.sleep(_backoff(attempt))
-        assert last is not None
-        raise last
+                await resp.aread()
+            finally:
+                await resp.aclose()
+            return resp
+
+        return await self._retrying(once)
 
     async def invoke_result(
         self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
