@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from natsfix import NatsServer
 
-from charon.log.nats import NatsInputLog, NatsLogError, NatsOutputLog
+from charon.log.nats import COUNTS_REFRESH_S, NatsInputLog, NatsLogError, NatsOutputLog
 from charon.messages import Reply, Request
 from charon.serde import encode
 
@@ -90,13 +90,19 @@ def _req_bytes(rid: str) -> bytes:
 
 # -- SIGKILL under load ----------------------------------------------------------------------------
 
-def _appender(url: str, worker: int, n: int, batch: int, ack_path: str) -> None:
-    """Append ids w<worker>-<i> in batches, retrying each batch until it is taken; ack it to a file."""
+def _appender(url: str, worker: int, n: int, batch: int, ack_path: str, gate: str | None = None,
+              pause_s: float = 0.0) -> None:
+    """Append ids w<worker>-<i> in batches, retrying each batch until it is taken; ack it to a file. With ``gate``,
+    the second half waits until that file exists, then goes on a batch every ``pause_s``."""
     done = set(Path(ack_path).read_text().split()) if os.path.exists(ack_path) else set()
     log = NatsInputLog(url, timeout_s=2.0)
     with open(ack_path, "a") as acks:
         i = 0
         while i < n:
+            if gate is not None and i >= n // 2:
+                while not os.path.exists(gate):
+                    time.sleep(0.01)
+                time.sleep(pause_s)
             ids = [f"w{worker}-{j}" for j in range(i, min(n, i + batch))]
             i += batch
             if all(x in done for x in ids):
@@ -194,7 +200,9 @@ def test_resize_under_load_from_appenders_in_other_processes(server: NatsServer,
     ctx = mp.get_context("spawn")
     n, workers = 600, 3
     acks = [str(tmp_path / f"acks{w}") for w in range(workers)]
-    procs = [ctx.Process(target=_appender, args=(url, w, n, 1 + 4 * (w % 2), acks[w])) for w in range(workers)]
+    gate = str(tmp_path / "grown")  # the second halves wait for the growth, then append for ~3 s (> COUNTS_REFRESH_S)
+    procs = [ctx.Process(target=_appender, args=(url, w, n, 1 + 4 * (w % 2), acks[w], gate, 0.01))
+             for w in range(workers)]
     for p in procs:
         p.start()
 
@@ -208,6 +216,9 @@ def test_resize_under_load_from_appenders_in_other_processes(server: NatsServer,
             assert time.monotonic() < deadline, "the appenders made no progress"
             time.sleep(0.02)
         assert log.resize(count) == (4, count)
+        Path(gate).touch()
+        if count == 4:  # the paced second halves run with the grown log for longer than a handle's refresh period
+            time.sleep(2 * COUNTS_REFRESH_S)
     for p in procs:
         p.join(180)
         assert p.exitcode == 0
