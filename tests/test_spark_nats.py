@@ -74,7 +74,10 @@ async def _invoke_all(url: str, calls: list[tuple[str, str, list, str]]) -> dict
         raise AssertionError(f"{tag} was never answered")
 
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        await asyncio.gather(*(one(client, *c) for c in calls))
+        try:  # bounded: a runtime that stopped answering fails here, with what was answered, not at the test timeout
+            await asyncio.wait_for(asyncio.gather(*(one(client, *c) for c in calls)), 300)
+        except TimeoutError:
+            raise AssertionError(f"{len(calls) - len(out)} of {len(calls)} calls unanswered after 300 s") from None
     return out
 
 
@@ -120,6 +123,64 @@ def test_spark_driver_and_remote_gateway_over_nats(tmp_path: Path) -> None:
         ok = [t for t in replies if replies[t]["http"] == 200]
         assert len(ok) > 40
         # each acknowledged transfer executed exactly once, the refused ones not at all
+        want = {f"a{i}": 100 for i in range(N)}
+        for key, _, args, tag in transfers:
+            if replies[tag]["http"] == 200:
+                want[key] -= args[1]
+                want[args[0]] += args[1]
+        assert balances == want, (balances, want)
+        counts: dict[str, int] = {}
+        for _, rep in rt.output_log.read_since(0, limit=10**6):
+            counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
+        assert all(counts.get(t) == 1 for t in replies), "each request answered exactly once"
+    finally:
+        if gw is not None:
+            gw.kill()
+        rt.close()
+        nats.kill()
+
+
+@pytest.mark.timeout(600)
+def test_a_long_log_outage_is_not_a_deterministic_failure(tmp_path: Path) -> None:
+    """nats-server gone for longer than every NATS timeout, several times, while requests flow: the driver
+    reports it (health not ok, the error names the log) and resumes when the log is back; it never gives up as if
+    an epoch had failed deterministically (``epoch_max_failures``), and nothing acknowledged is lost or run twice."""
+    nats = NatsServer(tmp_path / "nats").start()
+    log_url = f"{nats.url}/ycsb{uuid.uuid4().hex[:6]}"
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path / "driver"), partitions=2, log_url=log_url,
+                      max_batch=200, idle_wait_ms=200, epoch_max_failures=2, restart_backoff_s=0.2)
+    rt = SparkRuntime("charon.apps.ycsb:app", cfg)
+    gw: RemoteGateway | None = None
+    try:
+        rt.start()
+        gw = RemoteGateway(log_url, tmp_path)
+        seed = asyncio.run(_invoke_all(gw.url, [(f"a{i}", "deposit", [100], f"seed{i}") for i in range(N)]))
+        assert all(b["http"] == 200 for b in seed.values())
+        transfers = [(f"a{i % N}", "transfer", [f"a{(i * 3 + 1) % N}", 1 + i % 4], f"t{i}") for i in range(60)]
+        seen_down: list[dict] = []
+
+        async def outages() -> dict[str, dict]:
+            task = asyncio.ensure_future(_invoke_all(gw.url, transfers))
+            for _ in range(2):
+                await asyncio.sleep(0.5)
+                nats.kill()
+                for _ in range(25):  # 25 s: longer than any NATS operation's timeout (10-31 s), failing epochs
+                    await asyncio.sleep(1)
+                    seen_down.append(rt.health())
+                nats.start()
+            return await asyncio.wait_for(task, 400)
+
+        replies = asyncio.run(outages())
+        assert len(replies) == 60
+        h = rt.health()
+        assert h["fatal"] is None and h["status"] in ("ok", "recovering"), h
+        assert any(not s["ok"] for s in seen_down), "the outage was never reported by health()"
+        rt.wait_idle(180)
+        deadline = time.monotonic() + 60  # the supervisor polls the log (at most every 5 s), then restarts
+        while not rt.health()["ok"]:
+            assert time.monotonic() < deadline, rt.health()
+            time.sleep(0.2)
+        balances = {f"a{i}": rt.read_state("account", f"a{i}", 0) for i in range(N)}
         want = {f"a{i}": 100 for i in range(N)}
         for key, _, args, tag in transfers:
             if replies[tag]["http"] == 200:

@@ -73,7 +73,7 @@ from charon.log.offsets import pad_offsets
 from charon.messages import Reply, Request
 from charon.serde import decode_reply, decode_request, encode_reply, encode_request
 
-__all__ = ["NatsInputLog", "NatsLogError", "NatsOutputLog", "is_nats_url", "parse_nats_url"]
+__all__ = ["NatsInputLog", "NatsLogError", "NatsLogUnreachable", "NatsOutputLog", "is_nats_url", "parse_nats_url"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -90,6 +90,16 @@ class NatsLogError(OSError, EngineUnavailable):
 
     An ``OSError`` (the log client retries appends on it, as for a locked SQLite file) and an
     :class:`~charon.errors.EngineUnavailable` (the gateway answers 503 with ``Retry-After``)."""
+
+
+class NatsLogUnreachable(NatsLogError):
+    """The NATS server did not answer in time or the connection is down: an outage of the log, not a fault of
+    what was asked (the Spark supervisor waits for the log instead of counting it as an epoch's failure)."""
+
+
+_UNREACHABLE = ("ConnectionClosedError", "ConnectionReconnectingError", "NoServersError", "StaleConnectionError",
+                "UnexpectedEOF", "OutboundBufferLimitError", "NoRespondersError", "FlushTimeoutError",
+                "ServiceUnavailableError", "NoStreamResponseError")
 
 
 def is_nats_url(location: str | os.PathLike[str]) -> bool:
@@ -177,9 +187,10 @@ class _Client:
             return fut.result(t)
         except TimeoutError:
             fut.cancel()
-            raise NatsLogError(f"NATS server {self.server} did not answer within {t:.0f} s") from None
+            raise NatsLogUnreachable(f"NATS server {self.server} did not answer within {t:.0f} s") from None
         except nats.errors.Error as e:
-            raise NatsLogError(f"NATS log operation failed on {self.server}: {type(e).__name__}: {e}") from e
+            kind = NatsLogUnreachable if type(e).__name__ in _UNREACHABLE else NatsLogError
+            raise kind(f"NATS log operation failed on {self.server}: {type(e).__name__}: {e}") from e
 
     def release(self) -> None:
         with self._lock:

@@ -264,6 +264,7 @@ def make_session(config: SparkConfig) -> Any:
 
 _PY_ERROR = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception): .+")
 _WRAPPERS = ("py4j.", "org.apache.", "java.", "pyspark.errors.", "scala.")
+_LOG_OUTAGE_ERRORS = ("NatsLogUnreachable",)  # error names meaning "the log did not answer" (see _log_outage)
 
 
 def _short_error(e: BaseException) -> str:
@@ -865,7 +866,10 @@ class SparkRuntime(control.Controllable):
 
     def _supervise(self) -> None:
         """Restart the query from its checkpoint when it fails (back-off doubling from ``restart_backoff_s``);
-        give up loudly when the same epoch failed ``epoch_max_failures`` times (a deterministic failure)."""
+        give up loudly when the same epoch failed ``epoch_max_failures`` times (a deterministic failure).
+
+        A failure during an outage of the log (see :meth:`_log_outage`) is nobody's epoch's fault: it is not
+        counted; the supervisor waits until the log answers again, then restarts."""
         cfg = self.config
         while True:
             q = self._query
@@ -876,28 +880,47 @@ class SparkRuntime(control.Controllable):
                 q.awaitTermination()
             except BaseException as e:  # noqa: BLE001 - StreamingQueryException or a py4j error
                 err = e
+            outage = self._log_outage(err)
             with self._lock:
                 if self._query is not q or self._status == "stopped":
                     return  # stopped on purpose
                 epoch = self._last_recorded_epoch() + 1
-                n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
                 msg = _short_error(err) if err is not None else "the streaming query terminated"
-                self._last_error = f"epoch {epoch}: {msg}"
-                if n >= cfg.epoch_max_failures:
-                    self._fatal = f"epoch {epoch} failed {n} times, giving up: {msg}"
-                    self._status = "failed"
-                    print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
-                    return
-                self._status = "recovering"
-                print(f"charon: the streaming query failed at epoch {epoch} (failure {n} of at most "
-                      f"{cfg.epoch_max_failures}); restarting from the checkpoint: {msg}", file=sys.stderr, flush=True)
+                if outage is not None:
+                    n = 1
+                    self._last_error = f"epoch {epoch}: {outage}"
+                    self._status = "recovering"
+                    print(f"charon: the streaming query stopped at epoch {epoch} during an outage of the log "
+                          f"(not counted as a failure); restarting when the log answers: {outage}",
+                          file=sys.stderr, flush=True)
+                else:
+                    n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
+                    self._last_error = f"epoch {epoch}: {msg}"
+                    if n >= cfg.epoch_max_failures:
+                        self._fatal = f"epoch {epoch} failed {n} times, giving up: {msg}"
+                        self._status = "failed"
+                        print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                        return
+                    self._status = "recovering"
+                    print(f"charon: the streaming query failed at epoch {epoch} (failure {n} of at most "
+                          f"{cfg.epoch_max_failures}); restarting from the checkpoint: {msg}", file=sys.stderr,
+                          flush=True)
             # Restart; a restart that fails (e.g. its source's planning needs a Python worker Spark is still
             # replacing) is retried after the next back-off: awaiting the dead query again would count its old
             # failure once more and give up early.
+            waits = 0
             while True:
                 delay = min(30.0, cfg.restart_backoff_s * 2 ** (n - 1))
+                if outage is not None:  # poll the log until it answers (at most every 5 s)
+                    delay = min(5.0, cfg.restart_backoff_s * 2 ** min(waits, 10))
+                    waits += 1
                 if self._wake.wait(delay):
                     return
+                if outage is not None:
+                    still = self._log_outage(None)
+                    if still is not None:
+                        self._last_error = f"epoch {epoch}: {still}"
+                        continue
                 with self._lock:
                     if self._status == "stopped":
                         return
@@ -908,12 +931,30 @@ class SparkRuntime(control.Controllable):
                     except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch
                         self._last_error = f"restart: {_short_error(e)}"
                         print(f"charon: restarting the streaming query failed: {e}", file=sys.stderr, flush=True)
+                        outage = self._log_outage(e)
+                        if outage is not None:
+                            continue
                         n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
                         if n >= cfg.epoch_max_failures:
                             self._fatal = f"cannot restart the streaming query: {_short_error(e)}"
                             self._status = "failed"
                             print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
                             return
+
+    def _log_outage(self, err: BaseException | None) -> str | None:
+        """Why a query failure is an outage of the input/output log rather than the epoch's fault, or None.
+
+        Either the logs do not answer now, or the failure names an unreachable log (a NATS timeout or a lost
+        connection: ``NatsLogUnreachable``, possibly wrapped by Spark). The one rule for what the supervisor does
+        not count towards ``epoch_max_failures``."""
+        try:
+            self.input_log.end_offsets()
+            self.output_log.last_seq()
+        except OSError as e:
+            return f"the log is unavailable: {type(e).__name__}: {e}"
+        if err is not None and any(name in str(err) for name in _LOG_OUTAGE_ERRORS):
+            return f"the log did not answer: {_short_error(err)}"
+        return None
 
     def _caught_up(self) -> bool:
         rec = self.read_record(self._last_recorded_epoch())
@@ -927,8 +968,12 @@ class SparkRuntime(control.Controllable):
         q = self._query
         if status == "ok" and q is not None and not q.isActive:
             status = "recovering"  # terminated; the supervisor is about to notice
-        elif status == "recovering" and q is not None and q.isActive and self._caught_up():
-            status = self._status = "ok"  # restarted, and nothing was left to replay
+        elif status == "recovering" and q is not None and q.isActive:
+            try:
+                if self._caught_up():
+                    status = self._status = "ok"  # restarted, and nothing was left to replay
+            except OSError as exc:  # the log does not answer: still recovering, and saying why
+                self._last_error = f"the log is unavailable: {type(exc).__name__}: {exc}"
         return {"status": status, "ok": status == "ok", "epoch": self._last_recorded_epoch(),
                 "last_error": self._last_error, "restarts": self._restarts, "fatal": self._fatal,
                 "unconfirmed_epoch": self._unconfirmed}
