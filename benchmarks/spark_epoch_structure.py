@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     out = Path(a.out)
     name = "spark_epoch_structure" + (f"_{a.label}" if a.label else "")
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=float))
     import matplotlib
 
