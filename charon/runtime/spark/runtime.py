@@ -27,6 +27,7 @@ import pickle
 import re
 import shutil
 import signal
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -52,6 +53,7 @@ from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime import control
+from charon.runtime.probe import LogProbe
 from charon.state.durable import DurableState, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 
@@ -799,6 +801,7 @@ class SparkRuntime(control.Controllable):
         self._next_due = last.next_due if last is not None else math.inf
         self._ticker: threading.Thread | None = None
         self.gate = control.EpochGate()  # pause/resume at an epoch boundary
+        self._log_probe = LogProbe(self.input_log, cfg.health_timeout_s)  # health() answers within its timeout
         if wanted != self.config.partitions:
             self.rescale(wanted)
 
@@ -950,33 +953,37 @@ class SparkRuntime(control.Controllable):
         try:
             self.input_log.end_offsets()
             self.output_log.last_seq()
-        except OSError as e:
+        except (OSError, sqlite3.Error) as e:  # sqlite3: "database is locked" (not an OSError) is transient too
             return f"the log is unavailable: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - never end the supervisor: the failure is counted instead
+            print(f"charon: probing the log failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            return None
         if err is not None and any(name in str(err) for name in _LOG_OUTAGE_ERRORS):
             return f"the log did not answer: {_short_error(err)}"
         return None
 
-    def _caught_up(self) -> bool:
+    def _caught_up(self, log_ends: list[int] | None = None) -> bool:
         rec = self.read_record(self._last_recorded_epoch())
-        ends, target = pad_pair(rec.ends if rec is not None else [], self.input_log.end_offsets())
+        log_ends = self.input_log.end_offsets() if log_ends is None else log_ends
+        ends, target = pad_pair(rec.ends if rec is not None else [], log_ends)
         return not (rec is not None and rec.deferred) and all(e >= t for e, t in zip(ends, target, strict=True))
 
     def health(self) -> dict[str, Any]:
         """The runtime's state: ``status`` (ok, starting, recovering, failed, stopped), the last recorded
-        epoch, the last error and the number of query restarts; ``ok`` is true only when serving."""
+        epoch, the last error and the number of query restarts; ``ok`` is true only when serving and the
+        input log answers. ``log_error`` says why the log does not (unreachable, or no answer within
+        ``health_timeout_s``: health never waits for a hung log longer than that)."""
+        probe = self._log_probe.check()
         status = self._status
         q = self._query
         if status == "ok" and q is not None and not q.isActive:
             status = "recovering"  # terminated; the supervisor is about to notice
-        elif status == "recovering" and q is not None and q.isActive:
-            try:
-                if self._caught_up():
-                    status = self._status = "ok"  # restarted, and nothing was left to replay
-            except OSError as exc:  # the log does not answer: still recovering, and saying why
-                self._last_error = f"the log is unavailable: {type(exc).__name__}: {exc}"
-        return {"status": status, "ok": status == "ok", "epoch": self._last_recorded_epoch(),
-                "last_error": self._last_error, "restarts": self._restarts, "fatal": self._fatal,
-                "unconfirmed_epoch": self._unconfirmed}
+        elif status == "recovering" and q is not None and q.isActive and probe.ends is not None:
+            if self._caught_up(probe.ends):
+                status = self._status = "ok"  # restarted, and nothing was left to replay
+        return {"status": status, "ok": status == "ok" and probe.ok, "epoch": self._last_recorded_epoch(),
+                "last_error": self._last_error, "log_error": probe.error, "restarts": self._restarts,
+                "fatal": self._fatal, "unconfirmed_epoch": self._unconfirmed}
 
     def stop(self) -> None:
         """Stop between epochs: no new epoch starts (its batch is left uncommitted, to run after a restart),
