@@ -144,10 +144,10 @@ def _partitions(runtime: Any) -> int | None:
 
 def _rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | None = None) -> dict[str, Any]:
     """One shape for both runtimes' rescale answers (Spark: a dict; in-process: the pause, details recorded;
-    None: no engine rescale); ``log``: the input log's resize, if one was asked."""
-    if out is None:
-        info: dict[str, Any] = {}
-    elif isinstance(out, dict):
+    None: no engine rescale, the answer is ``{"log": ...}`` alone); ``log``: the input log's resize, if asked."""
+    if out is None:  # only the log was resized: say only that (no engine fields, null as if it had failed)
+        return {"log": log}
+    if isinstance(out, dict):
         info = dict(out)
     else:
         pauses = getattr(runtime, "rescale_pauses", None) or [{}]
