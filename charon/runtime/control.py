@@ -30,12 +30,17 @@ from charon.log.offsets import pad_pair
 from charon.state.durable import DurableState, DurableStateError, write_file_atomic
 from charon.state.store import MemoryStore
 
-__all__ = ["Controllable", "EpochGate", "GateClosed", "EpochNotRetained", "read_durable", "read_stores",
+__all__ = ["Controllable", "EpochGate", "GateClosed", "GatePaused", "EpochNotRetained", "read_durable", "read_stores",
            "decode_entities"]
 
 
 class GateClosed(CharonError):
     """The runtime stopped while an epoch waited at a closed gate (the epoch did not run)."""
+
+
+class GatePaused(CharonError):
+    """The runtime is paused (its epoch gate closed) and the operation needs epochs to run: refused at once
+    instead of waiting for a resume until its timeout (HTTP 409 ``Paused``); nothing was changed."""
 
 
 class EpochNotRetained(CharonError):
@@ -602,10 +607,26 @@ def _update_outcome(update_id: str, reqs: list[Any], replies: list[Any], epochs:
             "aborted": aborted, "epochs": epochs or seen, "repeated": repeated}
 
 
-async def _until(rt: Any, pred: Any, what: str, deadline: float) -> None:
+def _paused(rt: Any) -> bool:
+    """Whether the next epoch would wait at the gate (paused now, or its pause-after epoch is done)."""
+    return rt.gate.closed_for(rt._last_recorded_epoch() + 1)
+
+
+def refuse_if_paused(rt: Any, what: str) -> None:
+    """Raise :class:`GatePaused` when ``rt`` is paused: ``what`` needs epochs to run (before anything of it is
+    recorded or logged), and none will until a resume."""
+    if _paused(rt):
+        raise GatePaused(f"the runtime is paused: {what} needs epochs to run; resume it first (nothing was changed)")
+
+
+async def _until(rt: Any, pred: Any, what: str, deadline: float, needs_epochs: bool = False) -> None:
+    """Wait for ``pred()``; ``needs_epochs``: only epochs make it true, so a pause refuses (GatePaused) at once
+    (use only where nothing was recorded yet)."""
     while not await asyncio.to_thread(pred):
         if rt._fatal is not None:
             raise GateClosed(f"the runtime stopped: {rt._fatal}")
+        if needs_epochs and await asyncio.to_thread(_paused, rt):
+            raise GatePaused(f"the runtime is paused while waiting for {what}; resume it first (nothing was changed)")
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
@@ -623,7 +644,7 @@ async def _spark_alone(rt: Any, deadline: float) -> AsyncIterator[None]:
         hold.clear()
         try:
             await _until(rt, lambda: rt.__dict__.get("_submitting", 0) == 0 and rt._caught_up(),
-                         "the accepted requests", deadline)
+                         "the accepted requests", deadline, needs_epochs=True)
             yield
         finally:
             hold.set()
@@ -666,6 +687,7 @@ async def spark_run_alone(
     ``__charon_admin:<id>:<key>``: the log and the output log make them run once) and run by epochs that hold
     nothing else, then submissions continue."""
     deadline = time.monotonic() + timeout
+    refuse_if_paused(rt, f"admin update {update_id}")
     async with _spark_alone(rt, deadline):
         return await _spark_update_epochs(rt, update_id, operator, function, args, keys, deadline)
 
@@ -753,7 +775,7 @@ async def _spark_update_compatible(rt: Any, ref: str, version: str, deadline: fl
     async with lock:
         # at most two versions at once: the transactions still deferred on the oldest code finish first
         await _until(rt, lambda: rt._code_previous is None, "the transactions deferred on the oldest code",
-                     deadline)
+                     deadline, needs_epochs=True)
         await asyncio.to_thread(ship_app_module, rt.spark, ref)
         async with _spark_boundary(rt, deadline):
             return await _switch_compatible(rt, ref, app, version, hist)
@@ -799,7 +821,11 @@ async def spark_update_code(
     ``ref`` from e on, while a transaction deferred before e (a lower TID) finishes on the old code, kept
     until no such transaction is left (:func:`spark_retire_previous`; a reply's ``code_version`` says which
     it ran). A restart reads the same from ``code.json`` and the last epoch record. A second compatible
-    update first waits for the transactions still deferred on the oldest code: at most two versions run."""
+    update first waits for the transactions still deferred on the oldest code: at most two versions run.
+
+    While the runtime is paused: a compatible update applies at once (a paused gate is an epoch boundary)
+    unless it must wait for deferred transactions; a strict one applies at once when nothing logged is left to
+    run and it has no migration. Otherwise it raises :class:`GatePaused` at once, nothing changed."""
     if mode not in ("strict", "compatible"):
         raise ValueError(f"mode must be 'strict' or 'compatible', not {mode!r}")
     deadline = time.monotonic() + timeout
@@ -809,7 +835,11 @@ async def spark_update_code(
         return await _spark_update_compatible(rt, ref, version, deadline)
     app = load_app_ref(ref)
     hist = spark_code_history(rt)
+    if migration is not None:  # it runs in epochs of its own after the switch: refuse before recording anything
+        refuse_if_paused(rt, "a strict code update's migration")
     async with _spark_alone(rt, deadline):
+        if migration is not None:
+            refuse_if_paused(rt, "a strict code update's migration")
         e = rt._last_recorded_epoch() + 1
         uid = f"code-{len(hist)}-{version}"
         mig = None if migration is None else [uid + "?", migration[0], migration[1], list(migration[2])]

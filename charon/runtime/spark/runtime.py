@@ -64,6 +64,15 @@ class _Stopping(Exception):
     """Raised into a micro-batch that would start while the runtime stops (the batch stays uncommitted)."""
 
 
+class RescaleIncomplete(EngineUnavailable):
+    """A combined rescale moved the engine partitions (``moved``: that answer) but could not resize the input log
+    (it did not answer): the layout records the engine's new count and the log's old one; retry the log part."""
+
+    def __init__(self, message: str, moved: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.moved = moved
+
+
 class LayoutMismatch(CharonError):
     """The configured partition layout differs from the one the checkpoint was created with."""
 
@@ -1013,8 +1022,13 @@ class SparkRuntime(control.Controllable):
     def rescale(self, partitions: int | None = None, timeout: float = 300.0, *, log_partitions: int | None = None,
                 ) -> dict[str, Any]:
         """Change the number of engine partitions at an epoch boundary, the streaming query running or not;
-        with ``log_partitions``, first change the input log's partition count (:meth:`rescale_log`, no pause;
+        with ``log_partitions``, then change the input log's partition count (:meth:`rescale_log`, no pause;
         its answer is merged in under ``log``). ``partitions=None``: the engine partitions stay.
+
+        Refused at once with :class:`~charon.errors.EngineUnavailable` (HTTP 503, ``Retry-After``) while the
+        query is recovering or failed, or while the input log does not answer. The engine part runs first: a
+        ``TimeoutError`` leaves nothing changed (the log is not resized); a log resize that fails after the
+        engine moved raises :class:`RescaleIncomplete` naming what moved (``moved``: the engine's answer).
 
         Entities map to fixed key groups (:data:`charon.core.routing.KEY_GROUPS`), groups to partitions
         (``group % partitions``). A running runtime closes its epoch gate: the running epoch finishes (a
@@ -1038,11 +1052,30 @@ class SparkRuntime(control.Controllable):
             raise ValueError("log_partitions must be at least 1")
         if partitions is None and log_partitions is None:
             raise ValueError("give partitions, log_partitions or both")
-        log_info = self.rescale_log(log_partitions) if log_partitions is not None else None
-        if partitions is None:
-            return {"log": log_info}
-        info = self._rescale_engine(partitions, timeout)
-        return info if log_info is None else {**info, "log": log_info}
+        # the engine first: its only failure, no boundary within ``timeout``, then leaves nothing changed
+        info = self._rescale_engine(partitions, timeout) if partitions is not None else None
+        if log_partitions is None:
+            return info  # type: ignore[return-value]
+        try:
+            log_info = self.rescale_log(log_partitions)
+        except EngineUnavailable as exc:
+            if info is None:
+                raise
+            raise RescaleIncomplete(f"the engine partitions moved {info['from']} -> {info['to']} at epoch "
+                                    f"{info['epoch']}, but the input log was not resized: {exc}", info) from exc
+        return {"log": log_info} if info is None else {**info, "log": log_info}
+
+    def _check_serving(self, what: str) -> None:
+        """Refuse (:class:`~charon.errors.EngineUnavailable`, at once) a rescale the runtime cannot do now: the
+        query is being recovered or has failed (a move would race the supervisor's restart, or wait for a
+        boundary that may not come), or the input log does not answer within ``health_timeout_s``."""
+        status = self._status
+        if self._query is not None and status in ("recovering", "failed"):
+            raise EngineUnavailable(f"cannot {what} while the runtime is {status} ({self._last_error}); retry "
+                                    "when /health is ok")
+        probe = self._log_probe.check(fresh=True)
+        if probe.error is not None:
+            raise EngineUnavailable(f"cannot {what}: {probe.error}; retry when /health is ok")
 
     def rescale_log(self, log_partitions: int) -> dict[str, Any]:
         """Change the input log's partition count (= the sequencers) of a running deployment; no pause.
@@ -1060,16 +1093,22 @@ class SparkRuntime(control.Controllable):
         waits for it) and ``cpu_s``."""
         if log_partitions < 1:
             raise ValueError("log_partitions must be at least 1")
+        self._check_serving("resize the input log")
         with self._rescale_lock:
             t0, c0 = time.perf_counter(), time.process_time()
             old = self.input_log.counts()[1]
             epoch = self._last_recorded_epoch()
             with self._lock:
                 layout = read_layout(self.ckpt) or Layout(self.config.partitions, old)
-                write_file_atomic(os.path.join(self.ckpt, "layout.json"),
-                                  msgspec.json.encode(msgspec.structs.replace(layout, log_partitions=log_partitions)))
+                path = os.path.join(self.ckpt, "layout.json")
+                wanted = msgspec.structs.replace(layout, log_partitions=log_partitions)
+                write_file_atomic(path, msgspec.json.encode(wanted))
                 crash_point("log_relayout", epoch)  # recorded, the log not resized yet: the restart resizes it
-                physical, route = self.input_log.resize(log_partitions)
+                try:
+                    physical, route = self.input_log.resize(log_partitions)
+                except BaseException:  # the log did not switch (or not knowingly): the layout keeps the old count
+                    write_file_atomic(path, msgspec.json.encode(layout))
+                    raise
                 self.config = dataclasses.replace(self.config, log_partitions=route)
             crash_point("log_resized", epoch)
             info = {"from": old, "to": route, "physical": physical, "epoch": epoch,
@@ -1078,6 +1117,7 @@ class SparkRuntime(control.Controllable):
             return info
 
     def _rescale_engine(self, partitions: int, timeout: float) -> dict[str, Any]:
+        self._check_serving("rescale")
         with self._rescale_lock:
             t0 = time.perf_counter()
             running = self._query is not None and self._status != "stopped"

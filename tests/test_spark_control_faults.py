@@ -1,0 +1,115 @@
+"""Control operations on real PySpark when they cannot complete: a combined rescale whose engine part times out
+changes nothing (not even the log), a code update on a paused runtime answers at once (409 ``Paused`` or applied
+at the boundary), and a log-only rescale prints only the log's resize. Then the requests held meanwhile all run,
+once, and money is conserved."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from charon.cli import app as cli_app
+from charon.client import Client, Paused
+from charon.config import GatewayConfig, SparkConfig
+from charon.runtime.spark.runtime import SparkRuntime, read_layout
+from charon.server.gateway import BackgroundServer
+
+pytestmark = pytest.mark.spark
+TOKEN = "t0k"
+N = 8
+
+
+def test_paused_and_timed_out_control_operations(tmp_path: Path) -> None:
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path / "d"), partitions=2, log_partitions=2,
+                      max_batch=200, idle_wait_ms=100)
+    rt = SparkRuntime("code_versions:c1", cfg)
+    gcfg = GatewayConfig(max_partitions=8, code_refs="code_versions:c1,code_versions:c2")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with BackgroundServer(rt, token=TOKEN, config=gcfg) as srv, Client(srv.url, token=TOKEN, timeout=120) as c:
+        for i in range(N):
+            c.invoke("acct", f"a{i}", "deposit", 100)
+
+        # 4. a combined rescale whose engine part finds no boundary in time: nothing moves, the log neither.
+        # An epoch held at the gate (entered, not left) stands for an epoch that runs longer than the timeout.
+        rt.wait_idle(60)
+        held = rt._last_recorded_epoch() + 1
+        rt.gate.enter(held)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                rt.rescale(3, timeout=1.0, log_partitions=3)
+            assert time.monotonic() - t0 < 10
+        finally:
+            rt.gate.leave()
+        layout = read_layout(rt.ckpt)
+        assert layout is not None and (layout.partitions, layout.log_partitions) == (2, 2), layout
+        assert rt.input_log.counts()[1] == 2 and rt.config.partitions == 2 and rt.config.log_partitions == 2
+        assert rt.log_rescales == [] and rt.rescale_pauses == []
+
+        # 5. paused: requests wait in the log; a strict update (it must drain them) is refused at once, typed;
+        # a compatible one applies at the boundary at once
+        c.pause()
+        rids = [c.submit("acct", f"a{i % N}", "transfer", f"a{(i * 3 + 1) % N}", 1 + i % 4) for i in range(20)]
+        deadline = time.monotonic() + 30
+        while c.status()["backlog"] == 0:  # the submissions reached the log
+            assert time.monotonic() < deadline, c.status()
+            time.sleep(0.05)
+        with httpx.Client(base_url=srv.url, headers=auth, timeout=30) as h:
+            t0 = time.monotonic()
+            r = h.post("/admin/code", json={"ref": "code_versions:c2", "version": "c2s"})
+            took = time.monotonic() - t0
+            assert r.status_code == 409 and r.json()["error"]["type"] == "Paused", r.text
+            assert took < 5, f"a strict update on a paused runtime took {took:.1f} s to answer"
+            t0 = time.monotonic()
+            r = h.post("/admin/update", json={"id": "u1", "operator": "acct", "function": "deposit", "args": [0]})
+            assert r.status_code == 409 and r.json()["error"]["type"] == "Paused", r.text
+            assert time.monotonic() - t0 < 5
+        with pytest.raises(Paused):
+            c.update_code("code_versions:c2", "c2s")
+        assert rt.app_ref == "code_versions:c1"  # nothing changed
+        t0 = time.monotonic()
+        out = c.update_code("code_versions:c2", "c2", mode="compatible")
+        assert time.monotonic() - t0 < 10 and out["mode"] == "compatible" and rt.app_ref == "code_versions:c2"
+        assert c.status()["state"] == "paused"  # still paused: the update did not resume it
+        c.resume()
+
+        # 6. a log-only rescale prints the log's resize only; then a combined one under load
+        res = CliRunner().invoke(cli_app, ["rescale", "--url", srv.url, "--token", TOKEN, "--log-partitions", "3"])
+        assert res.exit_code == 0, res.output
+        printed = json.loads(res.output)
+        assert set(printed) == {"log"} and printed["log"]["to"] == 3, printed
+        more: list[str] = []
+        stop = threading.Event()
+
+        def drive() -> None:
+            i = 0
+            while not stop.is_set():
+                more.append(c.submit("acct", f"a{i % N}", "transfer", f"a{(i * 5 + 2) % N}", 1))
+                i += 1
+                time.sleep(0.02)
+
+        t = threading.Thread(target=drive)
+        t.start()
+        try:
+            time.sleep(0.5)
+            both = c.rescale(3, log_partitions=4)
+        finally:
+            stop.set()
+            t.join()
+        assert both["to"] == 3 and both["log"]["to"] == 4, both
+        for rid in rids + more:
+            r = httpx.get(f"{srv.url}/requests/{rid}", params={"wait": 60}, headers=auth, timeout=90)
+            assert r.status_code in (200, 409) and r.json()["status"] in ("committed", "aborted"), r.text
+        rt.wait_idle(60)
+        balances = [rt.read_state("acct", f"a{i}", 0) for i in range(N)]
+        assert sum(balances) == N * 100, balances
+        counts: dict[str, int] = {}
+        for _, rep in rt.output_log.read_since(0, limit=10**6):
+            counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
+        assert all(counts.get(rid) == 1 for rid in rids + more), "each request answered exactly once"
