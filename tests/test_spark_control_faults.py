@@ -6,17 +6,22 @@ once, and money is conserved."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
+from natsfix import NatsServer
 from typer.testing import CliRunner
 
 from charon.cli import app as cli_app
 from charon.client import Client, Paused
 from charon.config import GatewayConfig, SparkConfig
+from charon.errors import EngineUnavailable
 from charon.runtime.spark.runtime import SparkRuntime, read_layout
 from charon.server.gateway import BackgroundServer
 
@@ -113,3 +118,99 @@ def test_paused_and_timed_out_control_operations(tmp_path: Path) -> None:
         for _, rep in rt.output_log.read_since(0, limit=10**6):
             counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
         assert all(counts.get(rid) == 1 for rid in rids + more), "each request answered exactly once"
+
+
+def _timed(fn: object, *args: object, **kw: object) -> tuple[float, object]:
+    t0 = time.monotonic()
+    try:
+        out = fn(*args, **kw)  # type: ignore[operator]
+    except Exception as exc:  # noqa: BLE001 - returned for the test to check
+        out = exc
+    return time.monotonic() - t0, out
+
+
+def test_health_and_rescale_while_the_nats_log_hangs(tmp_path: Path) -> None:
+    """nats-server stopped (SIGSTOP: connections stay open, nothing answers) under a running Spark driver:
+    health() and the gateway's /health answer within about ``health_timeout_s`` and say the log is down (not
+    ok), also once the query failed and the supervisor waits for the log; a rescale (engine or log) is refused at
+    once with a typed 503 and changes nothing. After SIGCONT the runtime recovers, a combined rescale under load
+    works, money is conserved and every request is answered once."""
+    nats = NatsServer(tmp_path / "nats").start()
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path / "d"), partitions=2, log_partitions=2,
+                      log_url=f"{nats.url}/av{uuid.uuid4().hex[:6]}", max_batch=200, idle_wait_ms=100,
+                      epoch_max_failures=2, restart_backoff_s=0.2, health_timeout_s=1.0)
+    rt = SparkRuntime("charon.apps.ycsb:app", cfg)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert nats.proc is not None
+    stopped = False
+    try:
+        with BackgroundServer(rt, token=TOKEN, config=GatewayConfig(max_partitions=8)) as srv, \
+                Client(srv.url, token=TOKEN, timeout=120) as c:
+            for i in range(N):
+                c.invoke("account", f"a{i}", "deposit", 100)
+            rids = [c.submit("account", f"a{i % N}", "transfer", f"a{(i * 3 + 1) % N}", 1 + i % 4) for i in range(20)]
+            rt.wait_idle(60)
+            os.kill(nats.proc.pid, signal.SIGSTOP)
+            stopped = True
+            seen: set[str] = set()
+            deadline = time.monotonic() + 120
+            while "recovering" not in seen:  # until the query failed on the log and the supervisor waits
+                assert time.monotonic() < deadline, f"the query never failed during the outage: {rt.health()}"
+                took, h = _timed(rt.health)
+                assert isinstance(h, dict) and took < 2.5, (took, h)
+                assert h["ok"] is False and h["log_error"], h
+                seen.add(h["status"])
+                with httpx.Client(base_url=srv.url, headers=auth, timeout=30) as hc:
+                    took, r = _timed(hc.get, "/health")
+                    assert isinstance(r, httpx.Response) and r.status_code == 503 and took < 3, (took, r)
+                    for body in ({"partitions": 3}, {"log_partitions": 3}, {"partitions": 3, "log_partitions": 3}):
+                        took, r = _timed(hc.post, "/admin/rescale", json=body)
+                        assert isinstance(r, httpx.Response) and r.status_code == 503, (body, r)
+                        assert r.json()["error"]["type"] == "Unavailable" and took < 4, (body, took, r.text)
+                took, exc = _timed(rt.rescale, 3, log_partitions=3)
+                assert isinstance(exc, EngineUnavailable) and took < 4, (took, exc)
+                layout = read_layout(rt.ckpt)
+                assert layout is not None and (layout.partitions, layout.log_partitions) == (2, 2), layout
+                assert rt.config.partitions == 2 and rt.rescale_pauses == [] and rt.log_rescales == []
+                time.sleep(1)
+            os.kill(nats.proc.pid, signal.SIGCONT)
+            stopped = False
+            deadline = time.monotonic() + 120
+            while not rt.health()["ok"]:
+                assert time.monotonic() < deadline, rt.health()
+                time.sleep(0.2)
+            assert rt.health()["fatal"] is None
+            more: list[str] = []
+            stop = threading.Event()
+
+            def drive() -> None:
+                i = 0
+                while not stop.is_set():
+                    more.append(c.submit("account", f"a{i % N}", "transfer", f"a{(i * 5 + 2) % N}", 1))
+                    i += 1
+                    time.sleep(0.02)
+
+            t = threading.Thread(target=drive)
+            t.start()
+            try:
+                time.sleep(0.5)
+                both = c.rescale(3, log_partitions=3)
+            finally:
+                stop.set()
+                t.join()
+            assert both["to"] == 3 and both["log"]["to"] == 3, both
+            for rid in rids + more:
+                r = httpx.get(f"{srv.url}/requests/{rid}", params={"wait": 60}, headers=auth, timeout=90)
+                assert r.status_code in (200, 409) and r.json()["status"] in ("committed", "aborted"), r.text
+            rt.wait_idle(60)
+            balances = [rt.read_state("account", f"a{i}", 0) for i in range(N)]
+            assert sum(balances) == N * 100, balances
+            counts: dict[str, int] = {}
+            for _, rep in rt.output_log.read_since(0, limit=10**6):
+                counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
+            assert all(counts.get(rid) == 1 for rid in rids + more), "each request answered exactly once"
+    finally:
+        if stopped:
+            os.kill(nats.proc.pid, signal.SIGCONT)
+        rt.close()
+        nats.kill()

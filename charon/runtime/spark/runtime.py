@@ -1067,11 +1067,13 @@ class SparkRuntime(control.Controllable):
 
     def _check_serving(self, what: str) -> None:
         """Refuse (:class:`~charon.errors.EngineUnavailable`, at once) a rescale the runtime cannot do now: the
-        query is being recovered or has failed (a move would race the supervisor's restart, or wait for a
-        boundary that may not come), or the input log does not answer within ``health_timeout_s``."""
-        status = self._status
-        if self._query is not None and status in ("recovering", "failed"):
-            raise EngineUnavailable(f"cannot {what} while the runtime is {status} ({self._last_error}); retry "
+        query has failed and is not restarted yet, or the runtime gave up (a move would race the supervisor's
+        restart, or wait for a boundary that may not come), or the input log does not answer within
+        ``health_timeout_s``. A restarted query still replaying its backlog may rescale (at a boundary)."""
+        q, status = self._query, self._status
+        if q is not None and (status == "failed" or not q.isActive):  # restarted (active, replaying): it may
+            state = "failed" if status == "failed" else "recovering"
+            raise EngineUnavailable(f"cannot {what} while the runtime is {state} ({self._last_error}); retry "
                                     "when /health is ok")
         probe = self._log_probe.check(fresh=True)
         if probe.error is not None:
