@@ -214,3 +214,49 @@ def test_health_and_rescale_while_the_nats_log_hangs(tmp_path: Path) -> None:
             os.kill(nats.proc.pid, signal.SIGCONT)
         rt.close()
         nats.kill()
+
+
+def test_a_checkpoint_outage_is_not_a_deterministic_failure(tmp_path: Path) -> None:
+    """The checkpoint's epoch-record directory unusable for several seconds (replaced by a file: as a lost
+    mount, every record write fails) while requests arrive: each epoch fails, but the supervisor counts none
+    towards ``epoch_max_failures`` (it would have given up after 2), reports why, and resumes once the directory
+    is back; every request is answered once and money is conserved."""
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path / "d"), partitions=2, max_batch=200,
+                      idle_wait_ms=100, epoch_max_failures=2, restart_backoff_s=0.2)
+    rt = SparkRuntime("charon.apps.ycsb:app", cfg)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    epochs = os.path.join(rt.ckpt, "epochs")
+    away = epochs + ".away"
+    with BackgroundServer(rt, token=TOKEN) as srv, Client(srv.url, token=TOKEN, timeout=120) as c:
+        for i in range(N):
+            c.invoke("account", f"a{i}", "deposit", 100)
+        rt.wait_idle(60)
+        os.rename(epochs, away)
+        open(epochs, "wb").close()
+        try:
+            rids = [c.submit("account", f"a{i % N}", "transfer", f"a{(i * 3 + 1) % N}", 1 + i % 4)
+                    for i in range(20)]
+            seen: list[dict] = []
+            t_end = time.monotonic() + 8
+            while time.monotonic() < t_end:
+                seen.append(rt.health())
+                assert seen[-1]["fatal"] is None, seen[-1]
+                time.sleep(0.2)
+            assert any(s["status"] == "recovering" and "checkpoint directory is not writable" in (s["last_error"] or "")
+                       for s in seen), seen[-3:]
+        finally:
+            os.remove(epochs)
+            os.rename(away, epochs)
+        deadline = time.monotonic() + 90
+        while not rt.health()["ok"]:
+            assert time.monotonic() < deadline and rt.health()["fatal"] is None, rt.health()
+            time.sleep(0.2)
+        for rid in rids:
+            r = httpx.get(f"{srv.url}/requests/{rid}", params={"wait": 60}, headers=auth, timeout=90)
+            assert r.status_code in (200, 409) and r.json()["status"] in ("committed", "aborted"), r.text
+        rt.wait_idle(60)
+        assert sum(rt.read_state("account", f"a{i}", 0) for i in range(N)) == N * 100
+        counts: dict[str, int] = {}
+        for _, rep in rt.output_log.read_since(0, limit=10**6):
+            counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
+        assert all(counts.get(rid) == 1 for rid in rids), "each request answered exactly once"

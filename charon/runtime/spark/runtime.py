@@ -275,7 +275,10 @@ def make_session(config: SparkConfig) -> Any:
 
 _PY_ERROR = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception): .+")
 _WRAPPERS = ("py4j.", "org.apache.", "java.", "pyspark.errors.", "scala.")
-_LOG_OUTAGE_ERRORS = ("NatsLogUnreachable",)  # error names meaning "the log did not answer" (see _log_outage)
+# error texts naming a transient failure of the infrastructure, not of the epoch (see SparkRuntime._outage): the
+# log did not answer, SQLite busy past its timeout, a full / read-only / stale file system
+_OUTAGE_ERRORS = ("NatsLogUnreachable", "database is locked", "database is busy", "No space left on device",
+                  "Read-only file system", "Stale file handle")
 
 
 def _short_error(e: BaseException) -> str:
@@ -880,8 +883,8 @@ class SparkRuntime(control.Controllable):
         """Restart the query from its checkpoint when it fails (back-off doubling from ``restart_backoff_s``);
         give up loudly when the same epoch failed ``epoch_max_failures`` times (a deterministic failure).
 
-        A failure during an outage of the log (see :meth:`_log_outage`) is nobody's epoch's fault: it is not
-        counted; the supervisor waits until the log answers again, then restarts."""
+        A failure during an outage of the infrastructure (see :meth:`_outage`: the log, the checkpoint directory)
+        is nobody's epoch's fault: it is not counted; the supervisor waits until it is over, then restarts."""
         cfg = self.config
         while True:
             q = self._query
@@ -892,7 +895,7 @@ class SparkRuntime(control.Controllable):
                 q.awaitTermination()
             except BaseException as e:  # noqa: BLE001 - StreamingQueryException or a py4j error
                 err = e
-            outage = self._log_outage(err)
+            outage = self._outage(err)
             with self._lock:
                 if self._query is not q or self._status == "stopped":
                     return  # stopped on purpose
@@ -902,8 +905,8 @@ class SparkRuntime(control.Controllable):
                     n = 1
                     self._last_error = f"epoch {epoch}: {outage}"
                     self._status = "recovering"
-                    print(f"charon: the streaming query stopped at epoch {epoch} during an outage of the log "
-                          f"(not counted as a failure); restarting when the log answers: {outage}",
+                    print(f"charon: the streaming query stopped at epoch {epoch} during an outage (not counted as "
+                          f"a failure); restarting when it is over: {outage}",
                           file=sys.stderr, flush=True)
                 else:
                     n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
@@ -923,13 +926,13 @@ class SparkRuntime(control.Controllable):
             waits = 0
             while True:
                 delay = min(30.0, cfg.restart_backoff_s * 2 ** (n - 1))
-                if outage is not None:  # poll the log until it answers (at most every 5 s)
+                if outage is not None:  # poll until the outage is over (at most every 5 s)
                     delay = min(5.0, cfg.restart_backoff_s * 2 ** min(waits, 10))
                     waits += 1
                 if self._wake.wait(delay):
                     return
                 if outage is not None:
-                    still = self._log_outage(None)
+                    still = self._outage(None)
                     if still is not None:
                         self._last_error = f"epoch {epoch}: {still}"
                         continue
@@ -943,7 +946,7 @@ class SparkRuntime(control.Controllable):
                     except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch
                         self._last_error = f"restart: {_short_error(e)}"
                         print(f"charon: restarting the streaming query failed: {e}", file=sys.stderr, flush=True)
-                        outage = self._log_outage(e)
+                        outage = self._outage(e)
                         if outage is not None:
                             continue
                         n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
@@ -953,12 +956,15 @@ class SparkRuntime(control.Controllable):
                             print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
                             return
 
-    def _log_outage(self, err: BaseException | None) -> str | None:
-        """Why a query failure is an outage of the input/output log rather than the epoch's fault, or None.
+    def _outage(self, err: BaseException | None) -> str | None:
+        """Why a query failure is an outage of the infrastructure rather than the epoch's fault, or None: the one
+        rule for what the supervisor does not count towards ``epoch_max_failures`` (it waits instead).
 
-        Either the logs do not answer now, or the failure names an unreachable log (a NATS timeout or a lost
-        connection: ``NatsLogUnreachable``, possibly wrapped by Spark). The one rule for what the supervisor does
-        not count towards ``epoch_max_failures``."""
+        Either the input/output logs do not answer now, or the checkpoint directory (epoch records, durable
+        state) cannot be written now, or the failure names a transient one (:data:`_OUTAGE_ERRORS`: a NATS
+        timeout or lost connection, possibly wrapped by Spark; SQLite busy; a full or read-only file system).
+        A Python worker or executor lost is not: Spark already retried its tasks, and an epoch that kills its
+        worker every time (e.g. too large for its memory) is the epoch's."""
         try:
             self.input_log.end_offsets()
             self.output_log.last_seq()
@@ -967,8 +973,18 @@ class SparkRuntime(control.Controllable):
         except Exception as e:  # noqa: BLE001 - never end the supervisor: the failure is counted instead
             print(f"charon: probing the log failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             return None
-        if err is not None and any(name in str(err) for name in _LOG_OUTAGE_ERRORS):
-            return f"the log did not answer: {_short_error(err)}"
+        for d in (os.path.join(self.ckpt, "epochs"), self.durable.root):
+            if d != os.path.join(self.ckpt, "epochs") and not os.path.lexists(d):
+                continue  # no state stored yet
+            probe = os.path.join(d, ".charon-probe")
+            try:
+                write_file_atomic(probe, b"probe")
+                os.remove(probe)
+            except OSError as e:
+                return f"the checkpoint directory is not writable: {type(e).__name__}: {e}"
+        text = str(err) if err is not None else ""
+        if any(name in text for name in _OUTAGE_ERRORS):
+            return f"a transient infrastructure failure: {_short_error(err)}"  # type: ignore[arg-type]
         return None
 
     def _caught_up(self, log_ends: list[int] | None = None) -> bool:
