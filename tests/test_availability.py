@@ -50,3 +50,23 @@ def test_a_log_only_rescale_answer_has_no_engine_fields() -> None:
     assert _rescale_info(object(), None, 0.0, log) == {"log": log}
     engine = {"from": 2, "to": 3, "epoch": 7, "keys": 10, "wait_s": 0.1, "pause_s": 0.2, "cpu_s": 0.05}
     assert _rescale_info(object(), engine, 0.3) == {**engine, "log": None}
+
+
+def test_a_runtime_hold_survives_a_user_resume_and_keeps_the_users_pause() -> None:
+    """The gate's hold (a rescale's move, a code switch) is the runtime's own: a user's resume meanwhile does not
+    let an epoch start in the middle of the move, and a user's pause-after set before is still there after it."""
+    from charon.runtime.control import EpochGate
+
+    gate = EpochGate()
+    gate.pause(after_epoch=5)
+    gate.hold()
+    assert gate.closed_for(3) and not gate.paused_for(3)
+    assert not gate.try_enter(3)
+    gate.resume()  # a user's resume during the move
+    assert gate.closed_for(3) and not gate.try_enter(3), "an epoch could start in the middle of the move"
+    gate.pause(after_epoch=5)
+    gate.release()
+    assert not gate.closed_for(3) and gate.closed_for(6)  # the user's pause-after is kept
+    assert gate.status(2)["pause_after"] == 5
+    gate.resume()
+    assert gate.try_enter(6)

@@ -83,6 +83,10 @@ def test_paused_and_timed_out_control_operations(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 10 and out["mode"] == "compatible" and rt.app_ref == "code_versions:c2"
         assert c.status()["state"] == "paused"  # still paused: the update did not resume it
         c.resume()
+        c.pause(after_epoch=10**9)  # a pause-after set by the user stays through a code switch's boundary
+        c.update_code("code_versions:c1", "c1b", mode="compatible")
+        assert c.status()["pause_after"] == 10**9, c.status()
+        c.resume()
 
         # 6. a log-only rescale prints the log's resize only; then a combined one under load
         res = CliRunner().invoke(cli_app, ["rescale", "--url", srv.url, "--token", TOKEN, "--log-partitions", "3"])

@@ -54,13 +54,35 @@ class EpochGate:
         self._cv = threading.Condition()
         self._paused = False
         self._after: int | None = None
+        self._holds = 0  # the runtime's own closings (a rescale's move, a code switch): a resume does not open them
         self._active: int | None = None  # the epoch running now
         self._stopping = False
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     def closed_for(self, epoch: int) -> bool:
         """Whether epoch ``epoch`` must wait."""
+        return self._holds > 0 or self.paused_for(epoch)
+
+    def paused_for(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` must wait for a user's :meth:`resume` (not counting the runtime's holds)."""
         return self._paused or (self._after is not None and epoch > self._after)
+
+    def hold(self) -> None:
+        """Close the gate for an operation of the runtime at the next boundary (a rescale's move, a code
+        switch) until :meth:`release`, independently of the user's pause: a :meth:`resume` meanwhile does not
+        let an epoch run in the middle of it, and the user's pause (or pause-after) is kept after it."""
+        with self._cv:
+            self._holds += 1
+            self._cv.notify_all()
+
+    def release(self) -> None:
+        """End one :meth:`hold`; waiting epochs start if nothing else keeps the gate closed."""
+        with self._cv:
+            self._holds = max(0, self._holds - 1)
+            self._cv.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, ev in waiters:  # each rechecks (enter_async loops; wake_on_open's owner retries)
+            loop.call_soon_threadsafe(ev.set)
 
     def pause(self, after_epoch: int | None = None) -> None:
         """Close the gate now (``after_epoch`` None) or once epoch ``after_epoch`` is done."""
@@ -141,7 +163,7 @@ class EpochGate:
             closed = self.closed_for(last_epoch + 1)
             active = self._active
             state = "running" if not closed else ("pausing" if active is not None else "paused")
-            if self._after is not None and not self._paused and last_epoch < self._after:
+            if self._after is not None and not self._paused and not self._holds and last_epoch < self._after:
                 state = "running"
             return {"state": state, "paused": state == "paused", "pause_requested": self._paused,
                     "pause_after": self._after, "active_epoch": active}
@@ -386,8 +408,7 @@ async def _alone(rt: Any, drain: bool = True) -> AsyncIterator[None]:
     if lock is None:
         lock = rt._admin_lock = asyncio.Lock()
     async with lock:
-        was_paused = rt.gate._paused
-        rt.gate.pause()
+        rt.gate.hold()
         try:
             while rt.gate._active is not None:  # the running epoch finishes first
                 await asyncio.sleep(0.001)
@@ -396,8 +417,7 @@ async def _alone(rt: Any, drain: bool = True) -> AsyncIterator[None]:
                 rt.drain()  # transactions deferred before run without what follows
             yield
         finally:
-            if not was_paused:
-                rt.gate.resume()
+            rt.gate.release()
 
 
 def _update_epochs(
@@ -609,7 +629,7 @@ def _update_outcome(update_id: str, reqs: list[Any], replies: list[Any], epochs:
 
 def _paused(rt: Any) -> bool:
     """Whether the next epoch would wait at the gate (paused now, or its pause-after epoch is done)."""
-    return rt.gate.closed_for(rt._last_recorded_epoch() + 1)
+    return rt.gate.paused_for(rt._last_recorded_epoch() + 1)
 
 
 def refuse_if_paused(rt: Any, what: str) -> None:
@@ -753,14 +773,12 @@ async def _spark_boundary(rt: Any, deadline: float) -> AsyncIterator[None]:
     """Hold a Spark runtime at an epoch boundary (its gate closed, no epoch running, the last one recorded;
     the next batch may be fixed and waits at the gate) without draining anything; reopened afterwards
     unless it was paused before. Call it holding the admin lock."""
-    was_paused = rt.gate._paused
-    rt.gate.pause()
+    rt.gate.hold()
     try:
         await _until(rt, lambda: rt.gate.wait_paused(rt._last_recorded_epoch, 0.05), "an epoch boundary", deadline)
         yield
     finally:
-        if not was_paused:
-            rt.gate.resume()
+        rt.gate.release()
 
 
 async def _spark_update_compatible(rt: Any, ref: str, version: str, deadline: float) -> dict[str, Any]:

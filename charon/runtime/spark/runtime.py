@@ -1139,10 +1139,8 @@ class SparkRuntime(control.Controllable):
         with self._rescale_lock:
             t0 = time.perf_counter()
             running = self._query is not None and self._status != "stopped"
-            st = self.gate.status(self._last_recorded_epoch())
-            was_paused = st["pause_requested"] or st["pause_after"] is not None
-            if running:
-                self.gate.pause()
+            if running:  # the runtime's own hold: a user's resume meanwhile cannot start an epoch mid-move
+                self.gate.hold()
             try:
                 if running and not self.gate.wait_paused(self._last_recorded_epoch, timeout):
                     raise TimeoutError(f"no epoch boundary within {timeout} s: {self.control_status()}")
@@ -1152,8 +1150,8 @@ class SparkRuntime(control.Controllable):
                 info = self._move(partitions)
                 info.update(wait_s=t1 - t0, pause_s=time.perf_counter() - t1)
             finally:
-                if running and not was_paused:
-                    self.gate.resume()
+                if running:
+                    self.gate.release()
             self.rescale_pauses.append(info)
             return info
 
