@@ -264,3 +264,86 @@ def test_a_checkpoint_outage_is_not_a_deterministic_failure(tmp_path: Path) -> N
         for _, rep in rt.output_log.read_since(0, limit=10**6):
             counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
         assert all(counts.get(rid) == 1 for rid in rids), "each request answered exactly once"
+
+
+def test_python_workers_killed_around_a_rescales_move(tmp_path: Path) -> None:
+    """Task workers SIGKILLed while rescales 2 -> 4 -> 3 run under load: while the gate is held for the move,
+    and again as the first epochs after it restore the new layout's stores from its bases. Spark retries the
+    tasks (or the supervisor restarts the query); nothing is lost or run twice and money is conserved."""
+    from test_spark_availability import _task_workers_of_this_process
+
+    from charon import serde
+    from charon.messages import Request
+
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path / "d"), partitions=2, max_batch=200,
+                      idle_wait_ms=100, restart_backoff_s=0.2)
+    rt = SparkRuntime("charon.apps.ycsb:app", cfg)
+    rt.start()
+    killed: list[str] = []
+
+    def kill_workers(why: str) -> None:
+        for pid in _task_workers_of_this_process():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(why)
+            except ProcessLookupError:
+                pass
+
+    try:
+        for i in range(N):
+            rt.input_log.append(Request(f"seed{i}", "account", f"a{i}", "deposit", serde.encode([100])))
+        rt.wait_idle(120)
+        stop = threading.Event()
+        rids: list[str] = []
+
+        def load() -> None:
+            i = 0
+            while not stop.is_set():
+                rid = f"t{i}"
+                rt.input_log.append(Request(rid, "account", f"a{i % N}", "transfer",
+                                            serde.encode([f"a{(i * 3 + 1) % N}", 1 + i % 4])))
+                rids.append(rid)
+                i += 1
+                time.sleep(0.01)
+
+        def moving() -> bool:
+            return rt.gate.closed_for(rt._last_recorded_epoch() + 1)
+
+        def killer() -> None:
+            while not stop.is_set():
+                if moving():  # the move: the gate is closed, the state is being re-placed
+                    kill_workers("move")
+                    while moving() and not stop.is_set():
+                        time.sleep(0.005)
+                    time.sleep(0.05)
+                    kill_workers("restore")  # the first epochs on the new layout read its bases
+                time.sleep(0.002)
+
+        threads = [threading.Thread(target=load), threading.Thread(target=killer)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.5)
+            a = rt.rescale(4)
+            time.sleep(1.5)
+            b = rt.rescale(3)
+            time.sleep(1.5)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert (a["to"], b["to"]) == (4, 3) and rt.config.partitions == 3
+        assert "restore" in killed, f"no task worker was killed after a move: {killed}"
+        rt.wait_idle(240)
+        deadline = time.monotonic() + 120
+        while any(rt.get_reply(r) is None for r in rids):
+            assert time.monotonic() < deadline, rt.health()
+            time.sleep(0.1)
+        assert rt.health()["fatal"] is None
+        assert sum(rt.read_state("account", f"a{i}", 0) for i in range(N)) == N * 100
+        counts: dict[str, int] = {}
+        for _, rep in rt.output_log.read_since(0, limit=10**6):
+            counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
+        assert all(counts.get(r) == 1 for r in rids), "each request answered exactly once"
+    finally:
+        rt.close()
