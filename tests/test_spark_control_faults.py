@@ -167,6 +167,11 @@ def test_health_and_rescale_while_the_nats_log_hangs(tmp_path: Path) -> None:
                 with httpx.Client(base_url=srv.url, headers=auth, timeout=30) as hc:
                     took, r = _timed(hc.get, "/health")
                     assert isinstance(r, httpx.Response) and r.status_code == 503 and took < 3, (took, r)
+                    took, r = _timed(hc.get, "/admin/status")  # and the dashboard's status, bounded too
+                    assert isinstance(r, httpx.Response) and r.status_code == 200 and took < 3, (took, r)
+                    assert r.json()["backlog"] is None and r.json()["log_error"], r.json()
+                    took, r = _timed(hc.get, "/metrics")
+                    assert isinstance(r, httpx.Response) and r.status_code == 200 and took < 3, (took, r)
                     for body in ({"partitions": 3}, {"log_partitions": 3}, {"partitions": 3, "log_partitions": 3}):
                         took, r = _timed(hc.post, "/admin/rescale", json=body)
                         assert isinstance(r, httpx.Response) and r.status_code == 503, (body, r)

@@ -366,14 +366,22 @@ async def inprocess_sql(
 
 
 def spark_status(rt: Any) -> dict[str, Any]:
-    """Pause state, the last recorded epoch and the backlog (log entries after it) of a Spark runtime."""
+    """Pause state, the last recorded epoch and the backlog (log entries after it) of a Spark runtime.
+
+    The log is asked through the runtime's bounded probe first: while it does not answer, ``backlog`` and
+    ``log_partitions`` are null and ``log_error`` says why (answered within ``health_timeout_s``)."""
     last = rt._last_recorded_epoch()
-    rec = rt.read_record(last) if last >= 0 else None
-    ends, done = pad_pair(rt.input_log.end_offsets(), rec.ends if rec is not None else rt.input_log.start_offsets())
-    backlog = sum(max(0, e - d) for e, d in zip(ends, done, strict=True))
-    physical, route = rt.input_log.counts()
-    return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "engine": "spark", "durable": True,
-            "log_partitions": {"route": route, "physical": physical},
+    probe = rt._log_probe.check(fresh=True)  # fresh: a backlog read right after an append counts it
+    base = {**rt.gate.status(last), "epoch": last, "engine": "spark", "durable": True, "log_error": probe.error}
+    if probe.ends is None:
+        base.update(backlog=None, log_partitions=None)
+    else:
+        rec = rt.read_record(last) if last >= 0 else None
+        ends, done = pad_pair(probe.ends, rec.ends if rec is not None else rt.input_log.start_offsets())
+        physical, route = rt.input_log.counts()
+        base.update(backlog=sum(max(0, e - d) for e, d in zip(ends, done, strict=True)),
+                    log_partitions={"route": route, "physical": physical})
+    return {**base,
             "retained_from": _retained_from(rt.durable, rt.config.partitions),
             "code_version": spark_version_at(rt, last + 1)}
 
