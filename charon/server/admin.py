@@ -482,6 +482,7 @@ def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
                                  "keys": {"type": "array", "items": key}}, ["id", "operator", "function"]),
             "responses": {"200": ok("{id, transactions, committed, aborted, epochs, repeated}"),
                           "400": err("malformed body"), "404": err("unknown operator or function"),
+                          "409": err("Paused: the runtime is paused (Spark); resume, then retry"),
                           "415": err("unsupported body type"), "422": err("bad arguments"), **common}}},
         "/admin/code": {"post": {
             "summary": "A code update at an epoch boundary (strict or compatible) to a deployable ref",
@@ -495,7 +496,9 @@ def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
                                              "args": args}},
             }, ["ref", "version"]),
             "responses": {"200": ok("{version, ref, from_epoch, migration, mode}"), "400": err("malformed body"),
-                          "403": err("not a deployable ref"), "415": err("unsupported body type"), **common}}},
+                          "403": err("not a deployable ref"),
+                          "409": err("Paused: the update needs epochs to run and the runtime is paused"),
+                          "415": err("unsupported body type"), **common}}},
         "/admin/sql": {"post": {
             "summary": "One safe SELECT over the operators' state views at one consistent epoch (admin)",
             "security": security,
