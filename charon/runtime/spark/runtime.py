@@ -884,7 +884,18 @@ class SparkRuntime(control.Controllable):
         give up loudly when the same epoch failed ``epoch_max_failures`` times (a deterministic failure).
 
         A failure during an outage of the infrastructure (see :meth:`_outage`: the log, the checkpoint directory)
-        is nobody's epoch's fault: it is not counted; the supervisor waits until it is over, then restarts."""
+        is nobody's epoch's fault: it is not counted; the supervisor waits until it is over, then restarts.
+        Should the supervisor itself fail, the runtime reports it as failed (never a silent "recovering")."""
+        try:
+            self._supervise_loop()
+        except BaseException as e:  # noqa: BLE001 - reported: nobody would restart the query any more
+            with self._lock:
+                if self._status != "stopped":
+                    self._fatal = f"the query's supervisor failed: {type(e).__name__}: {e}"
+                    self._status = "failed"
+            print(f"charon: FATAL: the query's supervisor failed: {e!r}", file=sys.stderr, flush=True)
+
+    def _supervise_loop(self) -> None:
         cfg = self.config
         while True:
             q = self._query
@@ -936,6 +947,7 @@ class SparkRuntime(control.Controllable):
                     if still is not None:
                         self._last_error = f"epoch {epoch}: {still}"
                         continue
+                failed: Exception | None = None
                 with self._lock:
                     if self._status == "stopped":
                         return
@@ -944,17 +956,22 @@ class SparkRuntime(control.Controllable):
                         self._start_query()
                         break
                     except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch
+                        failed = e
                         self._last_error = f"restart: {_short_error(e)}"
                         print(f"charon: restarting the streaming query failed: {e}", file=sys.stderr, flush=True)
-                        outage = self._outage(e)
-                        if outage is not None:
-                            continue
-                        n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
-                        if n >= cfg.epoch_max_failures:
-                            self._fatal = f"cannot restart the streaming query: {_short_error(e)}"
-                            self._status = "failed"
-                            print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
-                            return
+                outage = self._outage(failed)  # probed without the lock: stop() and a rescale need not wait for it
+                if outage is not None:
+                    continue
+                with self._lock:
+                    if self._status == "stopped":
+                        return
+                    n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
+                    if n >= cfg.epoch_max_failures:
+                        assert failed is not None
+                        self._fatal = f"cannot restart the streaming query: {_short_error(failed)}"
+                        self._status = "failed"
+                        print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                        return
 
     def _outage(self, err: BaseException | None) -> str | None:
         """Why a query failure is an outage of the infrastructure rather than the epoch's fault, or None: the one
