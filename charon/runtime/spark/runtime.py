@@ -812,6 +812,7 @@ class SparkRuntime(control.Controllable):
         # when the next timer is due (recorded per epoch; a fresh checkpoint has none): the ticker's cue
         self._next_due = last.next_due if last is not None else math.inf
         self._ticker: threading.Thread | None = None
+        self._last_tick_error: str | None = None  # the ticker's last failure to reach the log
         self.gate = control.EpochGate()  # pause/resume at an epoch boundary
         self._log_probe = LogProbe(self.input_log, cfg.health_timeout_s)  # health() answers within its timeout
         if wanted != self.config.partitions:
@@ -856,12 +857,15 @@ class SparkRuntime(control.Controllable):
         while not self._wake.wait(poll):
             if self._status != "ok" or self._next_due > time.time():
                 continue
-            rec = self.read_record(self._last_recorded_epoch())
-            ends, tops = pad_pair(rec.ends if rec is not None else [], self.input_log.end_offsets())
-            if any(e < t for e, t in zip(ends, tops, strict=True)):
-                continue  # an epoch is coming anyway (it advances the time too)
-            n += 1
-            self.input_log.append(Request(f"{TICK}timer:{time.time_ns()}:{n}", TICK, "", "", serde.encode([])))
+            try:
+                rec = self.read_record(self._last_recorded_epoch())
+                ends, tops = pad_pair(rec.ends if rec is not None else [], self.input_log.end_offsets())
+                if any(e < t for e, t in zip(ends, tops, strict=True)):
+                    continue  # an epoch is coming anyway (it advances the time too)
+                n += 1
+                self.input_log.append(Request(f"{TICK}timer:{time.time_ns()}:{n}", TICK, "", "", serde.encode([])))
+            except (OSError, sqlite3.Error) as e:  # the log is down: tick once it answers (never end the ticker)
+                self._last_tick_error = f"{type(e).__name__}: {e}"
 
     def _start_query(self) -> None:
         spark = self.spark
