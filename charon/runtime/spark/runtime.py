@@ -1095,7 +1095,7 @@ class SparkRuntime(control.Controllable):
             return info  # type: ignore[return-value]
         try:
             log_info = self.rescale_log(log_partitions)
-        except EngineUnavailable as exc:
+        except Exception as exc:  # the log unreachable (typed 503), or another failure of its resize
             if info is None:
                 raise
             raise RescaleIncomplete(f"the engine partitions moved {info['from']} -> {info['to']} at epoch "
