@@ -384,7 +384,8 @@ def rescale(
     token: str | None = TokenOpt,
 ) -> None:
     """Change the running deployment's engine partition count at an epoch boundary and/or its input log's
-    partition count; prints the measured pause (from, to, epoch, keys, wait_s, pause_s, cpu_s, log)."""
+    partition count; prints the measured pause (from, to, epoch, keys, wait_s, pause_s, cpu_s, log), or only
+    ``{"log": ...}`` when only the log was resized."""
     if partitions is None and log_partitions is None:
         raise typer.BadParameter("give PARTITIONS, --log-partitions or both")
     _print_json(_admin(url, token, lambda c: c.rescale(partitions, log_partitions=log_partitions)))

@@ -63,6 +63,7 @@ __all__ = [
     "BadRequest",
     "RequestNotFound",
     "RescaleRunning",
+    "Paused",
     "GatewayError",
 ]
 
@@ -108,6 +109,10 @@ class RescaleRunning(CharonError):
     """A rescale is already running (or the in-process runtime is paused); retry when it is done."""
 
 
+class Paused(CharonError):
+    """The runtime is paused and the admin operation needs epochs to run (409 ``Paused``): resume, then retry."""
+
+
 class GatewayError(CharonError):
     """Any other error answer of the gateway (e.g. 503 after all retries)."""
 
@@ -130,6 +135,7 @@ _TYPED: dict[str, type[CharonError]] = {
     "InvalidKey": InvalidKey,
     "IdempotencyConflict": IdempotencyConflict,
     "RescaleRunning": RescaleRunning,
+    "Paused": Paused,
 }
 
 
@@ -213,7 +219,7 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
     err = body.get("error") if isinstance(body, dict) else None
     etype = str(err.get("type", "")) if isinstance(err, dict) else ""
     message = str(err.get("message", "")) if isinstance(err, dict) else ""
-    if status == 409 and not (etype == "RescaleRunning" and isinstance(body, dict) and "tid" not in body):
+    if status == 409 and not (etype in ("RescaleRunning", "Paused") and isinstance(body, dict) and "tid" not in body):
         exc = TransactionAborted(etype, message, str(body.get("request_id", request_id or "")))
         exc.tid = body.get("tid")  # type: ignore[attr-defined]
         exc.epoch = body.get("epoch")  # type: ignore[attr-defined]

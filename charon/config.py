@@ -37,6 +37,7 @@ class SparkConfig:
     task_max_failures: int = 4  # Spark attempts per task (local[N,F] in local mode, spark.task.maxFailures)
     epoch_max_failures: int = 3  # query restarts on the same epoch before the runtime gives up (deterministic)
     restart_backoff_s: float = 1.0  # first delay before restarting a failed query; doubles, at most 30 s
+    health_timeout_s: float = 1.0  # health() waits at most this long for the log (a hung log: reported down)
     task_min_bytes: int = 262_144  # a round's payload bytes per extra Spark task (small rounds: one task)
     single_task_rest: bool = True  # a small epoch's rest (from the round where it is small) in one task
     # ... "small": its messages and scratch under this many bytes (local mode: one job of one task beats a

@@ -30,12 +30,17 @@ from charon.log.offsets import pad_pair
 from charon.state.durable import DurableState, DurableStateError, write_file_atomic
 from charon.state.store import MemoryStore
 
-__all__ = ["Controllable", "EpochGate", "GateClosed", "EpochNotRetained", "read_durable", "read_stores",
+__all__ = ["Controllable", "EpochGate", "GateClosed", "GatePaused", "EpochNotRetained", "read_durable", "read_stores",
            "decode_entities"]
 
 
 class GateClosed(CharonError):
     """The runtime stopped while an epoch waited at a closed gate (the epoch did not run)."""
+
+
+class GatePaused(CharonError):
+    """The runtime is paused (its epoch gate closed) and the operation needs epochs to run: refused at once
+    instead of waiting for a resume until its timeout (HTTP 409 ``Paused``); nothing was changed."""
 
 
 class EpochNotRetained(CharonError):
@@ -49,13 +54,35 @@ class EpochGate:
         self._cv = threading.Condition()
         self._paused = False
         self._after: int | None = None
+        self._holds = 0  # the runtime's own closings (a rescale's move, a code switch): a resume does not open them
         self._active: int | None = None  # the epoch running now
         self._stopping = False
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     def closed_for(self, epoch: int) -> bool:
         """Whether epoch ``epoch`` must wait."""
+        return self._holds > 0 or self.paused_for(epoch)
+
+    def paused_for(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` must wait for a user's :meth:`resume` (not counting the runtime's holds)."""
         return self._paused or (self._after is not None and epoch > self._after)
+
+    def hold(self) -> None:
+        """Close the gate for an operation of the runtime at the next boundary (a rescale's move, a code
+        switch) until :meth:`release`, independently of the user's pause: a :meth:`resume` meanwhile does not
+        let an epoch run in the middle of it, and the user's pause (or pause-after) is kept after it."""
+        with self._cv:
+            self._holds += 1
+            self._cv.notify_all()
+
+    def release(self) -> None:
+        """End one :meth:`hold`; waiting epochs start if nothing else keeps the gate closed."""
+        with self._cv:
+            self._holds = max(0, self._holds - 1)
+            self._cv.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, ev in waiters:  # each rechecks (enter_async loops; wake_on_open's owner retries)
+            loop.call_soon_threadsafe(ev.set)
 
     def pause(self, after_epoch: int | None = None) -> None:
         """Close the gate now (``after_epoch`` None) or once epoch ``after_epoch`` is done."""
@@ -136,7 +163,7 @@ class EpochGate:
             closed = self.closed_for(last_epoch + 1)
             active = self._active
             state = "running" if not closed else ("pausing" if active is not None else "paused")
-            if self._after is not None and not self._paused and last_epoch < self._after:
+            if self._after is not None and not self._paused and not self._holds and last_epoch < self._after:
                 state = "running"
             return {"state": state, "paused": state == "paused", "pause_requested": self._paused,
                     "pause_after": self._after, "active_epoch": active}
@@ -339,14 +366,22 @@ async def inprocess_sql(
 
 
 def spark_status(rt: Any) -> dict[str, Any]:
-    """Pause state, the last recorded epoch and the backlog (log entries after it) of a Spark runtime."""
+    """Pause state, the last recorded epoch and the backlog (log entries after it) of a Spark runtime.
+
+    The log is asked through the runtime's bounded probe first: while it does not answer, ``backlog`` and
+    ``log_partitions`` are null and ``log_error`` says why (answered within ``health_timeout_s``)."""
     last = rt._last_recorded_epoch()
-    rec = rt.read_record(last) if last >= 0 else None
-    ends, done = pad_pair(rt.input_log.end_offsets(), rec.ends if rec is not None else rt.input_log.start_offsets())
-    backlog = sum(max(0, e - d) for e, d in zip(ends, done, strict=True))
-    physical, route = rt.input_log.counts()
-    return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "engine": "spark", "durable": True,
-            "log_partitions": {"route": route, "physical": physical},
+    probe = rt._log_probe.check(fresh=True)  # fresh: a backlog read right after an append counts it
+    base = {**rt.gate.status(last), "epoch": last, "engine": "spark", "durable": True, "log_error": probe.error}
+    if probe.ends is None:
+        base.update(backlog=None, log_partitions=None)
+    else:
+        rec = rt.read_record(last) if last >= 0 else None
+        ends, done = pad_pair(probe.ends, rec.ends if rec is not None else rt.input_log.start_offsets())
+        physical, route = rt.input_log.counts()
+        base.update(backlog=sum(max(0, e - d) for e, d in zip(ends, done, strict=True)),
+                    log_partitions={"route": route, "physical": physical})
+    return {**base,
             "retained_from": _retained_from(rt.durable, rt.config.partitions),
             "code_version": spark_version_at(rt, last + 1)}
 
@@ -381,8 +416,7 @@ async def _alone(rt: Any, drain: bool = True) -> AsyncIterator[None]:
     if lock is None:
         lock = rt._admin_lock = asyncio.Lock()
     async with lock:
-        was_paused = rt.gate._paused
-        rt.gate.pause()
+        rt.gate.hold()
         try:
             while rt.gate._active is not None:  # the running epoch finishes first
                 await asyncio.sleep(0.001)
@@ -391,8 +425,7 @@ async def _alone(rt: Any, drain: bool = True) -> AsyncIterator[None]:
                 rt.drain()  # transactions deferred before run without what follows
             yield
         finally:
-            if not was_paused:
-                rt.gate.resume()
+            rt.gate.release()
 
 
 def _update_epochs(
@@ -602,10 +635,26 @@ def _update_outcome(update_id: str, reqs: list[Any], replies: list[Any], epochs:
             "aborted": aborted, "epochs": epochs or seen, "repeated": repeated}
 
 
-async def _until(rt: Any, pred: Any, what: str, deadline: float) -> None:
+def _paused(rt: Any) -> bool:
+    """Whether the next epoch would wait at the gate (paused now, or its pause-after epoch is done)."""
+    return rt.gate.paused_for(rt._last_recorded_epoch() + 1)
+
+
+def refuse_if_paused(rt: Any, what: str) -> None:
+    """Raise :class:`GatePaused` when ``rt`` is paused: ``what`` needs epochs to run (before anything of it is
+    recorded or logged), and none will until a resume."""
+    if _paused(rt):
+        raise GatePaused(f"the runtime is paused: {what} needs epochs to run; resume it first (nothing was changed)")
+
+
+async def _until(rt: Any, pred: Any, what: str, deadline: float, needs_epochs: bool = False) -> None:
+    """Wait for ``pred()``; ``needs_epochs``: only epochs make it true, so a pause refuses (GatePaused) at once
+    (use only where nothing was recorded yet)."""
     while not await asyncio.to_thread(pred):
         if rt._fatal is not None:
             raise GateClosed(f"the runtime stopped: {rt._fatal}")
+        if needs_epochs and await asyncio.to_thread(_paused, rt):
+            raise GatePaused(f"the runtime is paused while waiting for {what}; resume it first (nothing was changed)")
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
@@ -623,7 +672,7 @@ async def _spark_alone(rt: Any, deadline: float) -> AsyncIterator[None]:
         hold.clear()
         try:
             await _until(rt, lambda: rt.__dict__.get("_submitting", 0) == 0 and rt._caught_up(),
-                         "the accepted requests", deadline)
+                         "the accepted requests", deadline, needs_epochs=True)
             yield
         finally:
             hold.set()
@@ -666,6 +715,7 @@ async def spark_run_alone(
     ``__charon_admin:<id>:<key>``: the log and the output log make them run once) and run by epochs that hold
     nothing else, then submissions continue."""
     deadline = time.monotonic() + timeout
+    refuse_if_paused(rt, f"admin update {update_id}")
     async with _spark_alone(rt, deadline):
         return await _spark_update_epochs(rt, update_id, operator, function, args, keys, deadline)
 
@@ -731,14 +781,12 @@ async def _spark_boundary(rt: Any, deadline: float) -> AsyncIterator[None]:
     """Hold a Spark runtime at an epoch boundary (its gate closed, no epoch running, the last one recorded;
     the next batch may be fixed and waits at the gate) without draining anything; reopened afterwards
     unless it was paused before. Call it holding the admin lock."""
-    was_paused = rt.gate._paused
-    rt.gate.pause()
+    rt.gate.hold()
     try:
         await _until(rt, lambda: rt.gate.wait_paused(rt._last_recorded_epoch, 0.05), "an epoch boundary", deadline)
         yield
     finally:
-        if not was_paused:
-            rt.gate.resume()
+        rt.gate.release()
 
 
 async def _spark_update_compatible(rt: Any, ref: str, version: str, deadline: float) -> dict[str, Any]:
@@ -753,7 +801,7 @@ async def _spark_update_compatible(rt: Any, ref: str, version: str, deadline: fl
     async with lock:
         # at most two versions at once: the transactions still deferred on the oldest code finish first
         await _until(rt, lambda: rt._code_previous is None, "the transactions deferred on the oldest code",
-                     deadline)
+                     deadline, needs_epochs=True)
         await asyncio.to_thread(ship_app_module, rt.spark, ref)
         async with _spark_boundary(rt, deadline):
             return await _switch_compatible(rt, ref, app, version, hist)
@@ -799,7 +847,11 @@ async def spark_update_code(
     ``ref`` from e on, while a transaction deferred before e (a lower TID) finishes on the old code, kept
     until no such transaction is left (:func:`spark_retire_previous`; a reply's ``code_version`` says which
     it ran). A restart reads the same from ``code.json`` and the last epoch record. A second compatible
-    update first waits for the transactions still deferred on the oldest code: at most two versions run."""
+    update first waits for the transactions still deferred on the oldest code: at most two versions run.
+
+    While the runtime is paused: a compatible update applies at once (a paused gate is an epoch boundary)
+    unless it must wait for deferred transactions; a strict one applies at once when nothing logged is left to
+    run and it has no migration. Otherwise it raises :class:`GatePaused` at once, nothing changed."""
     if mode not in ("strict", "compatible"):
         raise ValueError(f"mode must be 'strict' or 'compatible', not {mode!r}")
     deadline = time.monotonic() + timeout
@@ -809,7 +861,11 @@ async def spark_update_code(
         return await _spark_update_compatible(rt, ref, version, deadline)
     app = load_app_ref(ref)
     hist = spark_code_history(rt)
+    if migration is not None:  # it runs in epochs of its own after the switch: refuse before recording anything
+        refuse_if_paused(rt, "a strict code update's migration")
     async with _spark_alone(rt, deadline):
+        if migration is not None:
+            refuse_if_paused(rt, "a strict code update's migration")
         e = rt._last_recorded_epoch() + 1
         uid = f"code-{len(hist)}-{version}"
         mig = None if migration is None else [uid + "?", migration[0], migration[1], list(migration[2])]

@@ -16,6 +16,7 @@ from charon.errors import EngineUnavailable
 from charon.log.client import LogClient
 from charon.log.location import is_networked, open_input_log, open_output_log
 from charon.messages import Reply
+from charon.runtime.probe import LogProbe
 
 __all__ = ["LogRuntime"]
 
@@ -23,7 +24,7 @@ __all__ = ["LogRuntime"]
 class LogRuntime:
     """Submit through the logs at ``log_url``; the engine reading them runs in another process or machine."""
 
-    def __init__(self, app: Any, log_url: str) -> None:
+    def __init__(self, app: Any, log_url: str, health_timeout_s: float = 1.0) -> None:
         if not is_networked(log_url):
             raise ValueError(f"a remote gateway needs a networked log (nats://...), got {log_url!r}")
         self.app = app
@@ -31,6 +32,7 @@ class LogRuntime:
         self.input_log = open_input_log(log_url)
         self.output_log = open_output_log(log_url)
         self._client: LogClient | None = None
+        self._probe = LogProbe(self.input_log, health_timeout_s)
 
     async def start(self) -> None:
         """Nothing to start: the engine runs elsewhere."""
@@ -39,12 +41,12 @@ class LogRuntime:
         """Nothing to stop (the logs stay open until :meth:`close`)."""
 
     def health(self) -> dict[str, Any]:
-        """``ok`` while the log answers (the engine's own health is reported by its process)."""
-        try:
-            ends = self.input_log.end_offsets()
-        except OSError as exc:
-            return {"status": "log unavailable", "ok": False, "error": str(exc)}
-        return {"status": "ok", "ok": True, "log": self.log_url, "log_end_offsets": ends}
+        """``ok`` while the log answers (the engine's own health is reported by its process); answered within
+        ``health_timeout_s`` even when the log server hangs (:class:`~charon.runtime.probe.LogProbe`)."""
+        res = self._probe.check()
+        if res.error is not None:
+            return {"status": "log unavailable", "ok": False, "error": res.error}
+        return {"status": "ok", "ok": True, "log": self.log_url, "log_end_offsets": res.ends}
 
     async def submit(
         self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None,

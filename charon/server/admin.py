@@ -25,7 +25,9 @@
   own before any client transaction. *compatible* (both runtimes; no
   migration): transactions sequenced from the boundary on run the new code while those deferred before it
   finish on the old one. ``{"version", "ref", "from_epoch", "migration", "mode"}``. Replies carry
-  ``code_version`` (the version that transaction ran with); rolling back is another update.
+  ``code_version`` (the version that transaction ran with); rolling back is another update. On Spark, while
+  the runtime is paused, an update (or admin update) that needs epochs to run answers 409 ``Paused`` at once
+  (nothing changed; resume, then retry) instead of waiting for its timeout; a compatible one applies at once.
 - ``POST /admin/sql`` ``{"sql": "SELECT ...", "epoch": N?}``: the dashboard's SQL box, one safe ``SELECT``
   over the state views (one per operator: ``key``, ``item``, ``value``, ``value_json``, ``epoch``) at one
   consistent epoch (default the latest): ``{"epoch", "columns", "rows", "truncated", "engine"}``. Spark
@@ -40,12 +42,15 @@
   ``max_partitions`` setting): change the number of engine partitions of the running deployment at an epoch
   boundary (key groups move; both runtimes; blocks until done): ``{"from", "to", "epoch", "keys", "wait_s",
   "pause_s", "cpu_s", "log"}`` (``wait_s``: until the running epoch was done, epochs still ran; ``pause_s``: no
-  epoch could run). ``log_partitions`` (Spark) first changes the input log's partition count, without a pause:
+  epoch could run). ``log_partitions`` (Spark) then changes the input log's partition count, without a pause:
   ``log`` is ``{"from", "to", "physical", "epoch", "switch_s", "cpu_s"}``
   (:meth:`charon.runtime.spark.runtime.SparkRuntime.rescale_log`); the in-process runtime has no log partitions
   (its node's input log is one epoch log): 501 ``NotSupported``. 409 ``RescaleRunning`` while another one runs
-  (or, in-process, while paused: resume first); 503 ``RescaleTimeout`` if no epoch boundary came in time,
-  503 ``Unavailable`` (with ``Retry-After``) while the runtime is still starting (``/health`` 503 starting).
+  (or, in-process, while paused: resume first); 503 ``RescaleTimeout`` if no epoch boundary came in time
+  (nothing moved: neither the engine nor the log), 503 ``Unavailable`` (with ``Retry-After``) while the runtime
+  is still starting, recovering its query or failed, or while its input log does not answer (at once, nothing
+  moved), or when the engine moved but the log then could not be resized (the message says so).
+  A log-only rescale answers ``{"log": {...}}`` alone.
   ``/admin/status`` shows ``partitions``, ``last_rescale`` (that answer) and, on Spark, ``log_partitions``
   (``{"route", "physical"}``).
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
@@ -55,6 +60,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -79,10 +85,16 @@ STATUS_OF_ERROR.setdefault("Forbidden", 403)
 for _name, _status in (("SQLRejected", 422), ("SQLSyntaxError", 400), ("SQLTimeout", 422), ("StateTooLarge", 413),
                        ("SQLBusy", 429)):
     STATUS_OF_ERROR.setdefault(_name, _status)
-for _name, _status in (("RescaleRunning", 409), ("RescaleTimeout", 503)):
+for _name, _status in (("RescaleRunning", 409), ("RescaleTimeout", 503), ("Paused", 409)):
     STATUS_OF_ERROR.setdefault(_name, _status)
 SQL_ERRORS = ("SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "EpochNotRetained")
 SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy beyond)
+
+
+def _paused_409(exc: BaseException) -> None:
+    """charon.runtime.control's GatePaused (another layer: matched by name) as a typed 409 ``Paused``."""
+    if type(exc).__name__ == "GatePaused":
+        raise _HTTPError("Paused", str(exc)) from None
 
 
 def _method(gw: _Gateway, name: str) -> Any:
@@ -144,10 +156,10 @@ def _partitions(runtime: Any) -> int | None:
 
 def _rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | None = None) -> dict[str, Any]:
     """One shape for both runtimes' rescale answers (Spark: a dict; in-process: the pause, details recorded;
-    None: no engine rescale); ``log``: the input log's resize, if one was asked."""
-    if out is None:
-        info: dict[str, Any] = {}
-    elif isinstance(out, dict):
+    None: no engine rescale, the answer is ``{"log": ...}`` alone); ``log``: the input log's resize, if asked."""
+    if out is None:  # only the log was resized: say only that (no engine fields, null as if it had failed)
+        return {"log": log}
+    if isinstance(out, dict):
         info = dict(out)
     else:
         pauses = getattr(runtime, "rescale_pauses", None) or [{}]
@@ -223,15 +235,16 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
                 st = await gw.off_loop(_method(gw, "control_status"))
                 if st.get("paused"):  # its epoch loop waits at the gate: the move would wait for the resume
                     raise _HTTPError("RescaleRunning", "the runtime is paused; resume it, then rescale")
-            if log_fn is not None:  # the log first: it needs no pause
-                log = await gw.off_loop(log_fn, m)
-            t0 = time.perf_counter()
-            if n is not None:
+            if log_fn is not None:  # one call: the runtime orders the parts and says what happened
+                out = await gw.off_loop(functools.partial(fn, n, log_partitions=m))
+                log = out.get("log") if isinstance(out, dict) else None
+                if n is None:
+                    out = None
+            elif n is not None:
                 out = await gw.off_loop(fn, n)
         except TimeoutError as exc:
-            done = "" if log is None else f" (the input log did switch to {log['to']} partitions)"
-            raise _HTTPError("RescaleTimeout", f"no epoch boundary in time, the engine partitions did not move"
-                             f"{done}: {exc}") from None
+            raise _HTTPError("RescaleTimeout", f"no epoch boundary in time: nothing moved (the engine partitions "
+                             f"stay{'' if m is None else ', the input log was not resized'}): {exc}") from None
         except ValueError as exc:
             raise _HTTPError("BadRequest", f"cannot rescale to {n if m is None else (n, m)}: {exc}") from None
         finally:
@@ -301,7 +314,11 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
                 except InvalidKey as exc:
                     raise _HTTPError("InvalidKey", str(exc)) from None
         gw.validate(operator, keys[0] if keys else "k", function, args)  # names, arity, types: 4xx
-        out = await gw.off_loop(_method(gw, "run_alone"), uid, operator, function, args, keys)
+        try:
+            out = await gw.off_loop(_method(gw, "run_alone"), uid, operator, function, args, keys)
+        except Exception as exc:
+            _paused_409(exc)
+            raise
         return gw.respond(request, 200, out)
 
     async def code(request: HTTPRequest) -> Response:
@@ -337,6 +354,9 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
                 out = await gw.off_loop(fn, ref, version, None, mode)
         except (ImportError, TypeError) as exc:
             raise _HTTPError("BadRequest", f"cannot deploy {ref!r}: {exc}") from None
+        except Exception as exc:
+            _paused_409(exc)
+            raise
         return gw.respond(request, 200, out)
 
     slots = {"free": SQL_SLOTS}
@@ -462,6 +482,7 @@ def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
                                  "keys": {"type": "array", "items": key}}, ["id", "operator", "function"]),
             "responses": {"200": ok("{id, transactions, committed, aborted, epochs, repeated}"),
                           "400": err("malformed body"), "404": err("unknown operator or function"),
+                          "409": err("Paused: the runtime is paused (Spark); resume, then retry"),
                           "415": err("unsupported body type"), "422": err("bad arguments"), **common}}},
         "/admin/code": {"post": {
             "summary": "A code update at an epoch boundary (strict or compatible) to a deployable ref",
@@ -475,7 +496,9 @@ def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
                                              "args": args}},
             }, ["ref", "version"]),
             "responses": {"200": ok("{version, ref, from_epoch, migration, mode}"), "400": err("malformed body"),
-                          "403": err("not a deployable ref"), "415": err("unsupported body type"), **common}}},
+                          "403": err("not a deployable ref"),
+                          "409": err("Paused: the update needs epochs to run and the runtime is paused"),
+                          "415": err("unsupported body type"), **common}}},
         "/admin/sql": {"post": {
             "summary": "One safe SELECT over the operators' state views at one consistent epoch (admin)",
             "security": security,

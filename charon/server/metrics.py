@@ -149,7 +149,8 @@ class GatewayMetrics:
         self._ingest_epochs()
         st = self._status()
         self.g_epoch.set(st.get("epoch", -1))
-        self.g_backlog.set(st.get("backlog", 0))
+        if st.get("backlog") is not None:  # null while the log does not answer: the gauge keeps its last value
+            self.g_backlog.set(st["backlog"])
         self.g_paused.set(1 if st.get("paused") else 0)
         self.g_inflight.set(inflight)
         if "code_version" in st and st["code_version"] != self._version:

@@ -27,6 +27,7 @@ import pickle
 import re
 import shutil
 import signal
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -52,6 +53,7 @@ from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime import control
+from charon.runtime.probe import LogProbe
 from charon.state.durable import DurableState, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 
@@ -60,6 +62,15 @@ TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch 
 
 class _Stopping(Exception):
     """Raised into a micro-batch that would start while the runtime stops (the batch stays uncommitted)."""
+
+
+class RescaleIncomplete(EngineUnavailable):
+    """A combined rescale moved the engine partitions (``moved``: that answer) but could not resize the input log
+    (it did not answer): the layout records the engine's new count and the log's old one; retry the log part."""
+
+    def __init__(self, message: str, moved: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.moved = moved
 
 
 class LayoutMismatch(CharonError):
@@ -264,7 +275,10 @@ def make_session(config: SparkConfig) -> Any:
 
 _PY_ERROR = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception): .+")
 _WRAPPERS = ("py4j.", "org.apache.", "java.", "pyspark.errors.", "scala.")
-_LOG_OUTAGE_ERRORS = ("NatsLogUnreachable",)  # error names meaning "the log did not answer" (see _log_outage)
+# error texts naming a transient failure of the infrastructure, not of the epoch (see SparkRuntime._outage): the
+# log did not answer, SQLite busy past its timeout, a full / read-only / stale file system
+_OUTAGE_ERRORS = ("NatsLogUnreachable", "database is locked", "database is busy", "No space left on device",
+                  "Read-only file system", "Stale file handle")
 
 
 def _short_error(e: BaseException) -> str:
@@ -798,7 +812,9 @@ class SparkRuntime(control.Controllable):
         # when the next timer is due (recorded per epoch; a fresh checkpoint has none): the ticker's cue
         self._next_due = last.next_due if last is not None else math.inf
         self._ticker: threading.Thread | None = None
+        self._last_tick_error: str | None = None  # the ticker's last failure to reach the log
         self.gate = control.EpochGate()  # pause/resume at an epoch boundary
+        self._log_probe = LogProbe(self.input_log, cfg.health_timeout_s)  # health() answers within its timeout
         if wanted != self.config.partitions:
             self.rescale(wanted)
 
@@ -841,12 +857,15 @@ class SparkRuntime(control.Controllable):
         while not self._wake.wait(poll):
             if self._status != "ok" or self._next_due > time.time():
                 continue
-            rec = self.read_record(self._last_recorded_epoch())
-            ends, tops = pad_pair(rec.ends if rec is not None else [], self.input_log.end_offsets())
-            if any(e < t for e, t in zip(ends, tops, strict=True)):
-                continue  # an epoch is coming anyway (it advances the time too)
-            n += 1
-            self.input_log.append(Request(f"{TICK}timer:{time.time_ns()}:{n}", TICK, "", "", serde.encode([])))
+            try:
+                rec = self.read_record(self._last_recorded_epoch())
+                ends, tops = pad_pair(rec.ends if rec is not None else [], self.input_log.end_offsets())
+                if any(e < t for e, t in zip(ends, tops, strict=True)):
+                    continue  # an epoch is coming anyway (it advances the time too)
+                n += 1
+                self.input_log.append(Request(f"{TICK}timer:{time.time_ns()}:{n}", TICK, "", "", serde.encode([])))
+            except (OSError, sqlite3.Error) as e:  # the log is down: tick once it answers (never end the ticker)
+                self._last_tick_error = f"{type(e).__name__}: {e}"
 
     def _start_query(self) -> None:
         spark = self.spark
@@ -868,8 +887,19 @@ class SparkRuntime(control.Controllable):
         """Restart the query from its checkpoint when it fails (back-off doubling from ``restart_backoff_s``);
         give up loudly when the same epoch failed ``epoch_max_failures`` times (a deterministic failure).
 
-        A failure during an outage of the log (see :meth:`_log_outage`) is nobody's epoch's fault: it is not
-        counted; the supervisor waits until the log answers again, then restarts."""
+        A failure during an outage of the infrastructure (see :meth:`_outage`: the log, the checkpoint directory)
+        is nobody's epoch's fault: it is not counted; the supervisor waits until it is over, then restarts.
+        Should the supervisor itself fail, the runtime reports it as failed (never a silent "recovering")."""
+        try:
+            self._supervise_loop()
+        except BaseException as e:  # noqa: BLE001 - reported: nobody would restart the query any more
+            with self._lock:
+                if self._status != "stopped":
+                    self._fatal = f"the query's supervisor failed: {type(e).__name__}: {e}"
+                    self._status = "failed"
+            print(f"charon: FATAL: the query's supervisor failed: {e!r}", file=sys.stderr, flush=True)
+
+    def _supervise_loop(self) -> None:
         cfg = self.config
         while True:
             q = self._query
@@ -880,7 +910,7 @@ class SparkRuntime(control.Controllable):
                 q.awaitTermination()
             except BaseException as e:  # noqa: BLE001 - StreamingQueryException or a py4j error
                 err = e
-            outage = self._log_outage(err)
+            outage = self._outage(err)
             with self._lock:
                 if self._query is not q or self._status == "stopped":
                     return  # stopped on purpose
@@ -890,8 +920,8 @@ class SparkRuntime(control.Controllable):
                     n = 1
                     self._last_error = f"epoch {epoch}: {outage}"
                     self._status = "recovering"
-                    print(f"charon: the streaming query stopped at epoch {epoch} during an outage of the log "
-                          f"(not counted as a failure); restarting when the log answers: {outage}",
+                    print(f"charon: the streaming query stopped at epoch {epoch} during an outage (not counted as "
+                          f"a failure); restarting when it is over: {outage}",
                           file=sys.stderr, flush=True)
                 else:
                     n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
@@ -911,16 +941,17 @@ class SparkRuntime(control.Controllable):
             waits = 0
             while True:
                 delay = min(30.0, cfg.restart_backoff_s * 2 ** (n - 1))
-                if outage is not None:  # poll the log until it answers (at most every 5 s)
+                if outage is not None:  # poll until the outage is over (at most every 5 s)
                     delay = min(5.0, cfg.restart_backoff_s * 2 ** min(waits, 10))
                     waits += 1
                 if self._wake.wait(delay):
                     return
                 if outage is not None:
-                    still = self._log_outage(None)
+                    still = self._outage(None)
                     if still is not None:
                         self._last_error = f"epoch {epoch}: {still}"
                         continue
+                failed: Exception | None = None
                 with self._lock:
                     if self._status == "stopped":
                         return
@@ -929,54 +960,76 @@ class SparkRuntime(control.Controllable):
                         self._start_query()
                         break
                     except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch
+                        failed = e
                         self._last_error = f"restart: {_short_error(e)}"
                         print(f"charon: restarting the streaming query failed: {e}", file=sys.stderr, flush=True)
-                        outage = self._log_outage(e)
-                        if outage is not None:
-                            continue
-                        n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
-                        if n >= cfg.epoch_max_failures:
-                            self._fatal = f"cannot restart the streaming query: {_short_error(e)}"
-                            self._status = "failed"
-                            print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
-                            return
+                outage = self._outage(failed)  # probed without the lock: stop() and a rescale need not wait for it
+                if outage is not None:
+                    continue
+                with self._lock:
+                    if self._status == "stopped":
+                        return
+                    n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
+                    if n >= cfg.epoch_max_failures:
+                        assert failed is not None
+                        self._fatal = f"cannot restart the streaming query: {_short_error(failed)}"
+                        self._status = "failed"
+                        print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                        return
 
-    def _log_outage(self, err: BaseException | None) -> str | None:
-        """Why a query failure is an outage of the input/output log rather than the epoch's fault, or None.
+    def _outage(self, err: BaseException | None) -> str | None:
+        """Why a query failure is an outage of the infrastructure rather than the epoch's fault, or None: the one
+        rule for what the supervisor does not count towards ``epoch_max_failures`` (it waits instead).
 
-        Either the logs do not answer now, or the failure names an unreachable log (a NATS timeout or a lost
-        connection: ``NatsLogUnreachable``, possibly wrapped by Spark). The one rule for what the supervisor does
-        not count towards ``epoch_max_failures``."""
+        Either the input/output logs do not answer now, or the checkpoint directory (epoch records, durable
+        state) cannot be written now, or the failure names a transient one (:data:`_OUTAGE_ERRORS`: a NATS
+        timeout or lost connection, possibly wrapped by Spark; SQLite busy; a full or read-only file system).
+        A Python worker or executor lost is not: Spark already retried its tasks, and an epoch that kills its
+        worker every time (e.g. too large for its memory) is the epoch's."""
         try:
             self.input_log.end_offsets()
             self.output_log.last_seq()
-        except OSError as e:
+        except (OSError, sqlite3.Error) as e:  # sqlite3: "database is locked" (not an OSError) is transient too
             return f"the log is unavailable: {type(e).__name__}: {e}"
-        if err is not None and any(name in str(err) for name in _LOG_OUTAGE_ERRORS):
-            return f"the log did not answer: {_short_error(err)}"
+        except Exception as e:  # noqa: BLE001 - never end the supervisor: the failure is counted instead
+            print(f"charon: probing the log failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            return None
+        for d in (os.path.join(self.ckpt, "epochs"), self.durable.root):
+            if d != os.path.join(self.ckpt, "epochs") and not os.path.lexists(d):
+                continue  # no state stored yet
+            probe = os.path.join(d, ".charon-probe")
+            try:
+                write_file_atomic(probe, b"probe")
+                os.remove(probe)
+            except OSError as e:
+                return f"the checkpoint directory is not writable: {type(e).__name__}: {e}"
+        text = str(err) if err is not None else ""
+        if any(name in text for name in _OUTAGE_ERRORS):
+            return f"a transient infrastructure failure: {_short_error(err)}"  # type: ignore[arg-type]
         return None
 
-    def _caught_up(self) -> bool:
+    def _caught_up(self, log_ends: list[int] | None = None) -> bool:
         rec = self.read_record(self._last_recorded_epoch())
-        ends, target = pad_pair(rec.ends if rec is not None else [], self.input_log.end_offsets())
+        log_ends = self.input_log.end_offsets() if log_ends is None else log_ends
+        ends, target = pad_pair(rec.ends if rec is not None else [], log_ends)
         return not (rec is not None and rec.deferred) and all(e >= t for e, t in zip(ends, target, strict=True))
 
     def health(self) -> dict[str, Any]:
         """The runtime's state: ``status`` (ok, starting, recovering, failed, stopped), the last recorded
-        epoch, the last error and the number of query restarts; ``ok`` is true only when serving."""
+        epoch, the last error and the number of query restarts; ``ok`` is true only when serving and the
+        input log answers. ``log_error`` says why the log does not (unreachable, or no answer within
+        ``health_timeout_s``: health never waits for a hung log longer than that)."""
+        probe = self._log_probe.check()
         status = self._status
         q = self._query
         if status == "ok" and q is not None and not q.isActive:
             status = "recovering"  # terminated; the supervisor is about to notice
-        elif status == "recovering" and q is not None and q.isActive:
-            try:
-                if self._caught_up():
-                    status = self._status = "ok"  # restarted, and nothing was left to replay
-            except OSError as exc:  # the log does not answer: still recovering, and saying why
-                self._last_error = f"the log is unavailable: {type(exc).__name__}: {exc}"
-        return {"status": status, "ok": status == "ok", "epoch": self._last_recorded_epoch(),
-                "last_error": self._last_error, "restarts": self._restarts, "fatal": self._fatal,
-                "unconfirmed_epoch": self._unconfirmed}
+        elif status == "recovering" and q is not None and q.isActive and probe.ends is not None:
+            if self._caught_up(probe.ends):
+                status = self._status = "ok"  # restarted, and nothing was left to replay
+        return {"status": status, "ok": status == "ok" and probe.ok, "epoch": self._last_recorded_epoch(),
+                "last_error": self._last_error, "log_error": probe.error, "restarts": self._restarts,
+                "fatal": self._fatal, "unconfirmed_epoch": self._unconfirmed}
 
     def stop(self) -> None:
         """Stop between epochs: no new epoch starts (its batch is left uncommitted, to run after a restart),
@@ -1006,8 +1059,13 @@ class SparkRuntime(control.Controllable):
     def rescale(self, partitions: int | None = None, timeout: float = 300.0, *, log_partitions: int | None = None,
                 ) -> dict[str, Any]:
         """Change the number of engine partitions at an epoch boundary, the streaming query running or not;
-        with ``log_partitions``, first change the input log's partition count (:meth:`rescale_log`, no pause;
+        with ``log_partitions``, then change the input log's partition count (:meth:`rescale_log`, no pause;
         its answer is merged in under ``log``). ``partitions=None``: the engine partitions stay.
+
+        Refused at once with :class:`~charon.errors.EngineUnavailable` (HTTP 503, ``Retry-After``) while the
+        query is recovering or failed, or while the input log does not answer. The engine part runs first: a
+        ``TimeoutError`` leaves nothing changed (the log is not resized); a log resize that fails after the
+        engine moved raises :class:`RescaleIncomplete` naming what moved (``moved``: the engine's answer).
 
         Entities map to fixed key groups (:data:`charon.core.routing.KEY_GROUPS`), groups to partitions
         (``group % partitions``). A running runtime closes its epoch gate: the running epoch finishes (a
@@ -1031,11 +1089,32 @@ class SparkRuntime(control.Controllable):
             raise ValueError("log_partitions must be at least 1")
         if partitions is None and log_partitions is None:
             raise ValueError("give partitions, log_partitions or both")
-        log_info = self.rescale_log(log_partitions) if log_partitions is not None else None
-        if partitions is None:
-            return {"log": log_info}
-        info = self._rescale_engine(partitions, timeout)
-        return info if log_info is None else {**info, "log": log_info}
+        # the engine first: its only failure, no boundary within ``timeout``, then leaves nothing changed
+        info = self._rescale_engine(partitions, timeout) if partitions is not None else None
+        if log_partitions is None:
+            return info  # type: ignore[return-value]
+        try:
+            log_info = self.rescale_log(log_partitions)
+        except Exception as exc:  # the log unreachable (typed 503), or another failure of its resize
+            if info is None:
+                raise
+            raise RescaleIncomplete(f"the engine partitions moved {info['from']} -> {info['to']} at epoch "
+                                    f"{info['epoch']}, but the input log was not resized: {exc}", info) from exc
+        return {"log": log_info} if info is None else {**info, "log": log_info}
+
+    def _check_serving(self, what: str) -> None:
+        """Refuse (:class:`~charon.errors.EngineUnavailable`, at once) a rescale the runtime cannot do now: the
+        query has failed and is not restarted yet, or the runtime gave up (a move would race the supervisor's
+        restart, or wait for a boundary that may not come), or the input log does not answer within
+        ``health_timeout_s``. A restarted query still replaying its backlog may rescale (at a boundary)."""
+        q, status = self._query, self._status
+        if q is not None and (status == "failed" or not q.isActive):  # restarted (active, replaying): it may
+            state = "failed" if status == "failed" else "recovering"
+            raise EngineUnavailable(f"cannot {what} while the runtime is {state} ({self._last_error}); retry "
+                                    "when /health is ok")
+        probe = self._log_probe.check(fresh=True)
+        if probe.error is not None:
+            raise EngineUnavailable(f"cannot {what}: {probe.error}; retry when /health is ok")
 
     def rescale_log(self, log_partitions: int) -> dict[str, Any]:
         """Change the input log's partition count (= the sequencers) of a running deployment; no pause.
@@ -1053,16 +1132,22 @@ class SparkRuntime(control.Controllable):
         waits for it) and ``cpu_s``."""
         if log_partitions < 1:
             raise ValueError("log_partitions must be at least 1")
+        self._check_serving("resize the input log")
         with self._rescale_lock:
             t0, c0 = time.perf_counter(), time.process_time()
             old = self.input_log.counts()[1]
             epoch = self._last_recorded_epoch()
             with self._lock:
                 layout = read_layout(self.ckpt) or Layout(self.config.partitions, old)
-                write_file_atomic(os.path.join(self.ckpt, "layout.json"),
-                                  msgspec.json.encode(msgspec.structs.replace(layout, log_partitions=log_partitions)))
+                path = os.path.join(self.ckpt, "layout.json")
+                wanted = msgspec.structs.replace(layout, log_partitions=log_partitions)
+                write_file_atomic(path, msgspec.json.encode(wanted))
                 crash_point("log_relayout", epoch)  # recorded, the log not resized yet: the restart resizes it
-                physical, route = self.input_log.resize(log_partitions)
+                try:
+                    physical, route = self.input_log.resize(log_partitions)
+                except BaseException:  # the log did not switch (or not knowingly): the layout keeps the old count
+                    write_file_atomic(path, msgspec.json.encode(layout))
+                    raise
                 self.config = dataclasses.replace(self.config, log_partitions=route)
             crash_point("log_resized", epoch)
             info = {"from": old, "to": route, "physical": physical, "epoch": epoch,
@@ -1071,13 +1156,12 @@ class SparkRuntime(control.Controllable):
             return info
 
     def _rescale_engine(self, partitions: int, timeout: float) -> dict[str, Any]:
+        self._check_serving("rescale")
         with self._rescale_lock:
             t0 = time.perf_counter()
             running = self._query is not None and self._status != "stopped"
-            st = self.gate.status(self._last_recorded_epoch())
-            was_paused = st["pause_requested"] or st["pause_after"] is not None
-            if running:
-                self.gate.pause()
+            if running:  # the runtime's own hold: a user's resume meanwhile cannot start an epoch mid-move
+                self.gate.hold()
             try:
                 if running and not self.gate.wait_paused(self._last_recorded_epoch, timeout):
                     raise TimeoutError(f"no epoch boundary within {timeout} s: {self.control_status()}")
@@ -1087,8 +1171,8 @@ class SparkRuntime(control.Controllable):
                 info = self._move(partitions)
                 info.update(wait_s=t1 - t0, pause_s=time.perf_counter() - t1)
             finally:
-                if running and not was_paused:
-                    self.gate.resume()
+                if running:
+                    self.gate.release()
             self.rescale_pauses.append(info)
             return info
 
