@@ -174,26 +174,22 @@ class Context:
     """What a function sees: ``key``, its entity's state, ``call``/``send``, ``random``/``now``."""
 
     __slots__ = (
-        "_unit", "_frame", "_journal", "_nchild", "_pending", "_sends", "_calls", "_fast", "_rng", "_dropped",
+        "_unit", "_frame", "_nchild", "_pending", "_sends", "_calls", "_fast", "_rng", "_dropped",
         "_nemit", "_ntimer", "_nask", "key", "operator", "tid",
     )
 
     def __init__(self, unit: PartitionUnit, frame: Frame, fast: bool = False) -> None:
         self._unit = unit
-        self._frame = frame
-        j = self._journal = frame.journal
-        j._awaits = 0  # j.rewind(), inlined (a context is created per run of an invocation)
-        j._nread = 0
-        j.live = j.nsusp == 0
+        self._frame = frame  # the invocation's frame, which is also its Journal
+        frame._awaits = frame._nread = 0  # frame.rewind(), inlined (a context is created per run of an invocation)
+        frame.live = frame.nsusp == 0
         self._fast = fast  # the call-graph-cached fallback: replies preset, nothing journaled
-        self._nchild = 0
-        self._nemit = 0  # events emitted by this run so far (replayed ones included): their order
-        self._ntimer = 0
-        self._nask = 0
+        # _nemit: events emitted by this run so far (replayed ones included): their order
+        self._nchild = self._nemit = self._ntimer = self._nask = 0
         self._pending: list[_Call] | None = None  # the calls the last suspending await sent
+        self._rng: _random.Random | None = None
         self._sends: list[tuple] = []
         self._calls: list[tuple] = []
-        self._rng: _random.Random | None = None
         self._dropped = False
         self.key: str = frame.key
         self.operator: str = frame.op
@@ -203,8 +199,7 @@ class Context:
         """Continue a live coroutine in a new round (possibly with a new unit and frame for the partition)."""
         self._unit = unit
         self._frame = frame
-        self._journal = frame.journal
-        self._journal.at_end()
+        frame.at_end()
         self._sends = []
 
     def _drop(self, coro: Any) -> None:
@@ -219,13 +214,13 @@ class Context:
         """True if effects happen now (live), False while replaying; a dropped coroutine may do nothing."""
         if self._dropped:
             raise GeneratorExit
-        return self._journal.live
+        return self._frame.live
 
     # -- state of this entity ---------------------------------------------------------------------
     def _read(self, item: str) -> bytes | None:
         if self._dropped:
             raise GeneratorExit
-        j = self._journal
+        j = self._frame
         if not j.live:
             return j.replayed_read()
         f = self._frame
@@ -238,7 +233,7 @@ class Context:
         """The entity's value, or ``default`` if it has none."""
         if self._dropped:  # self._read(""), inlined (the hot path)
             raise GeneratorExit
-        j = self._journal
+        j = self._frame
         if j.live:
             f = self._frame
             raw = self._unit.read(f.tid, f.op, f.key, "")
@@ -252,7 +247,7 @@ class Context:
         """Set the entity's value (buffered in the transaction until it commits)."""
         if self._dropped:
             raise GeneratorExit
-        if self._journal.live:
+        if self._frame.live:
             f = self._frame
             self._unit.write(f.tid, f.op, f.key, "", serde.encode(value))
 
@@ -284,9 +279,9 @@ class Context:
                                         None if start is None else "\x01" + start,  # bounds, not names:
                                         None if stop is None else "\x01" + stop)  # no length limit
             if not self._fast:
-                self._journal.reads.append(raw_items)
+                self._frame.reads.append(raw_items)
         else:
-            raw_items = self._journal.replayed_read()
+            raw_items = self._frame.replayed_read()
         # the unit returns exactly the items within [start, stop) (as store names: "\x01" + name)
         decode = serde.decode
         return [(name[1:], decode(raw)) for name, raw in raw_items]
@@ -404,7 +399,7 @@ class Context:
                 todo.append(c)
         if not todo:
             return False
-        j = self._journal
+        j = self._frame
         replies = j.replies
         have = 0
         for c in todo:
@@ -427,7 +422,7 @@ class Context:
 
     def _resumed(self) -> None:
         """The live coroutine continues after a suspending await: the replies are in the journal."""
-        replies = self._journal.replies
+        replies = self._frame.replies
         for c in self._pending or ():
             c.value = serde.decode(replies[c.child])
             c.done = True
@@ -480,9 +475,9 @@ class Context:
             f = self._frame
             raw_items = self._unit.scan(f.tid, f.op, f.key, _timers.ITEM_PREFIX)
             if not self._fast:
-                self._journal.reads.append(raw_items)
+                self._frame.reads.append(raw_items)
         else:
-            raw_items = self._journal.replayed_read()
+            raw_items = self._frame.replayed_read()
         return [_timers.decode(raw) for _, raw in raw_items]
 
     # -- determinism ------------------------------------------------------------------------------

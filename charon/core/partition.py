@@ -73,20 +73,53 @@ def too_many_invocations(limit: int) -> CallGraphLimitExceeded:
     return CallGraphLimitExceeded(f"more than {limit} invocations")
 
 
-class Invoke:
-    """Run ``fn(*args)`` on entity (op, key) as invocation ``inv`` of transaction ``tid``."""
+class Invoke(Journal):
+    """Run ``fn(*args)`` on entity (op, key) as invocation ``inv`` of transaction ``tid``.
 
-    __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth")
+    The partition that runs the message makes the same object the invocation's *frame* (:func:`start_frame`):
+    it then also holds the invocation's :class:`~charon.core.context.Journal` (all a replay needs) and
+    ``token``, so no second object is made per invocation. ``token`` is None while it is a message.
+    """
 
-    def __init__(self, tid, inv, op, key, fn, args, share, kind, caller, ts, depth) -> None:
+    __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth", "token")
+
+    def __init__(self, tid, inv, op, key, fn, args, share, kind, caller, ts, depth) -> None:  # noqa: ANN001
         self.tid, self.inv, self.op, self.key, self.fn, self.args = tid, inv, op, key, fn, args
         self.share, self.kind, self.caller, self.ts, self.depth = share, kind, caller, ts, depth
+        self.token = None
 
     def __reduce__(self):
-        return (_new_invoke, (
+        if self.token is None:
+            return (_new_invoke, (
+                self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
+                self.ts, self.depth,
+            ))
+        return (_new_frame, (
             self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
-            self.ts, self.depth,
+            self.ts, self.depth, self.replies, self.reads, self.nsusp, self.pending, self.token,
         ))
+
+    @property
+    def journal(self) -> Journal:
+        """The frame's journal (the frame itself)."""
+        return self
+
+
+#: An invocation in progress: its message, its journal and its token (see :class:`Invoke`).
+Frame = Invoke
+
+
+def start_frame(m: Invoke, replies: Any = None) -> Invoke:
+    """Make message ``m`` the frame of a new run of its invocation (``replies``: (child, reply) pairs to preset,
+    the call-graph-cached fallback's dry-run replies); an empty journal, a fresh token."""
+    m.replies = dict(replies) if replies else {}
+    m.reads = []
+    m.nsusp = 0
+    m.pending = None
+    # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
+    # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
+    m.token = (_SALT, _PID, next(_COUNTER))  # _next_token(), inlined (one frame per invocation)
+    return m
 
 
 class Reply:
@@ -94,7 +127,7 @@ class Reply:
 
     __slots__ = ("tid", "op", "key", "inv", "value", "share", "child")
 
-    def __init__(self, tid, op, key, inv, value, share, child) -> None:
+    def __init__(self, tid, op, key, inv, value, share, child) -> None:  # noqa: ANN001
         self.tid, self.op, self.key, self.inv, self.value, self.share = tid, op, key, inv, value, share
         self.child = child
 
@@ -102,34 +135,6 @@ class Reply:
         return (_new_reply, (
             self.tid, self.op, self.key, self.inv, self.value, self.share, self.child,
         ))
-
-
-class Frame:
-    """An invocation in progress: its message and its journal (all a replay needs, see charon.core.context)."""
-
-    __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth",
-                 "journal", "token")
-
-    def __init__(self, m: Invoke, replies: Any = None) -> None:
-        """``replies``: (child, reply) pairs to preset (the call-graph-cached fallback's dry-run replies)."""
-        self.tid, self.inv, self.op, self.key, self.fn, self.args = m.tid, m.inv, m.op, m.key, m.fn, m.args
-        self.share, self.kind, self.caller, self.ts, self.depth = m.share, m.kind, m.caller, m.ts, m.depth
-        self.journal = Journal(replies)
-        # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
-        # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
-        # (_next_token(), inlined: one frame per invocation)
-        self.token = (_SALT, _PID, next(_COUNTER))
-
-    def __reduce__(self):
-        return (_new_frame, (
-            self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
-            self.ts, self.depth, self.journal, self.token,
-        ))
-
-    @property
-    def replies(self) -> list[tuple[int, bytes]]:
-        """The journaled replies as (child, reply) pairs (a copy, for the call-graph cache)."""
-        return sorted(self.journal.replies.items())
 
 
 class Prior(NamedTuple):
@@ -207,27 +212,22 @@ class RoundOutput:
 
 
 class Cached:
-    """A dry-run invocation remembered for the call-graph-cached fallback.
+    """A dry-run invocation remembered for the call-graph-cached fallback: its completed ``frame`` (whose
+    journal's replies never change again), the value it returned, the calls it made.
 
     ``access`` is how the dry run touched the invocation's entity: None (not at all), False (read),
     True (wrote); a cached replay must stay within it (see :meth:`PartitionUnit._fast_round`).
     """
 
-    __slots__ = ("inv", "op", "key", "fn", "args", "replies", "result", "calls", "ts", "depth", "kind", "access")
+    __slots__ = ("frame", "result", "calls", "access")
 
     def __init__(self, frame: Frame, result: bytes, calls: list, access: bool | None) -> None:
-        self.inv, self.op, self.key, self.fn, self.args = frame.inv, frame.op, frame.key, frame.fn, frame.args
-        # the journal's reply dict itself (no copy: a completed frame's journal never changes again; a replay
-        # copies it into its own journal)
-        self.replies, self.result, self.calls, self.ts, self.depth = (frame.journal.replies, result, calls, frame.ts,
-                                                                      frame.depth)
-        self.kind = frame.kind
-        self.access = access
+        self.frame, self.result, self.calls, self.access = frame, result, calls, access
 
     def __reduce__(self):
+        f = self.frame
         return (_new_cached, (
-            self.inv, self.op, self.key, self.fn, self.args, self.replies, self.result, self.calls, self.ts,
-            self.depth, self.kind, self.access,
+            f.inv, f.op, f.key, f.fn, f.args, f.replies, self.result, self.calls, f.ts, f.depth, f.kind, self.access,
         ))
 
 
@@ -504,14 +504,14 @@ class PartitionUnit:
                 if n > self.max_invocations:
                     self._fail(tid, too_many_invocations(self.max_invocations))
                     continue
-                frame = Frame(m)
+                frame = start_frame(m)
             else:
                 tframes = frames.get(tid)
                 frame = tframes.get(m.inv) if tframes is not None else None
                 if frame is None:
                     continue  # its transaction was reset
                 frame.share = add(frame.share, m.share)
-                if not frame.journal.receive(m.child, m.value):
+                if not frame.receive(m.child, m.value):
                     continue  # a gather still waiting for other replies
                 del tframes[m.inv]
             for msg in self._run(frame):
@@ -529,7 +529,7 @@ class PartitionUnit:
         decides what is replayed). Both give the same effects.
         """
         self._stat_runs += 1
-        live = self._live_pop(frame) if frame.journal.nsusp else None
+        live = self._live_pop(frame) if frame.nsusp else None
         try:
             if live is not None:
                 coro, ctx = live
@@ -544,7 +544,7 @@ class PartitionUnit:
             try:
                 yielded = coro.send(None)
             except StopIteration as stop:
-                if not frame.journal.live:
+                if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
                 return self._complete(frame, ctx, serde.encode(stop.value))
@@ -578,11 +578,11 @@ class PartitionUnit:
         if not KEEP_LIVE_COROUTINES:
             ctx._drop(coro)
             return
-        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.journal.nsusp, frame.token)] = (coro, ctx)
+        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
 
     def _live_pop(self, frame: Frame) -> tuple[Any, Context] | None:
         t = self._live_table().get(frame.tid)
-        return t.pop((frame.inv, frame.journal.nsusp, frame.token), None) if t else None
+        return t.pop((frame.inv, frame.nsusp, frame.token), None) if t else None
 
     def _live_drop(self, tid: int) -> None:
         for coro, ctx in self._live_table().pop(tid, {}).values():
@@ -644,7 +644,7 @@ class PartitionUnit:
         caller = (frame.op, frame.key, frame.inv)
         tid, ts, depth = frame.tid, frame.ts, frame.depth + 1
         # the calls the await sent, with their invocation ids from the journal's pending table (same order)
-        for c, inv in zip(pending, frame.journal.pending or (), strict=True):
+        for c, inv in zip(pending, frame.pending or (), strict=True):
             op, key, fn, args = c.target
             msgs.append(Invoke(tid, inv, op, key, fn, args, each, SYNC, caller, ts, depth))
         frame.share = (each[0] + rest[0], each[1]) if rest[0] else each
@@ -686,7 +686,7 @@ class PartitionUnit:
             self.buffers.pop(tid, None)
             self.emits.pop(tid, None)
             self.touched.pop(tid, None)
-            access = {(c.op, c.key): c.access for c in cached}
+            access = {(c.frame.op, c.frame.key): c.access for c in cached}
             ok = len(access) == len(cached) and self._replay_cached(tid, cached)
             if ok:
                 for e, wrote in self.touched.get(tid, {}).items():
@@ -710,23 +710,24 @@ class PartitionUnit:
         self.fast_layer = None
 
     def _replay_cached(self, tid: int, cached: list[Cached]) -> bool:
-        for c in sorted(cached, key=lambda c: c.inv):
-            m = Invoke(tid, c.inv, c.op, c.key, c.fn, c.args, _ZERO, ROOT, None, c.ts, c.depth)
-            frame = Frame(m, c.replies)
+        for c in sorted(cached, key=lambda c: c.frame.inv):
+            f = c.frame
+            frame = start_frame(Invoke(tid, f.inv, f.op, f.key, f.fn, f.args, _ZERO, ROOT, None, f.ts, f.depth),
+                                f.replies)
             ctx = Context(self, frame, fast=True)
             self._stat_runs += 1
             try:
-                fn = self.app_for(tid).resolve(c.op, c.fn)
-                coro = fn.body(ctx, *serde.decode(c.args))
+                fn = self.app_for(tid).resolve(f.op, f.fn)
+                coro = fn.body(ctx, *serde.decode(f.args))
                 try:
                     coro.send(None)
                 except StopIteration as stop:
                     if ctx._calls != c.calls:
                         return False
                     value = serde.encode(stop.value)
-                    if c.kind == ROOT:  # the client's reply may change; nothing else consumed it
+                    if f.kind == ROOT:  # the client's reply may change; nothing else consumed it
                         self._out.done.append((tid, value, _ZERO))
-                    elif c.kind == SYNC and value != c.result:  # the caller consumed the cached reply
+                    elif f.kind == SYNC and value != c.result:  # the caller consumed the cached reply
                         return False
                     continue
                 coro.close()
@@ -800,6 +801,7 @@ def _new_invoke(*st: Any) -> Invoke:
     o.caller = st[8]
     o.ts = st[9]
     o.depth = st[10]
+    o.token = None
     return o
 
 
@@ -816,35 +818,13 @@ def _new_reply(*st: Any) -> Reply:
 
 
 def _new_frame(*st: Any) -> Frame:
-    o = Frame.__new__(Frame)
-    o.tid = st[0]
-    o.inv = st[1]
-    o.op = st[2]
-    o.key = st[3]
-    o.fn = st[4]
-    o.args = st[5]
-    o.share = st[6]
-    o.kind = st[7]
-    o.caller = st[8]
-    o.ts = st[9]
-    o.depth = st[10]
-    o.journal = st[11]
-    o.token = st[12]
+    o = _new_invoke(*st[:11])
+    o.replies, o.reads, o.nsusp, o.pending, o.token = st[11:]
+    o.at_end()
     return o
 
 
-def _new_cached(*st: Any) -> Cached:
-    o = Cached.__new__(Cached)
-    o.inv = st[0]
-    o.op = st[1]
-    o.key = st[2]
-    o.fn = st[3]
-    o.args = st[4]
-    o.replies = st[5]
-    o.result = st[6]
-    o.calls = st[7]
-    o.ts = st[8]
-    o.depth = st[9]
-    o.kind = st[10]
-    o.access = st[11]
-    return o
+def _new_cached(inv, op, key, fn, args, replies, result, calls, ts, depth, kind, access) -> Cached:  # noqa: ANN001
+    f = _new_invoke(None, inv, op, key, fn, args, None, kind, None, ts, depth)
+    f.replies = replies
+    return Cached(f, result, calls, access)
