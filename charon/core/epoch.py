@@ -505,12 +505,12 @@ class EpochCoordinator:
             for tid, etype, msg in o.failed:
                 failed.setdefault(tid, (etype, msg))
             rw = track.rw
-            for tid, e, wrote in o.rw:
+            for tid, t in o.rw.items():  # a partition's own entities: disjoint from the other partitions'
                 d = rw.get(tid)
                 if d is None:
-                    rw[tid] = {e: wrote}
-                elif wrote or e not in d:
-                    d[e] = wrote
+                    rw[tid] = t.copy()
+                else:
+                    d.update(t)  # t is what the transaction touched here so far (a write stays a write)
             track.invalid.update(o.invalid)
             nxt.extend(o.messages)
             if o.events:

@@ -29,6 +29,8 @@ from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministic
 from charon.operator import Application
 from charon.state.store import PartitionStore
 
+_decode = serde._dec.decode  # msgpack the engine itself encoded (serde.decode wraps errors in SerializationError)
+
 ROOT, SYNC, ASYNC = 0, 1, 2
 # Live coroutines kept across rounds in this process (see ``_live_table``). Keyed by partition and epoch,
 # then by (tid, inv, journal.nsusp, frame.token). A stale coroutine of a failed attempt cannot be resumed
@@ -190,7 +192,9 @@ class RoundOutput:
         self.done: list[tuple[int, bytes, Share]] = []  # root finished: (tid, value, share)
         self.acks: list[tuple[int, Share]] = []  # terminal ack shares
         self.failed: list[tuple[int, str, str]] = []  # (tid, error type, message)
-        self.rw: list[tuple[int, Entity, bool]] = []  # (tid, (op, key), wrote) first touch / first write
+        # tid -> the entities it touched here so far in the epoch's phase, and whether it wrote each (the unit's
+        # own dict, listed when it changed this round: a reader copies it before changing anything)
+        self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: list[int] = []  # call-graph-cached fallback: tids that did not replay identically
         self.invocations: dict[int, int] = {}  # tid -> invocations started this round (the coordinator sums)
         self.stats: dict[str, int] = {}
@@ -303,7 +307,7 @@ class PartitionUnit:
         prev = t.get(e)
         if prev is None or (wrote and not prev):
             t[e] = wrote or bool(prev)
-            self._out.rw.append((tid, e, wrote))
+            self._out.rw[tid] = t
 
     def read(self, tid: int, op: str, key: str, item: str) -> bytes | None:
         e = (op, key)
@@ -312,7 +316,7 @@ class PartitionUnit:
             t = self.touched[tid] = {}
         if e not in t:
             t[e] = False
-            self._out.rw.append((tid, e, False))
+            self._out.rw[tid] = t
         b = self.buffers.get(tid)
         if b is not None:
             items = b.get(e)
@@ -384,7 +388,7 @@ class PartitionUnit:
             t = self.touched[tid] = {}
         if t.get(e) is not True:
             t[e] = True
-            self._out.rw.append((tid, e, True))
+            self._out.rw[tid] = t
         b = self.buffers.get(tid)
         if b is None:
             b = self.buffers[tid] = {}
@@ -489,20 +493,22 @@ class PartitionUnit:
         queue = deque(inbox)
         pid, parts = self.pid, self.partitions
         out = self._out
+        remote = out.messages
         frames = self.frames
         dead = self.dead
+        counts = self.counts
         started = out.invocations
+        limit = self.max_invocations
         while queue:
             m = queue.popleft()
             tid = m.tid
             if tid in dead:
                 continue
             if type(m) is Invoke:
-                n = self.counts.get(tid, 0) + 1
-                self.counts[tid] = n
+                n = counts[tid] = counts.get(tid, 0) + 1
                 started[tid] = started.get(tid, 0) + 1
-                if n > self.max_invocations:
-                    self._fail(tid, too_many_invocations(self.max_invocations))
+                if n > limit:
+                    self._fail(tid, too_many_invocations(limit))
                     continue
                 frame = start_frame(m)
             else:
@@ -510,7 +516,15 @@ class PartitionUnit:
                 frame = tframes.get(m.inv) if tframes is not None else None
                 if frame is None:
                     continue  # its transaction was reset
-                frame.share = add(frame.share, m.share)
+                a, b = frame.share, m.share  # shares.add, inlined for equal exponents (the common case)
+                if a[1] == b[1]:
+                    n, e = a[0] + b[0], a[1]
+                    while e and not n & 1 and n:
+                        n >>= 1
+                        e -= 1
+                    frame.share = (n, e)
+                else:
+                    frame.share = add(a, b)
                 if not frame.receive(m.child, m.value):
                     continue  # a gather still waiting for other replies
                 del tframes[m.inv]
@@ -518,7 +532,7 @@ class PartitionUnit:
                 if key_group(msg.op, msg.key) % parts == pid:  # routing.partition_of, inlined
                     queue.append(msg)
                 else:
-                    out.messages.append(msg)
+                    remote.append(msg)
 
     def _run(self, frame: Frame) -> list[Invoke | Reply]:
         """Run one invocation until it completes, suspends on a call, or raises.
@@ -529,7 +543,11 @@ class PartitionUnit:
         decides what is replayed). Both give the same effects.
         """
         self._stat_runs += 1
-        live = self._live_pop(frame) if frame.nsusp else None
+        live = None
+        if frame.nsusp:  # self._live_pop(frame), inlined
+            t = self._live_table().get(frame.tid)
+            if t:
+                live = t.pop((frame.inv, frame.nsusp, frame.token), None)
         try:
             if live is not None:
                 coro, ctx = live
@@ -540,7 +558,7 @@ class PartitionUnit:
                 prev = self.previous  # app_for, inlined (the hot path)
                 app = self.app if prev is None or frame.tid >= prev[0] else prev[1]
                 fn = app._resolved.get((frame.op, frame.fn)) or app.resolve(frame.op, frame.fn)
-                coro = fn.body(ctx, *serde.decode(frame.args))
+                coro = fn.body(ctx, *_decode(frame.args))  # the engine's own encoding of checked arguments
             try:
                 yielded = coro.send(None)
             except StopIteration as stop:
@@ -552,7 +570,14 @@ class PartitionUnit:
                 ctx._drop(coro)
                 raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
             msgs = self._suspend(frame, ctx)
-            self._live_put(frame, coro, ctx)
+            if KEEP_LIVE_COROUTINES:  # self._live_put(frame, coro, ctx), inlined
+                table = self._live_table()
+                t = table.get(frame.tid)
+                if t is None:
+                    t = table[frame.tid] = {}
+                t[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
+            else:
+                ctx._drop(coro)
             return msgs
         except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
             self._fail(frame.tid, exc, frame)
@@ -561,6 +586,8 @@ class PartitionUnit:
     # Live coroutines of suspended frames, per process: {pid: (epoch, {tid: {(inv, nsusp, token): (coro, ctx)}})}.
     def _live_table(self) -> dict[int, dict]:
         entry = _LIVE.get(self.pid)
+        if entry is not None and entry[0] == self.epoch:
+            return entry[1]
         if entry is None or entry[0] != self.epoch:
             self._live_clear()  # an earlier epoch's leftovers (finished elsewhere, or aborted by a callee)
             entry = _LIVE[self.pid] = (self.epoch, {})
