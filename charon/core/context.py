@@ -42,6 +42,9 @@ from charon.operator import Function, Operator
 if TYPE_CHECKING:  # pragma: no cover
     from charon.core.partition import Frame, PartitionUnit
 
+_decode = serde._dec.decode
+_encode = serde._enc.encode
+
 MAX_DEPTH = 200
 #: Most events one invocation may emit (beyond it the transaction aborts with CallGraphLimitExceeded).
 MAX_EMITS = 10_000
@@ -235,21 +238,28 @@ class Context:
             raise GeneratorExit
         j = self._frame
         if j.live:
-            f = self._frame
-            raw = self._unit.read(f.tid, f.op, f.key, "")
+            raw = self._unit.read(self.tid, self.operator, self.key, "")
             if not self._fast:
                 j.reads.append(raw)
         else:
             raw = j.replayed_read()
-        return default if raw is None else serde.decode(raw)
+        if raw is None:
+            return default
+        try:
+            return _decode(raw)  # serde.decode, inlined
+        except Exception:  # noqa: BLE001 - its typed error
+            return serde.decode(raw)
 
     def put(self, value: Any) -> None:
         """Set the entity's value (buffered in the transaction until it commits)."""
         if self._dropped:
             raise GeneratorExit
         if self._frame.live:
-            f = self._frame
-            self._unit.write(f.tid, f.op, f.key, "", serde.encode(value))
+            try:
+                data = _encode(value)  # serde.encode, inlined
+            except Exception:  # noqa: BLE001 - its typed error
+                data = serde.encode(value)
+            self._unit.write(self.tid, self.operator, self.key, "", data)
 
     def delete(self) -> None:
         """Remove the entity's value."""
@@ -393,12 +403,17 @@ class Context:
         """An await of ``calls``: take journaled replies (True: suspend, the unsent calls are sent)."""
         if self._dropped:
             raise GeneratorExit
-        todo: list[_Call] = []
-        for c in calls:
-            if not c.done and c not in todo:
-                todo.append(c)
-        if not todo:
-            return False
+        if len(calls) == 1:  # one awaited call (the common case)
+            if calls[0].done:
+                return False
+            todo = list(calls)
+        else:
+            todo = []
+            for c in calls:
+                if not c.done and c not in todo:
+                    todo.append(c)
+            if not todo:
+                return False
         j = self._frame
         replies = j.replies
         have = 0
@@ -409,7 +424,7 @@ class Context:
             if not j.live:
                 j.passed()
             for c in todo:
-                c.value = serde.decode(replies[c.child])
+                c.value = _decode(replies[c.child])  # replies are the engine's own encoding
                 c.done = True
             return False
         if have or not j.live:
@@ -417,14 +432,15 @@ class Context:
                 f"{self.operator}/{self.key}: replay reached an await whose replies are not all journaled"
             )
         self._pending = todo
-        j.suspend({child_inv(self._frame.inv, c.child): c.child for c in todo})
+        inv = j.inv
+        j.suspend({f"{inv}.{c.child}": c.child for c in todo})  # child_inv, inlined
         return True
 
     def _resumed(self) -> None:
         """The live coroutine continues after a suspending await: the replies are in the journal."""
         replies = self._frame.replies
         for c in self._pending or ():
-            c.value = serde.decode(replies[c.child])
+            c.value = _decode(replies[c.child])  # replies are the engine's own encoding
             c.done = True
         self._pending = None
 
