@@ -254,6 +254,7 @@ class PartitionUnit:
         #: then reports the next due time it found last instead of scanning the timer index again
         self.sole_writer = False
         self._due: tuple[int, float] | None = None  # (store epoch, next due time) after the last finalize
+        self._ltab: dict[int, dict] = {}  # the live-coroutine table of the round being processed (_process)
         self._clear(-1)
 
     def app_for(self, tid: int) -> Application:
@@ -268,6 +269,9 @@ class PartitionUnit:
         self.frames: dict[int, dict[str, Frame]] = {}
         self.touched: dict[int, dict[Entity, bool]] = {}
         self.cache: dict[int, list[Cached]] = {}
+        # dry-run completions not yet in ``cache``: (tid, frame, value, calls, the tid's touched dict here); see
+        # _take_cache (a transaction's cache entries are needed only if it conflicts)
+        self._clog: list[tuple] = []
         self.overlay: dict[Entity, dict[str, bytes | None]] = {}
         self.counts: dict[int, int] = {}
         self.dead: set[int] = set()
@@ -292,7 +296,33 @@ class PartitionUnit:
         for n, v in zip(self._SCRATCH, pickle.loads(data), strict=True):
             setattr(self, n, v)
         self.cache = {}
+        self._clog = []
         self.fast_layer = None
+
+    def _take_cache(self, want: set[int] | None, report: dict[int, list[Cached]] | None = None) -> None:
+        """Move the logged dry-run completions of the transactions in ``want`` (None: all) into the cache (and
+        into ``report``). An entry's ``access`` is read from the transaction's touched dict of the dry run, which
+        only a later invocation on the same entity could change (the replay is then invalid anyway)."""
+        cache = self.cache
+        keep = []
+        for entry in self._clog:
+            tid, f, value, calls, t = entry
+            if want is not None and tid not in want:
+                keep.append(entry)
+                continue
+            c = Cached(f, value, calls, t.get((f.op, f.key)) if t else None)
+            lst = cache.get(tid)
+            if lst is None:
+                cache[tid] = [c]
+            else:
+                lst.append(c)
+            if report is not None:
+                lst = report.get(tid)
+                if lst is None:
+                    report[tid] = [c]
+                else:
+                    lst.append(c)
+        self._clog = keep
 
     def load_cache(self, cached: dict[int, list[Cached]]) -> None:
         """Hand back dry-run invocations (from earlier RoundOutput.cached) before a call-graph-cached round."""
@@ -330,7 +360,7 @@ class PartitionUnit:
         if items is not None and item in items:
             return items[item]
         self._stat_reads += 1
-        return self.store.get(store_key(op, key, item))
+        return self.store.get(f"{op}\0{key}\0{item}".encode())  # routing.store_key, inlined
 
     def scan(self, tid: int, op: str, key: str, item_prefix: str, start: str | None = None,
              stop: str | None = None) -> list[tuple[str, bytes]]:
@@ -445,6 +475,8 @@ class PartitionUnit:
             self._fast_round(control.fast)
         if inbox:
             self._process(inbox)
+        if self._clog and self.report_cache:
+            self._take_cache(None, out.cached)
         delta = self._finalize() if control.finalize else 0
         out.stats = {"reads": self._stat_reads, "runs": self._stat_runs, "delta": delta + prior_delta}
         self._out = None  # type: ignore[assignment]
@@ -490,6 +522,7 @@ class PartitionUnit:
             dead.discard(tid)
 
     def _process(self, inbox: list[Invoke | Reply]) -> None:
+        self._ltab = self._live_table()  # for _run (the table stays the same within the round)
         queue = deque(inbox)
         pid, parts = self.pid, self.partitions
         out = self._out
@@ -545,7 +578,7 @@ class PartitionUnit:
         self._stat_runs += 1
         live = None
         if frame.nsusp:  # self._live_pop(frame), inlined
-            t = self._live_table().get(frame.tid)
+            t = self._ltab.get(frame.tid)
             if t:
                 live = t.pop((frame.inv, frame.nsusp, frame.token), None)
         try:
@@ -571,7 +604,7 @@ class PartitionUnit:
                 raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
             msgs = self._suspend(frame, ctx)
             if KEEP_LIVE_COROUTINES:  # self._live_put(frame, coro, ctx), inlined
-                table = self._live_table()
+                table = self._ltab
                 t = table.get(frame.tid)
                 if t is None:
                     t = table[frame.tid] = {}
@@ -647,18 +680,8 @@ class PartitionUnit:
             self._out.done.append((tid, value, leftover))
         elif leftover[0]:
             self._out.acks.append((tid, leftover))
-        if self._recording:
-            touched = self.touched.get(tid)
-            entry = Cached(frame, value, ctx._calls, touched.get((frame.op, frame.key)) if touched else None)
-            c = self.cache.get(tid)
-            if c is None:
-                c = self.cache[tid] = []
-            c.append(entry)
-            if self.report_cache:
-                c = self._out.cached.get(tid)
-                if c is None:
-                    c = self._out.cached[tid] = []
-                c.append(entry)
+        if self._recording:  # for the call-graph cache (see _take_cache)
+            self._clog.append((tid, frame, value, ctx._calls, self.touched.get(tid)))
         return msgs
 
     def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
@@ -704,6 +727,8 @@ class PartitionUnit:
         lower unresolved U's dry run (K[U] would block T), and a U whose rerun later reaches outside K[U]
         onto what T touched is moved to the next epoch by the coordinator (T committed there first).
         """
+        if self._clog:
+            self._take_cache(set(tids))
         self.fast_layer = layer = {}
         invalid = self._out.invalid
         for tid in sorted(tids):
@@ -775,7 +800,7 @@ class PartitionUnit:
         tp = _timers.ITEM_PREFIX
         for (op, key), items in self.overlay.items():
             if len(items) == 1 and "" in items:  # the main value alone (the common case)
-                delta[store_key(op, key)] = items[""]
+                delta[f"{op}\0{key}\0".encode()] = items[""]  # routing.store_key, inlined
                 continue
             prefix = entity_prefix(op, key)
             for item, v in items.items():
