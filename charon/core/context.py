@@ -191,7 +191,7 @@ class Context:
         self._nchild = self._nemit = self._ntimer = self._nask = 0
         self._pending: list[_Call] | None = None  # the calls the last suspending await sent
         self._rng: _random.Random | None = None
-        self._sends: list[tuple] = []
+        self._sends: list[tuple] | None = None  # made by the first send
         self._calls: list[tuple] = []
         self._dropped = False
         self.key: str = frame.key
@@ -203,7 +203,7 @@ class Context:
         self._unit = unit
         self._frame = frame
         frame.at_end()
-        self._sends = []
+        self._sends = None
 
     def _drop(self, coro: Any) -> None:
         """Close the coroutine the engine gives up; its ``finally`` blocks find every operation refused."""
@@ -352,12 +352,16 @@ class Context:
         unit = self._unit
         prev = unit.previous  # unit.app_for, inlined
         app = unit.app if prev is None or self.tid >= prev[0] else prev[1]
-        fn = app.resolve(operator, function)
+        fn = app._resolved.get((operator, function)) or app.resolve(operator, function)
         check_key(key)
         fn.check_args(args)
         if self._frame.depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
-        return (fn.operator.name, key, fn.name, serde.encode(list(args)))
+        try:
+            data = _encode(args)  # serde.encode(list(args)), inlined: a tuple encodes as the same msgpack array
+        except Exception:  # noqa: BLE001 - its typed error
+            data = serde.encode(list(args))
+        return (fn.operator.name, key, fn.name, data)
 
     def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _Call:
         """Call a function of another entity and wait for its return value (same transaction).
@@ -369,7 +373,9 @@ class Context:
         catch a callee's exception. Check conditions before calling, or return a value that says so.
         """
         # Validated when first created (every call site runs live once before any replay of it).
-        target = self._target(operator, key, function, args) if self._live() else _replayed_target(
+        if self._dropped:  # self._live(), inlined
+            raise GeneratorExit
+        target = self._target(operator, key, function, args) if self._frame.live else _replayed_target(
             operator, key, function, args
         )
         self._nchild += 1
@@ -397,6 +403,8 @@ class Context:
         self._nchild += 1
         self._calls.append((0,) + target)
         if live:
+            if self._sends is None:
+                self._sends = []
             self._sends.append((self._nchild,) + target)
 
     def _settle(self, calls: tuple[_Call, ...]) -> bool:

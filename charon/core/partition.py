@@ -543,7 +543,9 @@ class PartitionUnit:
                 if n > limit:
                     self._fail(tid, too_many_invocations(limit))
                     continue
-                frame = start_frame(m)
+                # start_frame(m), inlined
+                m.replies, m.reads, m.nsusp, m.pending, m.token = {}, [], 0, None, (_SALT, _PID, next(_COUNTER))
+                frame = m
             else:
                 tframes = frames.get(tid)
                 frame = tframes.get(m.inv) if tframes is not None else None
@@ -614,7 +616,7 @@ class PartitionUnit:
             return msgs
         except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
             self._fail(frame.tid, exc, frame)
-            return []
+            return ()
 
     # Live coroutines of suspended frames, per process: {pid: (epoch, {tid: {(inv, nsusp, token): (coro, ctx)}})}.
     def _live_table(self) -> dict[int, dict]:
@@ -664,19 +666,24 @@ class PartitionUnit:
             msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
 
     def _complete(self, frame: Frame, ctx: Context, value: bytes) -> list[Invoke | Reply]:
-        msgs: list[Invoke | Reply] = []
         sends = ctx._sends
-        share = frame.share
+        msgs: list[Invoke | Reply] | tuple = ()
         if sends:
-            part, leftover = split(share, len(sends))
+            msgs = []
+            part, leftover = split(frame.share, len(sends))
             self._emit_sends(frame, sends, part, msgs)
         else:
-            leftover = share
+            leftover = frame.share
         tid = frame.tid
-        if frame.kind == SYNC:
+        kind = frame.kind
+        if kind == SYNC:
             cop, ckey, cinv = frame.caller
-            msgs.append(Reply(tid, cop, ckey, cinv, value, leftover, frame.inv))
-        elif frame.kind == ROOT:
+            r = Reply(tid, cop, ckey, cinv, value, leftover, frame.inv)
+            if msgs:
+                msgs.append(r)  # type: ignore[union-attr]
+            else:
+                msgs = (r,)
+        elif kind == ROOT:
             self._out.done.append((tid, value, leftover))
         elif leftover[0]:
             self._out.acks.append((tid, leftover))
@@ -686,9 +693,15 @@ class PartitionUnit:
 
     def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
         msgs: list[Invoke | Reply] = []
-        sends = ctx._sends
-        pending = ctx._pending or []
-        each, rest = split(frame.share, len(sends) + len(pending) + 1)  # the frame keeps one part + rest
+        sends = ctx._sends or ()
+        pending = ctx._pending or ()
+        # shares.split(frame.share, k), inlined: the frame keeps one part and the rest
+        n, e = frame.share
+        k = len(sends) + len(pending) + 1
+        m = (k - 1).bit_length()
+        e += m
+        r = (1 << m) - k
+        each, rest = (n, e), ((n * r, e) if r else _ZERO)
         if sends:
             self._emit_sends(frame, sends, each, msgs)
         caller = (frame.op, frame.key, frame.inv)
