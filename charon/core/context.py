@@ -142,7 +142,15 @@ class _Call:
     def __await__(self) -> Generator[Any, None, Any]:
         if not self.done:
             ctx = self.ctx
-            if ctx._settle((self,)):
+            j = ctx._frame
+            if j.live and not ctx._dropped and self.child not in j.replies:
+                # ctx._settle((self,)) of a live run whose reply is not in yet (the common case), inlined
+                ctx._pending = [self]
+                j.suspend({f"{j.inv}.{self.child}": self.child})
+                suspend = True
+            else:
+                suspend = ctx._settle((self,))
+            if suspend:
                 try:
                     yield self  # suspended: the engine resumes the coroutine, or drops it and replays
                 except GeneratorExit:  # closed (explicitly or when collected): refuse what finally blocks do

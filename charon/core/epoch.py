@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Reply, Request
 from charon.operator import Application
 
+_POSITION = operator.attrgetter("position")
 MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set within an epoch
 Entity = tuple[str, str]
 Event = tuple[int, str, bytes]  # (tid, stream, encoded value)
@@ -626,7 +628,7 @@ class EpochCoordinator:
         apply_next, reset_next = self._rest(epoch, [r.tid for r in roots], roots, _Track(), 0, fin_prior, last_tid,
                                             result, stats)
         replies = result.replies
-        result.order = sorted(replies, key=lambda t: replies[t].position)
+        result.order = [r.tid for r in sorted(replies.values(), key=_POSITION)]  # the TIDs by position
 
         # Finalize: apply what is left and write each partition's delta (now, or in the next epoch's first round).
         result.finalize = Prior(epoch, apply_next, reset_next)
@@ -700,7 +702,8 @@ class EpochCoordinator:
             track.failed[tid] = ("CallGraphLimitExceeded", f"call graph still running after {n} rounds")
         done, shares, failed = track.done, track.shares, track.failed
         for tid in roots:  # every call graph is complete (track.complete, inlined)
-            if tid not in failed and (tid not in done or not is_one(shares.get(tid))):  # pragma: no cover - bug
+            s = shares.get(tid)  # is_one, inlined
+            if tid not in failed and (tid not in done or s is None or s[0] != 1 << s[1]):  # pragma: no cover
                 raise AssertionError(f"transaction {tid}: call graph ended with shares {track.shares.get(tid)}")
 
         # Aria's rule, with reservations from every transaction that did not raise.

@@ -29,6 +29,7 @@ from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministic
 from charon.operator import Application
 from charon.state.store import PartitionStore
 
+_encode = serde._enc.encode
 _decode = serde._dec.decode  # msgpack the engine itself encoded (serde.decode wraps errors in SerializationError)
 
 ROOT, SYNC, ASYNC = 0, 1, 2
@@ -272,6 +273,7 @@ class PartitionUnit:
         # dry-run completions not yet in ``cache``: (tid, frame, value, calls, the tid's touched dict here); see
         # _take_cache (a transaction's cache entries are needed only if it conflicts)
         self._clog: list[tuple] = []
+        self._taken: set[int] = set()  # transactions whose logged completions are in ``cache``
         self.overlay: dict[Entity, dict[str, bytes | None]] = {}
         self.counts: dict[int, int] = {}
         self.dead: set[int] = set()
@@ -297,6 +299,7 @@ class PartitionUnit:
             setattr(self, n, v)
         self.cache = {}
         self._clog = []
+        self._taken = set()
         self.fast_layer = None
 
     def _take_cache(self, want: set[int] | None, report: dict[int, list[Cached]] | None = None) -> None:
@@ -304,11 +307,13 @@ class PartitionUnit:
         into ``report``). An entry's ``access`` is read from the transaction's touched dict of the dry run, which
         only a later invocation on the same entity could change (the replay is then invalid anyway)."""
         cache = self.cache
-        keep = []
-        for entry in self._clog:
-            tid, f, value, calls, t = entry
+        if want is not None:
+            want = want - self._taken
+            if not want:
+                return
+            self._taken |= want
+        for tid, f, value, calls, t in self._clog:
             if want is not None and tid not in want:
-                keep.append(entry)
                 continue
             c = Cached(f, value, calls, t.get((f.op, f.key)) if t else None)
             lst = cache.get(tid)
@@ -322,7 +327,8 @@ class PartitionUnit:
                     report[tid] = [c]
                 else:
                     lst.append(c)
-        self._clog = keep
+        if want is None:
+            self._clog = []
 
     def load_cache(self, cached: dict[int, list[Cached]]) -> None:
         """Hand back dry-run invocations (from earlier RoundOutput.cached) before a call-graph-cached round."""
@@ -600,7 +606,11 @@ class PartitionUnit:
                 if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
-                return self._complete(frame, ctx, serde.encode(stop.value))
+                try:
+                    value = _encode(stop.value)  # serde.encode, inlined
+                except Exception:  # noqa: BLE001 - its typed error
+                    value = serde.encode(stop.value)
+                return self._complete(frame, ctx, value)
             if ctx._pending is None or getattr(yielded, "ctx", None) is not ctx:
                 ctx._drop(coro)
                 raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
