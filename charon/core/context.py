@@ -200,7 +200,7 @@ class Context:
         self._pending: list[_Call] | None = None  # the calls the last suspending await sent
         self._rng: _random.Random | None = None
         self._sends: list[tuple] | None = None  # made by the first send
-        self._calls: list[tuple] = []
+        self._calls: list[tuple] | None = None  # (sync?, op, key, fn, args) of every call and send, from the first
         self._dropped = False
         self.key: str = frame.key
         self.operator: str = frame.op
@@ -210,7 +210,9 @@ class Context:
         """Continue a live coroutine in a new round (possibly with a new unit and frame for the partition)."""
         self._unit = unit
         self._frame = frame
-        frame.at_end()
+        frame._awaits = frame.nsusp  # frame.at_end(), inlined
+        frame._nread = len(frame.reads)
+        frame.live = True
         self._sends = None
 
     def _drop(self, coro: Any) -> None:
@@ -387,7 +389,10 @@ class Context:
             operator, key, function, args
         )
         self._nchild += 1
-        self._calls.append((1,) + target)
+        if self._calls is None:
+            self._calls = [(1,) + target]
+        else:
+            self._calls.append((1,) + target)
         return _Call(self, self._nchild, target)
 
     def gather(self, *calls: _Call) -> _Gather:
@@ -409,7 +414,10 @@ class Context:
             operator, key, function, args
         )
         self._nchild += 1
-        self._calls.append((0,) + target)
+        if self._calls is None:
+            self._calls = [(0,) + target]
+        else:
+            self._calls.append((0,) + target)
         if live:
             if self._sends is None:
                 self._sends = []

@@ -482,13 +482,13 @@ class EpochCoordinator:
         parts = self.exchange.partitions
         inboxes: list[list] = [[] for _ in range(parts)]
         failed = track.failed
-        if failed:
-            for m in msgs:
-                if m.tid not in failed:
-                    inboxes[key_group(m.op, m.key) % parts].append(m)  # routing.partition_of, inlined
-        else:
-            for m in msgs:
-                inboxes[key_group(m.op, m.key) % parts].append(m)
+        for m in msgs:
+            if failed and m.tid in failed:
+                continue
+            g = m.kg  # the key group a partition computed already, if any (routing.partition_of, inlined)
+            if g is None:
+                g = m.kg = key_group(m.op, m.key)
+            inboxes[g % parts].append(m)
         control.max_invocations = limit = self.max_invocations
         counts = track.invocations
         t0 = time.perf_counter()

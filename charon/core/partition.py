@@ -84,12 +84,12 @@ class Invoke(Journal):
     ``token``, so no second object is made per invocation. ``token`` is None while it is a message.
     """
 
-    __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth", "token")
+    __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth", "token", "kg")
 
     def __init__(self, tid, inv, op, key, fn, args, share, kind, caller, ts, depth) -> None:  # noqa: ANN001
         self.tid, self.inv, self.op, self.key, self.fn, self.args = tid, inv, op, key, fn, args
         self.share, self.kind, self.caller, self.ts, self.depth = share, kind, caller, ts, depth
-        self.token = None
+        self.token = self.kg = None  # kg: routing.key_group(op, key) once a router computed it (not pickled)
 
     def __reduce__(self):
         if self.token is None:
@@ -126,13 +126,15 @@ def start_frame(m: Invoke, replies: Any = None) -> Invoke:
 
 
 class Reply:
-    """The return value of synchronous call ``child``, addressed to the suspended caller (op, key, inv)."""
+    """The return value of synchronous call ``child``, addressed to the suspended caller (op, key, inv).
 
-    __slots__ = ("tid", "op", "key", "inv", "value", "share", "child")
+    ``kg``: the caller's key group (routing.key_group(op, key)) when known, else None (not pickled)."""
 
-    def __init__(self, tid, op, key, inv, value, share, child) -> None:  # noqa: ANN001
+    __slots__ = ("tid", "op", "key", "inv", "value", "share", "child", "kg")
+
+    def __init__(self, tid, op, key, inv, value, share, child, kg=None) -> None:  # noqa: ANN001
         self.tid, self.op, self.key, self.inv, self.value, self.share = tid, op, key, inv, value, share
-        self.child = child
+        self.child, self.kg = child, kg
 
     def __reduce__(self):
         return (_new_reply, (
@@ -566,11 +568,17 @@ class PartitionUnit:
                     frame.share = (n, e)
                 else:
                     frame.share = add(a, b)
-                if not frame.receive(m.child, m.value):
+                pending = frame.pending  # frame.receive(m.child, m.value), inlined
+                frame.replies[pending.pop(m.child)] = m.value
+                if pending:
                     continue  # a gather still waiting for other replies
+                frame.pending = None
                 del tframes[m.inv]
             for msg in self._run(frame):
-                if key_group(msg.op, msg.key) % parts == pid:  # routing.partition_of, inlined
+                g = msg.kg
+                if g is None:
+                    g = msg.kg = key_group(msg.op, msg.key)
+                if g % parts == pid:  # routing.partition_of, inlined
                     queue.append(msg)
                 else:
                     remote.append(msg)
@@ -687,8 +695,8 @@ class PartitionUnit:
         tid = frame.tid
         kind = frame.kind
         if kind == SYNC:
-            cop, ckey, cinv = frame.caller
-            r = Reply(tid, cop, ckey, cinv, value, leftover, frame.inv)
+            cop, ckey, cinv, ckg = frame.caller
+            r = Reply(tid, cop, ckey, cinv, value, leftover, frame.inv, ckg)
             if msgs:
                 msgs.append(r)  # type: ignore[union-attr]
             else:
@@ -714,7 +722,7 @@ class PartitionUnit:
         each, rest = (n, e), ((n * r, e) if r else _ZERO)
         if sends:
             self._emit_sends(frame, sends, each, msgs)
-        caller = (frame.op, frame.key, frame.inv)
+        caller = (frame.op, frame.key, frame.inv, frame.kg)  # the caller's key group routes the reply
         tid, ts, depth = frame.tid, frame.ts, frame.depth + 1
         # the calls the await sent, with their invocation ids from the journal's pending table (same order)
         for c, inv in zip(pending, frame.pending or (), strict=True):
@@ -876,7 +884,7 @@ def _new_invoke(*st: Any) -> Invoke:
     o.caller = st[8]
     o.ts = st[9]
     o.depth = st[10]
-    o.token = None
+    o.token = o.kg = None
     return o
 
 
@@ -889,6 +897,7 @@ def _new_reply(*st: Any) -> Reply:
     o.value = st[4]
     o.share = st[5]
     o.child = st[6]
+    o.kg = None
     return o
 
 
