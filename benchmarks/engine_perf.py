@@ -175,6 +175,78 @@ def child_engine_run(src: str | None, epochs: int, run: int) -> dict:
     return {"ran": min(run, epochs - 3)}
 
 
+def _shapes_app() -> object:
+    """Transactions of one shape each (the costs a transfer adds up): ``noop`` (one invocation, nothing else),
+    ``rw`` (one invocation reading and writing its entity), ``call`` (one call to another entity that does
+    nothing), ``transfer`` (YCSB-T's: ``rw`` plus a call that reads and writes)."""
+    from charon import Application, Context, Operator
+
+    account = Operator("account")
+
+    @account.function
+    async def noop(ctx: Context, to: str, amount: int) -> int:
+        return amount
+
+    @account.function
+    async def rw(ctx: Context, to: str, amount: int) -> int:
+        b = ctx.get(default=0)
+        ctx.put(b - amount)
+        return b
+
+    @account.function
+    async def nothing(ctx: Context, amount: int) -> None:
+        return None
+
+    @account.function
+    async def call(ctx: Context, to: str, amount: int) -> int:
+        await ctx.call(account, to, nothing, amount)
+        return amount
+
+    @account.function
+    async def deposit(ctx: Context, amount: int) -> None:
+        ctx.put(ctx.get(default=0) + amount)
+
+    @account.function
+    async def transfer(ctx: Context, to: str, amount: int) -> int:
+        b = ctx.get(default=0)
+        ctx.put(b - amount)
+        await ctx.call(account, to, deposit, amount)
+        return b - amount
+
+    return Application("shapes", [account])
+
+
+SHAPES = ("noop", "rw", "call", "transfer")
+
+
+def child_shape_run(src: str | None, shape: str, epochs: int, run: int) -> dict:
+    """The engine-alone workload (tuned GC) with transactions of one :func:`_shapes_app` shape."""
+    _use_src(src)
+    import gc
+    import random
+    import uuid
+
+    from charon import serde
+    from charon.messages import Request
+    from charon.runtime.inprocess import InProcessRuntime
+
+    n = 10_000
+    rng = random.Random(0)
+    raw = [[(rng.randrange(n), rng.randrange(n), rng.randint(1, 10)) for _ in range(1000)] for _ in range(epochs)]
+    rt = InProcessRuntime(_shapes_app(), partitions=4)
+    rt.load("account", {f"a{i}": 1_000_000 for i in range(n)})
+    batches = [[Request(uuid.uuid4().hex, "account", f"a{a}", shape, serde.encode([f"a{b}", x])) for a, b, x in batch]
+               for batch in raw]
+    for b in batches[:3]:
+        rt.run_epoch(b)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    for b in batches[3:3 + run]:
+        rt.run_epoch(b)
+    return {"ran": min(run, epochs - 3)}
+
+
 def child_deathstar_batch(src: str | None, epochs: int, size: int) -> dict:
     _use_src(src)
     import gc
@@ -336,7 +408,8 @@ def child_http_loop(url: str, token: str, rates: list[float], duration: float, w
 
 
 CHILDREN = {"serve": child_serve, "http_loop": child_http_loop,
-            "engine": child_engine, "engine_run": child_engine_run, "deathstar_batch": child_deathstar_batch,
+            "engine": child_engine, "engine_run": child_engine_run, "shape_run": child_shape_run,
+            "deathstar_batch": child_deathstar_batch,
             "open_loop": child_open_loop,
             "postgres": child_postgres}
 
@@ -353,22 +426,30 @@ def run_child(kind: str, **kw: object) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def engine_instructions(src: str | None, epochs: int) -> float | None:
+def engine_instructions(src: str | None, epochs: int, shape: str | None = None,
+                        hash_seed: str | None = None) -> float | None:
     """User-space instructions per transaction of the engine-alone workload (``perf stat``; None without perf).
 
     Two children build the same workload and run 3 warm-up epochs; one then runs ``epochs - 3`` more: the
     difference, per transaction, is what those epochs cost. Unlike CPU time it hardly moves with the
-    neighbours' load (about 0.3% between runs here), so small before/after differences show."""
+    neighbours' load (about 0.3% between runs here), so small before/after differences show; string hashing
+    (``PYTHONHASHSEED``, random by default) moves it by up to ±2%, so ``hash_seed`` can fix it. ``shape``: a
+    :func:`_shapes_app` shape instead of YCSB-T's transfer."""
     import shutil
 
     perf = shutil.which("perf")
     if perf is None:
         return None
+    env = dict(os.environ)
+    if hash_seed is not None:
+        env["PYTHONHASHSEED"] = hash_seed
     counts = []
     for run in (0, epochs - 3):
+        kind, args = ("engine_run", {"src": src, "epochs": epochs, "run": run}) if shape is None else (
+            "shape_run", {"src": src, "shape": shape, "epochs": epochs, "run": run})
         cmd = [perf, "stat", "-x,", "-e", "instructions:u", sys.executable, str(Path(__file__).resolve()), "--child",
-               "engine_run", "--child-args", json.dumps({"src": src, "epochs": epochs, "run": run})]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+               kind, "--child-args", json.dumps(args)]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False, env=env)
         lines = [ln for ln in p.stderr.splitlines() if "instructions" in ln]
         value = lines[-1].split(",")[0] if lines else ""
         if p.returncode != 0 or not value.isdigit():  # perf missing permissions or counters (a VM): no figure
@@ -516,7 +597,9 @@ def plot_engine(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    with_shapes = any(result["engine"].get(side, {}).get("shapes") for side in ("before", "after"))
+    fig, axes = plt.subplots(1, 3 if with_shapes else 2, figsize=(17 if with_shapes else 11, 4.2))
+    ax, bx = axes[0], axes[1]
     labels, vals, ilabels, ivals = [], [], [], []
     for side in ("before", "after"):
         e = result["engine"].get(side)
@@ -538,6 +621,20 @@ def plot_engine(result: dict, path: Path) -> None:
         bx.text(i, v, f"{v:,.1f}K", ha="center", va="bottom")
     bx.set_ylabel("user instructions per transaction (thousands)")
     bx.set_title("engine alone: instructions (perf stat, tuned GC)")
+    if with_shapes:
+        cx = axes[2]
+        width = 0.4
+        for i, side in enumerate(("before", "after")):
+            shapes = result["engine"].get(side, {}).get("shapes") or {}
+            xs = [j + (i - 0.5) * width for j in range(len(SHAPES))]
+            ys = [shapes.get(sh, 0) / 1000 for sh in SHAPES]
+            cx.bar(xs, ys, width, label=side, color=["#bbb", "#4a9fe0"][i])
+            for x, y in zip(xs, ys, strict=True):
+                cx.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=8)
+        cx.set_xticks(range(len(SHAPES)), SHAPES)
+        cx.set_ylabel("user instructions per transaction (thousands)")
+        cx.set_title("by transaction shape (mean of 3 hash seeds)")
+        cx.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -559,6 +656,8 @@ def main() -> int:
     ap.add_argument("--only-engine", action="store_true",
                     help="the engine-alone figures only (CPU time and, with perf, instructions per transaction)")
     ap.add_argument("--postgres-only", action="store_true", help="re-measure PostgreSQL into an existing --out")
+    ap.add_argument("--shapes", action="store_true",
+                    help="with --only-engine: also instructions/tx of the noop, rw, call and transfer shapes (perf)")
     ap.add_argument("--repeat", type=int, default=3, help="engine-alone runs per side, alternating")
     ap.add_argument("--engine-epochs", type=int, default=None,
                     help="epochs of 1,000 of the engine-alone runs (default 23, --quick 13)")
@@ -603,6 +702,13 @@ def main() -> int:
         if best["instructions_per_tx"] is not None:
             print(f"[{side}] engine alone: {best['instructions_per_tx']:,.0f} user instructions per transaction "
                   "(perf stat, tuned GC)", flush=True)
+        if a.shapes:  # instructions per transaction by shape, the mean over three fixed hash seeds
+            best["shapes"] = {}
+            for shape in SHAPES:
+                vals = [engine_instructions(sides[side], epochs, shape, seed) for seed in ("0", "1", "2")]
+                if None not in vals:
+                    best["shapes"][shape] = sum(vals) / len(vals)  # type: ignore[arg-type]
+                    print(f"[{side}] shape {shape}: {best['shapes'][shape]:,.0f} instructions/tx", flush=True)
         res["engine"][side] = best
     if a.only_engine:
         out = Path(a.out)

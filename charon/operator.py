@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import typing
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any
@@ -45,6 +46,15 @@ class Function:
             None if t is Any else _FAST.get(t, t) for t, p in zip(self._types, self.params, strict=True)
             if p.kind != p.VAR_POSITIONAL
         ]
+        # Exact type signatures accepted by the scalar fast path of check_args (every hint a plain scalar, no
+        # *args, few combinations): a set lookup instead of the loop.
+        self._sigs: frozenset[tuple[type, ...]] | None = None
+        if not self._varargs and all(type(c) is tuple for c in self._checks):
+            sigs: set[tuple[type, ...]] = set()
+            for n in range(self._min_args, self._max_args + 1):
+                sigs.update(itertools.product(*self._checks[:n]))
+            if len(sigs) <= 256:
+                self._sigs = frozenset(sigs)
         self.__doc__ = body.__doc__
 
     @property
@@ -53,6 +63,9 @@ class Function:
 
     def check_args(self, args: list | tuple) -> None:
         """Raise BadArguments unless ``args`` fit this function's arity and type hints."""
+        sigs = self._sigs
+        if sigs is not None and tuple(map(type, args)) in sigs:
+            return
         n = len(args)
         if n < self._min_args or (not self._varargs and n > self._max_args):
             expected = (

@@ -42,6 +42,9 @@ from charon.operator import Function, Operator
 if TYPE_CHECKING:  # pragma: no cover
     from charon.core.partition import Frame, PartitionUnit
 
+_decode = serde._dec.decode
+_encode = serde._enc.encode
+
 MAX_DEPTH = 200
 #: Most events one invocation may emit (beyond it the transaction aborts with CallGraphLimitExceeded).
 MAX_EMITS = 10_000
@@ -139,7 +142,15 @@ class _Call:
     def __await__(self) -> Generator[Any, None, Any]:
         if not self.done:
             ctx = self.ctx
-            if ctx._settle((self,)):
+            j = ctx._frame
+            if j.live and not ctx._dropped and self.child not in j.replies:
+                # ctx._settle((self,)) of a live run whose reply is not in yet (the common case), inlined
+                ctx._pending = [self]
+                j.suspend({f"{j.inv}.{self.child}": self.child})
+                suspend = True
+            else:
+                suspend = ctx._settle((self,))
+            if suspend:
                 try:
                     yield self  # suspended: the engine resumes the coroutine, or drops it and replays
                 except GeneratorExit:  # closed (explicitly or when collected): refuse what finally blocks do
@@ -174,26 +185,22 @@ class Context:
     """What a function sees: ``key``, its entity's state, ``call``/``send``, ``random``/``now``."""
 
     __slots__ = (
-        "_unit", "_frame", "_journal", "_nchild", "_pending", "_sends", "_calls", "_fast", "_rng", "_dropped",
+        "_unit", "_frame", "_nchild", "_pending", "_sends", "_calls", "_fast", "_rng", "_dropped",
         "_nemit", "_ntimer", "_nask", "key", "operator", "tid",
     )
 
     def __init__(self, unit: PartitionUnit, frame: Frame, fast: bool = False) -> None:
         self._unit = unit
-        self._frame = frame
-        j = self._journal = frame.journal
-        j._awaits = 0  # j.rewind(), inlined (a context is created per run of an invocation)
-        j._nread = 0
-        j.live = j.nsusp == 0
+        self._frame = frame  # the invocation's frame, which is also its Journal
+        frame._awaits = frame._nread = 0  # frame.rewind(), inlined (a context is created per run of an invocation)
+        frame.live = frame.nsusp == 0
         self._fast = fast  # the call-graph-cached fallback: replies preset, nothing journaled
-        self._nchild = 0
-        self._nemit = 0  # events emitted by this run so far (replayed ones included): their order
-        self._ntimer = 0
-        self._nask = 0
+        # _nemit: events emitted by this run so far (replayed ones included): their order
+        self._nchild = self._nemit = self._ntimer = self._nask = 0
         self._pending: list[_Call] | None = None  # the calls the last suspending await sent
-        self._sends: list[tuple] = []
-        self._calls: list[tuple] = []
         self._rng: _random.Random | None = None
+        self._sends: list[tuple] | None = None  # made by the first send
+        self._calls: list[tuple] | None = None  # (sync?, op, key, fn, args) of every call and send, from the first
         self._dropped = False
         self.key: str = frame.key
         self.operator: str = frame.op
@@ -203,9 +210,10 @@ class Context:
         """Continue a live coroutine in a new round (possibly with a new unit and frame for the partition)."""
         self._unit = unit
         self._frame = frame
-        self._journal = frame.journal
-        self._journal.at_end()
-        self._sends = []
+        frame._awaits = frame.nsusp  # frame.at_end(), inlined
+        frame._nread = len(frame.reads)
+        frame.live = True
+        self._sends = None
 
     def _drop(self, coro: Any) -> None:
         """Close the coroutine the engine gives up; its ``finally`` blocks find every operation refused."""
@@ -219,13 +227,13 @@ class Context:
         """True if effects happen now (live), False while replaying; a dropped coroutine may do nothing."""
         if self._dropped:
             raise GeneratorExit
-        return self._journal.live
+        return self._frame.live
 
     # -- state of this entity ---------------------------------------------------------------------
     def _read(self, item: str) -> bytes | None:
         if self._dropped:
             raise GeneratorExit
-        j = self._journal
+        j = self._frame
         if not j.live:
             return j.replayed_read()
         f = self._frame
@@ -238,23 +246,30 @@ class Context:
         """The entity's value, or ``default`` if it has none."""
         if self._dropped:  # self._read(""), inlined (the hot path)
             raise GeneratorExit
-        j = self._journal
+        j = self._frame
         if j.live:
-            f = self._frame
-            raw = self._unit.read(f.tid, f.op, f.key, "")
+            raw = self._unit.read(self.tid, self.operator, self.key, "")
             if not self._fast:
                 j.reads.append(raw)
         else:
             raw = j.replayed_read()
-        return default if raw is None else serde.decode(raw)
+        if raw is None:
+            return default
+        try:
+            return _decode(raw)  # serde.decode, inlined
+        except Exception:  # noqa: BLE001 - its typed error
+            return serde.decode(raw)
 
     def put(self, value: Any) -> None:
         """Set the entity's value (buffered in the transaction until it commits)."""
         if self._dropped:
             raise GeneratorExit
-        if self._journal.live:
-            f = self._frame
-            self._unit.write(f.tid, f.op, f.key, "", serde.encode(value))
+        if self._frame.live:
+            try:
+                data = _encode(value)  # serde.encode, inlined
+            except Exception:  # noqa: BLE001 - its typed error
+                data = serde.encode(value)
+            self._unit.write(self.tid, self.operator, self.key, "", data)
 
     def delete(self) -> None:
         """Remove the entity's value."""
@@ -284,9 +299,9 @@ class Context:
                                         None if start is None else "\x01" + start,  # bounds, not names:
                                         None if stop is None else "\x01" + stop)  # no length limit
             if not self._fast:
-                self._journal.reads.append(raw_items)
+                self._frame.reads.append(raw_items)
         else:
-            raw_items = self._journal.replayed_read()
+            raw_items = self._frame.replayed_read()
         # the unit returns exactly the items within [start, stop) (as store names: "\x01" + name)
         decode = serde.decode
         return [(name[1:], decode(raw)) for name, raw in raw_items]
@@ -347,12 +362,16 @@ class Context:
         unit = self._unit
         prev = unit.previous  # unit.app_for, inlined
         app = unit.app if prev is None or self.tid >= prev[0] else prev[1]
-        fn = app.resolve(operator, function)
+        fn = app._resolved.get((operator, function)) or app.resolve(operator, function)
         check_key(key)
         fn.check_args(args)
         if self._frame.depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
-        return (fn.operator.name, key, fn.name, serde.encode(list(args)))
+        try:
+            data = _encode(args)  # serde.encode(list(args)), inlined: a tuple encodes as the same msgpack array
+        except Exception:  # noqa: BLE001 - its typed error
+            data = serde.encode(list(args))
+        return (fn.operator.name, key, fn.name, data)
 
     def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _Call:
         """Call a function of another entity and wait for its return value (same transaction).
@@ -364,11 +383,16 @@ class Context:
         catch a callee's exception. Check conditions before calling, or return a value that says so.
         """
         # Validated when first created (every call site runs live once before any replay of it).
-        target = self._target(operator, key, function, args) if self._live() else _replayed_target(
+        if self._dropped:  # self._live(), inlined
+            raise GeneratorExit
+        target = self._target(operator, key, function, args) if self._frame.live else _replayed_target(
             operator, key, function, args
         )
         self._nchild += 1
-        self._calls.append((1,) + target)
+        if self._calls is None:
+            self._calls = [(1,) + target]
+        else:
+            self._calls.append((1,) + target)
         return _Call(self, self._nchild, target)
 
     def gather(self, *calls: _Call) -> _Gather:
@@ -390,21 +414,31 @@ class Context:
             operator, key, function, args
         )
         self._nchild += 1
-        self._calls.append((0,) + target)
+        if self._calls is None:
+            self._calls = [(0,) + target]
+        else:
+            self._calls.append((0,) + target)
         if live:
+            if self._sends is None:
+                self._sends = []
             self._sends.append((self._nchild,) + target)
 
     def _settle(self, calls: tuple[_Call, ...]) -> bool:
         """An await of ``calls``: take journaled replies (True: suspend, the unsent calls are sent)."""
         if self._dropped:
             raise GeneratorExit
-        todo: list[_Call] = []
-        for c in calls:
-            if not c.done and c not in todo:
-                todo.append(c)
-        if not todo:
-            return False
-        j = self._journal
+        if len(calls) == 1:  # one awaited call (the common case)
+            if calls[0].done:
+                return False
+            todo = list(calls)
+        else:
+            todo = []
+            for c in calls:
+                if not c.done and c not in todo:
+                    todo.append(c)
+            if not todo:
+                return False
+        j = self._frame
         replies = j.replies
         have = 0
         for c in todo:
@@ -414,7 +448,7 @@ class Context:
             if not j.live:
                 j.passed()
             for c in todo:
-                c.value = serde.decode(replies[c.child])
+                c.value = _decode(replies[c.child])  # replies are the engine's own encoding
                 c.done = True
             return False
         if have or not j.live:
@@ -422,14 +456,15 @@ class Context:
                 f"{self.operator}/{self.key}: replay reached an await whose replies are not all journaled"
             )
         self._pending = todo
-        j.suspend({child_inv(self._frame.inv, c.child): c.child for c in todo})
+        inv = j.inv
+        j.suspend({f"{inv}.{c.child}": c.child for c in todo})  # child_inv, inlined
         return True
 
     def _resumed(self) -> None:
         """The live coroutine continues after a suspending await: the replies are in the journal."""
-        replies = self._journal.replies
+        replies = self._frame.replies
         for c in self._pending or ():
-            c.value = serde.decode(replies[c.child])
+            c.value = _decode(replies[c.child])  # replies are the engine's own encoding
             c.done = True
         self._pending = None
 
@@ -480,9 +515,9 @@ class Context:
             f = self._frame
             raw_items = self._unit.scan(f.tid, f.op, f.key, _timers.ITEM_PREFIX)
             if not self._fast:
-                self._journal.reads.append(raw_items)
+                self._frame.reads.append(raw_items)
         else:
-            raw_items = self._journal.replayed_read()
+            raw_items = self._frame.replayed_read()
         return [_timers.decode(raw) for _, raw in raw_items]
 
     # -- determinism ------------------------------------------------------------------------------

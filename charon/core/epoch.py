@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,13 +44,14 @@ from charon import serde
 from charon.core import timers as _timers
 from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, Prior, RoundOutput, too_many_invocations
 from charon.core.partition import Reply as ReplyMsg
-from charon.core.routing import key_group
+from charon.core.routing import check_key, key_group
 from charon.core.sequencer import Sequencer
-from charon.core.shares import ONE, ZERO, Share, add, is_one
+from charon.core.shares import ONE, Share, add, is_one
 from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Reply, Request
 from charon.operator import Application
 
+_POSITION = operator.attrgetter("position")
 MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set within an epoch
 Entity = tuple[str, str]
 Event = tuple[int, str, bytes]  # (tid, stream, encoded value)
@@ -481,8 +483,12 @@ class EpochCoordinator:
         inboxes: list[list] = [[] for _ in range(parts)]
         failed = track.failed
         for m in msgs:
-            if m.tid not in failed:
-                inboxes[key_group(m.op, m.key) % parts].append(m)  # routing.partition_of, inlined
+            if failed and m.tid in failed:
+                continue
+            g = m.kg  # the key group a partition computed already, if any (routing.partition_of, inlined)
+            if g is None:
+                g = m.kg = key_group(m.op, m.key)
+            inboxes[g % parts].append(m)
         control.max_invocations = limit = self.max_invocations
         counts = track.invocations
         t0 = time.perf_counter()
@@ -497,20 +503,23 @@ class EpochCoordinator:
                 if n > limit and tid not in failed:
                     failed[tid] = (CallGraphLimitExceeded.__name__, str(too_many_invocations(limit)))
         for o in outs:
+            done = track.done
             for tid, value, share in o.done:
-                track.done[tid] = value
-                shares[tid] = add(shares.get(tid, ZERO), share)
+                done[tid] = value
+                s = shares.get(tid)
+                shares[tid] = share if s is None else add(s, share)
             for tid, share in o.acks:
-                shares[tid] = add(shares.get(tid, ZERO), share)
+                s = shares.get(tid)
+                shares[tid] = share if s is None else add(s, share)
             for tid, etype, msg in o.failed:
                 failed.setdefault(tid, (etype, msg))
             rw = track.rw
-            for tid, e, wrote in o.rw:
+            for tid, t in o.rw.items():  # a partition's own entities: disjoint from the other partitions'
                 d = rw.get(tid)
                 if d is None:
-                    rw[tid] = {e: wrote}
-                elif wrote or e not in d:
-                    d[e] = wrote
+                    rw[tid] = t.copy()
+                else:
+                    d.update(t)  # t is what the transaction touched here so far (a write stays a write)
             track.invalid.update(o.invalid)
             nxt.extend(o.messages)
             if o.events:
@@ -597,22 +606,29 @@ class EpochCoordinator:
         # Validation: a request naming nothing runnable gets its typed error and never runs.
         roots: list[Invoke] = []
         early: list[Reply] = []
+        prev = self.previous
         for tid in sorted(txns):
             req = txns[tid]
             try:
-                prev = self.previous
                 app = prev[1] if prev is not None and tid < prev[0] else self.app
-                app.validate(req.operator, req.function, serde.decode(req.args), key=req.key)
+                args = serde.decode(req.args)
+                fn = app._resolved.get((req.operator, req.function))
+                if fn is None or type(args) is not list:  # the checks of Application.validate, in its order
+                    app.validate(req.operator, req.function, args, key=req.key)
+                else:
+                    check_key(req.key)
+                    fn.check_args(args)
             except CharonError as exc:
                 early.append(_reply(result, last_tid, tid, False, False, err=(type(exc).__name__, str(exc))))
                 continue
-            roots.append(_root(tid, req))
+            # _root(tid, req), inlined
+            roots.append(Invoke(tid, "0", req.operator, req.key, req.function, req.args, ONE, ROOT, None, req.ts, 0))
         self._emit(early)
 
         apply_next, reset_next = self._rest(epoch, [r.tid for r in roots], roots, _Track(), 0, fin_prior, last_tid,
                                             result, stats)
         replies = result.replies
-        result.order = sorted(replies, key=lambda t: replies[t].position)
+        result.order = [r.tid for r in sorted(replies.values(), key=_POSITION)]  # the TIDs by position
 
         # Finalize: apply what is left and write each partition's delta (now, or in the next epoch's first round).
         result.finalize = Prior(epoch, apply_next, reset_next)
@@ -684,8 +700,10 @@ class EpochCoordinator:
         stats["dry_rounds"] = stats.get("dry_rounds", 0) + n
         for tid in {m.tid for m in msgs} - track.failed.keys():  # pragma: no cover - safety net, never binds
             track.failed[tid] = ("CallGraphLimitExceeded", f"call graph still running after {n} rounds")
-        for tid in roots:
-            if tid not in track.failed and not track.complete(tid):  # pragma: no cover - engine bug
+        done, shares, failed = track.done, track.shares, track.failed
+        for tid in roots:  # every call graph is complete (track.complete, inlined)
+            s = shares.get(tid)  # is_one, inlined
+            if tid not in failed and (tid not in done or s is None or s[0] != 1 << s[1]):  # pragma: no cover
                 raise AssertionError(f"transaction {tid}: call graph ended with shares {track.shares.get(tid)}")
 
         # Aria's rule, with reservations from every transaction that did not raise.
@@ -711,7 +729,12 @@ class EpochCoordinator:
                     aborted_now.append(tid)
                 else:
                     lockfree.append(tid)
-        early = [_reply(result, last_tid, t, False, True, track.done[t]) for t in lockfree]
+        # _reply(result, last_tid, t, False, True, done[t]), inlined: position(t, last_tid, False) is t
+        reqs, replies, ep = result.requests, result.replies, result.epoch
+        early = []
+        for t in lockfree:
+            r = replies[t] = Reply(reqs[t].request_id, t, ep, True, done[t], "", "", t)
+            early.append(r)
         early += [_reply(result, last_tid, t, False, False, err=track.failed[t]) for t in aborted_now]
         self._emit(early)
         result.lockfree = lockfree

@@ -29,6 +29,9 @@ from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministic
 from charon.operator import Application
 from charon.state.store import PartitionStore
 
+_encode = serde._enc.encode
+_decode = serde._dec.decode  # msgpack the engine itself encoded (serde.decode wraps errors in SerializationError)
+
 ROOT, SYNC, ASYNC = 0, 1, 2
 # Live coroutines kept across rounds in this process (see ``_live_table``). Keyed by partition and epoch,
 # then by (tid, inv, journal.nsusp, frame.token). A stale coroutine of a failed attempt cannot be resumed
@@ -73,63 +76,70 @@ def too_many_invocations(limit: int) -> CallGraphLimitExceeded:
     return CallGraphLimitExceeded(f"more than {limit} invocations")
 
 
-class Invoke:
-    """Run ``fn(*args)`` on entity (op, key) as invocation ``inv`` of transaction ``tid``."""
+class Invoke(Journal):
+    """Run ``fn(*args)`` on entity (op, key) as invocation ``inv`` of transaction ``tid``.
 
-    __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth")
+    The partition that runs the message makes the same object the invocation's *frame* (:func:`start_frame`):
+    it then also holds the invocation's :class:`~charon.core.context.Journal` (all a replay needs) and
+    ``token``, so no second object is made per invocation. ``token`` is None while it is a message.
+    """
 
-    def __init__(self, tid, inv, op, key, fn, args, share, kind, caller, ts, depth) -> None:
+    __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth", "token", "kg")
+
+    def __init__(self, tid, inv, op, key, fn, args, share, kind, caller, ts, depth) -> None:  # noqa: ANN001
         self.tid, self.inv, self.op, self.key, self.fn, self.args = tid, inv, op, key, fn, args
         self.share, self.kind, self.caller, self.ts, self.depth = share, kind, caller, ts, depth
+        self.token = self.kg = None  # kg: routing.key_group(op, key) once a router computed it (not pickled)
 
     def __reduce__(self):
-        return (_new_invoke, (
+        if self.token is None:
+            return (_new_invoke, (
+                self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
+                self.ts, self.depth,
+            ))
+        return (_new_frame, (
             self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
-            self.ts, self.depth,
+            self.ts, self.depth, self.replies, self.reads, self.nsusp, self.pending, self.token,
         ))
+
+    @property
+    def journal(self) -> Journal:
+        """The frame's journal (the frame itself)."""
+        return self
+
+
+#: An invocation in progress: its message, its journal and its token (see :class:`Invoke`).
+Frame = Invoke
+
+
+def start_frame(m: Invoke, replies: Any = None) -> Invoke:
+    """Make message ``m`` the frame of a new run of its invocation (``replies``: (child, reply) pairs to preset,
+    the call-graph-cached fallback's dry-run replies); an empty journal, a fresh token."""
+    m.replies = dict(replies) if replies else {}
+    m.reads = []
+    m.nsusp = 0
+    m.pending = None
+    # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
+    # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
+    m.token = (_SALT, _PID, next(_COUNTER))  # _next_token(), inlined (one frame per invocation)
+    return m
 
 
 class Reply:
-    """The return value of synchronous call ``child``, addressed to the suspended caller (op, key, inv)."""
+    """The return value of synchronous call ``child``, addressed to the suspended caller (op, key, inv).
 
-    __slots__ = ("tid", "op", "key", "inv", "value", "share", "child")
+    ``kg``: the caller's key group (routing.key_group(op, key)) when known, else None (not pickled)."""
 
-    def __init__(self, tid, op, key, inv, value, share, child) -> None:
+    __slots__ = ("tid", "op", "key", "inv", "value", "share", "child", "kg")
+
+    def __init__(self, tid, op, key, inv, value, share, child, kg=None) -> None:  # noqa: ANN001
         self.tid, self.op, self.key, self.inv, self.value, self.share = tid, op, key, inv, value, share
-        self.child = child
+        self.child, self.kg = child, kg
 
     def __reduce__(self):
         return (_new_reply, (
             self.tid, self.op, self.key, self.inv, self.value, self.share, self.child,
         ))
-
-
-class Frame:
-    """An invocation in progress: its message and its journal (all a replay needs, see charon.core.context)."""
-
-    __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth",
-                 "journal", "token")
-
-    def __init__(self, m: Invoke, replies: Any = None) -> None:
-        """``replies``: (child, reply) pairs to preset (the call-graph-cached fallback's dry-run replies)."""
-        self.tid, self.inv, self.op, self.key, self.fn, self.args = m.tid, m.inv, m.op, m.key, m.fn, m.args
-        self.share, self.kind, self.caller, self.ts, self.depth = m.share, m.kind, m.caller, m.ts, m.depth
-        self.journal = Journal(replies)
-        # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
-        # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
-        # (_next_token(), inlined: one frame per invocation)
-        self.token = (_SALT, _PID, next(_COUNTER))
-
-    def __reduce__(self):
-        return (_new_frame, (
-            self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
-            self.ts, self.depth, self.journal, self.token,
-        ))
-
-    @property
-    def replies(self) -> list[tuple[int, bytes]]:
-        """The journaled replies as (child, reply) pairs (a copy, for the call-graph cache)."""
-        return sorted(self.journal.replies.items())
 
 
 class Prior(NamedTuple):
@@ -185,7 +195,9 @@ class RoundOutput:
         self.done: list[tuple[int, bytes, Share]] = []  # root finished: (tid, value, share)
         self.acks: list[tuple[int, Share]] = []  # terminal ack shares
         self.failed: list[tuple[int, str, str]] = []  # (tid, error type, message)
-        self.rw: list[tuple[int, Entity, bool]] = []  # (tid, (op, key), wrote) first touch / first write
+        # tid -> the entities it touched here so far in the epoch's phase, and whether it wrote each (the unit's
+        # own dict, listed when it changed this round: a reader copies it before changing anything)
+        self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: list[int] = []  # call-graph-cached fallback: tids that did not replay identically
         self.invocations: dict[int, int] = {}  # tid -> invocations started this round (the coordinator sums)
         self.stats: dict[str, int] = {}
@@ -207,27 +219,22 @@ class RoundOutput:
 
 
 class Cached:
-    """A dry-run invocation remembered for the call-graph-cached fallback.
+    """A dry-run invocation remembered for the call-graph-cached fallback: its completed ``frame`` (whose
+    journal's replies never change again), the value it returned, the calls it made.
 
     ``access`` is how the dry run touched the invocation's entity: None (not at all), False (read),
     True (wrote); a cached replay must stay within it (see :meth:`PartitionUnit._fast_round`).
     """
 
-    __slots__ = ("inv", "op", "key", "fn", "args", "replies", "result", "calls", "ts", "depth", "kind", "access")
+    __slots__ = ("frame", "result", "calls", "access")
 
     def __init__(self, frame: Frame, result: bytes, calls: list, access: bool | None) -> None:
-        self.inv, self.op, self.key, self.fn, self.args = frame.inv, frame.op, frame.key, frame.fn, frame.args
-        # the journal's reply dict itself (no copy: a completed frame's journal never changes again; a replay
-        # copies it into its own journal)
-        self.replies, self.result, self.calls, self.ts, self.depth = (frame.journal.replies, result, calls, frame.ts,
-                                                                      frame.depth)
-        self.kind = frame.kind
-        self.access = access
+        self.frame, self.result, self.calls, self.access = frame, result, calls, access
 
     def __reduce__(self):
+        f = self.frame
         return (_new_cached, (
-            self.inv, self.op, self.key, self.fn, self.args, self.replies, self.result, self.calls, self.ts,
-            self.depth, self.kind, self.access,
+            f.inv, f.op, f.key, f.fn, f.args, f.replies, self.result, self.calls, f.ts, f.depth, f.kind, self.access,
         ))
 
 
@@ -250,6 +257,7 @@ class PartitionUnit:
         #: then reports the next due time it found last instead of scanning the timer index again
         self.sole_writer = False
         self._due: tuple[int, float] | None = None  # (store epoch, next due time) after the last finalize
+        self._ltab: dict[int, dict] = {}  # the live-coroutine table of the round being processed (_process)
         self._clear(-1)
 
     def app_for(self, tid: int) -> Application:
@@ -264,6 +272,10 @@ class PartitionUnit:
         self.frames: dict[int, dict[str, Frame]] = {}
         self.touched: dict[int, dict[Entity, bool]] = {}
         self.cache: dict[int, list[Cached]] = {}
+        # dry-run completions not yet in ``cache``: (tid, frame, value, calls, the tid's touched dict here); see
+        # _take_cache (a transaction's cache entries are needed only if it conflicts)
+        self._clog: list[tuple] = []
+        self._taken: set[int] = set()  # transactions whose logged completions are in ``cache``
         self.overlay: dict[Entity, dict[str, bytes | None]] = {}
         self.counts: dict[int, int] = {}
         self.dead: set[int] = set()
@@ -288,7 +300,37 @@ class PartitionUnit:
         for n, v in zip(self._SCRATCH, pickle.loads(data), strict=True):
             setattr(self, n, v)
         self.cache = {}
+        self._clog = []
+        self._taken = set()
         self.fast_layer = None
+
+    def _take_cache(self, want: set[int] | None, report: dict[int, list[Cached]] | None = None) -> None:
+        """Move the logged dry-run completions of the transactions in ``want`` (None: all) into the cache (and
+        into ``report``). An entry's ``access`` is read from the transaction's touched dict of the dry run, which
+        only a later invocation on the same entity could change (the replay is then invalid anyway)."""
+        cache = self.cache
+        if want is not None:
+            want = want - self._taken
+            if not want:
+                return
+            self._taken |= want
+        for tid, f, value, calls, t in self._clog:
+            if want is not None and tid not in want:
+                continue
+            c = Cached(f, value, calls, t.get((f.op, f.key)) if t else None)
+            lst = cache.get(tid)
+            if lst is None:
+                cache[tid] = [c]
+            else:
+                lst.append(c)
+            if report is not None:
+                lst = report.get(tid)
+                if lst is None:
+                    report[tid] = [c]
+                else:
+                    lst.append(c)
+        if want is None:
+            self._clog = []
 
     def load_cache(self, cached: dict[int, list[Cached]]) -> None:
         """Hand back dry-run invocations (from earlier RoundOutput.cached) before a call-graph-cached round."""
@@ -303,7 +345,7 @@ class PartitionUnit:
         prev = t.get(e)
         if prev is None or (wrote and not prev):
             t[e] = wrote or bool(prev)
-            self._out.rw.append((tid, e, wrote))
+            self._out.rw[tid] = t
 
     def read(self, tid: int, op: str, key: str, item: str) -> bytes | None:
         e = (op, key)
@@ -312,7 +354,7 @@ class PartitionUnit:
             t = self.touched[tid] = {}
         if e not in t:
             t[e] = False
-            self._out.rw.append((tid, e, False))
+            self._out.rw[tid] = t
         b = self.buffers.get(tid)
         if b is not None:
             items = b.get(e)
@@ -326,7 +368,7 @@ class PartitionUnit:
         if items is not None and item in items:
             return items[item]
         self._stat_reads += 1
-        return self.store.get(store_key(op, key, item))
+        return self.store.get(f"{op}\0{key}\0{item}".encode())  # routing.store_key, inlined
 
     def scan(self, tid: int, op: str, key: str, item_prefix: str, start: str | None = None,
              stop: str | None = None) -> list[tuple[str, bytes]]:
@@ -384,7 +426,7 @@ class PartitionUnit:
             t = self.touched[tid] = {}
         if t.get(e) is not True:
             t[e] = True
-            self._out.rw.append((tid, e, True))
+            self._out.rw[tid] = t
         b = self.buffers.get(tid)
         if b is None:
             b = self.buffers[tid] = {}
@@ -441,6 +483,8 @@ class PartitionUnit:
             self._fast_round(control.fast)
         if inbox:
             self._process(inbox)
+        if self._clog and self.report_cache:
+            self._take_cache(None, out.cached)
         delta = self._finalize() if control.finalize else 0
         out.stats = {"reads": self._stat_reads, "runs": self._stat_runs, "delta": delta + prior_delta}
         self._out = None  # type: ignore[assignment]
@@ -486,39 +530,58 @@ class PartitionUnit:
             dead.discard(tid)
 
     def _process(self, inbox: list[Invoke | Reply]) -> None:
+        self._ltab = self._live_table()  # for _run (the table stays the same within the round)
         queue = deque(inbox)
         pid, parts = self.pid, self.partitions
         out = self._out
+        remote = out.messages
         frames = self.frames
         dead = self.dead
+        counts = self.counts
         started = out.invocations
+        limit = self.max_invocations
         while queue:
             m = queue.popleft()
             tid = m.tid
             if tid in dead:
                 continue
             if type(m) is Invoke:
-                n = self.counts.get(tid, 0) + 1
-                self.counts[tid] = n
+                n = counts[tid] = counts.get(tid, 0) + 1
                 started[tid] = started.get(tid, 0) + 1
-                if n > self.max_invocations:
-                    self._fail(tid, too_many_invocations(self.max_invocations))
+                if n > limit:
+                    self._fail(tid, too_many_invocations(limit))
                     continue
-                frame = Frame(m)
+                # start_frame(m), inlined
+                m.replies, m.reads, m.nsusp, m.pending, m.token = {}, [], 0, None, (_SALT, _PID, next(_COUNTER))
+                frame = m
             else:
                 tframes = frames.get(tid)
                 frame = tframes.get(m.inv) if tframes is not None else None
                 if frame is None:
                     continue  # its transaction was reset
-                frame.share = add(frame.share, m.share)
-                if not frame.journal.receive(m.child, m.value):
+                a, b = frame.share, m.share  # shares.add, inlined for equal exponents (the common case)
+                if a[1] == b[1]:
+                    n, e = a[0] + b[0], a[1]
+                    while e and not n & 1 and n:
+                        n >>= 1
+                        e -= 1
+                    frame.share = (n, e)
+                else:
+                    frame.share = add(a, b)
+                pending = frame.pending  # frame.receive(m.child, m.value), inlined
+                frame.replies[pending.pop(m.child)] = m.value
+                if pending:
                     continue  # a gather still waiting for other replies
+                frame.pending = None
                 del tframes[m.inv]
             for msg in self._run(frame):
-                if key_group(msg.op, msg.key) % parts == pid:  # routing.partition_of, inlined
+                g = msg.kg
+                if g is None:
+                    g = msg.kg = key_group(msg.op, msg.key)
+                if g % parts == pid:  # routing.partition_of, inlined
                     queue.append(msg)
                 else:
-                    out.messages.append(msg)
+                    remote.append(msg)
 
     def _run(self, frame: Frame) -> list[Invoke | Reply]:
         """Run one invocation until it completes, suspends on a call, or raises.
@@ -529,7 +592,11 @@ class PartitionUnit:
         decides what is replayed). Both give the same effects.
         """
         self._stat_runs += 1
-        live = self._live_pop(frame) if frame.journal.nsusp else None
+        live = None
+        if frame.nsusp:  # self._live_pop(frame), inlined
+            t = self._ltab.get(frame.tid)
+            if t:
+                live = t.pop((frame.inv, frame.nsusp, frame.token), None)
         try:
             if live is not None:
                 coro, ctx = live
@@ -540,27 +607,40 @@ class PartitionUnit:
                 prev = self.previous  # app_for, inlined (the hot path)
                 app = self.app if prev is None or frame.tid >= prev[0] else prev[1]
                 fn = app._resolved.get((frame.op, frame.fn)) or app.resolve(frame.op, frame.fn)
-                coro = fn.body(ctx, *serde.decode(frame.args))
+                coro = fn.body(ctx, *_decode(frame.args))  # the engine's own encoding of checked arguments
             try:
                 yielded = coro.send(None)
             except StopIteration as stop:
-                if not frame.journal.live:
+                if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
-                return self._complete(frame, ctx, serde.encode(stop.value))
+                try:
+                    value = _encode(stop.value)  # serde.encode, inlined
+                except Exception:  # noqa: BLE001 - its typed error
+                    value = serde.encode(stop.value)
+                return self._complete(frame, ctx, value)
             if ctx._pending is None or getattr(yielded, "ctx", None) is not ctx:
                 ctx._drop(coro)
                 raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
             msgs = self._suspend(frame, ctx)
-            self._live_put(frame, coro, ctx)
+            if KEEP_LIVE_COROUTINES:  # self._live_put(frame, coro, ctx), inlined
+                table = self._ltab
+                t = table.get(frame.tid)
+                if t is None:
+                    t = table[frame.tid] = {}
+                t[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
+            else:
+                ctx._drop(coro)
             return msgs
         except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
             self._fail(frame.tid, exc, frame)
-            return []
+            return ()
 
     # Live coroutines of suspended frames, per process: {pid: (epoch, {tid: {(inv, nsusp, token): (coro, ctx)}})}.
     def _live_table(self) -> dict[int, dict]:
         entry = _LIVE.get(self.pid)
+        if entry is not None and entry[0] == self.epoch:
+            return entry[1]
         if entry is None or entry[0] != self.epoch:
             self._live_clear()  # an earlier epoch's leftovers (finished elsewhere, or aborted by a callee)
             entry = _LIVE[self.pid] = (self.epoch, {})
@@ -578,11 +658,11 @@ class PartitionUnit:
         if not KEEP_LIVE_COROUTINES:
             ctx._drop(coro)
             return
-        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.journal.nsusp, frame.token)] = (coro, ctx)
+        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
 
     def _live_pop(self, frame: Frame) -> tuple[Any, Context] | None:
         t = self._live_table().get(frame.tid)
-        return t.pop((frame.inv, frame.journal.nsusp, frame.token), None) if t else None
+        return t.pop((frame.inv, frame.nsusp, frame.token), None) if t else None
 
     def _live_drop(self, tid: int) -> None:
         for coro, ctx in self._live_table().pop(tid, {}).values():
@@ -604,47 +684,48 @@ class PartitionUnit:
             msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
 
     def _complete(self, frame: Frame, ctx: Context, value: bytes) -> list[Invoke | Reply]:
-        msgs: list[Invoke | Reply] = []
         sends = ctx._sends
-        share = frame.share
+        msgs: list[Invoke | Reply] | tuple = ()
         if sends:
-            part, leftover = split(share, len(sends))
+            msgs = []
+            part, leftover = split(frame.share, len(sends))
             self._emit_sends(frame, sends, part, msgs)
         else:
-            leftover = share
+            leftover = frame.share
         tid = frame.tid
-        if frame.kind == SYNC:
-            cop, ckey, cinv = frame.caller
-            msgs.append(Reply(tid, cop, ckey, cinv, value, leftover, frame.inv))
-        elif frame.kind == ROOT:
+        kind = frame.kind
+        if kind == SYNC:
+            cop, ckey, cinv, ckg = frame.caller
+            r = Reply(tid, cop, ckey, cinv, value, leftover, frame.inv, ckg)
+            if msgs:
+                msgs.append(r)  # type: ignore[union-attr]
+            else:
+                msgs = (r,)
+        elif kind == ROOT:
             self._out.done.append((tid, value, leftover))
         elif leftover[0]:
             self._out.acks.append((tid, leftover))
-        if self._recording:
-            touched = self.touched.get(tid)
-            entry = Cached(frame, value, ctx._calls, touched.get((frame.op, frame.key)) if touched else None)
-            c = self.cache.get(tid)
-            if c is None:
-                c = self.cache[tid] = []
-            c.append(entry)
-            if self.report_cache:
-                c = self._out.cached.get(tid)
-                if c is None:
-                    c = self._out.cached[tid] = []
-                c.append(entry)
+        if self._recording:  # for the call-graph cache (see _take_cache)
+            self._clog.append((tid, frame, value, ctx._calls, self.touched.get(tid)))
         return msgs
 
     def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
         msgs: list[Invoke | Reply] = []
-        sends = ctx._sends
-        pending = ctx._pending or []
-        each, rest = split(frame.share, len(sends) + len(pending) + 1)  # the frame keeps one part + rest
+        sends = ctx._sends or ()
+        pending = ctx._pending or ()
+        # shares.split(frame.share, k), inlined: the frame keeps one part and the rest
+        n, e = frame.share
+        k = len(sends) + len(pending) + 1
+        m = (k - 1).bit_length()
+        e += m
+        r = (1 << m) - k
+        each, rest = (n, e), ((n * r, e) if r else _ZERO)
         if sends:
             self._emit_sends(frame, sends, each, msgs)
-        caller = (frame.op, frame.key, frame.inv)
+        caller = (frame.op, frame.key, frame.inv, frame.kg)  # the caller's key group routes the reply
         tid, ts, depth = frame.tid, frame.ts, frame.depth + 1
         # the calls the await sent, with their invocation ids from the journal's pending table (same order)
-        for c, inv in zip(pending, frame.journal.pending or (), strict=True):
+        for c, inv in zip(pending, frame.pending or (), strict=True):
             op, key, fn, args = c.target
             msgs.append(Invoke(tid, inv, op, key, fn, args, each, SYNC, caller, ts, depth))
         frame.share = (each[0] + rest[0], each[1]) if rest[0] else each
@@ -677,6 +758,8 @@ class PartitionUnit:
         lower unresolved U's dry run (K[U] would block T), and a U whose rerun later reaches outside K[U]
         onto what T touched is moved to the next epoch by the coordinator (T committed there first).
         """
+        if self._clog:
+            self._take_cache(set(tids))
         self.fast_layer = layer = {}
         invalid = self._out.invalid
         for tid in sorted(tids):
@@ -686,7 +769,7 @@ class PartitionUnit:
             self.buffers.pop(tid, None)
             self.emits.pop(tid, None)
             self.touched.pop(tid, None)
-            access = {(c.op, c.key): c.access for c in cached}
+            access = {(c.frame.op, c.frame.key): c.access for c in cached}
             ok = len(access) == len(cached) and self._replay_cached(tid, cached)
             if ok:
                 for e, wrote in self.touched.get(tid, {}).items():
@@ -710,23 +793,24 @@ class PartitionUnit:
         self.fast_layer = None
 
     def _replay_cached(self, tid: int, cached: list[Cached]) -> bool:
-        for c in sorted(cached, key=lambda c: c.inv):
-            m = Invoke(tid, c.inv, c.op, c.key, c.fn, c.args, _ZERO, ROOT, None, c.ts, c.depth)
-            frame = Frame(m, c.replies)
+        for c in sorted(cached, key=lambda c: c.frame.inv):
+            f = c.frame
+            frame = start_frame(Invoke(tid, f.inv, f.op, f.key, f.fn, f.args, _ZERO, ROOT, None, f.ts, f.depth),
+                                f.replies)
             ctx = Context(self, frame, fast=True)
             self._stat_runs += 1
             try:
-                fn = self.app_for(tid).resolve(c.op, c.fn)
-                coro = fn.body(ctx, *serde.decode(c.args))
+                fn = self.app_for(tid).resolve(f.op, f.fn)
+                coro = fn.body(ctx, *serde.decode(f.args))
                 try:
                     coro.send(None)
                 except StopIteration as stop:
                     if ctx._calls != c.calls:
                         return False
                     value = serde.encode(stop.value)
-                    if c.kind == ROOT:  # the client's reply may change; nothing else consumed it
+                    if f.kind == ROOT:  # the client's reply may change; nothing else consumed it
                         self._out.done.append((tid, value, _ZERO))
-                    elif c.kind == SYNC and value != c.result:  # the caller consumed the cached reply
+                    elif f.kind == SYNC and value != c.result:  # the caller consumed the cached reply
                         return False
                     continue
                 coro.close()
@@ -747,7 +831,7 @@ class PartitionUnit:
         tp = _timers.ITEM_PREFIX
         for (op, key), items in self.overlay.items():
             if len(items) == 1 and "" in items:  # the main value alone (the common case)
-                delta[store_key(op, key)] = items[""]
+                delta[f"{op}\0{key}\0".encode()] = items[""]  # routing.store_key, inlined
                 continue
             prefix = entity_prefix(op, key)
             for item, v in items.items():
@@ -800,6 +884,7 @@ def _new_invoke(*st: Any) -> Invoke:
     o.caller = st[8]
     o.ts = st[9]
     o.depth = st[10]
+    o.token = o.kg = None
     return o
 
 
@@ -812,39 +897,18 @@ def _new_reply(*st: Any) -> Reply:
     o.value = st[4]
     o.share = st[5]
     o.child = st[6]
+    o.kg = None
     return o
 
 
 def _new_frame(*st: Any) -> Frame:
-    o = Frame.__new__(Frame)
-    o.tid = st[0]
-    o.inv = st[1]
-    o.op = st[2]
-    o.key = st[3]
-    o.fn = st[4]
-    o.args = st[5]
-    o.share = st[6]
-    o.kind = st[7]
-    o.caller = st[8]
-    o.ts = st[9]
-    o.depth = st[10]
-    o.journal = st[11]
-    o.token = st[12]
+    o = _new_invoke(*st[:11])
+    o.replies, o.reads, o.nsusp, o.pending, o.token = st[11:]
+    o.at_end()
     return o
 
 
-def _new_cached(*st: Any) -> Cached:
-    o = Cached.__new__(Cached)
-    o.inv = st[0]
-    o.op = st[1]
-    o.key = st[2]
-    o.fn = st[3]
-    o.args = st[4]
-    o.replies = st[5]
-    o.result = st[6]
-    o.calls = st[7]
-    o.ts = st[8]
-    o.depth = st[9]
-    o.kind = st[10]
-    o.access = st[11]
-    return o
+def _new_cached(inv, op, key, fn, args, replies, result, calls, ts, depth, kind, access) -> Cached:  # noqa: ANN001
+    f = _new_invoke(None, inv, op, key, fn, args, None, kind, None, ts, depth)
+    f.replies = replies
+    return Cached(f, result, calls, access)

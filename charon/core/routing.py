@@ -58,6 +58,8 @@ def check_operator_name(name: object) -> str:
 
 def check_key(key: object) -> str:
     """Return ``key`` if it is a valid entity key; raise InvalidKey otherwise."""
+    if type(key) is str and key.isascii() and 0 < len(key) <= MAX_KEY_BYTES and "\0" not in key:
+        return key  # ASCII: one byte per character, no surrogates (the common case, without encoding it)
     return _check("entity key", key, 1, MAX_KEY_BYTES)
 
 
