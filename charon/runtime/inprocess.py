@@ -251,13 +251,13 @@ class InProcessRuntime(control.Controllable):
             self.node = NodeStorage(data_dir, partitions or 4, fsync=fsync, checkpoint_s=checkpoint_s,
                                     compact_every=compact_every, log_url=log_url)
             self.partitions = self.node.partitions  # the directory's layout; rescaled after recovery
-            self.stores: list[MemoryStore] = [RecordingStore() for _ in range(self.partitions)]
+            self._stores: list[MemoryStore] = [RecordingStore() for _ in range(self.partitions)]
         else:
             partitions = self.partitions = 4 if partitions is None else partitions
             if partitions < 1:
                 raise ValueError("partitions must be at least 1")
-            self.stores = [MemoryStore() for _ in range(partitions)]
-        self.units = [PartitionUnit(p, self.partitions, app, s) for p, s in enumerate(self.stores)]
+            self._stores = [MemoryStore() for _ in range(partitions)]
+        self.units = [PartitionUnit(p, self.partitions, app, s) for p, s in enumerate(self._stores)]
         self.coordinator = EpochCoordinator(
             app, LocalExchange(self.units), sequencers=1, max_invocations=max_invocations,
             on_replies=self._deliver
@@ -314,7 +314,7 @@ class InProcessRuntime(control.Controllable):
         """Durable mode: state as of the last checkpoint, then the logged epochs after it, replayed."""
         assert self.node is not None
         states, rec, epochs = self.node.recover()
-        for store, state in zip(self.stores, states, strict=True):
+        for store, state in zip(self._stores, states, strict=True):
             store.data.update(state)
             store.epoch = rec.epoch if rec is not None else -1
         if rec is not None:
@@ -342,10 +342,26 @@ class InProcessRuntime(control.Controllable):
             self._streams.close()
 
     # -- output streams -----------------------------------------------------------------------------
+    # -- committed output: the one place every read passes (the deferred finalize runs first) ---------
+    @property
+    def stores(self) -> list[MemoryStore]:
+        """The partitions' stores as of the last committed epoch.
+
+        Every read of committed state goes through here (the accessors below, inspect, SQL, admin updates,
+        rescaling, tests): it first runs the finalize the service loop deferred (:meth:`_finish`), so a reply's
+        waiter reading at once sees its transaction's writes. Only the engine itself (the units, recovery, the
+        durable epoch record) uses ``_stores``."""
+        self._finish()
+        return self._stores
+
     @property
     def streams(self) -> StreamLog:
-        """The output streams ``ctx.emit`` appends to (one atom per epoch and stream; see charon.log.streams)."""
-        self._finish()  # a reply's waiter reading at once finds its epoch's atom
+        """The output streams ``ctx.emit`` appends to (one atom per epoch and stream; see charon.log.streams);
+        like :attr:`stores`, it first runs a deferred finalize, so a reply's waiter finds its epoch's atom."""
+        self._finish()
+        return self._stream_log()
+
+    def _stream_log(self) -> StreamLog:
         with _STREAMS_LOCK:  # created once, also when the gateway's read threads ask first
             return self._open_streams()
 
@@ -394,7 +410,6 @@ class InProcessRuntime(control.Controllable):
         """
         if partitions < 1:
             raise ValueError("partitions must be at least 1")
-        self._finish()
         t0, c0 = time.perf_counter(), time.process_time()
         old = self.partitions
         parts: list[list[tuple[bytes, bytes]]] = [[] for _ in range(partitions)]
@@ -417,7 +432,7 @@ class InProcessRuntime(control.Controllable):
         for s, items in zip(stores, parts, strict=True):
             s.data.update(items)
             s.epoch = self.epoch - 1
-        self.stores = stores
+        self._stores = stores
         self.partitions = partitions
         self.units = [PartitionUnit(p, partitions, self.app, s) for p, s in enumerate(stores)]
         for u in self.units:
@@ -446,7 +461,6 @@ class InProcessRuntime(control.Controllable):
 
     # -- state --------------------------------------------------------------------------------------
     def _store_of(self, operator: str, key: str) -> MemoryStore:
-        self._finish()
         return self.stores[partition_of(operator, key, self.partitions)]
 
     def load(self, operator: str | Operator, values: dict[str, Any] | Iterable[tuple[str, Any]]) -> None:
@@ -492,13 +506,11 @@ class InProcessRuntime(control.Controllable):
 
     def pending_timers(self) -> list[Timer]:
         """Every committed pending timer, by due time (then id)."""
-        self._finish()
         out = [_timers.decode(v) for s in self.stores for _, v in s.scan(_timers.INDEX_PREFIX)]
         return sorted(out, key=lambda t: (t.due, t.id))
 
     def entities(self, operator: str | Operator) -> dict[str, Any]:
         """All committed main values of one operator (for checks in tests and benchmarks)."""
-        self._finish()
         op = operator.name if isinstance(operator, Operator) else operator
         out = {}
         for s in self.stores:
@@ -510,7 +522,6 @@ class InProcessRuntime(control.Controllable):
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state as store keys (sorted)."""
-        self._finish()
         merged: dict[bytes, bytes] = {}
         for s in self.stores:
             merged.update(s.items())
@@ -543,11 +554,11 @@ class InProcessRuntime(control.Controllable):
         if result.finalize is not None:
             self._unfinalized = result
         elif result.events:  # idempotent by epoch: a replayed epoch appends nothing again
-            self.streams.append_atom(self.epoch, [(s, v) for _, s, v in result.events])
+            self._stream_log().append_atom(self.epoch, [(s, v) for _, s, v in result.events])
         if self.node is not None:
             c = self.coordinator
             self.node.epoch_done(self.epoch, c.sequencer.counters, c.deferred, self._log_end,
-                                 self.stores, c.sequencer.time, c.next_due)  # type: ignore[arg-type]
+                                 self._stores, c.sequencer.time, c.next_due)  # type: ignore[arg-type]
         self.epoch += 1
         if self.coordinator.previous is not None:  # a compatible code update's old code, while still needed
             control.retire_previous(self)
@@ -560,11 +571,12 @@ class InProcessRuntime(control.Controllable):
     def _finish(self) -> None:
         """Run the finalize the last epoch deferred (if any): its writes reach the stores, its events the streams.
 
-        Everything that reads committed state calls this first (also from a gateway thread, hence the lock),
-        so a reply's waiter that reads state at once sees its transaction's writes."""
+        Called only by :attr:`stores` and :attr:`streams` (every read of committed output passes there, also
+        from a gateway thread, hence the lock) and by the engine before its next epoch; the pending epoch is
+        cleared only once its writes and events are in, so a reader in another thread never sees it half done."""
         if self._unfinalized is None:
             return
-        with self._finish_lock:  # cleared once done: a reader in another thread waits for a finalize running
+        with self._finish_lock:  # a reader in another thread waits for a finalize running
             result = self._unfinalized
             if result is None:
                 return
@@ -572,6 +584,8 @@ class InProcessRuntime(control.Controllable):
             t0 = time.perf_counter()
             try:
                 self.coordinator.next_due = self.coordinator.finalize(result, fin)
+                if result.events:
+                    self._stream_log().append_atom(result.epoch, [(s, v) for _, s, v in result.events])
             finally:
                 self._unfinalized = None
             fin["finalize_ms"] = (time.perf_counter() - t0) * 1000.0
@@ -579,8 +593,6 @@ class InProcessRuntime(control.Controllable):
             if last is not None and last.get("epoch") == result.epoch:  # the epoch's record includes its finalize
                 for k, v in fin.items():
                     last[k] = last.get(k, 0) + v
-            if result.events:
-                self.streams.append_atom(result.epoch, [(s, v) for _, s, v in result.events])
 
     def _run_parked(self) -> None:
         """Run the epochs logged while paused (durable mode), in log order."""
@@ -873,7 +885,6 @@ class InProcessRuntime(control.Controllable):
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
     ) -> tuple[int, dict[bytes, bytes]]:
         """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch (:mod:`charon.runtime.control`)."""
-        self._finish()
         return await control.inprocess_inspect(self, operator, keys, epoch, limit)
 
     async def sql(
@@ -882,7 +893,6 @@ class InProcessRuntime(control.Controllable):
     ) -> dict[str, Any]:
         """One safe SELECT over the operators' state at one committed epoch, answered by SQLite
         (:mod:`charon.runtime.sqlstate`): ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
-        self._finish()
         return await control.inprocess_sql(self, query, epoch, max_rows, timeout_s, max_entities)
 
 
