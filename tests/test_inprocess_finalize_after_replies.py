@@ -90,3 +90,60 @@ async def test_a_timer_registered_in_a_deferred_epoch_fires() -> None:
             await asyncio.sleep(0.005)
         assert rt.read_state("acct", "t") == 100
         assert rt.pending_timers() == []
+
+
+def _carry_batches() -> list[list[Request]]:
+    out = []
+    for e in range(8):
+        b = [Request(f"r{e}-{i}", "acct", f"k{(e * 3 + i) % 4}", "add", serde.encode([i + 1])) for i in range(5)]
+        b.append(Request(f"t{e}", "acct", f"k{e % 4}", "arm", serde.encode([0.0])))  # fires in the next epoch
+        out.append(b)
+    return out
+
+
+def test_a_carried_finalize_gives_the_state_events_and_timers_of_a_finalize_of_its_own() -> None:
+    """The service loop lets the next epoch carry a pending finalize in its first round (a collect round
+    when a timer is due): state, replies, atoms and timers equal epochs finalized in a round of their own."""
+    alone = InProcessRuntime(app, partitions=3, warmup_txns=0)
+    carried = InProcessRuntime(app, partitions=3, warmup_txns=0)
+    replies: dict[str, list] = {"alone": [], "carried": []}
+    for e, batch in enumerate(_carry_batches()):
+        ra = alone.run_epoch(batch, now=float(e + 1))
+        rc = carried._run_logged(batch, float(e + 1), defer=True, carry=True)
+        assert rc.finalize is not None and carried._unfinalized is rc
+        for side, r in (("alone", ra), ("carried", rc)):
+            replies[side].append(sorted((x.request_id, x.ok, x.value) for x in r.replies.values()))
+    assert replies["alone"] == replies["carried"]
+    assert any(len(r) > 6 for r in replies["alone"]), "timers fired as transactions of later epochs"
+    stats = carried.epoch_stats
+    assert all(s.get("finalize_carried") == 1 for s in stats[:-1]) and "finalize_carried" not in stats[-1]
+    assert carried.snapshot() == alone.snapshot()  # runs the last pending finalize
+    assert carried.pending_timers() == alone.pending_timers()
+
+    def atoms(rt: InProcessRuntime) -> list:
+        return [(ev.offset, ev.epoch, serde.decode(ev.value)) for ev in rt.streams.read("adds", 0, 1000).events]
+
+    assert atoms(carried) == atoms(alone) and len(atoms(alone)) > 40
+
+
+async def test_the_service_loop_carries_finalizes_under_a_backlog() -> None:
+    """Requests arriving while an epoch runs: the next epoch carries the pending finalize; every committed
+    add is in the state and the stream once, in commit order."""
+    rt = InProcessRuntime(app, partitions=4, warmup_txns=0)
+    async with rt:
+        waves = []
+        for w in range(20):
+            waves.append([asyncio.ensure_future(rt.submit("acct", f"k{(w + i) % 7}", "add", [1]))
+                          for i in range(10)])
+            await asyncio.sleep(0)
+        reps = [await f for wave in waves for f in wave]
+    assert all(r.ok for r in reps)
+    assert any(s.get("finalize_carried") for s in rt.epoch_stats), "some epoch's finalize was carried"
+    assert sum(rt.entities("acct").values()) == 200
+    events = [serde.decode(e.value) for e in rt.streams.read("adds", 0, 1000).events]
+    assert len(events) == 200
+    last: dict[str, int] = {}
+    for key, v in events:
+        assert v == last.get(key, 0) + 1
+        last[key] = v
+    assert last == rt.entities("acct")

@@ -260,7 +260,7 @@ class InProcessRuntime(control.Controllable):
         self.units = [PartitionUnit(p, self.partitions, app, s) for p, s in enumerate(self._stores)]
         self.coordinator = EpochCoordinator(
             app, LocalExchange(self.units), sequencers=1, max_invocations=max_invocations,
-            on_replies=self._deliver
+            on_replies=self._deliver, on_finalized=self._finalized
         )
         self.coordinator.next_due = math.inf  # a fresh state has no timers (a recovered one: its record's)
         if max_timers_per_epoch < 1:
@@ -276,9 +276,11 @@ class InProcessRuntime(control.Controllable):
         self.replayed_epochs = 0  # durable mode: epochs replayed from the input log at recovery
         self.failed: BaseException | None = None  # set when an epoch could not be logged or run
         self._queue: list[Request] = []
-        # service mode (volatile): the last epoch, its replies delivered, with its finalize still to run (_finish)
+        # service mode (volatile): the last epoch, its replies delivered, with its finalize still to run (_finish,
+        # or carried into the next epoch's first round); readers in other threads wait on the lock meanwhile
         self._unfinalized: EpochResult | None = None
         self._finish_lock = threading.Lock()
+        self._carried: EpochResult | None = None  # the pending epoch whose finalize the running epoch carries
         self._futures: dict[str, asyncio.Future[Reply]] = {}
         self._waiters: dict[str, list[asyncio.Future[Reply]]] = {}  # more callers of a request already waiting
         self._replies: OrderedDict[str, Reply] = OrderedDict()
@@ -544,13 +546,27 @@ class InProcessRuntime(control.Controllable):
             requests, self._log_end, now = self.node.log_epoch(self.epoch, requests, now)
         return self._run_logged(requests, time.time() if now is None else now)
 
-    def _run_logged(self, requests: list[Request], now: float, defer: bool = False) -> EpochResult:
+    def _run_logged(self, requests: list[Request], now: float, defer: bool = False,
+                    carry: bool = False) -> EpochResult:
         """Run one epoch whose batch (and time) is logged (durable mode) or needs no log (volatile).
 
         ``defer`` (volatile service mode): leave the epoch's finalize round for :meth:`_finish`, so the loop
-        can hand the replies (already decided and delivered) to their waiters first."""
-        self._finish()
-        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now, defer=defer)
+        can hand the replies (already decided and delivered) to their waiters first. ``carry``: a pending
+        finalize runs within this epoch's first round (the coordinator's ``prior``) instead of in a round of
+        its own; readers in other threads wait on the finalize lock until it ran (:meth:`_finalized`)."""
+        prior = None
+        if carry and self._unfinalized is not None:
+            self._finish_lock.acquire()  # released once the prior ran (or below, if the epoch failed first)
+            prior = self._carried = self._unfinalized
+        else:
+            self._finish()
+        try:
+            result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now, defer=defer,
+                                                prior=prior)
+        finally:
+            if self._carried is not None:  # not run: the epoch failed before its first round returned
+                self._carried = None
+                self._finish_lock.release()
         if result.finalize is not None:
             self._unfinalized = result
         elif result.events:  # idempotent by epoch: a replayed epoch appends nothing again
@@ -568,12 +584,28 @@ class InProcessRuntime(control.Controllable):
             del stats[: len(stats) - self._stats_kept]
         return result
 
+    def _finalized(self, result: EpochResult) -> None:
+        """The coordinator ran a deferred finalize (alone, from :meth:`_finish`, or carried in the next epoch's
+        first round): its atom goes to the streams, then the epoch is no longer pending."""
+        if result.events:
+            self._stream_log().append_atom(result.epoch, [(s, v) for _, s, v in result.events])
+        if self._unfinalized is result:
+            self._unfinalized = None
+        if self._carried is result:
+            self._carried = None
+            for rec in reversed(self.epoch_stats):
+                if rec.get("epoch") == result.epoch:
+                    rec["finalize_carried"] = 1
+                    break
+            self._finish_lock.release()
+
     def _finish(self) -> None:
         """Run the finalize the last epoch deferred (if any): its writes reach the stores, its events the streams.
 
         Called only by :attr:`stores` and :attr:`streams` (every read of committed output passes there, also
         from a gateway thread, hence the lock) and by the engine before its next epoch; the pending epoch is
-        cleared only once its writes and events are in, so a reader in another thread never sees it half done."""
+        cleared only once its writes and events are in (:meth:`_finalized`), so a reader in another thread never
+        sees it half done."""
         if self._unfinalized is None:
             return
         with self._finish_lock:  # a reader in another thread waits for a finalize running
@@ -584,8 +616,6 @@ class InProcessRuntime(control.Controllable):
             t0 = time.perf_counter()
             try:
                 self.coordinator.next_due = self.coordinator.finalize(result, fin)
-                if result.events:
-                    self._stream_log().append_atom(result.epoch, [(s, v) for _, s, v in result.events])
             finally:
                 self._unfinalized = None
             fin["finalize_ms"] = (time.perf_counter() - t0) * 1000.0
@@ -834,14 +864,18 @@ class InProcessRuntime(control.Controllable):
                     self._run_parked()
                 elif self.node is None:
                     # The finalize waits until the replies' waiters ran (one loop pass): it is off their latency.
-                    # The gate stays held until it ran, so control operations still see a finished boundary.
-                    self._run_logged(batch, time.time(), defer=self.coordinator.previous is None)
+                    # With more work waiting (and the gate open), the next epoch carries it in its first round
+                    # (no round of its own); else it runs now, with the gate still held, so control operations
+                    # see a finished boundary and the next due timer is exact while idle.
+                    self._run_logged(batch, time.time(), defer=self.coordinator.previous is None, carry=True)
                     if self._unfinalized is not None:
                         t1 = time.perf_counter()
                         await asyncio.sleep(0)
                         yielded = True
                         t0 += time.perf_counter() - t1  # the sizer measures the epoch, not the waiters
-                        self._finish()
+                        if not ((self._queue or self.coordinator.deferred) and not self._rescales
+                                and not self.gate.closed_for(self.epoch)):
+                            self._finish()
                 else:  # the batch is committed to the input log off the loop, then the epoch runs
                     batch, self._log_end, now = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
                     self._run_logged(batch, now)
