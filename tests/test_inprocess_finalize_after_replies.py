@@ -147,3 +147,37 @@ async def test_the_service_loop_carries_finalizes_under_a_backlog() -> None:
         assert v == last.get(key, 0) + 1
         last[key] = v
     assert last == rt.entities("acct")
+
+
+def test_carried_finalizes_equal_finalizes_alone_on_generated_workloads() -> None:
+    """Generated workloads (conflicts, the fallback, aborts, deferred transactions, 1/2/4 partitions): epochs
+    carrying the previous finalize give the same replies, in the same order, and the same state."""
+    import random
+
+    from charon import workloads as wl
+    from charon.core import partition
+
+    saved = partition.KEEP_LIVE_COROUTINES
+    try:
+        for seed in range(60):
+            w = wl.random_workload(random.Random(seed), epochs=(2, 5), txns=(1, 10))
+            partition.KEEP_LIVE_COROUTINES = w.live
+            with wl.engine_abort_rule():
+                alone = InProcessRuntime(wl.app, partitions=w.partitions, warmup_txns=0)
+                carried = InProcessRuntime(wl.app, partitions=w.partitions, warmup_txns=0)
+                wl.load(alone, w)
+                wl.load(carried, w)
+                e = 0
+                while e < len(w.epochs) or alone.coordinator.deferred:
+                    reqs = w.requests(e) if e < len(w.epochs) else []
+                    ra = alone.run_epoch(reqs, now=float(e + 1))
+                    rc = carried._run_logged(reqs, float(e + 1), defer=True, carry=True)
+                    assert [(ra.requests[t].request_id, ra.replies[t]) for t in ra.order] == \
+                        [(rc.requests[t].request_id, rc.replies[t]) for t in rc.order], (seed, e)
+                    assert ra.deferred == rc.deferred
+                    e += 1
+                    assert e < 40, "deferred transactions never finish"
+                assert carried.snapshot() == alone.snapshot(), seed
+                assert any(s.get("finalize_carried") for s in carried.epoch_stats)
+    finally:
+        partition.KEEP_LIVE_COROUTINES = saved
