@@ -28,6 +28,15 @@ async def arm(ctx: Context, seconds: float) -> str:
     return ctx.send_after(seconds, acct, ctx.key, add, 100)
 
 
+_holder: dict = {}
+
+
+@acct.function
+async def peek(ctx: Context) -> int:
+    """Misuse on purpose: read through the runtime from inside a transaction."""
+    return _holder["rt"].read_state("acct", ctx.key, 0)
+
+
 app = Application("finalize_after_replies", [acct])
 
 
@@ -181,3 +190,18 @@ def test_carried_finalizes_equal_finalizes_alone_on_generated_workloads() -> Non
                 assert any(s.get("finalize_carried") for s in carried.epoch_stats)
     finally:
         partition.KEEP_LIVE_COROUTINES = saved
+
+
+def test_a_function_reading_the_runtime_inside_a_carrying_epoch_does_not_hang() -> None:
+    """User code holding the runtime reads state while its epoch carries the previous finalize (whose lock
+    that thread holds): the read returns instead of waiting for itself."""
+    rt = _holder["rt"] = InProcessRuntime(app, partitions=2, warmup_txns=0)
+    rt._run_logged([Request("p1", "acct", "z", "add", serde.encode([3]))], 1.0, defer=True)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(
+        rt._run_logged([Request("p2", "acct", "z", "peek", serde.encode([]))], 2.0, defer=True, carry=True)))
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the carrying epoch deadlocked on its own finalize lock"
+    assert [r.ok for r in out[0].replies.values()] == [True]
+    assert rt.read_state("acct", "z") == 3 and rt.epoch_stats[0].get("finalize_carried") == 1

@@ -281,6 +281,7 @@ class InProcessRuntime(control.Controllable):
         self._unfinalized: EpochResult | None = None
         self._finish_lock = threading.Lock()
         self._carried: EpochResult | None = None  # the pending epoch whose finalize the running epoch carries
+        self._carry_thread = 0  # the thread running that epoch
         self._futures: dict[str, asyncio.Future[Reply]] = {}
         self._waiters: dict[str, list[asyncio.Future[Reply]]] = {}  # more callers of a request already waiting
         self._replies: OrderedDict[str, Reply] = OrderedDict()
@@ -557,6 +558,7 @@ class InProcessRuntime(control.Controllable):
         prior = None
         if carry and self._unfinalized is not None:
             self._finish_lock.acquire()  # released once the prior ran (or below, if the epoch failed first)
+            self._carry_thread = threading.get_ident()
             prior = self._carried = self._unfinalized
         else:
             self._finish()
@@ -608,6 +610,8 @@ class InProcessRuntime(control.Controllable):
         sees it half done."""
         if self._unfinalized is None:
             return
+        if self._carried is not None and threading.get_ident() == self._carry_thread:
+            return  # read from inside the epoch carrying it (user code holding the runtime): no deadlock
         with self._finish_lock:  # a reader in another thread waits for a finalize running
             result = self._unfinalized
             if result is None:
