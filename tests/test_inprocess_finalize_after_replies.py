@@ -205,3 +205,30 @@ def test_a_function_reading_the_runtime_inside_a_carrying_epoch_does_not_hang() 
     assert not t.is_alive(), "the carrying epoch deadlocked on its own finalize lock"
     assert [r.ok for r in out[0].replies.values()] == [True]
     assert rt.read_state("acct", "z") == 3 and rt.epoch_stats[0].get("finalize_carried") == 1
+
+
+def test_a_reader_finalizing_first_leaves_the_carrying_epoch_nothing_to_carry() -> None:
+    """A reader in another thread holds the finalize lock and runs the pending finalize while the loop's next
+    epoch waits to carry it: that epoch then carries nothing and the lock is free afterwards."""
+    import time
+
+    rt = InProcessRuntime(app, partitions=2, warmup_txns=0)
+    rt._run_logged([Request("q1", "acct", "w", "add", serde.encode([4]))], 1.0, defer=True)
+    out: list = []
+    with rt._finish_lock:  # the reader got it first
+        t = threading.Thread(target=lambda: out.append(
+            rt._run_logged([Request("q2", "acct", "w", "add", serde.encode([1]))], 2.0, defer=True, carry=True)))
+        t.start()
+        time.sleep(0.1)  # the epoch now waits for the lock
+        pending = rt._unfinalized
+        assert pending is not None
+        rt.coordinator.next_due = rt.coordinator.finalize(pending)  # what the reader's _finish does
+        rt._unfinalized = None
+    t.join(10)
+    assert not t.is_alive() and out, "the carrying epoch never started"
+    assert "finalize_carried" not in rt.epoch_stats[0]
+    got: list = []
+    r = threading.Thread(target=lambda: got.append(rt.read_state("acct", "w")))
+    r.start()
+    r.join(10)
+    assert got == [5], "the finalize lock was left held"

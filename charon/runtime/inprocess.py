@@ -344,7 +344,6 @@ class InProcessRuntime(control.Controllable):
         if self._streams is not None:
             self._streams.close()
 
-    # -- output streams -----------------------------------------------------------------------------
     # -- committed output: the one place every read passes (the deferred finalize runs first) ---------
     @property
     def stores(self) -> list[MemoryStore]:
@@ -558,8 +557,11 @@ class InProcessRuntime(control.Controllable):
         prior = None
         if carry and self._unfinalized is not None:
             self._finish_lock.acquire()  # released once the prior ran (or below, if the epoch failed first)
-            self._carry_thread = threading.get_ident()
-            prior = self._carried = self._unfinalized
+            if self._unfinalized is None:  # a reader in another thread ran it meanwhile
+                self._finish_lock.release()
+            else:
+                self._carry_thread = threading.get_ident()
+                prior = self._carried = self._unfinalized
         else:
             self._finish()
         try:
