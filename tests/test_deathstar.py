@@ -122,3 +122,55 @@ def test_nearest_rows_are_exact_for_any_count() -> None:
         for n in (1, 5, 20, 60, 100, 150):
             want = sorted(index, key=lambda k: ((index[k][0] - lat) ** 2 + (index[k][1] - lon) ** 2, k))[:n]
             assert [k for k, _ in ds._nearest(Items(), lat, lon, n)] == want, (lat, lon, n)
+
+
+def test_search_asks_the_next_hotels_only_when_some_are_sold_out() -> None:
+    """``search`` asks the ``k`` nearest hotels first and the next ``k`` only if some are sold out: its answer
+    is the nearest ``k`` with rooms left among the ``2k`` nearest of the widening square, as when all ``2k``
+    are asked at once (every third hotel sold out here, so both paths run)."""
+    from charon.messages import Request
+
+    rt = InProcessRuntime(ds.app, partitions=4)
+    index: dict[str, list] = {}
+    hotels: dict[str, dict] = {}
+    for op, key, value, items in ds.populate():
+        if op == "hotel" and int(key[1:]) % 3 == 0:
+            value = {**value, "reservations": ["x"] * value["capacity"]}
+        if op == "hotel":
+            hotels[key] = value
+        if value is not None:
+            rt.load(op, {key: value})
+        if items:
+            rt.load_items(op, key, items)
+            index.update(items)
+
+    def square(lat: float, lon: float, radius: int) -> list[str]:
+        cx, cy = ds.cell(lat, lon)
+        return [n for n in index if abs(int(n[:4]) - cx) <= radius and abs(int(n[5:9]) - cy) <= radius]
+
+    def want(lat: float, lon: float, k: int) -> tuple[list[str], bool]:
+        """The answer, and whether a sold-out hotel is among the k nearest (the second ask runs)."""
+        radius = 1
+        names = square(lat, lon, radius)
+        while len(names) < k and radius < int(ds.SPAN / ds.CELL) + 2:
+            radius *= 2
+            names = square(lat, lon, radius)
+        names.sort(key=lambda n: (ds._dist2(lat, lon, index[n]), n))
+        near = [n.rsplit(":", 1)[1] for n in names[: 2 * k]]
+        free = [h for h in near if len(hotels[h]["reservations"]) < hotels[h]["capacity"]]
+        return free[:k], len(free[:k]) < len(near[:k]) or free[:k] != near[:k]
+
+    rng = random.Random(5)
+    asks = [(ds.LAT0 + rng.random() * ds.SPAN, ds.LON0 + rng.random() * ds.SPAN, rng.choice([1, 3, 5]))
+            for _ in range(300)]
+    reqs = [Request(f"s{i}", "geo", ds.REGION, "search", serde.encode(list(a))) for i, a in enumerate(asks)]
+    by_id = {r.request_id: r for r in rt.run_epoch(reqs).replies.values()}
+    second = 0
+    for r, (lat, lon, k) in zip(reqs, asks, strict=True):
+        rep = by_id[r.request_id]
+        assert rep.ok, rep
+        answer, asked_twice = want(lat, lon, k)
+        assert [p["id"] for p in serde.decode(rep.value)] == answer, (lat, lon, k)
+        assert all(p["available"] > 0 for p in serde.decode(rep.value))
+        second += asked_twice
+    assert second > 0, "some searches met a sold-out hotel among the k nearest (the second ask ran)"

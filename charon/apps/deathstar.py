@@ -140,15 +140,22 @@ def _nearest(ctx: Context, lat: float, lon: float, n: int) -> list[tuple[str, li
 
 @geo.function
 async def search(ctx: Context, lat: float, lon: float, k: int) -> list:
-    """The ``k`` nearest hotels with rooms left, nearest first: grid range scans widening from the point."""
+    """The ``k`` nearest hotels with rooms left among the ``2k`` nearest, nearest first: grid range scans widening
+    from the point; the ``k`` nearest are asked for their profile, the next ``k`` only if some are sold out."""
     radius = 1
     rows = _nearby(ctx, lat, lon, radius)
     while len(rows) < k and radius < int(SPAN / CELL) + 2:
         radius *= 2
         rows = _nearby(ctx, lat, lon, radius)
     rows.sort(key=lambda r: (_dist2(lat, lon, r[1]), r[0]))
-    profs = await ctx.gather(*(ctx.call(hotel, name.rsplit(":", 1)[1], get_profile) for name, _ in rows[: 2 * k]))
-    return [p for p in profs if p["available"] > 0][:k]
+    names = [name.rsplit(":", 1)[1] for name, _ in rows[: 2 * k]]
+    # the k nearest first; only if some are sold out, the next k (the answer is the same as asking all 2k)
+    profs = await ctx.gather(*(ctx.call(hotel, h, get_profile) for h in names[:k]))
+    found = [p for p in profs if p["available"] > 0]
+    if len(found) < k and len(names) > k:
+        more = await ctx.gather(*(ctx.call(hotel, h, get_profile) for h in names[k:]))
+        found += [p for p in more if p["available"] > 0]
+    return found[:k]
 
 
 @geo.function

@@ -251,16 +251,16 @@ class InProcessRuntime(control.Controllable):
             self.node = NodeStorage(data_dir, partitions or 4, fsync=fsync, checkpoint_s=checkpoint_s,
                                     compact_every=compact_every, log_url=log_url)
             self.partitions = self.node.partitions  # the directory's layout; rescaled after recovery
-            self.stores: list[MemoryStore] = [RecordingStore() for _ in range(self.partitions)]
+            self._stores: list[MemoryStore] = [RecordingStore() for _ in range(self.partitions)]
         else:
             partitions = self.partitions = 4 if partitions is None else partitions
             if partitions < 1:
                 raise ValueError("partitions must be at least 1")
-            self.stores = [MemoryStore() for _ in range(partitions)]
-        self.units = [PartitionUnit(p, self.partitions, app, s) for p, s in enumerate(self.stores)]
+            self._stores = [MemoryStore() for _ in range(partitions)]
+        self.units = [PartitionUnit(p, self.partitions, app, s) for p, s in enumerate(self._stores)]
         self.coordinator = EpochCoordinator(
             app, LocalExchange(self.units), sequencers=1, max_invocations=max_invocations,
-            on_replies=self._deliver
+            on_replies=self._deliver, on_finalized=self._finalized
         )
         self.coordinator.next_due = math.inf  # a fresh state has no timers (a recovered one: its record's)
         if max_timers_per_epoch < 1:
@@ -276,9 +276,12 @@ class InProcessRuntime(control.Controllable):
         self.replayed_epochs = 0  # durable mode: epochs replayed from the input log at recovery
         self.failed: BaseException | None = None  # set when an epoch could not be logged or run
         self._queue: list[Request] = []
-        # service mode (volatile): the last epoch, its replies delivered, with its finalize still to run (_finish)
+        # service mode (volatile): the last epoch, its replies delivered, with its finalize still to run (_finish,
+        # or carried into the next epoch's first round); readers in other threads wait on the lock meanwhile
         self._unfinalized: EpochResult | None = None
         self._finish_lock = threading.Lock()
+        self._carried: EpochResult | None = None  # the pending epoch whose finalize the running epoch carries
+        self._carry_thread = 0  # the thread running that epoch
         self._futures: dict[str, asyncio.Future[Reply]] = {}
         self._waiters: dict[str, list[asyncio.Future[Reply]]] = {}  # more callers of a request already waiting
         self._replies: OrderedDict[str, Reply] = OrderedDict()
@@ -314,7 +317,7 @@ class InProcessRuntime(control.Controllable):
         """Durable mode: state as of the last checkpoint, then the logged epochs after it, replayed."""
         assert self.node is not None
         states, rec, epochs = self.node.recover()
-        for store, state in zip(self.stores, states, strict=True):
+        for store, state in zip(self._stores, states, strict=True):
             store.data.update(state)
             store.epoch = rec.epoch if rec is not None else -1
         if rec is not None:
@@ -341,11 +344,26 @@ class InProcessRuntime(control.Controllable):
         if self._streams is not None:
             self._streams.close()
 
-    # -- output streams -----------------------------------------------------------------------------
+    # -- committed output: the one place every read passes (the deferred finalize runs first) ---------
+    @property
+    def stores(self) -> list[MemoryStore]:
+        """The partitions' stores as of the last committed epoch.
+
+        Every read of committed state goes through here (the accessors below, inspect, SQL, admin updates,
+        rescaling, tests): it first runs the finalize the service loop deferred (:meth:`_finish`), so a reply's
+        waiter reading at once sees its transaction's writes. Only the engine itself (the units, recovery, the
+        durable epoch record) uses ``_stores``."""
+        self._finish()
+        return self._stores
+
     @property
     def streams(self) -> StreamLog:
-        """The output streams ``ctx.emit`` appends to (one atom per epoch and stream; see charon.log.streams)."""
-        self._finish()  # a reply's waiter reading at once finds its epoch's atom
+        """The output streams ``ctx.emit`` appends to (one atom per epoch and stream; see charon.log.streams);
+        like :attr:`stores`, it first runs a deferred finalize, so a reply's waiter finds its epoch's atom."""
+        self._finish()
+        return self._stream_log()
+
+    def _stream_log(self) -> StreamLog:
         with _STREAMS_LOCK:  # created once, also when the gateway's read threads ask first
             return self._open_streams()
 
@@ -394,7 +412,6 @@ class InProcessRuntime(control.Controllable):
         """
         if partitions < 1:
             raise ValueError("partitions must be at least 1")
-        self._finish()
         t0, c0 = time.perf_counter(), time.process_time()
         old = self.partitions
         parts: list[list[tuple[bytes, bytes]]] = [[] for _ in range(partitions)]
@@ -417,7 +434,7 @@ class InProcessRuntime(control.Controllable):
         for s, items in zip(stores, parts, strict=True):
             s.data.update(items)
             s.epoch = self.epoch - 1
-        self.stores = stores
+        self._stores = stores
         self.partitions = partitions
         self.units = [PartitionUnit(p, partitions, self.app, s) for p, s in enumerate(stores)]
         for u in self.units:
@@ -446,7 +463,6 @@ class InProcessRuntime(control.Controllable):
 
     # -- state --------------------------------------------------------------------------------------
     def _store_of(self, operator: str, key: str) -> MemoryStore:
-        self._finish()
         return self.stores[partition_of(operator, key, self.partitions)]
 
     def load(self, operator: str | Operator, values: dict[str, Any] | Iterable[tuple[str, Any]]) -> None:
@@ -492,13 +508,11 @@ class InProcessRuntime(control.Controllable):
 
     def pending_timers(self) -> list[Timer]:
         """Every committed pending timer, by due time (then id)."""
-        self._finish()
         out = [_timers.decode(v) for s in self.stores for _, v in s.scan(_timers.INDEX_PREFIX)]
         return sorted(out, key=lambda t: (t.due, t.id))
 
     def entities(self, operator: str | Operator) -> dict[str, Any]:
         """All committed main values of one operator (for checks in tests and benchmarks)."""
-        self._finish()
         op = operator.name if isinstance(operator, Operator) else operator
         out = {}
         for s in self.stores:
@@ -510,7 +524,6 @@ class InProcessRuntime(control.Controllable):
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state as store keys (sorted)."""
-        self._finish()
         merged: dict[bytes, bytes] = {}
         for s in self.stores:
             merged.update(s.items())
@@ -533,21 +546,39 @@ class InProcessRuntime(control.Controllable):
             requests, self._log_end, now = self.node.log_epoch(self.epoch, requests, now)
         return self._run_logged(requests, time.time() if now is None else now)
 
-    def _run_logged(self, requests: list[Request], now: float, defer: bool = False) -> EpochResult:
+    def _run_logged(self, requests: list[Request], now: float, defer: bool = False,
+                    carry: bool = False) -> EpochResult:
         """Run one epoch whose batch (and time) is logged (durable mode) or needs no log (volatile).
 
         ``defer`` (volatile service mode): leave the epoch's finalize round for :meth:`_finish`, so the loop
-        can hand the replies (already decided and delivered) to their waiters first."""
-        self._finish()
-        result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now, defer=defer)
+        can hand the replies (already decided and delivered) to their waiters first. ``carry``: a pending
+        finalize runs within this epoch's first round (the coordinator's ``prior``) instead of in a round of
+        its own; readers in other threads wait on the finalize lock until it ran (:meth:`_finalized`)."""
+        prior = None
+        if carry and self._unfinalized is not None:
+            self._finish_lock.acquire()  # released once the prior ran (or below, if the epoch failed first)
+            if self._unfinalized is None:  # a reader in another thread ran it meanwhile
+                self._finish_lock.release()
+            else:
+                self._carry_thread = threading.get_ident()
+                prior = self._carried = self._unfinalized
+        else:
+            self._finish()
+        try:
+            result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now, defer=defer,
+                                                prior=prior)
+        finally:
+            if self._carried is not None:  # not run: the epoch failed before its first round returned
+                self._carried = None
+                self._finish_lock.release()
         if result.finalize is not None:
             self._unfinalized = result
         elif result.events:  # idempotent by epoch: a replayed epoch appends nothing again
-            self.streams.append_atom(self.epoch, [(s, v) for _, s, v in result.events])
+            self._stream_log().append_atom(self.epoch, [(s, v) for _, s, v in result.events])
         if self.node is not None:
             c = self.coordinator
             self.node.epoch_done(self.epoch, c.sequencer.counters, c.deferred, self._log_end,
-                                 self.stores, c.sequencer.time, c.next_due)  # type: ignore[arg-type]
+                                 self._stores, c.sequencer.time, c.next_due)  # type: ignore[arg-type]
         self.epoch += 1
         if self.coordinator.previous is not None:  # a compatible code update's old code, while still needed
             control.retire_previous(self)
@@ -557,14 +588,33 @@ class InProcessRuntime(control.Controllable):
             del stats[: len(stats) - self._stats_kept]
         return result
 
+    def _finalized(self, result: EpochResult) -> None:
+        """The coordinator ran a deferred finalize (alone, from :meth:`_finish`, or carried in the next epoch's
+        first round): its atom goes to the streams, then the epoch is no longer pending."""
+        if result.events:
+            self._stream_log().append_atom(result.epoch, [(s, v) for _, s, v in result.events])
+        if self._unfinalized is result:
+            self._unfinalized = None
+        if self._carried is result:
+            self._carried = None
+            for rec in reversed(self.epoch_stats):
+                if rec.get("epoch") == result.epoch:
+                    rec["finalize_carried"] = 1
+                    break
+            self._finish_lock.release()
+
     def _finish(self) -> None:
         """Run the finalize the last epoch deferred (if any): its writes reach the stores, its events the streams.
 
-        Everything that reads committed state calls this first (also from a gateway thread, hence the lock),
-        so a reply's waiter that reads state at once sees its transaction's writes."""
+        Called only by :attr:`stores` and :attr:`streams` (every read of committed output passes there, also
+        from a gateway thread, hence the lock) and by the engine before its next epoch; the pending epoch is
+        cleared only once its writes and events are in (:meth:`_finalized`), so a reader in another thread never
+        sees it half done."""
         if self._unfinalized is None:
             return
-        with self._finish_lock:  # cleared once done: a reader in another thread waits for a finalize running
+        if self._carried is not None and threading.get_ident() == self._carry_thread:
+            return  # read from inside the epoch carrying it (user code holding the runtime): no deadlock
+        with self._finish_lock:  # a reader in another thread waits for a finalize running
             result = self._unfinalized
             if result is None:
                 return
@@ -579,8 +629,6 @@ class InProcessRuntime(control.Controllable):
             if last is not None and last.get("epoch") == result.epoch:  # the epoch's record includes its finalize
                 for k, v in fin.items():
                     last[k] = last.get(k, 0) + v
-            if result.events:
-                self.streams.append_atom(result.epoch, [(s, v) for _, s, v in result.events])
 
     def _run_parked(self) -> None:
         """Run the epochs logged while paused (durable mode), in log order."""
@@ -822,14 +870,18 @@ class InProcessRuntime(control.Controllable):
                     self._run_parked()
                 elif self.node is None:
                     # The finalize waits until the replies' waiters ran (one loop pass): it is off their latency.
-                    # The gate stays held until it ran, so control operations still see a finished boundary.
-                    self._run_logged(batch, time.time(), defer=self.coordinator.previous is None)
+                    # With more work waiting (and the gate open), the next epoch carries it in its first round
+                    # (no round of its own); else it runs now, with the gate still held, so control operations
+                    # see a finished boundary and the next due timer is exact while idle.
+                    self._run_logged(batch, time.time(), defer=self.coordinator.previous is None, carry=True)
                     if self._unfinalized is not None:
                         t1 = time.perf_counter()
                         await asyncio.sleep(0)
                         yielded = True
                         t0 += time.perf_counter() - t1  # the sizer measures the epoch, not the waiters
-                        self._finish()
+                        if not ((self._queue or self.coordinator.deferred) and not self._rescales
+                                and not self.gate.closed_for(self.epoch)):
+                            self._finish()
                 else:  # the batch is committed to the input log off the loop, then the epoch runs
                     batch, self._log_end, now = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
                     self._run_logged(batch, now)
@@ -873,7 +925,6 @@ class InProcessRuntime(control.Controllable):
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
     ) -> tuple[int, dict[bytes, bytes]]:
         """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch (:mod:`charon.runtime.control`)."""
-        self._finish()
         return await control.inprocess_inspect(self, operator, keys, epoch, limit)
 
     async def sql(
@@ -882,7 +933,6 @@ class InProcessRuntime(control.Controllable):
     ) -> dict[str, Any]:
         """One safe SELECT over the operators' state at one committed epoch, answered by SQLite
         (:mod:`charon.runtime.sqlstate`): ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
-        self._finish()
         return await control.inprocess_sql(self, query, epoch, max_rows, timeout_s, max_entities)
 
 
