@@ -3,8 +3,8 @@
     python tests/code_update_driver.py DATA_DIR REQUESTS_JSON
 
 It loads the ``acct`` accounts, appends the requests (one contended batch: epoch 0), lets epoch 0 run
-(``pause(after_epoch=0)``), makes a compatible update to ``code_versions:c2`` at the boundary after it and
-prints the outcome as JSON; ``CHARON_CRASH_AT=before_epoch:1`` then kills it as epoch 1 starts, after the
+(``pause(after_epoch=0)``), makes a compatible update to ``code_versions:c2`` at the boundary after it,
+prints the outcome as JSON and resumes; ``CHARON_CRASH_AT=before_epoch:1`` then kills it as epoch 1 starts, after the
 update was recorded and before any transaction ran on the new code.
 """
 
@@ -44,6 +44,7 @@ def main(data_dir: str, requests_json: str) -> int:
         time.sleep(0.05)
     out = asyncio.run(rt.update_code("code_versions:c2", "c2", mode="compatible"))
     print(json.dumps(out), flush=True)
+    rt.resume()  # the update kept the pause (after epoch 0): epoch 1 starts now
     time.sleep(120)  # CHARON_CRASH_AT kills this process as epoch 1 starts
     return 3
 
