@@ -15,19 +15,20 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from review3_app import app  # tests/ is on sys.path
 
 from charon import InProcessRuntime, Request, serde
 from charon.core import partition
 from charon.testing import check_epoch
-
-from review3_app import app  # noqa: E402  (tests/ is on sys.path)
 
 EXAMPLES = int(os.environ.get("CHARON_DIFF_EXAMPLES", "150"))
 BAD = ["unencodable", "badkey", "badargs", "badret", "fail"]
 
 
 @st.composite
-def plans(draw, pool: str, depth: int, path: str = ""):
+def plans(draw, pool: str, depth: int, path: str = "", sent: bool = False):
+    """``sent``: the plan of a sent invocation (no unencodable return: see test_unencodable_return_of_a_send)."""
+    bad = [b for b in BAD if not (sent and b == "badret")]
     steps = []
     n_early = 0
     for i in range(draw(st.integers(0, 5))):
@@ -45,11 +46,12 @@ def plans(draw, pool: str, depth: int, path: str = ""):
         elif kind in ("early", "send"):  # may run concurrently with siblings: its own pool
             sub = f"{kind[0]}{path}{i}"
             key = f"{sub}-{draw(st.integers(0, 1))}"
-            steps.append([kind, draw(st.sampled_from("ab")), key, draw(plans(sub, depth - 1, f"{path}{i}."))])
+            sub_plan = draw(plans(sub, depth - 1, f"{path}{i}.", sent=kind == "send"))
+            steps.append([kind, draw(st.sampled_from("ab")), key, sub_plan])
             n_early += kind == "early"
         elif kind == "bad":
             if draw(st.integers(0, 5)) == 0:
-                steps.append([draw(st.sampled_from(BAD))])
+                steps.append([draw(st.sampled_from(bad))])
         else:
             steps.append([kind])
     if n_early and draw(st.booleans()):
@@ -132,3 +134,61 @@ def test_typed_errors_abort_only_their_transaction(plan, error, live, monkeypatc
     by_req = {r.request_id: result.replies[t] for t, r in result.requests.items()}
     assert by_req["bad"].ok is False and by_req["bad"].error_type == error, by_req["bad"]
     assert all(by_req[f"ok{i}"].ok for i in range(4))
+
+
+def _pickled_coordinator(tmp: str, parts: int, one_task: bool):
+    from charon.config import SparkConfig
+    from charon.core.epoch import EpochCoordinator
+    from charon.runtime.spark.runtime import SparkExchange
+    from charon.state.durable import DurableState
+
+    class LocalJobExchange(SparkExchange):
+        """The Spark exchange with its job run here (payloads and results pickled as on Spark)."""
+
+        def run_job(self, payloads):  # noqa: ANN001, ANN202
+            return list(self.fn(payloads))
+
+    cfg = SparkConfig(data_dir=tmp, partitions=parts, local_dir=os.path.join(tmp, "local"),
+                      single_task_rest=one_task, single_task_fallback=one_task)
+    durable = DurableState(os.path.join(cfg.checkpoint_dir, "state"))
+    for pid in range(parts):
+        durable.write_base(pid, -1, [])
+    return EpochCoordinator(app, LocalJobExchange(None, "review3_app:app", cfg), sequencers=1), durable
+
+
+@settings(max_examples=max(EXAMPLES // 5, 10), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(epochs=st.lists(st.lists(transactions(), min_size=1, max_size=15), min_size=1, max_size=3),
+       parts=st.sampled_from([1, 2, 3]), live=st.booleans(), one_task=st.booleans())
+def test_pickled_rounds_equal_inprocess(epochs, parts, live, one_task, monkeypatch, tmp_path_factory):
+    """The Spark task function through pickled rounds (frames, journals, cache pickled; ``kg`` dropped) gives
+    the in-process runtime's replies, commit paths and state."""
+    monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", live)
+    tmp = str(tmp_path_factory.mktemp("pickled"))
+    coord, durable = _pickled_coordinator(tmp, parts, one_task)
+    reference = InProcessRuntime(app, partitions=parts)
+    n = 0
+    epoch = 0
+    for batch in epochs + [[]] * 3:
+        reqs = _requests(batch, n)
+        n += len(batch)
+        got = coord.run_epoch(epoch, [(0, r) for r in reqs])
+        want = reference.run_epoch(reqs)
+        assert {t: (r.ok, r.value, r.error_type, r.position) for t, r in got.replies.items()} == {
+            t: (r.ok, r.value, r.error_type, r.position) for t, r in want.replies.items()}
+        assert (got.lockfree, got.fast, got.slow, got.deferred) == (want.lockfree, want.fast, want.slow,
+                                                                    want.deferred)
+        epoch += 1
+    state: dict[bytes, bytes] = {}
+    for pid in range(parts):
+        state.update(durable.load(pid, epoch - 1)[0])
+    assert dict(sorted(state.items())) == reference.snapshot()
+
+
+@pytest.mark.xfail(strict=True, reason="engine and oracle disagree: the engine encodes a sent (async) invocation's "
+                   "return value and aborts on SerializationError; the serial oracle drops it unencoded "
+                   "(pre-existing before 0127e71)")
+def test_unencodable_return_of_a_send():
+    """One-line reproduction: a sent function returning an int too big for msgpack."""
+    rt = InProcessRuntime(app, partitions=1)
+    _run_checked(rt, [Request("q", "a", "r-0", "node", serde.encode([[["send", "a", "s0-0", [["badret"]]]]]))])
