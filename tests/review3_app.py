@@ -29,6 +29,14 @@ def _body(op: Operator) -> None:
                 total += len(ctx.scan_items(""))
             elif kind == "call":  # called and awaited at once
                 total += await ctx.call(step[1], step[2], "node", step[3])
+            elif kind == "dyn":  # the callee's key depends on the state read: what it calls changes on a rerun
+                v = ctx.get(default=0)
+                total += await ctx.call(step[1], f"{step[2].rsplit('-', 1)[0]}-{v % 3}", "node", step[3])
+            elif kind == "cond":  # whether it calls at all depends on the state read
+                if ctx.get(default=0) % 2:
+                    total += await ctx.call(step[1], step[2], "node", step[3])
+                else:
+                    ctx.put(ctx.get(default=0) + 1)
             elif kind == "early":  # created now (target checked now), sent when awaited
                 early.append(ctx.call(step[1], step[2], "node", step[3]))
             elif kind == "await":

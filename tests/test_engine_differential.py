@@ -35,17 +35,17 @@ def plans(draw, pool: str, depth: int, path: str = "", sent: bool = False, bad: 
     n_early = 0
     for i in range(draw(st.integers(0, 5))):
         kind = draw(st.sampled_from(["get", "put", "item", "call", "early", "early", "await", "gather", "send",
-                                     "rand", "bad"]))
-        if kind in ("call", "early", "send") and depth <= 0:
+                                     "rand", "bad", "dyn", "cond"]))
+        if kind in ("call", "early", "send", "dyn", "cond") and depth <= 0:
             kind = "put"
         if kind == "put":
             steps.append(["put", draw(st.integers(1, 4))])
         elif kind == "item":
             steps.append(["item", f"i{draw(st.integers(0, 2))}", draw(st.integers(0, 3))])
-        elif kind == "call":  # sequential: the same pool (may be re-entrant on the caller's own entity)
+        elif kind in ("call", "dyn", "cond"):  # sequential: the same pool (may be re-entrant on the caller)
             key = f"{pool}-{draw(st.integers(0, 2))}"
             sub_plan = draw(plans(pool, depth - 1, f"{path}{i}.", bad=bad))
-            steps.append(["call", draw(st.sampled_from("ab")), key, sub_plan])
+            steps.append([kind, draw(st.sampled_from("ab")), key, sub_plan])
         elif kind in ("early", "send"):  # may run concurrently with siblings: its own pool
             sub = f"{kind[0]}{path}{i}"
             key = f"{sub}-{draw(st.integers(0, 1))}"
