@@ -197,3 +197,21 @@ def test_unencodable_return_of_a_send():
     """One-line reproduction: a sent function returning an int too big for msgpack."""
     rt = InProcessRuntime(app, partitions=1)
     _run_checked(rt, [Request("q", "a", "r-0", "node", serde.encode([[["send", "a", "s0-0", [["badret"]]]]]))])
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_gather_of_many_with_an_early_call_awaited_last(live, monkeypatch):
+    """One gather of 300 calls (some on the same entity as others: they run one after another there), then a
+    call created before the gather and awaited after it, with a send and a write in between; contended by a
+    second transaction on the same root (so the call-graph-cached fallback replays it)."""
+    monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", live)
+    many = [["early", "b", f"g{i}-0", [["put", 1], ["get"]]] for i in range(300)]
+    plan = [["early", "a", "late-0", [["put", 5]]], ["put", 1], *many[:150], ["send", "a", "s-0", [["put", 2]]]]
+    plan = [*plan, *many[150:], ["gather"]]  # the gather awaits the late call too: it is in the same list
+    rt = InProcessRuntime(app, partitions=3)
+    reqs = _requests([("a", "r-0", plan), ("a", "r-0", [["put", 2], ["call", "b", "g7-0", [["get"]]]]),
+                      ("a", "r-0", plan)], 0)
+    _run_checked(rt, reqs)
+    while rt.coordinator.deferred:
+        _run_checked(rt, [])
+    assert rt.read_state("b", "g299-0") == 2 and rt.read_state("a", "late-0") == 10
