@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from charon import InProcessRuntime
+from charon import InProcessRuntime, serde
 from charon.apps import ycsb
 
 N = 30
@@ -107,3 +107,24 @@ async def test_a_reply_read_at_once_in_another_thread_sees_its_write() -> None:
         await asyncio.gather(_load(rt, clients=20, per_client=30, seed=3), *(client(c) for c in range(30)))
     assert sum(1 for s in rt.epoch_stats if s.get("finalize_carried")) > 0
     assert stale == []
+
+
+@pytest.mark.parametrize("mode", ["strict", "compatible"])
+async def test_code_update_and_inspect_at_boundaries_under_load(mode) -> None:
+    """Code updates (the same code as a new version) and inspects between epochs that carry finalizes: every
+    reply is ok, inspect sees whole epochs, money is conserved."""
+    rt = InProcessRuntime(ycsb.app, partitions=3, warmup_txns=0)
+    rt.load("account", ycsb.initial_state(N, BALANCE))
+    async with rt:
+        load = asyncio.create_task(_load(rt, clients=30, per_client=20, seed=4))
+        for v in range(2, 5):
+            await asyncio.sleep(0.01)
+            _, rows = await rt.inspect("account")
+            assert len(rows) == N
+            assert sum(map(serde.decode, rows.values())) == N * BALANCE
+            out = await rt.update_code("charon.apps.ycsb:app", f"v{v}", mode=mode)
+            assert out, out
+        replies = await load
+    assert len(replies) == 600 and all(r.ok for r in replies)
+    assert sum(rt.entities("account").values()) == N * BALANCE
+    assert rt.version_at(rt.epoch - 1) == "v4"
