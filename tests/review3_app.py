@@ -59,6 +59,8 @@ def _body(op: Operator) -> None:
                 await ctx.call("a", "", "node", [])
             elif kind == "badargs":  # BadArguments
                 await ctx.call("a", "k", "node", "not a list", 3)
+            elif kind == "listop":  # an unhashable operator name
+                await ctx.call(["a"], "k", "node", [])
             elif kind == "badret":  # an unencodable return value
                 return 2**70  # too big for msgpack
             elif kind == "fail":
