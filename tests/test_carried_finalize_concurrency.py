@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from charon import InProcessRuntime, serde
+from charon import Application, Context, InProcessRuntime, Operator, serde
 from charon.apps import ycsb
 
 N = 30
@@ -128,3 +128,45 @@ async def test_code_update_and_inspect_at_boundaries_under_load(mode) -> None:
     assert len(replies) == 600 and all(r.ok for r in replies)
     assert sum(rt.entities("account").values()) == N * BALANCE
     assert rt.version_at(rt.epoch - 1) == "v4"
+
+
+tm = Operator("tm")
+
+
+@tm.function
+async def arm(ctx: Context, n: int) -> str:
+    """Register a timer adding ``n`` to the counter entity ``ctx.key`` at once (due now)."""
+    return ctx.send_after(0.0, tm, ctx.key, "fire", n)
+
+
+@tm.function
+async def fire(ctx: Context, n: int) -> int:
+    """The timer: add ``n``."""
+    ctx.put(ctx.get(default=0) + n)
+    return 0
+
+
+timer_app = Application("carried_timers", [tm])
+
+
+async def test_timers_registered_while_finalizes_are_carried_fire_exactly_once() -> None:
+    """Timers due at once, registered by epochs whose finalize is carried (their index entries reach the store
+    only in the next epoch's first round): each fires exactly once."""
+    rt = InProcessRuntime(timer_app, partitions=3, warmup_txns=0)
+    want: dict[str, int] = {}
+
+    async def client(c: int) -> None:
+        for i in range(20):
+            rep = await rt.submit("tm", f"t{c % 7}", "arm", [i + 1])
+            assert rep.ok, rep
+            want[f"t{c % 7}"] = want.get(f"t{c % 7}", 0) + i + 1
+
+    async with rt:
+        await asyncio.gather(*(client(c) for c in range(25)))
+        for _ in range(400):  # the timers are due: they fire within a few epochs
+            if not rt.pending_timers():
+                break
+            await asyncio.sleep(0.01)
+    assert sum(1 for s in rt.epoch_stats if s.get("finalize_carried")) > 0
+    assert rt.pending_timers() == []
+    assert rt.entities("tm") == want
