@@ -248,7 +248,7 @@ class Context:
             raise GeneratorExit
         j = self._frame
         if j.live:
-            raw = self._unit.read(self.tid, self.operator, self.key, "")
+            raw = self._unit.read(j.tid, j.op, j.key, "")  # the frame's, not attributes a function can assign
             if not self._fast:
                 j.reads.append(raw)
         else:
@@ -269,7 +269,8 @@ class Context:
                 data = _encode(value)  # serde.encode, inlined
             except Exception:  # noqa: BLE001 - its typed error
                 data = serde.encode(value)
-            self._unit.write(self.tid, self.operator, self.key, "", data)
+            f = self._frame
+            self._unit.write(f.tid, f.op, f.key, "", data)
 
     def delete(self) -> None:
         """Remove the entity's value."""
@@ -361,7 +362,7 @@ class Context:
         # Application.validate, inlined (``args`` is a tuple): names, then routing.check_key, then the arguments
         unit = self._unit
         prev = unit.previous  # unit.app_for, inlined
-        app = unit.app if prev is None or self.tid >= prev[0] else prev[1]
+        app = unit.app if prev is None or self._frame.tid >= prev[0] else prev[1]
         fn = app._resolved.get((operator, function)) or app.resolve(operator, function)
         check_key(key)
         fn.check_args(args)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import threading
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -42,7 +43,8 @@ ROOT, SYNC, ASYNC = 0, 1, 2
 # from the very same inputs (the last successful scratch, the same inbox, a store that rounds only read):
 # the stale coroutine is then exactly where replaying its journal would bring it, and an attempt that runs
 # the frame again replaces the entry under the same key.
-_LIVE: dict[int, tuple[int, dict]] = {}
+_LIVE: dict[tuple[int, int], tuple[int, dict]] = {}  # (thread, partition) -> (epoch, table): see _live_table
+_thread_id = threading.get_ident
 _SALT = int.from_bytes(os.urandom(4), "big")
 _COUNTER = itertools.count()
 
@@ -636,19 +638,22 @@ class PartitionUnit:
             self._fail(frame.tid, exc, frame)
             return ()
 
-    # Live coroutines of suspended frames, per process: {pid: (epoch, {tid: {(inv, nsusp, token): (coro, ctx)}})}.
+    # Live coroutines of suspended frames, per process and thread:
+    # {(thread, pid): (epoch, {tid: {(inv, nsusp, token): (coro, ctx)}})}. Per thread: rounds running at the same
+    # time in other threads (another runtime, a finalize pool) never close or resume this thread's coroutines;
+    # a frame resumed in another thread than the one that suspended it replays its journal instead.
     def _live_table(self) -> dict[int, dict]:
-        entry = _LIVE.get(self.pid)
+        k = (_thread_id(), self.pid)
+        entry = _LIVE.get(k)
         if entry is not None and entry[0] == self.epoch:
             return entry[1]
-        if entry is None or entry[0] != self.epoch:
-            self._live_clear()  # an earlier epoch's leftovers (finished elsewhere, or aborted by a callee)
-            entry = _LIVE[self.pid] = (self.epoch, {})
+        self._live_clear()  # an earlier epoch's leftovers (finished elsewhere, or aborted by a callee)
+        entry = _LIVE[k] = (self.epoch, {})
         return entry[1]
 
     def _live_clear(self) -> None:
-        """Close every coroutine this process keeps for this partition (at finalize, or a new epoch)."""
-        entry = _LIVE.pop(self.pid, None)
+        """Close every coroutine this thread keeps for this partition (at finalize, or a new epoch)."""
+        entry = _LIVE.pop((_thread_id(), self.pid), None)
         if entry is not None:
             for t in entry[1].values():
                 for coro, ctx in t.values():
