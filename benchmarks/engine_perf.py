@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -149,7 +150,6 @@ def child_engine_run(src: str | None, epochs: int, run: int) -> dict:
     """The engine-alone workload of :func:`child_engine` (tuned GC): three warm-up epochs, then ``run`` more
     (for :func:`engine_instructions`, which counts the difference of two such processes)."""
     _use_src(src)
-    import gc
     import random
     import uuid
 
@@ -165,6 +165,13 @@ def child_engine_run(src: str | None, epochs: int, run: int) -> dict:
     rt.load("account", ycsb.initial_state(n))
     batches = [[Request(uuid.uuid4().hex, "account", ycsb.key(a), "transfer", serde.encode([ycsb.key(b), x]))
                 for a, b, x in batch] for batch in raw]
+    return _warm_then_run(rt, batches, run)
+
+
+def _warm_then_run(rt: Any, batches: list, run: int) -> dict:
+    """Three warm-up epochs, the collector tuned as a started runtime tunes it, then ``run`` measured epochs."""
+    import gc
+
     for b in batches[:3]:
         rt.run_epoch(b)
     gc.collect()
@@ -172,7 +179,7 @@ def child_engine_run(src: str | None, epochs: int, run: int) -> dict:
     gc.set_threshold(50_000, 20, 100)
     for b in batches[3:3 + run]:
         rt.run_epoch(b)
-    return {"ran": min(run, epochs - 3)}
+    return {"ran": min(run, len(batches) - 3)}
 
 
 def _shapes_app() -> object:
@@ -222,7 +229,6 @@ SHAPES = ("noop", "rw", "call", "transfer")
 def child_shape_run(src: str | None, shape: str, epochs: int, run: int) -> dict:
     """The engine-alone workload (tuned GC) with transactions of one :func:`_shapes_app` shape."""
     _use_src(src)
-    import gc
     import random
     import uuid
 
@@ -237,14 +243,7 @@ def child_shape_run(src: str | None, shape: str, epochs: int, run: int) -> dict:
     rt.load("account", {f"a{i}": 1_000_000 for i in range(n)})
     batches = [[Request(uuid.uuid4().hex, "account", f"a{a}", shape, serde.encode([f"a{b}", x])) for a, b, x in batch]
                for batch in raw]
-    for b in batches[:3]:
-        rt.run_epoch(b)
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
-    for b in batches[3:3 + run]:
-        rt.run_epoch(b)
-    return {"ran": min(run, epochs - 3)}
+    return _warm_then_run(rt, batches, run)
 
 
 def child_deathstar_batch(src: str | None, epochs: int, size: int) -> dict:

@@ -93,35 +93,43 @@ def test_paused_and_timed_out_control_operations(tmp_path: Path) -> None:
         assert res.exit_code == 0, res.output
         printed = json.loads(res.output)
         assert set(printed) == {"log"} and printed["log"]["to"] == 3, printed
-        more: list[str] = []
-        stop = threading.Event()
+        _rescale_under_load_then_check(rt, c, srv.url, "acct", rids, log_partitions=4)
 
-        def drive() -> None:
-            i = 0
-            while not stop.is_set():
-                more.append(c.submit("acct", f"a{i % N}", "transfer", f"a{(i * 5 + 2) % N}", 1))
-                i += 1
-                time.sleep(0.02)
 
-        t = threading.Thread(target=drive)
-        t.start()
-        try:
-            time.sleep(0.5)
-            both = c.rescale(3, log_partitions=4)
-        finally:
-            stop.set()
-            t.join()
-        assert both["to"] == 3 and both["log"]["to"] == 4, both
-        for rid in rids + more:
-            r = httpx.get(f"{srv.url}/requests/{rid}", params={"wait": 60}, headers=auth, timeout=90)
-            assert r.status_code in (200, 409) and r.json()["status"] in ("committed", "aborted"), r.text
-        rt.wait_idle(60)
-        balances = [rt.read_state("acct", f"a{i}", 0) for i in range(N)]
-        assert sum(balances) == N * 100, balances
-        counts: dict[str, int] = {}
-        for _, rep in rt.output_log.read_since(0, limit=10**6):
-            counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
-        assert all(counts.get(rid) == 1 for rid in rids + more), "each request answered exactly once"
+def _rescale_under_load_then_check(rt: SparkRuntime, c: Client, url: str, op: str, rids: list[str], *,
+                                   log_partitions: int) -> None:
+    """Rescale the engine to 3 partitions and the log to ``log_partitions`` in one call while a client submits
+    transfers; then every request (``rids`` and those) is answered once and money is conserved."""
+    more: list[str] = []
+    stop = threading.Event()
+
+    def drive() -> None:
+        i = 0
+        while not stop.is_set():
+            more.append(c.submit(op, f"a{i % N}", "transfer", f"a{(i * 5 + 2) % N}", 1))
+            i += 1
+            time.sleep(0.02)
+
+    t = threading.Thread(target=drive)
+    t.start()
+    try:
+        time.sleep(0.5)
+        both = c.rescale(3, log_partitions=log_partitions)
+    finally:
+        stop.set()
+        t.join()
+    assert both["to"] == 3 and both["log"]["to"] == log_partitions, both
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for rid in rids + more:
+        r = httpx.get(f"{url}/requests/{rid}", params={"wait": 60}, headers=auth, timeout=90)
+        assert r.status_code in (200, 409) and r.json()["status"] in ("committed", "aborted"), r.text
+    rt.wait_idle(60)
+    balances = [rt.read_state(op, f"a{i}", 0) for i in range(N)]
+    assert sum(balances) == N * 100, balances
+    counts: dict[str, int] = {}
+    for _, rep in rt.output_log.read_since(0, limit=10**6):
+        counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
+    assert all(counts.get(rid) == 1 for rid in rids + more), "each request answered exactly once"
 
 
 def _timed(fn: object, *args: object, **kw: object) -> tuple[float, object]:
@@ -189,35 +197,7 @@ def test_health_and_rescale_while_the_nats_log_hangs(tmp_path: Path) -> None:
                 assert time.monotonic() < deadline, rt.health()
                 time.sleep(0.2)
             assert rt.health()["fatal"] is None
-            more: list[str] = []
-            stop = threading.Event()
-
-            def drive() -> None:
-                i = 0
-                while not stop.is_set():
-                    more.append(c.submit("account", f"a{i % N}", "transfer", f"a{(i * 5 + 2) % N}", 1))
-                    i += 1
-                    time.sleep(0.02)
-
-            t = threading.Thread(target=drive)
-            t.start()
-            try:
-                time.sleep(0.5)
-                both = c.rescale(3, log_partitions=3)
-            finally:
-                stop.set()
-                t.join()
-            assert both["to"] == 3 and both["log"]["to"] == 3, both
-            for rid in rids + more:
-                r = httpx.get(f"{srv.url}/requests/{rid}", params={"wait": 60}, headers=auth, timeout=90)
-                assert r.status_code in (200, 409) and r.json()["status"] in ("committed", "aborted"), r.text
-            rt.wait_idle(60)
-            balances = [rt.read_state("account", f"a{i}", 0) for i in range(N)]
-            assert sum(balances) == N * 100, balances
-            counts: dict[str, int] = {}
-            for _, rep in rt.output_log.read_since(0, limit=10**6):
-                counts[rep.request_id] = counts.get(rep.request_id, 0) + 1
-            assert all(counts.get(rid) == 1 for rid in rids + more), "each request answered exactly once"
+            _rescale_under_load_then_check(rt, c, srv.url, "account", rids, log_partitions=3)
     finally:
         if stopped:
             os.kill(nats.proc.pid, signal.SIGCONT)
