@@ -13,6 +13,7 @@ import asyncio
 import os
 
 import pytest
+from epochcmp import assert_same_outcome
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from review3_app import app  # tests/ is on sys.path
@@ -179,10 +180,7 @@ def test_pickled_rounds_equal_inprocess(epochs, parts, live, one_task, monkeypat
         n += len(batch)
         got = coord.run_epoch(epoch, [(0, r) for r in reqs])
         want = reference.run_epoch(reqs)
-        assert {t: (r.ok, r.value, r.error_type, r.position) for t, r in got.replies.items()} == {
-            t: (r.ok, r.value, r.error_type, r.position) for t, r in want.replies.items()}
-        assert (got.lockfree, got.fast, got.slow, got.deferred) == (want.lockfree, want.fast, want.slow,
-                                                                    want.deferred)
+        assert_same_outcome(got, want)
         epoch += 1
     state: dict[bytes, bytes] = {}
     for pid in range(parts):

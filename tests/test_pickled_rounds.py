@@ -13,6 +13,7 @@ import random
 import uuid
 
 import pytest
+from epochcmp import assert_same_outcome
 
 from charon import InProcessRuntime, Request, serde
 from charon.apps import ycsb
@@ -68,10 +69,7 @@ def test_pickled_rounds_match_in_process(tmp_path, monkeypatch, live, one_task):
     for epoch, batch in enumerate(_batches(4, 60)):
         got = coord.run_epoch(epoch, [(0, r) for r in batch])
         want = reference.run_epoch(batch)
-        assert {t: (r.ok, r.value, r.error_type, r.position) for t, r in got.replies.items()} == {
-            t: (r.ok, r.value, r.error_type, r.position) for t, r in want.replies.items()}
-        assert (got.lockfree, got.fast, got.slow, got.deferred) == (want.lockfree, want.fast, want.slow,
-                                                                    want.deferred)
+        assert_same_outcome(got, want)
         fallback += len(got.fast) + len(got.slow)
     state: dict[bytes, bytes] = {}
     for pid in range(parts):

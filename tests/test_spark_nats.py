@@ -101,19 +101,30 @@ def _check_exactly_once(rt: SparkRuntime, transfers: list[Call], replies: dict[s
     assert all(counts.get(t) == 1 for t in replies), "each request answered exactly once"
 
 
-@pytest.mark.timeout(600)
-def test_spark_driver_and_remote_gateway_over_nats(tmp_path: Path) -> None:
+def _nats_and_driver(tmp_path: Path, **cfg: int | float) -> tuple[NatsServer, str, SparkRuntime]:
+    """A started nats-server, a fresh deployment's log URL on it, and a (not yet started) Spark driver using it."""
     nats = NatsServer(tmp_path / "nats").start()
     log_url = f"{nats.url}/ycsb{uuid.uuid4().hex[:6]}"
-    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path / "driver"), partitions=2, log_url=log_url,
-                      max_batch=200, idle_wait_ms=200)
-    rt = SparkRuntime("charon.apps.ycsb:app", cfg)
+    config = SparkConfig(master="local[2]", data_dir=str(tmp_path / "driver"), partitions=2, log_url=log_url,
+                         max_batch=200, idle_wait_ms=200, **cfg)  # type: ignore[arg-type]
+    return nats, log_url, SparkRuntime("charon.apps.ycsb:app", config)
+
+
+def _started_and_seeded(rt: SparkRuntime, log_url: str, tmp_path: Path) -> RemoteGateway:
+    """Start the driver and a remote gateway; deposit 100 into each of the N accounts through the gateway."""
+    rt.start()
+    gw = RemoteGateway(log_url, tmp_path)
+    seed = asyncio.run(_invoke_all(gw.url, [(f"a{i}", "deposit", [100], f"seed{i}") for i in range(N)]))
+    assert all(b["http"] == 200 for b in seed.values())
+    return gw
+
+
+@pytest.mark.timeout(600)
+def test_spark_driver_and_remote_gateway_over_nats(tmp_path: Path) -> None:
+    nats, log_url, rt = _nats_and_driver(tmp_path)
     gw: RemoteGateway | None = None
     try:
-        rt.start()
-        gw = RemoteGateway(log_url, tmp_path)
-        seed = asyncio.run(_invoke_all(gw.url, [(f"a{i}", "deposit", [100], f"seed{i}") for i in range(N)]))
-        assert all(b["http"] == 200 for b in seed.values())
+        gw = _started_and_seeded(rt, log_url, tmp_path)
         transfers = [(f"a{i % N}", "transfer", [f"a{(i * 7 + 3) % N}", 1 + i % 5], f"t{i}") for i in range(80)]
         first = asyncio.run(_invoke_all(gw.url, transfers[:40]))
 
@@ -152,17 +163,10 @@ def test_a_long_log_outage_is_not_a_deterministic_failure(tmp_path: Path) -> Non
     """nats-server gone for longer than every NATS timeout, several times, while requests flow: the driver
     reports it (health not ok, the error names the log) and resumes when the log is back; it never gives up as if
     an epoch had failed deterministically (``epoch_max_failures``), and nothing acknowledged is lost or run twice."""
-    nats = NatsServer(tmp_path / "nats").start()
-    log_url = f"{nats.url}/ycsb{uuid.uuid4().hex[:6]}"
-    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path / "driver"), partitions=2, log_url=log_url,
-                      max_batch=200, idle_wait_ms=200, epoch_max_failures=2, restart_backoff_s=0.2)
-    rt = SparkRuntime("charon.apps.ycsb:app", cfg)
+    nats, log_url, rt = _nats_and_driver(tmp_path, epoch_max_failures=2, restart_backoff_s=0.2)
     gw: RemoteGateway | None = None
     try:
-        rt.start()
-        gw = RemoteGateway(log_url, tmp_path)
-        seed = asyncio.run(_invoke_all(gw.url, [(f"a{i}", "deposit", [100], f"seed{i}") for i in range(N)]))
-        assert all(b["http"] == 200 for b in seed.values())
+        gw = _started_and_seeded(rt, log_url, tmp_path)
         transfers = [(f"a{i % N}", "transfer", [f"a{(i * 3 + 1) % N}", 1 + i % 4], f"t{i}") for i in range(60)]
         seen_down: list[dict] = []
 
