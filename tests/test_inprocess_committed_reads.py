@@ -167,7 +167,7 @@ NOT_READS = {
 }
 #: the engine's own methods, the only ones allowed the unguarded stores and stream log
 ENGINE_ONLY = {"__init__", "_recover", "stores", "streams", "_stream_log", "_open_streams", "_rescale_now",
-               "_run_logged", "_finish", "_finalized", "close"}
+               "_run_logged", "_run_epoch_locked", "_finish", "_finalized", "close"}
 
 
 def _digest_after_finish(rt: InProcessRuntime) -> str:

@@ -36,8 +36,8 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from charon import serde
 from charon.core import timers as _timers
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 
 #: Young-generation threshold of :func:`tune_gc` (CPython's default is 700).
+T = TypeVar("T")
 GC_THRESHOLD = 50_000
 _GC_TUNED = False
 
@@ -279,7 +280,7 @@ class InProcessRuntime(control.Controllable):
         # service mode (volatile): the last epoch, its replies delivered, with its finalize still to run (_finish,
         # or carried into the next epoch's first round); readers in other threads wait on the lock meanwhile
         self._unfinalized: EpochResult | None = None
-        self._finish_lock = threading.Lock()
+        self._finish_lock = threading.RLock()  # held by an epoch from start to end, and by multi-key readers
         self._carried: EpochResult | None = None  # the pending epoch whose finalize the running epoch carries
         self._carry_thread = 0  # the thread running that epoch
         self._futures: dict[str, asyncio.Future[Reply]] = {}
@@ -508,11 +509,23 @@ class InProcessRuntime(control.Controllable):
 
     def pending_timers(self) -> list[Timer]:
         """Every committed pending timer, by due time (then id)."""
-        out = [_timers.decode(v) for s in self.stores for _, v in s.scan(_timers.INDEX_PREFIX)]
+        out = self._consistent(lambda: [_timers.decode(v) for s in self.stores
+                                        for _, v in s.scan(_timers.INDEX_PREFIX)])
         return sorted(out, key=lambda t: (t.due, t.id))
 
+    def _consistent(self, read: Callable[[], T]) -> T:
+        """Run a multi-key read as one cut: an epoch (with any finalize it runs or carries) holds the finalize lock
+        from start to end (:meth:`_run_logged`), so a reader in another thread waits for it instead of seeing part
+        of its writes (the lock is reentrant: reads from the loop thread, or from code inside an epoch, go on)."""
+        with self._finish_lock:
+            return read()
+
     def entities(self, operator: str | Operator) -> dict[str, Any]:
-        """All committed main values of one operator (for checks in tests and benchmarks)."""
+        """All committed main values of one operator (for checks in tests and benchmarks); one cut, also when
+        called from another thread while the runtime serves."""
+        return self._consistent(lambda: self._entities(operator))
+
+    def _entities(self, operator: str | Operator) -> dict[str, Any]:
         op = operator.name if isinstance(operator, Operator) else operator
         out = {}
         for s in self.stores:
@@ -523,11 +536,15 @@ class InProcessRuntime(control.Controllable):
         return out
 
     def snapshot(self) -> dict[bytes, bytes]:
-        """All committed state as store keys (sorted)."""
-        merged: dict[bytes, bytes] = {}
-        for s in self.stores:
-            merged.update(s.items())
-        return dict(sorted(merged.items()))
+        """All committed state as store keys (sorted); one cut, also from another thread (see :meth:`entities`)."""
+
+        def read() -> dict[bytes, bytes]:
+            merged: dict[bytes, bytes] = {}
+            for s in self.stores:
+                merged.update(s.items())
+            return dict(sorted(merged.items()))
+
+        return self._consistent(read)
 
     def state_digest(self) -> str:
         """SHA-256 over all committed state: equal digests mean byte-identical state."""
@@ -548,6 +565,12 @@ class InProcessRuntime(control.Controllable):
 
     def _run_logged(self, requests: list[Request], now: float, defer: bool = False,
                     carry: bool = False) -> EpochResult:
+        """Run one epoch (see :meth:`_run_epoch_locked`) holding the finalize lock from start to end: a multi-key
+        reader in another thread (:meth:`_consistent`) never sees part of an epoch's writes."""
+        with self._finish_lock:
+            return self._run_epoch_locked(requests, now, defer, carry)
+
+    def _run_epoch_locked(self, requests: list[Request], now: float, defer: bool, carry: bool) -> EpochResult:
         """Run one epoch whose batch (and time) is logged (durable mode) or needs no log (volatile).
 
         ``defer`` (volatile service mode): leave the epoch's finalize round for :meth:`_finish`, so the loop
