@@ -162,10 +162,17 @@ class Application:
 
     def resolve(self, operator: str | Operator, function: str | Function) -> Function:
         """The function object for (operator, function) names; raises UnknownOperator/UnknownFunction."""
-        fn = self._resolved.get((operator, function))  # names, or this application's own objects
+        try:
+            fn = self._resolved.get((operator, function))  # names, or this application's own objects
+        except TypeError:  # unhashable: not a name (typed below)
+            fn = None
         if fn is not None:
             return fn
         op_name = operator.name if isinstance(operator, Operator) else operator
+        if type(op_name) is not str:
+            raise UnknownOperator(f"an operator is named by a string or an Operator, got {type(operator).__name__}")
+        if not isinstance(function, (str, Function)):
+            raise UnknownFunction(f"a function is named by a string or a Function, got {type(function).__name__}")
         op = self.operators.get(op_name)
         if op is None and op_name == BATCH_OPERATOR:
             op = _batch_operator  # every application runs client atomic batches

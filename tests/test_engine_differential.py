@@ -215,9 +215,6 @@ def test_gather_of_many_with_an_early_call_awaited_last(live, monkeypatch):
     assert rt.read_state("b", "g299-0") == 2 and rt.read_state("a", "late-0") == 10
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing (also at 0127e71): ctx.call/ctx.send with an unhashable operator "
-                   "or function (a list) aborts with a bare TypeError from the resolve cache lookup, not a typed "
-                   "UnknownOperator/UnknownFunction")
 def test_unhashable_call_target_is_a_typed_error():
     """One-line reproduction: ``await ctx.call(["a"], "k", "node", [])`` (plan step ["listop"])."""
     rt = InProcessRuntime(app, partitions=1)

@@ -363,7 +363,10 @@ class Context:
         unit = self._unit
         prev = unit.previous  # unit.app_for, inlined
         app = unit.app if prev is None or self._frame.tid >= prev[0] else prev[1]
-        fn = app._resolved.get((operator, function)) or app.resolve(operator, function)
+        try:
+            fn = app._resolved.get((operator, function)) or app.resolve(operator, function)
+        except TypeError:  # an unhashable name (a list): resolve raises the typed error
+            fn = app.resolve(operator, function)
         check_key(key)
         fn.check_args(args)
         if self._frame.depth >= MAX_DEPTH:
