@@ -61,7 +61,8 @@ class SerialContext:
         txn.invocations += 1  # one context per invocation: the engine's per-transaction limit
         if txn.invocations > txn.limit:
             raise too_many_invocations(txn.limit)
-        self._txn, self.operator, self.key, self._inv, self._depth = txn, op, key, inv, depth
+        self._txn, self._op, self._key, self._inv, self._depth = txn, op, key, inv, depth
+        self.operator, self.key = op, key  # what user code sees (it may reassign them; state access uses _op/_key)
         self.tid = txn.tid
         self._nchild = 0
         self._ntimer = 0
@@ -71,28 +72,28 @@ class SerialContext:
         self._nemit = 0
 
     def get(self, default: Any = None) -> Any:
-        raw = self._txn.read(store_key(self.operator, self.key))
+        raw = self._txn.read(store_key(self._op, self._key))
         return default if raw is None else serde.decode(raw)
 
     def put(self, value: Any) -> None:
-        self._txn.writes[store_key(self.operator, self.key)] = serde.encode(value)
+        self._txn.writes[store_key(self._op, self._key)] = serde.encode(value)
 
     def delete(self) -> None:
-        self._txn.writes[store_key(self.operator, self.key)] = None
+        self._txn.writes[store_key(self._op, self._key)] = None
 
     def get_item(self, name: str, default: Any = None) -> Any:
-        raw = self._txn.read(store_key(self.operator, self.key, _item(name)))
+        raw = self._txn.read(store_key(self._op, self._key, _item(name)))
         return default if raw is None else serde.decode(raw)
 
     def put_item(self, name: str, value: Any) -> None:
-        self._txn.writes[store_key(self.operator, self.key, _item(name))] = serde.encode(value)
+        self._txn.writes[store_key(self._op, self._key, _item(name))] = serde.encode(value)
 
     def delete_item(self, name: str) -> None:
-        self._txn.writes[store_key(self.operator, self.key, _item(name))] = None
+        self._txn.writes[store_key(self._op, self._key, _item(name))] = None
 
     def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list:
-        p = store_key(self.operator, self.key, _item(prefix))
-        plen = len(entity_prefix(self.operator, self.key)) + 1
+        p = store_key(self._op, self._key, _item(prefix))
+        plen = len(entity_prefix(self._op, self._key)) + 1
         merged = {k: v for k, v in self._txn.state.items() if k.startswith(p)}
         merged.update({k: v for k, v in self._txn.writes.items() if k.startswith(p)})
         out = []
@@ -148,9 +149,9 @@ class SerialContext:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
         self._ntimer += 1
         tid = _timers.make_id(self.tid, self._inv, self._ntimer)
-        timer = _timers.Timer(tid, due, self.operator, self.key, fn.operator.name, key, fn.name,
+        timer = _timers.Timer(tid, due, self._op, self._key, fn.operator.name, key, fn.name,
                               serde.encode(list(args)))
-        self._txn.writes[_timers.item_key(self.operator, self.key, tid)] = _timers.encode(timer)
+        self._txn.writes[_timers.item_key(self._op, self._key, tid)] = _timers.encode(timer)
         return tid
 
     def send_after(self, seconds: float, operator: Operator | str, key: str, function: Function | str,
@@ -162,14 +163,14 @@ class SerialContext:
     def cancel_timer(self, timer_id: str) -> bool:
         if type(timer_id) is not str or not timer_id:
             raise ValueError("a timer id is a non-empty string")
-        k = store_key(self.operator, self.key, _timers.ITEM_PREFIX + check_item(timer_id))
+        k = store_key(self._op, self._key, _timers.ITEM_PREFIX + check_item(timer_id))
         if self._txn.read(k) is None:
             return False
         self._txn.writes[k] = None
         return True
 
     def timers(self) -> list[_timers.Timer]:
-        p = _timers.owner_prefix(self.operator, self.key)
+        p = _timers.owner_prefix(self._op, self._key)
         merged = {k: v for k, v in self._txn.state.items() if k.startswith(p)}
         merged.update({k: v for k, v in self._txn.writes.items() if k.startswith(p)})
         return [_timers.decode(merged[k]) for k in sorted(merged) if merged[k] is not None]

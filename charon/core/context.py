@@ -346,15 +346,15 @@ class Context:
         if portal not in app.uses:
             raise UndeclaredPortal(f"application {app.name!r} does not declare portal {portal!r} in its uses")
         then_name = then.name if isinstance(then, Function) else then
-        app.resolve(self.operator, then_name)  # the continuation exists (a typed error otherwise)
+        f = self._frame  # the entity running (not ``ctx.operator``/``ctx.key``, which user code could reassign)
+        app.resolve(f.op, then_name)  # the continuation exists (a typed error otherwise)
         check_key(key)
         if not isinstance(carry, list | tuple):
             raise BadArguments("carry must be a list")
         self._nask += 1
-        f = self._frame
         rid = f"{PORTAL_ID_PREFIX}{app.name}.{f.tid}.{f.inv}.{self._nask}"
         self._emit(PORTAL_STREAM, {"rid": rid, "portal": portal, "key": key, "args": list(args),
-                                  "op": self.operator, "from": self.key, "then": then_name, "carry": list(carry)})
+                                  "op": f.op, "from": f.key, "then": then_name, "carry": list(carry)})
         return rid
 
     # -- calls ------------------------------------------------------------------------------------
