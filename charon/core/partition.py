@@ -34,6 +34,7 @@ _encode = serde._enc.encode
 _decode = serde._dec.decode  # msgpack the engine itself encoded (serde.decode wraps errors in SerializationError)
 
 ROOT, SYNC, ASYNC = 0, 1, 2
+_NONE = serde.encode(None)  # the value a sent invocation completes with (its return value is not delivered)
 # Live coroutines kept across rounds in this process (see ``_live_table``). Keyed by partition and epoch,
 # then by (tid, inv, journal.nsusp, frame.token). A stale coroutine of a failed attempt cannot be resumed
 # wrongly (issue 9): ``token`` is drawn once per Frame, when an Invoke is first run (random salt per process,
@@ -616,6 +617,8 @@ class PartitionUnit:
                 if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
+                if frame.kind == ASYNC:  # a sent function's return value goes nowhere: not encoded (as serially)
+                    return self._complete(frame, ctx, _NONE)
                 try:
                     value = _encode(stop.value)  # serde.encode, inlined
                 except Exception:  # noqa: BLE001 - its typed error
@@ -812,6 +815,8 @@ class PartitionUnit:
                 except StopIteration as stop:
                     if ctx._calls != c.calls:
                         return False
+                    if f.kind == ASYNC:  # its return value goes nowhere (see _run)
+                        continue
                     value = serde.encode(stop.value)
                     if f.kind == ROOT:  # the client's reply may change; nothing else consumed it
                         self._out.done.append((tid, value, _ZERO))
