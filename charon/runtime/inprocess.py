@@ -576,24 +576,18 @@ class InProcessRuntime(control.Controllable):
         ``defer`` (volatile service mode): leave the epoch's finalize round for :meth:`_finish`, so the loop
         can hand the replies (already decided and delivered) to their waiters first. ``carry``: a pending
         finalize runs within this epoch's first round (the coordinator's ``prior``) instead of in a round of
-        its own; readers in other threads wait on the finalize lock until it ran (:meth:`_finalized`)."""
+        its own; readers in other threads wait on the finalize lock, which the epoch holds (:meth:`_run_logged`)."""
         prior = None
         if carry and self._unfinalized is not None:
-            self._finish_lock.acquire()  # released once the prior ran (or below, if the epoch failed first)
-            if self._unfinalized is None:  # a reader in another thread ran it meanwhile
-                self._finish_lock.release()
-            else:
-                self._carry_thread = threading.get_ident()
-                prior = self._carried = self._unfinalized
+            self._carry_thread = threading.get_ident()
+            prior = self._carried = self._unfinalized
         else:
             self._finish()
         try:
             result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now, defer=defer,
                                                 prior=prior)
         finally:
-            if self._carried is not None:  # not run: the epoch failed before its first round returned
-                self._carried = None
-                self._finish_lock.release()
+            self._carried = None  # ran (see _finalized), or the epoch failed first: still pending for _finish
         if result.finalize is not None:
             self._unfinalized = result
         elif result.events:  # idempotent by epoch: a replayed epoch appends nothing again
@@ -624,7 +618,6 @@ class InProcessRuntime(control.Controllable):
                 if rec.get("epoch") == result.epoch:
                     rec["finalize_carried"] = 1
                     break
-            self._finish_lock.release()
 
     def _finish(self) -> None:
         """Run the finalize the last epoch deferred (if any): its writes reach the stores, its events the streams.
