@@ -184,6 +184,9 @@ class Simulation:
         # an epoch's rest in one task from the round where it is small, or round by round (fallback in one task)
         self.config.single_task_rest = self.rng.random() < 0.6
         self.config.task_min_bytes = self.rng.choice([1, 3000, 262_144])
+        # a generated workload's epochs in chunks of a few transactions (EPOCH_CHUNK exceeds these epochs), from
+        # an RNG of its own so that every other draw of a seed stays what it was; a given workload keeps its shape
+        self.chunk = None if workload is not None else random.Random(seed * 7919 + 1).choice([0, 1, 2, 3, None])
         self.pipelined_epochs = 0
         self.fallback_jobs = 0
         self.atoms = 0  # epochs whose atom of events was checked in the stream log
@@ -293,6 +296,11 @@ class Simulation:
         sim = self
 
         class Recording(sr.EpochCoordinator):
+            def __init__(self, *a: Any, **kw: Any) -> None:
+                super().__init__(*a, **kw)
+                if sim.chunk is not None:
+                    self.chunk = sim.chunk
+
             def run_epoch(self, epoch: int, requests: list, now: float | None = None, **kw: Any) -> Any:
                 res = super().run_epoch(epoch, requests, now, **kw)
                 if res.finalize is not None:

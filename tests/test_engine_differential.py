@@ -24,6 +24,7 @@ from charon.testing import check_epoch
 
 EXAMPLES = int(os.environ.get("CHARON_DIFF_EXAMPLES", "150"))
 BAD = ["unencodable", "badkey", "badargs", "badret", "fail"]
+CHUNKS = [0, 1, 2, 5, None]  # transactions per chunk of an epoch (None: the default, more than these epochs hold)
 
 
 @st.composite
@@ -87,11 +88,14 @@ COMMON = settings(max_examples=EXAMPLES, deadline=None,
 
 @COMMON
 @given(epochs=st.lists(st.lists(transactions(), min_size=1, max_size=20), min_size=1, max_size=3),
-       partitions=st.sampled_from([1, 2, 3]), live=st.booleans())
-def test_inprocess_equals_serial(epochs, partitions, live, monkeypatch):
-    """Every epoch equals the serial execution in TID order, live coroutines or journal replay."""
+       partitions=st.sampled_from([1, 2, 3]), live=st.booleans(), chunk=st.sampled_from(CHUNKS))
+def test_inprocess_equals_serial(epochs, partitions, live, chunk, monkeypatch):
+    """Every epoch equals the serial execution in its reported order, live coroutines or journal replay, whole or
+    in chunks."""
     monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", live)
     rt = InProcessRuntime(app, partitions=partitions)
+    if chunk is not None:
+        rt.coordinator.chunk = chunk
     n = 0
     for batch in epochs:
         _run_checked(rt, _requests(batch, n))
@@ -165,14 +169,16 @@ def _pickled_coordinator(tmp: str, parts: int, one_task: bool):
 @settings(max_examples=max(EXAMPLES // 5, 10), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(epochs=st.lists(st.lists(transactions(), min_size=1, max_size=15), min_size=1, max_size=3),
-       parts=st.sampled_from([1, 2, 3]), live=st.booleans(), one_task=st.booleans())
-def test_pickled_rounds_equal_inprocess(epochs, parts, live, one_task, monkeypatch, tmp_path_factory):
+       parts=st.sampled_from([1, 2, 3]), live=st.booleans(), one_task=st.booleans(), chunk=st.sampled_from(CHUNKS))
+def test_pickled_rounds_equal_inprocess(epochs, parts, live, one_task, chunk, monkeypatch, tmp_path_factory):
     """The Spark task function through pickled rounds (frames, journals, cache pickled; ``kg`` dropped) gives
-    the in-process runtime's replies, commit paths and state."""
+    the in-process runtime's replies, commit paths and state, whole epochs or in chunks (one task runs them all)."""
     monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", live)
     tmp = str(tmp_path_factory.mktemp("pickled"))
     coord, durable = _pickled_coordinator(tmp, parts, one_task)
     reference = InProcessRuntime(app, partitions=parts)
+    if chunk is not None:
+        coord.chunk = reference.coordinator.chunk = chunk
     n = 0
     epoch = 0
     for batch in epochs + [[]] * 3:

@@ -275,10 +275,9 @@ class PartitionUnit:
         self.frames: dict[int, dict[str, Frame]] = {}
         self.touched: dict[int, dict[Entity, bool]] = {}
         self.cache: dict[int, list[Cached]] = {}
-        # dry-run completions not yet in ``cache``: (tid, frame, value, calls, the tid's touched dict here); see
-        # _take_cache (a transaction's cache entries are needed only if it conflicts)
-        self._clog: list[tuple] = []
-        self._taken: set[int] = set()  # transactions whose logged completions are in ``cache``
+        # dry-run completions not yet in ``cache``, per TID: (frame, value, calls, the tid's touched dict here);
+        # see _take_cache (a transaction's cache entries are needed only if it conflicts)
+        self._clog: dict[int, list[tuple]] = {}
         self.overlay: dict[Entity, dict[str, bytes | None]] = {}
         self.counts: dict[int, int] = {}
         self.dead: set[int] = set()
@@ -303,37 +302,41 @@ class PartitionUnit:
         for n, v in zip(self._SCRATCH, pickle.loads(data), strict=True):
             setattr(self, n, v)
         self.cache = {}
-        self._clog = []
-        self._taken = set()
+        self._clog = {}
         self.fast_layer = None
+
+    def decided(self, apply: list[int], reset: list[int]) -> None:
+        """The epoch's outcome is decided (``apply``/``reset``: what its finalize settles): settle them now and
+        keep only what the finalize writes (the overlay and the committed events), so that a runtime shipping
+        the scratch to the finalize's round ships only that. The finalize settles the same lists again: a no-op."""
+        self._settle(apply, reset)
+        self.buffers, self.frames, self.touched, self.counts, self.dead, self.emits = {}, {}, {}, {}, set(), {}
+        self.cache, self._clog = {}, {}
 
     def _take_cache(self, want: set[int] | None, report: dict[int, list[Cached]] | None = None) -> None:
         """Move the logged dry-run completions of the transactions in ``want`` (None: all) into the cache (and
         into ``report``). An entry's ``access`` is read from the transaction's touched dict of the dry run, which
         only a later invocation on the same entity could change (the replay is then invalid anyway)."""
-        cache = self.cache
-        if want is not None:
-            want = want - self._taken
-            if not want:
-                return
-            self._taken |= want
-        for tid, f, value, calls, t in self._clog:
-            if want is not None and tid not in want:
-                continue
-            c = Cached(f, value, calls, t.get((f.op, f.key)) if t else None)
-            lst = cache.get(tid)
-            if lst is None:
-                cache[tid] = [c]
-            else:
-                lst.append(c)
-            if report is not None:
-                lst = report.get(tid)
+        cache, clog = self.cache, self._clog
+        if want is None:
+            taken = list(clog.items())
+            self._clog = {}
+        else:  # only the wanted ones (an epoch's later chunks log more: never a scan of the whole log)
+            taken = [(tid, clog.pop(tid)) for tid in want if tid in clog]
+        for tid, entries in taken:
+            for f, value, calls, t in entries:
+                c = Cached(f, value, calls, t.get((f.op, f.key)) if t else None)
+                lst = cache.get(tid)
                 if lst is None:
-                    report[tid] = [c]
+                    cache[tid] = [c]
                 else:
                     lst.append(c)
-        if want is None:
-            self._clog = []
+                if report is not None:
+                    lst = report.get(tid)
+                    if lst is None:
+                        report[tid] = [c]
+                    else:
+                        lst.append(c)
 
     def load_cache(self, cached: dict[int, list[Cached]]) -> None:
         """Hand back dry-run invocations (from earlier RoundOutput.cached) before a call-graph-cached round."""
@@ -714,7 +717,11 @@ class PartitionUnit:
         elif leftover[0]:
             self._out.acks.append((tid, leftover))
         if self._recording:  # for the call-graph cache (see _take_cache)
-            self._clog.append((tid, frame, value, ctx._calls, self.touched.get(tid)))
+            logged = self._clog.get(tid)
+            if logged is None:
+                self._clog[tid] = [(frame, value, ctx._calls, self.touched.get(tid))]
+            else:
+                logged.append((frame, value, ctx._calls, self.touched.get(tid)))
         return msgs
 
     def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:

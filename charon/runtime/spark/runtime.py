@@ -544,6 +544,8 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
         unit.load_cache(caches[pid])
     t1 = time.perf_counter()
     out = run_rest(app, _TaskExchange(units), job)
+    for unit in units:  # the epoch is decided: its scratch shrinks to what the finalize writes
+        unit.decided(out.apply, out.reset)
     out.prior_events = prior_events  # the driver puts them in atom order (it has the prior epoch's replies)
     out.next_due = min(out.next_due, prior_due)
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
@@ -692,7 +694,7 @@ class SparkExchange:
         if not self.one_task_rest:
             return None
         scratch = self.scratch
-        if len(job.msgs) * 160 + sum(len(x) for x in scratch if x) >= self.config.rest_max_bytes:
+        if len(job.roots) * 160 + sum(len(x) for x in scratch if x) >= self.config.rest_max_bytes:
             return None
         cache = self.cache if job.epoch == self.epoch else [{} for _ in range(self.partitions)]
         t0 = time.perf_counter()
