@@ -352,6 +352,7 @@ class Simulation:
     def start_runtime(self) -> sr.SparkRuntime:
         """A driver (re)start: the real constructor over the same directories."""
         if self.rt is not None:
+            self.rt._replies.abandon()  # the old driver is gone: replies it had not written yet are lost
             self.rt.input_log.close()
             self.rt.output_log.close()
         rt = sr.SparkRuntime(APP_REF, self.config)
@@ -454,6 +455,7 @@ class Simulation:
                 return self._run()
             finally:
                 if self.rt is not None:
+                    self.rt._replies.abandon()
                     self.rt.input_log.close()
                     self.rt.output_log.close()
                 for w in self.workers:

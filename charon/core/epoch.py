@@ -26,8 +26,8 @@ sees what the chunks before it committed, so Aria's conflicts are counted within
 :class:`EpochCoordinator`); sequencing and the finalize stay per epoch.
 
 The serial order: chunk after chunk; within one, first every outcome decided without the fallback (validation
-errors, lock-free commits, immediate aborts) in TID order, then the fallback's outcomes in TID order. Running the epoch's
-transactions one at a time in that order on the state before the epoch gives exactly the state after it
+errors, lock-free commits, immediate aborts) in TID order, then the fallback's outcomes in TID order. Running
+the epoch's transactions one at a time in that order on the state before the epoch gives exactly the state after it
 and the same replies (see ``charon.testing``). Each reply carries its place in it (:func:`position`), known
 when the reply is sent, so ordering all replies by (epoch, position) is a serial order of the whole
 history; ``EpochResult.order`` is the epoch's TIDs sorted by position.

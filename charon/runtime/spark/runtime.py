@@ -54,6 +54,7 @@ from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime import control
 from charon.runtime.probe import LogProbe
+from charon.runtime.replies import ReplyWriter
 from charon.state.durable import DurableState, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 
@@ -777,6 +778,8 @@ class SparkRuntime(control.Controllable):
         os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
         self.output_log = open_output_log(self.output_location)
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
+        # an epoch's replies are written while the next epoch runs, before the epoch's record (see _recorded)
+        self._replies = ReplyWriter(lambda replies: self.output_log.put_many(replies))
         self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
         self.streams = StreamLog(os.path.join(cfg.data_dir, "streams.sqlite"))  # ctx.emit's atoms
         self.durable = DurableState(os.path.join(self.ckpt, layout.state))
@@ -1048,6 +1051,8 @@ class SparkRuntime(control.Controllable):
             q.stop()
             with contextlib.suppress(Exception):  # else the next start finalizes it (replays the epoch)
                 self.flush()
+            with contextlib.suppress(Exception):  # else the unrecorded epoch runs again after a restart
+                self._replies.close()
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(timeout=60)
             self._supervisor = None
@@ -1375,7 +1380,7 @@ class SparkRuntime(control.Controllable):
             if replies and self._unconfirmed is None:
                 self._unconfirmed = epoch  # from here on, the state must reach this epoch before reads
             c = time.thread_time()
-            self.output_log.put_many(replies)
+            self._replies.put(replies)
             cpu["deliver"] += time.thread_time() - c
 
         def finalized(res: EpochResult) -> None:
@@ -1462,6 +1467,7 @@ class SparkRuntime(control.Controllable):
         """Write the record of an epoch whose state is durable at every partition (and whose atom is
         appended, :meth:`_append_atom`); then it counts as done."""
         epoch = rec.epoch
+        self._replies.flush()  # a recorded epoch never runs again: its replies are in the log first
         self._write_record(rec)
         if self._unconfirmed is not None and self._unconfirmed <= epoch:
             self._unconfirmed = None
