@@ -51,10 +51,14 @@ def _generator(data_dir: str, rate: float, duration: float, warmup: float, n: in
 def _lean_generator(data_dir: str, rate: float, duration: float, warmup: float, n: int, zipf: float, seed: int,
                     out: str, group_commit_s: float = 0.004) -> None:
     """The same open loop as :func:`_generator` without a coroutine, future and timeout per request: one loop
-    that appends what is due every ``group_commit_s`` (one SQLite transaction, as LogClient's group commit)
-    and reads the replies that arrived (when the output log's ``data_version`` moved). Latency is still
-    measured from each request's due time. What it leaves out is the client library's per-request cost, so
-    it measures the engine's ceiling on a machine whose cores the generator shares."""
+    that wakes every ``group_commit_s`` (on a fixed grid), appends what is due (one SQLite transaction, as
+    LogClient's group commit) and reads the replies that arrived (when the output log's ``data_version``
+    moved). Latency is still measured from each request's due time ``i / rate`` to the moment its reply is
+    seen. What it leaves out is the client library's per-request cost, so it measures the engine's ceiling on
+    a machine whose cores the generator shares: per request it builds the request, appends it and matches its
+    reply, nothing else (one timestamp per batch, outcomes in flat arrays; ``benchmarks/generator_cost.py``
+    measures it)."""
+    import array
     import random
     import uuid
 
@@ -70,46 +74,58 @@ def _lean_generator(data_dir: str, rate: float, duration: float, warmup: float, 
     outp = OutputLog(os.path.join(data_dir, "output.sqlite"))
     seq = outp.last_seq()
     total = int((warmup + duration) * rate)
-    samples: list[dict] = []
-    waiting: dict[str, dict] = {}
+    done = array.array("d", [-1.0]) * total  # when request i's reply was seen (s after t0), -1: not yet
+    ok = bytearray(total)
+    errors: dict[int, str] = {}  # error_type of the requests that failed
+    waiting: dict[str, int] = {}  # request id -> i
     prefix = uuid.uuid4().hex[:16]
+    key, sample, randrange, randint, encode = ycsb.key, sampler.sample, rng.randrange, rng.randint, serde.encode
     t0 = time.monotonic() + 0.05
+    tick = t0
     i = 0
     seen = None
     drain_end = None
     while True:
         now = time.monotonic()
-        batch = []
-        while i < total and t0 + i / rate <= now:
-            d = rng.randrange(n)
-            rid = f"{prefix}{i:x}"
-            args = [ycsb.key(sampler.sample(rng)), rng.randint(1, 10)]
-            batch.append(Request(rid, "account", ycsb.key(d), "transfer", serde.encode(args), time.time()))
-            sample = {"due": i / rate, "done": None, "ok": False, "error_type": ""}
-            samples.append(sample)
-            waiting[rid] = sample
-            i += 1
-        if batch:
+        if i < total and t0 + i / rate <= now:
+            ts = time.time()  # the batch's append time (one transaction: the log would give it one time too)
+            batch = []
+            while i < total and t0 + i / rate <= now:
+                d = randrange(n)  # the RNG draws in the order of _generator's gen(): debtor, creditor, amount
+                rid = f"{prefix}{i:x}"
+                batch.append(Request(rid, "account", key(d), "transfer", encode([key(sample(rng)), randint(1, 10)]),
+                                     ts))
+                waiting[rid] = i
+                i += 1
             inp.append_many(batch)
         version = outp.version()
         if version != seen:
             rows = outp.read_since(seq, 100_000)
             if len(rows) < 100_000:
                 seen = version
-            done = time.monotonic() - t0
+            at = time.monotonic() - t0
             for s_, rep in rows:
                 seq = max(seq, s_)
-                sample = waiting.pop(rep.request_id, None)
-                if sample is not None:
-                    sample["done"], sample["ok"], sample["error_type"] = done, bool(rep.ok), rep.error_type
+                j = waiting.pop(rep.request_id, None)
+                if j is not None:
+                    done[j] = at
+                    if rep.ok:
+                        ok[j] = 1
+                    else:
+                        errors[j] = rep.error_type
         if i >= total:
             drain_end = drain_end or time.monotonic() + 30.0
             if not waiting or time.monotonic() > drain_end:
                 break
-        nxt = t0 + i / rate
-        time.sleep(max(0.0, min(group_commit_s, nxt - time.monotonic())) if i < total else 0.003)
+            time.sleep(0.003)
+        else:  # the next group commit: on a fixed grid (never more than one commit per group_commit_s)
+            tick = max(tick + group_commit_s, now)
+            time.sleep(max(0.0, tick - time.monotonic()))
+    wall = time.monotonic() - t0
+    samples = [{"due": j / rate, "done": done[j] if done[j] >= 0 else None, "ok": bool(ok[j]),
+                "error_type": errors.get(j, "")} for j in range(i)]
     res = summarize(samples, rate=rate, duration=duration, warmup=warmup,
-                    extra={"label": f"spark zipf={zipf} lean", "wall_s": time.monotonic() - t0, "when": time.time()})
+                    extra={"label": f"spark zipf={zipf} lean", "wall_s": wall, "when": time.time()})
     res["generator_cpu_s"] = time.process_time()
     Path(out).write_text(json.dumps(res))
 
