@@ -69,6 +69,7 @@ def _engine(data: str, epoch_ms: float, stop: str, compact_every: int = 50) -> N
 def _child(a: argparse.Namespace) -> None:
     """The generator process: import, then enable perf's counters around the ``_lean_generator`` call."""
     import importlib.util
+    import inspect
 
     root = Path(a.root).resolve()
     sys.path.insert(0, str(root))
@@ -90,23 +91,33 @@ def _child(a: argparse.Namespace) -> None:
         prof = cProfile.Profile()
     ctl = open(a.ctl, "w") if a.ctl else None  # noqa: SIM115 - kept open across the call
     ack = open(a.ack) if a.ack else None  # noqa: SIM115
-    if ctl is not None and ack is not None:
-        ctl.write("enable\n")
-        ctl.flush()
-        ack.readline()
+
+    times: list[os.times_result] = []
+
+    def count(on: bool) -> None:
+        """Start or stop perf's counters (and the profiler)."""
+        times.append(os.times())
+        if ctl is not None and ack is not None:
+            ctl.write("enable\n" if on else "disable\n")
+            ctl.flush()
+            ack.readline()
+        if prof is not None:
+            prof.enable() if on else prof.disable()
+
+    # a generator with an on_clock hook is counted over its open loop; an older one over the whole call
+    hook = "on_clock" in inspect.signature(mod._lean_generator).parameters
+    kw = {"on_clock": count} if hook else {}
+    if not hook:
+        count(True)
     c0, w0 = time.process_time(), time.perf_counter()
-    if prof is not None:
-        prof.enable()
-    mod._lean_generator(a.data, a.rate, a.duration, a.warmup, a.accounts, 0.0, int(a.rate), a.result)
-    if prof is not None:
-        prof.disable()
+    mod._lean_generator(a.data, a.rate, a.duration, a.warmup, a.accounts, 0.0, int(a.rate), a.result, **kw)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-    if ctl is not None and ack is not None:
-        ctl.write("disable\n")
-        ctl.flush()
-        ack.readline()
+    if not hook:
+        count(False)
     res = json.loads(Path(a.result).read_text())
-    res.update({"call_cpu_s": cpu, "call_wall_s": wall, "process_cpu_s": time.process_time()})
+    res.update({"counted_user_s": times[1].user - times[0].user, "counted_sys_s": times[1].system - times[0].system,
+                "call_cpu_s": cpu, "call_wall_s": wall, "process_cpu_s": time.process_time(), "counted": (
+        "open loop" if hook else "whole call")})
     Path(a.result).write_text(json.dumps(res))
     if prof is not None:
         import pstats
@@ -161,18 +172,25 @@ def run_one(a: argparse.Namespace, name: str, root: str) -> dict:
         out = {
             "variant": name, "root": root, "rate": a.rate, "duration_s": a.duration, "warmup_s": a.warmup,
             "epoch_ms": a.epoch_ms, "sent": res["sent"], "unfinished": res["unfinished"],
-            "completed": res["completed"], "latency_ms": res["latency_ms"],
-            "cpu_us_per_request": res["call_cpu_s"] / sent * 1e6,
+            "completed": res["completed"], "latency_ms": res["latency_ms"], "counted": res["counted"],
+            # over what perf counted (the open loop, or the whole call for a generator without the hook)
+            "cpu_us_per_request": (res["counted_user_s"] + res["counted_sys_s"]) / sent * 1e6,
+            "user_us_per_request": res["counted_user_s"] / sent * 1e6,
+            "system_us_per_request": res["counted_sys_s"] / sent * 1e6,
+            "instructions_per_request": instr / sent if instr else None,
+            # the whole _lean_generator call (schedule, loop, summary) and the whole process (imports too)
+            "call_cpu_us_per_request": res["call_cpu_s"] / sent * 1e6,
             "process_cpu_us_per_request": res["process_cpu_s"] / sent * 1e6,
             "generator_cpu_s": res.get("generator_cpu_s"), "call_wall_s": res["call_wall_s"],
-            "instructions_per_request": instr / sent if instr else None,
             "load_average": [load0, os.getloadavg()[0]],
         }
-        print(f"[gencost] {name}: {out['sent']} requests at {a.rate:.0f}/s: "
-              f"{out['cpu_us_per_request']:.1f} µs CPU/request"
+        print(f"[gencost] {name}: {out['sent']} requests at {a.rate:.0f}/s; {out['counted']}: "
+              f"{out['cpu_us_per_request']:.1f} µs CPU/request (user {out['user_us_per_request']:.1f} + system "
+              f"{out['system_us_per_request']:.1f})"
               + (f", {out['instructions_per_request']:,.0f} instructions/request" if instr else "")
-              + f" (whole process {out['process_cpu_us_per_request']:.1f} µs); p50 {res['latency_ms']['p50']:.0f} ms,"
-              f" p99 {res['latency_ms']['p99']:.0f} ms, unfinished {res['unfinished']}; load {load0:.1f}", flush=True)
+              + f"; whole call {out['call_cpu_us_per_request']:.1f} µs, whole process "
+              f"{out['process_cpu_us_per_request']:.1f} µs; p50 {res['latency_ms']['p50']:.0f} ms, "
+              f"p99 {res['latency_ms']['p99']:.0f} ms, unfinished {res['unfinished']}; load {load0:.1f}", flush=True)
         return out
     finally:
         shutil.rmtree(data, ignore_errors=True)

@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -49,15 +50,20 @@ def _generator(data_dir: str, rate: float, duration: float, warmup: float, n: in
 
 
 def _lean_generator(data_dir: str, rate: float, duration: float, warmup: float, n: int, zipf: float, seed: int,
-                    out: str, group_commit_s: float = 0.004) -> None:
-    """The same open loop as :func:`_generator` without a coroutine, future and timeout per request: one loop
-    that wakes every ``group_commit_s`` (on a fixed grid), appends what is due (one SQLite transaction, as
-    LogClient's group commit) and reads the replies that arrived (when the output log's ``data_version``
-    moved). Latency is still measured from each request's due time ``i / rate`` to the moment its reply is
-    seen. What it leaves out is the client library's per-request cost, so it measures the engine's ceiling on
-    a machine whose cores the generator shares: per request it builds the request, appends it and matches its
-    reply, nothing else (one timestamp per batch, outcomes in flat arrays; ``benchmarks/generator_cost.py``
-    measures it)."""
+                    out: str, group_commit_s: float = 0.004, drain_timeout: float = 30.0,
+                    on_clock: Callable[[bool], None] | None = None) -> None:
+    """The same open loop as :func:`_generator` without a coroutine, future and timeout per request.
+
+    The whole schedule is built before the clock starts (request ``i`` is due at ``i / rate``; the RNG draws
+    debtor, creditor, amount per request as ``_generator``'s ``gen``, so a seed gives the same workload). Then
+    one loop wakes every ``group_commit_s`` on a fixed grid, appends what is due in one SQLite transaction (as
+    LogClient's group commit; the log stamps the append time) and reads the replies that arrived when the
+    output log's ``data_version`` moved. Latency is measured from each request's due time to the moment its
+    reply is seen. Per request the loop only appends it and matches its reply (outcomes in flat arrays, the
+    request's index read back from its id), so it measures the engine's ceiling on a machine whose cores the
+    generator shares (``benchmarks/generator_cost.py`` measures its CPU per request). In the result,
+    ``generator_cpu_s`` is the process's CPU time, ``generator_loop_cpu_s`` the open loop's alone;
+    ``on_clock(True)`` / ``on_clock(False)`` are called as the open loop starts and ends (a profiler's hook)."""
     import array
     import random
     import uuid
@@ -74,12 +80,19 @@ def _lean_generator(data_dir: str, rate: float, duration: float, warmup: float, 
     outp = OutputLog(os.path.join(data_dir, "output.sqlite"))
     seq = outp.last_seq()
     total = int((warmup + duration) * rate)
-    done = array.array("d", [-1.0]) * total  # when request i's reply was seen (s after t0), -1: not yet
-    ok = bytearray(total)
-    errors: dict[int, str] = {}  # error_type of the requests that failed
-    waiting: dict[str, int] = {}  # request id -> i
     prefix = uuid.uuid4().hex[:16]
     key, sample, randrange, randint, encode = ycsb.key, sampler.sample, rng.randrange, rng.randint, serde.encode
+    # arguments evaluate left to right: debtor, creditor, amount, the order of _generator's gen()
+    reqs = [Request(f"{prefix}{i:x}", "account", key(randrange(n)), "transfer",
+                    encode([key(sample(rng)), randint(1, 10)])) for i in range(total)]
+    done = array.array("d", [-1.0]) * total  # when request i's reply was seen (s after t0); -1: not yet
+    ok = bytearray(total)
+    errors: dict[int, str] = {}  # error_type of the requests that failed
+    plen = len(prefix)
+    left = total  # requests without a reply
+    if on_clock is not None:
+        on_clock(True)
+    cpu0 = time.process_time()
     t0 = time.monotonic() + 0.05
     tick = t0
     i = 0
@@ -88,44 +101,51 @@ def _lean_generator(data_dir: str, rate: float, duration: float, warmup: float, 
     while True:
         now = time.monotonic()
         if i < total and t0 + i / rate <= now:
-            ts = time.time()  # the batch's append time (one transaction: the log would give it one time too)
-            batch = []
-            while i < total and t0 + i / rate <= now:
-                d = randrange(n)  # the RNG draws in the order of _generator's gen(): debtor, creditor, amount
-                rid = f"{prefix}{i:x}"
-                batch.append(Request(rid, "account", key(d), "transfer", encode([key(sample(rng)), randint(1, 10)]),
-                                     ts))
-                waiting[rid] = i
-                i += 1
-            inp.append_many(batch)
+            j = min(total, max(i + 1, int((now - t0) * rate)))
+            while j > i + 1 and t0 + (j - 1) / rate > now:  # exactly the requests due by now
+                j -= 1
+            while j < total and t0 + j / rate <= now:
+                j += 1
+            inp.append_many(reqs[i:j])
+            i = j
         version = outp.version()
         if version != seen:
             rows = outp.read_since(seq, 100_000)
             if len(rows) < 100_000:
                 seen = version
+            if rows:
+                seq = rows[-1][0]
             at = time.monotonic() - t0
-            for s_, rep in rows:
-                seq = max(seq, s_)
-                j = waiting.pop(rep.request_id, None)
-                if j is not None:
-                    done[j] = at
+            for _, rep in rows:
+                rid = rep.request_id
+                if not rid.startswith(prefix):
+                    continue
+                k = int(rid[plen:], 16)
+                if k < i and done[k] < 0:
+                    done[k] = at
+                    left -= 1
                     if rep.ok:
-                        ok[j] = 1
+                        ok[k] = 1
                     else:
-                        errors[j] = rep.error_type
+                        errors[k] = rep.error_type
         if i >= total:
-            drain_end = drain_end or time.monotonic() + 30.0
-            if not waiting or time.monotonic() > drain_end:
+            drain_end = drain_end or time.monotonic() + drain_timeout
+            if not left or time.monotonic() > drain_end:
                 break
             time.sleep(0.003)
-        else:  # the next group commit: on a fixed grid (never more than one commit per group_commit_s)
+        else:  # the next group commit, on a fixed grid: at most one commit per group_commit_s
             tick = max(tick + group_commit_s, now)
             time.sleep(max(0.0, tick - time.monotonic()))
     wall = time.monotonic() - t0
-    samples = [{"due": j / rate, "done": done[j] if done[j] >= 0 else None, "ok": bool(ok[j]),
-                "error_type": errors.get(j, "")} for j in range(i)]
+    loop_cpu = time.process_time() - cpu0
+    if on_clock is not None:
+        on_clock(False)
+    del reqs
+    samples = [{"due": k / rate, "done": done[k] if done[k] >= 0 else None, "ok": bool(ok[k]),
+                "error_type": errors.get(k, "")} for k in range(total)]
     res = summarize(samples, rate=rate, duration=duration, warmup=warmup,
                     extra={"label": f"spark zipf={zipf} lean", "wall_s": wall, "when": time.time()})
+    res["generator_loop_cpu_s"] = loop_cpu
     res["generator_cpu_s"] = time.process_time()
     Path(out).write_text(json.dumps(res))
 
