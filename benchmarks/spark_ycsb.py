@@ -81,10 +81,26 @@ def _lean_generator(data_dir: str, rate: float, duration: float, warmup: float, 
     seq = outp.last_seq()
     total = int((warmup + duration) * rate)
     prefix = uuid.uuid4().hex[:16]
-    key, sample, randrange, randint, encode = ycsb.key, sampler.sample, rng.randrange, rng.randint, serde.encode
-    # arguments evaluate left to right: debtor, creditor, amount, the order of _generator's gen()
-    reqs = [Request(f"{prefix}{i:x}", "account", key(randrange(n)), "transfer",
-                    encode([key(sample(rng)), randint(1, 10)])) for i in range(total)]
+    keys = [ycsb.key(d) for d in range(n)]
+    encode, getrandbits, bits, uniform = serde.encode, rng.getrandbits, n.bit_length(), zipf <= 0
+    reqs = []
+    for i in range(total):
+        # _generator's gen() draw for draw: debtor rng.randrange(n), creditor sampler.sample(rng) (randrange(n)
+        # when uniform), amount rng.randint(1, 10); randrange(m) inlined as CPython draws it (getrandbits of
+        # m's bit length until below m), which tests/test_bench.py checks against random.Random itself
+        d = getrandbits(bits)
+        while d >= n:
+            d = getrandbits(bits)
+        if uniform:
+            c = getrandbits(bits)
+            while c >= n:
+                c = getrandbits(bits)
+        else:
+            c = sampler.sample(rng)
+        a = getrandbits(4)
+        while a >= 10:
+            a = getrandbits(4)
+        reqs.append(Request(f"{prefix}{i:x}", "account", keys[d], "transfer", encode([keys[c], a + 1])))
     done = array.array("d", [-1.0]) * total  # when request i's reply was seen (s after t0); -1: not yet
     ok = bytearray(total)
     errors: dict[int, str] = {}  # error_type of the requests that failed
