@@ -232,6 +232,28 @@ def test_wal_mode_sqlite(tmp_path: Path) -> None:
         c.close()
 
 
+def test_sqlite_blobs_are_stored_as_blobs(tmp_path: Path) -> None:
+    """Requests and replies are bound as bytearray (the cheap path of the sqlite3 module): the files still hold
+    BLOBs that a plain sqlite3 reader gets back as bytes, decoding to what was written."""
+    from charon.serde import decode_reply, decode_request
+
+    inp, out = InputLog(tmp_path / "in.db", 2), OutputLog(tmp_path / "out.db")
+    reqs = [req(i, ts=1.5) for i in range(5)]
+    inp.append_many(reqs)
+    out.put_many([rep(i) for i in range(5)])
+    inp.close()
+    out.close()
+    c = sqlite3.connect(tmp_path / "in.db")
+    rows = c.execute("SELECT typeof(data), data FROM entries ORDER BY request_id").fetchall()
+    assert [t for t, _ in rows] == ["blob"] * 5 and all(type(d) is bytes for _, d in rows)
+    assert [decode_request(d) for _, d in rows] == reqs
+    c.close()
+    c = sqlite3.connect(tmp_path / "out.db")
+    rows = c.execute("SELECT typeof(data), data FROM replies ORDER BY seq").fetchall()
+    assert [t for t, _ in rows] == ["blob"] * 5 and [decode_reply(d) for _, d in rows] == [rep(i) for i in range(5)]
+    c.close()
+
+
 def test_idempotent_append(logs: Logs) -> None:
     log = logs.input(4)
     first = log.append(req(1))
