@@ -269,6 +269,20 @@ def test_idempotent_append(logs: Logs) -> None:
     assert log.position("r2") == got[0]
 
 
+def test_a_large_batch_appends_as_one_by_one(logs: Logs) -> None:
+    """A batch longer than the SQLite log's statement chunks, with duplicates inside it (across chunk
+    boundaries) and against the log, gets the positions and contents of the same requests appended one by one."""
+    ids = [i % 233 for i in range(300)] + [5, 299, 0]  # 234 distinct, 69 repeats; ids 0..9 are in the log
+    batch, one = logs.input(4), logs.fresh().input(4)
+    for log in (batch, one):
+        log.append_many([req(i, ts=1.0) for i in range(10)])
+    got = batch.append_many([req(i, ts=1.0) for i in ids])
+    want = [one.append(req(i, ts=1.0)) for i in ids]
+    assert got == want
+    assert batch.count() == one.count() == 234 and batch.end_offsets() == one.end_offsets()
+    assert batch.read_range([0] * 4, batch.end_offsets()) == one.read_range([0] * 4, one.end_offsets())
+
+
 def test_append_many_is_one_transaction(logs: Logs) -> None:
     log = logs.input(2)
     bad = Request("bad", "account", "k", "f", b"", 0.0)
