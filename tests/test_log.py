@@ -254,6 +254,20 @@ def test_sqlite_blobs_are_stored_as_blobs(tmp_path: Path) -> None:
     c.close()
 
 
+def test_sqlite_output_log_raw_reads(tmp_path: Path) -> None:
+    """read_raw_since: the same seqs and limit as read_since, each reply's own msgpack bytes."""
+    from charon.serde import decode_reply
+
+    out = OutputLog(tmp_path / "out.db")
+    out.put_many([rep(i) for i in range(6)])
+    for since, limit in ((0, 10), (2, 3), (6, 5)):
+        raw = out.read_raw_since(since, limit)
+        assert [(s, decode_reply(d)) for s, d in raw] == out.read_since(since, limit)
+        assert all(type(d) is bytes for _, d in raw)
+    assert [s for s, _ in out.read_raw_since(2, 3)] == [3, 4, 5]
+    out.close()
+
+
 def test_idempotent_append(logs: Logs) -> None:
     log = logs.input(4)
     first = log.append(req(1))

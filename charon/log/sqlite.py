@@ -455,6 +455,13 @@ class OutputLog:
         ).fetchall()
         return [(s, decode_reply(d)) for s, d in rows]
 
+    def read_raw_since(self, seq: int, limit: int = 10000) -> list[tuple[int, bytes]]:
+        """Like :meth:`read_since` but ``(seq, msgpack bytes)`` pairs, for callers that decode only what they
+        need (each ``bytes`` is one whole msgpack object, so many can be decoded in one call)."""
+        return self._db.conn().execute(
+            "SELECT seq, data FROM replies WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)
+        ).fetchall()
+
     def read_between(self, start: int, end: int) -> list[tuple[int, Reply]]:
         """``(seq, reply)`` pairs with ``start < seq <= end``, in seq order."""
         rows = self._db.conn().execute(
