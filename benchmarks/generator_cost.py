@@ -105,7 +105,7 @@ def _child(a: argparse.Namespace) -> None:
             prof.enable() if on else prof.disable()
 
     # a generator with an on_clock hook is counted over its open loop; an older one over the whole call
-    hook = "on_clock" in inspect.signature(mod._lean_generator).parameters
+    hook = a.count == "loop" and "on_clock" in inspect.signature(mod._lean_generator).parameters
     kw = {"on_clock": count} if hook else {}
     if not hook:
         count(True)
@@ -151,7 +151,7 @@ def run_one(a: argparse.Namespace, name: str, root: str) -> dict:
         result = os.path.join(data, "result.json")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--root", root, "--data", data,
                "--result", result, "--rate", str(a.rate), "--duration", str(a.duration), "--warmup",
-               str(a.warmup), "--accounts", str(a.accounts)] + (["--profile"] if a.profile else [])
+               str(a.warmup), "--accounts", str(a.accounts), "--count", a.count] + (["--profile"] if a.profile else [])
         perf_out = os.path.join(data, "perf.txt")
         use_perf = a.perf and shutil.which("perf") is not None and not a.profile
         if use_perf:
@@ -196,27 +196,46 @@ def run_one(a: argparse.Namespace, name: str, root: str) -> dict:
         shutil.rmtree(data, ignore_errors=True)
 
 
-def plot(results: list[dict], path: Path) -> None:
-    """Bars: mean CPU µs and k-instructions per request by variant."""
+def summarize_runs(results: list[dict]) -> dict[str, dict]:
+    """Per variant: means over its runs of the per-request figures, and what perf counted."""
+    keys = ("cpu_us_per_request", "user_us_per_request", "system_us_per_request", "instructions_per_request",
+            "call_cpu_us_per_request", "process_cpu_us_per_request")
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(r["variant"] for r in results):
+        runs = [r for r in results if r["variant"] == name]
+        out[name] = {k: statistics.mean(r[k] or 0.0 for r in runs) for k in keys}
+        out[name].update(counted=runs[0]["counted"], runs=len(runs),
+                         p99_ms=statistics.mean(r["latency_ms"]["p99"] for r in runs))
+    return out
+
+
+def plot(summary: dict[str, dict], rate: float, epoch_ms: float, path: Path) -> None:
+    """Bars by variant: CPU µs per request (what perf counted, and the whole call) and instructions."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(dict.fromkeys(r["variant"] for r in results))
-    cpu = [statistics.mean(r["cpu_us_per_request"] for r in results if r["variant"] == n) for n in names]
-    ins = [statistics.mean((r["instructions_per_request"] or 0) / 1000 for r in results if r["variant"] == n)
-           for n in names]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3.2))
-    ax1.bar(names, cpu, color="tab:blue")
+    names = list(summary)
+    xs = range(len(names))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    counted = [summary[n]["cpu_us_per_request"] for n in names]
+    call = [summary[n]["call_cpu_us_per_request"] for n in names]
+    ax1.bar([x - 0.2 for x in xs], counted, 0.4, label="counted", color="tab:blue")
+    ax1.bar([x + 0.2 for x in xs], call, 0.4, label="whole call", color="tab:gray")
     ax1.set_ylabel("generator CPU µs / request")
-    ax2.bar(names, ins, color="tab:orange")
-    ax2.set_ylabel("generator k-instructions / request")
-    for ax, vals in ((ax1, cpu), (ax2, ins)):
-        for x, v in enumerate(vals):
-            ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom")
-    r0 = results[0]
-    fig.suptitle(f"lean YCSB-T generator at {r0['rate']:.0f}/s vs a fake engine ({r0['epoch_ms']:.0f} ms epochs)")
+    ax1.legend(fontsize=8)
+    ins = [summary[n]["instructions_per_request"] / 1000 for n in names]
+    ax2.bar(xs, ins, color="tab:orange")
+    ax2.set_ylabel("k instructions:u / request (counted)")
+    for ax, pos, vals in ((ax1, [x - 0.2 for x in xs], counted), (ax1, [x + 0.2 for x in xs], call),
+                          (ax2, list(xs), ins)):
+        for x, v in zip(pos, vals, strict=True):
+            ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom", fontsize=8)
+    labels = [f"{n}\n({summary[n]['counted']})" for n in names]
+    for ax in (ax1, ax2):
+        ax.set_xticks(list(xs), labels, fontsize=8)
+    fig.suptitle(f"lean YCSB-T generator at {rate:.0f}/s against a fake engine ({epoch_ms:.0f} ms epochs)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -231,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ROOT",
                     help="a checkout whose benchmarks/spark_ycsb.py and charon/ to run (default: this one)")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--count", choices=("loop", "call"), default="loop",
+                    help="what perf counts: the open loop (a generator with an on_clock hook; others: the whole call) "
+                         "or the whole _lean_generator call (schedule and summary too) for every variant")
     ap.add_argument("--no-perf", dest="perf", action="store_false", help="do not count instructions with perf")
     ap.add_argument("--profile", action="store_true", help="print the generator's cProfile (no perf counts)")
     ap.add_argument("--out", default=str(ROOT / "out"))
@@ -253,15 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"generator_cost{'_' + a.label if a.label else ''}"
-    summary = {n: {"cpu_us_per_request": statistics.mean(r["cpu_us_per_request"] for r in results
-                                                         if r["variant"] == n),
-                   "instructions_per_request": statistics.mean((r["instructions_per_request"] or 0)
-                                                               for r in results if r["variant"] == n)}
-               for n, _ in variants}
-    (out / f"{name}.json").write_text(json.dumps({"summary": summary, "runs": results,
-                                                  "when": time.time()}, indent=1))
-    plot(results, out / f"{name}.png")
-    print(f"[gencost] {json.dumps(summary)}\nwrote {out / name}.json")
+    summary = summarize_runs(results)
+    (out / f"{name}.json").write_text(json.dumps({"command": " ".join(sys.argv), "summary": summary,
+                                                  "runs": results, "when": time.time()}, indent=1))
+    plot(summary, a.rate, a.epoch_ms, out / f"{name}.png")
+    for n, v in summary.items():
+        print(f"[gencost] {n} ({v['counted']}, mean of {v['runs']}): {v['cpu_us_per_request']:.1f} µs CPU, "
+              f"{v['instructions_per_request']:,.0f} instructions per request; whole call "
+              f"{v['call_cpu_us_per_request']:.1f} µs", flush=True)
+    print(f"wrote {out / name}.json")
     return 0
 
 
