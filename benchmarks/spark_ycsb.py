@@ -153,7 +153,7 @@ def _lean_generator(data_dir: str, rate: float, duration: float, warmup: float, 
             if not waiting or time.monotonic() > drain_end:
                 break
             time.sleep(0.003)
-        else:  # the next group commit, on a fixed grid: at most one commit per group_commit_s
+        else:  # the next group commit, on a fixed grid of group_commit_s (after a late wake-up: at once)
             tick = max(tick + group_commit_s, now)
             time.sleep(max(0.0, tick - time.monotonic()))
     wall = time.monotonic() - t0
