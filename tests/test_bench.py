@@ -142,3 +142,74 @@ def test_charon_bench_arguments_map_to_the_suite():
     assert translate(["--engine", "postgres"]) == ["--systems", "postgres"]
     with pytest.raises(SystemExit):
         translate(["nosuch"])
+
+
+def _spark_ycsb_module():
+    """benchmarks/spark_ycsb.py, imported from its file (benchmarks/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "spark_ycsb.py"
+    spec = importlib.util.spec_from_file_location("spark_ycsb_under_test", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("zipf", [0.0, 0.99])
+def test_lean_generator_sends_the_seeded_workload_and_matches_every_reply(tmp_path: Path, zipf: float) -> None:
+    """spark_ycsb's lean generator against a fake engine thread (reads the input log, writes a reply per request,
+    amount 10 fails): the requests are _generator's gen() draw for draw, every reply is matched once, a reply
+    of another client is ignored, latencies run from the due time."""
+    import json
+    import threading
+    import time
+
+    from charon import serde
+    from charon.log.sqlite import InputLog, OutputLog
+    from charon.messages import Reply
+
+    mod = _spark_ycsb_module()
+    inp, outp = InputLog(tmp_path / "input.sqlite", 4), OutputLog(tmp_path / "output.sqlite")
+    outp.put(Reply("someone-else", 0, 0, True))
+    stop = threading.Event()
+    seen: list = []
+
+    def engine() -> None:
+        starts = [0] * 4
+        while not stop.wait(0.03):
+            ends = inp.end_offsets()
+            rows = inp.read_range(starts, ends)
+            starts = ends
+            seen.extend(r for _, _, r in rows)
+            reps = [Reply(r.request_id, 1, 1, serde.decode(r.args)[1] != 10, b"", error_type=(
+                "NotEnoughCredit" if serde.decode(r.args)[1] == 10 else "")) for _, _, r in rows]
+            reps.append(Reply(f"other{len(seen)}", 0, 0, False, error_type="Foreign"))
+            outp.put_many(reps)
+
+    t = threading.Thread(target=engine, daemon=True)
+    t.start()
+    calls: list[bool] = []
+    t0 = time.time()
+    try:
+        mod._lean_generator(str(tmp_path), 2000.0, 0.5, 0.25, 100, zipf, 7, str(tmp_path / "r.json"),
+                            on_clock=calls.append)
+    finally:
+        stop.set()
+        t.join()
+    res = json.loads((tmp_path / "r.json").read_text())
+    sampler, rng = ycsb.Zipf(100, zipf), random.Random(7)
+    want = []
+    for _ in range(1500):  # _generator's gen(rng)
+        d = rng.randrange(100)
+        want.append((ycsb.key(d), [ycsb.key(sampler.sample(rng)), rng.randint(1, 10)]))
+    got = sorted(seen, key=lambda r: int(r.request_id[16:], 16))
+    assert [(r.key, serde.decode(r.args)) for r in got] == want
+    assert all(r.operator == "account" and r.function == "transfer" and r.ts >= t0 for r in got)
+    assert calls == [True, False]
+    fails = sum(1 for _, (_, amount) in want[500:] if amount == 10)  # the measured window: due from 0.25 s
+    assert res["sent"] == 1500 and res["measured"] == 1000 and res["unfinished"] == 0
+    assert res["completed"] == 1000 and res["aborted"] == fails > 0
+    assert res["abort_types"] == {"NotEnoughCredit": fails}
+    assert 0 < res["latency_ms"]["p50"] <= res["latency_ms"]["max"] < 5000
+    assert 0 < res["generator_loop_cpu_s"] <= res["generator_cpu_s"]

@@ -232,6 +232,42 @@ def test_wal_mode_sqlite(tmp_path: Path) -> None:
         c.close()
 
 
+def test_sqlite_blobs_are_stored_as_blobs(tmp_path: Path) -> None:
+    """Requests and replies are bound as bytearray (the cheap path of the sqlite3 module): the files still hold
+    BLOBs that a plain sqlite3 reader gets back as bytes, decoding to what was written."""
+    from charon.serde import decode_reply, decode_request
+
+    inp, out = InputLog(tmp_path / "in.db", 2), OutputLog(tmp_path / "out.db")
+    reqs = [req(i, ts=1.5) for i in range(5)]
+    inp.append_many(reqs)
+    out.put_many([rep(i) for i in range(5)])
+    inp.close()
+    out.close()
+    c = sqlite3.connect(tmp_path / "in.db")
+    rows = c.execute("SELECT typeof(data), data FROM entries ORDER BY request_id").fetchall()
+    assert [t for t, _ in rows] == ["blob"] * 5 and all(type(d) is bytes for _, d in rows)
+    assert [decode_request(d) for _, d in rows] == reqs
+    c.close()
+    c = sqlite3.connect(tmp_path / "out.db")
+    rows = c.execute("SELECT typeof(data), data FROM replies ORDER BY seq").fetchall()
+    assert [t for t, _ in rows] == ["blob"] * 5 and [decode_reply(d) for _, d in rows] == [rep(i) for i in range(5)]
+    c.close()
+
+
+def test_sqlite_output_log_raw_reads(tmp_path: Path) -> None:
+    """read_raw_since: the same seqs and limit as read_since, each reply's own msgpack bytes."""
+    from charon.serde import decode_reply
+
+    out = OutputLog(tmp_path / "out.db")
+    out.put_many([rep(i) for i in range(6)])
+    for since, limit in ((0, 10), (2, 3), (6, 5)):
+        raw = out.read_raw_since(since, limit)
+        assert [(s, decode_reply(d)) for s, d in raw] == out.read_since(since, limit)
+        assert all(type(d) is bytes for _, d in raw)
+    assert [s for s, _ in out.read_raw_since(2, 3)] == [3, 4, 5]
+    out.close()
+
+
 def test_idempotent_append(logs: Logs) -> None:
     log = logs.input(4)
     first = log.append(req(1))
@@ -245,6 +281,20 @@ def test_idempotent_append(logs: Logs) -> None:
     assert log.count() == 3
     assert sum(log.end_offsets()) == 3
     assert log.position("r2") == got[0]
+
+
+def test_a_large_batch_appends_as_one_by_one(logs: Logs) -> None:
+    """A batch longer than the SQLite log's statement chunks, with duplicates inside it (across chunk
+    boundaries) and against the log, gets the positions and contents of the same requests appended one by one."""
+    ids = [i % 233 for i in range(300)] + [5, 299, 0]  # 234 distinct, 69 repeats; ids 0..9 are in the log
+    batch, one = logs.input(4), logs.fresh().input(4)
+    for log in (batch, one):
+        log.append_many([req(i, ts=1.0) for i in range(10)])
+    got = batch.append_many([req(i, ts=1.0) for i in ids])
+    want = [one.append(req(i, ts=1.0)) for i in ids]
+    assert got == want
+    assert batch.count() == one.count() == 234 and batch.end_offsets() == one.end_offsets()
+    assert batch.read_range([0] * 4, batch.end_offsets()) == one.read_range([0] * 4, one.end_offsets())
 
 
 def test_append_many_is_one_transaction(logs: Logs) -> None:
