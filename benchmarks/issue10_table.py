@@ -155,7 +155,7 @@ def row_spark(q: bool) -> dict:
             "--out", rel(OUT), "--label", "table_1000")
     sh(c1, OUT / "spark_1000.log")
     at1000 = json.loads((OUT / "spark_ycsb_zipf0.0_table_1000.json").read_text())
-    rates = "2000,4000" if q else "4000,6000,8000,10000,12000,16000"
+    rates = "2000,4000" if q else "4000,8000,12000,14000,16000,18000,20000,22000"
     c2 = py("spark_ycsb.py", "--rates", rates, "--duration", "5" if q else "8", "--warmup", warm,
             "--variants", "after", "--stop-p99-ms", "2000", "--generator", "lean", "--max-batch", "10000",
             "--out", rel(OUT), "--label", "table_max")
