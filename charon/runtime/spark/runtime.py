@@ -517,6 +517,7 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
     for pid in range(parts):
         unit = PartitionUnit(pid, parts, app, open_store(root, pid, durable_root))
         unit.previous = prev
+        unit.report_cache = False  # the rest of the epoch runs here: the call-graph cache stays in the unit
         unit.load_scratch(scratches[pid])
         units.append(unit)
     if job.prior is not None:
