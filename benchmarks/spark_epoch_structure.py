@@ -6,7 +6,7 @@ jobs and tasks per epoch, and the engine's CPU per transaction (tasks plus coord
 Each job costs ~40 ms (one task) to ~70 ms (two tasks) on the reference machine whatever it carries.
 
 Workloads: YCSB-T transfers (10k accounts, uniform) and TPC-C NewOrder+Payment at W=1 (the ``small`` scale),
-epochs of ``--sizes`` transactions; variants ``before`` (every lever off: a finalize round of its own,
+epochs of ``--sizes`` transactions; variants ``before`` (every lever off: whole epochs, a finalize round of its own,
 rounds of one task per core, the fallback round by round) and ``after`` (the defaults).
 
     .venv/bin/python benchmarks/spark_epoch_structure.py --sizes 100,500
@@ -72,7 +72,7 @@ def run(workload: str, variant: str, size: int, epochs: int = 3, overrides: dict
             durable.write_base(pid, -1, sorted(by.get(pid, [])))
         ex = Counting(None, app_ref, cfg)
         ex.slots = 2  # local[2]: a round gets at most two tasks
-        coord = EpochCoordinator(ref.app, ex, sequencers=1)
+        coord = EpochCoordinator(ref.app, ex, sequencers=1, chunk=0 if variant == "before" else None)  # before: whole
         rng = random.Random(1)
         prior = None
         rows = []
