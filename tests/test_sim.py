@@ -163,3 +163,32 @@ def test_new_structure_is_exercised_under_crashes(tmp_path) -> None:
     assert pipelined > 50 and fallback_jobs > 20 and rest_jobs > 20, (pipelined, fallback_jobs, rest_jobs)
     assert {"before_epoch", "before_job", "after_round", "after_finalize", "after_defer",
             "after_record"} <= pending_crashes, pending_crashes
+
+
+def test_a_replayed_epoch_keeps_its_first_runs_chunks(tmp_path, monkeypatch) -> None:
+    """Each driver (re)start chooses another chunk size (1, then whole epochs, ...), as a changed configuration
+    would: every epoch runs with the chunk size its previous epoch's record names (``next_chunk``), so an epoch
+    replayed after a crash (its replies out, its record not written) decides as its first run did."""
+    import itertools
+
+    import charon.runtime.spark.runtime as sr
+
+    starts = itertools.count()
+
+    def chunk(self: sr.SparkRuntime) -> int:
+        if "_test_chunk" not in self.__dict__:
+            self._test_chunk = [1, 0][next(starts) % 2]
+        return self._test_chunk
+
+    monkeypatch.setattr(sr.SparkRuntime, "_chunk", chunk)
+    failed, crashed = [], 0
+    for seed in range(60):
+        sim = Simulation(seed, str(tmp_path / str(seed)))
+        sim.chunk = None  # the runtime's choice, not the simulator's
+        try:
+            sim.run()
+        except Exception as exc:  # noqa: BLE001 - every failing seed is listed
+            failed.append(f"seed {seed}: {type(exc).__name__}: {exc}"[:300])
+        crashed += sim.crashes
+    assert not failed, "\n".join(failed)
+    assert crashed > 20  # restarts (with the other chunk size) really happened

@@ -27,6 +27,10 @@ class EpochRecord(msgspec.Struct, omit_defaults=True):
     time: float = 0.0  # the epoch's deterministic time (the sequencer's, see charon.core.timers)
     next_due: float = -math.inf  # the earliest pending timer after this epoch (-inf: unknown)
     log_end: int = 0  # node: the input-log offset after this epoch's marker (replay starts here)
+    # Spark: transactions per chunk (charon.core.epoch) of the next epoch, chosen when this one ended, so that a
+    # replay of that epoch (its replies out, its record not written) cuts it where its first run did, whatever
+    # the configuration after a restart (-1: not recorded, the runtime's own choice)
+    next_chunk: int = -1
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -41,7 +41,15 @@ import msgspec
 from charon import serde
 from charon.config import SparkConfig
 from charon.core import timers as _timers
-from charon.core.epoch import EpochCoordinator, EpochResult, FallbackJob, FallbackOutcome, RestJob, RestOutcome
+from charon.core.epoch import (
+    EPOCH_CHUNK,
+    EpochCoordinator,
+    EpochResult,
+    FallbackJob,
+    FallbackOutcome,
+    RestJob,
+    RestOutcome,
+)
 from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
@@ -86,6 +94,16 @@ class Layout(msgspec.Struct):
     partitions: int
     log_partitions: int
     state: str = "state"
+    # transactions per chunk of the epochs run before any epoch is recorded (then each record names its next
+    # epoch's, EpochRecord.next_chunk): chosen at the checkpoint's first start (-1: a checkpoint from before)
+    first_chunk: int = -1
+
+
+def chunk_for(config: SparkConfig) -> int:
+    """Transactions per chunk of an epoch (:data:`charon.core.epoch.EPOCH_CHUNK`) where the rest of an epoch
+    runs as one task (``single_task_rest`` in local mode); 0 (whole epochs) where each round is a Spark job of
+    its own, as chunks would multiply the rounds (``benchmarks/chunk_rounds_cluster.py``)."""
+    return EPOCH_CHUNK if config.single_task_rest and config.master.strip().startswith("local") else 0
 
 
 def read_layout(checkpoint: str) -> Layout | None:
@@ -111,13 +129,13 @@ def remove_old_layouts(checkpoint: str, keep: str) -> None:
             shutil.rmtree(os.path.join(checkpoint, name), ignore_errors=True)
 
 
-def check_layout(checkpoint: str, partitions: int, log_partitions: int) -> Layout:
+def check_layout(checkpoint: str, partitions: int, log_partitions: int, first_chunk: int = -1) -> Layout:
     """Record the layout at a checkpoint's first start; later, record the input log's routing count (the
     runtime resized the log to it) and return the recorded layout (whose engine partition count the runtime
     then rescales to the configured one, :meth:`SparkRuntime.rescale`). State directories of an interrupted
     rescale are removed."""
     path = os.path.join(checkpoint, "layout.json")
-    want = Layout(partitions, log_partitions)
+    want = Layout(partitions, log_partitions, first_chunk=first_chunk)
     have = read_layout(checkpoint)
     if have is None:
         # a checkpoint from before layouts were recorded: its durable state names the partitions it has
@@ -769,7 +787,9 @@ class SparkRuntime(control.Controllable):
         if recorded is not None and cfg.log_partitions is None:  # not set: an existing log keeps its count
             cfg = dataclasses.replace(cfg, log_partitions=recorded.log_partitions)
         self.input_location, self.output_location = log_locations(os.path.abspath(cfg.data_dir), cfg.log_url)
-        layout = check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions)  # records the log count first
+        layout = check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions,  # records the log count first
+                              chunk_for(cfg))
+        self._first_chunk = layout.first_chunk
         # another count than the log's routes appends over it from now on (physical partitions only grow;
         # the epoch that first reads the new ones grows the sequencers, see _run_epoch)
         self.input_log = open_input_log(self.input_location, cfg.n_log_partitions, resize=True)
@@ -1207,7 +1227,8 @@ class SparkRuntime(control.Controllable):
         crash_point("relayout", epoch)  # the new state is written, the layout not switched
         with self._lock:  # a supervisor restarting the query meanwhile builds its exchange after the switch
             write_file_atomic(os.path.join(self.ckpt, "layout.json"),
-                              msgspec.json.encode(Layout(partitions, self.config.n_log_partitions, name)))
+                              msgspec.json.encode(Layout(partitions, self.config.n_log_partitions, name,
+                                                                 self._first_chunk)))
             crash_point("relayout_committed", epoch)  # switched; the old state directory is still there
             with self._layout_lock:
                 self.config = dataclasses.replace(self.config, partitions=partitions)
@@ -1408,6 +1429,7 @@ class SparkRuntime(control.Controllable):
             coord = EpochCoordinator(
                 self.app, self.exchange, sequencers=len(ends),
                 max_invocations=self.config.max_invocations, on_replies=deliver, on_finalized=finalized,
+                chunk=self._epoch_chunk(prev),
             )
             coord.timer_limit = self.config.max_timers_per_epoch
             coord.next_due = math.inf if epoch == 0 else -math.inf
@@ -1443,7 +1465,7 @@ class SparkRuntime(control.Controllable):
         rec = EpochRecord(
             epoch, list(coord.sequencer.counters),
             [(tid, serde.encode_request(r)) for tid, r in coord.deferred], list(starts), list(ends), stats,
-            coord.sequencer.time, coord.next_due,
+            coord.sequencer.time, coord.next_due, next_chunk=self._chunk(),
         )
         if result.finalize is not None:  # written by the next epoch's first round, recorded after it
             if coord.deferred:  # the next epoch must come even if no request does
@@ -1455,6 +1477,18 @@ class SparkRuntime(control.Controllable):
         if coord.deferred:
             self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
         return False
+
+    def _chunk(self) -> int:
+        """Transactions per chunk for the epochs to come (:func:`chunk_for` of the configuration)."""
+        return chunk_for(self.config)
+
+    def _epoch_chunk(self, prev: EpochRecord | None) -> int:
+        """The chunk size of the epoch after ``prev``: the one ``prev`` recorded, else (no epoch recorded yet) the
+        one the checkpoint's layout recorded at its first start, so that a replayed epoch is cut as its first run
+        was whatever the configuration after a restart; a checkpoint from before either: the configuration's."""
+        if prev is not None:
+            return prev.next_chunk if prev.next_chunk >= 0 else self._chunk()
+        return self._first_chunk if self._first_chunk >= 0 else self._chunk()
 
     def _append_atom(self, result: EpochResult) -> None:
         """Append an epoch's atom of events once its finalize ran and before its record is written (the one
