@@ -141,3 +141,26 @@ def test_a_timer_registered_in_a_deferred_epoch_fires_in_the_next_one() -> None:
     assert atoms == [(0, [(1, "armed", serde.encode(["a", 1]))])]
     coord.finalize(r1)
     assert atoms[-1][0] == 1 and [s for _, s, _ in atoms[-1][1]] == ["pings"]
+
+
+@pytest.mark.parametrize("exchange_cls", [LocalExchange, OneTask])
+@pytest.mark.parametrize("has_work", [True, False])
+def test_a_deferred_epoch_is_finalized_before_the_next_epochs_first_reply(exchange_cls: type, has_work: bool) -> None:
+    """A runtime records the deferred epoch in ``on_finalized`` and cuts the replies stream there (the Spark
+    driver's ``mark_epoch``): no reply of the next epoch may come before it, not even a request refused by
+    validation (those used to go out before the round carrying the finalize, splitting the next epoch's replies
+    over two micro-batches of ``charon_replies``)."""
+    parts = 2
+    ex = exchange_cls([PartitionUnit(p, parts, app, MemoryStore()) for p in range(parts)])
+    seen: list[tuple[str, int]] = []
+    coord = EpochCoordinator(app, ex, on_replies=lambda rs: seen.extend(("reply", r.epoch) for r in rs),
+                             on_finalized=lambda r: seen.append(("finalized", r.epoch)))
+    coord.next_due = float("inf")  # no collect round: the finalize rides in the next epoch's first round
+    r0 = coord.run_epoch(0, [(0, Request("x", "acct", "a", "move", serde.encode(["b"]), 1.0))], 1.0, defer=True)
+    assert r0.finalize is not None
+    reqs = [Request("bad", "acct", "a", "nope", serde.encode([]), 1.0)]
+    if has_work:
+        reqs.append(Request("y", "acct", "b", "ping", serde.encode(["c"]), 1.0))
+    r1 = coord.run_epoch(1, [(0, r) for r in reqs], 1.0, prior=r0)
+    assert r1.replies and all(r.epoch == 1 for r in r1.replies.values())
+    assert seen.index(("finalized", 0)) < seen.index(("reply", 1)), seen

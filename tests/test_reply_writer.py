@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -70,3 +71,56 @@ def test_abandon_drops_what_a_crash_would_lose(tmp_path) -> None:
     w.abandon()  # waits for the batch being written (it may land); the queued one never does
     ids = {r.request_id for _, r in log.read_since(0)}
     assert not ids & {r.request_id for r in _replies(2, 2)}
+
+
+def test_a_write_that_failed_once_does_not_fail_every_later_put(tmp_path) -> None:
+    """The log fails one write, then is back: the failure is raised on the epoch's thread (the epoch runs again),
+    but later puts go through and the kept batch is written. (It used to stay raised by every put: the Spark
+    driver's epochs all put replies before their record's flush, so none could run again, ever.)"""
+    log = OutputLog(os.path.join(tmp_path, "out.sqlite"))
+    down = threading.Event()
+    down.set()
+
+    def write(batch: list[Reply]) -> int:
+        if down.is_set():
+            raise OSError("log unreachable")
+        return log.put_many(batch)
+
+    w = ReplyWriter(write)
+    w.put(_replies(1, 2))
+    with pytest.raises(OSError):
+        w.flush()  # the write failed (the epoch's record is not written)
+    down.clear()  # the log is back
+    with pytest.raises(OSError):  # the epoch that puts next learns of it once and fails (it runs again)
+        w.put(_replies(2, 2))
+    for _ in range(3):  # the re-run of that epoch puts its replies again
+        w.put(_replies(2, 2))
+    w.flush()
+    ids = [r.request_id for _, r in log.read_since(0)]
+    assert ids == [r.request_id for r in _replies(1, 2) + _replies(2, 2)]
+    w.close()
+
+
+def test_a_put_right_after_close_is_written(tmp_path) -> None:
+    """``close`` lets the thread end; a put while that thread has left its loop but is not dead yet must start
+    another (it used to see the ending thread alive, queue the batch for nobody, and flush waited forever)."""
+    log = OutputLog(os.path.join(tmp_path, "out.sqlite"))
+    w = ReplyWriter(log.put_many)
+    ending = threading.Event()
+
+    def hook(frame, event, arg):  # noqa: ANN001, ANN202 - the writer thread, slow to die after its loop
+        if event == "return" and frame.f_code is ReplyWriter._run.__code__:
+            ending.set()
+            time.sleep(0.5)
+
+    threading.setprofile(hook)
+    try:
+        w.put(_replies(1, 2))
+        w.close()
+        assert ending.wait(10), "the thread left its loop"
+        w.put(_replies(2, 2))
+        w.flush(timeout=5)
+    finally:
+        threading.setprofile(None)
+    assert len(log.read_since(0)) == 4
+    w.close()

@@ -19,7 +19,8 @@
    that the next epoch's first round executes before its own work (``run_epoch(prior=result)``), which
    saves a round per epoch; replies never wait for it (they are safe once the outcome is decided, as a
    replay is deterministic), only the epoch's durable record does, and its atom of events (the finalize
-   gathers them): ``on_finalized(result)`` gets the deferred epoch with its events once that round returned.
+   gathers them): ``on_finalized(result)`` gets the deferred epoch with its events once that round returned,
+   before any reply of the epoch carrying it (a runtime records it there and cuts its replies stream).
 
 An epoch of more than ``EPOCH_CHUNK`` transactions runs steps 2–4 chunk by chunk (TID order): each chunk
 sees what the chunks before it committed, so Aria's conflicts are counted within a chunk (see
@@ -513,6 +514,7 @@ class EpochCoordinator:
         # called with a deferred epoch's result (its events set) once the round that finalized it returned
         self.on_finalized = on_finalized
         self._prior: EpochResult | None = None  # the deferred epoch whose finalize this epoch carries
+        self._held: list[Reply] = []  # replies decided before that finalize ran (see run_epoch)
         self.due_seen = math.inf  # the least next due time any partition reported in this epoch's rounds
         self.deferred: list[tuple[int, Request]] = []
         # the earliest due timer after the last epoch (-inf: unknown, e.g. after a restart; inf: none)
@@ -622,6 +624,7 @@ class EpochCoordinator:
         txns: dict[int, Request] = dict(self.deferred)
         self.deferred = []
         self.due_seen = math.inf
+        self._held = []
         self._prior = prior if prior is not None and prior.finalize is not None else None
         fin_prior = self._prior.finalize if self._prior is not None else None
         t_epoch = self.sequencer.advance(now)
@@ -672,7 +675,10 @@ class EpochCoordinator:
         for tid, err in refused:  # at its chunk's place (a chunk's transactions lie in (bound before, bound])
             j = bisect.bisect_left(bounds, tid) if bases else 0
             early.append(_reply(result, bounds[j], tid, False, False, err=err, base=bases[j] if bases else 0))
-        self._emit(early)
+        if self._prior is not None:  # its on_finalized (a runtime records it, cuts its replies there) comes first
+            self._held = early
+        else:
+            self._emit(early)
         first = roots if bases is None else roots[:bisect.bisect_right(tids, bounds[0])]
         apply_next, reset_next = self._rest(epoch, tids, first, _Track(), 0, fin_prior, result, stats, bounds)
         replies = result.replies
@@ -706,6 +712,8 @@ class EpochCoordinator:
         prior, self._prior = self._prior, None
         if prior is not None:
             self._finalized(prior, events)
+        held, self._held = self._held, []
+        self._emit(held)
 
     def _rest(self, epoch: int, roots: list[int], msgs: list, track: _Track, n: int, prior: Prior | None,
               result: EpochResult, stats: dict, bounds: list[int], j: int = 0,
@@ -722,6 +730,8 @@ class EpochCoordinator:
             assert self._prior is not None
             self.due_seen = min(self.due_seen, self.finalize(self._prior, stats))
             self._prior = prior = None
+            held, self._held = self._held, []
+            self._emit(held)
         bases = chunk_bases(bounds)
         while True:
             while msgs and n < self.max_rounds:
