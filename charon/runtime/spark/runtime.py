@@ -1485,10 +1485,11 @@ class SparkRuntime(control.Controllable):
     def _epoch_chunk(self, prev: EpochRecord | None) -> int:
         """The chunk size of the epoch after ``prev``: the one ``prev`` recorded, else (no epoch recorded yet) the
         one the checkpoint's layout recorded at its first start, so that a replayed epoch is cut as its first run
-        was whatever the configuration after a restart; a checkpoint from before either: the configuration's."""
+        was whatever the configuration after a restart. Recorded by a build from before chunks (-1): whole epochs,
+        as that build ran them (the next record then names the configuration's)."""
         if prev is not None:
-            return prev.next_chunk if prev.next_chunk >= 0 else self._chunk()
-        return self._first_chunk if self._first_chunk >= 0 else self._chunk()
+            return max(prev.next_chunk, 0)
+        return max(self._first_chunk, 0)
 
     def _append_atom(self, result: EpochResult) -> None:
         """Append an epoch's atom of events once its finalize ran and before its record is written (the one
