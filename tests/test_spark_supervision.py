@@ -222,3 +222,38 @@ def test_driver_sigkill_under_load_then_restart(tmp_path: Path) -> None:
         load.check({})
     finally:
         gw.kill()
+
+
+def test_a_restart_with_nothing_to_replay_serves_again_unasked(tmp_path: Path) -> None:
+    """The query stops by itself while idle and the supervisor restarts it with nothing left to replay; a timer
+    due afterwards must fire with nobody asking ``health()``. (CI saw it never fire after a log outage: a
+    caught-up restart counted as serving only inside ``health()``, and the timer ticker waits for serving.)"""
+    from charon import serde
+    from charon.config import SparkConfig
+    from charon.messages import Request
+    from charon.runtime.spark.runtime import SparkRuntime
+
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path / "d"), partitions=2, idle_wait_ms=100,
+                      epoch_max_failures=3, restart_backoff_s=0.2)
+    rt = SparkRuntime("charon.apps.holds:app", cfg)
+    try:
+        rt.start()
+        rt.input_log.append(Request("d0", "acct", "a", "deposit", serde.encode([100])))
+        rt.input_log.append(Request("h1", "acct", "a", "hold", serde.encode(["h1", 30, 4.0])))
+        rt.wait_idle(60)
+        reply = rt.get_reply("h1")
+        assert reply is not None and reply.ok and rt.read_state("acct", "a") == 70
+        assert rt._query is not None
+        rt._query.stop()  # as if its stream thread died: the supervisor restarts it from the checkpoint
+        deadline = time.monotonic() + 60
+        while rt._restarts < 1:
+            assert time.monotonic() < deadline, "the supervisor did not restart the query"
+            time.sleep(0.1)
+        deadline = time.monotonic() + 60
+        while rt.read_state("acct", "a") != 100:  # released by the timer; health() is not called meanwhile
+            assert time.monotonic() < deadline, f"the timer never fired: status {rt._status}"
+            time.sleep(0.2)
+        h = rt.health()
+        assert h["status"] == "ok" and h["restarts"] == 1 and h["fatal"] is None, h
+    finally:
+        rt.close()

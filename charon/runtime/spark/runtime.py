@@ -881,9 +881,12 @@ class SparkRuntime(control.Controllable):
         poll = max(self.config.timer_poll_ms, 1) / 1000.0
         n = 0
         while not self._wake.wait(poll):
-            if self._status != "ok" or self._next_due > time.time():
+            if self._next_due > time.time() or self._status not in ("ok", "recovering"):
                 continue
             try:
+                self._settle_recovery()  # a restart with nothing to replay: no epoch would ever say so
+                if self._status != "ok":
+                    continue
                 rec = self.read_record(self._last_recorded_epoch())
                 ends, tops = pad_pair(rec.ends if rec is not None else [], self.input_log.end_offsets())
                 if any(e < t for e, t in zip(ends, tops, strict=True)):
@@ -1002,6 +1005,8 @@ class SparkRuntime(control.Controllable):
                         self._status = "failed"
                         print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
                         return
+            with contextlib.suppress(OSError, sqlite3.Error):  # the log is down again: the ticker settles it
+                self._settle_recovery()
 
     def _outage(self, err: BaseException | None) -> str | None:
         """Why a query failure is an outage of the infrastructure rather than the epoch's fault, or None: the one
@@ -1040,6 +1045,15 @@ class SparkRuntime(control.Controllable):
         ends, target = pad_pair(rec.ends if rec is not None else [], log_ends)
         return not (rec is not None and rec.deferred) and all(e >= t for e, t in zip(ends, target, strict=True))
 
+    def _settle_recovery(self, log_ends: list[int] | None = None) -> None:
+        """The one rule for leaving ``recovering`` without an epoch: the restarted query is active and nothing is
+        left to replay (the log holds nothing past the last record, which is not deferred). Otherwise the next
+        recorded epoch does it (:meth:`_recorded`). Applied by the supervisor right after a restart, by the
+        timer ticker (it ticks only while serving) and by :meth:`health`."""
+        q = self._query
+        if self._status == "recovering" and q is not None and q.isActive and self._caught_up(log_ends):
+            self._status = "ok"
+
     def health(self) -> dict[str, Any]:
         """The runtime's state: ``status`` (ok, starting, recovering, failed, stopped), the last recorded
         epoch, the last error and the number of query restarts; ``ok`` is true only when serving and the
@@ -1050,9 +1064,9 @@ class SparkRuntime(control.Controllable):
         q = self._query
         if status == "ok" and q is not None and not q.isActive:
             status = "recovering"  # terminated; the supervisor is about to notice
-        elif status == "recovering" and q is not None and q.isActive and probe.ends is not None:
-            if self._caught_up(probe.ends):
-                status = self._status = "ok"  # restarted, and nothing was left to replay
+        elif status == "recovering" and probe.ends is not None:
+            self._settle_recovery(probe.ends)
+            status = self._status
         return {"status": status, "ok": status == "ok" and probe.ok, "epoch": self._last_recorded_epoch(),
                 "last_error": self._last_error, "log_error": probe.error, "restarts": self._restarts,
                 "fatal": self._fatal, "unconfirmed_epoch": self._unconfirmed}
