@@ -28,8 +28,21 @@ TOKEN = "t0k"
 ACCOUNTS = [f"a{i}" for i in range(8)]
 
 
+@pytest.fixture(autouse=True)
+def _no_server_left() -> object:
+    """A test that fails midway does not leave its server running (it would hold a port and a core)."""
+    yield
+    while Server.started:
+        proc = Server.started.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
 class Server:
     """`charon run node_app:app --engine inprocess` in its own process."""
+
+    started: list[subprocess.Popen] = []  # every server a test started (killed after it if still running)
 
     def __init__(self, data_dir: Path | None, *extra: str) -> None:
         self.port = free_port()
@@ -42,6 +55,7 @@ class Server:
             cwd=TESTS, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "COLUMNS": "300"},
         )
+        Server.started.append(self.proc)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
         while True:
