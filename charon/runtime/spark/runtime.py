@@ -975,8 +975,9 @@ class SparkRuntime(control.Controllable):
                     waits += 1
                 if self._wake.wait(delay):
                     return
-                if outage is not None:
-                    still = self._outage(None)
+                if outage is not None:  # a bounded probe first: a stopped server would hold _outage ~11 s per call
+                    probe = self._log_probe.check(fresh=True)
+                    still = probe.error if probe.error is not None else self._outage(None)
                     if still is not None:
                         self._last_error = f"epoch {epoch}: {still}"
                         continue
