@@ -261,6 +261,9 @@ class PartitionUnit:
         self.sole_writer = False
         self._due: tuple[int, float] | None = None  # (store epoch, next due time) after the last finalize
         self._ltab: dict[int, dict] = {}  # the live-coroutine table of the round being processed (_process)
+        # whether the scratch is as _clear leaves it (nothing of an epoch here yet): a partition an epoch never
+        # reached then clears and finalizes without allocating anything (see step)
+        self._fresh = False
         self._clear(-1)
 
     def app_for(self, tid: int) -> Application:
@@ -271,6 +274,9 @@ class PartitionUnit:
     # -- scratch ----------------------------------------------------------------------------------
     def _clear(self, epoch: int) -> None:
         self.epoch = epoch
+        if self._fresh:  # nothing was put in since the last clear
+            return
+        self._fresh = True
         self.buffers: dict[int, dict[Entity, dict[str, bytes | None]]] = {}
         self.frames: dict[int, dict[str, Frame]] = {}
         self.touched: dict[int, dict[Entity, bool]] = {}
@@ -301,6 +307,7 @@ class PartitionUnit:
             return
         for n, v in zip(self._SCRATCH, pickle.loads(data), strict=True):
             setattr(self, n, v)
+        self._fresh = False
         self.cache = {}
         self._clog = {}
         self.fast_layer = None
@@ -310,6 +317,7 @@ class PartitionUnit:
         keep only what the finalize writes (the overlay and the committed events), so that a runtime shipping
         the scratch to the finalize's round ships only that. The finalize settles the same lists again: a no-op."""
         self._settle(apply, reset)
+        self._fresh = False
         self.buffers, self.frames, self.touched, self.counts, self.dead, self.emits = {}, {}, {}, {}, set(), {}
         self.cache, self._clog = {}, {}
 
@@ -340,6 +348,7 @@ class PartitionUnit:
 
     def load_cache(self, cached: dict[int, list[Cached]]) -> None:
         """Hand back dry-run invocations (from earlier RoundOutput.cached) before a call-graph-cached round."""
+        self._fresh = False
         for tid, entries in cached.items():
             self.cache.setdefault(tid, []).extend(entries)
 
@@ -482,6 +491,8 @@ class PartitionUnit:
         self._stat_reads = 0
         self._stat_runs = 0
         self._recording = control.phase == Control.DRY
+        if inbox or control.fast or control.timers is not None:
+            self._fresh = False  # (apply and reset change nothing in a fresh scratch)
         self._settle(control.apply, control.reset)
         if control.timers is not None:
             self._collect_timers(*control.timers)
@@ -870,8 +881,12 @@ class PartitionUnit:
         out.next_due = nxt
 
     def _finalize(self) -> int:
-        delta, timer_items = self._delta()
-        self._out.events = self.emitted
+        if self._fresh:  # the epoch never reached this partition: an empty delta, no events
+            delta: dict[bytes, bytes | None] = {}
+            timer_items = None
+        else:
+            delta, timer_items = self._delta()
+            self._out.events = self.emitted
         if timer_items:  # index_delta looks at timer items only
             delta.update(_timers.index_delta(self.store.get, timer_items))
         store = self.store
