@@ -487,6 +487,14 @@ class PartitionUnit:
         if control.prior is not None:
             assert not control.finalize, "a round carries another epoch's finalize or its own, not both"
             done = self.finalize_prior(control.prior)
+        elif (self._fresh and control.finalize and done is None and not inbox and not control.fast
+              and control.timers is None):  # the epoch never reached this partition: only its empty finalize
+            self.epoch = control.epoch  # (_clear of a fresh scratch; apply and reset change nothing in it)
+            out = self._out = RoundOutput()
+            self._finalize()
+            out.stats = {"reads": 0, "runs": 0, "delta": 0}
+            self._out = None  # type: ignore[assignment]
+            return out
         if control.epoch != self.epoch:
             self._clear(control.epoch)
         if done is not None:
