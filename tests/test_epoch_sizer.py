@@ -84,3 +84,23 @@ def test_idle_runtime_answers_without_a_batching_window():
     assert len(waits) >= 190
     assert sum(1 for w in waits if w > 0) <= 5  # the first few, before the rate is known
     assert sum(rt.entities("account").values()) == 100 * ycsb.INITIAL_BALANCE
+
+
+def test_sizer_tells_costly_transactions_from_a_costly_epoch():
+    # Deathstar-like: 50 us per epoch, 200 us per request, 2,000 requests/s, epochs of 1-4 requests. Batching
+    # would save little (the fixed cost is small), so no epoch waits; a fit that charged everything beyond
+    # 20 us per request to the epoch saw a ~700 us fixed cost and waited its whole window at every epoch.
+    s = EpochSizer(max_wait_s=0.001)
+    for i in range(200):
+        size = 1 + i % 4
+        s._last -= size / 2000  # the time those requests took to arrive
+        s.observe(size, 50e-6 + 200e-6 * size, size)
+    assert abs(s.per_txn_s - 200e-6) < 5e-6 and abs(s.fixed_s - 50e-6) < 5e-6
+    assert 1500 < s.rate < 2500
+    assert s.wait_s(1) == 0.0
+    # the same costs at 10,000 requests/s (busy): it waits, boundedly, for the few requests that amortize F
+    for i in range(200):
+        size = 1 + i % 4
+        s._last -= size / 10_000
+        s.observe(size, 50e-6 + 200e-6 * size, size)
+    assert 0 < s.wait_s(1) <= 0.001

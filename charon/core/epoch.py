@@ -546,34 +546,40 @@ class EpochCoordinator:
                 n = counts[tid] = counts.get(tid, 0) + n
                 if n > limit and tid not in failed:
                     failed[tid] = (CallGraphLimitExceeded.__name__, str(too_many_invocations(limit)))
-        for o in outs:
-            done = track.done
-            for tid, value, share in o.done:
-                done[tid] = value
-                s = shares.get(tid)
-                shares[tid] = share if s is None else add(s, share)
-            for tid, share in o.acks:
-                s = shares.get(tid)
-                shares[tid] = share if s is None else add(s, share)
-            for tid, etype, msg in o.failed:
-                failed.setdefault(tid, (etype, msg))
-            rw = track.rw
-            for tid, t in o.rw.items():  # a partition's own entities: disjoint from the other partitions'
-                d = rw.get(tid)
-                if d is None:
-                    rw[tid] = t.copy()
-                else:
-                    d.update(t)  # t is what the transaction touched here so far (a write stays a write)
-            track.invalid.update(o.invalid)
-            nxt.extend(o.messages)
+        done, rw = track.done, track.rw
+        for o in outs:  # (each field tested first: most are empty in most rounds)
+            if o.done:
+                for tid, value, share in o.done:
+                    done[tid] = value
+                    s = shares.get(tid)
+                    shares[tid] = share if s is None else add(s, share)
+            if o.acks:
+                for tid, share in o.acks:
+                    s = shares.get(tid)
+                    shares[tid] = share if s is None else add(s, share)
+            if o.failed:
+                for tid, etype, msg in o.failed:
+                    failed.setdefault(tid, (etype, msg))
+            if o.rw:
+                for tid, t in o.rw.items():  # a partition's own entities: disjoint from the other partitions'
+                    d = rw.get(tid)
+                    if d is None:
+                        rw[tid] = t.copy()
+                    else:
+                        d.update(t)  # t is what the transaction touched here so far (a write stays a write)
+            if o.invalid:
+                track.invalid.update(o.invalid)
+            if o.messages:
+                nxt += o.messages
             if o.events:
                 track.events.extend(o.events)
             if o.timers:
                 track.timers.extend(o.timers)
-            if o.next_due is not None and o.next_due < track.next_due:
-                track.next_due = o.next_due
-                if o.next_due < self.due_seen:
-                    self.due_seen = o.next_due
+            nd = o.next_due
+            if nd is not None and nd < track.next_due:
+                track.next_due = nd
+                if nd < self.due_seen:
+                    self.due_seen = nd
             for k, v in o.stats.items():
                 stats[k] = stats.get(k, 0) + v
         return nxt

@@ -101,8 +101,11 @@ def _warmup_app() -> Application:
 class EpochSizer:
     """Adaptive epoch closing: how long to wait for more requests, from the arrival rate and measured costs.
 
-    It keeps moving averages of the per-transaction cost ``c`` and the fixed per-epoch cost ``F`` (from
-    epoch durations and sizes) and of the arrival rate (over the last ``rate_window_s``, weighted by time).
+    It fits the per-transaction cost ``c`` and the fixed per-epoch cost ``F`` to the recent epochs
+    (``duration = F + c·size`` by least squares, each epoch's weight decaying by ``1 - 1/memory`` per epoch, so
+    an application whose transactions are costly is not taken for one with a costly epoch), and keeps a
+    moving average of the arrival rate (over the last ``rate_window_s``, weighted by time). While the recent
+    epochs all had about the same size, the split keeps its last value (at first: ``c`` = 20 µs).
     An epoch of ``B`` requests spends ``F / (F + c·B)`` of its time on fixed cost; the target batch keeps
     that at most ``overhead`` (``B* = F·(1 - o) / (o·c)``).
     With fewer waiting, it waits for the expected time until ``B*`` have arrived, at most ``max_wait_s``;
@@ -119,12 +122,12 @@ class EpochSizer:
 
     def __init__(self, max_wait_s: float, max_batch: int = 10_000, overhead: float = 0.1, alpha: float = 0.2,
                  conflicts_high: float = 0.15, min_batch: int = 100, idle_load: float = 0.9,
-                 rate_window_s: float = 0.05) -> None:
+                 rate_window_s: float = 0.05, memory: int = 20) -> None:
         self.max_wait_s = max_wait_s
         self.idle_load = idle_load
         self.rate_window_s = rate_window_s
         self.overhead = overhead
-        self.alpha = alpha
+        self.alpha = alpha  # no longer used (the costs are fitted, see _fit); kept for callers passing it
         self.max_batch = max_batch
         self.min_batch = min(min_batch, max_batch)
         self.conflicts_high = conflicts_high
@@ -133,6 +136,8 @@ class EpochSizer:
         self.fixed_s = 200e-6
         self.rate = 0.0  # requests per second (moving average)
         self._last = time.perf_counter()
+        self._decay = 1.0 - 1.0 / max(memory, 2)
+        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums of 1, size, duration, size², size·duration
 
     def limit(self) -> int:
         """The most requests the next epoch takes."""
@@ -148,17 +153,26 @@ class EpochSizer:
             elif share < self.conflicts_high / 2:
                 self._limit = min(float(self.max_batch), self._limit * 1.25)
         now = time.perf_counter()
-        a = self.alpha
         span = now - self._last
         self._last = now
         if span > 0:  # weighted by time (not per epoch: many short epochs would inflate it)
             self.rate += (1.0 - math.exp(-span / self.rate_window_s)) * (arrived / span - self.rate)
-        if size >= 50:
-            c = max(duration_s - self.fixed_s, 0.0) / size
-            self.per_txn_s += a * (c - self.per_txn_s)
-        elif size > 0:
-            f = max(duration_s - self.per_txn_s * size, 0.0)
-            self.fixed_s += a * (f - self.fixed_s)
+        if size > 0:
+            self._fit(size, duration_s)
+
+    def _fit(self, size: int, duration_s: float) -> None:
+        """Refit ``duration = F + c·size`` with one more epoch (older ones weigh less)."""
+        d, sums = self._decay, self._sums
+        sw = sums[0] = sums[0] * d + 1.0
+        sx = sums[1] = sums[1] * d + size
+        sy = sums[2] = sums[2] * d + duration_s
+        sxx = sums[3] = sums[3] * d + size * size
+        sxy = sums[4] = sums[4] * d + size * duration_s
+        mx, my = sx / sw, sy / sw
+        var = sxx / sw - mx * mx
+        if var >= 0.1:  # sizes spread enough to tell the two costs apart
+            self.per_txn_s = max((sxy / sw - mx * my) / var, 1e-7)
+        self.fixed_s = max(my - self.per_txn_s * mx, 0.0)
 
     def target(self) -> float:
         """The batch size at which the fixed cost is ``overhead`` of the epoch."""
