@@ -680,7 +680,8 @@ class EpochCoordinator:
         else:
             self._emit(early)
         first = roots if bases is None else roots[:bisect.bisect_right(tids, bounds[0])]
-        apply_next, reset_next = self._rest(epoch, tids, first, _Track(), 0, fin_prior, result, stats, bounds)
+        apply_next, reset_next = self._rest(epoch, tids, first, _Track(), 0, fin_prior, result, stats, bounds,
+                                            invokes=roots)
         replies = result.replies
         result.order = [r.tid for r in sorted(replies.values(), key=_POSITION)]  # the TIDs by position
 
@@ -717,11 +718,13 @@ class EpochCoordinator:
 
     def _rest(self, epoch: int, roots: list[int], msgs: list, track: _Track, n: int, prior: Prior | None,
               result: EpochResult, stats: dict, bounds: list[int], j: int = 0,
-              carry: tuple[list[int], list[int]] | None = None) -> tuple[list[int], list[int]]:
+              carry: tuple[list[int], list[int]] | None = None, invokes: list[Invoke] | None = None,
+              ) -> tuple[list[int], list[int]]:
         """The epoch from dry-run round ``n`` of chunk ``j`` on (``msgs``: that round's messages; ``carry``: what
         the chunk before decided, settled in the chunk's first round): for this chunk and each next one, the
         dry run's remaining rounds, the lock-free decision and the fallback; replies go out as decided.
-        Returns what the finalize applies and resets.
+        Returns what the finalize applies and resets. ``invokes``: the root invocations of ``roots`` (same order,
+        none run yet), when the caller made them already.
 
         An exchange with a ``rest(job) -> RestOutcome | None`` method may take all of it at any round (e.g.
         in one Spark task holding every partition, when the rest is small); the outcome is the same."""
@@ -760,7 +763,7 @@ class EpochCoordinator:
             # the next chunk: its dry run starts from the state this one left (its commits settled first)
             carry, track, n = decided, _Track(), 0
             nxt = bisect.bisect_right(roots, bounds[j]) if j + 1 < len(bounds) else len(roots)
-            msgs = [_root(t, result.requests[t]) for t in roots[hi:nxt]]
+            msgs = invokes[hi:nxt] if invokes is not None else [_root(t, result.requests[t]) for t in roots[hi:nxt]]
 
     def _taken(self, out: RestOutcome, carried_prior: bool, result: EpochResult, stats: dict,
                ) -> tuple[list[int], list[int]]:
