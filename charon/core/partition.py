@@ -36,9 +36,10 @@ _decode = serde._dec.decode  # msgpack the engine itself encoded (serde.decode w
 ROOT, SYNC, ASYNC = 0, 1, 2
 _NONE = serde.encode(None)  # the value a sent invocation completes with (its return value is not delivered)
 # Live coroutines kept across rounds in this process (see ``_live_table``). Keyed by partition and epoch,
-# then by (tid, inv, journal.nsusp, frame.token). A stale coroutine of a failed attempt cannot be resumed
-# wrongly (issue 9): ``token`` is drawn once per Frame, when an Invoke is first run (random salt per process,
-# pid, a counter never reused), and travels in the scratch the driver re-sends. A query restart or a reset
+# then by tid and frame.token, with the frame's journal.nsusp when it suspended (a resume needs the same). A stale
+# coroutine of a failed attempt cannot be resumed wrongly (issue 9): ``token`` is drawn once per Frame, when an
+# Invoke is first run (one int from a counter never reused, started at a random 64-bit multiple of 2**64 in each
+# process, forked ones included), and travels in the scratch the driver re-sends. A query restart or a reset
 # round re-creates the frames from new Invokes, so they get new tokens and never match an old entry (which is
 # dropped at the partition's next epoch). The same (token, nsusp) comes back only when Spark retries a round
 # from the very same inputs (the last successful scratch, the same inbox, a store that rounds only read):
@@ -46,24 +47,27 @@ _NONE = serde.encode(None)  # the value a sent invocation completes with (its re
 # the frame again replaces the entry under the same key.
 _LIVE: dict[tuple[int, int], tuple[int, dict]] = {}  # (thread, partition) -> (epoch, table): see _live_table
 _thread_id = threading.get_ident
-_SALT = int.from_bytes(os.urandom(4), "big")
-_COUNTER = itertools.count()
 
 
-_PID = os.getpid()
+def _token_counter() -> itertools.count:
+    """This process's frame tokens: 2**64 of them from a random multiple of 2**64 (one int per frame, no tuple)."""
+    return itertools.count(int.from_bytes(os.urandom(8), "big") << 64)
+
+
+_TOKENS = _token_counter()
 
 
 def _forked() -> None:
-    global _PID
-    _PID = os.getpid()
+    global _TOKENS
+    _TOKENS = _token_counter()  # a forked worker must not draw its parent's tokens
 
 
 os.register_at_fork(after_in_child=_forked)
 
 
-def _next_token() -> tuple[int, int, int]:
-    """Unique per frame across processes (a forked worker shares the salt and counter, not the pid)."""
-    return (_SALT, _PID, next(_COUNTER))
+def _next_token() -> int:
+    """Unique per frame across processes (each process, forked ones too, counts from its own random start)."""
+    return next(_TOKENS)
 #: Keep suspended coroutines alive in this process and resume them directly (an optimization; the
 #: journal replay is always available and is what a resumed frame uses in any other process).
 KEEP_LIVE_COROUTINES = True
@@ -124,7 +128,7 @@ def start_frame(m: Invoke, replies: Any = None) -> Invoke:
     m.pending = None
     # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
     # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
-    m.token = (_SALT, _PID, next(_COUNTER))  # _next_token(), inlined (one frame per invocation)
+    m.token = next(_TOKENS)  # _next_token(), inlined (one frame per invocation)
     return m
 
 
@@ -526,7 +530,7 @@ class PartitionUnit:
         for tid in reset:
             t = live.pop(tid, None)  # self._live_drop(tid), inlined
             if t:
-                for coro, ctx in t.values():
+                for coro, ctx, _ in t.values():
                     ctx._drop(coro)
             buffers.pop(tid, None)
             emits.pop(tid, None)
@@ -558,7 +562,7 @@ class PartitionUnit:
                     self._fail(tid, too_many_invocations(limit))
                     continue
                 # start_frame(m), inlined
-                m.replies, m.reads, m.nsusp, m.pending, m.token = {}, [], 0, None, (_SALT, _PID, next(_COUNTER))
+                m.replies, m.reads, m.nsusp, m.pending, m.token = {}, [], 0, None, next(_TOKENS)
                 frame = m
             else:
                 tframes = frames.get(tid)
@@ -602,10 +606,13 @@ class PartitionUnit:
         if frame.nsusp:  # self._live_pop(frame), inlined
             t = self._ltab.get(frame.tid)
             if t:
-                live = t.pop((frame.inv, frame.nsusp, frame.token), None)
+                live = t.pop(frame.token, None)
+                if live is not None and live[2] != frame.nsusp:  # another attempt's (a Spark retry): replay
+                    live[1]._drop(live[0])
+                    live = None
         try:
             if live is not None:
-                coro, ctx = live
+                coro, ctx, _ = live
                 ctx._resume(self, frame)
             else:
                 ctx = Context(self, frame)
@@ -636,7 +643,7 @@ class PartitionUnit:
                 t = table.get(frame.tid)
                 if t is None:
                     t = table[frame.tid] = {}
-                t[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
+                t[frame.token] = (coro, ctx, frame.nsusp)
             else:
                 ctx._drop(coro)
             return msgs
@@ -645,7 +652,7 @@ class PartitionUnit:
             return ()
 
     # Live coroutines of suspended frames, per process and thread:
-    # {(thread, pid): (epoch, {tid: {(inv, nsusp, token): (coro, ctx)}})}. Per thread: rounds running at the same
+    # {(thread, pid): (epoch, {tid: {token: (coro, ctx, nsusp)}})}. Per thread: rounds running at the same
     # time in other threads (another runtime, a finalize pool) never close or resume this thread's coroutines;
     # a frame resumed in another thread than the one that suspended it replays its journal instead.
     def _live_table(self) -> dict[int, dict]:
@@ -662,21 +669,27 @@ class PartitionUnit:
         entry = _LIVE.pop((_thread_id(), self.pid), None)
         if entry is not None:
             for t in entry[1].values():
-                for coro, ctx in t.values():
+                for coro, ctx, _ in t.values():
                     ctx._drop(coro)
 
     def _live_put(self, frame: Frame, coro: Any, ctx: Context) -> None:
         if not KEEP_LIVE_COROUTINES:
             ctx._drop(coro)
             return
-        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
+        self._live_table().setdefault(frame.tid, {})[frame.token] = (coro, ctx, frame.nsusp)
 
     def _live_pop(self, frame: Frame) -> tuple[Any, Context] | None:
         t = self._live_table().get(frame.tid)
-        return t.pop((frame.inv, frame.nsusp, frame.token), None) if t else None
+        live = t.pop(frame.token, None) if t else None
+        if live is None:
+            return None
+        if live[2] != frame.nsusp:  # another attempt's (see _run)
+            live[1]._drop(live[0])
+            return None
+        return live[0], live[1]
 
     def _live_drop(self, tid: int) -> None:
-        for coro, ctx in self._live_table().pop(tid, {}).values():
+        for coro, ctx, _ in self._live_table().pop(tid, {}).values():
             ctx._drop(coro)
 
     def _fail(self, tid: int, exc: BaseException, frame: Frame | None = None) -> None:
