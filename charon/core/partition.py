@@ -361,15 +361,19 @@ class PartitionUnit:
         e = (op, key)
         t = self.touched.get(tid)  # self._touch(tid, e, False), inlined (the hot path)
         if t is None:
-            t = self.touched[tid] = {}
-        if e not in t:
-            t[e] = False
+            t = self.touched[tid] = {e: False}
             self._out.rw[tid] = t
-        b = self.buffers.get(tid)
-        if b is not None:
-            items = b.get(e)
-            if items is not None and item in items:
-                return items[item]
+        else:
+            wrote = t.get(e)
+            if wrote is None:
+                t[e] = False
+                self._out.rw[tid] = t
+            elif wrote:  # only an entity the transaction wrote has a write buffer (see write)
+                b = self.buffers.get(tid)
+                if b is not None:
+                    items = b.get(e)
+                    if items is not None and item in items:
+                        return items[item]
         if self.fast_layer is not None:
             items = self.fast_layer.get(e)
             if items is not None and item in items:
@@ -430,20 +434,25 @@ class PartitionUnit:
         return sorted((k, v) for k, v in merged.items() if v is not None and k)
 
     def write(self, tid: int, op: str, key: str, item: str, value: bytes | None) -> None:
+        """Buffer a write of ``tid``; its entity is marked written in ``touched`` (which alone says whether a
+        write buffer of the entity may exist: :meth:`read` looks for one only then)."""
         e = (op, key)
         t = self.touched.get(tid)  # self._touch(tid, e, True), inlined
         if t is None:
-            t = self.touched[tid] = {}
-        if t.get(e) is not True:
+            t = self.touched[tid] = {e: True}
+            self._out.rw[tid] = t
+        elif t.get(e) is not True:
             t[e] = True
             self._out.rw[tid] = t
         b = self.buffers.get(tid)
         if b is None:
-            b = self.buffers[tid] = {}
+            self.buffers[tid] = {e: {item: value}}
+            return
         items = b.get(e)
         if items is None:
-            items = b[e] = {}
-        items[item] = value
+            b[e] = {item: value}
+        else:
+            items[item] = value
 
     def emit(self, tid: int, inv: str, n: int, stream: str, value: bytes) -> None:
         """Buffer event ``n`` of invocation ``inv`` with the transaction's writes (no read/write set entry)."""
