@@ -56,6 +56,8 @@ from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Reply, Request
 from charon.operator import Application
 
+_decode = serde._dec.decode
+
 _POSITION = operator.attrgetter("position")
 MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set within an epoch
 # Transactions per chunk of an epoch (see EpochCoordinator): a protocol constant, as a replay must cut an epoch
@@ -656,7 +658,10 @@ class EpochCoordinator:
             req = txns[tid]
             try:
                 app = prev[1] if prev is not None and tid < prev[0] else self.app
-                args = serde.decode(req.args)
+                try:
+                    args = _decode(req.args)  # serde.decode, inlined (the common case: well-formed)
+                except Exception:  # noqa: BLE001 - serde.decode raises its typed error
+                    args = serde.decode(req.args)
                 fn = app._resolved.get((req.operator, req.function))
                 if fn is None or type(args) is not list:  # the checks of Application.validate, in its order
                     app.validate(req.operator, req.function, args, key=req.key)
