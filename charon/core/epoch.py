@@ -143,7 +143,8 @@ def atom_order(events: list[tuple[int, str, int, str, bytes]], replies: dict[int
 
 
 class _Track:
-    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "events", "timers", "next_due")
+    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "events", "timers", "next_due",
+                 "inv_total", "inv_rounds")
 
     def __init__(self) -> None:
         self.done: dict[int, bytes] = {}
@@ -151,7 +152,11 @@ class _Track:
         self.failed: dict[int, tuple[str, str]] = {}
         self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: set[int] = set()
-        self.invocations: dict[int, int] = {}  # summed over partitions and rounds
+        self.invocations: dict[int, int] = {}  # summed over partitions and rounds (see inv_rounds)
+        # While all the invocations reported (inv_total, an upper bound of any one transaction's) stay within the
+        # limit, no transaction can exceed it: the reports wait in inv_rounds unsummed (None once summed).
+        self.inv_total = 0
+        self.inv_rounds: list[dict[int, int]] | None = []
         self.events: list[tuple[int, str, int, str, bytes]] = []  # finalize: committed events, any order
         self.timers: list[bytes] = []
         self.next_due = math.inf
@@ -166,6 +171,8 @@ class _Track:
         self.failed.pop(tid, None)
         self.rw.pop(tid, None)
         self.invocations.pop(tid, None)
+        for d in self.inv_rounds or ():
+            d.pop(tid, None)
         self.invalid.discard(tid)
 
 
@@ -544,7 +551,18 @@ class EpochCoordinator:
         nxt: list = []
         shares = track.shares
         for o in outs:  # the limit before the round's errors: an error ends a synchronous chain, so every
-            for tid, n in o.invocations.items():  # invocation counted in its round came before it
+            inv = o.invocations  # invocation counted in its round came before it
+            held = track.inv_rounds
+            if held is not None:  # nothing summed yet: only the total, while it cannot exceed the limit
+                track.inv_total += sum(inv.values())
+                if track.inv_total <= limit:
+                    held.append(inv)
+                    continue
+                track.inv_rounds = None  # the earlier reports (none exceeded the limit) summed, then this one
+                for d in held:
+                    for tid, n in d.items():
+                        counts[tid] = counts.get(tid, 0) + n
+            for tid, n in inv.items():
                 n = counts[tid] = counts.get(tid, 0) + n
                 if n > limit and tid not in failed:
                     failed[tid] = (CallGraphLimitExceeded.__name__, str(too_many_invocations(limit)))
