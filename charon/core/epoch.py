@@ -49,7 +49,7 @@ from charon import serde
 from charon.core import timers as _timers
 from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, Prior, RoundOutput, too_many_invocations
 from charon.core.partition import Reply as ReplyMsg
-from charon.core.routing import check_key, key_group
+from charon.core.routing import MAX_KEY_BYTES, check_key, key_group
 from charon.core.sequencer import Sequencer
 from charon.core.shares import ONE, Share, add, is_one
 from charon.errors import CallGraphLimitExceeded, CharonError
@@ -684,8 +684,12 @@ class EpochCoordinator:
                 if fn is None or type(args) is not list:  # the checks of Application.validate, in its order
                     app.validate(req.operator, req.function, args, key=req.key)
                 else:
-                    check_key(req.key)
-                    fn.check_args(args)
+                    key = req.key
+                    if not (type(key) is str and key.isascii() and 0 < len(key) <= MAX_KEY_BYTES and "\0" not in key):
+                        check_key(key)  # its ASCII fast path above, inlined: the rest (or the typed error) in check_key
+                    sigs = fn._sigs
+                    if sigs is None or tuple(map(type, args)) not in sigs:  # Function.check_args's fast path, inlined
+                        fn.check_args(args)
             except CharonError as exc:
                 refused.append((tid, (type(exc).__name__, str(exc))))
                 continue
