@@ -622,7 +622,12 @@ class PartitionUnit:
         try:
             if live is not None:
                 coro, ctx, _ = live
-                ctx._resume(self, frame)
+                ctx._unit = self  # ctx._resume(self, frame), inlined
+                ctx._frame = frame
+                frame._awaits = frame.nsusp  # frame.at_end()
+                frame._nread = len(frame.reads)
+                frame.live = True
+                ctx._sends = None
             else:
                 ctx = Context(self, frame)
                 # through self.app each time: a code update swaps the unit's app (charon.runtime.control)
