@@ -767,9 +767,14 @@ class PartitionUnit:
         caller = (frame.op, frame.key, frame.inv, frame.kg)  # the caller's key group routes the reply
         tid, ts, depth = frame.tid, frame.ts, frame.depth + 1
         # the calls the await sent, with their invocation ids from the journal's pending table (same order)
-        for c, inv in zip(pending, frame.pending or (), strict=True):
-            op, key, fn, args = c.target
+        if len(pending) == 1:  # one awaited call (the common case)
+            [inv] = frame.pending  # type: ignore[misc]
+            op, key, fn, args = pending[0].target
             msgs.append(Invoke(tid, inv, op, key, fn, args, each, SYNC, caller, ts, depth))
+        else:
+            for c, inv in zip(pending, frame.pending or (), strict=True):
+                op, key, fn, args = c.target
+                msgs.append(Invoke(tid, inv, op, key, fn, args, each, SYNC, caller, ts, depth))
         frame.share = (each[0] + rest[0], each[1]) if rest[0] else each
         tframes = self.frames.get(frame.tid)
         if tframes is None:
