@@ -641,13 +641,42 @@ class PartitionUnit:
                 if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
-                if frame.kind == ASYNC:  # a sent function's return value goes nowhere: not encoded (as serially)
-                    return self._complete(frame, ctx, _NONE)
-                try:
-                    value = _encode(stop.value)  # serde.encode, inlined
-                except Exception:  # noqa: BLE001 - its typed error
-                    value = serde.encode(stop.value)
-                return self._complete(frame, ctx, value)
+                kind = frame.kind
+                if kind == ASYNC:  # a sent function's return value goes nowhere: not encoded (as serially)
+                    value = _NONE
+                else:
+                    try:
+                        value = _encode(stop.value)  # serde.encode, inlined
+                    except Exception:  # noqa: BLE001 - its typed error
+                        value = serde.encode(stop.value)
+                # self._complete(frame, ctx, value), inlined (two of a transfer's three runs complete)
+                sends = ctx._sends
+                msgs: list[Invoke | Reply] | tuple = ()
+                if sends:
+                    msgs = []
+                    part, leftover = split(frame.share, len(sends))
+                    self._emit_sends(frame, sends, part, msgs)
+                else:
+                    leftover = frame.share
+                tid = frame.tid
+                if kind == SYNC:
+                    cop, ckey, cinv, ckg = frame.caller
+                    r = Reply(tid, cop, ckey, cinv, value, leftover, frame.inv, ckg)
+                    if msgs:
+                        msgs.append(r)  # type: ignore[union-attr]
+                    else:
+                        msgs = (r,)
+                elif kind == ROOT:
+                    self._out.done.append((tid, value, leftover))
+                elif leftover[0]:
+                    self._out.acks.append((tid, leftover))
+                if self._recording:  # for the call-graph cache (see _take_cache)
+                    logged = self._clog.get(tid)
+                    if logged is None:
+                        self._clog[tid] = [(frame, value, ctx._calls, self.touched.get(tid))]
+                    else:
+                        logged.append((frame, value, ctx._calls, self.touched.get(tid)))
+                return msgs
             if ctx._pending is None or getattr(yielded, "ctx", None) is not ctx:
                 ctx._drop(coro)
                 raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
@@ -720,36 +749,6 @@ class PartitionUnit:
         tid, inv, ts, depth = frame.tid, frame.inv, frame.ts, frame.depth + 1
         for n, op, key, fn, args in sends:
             msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
-
-    def _complete(self, frame: Frame, ctx: Context, value: bytes) -> list[Invoke | Reply]:
-        sends = ctx._sends
-        msgs: list[Invoke | Reply] | tuple = ()
-        if sends:
-            msgs = []
-            part, leftover = split(frame.share, len(sends))
-            self._emit_sends(frame, sends, part, msgs)
-        else:
-            leftover = frame.share
-        tid = frame.tid
-        kind = frame.kind
-        if kind == SYNC:
-            cop, ckey, cinv, ckg = frame.caller
-            r = Reply(tid, cop, ckey, cinv, value, leftover, frame.inv, ckg)
-            if msgs:
-                msgs.append(r)  # type: ignore[union-attr]
-            else:
-                msgs = (r,)
-        elif kind == ROOT:
-            self._out.done.append((tid, value, leftover))
-        elif leftover[0]:
-            self._out.acks.append((tid, leftover))
-        if self._recording:  # for the call-graph cache (see _take_cache)
-            logged = self._clog.get(tid)
-            if logged is None:
-                self._clog[tid] = [(frame, value, ctx._calls, self.touched.get(tid))]
-            else:
-                logged.append((frame, value, ctx._calls, self.touched.get(tid)))
-        return msgs
 
     def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
         msgs: list[Invoke | Reply] = []
