@@ -165,7 +165,9 @@ class Control:
     """The coordinator's instructions for one round, the same for every partition.
 
     ``max_invocations`` is the coordinator's per-transaction limit; a partition fails a transaction on
-    its own only when it alone started more than that within one epoch phase (so no round runs away).
+    its own only when it alone started more than that within one round (so no round runs away; the coordinator,
+    summing every partition's and round's counts before the round's errors, fails it the same way whenever
+    the transaction's invocations over the epoch phase exceed the limit).
     ``prior``: the previous epoch's finalize, done before anything of this round (see :class:`Prior`).
     """
 
@@ -283,7 +285,6 @@ class PartitionUnit:
         # see _take_cache (a transaction's cache entries are needed only if it conflicts)
         self._clog: dict[int, list[tuple]] = {}
         self.overlay: dict[Entity, dict[str, bytes | None]] = {}
-        self.counts: dict[int, int] = {}
         self.dead: set[int] = set()
         self.fast_layer: dict[Entity, dict[str, bytes | None]] | None = None
         self._recording = True
@@ -292,7 +293,7 @@ class PartitionUnit:
         self.emitted: list[tuple[int, str, int, str, bytes]] = []
 
     # The call-graph cache is not scratch: it leaves the unit once, in RoundOutput.cached (see load_cache).
-    _SCRATCH = ("epoch", "buffers", "frames", "touched", "overlay", "counts", "dead", "emits", "emitted")
+    _SCRATCH = ("epoch", "buffers", "frames", "touched", "overlay", "dead", "emits", "emitted")
 
     def dump_scratch(self) -> bytes:
         """The unit's between-round state, for a runtime that runs the next round elsewhere."""
@@ -314,7 +315,7 @@ class PartitionUnit:
         keep only what the finalize writes (the overlay and the committed events), so that a runtime shipping
         the scratch to the finalize's round ships only that. The finalize settles the same lists again: a no-op."""
         self._settle(apply, reset)
-        self.buffers, self.frames, self.touched, self.counts, self.dead, self.emits = {}, {}, {}, {}, set(), {}
+        self.buffers, self.frames, self.touched, self.dead, self.emits = {}, {}, {}, set(), {}
         self.cache, self._clog = {}, {}
 
     def _take_cache(self, want: set[int] | None, report: dict[int, list[Cached]] | None = None) -> None:
@@ -534,7 +535,7 @@ class PartitionUnit:
                     self.emitted.extend(ev)
         if not reset:
             return
-        counts, touched, frames, dead = self.counts, self.touched, self.frames, self.dead
+        touched, frames, dead = self.touched, self.frames, self.dead
         live = self._live_table()
         for tid in reset:
             t = live.pop(tid, None)  # self._live_drop(tid), inlined
@@ -545,7 +546,6 @@ class PartitionUnit:
             emits.pop(tid, None)
             frames.pop(tid, None)
             touched.pop(tid, None)
-            counts.pop(tid, None)
             dead.discard(tid)
 
     def _process(self, inbox: list[Invoke | Reply]) -> None:
@@ -556,7 +556,6 @@ class PartitionUnit:
         remote = out.messages
         frames = self.frames
         dead = self.dead
-        counts = self.counts
         started = out.invocations
         limit = self.max_invocations
         while queue:
@@ -565,8 +564,7 @@ class PartitionUnit:
             if tid in dead:
                 continue
             if type(m) is Invoke:
-                n = counts[tid] = counts.get(tid, 0) + 1
-                started[tid] = started.get(tid, 0) + 1
+                n = started[tid] = started.get(tid, 0) + 1
                 if n > limit:
                     self._fail(tid, too_many_invocations(limit))
                     continue
