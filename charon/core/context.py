@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.routing import check_item, check_key, check_stream
+from charon.core.routing import MAX_KEY_BYTES, check_item, check_key, check_stream
 from charon.errors import (
     BadArguments,
     CallGraphLimitExceeded,
@@ -146,7 +146,9 @@ class _Call:
             if j.live and not ctx._dropped and self.child not in j.replies:
                 # ctx._settle((self,)) of a live run whose reply is not in yet (the common case), inlined
                 ctx._pending = [self]
-                j.suspend({f"{j.inv}.{self.child}": self.child})
+                j.nsusp += 1  # j.suspend({...}), inlined
+                j._awaits = j.nsusp
+                j.pending = {f"{j.inv}.{self.child}": self.child}
                 suspend = True
             else:
                 suspend = ctx._settle((self,))
@@ -156,7 +158,10 @@ class _Call:
                 except GeneratorExit:  # closed (explicitly or when collected): refuse what finally blocks do
                     ctx._dropped = True
                     raise
-                ctx._resumed()
+                # ctx._resumed() of the one pending call (this one), inlined
+                self.value = _decode(ctx._frame.replies[self.child])  # the engine's own encoding
+                self.done = True
+                ctx._pending = None
         return self.value
 
 
@@ -367,8 +372,11 @@ class Context:
             fn = app._resolved.get((operator, function)) or app.resolve(operator, function)
         except TypeError:  # an unhashable name (a list): resolve raises the typed error
             fn = app.resolve(operator, function)
-        check_key(key)
-        fn.check_args(args)
+        if not (type(key) is str and key.isascii() and 0 < len(key) <= MAX_KEY_BYTES and "\0" not in key):
+            check_key(key)  # its ASCII fast path above, inlined: the rest (or the typed error) in check_key
+        sigs = fn._sigs
+        if sigs is None or tuple(map(type, args)) not in sigs:  # Function.check_args's fast path, inlined
+            fn.check_args(args)
         if self._frame.depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
         try:

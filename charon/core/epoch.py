@@ -49,12 +49,14 @@ from charon import serde
 from charon.core import timers as _timers
 from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, Prior, RoundOutput, too_many_invocations
 from charon.core.partition import Reply as ReplyMsg
-from charon.core.routing import check_key, key_group
+from charon.core.routing import MAX_KEY_BYTES, check_key, key_group
 from charon.core.sequencer import Sequencer
 from charon.core.shares import ONE, Share, add, is_one
 from charon.errors import CallGraphLimitExceeded, CharonError
 from charon.messages import Reply, Request
 from charon.operator import Application
+
+_decode = serde._dec.decode
 
 _POSITION = operator.attrgetter("position")
 MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set within an epoch
@@ -141,7 +143,8 @@ def atom_order(events: list[tuple[int, str, int, str, bytes]], replies: dict[int
 
 
 class _Track:
-    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "events", "timers", "next_due")
+    __slots__ = ("done", "shares", "failed", "rw", "invalid", "invocations", "events", "timers", "next_due",
+                 "inv_total", "inv_rounds")
 
     def __init__(self) -> None:
         self.done: dict[int, bytes] = {}
@@ -149,7 +152,11 @@ class _Track:
         self.failed: dict[int, tuple[str, str]] = {}
         self.rw: dict[int, dict[Entity, bool]] = {}
         self.invalid: set[int] = set()
-        self.invocations: dict[int, int] = {}  # summed over partitions and rounds
+        self.invocations: dict[int, int] = {}  # summed over partitions and rounds (see inv_rounds)
+        # While all the invocations reported (inv_total, an upper bound of any one transaction's) stay within the
+        # limit, no transaction can exceed it: the reports wait in inv_rounds unsummed (None once summed).
+        self.inv_total = 0
+        self.inv_rounds: list[dict[int, int]] | None = []
         self.events: list[tuple[int, str, int, str, bytes]] = []  # finalize: committed events, any order
         self.timers: list[bytes] = []
         self.next_due = math.inf
@@ -164,6 +171,8 @@ class _Track:
         self.failed.pop(tid, None)
         self.rw.pop(tid, None)
         self.invocations.pop(tid, None)
+        for d in self.inv_rounds or ():
+            d.pop(tid, None)
         self.invalid.discard(tid)
 
 
@@ -542,7 +551,18 @@ class EpochCoordinator:
         nxt: list = []
         shares = track.shares
         for o in outs:  # the limit before the round's errors: an error ends a synchronous chain, so every
-            for tid, n in o.invocations.items():  # invocation counted in its round came before it
+            inv = o.invocations  # invocation counted in its round came before it
+            held = track.inv_rounds
+            if held is not None:  # nothing summed yet: only the total, while it cannot exceed the limit
+                track.inv_total += sum(inv.values())
+                if track.inv_total <= limit:
+                    held.append(inv)
+                    continue
+                track.inv_rounds = None  # the earlier reports (none exceeded the limit) summed, then this one
+                for d in held:
+                    for tid, n in d.items():
+                        counts[tid] = counts.get(tid, 0) + n
+            for tid, n in inv.items():
                 n = counts[tid] = counts.get(tid, 0) + n
                 if n > limit and tid not in failed:
                     failed[tid] = (CallGraphLimitExceeded.__name__, str(too_many_invocations(limit)))
@@ -662,13 +682,20 @@ class EpochCoordinator:
             req = txns[tid]
             try:
                 app = prev[1] if prev is not None and tid < prev[0] else self.app
-                args = serde.decode(req.args)
+                try:
+                    args = _decode(req.args)  # serde.decode, inlined (the common case: well-formed)
+                except Exception:  # noqa: BLE001 - serde.decode raises its typed error
+                    args = serde.decode(req.args)
                 fn = app._resolved.get((req.operator, req.function))
                 if fn is None or type(args) is not list:  # the checks of Application.validate, in its order
                     app.validate(req.operator, req.function, args, key=req.key)
                 else:
-                    check_key(req.key)
-                    fn.check_args(args)
+                    key = req.key
+                    if not (type(key) is str and key.isascii() and 0 < len(key) <= MAX_KEY_BYTES and "\0" not in key):
+                        check_key(key)  # its ASCII fast path above, inlined: the rest (or the typed error) in check_key
+                    sigs = fn._sigs
+                    if sigs is None or tuple(map(type, args)) not in sigs:  # Function.check_args's fast path, inlined
+                        fn.check_args(args)
             except CharonError as exc:
                 refused.append((tid, (type(exc).__name__, str(exc))))
                 continue
@@ -686,7 +713,8 @@ class EpochCoordinator:
         else:
             self._emit(early)
         first = roots if bases is None else roots[:bisect.bisect_right(tids, bounds[0])]
-        apply_next, reset_next = self._rest(epoch, tids, first, _Track(), 0, fin_prior, result, stats, bounds)
+        apply_next, reset_next = self._rest(epoch, tids, first, _Track(), 0, fin_prior, result, stats, bounds,
+                                            invokes=roots)
         replies = result.replies
         result.order = [r.tid for r in sorted(replies.values(), key=_POSITION)]  # the TIDs by position
 
@@ -723,11 +751,13 @@ class EpochCoordinator:
 
     def _rest(self, epoch: int, roots: list[int], msgs: list, track: _Track, n: int, prior: Prior | None,
               result: EpochResult, stats: dict, bounds: list[int], j: int = 0,
-              carry: tuple[list[int], list[int]] | None = None) -> tuple[list[int], list[int]]:
+              carry: tuple[list[int], list[int]] | None = None, invokes: list[Invoke] | None = None,
+              ) -> tuple[list[int], list[int]]:
         """The epoch from dry-run round ``n`` of chunk ``j`` on (``msgs``: that round's messages; ``carry``: what
         the chunk before decided, settled in the chunk's first round): for this chunk and each next one, the
         dry run's remaining rounds, the lock-free decision and the fallback; replies go out as decided.
-        Returns what the finalize applies and resets.
+        Returns what the finalize applies and resets. ``invokes``: the root invocations of ``roots`` (same order,
+        none run yet), when the caller made them already.
 
         An exchange with a ``rest(job) -> RestOutcome | None`` method may take all of it at any round (e.g.
         in one Spark task holding every partition, when the rest is small); the outcome is the same."""
@@ -766,7 +796,7 @@ class EpochCoordinator:
             # the next chunk: its dry run starts from the state this one left (its commits settled first)
             carry, track, n = decided, _Track(), 0
             nxt = bisect.bisect_right(roots, bounds[j]) if j + 1 < len(bounds) else len(roots)
-            msgs = [_root(t, result.requests[t]) for t in roots[hi:nxt]]
+            msgs = invokes[hi:nxt] if invokes is not None else [_root(t, result.requests[t]) for t in roots[hi:nxt]]
 
     def _taken(self, out: RestOutcome, carried_prior: bool, result: EpochResult, stats: dict,
                ) -> tuple[list[int], list[int]]:

@@ -36,9 +36,10 @@ _decode = serde._dec.decode  # msgpack the engine itself encoded (serde.decode w
 ROOT, SYNC, ASYNC = 0, 1, 2
 _NONE = serde.encode(None)  # the value a sent invocation completes with (its return value is not delivered)
 # Live coroutines kept across rounds in this process (see ``_live_table``). Keyed by partition and epoch,
-# then by (tid, inv, journal.nsusp, frame.token). A stale coroutine of a failed attempt cannot be resumed
-# wrongly (issue 9): ``token`` is drawn once per Frame, when an Invoke is first run (random salt per process,
-# pid, a counter never reused), and travels in the scratch the driver re-sends. A query restart or a reset
+# then by tid and frame.token, with the frame's journal.nsusp when it suspended (a resume needs the same). A stale
+# coroutine of a failed attempt cannot be resumed wrongly (issue 9): ``token`` is drawn once per Frame, when an
+# Invoke is first run (one int from a counter never reused, started at a random 64-bit multiple of 2**64 in each
+# process, forked ones included), and travels in the scratch the driver re-sends. A query restart or a reset
 # round re-creates the frames from new Invokes, so they get new tokens and never match an old entry (which is
 # dropped at the partition's next epoch). The same (token, nsusp) comes back only when Spark retries a round
 # from the very same inputs (the last successful scratch, the same inbox, a store that rounds only read):
@@ -46,24 +47,27 @@ _NONE = serde.encode(None)  # the value a sent invocation completes with (its re
 # the frame again replaces the entry under the same key.
 _LIVE: dict[tuple[int, int], tuple[int, dict]] = {}  # (thread, partition) -> (epoch, table): see _live_table
 _thread_id = threading.get_ident
-_SALT = int.from_bytes(os.urandom(4), "big")
-_COUNTER = itertools.count()
 
 
-_PID = os.getpid()
+def _token_counter() -> itertools.count:
+    """This process's frame tokens: 2**64 of them from a random multiple of 2**64 (one int per frame, no tuple)."""
+    return itertools.count(int.from_bytes(os.urandom(8), "big") << 64)
+
+
+_TOKENS = _token_counter()
 
 
 def _forked() -> None:
-    global _PID
-    _PID = os.getpid()
+    global _TOKENS
+    _TOKENS = _token_counter()  # a forked worker must not draw its parent's tokens
 
 
 os.register_at_fork(after_in_child=_forked)
 
 
-def _next_token() -> tuple[int, int, int]:
-    """Unique per frame across processes (a forked worker shares the salt and counter, not the pid)."""
-    return (_SALT, _PID, next(_COUNTER))
+def _next_token() -> int:
+    """Unique per frame across processes (each process, forked ones too, counts from its own random start)."""
+    return next(_TOKENS)
 #: Keep suspended coroutines alive in this process and resume them directly (an optimization; the
 #: journal replay is always available and is what a resumed frame uses in any other process).
 KEEP_LIVE_COROUTINES = True
@@ -124,7 +128,7 @@ def start_frame(m: Invoke, replies: Any = None) -> Invoke:
     m.pending = None
     # Identifies this run of the invocation for the live-coroutine table: a transaction reset and rerun
     # gets new frames, so a coroutine left in some worker by an earlier run is never resumed for it.
-    m.token = (_SALT, _PID, next(_COUNTER))  # _next_token(), inlined (one frame per invocation)
+    m.token = next(_TOKENS)  # _next_token(), inlined (one frame per invocation)
     return m
 
 
@@ -161,7 +165,9 @@ class Control:
     """The coordinator's instructions for one round, the same for every partition.
 
     ``max_invocations`` is the coordinator's per-transaction limit; a partition fails a transaction on
-    its own only when it alone started more than that within one epoch phase (so no round runs away).
+    its own only when it alone started more than that within one round (so no round runs away; the coordinator,
+    summing every partition's and round's counts before the round's errors, fails it the same way whenever
+    the transaction's invocations over the epoch phase exceed the limit).
     ``prior``: the previous epoch's finalize, done before anything of this round (see :class:`Prior`).
     """
 
@@ -249,7 +255,7 @@ class PartitionUnit:
     # attribute goes here.
     __slots__ = ("pid", "partitions", "app", "previous", "store", "max_invocations", "report_cache", "sole_writer",
                  "_due", "_ltab", "_fresh", "epoch", "buffers", "frames", "touched", "cache", "_clog", "overlay",
-                 "counts", "dead", "fast_layer", "_recording", "emits", "emitted", "_out", "_stat_reads",
+                 "dead", "fast_layer", "_recording", "emits", "emitted", "_out", "_stat_reads",
                  "_stat_runs", "__weakref__")
 
     def __init__(self, pid: int, partitions: int, app: Application, store: PartitionStore) -> None:
@@ -293,7 +299,6 @@ class PartitionUnit:
         # see _take_cache (a transaction's cache entries are needed only if it conflicts)
         self._clog: dict[int, list[tuple]] = {}
         self.overlay: dict[Entity, dict[str, bytes | None]] = {}
-        self.counts: dict[int, int] = {}
         self.dead: set[int] = set()
         self.fast_layer: dict[Entity, dict[str, bytes | None]] | None = None
         self._recording = True
@@ -302,7 +307,7 @@ class PartitionUnit:
         self.emitted: list[tuple[int, str, int, str, bytes]] = []
 
     # The call-graph cache is not scratch: it leaves the unit once, in RoundOutput.cached (see load_cache).
-    _SCRATCH = ("epoch", "buffers", "frames", "touched", "overlay", "counts", "dead", "emits", "emitted")
+    _SCRATCH = ("epoch", "buffers", "frames", "touched", "overlay", "dead", "emits", "emitted")
 
     def dump_scratch(self) -> bytes:
         """The unit's between-round state, for a runtime that runs the next round elsewhere."""
@@ -326,7 +331,7 @@ class PartitionUnit:
         the scratch to the finalize's round ships only that. The finalize settles the same lists again: a no-op."""
         self._settle(apply, reset)
         self._fresh = False
-        self.buffers, self.frames, self.touched, self.counts, self.dead, self.emits = {}, {}, {}, {}, set(), {}
+        self.buffers, self.frames, self.touched, self.dead, self.emits = {}, {}, {}, set(), {}
         self.cache, self._clog = {}, {}
 
     def _take_cache(self, want: set[int] | None, report: dict[int, list[Cached]] | None = None) -> None:
@@ -374,15 +379,19 @@ class PartitionUnit:
         e = (op, key)
         t = self.touched.get(tid)  # self._touch(tid, e, False), inlined (the hot path)
         if t is None:
-            t = self.touched[tid] = {}
-        if e not in t:
-            t[e] = False
+            t = self.touched[tid] = {e: False}
             self._out.rw[tid] = t
-        b = self.buffers.get(tid)
-        if b is not None:
-            items = b.get(e)
-            if items is not None and item in items:
-                return items[item]
+        else:
+            wrote = t.get(e)
+            if wrote is None:
+                t[e] = False
+                self._out.rw[tid] = t
+            elif wrote:  # only an entity the transaction wrote has a write buffer (see write)
+                b = self.buffers.get(tid)
+                if b is not None:
+                    items = b.get(e)
+                    if items is not None and item in items:
+                        return items[item]
         if self.fast_layer is not None:
             items = self.fast_layer.get(e)
             if items is not None and item in items:
@@ -443,20 +452,25 @@ class PartitionUnit:
         return sorted((k, v) for k, v in merged.items() if v is not None and k)
 
     def write(self, tid: int, op: str, key: str, item: str, value: bytes | None) -> None:
+        """Buffer a write of ``tid``; its entity is marked written in ``touched`` (which alone says whether a
+        write buffer of the entity may exist: :meth:`read` looks for one only then)."""
         e = (op, key)
         t = self.touched.get(tid)  # self._touch(tid, e, True), inlined
         if t is None:
-            t = self.touched[tid] = {}
-        if t.get(e) is not True:
+            t = self.touched[tid] = {e: True}
+            self._out.rw[tid] = t
+        elif t.get(e) is not True:
             t[e] = True
             self._out.rw[tid] = t
         b = self.buffers.get(tid)
         if b is None:
-            b = self.buffers[tid] = {}
+            self.buffers[tid] = {e: {item: value}}
+            return
         items = b.get(e)
         if items is None:
-            items = b[e] = {}
-        items[item] = value
+            b[e] = {item: value}
+        else:
+            items[item] = value
 
     def emit(self, tid: int, inv: str, n: int, stream: str, value: bytes) -> None:
         """Buffer event ``n`` of invocation ``inv`` with the transaction's writes (no read/write set entry)."""
@@ -548,18 +562,17 @@ class PartitionUnit:
                     self.emitted.extend(ev)
         if not reset:
             return
-        counts, touched, frames, dead = self.counts, self.touched, self.frames, self.dead
+        touched, frames, dead = self.touched, self.frames, self.dead
         live = self._live_table()
         for tid in reset:
             t = live.pop(tid, None)  # self._live_drop(tid), inlined
             if t:
-                for coro, ctx in t.values():
+                for coro, ctx, _ in t.values():
                     ctx._drop(coro)
             buffers.pop(tid, None)
             emits.pop(tid, None)
             frames.pop(tid, None)
             touched.pop(tid, None)
-            counts.pop(tid, None)
             dead.discard(tid)
 
     def _process(self, inbox: list[Invoke | Reply]) -> None:
@@ -570,7 +583,6 @@ class PartitionUnit:
         remote = out.messages
         frames = self.frames
         dead = self.dead
-        counts = self.counts
         started = out.invocations
         limit = self.max_invocations
         while queue:
@@ -579,13 +591,12 @@ class PartitionUnit:
             if tid in dead:
                 continue
             if type(m) is Invoke:
-                n = counts[tid] = counts.get(tid, 0) + 1
-                started[tid] = started.get(tid, 0) + 1
+                n = started[tid] = started.get(tid, 0) + 1
                 if n > limit:
                     self._fail(tid, too_many_invocations(limit))
                     continue
                 # start_frame(m), inlined
-                m.replies, m.reads, m.nsusp, m.pending, m.token = {}, [], 0, None, (_SALT, _PID, next(_COUNTER))
+                m.replies, m.reads, m.nsusp, m.pending, m.token = {}, [], 0, None, next(_TOKENS)
                 frame = m
             else:
                 tframes = frames.get(tid)
@@ -629,11 +640,19 @@ class PartitionUnit:
         if frame.nsusp:  # self._live_pop(frame), inlined
             t = self._ltab.get(frame.tid)
             if t:
-                live = t.pop((frame.inv, frame.nsusp, frame.token), None)
+                live = t.pop(frame.token, None)
+                if live is not None and live[2] != frame.nsusp:  # another attempt's (a Spark retry): replay
+                    live[1]._drop(live[0])
+                    live = None
         try:
             if live is not None:
-                coro, ctx = live
-                ctx._resume(self, frame)
+                coro, ctx, _ = live
+                ctx._unit = self  # ctx._resume(self, frame), inlined
+                ctx._frame = frame
+                frame._awaits = frame.nsusp  # frame.at_end()
+                frame._nread = len(frame.reads)
+                frame.live = True
+                ctx._sends = None
             else:
                 ctx = Context(self, frame)
                 # through self.app each time: a code update swaps the unit's app (charon.runtime.control)
@@ -647,13 +666,42 @@ class PartitionUnit:
                 if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
-                if frame.kind == ASYNC:  # a sent function's return value goes nowhere: not encoded (as serially)
-                    return self._complete(frame, ctx, _NONE)
-                try:
-                    value = _encode(stop.value)  # serde.encode, inlined
-                except Exception:  # noqa: BLE001 - its typed error
-                    value = serde.encode(stop.value)
-                return self._complete(frame, ctx, value)
+                kind = frame.kind
+                if kind == ASYNC:  # a sent function's return value goes nowhere: not encoded (as serially)
+                    value = _NONE
+                else:
+                    try:
+                        value = _encode(stop.value)  # serde.encode, inlined
+                    except Exception:  # noqa: BLE001 - its typed error
+                        value = serde.encode(stop.value)
+                # self._complete(frame, ctx, value), inlined (two of a transfer's three runs complete)
+                sends = ctx._sends
+                msgs: list[Invoke | Reply] | tuple = ()
+                if sends:
+                    msgs = []
+                    part, leftover = split(frame.share, len(sends))
+                    self._emit_sends(frame, sends, part, msgs)
+                else:
+                    leftover = frame.share
+                tid = frame.tid
+                if kind == SYNC:
+                    cop, ckey, cinv, ckg = frame.caller
+                    r = Reply(tid, cop, ckey, cinv, value, leftover, frame.inv, ckg)
+                    if msgs:
+                        msgs.append(r)  # type: ignore[union-attr]
+                    else:
+                        msgs = (r,)
+                elif kind == ROOT:
+                    self._out.done.append((tid, value, leftover))
+                elif leftover[0]:
+                    self._out.acks.append((tid, leftover))
+                if self._recording:  # for the call-graph cache (see _take_cache)
+                    logged = self._clog.get(tid)
+                    if logged is None:
+                        self._clog[tid] = [(frame, value, ctx._calls, self.touched.get(tid))]
+                    else:
+                        logged.append((frame, value, ctx._calls, self.touched.get(tid)))
+                return msgs
             if ctx._pending is None or getattr(yielded, "ctx", None) is not ctx:
                 ctx._drop(coro)
                 raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
@@ -663,7 +711,7 @@ class PartitionUnit:
                 t = table.get(frame.tid)
                 if t is None:
                     t = table[frame.tid] = {}
-                t[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
+                t[frame.token] = (coro, ctx, frame.nsusp)
             else:
                 ctx._drop(coro)
             return msgs
@@ -672,7 +720,7 @@ class PartitionUnit:
             return ()
 
     # Live coroutines of suspended frames, per process and thread:
-    # {(thread, pid): (epoch, {tid: {(inv, nsusp, token): (coro, ctx)}})}. Per thread: rounds running at the same
+    # {(thread, pid): (epoch, {tid: {token: (coro, ctx, nsusp)}})}. Per thread: rounds running at the same
     # time in other threads (another runtime, a finalize pool) never close or resume this thread's coroutines;
     # a frame resumed in another thread than the one that suspended it replays its journal instead.
     def _live_table(self) -> dict[int, dict]:
@@ -689,21 +737,27 @@ class PartitionUnit:
         entry = _LIVE.pop((_thread_id(), self.pid), None)
         if entry is not None:
             for t in entry[1].values():
-                for coro, ctx in t.values():
+                for coro, ctx, _ in t.values():
                     ctx._drop(coro)
 
     def _live_put(self, frame: Frame, coro: Any, ctx: Context) -> None:
         if not KEEP_LIVE_COROUTINES:
             ctx._drop(coro)
             return
-        self._live_table().setdefault(frame.tid, {})[(frame.inv, frame.nsusp, frame.token)] = (coro, ctx)
+        self._live_table().setdefault(frame.tid, {})[frame.token] = (coro, ctx, frame.nsusp)
 
     def _live_pop(self, frame: Frame) -> tuple[Any, Context] | None:
         t = self._live_table().get(frame.tid)
-        return t.pop((frame.inv, frame.nsusp, frame.token), None) if t else None
+        live = t.pop(frame.token, None) if t else None
+        if live is None:
+            return None
+        if live[2] != frame.nsusp:  # another attempt's (see _run)
+            live[1]._drop(live[0])
+            return None
+        return live[0], live[1]
 
     def _live_drop(self, tid: int) -> None:
-        for coro, ctx in self._live_table().pop(tid, {}).values():
+        for coro, ctx, _ in self._live_table().pop(tid, {}).values():
             ctx._drop(coro)
 
     def _fail(self, tid: int, exc: BaseException, frame: Frame | None = None) -> None:
@@ -721,36 +775,6 @@ class PartitionUnit:
         for n, op, key, fn, args in sends:
             msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
 
-    def _complete(self, frame: Frame, ctx: Context, value: bytes) -> list[Invoke | Reply]:
-        sends = ctx._sends
-        msgs: list[Invoke | Reply] | tuple = ()
-        if sends:
-            msgs = []
-            part, leftover = split(frame.share, len(sends))
-            self._emit_sends(frame, sends, part, msgs)
-        else:
-            leftover = frame.share
-        tid = frame.tid
-        kind = frame.kind
-        if kind == SYNC:
-            cop, ckey, cinv, ckg = frame.caller
-            r = Reply(tid, cop, ckey, cinv, value, leftover, frame.inv, ckg)
-            if msgs:
-                msgs.append(r)  # type: ignore[union-attr]
-            else:
-                msgs = (r,)
-        elif kind == ROOT:
-            self._out.done.append((tid, value, leftover))
-        elif leftover[0]:
-            self._out.acks.append((tid, leftover))
-        if self._recording:  # for the call-graph cache (see _take_cache)
-            logged = self._clog.get(tid)
-            if logged is None:
-                self._clog[tid] = [(frame, value, ctx._calls, self.touched.get(tid))]
-            else:
-                logged.append((frame, value, ctx._calls, self.touched.get(tid)))
-        return msgs
-
     def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
         msgs: list[Invoke | Reply] = []
         sends = ctx._sends or ()
@@ -767,9 +791,14 @@ class PartitionUnit:
         caller = (frame.op, frame.key, frame.inv, frame.kg)  # the caller's key group routes the reply
         tid, ts, depth = frame.tid, frame.ts, frame.depth + 1
         # the calls the await sent, with their invocation ids from the journal's pending table (same order)
-        for c, inv in zip(pending, frame.pending or (), strict=True):
-            op, key, fn, args = c.target
+        if len(pending) == 1:  # one awaited call (the common case)
+            [inv] = frame.pending  # type: ignore[misc]
+            op, key, fn, args = pending[0].target
             msgs.append(Invoke(tid, inv, op, key, fn, args, each, SYNC, caller, ts, depth))
+        else:
+            for c, inv in zip(pending, frame.pending or (), strict=True):
+                op, key, fn, args = c.target
+                msgs.append(Invoke(tid, inv, op, key, fn, args, each, SYNC, caller, ts, depth))
         frame.share = (each[0] + rest[0], each[1]) if rest[0] else each
         tframes = self.frames.get(frame.tid)
         if tframes is None:
