@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any
 
 
 def _use_src(src: str | None) -> None:
@@ -42,6 +43,20 @@ def _wanted(kind: str, fn: str, args: list) -> bool:
     return fn == "recommend" and args[2] != "dis"  # rp
 
 
+def _loaded_runtime() -> Any:
+    """An in-process Deathstar runtime (4 partitions) loaded with the benchmark's data."""
+    from charon.apps import deathstar
+    from charon.runtime.inprocess import InProcessRuntime
+
+    rt = InProcessRuntime(deathstar.app, partitions=4)
+    for op, key, value, items in deathstar.populate():
+        if value is not None:
+            rt.load(op, {key: value})
+        if items:
+            rt.load_items(op, key, items)
+    return rt
+
+
 def run(src: str | None, kinds: list[str], epochs: int, profile: bool, size: int = 1) -> dict[str, float]:
     """CPU µs per epoch of ``size`` requests of each kind (200 warm-up epochs first)."""
     _use_src(src)
@@ -52,14 +67,8 @@ def run(src: str | None, kinds: list[str], epochs: int, profile: bool, size: int
     from charon import serde
     from charon.apps import deathstar
     from charon.messages import Request
-    from charon.runtime.inprocess import InProcessRuntime
 
-    rt = InProcessRuntime(deathstar.app, partitions=4)
-    for op, key, value, items in deathstar.populate():
-        if value is not None:
-            rt.load(op, {key: value})
-        if items:
-            rt.load_items(op, key, items)
+    rt = _loaded_runtime()
     out = {}
     rng = random.Random(1)
     for kind in kinds:
@@ -116,17 +125,10 @@ MICRO = {
 def micro(src: str | None, what: str, n: int) -> None:
     """Run ``n`` of one fixed-cost unit (see MICRO) on a loaded Deathstar runtime."""
     _use_src(src)
-    from charon.apps import deathstar
     from charon.core.epoch import _Track
     from charon.core.partition import Control
-    from charon.runtime.inprocess import InProcessRuntime
 
-    rt = InProcessRuntime(deathstar.app, partitions=4)
-    for op, key, value, items in deathstar.populate():
-        if value is not None:
-            rt.load(op, {key: value})
-        if items:
-            rt.load_items(op, key, items)
+    rt = _loaded_runtime()
     c, stats = rt.coordinator, {}
     for i in range(n):
         if what == "epoch_empty":
