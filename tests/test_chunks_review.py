@@ -27,6 +27,8 @@ from charon.state.durable import DurableState
 from charon.state.store import MemoryStore
 from charon.testing import check_epoch
 
+pytestmark = pytest.mark.usefixtures("fresh_means_empty")  # see conftest.py
+
 acct = Operator("acct")
 KEYS = ["a", "b", "c", "d", "e", "f"]
 

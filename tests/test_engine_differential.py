@@ -22,6 +22,8 @@ from charon import InProcessRuntime, Request, serde
 from charon.core import partition
 from charon.testing import check_epoch
 
+pytestmark = pytest.mark.usefixtures("fresh_means_empty")  # see conftest.py
+
 EXAMPLES = int(os.environ.get("CHARON_DIFF_EXAMPLES", "150"))
 BAD = ["unencodable", "badkey", "badargs", "badret", "fail"]
 CHUNKS = [0, 1, 2, 5, None]  # transactions per chunk of an epoch (None: the default, more than these epochs hold)

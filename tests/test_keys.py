@@ -4,6 +4,7 @@ request validation and by the context (repros r6_nul_keys and r8_long_key_poison
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -23,7 +24,7 @@ from charon.core.routing import (
     split_store_key,
     store_key,
 )
-from charon.errors import InvalidKey
+from charon.errors import BadArguments, InvalidKey
 from charon.runtime.inprocess import LocalExchange
 from charon.state.durable import DurableState
 from charon.state.lmdbstore import LmdbStore
@@ -198,3 +199,57 @@ def test_unserializable_return_values_abort_typed() -> None:
     res = rt.run_epoch([Request("d", "deep", "k", "nest", serde.encode([5000]), ts=1.0)])
     (rep,) = res.replies.values()
     assert not rep.ok and rep.error_type == "SerializationError", rep
+
+
+@op.function
+async def call_coded(ctx: Context, codes: list, v: object) -> object:
+    """Call ``put`` on the entity whose key has these code points (a key msgpack could not carry: surrogates)."""
+    return await ctx.call(op, "".join(map(chr, codes)), put, v)
+
+
+@op.function
+async def call_raw(ctx: Context, key: object) -> object:
+    return await ctx.call(op, key, put, 1)
+
+
+_codes = st.lists(st.one_of(st.integers(32, 126), st.sampled_from([0, 1, 0xE9, 0x20AC, 0xD800, 0xDFFF, 0x1F600])),
+                  max_size=4)
+_keys = st.one_of(_codes, st.tuples(st.integers(MAX_KEY_BYTES - 2, MAX_KEY_BYTES + 1), _codes).map(
+    lambda t: [ord("k")] * t[0] + t[1]))
+_values = st.one_of(st.integers(-(2**63), 2**63 - 1), st.booleans(), st.floats(allow_nan=False), st.text(max_size=3),
+                    st.none(), st.lists(st.integers(), max_size=2))
+_context_rt = InProcessRuntime(app, partitions=2)
+
+
+def _outcome(key: object, v: object, fn: str = "call_coded") -> tuple[bool, str]:
+    res = _context_rt.run_epoch([req("q", "caller", fn, *([key, v] if fn == "call_coded" else [key]))])
+    (rep,) = res.replies.values()
+    return rep.ok, rep.error_type
+
+
+def _accepts(check: Any, *args: object) -> bool:
+    try:
+        check(*args)
+    except (InvalidKey, BadArguments):
+        return False
+    return True
+
+
+@given(_keys, _values)
+def test_a_call_inside_a_function_accepts_exactly_what_the_validators_accept(codes: list, v: object) -> None:
+    """``ctx.call`` checks the key and the arguments through inline copies of the fast paths of
+    :func:`check_key` and ``Function.check_args``; they must accept exactly what those accept (and the rest must
+    raise the same typed error)."""
+    key = "".join(map(chr, codes))
+    key_ok, args_ok = _accepts(check_key, key), _accepts(app.resolve("a", "put").check_args, [v])
+    ok, error = _outcome(codes, v)
+    assert ok == (key_ok and args_ok), (key, v, error)
+    if not ok:
+        assert error == ("InvalidKey" if not key_ok else "BadArguments"), (key, v, error)
+
+
+@given(st.one_of(st.integers(), st.none(), st.lists(st.text(max_size=2), max_size=2), st.binary(max_size=3),
+                 st.floats(allow_nan=False)))
+def test_a_call_with_a_key_that_is_no_string_is_a_typed_error(key: object) -> None:
+    ok, error = _outcome(key, None, "call_raw")
+    assert not ok and error == "InvalidKey", (key, error)

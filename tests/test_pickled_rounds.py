@@ -24,6 +24,8 @@ from charon.core.routing import partition_of, store_key
 from charon.runtime.spark.runtime import SparkExchange
 from charon.state.durable import DurableState
 
+pytestmark = pytest.mark.usefixtures("fresh_means_empty")  # see conftest.py
+
 N_ACCOUNTS = 40  # few accounts: most epochs conflict, so the cached fallback and the locked re-runs both run
 
 

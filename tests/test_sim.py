@@ -16,6 +16,8 @@ from charon.core.routing import store_key
 from charon.simulation import Faults, Simulation, repro_line, run_seed
 from charon.workloads import Workload
 
+pytestmark = pytest.mark.usefixtures("fresh_means_empty")  # see conftest.py
+
 SEEDS = int(os.environ.get("CHARON_SIM_SEEDS", "1000"))
 WITHOUT = frozenset(x for x in os.environ.get("CHARON_WORKLOAD_WITHOUT", "").split(",") if x)  # local bisecting
 CHUNK = 100
