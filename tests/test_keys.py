@@ -216,8 +216,9 @@ _codes = st.lists(st.one_of(st.integers(32, 126), st.sampled_from([0, 1, 0xE9, 0
                   max_size=4)
 _keys = st.one_of(_codes, st.tuples(st.integers(MAX_KEY_BYTES - 2, MAX_KEY_BYTES + 1), _codes).map(
     lambda t: [ord("k")] * t[0] + t[1]))
-_values = st.one_of(st.integers(-(2**63), 2**63 - 1), st.booleans(), st.floats(allow_nan=False), st.text(max_size=3),
-                    st.none(), st.lists(st.integers(), max_size=2))
+_i64 = st.integers(-(2**63), 2**63 - 1)  # what msgpack carries
+_values = st.one_of(_i64, st.booleans(), st.floats(allow_nan=False), st.text(max_size=3),
+                    st.none(), st.lists(_i64, max_size=2))
 _context_rt = InProcessRuntime(app, partitions=2)
 
 
@@ -237,18 +238,19 @@ def _accepts(check: Any, *args: object) -> bool:
 
 @given(_keys, _values)
 def test_a_call_inside_a_function_accepts_exactly_what_the_validators_accept(codes: list, v: object) -> None:
-    """``ctx.call`` checks the key and the arguments through inline copies of the fast paths of
-    :func:`check_key` and ``Function.check_args``; they must accept exactly what those accept (and the rest must
-    raise the same typed error)."""
+    """``ctx.call`` and the coordinator's request validation check the key and the arguments through inline
+    copies of the fast paths of :func:`check_key` and ``Function.check_args``; they must accept exactly what
+    those accept (and the rest must raise the same typed error)."""
     key = "".join(map(chr, codes))
     key_ok, args_ok = _accepts(check_key, key), _accepts(app.resolve("a", "put").check_args, [v])
-    ok, error = _outcome(codes, v)
-    assert ok == (key_ok and args_ok), (key, v, error)
-    if not ok:
-        assert error == ("InvalidKey" if not key_ok else "BadArguments"), (key, v, error)
+    expected = (True, "") if key_ok and args_ok else (False, "InvalidKey" if not key_ok else "BadArguments")
+    assert _outcome(codes, v) == expected, (key, v)
+    # the coordinator's request validation has its own inline copies: a request straight to put
+    (rep,) = _context_rt.run_epoch([req("q", key, "put", v)]).replies.values()
+    assert (rep.ok, rep.error_type) == expected, (key, v)
 
 
-@given(st.one_of(st.integers(), st.none(), st.lists(st.text(max_size=2), max_size=2), st.binary(max_size=3),
+@given(st.one_of(_i64, st.none(), st.lists(st.text(max_size=2), max_size=2), st.binary(max_size=3),
                  st.floats(allow_nan=False)))
 def test_a_call_with_a_key_that_is_no_string_is_a_typed_error(key: object) -> None:
     ok, error = _outcome(key, None, "call_raw")
