@@ -425,20 +425,52 @@ def run_child(kind: str, **kw: object) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def _count_instructions(cmd: list[str], env: dict) -> int | None:
+    """User-space instructions of one child: ``perf stat`` where the machine has the counter, else Valgrind's
+    ``cachegrind`` (a VM without performance counters; about 30x slower, the same figure within ~1%); None when
+    neither can count."""
+    import shutil
+
+    perf, valgrind = shutil.which("perf"), shutil.which("valgrind")
+    if perf is not None and _INSTRUCTIONS.get("tool", "perf") == "perf":
+        p = subprocess.run([perf, "stat", "-x,", "-e", "instructions:u", *cmd], capture_output=True, text=True,
+                           cwd=ROOT, check=False, env=env)
+        lines = [ln for ln in p.stderr.splitlines() if "instructions" in ln]
+        value = lines[-1].split(",")[0] if lines else ""
+        if p.returncode == 0 and value.isdigit():
+            _INSTRUCTIONS["tool"] = "perf"
+            return int(value)
+    if valgrind is None:
+        return None
+    # (cmd[0] must be the interpreter or a symlink to it, as a venv's is: of a launcher script, such as pyenv's
+    # shims, valgrind would count the script's shell only)
+    p = subprocess.run([valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", *cmd],
+                       capture_output=True, text=True, cwd=ROOT, check=False, env=env)
+    refs = [ln for ln in p.stderr.splitlines() if "I   refs:" in ln or "I    refs:" in ln]
+    if p.returncode != 0 or not refs:
+        return None
+    _INSTRUCTIONS["tool"] = "valgrind"
+    return int(refs[-1].split(":")[1].strip().replace(",", ""))
+
+
+_INSTRUCTIONS: dict[str, str] = {}  # {"tool": "perf" | "valgrind"}: what counted (see instruction_tool)
+
+
+def instruction_tool() -> str | None:
+    """What counted the instructions of the last :func:`engine_instructions` (``perf`` or ``valgrind``)."""
+    return _INSTRUCTIONS.get("tool")
+
+
 def engine_instructions(src: str | None, epochs: int, shape: str | None = None,
                         hash_seed: str | None = None) -> float | None:
-    """User-space instructions per transaction of the engine-alone workload (``perf stat``; None without perf).
+    """User-space instructions per transaction of the engine-alone workload (``perf stat``, or Valgrind where
+    the machine has no counters: :func:`_count_instructions`; None without either).
 
     Two children build the same workload and run 3 warm-up epochs; one then runs ``epochs - 3`` more: the
     difference, per transaction, is what those epochs cost. Unlike CPU time it hardly moves with the
     neighbours' load (about 0.3% between runs here), so small before/after differences show; string hashing
     (``PYTHONHASHSEED``, random by default) moves it by up to ±2%, so ``hash_seed`` can fix it. ``shape``: a
     :func:`_shapes_app` shape instead of YCSB-T's transfer."""
-    import shutil
-
-    perf = shutil.which("perf")
-    if perf is None:
-        return None
     env = dict(os.environ)
     if hash_seed is not None:
         env["PYTHONHASHSEED"] = hash_seed
@@ -446,14 +478,11 @@ def engine_instructions(src: str | None, epochs: int, shape: str | None = None,
     for run in (0, epochs - 3):
         kind, args = ("engine_run", {"src": src, "epochs": epochs, "run": run}) if shape is None else (
             "shape_run", {"src": src, "shape": shape, "epochs": epochs, "run": run})
-        cmd = [perf, "stat", "-x,", "-e", "instructions:u", sys.executable, str(Path(__file__).resolve()), "--child",
-               kind, "--child-args", json.dumps(args)]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False, env=env)
-        lines = [ln for ln in p.stderr.splitlines() if "instructions" in ln]
-        value = lines[-1].split(",")[0] if lines else ""
-        if p.returncode != 0 or not value.isdigit():  # perf missing permissions or counters (a VM): no figure
+        n = _count_instructions([sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-args",
+                                 json.dumps(args)], env)
+        if n is None:
             return None
-        counts.append(int(value))
+        counts.append(n)
     return (counts[1] - counts[0]) / ((epochs - 3) * 1000)
 
 

@@ -82,12 +82,17 @@ def row_engine(q: bool) -> dict:
     tuned = min(r["tuned_gc"]["us_per_tx_median"] for r in runs)
     default = min(r["default_gc"]["us_per_tx_median"] for r in runs)
     # CPU time moves ±30% with the neighbours here; user-space instructions per transaction hardly move
-    instr = engine_perf.engine_instructions(None, 13 if q else 23)
-    instr_before = engine_perf.engine_instructions(BEFORE_SRC, 13 if q else 23) if BEFORE_SRC else None
+    # (string hashing moves the count by up to ±2%: one fixed PYTHONHASHSEED for both sides)
+    instr = engine_perf.engine_instructions(None, 13 if q else 23, hash_seed="0")
+    instr_before = (engine_perf.engine_instructions(BEFORE_SRC, 13 if q else 23, hash_seed="0") if BEFORE_SRC
+                    else None)
+    tool = engine_perf.instruction_tool()
     extra = "" if instr is None else f"; {instr / 1000:,.1f}K instructions/tx" + (
         "" if instr_before is None else f" (before: {instr_before / 1000:,.1f}K)")
+    counted = {"perf": "`perf stat -e instructions:u`", "valgrind": "Valgrind's cachegrind (no counters in this VM)"}
     return {"command": "engine_perf.py's engine child (" + ("1 run" if q else "best of 3 runs") + "), "
-                       "instructions by `perf stat -e instructions:u` (engine_perf.engine_instructions)",
+                       f"instructions by {counted.get(tool or '', 'nothing (no perf counters, no valgrind)')} "
+                       "(engine_perf.engine_instructions, PYTHONHASHSEED=0)", "instruction_tool": tool,
             "us_per_tx_tuned": tuned, "us_per_tx_default": default, "tx_per_s": 1e6 / tuned,
             "instructions_per_tx": instr, "instructions_per_tx_before": instr_before,
             "bare_loop_us": min(r["bare_loop_us"] for r in runs), "runs": runs,
@@ -155,7 +160,7 @@ def row_spark(q: bool) -> dict:
             "--out", rel(OUT), "--label", "table_1000")
     sh(c1, OUT / "spark_1000.log")
     at1000 = json.loads((OUT / "spark_ycsb_zipf0.0_table_1000.json").read_text())
-    rates = "2000,4000" if q else "4000,8000,12000,14000,16000,18000,20000,22000"
+    rates = "2000,4000" if q else "2000,4000,8000,12000,14000,16000,18000,20000,22000"
     c2 = py("spark_ycsb.py", "--rates", rates, "--duration", "5" if q else "8", "--warmup", warm,
             "--variants", "after", "--stop-p99-ms", "2000", "--generator", "lean", "--max-batch", "10000",
             "--out", rel(OUT), "--label", "table_max")
@@ -362,6 +367,7 @@ def section(t: dict) -> str:
             lines.append(f"| {x['workload']} | {x['size']} | {x['variant']} | {x['jobs_per_epoch']:.1f} | "
                          f"{x['tasks_per_epoch']:.1f} | {x['engine_cpu_us_per_tx']:.0f} | {x['fallback_share']:.0%} |")
         lines.append("")
+    lines.extend(compare_previous(t))
     lines.append(END)
     return "\n".join(lines)
 
@@ -376,6 +382,71 @@ def write_results(t: dict, md: Path) -> None:
         head, _, body = text.partition("\n")
         text = f"{head}\n\n{sec}\n{body}"
     md.write_text(text)
+
+
+_CALIBRATE = """
+import time
+def best(f):
+    out = []
+    for _ in range(5):
+        t = time.perf_counter(); f(); out.append(time.perf_counter() - t)
+    return round(min(out) * 1000, 1)
+print(best(lambda: sum(i * i for i in range(1_000_000))),
+      best(lambda: [{"a": j, "b": (j, j)} for j in range(300_000)]))
+"""
+
+
+def calibrate() -> dict:
+    """Two yardsticks of this machine, to tell a slower machine from slower code when runs differ: ms for a pure
+    interpreter loop and for allocating 300,000 small dicts (best of 5 each, in a fresh interpreter)."""
+    p = subprocess.run([sys.executable, "-c", _CALIBRATE], capture_output=True, text=True, check=True)
+    loop_ms, alloc_ms = (float(x) for x in p.stdout.split())
+    return {"cpu": _cpu_model(), "interpreter_loop_ms": loop_ms, "alloc_300k_dicts_ms": alloc_ms}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def compare_previous(t: dict) -> list[str]:
+    """A short table of each row's figure in the previous whole run (``table_previous.json``) and in this one,
+    with both machines' yardsticks: figures move with the machine (the runs may land on different hosts)."""
+    prev_path = OUT / "table_previous.json"
+    if not prev_path.exists():
+        return []
+    prev = json.loads(prev_path.read_text())
+    pr, r = prev.get("rows", {}), t["rows"]
+
+    def machine(x: dict, rows: dict) -> str:
+        m = x.get("machine") or {}
+        bare = rows.get("engine", {}).get("bare_loop_us")
+        parts = [m.get("cpu", "cpu not recorded")]
+        if "interpreter_loop_ms" in m:
+            parts.append(f"loop {m['interpreter_loop_ms']} ms, 300k dicts {m['alloc_300k_dicts_ms']} ms")
+        if bare:
+            parts.append(f"bare epoch loop {bare:.2f} µs/tx")
+        return "; ".join(parts)
+
+    def fig(rows: dict, k: str, f: str = "figure") -> str:
+        return str(rows.get(k, {}).get(f, "–")).replace("|", "/")
+
+    lines = ["### This run against the previous whole run", "",
+             f"Previous: commit `{str(prev.get('commit', '?'))[:10]}`, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(prev.get('finished', 0)))}, machine: "
+             f"{machine(prev, pr)}. This run: machine: {machine(t, r)}. Instructions per transaction do not depend on "
+             "the machine; times do.", "",
+             "| row | previous run | this run |", "|---|---|---|"]
+    for k, f, label in (("engine", "figure", "engine alone"), ("open_loop", "figure", "open loop"),
+                        ("deathstar", "figure", "Deathstar"), ("spark", "figure_1000", "Spark at 1,000 TPS"),
+                        ("spark", "figure_max", "Spark highest rate"), ("tpcc", "figure", "TPC-C on Spark")):
+        lines.append(f"| {label} | {fig(pr, k, f)} | {fig(r, k, f)} |")
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,7 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     t = json.loads(path.read_text()) if path.exists() else {"rows": {}}
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                             check=False).stdout.strip() or "unknown"
-    t.update({"commit": commit, "quick": a.quick, "started": time.time()})
+    if path.exists() and set(rows) == set(ROWS):  # a whole new run: the last one is kept to compare with
+        (OUT / "table_previous.json").write_text(path.read_text())
+    t.update({"commit": commit, "quick": a.quick, "started": time.time(), "machine": calibrate()})
+    print(f"[issue10] machine: {t['machine']}", flush=True)
     for name in rows:
         load0, t0 = os.getloadavg()[0], time.time()
         print(f"[issue10] {name} (load average {load0:.1f}) ...", flush=True)
