@@ -85,34 +85,41 @@ async def test_pause_resume_and_rescale_at_boundaries_lose_no_reply() -> None:
     assert rt.partitions == 4
 
 
+async def _deposits_read_at_once() -> tuple[list, int]:
+    """One run: 30 clients each deposit into their own account and, at once after each reply, read the balance
+    in a worker thread, beside transfer load. Returns the stale reads and the epochs that carried a finalize."""
+    rt = InProcessRuntime(ycsb.app, partitions=3, warmup_txns=0)
+    stale: list = []
+
+    async def client(c: int) -> None:
+        total = 0
+        for i in range(25):
+            rep = await rt.submit("account", f"d{c}", "deposit", [i + 1])
+            assert rep.ok, rep
+            total += i + 1
+            got = await asyncio.to_thread(rt.read_state, "account", f"d{c}", 0)
+            if got != total:
+                stale.append((c, i, got, total))
+
+    rt.load("account", ycsb.initial_state(N, BALANCE))
+    async with rt:  # transfers keep the queue busy, so epochs carry their predecessor's finalize
+        await asyncio.gather(_load(rt, clients=20, per_client=30, seed=3), *(client(c) for c in range(30)))
+    return stale, sum(1 for s in rt.epoch_stats if s.get("finalize_carried"))
+
+
 async def test_a_reply_read_at_once_in_another_thread_sees_its_write() -> None:
-    """Each client deposits into its own account and, at once after each reply, reads the balance in a worker
-    thread (which may run while the next epoch carries the finalize): it sees at least its own deposits.
+    """A balance read in another thread at once after the reply (which may run while the next epoch carries the
+    finalize) sees at least the client's own deposits.
 
     Whether an epoch carries its predecessor's finalize depends on timing (the readers themselves finalize
     whatever is pending when they get there first): the run is repeated, each time with a fresh runtime, until
     some epoch did (a slow machine needed a second run); every run must be free of stale reads."""
     carried_runs = []
     for _ in range(5):
-        rt = InProcessRuntime(ycsb.app, partitions=3, warmup_txns=0)
-        stale: list = []
-
-        async def client(c: int, rt: InProcessRuntime = rt, stale: list = stale) -> None:
-            total = 0
-            for i in range(25):
-                rep = await rt.submit("account", f"d{c}", "deposit", [i + 1])
-                assert rep.ok, rep
-                total += i + 1
-                got = await asyncio.to_thread(rt.read_state, "account", f"d{c}", 0)
-                if got != total:
-                    stale.append((c, i, got, total))
-
-        rt.load("account", ycsb.initial_state(N, BALANCE))
-        async with rt:  # transfers keep the queue busy, so epochs carry their predecessor's finalize
-            await asyncio.gather(_load(rt, clients=20, per_client=30, seed=3), *(client(c) for c in range(30)))
+        stale, carried = await _deposits_read_at_once()
         assert stale == []
-        carried_runs.append(sum(1 for s in rt.epoch_stats if s.get("finalize_carried")))
-        if carried_runs[-1] > 0:
+        carried_runs.append(carried)
+        if carried > 0:
             break
     assert carried_runs[-1] > 0, f"no epoch carried a finalize in {len(carried_runs)} runs"
 

@@ -222,9 +222,8 @@ _values = st.one_of(_i64, st.booleans(), st.floats(allow_nan=False), st.text(max
 _context_rt = InProcessRuntime(app, partitions=2)
 
 
-def _outcome(key: object, v: object, fn: str = "call_coded") -> tuple[bool, str]:
-    res = _context_rt.run_epoch([req("q", "caller", fn, *([key, v] if fn == "call_coded" else [key]))])
-    (rep,) = res.replies.values()
+def _outcome(fn: str, *args: object) -> tuple[bool, str]:
+    (rep,) = _context_rt.run_epoch([req("q", "caller", fn, *args)]).replies.values()
     return rep.ok, rep.error_type
 
 
@@ -244,7 +243,7 @@ def test_a_call_inside_a_function_accepts_exactly_what_the_validators_accept(cod
     key = "".join(map(chr, codes))
     key_ok, args_ok = _accepts(check_key, key), _accepts(app.resolve("a", "put").check_args, [v])
     expected = (True, "") if key_ok and args_ok else (False, "InvalidKey" if not key_ok else "BadArguments")
-    assert _outcome(codes, v) == expected, (key, v)
+    assert _outcome("call_coded", codes, v) == expected, (key, v)
     # the coordinator's request validation has its own inline copies: a request straight to put
     (rep,) = _context_rt.run_epoch([req("q", key, "put", v)]).replies.values()
     assert (rep.ok, rep.error_type) == expected, (key, v)
@@ -253,5 +252,5 @@ def test_a_call_inside_a_function_accepts_exactly_what_the_validators_accept(cod
 @given(st.one_of(_i64, st.none(), st.lists(st.text(max_size=2), max_size=2), st.binary(max_size=3),
                  st.floats(allow_nan=False)))
 def test_a_call_with_a_key_that_is_no_string_is_a_typed_error(key: object) -> None:
-    ok, error = _outcome(key, None, "call_raw")
+    ok, error = _outcome("call_raw", key)
     assert not ok and error == "InvalidKey", (key, error)
