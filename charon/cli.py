@@ -83,6 +83,7 @@ def spark_available() -> bool:
 def make_runtime(
     target: str, engine: str, partitions: int | None = None, data_dir: str | None = None, *, fsync: bool = True,
     reply_retention: int | None = None, log_url: str | None = None, log_partitions: int | None = None,
+    function_timeout: float | None = None, exit_when_stuck: float | None = None,
 ) -> Any:
     """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
 
@@ -107,8 +108,10 @@ def make_runtime(
         from charon.runtime.node import NodeError
 
         try:
+            limits: dict[str, Any] = {} if function_timeout is None else {"function_timeout": function_timeout}
             return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync,
-                                    reply_retention=reply_retention, log_url=log_url)
+                                    reply_retention=reply_retention, log_url=log_url,
+                                    exit_when_stuck=exit_when_stuck, **limits)
         except NodeError as exc:
             raise _fail(str(exc)) from None
     if engine == "spark":
@@ -219,6 +222,16 @@ def run(
         help="spark: input-log partitions (default: CHARON_LOG_PARTITIONS, else the log's recorded count, else "
         "--partitions; another count resizes the log, no pause).",
     ),
+    function_timeout: float | None = typer.Option(
+        None, "--function-timeout", min=0.001, envvar="CHARON_FUNCTION_TIMEOUT", show_default=False,
+        help="Seconds a function may run without awaiting a call before its transaction aborts with "
+        "InvocationTimeout (default 5; per function: @op.function(timeout=...)).",
+    ),
+    exit_when_stuck: float = typer.Option(
+        30.0, "--exit-when-stuck", min=0.0, envvar="CHARON_EXIT_WHEN_STUCK",
+        help="durable inprocess: seconds past its budget after which a function blocked where it cannot be "
+        "interrupted is quarantined and the process exits (code 75) for its supervisor to restart it.",
+    ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
     from charon.server.gateway import RuntimeStartError, serve
@@ -237,7 +250,8 @@ def run(
     elif ephemeral:
         raise _fail("--ephemeral applies to --engine inprocess only")
     runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention,
-                           log_url=log, log_partitions=log_partitions)
+                           log_url=log, log_partitions=log_partitions, function_timeout=function_timeout,
+                           exit_when_stuck=exit_when_stuck)
     if engine == "remote":
         mode = "gateway only, the engine runs elsewhere"
     elif engine != "inprocess":
@@ -347,6 +361,14 @@ def status(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Print the runtime's control status (running/pausing/paused, last committed epoch, backlog, partitions;
     on Spark the input log's ``log_partitions``: routing count and physical count) as JSON."""
     _print_json(_admin(url, token, lambda c: c.status()))
+
+
+@app.command("dead-letters")
+def dead_letters(url: str = UrlOpt, token: str | None = TokenOpt,
+                 limit: int = typer.Option(100, min=1, max=10_000, help="How many, newest first.")) -> None:
+    """List the transactions the engine set aside (timed out past their budget, or quarantined after stopping
+    the engine), newest first, as JSON: request id, function, key, error, epoch."""
+    _print_json(_admin(url, token, lambda c: c.dead_letters(limit)))
 
 
 @app.command()

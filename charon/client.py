@@ -508,6 +508,11 @@ class Client(_Base):
         """The runtime's control status: ``state`` (running, pausing, paused), ``epoch``, ``backlog``..."""
         return self._admin_doc(self._send("GET", "/admin/status", headers=self.headers))
 
+    def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """Transactions the engine set aside (``InvocationTimeout``, ``Quarantined``), newest first."""
+        doc = self._admin_doc(self._send("GET", "/admin/dead-letters", params={"limit": limit}, headers=self.headers))
+        return list(doc["dead_letters"])
+
     def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
         """Start no new epoch (now, or after epoch ``after_epoch``); requests keep being accepted."""
         body = {} if after_epoch is None else {"after_epoch": int(after_epoch)}
@@ -791,6 +796,12 @@ class AsyncClient(_Base):
     async def status(self) -> dict[str, Any]:
         """The runtime's control status."""
         return self._admin_doc(await self._send("GET", "/admin/status", headers=self.headers))
+
+    async def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """Transactions the engine set aside, newest first."""
+        doc = self._admin_doc(await self._send("GET", "/admin/dead-letters", params={"limit": limit},
+                                               headers=self.headers))
+        return list(doc["dead_letters"])
 
     async def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
         """Start no new epoch (now, or after epoch ``after_epoch``)."""

@@ -52,6 +52,17 @@ class IllegalAwait(CharonError):
     """A function awaited something other than ``ctx.call`` (functions cannot block on I/O)."""
 
 
+class InvocationTimeout(CharonError):
+    """A function ran past its time budget without awaiting (an endless loop, a long sleep, heavy work): the
+    transaction aborted, the decision was recorded before anything depended on it, and the transaction is never
+    run again (a retry with the same request id gets this reply; see :mod:`charon.runtime.watchdog`)."""
+
+
+class Quarantined(CharonError):
+    """The transaction was set aside without running: it stopped the engine (killed its process or worker, or
+    stayed stuck) on repeated attempts; listed by ``charon dead-letters``."""
+
+
 class EngineUnavailable(CharonError):
     """The engine cannot answer now (starting, recovering from a failure, or stopped after one)."""
 
@@ -75,6 +86,8 @@ ENGINE_ERRORS: dict[str, type[CharonError]] = {
         NonDeterministicFunction,
         IllegalAwait,
         UndeclaredPortal,
+        InvocationTimeout,
+        Quarantined,
     )
 }
 

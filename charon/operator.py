@@ -20,12 +20,17 @@ _FAST: dict[Any, tuple[type, ...]] = {int: (int,), str: (str,), bool: (bool,), f
 class Function:
     """A registered ``async def`` function of an operator; calls go through ``ctx.call``/``ctx.send``."""
 
-    def __init__(self, operator: Operator, body: FunctionBody) -> None:
+    def __init__(self, operator: Operator, body: FunctionBody, *, timeout: float | None = None) -> None:
         if not inspect.iscoroutinefunction(body):
             raise TypeError(f"{body.__qualname__} must be an `async def` function")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"{body.__qualname__}: timeout must be a positive number of seconds")
         self.operator = operator
         self.body = body
         self.name = body.__name__
+        #: this function's time budget in seconds (None: the runtime's ``function_timeout``); see
+        #: :mod:`charon.runtime.watchdog`
+        self.timeout = timeout
         sig = inspect.signature(body)
         params = list(sig.parameters.values())
         if not params:
@@ -115,9 +120,20 @@ class Operator:
         self.name = name
         self.functions: dict[str, Function] = {}
 
-    def function(self, body: FunctionBody) -> Function:
-        """Decorator registering an ``async def f(ctx, *args)`` as a function of this operator."""
-        fn = Function(self, body)
+    @typing.overload
+    def function(self, body: FunctionBody, *, timeout: float | None = None) -> Function: ...
+
+    @typing.overload
+    def function(self, body: None = None, *, timeout: float | None = None) -> Callable[[FunctionBody], Function]: ...
+
+    def function(self, body: FunctionBody | None = None, *, timeout: float | None = None,
+                 ) -> Function | Callable[[FunctionBody], Function]:
+        """Decorator registering an ``async def f(ctx, *args)`` as a function of this operator:
+        ``@op.function``, or ``@op.function(timeout=30.0)`` to give it a time budget of its own (seconds it may
+        run without awaiting a call; default: the runtime's ``function_timeout``)."""
+        if body is None:
+            return lambda b: self.function(b, timeout=timeout)
+        fn = Function(self, body, timeout=timeout)
         if fn.name in self.functions:
             raise ValueError(f"{self.name}.{fn.name} is defined twice")
         self.functions[fn.name] = fn

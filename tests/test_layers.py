@@ -141,10 +141,12 @@ PUBLIC = [
     "IllegalAwait",
     "InProcessRuntime",
     "InvalidKey",
+    "InvocationTimeout",
     "LogUnavailable",
     "NonDeterministicFunction",
     "Operator",
     "PayloadTooLarge",
+    "Quarantined",
     "Reply",
     "Request",
     "SerializationError",
@@ -161,7 +163,7 @@ def test_public_surface_is_pinned() -> None:
     for name in PUBLIC:
         assert getattr(charon, name) is not None
     errors = {n for n in PUBLIC if n.endswith(("Error", "Aborted", "Unavailable", "Large", "Exceeded"))}
-    errors |= {"BadArguments", "IdempotencyConflict", "IllegalAwait", "InvalidKey", "NonDeterministicFunction",
+    errors |= {"BadArguments", "IdempotencyConflict", "IllegalAwait", "InvalidKey", "InvocationTimeout", "NonDeterministicFunction", "Quarantined",
                "UndeclaredPortal", "UnknownFunction", "UnknownOperator"}
     for name in errors:
         assert issubclass(getattr(charon, name), charon.CharonError), name

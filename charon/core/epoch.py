@@ -43,7 +43,7 @@ import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from charon import serde
 from charon.core import timers as _timers
@@ -433,6 +433,17 @@ def _reply(result: EpochResult, last_tid: int, tid: int, fallback: bool, ok: boo
     return r
 
 
+class Verdict(NamedTuple):
+    """A recorded decision the engine took on a transaction from outside the deterministic core (a time budget
+    overrun, a quarantine): by request id in :attr:`EpochCoordinator.verdicts`, applied the same way live, at
+    recovery and on rerun. ``fallback``: it was taken while the transaction ran in its chunk's fallback (its dry
+    run stays as it was, and it leaves the fallback with this error); otherwise in the dry run (it never runs)."""
+
+    error_type: str
+    message: str
+    fallback: bool = False
+
+
 @dataclass
 class RestJob:
     """The rest of an epoch from a dry-run round of one of its chunks on (picklable: a runtime may run it in
@@ -449,6 +460,7 @@ class RestJob:
     max_invocations: int
     chunk: int = 0  # the chunk being run
     carry: tuple[list[int], list[int]] | None = None  # the chunk before's (apply, reset), not yet settled
+    verdicts: dict[str, Verdict] = field(default_factory=dict)  # EpochCoordinator.verdicts of the job's requests
 
 
 @dataclass
@@ -471,6 +483,7 @@ class RestOutcome:
 def run_rest(app: Application, exchange: Exchange, job: RestJob) -> RestOutcome:
     """Run :class:`RestJob` through ``exchange`` (whose partitions already ran ``job.prior``, if any)."""
     coord = EpochCoordinator(app, exchange, max_invocations=job.max_invocations)
+    coord.verdicts = job.verdicts
     result = EpochResult(job.epoch, {}, job.requests, [])
     sent: list[Reply] = []
     coord.on_replies = sent.extend
@@ -529,6 +542,12 @@ class EpochCoordinator:
         # the earliest due timer after the last epoch (-inf: unknown, e.g. after a restart; inf: none)
         self.next_due = -math.inf
         self.timer_limit = _timers.MAX_TIMERS_PER_EPOCH  # timers one partition fires per epoch (at most)
+        #: recorded decisions by request id (see :class:`Verdict`; the runtime that records them owns the dict)
+        self.verdicts: dict[str, Verdict] = {}
+        #: the epoch being run (its requests by TID) and whether its fallback runs now (1) or its dry run (0):
+        #: what a watchdog in another thread needs to record a verdict on a transaction that overran its budget
+        self.current: EpochResult | None = None
+        self.phase = 0
 
     # -- helpers ----------------------------------------------------------------------------------
     def _round(self, control: Control, msgs: list, track: _Track, stats: dict) -> list:
@@ -673,13 +692,22 @@ class EpochCoordinator:
             txns[self.sequencer.assign(sid)] = req
         self.sequencer.end_epoch()
         result = EpochResult(epoch, {}, txns, [], time=t_epoch, timers=fired)
+        self.current, self.phase = result, 0
         last_tid = max(txns, default=0)
         # Validation: a request naming nothing runnable gets its typed error and never runs.
         roots: list[Invoke] = []
         refused: list[tuple[int, tuple[str, str]]] = []
         prev = self.previous
+        verdicts = self.verdicts
+        judged: list[int] = []  # refused by a dry-run verdict: they keep their place in the chunks
         for tid in sorted(txns):
             req = txns[tid]
+            if verdicts:
+                v = verdicts.get(req.request_id)
+                if v is not None and not v.fallback:
+                    refused.append((tid, (v.error_type, v.message)))
+                    judged.append(tid)
+                    continue
             try:
                 app = prev[1] if prev is not None and tid < prev[0] else self.app
                 try:
@@ -702,7 +730,8 @@ class EpochCoordinator:
             # _root(tid, req), inlined
             roots.append(Invoke(tid, "0", req.operator, req.key, req.function, req.args, ONE, ROOT, None, req.ts, 0))
         tids = [r.tid for r in roots]
-        bounds = chunk_bounds(tids, last_tid, self.chunk)
+        # a judged transaction counts where it ran when its verdict was taken, so the chunks are the same
+        bounds = chunk_bounds(sorted(tids + judged) if judged else tids, last_tid, self.chunk)
         bases = chunk_bases(bounds) if len(bounds) > 1 else None
         early: list[Reply] = []
         for tid, err in refused:  # at its chunk's place (a chunk's transactions lie in (bound before, bound])
@@ -773,7 +802,7 @@ class EpochCoordinator:
             while msgs and n < self.max_rounds:
                 if taker is not None:
                     job = RestJob(epoch, {t: result.requests[t] for t in roots}, roots, msgs, track, n, prior, bounds,
-                                  self.max_invocations, j, carry)
+                                  self.max_invocations, j, carry, self.verdicts)
                     out = taker(job)
                     if out is not None:
                         return self._taken(out, prior is not None, result, stats)
@@ -830,6 +859,7 @@ class EpochCoordinator:
             if tid not in failed and (tid not in done or s is None or s[0] != 1 << s[1]):  # pragma: no cover
                 raise AssertionError(f"transaction {tid}: call graph ended with shares {track.shares.get(tid)}")
 
+        forced = self._judge(roots, result, failed) if self.verdicts else ()
         # Aria's rule, with reservations from every transaction that did not raise.
         rw = track.rw
         min_writer: dict[Entity, int] = {}
@@ -844,6 +874,9 @@ class EpochCoordinator:
         aborted_now: list[int] = []
         failed = track.failed
         for tid in roots:
+            if forced and tid in forced:  # judged in the dry run: aborted with its verdict, never rerun
+                aborted_now.append(tid)
+                continue
             for e in rw.get(tid, ()):  # a lower writer of anything it touched: conflicted
                 if min_writer.get(e, tid) < tid:
                     conflicted.append(tid)
@@ -865,6 +898,8 @@ class EpochCoordinator:
         stats["lockfree"] = stats.get("lockfree", 0) + len(lockfree)
         stats["aborted"] = stats.get("aborted", 0) + len(aborted_now)
         stats["conflicts"] = stats.get("conflicts", 0) + len(conflicted)
+        if conflicted and self.verdicts:
+            conflicted = self._judge_late(conflicted, result, last_tid, base)
         if not conflicted:
             return list(lockfree), []
         job = FallbackJob(
@@ -873,6 +908,7 @@ class EpochCoordinator:
             {t: result.requests[t] for t in conflicted}, lockfree, last_tid, self.max_invocations, base,
         )
         runner = getattr(self.exchange, "fallback", None)
+        self.phase = 1
         if runner is None:  # round by round through the exchange, replies per wave
             out = run_fallback(self.app, self.exchange, job, self._emit)
             inner: dict[str, str] = {}
@@ -880,6 +916,7 @@ class EpochCoordinator:
             out = runner(job)
             self._emit(out.replies)
             inner = {"rounds": "fallback_task_rounds", "exchange_s": "fallback_task_s"}
+        self.phase = 0
         self.due_seen = min(self.due_seen, out.next_due)  # a no-op when run_fallback ran here
         for r in out.replies:
             result.replies[r.tid] = r
@@ -891,6 +928,34 @@ class EpochCoordinator:
             k = inner.get(k, k)
             stats[k] = stats.get(k, 0) + v
         return out.apply, out.reset
+
+    def _judge(self, roots: list[int], result: EpochResult, failed: dict[int, tuple[str, str]]) -> set[int]:
+        """The chunk's transactions with a dry-run verdict (taken while this dry run ran, e.g. a function
+        stopped past its budget): they fail with the verdict's error, reserve nothing, and are not rerun in the
+        fallback, exactly as when validation refuses them at a replay (run_epoch)."""
+        reqs, verdicts = result.requests, self.verdicts
+        forced = set()
+        for tid in roots:
+            v = verdicts.get(reqs[tid].request_id)
+            if v is not None and not v.fallback:
+                failed[tid] = (v.error_type, v.message)
+                forced.add(tid)
+        return forced
+
+    def _judge_late(self, conflicted: list[int], result: EpochResult, last_tid: int, base: int) -> list[int]:
+        """Conflicted transactions with a fallback verdict leave the fallback with its error, at their place in
+        it (replayed, the dry run is as it was when the verdict was taken live, so the same ones conflict)."""
+        reqs, verdicts = result.requests, self.verdicts
+        late = []
+        for tid in conflicted:
+            v = verdicts.get(reqs[tid].request_id)
+            if v is not None and v.fallback:
+                late.append(_reply(result, last_tid, tid, True, False, err=(v.error_type, v.message), base=base))
+        if not late:
+            return conflicted
+        self._emit(late)
+        gone = {r.tid for r in late}
+        return [t for t in conflicted if t not in gone]
 
     def _fallback(self, epoch, conflicted, track, result, reply, apply_lockfree, stats):
         """Resolve the conflicted transactions through deterministic per-entity lock queues (see :class:`_Queues`).

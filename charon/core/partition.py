@@ -18,6 +18,7 @@ import os
 import pickle
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from charon import serde
@@ -26,7 +27,7 @@ from charon.core.context import Context, Journal, child_inv, raised_in
 from charon.core.routing import entity_prefix, key_group, store_key
 from charon.core.shares import ZERO as _ZERO
 from charon.core.shares import Share, add, split
-from charon.errors import CallGraphLimitExceeded, IllegalAwait, NonDeterministicFunction
+from charon.errors import CallGraphLimitExceeded, IllegalAwait, InvocationTimeout, NonDeterministicFunction
 from charon.operator import Application
 from charon.state.store import PartitionStore
 
@@ -45,6 +46,13 @@ _NONE = serde.encode(None)  # the value a sent invocation completes with (its re
 # from the very same inputs (the last successful scratch, the same inbox, a store that rounds only read):
 # the stale coroutine is then exactly where replaying its journal would bring it, and an attempt that runs
 # the frame again replaces the entry under the same key.
+class Interrupt(BaseException):
+    """Raised into the thread running a function that overran its time budget (``PyThreadState_SetAsyncExc``
+    from the runtime's watchdog, :mod:`charon.runtime.watchdog`): a ``BaseException``, so application code's
+    ``except Exception`` does not swallow it. :meth:`PartitionUnit._run` turns it into the transaction's
+    failure (:attr:`PartitionUnit.interrupt`, the recorded ``InvocationTimeout``)."""
+
+
 _LIVE: dict[tuple[int, int], tuple[int, dict]] = {}  # (thread, partition) -> (epoch, table): see _live_table
 _thread_id = threading.get_ident
 
@@ -256,7 +264,7 @@ class PartitionUnit:
     __slots__ = ("pid", "partitions", "app", "previous", "store", "max_invocations", "report_cache", "sole_writer",
                  "_due", "_ltab", "_fresh", "epoch", "buffers", "frames", "touched", "cache", "_clog", "overlay",
                  "dead", "fast_layer", "_recording", "emits", "emitted", "_out", "_stat_reads",
-                 "_stat_runs", "__weakref__")
+                 "_stat_runs", "current", "interrupt", "__weakref__")
 
     def __init__(self, pid: int, partitions: int, app: Application, store: PartitionStore) -> None:
         self.pid = pid
@@ -278,6 +286,12 @@ class PartitionUnit:
         # whether the scratch is as _clear leaves it (nothing of an epoch here yet): a partition an epoch never
         # reached then clears and finalizes without allocating anything (see step)
         self._fresh = False
+        #: the invocation whose code runs now (None between invocations): what a watchdog in another thread
+        #: samples to find a function that overran its budget (see Interrupt)
+        self.current: Frame | None = None
+        #: called in this thread when an Interrupt stops ``frame``: records the verdict, returns the error that
+        #: fails its transaction (the runtime's watchdog sets it; see Interrupt)
+        self.interrupt: Callable[[Frame], BaseException] | None = None
         self._clear(-1)
 
     def app_for(self, tid: int) -> Application:
@@ -660,6 +674,7 @@ class PartitionUnit:
                 app = self.app if prev is None or frame.tid >= prev[0] else prev[1]
                 fn = app._resolved.get((frame.op, frame.fn)) or app.resolve(frame.op, frame.fn)
                 coro = fn.body(ctx, *_decode(frame.args))  # the engine's own encoding of checked arguments
+            self.current = frame
             try:
                 yielded = coro.send(None)
             except StopIteration as stop:
@@ -718,6 +733,14 @@ class PartitionUnit:
         except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
             self._fail(frame.tid, exc, frame)
             return ()
+        except Interrupt:  # the watchdog stopped a function past its budget: the recorded error aborts it
+            self.current = None
+            hook = self.interrupt
+            exc = hook(frame) if hook is not None else InvocationTimeout(f"{frame.op}.{frame.fn} was interrupted")
+            self._fail(frame.tid, exc)  # the verdict's message names the function already
+            return ()
+        finally:
+            self.current = None
 
     # Live coroutines of suspended frames, per process and thread:
     # {(thread, pid): (epoch, {tid: {token: (coro, ctx, nsusp)}})}. Per thread: rounds running at the same
@@ -873,6 +896,7 @@ class PartitionUnit:
             try:
                 fn = self.app_for(tid).resolve(f.op, f.fn)
                 coro = fn.body(ctx, *serde.decode(f.args))
+                self.current = frame
                 try:
                     coro.send(None)
                 except StopIteration as stop:
@@ -890,6 +914,10 @@ class PartitionUnit:
                 return False
             except Exception:  # noqa: BLE001 - raising in the fast path sends it to the slow path
                 return False
+            except Interrupt:  # past its budget: the slow path runs it again (and fails it the same way)
+                return False
+            finally:
+                self.current = None
         return True
 
     # -- end of epoch -----------------------------------------------------------------------------

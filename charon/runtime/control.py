@@ -293,7 +293,8 @@ def inprocess_status(rt: Any) -> dict[str, Any]:
     return {**rt.gate.status(last), "epoch": last, "backlog": backlog, "logged_waiting": len(rt._parked),
             "engine": "inprocess", "durable": rt.durable, "retained_from": retained[0] if retained else last,
             "code_version": version_at(rt, last + 1),
-            "retained_epochs": sorted({*retained, last})}  # the last may be checkpointed too
+            "retained_epochs": sorted({*retained, last}),  # the last may be checkpointed too
+            "stuck": rt.watchdog.stuck, "dead_letters": dict(rt.verdict_book.counts)}
 
 
 def node_retained_epochs(durable: DurableState, partitions: int) -> list[int]:
@@ -420,9 +421,9 @@ async def _alone(rt: Any, drain: bool = True) -> AsyncIterator[None]:
         try:
             while rt.gate._active is not None:  # the running epoch finishes first
                 await asyncio.sleep(0.001)
-            rt._run_parked()  # epochs logged while paused come first
+            await rt.in_engine(rt._run_parked)  # epochs logged while paused come first
             if drain:
-                rt.drain()  # transactions deferred before run without what follows
+                await rt.in_engine(rt.drain)  # transactions deferred before run without what follows
             yield
         finally:
             rt.gate.release()
@@ -463,7 +464,7 @@ async def inprocess_run_alone(
     if update_id in history:
         return {**history[update_id], "repeated": True}
     async with _alone(rt):
-        out = _update_epochs(rt, update_id, operator, function, args, keys)
+        out = await rt.in_engine(_update_epochs, rt, update_id, operator, function, args, keys)
     history[update_id] = out
     while len(history) > 1000:
         history.pop(next(iter(history)))
@@ -599,7 +600,7 @@ async def inprocess_update_code(
         if compatible:
             if rt.coordinator.previous is not None:  # a third version at once: the oldest one finishes first
                 while rt.coordinator.previous is not None and rt.coordinator.deferred:
-                    rt.run_epoch([])
+                    await rt.in_engine(rt.run_epoch, [])
                     retire_previous(rt)
                 e = rt.epoch
             c = rt.coordinator
@@ -622,7 +623,7 @@ async def inprocess_update_code(
             retire_previous(rt)  # nothing deferred: no need to keep the old code
         out = None
         if mig is not None:
-            out = _update_epochs(rt, mig[0], mig[1], mig[2], migration[2], None)  # type: ignore[index]
+            out = await rt.in_engine(_update_epochs, rt, mig[0], mig[1], mig[2], migration[2], None)  # type: ignore[index]
     return {"version": version, "ref": ref, "from_epoch": e, "migration": out, "mode": mode, "kept_deferred": kept}
 
 

@@ -37,6 +37,7 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from charon import serde
@@ -50,6 +51,8 @@ from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator, batch_request
 from charon.runtime import control
+from charon.runtime.verdicts import VerdictBook
+from charon.runtime.watchdog import DEFAULT_INTERVAL, DEFAULT_TIMEOUT, Watchdog
 from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
@@ -237,6 +240,9 @@ class InProcessRuntime(control.Controllable):
         gc_tuning: bool = True,
         gc_threshold: int = GC_THRESHOLD,
         warmup_txns: int = 200,
+        function_timeout: float = DEFAULT_TIMEOUT,
+        watchdog_interval: float = DEFAULT_INTERVAL,
+        exit_when_stuck: float | None = None,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days).
@@ -249,7 +255,12 @@ class InProcessRuntime(control.Controllable):
         file removed with the runtime). ``max_timers_per_epoch``: timers one partition fires per epoch (the
         rest fire in the following epochs; a durable directory must keep the same value for exact replay).
         ``gc_tuning``/``gc_threshold``: :func:`tune_gc` at ``start()``. ``warmup_txns``: transactions of a
-        built-in application run on a scratch runtime at ``start()`` (0: none)."""
+        built-in application run on a scratch runtime at ``start()`` (0: none). ``function_timeout``: seconds a
+        function may run without awaiting a call before it is stopped and its transaction aborts with
+        ``InvocationTimeout`` (per function: ``@op.function(timeout=...)``), checked every ``watchdog_interval``
+        seconds; ``exit_when_stuck`` (durable mode, ``charon run``): seconds past that budget after which a
+        function blocked where it cannot be interrupted is quarantined and the process exits for its
+        supervisor (None: it is reported, never exited). See :mod:`charon.runtime.watchdog`."""
         self.app = app
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
@@ -272,11 +283,22 @@ class InProcessRuntime(control.Controllable):
             if partitions < 1:
                 raise ValueError("partitions must be at least 1")
             self._stores = [MemoryStore() for _ in range(partitions)]
-        self.units = [PartitionUnit(p, self.partitions, app, s) for p, s in enumerate(self._stores)]
+        self.verdict_book = VerdictBook(data_dir, fsync=fsync)  # before recovery: a replay applies its verdicts
+        self._engine_ident = 0  # the thread running an epoch now (0: none): where the watchdog interrupts
+        self._frozen = False  # set by the watchdog giving up on a stuck function: no reply is released any more
+        self.watchdog = Watchdog(lambda: self.units, lambda: self.coordinator, lambda: self._engine_ident,
+                                 self.verdict_book, timeout=function_timeout, interval=watchdog_interval,
+                                 exit_after=exit_when_stuck if data_dir is not None else None, freeze=self._freeze)
+        self._engine: ThreadPoolExecutor | None = None  # service mode: the thread epochs run in
+        self._outbox: list[Reply] = []  # replies of the epoch running in the engine thread, for the loop
+        self._loop_ident = 0
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self.units = self._units(self._stores)
         self.coordinator = EpochCoordinator(
             app, LocalExchange(self.units), sequencers=1, max_invocations=max_invocations,
             on_replies=self._deliver, on_finalized=self._finalized
         )
+        self.coordinator.verdicts = self.verdict_book.verdicts
         self.coordinator.next_due = math.inf  # a fresh state has no timers (a recovered one: its record's)
         if max_timers_per_epoch < 1:
             raise ValueError("max_timers_per_epoch must be at least 1")
@@ -311,12 +333,29 @@ class InProcessRuntime(control.Controllable):
         self._parked: list[tuple[list[Request], int, float]] = []
         if self.node is not None:
             try:
-                self._recover()
+                self.watchdog.start()  # a replayed epoch's function is stopped like a live one's
+                try:
+                    self._recover()
+                finally:
+                    self.watchdog.stop()
                 if partitions is not None and partitions != self.partitions:  # None: keep the recorded layout
                     self._rescale_now(partitions)
             except BaseException:
                 self.node.close()
                 raise
+
+    def _units(self, stores: list[MemoryStore]) -> list[PartitionUnit]:
+        units = [PartitionUnit(p, len(stores), self.app, s) for p, s in enumerate(stores)]
+        for u in units:
+            u.interrupt = self.watchdog.timed_out
+        return units
+
+    def _freeze(self) -> None:
+        self._frozen = True
+
+    def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """Transactions the engine set aside (timed out, quarantined), newest first."""
+        return self.verdict_book.dead_letters(limit)
 
     @property
     def input_log(self) -> Any:
@@ -451,7 +490,7 @@ class InProcessRuntime(control.Controllable):
             s.epoch = self.epoch - 1
         self._stores = stores
         self.partitions = partitions
-        self.units = [PartitionUnit(p, partitions, self.app, s) for p, s in enumerate(stores)]
+        self.units = self._units(stores)
         for u in self.units:
             u.previous = self.coordinator.previous  # a compatible code update's old code, if still needed
         self.coordinator.exchange = LocalExchange(self.units)
@@ -582,7 +621,15 @@ class InProcessRuntime(control.Controllable):
         """Run one epoch (see :meth:`_run_epoch_locked`) holding the finalize lock from start to end: a multi-key
         reader in another thread (:meth:`_consistent`) never sees part of an epoch's writes."""
         with self._finish_lock:
-            return self._run_epoch_locked(requests, now, defer, carry)
+            self._engine_ident = threading.get_ident()
+            try:
+                return self._run_epoch_locked(requests, now, defer, carry)
+            finally:
+                self._engine_ident = 0
+                if self._outbox:  # its replies' waiters (on the event loop) run once the epoch is recorded
+                    out, self._outbox = self._outbox, []
+                    assert self._aloop is not None
+                    self._aloop.call_soon_threadsafe(self._hand_out, out)
 
     def _run_epoch_locked(self, requests: list[Request], now: float, defer: bool, carry: bool) -> EpochResult:
         """Run one epoch whose batch (and time) is logged (durable mode) or needs no log (volatile).
@@ -677,8 +724,13 @@ class InProcessRuntime(control.Controllable):
     async def start(self) -> None:
         """Start closing epochs in the background of the running event loop."""
         if self._task is None:
+            self._aloop = asyncio.get_running_loop()
+            self._loop_ident = threading.get_ident()
+            if self._engine is None:
+                self._engine = ThreadPoolExecutor(1, thread_name_prefix="charon-engine")
+            self.watchdog.start()
             if self.warmup_txns > 0:
-                self._warm_up()
+                await self.in_engine(self._warm_up)
             if self.gc_tuning:
                 tune_gc(self.gc_threshold)
             if self.node is not None:
@@ -728,9 +780,13 @@ class InProcessRuntime(control.Controllable):
                 error = self._task.exception()
         else:
             status = "ok"
+        stuck = self.watchdog.stuck
+        if stuck is not None and status == "ok":
+            status = "stuck"  # a function overran its budget and still holds the engine (see charon.runtime.watchdog)
         return {
             "status": status, "ok": status == "ok", "epoch": self.epoch - 1, "durable": self.durable,
             "last_error": f"{type(error).__name__}: {error}" if error is not None else None,
+            "stuck": stuck, "timeouts": self.watchdog.timeouts,
         }
 
     async def stop(self) -> None:
@@ -744,6 +800,10 @@ class InProcessRuntime(control.Controllable):
             self._wake.set()
             await self._task
             self._task = None
+        self.watchdog.stop()
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            await asyncio.to_thread(engine.shutdown)
         if self.node is not None and self.failed is None:
             await asyncio.to_thread(self.node.flush)
 
@@ -755,12 +815,25 @@ class InProcessRuntime(control.Controllable):
         await self.stop()
 
     def _deliver(self, replies: list[Reply]) -> None:
+        if self._frozen:  # the watchdog gave up on a stuck function and the process is exiting: nothing goes out
+            threading.Event().wait()
         if self.node is not None:
             self.node.add_replies(replies)
+        kept = self._replies
+        for r in replies:
+            kept[r.request_id] = r
+        while len(kept) > self._retention:
+            kept.popitem(last=False)
+        if self._aloop is not None and threading.get_ident() != self._loop_ident:
+            self._outbox.extend(replies)  # the engine thread: to the waiters once the epoch returned (_run_logged)
+        else:
+            self._hand_out(replies)
+
+    def _hand_out(self, replies: list[Reply]) -> None:
+        """Resolve the replies' futures (on the event loop; the replies are readable by then, see _deliver)."""
         waiters = self._waiters
         for r in replies:
             rid = r.request_id
-            self._replies[rid] = r
             fut = self._futures.pop(rid, None)
             if fut is not None and not fut.done():  # done: cancelled by its caller
                 fut.set_result(r)
@@ -768,8 +841,6 @@ class InProcessRuntime(control.Controllable):
                 for f in waiters.pop(rid, ()):
                     if not f.done():
                         f.set_result(r)
-        while len(self._replies) > self._retention:
-            self._replies.popitem(last=False)
 
     def get_reply(self, request_id: str) -> Reply | None:
         """The reply of a request, if it has been answered."""
@@ -847,7 +918,7 @@ class InProcessRuntime(control.Controllable):
             while self._rescales:  # at an epoch boundary: nothing is running
                 n, fut = self._rescales.pop(0)
                 try:
-                    pause = self._rescale_now(n)
+                    pause = await self.in_engine(self._rescale_now, n)
                 except Exception as exc:  # noqa: BLE001 - the caller gets it; epochs go on in the old layout
                     if not fut.done():
                         fut.set_exception(exc)
@@ -897,13 +968,13 @@ class InProcessRuntime(control.Controllable):
             try:
                 if self._parked:
                     self._queue[:0] = batch
-                    self._run_parked()
+                    await self.in_engine(self._run_parked)
                 elif self.node is None:
                     # The finalize waits until the replies' waiters ran (one loop pass): it is off their latency.
                     # With more work waiting (and the gate open), the next epoch carries it in its first round
                     # (no round of its own); else it runs now, with the gate still held, so control operations
                     # see a finished boundary and the next due timer is exact while idle.
-                    self._run_logged(batch, time.time(), defer=self.coordinator.previous is None, carry=True)
+                    await self.in_engine(self._run_logged, batch, time.time(), self.coordinator.previous is None, True)
                     if self._unfinalized is not None:
                         t1 = time.perf_counter()
                         await asyncio.sleep(0)
@@ -911,10 +982,9 @@ class InProcessRuntime(control.Controllable):
                         t0 += time.perf_counter() - t1  # the sizer measures the epoch, not the waiters
                         if not ((self._queue or self.coordinator.deferred) and not self._rescales
                                 and not self.gate.closed_for(self.epoch)):
-                            self._finish()
-                else:  # the batch is committed to the input log off the loop, then the epoch runs
-                    batch, self._log_end, now = await asyncio.to_thread(self.node.log_epoch, self.epoch, batch)
-                    self._run_logged(batch, now)
+                            await self.in_engine(self._finish)
+                else:  # the batch is committed to the input log, then the epoch runs (in the engine thread)
+                    await self.in_engine(self._log_and_run, batch)
             except Exception as exc:  # noqa: BLE001 - the runtime stops loudly instead of hanging its clients
                 self._halt(exc)
                 return
@@ -927,6 +997,20 @@ class InProcessRuntime(control.Controllable):
             self._arrived = 0
             if not yielded:
                 await asyncio.sleep(0)
+
+    def _log_and_run(self, batch: list[Request]) -> None:
+        assert self.node is not None
+        batch, self._log_end, now = self.node.log_epoch(self.epoch, batch)
+        self._run_logged(batch, now)
+
+    async def in_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` where epochs run: the engine thread once started (never the event loop: application
+        code and blocking work stay off it, so ``/health`` and the gateway answer while a function runs), else
+        here."""
+        engine = self._engine
+        if engine is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(engine, fn, *args)
 
     # -- control (charon.runtime.control; pause/resume/control_status: control.Controllable) -----------
     async def run_alone(

@@ -193,6 +193,17 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         st = await gw.off_loop(_method(gw, "control_status"))
         return gw.respond(request, 200, with_layout(st))
 
+    async def dead_letters(request: HTTPRequest) -> Response:
+        gw.check_auth(request)
+        try:
+            limit = int(request.query_params.get("limit", "1000"))
+        except ValueError:
+            raise _HTTPError("BadRequest", "limit must be an integer") from None
+        if not 1 <= limit <= 10_000:
+            raise _HTTPError("BadRequest", "limit must be between 1 and 10000")
+        letters = await gw.off_loop(_method(gw, "dead_letters"), limit)
+        return gw.respond(request, 200, {"dead_letters": letters})
+
     async def pause(request: HTTPRequest) -> Response:
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"after_epoch"}))
@@ -400,6 +411,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
 
     return [
         Route("/admin/status", _guard(gw, status), methods=["GET"], name="admin_status"),
+        Route("/admin/dead-letters", _guard(gw, dead_letters), methods=["GET"], name="admin_dead_letters"),
         Route("/admin/pause", _guard(gw, pause), methods=["POST"], name="admin_pause"),
         Route("/admin/resume", _guard(gw, resume), methods=["POST"], name="admin_resume"),
         Route("/admin/rescale", _guard(gw, rescale), methods=["POST"], name="admin_rescale"),

@@ -67,6 +67,10 @@ class GatewayMetrics:
         self.g_deferred = Gauge("charon_deferred", "Transactions deferred by the last epoch.", registry=r)
         self.g_paused = Gauge("charon_paused", "1 while no epoch may start (paused).", registry=r)
         self.g_inflight = Gauge("charon_inflight", "Requests in flight at the gateway.", registry=r)
+        self.g_dead = Gauge("charon_dead_letters", "Transactions set aside by the engine (timed out past their "
+                            "budget, quarantined), by error type.", ["type"], registry=r)
+        self.g_stuck = Gauge("charon_engine_stuck_seconds", "How long a function has held the engine past its "
+                             "budget (0: none).", registry=r)
         self.code = Info("charon_code", "The deployed application and its code version.", registry=r)
         app = getattr(runtime, "app", None)
         self._version = str(getattr(app, "version", "1"))
@@ -153,6 +157,10 @@ class GatewayMetrics:
             self.g_backlog.set(st["backlog"])
         self.g_paused.set(1 if st.get("paused") else 0)
         self.g_inflight.set(inflight)
+        for kind, n in (st.get("dead_letters") or {}).items():
+            self.g_dead.labels(kind).set(n)
+        stuck = st.get("stuck")
+        self.g_stuck.set(float(stuck["seconds"]) if stuck else 0.0)
         if "code_version" in st and st["code_version"] != self._version:
             self._version = str(st["code_version"])
             self.code.info({"app": str(getattr(self.runtime.app, "name", "")), "version": self._version})

@@ -1,0 +1,99 @@
+"""Verdicts: decisions taken on a transaction from outside the deterministic core, and the dead letters they make.
+
+A function that overran its time budget (:mod:`charon.runtime.watchdog`) or a transaction quarantined after it
+stopped the engine on repeated attempts gets a :class:`~charon.core.epoch.Verdict` keyed by its request id. The
+book records it *before* anything that depends on it is replied or recorded (durable mode: one fsynced line of
+``verdicts.jsonl`` in the data directory), and the coordinator applies it the same way live, at recovery and on
+a rerun (:attr:`charon.core.epoch.EpochCoordinator.verdicts`), so the outcome is replay-exact. The transaction
+is never run again: a retry with its request id gets the same typed error. Every verdict is also a *dead
+letter*: ``charon dead-letters``, ``GET /admin/dead-letters`` and the dashboard list them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from charon.core.epoch import Verdict
+
+FILE = "verdicts.jsonl"
+KEPT_IN_MEMORY = 10_000  # dead letters listed (the verdicts themselves are all kept: recovery needs them)
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    """One transaction the engine set aside: what it was, which error it got, when and where."""
+
+    request_id: str
+    operator: str
+    function: str
+    key: str
+    error_type: str
+    message: str
+    epoch: int
+    fallback: bool = False
+    at: float = 0.0  # wall-clock time of the decision
+    root: str = ""  # the transaction's root "operator.function" (the function above may be a callee)
+
+
+_enc = msgspec.json.Encoder()
+_dec = msgspec.json.Decoder(DeadLetter)
+
+
+class VerdictBook:
+    """The verdicts by request id (the dict the coordinator reads) and the dead letters, durable under
+    ``data_dir`` when given. Thread-safe: a watchdog thread records while the engine thread reads."""
+
+    def __init__(self, data_dir: str | None = None, *, fsync: bool = True) -> None:
+        self.path = os.path.join(data_dir, FILE) if data_dir is not None else None
+        self.fsync = fsync
+        self.verdicts: dict[str, Verdict] = {}
+        self.letters: deque[DeadLetter] = deque(maxlen=KEPT_IN_MEMORY)
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}  # by error type, for metrics
+        if self.path is not None and os.path.exists(self.path):
+            self._load()
+
+    def _load(self) -> None:
+        assert self.path is not None
+        with open(self.path, "rb") as f:
+            for line in f:
+                try:
+                    d = _dec.decode(line)
+                except msgspec.DecodeError:  # a torn last line (killed while writing): it was never relied on
+                    continue
+                self._keep(d)
+
+    def _keep(self, d: DeadLetter) -> None:
+        self.verdicts[d.request_id] = Verdict(d.error_type, d.message, d.fallback)
+        self.letters.append(d)
+        self.counts[d.error_type] = self.counts.get(d.error_type, 0) + 1
+
+    def record(self, letter: DeadLetter) -> None:
+        """Make the verdict durable (fsynced before this returns, in durable mode), then effective."""
+        with self._lock:
+            if self.path is not None:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, _enc.encode(letter) + b"\n")
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            self._keep(letter)
+
+    def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """The newest dead letters first, as plain dicts."""
+        with self._lock:
+            newest = list(self.letters)[-limit:][::-1]
+        return [msgspec.structs.asdict(d) for d in newest]
+
+
+def letter(request_id: str, operator: str, function: str, key: str, verdict: Verdict, epoch: int,
+           root: str = "") -> DeadLetter:
+    return DeadLetter(request_id, operator, function, key, verdict.error_type, verdict.message, epoch,
+                      verdict.fallback, time.time(), root)
