@@ -163,8 +163,8 @@ def test_public_surface_is_pinned() -> None:
     for name in PUBLIC:
         assert getattr(charon, name) is not None
     errors = {n for n in PUBLIC if n.endswith(("Error", "Aborted", "Unavailable", "Large", "Exceeded"))}
-    errors |= {"BadArguments", "IdempotencyConflict", "IllegalAwait", "InvalidKey", "InvocationTimeout", "NonDeterministicFunction", "Quarantined",
-               "UndeclaredPortal", "UnknownFunction", "UnknownOperator"}
+    errors |= {"BadArguments", "IdempotencyConflict", "IllegalAwait", "InvalidKey", "InvocationTimeout",
+               "NonDeterministicFunction", "Quarantined", "UndeclaredPortal", "UnknownFunction", "UnknownOperator"}
     for name in errors:
         assert issubclass(getattr(charon, name), charon.CharonError), name
     # Every engine error a reply can carry is importable from the top level.

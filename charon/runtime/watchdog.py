@@ -81,7 +81,7 @@ class Watchdog:
         self.interval = interval
         self.exit_after = exit_after
         self.freeze = freeze
-        self.stuck: dict[str, Any] | None = None  # what health() reports while a step overruns its budget
+        self._stuck: tuple[Any, dict[str, Any]] | None = None  # (frame, report) while a step overruns its budget
         self.timeouts = 0  # InvocationTimeout verdicts taken (metrics: charon_invocation_timeouts_total)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,7 +97,15 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        self.stuck = None
+        self._stuck = None
+
+    @property
+    def stuck(self) -> dict[str, Any] | None:
+        """The step holding the engine past its budget (function, key, tid, seconds, budget_s), while it does."""
+        st = self._stuck
+        if st is None or not any(u.current is st[0] for u in self.units()):
+            return None
+        return st[1]
 
     def budget(self, unit: PartitionUnit, frame: Any) -> float:
         try:
@@ -123,18 +131,18 @@ class Watchdog:
                 unit, frame = u, f
                 break
         if unit is None or frame is None:
-            self.stuck = None
+            self._stuck = None
             return None
         now = time.monotonic()
         if seen is None or seen[0] is not frame or seen[1] != frame.nsusp:
-            self.stuck = None
+            self._stuck = None
             return (frame, frame.nsusp, now)
         ran = now - seen[2]
         budget = self.budget(unit, frame)
         if ran < budget:
             return seen
-        self.stuck = {"operator": frame.op, "function": frame.fn, "key": frame.key, "tid": frame.tid,
-                      "seconds": round(ran, 3), "budget_s": budget}
+        self._stuck = (frame, {"operator": frame.op, "function": frame.fn, "key": frame.key, "tid": frame.tid,
+                               "seconds": round(ran, 3), "budget_s": budget})
         ident = self.engine_thread()
         # The check and the interrupt in one GIL hold (no Python call between them): see the module docstring.
         if ident and unit.current is frame:
