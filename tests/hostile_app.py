@@ -71,4 +71,13 @@ async def boom(ctx: Context) -> None:
     raise RuntimeError("boom")
 
 
+@acc.function
+async def die(ctx: Context) -> None:
+    """Kills the process running it (as a crash in a C extension or an out-of-memory kill would)."""
+    import os
+
+    ctx.put(-3)
+    os._exit(3)
+
+
 app = Application("hostile", [acc])

@@ -167,7 +167,8 @@ NOT_READS = {
     "dead_letters", "in_engine", "verdict_book", "watchdog",
 }
 #: the engine's own methods, the only ones allowed the unguarded stores and stream log
-ENGINE_ONLY = {"__init__", "_units", "_recover", "stores", "streams", "_stream_log", "_open_streams", "_rescale_now",
+ENGINE_ONLY = {"__init__", "_units", "_recover", "_probe", "_probe_run", "stores", "streams", "_stream_log",
+               "_open_streams", "_rescale_now",
                "_run_logged", "_run_epoch_locked", "_finish", "_finalized", "close"}
 
 

@@ -284,3 +284,33 @@ def test_http_spin_and_c_level_sleep_never_take_the_node_down(tmp_path: Path) ->
     finally:
         srv.proc.send_signal(signal.SIGTERM)
         srv.close()
+
+
+def test_a_transaction_that_kills_the_process_is_quarantined_not_a_crash_loop(tmp_path: Path) -> None:
+    """`die` kills the node in its epoch, and again when the restart replays that epoch; the next restart probes
+    the epoch in a forked child, quarantines `die` (recorded) and replays without it: healthy, the transfers
+    acknowledged before are kept, `die`'s client gets the typed Quarantined reply."""
+    srv = _Server(tmp_path)
+    c = httpx.Client(base_url=srv.url, headers=H, timeout=30)
+    assert c.post("/invoke/acc/a/deposit", json={"args": [50]}).status_code == 200
+    with pytest.raises(httpx.HTTPError):
+        c.post("/invoke/acc/x/die", json={"args": []}, headers={"Idempotency-Key": "die-1"})
+    assert srv.proc.wait(30) == 3
+    # the first restart replays the logged epoch and dies again
+    port = free_port()
+    p = subprocess.run([sys.executable, "-c", "from charon.cli import main; main()", "run", "hostile_app:app",
+                        "--port", str(port), "--token", TOKEN, "--data-dir", str(tmp_path), "--no-fsync"],
+                       cwd=TESTS, capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 3, p.stderr
+    srv = _Server(tmp_path)
+    try:
+        c = httpx.Client(base_url=srv.url, headers=H, timeout=30)
+        r = c.post("/invoke/acc/x/die", json={"args": []}, headers={"Idempotency-Key": "die-1"})
+        assert r.status_code == 409 and r.json()["error"]["type"] == "Quarantined", r.text
+        assert "acc.die on key 'x'" in r.json()["error"]["message"]
+        assert c.get("/state/acc/a").json()["value"] == 50
+        assert c.get("/state/acc/x").json().get("value") is None
+        assert [d["request_id"] for d in c.get("/admin/dead-letters").json()["dead_letters"]] == ["die-1"]
+        assert c.post("/invoke/acc/a/transfer", json={"args": ["b", 5]}).status_code == 200
+    finally:
+        srv.close()

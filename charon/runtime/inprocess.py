@@ -51,6 +51,7 @@ from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator, batch_request
 from charon.runtime import control
+from charon.runtime.quarantine import RecoveryAttempts, quarantine_killers
 from charon.runtime.verdicts import VerdictBook
 from charon.runtime.watchdog import DEFAULT_INTERVAL, DEFAULT_TIMEOUT, Watchdog
 from charon.state.store import MemoryStore
@@ -382,13 +383,28 @@ class InProcessRuntime(control.Controllable):
             self.coordinator.sequencer.time = rec.time
             self.coordinator.next_due = rec.next_due
         control.recover_code(self)  # the newest code version recorded (code updates)
+        attempts = RecoveryAttempts(self.node.data_dir)
         for epoch, requests, now in epochs:
             if epoch != self.epoch:
                 raise RuntimeError(f"replay: epoch {epoch} logged where {self.epoch} was expected")
+            if attempts.failed_before(epoch):  # it killed a recovery already: find who, set them aside first
+                self._probe(epoch, requests, now)
+            attempts.starting(epoch)
             self._log_end += len(requests) + 1
             self._run_logged(requests, now)
+        attempts.done()
         self.replayed_epochs = len(epochs)
         control.finish_migration(self)  # a code update's migration a crash interrupted
+
+    def _probe(self, epoch: int, requests: list[Request], now: float) -> None:
+        """Recovery of an epoch that killed the process before: see :mod:`charon.runtime.quarantine`."""
+
+        def _probe_run() -> None:  # in the forked child: nothing it does reaches a file
+            self._streams = _NullStreams()  # type: ignore[assignment]
+            self._run_logged(requests, now)
+
+        deadline = 30.0 + 3 * self.watchdog.timeout
+        quarantine_killers(epoch, _probe_run, lambda: self.coordinator, self.verdict_book, deadline)
 
     def close(self) -> None:
         """Durable mode: checkpoint everything and release the data directory (volatile: nothing)."""
@@ -1051,6 +1067,13 @@ class InProcessRuntime(control.Controllable):
 
 
 _STREAMS_LOCK = threading.Lock()
+
+
+class _NullStreams:
+    """Streams of a probing child (:meth:`InProcessRuntime._probe`): appends go nowhere."""
+
+    def append_atom(self, *args: Any) -> None:
+        pass
 
 
 def _remove_volatile(log: StreamLog, tmp: str) -> None:
