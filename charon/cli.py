@@ -123,8 +123,9 @@ def make_runtime(
         load_app(target)  # fail early with a clear message
         from charon.runtime.spark.runtime import LayoutMismatch
 
+        extra: dict[str, Any] = {} if function_timeout is None else {"function_timeout": function_timeout}
         config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url,
-                                      log_partitions=log_partitions)
+                                      log_partitions=log_partitions, **extra)
         if partitions is None:  # not given (flag or CHARON_PARTITIONS): a checkpoint keeps its recorded layout
             from charon.runtime.spark.runtime import read_layout
 

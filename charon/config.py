@@ -34,6 +34,9 @@ class SparkConfig:
     dedup_window_s: float = 7 * 24 * 3600.0
     keep_epoch_records: int = 100  # epoch records kept before the last compacted epoch
     max_invocations: int = 100_000  # most invocations of one transaction, over all partitions
+    # seconds a function may run without awaiting a call (per function: @op.function(timeout=...)); see
+    # charon.runtime.watchdog.task_budget
+    function_timeout: float = 5.0
     task_max_failures: int = 4  # Spark attempts per task (local[N,F] in local mode, spark.task.maxFailures)
     epoch_max_failures: int = 3  # query restarts on the same epoch before the runtime gives up (deterministic)
     restart_backoff_s: float = 1.0  # first delay before restarting a failed query; doubles, at most 30 s

@@ -398,6 +398,7 @@ class FallbackOutcome:
     reset: list[int]
     stats: dict[str, float]
     next_due: float = math.inf  # the least due time of a timer registered in its rounds (see run_epoch)
+    verdicts: dict[str, Verdict] = field(default_factory=dict)  # taken while it ran (see EpochCoordinator._verdict)
 
 
 def run_fallback(
@@ -410,7 +411,8 @@ def run_fallback(
     one job; the outcome is the same wherever it runs (it only depends on the job and the partitions' state).
     """
     coord = EpochCoordinator(app, exchange, max_invocations=job.max_invocations, on_replies=on_replies)
-    result = EpochResult(job.epoch, {}, job.requests, [])
+    result = coord.current = EpochResult(job.epoch, {}, job.requests, [])
+    coord.phase = 1
 
     def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
         return _reply(result, job.last_tid, tid, True, ok, value, err, job.base)
@@ -421,7 +423,7 @@ def run_fallback(
     stats: dict[str, float] = {}
     apply, reset = coord._fallback(job.epoch, job.conflicted, track, result, reply, job.apply, stats)
     return FallbackOutcome(list(result.replies.values()), result.fast, result.slow, coord.deferred, apply, reset,
-                           stats, coord.due_seen)
+                           stats, coord.due_seen, coord.taken)
 
 
 def _reply(result: EpochResult, last_tid: int, tid: int, fallback: bool, ok: bool, value: bytes = b"",
@@ -431,6 +433,9 @@ def _reply(result: EpochResult, last_tid: int, tid: int, fallback: bool, ok: boo
               position(tid, last_tid, fallback, base))
     result.replies[tid] = r
     return r
+
+
+VERDICT_ERRORS = frozenset({"InvocationTimeout"})  # failures a partition reports that are decisions (Verdict)
 
 
 class Verdict(NamedTuple):
@@ -478,20 +483,21 @@ class RestOutcome:
     next_due: float = math.inf  # the least next due time reported in its rounds (see run_epoch)
     # the job's prior's finalize: its raw events (tid, inv, n, stream, value), put in atom order by the driver
     prior_events: list = field(default_factory=list)
+    verdicts: dict[str, Verdict] = field(default_factory=dict)  # taken while it ran (see EpochCoordinator._verdict)
 
 
 def run_rest(app: Application, exchange: Exchange, job: RestJob) -> RestOutcome:
     """Run :class:`RestJob` through ``exchange`` (whose partitions already ran ``job.prior``, if any)."""
     coord = EpochCoordinator(app, exchange, max_invocations=job.max_invocations)
-    coord.verdicts = job.verdicts
-    result = EpochResult(job.epoch, {}, job.requests, [])
+    coord.verdicts = dict(job.verdicts)
+    result = coord.current = EpochResult(job.epoch, {}, job.requests, [])
     sent: list[Reply] = []
     coord.on_replies = sent.extend
     stats: dict[str, float] = {}
     apply, reset = coord._rest(job.epoch, job.roots, job.msgs, job.track, job.n, None, result, stats, job.bounds,
                                job.chunk, job.carry)
     return RestOutcome(sent, result.lockfree, result.fast, result.slow, coord.deferred, apply, reset, stats,
-                       coord.due_seen)
+                       coord.due_seen, verdicts=coord.taken)
 
 
 class EpochCoordinator:
@@ -548,6 +554,31 @@ class EpochCoordinator:
         #: what a watchdog in another thread needs to record a verdict on a transaction that overran its budget
         self.current: EpochResult | None = None
         self.phase = 0
+        #: records a verdict taken in this epoch durably before it counts (the driver's runtime; None: only here)
+        self.on_verdict: Callable[[Request, Verdict, int], None] | None = None  # (request, verdict, epoch)
+        self.taken: dict[str, Verdict] = {}  # verdicts this coordinator took (run_rest/run_fallback return them)
+
+    def _verdict(self, tid: int, etype: str, msg: str) -> None:
+        """A round reported ``tid`` failed by a decision from outside the core (``InvocationTimeout``): recorded
+        (durably, by ``on_verdict``) before anything depends on it, then applied as every verdict (_judge)."""
+        cur = self.current
+        req = cur.requests.get(tid) if cur is not None else None
+        if req is not None and req.request_id not in self.verdicts:
+            self._adopt({req.request_id: Verdict(etype, msg, self.phase == 1)}, {req.request_id: req})
+
+    def _adopt(self, verdicts: dict[str, Verdict], reqs: dict[str, Request] | None = None) -> None:
+        """Take in verdicts a task took (or this coordinator): each recorded first, then effective."""
+        for rid, v in verdicts.items():
+            if rid in self.verdicts:
+                continue
+            if self.on_verdict is not None:
+                req = reqs.get(rid) if reqs is not None else None
+                if req is None and self.current is not None:
+                    req = next((r for r in self.current.requests.values() if r.request_id == rid), None)
+                if req is not None:
+                    self.on_verdict(req, v, self.current.epoch if self.current is not None else -1)
+            self.verdicts[rid] = v
+            self.taken[rid] = v
 
     # -- helpers ----------------------------------------------------------------------------------
     def _round(self, control: Control, msgs: list, track: _Track, stats: dict) -> list:
@@ -599,6 +630,8 @@ class EpochCoordinator:
             if o.failed:
                 for tid, etype, msg in o.failed:
                     failed.setdefault(tid, (etype, msg))
+                    if etype in VERDICT_ERRORS:  # a partition stopped a function past its budget: a verdict
+                        self._verdict(tid, etype, msg)
             if o.rw:
                 for tid, t in o.rw.items():  # a partition's own entities: disjoint from the other partitions'
                     d = rw.get(tid)
@@ -833,6 +866,8 @@ class EpochCoordinator:
         if carried_prior:
             self._prior_ran(out.prior_events)
         self.due_seen = min(self.due_seen, out.next_due)
+        if out.verdicts:
+            self._adopt(out.verdicts)  # recorded before the replies that depend on them go out
         self._emit(out.replies)
         for r in out.replies:
             result.replies[r.tid] = r
@@ -914,6 +949,8 @@ class EpochCoordinator:
             inner: dict[str, str] = {}
         else:  # the exchange runs all of it at once (one Spark job): its rounds are not the exchange's
             out = runner(job)
+            if out.verdicts:
+                self._adopt(out.verdicts)  # recorded before the replies that depend on them go out
             self._emit(out.replies)
             inner = {"rounds": "fallback_task_rounds", "exchange_s": "fallback_task_s"}
         self.phase = 0

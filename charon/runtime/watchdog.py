@@ -34,12 +34,14 @@ The watchdog's clock starts when it first sees a step, so a step is stopped betw
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from charon.core.context import raised_in
@@ -108,11 +110,7 @@ class Watchdog:
         return st[1]
 
     def budget(self, unit: PartitionUnit, frame: Any) -> float:
-        try:
-            fn = unit.app_for(frame.tid).resolve(frame.op, frame.fn)
-        except Exception:  # noqa: BLE001 - a function of a replaced application: the default
-            return self.timeout
-        return fn.timeout if fn.timeout is not None else self.timeout
+        return _budget_of(unit, frame, self.timeout)
 
     def _run(self) -> None:
         seen: tuple[Any, int, float] | None = None  # the step being timed: (frame, nsusp, first seen at)
@@ -157,9 +155,7 @@ class Watchdog:
         coord = self.coordinator()
         result = coord.current
         req = result.requests.get(frame.tid) if result is not None else None
-        msg = f"{frame.op}.{frame.fn} on key {frame.key!r} ran past its time budget without awaiting a call"
-        if frame.kind != ROOT:
-            msg = raised_in(msg, frame.op, frame.key, frame.fn)
+        msg = timeout_message(frame)
         if req is None:  # pragma: no cover - every running frame belongs to the current epoch
             return InvocationTimeout(msg)
         verdict = coord.verdicts.get(req.request_id)
@@ -190,3 +186,63 @@ class Watchdog:
               "restarts the node", file=sys.stderr, flush=True)
         os._exit(75)
 
+
+
+def timeout_message(frame: Any) -> str:
+    """The error of a function stopped past its budget (deterministic: the same wherever it is taken)."""
+    msg = f"{frame.op}.{frame.fn} on key {frame.key!r} ran past its time budget without awaiting a call"
+    return raised_in(msg, frame.op, frame.key, frame.fn) if frame.kind != ROOT else msg
+
+
+def _task_timed_out(frame: Any) -> BaseException:
+    return InvocationTimeout(timeout_message(frame))
+
+
+def _budget_of(unit: PartitionUnit, frame: Any, default: float) -> float:
+    try:
+        fn = unit.app_for(frame.tid).resolve(frame.op, frame.fn)
+    except Exception:  # noqa: BLE001 - a function of a replaced application: the default
+        return default
+    return fn.timeout if fn.timeout is not None else default
+
+
+@contextlib.contextmanager
+def task_budget(units: list[PartitionUnit], timeout: float | None, interval: float = DEFAULT_INTERVAL,
+                ) -> Iterator[None]:
+    """Within a Spark task: stop any function of ``units`` that runs past its budget.
+
+    A PySpark worker runs its task in its main thread, so the sampler is a ``SIGALRM`` handler running *in* that
+    thread between bytecodes: it raises :class:`Interrupt` only while a step runs (``unit.current``), so it lands
+    in the unit's ``_run``, and it also stops ``time.sleep`` (a signal interrupts the sleep, PEP 475). The unit
+    fails the transaction with ``InvocationTimeout``; the round's output carries the failure to the driver, which
+    records the verdict before anything depends on it (:meth:`charon.core.epoch.EpochCoordinator._verdict`).
+    Elsewhere than the main thread (the simulator's workers) nothing is armed."""
+    if timeout is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    for u in units:
+        u.interrupt = _task_timed_out
+    seen: list[Any] = [None, 0, 0.0]
+
+    def on_alarm(signum: int, _frame: Any) -> None:
+        for u in units:
+            f = u.current
+            if f is not None:
+                break
+        else:
+            seen[0] = None
+            return
+        now = time.monotonic()
+        if seen[0] is not f or seen[1] != f.nsusp:
+            seen[0], seen[1], seen[2] = f, f.nsusp, now
+            return
+        if now - seen[2] >= _budget_of(u, f, timeout):
+            raise Interrupt
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, interval, interval)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -49,6 +49,7 @@ from charon.core.epoch import (
     FallbackOutcome,
     RestJob,
     RestOutcome,
+    Verdict,
 )
 from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.core.routing import partition_of, split_store_key, store_key
@@ -63,6 +64,8 @@ from charon.operator import Application
 from charon.runtime import control
 from charon.runtime.probe import LogProbe
 from charon.runtime.replies import ReplyWriter
+from charon.runtime.verdicts import VerdictBook, letter
+from charon.runtime.watchdog import task_budget
 from charon.state.durable import DurableState, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 
@@ -421,11 +424,12 @@ def tune_worker_gc(threshold: int) -> None:
 def _run_partitions(
     app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
     items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None, gc_threshold: int = 0,
-    finalize_threads: int = 1,
+    finalize_threads: int = 1, function_timeout: float | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """One task of a round. ``previous``: a compatible code update's (first TID on ``app_ref``, the old
     code's ref): a transaction with a lower TID started before the update and runs the old code.
-    ``gc_threshold``: see :func:`tune_worker_gc`."""
+    ``gc_threshold``: see :func:`tune_worker_gc`. ``function_timeout``: the functions' default time budget
+    (:func:`charon.runtime.watchdog.task_budget`)."""
     from charon.state.lmdbstore import open_store
 
     tune_worker_gc(gc_threshold)
@@ -434,10 +438,11 @@ def _run_partitions(
     root = local_root(local_dir, checkpoint, durable_root)
     for pid, payload in items:
         if pid == FALLBACK_TASK:
-            yield pid, _run_fallback_task(app, parts, root, durable_root, payload, prev)
+            yield pid, _run_fallback_task(app, parts, root, durable_root, payload, prev, function_timeout)
             continue
         if pid == REST_TASK:
-            yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads)
+            yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads,
+                                      function_timeout)
             continue
         c0 = time.thread_time()  # the task's CPU for this partition (unpickling included): stats cpu_us
         control, scratch, inbox, cached = pickle.loads(payload)
@@ -459,7 +464,7 @@ def _run_partitions(
         if control.finalize:
             out = unit.step(control, inbox, done)
         else:
-            with store.reading():
+            with store.reading(), task_budget([unit], function_timeout):
                 out = unit.step(control, inbox, done)
         t2 = time.perf_counter()
         out.stats["restore_us"] = int((t1 - t0) * 1e6)
@@ -488,7 +493,7 @@ class _TaskExchange:
 
 
 def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
-                       prev: tuple[int, Any] | None = None) -> bytes:
+                       prev: tuple[int, Any] | None = None, function_timeout: float | None = None) -> bytes:
     """An epoch's whole fallback (all cached rounds and locked waves) in this task, over every partition's
     store as of the previous epoch; returns the outcome and each partition's scratch. Writes nothing."""
     from charon.core.epoch import run_fallback
@@ -507,7 +512,8 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
         unit.load_cache(caches[pid])
         units.append(unit)
     t1 = time.perf_counter()
-    out = run_fallback(app, _TaskExchange(units), job)
+    with task_budget(units, function_timeout):
+        out = run_fallback(app, _TaskExchange(units), job)
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
     out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
     scratches_out = [u.dump_scratch() for u in units]
@@ -519,7 +525,8 @@ REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over e
 
 
 def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
-                   prev: tuple[int, Any] | None = None, finalize_threads: int = 1) -> bytes:
+                   prev: tuple[int, Any] | None = None, finalize_threads: int = 1,
+                   function_timeout: float | None = None) -> bytes:
     """The rest of an epoch (remaining dry-run rounds, lock-free decision, fallback) in this task over every
     partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round), the
     partitions' in up to ``finalize_threads`` threads."""
@@ -563,7 +570,8 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
         unit.store.ensure_epoch(job.epoch - 1)
         unit.load_cache(caches[pid])
     t1 = time.perf_counter()
-    out = run_rest(app, _TaskExchange(units), job)
+    with task_budget(units, function_timeout):
+        out = run_rest(app, _TaskExchange(units), job)
     for unit in units:  # the epoch is decided: its scratch shrinks to what the finalize writes
         unit.decided(out.apply, out.reset)
     out.prior_events = prior_events  # the driver puts them in atom order (it has the prior epoch's replies)
@@ -660,7 +668,7 @@ class SparkExchange:
         cfg = self.config
         self.fn = partial(_run_partitions, app_ref, cfg.partitions, cfg.local_dir, self.durable_root,
                           cfg.checkpoint_dir, previous=previous, gc_threshold=cfg.gc_threshold,
-                          finalize_threads=cfg.finalize_threads)
+                          finalize_threads=cfg.finalize_threads, function_timeout=cfg.function_timeout)
 
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
         t0 = time.perf_counter()
@@ -783,6 +791,8 @@ class SparkRuntime(control.Controllable):
         cfg = config or SparkConfig.from_env()
         os.makedirs(cfg.data_dir, exist_ok=True)
         self.ckpt = cfg.checkpoint_dir
+        os.makedirs(self.ckpt, exist_ok=True)
+        self.verdict_book = VerdictBook(self.ckpt)  # every epoch's coordinator applies (and adds to) its verdicts
         recorded = read_layout(self.ckpt)
         if recorded is not None and cfg.log_partitions is None:  # not set: an existing log keeps its count
             cfg = dataclasses.replace(cfg, log_partitions=recorded.log_partitions)
@@ -1054,6 +1064,15 @@ class SparkRuntime(control.Controllable):
         q = self._query
         if self._status == "recovering" and q is not None and q.isActive and self._caught_up(log_ends):
             self._status = "ok"
+
+    def _record_verdict(self, req: Request, verdict: Verdict, epoch: int) -> None:
+        """A task stopped a function past its budget: recorded (fsynced) before the epoch goes on."""
+        self.verdict_book.record(letter(req.request_id, req.operator, req.function, req.key, verdict, epoch,
+                                        f"{req.operator}.{req.function}"))
+
+    def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """Transactions the engine set aside (timed out, quarantined), newest first."""
+        return self.verdict_book.dead_letters(limit)
 
     def health(self) -> dict[str, Any]:
         """The runtime's state: ``status`` (ok, starting, recovering, failed, stopped), the last recorded
@@ -1447,6 +1466,7 @@ class SparkRuntime(control.Controllable):
                 chunk=self._epoch_chunk(prev),
             )
             coord.timer_limit = self.config.max_timers_per_epoch
+            coord.verdicts, coord.on_verdict = self.verdict_book.verdicts, self._record_verdict
             coord.next_due = math.inf if epoch == 0 else -math.inf
             if prev is not None:
                 # the epoch's sequencer count is its end offsets' length: the log grew since prev -> rebase
