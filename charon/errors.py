@@ -52,6 +52,11 @@ class IllegalAwait(CharonError):
     """A function awaited something other than ``ctx.call`` (functions cannot block on I/O)."""
 
 
+class UnawaitedCall(CharonError):
+    """A function returned while a call it created with ``ctx.call`` was never awaited (use ``ctx.send`` for a
+    call whose result is not needed). The transaction aborts: nothing of it is applied."""
+
+
 class EngineUnavailable(CharonError):
     """The engine cannot answer now (starting, recovering from a failure, or stopped after one)."""
 
@@ -74,6 +79,7 @@ ENGINE_ERRORS: dict[str, type[CharonError]] = {
         CallGraphLimitExceeded,
         NonDeterministicFunction,
         IllegalAwait,
+        UnawaitedCall,
         UndeclaredPortal,
     )
 }
