@@ -181,6 +181,9 @@ class _Client:
 
         if self.closed:
             raise ValueError("the NATS log is closed")
+        nc = self.nc
+        if nc is not None and nc.is_reconnecting:  # the connection is down: fail now, callers retry with back-off
+            raise NatsLogUnreachable(f"NATS server {self.server} is unreachable (connection lost, reconnecting)")
         fut = asyncio.run_coroutine_threadsafe(_coro(fn), self.loop)
         t = (timeout or self.timeout_s) + 1.0
         started = time.monotonic()

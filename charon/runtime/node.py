@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from charon import serde
+from charon.errors import EngineUnavailable
 from charon.log.location import open_input_log, open_output_log
 from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
@@ -271,6 +272,10 @@ class NodeStorage:
     def known(self, request_id: str) -> Reply | bool:
         """The stored reply of a request id, else whether the id is in the input log (False: new)."""
         rep = self._unflushed.get(request_id)
+        wait = self.log_wait
+        if rep is None and wait is not None:  # the log is out: answer at once (503) instead of blocking the caller
+            raise EngineUnavailable(f"the log is unavailable ({wait[0]}, waiting {time.monotonic() - wait[1]:.0f} s:"
+                                    f" {wait[2]}); retry later")
         if rep is None:
             rep = self.output_log.get(request_id)
         if rep is not None:
