@@ -5,6 +5,7 @@ oracle agrees. (The non-determinism cases, ``rnd``/``clock``/``setiter``, are in
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -41,7 +42,7 @@ class App:
             [sys.executable, "-c", "from charon.cli import main; main()", "run", "mistakes_app:app", "--engine",
              "inprocess", "--port", str(self.port), "--token", TOKEN, "--partitions", "2", *extra],
             cwd=REPROS, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": str(REPROS)},
+            env={**{k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}, "PYTHONPATH": str(REPROS)},
         )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
@@ -107,3 +108,16 @@ def test_values_outside_the_value_model_are_refused_over_http(server: App, fn: s
     assert server.state("acc", f"k-{fn}") is None  # nothing stored
     ok, err = _oracle(fn)
     assert not ok and err[0] == "SerializationError"
+
+
+def test_charon_run_pins_the_hash_seed(server: App) -> None:
+    """`charon run` re-executes itself with PYTHONHASHSEED=0 (unless set): a set of strings iterates in the same
+    order in every run of the process, so a replay after a restart reproduces the replies already sent."""
+    names = [f"name-{i}" for i in range(12)]
+    code = f"import json; print(json.dumps(list(set({names!r}))))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    seed0 = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONHASHSEED": "0"}, capture_output=True,
+                           text=True, check=True).stdout
+    r = server.invoke("setiter", key="seed", args=[names])
+    assert r["status"] == 200, r
+    assert r["value"] == json.loads(seed0), (r["value"], seed0)
