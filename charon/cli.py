@@ -773,7 +773,17 @@ def demo(
 
 def main() -> None:
     """Entry point of the ``charon`` console script."""
+    _pin_hash_seed()
     app()
+
+
+def _pin_hash_seed() -> None:
+    """``charon run`` re-executes itself with ``PYTHONHASHSEED=0`` when the variable is unset or ``random``:
+    functions iterating a set of strings then see the same order in every run of the process, so a restart
+    that replays logged epochs reproduces the replies already sent (a fixed value the user set is kept)."""
+    if sys.argv[1:2] == ["run"] and os.environ.get("PYTHONHASHSEED", "random") in ("", "random"):
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 if __name__ == "__main__":

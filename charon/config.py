@@ -60,6 +60,9 @@ class SparkConfig:
     checkpoint_batches: int = 100  # micro-batches Spark's query checkpoint retains (minBatchesToRetain)
     max_timers_per_epoch: int = 10_000  # timers one partition fires per epoch (keep it fixed for a checkpoint)
     timer_poll_ms: int = 50  # an idle driver checks this often whether a timer is due (then appends a tick)
+    # PYTHONHASHSEED of every Python worker (and PySpark's own default): str hashes, hence the iteration order
+    # of sets of strings, are the same in every task, executor and driver restart (replays stay exact)
+    python_hash_seed: str = "0"
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 

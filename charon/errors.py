@@ -63,6 +63,11 @@ class Quarantined(CharonError):
     stayed stuck) on repeated attempts; listed by ``charon dead-letters``."""
 
 
+class UnawaitedCall(CharonError):
+    """A function returned while a call it created with ``ctx.call`` was never awaited (use ``ctx.send`` for a
+    call whose result is not needed). The transaction aborts: nothing of it is applied."""
+
+
 class EngineUnavailable(CharonError):
     """The engine cannot answer now (starting, recovering from a failure, or stopped after one)."""
 
@@ -85,6 +90,7 @@ ENGINE_ERRORS: dict[str, type[CharonError]] = {
         CallGraphLimitExceeded,
         NonDeterministicFunction,
         IllegalAwait,
+        UnawaitedCall,
         UndeclaredPortal,
         InvocationTimeout,
         Quarantined,

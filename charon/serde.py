@@ -32,6 +32,58 @@ def decode(data: bytes) -> Any:
 
 
 _PLAIN_SCALARS = (str, int, float, bool, bytes, type(None))
+_SCALARS = frozenset(_PLAIN_SCALARS)
+
+
+def check_value(value: Any) -> None:
+    """Raise SerializationError unless ``value`` belongs to the value model (it round-trips faithfully).
+
+    The value model: None, bool, int (64-bit), float, str, bytes, lists (and tuples, which come back as
+    lists), and dicts whose keys are str or int, nested. Exact types only: sets, frozensets, datetimes,
+    dates, Decimals, UUIDs, enums, dataclasses, bytearrays, str/int subclasses and other objects are refused
+    (msgpack would silently turn them into something else: a list, a timestamp, a string, a dict).
+    Called after a successful encode, so the value has no cycles; scalars return at the first test.
+    """
+    if type(value) in _SCALARS:
+        return
+    scalars = _SCALARS
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is list or t is tuple:
+            for x in v:
+                if type(x) not in scalars:
+                    stack.append(x)
+        elif t is dict:
+            for k, x in v.items():
+                if type(k) is not str and type(k) is not int:
+                    raise SerializationError(
+                        f"map keys must be str or int, got {type(k).__name__} (the value model: see README)")
+                if type(x) not in scalars:
+                    stack.append(x)
+        elif t not in scalars:
+            raise SerializationError(_unfaithful(t))
+
+
+def _unfaithful(t: type) -> str:
+    hint = {"set": "a list (e.g. sorted(s))", "frozenset": "a list (e.g. sorted(s))",
+            "datetime": "a number or an ISO string (ctx.now() is seconds since the epoch)",
+            "date": "an ISO string", "Decimal": "a str or int", "UUID": "a str", "bytearray": "bytes"}.get(
+        t.__name__, "plain data (dicts, lists, str, int, float, bool, bytes, None)")
+    return (f"values of type {t.__name__} are not part of the value model and would not come back as they were "
+            f"stored; convert it to {hint}")
+
+
+def encode_value(value: Any) -> bytes:
+    """Encode a user value (state, argument, return value, event): :func:`encode`, then :func:`check_value`."""
+    try:
+        data = _enc.encode(value)
+    except (TypeError, OverflowError, UnicodeEncodeError, RecursionError, msgspec.EncodeError) as exc:
+        raise SerializationError(f"value of type {type(value).__name__} is not serializable: {exc}") from None
+    if type(value) not in _SCALARS:
+        check_value(value)
+    return data
 
 
 def check_plain(value: Any, max_depth: int) -> None:

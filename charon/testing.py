@@ -21,11 +21,11 @@ from typing import Any
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.context import MAX_DEPTH, MAX_EMITS, _item, child_inv, raised_in
+from charon.core.context import MAX_DEPTH, MAX_EMITS, _item, child_inv, raised_in, unawaited_message
 from charon.core.epoch import EpochResult
 from charon.core.partition import MAX_INVOCATIONS, too_many_invocations
 from charon.core.routing import check_item, check_stream, entity_prefix, partition_of, store_key
-from charon.errors import CallGraphLimitExceeded, CharonError, IllegalAwait
+from charon.errors import CallGraphLimitExceeded, CharonError, IllegalAwait, UnawaitedCall
 from charon.messages import Request
 from charon.operator import Application, Function, Operator
 
@@ -70,13 +70,14 @@ class SerialContext:
         self._received: BaseException | None = None  # the first exception a callee raised into this function
         self._fn = ""
         self._nemit = 0
+        self._made: list[_SerialCall] = []  # the calls ctx.call created (each must be awaited)
 
     def get(self, default: Any = None) -> Any:
         raw = self._txn.read(store_key(self._op, self._key))
         return default if raw is None else serde.decode(raw)
 
     def put(self, value: Any) -> None:
-        self._txn.writes[store_key(self._op, self._key)] = serde.encode(value)
+        self._txn.writes[store_key(self._op, self._key)] = serde.encode_value(value)
 
     def delete(self) -> None:
         self._txn.writes[store_key(self._op, self._key)] = None
@@ -86,7 +87,7 @@ class SerialContext:
         return default if raw is None else serde.decode(raw)
 
     def put_item(self, name: str, value: Any) -> None:
-        self._txn.writes[store_key(self._op, self._key, _item(name))] = serde.encode(value)
+        self._txn.writes[store_key(self._op, self._key, _item(name))] = serde.encode_value(value)
 
     def delete_item(self, name: str) -> None:
         self._txn.writes[store_key(self._op, self._key, _item(name))] = None
@@ -109,14 +110,16 @@ class SerialContext:
         fn = self._txn.app.validate(operator, function, args, key=key)
         if self._depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
-        serde.encode(list(args))
+        serde.encode_value(args)
         self._nchild += 1
         return fn
 
     def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _SerialCall:
         """Validated and numbered now; the callee runs inline when the call is first awaited."""
         fn = self._target(operator, key, function, args)
-        return _SerialCall(self, fn, key, child_inv(self._inv, self._nchild), serde.encode(list(args)))
+        c = _SerialCall(self, fn, key, child_inv(self._inv, self._nchild), serde.encode(list(args)))
+        self._made.append(c)
+        return c
 
     def gather(self, *calls: _SerialCall) -> Any:
         """The oracle runs gathered calls one after the other, in order."""
@@ -139,7 +142,7 @@ class SerialContext:
             raise CallGraphLimitExceeded(f"more than {MAX_EMITS} events emitted by one invocation")
         self._nemit += 1
         inv = tuple(int(x) for x in self._inv.split("."))
-        self._txn.events.append((inv, self._nemit, stream, serde.encode(value)))
+        self._txn.events.append((inv, self._nemit, stream, serde.encode_value(value)))
 
     # timers: the same items (ids, records) as the engine's; firing is modelled by check_epoch
     def send_at(self, t: float, operator: Operator | str, key: str, function: Function | str, *args: Any) -> str:
@@ -197,7 +200,7 @@ class _SerialCall:
             parent = self.parent
             ctx = SerialContext(parent._txn, self.fn.operator.name, self.key, self.inv, parent._depth + 1)
             try:
-                value = yield from _invoke(ctx, self.fn, self.args, False).__await__()
+                value = yield from _invoke(ctx, self.fn, self.args, False, check=True).__await__()
             except Exception as exc:
                 if parent._received is None:
                     parent._received = exc
@@ -207,12 +210,19 @@ class _SerialCall:
         return self.value
 
 
-async def _invoke(ctx: SerialContext, fn: Function, args: bytes, root: bool) -> Any:
+async def _invoke(ctx: SerialContext, fn: Function, args: bytes, root: bool, check: bool = False) -> Any:
     """Run one function: record the transaction's first error, and callers that go on after a callee's."""
     ctx._fn = fn.name
     txn = ctx._txn
     try:
         value = await fn.body(ctx, *serde.decode(args))
+        # as the engine: a call created and never awaited aborts the transaction
+        for c in ctx._made if ctx._received is None else ():
+            if not c.done:
+                raise UnawaitedCall(unawaited_message(ctx._op, fn.name, ctx._key, int(c.inv.rsplit(".", 1)[1]),
+                                                      c.fn.operator.name, c.key, c.fn.name))
+        if check:  # a called function's return value is in the value model (as the engine checks it)
+            serde.encode_value(value)
     except Exception as exc:
         if txn.abort is None:
             msg = str(exc) if root else raised_in(str(exc), ctx.operator, ctx.key, fn.name)
@@ -258,7 +268,7 @@ def serial_execute(
     txn = _Txn(app, state, tid, request.ts, max_invocations)
     try:
         root = SerialContext(txn, request.operator, request.key, "0", 0)
-        value = serde.encode(_drive(_invoke(root, fn, request.args, True)))
+        value = serde.encode_value(_drive(_invoke(root, fn, request.args, True)))
         while txn.sends and txn.abort is None:
             f, key, inv, depth, args = txn.sends.popleft()
             _drive(_invoke(SerialContext(txn, f.operator.name, key, inv, depth), f, args, False))

@@ -89,6 +89,12 @@ async def unawaited_and_twice(ctx: Context) -> list:
     return [await c, await c, await ctx.gather(c, c)]
 
 
+@op.function
+async def awaited_twice(ctx: Context) -> list:
+    c = ctx.call(op, "twice", bump)
+    return [await c, await c, await ctx.gather(c, c)]
+
+
 app = Application("catch", [op])
 
 
@@ -136,14 +142,22 @@ def test_root_error_message_is_unchanged():
 
 
 @pytest.mark.parametrize("live", [False, True], ids=["replay", "live"])
-def test_never_awaited_call_is_never_sent_and_a_call_runs_once(monkeypatch, live):
-    """Engine and oracle: a call never awaited has no effect; awaiting one call again returns its value."""
+def test_never_awaited_call_aborts_and_a_call_runs_once(monkeypatch, live):
+    """Engine and oracle: a call never awaited aborts the transaction with UnawaitedCall naming the function
+    and the call; awaiting one call again returns its value."""
     monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", live)
     rt, before, result = _run("unawaited_and_twice", 2)
     (reply,) = result.replies.values()
-    assert serde.decode(reply.value) == [1, 1, [1, 1]]
-    assert rt.read_state("a", "never") is None and rt.read_state("a", "twice") == 1
+    assert not reply.ok and reply.error_type == "UnawaitedCall", reply
+    assert "a.unawaited_and_twice on key 'me'" in reply.error_message
+    assert "call number 1, ctx.call(a, 'never', bump)" in reply.error_message
+    assert rt.read_state("a", "never") is None and rt.read_state("a", "twice") is None
     check_epoch(app, before, rt.snapshot(), result)
     state: dict = {}
-    assert serial_execute(app, state, 1, result.requests[1]) == (True, reply.value)
-    assert len(state) == 1
+    assert serial_execute(app, state, 1, result.requests[1]) == (False, ("UnawaitedCall", reply.error_message))
+    assert state == {}
+    rt, before, result = _run("awaited_twice", 2)
+    (reply,) = result.replies.values()
+    assert serde.decode(reply.value) == [1, 1, [1, 1]]
+    assert rt.read_state("a", "twice") == 1
+    check_epoch(app, before, rt.snapshot(), result)

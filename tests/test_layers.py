@@ -152,6 +152,7 @@ PUBLIC = [
     "SerializationError",
     "Timer",
     "TransactionAborted",
+    "UnawaitedCall",
     "UndeclaredPortal",
     "UnknownFunction",
     "UnknownOperator",
@@ -164,7 +165,8 @@ def test_public_surface_is_pinned() -> None:
         assert getattr(charon, name) is not None
     errors = {n for n in PUBLIC if n.endswith(("Error", "Aborted", "Unavailable", "Large", "Exceeded"))}
     errors |= {"BadArguments", "IdempotencyConflict", "IllegalAwait", "InvalidKey", "InvocationTimeout",
-               "NonDeterministicFunction", "Quarantined", "UndeclaredPortal", "UnknownFunction", "UnknownOperator"}
+               "NonDeterministicFunction", "Quarantined", "UnawaitedCall", "UndeclaredPortal", "UnknownFunction",
+               "UnknownOperator"}
     for name in errors:
         assert issubclass(getattr(charon, name), charon.CharonError), name
     # Every engine error a reply can carry is importable from the top level.

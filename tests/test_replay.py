@@ -1,9 +1,9 @@
-"""Journal replay is exact: calls created before they are awaited, awaited out of order, twice or never.
+"""Journal replay is exact: calls created before they are awaited, awaited out of order, twice or late.
 
 Every scenario of ``replay_app`` runs with live coroutines and with journal replay only, on 1, 2 and 4
 partitions, and through the Spark exchange's task function with rounds hopping between simulated worker
 processes; each run is checked against the serial oracle and against what the scenario must leave behind
-(a send sent once, a never-awaited call never sent, a ``finally`` block run once).
+(a send sent once, a call awaited long after it was created, a ``finally`` block run once).
 """
 
 from __future__ import annotations

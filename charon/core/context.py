@@ -5,8 +5,9 @@ Calls, suspension and replay (why functions may run more than once)
 ``ctx.call(...)`` *creates* a call: it validates the target and gives the call the next child number of
 this invocation (calls and sends share the numbering), but sends nothing. The call is *sent* when it is
 first awaited (``await c`` or ``await ctx.gather(c, ...)``); awaiting it again returns the same value. A
-call that is created and never awaited is never sent and has no effect (its validation and its child
-number apart); the oracle (:mod:`charon.testing`) does the same.
+function that returns while a call it created was never awaited aborts its transaction with
+:class:`~charon.errors.UnawaitedCall` (a forgotten ``await`` is a bug, not a silent drop; ``ctx.send`` is the
+call whose result is not needed); the oracle (:mod:`charon.testing`) does the same.
 
 A synchronous call cannot keep a coroutine alive across rounds: on Spark every round is a separate task,
 possibly in another process. So an await that sends calls *suspends* the function; the engine keeps its
@@ -35,6 +36,7 @@ from charon.errors import (
     CallGraphLimitExceeded,
     InvalidKey,
     NonDeterministicFunction,
+    UnawaitedCall,
     UndeclaredPortal,
 )
 from charon.operator import Function, Operator
@@ -44,6 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _decode = serde._dec.decode
 _encode = serde._enc.encode
+_check = serde.check_value  # the value model (sets, datetimes, objects... refused); scalars pass at once
+_SCALARS = serde._SCALARS
 
 MAX_DEPTH = 200
 #: Most events one invocation may emit (beyond it the transaction aborts with CallGraphLimitExceeded).
@@ -271,9 +275,11 @@ class Context:
             raise GeneratorExit
         if self._frame.live:
             try:
-                data = _encode(value)  # serde.encode, inlined
+                data = _encode(value)  # serde.encode_value, inlined
             except Exception:  # noqa: BLE001 - its typed error
                 data = serde.encode(value)
+            if type(value) not in _SCALARS:
+                _check(value)
             f = self._frame
             self._unit.write(f.tid, f.op, f.key, "", data)
 
@@ -290,7 +296,7 @@ class Context:
     def put_item(self, name: str, value: Any) -> None:
         """Set one named item of the entity's ordered item map."""
         if self._live():
-            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), serde.encode(value))
+            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), serde.encode_value(value))
 
     def delete_item(self, name: str) -> None:
         """Remove one named item."""
@@ -328,7 +334,7 @@ class Context:
         self._emit(stream, value)
 
     def _emit(self, stream: str, value: Any) -> None:
-        data = serde.encode(value)
+        data = serde.encode_value(value)
         if self._nemit >= MAX_EMITS:
             raise CallGraphLimitExceeded(f"more than {MAX_EMITS} events emitted by one invocation")
         self._nemit += 1
@@ -383,13 +389,16 @@ class Context:
             data = _encode(args)  # serde.encode(list(args)), inlined: a tuple encodes as the same msgpack array
         except Exception:  # noqa: BLE001 - its typed error
             data = serde.encode(list(args))
+        if args:
+            _check(args)  # the value model (serde.encode_value)
         return (fn.operator.name, key, fn.name, data)
 
     def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _Call:
         """Call a function of another entity and wait for its return value (same transaction).
 
         ``ctx.call`` validates the call and numbers it; ``await`` sends it and suspends until the reply
-        (awaiting it again returns the same value). A call never awaited is never sent. If the callee (or
+        (awaiting it again returns the same value). A function that returns without awaiting a call it created
+        aborts the transaction with UnawaitedCall (``ctx.send`` needs no await). If the callee (or
         anything it calls or sends) raises, the whole transaction aborts with that error, which names
         where it was raised: the caller is never resumed, so a ``try``/``except`` around the await cannot
         catch a callee's exception. Check conditions before calling, or return a value that says so.
@@ -542,6 +551,20 @@ class Context:
     def now(self) -> float:
         """The transaction's timestamp (its request's append time), the same on every replay."""
         return self._frame.ts
+
+
+def check_awaited(calls: list[tuple], replies: dict[int, bytes], op: str, fn: str, key: str) -> None:
+    """Raise UnawaitedCall if a synchronous call of a completed invocation (``calls``: its ``ctx._calls``, child
+    ``n`` at index ``n - 1``) has no reply: it was created and never awaited."""
+    for n, c in enumerate(calls, 1):
+        if c[0] and n not in replies:
+            raise UnawaitedCall(unawaited_message(op, fn, key, n, c[1], c[2], c[3]))
+
+
+def unawaited_message(op: str, fn: str, key: str, child: int, cop: str, ckey: str, cfn: str) -> str:
+    """The message of :class:`UnawaitedCall` (the engine's and the oracle's)."""
+    return (f"{op}.{fn} on key {key!r} returned without awaiting its call number {child}, ctx.call({cop}, "
+            f"{ckey!r}, {cfn}): await it (or use ctx.send for a call whose result is not needed)")
 
 
 def child_inv(inv: str, child: int) -> str:

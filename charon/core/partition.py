@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.context import Context, Journal, child_inv, raised_in
+from charon.core.context import Context, Journal, check_awaited, child_inv, raised_in
 from charon.core.routing import entity_prefix, key_group, store_key
 from charon.core.shares import ZERO as _ZERO
 from charon.core.shares import Share, add, split
@@ -33,6 +33,8 @@ from charon.state.store import PartitionStore
 
 _encode = serde._enc.encode
 _decode = serde._dec.decode  # msgpack the engine itself encoded (serde.decode wraps errors in SerializationError)
+_check_value = serde.check_value  # the value model of return values (serde.encode_value)
+_SCALARS = serde._SCALARS
 
 ROOT, SYNC, ASYNC = 0, 1, 2
 _NONE = serde.encode(None)  # the value a sent invocation completes with (its return value is not delivered)
@@ -681,14 +683,18 @@ class PartitionUnit:
                 if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
+                if ctx._calls is not None:  # every ctx.call awaited (else UnawaitedCall)
+                    check_awaited(ctx._calls, frame.replies, frame.op, frame.fn, frame.key)
                 kind = frame.kind
                 if kind == ASYNC:  # a sent function's return value goes nowhere: not encoded (as serially)
                     value = _NONE
                 else:
                     try:
-                        value = _encode(stop.value)  # serde.encode, inlined
+                        value = _encode(stop.value)  # serde.encode_value, inlined
                     except Exception:  # noqa: BLE001 - its typed error
                         value = serde.encode(stop.value)
+                    if type(stop.value) not in _SCALARS:
+                        _check_value(stop.value)
                 # self._complete(frame, ctx, value), inlined (two of a transfer's three runs complete)
                 sends = ctx._sends
                 msgs: list[Invoke | Reply] | tuple = ()
@@ -904,7 +910,7 @@ class PartitionUnit:
                         return False
                     if f.kind == ASYNC:  # its return value goes nowhere (see _run)
                         continue
-                    value = serde.encode(stop.value)
+                    value = serde.encode_value(stop.value)
                     if f.kind == ROOT:  # the client's reply may change; nothing else consumed it
                         self._out.done.append((tid, value, _ZERO))
                     elif f.kind == SYNC and value != c.result:  # the caller consumed the cached reply

@@ -181,13 +181,19 @@ class _Client:
 
         if self.closed:
             raise ValueError("the NATS log is closed")
+        nc = self.nc
+        if nc is not None and nc.is_reconnecting:  # the connection is down: fail now, callers retry with back-off
+            raise NatsLogUnreachable(f"NATS server {self.server} is unreachable (connection lost, reconnecting)")
         fut = asyncio.run_coroutine_threadsafe(_coro(fn), self.loop)
         t = (timeout or self.timeout_s) + 1.0
+        started = time.monotonic()
         try:
             return fut.result(t)
-        except TimeoutError:
+        except TimeoutError:  # this wait's, or one inside the operation (a publish ack's): name the actual wait
             fut.cancel()
-            raise NatsLogUnreachable(f"NATS server {self.server} did not answer within {t:.0f} s") from None
+            raise NatsLogUnreachable(
+                f"NATS server {self.server} did not answer: gave up after waiting {time.monotonic() - started:.1f} s"
+            ) from None
         except nats.errors.Error as e:
             kind = NatsLogUnreachable if type(e).__name__ in _UNREACHABLE else NatsLogError
             raise kind(f"NATS log operation failed on {self.server}: {type(e).__name__}: {e}") from e

@@ -541,7 +541,7 @@ class InProcessRuntime(control.Controllable):
         self._check_loadable()
         items = values.items() if isinstance(values, dict) else values
         for key, value in items:
-            self._store_of(op, key).data[store_key(op, key)] = serde.encode(value)
+            self._store_of(op, key).data[store_key(op, key)] = serde.encode_value(value)
 
     def load_items(self, operator: str | Operator, key: str, items: dict[str, Any]) -> None:
         """Bulk-load named items of one entity."""
@@ -549,7 +549,7 @@ class InProcessRuntime(control.Controllable):
         self._check_loadable()
         data = self._store_of(op, key).data
         for name, value in items.items():
-            data[store_key(op, key, "\x01" + name)] = serde.encode(value)
+            data[store_key(op, key, "\x01" + name)] = serde.encode_value(value)
 
     def _check_loadable(self) -> None:
         for u in self.units:  # a bulk load writes the stores beside the units: no next due time is reused
@@ -799,11 +799,17 @@ class InProcessRuntime(control.Controllable):
         stuck = self.watchdog.stuck
         if stuck is not None and status == "ok":
             status = "stuck"  # a function overran its budget and still holds the engine (see charon.runtime.watchdog)
-        return {
+        wait = self.node.log_wait if self.node is not None else None
+        if wait is not None and status == "ok":  # a log outage: epochs (or checkpoints) wait for the log
+            status = "waiting for log"
+        out = {
             "status": status, "ok": status == "ok", "epoch": self.epoch - 1, "durable": self.durable,
             "last_error": f"{type(error).__name__}: {error}" if error is not None else None,
             "stuck": stuck, "timeouts": self.watchdog.timeouts,
         }
+        if wait is not None:
+            out["log_wait"] = {"what": wait[0], "waiting_s": round(time.monotonic() - wait[1], 1), "error": wait[2]}
+        return out
 
     async def stop(self) -> None:
         """Finish waiting work and stop (a paused runtime is resumed: its queued requests run first)."""
@@ -909,7 +915,8 @@ class InProcessRuntime(control.Controllable):
         """Invoke ``operator/key.function(*args)`` as one transaction and wait for its reply."""
         if self._task is None:
             raise RuntimeError("the runtime is not started: use `async with runtime:` or `await runtime.start()`")
-        req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
+        req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode_value(list(args)),
+                      time.time())
         return await self.enqueue(req)  # this call's own future: no shield needed (see enqueue)
 
     async def submit_batch(self, calls: Iterable[Any], *, batch_id: str | None = None) -> Reply:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import math
 import os
 import shutil
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from charon import serde
+from charon.errors import EngineUnavailable
 from charon.log.location import open_input_log, open_output_log
 from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
@@ -48,6 +50,7 @@ from charon.state.store import MemoryStore
 
 T = TypeVar("T")
 
+_log = logging.getLogger(__name__)
 EPOCH_MARK = "\x00epoch"  # operator of the marker entry that closes an epoch's batch in the input log
 _RECORDS_KEPT = 2
 
@@ -143,6 +146,9 @@ class NodeStorage:
         self._last_checkpoint = 0.0
         self._checkpoints = 0
         self.error: BaseException | None = None
+        #: while a log operation waits for the log to come back (an outage): what waits, since when
+        #: (``time.monotonic()``), and the last error; None while the log answers (``health`` reports it)
+        self.log_wait: tuple[str, float, str] | None = None
         self.checkpointed_epoch = self._newest_record_epoch()
 
     # -- layout, lock, records -----------------------------------------------------------------------
@@ -266,6 +272,10 @@ class NodeStorage:
     def known(self, request_id: str) -> Reply | bool:
         """The stored reply of a request id, else whether the id is in the input log (False: new)."""
         rep = self._unflushed.get(request_id)
+        wait = self.log_wait
+        if rep is None and wait is not None:  # the log is out: answer at once (503) instead of blocking the caller
+            raise EngineUnavailable(f"the log is unavailable ({wait[0]}, waiting {time.monotonic() - wait[1]:.0f} s:"
+                                    f" {wait[2]}); retry later")
         if rep is None:
             rep = self.output_log.get(request_id)
         if rep is not None:
@@ -278,10 +288,11 @@ class NodeStorage:
         """Append an epoch's batch and its marker in one commit; returns the new requests, the log end and
         the epoch's logged time (``now``, default the clock: the marker's timestamp, which timers fire by)."""
         self.raise_if_failed()
-        start = self._retry_log(lambda: self.input_log.end_offsets()[0])
+        start = self._retry_log(lambda: self.input_log.end_offsets()[0], f"logging epoch {epoch}")
         now = time.time() if now is None else now
         mark = Request(f"{EPOCH_MARK}:{epoch}", EPOCH_MARK, str(epoch), "", serde.encode([]), now)
-        pos = self._retry_log(lambda: self.input_log.append_many([(r, 0) for r in requests] + [(mark, 0)]))
+        pos = self._retry_log(lambda: self.input_log.append_many([(r, 0) for r in requests] + [(mark, 0)]),
+                              f"logging epoch {epoch}")
         if pos[-1][1] < start:
             raise NodeError(f"input log already holds epoch {epoch}")
         # a request id the log already had is not run again (it is answered by its first execution)
@@ -289,22 +300,34 @@ class NodeStorage:
         crash_point("logged", epoch)
         return fresh, pos[-1][1] + 1, now
 
-    @staticmethod
-    def _retry_log(op: Callable[[], T], budget_s: float = 60.0) -> T:
-        """``op()`` retried with back-off while the log is briefly unreachable (an ``OSError``: a NATS outage),
-        for at most ``budget_s``. Safe for :meth:`log_epoch`'s append: request ids and the epoch marker are
-        deduplicated by the log, and ``start`` is read once before the first attempt, so whatever a failed
-        attempt stored still counts as this epoch's (live run and replay see the same batch)."""
-        deadline = time.monotonic() + budget_s
+    def _retry_log(self, op: Callable[[], T], what: str, budget_s: float | None = None) -> T:
+        """``op()`` retried with back-off while the log is unreachable (an ``OSError``: a NATS outage), for as
+        long as the outage lasts (or ``budget_s``); meanwhile :attr:`log_wait` says what waits, since when and
+        the last error (``/health``: ``waiting for log``). Safe for :meth:`log_epoch`'s append: request ids
+        and the epoch marker are deduplicated by the log, and ``start`` is read once before the first attempt,
+        so whatever a failed attempt stored still counts as this epoch's (live run and replay see the same
+        batch); the writer's replies are deduplicated by request id, its truncation is idempotent."""
+        started = time.monotonic()
         delay = 0.1
-        while True:
-            try:
-                return op()
-            except OSError:
-                if time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        warn_at = started + 5.0
+        try:
+            while True:
+                try:
+                    return op()
+                except OSError as exc:
+                    waited = time.monotonic() - started
+                    if budget_s is not None and waited + delay > budget_s:
+                        raise
+                    self.log_wait = (what, started, f"{type(exc).__name__}: {exc} (waiting {waited:.1f} s)")
+                    if time.monotonic() >= warn_at:
+                        warn_at += 30.0
+                        _log.warning("charon: %s: the log has been unavailable for %.0f s, waiting for it: %s",
+                                     what, waited, exc)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+        finally:
+            if self.log_wait is not None and self.log_wait[1] == started:
+                self.log_wait = None
 
     def add_replies(self, replies: list[Reply]) -> None:
         for r in replies:
@@ -359,7 +382,7 @@ class NodeStorage:
     def _checkpoint(self, batch: list[_Finished]) -> None:
         last = batch[-1]
         replies = [r for f in batch for r in f.replies]
-        self.output_log.put_many(replies)
+        self._retry_log(lambda: self.output_log.put_many(replies), f"storing the replies of epoch {last.epoch}")
         for pid in range(self.partitions):
             merged: dict[bytes, bytes | None] = {}
             for f in batch:
@@ -386,8 +409,8 @@ class NodeStorage:
             for pid in range(self.partitions):
                 self.durable.compact(pid, last.epoch)
                 crash_point("compacting", last.epoch)  # after the first partition
-            self.input_log.truncate([last.log_end])
-            self.retention.after_truncate()
+            self._retry_log(lambda: self.input_log.truncate([last.log_end]), "truncating the input log")
+            self._retry_log(self.retention.after_truncate, "forgetting old request ids")
         self._last_checkpoint = time.monotonic()
         with self._cv:
             self._flushing -= len(batch)

@@ -234,6 +234,12 @@ def make_session(config: SparkConfig) -> Any:
     check_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    # Every Python worker hashes str alike (set iteration order; see SparkConfig.python_hash_seed): PySpark
+    # passes this process's PYTHONHASHSEED (default 0) to its workers, so it is pinned here, whatever the driver
+    # was started with, and given to executors' own environment too (a cluster's).
+    if not config.python_hash_seed.isdigit():
+        raise ValueError(f"python_hash_seed must be a decimal integer, got {config.python_hash_seed!r}")
+    os.environ["PYTHONHASHSEED"] = config.python_hash_seed
     if config.master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # no hostname warnings, nothing off-host
     from pyspark import SparkConf, SparkContext
@@ -252,6 +258,7 @@ def make_session(config: SparkConfig) -> Any:
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.streaming.noDataMicroBatches.enabled": "false",
         "spark.executorEnv.PYSPARK_PYTHON": os.environ["PYSPARK_PYTHON"],
+        "spark.executorEnv.PYTHONHASHSEED": config.python_hash_seed,
         # A long run must not grow the driver: the status store (kept even without the UI) retains 1,000 jobs
         # and 100,000 tasks by default, and each epoch runs a few jobs; the cleaner's periodic GC (which
         # releases shuffles, broadcasts and RDDs the driver no longer references) runs every 30 min by default.
