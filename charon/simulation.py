@@ -187,6 +187,11 @@ class Simulation:
         # a generated workload's epochs in chunks of a few transactions (EPOCH_CHUNK exceeds these epochs), from
         # an RNG of its own so that every other draw of a seed stays what it was; a given workload keeps its shape
         self.chunk = None if workload is not None else random.Random(seed * 7919 + 1).choice([0, 1, 2, 3, None])
+        # overruns: a task attempt stops a function as past its budget (the in-task sampler's Interrupt), with this
+        # chance per function start, from an RNG of its own (the other draws of a seed stay what they were)
+        self.orng = random.Random(seed * 104_729 + 3)
+        self.overrun = self.orng.choice([0.0, 0.0, 0.02, 0.1]) if faults is None and workload is None else 0.0
+        self.overruns = 0
         self.pipelined_epochs = 0
         self.fallback_jobs = 0
         self.atoms = 0  # epochs whose atom of events was checked in the stream log
@@ -251,8 +256,39 @@ class Simulation:
         """The real task function over the task's partitions in worker ``w`` (only the first ``upto``)."""
         fn = partial(sr._run_partitions, APP_REF, self.config.partitions, w.dir, self.durable_root,
                      self.config.checkpoint_dir)
-        with w.process():
+        budget = self.rt.exchange.fn.keywords.get("function_timeout") if self.rt is not None else None
+        with w.process(), self.overrunning(budget is not None):
             return list(itertools.islice(fn(task), upto))
+
+    @contextlib.contextmanager
+    def overrunning(self, budgets: bool) -> Iterator[None]:
+        """While a task runs with budgets (an epoch's first run): each function start overruns its budget with
+        chance ``overrun`` (this attempt only: a retry draws again), i.e. the task's sampler raises
+        :class:`~charon.core.partition.Interrupt` in it."""
+        if not self.overrun or not budgets:
+            yield
+            return
+        sim = self
+        fns = [f for op in app.operators.values() for f in op.functions.values()]
+        saved = [f.body for f in fns]
+
+        def overrun(body: Any, name: str) -> Any:
+            async def run(ctx: Any, *args: Any) -> Any:
+                if sim.orng.random() < sim.overrun:
+                    sim.overruns += 1
+                    sim.trace(f"OVERRUN of {name} on key {ctx.key!r} in this attempt")
+                    raise partition.Interrupt
+                return await body(ctx, *args)
+
+            return run
+
+        for f, body in zip(fns, saved, strict=True):
+            f.body = overrun(body, f.qualname)
+        try:
+            yield
+        finally:
+            for f, body in zip(fns, saved, strict=True):
+                f.body = body
 
     def between_rounds(self) -> None:
         f, rng = self.faults, self.rng
@@ -414,7 +450,8 @@ class Simulation:
             after = self.durable_state(e)
             try:
                 testing.check_epoch(app, self.expected[e - 1], after, res, partitions=self.config.partitions,
-                                    timer_limit=self.config.max_timers_per_epoch)
+                                    timer_limit=self.config.max_timers_per_epoch,
+                                    verdicts=self.rt.verdict_book.verdicts)
             except AssertionError as exc:
                 raise Violation(f"epoch {e}: {exc}") from None
             for tid in res.order:
@@ -527,7 +564,8 @@ class Simulation:
         return {"epochs": last + 1, "requests": len(submitted), "crashes": self.crashes, "rounds": self.rounds,
                 "pipelined": self.pipelined_epochs, "fallback_jobs": self.fallback_jobs,
                 "rest_jobs": self.rest_jobs, "atoms": self.atoms, "fired": self.fired,
-                "log_resizes": self.log_resizes, "log_partitions_read": len(rec.ends) if rec is not None else 0}
+                "log_resizes": self.log_resizes, "log_partitions_read": len(rec.ends) if rec is not None else 0,
+                "overruns": self.overruns, "verdicts": len(self.rt.verdict_book.verdicts) if self.rt else 0}
 
     def local_state(self, w: Worker, epoch: int) -> dict[bytes, bytes]:
         merged: dict[bytes, bytes] = {}

@@ -16,13 +16,13 @@ from __future__ import annotations
 import random as _random
 import warnings
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from typing import Any
 
 from charon import serde
 from charon.core import timers as _timers
 from charon.core.context import MAX_DEPTH, MAX_EMITS, _item, child_inv, raised_in, unawaited_message
-from charon.core.epoch import EpochResult
+from charon.core.epoch import EpochResult, Verdict
 from charon.core.partition import MAX_INVOCATIONS, too_many_invocations
 from charon.core.routing import check_item, check_stream, entity_prefix, partition_of, store_key
 from charon.errors import CallGraphLimitExceeded, CharonError, IllegalAwait, UnawaitedCall
@@ -292,9 +292,12 @@ def serial_execute(
 def check_epoch(
     app: Application, before: dict[bytes, bytes], after: dict[bytes, bytes], result: EpochResult, *,
     max_invocations: int = MAX_INVOCATIONS, partitions: int | None = None,
-    timer_limit: int = _timers.MAX_TIMERS_PER_EPOCH,
+    timer_limit: int = _timers.MAX_TIMERS_PER_EPOCH, verdicts: Mapping[str, Verdict] | None = None,
 ) -> None:
     """Assert the epoch equals a serial execution of its transactions in the reported order.
+
+    ``verdicts`` (the runtime's, by request id: a function stopped past its budget, a quarantine): those
+    transactions abort with the verdict's error and have no effect, as if they never ran.
 
     Timers: the ones the epoch fired leave the state before its transactions, and the index equals the one
     the timer items imply. With ``partitions`` (the engine's), the fired timers must be exactly those due
@@ -312,9 +315,13 @@ def check_epoch(
         assert state.pop(_timers.item_key(t.owner_operator, t.owner_key, t.id), None) is not None, (
             f"timer {t.id} fired but was not pending")
     for tid in result.order:
+        rep = result.replies[tid]
+        v = verdicts.get(result.requests[tid].request_id) if verdicts else None
+        if v is not None:
+            assert not rep.ok and rep.error_type == v.error_type, f"tid {tid}: {rep} despite its verdict {v}"
+            continue
         ok, out = serial_execute(app, state, tid, result.requests[tid], max_invocations=max_invocations,
                                  events=events)
-        rep = result.replies[tid]
         assert rep.ok == ok, f"tid {tid}: engine ok={rep.ok} ({rep.error_type}: {rep.error_message}), oracle {out}"
         if ok:
             assert rep.value == out, f"tid {tid}: engine {serde.decode(rep.value)!r} != oracle {serde.decode(out)!r}"

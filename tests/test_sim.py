@@ -194,3 +194,24 @@ def test_a_replayed_epoch_keeps_its_first_runs_chunks(tmp_path, monkeypatch) -> 
         crashed += sim.crashes
     assert not failed, "\n".join(failed)
     assert crashed > 20  # restarts (with the other chunk size) really happened
+
+
+def test_overruns_become_replay_exact_verdicts(tmp_path) -> None:
+    """Seeds whose tasks stop functions as past their budget (in an epoch's first run only; a rerun after a driver
+    crash takes no new verdict): the driver records each verdict before its replies, recovery applies it, and
+    every epoch still equals the serial oracle with those transactions aborted."""
+    import shutil
+
+    overruns = verdicts = crashed = 0
+    for seed in range(120):
+        sim = Simulation(seed, str(tmp_path / str(seed)))
+        if not sim.overrun:
+            continue
+        try:
+            stats = sim.run()
+        finally:
+            shutil.rmtree(tmp_path / str(seed), ignore_errors=True)
+        overruns += stats["overruns"]
+        verdicts += stats["verdicts"]
+        crashed += bool(stats["verdicts"] and stats["crashes"])
+    assert overruns >= 10 and verdicts >= 5 and crashed >= 1, (overruns, verdicts, crashed)

@@ -403,16 +403,21 @@ class FallbackOutcome:
 
 def run_fallback(
     app: Application, exchange: Exchange, job: FallbackJob, on_replies: Callable[[list[Reply]], None] | None = None,
+    outer: EpochCoordinator | None = None,
 ) -> FallbackOutcome:
     """The fallback of one epoch (see :meth:`EpochCoordinator._fallback`) through ``exchange``.
 
     A runtime whose exchange has a ``fallback(job) -> FallbackOutcome`` method calls this where the
     partitions are (e.g. one Spark task holding them all, with an in-task exchange), so that all waves cost
     one job; the outcome is the same wherever it runs (it only depends on the job and the partitions' state).
+    ``outer``: the coordinator of the epoch, when it runs here: verdicts taken in the fallback are its own (recorded
+    by its ``on_verdict`` before the wave's replies go out); else they return in the outcome.
     """
     coord = EpochCoordinator(app, exchange, max_invocations=job.max_invocations, on_replies=on_replies)
     result = coord.current = EpochResult(job.epoch, {}, job.requests, [])
     coord.phase = 1
+    if outer is not None:
+        coord.verdicts, coord.on_verdict, coord.taken = outer.verdicts, outer.on_verdict, outer.taken
 
     def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
         return _reply(result, job.last_tid, tid, True, ok, value, err, job.base)
@@ -851,7 +856,10 @@ class EpochCoordinator:
             stats["dry_rounds"] = stats.get("dry_rounds", 0) + n
             lo = bisect.bisect_right(roots, bounds[j - 1]) if j else 0
             hi = bisect.bisect_right(roots, bounds[j]) if j + 1 < len(bounds) else len(roots)
-            decided = self._decide(epoch, roots[lo:hi], msgs, track, n, result, stats, bounds[j], bases[j])
+            if lo == hi and carry is not None:  # every transaction of the chunk was refused by its verdict: the
+                decided = carry  # chunk before's outcome is still to settle, in the next chunk or the finalize
+            else:
+                decided = self._decide(epoch, roots[lo:hi], msgs, track, n, result, stats, bounds[j], bases[j])
             j += 1
             if j == len(bounds):
                 return decided
@@ -945,7 +953,7 @@ class EpochCoordinator:
         runner = getattr(self.exchange, "fallback", None)
         self.phase = 1
         if runner is None:  # round by round through the exchange, replies per wave
-            out = run_fallback(self.app, self.exchange, job, self._emit)
+            out = run_fallback(self.app, self.exchange, job, self._emit, self)
             inner: dict[str, str] = {}
         else:  # the exchange runs all of it at once (one Spark job): its rounds are not the exchange's
             out = runner(job)

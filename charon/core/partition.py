@@ -55,6 +55,12 @@ class Interrupt(BaseException):
     failure (:attr:`PartitionUnit.interrupt`, the recorded ``InvocationTimeout``)."""
 
 
+def timeout_message(frame: Any) -> str:
+    """The error of a function stopped past its budget (deterministic: the same wherever it is taken)."""
+    msg = f"{frame.op}.{frame.fn} on key {frame.key!r} ran past its time budget without awaiting a call"
+    return raised_in(msg, frame.op, frame.key, frame.fn) if frame.kind != ROOT else msg
+
+
 _LIVE: dict[tuple[int, int], tuple[int, dict]] = {}  # (thread, partition) -> (epoch, table): see _live_table
 _thread_id = threading.get_ident
 
@@ -742,7 +748,7 @@ class PartitionUnit:
         except Interrupt:  # the watchdog stopped a function past its budget: the recorded error aborts it
             self.current = None
             hook = self.interrupt
-            exc = hook(frame) if hook is not None else InvocationTimeout(f"{frame.op}.{frame.fn} was interrupted")
+            exc = hook(frame) if hook is not None else InvocationTimeout(timeout_message(frame))
             self._fail(frame.tid, exc)  # the verdict's message names the function already
             return ()
         finally:

@@ -384,6 +384,7 @@ class InProcessRuntime(control.Controllable):
             self.coordinator.next_due = rec.next_due
         control.recover_code(self)  # the newest code version recorded (code updates)
         attempts = RecoveryAttempts(self.node.data_dir)
+        self.watchdog.interrupting = False  # a replayed epoch may have replied: only its recorded verdicts apply
         for epoch, requests, now in epochs:
             if epoch != self.epoch:
                 raise RuntimeError(f"replay: epoch {epoch} logged where {self.epoch} was expected")
@@ -393,6 +394,7 @@ class InProcessRuntime(control.Controllable):
             self._log_end += len(requests) + 1
             self._run_logged(requests, now)
         attempts.done()
+        self.watchdog.interrupting = True
         self.replayed_epochs = len(epochs)
         control.finish_migration(self)  # a code update's migration a crash interrupted
 

@@ -44,9 +44,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from charon.core.context import raised_in
 from charon.core.epoch import EpochCoordinator, Verdict
-from charon.core.partition import ROOT, Interrupt, PartitionUnit
+from charon.core.partition import Interrupt, PartitionUnit, timeout_message
 from charon.errors import InvocationTimeout
 from charon.runtime.verdicts import VerdictBook, letter
 
@@ -85,6 +84,9 @@ class Watchdog:
         self.freeze = freeze
         self._stuck: tuple[Any, dict[str, Any]] | None = None  # (frame, report) while a step overruns its budget
         self.timeouts = 0  # InvocationTimeout verdicts taken (metrics: charon_invocation_timeouts_total)
+        #: False while a recovery replays logged epochs: only an epoch's first run takes new verdicts (a replayed
+        #: one may have replied already); a replayed step past its budget is reported, and given up on (exit_after)
+        self.interrupting = True
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -143,7 +145,7 @@ class Watchdog:
                                "seconds": round(ran, 3), "budget_s": budget})
         ident = self.engine_thread()
         # The check and the interrupt in one GIL hold (no Python call between them): see the module docstring.
-        if ident and unit.current is frame:
+        if ident and self.interrupting and unit.current is frame:
             _set_async_exc(ident, Interrupt)
         if self.exit_after is not None and ran > budget + self.exit_after:
             self._give_up(frame, ran)
@@ -186,12 +188,6 @@ class Watchdog:
               "restarts the node", file=sys.stderr, flush=True)
         os._exit(75)
 
-
-
-def timeout_message(frame: Any) -> str:
-    """The error of a function stopped past its budget (deterministic: the same wherever it is taken)."""
-    msg = f"{frame.op}.{frame.fn} on key {frame.key!r} ran past its time budget without awaiting a call"
-    return raised_in(msg, frame.op, frame.key, frame.fn) if frame.kind != ROOT else msg
 
 
 def _task_timed_out(frame: Any) -> BaseException:

@@ -63,6 +63,7 @@ from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime import control
 from charon.runtime.probe import LogProbe
+from charon.runtime.quarantine import RecoveryAttempts
 from charon.runtime.replies import ReplyWriter
 from charon.runtime.verdicts import VerdictBook, letter
 from charon.runtime.watchdog import task_budget
@@ -669,6 +670,11 @@ class SparkExchange:
         # it needs this exchange's scratch, so a new exchange (a restarted query) starts without one
         self.pending: tuple[EpochRecord, EpochResult] | None = None
 
+    def set_budget(self, timeout: float | None) -> None:
+        """The functions' default time budget in the next rounds' tasks (None: no budget, an epoch's rerun)."""
+        if self.fn.keywords.get("function_timeout") != timeout:
+            self.fn = partial(self.fn.func, *self.fn.args, **{**self.fn.keywords, "function_timeout": timeout})
+
     def set_code(self, app_ref: str, previous: tuple[int, str] | None = None) -> None:
         """The code the next rounds' tasks run (a code update, at an epoch boundary): ``app_ref``, and for a
         compatible update ``previous`` = (first TID on ``app_ref``, the old ref) while the old one is needed."""
@@ -800,6 +806,7 @@ class SparkRuntime(control.Controllable):
         self.ckpt = cfg.checkpoint_dir
         os.makedirs(self.ckpt, exist_ok=True)
         self.verdict_book = VerdictBook(self.ckpt)  # every epoch's coordinator applies (and adds to) its verdicts
+        self._attempts = RecoveryAttempts(self.ckpt)  # which epoch ran last: a rerun takes no new verdicts
         recorded = read_layout(self.ckpt)
         if recorded is not None and cfg.log_partitions is None:  # not set: an existing log keeps its count
             cfg = dataclasses.replace(cfg, log_partitions=recorded.log_partitions)
@@ -1430,6 +1437,11 @@ class SparkRuntime(control.Controllable):
         from charon.runtime.spark.source import batch_offsets
 
         cpu0 = time.thread_time()  # this thread's CPU in the epoch, by phase (epoch stats driver_*_cpu_s)
+        # Budgets stop functions only in an epoch's first run: a rerun (after a driver crash, or of an epoch Spark
+        # committed) may have delivered replies already, and only the verdicts its first run recorded apply.
+        rerun = recovering or self._attempts.failed_before(epoch)
+        self._attempts.starting(epoch)  # durable before any reply of this run can go out
+        self.exchange.set_budget(None if rerun else self.config.function_timeout)
         prev = pending[0] if pending is not None else (self.read_record(epoch - 1) if epoch > 0 else None)
         if epoch > 0 and prev is None and self._last_recorded_epoch() >= 0:
             raise RuntimeError(f"epoch record {epoch - 1} is missing under {self.ckpt}")
