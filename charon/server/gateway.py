@@ -46,7 +46,8 @@ content type (415), the body syntax and plainness (400: malformed, non-UTF-8 str
 types, nesting deeper than ``max_depth``), the URL path (400 unless it percent-decodes to valid UTF-8), the
 key (400 ``InvalidKey``, by :func:`charon.core.routing.check_key`), the operator and function names (404) and the
 arguments' arity and types (422, through ``Application.validate``). Keys may contain ``/`` (the last path
-segment is the function). Bodies are decoded with msgspec; nothing is ever unpickled.
+segment is the function) and any other character ``check_key`` accepts, line breaks included (percent-encoded):
+every valid key is addressable by every route. Bodies are decoded with msgspec; nothing is ever unpickled.
 
 Idempotency: a reused ``Idempotency-Key`` with the same operator, key, function and arguments gets the
 first reply; with anything else it is refused with 422 ``IdempotencyConflict`` (checked against the
@@ -82,6 +83,7 @@ from urllib.parse import quote, unquote_to_bytes
 import msgspec
 import uvicorn
 from starlette.applications import Starlette
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -103,7 +105,7 @@ from charon.errors import (
 )
 from charon.log.client import check_same_request, stored_request
 from charon.messages import Reply, Request
-from charon.operator import BATCH_OPERATOR, batch_request, check_batch
+from charon.operator import BATCH_FUNCTION, BATCH_OPERATOR, batch_request, check_batch
 
 __all__ = ["RuntimeLike", "create_app", "serve", "BackgroundServer", "describe_app", "STATUS_OF_ERROR"]
 
@@ -174,6 +176,16 @@ def _enqueuer(runtime: Any) -> Callable[[Request], asyncio.Future[Reply]] | None
     if enqueue.__qualname__.rsplit(".", 1)[0] != submit.__qualname__.rsplit(".", 1)[0]:
         return None
     return runtime.enqueue
+
+
+class _KeyConvertor(PathConvertor):
+    """A key path segment: any characters, ``/`` and line breaks included (starlette's ``path`` is ``.*``, which
+    does not match a newline): every key :func:`charon.core.routing.check_key` accepts is addressable by URL."""
+
+    regex = r"[\s\S]*"
+
+
+register_url_convertor("charonkey", _KeyConvertor())
 
 
 class _HTTPError(Exception):
@@ -648,20 +660,45 @@ class _Gateway:
         args = doc.get(field, [])
         if not isinstance(args, list):
             raise _HTTPError("BadArguments", f'"{field}" must be a list')
+        return args  # plain data: checked by validate (every route's one validator)
+
+    def validate(self, operator: str, key: str, function: str, args: list[Any]) -> Request:
+        """The request, if its names, key and arguments are valid (typed 4xx otherwise).
+
+        The one validator of every call a client sends, whatever the route (``/invoke``, each call of a
+        ``/batch``, ``/admin/update``): the arguments are plain data (400), the names exist (404), the key is
+        valid (400) and the arguments fit the function (422). A call of the built-in batch operator (a batch
+        nested in a batch, or sent to ``/invoke``) has each of its inner calls validated the same way, and
+        every call at every level counts toward ``max_batch_calls``."""
         try:
             serde.check_plain(args, self.cfg.max_depth)
         except SerializationError as exc:
             raise _HTTPError("BadRequest", f"malformed body: {exc}") from None
-        return args
+        self._check_call(operator, key, function, args, [0])
+        return Request("", operator, key, function, serde.encode(list(args)))
 
-    def validate(self, operator: str, key: str, function: str, args: list[Any]) -> Request:
-        """The request, if its names, key and arguments are valid (typed 4xx otherwise)."""
+    def _check_call(self, operator: str, key: str, function: str, args: list[Any], count: list[int]) -> None:
         try:
             self.runtime.app.validate(operator, function, args, key=key)
-            return Request("", operator, key, function, serde.encode(list(args)))
         except (UnknownOperator, UnknownFunction, BadArguments, PayloadTooLarge, SerializationError,
                 InvalidKey) as exc:
             raise _HTTPError(type(exc).__name__, str(exc) or type(exc).__name__) from None
+        if operator != BATCH_OPERATOR:
+            return
+        cap = self.cfg.max_batch_calls
+        try:
+            calls = check_batch(args[0], cap)
+        except BadArguments as exc:
+            raise _HTTPError("BadArguments", str(exc)) from None
+        for i, (op, k, fn, a) in enumerate(calls):
+            count[0] += 1
+            if count[0] > cap:
+                raise _HTTPError("BadArguments", f"a batch holds at most {cap} calls, nested batches' calls "
+                                 "included (max_batch_calls)")
+            try:
+                self._check_call(op, k, fn, a, count)
+            except _HTTPError as exc:
+                raise _HTTPError(exc.error_type, f"batch call {i}: {exc.message}", exc.status) from None
 
     def request_id(self, request: HTTPRequest) -> str | None:
         rid = request.headers.get("idempotency-key")
@@ -860,16 +897,9 @@ class _Gateway:
             raise _HTTPError("BadRequest", "mode must be 'sync' or 'async'")
         given = self.request_id(request)
         calls = self.parse_args(request, await self.read_body(request), "calls")
-        try:
-            calls = check_batch(calls, self.cfg.max_batch_calls)
-        except BadArguments as exc:
-            raise _HTTPError("BadArguments", str(exc)) from None
-        for i, (operator, key, function, args) in enumerate(calls):
-            try:
-                self.validate(operator, key, function, args)
-            except _HTTPError as exc:
-                raise _HTTPError(exc.error_type, f"batch call {i}: {exc.message}") from None
         rid = given or uuid.uuid4().hex
+        _, function, args = BATCH_OPERATOR, BATCH_FUNCTION, [calls]
+        self.validate(BATCH_OPERATOR, rid, function, args)  # every call, nested ones too (typed 4xx naming it)
         _, function, args = batch_request(calls)
         req = Request(rid, BATCH_OPERATOR, rid, function, serde.encode(args))
         if self.start_error is not None:  # as for invoke: nothing would ever run it
@@ -1174,15 +1204,15 @@ def create_app(
 
     routes = [
         Route(
-            "/invoke/{operator}/{key:path}/{function}", _guard(gw, gw.invoke), methods=["POST"], name="invoke"
+            "/invoke/{operator}/{key:charonkey}/{function}", _guard(gw, gw.invoke), methods=["POST"], name="invoke"
         ),
         Route(
             "/requests/{request_id}", _guard(gw, gw.request_status), methods=["GET"], name="request_status"
         ),
-        Route("/state/{operator}/{key:path}", _guard(gw, gw.state), methods=["GET"], name="state"),
+        Route("/state/{operator}/{key:charonkey}", _guard(gw, gw.state), methods=["GET"], name="state"),
         Route("/streams/{stream}", _guard(gw, gw.stream), methods=["GET"], name="stream"),
         Route("/batch", _guard(gw, gw.batch), methods=["POST"], name="batch"),
-        Route("/timers/{operator}/{key:path}", _guard(gw, gw.timers), methods=["GET"], name="timers"),
+        Route("/timers/{operator}/{key:charonkey}", _guard(gw, gw.timers), methods=["GET"], name="timers"),
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]

@@ -1,0 +1,175 @@
+"""Issue 22, item 6 and 7: every resource bounded with a typed refusal, every call validated before the log, every
+valid key addressable, a data directory owned by one engine. Each test runs ``charon run`` (a real process, real
+HTTP) on ``tests/bounds_app.py`` (the repros' bank plus sized values, a callee and an emitter)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from charon.server.gateway import free_port
+
+HERE = Path(__file__).resolve().parent
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+        self.proc, self.url = proc, url
+        self.client = httpx.Client(base_url=url, headers=AUTH, timeout=60)
+
+    def rss_mb(self) -> float:
+        for ln in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if ln.startswith("VmRSS:"):
+                return int(ln.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start(args: list[str] | None = None, env: dict[str, str] | None = None, cwd: Path | None = None,
+          target: str = "bounds_app:app") -> Server:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "charon.cli", "run", target, "--port", str(port), "--token", TOKEN,
+         *(args if args is not None else ["--ephemeral"])],
+        env={**os.environ, "PYTHONPATH": str(HERE), "PYSPARK_PYTHON": sys.executable,
+             "PYSPARK_DRIVER_PYTHON": sys.executable, **(env or {})},
+        cwd=cwd or HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return Server(proc, url)
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(f"charon run exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("charon run did not serve within 60 s")
+        time.sleep(0.05)
+
+
+def stop(server: Server) -> str:
+    server.client.close()
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGINT)
+    try:
+        server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+    return server.proc.stderr.read().decode() if server.proc.stderr else ""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = start()
+    try:
+        yield s
+    finally:
+        stop(s)
+
+
+# -- nested batches, /admin/update, keys ---------------------------------------------------------------------
+
+
+def test_nested_batch_counts_toward_max_batch_calls(server: Server) -> None:
+    """repros/nested_batch.py: 20,000 calls nested in one batch call ran as one transaction (the flat limit is
+    1,000); now every call at every level counts, and the refusal comes before the log (422, not 409)."""
+    inner = [["account", f"nb{i}", "deposit", [1]] for i in range(1001)]
+    r = server.client.post("/batch", json={"calls": [["charon.batch", "x", "run", [inner]]]})
+    assert r.status_code == 422 and r.json()["error"]["type"] == "BadArguments", r.text
+    assert "1000" in r.json()["error"]["message"], r.text
+    # the same through /invoke of the built-in operator
+    r = server.client.post("/invoke/charon.batch/x/run", json={"args": [inner]})
+    assert r.status_code == 422 and r.json()["error"]["type"] == "BadArguments", r.text
+    # two levels of 600 each: 1,202 calls in all
+    half = [["account", f"h{i}", "deposit", [1]] for i in range(600)]
+    r = server.client.post("/batch", json={"calls": [["charon.batch", "a", "run", [half]],
+                                                     ["charon.batch", "b", "run", [half]]]})
+    assert r.status_code == 422 and "max_batch_calls" in r.json()["error"]["message"], r.text
+    assert server.client.get("/state/account/h0").json()["value"] is None  # nothing ran
+    # within the limit a nested batch still runs, atomically
+    r = server.client.post("/batch", json={"calls": [["account", "n1", "deposit", [2]],
+                                                     ["charon.batch", "y", "run", [[["account", "n2", "deposit",
+                                                                                      [3]]]]]]})
+    assert r.status_code == 200, r.text
+    assert server.client.get("/state/account/n2").json()["value"] == 3
+
+
+@pytest.mark.parametrize(("call", "status", "kind"), [
+    (["account", "bad\x00key", "deposit", [1]], 400, "InvalidKey"),
+    (["account", "k", "nosuch", [1]], 404, "UnknownFunction"),
+    (["nosuch", "k", "deposit", [1]], 404, "UnknownOperator"),
+    (["account", "k", "deposit", [1, 2]], 422, "BadArguments"),
+])
+def test_nested_batch_inner_calls_are_validated_before_the_log(
+    server: Server, call: list, status: int, kind: str
+) -> None:
+    """An inner call of a nested batch was logged unchecked, then aborted the transaction (409): now it gets the
+    typed 4xx a flat batch call gets, naming its place."""
+    nested = [["account", "ok", "deposit", [1]], ["charon.batch", "z", "run", [[call]]]]
+    r = server.client.post("/batch", json={"calls": nested})
+    assert r.status_code == status and r.json()["error"]["type"] == kind, r.text
+    assert r.json()["error"]["message"].startswith("batch call 1: batch call 0: "), r.text
+
+
+def test_admin_update_validates_arguments_as_invoke_does(server: Server) -> None:
+    """repros/ext_admin_update.py: a msgpack extension value went through /admin/update (then /state and the
+    operator scan answered 500); now it gets invoke's 400 and nothing is stored."""
+    mp = {**AUTH, "Content-Type": "application/msgpack"}
+    ext = msgspec.msgpack.Ext(7, b"\x00" * 16)
+    body = msgspec.msgpack.encode({"id": "poison-1", "operator": "kv", "function": "set", "args": [ext],
+                                   "keys": ["victim"]})
+    upd = server.client.post("/admin/update", headers=mp, content=body)
+    inv = server.client.post("/invoke/kv/victim/set", headers=mp, content=msgspec.msgpack.encode({"args": [ext]}))
+    assert inv.status_code == 400, inv.text
+    assert (upd.status_code, upd.json()["error"]["type"]) == (inv.status_code, inv.json()["error"]["type"]), upd.text
+    assert server.client.get("/state/kv/victim").status_code == 200
+    assert server.client.get("/admin/state/kv").status_code == 200
+    # a plain value still goes through
+    ok = msgspec.msgpack.encode({"id": "plain-1", "operator": "kv", "function": "set", "args": [5],
+                                 "keys": ["victim"]})
+    assert server.client.post("/admin/update", headers=mp, content=ok).status_code == 200
+    assert server.client.get("/state/kv/victim").json()["value"] == 5
+
+
+def test_a_key_with_a_newline_is_addressable_by_every_route(server: Server) -> None:
+    """repros/newline_key.sh: a key with a newline could be created (batch) but neither invoked nor read by URL
+    (404). Decision: every key check_key accepts is addressable; the URL routes match line breaks."""
+    key = "line1\nline2"
+    r = server.client.post("/batch", json={"calls": [["account", key, "deposit", [5]]]})
+    assert r.status_code == 200, r.text
+    st = server.client.get("/state/account/line1%0Aline2")
+    assert st.status_code == 200 and st.json() == {"operator": "account", "key": key, "value": 5}, st.text
+    inv = server.client.post("/invoke/account/line1%0Aline2/deposit", json={"args": [1]})
+    assert inv.status_code == 200, inv.text
+    r = server.client.post("/invoke/account/a%0Ab%0D%0Ac/deposit", json={"args": [2]})  # CR LF inside, too
+    assert r.status_code == 200, r.text
+    assert server.client.get("/state/account/a%0Ab%0D%0Ac").json()["value"] == 2
+    assert server.client.get("/state/account/trailing%0A").json()["value"] is None  # trailing newline: its own key
+    assert server.client.get("/timers/account/line1%0Aline2").status_code == 200
+    scan = server.client.get("/admin/state/account", params={"key": key})
+    assert scan.json()["entities"] == {key: 6}, scan.text
+    # the Python client addresses it too
+    from charon.client import Client
+
+    with Client(server.url, token=TOKEN) as c:
+        assert c.invoke("account", key, "deposit", 1) is None
+        assert c.state("account", key) == 7
