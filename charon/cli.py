@@ -102,14 +102,19 @@ def make_runtime(
     if log_partitions is not None and engine != "spark":
         raise typer.BadParameter("--log-partitions applies to --engine spark only (the in-process engine logs its "
                                  "epochs in one partition)")
+    from charon.runtime.owner import DataDirOwned, claim_data_dir
+
     if engine == "inprocess":
         from charon.runtime.inprocess import InProcessRuntime
         from charon.runtime.node import NodeError
 
+        application = load_app(target)
         try:
-            return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync,
+            if data_dir is not None:  # the directory belongs to one engine and application (refused otherwise)
+                claim_data_dir(data_dir, engine, application.name)
+            return InProcessRuntime(application, partitions=partitions, data_dir=data_dir, fsync=fsync,
                                     reply_retention=reply_retention, log_url=log_url)
-        except NodeError as exc:
+        except (NodeError, DataDirOwned) as exc:
             raise _fail(str(exc)) from None
     if engine == "spark":
         if not spark_available():
@@ -117,11 +122,15 @@ def make_runtime(
         from charon.config import SparkConfig
         from charon.runtime.spark.runtime import SparkRuntime
 
-        load_app(target)  # fail early with a clear message
+        application = load_app(target)  # fail early with a clear message
         from charon.runtime.spark.runtime import LayoutMismatch
 
         config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url,
                                       log_partitions=log_partitions)
+        try:  # the directory belongs to one engine and application (refused otherwise)
+            claim_data_dir(config.data_dir, engine, application.name)
+        except DataDirOwned as exc:
+            raise _fail(str(exc)) from None
         if partitions is None:  # not given (flag or CHARON_PARTITIONS): a checkpoint keeps its recorded layout
             from charon.runtime.spark.runtime import read_layout
 

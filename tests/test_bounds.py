@@ -173,3 +173,45 @@ def test_a_key_with_a_newline_is_addressable_by_every_route(server: Server) -> N
     with Client(server.url, token=TOKEN) as c:
         assert c.invoke("account", key, "deposit", 1) is None
         assert c.state("account", key) == 7
+
+
+# -- a data directory belongs to one engine and application ---------------------------------------------------
+
+
+def _run_refused(cwd: Path, args: list[str], target: str = "bounds_app:app") -> tuple[int, str]:
+    p = subprocess.run(
+        [sys.executable, "-m", "charon.cli", "run", target, "--port", str(free_port()), "--token", TOKEN, *args],
+        env={**os.environ, "PYTHONPATH": str(HERE), "PYSPARK_PYTHON": sys.executable,
+             "PYSPARK_DRIVER_PYTHON": sys.executable},
+        cwd=cwd, capture_output=True, text=True, timeout=120, check=False,
+    )
+    return p.returncode, p.stderr
+
+
+def test_a_data_directory_belongs_to_the_engine_and_application_that_created_it(tmp_path: Path) -> None:
+    """`charon run --engine spark` took over the ./charon-data an `--engine inprocess` node created and served a
+    mix of both; now the owner is recorded at creation and anything else is refused with one line naming it."""
+    node = start([], cwd=tmp_path)  # the default data directory: ./charon-data
+    try:
+        assert node.client.post("/invoke/account/a/deposit", json={"args": [5]}).status_code == 200
+    finally:
+        stop(node)
+    data = tmp_path / "charon-data"
+    assert (data / "charon-owner.json").is_file()
+    code, err = _run_refused(tmp_path, ["--engine", "spark"])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code != 0 and len(lines) == 1, err
+    assert "belongs to the inprocess engine (application 'bank')" in lines[0] and str(data) in lines[0], err
+    assert not (data / "checkpoint").exists() and not (data / "spark.log").exists()  # nothing of Spark written
+    code, err = _run_refused(tmp_path, [], target="charon.apps.ycsb:app")  # same engine, another application
+    assert code != 0 and "belongs to application 'bank'" in err and len(err.strip().splitlines()) == 1, err
+    again = start([], cwd=tmp_path)  # the owner itself: its state is there
+    try:
+        assert again.client.get("/state/account/a").json()["value"] == 5
+    finally:
+        stop(again)
+    # a Spark deployment's directory (its checkpoint; from before the owner file) is refused by the node
+    spark_dir = tmp_path / "sparkdata"
+    (spark_dir / "checkpoint").mkdir(parents=True)
+    code, err = _run_refused(tmp_path, ["--data-dir", str(spark_dir)])
+    assert code != 0 and "belongs to the spark engine" in err and len(err.strip().splitlines()) == 1, err

@@ -262,7 +262,9 @@ class InProcessRuntime(control.Controllable):
         self.node: NodeStorage | None = None
         if data_dir is not None:
             from charon.runtime.node import NodeStorage, RecordingStore
+            from charon.runtime.owner import claim_data_dir
 
+            claim_data_dir(data_dir, "inprocess")  # not a Spark deployment's directory (DataDirOwned)
             self.node = NodeStorage(data_dir, partitions or 4, fsync=fsync, checkpoint_s=checkpoint_s,
                                     compact_every=compact_every, log_url=log_url)
             self.partitions = self.node.partitions  # the directory's layout; rescaled after recovery

@@ -61,6 +61,7 @@ from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime import control
+from charon.runtime.owner import claim_data_dir
 from charon.runtime.probe import LogProbe
 from charon.runtime.replies import ReplyWriter
 from charon.state.durable import DurableState, write_file_atomic
@@ -781,7 +782,7 @@ class SparkRuntime(control.Controllable):
         self.app_ref = app_ref
         self.app = load_app(app_ref)
         cfg = config or SparkConfig.from_env()
-        os.makedirs(cfg.data_dir, exist_ok=True)
+        claim_data_dir(cfg.data_dir, "spark")  # not an in-process node's directory (DataDirOwned)
         self.ckpt = cfg.checkpoint_dir
         recorded = read_layout(self.ckpt)
         if recorded is not None and cfg.log_partitions is None:  # not set: an existing log keeps its count
