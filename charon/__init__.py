@@ -24,6 +24,7 @@ from charon.errors import (
     UndeclaredPortal,
     UnknownFunction,
     UnknownOperator,
+    ValueTooLarge,
 )
 from charon.messages import Reply, Request
 from charon.operator import Application, Function, Operator
@@ -55,4 +56,5 @@ __all__ = [
     "UndeclaredPortal",
     "UnknownFunction",
     "UnknownOperator",
+    "ValueTooLarge",
 ]

@@ -215,3 +215,39 @@ def test_a_data_directory_belongs_to_the_engine_and_application_that_created_it(
     (spark_dir / "checkpoint").mkdir(parents=True)
     code, err = _run_refused(tmp_path, ["--data-dir", str(spark_dir)])
     assert code != 0 and "belongs to the spark engine" in err and len(err.strip().splitlines()) == 1, err
+
+
+# -- state values and replies -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("function", ["big_put", "big_item", "big_return", "big_callee"])
+def test_a_value_above_the_maximum_aborts_its_transaction_with_value_too_large(server: Server, function: str) -> None:
+    """A 50 MB state value and a 50 MB reply were accepted silently; now anything a function stores, returns (to
+    the client or to its caller) above CHARON_MAX_VALUE_BYTES (default 4 MiB) raises ValueTooLarge in it: the
+    transaction aborts (409) with that type, and nothing of it is applied."""
+    from charon import TransactionAborted
+    from charon.client import Client
+
+    key = f"big-{function}"
+    r = server.client.post(f"/invoke/kv/{key}/{function}", json={"args": [5_000_000]})
+    assert r.status_code == 409, r.text[:300]
+    err = r.json()["error"]
+    assert err["type"] == "ValueTooLarge" and "4194304" in err["message"], err
+    assert server.client.get(f"/state/kv/{key}").json()["value"] is None
+    assert server.client.post(f"/invoke/kv/{key}/items").json()["value"] == []
+    with Client(server.url, token=TOKEN) as c, pytest.raises(TransactionAborted) as raised:
+        c.invoke("kv", key, function, 5_000_000)
+    assert raised.value.error_type == "ValueTooLarge"
+    ok = server.client.post(f"/invoke/kv/{key}/{function}", json={"args": [3_000_000]})
+    assert ok.status_code == 200, ok.text[:300]
+
+
+def test_the_value_maximum_is_a_setting(tmp_path: Path) -> None:
+    s = start(env={"CHARON_MAX_VALUE_BYTES": "1000"}, cwd=tmp_path)
+    try:
+        assert s.client.post("/invoke/kv/k/big_put", json={"args": [900]}).status_code == 200
+        r = s.client.post("/invoke/kv/k/big_put", json={"args": [1000]})
+        assert r.status_code == 409 and r.json()["error"]["type"] == "ValueTooLarge", r.text
+        assert len(s.client.get("/state/kv/k").json()["value"]) == 900
+    finally:
+        stop(s)

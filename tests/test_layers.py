@@ -153,6 +153,7 @@ PUBLIC = [
     "UndeclaredPortal",
     "UnknownFunction",
     "UnknownOperator",
+    "ValueTooLarge",
 ]
 
 

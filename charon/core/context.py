@@ -23,6 +23,7 @@ refuses every operation (raising ``GeneratorExit``), so nothing runs twice.
 
 from __future__ import annotations
 
+import os
 import random as _random
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from charon.errors import (
     InvalidKey,
     NonDeterministicFunction,
     UndeclaredPortal,
+    ValueTooLarge,
 )
 from charon.operator import Function, Operator
 
@@ -46,11 +48,20 @@ _decode = serde._dec.decode
 _encode = serde._enc.encode
 
 MAX_DEPTH = 200
+#: Largest encoded state value, item, event or return value (``CHARON_MAX_VALUE_BYTES``, default 4 MiB):
+#: beyond it the function raises ValueTooLarge (its transaction aborts). An outcome depends on it: set it the
+#: same for every process of a deployment (Spark executors inherit the driver's environment in local mode).
+MAX_VALUE_BYTES = int(os.environ.get("CHARON_MAX_VALUE_BYTES", 4 << 20))
 #: Most events one invocation may emit (beyond it the transaction aborts with CallGraphLimitExceeded).
 MAX_EMITS = 10_000
 RESERVED_STREAM_PREFIX = "charon."  # streams only the engine appends to (ctx.emit refuses them)
 PORTAL_STREAM = "charon.portal.requests"  # the output stream ctx.ask appends requests to
 PORTAL_ID_PREFIX = "__charon.portal."  # request ids of portal requests (+ '.reply' for continuations)
+
+
+def too_large(what: str, n: int) -> ValueTooLarge:
+    """The error of a value of ``n`` encoded bytes, above :data:`MAX_VALUE_BYTES`."""
+    return ValueTooLarge(f"{what} of {n} bytes exceeds the maximum of {MAX_VALUE_BYTES} (CHARON_MAX_VALUE_BYTES)")
 
 
 class Journal:
@@ -274,6 +285,8 @@ class Context:
                 data = _encode(value)  # serde.encode, inlined
             except Exception:  # noqa: BLE001 - its typed error
                 data = serde.encode(value)
+            if len(data) > MAX_VALUE_BYTES:
+                raise too_large("state value", len(data))
             f = self._frame
             self._unit.write(f.tid, f.op, f.key, "", data)
 
@@ -290,7 +303,10 @@ class Context:
     def put_item(self, name: str, value: Any) -> None:
         """Set one named item of the entity's ordered item map."""
         if self._live():
-            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), serde.encode(value))
+            data = serde.encode(value)
+            if len(data) > MAX_VALUE_BYTES:
+                raise too_large(f"item {name!r}", len(data))
+            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), data)
 
     def delete_item(self, name: str) -> None:
         """Remove one named item."""
@@ -329,6 +345,8 @@ class Context:
 
     def _emit(self, stream: str, value: Any) -> None:
         data = serde.encode(value)
+        if len(data) > MAX_VALUE_BYTES:
+            raise too_large(f"event of stream {stream!r}", len(data))
         if self._nemit >= MAX_EMITS:
             raise CallGraphLimitExceeded(f"more than {MAX_EMITS} events emitted by one invocation")
         self._nemit += 1

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.context import Context, Journal, child_inv, raised_in
+from charon.core.context import MAX_VALUE_BYTES, Context, Journal, child_inv, raised_in, too_large
 from charon.core.routing import entity_prefix, key_group, store_key
 from charon.core.shares import ZERO as _ZERO
 from charon.core.shares import Share, add, split
@@ -674,6 +674,8 @@ class PartitionUnit:
                         value = _encode(stop.value)  # serde.encode, inlined
                     except Exception:  # noqa: BLE001 - its typed error
                         value = serde.encode(stop.value)
+                    if len(value) > MAX_VALUE_BYTES:  # aborts the transaction (the except below)
+                        raise too_large(f"{frame.op}.{frame.fn}'s return value", len(value)) from None
                 # self._complete(frame, ctx, value), inlined (two of a transfer's three runs complete)
                 sends = ctx._sends
                 msgs: list[Invoke | Reply] | tuple = ()
@@ -881,6 +883,8 @@ class PartitionUnit:
                     if f.kind == ASYNC:  # its return value goes nowhere (see _run)
                         continue
                     value = serde.encode(stop.value)
+                    if len(value) > MAX_VALUE_BYTES:  # the slow path aborts it (ValueTooLarge)
+                        return False
                     if f.kind == ROOT:  # the client's reply may change; nothing else consumed it
                         self._out.done.append((tid, value, _ZERO))
                     elif f.kind == SYNC and value != c.result:  # the caller consumed the cached reply
