@@ -126,12 +126,17 @@ STATUS_OF_ERROR: dict[str, int] = {
     "IdempotencyConflict": 422,
     "Unavailable": 503,
     "LogUnavailable": 503,
+    "StreamReadersFull": 503,
+    "BacklogFull": 503,
 }
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 _IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._~:@+=-]{1,200}$")
 #: request ids the runtimes use for their own input-log records; clients may not take them
 RESERVED_ID_PREFIX = "__charon"
-_STREAM_POLL_S = 0.01  # how often a waiting stream reader looks for a new atom
+#: how often the gateway's one stream watcher looks for atoms appended by another process while readers wait (the
+#: runtime's own appends wake them at once); a log that cannot notify is polled every _STREAM_POLL_S
+_STREAM_FOREIGN_POLL_S = 1.0
+_STREAM_POLL_S = 0.05
 #: seconds a 503 (starting, recovering, failed to take a request) asks the client to wait before retrying
 RETRY_AFTER_S = 2
 _json_enc = msgspec.json.Encoder()
@@ -553,6 +558,98 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
 # The gateway
 
 
+class _StreamWatch:
+    """Wakes the waiting readers of an output stream (long polls, server-sent events) when an atom is appended:
+    one watcher for all of them, so an idle reader costs nothing but its connection.
+
+    The runtime's own appends notify it at once (:meth:`charon.log.streams.StreamLog.add_listener`, called on
+    the appending thread); atoms another process appends to the same file are seen by one cheap query per
+    ``_STREAM_FOREIGN_POLL_S`` while anyone waits (every ``_STREAM_POLL_S`` for a log that cannot notify)."""
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+        self.loop = asyncio.get_running_loop()
+        self.events: dict[str, asyncio.Event] = {}  # per stream, replaced when it fires
+        self.waiting = 0
+        self._poller: asyncio.Task[None] | None = None
+        add = getattr(log, "add_listener", None)
+        self.notified = add is not None
+        if add is not None:
+            add(self._appended)
+
+    def close(self) -> None:
+        remove = getattr(self.log, "remove_listener", None)
+        if remove is not None:
+            remove(self._appended)
+        if self._poller is not None:
+            self._poller.cancel()
+
+    def _appended(self, streams: frozenset[str]) -> None:  # on the appending thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self.loop.call_soon_threadsafe(self._fire, streams)
+
+    def _fire(self, streams: frozenset[str] | None) -> None:
+        for name in (list(self.events) if streams is None else streams):
+            ev = self.events.pop(name, None)
+            if ev is not None:
+                ev.set()
+
+    def event(self, stream: str) -> asyncio.Event:
+        """The event the next append to ``stream`` sets (take it *before* reading, then wait on it)."""
+        ev = self.events.get(stream)
+        if ev is None:
+            ev = self.events[stream] = asyncio.Event()
+        return ev
+
+    async def wait(self, ev: asyncio.Event, timeout: float, also: asyncio.Future[Any] | None = None) -> None:
+        """Until ``ev`` fires, ``also`` is done, or ``timeout`` passes."""
+        self.waiting += 1
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.ensure_future(self._poll())
+        waiter = asyncio.ensure_future(ev.wait())
+        try:
+            await asyncio.wait({waiter} if also is None else {waiter, also}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            self.waiting -= 1
+
+    async def _poll(self) -> None:
+        """Appends by other processes: one query per interval while anyone waits (then it ends)."""
+        interval = _STREAM_FOREIGN_POLL_S if self.notified else _STREAM_POLL_S
+        last = await asyncio.to_thread(self.log.last_epoch) if hasattr(self.log, "last_epoch") else None
+        while self.waiting:
+            await asyncio.sleep(interval)
+            if last is None:
+                self._fire(None)
+                continue
+            now = await asyncio.to_thread(self.log.last_epoch)
+            if now != last:
+                last = now
+                self._fire(None)
+
+
+async def _until_disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
+    """Returns when the client of a request (whose body was read or is empty) disconnects."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SlotResponse(StreamingResponse):
+    """A streaming response that gives back its stream-reader slot when it ends, however it ends (finished,
+    client gone, or never started)."""
+
+    def __init__(self, *args: Any, release: Callable[[], None], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
 def _reply_size(rep: Reply) -> int:
     return 128 + len(rep.request_id) + len(rep.value) + len(rep.error_type) + len(rep.error_message)
 
@@ -574,6 +671,7 @@ class _Gateway:
         self._openapi: bytes | None = None
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
         self.stream_waiters = 0  # long polls and server-sent-event connections open now
+        self._watch: _StreamWatch | None = None
         # a runtime started in the background (see create_app's ``background_start``): until it is up,
         # /health answers 503 starting and state reads a 503 with Retry-After; invokes go to the input log
         self.starting = False
@@ -985,18 +1083,30 @@ class _Gateway:
             raise _HTTPError("BadRequest", "from_offset >= 0, limit >= 1 and 0 <= wait <= 30 are required")
         return log, stream, offset, min(limit, self.cfg.stream_max_events), wait
 
-    def _check_waiters(self) -> None:
-        if self.stream_waiters >= self.cfg.stream_max_waiters:
-            raise _HTTPError("Unavailable", f"{self.cfg.stream_max_waiters} stream readers are waiting; retry later")
-
-    @contextlib.contextmanager
-    def _waiter(self) -> typing.Iterator[None]:
-        """One of the ``stream_max_waiters`` slots of waiting stream readers (checked just before)."""
+    def _take_waiter(self) -> Callable[[], None]:
+        """One of the ``stream_max_waiters`` slots of waiting stream readers, taken at once (no await between the
+        check and the taking: a burst cannot exceed the cap), else 503 ``StreamReadersFull`` with Retry-After.
+        Returns the release (idempotent)."""
+        cap = self.cfg.stream_max_waiters
+        if self.stream_waiters >= cap:
+            raise _HTTPError("StreamReadersFull", f"{cap} stream readers are waiting (stream_max_waiters); retry later")
         self.stream_waiters += 1
-        try:
-            yield
-        finally:
-            self.stream_waiters -= 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.stream_waiters -= 1
+
+        return release
+
+    def _watcher(self, log: Any) -> _StreamWatch:
+        if self._watch is None or self._watch.log is not log:
+            if self._watch is not None:
+                self._watch.close()
+            self._watch = _StreamWatch(log)
+        return self._watch
 
     @staticmethod
     def _event_doc(ev: Any) -> dict[str, Any]:
@@ -1010,37 +1120,54 @@ class _Gateway:
             return self._sse(log, stream, offset, limit)
         page = await self.off_loop(log.read, stream, offset, limit)
         if not page.events and wait > 0:
-            self._check_waiters()
-            with self._waiter():
+            release = self._take_waiter()
+            gone = asyncio.ensure_future(_until_disconnected(request.receive))  # the slot goes with the client
+            try:
+                watch = self._watcher(log)
                 deadline = time.monotonic() + wait
-                while not page.events and time.monotonic() < deadline:
-                    await asyncio.sleep(_STREAM_POLL_S)
+                while not page.events:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or gone.done():
+                        break
+                    ev = watch.event(stream)
                     if await self.off_loop(log.end_offset, stream) > page.next_offset:
                         page = await self.off_loop(log.read, stream, page.next_offset, limit)
+                        continue
+                    await watch.wait(ev, left, gone)
+            finally:
+                gone.cancel()
+                release()
         body = {"stream": stream, "events": [self._event_doc(e) for e in page.events],
                 "next_offset": page.next_offset, "first_offset": page.first_offset, "end_offset": page.end_offset}
         return self.respond(request, 200, body)
 
     def _sse(self, log: Any, stream: str, offset: int, limit: int) -> Response:
-        self._check_waiters()
+        release = self._take_waiter()
         gw = self
 
         async def events() -> AsyncIterator[bytes]:
             nonlocal offset
-            with gw._waiter():
+            try:
+                watch = gw._watcher(log)
                 deadline = time.monotonic() + gw.cfg.stream_sse_seconds
                 yield b": charon stream " + stream.encode() + b"\n\n"
                 while time.monotonic() < deadline:
+                    ev = watch.event(stream)
                     page = await gw.off_loop(log.read, stream, offset, limit)
-                    for ev in page.events:
-                        data = _json_enc.encode(dict(gw._event_doc(ev), stream=stream))
-                        yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.offset + 1, stream.encode(), data)
+                    for e in page.events:
+                        data = _json_enc.encode(dict(gw._event_doc(e), stream=stream))
+                        yield b"id: %d\nevent: %s\ndata: %s\n\n" % (e.offset + 1, stream.encode(), data)
                     offset = page.next_offset
                     if not page.events:
-                        await asyncio.sleep(_STREAM_POLL_S)
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        await watch.wait(ev, left)  # a disconnect cancels this (starlette listens for it)
+            finally:
+                release()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        return _SlotResponse(events(), media_type="text/event-stream", release=release,
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     async def timers(self, request: HTTPRequest) -> Response:
         """The pending timers an entity registered (an admin read)."""
@@ -1200,6 +1327,8 @@ def create_app(
                 await asyncio.wait(pending, timeout=5.0)
             if manage_runtime and gw.start_error is None:
                 await _call_lifecycle(runtime.stop)  # type: ignore[attr-defined]
+            if gw._watch is not None:
+                gw._watch.close()
             gw._pool.shutdown(wait=False, cancel_futures=True)
 
     routes = [
