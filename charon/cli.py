@@ -112,8 +112,9 @@ def make_runtime(
         try:
             if data_dir is not None:  # the directory belongs to one engine and application (refused otherwise)
                 claim_data_dir(data_dir, engine, application.name)
+            retained = int(os.environ.get("CHARON_REPLY_RETENTION_BYTES", 128 << 20))
             return InProcessRuntime(application, partitions=partitions, data_dir=data_dir, fsync=fsync,
-                                    reply_retention=reply_retention, log_url=log_url)
+                                    reply_retention=reply_retention, log_url=log_url, reply_retention_bytes=retained)
         except (NodeError, DataDirOwned) as exc:
             raise _fail(str(exc)) from None
     if engine == "spark":

@@ -372,3 +372,92 @@ def test_idle_stream_readers_are_cheap_and_woken_by_new_data(server: Server) -> 
     print(f"256 idle SSE readers: {idle:.1%} of a core; new event delivered to all within {max(lags) * 1000:.0f} ms")
     assert idle < 0.10, idle
     assert max(lags) < 2.0, max(lags)
+
+
+# -- the backlog while paused -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["ephemeral", "durable"])
+def test_a_flood_while_paused_is_bounded_in_bytes_and_loses_nothing_accepted(tmp_path: Path, mode: str) -> None:
+    """repros/paused_backlog.py: while paused, 600 async requests of 1 MB were all accepted (+850 MB RSS). Now the
+    requests in flight are bounded in bytes (max_inflight_bytes, 32 MiB here): beyond it 503 BacklogFull with
+    Retry-After (nothing of the request accepted); after the resume every accepted request gets its reply, and
+    the process's memory grows by a bounded amount."""
+    bound = 32 << 20
+    arg = 512 << 10
+    args = ["--ephemeral"] if mode == "ephemeral" else ["--data-dir", str(tmp_path / "data")]
+    s = start(args, env={"CHARON_GATEWAY_MAX_INFLIGHT_BYTES": str(bound)}, cwd=tmp_path)
+    accepted: list[str] = []
+    codes: dict[int, int] = {}
+    refusal: list[httpx.Response] = []
+
+    async def flood(total: int, conns: int) -> None:
+        body = msgspec.json.encode({"args": ["x" * arg]})
+        todo = iter(range(total))
+        async with httpx.AsyncClient(base_url=s.url, headers={**AUTH, "Content-Type": "application/json"},
+                                     timeout=60, limits=httpx.Limits(max_connections=conns)) as http:
+            async def worker() -> None:
+                for i in todo:
+                    r = await http.post(f"/invoke/kv/bl{i}/echo?mode=async", content=body,
+                                        headers={"Idempotency-Key": f"flood-{i}"})
+                    codes[r.status_code] = codes.get(r.status_code, 0) + 1
+                    if r.status_code == 202:
+                        accepted.append(f"flood-{i}")
+                    elif not refusal:
+                        refusal.append(r)
+            await asyncio.gather(*[worker() for _ in range(conns)])
+
+    try:
+        rss0 = s.rss_mb()
+        assert s.client.post("/admin/pause", json={}).status_code == 200
+        asyncio.run(flood(400, 8))  # 200 MB offered
+        rss1 = s.rss_mb()
+        backlog = s.client.get("/admin/status").json()["backlog"]
+        assert s.client.post("/admin/resume", json={}).status_code == 200
+        values = {}
+        for rid in accepted:
+            r = s.client.get(f"/requests/{rid}", params={"wait": 30})
+            assert r.status_code == 200, r.text[:300]
+            values[rid] = len(r.json()["value"])
+        after = s.client.post("/invoke/kv/after/echo", json={"args": ["y"]})
+    finally:
+        stop(s)
+    print(f"{mode}: codes {codes}, backlog {backlog}, RSS {rss0:.0f} -> {rss1:.0f} MB while paused")
+    assert set(codes) == {202, 503}, codes
+    assert 40 <= codes[202] <= bound // arg, codes  # about the bound's worth accepted
+    assert backlog == codes[202]
+    r = refusal[0]
+    assert r.json()["error"]["type"] == "BacklogFull" and r.headers["Retry-After"] == "2", r.text
+    assert values == {rid: arg for rid in accepted}  # every accepted request answered, nothing lost
+    assert after.status_code == 200
+    assert rss1 - rss0 < 3 * bound / (1 << 20), (rss0, rss1)  # was +850 MB for 600 MB offered
+
+
+def test_retained_replies_are_bounded_in_bytes(tmp_path: Path) -> None:
+    """The runtime kept up to 100,000 replies whatever their size (count only): 800 replies of 512 KB held 400 MB.
+    Now it keeps at most CHARON_REPLY_RETENTION_BYTES of them (the gateway: recent_bytes), the oldest go first."""
+    s = start(env={"CHARON_REPLY_RETENTION_BYTES": str(16 << 20), "CHARON_GATEWAY_RECENT_BYTES": str(16 << 20)},
+              cwd=tmp_path)
+    body = msgspec.json.encode({"args": ["x" * (512 << 10)]})
+
+    async def load() -> dict[int, int]:
+        codes: dict[int, int] = {}
+        todo = iter(range(800))
+        async with httpx.AsyncClient(base_url=s.url, headers={**AUTH, "Content-Type": "application/json"},
+                                     timeout=60) as http:
+            async def worker() -> None:
+                for i in todo:
+                    r = await http.post(f"/invoke/kv/r{i}/echo", content=body)
+                    codes[r.status_code] = codes.get(r.status_code, 0) + 1
+            await asyncio.gather(*[worker() for _ in range(4)])
+        return codes
+
+    try:
+        rss0 = s.rss_mb()
+        codes = asyncio.run(load())
+        rss1 = s.rss_mb()
+    finally:
+        stop(s)
+    print(f"800 replies of 512 KB: RSS {rss0:.0f} -> {rss1:.0f} MB")
+    assert codes == {200: 800}, codes
+    assert rss1 - rss0 < 150, (rss0, rss1)  # 400 MB of replies offered

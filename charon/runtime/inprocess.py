@@ -237,9 +237,11 @@ class InProcessRuntime(control.Controllable):
         gc_tuning: bool = True,
         gc_threshold: int = GC_THRESHOLD,
         warmup_txns: int = 200,
+        reply_retention_bytes: int = 128 << 20,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
-        cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days).
+        cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days), and
+        at most ``reply_retention_bytes`` of their values (default 128 MiB; the oldest go first).
         ``partitions``: engine partitions (default 4; a durable directory keeps the count it has unless another
         one is given, which rescales it). ``data_dir``: durable mode (see
         :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``; ``log_url`` puts its logs
@@ -303,6 +305,8 @@ class InProcessRuntime(control.Controllable):
         self._waiters: dict[str, list[asyncio.Future[Reply]]] = {}  # more callers of a request already waiting
         self._replies: OrderedDict[str, Reply] = OrderedDict()
         self._retention = reply_retention or (100_000 if data_dir is None else 10_000)
+        self._retention_bytes = reply_retention_bytes
+        self._replies_bytes = 0  # values and error messages of the replies in _replies
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -760,9 +764,15 @@ class InProcessRuntime(control.Controllable):
         if self.node is not None:
             self.node.add_replies(replies)
         waiters = self._waiters
+        kept = self._replies
+        size = self._replies_bytes
         for r in replies:
             rid = r.request_id
-            self._replies[rid] = r
+            prev = kept.get(rid)
+            if prev is not None:
+                size -= len(prev.value) + len(prev.error_message)
+            kept[rid] = r
+            size += len(r.value) + len(r.error_message)
             fut = self._futures.pop(rid, None)
             if fut is not None and not fut.done():  # done: cancelled by its caller
                 fut.set_result(r)
@@ -770,8 +780,10 @@ class InProcessRuntime(control.Controllable):
                 for f in waiters.pop(rid, ()):
                     if not f.done():
                         f.set_result(r)
-        while len(self._replies) > self._retention:
-            self._replies.popitem(last=False)
+        while kept and (len(kept) > self._retention or size > self._retention_bytes):
+            _, old = kept.popitem(last=False)
+            size -= len(old.value) + len(old.error_message)
+        self._replies_bytes = size
 
     def get_reply(self, request_id: str) -> Reply | None:
         """The reply of a request, if it has been answered."""

@@ -55,7 +55,9 @@ gateway's in-flight and recent requests and the runtime's input log, :func:`chec
 ids are 1-200 characters of ``A-Z a-z 0-9 . _ ~ : @ + = -``; requests without one get a uuid4 hex id.
 Status URLs are relative, or under ``public_url``; never built from the ``Host`` header.
 
-Limits (:class:`charon.config.GatewayConfig`): retained replies are bounded by count and bytes, runtime
+Limits (:class:`charon.config.GatewayConfig`): retained replies are bounded by count and bytes, requests in
+flight (accepted, not answered: e.g. the backlog while paused) by ``max_inflight_bytes`` (503 ``BacklogFull`` with
+``Retry-After`` beyond), waiting stream readers by ``stream_max_waiters`` (503 ``StreamReadersFull``), runtime
 reads run in a small thread pool (never on the event loop), and the uvicorn protocol closes connections
 that do not deliver a request head within ``header_timeout`` and caps open connections at
 ``max_connections`` by shedding the one that has waited longest for its head.
@@ -650,6 +652,11 @@ class _SlotResponse(StreamingResponse):
             self._release()
 
 
+def _inflight_size(req: Request) -> int:
+    """What an in-flight request counts toward ``max_inflight_bytes``: its arguments and a fixed overhead."""
+    return 512 + len(req.args) + len(req.key)
+
+
 def _reply_size(rep: Reply) -> int:
     return 128 + len(rep.request_id) + len(rep.value) + len(rep.error_type) + len(rep.error_message)
 
@@ -667,6 +674,7 @@ class _Gateway:
         self.inflight_req: dict[str, Request] = {}
         self.recent: OrderedDict[str, tuple[Reply, Request]] = OrderedDict()
         self.recent_size = 0
+        self.inflight_bytes = 0  # of the in-flight requests (see _inflight_size), at most cfg.max_inflight_bytes
         self.known_ops = set(describe_app(runtime.app))
         self._openapi: bytes | None = None
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
@@ -845,6 +853,10 @@ class _Gateway:
             done: asyncio.Future[Reply] = loop.create_future()
             done.set_result(entry[0])
             return done
+        size = _inflight_size(req)
+        if self.inflight_bytes + size > self.cfg.max_inflight_bytes:
+            raise _HTTPError("BacklogFull", f"{len(self.inflight)} requests ({self.inflight_bytes} bytes) are waiting "
+                             f"for their replies (max_inflight_bytes {self.cfg.max_inflight_bytes}); retry later")
         task: asyncio.Future[Reply]
         if self._enqueue is not None and self.runtime.health()["status"] != "stopped":  # type: ignore[attr-defined]
             # the request as built here, without a task per request (a stopped runtime: submit says why)
@@ -859,6 +871,7 @@ class _Gateway:
             )
         self.inflight[rid] = task
         self.inflight_req[rid] = req
+        self.inflight_bytes += size
         t0 = time.perf_counter()
         if self.metrics is not None:
             self.metrics.observe_request(req)
@@ -869,6 +882,7 @@ class _Gateway:
         if self.inflight.get(rid) is task:
             del self.inflight[rid]
             req = self.inflight_req.pop(rid)
+            self.inflight_bytes -= _inflight_size(req)
         else:  # pragma: no cover - a finished task is replaced only after it finished
             return
         if task.cancelled() or task.exception() is not None:
