@@ -41,7 +41,7 @@ class Server:
 
 
 def start(args: list[str] | None = None, env: dict[str, str] | None = None, cwd: Path | None = None,
-          target: str = "bounds_app:app") -> Server:
+          target: str = "bounds_app:app", timeout: float = 60) -> Server:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "charon.cli", "run", target, "--port", str(port), "--token", TOKEN,
@@ -51,7 +51,7 @@ def start(args: list[str] | None = None, env: dict[str, str] | None = None, cwd:
         cwd=cwd or HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout
     while True:
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
@@ -62,7 +62,7 @@ def start(args: list[str] | None = None, env: dict[str, str] | None = None, cwd:
             raise AssertionError(f"charon run exited: {proc.stderr.read().decode() if proc.stderr else ''}")
         if time.monotonic() > deadline:
             proc.kill()
-            raise AssertionError("charon run did not serve within 60 s")
+            raise AssertionError(f"charon run did not serve within {timeout} s")
         time.sleep(0.05)
 
 
@@ -461,3 +461,37 @@ def test_retained_replies_are_bounded_in_bytes(tmp_path: Path) -> None:
     print(f"800 replies of 512 KB: RSS {rss0:.0f} -> {rss1:.0f} MB")
     assert codes == {200: 800}, codes
     assert rss1 - rss0 < 150, (rss0, rss1)  # 400 MB of replies offered
+
+
+@pytest.mark.spark
+def test_on_spark_values_are_bounded_readers_woken_and_the_directory_owned(tmp_path: Path) -> None:
+    """The same bounds on the Spark engine (its Python workers inherit CHARON_MAX_VALUE_BYTES), an event stream
+    reader woken by the driver's append, and the Spark deployment's directory refused to an in-process node."""
+    data = tmp_path / "data"
+    s = start(["--engine", "spark", "--partitions", "2", "--data-dir", str(data)],
+              env={"CHARON_MAX_VALUE_BYTES": "1000", "CHARON_MASTER": "local[2]"}, cwd=tmp_path, timeout=240)
+    port = _port(s)
+
+    async def sse_then_emit() -> float:
+        r, w = await _open(port, SSE_REQ, "ticks")
+        assert await _status(r) == 200
+        await asyncio.wait_for(r.readuntil(b": charon stream ticks\n\n"), 10)
+        sent = time.monotonic()
+        async with httpx.AsyncClient(base_url=s.url, headers=AUTH, timeout=60) as http:
+            assert (await http.post("/invoke/kv/e/emit", json={"args": ["spark-hello"]})).status_code == 200
+        await asyncio.wait_for(r.readuntil(b'"spark-hello"'), 30)
+        w.close()
+        return time.monotonic() - sent
+
+    try:
+        for fn in ("big_put", "big_item", "big_callee"):
+            r = s.client.post(f"/invoke/kv/s-{fn}/{fn}", json={"args": [2000]})
+            assert r.status_code == 409 and r.json()["error"]["type"] == "ValueTooLarge", r.text
+        assert s.client.post("/invoke/kv/s-ok/big_put", json={"args": [900]}).status_code == 200
+        assert s.client.get("/state/kv/s-big_put").json()["value"] is None
+        lag = asyncio.run(sse_then_emit())
+    finally:
+        err = stop(s)
+    assert lag < 10, lag
+    code, out = _run_refused(tmp_path, ["--data-dir", str(data)])
+    assert code != 0 and "belongs to the spark engine (application 'bank')" in out, out + err
