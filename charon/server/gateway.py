@@ -781,7 +781,10 @@ class _Gateway:
         except SerializationError as exc:
             raise _HTTPError("BadRequest", f"malformed body: {exc}") from None
         self._check_call(operator, key, function, args, [0])
-        return Request("", operator, key, function, serde.encode(list(args)))
+        try:
+            return Request("", operator, key, function, serde.encode(list(args)))
+        except SerializationError as exc:  # e.g. an integer msgpack cannot carry
+            raise _HTTPError("SerializationError", str(exc)) from None
 
     def _check_call(self, operator: str, key: str, function: str, args: list[Any], count: list[int]) -> None:
         try:
