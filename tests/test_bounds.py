@@ -304,6 +304,7 @@ def test_long_poll_slots_are_released_when_their_clients_disconnect(tmp_path: Pa
         full, code, waited = asyncio.run(scenario())
     finally:
         stop(s)
+    print(f"32 closed long polls: a new reader admitted {waited * 1000:.0f} ms after they closed")
     assert full == 503, full
     assert code == 200 and waited < 2.0, (code, waited)
 
