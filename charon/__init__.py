@@ -27,6 +27,7 @@ from charon.errors import (
     UndeclaredPortal,
     UnknownFunction,
     UnknownOperator,
+    ValueTooLarge,
 )
 from charon.messages import Reply, Request
 from charon.operator import Application, Function, Operator
@@ -61,4 +62,5 @@ __all__ = [
     "UndeclaredPortal",
     "UnknownFunction",
     "UnknownOperator",
+    "ValueTooLarge",
 ]

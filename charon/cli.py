@@ -103,16 +103,22 @@ def make_runtime(
     if log_partitions is not None and engine != "spark":
         raise typer.BadParameter("--log-partitions applies to --engine spark only (the in-process engine logs its "
                                  "epochs in one partition)")
+    from charon.runtime.owner import DataDirOwned, claim_data_dir
+
     if engine == "inprocess":
         from charon.runtime.inprocess import InProcessRuntime
         from charon.runtime.node import NodeError
 
+        application = load_app(target)
         try:
+            if data_dir is not None:  # the directory belongs to one engine and application (refused otherwise)
+                claim_data_dir(data_dir, engine, application.name)
+            retained = int(os.environ.get("CHARON_REPLY_RETENTION_BYTES", 128 << 20))
             limits: dict[str, Any] = {} if function_timeout is None else {"function_timeout": function_timeout}
-            return InProcessRuntime(load_app(target), partitions=partitions, data_dir=data_dir, fsync=fsync,
-                                    reply_retention=reply_retention, log_url=log_url,
+            return InProcessRuntime(application, partitions=partitions, data_dir=data_dir, fsync=fsync,
+                                    reply_retention=reply_retention, log_url=log_url, reply_retention_bytes=retained,
                                     exit_when_stuck=exit_when_stuck, **limits)
-        except NodeError as exc:
+        except (NodeError, DataDirOwned) as exc:
             raise _fail(str(exc)) from None
     if engine == "spark":
         if not spark_available():
@@ -120,12 +126,16 @@ def make_runtime(
         from charon.config import SparkConfig
         from charon.runtime.spark.runtime import SparkRuntime
 
-        load_app(target)  # fail early with a clear message
+        application = load_app(target)  # fail early with a clear message
         from charon.runtime.spark.runtime import LayoutMismatch
 
         extra: dict[str, Any] = {} if function_timeout is None else {"function_timeout": function_timeout}
         config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url,
                                       log_partitions=log_partitions, **extra)
+        try:  # the directory belongs to one engine and application (refused otherwise)
+            claim_data_dir(config.data_dir, engine, application.name)
+        except DataDirOwned as exc:
+            raise _fail(str(exc)) from None
         if partitions is None:  # not given (flag or CHARON_PARTITIONS): a checkpoint keeps its recorded layout
             from charon.runtime.spark.runtime import read_layout
 

@@ -124,6 +124,9 @@ class GatewayConfig:
     wait_timeout: float = 25.0  # a synchronous invoke still running after this answers 202 + status URL
     recent_replies: int = 10_000  # replies the gateway keeps for polling and retries (count) ...
     recent_bytes: int = 64 << 20  # ... and their total size in bytes
+    # requests accepted and not answered yet (e.g. the backlog while paused), by their arguments' bytes (+512 each):
+    # beyond it a new request is refused with 503 BacklogFull and Retry-After (nothing of it accepted)
+    max_inflight_bytes: int = 256 << 20
     max_connections: int = field(default_factory=_default_max_connections)  # open connections; at the cap
     # the connection that has waited longest for its request head is closed to make room
     header_timeout: float = 10.0  # a connection must send a complete request head within this (seconds)

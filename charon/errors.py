@@ -40,6 +40,11 @@ class PayloadTooLarge(CharonError):
     """A request body or argument list exceeds the configured limit."""
 
 
+class ValueTooLarge(CharonError):
+    """A state value, item, event or return value is larger, encoded, than the engine's maximum
+    (``CHARON_MAX_VALUE_BYTES``, default 4 MiB): raised in the function, so its transaction aborts."""
+
+
 class CallGraphLimitExceeded(CharonError):
     """A transaction's call graph did not finish within the engine's limits (depth, calls or rounds)."""
 
@@ -87,6 +92,7 @@ ENGINE_ERRORS: dict[str, type[CharonError]] = {
         SerializationError,
         InvalidKey,
         PayloadTooLarge,
+        ValueTooLarge,
         CallGraphLimitExceeded,
         NonDeterministicFunction,
         IllegalAwait,

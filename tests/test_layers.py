@@ -156,6 +156,7 @@ PUBLIC = [
     "UndeclaredPortal",
     "UnknownFunction",
     "UnknownOperator",
+    "ValueTooLarge",
 ]
 
 

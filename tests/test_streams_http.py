@@ -92,7 +92,8 @@ def test_waiting_readers_are_bounded(server: BackgroundServer) -> None:
         r = http.get("/streams/quiet?wait=1", headers=h)
     for t in ts:
         t.join()
-    assert r.status_code == 503 and r.json()["error"]["type"] == "Unavailable"
+    assert r.status_code == 503 and r.json()["error"]["type"] == "StreamReadersFull", r.text
+    assert r.headers["Retry-After"]
     assert results == [200, 200]
 
 

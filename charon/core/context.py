@@ -24,6 +24,7 @@ refuses every operation (raising ``GeneratorExit``), so nothing runs twice.
 
 from __future__ import annotations
 
+import os
 import random as _random
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from charon.errors import (
     NonDeterministicFunction,
     UnawaitedCall,
     UndeclaredPortal,
+    ValueTooLarge,
 )
 from charon.operator import Function, Operator
 
@@ -50,11 +52,20 @@ _check = serde.check_value  # the value model (sets, datetimes, objects... refus
 _SCALARS = serde._SCALARS
 
 MAX_DEPTH = 200
+#: Largest encoded state value, item, event or return value (``CHARON_MAX_VALUE_BYTES``, default 4 MiB):
+#: beyond it the function raises ValueTooLarge (its transaction aborts). An outcome depends on it: set it the
+#: same for every process of a deployment (Spark executors inherit the driver's environment in local mode).
+MAX_VALUE_BYTES = int(os.environ.get("CHARON_MAX_VALUE_BYTES", 4 << 20))
 #: Most events one invocation may emit (beyond it the transaction aborts with CallGraphLimitExceeded).
 MAX_EMITS = 10_000
 RESERVED_STREAM_PREFIX = "charon."  # streams only the engine appends to (ctx.emit refuses them)
 PORTAL_STREAM = "charon.portal.requests"  # the output stream ctx.ask appends requests to
 PORTAL_ID_PREFIX = "__charon.portal."  # request ids of portal requests (+ '.reply' for continuations)
+
+
+def too_large(what: str, n: int) -> ValueTooLarge:
+    """The error of a value of ``n`` encoded bytes, above :data:`MAX_VALUE_BYTES`."""
+    return ValueTooLarge(f"{what} of {n} bytes exceeds the maximum of {MAX_VALUE_BYTES} (CHARON_MAX_VALUE_BYTES)")
 
 
 class Journal:
@@ -280,6 +291,8 @@ class Context:
                 data = serde.encode(value)
             if type(value) not in _SCALARS:
                 _check(value)
+            if len(data) > MAX_VALUE_BYTES:
+                raise too_large("state value", len(data))
             f = self._frame
             self._unit.write(f.tid, f.op, f.key, "", data)
 
@@ -296,7 +309,10 @@ class Context:
     def put_item(self, name: str, value: Any) -> None:
         """Set one named item of the entity's ordered item map."""
         if self._live():
-            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), serde.encode_value(value))
+            data = serde.encode_value(value)
+            if len(data) > MAX_VALUE_BYTES:
+                raise too_large(f"item {name!r}", len(data))
+            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), data)
 
     def delete_item(self, name: str) -> None:
         """Remove one named item."""
@@ -335,6 +351,8 @@ class Context:
 
     def _emit(self, stream: str, value: Any) -> None:
         data = serde.encode_value(value)
+        if len(data) > MAX_VALUE_BYTES:
+            raise too_large(f"event of stream {stream!r}", len(data))
         if self._nemit >= MAX_EMITS:
             raise CallGraphLimitExceeded(f"more than {MAX_EMITS} events emitted by one invocation")
         self._nemit += 1

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.context import Context, Journal, check_awaited, child_inv, raised_in
+from charon.core.context import MAX_VALUE_BYTES, Context, Journal, check_awaited, child_inv, raised_in, too_large
 from charon.core.routing import entity_prefix, key_group, store_key
 from charon.core.shares import ZERO as _ZERO
 from charon.core.shares import Share, add, split
@@ -701,6 +701,8 @@ class PartitionUnit:
                         value = serde.encode(stop.value)
                     if type(stop.value) not in _SCALARS:
                         _check_value(stop.value)
+                    if len(value) > MAX_VALUE_BYTES:  # aborts the transaction (the except below)
+                        raise too_large(f"{frame.op}.{frame.fn}'s return value", len(value)) from None
                 # self._complete(frame, ctx, value), inlined (two of a transfer's three runs complete)
                 sends = ctx._sends
                 msgs: list[Invoke | Reply] | tuple = ()
@@ -917,6 +919,8 @@ class PartitionUnit:
                     if f.kind == ASYNC:  # its return value goes nowhere (see _run)
                         continue
                     value = serde.encode_value(stop.value)
+                    if len(value) > MAX_VALUE_BYTES:  # the slow path aborts it (ValueTooLarge)
+                        return False
                     if f.kind == ROOT:  # the client's reply may change; nothing else consumed it
                         self._out.done.append((tid, value, _ZERO))
                     elif f.kind == SYNC and value != c.result:  # the caller consumed the cached reply

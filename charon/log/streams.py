@@ -16,11 +16,12 @@ dropped first); a read from a dropped offset starts at the first retained one (`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -66,6 +67,7 @@ class StreamLog:
         self.path = self._db.path
         self.retain_events = retain_events
         self._cv = threading.Condition()  # wakes waiters of this process at once (others poll)
+        self._listeners: list[Callable[[frozenset[str]], object]] = []  # see add_listener
         with self._db.write() as c:
             c.execute("CREATE TABLE IF NOT EXISTS epochs (epoch INTEGER PRIMARY KEY)")
             c.execute(
@@ -106,7 +108,20 @@ class StreamLog:
                 self._trim(c, stream, start, end)
         with self._cv:
             self._cv.notify_all()
+        appended = frozenset(s for s, _ in events)
+        for listener in list(self._listeners):
+            listener(appended)
         return True
+
+    def add_listener(self, listener: Callable[[frozenset[str]], object]) -> None:
+        """Call ``listener(streams)`` after each append by this process, with the streams it appended to (on the
+        appending thread: it must be quick and not raise; e.g. ``loop.call_soon_threadsafe``)."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[frozenset[str]], object]) -> None:
+        """Stop calling ``listener`` (see :meth:`add_listener`)."""
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
 
     def _trim(self, c: sqlite3.Connection, stream: str, start: int, end: int) -> None:
         """Keep the newest whole atoms holding at most ``retain_events`` events, and at least the newest atom

@@ -241,12 +241,14 @@ class InProcessRuntime(control.Controllable):
         gc_tuning: bool = True,
         gc_threshold: int = GC_THRESHOLD,
         warmup_txns: int = 200,
+        reply_retention_bytes: int = 128 << 20,
         function_timeout: float = DEFAULT_TIMEOUT,
         watchdog_interval: float = DEFAULT_INTERVAL,
         exit_when_stuck: float | None = None,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
-        cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days).
+        cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days), and
+        at most ``reply_retention_bytes`` of their values (default 128 MiB; the oldest go first).
         ``partitions``: engine partitions (default 4; a durable directory keeps the count it has unless another
         one is given, which rescales it). ``data_dir``: durable mode (see
         :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``; ``log_url`` puts its logs
@@ -274,7 +276,9 @@ class InProcessRuntime(control.Controllable):
         self.node: NodeStorage | None = None
         if data_dir is not None:
             from charon.runtime.node import NodeStorage, RecordingStore
+            from charon.runtime.owner import claim_data_dir
 
+            claim_data_dir(data_dir, "inprocess")  # not a Spark deployment's directory (DataDirOwned)
             self.node = NodeStorage(data_dir, partitions or 4, fsync=fsync, checkpoint_s=checkpoint_s,
                                     compact_every=compact_every, log_url=log_url)
             self.partitions = self.node.partitions  # the directory's layout; rescaled after recovery
@@ -324,6 +328,8 @@ class InProcessRuntime(control.Controllable):
         self._waiters: dict[str, list[asyncio.Future[Reply]]] = {}  # more callers of a request already waiting
         self._replies: OrderedDict[str, Reply] = OrderedDict()
         self._retention = reply_retention or (100_000 if data_dir is None else 10_000)
+        self._retention_bytes = reply_retention_bytes
+        self._replies_bytes = 0  # values and error messages of the replies in _replies
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -844,10 +850,18 @@ class InProcessRuntime(control.Controllable):
         if self.node is not None:
             self.node.add_replies(replies)
         kept = self._replies
+        size = self._replies_bytes
         for r in replies:
-            kept[r.request_id] = r
-        while len(kept) > self._retention:
-            kept.popitem(last=False)
+            rid = r.request_id
+            prev = kept.get(rid)
+            if prev is not None:
+                size -= len(prev.value) + len(prev.error_message)
+            kept[rid] = r
+            size += len(r.value) + len(r.error_message)
+        while kept and (len(kept) > self._retention or size > self._retention_bytes):
+            _, old = kept.popitem(last=False)
+            size -= len(old.value) + len(old.error_message)
+        self._replies_bytes = size
         if self._aloop is not None and threading.get_ident() != self._loop_ident:
             self._outbox.extend(replies)  # the engine thread: to the waiters once the epoch returned (_run_logged)
         else:

@@ -46,7 +46,8 @@ content type (415), the body syntax and plainness (400: malformed, non-UTF-8 str
 types, nesting deeper than ``max_depth``), the URL path (400 unless it percent-decodes to valid UTF-8), the
 key (400 ``InvalidKey``, by :func:`charon.core.routing.check_key`), the operator and function names (404) and the
 arguments' arity and types (422, through ``Application.validate``). Keys may contain ``/`` (the last path
-segment is the function). Bodies are decoded with msgspec; nothing is ever unpickled.
+segment is the function) and any other character ``check_key`` accepts, line breaks included (percent-encoded):
+every valid key is addressable by every route. Bodies are decoded with msgspec; nothing is ever unpickled.
 
 Idempotency: a reused ``Idempotency-Key`` with the same operator, key, function and arguments gets the
 first reply; with anything else it is refused with 422 ``IdempotencyConflict`` (checked against the
@@ -54,7 +55,9 @@ gateway's in-flight and recent requests and the runtime's input log, :func:`chec
 ids are 1-200 characters of ``A-Z a-z 0-9 . _ ~ : @ + = -``; requests without one get a uuid4 hex id.
 Status URLs are relative, or under ``public_url``; never built from the ``Host`` header.
 
-Limits (:class:`charon.config.GatewayConfig`): retained replies are bounded by count and bytes, runtime
+Limits (:class:`charon.config.GatewayConfig`): retained replies are bounded by count and bytes, requests in
+flight (accepted, not answered: e.g. the backlog while paused) by ``max_inflight_bytes`` (503 ``BacklogFull`` with
+``Retry-After`` beyond), waiting stream readers by ``stream_max_waiters`` (503 ``StreamReadersFull``), runtime
 reads run in a small thread pool (never on the event loop), and the uvicorn protocol closes connections
 that do not deliver a request head within ``header_timeout`` and caps open connections at
 ``max_connections`` by shedding the one that has waited longest for its head.
@@ -82,6 +85,7 @@ from urllib.parse import quote, unquote_to_bytes
 import msgspec
 import uvicorn
 from starlette.applications import Starlette
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -103,7 +107,7 @@ from charon.errors import (
 )
 from charon.log.client import check_same_request, stored_request
 from charon.messages import Reply, Request
-from charon.operator import BATCH_OPERATOR, batch_request, check_batch
+from charon.operator import BATCH_FUNCTION, BATCH_OPERATOR, batch_request, check_batch
 
 __all__ = ["RuntimeLike", "create_app", "serve", "BackgroundServer", "describe_app", "STATUS_OF_ERROR"]
 
@@ -124,12 +128,17 @@ STATUS_OF_ERROR: dict[str, int] = {
     "IdempotencyConflict": 422,
     "Unavailable": 503,
     "LogUnavailable": 503,
+    "StreamReadersFull": 503,
+    "BacklogFull": 503,
 }
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 _IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._~:@+=-]{1,200}$")
 #: request ids the runtimes use for their own input-log records; clients may not take them
 RESERVED_ID_PREFIX = "__charon"
-_STREAM_POLL_S = 0.01  # how often a waiting stream reader looks for a new atom
+#: how often the gateway's one stream watcher looks for atoms appended by another process while readers wait (the
+#: runtime's own appends wake them at once); a log that cannot notify is polled every _STREAM_POLL_S
+_STREAM_FOREIGN_POLL_S = 1.0
+_STREAM_POLL_S = 0.05
 #: seconds a 503 (starting, recovering, failed to take a request) asks the client to wait before retrying
 RETRY_AFTER_S = 2
 _json_enc = msgspec.json.Encoder()
@@ -174,6 +183,16 @@ def _enqueuer(runtime: Any) -> Callable[[Request], asyncio.Future[Reply]] | None
     if enqueue.__qualname__.rsplit(".", 1)[0] != submit.__qualname__.rsplit(".", 1)[0]:
         return None
     return runtime.enqueue
+
+
+class _KeyConvertor(PathConvertor):
+    """A key path segment: any characters, ``/`` and line breaks included (starlette's ``path`` is ``.*``, which
+    does not match a newline): every key :func:`charon.core.routing.check_key` accepts is addressable by URL."""
+
+    regex = r"[\s\S]*"
+
+
+register_url_convertor("charonkey", _KeyConvertor())
 
 
 class _HTTPError(Exception):
@@ -541,6 +560,103 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
 # The gateway
 
 
+class _StreamWatch:
+    """Wakes the waiting readers of an output stream (long polls, server-sent events) when an atom is appended:
+    one watcher for all of them, so an idle reader costs nothing but its connection.
+
+    The runtime's own appends notify it at once (:meth:`charon.log.streams.StreamLog.add_listener`, called on
+    the appending thread); atoms another process appends to the same file are seen by one cheap query per
+    ``_STREAM_FOREIGN_POLL_S`` while anyone waits (every ``_STREAM_POLL_S`` for a log that cannot notify)."""
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+        self.loop = asyncio.get_running_loop()
+        self.events: dict[str, asyncio.Event] = {}  # per stream, replaced when it fires
+        self.waiting = 0
+        self._poller: asyncio.Task[None] | None = None
+        add = getattr(log, "add_listener", None)
+        self.notified = add is not None
+        if add is not None:
+            add(self._appended)
+
+    def close(self) -> None:
+        remove = getattr(self.log, "remove_listener", None)
+        if remove is not None:
+            remove(self._appended)
+        if self._poller is not None:
+            self._poller.cancel()
+
+    def _appended(self, streams: frozenset[str]) -> None:  # on the appending thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self.loop.call_soon_threadsafe(self._fire, streams)
+
+    def _fire(self, streams: frozenset[str] | None) -> None:
+        for name in (list(self.events) if streams is None else streams):
+            ev = self.events.pop(name, None)
+            if ev is not None:
+                ev.set()
+
+    def event(self, stream: str) -> asyncio.Event:
+        """The event the next append to ``stream`` sets (take it *before* reading, then wait on it)."""
+        ev = self.events.get(stream)
+        if ev is None:
+            ev = self.events[stream] = asyncio.Event()
+        return ev
+
+    async def wait(self, ev: asyncio.Event, timeout: float, also: asyncio.Future[Any] | None = None) -> None:
+        """Until ``ev`` fires, ``also`` is done, or ``timeout`` passes."""
+        self.waiting += 1
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.ensure_future(self._poll())
+        waiter = asyncio.ensure_future(ev.wait())
+        try:
+            await asyncio.wait({waiter} if also is None else {waiter, also}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            self.waiting -= 1
+
+    async def _poll(self) -> None:
+        """Appends by other processes: one query per interval while anyone waits (then it ends)."""
+        interval = _STREAM_FOREIGN_POLL_S if self.notified else _STREAM_POLL_S
+        last = await asyncio.to_thread(self.log.last_epoch) if hasattr(self.log, "last_epoch") else None
+        while self.waiting:
+            await asyncio.sleep(interval)
+            if last is None:
+                self._fire(None)
+                continue
+            now = await asyncio.to_thread(self.log.last_epoch)
+            if now != last:
+                last = now
+                self._fire(None)
+
+
+async def _until_disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
+    """Returns when the client of a request (whose body was read or is empty) disconnects."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SlotResponse(StreamingResponse):
+    """A streaming response that gives back its stream-reader slot when it ends, however it ends (finished,
+    client gone, or never started)."""
+
+    def __init__(self, *args: Any, release: Callable[[], None], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def _inflight_size(req: Request) -> int:
+    """What an in-flight request counts toward ``max_inflight_bytes``: its arguments and a fixed overhead."""
+    return 512 + len(req.args) + len(req.key)
+
+
 def _reply_size(rep: Reply) -> int:
     return 128 + len(rep.request_id) + len(rep.value) + len(rep.error_type) + len(rep.error_message)
 
@@ -558,10 +674,12 @@ class _Gateway:
         self.inflight_req: dict[str, Request] = {}
         self.recent: OrderedDict[str, tuple[Reply, Request]] = OrderedDict()
         self.recent_size = 0
+        self.inflight_bytes = 0  # of the in-flight requests (see _inflight_size), at most cfg.max_inflight_bytes
         self.known_ops = set(describe_app(runtime.app))
         self._openapi: bytes | None = None
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
         self.stream_waiters = 0  # long polls and server-sent-event connections open now
+        self._watch: _StreamWatch | None = None
         # a runtime started in the background (see create_app's ``background_start``): until it is up,
         # /health answers 503 starting and state reads a 503 with Retry-After; invokes go to the input log
         self.starting = False
@@ -648,20 +766,48 @@ class _Gateway:
         args = doc.get(field, [])
         if not isinstance(args, list):
             raise _HTTPError("BadArguments", f'"{field}" must be a list')
+        return args  # plain data: checked by validate (every route's one validator)
+
+    def validate(self, operator: str, key: str, function: str, args: list[Any]) -> Request:
+        """The request, if its names, key and arguments are valid (typed 4xx otherwise).
+
+        The one validator of every call a client sends, whatever the route (``/invoke``, each call of a
+        ``/batch``, ``/admin/update``): the arguments are plain data (400), the names exist (404), the key is
+        valid (400) and the arguments fit the function (422). A call of the built-in batch operator (a batch
+        nested in a batch, or sent to ``/invoke``) has each of its inner calls validated the same way, and
+        every call at every level counts toward ``max_batch_calls``."""
         try:
             serde.check_plain(args, self.cfg.max_depth)
         except SerializationError as exc:
             raise _HTTPError("BadRequest", f"malformed body: {exc}") from None
-        return args
+        self._check_call(operator, key, function, args, [0])
+        try:
+            return Request("", operator, key, function, serde.encode(list(args)))
+        except SerializationError as exc:  # e.g. an integer msgpack cannot carry
+            raise _HTTPError("SerializationError", str(exc)) from None
 
-    def validate(self, operator: str, key: str, function: str, args: list[Any]) -> Request:
-        """The request, if its names, key and arguments are valid (typed 4xx otherwise)."""
+    def _check_call(self, operator: str, key: str, function: str, args: list[Any], count: list[int]) -> None:
         try:
             self.runtime.app.validate(operator, function, args, key=key)
-            return Request("", operator, key, function, serde.encode(list(args)))
         except (UnknownOperator, UnknownFunction, BadArguments, PayloadTooLarge, SerializationError,
                 InvalidKey) as exc:
             raise _HTTPError(type(exc).__name__, str(exc) or type(exc).__name__) from None
+        if operator != BATCH_OPERATOR:
+            return
+        cap = self.cfg.max_batch_calls
+        try:
+            calls = check_batch(args[0], cap)
+        except BadArguments as exc:
+            raise _HTTPError("BadArguments", str(exc)) from None
+        for i, (op, k, fn, a) in enumerate(calls):
+            count[0] += 1
+            if count[0] > cap:
+                raise _HTTPError("BadArguments", f"a batch holds at most {cap} calls, nested batches' calls "
+                                 "included (max_batch_calls)")
+            try:
+                self._check_call(op, k, fn, a, count)
+            except _HTTPError as exc:
+                raise _HTTPError(exc.error_type, f"batch call {i}: {exc.message}", exc.status) from None
 
     def request_id(self, request: HTTPRequest) -> str | None:
         rid = request.headers.get("idempotency-key")
@@ -710,6 +856,10 @@ class _Gateway:
             done: asyncio.Future[Reply] = loop.create_future()
             done.set_result(entry[0])
             return done
+        size = _inflight_size(req)
+        if self.inflight_bytes + size > self.cfg.max_inflight_bytes:
+            raise _HTTPError("BacklogFull", f"{len(self.inflight)} requests ({self.inflight_bytes} bytes) are waiting "
+                             f"for their replies (max_inflight_bytes {self.cfg.max_inflight_bytes}); retry later")
         task: asyncio.Future[Reply]
         if self._enqueue is not None and self.runtime.health()["status"] != "stopped":  # type: ignore[attr-defined]
             # the request as built here, without a task per request (a stopped runtime: submit says why)
@@ -724,6 +874,7 @@ class _Gateway:
             )
         self.inflight[rid] = task
         self.inflight_req[rid] = req
+        self.inflight_bytes += size
         t0 = time.perf_counter()
         if self.metrics is not None:
             self.metrics.observe_request(req)
@@ -734,6 +885,7 @@ class _Gateway:
         if self.inflight.get(rid) is task:
             del self.inflight[rid]
             req = self.inflight_req.pop(rid)
+            self.inflight_bytes -= _inflight_size(req)
         else:  # pragma: no cover - a finished task is replaced only after it finished
             return
         if task.cancelled() or task.exception() is not None:
@@ -860,16 +1012,9 @@ class _Gateway:
             raise _HTTPError("BadRequest", "mode must be 'sync' or 'async'")
         given = self.request_id(request)
         calls = self.parse_args(request, await self.read_body(request), "calls")
-        try:
-            calls = check_batch(calls, self.cfg.max_batch_calls)
-        except BadArguments as exc:
-            raise _HTTPError("BadArguments", str(exc)) from None
-        for i, (operator, key, function, args) in enumerate(calls):
-            try:
-                self.validate(operator, key, function, args)
-            except _HTTPError as exc:
-                raise _HTTPError(exc.error_type, f"batch call {i}: {exc.message}") from None
         rid = given or uuid.uuid4().hex
+        _, function, args = BATCH_OPERATOR, BATCH_FUNCTION, [calls]
+        self.validate(BATCH_OPERATOR, rid, function, args)  # every call, nested ones too (typed 4xx naming it)
         _, function, args = batch_request(calls)
         req = Request(rid, BATCH_OPERATOR, rid, function, serde.encode(args))
         if self.start_error is not None:  # as for invoke: nothing would ever run it
@@ -955,18 +1100,30 @@ class _Gateway:
             raise _HTTPError("BadRequest", "from_offset >= 0, limit >= 1 and 0 <= wait <= 30 are required")
         return log, stream, offset, min(limit, self.cfg.stream_max_events), wait
 
-    def _check_waiters(self) -> None:
-        if self.stream_waiters >= self.cfg.stream_max_waiters:
-            raise _HTTPError("Unavailable", f"{self.cfg.stream_max_waiters} stream readers are waiting; retry later")
-
-    @contextlib.contextmanager
-    def _waiter(self) -> typing.Iterator[None]:
-        """One of the ``stream_max_waiters`` slots of waiting stream readers (checked just before)."""
+    def _take_waiter(self) -> Callable[[], None]:
+        """One of the ``stream_max_waiters`` slots of waiting stream readers, taken at once (no await between the
+        check and the taking: a burst cannot exceed the cap), else 503 ``StreamReadersFull`` with Retry-After.
+        Returns the release (idempotent)."""
+        cap = self.cfg.stream_max_waiters
+        if self.stream_waiters >= cap:
+            raise _HTTPError("StreamReadersFull", f"{cap} stream readers are waiting (stream_max_waiters); retry later")
         self.stream_waiters += 1
-        try:
-            yield
-        finally:
-            self.stream_waiters -= 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.stream_waiters -= 1
+
+        return release
+
+    def _watcher(self, log: Any) -> _StreamWatch:
+        if self._watch is None or self._watch.log is not log:
+            if self._watch is not None:
+                self._watch.close()
+            self._watch = _StreamWatch(log)
+        return self._watch
 
     @staticmethod
     def _event_doc(ev: Any) -> dict[str, Any]:
@@ -980,37 +1137,54 @@ class _Gateway:
             return self._sse(log, stream, offset, limit)
         page = await self.off_loop(log.read, stream, offset, limit)
         if not page.events and wait > 0:
-            self._check_waiters()
-            with self._waiter():
+            release = self._take_waiter()
+            gone = asyncio.ensure_future(_until_disconnected(request.receive))  # the slot goes with the client
+            try:
+                watch = self._watcher(log)
                 deadline = time.monotonic() + wait
-                while not page.events and time.monotonic() < deadline:
-                    await asyncio.sleep(_STREAM_POLL_S)
+                while not page.events:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or gone.done():
+                        break
+                    ev = watch.event(stream)
                     if await self.off_loop(log.end_offset, stream) > page.next_offset:
                         page = await self.off_loop(log.read, stream, page.next_offset, limit)
+                        continue
+                    await watch.wait(ev, left, gone)
+            finally:
+                gone.cancel()
+                release()
         body = {"stream": stream, "events": [self._event_doc(e) for e in page.events],
                 "next_offset": page.next_offset, "first_offset": page.first_offset, "end_offset": page.end_offset}
         return self.respond(request, 200, body)
 
     def _sse(self, log: Any, stream: str, offset: int, limit: int) -> Response:
-        self._check_waiters()
+        release = self._take_waiter()
         gw = self
 
         async def events() -> AsyncIterator[bytes]:
             nonlocal offset
-            with gw._waiter():
+            try:
+                watch = gw._watcher(log)
                 deadline = time.monotonic() + gw.cfg.stream_sse_seconds
                 yield b": charon stream " + stream.encode() + b"\n\n"
                 while time.monotonic() < deadline:
+                    ev = watch.event(stream)
                     page = await gw.off_loop(log.read, stream, offset, limit)
-                    for ev in page.events:
-                        data = _json_enc.encode(dict(gw._event_doc(ev), stream=stream))
-                        yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.offset + 1, stream.encode(), data)
+                    for e in page.events:
+                        data = _json_enc.encode(dict(gw._event_doc(e), stream=stream))
+                        yield b"id: %d\nevent: %s\ndata: %s\n\n" % (e.offset + 1, stream.encode(), data)
                     offset = page.next_offset
                     if not page.events:
-                        await asyncio.sleep(_STREAM_POLL_S)
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        await watch.wait(ev, left)  # a disconnect cancels this (starlette listens for it)
+            finally:
+                release()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        return _SlotResponse(events(), media_type="text/event-stream", release=release,
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     async def timers(self, request: HTTPRequest) -> Response:
         """The pending timers an entity registered (an admin read)."""
@@ -1170,19 +1344,21 @@ def create_app(
                 await asyncio.wait(pending, timeout=5.0)
             if manage_runtime and gw.start_error is None:
                 await _call_lifecycle(runtime.stop)  # type: ignore[attr-defined]
+            if gw._watch is not None:
+                gw._watch.close()
             gw._pool.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route(
-            "/invoke/{operator}/{key:path}/{function}", _guard(gw, gw.invoke), methods=["POST"], name="invoke"
+            "/invoke/{operator}/{key:charonkey}/{function}", _guard(gw, gw.invoke), methods=["POST"], name="invoke"
         ),
         Route(
             "/requests/{request_id}", _guard(gw, gw.request_status), methods=["GET"], name="request_status"
         ),
-        Route("/state/{operator}/{key:path}", _guard(gw, gw.state), methods=["GET"], name="state"),
+        Route("/state/{operator}/{key:charonkey}", _guard(gw, gw.state), methods=["GET"], name="state"),
         Route("/streams/{stream}", _guard(gw, gw.stream), methods=["GET"], name="stream"),
         Route("/batch", _guard(gw, gw.batch), methods=["POST"], name="batch"),
-        Route("/timers/{operator}/{key:path}", _guard(gw, gw.timers), methods=["GET"], name="timers"),
+        Route("/timers/{operator}/{key:charonkey}", _guard(gw, gw.timers), methods=["GET"], name="timers"),
         Route("/health", _guard(gw, gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]

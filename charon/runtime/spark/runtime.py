@@ -62,6 +62,7 @@ from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime import control
+from charon.runtime.owner import claim_data_dir
 from charon.runtime.probe import LogProbe
 from charon.runtime.quarantine import RecoveryAttempts
 from charon.runtime.replies import ReplyWriter
@@ -802,7 +803,7 @@ class SparkRuntime(control.Controllable):
         self.app_ref = app_ref
         self.app = load_app(app_ref)
         cfg = config or SparkConfig.from_env()
-        os.makedirs(cfg.data_dir, exist_ok=True)
+        claim_data_dir(cfg.data_dir, "spark")  # not an in-process node's directory (DataDirOwned)
         self.ckpt = cfg.checkpoint_dir
         os.makedirs(self.ckpt, exist_ok=True)
         self.verdict_book = VerdictBook(self.ckpt)  # every epoch's coordinator applies (and adds to) its verdicts
