@@ -384,7 +384,7 @@ def spark_status(rt: Any) -> dict[str, Any]:
                     log_partitions={"route": route, "physical": physical})
     return {**base,
             "retained_from": _retained_from(rt.durable, rt.config.partitions),
-            "code_version": spark_version_at(rt, last + 1)}
+            "code_version": spark_version_at(rt, last + 1), "dead_letters": dict(rt.verdict_book.counts)}
 
 
 def spark_inspect(

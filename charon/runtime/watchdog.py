@@ -141,7 +141,10 @@ class Watchdog:
         budget = self.budget(unit, frame)
         if ran < budget:
             return seen
+        cur = self.coordinator().current
+        req = cur.requests.get(frame.tid) if cur is not None else None
         self._stuck = (frame, {"operator": frame.op, "function": frame.fn, "key": frame.key, "tid": frame.tid,
+                               "request_id": req.request_id if req is not None else None,
                                "seconds": round(ran, 3), "budget_s": budget})
         ident = self.engine_thread()
         # The check and the interrupt in one GIL hold (no Python call between them): see the module docstring.
