@@ -9,12 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from charon import serde
 from charon.config import SparkConfig
 from charon.messages import Request
 from charon.runtime.spark.runtime import SparkRuntime, make_session
+from charon.server.gateway import BackgroundServer
 
 pytestmark = pytest.mark.spark
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,14 +33,24 @@ def test_spark_tasks_stop_functions_past_their_budget(tmp_path: Path) -> None:
     try:
         rt = SparkRuntime("hostile_app:app", cfg, spark=spark)
         rt.load("acc", {"a": 100})
-        rt.start()
+        srv = BackgroundServer(rt, token="t").start(120)  # starts the runtime
         try:
             t0 = time.monotonic()
             rt.input_log.append_many([_req("spin-1", "k", "spin"), _req("sleep-1", "s", "sleepy", 60.0),
                                       _req("cs-1", "x", "spin_callee", "y")]
                                      + [_req(f"t{i}", "a", "transfer", "b", 1) for i in range(5)])
+            times = []  # /health and /metrics while the functions run in the executors
+            with httpx.Client(base_url=srv.url, headers={"Authorization": "Bearer t"}) as probe:
+                while rt.get_reply("t4") is None and time.monotonic() - t0 < 120:
+                    for path in ("/health", "/metrics"):
+                        q0 = time.perf_counter()
+                        assert probe.get(path, timeout=5).status_code in (200, 503)
+                        times.append(time.perf_counter() - q0)
+                    time.sleep(0.05)
             rt.wait_idle(120)
             took = time.monotonic() - t0
+            times.sort()
+            assert len(times) > 4 and times[len(times) // 2] < 0.1 and times[-1] < 0.5, times
             reps = {r: rt.get_reply(r) for r in ["spin-1", "sleep-1", "cs-1", *(f"t{i}" for i in range(5))]}
             assert all(v is not None for v in reps.values()), reps
             assert reps["spin-1"].error_type == "InvocationTimeout"
@@ -50,7 +62,7 @@ def test_spark_tasks_stop_functions_past_their_budget(tmp_path: Path) -> None:
             assert {d["request_id"] for d in rt.dead_letters()} == {"spin-1", "sleep-1", "cs-1"}
             snap = rt.snapshot()
         finally:
-            rt.stop()
+            srv.stop()
         state = {k: serde.decode(v) for k, v in snap.items()}
         assert sum(v for v in state.values() if isinstance(v, int) and v > 0) == 100  # money conserved
         # a restarted runtime keeps the verdicts: the same request ids are answered, never run again
