@@ -67,6 +67,12 @@ async def set_one(ctx: Context) -> None:
 
 
 @acc.function
+async def blob(ctx: Context, data: str) -> int:
+    """Takes a large argument (the paused-flood scenario); keeps nothing."""
+    return len(data)
+
+
+@acc.function
 async def boom(ctx: Context) -> None:
     raise RuntimeError("boom")
 
