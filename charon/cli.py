@@ -283,7 +283,8 @@ def run(
     err_console.print(
         f"charon: {verb} [bold]{getattr(application, 'name', target)}[/] "
         f"({engine}{'' if engine == 'remote' else f', {partitions} partitions'}; {mode}"
-        f"{'; logs on ' + log if log else ''}) on http://{host}:{port}"
+        f"{'; logs on ' + log if log else ''}"
+        f"{'; determinism check: every function runs twice' if check_determinism else ''}) on http://{host}:{port}"
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
         + ("; Spark starts in ~20 s: /health answers 503 starting until then, invokes are logged and wait"
            if engine == "spark" else ""),
