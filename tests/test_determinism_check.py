@@ -198,3 +198,58 @@ def test_generated_programs_commit_exactly_as_without_the_check(w: wl.Workload) 
         partition.KEEP_LIVE_COROUTINES = saved
     assert not any(r.error_type == ND for _, r in checked[0])
     assert checked == plain
+
+
+# -- the oracle (charon.testing.serial_execute) has the same check ------------------------------------------------
+
+
+def test_the_oracle_checks_determinism_too() -> None:
+    from mistakes_app import app as mistakes
+
+    from charon.testing import serial_execute
+
+    def run(app: Application, fn: str, *args: object, check: bool = True) -> tuple:
+        state: dict[bytes, bytes] = {}
+        req = Request("q", _op_of(app), "k", fn, serde.encode(list(args)), ts=5.0)
+        out = serial_execute(app, state, 1, req, determinism_check=check)
+        return out, state
+
+    (ok, err), state = run(mistakes, "rnd")
+    assert not ok and err[0] == ND and "acc.rnd on key 'k'" in err[1] and "state writes" in err[1], err
+    assert state == {}  # nothing applied
+    (ok, err), _ = run(mistakes, "clock")
+    assert not ok and err[0] == ND and "acc.clock on key 'k'" in err[1] and "return values" in err[1], err
+    (ok, err), _ = run(APP, "caller")
+    assert not ok and err[0] == ND and "op.callee on key 'c'" in err[1], err
+    (ok, err), _ = run(APP, "sends")
+    assert not ok and "arguments of its 2nd send" in err[1], err
+    assert run(mistakes, "rnd", check=False)[0][0]  # committed without the check
+    for fn, args in (("fine", (3,)), ("recurse_other", (3,))):
+        app = APP if fn == "fine" else mistakes
+        assert run(app, fn, *args) == run(app, fn, *args, check=False)
+        assert run(app, fn, *args)[0][0]
+
+
+def _op_of(app: Application) -> str:
+    return "op" if app is APP else "acc"
+
+
+@settings(deadline=None, derandomize=True, max_examples=60, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(wl.workloads(epochs=(1, 2), txns=(1, 8)))
+def test_the_oracle_with_the_check_equals_the_oracle_without(w: wl.Workload) -> None:
+    from charon.testing import serial_execute
+
+    rt = InProcessRuntime(wl.app, partitions=1, warmup_txns=0)
+    wl.load(rt, w)
+    base = rt.snapshot()
+    outs = []
+    for check in (False, True):
+        state, events, replies = dict(base), [], []
+        with wl.engine_abort_rule():
+            for e in range(len(w.epochs)):
+                for i, req in enumerate(w.requests(e)):
+                    replies.append(serial_execute(wl.app, state, 100 * e + i + 1, req, events=events,
+                                                  determinism_check=check))
+        outs.append((replies, state, events))
+    assert outs[0] == outs[1]

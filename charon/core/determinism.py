@@ -148,10 +148,14 @@ def run_twice(unit: PartitionUnit, frame: Frame) -> Any:
     if what is None:
         return msgs
     del out.done[nd:], out.acks[na:], out.failed[nf:]  # nothing of the real step is kept
-    unit._fail(tid, NonDeterministicFunction(
-        f"{frame.op}.{frame.fn} on key {frame.key!r} is not deterministic: run twice on the same inputs (the "
-        f"determinism check), it gave different {what}; take randomness and time from ctx.random() and ctx.now()"))
+    unit._fail(tid, NonDeterministicFunction(message(frame.op, frame.fn, frame.key, what)))
     return ()
+
+
+def message(op: str, fn: str, key: str, what: str) -> str:
+    """The error of a function whose two runs differed in ``what`` (the engine's and the oracle's)."""
+    return (f"{op}.{fn} on key {key!r} is not deterministic: run twice on the same inputs (the determinism "
+            f"check), it gave different {what}; take randomness and time from ctx.random() and ctx.now()")
 
 
 def _error_of(failed: tuple) -> BaseException:
@@ -182,10 +186,10 @@ def _difference(a: _Run, b: _Run) -> str | None:
         n = int(ma.inv.rsplit(".", 1)[1])
         what = "call" if ma.kind == SYNC else "send"
         if (ma.op, ma.key, ma.fn) != (mb.op, mb.key, mb.fn):
-            return (f"targets of its {_ordinal(n)} {what} (ctx.{what}({ma.op}, {ma.key!r}, {ma.fn}) and "
+            return (f"targets of its {ordinal(n)} {what} (ctx.{what}({ma.op}, {ma.key!r}, {ma.fn}) and "
                     f"ctx.{what}({mb.op}, {mb.key!r}, {mb.fn}))")
         if ma.args != mb.args:
-            return f"arguments of its {_ordinal(n)} {what} (ctx.{what}({ma.op}, {ma.key!r}, {ma.fn}, ...))"
+            return f"arguments of its {ordinal(n)} {what} (ctx.{what}({ma.op}, {ma.key!r}, {ma.fn}, ...))"
     if len(a.messages) != len(b.messages):
         return f"numbers of calls and sends ({len(a.messages)} and {len(b.messages)})"
     if a.value != b.value:
@@ -211,7 +215,7 @@ def _describe(entity: tuple[str, str], item: str) -> str:
     return f"item {item[1:]!r} of {op} {key!r}"
 
 
-def _ordinal(n: int) -> str:
+def ordinal(n: int) -> str:
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
 
