@@ -185,17 +185,30 @@ def _run(w: wl.Workload, check: bool) -> tuple[list, dict]:
     return replies, rt.snapshot()
 
 
-@settings(deadline=None, derandomize=True, max_examples=60, database=None,
+@settings(deadline=None, derandomize=True, max_examples=300, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(wl.workloads(epochs=(1, 3), txns=(1, 8)))
+@given(wl.workloads(epochs=(1, 4), txns=(1, 12)))
 def test_generated_programs_commit_exactly_as_without_the_check(w: wl.Workload) -> None:
-    saved = partition.KEEP_LIVE_COROUTINES
+    from charon.core import determinism
+
+    saved, run_twice = partition.KEEP_LIVE_COROUTINES, determinism.run_twice
+    steps = [0]
+
+    def counted(unit: partition.PartitionUnit, frame: partition.Frame) -> object:
+        steps[0] += 1
+        return run_twice(unit, frame)
+
     partition.KEEP_LIVE_COROUTINES = w.live
+    determinism.run_twice = counted  # type: ignore[assignment]
     try:
         with wl.engine_abort_rule():
-            plain, checked = _run(w, False), _run(w, True)
+            plain = _run(w, False)
+            assert steps[0] == 0  # off: never called
+            checked = _run(w, True)
     finally:
         partition.KEEP_LIVE_COROUTINES = saved
+        determinism.run_twice = run_twice  # type: ignore[assignment]
+    assert steps[0] > 0 or not any(w.epochs)  # every step of the checked run ran twice
     assert not any(r.error_type == ND for _, r in checked[0])
     assert checked == plain
 
