@@ -83,7 +83,7 @@ def spark_available() -> bool:
 def make_runtime(
     target: str, engine: str, partitions: int | None = None, data_dir: str | None = None, *, fsync: bool = True,
     reply_retention: int | None = None, log_url: str | None = None, log_partitions: int | None = None,
-    function_timeout: float | None = None, exit_when_stuck: float | None = None,
+    function_timeout: float | None = None, exit_when_stuck: float | None = None, determinism_check: bool = False,
 ) -> Any:
     """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
 
@@ -91,7 +91,8 @@ def make_runtime(
     volatile without. ``spark``: :class:`charon.runtime.spark.runtime.SparkRuntime` configured from ``CHARON_*``
     variables, then the options (``log_partitions``: the input log's partition count, Spark only; another count than
     the log's resizes it at start). ``log_url`` (``nats://host:port/deployment``) puts the input and output logs on
-    NATS JetStream instead of SQLite files under ``data_dir`` (:mod:`charon.log.nats`).
+    NATS JetStream instead of SQLite files under ``data_dir`` (:mod:`charon.log.nats`). ``determinism_check``:
+    run every function step twice (:mod:`charon.core.determinism`).
     """
     if log_url is not None:
         from charon.log.location import is_networked
@@ -115,6 +116,8 @@ def make_runtime(
                 claim_data_dir(data_dir, engine, application.name)
             retained = int(os.environ.get("CHARON_REPLY_RETENTION_BYTES", 128 << 20))
             limits: dict[str, Any] = {} if function_timeout is None else {"function_timeout": function_timeout}
+            if determinism_check:
+                limits["determinism_check"] = True
             return InProcessRuntime(application, partitions=partitions, data_dir=data_dir, fsync=fsync,
                                     reply_retention=reply_retention, log_url=log_url, reply_retention_bytes=retained,
                                     exit_when_stuck=exit_when_stuck, **limits)
@@ -130,6 +133,8 @@ def make_runtime(
         from charon.runtime.spark.runtime import LayoutMismatch
 
         extra: dict[str, Any] = {} if function_timeout is None else {"function_timeout": function_timeout}
+        if determinism_check:  # else CHARON_DETERMINISM_CHECK decides
+            extra["determinism_check"] = True
         config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url,
                                       log_partitions=log_partitions, **extra)
         try:  # the directory belongs to one engine and application (refused otherwise)
@@ -151,6 +156,9 @@ def make_runtime(
     if engine == "remote":
         if log_url is None:
             raise typer.BadParameter("--engine remote needs --log nats://host:port/deployment (the engine's log)")
+        if determinism_check:
+            raise typer.BadParameter("--check-determinism applies where functions run (the engine), not to "
+                                     "--engine remote")
         from charon.runtime.remote import LogRuntime
 
         try:
@@ -243,6 +251,11 @@ def run(
         help="durable inprocess: seconds past its budget after which a function blocked where it cannot be "
         "interrupted is quarantined and the process exits (code 75) for its supervisor to restart it.",
     ),
+    check_determinism: bool = typer.Option(
+        False, "--check-determinism", envvar="CHARON_DETERMINISM_CHECK",
+        help="Run every function twice on the same inputs and abort its transaction with NonDeterministicFunction "
+        "when the two runs' effects differ (a development aid: about twice the functions' CPU).",
+    ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
     from charon.server.gateway import RuntimeStartError, serve
@@ -265,7 +278,7 @@ def run(
         raise _fail("--ephemeral applies to --engine inprocess only")
     runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention,
                            log_url=log, log_partitions=log_partitions, function_timeout=function_timeout,
-                           exit_when_stuck=exit_when_stuck)
+                           exit_when_stuck=exit_when_stuck, determinism_check=check_determinism)
     if engine == "remote":
         mode = "gateway only, the engine runs elsewhere"
     elif engine != "inprocess":
@@ -280,7 +293,8 @@ def run(
     err_console.print(
         f"charon: {verb} [bold]{getattr(application, 'name', target)}[/] "
         f"({engine}{'' if engine == 'remote' else f', {partitions} partitions'}; {mode}"
-        f"{'; logs on ' + log if log else ''}) on http://{host}:{port}"
+        f"{'; logs on ' + log if log else ''}"
+        f"{'; determinism check: every function runs twice' if check_determinism else ''}) on http://{host}:{port}"
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
         + ("; Spark starts in ~20 s: /health answers 503 starting until then, invokes are logged and wait"
            if engine == "spark" else ""),

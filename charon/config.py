@@ -63,6 +63,9 @@ class SparkConfig:
     # PYTHONHASHSEED of every Python worker (and PySpark's own default): str hashes, hence the iteration order
     # of sets of strings, are the same in every task, executor and driver restart (replays stay exact)
     python_hash_seed: str = "0"
+    # run every function step twice on the same inputs and abort its transaction with NonDeterministicFunction
+    # when the two runs' effects differ (charon.core.determinism; a development aid, ~2x the functions' CPU)
+    determinism_check: bool = False
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 

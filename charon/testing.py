@@ -20,6 +20,7 @@ from collections.abc import Generator, Mapping
 from typing import Any
 
 from charon import serde
+from charon.core import determinism
 from charon.core import timers as _timers
 from charon.core.context import MAX_DEPTH, MAX_EMITS, _item, child_inv, raised_in, unawaited_message
 from charon.core.epoch import EpochResult, Verdict
@@ -47,6 +48,9 @@ class _Txn:
         self.abort: tuple[str, str] | None = None  # the first error raised: (type, message)
         self.caught: list[str] = []  # diagnostics: callers that went on after a callee raised
         self.events: list[tuple[tuple[int, ...], int, str, bytes]] = []  # (inv, n, stream, value)
+        # the determinism check (None: off): the effects in the order they happened, as (invocation id, effect),
+        # and each invocation's (operator, function, key)
+        self.log: tuple[list[tuple[str, tuple]], dict[str, tuple[str, str, str]]] | None = None
 
     def read(self, k: bytes) -> bytes | None:
         if k in self.writes:
@@ -72,25 +76,35 @@ class SerialContext:
         self._nemit = 0
         self._made: list[_SerialCall] = []  # the calls ctx.call created (each must be awaited)
 
+    def _note(self, *effect: Any) -> None:
+        log = self._txn.log
+        if log is not None:
+            log[0].append((self._inv, effect))
+
     def get(self, default: Any = None) -> Any:
         raw = self._txn.read(store_key(self._op, self._key))
         return default if raw is None else serde.decode(raw)
 
     def put(self, value: Any) -> None:
-        self._txn.writes[store_key(self._op, self._key)] = serde.encode_value(value)
+        self._write(store_key(self._op, self._key), serde.encode_value(value))
 
     def delete(self) -> None:
-        self._txn.writes[store_key(self._op, self._key)] = None
+        self._write(store_key(self._op, self._key), None)
+
+    def _write(self, k: bytes, v: bytes | None) -> None:
+        self._txn.writes[k] = v
+        if self._txn.log is not None:
+            self._note("write", k, v)
 
     def get_item(self, name: str, default: Any = None) -> Any:
         raw = self._txn.read(store_key(self._op, self._key, _item(name)))
         return default if raw is None else serde.decode(raw)
 
     def put_item(self, name: str, value: Any) -> None:
-        self._txn.writes[store_key(self._op, self._key, _item(name))] = serde.encode_value(value)
+        self._write(store_key(self._op, self._key, _item(name)), serde.encode_value(value))
 
     def delete_item(self, name: str) -> None:
-        self._txn.writes[store_key(self._op, self._key, _item(name))] = None
+        self._write(store_key(self._op, self._key, _item(name)), None)
 
     def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list:
         p = store_key(self._op, self._key, _item(prefix))
@@ -119,6 +133,8 @@ class SerialContext:
         fn = self._target(operator, key, function, args)
         c = _SerialCall(self, fn, key, child_inv(self._inv, self._nchild), serde.encode(list(args)))
         self._made.append(c)
+        if self._txn.log is not None:
+            self._note("call", self._nchild, fn.operator.name, key, fn.name, c.args)
         return c
 
     def gather(self, *calls: _SerialCall) -> Any:
@@ -135,6 +151,8 @@ class SerialContext:
         fn = self._target(operator, key, function, args)
         inv = child_inv(self._inv, self._nchild)
         self._txn.sends.append((fn, key, inv, self._depth + 1, serde.encode(list(args))))
+        if self._txn.log is not None:
+            self._note("send", self._nchild, fn.operator.name, key, fn.name, self._txn.sends[-1][4])
 
     def emit(self, stream: str, value: Any) -> None:
         check_stream(stream)
@@ -143,6 +161,8 @@ class SerialContext:
         self._nemit += 1
         inv = tuple(int(x) for x in self._inv.split("."))
         self._txn.events.append((inv, self._nemit, stream, serde.encode_value(value)))
+        if self._txn.log is not None:
+            self._note("emit", stream, self._txn.events[-1][3])
 
     # timers: the same items (ids, records) as the engine's; firing is modelled by check_epoch
     def send_at(self, t: float, operator: Operator | str, key: str, function: Function | str, *args: Any) -> str:
@@ -154,7 +174,7 @@ class SerialContext:
         tid = _timers.make_id(self.tid, self._inv, self._ntimer)
         timer = _timers.Timer(tid, due, self._op, self._key, fn.operator.name, key, fn.name,
                               serde.encode(list(args)))
-        self._txn.writes[_timers.item_key(self._op, self._key, tid)] = _timers.encode(timer)
+        self._write(_timers.item_key(self._op, self._key, tid), _timers.encode(timer))
         return tid
 
     def send_after(self, seconds: float, operator: Operator | str, key: str, function: Function | str,
@@ -169,7 +189,7 @@ class SerialContext:
         k = store_key(self._op, self._key, _timers.ITEM_PREFIX + check_item(timer_id))
         if self._txn.read(k) is None:
             return False
-        self._txn.writes[k] = None
+        self._write(k, None)
         return True
 
     def timers(self) -> list[_timers.Timer]:
@@ -214,6 +234,8 @@ async def _invoke(ctx: SerialContext, fn: Function, args: bytes, root: bool, che
     """Run one function: record the transaction's first error, and callers that go on after a callee's."""
     ctx._fn = fn.name
     txn = ctx._txn
+    if txn.log is not None:
+        txn.log[1][ctx._inv] = (ctx._op, fn.name, ctx._key)
     try:
         value = await fn.body(ctx, *serde.decode(args))
         # as the engine: a call created and never awaited aborts the transaction
@@ -223,7 +245,11 @@ async def _invoke(ctx: SerialContext, fn: Function, args: bytes, root: bool, che
                                                       c.fn.operator.name, c.key, c.fn.name))
         if check:  # a called function's return value is in the value model (as the engine checks it)
             serde.encode_value(value)
+        if txn.log is not None and ctx._received is None:
+            ctx._note("return", _encoded(value))
     except Exception as exc:
+        if txn.log is not None:
+            ctx._note("raise", type(exc).__name__)
         if txn.abort is None:
             msg = str(exc) if root else raised_in(str(exc), ctx.operator, ctx.key, fn.name)
             txn.abort = (type(exc).__name__, msg)
@@ -244,6 +270,13 @@ def _caught(ctx: SerialContext, how: str) -> None:
     )
 
 
+def _encoded(value: Any) -> bytes | str:
+    try:
+        return serde.encode(value)
+    except Exception as exc:  # noqa: BLE001 - outside the value model: the transaction aborts with it anyway
+        return type(exc).__name__
+
+
 def _drive(coro: Any) -> Any:
     try:
         coro.send(None)
@@ -256,16 +289,71 @@ def _drive(coro: Any) -> Any:
 def serial_execute(
     app: Application, state: dict[bytes, bytes], tid: int, request: Request, *,
     max_invocations: int = MAX_INVOCATIONS, events: list[tuple[str, bytes]] | None = None,
+    determinism_check: bool = False,
 ) -> tuple[bool, bytes | tuple[str, str]]:
     """Run one transaction on ``state`` (updated in place if it commits); returns (ok, value | error).
 
     ``max_invocations`` must be the engine's (``EpochCoordinator.max_invocations``). ``events``: a committed
-    transaction's emitted (stream, value) pairs are appended to it, in the engine's atom order."""
+    transaction's emitted (stream, value) pairs are appended to it, in the engine's atom order.
+    ``determinism_check``: run the transaction twice on the same state and abort it with
+    ``NonDeterministicFunction`` naming the first function whose effects differ (as the engine's check,
+    :mod:`charon.core.determinism`)."""
+    if not determinism_check:
+        return _serial_execute(app, state, tid, request, max_invocations, events, None)
+    runs = []
+    for log in (([], {}), ([], {})):
+        copy: dict[bytes, bytes] = dict(state)
+        evs: list[tuple[str, bytes]] = []
+        runs.append((_serial_execute(app, copy, tid, request, max_invocations, evs, log, warn=not runs), copy,
+                     evs, log))
+    first, second = runs[0][0], runs[1][0]
+    same_abort = not first[0] and not second[0] and first[1][0] == second[1][0]  # type: ignore[index]
+    diff = None if same_abort else _log_difference(runs[0][3], runs[1][3])
+    if diff is not None:
+        return False, ("NonDeterministicFunction", determinism.message(*diff))
+    result, copy, evs, _ = runs[0]
+    if result[0]:
+        state.clear()
+        state.update(copy)
+        if events is not None:
+            events.extend(evs)
+    return result
+
+
+def _log_difference(a: tuple, b: tuple) -> tuple[str, str, str, str] | None:
+    """(operator, function, key, what differed) of the first effect that differs between two runs (None: none)."""
+    ea, eb = a[0], b[0]
+    if ea == eb:
+        return None
+    n = next((i for i, (x, y) in enumerate(zip(ea, eb, strict=False)) if x != y), min(len(ea), len(eb)))
+    inv, x = ea[n] if n < len(ea) else eb[n]
+    y = eb[n][1] if n < len(eb) and n < len(ea) and eb[n][0] == inv else None
+    op, fn, key = (a if n < len(ea) else b)[1][inv]
+    kinds = {x[0]} if y is None else {x[0], y[0]}
+    if y is None or x[0] != y[0]:
+        what = "outcomes" if kinds & {"return", "raise"} else "effects"
+    elif x[0] == "return":
+        what = "return values"
+    elif x[0] == "raise":
+        what = "outcomes"
+    elif x[0] in ("call", "send"):
+        what = f"targets of its {determinism.ordinal(x[1])} {x[0]}" if x[2:5] != y[2:5] else (
+            f"arguments of its {determinism.ordinal(x[1])} {x[0]} (ctx.{x[0]}({x[2]}, {x[3]!r}, {x[4]}, ...))")
+    else:
+        what = "state writes" if x[0] == "write" else "events emitted"
+    return op, fn, key, what
+
+
+def _serial_execute(
+    app: Application, state: dict[bytes, bytes], tid: int, request: Request, max_invocations: int,
+    events: list[tuple[str, bytes]] | None, log: dict | None, warn: bool = True,
+) -> tuple[bool, bytes | tuple[str, str]]:
     try:
         fn = app.validate(request.operator, request.function, serde.decode(request.args), key=request.key)
     except CharonError as exc:
         return False, (type(exc).__name__, str(exc))
     txn = _Txn(app, state, tid, request.ts, max_invocations)
+    txn.log = log
     try:
         root = SerialContext(txn, request.operator, request.key, "0", 0)
         value = serde.encode_value(_drive(_invoke(root, fn, request.args, True)))
@@ -275,8 +363,8 @@ def serial_execute(
     except Exception as exc:  # noqa: BLE001 - the transaction aborts
         if txn.abort is None:
             txn.abort = (type(exc).__name__, str(exc))
-    for note in txn.caught:
-        warnings.warn(CaughtCalleeError(note), stacklevel=2)
+    for note in txn.caught if warn else ():
+        warnings.warn(CaughtCalleeError(note), stacklevel=3)
     if txn.abort is not None:
         return False, txn.abort
     for k, v in txn.writes.items():

@@ -272,7 +272,7 @@ class PartitionUnit:
     __slots__ = ("pid", "partitions", "app", "previous", "store", "max_invocations", "report_cache", "sole_writer",
                  "_due", "_ltab", "_fresh", "epoch", "buffers", "frames", "touched", "cache", "_clog", "overlay",
                  "dead", "fast_layer", "_recording", "emits", "emitted", "_out", "_stat_reads",
-                 "_stat_runs", "current", "interrupt", "__weakref__")
+                 "_stat_runs", "current", "interrupt", "check_determinism", "__weakref__")
 
     def __init__(self, pid: int, partitions: int, app: Application, store: PartitionStore) -> None:
         self.pid = pid
@@ -300,6 +300,8 @@ class PartitionUnit:
         #: called in this thread when an Interrupt stops ``frame``: records the verdict, returns the error that
         #: fails its transaction (the runtime's watchdog sets it; see Interrupt)
         self.interrupt: Callable[[Frame], BaseException] | None = None
+        #: run every invocation step twice and abort on different effects (:mod:`charon.core.determinism`)
+        self.check_determinism = False
         self._clear(-1)
 
     def app_for(self, tid: int) -> Application:
@@ -607,6 +609,13 @@ class PartitionUnit:
         dead = self.dead
         started = out.invocations
         limit = self.max_invocations
+        run = self._run
+        if self.check_determinism:  # each step twice (per round: nothing per invocation when off)
+            from functools import partial
+
+            from charon.core.determinism import run_twice
+
+            run = partial(run_twice, self)
         while queue:
             m = queue.popleft()
             tid = m.tid
@@ -640,7 +649,7 @@ class PartitionUnit:
                     continue  # a gather still waiting for other replies
                 frame.pending = None
                 del tframes[m.inv]
-            for msg in self._run(frame):
+            for msg in run(frame):
                 g = msg.kg
                 if g is None:
                     g = msg.kg = key_group(msg.op, msg.key)

@@ -245,6 +245,7 @@ class InProcessRuntime(control.Controllable):
         function_timeout: float = DEFAULT_TIMEOUT,
         watchdog_interval: float = DEFAULT_INTERVAL,
         exit_when_stuck: float | None = None,
+        determinism_check: bool = False,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days), and
@@ -263,8 +264,11 @@ class InProcessRuntime(control.Controllable):
         ``InvocationTimeout`` (per function: ``@op.function(timeout=...)``), checked every ``watchdog_interval``
         seconds; ``exit_when_stuck`` (durable mode, ``charon run``): seconds past that budget after which a
         function blocked where it cannot be interrupted is quarantined and the process exits for its
-        supervisor (None: it is reported, never exited). See :mod:`charon.runtime.watchdog`."""
+        supervisor (None: it is reported, never exited). See :mod:`charon.runtime.watchdog`.
+        ``determinism_check``: run every function step twice and abort its transaction with
+        ``NonDeterministicFunction`` when the two runs' effects differ (:mod:`charon.core.determinism`)."""
         self.app = app
+        self.determinism_check = determinism_check
         self.partitions = partitions
         self.epoch_max_txns = epoch_max_txns
         self.epoch_max_ms = epoch_max_ms
@@ -355,6 +359,7 @@ class InProcessRuntime(control.Controllable):
         units = [PartitionUnit(p, len(stores), self.app, s) for p, s in enumerate(stores)]
         for u in units:
             u.interrupt = self.watchdog.timed_out
+            u.check_determinism = self.determinism_check
         return units
 
     def _freeze(self) -> None:

@@ -433,12 +433,13 @@ def tune_worker_gc(threshold: int) -> None:
 def _run_partitions(
     app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
     items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None, gc_threshold: int = 0,
-    finalize_threads: int = 1, function_timeout: float | None = None,
+    finalize_threads: int = 1, function_timeout: float | None = None, determinism_check: bool = False,
 ) -> Iterator[tuple[int, bytes]]:
     """One task of a round. ``previous``: a compatible code update's (first TID on ``app_ref``, the old
     code's ref): a transaction with a lower TID started before the update and runs the old code.
     ``gc_threshold``: see :func:`tune_worker_gc`. ``function_timeout``: the functions' default time budget
-    (:func:`charon.runtime.watchdog.task_budget`)."""
+    (:func:`charon.runtime.watchdog.task_budget`). ``determinism_check``: every function step runs twice
+    (:mod:`charon.core.determinism`)."""
     from charon.state.lmdbstore import open_store
 
     tune_worker_gc(gc_threshold)
@@ -447,17 +448,19 @@ def _run_partitions(
     root = local_root(local_dir, checkpoint, durable_root)
     for pid, payload in items:
         if pid == FALLBACK_TASK:
-            yield pid, _run_fallback_task(app, parts, root, durable_root, payload, prev, function_timeout)
+            yield pid, _run_fallback_task(app, parts, root, durable_root, payload, prev, function_timeout,
+                                          determinism_check)
             continue
         if pid == REST_TASK:
             yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads,
-                                      function_timeout)
+                                      function_timeout, determinism_check)
             continue
         c0 = time.thread_time()  # the task's CPU for this partition (unpickling included): stats cpu_us
         control, scratch, inbox, cached = pickle.loads(payload)
         store = open_store(root, pid, durable_root)
         unit = PartitionUnit(pid, parts, app, store)
         unit.previous = prev
+        unit.check_determinism = determinism_check
         unit.load_scratch(scratch)
         t0 = time.perf_counter()
         prior = control.prior
@@ -502,7 +505,8 @@ class _TaskExchange:
 
 
 def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
-                       prev: tuple[int, Any] | None = None, function_timeout: float | None = None) -> bytes:
+                       prev: tuple[int, Any] | None = None, function_timeout: float | None = None,
+                       determinism_check: bool = False) -> bytes:
     """An epoch's whole fallback (all cached rounds and locked waves) in this task, over every partition's
     store as of the previous epoch; returns the outcome and each partition's scratch. Writes nothing."""
     from charon.core.epoch import run_fallback
@@ -517,6 +521,7 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
         store.ensure_epoch(job.epoch - 1)
         unit = PartitionUnit(pid, parts, app, store)
         unit.previous = prev
+        unit.check_determinism = determinism_check
         unit.load_scratch(scratches[pid])
         unit.load_cache(caches[pid])
         units.append(unit)
@@ -535,7 +540,7 @@ REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over e
 
 def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
                    prev: tuple[int, Any] | None = None, finalize_threads: int = 1,
-                   function_timeout: float | None = None) -> bytes:
+                   function_timeout: float | None = None, determinism_check: bool = False) -> bytes:
     """The rest of an epoch (remaining dry-run rounds, lock-free decision, fallback) in this task over every
     partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round), the
     partitions' in up to ``finalize_threads`` threads."""
@@ -551,6 +556,7 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
     for pid in range(parts):
         unit = PartitionUnit(pid, parts, app, open_store(root, pid, durable_root))
         unit.previous = prev
+        unit.check_determinism = determinism_check
         unit.report_cache = False  # the rest of the epoch runs here: the call-graph cache stays in the unit
         unit.load_scratch(scratches[pid])
         units.append(unit)
@@ -682,7 +688,8 @@ class SparkExchange:
         cfg = self.config
         self.fn = partial(_run_partitions, app_ref, cfg.partitions, cfg.local_dir, self.durable_root,
                           cfg.checkpoint_dir, previous=previous, gc_threshold=cfg.gc_threshold,
-                          finalize_threads=cfg.finalize_threads, function_timeout=cfg.function_timeout)
+                          finalize_threads=cfg.finalize_threads, function_timeout=cfg.function_timeout,
+                          determinism_check=cfg.determinism_check)
 
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
         t0 = time.perf_counter()
