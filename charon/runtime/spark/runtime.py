@@ -1643,14 +1643,12 @@ class SparkRuntime(control.Controllable):
 
     def sql(
         self, query: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
-        max_entities: int | None = None,
+        max_entities: int | None = None, max_bytes: int = 4 << 20, max_memory: int = 512 << 20,
     ) -> dict[str, Any]:
-        """One safe SELECT over the operators' state views at one recorded epoch (the dashboard's SQL box),
-        checked on Spark's parsed and analyzed plans (:func:`charon.runtime.spark.statesql.safe_sql`)."""
-        from charon.runtime.spark.statesql import DataDirLayout, safe_sql
-
-        layout = self._data_layout(DataDirLayout)
-        return safe_sql(self.spark, layout, sorted(self.app.operators), query, epoch, max_rows, timeout_s)
+        """One safe SELECT over the operators' state at one recorded epoch (the dashboard's SQL box), answered
+        by SQLite in the SQL sandbox, never in the engine's JVM (:func:`charon.runtime.control.spark_sql`)."""
+        return control.spark_sql(self, query, epoch, max_rows, timeout_s,
+                                 100_000 if max_entities is None else max_entities, max_bytes, max_memory)
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
