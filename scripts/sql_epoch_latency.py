@@ -67,8 +67,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{a.port}"
     cmd = [py, "-c", "from charon.cli import app; app()", "run", "bank:app", "--engine", a.engine, "--port",
            str(a.port), "--token", "s3cret", "--data-dir", os.path.join(work, "data")]
-    p = subprocess.Popen(cmd, cwd=REPROS, env=env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "err"), "w"),
-                         start_new_session=True)
+    err = open(os.path.join(work, "err"), "w")  # noqa: SIM115 - the server's stderr, closed with the process
+    p = subprocess.Popen(cmd, cwd=REPROS, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     out: dict = {"engine": a.engine, "query": a.query, "old_code": bool(a.old_code)}
     try:
         deadline = time.monotonic() + 240
