@@ -90,7 +90,6 @@ def run(req: dict) -> dict:
     con = sqlite3.connect(req["db"], isolation_level=None)
     con.execute("PRAGMA journal_mode=OFF")
     con.execute(f"PRAGMA hard_heap_limit={max(8 << 20, max_memory // 2)}")
-    con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max(1 << 20, max_memory // 8))
     operators, functions = list(req["operators"]), frozenset(req["functions"])
     try:
         con.execute("BEGIN")
@@ -98,7 +97,8 @@ def run(req: dict) -> dict:
         con.execute('DROP TABLE "charon/raw"')
         con.execute("COMMIT")
         con.execute("PRAGMA temp_store=MEMORY")  # a sort or a temp table never spills to disk: bounded by the heap
-    except MemoryError:
+        con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max(1 << 20, max_memory // 8))  # one string or blob the query builds
+    except (MemoryError, sqlite3.DataError, sqlite3.OperationalError):
         return _fail("SQLTooExpensive", f"the state does not fit the SQL sandbox's memory ({max_memory} bytes: "
                                         "sql_max_memory)")
     tables = {op.lower() for op in operators}
