@@ -1085,6 +1085,8 @@ class SparkRuntime(control.Controllable):
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
+        if self._code_previous is not None:  # a compatible code update's old code, still running deferred ones
+            ship_app_module(spark, self._code_previous[1])
         self._need_session = False
 
     def _outage(self, err: BaseException | None) -> str | None:
