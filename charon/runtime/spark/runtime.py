@@ -875,7 +875,7 @@ class SparkRuntime(control.Controllable):
         self._last_error: str | None = None
         self._restarts = 0
         self._jvm_restarts = 0  # new Spark sessions after the JVM died (see _supervise_loop)
-        self._need_session = False  # the JVM died and no new session is up yet
+        self._need_session = False  # the JVM died and the query runs in no new session yet
         # called once with the reason when the runtime gives up (charon run then exits non-zero: see serve)
         self.on_fatal: Callable[[str], None] | None = None
         self._failures: dict[int, int] = {}  # epoch -> query failures while running it
@@ -1007,6 +1007,7 @@ class SparkRuntime(control.Controllable):
                 code = jvm_exit_code()
                 if code is not None:  # the query failed because Spark's JVM is gone: a new session is needed
                     msg = f"Spark's JVM died (exit {code}); starting a new Spark session"
+                    self._need_session = True
                 if outage is not None:
                     n = 1
                     self._last_error = f"epoch {epoch}: {outage}"
@@ -1047,9 +1048,10 @@ class SparkRuntime(control.Controllable):
                         return
                     self._restarts += 1
                     try:
-                        if self._need_session or jvm_exit_code() is not None:
+                        if self._spark is None or jvm_exit_code() is not None:
                             self._new_session()
                         self._start_query()
+                        self._need_session = False
                         break
                     except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch
                         failed = e
@@ -1087,7 +1089,6 @@ class SparkRuntime(control.Controllable):
         ship_app_module(spark, self.app_ref)
         if self._code_previous is not None:  # a compatible code update's old code, still running deferred ones
             ship_app_module(spark, self._code_previous[1])
-        self._need_session = False
 
     def _outage(self, err: BaseException | None) -> str | None:
         """Why a query failure is an outage of the infrastructure rather than the epoch's fault, or None: the one
@@ -1138,7 +1139,8 @@ class SparkRuntime(control.Controllable):
 
     def health(self) -> dict[str, Any]:
         """The runtime's state: ``status`` (ok, starting, recovering, failed, stopped), the last recorded
-        epoch, the last error and the number of query restarts; ``ok`` is true only when serving and the
+        epoch, the last error, the number of query restarts and of new Spark sessions after the JVM died
+        (``jvm_restarts``); ``ok`` is true only when serving and the
         input log answers. ``log_error`` says why the log does not (unreachable, or no answer within
         ``health_timeout_s``: health never waits for a hung log longer than that)."""
         probe = self._log_probe.check()
@@ -1148,7 +1150,8 @@ class SparkRuntime(control.Controllable):
         try:
             if status in ("ok", "recovering") and (self._need_session or jvm_exit_code() is not None):
                 status = "recovering"  # the supervisor is about to start a new session
-                last_error = f"Spark's JVM died; restarting the Spark session ({self._last_error})"
+                last_error = (self._last_error if self._need_session and self._last_error else
+                              f"Spark's JVM died (exit {jvm_exit_code()}); a new Spark session is starting")
             elif status == "ok" and q is not None and not q.isActive:
                 status = "recovering"  # terminated; the supervisor is about to notice
             elif status == "recovering" and probe.ends is not None:
