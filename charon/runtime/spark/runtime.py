@@ -1077,8 +1077,8 @@ class SparkRuntime(control.Controllable):
         held is needed: the epochs' state, records and logs are files)."""
         self._jvm_restarts += 1
         self._need_session = True
-        print(f"charon: Spark's JVM is gone (exit {jvm_exit_code()}); starting a new Spark session (attempt "
-              f"{self._jvm_restarts})", file=sys.stderr, flush=True)
+        print(f"charon: Spark's JVM is gone; starting a new Spark session (attempt {self._jvm_restarts})",
+              file=sys.stderr, flush=True)
         discard_dead_jvm()
         self._spark = None
         fault_point("session_restart")
@@ -1176,7 +1176,7 @@ class SparkRuntime(control.Controllable):
             self._stopping = True
             self._epoch_cv.wait_for(lambda: not self._in_epoch, timeout=self.config.stop_timeout_s)
         if q is not None:
-            if jvm_exit_code() is None:
+            if not self._need_session and jvm_exit_code() is None:  # else it died with its JVM
                 q.stop()
             with contextlib.suppress(Exception):  # else the next start finalizes it (replays the epoch)
                 self.flush()
