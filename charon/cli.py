@@ -258,7 +258,7 @@ def run(
     ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
-    from charon.server.gateway import RuntimeStartError, serve
+    from charon.server.gateway import RuntimeFailed, RuntimeStartError, serve
 
     application = load_app(target)
     # A function running pure-Python code past its budget holds the GIL until the watchdog stops it: the gateway's
@@ -310,6 +310,8 @@ def run(
             serve(runtime, host, port, token, max_body=max_body, recent_replies=recent)
         except RuntimeStartError as exc:
             raise _fail(f"the {engine} runtime did not start: {exc}") from None
+        except RuntimeFailed as exc:  # one line, non-zero: a process supervisor restarts it
+            raise _fail(f"the {engine} runtime failed and cannot recover: {exc}") from None
     finally:
         close = getattr(runtime, "close", None)
         if engine == "inprocess" and close is not None:

@@ -148,7 +148,9 @@ class GatewayConfig:
     sql_max_rows: int = 1000  # rows one /admin/sql answer returns (the rest: "truncated": true)
     sql_timeout_s: float = 30.0  # an /admin/sql query is cancelled after this (408 SQLTimeout)
     sql_max_chars: int = 10_000  # longest /admin/sql query text (400 above)
-    sql_max_entities: int = 100_000  # in-process /admin/sql: most entities of one operator it loads (413 above)
+    sql_max_entities: int = 100_000  # /admin/sql: most entities of one operator it loads (413 above)
+    sql_max_result_bytes: int = 4 << 20  # /admin/sql: largest answer, bytes of JSON rows (413 SQLResultTooLarge)
+    sql_max_memory: int = 512 << 20  # /admin/sql: address space of the query's sandbox process (422 SQLTooExpensive)
     metrics_samples: int = 10_000  # recent replies the dashboard's throughput and percentiles are computed from
 
     @classmethod

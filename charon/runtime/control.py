@@ -338,11 +338,13 @@ async def inprocess_inspect(
 
 async def inprocess_sql(
     rt: Any, sql: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
-    max_entities: int = 100_000,
+    max_entities: int = 100_000, max_bytes: int = 4 << 20, max_memory: int = 512 << 20,
 ) -> dict[str, Any]:
     """The dashboard's SQL box on an in-process runtime: ``sql`` (one safe SELECT, checked by SQLite's
     authorizer) over the operators it names, read as one cut at ``epoch`` (default: the last committed one;
-    all of them between the same two epochs) (:mod:`charon.runtime.sqlstate`)."""
+    all of them between the same two epochs), run in the SQL sandbox (:mod:`charon.runtime.sqlstate`). On the
+    loop only the cut's rows are copied (bytes, at most ``max_entities`` per operator); the check, the
+    snapshot and the query run in a thread and a child process."""
     from charon.runtime import sqlstate
 
     ops = sorted(rt.app.operators)
@@ -357,13 +359,37 @@ async def inprocess_sql(
         await inprocess_inspect(rt, ops[0] if ops else "", [], epoch, 1)  # EpochNotRetained, even for no table
         for op in used:
             _, raw[op] = await inprocess_inspect(rt, op, None, epoch, max_entities + 1)
-    tables = {}
+    _check_entities(raw, max_entities)
+    return await asyncio.to_thread(sqlstate.sqlite_sql, sql, used, raw, at, max_rows, timeout_s, max_bytes,
+                                   max_memory)
+
+
+def _check_entities(raw: dict[str, dict[bytes, bytes]], max_entities: int) -> None:
+    from charon.runtime import sqlstate
+
     for op, rows in raw.items():
         if _count(rows) > max_entities:
             raise sqlstate.StateTooLarge(f"operator {op!r} holds more than {max_entities} entities (sql_max_entities);"
-                                         " use the Spark runtime's SQL or `charon sql` for big states")
-        tables[op] = sqlstate.rows_of(rows, op, at)
-    return await asyncio.to_thread(sqlstate.sqlite_sql, sql, ops, tables, at, max_rows, timeout_s)
+                                         " use `charon sql` (Spark SQL over the data directory) for big states")
+
+
+def spark_sql(
+    rt: Any, sql: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
+    max_entities: int = 100_000, max_bytes: int = 4 << 20, max_memory: int = 512 << 20,
+) -> dict[str, Any]:
+    """The dashboard's SQL box on a Spark runtime: the same sandbox as :func:`inprocess_sql` (never in the
+    engine's JVM), over a cut read from the durable copy on the driver (:func:`spark_inspect`). Blocking."""
+    from charon.runtime import sqlstate
+
+    ops = sorted(rt.app.operators)
+    used = sorted(sqlstate.referenced_tables(sql, ops))
+    at, raw = epoch, {}
+    if at is None or not used:
+        at, _ = spark_inspect(rt, ops[0] if ops else "", [], epoch, 1)  # the epoch (EpochNotRetained if not)
+    for op in used:
+        at, raw[op] = spark_inspect(rt, op, None, at, max_entities + 1)
+    _check_entities(raw, max_entities)
+    return sqlstate.sqlite_sql(sql, used, raw, at, max_rows, timeout_s, max_bytes, max_memory)
 
 
 def spark_status(rt: Any) -> dict[str, Any]:

@@ -1087,11 +1087,12 @@ class InProcessRuntime(control.Controllable):
 
     async def sql(
         self, query: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
-        max_entities: int = 100_000,
+        max_entities: int = 100_000, max_bytes: int = 4 << 20, max_memory: int = 512 << 20,
     ) -> dict[str, Any]:
-        """One safe SELECT over the operators' state at one committed epoch, answered by SQLite
-        (:mod:`charon.runtime.sqlstate`): ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
-        return await control.inprocess_sql(self, query, epoch, max_rows, timeout_s, max_entities)
+        """One safe SELECT over the operators' state at one committed epoch, answered by SQLite in the SQL
+        sandbox (:mod:`charon.runtime.sqlstate`): ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
+        return await control.inprocess_sql(self, query, epoch, max_rows, timeout_s, max_entities, max_bytes,
+                                           max_memory)
 
 
 _STREAMS_LOCK = threading.Lock()

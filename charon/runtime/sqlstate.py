@@ -1,29 +1,38 @@
-"""Safe SQL over state for the dashboard's SQL box: its typed errors, and the in-process runtime's engine.
+"""Safe SQL over state for the dashboard's SQL box (``/admin/sql``), one sandbox for both runtimes.
 
-The Spark runtime checks a query on Spark's own parsed and analyzed plans
-(:func:`charon.runtime.spark.statesql.safe_sql`). The in-process runtime answers the same subset with SQLite
-(Python's ``sqlite3``) over one consistent cut: the operators the query names are read at one epoch boundary
-(the latest committed epoch, or an earlier one the durable copy retains) into an in-memory database with one
-table per operator, columns ``key``, ``item``, ``value``, ``value_json``, ``epoch`` (as Spark's
-``state_frame``; SQLite keeps each ``value`` with its own type). SQLite's authorizer is the check: a single
-``SELECT`` that reads only those tables and calls only :data:`ALLOWED_FUNCTIONS`; anything else (``ATTACH``,
-``PRAGMA``, writes, DDL, recursive CTEs, ``load_extension``, other tables) is denied before it runs. A
-progress handler bounds the time, ``fetchmany`` the rows; an operator larger than ``max_entities`` is
-refused (:class:`StateTooLarge`: use the Spark runtime's SQL or ``charon sql`` for big states).
+A query never runs inside the engine (not in its process, not in Spark's JVM): a failure of the query is
+contained and typed. The runtime reads the operators the query names at one epoch boundary (the latest
+committed epoch, or an earlier one the durable copy retains) from its committed-state read path, writes those
+store rows once to a temporary SQLite file, and a child process (:mod:`charon.runtime.sqlchild`) builds one
+table per operator, columns ``key``, ``item``, ``value``, ``value_json``, ``epoch`` (SQLite keeps each
+``value`` with its own type), and runs the query. The child limits itself first: address space
+(``sql_max_memory``, ``RLIMIT_AS``), CPU time, the lowest CPU priority (``nice 19``: the engine's epochs are
+never starved); it is killed at ``sql_timeout_s``. SQLite's authorizer is the check, here on an empty schema
+(prepare only: the query does not run in this process) and again in the child: a single ``SELECT`` that
+reads only those tables and calls only :data:`ALLOWED_FUNCTIONS`; anything else (``ATTACH``, ``PRAGMA``,
+writes, DDL, recursive CTEs, ``load_extension``, other tables, unknown functions) is refused. At most
+``sql_max_rows`` rows and ``sql_max_result_bytes`` bytes of JSON (:class:`SQLResultTooLarge`); an operator
+larger than ``max_entities`` is refused (:class:`StateTooLarge`: use ``charon sql`` for big states); a query
+that needs more memory than the sandbox has is :class:`SQLTooExpensive`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import signal
 import sqlite3
-import time
+import subprocess
+import sys
+import tempfile
 from typing import Any
 
-from charon import serde
-from charon.core.routing import split_store_key
-from charon.errors import CharonError
+from charon.errors import CharonError, EngineUnavailable
 
-__all__ = ["SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "ALLOWED_FUNCTIONS", "sqlite_sql"]
+__all__ = ["SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "SQLTooExpensive", "SQLResultTooLarge",
+           "ALLOWED_FUNCTIONS", "sqlite_sql", "referenced_tables"]
 
 
 class SQLRejected(CharonError):
@@ -36,6 +45,14 @@ class SQLSyntaxError(CharonError):
 
 class SQLTimeout(CharonError):
     """The query ran longer than its time bound and was cancelled."""
+
+
+class SQLTooExpensive(CharonError):
+    """The query needed more memory (or built a larger value) than the SQL sandbox allows (``sql_max_memory``)."""
+
+
+class SQLResultTooLarge(CharonError):
+    """The query's answer is larger than ``sql_max_result_bytes`` of JSON."""
 
 
 class StateTooLarge(CharonError):
@@ -53,25 +70,8 @@ ALLOWED_FUNCTIONS = frozenset({
 })
 
 _ALLOW, _DENY = sqlite3.SQLITE_OK, sqlite3.SQLITE_DENY
-
-
-def _columns(value: Any) -> tuple[Any, str]:
-    text = json.dumps(value, sort_keys=True, default=repr)
-    if isinstance(value, bool):
-        return int(value), text
-    if isinstance(value, int) and not -(1 << 63) <= value < (1 << 63):
-        return text, text
-    if isinstance(value, int | float | str) or value is None:
-        return value, text
-    return text, text
-
-
-def _cell(v: Any) -> Any:
-    if isinstance(v, bytes):
-        return v.hex()
-    if isinstance(v, float) and v != v or v in (float("inf"), float("-inf")):
-        return str(v)
-    return v
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sqlchild.py")
+_FIRST_WORD = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?(?:\*/|$)|\()*([A-Za-z]*)", re.S)
 
 
 def _authorizer(tables: set[str], read: set[str]) -> Any:
@@ -90,28 +90,28 @@ def _authorizer(tables: set[str], read: set[str]) -> Any:
     return check
 
 
-def _database(tables: dict[str, list[tuple[Any, ...]]]) -> sqlite3.Connection:
-    con = sqlite3.connect(":memory:", check_same_thread=False)
-    for name, rows in tables.items():
-        q = '"' + name.replace('"', '""') + '"'
-        con.execute(f"CREATE TABLE {q} (key TEXT NOT NULL, item TEXT NOT NULL, value, value_json TEXT NOT NULL, "
-                    "epoch INTEGER NOT NULL)")
-        con.executemany(f"INSERT INTO {q} VALUES (?, ?, ?, ?, ?)", rows)
-    return con
-
-
 def referenced_tables(sql: str, operators: list[str]) -> set[str]:
-    """Check ``sql`` under the authorizer on empty tables and return the operators it reads."""
-    con = _database({op: [] for op in operators})
-    read: set[str] = set()
-    con.set_authorizer(_authorizer(set(operators), read))
+    """Check ``sql`` under the authorizer on an empty schema and return the operators it reads.
+
+    Prepare only (``EXPLAIN``): nothing of the query runs here, so no query can cost this process anything."""
+    word = _FIRST_WORD.match(sql)
+    if word is not None and word.group(1).upper() == "EXPLAIN":  # the authorizer sees only what it explains
+        raise SQLRejected("only a single SELECT over the state views is allowed (found EXPLAIN)")
+    con = sqlite3.connect(":memory:", check_same_thread=False)
     try:
-        con.execute(sql).fetchall()
+        for name in operators:
+            q = '"' + name.replace('"', '""') + '"'
+            con.execute(f"CREATE TABLE {q} (key TEXT NOT NULL, item TEXT NOT NULL, value, value_json TEXT NOT NULL, "
+                        "epoch INTEGER NOT NULL)")
+        read: set[str] = set()
+        con.set_authorizer(_authorizer(set(operators), read))
+        con.execute("EXPLAIN " + sql).fetchall()
     except sqlite3.DatabaseError as exc:
-        if "not authorized" in str(exc) or "prohibited" in str(exc):
+        text = str(exc)
+        if "not authorized" in text or "prohibited" in text or "no such function" in text:
             raise SQLRejected(f"only a single SELECT over the state views with allowed functions is allowed "
                               f"({exc})") from None
-        raise SQLSyntaxError(str(exc)) from None
+        raise SQLSyntaxError(text) from None
     except (sqlite3.ProgrammingError, sqlite3.Warning) as exc:  # several statements
         raise SQLRejected(f"only a single SELECT is allowed ({exc})") from None
     finally:
@@ -119,43 +119,64 @@ def referenced_tables(sql: str, operators: list[str]) -> set[str]:
     return read
 
 
-def rows_of(rows: dict[bytes, bytes], operator: str, epoch: int) -> list[tuple[Any, ...]]:
-    """Table rows (key, item, value, value_json, epoch) of one operator's store rows."""
-    out = []
-    for k, raw in rows.items():
-        op, key, item = split_store_key(k)
-        if op != operator:
-            continue
-        value, text = _columns(serde.decode(raw))
-        out.append((key, item.lstrip("\x01"), value, text, epoch))
-    return out
+def _snapshot(path: str, rows: dict[str, dict[bytes, bytes]]) -> None:
+    """The cut's store rows in a SQLite file: one table ``"charon/raw"(k BLOB, v BLOB)`` (no operator name has
+    a slash; the child decodes them)."""
+    con = sqlite3.connect(path, isolation_level=None)
+    try:
+        con.execute("PRAGMA journal_mode=OFF")
+        con.execute("PRAGMA synchronous=OFF")
+        con.execute("BEGIN")
+        con.execute('CREATE TABLE "charon/raw" (k BLOB NOT NULL, v BLOB NOT NULL)')
+        for part in rows.values():
+            con.executemany('INSERT INTO "charon/raw" VALUES (?, ?)', part.items())
+        con.execute("COMMIT")
+    finally:
+        con.close()
+
+
+_ERRORS: dict[str, type[CharonError]] = {
+    "SQLRejected": SQLRejected, "SQLSyntaxError": SQLSyntaxError, "SQLTimeout": SQLTimeout,
+    "SQLTooExpensive": SQLTooExpensive, "SQLResultTooLarge": SQLResultTooLarge,
+}
 
 
 def sqlite_sql(
-    sql: str, operators: list[str], tables: dict[str, list[tuple[Any, ...]]], epoch: int, max_rows: int,
-    timeout_s: float,
+    sql: str, operators: list[str], rows: dict[str, dict[bytes, bytes]], epoch: int, max_rows: int,
+    timeout_s: float, max_bytes: int = 4 << 20, max_memory: int = 512 << 20,
 ) -> dict[str, Any]:
-    """Run ``sql`` over ``tables`` (built by :func:`rows_of`) under the authorizer, time- and row-bounded."""
-    con = _database({op: tables.get(op, []) for op in operators})
-    read: set[str] = set()
-    con.set_authorizer(_authorizer(set(operators), read))
-    deadline = time.monotonic() + timeout_s
-    con.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+    """Run ``sql`` in the SQL sandbox (a child process, see the module docstring) over ``rows`` (operator ->
+    its store rows, one consistent cut at ``epoch``). Blocking: call it off the event loop.
+
+    Returns ``{"epoch", "columns", "rows", "truncated", "engine": "sqlite"}``; raises :class:`SQLRejected`,
+    :class:`SQLSyntaxError`, :class:`SQLTimeout`, :class:`SQLTooExpensive` or :class:`SQLResultTooLarge`."""
+    fd, path = tempfile.mkstemp(prefix="charon-sql-", suffix=".sqlite")
+    os.close(fd)
     try:
-        cur = con.execute(sql)
-        got = cur.fetchmany(max_rows + 1)
-        columns = [d[0] for d in cur.description or ()]
-    except sqlite3.OperationalError as exc:
-        if "interrupted" in str(exc):
-            raise SQLTimeout(f"the query ran longer than {timeout_s:g} s and was cancelled") from None
-        if "not authorized" in str(exc) or "prohibited" in str(exc):
-            raise SQLRejected(str(exc)) from None
-        raise SQLSyntaxError(str(exc)) from None
-    except sqlite3.DatabaseError as exc:
-        raise SQLRejected(f"the query failed: {exc}") from None
-    except (sqlite3.ProgrammingError, sqlite3.Warning) as exc:
-        raise SQLRejected(f"only a single SELECT is allowed ({exc})") from None
+        _snapshot(path, rows)
+        req = {"db": path, "sql": sql, "operators": operators, "functions": sorted(ALLOWED_FUNCTIONS),
+               "epoch": epoch, "max_rows": max_rows, "max_bytes": max_bytes, "max_memory": max_memory,
+               "timeout_s": timeout_s}
+        try:
+            proc = subprocess.run([sys.executable, "-I", _CHILD], input=json.dumps(req).encode(),
+                                  capture_output=True, timeout=timeout_s + 5.0, check=False)
+        except subprocess.TimeoutExpired:  # run() killed it
+            raise SQLTimeout(f"the query ran longer than {timeout_s:g} s and was stopped") from None
+        except OSError as exc:
+            raise EngineUnavailable(f"cannot start the SQL sandbox: {exc}") from None
     finally:
-        con.close()
-    return {"epoch": epoch, "columns": columns, "rows": [[_cell(x) for x in r] for r in got[:max_rows]],
-            "truncated": len(got) > max_rows, "engine": "sqlite"}
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    try:
+        out = json.loads(proc.stdout) if proc.stdout else None
+    except ValueError:
+        out = None
+    if not isinstance(out, dict):
+        code = proc.returncode
+        why = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit {code}"
+        raise SQLTooExpensive(f"the query's sandbox process ended ({why}): it needed more memory or CPU than "
+                              "the SQL sandbox allows (sql_max_memory, sql_timeout_s)")
+    if not out.get("ok"):
+        raise _ERRORS.get(str(out.get("type")), SQLRejected)(str(out.get("message")))
+    return {"epoch": epoch, "columns": out["columns"], "rows": out["rows"], "truncated": out["truncated"],
+            "engine": "sqlite"}

@@ -30,14 +30,15 @@
   (nothing changed; resume, then retry) instead of waiting for its timeout; a compatible one applies at once.
 - ``POST /admin/sql`` ``{"sql": "SELECT ...", "epoch": N?}``: the dashboard's SQL box, one safe ``SELECT``
   over the state views (one per operator: ``key``, ``item``, ``value``, ``value_json``, ``epoch``) at one
-  consistent epoch (default the latest): ``{"epoch", "columns", "rows", "truncated", "engine"}``. Spark
-  checks it on its parsed and analyzed plans (:func:`charon.runtime.spark.statesql.safe_sql`), the
-  in-process runtime with SQLite's authorizer over a cut (:mod:`charon.runtime.sqlstate`). Anything but a
-  single SELECT over the views with allowed functions is 422 ``SQLRejected`` (DDL/DML, commands,
-  ``reflect``/``java_method``, files, catalogs, other tables); a query that does not parse or resolve 400
-  ``SQLSyntaxError``; at most ``sql_max_rows`` rows, cancelled after ``sql_timeout_s`` (422 ``SQLTimeout``),
-  text of at most ``sql_max_chars``; in-process at most ``sql_max_entities`` per operator (413
-  ``StateTooLarge``); at most two at once (429 ``SQLBusy``).
+  consistent epoch (default the latest): ``{"epoch", "columns", "rows", "truncated", "engine": "sqlite"}``.
+  Both runtimes answer it in the SQL sandbox (:mod:`charon.runtime.sqlstate`): SQLite in a child process
+  with bounded memory and the lowest CPU priority, over a cut of the committed state; never in the engine's
+  process or JVM. Anything but a single SELECT over the views with allowed functions is 422 ``SQLRejected``
+  (DDL/DML, commands, unknown or disallowed functions, other tables); a query that does not parse or resolve
+  400 ``SQLSyntaxError``; at most ``sql_max_rows`` rows and ``sql_max_result_bytes`` bytes (413
+  ``SQLResultTooLarge``), stopped after ``sql_timeout_s`` (422 ``SQLTimeout``), at most ``sql_max_memory``
+  (422 ``SQLTooExpensive``), text of at most ``sql_max_chars``; at most ``sql_max_entities`` per operator
+  (413 ``StateTooLarge``); at most two at once (429 ``SQLBusy``).
 - ``POST /admin/rescale`` ``{"partitions"?: n, "log_partitions"?: m}`` (at least one; each 1 .. the
   ``max_partitions`` setting): change the number of engine partitions of the running deployment at an epoch
   boundary (key groups move; both runtimes; blocks until done): ``{"from", "to", "epoch", "keys", "wait_s",
@@ -83,11 +84,12 @@ STATUS_OF_ERROR.setdefault("EpochNotRetained", 410)
 STATUS_OF_ERROR.setdefault("NotSupported", 501)
 STATUS_OF_ERROR.setdefault("Forbidden", 403)
 for _name, _status in (("SQLRejected", 422), ("SQLSyntaxError", 400), ("SQLTimeout", 422), ("StateTooLarge", 413),
-                       ("SQLBusy", 429)):
+                       ("SQLBusy", 429), ("SQLTooExpensive", 422), ("SQLResultTooLarge", 413)):
     STATUS_OF_ERROR.setdefault(_name, _status)
 for _name, _status in (("RescaleRunning", 409), ("RescaleTimeout", 503), ("Paused", 409)):
     STATUS_OF_ERROR.setdefault(_name, _status)
-SQL_ERRORS = ("SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "EpochNotRetained")
+SQL_ERRORS = ("SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "EpochNotRetained", "SQLTooExpensive",
+              "SQLResultTooLarge")
 SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy beyond)
 
 
@@ -387,7 +389,9 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
             raise _HTTPError("SQLBusy", f"{SQL_SLOTS} SQL queries are running; retry later")
         slots["free"] -= 1
         try:
-            out = await gw.off_loop(fn, query, epoch, cfg.sql_max_rows, cfg.sql_timeout_s, cfg.sql_max_entities)
+            out = await gw.off_loop(functools.partial(fn, max_bytes=cfg.sql_max_result_bytes,
+                                                      max_memory=cfg.sql_max_memory),
+                                    query, epoch, cfg.sql_max_rows, cfg.sql_timeout_s, cfg.sql_max_entities)
         except Exception as exc:
             if type(exc).__name__ in SQL_ERRORS:  # charon.runtime's (another layer)
                 raise _HTTPError(type(exc).__name__, str(exc)) from None
@@ -517,9 +521,11 @@ def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
             "requestBody": body({"sql": {"type": "string", "minLength": 1}, "epoch": epoch}, ["sql"]),
             "responses": {"200": ok("{epoch, columns, rows, truncated, engine}"),
                           "400": err("malformed body, or SQL that does not parse or resolve"),
-                          "410": err("the epoch is not retained"), "413": err("the state is too large"),
+                          "410": err("the epoch is not retained"),
+                          "413": err("the state (StateTooLarge) or the answer (SQLResultTooLarge) is too large"),
                           "415": err("unsupported body type"),
-                          "422": err("SQL outside the safe subset (SQLRejected) or too slow (SQLTimeout)"),
+                          "422": err("SQL outside the safe subset (SQLRejected), too slow (SQLTimeout) or "
+                                     "needing more memory than the sandbox has (SQLTooExpensive)"),
                           "429": err("too many SQL queries at once"), **common}}},
         "/admin/summary": {"get": {"summary": "The dashboard's JSON (admin)", "security": security,
                                    "responses": {"200": ok("throughput, latency, epochs, status"), **common}}},

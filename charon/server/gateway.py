@@ -70,8 +70,10 @@ import contextlib
 import dataclasses
 import hmac
 import inspect
+import os
 import re
 import socket
+import sys
 import threading
 import time
 import typing
@@ -1214,7 +1216,11 @@ class _Gateway:
         elif self.starting:
             doc = {"status": "starting", "ok": False}
         elif probe is not None:
-            doc = await self.off_loop(probe)
+            try:
+                doc = dict(await self.off_loop(probe))
+            except Exception as exc:  # noqa: BLE001 - never a 500: the truth is that it cannot tell now
+                doc = {"status": "recovering", "ok": False,
+                       "last_error": f"the runtime's health check failed: {type(exc).__name__}: {exc}"[:500]}
         doc["inflight"] = len(self.inflight)
         return self.respond(request, 200 if doc.get("ok", True) else 503, doc)
 
@@ -1524,12 +1530,26 @@ def serve(
     ``recent_replies`` override it when given.
     """
     failed: list[str] = []
+    fatal: list[str] = []
     server: uvicorn.Server | None = None
 
     def start_failed(reason: str) -> None:
         failed.append(reason)
         if server is not None:
             server.should_exit = True
+
+    def gave_up(reason: str) -> None:  # the runtime failed for good: stop serving, so the process exits non-zero
+        fatal.append(reason)
+        if server is not None:
+            server.should_exit = True
+        line = f"charon: the runtime failed and cannot recover: {reason}"
+        # a shutdown that hangs (a runtime stop that waits on a dead engine) must not keep the process alive
+        timer = threading.Timer(60.0, lambda: (print(line, file=sys.stderr, flush=True), os._exit(1)))
+        timer.daemon = True
+        timer.start()
+
+    if hasattr(runtime, "on_fatal"):
+        runtime.on_fatal = gave_up  # type: ignore[attr-defined]
 
     app = create_app(
         runtime, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
@@ -1540,10 +1560,17 @@ def serve(
         server.run()
     if failed:
         raise RuntimeStartError(failed[0])
+    if fatal:
+        raise RuntimeFailed(fatal[0])
 
 
 class RuntimeStartError(RuntimeError):
     """The runtime that :func:`serve` started in the background failed to start."""
+
+
+class RuntimeFailed(RuntimeError):
+    """The runtime :func:`serve` ran failed for good (e.g. Spark's JVM could not be restarted): the server
+    stopped; a process supervisor should restart it."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -167,6 +167,53 @@ def crash_point(point: str, epoch: int) -> None:
     spec = os.environ.get("CHARON_CRASH_AT")
     if spec and spec in (f"{point}:{epoch}", f"{point}:*"):  # "*": at the first epoch that gets there
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_point(point: str) -> None:
+    """Fault injection for the self-healing tests: ``CHARON_FAULT_AT`` names points (comma-separated) that raise
+    here; ``session_restart``: starting a new Spark session after the JVM died fails."""
+    if point in os.environ.get("CHARON_FAULT_AT", "").split(","):
+        raise RuntimeError(f"injected fault at {point} (CHARON_FAULT_AT)")
+
+
+def jvm_exit_code() -> int | None:
+    """The exit code of the JVM this process started for Spark, None while it runs (or if there is none)."""
+    from pyspark import SparkContext
+
+    proc = getattr(SparkContext._gateway, "proc", None)
+    return None if proc is None else proc.poll()
+
+
+def discard_dead_jvm() -> None:
+    """Forget PySpark's handles on a JVM that died (SIGKILL, OutOfMemoryError), without calling into it, so that
+    :func:`make_session` starts a new one."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    with SparkContext._lock:
+        sc = SparkContext._active_spark_context
+        if sc is not None:
+            sc._jsc = None  # stop() would call the dead JVM
+            with contextlib.suppress(Exception):
+                sc.stop()
+        gw, SparkContext._gateway, SparkContext._jvm = SparkContext._gateway, None, None
+        SparkContext._active_spark_context = None
+    SparkSession._instantiatedSession = None
+    SparkSession._activeSession = None
+    with contextlib.suppress(Exception):
+        from pyspark.sql.context import SQLContext
+
+        SQLContext._instantiatedContext = None
+    if gw is not None:
+        with contextlib.suppress(Exception):
+            gw.shutdown_callback_server()
+        with contextlib.suppress(Exception):
+            gw.close()
+        proc = getattr(gw, "proc", None)
+        if proc is not None:
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.wait(timeout=10)
 
 
 def trim_native_heap() -> None:
@@ -859,6 +906,10 @@ class SparkRuntime(control.Controllable):
         self._fatal: str | None = None
         self._last_error: str | None = None
         self._restarts = 0
+        self._jvm_restarts = 0  # new Spark sessions after the JVM died (see _supervise_loop)
+        self._need_session = False  # the JVM died and the query runs in no new session yet
+        # called once with the reason when the runtime gives up (charon run then exits non-zero: see serve)
+        self.on_fatal: Callable[[str], None] | None = None
         self._failures: dict[int, int] = {}  # epoch -> query failures while running it
         self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
         # shutdown between epochs (see stop): stopping a query while an epoch's job runs cancels the job from
@@ -925,7 +976,7 @@ class SparkRuntime(control.Controllable):
                     continue  # an epoch is coming anyway (it advances the time too)
                 n += 1
                 self.input_log.append(Request(f"{TICK}timer:{time.time_ns()}:{n}", TICK, "", "", serde.encode([])))
-            except (OSError, sqlite3.Error) as e:  # the log is down: tick once it answers (never end the ticker)
+            except Exception as e:  # noqa: BLE001 - the log or Spark's JVM is down: tick once it answers (never end)
                 self._last_tick_error = f"{type(e).__name__}: {e}"
 
     def _start_query(self) -> None:
@@ -955,10 +1006,18 @@ class SparkRuntime(control.Controllable):
             self._supervise_loop()
         except BaseException as e:  # noqa: BLE001 - reported: nobody would restart the query any more
             with self._lock:
-                if self._status != "stopped":
-                    self._fatal = f"the query's supervisor failed: {type(e).__name__}: {e}"
-                    self._status = "failed"
-            print(f"charon: FATAL: the query's supervisor failed: {e!r}", file=sys.stderr, flush=True)
+                stopped = self._status == "stopped"
+            if not stopped:
+                self._give_up(f"the query's supervisor failed: {type(e).__name__}: {e}")
+
+    def _give_up(self, reason: str) -> None:
+        """Failed for good: say so once (``FATAL``), and call :attr:`on_fatal` (``charon run`` then exits
+        non-zero, so that a process supervisor restarts it: never alive-but-failed)."""
+        self._fatal = reason
+        self._status = "failed"
+        print(f"charon: FATAL: {reason}", file=sys.stderr, flush=True)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def _supervise_loop(self) -> None:
         cfg = self.config
@@ -977,6 +1036,10 @@ class SparkRuntime(control.Controllable):
                     return  # stopped on purpose
                 epoch = self._last_recorded_epoch() + 1
                 msg = _short_error(err) if err is not None else "the streaming query terminated"
+                code = jvm_exit_code()
+                if code is not None:  # the query failed because Spark's JVM is gone: a new session is needed
+                    msg = f"Spark's JVM died (exit {code}); starting a new Spark session"
+                    self._need_session = True
                 if outage is not None:
                     n = 1
                     self._last_error = f"epoch {epoch}: {outage}"
@@ -988,9 +1051,7 @@ class SparkRuntime(control.Controllable):
                     n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
                     self._last_error = f"epoch {epoch}: {msg}"
                     if n >= cfg.epoch_max_failures:
-                        self._fatal = f"epoch {epoch} failed {n} times, giving up: {msg}"
-                        self._status = "failed"
-                        print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                        self._give_up(f"epoch {epoch} failed {n} times, giving up: {msg}")
                         return
                     self._status = "recovering"
                     print(f"charon: the streaming query failed at epoch {epoch} (failure {n} of at most "
@@ -1019,7 +1080,10 @@ class SparkRuntime(control.Controllable):
                         return
                     self._restarts += 1
                     try:
+                        if self._spark is None or jvm_exit_code() is not None:
+                            self._new_session()
                         self._start_query()
+                        self._need_session = False
                         break
                     except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch
                         failed = e
@@ -1034,12 +1098,29 @@ class SparkRuntime(control.Controllable):
                     n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
                     if n >= cfg.epoch_max_failures:
                         assert failed is not None
-                        self._fatal = f"cannot restart the streaming query: {_short_error(failed)}"
-                        self._status = "failed"
-                        print(f"charon: FATAL: {self._fatal}", file=sys.stderr, flush=True)
+                        self._give_up(f"cannot restart the streaming query: {_short_error(failed)}")
                         return
             with contextlib.suppress(OSError, sqlite3.Error):  # the log is down again: the ticker settles it
                 self._settle_recovery()
+
+    def _new_session(self) -> None:
+        """Spark's JVM died: start a new one (a new SparkSession, the log source registered, the application
+        shipped); the caller then restarts the query, which resumes from its checkpoint (nothing the dead JVM
+        held is needed: the epochs' state, records and logs are files)."""
+        self._jvm_restarts += 1
+        self._need_session = True
+        print(f"charon: Spark's JVM is gone; starting a new Spark session (attempt {self._jvm_restarts})",
+              file=sys.stderr, flush=True)
+        discard_dead_jvm()
+        self._spark = None
+        fault_point("session_restart")
+        from charon.runtime.spark.source import register
+
+        spark = self.spark
+        register(spark)
+        ship_app_module(spark, self.app_ref)
+        if self._code_previous is not None:  # a compatible code update's old code, still running deferred ones
+            ship_app_module(spark, self._code_previous[1])
 
     def _outage(self, err: BaseException | None) -> str | None:
         """Why a query failure is an outage of the infrastructure rather than the epoch's fault, or None: the one
@@ -1084,7 +1165,8 @@ class SparkRuntime(control.Controllable):
         recorded epoch does it (:meth:`_recorded`). Applied by the supervisor right after a restart, by the
         timer ticker (it ticks only while serving) and by :meth:`health`."""
         q = self._query
-        if self._status == "recovering" and q is not None and q.isActive and self._caught_up(log_ends):
+        if self._status == "recovering" and q is not None and not self._need_session and jvm_exit_code() is None \
+                and q.isActive and self._caught_up(log_ends):
             self._status = "ok"
 
     def _record_verdict(self, req: Request, verdict: Verdict, epoch: int) -> None:
@@ -1098,20 +1180,30 @@ class SparkRuntime(control.Controllable):
 
     def health(self) -> dict[str, Any]:
         """The runtime's state: ``status`` (ok, starting, recovering, failed, stopped), the last recorded
-        epoch, the last error and the number of query restarts; ``ok`` is true only when serving and the
+        epoch, the last error, the number of query restarts and of new Spark sessions after the JVM died
+        (``jvm_restarts``); ``ok`` is true only when serving and the
         input log answers. ``log_error`` says why the log does not (unreachable, or no answer within
         ``health_timeout_s``: health never waits for a hung log longer than that)."""
         probe = self._log_probe.check()
         status = self._status
+        last_error = self._last_error
         q = self._query
-        if status == "ok" and q is not None and not q.isActive:
-            status = "recovering"  # terminated; the supervisor is about to notice
-        elif status == "recovering" and probe.ends is not None:
-            self._settle_recovery(probe.ends)
-            status = self._status
+        try:
+            if status in ("ok", "recovering") and (self._need_session or jvm_exit_code() is not None):
+                status = "recovering"  # the supervisor is about to start a new session
+                last_error = (self._last_error if self._need_session and self._last_error else
+                              f"Spark's JVM died (exit {jvm_exit_code()}); a new Spark session is starting")
+            elif status == "ok" and q is not None and not q.isActive:
+                status = "recovering"  # terminated; the supervisor is about to notice
+            elif status == "recovering" and probe.ends is not None:
+                self._settle_recovery(probe.ends)
+                status = self._status
+        except Exception as e:  # noqa: BLE001 - a JVM that died between the checks: truthful, never an error
+            status = "recovering" if status in ("ok", "recovering") else status
+            last_error = f"Spark does not answer ({type(e).__name__}); the supervisor restarts it"
         return {"status": status, "ok": status == "ok" and probe.ok, "epoch": self._last_recorded_epoch(),
-                "last_error": self._last_error, "log_error": probe.error, "restarts": self._restarts,
-                "fatal": self._fatal, "unconfirmed_epoch": self._unconfirmed}
+                "last_error": last_error, "log_error": probe.error, "restarts": self._restarts,
+                "jvm_restarts": self._jvm_restarts, "fatal": self._fatal, "unconfirmed_epoch": self._unconfirmed}
 
     def stop(self) -> None:
         """Stop between epochs: no new epoch starts (its batch is left uncommitted, to run after a restart),
@@ -1125,7 +1217,8 @@ class SparkRuntime(control.Controllable):
             self._stopping = True
             self._epoch_cv.wait_for(lambda: not self._in_epoch, timeout=self.config.stop_timeout_s)
         if q is not None:
-            q.stop()
+            if not self._need_session and jvm_exit_code() is None:  # else it died with its JVM
+                q.stop()
             with contextlib.suppress(Exception):  # else the next start finalizes it (replays the epoch)
                 self.flush()
             with contextlib.suppress(Exception):  # else the unrecorded epoch runs again after a restart
@@ -1690,14 +1783,12 @@ class SparkRuntime(control.Controllable):
 
     def sql(
         self, query: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
-        max_entities: int | None = None,
+        max_entities: int | None = None, max_bytes: int = 4 << 20, max_memory: int = 512 << 20,
     ) -> dict[str, Any]:
-        """One safe SELECT over the operators' state views at one recorded epoch (the dashboard's SQL box),
-        checked on Spark's parsed and analyzed plans (:func:`charon.runtime.spark.statesql.safe_sql`)."""
-        from charon.runtime.spark.statesql import DataDirLayout, safe_sql
-
-        layout = self._data_layout(DataDirLayout)
-        return safe_sql(self.spark, layout, sorted(self.app.operators), query, epoch, max_rows, timeout_s)
+        """One safe SELECT over the operators' state at one recorded epoch (the dashboard's SQL box), answered
+        by SQLite in the SQL sandbox, never in the engine's JVM (:func:`charon.runtime.control.spark_sql`)."""
+        return control.spark_sql(self, query, epoch, max_rows, timeout_s,
+                                 100_000 if max_entities is None else max_entities, max_bytes, max_memory)
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
