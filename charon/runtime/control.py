@@ -342,18 +342,20 @@ async def inprocess_sql(
 ) -> dict[str, Any]:
     """The dashboard's SQL box on an in-process runtime: ``sql`` (one safe SELECT, checked by SQLite's
     authorizer) over the operators it names, read as one cut at ``epoch`` (default: the last committed one;
-    all of them between the same two epochs), run in the SQL sandbox (:mod:`charon.runtime.sqlstate`). On the
-    loop only the cut's rows are copied (bytes, at most ``max_entities`` per operator); the check, the
-    snapshot and the query run in a thread and a child process."""
+    all of them between the same two epochs), run in the SQL sandbox (:mod:`charon.runtime.sqlstate`). The cut's
+    rows are copied in a thread holding the runtime's epoch lock (bytes, at most ``max_entities`` per operator);
+    the check, the snapshot and the query run in a thread and a child process."""
     from charon.runtime import sqlstate
 
     ops = sorted(rt.app.operators)
     used = sorted(await asyncio.to_thread(sqlstate.referenced_tables, sql, ops))
     raw: dict[str, dict[bytes, bytes]] = {}
     if epoch is None or epoch == rt.epoch - 1:
-        at = rt.epoch - 1
-        for op in used:  # no await in between: every operator as of the same boundary
-            raw[op] = read_stores(rt.stores, op, None, max_entities + 1)
+        def cut() -> tuple[int, dict[str, dict[bytes, bytes]]]:
+            with rt._finish_lock:  # held by a running epoch: every operator as of the same boundary
+                return rt.epoch - 1, {op: read_stores(rt.stores, op, None, max_entities + 1) for op in used}
+
+        at, raw = await asyncio.to_thread(cut)  # off the loop: an epoch may hold the lock up to a function's budget
     else:
         at = epoch
         await inprocess_inspect(rt, ops[0] if ops else "", [], epoch, 1)  # EpochNotRetained, even for no table

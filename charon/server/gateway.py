@@ -680,6 +680,8 @@ class _Gateway:
         self.known_ops = set(describe_app(runtime.app))
         self._openapi: bytes | None = None
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
+        # /health has a thread of its own: reads waiting for an epoch boundary never delay it
+        self._health_pool = ThreadPoolExecutor(1, thread_name_prefix="charon-gateway-health")
         self.stream_waiters = 0  # long polls and server-sent-event connections open now
         self._watch: _StreamWatch | None = None
         # a runtime started in the background (see create_app's ``background_start``): until it is up,
@@ -1217,7 +1219,11 @@ class _Gateway:
             doc = {"status": "starting", "ok": False}
         elif probe is not None:
             try:
-                doc = dict(await self.off_loop(probe))
+                fut = asyncio.get_running_loop().run_in_executor(self._health_pool, probe)
+                doc = dict(await asyncio.wait_for(fut, HEALTH_TIMEOUT_S))
+            except TimeoutError:
+                doc = {"status": "unresponsive", "ok": False,
+                       "last_error": f"the runtime's health check did not answer within {HEALTH_TIMEOUT_S:g} s"}
             except Exception as exc:  # noqa: BLE001 - never a 500: the truth is that it cannot tell now
                 doc = {"status": "recovering", "ok": False,
                        "last_error": f"the runtime's health check failed: {type(exc).__name__}: {exc}"[:500]}
@@ -1228,6 +1234,9 @@ class _Gateway:
         if self._openapi is None:
             self._openapi = _json_enc.encode(_openapi(self.runtime.app, self.token is not None))
         return Response(self._openapi, media_type="application/json")
+
+
+HEALTH_TIMEOUT_S = 2.0  # a runtime's health() slower than this is itself the answer: 503 unresponsive
 
 
 def _guard(
