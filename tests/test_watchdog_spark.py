@@ -71,3 +71,33 @@ def test_spark_tasks_stop_functions_past_their_budget(tmp_path: Path) -> None:
         assert set(again.verdict_book.verdicts) == {"spin-1", "sleep-1", "cs-1"}
     finally:
         spark.stop()
+
+
+def test_a_transaction_that_kills_its_python_worker_is_quarantined(tmp_path: Path) -> None:
+    """`die` kills the Python worker running it on every attempt: the epoch fails, its next run is probed, the
+    transaction found is recorded as Quarantined, and the epoch then commits without it (no give-up, no person)."""
+    spark = make_session(SparkConfig(master="local[2]", partitions=2))
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path), partitions=2, log_partitions=1, idle_wait_ms=50,
+                      restart_backoff_s=0.2)
+    try:
+        rt = SparkRuntime("hostile_app:app", cfg, spark=spark)
+        rt.load("acc", {"a": 100})
+        rt.start()
+        try:
+            t0 = time.monotonic()
+            rt.input_log.append_many([_req("die-1", "x", "die")] + [_req(f"t{i}", "a", "transfer", "b", 1)
+                                                                   for i in range(5)])
+            rt.wait_idle(300)
+            healed = time.monotonic() - t0
+            die = rt.get_reply("die-1")
+            assert die is not None and die.error_type == "Quarantined", die
+            assert all(rt.get_reply(f"t{i}").ok for i in range(5))
+            assert rt.health()["ok"], rt.health()
+            assert [d["request_id"] for d in rt.dead_letters()] == ["die-1"]
+            print(f"worker-killing transaction quarantined, epoch committed after {healed:.1f} s")
+            state = {k: serde.decode(v) for k, v in rt.snapshot().items()}
+        finally:
+            rt.stop()
+        assert sum(v for v in state.values() if isinstance(v, int) and v > 0) == 100
+    finally:
+        spark.stop()

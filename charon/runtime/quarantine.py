@@ -14,13 +14,14 @@ lists them. The decision is taken before anything depends on it, so it is replay
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import signal
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from charon.core.epoch import EpochCoordinator, Verdict
@@ -159,3 +160,58 @@ def quarantine_killers(epoch: int, run_epoch: Callable[[], Any], coordinator: Ca
                            epoch, c.root))
         out.append(c.request_id)
     return out
+
+
+# -- Spark: which transaction kills its Python worker --------------------------------------------------------------
+@contextlib.contextmanager
+def probing(probe_dir: str | None) -> Iterator[None]:
+    """In a Spark task of an epoch being probed (it failed before): every invocation step writes ``S tid phase``
+    before it runs and ``E`` after, unbuffered, to a file of this worker process under ``probe_dir``; a worker
+    that dies leaves its file ending in ``S``: :func:`culprit_in` finds the transaction. (The class is patched for
+    the task's duration: a Python worker runs one task at a time.)"""
+    if probe_dir is None:
+        yield
+        return
+    os.makedirs(probe_dir, exist_ok=True)
+    fd = os.open(os.path.join(probe_dir, f"{os.getpid()}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    run, replay = PartitionUnit._run, PartitionUnit._replay_cached
+
+    def probed_run(unit: PartitionUnit, frame: Any) -> Any:
+        os.write(fd, f"S {frame.tid} {0 if unit._recording else 1}\n".encode())
+        try:
+            return run(unit, frame)
+        finally:
+            os.write(fd, b"E\n")
+
+    def probed_replay(unit: PartitionUnit, tid: int, cached: Any) -> bool:
+        os.write(fd, f"S {tid} 1\n".encode())
+        try:
+            return replay(unit, tid, cached)
+        finally:
+            os.write(fd, b"E\n")
+
+    PartitionUnit._run = probed_run  # type: ignore[method-assign]
+    PartitionUnit._replay_cached = probed_replay  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PartitionUnit._run, PartitionUnit._replay_cached = run, replay  # type: ignore[method-assign]
+        os.close(fd)
+
+
+def culprit_in(probe_dir: str) -> tuple[int, bool] | None:
+    """The (tid, in its fallback) a probed worker was running when it died: the step the files ending in a started
+    step name (None when none does, or when they name different steps: it cannot tell which killed its worker)."""
+    dangling = []
+    try:
+        names = sorted(os.listdir(probe_dir))
+    except FileNotFoundError:
+        return None
+    for name in names:
+        with open(os.path.join(probe_dir, name), "rb") as f:
+            lines = f.read().splitlines()
+        if lines and lines[-1].startswith(b"S "):
+            _, tid, phase = lines[-1].split()
+            dangling.append((int(tid), phase == b"1"))
+    found = set(dangling)  # Spark's task retries leave one file per dead worker: the same step each time
+    return found.pop() if len(found) == 1 else None

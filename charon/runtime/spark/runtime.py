@@ -64,7 +64,7 @@ from charon.operator import Application
 from charon.runtime import control
 from charon.runtime.owner import claim_data_dir
 from charon.runtime.probe import LogProbe
-from charon.runtime.quarantine import RecoveryAttempts
+from charon.runtime.quarantine import RecoveryAttempts, culprit_in, probing
 from charon.runtime.replies import ReplyWriter
 from charon.runtime.verdicts import VerdictBook, letter
 from charon.runtime.watchdog import task_budget
@@ -481,14 +481,21 @@ def _run_partitions(
     app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
     items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None, gc_threshold: int = 0,
     finalize_threads: int = 1, function_timeout: float | None = None, determinism_check: bool = False,
+    probe_dir: str | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """One task of a round. ``previous``: a compatible code update's (first TID on ``app_ref``, the old
     code's ref): a transaction with a lower TID started before the update and runs the old code.
     ``gc_threshold``: see :func:`tune_worker_gc`. ``function_timeout``: the functions' default time budget
     (:func:`charon.runtime.watchdog.task_budget`). ``determinism_check``: every function step runs twice
-    (:mod:`charon.core.determinism`)."""
+    (:mod:`charon.core.determinism`). ``probe_dir``: an epoch that failed is probed for a transaction that kills
+    its worker (:func:`charon.runtime.quarantine.probing`)."""
     from charon.state.lmdbstore import open_store
 
+    if probe_dir is not None:
+        with probing(probe_dir):
+            yield from _run_partitions(app_ref, parts, local_dir, durable_root, checkpoint, items, previous,
+                                       gc_threshold, finalize_threads, function_timeout, determinism_check)
+        return
     tune_worker_gc(gc_threshold)
     app = load_app(app_ref)
     prev = None if previous is None else (previous[0], load_app(previous[1]))
@@ -724,10 +731,13 @@ class SparkExchange:
         # it needs this exchange's scratch, so a new exchange (a restarted query) starts without one
         self.pending: tuple[EpochRecord, EpochResult] | None = None
 
-    def set_budget(self, timeout: float | None) -> None:
-        """The functions' default time budget in the next rounds' tasks (None: no budget, an epoch's rerun)."""
-        if self.fn.keywords.get("function_timeout") != timeout:
-            self.fn = partial(self.fn.func, *self.fn.args, **{**self.fn.keywords, "function_timeout": timeout})
+    def set_budget(self, timeout: float | None, probe_dir: str | None = None) -> None:
+        """The functions' default time budget in the next rounds' tasks (None: no budget, an epoch's rerun), and
+        whether they probe for a transaction that kills its worker (an epoch that failed before)."""
+        kw = self.fn.keywords
+        if kw.get("function_timeout") != timeout or kw.get("probe_dir") != probe_dir:
+            self.fn = partial(self.fn.func, *self.fn.args,
+                              **{**kw, "function_timeout": timeout, "probe_dir": probe_dir})
 
     def set_code(self, app_ref: str, previous: tuple[int, str] | None = None) -> None:
         """The code the next rounds' tasks run (a code update, at an epoch boundary): ``app_ref``, and for a
@@ -862,6 +872,8 @@ class SparkRuntime(control.Controllable):
         os.makedirs(self.ckpt, exist_ok=True)
         self.verdict_book = VerdictBook(self.ckpt)  # every epoch's coordinator applies (and adds to) its verdicts
         self._attempts = RecoveryAttempts(self.ckpt)  # which epoch ran last: a rerun takes no new verdicts
+        self._probe_epoch = -1  # an epoch that failed: its next run probes for a worker-killing transaction
+        self._coord: EpochCoordinator | None = None  # the coordinator of the epoch running (or last run)
         recorded = read_layout(self.ckpt)
         if recorded is not None and cfg.log_partitions is None:  # not set: an existing log keeps its count
             cfg = dataclasses.replace(cfg, log_partitions=recorded.log_partitions)
@@ -1050,6 +1062,10 @@ class SparkRuntime(control.Controllable):
                 else:
                     n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
                     self._last_error = f"epoch {epoch}: {msg}"
+                    if self._quarantine_culprit(epoch):  # its worker-killing transaction is set aside: retry
+                        n = self._failures[epoch] = 1
+                    elif code is None:  # the next run of this epoch probes for one
+                        self._probe_epoch = epoch
                     if n >= cfg.epoch_max_failures:
                         self._give_up(f"epoch {epoch} failed {n} times, giving up: {msg}")
                         return
@@ -1102,6 +1118,24 @@ class SparkRuntime(control.Controllable):
                         return
             with contextlib.suppress(OSError, sqlite3.Error):  # the log is down again: the ticker settles it
                 self._settle_recovery()
+
+    def _quarantine_culprit(self, epoch: int) -> bool:
+        """After a probed run of ``epoch`` failed: the transaction its dead worker was running, if one can be told,
+        is recorded as Quarantined (before the epoch runs again, which refuses it). See
+        :mod:`charon.runtime.quarantine`; the probe files must be readable here (local mode, a shared directory)."""
+        if self._probe_epoch != epoch:
+            return False
+        found = culprit_in(os.path.join(self.ckpt, "probe", str(epoch)))
+        coord = self._coord
+        req = coord.current.requests.get(found[0]) if found and coord and coord.current else None
+        if found is None or req is None or req.request_id in self.verdict_book.verdicts:
+            return False
+        msg = (f"{req.operator}.{req.function} on key {req.key!r} (or a function it called) killed the Python "
+               f"worker running it on every attempt of epoch {epoch}; the transaction was set aside")
+        self.verdict_book.record(letter(req.request_id, req.operator, req.function, req.key,
+                                        Verdict("Quarantined", msg, found[1]), epoch))
+        print(f"charon: quarantined request {req.request_id!r}: {msg}", file=sys.stderr, flush=True)
+        return True
 
     def _new_session(self) -> None:
         """Spark's JVM died: start a new one (a new SparkSession, the log source registered, the application
@@ -1542,7 +1576,11 @@ class SparkRuntime(control.Controllable):
         # committed) may have delivered replies already, and only the verdicts its first run recorded apply.
         rerun = recovering or self._attempts.failed_before(epoch)
         self._attempts.starting(epoch)  # durable before any reply of this run can go out
-        self.exchange.set_budget(None if rerun else self.config.function_timeout)
+        probe = None
+        if self._probe_epoch == epoch:  # it failed before: find a transaction that kills its worker
+            probe = os.path.join(self.ckpt, "probe", str(epoch))
+            shutil.rmtree(probe, ignore_errors=True)
+        self.exchange.set_budget(None if rerun else self.config.function_timeout, probe)
         prev = pending[0] if pending is not None else (self.read_record(epoch - 1) if epoch > 0 else None)
         if epoch > 0 and prev is None and self._last_recorded_epoch() >= 0:
             raise RuntimeError(f"epoch record {epoch - 1} is missing under {self.ckpt}")
@@ -1587,6 +1625,7 @@ class SparkRuntime(control.Controllable):
             )
             coord.timer_limit = self.config.max_timers_per_epoch
             coord.verdicts, coord.on_verdict = self.verdict_book.verdicts, self._record_verdict
+            self._coord = coord  # the supervisor maps a probed epoch's culprit TID to its request
             coord.next_due = math.inf if epoch == 0 else -math.inf
             if prev is not None:
                 # the epoch's sequencer count is its end offsets' length: the log grew since prev -> rebase
