@@ -164,7 +164,7 @@ NOT_READS = {
     "input_log", "durable", "close", "load", "load_items", "run_epoch", "drain", "start", "health", "stop",
     "get_reply", "enqueue", "submit", "submit_batch", "invoke", "subscribe", "update_code", "version_at",
     "code_update_modes", "pause", "resume", "control_status", "control_engine",
-    "dead_letters", "in_engine", "verdict_book", "watchdog",
+    "dead_letters", "in_engine", "verdict_book", "watchdog", "determinism_check",
 }
 #: the engine's own methods, the only ones allowed the unguarded stores and stream log
 ENGINE_ONLY = {"__init__", "_units", "_recover", "_probe", "_probe_run", "stores", "streams", "_stream_log",

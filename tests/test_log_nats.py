@@ -282,7 +282,11 @@ def test_remote_gateway_answers_503_while_the_log_is_down(server: NatsServer, tm
                        headers={**auth, "Idempotency-Key": "k1"})
         assert r.status_code == 503 and "Retry-After" in r.headers, r.text
         assert httpx.get(f"{url}/requests/k1", headers=auth, timeout=60).status_code == 503
-        assert httpx.get(f"{url}/health", timeout=60).status_code == 503
+        # /health reuses a probe's answer for up to 1 s (LogProbe.max_age_s): it turns 503 within that
+        deadline = time.monotonic() + 3
+        while httpx.get(f"{url}/health", timeout=60).status_code != 503:
+            assert time.monotonic() < deadline, "/health still says ok 3 s into the outage"
+            time.sleep(0.1)
         server.start()
         deadline = time.monotonic() + 60
         while httpx.get(f"{url}/health", timeout=60).status_code != 200:
