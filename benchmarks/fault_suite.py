@@ -20,6 +20,8 @@ Writes ``benchmarks/fault_suite-<engine>.json`` and prints a table. Scenarios:
   restart die, the second restart quarantines it; Spark: the Python worker dies).
 - ``flood``: pause, 700 async requests of 512 KB (typed 503 past the byte bound), resume; every accepted one
   answered.
+- ``sql``: the repros' hostile /admin/sql queries at once (one ran Spark's JVM out of heap, two cross joins).
+- ``jvm`` (Spark): the JVM SIGKILLed under load.
 - ``nats5`` / ``nats30`` / ``nats120`` (in-process on a NATS log): nats-server stopped that long, then restarted.
 """
 
@@ -295,12 +297,41 @@ def scenario(engine: str, name: str, workdir: Path, nats: Any = None) -> dict[st
                 break
             time.sleep(0.5)
         detail = {"flood_codes": codes, "accepted": len(accepted), "accepted_answered": answered}
+    elif name == "jvm":  # Spark: SIGKILL the JVM under load
+        import psutil
+
+        java = [p for p in psutil.Process(node.proc.pid).children(recursive=True) if "java" in p.name()]
+        for p in java:
+            p.kill()
+        detail = {"jvms_killed": len(java)}
+    elif name == "sql":  # the repros' hostile queries: one that ran the JVM out of heap, two concurrent cross joins
+        e = "key"
+        for _ in range(9):
+            e = f"replace({e},'a','aaaaaaaaaa')"
+        queries = [f"SELECT length({e}) FROM acc WHERE key = 'a1'"] + [
+            "SELECT count(*) FROM acc a, acc b, acc c, acc d, acc e, acc f"] * 2
+        answers: list[Any] = []
+
+        def ask(q: str) -> None:
+            try:
+                r = httpx.post(f"{node.url}/admin/sql", json={"sql": q}, headers=H, timeout=120)
+                answers.append((r.status_code, r.json().get("error", {}).get("type")))
+            except (httpx.HTTPError, ValueError) as exc:
+                answers.append((0, type(exc).__name__))
+
+        ts = [threading.Thread(target=ask, args=(q,)) for q in queries]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(150)
+        detail = {"sql_answers": answers}
     elif name.startswith("nats"):
         secs = float(name[4:])
         nats.kill()
         time.sleep(secs)
         nats.start()
-    healed = healed_after(node, load, health, t_fault, name in ("sleep", "die") or name.startswith("nats"))
+    disrupts = name in ("die", "jvm") or name.startswith("nats") or (name == "sleep" and engine == "inprocess")
+    healed = healed_after(node, load, health, t_fault, disrupts)
     time.sleep(2)
     t_end = time.monotonic()
     load.stop()
@@ -335,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", default="inprocess", choices=["inprocess", "spark"])
     ap.add_argument("--only", default="")
     args = ap.parse_args(argv)
-    names = ["spin", "sleep", "die", "flood"] + (["nats5", "nats30", "nats120"] if args.engine == "inprocess" else [])
+    names = ["spin", "sleep", "die", "flood", "sql"] + (
+        ["nats5", "nats30", "nats120"] if args.engine == "inprocess" else ["jvm"])
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
     results = []
