@@ -598,8 +598,8 @@ def raised_in(message: str, op: str, key: str, fn: str) -> str:
 
 def _replayed_target(operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
     """The target of a call or send already validated in the run that first made it (as ``_target``)."""
-    op = operator if type(operator) is str else operator.name
-    fn = function if type(function) is str else function.name
+    op = operator.name if isinstance(operator, Operator) else operator
+    fn = function.name if isinstance(function, Function) else function
     return (op, key, fn, serde.encode(list(args)))
 
 

@@ -639,11 +639,11 @@ class EpochCoordinator:
                         self._verdict(tid, etype, msg)
             if o.rw:
                 for tid, t in o.rw.items():  # a partition's own entities: disjoint from the other partitions'
-                    d = rw.get(tid)
-                    if d is None:
+                    had = rw.get(tid)
+                    if had is None:
                         rw[tid] = t.copy()
                     else:
-                        d.update(t)  # t is what the transaction touched here so far (a write stays a write)
+                        had.update(t)  # t is what the transaction touched here so far (a write stays a write)
             if o.invalid:
                 track.invalid.update(o.invalid)
             if o.messages:

@@ -18,8 +18,8 @@ import os
 import pickle
 import threading
 from collections import deque
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Coroutine
+from typing import Any, NamedTuple, final
 
 from charon import serde
 from charon.core import timers as _timers
@@ -61,7 +61,7 @@ def timeout_message(frame: Any) -> str:
     return raised_in(msg, frame.op, frame.key, frame.fn) if frame.kind != ROOT else msg
 
 
-_LIVE: dict[tuple[int, int], tuple[int, dict]] = {}  # (thread, partition) -> (epoch, table): see _live_table
+_LIVE: dict[tuple[int, int], tuple[int, dict[int, LiveTable]]] = {}  # (thread, partition) -> (epoch, table)
 _thread_id = threading.get_ident
 
 
@@ -92,6 +92,8 @@ KEEP_LIVE_COROUTINES = True
 MAX_INVOCATIONS = 100_000
 
 Entity = tuple[str, str]
+#: A synchronous call's caller: (operator, key, invocation id, key group when known).
+Caller = tuple[str, str, str, int | None]
 
 
 def too_many_invocations(limit: int) -> CallGraphLimitExceeded:
@@ -99,6 +101,7 @@ def too_many_invocations(limit: int) -> CallGraphLimitExceeded:
     return CallGraphLimitExceeded(f"more than {limit} invocations")
 
 
+@final  # never subclassed: the engine tells messages apart with ``type(m) is Invoke``
 class Invoke(Journal):
     """Run ``fn(*args)`` on entity (op, key) as invocation ``inv`` of transaction ``tid``.
 
@@ -108,6 +111,19 @@ class Invoke(Journal):
     """
 
     __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth", "token", "kg")
+    tid: int
+    inv: str
+    op: str
+    key: str
+    fn: str
+    args: bytes
+    share: Share
+    kind: int  # ROOT, SYNC or ASYNC
+    caller: Caller | None  # a synchronous call's caller, where its reply goes
+    ts: float
+    depth: int
+    token: int | None
+    kg: int | None
 
     def __init__(self, tid, inv, op, key, fn, args, share, kind, caller, ts, depth) -> None:  # noqa: ANN001
         self.tid, self.inv, self.op, self.key, self.fn, self.args = tid, inv, op, key, fn, args
@@ -154,6 +170,14 @@ class Reply:
     ``kg``: the caller's key group (routing.key_group(op, key)) when known, else None (not pickled)."""
 
     __slots__ = ("tid", "op", "key", "inv", "value", "share", "child", "kg")
+    tid: int
+    op: str
+    key: str
+    inv: str
+    value: bytes
+    share: Share
+    child: str
+    kg: int | None
 
     def __init__(self, tid, op, key, inv, value, share, child, kg=None) -> None:  # noqa: ANN001
         self.tid, self.op, self.key, self.inv, self.value, self.share = tid, op, key, inv, value, share
@@ -163,6 +187,15 @@ class Reply:
         return (_new_reply, (
             self.tid, self.op, self.key, self.inv, self.value, self.share, self.child,
         ))
+
+
+#: What running one invocation step sends on (:meth:`PartitionUnit._run`): calls and sends, or the reply to its
+#: caller (a tuple when that reply alone).
+Outgoing = list[Invoke | Reply] | tuple[Invoke | Reply, ...]
+#: A suspended frame's live coroutine in this process: (coroutine, its context, the journal's nsusp).
+Live = tuple[Coroutine[Any, Any, Any], Context, int]
+#: One transaction's live coroutines by frame token (Invoke.token: never None once the Invoke is a frame).
+LiveTable = dict[int | None, Live]
 
 
 class Prior(NamedTuple):
@@ -290,7 +323,7 @@ class PartitionUnit:
         #: then reports the next due time it found last instead of scanning the timer index again
         self.sole_writer = False
         self._due: tuple[int, float] | None = None  # (store epoch, next due time) after the last finalize
-        self._ltab: dict[int, dict] = {}  # the live-coroutine table of the round being processed (_process)
+        self._ltab: dict[int, LiveTable] = {}  # the live-coroutine table of the round being processed (_process)
         # whether the scratch is as _clear leaves it (nothing of an epoch here yet): a partition an epoch never
         # reached then clears and finalizes without allocating anything (see step)
         self._fresh = False
@@ -470,9 +503,9 @@ class PartitionUnit:
             merged[it.decode()] = v
         for layer in layers:
             if layer:
-                for it, v in layer.items():
-                    if it.startswith(narrow) and (start is None or it >= start) and (stop is None or it < stop):
-                        merged[it] = v
+                for name, val in layer.items():
+                    if name.startswith(narrow) and (start is None or name >= start) and (stop is None or name < stop):
+                        merged[name] = val
         return sorted((k, v) for k, v in merged.items() if v is not None and k)
 
     def write(self, tid: int, op: str, key: str, item: str, value: bytes | None) -> None:
@@ -616,6 +649,7 @@ class PartitionUnit:
             from charon.core.determinism import run_twice
 
             run = partial(run_twice, self)
+        frame: Frame | None
         while queue:
             m = queue.popleft()
             tid = m.tid
@@ -631,7 +665,9 @@ class PartitionUnit:
                 frame = m
             else:
                 tframes = frames.get(tid)
-                frame = tframes.get(m.inv) if tframes is not None else None
+                if tframes is None:
+                    continue  # its transaction was reset
+                frame = tframes.get(m.inv)
                 if frame is None:
                     continue  # its transaction was reset
                 a, b = frame.share, m.share  # shares.add, inlined for equal exponents (the common case)
@@ -644,6 +680,7 @@ class PartitionUnit:
                 else:
                     frame.share = add(a, b)
                 pending = frame.pending  # frame.receive(m.child, m.value), inlined
+                assert pending is not None  # a frame a reply is addressed to waits for it
                 frame.replies[pending.pop(m.child)] = m.value
                 if pending:
                     continue  # a gather still waiting for other replies
@@ -658,7 +695,7 @@ class PartitionUnit:
                 else:
                     remote.append(msg)
 
-    def _run(self, frame: Frame) -> list[Invoke | Reply]:
+    def _run(self, frame: Frame) -> Outgoing:
         """Run one invocation until it completes, suspends on a call, or raises.
 
         A frame resumed by a reply continues its live coroutine when this process still holds it (the
@@ -667,7 +704,7 @@ class PartitionUnit:
         decides what is replayed). Both give the same effects.
         """
         self._stat_runs += 1
-        live = None
+        live: Live | None = None
         if frame.nsusp:  # self._live_pop(frame), inlined
             t = self._ltab.get(frame.tid)
             if t:
@@ -714,7 +751,7 @@ class PartitionUnit:
                         raise too_large(f"{frame.op}.{frame.fn}'s return value", len(value)) from None
                 # self._complete(frame, ctx, value), inlined (two of a transfer's three runs complete)
                 sends = ctx._sends
-                msgs: list[Invoke | Reply] | tuple = ()
+                msgs: Outgoing = ()
                 if sends:
                     msgs = []
                     part, leftover = split(frame.share, len(sends))
@@ -723,10 +760,11 @@ class PartitionUnit:
                     leftover = frame.share
                 tid = frame.tid
                 if kind == SYNC:
+                    assert frame.caller is not None  # a synchronous call's
                     cop, ckey, cinv, ckg = frame.caller
                     r = Reply(tid, cop, ckey, cinv, value, leftover, frame.inv, ckg)
-                    if msgs:
-                        msgs.append(r)  # type: ignore[union-attr]
+                    if msgs and isinstance(msgs, list):  # calls or sends made (_emit_sends filled the list)
+                        msgs.append(r)
                     else:
                         msgs = (r,)
                 elif kind == ROOT:
@@ -759,8 +797,8 @@ class PartitionUnit:
         except Interrupt:  # the watchdog stopped a function past its budget: the recorded error aborts it
             self.current = None
             hook = self.interrupt
-            exc = hook(frame) if hook is not None else InvocationTimeout(timeout_message(frame))
-            self._fail(frame.tid, exc)  # the verdict's message names the function already
+            err = hook(frame) if hook is not None else InvocationTimeout(timeout_message(frame))
+            self._fail(frame.tid, err)  # the verdict's message names the function already
             return ()
         finally:
             self.current = None
@@ -769,7 +807,7 @@ class PartitionUnit:
     # {(thread, pid): (epoch, {tid: {token: (coro, ctx, nsusp)}})}. Per thread: rounds running at the same
     # time in other threads (another runtime, a finalize pool) never close or resume this thread's coroutines;
     # a frame resumed in another thread than the one that suspended it replays its journal instead.
-    def _live_table(self) -> dict[int, dict]:
+    def _live_table(self) -> dict[int, LiveTable]:
         k = (_thread_id(), self.pid)
         entry = _LIVE.get(k)
         if entry is not None and entry[0] == self.epoch:
@@ -877,7 +915,8 @@ class PartitionUnit:
         """
         if self._clog:
             self._take_cache(set(tids))
-        self.fast_layer = layer = {}
+        layer: dict[Entity, dict[str, bytes | None]] = {}
+        self.fast_layer = layer
         invalid = self._out.invalid
         for tid in sorted(tids):
             cached = self.cache.get(tid)
