@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import random as _random
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
@@ -88,7 +88,7 @@ class Journal:
         self._nread = 0
         self.live = True
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Journal], tuple[object, ...]]:
         return (_new_journal, (self.replies, self.reads, self.nsusp, self.pending))
 
     def rewind(self) -> None:

@@ -18,7 +18,7 @@ import os
 import pickle
 import threading
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Generic, NamedTuple, TypeVar, final
 
 from charon import serde
@@ -126,12 +126,13 @@ class Invoke(Journal):
     token: int | None
     kg: int | None
 
-    def __init__(self, tid, inv, op, key, fn, args, share, kind, caller, ts, depth) -> None:  # noqa: ANN001
+    def __init__(self, tid: int, inv: str, op: str, key: str, fn: str, args: bytes, share: Share, kind: int,
+                 caller: Caller | None, ts: float, depth: int) -> None:
         self.tid, self.inv, self.op, self.key, self.fn, self.args = tid, inv, op, key, fn, args
         self.share, self.kind, self.caller, self.ts, self.depth = share, kind, caller, ts, depth
         self.token = self.kg = None  # kg: routing.key_group(op, key) once a router computed it (not pickled)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Invoke], tuple[object, ...]]:
         if self.token is None:
             return (_new_invoke, (
                 self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
@@ -180,11 +181,12 @@ class Reply:
     child: str
     kg: int | None
 
-    def __init__(self, tid, op, key, inv, value, share, child, kg=None) -> None:  # noqa: ANN001
+    def __init__(self, tid: int, op: str, key: str, inv: str, value: bytes, share: Share, child: str,
+                 kg: int | None = None) -> None:
         self.tid, self.op, self.key, self.inv, self.value, self.share = tid, op, key, inv, value, share
         self.child, self.kg = child, kg
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Reply], tuple[object, ...]]:
         return (_new_reply, (
             self.tid, self.op, self.key, self.inv, self.value, self.share, self.child,
         ))
@@ -211,6 +213,10 @@ class Prior(NamedTuple):
     reset: list[int]
 
 
+#: What pickles a Control: (epoch, phase, apply, reset, fast, finalize, max_invocations, prior, timers).
+_ControlState = tuple[int, int, list[int], list[int], list[int], bool, int, Prior | None, tuple[float, int] | None]
+
+
 class Control:
     """The coordinator's instructions for one round, the same for every partition.
 
@@ -225,22 +231,31 @@ class Control:
 
     DRY, FALLBACK = 0, 1
 
-    def __init__(self, epoch: int, phase: int = 0, apply=(), reset=(), fast=(), finalize: bool = False,
+    def __init__(self, epoch: int, phase: int = 0, apply: Iterable[int] = (), reset: Iterable[int] = (),
+                 fast: Iterable[int] = (), finalize: bool = False,
                  max_invocations: int = MAX_INVOCATIONS, prior: Prior | None = None,
-                 timers: tuple[float, int] | None = None):
+                 timers: tuple[float, int] | None = None) -> None:
         """``timers``: a collect round (epoch time, per-partition limit); see :mod:`charon.core.timers`."""
         self.epoch, self.phase, self.apply, self.reset = epoch, phase, list(apply), list(reset)
         self.fast, self.finalize, self.max_invocations = list(fast), finalize, max_invocations
         self.prior = prior
         self.timers = timers
 
-    def __getstate__(self):
+    def __getstate__(self) -> _ControlState:
         return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
                 self.prior, self.timers)
 
-    def __setstate__(self, st):
+    def __setstate__(self, st: _ControlState) -> None:
         (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
          self.prior, self.timers) = st
+
+
+#: What pickles a RoundOutput (its fields in order).
+_OutputState = tuple[
+    list["Invoke | Reply"], list[tuple[int, bytes, Share]], list[tuple[int, Share]], list[tuple[int, str, str]],
+    dict[int, dict[Entity, bool]], list[int], dict[int, int], dict[str, int], dict[int, list["Cached"]],
+    list[tuple[int, str, int, str, bytes]], list[bytes], float | None,
+]
 
 
 class RoundOutput:
@@ -268,11 +283,11 @@ class RoundOutput:
         self.timers: list[bytes] = []  # a collect round: the encoded timers this partition fires
         self.next_due: float | None = None  # collect and finalize rounds: this partition's next due time
 
-    def __getstate__(self):
+    def __getstate__(self) -> _OutputState:
         return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations,
                 self.stats, self.cached, self.events, self.timers, self.next_due)
 
-    def __setstate__(self, st):
+    def __setstate__(self, st: _OutputState) -> None:
         (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations, self.stats,
          self.cached, self.events, self.timers, self.next_due) = st
 
@@ -290,7 +305,7 @@ class Cached:
     def __init__(self, frame: Frame, result: bytes, calls: list, access: bool | None) -> None:
         self.frame, self.result, self.calls, self.access = frame, result, calls, access
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Cached], tuple[object, ...]]:
         f = self.frame
         return (_new_cached, (
             f.inv, f.op, f.key, f.fn, f.args, f.replies, self.result, self.calls, f.ts, f.depth, f.kind, self.access,
@@ -1078,7 +1093,8 @@ def _new_frame(*st: Any) -> Frame:
     return o
 
 
-def _new_cached(inv, op, key, fn, args, replies, result, calls, ts, depth, kind, access) -> Cached:  # noqa: ANN001
+def _new_cached(inv: str, op: str, key: str, fn: str, args: bytes, replies: dict[int, bytes], result: bytes,
+                calls: list, ts: float, depth: int, kind: int, access: bool | None) -> Cached:
     f = _new_invoke(None, inv, op, key, fn, args, None, kind, None, ts, depth)
     f.replies = replies
     return Cached(f, result, calls, access)
