@@ -60,7 +60,7 @@ def load_app(target: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise typer.BadParameter(f"cannot import {module_name!r}: {exc}") from None
-    obj = module
+    obj: object = module
     for part in (attr or "app").split("."):
         obj = getattr(obj, part, None)
         if obj is None:
@@ -614,7 +614,7 @@ async def _drive(
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     failures[type(exc).__name__] += 1
                 latencies.append(time.perf_counter() - t0)
-                progress.update(task, advance=1, **counts)
+                progress.update(task, advance=1, committed=counts["committed"], aborted=counts["aborted"])
 
         t_start = time.perf_counter()
         await asyncio.gather(*(one(*p) for p in plan))

@@ -54,10 +54,11 @@ class Function:
         # Exact type signatures accepted by the scalar fast path of check_args (every hint a plain scalar, no
         # *args, few combinations): a set lookup instead of the loop.
         self._sigs: frozenset[tuple[type, ...]] | None = None
-        if not self._varargs and all(type(c) is tuple for c in self._checks):
+        scalar = [c for c in self._checks if type(c) is tuple]
+        if not self._varargs and len(scalar) == len(self._checks):
             sigs: set[tuple[type, ...]] = set()
             for n in range(self._min_args, self._max_args + 1):
-                sigs.update(itertools.product(*self._checks[:n]))
+                sigs.update(itertools.product(*scalar[:n]))
             if len(sigs) <= 256:
                 self._sigs = frozenset(sigs)
         self.__doc__ = body.__doc__
@@ -158,7 +159,8 @@ class Application:
     ) -> None:
         self.name = name
         self.operators: dict[str, Operator] = {}
-        self._resolved: dict[tuple[str, str], Function] = {}
+        # (names or this application's own objects) -> function
+        self._resolved: dict[tuple[str | Operator, str | Function], Function] = {}
         for op in operators:
             if op.name in self.operators:
                 raise ValueError(f"operator {op.name!r} is registered twice")

@@ -347,13 +347,13 @@ class Simulation:
 
         saved = (sr.crash_point, sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES)
         sr.crash_point = self.fault_point
-        sr.EpochCoordinator = Recording
+        sr.EpochCoordinator = Recording  # type: ignore[misc]  # a deliberate patch of the module (restored below)
         partition.KEEP_LIVE_COROUTINES = self.w.live
         try:
             with engine_abort_rule():
                 yield
         finally:
-            sr.crash_point, sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES = saved
+            sr.crash_point, sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES = saved  # type: ignore[misc]
 
     @staticmethod
     def draw_log_plan(seed: int, epochs: int, n: int) -> dict[int, int]:
@@ -393,7 +393,7 @@ class Simulation:
             self.rt.output_log.close()
         rt = sr.SparkRuntime(APP_REF, self.config)
         rt.exchange = SimExchange(self, self.config)
-        rt._start_compaction = rt._compact  # synchronous: compaction's crash point is an ordinary step
+        rt._start_compaction = rt._compact  # type: ignore[method-assign]  # a deliberate patch: synchronous: compaction's crash point is an ordinary step
         put_many = rt.output_log.put_many
 
         def deliver(replies: list[Reply]) -> int:
@@ -404,7 +404,7 @@ class Simulation:
                 self.delivered.setdefault(r.request_id, r)
             return put_many(replies)
 
-        rt.output_log.put_many = deliver  # type: ignore[method-assign]
+        rt.output_log.put_many = deliver
         self.rt = rt
         return rt
 

@@ -39,6 +39,13 @@ class CaughtCalleeError(UserWarning):
     """
 
 
+#: The determinism check's record of one run: the effects in the order they happened, as (invocation id, effect),
+#: and each invocation's (operator, function, key).
+_Log = tuple[list[tuple[str, tuple]], dict[str, tuple[str, str, str]]]
+#: A serial execution's outcome: (True, the encoded return value) or (False, (error type, message)).
+_Outcome = tuple[bool, bytes | tuple[str, str]]
+
+
 class _Txn:
     def __init__(self, app: Application, state: dict[bytes, bytes], tid: int, ts: float, limit: int) -> None:
         self.app, self.state, self.tid, self.ts = app, state, tid, ts
@@ -50,7 +57,7 @@ class _Txn:
         self.events: list[tuple[tuple[int, ...], int, str, bytes]] = []  # (inv, n, stream, value)
         # the determinism check (None: off): the effects in the order they happened, as (invocation id, effect),
         # and each invocation's (operator, function, key)
-        self.log: tuple[list[tuple[str, tuple]], dict[str, tuple[str, str, str]]] | None = None
+        self.log: _Log | None = None
 
     def read(self, k: bytes) -> bytes | None:
         if k in self.writes:
@@ -109,7 +116,7 @@ class SerialContext:
     def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list:
         p = store_key(self._op, self._key, _item(prefix))
         plen = len(entity_prefix(self._op, self._key)) + 1
-        merged = {k: v for k, v in self._txn.state.items() if k.startswith(p)}
+        merged: dict[bytes, bytes | None] = {k: v for k, v in self._txn.state.items() if k.startswith(p)}
         merged.update({k: v for k, v in self._txn.writes.items() if k.startswith(p)})
         out = []
         for k in sorted(merged):
@@ -194,9 +201,9 @@ class SerialContext:
 
     def timers(self) -> list[_timers.Timer]:
         p = _timers.owner_prefix(self._op, self._key)
-        merged = {k: v for k, v in self._txn.state.items() if k.startswith(p)}
+        merged: dict[bytes, bytes | None] = {k: v for k, v in self._txn.state.items() if k.startswith(p)}
         merged.update({k: v for k, v in self._txn.writes.items() if k.startswith(p)})
-        return [_timers.decode(merged[k]) for k in sorted(merged) if merged[k] is not None]
+        return [_timers.decode(v) for k in sorted(merged) if (v := merged[k]) is not None]
 
     def random(self) -> float:
         if self._rng is None:
@@ -300,14 +307,15 @@ def serial_execute(
     :mod:`charon.core.determinism`)."""
     if not determinism_check:
         return _serial_execute(app, state, tid, request, max_invocations, events, None)
-    runs = []
-    for log in (([], {}), ([], {})):
+    runs: list[tuple[_Outcome, dict[bytes, bytes], list[tuple[str, bytes]], _Log]] = []
+    logs: tuple[_Log, _Log] = (([], {}), ([], {}))
+    for log in logs:
         copy: dict[bytes, bytes] = dict(state)
         evs: list[tuple[str, bytes]] = []
         runs.append((_serial_execute(app, copy, tid, request, max_invocations, evs, log, warn=not runs), copy,
                      evs, log))
     first, second = runs[0][0], runs[1][0]
-    same_abort = not first[0] and not second[0] and first[1][0] == second[1][0]  # type: ignore[index]
+    same_abort = not first[0] and not second[0] and first[1][0] == second[1][0]
     diff = None if same_abort else _log_difference(runs[0][3], runs[1][3])
     if diff is not None:
         return False, ("NonDeterministicFunction", determinism.message(*diff))
@@ -346,8 +354,8 @@ def _log_difference(a: tuple, b: tuple) -> tuple[str, str, str, str] | None:
 
 def _serial_execute(
     app: Application, state: dict[bytes, bytes], tid: int, request: Request, max_invocations: int,
-    events: list[tuple[str, bytes]] | None, log: dict | None, warn: bool = True,
-) -> tuple[bool, bytes | tuple[str, str]]:
+    events: list[tuple[str, bytes]] | None, log: _Log | None, warn: bool = True,
+) -> _Outcome:
     try:
         fn = app.validate(request.operator, request.function, serde.decode(request.args), key=request.key)
     except CharonError as exc:
@@ -410,14 +418,15 @@ def check_epoch(
             continue
         ok, out = serial_execute(app, state, tid, result.requests[tid], max_invocations=max_invocations,
                                  events=events)
-        assert rep.ok == ok, f"tid {tid}: engine ok={rep.ok} ({rep.error_type}: {rep.error_message}), oracle {out}"
+        assert rep.ok == ok, f"tid {tid}: engine ok={rep.ok} ({rep.error_type}: {rep.error_message}), oracle {out!r}"
         if ok:
+            assert isinstance(out, bytes)  # a return value
             assert rep.value == out, f"tid {tid}: engine {serde.decode(rep.value)!r} != oracle {serde.decode(out)!r}"
         else:
             # With concurrent branches (gather, send) several functions may raise; which error the client
             # sees is deterministic but not defined by the serial order, so only the abort is compared
             # strictly, with the error's type.
-            assert rep.error_type == out[0], f"tid {tid}: {rep} vs oracle {out}"
+            assert rep.error_type == out[0], f"tid {tid}: {rep} vs oracle {out!r}"
     assert set(result.order) | set(result.deferred) == set(result.requests), "every transaction is accounted for"
     assert _timers.reindex(state) == after, "state after the epoch differs from the serial execution"
     assert [(s, v) for _, s, v in result.events] == events, "the epoch's atom differs from the serial execution's"

@@ -208,8 +208,7 @@ def _sync_prog(src: _Source, shape: Shape, depth: int, root: bool = False, ro: b
     if ro:
         kinds = ["get", "get", "iget", "raise_if"] + (["scan"] if "scan" in f else [])
         kinds += ["call"] * (depth > 0)
-        ops = [_sync_op(src, shape, depth, src.pick(kinds), ro) for _ in range(src.int(1, shape.ops))]
-        return ops
+        return [_sync_op(src, shape, depth, src.pick(kinds), ro) for _ in range(src.int(1, shape.ops))]
     kinds = ["get", "get", "put", "put_if", "put_if", "raise_if", "add", "iget", "iput"]
     if "del" in f:
         kinds += ["del", "idel"]
@@ -447,7 +446,7 @@ def _check_inprocess(w: Workload, max_drain: int) -> list:
             assert rid not in accounted, f"{rid} has two outcomes"
             accounted[rid] = res.replies[tid]
             ok, out = serial_execute(app, oracle, tid, res.requests[tid])
-            assert ok == res.replies[tid].ok, f"cumulative oracle: {rid} engine {res.replies[tid]} oracle {out}"
+            assert ok == res.replies[tid].ok, f"cumulative oracle: {rid} engine {res.replies[tid]} oracle {out!r}"
         for tid in res.deferred:
             assert res.requests[tid].request_id not in accounted, f"tid {tid} deferred after an outcome"
         assert sorted(res.deferred) == sorted(t for t, _ in rt.coordinator.deferred)

@@ -32,8 +32,9 @@ from charon.apps.tpcc import Record, Scale
 SCHEMA = "operator string, key string, item string, value binary"
 Row = tuple[str, str, str, bytes]
 # The generation units live with the application (one definition of the population).
-CHUNK, Unit, units, unit_rng, unit_records, populate = (
-    tpcc.CHUNK, tpcc.Unit, tpcc.units, tpcc.unit_rng, tpcc.unit_records, tpcc.populate,
+Unit = tpcc.Unit
+CHUNK, units, unit_rng, unit_records, populate = (
+    tpcc.CHUNK, tpcc.units, tpcc.unit_rng, tpcc.unit_records, tpcc.populate,
 )
 
 

@@ -215,7 +215,7 @@ async def run_open_loop(
 
 
 def _lean_sender(
-    enqueue: Callable[[Request], Any], samples: list[dict], on_reply: Callable[[Request, Any], None] | None,
+    enqueue: Callable[[_Request], Any], samples: list[dict], on_reply: Callable[[Request, Any], None] | None,
     loop: asyncio.AbstractEventLoop, t0: Callable[[], float], prefix: str,
 ) -> Callable[[dict, Any, int], Any]:
     """The generator's per-request path for a target with ``enqueue(Request) -> Future`` (the in-process

@@ -224,7 +224,9 @@ class YcsbSql(SqlWorkload):
     @staticmethod
     async def total(conn: psycopg.AsyncConnection) -> int:
         cur = await conn.execute("SELECT coalesce(sum(balance), 0) FROM account")
-        return int((await cur.fetchone())[0])
+        row = await cur.fetchone()
+        assert row is not None  # an aggregate: one row
+        return int(row[0])
 
 
 class TpccSql(SqlWorkload):
@@ -290,6 +292,12 @@ class TpccSql(SqlWorkload):
             cur = await conn.execute(sql, params)
             return await cur.fetchone()
 
+        async def row_of(conn: psycopg.AsyncConnection, sql: str, params: tuple) -> tuple:
+            """The row of a statement that always returns one (an update of an existing row, RETURNING)."""
+            r = await one(conn, sql, params)
+            assert r is not None, sql
+            return r
+
         async def new_order(conn: psycopg.AsyncConnection, key: str, args: list) -> dict:
             w, d = (int(x) for x in key.split(":"))
             c_id, lines = int(args[0]), args[1]
@@ -299,8 +307,8 @@ class TpccSql(SqlWorkload):
                 await conn.execute("SELECT 1 FROM stock WHERE (w_id, i_id) IN (SELECT * FROM unnest(%s::int[], "
                                    "%s::int[])) ORDER BY w_id, i_id FOR UPDATE",
                                    ([p[0] for p in pairs], [p[1] for p in pairs]))
-            (w_tax,) = await one(conn, "SELECT tax FROM warehouse WHERE w_id = %s", (w,))
-            d_tax, o_id = await one(conn, "UPDATE district SET next_o_id = next_o_id + 1 WHERE w_id = %s AND "
+            (w_tax,) = await row_of(conn, "SELECT tax FROM warehouse WHERE w_id = %s", (w,))
+            d_tax, o_id = await row_of(conn, "UPDATE district SET next_o_id = next_o_id + 1 WHERE w_id = %s AND "
                                           "d_id = %s RETURNING tax, next_o_id - 1", (w, d))
             c = await one(conn, "SELECT discount, last, credit FROM customer WHERE w_id = %s AND d_id = %s AND "
                                 "c_id = %s", (w, d, c_id))
@@ -311,7 +319,7 @@ class TpccSql(SqlWorkload):
                 p = await one(conn, "SELECT price FROM item WHERE i_id = %s", (i_id,))
                 if p is None:
                     raise AppAbort("UnknownItem", f"item {i_id} not found")
-                (dist,) = await one(conn, "UPDATE stock SET quantity = CASE WHEN quantity >= %s + 10 THEN "
+                (dist,) = await row_of(conn, "UPDATE stock SET quantity = CASE WHEN quantity >= %s + 10 THEN "
                                           "quantity - %s ELSE quantity + 91 - %s END, ytd = ytd + %s, "
                                           "order_cnt = order_cnt + 1, remote_cnt = remote_cnt + %s "
                                           "WHERE w_id = %s AND i_id = %s RETURNING dist",
@@ -332,7 +340,7 @@ class TpccSql(SqlWorkload):
                 await conn.execute("SELECT 1 FROM district WHERE w_id = %s AND d_id = %s FOR UPDATE", (w, d))
                 await conn.execute("SELECT 1 FROM warehouse WHERE w_id = %s FOR UPDATE", (w,))
             await conn.execute("UPDATE district SET ytd = ytd + %s WHERE w_id = %s AND d_id = %s", (amount, w, d))
-            (w_name,) = await one(conn, "UPDATE warehouse SET ytd = ytd + %s WHERE w_id = %s RETURNING name",
+            (w_name,) = await row_of(conn, "UPDATE warehouse SET ytd = ytd + %s WHERE w_id = %s RETURNING name",
                                   (amount, w))
             if c_id == 0:
                 cur = await conn.execute("SELECT c_id FROM customer WHERE w_id = %s AND d_id = %s AND last = %s "
@@ -474,8 +482,10 @@ class DeathstarSql(SqlWorkload):
                         f"r.kind = '{table}' AND r.id = t.id) FROM {table} t"):
                     if booked > cap or booked != rows:
                         errors.append(f"{table} {ident}: booked {booked}, rows {rows}, capacity {cap}")
-            h, f, u = conn.execute("SELECT (SELECT sum(booked) FROM hotel), (SELECT sum(booked) FROM flight), "
-                                   "(SELECT sum(reservations) FROM users)").fetchone()
+            sums = conn.execute("SELECT (SELECT sum(booked) FROM hotel), (SELECT sum(booked) FROM flight), "
+                                "(SELECT sum(reservations) FROM users)").fetchone()
+            assert sums is not None  # aggregates: one row
+            h, f, u = sums
             if not h == f == u:
                 errors.append(f"reservations not atomic: {h} {f} {u}")
         return errors

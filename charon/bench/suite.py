@@ -117,7 +117,7 @@ SYSTEM_LABELS = {"inprocess": "charon-inprocess", "postgres": "postgres", "postg
 def _spark_hook() -> None:
     """Register the Spark runtime if the project provides ``charon.bench.spark.spark_target``."""
     try:
-        from charon.bench.spark import spark_target  # type: ignore[import-not-found]
+        from charon.bench.spark import spark_target
     except ImportError:
         return
     SYSTEM_FACTORIES["spark"] = spark_target

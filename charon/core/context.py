@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import random as _random
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
@@ -88,7 +88,7 @@ class Journal:
         self._nread = 0
         self.live = True
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Journal], tuple[object, ...]]:
         return (_new_journal, (self.replies, self.reads, self.nsusp, self.pending))
 
     def rewind(self) -> None:
@@ -598,8 +598,8 @@ def raised_in(message: str, op: str, key: str, fn: str) -> str:
 
 def _replayed_target(operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
     """The target of a call or send already validated in the run that first made it (as ``_target``)."""
-    op = operator if type(operator) is str else operator.name
-    fn = function if type(function) is str else function.name
+    op = operator.name if isinstance(operator, Operator) else operator
+    fn = function.name if isinstance(function, Function) else function
     return (op, key, fn, serde.encode(list(args)))
 
 

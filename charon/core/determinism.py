@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from charon.core import timers as _timers
-from charon.core.partition import ASYNC, SYNC, Frame, Invoke, PartitionUnit, Reply, RoundOutput
+from charon.core.partition import ASYNC, SYNC, Frame, Invoke, LiveTable, PartitionUnit, Reply, RoundOutput
 from charon.errors import NonDeterministicFunction
 
 
@@ -38,8 +38,9 @@ class _Twin(PartitionUnit):
     a twin past its budget like the real run)."""
 
     __slots__ = ("real",)
+    real: PartitionUnit
 
-    @property  # type: ignore[override]
+    @property
     def current(self) -> Frame | None:
         return self.real.current
 
@@ -47,7 +48,7 @@ class _Twin(PartitionUnit):
     def current(self, frame: Frame | None) -> None:
         self.real.current = frame
 
-    def _live_table(self) -> dict[int, dict]:
+    def _live_table(self) -> dict[int, LiveTable]:
         return self._ltab  # never the process's table of live coroutines (the real unit's)
 
 

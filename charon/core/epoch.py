@@ -639,11 +639,11 @@ class EpochCoordinator:
                         self._verdict(tid, etype, msg)
             if o.rw:
                 for tid, t in o.rw.items():  # a partition's own entities: disjoint from the other partitions'
-                    d = rw.get(tid)
-                    if d is None:
+                    had = rw.get(tid)
+                    if had is None:
                         rw[tid] = t.copy()
                     else:
-                        d.update(t)  # t is what the transaction touched here so far (a write stays a write)
+                        had.update(t)  # t is what the transaction touched here so far (a write stays a write)
             if o.invalid:
                 track.invalid.update(o.invalid)
             if o.messages:
@@ -1002,7 +1002,10 @@ class EpochCoordinator:
         gone = {r.tid for r in late}
         return [t for t in conflicted if t not in gone]
 
-    def _fallback(self, epoch, conflicted, track, result, reply, apply_lockfree, stats):
+    def _fallback(
+        self, epoch: int, conflicted: list[int], track: _Track, result: EpochResult,
+        reply: Callable[..., Reply], apply_lockfree: list[int], stats: dict[str, float],
+    ) -> tuple[list[int], list[int]]:
         """Resolve the conflicted transactions through deterministic per-entity lock queues (see :class:`_Queues`).
 
         Every unresolved transaction waits in TID order in the queue of each entity of its known set K (the dry

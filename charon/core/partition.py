@@ -18,8 +18,8 @@ import os
 import pickle
 import threading
 from collections import deque
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, Generic, NamedTuple, TypeVar, final
 
 from charon import serde
 from charon.core import timers as _timers
@@ -61,7 +61,7 @@ def timeout_message(frame: Any) -> str:
     return raised_in(msg, frame.op, frame.key, frame.fn) if frame.kind != ROOT else msg
 
 
-_LIVE: dict[tuple[int, int], tuple[int, dict]] = {}  # (thread, partition) -> (epoch, table): see _live_table
+_LIVE: dict[tuple[int, int], tuple[int, dict[int, LiveTable]]] = {}  # (thread, partition) -> (epoch, table)
 _thread_id = threading.get_ident
 
 
@@ -92,6 +92,9 @@ KEEP_LIVE_COROUTINES = True
 MAX_INVOCATIONS = 100_000
 
 Entity = tuple[str, str]
+S = TypeVar("S", bound=PartitionStore)  # a unit's store
+#: A synchronous call's caller: (operator, key, invocation id, key group when known).
+Caller = tuple[str, str, str, int | None]
 
 
 def too_many_invocations(limit: int) -> CallGraphLimitExceeded:
@@ -99,6 +102,7 @@ def too_many_invocations(limit: int) -> CallGraphLimitExceeded:
     return CallGraphLimitExceeded(f"more than {limit} invocations")
 
 
+@final  # never subclassed: the engine tells messages apart with ``type(m) is Invoke``
 class Invoke(Journal):
     """Run ``fn(*args)`` on entity (op, key) as invocation ``inv`` of transaction ``tid``.
 
@@ -108,13 +112,27 @@ class Invoke(Journal):
     """
 
     __slots__ = ("tid", "inv", "op", "key", "fn", "args", "share", "kind", "caller", "ts", "depth", "token", "kg")
+    tid: int
+    inv: str
+    op: str
+    key: str
+    fn: str
+    args: bytes
+    share: Share
+    kind: int  # ROOT, SYNC or ASYNC
+    caller: Caller | None  # a synchronous call's caller, where its reply goes
+    ts: float
+    depth: int
+    token: int | None
+    kg: int | None
 
-    def __init__(self, tid, inv, op, key, fn, args, share, kind, caller, ts, depth) -> None:  # noqa: ANN001
+    def __init__(self, tid: int, inv: str, op: str, key: str, fn: str, args: bytes, share: Share, kind: int,
+                 caller: Caller | None, ts: float, depth: int) -> None:
         self.tid, self.inv, self.op, self.key, self.fn, self.args = tid, inv, op, key, fn, args
         self.share, self.kind, self.caller, self.ts, self.depth = share, kind, caller, ts, depth
         self.token = self.kg = None  # kg: routing.key_group(op, key) once a router computed it (not pickled)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Invoke], tuple[object, ...]]:
         if self.token is None:
             return (_new_invoke, (
                 self.tid, self.inv, self.op, self.key, self.fn, self.args, self.share, self.kind, self.caller,
@@ -154,15 +172,33 @@ class Reply:
     ``kg``: the caller's key group (routing.key_group(op, key)) when known, else None (not pickled)."""
 
     __slots__ = ("tid", "op", "key", "inv", "value", "share", "child", "kg")
+    tid: int
+    op: str
+    key: str
+    inv: str
+    value: bytes
+    share: Share
+    child: str
+    kg: int | None
 
-    def __init__(self, tid, op, key, inv, value, share, child, kg=None) -> None:  # noqa: ANN001
+    def __init__(self, tid: int, op: str, key: str, inv: str, value: bytes, share: Share, child: str,
+                 kg: int | None = None) -> None:
         self.tid, self.op, self.key, self.inv, self.value, self.share = tid, op, key, inv, value, share
         self.child, self.kg = child, kg
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Reply], tuple[object, ...]]:
         return (_new_reply, (
             self.tid, self.op, self.key, self.inv, self.value, self.share, self.child,
         ))
+
+
+#: What running one invocation step sends on (:meth:`PartitionUnit._run`): calls and sends, or the reply to its
+#: caller (a tuple when that reply alone).
+Outgoing = list[Invoke | Reply] | tuple[Invoke | Reply, ...]
+#: A suspended frame's live coroutine in this process: (coroutine, its context, the journal's nsusp).
+Live = tuple[Coroutine[Any, Any, Any], Context, int]
+#: One transaction's live coroutines by frame token (Invoke.token: never None once the Invoke is a frame).
+LiveTable = dict[int | None, Live]
 
 
 class Prior(NamedTuple):
@@ -175,6 +211,10 @@ class Prior(NamedTuple):
     epoch: int
     apply: list[int]
     reset: list[int]
+
+
+#: What pickles a Control: (epoch, phase, apply, reset, fast, finalize, max_invocations, prior, timers).
+_ControlState = tuple[int, int, list[int], list[int], list[int], bool, int, Prior | None, tuple[float, int] | None]
 
 
 class Control:
@@ -191,22 +231,31 @@ class Control:
 
     DRY, FALLBACK = 0, 1
 
-    def __init__(self, epoch: int, phase: int = 0, apply=(), reset=(), fast=(), finalize: bool = False,
+    def __init__(self, epoch: int, phase: int = 0, apply: Iterable[int] = (), reset: Iterable[int] = (),
+                 fast: Iterable[int] = (), finalize: bool = False,
                  max_invocations: int = MAX_INVOCATIONS, prior: Prior | None = None,
-                 timers: tuple[float, int] | None = None):
+                 timers: tuple[float, int] | None = None) -> None:
         """``timers``: a collect round (epoch time, per-partition limit); see :mod:`charon.core.timers`."""
         self.epoch, self.phase, self.apply, self.reset = epoch, phase, list(apply), list(reset)
         self.fast, self.finalize, self.max_invocations = list(fast), finalize, max_invocations
         self.prior = prior
         self.timers = timers
 
-    def __getstate__(self):
+    def __getstate__(self) -> _ControlState:
         return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
                 self.prior, self.timers)
 
-    def __setstate__(self, st):
+    def __setstate__(self, st: _ControlState) -> None:
         (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
          self.prior, self.timers) = st
+
+
+#: What pickles a RoundOutput (its fields in order).
+_OutputState = tuple[
+    list["Invoke | Reply"], list[tuple[int, bytes, Share]], list[tuple[int, Share]], list[tuple[int, str, str]],
+    dict[int, dict[Entity, bool]], list[int], dict[int, int], dict[str, int], dict[int, list["Cached"]],
+    list[tuple[int, str, int, str, bytes]], list[bytes], float | None,
+]
 
 
 class RoundOutput:
@@ -234,11 +283,11 @@ class RoundOutput:
         self.timers: list[bytes] = []  # a collect round: the encoded timers this partition fires
         self.next_due: float | None = None  # collect and finalize rounds: this partition's next due time
 
-    def __getstate__(self):
+    def __getstate__(self) -> _OutputState:
         return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations,
                 self.stats, self.cached, self.events, self.timers, self.next_due)
 
-    def __setstate__(self, st):
+    def __setstate__(self, st: _OutputState) -> None:
         (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations, self.stats,
          self.cached, self.events, self.timers, self.next_due) = st
 
@@ -256,15 +305,15 @@ class Cached:
     def __init__(self, frame: Frame, result: bytes, calls: list, access: bool | None) -> None:
         self.frame, self.result, self.calls, self.access = frame, result, calls, access
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Cached], tuple[object, ...]]:
         f = self.frame
         return (_new_cached, (
             f.inv, f.op, f.key, f.fn, f.args, f.replies, self.result, self.calls, f.ts, f.depth, f.kind, self.access,
         ))
 
 
-class PartitionUnit:
-    """One partition of the deterministic core (see the module docstring)."""
+class PartitionUnit(Generic[S]):
+    """One partition of the deterministic core (see the module docstring); ``S``: the type of its store."""
 
     # Slots: attribute access stays the fast kind whatever the number of attributes (CPython 3.11 measured: with
     # a plain instance dict, a 27th attribute made a Deathstar search epoch ~2.5% more instructions). A new
@@ -274,7 +323,7 @@ class PartitionUnit:
                  "dead", "fast_layer", "_recording", "emits", "emitted", "_out", "_stat_reads",
                  "_stat_runs", "current", "interrupt", "check_determinism", "__weakref__")
 
-    def __init__(self, pid: int, partitions: int, app: Application, store: PartitionStore) -> None:
+    def __init__(self, pid: int, partitions: int, app: Application, store: S) -> None:
         self.pid = pid
         self.partitions = partitions
         self.app = app
@@ -290,7 +339,7 @@ class PartitionUnit:
         #: then reports the next due time it found last instead of scanning the timer index again
         self.sole_writer = False
         self._due: tuple[int, float] | None = None  # (store epoch, next due time) after the last finalize
-        self._ltab: dict[int, dict] = {}  # the live-coroutine table of the round being processed (_process)
+        self._ltab: dict[int, LiveTable] = {}  # the live-coroutine table of the round being processed (_process)
         # whether the scratch is as _clear leaves it (nothing of an epoch here yet): a partition an epoch never
         # reached then clears and finalizes without allocating anything (see step)
         self._fresh = False
@@ -470,9 +519,9 @@ class PartitionUnit:
             merged[it.decode()] = v
         for layer in layers:
             if layer:
-                for it, v in layer.items():
-                    if it.startswith(narrow) and (start is None or it >= start) and (stop is None or it < stop):
-                        merged[it] = v
+                for name, val in layer.items():
+                    if name.startswith(narrow) and (start is None or name >= start) and (stop is None or name < stop):
+                        merged[name] = val
         return sorted((k, v) for k, v in merged.items() if v is not None and k)
 
     def write(self, tid: int, op: str, key: str, item: str, value: bytes | None) -> None:
@@ -616,6 +665,7 @@ class PartitionUnit:
             from charon.core.determinism import run_twice
 
             run = partial(run_twice, self)
+        frame: Frame | None
         while queue:
             m = queue.popleft()
             tid = m.tid
@@ -631,7 +681,9 @@ class PartitionUnit:
                 frame = m
             else:
                 tframes = frames.get(tid)
-                frame = tframes.get(m.inv) if tframes is not None else None
+                if tframes is None:
+                    continue  # its transaction was reset
+                frame = tframes.get(m.inv)
                 if frame is None:
                     continue  # its transaction was reset
                 a, b = frame.share, m.share  # shares.add, inlined for equal exponents (the common case)
@@ -644,6 +696,7 @@ class PartitionUnit:
                 else:
                     frame.share = add(a, b)
                 pending = frame.pending  # frame.receive(m.child, m.value), inlined
+                assert pending is not None  # a frame a reply is addressed to waits for it
                 frame.replies[pending.pop(m.child)] = m.value
                 if pending:
                     continue  # a gather still waiting for other replies
@@ -658,7 +711,7 @@ class PartitionUnit:
                 else:
                     remote.append(msg)
 
-    def _run(self, frame: Frame) -> list[Invoke | Reply]:
+    def _run(self, frame: Frame) -> Outgoing:
         """Run one invocation until it completes, suspends on a call, or raises.
 
         A frame resumed by a reply continues its live coroutine when this process still holds it (the
@@ -667,7 +720,7 @@ class PartitionUnit:
         decides what is replayed). Both give the same effects.
         """
         self._stat_runs += 1
-        live = None
+        live: Live | None = None
         if frame.nsusp:  # self._live_pop(frame), inlined
             t = self._ltab.get(frame.tid)
             if t:
@@ -714,7 +767,7 @@ class PartitionUnit:
                         raise too_large(f"{frame.op}.{frame.fn}'s return value", len(value)) from None
                 # self._complete(frame, ctx, value), inlined (two of a transfer's three runs complete)
                 sends = ctx._sends
-                msgs: list[Invoke | Reply] | tuple = ()
+                msgs: Outgoing = ()
                 if sends:
                     msgs = []
                     part, leftover = split(frame.share, len(sends))
@@ -723,10 +776,11 @@ class PartitionUnit:
                     leftover = frame.share
                 tid = frame.tid
                 if kind == SYNC:
+                    assert frame.caller is not None  # a synchronous call's
                     cop, ckey, cinv, ckg = frame.caller
                     r = Reply(tid, cop, ckey, cinv, value, leftover, frame.inv, ckg)
-                    if msgs:
-                        msgs.append(r)  # type: ignore[union-attr]
+                    if msgs and isinstance(msgs, list):  # calls or sends made (_emit_sends filled the list)
+                        msgs.append(r)
                     else:
                         msgs = (r,)
                 elif kind == ROOT:
@@ -759,8 +813,8 @@ class PartitionUnit:
         except Interrupt:  # the watchdog stopped a function past its budget: the recorded error aborts it
             self.current = None
             hook = self.interrupt
-            exc = hook(frame) if hook is not None else InvocationTimeout(timeout_message(frame))
-            self._fail(frame.tid, exc)  # the verdict's message names the function already
+            err = hook(frame) if hook is not None else InvocationTimeout(timeout_message(frame))
+            self._fail(frame.tid, err)  # the verdict's message names the function already
             return ()
         finally:
             self.current = None
@@ -769,7 +823,7 @@ class PartitionUnit:
     # {(thread, pid): (epoch, {tid: {token: (coro, ctx, nsusp)}})}. Per thread: rounds running at the same
     # time in other threads (another runtime, a finalize pool) never close or resume this thread's coroutines;
     # a frame resumed in another thread than the one that suspended it replays its journal instead.
-    def _live_table(self) -> dict[int, dict]:
+    def _live_table(self) -> dict[int, LiveTable]:
         k = (_thread_id(), self.pid)
         entry = _LIVE.get(k)
         if entry is not None and entry[0] == self.epoch:
@@ -877,7 +931,8 @@ class PartitionUnit:
         """
         if self._clog:
             self._take_cache(set(tids))
-        self.fast_layer = layer = {}
+        layer: dict[Entity, dict[str, bytes | None]] = {}
+        self.fast_layer = layer
         invalid = self._out.invalid
         for tid in sorted(tids):
             cached = self.cache.get(tid)
@@ -1038,7 +1093,8 @@ def _new_frame(*st: Any) -> Frame:
     return o
 
 
-def _new_cached(inv, op, key, fn, args, replies, result, calls, ts, depth, kind, access) -> Cached:  # noqa: ANN001
+def _new_cached(inv: str, op: str, key: str, fn: str, args: bytes, replies: dict[int, bytes], result: bytes,
+                calls: list, ts: float, depth: int, kind: int, access: bool | None) -> Cached:
     f = _new_invoke(None, inv, op, key, fn, args, None, kind, None, ts, depth)
     f.replies = replies
     return Cached(f, result, calls, access)

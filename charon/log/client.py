@@ -124,6 +124,7 @@ class LogClient:
                 fut.set_exception(exc)
                 fut.exception()  # a waiter may have timed out: never warn "exception never retrieved"
             else:
+                assert rep is not None  # a reply or an error, never neither
                 fut.set_result(rep)
 
     async def _append(self, batch: list[Request]) -> None:

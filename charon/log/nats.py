@@ -343,7 +343,8 @@ class _Base:
         if start_time is not None:
             cfg = ConsumerConfig(
                 deliver_policy=DeliverPolicy.BY_START_TIME,
-                opt_start_time=datetime.fromtimestamp(start_time, UTC).isoformat(),
+                # nats-py passes a string through as is (older releases took only one); its stub says datetime
+                opt_start_time=datetime.fromtimestamp(start_time, UTC).isoformat(),  # type: ignore[arg-type]
                 ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True,
             )
             bound = last_seq
@@ -552,8 +553,8 @@ class NatsInputLog(_Base):
             if old is None:
                 publish.append((i, items[i][1], f"{items[i][2]}.{stamp}"))
             elif old.startswith(b"r|"):
-                _, p, off = old.decode().split("|")[:3]
-                pos[items[i][2]] = (int(p), int(off))
+                _, p_s, off_s = old.decode().split("|")[:3]
+                pos[items[i][2]] = (int(p_s), int(off_s))
             else:  # another appender's claim: it is publishing, or it crashed before resolving it
                 _, p_s, t_s = old.decode().split("|")
                 found = None

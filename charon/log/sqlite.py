@@ -259,7 +259,7 @@ class InputLog:
                     raise ValueError(f"partition {p} out of range [0, {n})")
             nxt = dict(c.execute("SELECT part, next FROM parts").fetchall())
             start = dict(nxt)
-            new_rows: list[tuple[int, int, str, bytes]] = []
+            new_rows: list[tuple[int, int, str, bytearray]] = []
             for req, p in items:
                 part = log_partition_of(req.key, route) if p is None else p
                 off = nxt[part]

@@ -624,7 +624,7 @@ async def inprocess_update_code(
     compatible = mode == "compatible"
     async with _alone(rt, drain=not compatible):
         e = rt.epoch
-        first_tid = None
+        first_tid: int | None = None
         if compatible:
             if rt.coordinator.previous is not None:  # a third version at once: the oldest one finishes first
                 while rt.coordinator.previous is not None and rt.coordinator.deferred:
@@ -643,7 +643,7 @@ async def inprocess_update_code(
             data = msgspec.json.encode([*hist, entry])
             await asyncio.to_thread(rt.node.durable.fs.write_atomic, path, lambda f: f.write(data))
         kept = len(rt.coordinator.deferred)  # deferred before e: they finish on the old code
-        if compatible:
+        if compatible and first_tid is not None:  # (set above when compatible)
             _set_previous(rt, (first_tid, rt.app))
         hist.append(entry)
         _switch(rt, app)

@@ -100,7 +100,7 @@ class PortalRouter:
             app, portal = _split(doc["portal"])
             callee = self.deployment.runtimes.get(app)
             target = callee.app.portals.get(portal) if callee is not None else None
-            if target is None:
+            if callee is None or target is None:
                 raise UndeclaredPortal(f"application {app!r} does not expose portal {portal!r}")
         except UndeclaredPortal as exc:
             return Reply(rid, -1, -1, False, error_type="UndeclaredPortal", error_message=str(exc))

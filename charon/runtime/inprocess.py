@@ -270,7 +270,7 @@ class InProcessRuntime(control.Controllable):
         ``NonDeterministicFunction`` when the two runs' effects differ (:mod:`charon.core.determinism`)."""
         self.app = app
         self.determinism_check = determinism_check
-        self.partitions = partitions
+        self.partitions: int  # the directory's layout, else ``partitions`` (4 by default): set below
         self.epoch_max_txns = epoch_max_txns
         self.epoch_max_ms = epoch_max_ms
         self.sizer = EpochSizer(epoch_max_ms / 1000.0, max_batch=epoch_max_txns)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from charon.core.epoch import EpochCoordinator, Verdict
-from charon.core.partition import PartitionUnit
+from charon.core.partition import Frame, Outgoing, PartitionUnit
 from charon.runtime.verdicts import VerdictBook, letter
 
 FILE = "recovery.json"
@@ -133,7 +133,7 @@ def _report_steps(coord: EpochCoordinator, fd: int) -> None:
     is patched: this process ends with the probe)."""
     orig = PartitionUnit._run
 
-    def run(unit: PartitionUnit, frame: Any) -> Any:
+    def run(unit: PartitionUnit, frame: Frame) -> Outgoing:
         req = coord.current.requests.get(frame.tid) if coord.current is not None else None
         if req is not None:
             doc = [req.request_id, f"{req.operator}.{req.function}", frame.op, frame.fn, frame.key, coord.phase == 1]
@@ -141,7 +141,7 @@ def _report_steps(coord: EpochCoordinator, fd: int) -> None:
             os.write(fd, struct.pack(">I", len(data)) + data)
         return orig(unit, frame)
 
-    PartitionUnit._run = run  # type: ignore[method-assign]
+    PartitionUnit._run = run  # type: ignore[method-assign,assignment]  # a deliberate patch (see the docstring)
 
 
 def quarantine_killers(epoch: int, run_epoch: Callable[[], Any], coordinator: Callable[[], EpochCoordinator],

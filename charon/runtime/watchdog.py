@@ -161,7 +161,7 @@ class Watchdog:
         result = coord.current
         req = result.requests.get(frame.tid) if result is not None else None
         msg = timeout_message(frame)
-        if req is None:  # pragma: no cover - every running frame belongs to the current epoch
+        if req is None or result is None:  # pragma: no cover - every running frame belongs to the current epoch
             return InvocationTimeout(msg)
         verdict = coord.verdicts.get(req.request_id)
         if verdict is None:
@@ -179,7 +179,7 @@ class Watchdog:
         coord = self.coordinator()
         result = coord.current
         req = result.requests.get(frame.tid) if result is not None else None
-        if req is not None and req.request_id not in coord.verdicts:
+        if req is not None and result is not None and req.request_id not in coord.verdicts:
             msg = (f"{frame.op}.{frame.fn} on key {frame.key!r} held the engine past its time budget where it "
                    "could not be interrupted (blocked in C code); the engine restarted and set the transaction "
                    "aside")

@@ -338,7 +338,7 @@ def _openapi(app: Any, secured: bool) -> dict[str, Any]:
         "description": "accepted (async mode, or still running after the gateway's wait timeout)",
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Accepted"}}},
     }
-    security = [{"bearer": []}] if secured else []
+    security: list[dict[str, list[str]]] = [{"bearer": []}] if secured else []
 
     def invoke_op(summary: str, args_schema: dict[str, Any], params: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -1380,7 +1380,7 @@ def create_app(
     from charon.server.admin import admin_routes  # imports this module
     from charon.server.metrics import GatewayMetrics
 
-    parts = getattr(runtime, "partitions", None) or getattr(getattr(runtime, "config", None), "partitions", 1)
+    parts = getattr(runtime, "partitions", 0) or getattr(getattr(runtime, "config", None), "partitions", 1)
     gw.metrics = GatewayMetrics(runtime, int(parts), samples=cfg.metrics_samples)
     routes += admin_routes(gw, gw.metrics)
     async def http_error(request: HTTPRequest, exc: Exception) -> Response:

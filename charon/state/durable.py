@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -39,6 +39,7 @@ BATCH_ROWS = 65536
 TMP_MAX_AGE = 3600.0  # seconds: temp files older than this are debris of a killed writer
 _BASE_RE = re.compile(r"^base-(-?\d+)-([0-9a-f]+)\.arrow$")
 _DELTA_RE = re.compile(r"^delta-(-?\d+)\.arrow$")
+T = TypeVar("T")
 
 
 class DurableStateError(Exception):
@@ -98,7 +99,7 @@ class _LocalFS:
     def open_arrow(path: str) -> pa.NativeFile:
         return pa.memory_map(path, "r")
 
-    def write_atomic(self, path: str, write: Callable[[BinaryIO], None], sync_dir: bool = True) -> int:
+    def write_atomic(self, path: str, write: Callable[[BinaryIO], object], sync_dir: bool = True) -> int:
         """Write a file under a temporary name, fsync it, rename it over ``path``; returns its size.
 
         ``sync_dir=False`` leaves the rename to be made durable by a later write in the same directory
@@ -342,7 +343,7 @@ class DurableState:
         keys, values = self._read_rows(self._path(pid, self._delta_name(epoch)))
         return dict(zip(keys, values, strict=True))
 
-    def _retry(self, fn: Callable[[], object]) -> object:
+    def _retry(self, fn: Callable[[], T]) -> T:
         # a concurrent compaction may delete files named by the manifest we read: read it again
         for attempt in range(20):
             try:
@@ -413,7 +414,7 @@ class DurableState:
             m = self.manifest(pid)
             return self._merge_table(pid, m, m.epoch if upto_epoch is None else upto_epoch)
 
-        return self._retry(attempt)  # type: ignore[return-value]
+        return self._retry(attempt)
 
     def load(self, pid: int, upto_epoch: int | None = None) -> tuple[dict[bytes, bytes], int]:
         """The state as of ``upto_epoch`` (default: latest): base merged with deltas ≤ upto_epoch.
@@ -426,7 +427,7 @@ class DurableState:
             m = self.manifest(pid)
             return self._merge(pid, m, m.epoch if upto_epoch is None else upto_epoch)
 
-        return self._retry(attempt)  # type: ignore[return-value]
+        return self._retry(attempt)
 
     def read_keys(self, pid: int, keys: list[bytes], upto_epoch: int) -> tuple[dict[bytes, bytes | None], int]:
         """The values of ``keys`` as of ``upto_epoch`` (None = absent), and the epoch reached.
@@ -456,7 +457,7 @@ class DurableState:
                 state.update(pick(self._path(pid, self._delta_name(e))))
             return state, min(upto_epoch, m.epoch)
 
-        return self._retry(attempt)  # type: ignore[return-value]
+        return self._retry(attempt)
 
     def deltas_after(
         self, pid: int, epoch: int, upto: int | None = None
@@ -475,7 +476,7 @@ class DurableState:
             out = [(e, self._read_delta(pid, e)) for e in m.deltas if epoch < e <= hi]
             return out, max(epoch, min(hi, m.epoch))
 
-        return self._retry(attempt)  # type: ignore[return-value]
+        return self._retry(attempt)
 
     # ---- compaction ---------------------------------------------------------------------------
     def compact(self, pid: int, upto_epoch: int) -> bool:
@@ -499,7 +500,7 @@ class DurableState:
             with self._locked(pid):  # a compaction killed after its swap may have left superseded files
                 self._collect_garbage(pid)
             return False
-        m, reached, table = got  # type: ignore[misc]
+        m, reached, table = got
         name = self._write_base_table(pid, reached, table)
         del table
 

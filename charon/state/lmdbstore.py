@@ -103,7 +103,7 @@ class LmdbStore:
         self.sync = sync
         self.bytes_read = 0
         self.bytes_written = 0
-        self._rtxn: lmdb.Transaction | None = None
+        self._rtxn: lmdb.Transaction[bytes] | None = None
         self._rtxn_pid = 0
         self._h = _get_env(self.path, map_size, sync)
         self._owner = os.getpid()
@@ -145,7 +145,7 @@ class LmdbStore:
             self.end_read()
 
     @contextlib.contextmanager
-    def _txn(self) -> Iterator[lmdb.Transaction]:
+    def _txn(self) -> Iterator[lmdb.Transaction[bytes]]:
         h = self._env
         if self._rtxn is not None:
             yield self._rtxn
@@ -153,7 +153,7 @@ class LmdbStore:
             with h.env.begin(db=h.data, buffers=False) as t:
                 yield t
 
-    def _local_epoch(self, txn: lmdb.Transaction) -> int | None:
+    def _local_epoch(self, txn: lmdb.Transaction[bytes]) -> int | None:
         v = txn.get(_EPOCH_KEY, db=self._env.meta)
         return None if v is None else _EPOCH.unpack(v)[0]
 
@@ -368,7 +368,7 @@ def _rows(table: Any) -> Iterator[tuple[bytes, bytes]]:
         yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True)
 
 
-def _apply(t: lmdb.Transaction, delta: dict[bytes, bytes | None]) -> int:
+def _apply(t: lmdb.Transaction[bytes], delta: dict[bytes, bytes | None]) -> int:
     """Write one delta (None deletes) in key order inside ``t``; returns the bytes written."""
     written = 0
     for k in sorted(delta):

@@ -11,7 +11,8 @@ from sortedcontainers import SortedDict
 class PartitionStore(Protocol):
     """Committed state of one partition, as of the end of epoch ``epoch``."""
 
-    epoch: int
+    @property
+    def epoch(self) -> int: ...
 
     def get(self, key: bytes) -> bytes | None: ...
 

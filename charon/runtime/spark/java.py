@@ -57,7 +57,12 @@ _chosen: Java | None = None
 
 def _major(version: str) -> int:
     parts = version.split(".")
-    return int(parts[1]) if parts[0] == "1" and len(parts) > 1 else int(re.match(r"\d+", parts[0])[0])
+    if parts[0] == "1" and len(parts) > 1:
+        return int(parts[1])
+    m = re.match(r"\d+", parts[0])
+    if m is None:
+        raise ValueError(f"not a Java version: {version!r}")
+    return int(m[0])
 
 
 def java_version(java: str) -> str | None:

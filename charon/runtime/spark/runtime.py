@@ -718,6 +718,7 @@ class SparkExchange:
         # The dry run's call-graph cache stays here; a cached fallback round gets back only its transactions.
         self.cache: list[dict[int, list]] = [{} for _ in range(config.partitions)]
         self.durable_root = state_root(config.checkpoint_dir)  # the layout in force (a rescale changes it)
+        self.fn: partial[Iterator[tuple[int, bytes]]]  # a round's task (set_code)
         self.set_code(app_ref, previous)
         self.stats: dict[str, float] = {}
         self.epoch = -1
@@ -852,6 +853,7 @@ class SparkExchange:
 
         A task costs ~30 ms of PySpark overhead whatever it does, so a round gets a second task only for
         every ``task_min_bytes`` of payload (small rounds run their partitions one after another in one task)."""
+        assert self.sc is not None  # a Spark session (None only in an exchange that never runs a job)
         return self.sc.parallelize(payloads, self.tasks_for(payloads)).mapPartitions(self.fn).collect()
 
     def tasks_for(self, payloads: list[tuple[int, bytes]]) -> int:
@@ -1719,7 +1721,7 @@ class SparkRuntime(control.Controllable):
         """Finalize and record an epoch whose finalize waits for the next epoch (call with the query stopped)."""
         ex = getattr(self, "exchange", None)
         pending = ex.pending if ex is not None else None
-        if pending is None:
+        if ex is None or pending is None:
             return
         ex.pending = None
         self._flush(pending)

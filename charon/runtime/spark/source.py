@@ -254,7 +254,7 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         a NATS log: its end offsets, one request to the server)."""
         if self.networked:
             return tuple(self.log.end_offsets())
-        out = []
+        out: list[tuple[int, int] | None] = []
         for path in (self.path + "-wal", self.path):
             try:
                 st = os.stat(path)
