@@ -190,8 +190,9 @@ def probing(probe_dir: str | None) -> Iterator[None]:
         finally:
             os.write(fd, b"E\n")
 
-    PartitionUnit._run = probed_run  # type: ignore[method-assign]
-    PartitionUnit._replay_cached = probed_replay  # type: ignore[method-assign]
+    # patched for the task's duration (the probing worker's steps), restored after
+    PartitionUnit._run = probed_run  # type: ignore[method-assign,assignment]
+    PartitionUnit._replay_cached = probed_replay  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

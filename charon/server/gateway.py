@@ -1558,7 +1558,7 @@ def serve(
         timer.start()
 
     if hasattr(runtime, "on_fatal"):
-        runtime.on_fatal = gave_up  # type: ignore[attr-defined]
+        runtime.on_fatal = gave_up
 
     app = create_app(
         runtime, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
