@@ -28,7 +28,8 @@ def _legacy_engine(path: str) -> str | None:
     """The engine a directory without an owner file was made by, from its layout (None: nothing of either)."""
     if os.path.isdir(os.path.join(path, "checkpoint")):
         return "spark"
-    if any(os.path.exists(os.path.join(path, f)) for f in ("node.json", "input.sqlite", "epochs")):
+    # (not input.sqlite: a Spark deployment on SQLite logs keeps its log there too, before its checkpoint exists)
+    if any(os.path.exists(os.path.join(path, f)) for f in ("node.json", "epochs")):
         return "inprocess"
     return None
 

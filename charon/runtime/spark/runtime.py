@@ -1522,7 +1522,14 @@ class SparkRuntime(control.Controllable):
     def wait_idle(self, timeout: float = 300.0) -> None:
         """Block until every request appended so far has been run and nothing is deferred."""
         deadline = time.monotonic() + timeout
-        target = self.input_log.end_offsets()
+        while True:  # a networked log may be reconnecting (it fails at once meanwhile): wait for it here too
+            try:
+                target = self.input_log.end_offsets()
+                break
+            except OSError:  # NatsLogError is an OSError
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
         while time.monotonic() < deadline:
             if self._fatal is not None:
                 raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
