@@ -407,8 +407,10 @@ class Context:
             data = _encode(args)  # serde.encode(list(args)), inlined: a tuple encodes as the same msgpack array
         except Exception:  # noqa: BLE001 - its typed error
             data = serde.encode(list(args))
-        if args:
-            _check(args)  # the value model (serde.encode_value)
+        for a in args:  # the value model (serde.encode_value); plain scalars, the common case, pass here
+            if type(a) not in _SCALARS:
+                _check(args)
+                break
         return (fn.operator.name, key, fn.name, data)
 
     def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _Call:

@@ -751,8 +751,9 @@ class PartitionUnit(Generic[S]):
                 if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
-                if ctx._calls is not None:  # every ctx.call awaited (else UnawaitedCall)
-                    check_awaited(ctx._calls, frame.replies, frame.op, frame.fn, frame.key)
+                calls = ctx._calls  # every ctx.call awaited (else UnawaitedCall): as many replies as calls made
+                if calls is not None and len(frame.replies) != len(calls):  # (or sends among them: checked)
+                    check_awaited(calls, frame.replies, frame.op, frame.fn, frame.key)
                 kind = frame.kind
                 if kind == ASYNC:  # a sent function's return value goes nowhere: not encoded (as serially)
                     value = _NONE
