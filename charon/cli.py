@@ -263,7 +263,7 @@ def run(
     application = load_app(target)
     # A function running pure-Python code past its budget holds the GIL until the watchdog stops it: the gateway's
     # threads get it back within this interval (default 5 ms; each request needs several hand-overs).
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(float(os.environ.get("CHARON_SWITCH_INTERVAL", "0.0005")))
     if engine == "inprocess":
         if ephemeral and data_dir is not None:
             raise _fail("--ephemeral keeps nothing on disk: it takes no --data-dir")
