@@ -22,6 +22,9 @@ class SparkConfig:
     partitions: int = 4  # engine partitions (each with its own resident store)
     log_partitions: int | None = None  # input-log partitions = sequencers (default: partitions)
     max_batch: int = 10_000  # most requests per epoch (micro-batch)
+    # most bytes of requests per epoch (SQLite log; at least one request): a flood of large requests is spread
+    # over epochs instead of one epoch whose payload runs the JVM out of heap
+    max_batch_bytes: int = 32 << 20
     # after a (re)start, the first new epoch takes at most this many requests, each next one 4x as many up to
     # max_batch: the backlog a crash left does not all land in one long epoch, so new commits come quickly
     restart_batch: int = 1000

@@ -340,6 +340,17 @@ class InputLog:
         c = self._db.conn()
         return [r[0] for r in c.execute("SELECT next FROM parts ORDER BY part")]
 
+    def range_bytes(self, starts: list[int], ends: list[int]) -> int:
+        """The encoded size of the entries between ``starts`` and ``ends`` (per partition), in bytes."""
+        c = self._db.conn()
+        total = 0
+        for p, (s, e) in enumerate(zip(starts, ends, strict=True)):
+            if e > s:
+                row = c.execute("SELECT coalesce(sum(length(data)), 0) FROM entries WHERE part = ? AND off >= ? "
+                                "AND off < ?", (p, s, e)).fetchone()
+                total += int(row[0])
+        return total
+
     def start_offsets(self) -> list[int]:
         """The first retained offset of every partition (0 until :meth:`truncate`)."""
         c = self._db.conn()

@@ -329,9 +329,12 @@ def make_session(config: SparkConfig) -> Any:
     # tracking) and classes: both capped (the code cache flushes cold code when full; ~120 MB of classes live)
     heap = (f" -Xms{config.driver_memory} -XX:+AlwaysPreTouch -XX:ReservedCodeCacheSize=128m"
             " -XX:MaxMetaspaceSize=512m") if config.fixed_heap else ""
+    # an OutOfMemoryError ends the JVM: one in Spark's scheduler thread once left it alive with no epoch ever
+    # running again; a dead JVM is noticed and replaced by the supervisor (SparkRuntime._supervise_loop)
+    oom = " -XX:+ExitOnOutOfMemoryError"
     for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
         if key.startswith("spark.driver") or same_machine:
-            opts = log4j + (heap if key.startswith("spark.driver") else "")
+            opts = log4j + oom + (heap if key.startswith("spark.driver") else "")
             settings[key] = f"{opts} {settings[key]}" if settings.get(key) else opts
     if SparkContext._gateway is None:  # no JVM in this process yet: start it with its output in the log
         log = spark_log_path(config)
@@ -1000,6 +1003,7 @@ class SparkRuntime(control.Controllable):
             spark.readStream.format("charon_log")
             .option("path", self.input_location)
             .option("maxRecordsPerBatch", str(self.config.max_batch))
+            .option("maxBytesPerBatch", str(self.config.max_batch_bytes))
             .option("startRecordsPerBatch", str(self.config.restart_batch))  # short epochs first (a backlog)
             .option("idleWaitMs", str(self.config.idle_wait_ms))
             .load()

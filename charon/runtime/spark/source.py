@@ -223,6 +223,8 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             pass  # checks the count (the physical count is read from the log at every plan: it can grow)
         self.networked = is_networked(self.path)
         self.max_records = _max_records(options)
+        # bytes a batch may hold at most (0: no cap; a SQLite log only: a NATS log does not tell sizes cheaply)
+        self.max_bytes = int(options.get("maxBytesPerBatch", 0))
         # the ramp after a (re)start: the cap of the next batch this reader plans (it lives as long as the query)
         self.ramp = _start_records(options, self.max_records)
         self.starting = options.get("startingOffsets", "earliest")
@@ -297,10 +299,24 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
                 return start
         # ReadAllAvailable and limits that do not apply to a log (files, bytes): everything up to ends.
         ends = [max(s, e) for s, e in zip(starts, ends, strict=True)]
+        if self.max_bytes and not self.networked:
+            ends = self._cap_bytes(starts, ends)
         if ends == starts:
             return start  # no new data (in the new partitions neither): Spark plans no batch
         self.ramp = min(self.max_records, RAMP_GROWTH * self.ramp)  # a batch is planned: the next may be bigger
         return {"offsets": ends, "start": starts}
+
+    def _cap_bytes(self, starts: list[int], ends: list[int]) -> list[int]:
+        """Fewer entries while the batch would hold more than ``maxBytesPerBatch`` (at least one entry): an epoch's
+        payload is bounded in bytes, not only in count (a flood of large requests once ran the JVM out of heap)."""
+        log = self.log
+        total = log.range_bytes(starts, ends)
+        n = sum(max(0, e - s) for s, e in zip(starts, ends, strict=True))
+        while total > self.max_bytes and n > 1:
+            n = max(1, min(n - 1, int(n * self.max_bytes / total)))
+            ends = cap_offsets(starts, ends, n)
+            total = log.range_bytes(starts, ends)
+        return ends
 
     def reportLatestOffset(self) -> dict:
         return {"offsets": self.log.end_offsets()}
@@ -391,6 +407,8 @@ class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailable
 
         open_output_log(self.path).close()  # create it if missing; reopened per process (see ``log``)
         self.max_records = _max_records(options)
+        # bytes a batch may hold at most (0: no cap; a SQLite log only: a NATS log does not tell sizes cheaply)
+        self.max_bytes = int(options.get("maxBytesPerBatch", 0))
         self._target: int | None = None
 
     @property
@@ -427,6 +445,18 @@ class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailable
             return s if self.log.epoch_boundaries(-1) else end  # marks exist: wait for a whole epoch
         within = [b for b in later if b <= end]
         return within[-1] if within else later[0]  # at least one whole epoch, even beyond the cap
+
+    def _cap_bytes(self, starts: list[int], ends: list[int]) -> list[int]:
+        """Fewer entries while the batch would hold more than ``maxBytesPerBatch`` (at least one entry): an epoch's
+        payload is bounded in bytes, not only in count (a flood of large requests once ran the JVM out of heap)."""
+        log = self.log
+        total = log.range_bytes(starts, ends)
+        n = sum(max(0, e - s) for s, e in zip(starts, ends, strict=True))
+        while total > self.max_bytes and n > 1:
+            n = max(1, min(n - 1, int(n * self.max_bytes / total)))
+            ends = cap_offsets(starts, ends, n)
+            total = log.range_bytes(starts, ends)
+        return ends
 
     def reportLatestOffset(self) -> dict:
         return {"seq": self.log.last_seq()}
