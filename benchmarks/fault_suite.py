@@ -11,7 +11,7 @@ reply read back by its request id equals the acknowledged one) and that money is
     .venv/bin/python benchmarks/fault_suite.py --only spin,sleep     # some of them
     .venv/bin/python benchmarks/fault_suite.py --engine spark        # the Spark engine (local mode)
 
-Writes ``benchmarks/fault_suite-<engine>.json`` and prints a table. Scenarios:
+Writes ``benchmarks/issue22/fault_suite-<engine>.json`` and prints a table. Scenarios:
 
 - ``spin``: a function in an endless loop (budget 1 s).
 - ``sleep``: a function blocked 30 s in ``time.sleep`` (its own budget 0.5 s; in-process: stuck, quarantined after
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 nats.stop()
     doc = {"engine": args.engine, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
            "results": results}
-    out = ROOT / "benchmarks" / f"fault_suite-{args.engine}.json"
+    out = ROOT / "benchmarks" / "issue22" / f"fault_suite-{args.engine}.json"
     if not args.only:
         out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"{'scenario':<10} {'healed s':>9} {'health!=200 at s':>17} {'unrelated p50/p99 ms':>21} {'lost':>5} money")
