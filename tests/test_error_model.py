@@ -68,3 +68,33 @@ def test_the_cases_cover_both_kinds() -> None:
     got = asyncio.run(main())
     assert got == [("UnknownFunction", ""), ("BadArguments", ""), ("TransactionAborted", "InvocationTimeout"),
                    ("TransactionAborted", "RuntimeError"), ("TransactionAborted", "ValueError")], got
+
+
+def test_state_reads_do_not_show_the_engines_timer_entries() -> None:
+    """`charon read` / the admin scan list an entity's value and its own items, not the engine's timer entries
+    (they once showed "\\u0002t2-0-1" beside the items)."""
+    from charon import Application, Context, Operator
+    from charon.runtime.control import decode_entities
+
+    acct = Operator("acct")
+
+    @acct.function
+    async def later(ctx: Context) -> None:
+        ctx.put(1)
+        ctx.put_item("mine", 2)
+        ctx.send_after(3600, acct, ctx.key, noop)
+
+    @acct.function
+    async def noop(ctx: Context) -> None:
+        pass
+
+    rt = InProcessRuntime(Application("timers", [acct]))
+
+    async def main() -> dict:
+        async with rt:
+            await rt.invoke("acct", "k", "later")
+            assert rt.pending_timers(), "the timer is pending"
+            return decode_entities(rt.snapshot(), "acct")
+
+    got = asyncio.run(main())
+    assert got == {"k": {"value": 1, "items": {"mine": 2}}}, got

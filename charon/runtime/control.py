@@ -204,13 +204,13 @@ def decode_entities(rows: dict[bytes, bytes], operator: str) -> dict[str, dict[s
     out: dict[str, dict[str, Any]] = {}
     for k, v in rows.items():
         op, key, item = split_store_key(k)
-        if op != operator:
+        if op != operator or (item and not item.startswith("\x01")):  # the engine's own entries (timers): not shown
             continue
         ent = out.setdefault(key, {"value": None, "items": {}})
         if item == "":
             ent["value"] = serde.decode(v)
         else:
-            ent["items"][item.lstrip("\x01")] = serde.decode(v)
+            ent["items"][item[1:]] = serde.decode(v)
     return out
 
 
