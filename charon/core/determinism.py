@@ -90,6 +90,7 @@ def _twin_of(unit: PartitionUnit, tid: int, hook: _Hook) -> _Twin:
     t._out = RoundOutput()
     t._stat_reads = t._stat_runs = 0
     t.interrupt = hook
+    t.twice = None  # the twin's own steps run once
     return t
 
 

@@ -19,6 +19,7 @@ import pickle
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
+from functools import partial
 from typing import Any, Generic, NamedTuple, TypeVar, final
 
 from charon import serde
@@ -321,7 +322,7 @@ class PartitionUnit(Generic[S]):
     __slots__ = ("pid", "partitions", "app", "previous", "store", "max_invocations", "report_cache", "sole_writer",
                  "_due", "_ltab", "_fresh", "epoch", "buffers", "frames", "touched", "cache", "_clog", "overlay",
                  "dead", "fast_layer", "_recording", "emits", "emitted", "_out", "_stat_reads",
-                 "_stat_runs", "current", "interrupt", "check_determinism", "__weakref__")
+                 "_stat_runs", "current", "interrupt", "twice", "__weakref__")
 
     def __init__(self, pid: int, partitions: int, app: Application, store: S) -> None:
         self.pid = pid
@@ -350,8 +351,14 @@ class PartitionUnit(Generic[S]):
         #: fails its transaction (the runtime's watchdog sets it; see Interrupt)
         self.interrupt: Callable[[Frame], BaseException] | None = None
         #: run every invocation step twice and abort on different effects (:mod:`charon.core.determinism`)
-        self.check_determinism = False
+        self.twice: Callable[[PartitionUnit, Frame], Any] | None = None
         self._clear(-1)
+
+    @property
+    def check_determinism(self) -> bool:
+        """Whether every invocation step runs twice: a runtime sets :attr:`twice` to
+        :func:`charon.core.determinism.run_twice` (the core's partition does not import the check)."""
+        return self.twice is not None
 
     def app_for(self, tid: int) -> Application:
         """The application transaction ``tid`` runs with (see :attr:`previous`)."""
@@ -659,12 +666,9 @@ class PartitionUnit(Generic[S]):
         started = out.invocations
         limit = self.max_invocations
         run = self._run
-        if self.check_determinism:  # each step twice (per round: nothing per invocation when off)
-            from functools import partial
-
-            from charon.core.determinism import run_twice
-
-            run = partial(run_twice, self)
+        twice = self.twice
+        if twice is not None:  # each step twice (per round: nothing per invocation when off)
+            run = partial(twice, self)
         frame: Frame | None
         while queue:
             m = queue.popleft()

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from charon import serde
+from charon.core import determinism
 from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult
 from charon.core.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUnit, RoundOutput
@@ -360,7 +361,7 @@ class InProcessRuntime(control.Controllable):
         units = [PartitionUnit(p, len(stores), self.app, s) for p, s in enumerate(stores)]
         for u in units:
             u.interrupt = self.watchdog.timed_out
-            u.check_determinism = self.determinism_check
+            u.twice = determinism.run_twice if self.determinism_check else None
         return units
 
     def _freeze(self) -> None:

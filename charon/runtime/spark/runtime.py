@@ -40,6 +40,7 @@ import msgspec
 
 from charon import serde
 from charon.config import SparkConfig
+from charon.core import determinism
 from charon.core import timers as _timers
 from charon.core.epoch import (
     EPOCH_CHUNK,
@@ -517,7 +518,7 @@ def _run_partitions(
         store = open_store(root, pid, durable_root)
         unit = PartitionUnit(pid, parts, app, store)
         unit.previous = prev
-        unit.check_determinism = determinism_check
+        unit.twice = determinism.run_twice if determinism_check else None
         unit.load_scratch(scratch)
         t0 = time.perf_counter()
         prior = control.prior
@@ -578,7 +579,7 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
         store.ensure_epoch(job.epoch - 1)
         unit = PartitionUnit(pid, parts, app, store)
         unit.previous = prev
-        unit.check_determinism = determinism_check
+        unit.twice = determinism.run_twice if determinism_check else None
         unit.load_scratch(scratches[pid])
         unit.load_cache(caches[pid])
         units.append(unit)
@@ -613,7 +614,7 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
     for pid in range(parts):
         unit = PartitionUnit(pid, parts, app, open_store(root, pid, durable_root))
         unit.previous = prev
-        unit.check_determinism = determinism_check
+        unit.twice = determinism.run_twice if determinism_check else None
         unit.report_cache = False  # the rest of the epoch runs here: the call-graph cache stays in the unit
         unit.load_scratch(scratches[pid])
         units.append(unit)
