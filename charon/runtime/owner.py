@@ -14,6 +14,7 @@ import json
 import os
 
 from charon.errors import CharonError
+from charon.state.durable import write_file_atomic
 
 __all__ = ["OWNER_FILE", "DataDirOwned", "claim_data_dir", "data_dir_owner"]
 
@@ -66,9 +67,4 @@ def claim_data_dir(path: str, engine: str, app: str | None = None) -> None:
         if owner["app"] is not None or app is None:
             if os.path.exists(os.path.join(path, OWNER_FILE)):
                 return
-    tmp = os.path.join(path, f".{OWNER_FILE}.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"engine": engine, "app": app}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, OWNER_FILE))
+    write_file_atomic(os.path.join(path, OWNER_FILE), json.dumps({"engine": engine, "app": app}).encode())

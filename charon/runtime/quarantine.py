@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 from charon.core.epoch import EpochCoordinator, Verdict
 from charon.core.partition import Frame, Outgoing, PartitionUnit
 from charon.runtime.verdicts import VerdictBook, letter
+from charon.state.durable import write_file_atomic
 
 FILE = "recovery.json"
 MAX_PROBES = 8  # transactions quarantined in one epoch at most (then the replay runs as it is)
@@ -55,12 +56,7 @@ class RecoveryAttempts:
         if epoch < self.epoch:
             return
         n = self.attempts + 1 if epoch == self.epoch else 1
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"epoch": epoch, "attempts": n}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_file_atomic(self.path, json.dumps({"epoch": epoch, "attempts": n}).encode())
         self.epoch, self.attempts = epoch, n
 
     def done(self) -> None:
