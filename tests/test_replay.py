@@ -256,6 +256,8 @@ async def prog(ctx: Context, steps: list) -> list:
             seen.append(r)
         elif kind == "raise" and ctx.get(default=0) % 3 == step[1]:
             raise Stop("stop")
+    for c in calls:  # a call left unawaited aborts with UnawaitedCall (tested on its own: test_mistakes); beside
+        await c  # another branch's error, which one a client sees is not ordered by the serial execution
     return seen
 
 
