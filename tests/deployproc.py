@@ -49,8 +49,27 @@ class Deployment:
             time.sleep(0.3)
         raise AssertionError(f"not healthy in {timeout} s: {self.stderr()[-2000:]}")
 
+    def children(self, word: str) -> list[psutil.Process]:
+        """The server's live descendants whose command line holds `word` (one that exits meanwhile is not one)."""
+        found = []
+        for c in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if word in " ".join([c.name(), *c.cmdline()]):
+                    found.append(c)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
     def java(self) -> list[psutil.Process]:
-        return [c for c in psutil.Process(self.proc.pid).children(recursive=True) if c.name() == "java"]
+        """The server's live JVMs."""
+        found = []
+        for c in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if c.name() == "java":
+                    found.append(c)
+            except psutil.NoSuchProcess:
+                continue
+        return found
 
     def peak_rss(self) -> int:
         """The server process's peak resident set (VmHWM), bytes."""

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 from deployproc import Deployment, Trickle, p99
 
 
@@ -70,7 +69,7 @@ def test_hostile_sql_is_contained_in_process(tmp_path: Path) -> None:
         w = _sql(d, "SELECT value FROM account WHERE key = 'w'").json()["rows"]
         assert w == [[trickle.committed()]], (w, trickle.committed())  # exactly once, nothing lost
         time.sleep(0.5)
-        left = [c for c in psutil.Process(d.proc.pid).children(recursive=True) if "sqlchild" in " ".join(c.cmdline())]
+        left = d.children("sqlchild")
         assert not left, left
     finally:
         d.stop()
