@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
+TESTS = ROOT / "tests" / "support"  # the apps and helpers the tests share
 TOKEN = "fault-suite"
 H = {"Authorization": f"Bearer {TOKEN}"}
 ACCOUNTS = [f"a{i}" for i in range(20)]
@@ -60,7 +60,7 @@ def free_port() -> int:
 
 
 class Node:
-    """`charon run tests/hostile_app:app` in its own process; ``ensure()`` restarts it when it exited."""
+    """`charon run tests/support/hostile_app:app` in its own process; ``ensure()`` restarts it when it exited."""
 
     def __init__(self, engine: str, data_dir: Path, extra: list[str]) -> None:
         self.engine, self.data_dir, self.extra = engine, data_dir, extra

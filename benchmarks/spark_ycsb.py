@@ -92,7 +92,7 @@ def _lean_generator(data_dir: str, rate: float, duration: float, warmup: float, 
     for i in range(total):
         # _generator's gen() draw for draw: debtor rng.randrange(n), creditor sampler.sample(rng) (randrange(n)
         # when uniform), amount rng.randint(1, 10); randrange(m) inlined as CPython draws it (getrandbits of
-        # m's bit length until below m), which tests/test_bench.py checks against random.Random itself
+        # m's bit length until below m), which tests/bench/test_bench.py checks against random.Random itself
         d = getrandbits(bits)
         while d >= n:
             d = getrandbits(bits)

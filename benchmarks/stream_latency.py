@@ -2,7 +2,7 @@
 events being visible to a consumer.
 
 A durable in-process node (``fsync=False``) runs one epoch every ``--interval-ms`` with one emitting
-transaction (``tests/streams_app.py``'s ``credit``); the time each epoch's ``run_epoch`` returns is the
+transaction (``tests/support/streams_app.py``'s ``credit``); the time each epoch's ``run_epoch`` returns is the
 append time (the atom is in ``streams.sqlite`` by then). Consumers in the same process, all on the same
 clock:
 
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 from streams_app import app  # noqa: E402
 
