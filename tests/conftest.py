@@ -1,8 +1,17 @@
-"""Fixtures shared by test modules (each module opts in)."""
+"""What the whole suite shares: the markers each test gets from where it is and what it uses, the ``--engine``
+option with its ``engine`` fixture, the one Spark session (``spark``), and fixtures modules opt in to.
+
+The suite is organized by axis: ``core``, ``state``, ``log``, ``runtime``, ``spark``, ``server``, ``faults``,
+``simulation``, ``contract`` (one behaviour, every engine), ``package``, ``bench``; the apps, drivers, helpers
+and repros the tests share are in ``support`` (on ``sys.path``, see ``pythonpath`` in pyproject.toml)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +45,69 @@ def fresh_means_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(PartitionUnit, "_clear", checked_clear)
     monkeypatch.setattr(PartitionUnit, "_finalize", checked_finalize)
     yield
+
+
+# -- engines ---------------------------------------------------------------------------------------------------
+#: The engines a test taking the ``engine`` fixture runs against: the in-process runtime (volatile), the durable
+#: single-node engine (the in-process runtime over a data directory) and the Spark runtime (real PySpark).
+ENGINES = ("inprocess", "durable", "spark")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--engine", action="append", choices=ENGINES, default=None,
+        help="run the engine-parametrized tests (the `engine` fixture) on this engine only; repeat for several "
+             "(default: all of " + ", ".join(ENGINES) + ")",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``engine``: one parameter per selected engine, module-scoped (a module's deployment of an engine is made
+    once and its tests grouped by engine)."""
+    if "engine" in metafunc.fixturenames:
+        chosen = metafunc.config.getoption("engine") or list(ENGINES)
+        metafunc.parametrize("engine", [e for e in ENGINES if e in chosen], scope="module")
+
+
+# -- markers ---------------------------------------------------------------------------------------------------
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Markers from what a test is and uses (registered in pyproject.toml): ``spark`` (a real PySpark session:
+    the ``spark`` fixture or the Spark engine, besides the modules marked so), ``nats`` (a real nats-server),
+    ``postgres`` (a real PostgreSQL), ``browser`` (headless chromium), ``simulation`` (the simulator's seeds),
+    ``slow`` (the benchmarks' harness tests and the simulator's thousand seeds; see the README's fast subset)."""
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(_TESTS).parts
+        axis = rel[0] if len(rel) > 1 else ""
+        names = set(getattr(item, "fixturenames", ()))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "spark" in names or params.get("engine") == "spark":
+            item.add_marker(pytest.mark.spark)
+        if "nats" in item.nodeid.lower() or names & {"nats_url", "nats_server"}:
+            item.add_marker(pytest.mark.nats)
+        if "pg_cluster" in names:
+            item.add_marker(pytest.mark.postgres)
+        if rel[-1] == "test_dashboard.py":
+            item.add_marker(pytest.mark.browser)
+        if axis == "simulation":
+            item.add_marker(pytest.mark.simulation)
+        if axis in ("simulation", "bench"):
+            item.add_marker(pytest.mark.slow)
+
+
+# -- the one Spark session -------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """The suite's one SparkSession (``local[2]``, made by the runtime's own ``make_session``), shared by every
+    test that takes it; stopped once at the end. Its ``spark.sql.shuffle.partitions`` is 2: a module needing
+    another value sets it on the session (a runtime conf)."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from charon.config import SparkConfig
+    from charon.runtime.spark.runtime import make_session
+
+    session = make_session(SparkConfig(master="local[2]", partitions=2))
+    yield session
+    session.stop()

@@ -16,18 +16,11 @@ from charon.bench.spark import app_ref, bulk_load, load_spec
 from charon.config import SparkConfig
 from charon.core.routing import split_store_key
 from charon.messages import Request
-from charon.runtime.spark.runtime import SparkRuntime, make_session, replay_in_process
+from charon.runtime.spark.runtime import SparkRuntime, replay_in_process
 
 pytestmark = pytest.mark.spark
 
 SMALL = tpcc.Scale(districts=5, customers=30, items=1000)  # few conflicts: every round is a Spark job
-
-
-@pytest.fixture(scope="module")
-def spark():
-    session = make_session(SparkConfig(master="local[2]", partitions=4))
-    yield session
-    session.stop()
 
 
 def _runtime(spark: Any, app: str, tmp_path: Any, max_batch: int) -> SparkRuntime:

@@ -8,6 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 from natsfix import NatsServer
 
 from charon.apps.ycsb import app
@@ -15,6 +16,7 @@ from charon.runtime.remote import LogRuntime
 from charon.server.admin import _rescale_info
 
 
+@pytest.mark.nats  # a real nats-server
 def test_remote_gateway_health_answers_fast_while_the_log_hangs(tmp_path: Path) -> None:
     """A stopped (SIGSTOP: connected but silent) nats-server: the remote gateway's health answers within about
     its probe timeout and says the log is unavailable, instead of waiting out a NATS timeout (~11 s)."""

@@ -21,7 +21,7 @@ from charon.config import SparkConfig
 from charon.core.routing import store_key
 from charon.errors import EngineUnavailable
 from charon.messages import Request
-from charon.runtime.spark.runtime import TICK, LayoutMismatch, SparkRuntime, make_session, master_with_retries
+from charon.runtime.spark.runtime import TICK, LayoutMismatch, SparkRuntime, master_with_retries
 
 APP = "charon.apps.ycsb:app"
 CHARON = str(Path(sys.executable).parent / "charon")
@@ -73,13 +73,6 @@ def test_layout_mismatch_is_refused_in_one_line(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "Traceback" not in out.stderr and "state of 4 partitions" in out.stderr
     assert [ln for ln in out.stderr.splitlines() if ln.strip()] == [out.stderr.strip()]  # one line
-
-
-@pytest.fixture(scope="module")
-def spark():
-    session = make_session(SparkConfig(master="local[2]", partitions=2))
-    yield session
-    session.stop()
 
 
 @pytest.mark.spark

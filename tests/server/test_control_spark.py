@@ -13,7 +13,7 @@ from charon.apps import ycsb
 from charon.client import Client
 from charon.config import SparkConfig
 from charon.errors import TransactionAborted
-from charon.runtime.spark.runtime import SparkRuntime, make_session
+from charon.runtime.spark.runtime import SparkRuntime
 from charon.server.gateway import BackgroundServer
 
 pytestmark = pytest.mark.spark
@@ -21,13 +21,6 @@ TOKEN = "t0ken"
 N = 200
 BALANCE = 100
 TOTAL = N * BALANCE
-
-
-@pytest.fixture(scope="module")
-def spark():
-    session = make_session(SparkConfig(master="local[2]", partitions=2))
-    yield session
-    session.stop()
 
 
 def _wait(pred, timeout: float = 120.0, what: str = "condition") -> None:

@@ -216,6 +216,7 @@ def test_the_client_does_not_round_a_count() -> None:
     rt.close()
 
 
+@pytest.mark.nats  # a real nats-server
 def test_admin_on_a_remote_gateway_says_where_to_go(tmp_path) -> None:  # noqa: ANN001
     """``charon status`` / ``charon rescale`` against an ``--engine remote`` gateway: 501 that names the cause."""
     from natsfix import NatsServer

@@ -15,7 +15,7 @@ import pytest
 from charon.apps import ycsb
 from charon.client import Client
 from charon.config import GatewayConfig, SparkConfig
-from charon.runtime.spark.runtime import SparkRuntime, make_session
+from charon.runtime.spark.runtime import SparkRuntime
 from charon.runtime.sqlstate import SQLTimeout
 from charon.server.gateway import BackgroundServer
 
@@ -55,60 +55,56 @@ REJECTED = [
 ]
 
 
-def test_sql_box_on_spark(tmp_path) -> None:
-    spark = make_session(SparkConfig(master="local[2]", partitions=2))
+def test_sql_box_on_spark(spark, tmp_path) -> None:
     cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path), partitions=2, idle_wait_ms=50)
     stop = threading.Event()
+    rt = SparkRuntime("charon.apps.ycsb:app", cfg, spark=spark)
+    rt.load("account", ycsb.initial_state(N, 100))
+    gcfg = GatewayConfig(sql_max_rows=5)
+    srv = BackgroundServer(rt, token=TOKEN, config=gcfg).start(timeout=120)
     try:
-        rt = SparkRuntime("charon.apps.ycsb:app", cfg, spark=spark)
-        rt.load("account", ycsb.initial_state(N, 100))
-        gcfg = GatewayConfig(sql_max_rows=5)
-        srv = BackgroundServer(rt, token=TOKEN, config=gcfg).start(timeout=120)
-        try:
-            with Client(srv.url, token=TOKEN, timeout=120) as c, \
-                    httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as h:
-                def drive() -> None:
-                    rng = random.Random(1)
-                    while not stop.is_set():
-                        c.submit("account", ycsb.key(rng.randrange(N)), "transfer", ycsb.key(rng.randrange(N)), 1)
-                        time.sleep(0.01)
+        with Client(srv.url, token=TOKEN, timeout=120) as c, \
+                httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as h:
+            def drive() -> None:
+                rng = random.Random(1)
+                while not stop.is_set():
+                    c.submit("account", ycsb.key(rng.randrange(N)), "transfer", ycsb.key(rng.randrange(N)), 1)
+                    time.sleep(0.01)
 
-                loader = threading.Thread(target=drive, daemon=True)
-                loader.start()
-                time.sleep(2)
-                good = {"sql": "SELECT sum(value) AS total, count(*) AS n, min(epoch), max(epoch) FROM account"}
-                r = h.post("/admin/sql", json=good)
-                assert r.status_code == 200, r.text
-                doc = r.json()
-                e = doc["epoch"]
-                assert doc["engine"] == "sqlite" and doc["columns"][:2] == ["total", "n"]  # the SQL sandbox
-                assert doc["rows"] == [[N * 100, N, e, e]], doc
-                time.sleep(1)
-                later = h.post("/admin/sql", json=good).json()
-                assert later["rows"][0][:2] == [N * 100, N] and later["epoch"] > e, "epochs ran meanwhile"
-                earlier = h.post("/admin/sql", json={**good, "epoch": e}).json()  # an earlier retained epoch
-                assert earlier["epoch"] == e and earlier["rows"] == [[N * 100, N, e, e]]
-                stop.set()
-                loader.join()
-                rows = h.post("/admin/sql", json={"sql": "SELECT key, value FROM account ORDER BY key"}).json()
-                assert len(rows["rows"]) == 5 and rows["truncated"] is True
-                for sql, status, kind in REJECTED:
-                    r = h.post("/admin/sql", json={"sql": sql})
-                    assert (r.status_code, r.json()["error"]["type"]) == (status, kind), (sql, r.text)
-                assert httpx.post(f"{srv.url}/admin/sql", json=good).status_code == 401
-                assert h.post("/admin/sql", json={**good, "epoch": 1 << 40}).status_code == 410
-                # the time bound: a huge cross join is cancelled; the epochs keep running
-                slow = "SELECT count(*) FROM account a, account b, account c, account d, account f, account g"
-                before = c.status()["epoch"]
-                t0 = time.monotonic()
-                with pytest.raises(SQLTimeout):
-                    rt.sql(slow, timeout_s=2.0)
-                assert time.monotonic() - t0 < 60
-                res = c.invoke_result("account", ycsb.key(1), "transfer", ycsb.key(2), 1)
-                assert res.epoch > before, "epochs run after a cancelled query"
-                assert h.post("/admin/sql", json=good).json()["rows"][0][:2] == [N * 100, N]
-        finally:
+            loader = threading.Thread(target=drive, daemon=True)
+            loader.start()
+            time.sleep(2)
+            good = {"sql": "SELECT sum(value) AS total, count(*) AS n, min(epoch), max(epoch) FROM account"}
+            r = h.post("/admin/sql", json=good)
+            assert r.status_code == 200, r.text
+            doc = r.json()
+            e = doc["epoch"]
+            assert doc["engine"] == "sqlite" and doc["columns"][:2] == ["total", "n"]  # the SQL sandbox
+            assert doc["rows"] == [[N * 100, N, e, e]], doc
+            time.sleep(1)
+            later = h.post("/admin/sql", json=good).json()
+            assert later["rows"][0][:2] == [N * 100, N] and later["epoch"] > e, "epochs ran meanwhile"
+            earlier = h.post("/admin/sql", json={**good, "epoch": e}).json()  # an earlier retained epoch
+            assert earlier["epoch"] == e and earlier["rows"] == [[N * 100, N, e, e]]
             stop.set()
-            srv.stop(timeout=120)
+            loader.join()
+            rows = h.post("/admin/sql", json={"sql": "SELECT key, value FROM account ORDER BY key"}).json()
+            assert len(rows["rows"]) == 5 and rows["truncated"] is True
+            for sql, status, kind in REJECTED:
+                r = h.post("/admin/sql", json={"sql": sql})
+                assert (r.status_code, r.json()["error"]["type"]) == (status, kind), (sql, r.text)
+            assert httpx.post(f"{srv.url}/admin/sql", json=good).status_code == 401
+            assert h.post("/admin/sql", json={**good, "epoch": 1 << 40}).status_code == 410
+            # the time bound: a huge cross join is cancelled; the epochs keep running
+            slow = "SELECT count(*) FROM account a, account b, account c, account d, account f, account g"
+            before = c.status()["epoch"]
+            t0 = time.monotonic()
+            with pytest.raises(SQLTimeout):
+                rt.sql(slow, timeout_s=2.0)
+            assert time.monotonic() - t0 < 60
+            res = c.invoke_result("account", ycsb.key(1), "transfer", ycsb.key(2), 1)
+            assert res.epoch > before, "epochs run after a cancelled query"
+            assert h.post("/admin/sql", json=good).json()["rows"][0][:2] == [N * 100, N]
     finally:
-        spark.stop()
+        stop.set()
+        srv.stop(timeout=120)

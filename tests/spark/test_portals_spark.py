@@ -12,15 +12,14 @@ import pytest
 from charon import Deployment, InProcessRuntime
 from charon.apps.orderflow import check_conservation, orders_app, payments_app, shipping_app
 from charon.config import SparkConfig
-from charon.runtime.spark.runtime import SparkRuntime, make_session, replay_in_process
+from charon.runtime.spark.runtime import SparkRuntime, replay_in_process
 
 pytestmark = pytest.mark.spark
 
 
-def test_a_spark_application_serves_portals(tmp_path: Path) -> None:
+def test_a_spark_application_serves_portals(spark, tmp_path: Path) -> None:
     cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path / "payments"), partitions=2, max_batch=250,
                       truncate_log=False)
-    spark = make_session(SparkConfig(master="local[2]", partitions=2))
     p = SparkRuntime("charon.apps.orderflow:payments_app", cfg, spark=spark)
     p.load("wallets", {f"c{c}": 100 for c in range(4)})
     initial = p.snapshot()
@@ -45,7 +44,6 @@ def test_a_spark_application_serves_portals(tmp_path: Path) -> None:
         p.wait_idle(300)
     finally:
         p.stop()
-        spark.stop()
     ip, _ = replay_in_process(payments_app, p, initial)
     assert ip.snapshot() == p.snapshot()  # the Spark application's state is its log's in-process replay
     by = check_conservation(o, ip, s, 400, 45)

@@ -10,16 +10,9 @@ from charon import serde
 from charon.apps import ycsb
 from charon.config import SparkConfig
 from charon.messages import Request
-from charon.runtime.spark.runtime import SparkRuntime, make_session, replay_in_process
+from charon.runtime.spark.runtime import SparkRuntime, replay_in_process
 
 pytestmark = pytest.mark.spark
-
-
-@pytest.fixture(scope="module")
-def spark():
-    session = make_session(SparkConfig(master="local[2]", partitions=4))
-    yield session
-    session.stop()
 
 
 def _requests(n_accounts: int, count: int, seed: int, prefix: str) -> list[Request]:

@@ -21,25 +21,15 @@ PYTHON = sys.executable
 
 
 @pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    os.environ.setdefault("PYSPARK_PYTHON", PYTHON)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", PYTHON)
-    from pyspark.sql import SparkSession
-
+def spark(spark: Any) -> Iterator[Any]:
+    """The suite's one session (tests/conftest.py) with the charon sources registered; a stopping query of this
+    module's waits at most 30 s (the setting is restored for the modules after it)."""
     from charon.runtime.spark.source import register
 
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("charon-test-spark-source")
-        .config("spark.python.unix.domain.socket.enabled", "true")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.streaming.stopTimeout", "30s")
-        .getOrCreate()
-    )
-    register(session)
-    yield session
-    session.stop()
+    spark.conf.set("spark.sql.streaming.stopTimeout", "30s")
+    register(spark)
+    yield spark
+    spark.conf.unset("spark.sql.streaming.stopTimeout")
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 90.0, what: str = "condition") -> None:
