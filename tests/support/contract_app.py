@@ -1,0 +1,57 @@
+"""The contract suite's application (tests/contract): accounts that deposit, transfer (a call), hold money under
+a timer, emit their deposits to a stream and fail on purpose. ``v1`` and ``v2`` differ only in the version their
+``deposit`` reports (a compatible state format), so a code update is visible in every reply."""
+
+from __future__ import annotations
+
+from charon import Application, Context, Operator
+
+
+def _version(label: str) -> Application:
+    acct = Operator("acct")
+
+    @acct.function
+    async def deposit(ctx: Context, amount: int) -> list:
+        """Add ``amount``, emit ``[key, amount]`` on ``deposits``; returns ``[version, balance]``."""
+        b = ctx.get(default=0) + amount
+        ctx.put(b)
+        ctx.emit("deposits", [ctx.key, amount])
+        return [label, b]
+
+    @acct.function
+    async def transfer(ctx: Context, to: str, amount: int) -> int:
+        """Move ``amount`` to ``to`` (aborts with ValueError when the balance is short); returns the balance."""
+        b = ctx.get(default=0)
+        if amount <= 0 or b < amount or to == ctx.key:
+            raise ValueError(f"cannot transfer {amount} of {b}")
+        ctx.put(b - amount)
+        await ctx.call(acct, to, "deposit", amount)
+        return b - amount
+
+    @acct.function
+    async def hold(ctx: Context, tag: str, amount: int, seconds: float) -> str:
+        """Take ``amount`` into a hold released by a timer after ``seconds``; returns the timer id."""
+        b = ctx.get(default=0)
+        if amount <= 0 or b < amount:
+            raise ValueError(f"cannot hold {amount} of {b}")
+        timer = ctx.send_after(seconds, acct, ctx.key, "release", tag, amount)
+        ctx.put(b - amount)
+        ctx.put_item("hold:" + tag, amount)
+        return timer
+
+    @acct.function
+    async def release(ctx: Context, tag: str, amount: int) -> int:
+        """The hold's timer: give ``amount`` back and count this tag's firings in an item."""
+        n = ctx.get_item("fired:" + tag, 0) + 1
+        ctx.put_item("fired:" + tag, n)
+        ctx.delete_item("hold:" + tag)
+        ctx.put(ctx.get(default=0) + amount)
+        return n
+
+    app = Application("contract", [acct])
+    app.version = label  # type: ignore[attr-defined]  # the label the runtime reports before any update
+    return app
+
+
+v1 = _version("v1")
+v2 = _version("v2")
