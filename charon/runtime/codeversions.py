@@ -19,7 +19,8 @@ from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime.contract import UpdateOutcome
 
-__all__ = ["ADMIN_PREFIX", "CodeHistory", "CodeVersion", "admin_requests", "load_app_ref", "migration_of", "update_outcome"]
+__all__ = ["ADMIN_PREFIX", "CodeHistory", "CodeVersion", "admin_requests", "load_app_ref", "migration_of",
+           "update_outcome"]
 
 ADMIN_PREFIX = "__charon_admin:"  # request ids of admin updates (the gateway reserves __charon* for runtimes)
 

@@ -23,7 +23,14 @@ from charon.core.sequencer import Sequencer
 from charon.log.offsets import pad_pair
 from charon.messages import Reply, Request
 from charon.runtime import sqlstate
-from charon.runtime.codeversions import CodeHistory, CodeVersion, admin_requests, load_app_ref, migration_of, update_outcome
+from charon.runtime.codeversions import (
+    CodeHistory,
+    CodeVersion,
+    admin_requests,
+    load_app_ref,
+    migration_of,
+    update_outcome,
+)
 from charon.runtime.contract import (
     CodeUpdate,
     Controls,
