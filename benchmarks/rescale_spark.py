@@ -80,7 +80,7 @@ def run(spark: object, keys: int, duration: float, clients: int) -> dict:
 
         th = threading.Thread(target=loop.run_until_complete, args=(clients_run(),), daemon=True)
         th.start()
-        while rt._last_recorded_epoch() < 3:  # warm-up (Python workers, first jobs): not measured
+        while rt.last_recorded_epoch() < 3:  # warm-up (Python workers, first jobs): not measured
             time.sleep(0.05)
         t0 = time.perf_counter()
         done.clear()
@@ -114,7 +114,7 @@ def run(spark: object, keys: int, duration: float, clients: int) -> dict:
         lats = sorted(dt for _, dt, _ in done)
         for sw in switches:
             sw["around"] = around(done, t0, sw["at_s"])
-        last = rt.read_record(rt._last_recorded_epoch())
+        last = rt.read_record(rt.last_recorded_epoch())
         return {"log_switches": switches, "log_counts": list(rt.input_log.counts()),
                 "last_epoch_log_partitions": len(last.ends) if last is not None else None,
                 "keys": keys, "clients": clients, "duration_s": duration, "committed": sum(ok for *_, ok in done),
@@ -122,7 +122,7 @@ def run(spark: object, keys: int, duration: float, clients: int) -> dict:
                 "p50_ms": statistics.median(lats) * 1000, "p99_ms": lats[int(0.99 * (len(lats) - 1))] * 1000,
                 "replies": [(round(t - t0, 4), round(dt * 1000, 1)) for t, dt, _ in done],
                 "money": total, "money_expected": 1000 * keys,
-                "epochs": rt._last_recorded_epoch() + 1}
+                "epochs": rt.last_recorded_epoch() + 1}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

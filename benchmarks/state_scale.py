@@ -124,7 +124,7 @@ def _trace_restart(rt, log, jobs: int = 40) -> None:
             n = sum(b - a for a, b in zip(s, e, strict=True))
         except FileNotFoundError:
             n = None
-        log("batch_begin", epoch=int(batch_id), requests=n, recorded=rt._last_recorded_epoch())
+        log("batch_begin", epoch=int(batch_id), requests=n, recorded=rt.last_recorded_epoch())
         on_batch(df, batch_id)
         log("batch_end", epoch=int(batch_id))
 

@@ -306,7 +306,7 @@ class Simulation:
     def read_check(self) -> None:
         """A state read as the runtime does it (at the last recorded epoch), compared with the verified state."""
         assert self.rt is not None
-        epoch = self.rt._last_recorded_epoch()
+        epoch = self.rt.last_recorded_epoch()
         want = self.expected.get(epoch)
         if want is None:  # recorded but not verified yet (only right after a crash): nothing to compare
             return
@@ -441,7 +441,7 @@ class Simulation:
         from charon import testing
 
         assert self.rt is not None
-        last = self.rt._last_recorded_epoch()
+        last = self.rt.last_recorded_epoch()
         e = max(self.expected) + 1
         while e <= last:
             res = self.results.get(e)
@@ -544,7 +544,7 @@ class Simulation:
             if self.rng.random() < self.faults.read:
                 self.where = f"after batch {batch - 1}"
                 self.read_check()
-        last = rt._last_recorded_epoch()
+        last = rt.last_recorded_epoch()
         rec = rt.read_record(last)
         if rec is not None and rec.deferred:
             raise Violation(f"deferred transactions left with no batch to run them: {rec.deferred}")

@@ -328,7 +328,7 @@ class PartitionUnit(Generic[S]):
         self.pid = pid
         self.partitions = partitions
         self.app = app
-        # a compatible code update (charon.runtime.control): (first TID on ``app``, the previous application);
+        # a compatible code update (the engines): (first TID on ``app``, the previous application);
         # a transaction with a lower TID started before the update and finishes on the previous application
         self.previous: tuple[int, Application] | None = None
         self.store = store
@@ -743,7 +743,7 @@ class PartitionUnit(Generic[S]):
                 ctx._sends = None
             else:
                 ctx = Context(self, frame)
-                # through self.app each time: a code update swaps the unit's app (charon.runtime.control)
+                # through self.app each time: a code update swaps the unit's app (the engines)
                 prev = self.previous  # app_for, inlined (the hot path)
                 app = self.app if prev is None or frame.tid >= prev[0] else prev[1]
                 fn = app._resolved.get((frame.op, frame.fn)) or app.resolve(frame.op, frame.fn)

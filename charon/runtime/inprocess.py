@@ -52,7 +52,9 @@ from charon.errors import TransactionAborted
 from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator, batch_request
-from charon.runtime import control
+from charon.runtime.contract import EngineStopped
+from charon.runtime.gate import EpochGate
+from charon.runtime.inprocess_engine import InProcessEngine
 from charon.runtime.quarantine import RecoveryAttempts, quarantine_killers
 from charon.runtime.verdicts import VerdictBook
 from charon.runtime.watchdog import DEFAULT_INTERVAL, DEFAULT_TIMEOUT, Watchdog
@@ -220,7 +222,7 @@ def _plain(control: Control) -> bool:
             and control.timers is None and not control.apply and not control.reset and not control.fast)
 
 
-class InProcessRuntime(control.Controllable):
+class InProcessRuntime:
     """Run an :class:`~charon.operator.Application` in this process."""
 
     def __init__(
@@ -341,7 +343,8 @@ class InProcessRuntime(control.Controllable):
         self._stopping = False
         self._rescales: list[tuple[int, asyncio.Future[float]]] = []
         self.rescale_pauses: list[dict[str, float]] = []  # one per rescale: from, to, epoch, pause_s, keys
-        self.gate = control.EpochGate()  # pause/resume at an epoch boundary
+        self.gate = EpochGate()  # pause/resume at an epoch boundary
+        self.controller = InProcessEngine(self)  # the engine contract's face, and the control state it owns
         # durable mode, paused: epochs logged (their requests durable) but not run yet, with their log ends and times
         self._parked: list[tuple[list[Request], int, float]] = []
         if self.node is not None:
@@ -395,7 +398,7 @@ class InProcessRuntime(control.Controllable):
             self.coordinator.deferred = [(tid, serde.decode_request(b)) for tid, b in rec.deferred]
             self.coordinator.sequencer.time = rec.time
             self.coordinator.next_due = rec.next_due
-        control.recover_code(self)  # the newest code version recorded (code updates)
+        self.controller.recover_code()  # the newest code version recorded (code updates)
         attempts = RecoveryAttempts(self.node.data_dir)
         self.watchdog.interrupting = False  # a replayed epoch may have replied: only its recorded verdicts apply
         for epoch, requests, now in epochs:
@@ -409,7 +412,7 @@ class InProcessRuntime(control.Controllable):
         attempts.done()
         self.watchdog.interrupting = True
         self.replayed_epochs = len(epochs)
-        control.finish_migration(self)  # a code update's migration a crash interrupted
+        self.controller.finish_migration()  # a code update's migration a crash interrupted
 
     def _probe(self, epoch: int, requests: list[Request], now: float) -> None:
         """Recovery of an epoch that killed the process before: see :mod:`charon.runtime.quarantine`."""
@@ -641,7 +644,7 @@ class InProcessRuntime(control.Controllable):
     def run_epoch(self, requests: list[Request], now: float | None = None) -> EpochResult:
         """Run the given requests as exactly one epoch (plus transactions deferred into it, and the timers
         due at the epoch's time ``now``, default the clock; durable mode logs it with the batch)."""
-        self._run_parked()
+        self.run_parked()
         if self.node is not None:
             self._write_base()
             requests, self._log_end, now = self.node.log_epoch(self.epoch, requests, now)
@@ -690,7 +693,7 @@ class InProcessRuntime(control.Controllable):
                                  self._stores, c.sequencer.time, c.next_due)  # type: ignore[arg-type]
         self.epoch += 1
         if self.coordinator.previous is not None:  # a compatible code update's old code, while still needed
-            control.retire_previous(self)
+            self.retire_previous()
         stats = self.epoch_stats
         stats.append({"epoch": result.epoch, **result.stats})
         if len(stats) > self._stats_kept:
@@ -738,7 +741,7 @@ class InProcessRuntime(control.Controllable):
                 for k, v in fin.items():
                     last[k] = last.get(k, 0) + v
 
-    def _run_parked(self) -> None:
+    def run_parked(self) -> None:
         """Run the epochs logged while paused (durable mode), in log order."""
         while self._parked:
             batch, self._log_end, now = self._parked.pop(0)
@@ -795,7 +798,7 @@ class InProcessRuntime(control.Controllable):
         waiters, self._waiters = self._waiters, {}
         for f in [*futures.values(), *(w for ws in waiters.values() for w in ws)]:
             if not f.done():
-                f.set_exception(RuntimeError(f"the runtime stopped: {type(exc).__name__}: {exc}"))
+                f.set_exception(EngineStopped(f"the runtime stopped: {type(exc).__name__}: {exc}"))
 
     def health(self) -> dict[str, Any]:
         """What ``GET /health`` reports: ``ok`` only while epochs run (not before start, after stop, or once
@@ -904,7 +907,7 @@ class InProcessRuntime(control.Controllable):
         loop = asyncio.get_running_loop()
         rid = request.request_id
         if self.failed is not None:
-            raise RuntimeError(f"the runtime stopped: {type(self.failed).__name__}: {self.failed}")
+            raise EngineStopped(f"the runtime stopped: {type(self.failed).__name__}: {self.failed}")
         done = self._replies.get(rid)
         fut = self._futures.get(rid)
         if fut is not None:  # waiting already: one more waiter
@@ -937,7 +940,7 @@ class InProcessRuntime(control.Controllable):
     ) -> Reply:
         """Invoke ``operator/key.function(*args)`` as one transaction and wait for its reply."""
         if self._task is None:
-            raise RuntimeError("the runtime is not started: use `async with runtime:` or `await runtime.start()`")
+            raise EngineStopped("the runtime is not started: use `async with runtime:` or `await runtime.start()`")
         req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode_value(list(args)),
                       time.time())
         return await self.enqueue(req)  # this call's own future: no shield needed (see enqueue)
@@ -1022,7 +1025,7 @@ class InProcessRuntime(control.Controllable):
             try:
                 if self._parked:
                     self._queue[:0] = batch
-                    await self.in_engine(self._run_parked)
+                    await self.in_engine(self.run_parked)
                 elif self.node is None:
                     # The finalize waits until the replies' waiters ran (one loop pass): it is off their latency.
                     # With more work waiting (and the gate open), the next epoch carries it in its first round
@@ -1066,34 +1069,84 @@ class InProcessRuntime(control.Controllable):
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(engine, fn, *args)
 
-    # -- control (charon.runtime.control; pause/resume/control_status: control.Controllable) -----------
+    # -- control: the engine contract (charon.runtime.inprocess_engine) ---------------------------------
+    def engine(self) -> InProcessEngine:
+        """This runtime under the engine contract (what the gateway, admin routes, metrics and CLI use)."""
+        return self.controller
+
+    def direct_enqueue(self) -> Callable[[Request], asyncio.Future[Reply]] | None:
+        """:meth:`enqueue`, unless a subclass routes every request through its own ``submit``."""
+        return self.enqueue if type(self).submit is InProcessRuntime.submit else None
+
+    def backlog(self) -> tuple[int, int]:
+        """``(requests queued, deferred or logged while paused; epochs logged while paused)``."""
+        return (len(self._queue) + len(self.coordinator.deferred) + sum(len(p[0]) for p in self._parked),
+                len(self._parked))
+
+    @property
+    def finish_lock(self) -> threading.RLock:
+        """Held by a running epoch from start to end (and by multi-key readers): one boundary's state."""
+        return self._finish_lock
+
+    def switch_app(self, app: Application) -> None:
+        """Run ``app`` from the next epoch on (a code update, at an epoch boundary)."""
+        self.app = app
+        self.coordinator.app = app
+        for u in self.units:
+            u.app = app
+
+    def set_previous(self, previous: tuple[int, Any] | None) -> None:
+        """A compatible code update: transactions below TID ``previous[0]`` keep the application ``previous[1]``."""
+        self.coordinator.previous = previous
+        for u in self.units:
+            u.previous = previous
+
+    def retire_previous(self) -> None:
+        """After an epoch: drop the application a compatible update kept once no transaction started on it is
+        deferred any more."""
+        prev = self.coordinator.previous
+        if prev is not None and not any(tid < prev[0] for tid, _ in self.coordinator.deferred):
+            self.set_previous(None)
+
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; the status document."""
+        return self.controller.pause_now(after_epoch).doc()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; the status document."""
+        return self.controller.resume_now().doc()
+
+    def control_status(self) -> dict[str, Any]:
+        """The control status document (:class:`charon.runtime.contract.ControlStatus`)."""
+        return self.controller.status_now().doc()
+
     async def run_alone(
         self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
     ) -> dict[str, Any]:
         """A serializable admin update: ``function`` on every key (default: every entity of ``operator``), alone
-        at an epoch boundary, once per ``update_id`` (:func:`charon.runtime.control.inprocess_run_alone`)."""
-        return await control.inprocess_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
+        at an epoch boundary, once per ``update_id`` (:meth:`InProcessEngine.run_alone`)."""
+        out = await self.controller.run_alone(update_id, operator, function, serde.encode(list(args)), keys)
+        return out.doc()
 
-    code_update_modes = ("strict", "compatible")
+    code_update_modes = InProcessEngine.code_update_modes
 
     async def update_code(
         self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None, mode: str = "strict"
     ) -> dict[str, Any]:
-        """Code update to ``ref`` (``module:attribute``) at one epoch boundary: ``mode="strict"`` with an
-        optional ``migration`` (operator, function, args) over every entity, or ``"compatible"`` (deferred
-        transactions finish on the old code) (see :func:`charon.runtime.control.inprocess_update_code`)."""
+        """Code update to ``ref`` (``module:attribute``) at one epoch boundary (:meth:`InProcessEngine.update_code`)."""
         mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
-        return await control.inprocess_update_code(self, ref, version, mig, mode)
+        return (await self.controller.update_code(ref, version, mig, mode)).doc()
 
     def version_at(self, epoch: int, tid: int | None = None) -> str:
         """The code version epoch ``epoch`` ran with (with ``tid``: the one that transaction ran with)."""
-        return control.version_at(self, epoch, tid)
+        return self.controller.version_at(epoch, tid)
 
     async def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
     ) -> tuple[int, dict[bytes, bytes]]:
-        """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch (:mod:`charon.runtime.control`)."""
-        return await control.inprocess_inspect(self, operator, keys, epoch, limit)
+        """``(epoch, rows)``: ``operator``'s state rows as of one committed epoch."""
+        out = await self.controller.inspect(operator, keys, epoch, limit)
+        return out.epoch, out.rows
 
     async def sql(
         self, query: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
@@ -1101,8 +1154,9 @@ class InProcessRuntime(control.Controllable):
     ) -> dict[str, Any]:
         """One safe SELECT over the operators' state at one committed epoch, answered by SQLite in the SQL
         sandbox (:mod:`charon.runtime.sqlstate`): ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
-        return await control.inprocess_sql(self, query, epoch, max_rows, timeout_s, max_entities, max_bytes,
-                                           max_memory)
+        out = await self.controller.sql(query, epoch, max_rows=max_rows, timeout_s=timeout_s,
+                                        max_entities=max_entities, max_bytes=max_bytes, max_memory=max_memory)
+        return out.doc()
 
 
 _STREAMS_LOCK = threading.Lock()

@@ -30,33 +30,15 @@ import tempfile
 from typing import Any
 
 from charon.errors import CharonError, EngineUnavailable
+from charon.runtime.contract import (
+    SQLRejected,
+    SQLResultTooLarge,
+    SQLSyntaxError,
+    SQLTimeout,
+    SQLTooExpensive,
+)
 
-__all__ = ["SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "SQLTooExpensive", "SQLResultTooLarge",
-           "ALLOWED_FUNCTIONS", "sqlite_sql", "referenced_tables"]
-
-
-class SQLRejected(CharonError):
-    """The query is outside the safe subset (one SELECT over the state views, allowed functions only)."""
-
-
-class SQLSyntaxError(CharonError):
-    """The query does not parse or does not resolve (unknown table or column)."""
-
-
-class SQLTimeout(CharonError):
-    """The query ran longer than its time bound and was cancelled."""
-
-
-class SQLTooExpensive(CharonError):
-    """The query needed more memory (or built a larger value) than the SQL sandbox allows (``sql_max_memory``)."""
-
-
-class SQLResultTooLarge(CharonError):
-    """The query's answer is larger than ``sql_max_result_bytes`` of JSON."""
-
-
-class StateTooLarge(CharonError):
-    """An operator the query names holds more entities than the in-process SQL loads (``max_entities``)."""
+__all__ = ["ALLOWED_FUNCTIONS", "sqlite_sql", "referenced_tables"]
 
 
 #: SQLite functions a query may call (aggregates, arithmetic, strings, JSON, conditionals).

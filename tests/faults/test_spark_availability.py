@@ -97,11 +97,11 @@ def test_reads_during_empty_epochs_never_roll_back_and_survive_restart(spark, tm
     reads = 0
     try:
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 10 or (rt._last_recorded_epoch() < 5 and time.monotonic() - t0 < 120):
+        while time.monotonic() - t0 < 10 or (rt.last_recorded_epoch() < 5 and time.monotonic() - t0 < 120):
             epoch, got = rt.read_keys_at([store_key("account", "a"), store_key("account", "b")])
             assert {k: serde.decode(v) for k, v in got.items()} == {store_key("account", "a"): 1,
                                                                      store_key("account", "b"): 2}
-            assert epoch <= rt._last_recorded_epoch()
+            assert epoch <= rt.last_recorded_epoch()
             reads += 1
             h = rt.health()
             assert h["ok"] and h["restarts"] == 0 and h["last_error"] is None, h
@@ -140,7 +140,7 @@ def test_epoch_that_cannot_be_finalized_stops_the_runtime_loudly(spark, tmp_path
         rt.input_log.append(Request("dep-0", "account", "a", "deposit", serde.encode([1])))
         assert _wait_reply(rt, "dep-0").ok
         rt.wait_idle(60)
-        nxt = rt._last_recorded_epoch() + 1
+        nxt = rt.last_recorded_epoch() + 1
         for p in range(cfg.partitions):
             d = Path(cfg.checkpoint_dir) / "state" / f"p{p}" / f"delta-{nxt:012d}.arrow"
             d.mkdir(parents=True)

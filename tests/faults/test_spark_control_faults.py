@@ -43,7 +43,7 @@ def test_paused_and_timed_out_control_operations(tmp_path: Path) -> None:
         # 4. a combined rescale whose engine part finds no boundary in time: nothing moves, the log neither.
         # An epoch held at the gate (entered, not left) stands for an epoch that runs longer than the timeout.
         rt.wait_idle(60)
-        held = rt._last_recorded_epoch() + 1
+        held = rt.last_recorded_epoch() + 1
         rt.gate.enter(held)
         try:
             t0 = time.monotonic()
@@ -292,7 +292,7 @@ def test_python_workers_killed_around_a_rescales_move(tmp_path: Path) -> None:
                 time.sleep(0.01)
 
         def moving() -> bool:
-            return rt.gate.closed_for(rt._last_recorded_epoch() + 1)
+            return rt.gate.closed_for(rt.last_recorded_epoch() + 1)
 
         def killer() -> None:
             while not stop.is_set():

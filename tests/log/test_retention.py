@@ -58,7 +58,7 @@ def test_spark_runtime_retention_bounds_replies_ids_and_epoch_records(tmp_path: 
     assert rt.output_log.count() == 2 and rt.get_reply("q9") is not None
     names = sorted(os.listdir(tmp_path / "checkpoint" / "epochs"))
     assert names == [f"{e:012d}.msgpack" for e in range(5, 10)]
-    assert rt._last_recorded_epoch() == 9
+    assert rt.last_recorded_epoch() == 9
     # a long window keeps everything
     rt2 = SparkRuntime("charon.apps.ycsb:app", SparkConfig(data_dir=str(tmp_path / "b"), partitions=1))
     rt2.input_log.append(_req("x"))

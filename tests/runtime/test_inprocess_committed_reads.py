@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from charon import Application, Context, Operator, Request, serde
-from charon.runtime.control import ADMIN_PREFIX
+from charon.runtime.codeversions import ADMIN_PREFIX
 from charon.runtime.inprocess import InProcessRuntime
 from charon.server.gateway import create_app
 
@@ -163,7 +163,8 @@ NOT_READS = {
     "node", "units", "coordinator", "epoch", "epoch_stats", "replayed_epochs", "failed", "rescale_pauses", "gate",
     "input_log", "durable", "close", "load", "load_items", "run_epoch", "drain", "start", "health", "stop",
     "get_reply", "enqueue", "submit", "submit_batch", "invoke", "subscribe", "update_code", "version_at",
-    "code_update_modes", "pause", "resume", "control_status", "control_engine",
+    "code_update_modes", "pause", "resume", "control_status", "controller", "engine", "direct_enqueue", "backlog",
+    "finish_lock", "retire_previous", "run_parked", "set_previous", "switch_app",
     "dead_letters", "in_engine", "verdict_book", "watchdog", "determinism_check",
 }
 #: the engine's own methods, the only ones allowed the unguarded stores and stream log

@@ -17,7 +17,7 @@ from charon.apps import ycsb
 from charon.client import AsyncClient, Client
 from charon.config import GatewayConfig
 from charon.errors import CharonError
-from charon.runtime.sqlstate import SQLRejected, SQLSyntaxError, StateTooLarge
+from charon.runtime.contract import SQLRejected, SQLSyntaxError, StateTooLarge
 from charon.server.gateway import BackgroundServer
 
 TOKEN = "sql-t0ken"

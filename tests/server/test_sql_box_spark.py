@@ -15,8 +15,8 @@ import pytest
 from charon.apps import ycsb
 from charon.client import Client
 from charon.config import GatewayConfig, SparkConfig
+from charon.runtime.contract import SQLTimeout
 from charon.runtime.spark.runtime import SparkRuntime
-from charon.runtime.sqlstate import SQLTimeout
 from charon.server.gateway import BackgroundServer
 
 pytestmark = pytest.mark.spark

@@ -137,10 +137,10 @@ def test_compatible_update_on_spark_under_load(spark, tmp_path) -> None:
     # a restart (with the old ref) keeps the newest code, and the previous one while the last record holds
     # transactions deferred before the boundary
     again = SparkRuntime("code_versions:c1", cfg, spark=spark)
-    rec = again.read_record(again._last_recorded_epoch())
+    rec = again.read_record(again.last_recorded_epoch())
     waiting = [tid for tid, _ in rec.deferred if tid < u["first_tid"]]
     assert again.app_ref == f"code_versions:{new}"
-    assert again._code_previous == ((u["first_tid"], f"code_versions:{old}") if waiting else None)
+    assert again.controller.previous == ((u["first_tid"], f"code_versions:{old}") if waiting else None)
     assert again.version_at(e, u["first_tid"] - 1) == old and again.version_at(e, u["first_tid"]) == new
 
 
@@ -188,9 +188,9 @@ def test_compatible_update_on_spark_survives_a_crash(spark, tmp_path) -> None:
     out = json.loads(child.stdout.strip().splitlines()[-1])
     assert out["mode"] == "compatible" and out["from_epoch"] == 1 and out["kept_deferred"] > 0, out
     rt = SparkRuntime("code_versions:c1", config(data), spark=spark)  # restarted with the old ref
-    assert rt._last_recorded_epoch() == 0, "the crash came before the boundary epoch was recorded"
+    assert rt.last_recorded_epoch() == 0, "the crash came before the boundary epoch was recorded"
     assert rt.app_ref == "code_versions:c2"
-    assert rt._code_previous == (out["first_tid"], "code_versions:c1")
+    assert rt.controller.previous == (out["first_tid"], "code_versions:c1")
     rt.start()
     try:
         new = [Request(f"new-{i}", "acct", KEYS[i % 6], "route", serde.encode(["a"]), 100.0 + i)
@@ -199,7 +199,7 @@ def test_compatible_update_on_spark_survives_a_crash(spark, tmp_path) -> None:
         rt.wait_idle(300)
     finally:
         rt.stop()
-    assert rt._code_previous is None, "the old code is dropped once its transactions finished"
+    assert rt.controller.previous is None, "the old code is dropped once its transactions finished"
     late = 0
     for rid, *_ in calls:
         rep = rt.get_reply(rid)

@@ -36,7 +36,7 @@ def _tid_bounds(rt: SparkRuntime) -> dict[int, tuple[int, int]]:
     counters grown to this epoch's log-partition count, to its own recorded counters."""
     out = {}
     prev = None
-    for e in range(rt._last_recorded_epoch() + 1):
+    for e in range(rt.last_recorded_epoch() + 1):
         rec = rt.read_record(e)
         seq = Sequencer.restore(prev.counters) if prev is not None else Sequencer(len(rec.ends))
         seq.resize(len(rec.ends))
@@ -140,7 +140,7 @@ def test_spark_log_2_4_3_under_gateway_load(tmp_path: Path, backend: str) -> Non
                 c.join(200)
             assert not errors, errors[:3]
             deadline = time.monotonic() + 120
-            while _money(rt.snapshot())[1] > 0 or not rt._caught_up():  # the last holds' timers fire
+            while _money(rt.snapshot())[1] > 0 or not rt.caught_up():  # the last holds' timers fire
                 assert time.monotonic() < deadline, "holds were not released"
                 time.sleep(0.2)
         assert len(replies) > 50
@@ -197,5 +197,5 @@ def test_spark_driver_sigkill_right_after_a_log_resize(tmp_path: Path) -> None:
     assert rt.config.n_log_partitions == 3 and rt.input_log.counts() == (4, 3)
     assert _state_dirs(ckpt) == [read_layout(str(ckpt)).state]
     load.check_answered_once(rt)
-    last = rt.read_record(rt._last_recorded_epoch())
+    last = rt.read_record(rt.last_recorded_epoch())
     assert len(last.ends) == 4 and len(last.counters) == 4, "the epochs read all four partitions"

@@ -43,8 +43,8 @@ DRIVER = str(Path(__file__).resolve().parents[1] / "support" / "spark_rescale_dr
 
 def _placed_right(rt: SparkRuntime) -> bool:
     """Every item of the last recorded epoch (timer index entries included) is in its key group's partition."""
-    parts, durable, _ = rt._placement()
-    epoch = rt._last_recorded_epoch()
+    parts, durable, _ = rt.placement()
+    epoch = rt.last_recorded_epoch()
     for pid in range(parts):
         state, _ = durable.load(pid, epoch)
         if not all(partition_of(*timers.placed_by(k, v), parts) == pid for k, v in state.items()):
@@ -216,9 +216,9 @@ def _client(url: str, seed: int, stop: threading.Event, replies: dict, errors: l
 
 
 def _epochs_pass(rt: SparkRuntime, n: int, timeout: float = 180.0) -> None:
-    first = rt._last_recorded_epoch()
+    first = rt.last_recorded_epoch()
     deadline = time.monotonic() + timeout
-    while rt._last_recorded_epoch() < first + n:
+    while rt.last_recorded_epoch() < first + n:
         assert time.monotonic() < deadline, f"epochs do not advance: {rt.health()}"
         time.sleep(0.05)
 
@@ -252,7 +252,7 @@ def test_spark_rescale_2_4_3_under_gateway_load(tmp_path: Path) -> None:
                 c.join(200)
             assert not errors, errors[:3]
             deadline = time.monotonic() + 120
-            while _money(rt.snapshot())[1] > 0 or not rt._caught_up():  # the last holds' timers fire
+            while _money(rt.snapshot())[1] > 0 or not rt.caught_up():  # the last holds' timers fire
                 assert time.monotonic() < deadline, "holds were not released"
                 time.sleep(0.2)
         assert len(replies) > 100

@@ -38,7 +38,7 @@ def main(data_dir: str, requests_json: str) -> int:
     rt.pause(after_epoch=0)
     rt.start()
     deadline = time.monotonic() + 300
-    while not (rt._last_recorded_epoch() >= 0 and rt.control_status()["state"] == "paused"):
+    while not (rt.last_recorded_epoch() >= 0 and rt.control_status()["state"] == "paused"):
         if time.monotonic() > deadline:
             raise TimeoutError("epoch 0 did not run")
         time.sleep(0.05)

@@ -72,7 +72,7 @@ def main() -> int:
                 raise RuntimeError(f"the runtime gave up: {h['fatal']}")
             time.sleep(0.2)
         rt.wait_idle(args.idle_timeout)
-        print(f"idle {rt._last_recorded_epoch()}", flush=True)
+        print(f"idle {rt.last_recorded_epoch()}", flush=True)
         rt.stop()
         return 0
     finally:
@@ -207,7 +207,7 @@ def check_result(data_dir: str, initial: dict[bytes, bytes], appended: list[Requ
     assert len({r.request_id for r in replies}) == len(replies), "a request has two replies"
     assert {r.request_id for r in replies} == set(ids), "replies do not match the requests"
 
-    ran = [r.request_id for e in range(rt._last_recorded_epoch() + 1) for _, r in rt.epoch_requests(e)]
+    ran = [r.request_id for e in range(rt.last_recorded_epoch() + 1) for _, r in rt.epoch_requests(e)]
     assert sorted(ran) == sorted(ids), "the recorded epochs do not cover every request exactly once"
 
     ip, results = replay_in_process(ycsb.app, rt, initial)

@@ -47,9 +47,9 @@ def main() -> int:
             rt.load("acct", {f"k{i}": 100 for i in range(args.load)})
         rt.start()
         say("started")
-        first = rt._last_recorded_epoch()
+        first = rt.last_recorded_epoch()
         deadline = time.monotonic() + 300
-        while rt._last_recorded_epoch() < first + 2:
+        while rt.last_recorded_epoch() < first + 2:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no epochs: {rt.health()}")
             time.sleep(0.05)
@@ -66,7 +66,7 @@ def main() -> int:
         say("idle once")
         time.sleep(1.0)  # the last holds' timers come due
         rt.wait_idle(300)
-        say(f"idle {rt._last_recorded_epoch()}")
+        say(f"idle {rt.last_recorded_epoch()}")
         rt.stop()
         return 0
     finally:

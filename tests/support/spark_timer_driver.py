@@ -76,7 +76,7 @@ def main() -> int:
             "timer_replies": sorted(rid for rid in replies if rid.startswith(timers.REQUEST_PREFIX)),
             "balances": rt.snapshot() and {k: rt.read_state("acct", k) for k in ACCOUNTS},
             "items": {k: ip.read_items("acct", k) for k in ACCOUNTS},
-            "epochs": rt._last_recorded_epoch() + 1,
+            "epochs": rt.last_recorded_epoch() + 1,
         }), flush=True)
         return 0
     finally:

@@ -29,7 +29,7 @@ def main() -> int:
     try:
         rt.start()
         rt.wait_idle(600)
-        print(f"idle {rt._last_recorded_epoch()}", flush=True)
+        print(f"idle {rt.last_recorded_epoch()}", flush=True)
         rt.stop()
         return 0
     finally:

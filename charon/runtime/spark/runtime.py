@@ -62,11 +62,12 @@ from charon.log.sqlite import DedupRetention
 from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application
-from charon.runtime import control
+from charon.runtime.gate import EpochGate
 from charon.runtime.owner import claim_data_dir
 from charon.runtime.probe import LogProbe
 from charon.runtime.quarantine import RecoveryAttempts, culprit_in, probing
 from charon.runtime.replies import ReplyWriter
+from charon.runtime.spark.engine import SparkEngine
 from charon.runtime.verdicts import VerdictBook, letter
 from charon.runtime.watchdog import task_budget
 from charon.state.durable import DurableState, write_file_atomic
@@ -866,7 +867,7 @@ class SparkExchange:
         return max(1, min(self.slots, len(payloads), size // max(1, self.config.task_min_bytes)))
 
 
-class SparkRuntime(control.Controllable):
+class SparkRuntime:
     """Deploy an application on Spark. ``app_ref`` is ``"module:attribute"`` of an installed module."""
 
     def __init__(self, app_ref: str, config: SparkConfig | None = None, spark: Any = None) -> None:
@@ -901,21 +902,20 @@ class SparkRuntime(control.Controllable):
         self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
         self.streams = StreamLog(os.path.join(cfg.data_dir, "streams.sqlite"))  # ctx.emit's atoms
         self.durable = DurableState(os.path.join(self.ckpt, layout.state))
-        self._layout_lock = threading.Lock()  # (config.partitions, durable) change together (see _placement)
-        self._layout_gen = 0
+        self._layout_lock = threading.Lock()  # (config.partitions, durable) change together (see placement)
+        self.layout_gen = 0
         self._rescale_lock = threading.Lock()
         self.rescale_pauses: list[dict[str, Any]] = []  # one per rescale (see rescale)
         self.log_rescales: list[dict[str, Any]] = []  # one per input-log resize (see rescale_log)
-        # a compatible code update's (first TID on the new code, the old ref) while transactions begun on the
-        # old code are deferred (charon.runtime.control.spark_update_code)
-        self._code_previous: tuple[int, str] | None = None
-        control.spark_recorded_code(self)  # a code update recorded here survives a restart
+        self.gate = EpochGate()  # pause/resume at an epoch boundary
+        self.controller = SparkEngine(self)  # the engine contract's face, and the control state it owns
+        self.controller.recorded_code()  # a code update recorded here survives a restart
         self._spark = spark
         self._query: Any = None
         self._compactor: threading.Thread | None = None
         self._log_client: Any = None
         self.epoch_stats: list[dict[str, float]] = []  # the newest ``keep_epoch_stats`` epochs
-        self.last_epoch = self._last_recorded_epoch()
+        self.last_epoch = self.last_recorded_epoch()
         # supervision (see _supervise); health() reports these
         self._lock = threading.Lock()
         self._wake = threading.Event()  # set by stop(): ends a restart back-off at once
@@ -940,8 +940,7 @@ class SparkRuntime(control.Controllable):
         self._next_due = last.next_due if last is not None else math.inf
         self._ticker: threading.Thread | None = None
         self._last_tick_error: str | None = None  # the ticker's last failure to reach the log
-        self.gate = control.EpochGate()  # pause/resume at an epoch boundary
-        self._log_probe = LogProbe(self.input_log, cfg.health_timeout_s)  # health() answers within its timeout
+        self.log_probe = LogProbe(self.input_log, cfg.health_timeout_s)  # health() answers within its timeout
         if wanted != self.config.partitions:
             self.rescale(wanted)
 
@@ -962,7 +961,7 @@ class SparkRuntime(control.Controllable):
         tune_worker_gc(self.config.gc_threshold)  # the driver: loaded code, the session's objects frozen
         with self._epoch_cv:
             self._stopping = False
-        control.spark_finish_update(self)  # a code update's migration a crash interrupted, before any request
+        self.controller.finish_update()  # a code update's migration a crash interrupted, before any request
         self.gate.reset()
         with self._lock:
             self._wake.clear()
@@ -988,7 +987,7 @@ class SparkRuntime(control.Controllable):
                 self._settle_recovery()  # a restart with nothing to replay: no epoch would ever say so
                 if self._status != "ok":
                     continue
-                rec = self.read_record(self._last_recorded_epoch())
+                rec = self.read_record(self.last_recorded_epoch())
                 ends, tops = pad_pair(rec.ends if rec is not None else [], self.input_log.end_offsets())
                 if any(e < t for e, t in zip(ends, tops, strict=True)):
                     continue  # an epoch is coming anyway (it advances the time too)
@@ -999,7 +998,7 @@ class SparkRuntime(control.Controllable):
 
     def _start_query(self) -> None:
         spark = self.spark
-        self.exchange = SparkExchange(spark, self.app_ref, self.config, self._code_previous)
+        self.exchange = SparkExchange(spark, self.app_ref, self.config, self.controller.previous)
         df = (
             spark.readStream.format("charon_log")
             .option("path", self.input_location)
@@ -1053,7 +1052,7 @@ class SparkRuntime(control.Controllable):
             with self._lock:
                 if self._query is not q or self._status == "stopped":
                     return  # stopped on purpose
-                epoch = self._last_recorded_epoch() + 1
+                epoch = self.last_recorded_epoch() + 1
                 msg = _short_error(err) if err is not None else "the streaming query terminated"
                 code = jvm_exit_code()
                 if code is not None:  # the query failed because Spark's JVM is gone: a new session is needed
@@ -1092,7 +1091,7 @@ class SparkRuntime(control.Controllable):
                 if self._wake.wait(delay):
                     return
                 if outage is not None:  # a bounded probe first: a stopped server would hold _outage ~11 s per call
-                    probe = self._log_probe.check(fresh=True)
+                    probe = self.log_probe.check(fresh=True)
                     still = probe.error if probe.error is not None else self._outage(None)
                     if still is not None:
                         self._last_error = f"epoch {epoch}: {still}"
@@ -1160,8 +1159,8 @@ class SparkRuntime(control.Controllable):
         spark = self.spark
         register(spark)
         ship_app_module(spark, self.app_ref)
-        if self._code_previous is not None:  # a compatible code update's old code, still running deferred ones
-            ship_app_module(spark, self._code_previous[1])
+        if self.controller.previous is not None:  # a compatible code update's old code, still running deferred ones
+            ship_app_module(spark, self.controller.previous[1])
 
     def _outage(self, err: BaseException | None) -> str | None:
         """Why a query failure is an outage of the infrastructure rather than the epoch's fault, or None: the one
@@ -1194,8 +1193,8 @@ class SparkRuntime(control.Controllable):
             return f"a transient infrastructure failure: {_short_error(err)}"  # type: ignore[arg-type]
         return None
 
-    def _caught_up(self, log_ends: list[int] | None = None) -> bool:
-        rec = self.read_record(self._last_recorded_epoch())
+    def caught_up(self, log_ends: list[int] | None = None) -> bool:
+        rec = self.read_record(self.last_recorded_epoch())
         log_ends = self.input_log.end_offsets() if log_ends is None else log_ends
         ends, target = pad_pair(rec.ends if rec is not None else [], log_ends)
         return not (rec is not None and rec.deferred) and all(e >= t for e, t in zip(ends, target, strict=True))
@@ -1207,7 +1206,7 @@ class SparkRuntime(control.Controllable):
         timer ticker (it ticks only while serving) and by :meth:`health`."""
         q = self._query
         if self._status == "recovering" and q is not None and not self._need_session and jvm_exit_code() is None \
-                and q.isActive and self._caught_up(log_ends):
+                and q.isActive and self.caught_up(log_ends):
             self._status = "ok"
 
     def _record_verdict(self, req: Request, verdict: Verdict, epoch: int) -> None:
@@ -1225,7 +1224,7 @@ class SparkRuntime(control.Controllable):
         (``jvm_restarts``); ``ok`` is true only when serving and the
         input log answers. ``log_error`` says why the log does not (unreachable, or no answer within
         ``health_timeout_s``: health never waits for a hung log longer than that)."""
-        probe = self._log_probe.check()
+        probe = self.log_probe.check()
         status = self._status
         last_error = self._last_error
         q = self._query
@@ -1242,7 +1241,7 @@ class SparkRuntime(control.Controllable):
         except Exception as e:  # noqa: BLE001 - a JVM that died between the checks: truthful, never an error
             status = "recovering" if status in ("ok", "recovering") else status
             last_error = f"Spark does not answer ({type(e).__name__}); the supervisor restarts it"
-        return {"status": status, "ok": status == "ok" and probe.ok, "epoch": self._last_recorded_epoch(),
+        return {"status": status, "ok": status == "ok" and probe.ok, "epoch": self.last_recorded_epoch(),
                 "last_error": last_error, "log_error": probe.error, "restarts": self._restarts,
                 "jvm_restarts": self._jvm_restarts, "fatal": self._fatal, "unconfirmed_epoch": self._unconfirmed}
 
@@ -1330,7 +1329,7 @@ class SparkRuntime(control.Controllable):
             state = "failed" if status == "failed" else "recovering"
             raise EngineUnavailable(f"cannot {what} while the runtime is {state} ({self._last_error}); retry "
                                     "when /health is ok")
-        probe = self._log_probe.check(fresh=True)
+        probe = self.log_probe.check(fresh=True)
         if probe.error is not None:
             raise EngineUnavailable(f"cannot {what}: {probe.error}; retry when /health is ok")
 
@@ -1354,7 +1353,7 @@ class SparkRuntime(control.Controllable):
         with self._rescale_lock:
             t0, c0 = time.perf_counter(), time.process_time()
             old = self.input_log.counts()[1]
-            epoch = self._last_recorded_epoch()
+            epoch = self.last_recorded_epoch()
             with self._lock:
                 layout = read_layout(self.ckpt) or Layout(self.config.partitions, old)
                 path = os.path.join(self.ckpt, "layout.json")
@@ -1381,7 +1380,7 @@ class SparkRuntime(control.Controllable):
             if running:  # the runtime's own hold: a user's resume meanwhile cannot start an epoch mid-move
                 self.gate.hold()
             try:
-                if running and not self.gate.wait_paused(self._last_recorded_epoch, timeout):
+                if running and not self.gate.wait_paused(self.last_recorded_epoch, timeout):
                     raise TimeoutError(f"no epoch boundary within {timeout} s: {self.control_status()}")
                 t1 = time.perf_counter()
                 if self._compactor is not None:  # it reads the old layout's files
@@ -1397,7 +1396,7 @@ class SparkRuntime(control.Controllable):
     def _move(self, partitions: int) -> dict[str, Any]:
         """Re-place the state as of the last recorded epoch into a new layout and commit it (no epoch runs)."""
         c0 = time.process_time()
-        epoch = self._last_recorded_epoch()
+        epoch = self.last_recorded_epoch()
         old = self.config.partitions
         parts: list[list[tuple[bytes, bytes]]] = [[] for _ in range(partitions)]
         n = 0
@@ -1423,16 +1422,16 @@ class SparkRuntime(control.Controllable):
             with self._layout_lock:
                 self.config = dataclasses.replace(self.config, partitions=partitions)
                 self.durable = new
-                self._layout_gen += 1
+                self.layout_gen += 1
             if self._spark is not None and getattr(self, "exchange", None) is not None:
-                self.exchange = SparkExchange(self._spark, self.app_ref, self.config, self._code_previous)
+                self.exchange = SparkExchange(self._spark, self.app_ref, self.config, self.controller.previous)
         # the old directory goes with the next compaction (a state read may still be reading it) or restart
         return {"from": old, "to": partitions, "epoch": epoch, "keys": n, "cpu_s": time.process_time() - c0}
 
-    def _placement(self) -> tuple[int, DurableState, int]:
+    def placement(self) -> tuple[int, DurableState, int]:
         """``(partitions, durable state, layout generation)`` of the layout in force, taken together."""
         with self._layout_lock:
-            return self.config.partitions, self.durable, self._layout_gen
+            return self.config.partitions, self.durable, self.layout_gen
 
     def close(self) -> None:
         self.stop()
@@ -1454,7 +1453,7 @@ class SparkRuntime(control.Controllable):
     def _record_path(self, epoch: int) -> str:
         return os.path.join(self.ckpt, "epochs", f"{epoch:012d}.msgpack")
 
-    def _last_recorded_epoch(self) -> int:
+    def last_recorded_epoch(self) -> int:
         """The newest epoch with a record (records are only ever added, so probe forward from the last)."""
         e = getattr(self, "_known_epoch", None)
         if e is None:
@@ -1509,17 +1508,15 @@ class SparkRuntime(control.Controllable):
 
         if self._fatal is not None:
             raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
-        hold = self.__dict__.get("_admin_hold")
-        if hold is not None:  # an admin update runs alone: new requests wait for it
-            await hold.wait()
+        await self.controller.wait_admin()  # an admin update runs alone: new requests wait for it
         if self._log_client is None:
             self._log_client = LogClient(self.input_log, self.output_log)
-        self._submitting = self.__dict__.get("_submitting", 0) + 1  # admin updates wait for these to finish
+        self.controller.submitting += 1  # admin updates wait for these to finish
         try:
             return await self._log_client.submit(operator, key, function, args, request_id=request_id,
                                                  timeout=timeout)
         finally:
-            self._submitting -= 1
+            self.controller.submitting -= 1
 
     def get_reply(self, request_id: str) -> Reply | None:
         return self.output_log.get(request_id)
@@ -1538,7 +1535,7 @@ class SparkRuntime(control.Controllable):
         while time.monotonic() < deadline:
             if self._fatal is not None:
                 raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
-            rec = self.read_record(self._last_recorded_epoch())
+            rec = self.read_record(self.last_recorded_epoch())
             if rec is not None and not rec.deferred and all(e >= t for e, t in zip(*pad_pair(rec.ends, target),
                                                                                   strict=True)):
                 return
@@ -1574,7 +1571,7 @@ class SparkRuntime(control.Controllable):
         if pending is None:
             # epochs Spark committed whose deferred finalize was lost with a crash: run them again (a replay is
             # deterministic: same TIDs, same outcomes, replies already delivered are not delivered twice)
-            for e in range(self._last_recorded_epoch() + 1, epoch):
+            for e in range(self.last_recorded_epoch() + 1, epoch):
                 self._run_epoch(e, None, recovering=True)
         self._run_epoch(epoch, pending)
 
@@ -1596,7 +1593,7 @@ class SparkRuntime(control.Controllable):
             shutil.rmtree(probe, ignore_errors=True)
         self.exchange.set_budget(None if rerun else self.config.function_timeout, probe)
         prev = pending[0] if pending is not None else (self.read_record(epoch - 1) if epoch > 0 else None)
-        if epoch > 0 and prev is None and self._last_recorded_epoch() >= 0:
+        if epoch > 0 and prev is None and self.last_recorded_epoch() >= 0:
             raise RuntimeError(f"epoch record {epoch - 1} is missing under {self.ckpt}")
         starts, ends = batch_offsets(self._query_ckpt, epoch)
         rows = self.input_log.read_range(starts, ends)
@@ -1647,8 +1644,8 @@ class SparkRuntime(control.Controllable):
                 coord.sequencer.resize(len(ends))
                 coord.next_due = prev.next_due
                 coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
-            if self._code_previous is not None:  # a compatible update: deferred transactions keep the old code
-                coord.previous = (self._code_previous[0], load_app(self._code_previous[1]))
+            if self.controller.previous is not None:  # a compatible update: deferred transactions keep the old code
+                coord.previous = (self.controller.previous[0], load_app(self.controller.previous[1]))
             self.exchange.stats = {}
             crash_point("before_epoch", epoch)
             result = coord.run_epoch(epoch, requests, now, prior=pending[1] if pending is not None else None,
@@ -1663,8 +1660,8 @@ class SparkRuntime(control.Controllable):
     def _after_epoch(self, epoch: int, coord: EpochCoordinator, result: EpochResult, starts: list[int],
                      ends: list[int]) -> bool:
         """Record the epoch, or leave it pending (True) when its finalize was deferred to the next epoch."""
-        if self._code_previous is not None:
-            control.spark_retire_previous(self, coord.deferred)
+        if self.controller.previous is not None:
+            self.controller.retire_previous(coord.deferred)
         if result.finalize is None:  # else the atom and this fault point come once the finalize ran
             self._append_atom(result)
             crash_point("after_finalize", epoch)
@@ -1758,7 +1755,7 @@ class SparkRuntime(control.Controllable):
     def _compact(self, upto: int) -> None:
         """Merge durable deltas up to a Spark-committed epoch; truncate the log up to that snapshot; delete
         the state directory a rescale retired."""
-        parts, durable, _ = self._placement()
+        parts, durable, _ = self.placement()
         for pid in range(parts):
             durable.compact(pid, upto)
             crash_point("compaction", upto + 1)  # after the first partition: a compaction half done
@@ -1787,36 +1784,66 @@ class SparkRuntime(control.Controllable):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(epochs, name))
 
-    # -- control (charon.runtime.control; pause/resume/control_status: control.Controllable) -----------
-    control_engine = "spark"
+    # -- control: the engine contract (charon.runtime.spark.engine) -----------------------------------
+    def engine(self) -> SparkEngine:
+        """This runtime under the engine contract (what the gateway, admin routes, metrics and CLI use)."""
+        return self.controller
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the runtime gave up for good (None while it serves or recovers)."""
+        return self._fatal
+
+    def ship_code(self, ref: str) -> None:
+        """Make the installed module of ``ref`` importable by the executors (a code update, before its switch)."""
+        ship_app_module(self.spark, ref)
+
+    def set_exchange_code(self, ref: str, previous: tuple[int, str] | None) -> None:
+        """The executors run ``ref`` from the next epoch on (and ``previous`` for the transactions below its
+        TID); nothing to do before the first start (the query's start builds the exchange)."""
+        ex = getattr(self, "exchange", None)
+        if ex is not None:
+            ex.set_code(ref, previous)
+
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; the status document."""
+        return self.controller.pause_now(after_epoch).doc()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again; the waiting requests run in log order; the status document."""
+        return self.controller.resume_now().doc()
+
+    def control_status(self) -> dict[str, Any]:
+        """The control status document (:class:`charon.runtime.contract.ControlStatus`). Blocking."""
+        return self.controller.status_now().doc()
 
     async def run_alone(
         self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
     ) -> dict[str, Any]:
         """A serializable admin update: ``function`` on every key (default: every entity of ``operator``) in
-        epochs that hold nothing else, once per ``update_id`` (:func:`charon.runtime.control.spark_run_alone`)."""
-        return await control.spark_run_alone(self, update_id, operator, function, serde.encode(list(args)), keys)
+        epochs that hold nothing else, once per ``update_id`` (:meth:`SparkEngine.run_alone`)."""
+        out = await self.controller.run_alone(update_id, operator, function, serde.encode(list(args)), keys)
+        return out.doc()
 
-    code_update_modes = ("strict", "compatible")
+    code_update_modes = SparkEngine.code_update_modes
 
     async def update_code(
         self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None, mode: str = "strict"
     ) -> dict[str, Any]:
-        """Code update to ``ref`` at one epoch boundary: ``mode="strict"`` with an optional ``migration``
-        (operator, function, args) over every entity, or ``"compatible"`` (transactions deferred before the
-        boundary finish on the old code) (:func:`charon.runtime.control.spark_update_code`)."""
+        """Code update to ``ref`` at one epoch boundary (:meth:`SparkEngine.update_code`)."""
         mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
-        return await control.spark_update_code(self, ref, version, mig, mode)
+        return (await self.controller.update_code(ref, version, mig, mode)).doc()
 
     def version_at(self, epoch: int, tid: int | None = None) -> str:
         """The code version epoch ``epoch`` ran with (with ``tid``: the one that transaction ran with)."""
-        return control.spark_version_at(self, epoch, tid)
+        return self.controller.version_at(epoch, tid)
 
     def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
     ) -> tuple[int, dict[bytes, bytes]]:
         """``(epoch, rows)``: ``operator``'s state rows as of one recorded epoch, from the durable copy."""
-        return control.spark_inspect(self, operator, keys, epoch, limit)
+        out = self.controller.inspect_now(operator, keys, epoch, limit)
+        return out.epoch, out.rows
 
     def state_frame(self, operator: str, epoch: int | None = None) -> Any:
         """``operator``'s state as a Spark DataFrame (key, item, value, value_json, epoch) at one epoch (default:
@@ -1828,9 +1855,9 @@ class SparkRuntime(control.Controllable):
     def _data_layout(self, kind: Any) -> Any:
         """The layout in force and the settled epoch, both from the same side of a rescale."""
         for _ in range(5):
-            parts, durable, gen = self._placement()
-            epoch = self._settled_epoch()
-            if gen == self._layout_gen:
+            parts, durable, gen = self.placement()
+            epoch = self.settled_epoch()
+            if gen == self.layout_gen:
                 break
         return kind(durable.root, parts, epoch, "spark")
 
@@ -1839,9 +1866,10 @@ class SparkRuntime(control.Controllable):
         max_entities: int | None = None, max_bytes: int = 4 << 20, max_memory: int = 512 << 20,
     ) -> dict[str, Any]:
         """One safe SELECT over the operators' state at one recorded epoch (the dashboard's SQL box), answered
-        by SQLite in the SQL sandbox, never in the engine's JVM (:func:`charon.runtime.control.spark_sql`)."""
-        return control.spark_sql(self, query, epoch, max_rows, timeout_s,
-                                 100_000 if max_entities is None else max_entities, max_bytes, max_memory)
+        by SQLite in the SQL sandbox, never in the engine's JVM (:meth:`SparkEngine.sql`). Blocking."""
+        return self.controller.sql_now(query, epoch, max_rows, timeout_s,
+                                       100_000 if max_entities is None else max_entities, max_bytes,
+                                       max_memory).doc()
 
     # -- state inspection ---------------------------------------------------------------------------------------
     def read_state(self, operator: str, key: str, default: Any = None) -> Any:
@@ -1854,7 +1882,7 @@ class SparkRuntime(control.Controllable):
         raw = got.get(store_key(operator, key))
         return epoch, default if raw is None else serde.decode(raw)
 
-    def _settled_epoch(self, timeout: float = 60.0) -> int:
+    def settled_epoch(self, timeout: float = 60.0) -> int:
         """The last recorded epoch, after waiting for the epoch of the newest reply to be recorded.
 
         Replies go out early (before their epoch's state is finalized); waiting here gives a client that
@@ -1866,14 +1894,14 @@ class SparkRuntime(control.Controllable):
         newest = self.output_log.read_between(last - 1, last) if last > 0 else []
         want = newest[0][1].epoch if newest else -1
         deadline = time.monotonic() + timeout
-        epoch = self._last_recorded_epoch()
+        epoch = self.last_recorded_epoch()
         while epoch < want:
             if self._fatal is not None:
                 raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
             if time.monotonic() > deadline:
                 raise EngineUnavailable(f"epoch {want} (of the newest reply) is not recorded yet; retry later")
             time.sleep(0.01)
-            epoch = self._last_recorded_epoch()
+            epoch = self.last_recorded_epoch()
         return epoch
 
     def read_keys(self, keys: list[bytes]) -> dict[bytes, bytes | None]:
@@ -1885,9 +1913,9 @@ class SparkRuntime(control.Controllable):
         if self._fatal is not None:
             raise EngineUnavailable(f"the runtime stopped: {self._fatal}")
         for attempt in range(5):
-            parts, durable, gen = self._placement()
-            epoch = self._settled_epoch()
-            if gen != self._layout_gen:  # rescaled meanwhile: the epoch may be newer than that layout's state
+            parts, durable, gen = self.placement()
+            epoch = self.settled_epoch()
+            if gen != self.layout_gen:  # rescaled meanwhile: the epoch may be newer than that layout's state
                 continue
             by_pid: dict[int, list[bytes]] = {}
             for k in keys:
@@ -1929,9 +1957,9 @@ class SparkRuntime(control.Controllable):
     def timers(self, operator: str, key: str) -> list[_timers.Timer]:
         """The pending timers an entity registered, as of the last recorded epoch (by id)."""
         for _ in range(5):
-            parts, durable, gen = self._placement()
-            epoch = self._settled_epoch()
-            if gen == self._layout_gen:
+            parts, durable, gen = self.placement()
+            epoch = self.settled_epoch()
+            if gen == self.layout_gen:
                 break
         fn = partial(_scan_prefix, self.config.local_dir, durable.root, self.ckpt, epoch)
         item = (partition_of(operator, key, parts), _timers.owner_prefix(operator, key))
@@ -1940,8 +1968,8 @@ class SparkRuntime(control.Controllable):
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state (from the durable copy, as of the last recorded epoch)."""
-        parts, durable, _ = self._placement()
-        epoch = self._last_recorded_epoch()
+        parts, durable, _ = self.placement()
+        epoch = self.last_recorded_epoch()
         merged: dict[bytes, bytes] = {}
         for pid in range(parts):
             if durable.latest_epoch(pid) >= -1 and os.path.isdir(os.path.join(durable.root, f"p{pid}")):
@@ -1973,7 +2001,7 @@ def replay_in_process(
         op, key, _ = split_store_key(k)
         rt.stores[partition_of(op, key, rt.partitions)].data[k] = v
     results = []
-    for e in range(runtime._last_recorded_epoch() + 1):
+    for e in range(runtime.last_recorded_epoch() + 1):
         rec = runtime.read_record(e)
         if rec is not None:  # the epoch read len(ends) log partitions: as many sequencers (grown like Spark's)
             rt.coordinator.sequencer.resize(len(rec.ends))

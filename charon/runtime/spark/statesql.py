@@ -32,7 +32,8 @@ import msgspec
 
 from charon import serde
 from charon.core.routing import split_store_key
-from charon.runtime.control import EpochNotRetained, node_retained_epochs
+from charon.runtime.contract import EpochNotRetained
+from charon.runtime.reads import node_retained_epochs
 from charon.state.durable import DurableState, DurableStateError
 
 __all__ = ["state_frame", "layout_of", "register_views", "DataDirLayout"]

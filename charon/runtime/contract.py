@@ -1,0 +1,359 @@
+"""The engine contract: what every engine offers the layers above it, and what a controllable one adds.
+
+The gateway, the admin routes, the metrics and the CLI hold an :class:`Engine` and use nothing else of it: no
+attribute probing, no engine names, no type checks. Every engine answers the same calls in the same style
+(async where it may wait), with typed results (the structs below) and the same errors (declared here):
+
+* :class:`Engine`: start/stop, health, submitting requests and reading their replies, state and timer reads,
+  dead letters, the code version a reply ran with, the recent epochs' figures.
+* :class:`Controls` (``Engine.controls``; ``None`` for an engine without them, e.g. a gateway that only forwards
+  to a remote engine's log): pause/resume/status, inspect, SQL, run-alone admin updates, code updates, rescale.
+
+Engines are built by :func:`charon.runtime.factory.make_engine`; a runtime object that is not itself an
+:class:`Engine` gives its engine by :meth:`EngineSource.engine` (``as_engine`` takes either).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+import msgspec
+
+from charon.errors import CharonError, EngineUnavailable
+from charon.messages import Reply, Request
+
+if TYPE_CHECKING:
+    from charon.core.timers import Timer
+    from charon.log.streams import StreamLog
+    from charon.operator import Application
+
+__all__ = [
+    "CodeUpdate", "ControlStatus", "Controls", "Engine", "EngineSource", "EngineStopped", "EpochNotRetained",
+    "GateClosed", "GatePaused", "Inspection", "NotSupported", "RescaleBusy", "RescaleOutcome", "SQLRejected",
+    "SQLResultTooLarge", "SQLSyntaxError", "SQLTimeout", "SQLTooExpensive", "SqlResult", "StateTooLarge",
+    "UpdateOutcome", "as_engine", "SQL_ERRORS",
+]
+
+
+# -- the errors every engine raises alike ---------------------------------------------------------------------
+class EngineStopped(EngineUnavailable, RuntimeError):
+    """The engine is not running (not started yet, stopped, or failed for good): nothing was accepted."""
+
+
+class GateClosed(CharonError):
+    """The engine stopped while an epoch waited at a closed gate (the epoch did not run)."""
+
+
+class GatePaused(CharonError):
+    """The engine is paused (its epoch gate closed) and the operation needs epochs to run: refused at once
+    instead of waiting for a resume until its timeout (HTTP 409 ``Paused``); nothing was changed."""
+
+
+class EpochNotRetained(CharonError):
+    """The state as of the requested epoch is not available (not reached yet, or compacted away)."""
+
+
+class NotSupported(CharonError):
+    """The engine has no such capability (HTTP 501): e.g. a remote gateway's engine has no controls."""
+
+
+class RescaleBusy(CharonError):
+    """A rescale cannot start now (another one runs, or the engine is paused): nothing moved (HTTP 409)."""
+
+
+# SQL (the SQL sandbox, :mod:`charon.runtime.sqlstate`, raises these on every engine)
+class SQLRejected(CharonError):
+    """The query is outside the safe subset (one SELECT over the state views, allowed functions only)."""
+
+
+class SQLSyntaxError(CharonError):
+    """The query does not parse or does not resolve (unknown table or column)."""
+
+
+class SQLTimeout(CharonError):
+    """The query ran longer than its time bound and was cancelled."""
+
+
+class SQLTooExpensive(CharonError):
+    """The query needed more memory (or built a larger value) than the SQL sandbox allows (``sql_max_memory``)."""
+
+
+class SQLResultTooLarge(CharonError):
+    """The query's answer is larger than ``sql_max_result_bytes`` of JSON."""
+
+
+class StateTooLarge(CharonError):
+    """An operator the query names holds more entities than the in-process SQL loads (``max_entities``)."""
+
+
+#: the SQL errors (typed 4xx answers of ``/admin/sql``)
+SQL_ERRORS: tuple[type[CharonError], ...] = (SQLRejected, SQLSyntaxError, SQLTimeout, StateTooLarge, EpochNotRetained,
+                                             SQLTooExpensive, SQLResultTooLarge)
+
+
+# -- typed results --------------------------------------------------------------------------------------------
+class ControlStatus(msgspec.Struct, kw_only=True):
+    """The engine's control state: pause state, the last committed epoch, backlog, code version, retention.
+
+    Fields an engine does not have are left unset (and absent from the JSON document)."""
+
+    state: str  # running, pausing (closed with an epoch still running), paused
+    paused: bool
+    pause_requested: bool
+    pause_after: int | None
+    active_epoch: int | None
+    epoch: int  # the last committed (recorded) epoch
+    engine: str
+    durable: bool
+    backlog: int | None  # requests accepted but not in a committed epoch (None: the log does not answer)
+    retained_from: int
+    code_version: str
+    dead_letters: dict[str, int]
+    logged_waiting: int | msgspec.UnsetType = msgspec.UNSET  # epochs logged while paused (in-process)
+    retained_epochs: list[int] | msgspec.UnsetType = msgspec.UNSET  # the epochs inspect can show (in-process)
+    stuck: Any = msgspec.UNSET  # a function that holds the engine where it cannot be interrupted (in-process)
+    log_error: str | None | msgspec.UnsetType = msgspec.UNSET  # why the log does not answer (Spark)
+    log_partitions: dict[str, int] | None | msgspec.UnsetType = msgspec.UNSET  # route and physical (Spark)
+
+    def doc(self) -> dict[str, Any]:
+        """The JSON document of this status."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+
+class Inspection(msgspec.Struct, frozen=True):
+    """An operator's store rows as of one committed epoch (one consistent cut)."""
+
+    epoch: int
+    rows: dict[bytes, bytes]
+
+
+class SqlResult(msgspec.Struct, kw_only=True):
+    """One SQL query's answer over one cut of the state."""
+
+    epoch: int
+    columns: list[str]
+    rows: list[list[Any]]
+    truncated: bool
+    engine: str
+
+    def doc(self) -> dict[str, Any]:
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+
+class UpdateOutcome(msgspec.Struct, kw_only=True):
+    """A run-alone admin update's outcome (a repeat of an update id returns the first one's, ``repeated``)."""
+
+    id: str
+    transactions: int
+    committed: int
+    aborted: dict[str, str]
+    epochs: list[int]
+    repeated: bool
+
+    def doc(self) -> dict[str, Any]:
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+
+class CodeUpdate(msgspec.Struct, kw_only=True):
+    """A code update's outcome: the version, from which epoch, its migration's outcome, its mode."""
+
+    version: str
+    ref: str
+    from_epoch: int
+    migration: UpdateOutcome | None
+    mode: str
+    kept_deferred: int | msgspec.UnsetType = msgspec.UNSET  # compatible: transactions finishing on the old code
+    first_tid: int | msgspec.UnsetType = msgspec.UNSET  # compatible (Spark): the first TID on the new code
+
+    def doc(self) -> dict[str, Any]:
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+
+class RescaleOutcome(msgspec.Struct, kw_only=True):
+    """A rescale's outcome, the same on every engine: the engine's move (``None`` fields when only the input
+    log was resized) and the input log's resize (``log``) if one was asked."""
+
+    from_: int | None = msgspec.field(default=None, name="from")
+    to: int | None = None
+    epoch: int | None = None
+    keys: int | None = None
+    wait_s: float | None = None
+    pause_s: float | None = None
+    cpu_s: float | None = None
+    log: dict[str, Any] | None = None
+    engine_moved: bool = True  # False: only the input log was resized (the document then holds ``log`` only)
+
+    def doc(self) -> dict[str, Any]:
+        if not self.engine_moved:
+            return {"log": self.log}
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        out.pop("engine_moved", None)
+        return out
+
+
+# -- the contract ---------------------------------------------------------------------------------------------
+class Engine(abc.ABC):
+    """What every engine offers the gateway, admin routes, metrics and CLI."""
+
+    #: the engine's kind, for people (status documents, the CLI's banner): never branched on
+    kind: ClassVar[str]
+    #: whether :meth:`start` takes long (a JVM): the gateway then opens its port first and starts it meanwhile
+    slow_start: ClassVar[bool] = False
+
+    @property
+    @abc.abstractmethod
+    def app(self) -> Application:
+        """The application the engine runs now (a code update switches it)."""
+
+    @property
+    @abc.abstractmethod
+    def partitions(self) -> int:
+        """The engine's partition count now (a rescale changes it)."""
+
+    @property
+    def durable(self) -> bool:
+        """Whether an acknowledged request survives the process (a log and checkpoints)."""
+        return False
+
+    @property
+    def input_log(self) -> Any:
+        """The durable input log (:class:`charon.log.contract.InputLog`) the gateway asks for a request id's
+        operation and status after a restart; ``None`` when replies are only kept in memory."""
+        return None
+
+    @property
+    def streams(self) -> StreamLog | None:
+        """The engine's output streams (``GET /streams``); ``None`` when it keeps none."""
+        return None
+
+    @property
+    def controls(self) -> Controls | None:
+        """The control surface, or ``None`` (checked once, where a route or command needs it)."""
+        return None
+
+    @property
+    def replayed_epochs(self) -> int:
+        """Epochs replayed from the log at the last start (a durable engine's recovery)."""
+        return 0
+
+    # -- lifecycle
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Start serving (recover first, if durable)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop serving: accepted requests are answered or stay in the log; resources released."""
+
+    @abc.abstractmethod
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | ..., ...}``: cheap, never blocks, callable from any thread."""
+
+    def on_fatal(self, callback: Callable[[str], None]) -> None:  # noqa: B027 - optional hook
+        """Call ``callback(reason)`` when the engine fails for good (``charon run`` then exits for a supervisor)."""
+
+    # -- requests
+    @abc.abstractmethod
+    async def submit(self, operator: str, key: str, function: str, args: list[Any], *,
+                     request_id: str | None = None) -> Reply:
+        """Run one invocation as a transaction; its reply (at most once per request id)."""
+
+    def enqueuer(self) -> Callable[[Request], asyncio.Future[Reply]] | None:
+        """The engine's direct entry for an already checked request (no coroutine per request), if it has one;
+        the gateway asks once."""
+        return None
+
+    @abc.abstractmethod
+    def get_reply(self, request_id: str) -> Reply | None:
+        """The reply of a finished request, if it is still kept."""
+
+    # -- reads
+    @abc.abstractmethod
+    def read_state(self, operator: str, key: str, default: Any = None) -> Any:
+        """An entity's committed value."""
+
+    def timers(self, operator: str, key: str) -> list[Timer]:
+        """An entity's pending timers."""
+        return []
+
+    def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """The newest transactions the engine refused for good (verdicts: timeouts, quarantines)."""
+        return []
+
+    def version_at(self, epoch: int, tid: int | None = None) -> str:
+        """The code version epoch ``epoch`` (transaction ``tid``) ran with."""
+        return str(getattr(self.app, "version", "1"))
+
+    def epoch_stats(self) -> list[dict[str, float]]:
+        """The recent epochs' figures (size, duration, conflicts...), oldest first (the metrics read them)."""
+        return []
+
+
+class Controls(abc.ABC):
+    """What a controllable engine adds: one style (async), typed results, the contract's errors."""
+
+    #: the code-update modes this engine supports
+    code_update_modes: ClassVar[tuple[str, ...]] = ("strict",)
+    #: whether the input log's partitions can be rescaled (``log_partitions``)
+    log_rescalable: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    async def pause(self, after_epoch: int | None = None) -> ControlStatus:
+        """Start no epoch (after ``after_epoch``) until :meth:`resume`; requests keep arriving and wait."""
+
+    @abc.abstractmethod
+    async def resume(self) -> ControlStatus:
+        """Let epochs start again; the waiting requests run in arrival order."""
+
+    @abc.abstractmethod
+    async def status(self) -> ControlStatus:
+        """The control state now."""
+
+    @abc.abstractmethod
+    async def inspect(self, operator: str, keys: list[str] | None = None, epoch: int | None = None,
+                      limit: int = 10_000) -> Inspection:
+        """``operator``'s rows as of one committed epoch (default: the last); :class:`EpochNotRetained`."""
+
+    @abc.abstractmethod
+    async def sql(self, query: str, epoch: int | None = None, *, max_rows: int = 1000, timeout_s: float = 30.0,
+                  max_entities: int = 100_000, max_bytes: int = 4 << 20,
+                  max_memory: int = 512 << 20) -> SqlResult:
+        """One safe SELECT over the state at one committed epoch, in the SQL sandbox."""
+
+    @abc.abstractmethod
+    async def run_alone(self, update_id: str, operator: str, function: str, args: bytes,
+                        keys: list[str] | None = None) -> UpdateOutcome:
+        """A serializable admin update (``args`` encoded), alone at an epoch boundary, once per id."""
+
+    @abc.abstractmethod
+    async def update_code(self, ref: str, version: str, migration: tuple[str, str, bytes] | None = None,
+                          mode: str = "strict") -> CodeUpdate:
+        """Switch to the installed application ``ref`` at one epoch boundary (``migration`` args encoded)."""
+
+    @abc.abstractmethod
+    async def rescale(self, partitions: int | None = None, *,
+                      log_partitions: int | None = None) -> RescaleOutcome:
+        """Change the engine's partitions (and/or the input log's, where :attr:`log_rescalable`)."""
+
+    @abc.abstractmethod
+    def last_rescale(self) -> RescaleOutcome | None:
+        """The newest rescale's outcome (by any caller), if any."""
+
+
+@runtime_checkable
+class EngineSource(Protocol):
+    """A runtime object that gives its engine (the in-process and Spark runtimes)."""
+
+    def engine(self) -> Engine: ...
+
+
+def as_engine(obj: Engine | EngineSource) -> Engine:
+    """``obj`` itself if it is an :class:`Engine`, else its :meth:`EngineSource.engine`."""
+    return obj if isinstance(obj, Engine) else obj.engine()
