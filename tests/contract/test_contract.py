@@ -90,6 +90,16 @@ def _balances(c: Client, prefix: str) -> dict[str, Any]:
     return c.read_state("acct", [f"{prefix}{i}" for i in range(ACCOUNTS)])["entities"]
 
 
+# -- the declared contract -------------------------------------------------------------------------------------
+def test_every_engine_offers_the_declared_contract(dep: Deployment) -> None:
+    from charon.runtime.contract import Controls, Engine, as_engine
+
+    eng = as_engine(dep.rt)
+    assert isinstance(eng, Engine) and isinstance(eng.controls, Controls)
+    assert eng.durable is (dep.engine != "inprocess") and dep.c.status()["durable"] is eng.durable
+    assert eng.partitions == PARTITIONS and eng.app.name == "contract"
+
+
 # -- submit and replies ----------------------------------------------------------------------------------------
 def test_invoke_replies_with_the_value_and_commits(dep: Deployment) -> None:
     c = dep.c
@@ -278,5 +288,9 @@ def test_a_code_update_takes_effect_at_one_epoch_boundary(dep: Deployment) -> No
     after = c.invoke_result("acct", "code1", "deposit", 1)
     assert after.value == ["v2", BALANCE + 1] and after.epoch >= e
     assert c.status()["code_version"] == "v2"
+    from charon.runtime.contract import as_engine
+
+    eng = as_engine(dep.rt)  # the version lookup: which code each epoch ran
+    assert eng.version_at(before.epoch) == "v1" and eng.version_at(after.epoch) == "v2"
     r = httpx.post(f"{dep.url}/admin/code", json={"ref": "not_allowed:app", "version": "x"}, headers=AUTH)
     assert 400 <= r.status_code < 500, r.text
