@@ -77,7 +77,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Markers from what a test is and uses (registered in pyproject.toml): ``spark`` (a real PySpark session:
     the ``spark`` fixture or the Spark engine, besides the modules marked so), ``nats`` (a real nats-server),
     ``postgres`` (a real PostgreSQL), ``browser`` (headless chromium), ``simulation`` (the simulator's seeds),
-    ``slow`` (the benchmarks' harness tests and the simulator's thousand seeds; see the README's fast subset)."""
+    ``slow`` (the benchmarks' harness tests and the simulator's thousand seeds here; tests over ~20 s mark
+    themselves; see the README's fast subset)."""
     for item in items:
         rel = Path(str(item.fspath)).resolve().relative_to(_TESTS).parts
         axis = rel[0] if len(rel) > 1 else ""

@@ -28,6 +28,7 @@ EXAMPLES = int(os.environ.get("CHARON_ORACLE_EXAMPLES", "1000"))
 WITHOUT = frozenset(x for x in os.environ.get("CHARON_WORKLOAD_WITHOUT", "").split(",") if x)  # local bisecting
 
 
+@pytest.mark.slow  # ~30 s: 1,000 generated workloads
 @settings(CI, max_examples=EXAMPLES)
 @given(workloads(Shape(features=FEATURES - WITHOUT)))
 def test_generated_workloads_equal_serial_execution(w: Workload) -> None:

@@ -166,6 +166,7 @@ def _check_ledger(data_dir: Path, acked: dict[str, dict], sent: set[str], log_ur
         assert totals[a] == made, (a, totals[a], made)
 
 
+@pytest.mark.slow  # ~20 s of HTTP load and SIGKILLs
 @pytest.mark.timeout(300)
 def test_sigkill_under_http_load_then_clean_restart(tmp_path: Path) -> None:
     """Two SIGKILLs under concurrent HTTP load (the second while earlier keys are being retried), restart,

@@ -112,6 +112,7 @@ def test_node_recovery_completes_a_partial_batch(tmp_path: Path, nats_url: str) 
         rt.close()
 
 
+@pytest.mark.slow  # 1.5-3 min: waits out a real log outage
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("outage_s", [10.0, 30.0])
 def test_node_over_nats_serves_again_after_a_log_outage(tmp_path: Path, outage_s: float) -> None:
