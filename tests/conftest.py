@@ -100,15 +100,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # -- the one Spark session -------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
+def _spark_sessions() -> Iterator[list[Any]]:
+    """The sessions the ``spark`` fixture handed out; the live one is stopped once, at the end of the run."""
+    made: list[Any] = []
+    yield made
+    if made:
+        made[-1].stop()
+
+
+@pytest.fixture(scope="module")
+def spark(_spark_sessions: list[Any]) -> Any:
     """The suite's one SparkSession (``local[2]``, made by the runtime's own ``make_session``), shared by every
-    test that takes it; stopped once at the end. Its ``spark.sql.shuffle.partitions`` is 2: a module needing
-    another value sets it on the session (a runtime conf)."""
+    module that takes it: ``make_session`` returns the live session, and starts a new one in the same JVM only
+    when a test stopped it (a Spark runtime's ``close`` stops the session it used). Its
+    ``spark.sql.shuffle.partitions`` is 2 (a runtime conf: a module needing another value sets it)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from charon.config import SparkConfig
     from charon.runtime.spark.runtime import make_session
 
     session = make_session(SparkConfig(master="local[2]", partitions=2))
-    yield session
-    session.stop()
+    _spark_sessions.append(session)
+    return session

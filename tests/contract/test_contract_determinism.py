@@ -47,9 +47,8 @@ def client(engine: str, request: pytest.FixtureRequest, tmp_path_factory: pytest
             yield c
     finally:
         srv.stop(timeout=120)
-        close = getattr(rt, "close", None)
-        if close is not None:
-            close()
+        if engine != "spark":  # the files of an in-process engine (a Spark runtime's close stops the shared session)
+            rt.close()
 
 
 def test_a_nondeterministic_function_aborts_naming_itself_and_commits_nothing(client: Client) -> None:
