@@ -33,6 +33,7 @@ from charon.apps import holds
 from charon.config import SparkConfig
 from charon.core import timers
 from charon.core.routing import partition_of, store_key
+from charon.runtime.spark.engine import SparkEngine
 from charon.runtime.spark.runtime import SparkRuntime, _write_bases, read_layout, replay_in_process
 
 APP = "charon.apps.holds:app"
@@ -159,10 +160,11 @@ def test_stopped_runtime_rescales_and_reopening_rescales(tmp_path: Path) -> None
     assert kept_log.snapshot() == before
     with pytest.raises(ValueError):
         three.rescale(0)
-    from charon.cli import make_runtime
+    from charon.runtime.factory import EngineSpec, make_engine
 
-    kept = make_runtime(APP, "spark", None, str(tmp_path))  # `charon run` without --partitions: no rescale
-    assert kept.config.partitions == 3 and kept.rescale_pauses == [] and kept.snapshot() == before
+    kept = make_engine(EngineSpec("spark", APP, data_dir=str(tmp_path)))  # `charon run` without --partitions
+    assert isinstance(kept, SparkEngine)
+    assert kept.partitions == 3 and kept.rt.rescale_pauses == [] and kept.rt.snapshot() == before
 
 
 _CRASH = """

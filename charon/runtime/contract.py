@@ -252,9 +252,25 @@ class Engine(abc.ABC):
     async def stop(self) -> None:
         """Stop serving: accepted requests are answered or stay in the log; resources released."""
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the engine holds (files, logs, a Spark session) after :meth:`stop`."""
+
     @abc.abstractmethod
     def health(self) -> dict[str, Any]:
         """``{"status": "ok" | ..., ...}``: cheap, never blocks, callable from any thread."""
+
+    def describe(self) -> str:
+        """One line for people: where the engine keeps what (``durable in DIR``, ``EPHEMERAL: ...``)."""
+        return "durable" if self.durable else "in memory"
+
+    @property
+    def log_file(self) -> str | None:
+        """Where the engine's own (not Charon's) output goes, if elsewhere than stderr (Spark's JVM log)."""
+        return None
+
+    def load(self, operator: str, values: dict[str, Any]) -> None:
+        """Bulk-load entity values before the first epoch (a fresh deployment)."""
+        raise NotSupported(f"this engine ({self.kind}) has no bulk load")
 
     def on_fatal(self, callback: Callable[[str], None]) -> None:  # noqa: B027 - optional hook
         """Call ``callback(reason)`` when the engine fails for good (``charon run`` then exits for a supervisor)."""

@@ -111,6 +111,16 @@ class InProcessEngine(Engine, GatedControls):
     def health(self) -> dict[str, Any]:
         return self.rt.health()
 
+    def describe(self) -> str:
+        node = self.rt.node
+        if node is None:
+            return "EPHEMERAL: state, replies and request ids live in memory and are lost when it stops"
+        return f"durable in {node.data_dir}, " + ("fsync per epoch" if node.fsync else
+                                                  "no fsync: survives a killed process, not an OS crash")
+
+    def load(self, operator: str, values: dict[str, Any]) -> None:
+        self.rt.load(operator, values)
+
     async def submit(self, operator: str, key: str, function: str, args: list[Any], *,
                      request_id: str | None = None) -> Reply:
         return await self.rt.submit(operator, key, function, args, request_id=request_id)

@@ -115,6 +115,16 @@ class SparkEngine(Engine, GatedControls):
     def health(self) -> dict[str, Any]:
         return self.rt.health()
 
+    def describe(self) -> str:
+        return f"durable in {os.path.abspath(self.rt.config.data_dir)}"
+
+    @property
+    def log_file(self) -> str | None:
+        return self.rt.log_file
+
+    def load(self, operator: str, values: dict[str, Any]) -> None:
+        self.rt.load(operator, values)
+
     def on_fatal(self, callback: Callable[[str], None]) -> None:
         self.rt.on_fatal = callback
 

@@ -1794,6 +1794,11 @@ class SparkRuntime:
         """Why the runtime gave up for good (None while it serves or recovers)."""
         return self._fatal
 
+    @property
+    def log_file(self) -> str:
+        """Where Spark's JVM writes what it prints (``<data_dir>/spark.log``)."""
+        return spark_log_path(self.config)
+
     def ship_code(self, ref: str) -> None:
         """Make the installed module of ``ref`` importable by the executors (a code update, before its switch)."""
         ship_app_module(self.spark, ref)
