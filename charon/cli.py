@@ -130,7 +130,7 @@ def make_runtime(
         from charon.runtime.spark.runtime import SparkRuntime
 
         application = load_app(target)  # fail early with a clear message
-        from charon.runtime.spark.runtime import LayoutMismatch
+        from charon.runtime.spark.layout import LayoutMismatch
 
         extra: dict[str, Any] = {} if function_timeout is None else {"function_timeout": function_timeout}
         if determinism_check:  # else CHARON_DETERMINISM_CHECK decides
@@ -142,7 +142,7 @@ def make_runtime(
         except DataDirOwned as exc:
             raise _fail(str(exc)) from None
         if partitions is None:  # not given (flag or CHARON_PARTITIONS): a checkpoint keeps its recorded layout
-            from charon.runtime.spark.runtime import read_layout
+            from charon.runtime.spark.layout import read_layout
 
             layout = read_layout(config.checkpoint_dir)
             if layout is not None:
@@ -301,7 +301,7 @@ def run(
         soft_wrap=True,  # one line even when stderr is not a terminal (grep-able)
     )
     if engine == "spark":
-        from charon.runtime.spark.runtime import spark_log_path
+        from charon.runtime.spark.session import spark_log_path
 
         err_console.print(f"charon: Spark log: {spark_log_path(runtime.config)}", soft_wrap=True)
     try:
@@ -534,7 +534,7 @@ def sql(
     import tempfile
 
     from charon.config import SparkConfig
-    from charon.runtime.spark.runtime import make_session
+    from charon.runtime.spark.session import make_session
 
     scratch = tempfile.mkdtemp(prefix="charon-sql-")  # the reading session's own log, never the deployment's
     spark = make_session(SparkConfig(master=master, data_dir=scratch, app_name="charon-sql"))
@@ -728,7 +728,7 @@ def demo(
         with console.status(f"starting the {engine} runtime…"):
             runtime = make_runtime(YCSB_REF, engine, partitions, data_dir)
             if engine == "spark":
-                from charon.runtime.spark.runtime import spark_log_path
+                from charon.runtime.spark.session import spark_log_path
 
                 spark_log = spark_log_path(runtime.config)
                 console.print(f"Spark log: {spark_log}")

@@ -820,7 +820,7 @@ async def _spark_boundary(rt: Any, deadline: float) -> AsyncIterator[None]:
 
 async def _spark_update_compatible(rt: Any, ref: str, version: str, deadline: float) -> dict[str, Any]:
     """See :func:`spark_update_code` (``mode="compatible"``)."""
-    from charon.runtime.spark.runtime import ship_app_module
+    from charon.runtime.spark.session import ship_app_module
 
     app = load_app_ref(ref)
     hist = spark_code_history(rt)
@@ -906,7 +906,7 @@ async def spark_update_code(
 
         await asyncio.to_thread(record, [*hist, entry])
         hist.append(entry)
-        from charon.runtime.spark.runtime import ship_app_module
+        from charon.runtime.spark.session import ship_app_module
 
         await asyncio.to_thread(ship_app_module, rt.spark, ref)
         rt.app_ref, rt.app = ref, app
