@@ -439,7 +439,7 @@ def sql(
     import tempfile
 
     from charon.config import SparkConfig
-    from charon.runtime.spark.runtime import make_session
+    from charon.runtime.spark.session import make_session
 
     scratch = tempfile.mkdtemp(prefix="charon-sql-")  # the reading session's own log, never the deployment's
     spark = make_session(SparkConfig(master=master, data_dir=scratch, app_name="charon-sql"))

@@ -16,7 +16,9 @@ from charon.bench.spark import app_ref, bulk_load, load_spec
 from charon.config import SparkConfig
 from charon.core.routing import split_store_key
 from charon.messages import Request
-from charon.runtime.spark.runtime import SparkRuntime, make_session, replay_in_process
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.runtime.spark.session import make_session
+from charon.testing import replay_in_process
 
 pytestmark = pytest.mark.spark
 

@@ -10,7 +10,8 @@ import pytest
 
 from charon.client import Client
 from charon.config import GatewayConfig, SparkConfig
-from charon.runtime.spark.runtime import SparkRuntime, make_session
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.runtime.spark.session import make_session
 from charon.server.gateway import BackgroundServer
 
 pytestmark = pytest.mark.spark

@@ -13,7 +13,8 @@ from charon.apps import ycsb
 from charon.client import Client
 from charon.config import SparkConfig
 from charon.errors import TransactionAborted
-from charon.runtime.spark.runtime import SparkRuntime, make_session
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.runtime.spark.session import make_session
 from charon.server.gateway import BackgroundServer
 
 pytestmark = pytest.mark.spark

@@ -11,7 +11,8 @@ import pytest
 from charon import serde
 from charon.config import SparkConfig
 from charon.messages import Request
-from charon.runtime.spark.runtime import SparkRuntime, make_session
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.runtime.spark.session import make_session
 
 pytestmark = pytest.mark.spark
 sys.path.insert(0, str(Path(__file__).resolve().parent / "repros"))

@@ -26,7 +26,9 @@ from charon.apps import holds
 from charon.config import SparkConfig
 from charon.core.routing import store_key
 from charon.core.sequencer import Sequencer
-from charon.runtime.spark.runtime import SparkRuntime, read_layout, replay_in_process
+from charon.runtime.spark.layout import read_layout
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.testing import replay_in_process
 
 APP = "charon.apps.holds:app"
 

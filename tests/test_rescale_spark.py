@@ -34,7 +34,10 @@ from charon.config import SparkConfig
 from charon.core import timers
 from charon.core.routing import partition_of, store_key
 from charon.runtime.spark.engine import SparkEngine
-from charon.runtime.spark.runtime import SparkRuntime, _write_bases, read_layout, replay_in_process
+from charon.runtime.spark.layout import read_layout
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.runtime.spark.tasks import write_bases
+from charon.testing import replay_in_process
 
 APP = "charon.apps.holds:app"
 KEYS = [f"k{i}" for i in range(40)]
@@ -68,7 +71,7 @@ def _seed(rt: SparkRuntime) -> dict[bytes, bytes]:
     """Accounts as a bulk load writes them (bases at epoch -1), without a Spark job."""
     rows = [("acct", k, "", serde.encode(100)) for k in KEYS] + [("acct", k, "\x01note:x", serde.encode(1))
                                                                   for k in KEYS[:5]]
-    list(_write_bases(rt.durable.root, rt.config.partitions, rows))
+    list(write_bases(rt.durable.root, rt.config.partitions, rows))
     return rt.snapshot()
 
 
@@ -337,7 +340,7 @@ def test_spark_driver_sigkill_inside_the_move_under_load(tmp_path: Path) -> None
 
 
 def test_executor_stores_of_an_older_layout_are_removed_and_a_late_task_removes_nothing(tmp_path: Path) -> None:
-    from charon.runtime.spark.runtime import local_root
+    from charon.runtime.spark.layout import local_root
 
     base, ckpt = tmp_path / "local", str(tmp_path / "checkpoint")
     assert local_root(str(base), ckpt, f"{ckpt}/state") == str(base)

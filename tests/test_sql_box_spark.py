@@ -16,7 +16,8 @@ from charon.apps import ycsb
 from charon.client import Client
 from charon.config import GatewayConfig, SparkConfig
 from charon.runtime.contract import SQLTimeout
-from charon.runtime.spark.runtime import SparkRuntime, make_session
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.runtime.spark.session import make_session
 from charon.server.gateway import BackgroundServer
 
 pytestmark = pytest.mark.spark

@@ -15,7 +15,8 @@ import pytest
 from charon import serde
 from charon.config import SparkConfig
 from charon.messages import Request
-from charon.runtime.spark.runtime import SparkRuntime, make_session
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.runtime.spark.session import make_session
 from charon.server.gateway import BackgroundServer
 
 pytestmark = pytest.mark.spark

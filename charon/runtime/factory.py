@@ -111,7 +111,8 @@ def _spark(spec: EngineSpec) -> Engine:
     from charon.config import SparkConfig
     from charon.runtime.codeversions import load_app_ref
     from charon.runtime.owner import DataDirOwned, claim_data_dir
-    from charon.runtime.spark.runtime import LayoutMismatch, SparkRuntime, read_layout
+    from charon.runtime.spark.layout import LayoutMismatch, read_layout
+    from charon.runtime.spark.runtime import SparkRuntime
 
     target = spec.target if ":" in spec.target else f"{spec.target}:app"
     application = load_app_ref(target)  # fail early with a clear message
