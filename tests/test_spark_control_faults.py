@@ -23,7 +23,7 @@ from charon.client import Client, Paused
 from charon.config import GatewayConfig, SparkConfig
 from charon.errors import EngineUnavailable
 from charon.runtime.spark.runtime import SparkRuntime, read_layout
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 pytestmark = pytest.mark.spark
 TOKEN = "t0k"

@@ -17,7 +17,7 @@ from charon.client import Client
 from charon.config import GatewayConfig, SparkConfig
 from charon.runtime.spark.runtime import SparkRuntime, make_session
 from charon.runtime.sqlstate import SQLTimeout
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 pytestmark = pytest.mark.spark
 TOKEN = "sq1"
