@@ -61,10 +61,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 from starlette.requests import Request as HTTPRequest
@@ -72,21 +74,40 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from charon import serde
+from charon.config import GatewayConfig
 from charon.core.routing import check_key, split_store_key
 from charon.errors import InvalidKey
+from charon.messages import Reply, Request
 from charon.server.limits import Slots
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK_TYPES, HTTPError, guard, respond
 
-if TYPE_CHECKING:
-    from charon.server.gateway import _Gateway
-
-__all__ = ["admin_routes"]
+__all__ = ["AdminGateway", "AdminRoutes", "admin_routes", "rescale_info"]
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 SQL_ERRORS = ("SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "EpochNotRetained", "SQLTooExpensive",
               "SQLResultTooLarge")
 SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy beyond)
+
+
+
+class AdminGateway(Protocol):
+    """What the admin routes use of the gateway (:class:`charon.server.gateway._Gateway` provides it)."""
+
+    runtime: Any
+    cfg: GatewayConfig
+    known_ops: set[str]
+    inflight: dict[str, asyncio.Future[Reply]]
+
+    def check_auth(self, request: HTTPRequest) -> None: ...
+
+    def check_ready(self) -> None: ...
+
+    async def off_loop(self, method: Callable[..., object], *args: object) -> Any: ...
+
+    async def read_body(self, request: HTTPRequest) -> bytes: ...
+
+    def validate(self, operator: str, key: str, function: str, args: list[object]) -> Request: ...
 
 
 def _paused_409(exc: BaseException) -> None:
@@ -95,7 +116,7 @@ def _paused_409(exc: BaseException) -> None:
         raise HTTPError("Paused", str(exc)) from None
 
 
-def _method(gw: _Gateway, name: str) -> Any:
+def _method(gw: AdminGateway, name: str) -> Any:
     fn = getattr(gw.runtime, name, None)
     if fn is None:
         hint = "" if hasattr(gw.runtime, "control_status") else (
@@ -105,7 +126,7 @@ def _method(gw: _Gateway, name: str) -> Any:
     return fn
 
 
-async def _json_body(gw: _Gateway, request: HTTPRequest, fields: frozenset[str] = frozenset()) -> dict[str, Any]:
+async def _json_body(gw: AdminGateway, request: HTTPRequest, fields: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The request's JSON or msgpack object; 400 for a field not in ``fields`` (415 for another media type)."""
     body = await gw.read_body(request)
     if not body:
@@ -130,7 +151,7 @@ async def _json_body(gw: _Gateway, request: HTTPRequest, fields: frozenset[str] 
     return doc
 
 
-def _epoch_param(raw: Any, name: str) -> int | None:
+def _epoch_param(raw: object, name: str) -> int | None:
     if raw is None:
         return None
     if isinstance(raw, bool) or not isinstance(raw, int | str):
@@ -144,7 +165,7 @@ def _epoch_param(raw: Any, name: str) -> int | None:
     return value
 
 
-def _partitions(runtime: Any) -> int | None:
+def _partitions(runtime: object) -> int | None:
     """The runtime's engine partition count (in-process: ``partitions``; Spark: ``config.partitions``)."""
     n = getattr(runtime, "partitions", None)
     if not isinstance(n, int):
@@ -152,7 +173,7 @@ def _partitions(runtime: Any) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def _rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | None = None) -> dict[str, Any]:
+def rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | None = None) -> dict[str, Any]:
     """One shape for both runtimes' rescale answers (Spark: a dict; in-process: the pause, details recorded;
     None: no engine rescale, the answer is ``{"log": ...}`` alone); ``log``: the input log's resize, if asked."""
     if out is None:  # only the log was resized: say only that (no engine fields, null as if it had failed)
@@ -167,31 +188,44 @@ def _rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | 
     return {**shaped, "log": log if log is not None else info.get("log")}
 
 
-def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
-    """The admin, metrics and dashboard routes over one gateway."""
+class AdminRoutes:
+    """The admin, metrics and dashboard routes over one gateway: one handler per route (the runtime's control
+    methods are looked up by name; a route answers 501 ``NotSupported`` without its method)."""
 
-    def counts() -> tuple[int, int]:
+    def __init__(self, gw: AdminGateway, metrics: GatewayMetrics) -> None:
+        self.gw = gw
+        self.metrics = metrics
+        self.rescaling = False  # a rescale is running (taken before any await: one at a time)
+        self.last_rescale: tuple[tuple[int, int], dict[str, Any]] | None = None  # (counts(), the route's answer)
+        self.sql_slots = Slots(SQL_SLOTS, "SQLBusy", lambda cap: f"{cap} SQL queries are running; retry later")
+
+    def counts(self) -> tuple[int, int]:
+        gw = self.gw
         return (len(getattr(gw.runtime, "rescale_pauses", None) or ()),
                 len(getattr(gw.runtime, "log_rescales", None) or ()))
 
-    def with_layout(st: dict[str, Any]) -> dict[str, Any]:
-        answered = rescaling["last"]
-        if answered is not None and answered[0] == counts():  # the route's answer is the newest rescale
+    def with_layout(self, st: dict[str, Any]) -> dict[str, Any]:
+        gw = self.gw
+        answered = self.last_rescale
+        last: dict[str, Any] | None
+        if answered is not None and answered[0] == self.counts():  # the route's answer is the newest rescale
             last = answered[1]  # an engine and a log rescale asked together are shown together
         else:  # rescaled by the runtime's own API: the newer of the two kinds
             pauses = getattr(gw.runtime, "rescale_pauses", None)
-            last = _rescale_info(gw.runtime, pauses[-1], 0.0) if pauses else None
+            last = rescale_info(gw.runtime, pauses[-1], 0.0) if pauses else None
             logs = getattr(gw.runtime, "log_rescales", None)
             if logs and (last is None or last.get("epoch") is None or logs[-1]["epoch"] >= last["epoch"]):
-                last = _rescale_info(gw.runtime, None, 0.0, logs[-1])
+                last = rescale_info(gw.runtime, None, 0.0, logs[-1])
         return {**st, "inflight": len(gw.inflight), "partitions": _partitions(gw.runtime), "last_rescale": last}
 
-    async def status(request: HTTPRequest) -> Response:
+    async def status(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         st = await gw.off_loop(_method(gw, "control_status"))
-        return respond(request, 200, with_layout(st))
+        return respond(request, 200, self.with_layout(st))
 
-    async def dead_letters(request: HTTPRequest) -> Response:
+    async def dead_letters(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         try:
             limit = int(request.query_params.get("limit", "1000"))
@@ -202,22 +236,23 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         letters = await gw.off_loop(_method(gw, "dead_letters"), limit)
         return respond(request, 200, {"dead_letters": letters})
 
-    async def pause(request: HTTPRequest) -> Response:
+    async def pause(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"after_epoch"}))
         after = _epoch_param(doc.get("after_epoch"), "after_epoch")
         st = await gw.off_loop(_method(gw, "pause"), after)
-        return respond(request, 200, with_layout(st))
+        return respond(request, 200, self.with_layout(st))
 
-    async def resume(request: HTTPRequest) -> Response:
+    async def resume(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         await _json_body(gw, request)
         st = await gw.off_loop(_method(gw, "resume"))
-        return respond(request, 200, with_layout(st))
+        return respond(request, 200, self.with_layout(st))
 
-    rescaling: dict[str, Any] = {"busy": False, "last": None}  # last: (counts(), the route's last answer)
-
-    async def rescale(request: HTTPRequest) -> Response:
+    async def rescale(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"partitions", "log_partitions"}))
         n, m, cap = doc.get("partitions"), doc.get("log_partitions"), gw.cfg.max_partitions
@@ -234,9 +269,9 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
                 raise HTTPError("NotSupported", "this runtime has no input-log partitions to rescale (the in-process "
                                  "runtime's input log is its node's single epoch log)")
         gw.check_ready()  # 503 while the runtime starts in the background: a move then races the query's start
-        if rescaling["busy"]:
+        if self.rescaling:
             raise HTTPError("RescaleRunning", "a rescale is running; retry when it is done")
-        rescaling["busy"] = True  # before any await: two requests arriving together must not both pass
+        self.rescaling = True  # before any await: two requests arriving together must not both pass
         t0 = time.perf_counter()
         log = out = None
         try:
@@ -257,12 +292,13 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
         except ValueError as exc:
             raise HTTPError("BadRequest", f"cannot rescale to {n if m is None else (n, m)}: {exc}") from None
         finally:
-            rescaling["busy"] = False
-        answer = _rescale_info(gw.runtime, out, time.perf_counter() - t0, log)
-        rescaling["last"] = (counts(), answer)
+            self.rescaling = False
+        answer = rescale_info(gw.runtime, out, time.perf_counter() - t0, log)
+        self.last_rescale = (self.counts(), answer)
         return respond(request, 200, answer)
 
-    async def state(request: HTTPRequest) -> Response:
+    async def state(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         operator = request.path_params["operator"]
         if gw.known_ops and operator not in gw.known_ops:
@@ -301,9 +337,10 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
                 items.setdefault(key, {})[item.lstrip("\x01")] = serde.decode(v)
         truncated = len({split_store_key(k)[1] for k in rows}) > limit
         return respond(request, 200, {"operator": operator, "epoch": at, "entities": entities, "items": items,
-                                         "count": len(entities), "truncated": truncated})
+                                      "count": len(entities), "truncated": truncated})
 
-    async def update(request: HTTPRequest) -> Response:
+    async def update(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"id", "operator", "function", "args", "keys"}))
         uid, operator, function = doc.get("id"), doc.get("operator"), doc.get("function")
@@ -330,7 +367,8 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
             raise
         return respond(request, 200, out)
 
-    async def code(request: HTTPRequest) -> Response:
+    async def code(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"ref", "version", "migration", "mode"}))
         ref, version, mig = doc.get("ref"), doc.get("version"), doc.get("migration")
@@ -368,9 +406,8 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
             raise
         return respond(request, 200, out)
 
-    slots = Slots(SQL_SLOTS, "SQLBusy", lambda cap: f"{cap} SQL queries are running; retry later")
-
-    async def sql(request: HTTPRequest) -> Response:
+    async def sql(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"sql", "epoch"}))
         query = doc.get("sql")
@@ -381,7 +418,7 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
             raise HTTPError("BadRequest", f"the query is longer than {cfg.sql_max_chars} characters (sql_max_chars)")
         epoch = _epoch_param(doc.get("epoch"), "epoch")
         fn = _method(gw, "sql")
-        release = slots.take()
+        release = self.sql_slots.take()
         try:
             out = await gw.off_loop(functools.partial(fn, max_bytes=cfg.sql_max_result_bytes,
                                                       max_memory=cfg.sql_max_memory),
@@ -394,30 +431,38 @@ def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
             release()
         return respond(request, 200, out)
 
-    async def summary(request: HTTPRequest) -> Response:
+    async def summary(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
-        doc = await gw.off_loop(metrics.summary, len(gw.inflight))
+        doc = await gw.off_loop(self.metrics.summary, len(gw.inflight))
         return respond(request, 200, doc)
 
-    async def prometheus(request: HTTPRequest) -> Response:
+    async def prometheus(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
-        data = await gw.off_loop(metrics.exposition, len(gw.inflight))
+        data = await gw.off_loop(self.metrics.exposition, len(gw.inflight))
         return Response(data, 200, media_type=CONTENT_TYPE_LATEST)
 
-    async def dashboard(request: HTTPRequest) -> Response:
+    async def dashboard(self, request: HTTPRequest) -> Response:
         return FileResponse(os.path.join(STATIC, "dashboard.html"), media_type="text/html")
 
-    return [
-        Route("/admin/status", guard(status), methods=["GET"], name="admin_status"),
-        Route("/admin/dead-letters", guard(dead_letters), methods=["GET"], name="admin_dead_letters"),
-        Route("/admin/pause", guard(pause), methods=["POST"], name="admin_pause"),
-        Route("/admin/resume", guard(resume), methods=["POST"], name="admin_resume"),
-        Route("/admin/rescale", guard(rescale), methods=["POST"], name="admin_rescale"),
-        Route("/admin/state/{operator}", guard(state), methods=["GET"], name="admin_state"),
-        Route("/admin/update", guard(update), methods=["POST"], name="admin_update"),
-        Route("/admin/code", guard(code), methods=["POST"], name="admin_code"),
-        Route("/admin/sql", guard(sql), methods=["POST"], name="admin_sql"),
-        Route("/admin/summary", guard(summary), methods=["GET"], name="admin_summary"),
-        Route("/metrics", guard(prometheus), methods=["GET"], name="metrics"),
-        Route("/dashboard", dashboard, methods=["GET"], name="dashboard"),
-    ]
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin/status", guard(self.status), methods=["GET"], name="admin_status"),
+            Route("/admin/dead-letters", guard(self.dead_letters), methods=["GET"], name="admin_dead_letters"),
+            Route("/admin/pause", guard(self.pause), methods=["POST"], name="admin_pause"),
+            Route("/admin/resume", guard(self.resume), methods=["POST"], name="admin_resume"),
+            Route("/admin/rescale", guard(self.rescale), methods=["POST"], name="admin_rescale"),
+            Route("/admin/state/{operator}", guard(self.state), methods=["GET"], name="admin_state"),
+            Route("/admin/update", guard(self.update), methods=["POST"], name="admin_update"),
+            Route("/admin/code", guard(self.code), methods=["POST"], name="admin_code"),
+            Route("/admin/sql", guard(self.sql), methods=["POST"], name="admin_sql"),
+            Route("/admin/summary", guard(self.summary), methods=["GET"], name="admin_summary"),
+            Route("/metrics", guard(self.prometheus), methods=["GET"], name="metrics"),
+            Route("/dashboard", self.dashboard, methods=["GET"], name="dashboard"),
+        ]
+
+
+def admin_routes(gw: AdminGateway, metrics: GatewayMetrics) -> list[Route]:
+    """The admin, metrics and dashboard routes over one gateway."""
+    return AdminRoutes(gw, metrics).routes()
