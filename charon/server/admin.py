@@ -65,7 +65,7 @@ import asyncio
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import msgspec
@@ -188,6 +188,51 @@ def rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | N
     return {**shaped, "log": log if log is not None else info.get("log")}
 
 
+def _partition_counts(doc: Mapping[str, object], cap: int) -> tuple[int | None, int | None]:
+    """A rescale's ``(partitions, log_partitions)``: at least one, each an integer 1..``cap`` (400 otherwise)."""
+    n, m = doc.get("partitions"), doc.get("log_partitions")
+    if n is None and m is None:
+        raise HTTPError("BadRequest", "give partitions, log_partitions or both")
+    return _count("partitions", n, cap), _count("log_partitions", m, cap)
+
+
+def _count(name: str, v: object, cap: int) -> int | None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= cap):
+        raise HTTPError("BadRequest", f"{name} must be an integer 1..{cap} (max_partitions)")
+    return v
+
+
+def _entities(rows: dict[bytes, bytes], limit: int) -> dict[str, object]:
+    """An inspection's store rows as ``{"entities", "items", "count", "truncated"}``: at most ``limit`` entities,
+    each with its value and its own items."""
+    entities: dict[str, object] = {}
+    items: dict[str, dict[str, object]] = {}
+    for k, v in sorted(rows.items()):
+        _, key, item = split_store_key(k)
+        if key not in entities and len(entities) >= limit:
+            continue
+        if item == "":
+            entities[key] = serde.decode(v)
+        else:
+            entities.setdefault(key, None)
+            items.setdefault(key, {})[item.lstrip("\x01")] = serde.decode(v)
+    truncated = len({split_store_key(k)[1] for k in rows}) > limit
+    return {"entities": entities, "items": items, "count": len(entities), "truncated": truncated}
+
+
+def _migration(mig: object) -> tuple[str, str, list[object]] | None:
+    """A code update's migration ``(operator, function, args)`` from its ``{"operator", "function", "args"}``."""
+    if mig is None:
+        return None
+    if not isinstance(mig, dict) or set(mig) - {"operator", "function", "args"}:
+        raise HTTPError("BadRequest", 'migration must be {"operator", "function", "args"}')
+    args = mig.get("args", [])
+    if not isinstance(mig.get("operator"), str) or not isinstance(mig.get("function"), str) \
+            or not isinstance(args, list):
+        raise HTTPError("BadRequest", "migration operator and function are strings, args a list")
+    return (mig["operator"], mig["function"], args)
+
+
 class AdminRoutes:
     """The admin, metrics and dashboard routes over one gateway: one handler per route (the runtime's control
     methods are looked up by name; a route answers 501 ``NotSupported`` without its method)."""
@@ -255,12 +300,7 @@ class AdminRoutes:
         gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"partitions", "log_partitions"}))
-        n, m, cap = doc.get("partitions"), doc.get("log_partitions"), gw.cfg.max_partitions
-        if n is None and m is None:
-            raise HTTPError("BadRequest", "give partitions, log_partitions or both")
-        for name, v in (("partitions", n), ("log_partitions", m)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= cap):
-                raise HTTPError("BadRequest", f"{name} must be an integer 1..{cap} (max_partitions)")
+        n, m = _partition_counts(doc, gw.cfg.max_partitions)
         fn = _method(gw, "rescale")
         log_fn = None
         if m is not None:
@@ -324,20 +364,7 @@ class AdminRoutes:
             if type(exc).__name__ == "EpochNotRetained":  # charon.runtime.control's (another layer)
                 raise HTTPError("EpochNotRetained", str(exc)) from None
             raise
-        entities: dict[str, Any] = {}
-        items: dict[str, dict[str, Any]] = {}
-        for k, v in sorted(rows.items()):
-            _, key, item = split_store_key(k)
-            if key not in entities and len(entities) >= limit:
-                continue
-            if item == "":
-                entities[key] = serde.decode(v)
-            else:
-                entities.setdefault(key, None)
-                items.setdefault(key, {})[item.lstrip("\x01")] = serde.decode(v)
-        truncated = len({split_store_key(k)[1] for k in rows}) > limit
-        return respond(request, 200, {"operator": operator, "epoch": at, "entities": entities, "items": items,
-                                      "count": len(entities), "truncated": truncated})
+        return respond(request, 200, {"operator": operator, "epoch": at, **_entities(rows, limit)})
 
     async def update(self, request: HTTPRequest) -> Response:
         gw = self.gw
@@ -384,15 +411,7 @@ class AdminRoutes:
         allowed = {r.strip() for r in (gw.cfg.code_refs or "").split(",") if r.strip()}
         if ref not in allowed:
             raise HTTPError("Forbidden", f"{ref!r} is not among the deployable code refs (code_refs setting)")
-        migration = None
-        if mig is not None:
-            if not isinstance(mig, dict) or set(mig) - {"operator", "function", "args"}:
-                raise HTTPError("BadRequest", 'migration must be {"operator", "function", "args"}')
-            args = mig.get("args", [])
-            if not isinstance(mig.get("operator"), str) or not isinstance(mig.get("function"), str) \
-                    or not isinstance(args, list):
-                raise HTTPError("BadRequest", "migration operator and function are strings, args a list")
-            migration = (mig["operator"], mig["function"], args)
+        migration = _migration(mig)
         try:
             fn = _method(gw, "update_code")
             if mode == "strict":
