@@ -185,7 +185,7 @@ def run(
     ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
-    from charon.server.gateway import RuntimeFailed, RuntimeStartError, serve
+    from charon.server.serve import RuntimeFailed, RuntimeStartError, serve
 
     application = load_app(target)
     # A function running pure-Python code past its budget holds the GIL until the watchdog stops it: the gateway's
@@ -557,7 +557,8 @@ async def _serve_and_drive(
     """Serve the gateway and drive the workload on one event loop (no GIL hand-offs between threads)."""
     import uvicorn
 
-    from charon.server.gateway import create_app, free_port
+    from charon.server.gateway import create_app
+    from charon.server.serve import free_port
 
     port = free_port()
     gateway = create_app(runtime, token=token, manage_runtime=True)

@@ -12,7 +12,7 @@ from charon.client import Client
 from charon.config import GatewayConfig, SparkConfig
 from charon.runtime.spark.runtime import SparkRuntime
 from charon.runtime.spark.session import make_session
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 pytestmark = pytest.mark.spark
 TOKEN = "c0de"

@@ -15,7 +15,7 @@ from charon.config import SparkConfig
 from charon.errors import TransactionAborted
 from charon.runtime.spark.runtime import SparkRuntime
 from charon.runtime.spark.session import make_session
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 pytestmark = pytest.mark.spark
 TOKEN = "t0ken"

@@ -21,7 +21,7 @@ from charon.log.client import LogClient
 from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply
 from charon.runtime.inprocess import InProcessRuntime
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "hostile-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -376,6 +376,6 @@ def test_openapi_bodies_are_strict_and_valid(server: BackgroundServer) -> None:
 def test_runtime_record_ids_are_reserved() -> None:
     """The ids the runtimes write for themselves fall under the prefix the gateway refuses."""
     from charon.runtime.spark.runtime import TICK
-    from charon.server.gateway import RESERVED_ID_PREFIX
+    from charon.server.wire import RESERVED_ID_PREFIX
 
     assert TICK.startswith(RESERVED_ID_PREFIX)

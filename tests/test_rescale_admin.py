@@ -22,7 +22,7 @@ from charon.cli import app as cli_app
 from charon.client import AsyncClient, BadRequest, Client, RescaleRunning, Unauthorized
 from charon.config import GatewayConfig
 from charon.errors import TransactionAborted
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "s3cret"
 SOURCES = 40  # accounts the clients take money from

@@ -17,7 +17,9 @@ from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.client import BadRequest, Client
 from charon.config import GatewayConfig
-from charon.server.gateway import BackgroundServer, create_app, uvicorn_config
+from charon.server.gateway import create_app
+from charon.server.http import uvicorn_config
+from charon.server.serve import BackgroundServer
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

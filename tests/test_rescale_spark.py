@@ -230,7 +230,7 @@ def _epochs_pass(rt: SparkRuntime, n: int, timeout: float = 180.0) -> None:
 
 @pytest.mark.spark
 def test_spark_rescale_2_4_3_under_gateway_load(tmp_path: Path) -> None:
-    from charon.server.gateway import BackgroundServer
+    from charon.server.serve import BackgroundServer
 
     cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path), partitions=2, max_batch=200, truncate_log=False,
                       compact_every=3, timer_poll_ms=20)

@@ -24,7 +24,7 @@ from charon.config import GatewayConfig, SparkConfig
 from charon.errors import EngineUnavailable
 from charon.runtime.spark.layout import read_layout
 from charon.runtime.spark.runtime import SparkRuntime
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 pytestmark = pytest.mark.spark
 TOKEN = "t0k"

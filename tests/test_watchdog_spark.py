@@ -17,7 +17,7 @@ from charon.config import SparkConfig
 from charon.messages import Request
 from charon.runtime.spark.runtime import SparkRuntime
 from charon.runtime.spark.session import make_session
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 pytestmark = pytest.mark.spark
 sys.path.insert(0, str(Path(__file__).resolve().parent))
