@@ -333,6 +333,10 @@ class Controls(abc.ABC):
         """The control state now."""
 
     @abc.abstractmethod
+    def status_now(self) -> ControlStatus:
+        """The control state now, from any thread (blocking where the engine asks its log: call it off the loop)."""
+
+    @abc.abstractmethod
     async def inspect(self, operator: str, keys: list[str] | None = None, epoch: int | None = None,
                       limit: int = 10_000) -> Inspection:
         """``operator``'s rows as of one committed epoch (default: the last); :class:`EpochNotRetained`."""

@@ -62,9 +62,7 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -78,15 +76,22 @@ from charon.config import GatewayConfig
 from charon.core.routing import check_key, split_store_key
 from charon.errors import InvalidKey
 from charon.messages import Reply, Request
+from charon.runtime.contract import (
+    SQL_ERRORS,
+    Controls,
+    ControlStatus,
+    Engine,
+    EpochNotRetained,
+    GatePaused,
+    RescaleBusy,
+)
 from charon.server.limits import Slots
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK_TYPES, HTTPError, guard, respond
 
-__all__ = ["AdminGateway", "AdminRoutes", "admin_routes", "rescale_info"]
+__all__ = ["AdminGateway", "AdminRoutes", "admin_routes"]
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-SQL_ERRORS = ("SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "EpochNotRetained", "SQLTooExpensive",
-              "SQLResultTooLarge")
 SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy beyond)
 
 
@@ -94,7 +99,7 @@ SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy bey
 class AdminGateway(Protocol):
     """What the admin routes use of the gateway (:class:`charon.server.gateway._Gateway` provides it)."""
 
-    runtime: Any
+    engine: Engine
     cfg: GatewayConfig
     known_ops: set[str]
     inflight: dict[str, asyncio.Future[Reply]]
@@ -110,20 +115,14 @@ class AdminGateway(Protocol):
     def validate(self, operator: str, key: str, function: str, args: list[object]) -> Request: ...
 
 
-def _paused_409(exc: BaseException) -> None:
-    """charon.runtime.control's GatePaused (another layer: matched by name) as a typed 409 ``Paused``."""
-    if type(exc).__name__ == "GatePaused":
-        raise HTTPError("Paused", str(exc)) from None
-
-
-def _method(gw: AdminGateway, name: str) -> Any:
-    fn = getattr(gw.runtime, name, None)
-    if fn is None:
-        hint = "" if hasattr(gw.runtime, "control_status") else (
-            " (a gateway without an engine, --engine remote, serves invokes and request status only: send admin "
-            "requests to the gateway of the engine's driver)")
-        raise HTTPError("NotSupported", f"this runtime has no {name}(){hint}")
-    return fn
+def _controls(gw: AdminGateway) -> Controls:
+    """The engine's controls, or 501 ``NotSupported`` (a remote gateway's engine has none)."""
+    controls = gw.engine.controls
+    if controls is None:
+        raise HTTPError("NotSupported", "this runtime has no controls (a gateway without an engine, --engine remote, "
+                        "serves invokes and request status only: send admin requests to the gateway of the engine's "
+                        "driver)")
+    return controls
 
 
 async def _json_body(gw: AdminGateway, request: HTTPRequest, fields: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -163,29 +162,6 @@ def _epoch_param(raw: object, name: str) -> int | None:
     if value < -1 or value > 1 << 62:
         raise HTTPError("BadRequest", f"{name} out of range")
     return value
-
-
-def _partitions(runtime: object) -> int | None:
-    """The runtime's engine partition count (in-process: ``partitions``; Spark: ``config.partitions``)."""
-    n = getattr(runtime, "partitions", None)
-    if not isinstance(n, int):
-        n = getattr(getattr(runtime, "config", None), "partitions", None)
-    return n if isinstance(n, int) else None
-
-
-def rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One shape for both runtimes' rescale answers (Spark: a dict; in-process: the pause, details recorded;
-    None: no engine rescale, the answer is ``{"log": ...}`` alone); ``log``: the input log's resize, if asked."""
-    if out is None:  # only the log was resized: say only that (no engine fields, null as if it had failed)
-        return {"log": log}
-    if isinstance(out, dict):
-        info = dict(out)
-    else:
-        pauses = getattr(runtime, "rescale_pauses", None) or [{}]
-        info = {**pauses[-1], "pause_s": float(out)}
-        info.setdefault("wait_s", max(0.0, elapsed - float(out)))
-    shaped = {k: info.get(k) for k in ("from", "to", "epoch", "keys", "wait_s", "pause_s", "cpu_s")}
-    return {**shaped, "log": log if log is not None else info.get("log")}
 
 
 def _partition_counts(doc: Mapping[str, object], cap: int) -> tuple[int | None, int | None]:
@@ -234,39 +210,26 @@ def _migration(mig: object) -> tuple[str, str, list[object]] | None:
 
 
 class AdminRoutes:
-    """The admin, metrics and dashboard routes over one gateway: one handler per route (the runtime's control
-    methods are looked up by name; a route answers 501 ``NotSupported`` without its method)."""
+    """The admin, metrics and dashboard routes over one gateway: one handler per route, each using the engine's
+    :class:`~charon.runtime.contract.Controls` (501 ``NotSupported`` for an engine without them) and mapping the
+    contract's errors to typed answers."""
 
     def __init__(self, gw: AdminGateway, metrics: GatewayMetrics) -> None:
         self.gw = gw
         self.metrics = metrics
         self.rescaling = False  # a rescale is running (taken before any await: one at a time)
-        self.last_rescale: tuple[tuple[int, int], dict[str, Any]] | None = None  # (counts(), the route's answer)
         self.sql_slots = Slots(SQL_SLOTS, "SQLBusy", lambda cap: f"{cap} SQL queries are running; retry later")
 
-    def counts(self) -> tuple[int, int]:
+    def with_layout(self, st: ControlStatus) -> dict[str, Any]:
         gw = self.gw
-        return (len(getattr(gw.runtime, "rescale_pauses", None) or ()),
-                len(getattr(gw.runtime, "log_rescales", None) or ()))
-
-    def with_layout(self, st: dict[str, Any]) -> dict[str, Any]:
-        gw = self.gw
-        answered = self.last_rescale
-        last: dict[str, Any] | None
-        if answered is not None and answered[0] == self.counts():  # the route's answer is the newest rescale
-            last = answered[1]  # an engine and a log rescale asked together are shown together
-        else:  # rescaled by the runtime's own API: the newer of the two kinds
-            pauses = getattr(gw.runtime, "rescale_pauses", None)
-            last = rescale_info(gw.runtime, pauses[-1], 0.0) if pauses else None
-            logs = getattr(gw.runtime, "log_rescales", None)
-            if logs and (last is None or last.get("epoch") is None or logs[-1]["epoch"] >= last["epoch"]):
-                last = rescale_info(gw.runtime, None, 0.0, logs[-1])
-        return {**st, "inflight": len(gw.inflight), "partitions": _partitions(gw.runtime), "last_rescale": last}
+        last = _controls(gw).last_rescale()
+        return {**st.doc(), "inflight": len(gw.inflight), "partitions": gw.engine.partitions,
+                "last_rescale": None if last is None else last.doc()}
 
     async def status(self, request: HTTPRequest) -> Response:
         gw = self.gw
         gw.check_auth(request)
-        st = await gw.off_loop(_method(gw, "control_status"))
+        st = await _controls(gw).status()
         return respond(request, 200, self.with_layout(st))
 
     async def dead_letters(self, request: HTTPRequest) -> Response:
@@ -278,7 +241,8 @@ class AdminRoutes:
             raise HTTPError("BadRequest", "limit must be an integer") from None
         if not 1 <= limit <= 10_000:
             raise HTTPError("BadRequest", "limit must be between 1 and 10000")
-        letters = await gw.off_loop(_method(gw, "dead_letters"), limit)
+        _controls(gw)  # a remote gateway's engine keeps none: 501, not an empty list
+        letters = await gw.off_loop(gw.engine.dead_letters, limit)
         return respond(request, 200, {"dead_letters": letters})
 
     async def pause(self, request: HTTPRequest) -> Response:
@@ -286,14 +250,14 @@ class AdminRoutes:
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"after_epoch"}))
         after = _epoch_param(doc.get("after_epoch"), "after_epoch")
-        st = await gw.off_loop(_method(gw, "pause"), after)
+        st = await _controls(gw).pause(after)
         return respond(request, 200, self.with_layout(st))
 
     async def resume(self, request: HTTPRequest) -> Response:
         gw = self.gw
         gw.check_auth(request)
         await _json_body(gw, request)
-        st = await gw.off_loop(_method(gw, "resume"))
+        st = await _controls(gw).resume()
         return respond(request, 200, self.with_layout(st))
 
     async def rescale(self, request: HTTPRequest) -> Response:
@@ -301,41 +265,26 @@ class AdminRoutes:
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"partitions", "log_partitions"}))
         n, m = _partition_counts(doc, gw.cfg.max_partitions)
-        fn = _method(gw, "rescale")
-        log_fn = None
-        if m is not None:
-            log_fn = getattr(gw.runtime, "rescale_log", None)
-            if log_fn is None:
-                raise HTTPError("NotSupported", "this runtime has no input-log partitions to rescale (the in-process "
-                                 "runtime's input log is its node's single epoch log)")
+        controls = _controls(gw)
+        if m is not None and not controls.log_rescalable:
+            raise HTTPError("NotSupported", "this runtime has no input-log partitions to rescale (the in-process "
+                            "runtime's input log is its node's single epoch log)")
         gw.check_ready()  # 503 while the runtime starts in the background: a move then races the query's start
         if self.rescaling:
             raise HTTPError("RescaleRunning", "a rescale is running; retry when it is done")
         self.rescaling = True  # before any await: two requests arriving together must not both pass
-        t0 = time.perf_counter()
-        log = out = None
         try:
-            if getattr(gw.runtime, "control_engine", None) == "inprocess":
-                st = await gw.off_loop(_method(gw, "control_status"))
-                if st.get("paused"):  # its epoch loop waits at the gate: the move would wait for the resume
-                    raise HTTPError("RescaleRunning", "the runtime is paused; resume it, then rescale")
-            if log_fn is not None:  # one call: the runtime orders the parts and says what happened
-                out = await gw.off_loop(functools.partial(fn, n, log_partitions=m))
-                log = out.get("log") if isinstance(out, dict) else None
-                if n is None:
-                    out = None
-            elif n is not None:
-                out = await gw.off_loop(fn, n)
+            out = await controls.rescale(n, log_partitions=m)  # one call: the engine orders the parts
+        except RescaleBusy as exc:
+            raise HTTPError("RescaleRunning", str(exc)) from None
         except TimeoutError as exc:
             raise HTTPError("RescaleTimeout", f"no epoch boundary in time: nothing moved (the engine partitions "
-                             f"stay{'' if m is None else ', the input log was not resized'}): {exc}") from None
+                            f"stay{'' if m is None else ', the input log was not resized'}): {exc}") from None
         except ValueError as exc:
             raise HTTPError("BadRequest", f"cannot rescale to {n if m is None else (n, m)}: {exc}") from None
         finally:
             self.rescaling = False
-        answer = rescale_info(gw.runtime, out, time.perf_counter() - t0, log)
-        self.last_rescale = (self.counts(), answer)
-        return respond(request, 200, answer)
+        return respond(request, 200, out.doc())
 
     async def state(self, request: HTTPRequest) -> Response:
         gw = self.gw
@@ -359,12 +308,10 @@ class AdminRoutes:
         if limit is None or limit < 1 or limit > cap:
             raise HTTPError("BadRequest", f"limit must be 1..{cap} (max_scan)")
         try:
-            at, rows = await gw.off_loop(_method(gw, "inspect"), operator, keys, epoch, limit + 1)
-        except Exception as exc:
-            if type(exc).__name__ == "EpochNotRetained":  # charon.runtime.control's (another layer)
-                raise HTTPError("EpochNotRetained", str(exc)) from None
-            raise
-        return respond(request, 200, {"operator": operator, "epoch": at, **_entities(rows, limit)})
+            got = await _controls(gw).inspect(operator, keys, epoch, limit + 1)
+        except EpochNotRetained as exc:
+            raise HTTPError("EpochNotRetained", str(exc)) from None
+        return respond(request, 200, {"operator": operator, "epoch": got.epoch, **_entities(got.rows, limit)})
 
     async def update(self, request: HTTPRequest) -> Response:
         gw = self.gw
@@ -386,13 +333,13 @@ class AdminRoutes:
                     check_key(k)
                 except InvalidKey as exc:
                     raise HTTPError("InvalidKey", str(exc)) from None
+        controls = _controls(gw)
         gw.validate(operator, keys[0] if keys else "k", function, args)  # names, arity, types: 4xx
         try:
-            out = await gw.off_loop(_method(gw, "run_alone"), uid, operator, function, args, keys)
-        except Exception as exc:
-            _paused_409(exc)
-            raise
-        return respond(request, 200, out)
+            out = await controls.run_alone(uid, operator, function, serde.encode(list(args)), keys)
+        except GatePaused as exc:
+            raise HTTPError("Paused", str(exc)) from None
+        return respond(request, 200, out.doc())
 
     async def code(self, request: HTTPRequest) -> Response:
         gw = self.gw
@@ -404,7 +351,8 @@ class AdminRoutes:
             raise HTTPError("BadRequest", 'mode is "strict" or "compatible"')
         if mode == "compatible" and mig is not None:
             raise HTTPError("BadRequest", "a compatible update has no migration")
-        if mode not in getattr(gw.runtime, "code_update_modes", ("strict",)):
+        controls = _controls(gw)
+        if mode not in controls.code_update_modes:
             raise HTTPError("NotSupported", f"this runtime has no {mode} code updates")
         if not isinstance(ref, str) or not isinstance(version, str) or not 0 < len(version) <= 100:
             raise HTTPError("BadRequest", "ref (module:attribute) and version (1-100 characters) are required")
@@ -412,18 +360,14 @@ class AdminRoutes:
         if ref not in allowed:
             raise HTTPError("Forbidden", f"{ref!r} is not among the deployable code refs (code_refs setting)")
         migration = _migration(mig)
+        encoded = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
         try:
-            fn = _method(gw, "update_code")
-            if mode == "strict":
-                out = await gw.off_loop(fn, ref, version, migration)
-            else:
-                out = await gw.off_loop(fn, ref, version, None, mode)
+            out = await controls.update_code(ref, version, encoded, mode)
         except (ImportError, TypeError) as exc:
             raise HTTPError("BadRequest", f"cannot deploy {ref!r}: {exc}") from None
-        except Exception as exc:
-            _paused_409(exc)
-            raise
-        return respond(request, 200, out)
+        except GatePaused as exc:
+            raise HTTPError("Paused", str(exc)) from None
+        return respond(request, 200, out.doc())
 
     async def sql(self, request: HTTPRequest) -> Response:
         gw = self.gw
@@ -436,19 +380,17 @@ class AdminRoutes:
         if len(query) > cfg.sql_max_chars:
             raise HTTPError("BadRequest", f"the query is longer than {cfg.sql_max_chars} characters (sql_max_chars)")
         epoch = _epoch_param(doc.get("epoch"), "epoch")
-        fn = _method(gw, "sql")
+        controls = _controls(gw)
         release = self.sql_slots.take()
         try:
-            out = await gw.off_loop(functools.partial(fn, max_bytes=cfg.sql_max_result_bytes,
-                                                      max_memory=cfg.sql_max_memory),
-                                    query, epoch, cfg.sql_max_rows, cfg.sql_timeout_s, cfg.sql_max_entities)
-        except Exception as exc:
-            if type(exc).__name__ in SQL_ERRORS:  # charon.runtime's (another layer)
-                raise HTTPError(type(exc).__name__, str(exc)) from None
-            raise
+            out = await controls.sql(query, epoch, max_rows=cfg.sql_max_rows, timeout_s=cfg.sql_timeout_s,
+                                     max_entities=cfg.sql_max_entities, max_bytes=cfg.sql_max_result_bytes,
+                                     max_memory=cfg.sql_max_memory)
+        except SQL_ERRORS as exc:
+            raise HTTPError(type(exc).__name__, str(exc)) from None
         finally:
             release()
-        return respond(request, 200, out)
+        return respond(request, 200, out.doc())
 
     async def summary(self, request: HTTPRequest) -> Response:
         gw = self.gw

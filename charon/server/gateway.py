@@ -75,7 +75,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import quote
 
 from starlette.applications import Starlette
@@ -99,6 +99,7 @@ from charon.errors import (
 from charon.log.client import check_same_request, stored_request
 from charon.messages import Reply, Request
 from charon.operator import BATCH_FUNCTION, BATCH_OPERATOR, batch_request, check_batch
+from charon.runtime.contract import Engine, EngineSource, as_engine
 from charon.server.admin import admin_routes
 from charon.server.http import StrictPath
 from charon.server.limits import inflight_size, read_body, reply_size
@@ -116,55 +117,19 @@ from charon.server.wire import (
     respond,
 )
 
-__all__ = ["RuntimeLike", "create_app", "describe_app", "STATUS_OF_ERROR"]
-
-
-
-
-class RuntimeLike(Protocol):
-    """What the gateway needs from a runtime (the in-process and the Spark runtime both provide it).
-
-    Optional: an ``input_log`` attribute (:class:`charon.log.sqlite.InputLog`). With it, a request id reused for
-    another operation is refused from the log (not only from the gateway's memory), and a request in the log
-    without a reply polls as 202 pending (e.g. after a gateway restart) instead of 404.
-
-    Optional control methods (:mod:`charon.server.admin`; a route answers 501 ``NotSupported`` without
-    them): ``pause(after_epoch)``, ``resume()``, ``control_status()``, ``inspect(operator, keys, epoch,
-    limit)``, ``run_alone(...)``, ``update_code(ref, version, migration)``, ``version_at(epoch)``, and the
-    ``epoch_stats`` list the metrics read.
-    """
-
-    app: Any
-
-    async def submit(
-        self, operator: str, key: str, function: str, args: list, *, request_id: str | None = None
-    ) -> Reply: ...
-
-    def get_reply(self, request_id: str) -> Reply | None: ...
-
-    def read_state(self, operator: str, key: str) -> Any: ...
-
-
-def _enqueuer(runtime: Any) -> Callable[[Request], asyncio.Future[Reply]] | None:
-    """A runtime's ``enqueue(request) -> Future[Reply]`` (the in-process runtime's), if its ``submit`` is the
-    one defined beside it (a subclass that overrides ``submit`` keeps getting every request through it)."""
-    cls = type(runtime)
-    enqueue, submit = getattr(cls, "enqueue", None), getattr(cls, "submit", None)
-    if enqueue is None or submit is None:
-        return None
-    if getattr(cls, "health", None) is None:
-        return None
-    if enqueue.__qualname__.rsplit(".", 1)[0] != submit.__qualname__.rsplit(".", 1)[0]:
-        return None
-    return runtime.enqueue
+__all__ = ["create_app", "describe_app", "STATUS_OF_ERROR"]
 
 
 
 
 class _Gateway:
-    def __init__(self, runtime: RuntimeLike, token: str | None, cfg: GatewayConfig) -> None:
-        self.runtime = runtime
-        self._enqueue = _enqueuer(runtime)
+    def __init__(self, engine: Engine, token: str | None, cfg: GatewayConfig) -> None:
+        self.engine = engine
+        self._enqueue = engine.enqueuer()  # the engine's direct entry, if it has one (asked once)
+        controls = engine.controls
+        # replies name the code version they ran with where code updates exist; by transaction where a compatible
+        # update lets two versions run at once (None: no code updates)
+        self.versions_by_tid = None if controls is None else "compatible" in controls.code_update_modes
         self.token = token.encode() if token else None
         self.cfg = cfg
         self.max_body = cfg.max_body
@@ -175,7 +140,7 @@ class _Gateway:
         self.recent: OrderedDict[str, tuple[Reply, Request]] = OrderedDict()
         self.recent_size = 0
         self.inflight_bytes = 0  # of the in-flight requests (see _inflight_size), at most cfg.max_inflight_bytes
-        self.known_ops = set(describe_app(runtime.app))
+        self.known_ops = set(describe_app(engine.app))
         self._openapi: bytes | None = None
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
         # /health has a thread of its own: reads waiting for an epoch boundary never delay it
@@ -239,7 +204,7 @@ class _Gateway:
 
     def _check_call(self, operator: str, key: str, function: str, args: list[Any], count: list[int]) -> None:
         try:
-            self.runtime.app.validate(operator, function, args, key=key)
+            self.engine.app.validate(operator, function, args, key=key)
         except (UnknownOperator, UnknownFunction, BadArguments, PayloadTooLarge, SerializationError,
                 InvalidKey) as exc:
             raise HTTPError(type(exc).__name__, str(exc) or type(exc).__name__) from None
@@ -285,7 +250,7 @@ class _Gateway:
 
     async def check_log(self, req: Request) -> None:
         """422 if the runtime's input log holds this request id for another operation."""
-        log = getattr(self.runtime, "input_log", None)
+        log = self.engine.input_log
         if log is None or req.request_id in self.inflight or req.request_id in self.recent:
             return
         stored = await self.off_loop(stored_request, log, req.request_id)
@@ -312,7 +277,7 @@ class _Gateway:
             raise HTTPError("BacklogFull", f"{len(self.inflight)} requests ({self.inflight_bytes} bytes) are waiting "
                              f"for their replies (max_inflight_bytes {self.cfg.max_inflight_bytes}); retry later")
         task: asyncio.Future[Reply]
-        if self._enqueue is not None and self.runtime.health()["status"] != "stopped":  # type: ignore[attr-defined]
+        if self._enqueue is not None and self.engine.health()["status"] != "stopped":
             # the request as built here, without a task per request (a stopped runtime: submit says why)
             try:
                 task = self._enqueue(Request(rid, req.operator, req.key, req.function, req.args, time.time()))
@@ -321,7 +286,7 @@ class _Gateway:
                 task.set_exception(exc)
         else:
             task = asyncio.ensure_future(
-                self.runtime.submit(req.operator, req.key, req.function, args, request_id=rid)
+                self.engine.submit(req.operator, req.key, req.function, args, request_id=rid)
             )
         self.inflight[rid] = task
         self.inflight_req[rid] = req
@@ -362,11 +327,11 @@ class _Gateway:
         entry = self.recent.get(rid)
         if entry is not None:
             return entry[0]
-        return await self.off_loop(self.runtime.get_reply, rid)
+        return await self.off_loop(self.engine.get_reply, rid)
 
     async def known_pending(self, rid: str) -> bool:
         """Whether the runtime's input log holds the request (it is pending if it has no reply)."""
-        log = getattr(self.runtime, "input_log", None)
+        log = self.engine.input_log
         if log is None:
             return False
         return bool(await self.off_loop(log.contains, rid))
@@ -374,11 +339,10 @@ class _Gateway:
     # ---- responses
 
     def reply_response(self, request: HTTPRequest, rep: Reply) -> Response:
-        version_at = getattr(self.runtime, "version_at", None)  # code updates: the version its epoch ran
         extra = {}
-        if version_at is not None and rep.epoch >= 0:
-            modes = getattr(self.runtime, "code_update_modes", ())  # compatible updates: by transaction too
-            extra["code_version"] = version_at(rep.epoch, rep.tid) if "compatible" in modes else version_at(rep.epoch)
+        if self.versions_by_tid is not None and rep.epoch >= 0:  # code updates: the version it ran with
+            version_at = self.engine.version_at
+            extra["code_version"] = version_at(rep.epoch, rep.tid) if self.versions_by_tid else version_at(rep.epoch)
         if rep.ok:
             try:
                 value = serde.decode(rep.value) if rep.value else None
@@ -515,7 +479,7 @@ class _Gateway:
         except InvalidKey as exc:
             raise HTTPError("InvalidKey", str(exc)) from None
         self.check_ready()
-        value = await self.off_loop(self.runtime.read_state, operator, key)
+        value = await self.off_loop(self.engine.read_state, operator, key)
         return respond(request, 200, {"operator": operator, "key": key, "value": value})
 
     @property
@@ -526,7 +490,7 @@ class _Gateway:
     async def stream(self, request: HTTPRequest) -> Response:
         """A page of an output stream (long polling), or server-sent events (see the module docstring)."""
         self.check_auth(request)
-        log = getattr(self.runtime, "streams", None)
+        log = self.engine.streams
         if log is None:
             raise HTTPError("NotFound", "this runtime has no output streams")
         stream, offset, limit, wait = self.streams.params(request)
@@ -545,23 +509,20 @@ class _Gateway:
             check_key(key)
         except InvalidKey as exc:
             raise HTTPError("InvalidKey", str(exc)) from None
-        lister = getattr(self.runtime, "timers", None)
-        if lister is None:
-            raise HTTPError("NotFound", "this runtime does not list timers")
-        found = await self.off_loop(lister, operator, key)
+        found = await self.off_loop(self.engine.timers, operator, key)
         doc = [{"id": t.id, "due": t.due, "operator": t.operator, "key": t.key, "function": t.function,
                 "args": serde.decode(t.args)} for t in found]
         return respond(request, 200, {"operator": operator, "key": key, "timers": doc})
 
     async def health(self, request: HTTPRequest) -> Response:
         """200 while the runtime serves; 503 with its state (status, epoch, last error...) otherwise."""
-        probe = getattr(self.runtime, "health", None)
+        probe = self.engine.health
         doc: dict[str, Any] = {"status": "ok", "ok": True}
         if self.start_error is not None:
             doc = {"status": "failed", "ok": False, "last_error": self.start_error}
         elif self.starting:
             doc = {"status": "starting", "ok": False}
-        elif probe is not None:
+        else:
             try:
                 fut = asyncio.get_running_loop().run_in_executor(self._health_pool, probe)
                 doc = dict(await asyncio.wait_for(fut, HEALTH_TIMEOUT_S))
@@ -576,7 +537,7 @@ class _Gateway:
 
     async def openapi(self, request: HTTPRequest) -> Response:
         if self._openapi is None:
-            self._openapi = json_encoder.encode(openapi_document(self.runtime.app, self.token is not None))
+            self._openapi = json_encoder.encode(openapi_document(self.engine.app, self.token is not None))
         return Response(self._openapi, media_type="application/json")
 
 
@@ -584,16 +545,8 @@ HEALTH_TIMEOUT_S = 2.0  # a runtime's health() slower than this is itself the an
 
 
 
-async def _call_lifecycle(method: Callable[[], Any]) -> None:
-    """Await an async start/stop; run a blocking one (the Spark runtime's) in a thread."""
-    if inspect.iscoroutinefunction(method):
-        await method()
-    else:
-        await asyncio.to_thread(method)
-
-
 def create_app(
-    runtime: RuntimeLike,
+    runtime: Engine | EngineSource,
     *,
     token: str | None,
     max_body: int | None = None,
@@ -604,7 +557,8 @@ def create_app(
     background_start: bool = False,
     on_start_failure: Callable[[str], None] | None = None,
 ) -> Any:
-    """Build the gateway's ASGI app over ``runtime``.
+    """Build the gateway's ASGI app over ``runtime`` (an :class:`~charon.runtime.contract.Engine`, or a runtime
+    that gives one: the gateway uses nothing but the contract).
 
     ``token``: the bearer token required on every route but ``/health`` and ``/openapi.json`` (``None``
     disables authentication: development only). ``config``: limits and settings (default
@@ -621,11 +575,12 @@ def create_app(
     for name, value in (("max_body", max_body), ("wait_timeout", wait_timeout), ("recent_replies", recent_replies)):
         if value is not None:
             setattr(cfg, name, value)
-    gw = _Gateway(runtime, token, cfg)
+    engine = as_engine(runtime)
+    gw = _Gateway(engine, token, cfg)
 
     async def start_in_background() -> None:
         try:
-            await asyncio.to_thread(runtime.start)  # type: ignore[attr-defined]
+            await engine.start()
         except Exception as exc:  # noqa: BLE001 - reported in /health and to the server
             gw.start_error = f"{type(exc).__name__}: {exc}"
             if on_start_failure is not None:
@@ -637,12 +592,11 @@ def create_app(
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         starter: asyncio.Task[None] | None = None
         if manage_runtime:
-            start = runtime.start  # type: ignore[attr-defined]
-            if background_start and not inspect.iscoroutinefunction(start):
+            if background_start and engine.slow_start:
                 gw.starting = True
                 starter = asyncio.ensure_future(start_in_background())
             else:
-                await _call_lifecycle(start)
+                await engine.start()
         try:
             yield
         finally:
@@ -652,7 +606,7 @@ def create_app(
             if pending:
                 await asyncio.wait(pending, timeout=5.0)
             if manage_runtime and gw.start_error is None:
-                await _call_lifecycle(runtime.stop)  # type: ignore[attr-defined]
+                await engine.stop()
             gw.streams.close()
             gw._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -670,8 +624,7 @@ def create_app(
         Route("/health", guard(gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
-    parts = getattr(runtime, "partitions", 0) or getattr(getattr(runtime, "config", None), "partitions", 1)
-    gw.metrics = GatewayMetrics(runtime, int(parts), samples=cfg.metrics_samples)
+    gw.metrics = GatewayMetrics(engine, samples=cfg.metrics_samples)
     routes += admin_routes(gw, gw.metrics)
     async def http_error(request: HTTPRequest, exc: Exception) -> Response:
         # routing errors (no such route, wrong method) in the same typed JSON shape as every other error
@@ -684,6 +637,7 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: http_error, 405: http_error})
     app.state.gateway = gw
     app.state.runtime = runtime
+    app.state.engine = engine
     outer = StrictPath(app)
     outer.state = app.state  # type: ignore[attr-defined]
     outer.config = cfg  # type: ignore[attr-defined]

@@ -17,14 +17,15 @@ from typing import Any
 import uvicorn
 
 from charon.config import GatewayConfig
-from charon.server.gateway import RuntimeLike, create_app
+from charon.runtime.contract import Engine, EngineSource, as_engine
+from charon.server.gateway import create_app
 from charon.server.http import uvicorn_config
 
 __all__ = ["serve", "BackgroundServer", "RuntimeStartError", "RuntimeFailed", "free_port"]
 
 
 def serve(
-    runtime: RuntimeLike,
+    runtime: Engine | EngineSource,
     host: str = "127.0.0.1",
     port: int = 8000,
     token: str | None = None,
@@ -60,11 +61,11 @@ def serve(
         timer.daemon = True
         timer.start()
 
-    if hasattr(runtime, "on_fatal"):
-        runtime.on_fatal = gave_up
+    engine = as_engine(runtime)
+    engine.on_fatal(gave_up)
 
     app = create_app(
-        runtime, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
+        engine, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
         background_start=True, on_start_failure=start_failed,
     )
     server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level))
@@ -100,7 +101,7 @@ class BackgroundServer:
 
     def __init__(
         self,
-        runtime: RuntimeLike,
+        runtime: Engine | EngineSource,
         *,
         token: str | None = None,
         host: str = "127.0.0.1",
