@@ -34,10 +34,15 @@ class StreamSource(Protocol):
 
     def end_offset(self, stream: str) -> int: ...
 
+    def add_listener(self, listener: Callable[[frozenset[str]], object]) -> None: ...
+
+    def remove_listener(self, listener: Callable[[frozenset[str]], object]) -> None: ...
+
+    def last_epoch(self) -> int: ...
+
 #: how often the gateway's one stream watcher looks for atoms appended by another process while readers wait (the
-#: runtime's own appends wake them at once); a log that cannot notify is polled every _STREAM_POLL_S
+#: runtime's own appends wake them at once)
 _STREAM_FOREIGN_POLL_S = 1.0
-_STREAM_POLL_S = 0.05
 
 
 class StreamWatch:
@@ -46,23 +51,18 @@ class StreamWatch:
 
     The runtime's own appends notify it at once (:meth:`charon.log.streams.StreamLog.add_listener`, called on
     the appending thread); atoms another process appends to the same file are seen by one cheap query per
-    ``_STREAM_FOREIGN_POLL_S`` while anyone waits (every ``_STREAM_POLL_S`` for a log that cannot notify)."""
+    ``_STREAM_FOREIGN_POLL_S`` while anyone waits."""
 
-    def __init__(self, log: Any) -> None:
+    def __init__(self, log: StreamSource) -> None:
         self.log = log
         self.loop = asyncio.get_running_loop()
         self.events: dict[str, asyncio.Event] = {}  # per stream, replaced when it fires
         self.waiting = 0
         self._poller: asyncio.Task[None] | None = None
-        add = getattr(log, "add_listener", None)
-        self.notified = add is not None
-        if add is not None:
-            add(self._appended)
+        log.add_listener(self._appended)
 
     def close(self) -> None:
-        remove = getattr(self.log, "remove_listener", None)
-        if remove is not None:
-            remove(self._appended)
+        self.log.remove_listener(self._appended)
         if self._poller is not None:
             self._poller.cancel()
 
@@ -98,13 +98,10 @@ class StreamWatch:
 
     async def _poll(self) -> None:
         """Appends by other processes: one query per interval while anyone waits (then it ends)."""
-        interval = _STREAM_FOREIGN_POLL_S if self.notified else _STREAM_POLL_S
-        last = await asyncio.to_thread(self.log.last_epoch) if hasattr(self.log, "last_epoch") else None
+        interval = _STREAM_FOREIGN_POLL_S
+        last = await asyncio.to_thread(self.log.last_epoch)
         while self.waiting:
             await asyncio.sleep(interval)
-            if last is None:
-                self._fire(None)
-                continue
             now = await asyncio.to_thread(self.log.last_epoch)
             if now != last:
                 last = now
