@@ -153,7 +153,8 @@ class StreamLog:
 
     def last_epoch(self) -> int:
         """The newest epoch appended (-1 if none)."""
-        return self._db.conn().execute("SELECT coalesce(max(epoch), -1) FROM epochs").fetchone()[0]
+        epoch: int = self._db.conn().execute("SELECT coalesce(max(epoch), -1) FROM epochs").fetchone()[0]
+        return epoch
 
     def streams(self) -> dict[str, int]:
         """Every stream with events, and its end offset."""
