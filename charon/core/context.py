@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import random as _random
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
@@ -52,6 +52,11 @@ _check = serde.check_value  # the value model (sets, datetimes, objects... refus
 _SCALARS = serde._SCALARS
 
 MAX_DEPTH = 200
+#: A validated call or send: (operator, key, function, encoded arguments).
+Target = tuple[str, str, str, bytes]
+#: A call or send as recorded in ``ctx._calls`` (1 for a call, 0 for a send, then its target) or ``ctx._sends``
+#: (its child number, then its target).
+CallRecord = tuple[int, str, str, str, bytes]
 #: Largest encoded state value, item, event or return value (``CHARON_MAX_VALUE_BYTES``, default 4 MiB):
 #: beyond it the function raises ValueTooLarge (its transaction aborts). An outcome depends on it: set it the
 #: same for every process of a deployment (Spark executors inherit the driver's environment in local mode).
@@ -135,7 +140,7 @@ class Journal:
         return True
 
 
-def _new_journal(replies: dict, reads: list, nsusp: int, pending: dict | None) -> Journal:
+def _new_journal(replies: dict[int, bytes], reads: list[object], nsusp: int, pending: dict[str, int] | None) -> Journal:
     j = Journal.__new__(Journal)
     j.replies, j.reads, j.nsusp, j.pending = replies, reads, nsusp, pending
     j.at_end()
@@ -147,7 +152,7 @@ class _Call:
 
     __slots__ = ("ctx", "child", "target", "done", "value")
 
-    def __init__(self, ctx: Context, child: int, target: tuple) -> None:
+    def __init__(self, ctx: Context, child: int, target: Target) -> None:
         self.ctx = ctx
         self.child = child
         self.target = target
@@ -189,7 +194,7 @@ class _Gather:
         self.ctx = ctx
         self.calls = calls
 
-    def __await__(self) -> Generator[Any, None, list]:
+    def __await__(self) -> Generator[Any, None, list[Any]]:
         ctx = self.ctx
         if ctx._settle(self.calls):
             try:
@@ -209,7 +214,7 @@ class Context:
         "_nemit", "_ntimer", "_nask", "key", "operator", "tid",
     )
 
-    def __init__(self, unit: PartitionUnit, frame: Frame, fast: bool = False) -> None:
+    def __init__(self, unit: PartitionUnit[Any], frame: Frame, fast: bool = False) -> None:
         self._unit = unit
         self._frame = frame  # the invocation's frame, which is also its Journal
         frame._awaits = frame._nread = 0  # frame.rewind(), inlined (a context is created per run of an invocation)
@@ -219,14 +224,14 @@ class Context:
         self._nchild = self._nemit = self._ntimer = self._nask = 0
         self._pending: list[_Call] | None = None  # the calls the last suspending await sent
         self._rng: _random.Random | None = None
-        self._sends: list[tuple] | None = None  # made by the first send
-        self._calls: list[tuple] | None = None  # (sync?, op, key, fn, args) of every call and send, from the first
+        self._sends: list[CallRecord] | None = None  # made by the first send
+        self._calls: list[CallRecord] | None = None  # (sync?, op, key, fn, args) of every call and send, from the first
         self._dropped = False
         self.key: str = frame.key
         self.operator: str = frame.op
         self.tid: int = frame.tid
 
-    def _resume(self, unit: PartitionUnit, frame: Frame) -> None:
+    def _resume(self, unit: PartitionUnit[Any], frame: Frame) -> None:
         """Continue a live coroutine in a new round (possibly with a new unit and frame for the partition)."""
         self._unit = unit
         self._frame = frame
@@ -255,7 +260,8 @@ class Context:
             raise GeneratorExit
         j = self._frame
         if not j.live:
-            return j.replayed_read()
+            replayed: bytes | None = j.replayed_read()
+            return replayed
         f = self._frame
         raw = self._unit.read(f.tid, f.op, f.key, item)
         if not self._fast:
@@ -319,7 +325,7 @@ class Context:
         if self._live():
             self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), None)
 
-    def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list:
+    def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list[tuple[str, Any]]:
         """Items whose name starts with ``prefix`` and lies in [start, stop), sorted by name."""
         if self._live():
             f = self._frame
@@ -361,7 +367,7 @@ class Context:
             self._unit.emit(f.tid, f.inv, self._nemit, stream, data)
 
     # -- portals (requests to other applications) -----------------------------------------------------
-    def ask(self, portal: str, key: str, *args: Any, then: Function | str, carry: list | tuple = ()) -> str:
+    def ask(self, portal: str, key: str, *args: Any, then: Function | str, carry: Sequence[object] = ()) -> str:
         """Ask ``portal`` (``"app.name"``, declared in this application's ``uses``) to run on entity ``key``
         of that application with ``args``; returns the request id.
 
@@ -387,7 +393,7 @@ class Context:
         return rid
 
     # -- calls ------------------------------------------------------------------------------------
-    def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
+    def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple[object, ...]) -> Target:
         # Application.validate, inlined (``args`` is a tuple): names, then routing.check_key, then the arguments
         unit = self._unit
         prev = unit.previous  # unit.app_for, inlined
@@ -573,7 +579,7 @@ class Context:
         return self._frame.ts
 
 
-def check_awaited(calls: list[tuple], replies: dict[int, bytes], op: str, fn: str, key: str) -> None:
+def check_awaited(calls: list[CallRecord], replies: dict[int, bytes], op: str, fn: str, key: str) -> None:
     """Raise UnawaitedCall if a synchronous call of a completed invocation (``calls``: its ``ctx._calls``, child
     ``n`` at index ``n - 1``) has no reply: it was created and never awaited."""
     for n, c in enumerate(calls, 1):
@@ -598,7 +604,7 @@ def raised_in(message: str, op: str, key: str, fn: str) -> str:
             "the whole transaction; callers cannot catch it]")
 
 
-def _replayed_target(operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
+def _replayed_target(operator: Operator | str, key: str, function: Function | str, args: tuple[object, ...]) -> Target:
     """The target of a call or send already validated in the run that first made it (as ``_target``)."""
     op = operator.name if isinstance(operator, Operator) else operator
     fn = function.name if isinstance(function, Function) else function
