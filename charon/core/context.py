@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import random as _random
 from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from charon import serde
 from charon.core import timers as _timers
@@ -41,10 +41,7 @@ from charon.errors import (
     UndeclaredPortal,
     ValueTooLarge,
 )
-from charon.operator import Function, Operator
-
-if TYPE_CHECKING:  # pragma: no cover
-    from charon.core.partition import Frame, PartitionUnit
+from charon.operator import Application, Function, Operator
 
 _decode = serde._dec.decode
 _encode = serde._enc.encode
@@ -140,6 +137,60 @@ class Journal:
         return True
 
 
+class FrameView(Protocol):
+    """What a :class:`Context` uses of its invocation's frame (a :class:`charon.core.partition.Invoke`, which is
+    also the invocation's :class:`Journal`). Declared here so that this module does not import the partition,
+    which imports it (no import cycle)."""
+
+    tid: int
+    inv: str
+    op: str
+    key: str
+    ts: float
+    depth: int
+    replies: dict[int, bytes]
+    reads: list[Any]
+    nsusp: int
+    pending: dict[str, int] | None
+    live: bool
+    _awaits: int
+    _nread: int
+
+    def rewind(self) -> None: ...
+
+    def at_end(self) -> None: ...
+
+    def replayed_read(self) -> Any: ...
+
+    def passed(self) -> None: ...
+
+    def suspend(self, pending: dict[str, int]) -> None: ...
+
+
+class UnitView(Protocol):
+    """What a :class:`Context` uses of the partition unit that runs it (a
+    :class:`charon.core.partition.PartitionUnit`; declared here for the same reason as :class:`FrameView`)."""
+
+    @property
+    def app(self) -> Application: ...
+
+    @property
+    def previous(self) -> tuple[int, Application] | None: ...
+
+    def app_for(self, tid: int) -> Application: ...
+
+    def read(self, tid: int, op: str, key: str, item: str) -> bytes | None: ...
+
+    def scan(self, tid: int, op: str, key: str, item_prefix: str, start: str | None = None,
+             stop: str | None = None) -> list[tuple[str, bytes]]: ...
+
+    def write(self, tid: int, op: str, key: str, item: str, value: bytes | None) -> None: ...
+
+    def emit(self, tid: int, inv: str, n: int, stream: str, value: bytes) -> None: ...
+
+    def timer_registered(self, due: float) -> None: ...
+
+
 def _new_journal(replies: dict[int, bytes], reads: list[object], nsusp: int, pending: dict[str, int] | None) -> Journal:
     j = Journal.__new__(Journal)
     j.replies, j.reads, j.nsusp, j.pending = replies, reads, nsusp, pending
@@ -214,7 +265,7 @@ class Context:
         "_nemit", "_ntimer", "_nask", "key", "operator", "tid",
     )
 
-    def __init__(self, unit: PartitionUnit[Any], frame: Frame, fast: bool = False) -> None:
+    def __init__(self, unit: UnitView, frame: FrameView, fast: bool = False) -> None:
         self._unit = unit
         self._frame = frame  # the invocation's frame, which is also its Journal
         frame._awaits = frame._nread = 0  # frame.rewind(), inlined (a context is created per run of an invocation)
@@ -231,7 +282,7 @@ class Context:
         self.operator: str = frame.op
         self.tid: int = frame.tid
 
-    def _resume(self, unit: PartitionUnit[Any], frame: Frame) -> None:
+    def _resume(self, unit: UnitView, frame: FrameView) -> None:
         """Continue a live coroutine in a new round (possibly with a new unit and frame for the partition)."""
         self._unit = unit
         self._frame = frame

@@ -46,7 +46,7 @@ from charon.serde import decode_reply, decode_request, encode_reply, encode_requ
 if TYPE_CHECKING:
     from charon.log.contract import InputLogLike, OutputLogLike
 
-__all__ = ["DedupRetention", "InputLog", "OutputLog", "log_partition_of"]
+__all__ = ["DedupRetention", "InputLog", "OutputLog", "SQLiteFile", "log_partition_of"]
 
 BUSY_TIMEOUT_S = 10.0
 #: page cache per connection (KiB; SQLite's default is 2,000). Every thread that touches a log has its own
@@ -65,8 +65,9 @@ def log_partition_of(key: str, partitions: int) -> int:
     return zlib.crc32(key.encode()) % partitions
 
 
-class _SQLite:
-    """Per-thread (and per-process) SQLite connections to one database file in WAL mode."""
+class SQLiteFile:
+    """Per-thread (and per-process) SQLite connections to one database file in WAL mode (the logs' and the
+    stream log's, :mod:`charon.log.streams`)."""
 
     def __init__(self, path: str | os.PathLike[str], durable: bool) -> None:
         self.path = os.fspath(path)
@@ -165,7 +166,7 @@ class InputLog:
     ) -> None:
         if partitions is not None and partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
-        self._db = _SQLite(path, durable)
+        self._db = SQLiteFile(path, durable)
         self.path = self._db.path
         with self._db.write() as c:
             c.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
@@ -431,7 +432,7 @@ class OutputLog:
     """Durable output log of :class:`Reply` s: each ``request_id`` stored (and so delivered) once."""
 
     def __init__(self, path: str | os.PathLike[str], *, durable: bool = True) -> None:
-        self._db = _SQLite(path, durable)
+        self._db = SQLiteFile(path, durable)
         self.path = self._db.path
         with self._db.write() as c:
             c.execute(
