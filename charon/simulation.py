@@ -51,7 +51,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -398,7 +398,8 @@ class Simulation:
         rt._start_compaction = rt._compact  # type: ignore[method-assign]  # a deliberate patch: synchronous: compaction's crash point is an ordinary step
         put_many = rt.output_log.put_many
 
-        def deliver(replies: list[Reply]) -> int:
+        def deliver(replies: Iterable[Reply]) -> int:
+            replies = list(replies)
             for r in replies:
                 old = self.delivered.get(r.request_id)
                 if old is not None and old != r:
@@ -406,7 +407,7 @@ class Simulation:
                 self.delivered.setdefault(r.request_id, r)
             return put_many(replies)
 
-        rt.output_log.put_many = deliver
+        rt.output_log.put_many = deliver  # type: ignore[method-assign]  # a deliberate patch: the simulator sees every delivery
         self.rt = rt
         return rt
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from charon import serde
 from charon.core import determinism
 from charon.core import timers as _timers
-from charon.core.context import MAX_DEPTH, MAX_EMITS, _item, child_inv, raised_in, unawaited_message
+from charon.core.context import MAX_DEPTH, MAX_EMITS, child_inv, item_key, raised_in, unawaited_message
 from charon.core.epoch import EpochResult, Verdict
 from charon.core.partition import MAX_INVOCATIONS, too_many_invocations
 from charon.core.routing import check_item, check_stream, entity_prefix, partition_of, split_store_key, store_key
@@ -112,17 +112,17 @@ class SerialContext:
             self._note("write", k, v)
 
     def get_item(self, name: str, default: Any = None) -> Any:
-        raw = self._txn.read(store_key(self._op, self._key, _item(name)))
+        raw = self._txn.read(store_key(self._op, self._key, item_key(name)))
         return default if raw is None else serde.decode(raw)
 
     def put_item(self, name: str, value: Any) -> None:
-        self._write(store_key(self._op, self._key, _item(name)), serde.encode_value(value))
+        self._write(store_key(self._op, self._key, item_key(name)), serde.encode_value(value))
 
     def delete_item(self, name: str) -> None:
-        self._write(store_key(self._op, self._key, _item(name)), None)
+        self._write(store_key(self._op, self._key, item_key(name)), None)
 
     def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list:
-        p = store_key(self._op, self._key, _item(prefix))
+        p = store_key(self._op, self._key, item_key(prefix))
         plen = len(entity_prefix(self._op, self._key)) + 1
         merged: dict[bytes, bytes | None] = {k: v for k, v in self._txn.state.items() if k.startswith(p)}
         merged.update({k: v for k, v in self._txn.writes.items() if k.startswith(p)})

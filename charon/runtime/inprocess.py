@@ -61,6 +61,7 @@ from charon.runtime.watchdog import DEFAULT_INTERVAL, DEFAULT_TIMEOUT, Watchdog
 from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
+    from charon.log.contract import InputLogLike
     from charon.runtime.node import NodeStorage
 
 
@@ -375,7 +376,7 @@ class InProcessRuntime:
         return self.verdict_book.dead_letters(limit)
 
     @property
-    def input_log(self) -> Any:
+    def input_log(self) -> InputLogLike | None:
         """Durable mode: the input log (the gateway checks reused request ids and pending requests in it)."""
         return self.node.input_log if self.node is not None else None
 

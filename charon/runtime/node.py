@@ -253,7 +253,7 @@ class NodeStorage:
                 batch, expect = [], expect + 1
             else:
                 batch.append(req)
-        if batch and getattr(self.input_log, "atomic_batches", True):
+        if batch and self.input_log.atomic_batches:
             raise NodeError(f"input log: {len(batch)} entries after the last epoch marker")
         if batch:  # a networked log took part of an epoch's batch before a crash: that epoch never ran
             mark = Request(f"{EPOCH_MARK}:{expect}", EPOCH_MARK, str(expect), "", serde.encode([]), time.time())
