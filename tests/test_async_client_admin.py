@@ -12,7 +12,7 @@ from charon import InProcessRuntime
 from charon.client import AsyncClient, Client, Unauthorized
 from charon.config import GatewayConfig
 from charon.errors import CharonError
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "a5ync"
 N = 12
