@@ -50,6 +50,7 @@ from charon.log.offsets import pad_pair
 from charon.log.sqlite import DedupRetention
 from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
+from charon.runtime.controls import EngineBacked
 from charon.runtime.faults import crash_point, fault_point
 from charon.runtime.gate import EpochGate
 from charon.runtime.owner import claim_data_dir
@@ -106,8 +107,10 @@ _OUTAGE_ERRORS = ("NatsLogUnreachable", "database is locked", "database is busy"
                   "Read-only file system", "Stale file handle")
 
 
-class SparkRuntime:
+class SparkRuntime(EngineBacked):
     """Deploy an application on Spark. ``app_ref`` is ``"module:attribute"`` of an installed module."""
+
+    controller: SparkEngine  # the engine contract's face, and the control state it owns
 
     def __init__(self, app_ref: str, config: SparkConfig | None = None, spark: Any = None) -> None:
         self.app_ref = app_ref
@@ -1049,38 +1052,7 @@ class SparkRuntime:
         if ex is not None:
             ex.set_code(ref, previous)
 
-    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
-        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; the status document."""
-        return self.controller.pause_now(after_epoch).doc()
-
-    def resume(self) -> dict[str, Any]:
-        """Let epochs start again; the waiting requests run in log order; the status document."""
-        return self.controller.resume_now().doc()
-
-    def control_status(self) -> dict[str, Any]:
-        """The control status document (:class:`charon.runtime.contract.ControlStatus`). Blocking."""
-        return self.controller.status_now().doc()
-
-    async def run_alone(
-        self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
-    ) -> dict[str, Any]:
-        """A serializable admin update: ``function`` on every key (default: every entity of ``operator``) in
-        epochs that hold nothing else, once per ``update_id`` (:meth:`SparkEngine.run_alone`)."""
-        out = await self.controller.run_alone(update_id, operator, function, serde.encode(list(args)), keys)
-        return out.doc()
-
     code_update_modes = SparkEngine.code_update_modes
-
-    async def update_code(
-        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None, mode: str = "strict"
-    ) -> dict[str, Any]:
-        """Code update to ``ref`` at one epoch boundary (:meth:`SparkEngine.update_code`)."""
-        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
-        return (await self.controller.update_code(ref, version, mig, mode)).doc()
-
-    def version_at(self, epoch: int, tid: int | None = None) -> str:
-        """The code version epoch ``epoch`` ran with (with ``tid``: the one that transaction ran with)."""
-        return self.controller.version_at(epoch, tid)
 
     def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
