@@ -44,7 +44,7 @@ from charon.log.location import open_input_log, open_output_log
 from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.runtime.faults import crash_point
-from charon.state.durable import DurableState
+from charon.state.durable import DurableState, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 from charon.state.store import MemoryStore
 
@@ -164,17 +164,7 @@ class NodeStorage:
         return state
 
     def _write_layout(self, layout: dict) -> None:
-        path = os.path.join(self.data_dir, "node.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(layout, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        fd = os.open(self.data_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_file_atomic(os.path.join(self.data_dir, "node.json"), json.dumps(layout).encode())
 
     def relayout(self, partitions: int, parts: list[list[tuple[bytes, bytes]]], epoch: int) -> None:
         """Rescale: install ``parts`` (each new partition's sorted items, the state as of ``epoch``, which the
