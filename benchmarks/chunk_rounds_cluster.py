@@ -29,7 +29,7 @@ def measure(size: int, chunk: int | None, parts: int = 4, accounts: int = 10_000
     from charon.config import SparkConfig
     from charon.core.epoch import EpochCoordinator
     from charon.core.routing import partition_of, store_key
-    from charon.runtime.spark.runtime import SparkExchange
+    from charon.runtime.spark.exchange import SparkExchange
     from charon.state.durable import DurableState
 
     class HereJobs(SparkExchange):

@@ -360,7 +360,7 @@ def child_serve(src: str | None, port: int, token: str) -> dict:
     """The Deathstar application on an in-process runtime behind Charon's HTTP gateway (``charon run``'s
     server: uvicorn, volatile runtime), until SIGTERM."""
     _use_src(src)
-    from charon.server.gateway import serve
+    from charon.server.serve import serve
 
     serve(_deathstar_runtime(), port=port, token=token)  # type: ignore[arg-type]
     return {}

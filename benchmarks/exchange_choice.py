@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "exchange_choice.json"))
     args = ap.parse_args(argv)
     from charon.config import SparkConfig
-    from charon.runtime.spark.runtime import make_session
+    from charon.runtime.spark.session import make_session
 
     spark = make_session(SparkConfig(master="local[2]", partitions=args.partitions))
     sc = spark.sparkContext

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from charon.bench.harness import percentile
-from charon.server.gateway import free_port
+from charon.server.serve import free_port
 
 MODES = {"ephemeral": ["--ephemeral"], "durable-no-fsync": ["--no-fsync"], "durable-fsync": []}
 BEFORE: str | None = None  # --before CHECKOUT: also measure that checkout's (volatile) `charon run`

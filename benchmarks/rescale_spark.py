@@ -32,7 +32,8 @@ from pathlib import Path
 
 from charon import serde
 from charon.config import SparkConfig
-from charon.runtime.spark.runtime import SparkRuntime, make_session
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.runtime.spark.session import make_session
 
 OUT = Path(__file__).resolve().parent
 APP = "charon.apps.holds:app"

@@ -34,7 +34,7 @@ import psutil
 
 from charon.apps.ycsb import INITIAL_BALANCE
 from charon.bench.harness import percentile
-from charon.server.gateway import free_port
+from charon.server.serve import free_port
 
 OUT = Path(__file__).resolve().parent
 TOKEN = "soak"

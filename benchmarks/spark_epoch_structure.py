@@ -34,7 +34,7 @@ def run(workload: str, variant: str, size: int, epochs: int = 3, overrides: dict
     from charon.config import SparkConfig
     from charon.core.epoch import EpochCoordinator
     from charon.core.routing import partition_of, split_store_key
-    from charon.runtime.spark.runtime import SparkExchange
+    from charon.runtime.spark.exchange import SparkExchange
     from charon.state.durable import DurableState
 
     class Counting(SparkExchange):

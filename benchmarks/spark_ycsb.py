@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     from charon.apps import ycsb
     from charon.bench.harness import save
     from charon.config import SparkConfig
-    from charon.runtime.spark.runtime import SparkRuntime, make_session
+    from charon.runtime.spark.runtime import SparkRuntime
+    from charon.runtime.spark.session import make_session
 
     levers = {
         "after": {},

@@ -106,11 +106,11 @@ def run_driver(args: argparse.Namespace) -> int:
 def _trace_restart(rt, log, jobs: int = 40) -> None:
     """Log the restart path: the query's start, each micro-batch (its epoch and size), the first ``jobs`` Spark
     jobs (one per round) and each epoch record written, with the epoch's restore time (executor LMDB open)."""
-    from charon.runtime.spark import runtime as sr
+    from charon.runtime.spark.exchange import SparkExchange
     from charon.runtime.spark.source import batch_offsets
 
     start_query, on_batch, recorded = rt._start_query, rt._on_batch, rt._recorded
-    run_job = sr.SparkExchange.run_job
+    run_job = SparkExchange.run_job
     left = [jobs]
 
     def traced_start_query() -> None:
@@ -144,7 +144,7 @@ def _trace_restart(rt, log, jobs: int = 40) -> None:
         return out
 
     rt._start_query, rt._on_batch, rt._recorded = traced_start_query, traced_on_batch, traced_recorded
-    sr.SparkExchange.run_job = traced_run_job
+    SparkExchange.run_job = traced_run_job
 
 
 # ---- the load (this process) --------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def main() -> int:
     server = None
     if not a.skip_http:
         from charon.client import Client
-        from charon.server.gateway import BackgroundServer
+        from charon.server.serve import BackgroundServer
 
         class _Reader:  # the gateway only reads this runtime's streams (epochs run on the bench thread)
             def __init__(self) -> None:

@@ -11,7 +11,6 @@ request was answered exactly once (retrying a sample of request ids returns the 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -34,6 +33,8 @@ from rich.table import Table
 
 from charon.bench.harness import percentile
 from charon.errors import CharonError, TransactionAborted
+from charon.runtime.contract import Engine
+from charon.runtime.factory import EngineSpec
 
 app = typer.Typer(
     name="charon",
@@ -80,92 +81,18 @@ def spark_available() -> bool:
         return False
 
 
-def make_runtime(
-    target: str, engine: str, partitions: int | None = None, data_dir: str | None = None, *, fsync: bool = True,
-    reply_retention: int | None = None, log_url: str | None = None, log_partitions: int | None = None,
-    function_timeout: float | None = None, exit_when_stuck: float | None = None, determinism_check: bool = False,
-) -> Any:
-    """Build (not start) a runtime for the Application at ``target`` (``module:attr``).
+def make_engine(spec: EngineSpec) -> Engine:
+    """Build (not start) the engine ``spec`` describes (:func:`charon.runtime.factory.make_engine`); its settings
+    errors as the command line's (``BadParameter``), failures to open it as one line and exit code 1."""
+    from charon.runtime.factory import EngineOpenFailed, EngineSpecError
+    from charon.runtime.factory import make_engine as build
 
-    ``inprocess``: :class:`charon.runtime.inprocess.InProcessRuntime`, durable under ``data_dir`` when one is given,
-    volatile without. ``spark``: :class:`charon.runtime.spark.runtime.SparkRuntime` configured from ``CHARON_*``
-    variables, then the options (``log_partitions``: the input log's partition count, Spark only; another count than
-    the log's resizes it at start). ``log_url`` (``nats://host:port/deployment``) puts the input and output logs on
-    NATS JetStream instead of SQLite files under ``data_dir`` (:mod:`charon.log.nats`). ``determinism_check``:
-    run every function step twice (:mod:`charon.core.determinism`).
-    """
-    if log_url is not None:
-        from charon.log.location import is_networked
-
-        if not is_networked(log_url):
-            raise typer.BadParameter(f"--log must be a nats://host:port/deployment URL, got {log_url!r}")
-        if engine == "inprocess" and data_dir is None:
-            raise typer.BadParameter("--log needs a durable deployment (not --ephemeral)")
-    if log_partitions is not None and engine != "spark":
-        raise typer.BadParameter("--log-partitions applies to --engine spark only (the in-process engine logs its "
-                                 "epochs in one partition)")
-    from charon.runtime.owner import DataDirOwned, claim_data_dir
-
-    if engine == "inprocess":
-        from charon.runtime.inprocess import InProcessRuntime
-        from charon.runtime.node import NodeError
-
-        application = load_app(target)
-        try:
-            if data_dir is not None:  # the directory belongs to one engine and application (refused otherwise)
-                claim_data_dir(data_dir, engine, application.name)
-            retained = int(os.environ.get("CHARON_REPLY_RETENTION_BYTES", 128 << 20))
-            limits: dict[str, Any] = {} if function_timeout is None else {"function_timeout": function_timeout}
-            if determinism_check:
-                limits["determinism_check"] = True
-            return InProcessRuntime(application, partitions=partitions, data_dir=data_dir, fsync=fsync,
-                                    reply_retention=reply_retention, log_url=log_url, reply_retention_bytes=retained,
-                                    exit_when_stuck=exit_when_stuck, **limits)
-        except (NodeError, DataDirOwned) as exc:
-            raise _fail(str(exc)) from None
-    if engine == "spark":
-        if not spark_available():
-            raise typer.BadParameter("the Spark runtime (charon.runtime.spark.runtime) is not available")
-        from charon.config import SparkConfig
-        from charon.runtime.spark.runtime import SparkRuntime
-
-        application = load_app(target)  # fail early with a clear message
-        from charon.runtime.spark.runtime import LayoutMismatch
-
-        extra: dict[str, Any] = {} if function_timeout is None else {"function_timeout": function_timeout}
-        if determinism_check:  # else CHARON_DETERMINISM_CHECK decides
-            extra["determinism_check"] = True
-        config = SparkConfig.from_env(partitions=partitions, data_dir=data_dir, log_url=log_url,
-                                      log_partitions=log_partitions, **extra)
-        try:  # the directory belongs to one engine and application (refused otherwise)
-            claim_data_dir(config.data_dir, engine, application.name)
-        except DataDirOwned as exc:
-            raise _fail(str(exc)) from None
-        if partitions is None:  # not given (flag or CHARON_PARTITIONS): a checkpoint keeps its recorded layout
-            from charon.runtime.spark.runtime import read_layout
-
-            layout = read_layout(config.checkpoint_dir)
-            if layout is not None:
-                config = dataclasses.replace(config, partitions=layout.partitions)
-        try:
-            return SparkRuntime(target if ":" in target else f"{target}:app", config)
-        except LayoutMismatch as exc:  # the checkpoint was made with another partition count
-            raise _fail(str(exc)) from None
-        except OSError as exc:  # e.g. the NATS log is not reachable
-            raise _fail(f"the log is not reachable: {exc}") from None
-    if engine == "remote":
-        if log_url is None:
-            raise typer.BadParameter("--engine remote needs --log nats://host:port/deployment (the engine's log)")
-        if determinism_check:
-            raise typer.BadParameter("--check-determinism applies where functions run (the engine), not to "
-                                     "--engine remote")
-        from charon.runtime.remote import LogRuntime
-
-        try:
-            return LogRuntime(load_app(target), log_url)
-        except OSError as exc:
-            raise _fail(f"the log at {log_url} is not reachable: {exc}") from None
-    raise typer.BadParameter(f"unknown engine {engine!r} (inprocess, spark or remote)")
+    try:
+        return build(spec)
+    except EngineSpecError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except EngineOpenFailed as exc:
+        raise _fail(str(exc)) from None
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -258,64 +185,42 @@ def run(
     ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
-    from charon.server.gateway import RuntimeFailed, RuntimeStartError, serve
+    from charon.server.serve import RuntimeFailed, RuntimeStartError, serve
 
     application = load_app(target)
     # A function running pure-Python code past its budget holds the GIL until the watchdog stops it: the gateway's
     # threads get it back within this interval (default 5 ms; each request needs several hand-overs).
     sys.setswitchinterval(float(os.environ.get("CHARON_SWITCH_INTERVAL", "0.0005")))
-    if engine == "inprocess":
-        if ephemeral and data_dir is not None:
-            raise _fail("--ephemeral keeps nothing on disk: it takes no --data-dir")
-        data_dir = None if ephemeral else os.path.abspath(data_dir or "charon-data")
-        mode = (
-            "EPHEMERAL: state, replies and request ids live in memory and are lost when it stops"
-            if ephemeral
-            else f"durable in {data_dir}, " + ("fsync per epoch" if fsync else "no fsync: survives a killed "
-                                               "process, not an OS crash")
-        )
-    elif ephemeral:
-        raise _fail("--ephemeral applies to --engine inprocess only")
-    runtime = make_runtime(target, engine, partitions, data_dir, fsync=fsync, reply_retention=reply_retention,
-                           log_url=log, log_partitions=log_partitions, function_timeout=function_timeout,
-                           exit_when_stuck=exit_when_stuck, determinism_check=check_determinism)
-    if engine == "remote":
-        mode = "gateway only, the engine runs elsewhere"
-    elif engine != "inprocess":
-        config = getattr(runtime, "config", None)
-        mode = f"durable in {os.path.abspath(getattr(config, 'data_dir', None) or data_dir or 'charon-data')}"
+    runtime = make_engine(EngineSpec(
+        engine, target, partitions, data_dir, ephemeral=ephemeral, fsync=fsync, reply_retention=reply_retention,
+        log_url=log, log_partitions=log_partitions, function_timeout=function_timeout, exit_when_stuck=exit_when_stuck,
+        determinism_check=check_determinism))
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
-    config = getattr(runtime, "config", None)
-    partitions = getattr(config, "partitions", None) or getattr(runtime, "partitions", None) or partitions
-    replayed = getattr(runtime, "replayed_epochs", 0)
-    verb = "starting" if engine == "spark" else "serving"
+    replayed = runtime.replayed_epochs
     err_console.print(
-        f"charon: {verb} [bold]{getattr(application, 'name', target)}[/] "
-        f"({engine}{'' if engine == 'remote' else f', {partitions} partitions'}; {mode}"
+        f"charon: {'starting' if runtime.slow_start else 'serving'} [bold]{application.name}[/] "
+        f"({runtime.kind}{'' if runtime.controls is None else f', {runtime.partitions} partitions'}; "
+        f"{runtime.describe()}"
         f"{'; logs on ' + log if log else ''}"
         f"{'; determinism check: every function runs twice' if check_determinism else ''}) on http://{host}:{port}"
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
         + ("; Spark starts in ~20 s: /health answers 503 starting until then, invokes are logged and wait"
-           if engine == "spark" else ""),
+           if runtime.slow_start else ""),
         soft_wrap=True,  # one line even when stderr is not a terminal (grep-able)
     )
-    if engine == "spark":
-        from charon.runtime.spark.runtime import spark_log_path
-
-        err_console.print(f"charon: Spark log: {spark_log_path(runtime.config)}", soft_wrap=True)
+    if runtime.log_file is not None:
+        err_console.print(f"charon: Spark log: {runtime.log_file}", soft_wrap=True)
     try:
-        recent = reply_retention or (10_000 if getattr(runtime, "durable", False) else 100_000)
+        recent = reply_retention or (10_000 if runtime.durable else 100_000)
         try:
             serve(runtime, host, port, token, max_body=max_body, recent_replies=recent)
         except RuntimeStartError as exc:
-            raise _fail(f"the {engine} runtime did not start: {exc}") from None
+            raise _fail(f"the {runtime.kind} runtime did not start: {exc}") from None
         except RuntimeFailed as exc:  # one line, non-zero: a process supervisor restarts it
-            raise _fail(f"the {engine} runtime failed and cannot recover: {exc}") from None
+            raise _fail(f"the {runtime.kind} runtime failed and cannot recover: {exc}") from None
     finally:
-        close = getattr(runtime, "close", None)
-        if engine == "inprocess" and close is not None:
-            close()
+        runtime.close()
 
 
 @app.command()
@@ -534,7 +439,7 @@ def sql(
     import tempfile
 
     from charon.config import SparkConfig
-    from charon.runtime.spark.runtime import make_session
+    from charon.runtime.spark.session import make_session
 
     scratch = tempfile.mkdtemp(prefix="charon-sql-")  # the reading session's own log, never the deployment's
     spark = make_session(SparkConfig(master=master, data_dir=scratch, app_name="charon-sql"))
@@ -647,12 +552,13 @@ async def _drive(
 
 
 async def _serve_and_drive(
-    runtime: Any, token: str, plan: list[tuple[str, str, str, int]], concurrency: int, shape: tuple
+    runtime: Engine, token: str, plan: list[tuple[str, str, str, int]], concurrency: int, shape: tuple
 ) -> dict[str, Any]:
     """Serve the gateway and drive the workload on one event loop (no GIL hand-offs between threads)."""
     import uvicorn
 
-    from charon.server.gateway import create_app, free_port
+    from charon.server.gateway import create_app
+    from charon.server.serve import free_port
 
     port = free_port()
     gateway = create_app(runtime, token=token, manage_runtime=True)
@@ -721,18 +627,15 @@ def demo(
             ycsb.workload(accounts, transactions, zipf=zipf, seed=seed, max_amount=max_amount)
         )
     ]
-    data_dir = tempfile.mkdtemp(prefix="charon-demo-") if engine == "spark" else None
+    data_dir = tempfile.mkdtemp(prefix="charon-demo-")
     spark_log = None
-    runtime = None
+    runtime: Engine | None = None
     try:
         with console.status(f"starting the {engine} runtime…"):
-            runtime = make_runtime(YCSB_REF, engine, partitions, data_dir)
-            if engine == "spark":
-                from charon.runtime.spark.runtime import spark_log_path
-
-                spark_log = spark_log_path(runtime.config)
+            runtime = make_engine(EngineSpec(engine, YCSB_REF, partitions, data_dir))
+            spark_log = runtime.log_file
+            if spark_log is not None:
                 console.print(f"Spark log: {spark_log}")
-                _ = runtime.spark  # start Spark (its JVM's output goes to the log)
         with console.status(f"loading {accounts} accounts…"):
             runtime.load("account", initial)  # before the first epoch
         stats = asyncio.run(_serve_and_drive(runtime, token, plan, concurrency, (accounts, balance, max_amount, zipf)))
@@ -744,10 +647,9 @@ def demo(
         raise _fail("the demo failed" + (f"; Spark's own output is in {spark_log}" if spark_log else "")
                     + (f" (data kept in {data_dir})" if data_dir else "")) from None
     finally:
-        close = getattr(runtime, "close", None)
-        if close is not None:
+        if runtime is not None:
             with console.status("stopping…"):
-                close()
+                runtime.close()
 
     expected_total = sum(initial.values())
     final_total = expected_total + sum(int(v or 0) - initial.get(k, 0) for k, v in stats["touched"].items())

@@ -348,6 +348,31 @@ class _Base:
         return params
 
     @staticmethod
+    def _update_body(update_id: str, operator: str, function: str, args: Sequence[object],
+                     keys: Sequence[str] | None) -> bytes:
+        """The msgpack body of ``POST /admin/update``."""
+        body: dict[str, Any] = {"id": update_id, "operator": operator, "function": function, "args": list(args)}
+        if keys is not None:
+            body["keys"] = list(keys)
+        return msgspec.msgpack.encode(body)
+
+    @staticmethod
+    def _code_body(ref: str, version: str, migration: tuple[str, str, Sequence[object]] | None, mode: str) -> bytes:
+        """The msgpack body of ``POST /admin/code``."""
+        body: dict[str, Any] = {"ref": ref, "version": version}
+        if mode != "strict":
+            body["mode"] = mode
+        if migration is not None:
+            body["migration"] = {"operator": migration[0], "function": migration[1], "args": list(migration[2])}
+        return msgspec.msgpack.encode(body)
+
+    @staticmethod
+    def _metrics_text(resp: httpx.Response) -> str:
+        if resp.status_code != 200:
+            _raise_error(resp.status_code, _decode_body(resp), None)
+        return resp.text
+
+    @staticmethod
     def _admin_doc(resp: httpx.Response) -> dict[str, Any]:
         body = _decode_body(resp)
         if resp.status_code != 200:
@@ -541,29 +566,23 @@ class Client(_Base):
                                           params=self._scan_params(keys, epoch, limit), headers=self.headers))
 
     def admin_update(
-        self, update_id: str, operator: str, function: str, *args: Any, keys: Sequence[str] | None = None
+        self, update_id: str, operator: str, function: str, *args: object, keys: Sequence[str] | None = None
     ) -> dict[str, Any]:
         """Run the deployed ``function`` on every key (default: every entity of ``operator``) alone at an epoch
         boundary, once per ``update_id`` (in-process runtime); returns the outcome."""
-        body: dict[str, Any] = {"id": update_id, "operator": operator, "function": function, "args": list(args)}
-        if keys is not None:
-            body["keys"] = list(keys)
-        return self._admin_doc(self._send("POST", "/admin/update", content=msgspec.msgpack.encode(body),
+        body = self._update_body(update_id, operator, function, args, keys)
+        return self._admin_doc(self._send("POST", "/admin/update", content=body,
                                           headers={**self.headers, "Content-Type": MSGPACK}))
 
     def update_code(
-        self, ref: str, version: str, migration: tuple[str, str, Sequence[Any]] | None = None,
+        self, ref: str, version: str, migration: tuple[str, str, Sequence[object]] | None = None,
         mode: str = "strict",
     ) -> dict[str, Any]:
         """Code update to the deployed ``ref`` (``module:attribute``, allowed by the gateway's ``code_refs``)
         at one epoch boundary: ``mode="strict"`` with an optional ``migration`` = (operator, function, args)
         of the new code, or ``"compatible"`` (transactions deferred before it finish on the old code)."""
-        body: dict[str, Any] = {"ref": ref, "version": version}
-        if mode != "strict":
-            body["mode"] = mode
-        if migration is not None:
-            body["migration"] = {"operator": migration[0], "function": migration[1], "args": list(migration[2])}
-        return self._admin_doc(self._send("POST", "/admin/code", content=msgspec.msgpack.encode(body),
+        body = self._code_body(ref, version, migration, mode)
+        return self._admin_doc(self._send("POST", "/admin/code", content=body,
                                           headers={**self.headers, "Content-Type": MSGPACK}))
 
     def sql(self, query: str, epoch: int | None = None) -> dict[str, Any]:
@@ -574,10 +593,7 @@ class Client(_Base):
 
     def metrics(self) -> str:
         """The Prometheus exposition of ``/metrics``."""
-        resp = self._send("GET", "/metrics", headers=self.headers)
-        if resp.status_code != 200:
-            _raise_error(resp.status_code, _decode_body(resp), None)
-        return resp.text
+        return self._metrics_text(self._send("GET", "/metrics", headers=self.headers))
 
     def invoke_many(
         self, calls: Iterable[Call | Sequence[Any]], *, concurrency: int = 16, return_exceptions: bool = False
@@ -830,6 +846,27 @@ class AsyncClient(_Base):
         """See :meth:`Client.sql`."""
         body: dict[str, Any] = {"sql": query} if epoch is None else {"sql": query, "epoch": epoch}
         return self._admin_doc(await self._send("POST", "/admin/sql", json=body, headers=self.headers))
+
+    async def admin_update(
+        self, update_id: str, operator: str, function: str, *args: object, keys: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """See :meth:`Client.admin_update`."""
+        body = self._update_body(update_id, operator, function, args, keys)
+        return self._admin_doc(await self._send("POST", "/admin/update", content=body,
+                                                headers={**self.headers, "Content-Type": MSGPACK}))
+
+    async def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, Sequence[object]] | None = None,
+        mode: str = "strict",
+    ) -> dict[str, Any]:
+        """See :meth:`Client.update_code`."""
+        body = self._code_body(ref, version, migration, mode)
+        return self._admin_doc(await self._send("POST", "/admin/code", content=body,
+                                                headers={**self.headers, "Content-Type": MSGPACK}))
+
+    async def metrics(self) -> str:
+        """The Prometheus exposition of ``/metrics``."""
+        return self._metrics_text(await self._send("GET", "/metrics", headers=self.headers))
 
     async def aclose(self) -> None:
         for http in self._shards:

@@ -2,17 +2,17 @@
 
 Per seed, a generated workload (:mod:`charon.workloads`) runs through the real
 :meth:`charon.runtime.spark.runtime.SparkRuntime._on_batch` (epoch records, replay of a recorded batch, ticks for
-deferred work, compaction, the output log) and the real :class:`~charon.runtime.spark.runtime.SparkExchange`,
+deferred work, compaction, the output log) and the real :class:`~charon.runtime.spark.exchange.SparkExchange`,
 whose ``run_job`` is replaced by a simulated cluster: each round's payloads are cut into tasks that run
-the real task function ``_run_partitions`` in simulated workers, each with its own live-coroutine table
-(``charon.core.partition._LIVE``) and its own executor-local LMDB directory. Spark's micro-batch loop is
-simulated too: offsets are written before a batch runs (in Spark's format, read back by the real
-``batch_offsets``), and a batch is re-run until it completes.
+the real task function ``charon.runtime.spark.tasks.run_partitions`` in simulated workers, each with its own
+live-coroutine table (``charon.core.partition._LIVE``) and its own executor-local LMDB directory. Spark's
+micro-batch loop is simulated too: offsets are written before a batch runs (in Spark's format, read back by
+the real ``batch_offsets``), and a batch is re-run until it completes.
 
 Faults, drawn from the seed: a round's tasks land in another worker (live coroutines present or not), a
 worker loses its local state (directory deleted, live table dropped) or its Python process (live table
 dropped), a task runs twice (the first attempt dies after some of its partitions, or its result is lost),
-state reads (the real ``_read_entities``) run between rounds, and the driver crashes at every fault point of
+state reads (the real ``read_entities``) run between rounds, and the driver crashes at every fault point of
 an epoch (before a job, after a round, ``before_epoch``, ``after_finalize``, ``after_defer``, ``after_record``,
 during compaction). Per seed, an epoch's rest runs in one task from the round where it is small
 (``single_task_rest``, at a random ``task_min_bytes``) or round by round with the fallback in one task.
@@ -51,7 +51,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -62,7 +62,10 @@ from charon.core import partition, timers
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.log.offsets import pad_offsets
 from charon.messages import Reply
+from charon.runtime import faults
 from charon.runtime.spark import runtime as sr
+from charon.runtime.spark import tasks as spark_tasks
+from charon.runtime.spark.exchange import SparkExchange
 from charon.state import lmdbstore
 from charon.state.durable import DurableState
 from charon.workloads import (
@@ -138,7 +141,7 @@ class Worker:
         self.live = {}
 
 
-class SimExchange(sr.SparkExchange):
+class SimExchange(SparkExchange):
     """The real SparkExchange with ``run_job`` replaced by the simulated cluster."""
 
     def __init__(self, sim: Simulation, config: SparkConfig) -> None:
@@ -223,10 +226,10 @@ class Simulation:
     def run_job(self, ex: SimExchange, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         f, rng = self.faults, self.rng
         self.rounds += 1
-        if payloads[0][0] == sr.FALLBACK_TASK:
+        if payloads[0][0] == spark_tasks.FALLBACK_TASK:
             self.fallback_jobs += 1
             self.trace(f"round {self.rounds}: the epoch's whole fallback in one task")
-        elif payloads[0][0] == sr.REST_TASK:
+        elif payloads[0][0] == spark_tasks.REST_TASK:
             self.rest_jobs += 1
             self.trace(f"round {self.rounds}: the rest of the epoch in one task")
         self.where = f"before job {self.rounds}"
@@ -254,7 +257,7 @@ class Simulation:
 
     def run_task(self, w: Worker, task: list[tuple[int, bytes]], upto: int | None = None) -> list[tuple[int, bytes]]:
         """The real task function over the task's partitions in worker ``w`` (only the first ``upto``)."""
-        fn = partial(sr._run_partitions, APP_REF, self.config.partitions, w.dir, self.durable_root,
+        fn = partial(spark_tasks.run_partitions, APP_REF, self.config.partitions, w.dir, self.durable_root,
                      self.config.checkpoint_dir)
         budget = self.rt.exchange.fn.keywords.get("function_timeout") if self.rt is not None else None
         with w.process(), self.overrunning(budget is not None):
@@ -319,8 +322,8 @@ class Simulation:
         w = self.rng.choice(self.workers)
         self.trace(f"{self.where}: state read at epoch {epoch} in w{w.wid}")
         with w.process():
-            got = dict(sr._read_entities(APP_REF, w.dir, self.durable_root, self.config.checkpoint_dir, epoch,
-                                         list(by_pid.items())))
+            got = dict(spark_tasks.read_entities(APP_REF, w.dir, self.durable_root, self.config.checkpoint_dir,
+                                                 epoch, list(by_pid.items())))
         for k in keys:
             if got.get(k) != want.get(k):
                 raise Violation(f"state read at epoch {epoch}: {k!r} = {got.get(k)!r}, verified {want.get(k)!r}")
@@ -345,15 +348,14 @@ class Simulation:
                 sim.results[epoch] = res
                 return res
 
-        saved = (sr.crash_point, sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES)
-        sr.crash_point = self.fault_point
+        saved = (sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES)
         sr.EpochCoordinator = Recording  # type: ignore[misc]  # a deliberate patch of the module (restored below)
         partition.KEEP_LIVE_COROUTINES = self.w.live
         try:
-            with engine_abort_rule():
+            with faults.intercepted(self.fault_point), engine_abort_rule():
                 yield
         finally:
-            sr.crash_point, sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES = saved  # type: ignore[misc]
+            sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES = saved  # type: ignore[misc]
 
     @staticmethod
     def draw_log_plan(seed: int, epochs: int, n: int) -> dict[int, int]:
@@ -396,7 +398,8 @@ class Simulation:
         rt._start_compaction = rt._compact  # type: ignore[method-assign]  # a deliberate patch: synchronous: compaction's crash point is an ordinary step
         put_many = rt.output_log.put_many
 
-        def deliver(replies: list[Reply]) -> int:
+        def deliver(replies: Iterable[Reply]) -> int:
+            replies = list(replies)
             for r in replies:
                 old = self.delivered.get(r.request_id)
                 if old is not None and old != r:
@@ -404,7 +407,7 @@ class Simulation:
                 self.delivered.setdefault(r.request_id, r)
             return put_many(replies)
 
-        rt.output_log.put_many = deliver
+        rt.output_log.put_many = deliver  # type: ignore[method-assign]  # a deliberate patch: the simulator sees every delivery
         self.rt = rt
         return rt
 

@@ -9,6 +9,9 @@ The abort rule is the engine's: the first exception raised by any function of th
 transaction with that error, *even if a caller catches it* (in the engine the caller is never resumed).
 The oracle lets the caller's handler run (to see it) but still aborts, and warns with
 :class:`CaughtCalleeError`, since such a handler never runs in the engine.
+
+:func:`replay_in_process` runs a Spark runtime's recorded epochs through the in-process runtime (the Spark
+tests' differential oracle).
 """
 
 from __future__ import annotations
@@ -17,18 +20,23 @@ import random as _random
 import warnings
 from collections import deque
 from collections.abc import Generator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from charon import serde
 from charon.core import determinism
 from charon.core import timers as _timers
-from charon.core.context import MAX_DEPTH, MAX_EMITS, _item, child_inv, raised_in, unawaited_message
+from charon.core.context import MAX_DEPTH, MAX_EMITS, child_inv, item_key, raised_in, unawaited_message
 from charon.core.epoch import EpochResult, Verdict
 from charon.core.partition import MAX_INVOCATIONS, too_many_invocations
-from charon.core.routing import check_item, check_stream, entity_prefix, partition_of, store_key
+from charon.core.routing import check_item, check_stream, entity_prefix, partition_of, split_store_key, store_key
+from charon.core.sequencer import Sequencer
 from charon.errors import CallGraphLimitExceeded, CharonError, IllegalAwait, UnawaitedCall
 from charon.messages import Request
 from charon.operator import Application, Function, Operator
+
+if TYPE_CHECKING:
+    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.spark.runtime import SparkRuntime
 
 
 class CaughtCalleeError(UserWarning):
@@ -104,17 +112,17 @@ class SerialContext:
             self._note("write", k, v)
 
     def get_item(self, name: str, default: Any = None) -> Any:
-        raw = self._txn.read(store_key(self._op, self._key, _item(name)))
+        raw = self._txn.read(store_key(self._op, self._key, item_key(name)))
         return default if raw is None else serde.decode(raw)
 
     def put_item(self, name: str, value: Any) -> None:
-        self._write(store_key(self._op, self._key, _item(name)), serde.encode_value(value))
+        self._write(store_key(self._op, self._key, item_key(name)), serde.encode_value(value))
 
     def delete_item(self, name: str) -> None:
-        self._write(store_key(self._op, self._key, _item(name)), None)
+        self._write(store_key(self._op, self._key, item_key(name)), None)
 
     def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list:
-        p = store_key(self._op, self._key, _item(prefix))
+        p = store_key(self._op, self._key, item_key(prefix))
         plen = len(entity_prefix(self._op, self._key)) + 1
         merged: dict[bytes, bytes | None] = {k: v for k, v in self._txn.state.items() if k.startswith(p)}
         merged.update({k: v for k, v in self._txn.writes.items() if k.startswith(p)})
@@ -430,3 +438,25 @@ def check_epoch(
     assert set(result.order) | set(result.deferred) == set(result.requests), "every transaction is accounted for"
     assert _timers.reindex(state) == after, "state after the epoch differs from the serial execution"
     assert [(s, v) for _, s, v in result.events] == events, "the epoch's atom differs from the serial execution's"
+
+
+def replay_in_process(
+    app: Application, runtime: SparkRuntime, initial: dict[bytes, bytes]
+) -> tuple[InProcessRuntime, list[EpochResult]]:
+    """Run the Spark runtime's recorded epochs through the in-process runtime (same boundaries, same TIDs): the
+    differential oracle of the Spark tests (their outcomes and state must equal the in-process run's)."""
+    from charon.runtime.inprocess import InProcessRuntime
+
+    rt = InProcessRuntime(app, partitions=runtime.config.partitions,
+                          max_timers_per_epoch=runtime.config.max_timers_per_epoch)
+    rt.coordinator.sequencer = Sequencer(1)
+    for k, v in initial.items():
+        op, key, _ = split_store_key(k)
+        rt.stores[partition_of(op, key, rt.partitions)].data[k] = v
+    results = []
+    for e in range(runtime.last_recorded_epoch() + 1):
+        rec = runtime.read_record(e)
+        if rec is not None:  # the epoch read len(ends) log partitions: as many sequencers (grown like Spark's)
+            rt.coordinator.sequencer.resize(len(rec.ends))
+        results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e), rec.time if rec else None))
+    return rt, results

@@ -117,7 +117,7 @@ def spark(_spark_sessions: list[Any]) -> Any:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from charon.config import SparkConfig
-    from charon.runtime.spark.runtime import make_session
+    from charon.runtime.spark.session import make_session
 
     session = make_session(SparkConfig(master="local[2]", partitions=2))
     _spark_sessions.append(session)

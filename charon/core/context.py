@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import os
 import random as _random
-from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Protocol
 
 from charon import serde
 from charon.core import timers as _timers
@@ -41,10 +41,7 @@ from charon.errors import (
     UndeclaredPortal,
     ValueTooLarge,
 )
-from charon.operator import Function, Operator
-
-if TYPE_CHECKING:  # pragma: no cover
-    from charon.core.partition import Frame, PartitionUnit
+from charon.operator import Application, Function, Operator
 
 _decode = serde._dec.decode
 _encode = serde._enc.encode
@@ -52,6 +49,11 @@ _check = serde.check_value  # the value model (sets, datetimes, objects... refus
 _SCALARS = serde._SCALARS
 
 MAX_DEPTH = 200
+#: A validated call or send: (operator, key, function, encoded arguments).
+Target = tuple[str, str, str, bytes]
+#: A call or send as recorded in ``ctx._calls`` (1 for a call, 0 for a send, then its target) or ``ctx._sends``
+#: (its child number, then its target).
+CallRecord = tuple[int, str, str, str, bytes]
 #: Largest encoded state value, item, event or return value (``CHARON_MAX_VALUE_BYTES``, default 4 MiB):
 #: beyond it the function raises ValueTooLarge (its transaction aborts). An outcome depends on it: set it the
 #: same for every process of a deployment (Spark executors inherit the driver's environment in local mode).
@@ -135,7 +137,61 @@ class Journal:
         return True
 
 
-def _new_journal(replies: dict, reads: list, nsusp: int, pending: dict | None) -> Journal:
+class FrameView(Protocol):
+    """What a :class:`Context` uses of its invocation's frame (a :class:`charon.core.partition.Invoke`, which is
+    also the invocation's :class:`Journal`). Declared here so that this module does not import the partition,
+    which imports it (no import cycle)."""
+
+    tid: int
+    inv: str
+    op: str
+    key: str
+    ts: float
+    depth: int
+    replies: dict[int, bytes]
+    reads: list[Any]
+    nsusp: int
+    pending: dict[str, int] | None
+    live: bool
+    _awaits: int
+    _nread: int
+
+    def rewind(self) -> None: ...
+
+    def at_end(self) -> None: ...
+
+    def replayed_read(self) -> Any: ...
+
+    def passed(self) -> None: ...
+
+    def suspend(self, pending: dict[str, int]) -> None: ...
+
+
+class UnitView(Protocol):
+    """What a :class:`Context` uses of the partition unit that runs it (a
+    :class:`charon.core.partition.PartitionUnit`; declared here for the same reason as :class:`FrameView`)."""
+
+    @property
+    def app(self) -> Application: ...
+
+    @property
+    def previous(self) -> tuple[int, Application] | None: ...
+
+    def app_for(self, tid: int) -> Application: ...
+
+    def read(self, tid: int, op: str, key: str, item: str) -> bytes | None: ...
+
+    def scan(self, tid: int, op: str, key: str, item_prefix: str, start: str | None = None,
+             stop: str | None = None) -> list[tuple[str, bytes]]: ...
+
+    def write(self, tid: int, op: str, key: str, item: str, value: bytes | None) -> None: ...
+
+    def emit(self, tid: int, inv: str, n: int, stream: str, value: bytes) -> None: ...
+
+    def timer_registered(self, due: float) -> None: ...
+
+
+def _new_journal(replies: dict[int, bytes], reads: list[object], nsusp: int, pending: dict[str, int] | None) -> Journal:
     j = Journal.__new__(Journal)
     j.replies, j.reads, j.nsusp, j.pending = replies, reads, nsusp, pending
     j.at_end()
@@ -147,7 +203,7 @@ class _Call:
 
     __slots__ = ("ctx", "child", "target", "done", "value")
 
-    def __init__(self, ctx: Context, child: int, target: tuple) -> None:
+    def __init__(self, ctx: Context, child: int, target: Target) -> None:
         self.ctx = ctx
         self.child = child
         self.target = target
@@ -189,7 +245,7 @@ class _Gather:
         self.ctx = ctx
         self.calls = calls
 
-    def __await__(self) -> Generator[Any, None, list]:
+    def __await__(self) -> Generator[Any, None, list[Any]]:
         ctx = self.ctx
         if ctx._settle(self.calls):
             try:
@@ -209,7 +265,7 @@ class Context:
         "_nemit", "_ntimer", "_nask", "key", "operator", "tid",
     )
 
-    def __init__(self, unit: PartitionUnit, frame: Frame, fast: bool = False) -> None:
+    def __init__(self, unit: UnitView, frame: FrameView, fast: bool = False) -> None:
         self._unit = unit
         self._frame = frame  # the invocation's frame, which is also its Journal
         frame._awaits = frame._nread = 0  # frame.rewind(), inlined (a context is created per run of an invocation)
@@ -219,14 +275,14 @@ class Context:
         self._nchild = self._nemit = self._ntimer = self._nask = 0
         self._pending: list[_Call] | None = None  # the calls the last suspending await sent
         self._rng: _random.Random | None = None
-        self._sends: list[tuple] | None = None  # made by the first send
-        self._calls: list[tuple] | None = None  # (sync?, op, key, fn, args) of every call and send, from the first
+        self._sends: list[CallRecord] | None = None  # made by the first send
+        self._calls: list[CallRecord] | None = None  # (sync?, op, key, fn, args) of every call and send, from the first
         self._dropped = False
         self.key: str = frame.key
         self.operator: str = frame.op
         self.tid: int = frame.tid
 
-    def _resume(self, unit: PartitionUnit, frame: Frame) -> None:
+    def _resume(self, unit: UnitView, frame: FrameView) -> None:
         """Continue a live coroutine in a new round (possibly with a new unit and frame for the partition)."""
         self._unit = unit
         self._frame = frame
@@ -255,7 +311,8 @@ class Context:
             raise GeneratorExit
         j = self._frame
         if not j.live:
-            return j.replayed_read()
+            replayed: bytes | None = j.replayed_read()
+            return replayed
         f = self._frame
         raw = self._unit.read(f.tid, f.op, f.key, item)
         if not self._fast:
@@ -303,7 +360,7 @@ class Context:
 
     def get_item(self, name: str, default: Any = None) -> Any:
         """One named item of the entity's ordered item map."""
-        raw = self._read(_item(name))
+        raw = self._read(item_key(name))
         return default if raw is None else serde.decode(raw)
 
     def put_item(self, name: str, value: Any) -> None:
@@ -312,18 +369,18 @@ class Context:
             data = serde.encode_value(value)
             if len(data) > MAX_VALUE_BYTES:
                 raise too_large(f"item {name!r}", len(data))
-            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), data)
+            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, item_key(name), data)
 
     def delete_item(self, name: str) -> None:
         """Remove one named item."""
         if self._live():
-            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, _item(name), None)
+            self._unit.write(self._frame.tid, self._frame.op, self._frame.key, item_key(name), None)
 
-    def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list:
+    def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list[tuple[str, Any]]:
         """Items whose name starts with ``prefix`` and lies in [start, stop), sorted by name."""
         if self._live():
             f = self._frame
-            raw_items = self._unit.scan(f.tid, f.op, f.key, _item(prefix),
+            raw_items = self._unit.scan(f.tid, f.op, f.key, item_key(prefix),
                                         None if start is None else "\x01" + start,  # bounds, not names:
                                         None if stop is None else "\x01" + stop)  # no length limit
             if not self._fast:
@@ -361,7 +418,7 @@ class Context:
             self._unit.emit(f.tid, f.inv, self._nemit, stream, data)
 
     # -- portals (requests to other applications) -----------------------------------------------------
-    def ask(self, portal: str, key: str, *args: Any, then: Function | str, carry: list | tuple = ()) -> str:
+    def ask(self, portal: str, key: str, *args: Any, then: Function | str, carry: Sequence[object] = ()) -> str:
         """Ask ``portal`` (``"app.name"``, declared in this application's ``uses``) to run on entity ``key``
         of that application with ``args``; returns the request id.
 
@@ -387,7 +444,7 @@ class Context:
         return rid
 
     # -- calls ------------------------------------------------------------------------------------
-    def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
+    def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple[object, ...]) -> Target:
         # Application.validate, inlined (``args`` is a tuple): names, then routing.check_key, then the arguments
         unit = self._unit
         prev = unit.previous  # unit.app_for, inlined
@@ -573,7 +630,7 @@ class Context:
         return self._frame.ts
 
 
-def check_awaited(calls: list[tuple], replies: dict[int, bytes], op: str, fn: str, key: str) -> None:
+def check_awaited(calls: list[CallRecord], replies: dict[int, bytes], op: str, fn: str, key: str) -> None:
     """Raise UnawaitedCall if a synchronous call of a completed invocation (``calls``: its ``ctx._calls``, child
     ``n`` at index ``n - 1``) has no reply: it was created and never awaited."""
     for n, c in enumerate(calls, 1):
@@ -598,14 +655,14 @@ def raised_in(message: str, op: str, key: str, fn: str) -> str:
             "the whole transaction; callers cannot catch it]")
 
 
-def _replayed_target(operator: Operator | str, key: str, function: Function | str, args: tuple) -> tuple:
+def _replayed_target(operator: Operator | str, key: str, function: Function | str, args: tuple[object, ...]) -> Target:
     """The target of a call or send already validated in the run that first made it (as ``_target``)."""
     op = operator.name if isinstance(operator, Operator) else operator
     fn = function.name if isinstance(function, Function) else function
     return (op, key, fn, serde.encode(list(args)))
 
 
-def _item(name: str) -> str:
+def item_key(name: str) -> str:
     """Store item of a user item name (``""`` is the entity's main value, so items are prefixed).
 
     Raises InvalidKey for a name :func:`charon.core.routing.check_item` rejects (inside a function: it aborts).

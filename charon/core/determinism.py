@@ -28,17 +28,18 @@ from collections.abc import Callable
 from typing import Any
 
 from charon.core import timers as _timers
-from charon.core.partition import ASYNC, SYNC, Frame, Invoke, LiveTable, PartitionUnit, Reply, RoundOutput
+from charon.core.partition import ASYNC, SYNC, Frame, Invoke, LiveTable, Outgoing, PartitionUnit, Reply, RoundOutput
+from charon.core.shares import Share
 from charon.errors import NonDeterministicFunction
 
 
-class _Twin(PartitionUnit):
+class _Twin(PartitionUnit[Any]):
     """The unit the second run of a step runs on: the real unit's committed state, a copy of the transaction's
     own buffers, its own outputs; ``current`` is the real unit's (the watchdog and the Spark task's sampler stop
     a twin past its budget like the real run)."""
 
     __slots__ = ("real",)
-    real: PartitionUnit
+    real: PartitionUnit[Any]
 
     @property
     def current(self) -> Frame | None:
@@ -70,7 +71,7 @@ class _Hook:
         return InvocationTimeout(f"{frame.op}.{frame.fn} was interrupted")
 
 
-def _twin_of(unit: PartitionUnit, tid: int, hook: _Hook) -> _Twin:
+def _twin_of(unit: PartitionUnit[Any], tid: int, hook: _Hook) -> _Twin:
     t = _Twin.__new__(_Twin)
     t.real = unit
     t.pid, t.partitions, t.app, t.previous, t.store = unit.pid, unit.partitions, unit.app, unit.previous, unit.store
@@ -106,7 +107,8 @@ class _Run:
 
     __slots__ = ("error", "suspended", "messages", "value", "writes", "events")
 
-    def __init__(self, unit: PartitionUnit, frame: Frame, msgs: Any, done: list, failed: list) -> None:
+    def __init__(self, unit: PartitionUnit[Any], frame: Frame, msgs: Outgoing, done: list[tuple[int, bytes, Share]],
+                 failed: list[tuple[int, str, str]]) -> None:
         tid = frame.tid
         self.error = failed[0][1] if failed else None  # the exception's type name
         self.suspended = frame.pending is not None
@@ -118,7 +120,7 @@ class _Run:
         self.events = unit.emits.get(tid) or []
 
 
-def run_twice(unit: PartitionUnit, frame: Frame) -> Any:
+def run_twice(unit: PartitionUnit[Any], frame: Frame) -> Outgoing:
     """``unit._run(frame)`` under the determinism check (see the module docstring): the messages to route."""
     tid = frame.tid
     hook = _Hook(unit.interrupt)
@@ -160,7 +162,7 @@ def message(op: str, fn: str, key: str, what: str) -> str:
             f"check), it gave different {what}; take randomness and time from ctx.random() and ctx.now()")
 
 
-def _error_of(failed: tuple) -> BaseException:
+def _error_of(failed: tuple[int, str, str]) -> BaseException:
     from charon import errors
 
     cls = getattr(errors, failed[1], None)

@@ -41,7 +41,7 @@ import heapq
 import math
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -67,6 +67,8 @@ MAX_REQUEUES = 3  # re-runs of one transaction with a grown read/write set withi
 EPOCH_CHUNK = 256
 Entity = tuple[str, str]
 Event = tuple[int, str, bytes]  # (tid, stream, encoded value)
+RawEvent = tuple[int, str, int, str, bytes]  # an event as a round reports it: (tid, inv, n, stream, value)
+Msgs = Sequence[Invoke | ReplyMsg]  # one round's messages (invocations and replies to suspended callers)
 
 
 class Exchange(Protocol):
@@ -132,11 +134,11 @@ def chunk_bases(bounds: list[int]) -> list[int]:
     return bases
 
 
-def atom_order(events: list[tuple[int, str, int, str, bytes]], replies: dict[int, Reply]) -> list[Event]:
+def atom_order(events: list[RawEvent], replies: dict[int, Reply]) -> list[Event]:
     """An epoch's committed events as (tid, stream, value) in atom order: by the transaction's place in the
     serial order, then by invocation (an invocation before its callees, callees in call order), then by
     emit order within the invocation. Placement-independent, so the same on every runtime and replay."""
-    def key(ev: tuple[int, str, int, str, bytes]) -> tuple:
+    def key(ev: RawEvent) -> tuple[int | None, tuple[int, ...], int]:
         return (replies[ev[0]].position, tuple(int(x) for x in ev[1].split(".")), ev[2])
 
     return [(tid, stream, value) for tid, _, _, stream, value in sorted(events, key=key)]
@@ -462,7 +464,7 @@ class RestJob:
     epoch: int
     requests: dict[int, Request]  # of the transactions that run (not the ones refused by validation)
     roots: list[int]  # their TIDs, in order (every chunk's)
-    msgs: list  # the messages of round ``n`` of chunk ``chunk``
+    msgs: Msgs  # the messages of round ``n`` of chunk ``chunk``
     track: _Track  # what that chunk's rounds 0..n-1 reported
     n: int
     prior: Prior | None  # the previous epoch's finalize, to run before anything else
@@ -487,7 +489,7 @@ class RestOutcome:
     stats: dict[str, float]
     next_due: float = math.inf  # the least next due time reported in its rounds (see run_epoch)
     # the job's prior's finalize: its raw events (tid, inv, n, stream, value), put in atom order by the driver
-    prior_events: list = field(default_factory=list)
+    prior_events: list[RawEvent] = field(default_factory=list)
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # taken while it ran (see EpochCoordinator._verdict)
 
 
@@ -586,9 +588,9 @@ class EpochCoordinator:
             self.taken[rid] = v
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _round(self, control: Control, msgs: list, track: _Track, stats: dict) -> list:
+    def _round(self, control: Control, msgs: Msgs, track: _Track, stats: dict[str, float]) -> list[Invoke | ReplyMsg]:
         parts = self.exchange.partitions
-        inboxes: list[list] = [[] for _ in range(parts)]
+        inboxes: list[list[Invoke | ReplyMsg]] = [[] for _ in range(parts)]
         failed = track.failed
         for m in msgs:
             if failed and m.tid in failed:
@@ -603,7 +605,7 @@ class EpochCoordinator:
         outs = self.exchange.round(control, inboxes)
         stats["exchange_s"] = stats.get("exchange_s", 0.0) + time.perf_counter() - t0
         stats["rounds"] = stats.get("rounds", 0) + 1
-        nxt: list = []
+        nxt: list[Invoke | ReplyMsg] = []
         shares = track.shares
         for o in outs:  # the limit before the round's errors: an error ends a synchronous chain, so every
             inv = o.invocations  # invocation counted in its round came before it
@@ -666,14 +668,14 @@ class EpochCoordinator:
             self.on_replies(replies)
 
     # -- one epoch --------------------------------------------------------------------------------
-    def finalize(self, result: EpochResult, stats: dict | None = None) -> float:
+    def finalize(self, result: EpochResult, stats: dict[str, float] | None = None) -> float:
         """Run the deferred finalize of ``result`` (an epoch's :attr:`EpochResult.finalize`) in a round of its
         own: set its events, clear ``finalize``, call ``on_finalized``; returns its exact next due time."""
         final = self._final_round(result, {} if stats is None else stats)
         self._finalized(result, final.events)
         return final.next_due
 
-    def _final_round(self, result: EpochResult, stats: dict) -> _Track:
+    def _final_round(self, result: EpochResult, stats: dict[str, float]) -> _Track:
         fin = result.finalize
         assert fin is not None
         final = _Track()
@@ -681,7 +683,7 @@ class EpochCoordinator:
                     final, stats)
         return final
 
-    def _finalized(self, result: EpochResult, events: list) -> None:
+    def _finalized(self, result: EpochResult, events: list[RawEvent]) -> None:
         """The deferred finalize of ``result`` has run (its round returned with ``events``, raw): its atom
         is put in the same order as an undeferred finalize gives (:func:`atom_order`), then the runtime
         is told (it appends the atom, then writes the epoch's record: the one place that orders the two)."""
@@ -808,7 +810,7 @@ class EpochCoordinator:
         result.stats = stats
         return result
 
-    def _prior_ran(self, events: list) -> None:
+    def _prior_ran(self, events: list[RawEvent]) -> None:
         """The round carrying the previous epoch's deferred finalize returned with its (raw) events."""
         prior, self._prior = self._prior, None
         if prior is not None:
@@ -816,8 +818,8 @@ class EpochCoordinator:
         held, self._held = self._held, []
         self._emit(held)
 
-    def _rest(self, epoch: int, roots: list[int], msgs: list, track: _Track, n: int, prior: Prior | None,
-              result: EpochResult, stats: dict, bounds: list[int], j: int = 0,
+    def _rest(self, epoch: int, roots: list[int], msgs: Msgs, track: _Track, n: int, prior: Prior | None,
+              result: EpochResult, stats: dict[str, float], bounds: list[int], j: int = 0,
               carry: tuple[list[int], list[int]] | None = None, invokes: list[Invoke] | None = None,
               ) -> tuple[list[int], list[int]]:
         """The epoch from dry-run round ``n`` of chunk ``j`` on (``msgs``: that round's messages; ``carry``: what
@@ -868,7 +870,7 @@ class EpochCoordinator:
             nxt = bisect.bisect_right(roots, bounds[j]) if j + 1 < len(bounds) else len(roots)
             msgs = invokes[hi:nxt] if invokes is not None else [_root(t, result.requests[t]) for t in roots[hi:nxt]]
 
-    def _taken(self, out: RestOutcome, carried_prior: bool, result: EpochResult, stats: dict,
+    def _taken(self, out: RestOutcome, carried_prior: bool, result: EpochResult, stats: dict[str, float],
                ) -> tuple[list[int], list[int]]:
         """The exchange ran the rest of the epoch (:meth:`_rest`): take in what it decided."""
         if carried_prior:
@@ -890,8 +892,8 @@ class EpochCoordinator:
             stats[k] = stats.get(k, 0) + v
         return out.apply, out.reset
 
-    def _decide(self, epoch: int, roots: list[int], msgs: list, track: _Track, n: int, result: EpochResult,
-                stats: dict, last_tid: int, base: int) -> tuple[list[int], list[int]]:
+    def _decide(self, epoch: int, roots: list[int], msgs: Msgs, track: _Track, n: int, result: EpochResult,
+                stats: dict[str, float], last_tid: int, base: int) -> tuple[list[int], list[int]]:
         """One chunk's dry run is over (``roots``: its transactions, ``last_tid``/``base``: its place, see
         :func:`position`): the lock-free decision, then the fallback. Returns what is still to apply and reset."""
         for tid in {m.tid for m in msgs} - track.failed.keys():  # pragma: no cover - safety net, never binds
@@ -1027,7 +1029,7 @@ class EpochCoordinator:
         requeues: dict[int, int] = {}
         started: dict[int, int] = {}  # locked re-runs in flight -> the round their root runs in
         fast_now: list[int] = []  # candidates replayed in the coming round
-        msgs: list = []
+        msgs: list[Invoke | ReplyMsg] = []
         dirty = set(conflicted)
         # a safety net, like max_rounds: every transaction runs at most MAX_REQUEUES + 1 times (more only while
         # a lower one commits first), each run in at most max_rounds rounds; a livelock fails loudly, not hangs

@@ -18,13 +18,22 @@ import os
 import pickle
 import threading
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from functools import partial
 from typing import Any, Generic, NamedTuple, TypeVar, final
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.context import MAX_VALUE_BYTES, Context, Journal, check_awaited, child_inv, raised_in, too_large
+from charon.core.context import (
+    MAX_VALUE_BYTES,
+    CallRecord,
+    Context,
+    Journal,
+    check_awaited,
+    child_inv,
+    raised_in,
+    too_large,
+)
 from charon.core.routing import entity_prefix, key_group, store_key
 from charon.core.shares import ZERO as _ZERO
 from charon.core.shares import Share, add, split
@@ -66,7 +75,7 @@ _LIVE: dict[tuple[int, int], tuple[int, dict[int, LiveTable]]] = {}  # (thread, 
 _thread_id = threading.get_ident
 
 
-def _token_counter() -> itertools.count:
+def _token_counter() -> itertools.count[int]:
     """This process's frame tokens: 2**64 of them from a random multiple of 2**64 (one int per frame, no tuple)."""
     return itertools.count(int.from_bytes(os.urandom(8), "big") << 64)
 
@@ -303,7 +312,7 @@ class Cached:
 
     __slots__ = ("frame", "result", "calls", "access")
 
-    def __init__(self, frame: Frame, result: bytes, calls: list, access: bool | None) -> None:
+    def __init__(self, frame: Frame, result: bytes, calls: list[CallRecord] | None, access: bool | None) -> None:
         self.frame, self.result, self.calls, self.access = frame, result, calls, access
 
     def __reduce__(self) -> tuple[Callable[..., Cached], tuple[object, ...]]:
@@ -351,7 +360,7 @@ class PartitionUnit(Generic[S]):
         #: fails its transaction (the runtime's watchdog sets it; see Interrupt)
         self.interrupt: Callable[[Frame], BaseException] | None = None
         #: run every invocation step twice and abort on different effects (:mod:`charon.core.determinism`)
-        self.twice: Callable[[PartitionUnit, Frame], Any] | None = None
+        self.twice: Callable[[PartitionUnit[Any], Frame], Outgoing] | None = None
         self._clear(-1)
 
     @property
@@ -377,7 +386,7 @@ class PartitionUnit(Generic[S]):
         self.cache: dict[int, list[Cached]] = {}
         # dry-run completions not yet in ``cache``, per TID: (frame, value, calls, the tid's touched dict here);
         # see _take_cache (a transaction's cache entries are needed only if it conflicts)
-        self._clog: dict[int, list[tuple]] = {}
+        self._clog: dict[int, list[tuple[Frame, bytes, list[CallRecord] | None, dict[Entity, bool] | None]]] = {}
         self.overlay: dict[Entity, dict[str, bytes | None]] = {}
         self.dead: set[int] = set()
         self.fast_layer: dict[Entity, dict[str, bytes | None]] | None = None
@@ -875,7 +884,7 @@ class PartitionUnit(Generic[S]):
             message = raised_in(message, frame.op, frame.key, frame.fn)
         self._out.failed.append((tid, type(exc).__name__, message))
 
-    def _emit_sends(self, frame: Frame, sends: list[tuple], share: Share, msgs: list) -> None:
+    def _emit_sends(self, frame: Frame, sends: Sequence[CallRecord], share: Share, msgs: list[Invoke | Reply]) -> None:
         tid, inv, ts, depth = frame.tid, frame.inv, frame.ts, frame.depth + 1
         for n, op, key, fn, args in sends:
             msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
@@ -1099,7 +1108,7 @@ def _new_frame(*st: Any) -> Frame:
 
 
 def _new_cached(inv: str, op: str, key: str, fn: str, args: bytes, replies: dict[int, bytes], result: bytes,
-                calls: list, ts: float, depth: int, kind: int, access: bool | None) -> Cached:
+                calls: list[CallRecord] | None, ts: float, depth: int, kind: int, access: bool | None) -> Cached:
     f = _new_invoke(None, inv, op, key, fn, args, None, kind, None, ts, depth)
     f.replies = replies
     return Cached(f, result, calls, access)

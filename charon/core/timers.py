@@ -90,10 +90,10 @@ def check_due(t: Any) -> float:
     """A valid due time (seconds since the Unix epoch, like ``ctx.now()``); raise ValueError otherwise."""
     if isinstance(t, bool) or not isinstance(t, int | float):
         raise ValueError(f"a timer's time must be a number of seconds, got {type(t).__name__}")
-    t = float(t)
-    if not math.isfinite(t) or not 0.0 <= t <= MAX_DUE:
-        raise ValueError(f"a timer's time must be within [0, {MAX_DUE:g}] seconds since the Unix epoch, got {t}")
-    return t
+    due = float(t)
+    if not math.isfinite(due) or not 0.0 <= due <= MAX_DUE:
+        raise ValueError(f"a timer's time must be within [0, {MAX_DUE:g}] seconds since the Unix epoch, got {due}")
+    return due
 
 
 def item_key(owner_op: str, owner_key: str, timer_id: str) -> bytes:

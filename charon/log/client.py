@@ -18,11 +18,12 @@ import logging
 import sqlite3
 import time
 import uuid
+from collections.abc import Sequence
 
 from charon import serde
 from charon.core.routing import check_key
 from charon.errors import IdempotencyConflict, LogUnavailable
-from charon.log.sqlite import InputLog, OutputLog
+from charon.log.contract import InputLogLike, OutputLogLike
 from charon.messages import Reply, Request
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def check_same_request(stored: Request | None, req: Request) -> None:
     raise IdempotencyConflict(f"request id {req.request_id!r} was already used for {what}")
 
 
-def stored_request(input_log: InputLog, request_id: str) -> Request | None:
+def stored_request(input_log: InputLogLike, request_id: str) -> Request | None:
     """The request appended under ``request_id`` if the log still holds it (None if unknown or truncated)."""
     pos = input_log.position(request_id)
     if pos is None:
@@ -57,7 +58,7 @@ class LogClient:
     """Async submit over an input log and an output log (one instance per event loop)."""
 
     def __init__(
-        self, input_log: InputLog, output_log: OutputLog, poll_s: float = 0.003, append_retry_s: float = 60.0,
+        self, input_log: InputLogLike, output_log: OutputLogLike, poll_s: float = 0.003, append_retry_s: float = 60.0,
         group_commit_s: float = 0.004,
     ) -> None:
         """``group_commit_s``: appends start at most this often, so that one SQLite transaction (and sync)
@@ -72,7 +73,7 @@ class LogClient:
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._requests: dict[str, Request] = {}  # the request of each waiter (for the conflict check)
         self._seq = output_log.last_seq()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
     def _ensure_task(self) -> None:
@@ -89,7 +90,7 @@ class LogClient:
         return self.output_log.get(request_id) is None and self.input_log.contains(request_id)
 
     async def submit(
-        self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None,
+        self, operator: str, key: str, function: str, args: Sequence[object] = (), *, request_id: str | None = None,
         timeout: float = 120.0,
     ) -> Reply:
         """Append one request (group-committed) and wait for its reply; a known request id runs once."""
@@ -161,7 +162,7 @@ class LogClient:
         seen: int | None = None
         limit = 100_000
         while self._waiters or self._pending:
-            rows: list = []
+            rows: list[tuple[int, Reply]] = []
             try:
                 if self._pending:
                     wait = self._last_append + self.group_commit_s - time.monotonic()
@@ -170,8 +171,8 @@ class LogClient:
                     self._last_append = time.monotonic()
                     batch, self._pending = self._pending, []
                     await self._append(batch)
-                # a log without a cheap change counter (NATS) is read on every pass
-                version = self.output_log.version() if hasattr(self.output_log, "version") else None
+                # a log without a cheap change counter (NATS: None) is read on every pass
+                version = self.output_log.version()
                 if version is None or version != seen:
                     rows = await asyncio.to_thread(self.output_log.read_since, self._seq, limit)
                     if len(rows) < limit:  # else more are waiting: read again before sleeping

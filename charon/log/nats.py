@@ -63,7 +63,7 @@ import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
 
 import msgspec
@@ -304,7 +304,8 @@ class _Base:
             e = await kv.get(key)
         except KeyNotFoundError:
             return None
-        return e.value
+        value: bytes | None = e.value
+        return value
 
     async def _kv_create(self, key: str, value: bytes, kv: Any = None) -> bytes | None:
         """Create ``key``; None if created, else the existing value (atomic)."""
@@ -386,7 +387,7 @@ class _Base:
         if self._pid == os.getpid():
             self._client.release()
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -589,7 +590,8 @@ class NatsInputLog(_Base):
         last = info.state.last_seq
         for m in await self._fetch(self._stream(p), self._subject(p), 0, last, start_time=since - 5):
             if (m.headers or {}).get("Nats-Msg-Id", "").split(".")[0] == h:
-                return m.metadata.sequence.stream - 1
+                off: int = m.metadata.sequence.stream - 1
+                return off
         return None
 
     def truncate(self, upto: Sequence[int]) -> None:
@@ -776,7 +778,8 @@ class NatsOutputLog(_Base):
         await self._bucket()
 
     async def _last(self) -> int:
-        return (await self.c.js.stream_info(self.stream)).state.last_seq
+        last: int = (await self.c.js.stream_info(self.stream)).state.last_seq
+        return last
 
     async def _reindex(self) -> None:
         """Index the replies past the watermark (stored by a writer that crashed before indexing them)."""
@@ -877,6 +880,11 @@ class NatsOutputLog(_Base):
         """``(seq, reply)`` pairs with ``start < seq <= end``, in seq order."""
         return self._range(start, end, None)
 
+    def version(self) -> None:
+        """None: JetStream has no cheap change counter (see :meth:`charon.log.sqlite.OutputLog.version`), so a
+        reader reads on every pass."""
+        return None
+
     def last_seq(self) -> int:
         """The highest seq stored (0 when empty)."""
         return self._run(self._last)
@@ -916,11 +924,12 @@ class NatsOutputLog(_Base):
 
         async def go() -> int:
             info = await self.c.js.stream_info(self.stream)
-            last = info.state.last_seq
+            last: int = info.state.last_seq
             if not info.state.num_deleted:
                 return max(seq, min(seq + n, last))
             msgs = await self._fetch(self.stream, self.subject, seq + 1, last, n)
-            return max(seq, last) if len(msgs) < n else msgs[-1].metadata.sequence.stream
+            nth: int = msgs[-1].metadata.sequence.stream if len(msgs) >= n else max(seq, last)
+            return nth
 
         return self._run(go)
 
@@ -977,7 +986,8 @@ class NatsOutputLog(_Base):
 
     def count(self) -> int:
         """Number of stored replies."""
-        return self._run(lambda: self.c.js.stream_info(self.stream)).state.messages
+        n: int = self._run(lambda: self.c.js.stream_info(self.stream)).state.messages
+        return n
 
     def wait_for(self, request_id: str, timeout: float, poll: float = 0.005) -> Reply | None:
         """Poll until the reply to ``request_id`` is stored or ``timeout`` seconds pass (then None)."""

@@ -35,6 +35,7 @@ import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -42,7 +43,10 @@ from charon.log.offsets import pad_offsets
 from charon.messages import Reply, Request
 from charon.serde import decode_reply, decode_request, encode_reply, encode_request
 
-__all__ = ["DedupRetention", "InputLog", "OutputLog", "log_partition_of"]
+if TYPE_CHECKING:
+    from charon.log.contract import InputLogLike, OutputLogLike
+
+__all__ = ["DedupRetention", "InputLog", "OutputLog", "SQLiteFile", "log_partition_of"]
 
 BUSY_TIMEOUT_S = 10.0
 #: page cache per connection (KiB; SQLite's default is 2,000). Every thread that touches a log has its own
@@ -61,8 +65,9 @@ def log_partition_of(key: str, partitions: int) -> int:
     return zlib.crc32(key.encode()) % partitions
 
 
-class _SQLite:
-    """Per-thread (and per-process) SQLite connections to one database file in WAL mode."""
+class SQLiteFile:
+    """Per-thread (and per-process) SQLite connections to one database file in WAL mode (the logs' and the
+    stream log's, :mod:`charon.log.streams`)."""
 
     def __init__(self, path: str | os.PathLike[str], durable: bool) -> None:
         self.path = os.fspath(path)
@@ -153,13 +158,15 @@ class InputLog:
     padded with 0s (:func:`charon.log.offsets.pad_offsets`).
     """
 
+    atomic_batches = True  # an ``append_many`` batch is one transaction: all of it is stored or none
+
     def __init__(
         self, path: str | os.PathLike[str], partitions: int | None = None, *, durable: bool = True,
         resize: bool = False,
     ) -> None:
         if partitions is not None and partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
-        self._db = _SQLite(path, durable)
+        self._db = SQLiteFile(path, durable)
         self.path = self._db.path
         with self._db.write() as c:
             c.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
@@ -358,7 +365,8 @@ class InputLog:
 
     def count(self) -> int:
         """Number of retained entries."""
-        return self._db.conn().execute("SELECT count(*) FROM entries").fetchone()[0]
+        n: int = self._db.conn().execute("SELECT count(*) FROM entries").fetchone()[0]
+        return n
 
     def read(self, partition: int, start: int, end: int) -> list[Request]:
         """The requests at offsets ``[start, end)`` of one partition, in offset order.
@@ -424,7 +432,7 @@ class OutputLog:
     """Durable output log of :class:`Reply` s: each ``request_id`` stored (and so delivered) once."""
 
     def __init__(self, path: str | os.PathLike[str], *, durable: bool = True) -> None:
-        self._db = _SQLite(path, durable)
+        self._db = SQLiteFile(path, durable)
         self.path = self._db.path
         with self._db.write() as c:
             c.execute(
@@ -483,14 +491,16 @@ class OutputLog:
     def version(self) -> int:
         """A number that changes when another connection committed to the log (SQLite's ``data_version``, on
         this thread's connection): a cheap check before reading, which never waits for a writer."""
-        return self._db.conn().execute("PRAGMA data_version").fetchone()[0]
+        v: int = self._db.conn().execute("PRAGMA data_version").fetchone()[0]
+        return v
 
     def last_seq(self) -> int:
         """The highest seq ever stored (0 when none), also after retention pruned that reply."""
-        return self._db.conn().execute(
+        seq: int = self._db.conn().execute(
             "SELECT max(coalesce((SELECT max(seq) FROM replies), 0), "
             "coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'replies'), 0))"
         ).fetchone()[0]
+        return seq
 
     def mark_epoch(self, epoch: int) -> None:
         """Record that every reply of ``epoch`` (and of the epochs before) is in the log (idempotent)."""
@@ -501,7 +511,7 @@ class OutputLog:
     def epoch_boundaries(self, after: int, upto: int | None = None) -> list[int]:
         """Seqs that end a complete epoch, greater than ``after`` (and at most ``upto``), ascending."""
         q = "SELECT DISTINCT last_seq FROM epochs WHERE last_seq > ?"
-        args: tuple = (after,)
+        args: tuple[int, ...] = (after,)
         if upto is not None:
             q += " AND last_seq <= ?"
             args += (upto,)
@@ -537,7 +547,8 @@ class OutputLog:
 
     def count(self) -> int:
         """Number of stored replies."""
-        return self._db.conn().execute("SELECT count(*) FROM replies").fetchone()[0]
+        n: int = self._db.conn().execute("SELECT count(*) FROM replies").fetchone()[0]
+        return n
 
     def wait_for(self, request_id: str, timeout: float, poll: float = 0.005) -> Reply | None:
         """Poll until the reply to ``request_id`` is stored or ``timeout`` seconds pass (then None)."""
@@ -577,7 +588,9 @@ class DedupRetention:
     marks live in memory: after a restart, replies are kept at least one more window.
     """
 
-    def __init__(self, input_log: InputLog, output_log: OutputLog, window_s: float, runtime_prefix: str) -> None:
+    def __init__(
+        self, input_log: InputLogLike, output_log: OutputLogLike, window_s: float, runtime_prefix: str,
+    ) -> None:
         self.input_log = input_log
         self.output_log = output_log
         self.window_s = window_s

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from charon.core.routing import check_stream
-from charon.log.sqlite import _SQLite
+from charon.log.sqlite import SQLiteFile
 
 __all__ = ["DEFAULT_RETAIN_EVENTS", "MAX_READ_EVENTS", "StreamEvent", "StreamLog", "StreamRead"]
 
@@ -63,7 +63,7 @@ class StreamLog:
     ) -> None:
         if retain_events < 1:
             raise ValueError("retain_events must be at least 1")
-        self._db = _SQLite(path, durable)
+        self._db = SQLiteFile(path, durable)
         self.path = self._db.path
         self.retain_events = retain_events
         self._cv = threading.Condition()  # wakes waiters of this process at once (others poll)
@@ -153,7 +153,8 @@ class StreamLog:
 
     def last_epoch(self) -> int:
         """The newest epoch appended (-1 if none)."""
-        return self._db.conn().execute("SELECT coalesce(max(epoch), -1) FROM epochs").fetchone()[0]
+        epoch: int = self._db.conn().execute("SELECT coalesce(max(epoch), -1) FROM epochs").fetchone()[0]
+        return epoch
 
     def streams(self) -> dict[str, int]:
         """Every stream with events, and its end offset."""

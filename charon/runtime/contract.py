@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CodeUpdate", "ControlStatus", "Controls", "Engine", "EngineSource", "EngineStopped", "EpochNotRetained",
-    "GateClosed", "GatePaused", "Inspection", "NotSupported", "RescaleBusy", "RescaleOutcome", "SQLRejected",
+    "GateClosed", "GatePaused", "Inspection", "NotSupported", "RescaleBusy", "RescaleOutcome", "Result", "SQLRejected",
     "SQLResultTooLarge", "SQLSyntaxError", "SQLTimeout", "SQLTooExpensive", "SqlResult", "StateTooLarge",
     "UpdateOutcome", "as_engine", "SQL_ERRORS",
 ]
@@ -95,7 +95,15 @@ SQL_ERRORS: tuple[type[CharonError], ...] = (SQLRejected, SQLSyntaxError, SQLTim
 
 
 # -- typed results --------------------------------------------------------------------------------------------
-class ControlStatus(msgspec.Struct, kw_only=True):
+class Result(msgspec.Struct, kw_only=True):
+    """A typed result; :meth:`doc` is its JSON document (unset fields left out)."""
+
+    def doc(self) -> dict[str, Any]:
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+
+class ControlStatus(Result, kw_only=True):
     """The engine's control state: pause state, the last committed epoch, backlog, code version, retention.
 
     Fields an engine does not have are left unset (and absent from the JSON document)."""
@@ -118,11 +126,6 @@ class ControlStatus(msgspec.Struct, kw_only=True):
     log_error: str | None | msgspec.UnsetType = msgspec.UNSET  # why the log does not answer (Spark)
     log_partitions: dict[str, int] | None | msgspec.UnsetType = msgspec.UNSET  # route and physical (Spark)
 
-    def doc(self) -> dict[str, Any]:
-        """The JSON document of this status."""
-        out: dict[str, Any] = msgspec.to_builtins(self)
-        return out
-
 
 class Inspection(msgspec.Struct, frozen=True):
     """An operator's store rows as of one committed epoch (one consistent cut)."""
@@ -131,7 +134,7 @@ class Inspection(msgspec.Struct, frozen=True):
     rows: dict[bytes, bytes]
 
 
-class SqlResult(msgspec.Struct, kw_only=True):
+class SqlResult(Result, kw_only=True):
     """One SQL query's answer over one cut of the state."""
 
     epoch: int
@@ -140,12 +143,8 @@ class SqlResult(msgspec.Struct, kw_only=True):
     truncated: bool
     engine: str
 
-    def doc(self) -> dict[str, Any]:
-        out: dict[str, Any] = msgspec.to_builtins(self)
-        return out
 
-
-class UpdateOutcome(msgspec.Struct, kw_only=True):
+class UpdateOutcome(Result, kw_only=True):
     """A run-alone admin update's outcome (a repeat of an update id returns the first one's, ``repeated``)."""
 
     id: str
@@ -155,12 +154,8 @@ class UpdateOutcome(msgspec.Struct, kw_only=True):
     epochs: list[int]
     repeated: bool
 
-    def doc(self) -> dict[str, Any]:
-        out: dict[str, Any] = msgspec.to_builtins(self)
-        return out
 
-
-class CodeUpdate(msgspec.Struct, kw_only=True):
+class CodeUpdate(Result, kw_only=True):
     """A code update's outcome: the version, from which epoch, its migration's outcome, its mode."""
 
     version: str
@@ -171,12 +166,8 @@ class CodeUpdate(msgspec.Struct, kw_only=True):
     kept_deferred: int | msgspec.UnsetType = msgspec.UNSET  # compatible: transactions finishing on the old code
     first_tid: int | msgspec.UnsetType = msgspec.UNSET  # compatible (Spark): the first TID on the new code
 
-    def doc(self) -> dict[str, Any]:
-        out: dict[str, Any] = msgspec.to_builtins(self)
-        return out
 
-
-class RescaleOutcome(msgspec.Struct, kw_only=True):
+class RescaleOutcome(Result, kw_only=True):
     """A rescale's outcome, the same on every engine: the engine's move (``None`` fields when only the input
     log was resized) and the input log's resize (``log``) if one was asked."""
 
@@ -252,9 +243,25 @@ class Engine(abc.ABC):
     async def stop(self) -> None:
         """Stop serving: accepted requests are answered or stay in the log; resources released."""
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the engine holds (files, logs, a Spark session) after :meth:`stop`."""
+
     @abc.abstractmethod
     def health(self) -> dict[str, Any]:
         """``{"status": "ok" | ..., ...}``: cheap, never blocks, callable from any thread."""
+
+    def describe(self) -> str:
+        """One line for people: where the engine keeps what (``durable in DIR``, ``EPHEMERAL: ...``)."""
+        return "durable" if self.durable else "in memory"
+
+    @property
+    def log_file(self) -> str | None:
+        """Where the engine's own (not Charon's) output goes, if elsewhere than stderr (Spark's JVM log)."""
+        return None
+
+    def load(self, operator: str, values: dict[str, Any]) -> None:
+        """Bulk-load entity values before the first epoch (a fresh deployment)."""
+        raise NotSupported(f"this engine ({self.kind}) has no bulk load")
 
     def on_fatal(self, callback: Callable[[str], None]) -> None:  # noqa: B027 - optional hook
         """Call ``callback(reason)`` when the engine fails for good (``charon run`` then exits for a supervisor)."""
@@ -315,6 +322,10 @@ class Controls(abc.ABC):
     @abc.abstractmethod
     async def status(self) -> ControlStatus:
         """The control state now."""
+
+    @abc.abstractmethod
+    def status_now(self) -> ControlStatus:
+        """The control state now, from any thread (blocking where the engine asks its log: call it off the loop)."""
 
     @abc.abstractmethod
     async def inspect(self, operator: str, keys: list[str] | None = None, epoch: int | None = None,

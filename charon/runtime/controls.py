@@ -1,14 +1,26 @@
-"""What the controllable engines share: pause/resume/status over their epoch gate, and the admin lock."""
+"""What the controllable engines share: pause/resume/status over their epoch gate and the admin lock
+(:class:`GatedControls`), the contract's calls they answer alike by asking their runtime (:class:`HostedEngine`),
+and the runtime-side face of those controls (:class:`EngineBacked`)."""
 
 from __future__ import annotations
 
 import abc
 import asyncio
+from typing import TYPE_CHECKING, Any, Protocol
 
-from charon.runtime.contract import Controls, ControlStatus
+from charon import serde
+from charon.messages import Reply
+from charon.operator import Application
+from charon.runtime.codeversions import CodeHistory
+from charon.runtime.contract import Controls, ControlStatus, Engine
 from charon.runtime.gate import EpochGate
+from charon.runtime.verdicts import VerdictBook
 
-__all__ = ["GatedControls"]
+if TYPE_CHECKING:
+    from charon.core.timers import Timer
+    from charon.log.streams import StreamLog
+
+__all__ = ["EngineBacked", "GatedControls", "Hosted", "HostedEngine"]
 
 
 class GatedControls(Controls):
@@ -51,3 +63,120 @@ class GatedControls(Controls):
 
     async def status(self) -> ControlStatus:
         return await self._answer(self.status_now)
+
+
+class Hosted(Protocol):
+    """What an engine asks of the runtime it faces, on every engine (the rest is each engine's own)."""
+
+    app: Application
+    epoch_stats: list[dict[str, float]]
+    verdict_book: VerdictBook
+
+    @property
+    def input_log(self) -> Any: ...
+
+    @property
+    def streams(self) -> StreamLog: ...
+
+    async def submit(self, operator: str, key: str, function: str, args: list[Any], *,
+                     request_id: str | None = None) -> Reply: ...
+
+    def get_reply(self, request_id: str) -> Reply | None: ...
+
+    def read_state(self, operator: str, key: str, default: Any = None) -> Any: ...
+
+    def timers(self, operator: str, key: str) -> list[Timer]: ...
+
+    def load(self, operator: str, values: dict[str, Any]) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class HostedEngine(Engine, GatedControls):
+    """The contract's calls every controllable engine answers alike, by asking its runtime (``rt``)."""
+
+    rt: Hosted
+    code: CodeHistory
+
+    @property
+    def app(self) -> Application:
+        return self.rt.app
+
+    @property
+    def input_log(self) -> Any:
+        return self.rt.input_log
+
+    @property
+    def streams(self) -> StreamLog | None:
+        return self.rt.streams
+
+    @property
+    def controls(self) -> Controls:
+        return self
+
+    def close(self) -> None:
+        self.rt.close()
+
+    async def submit(self, operator: str, key: str, function: str, args: list[Any], *,
+                     request_id: str | None = None) -> Reply:
+        return await self.rt.submit(operator, key, function, args, request_id=request_id)
+
+    def get_reply(self, request_id: str) -> Reply | None:
+        return self.rt.get_reply(request_id)
+
+    def read_state(self, operator: str, key: str, default: Any = None) -> Any:
+        return self.rt.read_state(operator, key, default)
+
+    def timers(self, operator: str, key: str) -> list[Timer]:
+        return self.rt.timers(operator, key)
+
+    def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
+        return self.rt.verdict_book.dead_letters(limit)
+
+    def version_at(self, epoch: int, tid: int | None = None) -> str:
+        return self.code.label(epoch, tid)
+
+    def epoch_stats(self) -> list[dict[str, float]]:
+        return self.rt.epoch_stats
+
+    def load(self, operator: str, values: dict[str, Any]) -> None:
+        self.rt.load(operator, values)
+
+
+class EngineBacked:
+    """The runtime-side face of its engine's controls (a runtime's own Python API: dict documents, list args)."""
+
+    controller: HostedEngine
+
+    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; the status document."""
+        return self.controller.pause_now(after_epoch).doc()
+
+    def resume(self) -> dict[str, Any]:
+        """Let epochs start again (the waiting requests run in arrival order); the status document."""
+        return self.controller.resume_now().doc()
+
+    def control_status(self) -> dict[str, Any]:
+        """The control status document (:class:`charon.runtime.contract.ControlStatus`); blocking on Spark."""
+        return self.controller.status_now().doc()
+
+    async def run_alone(
+        self, update_id: str, operator: str, function: str, args: list[Any] | tuple[Any, ...] = (),
+        keys: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """A serializable admin update: ``function`` on every key (default: every entity of ``operator``), alone
+        at an epoch boundary, once per ``update_id`` (the engine's ``run_alone``)."""
+        out = await self.controller.run_alone(update_id, operator, function, serde.encode(list(args)), keys)
+        return out.doc()
+
+    async def update_code(
+        self, ref: str, version: str, migration: tuple[str, str, list[Any] | tuple[Any, ...]] | None = None,
+        mode: str = "strict",
+    ) -> dict[str, Any]:
+        """Code update to ``ref`` (``module:attribute``) at one epoch boundary (the engine's ``update_code``)."""
+        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
+        return (await self.controller.update_code(ref, version, mig, mode)).doc()
+
+    def version_at(self, epoch: int, tid: int | None = None) -> str:
+        """The code version epoch ``epoch`` ran with (with ``tid``: the one that transaction ran with)."""
+        return self.controller.version_at(epoch, tid)

@@ -50,6 +50,7 @@ from charon.errors import UndeclaredPortal
 from charon.log.streams import StreamLog
 from charon.messages import Reply
 from charon.runtime.wiring import StreamWire, load_offset, store_offset
+from charon.state.durable import write_file_atomic
 
 __all__ = ["Deployment", "PortalOutbox", "PortalRouter", "PortalServer", "ReplyPump"]
 
@@ -280,12 +281,7 @@ def _load_offset(path: str | None) -> int:
 
 def _store_offset(path: str | None, offset: int) -> None:
     if path is not None:
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(str(offset))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_file_atomic(path, str(offset).encode("ascii"))
 
 
 class PortalOutbox:

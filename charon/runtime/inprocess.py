@@ -53,6 +53,7 @@ from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator, batch_request
 from charon.runtime.contract import EngineStopped
+from charon.runtime.controls import EngineBacked
 from charon.runtime.gate import EpochGate
 from charon.runtime.inprocess_engine import InProcessEngine
 from charon.runtime.quarantine import RecoveryAttempts, quarantine_killers
@@ -61,6 +62,7 @@ from charon.runtime.watchdog import DEFAULT_INTERVAL, DEFAULT_TIMEOUT, Watchdog
 from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
+    from charon.log.contract import InputLogLike
     from charon.runtime.node import NodeStorage
 
 
@@ -222,8 +224,10 @@ def _plain(control: Control) -> bool:
             and control.timers is None and not control.apply and not control.reset and not control.fast)
 
 
-class InProcessRuntime:
+class InProcessRuntime(EngineBacked):
     """Run an :class:`~charon.operator.Application` in this process."""
+
+    controller: InProcessEngine  # the engine contract's face, and the control state it owns
 
     def __init__(
         self,
@@ -375,7 +379,7 @@ class InProcessRuntime:
         return self.verdict_book.dead_letters(limit)
 
     @property
-    def input_log(self) -> Any:
+    def input_log(self) -> InputLogLike | None:
         """Durable mode: the input log (the gateway checks reused request ids and pending requests in it)."""
         return self.node.input_log if self.node is not None else None
 
@@ -1108,38 +1112,7 @@ class InProcessRuntime:
         if prev is not None and not any(tid < prev[0] for tid, _ in self.coordinator.deferred):
             self.set_previous(None)
 
-    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
-        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; the status document."""
-        return self.controller.pause_now(after_epoch).doc()
-
-    def resume(self) -> dict[str, Any]:
-        """Let epochs start again; the status document."""
-        return self.controller.resume_now().doc()
-
-    def control_status(self) -> dict[str, Any]:
-        """The control status document (:class:`charon.runtime.contract.ControlStatus`)."""
-        return self.controller.status_now().doc()
-
-    async def run_alone(
-        self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
-    ) -> dict[str, Any]:
-        """A serializable admin update: ``function`` on every key (default: every entity of ``operator``), alone
-        at an epoch boundary, once per ``update_id`` (:meth:`InProcessEngine.run_alone`)."""
-        out = await self.controller.run_alone(update_id, operator, function, serde.encode(list(args)), keys)
-        return out.doc()
-
     code_update_modes = InProcessEngine.code_update_modes
-
-    async def update_code(
-        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None, mode: str = "strict"
-    ) -> dict[str, Any]:
-        """Code update to ``ref`` (``module:attribute``) at one epoch boundary (:meth:`InProcessEngine.update_code`)."""
-        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
-        return (await self.controller.update_code(ref, version, mig, mode)).doc()
-
-    def version_at(self, epoch: int, tid: int | None = None) -> str:
-        """The code version epoch ``epoch`` ran with (with ``tid``: the one that transaction ran with)."""
-        return self.controller.version_at(epoch, tid)
 
     async def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000

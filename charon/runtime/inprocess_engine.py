@@ -30,9 +30,7 @@ from charon.runtime.codeversions import (
 )
 from charon.runtime.contract import (
     CodeUpdate,
-    Controls,
     ControlStatus,
-    Engine,
     EpochNotRetained,
     Inspection,
     NotSupported,
@@ -41,12 +39,10 @@ from charon.runtime.contract import (
     SqlResult,
     UpdateOutcome,
 )
-from charon.runtime.controls import GatedControls
+from charon.runtime.controls import GatedControls, HostedEngine
 from charon.runtime.reads import check_entities, node_retained_epochs, read_durable, read_stores
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
-    from charon.core.timers import Timer
-    from charon.log.streams import StreamLog
     from charon.operator import Application
     from charon.runtime.inprocess import InProcessRuntime
 
@@ -55,8 +51,10 @@ __all__ = ["InProcessEngine"]
 _KEEP_UPDATES = 1000  # admin update outcomes kept for repeats of their ids
 
 
-class InProcessEngine(Engine, GatedControls):
+class InProcessEngine(HostedEngine):
     """The contract over one in-process runtime (``rt``)."""
+
+    rt: InProcessRuntime
 
     kind: ClassVar[str] = "inprocess"
     code_update_modes: ClassVar[tuple[str, ...]] = ("strict", "compatible")
@@ -72,28 +70,12 @@ class InProcessEngine(Engine, GatedControls):
 
     # -- Engine
     @property
-    def app(self) -> Application:
-        return self.rt.app
-
-    @property
     def partitions(self) -> int:
         return self.rt.partitions
 
     @property
     def durable(self) -> bool:
         return self.rt.durable
-
-    @property
-    def input_log(self) -> Any:
-        return self.rt.input_log
-
-    @property
-    def streams(self) -> StreamLog | None:
-        return self.rt.streams
-
-    @property
-    def controls(self) -> Controls:
-        return self
 
     @property
     def replayed_epochs(self) -> int:
@@ -105,37 +87,19 @@ class InProcessEngine(Engine, GatedControls):
     async def stop(self) -> None:
         await self.rt.stop()
 
-    def close(self) -> None:
-        self.rt.close()
-
     def health(self) -> dict[str, Any]:
         return self.rt.health()
 
-    async def submit(self, operator: str, key: str, function: str, args: list[Any], *,
-                     request_id: str | None = None) -> Reply:
-        return await self.rt.submit(operator, key, function, args, request_id=request_id)
+    def describe(self) -> str:
+        node = self.rt.node
+        if node is None:
+            return "EPHEMERAL: state, replies and request ids live in memory and are lost when it stops"
+        return f"durable in {node.data_dir}, " + ("fsync per epoch" if node.fsync else
+                                                  "no fsync: survives a killed process, not an OS crash")
 
     def enqueuer(self) -> Callable[[Request], asyncio.Future[Reply]] | None:
         """The runtime's queue, unless a subclass routes every request through its own ``submit``."""
         return self.rt.direct_enqueue()
-
-    def get_reply(self, request_id: str) -> Reply | None:
-        return self.rt.get_reply(request_id)
-
-    def read_state(self, operator: str, key: str, default: Any = None) -> Any:
-        return self.rt.read_state(operator, key, default)
-
-    def timers(self, operator: str, key: str) -> list[Timer]:
-        return self.rt.timers(operator, key)
-
-    def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
-        return self.rt.verdict_book.dead_letters(limit)
-
-    def version_at(self, epoch: int, tid: int | None = None) -> str:
-        return self.code.label(epoch, tid)
-
-    def epoch_stats(self) -> list[dict[str, float]]:
-        return self.rt.epoch_stats
 
     # -- Controls
     def status_now(self) -> ControlStatus:

@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import shutil
-import signal
 import threading
 import time
 import uuid
@@ -44,7 +43,8 @@ from charon.errors import EngineUnavailable
 from charon.log.location import open_input_log, open_output_log
 from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
-from charon.state.durable import DurableState
+from charon.runtime.faults import crash_point
+from charon.state.durable import DurableState, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 from charon.state.store import MemoryStore
 
@@ -53,13 +53,6 @@ T = TypeVar("T")
 _log = logging.getLogger(__name__)
 EPOCH_MARK = "\x00epoch"  # operator of the marker entry that closes an epoch's batch in the input log
 _RECORDS_KEPT = 2
-
-
-def crash_point(point: str, epoch: int) -> None:
-    """Fault injection for the crash tests: ``CHARON_CRASH_AT=node:<point>:<epoch>`` SIGKILLs this process."""
-    spec = os.environ.get("CHARON_CRASH_AT")
-    if spec and spec == f"node:{point}:{epoch}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class NodeError(Exception):
@@ -171,17 +164,7 @@ class NodeStorage:
         return state
 
     def _write_layout(self, layout: dict) -> None:
-        path = os.path.join(self.data_dir, "node.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(layout, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        fd = os.open(self.data_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_file_atomic(os.path.join(self.data_dir, "node.json"), json.dumps(layout).encode())
 
     def relayout(self, partitions: int, parts: list[list[tuple[bytes, bytes]]], epoch: int) -> None:
         """Rescale: install ``parts`` (each new partition's sorted items, the state as of ``epoch``, which the
@@ -195,7 +178,7 @@ class NodeStorage:
         new = DurableState(os.path.join(self.data_dir, name), fsync=self.fsync)
         for pid, items in enumerate(parts):
             new.write_base(pid, epoch, items)
-        crash_point("relayout", epoch)  # the new state is written, the layout not switched
+        crash_point("node:relayout", epoch)  # the new state is written, the layout not switched
         self._write_layout({"engine": "inprocess", "partitions": partitions, "version": 1, "state": name})
         self.durable, self.partitions = new, partitions
         shutil.rmtree(old_root, ignore_errors=True)
@@ -260,7 +243,7 @@ class NodeStorage:
                 batch, expect = [], expect + 1
             else:
                 batch.append(req)
-        if batch and getattr(self.input_log, "atomic_batches", True):
+        if batch and self.input_log.atomic_batches:
             raise NodeError(f"input log: {len(batch)} entries after the last epoch marker")
         if batch:  # a networked log took part of an epoch's batch before a crash: that epoch never ran
             mark = Request(f"{EPOCH_MARK}:{expect}", EPOCH_MARK, str(expect), "", serde.encode([]), time.time())
@@ -297,7 +280,7 @@ class NodeStorage:
             raise NodeError(f"input log already holds epoch {epoch}")
         # a request id the log already had is not run again (it is answered by its first execution)
         fresh = [r for r, (_, off) in zip(requests, pos, strict=False) if off >= start]
-        crash_point("logged", epoch)
+        crash_point("node:logged", epoch)
         return fresh, pos[-1][1] + 1, now
 
     def _retry_log(self, op: Callable[[], T], what: str, budget_s: float | None = None) -> T:
@@ -391,8 +374,8 @@ class NodeStorage:
             if merged:
                 self.durable.write_delta(pid, last.epoch, merged)
             if pid == 0:
-                crash_point("delta0", last.epoch)  # one partition's delta written, the others not
-        crash_point("deltas", last.epoch)
+                crash_point("node:delta0", last.epoch)  # one partition's delta written, the others not
+        crash_point("node:deltas", last.epoch)
         rec = EpochRecord(last.epoch, last.counters, [(t, serde.encode_request(r)) for t, r in last.deferred],
                           time=last.time, next_due=last.next_due, log_end=last.log_end)
         self._write_record(rec)  # the commit point of this checkpoint
@@ -403,12 +386,12 @@ class NodeStorage:
         for e in self._record_epochs()[:-_RECORDS_KEPT]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self._record_path(e))
-        crash_point("record", last.epoch)
+        crash_point("node:record", last.epoch)
         self._checkpoints += 1
         if self.compact_every and self._checkpoints % self.compact_every == 0:
             for pid in range(self.partitions):
                 self.durable.compact(pid, last.epoch)
-                crash_point("compacting", last.epoch)  # after the first partition
+                crash_point("node:compacting", last.epoch)  # after the first partition
             self._retry_log(lambda: self.input_log.truncate([last.log_end]), "truncating the input log")
             self._retry_log(self.retention.after_truncate, "forgetting old request ids")
         self._last_checkpoint = time.monotonic()

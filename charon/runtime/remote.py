@@ -10,29 +10,55 @@ state lives with the engine, so ``GET /state`` answers 503 here (ask the driver'
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from charon.errors import EngineUnavailable
 from charon.log.client import LogClient
 from charon.log.location import is_networked, open_input_log, open_output_log
 from charon.messages import Reply
+from charon.operator import Application
+from charon.runtime.contract import Engine
 from charon.runtime.probe import LogProbe
 
 __all__ = ["LogRuntime"]
 
 
-class LogRuntime:
-    """Submit through the logs at ``log_url``; the engine reading them runs in another process or machine."""
+class LogRuntime(Engine):
+    """Submit through the logs at ``log_url``; the engine reading them runs in another process or machine.
 
-    def __init__(self, app: Any, log_url: str, health_timeout_s: float = 1.0) -> None:
+    An :class:`~charon.runtime.contract.Engine` without controls (admin requests go to the engine's gateway)."""
+
+    kind: ClassVar[str] = "remote"
+
+    def __init__(self, app: Application, log_url: str, health_timeout_s: float = 1.0) -> None:
         if not is_networked(log_url):
             raise ValueError(f"a remote gateway needs a networked log (nats://...), got {log_url!r}")
-        self.app = app
+        self._app = app
         self.log_url = log_url
-        self.input_log = open_input_log(log_url)
+        self._input_log = open_input_log(log_url)
         self.output_log = open_output_log(log_url)
         self._client: LogClient | None = None
-        self._probe = LogProbe(self.input_log, health_timeout_s)
+        self._probe = LogProbe(self._input_log, health_timeout_s)
+
+    @property
+    def app(self) -> Application:
+        return self._app
+
+    @property
+    def partitions(self) -> int:
+        """1: the engine's partitions are the engine's own (counted there)."""
+        return 1
+
+    @property
+    def durable(self) -> bool:
+        return True
+
+    @property
+    def input_log(self) -> Any:
+        return self._input_log
+
+    def describe(self) -> str:
+        return f"gateway only, the engine runs elsewhere (logs on {self.log_url})"
 
     async def start(self) -> None:
         """Nothing to start: the engine runs elsewhere."""
@@ -49,12 +75,12 @@ class LogRuntime:
         return {"status": "ok", "ok": True, "log": self.log_url, "log_end_offsets": res.ends}
 
     async def submit(
-        self, operator: str, key: str, function: str, args: list | tuple = (), *, request_id: str | None = None,
+        self, operator: str, key: str, function: str, args: list[Any], *, request_id: str | None = None,
         timeout: float = 120.0,
     ) -> Reply:
         """Append the request to the input log and await its reply from the output log."""
         if self._client is None:
-            self._client = LogClient(self.input_log, self.output_log)
+            self._client = LogClient(self._input_log, self.output_log)
         return await self._client.submit(operator, key, function, args, request_id=request_id, timeout=timeout)
 
     def get_reply(self, request_id: str) -> Reply | None:
@@ -64,5 +90,5 @@ class LogRuntime:
         raise EngineUnavailable("entity state is served by the engine's gateway, not by a remote gateway")
 
     def close(self) -> None:
-        self.input_log.close()
+        self._input_log.close()
         self.output_log.close()

@@ -61,10 +61,10 @@
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import os
-import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import msgspec
 from starlette.requests import Request as HTTPRequest
@@ -72,44 +72,60 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from charon import serde
+from charon.config import GatewayConfig
 from charon.core.routing import check_key, split_store_key
 from charon.errors import InvalidKey
-from charon.server.gateway import _IDEMPOTENCY_KEY, MSGPACK_TYPES, STATUS_OF_ERROR, _Gateway, _guard, _HTTPError
+from charon.messages import Reply, Request
+from charon.runtime.contract import (
+    SQL_ERRORS,
+    Controls,
+    ControlStatus,
+    Engine,
+    EpochNotRetained,
+    GatePaused,
+    RescaleBusy,
+)
+from charon.server.limits import Slots
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK_TYPES, HTTPError, guard, respond
 
-__all__ = ["admin_routes"]
+__all__ = ["AdminGateway", "AdminRoutes", "admin_routes"]
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-STATUS_OF_ERROR.setdefault("EpochNotRetained", 410)
-STATUS_OF_ERROR.setdefault("NotSupported", 501)
-STATUS_OF_ERROR.setdefault("Forbidden", 403)
-for _name, _status in (("SQLRejected", 422), ("SQLSyntaxError", 400), ("SQLTimeout", 422), ("StateTooLarge", 413),
-                       ("SQLBusy", 429), ("SQLTooExpensive", 422), ("SQLResultTooLarge", 413)):
-    STATUS_OF_ERROR.setdefault(_name, _status)
-for _name, _status in (("RescaleRunning", 409), ("RescaleTimeout", 503), ("Paused", 409)):
-    STATUS_OF_ERROR.setdefault(_name, _status)
-SQL_ERRORS = ("SQLRejected", "SQLSyntaxError", "SQLTimeout", "StateTooLarge", "EpochNotRetained", "SQLTooExpensive",
-              "SQLResultTooLarge")
 SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy beyond)
 
 
-def _paused_409(exc: BaseException) -> None:
-    """charon.runtime.control's GatePaused (another layer: matched by name) as a typed 409 ``Paused``."""
-    if type(exc).__name__ == "GatePaused":
-        raise _HTTPError("Paused", str(exc)) from None
+
+class AdminGateway(Protocol):
+    """What the admin routes use of the gateway (:class:`charon.server.gateway._Gateway` provides it)."""
+
+    engine: Engine
+    cfg: GatewayConfig
+    known_ops: set[str]
+    inflight: dict[str, asyncio.Future[Reply]]
+
+    def check_auth(self, request: HTTPRequest) -> None: ...
+
+    def check_ready(self) -> None: ...
+
+    async def off_loop(self, method: Callable[..., object], *args: object) -> Any: ...
+
+    async def read_body(self, request: HTTPRequest) -> bytes: ...
+
+    def validate(self, operator: str, key: str, function: str, args: list[object]) -> Request: ...
 
 
-def _method(gw: _Gateway, name: str) -> Any:
-    fn = getattr(gw.runtime, name, None)
-    if fn is None:
-        hint = "" if hasattr(gw.runtime, "control_status") else (
-            " (a gateway without an engine, --engine remote, serves invokes and request status only: send admin "
-            "requests to the gateway of the engine's driver)")
-        raise _HTTPError("NotSupported", f"this runtime has no {name}(){hint}")
-    return fn
+def _controls(gw: AdminGateway) -> Controls:
+    """The engine's controls, or 501 ``NotSupported`` (a remote gateway's engine has none)."""
+    controls = gw.engine.controls
+    if controls is None:
+        raise HTTPError("NotSupported", "this runtime has no controls (a gateway without an engine, --engine remote, "
+                        "serves invokes and request status only: send admin requests to the gateway of the engine's "
+                        "driver)")
+    return controls
 
 
-async def _json_body(gw: _Gateway, request: HTTPRequest, fields: frozenset[str] = frozenset()) -> dict[str, Any]:
+async def _json_body(gw: AdminGateway, request: HTTPRequest, fields: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The request's JSON or msgpack object; 400 for a field not in ``fields`` (415 for another media type)."""
     body = await gw.read_body(request)
     if not body:
@@ -121,417 +137,293 @@ async def _json_body(gw: _Gateway, request: HTTPRequest, fields: frozenset[str] 
         elif ctype in MSGPACK_TYPES:
             doc = msgspec.msgpack.decode(body)
         else:
-            raise _HTTPError("UnsupportedMediaType", "the body must be application/json or application/msgpack")
+            raise HTTPError("UnsupportedMediaType", "the body must be application/json or application/msgpack")
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise _HTTPError("BadRequest", f"malformed body: {exc}") from None
+        raise HTTPError("BadRequest", f"malformed body: {exc}") from None
     except RecursionError:
-        raise _HTTPError("BadRequest", "malformed body: nested too deeply") from None
+        raise HTTPError("BadRequest", "malformed body: nested too deeply") from None
     if not isinstance(doc, dict):
-        raise _HTTPError("BadRequest", "the body must be an object")
+        raise HTTPError("BadRequest", "the body must be an object")
     unknown = set(doc) - fields
     if unknown:
-        raise _HTTPError("BadRequest", f"unknown fields {sorted(map(str, unknown))}")  # msgpack keys: any type
+        raise HTTPError("BadRequest", f"unknown fields {sorted(map(str, unknown))}")  # msgpack keys: any type
     return doc
 
 
-def _epoch_param(raw: Any, name: str) -> int | None:
+def _epoch_param(raw: object, name: str) -> int | None:
     if raw is None:
         return None
     if isinstance(raw, bool) or not isinstance(raw, int | str):
-        raise _HTTPError("BadRequest", f"{name} must be an integer")
+        raise HTTPError("BadRequest", f"{name} must be an integer")
     try:
         value = int(raw)
     except ValueError:
-        raise _HTTPError("BadRequest", f"{name} must be an integer") from None
+        raise HTTPError("BadRequest", f"{name} must be an integer") from None
     if value < -1 or value > 1 << 62:
-        raise _HTTPError("BadRequest", f"{name} out of range")
+        raise HTTPError("BadRequest", f"{name} out of range")
     return value
 
 
-def _partitions(runtime: Any) -> int | None:
-    """The runtime's engine partition count (in-process: ``partitions``; Spark: ``config.partitions``)."""
-    n = getattr(runtime, "partitions", None)
-    if not isinstance(n, int):
-        n = getattr(getattr(runtime, "config", None), "partitions", None)
-    return n if isinstance(n, int) else None
+def _partition_counts(doc: Mapping[str, object], cap: int) -> tuple[int | None, int | None]:
+    """A rescale's ``(partitions, log_partitions)``: at least one, each an integer 1..``cap`` (400 otherwise)."""
+    n, m = doc.get("partitions"), doc.get("log_partitions")
+    if n is None and m is None:
+        raise HTTPError("BadRequest", "give partitions, log_partitions or both")
+    return _count("partitions", n, cap), _count("log_partitions", m, cap)
 
 
-def _rescale_info(runtime: Any, out: Any, elapsed: float, log: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One shape for both runtimes' rescale answers (Spark: a dict; in-process: the pause, details recorded;
-    None: no engine rescale, the answer is ``{"log": ...}`` alone); ``log``: the input log's resize, if asked."""
-    if out is None:  # only the log was resized: say only that (no engine fields, null as if it had failed)
-        return {"log": log}
-    if isinstance(out, dict):
-        info = dict(out)
-    else:
-        pauses = getattr(runtime, "rescale_pauses", None) or [{}]
-        info = {**pauses[-1], "pause_s": float(out)}
-        info.setdefault("wait_s", max(0.0, elapsed - float(out)))
-    shaped = {k: info.get(k) for k in ("from", "to", "epoch", "keys", "wait_s", "pause_s", "cpu_s")}
-    return {**shaped, "log": log if log is not None else info.get("log")}
+def _count(name: str, v: object, cap: int) -> int | None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= cap):
+        raise HTTPError("BadRequest", f"{name} must be an integer 1..{cap} (max_partitions)")
+    return v
 
 
-def admin_routes(gw: _Gateway, metrics: GatewayMetrics) -> list[Route]:
-    """The admin, metrics and dashboard routes over one gateway."""
+def _entities(rows: dict[bytes, bytes], limit: int) -> dict[str, object]:
+    """An inspection's store rows as ``{"entities", "items", "count", "truncated"}``: at most ``limit`` entities,
+    each with its value and its own items."""
+    entities: dict[str, object] = {}
+    items: dict[str, dict[str, object]] = {}
+    for k, v in sorted(rows.items()):
+        _, key, item = split_store_key(k)
+        if key not in entities and len(entities) >= limit:
+            continue
+        if item == "":
+            entities[key] = serde.decode(v)
+        else:
+            entities.setdefault(key, None)
+            items.setdefault(key, {})[item.lstrip("\x01")] = serde.decode(v)
+    truncated = len({split_store_key(k)[1] for k in rows}) > limit
+    return {"entities": entities, "items": items, "count": len(entities), "truncated": truncated}
 
-    def counts() -> tuple[int, int]:
-        return (len(getattr(gw.runtime, "rescale_pauses", None) or ()),
-                len(getattr(gw.runtime, "log_rescales", None) or ()))
 
-    def with_layout(st: dict[str, Any]) -> dict[str, Any]:
-        answered = rescaling["last"]
-        if answered is not None and answered[0] == counts():  # the route's answer is the newest rescale
-            last = answered[1]  # an engine and a log rescale asked together are shown together
-        else:  # rescaled by the runtime's own API: the newer of the two kinds
-            pauses = getattr(gw.runtime, "rescale_pauses", None)
-            last = _rescale_info(gw.runtime, pauses[-1], 0.0) if pauses else None
-            logs = getattr(gw.runtime, "log_rescales", None)
-            if logs and (last is None or last.get("epoch") is None or logs[-1]["epoch"] >= last["epoch"]):
-                last = _rescale_info(gw.runtime, None, 0.0, logs[-1])
-        return {**st, "inflight": len(gw.inflight), "partitions": _partitions(gw.runtime), "last_rescale": last}
+def _migration(mig: object) -> tuple[str, str, list[object]] | None:
+    """A code update's migration ``(operator, function, args)`` from its ``{"operator", "function", "args"}``."""
+    if mig is None:
+        return None
+    if not isinstance(mig, dict) or set(mig) - {"operator", "function", "args"}:
+        raise HTTPError("BadRequest", 'migration must be {"operator", "function", "args"}')
+    args = mig.get("args", [])
+    if not isinstance(mig.get("operator"), str) or not isinstance(mig.get("function"), str) \
+            or not isinstance(args, list):
+        raise HTTPError("BadRequest", "migration operator and function are strings, args a list")
+    return (mig["operator"], mig["function"], args)
 
-    async def status(request: HTTPRequest) -> Response:
+
+class AdminRoutes:
+    """The admin, metrics and dashboard routes over one gateway: one handler per route, each using the engine's
+    :class:`~charon.runtime.contract.Controls` (501 ``NotSupported`` for an engine without them) and mapping the
+    contract's errors to typed answers."""
+
+    def __init__(self, gw: AdminGateway, metrics: GatewayMetrics) -> None:
+        self.gw = gw
+        self.metrics = metrics
+        self.rescaling = False  # a rescale is running (taken before any await: one at a time)
+        self.sql_slots = Slots(SQL_SLOTS, "SQLBusy", lambda cap: f"{cap} SQL queries are running; retry later")
+
+    def with_layout(self, st: ControlStatus) -> dict[str, Any]:
+        gw = self.gw
+        last = _controls(gw).last_rescale()
+        return {**st.doc(), "inflight": len(gw.inflight), "partitions": gw.engine.partitions,
+                "last_rescale": None if last is None else last.doc()}
+
+    async def status(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
-        st = await gw.off_loop(_method(gw, "control_status"))
-        return gw.respond(request, 200, with_layout(st))
+        st = await _controls(gw).status()
+        return respond(request, 200, self.with_layout(st))
 
-    async def dead_letters(request: HTTPRequest) -> Response:
+    async def dead_letters(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         try:
             limit = int(request.query_params.get("limit", "1000"))
         except ValueError:
-            raise _HTTPError("BadRequest", "limit must be an integer") from None
+            raise HTTPError("BadRequest", "limit must be an integer") from None
         if not 1 <= limit <= 10_000:
-            raise _HTTPError("BadRequest", "limit must be between 1 and 10000")
-        letters = await gw.off_loop(_method(gw, "dead_letters"), limit)
-        return gw.respond(request, 200, {"dead_letters": letters})
+            raise HTTPError("BadRequest", "limit must be between 1 and 10000")
+        _controls(gw)  # a remote gateway's engine keeps none: 501, not an empty list
+        letters = await gw.off_loop(gw.engine.dead_letters, limit)
+        return respond(request, 200, {"dead_letters": letters})
 
-    async def pause(request: HTTPRequest) -> Response:
+    async def pause(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"after_epoch"}))
         after = _epoch_param(doc.get("after_epoch"), "after_epoch")
-        st = await gw.off_loop(_method(gw, "pause"), after)
-        return gw.respond(request, 200, with_layout(st))
+        st = await _controls(gw).pause(after)
+        return respond(request, 200, self.with_layout(st))
 
-    async def resume(request: HTTPRequest) -> Response:
+    async def resume(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         await _json_body(gw, request)
-        st = await gw.off_loop(_method(gw, "resume"))
-        return gw.respond(request, 200, with_layout(st))
+        st = await _controls(gw).resume()
+        return respond(request, 200, self.with_layout(st))
 
-    rescaling: dict[str, Any] = {"busy": False, "last": None}  # last: (counts(), the route's last answer)
-
-    async def rescale(request: HTTPRequest) -> Response:
+    async def rescale(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"partitions", "log_partitions"}))
-        n, m, cap = doc.get("partitions"), doc.get("log_partitions"), gw.cfg.max_partitions
-        if n is None and m is None:
-            raise _HTTPError("BadRequest", "give partitions, log_partitions or both")
-        for name, v in (("partitions", n), ("log_partitions", m)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= cap):
-                raise _HTTPError("BadRequest", f"{name} must be an integer 1..{cap} (max_partitions)")
-        fn = _method(gw, "rescale")
-        log_fn = None
-        if m is not None:
-            log_fn = getattr(gw.runtime, "rescale_log", None)
-            if log_fn is None:
-                raise _HTTPError("NotSupported", "this runtime has no input-log partitions to rescale (the in-process "
-                                 "runtime's input log is its node's single epoch log)")
+        n, m = _partition_counts(doc, gw.cfg.max_partitions)
+        controls = _controls(gw)
+        if m is not None and not controls.log_rescalable:
+            raise HTTPError("NotSupported", "this runtime has no input-log partitions to rescale (the in-process "
+                            "runtime's input log is its node's single epoch log)")
         gw.check_ready()  # 503 while the runtime starts in the background: a move then races the query's start
-        if rescaling["busy"]:
-            raise _HTTPError("RescaleRunning", "a rescale is running; retry when it is done")
-        rescaling["busy"] = True  # before any await: two requests arriving together must not both pass
-        t0 = time.perf_counter()
-        log = out = None
+        if self.rescaling:
+            raise HTTPError("RescaleRunning", "a rescale is running; retry when it is done")
+        self.rescaling = True  # before any await: two requests arriving together must not both pass
         try:
-            if getattr(gw.runtime, "control_engine", None) == "inprocess":
-                st = await gw.off_loop(_method(gw, "control_status"))
-                if st.get("paused"):  # its epoch loop waits at the gate: the move would wait for the resume
-                    raise _HTTPError("RescaleRunning", "the runtime is paused; resume it, then rescale")
-            if log_fn is not None:  # one call: the runtime orders the parts and says what happened
-                out = await gw.off_loop(functools.partial(fn, n, log_partitions=m))
-                log = out.get("log") if isinstance(out, dict) else None
-                if n is None:
-                    out = None
-            elif n is not None:
-                out = await gw.off_loop(fn, n)
+            out = await controls.rescale(n, log_partitions=m)  # one call: the engine orders the parts
+        except RescaleBusy as exc:
+            raise HTTPError("RescaleRunning", str(exc)) from None
         except TimeoutError as exc:
-            raise _HTTPError("RescaleTimeout", f"no epoch boundary in time: nothing moved (the engine partitions "
-                             f"stay{'' if m is None else ', the input log was not resized'}): {exc}") from None
+            raise HTTPError("RescaleTimeout", f"no epoch boundary in time: nothing moved (the engine partitions "
+                            f"stay{'' if m is None else ', the input log was not resized'}): {exc}") from None
         except ValueError as exc:
-            raise _HTTPError("BadRequest", f"cannot rescale to {n if m is None else (n, m)}: {exc}") from None
+            raise HTTPError("BadRequest", f"cannot rescale to {n if m is None else (n, m)}: {exc}") from None
         finally:
-            rescaling["busy"] = False
-        answer = _rescale_info(gw.runtime, out, time.perf_counter() - t0, log)
-        rescaling["last"] = (counts(), answer)
-        return gw.respond(request, 200, answer)
+            self.rescaling = False
+        return respond(request, 200, out.doc())
 
-    async def state(request: HTTPRequest) -> Response:
+    async def state(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         operator = request.path_params["operator"]
         if gw.known_ops and operator not in gw.known_ops:
-            raise _HTTPError("UnknownOperator", f"unknown operator {operator!r}")
+            raise HTTPError("UnknownOperator", f"unknown operator {operator!r}")
         keys = request.query_params.getlist("key") or None
         cap = gw.cfg.max_scan
         if keys is not None:
             if len(keys) > cap:
-                raise _HTTPError("BadRequest", f"at most {cap} keys per read (max_scan)")
+                raise HTTPError("BadRequest", f"at most {cap} keys per read (max_scan)")
             for k in keys:
                 try:
                     check_key(k)
                 except InvalidKey as exc:
-                    raise _HTTPError("InvalidKey", str(exc)) from None
+                    raise HTTPError("InvalidKey", str(exc)) from None
         epoch = _epoch_param(request.query_params.get("epoch"), "epoch")
         limit_raw = request.query_params.get("limit")
         limit = cap if limit_raw is None else _epoch_param(limit_raw, "limit")
         if limit is None or limit < 1 or limit > cap:
-            raise _HTTPError("BadRequest", f"limit must be 1..{cap} (max_scan)")
+            raise HTTPError("BadRequest", f"limit must be 1..{cap} (max_scan)")
         try:
-            at, rows = await gw.off_loop(_method(gw, "inspect"), operator, keys, epoch, limit + 1)
-        except Exception as exc:
-            if type(exc).__name__ == "EpochNotRetained":  # charon.runtime.control's (another layer)
-                raise _HTTPError("EpochNotRetained", str(exc)) from None
-            raise
-        entities: dict[str, Any] = {}
-        items: dict[str, dict[str, Any]] = {}
-        for k, v in sorted(rows.items()):
-            _, key, item = split_store_key(k)
-            if key not in entities and len(entities) >= limit:
-                continue
-            if item == "":
-                entities[key] = serde.decode(v)
-            else:
-                entities.setdefault(key, None)
-                items.setdefault(key, {})[item.lstrip("\x01")] = serde.decode(v)
-        truncated = len({split_store_key(k)[1] for k in rows}) > limit
-        return gw.respond(request, 200, {"operator": operator, "epoch": at, "entities": entities, "items": items,
-                                         "count": len(entities), "truncated": truncated})
+            got = await _controls(gw).inspect(operator, keys, epoch, limit + 1)
+        except EpochNotRetained as exc:
+            raise HTTPError("EpochNotRetained", str(exc)) from None
+        return respond(request, 200, {"operator": operator, "epoch": got.epoch, **_entities(got.rows, limit)})
 
-    async def update(request: HTTPRequest) -> Response:
+    async def update(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"id", "operator", "function", "args", "keys"}))
         uid, operator, function = doc.get("id"), doc.get("operator"), doc.get("function")
-        if not isinstance(uid, str) or not _IDEMPOTENCY_KEY.match(uid):
-            raise _HTTPError("BadRequest", "id must be 1-200 characters of A-Z a-z 0-9 and . _ ~ : @ + = -")
+        if not isinstance(uid, str) or not IDEMPOTENCY_KEY.match(uid):
+            raise HTTPError("BadRequest", "id must be 1-200 characters of A-Z a-z 0-9 and . _ ~ : @ + = -")
         if not isinstance(operator, str) or not isinstance(function, str):
-            raise _HTTPError("BadRequest", "operator and function must be strings")
+            raise HTTPError("BadRequest", "operator and function must be strings")
         args, keys = doc.get("args", []), doc.get("keys")
         if not isinstance(args, list):
-            raise _HTTPError("BadArguments", '"args" must be a list of positional arguments')
+            raise HTTPError("BadArguments", '"args" must be a list of positional arguments')
         if keys is not None:
             if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                raise _HTTPError("BadRequest", '"keys" must be a list of entity keys')
+                raise HTTPError("BadRequest", '"keys" must be a list of entity keys')
             for k in keys:
                 try:
                     check_key(k)
                 except InvalidKey as exc:
-                    raise _HTTPError("InvalidKey", str(exc)) from None
+                    raise HTTPError("InvalidKey", str(exc)) from None
+        controls = _controls(gw)
         gw.validate(operator, keys[0] if keys else "k", function, args)  # names, arity, types: 4xx
         try:
-            out = await gw.off_loop(_method(gw, "run_alone"), uid, operator, function, args, keys)
-        except Exception as exc:
-            _paused_409(exc)
-            raise
-        return gw.respond(request, 200, out)
+            out = await controls.run_alone(uid, operator, function, serde.encode(list(args)), keys)
+        except GatePaused as exc:
+            raise HTTPError("Paused", str(exc)) from None
+        return respond(request, 200, out.doc())
 
-    async def code(request: HTTPRequest) -> Response:
+    async def code(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"ref", "version", "migration", "mode"}))
         ref, version, mig = doc.get("ref"), doc.get("version"), doc.get("migration")
         mode = doc.get("mode", "strict")
         if mode not in ("strict", "compatible"):
-            raise _HTTPError("BadRequest", 'mode is "strict" or "compatible"')
+            raise HTTPError("BadRequest", 'mode is "strict" or "compatible"')
         if mode == "compatible" and mig is not None:
-            raise _HTTPError("BadRequest", "a compatible update has no migration")
-        if mode not in getattr(gw.runtime, "code_update_modes", ("strict",)):
-            raise _HTTPError("NotSupported", f"this runtime has no {mode} code updates")
+            raise HTTPError("BadRequest", "a compatible update has no migration")
+        controls = _controls(gw)
+        if mode not in controls.code_update_modes:
+            raise HTTPError("NotSupported", f"this runtime has no {mode} code updates")
         if not isinstance(ref, str) or not isinstance(version, str) or not 0 < len(version) <= 100:
-            raise _HTTPError("BadRequest", "ref (module:attribute) and version (1-100 characters) are required")
+            raise HTTPError("BadRequest", "ref (module:attribute) and version (1-100 characters) are required")
         allowed = {r.strip() for r in (gw.cfg.code_refs or "").split(",") if r.strip()}
         if ref not in allowed:
-            raise _HTTPError("Forbidden", f"{ref!r} is not among the deployable code refs (code_refs setting)")
-        migration = None
-        if mig is not None:
-            if not isinstance(mig, dict) or set(mig) - {"operator", "function", "args"}:
-                raise _HTTPError("BadRequest", 'migration must be {"operator", "function", "args"}')
-            args = mig.get("args", [])
-            if not isinstance(mig.get("operator"), str) or not isinstance(mig.get("function"), str) \
-                    or not isinstance(args, list):
-                raise _HTTPError("BadRequest", "migration operator and function are strings, args a list")
-            migration = (mig["operator"], mig["function"], args)
+            raise HTTPError("Forbidden", f"{ref!r} is not among the deployable code refs (code_refs setting)")
+        migration = _migration(mig)
+        encoded = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
         try:
-            fn = _method(gw, "update_code")
-            if mode == "strict":
-                out = await gw.off_loop(fn, ref, version, migration)
-            else:
-                out = await gw.off_loop(fn, ref, version, None, mode)
+            out = await controls.update_code(ref, version, encoded, mode)
         except (ImportError, TypeError) as exc:
-            raise _HTTPError("BadRequest", f"cannot deploy {ref!r}: {exc}") from None
-        except Exception as exc:
-            _paused_409(exc)
-            raise
-        return gw.respond(request, 200, out)
+            raise HTTPError("BadRequest", f"cannot deploy {ref!r}: {exc}") from None
+        except GatePaused as exc:
+            raise HTTPError("Paused", str(exc)) from None
+        return respond(request, 200, out.doc())
 
-    slots = {"free": SQL_SLOTS}
-
-    async def sql(request: HTTPRequest) -> Response:
+    async def sql(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"sql", "epoch"}))
         query = doc.get("sql")
         cfg = gw.cfg
         if not isinstance(query, str) or not query.strip():
-            raise _HTTPError("BadRequest", '"sql" must be a non-empty string')
+            raise HTTPError("BadRequest", '"sql" must be a non-empty string')
         if len(query) > cfg.sql_max_chars:
-            raise _HTTPError("BadRequest", f"the query is longer than {cfg.sql_max_chars} characters (sql_max_chars)")
+            raise HTTPError("BadRequest", f"the query is longer than {cfg.sql_max_chars} characters (sql_max_chars)")
         epoch = _epoch_param(doc.get("epoch"), "epoch")
-        fn = _method(gw, "sql")
-        if slots["free"] <= 0:
-            raise _HTTPError("SQLBusy", f"{SQL_SLOTS} SQL queries are running; retry later")
-        slots["free"] -= 1
+        controls = _controls(gw)
+        release = self.sql_slots.take()
         try:
-            out = await gw.off_loop(functools.partial(fn, max_bytes=cfg.sql_max_result_bytes,
-                                                      max_memory=cfg.sql_max_memory),
-                                    query, epoch, cfg.sql_max_rows, cfg.sql_timeout_s, cfg.sql_max_entities)
-        except Exception as exc:
-            if type(exc).__name__ in SQL_ERRORS:  # charon.runtime's (another layer)
-                raise _HTTPError(type(exc).__name__, str(exc)) from None
-            raise
+            out = await controls.sql(query, epoch, max_rows=cfg.sql_max_rows, timeout_s=cfg.sql_timeout_s,
+                                     max_entities=cfg.sql_max_entities, max_bytes=cfg.sql_max_result_bytes,
+                                     max_memory=cfg.sql_max_memory)
+        except SQL_ERRORS as exc:
+            raise HTTPError(type(exc).__name__, str(exc)) from None
         finally:
-            slots["free"] += 1
-        return gw.respond(request, 200, out)
+            release()
+        return respond(request, 200, out.doc())
 
-    async def summary(request: HTTPRequest) -> Response:
+    async def summary(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
-        doc = await gw.off_loop(metrics.summary, len(gw.inflight))
-        return gw.respond(request, 200, doc)
+        doc = await gw.off_loop(self.metrics.summary, len(gw.inflight))
+        return respond(request, 200, doc)
 
-    async def prometheus(request: HTTPRequest) -> Response:
+    async def prometheus(self, request: HTTPRequest) -> Response:
+        gw = self.gw
         gw.check_auth(request)
-        data = await gw.off_loop(metrics.exposition, len(gw.inflight))
+        data = await gw.off_loop(self.metrics.exposition, len(gw.inflight))
         return Response(data, 200, media_type=CONTENT_TYPE_LATEST)
 
-    async def dashboard(request: HTTPRequest) -> Response:
+    async def dashboard(self, request: HTTPRequest) -> Response:
         return FileResponse(os.path.join(STATIC, "dashboard.html"), media_type="text/html")
 
-    return [
-        Route("/admin/status", _guard(gw, status), methods=["GET"], name="admin_status"),
-        Route("/admin/dead-letters", _guard(gw, dead_letters), methods=["GET"], name="admin_dead_letters"),
-        Route("/admin/pause", _guard(gw, pause), methods=["POST"], name="admin_pause"),
-        Route("/admin/resume", _guard(gw, resume), methods=["POST"], name="admin_resume"),
-        Route("/admin/rescale", _guard(gw, rescale), methods=["POST"], name="admin_rescale"),
-        Route("/admin/state/{operator}", _guard(gw, state), methods=["GET"], name="admin_state"),
-        Route("/admin/update", _guard(gw, update), methods=["POST"], name="admin_update"),
-        Route("/admin/code", _guard(gw, code), methods=["POST"], name="admin_code"),
-        Route("/admin/sql", _guard(gw, sql), methods=["POST"], name="admin_sql"),
-        Route("/admin/summary", _guard(gw, summary), methods=["GET"], name="admin_summary"),
-        Route("/metrics", _guard(gw, prometheus), methods=["GET"], name="metrics"),
-        Route("/dashboard", dashboard, methods=["GET"], name="dashboard"),
-    ]
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin/status", guard(self.status), methods=["GET"], name="admin_status"),
+            Route("/admin/dead-letters", guard(self.dead_letters), methods=["GET"], name="admin_dead_letters"),
+            Route("/admin/pause", guard(self.pause), methods=["POST"], name="admin_pause"),
+            Route("/admin/resume", guard(self.resume), methods=["POST"], name="admin_resume"),
+            Route("/admin/rescale", guard(self.rescale), methods=["POST"], name="admin_rescale"),
+            Route("/admin/state/{operator}", guard(self.state), methods=["GET"], name="admin_state"),
+            Route("/admin/update", guard(self.update), methods=["POST"], name="admin_update"),
+            Route("/admin/code", guard(self.code), methods=["POST"], name="admin_code"),
+            Route("/admin/sql", guard(self.sql), methods=["POST"], name="admin_sql"),
+            Route("/admin/summary", guard(self.summary), methods=["GET"], name="admin_summary"),
+            Route("/metrics", guard(self.prometheus), methods=["GET"], name="metrics"),
+            Route("/dashboard", self.dashboard, methods=["GET"], name="dashboard"),
+        ]
 
 
-def openapi_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
-    """The OpenAPI path items of the routes above (merged into the gateway's ``/openapi.json``)."""
-
-    def err(desc: str) -> dict[str, Any]:
-        ref = {"$ref": "#/components/schemas/Error"}
-        return {"description": desc, "content": {"application/json": {"schema": ref}}}
-
-    def ok(desc: str) -> dict[str, Any]:
-        return {"description": desc, "content": {"application/json": {"schema": {"type": "object"}}}}
-
-    def body(props: dict[str, Any], required: list[str], optional: bool = False) -> dict[str, Any]:
-        schema = {"type": "object", "properties": props, "required": required, "additionalProperties": False}
-        return {"required": not optional,
-                "content": {ct: {"schema": schema} for ct in ("application/json", "application/msgpack")}}
-
-    common = {"401": err("missing or wrong bearer token"), "501": err("this runtime has no such control method")}
-    status = ok("the control status (state, epoch, backlog, ...)")
-    epoch = {"type": "integer", "minimum": -1}
-    args = {"type": "array", "description": "positional arguments"}
-    key = {"type": "string", "minLength": 1, "maxLength": 200}
-    return {
-        "/admin/status": {"get": {"summary": "Pause state, last committed epoch, backlog (admin)",
-                                  "security": security, "responses": {"200": status, **common}}},
-        "/admin/pause": {"post": {
-            "summary": "Start no epoch (after epoch N, if given) until resumed (admin)", "security": security,
-            "requestBody": body({"after_epoch": epoch}, [], optional=True),
-            "responses": {"200": status, "400": err("malformed body"), "415": err("unsupported body type"),
-                          **common}}},
-        "/admin/resume": {"post": {
-            "summary": "Let epochs start again (admin)", "security": security,
-            "requestBody": body({}, [], optional=True),
-            "responses": {"200": status, "400": err("malformed body"), "415": err("unsupported body type"),
-                          **common}}},
-        "/admin/rescale": {"post": {
-            "summary": "Change the number of engine partitions at an epoch boundary (and/or the input log's "
-                       "partition count, no pause); answers the pause (admin)",
-            "security": security,
-            "requestBody": body({"partitions": {"type": "integer", "minimum": 1,
-                                                "description": "at most the max_partitions setting"},
-                                 "log_partitions": {"type": "integer", "minimum": 1,
-                                                    "description": "input-log partitions (Spark); at most "
-                                                                   "the max_partitions setting"}},
-                                []),
-            "responses": {"200": ok("{from, to, epoch, keys, wait_s, pause_s, cpu_s, log}"),
-                          "400": err("malformed body, neither count given, or a count out of range"),
-                          "409": err("a rescale is running (or the in-process runtime is paused)"),
-                          "415": err("unsupported body type"),
-                          "503": err("no epoch boundary in time (the engine partitions did not move), or "
-                                     "the runtime is still starting"), **common}}},
-        "/admin/state/{operator}": {"get": {
-            "summary": "An operator's entities as of one committed epoch (admin)", "security": security,
-            "parameters": [
-                {"name": "operator", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}},
-                {"name": "key", "in": "query", "schema": {"type": "array", "items": key}, "style": "form",
-                 "explode": True},
-                {"name": "epoch", "in": "query", "schema": epoch},
-                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}},
-            ],
-            "responses": {"200": ok("{operator, epoch, entities, items, count, truncated}"),
-                          "400": err("invalid key, epoch or limit"), "404": err("unknown operator"),
-                          "410": err("the epoch is not retained"), **common}}},
-        "/admin/update": {"post": {
-            "summary": "A serializable admin update: a function on every entity, alone at an epoch boundary",
-            "security": security,
-            "requestBody": body({"id": {"type": "string", "pattern": _IDEMPOTENCY_KEY.pattern},
-                                 "operator": {"type": "string"}, "function": {"type": "string"}, "args": args,
-                                 "keys": {"type": "array", "items": key}}, ["id", "operator", "function"]),
-            "responses": {"200": ok("{id, transactions, committed, aborted, epochs, repeated}"),
-                          "400": err("malformed body"), "404": err("unknown operator or function"),
-                          "409": err("Paused: the runtime is paused (Spark); resume, then retry"),
-                          "415": err("unsupported body type"), "422": err("bad arguments"), **common}}},
-        "/admin/code": {"post": {
-            "summary": "A code update at an epoch boundary (strict or compatible) to a deployable ref",
-            "security": security,
-            "requestBody": body({
-                "ref": {"type": "string", "description": "module:attribute, among the code_refs setting"},
-                "version": {"type": "string", "minLength": 1, "maxLength": 100},
-                "mode": {"type": "string", "enum": ["strict", "compatible"]},
-                "migration": {"type": "object", "required": ["operator", "function"], "additionalProperties": False,
-                              "properties": {"operator": {"type": "string"}, "function": {"type": "string"},
-                                             "args": args}},
-            }, ["ref", "version"]),
-            "responses": {"200": ok("{version, ref, from_epoch, migration, mode}"), "400": err("malformed body"),
-                          "403": err("not a deployable ref"),
-                          "409": err("Paused: the update needs epochs to run and the runtime is paused"),
-                          "415": err("unsupported body type"), **common}}},
-        "/admin/sql": {"post": {
-            "summary": "One safe SELECT over the operators' state views at one consistent epoch (admin)",
-            "security": security,
-            "requestBody": body({"sql": {"type": "string", "minLength": 1}, "epoch": epoch}, ["sql"]),
-            "responses": {"200": ok("{epoch, columns, rows, truncated, engine}"),
-                          "400": err("malformed body, or SQL that does not parse or resolve"),
-                          "410": err("the epoch is not retained"),
-                          "413": err("the state (StateTooLarge) or the answer (SQLResultTooLarge) is too large"),
-                          "415": err("unsupported body type"),
-                          "422": err("SQL outside the safe subset (SQLRejected), too slow (SQLTimeout) or "
-                                     "needing more memory than the sandbox has (SQLTooExpensive)"),
-                          "429": err("too many SQL queries at once"), **common}}},
-        "/admin/summary": {"get": {"summary": "The dashboard's JSON (admin)", "security": security,
-                                   "responses": {"200": ok("throughput, latency, epochs, status"), **common}}},
-        "/metrics": {"get": {"summary": "Prometheus metrics", "security": security, "responses": {
-            "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
-            "401": err("missing or wrong bearer token")}}},
-        "/dashboard": {"get": {"summary": "The dashboard page (asks for the token)", "responses": {
-            "200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
-    }
+def admin_routes(gw: AdminGateway, metrics: GatewayMetrics) -> list[Route]:
+    """The admin, metrics and dashboard routes over one gateway."""
+    return AdminRoutes(gw, metrics).routes()

@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from charon.core.routing import partition_of
 from charon.messages import Reply, Request
+from charon.runtime.contract import Engine
 
 __all__ = ["GatewayMetrics", "CONTENT_TYPE_LATEST", "MAX_REASONS"]
 
@@ -40,9 +41,9 @@ _ROUND_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 50)
 class GatewayMetrics:
     """The metrics of one gateway (its own registry); ``samples`` bounds the dashboard's latency window."""
 
-    def __init__(self, runtime: Any, partitions: int, *, samples: int = 10_000, epochs_kept: int = 200) -> None:
-        self.runtime = runtime
-        self.partitions = max(1, partitions)
+    def __init__(self, engine: Engine, *, samples: int = 10_000, epochs_kept: int = 200) -> None:
+        self.engine = engine
+        self.partitions = max(1, engine.partitions)
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.tx = Counter("charon_transactions", "Transactions answered, by outcome and abort reason.",
                           ["outcome", "reason"], registry=r)
@@ -72,9 +73,8 @@ class GatewayMetrics:
         self.g_stuck = Gauge("charon_engine_stuck_seconds", "How long a function has held the engine past its "
                              "budget (0: none).", registry=r)
         self.code = Info("charon_code", "The deployed application and its code version.", registry=r)
-        app = getattr(runtime, "app", None)
-        self._version = str(getattr(app, "version", "1"))
-        self.code.info({"app": str(getattr(app, "name", "")), "version": self._version})
+        self._version = engine.version_at(0)
+        self.code.info({"app": engine.app.name, "version": self._version})
         self._reasons: set[str] = set()
         self._lock = threading.Lock()
         self._last_epoch_seen = -1
@@ -95,11 +95,8 @@ class GatewayMetrics:
         self._load[p] += 1
 
     def _runtime_partitions(self) -> int:
-        """The runtime's engine partition count now (in-process ``partitions``, Spark ``config.partitions``)."""
-        n = getattr(self.runtime, "partitions", None)
-        if not isinstance(n, int):
-            n = getattr(getattr(self.runtime, "config", None), "partitions", None)
-        return max(1, n) if isinstance(n, int) else self.partitions
+        """The engine's partition count now."""
+        return max(1, self.engine.partitions)
 
     def observe_reply(self, rep: Reply, latency: float) -> None:
         """A reply came back after ``latency`` seconds."""
@@ -120,8 +117,7 @@ class GatewayMetrics:
 
     # -- read at scrape time ------------------------------------------------------------------------------
     def _ingest_epochs(self) -> None:
-        stats = list(getattr(self.runtime, "epoch_stats", []) or [])
-        spark = type(self.runtime).__name__ == "SparkRuntime"
+        stats = list(self.engine.epoch_stats())
         with self._lock:
             for s in stats:
                 e = int(s.get("epoch", -1))
@@ -133,8 +129,8 @@ class GatewayMetrics:
                 self.epoch_duration.observe(float(s.get("duration_ms", 0.0)) / 1000.0)
                 self.epoch_size.observe(size)
                 self.epoch_rounds.observe(float(s.get("rounds", 0)))
-                if spark:
-                    self.epoch_jobs.observe(float(s.get("spark_jobs", 0)))
+                if "spark_jobs" in s:  # engines that run epochs as jobs (Spark)
+                    self.epoch_jobs.observe(float(s["spark_jobs"]))
                 self.epoch_tx.inc(size)
                 aborted = float(s.get("aborted", 0))
                 self.epoch_aborted.inc(aborted)
@@ -145,8 +141,8 @@ class GatewayMetrics:
                                      "rounds": float(s.get("rounds", 0)), "deferred": float(s.get("deferred", 0))})
 
     def _status(self) -> dict[str, Any]:
-        probe = getattr(self.runtime, "control_status", None)
-        return probe() if probe is not None else {}
+        controls = self.engine.controls
+        return controls.status_now().doc() if controls is not None else {}
 
     def refresh(self, inflight: int) -> dict[str, Any]:
         """Update the scrape-time gauges; returns the runtime's control status."""
@@ -163,7 +159,7 @@ class GatewayMetrics:
         self.g_stuck.set(float(stuck["seconds"]) if stuck else 0.0)
         if "code_version" in st and st["code_version"] != self._version:
             self._version = str(st["code_version"])
-            self.code.info({"app": str(getattr(self.runtime.app, "name", "")), "version": self._version})
+            self.code.info({"app": self.engine.app.name, "version": self._version})
         return st
 
     def exposition(self, inflight: int) -> bytes:
@@ -192,5 +188,5 @@ class GatewayMetrics:
             "latency_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)},
             "epochs": list(self._epochs)[-60:], "partition_load": list(self._load) if len(self._load) ==
             self._runtime_partitions() else [0] * self._runtime_partitions(),
-            "code": {"app": str(getattr(getattr(self.runtime, "app", None), "name", "")), "version": self._version},
+            "code": {"app": self.engine.app.name, "version": self._version},
         }

@@ -29,7 +29,8 @@ class MemoryStore:
         self.epoch = -1
 
     def get(self, key: bytes) -> bytes | None:
-        return self.data.get(key)
+        value: bytes | None = self.data.get(key)  # SortedDict is untyped
+        return value
 
     def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         data = self.data

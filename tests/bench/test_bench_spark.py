@@ -16,7 +16,8 @@ from charon.bench.spark import app_ref, bulk_load, load_spec
 from charon.config import SparkConfig
 from charon.core.routing import split_store_key
 from charon.messages import Request
-from charon.runtime.spark.runtime import SparkRuntime, replay_in_process
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.testing import replay_in_process
 
 pytestmark = pytest.mark.spark
 

@@ -20,7 +20,7 @@ import pytest
 from charon.client import Client
 from charon.config import GatewayConfig
 from charon.errors import TransactionAborted
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "c0ntract"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -16,7 +16,7 @@ import pytest
 
 from charon.client import Client
 from charon.errors import TransactionAborted
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support" / "repros"))  # mistakes_app
 TOKEN = "d3t"

@@ -20,7 +20,7 @@ import pytest
 from charon.apps import ycsb
 from charon.client import Client
 from charon.config import GatewayConfig
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "sq1"
 N = 40

@@ -22,7 +22,7 @@ from charon.core import partition
 from charon.core.epoch import EpochCoordinator, RestJob, run_rest
 from charon.core.partition import PartitionUnit
 from charon.runtime.inprocess import LocalExchange
-from charon.runtime.spark.runtime import SparkExchange
+from charon.runtime.spark.exchange import SparkExchange
 from charon.state.durable import DurableState
 from charon.state.store import MemoryStore
 from charon.testing import check_epoch

@@ -151,7 +151,7 @@ def test_typed_errors_abort_only_their_transaction(plan, error, live, monkeypatc
 def _pickled_coordinator(tmp: str, parts: int, one_task: bool):
     from charon.config import SparkConfig
     from charon.core.epoch import EpochCoordinator
-    from charon.runtime.spark.runtime import SparkExchange
+    from charon.runtime.spark.exchange import SparkExchange
     from charon.state.durable import DurableState
 
     class LocalJobExchange(SparkExchange):

@@ -19,7 +19,7 @@ from charon.config import SparkConfig
 from charon.core import partition
 from charon.core.epoch import EpochCoordinator
 from charon.core.routing import partition_of, split_store_key
-from charon.runtime.spark.runtime import SparkExchange
+from charon.runtime.spark.exchange import SparkExchange
 from charon.state.durable import DurableState
 
 SCALE = tpcc.Scale(districts=2, customers=30, items=200)

@@ -21,7 +21,7 @@ from charon.config import SparkConfig
 from charon.core import partition
 from charon.core.epoch import EpochCoordinator
 from charon.core.routing import partition_of, store_key
-from charon.runtime.spark.runtime import SparkExchange
+from charon.runtime.spark.exchange import SparkExchange
 from charon.state.durable import DurableState
 
 pytestmark = pytest.mark.usefixtures("fresh_means_empty")  # see conftest.py

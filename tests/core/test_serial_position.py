@@ -18,7 +18,7 @@ from charon.core.routing import partition_of
 from charon.errors import TransactionAborted
 from charon.log.sqlite import OutputLog
 from charon.messages import Reply
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 from charon.testing import check_epoch, serial_execute
 
 acct = Operator("acct")

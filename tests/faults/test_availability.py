@@ -12,8 +12,8 @@ import pytest
 from natsfix import NatsServer
 
 from charon.apps.ycsb import app
+from charon.runtime.contract import RescaleOutcome
 from charon.runtime.remote import LogRuntime
-from charon.server.admin import _rescale_info
 
 
 @pytest.mark.nats  # a real nats-server
@@ -49,9 +49,10 @@ def test_a_log_only_rescale_answer_has_no_engine_fields() -> None:
     """``charon rescale --log-partitions M`` alone: the answer names the log's resize only (no null engine
     fields suggesting an engine rescale that did not happen)."""
     log = {"from": 2, "to": 3, "physical": 3, "epoch": 7, "switch_s": 0.01, "cpu_s": 0.001}
-    assert _rescale_info(object(), None, 0.0, log) == {"log": log}
+    assert RescaleOutcome(log=log, engine_moved=False).doc() == {"log": log}
     engine = {"from": 2, "to": 3, "epoch": 7, "keys": 10, "wait_s": 0.1, "pause_s": 0.2, "cpu_s": 0.05}
-    assert _rescale_info(object(), engine, 0.3) == {**engine, "log": None}
+    moved = RescaleOutcome(from_=2, to=3, epoch=7, keys=10, wait_s=0.1, pause_s=0.2, cpu_s=0.05)
+    assert moved.doc() == {**engine, "log": None}
 
 
 def test_a_runtime_hold_survives_a_user_resume_and_keeps_the_users_pause() -> None:

@@ -17,7 +17,7 @@ import httpx
 import msgspec
 import pytest
 
-from charon.server.gateway import free_port
+from charon.server.serve import free_port
 
 HERE = Path(__file__).resolve().parents[1] / "support"
 TOKEN = "s3cret"

@@ -7,7 +7,7 @@ import httpx
 
 from charon import InProcessRuntime
 from charon.apps import ycsb
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 
 def test_health_that_raises_is_a_503_naming_why() -> None:

@@ -21,7 +21,9 @@ from charon.config import SparkConfig
 from charon.core.routing import store_key
 from charon.errors import EngineUnavailable
 from charon.messages import Request
-from charon.runtime.spark.runtime import TICK, LayoutMismatch, SparkRuntime, master_with_retries
+from charon.runtime.spark.layout import LayoutMismatch
+from charon.runtime.spark.runtime import TICK, SparkRuntime
+from charon.runtime.spark.session import master_with_retries
 
 APP = "charon.apps.ycsb:app"
 CHARON = str(Path(sys.executable).parent / "charon")

@@ -22,8 +22,9 @@ from charon.cli import app as cli_app
 from charon.client import Client, Paused
 from charon.config import GatewayConfig, SparkConfig
 from charon.errors import EngineUnavailable
-from charon.runtime.spark.runtime import SparkRuntime, read_layout
-from charon.server.gateway import BackgroundServer
+from charon.runtime.spark.layout import read_layout
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.server.serve import BackgroundServer
 
 pytestmark = pytest.mark.spark
 TOKEN = "t0k"

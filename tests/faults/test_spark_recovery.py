@@ -22,7 +22,9 @@ import pytest
 from spark_driver import Driver, check_result, driver_args, last_epoch, make_config, transfers
 
 from charon.log.sqlite import InputLog
-from charon.runtime.spark.runtime import EpochRecord, SparkRuntime, crash_point
+from charon.runtime.faults import crash_point
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.state.records import EpochRecord
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(1500)]
 
@@ -67,7 +69,7 @@ def test_crash_point_is_inert_without_the_variable(monkeypatch: pytest.MonkeyPat
     crash_point("after_finalize", 3)
     crash_point("before_epoch", 4)
     # ... and fires (SIGKILL) on an exact match, in a child process
-    code = "from charon.runtime.spark.runtime import crash_point; crash_point('after_finalize', 4); print('alive')"
+    code = "from charon.runtime.faults import crash_point; crash_point('after_finalize', 4); print('alive')"
     import subprocess
     import sys
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from charon import InProcessRuntime, Request, serde
-from charon.server.gateway import free_port
+from charon.server.serve import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from hostile_app import app  # noqa: E402

@@ -16,7 +16,7 @@ from charon import serde
 from charon.config import SparkConfig
 from charon.messages import Request
 from charon.runtime.spark.runtime import SparkRuntime
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 pytestmark = pytest.mark.spark
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))

@@ -11,7 +11,8 @@ from charon import serde
 from charon.config import SparkConfig
 from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply, Request
-from charon.runtime.spark.runtime import TICK, EpochRecord, SparkRuntime
+from charon.runtime.spark.runtime import TICK, SparkRuntime
+from charon.state.records import EpochRecord
 
 
 def _req(rid: str, key: str = "k") -> Request:

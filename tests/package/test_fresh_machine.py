@@ -92,7 +92,7 @@ PROBE = textwrap.dedent(
     """
     import os, sys
     from charon.config import SparkConfig
-    from charon.runtime.spark.runtime import make_session, spark_log_path
+    from charon.runtime.spark.session import make_session, spark_log_path
 
     cfg = SparkConfig(master="local[1]", data_dir=sys.argv[1], partitions=1)
     spark = make_session(cfg)

@@ -30,7 +30,7 @@ ALLOWED = {
     "state": set(),
     "log": {"charon.core."},
     "runtime": {"charon.core.", "charon.state.", "charon.log."},
-    "server": {"charon.core.", "charon.log."},
+    "server": {"charon.core.", "charon.log.", "charon.runtime.contract"},  # engines only through the contract
 }
 
 
@@ -54,10 +54,24 @@ def is_module(name: str) -> bool:
     return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every ``charon`` module the file imports anywhere (function bodies and TYPE_CHECKING included)."""
+def _typing_only(tree: ast.Module) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:`` (imports for the type checker, never executed)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skip
+
+
+def imports_of(path: Path, typing: bool = True) -> set[str]:
+    """Every ``charon`` module the file imports anywhere (function bodies included; TYPE_CHECKING blocks too
+    unless ``typing`` is False)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skip = set() if typing else _typing_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "charon"}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -71,8 +85,8 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    return {module_name(p): imports_of(p) for p in sorted(PKG.rglob("*.py"))}
+def import_graph(typing: bool = True) -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p, typing) for p in sorted(PKG.rglob("*.py"))}
 
 
 def violations(graph: dict[str, set[str]]) -> list[str]:
@@ -120,6 +134,161 @@ def test_layer_check_rejects_wrong_directions() -> None:
         "charon.state.store (state) imports charon.core.routing",
         "charon.log.sqlite (log) imports charon",
     ]
+
+
+#: Import cycles that exist today (each a strongly connected set of modules), being removed by issue 21's split
+#: of the runtimes and the gateway. A cycle among modules of one of these sets passes (a set may shrink); any other
+#: fails, and so does an entry that no cycle needs any more (remove it).
+KNOWN_CYCLES: list[frozenset[str]] = []  # none: keep it so
+#: Imports of another module's private name that exist today: (importer, module, name). Others fail, and so does
+#: an entry no module makes any more (remove it).
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()  # none: keep it so
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph`` as its strongly connected sets of modules (Tarjan; each sorted, a module
+    importing itself is one): every module of a set reaches every other (a set may hold several cycles)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                found.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [sorted(c) for c in sorted(found, key=sorted)]
+
+
+def cycle_path(graph: dict[str, set[str]], members: list[str]) -> list[str]:
+    """A shortest import cycle through ``members[0]`` within ``members`` (breadth first): ``[a, b, ..., a]``."""
+    start, inside = members[0], set(members)
+    prev: dict[str, str] = {}
+    queue = [start]
+    while queue:
+        v = queue.pop(0)
+        for w in sorted(graph.get(v, ())):
+            if w == start:
+                path = [v]
+                while path[-1] != start:
+                    path.append(prev[path[-1]])
+                return [*reversed(path), start]
+            if w in inside and w not in prev:
+                prev[w] = v
+                queue.append(w)
+    raise AssertionError(f"no cycle through {start}")  # pragma: no cover - members come from cycles()
+
+
+def private_imports(paths: list[Path]) -> set[tuple[str, str, str]]:
+    """``(importer, module, name)`` for every ``from charon.x import _name`` (function bodies included) where
+    ``_name`` is private (one leading underscore) and ``charon.x`` is another module than the importer."""
+    found: set[tuple[str, str, str]] = set()
+    for path in paths:
+        importer = module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module != importer \
+                    and node.module.split(".")[0] == "charon":
+                found |= {(importer, node.module, a.name) for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")}
+            elif isinstance(node, ast.Import):
+                found |= {(importer, a.name, "") for a in node.names if a.name.split(".")[0] == "charon"
+                          and any(p.startswith("_") and not p.startswith("__") for p in a.name.split("."))}
+    return found
+
+
+def cycle_problems(graph: dict[str, set[str]], known: list[frozenset[str]]) -> list[str]:
+    found = cycles(graph)
+    bad = [" -> ".join(cycle_path(graph, c)) + f"  (the cycle's modules: {', '.join(c)})"
+           for c in found if not any(set(c) <= k for k in known)]
+    bad += [f"KNOWN_CYCLES lists {sorted(k)}: no cycle among them any more, remove the entry"
+            for k in known if not any(set(c) <= k for c in found)]
+    return bad
+
+
+def test_no_import_cycles() -> None:
+    """No cycle among the modules' imports as they run: every import counts, function-local ones included.
+    Imports under ``if TYPE_CHECKING:`` never run and are left out: an engine and the runtime it faces name each
+    other's types there (``charon.runtime.inprocess_engine`` / ``inprocess``), which is no dependency at run time."""
+    graph = import_graph(typing=False)
+    assert graph["charon.core.epoch"]  # the parser sees edges (an empty graph has no cycle)
+    problems = cycle_problems(graph, KNOWN_CYCLES)
+    assert not problems, "import cycles (function-local imports included):\n  " + "\n  ".join(problems)
+
+
+def test_typing_only_imports_are_told_apart() -> None:
+    """The cycle check's view leaves out exactly the TYPE_CHECKING imports (the engines name their runtime's
+    type there), and the layer check still sees them."""
+    path = PKG / "runtime" / "inprocess_engine.py"
+    assert "charon.runtime.inprocess" in imports_of(path)
+    assert "charon.runtime.inprocess" not in imports_of(path, typing=False)
+    assert "charon.runtime.contract" in imports_of(path, typing=False)
+
+
+def test_cycle_check_finds_and_prints_cycles() -> None:
+    graph = {
+        "charon.a": {"charon.b", "charon.errors"}, "charon.b": {"charon.c"}, "charon.c": {"charon.a"},
+        "charon.d": {"charon.d"}, "charon.e": {"charon.a"}, "charon.errors": set(),
+    }
+    assert cycles(graph) == [["charon.a", "charon.b", "charon.c"], ["charon.d"]]
+    assert cycle_path(graph, ["charon.a", "charon.b", "charon.c"]) == ["charon.a", "charon.b", "charon.c", "charon.a"]
+    assert cycle_problems(graph, [frozenset({"charon.a", "charon.b", "charon.c", "charon.x"})]) == [
+        "charon.d -> charon.d  (the cycle's modules: charon.d)"]
+    assert cycle_problems(graph, [frozenset({"charon.a", "charon.b"}), frozenset({"charon.d"}),
+                                  frozenset({"charon.x", "charon.y"})]) == [
+        "charon.a -> charon.b -> charon.c -> charon.a  (the cycle's modules: charon.a, charon.b, charon.c)",
+        "KNOWN_CYCLES lists ['charon.a', 'charon.b']: no cycle among them any more, remove the entry",
+        "KNOWN_CYCLES lists ['charon.x', 'charon.y']: no cycle among them any more, remove the entry",
+    ]
+
+
+def test_no_private_imports_across_modules() -> None:
+    found = private_imports(sorted(PKG.rglob("*.py")))
+    new = [f"{m} imports {n} from {src}" for m, src, n in sorted(found - KNOWN_PRIVATE)]
+    gone = [f"KNOWN_PRIVATE lists {e}: no module imports it any more, remove the entry"
+            for e in sorted(KNOWN_PRIVATE - found)]
+    assert not new + gone, ("imports of another module's private name (make it public where it lives, or move "
+                            "the code that needs it there):\n  " + "\n  ".join(new + gone))
+
+
+def test_private_import_check_sees_them(tmp_path: Path) -> None:
+    pkg = tmp_path / "charon"
+    (pkg / "x").mkdir(parents=True)
+    src = pkg / "x" / "y.py"
+    src.write_text("from charon.x.z import _hidden, public, __version__\n"
+                   "def f():\n    from charon.core.partition import _TOKENS\n    import charon.x._impl\n")
+    (pkg / "x" / "z.py").write_text("from charon.x.z import _self_is_fine\n")
+    rel = {p: p for p in (src, pkg / "x" / "z.py")}
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        got = private_imports(list(rel))
+    finally:
+        ROOT = saved
+    assert got == {("charon.x.y", "charon.x.z", "_hidden"), ("charon.x.y", "charon.core.partition", "_TOKENS"),
+                   ("charon.x.y", "charon.x._impl", "")}
 
 
 def test_every_layer_documents_its_rules() -> None:

@@ -15,7 +15,7 @@ from charon import Application, InProcessRuntime, Operator, Request, serde
 from charon.client import Call, Client
 from charon.errors import BadArguments, IdempotencyConflict, InvalidKey, TransactionAborted, UnknownFunction
 from charon.operator import BATCH_OPERATOR, batch_request
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 from charon.testing import check_epoch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))

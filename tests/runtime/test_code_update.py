@@ -14,7 +14,7 @@ from charon import InProcessRuntime
 from charon.client import Client
 from charon.config import GatewayConfig
 from charon.errors import CharonError
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "c0de"
 N = 40

@@ -18,7 +18,7 @@ from charon import InProcessRuntime, Request, serde
 from charon.client import Client
 from charon.config import GatewayConfig
 from charon.errors import CharonError
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "c0mpat"
 KEYS = [f"a{i}" for i in range(6)]

@@ -11,7 +11,7 @@ import pytest
 
 from charon import InProcessRuntime, TransactionAborted
 from charon.client import Client
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from hostile_app import app  # noqa: E402

@@ -18,7 +18,7 @@ from charon import serde
 from charon.messages import Request
 from charon.runtime.inprocess import InProcessRuntime
 from charon.runtime.node import EPOCH_MARK, NodeError, NodeStorage
-from charon.server.gateway import free_port
+from charon.server.serve import free_port
 
 TESTS = Path(__file__).resolve().parents[1] / "support"
 sys.path.insert(0, str(TESTS))

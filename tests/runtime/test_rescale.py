@@ -18,6 +18,7 @@ from charon import InProcessRuntime, Request, serde
 from charon.apps.holds import app
 from charon.core import timers
 from charon.core.routing import partition_of
+from charon.runtime.inprocess_engine import InProcessEngine
 from charon.testing import check_epoch
 
 KEYS = [f"k{i}" for i in range(40)]
@@ -134,18 +135,19 @@ async def test_durable_rescale_under_load_2_4_3(tmp_path: Path) -> None:
 def test_charon_run_without_a_count_keeps_a_rescaled_layout(tmp_path: Path) -> None:
     """``charon run`` without --partitions (or CHARON_PARTITIONS) reopens a rescaled directory at its recorded
     count, not at the default 4 (a restart must not undo an operator's rescale)."""
-    from charon.cli import make_runtime
+    from charon.runtime.factory import EngineSpec, make_engine
 
     rt = InProcessRuntime(app, partitions=2, data_dir=str(tmp_path))
     rt.load("acct", {k: 100 for k in KEYS})
     asyncio.run(rt.rescale(3))
     rt.close()
-    again = make_runtime("charon.apps.holds:app", "inprocess", None, str(tmp_path))
+    again = make_engine(EngineSpec("inprocess", "charon.apps.holds:app", data_dir=str(tmp_path)))
+    assert isinstance(again, InProcessEngine)
     try:
-        assert again.partitions == 3 and again.rescale_pauses == [] and placed_right(again)
+        assert again.partitions == 3 and again.rt.rescale_pauses == [] and placed_right(again.rt)
     finally:
         again.close()
-    fresh = make_runtime("charon.apps.holds:app", "inprocess", None, str(tmp_path / "new"))
+    fresh = make_engine(EngineSpec("inprocess", "charon.apps.holds:app", data_dir=str(tmp_path / "new")))
     try:
         assert fresh.partitions == 4
     finally:

@@ -335,7 +335,7 @@ def test_http_admin_lists_timers_with_the_token() -> None:
     import httpx
 
     from charon.client import Client, Unauthorized
-    from charon.server.gateway import BackgroundServer
+    from charon.server.serve import BackgroundServer
 
     rt = InProcessRuntime(app, partitions=2, epoch_max_ms=1.0)
     rt.load("acct", {"a": 50})

@@ -35,7 +35,7 @@ from charon.errors import (
     UnknownOperator,
 )
 from charon.runtime.inprocess import InProcessRuntime
-from charon.server.gateway import BackgroundServer, free_port
+from charon.server.serve import BackgroundServer, free_port
 
 TOKEN = "client-test-token"
 

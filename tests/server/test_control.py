@@ -14,7 +14,7 @@ from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.client import Client
 from charon.errors import CharonError
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "s3cret"
 N_ACCOUNTS = 60

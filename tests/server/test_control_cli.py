@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.cli import app
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "cli-t0ken"
 CHARON = str(Path(sys.executable).parent / "charon")

@@ -14,7 +14,7 @@ from charon.client import Client
 from charon.config import SparkConfig
 from charon.errors import TransactionAborted
 from charon.runtime.spark.runtime import SparkRuntime
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 pytestmark = pytest.mark.spark
 TOKEN = "t0ken"

@@ -19,7 +19,7 @@ import pytest
 from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.client import Client
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")

@@ -12,7 +12,7 @@ import pytest
 
 from charon import Application, Context, Operator
 from charon.runtime.inprocess import InProcessRuntime
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "gw-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 
 from charon import Application, Context, Operator
 from charon.runtime.inprocess import InProcessRuntime
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -20,8 +20,9 @@ from charon.core.routing import MAX_KEY_BYTES
 from charon.log.client import LogClient
 from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply
+from charon.runtime.contract import Engine
 from charon.runtime.inprocess import InProcessRuntime
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "hostile-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -288,14 +289,30 @@ def test_slow_state_read_does_not_block_the_gateway(server: BackgroundServer) ->
 # ------------------------------------------------------------------------------------------------ restart
 
 
-class LogRuntime:
-    """A runtime front over the embedded logs with no engine attached (the engine is elsewhere or down)."""
+class LogRuntime(Engine):
+    """An engine front over the embedded logs with no engine attached (the engine is elsewhere or down)."""
+
+    kind = "test-log-front"
 
     def __init__(self, d: str) -> None:
-        self.app = APP
-        self.input_log = InputLog(os.path.join(d, "in.sqlite"), 2)
+        self._input_log = InputLog(os.path.join(d, "in.sqlite"), 2)
         self.output_log = OutputLog(os.path.join(d, "out.sqlite"))
         self._client: LogClient | None = None
+
+    @property
+    def app(self) -> Any:
+        return APP
+
+    @property
+    def partitions(self) -> int:
+        return 1
+
+    @property
+    def input_log(self) -> Any:
+        return self._input_log
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "ok": True}
 
     async def start(self) -> None:
         self._client = LogClient(self.input_log, self.output_log)
@@ -303,15 +320,15 @@ class LogRuntime:
     async def stop(self) -> None:
         pass
 
-    async def submit(self, operator: str, key: str, function: str, args: list, *, request_id: str | None = None
-                     ) -> Reply:
+    async def submit(self, operator: str, key: str, function: str, args: list[Any], *,
+                     request_id: str | None = None) -> Reply:
         assert self._client is not None
         return await self._client.submit(operator, key, function, args, request_id=request_id)
 
     def get_reply(self, request_id: str) -> Reply | None:
         return self.output_log.get(request_id)
 
-    def read_state(self, operator: str, key: str) -> Any:
+    def read_state(self, operator: str, key: str, default: Any = None) -> Any:
         return None
 
 
@@ -376,6 +393,6 @@ def test_openapi_bodies_are_strict_and_valid(server: BackgroundServer) -> None:
 def test_runtime_record_ids_are_reserved() -> None:
     """The ids the runtimes write for themselves fall under the prefix the gateway refuses."""
     from charon.runtime.spark.runtime import TICK
-    from charon.server.gateway import RESERVED_ID_PREFIX
+    from charon.server.wire import RESERVED_ID_PREFIX
 
     assert TICK.startswith(RESERVED_ID_PREFIX)

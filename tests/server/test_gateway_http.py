@@ -12,8 +12,8 @@ import pytest
 from charon import Application, Operator
 from charon.config import GatewayConfig
 from charon.runtime.inprocess import InProcessRuntime
-from charon.server import gateway
-from charon.server.gateway import BackgroundServer
+from charon.server import http as server_http
+from charon.server.serve import BackgroundServer
 
 box = Operator("box")
 
@@ -46,8 +46,8 @@ def _recv_all(s: socket.socket, timeout: float = 5.0) -> bytes:
 
 def test_httptools_protocol_is_used_when_installed() -> None:
     pytest.importorskip("httptools")
-    cfg = gateway.uvicorn_config(None, "127.0.0.1", 0, GatewayConfig())
-    assert issubclass(cfg.http, gateway._GuardedHttpTools)  # type: ignore[arg-type]
+    cfg = server_http.uvicorn_config(None, "127.0.0.1", 0, GatewayConfig())
+    assert issubclass(cfg.http, server_http.GuardedHttpTools)  # type: ignore[arg-type]
 
 
 def test_a_head_within_the_limit_is_served(server: BackgroundServer) -> None:

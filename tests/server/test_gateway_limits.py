@@ -12,12 +12,12 @@ from pathlib import Path
 
 import httpx
 
-from charon.server.gateway import free_port
+from charon.server.serve import free_port
 
 SERVER = """
 import sys
 from charon import Application, Context, Operator
-from charon.server.gateway import serve
+from charon.server.serve import serve
 from charon.runtime.inprocess import InProcessRuntime
 
 c = Operator("c")

@@ -22,7 +22,7 @@ from charon.cli import app as cli_app
 from charon.client import AsyncClient, BadRequest, Client, RescaleRunning, Unauthorized
 from charon.config import GatewayConfig
 from charon.errors import TransactionAborted
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "s3cret"
 SOURCES = 40  # accounts the clients take money from
@@ -172,7 +172,8 @@ def test_second_rescale_while_one_runs_is_409(tmp_path: Path) -> None:
 def test_rescale_route_on_spark(tmp_path: Path) -> None:
     pytest.importorskip("pyspark")
     from charon.config import SparkConfig
-    from charon.runtime.spark.runtime import SparkRuntime, read_layout
+    from charon.runtime.spark.layout import read_layout
+    from charon.runtime.spark.runtime import SparkRuntime
 
     cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path), partitions=2, log_partitions=1, idle_wait_ms=100)
     rt = SparkRuntime("charon.apps.ycsb:app", cfg)

@@ -17,7 +17,10 @@ from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.client import BadRequest, Client
 from charon.config import GatewayConfig
-from charon.server.gateway import BackgroundServer, create_app, uvicorn_config
+from charon.runtime.inprocess_engine import InProcessEngine
+from charon.server.gateway import create_app
+from charon.server.http import uvicorn_config
+from charon.server.serve import BackgroundServer
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -167,27 +170,30 @@ def test_a_log_rescale_on_the_inprocess_engine_is_501_and_moves_nothing(body: di
     rt.close()
 
 
-class _SlowStart(InProcessRuntime):
-    """An in-process runtime whose start blocks (as the Spark runtime's does for ~20 s) until released."""
+class _SlowStart(InProcessEngine):
+    """An in-process engine whose start takes long (as the Spark engine's does, ~20 s) until released."""
 
-    def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
+    slow_start = True
+
+    def __init__(self, rt: InProcessRuntime) -> None:
+        super().__init__(rt)
         self.release = threading.Event()
 
-    def start(self) -> None:  # type: ignore[override]
-        self.release.wait(30)
+    async def start(self) -> None:
+        await asyncio.to_thread(self.release.wait, 30)
 
-    def stop(self) -> None:  # type: ignore[override]
+    async def stop(self) -> None:
         self.release.set()
 
 
 def test_a_rescale_while_the_runtime_starts_is_503_and_moves_nothing() -> None:
     """While a blocking start runs in the background (``charon run --engine spark``: ~20 s), a rescale used to
     move the stopped runtime's state while the query was being started from the old layout."""
-    rt = _SlowStart(ycsb.app, partitions=2, epoch_max_ms=2.0)
+    rt = InProcessRuntime(ycsb.app, partitions=2, epoch_max_ms=2.0)
     rt.load("account", ycsb.initial_state(20, 100))
-    srv = BackgroundServer(rt, token=TOKEN)
-    srv.app = create_app(rt, token=TOKEN, manage_runtime=True, background_start=True)
+    engine = _SlowStart(rt)
+    srv = BackgroundServer(engine, token=TOKEN)
+    srv.app = create_app(engine, token=TOKEN, manage_runtime=True, background_start=True)
     srv.server = uvicorn.Server(uvicorn_config(srv.app, srv.host, srv.port, srv.app.config))
     with srv:
         assert httpx.get(srv.url + "/health").json()["status"] == "starting"
@@ -195,7 +201,7 @@ def test_a_rescale_while_the_runtime_starts_is_503_and_moves_nothing() -> None:
         assert r.status_code == 503 and r.json()["error"]["type"] == "Unavailable", r.text
         assert "Retry-After" in r.headers and "starting" in r.json()["error"]["message"]
         assert rt.partitions == 2 and rt.rescale_pauses == []
-        rt.release.set()
+        engine.release.set()
         deadline = time.monotonic() + 10
         while httpx.get(srv.url + "/health").json().get("status") == "starting":
             assert time.monotonic() < deadline

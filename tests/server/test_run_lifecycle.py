@@ -19,7 +19,7 @@ import pytest
 from charon import serde
 from charon.config import SparkConfig
 from charon.core.routing import store_key
-from charon.server.gateway import free_port
+from charon.server.serve import free_port
 
 TOKEN = "lifecycle-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

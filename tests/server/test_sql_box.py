@@ -18,7 +18,7 @@ from charon.client import AsyncClient, Client
 from charon.config import GatewayConfig
 from charon.errors import CharonError
 from charon.runtime.contract import SQLRejected, SQLSyntaxError, StateTooLarge
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 TOKEN = "sql-t0ken"
 N = 60

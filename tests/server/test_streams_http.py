@@ -16,7 +16,7 @@ from charon.client import AsyncClient, BadRequest, Client, Event, Unauthorized
 from charon.config import GatewayConfig
 from charon.errors import InvalidKey, TransactionAborted
 from charon.runtime.inprocess import InProcessRuntime
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from streams_app import app as ledger  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 from charon.client import Client
 from charon.config import GatewayConfig, SparkConfig
 from charon.runtime.spark.runtime import SparkRuntime
-from charon.server.gateway import BackgroundServer
+from charon.server.serve import BackgroundServer
 
 pytestmark = pytest.mark.spark
 TOKEN = "c0de"

@@ -26,7 +26,9 @@ from charon.apps import holds
 from charon.config import SparkConfig
 from charon.core.routing import store_key
 from charon.core.sequencer import Sequencer
-from charon.runtime.spark.runtime import SparkRuntime, read_layout, replay_in_process
+from charon.runtime.spark.layout import read_layout
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.testing import replay_in_process
 
 APP = "charon.apps.holds:app"
 
@@ -110,7 +112,7 @@ def test_sigkill_around_the_log_switch_restarts_at_the_recorded_count(tmp_path: 
 @pytest.mark.spark
 @pytest.mark.parametrize("backend", ["sqlite", "nats"])
 def test_spark_log_2_4_3_under_gateway_load(tmp_path: Path, backend: str) -> None:
-    from charon.server.gateway import BackgroundServer
+    from charon.server.serve import BackgroundServer
 
     srv_nats = NatsServer(tmp_path / "nats").start() if backend == "nats" else None
     url = f"{srv_nats.url}/logscale" if srv_nats is not None else None

@@ -12,7 +12,8 @@ import pytest
 from charon import Deployment, InProcessRuntime
 from charon.apps.orderflow import check_conservation, orders_app, payments_app, shipping_app
 from charon.config import SparkConfig
-from charon.runtime.spark.runtime import SparkRuntime, replay_in_process
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.testing import replay_in_process
 
 pytestmark = pytest.mark.spark
 

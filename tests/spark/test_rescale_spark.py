@@ -33,7 +33,11 @@ from charon.apps import holds
 from charon.config import SparkConfig
 from charon.core import timers
 from charon.core.routing import partition_of, store_key
-from charon.runtime.spark.runtime import SparkRuntime, _write_bases, read_layout, replay_in_process
+from charon.runtime.spark.engine import SparkEngine
+from charon.runtime.spark.layout import read_layout
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.runtime.spark.tasks import write_bases
+from charon.testing import replay_in_process
 
 APP = "charon.apps.holds:app"
 KEYS = [f"k{i}" for i in range(40)]
@@ -67,7 +71,7 @@ def _seed(rt: SparkRuntime) -> dict[bytes, bytes]:
     """Accounts as a bulk load writes them (bases at epoch -1), without a Spark job."""
     rows = [("acct", k, "", serde.encode(100)) for k in KEYS] + [("acct", k, "\x01note:x", serde.encode(1))
                                                                   for k in KEYS[:5]]
-    list(_write_bases(rt.durable.root, rt.config.partitions, rows))
+    list(write_bases(rt.durable.root, rt.config.partitions, rows))
     return rt.snapshot()
 
 
@@ -159,10 +163,11 @@ def test_stopped_runtime_rescales_and_reopening_rescales(tmp_path: Path) -> None
     assert kept_log.snapshot() == before
     with pytest.raises(ValueError):
         three.rescale(0)
-    from charon.cli import make_runtime
+    from charon.runtime.factory import EngineSpec, make_engine
 
-    kept = make_runtime(APP, "spark", None, str(tmp_path))  # `charon run` without --partitions: no rescale
-    assert kept.config.partitions == 3 and kept.rescale_pauses == [] and kept.snapshot() == before
+    kept = make_engine(EngineSpec("spark", APP, data_dir=str(tmp_path)))  # `charon run` without --partitions
+    assert isinstance(kept, SparkEngine)
+    assert kept.partitions == 3 and kept.rt.rescale_pauses == [] and kept.rt.snapshot() == before
 
 
 _CRASH = """
@@ -225,7 +230,7 @@ def _epochs_pass(rt: SparkRuntime, n: int, timeout: float = 180.0) -> None:
 
 @pytest.mark.spark
 def test_spark_rescale_2_4_3_under_gateway_load(tmp_path: Path) -> None:
-    from charon.server.gateway import BackgroundServer
+    from charon.server.serve import BackgroundServer
 
     cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path), partitions=2, max_batch=200, truncate_log=False,
                       compact_every=3, timer_poll_ms=20)
@@ -335,7 +340,7 @@ def test_spark_driver_sigkill_inside_the_move_under_load(tmp_path: Path) -> None
 
 
 def test_executor_stores_of_an_older_layout_are_removed_and_a_late_task_removes_nothing(tmp_path: Path) -> None:
-    from charon.runtime.spark.runtime import local_root
+    from charon.runtime.spark.layout import local_root
 
     base, ckpt = tmp_path / "local", str(tmp_path / "checkpoint")
     assert local_root(str(base), ckpt, f"{ckpt}/state") == str(base)

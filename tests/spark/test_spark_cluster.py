@@ -19,8 +19,9 @@ from spark_driver import Driver, check_result, driver_args, last_epoch, make_con
 
 from charon.log.sqlite import InputLog
 from charon.runtime.spark.cluster import StandaloneCluster
-from charon.runtime.spark.runtime import EpochRecord, SparkRuntime
+from charon.runtime.spark.runtime import SparkRuntime
 from charon.state.lmdbstore import LmdbStore
+from charon.state.records import EpochRecord
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(1200)]
 

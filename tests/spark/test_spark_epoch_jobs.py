@@ -17,7 +17,7 @@ from charon.apps import ycsb
 from charon.config import SparkConfig
 from charon.core.epoch import EpochCoordinator
 from charon.core.routing import partition_of, split_store_key
-from charon.runtime.spark.runtime import SparkExchange
+from charon.runtime.spark.exchange import SparkExchange
 from charon.state.durable import DurableState
 from charon.testing import check_epoch
 
@@ -97,7 +97,7 @@ def test_the_task_function_tunes_the_workers_collector_once(tmp_path, threshold:
 import gc, os, sys
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 import test_spark_epoch_jobs as t
-from charon.runtime.spark.runtime import tune_worker_gc
+from charon.runtime.spark.tasks import tune_worker_gc
 before = gc.get_freeze_count()
 tune_worker_gc({threshold})
 tune_worker_gc({threshold})

@@ -10,7 +10,8 @@ from charon import serde
 from charon.apps import ycsb
 from charon.config import SparkConfig
 from charon.messages import Request
-from charon.runtime.spark.runtime import SparkRuntime, replay_in_process
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.testing import replay_in_process
 
 pytestmark = pytest.mark.spark
 

@@ -110,7 +110,8 @@ def test_spark_producer_sigkill_keeps_each_atom_once_and_drops_aborted_events(tm
     from charon.log.streams import StreamLog
     from charon.messages import Request
     from charon.runtime.spark.cluster import ProcessTree
-    from charon.runtime.spark.runtime import SparkRuntime, replay_in_process
+    from charon.runtime.spark.runtime import SparkRuntime
+    from charon.testing import replay_in_process
 
     data = str(tmp_path / "data")
     os.makedirs(data)

@@ -61,7 +61,8 @@ def test_item_workload_matches_the_serial_oracle():
 
 @pytest.mark.spark
 def test_items_on_spark_equal_in_process(tmp_path):
-    from charon.runtime.spark.runtime import SparkRuntime, replay_in_process
+    from charon.runtime.spark.runtime import SparkRuntime
+    from charon.testing import replay_in_process
 
     cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path), partitions=3, max_batch=60, truncate_log=False)
     rt = SparkRuntime("charon.apps.catalog:app", cfg)

@@ -436,7 +436,8 @@ def test_state_read_of_an_older_epoch_never_rolls_back(tmp_path):
     """Epoch 1 is finalized on the partition but not yet recorded when a read of epoch 0 (the last recorded)
     runs its task: the read sees epoch 0's value and leaves the local and durable copies at epoch 1, so the
     next epoch's rounds find epoch 1 (before the fix the read truncated delta 1 and epoch 2 failed)."""
-    from charon.runtime.spark.runtime import _read_entities, executor_local_dir
+    from charon.runtime.spark.layout import executor_local_dir
+    from charon.runtime.spark.tasks import read_entities
 
     ckpt = str(tmp_path / "ckpt")
     durable_root = os.path.join(ckpt, "state")
@@ -446,7 +447,7 @@ def test_state_read_of_an_older_epoch_never_rolls_back(tmp_path):
     k = store_key("a", "k")
     store.commit(0, {k: b"v0"})
     store.commit(1, {k: b"v1"})
-    got = dict(_read_entities("unused:app", None, durable_root, ckpt, 0, [(0, [k, store_key("a", "none")])]))
+    got = dict(read_entities("unused:app", None, durable_root, ckpt, 0, [(0, [k, store_key("a", "none")])]))
     assert got == {k: b"v0", store_key("a", "none"): None}
     assert store.epoch == 1 and DurableState(durable_root).manifest(0).epoch == 1
     store.ensure_epoch(1)  # epoch 2's first round

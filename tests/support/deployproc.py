@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from charon.server.gateway import free_port
+from charon.server.serve import free_port
 
 REPROS = Path(__file__).resolve().parent / "repros"
 TOKEN = "s3cret"

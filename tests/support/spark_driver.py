@@ -7,7 +7,7 @@
 file ``DATA_DIR/go`` (the test records the initial snapshot meanwhile) and goes on. Then the driver starts
 ``SparkRuntime("charon.apps.ycsb:app")`` over DATA_DIR and runs epochs until the file ``DATA_DIR/done``
 exists (the test writes it after its last append) and every request appended by then has run; then it
-stops the query and exits 0. ``CHARON_CRASH_AT`` (see ``charon.runtime.spark.runtime.crash_point``) makes it
+stops the query and exits 0. ``CHARON_CRASH_AT`` (see ``charon.runtime.faults.crash_point``) makes it
 SIGKILL itself at a named point. It prints ``started`` once the query runs and ``idle <last epoch>`` at
 the end.
 """
@@ -193,7 +193,7 @@ def check_result(data_dir: str, initial: dict[bytes, bytes], appended: list[Requ
     reply per request; the total balance is conserved. Returns the (never started) runtime it read."""
     from charon import serde
     from charon.apps import ycsb
-    from charon.runtime.spark.runtime import replay_in_process
+    from charon.testing import replay_in_process
 
     rt = SparkRuntime(APP, make_config(data_dir, **cfg))  # snapshot() and replies() need no SparkSession
     snap = rt.snapshot()

@@ -19,7 +19,8 @@ from charon.apps import holds
 from charon.config import SparkConfig
 from charon.core import timers
 from charon.core.routing import store_key
-from charon.runtime.spark.runtime import SparkRuntime, replay_in_process
+from charon.runtime.spark.runtime import SparkRuntime
+from charon.testing import replay_in_process
 
 APP = "charon.apps.holds:app"
 ACCOUNTS = {f"a{i}": 100 for i in range(4)}

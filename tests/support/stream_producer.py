@@ -3,7 +3,7 @@
     python tests/support/stream_producer.py DATA_DIR
 
 Runs every request already in DATA_DIR's input log, then stops. ``CHARON_CRASH_AT`` (see
-``charon.runtime.spark.runtime.crash_point``) makes it SIGKILL itself at a named point.
+``charon.runtime.faults.crash_point``) makes it SIGKILL itself at a named point.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Used by the cluster tests, the CLI and the benchmarks::
 Every daemon runs in its own session (process group), so stopping or killing one also ends the executor
 JVM and the Python workers it started. Each Worker gets its own directories: ``work`` (``--work-dir``),
 ``local`` (``SPARK_LOCAL_DIRS``, Spark's scratch space) and ``charon`` (``CHARON_LOCAL_DIR``, where the
-executors keep their resident partition stores, see :func:`charon.runtime.spark.runtime.executor_local_dir`).
+executors keep their resident partition stores, see :func:`charon.runtime.spark.layout.executor_local_dir`).
 Executors inherit the Worker's environment (the Worker launches them with a ``ProcessBuilder`` that
 copies its own environment and adds the application's ``spark.executorEnv.*``), so a per-Worker
 ``CHARON_LOCAL_DIR`` reaches the executors and their Python workers; the application must therefore not

@@ -21,7 +21,7 @@ import msgspec
 from charon.core.routing import split_store_key
 from charon.core.sequencer import Sequencer
 from charon.log.offsets import pad_pair
-from charon.messages import Reply, Request
+from charon.messages import Request
 from charon.runtime import sqlstate
 from charon.runtime.codeversions import (
     CodeHistory,
@@ -33,9 +33,7 @@ from charon.runtime.codeversions import (
 )
 from charon.runtime.contract import (
     CodeUpdate,
-    Controls,
     ControlStatus,
-    Engine,
     EpochNotRetained,
     GateClosed,
     GatePaused,
@@ -44,21 +42,20 @@ from charon.runtime.contract import (
     SqlResult,
     UpdateOutcome,
 )
-from charon.runtime.controls import GatedControls
+from charon.runtime.controls import GatedControls, HostedEngine
 from charon.runtime.reads import check_entities, read_durable, retained_from
 from charon.state.durable import write_file_atomic
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
-    from charon.core.timers import Timer
-    from charon.log.streams import StreamLog
-    from charon.operator import Application
     from charon.runtime.spark.runtime import SparkRuntime
 
 __all__ = ["SparkEngine"]
 
 
-class SparkEngine(Engine, GatedControls):
+class SparkEngine(HostedEngine):
     """The contract over one Spark runtime (``rt``)."""
+
+    rt: SparkRuntime
 
     kind: ClassVar[str] = "spark"
     slow_start: ClassVar[bool] = True
@@ -80,10 +77,6 @@ class SparkEngine(Engine, GatedControls):
 
     # -- Engine
     @property
-    def app(self) -> Application:
-        return self.rt.app
-
-    @property
     def partitions(self) -> int:
         return self.rt.config.partitions
 
@@ -91,54 +84,24 @@ class SparkEngine(Engine, GatedControls):
     def durable(self) -> bool:
         return True
 
-    @property
-    def input_log(self) -> Any:
-        return self.rt.input_log
-
-    @property
-    def streams(self) -> StreamLog | None:
-        return self.rt.streams
-
-    @property
-    def controls(self) -> Controls:
-        return self
-
     async def start(self) -> None:
         await asyncio.to_thread(self.rt.start)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.rt.stop)
 
-    def close(self) -> None:
-        self.rt.close()
-
     def health(self) -> dict[str, Any]:
         return self.rt.health()
 
+    def describe(self) -> str:
+        return f"durable in {os.path.abspath(self.rt.config.data_dir)}"
+
+    @property
+    def log_file(self) -> str | None:
+        return self.rt.log_file
+
     def on_fatal(self, callback: Callable[[str], None]) -> None:
         self.rt.on_fatal = callback
-
-    async def submit(self, operator: str, key: str, function: str, args: list[Any], *,
-                     request_id: str | None = None) -> Reply:
-        return await self.rt.submit(operator, key, function, args, request_id=request_id)
-
-    def get_reply(self, request_id: str) -> Reply | None:
-        return self.rt.get_reply(request_id)
-
-    def read_state(self, operator: str, key: str, default: Any = None) -> Any:
-        return self.rt.read_state(operator, key, default)
-
-    def timers(self, operator: str, key: str) -> list[Timer]:
-        return self.rt.timers(operator, key)
-
-    def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
-        return self.rt.verdict_book.dead_letters(limit)
-
-    def version_at(self, epoch: int, tid: int | None = None) -> str:
-        return self.code.label(epoch, tid)
-
-    def epoch_stats(self) -> list[dict[str, float]]:
-        return self.rt.epoch_stats
 
     # -- Controls
     def status_now(self) -> ControlStatus:

@@ -14,25 +14,25 @@
   (early replies; ``INSERT OR IGNORE`` by request id makes delivery exactly-once).
 * Every ``compact_every`` epochs the durable deltas are compacted in a background thread and the input log
   is truncated up to the compacted snapshot.
+
+This module holds :class:`SparkRuntime`; its parts live beside it: :mod:`~charon.runtime.spark.layout` (the
+checkpoint's layout and files), :mod:`~charon.runtime.spark.session` (Java, the Spark session, loading the
+code), :mod:`~charon.runtime.spark.tasks` (what executors run), :mod:`~charon.runtime.spark.exchange` (a round
+as a Spark job); fault injection is :mod:`charon.runtime.faults`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import math
 import os
-import pickle
-import re
 import shutil
-import signal
 import sqlite3
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -40,36 +40,48 @@ import msgspec
 
 from charon import serde
 from charon.config import SparkConfig
-from charon.core import determinism
 from charon.core import timers as _timers
-from charon.core.epoch import (
-    EPOCH_CHUNK,
-    EpochCoordinator,
-    EpochResult,
-    FallbackJob,
-    FallbackOutcome,
-    RestJob,
-    RestOutcome,
-    Verdict,
-)
-from charon.core.partition import Control, PartitionUnit, RoundOutput
+from charon.core.epoch import EpochCoordinator, EpochResult, Verdict
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
-from charon.errors import CharonError, EngineUnavailable
+from charon.errors import EngineUnavailable
 from charon.log.location import log_locations, open_input_log, open_output_log
 from charon.log.offsets import pad_pair
 from charon.log.sqlite import DedupRetention
 from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
-from charon.operator import Application
+from charon.runtime.controls import EngineBacked
+from charon.runtime.faults import crash_point, fault_point
 from charon.runtime.gate import EpochGate
 from charon.runtime.owner import claim_data_dir
 from charon.runtime.probe import LogProbe
-from charon.runtime.quarantine import RecoveryAttempts, culprit_in, probing
+from charon.runtime.quarantine import RecoveryAttempts, culprit_in
 from charon.runtime.replies import ReplyWriter
 from charon.runtime.spark.engine import SparkEngine
+from charon.runtime.spark.exchange import SparkExchange
+from charon.runtime.spark.layout import (
+    Layout,
+    check_layout,
+    chunk_for,
+    fsync_dir,
+    layout_path,
+    read_layout,
+    record_path,
+    records_dir,
+    remove_old_layouts,
+)
+from charon.runtime.spark.session import (
+    discard_dead_jvm,
+    jvm_exit_code,
+    load_app,
+    make_session,
+    ship_app_module,
+    short_error,
+    spark_log_path,
+    trim_native_heap,
+)
+from charon.runtime.spark.tasks import read_entities, scan_prefix, tune_worker_gc, write_bases
 from charon.runtime.verdicts import VerdictBook, letter
-from charon.runtime.watchdog import task_budget
 from charon.state.durable import DurableState, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 
@@ -89,786 +101,16 @@ class RescaleIncomplete(EngineUnavailable):
         self.moved = moved
 
 
-class LayoutMismatch(CharonError):
-    """The configured partition layout differs from the one the checkpoint was created with."""
-
-
-class Layout(msgspec.Struct):
-    """The partition layout of a checkpoint (``<checkpoint>/layout.json``): engine partitions, the input log's
-    routing count (``log_partitions``; the log's own metadata holds it too, and its physical count) and the
-    directory of the durable state (a rescale writes a new one; switching this file is its commit point)."""
-
-    partitions: int
-    log_partitions: int
-    state: str = "state"
-    # transactions per chunk of the epochs run before any epoch is recorded (then each record names its next
-    # epoch's, EpochRecord.next_chunk): chosen at the checkpoint's first start (-1: a checkpoint from before)
-    first_chunk: int = -1
-
-
-def chunk_for(config: SparkConfig) -> int:
-    """Transactions per chunk of an epoch (:data:`charon.core.epoch.EPOCH_CHUNK`) where the rest of an epoch
-    runs as one task (``single_task_rest`` in local mode); 0 (whole epochs) where each round is a Spark job of
-    its own, as chunks would multiply the rounds (``benchmarks/chunk_rounds_cluster.py``)."""
-    return EPOCH_CHUNK if config.single_task_rest and config.master.strip().startswith("local") else 0
-
-
-def read_layout(checkpoint: str) -> Layout | None:
-    """The checkpoint's recorded layout, or None before its first start."""
-    try:
-        with open(os.path.join(checkpoint, "layout.json"), "rb") as f:
-            return msgspec.json.decode(f.read(), type=Layout)
-    except FileNotFoundError:
-        return None
-
-
-def state_root(checkpoint: str) -> str:
-    """The durable state's directory of the layout in force."""
-    layout = read_layout(checkpoint)
-    return os.path.join(checkpoint, layout.state if layout is not None else "state")
-
-
-def remove_old_layouts(checkpoint: str, keep: str) -> None:
-    """Delete the state directories of layouts other than ``keep`` (a rescale's old one, or the new one of a
-    rescale that did not reach its commit point)."""
-    for name in os.listdir(checkpoint):
-        if name.startswith("state") and name != keep and os.path.isdir(os.path.join(checkpoint, name)):
-            shutil.rmtree(os.path.join(checkpoint, name), ignore_errors=True)
-
-
-def check_layout(checkpoint: str, partitions: int, log_partitions: int, first_chunk: int = -1) -> Layout:
-    """Record the layout at a checkpoint's first start; later, record the input log's routing count (the
-    runtime resized the log to it) and return the recorded layout (whose engine partition count the runtime
-    then rescales to the configured one, :meth:`SparkRuntime.rescale`). State directories of an interrupted
-    rescale are removed."""
-    path = os.path.join(checkpoint, "layout.json")
-    want = Layout(partitions, log_partitions, first_chunk=first_chunk)
-    have = read_layout(checkpoint)
-    if have is None:
-        # a checkpoint from before layouts were recorded: its durable state names the partitions it has
-        state = os.path.join(checkpoint, "state")
-        pids = [int(n[1:]) for n in (os.listdir(state) if os.path.isdir(state) else [])
-                if n.startswith("p") and n[1:].isdigit()]
-        if pids and max(pids) + 1 > partitions:
-            raise LayoutMismatch(
-                f"the checkpoint {checkpoint} holds state of {max(pids) + 1} partitions, configured: {partitions} "
-                "(rescaling is not supported: keep the original count or use a new data directory)"
-            ) from None
-        os.makedirs(checkpoint, exist_ok=True)
-        write_file_atomic(path, msgspec.json.encode(want))
-        return want
-    if have.log_partitions != log_partitions:
-        have = msgspec.structs.replace(have, log_partitions=log_partitions)
-        write_file_atomic(path, msgspec.json.encode(have))
-    remove_old_layouts(checkpoint, have.state)
-    return have
-
-
-# -- fault injection for the crash tests: CHARON_CRASH_AT="point:epoch" SIGKILLs this process there ----------
-def crash_point(point: str, epoch: int) -> None:
-    spec = os.environ.get("CHARON_CRASH_AT")
-    if spec and spec in (f"{point}:{epoch}", f"{point}:*"):  # "*": at the first epoch that gets there
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def fault_point(point: str) -> None:
-    """Fault injection for the self-healing tests: ``CHARON_FAULT_AT`` names points (comma-separated) that raise
-    here; ``session_restart``: starting a new Spark session after the JVM died fails."""
-    if point in os.environ.get("CHARON_FAULT_AT", "").split(","):
-        raise RuntimeError(f"injected fault at {point} (CHARON_FAULT_AT)")
-
-
-def jvm_exit_code() -> int | None:
-    """The exit code of the JVM this process started for Spark, None while it runs (or if there is none)."""
-    from pyspark import SparkContext
-
-    proc = getattr(SparkContext._gateway, "proc", None)
-    return None if proc is None else proc.poll()
-
-
-def discard_dead_jvm() -> None:
-    """Forget PySpark's handles on a JVM that died (SIGKILL, OutOfMemoryError), without calling into it, so that
-    :func:`make_session` starts a new one."""
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    with SparkContext._lock:
-        sc = SparkContext._active_spark_context
-        if sc is not None:
-            sc._jsc = None  # stop() would call the dead JVM
-            with contextlib.suppress(Exception):
-                sc.stop()
-        gw, SparkContext._gateway, SparkContext._jvm = SparkContext._gateway, None, None
-        SparkContext._active_spark_context = None
-    SparkSession._instantiatedSession = None
-    SparkSession._activeSession = None
-    with contextlib.suppress(Exception):
-        from pyspark.sql.context import SQLContext
-
-        SQLContext._instantiatedContext = None
-    if gw is not None:
-        with contextlib.suppress(Exception):
-            gw.shutdown_callback_server()
-        with contextlib.suppress(Exception):
-            gw.close()
-        proc = getattr(gw, "proc", None)
-        if proc is not None:
-            with contextlib.suppress(Exception):
-                proc.kill()
-                proc.wait(timeout=10)
-
-
-def trim_native_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere), and Arrow's.
-
-    The driver allocates from many threads (py4j callbacks, the gateway's read pool, the log pump, Spark's
-    batch thread, a compaction thread each time), and glibc keeps the freed memory of its per-thread arenas
-    mapped; called after each compaction, so a long run's RSS follows what is live."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-    pa = sys.modules.get("pyarrow")  # the durable copy's reads and compactions allocate from Arrow's pool
-    if pa is not None:
-        pa.default_memory_pool().release_unused()
-
-
-_LIBC: Any = None
-
-
-def check_java() -> str:
-    """Point ``JAVA_HOME`` at a Java Spark runs on (a system Java 17+, else the packaged JDK, installed into
-    the venv when missing; :mod:`charon.runtime.spark.java`) and return it. Raises ``JavaUnavailable`` otherwise."""
-    from charon.runtime.spark.java import ensure_java
-
-    return ensure_java().home
-
-
-LOG4J2_CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
-
-
-def spark_log_path(config: SparkConfig) -> str:
-    """Where the JVM that :func:`make_session` starts writes everything it prints: ``<data_dir>/spark.log``."""
-    return os.path.join(os.path.abspath(config.data_dir), "spark.log")
-
-
-def _tail(path: str, lines: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def master_with_retries(master: str, failures: int) -> str:
-    """``local``/``local[N]``/``local[*]`` with Spark's task retries on (``local[N,F]``); others unchanged
-    (they take ``spark.task.maxFailures``). Local mode otherwise gives up on a job at the first failure."""
-    m = re.fullmatch(r"local(?:\[\s*(\*|\d+)\s*(?:,\s*\d+\s*)?\])?", master.strip())
-    return f"local[{m.group(1) or 1},{failures}]" if m else master
-
-
-def make_session(config: SparkConfig) -> Any:
-    """A SparkSession configured for Charon (Unix-domain sockets to Python workers, small shuffles).
-
-    When this process has no JVM yet, the JVM is started with its stdout and stderr appended to
-    :func:`spark_log_path` (log4j output, JVM warnings, and the Python workers' stderr, which the JVM
-    relays), so nothing of Spark's reaches the terminal; only a failure to start is raised, with the log's
-    tail."""
-    check_java()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    # Every Python worker hashes str alike (set iteration order; see SparkConfig.python_hash_seed): PySpark
-    # passes this process's PYTHONHASHSEED (default 0) to its workers, so it is pinned here, whatever the driver
-    # was started with, and given to executors' own environment too (a cluster's).
-    if not config.python_hash_seed.isdigit():
-        raise ValueError(f"python_hash_seed must be a decimal integer, got {config.python_hash_seed!r}")
-    os.environ["PYTHONHASHSEED"] = config.python_hash_seed
-    if config.master.startswith("local"):
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # no hostname warnings, nothing off-host
-    from pyspark import SparkConf, SparkContext
-    from pyspark.java_gateway import launch_gateway
-    from pyspark.sql import SparkSession
-
-    log4j = f"-Dlog4j.configurationFile={LOG4J2_CONF}"
-    settings = {
-        "spark.master": master_with_retries(config.master, config.task_max_failures),
-        "spark.task.maxFailures": str(config.task_max_failures),
-        "spark.app.name": config.app_name,
-        "spark.driver.memory": config.driver_memory,  # applies when this process starts the JVM
-        "spark.python.unix.domain.socket.enabled": "true",
-        "spark.sql.shuffle.partitions": str(config.partitions),
-        "spark.ui.enabled": "false",
-        "spark.ui.showConsoleProgress": "false",
-        "spark.sql.streaming.noDataMicroBatches.enabled": "false",
-        "spark.executorEnv.PYSPARK_PYTHON": os.environ["PYSPARK_PYTHON"],
-        "spark.executorEnv.PYTHONHASHSEED": config.python_hash_seed,
-        # A long run must not grow the driver: the status store (kept even without the UI) retains 1,000 jobs
-        # and 100,000 tasks by default, and each epoch runs a few jobs; the cleaner's periodic GC (which
-        # releases shuffles, broadcasts and RDDs the driver no longer references) runs every 30 min by default.
-        "spark.ui.retainedJobs": "50",
-        "spark.ui.retainedStages": "50",
-        "spark.ui.retainedTasks": "1000",
-        "spark.ui.retainedDeadExecutors": "10",
-        "spark.sql.ui.retainedExecutions": "20",
-        "spark.sql.streaming.numRecentProgressUpdates": "20",
-        "spark.cleaner.periodicGC.interval": "5min",
-        # Spark's own query checkpoint keeps this many batches (offsets/commits files) and no more
-        "spark.sql.streaming.minBatchesToRetain": str(config.checkpoint_batches),
-        **config.spark_conf,
-    }
-    # executors elsewhere keep their cluster's log4j setup (this file's path is only known to exist here)
-    same_machine = re.match(r"(local\b|spark://(127\.|localhost\b|\[::1\]))", config.master) is not None
-    # a fixed, pre-touched heap: the JVM's RSS is its size from the start instead of stepping up toward -Xmx;
-    # what a long run still adds outside the heap is JIT code (a 10-min soak: +14 MB in 3 min, native memory
-    # tracking) and classes: both capped (the code cache flushes cold code when full; ~120 MB of classes live)
-    heap = (f" -Xms{config.driver_memory} -XX:+AlwaysPreTouch -XX:ReservedCodeCacheSize=128m"
-            " -XX:MaxMetaspaceSize=512m") if config.fixed_heap else ""
-    # an OutOfMemoryError ends the JVM: one in Spark's scheduler thread once left it alive with no epoch ever
-    # running again; a dead JVM is noticed and replaced by the supervisor (SparkRuntime._supervise_loop)
-    oom = " -XX:+ExitOnOutOfMemoryError"
-    for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
-        if key.startswith("spark.driver") or same_machine:
-            opts = log4j + oom + (heap if key.startswith("spark.driver") else "")
-            settings[key] = f"{opts} {settings[key]}" if settings.get(key) else opts
-    if SparkContext._gateway is None:  # no JVM in this process yet: start it with its output in the log
-        log = spark_log_path(config)
-        os.makedirs(os.path.dirname(log), exist_ok=True)
-        conf = SparkConf()
-        for k, v in settings.items():
-            conf.set(k, v)
-        with open(log, "ab") as out:
-            try:
-                gateway = launch_gateway(conf, popen_kwargs={"stdout": out, "stderr": out})
-            except Exception as exc:  # noqa: BLE001 - the reason is in the log
-                raise RuntimeError(f"Spark's JVM did not start ({exc}); the end of {log}:\n{_tail(log)}") from None
-        SparkContext(conf=conf, gateway=gateway)
-    b = SparkSession.builder
-    for k, v in settings.items():
-        b = b.config(k, v)
-    return b.getOrCreate()
-
-
-_PY_ERROR = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception): .+")
-_WRAPPERS = ("py4j.", "org.apache.", "java.", "pyspark.errors.", "scala.")
 # error texts naming a transient failure of the infrastructure, not of the epoch (see SparkRuntime._outage): the
 # log did not answer, SQLite busy past its timeout, a full / read-only / stale file system
 _OUTAGE_ERRORS = ("NatsLogUnreachable", "database is locked", "database is busy", "No space left on device",
                   "Read-only file system", "Stale file handle")
 
 
-def _short_error(e: BaseException) -> str:
-    """One line naming a (Java-wrapped) query failure: the innermost application/engine Python error if the
-    text has one, else Spark's reason (a crashed worker, a failed stage), else the first line."""
-    text = str(e)
-    lines = [ln.strip() for ln in text.splitlines()]
-    py = [ln for ln in lines if _PY_ERROR.match(ln) and not ln.startswith(_WRAPPERS)]
-    if py:
-        return py[-1][:300]
-    for needle in ("Python worker exited unexpectedly (crashed)", "Job aborted due to stage failure"):
-        if needle in text:
-            return needle
-    return (lines[0] if lines else type(e).__name__)[:300]
-
-
-# -- executor side ------------------------------------------------------------------------------------------
-_APPS: dict[str, Application] = {}
-
-
-def load_app(ref: str) -> Application:
-    """Import ``module:attribute`` (an installed module: code is only loaded from what is deployed)."""
-    app = _APPS.get(ref)
-    if app is None:
-        mod, _, attr = ref.partition(":")
-        app = getattr(importlib.import_module(mod), attr or "app")
-        if not isinstance(app, Application):
-            raise TypeError(f"{ref} is not a charon.Application")
-        _APPS[ref] = app
-    return app
-
-
-def ship_app_module(spark: Any, app_ref: str) -> None:
-    """Make an application module that is not installed (e.g. ``bank.py`` beside the CLI) importable on
-    the executors, with ``addPyFile``; installed modules and Charon's own apps need nothing."""
-    import importlib.util
-    import zipfile
-
-    name = app_ref.partition(":")[0]
-    if name.split(".")[0] == "charon":
-        return
-    spec = importlib.util.find_spec(name.split(".")[0])
-    origin = getattr(spec, "origin", None) if spec else None
-    if not origin or "site-packages" in origin or "dist-packages" in origin:
-        return
-    if os.path.basename(origin) == "__init__.py":  # a package: ship it zipped
-        pkg_dir = os.path.dirname(origin)
-        zpath = os.path.join(tempfile.mkdtemp(prefix="charon-app-"), f"{os.path.basename(pkg_dir)}.zip")
-        with zipfile.ZipFile(zpath, "w") as z:
-            for root, _, files in os.walk(pkg_dir):
-                for f in files:
-                    if f.endswith(".py"):
-                        full = os.path.join(root, f)
-                        z.write(full, os.path.relpath(full, os.path.dirname(pkg_dir)))
-        spark.sparkContext.addPyFile(zpath)
-    else:
-        spark.sparkContext.addPyFile(origin)
-
-
-def executor_local_dir(configured: str | None, checkpoint: str) -> str:
-    """Where an executor keeps its resident stores: configured, else the executor's Spark dirs, else /tmp."""
-    if configured:
-        return configured
-    base = (
-        os.environ.get("CHARON_LOCAL_DIR")
-        or (os.environ.get("SPARK_EXECUTOR_DIRS") or "").split(os.pathsep)[0].split(",")[0]
-        or (os.environ.get("SPARK_LOCAL_DIRS") or "").split(",")[0]
-        or tempfile.gettempdir()
-    )
-    import zlib
-
-    return os.path.join(base, f"charon-{zlib.crc32(checkpoint.encode()):08x}")
-
-
-_LOCAL_LAYOUT: dict[str, str] = {}  # executor-local base directory -> the newest layout this process used there
-
-
-def _layout_rank(name: str | None) -> int:
-    """Layouts in the order they were made: ``state`` first, then ``state-<time_ns in hex>``."""
-    if name is None:
-        return -1
-    try:
-        return int(name.split("-", 1)[1], 16) if name.startswith("state-") else 0
-    except ValueError:
-        return 0
-
-
-def local_root(configured: str | None, checkpoint: str, durable_root: str) -> str:
-    """The executor-local directory of the resident stores of the layout whose durable state is ``durable_root``:
-    the base directory for the first layout, ``<base>/<state dir>`` for a rescaled one (its stores start empty
-    and restore from the new bases). The first task of a newer layout in a process closes that process's
-    stores of older layouts and deletes their directories (disk stays bounded; on a cluster each executor does
-    so when it first runs the new layout). A late task of an older layout (a state read) deletes nothing."""
-    base = executor_local_dir(configured, checkpoint)
-    name = os.path.basename(durable_root.rstrip(os.sep))
-    rank = _layout_rank(name)
-    if rank > _layout_rank(_LOCAL_LAYOUT.get(base)):
-        from charon.state.lmdbstore import close_stores
-
-        close_stores(base, durable_root)
-        if os.path.isdir(base):
-            for entry in os.listdir(base):
-                older = (entry.startswith("state") and _layout_rank(entry) < rank) or (
-                    rank > 0 and entry.startswith("p") and entry[1:].isdigit())
-                if older:
-                    shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
-        _LOCAL_LAYOUT[base] = name
-    return base if name == "state" else os.path.join(base, name)
-
-
-def tune_worker_gc(threshold: int) -> None:
-    """Tune the collector of this process once (a Python worker runs many tasks; the driver many epochs):
-    unpickling a round's scratch and messages allocates objects by the hundred thousand, and with CPython's
-    default threshold (700) each young collection walks the survivors again (half a big epoch's CPU)."""
-    if threshold > 0:
-        from charon.runtime.inprocess import tune_gc
-
-        tune_gc(threshold)
-
-
-def _run_partitions(
-    app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
-    items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None, gc_threshold: int = 0,
-    finalize_threads: int = 1, function_timeout: float | None = None, determinism_check: bool = False,
-    probe_dir: str | None = None,
-) -> Iterator[tuple[int, bytes]]:
-    """One task of a round. ``previous``: a compatible code update's (first TID on ``app_ref``, the old
-    code's ref): a transaction with a lower TID started before the update and runs the old code.
-    ``gc_threshold``: see :func:`tune_worker_gc`. ``function_timeout``: the functions' default time budget
-    (:func:`charon.runtime.watchdog.task_budget`). ``determinism_check``: every function step runs twice
-    (:mod:`charon.core.determinism`). ``probe_dir``: an epoch that failed is probed for a transaction that kills
-    its worker (:func:`charon.runtime.quarantine.probing`)."""
-    from charon.state.lmdbstore import open_store
-
-    if probe_dir is not None:
-        with probing(probe_dir):
-            yield from _run_partitions(app_ref, parts, local_dir, durable_root, checkpoint, items, previous,
-                                       gc_threshold, finalize_threads, function_timeout, determinism_check)
-        return
-    tune_worker_gc(gc_threshold)
-    app = load_app(app_ref)
-    prev = None if previous is None else (previous[0], load_app(previous[1]))
-    root = local_root(local_dir, checkpoint, durable_root)
-    for pid, payload in items:
-        if pid == FALLBACK_TASK:
-            yield pid, _run_fallback_task(app, parts, root, durable_root, payload, prev, function_timeout,
-                                          determinism_check)
-            continue
-        if pid == REST_TASK:
-            yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads,
-                                      function_timeout, determinism_check)
-            continue
-        c0 = time.thread_time()  # the task's CPU for this partition (unpickling included): stats cpu_us
-        control, scratch, inbox, cached = pickle.loads(payload)
-        store = open_store(root, pid, durable_root)
-        unit = PartitionUnit(pid, parts, app, store)
-        unit.previous = prev
-        unit.twice = determinism.run_twice if determinism_check else None
-        unit.load_scratch(scratch)
-        t0 = time.perf_counter()
-        prior = control.prior
-        done = None
-        if prior is not None:  # the previous epoch's deferred finalize: its delta first (idempotent)
-            store.ensure_epoch(prior.epoch - 1)
-            done = unit.finalize_prior(prior)  # its events and next due time return with this round
-            control.prior = None
-        store.ensure_epoch(control.epoch - 1)
-        t1 = time.perf_counter()
-        if cached:
-            unit.load_cache(cached)
-        if control.finalize:
-            out = unit.step(control, inbox, done)
-        else:
-            with store.reading(), task_budget([unit], function_timeout):
-                out = unit.step(control, inbox, done)
-        t2 = time.perf_counter()
-        out.stats["restore_us"] = int((t1 - t0) * 1e6)
-        out.stats["step_us"] = int((t2 - t1) * 1e6)
-        scratch_out = None if control.finalize else unit.dump_scratch()
-        out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
-        yield pid, pickle.dumps((scratch_out, out), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-FALLBACK_TASK = -1  # the payload id of a task that runs an epoch's whole fallback over every partition
-
-
-class _TaskExchange:
-    """An exchange inside one task: every partition's unit is here, a round steps them all in turn."""
-
-    def __init__(self, units: list[PartitionUnit]) -> None:
-        self.units = units
-        self.partitions = len(units)
-
-    def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
-        outs = []
-        for unit, inbox in zip(self.units, inboxes, strict=True):
-            with unit.store.reading():
-                outs.append(unit.step(control, inbox))
-        return outs
-
-
-def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
-                       prev: tuple[int, Any] | None = None, function_timeout: float | None = None,
-                       determinism_check: bool = False) -> bytes:
-    """An epoch's whole fallback (all cached rounds and locked waves) in this task, over every partition's
-    store as of the previous epoch; returns the outcome and each partition's scratch. Writes nothing."""
-    from charon.core.epoch import run_fallback
-    from charon.state.lmdbstore import open_store
-
-    c0 = time.thread_time()
-    job, scratches, caches = pickle.loads(payload)
-    units = []
-    t0 = time.perf_counter()
-    for pid in range(parts):
-        store = open_store(root, pid, durable_root)
-        store.ensure_epoch(job.epoch - 1)
-        unit = PartitionUnit(pid, parts, app, store)
-        unit.previous = prev
-        unit.twice = determinism.run_twice if determinism_check else None
-        unit.load_scratch(scratches[pid])
-        unit.load_cache(caches[pid])
-        units.append(unit)
-    t1 = time.perf_counter()
-    with task_budget(units, function_timeout):
-        out = run_fallback(app, _TaskExchange(units), job)
-    out.stats["restore_us"] = int((t1 - t0) * 1e6)
-    out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
-    scratches_out = [u.dump_scratch() for u in units]
-    out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
-    return pickle.dumps((out, scratches_out), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over every partition
-
-
-def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
-                   prev: tuple[int, Any] | None = None, finalize_threads: int = 1,
-                   function_timeout: float | None = None, determinism_check: bool = False) -> bytes:
-    """The rest of an epoch (remaining dry-run rounds, lock-free decision, fallback) in this task over every
-    partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round), the
-    partitions' in up to ``finalize_threads`` threads."""
-    from charon.core.epoch import run_rest
-    from charon.state.lmdbstore import open_store
-
-    c0 = time.process_time()  # this process's (the finalize's threads included)
-    job, scratches, caches = pickle.loads(payload)
-    units = []
-    prior_events: list = []
-    prior_due = math.inf
-    t0 = time.perf_counter()
-    for pid in range(parts):
-        unit = PartitionUnit(pid, parts, app, open_store(root, pid, durable_root))
-        unit.previous = prev
-        unit.twice = determinism.run_twice if determinism_check else None
-        unit.report_cache = False  # the rest of the epoch runs here: the call-graph cache stays in the unit
-        unit.load_scratch(scratches[pid])
-        units.append(unit)
-    if job.prior is not None:
-        prior = job.prior
-
-        def finalize(unit: PartitionUnit) -> RoundOutput:
-            unit.store.ensure_epoch(prior.epoch - 1)
-            return unit.finalize_prior(prior)
-
-        # Each partition's delta goes to its own durable file and LMDB environment, each with its fsyncs, which
-        # queue behind the logs' (the same file system's journal): in threads, the waits overlap. The events
-        # are still gathered in partition order.
-        if finalize_threads > 1 and parts > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(min(finalize_threads, parts), thread_name_prefix="charon-finalize") as pool:
-                dones = list(pool.map(finalize, units))
-        else:
-            dones = [finalize(u) for u in units]
-        for done in dones:
-            prior_events.extend(done.events)
-            if done.next_due is not None:
-                prior_due = min(prior_due, done.next_due)
-    for pid, unit in enumerate(units):
-        unit.store.ensure_epoch(job.epoch - 1)
-        unit.load_cache(caches[pid])
-    t1 = time.perf_counter()
-    with task_budget(units, function_timeout):
-        out = run_rest(app, _TaskExchange(units), job)
-    for unit in units:  # the epoch is decided: its scratch shrinks to what the finalize writes
-        unit.decided(out.apply, out.reset)
-    out.prior_events = prior_events  # the driver puts them in atom order (it has the prior epoch's replies)
-    out.next_due = min(out.next_due, prior_due)
-    out.stats["restore_us"] = int((t1 - t0) * 1e6)
-    out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
-    scratches_out = [u.dump_scratch() for u in units]
-    out.stats["cpu_us"] = int((time.process_time() - c0) * 1e6)
-    return pickle.dumps((out, scratches_out), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _read_entities(
-    app_ref: str, local_dir: str | None, durable_root: str, checkpoint: str, epoch: int,
-    items: Iterable[tuple[int, list[bytes]]],
-) -> Iterator[tuple[bytes, bytes | None]]:
-    from charon.state.lmdbstore import open_store
-
-    root = local_root(local_dir, checkpoint, durable_root)
-    for pid, keys in items:
-        store = open_store(root, pid, durable_root)
-        yield from store.read_at(epoch, keys).items()  # catches up, never rolls back
-
-
-def _scan_prefix(
-    local_dir: str | None, durable_root: str, checkpoint: str, epoch: int, items: Iterable[tuple[int, bytes]],
-) -> Iterator[tuple[bytes, bytes]]:
-    """The items under a key prefix of a partition as of exactly ``epoch`` (timer listings)."""
-    from charon.state.lmdbstore import open_store
-
-    root = local_root(local_dir, checkpoint, durable_root)
-    for pid, prefix in items:
-        store = open_store(root, pid, durable_root)
-        store.catch_up(epoch)
-        with store.reading():
-            if store.epoch == epoch:
-                yield from list(store.scan(prefix))
-                continue
-        state, _ = DurableState(durable_root).load(pid, epoch)  # the local copy is already ahead
-        yield from sorted((k, v) for k, v in state.items() if k.startswith(prefix))
-
-
-def _write_bases(durable_root: str, parts: int, rows: Iterable[Any]) -> Iterator[int]:
-    by_pid: dict[int, dict[bytes, bytes]] = {}
-    for r in rows:
-        op, key, item, value = r[0], r[1], r[2] or "", r[3]
-        by_pid.setdefault(partition_of(op, key, parts), {})[store_key(op, key, item)] = bytes(value)
-    durable = DurableState(durable_root)
-    for pid, items in by_pid.items():
-        durable.write_base(pid, -1, sorted(items.items()))
-        yield len(items)
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a new directory tree's entries durable (its subdirectories', then its own)."""
-    for sub in [os.path.join(path, n) for n in os.listdir(path)] + [path]:
-        if os.path.isdir(sub):
-            fd = os.open(sub, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-# -- driver side --------------------------------------------------------------------------------------------
-class SparkExchange:
-    """Runs one round as one Spark job; holds each partition's scratch between rounds of an epoch."""
-
-    def __init__(self, spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
-                 ) -> None:
-        self.sc = spark.sparkContext if spark is not None else None
-        self.partitions = config.partitions
-        self.config = config
-        self.slots = max(1, min(config.partitions, self.sc.defaultParallelism if self.sc else 1))
-        self.scratch: list[bytes | None] = [None] * config.partitions
-        # The dry run's call-graph cache stays here; a cached fallback round gets back only its transactions.
-        self.cache: list[dict[int, list]] = [{} for _ in range(config.partitions)]
-        self.durable_root = state_root(config.checkpoint_dir)  # the layout in force (a rescale changes it)
-        self.fn: partial[Iterator[tuple[int, bytes]]]  # a round's task (set_code)
-        self.set_code(app_ref, previous)
-        self.stats: dict[str, float] = {}
-        self.epoch = -1
-        # One task over every partition only where every task sees every partition's resident store (local
-        # mode: one executor-local directory); on a cluster that task would restore stores other executors hold.
-        local = config.master.strip().startswith("local")
-        self.one_task_rest = config.single_task_rest and local
-        if not (config.single_task_fallback and local):
-            self.fallback = None  # type: ignore[assignment]  # the coordinator then runs it round by round
-        # (record, finalize) of the last epoch when its finalize was deferred to the next epoch's first round:
-        # it needs this exchange's scratch, so a new exchange (a restarted query) starts without one
-        self.pending: tuple[EpochRecord, EpochResult] | None = None
-
-    def set_budget(self, timeout: float | None, probe_dir: str | None = None) -> None:
-        """The functions' default time budget in the next rounds' tasks (None: no budget, an epoch's rerun), and
-        whether they probe for a transaction that kills its worker (an epoch that failed before)."""
-        kw = self.fn.keywords
-        if kw.get("function_timeout") != timeout or kw.get("probe_dir") != probe_dir:
-            self.fn = partial(self.fn.func, *self.fn.args,
-                              **{**kw, "function_timeout": timeout, "probe_dir": probe_dir})
-
-    def set_code(self, app_ref: str, previous: tuple[int, str] | None = None) -> None:
-        """The code the next rounds' tasks run (a code update, at an epoch boundary): ``app_ref``, and for a
-        compatible update ``previous`` = (first TID on ``app_ref``, the old ref) while the old one is needed."""
-        cfg = self.config
-        self.fn = partial(_run_partitions, app_ref, cfg.partitions, cfg.local_dir, self.durable_root,
-                          cfg.checkpoint_dir, previous=previous, gc_threshold=cfg.gc_threshold,
-                          finalize_threads=cfg.finalize_threads, function_timeout=cfg.function_timeout,
-                          determinism_check=cfg.determinism_check)
-
-    def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
-        t0 = time.perf_counter()
-        if control.epoch != self.epoch:  # the call-graph cache serves one epoch's fallback
-            self.epoch = control.epoch
-            self.cache = [{} for _ in range(self.partitions)]
-        busy = bool(control.apply or control.reset or control.fast or control.finalize or control.prior
-                    or control.timers)
-        payloads = []
-        outs: list[RoundOutput] = [RoundOutput() for _ in range(self.partitions)]
-        for p in range(self.partitions):
-            if busy or inboxes[p]:
-                cache = self.cache[p]
-                cached = {t: cache[t] for t in control.fast if t in cache} if control.fast else None
-                payloads.append((p, pickle.dumps((control, self.scratch[p], inboxes[p], cached),
-                                                 protocol=pickle.HIGHEST_PROTOCOL)))
-        t1 = time.perf_counter()
-        results = self.run_job(payloads) if payloads else []
-        t2 = time.perf_counter()
-        crash_point("after_round", control.epoch)  # fires after the epoch's first round (fault tests)
-        for pid, blob in results:
-            scratch, out = pickle.loads(blob)
-            self.scratch[pid] = scratch
-            outs[pid] = out
-            if out.cached:
-                cache = self.cache[pid]
-                for tid, entries in out.cached.items():
-                    cache.setdefault(tid, []).extend(entries)
-                out.cached = {}
-        if control.finalize:
-            self.scratch = [None] * self.partitions
-            self.cache = [{} for _ in range(self.partitions)]
-        t3 = time.perf_counter()
-        s = self.stats
-        s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
-        s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
-        s["jobs"] = s.get("jobs", 0) + (1 if payloads else 0)
-        s["tasks"] = s.get("tasks", 0) + (self.tasks_for(payloads) if payloads else 0)
-        s["bytes_out"] = s.get("bytes_out", 0) + sum(len(b) for _, b in payloads)
-        s["bytes_in"] = s.get("bytes_in", 0) + sum(len(b) for _, b in results)
-        s["task_cpu_s"] = s.get("task_cpu_s", 0.0) + sum(o.stats.pop("cpu_us", 0) for o in outs) / 1e6
-        s["step_s"] = s.get("step_s", 0.0) + sum(o.stats.get("step_us", 0) for o in outs) / 1e6
-        s["restore_s"] = s.get("restore_s", 0.0) + sum(o.stats.get("restore_us", 0) for o in outs) / 1e6
-        return outs
-
-    def rest(self, job: RestJob) -> RestOutcome | None:
-        """Take the rest of the epoch as one Spark job of one task when it is small (``single_task_rest``, in
-        local mode: its messages and scratch under ``rest_max_bytes``), else None: the coordinator runs the
-        next round as a job of its own. One job of one task costs less than a job per round (each ~40 ms of
-        PySpark whatever it carries, ~70 ms with two tasks) as long as a core is not idle meanwhile."""
-        if not self.one_task_rest:
-            return None
-        scratch = self.scratch
-        if len(job.roots) * 160 + sum(len(x) for x in scratch if x) >= self.config.rest_max_bytes:
-            return None
-        cache = self.cache if job.epoch == self.epoch else [{} for _ in range(self.partitions)]
-        t0 = time.perf_counter()
-        payload = pickle.dumps((job, scratch, cache), protocol=pickle.HIGHEST_PROTOCOL)
-        t1 = time.perf_counter()
-        results = self.run_job([(REST_TASK, payload)])
-        t2 = time.perf_counter()
-        crash_point("after_round", job.epoch)
-        [(_, blob)] = results
-        out, scratches = pickle.loads(blob)
-        self.scratch = scratches
-        self.epoch = job.epoch
-        self.cache = [{} for _ in range(self.partitions)]
-        self._account(t0, t1, t2, time.perf_counter(), len(payload), len(blob), out.stats)
-        return out
-
-    def _account(self, t0: float, t1: float, t2: float, t3: float, sent: int, got: int, task: dict) -> None:
-        s = self.stats
-        s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
-        s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
-        s["jobs"] = s.get("jobs", 0) + 1
-        s["tasks"] = s.get("tasks", 0) + 1
-        s["bytes_out"] = s.get("bytes_out", 0) + sent
-        s["bytes_in"] = s.get("bytes_in", 0) + got
-        s["task_cpu_s"] = s.get("task_cpu_s", 0.0) + task.pop("cpu_us", 0) / 1e6
-        s["step_s"] = s.get("step_s", 0.0) + task.pop("step_us", 0) / 1e6
-        s["restore_s"] = s.get("restore_s", 0.0) + task.pop("restore_us", 0) / 1e6
-
-    def fallback(self, job: FallbackJob) -> FallbackOutcome:
-        """Run the epoch's whole fallback as one Spark job of one task (``single_task_fallback``): one job
-        instead of one per round of every wave; the task reaches every partition's store (executor-local, or
-        restored from the durable copy), which costs little here as the fallback only reads."""
-        cache = self.cache
-        caches = [{t: cache[p][t] for t in job.conflicted if t in cache[p]} for p in range(self.partitions)]
-        t0 = time.perf_counter()
-        payload = pickle.dumps((job, self.scratch, caches), protocol=pickle.HIGHEST_PROTOCOL)
-        t1 = time.perf_counter()
-        results = self.run_job([(FALLBACK_TASK, payload)])
-        t2 = time.perf_counter()
-        crash_point("after_round", job.epoch)
-        [(_, blob)] = results
-        out, scratches = pickle.loads(blob)
-        self.scratch = scratches
-        self._account(t0, t1, t2, time.perf_counter(), len(payload), len(blob), out.stats)
-        return out
-
-    def run_job(self, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
-        """One Spark job: the payloads in at most as many tasks as there are cores, results collected.
-
-        A task costs ~30 ms of PySpark overhead whatever it does, so a round gets a second task only for
-        every ``task_min_bytes`` of payload (small rounds run their partitions one after another in one task)."""
-        assert self.sc is not None  # a Spark session (None only in an exchange that never runs a job)
-        return self.sc.parallelize(payloads, self.tasks_for(payloads)).mapPartitions(self.fn).collect()
-
-    def tasks_for(self, payloads: list[tuple[int, bytes]]) -> int:
-        """How many tasks a round's payloads get (see :meth:`run_job`)."""
-        size = sum(len(b) for _, b in payloads)
-        return max(1, min(self.slots, len(payloads), size // max(1, self.config.task_min_bytes)))
-
-
-class SparkRuntime:
+class SparkRuntime(EngineBacked):
     """Deploy an application on Spark. ``app_ref`` is ``"module:attribute"`` of an installed module."""
+
+    controller: SparkEngine  # the engine contract's face, and the control state it owns
 
     def __init__(self, app_ref: str, config: SparkConfig | None = None, spark: Any = None) -> None:
         self.app_ref = app_ref
@@ -894,7 +136,7 @@ class SparkRuntime:
         wanted = cfg.partitions  # another count than the layout's: rescaled below, before anything runs
         self.config = dataclasses.replace(cfg, partitions=layout.partitions, log_partitions=cfg.n_log_partitions)
         cfg = self.config
-        os.makedirs(os.path.join(self.ckpt, "epochs"), exist_ok=True)
+        os.makedirs(records_dir(self.ckpt), exist_ok=True)
         self.output_log = open_output_log(self.output_location)
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
         # an epoch's replies are written while the next epoch runs, before the epoch's record (see _recorded)
@@ -1053,7 +295,7 @@ class SparkRuntime:
                 if self._query is not q or self._status == "stopped":
                     return  # stopped on purpose
                 epoch = self.last_recorded_epoch() + 1
-                msg = _short_error(err) if err is not None else "the streaming query terminated"
+                msg = short_error(err) if err is not None else "the streaming query terminated"
                 code = jvm_exit_code()
                 if code is not None:  # the query failed because Spark's JVM is gone: a new session is needed
                     msg = f"Spark's JVM died (exit {code}); starting a new Spark session"
@@ -1109,7 +351,7 @@ class SparkRuntime:
                         break
                     except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch
                         failed = e
-                        self._last_error = f"restart: {_short_error(e)}"
+                        self._last_error = f"restart: {short_error(e)}"
                         print(f"charon: restarting the streaming query failed: {e}", file=sys.stderr, flush=True)
                 outage = self._outage(failed)  # probed without the lock: stop() and a rescale need not wait for it
                 if outage is not None:
@@ -1120,7 +362,7 @@ class SparkRuntime:
                     n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
                     if n >= cfg.epoch_max_failures:
                         assert failed is not None
-                        self._give_up(f"cannot restart the streaming query: {_short_error(failed)}")
+                        self._give_up(f"cannot restart the streaming query: {short_error(failed)}")
                         return
             with contextlib.suppress(OSError, sqlite3.Error):  # the log is down again: the ticker settles it
                 self._settle_recovery()
@@ -1179,8 +421,8 @@ class SparkRuntime:
         except Exception as e:  # noqa: BLE001 - never end the supervisor: the failure is counted instead
             print(f"charon: probing the log failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             return None
-        for d in (os.path.join(self.ckpt, "epochs"), self.durable.root):
-            if d != os.path.join(self.ckpt, "epochs") and not os.path.lexists(d):
+        for d in (records_dir(self.ckpt), self.durable.root):
+            if d != records_dir(self.ckpt) and not os.path.lexists(d):
                 continue  # no state stored yet
             probe = os.path.join(d, ".charon-probe")
             try:
@@ -1190,7 +432,7 @@ class SparkRuntime:
                 return f"the checkpoint directory is not writable: {type(e).__name__}: {e}"
         text = str(err) if err is not None else ""
         if any(name in text for name in _OUTAGE_ERRORS):
-            return f"a transient infrastructure failure: {_short_error(err)}"  # type: ignore[arg-type]
+            return f"a transient infrastructure failure: {short_error(err)}"  # type: ignore[arg-type]
         return None
 
     def caught_up(self, log_ends: list[int] | None = None) -> bool:
@@ -1356,7 +598,7 @@ class SparkRuntime:
             epoch = self.last_recorded_epoch()
             with self._lock:
                 layout = read_layout(self.ckpt) or Layout(self.config.partitions, old)
-                path = os.path.join(self.ckpt, "layout.json")
+                path = layout_path(self.ckpt)
                 wanted = msgspec.structs.replace(layout, log_partitions=log_partitions)
                 write_file_atomic(path, msgspec.json.encode(wanted))
                 crash_point("log_relayout", epoch)  # recorded, the log not resized yet: the restart resizes it
@@ -1412,10 +654,10 @@ class SparkRuntime:
         for pid, items in enumerate(parts):
             items.sort()
             new.write_base(pid, epoch, items)
-        _fsync_dir(new.root)
+        fsync_dir(new.root)
         crash_point("relayout", epoch)  # the new state is written, the layout not switched
         with self._lock:  # a supervisor restarting the query meanwhile builds its exchange after the switch
-            write_file_atomic(os.path.join(self.ckpt, "layout.json"),
+            write_file_atomic(layout_path(self.ckpt),
                               msgspec.json.encode(Layout(partitions, self.config.n_log_partitions, name,
                                                                  self._first_chunk)))
             crash_point("relayout_committed", epoch)  # switched; the old state directory is still there
@@ -1451,13 +693,13 @@ class SparkRuntime:
         return os.path.join(self.ckpt, "query")
 
     def _record_path(self, epoch: int) -> str:
-        return os.path.join(self.ckpt, "epochs", f"{epoch:012d}.msgpack")
+        return record_path(self.ckpt, epoch)
 
     def last_recorded_epoch(self) -> int:
         """The newest epoch with a record (records are only ever added, so probe forward from the last)."""
         e = getattr(self, "_known_epoch", None)
         if e is None:
-            names = [n for n in os.listdir(os.path.join(self.ckpt, "epochs")) if n.endswith(".msgpack")]
+            names = [n for n in os.listdir(records_dir(self.ckpt)) if n.endswith(".msgpack")]
             e = max((int(n.split(".")[0]) for n in names), default=-1)
         while os.path.exists(self._record_path(e + 1)):
             e += 1
@@ -1475,7 +717,7 @@ class SparkRuntime:
         """Initial state from a DataFrame (operator, key, item, value: msgpack bytes) as the first snapshot."""
         if self.last_epoch >= 0:
             raise RuntimeError("bulk load is only possible before the first epoch")
-        fn = partial(_write_bases, self.durable.root, self.config.partitions)
+        fn = partial(write_bases, self.durable.root, self.config.partitions)
         parts = self.config.partitions
         rdd = df.rdd.keyBy(lambda r: partition_of(r[0], r[1], parts)).partitionBy(parts).values()
         return sum(rdd.mapPartitions(fn).collect())
@@ -1488,7 +730,7 @@ class SparkRuntime:
         Returns the number of items written."""
         if self.last_epoch >= 0:
             raise RuntimeError("bulk load is only possible before the first epoch")
-        return sum(_write_bases(os.path.join(self.ckpt, "state"), self.config.partitions, rows))
+        return sum(write_bases(os.path.join(self.ckpt, "state"), self.config.partitions, rows))
 
     def load(self, operator: str, values: dict[str, Any]) -> int:
         """Bulk-load entity values from the driver (small states; use :meth:`load_rows` or
@@ -1778,7 +1020,7 @@ class SparkRuntime:
         known = getattr(self, "_known_epoch", None)
         if known is not None and known < lo:
             self._known_epoch = None  # probing forward from there would stop at a deleted record: rescan
-        epochs = os.path.join(self.ckpt, "epochs")
+        epochs = records_dir(self.ckpt)
         for name in os.listdir(epochs):
             if name.endswith(".msgpack") and name[:-8].isdigit() and int(name[:-8]) < lo:
                 with contextlib.suppress(FileNotFoundError):
@@ -1794,6 +1036,11 @@ class SparkRuntime:
         """Why the runtime gave up for good (None while it serves or recovers)."""
         return self._fatal
 
+    @property
+    def log_file(self) -> str:
+        """Where Spark's JVM writes what it prints (``<data_dir>/spark.log``)."""
+        return spark_log_path(self.config)
+
     def ship_code(self, ref: str) -> None:
         """Make the installed module of ``ref`` importable by the executors (a code update, before its switch)."""
         ship_app_module(self.spark, ref)
@@ -1805,38 +1052,7 @@ class SparkRuntime:
         if ex is not None:
             ex.set_code(ref, previous)
 
-    def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
-        """Start no epoch (after ``after_epoch``, if given) until :meth:`resume`; the status document."""
-        return self.controller.pause_now(after_epoch).doc()
-
-    def resume(self) -> dict[str, Any]:
-        """Let epochs start again; the waiting requests run in log order; the status document."""
-        return self.controller.resume_now().doc()
-
-    def control_status(self) -> dict[str, Any]:
-        """The control status document (:class:`charon.runtime.contract.ControlStatus`). Blocking."""
-        return self.controller.status_now().doc()
-
-    async def run_alone(
-        self, update_id: str, operator: str, function: str, args: list | tuple = (), keys: list[str] | None = None
-    ) -> dict[str, Any]:
-        """A serializable admin update: ``function`` on every key (default: every entity of ``operator``) in
-        epochs that hold nothing else, once per ``update_id`` (:meth:`SparkEngine.run_alone`)."""
-        out = await self.controller.run_alone(update_id, operator, function, serde.encode(list(args)), keys)
-        return out.doc()
-
     code_update_modes = SparkEngine.code_update_modes
-
-    async def update_code(
-        self, ref: str, version: str, migration: tuple[str, str, list | tuple] | None = None, mode: str = "strict"
-    ) -> dict[str, Any]:
-        """Code update to ``ref`` at one epoch boundary (:meth:`SparkEngine.update_code`)."""
-        mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
-        return (await self.controller.update_code(ref, version, mig, mode)).doc()
-
-    def version_at(self, epoch: int, tid: int | None = None) -> str:
-        """The code version epoch ``epoch`` ran with (with ``tid``: the one that transaction ran with)."""
-        return self.controller.version_at(epoch, tid)
 
     def inspect(
         self, operator: str, keys: list[str] | None = None, epoch: int | None = None, limit: int = 10_000
@@ -1927,7 +1143,7 @@ class SparkRuntime:
             try:
                 if self.config.driver_reads:
                     return epoch, self._read_durable(durable, items, epoch)
-                fn = partial(_read_entities, self.app_ref, self.config.local_dir, durable.root, self.ckpt, epoch)
+                fn = partial(read_entities, self.app_ref, self.config.local_dir, durable.root, self.ckpt, epoch)
                 return epoch, dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
             except Exception as e:
                 # a compaction after the epoch was chosen: read again at a newer one
@@ -1961,7 +1177,7 @@ class SparkRuntime:
             epoch = self.settled_epoch()
             if gen == self.layout_gen:
                 break
-        fn = partial(_scan_prefix, self.config.local_dir, durable.root, self.ckpt, epoch)
+        fn = partial(scan_prefix, self.config.local_dir, durable.root, self.ckpt, epoch)
         item = (partition_of(operator, key, parts), _timers.owner_prefix(operator, key))
         rows = self.spark.sparkContext.parallelize([item], 1).mapPartitions(fn).collect()
         return [_timers.decode(v) for _, v in rows]
@@ -1986,24 +1202,3 @@ class SparkRuntime:
         if rec is None:
             raise KeyError(epoch)
         return [(p, r) for p, _, r in self.input_log.read_range(rec.starts, rec.ends) if r.operator != TICK]
-
-
-def replay_in_process(
-    app: Application, runtime: SparkRuntime, initial: dict[bytes, bytes]
-) -> tuple[Any, list[EpochResult]]:
-    """Run the Spark runtime's recorded epochs through the in-process runtime (same boundaries, same TIDs)."""
-    from charon.runtime.inprocess import InProcessRuntime
-
-    rt = InProcessRuntime(app, partitions=runtime.config.partitions,
-                          max_timers_per_epoch=runtime.config.max_timers_per_epoch)
-    rt.coordinator.sequencer = Sequencer(1)
-    for k, v in initial.items():
-        op, key, _ = split_store_key(k)
-        rt.stores[partition_of(op, key, rt.partitions)].data[k] = v
-    results = []
-    for e in range(runtime.last_recorded_epoch() + 1):
-        rec = runtime.read_record(e)
-        if rec is not None:  # the epoch read len(ends) log partitions: as many sequencers (grown like Spark's)
-            rt.coordinator.sequencer.resize(len(rec.ends))
-        results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e), rec.time if rec else None))
-    return rt, results

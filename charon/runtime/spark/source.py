@@ -50,7 +50,7 @@ import json
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
@@ -71,6 +71,9 @@ from pyspark.sql.types import (
 )
 
 from charon.log.offsets import pad_offsets, pad_pair
+
+if TYPE_CHECKING:
+    from charon.log.contract import InputLogLike, OutputLogLike
 
 __all__ = [
     "LOG_SCHEMA",
@@ -115,8 +118,9 @@ REPLIES_SCHEMA = StructType(
     ]
 )
 
-# One open log per (process, path): Python workers are reused across tasks.
-_open_logs: dict[tuple[int, str, str], Any] = {}
+# One open log of each kind per (process, path): Python workers are reused across tasks.
+_open_inputs: dict[tuple[int, str], InputLogLike] = {}
+_open_outputs: dict[tuple[int, str], OutputLogLike] = {}
 
 
 def _location(path: str) -> str:
@@ -126,29 +130,32 @@ def _location(path: str) -> str:
     return path if is_networked(path) else os.path.abspath(path)
 
 
-def _input_log(path: str) -> Any:
+def _input_log(path: str) -> InputLogLike:
     from charon.log.location import open_input_log
 
-    k = (os.getpid(), "in", path)
-    log = _open_logs.get(k)
+    k = (os.getpid(), path)
+    log = _open_inputs.get(k)
     if log is None:
-        log = _open_logs[k] = open_input_log(path)
+        log = _open_inputs[k] = open_input_log(path)
     return log
 
 
-def _output_log(path: str) -> Any:
+def _output_log(path: str) -> OutputLogLike:
     from charon.log.location import open_output_log
 
-    k = (os.getpid(), "out", path)
-    log = _open_logs.get(k)
+    k = (os.getpid(), path)
+    log = _open_outputs.get(k)
     if log is None:
-        log = _open_logs[k] = open_output_log(path)
+        log = _open_outputs[k] = open_output_log(path)
     return log
 
 
 def _close_cached(path: str) -> None:
-    for k in [k for k in _open_logs if k[0] == os.getpid() and k[2] == path]:
-        _open_logs.pop(k).close()
+    k = (os.getpid(), path)
+    for cache in (_open_inputs, _open_outputs):
+        log = cache.pop(k, None)
+        if log is not None:
+            log.close()
 
 
 def _max_records(options: Any) -> int:
@@ -232,7 +239,7 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self._target: list[int] | None = None
 
     @property
-    def log(self) -> Any:
+    def log(self) -> InputLogLike:
         return _input_log(self.path)
 
     def initialOffset(self) -> dict:
@@ -309,7 +316,10 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def _cap_bytes(self, starts: list[int], ends: list[int]) -> list[int]:
         """Fewer entries while the batch would hold more than ``maxBytesPerBatch`` (at least one entry): an epoch's
         payload is bounded in bytes, not only in count (a flood of large requests once ran the JVM out of heap)."""
+        from charon.log.sqlite import InputLog
+
         log = self.log
+        assert isinstance(log, InputLog), log  # a SQLite log only (the caller checks): NATS does not tell sizes
         total = log.range_bytes(starts, ends)
         n = sum(max(0, e - s) for s, e in zip(starts, ends, strict=True))
         while total > self.max_bytes and n > 1:
@@ -407,12 +417,10 @@ class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailable
 
         open_output_log(self.path).close()  # create it if missing; reopened per process (see ``log``)
         self.max_records = _max_records(options)
-        # bytes a batch may hold at most (0: no cap; a SQLite log only: a NATS log does not tell sizes cheaply)
-        self.max_bytes = int(options.get("maxBytesPerBatch", 0))
         self._target: int | None = None
 
     @property
-    def log(self) -> Any:
+    def log(self) -> OutputLogLike:
         return _output_log(self.path)
 
     def initialOffset(self) -> dict:
@@ -445,18 +453,6 @@ class CharonRepliesStreamReader(DataSourceStreamReader, SupportsTriggerAvailable
             return s if self.log.epoch_boundaries(-1) else end  # marks exist: wait for a whole epoch
         within = [b for b in later if b <= end]
         return within[-1] if within else later[0]  # at least one whole epoch, even beyond the cap
-
-    def _cap_bytes(self, starts: list[int], ends: list[int]) -> list[int]:
-        """Fewer entries while the batch would hold more than ``maxBytesPerBatch`` (at least one entry): an epoch's
-        payload is bounded in bytes, not only in count (a flood of large requests once ran the JVM out of heap)."""
-        log = self.log
-        total = log.range_bytes(starts, ends)
-        n = sum(max(0, e - s) for s, e in zip(starts, ends, strict=True))
-        while total > self.max_bytes and n > 1:
-            n = max(1, min(n - 1, int(n * self.max_bytes / total)))
-            ends = cap_offsets(starts, ends, n)
-            total = log.range_bytes(starts, ends)
-        return ends
 
     def reportLatestOffset(self) -> dict:
         return {"seq": self.log.last_seq()}

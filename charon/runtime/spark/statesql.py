@@ -34,6 +34,7 @@ from charon import serde
 from charon.core.routing import split_store_key
 from charon.runtime.contract import EpochNotRetained
 from charon.runtime.reads import node_retained_epochs
+from charon.runtime.spark.layout import read_layout, records_dir
 from charon.state.durable import DurableState, DurableStateError
 
 __all__ = ["state_frame", "layout_of", "register_views", "DataDirLayout"]
@@ -57,13 +58,11 @@ def _newest_record(epochs_dir: str) -> int:
 
 def layout_of(data_dir: str) -> DataDirLayout:
     """Inspect a data directory of either runtime (``charon run --data-dir``; it may be in use)."""
-    from charon.runtime.spark.runtime import read_layout
-
     ckpt = os.path.join(data_dir, "checkpoint")
     spark = read_layout(ckpt)
     if spark is not None:  # a rescale names its state directory
         return DataDirLayout(os.path.join(ckpt, spark.state), spark.partitions,
-                             _newest_record(os.path.join(ckpt, "epochs")), "spark")
+                             _newest_record(records_dir(ckpt)), "spark")
     node = os.path.join(data_dir, "node.json")
     if os.path.isfile(node):
         with open(node) as f:

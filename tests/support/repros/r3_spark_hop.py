@@ -1,4 +1,4 @@
-"""Bug r2 through the Spark exchange's real task function (_run_partitions, LMDB, durable copy), as in
+"""Bug r2 through the Spark exchange's real task function (run_partitions, LMDB, durable copy), as in
 tests/core/test_live_coroutines.py: the same epoch gives a different committed state depending on whether the
 round that resumes the suspended function lands in the worker that holds its live coroutine."""
 import os, sys, tempfile, shutil
@@ -8,7 +8,7 @@ from charon.core import partition
 from charon.config import SparkConfig
 from charon.state.durable import DurableState
 from charon.core.epoch import EpochCoordinator
-from charon.runtime.spark.runtime import SparkExchange
+from charon.runtime.spark.exchange import SparkExchange
 import early_app
 
 class Hop(SparkExchange):

@@ -1,0 +1,148 @@
+"""The one place engines are built: :func:`make_engine` turns an :class:`EngineSpec` into an :class:`Engine`.
+
+Everything above the runtime layer (``charon run``, the demo, tests) gets its engine here and then uses only the
+contract (:mod:`charon.runtime.contract`); the engine kinds are named nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+from charon.errors import CharonError
+from charon.log.location import is_networked
+from charon.runtime.contract import Engine
+
+__all__ = ["ENGINE_KINDS", "EngineOpenFailed", "EngineSpec", "EngineSpecError", "make_engine"]
+
+EngineKind = Literal["inprocess", "spark", "remote"]
+ENGINE_KINDS: tuple[str, ...] = ("inprocess", "spark", "remote")
+
+
+class EngineSpecError(CharonError):
+    """The settings do not describe an engine (a wrong combination of options): nothing was opened."""
+
+
+class EngineOpenFailed(CharonError):
+    """The engine could not be opened (its data directory belongs to another, its log is unreachable, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What to build: the engine ``kind``, the application ``target`` (``module:attribute``) and its settings.
+
+    ``inprocess``: volatile without ``data_dir``, a durable node with one. ``spark``: configured from
+    ``CHARON_*`` variables, then these settings (``log_partitions``: the input log's partition count). ``remote``:
+    a gateway whose engine runs elsewhere, reading the networked log at ``log_url``. ``log_url``
+    (``nats://host:port/deployment``) puts the logs on NATS JetStream instead of SQLite files."""
+
+    kind: str
+    target: str
+    partitions: int | None = None
+    data_dir: str | None = None
+    ephemeral: bool = False  # inprocess: nothing on disk (else durable in data_dir, default ./charon-data)
+    fsync: bool = True
+    reply_retention: int | None = None
+    log_url: str | None = None
+    log_partitions: int | None = None
+    function_timeout: float | None = None
+    exit_when_stuck: float | None = None
+    determinism_check: bool = False
+
+    def check(self) -> None:
+        """Raise :class:`EngineSpecError` for settings that do not fit together."""
+        if self.kind not in ENGINE_KINDS:
+            raise EngineSpecError(f"unknown engine {self.kind!r} ({', '.join(ENGINE_KINDS)})")
+        if self.ephemeral and self.kind != "inprocess":
+            raise EngineSpecError("--ephemeral applies to --engine inprocess only")
+        if self.ephemeral and self.data_dir is not None:
+            raise EngineSpecError("--ephemeral keeps nothing on disk: it takes no --data-dir")
+        if self.log_url is not None and not is_networked(self.log_url):
+            raise EngineSpecError(f"--log must be a nats://host:port/deployment URL, got {self.log_url!r}")
+        if self.kind == "inprocess" and self.log_url is not None and self.ephemeral:
+            raise EngineSpecError("--log needs a durable deployment (not --ephemeral)")
+        if self.log_partitions is not None and self.kind != "spark":
+            raise EngineSpecError("--log-partitions applies to --engine spark only (the in-process engine logs its "
+                                  "epochs in one partition)")
+        if self.kind == "remote" and self.log_url is None:
+            raise EngineSpecError("--engine remote needs --log nats://host:port/deployment (the engine's log)")
+        if self.kind == "remote" and self.determinism_check:
+            raise EngineSpecError("--check-determinism applies where functions run (the engine), not to "
+                                  "--engine remote")
+
+
+def make_engine(spec: EngineSpec) -> Engine:
+    """Build (not start) the engine ``spec`` describes. :class:`EngineSpecError` for settings that do not fit,
+    :class:`EngineOpenFailed` when it cannot be opened."""
+    spec.check()
+    if spec.kind == "inprocess":
+        return _inprocess(spec)
+    if spec.kind == "spark":
+        return _spark(spec)
+    return _remote(spec)
+
+
+def _inprocess(spec: EngineSpec) -> Engine:
+    from charon.runtime.codeversions import load_app_ref
+    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node import NodeError
+    from charon.runtime.owner import DataDirOwned, claim_data_dir
+    from charon.runtime.watchdog import DEFAULT_TIMEOUT
+
+    application = load_app_ref(spec.target)
+    data_dir = None if spec.ephemeral else os.path.abspath(spec.data_dir or "charon-data")
+    try:
+        if data_dir is not None:  # the directory belongs to one engine and application (refused otherwise)
+            claim_data_dir(data_dir, "inprocess", application.name)
+        retained = int(os.environ.get("CHARON_REPLY_RETENTION_BYTES", 128 << 20))
+        rt = InProcessRuntime(application, partitions=spec.partitions, data_dir=data_dir, fsync=spec.fsync,
+                              reply_retention=spec.reply_retention, log_url=spec.log_url,
+                              reply_retention_bytes=retained, exit_when_stuck=spec.exit_when_stuck,
+                              determinism_check=spec.determinism_check,
+                              function_timeout=DEFAULT_TIMEOUT if spec.function_timeout is None else
+                              spec.function_timeout)
+    except (NodeError, DataDirOwned) as exc:
+        raise EngineOpenFailed(str(exc)) from None
+    return rt.engine()
+
+
+def _spark(spec: EngineSpec) -> Engine:
+    from charon.config import SparkConfig
+    from charon.runtime.codeversions import load_app_ref
+    from charon.runtime.owner import DataDirOwned, claim_data_dir
+    from charon.runtime.spark.layout import LayoutMismatch, read_layout
+    from charon.runtime.spark.runtime import SparkRuntime
+
+    target = spec.target if ":" in spec.target else f"{spec.target}:app"
+    application = load_app_ref(target)  # fail early with a clear message
+    extra: dict[str, object] = {} if spec.function_timeout is None else {"function_timeout": spec.function_timeout}
+    if spec.determinism_check:  # else CHARON_DETERMINISM_CHECK decides
+        extra["determinism_check"] = True
+    config = SparkConfig.from_env(partitions=spec.partitions, data_dir=spec.data_dir, log_url=spec.log_url,
+                                  log_partitions=spec.log_partitions, **extra)
+    try:  # the directory belongs to one engine and application (refused otherwise)
+        claim_data_dir(config.data_dir, "spark", application.name)
+    except DataDirOwned as exc:
+        raise EngineOpenFailed(str(exc)) from None
+    if spec.partitions is None:  # not given (flag or CHARON_PARTITIONS): a checkpoint keeps its recorded layout
+        layout = read_layout(config.checkpoint_dir)
+        if layout is not None:
+            config = dataclasses.replace(config, partitions=layout.partitions)
+    try:
+        return SparkRuntime(target, config).engine()
+    except LayoutMismatch as exc:  # the checkpoint was made with another partition count
+        raise EngineOpenFailed(str(exc)) from None
+    except OSError as exc:  # e.g. the NATS log is not reachable
+        raise EngineOpenFailed(f"the log is not reachable: {exc}") from None
+
+
+def _remote(spec: EngineSpec) -> Engine:
+    from charon.runtime.codeversions import load_app_ref
+    from charon.runtime.remote import LogRuntime
+
+    assert spec.log_url is not None  # checked
+    try:
+        return LogRuntime(load_app_ref(spec.target), spec.log_url)
+    except OSError as exc:
+        raise EngineOpenFailed(f"the log at {spec.log_url} is not reachable: {exc}") from None

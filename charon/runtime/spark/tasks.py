@@ -1,0 +1,245 @@
+"""What runs on the executors: a round's task over its partitions' resident stores, an epoch's whole fallback or
+rest in one task, state reads at an epoch, and the bulk load's bases."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from charon.core import determinism
+from charon.core.partition import Control, PartitionUnit, RoundOutput
+from charon.core.routing import partition_of, store_key
+from charon.runtime.quarantine import probing
+from charon.runtime.spark.layout import local_root
+from charon.runtime.spark.session import load_app
+from charon.runtime.watchdog import task_budget
+from charon.state.durable import DurableState
+
+
+def tune_worker_gc(threshold: int) -> None:
+    """Tune the collector of this process once (a Python worker runs many tasks; the driver many epochs):
+    unpickling a round's scratch and messages allocates objects by the hundred thousand, and with CPython's
+    default threshold (700) each young collection walks the survivors again (half a big epoch's CPU)."""
+    if threshold > 0:
+        from charon.runtime.inprocess import tune_gc
+
+        tune_gc(threshold)
+
+
+def run_partitions(
+    app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
+    items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None, gc_threshold: int = 0,
+    finalize_threads: int = 1, function_timeout: float | None = None, determinism_check: bool = False,
+    probe_dir: str | None = None,
+) -> Iterator[tuple[int, bytes]]:
+    """One task of a round. ``previous``: a compatible code update's (first TID on ``app_ref``, the old
+    code's ref): a transaction with a lower TID started before the update and runs the old code.
+    ``gc_threshold``: see :func:`tune_worker_gc`. ``function_timeout``: the functions' default time budget
+    (:func:`charon.runtime.watchdog.task_budget`). ``determinism_check``: every function step runs twice
+    (:mod:`charon.core.determinism`). ``probe_dir``: an epoch that failed is probed for a transaction that kills
+    its worker (:func:`charon.runtime.quarantine.probing`)."""
+    from charon.state.lmdbstore import open_store
+
+    if probe_dir is not None:
+        with probing(probe_dir):
+            yield from run_partitions(app_ref, parts, local_dir, durable_root, checkpoint, items, previous,
+                                       gc_threshold, finalize_threads, function_timeout, determinism_check)
+        return
+    tune_worker_gc(gc_threshold)
+    app = load_app(app_ref)
+    prev = None if previous is None else (previous[0], load_app(previous[1]))
+    root = local_root(local_dir, checkpoint, durable_root)
+    for pid, payload in items:
+        if pid == FALLBACK_TASK:
+            yield pid, _run_fallback_task(app, parts, root, durable_root, payload, prev, function_timeout,
+                                          determinism_check)
+            continue
+        if pid == REST_TASK:
+            yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads,
+                                      function_timeout, determinism_check)
+            continue
+        c0 = time.thread_time()  # the task's CPU for this partition (unpickling included): stats cpu_us
+        control, scratch, inbox, cached = pickle.loads(payload)
+        store = open_store(root, pid, durable_root)
+        unit = PartitionUnit(pid, parts, app, store)
+        unit.previous = prev
+        unit.twice = determinism.run_twice if determinism_check else None
+        unit.load_scratch(scratch)
+        t0 = time.perf_counter()
+        prior = control.prior
+        done = None
+        if prior is not None:  # the previous epoch's deferred finalize: its delta first (idempotent)
+            store.ensure_epoch(prior.epoch - 1)
+            done = unit.finalize_prior(prior)  # its events and next due time return with this round
+            control.prior = None
+        store.ensure_epoch(control.epoch - 1)
+        t1 = time.perf_counter()
+        if cached:
+            unit.load_cache(cached)
+        if control.finalize:
+            out = unit.step(control, inbox, done)
+        else:
+            with store.reading(), task_budget([unit], function_timeout):
+                out = unit.step(control, inbox, done)
+        t2 = time.perf_counter()
+        out.stats["restore_us"] = int((t1 - t0) * 1e6)
+        out.stats["step_us"] = int((t2 - t1) * 1e6)
+        scratch_out = None if control.finalize else unit.dump_scratch()
+        out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
+        yield pid, pickle.dumps((scratch_out, out), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+FALLBACK_TASK = -1  # the payload id of a task that runs an epoch's whole fallback over every partition
+
+
+class _TaskExchange:
+    """An exchange inside one task: every partition's unit is here, a round steps them all in turn."""
+
+    def __init__(self, units: list[PartitionUnit]) -> None:
+        self.units = units
+        self.partitions = len(units)
+
+    def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
+        outs = []
+        for unit, inbox in zip(self.units, inboxes, strict=True):
+            with unit.store.reading():
+                outs.append(unit.step(control, inbox))
+        return outs
+
+
+def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
+                       prev: tuple[int, Any] | None = None, function_timeout: float | None = None,
+                       determinism_check: bool = False) -> bytes:
+    """An epoch's whole fallback (all cached rounds and locked waves) in this task, over every partition's
+    store as of the previous epoch; returns the outcome and each partition's scratch. Writes nothing."""
+    from charon.core.epoch import run_fallback
+    from charon.state.lmdbstore import open_store
+
+    c0 = time.thread_time()
+    job, scratches, caches = pickle.loads(payload)
+    units = []
+    t0 = time.perf_counter()
+    for pid in range(parts):
+        store = open_store(root, pid, durable_root)
+        store.ensure_epoch(job.epoch - 1)
+        unit = PartitionUnit(pid, parts, app, store)
+        unit.previous = prev
+        unit.twice = determinism.run_twice if determinism_check else None
+        unit.load_scratch(scratches[pid])
+        unit.load_cache(caches[pid])
+        units.append(unit)
+    t1 = time.perf_counter()
+    with task_budget(units, function_timeout):
+        out = run_fallback(app, _TaskExchange(units), job)
+    out.stats["restore_us"] = int((t1 - t0) * 1e6)
+    out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
+    scratches_out = [u.dump_scratch() for u in units]
+    out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
+    return pickle.dumps((out, scratches_out), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over every partition
+
+
+def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
+                   prev: tuple[int, Any] | None = None, finalize_threads: int = 1,
+                   function_timeout: float | None = None, determinism_check: bool = False) -> bytes:
+    """The rest of an epoch (remaining dry-run rounds, lock-free decision, fallback) in this task over every
+    partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round), the
+    partitions' in up to ``finalize_threads`` threads."""
+    from charon.core.epoch import run_rest
+    from charon.state.lmdbstore import open_store
+
+    c0 = time.process_time()  # this process's (the finalize's threads included)
+    job, scratches, caches = pickle.loads(payload)
+    units = []
+    prior_events: list = []
+    prior_due = math.inf
+    t0 = time.perf_counter()
+    for pid in range(parts):
+        unit = PartitionUnit(pid, parts, app, open_store(root, pid, durable_root))
+        unit.previous = prev
+        unit.twice = determinism.run_twice if determinism_check else None
+        unit.report_cache = False  # the rest of the epoch runs here: the call-graph cache stays in the unit
+        unit.load_scratch(scratches[pid])
+        units.append(unit)
+    if job.prior is not None:
+        prior = job.prior
+
+        def finalize(unit: PartitionUnit) -> RoundOutput:
+            unit.store.ensure_epoch(prior.epoch - 1)
+            return unit.finalize_prior(prior)
+
+        # Each partition's delta goes to its own durable file and LMDB environment, each with its fsyncs, which
+        # queue behind the logs' (the same file system's journal): in threads, the waits overlap. The events
+        # are still gathered in partition order.
+        if finalize_threads > 1 and parts > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(finalize_threads, parts), thread_name_prefix="charon-finalize") as pool:
+                dones = list(pool.map(finalize, units))
+        else:
+            dones = [finalize(u) for u in units]
+        for done in dones:
+            prior_events.extend(done.events)
+            if done.next_due is not None:
+                prior_due = min(prior_due, done.next_due)
+    for pid, unit in enumerate(units):
+        unit.store.ensure_epoch(job.epoch - 1)
+        unit.load_cache(caches[pid])
+    t1 = time.perf_counter()
+    with task_budget(units, function_timeout):
+        out = run_rest(app, _TaskExchange(units), job)
+    for unit in units:  # the epoch is decided: its scratch shrinks to what the finalize writes
+        unit.decided(out.apply, out.reset)
+    out.prior_events = prior_events  # the driver puts them in atom order (it has the prior epoch's replies)
+    out.next_due = min(out.next_due, prior_due)
+    out.stats["restore_us"] = int((t1 - t0) * 1e6)
+    out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
+    scratches_out = [u.dump_scratch() for u in units]
+    out.stats["cpu_us"] = int((time.process_time() - c0) * 1e6)
+    return pickle.dumps((out, scratches_out), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def read_entities(
+    app_ref: str, local_dir: str | None, durable_root: str, checkpoint: str, epoch: int,
+    items: Iterable[tuple[int, list[bytes]]],
+) -> Iterator[tuple[bytes, bytes | None]]:
+    from charon.state.lmdbstore import open_store
+
+    root = local_root(local_dir, checkpoint, durable_root)
+    for pid, keys in items:
+        store = open_store(root, pid, durable_root)
+        yield from store.read_at(epoch, keys).items()  # catches up, never rolls back
+
+
+def scan_prefix(
+    local_dir: str | None, durable_root: str, checkpoint: str, epoch: int, items: Iterable[tuple[int, bytes]],
+) -> Iterator[tuple[bytes, bytes]]:
+    """The items under a key prefix of a partition as of exactly ``epoch`` (timer listings)."""
+    from charon.state.lmdbstore import open_store
+
+    root = local_root(local_dir, checkpoint, durable_root)
+    for pid, prefix in items:
+        store = open_store(root, pid, durable_root)
+        store.catch_up(epoch)
+        with store.reading():
+            if store.epoch == epoch:
+                yield from list(store.scan(prefix))
+                continue
+        state, _ = DurableState(durable_root).load(pid, epoch)  # the local copy is already ahead
+        yield from sorted((k, v) for k, v in state.items() if k.startswith(prefix))
+
+
+def write_bases(durable_root: str, parts: int, rows: Iterable[Any]) -> Iterator[int]:
+    by_pid: dict[int, dict[bytes, bytes]] = {}
+    for r in rows:
+        op, key, item, value = r[0], r[1], r[2] or "", r[3]
+        by_pid.setdefault(partition_of(op, key, parts), {})[store_key(op, key, item)] = bytes(value)
+    durable = DurableState(durable_root)
+    for pid, items in by_pid.items():
+        durable.write_base(pid, -1, sorted(items.items()))
+        yield len(items)

@@ -1,0 +1,176 @@
+"""HTTP plumbing under the gateway's routes: the URL convertor that makes every key addressable, the strict UTF-8
+path middleware, and uvicorn's HTTP/1.1 protocols with slow-loris protection (a request-head timeout, a head-size
+cap and a connection cap), configured by :func:`uvicorn_config`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+import uvicorn
+from starlette.convertors import PathConvertor, register_url_convertor
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from charon.config import GatewayConfig
+from charon.server.wire import json_encoder
+
+__all__ = ["KeyConvertor", "StrictPath", "HeadGuard", "uvicorn_config"]
+
+
+class KeyConvertor(PathConvertor):
+    """A key path segment: any characters, ``/`` and line breaks included (starlette's ``path`` is ``.*``, which
+    does not match a newline): every key :func:`charon.core.routing.check_key` accepts is addressable by URL."""
+
+    regex = r"[\s\S]*"
+
+
+register_url_convertor("charonkey", KeyConvertor())
+
+
+class StrictPath:
+    """ASGI middleware: the URL path is percent-decoded strictly as UTF-8 (400 otherwise).
+
+    Servers decode ``%FF`` to U+FFFD, so ``%FF`` and ``%FE`` would name one entity; this re-decodes the raw
+    path and rejects invalid UTF-8 instead of replacing it.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("raw_path") is not None:
+            root = scope.get("root_path", "")
+            try:
+                scope = dict(scope, path=root + unquote_to_bytes(scope["raw_path"][len(root):]).decode("utf-8"))
+            except UnicodeDecodeError:
+                body = json_encoder.encode(
+                    {"error": {"type": "InvalidKey", "message": "the URL path is not valid UTF-8"}}
+                )
+                await send({"type": "http.response.start", "status": 400,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+class HeadGuard:
+    """Slow-loris protection shared by both uvicorn protocols: a request-head timeout and a connection cap.
+
+    A connection must deliver a complete request head within ``header_timeout`` seconds of opening (or of
+    its previous response); at ``max_connections`` open connections, the one that has waited longest for
+    its request head is closed to admit the new one (if none is waiting, the new one is closed).
+    """
+
+    header_timeout = 10.0
+    max_connections = 1000
+    connections: set[Any]
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: Any
+
+    def _guard_open(self) -> None:
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_since = 0.0
+        self._arm_head_timer()
+        if len(self.connections) > self.max_connections:
+            waiting = [c for c in self.connections if getattr(c, "_head_timer", None) is not None and c is not self]
+            victim = min(waiting, key=lambda c: c._head_since) if waiting else self
+            victim._close_idle()
+
+    def _arm_head_timer(self) -> None:
+        self._head_cycle = self.cycle
+        self._head_since = self.loop.time()
+        self._head_bytes = 0
+        self._head_timer = self.loop.call_later(self.header_timeout, self._close_idle)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _close_idle(self) -> None:
+        self._disarm_head_timer()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _guard_response_complete(self) -> None:
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._disarm_head_timer()
+            self._arm_head_timer()
+
+
+class GuardedH11(HeadGuard, H11Protocol):
+    """uvicorn's h11 protocol with :class:`HeadGuard` (the fallback when httptools is not installed)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._guard_open()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._head_timer is not None and self.cycle is not self._head_cycle:
+            self._disarm_head_timer()  # a request head arrived
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._guard_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+
+try:  # httptools (llhttp, in C) parses and writes HTTP/1.1 in a fraction of h11's CPU
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # pragma: no cover - depends on the environment
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
+
+if HttpToolsProtocol is not None:
+
+    class GuardedHttpTools(HeadGuard, HttpToolsProtocol):
+        """uvicorn's httptools protocol with :class:`HeadGuard`, and ``max_header_bytes`` as h11's limit: a
+        connection that sends more than that without completing a request head gets 400 and is closed."""
+
+        max_header_bytes = 16 << 10
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._guard_open()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._head_timer is not None:  # still no complete head
+                self._head_bytes += len(data)
+                if self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+                    self._disarm_head_timer()
+                    self.send_400_response("Invalid HTTP request received.")
+
+        def on_headers_complete(self) -> None:
+            self._disarm_head_timer()  # a request head arrived
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._guard_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+
+def uvicorn_config(app: Any, host: str, port: int, cfg: GatewayConfig, log_level: str = "warning") -> uvicorn.Config:
+    """The uvicorn configuration that enforces ``cfg``'s connection limits and timeouts (httptools' protocol
+    when it is installed, else h11's)."""
+    limits = {"header_timeout": cfg.header_timeout, "max_connections": cfg.max_connections,
+              "max_header_bytes": cfg.max_header_bytes}
+    base = GuardedH11 if HttpToolsProtocol is None else GuardedHttpTools
+    protocol = type("CharonHTTP", (base,), limits)
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False, http=protocol,
+        timeout_keep_alive=int(max(1, cfg.keep_alive)), h11_max_incomplete_event_size=cfg.max_header_bytes,
+        backlog=min(2048, max(128, cfg.max_connections)),
+        timeout_graceful_shutdown=10,
+    )
