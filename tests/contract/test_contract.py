@@ -4,7 +4,7 @@ result on each. One deployment per engine serves the whole module (``contract_ap
 the Python client); each test uses keys of its own. The tests that change the deployment itself (rescale, code
 update) run last, in that order.
 
-The engines are constructed here until the engine contract's factory lands (then this fixture uses it)."""
+The engines are built by the one factory (``make_engine``, see ``tests/support/contract_engines.py``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from contract_engines import served
 
 from charon.client import Client
 from charon.config import GatewayConfig
@@ -32,10 +33,10 @@ BALANCE = 100
 
 
 class Deployment:
-    """One engine behind a gateway: the runtime, the background server and a client."""
+    """One engine behind a gateway: the engine, the background server and a client."""
 
-    def __init__(self, engine: str, rt: Any, srv: BackgroundServer, client: Client) -> None:
-        self.engine, self.rt, self.srv, self.c = engine, rt, srv, client
+    def __init__(self, engine: str, eng: Any, srv: BackgroundServer, client: Client) -> None:
+        self.engine, self.eng, self.srv, self.c = engine, eng, srv, client
 
     @property
     def url(self) -> str:
@@ -46,35 +47,13 @@ def _initial() -> dict[str, int]:
     return {f"{p}{i}": BALANCE for p in PREFIXES for i in range(ACCOUNTS)}
 
 
-def _make_runtime(engine: str, data_dir: str, request: pytest.FixtureRequest) -> Any:
-    import contract_app
-
-    if engine == "spark":
-        from charon.config import SparkConfig
-        from charon.runtime.spark.runtime import SparkRuntime
-
-        cfg = SparkConfig(master="local[2]", data_dir=data_dir, partitions=PARTITIONS, log_partitions=1,
-                          idle_wait_ms=50)
-        return SparkRuntime("contract_app:v1", cfg, spark=request.getfixturevalue("spark"))
-    from charon import InProcessRuntime
-
-    durable = {"data_dir": data_dir} if engine == "durable" else {}
-    return InProcessRuntime(contract_app.v1, partitions=PARTITIONS, epoch_max_ms=2.0, **durable)
-
-
 @pytest.fixture(scope="module")
 def dep(engine: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    rt = _make_runtime(engine, str(tmp_path_factory.mktemp(f"contract-{engine}")), request)
-    rt.load("acct", _initial())
-    srv = BackgroundServer(rt, token=TOKEN, wait_timeout=0.5,
-                           config=GatewayConfig(code_refs="contract_app:v2")).start()
-    try:
-        with Client(srv.url, token=TOKEN, timeout=120) as c:
-            yield Deployment(engine, rt, srv, c)
-    finally:
-        srv.stop(timeout=120)
-        if engine != "spark":  # the files of an in-process engine (a Spark runtime's close stops the shared session)
-            rt.close()
+    data_dir = str(tmp_path_factory.mktemp(f"contract-{engine}"))
+    with served(engine, "contract_app:v1", data_dir, request, token=TOKEN, partitions=PARTITIONS,
+                load={"acct": _initial()}, config=GatewayConfig(code_refs="contract_app:v2")) as (eng, srv), \
+            Client(srv.url, token=TOKEN, timeout=120) as c:
+        yield Deployment(engine, eng, srv, c)
 
 
 def _wait(pred: Callable[[], bool], timeout: float = 120.0, what: str = "condition") -> None:
@@ -93,7 +72,7 @@ def _balances(c: Client, prefix: str) -> dict[str, Any]:
 def test_every_engine_offers_the_declared_contract(dep: Deployment) -> None:
     from charon.runtime.contract import Controls, Engine, as_engine
 
-    eng = as_engine(dep.rt)
+    eng = as_engine(dep.eng)
     assert isinstance(eng, Engine) and isinstance(eng.controls, Controls)
     assert eng.durable is (dep.engine != "inprocess") and dep.c.status()["durable"] is eng.durable
     assert eng.partitions == PARTITIONS and eng.app.name == "contract"
@@ -289,7 +268,7 @@ def test_a_code_update_takes_effect_at_one_epoch_boundary(dep: Deployment) -> No
     assert c.status()["code_version"] == "v2"
     from charon.runtime.contract import as_engine
 
-    eng = as_engine(dep.rt)  # the version lookup: which code each epoch ran
+    eng = as_engine(dep.eng)  # the version lookup: which code each epoch ran
     assert eng.version_at(before.epoch) == "v1" and eng.version_at(after.epoch) == "v2"
     r = httpx.post(f"{dep.url}/admin/code", json={"ref": "not_allowed:app", "version": "x"}, headers=AUTH)
     assert 400 <= r.status_code < 500, r.text

@@ -12,10 +12,10 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
+from contract_engines import served
 
 from charon.apps import ycsb
 from charon.client import Client
@@ -67,31 +67,14 @@ REJECTED = [
 ]
 
 
-def _make_runtime(engine: str, data_dir: str, request: pytest.FixtureRequest) -> Any:
-    if engine == "spark":
-        from charon.config import SparkConfig
-        from charon.runtime.spark.runtime import SparkRuntime
-
-        cfg = SparkConfig(master="local[2]", data_dir=data_dir, partitions=2, idle_wait_ms=50)
-        return SparkRuntime("charon.apps.ycsb:app", cfg, spark=request.getfixturevalue("spark"))
-    from charon import InProcessRuntime
-
-    durable = {"data_dir": data_dir, "fsync": False} if engine == "durable" else {}
-    return InProcessRuntime(ycsb.app, partitions=2, epoch_max_ms=2.0, **durable)
-
-
 @pytest.fixture(scope="module")
 def srv(engine: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         ) -> Iterator[BackgroundServer]:
-    rt = _make_runtime(engine, str(tmp_path_factory.mktemp(f"sql-{engine}")), request)
-    rt.load("account", ycsb.initial_state(N, 100))
-    server = BackgroundServer(rt, token=TOKEN, config=GatewayConfig(sql_max_rows=5, sql_timeout_s=2.0)).start(120)
-    try:
+    data_dir = str(tmp_path_factory.mktemp(f"sql-{engine}"))
+    with served(engine, "charon.apps.ycsb:app", data_dir, request, token=TOKEN,
+                load={"account": ycsb.initial_state(N, 100)},
+                config=GatewayConfig(sql_max_rows=5, sql_timeout_s=2.0)) as (_, server):
         yield server
-    finally:
-        server.stop(timeout=120)
-        if engine != "spark":  # the files of an in-process engine (a Spark runtime's close stops the shared session)
-            rt.close()
 
 
 def test_sql_answers_one_cut_under_load_at_the_latest_and_a_retained_epoch(srv: BackgroundServer) -> None:
