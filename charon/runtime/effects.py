@@ -280,7 +280,8 @@ class EffectExecutor:
     """Run the effects of ``app`` recorded on ``streams`` (see the module docstring): worker ``index`` of
     ``workers``; continuations go through ``resume``."""
 
-    def __init__(self, app: Application, streams: StreamLog, resume: Resume, store: EffectStore | str, *,
+    def __init__(self, app: Application, streams: StreamLog | Callable[[], StreamLog | None], resume: Resume,
+                 store: EffectStore | str | None = None, *,
                  index: int = 0, workers: int = 1, concurrency: int = 16, max_inflight_bytes: int = 16 << 20,
                  backoff_s: float = 0.2, max_backoff_s: float = 30.0, poll_s: float = 0.01, max_events: int = 1000,
                  park_failed: bool = False) -> None:
@@ -289,9 +290,9 @@ class EffectExecutor:
         if concurrency < 1 or max_inflight_bytes < 1:
             raise ValueError("concurrency and max_inflight_bytes must be positive")
         self.app = app
-        self.streams = streams
+        self._streams_of = streams
         self.resume = resume
-        self.store = store if isinstance(store, EffectStore) else EffectStore(store)
+        self._store_spec = store
         self.index, self.workers = index, workers
         self.reader = f"{index}/{workers}"
         self.concurrency = concurrency
@@ -309,6 +310,46 @@ class EffectExecutor:
         self._loop_task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+
+    def _open(self) -> None:
+        """The stream log (an engine gives its own once started) and the store (default: ``effects.sqlite`` next to
+        the stream log's file)."""
+        if not hasattr(self, "streams"):
+            streams = self._streams_of if isinstance(self._streams_of, StreamLog) else self._streams_of()
+            if streams is None:
+                raise ValueError("effects need an engine with output streams (durable, or in memory with streams)")
+            self.streams = streams
+        if not hasattr(self, "store"):
+            spec = self._store_spec
+            if spec is None:
+                spec = os.path.join(os.path.dirname(os.path.abspath(self.streams.path)), EFFECTS_FILE)
+            self.store = spec if isinstance(spec, EffectStore) else EffectStore(spec)
+
+    # -- operators (charon.server.admin.EffectsAdmin)
+    def list_effects(self, status: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        return [msgspec.to_builtins(r) for r in self.store.list(status, limit)]
+
+    def effect_counts(self) -> dict[str, int]:
+        return self.store.counts()
+
+    def retry_effect(self, effect_id: str) -> bool:
+        ok = self.store.retry(effect_id)
+        self._poke()
+        return ok
+
+    def abandon_effect(self, effect_id: str) -> bool:
+        ok = self.store.abandon(effect_id)
+        self._poke()
+        return ok
+
+    def _poke(self) -> None:
+        """Wake the loop now (from any thread)."""
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self._wake.set)
+
+    def prometheus(self) -> str:
+        return self.metrics.prometheus(self.store)
 
     # -- intake
     def intake(self) -> int:
@@ -440,6 +481,8 @@ class EffectExecutor:
 
     async def start(self) -> None:
         """Recover this worker's interrupted attempts and run in the background."""
+        self._open()
+        self._event_loop = asyncio.get_running_loop()
         await asyncio.to_thread(self.store.recover, self.index, self.workers)
         self._stop.clear()
         self._loop_task = asyncio.ensure_future(self._loop())
