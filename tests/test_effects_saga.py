@@ -22,7 +22,7 @@ TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 from effects_service import Service  # noqa: E402
 
-ITEMS = {"apple": 10, "pear": 6, "fig": 4}
+ITEMS = {"apple": 25, "pear": 20, "fig": 5}  # fig runs out: some orders are rejected
 N = 30
 
 
@@ -114,4 +114,4 @@ def test_saga_under_random_failures_and_a_kill_conserves_money_and_stock(tmp_pat
         assert d["continued"] == (3 if d["why"] == "shipment failed" else 1), d  # each continuation once
     assert all(docs[p[0]]["continued"] == 2 for p in completed)
     assert all(docs[p[0]]["continued"] == 0 for p in rejected)
-    assert sum(attempts.values()) > len(applied) > 20  # retried; the kill (after 10 applied) was mid-run
+    assert sum(attempts.values()) > len(applied) > 25  # retried; the kill (after 10 applied) was mid-run
