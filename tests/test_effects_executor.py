@@ -191,3 +191,29 @@ def test_workers_split_effects_without_overlap(tmp_path, service) -> None:
     with pytest.raises(ValueError):
         EffectExecutor(app, None, None, str(tmp_path / "x.sqlite"), index=3, workers=3)  # type: ignore[arg-type]
     assert os.path.exists(tmp_path / "node" / "effects.sqlite")
+
+
+def test_requests_dropped_by_the_stream_retention_are_counted(tmp_path) -> None:
+    from charon.core.context import EFFECT_STREAM
+    from charon.log.streams import StreamLog
+
+    log = StreamLog(str(tmp_path / "streams.sqlite"), retain_events=2)
+    doc = {"handler": "charge", "args": ["x", 1], "op": "acct", "key": "x", "then": "charged", "carry": [1],
+           "timeout": 1.0, "attempts": 1}
+    for epoch in range(5):
+        log.append_atom(epoch, [(EFFECT_STREAM, serde.encode({**doc, "id": f"fx.fxtest.{epoch}.0.1"}))])
+
+    async def resume(*args):
+        return True, ""
+
+    async def go():
+        ex = EffectExecutor(app, log, resume, str(tmp_path / "effects.sqlite"))
+        await ex.start()
+        await ex.stop()
+        ex.intake()
+        return ex
+
+    ex = run(go())
+    assert ex.lost == 3 and "dropped by the stream's retention" in ex.errors[0]
+    assert {r.id for r in ex.store.list()} == {"fx.fxtest.3.0.1", "fx.fxtest.4.0.1"}
+    assert "charon_effect_requests_lost_total 3" in ex.prometheus()

@@ -306,6 +306,7 @@ class EffectExecutor:
         self.inflight_bytes = 0
         self.errors: list[str] = []  # the newest errors of the loop itself (retried)
         self.malformed = 0
+        self.lost = 0  # requests dropped by the stream's retention before they were taken in (see intake)
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -349,13 +350,18 @@ class EffectExecutor:
             self._event_loop.call_soon_threadsafe(self._wake.set)
 
     def prometheus(self) -> str:
-        return self.metrics.prometheus(self.store)
+        return self.metrics.prometheus(self.store) + (
+            f"# TYPE charon_effect_requests_lost_total counter\ncharon_effect_requests_lost_total {self.lost}\n")
 
     # -- intake
     def intake(self) -> int:
         """Record the next request atoms of this worker's effects; returns how many events were read."""
         offset = self.store.offset(self.reader)
         page = self.streams.read(EFFECT_STREAM, offset, self.max_events)
+        if page.first_offset > offset:  # the stream's retention dropped requests this worker never took in
+            self.lost += page.first_offset - offset
+            self._error(ValueError(f"effect requests {offset}..{page.first_offset - 1} were dropped by the stream's "
+                                   "retention before this worker took them in (raise the retention or run workers)"))
         docs = []
         for e in page.events:
             doc = serde.decode(e.value)
