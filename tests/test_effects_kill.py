@@ -132,6 +132,8 @@ def test_sigkill_a_worker_and_the_service_each_effect_applied_once(tmp_path: Pat
     try:
         _submit_all(url)
         _wait_applied(service, 8)
+        assert httpx.get(url + "/admin/effects", timeout=10).status_code == 404  # no executor in this process
+        assert "/admin/effects" not in httpx.get(url + "/openapi.json", timeout=10).json()["paths"]
         _kill(workers[0])
         service.kill()
         time.sleep(0.3)

@@ -49,6 +49,8 @@ def test_parked_effects_listed_retried_and_abandoned(tmp_path: Path) -> None:
         assert {e["id"] for e in doc["effects"]} == set(ids.values())
         assert all(e["attempts"] == 2 and "503" in e["last_error"] and e["status"] == "failed" for e in doc["effects"])
         assert httpx.get(url + "/admin/effects", timeout=10).status_code == 401  # the token is needed
+        paths = httpx.get(url + "/openapi.json", timeout=10).json()["paths"]
+        assert "/admin/effects" in paths and "/admin/effects/{effect_id}/{action}" in paths
         listed = _cli("effects", "list", "--data-dir", str(data), "--status", "failed", "--json", service=service)
         assert listed.returncode == 0 and len(json.loads(listed.stdout)["effects"]) == 2
         with Client(url, token=TOKEN) as c:

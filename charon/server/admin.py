@@ -57,6 +57,10 @@
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
 - ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
 - ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
+- With an effect executor beside the engine (``charon run --effects``, :class:`EffectsAdmin`):
+  ``GET /admin/effects?status=S&limit=N`` (``{"counts", "effects"}``), ``POST /admin/effects/{id}/retry`` and
+  ``POST /admin/effects/{id}/abandon`` (409 ``NotParked`` when the effect is not in a state that allows it), and
+  the effect lines of ``/metrics``. Without one these routes do not exist (404).
 """
 
 from __future__ import annotations
@@ -431,9 +435,7 @@ class AdminRoutes:
         return Response(data, 200, media_type=CONTENT_TYPE_LATEST)
 
     def _effects(self) -> EffectsAdmin:
-        if self.effects is None:
-            raise HTTPError("NotSupported", "no effect executor runs in this process (charon run --effects; "
-                            "separate workers: charon effects list)")
+        assert self.effects is not None  # the routes exist only beside an executor
         return self.effects
 
     async def list_effects(self, request: HTTPRequest) -> Response:
@@ -483,11 +485,12 @@ class AdminRoutes:
             Route("/admin/sql", guard(self.sql), methods=["POST"], name="admin_sql"),
             Route("/admin/summary", guard(self.summary), methods=["GET"], name="admin_summary"),
             Route("/metrics", guard(self.prometheus), methods=["GET"], name="metrics"),
+            Route("/dashboard", self.dashboard, methods=["GET"], name="dashboard"),
+        ] + ([] if self.effects is None else [  # only beside an effect executor (charon run --effects)
             Route("/admin/effects", guard(self.list_effects), methods=["GET"], name="admin_effects"),
             Route("/admin/effects/{effect_id}/{action}", guard(self.effect_action), methods=["POST"],
                   name="admin_effect_action"),
-            Route("/dashboard", self.dashboard, methods=["GET"], name="dashboard"),
-        ]
+        ])
 
 
 def admin_routes(gw: AdminGateway, metrics: GatewayMetrics, effects: EffectsAdmin | None = None) -> list[Route]:

@@ -142,6 +142,7 @@ class _Gateway:
         self.inflight_bytes = 0  # of the in-flight requests (see _inflight_size), at most cfg.max_inflight_bytes
         self.known_ops = set(describe_app(engine.app))
         self._openapi: bytes | None = None
+        self.has_effects = False  # an effect executor runs beside the engine (its routes exist)
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
         # /health has a thread of its own: reads waiting for an epoch boundary never delay it
         self._health_pool = ThreadPoolExecutor(1, thread_name_prefix="charon-gateway-health")
@@ -537,7 +538,8 @@ class _Gateway:
 
     async def openapi(self, request: HTTPRequest) -> Response:
         if self._openapi is None:
-            self._openapi = json_encoder.encode(openapi_document(self.engine.app, self.token is not None))
+            self._openapi = json_encoder.encode(openapi_document(self.engine.app, self.token is not None,
+                                                                 self.has_effects))
         return Response(self._openapi, media_type="application/json")
 
 
@@ -634,6 +636,7 @@ def create_app(
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
     gw.metrics = GatewayMetrics(engine, samples=cfg.metrics_samples)
+    gw.has_effects = effects is not None
     routes += admin_routes(gw, gw.metrics, effects)
     async def http_error(request: HTTPRequest, exc: Exception) -> Response:
         # routing errors (no such route, wrong method) in the same typed JSON shape as every other error
