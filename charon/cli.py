@@ -205,6 +205,9 @@ def run(
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
     from charon.server.serve import RuntimeFailed, RuntimeStartError, serve
 
+    if effects and engine == "remote":
+        raise typer.BadParameter("--effects runs beside the engine (its output streams): not with --engine remote "
+                                 "(run `charon effects work` next to the engine's data directory)")
     application = load_app(target)
     # A function running pure-Python code past its budget holds the GIL until the watchdog stops it: the gateway's
     # threads get it back within this interval (default 5 ms; each request needs several hand-overs).

@@ -88,3 +88,13 @@ def test_handlers_are_registered_by_the_application_only() -> None:
         Application("bad app", [], effects={"ok": charge})
     assert Application("y", [], effects={"c": charge}).effects == {"c": charge}
     assert issubclass(UnknownEffect, Exception)
+
+
+def test_run_refuses_effects_without_an_engine_here() -> None:
+    from typer.testing import CliRunner
+
+    from charon.cli import app as cli
+
+    r = CliRunner().invoke(cli, ["run", "charon.apps.saga:app", "--engine", "remote", "--log",
+                                 "nats://127.0.0.1:1/x", "--effects"])
+    assert r.exit_code != 0 and "--effects runs beside the engine" in r.output

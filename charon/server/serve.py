@@ -111,12 +111,14 @@ class BackgroundServer:
         max_body: int | None = None,
         wait_timeout: float | None = None,
         config: GatewayConfig | None = None,
+        effects: EffectsAdmin | None = None,
     ) -> None:
         self.runtime = runtime
         self.host = host
         self.port = port or free_port(host)
         self.app = create_app(
-            runtime, token=token, max_body=max_body, wait_timeout=wait_timeout, manage_runtime=True, config=config
+            runtime, token=token, max_body=max_body, wait_timeout=wait_timeout, manage_runtime=True, config=config,
+            effects=effects,
         )
         self.server = uvicorn.Server(uvicorn_config(self.app, host, self.port, self.app.config))
         self.loop: asyncio.AbstractEventLoop | None = None
