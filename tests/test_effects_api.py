@@ -98,3 +98,28 @@ def test_run_refuses_effects_without_an_engine_here() -> None:
     r = CliRunner().invoke(cli, ["run", "charon.apps.saga:app", "--engine", "remote", "--log",
                                  "nats://127.0.0.1:1/x", "--effects"])
     assert r.exit_code != 0 and "--effects runs beside the engine" in r.output
+
+
+@shop.function
+async def buy_two(ctx: Context, amount: int) -> list:
+    """Two effects, a callee's effect, and one that aborts: the ids and events the oracle must reproduce."""
+    a = ctx.effect("charge", ctx.key, amount, then=paid, carry=[amount])
+    b = ctx.effect("charge", ctx.key, amount + 1, then="paid", carry=[amount + 1], attempts=1)
+    if amount < 0:
+        ctx.effect("no_such_handler", then=paid)
+    c = await ctx.call(shop, ctx.key + "-sub", buy, amount, False)
+    return [a, b, c]
+
+
+def test_the_oracle_makes_the_same_effect_requests() -> None:
+    from charon import Request
+    from charon.testing import check_epoch
+
+    rt = InProcessRuntime(app, partitions=3)
+    batch = [Request(f"r{i}", "shop", f"k{i % 4}", "buy_two", serde.encode([i - 2])) for i in range(8)]
+    before = rt.snapshot()
+    result = rt.run_epoch(batch)
+    check_epoch(app, before, rt.snapshot(), result)  # the same replies, state and events (the effect requests)
+    docs = [serde.decode(v) for _, s, v in result.events if s == EFFECT_STREAM]
+    assert len(docs) == 3 * 6 and len({d["id"] for d in docs}) == len(docs)  # 2 aborted, 3 effects per commit
+    assert sum(not r.ok for r in result.replies.values()) == 2

@@ -72,6 +72,27 @@ MAX_EFFECT_TIMEOUT_S = 3600.0  # one attempt's longest timeout
 MAX_EFFECT_ATTEMPTS = 1000
 
 
+def effect_request(app: Application, op: str, key: str, tid: int, inv: str, n: int, handler: object,
+                   args: Sequence[object], then: Function | str, carry: object, timeout: object,
+                   attempts: object) -> tuple[str, dict[str, Any]]:
+    """The id and the stream event of ``ctx.effect`` number ``n`` of invocation ``inv`` of transaction ``tid`` (the
+    engine's context and the oracle's build it here); typed errors for what is not valid."""
+    if type(handler) is not str or handler not in app.effects:
+        raise UnknownEffect(f"application {app.name!r} has no effect handler {handler!r} "
+                            f"(have: {', '.join(sorted(app.effects)) or 'none'})")
+    if not (isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout <= MAX_EFFECT_TIMEOUT_S):
+        raise UnknownEffect(f"timeout must be in (0, {MAX_EFFECT_TIMEOUT_S}] seconds, got {timeout!r}")
+    if not (type(attempts) is int and 1 <= attempts <= MAX_EFFECT_ATTEMPTS):
+        raise UnknownEffect(f"attempts must be an integer in [1, {MAX_EFFECT_ATTEMPTS}], got {attempts!r}")
+    then_name = then.name if isinstance(then, Function) else then
+    app.resolve(op, then_name)  # the continuation exists (a typed error otherwise)
+    if not isinstance(carry, list | tuple):
+        raise BadArguments("carry must be a list")
+    eid = f"{EFFECT_ID_PREFIX}{app.name}.{tid}.{inv}.{n}"
+    return eid, {"id": eid, "handler": handler, "args": list(args), "op": op, "key": key, "then": then_name,
+                 "carry": list(carry), "timeout": float(timeout), "attempts": attempts}
+
+
 def too_large(what: str, n: int) -> ValueTooLarge:
     """The error of a value of ``n`` encoded bytes, above :data:`MAX_VALUE_BYTES`."""
     return ValueTooLarge(f"{what} of {n} bytes exceeds the maximum of {MAX_VALUE_BYTES} (CHARON_MAX_VALUE_BYTES)")
@@ -463,24 +484,11 @@ class Context:
         ``result`` = ``{"ok": True, "value": v}`` or ``{"ok": False, "error_type": t, "error": message,
         "attempts": n}``. Unknown handlers and bad policies raise :class:`~charon.errors.UnknownEffect`.
         """
-        unit, f = self._unit, self._frame
-        app = unit.app_for(f.tid)
-        if type(handler) is not str or handler not in app.effects:
-            raise UnknownEffect(f"application {app.name!r} has no effect handler {handler!r} "
-                                f"(have: {', '.join(sorted(app.effects)) or 'none'})")
-        if not (isinstance(timeout, int | float) and 0 < timeout <= MAX_EFFECT_TIMEOUT_S):
-            raise UnknownEffect(f"timeout must be in (0, {MAX_EFFECT_TIMEOUT_S}] seconds, got {timeout!r}")
-        if not (type(attempts) is int and 1 <= attempts <= MAX_EFFECT_ATTEMPTS):
-            raise UnknownEffect(f"attempts must be an integer in [1, {MAX_EFFECT_ATTEMPTS}], got {attempts!r}")
-        then_name = then.name if isinstance(then, Function) else then
-        app.resolve(f.op, then_name)  # the continuation exists (a typed error otherwise)
-        if not isinstance(carry, list | tuple):
-            raise BadArguments("carry must be a list")
+        f = self._frame
         self._nask += 1  # asks and effects share the numbering (their ids differ by prefix)
-        eid = f"{EFFECT_ID_PREFIX}{app.name}.{f.tid}.{f.inv}.{self._nask}"
-        self._emit(EFFECT_STREAM, {"id": eid, "handler": handler, "args": list(args), "op": f.op, "key": f.key,
-                                   "then": then_name, "carry": list(carry), "timeout": float(timeout),
-                                   "attempts": attempts})
+        eid, doc = effect_request(self._unit.app_for(f.tid), f.op, f.key, f.tid, f.inv, self._nask, handler, args,
+                                  then, carry, timeout, attempts)
+        self._emit(EFFECT_STREAM, doc)
         return eid
 
     # -- calls ------------------------------------------------------------------------------------
