@@ -217,3 +217,29 @@ def test_requests_dropped_by_the_stream_retention_are_counted(tmp_path) -> None:
     assert ex.lost == 3 and "dropped by the stream's retention" in ex.errors[0]
     assert {r.id for r in ex.store.list()} == {"fx.fxtest.3.0.1", "fx.fxtest.4.0.1"}
     assert "charon_effect_requests_lost_total 3" in ex.prometheus()
+
+
+def test_hung_sync_handlers_time_out_without_starving_the_executor(tmp_path, service) -> None:
+    """Sync handlers blocked in a hung service: their attempts time out and are retried; the executor (its store
+    work, the other effects) goes on."""
+    service.control(hang_next=4, hang_s=3.0)
+
+    async def go():
+        rt, eng = await _node(tmp_path)
+        ex = _executor(eng, tmp_path, concurrency=2)
+        await ex.start()
+        try:
+            for k in ("s1", "s2"):
+                await eng.submit("acct", k, "pay_sync", [3, 0.3, 10])
+            await eng.submit("acct", "a1", "pay", [4])  # an async one beside them
+            await ex.settle(60)
+            return [eng.read_state("acct", k) for k in ("s1", "s2", "a1")], ex.metrics
+        finally:
+            await ex.stop()
+            await rt.stop()
+            rt.close()
+
+    states, metrics = run(go())
+    assert all(s["state"] == "paid" and s["runs"] == 1 for s in states), states
+    assert metrics.failures >= 2 and metrics.attempts == metrics.failures + 3
+    assert len(service.stats()["applied"]) == 3

@@ -30,6 +30,7 @@ the failure at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import os
 import random
@@ -38,6 +39,7 @@ import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -312,6 +314,7 @@ class EffectExecutor:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="charon-effect")
 
     def _open(self) -> None:
         """The stream log (an engine gives its own once started) and the store (default: ``effects.sqlite`` next to
@@ -382,7 +385,11 @@ class EffectExecutor:
     async def _call(self, handler: Callable[..., Any], eid: str, args: list[Any], timeout: float) -> Any:
         if inspect.iscoroutinefunction(handler):
             return await asyncio.wait_for(handler(eid, *args), timeout)
-        value = await asyncio.wait_for(asyncio.to_thread(handler, eid, *args), timeout)
+        # sync handlers on threads of their own (``concurrency`` of them): a hung one holds its thread until it
+        # returns, never one the store needs; when all are held, attempts wait for one and time out
+        loop = asyncio.get_running_loop()
+        value = await asyncio.wait_for(loop.run_in_executor(self._pool, functools.partial(handler, eid, *args)),
+                                       timeout)
         if inspect.isawaitable(value):
             value = await asyncio.wait_for(value, timeout)
         return value
@@ -502,6 +509,7 @@ class EffectExecutor:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def settle(self, timeout: float = 60.0) -> None:
         """Wait until every effect taken in is done or parked (tests and examples)."""
