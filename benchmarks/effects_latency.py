@@ -62,7 +62,7 @@ async def run(n: int, burst: int, concurrency: int, partitions: int) -> dict:
     rt = InProcessRuntime(app, partitions=partitions, data_dir=os.path.join(tmp, "node"))
     await rt.start()
     eng = rt.engine()
-    ex = EffectExecutor(app, eng.streams, engine_resume(eng.submit), concurrency=concurrency, poll_s=0.001)
+    ex = EffectExecutor(app, eng.streams, engine_resume(eng.submit), concurrency=concurrency)  # as charon run --effects
     await ex.start()
     try:
         lat = []

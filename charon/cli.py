@@ -313,7 +313,7 @@ def effects_work(
 
             ex = EffectExecutor(application, StreamLog(path, durable=False), resume, index=index, workers=workers,
                                 concurrency=concurrency, max_inflight_bytes=max_bytes, park_failed=park_failed,
-                                backoff_s=backoff)
+                                backoff_s=backoff, poll_s=0.01)  # the engine's appends are in another process
             await ex.start()
             err_console.print(f"charon: effects worker {index}/{workers} of {application.name} on {data_dir}",
                               soft_wrap=True)

@@ -285,7 +285,7 @@ class EffectExecutor:
     def __init__(self, app: Application, streams: StreamLog | Callable[[], StreamLog | None], resume: Resume,
                  store: EffectStore | str | None = None, *,
                  index: int = 0, workers: int = 1, concurrency: int = 16, max_inflight_bytes: int = 16 << 20,
-                 backoff_s: float = 0.2, max_backoff_s: float = 30.0, poll_s: float = 0.01, max_events: int = 1000,
+                 backoff_s: float = 0.2, max_backoff_s: float = 30.0, poll_s: float = 0.05, max_events: int = 1000,
                  park_failed: bool = False) -> None:
         if not 0 <= index < workers:
             raise ValueError(f"worker index {index} is not in [0, {workers})")
@@ -314,6 +314,7 @@ class EffectExecutor:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._listener: Callable[[frozenset[str]], None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="charon-effect")
 
     def _open(self) -> None:
@@ -479,6 +480,7 @@ class EffectExecutor:
 
     async def _loop(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the step: a wake during it (an append, a finished effect) is kept
             try:
                 moved = await self.step()
             except Exception as exc:  # noqa: BLE001 - e.g. the stream file is busy: retried
@@ -486,7 +488,6 @@ class EffectExecutor:
                 moved = 0
                 await asyncio.sleep(0.1)
             if not moved:
-                self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.poll_s)
                 except TimeoutError:
@@ -495,7 +496,14 @@ class EffectExecutor:
     async def start(self) -> None:
         """Recover this worker's interrupted attempts and run in the background."""
         self._open()
-        self._event_loop = asyncio.get_running_loop()
+        self._event_loop = loop = asyncio.get_running_loop()
+
+        def appended(streams: frozenset[str]) -> None:  # an append by this process: take it in now
+            if EFFECT_STREAM in streams:
+                loop.call_soon_threadsafe(self._wake.set)
+
+        self._listener = appended
+        self.streams.add_listener(appended)
         await asyncio.to_thread(self.store.recover, self.index, self.workers)
         self._stop.clear()
         self._loop_task = asyncio.ensure_future(self._loop())
@@ -504,6 +512,9 @@ class EffectExecutor:
         """Stop taking work; attempts under way are cancelled (they are retried by the next start)."""
         self._stop.set()
         self._wake.set()
+        if self._listener is not None:
+            self.streams.remove_listener(self._listener)
+            self._listener = None
         if self._loop_task is not None:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         for t in list(self._tasks):
