@@ -239,7 +239,7 @@ def run(
             from charon.runtime.effects import EffectExecutor, engine_resume
 
             eng = runtime
-            executor = EffectExecutor(application, lambda: eng.streams, engine_resume(eng.submit),
+            executor = EffectExecutor(lambda: eng.app, lambda: eng.streams, engine_resume(eng.submit),
                                       concurrency=effects_concurrency, max_inflight_bytes=effects_max_bytes,
                                       park_failed=park_failed)
         try:

@@ -243,3 +243,36 @@ def test_hung_sync_handlers_time_out_without_starving_the_executor(tmp_path, ser
     assert all(s["state"] == "paid" and s["runs"] == 1 for s in states), states
     assert metrics.failures >= 2 and metrics.attempts == metrics.failures + 3
     assert len(service.stats()["applied"]) == 3
+
+
+def test_the_executor_runs_the_handlers_of_the_application_running_now(tmp_path, service) -> None:
+    """``app`` as a callable (``lambda: engine.app``): after a code update the new code's handler runs."""
+    from charon import Application
+
+    v2 = Application("fxtest", list(app.operators.values()))
+
+    @v2.effect_handler("charge")
+    async def charge_v2(idempotency_key: str, who: str, amount: int) -> dict:
+        return {"applied": -amount}
+
+    current = [app]
+
+    async def go():
+        rt, eng = await _node(tmp_path)
+        ex = EffectExecutor(lambda: current[0], eng.streams, engine_resume(eng.submit), backoff_s=0.01)
+        await ex.start()
+        try:
+            await eng.submit("acct", "u1", "pay", [5])
+            await ex.settle(30)
+            current[0] = v2
+            await eng.submit("acct", "u2", "pay", [6])
+            await ex.settle(30)
+            return eng.read_state("acct", "u1"), eng.read_state("acct", "u2")
+        finally:
+            await ex.stop()
+            await rt.stop()
+            rt.close()
+
+    u1, u2 = run(go())
+    assert u1["result"]["value"]["applied"] == 1 and u2["result"]["value"] == {"applied": -6}
+    assert len(service.stats()["applied"]) == 1

@@ -280,9 +280,11 @@ class EffectMetrics:
 
 class EffectExecutor:
     """Run the effects of ``app`` recorded on ``streams`` (see the module docstring): worker ``index`` of
-    ``workers``; continuations go through ``resume``."""
+    ``workers``; continuations go through ``resume``. ``app`` may be a callable giving the application running now
+    (``lambda: engine.app``: after a code update, the new code's handlers run the effects not yet run)."""
 
-    def __init__(self, app: Application, streams: StreamLog | Callable[[], StreamLog | None], resume: Resume,
+    def __init__(self, app: Application | Callable[[], Application],
+                 streams: StreamLog | Callable[[], StreamLog | None], resume: Resume,
                  store: EffectStore | str | None = None, *,
                  index: int = 0, workers: int = 1, concurrency: int = 16, max_inflight_bytes: int = 16 << 20,
                  backoff_s: float = 0.2, max_backoff_s: float = 30.0, poll_s: float = 0.05, max_events: int = 1000,
@@ -291,7 +293,7 @@ class EffectExecutor:
             raise ValueError(f"worker index {index} is not in [0, {workers})")
         if concurrency < 1 or max_inflight_bytes < 1:
             raise ValueError("concurrency and max_inflight_bytes must be positive")
-        self.app = app
+        self._app = app  # or how to get the application running now (an engine's, which a code update switches)
         self._streams_of = streams
         self.resume = resume
         self._store_spec = store
@@ -400,7 +402,8 @@ class EffectExecutor:
         if not attempt:
             return
         self.metrics.attempts += 1
-        handler = self.app.effects.get(doc["handler"])
+        app = self._app if isinstance(self._app, Application) else self._app()
+        handler = app.effects.get(doc["handler"])
         t0 = time.perf_counter()
         try:
             if handler is None:
