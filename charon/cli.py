@@ -280,6 +280,8 @@ def effects_work(
     max_bytes: int = typer.Option(16 << 20, "--max-bytes", min=1, help="Bytes of effect requests in flight."),
     park_failed: bool = typer.Option(False, "--park-failed", help="Park exhausted effects for an operator."),
     backoff: float = typer.Option(0.2, "--backoff", min=0.001, help="First retry's delay in seconds (doubles)."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", min=1, max=65535,
+                                            help="Serve this worker's Prometheus metrics on 127.0.0.1:PORT/metrics."),
 ) -> None:
     """Run the effects of worker INDEX of WORKERS (by crc32 of the effect id): handlers here, continuations
     submitted to the gateway at --url with the effect's Idempotency-Key."""
@@ -315,10 +317,24 @@ def effects_work(
                                 concurrency=concurrency, max_inflight_bytes=max_bytes, park_failed=park_failed,
                                 backoff_s=backoff, poll_s=0.01)  # the engine's appends are in another process
             await ex.start()
-            err_console.print(f"charon: effects worker {index}/{workers} of {application.name} on {data_dir}",
+            server = None
+            if metrics_port is not None:
+                import uvicorn
+                from starlette.applications import Starlette
+                from starlette.responses import PlainTextResponse
+                from starlette.routing import Route
+
+                async def metrics(_: Any) -> PlainTextResponse:
+                    return PlainTextResponse(await asyncio.to_thread(ex.prometheus),
+                                             media_type="text/plain; version=0.0.4")
+
+                server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/metrics", metrics)]),
+                                                       host="127.0.0.1", port=metrics_port, log_level="warning"))
+            err_console.print(f"charon: effects worker {index}/{workers} of {application.name} on {data_dir}"
+                              + (f"; metrics on http://127.0.0.1:{metrics_port}/metrics" if server else ""),
                               soft_wrap=True)
             try:
-                await asyncio.Event().wait()
+                await (server.serve() if server is not None else asyncio.Event().wait())
             finally:
                 await ex.stop()
 

@@ -46,10 +46,10 @@ def _start_engine(data: Path, port: int, service: Service, *extra: str) -> subpr
         time.sleep(0.1)
 
 
-def _start_worker(data: Path, url: str, service: Service, index: int, workers: int) -> subprocess.Popen:
+def _start_worker(data: Path, url: str, service: Service, index: int, workers: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "charon.cli", "effects", "work", "effects_app:app", "--url", url,
                              "--data-dir", str(data), "--index", str(index), "--workers", str(workers),
-                             "--backoff", "0.05"], env=_env(service), stdout=subprocess.DEVNULL,
+                             "--backoff", "0.05", *extra], env=_env(service), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
 
@@ -128,7 +128,9 @@ def test_sigkill_a_worker_and_the_service_each_effect_applied_once(tmp_path: Pat
     url = f"http://127.0.0.1:{port}"
     data = tmp_path / "data"
     engine = _start_engine(data, port, service)
-    workers = [_start_worker(data, url, service, i, 2) for i in range(2)]
+    metrics_port = free_port()
+    workers = [_start_worker(data, url, service, 0, 2), _start_worker(data, url, service, 1, 2, "--metrics-port",
+                                                                     str(metrics_port))]
     try:
         _submit_all(url)
         _wait_applied(service, 8)
@@ -144,6 +146,10 @@ def test_sigkill_a_worker_and_the_service_each_effect_applied_once(tmp_path: Pat
         workers[0] = _start_worker(data, url, service, 0, 2)
         states = _wait_all_continued(url)
         _check(service, states)
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text  # worker 1's own
+        attempts = int(next(ln.split()[1] for ln in text.splitlines()
+                            if ln.startswith("charon_effect_attempts_total")))
+        assert attempts > 0 and 'charon_effects{status="done"} 40' in text
         r = subprocess.run([sys.executable, "-m", "charon.cli", "effects", "list", "--data-dir", str(data), "--json",
                             "--limit", "1000"], env=_env(service), capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
