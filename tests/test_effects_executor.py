@@ -276,3 +276,11 @@ def test_the_executor_runs_the_handlers_of_the_application_running_now(tmp_path,
     u1, u2 = run(go())
     assert u1["result"]["value"]["applied"] == 1 and u2["result"]["value"] == {"applied": -6}
     assert len(service.stats()["applied"]) == 1
+
+
+def test_a_new_worker_count_resumes_where_the_slowest_reader_was(tmp_path) -> None:
+    store = EffectStore(str(tmp_path / "effects.sqlite"))
+    assert store.offset("0/1") == 0
+    store.take("0/2", [], 7)
+    store.take("1/2", [], 5)
+    assert store.offset("0/3") == 5 and store.offset("0/2") == 7

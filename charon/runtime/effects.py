@@ -19,8 +19,9 @@ An effect is a portal to the outside world (the shape of :mod:`charon.runtime.de
   "attempts": n}``.
 
 Several executors (``charon effects`` worker processes) split the effects by ``crc32(id) % workers``: each
-effect belongs to one worker, so no effect runs concurrently twice (all workers must be given the same count;
-an executor inside ``charon run`` is worker 0 of 1, and must not run beside workers). Bounds: at most
+effect belongs to one worker, so no effect runs concurrently twice (all workers must be given the same count: to
+change it, stop every worker, then start the new ones; an executor inside ``charon run`` is worker 0 of 1, and must
+not run beside workers). Bounds: at most
 ``concurrency`` effects in flight and at most ``max_inflight_bytes`` of their requests; ``park_failed`` keeps an
 effect whose attempts are exhausted as ``failed`` for an operator (:meth:`EffectStore.retry` or
 :meth:`EffectStore.abandon`, which resumes the continuation with ``EffectAbandoned``) instead of resuming it with
@@ -122,8 +123,13 @@ class EffectStore:
 
     # -- intake
     def offset(self, reader: str) -> int:
+        """Where ``reader`` resumes; a new reader (another worker count) where the slowest reader is: everything
+        before it was taken in by its owner (and is found again here, not re-run)."""
         rows = self._rows("SELECT offset FROM offsets WHERE reader = ?", (reader,))
-        return int(rows[0][0]) if rows else 0
+        if rows:
+            return int(rows[0][0])
+        low = self._rows("SELECT min(offset) FROM offsets")
+        return int(low[0][0]) if low and low[0][0] is not None else 0
 
     def take(self, reader: str, docs: list[tuple[str, bytes, dict[str, Any]]], offset: int) -> int:
         """Record ``docs`` ((id, encoded request, request)) once each and the reader's new offset, atomically;
@@ -293,6 +299,9 @@ class EffectExecutor:
             raise ValueError(f"worker index {index} is not in [0, {workers})")
         if concurrency < 1 or max_inflight_bytes < 1:
             raise ValueError("concurrency and max_inflight_bytes must be positive")
+        self.streams: StreamLog  # both set by _open (at start, when an engine has its streams)
+        self.store: EffectStore
+        self._opened = False
         self._app = app  # or how to get the application running now (an engine's, which a code update switches)
         self._streams_of = streams
         self.resume = resume
@@ -322,16 +331,17 @@ class EffectExecutor:
     def _open(self) -> None:
         """The stream log (an engine gives its own once started) and the store (default: ``effects.sqlite`` next to
         the stream log's file)."""
-        if not hasattr(self, "streams"):
-            streams = self._streams_of if isinstance(self._streams_of, StreamLog) else self._streams_of()
-            if streams is None:
-                raise ValueError("effects need an engine with output streams (durable, or in memory with streams)")
-            self.streams = streams
-        if not hasattr(self, "store"):
-            spec = self._store_spec
-            if spec is None:
-                spec = os.path.join(os.path.dirname(os.path.abspath(self.streams.path)), EFFECTS_FILE)
-            self.store = spec if isinstance(spec, EffectStore) else EffectStore(spec)
+        if self._opened:
+            return
+        streams = self._streams_of if isinstance(self._streams_of, StreamLog) else self._streams_of()
+        if streams is None:
+            raise ValueError("effects need an engine with output streams (durable, or in memory with streams)")
+        self.streams = streams
+        spec = self._store_spec
+        if spec is None:
+            spec = os.path.join(os.path.dirname(os.path.abspath(streams.path)), EFFECTS_FILE)
+        self.store = spec if isinstance(spec, EffectStore) else EffectStore(spec)
+        self._opened = True
 
     # -- operators (charon.server.admin.EffectsAdmin)
     def list_effects(self, status: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
