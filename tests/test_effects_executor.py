@@ -284,3 +284,8 @@ def test_a_new_worker_count_resumes_where_the_slowest_reader_was(tmp_path) -> No
     store.take("0/2", [], 7)
     store.take("1/2", [], 5)
     assert store.offset("0/3") == 5 and store.offset("0/2") == 7
+    store.take("0/3", [], 9)
+    assert store.offset("1/3") == 5  # workers of one count start together: not where a sibling got to
+    fresh = EffectStore(str(tmp_path / "fresh.sqlite"))
+    fresh.take("1/2", [], 40)
+    assert fresh.offset("0/2") == 0

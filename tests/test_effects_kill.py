@@ -50,7 +50,7 @@ def _start_worker(data: Path, url: str, service: Service, index: int, workers: i
     return subprocess.Popen([sys.executable, "-m", "charon.cli", "effects", "work", "effects_app:app", "--url", url,
                              "--data-dir", str(data), "--index", str(index), "--workers", str(workers),
                              "--backoff", "0.05", *extra], env=_env(service), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=open(data.parent / f"worker{index}-{time.time():.3f}.log", "wb"))  # noqa: SIM115
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -123,12 +123,15 @@ class EffectStore:
 
     # -- intake
     def offset(self, reader: str) -> int:
-        """Where ``reader`` resumes; a new reader (another worker count) where the slowest reader is: everything
-        before it was taken in by its owner (and is found again here, not re-run)."""
+        """Where ``reader`` (``index/workers``) resumes. A reader of a new worker count starts where the slowest
+        reader of the previous counts stopped (everything before it was taken in by its owner, and is found again
+        here, not re-run); with none, at 0. Readers of its own count are no guide (they start together)."""
         rows = self._rows("SELECT offset FROM offsets WHERE reader = ?", (reader,))
         if rows:
             return int(rows[0][0])
-        low = self._rows("SELECT min(offset) FROM offsets")
+        count = reader.partition("/")[2]
+        low = self._rows("SELECT min(offset) FROM offsets WHERE substr(reader, instr(reader, '/') + 1) != ?",
+                         (count,))
         return int(low[0][0]) if low and low[0][0] is not None else 0
 
     def take(self, reader: str, docs: list[tuple[str, bytes, dict[str, Any]]], offset: int) -> int:
