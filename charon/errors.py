@@ -83,6 +83,11 @@ class UndeclaredPortal(CharonError):
     or that the other application does not expose (see :mod:`charon.runtime.deployment`)."""
 
 
+class UnknownEffect(CharonError):
+    """``ctx.effect`` named an effect handler the application does not register, or gave it a bad policy
+    (timeout, attempts): the transaction aborts, nothing is recorded."""
+
+
 ENGINE_ERRORS: dict[str, type[CharonError]] = {
     cls.__name__: cls
     for cls in (
@@ -98,6 +103,7 @@ ENGINE_ERRORS: dict[str, type[CharonError]] = {
         IllegalAwait,
         UnawaitedCall,
         UndeclaredPortal,
+        UnknownEffect,
         InvocationTimeout,
         Quarantined,
     )

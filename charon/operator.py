@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import re
 import typing
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any
@@ -156,6 +157,7 @@ class Application:
     def __init__(
         self, name: str, operators: Iterable[Operator], *, portals: Mapping[str, tuple[str, str]] | None = None,
         streams: Iterable[str] = (), uses: Iterable[str] = (),
+        effects: Mapping[str, Callable[..., Any]] | None = None,
     ) -> None:
         self.name = name
         self.operators: dict[str, Operator] = {}
@@ -174,9 +176,33 @@ class Application:
             self.portals[pname] = (op_name, fn_name)
         self.streams: frozenset[str] = frozenset(streams)
         self.uses: frozenset[str] = frozenset(uses)
+        #: effect handlers (name -> sync or async callable ``handler(idempotency_key, *args)``), registered by the
+        #: deployment's code (``effects=`` or :meth:`effect_handler`), never by a client; see ``ctx.effect``
+        self.effects: dict[str, Callable[..., Any]] = {}
+        for hname, handler in (effects or {}).items():
+            self.effect_handler(hname)(handler)
         for u in self.uses:
             if not isinstance(u, str) or u.count(".") < 1 or not all(u.split(".", 1)):
                 raise ValueError(f"uses entries are 'app.portal' or 'app.stream', got {u!r}")
+
+    def effect_handler(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator registering ``handler(idempotency_key, *args)`` (sync or async; I/O allowed) as the effect
+        handler ``name`` (``ctx.effect(name, ...)``; run by an effect executor, :mod:`charon.runtime.effects`)."""
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{1,100}", name):
+            raise ValueError(f"an effect handler name is 1-100 characters of A-Z a-z 0-9 _ . : -, got {name!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,60}", self.name):  # effect ids (idempotency keys) carry it
+            raise ValueError(f"an application with effects needs a name of 1-60 characters of A-Z a-z 0-9 _ -, "
+                             f"got {self.name!r}")
+
+        def register(handler: Callable[..., Any]) -> Callable[..., Any]:
+            if not callable(handler):
+                raise TypeError(f"effect handler {name!r} is not callable")
+            if name in self.effects:
+                raise ValueError(f"effect handler {name!r} is registered twice")
+            self.effects[name] = handler
+            return handler
+
+        return register
 
     def resolve(self, operator: str | Operator, function: str | Function) -> Function:
         """The function object for (operator, function) names; raises UnknownOperator/UnknownFunction."""

@@ -19,13 +19,22 @@ from __future__ import annotations
 import random as _random
 import warnings
 from collections import deque
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
 from charon.core import determinism
 from charon.core import timers as _timers
-from charon.core.context import MAX_DEPTH, MAX_EMITS, child_inv, item_key, raised_in, unawaited_message
+from charon.core.context import (
+    EFFECT_STREAM,
+    MAX_DEPTH,
+    MAX_EMITS,
+    child_inv,
+    effect_request,
+    item_key,
+    raised_in,
+    unawaited_message,
+)
 from charon.core.epoch import EpochResult, Verdict
 from charon.core.partition import MAX_INVOCATIONS, too_many_invocations
 from charon.core.routing import check_item, check_stream, entity_prefix, partition_of, split_store_key, store_key
@@ -89,6 +98,7 @@ class SerialContext:
         self._received: BaseException | None = None  # the first exception a callee raised into this function
         self._fn = ""
         self._nemit = 0
+        self._nask = 0  # effects of this invocation (numbered like the engine's)
         self._made: list[_SerialCall] = []  # the calls ctx.call created (each must be awaited)
 
     def _note(self, *effect: Any) -> None:
@@ -178,6 +188,15 @@ class SerialContext:
         self._txn.events.append((inv, self._nemit, stream, serde.encode_value(value)))
         if self._txn.log is not None:
             self._note("emit", stream, self._txn.events[-1][3])
+
+    def effect(self, handler: str, *args: Any, then: Function | str, carry: Sequence[object] = (),
+               timeout: float = 30.0, attempts: int = 5) -> str:
+        """As the engine's ``ctx.effect``: the same checks, id and event on the reserved stream (not run here)."""
+        self._nask += 1
+        eid, doc = effect_request(self._txn.app, self._op, self._key, self._txn.tid, self._inv, self._nask, handler,
+                                  args, then, carry, timeout, attempts)
+        self.emit(EFFECT_STREAM, doc)
+        return eid
 
     # timers: the same items (ids, records) as the engine's; firing is modelled by check_epoch
     def send_at(self, t: float, operator: Operator | str, key: str, function: Function | str, *args: Any) -> str:

@@ -39,6 +39,7 @@ from charon.errors import (
     NonDeterministicFunction,
     UnawaitedCall,
     UndeclaredPortal,
+    UnknownEffect,
     ValueTooLarge,
 )
 from charon.operator import Application, Function, Operator
@@ -63,6 +64,33 @@ MAX_EMITS = 10_000
 RESERVED_STREAM_PREFIX = "charon."  # streams only the engine appends to (ctx.emit refuses them)
 PORTAL_STREAM = "charon.portal.requests"  # the output stream ctx.ask appends requests to
 PORTAL_ID_PREFIX = "__charon.portal."  # request ids of portal requests (+ '.reply' for continuations)
+EFFECT_STREAM = "charon.effects"  # the output stream ctx.effect appends effect requests to
+#: effect ids (the handler's idempotency key; + '.done' is the continuation's request id). Not under the reserved
+#: ``__charon`` prefix: ``charon effects`` workers submit continuations through the gateway like any client.
+EFFECT_ID_PREFIX = "fx."
+MAX_EFFECT_TIMEOUT_S = 3600.0  # one attempt's longest timeout
+MAX_EFFECT_ATTEMPTS = 1000
+
+
+def effect_request(app: Application, op: str, key: str, tid: int, inv: str, n: int, handler: object,
+                   args: Sequence[object], then: Function | str, carry: object, timeout: object,
+                   attempts: object) -> tuple[str, dict[str, Any]]:
+    """The id and the stream event of ``ctx.effect`` number ``n`` of invocation ``inv`` of transaction ``tid`` (the
+    engine's context and the oracle's build it here); typed errors for what is not valid."""
+    if type(handler) is not str or handler not in app.effects:
+        raise UnknownEffect(f"application {app.name!r} has no effect handler {handler!r} "
+                            f"(have: {', '.join(sorted(app.effects)) or 'none'})")
+    if not (isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout <= MAX_EFFECT_TIMEOUT_S):
+        raise UnknownEffect(f"timeout must be in (0, {MAX_EFFECT_TIMEOUT_S}] seconds, got {timeout!r}")
+    if not (type(attempts) is int and 1 <= attempts <= MAX_EFFECT_ATTEMPTS):
+        raise UnknownEffect(f"attempts must be an integer in [1, {MAX_EFFECT_ATTEMPTS}], got {attempts!r}")
+    then_name = then.name if isinstance(then, Function) else then
+    app.resolve(op, then_name)  # the continuation exists (a typed error otherwise)
+    if not isinstance(carry, list | tuple):
+        raise BadArguments("carry must be a list")
+    eid = f"{EFFECT_ID_PREFIX}{app.name}.{tid}.{inv}.{n}"
+    return eid, {"id": eid, "handler": handler, "args": list(args), "op": op, "key": key, "then": then_name,
+                 "carry": list(carry), "timeout": float(timeout), "attempts": attempts}
 
 
 def too_large(what: str, n: int) -> ValueTooLarge:
@@ -442,6 +470,26 @@ class Context:
         self._emit(PORTAL_STREAM, {"rid": rid, "portal": portal, "key": key, "args": list(args),
                                   "op": f.op, "from": f.key, "then": then_name, "carry": list(carry)})
         return rid
+
+    # -- effects (calls to the outside world) ---------------------------------------------------------
+    def effect(self, handler: str, *args: Any, then: Function | str, carry: Sequence[object] = (),
+               timeout: float = 30.0, attempts: int = 5) -> str:
+        """Run the application's effect handler ``handler(effect_id, *args)`` (I/O allowed) once this transaction
+        commits; returns the effect id, the handler's idempotency key.
+
+        The request is an event of this transaction (it exists iff the transaction commits). An effect executor
+        (:mod:`charon.runtime.effects`) runs the handler at least once (each attempt at most ``timeout``
+        seconds, at most ``attempts`` attempts, with exponential backoff), then resumes *this entity* exactly
+        once, as a new transaction running this operator's function ``then(ctx, result, *carry)`` with
+        ``result`` = ``{"ok": True, "value": v}`` or ``{"ok": False, "error_type": t, "error": message,
+        "attempts": n}``. Unknown handlers and bad policies raise :class:`~charon.errors.UnknownEffect`.
+        """
+        f = self._frame
+        self._nask += 1  # asks and effects share the numbering (their ids differ by prefix)
+        eid, doc = effect_request(self._unit.app_for(f.tid), f.op, f.key, f.tid, f.inv, self._nask, handler, args,
+                                  then, carry, timeout, attempts)
+        self._emit(EFFECT_STREAM, doc)
+        return eid
 
     # -- calls ------------------------------------------------------------------------------------
     def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple[object, ...]) -> Target:

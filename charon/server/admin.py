@@ -57,6 +57,10 @@
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
 - ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
 - ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
+- With an effect executor beside the engine (``charon run --effects``, :class:`EffectsAdmin`):
+  ``GET /admin/effects?status=S&limit=N`` (``{"counts", "effects"}``), ``POST /admin/effects/{id}/retry`` and
+  ``POST /admin/effects/{id}/abandon`` (409 ``NotParked`` when the effect is not in a state that allows it), and
+  the effect lines of ``/metrics``. Without one these routes do not exist (404).
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ from charon.server.limits import Slots
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK_TYPES, HTTPError, guard, respond
 
-__all__ = ["AdminGateway", "AdminRoutes", "admin_routes"]
+__all__ = ["AdminGateway", "AdminRoutes", "EffectsAdmin", "admin_routes"]
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy beyond)
@@ -113,6 +117,29 @@ class AdminGateway(Protocol):
     async def read_body(self, request: HTTPRequest) -> bytes: ...
 
     def validate(self, operator: str, key: str, function: str, args: list[object]) -> Request: ...
+
+
+class EffectsAdmin(Protocol):
+    """An effect executor running beside the engine on the gateway's loop (:mod:`charon.runtime.effects`): started
+    after the engine, stopped before it; ``GET /admin/effects``, ``POST /admin/effects/{id}/retry|abandon`` and
+    its lines of ``/metrics`` go through these calls only (blocking ones run off the loop)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def list_effects(self, status: str | None, limit: int) -> list[dict[str, Any]]: ...
+
+    def effect_counts(self) -> dict[str, int]: ...
+
+    def retry_effect(self, effect_id: str) -> bool: ...
+
+    def abandon_effect(self, effect_id: str) -> bool: ...
+
+    def prometheus(self) -> str: ...
+
+
+EFFECT_STATUSES = frozenset({"pending", "running", "resuming", "failed", "done"})
 
 
 def _controls(gw: AdminGateway) -> Controls:
@@ -214,9 +241,10 @@ class AdminRoutes:
     :class:`~charon.runtime.contract.Controls` (501 ``NotSupported`` for an engine without them) and mapping the
     contract's errors to typed answers."""
 
-    def __init__(self, gw: AdminGateway, metrics: GatewayMetrics) -> None:
+    def __init__(self, gw: AdminGateway, metrics: GatewayMetrics, effects: EffectsAdmin | None = None) -> None:
         self.gw = gw
         self.metrics = metrics
+        self.effects = effects
         self.rescaling = False  # a rescale is running (taken before any await: one at a time)
         self.sql_slots = Slots(SQL_SLOTS, "SQLBusy", lambda cap: f"{cap} SQL queries are running; retry later")
 
@@ -402,7 +430,44 @@ class AdminRoutes:
         gw = self.gw
         gw.check_auth(request)
         data = await gw.off_loop(self.metrics.exposition, len(gw.inflight))
+        if self.effects is not None:
+            data += (await gw.off_loop(self.effects.prometheus)).encode()
         return Response(data, 200, media_type=CONTENT_TYPE_LATEST)
+
+    def _effects(self) -> EffectsAdmin:
+        assert self.effects is not None  # the routes exist only beside an executor
+        return self.effects
+
+    async def list_effects(self, request: HTTPRequest) -> Response:
+        """``GET /admin/effects?status=S&limit=N``: ``{"counts": {status: n}, "effects": [...]}`` (newest first)."""
+        self.gw.check_auth(request)
+        fx = self._effects()
+        status = request.query_params.get("status")
+        if status is not None and status not in EFFECT_STATUSES:
+            raise HTTPError("BadRequest", f"status must be one of {', '.join(sorted(EFFECT_STATUSES))}")
+        try:
+            limit = int(request.query_params.get("limit", "100"))
+        except ValueError:
+            raise HTTPError("BadRequest", "limit must be an integer") from None
+        if not 1 <= limit <= 10_000:
+            raise HTTPError("BadRequest", "limit must be in [1, 10000]")
+        rows = await self.gw.off_loop(fx.list_effects, status, limit)
+        counts = await self.gw.off_loop(fx.effect_counts)
+        return respond(request, 200, {"counts": counts, "effects": rows})
+
+    async def effect_action(self, request: HTTPRequest) -> Response:
+        """``POST /admin/effects/{id}/retry`` (a parked failure gets new attempts) or ``.../abandon`` (a parked or
+        pending effect resumes its continuation with ``EffectAbandoned``); 409 ``NotParked`` otherwise."""
+        self.gw.check_auth(request)
+        fx = self._effects()
+        eid, action = request.path_params["effect_id"], request.path_params["action"]
+        if not IDEMPOTENCY_KEY.match(eid) or action not in ("retry", "abandon"):
+            raise HTTPError("NotFound", "no such effect action")
+        call = fx.retry_effect if action == "retry" else fx.abandon_effect
+        if not await self.gw.off_loop(call, eid):
+            state = "parked" if action == "retry" else "parked or pending"
+            raise HTTPError("NotParked", f"effect {eid!r} is not {state}")
+        return respond(request, 200, {"id": eid, "action": action})
 
     async def dashboard(self, request: HTTPRequest) -> Response:
         return FileResponse(os.path.join(STATIC, "dashboard.html"), media_type="text/html")
@@ -421,9 +486,13 @@ class AdminRoutes:
             Route("/admin/summary", guard(self.summary), methods=["GET"], name="admin_summary"),
             Route("/metrics", guard(self.prometheus), methods=["GET"], name="metrics"),
             Route("/dashboard", self.dashboard, methods=["GET"], name="dashboard"),
-        ]
+        ] + ([] if self.effects is None else [  # only beside an effect executor (charon run --effects)
+            Route("/admin/effects", guard(self.list_effects), methods=["GET"], name="admin_effects"),
+            Route("/admin/effects/{effect_id}/{action}", guard(self.effect_action), methods=["POST"],
+                  name="admin_effect_action"),
+        ])
 
 
-def admin_routes(gw: AdminGateway, metrics: GatewayMetrics) -> list[Route]:
-    """The admin, metrics and dashboard routes over one gateway."""
-    return AdminRoutes(gw, metrics).routes()
+def admin_routes(gw: AdminGateway, metrics: GatewayMetrics, effects: EffectsAdmin | None = None) -> list[Route]:
+    """The admin, metrics and dashboard routes over one gateway (and its effect executor, if any)."""
+    return AdminRoutes(gw, metrics, effects).routes()

@@ -100,7 +100,7 @@ from charon.log.client import check_same_request, stored_request
 from charon.messages import Reply, Request
 from charon.operator import BATCH_FUNCTION, BATCH_OPERATOR, batch_request, check_batch
 from charon.runtime.contract import Engine, EngineSource, as_engine
-from charon.server.admin import admin_routes
+from charon.server.admin import EffectsAdmin, admin_routes
 from charon.server.http import StrictPath
 from charon.server.limits import inflight_size, read_body, reply_size
 from charon.server.metrics import GatewayMetrics
@@ -142,6 +142,7 @@ class _Gateway:
         self.inflight_bytes = 0  # of the in-flight requests (see _inflight_size), at most cfg.max_inflight_bytes
         self.known_ops = set(describe_app(engine.app))
         self._openapi: bytes | None = None
+        self.has_effects = False  # an effect executor runs beside the engine (its routes exist)
         self._pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="charon-gateway-read")
         # /health has a thread of its own: reads waiting for an epoch boundary never delay it
         self._health_pool = ThreadPoolExecutor(1, thread_name_prefix="charon-gateway-health")
@@ -537,7 +538,8 @@ class _Gateway:
 
     async def openapi(self, request: HTTPRequest) -> Response:
         if self._openapi is None:
-            self._openapi = json_encoder.encode(openapi_document(self.engine.app, self.token is not None))
+            self._openapi = json_encoder.encode(openapi_document(self.engine.app, self.token is not None,
+                                                                 self.has_effects))
         return Response(self._openapi, media_type="application/json")
 
 
@@ -556,6 +558,7 @@ def create_app(
     config: GatewayConfig | None = None,
     background_start: bool = False,
     on_start_failure: Callable[[str], None] | None = None,
+    effects: EffectsAdmin | None = None,
 ) -> Any:
     """Build the gateway's ASGI app over ``runtime`` (an :class:`~charon.runtime.contract.Engine`, or a runtime
     that gives one: the gateway uses nothing but the contract).
@@ -570,6 +573,8 @@ def create_app(
     with ``Retry-After``, and invokes are accepted into the runtime's durable input log (they run once the
     engine is up; a synchronous call answers 202 with its status URL after ``wait_timeout``). A failed start
     turns ``/health`` to ``{"status": "failed"}`` and calls ``on_start_failure`` with the reason.
+    ``effects``: an effect executor run beside the engine (started after it, stopped before it; its admin routes
+    and metrics, :class:`charon.server.admin.EffectsAdmin`).
     """
     cfg = dataclasses.replace(config) if config is not None else GatewayConfig.from_env()
     for name, value in (("max_body", max_body), ("wait_timeout", wait_timeout), ("recent_replies", recent_replies)):
@@ -581,6 +586,8 @@ def create_app(
     async def start_in_background() -> None:
         try:
             await engine.start()
+            if effects is not None:
+                await effects.start()
         except Exception as exc:  # noqa: BLE001 - reported in /health and to the server
             gw.start_error = f"{type(exc).__name__}: {exc}"
             if on_start_failure is not None:
@@ -597,11 +604,15 @@ def create_app(
                 starter = asyncio.ensure_future(start_in_background())
             else:
                 await engine.start()
+                if effects is not None:
+                    await effects.start()
         try:
             yield
         finally:
             if starter is not None and not starter.done():
                 await asyncio.wait({starter})  # a half-started runtime is stopped once its start returns
+            if effects is not None and manage_runtime:
+                await effects.stop()
             pending = list(gw.inflight.values())
             if pending:
                 await asyncio.wait(pending, timeout=5.0)
@@ -625,7 +636,8 @@ def create_app(
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
     gw.metrics = GatewayMetrics(engine, samples=cfg.metrics_samples)
-    routes += admin_routes(gw, gw.metrics)
+    gw.has_effects = effects is not None
+    routes += admin_routes(gw, gw.metrics, effects)
     async def http_error(request: HTTPRequest, exc: Exception) -> Response:
         # routing errors (no such route, wrong method) in the same typed JSON shape as every other error
         status = getattr(exc, "status_code", 500)

@@ -11,7 +11,7 @@ from typing import Any
 
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK
 
-__all__ = ["describe_app", "openapi_document", "admin_paths"]
+__all__ = ["describe_app", "openapi_document", "admin_paths", "effect_paths"]
 
 
 def _operators(app: Any) -> list[Any]:
@@ -128,7 +128,7 @@ _ERROR_SCHEMA = {
 }
 
 
-def openapi_document(app: Any, secured: bool) -> dict[str, Any]:
+def openapi_document(app: Any, secured: bool, effects: bool = False) -> dict[str, Any]:
     """The OpenAPI document of a gateway over ``app`` (``secured``: its routes need the bearer token)."""
     def err(desc: str) -> dict[str, Any]:
         return {
@@ -327,6 +327,8 @@ def openapi_document(app: Any, secured: bool) -> dict[str, Any]:
         "get": {"summary": "This document", "responses": {"200": {"description": "ok"}}}
     }
     paths.update(admin_paths(security))
+    if effects:  # an effect executor runs beside the engine (charon run --effects)
+        paths.update(effect_paths(security))
     return {
         "openapi": "3.1.0",
         "info": {"title": f"Charon gateway: {getattr(app, 'name', 'app')}", "version": "1"},
@@ -363,6 +365,33 @@ def openapi_document(app: Any, secured: bool) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+def effect_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
+    """The OpenAPI path items of the effect routes (:class:`charon.server.admin.EffectsAdmin`)."""
+    err = {"description": "a typed error", "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/Error"}}}}
+    ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
+    return {
+        "/admin/effects": {"get": {
+            "summary": "Effects with status, attempts and last error, newest first; counts per status (admin)",
+            "security": security,
+            "parameters": [
+                {"name": "status", "in": "query", "required": False, "schema": {
+                    "type": "string", "enum": ["pending", "running", "resuming", "failed", "done"]}},
+                {"name": "limit", "in": "query", "required": False,
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 10000}}],
+            "responses": {"200": ok, "400": err, "401": err}}},
+        "/admin/effects/{effect_id}/{action}": {"post": {
+            "summary": "retry a parked effect, or abandon a parked or pending one (its continuation then runs with "
+                       "EffectAbandoned) (admin)",
+            "security": security,
+            "parameters": [
+                {"name": "effect_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                {"name": "action", "in": "path", "required": True,
+                 "schema": {"type": "string", "enum": ["retry", "abandon"]}}],
+            "responses": {"200": ok, "401": err, "404": err, "409": err}}},
+    }
 
 
 def admin_paths(security: list[dict[str, Any]]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import uvicorn
 
 from charon.config import GatewayConfig
 from charon.runtime.contract import Engine, EngineSource, as_engine
+from charon.server.admin import EffectsAdmin
 from charon.server.gateway import create_app
 from charon.server.http import uvicorn_config
 
@@ -34,6 +35,7 @@ def serve(
     log_level: str = "warning",
     recent_replies: int | None = None,
     config: GatewayConfig | None = None,
+    effects: EffectsAdmin | None = None,
 ) -> None:
     """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it.
 
@@ -66,7 +68,7 @@ def serve(
 
     app = create_app(
         engine, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
-        background_start=True, on_start_failure=start_failed,
+        background_start=True, on_start_failure=start_failed, effects=effects,
     )
     server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
@@ -109,12 +111,14 @@ class BackgroundServer:
         max_body: int | None = None,
         wait_timeout: float | None = None,
         config: GatewayConfig | None = None,
+        effects: EffectsAdmin | None = None,
     ) -> None:
         self.runtime = runtime
         self.host = host
         self.port = port or free_port(host)
         self.app = create_app(
-            runtime, token=token, max_body=max_body, wait_timeout=wait_timeout, manage_runtime=True, config=config
+            runtime, token=token, max_body=max_body, wait_timeout=wait_timeout, manage_runtime=True, config=config,
+            effects=effects,
         )
         self.server = uvicorn.Server(uvicorn_config(self.app, host, self.port, self.app.config))
         self.loop: asyncio.AbstractEventLoop | None = None

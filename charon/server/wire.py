@@ -64,6 +64,7 @@ STATUS_OF_ERROR: dict[str, int] = {
     "RescaleRunning": 409,
     "RescaleTimeout": 503,
     "Paused": 409,
+    "NotParked": 409,
 }
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 #: what a client-chosen request id (the ``Idempotency-Key``, an admin update's ``id``) may be

@@ -323,6 +323,7 @@ PUBLIC = [
     "TransactionAborted",
     "UnawaitedCall",
     "UndeclaredPortal",
+    "UnknownEffect",
     "UnknownFunction",
     "UnknownOperator",
     "ValueTooLarge",
@@ -336,7 +337,7 @@ def test_public_surface_is_pinned() -> None:
     errors = {n for n in PUBLIC if n.endswith(("Error", "Aborted", "Unavailable", "Large", "Exceeded"))}
     errors |= {"BadArguments", "IdempotencyConflict", "IllegalAwait", "InvalidKey", "InvocationTimeout",
                "NonDeterministicFunction", "Quarantined", "UnawaitedCall", "UndeclaredPortal", "UnknownFunction",
-               "UnknownOperator"}
+               "UnknownOperator", "UnknownEffect"}
     for name in errors:
         assert issubclass(getattr(charon, name), charon.CharonError), name
     # Every engine error a reply can carry is importable from the top level.

@@ -1,0 +1,117 @@
+"""The saga example over durable effects (issue 23 item 3): orders reserve stock, charge a card and ship through a
+real external HTTP service (its own process) that fails at random, declines some charges and shipments; the
+engine (``charon run --effects``) is SIGKILLed once mid-run. Money and stock are conserved, every order is
+completed or compensated (never both, never neither), and each continuation runs exactly once."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from charon.client import Client
+from charon.server.serve import free_port
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+from effects_service import Service  # noqa: E402
+
+ITEMS = {"apple": 25, "pear": 20, "fig": 5}  # fig runs out: some orders are rejected
+N = 30
+
+
+def _start(data: Path, port: int, service: Service) -> subprocess.Popen:
+    env = {**os.environ, "CHARON_SAGA_SERVICE_URL": service.url}
+    proc = subprocess.Popen([sys.executable, "-m", "charon.cli", "run", "charon.apps.saga:app", "--data-dir",
+                             str(data), "--port", str(port), "--effects"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_saga_under_random_failures_and_a_kill_conserves_money_and_stock(tmp_path: Path) -> None:
+    rng = random.Random(23)
+    plan = [(f"o{i}", f"c{i % 7}", rng.choice(list(ITEMS)), rng.randint(1, 3), rng.randint(5, 50),
+             rng.random() < 0.2, rng.random() < 0.2) for i in range(N)]
+    service = Service(str(tmp_path / "service.sqlite")).start()
+    service.control(fail_rate=0.3)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = _start(tmp_path / "data", port, service)
+
+    def place_all() -> None:
+        with Client(url, timeout=30, retries=5) as c:
+            for oid, cust, item, qty, amount, decline, fail_ship in plan:
+                c.submit("orders", oid, "place", cust, item, qty, amount, decline, fail_ship, request_id=f"place-{oid}")
+
+    try:
+        with Client(url, timeout=30) as c:
+            for item, qty in ITEMS.items():
+                c.invoke("stock", item, "fill", qty, request_id=f"fill-{item}")
+        place_all()
+        deadline = time.monotonic() + 60
+        while len(service.stats()["applied"]) < 10:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        _kill(engine)  # mid-saga: some charged, some shipping, some compensating
+        engine = _start(tmp_path / "data", port, service)
+        place_all()  # clients retry: each order placed once
+        deadline = time.monotonic() + 180
+        with Client(url, timeout=30, retries=5) as c:
+            while True:
+                docs = {p[0]: c.state("orders", p[0]) for p in plan}
+                if all(d and d["state"] in ("completed", "compensated", "rejected") for d in docs.values()):
+                    break
+                assert time.monotonic() < deadline, docs
+                time.sleep(0.2)
+            stock_left = {item: c.state("stock", item) for item in ITEMS}
+    finally:
+        _kill(engine)
+    applied = service.stats()["applied"]
+    attempts = service.stats()["attempts"]
+    service.kill()
+
+    charges = [b for b in applied.values() if b["op"] == "charge" and not b["decline"]]
+    refunds = [b for b in applied.values() if b["op"] == "refund"]
+    completed = [p for p in plan if docs[p[0]]["state"] == "completed"]
+    compensated = [p for p in plan if docs[p[0]]["state"] == "compensated"]
+    rejected = [p for p in plan if docs[p[0]]["state"] == "rejected"]
+    assert completed and compensated and len(completed) + len(compensated) + len(rejected) == N
+    whys = {docs[p[0]]["why"] for p in compensated}
+    assert whys == {"charge failed", "shipment failed"}, whys  # both compensation paths ran
+    # money: what the card processor kept is what the completed orders cost
+    assert sum(b["amount"] for b in charges) - sum(b["amount"] for b in refunds) == sum(p[4] for p in completed)
+    # stock: what left the shelves is what the completed orders took
+    for item, initial in ITEMS.items():
+        assert initial - stock_left[item] == sum(p[3] for p in completed if p[2] == item), item
+    # never both: a completed order was shipped and not refunded; a compensated one not shipped, refunded iff charged
+    refunded = {b["order"] for b in refunds}
+    shipped = {b["order"] for b in applied.values() if b["op"] == "ship" and not b["decline"]}
+    assert {p[0] for p in completed} == shipped and not refunded & shipped
+    for p in compensated:
+        d = docs[p[0]]
+        assert (p[0] in refunded) == (d["why"] == "shipment failed"), d
+        assert d["continued"] == (3 if d["why"] == "shipment failed" else 1), d  # each continuation once
+    assert all(docs[p[0]]["continued"] == 2 for p in completed)
+    assert all(docs[p[0]]["continued"] == 0 for p in rejected)
+    assert sum(attempts.values()) > len(applied) > 25  # retried; the kill (after 10 applied) was mid-run
