@@ -16,7 +16,7 @@ from charon.client import Client
 from charon.runtime.effects import EffectExecutor, engine_resume
 from charon.server.serve import BackgroundServer
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1] / "support"  # the test apps and the external service
 sys.path.insert(0, str(TESTS))
 from effects_app import app  # noqa: E402
 from effects_service import Service  # noqa: E402

@@ -15,7 +15,7 @@ import httpx
 from charon.client import Client
 from charon.server.serve import free_port
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1] / "support"  # the test apps and the external service
 sys.path.insert(0, str(TESTS))
 from effects_service import Service  # noqa: E402
 from test_effects_kill import _env, _kill, _start_engine  # noqa: E402

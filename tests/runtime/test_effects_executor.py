@@ -15,7 +15,7 @@ import pytest
 from charon import InProcessRuntime, serde
 from charon.runtime.effects import EffectExecutor, EffectStore, effect_partition, engine_resume
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1] / "support"  # the test apps and the external service
 sys.path.insert(0, str(TESTS))
 from effects_app import app  # noqa: E402
 from effects_service import Service  # noqa: E402
