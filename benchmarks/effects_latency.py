@@ -65,13 +65,16 @@ async def run(n: int, burst: int, concurrency: int, partitions: int) -> dict:
     ex = EffectExecutor(app, eng.streams, engine_resume(eng.submit), concurrency=concurrency)  # as charon run --effects
     await ex.start()
     try:
-        lat = []
+        lat: list[float] = []
+        tx: list[float] = []  # the calling transaction's own round trip (submit -> reply), for the ratio
         for i in range(n + 20):
+            ts = time.perf_counter()
             reply = await eng.submit("acct", f"l{i}", "pay", [i])
             t0 = time.perf_counter()
             t1 = await _done(eng, serde.decode(reply.value))
             if i >= 20:  # warm-up
                 lat.append(t1 - t0)
+                tx.append(t0 - ts)
         t0 = time.perf_counter()
         replies = await asyncio.gather(*(eng.submit("acct", f"b{i}", "pay", [i]) for i in range(burst)))
         submitted = time.perf_counter()
@@ -82,6 +85,10 @@ async def run(n: int, burst: int, concurrency: int, partitions: int) -> dict:
             "handler_ms": HANDLER_S * 1000, "durable": True, "fsync": True,
             "roundtrip_ms": {"p50": percentile(lat, 50) * 1000, "p99": percentile(lat, 99) * 1000,
                              "mean": sum(lat) / len(lat) * 1000},
+            "transaction_ms": {"p50": percentile(tx, 50) * 1000, "p99": percentile(tx, 99) * 1000},
+            "roundtrip_over_transaction_p50": percentile(lat, 50) / percentile(tx, 50),
+            "roundtrip_samples_ms": sorted(x * 1000 for x in lat),
+            "load_average": os.getloadavg()[0],
             "throughput_effects_per_s": burst / (t1 - t0), "burst_submit_s": submitted - t0, "burst_total_s": t1 - t0,
             "attempts": ex.metrics.attempts, "failures": ex.metrics.failures,
         }
@@ -105,7 +112,31 @@ def main() -> None:
     result = asyncio.run(run(a.effects, a.burst, a.concurrency, a.partitions))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    plot(result, Path(a.out).with_suffix(".png"))
+    print(json.dumps({k: v for k, v in result.items() if k != "roundtrip_samples_ms"}, indent=2))
+
+
+def plot(result: dict, path: Path) -> None:
+    """The round trips' distribution next to the calling transaction's, and the burst's throughput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = result["roundtrip_samples_ms"]
+    a.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label="effect round trip (commit -> continuation)")
+    for q, style in (("p50", "--"), ("p99", ":")):
+        a.axvline(result["transaction_ms"][q], color="grey", linestyle=style, label=f"calling transaction {q}")
+    a.set_xlabel("ms")
+    a.set_ylabel("fraction")
+    a.set_xscale("log")
+    a.legend(fontsize=8)
+    a.set_title(f"one at a time, durable node (fsync), load {result['load_average']:.1f}")
+    b.bar(["effects/s"], [result["throughput_effects_per_s"]])
+    b.set_title(f"burst of {result['burst']}, concurrency {result['concurrency']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
