@@ -37,7 +37,13 @@ def test_node_over_nats_survives_sigkill_of_server_and_engine(tmp_path: Path) ->
             await asyncio.sleep(2.0)
             assert not load.done()
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as client:  # served again
-                r = await _invoke(client, *_tag_call("t999-0"), "t999-0")
+                # as a client does: a 503 (the restarted log not reachable yet) is retried with the same key
+                deadline = time.monotonic() + 60
+                while True:
+                    r = await _invoke(client, *_tag_call("t999-0"), "t999-0")
+                    if r.status_code != 503 or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
             assert r.status_code == 200, r.text
             probe.append("t999-0")
             srv.kill()  # then the engine, with requests in flight
