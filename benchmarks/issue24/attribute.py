@@ -119,7 +119,7 @@ def main() -> None:
     print(f"requests {n_req}, server CPU {run['server_cpu_us_per_request']} us/request "
           f"(attributed {total:.1f} us over threads with samples)")
     by_thread = collections.defaultdict(float)
-    for (g, s), us in groups.items():
+    for (g, _stage), us in groups.items():
         by_thread[g] += us
     for g, us in sorted(by_thread.items(), key=lambda x: -x[1]):
         print(f"\n### {g}: {us:.1f} us/request")

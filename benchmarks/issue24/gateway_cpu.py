@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile:
                 raw = HERE / f"pyspy_c{c}{args.tag}.txt"
                 spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
-                                        str(server.pid), "--format", "raw", "--threads", "-o", str(raw), "-r", str(args.rate),
+                                        str(server.pid), "--format", "raw", "--threads", "-o", str(raw),
+                                        "-r", str(args.rate),
                                         "-d", str(int(args.duration + args.warmup))],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             load0 = os.getloadavg()[0]
