@@ -2,8 +2,8 @@
 
 Starts `charon run charon.apps.ycsb:app --data-dir DIR --token T` (fsync per epoch) in its own process, seeds
 the accounts with one POST /admin/update (deposit on every key), then drives YCSB-T transfers from this process
-(closed loop, keep-alive HTTP/1.1 connections of a lean client, one Idempotency-Key per request) for --duration seconds and
-reads the server's CPU seconds (psutil, user + system) before and after: CPU per request = delta / requests.
+(closed loop, keep-alive HTTP/1.1 connections of a lean client, one Idempotency-Key per request) for --duration
+seconds and reads the server's CPU seconds (psutil, user + system) before and after: CPU per request = delta / requests.
 With --profile, py-spy samples the server during the measured window (raw collapsed stacks, --format raw).
 
     .venv/bin/python benchmarks/issue24/gateway_cpu.py --concurrency 64 --duration 15
