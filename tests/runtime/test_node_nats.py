@@ -12,7 +12,17 @@ from pathlib import Path
 import httpx
 import pytest
 from natsfix import NatsServer
-from test_node import ACCOUNTS, Server, _check_ledger, _invoke, _load, _retry_all, _tag_call, ledger
+from test_node import (  # noqa: F401 - _no_server_left: the autouse fixture that kills a failed test's server
+    ACCOUNTS,
+    Server,
+    _check_ledger,
+    _invoke,
+    _load,
+    _no_server_left,
+    _retry_all,
+    _tag_call,
+    ledger,
+)
 
 from charon import serde
 from charon.log.nats import NatsInputLog
