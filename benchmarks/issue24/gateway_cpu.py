@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="py-spy record the server during the window")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--src", default=None, help="run the server from this checkout's charon package (A/B)")
     ap.add_argument("--out", default=str(HERE / "gateway_cpu.json"))
     args = ap.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="charon-i24-")
@@ -109,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     cmd = [str(Path(sys.executable).parent / "charon"), "run", "charon.apps.ycsb:app", "--engine", "inprocess",
            "--data-dir", os.path.join(tmp, "data"), "--port", str(port), "--token", TOKEN]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp)
+    env = dict(os.environ)
+    if args.src:
+        env["PYTHONPATH"] = str(Path(args.src).resolve())
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp, env=env)
     rows = []
     try:
         deadline = time.monotonic() + 60

@@ -103,6 +103,7 @@ from charon.operator import BATCH_FUNCTION, BATCH_OPERATOR, batch_request, check
 from charon.runtime.contract import Engine, EngineSource, as_engine
 from charon.server.admin import EffectsAdmin, admin_routes
 from charon.server.http import StrictPath
+from charon.server.lane import InvokeLane
 from charon.server.limits import inflight_size, read_body, reply_size
 from charon.server.metrics import GatewayMetrics
 from charon.server.openapi import describe_app, openapi_document
@@ -628,10 +629,10 @@ def create_app(
             gw.streams.close()
             gw._pool.shutdown(wait=False, cancel_futures=True)
 
+    invoke = Route("/invoke/{operator}/{key:charonkey}/{function}", guard(gw.invoke), methods=["POST"],
+                   name="invoke")
     routes = [
-        Route(
-            "/invoke/{operator}/{key:charonkey}/{function}", guard(gw.invoke), methods=["POST"], name="invoke"
-        ),
+        invoke,
         Route(
             "/requests/{request_id}", guard(gw.request_status), methods=["GET"], name="request_status"
         ),
@@ -657,7 +658,7 @@ def create_app(
     app.state.gateway = gw
     app.state.runtime = runtime
     app.state.engine = engine
-    outer = StrictPath(app)
+    outer = InvokeLane(StrictPath(app), invoke, invoke.endpoint)  # the hot route around the dispatch
     outer.state = app.state  # type: ignore[attr-defined]
     outer.config = cfg  # type: ignore[attr-defined]
     return outer

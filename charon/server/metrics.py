@@ -83,6 +83,8 @@ class GatewayMetrics:
         self._events: collections.deque[tuple[float, bool, str]] = collections.deque(maxlen=samples)
         self._epochs: collections.deque[dict[str, float]] = collections.deque(maxlen=epochs_kept)
         self._load = [0] * self.partitions
+        self._part_children: dict[int, Any] = {}  # partition -> partition_load's labelled child
+        self._committed = self.tx.labels("committed", "")
 
     # -- fed by the gateway -------------------------------------------------------------------------------
     def observe_request(self, req: Request) -> None:
@@ -91,7 +93,10 @@ class GatewayMetrics:
         if n != self.partitions:  # the runtime was rescaled: count against the new layout from now on
             self.partitions, self._load = n, [0] * n
         p = partition_of(req.operator, req.key, n)
-        self.partition_load.labels(str(p)).inc()
+        child = self._part_children.get(p)
+        if child is None:  # labels() looks the child up under a lock each time: once per partition
+            child = self._part_children[p] = self.partition_load.labels(str(p))
+        child.inc()
         self._load[p] += 1
 
     def _runtime_partitions(self) -> int:
@@ -101,7 +106,7 @@ class GatewayMetrics:
     def observe_reply(self, rep: Reply, latency: float) -> None:
         """A reply came back after ``latency`` seconds."""
         if rep.ok:
-            self.tx.labels("committed", "").inc()
+            self._committed.inc()
         else:
             reason = rep.error_type or "unknown"
             if reason not in self._reasons:
