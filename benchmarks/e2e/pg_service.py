@@ -81,6 +81,7 @@ def make_app(dsn: str, isolation: str, pool_size: int, token: str, max_retries: 
         await conn.set_autocommit(True)
         await conn.set_isolation_level(level)
 
+    stats = {"retries": 0, "duplicates": 0}  # serialization failures / deadlocks retried; duplicate ids
     pool = AsyncConnectionPool(dsn, min_size=pool_size, max_size=pool_size, configure=configure, open=False)
 
     async def stored(conn: psycopg.AsyncConnection, rid: str) -> tuple[int, bytes] | None:
@@ -118,6 +119,7 @@ def make_app(dsn: str, isolation: str, pool_size: int, token: str, max_retries: 
         async with pool.connection() as conn:
             prior = await stored(conn, rid)  # autocommit: READ COMMITTED, no predicate lock on the id's gap
             if prior is not None:
+                stats["duplicates"] += 1
                 return Response(prior[1], prior[0], media_type="application/json")
             attempt = 0
             while True:
@@ -125,11 +127,13 @@ def make_app(dsn: str, isolation: str, pool_size: int, token: str, max_retries: 
                     status, body = await once(conn, rid, key, [to, amount])
                     break
                 except pgerr.UniqueViolation:  # a concurrent duplicate committed first: its reply
+                    stats["duplicates"] += 1
                     prior = await stored(conn, rid)
                     assert prior is not None
                     status, body = prior
                     break
                 except RETRYABLE:
+                    stats["retries"] += 1
                     attempt += 1
                     if attempt > max_retries:
                         return Response(b'{"error":{"type":"SerializationFailure"}}', 503,
@@ -140,6 +144,9 @@ def make_app(dsn: str, isolation: str, pool_size: int, token: str, max_retries: 
     async def health(request: Request) -> Response:
         return Response(b"ok")
 
+    async def stats_route(request: Request) -> Response:
+        return Response(encode(stats), media_type="application/json")
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         await pool.open(wait=True)
@@ -147,7 +154,7 @@ def make_app(dsn: str, isolation: str, pool_size: int, token: str, max_retries: 
         await pool.close()
 
     return Starlette(routes=[Route("/invoke/account/{key}/transfer", invoke, methods=["POST"]),
-                             Route("/health", health)], lifespan=lifespan)
+                             Route("/health", health), Route("/stats", stats_route)], lifespan=lifespan)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,11 @@ def _server_us(row: dict) -> str:
     return "–" if v is None else f"{v:,.0f}"
 
 
+def _retries(row: dict) -> str:
+    n = row.get("service", {}).get("retries")
+    return "" if n is None else f" ({n:,})"
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     """The RESULTS.md section: provenance, one row per (target, rate), a summary per target."""
     p = doc["params"]
@@ -45,7 +50,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"{p['duration']:g} s measured per rate after {p['warmup']:g} s warm-up, open loop over "
         f"{p['connections']} keep-alive connections, generator in its own process.",
         "",
-        "| target | offered /s | achieved /s | p50 ms | p99 ms | p99.9 ms | errors | aborts | "
+        "| target | offered /s | achieved /s | p50 ms | p99 ms | p99.9 ms | errors | aborts (retries) | "
         "server CPU µs/req | generator µs/req | load avg before → after |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -55,7 +60,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             sat = " (saturated)" if r.get("saturated") else ""
             lines.append(
                 f"| {name} | {r['rate']:,.0f} | {r['throughput']:,.0f}{sat} | {_ms(lat['p50'])} | {_ms(lat['p99'])} | "
-                f"{_ms(lat['p999'])} | {r['errors']:,} | {r['aborted']:,} | {_server_us(r)} | "
+                f"{_ms(lat['p999'])} | {r['errors']:,} | {r['aborted']:,}{_retries(r)} | {_server_us(r)} | "
                 f"{r['cpu_us_per_request'].get('generator') or '–'} | "
                 f"{r['loadavg_1min'][0]} → {r['loadavg_1min'][1]} |")
     lines += ["", "| target | throughput at p99 < 100 ms | CPU µs/request by process (at that row) | pool | "

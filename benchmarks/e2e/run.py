@@ -99,7 +99,17 @@ def saturated(row: dict) -> bool:
             or row["errors"] > 0.01 * max(1, row["scheduled"]))
 
 
+def service_stats(url: str) -> dict:
+    """The PostgreSQL service's counters (retries, duplicates); {} for Charon."""
+    try:
+        r = httpx.get(f"{url}/stats", timeout=5)
+        return r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 def drive(args: argparse.Namespace, url: str, rate: float, watch: list[str], prefix: str) -> dict:
+    stats0 = service_stats(url) if prefix.startswith("pg") else {}
     cmd = [sys.executable, str(HERE / "loadgen.py"), "--url", url, "--token", TOKEN, "--rate", str(rate),
            "--duration", str(args.duration), "--warmup", str(args.warmup), "--drain", str(args.drain),
            "--connections", str(args.connections), "--keys", str(args.keys), "--max-amount", str(args.max_amount),
@@ -110,6 +120,8 @@ def drive(args: argparse.Namespace, url: str, rate: float, watch: list[str], pre
         raise RuntimeError(f"load generator failed: {out.stderr[-2000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
     row["saturated"] = saturated(row)
+    if stats0:
+        row["service"] = {k: v - stats0.get(k, 0) for k, v in service_stats(url).items()}
     print(json.dumps({k: row[k] for k in ("rate", "throughput", "latency_ms", "errors", "cpu_us_per_request",
                                           "loadavg_1min")}), flush=True)
     return row
