@@ -64,9 +64,16 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"`{doc['command']}`: {p['keys']:,} accounts of {p['balance']:,}, transfers of 1–{p['max_amount']}, "
         f"{p['duration']:g} s measured per rate after {p['warmup']:g} s warm-up, open loop over "
         f"{p['connections']} keep-alive connections, generator in its own process.",
+    ]
+    pg = next((t["server_settings"] for t in doc["targets"].values() if "server_settings" in t), None)
+    if pg:
+        lines[-1] += (f" PostgreSQL {pg['server_version']}: fsync {pg['fsync']}, synchronous_commit "
+                      f"{pg['synchronous_commit']}, wal_sync_method {pg['wal_sync_method']}, shared_buffers "
+                      f"{pg['shared_buffers']}.")
+    lines += [
         "",
         "| target | offered /s | achieved /s | p50 ms | p99 ms | p99.9 ms | errors | aborts (retries) | "
-        "server CPU µs/req | generator µs/req | load avg before → after |",
+        "server CPU µs/req | generator µs/req (lag p99 ms) | load avg before → after |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, t in doc["targets"].items():
@@ -76,7 +83,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | {r['rate']:,.0f} | {r['throughput']:,.0f}{sat} | {_ms(lat['p50'])} | {_ms(lat['p99'])} | "
                 f"{_ms(lat['p999'])} | {r['errors']:,} | {r['aborted']:,}{_retries(r)} | {_server_us(r)} | "
-                f"{r['cpu_us_per_request'].get('generator') or '–'} | "
+                f"{r['cpu_us_per_request'].get('generator') or '–'} ({_ms(r['scheduler_lag_ms']['p99'])}) | "
                 f"{r['loadavg_1min'][0]} → {r['loadavg_1min'][1]} |")
     lines += ["", "| target | throughput at p99 < 100 ms | at p99 < 1 s | CPU µs/request by process (at the "
                   "best p99 < 100 ms row, else < 1 s) | pool | money conserved |", "|---|---:|---:|---|---|---|"]

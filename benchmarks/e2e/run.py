@@ -189,6 +189,16 @@ def postmaster_pid(cluster: Any) -> int:
     return int((Path(cluster.dir) / "data" / "postmaster.pid").read_text().split()[0])
 
 
+def pg_settings(dsn: str) -> dict[str, str]:
+    """The server settings a skeptic asks about (durability and sizing)."""
+    import psycopg
+
+    names = ("server_version", "fsync", "synchronous_commit", "wal_sync_method", "full_page_writes",
+             "shared_buffers", "max_connections")
+    with psycopg.connect(dsn) as conn:
+        return {n: str(conn.execute(f"SHOW {n}").fetchone()[0]) for n in names}  # type: ignore[index]
+
+
 def start_service(dsn: str, isolation: str, pool: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -226,7 +236,7 @@ def run_pg(args: argparse.Namespace, cluster: Any, target: str) -> dict:
     pg_service.setup(dsn, args.keys, args.balance)
     expected = args.keys * args.balance
     watch_pg = f"postgres={postmaster_pid(cluster)}+"
-    out: dict[str, Any] = {"label": LABELS[target], "isolation": isolation}
+    out: dict[str, Any] = {"label": LABELS[target], "isolation": isolation, "server_settings": pg_settings(dsn)}
     pool = args.pool
     if args.pool_sweep:
         sweep_rows = []
