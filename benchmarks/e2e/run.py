@@ -60,9 +60,13 @@ ISOLATION = {"pg-rc": "read_committed", "pg-ser": "serializable"}
 
 
 def git_commit() -> str:
+    """HEAD, with ``-dirty`` when tracked files differ from it."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
                               check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
