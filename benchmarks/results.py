@@ -561,7 +561,7 @@ def cmd_render(a: argparse.Namespace) -> int:
                  "tables are in [HISTORY.md](HISTORY.md)).", ""]
     if skipped:
         note += [f"Not in this file (no JSON yet): {', '.join(skipped)}.", ""]
-    text = template.replace(TABLES_MARK, "\n".join(note + sections).rstrip() + "\n")
+    text = template.replace(TABLES_MARK, "\n".join(note + sections).rstrip())
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(text)
     n = sum(len(v) for v in commits.values())
