@@ -20,6 +20,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
 #: Styx paper (SIGMOD 2025) figures, measured on other hardware (see docs/DESIGN.md §7).
 PAPER_FIGURES: list[tuple[str, str]] = [
@@ -58,9 +59,8 @@ def _ms(v: float | None) -> float:
 def _log_y(ax: Any) -> None:
     """A log-scale y axis where the axes plot some positive value (none, e.g. nothing finished: linear, since
     matplotlib refuses to log-scale an axis without one)."""
-    ys = [y for line in ax.get_lines() for y in line.get_ydata() if isinstance(y, (int, float)) and y > 0]
-    if ys:
-        _log_y(ax)
+    if any(np.any(np.asarray(line.get_ydata(), dtype=float) > 0) for line in ax.get_lines()):
+        ax.set_yscale("log")
 
 
 def plot_latency_throughput(results: list[dict], experiment: str, path: Path) -> Path | None:
