@@ -255,6 +255,8 @@ def suite_render(exp: str) -> Callable[[dict, RenderCtx], str]:
             points += pts
             parts.append(f"- `{run['command']}` — load average {_f(run['load_before'])} → {_f(run['load_after'])}, "
                          f"{run['elapsed_s']:.0f} s")
+            if not run["points"]:
+                parts.append("  — **no points**: it failed (its log is under benchmarks/results/logs/)")
         parts += ["", suite_table(points, zipf=exp == "zipf"), ""]
         if exp != "zipf":
             best = []
@@ -511,7 +513,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                 for k, v in {**run_facts, "command": data["command"]}.items():
                     doc.setdefault(k, v)
         else:
-            doc = {"name": e.name, "title": e.title, "command": f"benchmarks/results.py run --only {e.name}",
+            doc = {"name": e.name, "title": e.title,
+                   "command": f"benchmarks/results.py run{' --quick' if o.quick else ''} --only {e.name}",
                    **run_facts, "data": data}
         path.write_text(json.dumps(doc, indent=1, default=float, allow_nan=True))
         print(f"[results] {e.name}: wrote {os.path.relpath(path, ROOT)} ({run_facts['elapsed_s']:.0f} s, load "
