@@ -24,7 +24,8 @@ since the machine is shared):
 - ``tpcc``: TPC-C NewOrder + Payment, W=1, on Spark (``run_all.py --only tpcc --systems spark``).
 
 Writes ``benchmarks/issue10/table.json``, ``benchmarks/issue10/table.png`` and the section between the
-``issue10`` markers of ``benchmarks/RESULTS.md`` (added at the top if missing; the rest is left as it is).
+``issue10`` markers of ``benchmarks/issue10/RESULTS.md`` (added at the top if missing; the rest is left as it
+is). benchmarks/RESULTS.md is rendered by ``benchmarks/results.py``; issue 10's last table is in HISTORY.md.
 """
 
 from __future__ import annotations
@@ -453,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, of {', '.join(ROWS)}")
     ap.add_argument("--quick", action="store_true", help="short runs (to check the script, not for the table)")
-    ap.add_argument("--results-md", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--results-md", default=str(OUT / "RESULTS.md"))
     ap.add_argument("--before-src", help="a checkout of the code before (e.g. `git archive` of main): the Deathstar "
                                          "row measures it too")
     a = ap.parse_args(argv)

@@ -1,4 +1,6 @@
-"""Regenerate every benchmark (JSON, PNG plots, benchmarks/RESULTS.md) in one command.
+"""Run the benchmark suite (JSON, PNG plots and a report in ``--out``, default benchmarks/out) in one command.
+
+benchmarks/RESULTS.md itself is rendered by ``benchmarks/results.py`` (which runs this suite among others).
 
     .venv/bin/python benchmarks/run_all.py --systems inprocess,postgres,spark
 

@@ -20,6 +20,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
 #: Styx paper (SIGMOD 2025) figures, measured on other hardware (see docs/DESIGN.md §7).
 PAPER_FIGURES: list[tuple[str, str]] = [
@@ -55,6 +56,13 @@ def _ms(v: float | None) -> float:
     return math.nan if v is None or v <= 0 else v
 
 
+def _log_y(ax: Any) -> None:
+    """A log-scale y axis where the axes plot some positive value (none, e.g. nothing finished: linear, since
+    matplotlib refuses to log-scale an axis without one)."""
+    if any(np.any(np.asarray(line.get_ydata(), dtype=float) > 0) for line in ax.get_lines()):
+        ax.set_yscale("log")
+
+
 def plot_latency_throughput(results: list[dict], experiment: str, path: Path) -> Path | None:
     """Latency (p50 solid, p99 dashed, log scale) against committed throughput, one curve per system."""
     groups = _group(results, experiment)
@@ -71,7 +79,7 @@ def plot_latency_throughput(results: list[dict], experiment: str, path: Path) ->
                 continue
             ax.annotate(f"{r['input_rate']:g}", (r["committed_per_s"], r["latency_ms"]["p50"]), fontsize=6,
                         textcoords="offset points", xytext=(2, 3))
-    ax.set_yscale("log")
+    _log_y(ax)
     ax.set_xlabel("committed transactions / s")
     ax.set_ylabel("latency (ms, log)")
     ax.set_title(f"{experiment}: latency vs throughput (labels = input rate)")
@@ -108,7 +116,7 @@ def plot_zipf(results: list[dict], path: Path) -> Path | None:
     ax1.legend(fontsize=7)
     ax2.set_xlabel("Zipf coefficient")
     ax2.set_ylabel("latency (ms, log)")
-    ax2.set_yscale("log")
+    _log_y(ax2)
     ax2.set_title("YCSB-T latency")
     ax2.legend(fontsize=7)
     for ax in (ax1, ax2):
@@ -136,7 +144,7 @@ def plot_timeline(results: list[dict], experiment: str, path: Path) -> Path | No
     ax1.set_ylabel("committed / s")
     ax1.legend(fontsize=7)
     ax2.set_ylabel("p50 latency (ms, log)")
-    ax2.set_yscale("log")
+    _log_y(ax2)
     ax2.set_xlabel("time (s); dotted line = end of warm-up")
     ax1.set_title(f"{experiment}: throughput and latency over time (highest input rate)")
     for ax in (ax1, ax2):

@@ -1,4 +1,7 @@
-"""Regenerate every benchmark: JSON results, PNG plots and benchmarks/RESULTS.md, in one command.
+"""The benchmark suite: JSON results, PNG plots and a report (RESULTS.md in ``--out``), in one command.
+
+``benchmarks/results.py run`` runs it (one process per experiment and system) with the other benchmarks
+``benchmarks/RESULTS.md`` shows, and ``benchmarks/results.py render`` writes that file from their JSON.
 
     .venv/bin/python benchmarks/run_all.py                      # defaults: 10 s per point
     .venv/bin/python benchmarks/run_all.py --duration 60 --only ycsb,tpcc
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import sys
 import time
@@ -132,10 +136,12 @@ async def run_points(ctx: Ctx, experiment: str, system: str, target: Any, gen: C
     out = []
     for rate in rates:
         t = time.time()
+        load_before = os.getloadavg()[0]  # the machine's load around each point (a shared machine shows here)
         r = await harness.run_open_loop(target, gen, rate=rate, duration=ctx.args.duration, warmup=ctx.args.warmup,
                                         drain_timeout=ctx.args.drain, seed=int(rate), label=f"{experiment}@{rate}",
                                         on_reply=on_reply)
-        r.update({"experiment": experiment, "system": SYSTEM_LABELS.get(system, system), **(extra or {})})
+        r.update({"experiment": experiment, "system": SYSTEM_LABELS.get(system, system), **(extra or {}),
+                  "load_before": load_before, "load_after": os.getloadavg()[0]})
         out.append(r)
         lat = r["latency_ms"]
         print(f"  {experiment:9s} {system:9s} {extra or ''} rate {rate:7.0f}: {r['committed_per_s']:8.1f} c/s "
@@ -249,7 +255,9 @@ def floats(s: str) -> list[float]:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"), help="JSON and PNG directory")
-    p.add_argument("--results-md", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    p.add_argument("--results-md", default=None,
+                   help="this run's report (default: RESULTS.md in --out; benchmarks/RESULTS.md itself is "
+                        "rendered by benchmarks/results.py from benchmarks/results/*.json)")
     p.add_argument("--only", default=",".join(EXPERIMENTS), help="experiments, comma-separated")
     p.add_argument("--systems", default="inprocess,postgres,postgres-rc",
                    help="inprocess,postgres,postgres-rc[,spark] (postgres: SERIALIZABLE with retries; "
@@ -307,7 +315,7 @@ async def main(argv: list[str] | None = None) -> int:
         if ctx.cluster is not None:
             ctx.cluster.stop()
     cmd = "benchmarks/run_all.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
-    md = report.write_report(out, args.results_md, command=cmd.strip(), notes=notes)
+    md = report.write_report(out, args.results_md or out / "RESULTS.md", command=cmd.strip(), notes=notes)
     print(f"wrote {md}")
     return 0
 
