@@ -155,6 +155,9 @@ class GatewayConfig:
     sql_max_result_bytes: int = 4 << 20  # /admin/sql: largest answer, bytes of JSON rows (413 SQLResultTooLarge)
     sql_max_memory: int = 512 << 20  # /admin/sql: address space of the query's sandbox process (422 SQLTooExpensive)
     metrics_samples: int = 10_000  # recent replies the dashboard's throughput and percentiles are computed from
+    # POST /invoke answered from the HTTP protocol without an ASGI task where its checks run on the loop (the
+    # in-process node): same checks and answers, about a third less server CPU per request (charon.server.lane)
+    direct_invoke: bool = True
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:
@@ -164,7 +167,11 @@ class GatewayConfig:
             raw = os.environ.get(f"CHARON_GATEWAY_{name.upper()}")
             if raw is not None:
                 cur = getattr(cfg, name)
-                setattr(cfg, name, raw if cur is None or isinstance(cur, str) else type(cur)(raw))
+                if isinstance(cur, bool):
+                    value: object = raw.lower() in ("1", "true", "yes", "on")
+                else:
+                    value = raw if cur is None or isinstance(cur, str) else type(cur)(raw)
+                setattr(cfg, name, value)
         for k, v in overrides.items():
             if k not in cls.__dataclass_fields__:
                 raise TypeError(f"unknown gateway setting {k!r}")

@@ -103,7 +103,7 @@ from charon.operator import BATCH_FUNCTION, BATCH_OPERATOR, batch_request, check
 from charon.runtime.contract import Engine, EngineSource, as_engine
 from charon.server.admin import EffectsAdmin, admin_routes
 from charon.server.http import StrictPath
-from charon.server.lane import InvokeLane
+from charon.server.lane import DirectInvoke, InvokeLane
 from charon.server.limits import inflight_size, read_body, reply_size
 from charon.server.metrics import GatewayMetrics
 from charon.server.openapi import describe_app, openapi_document
@@ -116,6 +116,7 @@ from charon.server.wire import (
     guard,
     json_encoder,
     parse_args,
+    parse_body,
     respond,
 )
 
@@ -165,9 +166,13 @@ class _Gateway:
     # ---- helpers
 
     def check_auth(self, request: HTTPRequest) -> None:
+        if self.token is not None:
+            self.check_token(request.headers.get("authorization", ""))
+
+    def check_token(self, header: str) -> None:
+        """401 unless ``header`` (the request's ``Authorization``) carries the bearer token."""
         if self.token is None:
             return
-        header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not given:
             raise HTTPError("Unauthorized", "missing bearer token")
@@ -229,7 +234,10 @@ class _Gateway:
                 raise HTTPError(exc.error_type, f"batch call {i}: {exc.message}", exc.status) from None
 
     def request_id(self, request: HTTPRequest) -> str | None:
-        rid = request.headers.get("idempotency-key")
+        return self.id_of(request.headers.get("idempotency-key"))
+
+    def id_of(self, rid: str | None) -> str | None:
+        """The request id an ``Idempotency-Key`` header gives (None: none given), or 400."""
         if rid is None:
             return None
         if not IDEMPOTENCY_KEY.match(rid):
@@ -251,19 +259,36 @@ class _Gateway:
         except IdempotencyConflict as exc:
             raise HTTPError("IdempotencyConflict", str(exc)) from None
 
+    @property
+    def log_inline(self) -> bool:
+        """Whether :meth:`check_log` runs on the loop: no input log, or the in-process node's own SQLite file
+        (WAL: a reader never waits for the appender; one indexed point query is cheaper inline than the read
+        pool's hop, ~40 us of server CPU per request in issue 24's profile, and the runtime's enqueue makes the
+        same kind of lookup on the loop right after it)."""
+        log = self.engine.input_log
+        return log is None or (self._enqueue is not None and type(log) is FileInputLog)
+
     async def check_log(self, req: Request) -> None:
         """422 if the runtime's input log holds this request id for another operation."""
+        if self.log_inline:
+            return self.check_log_inline(req)
         log = self.engine.input_log
         if log is None or req.request_id in self.inflight or req.request_id in self.recent:
             return
-        if self._enqueue is not None and type(log) is FileInputLog:
-            # the in-process node's own SQLite file (WAL: a reader never waits for the appender): one indexed
-            # point query, cheaper inline than the read pool's hop (~40 us of server CPU per request, issue 24's
-            # profile), and the same kind of lookup the runtime's enqueue makes on the loop right after this one
-            stored = stored_request(log, req.request_id)
-        else:  # a networked log, or one another process serves: off the loop
-            stored = await self.off_loop(stored_request, log, req.request_id)
+        # a networked log, or one another process serves: off the loop
+        stored = await self.off_loop(stored_request, log, req.request_id)
         self.conflict(req)  # the caches may have learned the id meanwhile
+        try:
+            check_same_request(stored, req)
+        except IdempotencyConflict as exc:
+            raise HTTPError("IdempotencyConflict", str(exc)) from None
+
+    def check_log_inline(self, req: Request) -> None:
+        """:meth:`check_log` where :attr:`log_inline` holds."""
+        log = self.engine.input_log
+        if log is None or req.request_id in self.inflight or req.request_id in self.recent:
+            return
+        stored = stored_request(log, req.request_id)
         try:
             check_same_request(stored, req)
         except IdempotencyConflict as exc:
@@ -348,6 +373,11 @@ class _Gateway:
     # ---- responses
 
     def reply_response(self, request: HTTPRequest, rep: Reply) -> Response:
+        status, body = self.reply_doc(rep)
+        return respond(request, status, body)
+
+    def reply_doc(self, rep: Reply) -> tuple[int, dict[str, Any]]:
+        """A reply's status and document (200 committed, 409 aborted)."""
         extra = {}
         if self.versions_by_tid is not None and rep.epoch >= 0:  # code updates: the version it ran with
             version_at = self.engine.version_at
@@ -366,7 +396,7 @@ class _Gateway:
                 "status": "committed",
                 **extra,
             }
-            return respond(request, 200, body)
+            return 200, body
         body = {
             "error": {"type": rep.error_type, "message": rep.error_message},
             "request_id": rep.request_id,
@@ -376,11 +406,15 @@ class _Gateway:
             "status": "aborted",
             **extra,
         }
-        return respond(request, 409, body)
+        return 409, body
 
     def status_url(self, request: HTTPRequest, rid: str) -> str:
         """The poll URL of a request: under the configured public URL, else relative (never the Host header)."""
-        path = f"{request.scope.get('root_path', '')}/requests/{quote(rid, safe='')}"
+        return self.status_url_for(request.scope.get("root_path", ""), rid)
+
+    def status_url_for(self, root_path: str, rid: str) -> str:
+        """:meth:`status_url` given the request's ASGI ``root_path``."""
+        path = f"{root_path}/requests/{quote(rid, safe='')}"
         base = self.cfg.public_url
         return base.rstrip("/") + path if base else path
 
@@ -402,7 +436,19 @@ class _Gateway:
             raise HTTPError("BadRequest", "mode must be 'sync' or 'async'")
         given = self.request_id(request)
         body = await self.read_body(request)
-        args = parse_args(request, body)
+        req, args = self.prepare(operator, key, function, given, request.headers.get("content-type"), body)
+        if given is not None:
+            await self.check_log(req)
+        fut = self.start(req, args)
+        if mode == "async":
+            return self.accepted(request, req.request_id)
+        return await self.await_reply(request, req.request_id, fut, self.wait_timeout)
+
+    def prepare(self, operator: str, key: str, function: str, given: str | None, ctype: str | None,
+                body: bytes) -> tuple[Request, list[Any]]:
+        """An invoke's request and arguments from its body (``ctype``: its Content-Type), every check but the
+        input log's (:meth:`check_log`) made: typed 4xx otherwise. ``given``: the client's request id."""
+        args = parse_body(ctype, body)
         req = self.validate(operator, key, function, args)
         rid = given or uuid.uuid4().hex
         req = Request(rid, req.operator, req.key, req.function, req.args)
@@ -410,11 +456,7 @@ class _Gateway:
             self.check_ready()
         if given is not None:
             self.conflict(req)
-            await self.check_log(req)
-        fut = self.start(req, args)
-        if mode == "async":
-            return self.accepted(request, rid)
-        return await self.await_reply(request, rid, fut, self.wait_timeout)
+        return req, args
 
     async def batch(self, request: HTTPRequest) -> Response:
         """A client atomic batch: the calls run in order as one transaction (all commit or none)."""
@@ -631,6 +673,7 @@ def create_app(
 
     invoke = Route("/invoke/{operator}/{key:charonkey}/{function}", guard(gw.invoke), methods=["POST"],
                    name="invoke")
+    direct = DirectInvoke(gw, invoke) if cfg.direct_invoke else None
     routes = [
         invoke,
         Route(
@@ -658,7 +701,7 @@ def create_app(
     app.state.gateway = gw
     app.state.runtime = runtime
     app.state.engine = engine
-    outer = InvokeLane(StrictPath(app), invoke, invoke.endpoint)  # the hot route around the dispatch
+    outer = InvokeLane(StrictPath(app), invoke, invoke.endpoint, direct)  # the hot route around the dispatch
     outer.state = app.state  # type: ignore[attr-defined]
     outer.config = cfg  # type: ignore[attr-defined]
     return outer

@@ -14,6 +14,7 @@ from starlette.convertors import PathConvertor, register_url_convertor
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from charon.config import GatewayConfig
+from charon.server.lane import InvokeLane
 from charon.server.wire import json_encoder
 
 __all__ = ["KeyConvertor", "StrictPath", "HeadGuard", "uvicorn_config"]
@@ -135,14 +136,38 @@ if HttpToolsProtocol is not None:
         connection that sends more than that without completing a request head gets 400 and is closed."""
 
         max_header_bytes = 16 << 10
+        direct: Any = None  # the gateway's charon.server.lane.DirectInvoke, if it answers invokes directly
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._guard_open()
 
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            if self.direct is not None and self.direct.take(self, cycle):
+                return  # answered from the callbacks below, without a task
+            super()._start_asgi_task(cycle, app)
+
+        def on_body(self, body: bytes) -> None:
+            super().on_body(body)
+            call = getattr(self.cycle, "charon_call", None)
+            if call is not None:
+                self.direct.body_received(call)
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            call = getattr(self.cycle, "charon_call", None)
+            if call is not None and not self.cycle.more_body:
+                self.direct.body_complete(call)
+
         def data_received(self, data: bytes) -> None:
+            timer = self._head_timer
             super().data_received(data)
-            if self._head_timer is not None:  # still no complete head
+            call = getattr(self.cycle, "charon_call", None)
+            if call is not None:
+                self.direct.data_done(call)
+            # still no complete head (a timer armed during this read, by a response answered within it, counts
+            # the bytes from the next read on: these held the request answered)
+            if self._head_timer is not None and self._head_timer is timer:
                 self._head_bytes += len(data)
                 if self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
                     self._disarm_head_timer()
@@ -164,9 +189,11 @@ if HttpToolsProtocol is not None:
 def uvicorn_config(app: Any, host: str, port: int, cfg: GatewayConfig, log_level: str = "warning") -> uvicorn.Config:
     """The uvicorn configuration that enforces ``cfg``'s connection limits and timeouts (httptools' protocol
     when it is installed, else h11's)."""
-    limits = {"header_timeout": cfg.header_timeout, "max_connections": cfg.max_connections,
+    limits: dict[str, Any] = {"header_timeout": cfg.header_timeout, "max_connections": cfg.max_connections,
               "max_header_bytes": cfg.max_header_bytes}
     base = GuardedH11 if HttpToolsProtocol is None else GuardedHttpTools
+    if base is not GuardedH11 and isinstance(app, InvokeLane) and app.direct is not None:
+        limits["direct"] = app.direct
     protocol = type("CharonHTTP", (base,), limits)
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False, http=protocol,

@@ -27,6 +27,9 @@ __all__ = [
     "HTTPError",
     "json_encoder",
     "parse_args",
+    "parse_body",
+    "encode_answer",
+    "error_answer",
     "respond",
     "guard",
 ]
@@ -92,7 +95,11 @@ class HTTPError(Exception):
 
 def parse_args(request: HTTPRequest, body: bytes, field: str = "args") -> list[Any]:
     """The list in the body's ``field`` (an empty body without a type: no arguments); typed 4xx otherwise."""
-    raw_ctype = request.headers.get("content-type")
+    return parse_body(request.headers.get("content-type"), body, field)
+
+
+def parse_body(raw_ctype: str | None, body: bytes, field: str = "args") -> list[Any]:
+    """:func:`parse_args` given the request's ``Content-Type`` header (None: none)."""
     if raw_ctype is None and not body:
         return []  # `POST` with no body at all: no arguments
     ctype = (raw_ctype or "").split(";")[0].strip().lower()
@@ -124,38 +131,50 @@ def parse_args(request: HTTPRequest, body: bytes, field: str = "args") -> list[A
     return args  # plain data: checked by validate (every route's one validator)
 
 
-def respond(
-    request: HTTPRequest, status: int, body: Any, headers: dict[str, str] | None = None
-) -> Response:
-    """``body`` encoded as msgpack if the request accepts it, else JSON (500 if it cannot be encoded)."""
-    mp = MSGPACK in request.headers.get("accept", "")
+def encode_answer(accept: str | None, status: int, body: Any) -> tuple[int, bytes, str]:
+    """``(status, data, media type)`` of an answer: ``body`` as msgpack if ``accept`` (the request's ``Accept``
+    header) names it, else JSON; 500 if it cannot be encoded."""
+    mp = accept is not None and MSGPACK in accept
     try:
         data = _mp_enc.encode(body) if mp else json_encoder.encode(body)
     except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:  # a stored value it cannot show
         status, mp = 500, False
         data = json_encoder.encode({"error": {"type": "SerializationError", "message": f"cannot encode: {exc}"}})
-    return Response(data, status, headers=headers, media_type=MSGPACK if mp else "application/json")
+    return status, data, MSGPACK if mp else "application/json"
+
+
+def respond(
+    request: HTTPRequest, status: int, body: Any, headers: dict[str, str] | None = None
+) -> Response:
+    """``body`` encoded as msgpack if the request accepts it, else JSON (500 if it cannot be encoded)."""
+    status, data, media = encode_answer(request.headers.get("accept"), status, body)
+    return Response(data, status, headers=headers, media_type=media)
+
+
+def error_answer(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] | None] | None:
+    """``(status, body, headers)`` of a route's typed refusal (:class:`HTTPError`, or a runtime that cannot serve
+    now: :class:`charon.errors.EngineUnavailable`, 503 with ``Retry-After``); None for any other exception."""
+    if isinstance(exc, EngineUnavailable):  # the runtime cannot serve (recovering, failed): retry later
+        return 503, {"error": {"type": "Unavailable", "message": str(exc)}}, {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(exc, HTTPError):
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        if exc.status in (408, 413):
+            headers = {"Connection": "close"}
+        if exc.status == 503:
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+        return exc.status, {"error": {"type": exc.error_type, "message": exc.message}}, headers
+    return None
 
 
 def guard(fn: Callable[[HTTPRequest], Awaitable[Response]]) -> Callable[[HTTPRequest], Awaitable[Response]]:
-    """The route ``fn`` answering its typed errors: :class:`HTTPError` with its status, and a runtime that cannot
-    serve now (:class:`charon.errors.EngineUnavailable`) with 503 and ``Retry-After``."""
+    """The route ``fn`` answering its typed errors (:func:`error_answer`)."""
 
     async def endpoint(request: HTTPRequest) -> Response:
         try:
             return await fn(request)
-        except EngineUnavailable as exc:  # the runtime cannot serve (recovering, failed): retry later
-            return respond(request, 503, {"error": {"type": "Unavailable", "message": str(exc)}},
-                           {"Retry-After": str(RETRY_AFTER_S)})
-        except HTTPError as exc:
-            headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-            if exc.status in (408, 413):
-                headers = {"Connection": "close"}
-            if exc.status == 503:
-                headers = {"Retry-After": str(RETRY_AFTER_S)}
-            return respond(
-                request, exc.status, {"error": {"type": exc.error_type, "message": exc.message}}, headers
-            )
+        except (EngineUnavailable, HTTPError) as exc:
+            status, body, headers = error_answer(exc)  # type: ignore[misc]  # typed: never None here
+            return respond(request, status, body, headers)
 
     endpoint.__name__ = fn.__name__
     endpoint.__doc__ = fn.__doc__
