@@ -387,6 +387,22 @@ def generic_render(doc: dict, c: RenderCtx) -> str:
     return "\n".join(lines) + "\n"
 
 
+def e2e_render(doc: dict, c: RenderCtx) -> str:
+    """The end-to-end benchmark's own tables (benchmarks/e2e/report.py) and its plot."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("e2e_report", HERE / "e2e" / "report.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    d = doc.get("data", doc)
+    out = mod.render_markdown(d)
+    png = HERE / "e2e" / "results.png"
+    if png.exists():
+        out += f"\n![latency against rate, CPU per request]({c.rel(png)})\n"
+    return out
+
+
 def plugin_run(script: str, args: list[str]) -> Callable[[Opts], dict]:
     """Run another script (it writes the JSON itself); ``run`` then adds the run facts its JSON lacks."""
     def run(o: Opts) -> dict:
@@ -448,7 +464,7 @@ REGISTRY: dict[str, Entry] = {
                        lambda o: 45.0 + (1 if o.quick else len(o.spark_rates.split(",")))
                        * (o.duration + warmup("spark", o) + 3.0)),
     "e2e": Entry("e2e", "End to end through HTTP: Charon against a PostgreSQL service",
-                 plugin_run("benchmarks/e2e/run.py", ["--out", "benchmarks/e2e/results.json"]), generic_render,
+                 plugin_run("benchmarks/e2e/run.py", ["--out", "benchmarks/e2e/results.json"]), e2e_render,
                  lambda o: None, json="benchmarks/e2e/results.json", default=False, plugin=True),
     "spark_scaling": Entry("spark_scaling", "Spark on every core: scaling with tasks and executors",
                            plugin_run("benchmarks/issue24/spark_scaling.py",
