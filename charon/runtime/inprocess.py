@@ -912,6 +912,8 @@ class InProcessRuntime(EngineBacked):
         rid = request.request_id
         if self.failed is not None:
             raise EngineStopped(f"the runtime stopped: {type(self.failed).__name__}: {self.failed}")
+        if self._task is None:
+            raise EngineStopped("the runtime is not started: use `async with runtime:` or `await runtime.start()`")
         done = self._replies.get(rid)
         fut = self._futures.get(rid)
         if fut is not None:  # waiting already: one more waiter

@@ -253,17 +253,21 @@ class NodeStorage:
 
     # -- the epoch path ------------------------------------------------------------------------------
     def known(self, request_id: str) -> Reply | bool:
-        """The stored reply of a request id, else whether the id is in the input log (False: new)."""
+        """The stored reply of a request id, else whether the id is in the input log (False: new).
+
+        The input log first: an id it does not know has no reply either (a reply is stored only for a logged
+        request, and dedup retention forgets the id before its reply), so a new id costs one lookup."""
         rep = self._unflushed.get(request_id)
-        wait = self.log_wait
-        if rep is None and wait is not None:  # the log is out: answer at once (503) instead of blocking the caller
-            raise EngineUnavailable(f"the log is unavailable ({wait[0]}, waiting {time.monotonic() - wait[1]:.0f} s:"
-                                    f" {wait[2]}); retry later")
-        if rep is None:
-            rep = self.output_log.get(request_id)
         if rep is not None:
             return rep
-        return self.input_log.contains(request_id)
+        wait = self.log_wait
+        if wait is not None:  # the log is out: answer at once (503) instead of blocking the caller
+            raise EngineUnavailable(f"the log is unavailable ({wait[0]}, waiting {time.monotonic() - wait[1]:.0f} s:"
+                                    f" {wait[2]}); retry later")
+        if not self.input_log.contains(request_id):
+            return False
+        rep = self.output_log.get(request_id)
+        return rep if rep is not None else True
 
     def log_epoch(
         self, epoch: int, requests: list[Request], now: float | None = None,

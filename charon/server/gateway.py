@@ -294,25 +294,33 @@ class _Gateway:
         except IdempotencyConflict as exc:
             raise HTTPError("IdempotencyConflict", str(exc)) from None
 
-    def start(self, req: Request, args: list[Any]) -> asyncio.Future[Reply]:
+    def start(self, req: Request, args: list[Any],
+              then: Callable[[asyncio.Future[Reply]], None] | None = None) -> asyncio.Future[Reply]:
+        """The request's reply to come: a request this gateway runs or answered already gets the same one, a
+        new one goes to the runtime (503 BacklogFull past ``max_inflight_bytes``). ``then``: called with the
+        future once done, right after the gateway's own bookkeeping (one callback instead of two)."""
         rid = req.request_id
         self.conflict(req)
         fut = self.inflight.get(rid)
         if fut is not None:
+            if then is not None:
+                fut.add_done_callback(then)
             return fut
         loop = asyncio.get_running_loop()
         entry = self.recent.get(rid)
         if entry is not None:
             done: asyncio.Future[Reply] = loop.create_future()
             done.set_result(entry[0])
+            if then is not None:
+                done.add_done_callback(then)
             return done
         size = inflight_size(req)
         if self.inflight_bytes + size > self.cfg.max_inflight_bytes:
             raise HTTPError("BacklogFull", f"{len(self.inflight)} requests ({self.inflight_bytes} bytes) are waiting "
                              f"for their replies (max_inflight_bytes {self.cfg.max_inflight_bytes}); retry later")
         task: asyncio.Future[Reply]
-        if self._enqueue is not None and self.engine.health()["status"] != "stopped":
-            # the request as built here, without a task per request (a stopped runtime: submit says why)
+        if self._enqueue is not None:
+            # the request as built here, without a task per request (a runtime not running raises EngineStopped)
             try:
                 task = self._enqueue(Request(rid, req.operator, req.key, req.function, req.args, time.time()))
             except Exception as exc:  # noqa: BLE001 - as the task below would hold it (503 Unavailable)
@@ -328,7 +336,14 @@ class _Gateway:
         t0 = time.perf_counter()
         if self.metrics is not None:
             self.metrics.observe_request(req)
-        task.add_done_callback(lambda t: self._finished(rid, t, t0))
+        if then is None:
+            task.add_done_callback(lambda t: self._finished(rid, t, t0))
+        else:
+            def finished(t: asyncio.Future[Reply]) -> None:
+                self._finished(rid, t, t0)
+                then(t)
+
+            task.add_done_callback(finished)
         return task
 
     def _finished(self, rid: str, task: asyncio.Future[Reply], t0: float = 0.0) -> None:

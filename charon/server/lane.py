@@ -197,15 +197,14 @@ class DirectInvoke:
                                    None if ctype is None else _text(ctype), body)
             if call.given is not None:
                 gw.check_log_inline(req)
-            fut = gw.start(req, args)
+            fut = gw.start(req, args, lambda f: self._replied(call, f))
         except Exception as exc:  # noqa: BLE001 - answered as the route answers it
             self._fail(call, exc)
             return
         call.rid = req.request_id
-        if fut.done():
+        if fut.done():  # answered already (its callback is scheduled; it finds the call answered)
             self._replied(call, fut)
             return
-        fut.add_done_callback(lambda f: self._replied(call, f))
         call.waiting = True
         self._pending += 1
         loop = call.proto.loop
