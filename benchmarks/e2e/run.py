@@ -52,6 +52,7 @@ from charon.server.serve import free_port  # noqa: E402
 TOKEN = "e2e"
 LABELS = {
     "charon": "Charon durable node (inprocess, fsync per epoch)",
+    "charon-base": "Charon durable node, the baseline checkout (--base-src)",
     "spark": "Charon on Spark (local)",
     "pg-rc": "PostgreSQL service, READ COMMITTED + FOR UPDATE",
     "pg-ser": "PostgreSQL service, SERIALIZABLE + retry",
@@ -154,13 +155,16 @@ def charon_total(url: str, keys: int) -> int:
     return total
 
 
-def run_charon(args: argparse.Namespace, engine: str) -> dict:
+def run_charon(args: argparse.Namespace, engine: str, src: str | None = None) -> dict:
+    """``src``: run the server from this checkout's ``charon`` package (a baseline in the same run)."""
     tmp = tempfile.mkdtemp(prefix=f"charon-e2e-{engine}-")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [str(Path(sys.executable).parent / "charon"), "run", "charon.apps.ycsb:app", "--engine", engine,
            "--data-dir", os.path.join(tmp, "data"), "--port", str(port), "--token", TOKEN]
     env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = str(Path(src).resolve())
     if engine == "spark":
         env.setdefault("PYSPARK_PYTHON", sys.executable)
         env.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -176,7 +180,7 @@ def run_charon(args: argparse.Namespace, engine: str) -> dict:
         before = charon_total(url, args.keys)
         rows = sweep(args, url, [f"server={server.pid}+"], engine)
         actual = charon_total(url, args.keys)
-        label = LABELS["charon" if engine == "inprocess" else engine]
+        label = LABELS["charon-base" if src else "charon" if engine == "inprocess" else engine]
         return {"label": label, "command": " ".join(cmd[1:]), "rows": rows,
                 "conservation": {"expected": expected, "seeded": before, "actual": actual,
                                  "ok": before == expected == actual}}
@@ -289,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--saturated-p99-ms", type=float, default=2000,
                     help="a row with a p99 above this (or < 90%% of the offered rate achieved, or > 1%% errors) "
                          "is saturated and ends its target's sweep")
+    ap.add_argument("--base-src", default=None, help="the charon-base target: a checkout holding the baseline's "
+                    "charon package (e.g. `git archive <commit> charon | tar -x -C DIR`)")
     ap.add_argument("--out", default=str(HERE / "results.json"))
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -308,7 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for t in targets:
             print(f"# {t}: {LABELS[t]}", flush=True)
-            if t in ("charon", "spark"):
+            if t == "charon-base":
+                if not args.base_src:
+                    ap.error("the charon-base target needs --base-src")
+                doc["targets"][t] = run_charon(args, "inprocess", args.base_src)
+                doc["targets"][t]["src"] = args.base_src
+            elif t in ("charon", "spark"):
                 doc["targets"][t] = run_charon(args, "inprocess" if t == "charon" else t)
             else:
                 if cluster is None:
