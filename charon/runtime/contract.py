@@ -31,11 +31,19 @@ if TYPE_CHECKING:
     from charon.operator import Application
 
 __all__ = [
-    "CodeUpdate", "ControlStatus", "Controls", "Engine", "EngineSource", "EngineStopped", "EpochNotRetained",
+    "CodeUpdate", "ControlStatus", "Controls", "Engine", "EngineSource", "Enqueue", "EngineStopped", "EpochNotRetained",
     "GateClosed", "GatePaused", "Inspection", "NotSupported", "RescaleBusy", "RescaleOutcome", "Result", "SQLRejected",
     "SQLResultTooLarge", "SQLSyntaxError", "SQLTimeout", "SQLTooExpensive", "SqlResult", "StateTooLarge",
     "UpdateOutcome", "as_engine", "SQL_ERRORS",
 ]
+
+
+class Enqueue(Protocol):
+    """An engine's direct entry (:meth:`Engine.enqueuer`): the request's reply to come. ``fresh``: the caller
+    found the request id absent from the engine's own input log just now, on the engine's event loop, with
+    nothing awaited since (the engine may skip the same lookup)."""
+
+    def __call__(self, request: Request, fresh: bool = False) -> asyncio.Future[Reply]: ...
 
 
 # -- the errors every engine raises alike ---------------------------------------------------------------------
@@ -272,7 +280,7 @@ class Engine(abc.ABC):
                      request_id: str | None = None) -> Reply:
         """Run one invocation as a transaction; its reply (at most once per request id)."""
 
-    def enqueuer(self) -> Callable[[Request], asyncio.Future[Reply]] | None:
+    def enqueuer(self) -> Enqueue | None:
         """The engine's direct entry for an already checked request (no coroutine per request), if it has one;
         the gateway asks once."""
         return None

@@ -52,7 +52,7 @@ from charon.errors import TransactionAborted
 from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator, batch_request
-from charon.runtime.contract import EngineStopped
+from charon.runtime.contract import EngineStopped, Enqueue
 from charon.runtime.controls import EngineBacked
 from charon.runtime.gate import EpochGate
 from charon.runtime.inprocess_engine import InProcessEngine
@@ -903,8 +903,10 @@ class InProcessRuntime(EngineBacked):
                 return known
         return rep
 
-    def enqueue(self, request: Request) -> asyncio.Future[Reply]:
+    def enqueue(self, request: Request, fresh: bool = False) -> asyncio.Future[Reply]:
         """Queue a request; the future resolves with its reply. A known request_id is not run twice.
+        ``fresh``: the caller found the id absent from the input log just now on this loop (see
+        :class:`charon.runtime.contract.Enqueue`): the log is not asked again.
 
         Each call gets a future of its own (a request already waiting gets another waiter), so cancelling it
         concerns that caller only: the request still runs and the other waiters get the reply."""
@@ -924,7 +926,7 @@ class InProcessRuntime(EngineBacked):
             self.node.raise_if_failed()
             if rid.startswith("\x00"):
                 raise ValueError("request ids starting with NUL are reserved")
-            known = self.node.known(rid)
+            known = self.node.known(rid, fresh)
             if isinstance(known, Reply):
                 done = known
             elif known:  # logged before a restart and not answered yet (deferred): its reply will come
@@ -1080,7 +1082,7 @@ class InProcessRuntime(EngineBacked):
         """This runtime under the engine contract (what the gateway, admin routes, metrics and CLI use)."""
         return self.controller
 
-    def direct_enqueue(self) -> Callable[[Request], asyncio.Future[Reply]] | None:
+    def direct_enqueue(self) -> Enqueue | None:
         """:meth:`enqueue`, unless a subclass routes every request through its own ``submit``."""
         return self.enqueue if type(self).submit is InProcessRuntime.submit else None
 

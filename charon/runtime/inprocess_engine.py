@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
 from charon.core.routing import split_store_key
-from charon.messages import Reply, Request
 from charon.runtime import sqlstate
 from charon.runtime.codeversions import (
     CodeHistory,
@@ -31,6 +30,7 @@ from charon.runtime.codeversions import (
 from charon.runtime.contract import (
     CodeUpdate,
     ControlStatus,
+    Enqueue,
     EpochNotRetained,
     Inspection,
     NotSupported,
@@ -97,7 +97,7 @@ class InProcessEngine(HostedEngine):
         return f"durable in {node.data_dir}, " + ("fsync per epoch" if node.fsync else
                                                   "no fsync: survives a killed process, not an OS crash")
 
-    def enqueuer(self) -> Callable[[Request], asyncio.Future[Reply]] | None:
+    def enqueuer(self) -> Enqueue | None:
         """The runtime's queue, unless a subclass routes every request through its own ``submit``."""
         return self.rt.direct_enqueue()
 

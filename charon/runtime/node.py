@@ -252,11 +252,10 @@ class NodeStorage:
         return states, rec, epochs
 
     # -- the epoch path ------------------------------------------------------------------------------
-    def known(self, request_id: str) -> Reply | bool:
-        """The stored reply of a request id, else whether the id is in the input log (False: new).
-
-        The input log first: an id it does not know has no reply either (a reply is stored only for a logged
-        request, and dedup retention forgets the id before its reply), so a new id costs one lookup."""
+    def known(self, request_id: str, fresh: bool = False) -> Reply | bool:
+        """The stored reply of a request id, else whether the id is in the input log (False: new). ``fresh``:
+        the caller just found the id absent from the input log (a client's id: the runtime's own ids, e.g. the
+        timers' replies, have a reserved prefix no client may use), so only the log's availability is checked."""
         rep = self._unflushed.get(request_id)
         if rep is not None:
             return rep
@@ -264,10 +263,12 @@ class NodeStorage:
         if wait is not None:  # the log is out: answer at once (503) instead of blocking the caller
             raise EngineUnavailable(f"the log is unavailable ({wait[0]}, waiting {time.monotonic() - wait[1]:.0f} s:"
                                     f" {wait[2]}); retry later")
-        if not self.input_log.contains(request_id):
+        if fresh:
             return False
         rep = self.output_log.get(request_id)
-        return rep if rep is not None else True
+        if rep is not None:
+            return rep
+        return self.input_log.contains(request_id)
 
     def log_epoch(
         self, epoch: int, requests: list[Request], now: float | None = None,

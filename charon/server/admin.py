@@ -101,7 +101,7 @@ SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy bey
 
 
 class AdminGateway(Protocol):
-    """What the admin routes use of the gateway (:class:`charon.server.gateway._Gateway` provides it)."""
+    """What the admin routes use of the gateway (:class:`charon.server.gateway.Gateway` provides it)."""
 
     engine: Engine
     cfg: GatewayConfig

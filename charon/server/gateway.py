@@ -125,7 +125,7 @@ __all__ = ["create_app", "describe_app", "STATUS_OF_ERROR"]
 
 
 
-class _Gateway:
+class Gateway:
     def __init__(self, engine: Engine, token: str | None, cfg: GatewayConfig) -> None:
         self.engine = engine
         self._enqueue = engine.enqueuer()  # the engine's direct entry, if it has one (asked once)
@@ -271,7 +271,8 @@ class _Gateway:
     async def check_log(self, req: Request) -> None:
         """422 if the runtime's input log holds this request id for another operation."""
         if self.log_inline:
-            return self.check_log_inline(req)
+            self.check_log_inline(req)
+            return
         log = self.engine.input_log
         if log is None or req.request_id in self.inflight or req.request_id in self.recent:
             return
@@ -283,22 +284,25 @@ class _Gateway:
         except IdempotencyConflict as exc:
             raise HTTPError("IdempotencyConflict", str(exc)) from None
 
-    def check_log_inline(self, req: Request) -> None:
-        """:meth:`check_log` where :attr:`log_inline` holds."""
+    def check_log_inline(self, req: Request) -> bool:
+        """:meth:`check_log` where :attr:`log_inline` holds; True if the id is not in the input log (fresh: the
+        engine's enqueue need not look again, if nothing is awaited before it)."""
         log = self.engine.input_log
         if log is None or req.request_id in self.inflight or req.request_id in self.recent:
-            return
+            return False
         stored = stored_request(log, req.request_id)
         try:
             check_same_request(stored, req)
         except IdempotencyConflict as exc:
             raise HTTPError("IdempotencyConflict", str(exc)) from None
+        return stored is None
 
-    def start(self, req: Request, args: list[Any],
-              then: Callable[[asyncio.Future[Reply]], None] | None = None) -> asyncio.Future[Reply]:
+    def start(self, req: Request, args: list[Any], then: Callable[[asyncio.Future[Reply]], None] | None = None,
+              fresh: bool = False) -> asyncio.Future[Reply]:
         """The request's reply to come: a request this gateway runs or answered already gets the same one, a
         new one goes to the runtime (503 BacklogFull past ``max_inflight_bytes``). ``then``: called with the
-        future once done, right after the gateway's own bookkeeping (one callback instead of two)."""
+        future once done, right after the gateway's own bookkeeping (one callback instead of two). ``fresh``: the
+        id was just found absent from the input log (:meth:`check_log_inline`), nothing awaited since."""
         rid = req.request_id
         self.conflict(req)
         fut = self.inflight.get(rid)
@@ -322,7 +326,7 @@ class _Gateway:
         if self._enqueue is not None:
             # the request as built here, without a task per request (a runtime not running raises EngineStopped)
             try:
-                task = self._enqueue(Request(rid, req.operator, req.key, req.function, req.args, time.time()))
+                task = self._enqueue(Request(rid, req.operator, req.key, req.function, req.args, time.time()), fresh)
             except Exception as exc:  # noqa: BLE001 - as the task below would hold it (503 Unavailable)
                 task = loop.create_future()
                 task.set_exception(exc)
@@ -454,7 +458,7 @@ class _Gateway:
         req, args = self.prepare(operator, key, function, given, request.headers.get("content-type"), body)
         if given is not None:
             await self.check_log(req)
-        fut = self.start(req, args)
+        fut = self.start(req, args, fresh=given is None)  # a generated id: a new uuid4
         if mode == "async":
             return self.accepted(request, req.request_id)
         return await self.await_reply(request, req.request_id, fut, self.wait_timeout)
@@ -646,7 +650,7 @@ def create_app(
         if value is not None:
             setattr(cfg, name, value)
     engine = as_engine(runtime)
-    gw = _Gateway(engine, token, cfg)
+    gw = Gateway(engine, token, cfg)
 
     async def start_in_background() -> None:
         try:

@@ -22,7 +22,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote_to_bytes
 
 from starlette.requests import Request as HTTPRequest
@@ -34,12 +34,38 @@ from charon.messages import Reply
 from charon.server.wire import STATUS_OF_ERROR, HTTPError, encode_answer, error_answer
 
 if TYPE_CHECKING:
-    from charon.server.gateway import _Gateway
+    from starlette.types import ASGIApp, Receive, Scope, Send
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-__all__ = ["InvokeLane", "DirectInvoke"]
+    from charon.config import GatewayConfig
+    from charon.messages import Request
+
+__all__ = ["InvokeLane", "DirectInvoke", "LaneGateway"]
 
 _PREFIX = b"/invoke/"
 _log = logging.getLogger("charon.server")
+
+
+class LaneGateway(Protocol):
+    """What the direct path uses of the gateway (:class:`charon.server.gateway.Gateway` provides it): the
+    route's checks, in the route's order, and its answers."""
+
+    token: bytes | None
+    cfg: GatewayConfig
+    max_body: int
+    wait_timeout: float
+
+    @property
+    def log_inline(self) -> bool: ...
+    def check_token(self, header: str) -> None: ...
+    def id_of(self, rid: str | None) -> str | None: ...
+    def prepare(self, operator: str, key: str, function: str, given: str | None, ctype: str | None,
+                body: bytes) -> tuple[Request, list[Any]]: ...
+    def check_log_inline(self, req: Request) -> bool: ...
+    def start(self, req: Request, args: list[Any], then: Callable[[asyncio.Future[Reply]], None] | None = None,
+              fresh: bool = False) -> asyncio.Future[Reply]: ...
+    def reply_doc(self, rep: Reply) -> tuple[int, dict[str, Any]]: ...
+    def status_url_for(self, root_path: str, rid: str) -> str: ...
 
 
 class _Match:
@@ -49,7 +75,7 @@ class _Match:
         self._match = route.path_regex.match
         self._convertors = route.param_convertors
 
-    def params(self, raw: bytes) -> tuple[str, dict[str, Any]] | None:
+    def params(self, raw: bytes) -> tuple[str, dict[str, str]] | None:
         """``(path, params)`` if ``raw`` names the route (None also for a path that is not UTF-8: the app's
         StrictPath answers that one)."""
         if not raw.startswith(_PREFIX):
@@ -69,14 +95,14 @@ class InvokeLane:
     """ASGI: requests ``route`` matches with ``POST`` go to ``endpoint``; the rest to ``app``. ``direct``: the
     protocol-level path over the same route (:class:`DirectInvoke`), if the server uses it."""
 
-    def __init__(self, app: Any, route: Route, endpoint: Callable[[HTTPRequest], Awaitable[Response]],
+    def __init__(self, app: ASGIApp, route: Route, endpoint: Callable[[HTTPRequest], Awaitable[Response]],
                  direct: DirectInvoke | None = None) -> None:
         self.app = app
         self.endpoint = endpoint
         self.direct = direct
         self._route = _Match(route)
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
             return await self.app(scope, receive, send)
         raw = scope.get("raw_path")
@@ -99,7 +125,8 @@ class _Call:
 
     __slots__ = ("proto", "cycle", "params", "headers", "given", "rid", "answered", "waiting", "body_timer")
 
-    def __init__(self, proto: Any, cycle: Any, params: dict[str, Any], headers: dict[bytes, bytes]) -> None:
+    def __init__(self, proto: HttpToolsProtocol, cycle: RequestResponseCycle, params: dict[str, str],
+                 headers: dict[bytes, bytes]) -> None:
         self.proto = proto
         self.cycle = cycle
         self.params = params
@@ -116,7 +143,7 @@ class DirectInvoke:
     request head is complete, :meth:`body_received` per body chunk, :meth:`body_complete` when the body is in,
     :meth:`data_done` after each read."""
 
-    def __init__(self, gw: _Gateway, route: Route) -> None:
+    def __init__(self, gw: LaneGateway, route: Route) -> None:
         self.gw = gw
         self._route = _Match(route)
         self._waits: collections.deque[tuple[float, _Call]] = collections.deque()  # sync waits, by deadline
@@ -127,7 +154,7 @@ class DirectInvoke:
         self._status_line: dict[int, bytes] = STATUS_LINE
 
     # -- driven by the protocol -------------------------------------------------------------------------------
-    def take(self, proto: Any, cycle: Any) -> bool:
+    def take(self, proto: HttpToolsProtocol, cycle: RequestResponseCycle) -> bool:
         """Whether this request (its head complete) goes the direct way; if so it is under way."""
         scope = cycle.scope
         if (scope["method"] != "POST" or scope["query_string"] or scope.get("root_path")
@@ -141,7 +168,7 @@ class DirectInvoke:
             if name not in headers:
                 headers[name] = value
         call = _Call(proto, cycle, found[1], headers)
-        cycle.charon_call = call
+        setattr(cycle, "charon_call", call)  # noqa: B010 - an attribute uvicorn's cycle does not declare
         gw = self.gw
         try:  # the route's checks before its body, in its order (auth, request id, declared size)
             if gw.token is not None:
@@ -195,9 +222,8 @@ class DirectInvoke:
             ctype = call.headers.get(b"content-type")
             req, args = gw.prepare(params["operator"], params["key"], params["function"], call.given,
                                    None if ctype is None else _text(ctype), body)
-            if call.given is not None:
-                gw.check_log_inline(req)
-            fut = gw.start(req, args, lambda f: self._replied(call, f))
+            fresh = gw.check_log_inline(req) if call.given is not None else True  # a generated id: a new uuid4
+            fut = gw.start(req, args, lambda f: self._replied(call, f), fresh)
         except Exception as exc:  # noqa: BLE001 - answered as the route answers it
             self._fail(call, exc)
             return
@@ -262,7 +288,7 @@ class DirectInvoke:
             return
         self._answer(call, *answer)
 
-    def _answer(self, call: _Call, status: int, doc: Any, headers: dict[str, str] | None) -> None:
+    def _answer(self, call: _Call, status: int, doc: object, headers: dict[str, str] | None) -> None:
         status, data, media = encode_answer(_text(call.headers.get(b"accept", b"")), status, doc)
         extra = [(b"content-type", media.encode())]
         close = False

@@ -173,8 +173,9 @@ def guard(fn: Callable[[HTTPRequest], Awaitable[Response]]) -> Callable[[HTTPReq
         try:
             return await fn(request)
         except (EngineUnavailable, HTTPError) as exc:
-            status, body, headers = error_answer(exc)  # type: ignore[misc]  # typed: never None here
-            return respond(request, status, body, headers)
+            answer = error_answer(exc)
+            assert answer is not None  # both are typed refusals
+            return respond(request, answer[0], answer[1], answer[2])
 
     endpoint.__name__ = fn.__name__
     endpoint.__doc__ = fn.__doc__
