@@ -26,17 +26,69 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
 
-from engine_perf import git_head, run_child  # noqa: E402
+from engine_perf import _count_instructions, _use_src, git_head, instruction_tool, run_child  # noqa: E402
+
+
+def child_fixed(src: str | None, epochs: int, run: int) -> None:
+    """The engine-alone workload with everything fixed (request ids from a seeded generator, not uuid4): three
+    warm-up epochs, then ``run`` more, so that two processes differ only by the epochs run (see
+    :func:`instructions`)."""
+    _use_src(src)
+    import gc
+    import random
+
+    from charon import serde
+    from charon.apps import ycsb
+    from charon.messages import Request
+    from charon.runtime.inprocess import InProcessRuntime
+
+    n = 10_000
+    rng = random.Random(0)
+    raw = [[(rng.randrange(n), rng.randrange(n), rng.randint(1, 10)) for _ in range(1000)] for _ in range(epochs)]
+    rt = InProcessRuntime(ycsb.app, partitions=4)
+    rt.load("account", ycsb.initial_state(n))
+    batches = [[Request(f"{rng.getrandbits(128):032x}", "account", ycsb.key(a), "transfer",
+                        serde.encode([ycsb.key(b), x])) for a, b, x in batch] for batch in raw]
+    for b in batches[:3]:
+        rt.run_epoch(b)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    for b in batches[3:3 + run]:
+        rt.run_epoch(b)
+
+
+def instructions(src: str, epochs: int) -> float | None:
+    """User-space instructions per transfer of ``epochs - 3`` epochs (perf stat, else Valgrind's cachegrind):
+    the difference of two :func:`child_fixed` processes (``PYTHONHASHSEED=0``), per transaction."""
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    counts = []
+    for run in (0, epochs - 3):
+        n = _count_instructions([sys.executable, str(Path(__file__).resolve()), "--child",
+                                 json.dumps({"src": src, "epochs": epochs, "run": run})], env)
+        if n is None:
+            return None
+        counts.append(n)
+    return (counts[1] - counts[0]) / ((epochs - 3) * 1000)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before-src", required=True, help="checkout of the code before the change")
+    ap.add_argument("--before-src", help="checkout of the code before the change (required)")
     ap.add_argument("--after-src", default=None, help="checkout of the code after (default: this checkout)")
     ap.add_argument("--repeat", type=int, default=5, help="run pairs (before, after alternating)")
     ap.add_argument("--epochs", type=int, default=23, help="epochs of 1,000 transfers per run (3 warm up)")
     ap.add_argument("--out", default=str(HERE / "engine_ab.json"))
+    ap.add_argument("--instructions", type=int, default=0, metavar="EPOCHS",
+                    help="also count user instructions per transfer over EPOCHS epochs (3 warm up) per side: perf "
+                         "stat, else Valgrind (about 30x slower); load-independent")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.child:
+        child_fixed(**json.loads(a.child))
+        return 0
+    if not a.before_src:
+        ap.error("--before-src is required")
     after_src = a.after_src or str(ROOT)
     sides = {"before": a.before_src, "after": after_src}
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": os.uname().nodename,
@@ -67,6 +119,14 @@ def main() -> int:
         print(f"{mode}: after/before CPU per tx, median of pairs {s['ratio_median']:.3f} "
               f"({', '.join(f'{r:.3f}' for r in ratios)}); best before {s['before']['tx_per_s']:,.0f}/s, "
               f"after {s['after']['tx_per_s']:,.0f}/s", flush=True)
+    if a.instructions:
+        ins = {side: instructions(src, a.instructions) for side, src in sides.items()}
+        if None not in ins.values():
+            summary["instructions_per_tx"] = ins
+            summary["instructions_tool"] = instruction_tool()
+            summary["instructions_ratio"] = ins["after"] / ins["before"]  # type: ignore[operator]
+            print(f"instructions per transfer ({instruction_tool()}): before {ins['before']:,.0f}, after "
+                  f"{ins['after']:,.0f}, ratio {summary['instructions_ratio']:.3f}", flush=True)
     res["summary"] = summary
     out = Path(a.out)
     out.write_text(json.dumps(res, indent=1))
