@@ -2,14 +2,14 @@
 
     .venv/bin/python benchmarks/issue24/engine_ab.py --before-src /tmp/engine-base --repeat 5
 
-``--before-src``: a checkout of the code before (``git worktree add --detach /tmp/engine-base 06716c6``); the
-after side is this checkout. Each run is :func:`benchmarks.engine_perf.child_engine` in a fresh interpreter
-(batches of 1,000 transfers over 10k accounts, 4 partitions, default and tuned collector, plus the bare epoch
-loop in the same process); the sides alternate, in ABBA order (the second child of a pair measured up to ~6%
-slower with the default collector, whichever code it ran), so the neighbours' load hits both alike. Reported: per side the
-best of the runs' medians (CPU µs per transaction), the after/before CPU-time ratio per run pair (the figure
-to trust on a loaded machine) and its median, and the engine's share of the bare loop's rate. Writes JSON (git
-commits, date, load average before and after each run) and a PNG next to it.
+``--before-src``: a checkout of the code before (``git worktree add --detach /tmp/engine-base 06716c6``); the after
+side is this checkout. Each run is :func:`benchmarks.engine_perf.child_engine` in a fresh interpreter (batches of
+1,000 transfers over 10k accounts, 4 partitions, default and tuned collector, plus the bare epoch loop in the same
+process); the sides alternate, in ABBA order (the second child of a pair measured up to ~6% slower with the default
+collector, whichever code it ran), so the neighbours' load hits both alike. Reported: per side the best of the runs'
+medians (CPU µs per transaction), the after/before CPU-time ratio per run pair (the figure to trust on a loaded
+machine) and its median, and the engine's share of the bare loop's rate. Writes JSON (git commits, date, load
+average before and after each run) and a PNG next to it.
 """
 
 from __future__ import annotations
