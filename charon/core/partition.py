@@ -138,8 +138,18 @@ class Invoke(Journal):
 
     def __init__(self, tid: int, inv: str, op: str, key: str, fn: str, args: bytes, share: Share, kind: int,
                  caller: Caller | None, ts: float, depth: int) -> None:
-        self.tid, self.inv, self.op, self.key, self.fn, self.args = tid, inv, op, key, fn, args
-        self.share, self.kind, self.caller, self.ts, self.depth = share, kind, caller, ts, depth
+        # one store per attribute: a tuple assignment of more than three names builds and unpacks a tuple
+        self.tid = tid
+        self.inv = inv
+        self.op = op
+        self.key = key
+        self.fn = fn
+        self.args = args
+        self.share = share
+        self.kind = kind
+        self.caller = caller
+        self.ts = ts
+        self.depth = depth
         self.token = self.kg = None  # kg: routing.key_group(op, key) once a router computed it (not pickled)
 
     def __reduce__(self) -> tuple[Callable[..., Invoke], tuple[object, ...]]:
@@ -193,8 +203,14 @@ class Reply:
 
     def __init__(self, tid: int, op: str, key: str, inv: str, value: bytes, share: Share, child: str,
                  kg: int | None = None) -> None:
-        self.tid, self.op, self.key, self.inv, self.value, self.share = tid, op, key, inv, value, share
-        self.child, self.kg = child, kg
+        self.tid = tid  # one store per attribute (see Invoke.__init__)
+        self.op = op
+        self.key = key
+        self.inv = inv
+        self.value = value
+        self.share = share
+        self.child = child
+        self.kg = kg
 
     def __reduce__(self) -> tuple[Callable[..., Reply], tuple[object, ...]]:
         return (_new_reply, (
@@ -638,8 +654,9 @@ class PartitionUnit(Generic[S]):
         overlay = self.overlay
         buffers, emits = self.buffers, self.emits
         for tid in apply:
-            if tid in buffers:
-                for e, items in buffers.pop(tid).items():
+            b = buffers.pop(tid, None)
+            if b is not None:
+                for e, items in b.items():
                     o = overlay.get(e)
                     if o is None:
                         overlay[e] = items  # moved: the popped buffer was its only holder
@@ -689,8 +706,11 @@ class PartitionUnit(Generic[S]):
                 if n > limit:
                     self._fail(tid, too_many_invocations(limit))
                     continue
-                # start_frame(m), inlined
-                m.replies, m.reads, m.nsusp, m.pending, m.token = {}, [], 0, None, next(_TOKENS)
+                m.replies = {}  # start_frame(m), inlined
+                m.reads = []
+                m.nsusp = 0
+                m.pending = None
+                m.token = next(_TOKENS)
                 frame = m
             else:
                 tframes = frames.get(tid)
