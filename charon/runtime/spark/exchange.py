@@ -3,6 +3,7 @@ partitions' scratch between rounds."""
 
 from __future__ import annotations
 
+import math
 import pickle
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from charon.core.epoch import EpochResult, FallbackJob, FallbackOutcome, RestJob
 from charon.core.partition import Control, RoundOutput
 from charon.runtime.faults import crash_point
 from charon.runtime.spark.layout import state_root
-from charon.runtime.spark.tasks import FALLBACK_TASK, REST_TASK, run_partitions
+from charon.runtime.spark.tasks import FALLBACK_TASK, REST_TASK, SPLIT_REST_TASK, run_partitions
 from charon.state.records import EpochRecord
 
 
@@ -39,6 +40,10 @@ class SparkExchange:
         # mode: one executor-local directory); on a cluster that task would restore stores other executors hold.
         local = config.master.strip().startswith("local")
         self.one_task_rest = config.single_task_rest and local
+        # A large rest as several tasks of one job, each over a group of partitions (rounds exchanged through the
+        # driver's hub): on a cluster too, as each task restores only its own partitions' stores.
+        self.split_rest = config.split_rest
+        self.hub: Any = None  # the RoundHub, made with the first split rest
         if not (config.single_task_fallback and local):
             self.fallback = None  # type: ignore[assignment]  # the coordinator then runs it round by round
         # (record, finalize) of the last epoch when its finalize was deferred to the next epoch's first round:
@@ -110,11 +115,20 @@ class SparkExchange:
         """Take the rest of the epoch as one Spark job of one task when it is small (``single_task_rest``, in
         local mode: its messages and scratch under ``rest_max_bytes``), else None: the coordinator runs the
         next round as a job of its own. One job of one task costs less than a job per round (each ~40 ms of
-        PySpark whatever it carries, ~70 ms with two tasks) as long as a core is not idle meanwhile."""
-        if not self.one_task_rest:
+        PySpark whatever it carries, ~70 ms with two tasks) as long as a core is not idle meanwhile.
+
+        A rest large enough to pay for more tasks (``split_rest``: a task per ``split_rest_min_bytes``, at most
+        one per core and per partition) runs as one job of that many tasks instead (:meth:`rest_split`)."""
+        if not (self.one_task_rest or self.split_rest):
             return None
         scratch = self.scratch
-        if len(job.roots) * 160 + sum(len(x) for x in scratch if x) >= self.config.rest_max_bytes:
+        size = len(job.roots) * 160 + sum(len(x) for x in scratch if x)
+        if size >= self.config.rest_max_bytes:
+            return None
+        tasks = self.rest_tasks_for(size)
+        if tasks > 1:
+            return self.rest_split(job, tasks)
+        if not self.one_task_rest:
             return None
         cache = self.cache if job.epoch == self.epoch else [{} for _ in range(self.partitions)]
         t0 = time.perf_counter()
@@ -131,12 +145,86 @@ class SparkExchange:
         self._account(t0, t1, t2, time.perf_counter(), len(payload), len(blob), out.stats)
         return out
 
-    def _account(self, t0: float, t1: float, t2: float, t3: float, sent: int, got: int, task: dict) -> None:
+    def rest_tasks_for(self, size: int) -> int:
+        """How many tasks a rest of ``size`` bytes (its estimate in :meth:`rest`) gets: 1 (one task, or the
+        rounds' own jobs) unless ``split_rest``; else one per ``split_rest_min_bytes``, at most ``split_rest_tasks``
+        (0: as many as cores), cores and partitions."""
+        if not self.split_rest:
+            return 1
+        cap = self.config.split_rest_tasks or self.slots
+        return max(1, min(cap, self.slots, self.partitions, size // max(1, self.config.split_rest_min_bytes)))
+
+    @staticmethod
+    def groups(parts: int, tasks: int) -> list[list[int]]:
+        """The partitions of each task of a split rest: ``tasks`` contiguous groups in partition order."""
+        return [list(range(i * parts // tasks, (i + 1) * parts // tasks)) for i in range(tasks)]
+
+    def rest_split(self, job: RestJob, tasks: int) -> RestOutcome:
+        """The rest of the epoch as one job of ``tasks`` tasks, each over a group of partitions (:meth:`groups`),
+        started together (barrier mode); after each round they exchange their partitions' outputs through the
+        driver's :class:`~charon.runtime.spark.hub.RoundHub`, so each task's replica of the coordinator takes the
+        same decisions a one-task rest takes. The first task returns the outcome, each its group's scratch and
+        its part of the prior finalize's events (gathered here in partition order, as one task gathers them)."""
+        from charon.runtime.spark.hub import RoundHub
+
+        if self.hub is None:
+            self.hub = RoundHub.for_spark(self.sc) if self.sc is not None else RoundHub("127.0.0.1")
+        scratch = self.scratch
+        cache = self.cache if job.epoch == self.epoch else [{} for _ in range(self.partitions)]
+        t0 = time.perf_counter()
+        job_blob = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+        token = self.hub.open()
+        payloads = [(SPLIT_REST_TASK, pickle.dumps((job_blob, g, {p: scratch[p] for p in g}, {p: cache[p] for p in g},
+                                                    (self.hub.address(), token, i, tasks)),
+                                                   protocol=pickle.HIGHEST_PROTOCOL))
+                    for i, g in enumerate(self.groups(self.partitions, tasks))]
+        t1 = time.perf_counter()
+        try:
+            results = self.run_gang(payloads)
+        finally:
+            self.hub.close(token)
+        t2 = time.perf_counter()
+        crash_point("after_round", job.epoch)
+        out: RestOutcome | None = None
+        events: list = []
+        due = math.inf
+        task: dict[str, float] = {}
+        for _, blob in results:  # in task order: the groups' partitions in order
+            first, scratches, prior_events, prior_due, stats = pickle.loads(blob)
+            if first is not None:
+                out = first
+            for pid, sc in scratches.items():
+                self.scratch[pid] = sc
+            events.extend(prior_events)
+            due = min(due, prior_due)
+            for k, v in stats.items():
+                task[k] = task.get(k, 0) + v
+        assert out is not None  # the first task's
+        out.prior_events = events
+        out.next_due = min(out.next_due, due)
+        self.epoch = job.epoch
+        self.cache = [{} for _ in range(self.partitions)]
+        s = self.stats
+        s["split_rests"] = s.get("split_rests", 0) + 1
+        s["hub_s"] = s.get("hub_s", 0.0) + task.pop("hub_s", 0.0)
+        s["hub_rounds"] = s.get("hub_rounds", 0) + task.pop("hub_rounds", 0)
+        s["hub_bytes"] = s.get("hub_bytes", 0) + task.pop("hub_bytes", 0)
+        self._account(t0, t1, t2, time.perf_counter(), sum(len(b) for _, b in payloads),
+                      sum(len(b) for _, b in results), task, tasks)
+        return out
+
+    def run_gang(self, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        """One Spark job of one task per payload, all started together (barrier mode), results in task order."""
+        assert self.sc is not None
+        return self.sc.parallelize(payloads, len(payloads)).barrier().mapPartitions(self.fn).collect()
+
+    def _account(self, t0: float, t1: float, t2: float, t3: float, sent: int, got: int, task: dict,
+                 tasks: int = 1) -> None:
         s = self.stats
         s["ser_s"] = s.get("ser_s", 0.0) + (t1 - t0) + (t3 - t2)
         s["job_s"] = s.get("job_s", 0.0) + (t2 - t1)
         s["jobs"] = s.get("jobs", 0) + 1
-        s["tasks"] = s.get("tasks", 0) + 1
+        s["tasks"] = s.get("tasks", 0) + tasks
         s["bytes_out"] = s.get("bytes_out", 0) + sent
         s["bytes_in"] = s.get("bytes_in", 0) + got
         s["task_cpu_s"] = s.get("task_cpu_s", 0.0) + task.pop("cpu_us", 0) / 1e6

@@ -61,6 +61,10 @@ def run_partitions(
             yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads,
                                       function_timeout, determinism_check)
             continue
+        if pid == SPLIT_REST_TASK:
+            yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads,
+                                      function_timeout, determinism_check, split=True)
+            continue
         c0 = time.thread_time()  # the task's CPU for this partition (unpickling included): stats cpu_us
         control, scratch, inbox, cached = pickle.loads(payload)
         store = open_store(root, pid, durable_root)
@@ -142,24 +146,75 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
 
 
 REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over every partition
+SPLIT_REST_TASK = -3  # ... one of the tasks that run it together, each over a group of partitions (a split rest)
+
+
+def _stage_attempt() -> int:
+    """The attempt of this task's stage (a barrier stage is retried whole: its tasks meet again, as a new session)."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return ctx.stageAttemptNumber() if ctx is not None else 0
+
+
+class _HubExchange:
+    """An exchange inside one task of a split rest: a round steps this task's partitions, then every task's
+    outputs go round through the driver's :class:`~charon.runtime.spark.hub.RoundHub`, so this task's coordinator
+    sees every partition's outputs (all of them unpickled: every task's replica sees the same objects)."""
+
+    def __init__(self, units: dict[int, PartitionUnit], parts: int, client: Any) -> None:
+        self.units = units
+        self.partitions = parts
+        self.client = client
+        self.stats = {"hub_s": 0.0, "hub_rounds": 0, "hub_bytes": 0}
+
+    def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
+        mine = []
+        for pid, unit in self.units.items():
+            with unit.store.reading():
+                mine.append((pid, unit.step(control, inboxes[pid])))
+        blob = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
+        t0 = time.perf_counter()
+        frames = self.client.gather(blob)
+        s = self.stats
+        s["hub_s"] += time.perf_counter() - t0
+        s["hub_rounds"] += 1
+        s["hub_bytes"] += len(blob)
+        outs: list[Any] = [None] * self.partitions
+        for frame in frames:
+            for pid, out in pickle.loads(frame):
+                outs[pid] = out
+        return outs
 
 
 def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
                    prev: tuple[int, Any] | None = None, finalize_threads: int = 1,
-                   function_timeout: float | None = None, determinism_check: bool = False) -> bytes:
+                   function_timeout: float | None = None, determinism_check: bool = False,
+                   split: bool = False) -> bytes:
     """The rest of an epoch (remaining dry-run rounds, lock-free decision, fallback) in this task over every
     partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round), the
-    partitions' in up to ``finalize_threads`` threads."""
+    partitions' in up to ``finalize_threads`` threads.
+
+    ``split``: this task is one of a split rest's (:meth:`SparkExchange.rest`): it holds only its group of
+    partitions, exchanges each round through the driver's hub and returns its group's scratch and prior events
+    (and the outcome, which every task's coordinator replica decides alike, from the first task only)."""
     from charon.core.epoch import run_rest
     from charon.state.lmdbstore import open_store
 
     c0 = time.process_time()  # this process's (the finalize's threads included)
-    job, scratches, caches = pickle.loads(payload)
+    hub_at = None
+    if split:
+        job_blob, group, scratches, caches, hub_at = pickle.loads(payload)
+        job = pickle.loads(job_blob)
+        pids = list(group)
+    else:
+        job, scratches, caches = pickle.loads(payload)
+        pids = list(range(parts))
     units = []
     prior_events: list = []
     prior_due = math.inf
     t0 = time.perf_counter()
-    for pid in range(parts):
+    for pid in pids:
         unit = PartitionUnit(pid, parts, app, open_store(root, pid, durable_root))
         unit.previous = prev
         unit.twice = determinism.run_twice if determinism_check else None
@@ -176,10 +231,11 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
         # Each partition's delta goes to its own durable file and LMDB environment, each with its fsyncs, which
         # queue behind the logs' (the same file system's journal): in threads, the waits overlap. The events
         # are still gathered in partition order.
-        if finalize_threads > 1 and parts > 1:
+        if finalize_threads > 1 and len(units) > 1:
             from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(min(finalize_threads, parts), thread_name_prefix="charon-finalize") as pool:
+            with ThreadPoolExecutor(min(finalize_threads, len(units)),
+                                    thread_name_prefix="charon-finalize") as pool:
                 dones = list(pool.map(finalize, units))
         else:
             dones = [finalize(u) for u in units]
@@ -187,10 +243,29 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
             prior_events.extend(done.events)
             if done.next_due is not None:
                 prior_due = min(prior_due, done.next_due)
-    for pid, unit in enumerate(units):
+    for pid, unit in zip(pids, units, strict=True):
         unit.store.ensure_epoch(job.epoch - 1)
         unit.load_cache(caches[pid])
     t1 = time.perf_counter()
+    if hub_at is not None:
+        from charon.runtime.spark.hub import HubClient
+
+        address, token, index, tasks = hub_at
+        client = HubClient(address, token, _stage_attempt(), index, tasks)
+        hub = _HubExchange(dict(zip(pids, units, strict=True)), parts, client)
+        try:
+            with task_budget(units, function_timeout):
+                out = run_rest(app, hub, job)
+        finally:
+            client.close()
+        for unit in units:
+            unit.decided(out.apply, out.reset)
+        step_us = int((time.perf_counter() - t1) * 1e6)
+        stats = {"restore_us": int((t1 - t0) * 1e6), "step_us": step_us, **hub.stats}
+        scratches_out = {pid: u.dump_scratch() for pid, u in zip(pids, units, strict=True)}
+        stats["cpu_us"] = int((time.process_time() - c0) * 1e6)
+        return pickle.dumps((out if index == 0 else None, scratches_out, prior_events, prior_due, stats),
+                            protocol=pickle.HIGHEST_PROTOCOL)
     with task_budget(units, function_timeout):
         out = run_rest(app, _TaskExchange(units), job)
     for unit in units:  # the epoch is decided: its scratch shrinks to what the finalize writes

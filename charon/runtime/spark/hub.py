@@ -1,0 +1,158 @@
+"""Rounds exchanged between the tasks of one Spark job: :class:`RoundHub` in the driver, :class:`HubClient` in
+each task.
+
+The rest of a large epoch runs as one job of several tasks, each over a group of partitions, every task with a
+replica of the coordinator (the same code on the same outputs takes the same decisions). After each round a
+task sends its partitions' outputs to the hub and gets every task's back (an all-gather), so its coordinator sees
+every partition's outputs. Spark's own ``BarrierTaskContext.allGather`` would do, but costs ~1 s per call (the
+executor polls the driver once a second); this one costs a local round trip. The job runs in barrier mode, so its
+tasks start together (none waits on a slot a waiting task holds) and a failed task fails them all.
+
+Frames: 4-byte big-endian length, then the bytes. A task's hello: the job's 16-byte token, the stage attempt, its
+index and the job's task count (4 bytes each). Then per round: one frame in, the tasks' frames in task order out.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import socketserver
+import struct
+import threading
+from typing import Any
+
+_LEN = struct.Struct(">I")
+_HELLO = struct.Struct(">16sIII")
+WAIT_S = 600.0  # longest a task waits for the others' round (a safety net: a failed task fails the stage)
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError("round hub: connection closed")
+        got += k
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    (n,) = _LEN.unpack(_recv(sock, 4))
+    return _recv(sock, n)
+
+
+class _Session:
+    """One attempt of one job: its tasks' frames by round."""
+
+    def __init__(self, tasks: int) -> None:
+        self.tasks = tasks
+        self.rounds: dict[int, list[bytes | None]] = {}
+        self.sent: dict[int, int] = {}
+        self.cond = threading.Condition()
+        self.closed = False
+
+
+class RoundHub:
+    """The driver's side: a TCP server the tasks of a job of :meth:`open`'s token meet at, round by round."""
+
+    def __init__(self, bind: str = "0.0.0.0", advertise: str | None = None) -> None:
+        hub = self
+        self.jobs: dict[bytes, dict[int, _Session]] = {}
+        self.lock = threading.Lock()
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                hub._serve(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self.server = Server((bind, 0), Handler)
+        self.port = self.server.server_address[1]
+        self.host = advertise or (bind if bind not in ("", "0.0.0.0") else "127.0.0.1")
+        self.thread = threading.Thread(target=self.server.serve_forever, name="charon-round-hub", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def for_spark(cls, sc: Any) -> RoundHub:
+        """A hub the executors of ``sc`` reach: on the driver's address (``spark.driver.host``), bound where the
+        driver binds (``spark.driver.bindAddress``)."""
+        conf = sc.getConf()
+        host = conf.get("spark.driver.host") or socket.gethostname()
+        bind = conf.get("spark.driver.bindAddress") or "0.0.0.0"
+        return cls(bind, host)
+
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def open(self) -> bytes:
+        """A token for one job: its tasks name it in their hello (anything else is refused)."""
+        token = os.urandom(16)
+        with self.lock:
+            self.jobs[token] = {}
+        return token
+
+    def close(self, token: bytes) -> None:
+        """The job is over (or failed): its sessions end, a task still waiting gets a closed connection."""
+        with self.lock:
+            sessions = self.jobs.pop(token, {})
+        for s in sessions.values():
+            with s.cond:
+                s.closed = True
+                s.cond.notify_all()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _serve(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        token, attempt, index, tasks = _HELLO.unpack(_recv(sock, _HELLO.size))
+        with self.lock:
+            sessions = self.jobs.get(token)
+            if sessions is None or not 0 <= index < tasks:
+                return
+            s = sessions.get(attempt)
+            if s is None:
+                s = sessions[attempt] = _Session(tasks)
+        if s.tasks != tasks:
+            return
+        r = 0
+        while True:
+            try:
+                frame = _recv_frame(sock)
+            except (ConnectionError, OSError):
+                return
+            with s.cond:
+                slot = s.rounds.setdefault(r, [None] * tasks)
+                slot[index] = frame
+                s.cond.notify_all()
+                full = s.cond.wait_for(lambda slot=slot: s.closed or all(x is not None for x in slot), WAIT_S)
+                if not full or s.closed:
+                    return
+                frames: list[bytes] = slot  # type: ignore[assignment]  # every task's, in task order
+                s.sent[r] = s.sent.get(r, 0) + 1
+                if s.sent[r] == tasks:  # every task has its copy
+                    del s.rounds[r], s.sent[r]
+            sock.sendall(b"".join(_LEN.pack(len(f)) + f for f in frames))
+            r += 1
+
+
+class HubClient:
+    """A task's side: :meth:`gather` sends this task's frame of a round and returns every task's."""
+
+    def __init__(self, address: tuple[str, int], token: bytes, attempt: int, index: int, tasks: int) -> None:
+        self.tasks = tasks
+        self.sock = socket.create_connection(address, timeout=WAIT_S)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(_HELLO.pack(token, attempt, index, tasks))
+
+    def gather(self, frame: bytes) -> list[bytes]:
+        self.sock.sendall(_LEN.pack(len(frame)) + frame)
+        return [_recv_frame(self.sock) for _ in range(self.tasks)]
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,131 @@
+"""A split rest (the rest of an epoch as several tasks over groups of partitions, rounds exchanged through the
+driver's hub) gives the one-task rest's replies and state: first with its tasks as threads here (real pickling,
+the real hub; no Spark), then on real PySpark ``local[2]`` in barrier mode."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import threading
+
+import pytest
+
+from charon import InProcessRuntime, Request, serde
+from charon.apps import ycsb
+from charon.config import SparkConfig
+from charon.core.epoch import EpochCoordinator
+from charon.core.routing import partition_of, split_store_key
+from charon.runtime.spark.exchange import SparkExchange
+from charon.state.durable import DurableState
+
+PARTS = 4
+
+
+class ThreadedExchange(SparkExchange):
+    """The Spark exchange with its jobs run here: a gang's tasks in threads at once, as barrier mode starts them."""
+
+    def run_job(self, payloads):  # noqa: ANN001, ANN201
+        self.tasks_seen.append(1)
+        return list(self.fn(payloads))
+
+    def run_gang(self, payloads):  # noqa: ANN001, ANN201
+        self.tasks_seen.append(len(payloads))
+        results: list = [None] * len(payloads)
+        errors: list = []
+
+        def task(i: int) -> None:
+            try:
+                results[i] = list(self.fn([payloads[i]]))[0]
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=task, args=(i,)) for i in range(len(payloads))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        if errors:
+            raise errors[0]
+        return results
+
+
+def _requests(n: int, seed: int, accounts: int) -> list[tuple[int, Request]]:
+    rng = random.Random(seed)
+    return [(0, Request(f"r{seed}-{i}", "account", ycsb.key(rng.randrange(accounts)), "transfer",
+                        serde.encode([ycsb.key(rng.randrange(accounts)), rng.choice([1, 7, 2_000_000])])))
+            for i in range(n)]
+
+
+def _load(cfg: SparkConfig, accounts: int) -> dict[bytes, bytes]:
+    ref = InProcessRuntime(ycsb.app, partitions=PARTS)
+    ref.load("account", ycsb.initial_state(accounts, balance=1_000))
+    before = ref.snapshot()
+    by_pid: dict[int, list] = {}
+    for k, v in before.items():
+        op, key, _ = split_store_key(k)
+        by_pid.setdefault(partition_of(op, key, PARTS), []).append((k, v))
+    durable = DurableState(os.path.join(cfg.checkpoint_dir, "state"))
+    for pid in range(PARTS):
+        durable.write_base(pid, -1, sorted(by_pid.get(pid, [])))
+    return before
+
+
+def _run(tmp, slots: int, chunk: int | None, epochs: int, size: int, accounts: int, **settings):
+    cfg = SparkConfig(data_dir=str(tmp), partitions=PARTS, local_dir=str(tmp / "local"), master="local[2]",
+                      gc_threshold=0, **settings)
+    _load(cfg, accounts)
+    ex = ThreadedExchange(None, "charon.apps.ycsb:app", cfg)
+    ex.slots = slots
+    ex.tasks_seen = []
+    coord = EpochCoordinator(ycsb.app, ex, sequencers=1, chunk=chunk)
+    coord.next_due = math.inf
+    prior = None
+    replies = {}
+    outcomes = []
+    for e in range(epochs):  # every finalize but the last rides in the next epoch's rest
+        res = coord.run_epoch(e, _requests(size, e + 1, accounts), prior=prior, defer=e < epochs - 1)
+        prior = res if res.finalize is not None else None
+        replies.update({r.request_id: (r.ok, r.value, r.error_type, r.position) for r in res.replies.values()})
+        outcomes.append((sorted(res.lockfree), sorted(res.fast), sorted(res.slow), sorted(res.deferred)))
+    state: dict[bytes, bytes] = {}
+    for pid in range(PARTS):
+        state.update(DurableState(os.path.join(cfg.checkpoint_dir, "state")).load(pid, epochs - 1)[0])
+    return ex, replies, outcomes, dict(sorted(state.items()))
+
+
+@pytest.mark.parametrize(("slots", "chunk", "accounts"), [(2, None, 300), (3, 0, 300), (4, None, 40), (2, 0, 40)])
+def test_a_split_rest_equals_one_task(tmp_path, slots: int, chunk: int | None, accounts: int) -> None:
+    """Contended transfers (the fallback runs, some abort) over several epochs with deferred finalizes: the split
+    rest (2..4 tasks) replies and writes exactly what the one-task rest does."""
+    one, r1, o1, s1 = _run(tmp_path / "one", 1, chunk, 3, 400, accounts, split_rest=False)
+    split, r2, o2, s2 = _run(tmp_path / "split", slots, chunk, 3, 400, accounts, split_rest_min_bytes=1)
+    assert set(one.tasks_seen) == {1}
+    assert max(split.tasks_seen) == min(slots, PARTS)
+    assert split.stats["split_rests"] >= 3 and split.stats["hub_rounds"] > 0
+    assert sum(len(o[1]) + len(o[2]) for o in o1) > 10  # the fallback really ran
+    assert r2 == r1
+    assert o2 == o1
+    assert s2 == s1
+
+
+def test_split_rest_groups_cover_every_partition_once() -> None:
+    for parts in range(1, 9):
+        for tasks in range(1, parts + 1):
+            groups = SparkExchange.groups(parts, tasks)
+            assert [p for g in groups for p in g] == list(range(parts))
+            assert all(groups)
+
+
+def test_the_split_threshold(tmp_path) -> None:
+    """One task per split_rest_min_bytes, at most one per core, per partition and split_rest_tasks."""
+    ex = SparkExchange(None, "charon.apps.ycsb:app", SparkConfig(data_dir=str(tmp_path), partitions=PARTS))
+    ex.slots = 2
+    mb = ex.config.split_rest_min_bytes
+    assert [ex.rest_tasks_for(s) for s in (0, mb - 1, 2 * mb - 1, 2 * mb, 100 * mb)] == [1, 1, 1, 2, 2]
+    ex.slots = 8
+    assert ex.rest_tasks_for(100 * mb) == PARTS
+    ex.config.split_rest_tasks = 3
+    assert ex.rest_tasks_for(100 * mb) == 3
+    ex.split_rest = False
+    assert ex.rest_tasks_for(100 * mb) == 1
