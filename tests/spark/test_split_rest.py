@@ -129,3 +129,46 @@ def test_the_split_threshold(tmp_path) -> None:
     assert ex.rest_tasks_for(100 * mb) == 3
     ex.split_rest = False
     assert ex.rest_tasks_for(100 * mb) == 1
+
+
+def _spark_run(spark, tmp, reqs, **settings):
+    from charon.runtime.spark.runtime import SparkRuntime
+
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp), partitions=PARTS, max_batch=1_000, compact_every=3,
+                      truncate_log=False, **settings)
+    rt = SparkRuntime("charon.apps.ycsb:app", cfg, spark=spark)
+    rt.load("account", ycsb.initial_state(2_000, balance=500))
+    initial = rt.snapshot()
+    rt.input_log.append_many(reqs)  # all before the start: the same epochs (max_batch each) in every run
+    rt.start()
+    try:
+        rt.wait_idle(900)
+    finally:
+        rt.stop()
+    return rt, initial
+
+
+@pytest.mark.spark
+def test_split_rest_on_pyspark_equals_one_task_and_in_process(spark, tmp_path) -> None:
+    """On PySpark local[2] (barrier mode, the driver's hub): the split rest's replies and state equal the one-task
+    rest's on the same input, and the in-process runtime's replay of its epochs."""
+    from charon.testing import replay_in_process
+
+    reqs = [Request(f"s{i}", op, k, f, serde.encode(a))
+            for i, (op, k, f, a) in enumerate(ycsb.workload(2_000, 5_000, zipf=0.99, seed=3, max_amount=400))]
+    split, initial = _spark_run(spark, tmp_path / "split", reqs, split_rest_min_bytes=1)
+    one, _ = _spark_run(spark, tmp_path / "one", reqs, split_rest=False)
+    assert sum(s.get("spark_split_rests", 0) > 0 for s in split.epoch_stats) >= 3, "split rests ran"
+    assert not any(s.get("spark_split_rests", 0) for s in one.epoch_stats)
+    key = lambda r: r.request_id  # noqa: E731
+    got, want = sorted(split.replies(), key=key), sorted(one.replies(), key=key)
+    assert len(got) == len(reqs)
+    assert any(not r.ok for r in got), "some transfers aborted"
+    state = split.snapshot()
+    assert state == one.snapshot()
+    ip, results = replay_in_process(ycsb.app, split, initial)
+    assert ip.snapshot() == state
+    by_id = {r.request_id: r for res in results for r in res.replies.values()}
+    assert all(by_id[r.request_id] == r for r in got)
+    assert [s.get("size") for s in split.epoch_stats] == [s.get("size") for s in one.epoch_stats]
+    assert got == want  # the same epochs: the very same replies (TIDs, positions, values)

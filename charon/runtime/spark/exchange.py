@@ -129,6 +129,9 @@ class SparkExchange:
         if tasks > 1:
             return self.rest_split(job, tasks)
         if not self.one_task_rest:
+            # a cluster: a large rest on one executor (every store is there) in one task too, else round by round
+            if self.split_rest and size >= self.config.split_rest_min_bytes and self.gang_slots() == 1:
+                return self.rest_split(job, 1)
             return None
         cache = self.cache if job.epoch == self.epoch else [{} for _ in range(self.partitions)]
         t0 = time.perf_counter()
@@ -151,8 +154,22 @@ class SparkExchange:
         (0: as many as cores), cores and partitions."""
         if not self.split_rest:
             return 1
-        cap = self.config.split_rest_tasks or self.slots
-        return max(1, min(cap, self.slots, self.partitions, size // max(1, self.config.split_rest_min_bytes)))
+        want = min(self.config.split_rest_tasks or self.slots, self.slots, self.partitions,
+                   size // max(1, self.config.split_rest_min_bytes))
+        return max(1, min(want, self.gang_slots())) if want > 1 else 1
+
+    def gang_slots(self) -> int:
+        """Tasks a gang (barrier-mode) job may have now: every one needs a free core at once. Local mode: its
+        cores; a cluster: its registered executors' cores (Spark's default parallelism is at least 2 even on one
+        core, and a barrier job asking more cores than exist waits, then fails)."""
+        if self.sc is None or self.config.master.strip().startswith("local"):
+            return self.slots
+        try:
+            executors = self.sc._jsc.sc().getExecutorMemoryStatus().size() - 1  # the driver's block manager too
+            cores = int(self.sc.getConf().get("spark.executor.cores") or 1)
+        except Exception:  # noqa: BLE001 - an unknown cluster: no gang
+            return 1
+        return max(1, executors * cores)
 
     @staticmethod
     def groups(parts: int, tasks: int) -> list[list[int]]:

@@ -8,8 +8,8 @@ every partition's outputs. Spark's own ``BarrierTaskContext.allGather`` would do
 executor polls the driver once a second); this one costs a local round trip. The job runs in barrier mode, so its
 tasks start together (none waits on a slot a waiting task holds) and a failed task fails them all.
 
-Frames: 4-byte big-endian length, then the bytes. A task's hello: the job's 16-byte token, the stage attempt, its
-index and the job's task count (4 bytes each). Then per round: one frame in, the tasks' frames in task order out.
+Frames: 4-byte big-endian length, then the bytes. A task's hello: the job's 16-byte token, 0 (reserved), its index
+and the job's task count (4 bytes each). Then per round: one frame in, the tasks' frames in task order out.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class _Session:
 
     def __init__(self, tasks: int) -> None:
         self.tasks = tasks
+        self.seated: set[int] = set()
         self.rounds: dict[int, list[bytes | None]] = {}
         self.sent: dict[int, int] = {}
         self.cond = threading.Condition()
@@ -59,7 +60,7 @@ class RoundHub:
 
     def __init__(self, bind: str = "0.0.0.0", advertise: str | None = None) -> None:
         hub = self
-        self.jobs: dict[bytes, dict[int, _Session]] = {}
+        self.jobs: dict[bytes, _Session | None] = {}
         self.lock = threading.Lock()
 
         class Handler(socketserver.BaseRequestHandler):
@@ -92,14 +93,14 @@ class RoundHub:
         """A token for one job: its tasks name it in their hello (anything else is refused)."""
         token = os.urandom(16)
         with self.lock:
-            self.jobs[token] = {}
+            self.jobs[token] = None
         return token
 
     def close(self, token: bytes) -> None:
         """The job is over (or failed): its sessions end, a task still waiting gets a closed connection."""
         with self.lock:
-            sessions = self.jobs.pop(token, {})
-        for s in sessions.values():
+            s = self.jobs.pop(token, None)
+        if s is not None:
             with s.cond:
                 s.closed = True
                 s.cond.notify_all()
@@ -110,16 +111,21 @@ class RoundHub:
 
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        token, attempt, index, tasks = _HELLO.unpack(_recv(sock, _HELLO.size))
+        token, _, index, tasks = _HELLO.unpack(_recv(sock, _HELLO.size))
         with self.lock:
-            sessions = self.jobs.get(token)
-            if sessions is None or not 0 <= index < tasks:
+            if token not in self.jobs or not 0 <= index < tasks:
                 return
-            s = sessions.get(attempt)
-            if s is None:
-                s = sessions[attempt] = _Session(tasks)
-        if s.tasks != tasks:
-            return
+            s = self.jobs[token]
+            if s is None or index in s.seated or s.tasks != tasks:
+                # a task of this index again: the job's stage is retried (barrier mode retries all its tasks),
+                # so the attempt before ends here (its tasks still waiting fail) and a new one starts
+                old, s = s, _Session(tasks)
+                self.jobs[token] = s
+                if old is not None:
+                    with old.cond:
+                        old.closed = True
+                        old.cond.notify_all()
+            s.seated.add(index)
         r = 0
         while True:
             try:
@@ -144,11 +150,11 @@ class RoundHub:
 class HubClient:
     """A task's side: :meth:`gather` sends this task's frame of a round and returns every task's."""
 
-    def __init__(self, address: tuple[str, int], token: bytes, attempt: int, index: int, tasks: int) -> None:
+    def __init__(self, address: tuple[str, int], token: bytes, index: int, tasks: int) -> None:
         self.tasks = tasks
         self.sock = socket.create_connection(address, timeout=WAIT_S)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.sendall(_HELLO.pack(token, attempt, index, tasks))
+        self.sock.sendall(_HELLO.pack(token, 0, index, tasks))
 
     def gather(self, frame: bytes) -> list[bytes]:
         self.sock.sendall(_LEN.pack(len(frame)) + frame)

@@ -149,14 +149,6 @@ REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over e
 SPLIT_REST_TASK = -3  # ... one of the tasks that run it together, each over a group of partitions (a split rest)
 
 
-def _stage_attempt() -> int:
-    """The attempt of this task's stage (a barrier stage is retried whole: its tasks meet again, as a new session)."""
-    from pyspark import TaskContext
-
-    ctx = TaskContext.get()
-    return ctx.stageAttemptNumber() if ctx is not None else 0
-
-
 class _HubExchange:
     """An exchange inside one task of a split rest: a round steps this task's partitions, then every task's
     outputs go round through the driver's :class:`~charon.runtime.spark.hub.RoundHub`, so this task's coordinator
@@ -251,7 +243,7 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
         from charon.runtime.spark.hub import HubClient
 
         address, token, index, tasks = hub_at
-        client = HubClient(address, token, _stage_attempt(), index, tasks)
+        client = HubClient(address, token, index, tasks)
         hub = _HubExchange(dict(zip(pids, units, strict=True)), parts, client)
         try:
             with task_budget(units, function_timeout):
