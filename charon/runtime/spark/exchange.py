@@ -178,10 +178,10 @@ class SparkExchange:
 
     def rest_split(self, job: RestJob, tasks: int) -> RestOutcome:
         """The rest of the epoch as one job of ``tasks`` tasks, each over a group of partitions (:meth:`groups`),
-        started together (barrier mode); after each round they exchange their partitions' outputs through the
-        driver's :class:`~charon.runtime.spark.hub.RoundHub`, so each task's replica of the coordinator takes the
-        same decisions a one-task rest takes. The first task returns the outcome, each its group's scratch and
-        its part of the prior finalize's events (gathered here in partition order, as one task gathers them)."""
+        started together (barrier mode). The first task runs the coordinator (as a one-task rest does); each round
+        it sends the other tasks their partitions' inboxes and takes in their outputs through the driver's
+        :class:`~charon.runtime.spark.hub.RoundHub`. The first task returns the outcome, each its group's scratch
+        and its part of the prior finalize's events (gathered here in partition order, as one task gathers them)."""
         from charon.runtime.spark.hub import RoundHub
 
         if self.hub is None:

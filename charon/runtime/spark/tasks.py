@@ -149,10 +149,10 @@ REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over e
 SPLIT_REST_TASK = -3  # ... one of the tasks that run it together, each over a group of partitions (a split rest)
 
 
-class _HubExchange:
-    """An exchange inside one task of a split rest: a round steps this task's partitions, then every task's
-    outputs go round through the driver's :class:`~charon.runtime.spark.hub.RoundHub`, so this task's coordinator
-    sees every partition's outputs (all of them unpickled: every task's replica sees the same objects)."""
+class _LeaderExchange:
+    """The exchange of a split rest's first task, whose coordinator runs the rest of the epoch: a round sends the
+    other tasks' partitions their inboxes through the driver's :class:`~charon.runtime.spark.hub.RoundHub`, steps
+    this task's partitions meanwhile, then takes in the others' outputs (:func:`_follow` is the other side)."""
 
     def __init__(self, units: dict[int, PartitionUnit], parts: int, client: Any) -> None:
         self.units = units
@@ -160,23 +160,54 @@ class _HubExchange:
         self.client = client
         self.stats = {"hub_s": 0.0, "hub_rounds": 0, "hub_bytes": 0}
 
+    def _gather(self, frame: bytes) -> list[bytes]:
+        t0 = time.perf_counter()
+        frames = self.client.gather(frame)
+        s = self.stats
+        s["hub_s"] += time.perf_counter() - t0
+        s["hub_bytes"] += len(frame) + sum(len(f) for f in frames)
+        return frames
+
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
+        units = self.units
+        theirs = {pid: inbox for pid, inbox in enumerate(inboxes) if pid not in units}
+        self._gather(pickle.dumps(("round", control, theirs), protocol=pickle.HIGHEST_PROTOCOL))
+        outs: list[Any] = [None] * self.partitions
+        for pid, unit in units.items():
+            with unit.store.reading():
+                outs[pid] = unit.step(control, inboxes[pid])
+        for frame in self._gather(b"")[1:]:  # the other tasks' outputs, in task order
+            for pid, out in pickle.loads(frame):
+                outs[pid] = out
+        self.stats["hub_rounds"] += 1
+        return outs
+
+    def done(self, apply: list[int], reset: list[int]) -> None:
+        """The epoch is decided: the other tasks leave their loops with what the finalize applies and resets."""
+        self._gather(pickle.dumps(("done", apply, reset), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _follow(units: dict[int, PartitionUnit], client: Any, stats: dict[str, float]) -> tuple[list[int], list[int]]:
+    """A split rest's other task: step this task's partitions on each round the first task sends, return their
+    outputs to it; returns the epoch's (apply, reset) once it is decided."""
+    while True:
+        t0 = time.perf_counter()
+        frames = client.gather(b"")
+        stats["hub_s"] += time.perf_counter() - t0
+        msg = pickle.loads(frames[0])
+        if msg[0] == "done":
+            return msg[1], msg[2]
+        _, control, inboxes = msg
         mine = []
-        for pid, unit in self.units.items():
+        for pid, unit in units.items():
             with unit.store.reading():
                 mine.append((pid, unit.step(control, inboxes[pid])))
         blob = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
         t0 = time.perf_counter()
-        frames = self.client.gather(blob)
-        s = self.stats
-        s["hub_s"] += time.perf_counter() - t0
-        s["hub_rounds"] += 1
-        s["hub_bytes"] += len(blob)
-        outs: list[Any] = [None] * self.partitions
-        for frame in frames:
-            for pid, out in pickle.loads(frame):
-                outs[pid] = out
-        return outs
+        client.gather(blob)
+        stats["hub_s"] += time.perf_counter() - t0
+        stats["hub_rounds"] += 1
+        stats["hub_bytes"] += len(blob) + len(frames[0])
 
 
 def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
@@ -187,9 +218,10 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
     partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round), the
     partitions' in up to ``finalize_threads`` threads.
 
-    ``split``: this task is one of a split rest's (:meth:`SparkExchange.rest`): it holds only its group of
-    partitions, exchanges each round through the driver's hub and returns its group's scratch and prior events
-    (and the outcome, which every task's coordinator replica decides alike, from the first task only)."""
+    ``split``: this task is one of a split rest's (:meth:`SparkExchange.rest_split`): it holds only its group of
+    partitions; the first task runs the coordinator and exchanges each round with the others through the
+    driver's hub (:class:`_LeaderExchange`, :func:`_follow`). Each returns its group's scratch and prior events,
+    the first also the outcome."""
     from charon.core.epoch import run_rest
     from charon.state.lmdbstore import open_store
 
@@ -244,20 +276,27 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
 
         address, token, index, tasks = hub_at
         client = HubClient(address, token, index, tasks)
-        hub = _HubExchange(dict(zip(pids, units, strict=True)), parts, client)
+        mine = dict(zip(pids, units, strict=True))
+        out = None
         try:
             with task_budget(units, function_timeout):
-                out = run_rest(app, hub, job)
+                if index == 0:  # the coordinator of the rest
+                    hub = _LeaderExchange(mine, parts, client)
+                    out = run_rest(app, hub, job)
+                    hub.done(out.apply, out.reset)
+                    stats = hub.stats
+                    apply, reset = out.apply, out.reset
+                else:
+                    stats = {"hub_s": 0.0, "hub_rounds": 0, "hub_bytes": 0}
+                    apply, reset = _follow(mine, client, stats)
         finally:
             client.close()
         for unit in units:
-            unit.decided(out.apply, out.reset)
-        step_us = int((time.perf_counter() - t1) * 1e6)
-        stats = {"restore_us": int((t1 - t0) * 1e6), "step_us": step_us, **hub.stats}
-        scratches_out = {pid: u.dump_scratch() for pid, u in zip(pids, units, strict=True)}
+            unit.decided(apply, reset)
+        stats = {"restore_us": int((t1 - t0) * 1e6), "step_us": int((time.perf_counter() - t1) * 1e6), **stats}
+        scratches_out = {pid: u.dump_scratch() for pid, u in mine.items()}
         stats["cpu_us"] = int((time.process_time() - c0) * 1e6)
-        return pickle.dumps((out if index == 0 else None, scratches_out, prior_events, prior_due, stats),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps((out, scratches_out, prior_events, prior_due, stats), protocol=pickle.HIGHEST_PROTOCOL)
     with task_budget(units, function_timeout):
         out = run_rest(app, _TaskExchange(units), job)
     for unit in units:  # the epoch is decided: its scratch shrinks to what the finalize writes
