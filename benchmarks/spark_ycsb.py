@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         "cap10k": {"max_batch": 10_000},
         "uncapped": {"max_batch": 20_000},  # the fixed cap before --max-batch
         # issue 24: the rest of an epoch in one task, or split over the cores (every rest, whatever its size)
-        "onetask": {"split_rest": False},
-        "split": {"split_rest_min_bytes": 1},
+        "onetask": {"split_rest": "off"},
+        "split": {"split_rest": "on", "split_rest_min_bytes": 1},
     }
     variants = args.variants.split(",")
     unknown = set(variants) - levers.keys()

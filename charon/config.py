@@ -51,8 +51,10 @@ class SparkConfig:
     rest_max_bytes: int = 32 << 20
     # a rest this large runs as one job of several tasks, each over a group of partitions, rounds exchanged through
     # the driver (SparkExchange.rest_split): a task per split_rest_min_bytes of it, at most split_rest_tasks (0: one
-    # per core), cores and partitions; below, one task (local mode) or a job per round (a cluster)
-    split_rest: bool = True
+    # per core), cores and partitions; below, one task (local mode) or a job per round (a cluster). split_rest:
+    # "cluster" (on a cluster only: in local mode the driver and the JVM share the cores, and one task measured
+    # faster, benchmarks/issue24/spark_scaling.md), "on" (local mode too) or "off"
+    split_rest: str = "cluster"
     split_rest_min_bytes: int = 262_144
     split_rest_tasks: int = 0
     finalize_threads: int = 4  # a one-task rest writes the previous epoch's partitions' deltas in this many threads

@@ -98,8 +98,9 @@ def _run(tmp, slots: int, chunk: int | None, epochs: int, size: int, accounts: i
 def test_a_split_rest_equals_one_task(tmp_path, slots: int, chunk: int | None, accounts: int) -> None:
     """Contended transfers (the fallback runs, some abort) over several epochs with deferred finalizes: the split
     rest (2..4 tasks) replies and writes exactly what the one-task rest does."""
-    one, r1, o1, s1 = _run(tmp_path / "one", 1, chunk, 3, 400, accounts, split_rest=False)
-    split, r2, o2, s2 = _run(tmp_path / "split", slots, chunk, 3, 400, accounts, split_rest_min_bytes=1)
+    one, r1, o1, s1 = _run(tmp_path / "one", 1, chunk, 3, 400, accounts, split_rest="off")
+    split, r2, o2, s2 = _run(tmp_path / "split", slots, chunk, 3, 400, accounts, split_rest="on",
+                             split_rest_min_bytes=1)
     assert set(one.tasks_seen) == {1}
     assert max(split.tasks_seen) == min(slots, PARTS)
     assert split.stats["split_rests"] >= 3 and split.stats["hub_rounds"] > 0
@@ -119,7 +120,8 @@ def test_split_rest_groups_cover_every_partition_once() -> None:
 
 def test_the_split_threshold(tmp_path) -> None:
     """One task per split_rest_min_bytes, at most one per core, per partition and split_rest_tasks."""
-    ex = SparkExchange(None, "charon.apps.ycsb:app", SparkConfig(data_dir=str(tmp_path), partitions=PARTS))
+    ex = SparkExchange(None, "charon.apps.ycsb:app", SparkConfig(data_dir=str(tmp_path), partitions=PARTS,
+                                                                 split_rest="on"))
     ex.slots = 2
     mb = ex.config.split_rest_min_bytes
     assert [ex.rest_tasks_for(s) for s in (0, mb - 1, 2 * mb - 1, 2 * mb, 100 * mb)] == [1, 1, 1, 2, 2]
@@ -129,6 +131,18 @@ def test_the_split_threshold(tmp_path) -> None:
     assert ex.rest_tasks_for(100 * mb) == 3
     ex.split_rest = False
     assert ex.rest_tasks_for(100 * mb) == 1
+
+
+def test_split_rest_by_mode(tmp_path) -> None:
+    """The default: split on a cluster only; "on" in local mode too; "off" nowhere; anything else refused."""
+    def on(master: str, **kw) -> bool:
+        cfg = SparkConfig(data_dir=str(tmp_path), partitions=PARTS, master=master, **kw)
+        return SparkExchange(None, "charon.apps.ycsb:app", cfg).split_rest
+
+    assert [on("local[2]"), on("spark://h:7077"), on("yarn")] == [False, True, True]
+    assert [on("local[2]", split_rest="on"), on("spark://h:7077", split_rest="off")] == [True, False]
+    with pytest.raises(ValueError, match="split_rest"):
+        on("local[2]", split_rest="yes")
 
 
 def _spark_run(spark, tmp, reqs, **settings):
@@ -156,8 +170,8 @@ def test_split_rest_on_pyspark_equals_one_task_and_in_process(spark, tmp_path) -
 
     reqs = [Request(f"s{i}", op, k, f, serde.encode(a))
             for i, (op, k, f, a) in enumerate(ycsb.workload(2_000, 5_000, zipf=0.99, seed=3, max_amount=400))]
-    split, initial = _spark_run(spark, tmp_path / "split", reqs, split_rest_min_bytes=1)
-    one, _ = _spark_run(spark, tmp_path / "one", reqs, split_rest=False)
+    split, initial = _spark_run(spark, tmp_path / "split", reqs, split_rest="on", split_rest_min_bytes=1)
+    one, _ = _spark_run(spark, tmp_path / "one", reqs, split_rest="off")
     assert sum(s.get("spark_split_rests", 0) > 0 for s in split.epoch_stats) >= 3, "split rests ran"
     assert not any(s.get("spark_split_rests", 0) for s in one.epoch_stats)
     key = lambda r: r.request_id  # noqa: E731

@@ -42,7 +42,9 @@ class SparkExchange:
         self.one_task_rest = config.single_task_rest and local
         # A large rest as several tasks of one job, each over a group of partitions (rounds exchanged through the
         # driver's hub): on a cluster too, as each task restores only its own partitions' stores.
-        self.split_rest = config.split_rest
+        if config.split_rest not in ("on", "off", "cluster"):
+            raise ValueError(f"split_rest must be 'on', 'off' or 'cluster', not {config.split_rest!r}")
+        self.split_rest = config.split_rest == "on" or (config.split_rest == "cluster" and not local)
         self.hub: Any = None  # the RoundHub, made with the first split rest
         if not (config.single_task_fallback and local):
             self.fallback = None  # type: ignore[assignment]  # the coordinator then runs it round by round
