@@ -181,9 +181,10 @@ class SparkExchange:
     def rest_split(self, job: RestJob, tasks: int) -> RestOutcome:
         """The rest of the epoch as one job of ``tasks`` tasks, each over a group of partitions (:meth:`groups`),
         started together (barrier mode). The first task runs the coordinator (as a one-task rest does); each round
-        it sends the other tasks their partitions' inboxes and takes in their outputs through the driver's
-        :class:`~charon.runtime.spark.hub.RoundHub`. The first task returns the outcome, each its group's scratch
-        and its part of the prior finalize's events (gathered here in partition order, as one task gathers them)."""
+        it sends the other tasks their partitions' inboxes and takes in their outputs, over direct connections
+        the tasks set up through the driver's :class:`~charon.runtime.spark.hub.RoundHub`. The first task returns
+        the outcome, each its group's scratch and its part of the prior finalize's events (gathered here in
+        partition order, as one task gathers them)."""
         from charon.runtime.spark.hub import RoundHub
 
         if self.hub is None:
@@ -193,10 +194,11 @@ class SparkExchange:
         t0 = time.perf_counter()
         job_blob = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
         token = self.hub.open()
+        groups = self.groups(self.partitions, tasks)
         payloads = [(SPLIT_REST_TASK, pickle.dumps((job_blob, g, {p: scratch[p] for p in g}, {p: cache[p] for p in g},
-                                                    (self.hub.address(), token, i, tasks)),
+                                                    (self.hub.address(), token, i, groups)),
                                                    protocol=pickle.HIGHEST_PROTOCOL))
-                    for i, g in enumerate(self.groups(self.partitions, tasks))]
+                    for i, g in enumerate(groups)]
         t1 = time.perf_counter()
         try:
             results = self.run_gang(payloads)

@@ -1,12 +1,12 @@
 """Rounds exchanged between the tasks of one Spark job: :class:`RoundHub` in the driver, :class:`HubClient` in
-each task.
+each task, :class:`PeerLinks` between the tasks.
 
-The rest of a large epoch runs as one job of several tasks, each over a group of partitions, every task with a
-replica of the coordinator (the same code on the same outputs takes the same decisions). After each round a
-task sends its partitions' outputs to the hub and gets every task's back (an all-gather), so its coordinator sees
-every partition's outputs. Spark's own ``BarrierTaskContext.allGather`` would do, but costs ~1 s per call (the
-executor polls the driver once a second); this one costs a local round trip. The job runs in barrier mode, so its
-tasks start together (none waits on a slot a waiting task holds) and a failed task fails them all.
+The rest of a large epoch runs as one job of several tasks, each over a group of partitions; the first task runs
+the coordinator, and each round it sends the others their partitions' inboxes and takes in their outputs. The tasks
+meet at the hub (an all-gather: each sends a frame, each gets every task's back) to learn where the first one
+listens, then talk directly. Spark's own ``BarrierTaskContext.allGather`` would do for the meeting, but costs ~1 s per
+call (the executor polls the driver once a second). The job runs in barrier mode, so its tasks start together (none
+waits on a slot a waiting task holds) and a failed task fails them all.
 
 Frames: 4-byte big-endian length, then the bytes. A task's hello: the job's 16-byte token, 0 (reserved), its index
 and the job's task count (4 bytes each). Then per round: one frame in, the tasks' frames in task order out.
@@ -162,3 +162,54 @@ class HubClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class PeerLinks:
+    """Task-to-task links of one split rest, met through the hub once: the first task listens, the others connect
+    to it directly, so a round costs one round trip between two tasks and nothing of the driver.
+
+    :meth:`lead` (the first task) and :meth:`follow` (the others) return the links; the first task then sends a
+    frame to each other task and receives theirs (:meth:`send`, :meth:`recv`), the others the same with the first."""
+
+    def __init__(self, socks: dict[int, socket.socket]) -> None:
+        self.socks = socks
+
+    @classmethod
+    def lead(cls, client: HubClient, token: bytes) -> PeerLinks:
+        host = os.environ.get("SPARK_LOCAL_IP") or socket.gethostbyname(socket.gethostname())
+        listener = socket.create_server(("", 0))
+        try:
+            listener.settimeout(WAIT_S)
+            client.gather(f"{host} {listener.getsockname()[1]}".encode())
+            socks: dict[int, socket.socket] = {}
+            while len(socks) < client.tasks - 1:
+                sock, _ = listener.accept()
+                sock.settimeout(WAIT_S)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                hello = _recv(sock, 20)
+                index = int.from_bytes(hello[16:], "big")
+                if hello[:16] != token or not 0 < index < client.tasks or index in socks:
+                    sock.close()  # not one of this job's tasks
+                    continue
+                socks[index] = sock
+        finally:
+            listener.close()
+        return cls(socks)
+
+    @classmethod
+    def follow(cls, client: HubClient, token: bytes, index: int) -> PeerLinks:
+        host, port = client.gather(b"")[0].decode().split()
+        sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(token + index.to_bytes(4, "big"))
+        return cls({0: sock})
+
+    def send(self, to: int, frame: bytes) -> None:
+        self.socks[to].sendall(_LEN.pack(len(frame)) + frame)
+
+    def recv(self, frm: int) -> bytes:
+        return _recv_frame(self.socks[frm])
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close()

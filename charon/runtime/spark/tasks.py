@@ -150,51 +150,53 @@ SPLIT_REST_TASK = -3  # ... one of the tasks that run it together, each over a g
 
 
 class _LeaderExchange:
-    """The exchange of a split rest's first task, whose coordinator runs the rest of the epoch: a round sends the
-    other tasks' partitions their inboxes through the driver's :class:`~charon.runtime.spark.hub.RoundHub`, steps
-    this task's partitions meanwhile, then takes in the others' outputs (:func:`_follow` is the other side)."""
+    """The exchange of a split rest's first task, whose coordinator runs the rest of the epoch: a round sends each
+    other task its partitions' inboxes (:class:`~charon.runtime.spark.hub.PeerLinks`), steps this task's
+    partitions meanwhile, then takes in the others' outputs (:func:`_follow` is the other side)."""
 
-    def __init__(self, units: dict[int, PartitionUnit], parts: int, client: Any) -> None:
+    def __init__(self, units: dict[int, PartitionUnit], parts: int, links: Any, groups: list[list[int]]) -> None:
         self.units = units
         self.partitions = parts
-        self.client = client
+        self.links = links
+        self.groups = groups  # each task's partitions, in task order (this task's first)
         self.stats = {"hub_s": 0.0, "hub_rounds": 0, "hub_bytes": 0}
 
-    def _gather(self, frame: bytes) -> list[bytes]:
-        t0 = time.perf_counter()
-        frames = self.client.gather(frame)
-        s = self.stats
-        s["hub_s"] += time.perf_counter() - t0
-        s["hub_bytes"] += len(frame) + sum(len(f) for f in frames)
-        return frames
-
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
-        units = self.units
-        theirs = {pid: inbox for pid, inbox in enumerate(inboxes) if pid not in units}
-        self._gather(pickle.dumps(("round", control, theirs), protocol=pickle.HIGHEST_PROTOCOL))
+        s = self.stats
+        for i, group in enumerate(self.groups[1:], 1):
+            frame = pickle.dumps(("round", control, {pid: inboxes[pid] for pid in group}),
+                                 protocol=pickle.HIGHEST_PROTOCOL)
+            self.links.send(i, frame)
+            s["hub_bytes"] += len(frame)
         outs: list[Any] = [None] * self.partitions
-        for pid, unit in units.items():
+        for pid, unit in self.units.items():
             with unit.store.reading():
                 outs[pid] = unit.step(control, inboxes[pid])
-        for frame in self._gather(b"")[1:]:  # the other tasks' outputs, in task order
+        t0 = time.perf_counter()
+        for i in range(1, len(self.groups)):  # the other tasks' outputs
+            frame = self.links.recv(i)
+            s["hub_bytes"] += len(frame)
             for pid, out in pickle.loads(frame):
                 outs[pid] = out
-        self.stats["hub_rounds"] += 1
+        s["hub_s"] += time.perf_counter() - t0
+        s["hub_rounds"] += 1
         return outs
 
     def done(self, apply: list[int], reset: list[int]) -> None:
         """The epoch is decided: the other tasks leave their loops with what the finalize applies and resets."""
-        self._gather(pickle.dumps(("done", apply, reset), protocol=pickle.HIGHEST_PROTOCOL))
+        frame = pickle.dumps(("done", apply, reset), protocol=pickle.HIGHEST_PROTOCOL)
+        for i in range(1, len(self.groups)):
+            self.links.send(i, frame)
 
 
-def _follow(units: dict[int, PartitionUnit], client: Any, stats: dict[str, float]) -> tuple[list[int], list[int]]:
+def _follow(units: dict[int, PartitionUnit], links: Any, stats: dict[str, float]) -> tuple[list[int], list[int]]:
     """A split rest's other task: step this task's partitions on each round the first task sends, return their
     outputs to it; returns the epoch's (apply, reset) once it is decided."""
     while True:
         t0 = time.perf_counter()
-        frames = client.gather(b"")
+        frame = links.recv(0)
         stats["hub_s"] += time.perf_counter() - t0
-        msg = pickle.loads(frames[0])
+        msg = pickle.loads(frame)
         if msg[0] == "done":
             return msg[1], msg[2]
         _, control, inboxes = msg
@@ -203,11 +205,9 @@ def _follow(units: dict[int, PartitionUnit], client: Any, stats: dict[str, float
             with unit.store.reading():
                 mine.append((pid, unit.step(control, inboxes[pid])))
         blob = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
-        t0 = time.perf_counter()
-        client.gather(blob)
-        stats["hub_s"] += time.perf_counter() - t0
+        links.send(0, blob)
         stats["hub_rounds"] += 1
-        stats["hub_bytes"] += len(blob) + len(frames[0])
+        stats["hub_bytes"] += len(blob) + len(frame)
 
 
 def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
@@ -272,25 +272,30 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
         unit.load_cache(caches[pid])
     t1 = time.perf_counter()
     if hub_at is not None:
-        from charon.runtime.spark.hub import HubClient
+        from charon.runtime.spark.hub import HubClient, PeerLinks
 
-        address, token, index, tasks = hub_at
-        client = HubClient(address, token, index, tasks)
+        address, token, index, groups = hub_at
+        client = HubClient(address, token, index, len(groups))
         mine = dict(zip(pids, units, strict=True))
         out = None
+        links = None
         try:
+            links = PeerLinks.lead(client, token) if index == 0 else PeerLinks.follow(client, token, index)
+            client.close()  # met: the rounds go task to task
             with task_budget(units, function_timeout):
                 if index == 0:  # the coordinator of the rest
-                    hub = _LeaderExchange(mine, parts, client)
+                    hub = _LeaderExchange(mine, parts, links, groups)
                     out = run_rest(app, hub, job)
                     hub.done(out.apply, out.reset)
                     stats = hub.stats
                     apply, reset = out.apply, out.reset
                 else:
                     stats = {"hub_s": 0.0, "hub_rounds": 0, "hub_bytes": 0}
-                    apply, reset = _follow(mine, client, stats)
+                    apply, reset = _follow(mine, links, stats)
         finally:
             client.close()
+            if links is not None:
+                links.close()
         for unit in units:
             unit.decided(apply, reset)
         stats = {"restore_us": int((t1 - t0) * 1e6), "step_us": int((time.perf_counter() - t1) * 1e6), **stats}
