@@ -19,7 +19,10 @@ import socket
 import socketserver
 import struct
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
 
 _LEN = struct.Struct(">I")
 _HELLO = struct.Struct(">16sIII")
@@ -78,7 +81,7 @@ class RoundHub:
         self.thread.start()
 
     @classmethod
-    def for_spark(cls, sc: Any) -> RoundHub:
+    def for_spark(cls, sc: SparkContext) -> RoundHub:
         """A hub the executors of ``sc`` reach: on the driver's address (``spark.driver.host``), bound where the
         driver binds (``spark.driver.bindAddress``)."""
         conf = sc.getConf()
@@ -136,10 +139,13 @@ class RoundHub:
                 slot = s.rounds.setdefault(r, [None] * tasks)
                 slot[index] = frame
                 s.cond.notify_all()
-                full = s.cond.wait_for(lambda slot=slot: s.closed or all(x is not None for x in slot), WAIT_S)
+                def ready(slot: list[bytes | None] = slot) -> bool:
+                    return s.closed or all(x is not None for x in slot)
+
+                full = s.cond.wait_for(ready, WAIT_S)
                 if not full or s.closed:
                     return
-                frames: list[bytes] = slot  # type: ignore[assignment]  # every task's, in task order
+                frames = [f for f in slot if f is not None]  # every task's, in task order
                 s.sent[r] = s.sent.get(r, 0) + 1
                 if s.sent[r] == tasks:  # every task has its copy
                     del s.rounds[r], s.sent[r]

@@ -7,16 +7,19 @@ import math
 import pickle
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from charon.core import determinism
-from charon.core.partition import Control, PartitionUnit, RoundOutput
+from charon.core.partition import Control, Invoke, PartitionUnit, Reply, RoundOutput
 from charon.core.routing import partition_of, store_key
 from charon.runtime.quarantine import probing
 from charon.runtime.spark.layout import local_root
 from charon.runtime.spark.session import load_app
 from charon.runtime.watchdog import task_budget
 from charon.state.durable import DurableState
+
+if TYPE_CHECKING:
+    from charon.runtime.spark.hub import PeerLinks
 
 
 def tune_worker_gc(threshold: int) -> None:
@@ -154,21 +157,22 @@ class _LeaderExchange:
     other task its partitions' inboxes (:class:`~charon.runtime.spark.hub.PeerLinks`), steps this task's
     partitions meanwhile, then takes in the others' outputs (:func:`_follow` is the other side)."""
 
-    def __init__(self, units: dict[int, PartitionUnit], parts: int, links: Any, groups: list[list[int]]) -> None:
+    def __init__(self, units: dict[int, PartitionUnit], parts: int, links: PeerLinks, groups: list[list[int]],
+                 ) -> None:
         self.units = units
         self.partitions = parts
         self.links = links
         self.groups = groups  # each task's partitions, in task order (this task's first)
         self.stats = {"hub_s": 0.0, "hub_rounds": 0, "hub_bytes": 0}
 
-    def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
+    def round(self, control: Control, inboxes: list[list[Invoke | Reply]]) -> list[RoundOutput]:
         s = self.stats
         for i, group in enumerate(self.groups[1:], 1):
             frame = pickle.dumps(("round", control, {pid: inboxes[pid] for pid in group}),
                                  protocol=pickle.HIGHEST_PROTOCOL)
             self.links.send(i, frame)
             s["hub_bytes"] += len(frame)
-        outs: list[Any] = [None] * self.partitions
+        outs: list[RoundOutput] = [RoundOutput()] * self.partitions  # each filled below
         for pid, unit in self.units.items():
             with unit.store.reading():
                 outs[pid] = unit.step(control, inboxes[pid])
@@ -189,7 +193,7 @@ class _LeaderExchange:
             self.links.send(i, frame)
 
 
-def _follow(units: dict[int, PartitionUnit], links: Any, stats: dict[str, float]) -> tuple[list[int], list[int]]:
+def _follow(units: dict[int, PartitionUnit], links: PeerLinks, stats: dict[str, float]) -> tuple[list[int], list[int]]:
     """A split rest's other task: step this task's partitions on each round the first task sends, return their
     outputs to it; returns the epoch's (apply, reset) once it is decided."""
     while True:
@@ -310,9 +314,9 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
     out.next_due = min(out.next_due, prior_due)
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
     out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
-    scratches_out = [u.dump_scratch() for u in units]
+    all_scratch = [u.dump_scratch() for u in units]
     out.stats["cpu_us"] = int((time.process_time() - c0) * 1e6)
-    return pickle.dumps((out, scratches_out), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps((out, all_scratch), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def read_entities(
