@@ -10,6 +10,8 @@ import random
 import threading
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from charon import InProcessRuntime, Request, serde
 from charon.apps import ycsb
@@ -186,3 +188,64 @@ def test_split_rest_on_pyspark_equals_one_task_and_in_process(spark, tmp_path) -
     assert all(by_id[r.request_id] == r for r in got)
     assert [s.get("size") for s in split.epoch_stats] == [s.get("size") for s in one.epoch_stats]
     assert got == want  # the same epochs: the very same replies (TIDs, positions, values)
+
+
+def _differential_module():
+    """tests/core/test_engine_differential.py's generated transactions (review3_app: calls, sends, concurrent
+    branches, errors of every kind, items) and its request builder."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "core" / "test_engine_differential.py"
+    spec = importlib.util.spec_from_file_location("_split_differential", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_DIFF = _differential_module()
+
+
+@settings(max_examples=max(_DIFF.EXAMPLES // 5, 10), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(epochs=st.lists(st.lists(_DIFF.transactions(), min_size=1, max_size=15), min_size=1, max_size=3),
+       parts=st.sampled_from([2, 3]), tasks=st.sampled_from([2, 3]), live=st.booleans(),
+       chunk=st.sampled_from(_DIFF.CHUNKS))
+def test_split_rest_equals_inprocess(epochs, parts, tasks, live, chunk, monkeypatch, tmp_path_factory) -> None:
+    """Generated transactions through split rests (every rest split, its tasks in threads, finalizes deferred into
+    the next epoch's rest): the in-process runtime's replies, commit paths and state."""
+    from epochcmp import assert_same_outcome
+    from review3_app import app
+
+    from charon.core import partition
+
+    monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", live)
+    tmp = str(tmp_path_factory.mktemp("split"))
+    cfg = SparkConfig(data_dir=tmp, partitions=parts, local_dir=os.path.join(tmp, "local"), master="local[3]",
+                      split_rest="on", split_rest_min_bytes=1)
+    durable = DurableState(os.path.join(cfg.checkpoint_dir, "state"))
+    for pid in range(parts):
+        durable.write_base(pid, -1, [])
+    ex = ThreadedExchange(None, "review3_app:app", cfg)
+    ex.slots = tasks
+    ex.tasks_seen = []
+    coord = EpochCoordinator(app, ex, sequencers=1)
+    coord.next_due = math.inf
+    reference = InProcessRuntime(app, partitions=parts)
+    if chunk is not None:
+        coord.chunk = reference.coordinator.chunk = chunk
+    n = 0
+    prior = None
+    batches = epochs + [[]] * 2
+    for epoch, batch in enumerate(batches):
+        reqs = _DIFF._requests(batch, n)
+        n += len(batch)
+        got = coord.run_epoch(epoch, [(0, r) for r in reqs], prior=prior, defer=epoch < len(batches) - 1)
+        prior = got if got.finalize is not None else None
+        assert_same_outcome(got, reference.run_epoch(reqs))
+    assert max(ex.tasks_seen) == min(tasks, parts)
+    state: dict[bytes, bytes] = {}
+    for pid in range(parts):
+        state.update(durable.load(pid, len(batches) - 1)[0])
+    assert dict(sorted(state.items())) == reference.snapshot()
