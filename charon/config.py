@@ -49,9 +49,10 @@ class SparkConfig:
     # ... "small": its messages and scratch under this many bytes (local mode: one job of one task beats a
     # job of two tasks per round on few cores, and conflicts make the rounds' payloads grow with the epoch)
     rest_max_bytes: int = 32 << 20
-    # a rest this large runs as one job of several tasks, each over a group of partitions, rounds exchanged through
-    # the driver (SparkExchange.rest_split): a task per split_rest_min_bytes of it, at most split_rest_tasks (0: one
-    # per core), cores and partitions; below, one task (local mode) or a job per round (a cluster). split_rest:
+    # an epoch's rest as one job of several tasks, each over a group of partitions, rounds exchanged between the
+    # tasks (SparkExchange.rest_split): on a cluster every rest over all executor cores (else a job per round); in
+    # local mode a task per split_rest_min_bytes of it (else one task); at most split_rest_tasks (0: one per core)
+    # and the partitions. split_rest:
     # "cluster" (on a cluster only: in local mode the driver and the JVM share the cores, and one task measured
     # faster, benchmarks/issue24/spark_scaling.md), "on" (local mode too) or "off"
     split_rest: str = "cluster"

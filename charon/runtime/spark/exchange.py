@@ -120,21 +120,25 @@ class SparkExchange:
         PySpark whatever it carries, ~70 ms with two tasks) as long as a core is not idle meanwhile.
 
         A rest large enough to pay for more tasks (``split_rest``: a task per ``split_rest_min_bytes``, at most
-        one per core and per partition) runs as one job of that many tasks instead (:meth:`rest_split`)."""
+        one per core and per partition) runs as one job of that many tasks instead (:meth:`rest_split`); on a
+        cluster (no one-task rest there) every rest does, over all the executors' cores."""
         if not (self.one_task_rest or self.split_rest):
             return None
         scratch = self.scratch
         size = len(job.roots) * 160 + sum(len(x) for x in scratch if x)
         if size >= self.config.rest_max_bytes:
             return None
+        if not self.one_task_rest:
+            # a cluster: the rest as one gang over the executors' cores (each task over its group of partitions;
+            # one executor: one task, every store is there) instead of a Spark job per round, whatever its size: a
+            # round between tasks costs a round trip, a job ~40 ms
+            if not self.split_rest:
+                return None
+            return self.rest_split(job, max(1, min(self.config.split_rest_tasks or self.partitions, self.partitions,
+                                                   self.gang_slots())))
         tasks = self.rest_tasks_for(size)
         if tasks > 1:
             return self.rest_split(job, tasks)
-        if not self.one_task_rest:
-            # a cluster: a large rest on one executor (every store is there) in one task too, else round by round
-            if self.split_rest and size >= self.config.split_rest_min_bytes and self.gang_slots() == 1:
-                return self.rest_split(job, 1)
-            return None
         cache = self.cache if job.epoch == self.epoch else [{} for _ in range(self.partitions)]
         t0 = time.perf_counter()
         payload = pickle.dumps((job, scratch, cache), protocol=pickle.HIGHEST_PROTOCOL)
@@ -151,9 +155,9 @@ class SparkExchange:
         return out
 
     def rest_tasks_for(self, size: int) -> int:
-        """How many tasks a rest of ``size`` bytes (its estimate in :meth:`rest`) gets: 1 (one task, or the
-        rounds' own jobs) unless ``split_rest``; else one per ``split_rest_min_bytes``, at most ``split_rest_tasks``
-        (0: as many as cores), cores and partitions."""
+        """How many tasks a rest of ``size`` bytes (its estimate in :meth:`rest`) gets in local mode: 1 (one task)
+        unless ``split_rest``; else one per ``split_rest_min_bytes``, at most ``split_rest_tasks`` (0: as many as
+        cores), cores and partitions. (On a cluster a split rest takes every executor core: see :meth:`rest`.)"""
         if not self.split_rest:
             return 1
         want = min(self.config.split_rest_tasks or self.slots, self.slots, self.partitions,
