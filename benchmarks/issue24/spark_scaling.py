@@ -47,9 +47,18 @@ def fit(rows: list[dict]) -> dict:
         raise ValueError("the fit needs at least three rows (two core counts, two sizes)")
     a = np.array([[1.0, r["size"], r["size"] / r["cores"]] for r in pts])
     y = np.array([r["cycle_ms"] for r in pts])
-    (f, s, p), *_ = np.linalg.lstsq(a, y, rcond=None)
-    rms = float(np.sqrt(np.mean((a @ np.array([f, s, p]) - y) ** 2)))
-    return {"F_ms": float(f), "s_us": float(s) * 1000, "p_us": float(p) * 1000, "rows": len(pts), "rms_ms": rms}
+    keep = [0, 1, 2]
+    while True:  # no cost is negative: a coefficient the noise drives below 0 is fixed at 0, the others refitted
+        coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if all(c >= 0 for c in coef) or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    full = np.zeros(3)
+    full[keep] = coef
+    f, s, p = (float(x) for x in full)
+    rms = float(np.sqrt(np.mean((a @ full - y) ** 2)))
+    return {"F_ms": f, "s_us": s * 1000, "p_us": p * 1000, "rows": len(pts), "rms_ms": rms,
+            "fixed_at_zero": [name for i, name in enumerate(("F_ms", "s_us", "p_us")) if i not in keep]}
 
 
 def predict(model: dict, cores: int, size: int) -> dict:
