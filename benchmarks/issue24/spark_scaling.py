@@ -144,7 +144,7 @@ def run_row(master: str, spark_conf: dict, cores: int, size: int, epochs: int, s
         "cores": cores, "size": size, "epochs_timed": len(timed), "tps": done / span if span == span else None,
         "cycle_ms": statistics.median(cycles) if cycles else None,
         "epoch_ms": mean("duration_ms"), "jobs_per_epoch": mean("spark_jobs"),
-        "split_rests": stats[-1].get("spark_split_rests", 0) - stats[0].get("spark_split_rests", 0) if stats else 0,
+        "split_rests": sum(s.get("spark_split_rests", 0) for s in stats), "tasks_per_epoch": mean("spark_tasks"),
         "driver_thread_cpu_ms": mean("driver_cpu_s", 1000), "task_cpu_ms": mean("spark_task_cpu_s", 1000),
         "hub_ms": mean("spark_hub_s", 1000), "conflicts": mean("conflicts"),
         "cpu_us_per_tx": {k: v / n_req * 1e6 for k, v in split.items()},
@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     print(f"[scaling] {a.mode} cores {k} epoch {size}: {row['tps'] or 0:,.0f} tx/s, cycle "
                           f"{row['cycle_ms'] or 0:.0f} ms, epoch {row['epoch_ms']:.0f} ms, {row['jobs_per_epoch']:.1f} "
-                          f"jobs, split rests {row['split_rests']}, load {row['load_before']:.1f} -> "
+                          f"jobs, {row['tasks_per_epoch']:.1f} tasks, split rests {row['split_rests']}, "
+                          f"load {row['load_before']:.1f} -> "
                           f"{row['load_after']:.1f}", flush=True)
     finally:
         if cluster is not None:
