@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 import threading
 
 import pytest
@@ -80,6 +81,7 @@ def _run(tmp, slots: int, chunk: int | None, epochs: int, size: int, accounts: i
     ex = ThreadedExchange(None, "charon.apps.ycsb:app", cfg)
     ex.slots = slots
     ex.tasks_seen = []
+    ex.retries = 0
     coord = EpochCoordinator(ycsb.app, ex, sequencers=1, chunk=chunk)
     coord.next_due = math.inf
     prior = None
@@ -249,3 +251,38 @@ def test_split_rest_equals_inprocess(epochs, parts, tasks, live, chunk, monkeypa
     for pid in range(parts):
         state.update(durable.load(pid, len(batches) - 1)[0])
     assert dict(sorted(state.items())) == reference.snapshot()
+
+
+class RetryingExchange(ThreadedExchange):
+    """A gang that fails is run again whole with the same payloads, as Spark retries a barrier stage."""
+
+    def run_gang(self, payloads):  # noqa: ANN001, ANN201
+        try:
+            return super().run_gang(payloads)
+        except ConnectionError:
+            self.retries += 1
+            return super().run_gang(payloads)
+
+
+def test_a_gang_that_loses_a_task_is_retried_whole_with_the_same_outcome(tmp_path, monkeypatch) -> None:
+    """A task of a split rest dies after the previous epoch's finalize ran in it (its partitions' deltas written):
+    the first task's link to it breaks, the gang fails and runs again whole under the same token (the tasks meet
+    again at the hub); replies and state equal the one-task rest's."""
+    from charon.runtime.spark import tasks
+
+    follow = tasks._follow
+    calls = {"n": 0}
+
+    def flaky(units, links, stats):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second epoch (its rest carries the first one's finalize)
+            raise ConnectionError("the task's worker died")
+        return follow(units, links, stats)
+
+    one, r1, o1, s1 = _run(tmp_path / "one", 1, None, 3, 400, 300, split_rest="off")
+    monkeypatch.setattr(tasks, "_follow", flaky)
+    cfg_kw = {"split_rest": "on", "split_rest_min_bytes": 1}
+    monkeypatch.setattr(sys.modules[__name__], "ThreadedExchange", RetryingExchange)
+    split, r2, o2, s2 = _run(tmp_path / "split", 2, None, 3, 400, 300, **cfg_kw)
+    assert split.retries == 1
+    assert (r2, o2, s2) == (r1, o1, s1)
