@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         # issue 24: the rest of an epoch in one task, or split over the cores (every rest, whatever its size)
         "onetask": {"split_rest": "off"},
         "split": {"split_rest": "on", "split_rest_min_bytes": 1},
+        "splitlarge": {"split_rest": "on"},  # split only a rest of >= 2 x split_rest_min_bytes (the "on" setting)
     }
     variants = args.variants.split(",")
     unknown = set(variants) - levers.keys()
