@@ -232,6 +232,9 @@ def breakdown(epochs: list[dict]) -> dict:
         "driver_read_cpu_ms": mean("driver_read_cpu_s"),
         "driver_deliver_cpu_ms": mean("driver_deliver_cpu_s"),
         "driver_ser_ms": mean("spark_ser_s"),
+        "split_rests_per_epoch": mean("spark_split_rests", 1.0),
+        "hub_rounds_per_epoch": mean("spark_hub_rounds", 1.0),
+        "hub_wait_ms": mean("spark_hub_s"),  # summed over a split rest's tasks (waits for the others included)
         "size": mean("size", 1.0),
     }
 
@@ -279,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         "cap5k": {"max_batch": 5000},
         "cap10k": {"max_batch": 10_000},
         "uncapped": {"max_batch": 20_000},  # the fixed cap before --max-batch
+        # issue 24: the rest of an epoch in one task, or split over the cores (every rest, whatever its size)
+        "onetask": {"split_rest": "off"},
+        "split": {"split_rest": "on", "split_rest_min_bytes": 1},
+        "splitlarge": {"split_rest": "on"},  # split only a rest of >= 2 x split_rest_min_bytes (the "on" setting)
     }
     variants = args.variants.split(",")
     unknown = set(variants) - levers.keys()
@@ -341,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                         "load_average": os.getloadavg()[0],
                         "settings": {k: getattr(cfg, k) for k in ("pipeline_finalize", "single_task_fallback",
                                                                    "single_task_rest", "task_min_bytes",
-                                                                   "rest_max_bytes", "gc_threshold",
+                                                                   "rest_max_bytes", "gc_threshold", "split_rest",
+                                                                   "split_rest_min_bytes",
                                                                    "finalize_threads", "max_batch",
                                                                    "partitions")}})
             results.append(res)

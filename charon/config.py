@@ -49,6 +49,15 @@ class SparkConfig:
     # ... "small": its messages and scratch under this many bytes (local mode: one job of one task beats a
     # job of two tasks per round on few cores, and conflicts make the rounds' payloads grow with the epoch)
     rest_max_bytes: int = 32 << 20
+    # an epoch's rest as one job of several tasks, each over a group of partitions, rounds exchanged between the
+    # tasks (SparkExchange.rest_split): on a cluster every rest over all executor cores (else a job per round); in
+    # local mode a task per split_rest_min_bytes of it (else one task); at most split_rest_tasks (0: one per core)
+    # and the partitions. split_rest:
+    # "cluster" (on a cluster only: in local mode the driver and the JVM share the cores, and one task measured
+    # faster, benchmarks/issue24/spark_scaling.md), "on" (local mode too) or "off"
+    split_rest: str = "cluster"
+    split_rest_min_bytes: int = 262_144
+    split_rest_tasks: int = 0
     finalize_threads: int = 4  # a one-task rest writes the previous epoch's partitions' deltas in this many threads
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task
     pipeline_finalize: bool = True  # under load, an epoch's finalize rides in the next epoch's first round

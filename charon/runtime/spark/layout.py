@@ -50,9 +50,12 @@ def record_path(checkpoint: str, epoch: int) -> str:
 
 def chunk_for(config: SparkConfig) -> int:
     """Transactions per chunk of an epoch (:data:`charon.core.epoch.EPOCH_CHUNK`) where the rest of an epoch
-    runs as one task (``single_task_rest`` in local mode); 0 (whole epochs) where each round is a Spark job of
-    its own, as chunks would multiply the rounds (``benchmarks/chunk_rounds_cluster.py``)."""
-    return EPOCH_CHUNK if config.single_task_rest and config.master.strip().startswith("local") else 0
+    runs in one job (``single_task_rest`` in local mode; a split rest, ``split_rest`` on a cluster), where a
+    round costs little; 0 (whole epochs) where each round is a Spark job of its own, as chunks would multiply the
+    rounds (``benchmarks/chunk_rounds_cluster.py``)."""
+    local = config.master.strip().startswith("local")
+    one_job = config.single_task_rest if local else config.split_rest in ("on", "cluster")
+    return EPOCH_CHUNK if one_job else 0
 
 
 def read_layout(checkpoint: str) -> Layout | None:

@@ -157,6 +157,11 @@ def make_session(config: SparkConfig) -> Any:
         "spark.sql.ui.retainedExecutions": "20",
         "spark.sql.streaming.numRecentProgressUpdates": "20",
         "spark.cleaner.periodicGC.interval": "5min",
+        # A split rest's gang (barrier mode) asks for as many cores as it has tasks; when an executor was lost in
+        # between, Spark re-checks every 15 s, 40 times, before failing the job: fail within seconds instead, so
+        # the epoch's rerun sizes its gang by the cores left (SparkExchange.gang_slots)
+        "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
+        "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "3",
         # Spark's own query checkpoint keeps this many batches (offsets/commits files) and no more
         "spark.sql.streaming.minBatchesToRetain": str(config.checkpoint_batches),
         **config.spark_conf,

@@ -7,16 +7,19 @@ import math
 import pickle
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from charon.core import determinism
-from charon.core.partition import Control, PartitionUnit, RoundOutput
+from charon.core.partition import Control, Invoke, PartitionUnit, Reply, RoundOutput
 from charon.core.routing import partition_of, store_key
 from charon.runtime.quarantine import probing
 from charon.runtime.spark.layout import local_root
 from charon.runtime.spark.session import load_app
 from charon.runtime.watchdog import task_budget
 from charon.state.durable import DurableState
+
+if TYPE_CHECKING:
+    from charon.runtime.spark.hub import PeerLinks
 
 
 def tune_worker_gc(threshold: int) -> None:
@@ -60,6 +63,10 @@ def run_partitions(
         if pid == REST_TASK:
             yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads,
                                       function_timeout, determinism_check)
+            continue
+        if pid == SPLIT_REST_TASK:
+            yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads,
+                                      function_timeout, determinism_check, split=True)
             continue
         c0 = time.thread_time()  # the task's CPU for this partition (unpickling included): stats cpu_us
         control, scratch, inbox, cached = pickle.loads(payload)
@@ -142,24 +149,100 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
 
 
 REST_TASK = -2  # the payload id of a task that runs the rest of an epoch over every partition
+SPLIT_REST_TASK = -3  # ... one of the tasks that run it together, each over a group of partitions (a split rest)
+
+
+class _LeaderExchange:
+    """The exchange of a split rest's first task, whose coordinator runs the rest of the epoch: a round sends each
+    other task its partitions' inboxes (:class:`~charon.runtime.spark.hub.PeerLinks`), steps this task's
+    partitions meanwhile, then takes in the others' outputs (:func:`_follow` is the other side)."""
+
+    def __init__(self, units: dict[int, PartitionUnit], parts: int, links: PeerLinks, groups: list[list[int]],
+                 ) -> None:
+        self.units = units
+        self.partitions = parts
+        self.links = links
+        self.groups = groups  # each task's partitions, in task order (this task's first)
+        self.stats = {"hub_s": 0.0, "hub_rounds": 0, "hub_bytes": 0}
+
+    def round(self, control: Control, inboxes: list[list[Invoke | Reply]]) -> list[RoundOutput]:
+        s = self.stats
+        for i, group in enumerate(self.groups[1:], 1):
+            frame = pickle.dumps(("round", control, {pid: inboxes[pid] for pid in group}),
+                                 protocol=pickle.HIGHEST_PROTOCOL)
+            self.links.send(i, frame)
+            s["hub_bytes"] += len(frame)
+        outs: list[RoundOutput] = [RoundOutput()] * self.partitions  # each filled below
+        for pid, unit in self.units.items():
+            with unit.store.reading():
+                outs[pid] = unit.step(control, inboxes[pid])
+        t0 = time.perf_counter()
+        for i in range(1, len(self.groups)):  # the other tasks' outputs
+            frame = self.links.recv(i)
+            s["hub_bytes"] += len(frame)
+            for pid, out in pickle.loads(frame):
+                outs[pid] = out
+        s["hub_s"] += time.perf_counter() - t0
+        s["hub_rounds"] += 1
+        return outs
+
+    def done(self, apply: list[int], reset: list[int]) -> None:
+        """The epoch is decided: the other tasks leave their loops with what the finalize applies and resets."""
+        frame = pickle.dumps(("done", apply, reset), protocol=pickle.HIGHEST_PROTOCOL)
+        for i in range(1, len(self.groups)):
+            self.links.send(i, frame)
+
+
+def _follow(units: dict[int, PartitionUnit], links: PeerLinks, stats: dict[str, float]) -> tuple[list[int], list[int]]:
+    """A split rest's other task: step this task's partitions on each round the first task sends, return their
+    outputs to it; returns the epoch's (apply, reset) once it is decided."""
+    while True:
+        t0 = time.perf_counter()
+        frame = links.recv(0)
+        stats["hub_s"] += time.perf_counter() - t0
+        msg = pickle.loads(frame)
+        if msg[0] == "done":
+            return msg[1], msg[2]
+        _, control, inboxes = msg
+        mine = []
+        for pid, unit in units.items():
+            with unit.store.reading():
+                mine.append((pid, unit.step(control, inboxes[pid])))
+        blob = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
+        links.send(0, blob)
+        stats["hub_rounds"] += 1
+        stats["hub_bytes"] += len(blob) + len(frame)
 
 
 def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
                    prev: tuple[int, Any] | None = None, finalize_threads: int = 1,
-                   function_timeout: float | None = None, determinism_check: bool = False) -> bytes:
+                   function_timeout: float | None = None, determinism_check: bool = False,
+                   split: bool = False) -> bytes:
     """The rest of an epoch (remaining dry-run rounds, lock-free decision, fallback) in this task over every
     partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round), the
-    partitions' in up to ``finalize_threads`` threads."""
+    partitions' in up to ``finalize_threads`` threads.
+
+    ``split``: this task is one of a split rest's (:meth:`SparkExchange.rest_split`): it holds only its group of
+    partitions; the first task runs the coordinator and exchanges each round with the others through the
+    driver's hub (:class:`_LeaderExchange`, :func:`_follow`). Each returns its group's scratch and prior events,
+    the first also the outcome."""
     from charon.core.epoch import run_rest
     from charon.state.lmdbstore import open_store
 
     c0 = time.process_time()  # this process's (the finalize's threads included)
-    job, scratches, caches = pickle.loads(payload)
+    hub_at = None
+    if split:
+        job_blob, group, scratches, caches, hub_at = pickle.loads(payload)
+        job = pickle.loads(job_blob)
+        pids = list(group)
+    else:
+        job, scratches, caches = pickle.loads(payload)
+        pids = list(range(parts))
     units = []
     prior_events: list = []
     prior_due = math.inf
     t0 = time.perf_counter()
-    for pid in range(parts):
+    for pid in pids:
         unit = PartitionUnit(pid, parts, app, open_store(root, pid, durable_root))
         unit.previous = prev
         unit.twice = determinism.run_twice if determinism_check else None
@@ -176,10 +259,11 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
         # Each partition's delta goes to its own durable file and LMDB environment, each with its fsyncs, which
         # queue behind the logs' (the same file system's journal): in threads, the waits overlap. The events
         # are still gathered in partition order.
-        if finalize_threads > 1 and parts > 1:
+        if finalize_threads > 1 and len(units) > 1:
             from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(min(finalize_threads, parts), thread_name_prefix="charon-finalize") as pool:
+            with ThreadPoolExecutor(min(finalize_threads, len(units)),
+                                    thread_name_prefix="charon-finalize") as pool:
                 dones = list(pool.map(finalize, units))
         else:
             dones = [finalize(u) for u in units]
@@ -187,10 +271,41 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
             prior_events.extend(done.events)
             if done.next_due is not None:
                 prior_due = min(prior_due, done.next_due)
-    for pid, unit in enumerate(units):
+    for pid, unit in zip(pids, units, strict=True):
         unit.store.ensure_epoch(job.epoch - 1)
         unit.load_cache(caches[pid])
     t1 = time.perf_counter()
+    if hub_at is not None:
+        from charon.runtime.spark.hub import HubClient, PeerLinks
+
+        address, token, index, groups = hub_at
+        client = HubClient(address, token, index, len(groups))
+        mine = dict(zip(pids, units, strict=True))
+        out = None
+        links = None
+        try:
+            links = PeerLinks.lead(client, token) if index == 0 else PeerLinks.follow(client, token, index)
+            client.close()  # met: the rounds go task to task
+            with task_budget(units, function_timeout):
+                if index == 0:  # the coordinator of the rest
+                    hub = _LeaderExchange(mine, parts, links, groups)
+                    out = run_rest(app, hub, job)
+                    hub.done(out.apply, out.reset)
+                    stats = hub.stats
+                    apply, reset = out.apply, out.reset
+                else:
+                    stats = {"hub_s": 0.0, "hub_rounds": 0, "hub_bytes": 0}
+                    apply, reset = _follow(mine, links, stats)
+        finally:
+            client.close()
+            if links is not None:
+                links.close()
+        for unit in units:
+            unit.decided(apply, reset)
+        stats = {"restore_us": int((t1 - t0) * 1e6), "step_us": int((time.perf_counter() - t1) * 1e6), **stats}
+        scratches_out = {pid: u.dump_scratch() for pid, u in mine.items()}
+        stats["cpu_us"] = int((time.process_time() - c0) * 1e6)
+        return pickle.dumps((out, scratches_out, prior_events, prior_due, stats), protocol=pickle.HIGHEST_PROTOCOL)
     with task_budget(units, function_timeout):
         out = run_rest(app, _TaskExchange(units), job)
     for unit in units:  # the epoch is decided: its scratch shrinks to what the finalize writes
@@ -199,9 +314,9 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
     out.next_due = min(out.next_due, prior_due)
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
     out.stats["step_us"] = int((time.perf_counter() - t1) * 1e6)
-    scratches_out = [u.dump_scratch() for u in units]
+    all_scratch = [u.dump_scratch() for u in units]
     out.stats["cpu_us"] = int((time.process_time() - c0) * 1e6)
-    return pickle.dumps((out, scratches_out), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps((out, all_scratch), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def read_entities(
