@@ -55,7 +55,7 @@ class SparkConfig:
     # and the partitions. split_rest:
     # "cluster" (on a cluster only: in local mode the driver and the JVM share the cores, and one task measured
     # faster, benchmarks/issue24/spark_scaling.md), "on" (local mode too) or "off"
-    split_rest: str = "cluster"
+    split_rest: str = "off"
     split_rest_min_bytes: int = 262_144
     split_rest_tasks: int = 0
     finalize_threads: int = 4  # a one-task rest writes the previous epoch's partitions' deltas in this many threads

@@ -53,8 +53,8 @@ async def drive(url: str, concurrency: int, duration: float, warmup: float, proc
             a, b = rng.randrange(KEYS), rng.randrange(KEYS)
             body = b'{"args":["a%d",1]}' % b
             req = (b"POST /invoke/account/a%d/transfer HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"
-                   b"Content-Type: application/json\r\nIdempotency-Key: r%d\r\nContent-Length: %d\r\n\r\n"
-                   % (a, host.encode(), TOKEN.encode(), i, len(body))) + body
+                   b"Content-Type: application/json\r\nIdempotency-Key: r%d-%d\r\nContent-Length: %d\r\n\r\n"
+                   % (a, host.encode(), TOKEN.encode(), concurrency, i, len(body))) + body
             t = time.perf_counter()
             writer.write(req)
             head = await reader.readuntil(b"\r\n\r\n")

@@ -44,14 +44,20 @@ def check_same_request(stored: Request | None, req: Request) -> None:
 
 def stored_request(input_log: InputLogLike, request_id: str) -> Request | None:
     """The request appended under ``request_id`` if the log still holds it (None if unknown or truncated)."""
+    return lookup_request(input_log, request_id)[1]
+
+
+def lookup_request(input_log: InputLogLike, request_id: str) -> tuple[bool, Request | None]:
+    """``(known, request)``: whether the log knows ``request_id`` (its ids outlive truncation), and the request
+    appended under it if the log still holds it."""
     pos = input_log.position(request_id)
     if pos is None:
-        return None
+        return False, None
     try:
         got = input_log.read(pos[0], pos[1], pos[1] + 1)
     except ValueError:  # truncated
-        return None
-    return got[0] if got else None
+        return True, None
+    return True, got[0] if got else None
 
 
 class LogClient:

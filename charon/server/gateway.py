@@ -96,7 +96,7 @@ from charon.errors import (
     UnknownFunction,
     UnknownOperator,
 )
-from charon.log.client import check_same_request, stored_request
+from charon.log.client import check_same_request, lookup_request, stored_request
 from charon.log.sqlite import InputLog as FileInputLog
 from charon.messages import Reply, Request
 from charon.operator import BATCH_FUNCTION, BATCH_OPERATOR, batch_request, check_batch
@@ -290,12 +290,12 @@ class Gateway:
         log = self.engine.input_log
         if log is None or req.request_id in self.inflight or req.request_id in self.recent:
             return False
-        stored = stored_request(log, req.request_id)
+        known, stored = lookup_request(log, req.request_id)
         try:
             check_same_request(stored, req)
         except IdempotencyConflict as exc:
             raise HTTPError("IdempotencyConflict", str(exc)) from None
-        return stored is None
+        return not known  # a known id whose entry was truncated is not fresh: its reply is stored
 
     def start(self, req: Request, args: list[Any], then: Callable[[asyncio.Future[Reply]], None] | None = None,
               fresh: bool = False) -> asyncio.Future[Reply]:

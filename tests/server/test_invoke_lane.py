@@ -187,3 +187,30 @@ def test_body_that_never_finishes_is_408_on_the_direct_path(direct_server: Backg
         status, headers, body = _read_answer(s.makefile("rb"))
     assert status == 408 and json.loads(body)["error"]["type"] == "RequestTimeout"
     assert headers.get("connection") == "close" and 0.8 < time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_retry_of_an_id_whose_log_entry_was_truncated_gets_its_reply(tmp_path: Any, direct: bool) -> None:
+    """A durable node compacts its log: an old request's entry is gone, its id and reply are not. A retry
+    with that id (after the gateway's and the runtime's reply caches forgot it) gets the stored reply at once,
+    and the same id with other arguments is refused, on both paths (the direct path once took the truncated
+    id for a new one, queued it, and the log dropped it as a duplicate: the client waited forever)."""
+    rt = InProcessRuntime(APP, partitions=2, data_dir=str(tmp_path), reply_retention=2, compact_every=1,
+                          checkpoint_s=0.0)
+    config = GatewayConfig(direct_invoke=direct, recent_replies=2, wait_timeout=10)
+    with BackgroundServer(rt, token=TOKEN, config=config) as srv:
+        first = _exchange(srv, _head("/invoke/box/old/add", b'{"args": [4]}', extra="Idempotency-Key: old-1"))
+        assert first[0][0] == 200
+        for i in range(6):  # pushes old-1 out of both caches; checkpoints compact and truncate the log
+            assert _exchange(srv, _head(f"/invoke/box/n{i}/add", b'{"args": [1]}',
+                                        extra=f"Idempotency-Key: new-{i}"))[0][0] == 200
+        rt.node.flush()
+        assert rt.input_log.contains("old-1") and rt.input_log.position("old-1") is not None
+        t0 = time.monotonic()
+        [(status, _, body)] = _exchange(srv, _head("/invoke/box/old/add", b'{"args": [4]}',
+                                                   extra="Idempotency-Key: old-1"))
+        assert status == 200 and json.loads(body)["value"] == 4 and time.monotonic() - t0 < 5
+        [(status, _, body)] = _exchange(srv, _head("/invoke/box/old/add", b'{"args": [5]}',
+                                                   extra="Idempotency-Key: old-1"))
+        assert status in (200, 422)  # a truncated entry cannot be compared: the stored reply, or a conflict
+        assert rt.read_state("box", "old") == 4  # ran once
