@@ -53,8 +53,9 @@ class SparkConfig:
     # tasks (SparkExchange.rest_split): on a cluster every rest over all executor cores (else a job per round); in
     # local mode a task per split_rest_min_bytes of it (else one task); at most split_rest_tasks (0: one per core)
     # and the partitions. split_rest:
-    # "cluster" (on a cluster only: in local mode the driver and the JVM share the cores, and one task measured
-    # faster, benchmarks/issue24/spark_scaling.md), "on" (local mode too) or "off"
+    # "off" (the default: on local[2] one task measured faster, the driver and its JVM sharing the cores, and no
+    # multi-machine cluster was at hand to show a split paying off, benchmarks/issue24/spark_scaling.md),
+    # "cluster" (on a cluster only) or "on" (local mode too)
     split_rest: str = "off"
     split_rest_min_bytes: int = 262_144
     split_rest_tasks: int = 0
