@@ -138,12 +138,13 @@ def test_the_split_threshold(tmp_path) -> None:
 
 
 def test_split_rest_by_mode(tmp_path) -> None:
-    """The default: split on a cluster only; "on" in local mode too; "off" nowhere; anything else refused."""
+    """The default: off; "cluster" on a cluster only; "on" in local mode too; anything else refused."""
     def on(master: str, **kw) -> bool:
         cfg = SparkConfig(data_dir=str(tmp_path), partitions=PARTS, master=master, **kw)
         return SparkExchange(None, "charon.apps.ycsb:app", cfg).split_rest
 
-    assert [on("local[2]"), on("spark://h:7077"), on("yarn")] == [False, True, True]
+    assert [on("local[2]"), on("spark://h:7077"), on("yarn")] == [False, False, False]
+    assert [on("local[2]", split_rest="cluster"), on("spark://h:7077", split_rest="cluster")] == [False, True]
     assert [on("local[2]", split_rest="on"), on("spark://h:7077", split_rest="off")] == [True, False]
     with pytest.raises(ValueError, match="split_rest"):
         on("local[2]", split_rest="yes")
