@@ -73,7 +73,9 @@ def test_plug_ins_render_when_their_json_exists_and_are_skipped_otherwise(tmp_pa
     head = mod.header(doc)
     assert "commit `aaaaaaaaaa`" in head and "load average 0.4 → 0.6" in head and "2026-11-27 12:00 UTC" in head
 
-    # no JSON at all: the file says so, and keeps its static text
+    # no JSON at all (the plug-ins' JSON, committed in the repository, looked for elsewhere): the file says so,
+    # and keeps its static text
+    mod.ROOT = tmp_path / "no-repository"
     md = tmp_path / "empty.md"
     assert mod.main(["render", "--results-dir", str(tmp_path / "none"), "--md", str(md)]) == 0
     text = md.read_text()
