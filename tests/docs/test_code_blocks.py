@@ -1,16 +1,15 @@
 """Every code block of every documentation page is checked: Python runs (or compiles, when marked as a fragment),
-shell is syntax-checked with every `.venv/bin/charon` command resolved against the CLI, JSON parses. A page that
+shell is syntax-checked with every `.venv/bin/charon` command resolved against the CLI. A page that
 gains a block no rule covers fails here."""
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-import click
 import pytest
 import typer
 from docblocks import EXAMPLES, FRAGMENT, LANGUAGES, ROOT, Block, blocks
@@ -25,7 +24,7 @@ def _ids(bs: list[Block]) -> list[str]:
 
 
 def test_every_block_has_a_rule() -> None:
-    assert len(BLOCKS) > 40  # the pages were found
+    assert len(BLOCKS) > 20  # the pages were found
     unknown = [f"{b.id} ```{b.lang}" for b in BLOCKS if b.lang not in LANGUAGES]
     assert unknown == [], f"code blocks without a checked language (one of {sorted(LANGUAGES)})"
     misplaced = [b.id for b in BLOCKS if b.fragment and b.lang != "python"]
@@ -52,14 +51,6 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 @pytest.mark.parametrize("block", FRAGMENTS, ids=_ids(FRAGMENTS))
 def test_python_fragment_compiles(block: Block) -> None:
     compile(block.code, block.id, "exec")
-
-
-JSON = [b for b in BLOCKS if b.lang == "json"]
-
-
-@pytest.mark.parametrize("block", JSON, ids=_ids(JSON))
-def test_json_block_parses(block: Block) -> None:
-    json.loads(block.code)
 
 
 SHELL = [b for b in BLOCKS if b.lang == "bash"]
@@ -89,10 +80,10 @@ def _commands(code: str) -> list[list[str]]:
 
 def _check_charon(words: list[str]) -> None:
     """``charon SUB [SUB] --option ...``: the subcommand exists and every option is one of its own."""
-    cmd: click.Command = CLI
+    cmd: Any = CLI  # Typer's own click: groups have ``commands``
     rest = words[1:]
-    while isinstance(cmd, click.Group) and rest and not rest[0].startswith("-"):
-        sub = cmd.get_command(click.Context(cmd), rest[0])
+    while hasattr(cmd, "commands") and rest and not rest[0].startswith("-"):
+        sub = cmd.commands.get(rest[0])
         assert sub is not None, f"no command {' '.join(words[: len(words) - len(rest) + 1])!r}"
         cmd, rest = sub, rest[1:]
     names = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}

@@ -357,14 +357,3 @@ def test_http_admin_lists_timers_with_the_token() -> None:
             time.sleep(0.01)
         assert [t["id"] for t in c.timers("acct", "a")] == [far], "the near timer fired"
         assert c.state("acct", "a") == 50
-
-
-def test_readme_timer_example_runs(tmp_path: Path) -> None:
-    import re
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if b.startswith("# reminders.py"))
-    (tmp_path / "reminders.py").write_text(block)
-    out = subprocess.run([sys.executable, "reminders.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["70 ['release']", "100 ['release']"], out.stdout

@@ -13,8 +13,8 @@ FRAGMENT = "<!-- fragment -->"  # put right above a ```python block that is comp
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
 # languages and how they are checked: python runs (or compiles, as a marked fragment, or is an included example
 # that tests/docs/test_examples.py runs); bash is syntax-checked and every `.venv/bin/charon` command in it is
-# resolved against the CLI (included .sh examples run against a real node); json must parse; text is output
-LANGUAGES = {"python", "bash", "json", "text"}
+# resolved against the CLI (included .sh examples run against a real node); text is output, never code
+LANGUAGES = {"python", "bash", "text"}
 
 
 @dataclass(frozen=True)
