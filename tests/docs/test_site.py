@@ -4,6 +4,7 @@ and its generated reference pages cover the CLI, the HTTP routes and every setti
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from charon.config import GatewayConfig, SparkConfig
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-5000:]
     return out
@@ -64,3 +65,23 @@ def test_configuration_page_has_every_setting_with_its_default(site: Path) -> No
             assert f"<code>{prefix}{f.name.upper()}</code>" in page, f.name
             if isinstance(f.default, int) and not isinstance(f.default, bool) and f.default < 1000:
                 assert f"<code>{f.default}</code>" in page, f.name
+
+
+@pytest.mark.parametrize(("addition", "named"), [
+    ("See [the missing page](nowhere.md) and [a missing anchor](values.md#no-such-section).",
+     ["nowhere.md", "no-such-section"]),
+    ("::: charon.no_such_module", ["no_such_module"]),
+], ids=["link-and-anchor", "api-reference"])
+def test_a_broken_reference_fails_the_build(tmp_path: Path, addition: str, named: list[str]) -> None:
+    """The same site in a copy with one broken link, anchor or API reference: the strict build refuses it.
+    (Without ``-q``: mkdocs does not count the warnings it does not print.)"""
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("charon", "benchmarks", "mkdocs.yml"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    page = tmp_path / "docs" / "concepts" / "limits.md"
+    page.write_text(page.read_text() + f"\n{addition}\n")
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    for name in named:
+        assert name in run.stderr, run.stderr[-3000:]
