@@ -47,7 +47,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
                errno.EACCES: "permission denied (ports below 1024 need privileges; choose --port)",
                errno.EADDRNOTAVAIL: "no such address on this machine (check --host)"}.get(exc.errno or 0,
                                                                                          exc.strerror or str(exc))
-        raise PortUnavailable(exc.errno or 0, f"cannot listen on {host}:{port}: {why}") from None
+        refused = PortUnavailable(f"cannot listen on {host}:{port}: {why}")
+        refused.errno = exc.errno
+        raise refused from None
     except BaseException:
         sock.close()
         raise
