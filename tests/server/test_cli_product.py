@@ -249,7 +249,8 @@ def test_sql_through_a_running_gateway() -> None:
     rt.load("account", ycsb.initial_state(12, 50))
     with BackgroundServer(rt, token=TOKEN) as srv:
         t0 = time.monotonic()
-        out = charon("sql", "--url", srv.url, "--token", TOKEN, "SELECT sum(value) AS total, count(*) AS n FROM account")
+        query = "SELECT sum(value) AS total, count(*) AS n FROM account"
+        out = charon("sql", "--url", srv.url, "--token", TOKEN, query)
         took = time.monotonic() - t0
         assert out.returncode == 0, out.stderr
         assert re.search(r"│\s*600\s*│\s*12\s*│", out.stdout), out.stdout
