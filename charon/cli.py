@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -622,20 +623,23 @@ def read_state(
     _print_json(cut if internal else hide_internal(cut))
 
 
-def hide_internal(cut: dict[str, Any]) -> dict[str, Any]:
+def hide_internal(cut: dict[str, object]) -> dict[str, object]:
     """``cut`` (an admin read) without the engine's internal items (timers, stored beside an entity's items
     under :data:`charon.core.timers.ITEM_PREFIX`); an entity that had nothing else is left out."""
     from charon.core.timers import ITEM_PREFIX
 
-    items: dict[str, dict[str, Any]] = {}
+    items: dict[str, dict[str, object]] = {}
     hidden: set[str] = set()
-    for key, its in (cut.get("items") or {}).items():
+    raw_items, raw_entities = cut.get("items"), cut.get("entities")
+    all_items = raw_items if isinstance(raw_items, dict) else {}
+    all_entities = raw_entities if isinstance(raw_entities, dict) else {}
+    for key, its in all_items.items():
         mine = {name: v for name, v in its.items() if not name.startswith(ITEM_PREFIX)}
         if mine:
             items[key] = mine
         if len(mine) < len(its):
             hidden.add(key)
-    entities = {k: v for k, v in (cut.get("entities") or {}).items()
+    entities = {k: v for k, v in all_entities.items()
                 if not (k in hidden and v is None and k not in items)}
     return {**cut, "entities": entities, "items": items, "count": len(entities)}
 
@@ -756,7 +760,7 @@ def sql(
 
 
 @contextlib.contextmanager
-def _stage(text: str) -> Any:
+def _stage(text: str) -> Iterator[None]:
     """A stage of a long command on stderr (stdout stays the result): a spinner on a terminal, else a line."""
     if err_console.is_terminal:
         with err_console.status(f"{text}…"):
@@ -766,7 +770,7 @@ def _stage(text: str) -> Any:
         yield
 
 
-def _print_rows(columns: list[str], rows: list[list[Any]], title: str) -> None:
+def _print_rows(columns: list[str], rows: list[list[object]], title: str) -> None:
     table = Table(*columns, title=title)
     for r in rows:
         table.add_row(*[Text(v if isinstance(v, str) else json.dumps(v, default=str)) for v in r])

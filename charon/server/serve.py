@@ -20,7 +20,7 @@ import uvicorn
 from charon.config import GatewayConfig
 from charon.runtime.contract import Engine, EngineSource, as_engine
 from charon.server.admin import EffectsAdmin
-from charon.server.gateway import create_app
+from charon.server.gateway import Gateway, create_app
 from charon.server.http import uvicorn_config
 
 __all__ = ["serve", "BackgroundServer", "RuntimeStartError", "RuntimeFailed", "PortUnavailable", "bind_socket",
@@ -125,7 +125,7 @@ def serve(
         raise RuntimeFailed(fatal[0])
 
 
-def _announce_ready(server: uvicorn.Server, gw: Any, engine: Engine, on_ready: Callable[[], None],
+def _announce_ready(server: uvicorn.Server, gw: Gateway, engine: Engine, on_ready: Callable[[], None],
                     done: threading.Event) -> None:
     """Call ``on_ready`` once the node accepts work (see :func:`serve`); never when it stops first."""
     while not done.wait(READY_POLL_S):

@@ -65,6 +65,11 @@ def test_cli_sql_over_a_node_data_dir(tmp_path) -> None:
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "1000" in out.stdout and "40" in out.stdout and "29" in out.stdout, out.stdout
+    # its progress, stage by stage, on stderr; stdout is the result only
+    stages = [line for line in out.stderr.splitlines() if line.startswith("charon: ")]
+    assert stages == ["charon: reading the data directory's layout…", "charon: starting Spark (JVM warm-up ~40 s)…",
+                      "charon: running the query at epoch 29…", "charon: stopping Spark…"], out.stderr
+    assert "charon: " not in out.stdout
     bad = subprocess.run([CHARON, "sql", "--data-dir", str(tmp_path / "none"), "SELECT 1"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == ExitCode.FAILED and "no Charon deployment" in bad.stderr
