@@ -5,7 +5,9 @@
 gateway with a live progress display, then checks that the total balance is conserved and that every
 request was answered exactly once (retrying a sample of request ids returns the same transaction).
 
-``--url`` and ``--token`` default to the ``CHARON_URL`` and ``CHARON_TOKEN`` environment variables.
+``--url`` and ``--token`` default to the ``CHARON_URL`` and ``CHARON_TOKEN`` environment variables. Every command
+exits with a code of :class:`charon.exitcodes.ExitCode` (docs/reference/exit-codes.md); an error is one line on
+stderr, its traceback only with ``charon --debug`` (or ``CHARON_DEBUG=1``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import shutil
 import statistics
 import sys
 import time
+import traceback
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -31,9 +35,12 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from charon.bench.harness import percentile
-from charon.errors import CharonError, TransactionAborted
+from charon.config import DURABLE_REPLY_RETENTION, VOLATILE_REPLY_RETENTION
+from charon.errors import CharonError, EngineUnavailable, LogUnavailable, TransactionAborted
+from charon.exitcodes import ExitCode
 from charon.runtime.contract import Engine
 from charon.runtime.factory import EngineSpec
 
@@ -42,11 +49,46 @@ app = typer.Typer(
     help="Charon: transactional stateful functions on Apache Spark.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode="markdown",  # docstrings' `code` renders as code, never as raw backticks
+    pretty_exceptions_enable=False,  # main() turns an unexpected error into one line (--debug: the traceback)
 )
 console = Console()
 err_console = Console(stderr=True)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+DEBUG_ENV = "CHARON_DEBUG"
+
+
+def _debug() -> bool:
+    """Whether ``--debug`` (or ``CHARON_DEBUG``) asks for full tracebacks."""
+    return os.environ.get(DEBUG_ENV, "").lower() not in ("", "0", "false", "no")
+
+
+def package_version() -> str:
+    """The installed charon distribution's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("charon")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"charon {package_version()}")
+        raise typer.Exit(ExitCode.OK)
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", "-V", callback=_show_version, is_eager=True,
+                                 help="Print the installed charon version and exit."),
+    debug: bool = typer.Option(False, "--debug", envvar=DEBUG_ENV,
+                               help="Show the full traceback of an error (default: one line)."),
+) -> None:
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # read by _debug(); inherited by a re-executed `charon run`
 
 
 # --------------------------------------------------------------------------------------------------
@@ -54,24 +96,63 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def load_app(target: str) -> Any:
-    """Import ``module:attribute`` (attribute defaults to ``app``) and return the Application."""
+    """Import ``module:attribute`` (attribute defaults to ``app``) and return the Application.
+
+    A module that cannot be imported, or raises while importing, is one line naming the file, line and the
+    offending source line (exit code ``APP_ERROR``); ``--debug`` prints the traceback too."""
     module_name, _, attr = target.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise typer.BadParameter(f"cannot import {module_name!r}: {exc}") from None
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):  # the target itself is missing
+            raise _fail(f"cannot import {module_name!r}: {exc}", ExitCode.APP_ERROR) from None
+        raise _app_error(f"importing {module_name!r} failed", exc) from None
+    except Exception as exc:  # noqa: BLE001 - anything the user's module raises while importing
+        raise _app_error(f"importing {module_name!r} failed", exc) from None
     obj: object = module
     for part in (attr or "app").split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            raise typer.BadParameter(f"{module_name!r} has no attribute {attr or 'app'!r}")
+            raise _fail(f"{module_name!r} has no attribute {attr or 'app'!r}", ExitCode.APP_ERROR)
     if callable(obj) and not hasattr(obj, "validate"):
-        obj = obj()  # an application factory
+        try:
+            obj = obj()  # an application factory
+        except Exception as exc:  # noqa: BLE001 - the user's factory failed
+            raise _app_error(f"the application factory {target!r} failed", exc) from None
     if not hasattr(obj, "validate"):
-        raise typer.BadParameter(f"{target!r} is not a charon Application")
+        raise _fail(f"{target!r} is not a charon Application", ExitCode.APP_ERROR)
     return obj
+
+
+def _where(exc: BaseException) -> tuple[str, int, str] | None:
+    """Where ``exc`` points in the user's code: (file, line, source line). A SyntaxError's own position;
+    otherwise the innermost frame outside the standard library, installed packages and charon itself."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return exc.filename, exc.lineno or 0, (exc.text or "").strip()
+    import sysconfig
+
+    skip = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+                 | {os.path.dirname(os.path.abspath(__file__))})
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    mine = [f for f in frames if not os.path.abspath(f.filename).startswith(skip)]
+    if not (mine or frames):
+        return None
+    frame = (mine or frames)[-1]
+    return frame.filename, frame.lineno or 0, (frame.line or "").strip()
+
+
+def _app_error(what: str, exc: BaseException) -> typer.Exit:
+    """One clean line for an exception raised by the user's code (the traceback only with ``--debug``)."""
+    if _debug():
+        err_console.print("".join(traceback.format_exception(exc)), markup=False, highlight=False)
+    msg = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    where = _where(exc)
+    loc = "" if where is None else f"\n  {os.path.relpath(where[0]) if not where[0].startswith('..') else where[0]}" \
+        f":{where[1]}" + (f": {where[2]}" if where[2] else "")
+    hint = "" if _debug() else f"\n  (run `charon --debug ...` or set {DEBUG_ENV}=1 for the traceback)"
+    return _fail(f"{what}: {type(exc).__name__}: {msg}{loc}{hint}", ExitCode.APP_ERROR)
 
 
 def spark_available() -> bool:
@@ -84,7 +165,7 @@ def spark_available() -> bool:
 
 def make_engine(spec: EngineSpec) -> Engine:
     """Build (not start) the engine ``spec`` describes (:func:`charon.runtime.factory.make_engine`); its settings
-    errors as the command line's (``BadParameter``), failures to open it as one line and exit code 1."""
+    errors as the command line's (``BadParameter``), failures to open it as one line and exit code ``UNAVAILABLE``."""
     from charon.runtime.factory import EngineOpenFailed, EngineSpecError
     from charon.runtime.factory import make_engine as build
 
@@ -93,7 +174,7 @@ def make_engine(spec: EngineSpec) -> Engine:
     except EngineSpecError as exc:
         raise typer.BadParameter(str(exc)) from None
     except EngineOpenFailed as exc:
-        raise _fail(str(exc)) from None
+        raise _fail(str(exc), ExitCode.UNAVAILABLE) from None
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -106,7 +187,7 @@ def _print_json(value: Any) -> None:
     try:
         typer.echo(msgspec.json.encode(value).decode())
     except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
-        raise _fail(f"the value cannot be shown as JSON: {exc}") from None
+        raise _fail(f"the value cannot be shown as JSON: {exc}", ExitCode.FAILED) from None
 
 
 def _client(url: str, token: str | None) -> Any:
@@ -115,9 +196,27 @@ def _client(url: str, token: str | None) -> Any:
     return Client(url, token=token, timeout=30.0, retries=2)
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+def _fail(message: str, code: ExitCode) -> typer.Exit:
+    """Print ``error: message`` on stderr; the :class:`typer.Exit` to raise with ``code``."""
+    err_console.print("[bold red]error:[/] ", end="", soft_wrap=True)
+    err_console.print(message, soft_wrap=True, markup=False, highlight=False)
     return typer.Exit(code)
+
+
+def _request_failed(exc: Exception, url: str) -> typer.Exit:
+    """An HTTP call's failure as one line and its exit code: aborted, unavailable or rejected."""
+    import httpx
+
+    from charon.client import GatewayError
+
+    if isinstance(exc, TransactionAborted):
+        return _fail(f"transaction aborted: {exc.error_type}: {exc.message}", ExitCode.ABORTED)
+    if isinstance(exc, httpx.HTTPError):
+        return _fail(f"cannot reach the gateway at {url}: {exc}", ExitCode.UNAVAILABLE)
+    if isinstance(exc, (EngineUnavailable, LogUnavailable)) or (
+            isinstance(exc, GatewayError) and (exc.status >= 500 or exc.status == 429)):
+        return _fail(f"{type(exc).__name__}: {exc}", ExitCode.UNAVAILABLE)
+    return _fail(f"{type(exc).__name__}: {exc}", ExitCode.REJECTED)
 
 
 UrlOpt = typer.Option(DEFAULT_URL, "--url", envvar="CHARON_URL", help="Gateway URL.")
@@ -152,8 +251,9 @@ def run(
     ),
     reply_retention: int | None = typer.Option(
         None, min=1, envvar="CHARON_GATEWAY_RECENT_REPLIES",
-        help="Replies kept in memory for retries by the runtime and the gateway (default: 100,000; "
-        "durable inprocess: 10,000, older ones come from the output log).",
+        help=f"Replies kept in memory for retries by the runtime and the gateway (default: "
+        f"{DURABLE_REPLY_RETENTION:,} on a durable engine, older ones come from the output log; "
+        f"{VOLATILE_REPLY_RETENTION:,} with --ephemeral).",
     ),
     fsync: bool = typer.Option(
         True, "--fsync/--no-fsync",
@@ -202,25 +302,37 @@ def run(
         "its continuation with the failure.",
     ),
 ) -> None:
-    """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted."""
-    from charon.server.serve import RuntimeFailed, RuntimeStartError, serve
+    """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted.
+
+    Prints `charon: starting ...` at once, then one line `charon: ready — ...` once the node accepts work (the
+    same on every engine; Spark's takes ~20-40 s)."""
+    from charon.server.serve import PortUnavailable, RuntimeFailed, RuntimeStartError, bind_socket, serve
 
     if effects and engine == "remote":
         raise typer.BadParameter("--effects runs beside the engine (its output streams): not with --engine remote "
                                  "(run `charon effects work` next to the engine's data directory)")
     application = load_app(target)
+    try:  # the port first: a busy port is one line before anything else is created or printed
+        listener = bind_socket(host, port)
+    except PortUnavailable as exc:
+        raise _fail(str(exc), ExitCode.UNAVAILABLE) from None
     # A function running pure-Python code past its budget holds the GIL until the watchdog stops it: the gateway's
     # threads get it back within this interval (default 5 ms; each request needs several hand-overs).
     sys.setswitchinterval(float(os.environ.get("CHARON_SWITCH_INTERVAL", "0.0005")))
-    runtime = make_engine(EngineSpec(
-        engine, target, partitions, data_dir, ephemeral=ephemeral, fsync=fsync, reply_retention=reply_retention,
-        log_url=log, log_partitions=log_partitions, function_timeout=function_timeout, exit_when_stuck=exit_when_stuck,
-        determinism_check=check_determinism))
+    try:
+        runtime = make_engine(EngineSpec(
+            engine, target, partitions, data_dir, ephemeral=ephemeral, fsync=fsync, reply_retention=reply_retention,
+            log_url=log, log_partitions=log_partitions, function_timeout=function_timeout,
+            exit_when_stuck=exit_when_stuck, determinism_check=check_determinism))
+    except BaseException:
+        listener.close()
+        raise
     if token is None:
         err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
     replayed = runtime.replayed_epochs
+    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else f'[{host}]' if ':' in host else host}:{port}"
     err_console.print(
-        f"charon: {'starting' if runtime.slow_start else 'serving'} [bold]{application.name}[/] "
+        f"charon: starting [bold]{application.name}[/] "
         f"({runtime.kind}{'' if runtime.controls is None else f', {runtime.partitions} partitions'}; "
         f"{runtime.describe()}"
         f"{'; logs on ' + log if log else ''}"
@@ -230,10 +342,14 @@ def run(
            if runtime.slow_start else ""),
         soft_wrap=True,  # one line even when stderr is not a terminal (grep-able)
     )
+
+    def ready() -> None:
+        err_console.print(ready_line(application.name, runtime.kind, base), soft_wrap=True, markup=False,
+                          highlight=False)
     if runtime.log_file is not None:
         err_console.print(f"charon: Spark log: {runtime.log_file}", soft_wrap=True)
     try:
-        recent = reply_retention or (10_000 if runtime.durable else 100_000)
+        recent = reply_retention or (DURABLE_REPLY_RETENTION if runtime.durable else VOLATILE_REPLY_RETENTION)
         executor = None
         if effects:
             from charon.runtime.effects import EffectExecutor, engine_resume
@@ -243,13 +359,19 @@ def run(
                                       concurrency=effects_concurrency, max_inflight_bytes=effects_max_bytes,
                                       park_failed=park_failed)
         try:
-            serve(runtime, host, port, token, max_body=max_body, recent_replies=recent, effects=executor)
+            serve(runtime, host, port, token, max_body=max_body, recent_replies=recent, effects=executor,
+                  sock=listener, on_ready=ready)
         except RuntimeStartError as exc:
-            raise _fail(f"the {runtime.kind} runtime did not start: {exc}") from None
+            raise _fail(f"the {runtime.kind} runtime did not start: {exc}", ExitCode.UNAVAILABLE) from None
         except RuntimeFailed as exc:  # one line, non-zero: a process supervisor restarts it
-            raise _fail(f"the {runtime.kind} runtime failed and cannot recover: {exc}") from None
+            raise _fail(f"the {runtime.kind} runtime failed and cannot recover: {exc}", ExitCode.UNAVAILABLE) from None
     finally:
         runtime.close()
+
+
+def ready_line(app_name: str, engine: str, base_url: str) -> str:
+    """The one line `charon run` prints once the node accepts work, the same on every engine."""
+    return f"charon: ready — {app_name} engine={engine} {base_url} (dashboard {base_url}/dashboard)"
 
 
 effects_app = typer.Typer(help="Durable effects: run them in worker processes, list them, retry or abandon one.",
@@ -264,7 +386,7 @@ def _effect_store(data_dir: str) -> Any:
 
     path = os.path.join(data_dir, EFFECTS_FILE)
     if not os.path.exists(path):
-        raise _fail(f"no effects recorded in {data_dir} (no {EFFECTS_FILE})")
+        raise _fail(f"no effects recorded in {data_dir} (no {EFFECTS_FILE})", ExitCode.FAILED)
     return EffectStore(path)
 
 
@@ -293,7 +415,8 @@ def effects_work(
         raise typer.BadParameter(f"--index must be below --workers ({workers})")
     path = os.path.join(data_dir, "streams.sqlite")
     if not os.path.exists(path):
-        raise _fail(f"no output streams in {data_dir} (no streams.sqlite): is it the engine's data directory?")
+        raise _fail(f"no output streams in {data_dir} (no streams.sqlite): is it the engine's data directory?",
+                    ExitCode.FAILED)
 
     async def main() -> None:
         from charon.client import AsyncClient, GatewayError
@@ -366,7 +489,7 @@ def effects_list(
 def effects_retry(effect_id: str = typer.Argument(...), data_dir: str = DataDirOpt) -> None:
     """Give a parked (failed) effect a new round of attempts."""
     if not _effect_store(data_dir).retry(effect_id):
-        raise _fail(f"effect {effect_id!r} is not parked")
+        raise _fail(f"effect {effect_id!r} is not parked", ExitCode.FAILED)
     typer.echo(f"retrying {effect_id}")
 
 
@@ -374,7 +497,7 @@ def effects_retry(effect_id: str = typer.Argument(...), data_dir: str = DataDirO
 def effects_abandon(effect_id: str = typer.Argument(...), data_dir: str = DataDirOpt) -> None:
     """Stop trying a parked or pending effect: its continuation runs with an EffectAbandoned failure."""
     if not _effect_store(data_dir).abandon(effect_id):
-        raise _fail(f"effect {effect_id!r} is not parked or pending")
+        raise _fail(f"effect {effect_id!r} is not parked or pending", ExitCode.FAILED)
     typer.echo(f"abandoned {effect_id}")
 
 
@@ -390,27 +513,18 @@ def invoke(
 ) -> None:
     """Invoke FUNCTION(*ARGS_JSON) on entity KEY of OPERATOR as one transaction; print the value as JSON.
 
-    Example: ``charon invoke account alice deposit '[100]'``.
+    Example: `charon invoke account alice deposit '[100]'`.
 
-    Exit status: 0 committed, 2 aborted (the error type and message go to stderr), 1 rejected or failed.
+    Exit status: 0 committed, 1 aborted (the error type and message go to stderr), 3 the gateway or engine is
+    unavailable, 4 the request was rejected (see docs/reference/exit-codes.md).
     """
     try:
         args = json.loads(args_json)
     except json.JSONDecodeError as exc:
-        raise _fail(f"ARGS_JSON is not valid JSON: {exc}") from None
+        raise _fail(f"ARGS_JSON is not valid JSON: {exc}", ExitCode.USAGE) from None
     if not isinstance(args, list):
-        raise _fail("ARGS_JSON must be a JSON list, e.g. '[\"bob\", 10]'")
-    import httpx
-
-    with _client(url, token) as client:
-        try:
-            value = client.invoke(operator, key, function, *args, request_id=request_id)
-        except TransactionAborted as exc:
-            raise _fail(f"transaction aborted: {exc.error_type}: {exc.message}", 2) from None
-        except CharonError as exc:
-            raise _fail(f"{type(exc).__name__}: {exc}") from None
-        except httpx.HTTPError as exc:
-            raise _fail(f"cannot reach the gateway at {url}: {exc}") from None
+        raise _fail("ARGS_JSON must be a JSON list, e.g. '[\"bob\", 10]'", ExitCode.USAGE)
+    value = _admin(url, token, lambda c: c.invoke(operator, key, function, *args, request_id=request_id))
     _print_json(value)
 
 
@@ -422,28 +536,18 @@ def state(
     token: str | None = TokenOpt,
 ) -> None:
     """Print the committed state of OPERATOR/KEY as JSON (an admin read)."""
-    import httpx
-
-    with _client(url, token) as client:
-        try:
-            value = client.state(operator, key)
-        except CharonError as exc:
-            raise _fail(f"{type(exc).__name__}: {exc}") from None
-        except httpx.HTTPError as exc:
-            raise _fail(f"cannot reach the gateway at {url}: {exc}") from None
-    _print_json(value)
+    _print_json(_admin(url, token, lambda c: c.state(operator, key)))
 
 
 def _admin(url: str, token: str | None, call: Any) -> Any:
+    """``call(client)`` on a client of the gateway at ``url``; a failure as one line and its exit code."""
     import httpx
 
     with _client(url, token) as client:
         try:
             return call(client)
-        except CharonError as exc:
-            raise _fail(f"{type(exc).__name__}: {exc}") from None
-        except httpx.HTTPError as exc:
-            raise _fail(f"cannot reach the gateway at {url}: {exc}") from None
+        except (CharonError, httpx.HTTPError) as exc:
+            raise _request_failed(exc, url) from None
 
 
 @app.command()
@@ -509,11 +613,35 @@ def read_state(
     keys: list[str] = typer.Argument(None, help="Entity keys (default: every entity, up to --limit)."),
     epoch: int | None = typer.Option(None, help="An earlier epoch still retained (default: the latest)."),
     limit: int | None = typer.Option(None, min=1, help="Most entities to return."),
+    internal: bool = typer.Option(False, "--internal", help="Also show the engine's internal items (the "
+                                  "entities' pending timers), hidden by default."),
     url: str = UrlOpt,
     token: str | None = TokenOpt,
 ) -> None:
     """Print OPERATOR's entities as of one committed epoch (one consistent cut) as JSON, with that epoch."""
-    _print_json(_admin(url, token, lambda c: c.read_state(operator, keys or None, epoch=epoch, limit=limit)))
+    cut = _admin(url, token, lambda c: c.read_state(operator, keys or None, epoch=epoch, limit=limit))
+    _print_json(cut if internal else hide_internal(cut))
+
+
+def hide_internal(cut: dict[str, object]) -> dict[str, object]:
+    """``cut`` (an admin read) without the engine's internal items (timers, stored beside an entity's items
+    under :data:`charon.core.timers.ITEM_PREFIX`); an entity that had nothing else is left out."""
+    from charon.core.timers import ITEM_PREFIX
+
+    items: dict[str, dict[str, object]] = {}
+    hidden: set[str] = set()
+    raw_items, raw_entities = cut.get("items"), cut.get("entities")
+    all_items = raw_items if isinstance(raw_items, dict) else {}
+    all_entities = raw_entities if isinstance(raw_entities, dict) else {}
+    for key, its in all_items.items():
+        mine = {name: v for name, v in its.items() if not name.startswith(ITEM_PREFIX)}
+        if mine:
+            items[key] = mine
+        if len(mine) < len(its):
+            hidden.add(key)
+    entities = {k: v for k, v in all_entities.items()
+                if not (k in hidden and v is None and k not in items)}
+    return {**cut, "entities": entities, "items": items, "count": len(entities)}
 
 
 @app.command()
@@ -530,9 +658,9 @@ def update(
     try:
         args = json.loads(args_json)
     except json.JSONDecodeError as exc:
-        raise _fail(f"ARGS_JSON is not valid JSON: {exc}") from None
+        raise _fail(f"ARGS_JSON is not valid JSON: {exc}", ExitCode.USAGE) from None
     if not isinstance(args, list):
-        raise _fail("ARGS_JSON must be a JSON list")
+        raise _fail("ARGS_JSON must be a JSON list", ExitCode.USAGE)
     _print_json(_admin(url, token, lambda c: c.admin_update(update_id, operator, function, *args, keys=keys or None)))
 
 
@@ -556,12 +684,12 @@ def deploy(
         try:
             args = json.loads(migrate[2])
         except json.JSONDecodeError as exc:
-            raise _fail(f"ARGS_JSON is not valid JSON: {exc}") from None
+            raise _fail(f"ARGS_JSON is not valid JSON: {exc}", ExitCode.USAGE) from None
         if not isinstance(args, list):
-            raise _fail("ARGS_JSON must be a JSON list")
+            raise _fail("ARGS_JSON must be a JSON list", ExitCode.USAGE)
         migration = (migrate[0], migrate[1], args)
     if compatible and migration is not None:
-        raise _fail("a --compatible update has no --migrate")
+        raise _fail("a --compatible update has no --migrate", ExitCode.USAGE)
     mode = "compatible" if compatible else "strict"
     _print_json(_admin(url, token, lambda c: c.update_code(ref, version, migration, mode)))
 
@@ -575,56 +703,89 @@ def metrics(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
 @app.command()
 def sql(
     query: str = typer.Argument(..., help='e.g. "SELECT sum(value) FROM account"'),
+    url: str | None = typer.Option(None, "--url", show_default=False,
+                                   help="Ask the running node at URL instead (its POST /admin/sql: one safe SELECT "
+                                   "in its SQL sandbox, answered in well under a second; no local Spark)."),
+    token: str | None = TokenOpt,
     data_dir: str = typer.Option("charon-data", "--data-dir", envvar="CHARON_DATA_DIR",
                                  help="The deployment's data directory (either runtime; it may be running)."),
     epoch: int | None = typer.Option(None, help="An earlier retained epoch (default: the newest)."),
     limit: int = typer.Option(1000, min=1, help="Most rows to print."),
     master: str = typer.Option("local[2]", envvar="CHARON_MASTER", help="Spark master of the reading session."),
 ) -> None:
-    """Run Spark SQL over the durable state at one consistent epoch: one view per operator with the columns
-    key, item, value, value_json, epoch (see charon.runtime.spark.statesql)."""
-    try:
-        from charon.runtime.spark.statesql import layout_of, register_views
-    except ImportError as exc:
-        raise _fail(f"SQL over state needs PySpark: {exc}") from None
-    try:
-        layout = layout_of(data_dir)
-    except (FileNotFoundError, ValueError, KeyError) as exc:
-        raise _fail(str(exc)) from None
+    """Run SQL over the durable state at one consistent epoch: one view per operator with the columns key, item,
+    value, value_json, epoch. Locally a Spark session of its own reads --data-dir (a JVM start, ~40 s; its
+    progress on stderr); with --url the running node answers (see `charon.runtime.spark.statesql`)."""
+    if url is not None:
+        doc = _admin(url, token, lambda c: c.sql(query, epoch))
+        rows = doc.get("rows") or []
+        _print_rows(list(doc.get("columns") or []), rows[:limit], f"epoch {doc.get('epoch')}")
+        if doc.get("truncated") or len(rows) > limit:
+            err_console.print("charon sql: the result was truncated (the node's sql_max_rows or --limit)")
+        return
+    with _stage("reading the data directory's layout"):
+        try:
+            from charon.runtime.spark.statesql import layout_of, register_views
+        except ImportError as exc:
+            raise _fail(f"SQL over state needs PySpark: {exc}", ExitCode.UNAVAILABLE) from None
+        try:
+            layout = layout_of(data_dir)
+        except (FileNotFoundError, ValueError, KeyError) as exc:
+            raise _fail(str(exc), ExitCode.FAILED) from None
     import tempfile
 
     from charon.config import SparkConfig
     from charon.runtime.spark.session import make_session
 
     scratch = tempfile.mkdtemp(prefix="charon-sql-")  # the reading session's own log, never the deployment's
-    spark = make_session(SparkConfig(master=master, data_dir=scratch, app_name="charon-sql"))
     try:
+        with _stage("starting Spark (JVM warm-up ~40 s)"):
+            spark = make_session(SparkConfig(master=master, data_dir=scratch, app_name="charon-sql"))
         try:
-            register_views(spark, layout, epoch)
-            df = spark.sql(query)
-            rows = df.limit(limit).collect()
+            with _stage(f"running the query at epoch {layout.epoch if epoch is None else epoch}"):
+                register_views(spark, layout, epoch)
+                df = spark.sql(query)
+                rows = df.limit(limit).collect()
         except CharonError as exc:
-            raise _fail(f"{type(exc).__name__}: {exc}") from None
+            raise _fail(f"{type(exc).__name__}: {exc}", ExitCode.REJECTED) from None
         except Exception as exc:  # noqa: BLE001 - Spark's analysis/parse errors, shown to the user
-            raise _fail(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
-        table = Table(*df.columns, title=f"epoch {layout.epoch if epoch is None else epoch}")
-        for r in rows:
-            table.add_row(*[json.dumps(v, default=str) if not isinstance(v, str) else v for v in r])
-        console.print(table)
+            raise _fail(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc}",
+                        ExitCode.REJECTED) from None
+        finally:
+            with _stage("stopping Spark"):
+                spark.stop()
+        _print_rows(list(df.columns), [list(r) for r in rows], f"epoch {layout.epoch if epoch is None else epoch}")
     finally:
-        spark.stop()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _stage(text: str) -> Iterator[None]:
+    """A stage of a long command on stderr (stdout stays the result): a spinner on a terminal, else a line."""
+    if err_console.is_terminal:
+        with err_console.status(f"{text}…"):
+            yield
+    else:
+        err_console.print(f"charon: {text}…", markup=False, highlight=False, soft_wrap=True)
+        yield
+
+
+def _print_rows(columns: list[str], rows: list[list[object]], title: str) -> None:
+    table = Table(*columns, title=title)
+    for r in rows:
+        table.add_row(*[Text(v if isinstance(v, str) else json.dumps(v, default=str)) for v in r])
+    console.print(table)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
     """Run the benchmark suite (``charon.bench``); extra arguments are passed to it."""
     if importlib.util.find_spec("charon.bench") is None:
-        raise _fail("the benchmark suite (charon.bench) is not part of this installation")
+        raise _fail("the benchmark suite (charon.bench) is not part of this installation", ExitCode.FAILED)
     module = importlib.import_module("charon.bench")
     entry = getattr(module, "main", None) or getattr(module, "app", None)
     if entry is None:
-        raise _fail("charon.bench has no `main` or `app` entry point")
+        raise _fail("charon.bench has no `main` or `app` entry point", ExitCode.FAILED)
     result = entry(list(ctx.args))
     if isinstance(result, int) and result:
         raise typer.Exit(result)
@@ -641,7 +802,7 @@ def _ycsb() -> Any:
     try:
         return importlib.import_module("charon.apps.ycsb")
     except ImportError as exc:
-        raise _fail(f"the YCSB-T example app (charon.apps.ycsb) is not available: {exc}") from None
+        raise _fail(f"the YCSB-T example app (charon.apps.ycsb) is not available: {exc}", ExitCode.APP_ERROR) from None
 
 
 async def _drive(
@@ -725,7 +886,7 @@ async def _serve_and_drive(
         while not server.started:
             if serving.done():
                 serving.result()
-                raise _fail("the gateway stopped during startup")
+                raise _fail("the gateway stopped during startup", ExitCode.UNAVAILABLE)
             await asyncio.sleep(0.05)
     accounts, balance, max_amount, zipf = shape
     console.print(
@@ -800,7 +961,7 @@ def demo(
     except Exception:  # noqa: BLE001 - the one place a traceback is shown: something failed
         console.print_exception()
         raise _fail("the demo failed" + (f"; Spark's own output is in {spark_log}" if spark_log else "")
-                    + (f" (data kept in {data_dir})" if data_dir else "")) from None
+                    + (f" (data kept in {data_dir})" if data_dir else ""), ExitCode.FAILED) from None
     finally:
         if runtime is not None:
             with console.status("stopping…"):
@@ -847,7 +1008,7 @@ def demo(
     if not (conserved and once):
         if data_dir:
             console.print(f"the demo's data (logs, state, Spark log) is kept in {data_dir}")
-        raise typer.Exit(1)
+        raise typer.Exit(ExitCode.FAILED)
     if data_dir and keep_data:
         console.print(f"the demo's data is kept in {data_dir}")
     elif data_dir:
@@ -855,16 +1016,27 @@ def demo(
 
 
 def main() -> None:
-    """Entry point of the ``charon`` console script."""
+    """Entry point of the ``charon`` console script: an unexpected error is one line and exit code ``INTERNAL``
+    (its traceback with ``--debug``); every other outcome is a code of :class:`ExitCode`."""
     _pin_hash_seed()
-    app()
+    try:
+        app()
+    except Exception as exc:  # noqa: BLE001 - the last resort: never a bare traceback unless asked for
+        if _debug():
+            err_console.print("".join(traceback.format_exception(exc)), markup=False, highlight=False)
+        where = _where(exc)
+        at = "" if where is None else f" (at {where[0]}:{where[1]})"
+        hint = "" if _debug() else f"; run `charon --debug ...` or set {DEBUG_ENV}=1 for the traceback"
+        raise SystemExit(_fail(f"unexpected {type(exc).__name__}: {exc}{at}{hint}", ExitCode.INTERNAL).exit_code) \
+            from None
 
 
 def _pin_hash_seed() -> None:
     """``charon run`` re-executes itself with ``PYTHONHASHSEED=0`` when the variable is unset or ``random``:
     functions iterating a set of strings then see the same order in every run of the process, so a restart
     that replays logged epochs reproduces the replies already sent (a fixed value the user set is kept)."""
-    if sys.argv[1:2] == ["run"] and os.environ.get("PYTHONHASHSEED", "random") in ("", "random"):
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)  # after global options (--debug)
+    if command == "run" and os.environ.get("PYTHONHASHSEED", "random") in ("", "random"):
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 

@@ -131,6 +131,13 @@ def _default_max_connections() -> int:
     return max(64, min(4096, soft // 2))
 
 
+#: Replies a durable engine (and the gateway) keeps in memory for retries by default; older ones come from the
+#: output log. ``charon run --reply-retention`` sets both.
+DURABLE_REPLY_RETENTION = 10_000
+#: The same for a volatile engine (``--ephemeral``, tests): nothing older can be answered, so it keeps more.
+VOLATILE_REPLY_RETENTION = 100_000
+
+
 @dataclass
 class GatewayConfig:
     """Limits and settings of the HTTP gateway (each also ``CHARON_GATEWAY_<FIELD>`` in the environment)."""
@@ -138,7 +145,7 @@ class GatewayConfig:
     max_body: int = 1 << 20  # largest request body in bytes (413 above)
     max_depth: int = 64  # deepest nesting of lists/maps in arguments (400 above)
     wait_timeout: float = 25.0  # a synchronous invoke still running after this answers 202 + status URL
-    recent_replies: int = 10_000  # replies the gateway keeps for polling and retries (count) ...
+    recent_replies: int = DURABLE_REPLY_RETENTION  # replies the gateway keeps for polling and retries (count) ...
     recent_bytes: int = 64 << 20  # ... and their total size in bytes
     # requests accepted and not answered yet (e.g. the backlog while paused), by their arguments' bytes (+512 each):
     # beyond it a new request is refused with 503 BacklogFull and Retry-After (nothing of it accepted)

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from charon import serde
+from charon.config import DURABLE_REPLY_RETENTION, VOLATILE_REPLY_RETENTION
 from charon.core import determinism
 from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult
@@ -339,7 +340,7 @@ class InProcessRuntime(EngineBacked):
         self._futures: dict[str, asyncio.Future[Reply]] = {}
         self._waiters: dict[str, list[asyncio.Future[Reply]]] = {}  # more callers of a request already waiting
         self._replies: OrderedDict[str, Reply] = OrderedDict()
-        self._retention = reply_retention or (100_000 if data_dir is None else 10_000)
+        self._retention = reply_retention or (VOLATILE_REPLY_RETENTION if data_dir is None else DURABLE_REPLY_RETENTION)
         self._retention_bytes = reply_retention_bytes
         self._replies_bytes = 0  # values and error messages of the replies in _replies
         self._task: asyncio.Task | None = None

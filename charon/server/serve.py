@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
@@ -19,10 +20,40 @@ import uvicorn
 from charon.config import GatewayConfig
 from charon.runtime.contract import Engine, EngineSource, as_engine
 from charon.server.admin import EffectsAdmin
-from charon.server.gateway import create_app
+from charon.server.gateway import Gateway, create_app
 from charon.server.http import uvicorn_config
 
-__all__ = ["serve", "BackgroundServer", "RuntimeStartError", "RuntimeFailed", "free_port"]
+__all__ = ["serve", "BackgroundServer", "RuntimeStartError", "RuntimeFailed", "PortUnavailable", "bind_socket",
+           "free_port"]
+
+READY_POLL_S = 0.05  # how often serve() looks whether the node accepts work yet (for ``on_ready``)
+
+
+class PortUnavailable(OSError):
+    """The gateway cannot listen on the host and port asked for (in use, not permitted, no such address)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (as uvicorn binds it), ready for :func:`serve`'s ``sock``: a busy port
+    is a :class:`PortUnavailable` now, before anything is started or announced."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart reuses a port in TIME_WAIT
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = {errno.EADDRINUSE: "the address is already in use (another process listens there; choose --port)",
+               errno.EACCES: "permission denied (ports below 1024 need privileges; choose --port)",
+               errno.EADDRNOTAVAIL: "no such address on this machine (check --host)"}.get(exc.errno or 0,
+                                                                                         exc.strerror or str(exc))
+        refused = PortUnavailable(f"cannot listen on {host}:{port}: {why}")
+        refused.errno = exc.errno
+        raise refused from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def serve(
@@ -36,8 +67,14 @@ def serve(
     recent_replies: int | None = None,
     config: GatewayConfig | None = None,
     effects: EffectsAdmin | None = None,
+    sock: socket.socket | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> None:
     """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it.
+
+    ``sock``: a socket :func:`bind_socket` bound (default: bind ``host:port`` now, :class:`PortUnavailable` when
+    it cannot). ``on_ready`` is called once, from another thread, when the node accepts work: the port listens,
+    the runtime has started and its health is ok (what ``/health`` answers 200 for).
 
     The port opens at once: a blocking runtime start (Spark's) runs in the background (see
     :func:`create_app`'s ``background_start``). If it fails, the server stops and :class:`RuntimeStartError`
@@ -71,12 +108,38 @@ def serve(
         background_start=True, on_start_failure=start_failed, effects=effects,
     )
     server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level))
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
-        server.run()
+    listener = sock if sock is not None else bind_socket(host, port)
+    done = threading.Event()
+    if on_ready is not None:
+        threading.Thread(target=_announce_ready, args=(server, app.state.gateway, engine, on_ready, done),
+                         name="charon-ready", daemon=True).start()
+    try:
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
+            server.run(sockets=[listener])
+    finally:
+        done.set()
+        listener.close()
     if failed:
         raise RuntimeStartError(failed[0])
     if fatal:
         raise RuntimeFailed(fatal[0])
+
+
+def _announce_ready(server: uvicorn.Server, gw: Gateway, engine: Engine, on_ready: Callable[[], None],
+                    done: threading.Event) -> None:
+    """Call ``on_ready`` once the node accepts work (see :func:`serve`); never when it stops first."""
+    while not done.wait(READY_POLL_S):
+        if server.should_exit or gw.start_error is not None:
+            return
+        if not server.started or gw.starting:
+            continue
+        try:
+            ok = bool(engine.health().get("ok", True))
+        except Exception:  # noqa: BLE001 - not healthy yet (e.g. the log does not answer): look again
+            ok = False
+        if ok and not done.is_set():
+            on_ready()
+            return
 
 
 class RuntimeStartError(RuntimeError):

@@ -249,7 +249,7 @@ def test_cli_log_options_are_checked(tmp_path: Path) -> None:
     assert p.returncode != 0 and "must be a nats://" in p.stderr
     port = __import__("natsfix").free_port()  # nothing listens there
     p = run("--engine", "remote", "--log", f"nats://127.0.0.1:{port}/x")
-    assert p.returncode == 1 and "is not reachable" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 3 and "is not reachable" in p.stderr and "Traceback" not in p.stderr  # UNAVAILABLE
 
 
 def test_remote_gateway_answers_503_while_the_log_is_down(server: NatsServer, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from charon.exitcodes import ExitCode
 from charon.runtime.spark import java as charon_java
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,7 +172,7 @@ def test_spark_failing_to_start_shows_the_error_and_points_at_the_log(tmp_path: 
         cwd=tmp_path, timeout=300,
     )
     out = r.stdout + r.stderr
-    assert r.returncode == 1, out
+    assert r.returncode == ExitCode.FAILED, out  # the demo as a whole failed (docs/reference/exit-codes.md)
     log = Path(re.search(r"Spark log: (\S+)", r.stdout).group(1))
     assert "charon-probe" in log.read_text()
     assert "Spark's JVM did not start" in out and "charon-probe" in out  # the log's tail in the error

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from charon import Application, Context, Operator
 from charon.cli import app as cli
+from charon.exitcodes import ExitCode
 from charon.runtime.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer, free_port
 
@@ -102,39 +103,40 @@ def test_url_and_token_from_environment(server: BackgroundServer) -> None:
     assert json.loads(r.stdout) == 3
 
 
-def test_abort_exits_2_with_the_typed_error(server: BackgroundServer) -> None:
+def test_abort_exits_1_with_the_typed_error(server: BackgroundServer) -> None:
     key = uid()
     r = cli_run("invoke", "wallet", key, "spend", "[5]", "--url", server.url, "--token", TOKEN)
-    assert r.exit_code == 2
+    assert r.exit_code == ExitCode.ABORTED == 1
     assert "Broke" in r.stderr and "only 0" in r.stderr
     assert r.stdout == ""
 
 
 @pytest.mark.parametrize(
-    ("args", "needle"),
+    ("args", "needle", "code"),
     [
-        (["invoke", "nosuch", "k", "top_up", "[1]"], "UnknownOperator"),
-        (["invoke", "wallet", "k", "nosuch", "[1]"], "UnknownFunction"),
-        (["invoke", "wallet", "k", "top_up", '["x"]'], "BadArguments"),
-        (["invoke", "wallet", "k", "top_up", "[1"], "not valid JSON"),
-        (["invoke", "wallet", "k", "top_up", '{"a": 1}'], "must be a JSON list"),
+        (["invoke", "nosuch", "k", "top_up", "[1]"], "UnknownOperator", ExitCode.REJECTED),
+        (["invoke", "wallet", "k", "nosuch", "[1]"], "UnknownFunction", ExitCode.REJECTED),
+        (["invoke", "wallet", "k", "top_up", '["x"]'], "BadArguments", ExitCode.REJECTED),
+        (["invoke", "wallet", "k", "top_up", "[1"], "not valid JSON", ExitCode.USAGE),
+        (["invoke", "wallet", "k", "top_up", '{"a": 1}'], "must be a JSON list", ExitCode.USAGE),
     ],
 )
-def test_rejections_exit_1(server: BackgroundServer, args: list[str], needle: str) -> None:
+def test_rejections_exit_rejected_or_usage(server: BackgroundServer, args: list[str], needle: str,
+                                           code: ExitCode) -> None:
     r = cli_run(*args, "--url", server.url, "--token", TOKEN)
-    assert r.exit_code == 1
+    assert r.exit_code == code
     assert needle in r.stderr
 
 
-def test_wrong_token_exits_1(server: BackgroundServer) -> None:
+def test_wrong_token_exits_rejected(server: BackgroundServer) -> None:
     r = cli_run("state", "wallet", "k", "--url", server.url, "--token", "nope")
-    assert r.exit_code == 1
+    assert r.exit_code == ExitCode.REJECTED
     assert "Unauthorized" in r.stderr
 
 
-def test_unreachable_gateway_exits_1() -> None:
+def test_unreachable_gateway_exits_unavailable() -> None:
     r = cli_run("invoke", "wallet", "k", "top_up", "[1]", "--url", f"http://127.0.0.1:{free_port()}")
-    assert r.exit_code == 1
+    assert r.exit_code == ExitCode.UNAVAILABLE
     assert "cannot reach the gateway" in r.stderr
 
 
@@ -143,7 +145,7 @@ def test_bench_delegates_or_explains() -> None:
     module = importlib.import_module("charon.bench") if bench else None
     if module is None or not (hasattr(module, "main") or hasattr(module, "app")):
         r = cli_run("bench")
-        assert r.exit_code == 1
+        assert r.exit_code == ExitCode.FAILED
         assert "charon.bench" in r.stderr
     else:  # an entry point exists: only check the command is wired (running it is a benchmark)
         r = cli_run("bench", "--help")
@@ -188,7 +190,8 @@ def test_run_serves_an_app_module(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 0
     err = proc.stderr.read().decode() if proc.stderr else ""
-    assert "serving" in err and "cliapp" in err
+    assert "starting cliapp" in err
+    assert err.count(f"charon: ready — cliapp engine=inprocess {url} (dashboard {url}/dashboard)") == 1, err
 
 
 def test_run_rejects_a_bad_target(tmp_path: Path) -> None:

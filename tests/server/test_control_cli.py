@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.cli import app
+from charon.exitcodes import ExitCode
 from charon.server.serve import BackgroundServer
 
 TOKEN = "cli-t0ken"
@@ -45,9 +46,9 @@ def test_cli_pause_resume_read_metrics() -> None:
         res = CliRunner().invoke(app, ["metrics", "--url", srv.url, "--token", TOKEN])
         assert res.exit_code == 0 and "charon_paused 0.0" in res.output
         bad = CliRunner().invoke(app, ["status", "--url", srv.url, "--token", "wrong"])
-        assert bad.exit_code == 1 and "Unauthorized" in bad.output
+        assert bad.exit_code == ExitCode.REJECTED and "Unauthorized" in bad.output
         bad = CliRunner().invoke(app, ["read", "nosuch", "--url", srv.url, "--token", TOKEN])
-        assert bad.exit_code == 1
+        assert bad.exit_code == ExitCode.REJECTED
 
 
 @pytest.mark.spark
@@ -64,9 +65,14 @@ def test_cli_sql_over_a_node_data_dir(tmp_path) -> None:
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "1000" in out.stdout and "40" in out.stdout and "29" in out.stdout, out.stdout
+    # its progress, stage by stage, on stderr; stdout is the result only
+    stages = [line for line in out.stderr.splitlines() if line.startswith("charon: ")]
+    assert stages == ["charon: reading the data directory's layout…", "charon: starting Spark (JVM warm-up ~40 s)…",
+                      "charon: running the query at epoch 29…", "charon: stopping Spark…"], out.stderr
+    assert "charon: " not in out.stdout
     bad = subprocess.run([CHARON, "sql", "--data-dir", str(tmp_path / "none"), "SELECT 1"], env=env,
                          capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and "no Charon deployment" in bad.stderr
+    assert bad.returncode == ExitCode.FAILED and "no Charon deployment" in bad.stderr
 
 
 def ycsb_request(i: int):

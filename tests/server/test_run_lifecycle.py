@@ -169,7 +169,7 @@ def test_spark_port_opens_at_once_and_sigint_under_load_exits_cleanly(tmp_path: 
 
 
 @pytest.mark.spark
-def test_spark_start_failure_turns_health_red_and_exits_1(tmp_path: Path) -> None:
+def test_spark_start_failure_turns_health_red_and_exits_unavailable(tmp_path: Path) -> None:
     proc, url = _start(["--engine", "spark", "--data-dir", str(tmp_path / "data")],
                        {"CHARON_MASTER": "nonsense://nowhere"}, tmp_path)
     try:
@@ -178,5 +178,5 @@ def test_spark_start_failure_turns_health_red_and_exits_1(tmp_path: Path) -> Non
         proc.wait(180)
     finally:
         code, err = _stop(proc)
-    assert code == 1, err
+    assert code == 3, err  # ExitCode.UNAVAILABLE
     assert "did not start" in err and "Traceback" not in err, err
