@@ -10,7 +10,6 @@ import re
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from importlib.metadata import version
