@@ -165,6 +165,8 @@ class GatewayConfig:
     sql_max_result_bytes: int = 4 << 20  # /admin/sql: largest answer, bytes of JSON rows (413 SQLResultTooLarge)
     sql_max_memory: int = 512 << 20  # /admin/sql: address space of the query's sandbox process (422 SQLTooExpensive)
     metrics_samples: int = 10_000  # recent replies the dashboard's throughput and percentiles are computed from
+    metrics_history_samples: int = 900  # the dashboard's charts: one sample a second kept (15 minutes) ...
+    metrics_history_bytes: int = 2 << 20  # ... and at most this many bytes of them (JSON); the oldest go first
     # POST /invoke answered from the HTTP protocol without an ASGI task where its checks run on the loop (the
     # in-process node): same checks and answers, about a third less server CPU per request (charon.server.lane)
     direct_invoke: bool = True
