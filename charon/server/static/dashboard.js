@@ -437,7 +437,10 @@ $("sql-go").addEventListener("click", async () => {
 
 // -- navigation and the refresh loops --------------------------------------------------------------------------
 for (const b of document.querySelectorAll("nav button")) {
-  b.addEventListener("click", () => $(b.dataset.go).scrollIntoView({ behavior: "instant", block: "start" }));
+  b.addEventListener("click", () => {  // below the sticky top (header, banner, errors)
+    const y = $(b.dataset.go).getBoundingClientRect().top + window.scrollY - $("top").offsetHeight - 8;
+    window.scrollTo({ top: Math.max(0, y), behavior: "instant" });
+  });
 }
 function refreshAll() {
   refresh(); refreshHistory(); refreshDeadLetters(); refreshEffects(); refreshCodeHistory();
