@@ -494,6 +494,16 @@ def admin_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
                           "429": err("too many SQL queries at once"), **common}}},
         "/admin/summary": {"get": {"summary": "The dashboard's JSON (admin)", "security": security,
                                    "responses": {"200": ok("throughput, latency, epochs, status"), **common}}},
+        "/admin/metrics/history": {"get": {
+            "summary": "The dashboard's charts: one sample a second, newer than since (admin)", "security": security,
+            "parameters": [{"name": "since", "in": "query", "required": False,
+                            "schema": {"type": "number"}, "description": "Unix seconds"}],
+            "responses": {"200": ok("{interval_s, samples, max_samples, max_bytes, bytes}"),
+                          "400": err("since is not a number, or an unknown parameter"), **common}}},
+        "/admin/code/history": {"get": {
+            "summary": "The deployed code versions, oldest first (admin)", "security": security,
+            "responses": {"200": ok("{app, current, versions: [{from_epoch, version, ref, migration}]}"),
+                          **common}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "security": security, "responses": {
             "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
             "401": err("missing or wrong bearer token")}}},
