@@ -310,7 +310,7 @@ class Engine(abc.ABC):
         """The recent epochs' figures (size, duration, conflicts...), oldest first (the metrics read them)."""
         return []
 
-    def code_versions(self) -> list[dict[str, Any]]:
+    def code_versions(self) -> list[dict[str, str | int | None]]:
         """The deployed code versions, oldest first: ``{"from_epoch", "version", "ref", "migration"}``
         each (``ref`` None: the application the engine was built with; ``migration`` "operator.function" or None)."""
         return [{"from_epoch": 0, "version": self.version_at(0), "ref": None, "migration": None}]

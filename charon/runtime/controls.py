@@ -139,7 +139,7 @@ class HostedEngine(Engine, GatedControls):
     def epoch_stats(self) -> list[dict[str, float]]:
         return self.rt.epoch_stats
 
-    def code_versions(self) -> list[dict[str, Any]]:
+    def code_versions(self) -> list[dict[str, str | int | None]]:
         return [{"from_epoch": v.from_epoch, "version": v.version, "ref": v.ref,
                  "migration": None if v.migration is None else f"{v.migration[1]}.{v.migration[2]}"}
                 for v in self.code.versions]

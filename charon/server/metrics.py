@@ -212,7 +212,7 @@ class GatewayMetrics:
         return sample
 
     async def sample_every(self, interval: float, inflight: Callable[[], int],
-                           off_loop: Callable[..., Awaitable[Any]]) -> None:
+                           off_loop: Callable[..., Awaitable[object]]) -> None:
         """Tick every ``interval`` seconds (off the event loop) until cancelled: the gateway's history sampler."""
         loop = asyncio.get_running_loop()
         next_at = loop.time()
