@@ -54,6 +54,8 @@
   A log-only rescale answers ``{"log": {...}}`` alone.
   ``/admin/status`` shows ``partitions``, ``last_rescale`` (that answer) and, on Spark, ``log_partitions``
   (``{"route", "physical"}``).
+- ``GET /admin/requests`` and ``GET /admin/requests/{request_id}``: the invocation inspector
+  (:mod:`charon.server.requests_admin`).
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
 - ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
 - ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
@@ -91,6 +93,7 @@ from charon.runtime.contract import (
 )
 from charon.server.limits import Slots
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from charon.server.requests_admin import RequestsAdmin
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK_TYPES, HTTPError, guard, respond
 
 __all__ = ["AdminGateway", "AdminRoutes", "EffectsAdmin", "admin_routes"]
@@ -486,7 +489,8 @@ class AdminRoutes:
             Route("/admin/summary", guard(self.summary), methods=["GET"], name="admin_summary"),
             Route("/metrics", guard(self.prometheus), methods=["GET"], name="metrics"),
             Route("/dashboard", self.dashboard, methods=["GET"], name="dashboard"),
-        ] + ([] if self.effects is None else [  # only beside an effect executor (charon run --effects)
+        ] + RequestsAdmin(self.gw).routes() + (
+            [] if self.effects is None else [  # only beside an effect executor (charon run --effects)
             Route("/admin/effects", guard(self.list_effects), methods=["GET"], name="admin_effects"),
             Route("/admin/effects/{effect_id}/{action}", guard(self.effect_action), methods=["POST"],
                   name="admin_effect_action"),
