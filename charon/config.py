@@ -79,6 +79,10 @@ class SparkConfig:
     # run every function step twice on the same inputs and abort its transaction with NonDeterministicFunction
     # when the two runs' effects differ (charon.core.determinism; a development aid, ~2x the functions' CPU)
     determinism_check: bool = False
+    # the invocation inspector (charon.runtime.inspector): on, records kept, bytes of them kept (the oldest go first)
+    inspector: bool = True
+    inspector_records: int = 10_000
+    inspector_bytes: int = 32 << 20
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 

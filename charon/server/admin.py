@@ -54,6 +54,8 @@
   A log-only rescale answers ``{"log": {...}}`` alone.
   ``/admin/status`` shows ``partitions``, ``last_rescale`` (that answer) and, on Spark, ``log_partitions``
   (``{"route", "physical"}``).
+- ``GET /admin/requests`` and ``GET /admin/requests/{request_id}``: the invocation inspector
+  (:mod:`charon.server.requests_admin`).
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
 - ``GET /admin/metrics/history?since=T``: the dashboard's charts, one sample a second newer than ``T`` (Unix
   seconds), oldest first (:mod:`charon.server.history`; at most ``metrics_history_samples`` and
@@ -97,6 +99,7 @@ from charon.runtime.contract import (
 )
 from charon.server.limits import Slots
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from charon.server.requests_admin import RequestsAdmin
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK_TYPES, HTTPError, guard, respond
 
 __all__ = ["AdminGateway", "AdminRoutes", "EffectsAdmin", "admin_routes"]
@@ -534,7 +537,8 @@ class AdminRoutes:
             Route("/admin/code/history", guard(self.code_history), methods=["GET"], name="admin_code_history"),
             Route("/dashboard", self.dashboard, methods=["GET"], name="dashboard"),
             Route("/dashboard/{name}", guard(self.asset), methods=["GET"], name="dashboard_asset"),
-        ] + ([] if self.effects is None else [  # only beside an effect executor (charon run --effects)
+        ] + RequestsAdmin(self.gw).routes() + (
+            [] if self.effects is None else [  # only beside an effect executor (charon run --effects)
             Route("/admin/effects", guard(self.list_effects), methods=["GET"], name="admin_effects"),
             Route("/admin/effects/{effect_id}/{action}", guard(self.effect_action), methods=["POST"],
                   name="admin_effect_action"),
