@@ -27,6 +27,8 @@ async function api(method, path, body) {
 }
 
 const fmt = (v, d = 1) => (v === null || v === undefined) ? "-" : Number(v).toFixed(d);
+const fmtBytes = (n) => n >= 1 << 20 ? (n / (1 << 20)).toFixed(0) + " MiB" : n >= 1024 ? (n / 1024).toFixed(0) + " KiB"
+  : n + " bytes";
 const clockOf = (ms) => new Date(ms).toTimeString().slice(0, 8);
 
 // -- problems: an error stays listed (with when it began) until its condition clears -------------------------
@@ -201,7 +203,7 @@ async function searchRequests(more) {
   $("req-more").disabled = !reqCursor;
   const ret = doc.retention || {};
   $("req-info").textContent = `${body.children.length} shown${reqCursor ? ", more older" : ""}; kept: ` +
-    `${ret.max_records} requests / ${ret.max_bytes} bytes` +
+    `${ret.max_records} requests / ${fmtBytes(ret.max_bytes)}` +
     (ret.oldest ? `, oldest ${clockOf(ret.oldest * 1000)}` : "");
 }
 
