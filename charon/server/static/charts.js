@@ -40,8 +40,10 @@ function lineChart(el, times, series, opts) {
   if (times.length) {
     svg.appendChild(svgEl("text", { x: L, y: H - B + 14, class: "axis" }, clock(t0)));
     svg.appendChild(svgEl("text", { x: W - R, y: H - B + 14, "text-anchor": "end", class: "axis" }, clock(t1)));
-  } else {
-    svg.appendChild(svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "axis" }, "no samples yet"));
+  }
+  if (!times.length || !series.length) {
+    svg.appendChild(svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "axis" },
+                          times.length ? (opts.empty || "none") : "no samples yet"));
   }
   let lx = L;
   series.forEach((s) => {

@@ -156,7 +156,8 @@ function drawCharts() {
     { name: "p99", color: "#d4873b", values: col(s => s.p99_ms) }], { title: "latency" });
   const types = [...new Set(samples.flatMap(s => Object.keys(s.aborts)))].sort();
   lineChart($("chart-aborts"), t, types.map((k, i) => (
-    { name: k, color: PALETTE[i % PALETTE.length], values: col(s => s.aborts[k] || 0) })), { title: "aborts" });
+    { name: k, color: PALETTE[i % PALETTE.length], values: col(s => s.aborts[k] || 0) })),
+    { title: "aborts", empty: "no aborts" });
   lineChart($("chart-epochs"), t, [
     { name: "mean", color: "#3b6fd4", values: col(s => s.epoch_ms) },
     { name: "max", color: "#d4873b", values: col(s => s.epoch_max_ms) }], { title: "epoch duration" });
