@@ -2,7 +2,8 @@
 under load (a background thread sending transfers, some of them aborting): the charts render and grow, a reload
 redraws them from the server's history, the state browser shows 200 entities a page at a time and finds a key,
 a wrong token greys the numbers out with "last updated" and says so, a stopped node is reported as down, an
-error stays listed with its time until its condition clears, and the code history shows "v2", not "vv2".
+error stays listed with its time until its condition clears, the code history shows "v2", not "vv2", and the
+timers and output-stream panels read an entity's timers and page through a stream.
 
 Screenshots go to ``CHARON_DASHBOARD_SCREENSHOTS`` (default: the test's temporary directory); the docs' ones are
 made with ``CHARON_DASHBOARD_SCREENSHOTS=docs/img .venv/bin/pytest tests/server/test_dashboard_charts.py``."""
@@ -19,9 +20,10 @@ from collections.abc import Iterator
 
 import code_versions
 import pytest
+import streams_app
 
 from charon import InProcessRuntime
-from charon.apps import ycsb
+from charon.apps import holds, ycsb
 from charon.client import Client
 from charon.config import GatewayConfig
 from charon.server.serve import BackgroundServer
@@ -213,6 +215,58 @@ def test_code_history_after_an_update_shows_v2_not_vv2(browser, shots) -> None:
             assert rows == [["v2 (current)", str(upd["from_epoch"]), "code_versions:v2", "account.migrate"],
                             ["v1", "0", "(as started)", "-"]]
             assert "vv2" not in (page.text_content("body") or "")
+            page.close()
+    finally:
+        rt.close()
+
+
+def test_timers_and_streams_panels(browser) -> None:
+    rt = InProcessRuntime(holds.app, partitions=2, epoch_max_ms=2.0)
+    rt.load("acct", {"a": 100, "b": 0})
+    try:
+        with BackgroundServer(rt, token=TOKEN) as srv, Client(srv.url, token=TOKEN) as c:
+            t1 = c.invoke("acct", "a", "hold", "h1", 10, 600.0)
+            t2 = c.invoke("acct", "a", "hold", "h2", 5, 900.0)
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.goto(f"{srv.url}/dashboard#token={TOKEN}")
+            page.fill("#timer-operator", "acct")
+            page.fill("#timer-key", "a")
+            page.click("#timer-go")
+            page.wait_for_function("document.querySelectorAll('#timer-list tr').length === 2", timeout=WAIT)
+            got = {tr.locator("td").nth(0).text_content(): tr.locator("td").nth(2).text_content()
+                   for tr in page.locator("#timer-list tr").all()}
+            assert got == {t1: "release", t2: "release"}
+            assert page.text_content("#timer-info") == "2 pending on acct/a"
+            page.fill("#timer-key", "b")
+            page.click("#timer-go")
+            page.wait_for_function("document.getElementById('timer-info').textContent === '0 pending on acct/b'",
+                                   timeout=WAIT)
+            assert page.locator("#timer-list tr").count() == 0
+            page.close()
+    finally:
+        rt.close()
+    rt = InProcessRuntime(streams_app.app, partitions=2, epoch_max_ms=2.0)
+    rt.load("acct", {f"s{i}": 100 for i in range(4)})
+    try:
+        with BackgroundServer(rt, token=TOKEN) as srv, Client(srv.url, token=TOKEN) as c:
+            for i in range(60):
+                c.invoke("acct", f"s{i % 4}", "transfer", f"s{(i + 1) % 4}", 1, f"t{i}")
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.goto(f"{srv.url}/dashboard#token={TOKEN}")
+            page.fill("#stream-name", "payments")
+            page.click("#stream-go")
+            page.wait_for_function("document.querySelectorAll('#stream-list tr').length === 50", timeout=WAIT)
+            first = page.locator("#stream-list tr").first.locator("td").all_text_contents()
+            assert first[0] == "0" and '"tag":"t0"' in first[2]
+            assert page.text_content("#stream-info") == "offsets 0..60; next 50"
+            page.click("#stream-next")
+            page.wait_for_function("document.querySelectorAll('#stream-list tr').length === 10", timeout=WAIT)
+            assert page.locator("#stream-list tr td:first-child").all_text_contents() == [str(i) for i in range(50, 60)]
+            assert page.is_disabled("#stream-next")
+            page.fill("#stream-name", "no such stream!")
+            page.click("#stream-go")
+            page.wait_for_selector("#error [data-problem='action:streams']", timeout=WAIT)
+            assert "InvalidKey" in (page.text_content("#error") or "")
             page.close()
     finally:
         rt.close()
