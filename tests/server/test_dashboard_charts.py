@@ -123,7 +123,7 @@ def test_charts_grow_reload_keeps_them_state_pages_wrong_token_and_node_down(bro
             before = points(page, "chart-throughput")
             page.reload()
             page.wait_for_function(f"Number(document.querySelector('#chart-throughput svg')"
-                                   f"?.getAttribute('data-points')) >= {before}", timeout=5_000)
+                                   f"?.getAttribute('data-points')) >= {before}", timeout=WAIT)
 
             # the state browser: 200 entities, 50 a page, next/prev, search by key
             page.fill("#browse-operator", "account")
@@ -166,10 +166,10 @@ def test_charts_grow_reload_keeps_them_state_pages_wrong_token_and_node_down(bro
             page.wait_for_selector("#error [data-problem='action:state']", state="detached", timeout=WAIT)
 
             # a wrong token: said so, the numbers greyed out with "last updated", not shown as live
-            live_epoch = page.text_content("#epoch")
             page.fill("#token", "wrong")
             page.dispatch_event("#token", "change")
             page.wait_for_function("document.getElementById('conn').className === 'unauthorized'", timeout=WAIT)
+            live_epoch = page.text_content("#epoch")  # the last live value: answers to the old token are dropped
             assert "Wrong or missing token" in (page.text_content("#conn") or "")
             assert "Unauthorized" in (page.text_content("#error") or "")
             assert page.evaluate("document.body.classList.contains('stale')")

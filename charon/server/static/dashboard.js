@@ -109,9 +109,15 @@ function showStatus(st) {
 // a version label as given ("v2", "2", "2024-05-01"): prefixed with "v" only when it is a bare number
 const versionLabel = (v) => /^[0-9]/.test(String(v)) ? "v" + v : String(v);
 
+// answers to requests sent before a token change, or older than one already shown, are dropped
+let tokenGen = 0, sent = 0, shown = 0;
 async function refresh() {
-  let s;
-  try { s = await api("GET", "/admin/summary"); } catch (e) { connection(e); return; }
+  const gen = tokenGen, mine = ++sent;
+  let s, err = null;
+  try { s = await api("GET", "/admin/summary"); } catch (e) { err = e; }
+  if (gen !== tokenGen || mine < shown) return;
+  shown = mine;
+  if (err) { connection(err); return; }
   connection(null);
   showStatus(s.status);
   $("code").textContent = s.code.app + " " + versionLabel(s.code.version);
@@ -134,15 +140,19 @@ async function refresh() {
 
 // -- charts over time (GET /admin/metrics/history?since=: a reload redraws from the server's memory) ---------
 const PALETTE = ["#d43b3b", "#d4873b", "#8a3bd4", "#3bb0d4", "#3bd46b", "#d43b9e", "#7a7a2a", "#2a7a6a"];
-let samples = [], maxSamples = 900;
+let samples = [], maxSamples = 900, historyBusy = false;
 async function refreshHistory() {
-  const since = samples.length ? samples[samples.length - 1].t : null;
-  let doc;
-  try { doc = await api("GET", "/admin/metrics/history" + (since === null ? "" : "?since=" + since)); }
-  catch (e) { return; }  // the summary's refresh reports the connection
-  maxSamples = doc.max_samples;
-  samples = samples.concat(doc.samples).slice(-maxSamples);
-  drawCharts();
+  if (historyBusy) return;  // one at a time: each asks for what is newer than the last sample it has
+  historyBusy = true;
+  try {
+    const since = samples.length ? samples[samples.length - 1].t : null;
+    const doc = await api("GET", "/admin/metrics/history" + (since === null ? "" : "?since=" + since));
+    maxSamples = doc.max_samples;
+    const last = samples.length ? samples[samples.length - 1].t : -Infinity;
+    samples = samples.concat(doc.samples.filter(x => x.t > last)).slice(-maxSamples);
+    drawCharts();
+  } catch (e) { /* the summary's refresh reports the connection */ }
+  finally { historyBusy = false; }
 }
 
 function drawCharts() {
@@ -449,6 +459,7 @@ function refreshAll() {
   refresh(); refreshHistory(); refreshDeadLetters(); refreshEffects(); refreshCodeHistory();
 }
 $("token").addEventListener("change", () => {
+  tokenGen += 1;
   sessionStorage.setItem("charon-token", $("token").value);
   refreshAll();
 });
