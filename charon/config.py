@@ -79,6 +79,10 @@ class SparkConfig:
     # run every function step twice on the same inputs and abort its transaction with NonDeterministicFunction
     # when the two runs' effects differ (charon.core.determinism; a development aid, ~2x the functions' CPU)
     determinism_check: bool = False
+    # the invocation inspector (charon.runtime.inspector): on, records kept, bytes of them kept (the oldest go first)
+    inspector: bool = True
+    inspector_records: int = 10_000
+    inspector_bytes: int = 32 << 20
     app_name: str = "charon"
     spark_conf: dict[str, str] = field(default_factory=dict)
 
@@ -172,6 +176,8 @@ class GatewayConfig:
     sql_max_result_bytes: int = 4 << 20  # /admin/sql: largest answer, bytes of JSON rows (413 SQLResultTooLarge)
     sql_max_memory: int = 512 << 20  # /admin/sql: address space of the query's sandbox process (422 SQLTooExpensive)
     metrics_samples: int = 10_000  # recent replies the dashboard's throughput and percentiles are computed from
+    metrics_history_samples: int = 900  # the dashboard's charts: one sample a second kept (15 minutes) ...
+    metrics_history_bytes: int = 2 << 20  # ... and at most this many bytes of them (JSON); the oldest go first
     # POST /invoke answered from the HTTP protocol without an ASGI task where its checks run on the loop (the
     # in-process node): same checks and answers, about a third less server CPU per request (charon.server.lane)
     direct_invoke: bool = True

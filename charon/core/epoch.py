@@ -47,7 +47,16 @@ from typing import NamedTuple, Protocol
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.partition import MAX_INVOCATIONS, ROOT, Control, Invoke, Prior, RoundOutput, too_many_invocations
+from charon.core.partition import (
+    MAX_INVOCATIONS,
+    ROOT,
+    Control,
+    Invoke,
+    Observed,
+    Prior,
+    RoundOutput,
+    too_many_invocations,
+)
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import MAX_KEY_BYTES, check_key, key_group
 from charon.core.sequencer import Sequencer
@@ -386,6 +395,7 @@ class FallbackJob:
     last_tid: int  # the highest TID of the chunk
     max_invocations: int
     base: int = 0  # the chunk's position offset (chunk_bases)
+    observe: bool = False  # EpochCoordinator.observe
 
 
 @dataclass
@@ -401,6 +411,7 @@ class FallbackOutcome:
     stats: dict[str, float]
     next_due: float = math.inf  # the least due time of a timer registered in its rounds (see run_epoch)
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # taken while it ran (see EpochCoordinator._verdict)
+    trace: list[Observed] = field(default_factory=list)  # what its rounds observed (EpochCoordinator.trace)
 
 
 def run_fallback(
@@ -418,8 +429,10 @@ def run_fallback(
     coord = EpochCoordinator(app, exchange, max_invocations=job.max_invocations, on_replies=on_replies)
     result = coord.current = EpochResult(job.epoch, {}, job.requests, [])
     coord.phase = 1
+    coord.observe = job.observe
     if outer is not None:
         coord.verdicts, coord.on_verdict, coord.taken = outer.verdicts, outer.on_verdict, outer.taken
+        coord.trace = outer.trace  # observed straight into the outer coordinator's (the outcome's stays empty)
 
     def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
         return _reply(result, job.last_tid, tid, True, ok, value, err, job.base)
@@ -430,7 +443,7 @@ def run_fallback(
     stats: dict[str, float] = {}
     apply, reset = coord._fallback(job.epoch, job.conflicted, track, result, reply, job.apply, stats)
     return FallbackOutcome(list(result.replies.values()), result.fast, result.slow, coord.deferred, apply, reset,
-                           stats, coord.due_seen, coord.taken)
+                           stats, coord.due_seen, coord.taken, [] if outer is not None else coord.trace)
 
 
 def _reply(result: EpochResult, last_tid: int, tid: int, fallback: bool, ok: bool, value: bytes = b"",
@@ -473,6 +486,7 @@ class RestJob:
     chunk: int = 0  # the chunk being run
     carry: tuple[list[int], list[int]] | None = None  # the chunk before's (apply, reset), not yet settled
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # EpochCoordinator.verdicts of the job's requests
+    observe: bool = False  # EpochCoordinator.observe
 
 
 @dataclass
@@ -491,12 +505,14 @@ class RestOutcome:
     # the job's prior's finalize: its raw events (tid, inv, n, stream, value), put in atom order by the driver
     prior_events: list[RawEvent] = field(default_factory=list)
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # taken while it ran (see EpochCoordinator._verdict)
+    trace: list[Observed] = field(default_factory=list)  # what its rounds observed (EpochCoordinator.trace)
 
 
 def run_rest(app: Application, exchange: Exchange, job: RestJob) -> RestOutcome:
     """Run :class:`RestJob` through ``exchange`` (whose partitions already ran ``job.prior``, if any)."""
     coord = EpochCoordinator(app, exchange, max_invocations=job.max_invocations)
     coord.verdicts = dict(job.verdicts)
+    coord.observe = job.observe
     result = coord.current = EpochResult(job.epoch, {}, job.requests, [])
     sent: list[Reply] = []
     coord.on_replies = sent.extend
@@ -504,7 +520,7 @@ def run_rest(app: Application, exchange: Exchange, job: RestJob) -> RestOutcome:
     apply, reset = coord._rest(job.epoch, job.roots, job.msgs, job.track, job.n, None, result, stats, job.bounds,
                                job.chunk, job.carry)
     return RestOutcome(sent, result.lockfree, result.fast, result.slow, coord.deferred, apply, reset, stats,
-                       coord.due_seen, verdicts=coord.taken)
+                       coord.due_seen, verdicts=coord.taken, trace=coord.trace)
 
 
 class EpochCoordinator:
@@ -564,6 +580,10 @@ class EpochCoordinator:
         #: records a verdict taken in this epoch durably before it counts (the driver's runtime; None: only here)
         self.on_verdict: Callable[[Request, Verdict, int], None] | None = None  # (request, verdict, epoch)
         self.taken: dict[str, Verdict] = {}  # verdicts this coordinator took (run_rest/run_fallback return them)
+        #: ask the partitions what they run (``Control.observe``): the invocations and tracebacks they report are
+        #: appended to :attr:`trace` (observation only; the runtime takes them, nothing here reads them)
+        self.observe = False
+        self.trace: list[Observed] = []
 
     def _verdict(self, tid: int, etype: str, msg: str) -> None:
         """A round reported ``tid`` failed by a decision from outside the core (``InvocationTimeout``): recorded
@@ -600,6 +620,7 @@ class EpochCoordinator:
                 g = m.kg = key_group(m.op, m.key)
             inboxes[g % parts].append(m)
         control.max_invocations = limit = self.max_invocations
+        control.observe = self.observe
         counts = track.invocations
         t0 = time.perf_counter()
         outs = self.exchange.round(control, inboxes)
@@ -661,6 +682,8 @@ class EpochCoordinator:
                     self.due_seen = nd
             for k, v in o.stats.items():
                 stats[k] = stats.get(k, 0) + v
+            if o.trace:
+                self.trace += o.trace
         return nxt
 
     def _emit(self, replies: list[Reply]) -> None:
@@ -842,7 +865,7 @@ class EpochCoordinator:
             while msgs and n < self.max_rounds:
                 if taker is not None:
                     job = RestJob(epoch, {t: result.requests[t] for t in roots}, roots, msgs, track, n, prior, bounds,
-                                  self.max_invocations, j, carry, self.verdicts)
+                                  self.max_invocations, j, carry, self.verdicts, self.observe)
                     out = taker(job)
                     if out is not None:
                         return self._taken(out, prior is not None, result, stats)
@@ -878,6 +901,8 @@ class EpochCoordinator:
         self.due_seen = min(self.due_seen, out.next_due)
         if out.verdicts:
             self._adopt(out.verdicts)  # recorded before the replies that depend on them go out
+        if out.trace:
+            self.trace += out.trace  # before the replies: the runtime takes a transaction's with its reply
         self._emit(out.replies)
         for r in out.replies:
             result.replies[r.tid] = r
@@ -951,6 +976,7 @@ class EpochCoordinator:
             epoch, conflicted, {t: rw.get(t, {}) for t in conflicted},
             {t: track.failed[t] for t in conflicted if t in track.failed},
             {t: result.requests[t] for t in conflicted}, lockfree, last_tid, self.max_invocations, base,
+            self.observe,
         )
         runner = getattr(self.exchange, "fallback", None)
         self.phase = 1
@@ -961,6 +987,8 @@ class EpochCoordinator:
             out = runner(job)
             if out.verdicts:
                 self._adopt(out.verdicts)  # recorded before the replies that depend on them go out
+            if out.trace:
+                self.trace += out.trace
             self._emit(out.replies)
             inner = {"rounds": "fallback_task_rounds", "exchange_s": "fallback_task_s"}
         self.phase = 0

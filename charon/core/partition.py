@@ -37,6 +37,7 @@ from charon.core.context import (
 from charon.core.routing import entity_prefix, key_group, store_key
 from charon.core.shares import ZERO as _ZERO
 from charon.core.shares import Share, add, split
+from charon.core.tracebacks import format_traceback
 from charon.errors import CallGraphLimitExceeded, IllegalAwait, InvocationTimeout, NonDeterministicFunction
 from charon.operator import Application
 from charon.state.store import PartitionStore
@@ -239,8 +240,9 @@ class Prior(NamedTuple):
     reset: list[int]
 
 
-#: What pickles a Control: (epoch, phase, apply, reset, fast, finalize, max_invocations, prior, timers).
-_ControlState = tuple[int, int, list[int], list[int], list[int], bool, int, Prior | None, tuple[float, int] | None]
+#: What pickles a Control: (epoch, phase, apply, reset, fast, finalize, max_invocations, prior, timers, observe).
+_ControlState = tuple[int, int, list[int], list[int], list[int], bool, int, Prior | None, tuple[float, int] | None,
+                      bool]
 
 
 class Control:
@@ -253,7 +255,8 @@ class Control:
     ``prior``: the previous epoch's finalize, done before anything of this round (see :class:`Prior`).
     """
 
-    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize", "max_invocations", "prior", "timers")
+    __slots__ = ("epoch", "phase", "apply", "reset", "fast", "finalize", "max_invocations", "prior", "timers",
+                 "observe")
 
     DRY, FALLBACK = 0, 1
 
@@ -266,29 +269,35 @@ class Control:
         self.fast, self.finalize, self.max_invocations = list(fast), finalize, max_invocations
         self.prior = prior
         self.timers = timers
+        #: report the invocations run and the tracebacks of the functions that raised in ``RoundOutput.trace``
+        #: (observation only, set by the coordinator: nothing deterministic depends on it)
+        self.observe = False
 
     def __getstate__(self) -> _ControlState:
         return (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
-                self.prior, self.timers)
+                self.prior, self.timers, self.observe)
 
     def __setstate__(self, st: _ControlState) -> None:
         (self.epoch, self.phase, self.apply, self.reset, self.fast, self.finalize, self.max_invocations,
-         self.prior, self.timers) = st
+         self.prior, self.timers, self.observe) = st
 
 
 #: What pickles a RoundOutput (its fields in order).
 _OutputState = tuple[
     list["Invoke | Reply"], list[tuple[int, bytes, Share]], list[tuple[int, Share]], list[tuple[int, str, str]],
     dict[int, dict[Entity, bool]], list[int], dict[int, int], dict[str, int], dict[int, list["Cached"]],
-    list[tuple[int, str, int, str, bytes]], list[bytes], float | None,
+    list[tuple[int, str, int, str, bytes]], list[bytes], float | None, "list[Observed] | None",
 ]
+#: What a round observed of one transaction (``Control.observe``), beside its deterministic output: an invocation
+#: started ``(tid, inv, op, key, fn, kind)``, or the traceback of one that raised ``(tid, inv, traceback)``.
+Observed = tuple[int, str, str, str, str, int] | tuple[int, str, str]
 
 
 class RoundOutput:
     """What one partition returns from a round."""
 
     __slots__ = ("messages", "done", "acks", "failed", "rw", "invalid", "invocations", "stats", "cached", "events",
-                 "timers", "next_due")
+                 "timers", "next_due", "trace")
 
     def __init__(self) -> None:
         self.messages: list[Invoke | Reply] = []  # for other partitions
@@ -308,14 +317,15 @@ class RoundOutput:
         self.events: list[tuple[int, str, int, str, bytes]] = []
         self.timers: list[bytes] = []  # a collect round: the encoded timers this partition fires
         self.next_due: float | None = None  # collect and finalize rounds: this partition's next due time
+        self.trace: list[Observed] | None = None  # Control.observe: what the round observed (never deterministic)
 
     def __getstate__(self) -> _OutputState:
         return (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations,
-                self.stats, self.cached, self.events, self.timers, self.next_due)
+                self.stats, self.cached, self.events, self.timers, self.next_due, self.trace)
 
     def __setstate__(self, st: _OutputState) -> None:
         (self.messages, self.done, self.acks, self.failed, self.rw, self.invalid, self.invocations, self.stats,
-         self.cached, self.events, self.timers, self.next_due) = st
+         self.cached, self.events, self.timers, self.next_due, self.trace) = st
 
 
 class Cached:
@@ -623,6 +633,8 @@ class PartitionUnit(Generic[S]):
             out = self._out = RoundOutput()
             prior_delta = 0
         self.max_invocations = control.max_invocations
+        if control.observe and out.trace is None:
+            out.trace = []
         self._stat_reads = 0
         self._stat_runs = 0
         self._recording = control.phase == Control.DRY
@@ -691,6 +703,7 @@ class PartitionUnit(Generic[S]):
         dead = self.dead
         started = out.invocations
         limit = self.max_invocations
+        trace = out.trace  # Control.observe (None: off, one test per invocation)
         run = self._run
         twice = self.twice
         if twice is not None:  # each step twice (per round: nothing per invocation when off)
@@ -706,6 +719,8 @@ class PartitionUnit(Generic[S]):
                 if n > limit:
                     self._fail(tid, too_many_invocations(limit))
                     continue
+                if trace is not None:
+                    trace.append((tid, m.inv, m.op, m.key, m.fn, m.kind))
                 m.replies = {}  # start_frame(m), inlined
                 m.reads = []
                 m.nsusp = 0
@@ -900,8 +915,12 @@ class PartitionUnit(Generic[S]):
         self.dead.add(tid)
         self.frames.pop(tid, None)
         message = str(exc)
-        if frame is not None and frame.kind != ROOT:
-            message = raised_in(message, frame.op, frame.key, frame.fn)
+        if frame is not None:
+            if frame.kind != ROOT:
+                message = raised_in(message, frame.op, frame.key, frame.fn)
+            trace = self._out.trace
+            if trace is not None:  # observed: where it was raised (beside the reply, never in it)
+                trace.append((tid, frame.inv, format_traceback(exc)))
         self._out.failed.append((tid, type(exc).__name__, message))
 
     def _emit_sends(self, frame: Frame, sends: Sequence[CallRecord], share: Share, msgs: list[Invoke | Reply]) -> None:

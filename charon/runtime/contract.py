@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CodeUpdate", "ControlStatus", "Controls", "Engine", "EngineSource", "Enqueue", "EngineStopped", "EpochNotRetained",
-    "GateClosed", "GatePaused", "Inspection", "NotSupported", "RescaleBusy", "RescaleOutcome", "Result", "SQLRejected",
+    "GateClosed", "GatePaused", "Inspection", "NotSupported", "REQUEST_STATUSES", "RequestLog", "RequestQuery",
+    "RescaleBusy", "RescaleOutcome", "Result", "SQLRejected",
     "SQLResultTooLarge", "SQLSyntaxError", "SQLTimeout", "SQLTooExpensive", "SqlResult", "StateTooLarge",
     "UpdateOutcome", "as_engine", "SQL_ERRORS",
 ]
@@ -197,6 +198,43 @@ class RescaleOutcome(Result, kw_only=True):
         return out
 
 
+# -- the invocation inspector (GET /admin/requests, charon requests) -----------------------------------------------
+#: what a request may be in the inspector: waiting or running, run to a commit or an abort, moved to a later epoch,
+#: refused by a quarantine verdict
+REQUEST_STATUSES = ("pending", "committed", "aborted", "deferred", "quarantined")
+
+
+class RequestQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """A search of the inspector's requests (every field a filter; None: any). ``since``/``until``: Unix seconds,
+    compared with the time the request was accepted (else replied); ``cursor``: a page's ``next``."""
+
+    status: str | None = None
+    operator: str | None = None
+    key: str | None = None
+    function: str | None = None
+    error_type: str | None = None
+    epoch_min: int | None = None
+    epoch_max: int | None = None
+    since: float | None = None
+    until: float | None = None
+    limit: int = 50
+    cursor: str | None = None
+
+
+class RequestLog(abc.ABC):
+    """The invocation inspector's store (:mod:`charon.runtime.inspector`): requests, newest first, each with its
+    timings, reply, call graph and, for an abort, its error and traceback. Bounded; kept in memory (a restart
+    loses it). Callable from any thread."""
+
+    @abc.abstractmethod
+    def search(self, query: RequestQuery) -> dict[str, object]:
+        """``{"items": [summary...], "next": cursor | None, "retention": {...}}``; ``ValueError`` for a bad cursor."""
+
+    @abc.abstractmethod
+    def detail(self, request_id: str) -> dict[str, object] | None:
+        """The summary plus ``reply``, ``error``, ``call_graph`` and ``truncated``; None when unknown or dropped."""
+
+
 # -- the contract ---------------------------------------------------------------------------------------------
 class Engine(abc.ABC):
     """What every engine offers the gateway, admin routes, metrics and CLI."""
@@ -309,6 +347,16 @@ class Engine(abc.ABC):
     def epoch_stats(self) -> list[dict[str, float]]:
         """The recent epochs' figures (size, duration, conflicts...), oldest first (the metrics read them)."""
         return []
+
+    def code_versions(self) -> list[dict[str, str | int | None]]:
+        """The deployed code versions, oldest first: ``{"from_epoch", "version", "ref", "migration"}``
+        each (``ref`` None: the application the engine was built with; ``migration`` "operator.function" or None)."""
+        return [{"from_epoch": 0, "version": self.version_at(0), "ref": None, "migration": None}]
+
+    @property
+    def requests(self) -> RequestLog | None:
+        """The invocation inspector (``GET /admin/requests``), or None where functions do not run here."""
+        return None
 
 
 class Controls(abc.ABC):

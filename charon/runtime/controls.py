@@ -12,7 +12,7 @@ from charon import serde
 from charon.messages import Reply
 from charon.operator import Application
 from charon.runtime.codeversions import CodeHistory
-from charon.runtime.contract import Controls, ControlStatus, Engine
+from charon.runtime.contract import Controls, ControlStatus, Engine, RequestLog
 from charon.runtime.gate import EpochGate
 from charon.runtime.verdicts import VerdictBook
 
@@ -71,6 +71,7 @@ class Hosted(Protocol):
     app: Application
     epoch_stats: list[dict[str, float]]
     verdict_book: VerdictBook
+    inspector: RequestLog
 
     @property
     def input_log(self) -> Any: ...
@@ -138,6 +139,15 @@ class HostedEngine(Engine, GatedControls):
 
     def epoch_stats(self) -> list[dict[str, float]]:
         return self.rt.epoch_stats
+
+    def code_versions(self) -> list[dict[str, str | int | None]]:
+        return [{"from_epoch": v.from_epoch, "version": v.version, "ref": v.ref,
+                 "migration": None if v.migration is None else f"{v.migration[1]}.{v.migration[2]}"}
+                for v in self.code.versions]
+
+    @property
+    def requests(self) -> RequestLog:
+        return self.rt.inspector
 
     def load(self, operator: str, values: dict[str, Any]) -> None:
         self.rt.load(operator, values)

@@ -57,6 +57,7 @@ from charon.runtime.contract import EngineStopped, Enqueue
 from charon.runtime.controls import EngineBacked
 from charon.runtime.gate import EpochGate
 from charon.runtime.inprocess_engine import InProcessEngine
+from charon.runtime.inspector import Inspector, InspectorSettings, LiveRequest
 from charon.runtime.quarantine import RecoveryAttempts, quarantine_killers
 from charon.runtime.verdicts import VerdictBook
 from charon.runtime.watchdog import DEFAULT_INTERVAL, DEFAULT_TIMEOUT, Watchdog
@@ -255,6 +256,7 @@ class InProcessRuntime(EngineBacked):
         watchdog_interval: float = DEFAULT_INTERVAL,
         exit_when_stuck: float | None = None,
         determinism_check: bool = False,
+        inspector: InspectorSettings | None = None,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days), and
@@ -275,7 +277,8 @@ class InProcessRuntime(EngineBacked):
         function blocked where it cannot be interrupted is quarantined and the process exits for its
         supervisor (None: it is reported, never exited). See :mod:`charon.runtime.watchdog`.
         ``determinism_check``: run every function step twice and abort its transaction with
-        ``NonDeterministicFunction`` when the two runs' effects differ (:mod:`charon.core.determinism`)."""
+        ``NonDeterministicFunction`` when the two runs' effects differ (:mod:`charon.core.determinism`).
+        ``inspector``: the invocation inspector's settings (:mod:`charon.runtime.inspector`; default on)."""
         self.app = app
         self.determinism_check = determinism_check
         self.partitions: int  # the directory's layout, else ``partitions`` (4 by default): set below
@@ -317,6 +320,9 @@ class InProcessRuntime(EngineBacked):
             on_replies=self._deliver, on_finalized=self._finalized
         )
         self.coordinator.verdicts = self.verdict_book.verdicts
+        self.inspector = Inspector(inspector, live=self._unanswered)
+        self.coordinator.observe = self.inspector.observe
+        self._epoch_started: float | None = None  # when the running epoch started (the inspector's sequenced_at)
         self.coordinator.next_due = math.inf  # a fresh state has no timers (a recovered one: its record's)
         if max_timers_per_epoch < 1:
             raise ValueError("max_timers_per_epoch must be at least 1")
@@ -678,6 +684,7 @@ class InProcessRuntime(EngineBacked):
         finalize runs within this epoch's first round (the coordinator's ``prior``) instead of in a round of
         its own; readers in other threads wait on the finalize lock, which the epoch holds (:meth:`_run_logged`)."""
         prior = None
+        self._epoch_started = time.time()
         if carry and self._unfinalized is not None:
             self._carry_thread = threading.get_ident()
             prior = self._carried = self._unfinalized
@@ -864,6 +871,13 @@ class InProcessRuntime(EngineBacked):
             threading.Event().wait()
         if self.node is not None:
             self.node.add_replies(replies)
+        c = self.coordinator
+        cur = c.current
+        trace = c.trace
+        taken = list(trace) if trace else []
+        if taken:
+            del trace[:]  # in place: a fallback running here appends to this same list
+        self.inspector.replied(replies, cur.requests if cur is not None else {}, taken, self._epoch_started)
         kept = self._replies
         size = self._replies_bytes
         for r in replies:
@@ -894,6 +908,21 @@ class InProcessRuntime(EngineBacked):
                 for f in waiters.pop(rid, ()):
                     if not f.done():
                         f.set_result(r)
+
+    def _unanswered(self) -> list[LiveRequest]:
+        """The requests not answered yet, for the inspector (from another thread: copies, which may fail with a
+        RuntimeError while the engine changes them; the inspector then shows none)."""
+        out: dict[str, LiveRequest] = {r.request_id: (r, "pending", None) for r in list(self._queue)}
+        for batch, _, _ in list(self._parked):
+            out.update((r.request_id, (r, "pending", None)) for r in batch)
+        c = self.coordinator
+        cur = c.current
+        if cur is not None:  # the running (or last) epoch's: those without a reply run now or were deferred
+            done = cur.replies
+            started = self._epoch_started
+            out.update((r.request_id, (r, "pending", started)) for t, r in list(cur.requests.items()) if t not in done)
+        out.update((r.request_id, (r, "deferred", None)) for _, r in list(c.deferred))
+        return list(out.values())
 
     def get_reply(self, request_id: str) -> Reply | None:
         """The reply of a request, if it has been answered."""

@@ -54,7 +54,14 @@
   A log-only rescale answers ``{"log": {...}}`` alone.
   ``/admin/status`` shows ``partitions``, ``last_rescale`` (that answer) and, on Spark, ``log_partitions``
   (``{"route", "physical"}``).
+- ``GET /admin/requests`` and ``GET /admin/requests/{request_id}``: the invocation inspector
+  (:mod:`charon.server.requests_admin`).
 - ``GET /admin/summary``: the dashboard's JSON (:meth:`charon.server.metrics.GatewayMetrics.summary`).
+- ``GET /admin/metrics/history?since=T``: the dashboard's charts, one sample a second newer than ``T`` (Unix
+  seconds), oldest first (:mod:`charon.server.history`; at most ``metrics_history_samples`` and
+  ``metrics_history_bytes``): ``{"interval_s", "samples", "max_samples", "max_bytes", "bytes"}``.
+- ``GET /admin/code/history``: the code versions deployed, oldest first: ``{"app", "current", "versions":
+  [{"from_epoch", "version", "ref", "migration"}]}``.
 - ``GET /metrics``: Prometheus text format (:mod:`charon.server.metrics`).
 - ``GET /dashboard``: the dashboard page (static HTML/JS; it asks for the token and calls the routes above).
 - With an effect executor beside the engine (``charon run --effects``, :class:`EffectsAdmin`):
@@ -66,6 +73,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -91,11 +99,14 @@ from charon.runtime.contract import (
 )
 from charon.server.limits import Slots
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from charon.server.requests_admin import RequestsAdmin
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK_TYPES, HTTPError, guard, respond
 
 __all__ = ["AdminGateway", "AdminRoutes", "EffectsAdmin", "admin_routes"]
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+#: the dashboard's static files besides the page, with their media types
+ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "charts.js": "text/javascript"}
 SQL_SLOTS = 2  # /admin/sql queries running at once per gateway (429 SQLBusy beyond)
 
 
@@ -426,6 +437,35 @@ class AdminRoutes:
         doc = await gw.off_loop(self.metrics.summary, len(gw.inflight))
         return respond(request, 200, doc)
 
+    async def history(self, request: HTTPRequest) -> Response:
+        """``GET /admin/metrics/history?since=T``: the samples newer than ``T`` (Unix seconds; default all)."""
+        self.gw.check_auth(request)
+        q = request.query_params
+        unknown = set(q) - {"since"}
+        if unknown:
+            raise HTTPError("BadRequest", f"unknown parameters {sorted(unknown)}")
+        since: float | None = None
+        if "since" in q:
+            try:
+                since = float(q["since"])
+            except ValueError:
+                raise HTTPError("BadRequest", "since must be a number (Unix seconds)") from None
+            if not math.isfinite(since):
+                raise HTTPError("BadRequest", "since must be a finite number (Unix seconds)")
+        h = self.metrics.history
+        samples = [msgspec.to_builtins(s) for s in h.since(since)]
+        return respond(request, 200, {"interval_s": 1.0, "samples": samples, "max_samples": h.max_samples,
+                                      "max_bytes": h.max_bytes, "bytes": h.bytes})
+
+    async def code_history(self, request: HTTPRequest) -> Response:
+        """``GET /admin/code/history``: the deployment's code versions, oldest first, and the current one."""
+        gw = self.gw
+        gw.check_auth(request)
+        _controls(gw)
+        versions = await gw.off_loop(gw.engine.code_versions)
+        return respond(request, 200, {"app": gw.engine.app.name, "current": versions[-1]["version"],
+                                      "versions": versions})
+
     async def prometheus(self, request: HTTPRequest) -> Response:
         gw = self.gw
         gw.check_auth(request)
@@ -472,6 +512,14 @@ class AdminRoutes:
     async def dashboard(self, request: HTTPRequest) -> Response:
         return FileResponse(os.path.join(STATIC, "dashboard.html"), media_type="text/html")
 
+    async def asset(self, request: HTTPRequest) -> Response:
+        """The dashboard's static files (scripts, styles): only the names in :data:`ASSETS`."""
+        name = request.path_params["name"]
+        media = ASSETS.get(name)
+        if media is None:
+            raise HTTPError("NotFound", f"no dashboard file {name!r}")
+        return FileResponse(os.path.join(STATIC, name), media_type=media)
+
     def routes(self) -> list[Route]:
         return [
             Route("/admin/status", guard(self.status), methods=["GET"], name="admin_status"),
@@ -485,8 +533,12 @@ class AdminRoutes:
             Route("/admin/sql", guard(self.sql), methods=["POST"], name="admin_sql"),
             Route("/admin/summary", guard(self.summary), methods=["GET"], name="admin_summary"),
             Route("/metrics", guard(self.prometheus), methods=["GET"], name="metrics"),
+            Route("/admin/metrics/history", guard(self.history), methods=["GET"], name="admin_metrics_history"),
+            Route("/admin/code/history", guard(self.code_history), methods=["GET"], name="admin_code_history"),
             Route("/dashboard", self.dashboard, methods=["GET"], name="dashboard"),
-        ] + ([] if self.effects is None else [  # only beside an effect executor (charon run --effects)
+            Route("/dashboard/{name}", guard(self.asset), methods=["GET"], name="dashboard_asset"),
+        ] + RequestsAdmin(self.gw).routes() + (
+            [] if self.effects is None else [  # only beside an effect executor (charon run --effects)
             Route("/admin/effects", guard(self.list_effects), methods=["GET"], name="admin_effects"),
             Route("/admin/effects/{effect_id}/{action}", guard(self.effect_action), methods=["POST"],
                   name="admin_effect_action"),

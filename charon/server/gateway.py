@@ -675,9 +675,11 @@ def create_app(
                 await engine.start()
                 if effects is not None:
                     await effects.start()
+        sampler = asyncio.ensure_future(gw.metrics.sample_every(1.0, lambda: len(gw.inflight), gw.off_loop))
         try:
             yield
         finally:
+            sampler.cancel()
             if starter is not None and not starter.done():
                 await asyncio.wait({starter})  # a half-started runtime is stopped once its start returns
             if effects is not None and manage_runtime:
@@ -705,7 +707,8 @@ def create_app(
         Route("/health", guard(gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),
     ]
-    gw.metrics = GatewayMetrics(engine, samples=cfg.metrics_samples)
+    gw.metrics = GatewayMetrics(engine, samples=cfg.metrics_samples, history_samples=cfg.metrics_history_samples,
+                                history_bytes=cfg.metrics_history_bytes)
     gw.has_effects = effects is not None
     routes += admin_routes(gw, gw.metrics, effects)
     async def http_error(request: HTTPRequest, exc: Exception) -> Response:

@@ -17,9 +17,11 @@ against the new layout). Served at ``GET /metrics``
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
@@ -28,6 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from charon.core.routing import partition_of
 from charon.messages import Reply, Request
 from charon.runtime.contract import Engine
+from charon.server.history import MetricsHistory, Sample
 
 __all__ = ["GatewayMetrics", "CONTENT_TYPE_LATEST", "MAX_REASONS"]
 
@@ -41,8 +44,13 @@ _ROUND_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 50)
 class GatewayMetrics:
     """The metrics of one gateway (its own registry); ``samples`` bounds the dashboard's latency window."""
 
-    def __init__(self, engine: Engine, *, samples: int = 10_000, epochs_kept: int = 200) -> None:
+    def __init__(self, engine: Engine, *, samples: int = 10_000, epochs_kept: int = 200,
+                 history_samples: int = 900, history_bytes: int = 2 << 20) -> None:
         self.engine = engine
+        self.history = MetricsHistory(history_samples, history_bytes)
+        self._last_tick: float | None = None
+        self._totals: dict[str, int] = {}  # replies so far by reason ("": committed), bounded like the reasons
+        self._tick_totals: dict[str, int] = {}  # ... as of the last tick
         self.partitions = max(1, engine.partitions)
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.tx = Counter("charon_transactions", "Transactions answered, by outcome and abort reason.",
@@ -105,6 +113,7 @@ class GatewayMetrics:
 
     def observe_reply(self, rep: Reply, latency: float) -> None:
         """A reply came back after ``latency`` seconds."""
+        reason = ""
         if rep.ok:
             self._committed.inc()
         else:
@@ -118,7 +127,8 @@ class GatewayMetrics:
         self.latency.observe(latency)
         now = time.time()
         self._lat.append((now, latency))
-        self._events.append((now, rep.ok, "" if rep.ok else (rep.error_type or "unknown")))
+        self._totals[reason] = self._totals.get(reason, 0) + 1
+        self._events.append((now, rep.ok, reason))  # reason: bounded (MAX_REASONS, then "other")
 
     # -- read at scrape time ------------------------------------------------------------------------------
     def _ingest_epochs(self) -> None:
@@ -171,6 +181,48 @@ class GatewayMetrics:
         """The Prometheus text format."""
         self.refresh(inflight)
         return generate_latest(self.registry)
+
+    def tick(self, inflight: int, now: float | None = None) -> Sample:
+        """Record one history sample covering the time since the previous tick (the gateway ticks each second)."""
+        try:
+            st = self.refresh(inflight)  # ingests the new epochs first: their time is before ``now``
+            backlog = st.get("backlog")
+        except Exception:  # noqa: BLE001 - a runtime still starting or failed: the sample says "no backlog"
+            backlog = None
+        now = time.time() if now is None else now
+        since = self._last_tick if self._last_tick is not None else now - 1.0
+        self._last_tick = now
+        lats = sorted(v for t, v in list(self._lat) if since < t <= now)
+        totals = dict(self._totals)  # cumulative counts: exact at any rate (the sample deques are bounded)
+        diff = {k: n - self._tick_totals.get(k, 0) for k, n in totals.items()}
+        self._tick_totals = totals
+        committed = diff.pop("", 0)
+        aborts = {k: n for k, n in diff.items() if n > 0}
+        durations = [e["duration_ms"] for e in list(self._epochs) if since < e["t"] <= now]
+
+        def pct(q: float) -> float | None:
+            return round(lats[min(len(lats) - 1, int(q * len(lats)))] * 1000.0, 3) if lats else None
+
+        sample = Sample(t=round(now, 3), committed=committed, aborted=sum(aborts.values()), aborts=aborts,
+                        p50_ms=pct(0.5), p99_ms=pct(0.99), epochs=len(durations),
+                        epoch_ms=round(sum(durations) / len(durations), 3) if durations else None,
+                        epoch_max_ms=round(max(durations), 3) if durations else None,
+                        backlog=None if backlog is None else int(backlog), inflight=inflight)
+        self.history.add(sample)
+        return sample
+
+    async def sample_every(self, interval: float, inflight: Callable[[], int],
+                           off_loop: Callable[..., Awaitable[object]]) -> None:
+        """Tick every ``interval`` seconds (off the event loop) until cancelled: the gateway's history sampler."""
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            next_at = max(next_at + interval, loop.time())  # after a slow tick: no burst to catch up
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            try:
+                await off_loop(self.tick, inflight())
+            except RuntimeError:  # the gateway's thread pool is shutting down
+                return
 
     def summary(self, inflight: int, window: float = 10.0) -> dict[str, Any]:
         """What the dashboard shows: throughput, latency percentiles, aborts, epochs, load, backlog, status."""

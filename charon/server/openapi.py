@@ -492,11 +492,89 @@ def admin_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
                           "422": err("SQL outside the safe subset (SQLRejected), too slow (SQLTimeout) or "
                                      "needing more memory than the sandbox has (SQLTooExpensive)"),
                           "429": err("too many SQL queries at once"), **common}}},
+        **requests_paths(security, err),
         "/admin/summary": {"get": {"summary": "The dashboard's JSON (admin)", "security": security,
                                    "responses": {"200": ok("throughput, latency, epochs, status"), **common}}},
+        "/admin/metrics/history": {"get": {
+            "summary": "The dashboard's charts: one sample a second, newer than since (admin)", "security": security,
+            "parameters": [{"name": "since", "in": "query", "required": False,
+                            "schema": {"type": "number"}, "description": "Unix seconds"}],
+            "responses": {"200": ok("{interval_s, samples, max_samples, max_bytes, bytes}"),
+                          "400": err("since is not a number, or an unknown parameter"), **common}}},
+        "/admin/code/history": {"get": {
+            "summary": "The deployed code versions, oldest first (admin)", "security": security,
+            "responses": {"200": ok("{app, current, versions: [{from_epoch, version, ref, migration}]}"),
+                          **common}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "security": security, "responses": {
             "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
             "401": err("missing or wrong bearer token")}}},
         "/dashboard": {"get": {"summary": "The dashboard page (asks for the token)", "responses": {
             "200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
     }
+
+
+def requests_paths(security: list[dict[str, object]], err: Callable[[str], dict[str, object]]) -> dict[str, object]:
+    """The OpenAPI path items of the invocation inspector (:mod:`charon.server.requests_admin`)."""
+    nstr = {"type": ["string", "null"]}
+    nint = {"type": ["integer", "null"]}
+    nnum = {"type": ["number", "null"]}
+    summary = {"type": "object", "required": list(_SUMMARY), "properties": {
+        "request_id": {"type": "string"}, "operator": {"type": "string"}, "key": {"type": "string"},
+        "function": {"type": "string"},
+        "status": {"type": "string", "enum": ["pending", "committed", "aborted", "deferred", "quarantined"]},
+        "error_type": nstr, "epoch": nint, "position": nint, "accepted_at": nnum, "sequenced_at": nnum,
+        "replied_at": nnum}}
+    node = {"type": "object", "required": ["index", "parent", "kind", "operator", "key", "function", "outcome"],
+            "properties": {"index": {"type": "integer"}, "parent": nint,
+                           "kind": {"type": "string", "enum": ["root", "call", "send"]},
+                           "operator": {"type": "string"}, "key": {"type": "string"}, "function": {"type": "string"},
+                           "outcome": {"enum": ["ok", "raised", None]}}}
+    detail = {"allOf": [summary, {"type": "object", "required": ["reply", "error", "call_graph", "truncated"],
+                                  "properties": {
+        "reply": {}, "truncated": {"type": "boolean"}, "call_graph": {"type": "array", "items": node},
+        "error": {"oneOf": [{"type": "null"}, {"type": "object", "required": ["type", "message", "traceback"],
+                                               "properties": {"type": {"type": "string"},
+                                                              "message": {"type": "string"},
+                                                              "traceback": nstr}}]}}}]}
+    page = {"type": "object", "required": ["items", "next", "retention"], "properties": {
+        "items": {"type": "array", "items": summary}, "next": nstr,
+        "retention": {"type": "object", "required": ["max_records", "max_bytes", "oldest"],
+                      "properties": {"max_records": {"type": "integer"}, "max_bytes": {"type": "integer"},
+                                     "oldest": nnum}}}}
+
+    def q(name: str, schema: dict[str, object]) -> dict[str, object]:
+        return {"name": name, "in": "query", "required": False, "schema": schema}
+
+    text = {"type": "string", "minLength": 1, "maxLength": 4096}
+    when = {"type": "number", "minimum": 0}
+    common: dict[str, Any] = {"401": err("missing or wrong bearer token"),
+                              "501": err("this gateway's engine runs elsewhere (no inspector here)")}
+    listed: dict[str, object] = {
+        "200": {"description": "a page of summaries", "content": {"application/json": {"schema": page}}},
+        "400": err("an unknown parameter, a bad value or a cursor this server did not give"), **common}
+    shown: dict[str, object] = {
+        "200": {"description": "the request", "content": {"application/json": {"schema": detail}}},
+        "404": err("unknown, or older than the inspector's retention"), **common}
+    return {
+        "/admin/requests": {"get": {
+            "summary": "Requests newest first, searched by status, operator, key, function, error type, epoch and "
+                       "time (admin)",
+            "security": security,
+            "parameters": [
+                q("status", {"type": "string", "enum": ["pending", "committed", "aborted", "deferred",
+                                                        "quarantined"]}),
+                q("operator", text), q("key", text), q("function", text), q("error_type", text),
+                q("epoch_min", {"type": "integer", "minimum": 0}), q("epoch_max", {"type": "integer", "minimum": 0}),
+                q("since", when), q("until", when), q("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+                q("cursor", text)],
+            "responses": listed}},
+        "/admin/requests/{request_id}": {"get": {
+            "summary": "One request: reply, error with traceback, call graph, timings (admin)",
+            "security": security,
+            "parameters": [{"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": shown}},
+    }
+
+
+_SUMMARY = ("request_id", "operator", "key", "function", "status", "error_type", "epoch", "position", "accepted_at",
+            "sequenced_at", "replied_at")

@@ -53,6 +53,7 @@ from charon.messages import Reply, Request
 from charon.runtime.controls import EngineBacked
 from charon.runtime.faults import crash_point, fault_point
 from charon.runtime.gate import EpochGate
+from charon.runtime.inspector import Inspector, InspectorSettings, LiveRequest
 from charon.runtime.owner import claim_data_dir
 from charon.runtime.probe import LogProbe
 from charon.runtime.quarantine import RecoveryAttempts, culprit_in
@@ -123,6 +124,9 @@ class SparkRuntime(EngineBacked):
         self._attempts = RecoveryAttempts(self.ckpt)  # which epoch ran last: a rerun takes no new verdicts
         self._probe_epoch = -1  # an epoch that failed: its next run probes for a worker-killing transaction
         self._coord: EpochCoordinator | None = None  # the coordinator of the epoch running (or last run)
+        self.inspector = Inspector(InspectorSettings(cfg.inspector, cfg.inspector_records, cfg.inspector_bytes),
+                                   live=self._unanswered)
+        self._epoch_started: float | None = None  # when the running epoch started (the inspector's sequenced_at)
         recorded = read_layout(self.ckpt)
         if recorded is not None and cfg.log_partitions is None:  # not set: an existing log keeps its count
             cfg = dataclasses.replace(cfg, log_partitions=recorded.log_partitions)
@@ -848,6 +852,12 @@ class SparkRuntime(EngineBacked):
                 self._unconfirmed = epoch  # from here on, the state must reach this epoch before reads
             c = time.thread_time()
             self._replies.put(replies)
+            observed = coord.trace
+            taken = list(observed) if observed else []
+            if taken:
+                del observed[:]  # in place: a fallback running here appends to this same list
+            cur = coord.current
+            self.inspector.replied(replies, cur.requests if cur is not None else {}, taken, self._epoch_started)
             cpu["deliver"] += time.thread_time() - c
 
         def finalized(res: EpochResult) -> None:
@@ -878,6 +888,8 @@ class SparkRuntime(EngineBacked):
             )
             coord.timer_limit = self.config.max_timers_per_epoch
             coord.verdicts, coord.on_verdict = self.verdict_book.verdicts, self._record_verdict
+            coord.observe = self.inspector.observe  # the tasks report what they ran beside their output
+            self._epoch_started = time.time()
             self._coord = coord  # the supervisor maps a probed epoch's culprit TID to its request
             coord.next_due = math.inf if epoch == 0 else -math.inf
             if prev is not None:
@@ -898,6 +910,21 @@ class SparkRuntime(EngineBacked):
         finally:
             if not deferred:  # a deferred epoch stays the gate's running one until it is recorded
                 self.gate.leave()
+
+    def _unanswered(self) -> list[LiveRequest]:
+        """The running epoch's requests not answered yet, and the deferred ones, for the inspector (requests still
+        in the input log, before their epoch, are not listed)."""
+        coord = self._coord
+        if coord is None:
+            return []
+        out: dict[str, LiveRequest] = {}
+        cur = coord.current
+        if cur is not None:
+            done = cur.replies
+            out.update((r.request_id, (r, "pending", self._epoch_started))
+                       for t, r in list(cur.requests.items()) if t not in done)
+        out.update((r.request_id, (r, "deferred", None)) for _, r in list(coord.deferred))
+        return list(out.values())
 
     def _after_epoch(self, epoch: int, coord: EpochCoordinator, result: EpochResult, starts: list[int],
                      ends: list[int]) -> bool:

@@ -1,0 +1,471 @@
+// The Charon dashboard: status, charts over time, the request inspector, operations panels, state and SQL.
+"use strict";
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.hash.slice(1));
+if (params.get("token")) { sessionStorage.setItem("charon-token", params.get("token")); }
+$("token").value = sessionStorage.getItem("charon-token") || "";
+
+class ApiError extends Error {
+  constructor(status, type, message) { super(type + ": " + message); this.status = status; this.type = type; }
+}
+
+async function api(method, path, body) {
+  const headers = { "Accept": "application/json" };
+  const token = $("token").value;
+  if (token) headers["Authorization"] = "Bearer " + token;
+  const init = { method, headers };
+  if (body !== undefined) { headers["Content-Type"] = "application/json"; init.body = JSON.stringify(body); }
+  let r;
+  try { r = await fetch(path, init); } catch (e) { throw new ApiError(0, "NodeDown", "the node does not answer"); }
+  let doc = null;
+  try { doc = await r.json(); } catch (e) { /* a proxy's HTML error page */ }
+  if (!r.ok) {
+    const err = doc && doc.error;
+    throw new ApiError(r.status, err ? err.type : "HTTP" + r.status, err ? err.message : r.statusText);
+  }
+  return doc;
+}
+
+const fmt = (v, d = 1) => (v === null || v === undefined) ? "-" : Number(v).toFixed(d);
+const fmtBytes = (n) => n >= 1 << 20 ? (n / (1 << 20)).toFixed(0) + " MiB" : n >= 1024 ? (n / 1024).toFixed(0) + " KiB"
+  : n + " bytes";
+const clockOf = (ms) => new Date(ms).toTimeString().slice(0, 8);
+
+// -- problems: an error stays listed (with when it began) until its condition clears -------------------------
+const problems = new Map();  // key -> {message, since}
+function problem(key, message) {
+  const p = problems.get(key);
+  if (!p || p.message !== message) problems.set(key, { message, since: p ? p.since : Date.now() });
+  renderProblems();
+}
+function cleared(key) { if (problems.delete(key)) renderProblems(); }
+function renderProblems() {
+  const box = $("error");
+  box.replaceChildren();
+  for (const [key, p] of problems) {
+    const row = document.createElement("div");
+    row.dataset.problem = key;
+    const t = document.createElement("time"); t.textContent = clockOf(p.since);
+    row.append(t, document.createTextNode(p.message));
+    if (key.startsWith("action:")) {  // an action's failure: kept until dismissed or the action succeeds
+      const b = document.createElement("button"); b.textContent = "dismiss"; b.onclick = () => cleared(key);
+      row.appendChild(b);
+    }
+    box.appendChild(row);
+  }
+}
+
+// -- the connection: live, unauthorized, down; the numbers grey out ("last updated") when not live ------------
+let lastLive = null;
+function connection(err) {
+  const banner = $("conn");
+  if (!err) {
+    lastLive = Date.now();
+    banner.className = ""; banner.textContent = "";
+    document.body.classList.remove("stale");
+    $("last-updated").textContent = "";
+    cleared("conn");
+    return;
+  }
+  document.body.classList.add("stale");
+  $("last-updated").textContent = lastLive ? "last updated " + clockOf(lastLive) : "never updated";
+  if (err.status === 401 || err.status === 403) {
+    banner.className = "unauthorized";
+    banner.textContent = "Wrong or missing token: the server refuses it. Numbers below are not live.";
+  } else if (err.status === 0) {
+    banner.className = "down";
+    banner.textContent = "The node is down (" + location.host + " does not answer). Numbers below are not live.";
+  } else {
+    banner.className = "failing";
+    banner.textContent = "The node answers with errors. Numbers below are not live.";
+  }
+  problem("conn", String(err.message));
+}
+
+// -- status and summary ---------------------------------------------------------------------------------------
+function bars(canvas, values, colors, labels) {
+  const ctx = canvas.getContext("2d");
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  const n = Math.max(values.length, 1), max = Math.max(1, ...values);
+  const w = canvas.width / n;
+  values.forEach((v, i) => {
+    const h = (canvas.height - 14) * v / max;
+    ctx.fillStyle = colors ? colors[i] : "#3b6fd4";
+    ctx.fillRect(i * w + 1, canvas.height - h - 12, Math.max(1, w - 2), h);
+    if (labels) { ctx.fillStyle = "#566"; ctx.font = "10px sans-serif"; ctx.fillText(labels[i], i * w + 2, canvas.height - 1); }
+  });
+}
+
+function showStatus(st) {
+  $("state").textContent = st.state;
+  $("state").className = "state-" + st.state;
+  $("epoch").textContent = st.epoch;
+  $("backlog").textContent = st.backlog ?? ("? " + (st.log_error || "log unavailable"));
+  const stuck = st.stuck;
+  $("stuck").textContent = stuck ? `STUCK: ${stuck.operator}.${stuck.function} on key ${JSON.stringify(stuck.key)} ` +
+    `for ${fmt(stuck.seconds)} s (budget ${stuck.budget_s} s)` : "";
+}
+
+// a version label as given ("v2", "2", "2024-05-01"): prefixed with "v" only when it is a bare number
+const versionLabel = (v) => /^[0-9]/.test(String(v)) ? "v" + v : String(v);
+
+// answers to requests sent before a token change, or older than one already shown, are dropped
+let tokenGen = 0, sent = 0, shown = 0;
+async function refresh() {
+  const gen = tokenGen, mine = ++sent;
+  let s, err = null;
+  try { s = await api("GET", "/admin/summary"); } catch (e) { err = e; }
+  if (gen !== tokenGen || mine < shown) return;
+  shown = mine;
+  if (err) { connection(err); return; }
+  connection(null);
+  showStatus(s.status);
+  $("code").textContent = s.code.app + " " + versionLabel(s.code.version);
+  $("window").textContent = s.window_s;
+  $("throughput").textContent = fmt(s.throughput);
+  $("aborts").textContent = fmt(s.aborts_per_s);
+  $("p50").textContent = fmt(s.latency_ms.p50, 2);
+  $("p90").textContent = fmt(s.latency_ms.p90, 2);
+  $("p99").textContent = fmt(s.latency_ms.p99, 2);
+  $("inflight").textContent = s.inflight;
+  $("reasons").textContent = Object.entries(s.aborts).map(([k, v]) => k + " " + v).join(", ") || "-";
+  const ep = s.epochs;
+  bars($("timeline"), ep.map(e => e.duration_ms), ep.map(e => e.aborted > 0 ? "#d46b3b" : "#3b6fd4"));
+  const last = ep[ep.length - 1];
+  $("timeline-last").textContent = last ? `epoch ${last.epoch}: ${fmt(last.duration_ms, 2)} ms, ` +
+    `${last.size} txns, ${last.rounds} rounds, ${last.deferred} deferred` : "-";
+  bars($("load"), s.partition_load, null, s.partition_load.map((_, i) => "p" + i));
+  if (s.code.version !== shownVersion) refreshCodeHistory();
+}
+
+// -- charts over time (GET /admin/metrics/history?since=: a reload redraws from the server's memory) ---------
+const PALETTE = ["#d43b3b", "#d4873b", "#8a3bd4", "#3bb0d4", "#3bd46b", "#d43b9e", "#7a7a2a", "#2a7a6a"];
+let samples = [], maxSamples = 900, historyBusy = false;
+async function refreshHistory() {
+  if (historyBusy) return;  // one at a time: each asks for what is newer than the last sample it has
+  historyBusy = true;
+  try {
+    const since = samples.length ? samples[samples.length - 1].t : null;
+    const doc = await api("GET", "/admin/metrics/history" + (since === null ? "" : "?since=" + since));
+    maxSamples = doc.max_samples;
+    const last = samples.length ? samples[samples.length - 1].t : -Infinity;
+    samples = samples.concat(doc.samples.filter(x => x.t > last)).slice(-maxSamples);
+    drawCharts();
+  } catch (e) { /* the summary's refresh reports the connection */ }
+  finally { historyBusy = false; }
+}
+
+function drawCharts() {
+  const t = samples.map(s => s.t);
+  const col = (f) => samples.map(f);
+  lineChart($("chart-throughput"), t, [
+    { name: "committed/s", color: "#3b6fd4", values: col(s => s.committed) },
+    { name: "aborted/s", color: "#d43b3b", values: col(s => s.aborted) }], { title: "throughput" });
+  lineChart($("chart-latency"), t, [
+    { name: "p50", color: "#3b6fd4", values: col(s => s.p50_ms) },
+    { name: "p99", color: "#d4873b", values: col(s => s.p99_ms) }], { title: "latency" });
+  const types = [...new Set(samples.flatMap(s => Object.keys(s.aborts)))].sort();
+  lineChart($("chart-aborts"), t, types.map((k, i) => (
+    { name: k, color: PALETTE[i % PALETTE.length], values: col(s => s.aborts[k] || 0) })),
+    { title: "aborts", empty: "no aborts" });
+  lineChart($("chart-epochs"), t, [
+    { name: "mean", color: "#3b6fd4", values: col(s => s.epoch_ms) },
+    { name: "max", color: "#d4873b", values: col(s => s.epoch_max_ms) }], { title: "epoch duration" });
+  lineChart($("chart-backlog"), t, [
+    { name: "backlog", color: "#8a3bd4", values: col(s => s.backlog) },
+    { name: "in flight", color: "#3bb0d4", values: col(s => s.inflight) }], { title: "backlog" });
+  $("history-span").textContent = samples.length ? `${samples.length} s shown, up to ${maxSamples} s kept` : "none yet";
+}
+
+// -- the request inspector (GET /admin/requests, GET /admin/requests/{id}) ----------------------------------------
+let reqCursor = null;
+function reqQuery(cursor) {
+  const q = new URLSearchParams();
+  const set = (name, id) => { const v = $(id).value.trim(); if (v) q.set(name, v); };
+  set("status", "req-status"); set("operator", "req-operator"); set("function", "req-function");
+  set("key", "req-key"); set("error_type", "req-error"); set("epoch_min", "req-epoch-min");
+  set("epoch_max", "req-epoch-max");
+  q.set("limit", "50");
+  if (cursor) q.set("cursor", cursor);
+  return q;
+}
+
+async function searchRequests(more) {
+  let doc;
+  try { doc = await api("GET", "/admin/requests?" + reqQuery(more ? reqCursor : null).toString()); }
+  catch (e) { problem("action:inspector", "inspector: " + e.message); return; }
+  cleared("action:inspector");
+  const body = $("req-list");
+  if (!more) body.replaceChildren();
+  for (const r of doc.items) {
+    const tr = document.createElement("tr");
+    tr.dataset.request = r.request_id;
+    const cells = [r.request_id, r.status, r.operator + "." + r.function, r.key, r.error_type || "",
+                   r.epoch === null ? "-" : String(r.epoch), r.replied_at ? clockOf(r.replied_at * 1000) : "-"];
+    cells.forEach((text, i) => {
+      const td = document.createElement("td"); td.textContent = text;
+      if (i === 1) td.className = "st-" + r.status;
+      tr.appendChild(td);
+    });
+    tr.addEventListener("click", () => showRequest(r.request_id, tr));
+    body.appendChild(tr);
+  }
+  reqCursor = doc.next;
+  $("req-more").disabled = !reqCursor;
+  const ret = doc.retention || {};
+  $("req-info").textContent = `${body.children.length} shown${reqCursor ? ", more older" : ""}; kept: ` +
+    `${ret.max_records} requests / ${fmtBytes(ret.max_bytes)}` +
+    (ret.oldest ? `, oldest ${clockOf(ret.oldest * 1000)}` : "");
+}
+
+function kvTable(pairs) {
+  const div = document.createElement("div"); div.className = "kv";
+  for (const [k, v] of pairs) {
+    const a = document.createElement("span"); a.textContent = k;
+    const b = document.createElement("span"); b.textContent = v;
+    div.append(a, b);
+  }
+  return div;
+}
+
+function callGraph(nodes) {
+  const children = new Map();
+  for (const n of nodes) {
+    const p = n.parent === null ? -1 : n.parent;
+    if (!children.has(p)) children.set(p, []);
+    children.get(p).push(n);
+  }
+  const build = (parent) => {
+    const ul = document.createElement("ul");
+    for (const n of children.get(parent) || []) {
+      const li = document.createElement("li");
+      li.dataset.node = n.index;
+      li.textContent = `${n.kind} ${n.operator}/${n.key}.${n.function}` + (n.outcome ? ` → ${n.outcome}` : "");
+      if (n.outcome === "raised") li.className = "raised";
+      if (children.has(n.index)) li.appendChild(build(n.index));
+      ul.appendChild(li);
+    }
+    return ul;
+  };
+  const root = build(-1); root.className = "graph"; root.id = "req-graph";
+  return root;
+}
+
+async function showRequest(id, tr) {
+  for (const row of $("req-list").children) row.classList.toggle("selected", row === tr);
+  let d;
+  try { d = await api("GET", "/admin/requests/" + encodeURIComponent(id)); }
+  catch (e) { problem("action:inspector", "request " + id + ": " + e.message); return; }
+  cleared("action:inspector");
+  const box = $("req-detail");
+  box.replaceChildren();
+  const h = document.createElement("h3"); h.textContent = id; h.id = "req-detail-id"; box.appendChild(h);
+  const t = (v) => v ? new Date(v * 1000).toISOString().slice(11, 23) : "-";
+  box.appendChild(kvTable([
+    ["status", d.status], ["call", `${d.operator}/${d.key}.${d.function}`],
+    ["epoch, position", `${d.epoch ?? "-"}, ${d.position ?? "-"}`],
+    ["accepted", t(d.accepted_at)], ["sequenced", t(d.sequenced_at)], ["replied", t(d.replied_at)],
+    ["latency", d.accepted_at && d.replied_at ? fmt((d.replied_at - d.accepted_at) * 1000, 2) + " ms" : "-"]]));
+  if (d.error) {
+    const e = document.createElement("div"); e.id = "req-error-line"; e.className = "action-error";
+    e.textContent = `${d.error.type}: ${d.error.message}`; box.appendChild(e);
+    const tb = document.createElement("pre"); tb.id = "req-traceback";
+    tb.textContent = d.error.traceback || "(no traceback recorded)"; box.appendChild(tb);
+  } else {
+    const r = document.createElement("pre"); r.id = "req-reply"; r.textContent = "reply: " + JSON.stringify(d.reply);
+    box.appendChild(r);
+  }
+  const g = document.createElement("div"); g.className = "muted";
+  g.textContent = "call graph" + (d.truncated ? " (truncated)" : ""); box.appendChild(g);
+  box.appendChild(callGraph(d.call_graph || []));
+}
+$("req-go").addEventListener("click", () => searchRequests(false));
+$("req-more").addEventListener("click", () => searchRequests(true));
+
+// -- dead letters, effects, timers, streams, code history ---------------------------------------------------------
+async function refreshDeadLetters() {
+  try {
+    const doc = await api("GET", "/admin/dead-letters?limit=20");
+    const body = $("dead-letters");
+    body.replaceChildren();
+    for (const d of doc.dead_letters) {
+      const tr = document.createElement("tr");
+      tr.title = d.message;
+      for (const text of [d.request_id, d.operator + "." + d.function, d.key, d.error_type, String(d.epoch)]) {
+        const td = document.createElement("td"); td.textContent = text; tr.appendChild(td);
+      }
+      body.appendChild(tr);
+    }
+    $("dead-count").textContent = doc.dead_letters.length ? "newest first; hover a row for its message" : "none";
+  } catch (e) { /* the runtime may have none (a gateway without engine); the summary reports the connection */ }
+}
+
+async function effectAction(id, action) {
+  try { await api("POST", "/admin/effects/" + encodeURIComponent(id) + "/" + action, {}); cleared("action:effect"); }
+  catch (e) { problem("action:effect", `effect ${id} ${action}: ${e.message}`); }
+  refreshEffects();
+}
+
+async function refreshEffects() {
+  let doc;
+  try { doc = await api("GET", "/admin/effects?limit=20"); }
+  catch (e) { if (e.status === 404) $("effects-section").style.display = "none"; return; }  // no executor here
+  $("effects-section").style.display = "";
+  $("effect-counts").textContent = Object.entries(doc.counts).map(([k, v]) => k + " " + v).join(", ");
+  const body = $("effects");
+  body.replaceChildren();
+  for (const f of doc.effects) {
+    const tr = document.createElement("tr");
+    tr.dataset.effect = f.id;
+    for (const text of [f.id, f.handler, f.status, f.attempts + "/" + f.max_attempts, f.last_error]) {
+      const td = document.createElement("td"); td.textContent = text; tr.appendChild(td);
+    }
+    const td = document.createElement("td");
+    const actions = f.status === "failed" ? ["retry", "abandon"] : f.status === "pending" ? ["abandon"] : [];
+    for (const a of actions) {
+      const b = document.createElement("button");
+      b.textContent = a; b.className = "effect-" + a;
+      b.addEventListener("click", () => effectAction(f.id, a));
+      td.appendChild(b);
+    }
+    tr.appendChild(td);
+    body.appendChild(tr);
+  }
+}
+
+function fillRows(body, rows) {
+  body.replaceChildren();
+  for (const cells of rows) {
+    const tr = document.createElement("tr");
+    for (const text of cells) { const td = document.createElement("td"); td.textContent = text; tr.appendChild(td); }
+    body.appendChild(tr);
+  }
+}
+
+$("timer-go").addEventListener("click", async () => {
+  const op = $("timer-operator").value.trim(), key = $("timer-key").value.trim();
+  try {
+    const doc = await api("GET", `/timers/${encodeURIComponent(op)}/${encodeURIComponent(key)}`);
+    fillRows($("timer-list"), doc.timers.map(t => [t.id, new Date(t.due * 1000).toISOString().slice(0, 19) + "Z",
+                                                   t.function, JSON.stringify(t.args)]));
+    $("timer-info").textContent = `${doc.timers.length} pending on ${op}/${key}`;
+    cleared("action:timers");
+  } catch (e) { problem("action:timers", "timers: " + e.message); }
+});
+
+let streamNext = null;
+async function readStream(from) {
+  const name = $("stream-name").value.trim();
+  try {
+    const doc = await api("GET", `/streams/${encodeURIComponent(name)}?from_offset=${from}&limit=50`);
+    fillRows($("stream-list"), doc.events.map(e => [String(e.offset), String(e.epoch), JSON.stringify(e.value)]));
+    streamNext = doc.next_offset;
+    $("stream-next").disabled = doc.next_offset >= doc.end_offset;
+    $("stream-info").textContent = `offsets ${doc.first_offset}..${doc.end_offset}; next ${doc.next_offset}`;
+    cleared("action:streams");
+  } catch (e) { problem("action:streams", "streams: " + e.message); }
+}
+$("stream-go").addEventListener("click", () => readStream(Number($("stream-from").value.trim() || 0)));
+$("stream-next").addEventListener("click", () => readStream(streamNext));
+
+let shownVersion = null;
+async function refreshCodeHistory() {
+  let doc;
+  try { doc = await api("GET", "/admin/code/history"); } catch (e) { return; }
+  shownVersion = doc.current;
+  fillRows($("code-history"), doc.versions.slice().reverse().map(v => [
+    versionLabel(v.version) + (v.version === doc.current ? " (current)" : ""), String(v.from_epoch),
+    v.ref || "(as started)", v.migration || "-"]));
+}
+
+// -- pause / resume -------------------------------------------------------------------------------------------
+async function control(path) {
+  try { showStatus(await api("POST", path, {})); cleared("action:control"); }
+  catch (e) { problem("action:control", path + ": " + e.message); }
+}
+$("pause").addEventListener("click", () => control("/admin/pause"));
+$("resume").addEventListener("click", () => control("/admin/resume"));
+
+// -- the state browser: one read (at most max_scan entities), shown a page at a time, searchable by key ----------
+let browsed = { keys: [], entities: {}, items: {} }, browsePage = 0;
+function browseMatches() {
+  const needle = $("browse-search").value.trim().toLowerCase();
+  return needle ? browsed.keys.filter(k => k.toLowerCase().includes(needle)) : browsed.keys;
+}
+function renderBrowse() {
+  const keys = browseMatches(), size = Number($("browse-size").value);
+  const pages = Math.max(1, Math.ceil(keys.length / size));
+  browsePage = Math.min(Math.max(0, browsePage), pages - 1);
+  const shown = keys.slice(browsePage * size, (browsePage + 1) * size);
+  fillRows($("browse-result"), shown.map(k => [k, JSON.stringify(browsed.entities[k]),
+                                               JSON.stringify(browsed.items[k] || {})]));
+  $("browse-page").textContent = keys.length ? `page ${browsePage + 1} of ${pages} ` +
+    `(${browsePage * size + 1}-${browsePage * size + shown.length} of ${keys.length})` : "no entities";
+  $("browse-matching").textContent = keys.length === browsed.keys.length ? "" : `, ${keys.length} matching`;
+  $("browse-prev").disabled = browsePage === 0;
+  $("browse-next").disabled = browsePage >= pages - 1;
+}
+$("browse-prev").addEventListener("click", () => { browsePage -= 1; renderBrowse(); });
+$("browse-next").addEventListener("click", () => { browsePage += 1; renderBrowse(); });
+$("browse-search").addEventListener("input", () => { browsePage = 0; renderBrowse(); });
+$("browse-size").addEventListener("change", () => { browsePage = 0; renderBrowse(); });
+
+$("browse-go").addEventListener("click", async () => {
+  const op = $("browse-operator").value.trim();
+  const q = new URLSearchParams();
+  $("browse-keys").value.split(",").map(k => k.trim()).filter(k => k).forEach(k => q.append("key", k));
+  if ($("browse-epoch").value.trim()) q.set("epoch", $("browse-epoch").value.trim());
+  try {
+    const doc = await api("GET", "/admin/state/" + encodeURIComponent(op) + "?" + q.toString());
+    $("browse-at").textContent = doc.epoch;
+    $("browse-count").textContent = doc.count + (doc.truncated ? "+" : "");
+    browsed = { keys: Object.keys(doc.entities), entities: doc.entities, items: doc.items };
+    browsePage = 0;
+    renderBrowse();
+    cleared("action:state");
+  } catch (e) { problem("action:state", "state browser: " + e.message); }
+});
+
+// -- the SQL box --------------------------------------------------------------------------------------------
+$("sql-go").addEventListener("click", async () => {
+  const body = { sql: $("sql").value };
+  if ($("sql-epoch").value.trim()) body.epoch = Number($("sql-epoch").value.trim());
+  $("sql-error").textContent = "running...";
+  try {
+    const doc = await api("POST", "/admin/sql", body);
+    $("sql-at").textContent = doc.epoch;
+    $("sql-count").textContent = doc.rows.length + (doc.truncated ? "+" : "");
+    $("sql-engine").textContent = doc.engine;
+    const head = document.createElement("tr");
+    for (const c of doc.columns) { const th = document.createElement("th"); th.textContent = c; head.appendChild(th); }
+    $("sql-head").replaceChildren(head);
+    fillRows($("sql-result"), doc.rows.map(r => r.map(v => typeof v === "string" ? v : JSON.stringify(v))));
+    $("sql-error").textContent = "";
+  } catch (e) {
+    $("sql-error").textContent = String(e);
+    $("sql-head").replaceChildren(); $("sql-result").replaceChildren();
+    $("sql-at").textContent = "-"; $("sql-count").textContent = "0";
+  }
+});
+
+// -- navigation and the refresh loops --------------------------------------------------------------------------
+for (const b of document.querySelectorAll("nav button")) {
+  b.addEventListener("click", () => {  // below the sticky top (header, banner, errors)
+    const y = $(b.dataset.go).getBoundingClientRect().top + window.scrollY - $("top").offsetHeight - 8;
+    window.scrollTo({ top: Math.max(0, y), behavior: "instant" });
+  });
+}
+function refreshAll() {
+  refresh(); refreshHistory(); refreshDeadLetters(); refreshEffects(); refreshCodeHistory();
+}
+$("token").addEventListener("change", () => {
+  tokenGen += 1;
+  sessionStorage.setItem("charon-token", $("token").value);
+  refreshAll();
+});
+
+refreshAll();
+setInterval(refresh, 500);
+setInterval(refreshHistory, 1000);
+setInterval(refreshDeadLetters, 2000);
+setInterval(refreshEffects, 1000);
