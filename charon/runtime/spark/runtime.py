@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 
 from charon import serde
+from charon.client_errors import raise_for_reply
 from charon.config import SparkConfig
 from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult, Verdict
@@ -759,6 +760,17 @@ class SparkRuntime(EngineBacked):
                                                  timeout=timeout)
         finally:
             self.controller.submitting -= 1
+
+    async def invoke(self, operator: Any, key: str, function: Any, *args: Any, timeout: float = 120.0) -> Any:
+        """Like :meth:`submit` but returns the value, with the errors of ``InProcessRuntime.invoke`` and the HTTP
+        clients: refusals (``UnknownFunction``, ``BadArguments``, ...) before the log, an abort as
+        :class:`~charon.errors.TransactionAborted` (see :mod:`charon.errors`)."""
+        op = getattr(operator, "name", operator)
+        fn = getattr(function, "name", function)
+        arglist = list(args)
+        self.app.validate(op, fn, arglist, key=key)
+        serde.check_value(arglist)
+        return raise_for_reply(await self.submit(op, key, fn, arglist, timeout=timeout))
 
     def get_reply(self, request_id: str) -> Reply | None:
         return self.output_log.get(request_id)
