@@ -961,7 +961,8 @@ class InProcessRuntime(EngineBacked):
         bid = batch_id or uuid.uuid4().hex
         return await self.submit(op, bid, fn, args, request_id=bid)
 
-    async def invoke(self, operator: str | Operator, key: str, function: Any, *args: Any) -> Any:
+    async def invoke(self, operator: str | Operator, key: str, function: Any, *args: Any,
+                     request_id: str | None = None) -> Any:
         """Like :meth:`submit` but returns the value; the same errors as the HTTP client's ``invoke``: a request
         naming nothing runnable (``UnknownOperator``, ``UnknownFunction``, ``InvalidKey``, ``BadArguments``,
         ``SerializationError``) is refused before it is queued, and any abort inside the call graph, whatever
@@ -973,7 +974,7 @@ class InProcessRuntime(EngineBacked):
         arglist = list(args)
         self.app.validate(op, fn, arglist, key=key)
         serde.check_value(arglist)
-        return raise_for_reply(await self.submit(op, key, fn, arglist))
+        return raise_for_reply(await self.submit(op, key, fn, arglist, request_id=request_id))
 
     async def _loop(self) -> None:
         assert self._wake is not None

@@ -761,7 +761,8 @@ class SparkRuntime(EngineBacked):
         finally:
             self.controller.submitting -= 1
 
-    async def invoke(self, operator: Any, key: str, function: Any, *args: Any, timeout: float = 120.0) -> Any:
+    async def invoke(self, operator: Any, key: str, function: Any, *args: Any, request_id: str | None = None,
+                     timeout: float = 120.0) -> Any:
         """Like :meth:`submit` but returns the value, with the errors of ``InProcessRuntime.invoke`` and the HTTP
         clients: refusals (``UnknownFunction``, ``BadArguments``, ...) before the log, an abort as
         :class:`~charon.errors.TransactionAborted` (see :mod:`charon.errors`)."""
@@ -770,7 +771,7 @@ class SparkRuntime(EngineBacked):
         arglist = list(args)
         self.app.validate(op, fn, arglist, key=key)
         serde.check_value(arglist)
-        return raise_for_reply(await self.submit(op, key, fn, arglist, timeout=timeout))
+        return raise_for_reply(await self.submit(op, key, fn, arglist, request_id=request_id, timeout=timeout))
 
     def get_reply(self, request_id: str) -> Reply | None:
         return self.output_log.get(request_id)
