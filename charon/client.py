@@ -19,7 +19,8 @@ HTTP status   raised
 400           :class:`charon.errors.InvalidKey` (key rules of :mod:`charon.core.routing`, also checked here
               before sending), else :class:`BadRequest` (also a ``ValueError``)
 503           :class:`GatewayUnavailable` (a :class:`GatewayError` and a
-              :class:`charon.errors.EngineUnavailable`), after the retries
+              :class:`charon.errors.EngineUnavailable`; :class:`GatewayLogUnavailable`, also a
+              :class:`charon.errors.LogUnavailable`, for ``LogUnavailable``), after the retries
 other         :class:`GatewayError` (after the retries, for 5xx)
 ============  ====================================================================================
 """
@@ -51,6 +52,7 @@ from charon.errors import (
     EngineUnavailable,
     IdempotencyConflict,
     InvalidKey,
+    LogUnavailable,
     PayloadTooLarge,
     SerializationError,
     UnknownFunction,
@@ -72,6 +74,7 @@ __all__ = [
     "Paused",
     "GatewayError",
     "GatewayUnavailable",
+    "GatewayLogUnavailable",
 ]
 
 try:  # httpcore re-imports sniffio on every async request; a failed import is not cached by Python
@@ -121,6 +124,8 @@ class RescaleRunning(CharonError):
 class Paused(CharonError):
     """The runtime is paused and the admin operation needs epochs to run (409 ``Paused``): resume, then retry."""
 
+    kind: ClassVar[str] = AVAILABILITY
+
 
 class GatewayError(CharonError):
     """Any other error answer of the gateway (a 5xx after all retries; 503 is :class:`GatewayUnavailable`)."""
@@ -137,6 +142,11 @@ class GatewayError(CharonError):
 class GatewayUnavailable(GatewayError, EngineUnavailable):
     """503 after all retries (the engine is starting, recovering or stopped, or its log or backlog is full): the
     HTTP face of :class:`charon.errors.EngineUnavailable`; retry later."""
+
+
+class GatewayLogUnavailable(GatewayUnavailable, LogUnavailable):
+    """503 ``LogUnavailable`` after all retries: the engine's input log could not take the request (nothing was
+    appended); the HTTP face of :class:`charon.errors.LogUnavailable`; retry later."""
 
 
 _TYPED: dict[str, type[CharonError]] = {
@@ -231,7 +241,7 @@ def _decode_body(resp: httpx.Response) -> Any:
         return None
 
 
-def _int(v: Any) -> int | None:
+def _int(v: object) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
@@ -247,7 +257,9 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
         cls = {401: Unauthorized, 413: PayloadTooLarge, 422: BadArguments, 400: BadRequest}.get(status)
     if cls is not None and status < 500:
         raise cls(message or etype or f"HTTP {status}")
-    cls_5xx = GatewayUnavailable if status == 503 else GatewayError
+    cls_5xx = GatewayError
+    if status == 503:
+        cls_5xx = GatewayLogUnavailable if etype == "LogUnavailable" else GatewayUnavailable
     raise cls_5xx(status, etype or "HTTPError", message or (str(body) if body else ""))
 
 

@@ -17,7 +17,7 @@ after: ``except UnknownFunction`` catches both, ``except TransactionAborted`` ca
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 ABORT = "abort"
 REFUSAL = "refusal"
@@ -57,7 +57,7 @@ class TransactionAborted(CharonError):
         self.epoch = epoch
         self.position = position
 
-    def __reduce__(self) -> tuple[Any, ...]:  # keyword-only attributes survive pickling
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only attributes survive pickling
         return _rebuild, (type(self), self.error_type, self.message, self.request_id, self.tid, self.epoch,
                           self.position)
 
