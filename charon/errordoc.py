@@ -184,7 +184,7 @@ def render() -> str:
         "Charon raises one error model on every path: `InProcessRuntime.invoke` (and the durable node's runtime, "
         "the runtimes of a `Deployment`), `SparkRuntime.invoke`, and the HTTP clients `Client` and `AsyncClient`. "
         "The same failing transaction raises the same class with the same attributes on each "
-        "(tests/contract/test_error_model.py runs the same aborts through all of them).",
+        "(tests/contract/test_contract_errors.py runs the same aborts through all of them).",
         "",
         "Every error is a `charon.CharonError` of one **kind** (`exc.kind`: `\"abort\"`, `\"refusal\"` or "
         "`\"availability\"`; `exc.retryable` is True only for availability):",

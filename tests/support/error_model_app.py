@@ -1,4 +1,4 @@
-"""An application whose functions abort in every way the error model names (tests/contract/test_error_model.py):
+"""An application whose functions abort in every way the error model names (tests/contract/test_contract_errors.py):
 an application exception at the root and in a callee, an unknown function, an unserializable return value, the
 call-graph depth limit and an illegal await inside the call graph."""
 
