@@ -249,9 +249,10 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
     err = body.get("error") if isinstance(body, dict) else None
     etype = str(err.get("type", "")) if isinstance(err, dict) else ""
     message = str(err.get("message", "")) if isinstance(err, dict) else ""
-    if status == 409 and not (etype in ("RescaleRunning", "Paused") and isinstance(body, dict) and "tid" not in body):
-        raise aborted(etype, message, str(body.get("request_id", request_id or "")), tid=_int(body.get("tid")),
-                      epoch=_int(body.get("epoch")), position=_int(body.get("position")))
+    doc = body if isinstance(body, dict) else {}
+    if status == 409 and not (etype in ("RescaleRunning", "Paused") and "tid" not in doc):
+        raise aborted(etype, message, str(doc.get("request_id", request_id or "")), tid=_int(doc.get("tid")),
+                      epoch=_int(doc.get("epoch")), position=_int(doc.get("position")))
     cls = _TYPED.get(etype)
     if cls is None:
         cls = {401: Unauthorized, 413: PayloadTooLarge, 422: BadArguments, 400: BadRequest}.get(status)
