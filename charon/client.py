@@ -7,7 +7,9 @@ once. Requests and replies travel as msgpack (so ``bytes`` values round-trip); e
 ============  ====================================================================================
 HTTP status   raised
 ============  ====================================================================================
-409           :class:`charon.errors.TransactionAborted` (``error_type``, ``message``, ``request_id``)
+409           :class:`charon.errors.TransactionAborted` (``error_type``, ``message``, ``request_id``, ``tid``,
+              ``epoch``, ``position``); an engine error's abort class for its ``error_type`` (e.g.
+              ``UnknownFunctionAborted``), exactly as ``InProcessRuntime.invoke`` raises it
 404           :class:`charon.errors.UnknownOperator` / :class:`~charon.errors.UnknownFunction`
               (or :class:`RequestNotFound` when polling an unknown request id)
 422           :class:`charon.errors.BadArguments`, or :class:`charon.errors.IdempotencyConflict` when a
@@ -16,6 +18,9 @@ HTTP status   raised
 401           :class:`Unauthorized` (also a ``PermissionError``)
 400           :class:`charon.errors.InvalidKey` (key rules of :mod:`charon.core.routing`, also checked here
               before sending), else :class:`BadRequest` (also a ``ValueError``)
+503           :class:`GatewayUnavailable` (a :class:`GatewayError` and a
+              :class:`charon.errors.EngineUnavailable`; :class:`GatewayLogUnavailable`, also a
+              :class:`charon.errors.LogUnavailable`, for ``LogUnavailable``), after the retries
 other         :class:`GatewayError` (after the retries, for 5xx)
 ============  ====================================================================================
 """
@@ -33,7 +38,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 from urllib.parse import quote
 
 import httpx
@@ -41,15 +46,18 @@ import msgspec
 
 from charon.core.routing import check_key, check_stream
 from charon.errors import (
+    AVAILABILITY,
     BadArguments,
     CharonError,
+    EngineUnavailable,
     IdempotencyConflict,
     InvalidKey,
+    LogUnavailable,
     PayloadTooLarge,
     SerializationError,
-    TransactionAborted,
     UnknownFunction,
     UnknownOperator,
+    aborted,
 )
 
 __all__ = [
@@ -65,6 +73,8 @@ __all__ = [
     "RescaleRunning",
     "Paused",
     "GatewayError",
+    "GatewayUnavailable",
+    "GatewayLogUnavailable",
 ]
 
 try:  # httpcore re-imports sniffio on every async request; a failed import is not cached by Python
@@ -108,19 +118,35 @@ class RequestNotFound(CharonError, LookupError):
 class RescaleRunning(CharonError):
     """A rescale is already running (or the in-process runtime is paused); retry when it is done."""
 
+    kind: ClassVar[str] = AVAILABILITY
+
 
 class Paused(CharonError):
     """The runtime is paused and the admin operation needs epochs to run (409 ``Paused``): resume, then retry."""
 
+    kind: ClassVar[str] = AVAILABILITY
+
 
 class GatewayError(CharonError):
-    """Any other error answer of the gateway (e.g. 503 after all retries)."""
+    """Any other error answer of the gateway (a 5xx after all retries; 503 is :class:`GatewayUnavailable`)."""
+
+    kind: ClassVar[str] = AVAILABILITY
 
     def __init__(self, status: int, error_type: str, message: str) -> None:
         super().__init__(f"HTTP {status} {error_type}: {message}")
         self.status = status
         self.error_type = error_type
         self.message = message
+
+
+class GatewayUnavailable(GatewayError, EngineUnavailable):
+    """503 after all retries (the engine is starting, recovering or stopped, or its log or backlog is full): the
+    HTTP face of :class:`charon.errors.EngineUnavailable`; retry later."""
+
+
+class GatewayLogUnavailable(GatewayUnavailable, LogUnavailable):
+    """503 ``LogUnavailable`` after all retries: the engine's input log could not take the request (nothing was
+    appended); the HTTP face of :class:`charon.errors.LogUnavailable`; retry later."""
 
 
 _TYPED: dict[str, type[CharonError]] = {
@@ -215,22 +241,27 @@ def _decode_body(resp: httpx.Response) -> Any:
         return None
 
 
+def _int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
     err = body.get("error") if isinstance(body, dict) else None
     etype = str(err.get("type", "")) if isinstance(err, dict) else ""
     message = str(err.get("message", "")) if isinstance(err, dict) else ""
-    if status == 409 and not (etype in ("RescaleRunning", "Paused") and isinstance(body, dict) and "tid" not in body):
-        exc = TransactionAborted(etype, message, str(body.get("request_id", request_id or "")))
-        exc.tid = body.get("tid")  # type: ignore[attr-defined]
-        exc.epoch = body.get("epoch")  # type: ignore[attr-defined]
-        exc.position = body.get("position")  # type: ignore[attr-defined]
-        raise exc
+    doc = body if isinstance(body, dict) else {}
+    if status == 409 and not (etype in ("RescaleRunning", "Paused") and "tid" not in doc):
+        raise aborted(etype, message, str(doc.get("request_id", request_id or "")), tid=_int(doc.get("tid")),
+                      epoch=_int(doc.get("epoch")), position=_int(doc.get("position")))
     cls = _TYPED.get(etype)
     if cls is None:
         cls = {401: Unauthorized, 413: PayloadTooLarge, 422: BadArguments, 400: BadRequest}.get(status)
     if cls is not None and status < 500:
         raise cls(message or etype or f"HTTP {status}")
-    raise GatewayError(status, etype or "HTTPError", message or (str(body) if body else ""))
+    cls_5xx = GatewayError
+    if status == 503:
+        cls_5xx = GatewayLogUnavailable if etype == "LogUnavailable" else GatewayUnavailable
+    raise cls_5xx(status, etype or "HTTPError", message or (str(body) if body else ""))
 
 
 def _result(resp: httpx.Response, request_id: str | None) -> Result:

@@ -1,10 +1,93 @@
-"""Typed errors: what callers and clients receive instead of bare strings."""
+"""Typed errors: what callers and clients receive instead of bare strings.
+
+One model on every path (``InProcessRuntime.invoke``, the Spark runtime's ``invoke``, the HTTP clients): each
+error is of one **kind** (:attr:`CharonError.kind`):
+
+* ``"abort"`` -- the transaction ran and aborted (nothing of it applied; retrying the same request will not
+  help): a :class:`TransactionAborted`, whose ``error_type`` names what raised (the application's exception
+  class, or an engine error such as ``CallGraphLimitExceeded``);
+* ``"refusal"`` -- the request was refused before it reached the log (bad input; nothing ran);
+* ``"availability"`` -- the engine could not take or answer the request now; a retry may succeed.
+
+An engine error that can happen both ways (``UnknownFunction`` named by the request itself is a refusal, named
+by a callee inside the call graph an abort) is raised as its refusal class before the log and as its abort
+class (e.g. :class:`UnknownFunctionAborted`, a subclass of both ``UnknownFunction`` and ``TransactionAborted``)
+after: ``except UnknownFunction`` catches both, ``except TransactionAborted`` catches every abort.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
+
+ABORT = "abort"
+REFUSAL = "refusal"
+AVAILABILITY = "availability"
 
 
 class CharonError(Exception):
     """Base class of every error Charon raises on purpose."""
+
+    #: ``"abort"``, ``"refusal"`` or ``"availability"`` (see the module docstring)
+    kind: ClassVar[str] = REFUSAL
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the same request may succeed later (only availability errors)."""
+        return self.kind == AVAILABILITY
+
+
+class TransactionAborted(CharonError):
+    """The transaction ran and aborted because a function in its call graph raised: nothing of it was applied.
+
+    ``error_type`` is the raised exception's class name (the application's, or an engine error's such as
+    ``CallGraphLimitExceeded``) and ``message`` its message (naming the callee that raised, if not the root);
+    ``request_id``, ``tid``, ``epoch`` and ``position`` (the transaction's place in the epoch's serial order)
+    say which transaction, when known. The same request id gets the same abort again.
+    """
+
+    kind: ClassVar[str] = ABORT
+
+    def __init__(self, error_type: str, message: str, request_id: str = "", *, tid: int | None = None,
+                 epoch: int | None = None, position: int | None = None) -> None:
+        super().__init__(f"{error_type}: {message}")
+        self.error_type = error_type
+        self.message = message
+        self.request_id = request_id
+        self.tid = tid
+        self.epoch = epoch
+        self.position = position
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only attributes survive pickling
+        return _rebuild, (type(self), self.error_type, self.message, self.request_id, self.tid, self.epoch,
+                          self.position)
+
+
+def _rebuild(cls: type[TransactionAborted], error_type: str, message: str, request_id: str, tid: int | None,
+             epoch: int | None, position: int | None) -> TransactionAborted:
+    exc = cls.__new__(cls)
+    TransactionAborted.__init__(exc, error_type, message, request_id, tid=tid, epoch=epoch, position=position)
+    if type(exc) is not TransactionAborted:
+        Exception.__init__(exc, message)
+    return exc
+
+
+class EngineAbort(TransactionAborted):
+    """An abort the engine itself raised (not application code): ``error_type`` is the class's name and
+    ``str()`` the bare message. Raised inside functions by the engine, and by ``invoke`` for such an abort."""
+
+    def __init__(self, message: str = "", request_id: str = "", *, tid: int | None = None,
+                 epoch: int | None = None, position: int | None = None) -> None:
+        super().__init__(self.error_name(), message, request_id, tid=tid, epoch=epoch, position=position)
+        Exception.__init__(self, message)
+
+    @classmethod
+    def error_name(cls) -> str:
+        """The ``error_type`` this class carries (its own name, or its refusal class's for a ``...Aborted``)."""
+        name = cls.__name__
+        return name.removesuffix("Aborted") if name.endswith("Aborted") else name
+
+
+# ---- refusals: the request was refused before the log (and, as ``...Aborted``, the same error in a callee)
 
 
 class UnknownOperator(CharonError):
@@ -32,93 +115,133 @@ class IdempotencyConflict(CharonError):
     """A request id (``Idempotency-Key``) was reused with a different operator, key, function or arguments."""
 
 
-class LogUnavailable(CharonError):
-    """The input log could not take a request (e.g. it stayed locked); nothing was appended, retry later."""
-
-
 class PayloadTooLarge(CharonError):
     """A request body or argument list exceeds the configured limit."""
 
 
-class ValueTooLarge(CharonError):
-    """A state value, item, event or return value is larger, encoded, than the engine's maximum
-    (``CHARON_MAX_VALUE_BYTES``, default 4 MiB): raised in the function, so its transaction aborts."""
-
-
-class CallGraphLimitExceeded(CharonError):
-    """A transaction's call graph did not finish within the engine's limits (depth, calls or rounds)."""
-
-
-class NonDeterministicFunction(CharonError):
-    """A function behaved differently when replayed from its journal (it must be deterministic)."""
-
-
-class IllegalAwait(CharonError):
-    """A function awaited something other than ``ctx.call`` (functions cannot block on I/O)."""
-
-
-class InvocationTimeout(CharonError):
-    """A function ran past its time budget without awaiting (an endless loop, a long sleep, heavy work): the
-    transaction aborted, the decision was recorded before anything depended on it, and the transaction is never
-    run again (a retry with the same request id gets this reply; see :mod:`charon.runtime.watchdog`)."""
-
-
-class Quarantined(CharonError):
-    """The transaction was set aside without running: it stopped the engine (killed its process or worker, or
-    stayed stuck) on repeated attempts; listed by ``charon dead-letters``."""
-
-
-class UnawaitedCall(CharonError):
-    """A function returned while a call it created with ``ctx.call`` was never awaited (use ``ctx.send`` for a
-    call whose result is not needed). The transaction aborts: nothing of it is applied."""
-
-
-class EngineUnavailable(CharonError):
-    """The engine cannot answer now (starting, recovering from a failure, or stopped after one)."""
-
-
-#: Errors raised by the engine itself rather than by application code, looked up by name on decode.
 class UndeclaredPortal(CharonError):
     """An application reached a portal or stream of another application that it did not declare in ``uses``,
     or that the other application does not expose (see :mod:`charon.runtime.deployment`)."""
 
 
-class UnknownEffect(CharonError):
+class UnknownOperatorAborted(EngineAbort, UnknownOperator):
+    """A function inside the call graph called an operator the application does not define."""
+
+
+class UnknownFunctionAborted(EngineAbort, UnknownFunction):
+    """A function inside the call graph called a function its operator does not define."""
+
+
+class BadArgumentsAborted(EngineAbort, BadArguments):
+    """A function inside the call graph called a function with wrong arguments."""
+
+
+class SerializationErrorAborted(EngineAbort, SerializationError):
+    """A value inside the transaction (a call's arguments, state, a return value) is not serializable."""
+
+
+class InvalidKeyAborted(EngineAbort, InvalidKey):
+    """A function inside the call graph used a key or item name that breaks the key rules."""
+
+
+class PayloadTooLargeAborted(EngineAbort, PayloadTooLarge):
+    """A call inside the call graph carried arguments over the configured limit."""
+
+
+class UndeclaredPortalAborted(EngineAbort, UndeclaredPortal):
+    """A function asked a portal its application does not declare in ``uses`` (or nobody exposes)."""
+
+
+# ---- aborts only: the engine stopped a running transaction
+
+
+class ValueTooLarge(EngineAbort):
+    """A state value, item, event or return value is larger, encoded, than the engine's maximum
+    (``CHARON_MAX_VALUE_BYTES``, default 4 MiB): raised in the function, so its transaction aborts."""
+
+
+class CallGraphLimitExceeded(EngineAbort):
+    """A transaction's call graph did not finish within the engine's limits (depth, calls or rounds)."""
+
+
+class NonDeterministicFunction(EngineAbort):
+    """A function behaved differently when replayed from its journal (it must be deterministic)."""
+
+
+class IllegalAwait(EngineAbort):
+    """A function awaited something other than ``ctx.call`` (functions cannot block on I/O)."""
+
+
+class InvocationTimeout(EngineAbort):
+    """A function ran past its time budget without awaiting (an endless loop, a long sleep, heavy work): the
+    transaction aborted, the decision was recorded before anything depended on it, and the transaction is never
+    run again (a retry with the same request id gets this reply; see :mod:`charon.runtime.watchdog`)."""
+
+
+class Quarantined(EngineAbort):
+    """The transaction was set aside without running: it stopped the engine (killed its process or worker, or
+    stayed stuck) on repeated attempts; listed by ``charon dead-letters``."""
+
+
+class UnawaitedCall(EngineAbort):
+    """A function returned while a call it created with ``ctx.call`` was never awaited (use ``ctx.send`` for a
+    call whose result is not needed). The transaction aborts: nothing of it is applied."""
+
+
+class UnknownEffect(EngineAbort):
     """``ctx.effect`` named an effect handler the application does not register, or gave it a bad policy
     (timeout, attempts): the transaction aborts, nothing is recorded."""
 
 
-ENGINE_ERRORS: dict[str, type[CharonError]] = {
-    cls.__name__: cls
+# ---- availability: nothing was decided; retry later
+
+
+class LogUnavailable(CharonError):
+    """The input log could not take a request (e.g. it stayed locked); nothing was appended, retry later."""
+
+    kind: ClassVar[str] = AVAILABILITY
+
+
+class EngineUnavailable(CharonError):
+    """The engine cannot answer now (starting, recovering from a failure, or stopped after one)."""
+
+    kind: ClassVar[str] = AVAILABILITY
+
+
+#: The class an abort with each engine ``error_type`` is raised as (any other error_type: the application's
+#: exception, raised as plain :class:`TransactionAborted`).
+ABORTS: dict[str, type[EngineAbort]] = {
+    cls.error_name(): cls
     for cls in (
-        UnknownOperator,
-        UnknownFunction,
-        BadArguments,
-        SerializationError,
-        InvalidKey,
-        PayloadTooLarge,
+        UnknownOperatorAborted,
+        UnknownFunctionAborted,
+        BadArgumentsAborted,
+        SerializationErrorAborted,
+        InvalidKeyAborted,
+        PayloadTooLargeAborted,
+        UndeclaredPortalAborted,
         ValueTooLarge,
         CallGraphLimitExceeded,
         NonDeterministicFunction,
         IllegalAwait,
         UnawaitedCall,
-        UndeclaredPortal,
         UnknownEffect,
         InvocationTimeout,
         Quarantined,
     )
 }
+#: Errors raised by the engine itself rather than by application code, looked up by ``error_type`` on decode
+#: (the older name of :data:`ABORTS`).
+ENGINE_ERRORS: dict[str, type[CharonError]] = dict(ABORTS)
 
 
-class TransactionAborted(CharonError):
-    """The transaction was aborted because a function in its call graph raised.
-
-    ``error_type`` is the raised exception's class name and ``message`` its message; nothing of the
-    transaction was applied.
-    """
-
-    def __init__(self, error_type: str, message: str, request_id: str = "") -> None:
-        super().__init__(f"{error_type}: {message}")
-        self.error_type = error_type
-        self.message = message
-        self.request_id = request_id
+def aborted(error_type: str, message: str, request_id: str = "", *, tid: int | None = None,
+            epoch: int | None = None, position: int | None = None) -> TransactionAborted:
+    """The exception of an abort with ``error_type``: the engine error's abort class, else TransactionAborted
+    (a negative ``tid`` or ``epoch``, a request that never ran, is None)."""
+    tid = None if tid is None or tid < 0 else tid
+    epoch = None if epoch is None or epoch < 0 else epoch
+    cls = ABORTS.get(error_type)
+    if cls is None:
+        return TransactionAborted(error_type, message, request_id, tid=tid, epoch=epoch, position=position)
+    return cls(message, request_id, tid=tid, epoch=epoch, position=position)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
-from charon.errors import CharonError, EngineUnavailable
+from charon.errors import AVAILABILITY, CharonError, EngineUnavailable
 from charon.messages import Reply, Request
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ class GatePaused(CharonError):
     """The engine is paused (its epoch gate closed) and the operation needs epochs to run: refused at once
     instead of waiting for a resume until its timeout (HTTP 409 ``Paused``); nothing was changed."""
 
+    kind: ClassVar[str] = AVAILABILITY
+
 
 class EpochNotRetained(CharonError):
     """The state as of the requested epoch is not available (not reached yet, or compacted away)."""
@@ -71,6 +73,8 @@ class NotSupported(CharonError):
 
 class RescaleBusy(CharonError):
     """A rescale cannot start now (another one runs, or the engine is paused): nothing moved (HTTP 409)."""
+
+    kind: ClassVar[str] = AVAILABILITY
 
 
 # SQL (the SQL sandbox, :mod:`charon.runtime.sqlstate`, raises these on every engine)

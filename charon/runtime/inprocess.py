@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from charon import serde
+from charon.client_errors import raise_for_reply
 from charon.config import DURABLE_REPLY_RETENTION, VOLATILE_REPLY_RETENTION
 from charon.core import determinism
 from charon.core import timers as _timers
@@ -49,7 +50,6 @@ from charon.core.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUni
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import check_stream, entity_prefix, partition_of, store_key
 from charon.core.timers import MAX_TIMERS_PER_EPOCH, Timer
-from charon.errors import TransactionAborted
 from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request
 from charon.operator import Application, Operator, batch_request
@@ -991,21 +991,20 @@ class InProcessRuntime(EngineBacked):
         bid = batch_id or uuid.uuid4().hex
         return await self.submit(op, bid, fn, args, request_id=bid)
 
-    async def invoke(self, operator: str | Operator, key: str, function: Any, *args: Any) -> Any:
+    async def invoke(self, operator: str | Operator, key: str, function: Any, *args: Any,
+                     request_id: str | None = None) -> Any:
         """Like :meth:`submit` but returns the value; the same errors as the HTTP client's ``invoke``: a request
         naming nothing runnable (``UnknownOperator``, ``UnknownFunction``, ``InvalidKey``, ``BadArguments``,
         ``SerializationError``) is refused before it is queued, and any abort inside the call graph, whatever
         raised it (application code or the engine: ``InvocationTimeout``, ``ValueTooLarge``, ...), raises
-        ``TransactionAborted(error_type=..., message=...)``."""
+        ``TransactionAborted(error_type=..., message=...)`` (for an engine error, its abort class: e.g.
+        ``UnknownFunctionAborted``, both an ``UnknownFunction`` and a ``TransactionAborted``)."""
         op = operator.name if isinstance(operator, Operator) else operator
         fn = getattr(function, "name", function)
         arglist = list(args)
         self.app.validate(op, fn, arglist, key=key)
         serde.check_value(arglist)
-        reply = await self.submit(op, key, fn, arglist)
-        if reply.ok:
-            return serde.decode(reply.value) if reply.value else None
-        raise TransactionAborted(reply.error_type, reply.error_message, reply.request_id)
+        return raise_for_reply(await self.submit(op, key, fn, arglist, request_id=request_id))
 
     async def _loop(self) -> None:
         assert self._wake is not None

@@ -34,11 +34,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from charon import serde
+from charon.client_errors import raise_for_reply
 from charon.config import SparkConfig
 from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult, Verdict
@@ -50,6 +51,7 @@ from charon.log.offsets import pad_pair
 from charon.log.sqlite import DedupRetention
 from charon.log.streams import StreamLog
 from charon.messages import Reply, Request
+from charon.operator import Function, Operator
 from charon.runtime.controls import EngineBacked
 from charon.runtime.faults import crash_point, fault_point
 from charon.runtime.gate import EpochGate
@@ -86,6 +88,7 @@ from charon.runtime.verdicts import VerdictBook, letter
 from charon.state.durable import DurableState, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 
+_Layout = TypeVar("_Layout")
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
 
 
@@ -764,6 +767,18 @@ class SparkRuntime(EngineBacked):
         finally:
             self.controller.submitting -= 1
 
+    async def invoke(self, operator: str | Operator, key: str, function: str | Function, *args: Any,
+                     request_id: str | None = None, timeout: float = 120.0) -> Any:
+        """Like :meth:`submit` but returns the value, with the errors of ``InProcessRuntime.invoke`` and the HTTP
+        clients: refusals (``UnknownFunction``, ``BadArguments``, ...) before the log, an abort as
+        :class:`~charon.errors.TransactionAborted` (see :mod:`charon.errors`)."""
+        op = operator.name if isinstance(operator, Operator) else operator
+        fn = function.name if isinstance(function, Function) else function
+        arglist = list(args)
+        self.app.validate(op, fn, arglist, key=key)
+        serde.check_value(arglist)
+        return raise_for_reply(await self.submit(op, key, fn, arglist, request_id=request_id, timeout=timeout))
+
     def get_reply(self, request_id: str) -> Reply | None:
         return self.output_log.get(request_id)
 
@@ -1095,7 +1110,7 @@ class SparkRuntime(EngineBacked):
 
         return state_frame(self.spark, self._data_layout(DataDirLayout), operator, epoch)
 
-    def _data_layout(self, kind: Any) -> Any:
+    def _data_layout(self, kind: Callable[[str, int, int, str], _Layout]) -> _Layout:
         """The layout in force and the settled epoch, both from the same side of a rescale."""
         for _ in range(5):
             parts, durable, gen = self.placement()
