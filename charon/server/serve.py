@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import sys
@@ -24,6 +25,8 @@ from charon.server.http import uvicorn_config
 
 __all__ = ["serve", "BackgroundServer", "RuntimeStartError", "RuntimeFailed", "free_port"]
 
+_log = logging.getLogger("charon.server")
+
 
 def serve(
     runtime: Engine | EngineSource,
@@ -36,13 +39,15 @@ def serve(
     recent_replies: int | None = None,
     config: GatewayConfig | None = None,
     effects: EffectsAdmin | None = None,
+    own_logging: bool = False,
 ) -> None:
     """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it.
 
     The port opens at once: a blocking runtime start (Spark's) runs in the background (see
     :func:`create_app`'s ``background_start``). If it fails, the server stops and :class:`RuntimeStartError`
     is raised. Settings come from ``config`` (default :meth:`GatewayConfig.from_env`); ``max_body`` and
-    ``recent_replies`` override it when given.
+    ``recent_replies`` override it when given. ``own_logging``: the process's logging is set up
+    (:func:`charon.server.logs.setup_logging`); uvicorn's then goes through it.
     """
     failed: list[str] = []
     fatal: list[str] = []
@@ -57,6 +62,7 @@ def serve(
         fatal.append(reason)
         if server is not None:
             server.should_exit = True
+        _log.critical("the runtime failed and cannot recover: %s", reason, extra={"event": "fatal"})
         line = f"charon: the runtime failed and cannot recover: {reason}"
         # a shutdown that hangs (a runtime stop that waits on a dead engine) must not keep the process alive
         timer = threading.Timer(60.0, lambda: (print(line, file=sys.stderr, flush=True), os._exit(1)))
@@ -70,7 +76,7 @@ def serve(
         engine, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
         background_start=True, on_start_failure=start_failed, effects=effects,
     )
-    server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level))
+    server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level, own_logging))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
         server.run()
     if failed:
@@ -112,13 +118,14 @@ class BackgroundServer:
         wait_timeout: float | None = None,
         config: GatewayConfig | None = None,
         effects: EffectsAdmin | None = None,
+        tracer_provider: Any = None,
     ) -> None:
         self.runtime = runtime
         self.host = host
         self.port = port or free_port(host)
         self.app = create_app(
             runtime, token=token, max_body=max_body, wait_timeout=wait_timeout, manage_runtime=True, config=config,
-            effects=effects,
+            effects=effects, tracer_provider=tracer_provider,
         )
         self.server = uvicorn.Server(uvicorn_config(self.app, host, self.port, self.app.config))
         self.loop: asyncio.AbstractEventLoop | None = None
