@@ -225,7 +225,7 @@ def run(
         raise typer.BadParameter(str(exc)) from None
     server_log = logging.getLogger("charon.server")
 
-    def say(message: str, level: int = logging.INFO, **fields: Any) -> None:
+    def say(message: str, level: int = logging.INFO, **fields: object) -> None:
         """A line for people: as it always was in text, a JSON log line with ``fields`` in JSON."""
         if log_format == "json":
             server_log.log(level, message.removeprefix("charon: "), extra=fields)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
@@ -21,7 +20,7 @@ _log = logging.getLogger("charon.admin")
 MAX_FIELD_CHARS = 500  # a noted value (a SQL text...) is cut to this many characters in the log line
 
 
-def note(request: HTTPRequest, **fields: Any) -> None:
+def note(request: HTTPRequest, **fields: object) -> None:
     """Fields for the action's log line (what was asked), noted by the handler once it parsed them."""
     audit = getattr(request.state, "audit", None)
     if audit is None:
@@ -53,7 +52,7 @@ def audited(action: str, handler: Callable[[HTTPRequest], Awaitable[Response]]
     return run
 
 
-def _fields(request: HTTPRequest, action: str, status: int, t0: float, **more: Any) -> dict[str, Any]:
+def _fields(request: HTTPRequest, action: str, status: int, t0: float, **more: object) -> dict[str, object]:
     client = request.client
     return {"action": action, "client": f"{client.host}:{client.port}" if client else None, "status": status,
             "duration_ms": round((time.perf_counter() - t0) * 1000.0, 3), **more,

@@ -316,7 +316,7 @@ class Gateway:
             self.tracing.watch(req, fut)
         return fut
 
-    def _start(self, req: Request, args: list[Any], then: Callable[[asyncio.Future[Reply]], None] | None,
+    def _start(self, req: Request, args: list[object], then: Callable[[asyncio.Future[Reply]], None] | None,
                fresh: bool) -> asyncio.Future[Reply]:
         rid = req.request_id
         self.conflict(req)

@@ -226,6 +226,6 @@ def uvicorn_config(app: Any, host: str, port: int, cfg: GatewayConfig, log_level
         timeout_keep_alive=int(max(1, cfg.keep_alive)), h11_max_incomplete_event_size=cfg.max_header_bytes,
         backlog=min(2048, max(128, cfg.max_connections)),
         timeout_graceful_shutdown=10,
-        **({"log_config": None} if own_logging else {}),
+        log_config=None if own_logging else uvicorn.config.LOGGING_CONFIG,
         proxy_headers=False,  # nothing reads the client address; X-Forwarded-* parsing cost every request CPU
     )

@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import sys
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import TextIO
 
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-__all__ = ["setup_logging", "LOG_FORMATS", "LOG_LEVELS", "JsonLines", "TextLines", "extra_fields"]
+__all__ = ["setup_logging", "LOG_FORMATS", "LOG_LEVELS", "JsonLines", "JsonFields", "TextLines", "extra_fields"]
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -26,7 +26,7 @@ _RESERVED = frozenset(RESERVED_ATTRS) | {"message", "asctime", "taskName"}
 _HANDLER_NAME = "charon-logs"
 
 
-def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
+def extra_fields(record: logging.LogRecord) -> dict[str, object]:
     """The fields a call site passed as ``extra`` (everything not a standard :class:`logging.LogRecord` one)."""
     return {k: v for k, v in record.__dict__.items() if k not in _RESERVED and not k.startswith("_")}
 
@@ -36,17 +36,21 @@ def _ts(record: logging.LogRecord) -> str:
 
 
 class JsonLines(JsonFormatter):
-    """One JSON object per line: ``ts``, ``level``, ``logger``, ``msg``, the extra fields, ``traceback``."""
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``msg``, the extra fields, ``traceback`` (the
+    handler's :class:`JsonFields` filter gives ``ts`` and ``level``)."""
 
     def __init__(self) -> None:
-        super().__init__("%(message)s", rename_fields={"message": "msg", "exc_info": "traceback"},
-                         json_ensure_ascii=False)
+        super().__init__("%(ts)s %(level)s %(name)s %(message)s", json_ensure_ascii=False,
+                         rename_fields={"name": "logger", "message": "msg", "exc_info": "traceback"})
 
-    def add_fields(self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]) -> None:
-        log_data["ts"] = _ts(record)
-        log_data["level"] = record.levelname.lower()
-        log_data["logger"] = record.name
-        super().add_fields(log_data, record, message_dict)
+
+class JsonFields(logging.Filter):
+    """Gives each record the ``ts`` (ISO 8601, UTC, milliseconds) and lower-case ``level`` of a JSON line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.ts = _ts(record)
+        record.level = record.levelname.lower()
+        return True
 
 
 class TextLines(logging.Formatter):
@@ -76,6 +80,8 @@ def setup_logging(level: str = "info", fmt: str = "text", stream: TextIO | None 
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(JsonLines() if fmt == "json" else TextLines())
+    if fmt == "json":
+        handler.addFilter(JsonFields())
     for name, lvl in (("charon", level.upper()), ("uvicorn", "WARNING"), ("uvicorn.error", "WARNING")):
         logger = logging.getLogger(name)
         for old in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:

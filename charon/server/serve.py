@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -22,6 +22,9 @@ from charon.runtime.contract import Engine, EngineSource, as_engine
 from charon.server.admin import EffectsAdmin
 from charon.server.gateway import create_app
 from charon.server.http import uvicorn_config
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 __all__ = ["serve", "BackgroundServer", "RuntimeStartError", "RuntimeFailed", "free_port"]
 
@@ -118,7 +121,7 @@ class BackgroundServer:
         wait_timeout: float | None = None,
         config: GatewayConfig | None = None,
         effects: EffectsAdmin | None = None,
-        tracer_provider: Any = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.runtime = runtime
         self.host = host

@@ -28,28 +28,43 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from charon.messages import Reply, Request
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
     from starlette.requests import Request as HTTPRequest
     from starlette.responses import Response
 
     from charon.config import GatewayConfig
 
-__all__ = ["Tracing", "call_graph_spans", "otlp_endpoint", "tracing_from_config", "CallGraphError"]
+__all__ = ["Tracing", "CallNode", "call_graph_spans", "otlp_endpoint", "tracing_from_config", "CallGraphError"]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 STATS_WAIT_S = 0.1  # a reply whose epoch's figures are not in yet (Spark records after the replies) looks again...
 STATS_TRIES = 50  # ... this many times
 MAX_WAITING = 10_000  # replies waiting for their epoch's figures at most (beyond: no epoch span for them)
+EPOCH_FIGURES = ("size", "rounds", "committed", "aborted", "conflicts", "duration_ms")  # on the epoch span
 MAX_CALL_GRAPH_SPANS = 1000  # function spans per request at most
+
+
+class CallNode(TypedDict):
+    """One node of a request's call graph, as the inspector gives it (index 0 is the root, the invoked function)."""
+
+    index: int
+    parent: int | None
+    operator: str
+    key: str
+    function: str
+    kind: NotRequired[str]  # "root", "call" or "send"
+    outcome: NotRequired[str | None]  # "ok", "raised" or None (did not run to an end)
 
 
 class CallGraphError(ValueError):
@@ -105,7 +120,7 @@ class Tracing:
         self.tracer = provider.get_tracer("charon")
         self._stats = epoch_stats
         self.owns_provider = owns_provider
-        self.call_graph_of: Callable[[Reply], list[dict[str, Any]] | None] | None = None
+        self.call_graph_of: Callable[[Reply], Sequence[CallNode] | None] | None = None
         self._waiting = 0
 
     def shutdown(self) -> None:
@@ -117,11 +132,12 @@ class Tracing:
               ) -> Callable[[HTTPRequest], Awaitable[Response]]:
         """``handler`` (a guarded route: it answers every error itself) inside a server span named ``name``."""
         tracer = self.tracer
+        route = name.split(" ", 1)[-1]
 
         async def traced(request: HTTPRequest) -> Response:
             parent = _PROPAGATOR.extract(request.headers)
             params = request.path_params
-            attrs: dict[str, Any] = {"http.request.method": request.method, "http.route": name.split(" ", 1)[-1]}
+            attrs: dict[str, AttributeValue] = {"http.request.method": request.method, "http.route": route}
             for p in ("operator", "key", "function"):
                 if p in params:
                     attrs["charon." + p] = params[p]
@@ -194,15 +210,15 @@ class Tracing:
         else:
             return
         ctx = trace.set_span_in_context(parent)
-        ids = {"charon.request_id": rep.request_id, "charon.epoch": rep.epoch, "charon.tid": rep.tid}
+        ids: dict[str, AttributeValue] = {"charon.request_id": rep.request_id, "charon.epoch": rep.epoch,
+                                          "charon.tid": rep.tid}
         if rep.position is not None:
             ids["charon.position"] = rep.position
         if "log_started_at" in rec:
             t0 = float(rec["log_started_at"])
             log = self.tracer.start_span("charon.log.append", context=ctx, start_time=_ns(t0), attributes=ids)
             log.end(end_time=_ns(t0 + float(rec.get("log_ms", 0.0)) / 1000.0))
-        figures = {f"charon.epoch.{k}": float(rec[k]) for k in ("size", "rounds", "committed", "aborted",
-                                                                  "conflicts", "duration_ms") if k in rec}
+        figures: dict[str, AttributeValue] = {f"charon.epoch.{k}": float(rec[k]) for k in EPOCH_FIGURES if k in rec}
         epoch = self.tracer.start_span("charon.epoch", context=ctx, start_time=_ns(start),
                                        attributes={**ids, **figures})
         if not rep.ok:
@@ -213,8 +229,8 @@ class Tracing:
         epoch.end(end_time=_ns(end))
 
 
-def call_graph_spans(tracer: trace.Tracer, nodes: Sequence[Mapping[str, Any]], parent: Any, start_ns: int,
-                     end_ns: int, attributes: Mapping[str, Any] | None = None,
+def call_graph_spans(tracer: trace.Tracer, nodes: Sequence[CallNode], parent: Context | None, start_ns: int,
+                     end_ns: int, attributes: Mapping[str, AttributeValue] | None = None,
                      max_spans: int = MAX_CALL_GRAPH_SPANS) -> list[trace.Span]:
     """One span per node of a request's call graph (the inspector's Node dicts: ``index``, ``parent``,
     ``kind``, ``operator``, ``key``, ``function``, ``outcome``), named ``operator.function``, each the child of its
@@ -232,7 +248,7 @@ def call_graph_spans(tracer: trace.Tracer, nodes: Sequence[Mapping[str, Any]], p
         if up is not None and up not in spans:
             raise CallGraphError(f"node {i}'s parent {up} is not an earlier node of the call graph")
         ctx = parent if up is None else trace.set_span_in_context(spans[up])
-        attrs: dict[str, Any] = dict(attributes or {})
+        attrs: dict[str, AttributeValue] = dict(attributes or {})
         attrs.update({"charon.operator": node["operator"], "charon.function": node["function"],
                       "charon.key": node["key"], "charon.call.kind": node.get("kind") or "call",
                       "charon.call.index": i})
