@@ -4,6 +4,8 @@ Modes, alternated round by round (so that the machine's drift hits each alike):
 - ``before``: the server from the commit before tracing and the log setup existed (``--base``, default
   ``f37e7bc``, exported with ``git archive`` into a temporary directory and put first on ``PYTHONPATH``);
 - ``off``: this checkout, tracing off (the default);
+- ``off_asgi``: this checkout, tracing off, invokes through the ASGI route (``CHARON_GATEWAY_DIRECT_INVOKE=0``),
+  as traced ones take it: ``on`` minus ``off_asgi`` is the spans' own cost, ``off_asgi`` minus ``off`` the lane's;
 - ``on``: this checkout, ``--otel-endpoint`` naming a local OTLP/HTTP receiver (a separate process that decodes
   each export and counts its spans), so the spans are built, batched, encoded and sent.
 Each round starts ``charon run charon.apps.ycsb:app`` (fsync per epoch) afresh, seeds the accounts, drives YCSB-T
@@ -38,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TOKEN = "t24"  # the token issue 24's client sends
 KEYS = 1000
-MODES = ("before", "off", "on")
+MODES = ("before", "off", "off_asgi", "on")
 
 _spec = importlib.util.spec_from_file_location("gateway_cpu", ROOT / "benchmarks" / "issue24" / "gateway_cpu.py")
 assert _spec is not None and _spec.loader is not None
@@ -92,6 +94,8 @@ def one_round(mode: str, base_src: str, receiver: str, args: argparse.Namespace)
         env["PYTHONPATH"] = str(ROOT)
     if mode == "on":
         cmd += ["--otel-endpoint", receiver]
+    if mode == "off_asgi":
+        env["CHARON_GATEWAY_DIRECT_INVOKE"] = "0"
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp, env=env)
     try:
         _wait_ok(f"{url}/health")
@@ -126,7 +130,7 @@ def plot(doc: dict, path: Path) -> None:
                            (axes[1], "p50", "latency p50 (ms)")):
         for i, mode in enumerate(MODES):
             vals = [(r["latency_ms"]["p50"] if key == "p50" else r[key]) for r in rows if r["mode"] == mode]
-            ax.bar(i, statistics.median(vals), color=("#999999", "#4c72b0", "#dd8452")[i], alpha=0.7)
+            ax.bar(i, statistics.median(vals), color=("#999999", "#4c72b0", "#55a868", "#dd8452")[i], alpha=0.7)
             ax.scatter([i] * len(vals), vals, color="black", s=12, zorder=3)
         ax.set_xticks(range(len(MODES)), MODES)
         ax.set_ylabel(label)

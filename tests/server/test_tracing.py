@@ -102,14 +102,36 @@ def test_an_aborted_transaction_is_an_error_span(tmp_path: Path) -> None:
     assert server.parent is None
 
 
-def test_untraced_gateway_keeps_the_direct_lane_and_makes_no_spans(tmp_path: Path) -> None:
-    provider, exporter = _provider()  # not given to the gateway: nothing may reach it
+def test_untraced_gateway_keeps_the_direct_lane_and_makes_no_spans(tmp_path: Path, monkeypatch) -> None:
+    """Off (the default: no endpoint anywhere), no span object of any kind is made, recording or not."""
+    import opentelemetry.sdk.trace as sdk_trace
+    import opentelemetry.trace.span as api_span
+
+    for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "CHARON_GATEWAY_OTEL_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    made: list[str] = []
+    for cls in (sdk_trace.Span, api_span.NonRecordingSpan):
+        init = cls.__init__
+
+        def counting(self, *a, _init=init, _name=cls.__name__, **kw) -> None:
+            made.append(_name)
+            _init(self, *a, **kw)
+
+        monkeypatch.setattr(cls, "__init__", counting)
     rt = InProcessRuntime(APP, partitions=2, data_dir=str(tmp_path))
     with BackgroundServer(rt, token=TOKEN) as srv, httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
         assert srv.app.direct is not None and srv.app.state.gateway.tracing is None
-        assert c.post("/invoke/acct/x/deposit", json={"args": [1]},
-                      headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}).status_code == 200
-    assert exporter.get_finished_spans() == ()
+        for i in range(20):
+            assert c.post(f"/invoke/acct/x{i}/deposit", json={"args": [1]},
+                          headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}).status_code == 200
+        assert c.post("/batch", json={"calls": [["acct", "y", "deposit", [2]]]}).status_code == 200
+    assert made == []
+    # the counting itself works: a traced gateway makes spans through the same classes
+    provider, exporter = _provider()
+    with BackgroundServer(InProcessRuntime(APP, partitions=2), token=TOKEN, tracer_provider=provider) as srv:
+        assert httpx.post(f"{srv.url}/invoke/acct/z/deposit", json={"args": [1]}, headers=AUTH).status_code == 200
+        _wait_spans(exporter, {"charon.epoch"})
+    assert "Span" in made and "NonRecordingSpan" in made
 
 
 def test_call_graph_becomes_a_tree_of_function_spans() -> None:
