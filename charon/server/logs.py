@@ -71,7 +71,7 @@ class TextLines(logging.Formatter):
 
 
 def setup_logging(level: str = "info", fmt: str = "text", stream: TextIO | None = None) -> logging.Handler:
-    """Send the ``charon`` loggers (at ``level``) and uvicorn's errors (warnings and above) to ``stream``
+    """Send the ``charon`` loggers (at ``level``), uvicorn's and OpenTelemetry's (warnings and above) to ``stream``
     (stderr) as text or JSON lines; called once per process (again: replaces its handler). Returns the handler."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {fmt!r}")
@@ -82,7 +82,8 @@ def setup_logging(level: str = "info", fmt: str = "text", stream: TextIO | None 
     handler.setFormatter(JsonLines() if fmt == "json" else TextLines())
     if fmt == "json":
         handler.addFilter(JsonFields())
-    for name, lvl in (("charon", level.upper()), ("uvicorn", "WARNING"), ("uvicorn.error", "WARNING")):
+    for name, lvl in (("charon", level.upper()), ("uvicorn", "WARNING"), ("uvicorn.error", "WARNING"),
+                      ("opentelemetry", "WARNING")):  # e.g. the span exporter's "collector unreachable"
         logger = logging.getLogger(name)
         for old in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
             logger.removeHandler(old)

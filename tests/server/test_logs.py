@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def restore_logging():
     yield
-    for name in ("charon", "uvicorn", "uvicorn.error"):  # as the test process had them
+    for name in ("charon", "uvicorn", "uvicorn.error", "opentelemetry"):  # as the test process had them
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.setLevel(logging.NOTSET)
