@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import random
 import secrets
@@ -301,12 +302,40 @@ def run(
         help="Keep an effect whose attempts ran out as failed for an operator (retry/abandon) instead of resuming "
         "its continuation with the failure.",
     ),
+    log_format: str = typer.Option(
+        "text", "--log-format", envvar="CHARON_LOG_FORMAT", help="Server log lines on stderr: text or json.",
+    ),
+    log_level: str = typer.Option(
+        "info", "--log-level", envvar="CHARON_LOG_LEVEL", help="debug, info, warning, error or critical.",
+    ),
+    otel_endpoint: str | None = typer.Option(
+        None, "--otel-endpoint", envvar="CHARON_GATEWAY_OTEL_ENDPOINT", show_default=False,
+        help="Export OpenTelemetry traces over OTLP/HTTP to this URL (e.g. http://127.0.0.1:4318; default: off, "
+        "or the standard OTEL_EXPORTER_OTLP_ENDPOINT).",
+    ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted.
 
     Prints `charon: starting ...` at once, then one line `charon: ready — ...` once the node accepts work (the
     same on every engine; Spark's takes ~20-40 s)."""
+    from charon.config import GatewayConfig
+    from charon.server.logs import setup_logging
     from charon.server.serve import PortUnavailable, RuntimeFailed, RuntimeStartError, bind_socket, serve
+
+    try:
+        setup_logging(log_level, log_format)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    server_log = logging.getLogger("charon.server")
+
+    def say(message: str, level: int = logging.INFO, **fields: object) -> None:
+        """A line for people: as it always was in text, a JSON log line with ``fields`` in JSON."""
+        if log_format == "json":
+            server_log.log(level, message.removeprefix("charon: "), extra=fields)
+        elif level >= logging.WARNING:
+            err_console.print(f"[yellow]warning:[/] {message}", soft_wrap=True)
+        else:
+            err_console.print(message, soft_wrap=True)
 
     if effects and engine == "remote":
         raise typer.BadParameter("--effects runs beside the engine (its output streams): not with --engine remote "
@@ -328,11 +357,12 @@ def run(
         listener.close()
         raise
     if token is None:
-        err_console.print("[yellow]warning:[/] no --token: the gateway accepts unauthenticated requests")
+        say("no --token: the gateway accepts unauthenticated requests", logging.WARNING, event="no_token")
     replayed = runtime.replayed_epochs
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else f'[{host}]' if ':' in host else host}:{port}"
-    err_console.print(
-        f"charon: starting [bold]{application.name}[/] "
+    name = application.name if log_format == "json" else f"[bold]{application.name}[/]"
+    say(
+        f"charon: starting {name} "
         f"({runtime.kind}{'' if runtime.controls is None else f', {runtime.partitions} partitions'}; "
         f"{runtime.describe()}"
         f"{'; logs on ' + log if log else ''}"
@@ -340,14 +370,18 @@ def run(
         + (f"; recovered by replaying {replayed} epochs" if replayed else "")
         + ("; Spark starts in ~20 s: /health answers 503 starting until then, invokes are logged and wait"
            if runtime.slow_start else ""),
-        soft_wrap=True,  # one line even when stderr is not a terminal (grep-able)
+        event="start", app=application.name, engine=runtime.kind, partitions=runtime.partitions,
+        url=f"http://{host}:{port}", replayed_epochs=replayed, pid=os.getpid(),
     )
 
     def ready() -> None:
-        err_console.print(ready_line(application.name, runtime.kind, base), soft_wrap=True, markup=False,
-                          highlight=False)
+        line = ready_line(application.name, runtime.kind, base)
+        if log_format == "json":  # the gateway logged "ready" when the engine started; this is /health's 200
+            server_log.info(line.removeprefix("charon: "), extra={"event": "accepting", "url": base})
+        else:
+            err_console.print(line, soft_wrap=True, markup=False, highlight=False)
     if runtime.log_file is not None:
-        err_console.print(f"charon: Spark log: {runtime.log_file}", soft_wrap=True)
+        say(f"charon: Spark log: {runtime.log_file}", event="spark_log", path=str(runtime.log_file))
     try:
         recent = reply_retention or (DURABLE_REPLY_RETENTION if runtime.durable else VOLATILE_REPLY_RETENTION)
         executor = None
@@ -358,9 +392,10 @@ def run(
             executor = EffectExecutor(lambda: eng.app, lambda: eng.streams, engine_resume(eng.submit),
                                       concurrency=effects_concurrency, max_inflight_bytes=effects_max_bytes,
                                       park_failed=park_failed)
+        config = GatewayConfig.from_env(otel_endpoint=otel_endpoint)
         try:
             serve(runtime, host, port, token, max_body=max_body, recent_replies=recent, effects=executor,
-                  sock=listener, on_ready=ready)
+                  sock=listener, on_ready=ready, config=config, own_logging=True)
         except RuntimeStartError as exc:
             raise _fail(f"the {runtime.kind} runtime did not start: {exc}", ExitCode.UNAVAILABLE) from None
         except RuntimeFailed as exc:  # one line, non-zero: a process supervisor restarts it

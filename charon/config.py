@@ -181,6 +181,11 @@ class GatewayConfig:
     # POST /invoke answered from the HTTP protocol without an ASGI task where its checks run on the loop (the
     # in-process node): same checks and answers, about a third less server CPU per request (charon.server.lane)
     direct_invoke: bool = True
+    # OpenTelemetry traces (charon.server.tracing): the OTLP/HTTP endpoint spans go to (e.g. http://collector:4318);
+    # None: off, unless the standard OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT variables name one
+    otel_endpoint: str | None = None
+    otel_max_queue: int = 2048  # spans waiting for export at most (more are dropped and counted by the SDK)
+    otel_max_attribute_chars: int = 256  # longest span attribute value (a key, a function name...), cut beyond
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:

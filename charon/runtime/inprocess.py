@@ -330,6 +330,7 @@ class InProcessRuntime(EngineBacked):
         self.epoch = 0
         self.epoch_stats: list[dict[str, float]] = []
         self._stats_kept = stats_kept
+        self._logged: tuple[float, float] | None = None  # the next epoch's log append: (wall start, ms)
         self._retain_events = retain_events
         self._streams: StreamLog | None = None
         self._log_end = 0
@@ -690,6 +691,7 @@ class InProcessRuntime(EngineBacked):
             prior = self._carried = self._unfinalized
         else:
             self._finish()
+        started = time.time()  # the epoch's wall-clock start, in its stats (traces place the epoch with it)
         try:
             result = self.coordinator.run_epoch(self.epoch, [(0, r) for r in requests], now, defer=defer,
                                                 prior=prior)
@@ -707,7 +709,11 @@ class InProcessRuntime(EngineBacked):
         if self.coordinator.previous is not None:  # a compatible code update's old code, while still needed
             self.retire_previous()
         stats = self.epoch_stats
-        stats.append({"epoch": result.epoch, **result.stats})
+        rec = {"epoch": result.epoch, "started_at": started, **result.stats}
+        if self._logged is not None:  # the batch's append to the input log, just before (durable mode)
+            rec["log_started_at"], rec["log_ms"] = self._logged
+            self._logged = None
+        stats.append(rec)
         if len(stats) > self._stats_kept:
             del stats[: len(stats) - self._stats_kept]
         return result
@@ -1094,7 +1100,9 @@ class InProcessRuntime(EngineBacked):
 
     def _log_and_run(self, batch: list[Request]) -> None:
         assert self.node is not None
+        t0 = time.time()
         batch, self._log_end, now = self.node.log_epoch(self.epoch, batch)
+        self._logged = (t0, (time.time() - t0) * 1000.0)
         self._run_logged(batch, now)
 
     async def in_engine(self, fn: Callable[..., T], *args: Any) -> T:

@@ -50,7 +50,7 @@ from charon.state.store import MemoryStore
 
 T = TypeVar("T")
 
-_log = logging.getLogger(__name__)
+_outage = logging.getLogger("charon.engine")  # outages and recoveries, in the server log
 EPOCH_MARK = "\x00epoch"  # operator of the marker entry that closes an epoch's batch in the input log
 _RECORDS_KEPT = 2
 
@@ -297,22 +297,29 @@ class NodeStorage:
         batch); the writer's replies are deduplicated by request id, its truncation is idempotent."""
         started = time.monotonic()
         delay = 0.1
-        warn_at = started + 5.0
+        warn_at = started
         try:
             while True:
                 try:
-                    return op()
+                    value = op()
                 except OSError as exc:
                     waited = time.monotonic() - started
                     if budget_s is not None and waited + delay > budget_s:
                         raise
                     self.log_wait = (what, started, f"{type(exc).__name__}: {exc} (waiting {waited:.1f} s)")
-                    if time.monotonic() >= warn_at:
-                        warn_at += 30.0
-                        _log.warning("charon: %s: the log has been unavailable for %.0f s, waiting for it: %s",
-                                     what, waited, exc)
+                    if time.monotonic() >= warn_at:  # at once, then every 30 s of the outage
+                        warn_at = time.monotonic() + 30.0
+                        _outage.warning("the log is unavailable (%s) for %.1f s, waiting for it: %s", what, waited,
+                                        exc, extra={"event": "outage", "what": what, "waited_s": round(waited, 3),
+                                                    "error_type": type(exc).__name__})
                     time.sleep(delay)
                     delay = min(delay * 2, 2.0)
+                    continue
+                if warn_at != started:
+                    waited = time.monotonic() - started
+                    _outage.warning("the log is available again (%s) after %.1f s", what, waited,
+                                    extra={"event": "recovered", "what": what, "waited_s": round(waited, 3)})
+                return value
         finally:
             if self.log_wait is not None and self.log_wait[1] == started:
                 self.log_wait = None

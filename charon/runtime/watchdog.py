@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +48,8 @@ from charon.core.epoch import EpochCoordinator, Verdict
 from charon.core.partition import Interrupt, PartitionUnit, timeout_message
 from charon.errors import InvocationTimeout
 from charon.runtime.verdicts import VerdictBook, letter
+
+_events = logging.getLogger("charon.engine")  # the server log
 
 DEFAULT_TIMEOUT = 5.0  # seconds a function may run without awaiting a call
 DEFAULT_INTERVAL = 0.1
@@ -120,7 +122,8 @@ class Watchdog:
             try:
                 seen = self._sample(seen)
             except Exception as exc:  # noqa: BLE001 - the watchdog never dies; it says why instead
-                print(f"charon: watchdog error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                _events.error("watchdog error: %s: %s", type(exc).__name__, exc, exc_info=exc,
+                              extra={"event": "watchdog_error", "error_type": type(exc).__name__})
 
     def _sample(self, seen: tuple[Any, int, float] | None) -> tuple[Any, int, float] | None:
         """One look at the units: returns the step now being timed (None: no user code runs)."""
@@ -186,9 +189,10 @@ class Watchdog:
             self.book.record(letter(req.request_id, frame.op, frame.fn, frame.key,
                                     Verdict("Quarantined", msg, coord.phase == 1), result.epoch,
                                     f"{req.operator}.{req.function}"))
-        print(f"charon: FATAL: {frame.op}.{frame.fn} on key {frame.key!r} has held the engine for {ran:.0f} s "
-              "where it cannot be interrupted; its transaction is quarantined; exiting so that the supervisor "
-              "restarts the node", file=sys.stderr, flush=True)
+        _events.critical("FATAL: %s.%s on key %r has held the engine for %.0f s where it cannot be interrupted; its "
+                         "transaction is quarantined; exiting so that the supervisor restarts the node", frame.op,
+                         frame.fn, frame.key, ran, extra={"event": "fatal", "operator": frame.op,
+                                                          "function": frame.fn, "key": frame.key})
         os._exit(75)
 
 

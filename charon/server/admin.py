@@ -97,6 +97,7 @@ from charon.runtime.contract import (
     GatePaused,
     RescaleBusy,
 )
+from charon.server.audit import audited, note
 from charon.server.limits import Slots
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from charon.server.requests_admin import RequestsAdmin
@@ -289,6 +290,7 @@ class AdminRoutes:
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"after_epoch"}))
         after = _epoch_param(doc.get("after_epoch"), "after_epoch")
+        note(request, after_epoch=after)
         st = await _controls(gw).pause(after)
         return respond(request, 200, self.with_layout(st))
 
@@ -304,6 +306,7 @@ class AdminRoutes:
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"partitions", "log_partitions"}))
         n, m = _partition_counts(doc, gw.cfg.max_partitions)
+        note(request, partitions=n, log_partitions=m)
         controls = _controls(gw)
         if m is not None and not controls.log_rescalable:
             raise HTTPError("NotSupported", "this runtime has no input-log partitions to rescale (the in-process "
@@ -372,6 +375,7 @@ class AdminRoutes:
                     check_key(k)
                 except InvalidKey as exc:
                     raise HTTPError("InvalidKey", str(exc)) from None
+        note(request, id=uid, operator=operator, function=function, keys=None if keys is None else len(keys))
         controls = _controls(gw)
         gw.validate(operator, keys[0] if keys else "k", function, args)  # names, arity, types: 4xx
         try:
@@ -386,6 +390,7 @@ class AdminRoutes:
         doc = await _json_body(gw, request, frozenset({"ref", "version", "migration", "mode"}))
         ref, version, mig = doc.get("ref"), doc.get("version"), doc.get("migration")
         mode = doc.get("mode", "strict")
+        note(request, ref=ref, version=version, mode=mode)
         if mode not in ("strict", "compatible"):
             raise HTTPError("BadRequest", 'mode is "strict" or "compatible"')
         if mode == "compatible" and mig is not None:
@@ -413,6 +418,7 @@ class AdminRoutes:
         gw.check_auth(request)
         doc = await _json_body(gw, request, frozenset({"sql", "epoch"}))
         query = doc.get("sql")
+        note(request, sql=query, epoch=doc.get("epoch"))
         cfg = gw.cfg
         if not isinstance(query, str) or not query.strip():
             raise HTTPError("BadRequest", '"sql" must be a non-empty string')
@@ -501,6 +507,7 @@ class AdminRoutes:
         self.gw.check_auth(request)
         fx = self._effects()
         eid, action = request.path_params["effect_id"], request.path_params["action"]
+        note(request, effect_id=eid, effect_action=action)
         if not IDEMPOTENCY_KEY.match(eid) or action not in ("retry", "abandon"):
             raise HTTPError("NotFound", "no such effect action")
         call = fx.retry_effect if action == "retry" else fx.abandon_effect
@@ -524,13 +531,13 @@ class AdminRoutes:
         return [
             Route("/admin/status", guard(self.status), methods=["GET"], name="admin_status"),
             Route("/admin/dead-letters", guard(self.dead_letters), methods=["GET"], name="admin_dead_letters"),
-            Route("/admin/pause", guard(self.pause), methods=["POST"], name="admin_pause"),
-            Route("/admin/resume", guard(self.resume), methods=["POST"], name="admin_resume"),
-            Route("/admin/rescale", guard(self.rescale), methods=["POST"], name="admin_rescale"),
+            Route("/admin/pause", guard(audited("pause", self.pause)), methods=["POST"], name="admin_pause"),
+            Route("/admin/resume", guard(audited("resume", self.resume)), methods=["POST"], name="admin_resume"),
+            Route("/admin/rescale", guard(audited("rescale", self.rescale)), methods=["POST"], name="admin_rescale"),
             Route("/admin/state/{operator}", guard(self.state), methods=["GET"], name="admin_state"),
-            Route("/admin/update", guard(self.update), methods=["POST"], name="admin_update"),
-            Route("/admin/code", guard(self.code), methods=["POST"], name="admin_code"),
-            Route("/admin/sql", guard(self.sql), methods=["POST"], name="admin_sql"),
+            Route("/admin/update", guard(audited("admin update", self.update)), methods=["POST"], name="admin_update"),
+            Route("/admin/code", guard(audited("code update", self.code)), methods=["POST"], name="admin_code"),
+            Route("/admin/sql", guard(audited("sql", self.sql)), methods=["POST"], name="admin_sql"),
             Route("/admin/summary", guard(self.summary), methods=["GET"], name="admin_summary"),
             Route("/metrics", guard(self.prometheus), methods=["GET"], name="metrics"),
             Route("/admin/metrics/history", guard(self.history), methods=["GET"], name="admin_metrics_history"),
@@ -540,8 +547,8 @@ class AdminRoutes:
         ] + RequestsAdmin(self.gw).routes() + (
             [] if self.effects is None else [  # only beside an effect executor (charon run --effects)
             Route("/admin/effects", guard(self.list_effects), methods=["GET"], name="admin_effects"),
-            Route("/admin/effects/{effect_id}/{action}", guard(self.effect_action), methods=["POST"],
-                  name="admin_effect_action"),
+            Route("/admin/effects/{effect_id}/{action}", guard(audited("effect action", self.effect_action)),
+                  methods=["POST"], name="admin_effect_action"),
         ])
 
 

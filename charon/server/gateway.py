@@ -70,12 +70,13 @@ import contextlib
 import dataclasses
 import hmac
 import inspect
+import logging
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from starlette.applications import Starlette
@@ -108,6 +109,7 @@ from charon.server.limits import inflight_size, read_body, reply_size
 from charon.server.metrics import GatewayMetrics
 from charon.server.openapi import describe_app, openapi_document
 from charon.server.streams import StreamReaders
+from charon.server.tracing import Tracing, tracing_from_config
 from charon.server.wire import (
     IDEMPOTENCY_KEY,
     RESERVED_ID_PREFIX,
@@ -120,7 +122,12 @@ from charon.server.wire import (
     respond,
 )
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
 __all__ = ["create_app", "describe_app", "STATUS_OF_ERROR"]
+
+_log = logging.getLogger("charon.server")
 
 
 
@@ -155,6 +162,7 @@ class Gateway:
         self.starting = False
         self.start_error: str | None = None
         self.metrics: Any = None  # charon.server.metrics.GatewayMetrics, set by create_app
+        self.tracing: Tracing | None = None  # OpenTelemetry spans (charon.server.tracing), when on
 
     def check_ready(self) -> None:
         """503 (with Retry-After) while the runtime is starting in the background or failed to start."""
@@ -303,6 +311,13 @@ class Gateway:
         new one goes to the runtime (503 BacklogFull past ``max_inflight_bytes``). ``then``: called with the
         future once done, right after the gateway's own bookkeeping (one callback instead of two). ``fresh``: the
         id was just found absent from the input log (:meth:`check_log_inline`), nothing awaited since."""
+        fut = self._start(req, args, then, fresh)
+        if self.tracing is not None:
+            self.tracing.watch(req, fut)
+        return fut
+
+    def _start(self, req: Request, args: list[object], then: Callable[[asyncio.Future[Reply]], None] | None,
+               fresh: bool) -> asyncio.Future[Reply]:
         rid = req.request_id
         self.conflict(req)
         fut = self.inflight.get(rid)
@@ -628,6 +643,7 @@ def create_app(
     background_start: bool = False,
     on_start_failure: Callable[[str], None] | None = None,
     effects: EffectsAdmin | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> Any:
     """Build the gateway's ASGI app over ``runtime`` (an :class:`~charon.runtime.contract.Engine`, or a runtime
     that gives one: the gateway uses nothing but the contract).
@@ -644,6 +660,9 @@ def create_app(
     turns ``/health`` to ``{"status": "failed"}`` and calls ``on_start_failure`` with the reason.
     ``effects``: an effect executor run beside the engine (started after it, stopped before it; its admin routes
     and metrics, :class:`charon.server.admin.EffectsAdmin`).
+    ``tracer_provider``: an OpenTelemetry tracer provider to trace requests with (default: one exporting over OTLP
+    when ``config.otel_endpoint`` or the ``OTEL_*`` variables name an endpoint, else tracing is off;
+    :mod:`charon.server.tracing`).
     """
     cfg = dataclasses.replace(config) if config is not None else GatewayConfig.from_env()
     for name, value in (("max_body", max_body), ("wait_timeout", wait_timeout), ("recent_replies", recent_replies)):
@@ -651,14 +670,19 @@ def create_app(
             setattr(cfg, name, value)
     engine = as_engine(runtime)
     gw = Gateway(engine, token, cfg)
+    gw.tracing = (Tracing(tracer_provider, engine.epoch_stats) if tracer_provider is not None
+                  else tracing_from_config(cfg, engine.epoch_stats))
 
     async def start_in_background() -> None:
         try:
             await engine.start()
             if effects is not None:
                 await effects.start()
+            _log.info("ready", extra={"event": "ready", "engine": engine.kind, "partitions": engine.partitions})
         except Exception as exc:  # noqa: BLE001 - reported in /health and to the server
             gw.start_error = f"{type(exc).__name__}: {exc}"
+            _log.error("the runtime failed to start: %s", gw.start_error, exc_info=exc,
+                       extra={"event": "start_failed", "error_type": type(exc).__name__})
             if on_start_failure is not None:
                 on_start_failure(gw.start_error)
         finally:
@@ -675,11 +699,15 @@ def create_app(
                 await engine.start()
                 if effects is not None:
                     await effects.start()
+                _log.info("ready", extra={"event": "ready", "engine": engine.kind, "partitions": engine.partitions,
+                                          "tracing": gw.tracing is not None})
         sampler = asyncio.ensure_future(gw.metrics.sample_every(1.0, lambda: len(gw.inflight), gw.off_loop))
         try:
             yield
         finally:
             sampler.cancel()
+            if manage_runtime:
+                _log.info("shutting down", extra={"event": "shutdown", "inflight": len(gw.inflight)})
             if starter is not None and not starter.done():
                 await asyncio.wait({starter})  # a half-started runtime is stopped once its start returns
             if effects is not None and manage_runtime:
@@ -691,10 +719,18 @@ def create_app(
                 await engine.stop()
             gw.streams.close()
             gw._pool.shutdown(wait=False, cancel_futures=True)
+            if gw.tracing is not None:
+                await asyncio.to_thread(gw.tracing.shutdown)  # the queued spans leave first
+            if manage_runtime:
+                _log.info("stopped", extra={"event": "stopped"})
 
-    invoke = Route("/invoke/{operator}/{key:charonkey}/{function}", guard(gw.invoke), methods=["POST"],
+    invoke_handler, batch_handler = guard(gw.invoke), guard(gw.batch)
+    if gw.tracing is not None:  # a server span around each (traced requests take the ASGI route: no direct lane)
+        invoke_handler = gw.tracing.route(invoke_handler, "POST /invoke/{operator}/{key}/{function}")
+        batch_handler = gw.tracing.route(batch_handler, "POST /batch")
+    invoke = Route("/invoke/{operator}/{key:charonkey}/{function}", invoke_handler, methods=["POST"],
                    name="invoke")
-    direct = DirectInvoke(gw, invoke) if cfg.direct_invoke else None
+    direct = DirectInvoke(gw, invoke) if cfg.direct_invoke and gw.tracing is None else None
     routes = [
         invoke,
         Route(
@@ -702,7 +738,7 @@ def create_app(
         ),
         Route("/state/{operator}/{key:charonkey}", guard(gw.state), methods=["GET"], name="state"),
         Route("/streams/{stream}", guard(gw.stream), methods=["GET"], name="stream"),
-        Route("/batch", guard(gw.batch), methods=["POST"], name="batch"),
+        Route("/batch", batch_handler, methods=["POST"], name="batch"),
         Route("/timers/{operator}/{key:charonkey}", guard(gw.timers), methods=["GET"], name="timers"),
         Route("/health", guard(gw.health), methods=["GET"], name="health"),
         Route("/openapi.json", gw.openapi, methods=["GET"], name="openapi"),

@@ -210,9 +210,11 @@ if HttpToolsProtocol is not None:
             super().connection_lost(exc)
 
 
-def uvicorn_config(app: Any, host: str, port: int, cfg: GatewayConfig, log_level: str = "warning") -> uvicorn.Config:
+def uvicorn_config(app: Any, host: str, port: int, cfg: GatewayConfig, log_level: str = "warning",
+                   own_logging: bool = False) -> uvicorn.Config:
     """The uvicorn configuration that enforces ``cfg``'s connection limits and timeouts (httptools' protocol
-    when it is installed, else h11's)."""
+    when it is installed, else h11's). ``own_logging``: the process set its logging up
+    (:func:`charon.server.logs.setup_logging`): uvicorn leaves it alone."""
     limits: dict[str, Any] = {"header_timeout": cfg.header_timeout, "max_connections": cfg.max_connections,
               "max_header_bytes": cfg.max_header_bytes}
     base = GuardedH11 if HttpToolsProtocol is None else GuardedHttpTools
@@ -224,5 +226,6 @@ def uvicorn_config(app: Any, host: str, port: int, cfg: GatewayConfig, log_level
         timeout_keep_alive=int(max(1, cfg.keep_alive)), h11_max_incomplete_event_size=cfg.max_header_bytes,
         backlog=min(2048, max(128, cfg.max_connections)),
         timeout_graceful_shutdown=10,
+        log_config=None if own_logging else uvicorn.config.LOGGING_CONFIG,
         proxy_headers=False,  # nothing reads the client address; X-Forwarded-* parsing cost every request CPU
     )

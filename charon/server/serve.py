@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import socket
 import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -22,6 +23,9 @@ from charon.runtime.contract import Engine, EngineSource, as_engine
 from charon.server.admin import EffectsAdmin
 from charon.server.gateway import Gateway, create_app
 from charon.server.http import uvicorn_config
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 __all__ = ["serve", "BackgroundServer", "RuntimeStartError", "RuntimeFailed", "PortUnavailable", "bind_socket",
            "free_port"]
@@ -55,6 +59,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise
     return sock
 
+_log = logging.getLogger("charon.server")
+
 
 def serve(
     runtime: Engine | EngineSource,
@@ -69,6 +75,7 @@ def serve(
     effects: EffectsAdmin | None = None,
     sock: socket.socket | None = None,
     on_ready: Callable[[], None] | None = None,
+    own_logging: bool = False,
 ) -> None:
     """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it.
 
@@ -79,7 +86,8 @@ def serve(
     The port opens at once: a blocking runtime start (Spark's) runs in the background (see
     :func:`create_app`'s ``background_start``). If it fails, the server stops and :class:`RuntimeStartError`
     is raised. Settings come from ``config`` (default :meth:`GatewayConfig.from_env`); ``max_body`` and
-    ``recent_replies`` override it when given.
+    ``recent_replies`` override it when given. ``own_logging``: the process's logging is set up
+    (:func:`charon.server.logs.setup_logging`); uvicorn's then goes through it.
     """
     failed: list[str] = []
     fatal: list[str] = []
@@ -94,6 +102,7 @@ def serve(
         fatal.append(reason)
         if server is not None:
             server.should_exit = True
+        _log.critical("the runtime failed and cannot recover: %s", reason, extra={"event": "fatal"})
         line = f"charon: the runtime failed and cannot recover: {reason}"
         # a shutdown that hangs (a runtime stop that waits on a dead engine) must not keep the process alive
         timer = threading.Timer(60.0, lambda: (print(line, file=sys.stderr, flush=True), os._exit(1)))
@@ -107,7 +116,7 @@ def serve(
         engine, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
         background_start=True, on_start_failure=start_failed, effects=effects,
     )
-    server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level))
+    server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level, own_logging))
     listener = sock if sock is not None else bind_socket(host, port)
     done = threading.Event()
     if on_ready is not None:
@@ -175,13 +184,14 @@ class BackgroundServer:
         wait_timeout: float | None = None,
         config: GatewayConfig | None = None,
         effects: EffectsAdmin | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.runtime = runtime
         self.host = host
         self.port = port or free_port(host)
         self.app = create_app(
             runtime, token=token, max_body=max_body, wait_timeout=wait_timeout, manage_runtime=True, config=config,
-            effects=effects,
+            effects=effects, tracer_provider=tracer_provider,
         )
         self.server = uvicorn.Server(uvicorn_config(self.app, host, self.port, self.app.config))
         self.loop: asyncio.AbstractEventLoop | None = None

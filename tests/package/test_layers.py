@@ -367,6 +367,16 @@ OLD = re.compile(
 )
 #: The Java shim's on-disk marker keeps the old module name so shims written before the move still match.
 KEPT = '_SHIM_MARK = "written by charon.spark.java"'
+#: Where ``charon.epoch`` is the OpenTelemetry span and attribute name (issue 26), not a module path.
+TRACE_NAMES = frozenset({"charon/server/tracing.py", "tests/server/test_tracing.py", "docs/guides/tracing.md",
+                         "tests/server/test_tracing_spark.py",
+                         "benchmarks/issue26/tracing_cost.py"})
+
+
+def _stale(rel: str, line: str) -> bool:
+    if rel in TRACE_NAMES:
+        line = re.sub(r"(?<![\w.])charon\.epoch(\.\w+)?(?![\w/])", "", line)
+    return bool(OLD.search(line))
 
 
 def test_no_stale_module_paths_in_the_repo() -> None:
@@ -379,7 +389,7 @@ def test_no_stale_module_paths_in_the_repo() -> None:
         if not path.is_file():
             continue
         for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if OLD.search(line) and KEPT not in line and rel != "tests/package/test_layers.py":
+            if _stale(rel, line) and KEPT not in line and rel != "tests/package/test_layers.py":
                 stale.append(f"{rel}:{i}: {line.strip()}")
     assert stale == []
 

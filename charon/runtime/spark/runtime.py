@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import shutil
 import sqlite3
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -89,6 +89,9 @@ from charon.state.durable import DurableState, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 
 _Layout = TypeVar("_Layout")
+
+_events = logging.getLogger("charon.engine")  # restarts, outages, quarantines: the server log
+
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
 
 
@@ -282,7 +285,7 @@ class SparkRuntime(EngineBacked):
         non-zero, so that a process supervisor restarts it: never alive-but-failed)."""
         self._fatal = reason
         self._status = "failed"
-        print(f"charon: FATAL: {reason}", file=sys.stderr, flush=True)
+        _events.critical("FATAL: %s", reason, extra={"event": "fatal"})
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
@@ -311,9 +314,9 @@ class SparkRuntime(EngineBacked):
                     n = 1
                     self._last_error = f"epoch {epoch}: {outage}"
                     self._status = "recovering"
-                    print(f"charon: the streaming query stopped at epoch {epoch} during an outage (not counted as "
-                          f"a failure); restarting when it is over: {outage}",
-                          file=sys.stderr, flush=True)
+                    _events.warning("the streaming query stopped at epoch %d during an outage (not counted as a "
+                                    "failure); restarting when it is over: %s", epoch, outage,
+                                    extra={"event": "outage", "epoch": epoch})
                 else:
                     n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
                     self._last_error = f"epoch {epoch}: {msg}"
@@ -325,9 +328,10 @@ class SparkRuntime(EngineBacked):
                         self._give_up(f"epoch {epoch} failed {n} times, giving up: {msg}")
                         return
                     self._status = "recovering"
-                    print(f"charon: the streaming query failed at epoch {epoch} (failure {n} of at most "
-                          f"{cfg.epoch_max_failures}); restarting from the checkpoint: {msg}", file=sys.stderr,
-                          flush=True)
+                    _events.warning("the streaming query failed at epoch %d (failure %d of at most %d); restarting "
+                                    "from the checkpoint: %s", epoch, n, cfg.epoch_max_failures, msg,
+                                    extra={"event": "failure", "epoch": epoch, "failures": n,
+                                           "error_type": None if err is None else type(err).__name__})
             # Restart; a restart that fails (e.g. its source's planning needs a Python worker Spark is still
             # replacing) is retried after the next back-off: awaiting the dead query again would count its old
             # failure once more and give up early.
@@ -355,11 +359,17 @@ class SparkRuntime(EngineBacked):
                             self._new_session()
                         self._start_query()
                         self._need_session = False
+                        _events.warning("the streaming query restarted at epoch %d (restart %d)%s", epoch,
+                                        self._restarts, " after the outage" if outage is not None else "",
+                                        extra={"event": "recovered" if outage is not None else "restart",
+                                               "epoch": epoch, "restarts": self._restarts})
                         break
                     except Exception as e:  # noqa: BLE001 - counted as a failure of the same epoch
                         failed = e
                         self._last_error = f"restart: {short_error(e)}"
-                        print(f"charon: restarting the streaming query failed: {e}", file=sys.stderr, flush=True)
+                        _events.warning("restarting the streaming query failed: %s", e,
+                                        extra={"event": "restart_failed", "epoch": epoch,
+                                               "error_type": type(e).__name__})
                 outage = self._outage(failed)  # probed without the lock: stop() and a rescale need not wait for it
                 if outage is not None:
                     continue
@@ -389,7 +399,9 @@ class SparkRuntime(EngineBacked):
                f"worker running it on every attempt of epoch {epoch}; the transaction was set aside")
         self.verdict_book.record(letter(req.request_id, req.operator, req.function, req.key,
                                         Verdict("Quarantined", msg, found[1]), epoch))
-        print(f"charon: quarantined request {req.request_id!r}: {msg}", file=sys.stderr, flush=True)
+        _events.error("quarantined request %r: %s", req.request_id, msg,
+                      extra={"event": "quarantined", "request_id": req.request_id, "operator": req.operator,
+                             "function": req.function, "key": req.key, "epoch": epoch})
         return True
 
     def _new_session(self) -> None:
@@ -398,8 +410,8 @@ class SparkRuntime(EngineBacked):
         held is needed: the epochs' state, records and logs are files)."""
         self._jvm_restarts += 1
         self._need_session = True
-        print(f"charon: Spark's JVM is gone; starting a new Spark session (attempt {self._jvm_restarts})",
-              file=sys.stderr, flush=True)
+        _events.warning("Spark's JVM is gone; starting a new Spark session (attempt %d)", self._jvm_restarts,
+                        extra={"event": "restart", "jvm_restarts": self._jvm_restarts})
         discard_dead_jvm()
         self._spark = None
         fault_point("session_restart")
@@ -426,7 +438,8 @@ class SparkRuntime(EngineBacked):
         except (OSError, sqlite3.Error) as e:  # sqlite3: "database is locked" (not an OSError) is transient too
             return f"the log is unavailable: {type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - never end the supervisor: the failure is counted instead
-            print(f"charon: probing the log failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            _events.warning("probing the log failed: %s: %s", type(e).__name__, e,
+                            extra={"event": "probe_failed", "error_type": type(e).__name__})
             return None
         for d in (records_dir(self.ckpt), self.durable.root):
             if d != records_dir(self.ckpt) and not os.path.lexists(d):
@@ -1002,7 +1015,7 @@ class SparkRuntime(EngineBacked):
         self._failures.pop(epoch, None)
         if self._status == "recovering":
             self._status = "ok"
-        self.epoch_stats.append({"epoch": epoch, **rec.stats})
+        self.epoch_stats.append({"epoch": epoch, "recorded_at": time.time(), **rec.stats})
         keep = max(1, self.config.keep_epoch_stats)
         if len(self.epoch_stats) > 2 * keep:  # amortized: trim to the newest ``keep``
             del self.epoch_stats[:-keep]

@@ -1,0 +1,191 @@
+"""Issue 26: the cost of OpenTelemetry tracing per request, off and on, through HTTP on the durable in-process node.
+
+Modes, alternated round by round (so that the machine's drift hits each alike):
+- ``before``: the server from the commit before tracing and the log setup existed (``--base``, default
+  ``f37e7bc``, exported with ``git archive`` into a temporary directory and put first on ``PYTHONPATH``);
+- ``off``: this checkout, tracing off (the default);
+- ``off_asgi``: this checkout, tracing off, invokes through the ASGI route (``CHARON_GATEWAY_DIRECT_INVOKE=0``),
+  as traced ones take it: ``on`` minus ``off_asgi`` is the spans' own cost, ``off_asgi`` minus ``off`` the lane's;
+- ``on``: this checkout, ``--otel-endpoint`` naming a local OTLP/HTTP receiver (a separate process that decodes
+  each export and counts its spans), so the spans are built, batched, encoded and sent.
+Each round starts ``charon run charon.apps.ycsb:app`` (fsync per epoch) afresh, seeds the accounts, drives YCSB-T
+transfers with issue 24's lean closed-loop client (keep-alive HTTP/1.1, one Idempotency-Key each) and reads the
+server's CPU seconds (psutil) over the window: CPU per request = delta / requests. JSON and a PNG.
+
+    .venv/bin/python benchmarks/issue26/tracing_cost.py --rounds 3 --duration 10 --concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from charon.server.serve import free_port
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TOKEN = "t24"  # the token issue 24's client sends
+KEYS = 1000
+MODES = ("before", "off", "off_asgi", "on")
+
+_spec = importlib.util.spec_from_file_location("gateway_cpu", ROOT / "benchmarks" / "issue24" / "gateway_cpu.py")
+assert _spec is not None and _spec.loader is not None
+gateway_cpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gateway_cpu)
+
+RECEIVER = r'''
+import http.server, sys
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+spans = 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        global spans
+        msg = ExportTraceServiceRequest()
+        msg.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+        spans += sum(len(s.spans) for r in msg.resource_spans for s in r.scope_spans)
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def do_GET(self):
+        body = str(spans).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+'''
+
+
+def _wait_ok(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer")
+        time.sleep(0.1)
+
+
+def one_round(mode: str, base_src: str, receiver: str, args: argparse.Namespace) -> dict:
+    tmp = tempfile.mkdtemp(prefix="charon-i26-")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "charon.cli", "run", "charon.apps.ycsb:app", "--engine", "inprocess",
+           "--data-dir", os.path.join(tmp, "data"), "--port", str(port), "--token", TOKEN]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    if mode == "before":
+        env["PYTHONPATH"] = base_src
+    else:
+        env["PYTHONPATH"] = str(ROOT)
+    if mode == "on":
+        cmd += ["--otel-endpoint", receiver]
+    if mode == "off_asgi":
+        env["CHARON_GATEWAY_DIRECT_INVOKE"] = "0"
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp, env=env)
+    try:
+        _wait_ok(f"{url}/health")
+        r = httpx.post(f"{url}/admin/update", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120,
+                       json={"id": "seed", "operator": "account", "function": "deposit", "args": [1_000_000],
+                             "keys": [f"a{i}" for i in range(KEYS)]})
+        r.raise_for_status()
+        spans0 = int(httpx.get(receiver).text)
+        load0 = os.getloadavg()[0]
+        row = asyncio.run(gateway_cpu.drive(url, args.concurrency, args.duration, args.warmup,
+                                            psutil.Process(server.pid)))
+        row.pop("server_thread_cpu_s", None)
+        row["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+        shutil.rmtree(tmp, ignore_errors=True)
+    row["spans_received"] = int(httpx.get(receiver).text) - spans0  # after the shutdown's flush
+    row["mode"] = mode
+    return row
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "server_cpu_us_per_request", "server CPU per request (µs)"),
+                           (axes[1], "p50", "latency p50 (ms)")):
+        for i, mode in enumerate(MODES):
+            vals = [(r["latency_ms"]["p50"] if key == "p50" else r[key]) for r in rows if r["mode"] == mode]
+            ax.bar(i, statistics.median(vals), color=("#999999", "#4c72b0", "#55a868", "#dd8452")[i], alpha=0.7)
+            ax.scatter([i] * len(vals), vals, color="black", s=12, zorder=3)
+        ax.set_xticks(range(len(MODES)), MODES)
+        ax.set_ylabel(label)
+    fig.suptitle(f"tracing cost, durable in-process node, c={doc['concurrency']} "
+                 f"({doc['rounds']} alternating rounds; bars: median, dots: rounds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--duration", type=float, default=10)
+    ap.add_argument("--warmup", type=float, default=2)
+    ap.add_argument("--base", default="f37e7bc", help="the commit whose server is 'before'")
+    ap.add_argument("--out", default=str(HERE / "tracing_cost.json"))
+    args = ap.parse_args(argv)
+    base_src = tempfile.mkdtemp(prefix="charon-i26-base-")
+    archive = subprocess.run(["git", "archive", args.base, "charon"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", base_src], input=archive.stdout, check=True)
+    rport = free_port()
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(rport)])
+    rows = []
+    try:
+        _wait_ok(f"http://127.0.0.1:{rport}/")
+        for rnd in range(args.rounds):
+            for mode in MODES:
+                row = one_round(mode, base_src, f"http://127.0.0.1:{rport}", args)
+                row["round"] = rnd
+                rows.append(row)
+                print(json.dumps({k: row[k] for k in ("mode", "round", "requests_per_s",
+                                                      "server_cpu_us_per_request", "spans_received")}), flush=True)
+    finally:
+        receiver.terminate()
+        receiver.wait(10)
+        shutil.rmtree(base_src, ignore_errors=True)
+    summary = {}
+    for mode in MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        summary[mode] = {"server_cpu_us_per_request_median": statistics.median(r["server_cpu_us_per_request"]
+                                                                               for r in mine),
+                         "requests_per_s_median": statistics.median(r["requests_per_s"] for r in mine),
+                         "p50_ms_median": statistics.median(r["latency_ms"]["p50"] for r in mine),
+                         "spans_per_request_incl_warmup": round(sum(r["spans_received"] for r in mine)
+                                                    / max(1, sum(r["requests"] for r in mine)), 2)}
+    doc = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "cpus": os.cpu_count(),
+           "concurrency": args.concurrency, "rounds": args.rounds, "duration_s": args.duration, "base": args.base,
+           "summary": summary, "rows": rows}
+    out = Path(args.out)
+    out.write_text(json.dumps(doc, indent=1))
+    plot(doc, out.with_suffix(".png"))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

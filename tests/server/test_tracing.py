@@ -1,0 +1,239 @@
+"""OpenTelemetry traces (issue 26): a transfer through a real gateway (uvicorn on a port, a durable in-process
+node) leaves a server span under the client's ``traceparent``, the log append and the epoch under it, with the
+request's epoch, tid and position; an aborted one is marked; the call-graph converter turns the inspector's
+nodes into a tree of function spans; off, the direct invoke lane serves and no span exists; the OTLP/HTTP
+exporter delivers to a real HTTP receiver that decodes the protobuf."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from charon import InProcessRuntime
+from charon.config import GatewayConfig
+from charon.server.serve import BackgroundServer
+from charon.server.tracing import CallGraphError, call_graph_spans, otlp_endpoint
+from tests.support.contract_app import v1 as APP
+
+TOKEN = "trace-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+
+
+def _provider() -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def _wait_spans(exporter: InMemorySpanExporter, names: set[str], timeout: float = 10.0) -> list:
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = list(exporter.get_finished_spans())
+        if names <= {s.name for s in spans}:
+            return spans
+        assert time.monotonic() < deadline, f"spans seen: {[s.name for s in spans]}"
+        time.sleep(0.02)
+
+
+def test_a_transfer_traced_through_a_real_gateway(tmp_path: Path) -> None:
+    provider, exporter = _provider()
+    rt = InProcessRuntime(APP, partitions=2, data_dir=str(tmp_path))
+    with BackgroundServer(rt, token=TOKEN, tracer_provider=provider) as srv, \
+            httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
+        assert srv.app.direct is None  # traced invokes take the ASGI route
+        assert c.post("/invoke/acct/alice/deposit", json={"args": [100]}).status_code == 200
+        exporter.clear()
+        r = c.post("/invoke/acct/alice/transfer", json={"args": ["bob", 40]},
+                   headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "Idempotency-Key": "transfer-1"})
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        spans = _wait_spans(exporter, {"POST /invoke/{operator}/{key}/{function}", "charon.log.append",
+                                       "charon.epoch"})
+    by_name = {s.name: s for s in spans}
+    server = by_name["POST /invoke/{operator}/{key}/{function}"]
+    log, epoch = by_name["charon.log.append"], by_name["charon.epoch"]
+    # the client's trace goes on: same trace id, the server span's parent is the client's span
+    assert {format(s.context.trace_id, "032x") for s in spans} == {TRACE_ID}
+    assert server.kind is SpanKind.SERVER and format(server.parent.span_id, "016x") == PARENT_ID
+    assert server.parent.is_remote
+    assert log.parent.span_id == server.context.span_id and epoch.parent.span_id == server.context.span_id
+    attrs = dict(server.attributes)
+    assert attrs["charon.operator"] == "acct" and attrs["charon.function"] == "transfer"
+    assert attrs["charon.key"] == "alice" and attrs["charon.request_id"] == "transfer-1"
+    assert (attrs["charon.epoch"], attrs["charon.tid"], attrs["charon.position"]) == \
+        (reply["epoch"], reply["tid"], reply["position"])
+    assert attrs["http.response.status_code"] == 200
+    for child in (log, epoch):
+        assert child.attributes["charon.request_id"] == "transfer-1"
+        assert child.attributes["charon.epoch"] == reply["epoch"]
+    assert epoch.attributes["charon.epoch.size"] >= 1
+    # the engine's own timings place them: the append before the epoch, both inside the request
+    assert server.start_time <= log.start_time <= log.end_time <= epoch.start_time + 1_000_000
+    assert epoch.end_time <= server.end_time + 5_000_000
+    assert server.status.status_code is StatusCode.UNSET
+
+
+def test_an_aborted_transaction_is_an_error_span(tmp_path: Path) -> None:
+    provider, exporter = _provider()
+    rt = InProcessRuntime(APP, partitions=2)
+    with BackgroundServer(rt, token=TOKEN, tracer_provider=provider) as srv, \
+            httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
+        r = c.post("/invoke/acct/carol/transfer", json={"args": ["bob", 5]})
+        assert r.status_code == 409
+        spans = _wait_spans(exporter, {"POST /invoke/{operator}/{key}/{function}", "charon.epoch"})
+    server = next(s for s in spans if s.kind is SpanKind.SERVER)
+    assert server.status.status_code is StatusCode.ERROR and "ValueError" in server.status.description
+    assert server.attributes["charon.error_type"] == "ValueError"
+    assert not any(s.name == "charon.log.append" for s in spans)  # a volatile runtime has no input log
+    # a new trace (no traceparent): the server span is a root
+    assert server.parent is None
+
+
+def test_untraced_gateway_keeps_the_direct_lane_and_makes_no_spans(tmp_path: Path, monkeypatch) -> None:
+    """Off (the default: no endpoint anywhere), no span object of any kind is made, recording or not."""
+    import opentelemetry.sdk.trace as sdk_trace
+    import opentelemetry.trace.span as api_span
+
+    for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "CHARON_GATEWAY_OTEL_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    made: list[str] = []
+    for cls in (sdk_trace.Span, api_span.NonRecordingSpan):
+        init = cls.__init__
+
+        def counting(self, *a, _init=init, _name=cls.__name__, **kw) -> None:
+            made.append(_name)
+            _init(self, *a, **kw)
+
+        monkeypatch.setattr(cls, "__init__", counting)
+    rt = InProcessRuntime(APP, partitions=2, data_dir=str(tmp_path))
+    with BackgroundServer(rt, token=TOKEN) as srv, httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
+        assert srv.app.direct is not None and srv.app.state.gateway.tracing is None
+        for i in range(20):
+            assert c.post(f"/invoke/acct/x{i}/deposit", json={"args": [1]},
+                          headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}).status_code == 200
+        assert c.post("/batch", json={"calls": [["acct", "y", "deposit", [2]]]}).status_code == 200
+    assert made == []
+    # the counting itself works: a traced gateway makes spans through the same classes
+    provider, exporter = _provider()
+    with BackgroundServer(InProcessRuntime(APP, partitions=2), token=TOKEN, tracer_provider=provider) as srv:
+        assert httpx.post(f"{srv.url}/invoke/acct/z/deposit", json={"args": [1]}, headers=AUTH).status_code == 200
+        _wait_spans(exporter, {"charon.epoch"})
+    assert "Span" in made and "NonRecordingSpan" in made
+
+
+def test_call_graph_becomes_a_tree_of_function_spans() -> None:
+    provider, exporter = _provider()
+    tracer = provider.get_tracer("test")
+    nodes = [  # a transfer that calls deposit, which sends a notification; the send raised
+        {"index": 2, "parent": 1, "kind": "send", "operator": "notify", "key": "bob", "function": "push",
+         "outcome": "raised"},
+        {"index": 0, "parent": None, "kind": "root", "operator": "acct", "key": "alice", "function": "transfer",
+         "outcome": "ok"},
+        {"index": 1, "parent": 0, "kind": "call", "operator": "acct", "key": "bob", "function": "deposit",
+         "outcome": None},
+        {"index": 3, "parent": 0, "kind": "call", "operator": "audit", "key": "t1", "function": "record",
+         "outcome": "ok"},
+    ]
+    with tracer.start_as_current_span("charon.epoch") as epoch:
+        from opentelemetry import trace
+
+        made = call_graph_spans(tracer, nodes, trace.set_span_in_context(epoch), 1_000, 2_000,
+                                {"charon.request_id": "r9"})
+    assert [s.name for s in made] == ["acct.transfer", "acct.deposit", "notify.push", "audit.record"]
+    finished = {s.name: s for s in exporter.get_finished_spans()}
+    root, dep, push, rec = (finished[n] for n in ("acct.transfer", "acct.deposit", "notify.push", "audit.record"))
+    assert root.parent.span_id == finished["charon.epoch"].context.span_id
+    assert dep.parent.span_id == root.context.span_id and rec.parent.span_id == root.context.span_id
+    assert push.parent.span_id == dep.context.span_id
+    assert push.status.status_code is StatusCode.ERROR and root.status.status_code is StatusCode.UNSET
+    assert (dep.attributes["charon.key"], dep.attributes["charon.call.kind"], dep.attributes["charon.request_id"]) \
+        == ("bob", "call", "r9")
+    assert push.attributes["charon.call.kind"] == "send" and push.attributes["charon.operator"] == "notify"
+    assert (root.start_time, root.end_time) == (1_000, 2_000)
+    # bounded: only the first nodes become spans, the root says how many were left out
+    exporter.clear()
+    made = call_graph_spans(tracer, nodes, None, 1_000, 2_000, max_spans=2)
+    assert len(made) == 2 and made[0].attributes["charon.call_graph.dropped"] == 2
+    with pytest.raises(CallGraphError):
+        call_graph_spans(tracer, [{"index": 0, "parent": None, "operator": "a", "key": "k", "function": "f"},
+                                  {"index": 1, "parent": 5, "operator": "a", "key": "k", "function": "g"}],
+                         None, 0, 1)
+    with pytest.raises(CallGraphError):
+        call_graph_spans(tracer, [{"index": 1, "parent": None, "operator": "a", "key": "k", "function": "f"}],
+                         None, 0, 1)
+
+
+def test_endpoint_from_flag_or_standard_variables() -> None:
+    assert otlp_endpoint(None, {}) is None  # off by default
+    assert otlp_endpoint("http://c:4318", {}) == "http://c:4318/v1/traces"
+    assert otlp_endpoint("http://c:4318/v1/traces/", {}) == "http://c:4318/v1/traces"
+    assert otlp_endpoint(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://e:4318/"}) == "http://e:4318/v1/traces"
+    assert otlp_endpoint(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://e:4318",
+                                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:9/x"}) == "http://t:9/x"
+    assert otlp_endpoint("http://c:4318", {"OTEL_SDK_DISABLED": "true"}) is None
+    assert otlp_endpoint(None, {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://e"}) is None
+
+
+class _Receiver(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP traces receiver: decodes each protobuf export request."""
+
+    got: list[ExportTraceServiceRequest] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - the handler's protocol
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        msg = ExportTraceServiceRequest()
+        msg.ParseFromString(body)
+        type(self).got.append((self.path, self.headers.get("Content-Type"), msg))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_otlp_export_reaches_a_real_receiver(tmp_path: Path) -> None:
+    """The gateway's own exporter (configured by ``otel_endpoint``, as ``charon run --otel-endpoint``) sends
+    OTLP/HTTP protobuf that decodes to the request's spans, under service.name ``charon``."""
+    _Receiver.got = []
+    receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    try:
+        cfg = GatewayConfig(otel_endpoint=f"http://127.0.0.1:{receiver.server_address[1]}")
+        rt = InProcessRuntime(APP, partitions=2, data_dir=str(tmp_path))
+        with BackgroundServer(rt, token=TOKEN, config=cfg) as srv, \
+                httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
+            assert srv.app.state.gateway.tracing is not None
+            r = c.post("/invoke/acct/dora/deposit", json={"args": [3]},
+                       headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+            assert r.status_code == 200
+        # stopping the gateway flushed the queue
+        spans = [(res, span) for _, _, msg in _Receiver.got for res in msg.resource_spans
+                 for scope in res.scope_spans for span in scope.spans]
+    finally:
+        receiver.shutdown()
+        receiver.server_close()
+    assert {p for p, _, _ in _Receiver.got} == {"/v1/traces"}
+    assert {t for _, t, _ in _Receiver.got} == {"application/x-protobuf"}
+    names = {span.name for _, span in spans}
+    assert {"POST /invoke/{operator}/{key}/{function}", "charon.log.append", "charon.epoch"} <= names
+    assert {span.trace_id.hex() for _, span in spans} == {TRACE_ID}
+    res = spans[0][0].resource
+    assert {a.key: a.value.string_value for a in res.attributes}["service.name"] == "charon"
+    server = next(span for _, span in spans if span.name.startswith("POST"))
+    attrs = {a.key: a.value for a in server.attributes}
+    assert attrs["charon.operator"].string_value == "acct" and attrs["charon.epoch"].int_value >= 0
