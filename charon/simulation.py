@@ -145,7 +145,7 @@ class SimExchange(SparkExchange):
     """The real SparkExchange with ``run_job`` replaced by the simulated cluster."""
 
     def __init__(self, sim: Simulation, config: SparkConfig) -> None:
-        super().__init__(None, APP_REF, config)
+        super().__init__(None, sim.app_ref, config)
         self.sim = sim
 
     def run_job(self, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
@@ -160,6 +160,7 @@ class Simulation:
         workload: Workload | None = None, faults: Faults | None = None, log_growth: bool = False,
     ) -> None:
         self.seed = seed
+        self.app_ref, self.app = APP_REF, app  # the application under test (the harness runs others)
         self.rng = random.Random(seed)
         shape = Shape(depth=2, ops=4, features=(FEATURES | OPTIONAL_FEATURES) - without)
         w = random_workload(self.rng, shape, epochs=(1, 4), txns=(2, 7))
@@ -257,7 +258,7 @@ class Simulation:
 
     def run_task(self, w: Worker, task: list[tuple[int, bytes]], upto: int | None = None) -> list[tuple[int, bytes]]:
         """The real task function over the task's partitions in worker ``w`` (only the first ``upto``)."""
-        fn = partial(spark_tasks.run_partitions, APP_REF, self.config.partitions, w.dir, self.durable_root,
+        fn = partial(spark_tasks.run_partitions, self.app_ref, self.config.partitions, w.dir, self.durable_root,
                      self.config.checkpoint_dir)
         budget = self.rt.exchange.fn.keywords.get("function_timeout") if self.rt is not None else None
         with w.process(), self.overrunning(budget is not None):
@@ -272,7 +273,7 @@ class Simulation:
             yield
             return
         sim = self
-        fns = [f for op in app.operators.values() for f in op.functions.values()]
+        fns = [f for op in self.app.operators.values() for f in op.functions.values()]
         saved = [f.body for f in fns]
 
         def overrun(body: Any, name: str) -> Any:
@@ -322,7 +323,7 @@ class Simulation:
         w = self.rng.choice(self.workers)
         self.trace(f"{self.where}: state read at epoch {epoch} in w{w.wid}")
         with w.process():
-            got = dict(spark_tasks.read_entities(APP_REF, w.dir, self.durable_root, self.config.checkpoint_dir,
+            got = dict(spark_tasks.read_entities(self.app_ref, w.dir, self.durable_root, self.config.checkpoint_dir,
                                                  epoch, list(by_pid.items())))
         for k in keys:
             if got.get(k) != want.get(k):
@@ -393,7 +394,7 @@ class Simulation:
             self.rt._replies.abandon()  # the old driver is gone: replies it had not written yet are lost
             self.rt.input_log.close()
             self.rt.output_log.close()
-        rt = sr.SparkRuntime(APP_REF, self.config)
+        rt = sr.SparkRuntime(self.app_ref, self.config)
         rt.exchange = SimExchange(self, self.config)
         rt._start_compaction = rt._compact  # type: ignore[method-assign]  # a deliberate patch: synchronous: compaction's crash point is an ordinary step
         put_many = rt.output_log.put_many
@@ -451,8 +452,9 @@ class Simulation:
             if res is None:
                 raise Violation(f"epoch {e} is recorded but no run of it completed")
             after = self.durable_state(e)
+            self.committed(e, after, res)
             try:
-                testing.check_epoch(app, self.expected[e - 1], after, res, partitions=self.config.partitions,
+                testing.check_epoch(self.app, self.expected[e - 1], after, res, partitions=self.config.partitions,
                                     timer_limit=self.config.max_timers_per_epoch,
                                     verdicts=self.rt.verdict_book.verdicts)
             except AssertionError as exc:
@@ -473,6 +475,10 @@ class Simulation:
             self.expected[e] = after
             self.trace(f"epoch {e} verified: {len(res.order)} outcomes, deferred {res.deferred}")
             e += 1
+
+    def committed(self, e: int, after: dict[bytes, bytes], res: Any) -> None:
+        """Called with each recorded epoch's committed state and result before the oracle checks it (the
+        application harness checks its invariants here)."""
 
     def check_atom(self, e: int, res: Any) -> None:
         """The stream log holds epoch ``e``'s atom exactly once, as the oracle-checked result has it (also when
