@@ -854,6 +854,11 @@ def demo(
         shutil.rmtree(data_dir, ignore_errors=True)  # a passing demo leaves nothing behind
 
 
+from charon.harness_cli import test_app  # noqa: E402 - the fault harness's command lives in its own module
+
+app.command("test-app")(test_app)
+
+
 def main() -> None:
     """Entry point of the ``charon`` console script."""
     _pin_hash_seed()
@@ -864,7 +869,7 @@ def _pin_hash_seed() -> None:
     """``charon run`` re-executes itself with ``PYTHONHASHSEED=0`` when the variable is unset or ``random``:
     functions iterating a set of strings then see the same order in every run of the process, so a restart
     that replays logged epochs reproduces the replies already sent (a fixed value the user set is kept)."""
-    if sys.argv[1:2] == ["run"] and os.environ.get("PYTHONHASHSEED", "random") in ("", "random"):
+    if sys.argv[1:2] in (["run"], ["test-app"]) and os.environ.get("PYTHONHASHSEED", "random") in ("", "random"):
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 

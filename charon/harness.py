@@ -111,11 +111,11 @@ class Snapshot:
         return out
 
     def committed(self) -> Iterator[tuple[Invocation, Any]]:
-        """(invocation, returned value) of every request that committed, in request order."""
-        for rid, inv in self.invocations.items():
-            r = self.replies.get(rid)
-            if r is not None and r.ok:
-                yield inv, serde.decode(r.value)
+        """(invocation, returned value) of every request that committed, in the serial order (epoch, position)."""
+        done = [(r.epoch, r.position or 0, rid, r) for rid, r in self.replies.items()
+                if r.ok and rid in self.invocations]
+        for _, _, rid, r in sorted(done, key=lambda d: d[:3]):
+            yield self.invocations[rid], serde.decode(r.value)
 
 
 @dataclass
@@ -350,9 +350,10 @@ class _AppSimulation(Simulation):
         assert self.rt is not None
         epoch = self.rt.last_recorded_epoch()
         want = self.expected.get(epoch)
-        if not want:
+        if want is None:
             return
-        keys = self.rng.sample(sorted(want), min(3, len(want)))
+        entities = sorted(k for k in want if split_store_key(k)[0] and split_store_key(k)[2][:1] in ("", "\x01"))
+        keys = self.rng.sample(entities, min(3, len(entities)))
         by_pid: dict[int, list[bytes]] = {}
         for k in keys:
             op, key, _ = split_store_key(k)

@@ -5,9 +5,10 @@ The provider delivers each payment at least once: a redelivery is a new request 
 wallet's state (``ctx.put_item``), in the same transaction as the credit. :data:`buggy_app` remembers them in
 module-level process memory (by transaction, so that the engine's own re-execution of a transaction is not
 taken for a redelivery): that holds while a wallet's requests run in one Python process that never restarts,
-and credits a redelivered payment twice (money created) when the redelivery lands in another worker (a task
-moved, the partitions rescaled) or after the worker restarted. ``charon test-app charon.apps.wallets:buggy_app --seeds 20
---workload charon.apps.wallets:payments --invariant charon.apps.wallets:credited_once`` finds it.
+and credits a redelivered payment twice (money created) when the redelivery runs in another worker (a task
+moved, or an epoch's rest ran in one task) or after the worker restarted. ``charon test-app
+charon.apps.wallets:buggy_app --seeds 20 --workload charon.apps.wallets:payments --invariant
+charon.apps.wallets:credited_once`` finds it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ if TYPE_CHECKING:
     from charon.harness import Snapshot
 
 WALLETS = ("w0", "w1", "w2")
-#: buggy_app's defect: token -> the transaction (TID) that credited it, in this process's memory. Keyed by TID
+#: buggy_app's defect: (wallet, token) -> the transaction (TID) that credited it, in this process's memory. Keyed by TID
 #: because the engine may run a transaction more than once (a conflict's re-execution): that is not a redelivery.
-_CREDITED: dict[str, int] = {}
+_CREDITED: dict[tuple[str, str], int] = {}
 
 
 def make_app(remember: str) -> Application:
@@ -39,7 +40,7 @@ def make_app(remember: str) -> Application:
                 return ctx.get(default=0)
             ctx.put_item("paid:" + token, amount)
         else:
-            if _CREDITED.setdefault(token, ctx.tid) != ctx.tid:  # another transaction credited it
+            if _CREDITED.setdefault((ctx.key, token), ctx.tid) != ctx.tid:  # another transaction credited it
                 return ctx.get(default=0)
         b = ctx.get(default=0) + amount
         ctx.put(b)
@@ -85,7 +86,11 @@ def payments(rng: random.Random) -> list[tuple]:
 
 
 def credited_once(s: Snapshot) -> None:
-    """Money is conserved: the wallets hold exactly the payments credited, each token once."""
-    paid = {inv.args[0]: inv.args[1] for inv, _ in s.committed() if inv.function == "credit"}
+    """Money is conserved: the wallets hold exactly the payments credited, each (wallet, token) once (the first
+    credit of a token counts; a redelivery changes nothing)."""
+    paid: dict[tuple[str, str], int] = {}
+    for inv, _ in s.committed():
+        if inv.function == "credit":
+            paid.setdefault((inv.key, inv.args[0]), inv.args[1])
     total = sum(s.entities("wallet").values())
     assert total == sum(paid.values()), f"the wallets hold {total}, the distinct payments sum to {sum(paid.values())}"

@@ -1,0 +1,64 @@
+"""The fault harness in pytest (registered as a ``pytest11`` plugin): ``@fault_seeds(n)`` and ``charon_harness``.
+
+::
+
+    from charon.testing import fault_seeds
+
+    @fault_seeds(20)
+    def test_wallets(charon_harness):
+        charon_harness.run(wallets.app, wallets.payments, [wallets.credited_once])
+
+``fault_seeds(n)`` runs the test once per seed (``CHARON_HARNESS_SEEDS`` overrides ``n``;
+``CHARON_HARNESS_SEED`` runs that one seed). ``charon_harness.run`` is :func:`charon.harness.run_app` with the
+test's seed, and a failure's reproduction line is the pytest command that reruns that seed.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+SEED_ENV = "CHARON_HARNESS_SEED"
+SEEDS_ENV = "CHARON_HARNESS_SEEDS"
+
+
+def fault_seeds(n: int, start: int = 0) -> Callable[[Any], Any]:
+    """Parametrize a test over seeds ``start .. start+n-1`` as ``charon_seed`` (see the module docstring)."""
+    one = os.environ.get(SEED_ENV)
+    if one is not None:
+        seeds = [int(one)]
+    else:
+        seeds = list(range(start, start + int(os.environ.get(SEEDS_ENV, n))))
+    return pytest.mark.parametrize("charon_seed", seeds, ids=[str(s) for s in seeds])
+
+
+class HarnessRunner:
+    """``charon_harness``: runs :func:`charon.harness.run_app` with this test's seed and reproduction line."""
+
+    def __init__(self, nodeid: str, seed: int) -> None:
+        self.nodeid, self.seed = nodeid, seed
+
+    def reproduction(self, seed: int) -> str:
+        return f"{SEED_ENV}={seed} python -m pytest {shlex.quote(self.nodeid)}"
+
+    def run(self, app: Any, workload: Any = None, invariants: Any = (), *, seed: int | None = None,
+            **kw: Any) -> Any:
+        from charon.harness import run_app
+
+        s = self.seed if seed is None else seed
+        return run_app(app, workload, invariants, seed=s, reproduce=self.reproduction(s), **kw)
+
+
+@pytest.fixture
+def charon_harness(request: pytest.FixtureRequest) -> HarnessRunner:
+    """The fault harness bound to this test (its seed: ``charon_seed`` of ``@fault_seeds``, else
+    ``CHARON_HARNESS_SEED``, else 0)."""
+    callspec = getattr(request.node, "callspec", None)
+    seed = callspec.params.get("charon_seed") if callspec is not None else None
+    if seed is None:
+        seed = int(os.environ.get(SEED_ENV, "0"))
+    return HarnessRunner(request.node.nodeid, seed)
