@@ -42,8 +42,8 @@ from charon.runtime.spark.runtime import TICK
 from charon.simulation import Faults, SimCrash, Simulation, Violation, Worker
 from charon.state.durable import DurableState
 
-__all__ = ["Faults", "HarnessFailure", "Invocation", "Report", "Snapshot", "app_ref_of", "from_hints", "invocations",
-           "run_app"]
+__all__ = ["Faults", "HarnessFailure", "HintsWorkload", "Invocation", "Report", "Snapshot", "app_ref_of",
+           "from_hints", "invocations", "run_app"]
 
 #: Default number of invocations a run takes from its workload.
 STEPS = 50
@@ -128,13 +128,14 @@ class Report:
     retries: int
     crashes: int
     rounds: int
+    timers_fired: int
+    log_resizes: int
     faults: str
     fingerprint: str
     isolated: bool  # each simulated worker had its own copy of the application's module
 
 
 Invariant = Callable[[Snapshot], Any]
-WorkloadSource = Sequence[Any] | Callable[[random.Random], Iterable[Any]]
 
 
 # -- workloads from type hints ---------------------------------------------------------------------------------
@@ -180,34 +181,78 @@ def _hint_strategy(hint: Any, keys: Sequence[str]) -> Any:
     return st.from_type(hint)
 
 
-def from_hints(app: Application, keys: Sequence[str] = ("k0", "k1", "k2", "k3"),
-               strategies: Mapping[str, Any] | None = None, functions: Iterable[str] | None = None,
-               ) -> Callable[[random.Random, int], list[Invocation]]:
-    """A workload drawn from ``app``'s type hints (see :func:`invocations`), the same for the same seed."""
+class HintsWorkload:
+    """A workload drawn from an application's type hints (see :func:`invocations`); the same for the same seed."""
 
-    def draw(rng: random.Random, steps: int) -> list[Invocation]:
+    def __init__(self, app: Application, keys: Sequence[str], strategies: Mapping[str, Any] | None,
+                 functions: Iterable[str] | None) -> None:
+        self.app, self.keys, self.strategies = app, list(keys), dict(strategies or {})
+        self.functions = None if functions is None else list(functions)
+
+    def __call__(self, rng: random.Random, steps: int) -> list[Invocation]:
         from hypothesis import HealthCheck, Phase, find, settings
         from hypothesis import strategies as st
 
         seen = itertools.count(1)  # the first examples hypothesis tries are the simplest: take the third
         out: list[Invocation] = find(
-            st.lists(invocations(app, keys, strategies, functions), min_size=steps, max_size=steps),
+            st.lists(invocations(self.app, self.keys, self.strategies, self.functions), min_size=steps,
+                     max_size=steps),
             lambda _: next(seen) >= 3,
             settings=settings(database=None, phases=[Phase.generate], max_examples=10,
                               suppress_health_check=list(HealthCheck)),
             random=rng)
         return out
 
-    draw.steps = True  # type: ignore[attr-defined]  # takes the step count
-    return draw
+
+def from_hints(app: Application, keys: Sequence[str] = ("k0", "k1", "k2", "k3"),
+               strategies: Mapping[str, Any] | None = None, functions: Iterable[str] | None = None,
+               ) -> HintsWorkload:
+    """A workload of ``app``'s functions with arguments drawn from their type hints (:func:`invocations`)."""
+    return HintsWorkload(app, keys, strategies, functions)
+
+
+#: A workload: invocations, a function of a seeded ``random.Random`` returning them, or :func:`from_hints`.
+WorkloadSource = Sequence[Any] | Callable[[random.Random], Iterable[Any]] | HintsWorkload
 
 
 def _workload_list(source: WorkloadSource, rng: random.Random, steps: int) -> list[Invocation]:
-    if callable(source):
-        produced = source(rng, steps) if getattr(source, "steps", False) else source(rng)
+    if isinstance(source, HintsWorkload):
+        produced: Iterable[Any] = source(rng, steps)
+    elif callable(source):
+        produced = source(rng)
     else:
         produced = source
     return [Invocation.of(x) for x in itertools.islice(produced, steps)]
+
+
+def _ref(obj: Any) -> str | None:
+    """``module:name`` importing ``obj`` back (None: a lambda, a local function, a list...)."""
+    mod, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+    if not mod or not name or "<" in name or getattr(sys.modules.get(mod), name, None) is not obj:
+        return None
+    return f"{mod}:{name}"
+
+
+def reproduction(ref: str, workload: Any, invariants: Sequence[Invariant], seed: int, steps: int) -> str:
+    """The ``charon test-app`` line rerunning this seed, or the ``run_app`` call when the workload or an invariant
+    is not importable by name."""
+    line = f"charon test-app {ref} --seed {seed} --steps {steps}"
+    call = f"charon.testing.run_app({ref!r}, <the workload>, <the invariants>, seed={seed}, steps={steps})"
+    if isinstance(workload, HintsWorkload):
+        if workload.strategies:  # strategies of its own: the command line cannot draw the same
+            return call
+        line += f" --keys {','.join(workload.keys)}" if workload.keys != ["k0", "k1", "k2", "k3"] else ""
+        line += f" --functions {','.join(workload.functions)}" if workload.functions else ""
+    elif (w := _ref(workload)) is None:
+        return call
+    else:
+        line += f" --workload {w}"
+    for inv in invariants:
+        r = _ref(inv)
+        if r is None:
+            return call
+        line += f" --invariant {r}"
+    return line
 
 
 # -- the plan of one seed ------------------------------------------------------------------------------------
@@ -334,7 +379,7 @@ class _AppSimulation(Simulation):
         try:
             return super().run_task(w, task, upto)
         finally:
-            spark_tasks.load_app = load  # type: ignore[assignment]
+            spark_tasks.load_app = load
 
     def load_initial(self) -> None:
         state = {store_key(op, key): serde.encode(value) for (op, key), value in self.plan.initial.items()}
@@ -381,8 +426,9 @@ class _AppSimulation(Simulation):
             name = getattr(inv, "__name__", repr(inv))
             try:
                 ok = inv(snap)
-            except AssertionError as exc:
-                raise Violation(f"epoch {e}: invariant {name} broken: {exc}") from None
+            except AssertionError as exc:  # its message's first line (pytest may append its introspection)
+                why = str(exc).split("\n", 1)[0]
+                raise Violation(f"epoch {e}: invariant {name} broken" + (f": {why}" if why else "")) from None
             if ok is False:
                 raise Violation(f"epoch {e}: invariant {name} broken")
 
@@ -414,7 +460,7 @@ def run_app(app: Application | str, workload: WorkloadSource | None = None, inva
     rng = random.Random(f"charon-harness-{seed}")
     invs = _workload_list(source, rng, steps)
     plan = _plan(invs, rng, initial or {})
-    line = reproduce or f"charon test-app {ref} --seed {seed} --steps {steps}"
+    line = reproduce or reproduction(ref, source, invariants, seed, steps)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix=f"charon-harness-{seed}-", dir=base)
     grow = rng.random() < 0.5
@@ -438,7 +484,7 @@ def run_app(app: Application | str, workload: WorkloadSource | None = None, inva
     for rid in sorted(sim.delivered):
         digest.update(repr(sim.delivered[rid]).encode() + b"\n")
     return Report(seed, stats["epochs"], stats["requests"], plan.retries, stats["crashes"], stats["rounds"],
-                  repr(sim.faults), digest.hexdigest(), sim.isolated)
+                  stats["fired"], stats["log_resizes"], repr(sim.faults), digest.hexdigest(), sim.isolated)
 
 
 def check_seeds(app: Application | str, seeds: Iterable[int], **kw: Any) -> list[Report]:

@@ -54,11 +54,12 @@ class HarnessRunner:
 
 
 @pytest.fixture
-def charon_harness(request: pytest.FixtureRequest) -> HarnessRunner:
-    """The fault harness bound to this test (its seed: ``charon_seed`` of ``@fault_seeds``, else
-    ``CHARON_HARNESS_SEED``, else 0)."""
-    callspec = getattr(request.node, "callspec", None)
-    seed = callspec.params.get("charon_seed") if callspec is not None else None
-    if seed is None:
-        seed = int(os.environ.get(SEED_ENV, "0"))
-    return HarnessRunner(request.node.nodeid, seed)
+def charon_seed() -> int:
+    """The test's seed: ``@fault_seeds`` parametrizes it; without it, ``CHARON_HARNESS_SEED`` or 0."""
+    return int(os.environ.get(SEED_ENV, "0"))
+
+
+@pytest.fixture
+def charon_harness(request: pytest.FixtureRequest, charon_seed: int) -> HarnessRunner:
+    """The fault harness bound to this test and its seed (``charon_seed``)."""
+    return HarnessRunner(request.node.nodeid, charon_seed)
