@@ -30,17 +30,22 @@ import tempfile
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 from charon import serde
 from charon.core import timers
+from charon.core.epoch import EpochResult
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime.spark import tasks as spark_tasks
-from charon.runtime.spark.runtime import TICK
+from charon.runtime.spark.runtime import TICK, SparkRuntime
 from charon.simulation import Faults, SimCrash, Simulation, Violation, Worker
 from charon.state.durable import DurableState
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
 
 __all__ = ["Faults", "HarnessFailure", "HintsWorkload", "Invocation", "Report", "Snapshot", "app_ref_of",
            "from_hints", "invocations", "run_app"]
@@ -61,12 +66,12 @@ class Invocation:
     args: tuple = ()
 
     @classmethod
-    def of(cls, spec: Invocation | Sequence[Any]) -> Invocation:
+    def of(cls, spec: Invocation | Sequence[object]) -> Invocation:
         """An invocation, or a tuple ``(operator, key, function, *args)``."""
         if isinstance(spec, Invocation):
             return spec
         op, key, fn, *args = spec
-        return cls(str(getattr(op, "name", op)), key, str(getattr(fn, "name", fn)), tuple(args))
+        return cls(str(getattr(op, "name", op)), str(key), str(getattr(fn, "name", fn)), tuple(args))
 
 
 class HarnessFailure(AssertionError):
@@ -88,11 +93,11 @@ class Snapshot:
     #: request id -> what the client sent
     invocations: dict[str, Invocation]
 
-    def get(self, operator: str, key: str, default: Any = None) -> Any:
+    def get(self, operator: str, key: str, default: object = None) -> object:
         raw = self.state.get(store_key(operator, key))
         return default if raw is None else serde.decode(raw)
 
-    def entities(self, operator: str) -> dict[str, Any]:
+    def entities(self, operator: str) -> dict[str, object]:
         """Every entity of ``operator`` that has a value: key -> value."""
         out = {}
         for k, v in self.state.items():
@@ -101,7 +106,7 @@ class Snapshot:
                 out[key] = serde.decode(v)
         return out
 
-    def items(self, operator: str, key: str) -> dict[str, Any]:
+    def items(self, operator: str, key: str) -> dict[str, object]:
         """The entity's items (``ctx.put_item``): name -> value."""
         out = {}
         for k, v in self.state.items():
@@ -110,7 +115,7 @@ class Snapshot:
                 out[item[1:]] = serde.decode(v)
         return out
 
-    def committed(self) -> Iterator[tuple[Invocation, Any]]:
+    def committed(self) -> Iterator[tuple[Invocation, object]]:
         """(invocation, returned value) of every request that committed, in the serial order (epoch, position)."""
         done = [(r.epoch, r.position or 0, rid, r) for rid, r in self.replies.items()
                 if r.ok and rid in self.invocations]
@@ -135,12 +140,12 @@ class Report:
     isolated: bool  # each simulated worker had its own copy of the application's module
 
 
-Invariant = Callable[[Snapshot], Any]
+Invariant = Callable[[Snapshot], object]
 
 
 # -- workloads from type hints ---------------------------------------------------------------------------------
-def invocations(app: Application, keys: Sequence[str], strategies: Mapping[str, Any] | None = None,
-                functions: Iterable[str] | None = None) -> Any:
+def invocations(app: Application, keys: Sequence[str], strategies: Mapping[str, SearchStrategy[object]] | None = None,
+                functions: Iterable[str] | None = None) -> SearchStrategy[Invocation]:
     """A hypothesis strategy of :class:`Invocation` of ``app``'s functions, arguments drawn from the type hints:
     ``str`` parameters from ``keys`` (they usually name entities), ``int`` from 0..1000, others with
     ``st.from_type``; ``strategies`` (parameter name -> strategy) override. ``functions``: ``op.fn`` names to
@@ -167,7 +172,7 @@ def invocations(app: Application, keys: Sequence[str], strategies: Mapping[str, 
     return st.one_of(options)
 
 
-def _hint_strategy(hint: Any, keys: Sequence[str]) -> Any:
+def _hint_strategy(hint: object, keys: Sequence[str]) -> SearchStrategy[object]:
     from hypothesis import strategies as st
 
     if hint is str:
@@ -178,13 +183,13 @@ def _hint_strategy(hint: Any, keys: Sequence[str]) -> Any:
         return st.floats(0, 1000, allow_nan=False)
     if hint is Any:
         return st.integers(0, 1000)
-    return st.from_type(hint)
+    return st.from_type(typing.cast("type[object]", hint))
 
 
 class HintsWorkload:
     """A workload drawn from an application's type hints (see :func:`invocations`); the same for the same seed."""
 
-    def __init__(self, app: Application, keys: Sequence[str], strategies: Mapping[str, Any] | None,
+    def __init__(self, app: Application, keys: Sequence[str], strategies: Mapping[str, SearchStrategy[object]] | None,
                  functions: Iterable[str] | None) -> None:
         self.app, self.keys, self.strategies = app, list(keys), dict(strategies or {})
         self.functions = None if functions is None else list(functions)
@@ -205,7 +210,7 @@ class HintsWorkload:
 
 
 def from_hints(app: Application, keys: Sequence[str] = ("k0", "k1", "k2", "k3"),
-               strategies: Mapping[str, Any] | None = None, functions: Iterable[str] | None = None,
+               strategies: Mapping[str, SearchStrategy[object]] | None = None, functions: Iterable[str] | None = None,
                ) -> HintsWorkload:
     """A workload of ``app``'s functions with arguments drawn from their type hints (:func:`invocations`)."""
     return HintsWorkload(app, keys, strategies, functions)
@@ -225,7 +230,7 @@ def _workload_list(source: WorkloadSource, rng: random.Random, steps: int) -> li
     return [Invocation.of(x) for x in itertools.islice(produced, steps)]
 
 
-def _ref(obj: Any) -> str | None:
+def _ref(obj: object) -> str | None:
     """``module:name`` importing ``obj`` back (None: a lambda, a local function, a list...)."""
     mod, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
     if not mod or not name or "<" in name or getattr(sys.modules.get(mod), name, None) is not obj:
@@ -233,7 +238,7 @@ def _ref(obj: Any) -> str | None:
     return f"{mod}:{name}"
 
 
-def reproduction(ref: str, workload: Any, invariants: Sequence[Invariant], seed: int, steps: int) -> str:
+def reproduction(ref: str, workload: WorkloadSource, invariants: Sequence[Invariant], seed: int, steps: int) -> str:
     """The ``charon test-app`` line rerunning this seed, or the ``run_app`` call when the workload or an invariant
     is not importable by name."""
     line = f"charon test-app {ref} --seed {seed} --steps {steps}"
@@ -259,7 +264,7 @@ def reproduction(ref: str, workload: Any, invariants: Sequence[Invariant], seed:
 @dataclass
 class _Plan:
     """A seed's workload cut into epochs, with client retries, the clock and the final tick (the workload
-    protocol :class:`~charon.simulation.Simulation` reads: ``epochs``, ``partitions``, ``live``, ``requests``)."""
+    :class:`~charon.simulation.Plan` the simulator reads)."""
 
     epochs: list[list[Request]]
     fresh: list[set[str]]
@@ -267,13 +272,13 @@ class _Plan:
     partitions: int
     live: bool
     retries: int = 0
-    initial: dict[tuple[str, str], Any] = field(default_factory=dict)
+    initial: dict[tuple[str, str], object] = field(default_factory=dict)
 
     def requests(self, epoch: int, prefix: str = "") -> list[Request]:
         return self.epochs[epoch]
 
 
-def _plan(invs: list[Invocation], rng: random.Random, initial: Mapping[tuple[str, str], Any]) -> _Plan:
+def _plan(invs: list[Invocation], rng: random.Random, initial: Mapping[tuple[str, str], object]) -> _Plan:
     reqs = [Request(f"r{i}", inv.operator, inv.key, inv.function, serde.encode(list(inv.args)))
             for i, inv in enumerate(invs)]
     retry = rng.choice([0.0, 0.1, 0.3])  # a client resends (same request id) after losing the reply
@@ -346,7 +351,7 @@ class _AppSimulation(Simulation):
 
     def __init__(self, seed: int, root: str, app_ref: str, plan: _Plan, invariants: Sequence[Invariant],
                  log_growth: bool, faults: Faults | None) -> None:
-        super().__init__(seed, root, workload=plan, faults=faults, log_growth=log_growth)  # type: ignore[arg-type]
+        super().__init__(seed, root, workload=plan, faults=faults, log_growth=log_growth)
         self.plan = plan
         self.invariants = list(invariants)
         self.copies: list[str] = []
@@ -375,11 +380,12 @@ class _AppSimulation(Simulation):
 
     def run_task(self, w: Worker, task: list[tuple[int, bytes]], upto: int | None = None) -> list[tuple[int, bytes]]:
         app, ref, load = self.worker_app(w), self.app_ref, spark_tasks.load_app
-        spark_tasks.load_app = lambda r: app if r == ref else load(r)  # type: ignore[assignment]  # restored below
-        try:
+
+        def worker_load(r: str) -> Application:
+            return app if r == ref else load(r)
+
+        with mock.patch.object(spark_tasks, "load_app", worker_load):  # this worker's copy while its task runs
             return super().run_task(w, task, upto)
-        finally:
-            spark_tasks.load_app = load
 
     def load_initial(self) -> None:
         state = {store_key(op, key): serde.encode(value) for (op, key), value in self.plan.initial.items()}
@@ -412,11 +418,11 @@ class _AppSimulation(Simulation):
             if got.get(k) != want.get(k):
                 raise Violation(f"state read at epoch {epoch}: {k!r} = {got.get(k)!r}, committed {want.get(k)!r}")
 
-    def append_epoch(self, rt: Any, index: int) -> tuple[Any, list[str]]:
+    def append_epoch(self, rt: SparkRuntime, index: int) -> tuple[SparkRuntime, list[str]]:
         rt, ids = super().append_epoch(rt, index)
         return rt, [i for i in dict.fromkeys(ids) if i in self.plan.fresh[index]]  # a resend is no new request
 
-    def committed(self, e: int, after: dict[bytes, bytes], res: Any) -> None:
+    def committed(self, e: int, after: dict[bytes, bytes], res: EpochResult) -> None:
         for tid in res.order:
             req = res.requests[tid]
             if not req.request_id.startswith(timers.REQUEST_PREFIX):
@@ -439,7 +445,7 @@ class _AppSimulation(Simulation):
 
 def run_app(app: Application | str, workload: WorkloadSource | None = None, invariants: Sequence[Invariant] = (),
             *, seed: int, steps: int = STEPS, keys: Sequence[str] = ("k0", "k1", "k2", "k3"),
-            initial: Mapping[tuple[str, str], Any] | None = None, reproduce: str | None = None,
+            initial: Mapping[tuple[str, str], object] | None = None, reproduce: str | None = None,
             faults: Faults | None = None, rescale: bool | None = None, trace: bool = False) -> Report:
     """Run ``workload`` (default: :func:`from_hints` over ``keys``) on ``app`` under the faults seed ``seed`` draws;
     check ``invariants`` and the serial oracle after every epoch. Raises :class:`HarnessFailure` (its last line
@@ -485,9 +491,3 @@ def run_app(app: Application | str, workload: WorkloadSource | None = None, inva
         digest.update(repr(sim.delivered[rid]).encode() + b"\n")
     return Report(seed, stats["epochs"], stats["requests"], plan.retries, stats["crashes"], stats["rounds"],
                   stats["fired"], stats["log_resizes"], repr(sim.faults), digest.hexdigest(), sim.isolated)
-
-
-def check_seeds(app: Application | str, seeds: Iterable[int], **kw: Any) -> list[Report]:
-    """:func:`run_app` for each seed (stops at the first failure, raising it)."""
-    return [run_app(app, seed=s, **kw) for s in seeds]
-

@@ -7,12 +7,13 @@ import os
 import shlex
 import sys
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import cast
 
 import typer
 
 
-def _load(ref: str, what: str) -> Any:
+def _load(ref: str, what: str) -> object:
     module, _, attr = ref.partition(":")
     if not attr:
         raise typer.BadParameter(f"{what} {ref!r}: give module:attribute")
@@ -41,17 +42,22 @@ def test_app(
     re-runs, driver crashes at every fault point, client retries, timers, input-log rescales), checking the
     serial oracle and the invariants after every epoch. Exits 1 on a failure, printing the line that
     reproduces it."""
-    from charon.harness import HarnessFailure, from_hints, run_app
+    from charon.harness import HarnessFailure, Invariant, WorkloadSource, from_hints, run_app
+    from charon.operator import Application
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     _load(target, "application")  # a clear message if it does not import
-    wl = _load(workload, "workload") if workload else None
+    wl = cast(WorkloadSource, _load(workload, "workload")) if workload else None
+    if wl is not None and not callable(wl) and not isinstance(wl, Sequence):
+        raise typer.BadParameter(f"workload {workload!r}: a function of a random.Random, or a list of invocations")
     key_list = [k for k in keys.split(",") if k]
     if wl is None:
         only = [f for f in functions.split(",") if f] or None
-        wl = from_hints(_load(target, "application"), key_list, functions=only)
-    invs = [_load(ref, "invariant") for ref in invariant]
+        wl = from_hints(cast(Application, _load(target, "application")), key_list, functions=only)
+    invs = [cast(Invariant, _load(ref, "invariant")) for ref in invariant]
+    if not all(callable(f) for f in invs):
+        raise typer.BadParameter("an invariant is a function of the snapshot")
     opts = f" --steps {steps}"
     opts += f" --workload {shlex.quote(workload)}" if workload else ""
     opts += "".join(f" --invariant {shlex.quote(ref)}" for ref in invariant)

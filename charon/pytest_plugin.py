@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from charon.harness import Faults, Invariant, Report, WorkloadSource
+    from charon.operator import Application
 
 SEED_ENV = "CHARON_HARNESS_SEED"
 SEEDS_ENV = "CHARON_HARNESS_SEEDS"
 
 
-def fault_seeds(n: int, start: int = 0) -> Callable[[Any], Any]:
+def fault_seeds(n: int, start: int = 0) -> pytest.MarkDecorator:
     """Parametrize a test over seeds ``start .. start+n-1`` as ``charon_seed`` (see the module docstring)."""
     one = os.environ.get(SEED_ENV)
     if one is not None:
@@ -45,12 +49,16 @@ class HarnessRunner:
     def reproduction(self, seed: int) -> str:
         return f"{SEED_ENV}={seed} python -m pytest {shlex.quote(self.nodeid)}"
 
-    def run(self, app: Any, workload: Any = None, invariants: Any = (), *, seed: int | None = None,
-            **kw: Any) -> Any:
-        from charon.harness import run_app
+    def run(self, app: Application | str, workload: WorkloadSource | None = None,
+            invariants: Sequence[Invariant] = (), *, seed: int | None = None, steps: int | None = None,
+            keys: Sequence[str] = ("k0", "k1", "k2", "k3"), initial: Mapping[tuple[str, str], object] | None = None,
+            faults: Faults | None = None, rescale: bool | None = None) -> Report:
+        """:func:`charon.harness.run_app` with this test's seed (or ``seed``); a failure's line reruns this test."""
+        from charon.harness import STEPS, run_app
 
         s = self.seed if seed is None else seed
-        return run_app(app, workload, invariants, seed=s, reproduce=self.reproduction(s), **kw)
+        return run_app(app, workload, invariants, seed=s, steps=STEPS if steps is None else steps, keys=keys,
+                       initial=initial, faults=faults, rescale=rescale, reproduce=self.reproduction(s))
 
 
 @pytest.fixture

@@ -51,17 +51,18 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from charon import serde
 from charon.config import SparkConfig
 from charon.core import partition, timers
+from charon.core.epoch import EpochResult
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.log.offsets import pad_offsets
-from charon.messages import Reply
+from charon.messages import Reply, Request
 from charon.runtime import faults
 from charon.runtime.spark import runtime as sr
 from charon.runtime.spark import tasks as spark_tasks
@@ -82,6 +83,19 @@ from charon.workloads import (
 )
 
 APP_REF = "charon.workloads:app"
+
+
+class Plan(Protocol):
+    """What the simulator reads of a workload (:class:`~charon.workloads.Workload`, or the application harness's
+    plan): its epochs of requests and the run's placement."""
+
+    partitions: int
+    live: bool
+
+    @property
+    def epochs(self) -> Sequence[Sequence[object]]: ...
+
+    def requests(self, epoch: int, prefix: str = "") -> list[Request]: ...
 
 
 class SimCrash(Exception):
@@ -157,14 +171,14 @@ class Simulation:
 
     def __init__(
         self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset(),
-        workload: Workload | None = None, faults: Faults | None = None, log_growth: bool = False,
+        workload: Plan | None = None, faults: Faults | None = None, log_growth: bool = False,
     ) -> None:
         self.seed = seed
         self.app_ref, self.app = APP_REF, app  # the application under test (the harness runs others)
         self.rng = random.Random(seed)
         shape = Shape(depth=2, ops=4, features=(FEATURES | OPTIONAL_FEATURES) - without)
         w = random_workload(self.rng, shape, epochs=(1, 4), txns=(2, 7))
-        self.w: Workload = workload or w
+        self.w: Plan = workload or w
         self.log_plan = self.draw_log_plan(seed, len(self.w.epochs), self.w.partitions) if log_growth else {}
         self.log_resizes = 0
         self.max_tid = 0  # the highest TID of the verified epochs
@@ -421,6 +435,7 @@ class Simulation:
     def load_initial(self) -> None:
         by_pid: dict[int, list[tuple[bytes, bytes]]] = {p: [] for p in range(self.config.partitions)}
         state: dict[bytes, bytes] = {}
+        assert isinstance(self.w, Workload), "another plan loads its own initial state"
         for key, item, value in self.w.initial_state():
             k = store_key("node", key, "\x01" + item if item else "")
             state[k] = serde.encode(value)
@@ -476,7 +491,7 @@ class Simulation:
             self.trace(f"epoch {e} verified: {len(res.order)} outcomes, deferred {res.deferred}")
             e += 1
 
-    def committed(self, e: int, after: dict[bytes, bytes], res: Any) -> None:
+    def committed(self, e: int, after: dict[bytes, bytes], res: EpochResult) -> None:
         """Called with each recorded epoch's committed state and result before the oracle checks it (the
         application harness checks its invariants here)."""
 

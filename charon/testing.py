@@ -44,6 +44,17 @@ from charon.messages import Request
 from charon.operator import Application, Function, Operator
 
 if TYPE_CHECKING:
+    from charon.harness import (  # noqa: F401 - re-exported (imported on first use by __getattr__ below)
+        Faults,
+        HarnessFailure,
+        Invocation,
+        Report,
+        Snapshot,
+        from_hints,
+        invocations,
+        run_app,
+    )
+    from charon.pytest_plugin import fault_seeds  # noqa: F401 - re-exported
     from charon.runtime.inprocess import InProcessRuntime
     from charon.runtime.spark.runtime import SparkRuntime
 
@@ -488,7 +499,7 @@ _HARNESS = {"Faults": "charon.harness", "HarnessFailure": "charon.harness", "Inv
             "invocations": "charon.harness", "run_app": "charon.harness", "fault_seeds": "charon.pytest_plugin"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _HARNESS.get(name)
     if module is None:
         raise AttributeError(f"module 'charon.testing' has no attribute {name!r}")
