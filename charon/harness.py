@@ -24,6 +24,7 @@ import inspect
 import itertools
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -438,6 +439,23 @@ class _AppSimulation(Simulation):
             if ok is False:
                 raise Violation(f"epoch {e}: invariant {name} broken")
 
+    def verify_recorded(self) -> None:
+        """As the simulator's, naming the request behind a transaction the oracle disagrees with."""
+        try:
+            super().verify_recorded()
+        except Violation as exc:
+            m = re.match(r"epoch (\d+): tid (\d+): engine", str(exc))
+            res = self.results.get(int(m.group(1))) if m else None
+            req = res.requests.get(int(m.group(2))) if res is not None and m else None
+            if req is None:
+                raise
+            inv = self.plan.invocations.get(req.request_id)
+            what = (f"{inv.operator}.{inv.function} on {inv.key!r} with {list(inv.args)!r}" if inv is not None
+                    else f"{req.operator}.{req.function} on {req.key!r} (a timer)")
+            raise Violation(f"{exc} -- request {req.request_id}: {what}; the engine's outcome differs from a serial "
+                            "execution: does a function read the clock, random numbers, process memory or I/O "
+                            "(use ctx.now(), ctx.random(), the entity's state)?") from None
+
     def close(self) -> None:
         for name in self.copies:
             sys.modules.pop(name, None)
@@ -454,6 +472,7 @@ def run_app(app: Application | str, workload: WorkloadSource | None = None, inva
     ``app``: the application or its ``module:attribute``. ``initial``: {(operator, key): value} before the run.
     ``steps``: at most this many invocations are taken from the workload. ``faults`` (default: drawn from the
     seed) and ``rescale`` (the input log resized between epochs; default: drawn) fix the faults instead."""
+    __tracebackhide__ = True  # pytest shows the failure, not the harness's frames
     if isinstance(app, str):
         ref = app
         app = spark_tasks.load_app(ref)

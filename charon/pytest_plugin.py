@@ -54,6 +54,7 @@ class HarnessRunner:
             keys: Sequence[str] = ("k0", "k1", "k2", "k3"), initial: Mapping[tuple[str, str], object] | None = None,
             faults: Faults | None = None, rescale: bool | None = None) -> Report:
         """:func:`charon.harness.run_app` with this test's seed (or ``seed``); a failure's line reruns this test."""
+        __tracebackhide__ = True
         from charon.harness import STEPS, run_app
 
         s = self.seed if seed is None else seed
