@@ -473,6 +473,8 @@ def run_app(app: Application | str, workload: WorkloadSource | None = None, inva
     ``steps``: at most this many invocations are taken from the workload. ``faults`` (default: drawn from the
     seed) and ``rescale`` (the input log resized between epochs; default: drawn) fix the faults instead."""
     __tracebackhide__ = True  # pytest shows the failure, not the harness's frames
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
     if isinstance(app, str):
         ref = app
         app = spark_tasks.load_app(ref)
