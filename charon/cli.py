@@ -1050,6 +1050,11 @@ def demo(
         shutil.rmtree(data_dir, ignore_errors=True)  # a passing demo leaves nothing behind
 
 
+from charon.harness_cli import test_app  # noqa: E402 - the fault harness's command lives in its own module
+
+app.command("test-app")(test_app)
+
+
 def main() -> None:
     """Entry point of the ``charon`` console script: an unexpected error is one line and exit code ``INTERNAL``
     (its traceback with ``--debug``); every other outcome is a code of :class:`ExitCode`."""
@@ -1071,7 +1076,7 @@ def _pin_hash_seed() -> None:
     functions iterating a set of strings then see the same order in every run of the process, so a restart
     that replays logged epochs reproduces the replies already sent (a fixed value the user set is kept)."""
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)  # after global options (--debug)
-    if command == "run" and os.environ.get("PYTHONHASHSEED", "random") in ("", "random"):
+    if command in ("run", "test-app") and os.environ.get("PYTHONHASHSEED", "random") in ("", "random"):
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 

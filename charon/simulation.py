@@ -51,17 +51,18 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from charon import serde
 from charon.config import SparkConfig
 from charon.core import partition, timers
+from charon.core.epoch import EpochResult
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.log.offsets import pad_offsets
-from charon.messages import Reply
+from charon.messages import Reply, Request
 from charon.runtime import faults
 from charon.runtime.spark import runtime as sr
 from charon.runtime.spark import tasks as spark_tasks
@@ -82,6 +83,19 @@ from charon.workloads import (
 )
 
 APP_REF = "charon.workloads:app"
+
+
+class Plan(Protocol):
+    """What the simulator reads of a workload (:class:`~charon.workloads.Workload`, or the application harness's
+    plan): its epochs of requests and the run's placement."""
+
+    partitions: int
+    live: bool
+
+    @property
+    def epochs(self) -> Sequence[Sequence[object]]: ...
+
+    def requests(self, epoch: int, prefix: str = "") -> list[Request]: ...
 
 
 class SimCrash(Exception):
@@ -145,7 +159,7 @@ class SimExchange(SparkExchange):
     """The real SparkExchange with ``run_job`` replaced by the simulated cluster."""
 
     def __init__(self, sim: Simulation, config: SparkConfig) -> None:
-        super().__init__(None, APP_REF, config)
+        super().__init__(None, sim.app_ref, config)
         self.sim = sim
 
     def run_job(self, payloads: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
@@ -157,13 +171,14 @@ class Simulation:
 
     def __init__(
         self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset(),
-        workload: Workload | None = None, faults: Faults | None = None, log_growth: bool = False,
+        workload: Plan | None = None, faults: Faults | None = None, log_growth: bool = False,
     ) -> None:
         self.seed = seed
+        self.app_ref, self.app = APP_REF, app  # the application under test (the harness runs others)
         self.rng = random.Random(seed)
         shape = Shape(depth=2, ops=4, features=(FEATURES | OPTIONAL_FEATURES) - without)
         w = random_workload(self.rng, shape, epochs=(1, 4), txns=(2, 7))
-        self.w: Workload = workload or w
+        self.w: Plan = workload or w
         self.log_plan = self.draw_log_plan(seed, len(self.w.epochs), self.w.partitions) if log_growth else {}
         self.log_resizes = 0
         self.max_tid = 0  # the highest TID of the verified epochs
@@ -257,7 +272,7 @@ class Simulation:
 
     def run_task(self, w: Worker, task: list[tuple[int, bytes]], upto: int | None = None) -> list[tuple[int, bytes]]:
         """The real task function over the task's partitions in worker ``w`` (only the first ``upto``)."""
-        fn = partial(spark_tasks.run_partitions, APP_REF, self.config.partitions, w.dir, self.durable_root,
+        fn = partial(spark_tasks.run_partitions, self.app_ref, self.config.partitions, w.dir, self.durable_root,
                      self.config.checkpoint_dir)
         budget = self.rt.exchange.fn.keywords.get("function_timeout") if self.rt is not None else None
         with w.process(), self.overrunning(budget is not None):
@@ -272,7 +287,7 @@ class Simulation:
             yield
             return
         sim = self
-        fns = [f for op in app.operators.values() for f in op.functions.values()]
+        fns = [f for op in self.app.operators.values() for f in op.functions.values()]
         saved = [f.body for f in fns]
 
         def overrun(body: Any, name: str) -> Any:
@@ -322,7 +337,7 @@ class Simulation:
         w = self.rng.choice(self.workers)
         self.trace(f"{self.where}: state read at epoch {epoch} in w{w.wid}")
         with w.process():
-            got = dict(spark_tasks.read_entities(APP_REF, w.dir, self.durable_root, self.config.checkpoint_dir,
+            got = dict(spark_tasks.read_entities(self.app_ref, w.dir, self.durable_root, self.config.checkpoint_dir,
                                                  epoch, list(by_pid.items())))
         for k in keys:
             if got.get(k) != want.get(k):
@@ -393,7 +408,7 @@ class Simulation:
             self.rt._replies.abandon()  # the old driver is gone: replies it had not written yet are lost
             self.rt.input_log.close()
             self.rt.output_log.close()
-        rt = sr.SparkRuntime(APP_REF, self.config)
+        rt = sr.SparkRuntime(self.app_ref, self.config)
         rt.exchange = SimExchange(self, self.config)
         rt._start_compaction = rt._compact  # type: ignore[method-assign]  # a deliberate patch: synchronous: compaction's crash point is an ordinary step
         put_many = rt.output_log.put_many
@@ -420,6 +435,7 @@ class Simulation:
     def load_initial(self) -> None:
         by_pid: dict[int, list[tuple[bytes, bytes]]] = {p: [] for p in range(self.config.partitions)}
         state: dict[bytes, bytes] = {}
+        assert isinstance(self.w, Workload), "another plan loads its own initial state"
         for key, item, value in self.w.initial_state():
             k = store_key("node", key, "\x01" + item if item else "")
             state[k] = serde.encode(value)
@@ -451,8 +467,9 @@ class Simulation:
             if res is None:
                 raise Violation(f"epoch {e} is recorded but no run of it completed")
             after = self.durable_state(e)
+            self.committed(e, after, res)
             try:
-                testing.check_epoch(app, self.expected[e - 1], after, res, partitions=self.config.partitions,
+                testing.check_epoch(self.app, self.expected[e - 1], after, res, partitions=self.config.partitions,
                                     timer_limit=self.config.max_timers_per_epoch,
                                     verdicts=self.rt.verdict_book.verdicts)
             except AssertionError as exc:
@@ -473,6 +490,10 @@ class Simulation:
             self.expected[e] = after
             self.trace(f"epoch {e} verified: {len(res.order)} outcomes, deferred {res.deferred}")
             e += 1
+
+    def committed(self, e: int, after: dict[bytes, bytes], res: EpochResult) -> None:
+        """Called with each recorded epoch's committed state and result before the oracle checks it (the
+        application harness checks its invariants here)."""
 
     def check_atom(self, e: int, res: Any) -> None:
         """The stream log holds epoch ``e``'s atom exactly once, as the oracle-checked result has it (also when

@@ -44,6 +44,17 @@ from charon.messages import Request
 from charon.operator import Application, Function, Operator
 
 if TYPE_CHECKING:
+    from charon.harness import (  # noqa: F401 - re-exported (imported on first use by __getattr__ below)
+        Faults,
+        HarnessFailure,
+        Invocation,
+        Report,
+        Snapshot,
+        from_hints,
+        invocations,
+        run_app,
+    )
+    from charon.pytest_plugin import fault_seeds  # noqa: F401 - re-exported
     from charon.runtime.inprocess import InProcessRuntime
     from charon.runtime.spark.runtime import SparkRuntime
 
@@ -479,3 +490,19 @@ def replay_in_process(
             rt.coordinator.sequencer.resize(len(rec.ends))
         results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e), rec.time if rec else None))
     return rt, results
+
+
+#: The fault harness's public names (:mod:`charon.harness`, :mod:`charon.pytest_plugin`), imported on first use so
+#: that importing this module stays light (the harness loads the Spark runtime's code and hypothesis).
+_HARNESS = {"Faults": "charon.harness", "HarnessFailure": "charon.harness", "Invocation": "charon.harness",
+            "Report": "charon.harness", "Snapshot": "charon.harness", "from_hints": "charon.harness",
+            "invocations": "charon.harness", "run_app": "charon.harness", "fault_seeds": "charon.pytest_plugin"}
+
+
+def __getattr__(name: str) -> object:
+    module = _HARNESS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'charon.testing' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

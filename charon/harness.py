@@ -1,0 +1,514 @@
+"""A seeded fault harness for applications: run an app's workload through the engine under faults, check it.
+
+:func:`run_app` takes an application, a workload (a list of :class:`Invocation`, a function of a seeded
+``random.Random`` returning one, or :func:`from_hints`: drawn from the functions' type hints with hypothesis
+strategies) and invariants (callables over a :class:`Snapshot` of the committed state and the replies). From
+one seed it runs the workload through the real Spark runtime code with the simulated cluster of
+:mod:`charon.simulation`: tasks hop between workers, workers lose their local state or their Python process,
+tasks run twice, the driver crashes at every fault point and recovers, clients retry (the same request id,
+i.e. the same idempotency key), timers fire as time passes, and the input log is rescaled between epochs.
+Every simulated Python worker has its own copy of the application's module (its own module-level memory, new
+after the worker restarts), as Spark's workers are separate processes.
+
+After every recorded epoch the invariants are checked on the committed state, then the epoch is compared with
+a serial execution in (epoch, position) order (:func:`charon.testing.check_epoch`). A failure raises
+:class:`HarnessFailure` whose message ends with one line that reproduces it; the same seed gives the same run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import itertools
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import typing
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+from charon import serde
+from charon.core import timers
+from charon.core.epoch import EpochResult
+from charon.core.routing import partition_of, split_store_key, store_key
+from charon.messages import Reply, Request
+from charon.operator import Application
+from charon.runtime.spark import tasks as spark_tasks
+from charon.runtime.spark.runtime import TICK, SparkRuntime
+from charon.simulation import Faults, SimCrash, Simulation, Violation, Worker
+from charon.state.durable import DurableState
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
+__all__ = ["Faults", "HarnessFailure", "HintsWorkload", "Invocation", "Report", "Snapshot", "app_ref_of",
+           "from_hints", "invocations", "run_app"]
+
+#: Default number of invocations a run takes from its workload.
+STEPS = 50
+#: How far past the last request the final tick moves time, so that timers registered by the workload fire.
+TIMER_HORIZON_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """One client request: ``operator``/``key``/``function`` with positional ``args``."""
+
+    operator: str
+    key: str
+    function: str
+    args: tuple = ()
+
+    @classmethod
+    def of(cls, spec: Invocation | Sequence[object]) -> Invocation:
+        """An invocation, or a tuple ``(operator, key, function, *args)``."""
+        if isinstance(spec, Invocation):
+            return spec
+        op, key, fn, *args = spec
+        return cls(str(getattr(op, "name", op)), str(key), str(getattr(fn, "name", fn)), tuple(args))
+
+
+class HarnessFailure(AssertionError):
+    """A seed broke an invariant or the serial oracle; ``reproduce`` is the one line that reruns it."""
+
+    def __init__(self, seed: int, cause: str, reproduce: str) -> None:
+        self.seed, self.cause, self.reproduce = seed, cause, reproduce
+        super().__init__(f"seed {seed}: {cause}\nreproduce: {reproduce}")
+
+
+@dataclass
+class Snapshot:
+    """The committed state after an epoch and the outcomes so far, as invariants see them."""
+
+    epoch: int
+    state: dict[bytes, bytes]
+    #: request id -> the engine's reply, for every request that has an outcome by this epoch
+    replies: dict[str, Reply]
+    #: request id -> what the client sent
+    invocations: dict[str, Invocation]
+
+    def get(self, operator: str, key: str, default: object = None) -> object:
+        raw = self.state.get(store_key(operator, key))
+        return default if raw is None else serde.decode(raw)
+
+    def entities(self, operator: str) -> dict[str, object]:
+        """Every entity of ``operator`` that has a value: key -> value."""
+        out = {}
+        for k, v in self.state.items():
+            op, key, item = split_store_key(k)
+            if op == operator and not item:
+                out[key] = serde.decode(v)
+        return out
+
+    def items(self, operator: str, key: str) -> dict[str, object]:
+        """The entity's items (``ctx.put_item``): name -> value."""
+        out = {}
+        for k, v in self.state.items():
+            op, kk, item = split_store_key(k)
+            if op == operator and kk == key and item.startswith("\x01"):
+                out[item[1:]] = serde.decode(v)
+        return out
+
+    def committed(self) -> Iterator[tuple[Invocation, object]]:
+        """(invocation, returned value) of every request that committed, in the serial order (epoch, position)."""
+        done = [(r.epoch, r.position or 0, rid, r) for rid, r in self.replies.items()
+                if r.ok and rid in self.invocations]
+        for _, _, rid, r in sorted(done, key=lambda d: d[:3]):
+            yield self.invocations[rid], serde.decode(r.value)
+
+
+@dataclass
+class Report:
+    """A passing run: what happened (``fingerprint`` is the same for the same seed, bit for bit)."""
+
+    seed: int
+    epochs: int
+    requests: int
+    retries: int
+    crashes: int
+    rounds: int
+    timers_fired: int
+    log_resizes: int
+    faults: str
+    fingerprint: str
+    isolated: bool  # each simulated worker had its own copy of the application's module
+
+
+Invariant = Callable[[Snapshot], object]
+
+
+# -- workloads from type hints ---------------------------------------------------------------------------------
+def invocations(app: Application, keys: Sequence[str], strategies: Mapping[str, SearchStrategy[object]] | None = None,
+                functions: Iterable[str] | None = None) -> SearchStrategy[Invocation]:
+    """A hypothesis strategy of :class:`Invocation` of ``app``'s functions, arguments drawn from the type hints:
+    ``str`` parameters from ``keys`` (they usually name entities), ``int`` from 0..1000, others with
+    ``st.from_type``; ``strategies`` (parameter name -> strategy) override. ``functions``: ``op.fn`` names to
+    call (default: all)."""
+    from hypothesis import strategies as st
+
+    over = dict(strategies or {})
+    allowed = set(functions) if functions is not None else None
+    options = []
+    for op in app.operators.values():
+        for fn in op.functions.values():
+            if allowed is not None and fn.qualname not in allowed:
+                continue
+            try:
+                hints = typing.get_type_hints(fn.body)
+            except Exception:  # noqa: BLE001 - unresolvable hints: Any
+                hints = {}
+            args = [over.get(p.name) or _hint_strategy(hints.get(p.name, Any), keys) for p in fn.params
+                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is inspect.Parameter.empty]
+            options.append(st.tuples(st.just(op.name), st.sampled_from(list(keys)), st.just(fn.name), *args).map(
+                lambda t: Invocation(t[0], t[1], t[2], tuple(t[3:]))))
+    if not options:
+        raise ValueError("the application has no functions to call")
+    return st.one_of(options)
+
+
+def _hint_strategy(hint: object, keys: Sequence[str]) -> SearchStrategy[object]:
+    from hypothesis import strategies as st
+
+    if hint is str:
+        return st.sampled_from(list(keys))
+    if hint is int:
+        return st.integers(0, 1000)
+    if hint is float:
+        return st.floats(0, 1000, allow_nan=False)
+    if hint is Any:
+        return st.integers(0, 1000)
+    return st.from_type(typing.cast("type[object]", hint))
+
+
+class HintsWorkload:
+    """A workload drawn from an application's type hints (see :func:`invocations`); the same for the same seed."""
+
+    def __init__(self, app: Application, keys: Sequence[str], strategies: Mapping[str, SearchStrategy[object]] | None,
+                 functions: Iterable[str] | None) -> None:
+        self.app, self.keys, self.strategies = app, list(keys), dict(strategies or {})
+        self.functions = None if functions is None else list(functions)
+
+    def __call__(self, rng: random.Random, steps: int) -> list[Invocation]:
+        from hypothesis import HealthCheck, Phase, find, settings
+        from hypothesis import strategies as st
+
+        seen = itertools.count(1)  # the first examples hypothesis tries are the simplest: take the third
+        out: list[Invocation] = find(
+            st.lists(invocations(self.app, self.keys, self.strategies, self.functions), min_size=steps,
+                     max_size=steps),
+            lambda _: next(seen) >= 3,
+            settings=settings(database=None, phases=[Phase.generate], max_examples=10,
+                              suppress_health_check=list(HealthCheck)),
+            random=rng)
+        return out
+
+
+def from_hints(app: Application, keys: Sequence[str] = ("k0", "k1", "k2", "k3"),
+               strategies: Mapping[str, SearchStrategy[object]] | None = None, functions: Iterable[str] | None = None,
+               ) -> HintsWorkload:
+    """A workload of ``app``'s functions with arguments drawn from their type hints (:func:`invocations`)."""
+    return HintsWorkload(app, keys, strategies, functions)
+
+
+#: A workload: invocations, a function of a seeded ``random.Random`` returning them, or :func:`from_hints`.
+WorkloadSource = Sequence[Any] | Callable[[random.Random], Iterable[Any]] | HintsWorkload
+
+
+def _workload_list(source: WorkloadSource, rng: random.Random, steps: int) -> list[Invocation]:
+    if isinstance(source, HintsWorkload):
+        produced: Iterable[Any] = source(rng, steps)
+    elif callable(source):
+        produced = source(rng)
+    else:
+        produced = source
+    return [Invocation.of(x) for x in itertools.islice(produced, steps)]
+
+
+def _ref(obj: object) -> str | None:
+    """``module:name`` importing ``obj`` back (None: a lambda, a local function, a list...)."""
+    mod, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+    if not mod or not name or "<" in name or getattr(sys.modules.get(mod), name, None) is not obj:
+        return None
+    return f"{mod}:{name}"
+
+
+def reproduction(ref: str, workload: WorkloadSource, invariants: Sequence[Invariant], seed: int, steps: int) -> str:
+    """The ``charon test-app`` line rerunning this seed, or the ``run_app`` call when the workload or an invariant
+    is not importable by name."""
+    line = f"charon test-app {ref} --seed {seed} --steps {steps}"
+    call = f"charon.testing.run_app({ref!r}, <the workload>, <the invariants>, seed={seed}, steps={steps})"
+    if isinstance(workload, HintsWorkload):
+        if workload.strategies:  # strategies of its own: the command line cannot draw the same
+            return call
+        line += f" --keys {','.join(workload.keys)}" if workload.keys != ["k0", "k1", "k2", "k3"] else ""
+        line += f" --functions {','.join(workload.functions)}" if workload.functions else ""
+    elif (w := _ref(workload)) is None:
+        return call
+    else:
+        line += f" --workload {w}"
+    for inv in invariants:
+        r = _ref(inv)
+        if r is None:
+            return call
+        line += f" --invariant {r}"
+    return line
+
+
+# -- the plan of one seed ------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    """A seed's workload cut into epochs, with client retries, the clock and the final tick (the workload
+    :class:`~charon.simulation.Plan` the simulator reads)."""
+
+    epochs: list[list[Request]]
+    fresh: list[set[str]]
+    invocations: dict[str, Invocation]
+    partitions: int
+    live: bool
+    retries: int = 0
+    initial: dict[tuple[str, str], object] = field(default_factory=dict)
+
+    def requests(self, epoch: int, prefix: str = "") -> list[Request]:
+        return self.epochs[epoch]
+
+
+def _plan(invs: list[Invocation], rng: random.Random, initial: Mapping[tuple[str, str], object]) -> _Plan:
+    reqs = [Request(f"r{i}", inv.operator, inv.key, inv.function, serde.encode(list(inv.args)))
+            for i, inv in enumerate(invs)]
+    retry = rng.choice([0.0, 0.1, 0.3])  # a client resends (same request id) after losing the reply
+    epochs: list[list[Request]] = []
+    fresh: list[set[str]] = []
+    resend: dict[int, list[Request]] = {}
+    t, i, retries = 1.0, 0, 0
+    while i < len(reqs) or resend:
+        n = rng.randint(1, 6)
+        e = len(epochs)
+        batch = reqs[i:i + n]
+        i += n
+        for r in batch:
+            if rng.random() < retry:
+                resend.setdefault(e + rng.randint(0, 3), []).append(r)
+                retries += 1
+        t += rng.choice([0.5, 1.0, 5.0, 30.0])
+        again = resend.pop(e, [])
+        out = [Request(r.request_id, r.operator, r.key, r.function, r.args, ts=t) for r in batch]
+        out += [Request(r.request_id, r.operator, r.key, r.function, r.args, ts=t) for r in again]
+        rng.shuffle(out)
+        epochs.append(out or [Request(f"{TICK}h{e}", TICK, "", "", serde.encode([]), ts=t)])
+        fresh.append({r.request_id for r in batch})
+    # the final tick: time passes, the timers the workload registered fire
+    epochs.append([Request(f"{TICK}end", TICK, "", "", serde.encode([]), ts=t + TIMER_HORIZON_S)])
+    fresh.append(set())
+    return _Plan(epochs, fresh, {r.request_id: inv for r, inv in zip(reqs, invs, strict=True)},
+                 rng.choice([1, 2, 4]), rng.random() < 0.5, retries, dict(initial))
+
+
+# -- per-worker copies of the application module --------------------------------------------------------------
+_copies = itertools.count()
+
+
+def app_ref_of(app: Application) -> str | None:
+    """``module:attribute`` naming ``app`` (None when no imported module holds it)."""
+    for op in app.operators.values():
+        for fn in op.functions.values():
+            mod = sys.modules.get(fn.body.__module__)
+            for name, value in vars(mod or object()).items():
+                if value is app:
+                    return f"{fn.body.__module__}:{name}"
+    return None
+
+
+def _fresh_copy(ref: str) -> tuple[Application, str] | None:
+    """A new instance of ``ref``'s module (new module-level memory) and its application; None when the module
+    has no source file to load again."""
+    modname, _, attr = ref.partition(":")
+    orig = importlib.import_module(modname)
+    origin = getattr(getattr(orig, "__spec__", None), "origin", None)
+    if not origin or not os.path.isfile(origin):
+        return None
+    parent, _, leaf = modname.rpartition(".")
+    name = f"{parent + '.' if parent else ''}_charon_copy{next(_copies)}_{leaf}"
+    spec = importlib.util.spec_from_file_location(name, origin)
+    if spec is None or spec.loader is None:
+        return None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    app = getattr(mod, attr or "app")
+    if not isinstance(app, Application):
+        raise TypeError(f"{ref} is not a charon.Application")
+    return app, name
+
+
+class _AppSimulation(Simulation):
+    """The simulator running a user's application, its plan and invariants."""
+
+    def __init__(self, seed: int, root: str, app_ref: str, plan: _Plan, invariants: Sequence[Invariant],
+                 log_growth: bool, faults: Faults | None) -> None:
+        super().__init__(seed, root, workload=plan, faults=faults, log_growth=log_growth)
+        self.plan = plan
+        self.invariants = list(invariants)
+        self.copies: list[str] = []
+        self.app_ref = app_ref
+        oracle = self.copy()  # the oracle's process: a copy of its own (one memory, serial)
+        self.isolated = oracle is not None
+        self.app = oracle if oracle is not None else spark_tasks.load_app(app_ref)
+        self.incarnations: dict[int, tuple[dict, Application]] = {}
+        self.outcomes: dict[str, Reply] = {}
+
+    def copy(self) -> Application | None:
+        got = _fresh_copy(self.app_ref)
+        if got is None:
+            return None
+        self.copies.append(got[1])
+        return got[0]
+
+    def worker_app(self, w: Worker) -> Application:
+        """The application as worker ``w``'s current Python process loaded it (new after it restarted)."""
+        known = self.incarnations.get(w.wid)
+        if known is None or known[0] is not w.live:
+            app = self.copy() if self.isolated else self.app
+            assert app is not None
+            known = self.incarnations[w.wid] = (w.live, app)
+        return known[1]
+
+    def run_task(self, w: Worker, task: list[tuple[int, bytes]], upto: int | None = None) -> list[tuple[int, bytes]]:
+        app, ref, load = self.worker_app(w), self.app_ref, spark_tasks.load_app
+
+        def worker_load(r: str) -> Application:
+            return app if r == ref else load(r)
+
+        with mock.patch.object(spark_tasks, "load_app", worker_load):  # this worker's copy while its task runs
+            return super().run_task(w, task, upto)
+
+    def load_initial(self) -> None:
+        state = {store_key(op, key): serde.encode(value) for (op, key), value in self.plan.initial.items()}
+        durable = DurableState(self.durable_root)
+        for pid in range(self.config.partitions):
+            rows = sorted((k, v) for k, v in state.items()
+                          if partition_of(*split_store_key(k)[:2], self.config.partitions) == pid)
+            durable.write_base(pid, -1, rows)
+        self.expected[-1] = dict(sorted(state.items()))
+
+    def read_check(self) -> None:
+        """A state read (the real ``read_entities``) of a few committed keys, compared with the verified state."""
+        assert self.rt is not None
+        epoch = self.rt.last_recorded_epoch()
+        want = self.expected.get(epoch)
+        if want is None:
+            return
+        entities = sorted(k for k in want if split_store_key(k)[0] and split_store_key(k)[2][:1] in ("", "\x01"))
+        keys = self.rng.sample(entities, min(3, len(entities)))
+        by_pid: dict[int, list[bytes]] = {}
+        for k in keys:
+            op, key, _ = split_store_key(k)
+            by_pid.setdefault(partition_of(op, key, self.config.partitions), []).append(k)
+        w = self.rng.choice(self.workers)
+        self.trace(f"{self.where}: state read at epoch {epoch} in w{w.wid}")
+        with w.process():
+            got = dict(spark_tasks.read_entities(self.app_ref, w.dir, self.durable_root, self.config.checkpoint_dir,
+                                                 epoch, list(by_pid.items())))
+        for k in keys:
+            if got.get(k) != want.get(k):
+                raise Violation(f"state read at epoch {epoch}: {k!r} = {got.get(k)!r}, committed {want.get(k)!r}")
+
+    def append_epoch(self, rt: SparkRuntime, index: int) -> tuple[SparkRuntime, list[str]]:
+        rt, ids = super().append_epoch(rt, index)
+        return rt, [i for i in dict.fromkeys(ids) if i in self.plan.fresh[index]]  # a resend is no new request
+
+    def committed(self, e: int, after: dict[bytes, bytes], res: EpochResult) -> None:
+        for tid in res.order:
+            req = res.requests[tid]
+            if not req.request_id.startswith(timers.REQUEST_PREFIX):
+                self.outcomes[req.request_id] = res.replies[tid]
+        snap = Snapshot(e, after, dict(self.outcomes), self.plan.invocations)
+        for inv in self.invariants:
+            name = getattr(inv, "__name__", repr(inv))
+            try:
+                ok = inv(snap)
+            except AssertionError as exc:  # its message's first line (pytest may append its introspection)
+                why = str(exc).split("\n", 1)[0]
+                raise Violation(f"epoch {e}: invariant {name} broken" + (f": {why}" if why else "")) from None
+            if ok is False:
+                raise Violation(f"epoch {e}: invariant {name} broken")
+
+    def verify_recorded(self) -> None:
+        """As the simulator's, naming the request behind a transaction the oracle disagrees with."""
+        try:
+            super().verify_recorded()
+        except Violation as exc:
+            m = re.match(r"epoch (\d+): tid (\d+): engine", str(exc))
+            res = self.results.get(int(m.group(1))) if m else None
+            req = res.requests.get(int(m.group(2))) if res is not None and m else None
+            if req is None:
+                raise
+            inv = self.plan.invocations.get(req.request_id)
+            what = (f"{inv.operator}.{inv.function} on {inv.key!r} with {list(inv.args)!r}" if inv is not None
+                    else f"{req.operator}.{req.function} on {req.key!r} (a timer)")
+            raise Violation(f"{exc} -- request {req.request_id}: {what}; the engine's outcome differs from a serial "
+                            "execution: does a function read the clock, random numbers, process memory or I/O "
+                            "(use ctx.now(), ctx.random(), the entity's state)?") from None
+
+    def close(self) -> None:
+        for name in self.copies:
+            sys.modules.pop(name, None)
+
+
+def run_app(app: Application | str, workload: WorkloadSource | None = None, invariants: Sequence[Invariant] = (),
+            *, seed: int, steps: int = STEPS, keys: Sequence[str] = ("k0", "k1", "k2", "k3"),
+            initial: Mapping[tuple[str, str], object] | None = None, reproduce: str | None = None,
+            faults: Faults | None = None, rescale: bool | None = None, trace: bool = False) -> Report:
+    """Run ``workload`` (default: :func:`from_hints` over ``keys``) on ``app`` under the faults seed ``seed`` draws;
+    check ``invariants`` and the serial oracle after every epoch. Raises :class:`HarnessFailure` (its last line
+    is ``reproduce``, default a ``charon test-app`` command) or returns a :class:`Report`.
+
+    ``app``: the application or its ``module:attribute``. ``initial``: {(operator, key): value} before the run.
+    ``steps``: at most this many invocations are taken from the workload. ``faults`` (default: drawn from the
+    seed) and ``rescale`` (the input log resized between epochs; default: drawn) fix the faults instead."""
+    __tracebackhide__ = True  # pytest shows the failure, not the harness's frames
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    if isinstance(app, str):
+        ref = app
+        app = spark_tasks.load_app(ref)
+    else:
+        found = app_ref_of(app)
+        if found is None:
+            raise ValueError("the harness needs an application defined at module level (module:attribute)")
+        ref = found
+    source = workload if workload is not None else from_hints(app, keys)
+    rng = random.Random(f"charon-harness-{seed}")
+    invs = _workload_list(source, rng, steps)
+    plan = _plan(invs, rng, initial or {})
+    line = reproduce or reproduction(ref, source, invariants, seed, steps)
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = tempfile.mkdtemp(prefix=f"charon-harness-{seed}-", dir=base)
+    grow = rng.random() < 0.5
+    sim = _AppSimulation(seed, root, ref, plan, invariants, grow if rescale is None else rescale, faults)
+    sim.trace_on = trace
+    try:
+        stats = sim.run()
+    except (Violation, SimCrash) as exc:
+        raise HarnessFailure(seed, str(exc), line) from None
+    except Exception as exc:  # noqa: BLE001 - an engine error under these faults is a failure of the seed too
+        raise HarnessFailure(seed, f"{type(exc).__name__}: {exc}", line) from exc
+    finally:
+        sim.close()
+        shutil.rmtree(root, ignore_errors=True)
+    digest = hashlib.sha256()
+    for ev in sim.events:
+        digest.update(ev.encode() + b"\n")
+    for e in sorted(sim.expected):
+        for k, v in sim.expected[e].items():
+            digest.update(b"%d\0%s\0%s\n" % (e, k, v))
+    for rid in sorted(sim.delivered):
+        digest.update(repr(sim.delivered[rid]).encode() + b"\n")
+    return Report(seed, stats["epochs"], stats["requests"], plan.retries, stats["crashes"], stats["rounds"],
+                  stats["fired"], stats["log_resizes"], repr(sim.faults), digest.hexdigest(), sim.isolated)
