@@ -300,6 +300,7 @@ def test_every_layer_documents_its_rules() -> None:
 PUBLIC = [
     "Application",
     "BadArguments",
+    "Call",
     "CallGraphLimitExceeded",
     "CharonError",
     "Context",
