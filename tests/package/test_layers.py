@@ -315,6 +315,7 @@ PUBLIC = [
     "LogUnavailable",
     "NonDeterministicFunction",
     "Operator",
+    "Outcome",
     "PayloadTooLarge",
     "Quarantined",
     "Reply",
