@@ -157,3 +157,29 @@ def test_the_contexts_implement_the_typed_declarations_with_the_same_parameters(
             have = [p.name for p in inspect.signature(impl).parameters.values()]
             assert have == want, (cls.__name__, name, have, want)
     assert EngineContext.ask is EngineContext._ask
+
+
+def test_the_typed_example_runs_and_agrees_with_the_serial_oracle() -> None:
+    """The typed example app (calls by Function, a gather of two and of a list, a send, a timer) runs on the engine,
+    and the serial oracle (SerialContext, the same typed declarations) gives the same outcome and state."""
+    from charon import InProcessRuntime, Request, serde
+    from charon.apps import ledger
+    from charon.testing import check_epoch
+
+    rt = InProcessRuntime(ledger.app, partitions=3)
+    seed = [Request(f"d{k}", "account", k, "deposit", serde.encode([n, "seed"])) for k, n in
+            (("a", 100), ("b", 10), ("c", 1))]
+    work = [Request("t", "account", "a", "transfer", serde.encode(["b", 30])),
+            Request("s", "account", "a", "total", serde.encode([["b", "c"]])),
+            Request("p", "account", "c", "pay_later", serde.encode(["a", 1, 60.0])),
+            Request("x", "account", "b", "transfer", serde.encode(["c", 1000]))]
+    for reqs in (seed, work):
+        before = rt.snapshot()
+        result = rt.run_epoch(reqs)
+        check_epoch(ledger.app, before, rt.snapshot(), result)
+    replies = {result.requests[tid].request_id: rep for tid, rep in result.replies.items()}
+    assert serde.decode(replies["t"].value) == 70
+    assert serde.decode(replies["s"].value) == 111  # 70 + 40 + 1: after the transfer, in the serial order
+    assert serde.decode(replies["p"].value).startswith("t")  # a timer id
+    assert not replies["x"].ok and replies["x"].error_type == "ValueError"
+    assert {k: rt.read_state("account", k) for k in "abc"} == {"a": 70, "b": 40, "c": 1}
