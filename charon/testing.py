@@ -34,6 +34,7 @@ from charon.core.context import (
     child_inv,
     effect_request,
     item_key,
+    name_implementations,
     raised_in,
     unawaited_message,
 )
@@ -248,6 +249,9 @@ class SerialContext(Context):
 
     def now(self) -> float:
         return self._txn.ts
+
+
+name_implementations(SerialContext)
 
 
 class _SerialCall(Call[Any]):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import random as _random
 from collections.abc import Awaitable, Callable, Generator, Sequence
+from types import FunctionType
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from charon import serde
@@ -866,6 +867,18 @@ class EngineContext(Context):
     def now(self) -> float:
         """The transaction's timestamp (its request's append time), the same on every replay."""
         return self._frame.ts
+
+
+def name_implementations(cls: type[Context]) -> None:
+    """Give the implementations of :class:`Context`'s typed methods in ``cls`` (bound as ``call = _call``...) their
+    public names, for tracebacks and ``TypeError`` messages (``EngineContext.call() got an unexpected keyword...``)."""
+    for name in ("call", "gather", "send", "send_at", "send_after", "ask", "effect"):
+        fn = cls.__dict__.get(name)
+        if fn is cls.__dict__.get("_" + name) and isinstance(fn, FunctionType):
+            fn.__name__, fn.__qualname__ = name, f"{cls.__name__}.{name}"
+
+
+name_implementations(EngineContext)
 
 
 def check_awaited(calls: list[CallRecord], replies: dict[int, bytes], op: str, fn: str, key: str) -> None:

@@ -183,3 +183,29 @@ def test_the_typed_example_runs_and_agrees_with_the_serial_oracle() -> None:
     assert serde.decode(replies["p"].value).startswith("t")  # a timer id
     assert not replies["x"].ok and replies["x"].error_type == "ValueError"
     assert {k: rt.read_state("account", k) for k in "abc"} == {"a": 70, "b": 40, "c": 1}
+
+
+def test_keyword_arguments_a_checker_accepts_abort_with_type_error() -> None:
+    """The documented gap: a ParamSpec lets a checker accept ``ctx.call(op, key, f, amount=5)``, but arguments go by
+    position (no per-call cost for keywords): the call raises TypeError, on the engine and in the oracle alike."""
+    from charon import Application, Context, InProcessRuntime, Operator, Request, serde
+    from charon.testing import check_epoch
+
+    op = Operator("kw")
+
+    @op.function
+    async def add(ctx: Context, amount: int) -> int:
+        return amount
+
+    @op.function
+    async def by_keyword(ctx: Context) -> int:
+        return await ctx.call(op, "k", add, amount=5)
+
+    app = Application("kw", [op])
+    rt = InProcessRuntime(app, partitions=2)
+    before = rt.snapshot()
+    result = rt.run_epoch([Request("r", "kw", "a", "by_keyword", serde.encode([]))])
+    check_epoch(app, before, rt.snapshot(), result)
+    (reply,) = result.replies.values()
+    assert not reply.ok and reply.error_type == "TypeError"
+    assert reply.error_message == "EngineContext.call() got an unexpected keyword argument 'amount'"
