@@ -96,7 +96,7 @@ def test_the_examples_are_clean_under_pyright_strict(project: Path) -> None:
 
 
 def test_mypy_reports_each_mistake_of_the_wrong_app(project: Path) -> None:
-    ten, name, send = line_of('deposit, "ten")'), line_of("name: str ="), line_of("ctx.send(account")
+    ten, name, send = line_of('deposit, "ten")'), line_of("name: str ="), line_of("ctx.send(account, to, transfer")
     timer, upper, effect = line_of("ctx.send_after"), line_of("a.upper()"), line_of("ctx.effect(")
     later = line_of("pay_later, to")
     assert mypy(project, "wrong_app.py") == [
@@ -118,7 +118,7 @@ def test_mypy_reports_each_mistake_of_the_wrong_app(project: Path) -> None:
 
 
 def test_pyright_reports_each_mistake_of_the_wrong_app(project: Path) -> None:
-    ten, name, send = line_of('deposit, "ten")'), line_of("name: str ="), line_of("ctx.send(account")
+    ten, name, send = line_of('deposit, "ten")'), line_of("name: str ="), line_of("ctx.send(account, to, transfer")
     timer, upper, effect = line_of("ctx.send_after"), line_of("a.upper()"), line_of("ctx.effect(")
     later = line_of("pay_later, to")
     assert pyright(project, "wrong_app.py") == [
