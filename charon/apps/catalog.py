@@ -13,7 +13,7 @@ shelf = Operator("shelf")
 @shelf.function
 async def stock(ctx: Context, sku: str, qty: int) -> int:
     """Add ``qty`` of ``sku`` (an item of this shelf); returns the new quantity."""
-    n = ctx.get_item(sku, 0) + qty
+    n: int = ctx.get_item(sku, 0) + qty
     if n < 0:
         raise ValueError(f"not enough {sku}")
     if n == 0:
@@ -25,7 +25,7 @@ async def stock(ctx: Context, sku: str, qty: int) -> int:
 
 
 @shelf.function
-async def restock_and_list(ctx: Context, skus: list[str], prefix: str) -> list:
+async def restock_and_list(ctx: Context, skus: list[str], prefix: str) -> list[list[object]]:
     """Stock each sku once, then list the items with ``prefix`` (own writes are visible to the scan)."""
     for s in skus:
         ctx.put_item(s, ctx.get_item(s, 0) + 1)
@@ -33,7 +33,7 @@ async def restock_and_list(ctx: Context, skus: list[str], prefix: str) -> list:
 
 
 @shelf.function
-async def between(ctx: Context, start: str, stop: str) -> list:
+async def between(ctx: Context, start: str, stop: str) -> list[list[object]]:
     """Items with names in [start, stop)."""
     return [[k, v] for k, v in ctx.scan_items(start=start, stop=stop)]
 

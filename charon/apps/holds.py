@@ -16,7 +16,7 @@ acct = Operator("acct")
 @acct.function
 async def deposit(ctx: Context, amount: int) -> int:
     """Add ``amount`` to the balance; returns the new balance."""
-    b = ctx.get(default=0) + amount
+    b: int = ctx.get(default=0) + amount
     ctx.put(b)
     return b
 
@@ -24,7 +24,7 @@ async def deposit(ctx: Context, amount: int) -> int:
 @acct.function
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     """Move ``amount`` to ``to`` (aborts if the balance is short); returns the new balance."""
-    b = ctx.get(default=0)
+    b: int = ctx.get(default=0)
     if amount <= 0 or b < amount or to == ctx.key:
         raise ValueError(f"cannot transfer {amount} of {b}")
     ctx.put(b - amount)
@@ -49,7 +49,7 @@ async def hold(ctx: Context, tag: str, amount: int, seconds: float) -> str:
 @acct.function
 async def release(ctx: Context, tag: str) -> int:
     """The timer of a hold: give the held amount back; returns how often this tag's timer fired."""
-    n = ctx.get_item("fired:" + tag, 0) + 1
+    n: int = ctx.get_item("fired:" + tag, 0) + 1
     ctx.put_item("fired:" + tag, n)
     h = ctx.get_item("hold:" + tag)
     if h is not None:
@@ -78,7 +78,7 @@ async def remind(ctx: Context, to: str, note: str, at: float) -> str:
 @acct.function
 async def noted(ctx: Context, note: str) -> int:
     """Count ``note``; returns its count."""
-    n = ctx.get_item("note:" + note, 0) + 1
+    n: int = ctx.get_item("note:" + note, 0) + 1
     ctx.put_item("note:" + note, n)
     return n
 
@@ -91,7 +91,7 @@ async def doomed(ctx: Context, seconds: float) -> None:
 
 
 @acct.function
-async def pending(ctx: Context) -> list:
+async def pending(ctx: Context) -> list[list[object]]:
     """This account's pending timers: [id, due, function] each."""
     return [[t.id, t.due, t.function] for t in ctx.timers()]
 

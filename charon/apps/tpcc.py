@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from charon import Application, Context, Operator
+from charon import Application, Call, Context, Operator
 
 warehouse = Operator("warehouse")
 warehouse_tax = Operator("warehouse_tax")
@@ -205,7 +205,8 @@ async def new_order(ctx: Context, c_id: int, lines: list) -> dict:
     o_id = d["next_o_id"]
     all_local = all(int(line[1]) == w_id for line in lines)
     # One concurrent fan-out: warehouse tax, customer, and every line's item price and stock update.
-    calls = [ctx.call(warehouse_tax, w_s, get_tax), ctx.call(customer, f"{w_s}:{d_s}:{c_id}", get_for_order)]
+    calls: list[Call[Any]] = [ctx.call(warehouse_tax, w_s, get_tax),  # values of several types: Any
+                              ctx.call(customer, f"{w_s}:{d_s}:{c_id}", get_for_order)]
     for i_id, supply_w, qty in lines:
         calls.append(ctx.call(item, str(i_id), get_price))
         calls.append(ctx.call(stock, f"{supply_w}:{i_id}", take, qty, int(supply_w) != w_id))

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import os
 import random as _random
-from collections.abc import Callable, Generator, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from types import FunctionType
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from charon import serde
 from charon.core import timers as _timers
@@ -73,7 +74,7 @@ MAX_EFFECT_ATTEMPTS = 1000
 
 
 def effect_request(app: Application, op: str, key: str, tid: int, inv: str, n: int, handler: object,
-                   args: Sequence[object], then: Function | str, carry: object, timeout: object,
+                   args: Sequence[object], then: Function[..., object] | str, carry: object, timeout: object,
                    attempts: object) -> tuple[str, dict[str, Any]]:
     """The id and the stream event of ``ctx.effect`` number ``n`` of invocation ``inv`` of transaction ``tid`` (the
     engine's context and the oracle's build it here); typed errors for what is not valid."""
@@ -226,12 +227,229 @@ def _new_journal(replies: dict[int, bytes], reads: list[object], nsusp: int, pen
     return j
 
 
-class _Call:
+# -- the typed surface of a context (one declaration: the engine's and the oracle's contexts implement it) ----------
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+T1 = TypeVar("T1")
+T2 = TypeVar("T2")
+T3 = TypeVar("T3")
+T4 = TypeVar("T4")
+T5 = TypeVar("T5")
+T6 = TypeVar("T6")
+#: What a continuation (``then=`` of :meth:`Context.ask` and :meth:`Context.effect`) receives first:
+#: ``{"ok": True, "value": v}`` or ``{"ok": False, "error_type": t, "error": message, ...}``.
+Outcome = dict[str, Any]
+
+
+class Call(Generic[R_co]):
+    """A call made by :meth:`Context.call`: ``await`` it for the called function's return value (an ``R``).
+
+    Typed from the function it calls: ``ctx.call(account, key, deposit, 5)`` is a ``Call[int]`` when ``deposit``
+    returns an ``int``. Sent when first awaited (alone, or in :meth:`Context.gather`); awaiting it again gives the
+    same value.
+    """
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[object, None, R_co]:
+        raise NotImplementedError
+
+
+class Context:
+    """What a function sees: ``key``, its entity's state, calls to other entities, timers, ``random``/``now``.
+
+    The one typed declaration of the context: the engine's (:class:`EngineContext`) and the serial oracle's
+    (:class:`charon.testing.SerialContext`) implement it. A function referenced as a :class:`Function` types the
+    call: its arguments are checked against the function's parameters and the awaited value has its return type
+    (a function named by a string is not checked: its value is ``Any``). Arguments are passed by position.
+    """
+
+    __slots__ = ()
+    key: str  #: the entity's key
+    operator: str  #: the entity's operator (type) name
+    tid: int  #: the transaction's id
+
+    # -- state of this entity -----------------------------------------------------------------------------------
+    def get(self, default: Any = None) -> Any:
+        """The entity's value, or ``default`` if it has none."""
+        raise NotImplementedError
+
+    def put(self, value: object) -> None:
+        """Set the entity's value (buffered in the transaction until it commits)."""
+        raise NotImplementedError
+
+    def delete(self) -> None:
+        """Remove the entity's value."""
+        raise NotImplementedError
+
+    def get_item(self, name: str, default: Any = None) -> Any:
+        """One named item of the entity's ordered item map."""
+        raise NotImplementedError
+
+    def put_item(self, name: str, value: object) -> None:
+        """Set one named item of the entity's ordered item map."""
+        raise NotImplementedError
+
+    def delete_item(self, name: str) -> None:
+        """Remove one named item."""
+        raise NotImplementedError
+
+    def scan_items(self, prefix: str = "", start: str | None = None, stop: str | None = None) -> list[tuple[str, Any]]:
+        """Items whose name starts with ``prefix`` and lies in [start, stop), sorted by name."""
+        raise NotImplementedError
+
+    def emit(self, stream: str, value: object) -> None:
+        """Append ``value`` to the output stream ``stream`` if (and only if) this transaction commits."""
+        raise NotImplementedError
+
+    # -- calls ----------------------------------------------------------------------------------------------------
+    @overload
+    def call(self, operator: Operator | str, key: str, function: Function[P, R], /, *args: P.args,
+             **kwargs: P.kwargs) -> Call[R]: ...
+
+    @overload
+    def call(self, operator: Operator | str, key: str, function: str, /, *args: object) -> Call[Any]: ...
+
+    def call(self, operator: Operator | str, key: str, function: object, /, *args: object,
+             **kwargs: object) -> Call[Any]:
+        """Call a function of another entity and wait for its return value (same transaction).
+
+        ``ctx.call`` validates the call and numbers it; ``await`` sends it and suspends until the reply
+        (awaiting it again returns the same value). A function that returns without awaiting a call it created
+        aborts the transaction with UnawaitedCall (``ctx.send`` needs no await). If the callee (or
+        anything it calls or sends) raises, the whole transaction aborts with that error, which names
+        where it was raised: the caller is never resumed, so a ``try``/``except`` around the await cannot
+        catch a callee's exception. Check conditions before calling, or return a value that says so.
+        """
+        raise NotImplementedError
+
+    @overload
+    def gather(self, c1: Call[T1], c2: Call[T2], /) -> Awaitable[tuple[T1, T2]]: ...
+
+    @overload
+    def gather(self, c1: Call[T1], c2: Call[T2], c3: Call[T3], /) -> Awaitable[tuple[T1, T2, T3]]: ...
+
+    @overload
+    def gather(self, c1: Call[T1], c2: Call[T2], c3: Call[T3], c4: Call[T4], /,
+               ) -> Awaitable[tuple[T1, T2, T3, T4]]: ...
+
+    @overload
+    def gather(self, c1: Call[T1], c2: Call[T2], c3: Call[T3], c4: Call[T4], c5: Call[T5], /,
+               ) -> Awaitable[tuple[T1, T2, T3, T4, T5]]: ...
+
+    @overload
+    def gather(self, c1: Call[T1], c2: Call[T2], c3: Call[T3], c4: Call[T4], c5: Call[T5], c6: Call[T6], /,
+               ) -> Awaitable[tuple[T1, T2, T3, T4, T5, T6]]: ...
+
+    @overload
+    def gather(self, /, *calls: Call[R]) -> Awaitable[list[R]]: ...
+
+    def gather(self, /, *calls: Call[object]) -> Awaitable[Sequence[object]]:
+        """Wait for several ``ctx.call(...)`` at once: they run concurrently; returns their values in order.
+
+        ``a, b = await ctx.gather(ctx.call(x, k1, f), ctx.call(y, k2, g, v))``. The gathered calls'
+        call graphs run concurrently, so they should not touch the same entities. Calls already awaited
+        give their values without being sent again. The value is a list (typed, like ``asyncio.gather``'s, as a
+        tuple for two to six calls and as a list otherwise).
+        """
+        raise NotImplementedError
+
+    @overload
+    def send(self, operator: Operator | str, key: str, function: Function[P, object], /, *args: P.args,
+             **kwargs: P.kwargs) -> None: ...
+
+    @overload
+    def send(self, operator: Operator | str, key: str, function: str, /, *args: object) -> None: ...
+
+    def send(self, operator: Operator | str, key: str, function: object, /, *args: object, **kwargs: object) -> None:
+        """Call a function of another entity without waiting (it still belongs to this transaction)."""
+        raise NotImplementedError
+
+    # -- timers ---------------------------------------------------------------------------------------------------
+    @overload
+    def send_at(self, t: float, operator: Operator | str, key: str, function: Function[P, object], /,
+                *args: P.args, **kwargs: P.kwargs) -> str: ...
+
+    @overload
+    def send_at(self, t: float, operator: Operator | str, key: str, function: str, /, *args: object) -> str: ...
+
+    def send_at(self, t: float, operator: Operator | str, key: str, function: object, /, *args: object,
+                **kwargs: object) -> str:
+        """Call ``operator/key.function(*args)`` as its own transaction in the first epoch whose time passes
+        ``t`` (seconds since the Unix epoch, like :meth:`now`); returns the timer's id.
+
+        The timer belongs to this entity (listed by :meth:`timers`, cancelled by :meth:`cancel_timer`) and
+        is registered only if this transaction commits. It fires exactly once, also across crashes.
+        """
+        raise NotImplementedError
+
+    @overload
+    def send_after(self, seconds: float, operator: Operator | str, key: str, function: Function[P, object], /,
+                   *args: P.args, **kwargs: P.kwargs) -> str: ...
+
+    @overload
+    def send_after(self, seconds: float, operator: Operator | str, key: str, function: str, /,
+                   *args: object) -> str: ...
+
+    def send_after(self, seconds: float, operator: Operator | str, key: str, function: object, /, *args: object,
+                   **kwargs: object) -> str:
+        """:meth:`send_at` ``ctx.now() + seconds``; returns the timer's id."""
+        raise NotImplementedError
+
+    def cancel_timer(self, timer_id: str) -> bool:
+        """Cancel a pending timer of this entity; False if there is none with that id (fired, cancelled,
+        never registered, or another entity's)."""
+        raise NotImplementedError
+
+    def timers(self) -> list[_timers.Timer]:
+        """This entity's pending timers, by id (a timer due in this epoch has already fired)."""
+        raise NotImplementedError
+
+    # -- portals and effects (continuations) ------------------------------------------------------------------
+    def ask(self, portal: str, key: str, /, *args: object, then: Function[Concatenate[Outcome, ...], object] | str,
+            carry: Sequence[object] = ()) -> str:
+        """Ask ``portal`` (``"app.name"``, declared in this application's ``uses``) to run on entity ``key``
+        of that application with ``args``; returns the request id.
+
+        The request is an event of this transaction (sent only if it commits). The other application runs it
+        as its own transaction; its reply resumes *this entity* later, as a new transaction running this
+        operator's function ``then(ctx, reply, *carry)`` with ``reply`` = ``{"ok": True, "value": v}`` or
+        ``{"ok": False, "error_type": t, "error": message}``. Nothing waits meanwhile (see
+        :mod:`charon.runtime.deployment` for the exact guarantees).
+        """
+        raise NotImplementedError
+
+    def effect(self, handler: str, /, *args: object, then: Function[Concatenate[Outcome, ...], object] | str,
+               carry: Sequence[object] = (), timeout: float = 30.0, attempts: int = 5) -> str:
+        """Run the application's effect handler ``handler(effect_id, *args)`` (I/O allowed) once this transaction
+        commits; returns the effect id, the handler's idempotency key.
+
+        The request is an event of this transaction (it exists iff the transaction commits). An effect executor
+        (:mod:`charon.runtime.effects`) runs the handler at least once (each attempt at most ``timeout``
+        seconds, at most ``attempts`` attempts, with exponential backoff), then resumes *this entity* exactly
+        once, as a new transaction running this operator's function ``then(ctx, result, *carry)`` with
+        ``result`` = ``{"ok": True, "value": v}`` or ``{"ok": False, "error_type": t, "error": message,
+        "attempts": n}``. Unknown handlers and bad policies raise :class:`~charon.errors.UnknownEffect`.
+        """
+        raise NotImplementedError
+
+    # -- determinism ----------------------------------------------------------------------------------------------
+    def random(self) -> float:
+        """A pseudo-random float in [0, 1), the same on every replay of this transaction."""
+        raise NotImplementedError
+
+    def now(self) -> float:
+        """The transaction's timestamp (its request's append time), the same on every replay."""
+        raise NotImplementedError
+
+
+class _Call(Call[Any]):
     """A call created by ``ctx.call``: sent when first awaited; its value is kept for later awaits."""
 
     __slots__ = ("ctx", "child", "target", "done", "value")
 
-    def __init__(self, ctx: Context, child: int, target: Target) -> None:
+    def __init__(self, ctx: EngineContext, child: int, target: Target) -> None:
         self.ctx = ctx
         self.child = child
         self.target = target
@@ -269,7 +487,7 @@ class _Gather:
 
     __slots__ = ("ctx", "calls")
 
-    def __init__(self, ctx: Context, calls: tuple[_Call, ...]) -> None:
+    def __init__(self, ctx: EngineContext, calls: tuple[_Call, ...]) -> None:
         self.ctx = ctx
         self.calls = calls
 
@@ -285,8 +503,8 @@ class _Gather:
         return [c.value for c in self.calls]
 
 
-class Context:
-    """What a function sees: ``key``, its entity's state, ``call``/``send``, ``random``/``now``."""
+class EngineContext(Context):
+    """The engine's :class:`Context` (one per run of an invocation); its typed methods are declared by Context."""
 
     __slots__ = (
         "_unit", "_frame", "_nchild", "_pending", "_sends", "_calls", "_fast", "_rng", "_dropped",
@@ -365,7 +583,7 @@ class Context:
         except Exception:  # noqa: BLE001 - its typed error
             return serde.decode(raw)
 
-    def put(self, value: Any) -> None:
+    def put(self, value: object) -> None:
         """Set the entity's value (buffered in the transaction until it commits)."""
         if self._dropped:
             raise GeneratorExit
@@ -391,7 +609,7 @@ class Context:
         raw = self._read(item_key(name))
         return default if raw is None else serde.decode(raw)
 
-    def put_item(self, name: str, value: Any) -> None:
+    def put_item(self, name: str, value: object) -> None:
         """Set one named item of the entity's ordered item map."""
         if self._live():
             data = serde.encode_value(value)
@@ -420,7 +638,7 @@ class Context:
         return [(name[1:], decode(raw)) for name, raw in raw_items]
 
     # -- events ---------------------------------------------------------------------------------------
-    def emit(self, stream: str, value: Any) -> None:
+    def emit(self, stream: str, value: object) -> None:
         """Append ``value`` to the output stream ``stream`` if (and only if) this transaction commits.
 
         Events travel with the transaction's writes: an aborted (or re-run) transaction's events are
@@ -434,7 +652,7 @@ class Context:
             raise InvalidKey(f"stream names starting with {RESERVED_STREAM_PREFIX!r} are reserved: {stream!r}")
         self._emit(stream, value)
 
-    def _emit(self, stream: str, value: Any) -> None:
+    def _emit(self, stream: str, value: object) -> None:
         data = serde.encode_value(value)
         if len(data) > MAX_VALUE_BYTES:
             raise too_large(f"event of stream {stream!r}", len(data))
@@ -446,16 +664,9 @@ class Context:
             self._unit.emit(f.tid, f.inv, self._nemit, stream, data)
 
     # -- portals (requests to other applications) -----------------------------------------------------
-    def ask(self, portal: str, key: str, *args: Any, then: Function | str, carry: Sequence[object] = ()) -> str:
-        """Ask ``portal`` (``"app.name"``, declared in this application's ``uses``) to run on entity ``key``
-        of that application with ``args``; returns the request id.
-
-        The request is an event of this transaction (sent only if it commits). The other application runs it
-        as its own transaction; its reply resumes *this entity* later, as a new transaction running this
-        operator's function ``then(ctx, reply, *carry)`` with ``reply`` = ``{"ok": True, "value": v}`` or
-        ``{"ok": False, "error_type": t, "error": message}``. Nothing waits meanwhile (see
-        :mod:`charon.runtime.deployment` for the exact guarantees).
-        """
+    def _ask(self, portal: str, key: str, *args: object, then: Function[..., object] | str,
+             carry: Sequence[object] = ()) -> str:
+        """:meth:`Context.ask`."""
         app = self._unit.app_for(self._frame.tid)
         if portal not in app.uses:
             raise UndeclaredPortal(f"application {app.name!r} does not declare portal {portal!r} in its uses")
@@ -472,18 +683,9 @@ class Context:
         return rid
 
     # -- effects (calls to the outside world) ---------------------------------------------------------
-    def effect(self, handler: str, *args: Any, then: Function | str, carry: Sequence[object] = (),
-               timeout: float = 30.0, attempts: int = 5) -> str:
-        """Run the application's effect handler ``handler(effect_id, *args)`` (I/O allowed) once this transaction
-        commits; returns the effect id, the handler's idempotency key.
-
-        The request is an event of this transaction (it exists iff the transaction commits). An effect executor
-        (:mod:`charon.runtime.effects`) runs the handler at least once (each attempt at most ``timeout``
-        seconds, at most ``attempts`` attempts, with exponential backoff), then resumes *this entity* exactly
-        once, as a new transaction running this operator's function ``then(ctx, result, *carry)`` with
-        ``result`` = ``{"ok": True, "value": v}`` or ``{"ok": False, "error_type": t, "error": message,
-        "attempts": n}``. Unknown handlers and bad policies raise :class:`~charon.errors.UnknownEffect`.
-        """
+    def _effect(self, handler: str, *args: object, then: Function[..., object] | str, carry: Sequence[object] = (),
+                timeout: float = 30.0, attempts: int = 5) -> str:
+        """:meth:`Context.effect`."""
         f = self._frame
         self._nask += 1  # asks and effects share the numbering (their ids differ by prefix)
         eid, doc = effect_request(self._unit.app_for(f.tid), f.op, f.key, f.tid, f.inv, self._nask, handler, args,
@@ -492,7 +694,8 @@ class Context:
         return eid
 
     # -- calls ------------------------------------------------------------------------------------
-    def _target(self, operator: Operator | str, key: str, function: Function | str, args: tuple[object, ...]) -> Target:
+    def _target(self, operator: Operator | str, key: str, function: Function[..., object] | str,
+                args: tuple[object, ...]) -> Target:
         # Application.validate, inlined (``args`` is a tuple): names, then routing.check_key, then the arguments
         unit = self._unit
         prev = unit.previous  # unit.app_for, inlined
@@ -518,16 +721,9 @@ class Context:
                 break
         return (fn.operator.name, key, fn.name, data)
 
-    def call(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> _Call:
-        """Call a function of another entity and wait for its return value (same transaction).
-
-        ``ctx.call`` validates the call and numbers it; ``await`` sends it and suspends until the reply
-        (awaiting it again returns the same value). A function that returns without awaiting a call it created
-        aborts the transaction with UnawaitedCall (``ctx.send`` needs no await). If the callee (or
-        anything it calls or sends) raises, the whole transaction aborts with that error, which names
-        where it was raised: the caller is never resumed, so a ``try``/``except`` around the await cannot
-        catch a callee's exception. Check conditions before calling, or return a value that says so.
-        """
+    def _call(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object,
+              ) -> _Call:
+        """:meth:`Context.call`."""
         # Validated when first created (every call site runs live once before any replay of it).
         if self._dropped:  # self._live(), inlined
             raise GeneratorExit
@@ -541,20 +737,15 @@ class Context:
             self._calls.append((1,) + target)
         return _Call(self, self._nchild, target)
 
-    def gather(self, *calls: _Call) -> _Gather:
-        """Wait for several ``ctx.call(...)`` at once: they run concurrently; returns their values in order.
-
-        ``values = await ctx.gather(ctx.call(a, k1, f), ctx.call(b, k2, g, x))``. The gathered calls'
-        call graphs run concurrently, so they should not touch the same entities. Calls already awaited
-        give their values without being sent again.
-        """
+    def _gather(self, *calls: _Call) -> _Gather:
+        """:meth:`Context.gather`."""
         for c in calls:
             if not isinstance(c, _Call) or c.ctx is not self:
                 raise TypeError("ctx.gather takes the results of this context's ctx.call(...)")
         return _Gather(self, calls)
 
-    def send(self, operator: Operator | str, key: str, function: Function | str, *args: Any) -> None:
-        """Call a function of another entity without waiting (it still belongs to this transaction)."""
+    def _send(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object) -> None:
+        """:meth:`Context.send`."""
         live = self._live()
         target = self._target(operator, key, function, args) if live else _replayed_target(
             operator, key, function, args
@@ -615,13 +806,9 @@ class Context:
         self._pending = None
 
     # -- timers (charon.core.timers) ---------------------------------------------------------------
-    def send_at(self, t: float, operator: Operator | str, key: str, function: Function | str, *args: Any) -> str:
-        """Call ``operator/key.function(*args)`` as its own transaction in the first epoch whose time passes
-        ``t`` (seconds since the Unix epoch, like :meth:`now`); returns the timer's id.
-
-        The timer belongs to this entity (listed by :meth:`timers`, cancelled by :meth:`cancel_timer`) and
-        is registered only if this transaction commits. It fires exactly once, also across crashes.
-        """
+    def _send_at(self, t: float, operator: Operator | str, key: str, function: Function[..., object] | str,
+                 *args: object) -> str:
+        """:meth:`Context.send_at`."""
         due = _timers.check_due(t)
         live = self._live()
         target = self._target(operator, key, function, args) if live else _replayed_target(
@@ -636,12 +823,16 @@ class Context:
             self._unit.timer_registered(due)
         return tid
 
-    def send_after(self, seconds: float, operator: Operator | str, key: str, function: Function | str,
-                   *args: Any) -> str:
-        """:meth:`send_at` ``ctx.now() + seconds``; returns the timer's id."""
+    def _send_after(self, seconds: float, operator: Operator | str, key: str, function: Function[..., object] | str,
+                    *args: object) -> str:
+        """:meth:`Context.send_after`."""
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
             raise ValueError(f"send_after needs a number of seconds >= 0, got {seconds!r}")
-        return self.send_at(self.now() + seconds, operator, key, function, *args)
+        return self._send_at(self.now() + seconds, operator, key, function, *args)
+
+    if not TYPE_CHECKING:  # the implementations of Context's typed declarations (the same functions: no wrapper)
+        call, gather, send, ask, effect = _call, _gather, _send, _ask, _effect
+        send_at, send_after = _send_at, _send_after
 
     def cancel_timer(self, timer_id: str) -> bool:
         """Cancel a pending timer of this entity; False if there is none with that id (fired, cancelled,
@@ -678,6 +869,18 @@ class Context:
         return self._frame.ts
 
 
+def name_implementations(cls: type[Context]) -> None:
+    """Give the implementations of :class:`Context`'s typed methods in ``cls`` (bound as ``call = _call``...) their
+    public names, for tracebacks and ``TypeError`` messages (``EngineContext.call() got an unexpected keyword...``)."""
+    for name in ("call", "gather", "send", "send_at", "send_after", "ask", "effect"):
+        fn = cls.__dict__.get(name)
+        if fn is cls.__dict__.get("_" + name) and isinstance(fn, FunctionType):
+            fn.__name__, fn.__qualname__ = name, f"{cls.__name__}.{name}"
+
+
+name_implementations(EngineContext)
+
+
 def check_awaited(calls: list[CallRecord], replies: dict[int, bytes], op: str, fn: str, key: str) -> None:
     """Raise UnawaitedCall if a synchronous call of a completed invocation (``calls``: its ``ctx._calls``, child
     ``n`` at index ``n - 1``) has no reply: it was created and never awaited."""
@@ -703,7 +906,8 @@ def raised_in(message: str, op: str, key: str, fn: str) -> str:
             "the whole transaction; callers cannot catch it]")
 
 
-def _replayed_target(operator: Operator | str, key: str, function: Function | str, args: tuple[object, ...]) -> Target:
+def _replayed_target(operator: Operator | str, key: str, function: Function[..., object] | str,
+                     args: tuple[object, ...]) -> Target:
     """The target of a call or send already validated in the run that first made it (as ``_target``)."""
     op = operator.name if isinstance(operator, Operator) else operator
     fn = function.name if isinstance(function, Function) else function

@@ -27,7 +27,7 @@ from charon.core import timers as _timers
 from charon.core.context import (
     MAX_VALUE_BYTES,
     CallRecord,
-    Context,
+    EngineContext,
     Journal,
     check_awaited,
     child_inv,
@@ -223,7 +223,7 @@ class Reply:
 #: caller (a tuple when that reply alone).
 Outgoing = list[Invoke | Reply] | tuple[Invoke | Reply, ...]
 #: A suspended frame's live coroutine in this process: (coroutine, its context, the journal's nsusp).
-Live = tuple[Coroutine[Any, Any, Any], Context, int]
+Live = tuple[Coroutine[Any, Any, Any], EngineContext, int]
 #: One transaction's live coroutines by frame token (Invoke.token: never None once the Invoke is a frame).
 LiveTable = dict[int | None, Live]
 
@@ -786,7 +786,7 @@ class PartitionUnit(Generic[S]):
                 frame.live = True
                 ctx._sends = None
             else:
-                ctx = Context(self, frame)
+                ctx = EngineContext(self, frame)
                 # through self.app each time: a code update swaps the unit's app (the engines)
                 prev = self.previous  # app_for, inlined (the hot path)
                 app = self.app if prev is None or frame.tid >= prev[0] else prev[1]
@@ -889,13 +889,13 @@ class PartitionUnit(Generic[S]):
                 for coro, ctx, _ in t.values():
                     ctx._drop(coro)
 
-    def _live_put(self, frame: Frame, coro: Any, ctx: Context) -> None:
+    def _live_put(self, frame: Frame, coro: Any, ctx: EngineContext) -> None:
         if not KEEP_LIVE_COROUTINES:
             ctx._drop(coro)
             return
         self._live_table().setdefault(frame.tid, {})[frame.token] = (coro, ctx, frame.nsusp)
 
-    def _live_pop(self, frame: Frame) -> tuple[Any, Context] | None:
+    def _live_pop(self, frame: Frame) -> tuple[Any, EngineContext] | None:
         t = self._live_table().get(frame.tid)
         live = t.pop(frame.token, None) if t else None
         if live is None:
@@ -928,7 +928,7 @@ class PartitionUnit(Generic[S]):
         for n, op, key, fn, args in sends:
             msgs.append(Invoke(tid, child_inv(inv, n), op, key, fn, args, share, ASYNC, None, ts, depth))
 
-    def _suspend(self, frame: Frame, ctx: Context) -> list[Invoke | Reply]:
+    def _suspend(self, frame: Frame, ctx: EngineContext) -> list[Invoke | Reply]:
         msgs: list[Invoke | Reply] = []
         sends = ctx._sends or ()
         pending = ctx._pending or ()
@@ -1022,7 +1022,7 @@ class PartitionUnit(Generic[S]):
             f = c.frame
             frame = start_frame(Invoke(tid, f.inv, f.op, f.key, f.fn, f.args, _ZERO, ROOT, None, f.ts, f.depth),
                                 f.replies)
-            ctx = Context(self, frame, fast=True)
+            ctx = EngineContext(self, frame, fast=True)
             self._stat_runs += 1
             try:
                 fn = self.app_for(tid).resolve(f.op, f.fn)

@@ -300,6 +300,7 @@ def test_every_layer_documents_its_rules() -> None:
 PUBLIC = [
     "Application",
     "BadArguments",
+    "Call",
     "CallGraphLimitExceeded",
     "CharonError",
     "Context",
@@ -314,6 +315,7 @@ PUBLIC = [
     "LogUnavailable",
     "NonDeterministicFunction",
     "Operator",
+    "Outcome",
     "PayloadTooLarge",
     "Quarantined",
     "Reply",
