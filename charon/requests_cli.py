@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 from rich.tree import Tree
 
@@ -74,11 +74,11 @@ def list_requests(
     if as_json:
         typer.echo(msgspec.json.encode(page).decode())
         return
-    table = Table("request id", "status", "function", "key", "error", "epoch", "position", "accepted", "ms")
+    table = Table(Column("request id", no_wrap=True), Column("status", no_wrap=True), "function", "key", "error",
+                  "epoch", Column("ms", justify="right"))
     for i in page["items"]:
         table.add_row(i["request_id"], i["status"], f'{i["operator"]}.{i["function"]}', i["key"],
                       i["error_type"] or "", "" if i["epoch"] is None else str(i["epoch"]),
-                      "" if i["position"] is None else str(i["position"]), _when(i["accepted_at"]),
                       _ms(i["accepted_at"], i["replied_at"]))
     console.print(table)
     ret = page["retention"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import math
@@ -789,7 +790,9 @@ class InProcessRuntime(EngineBacked):
         """Run the engine's hot path on a scratch runtime of a built-in application (no user code runs, and
         no state, log or counter of this runtime is touched): validation, sequencing, rounds, calls, replies,
         conflicts and the fallback, so the first real requests do not pay for cold code paths."""
-        scratch = InProcessRuntime(_warmup_app(), partitions=self.partitions, gc_tuning=False, warmup_txns=0)
+        quiet = dataclasses.replace(self.inspector.settings, log_aborts=False)  # its aborts are no one's
+        scratch = InProcessRuntime(_warmup_app(), partitions=self.partitions, gc_tuning=False, warmup_txns=0,
+                                   inspector=quiet)
         n = max(self.warmup_txns, 2)
         reqs = [Request(f"w{i}", "__warmup", f"k{i % (n // 2 + 1)}", "hop",
                         serde.encode([f"k{(i * 7 + 1) % (n // 2 + 1)}", i % 3]))
