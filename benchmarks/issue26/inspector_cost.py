@@ -32,6 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from charon import serde  # noqa: E402
 from charon.apps import ycsb  # noqa: E402
+from charon.core.tracebacks import format_traceback  # noqa: E402
 from charon.messages import Request  # noqa: E402
 from charon.runtime.inprocess import GC_THRESHOLD, InProcessRuntime  # noqa: E402
 from charon.runtime.inspector import InspectorSettings  # noqa: E402
@@ -77,6 +78,24 @@ def statement_ns() -> float:
     return best / n * 1e9
 
 
+def traceback_us() -> float:
+    """µs to format one abort's traceback (:func:`charon.core.tracebacks.format_traceback`, four user frames)."""
+    def f(n: int) -> None:
+        if n == 0:
+            raise ValueError("no")
+        f(n - 1)
+
+    try:
+        f(3)
+    except ValueError as exc:
+        err = exc
+    n = 2000
+    t0 = time.process_time()
+    for _ in range(n):
+        format_traceback(err)
+    return (time.process_time() - t0) / n * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=21)
@@ -105,7 +124,7 @@ def main() -> None:
               f"(on: {med['on'] - med['off']:+.2f} µs, {(med['on'] / med['off'] - 1) * 100:+.1f}%; capture: "
               f"{(med['capture'] - med['off']) * 500:+.0f} ns per invocation)")
     doc = {"what": "engine CPU per YCSB-T transfer (2 invocations): inspector off, core capture only, on",
-           "results": res, "core_statement_ns": statement_ns(),
+           "results": res, "core_statement_ns": statement_ns(), "traceback_us": traceback_us(),
            "settings": vars(a), "python": platform.python_version(), "cpus": os.cpu_count(),
            "load_note": "CPU time of this process; other load on the machine still slows caches and frequency"}
     Path(a.out + ".json").write_text(json.dumps(doc, indent=2) + "\n")
