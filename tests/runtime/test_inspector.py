@@ -148,3 +148,15 @@ def test_a_deep_traceback_is_bounded_and_keeps_where_it_was_raised() -> None:
     assert len(text.encode()) <= MAX_TRACEBACK_BYTES
     assert "outer frame(s) left out" in text and text.endswith("RecursionError: bottom of the well\n")
     assert os.path.basename(__file__) in text and 'raise RecursionError("bottom of the well")' in text
+
+
+def test_a_quarantine_verdict_shows_as_quarantined() -> None:
+    from charon.core.epoch import Verdict
+
+    rt = _rt()
+    rt.coordinator.verdicts["q1"] = Verdict("Quarantined", "it killed its worker")  # as a probe records it
+    rt.run_epoch([Request("q1", "account", "a1", "deposit", serde.encode([1]), 1.0),
+                  Request("q2", "account", "a2", "deposit", serde.encode([1]), 1.0)])
+    q = rt.inspector.search(RequestQuery(status="quarantined"))["items"]
+    assert [(i["request_id"], i["error_type"]) for i in q] == [("q1", "Quarantined")]  # type: ignore[index]
+    assert rt.inspector.detail("q2")["status"] == "committed"  # type: ignore[index]
