@@ -23,14 +23,14 @@ TokenOpt = typer.Option(None, "--token", envvar="CHARON_TOKEN", help="Bearer tok
 JsonOpt = typer.Option(False, "--json", help="The JSON document instead of a table.")
 
 
-def _ask(url: str, token: str | None, what: str, *args: object, **kw: str | int | float | None) -> dict[str, Any]:
+def _ask(url: str, token: str | None, what: str, *args: object, **kw: str | int | float | None) -> dict[str, object]:
     import httpx
 
     from charon.client import Client
 
     with Client(url, token=token, timeout=30.0, retries=2) as client:
         try:
-            doc: dict[str, Any] = getattr(client, what)(*args, **kw)
+            doc: dict[str, object] = getattr(client, what)(*args, **kw)
             return doc
         except CharonError as exc:
             err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", soft_wrap=True)
@@ -68,7 +68,7 @@ def list_requests(
     as_json: bool = JsonOpt,
 ) -> None:
     """Requests the gateway's engine ran or holds, newest first, filtered; the next page's cursor at the end."""
-    page = _ask(url, token, "requests", status=status, operator=operator, key=key, function=function,
+    page: dict[str, Any] = _ask(url, token, "requests", status=status, operator=operator, key=key, function=function,
                 error_type=error_type, epoch_min=epoch_min, epoch_max=epoch_max, since=since, until=until,
                 limit=limit, cursor=cursor)
     if as_json:
@@ -95,7 +95,7 @@ def show_request(
     as_json: bool = JsonOpt,
 ) -> None:
     """One request: status, timings, (epoch, position), reply or error with its traceback, and its call graph."""
-    d = _ask(url, token, "request_detail", request_id)
+    d: dict[str, Any] = _ask(url, token, "request_detail", request_id)
     if as_json:
         typer.echo(msgspec.json.encode(d).decode())
         return
