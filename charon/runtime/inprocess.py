@@ -412,6 +412,7 @@ class InProcessRuntime(EngineBacked):
         self.controller.recover_code()  # the newest code version recorded (code updates)
         attempts = RecoveryAttempts(self.node.data_dir)
         self.watchdog.interrupting = False  # a replayed epoch may have replied: only its recorded verdicts apply
+        self.inspector.replaying = True  # its aborts were logged when they first ran (recorded again, not logged)
         for epoch, requests, now in epochs:
             if epoch != self.epoch:
                 raise RuntimeError(f"replay: epoch {epoch} logged where {self.epoch} was expected")
@@ -422,6 +423,7 @@ class InProcessRuntime(EngineBacked):
             self._run_logged(requests, now)
         attempts.done()
         self.watchdog.interrupting = True
+        self.inspector.replaying = False
         self.replayed_epochs = len(epochs)
         self.controller.finish_migration()  # a code update's migration a crash interrupted
 

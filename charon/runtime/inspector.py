@@ -152,6 +152,8 @@ class Inspector(RequestLog):
         # by TID: what was observed of transactions not answered yet (their last run's invocations and tracebacks)
         self._open: dict[int, list[Observed]] = {}
         self._lock = threading.Lock()
+        #: the engine replays logged epochs (a recovery): their replies are recorded, their aborts not logged again
+        self.replaying = False
 
     @property
     def observe(self) -> bool:
@@ -189,7 +191,7 @@ class Inspector(RequestLog):
                     tbs = [t for t in seen if len(t) == 3]
                     if tbs:
                         tb = max(tbs, key=lambda t: _inv_path(t[1]))[2]  # the innermost
-                if s.log_aborts:
+                if s.log_aborts and not self.replaying:
                     self.aborts.abort(r.request_id, op, fn, key, r.error_type, r.error_message, tb)
                 if not s.enabled:
                     continue

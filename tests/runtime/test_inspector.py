@@ -160,3 +160,43 @@ def test_a_quarantine_verdict_shows_as_quarantined() -> None:
     q = rt.inspector.search(RequestQuery(status="quarantined"))["items"]
     assert [(i["request_id"], i["error_type"]) for i in q] == [("q1", "Quarantined")]  # type: ignore[index]
     assert rt.inspector.detail("q2")["status"] == "committed"  # type: ignore[index]
+
+
+_CRASHING_NODE = """
+import asyncio, sys
+import inspector_app
+from charon.runtime.inprocess import InProcessRuntime
+
+async def main():
+    rt = InProcessRuntime(inspector_app.app, partitions=2, warmup_txns=0, gc_tuning=False, data_dir=sys.argv[1])
+    async with rt:
+        reply = await rt.submit("bank", "t", "fail", ["before the crash"], request_id="f1")
+        print("replied", reply.error_type, flush=True)
+        await asyncio.sleep(30)  # killed at its first checkpoint
+
+asyncio.run(main())
+"""
+
+
+def test_a_replayed_abort_is_recorded_again_and_not_logged_again(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    import subprocess
+    import sys
+
+    data = tmp_path / "node"
+    support = os.path.dirname(inspector_app.__file__)
+    # SIGKILL before the first checkpoint is written: the restart replays the abort's epoch
+    env = {**os.environ, "CHARON_CRASH_AT": "node:deltas:*", "PYTHONPATH": support}
+    out = subprocess.run([sys.executable, "-c", _CRASHING_NODE, str(data)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert "replied ValueError" in out.stdout and out.returncode == -9, out.stderr
+    assert "request f1 aborted" in out.stderr  # logged once, when it ran
+    with caplog.at_level(logging.WARNING, logger="charon.requests"):
+        rt = InProcessRuntime(inspector_app.app, partitions=2, warmup_txns=0, gc_tuning=False, data_dir=str(data))
+    try:
+        assert rt.replayed_epochs >= 1
+        d = rt.inspector.detail("f1")
+        assert d is not None and d["status"] == "aborted" and "ROOT-RAISES" in d["error"]["traceback"]  # type: ignore[index]
+        assert not [r for r in caplog.records if r.name == "charon.requests"]
+        assert not rt.inspector.replaying
+    finally:
+        rt.close()
