@@ -200,3 +200,34 @@ def test_a_replayed_abort_is_recorded_again_and_not_logged_again(tmp_path, caplo
         assert not rt.inspector.replaying
     finally:
         rt.close()
+
+
+def test_the_graph_comes_back_from_a_rest_and_a_fallback_run_elsewhere() -> None:
+    """As on Spark's one-task rest and fallback: the jobs and their outcomes cross a pickle, the observations too."""
+    import pickle
+
+    from charon.core.epoch import run_fallback, run_rest
+    from charon.runtime.inprocess import LocalExchange
+
+    taken = {"rest": 0, "fallback": 0}
+
+    class Elsewhere(LocalExchange):
+        def rest(self, job):  # type: ignore[no-untyped-def]
+            taken["rest"] += 1
+            out = run_rest(inspector_app.app, LocalExchange(self.units), pickle.loads(pickle.dumps(job)))
+            return pickle.loads(pickle.dumps(out))
+
+        def fallback(self, job):  # type: ignore[no-untyped-def]
+            taken["fallback"] += 1
+            out = run_fallback(inspector_app.app, LocalExchange(self.units), pickle.loads(pickle.dumps(job)))
+            return pickle.loads(pickle.dumps(out))
+
+    rt = _rt(partitions=4)
+    rt.coordinator.exchange = Elsewhere(rt.units)
+    reqs = [_transfer(f"e{i}", f"a{i % 3}", f"a{(i + 1) % 3}", 1) for i in range(40)]
+    rt.run_epoch(reqs)
+    assert taken["rest"] >= 1
+    for r in reqs:
+        d = rt.inspector.detail(r.request_id)
+        assert d is not None and d["status"] == "committed"
+        assert [n["function"] for n in d["call_graph"]] == ["transfer", "withdraw", "deposit", "notify"]  # type: ignore[union-attr,index]
