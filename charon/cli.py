@@ -42,6 +42,7 @@ from charon.bench.harness import percentile
 from charon.config import DURABLE_REPLY_RETENTION, VOLATILE_REPLY_RETENTION
 from charon.errors import CharonError, EngineUnavailable, LogUnavailable, TransactionAborted
 from charon.exitcodes import ExitCode
+from charon.requests_cli import requests_app
 from charon.runtime.contract import Engine
 from charon.runtime.factory import EngineSpec
 
@@ -285,6 +286,19 @@ def run(
         help="Run every function twice on the same inputs and abort its transaction with NonDeterministicFunction "
         "when the two runs' effects differ (a development aid: about twice the functions' CPU).",
     ),
+    inspector: bool = typer.Option(
+        True, "--inspector/--no-inspector", envvar="CHARON_INSPECTOR",
+        help="Keep each request's timings, reply, call graph and traceback for `charon requests` and "
+        "GET /admin/requests (in memory; a restart starts empty). Aborts are logged either way.",
+    ),
+    inspector_records: int = typer.Option(
+        10_000, "--inspector-records", min=1, envvar="CHARON_INSPECTOR_RECORDS",
+        help="Requests the inspector keeps (the oldest go first).",
+    ),
+    inspector_bytes: int = typer.Option(
+        32 << 20, "--inspector-bytes", min=1, envvar="CHARON_INSPECTOR_BYTES",
+        help="Bytes of requests the inspector keeps (replies, tracebacks, call graphs; the oldest go first).",
+    ),
     effects: bool = typer.Option(
         False, "--effects", envvar="CHARON_EFFECTS",
         help="Run the application's effects (ctx.effect) in this process, beside the engine (instead of separate "
@@ -352,7 +366,8 @@ def run(
         runtime = make_engine(EngineSpec(
             engine, target, partitions, data_dir, ephemeral=ephemeral, fsync=fsync, reply_retention=reply_retention,
             log_url=log, log_partitions=log_partitions, function_timeout=function_timeout,
-            exit_when_stuck=exit_when_stuck, determinism_check=check_determinism))
+            exit_when_stuck=exit_when_stuck, determinism_check=check_determinism, inspector=inspector,
+            inspector_records=inspector_records, inspector_bytes=inspector_bytes))
     except BaseException:
         listener.close()
         raise
@@ -412,6 +427,7 @@ def ready_line(app_name: str, engine: str, base_url: str) -> str:
 effects_app = typer.Typer(help="Durable effects: run them in worker processes, list them, retry or abandon one.",
                           no_args_is_help=True)
 app.add_typer(effects_app, name="effects")
+app.add_typer(requests_app, name="requests")  # charon requests list|show (the invocation inspector)
 DataDirOpt = typer.Option("charon-data", "--data-dir", envvar="CHARON_DATA_DIR",
                           help="The engine's data directory (its streams.sqlite; effects.sqlite is kept there).")
 

@@ -569,6 +569,17 @@ class Client(_Base):
         doc = self._admin_doc(self._send("GET", "/admin/dead-letters", params={"limit": limit}, headers=self.headers))
         return list(doc["dead_letters"])
 
+    def requests(self, **filters: str | int | float | None) -> dict[str, object]:
+        """A page of the invocation inspector (``GET /admin/requests``), newest first: ``{"items", "next",
+        "retention"}``; ``filters``: status, operator, key, function, error_type, epoch_min, epoch_max, since, until,
+        limit, cursor (None: not given)."""
+        params = {k: str(v) for k, v in filters.items() if v is not None}
+        return self._admin_doc(self._send("GET", "/admin/requests", params=params, headers=self.headers))
+
+    def request_detail(self, request_id: str) -> dict[str, object]:
+        """One request in the inspector (``GET /admin/requests/{id}``): reply, error and traceback, call graph."""
+        return self._admin_doc(self._send("GET", f"/admin/requests/{_segment(request_id)}", headers=self.headers))
+
     def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
         """Start no new epoch (now, or after epoch ``after_epoch``); requests keep being accepted."""
         body = {} if after_epoch is None else {"after_epoch": int(after_epoch)}

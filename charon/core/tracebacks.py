@@ -6,6 +6,7 @@ machines); the partition reports it beside its output (``RoundOutput.trace``) wh
 
 from __future__ import annotations
 
+import linecache
 import os
 import traceback
 
@@ -15,26 +16,24 @@ _ENGINE_DIR = os.path.dirname(os.path.abspath(__file__))  # charon/core: the eng
 
 
 def format_traceback(exc: BaseException, limit: int = MAX_TRACEBACK_BYTES) -> str:
-    """``exc``'s traceback as Python prints it, without the engine's frames (the user's code first), at most
-    ``limit`` bytes: when longer, the outer frames are dropped (a line says how many)."""
+    """``exc``'s traceback as Python prints it (without the column carets), without the engine's frames (the user's
+    code first), at most ``limit`` bytes: when longer, the outer frames are dropped (a line says how many)."""
     try:
-        te = traceback.TracebackException.from_exception(exc, capture_locals=False)
-        frames = [f for f in te.stack if not (f.filename or "").startswith(_ENGINE_DIR)]
-        if not frames:  # raised by the engine itself (a limit, a bad value): keep its frames
-            frames = list(te.stack)
-        te.stack = traceback.StackSummary.from_list(frames)
+        frames = [(f.f_code.co_filename, n, f.f_code.co_name) for f, n in traceback.walk_tb(exc.__traceback__)]
+        user = [fr for fr in frames if not fr[0].startswith(_ENGINE_DIR)]
         head = "Traceback (most recent call last):\n"
-        body = list(te.stack.format())
-        tail = "".join(te.format_exception_only())
+        tail = "".join(traceback.format_exception_only(type(exc), exc))
+        size = len(head.encode()) + len(tail.encode()) + 64
         kept: list[str] = []
-        size = len(head.encode()) + len(tail.encode())
-        for part in reversed(body):  # innermost first, while it fits
+        for filename, lineno, name in reversed(user or frames):  # innermost first, while it fits
+            line = linecache.getline(filename, lineno).strip()
+            part = f'  File "{filename}", line {lineno}, in {name}\n' + (f"    {line}\n" if line else "")
             n = len(part.encode())
-            if size + n > limit - 64:
+            if size + n > limit:
                 break
             kept.append(part)
             size += n
-        dropped = len(body) - len(kept)
+        dropped = len(user or frames) - len(kept)
         note = f"  ... {dropped} outer frame(s) left out ...\n" if dropped else ""
         text = head + note + "".join(reversed(kept)) + tail
         raw = text.encode()

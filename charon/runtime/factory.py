@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from charon.errors import CharonError
 from charon.log.location import is_networked
 from charon.runtime.contract import Engine
+
+if TYPE_CHECKING:
+    from charon.runtime.inspector import InspectorSettings
 
 __all__ = ["ENGINE_KINDS", "EngineOpenFailed", "EngineSpec", "EngineSpecError", "make_engine"]
 
@@ -49,6 +52,9 @@ class EngineSpec:
     function_timeout: float | None = None
     exit_when_stuck: float | None = None
     determinism_check: bool = False
+    inspector: bool = True  # the invocation inspector (charon.runtime.inspector); off: aborts are still logged
+    inspector_records: int | None = None  # requests it keeps (default 10,000)
+    inspector_bytes: int | None = None  # bytes of them it keeps (default 32 MiB)
 
     def check(self) -> None:
         """Raise :class:`EngineSpecError` for settings that do not fit together."""
@@ -97,6 +103,7 @@ def _inprocess(spec: EngineSpec) -> Engine:
             claim_data_dir(data_dir, "inprocess", application.name)
         retained = int(os.environ.get("CHARON_REPLY_RETENTION_BYTES", 128 << 20))
         rt = InProcessRuntime(application, partitions=spec.partitions, data_dir=data_dir, fsync=spec.fsync,
+                              inspector=_inspector(spec),
                               reply_retention=spec.reply_retention, log_url=spec.log_url,
                               reply_retention_bytes=retained, exit_when_stuck=spec.exit_when_stuck,
                               determinism_check=spec.determinism_check,
@@ -105,6 +112,14 @@ def _inprocess(spec: EngineSpec) -> Engine:
     except (NodeError, DataDirOwned) as exc:
         raise EngineOpenFailed(str(exc)) from None
     return rt.engine()
+
+
+def _inspector(spec: EngineSpec) -> InspectorSettings:
+    from charon.runtime.inspector import InspectorSettings
+
+    base = InspectorSettings()
+    return InspectorSettings(spec.inspector, spec.inspector_records or base.max_records,
+                             spec.inspector_bytes or base.max_bytes)
 
 
 def _spark(spec: EngineSpec) -> Engine:
@@ -119,6 +134,9 @@ def _spark(spec: EngineSpec) -> Engine:
     extra: dict[str, object] = {} if spec.function_timeout is None else {"function_timeout": spec.function_timeout}
     if spec.determinism_check:  # else CHARON_DETERMINISM_CHECK decides
         extra["determinism_check"] = True
+    if not spec.inspector:  # else CHARON_INSPECTOR decides
+        extra["inspector"] = False
+    extra.update(inspector_records=spec.inspector_records, inspector_bytes=spec.inspector_bytes)
     config = SparkConfig.from_env(partitions=spec.partitions, data_dir=spec.data_dir, log_url=spec.log_url,
                                   log_partitions=spec.log_partitions, **extra)
     try:  # the directory belongs to one engine and application (refused otherwise)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import math
@@ -413,6 +414,7 @@ class InProcessRuntime(EngineBacked):
         self.controller.recover_code()  # the newest code version recorded (code updates)
         attempts = RecoveryAttempts(self.node.data_dir)
         self.watchdog.interrupting = False  # a replayed epoch may have replied: only its recorded verdicts apply
+        self.inspector.replaying = True  # its aborts were logged when they first ran (recorded again, not logged)
         for epoch, requests, now in epochs:
             if epoch != self.epoch:
                 raise RuntimeError(f"replay: epoch {epoch} logged where {self.epoch} was expected")
@@ -423,6 +425,7 @@ class InProcessRuntime(EngineBacked):
             self._run_logged(requests, now)
         attempts.done()
         self.watchdog.interrupting = True
+        self.inspector.replaying = False
         self.replayed_epochs = len(epochs)
         self.controller.finish_migration()  # a code update's migration a crash interrupted
 
@@ -796,7 +799,9 @@ class InProcessRuntime(EngineBacked):
         """Run the engine's hot path on a scratch runtime of a built-in application (no user code runs, and
         no state, log or counter of this runtime is touched): validation, sequencing, rounds, calls, replies,
         conflicts and the fallback, so the first real requests do not pay for cold code paths."""
-        scratch = InProcessRuntime(_warmup_app(), partitions=self.partitions, gc_tuning=False, warmup_txns=0)
+        quiet = dataclasses.replace(self.inspector.settings, log_aborts=False)  # its aborts are no one's
+        scratch = InProcessRuntime(_warmup_app(), partitions=self.partitions, gc_tuning=False, warmup_txns=0,
+                                   inspector=quiet)
         n = max(self.warmup_txns, 2)
         reqs = [Request(f"w{i}", "__warmup", f"k{i % (n // 2 + 1)}", "hop",
                         serde.encode([f"k{(i * 7 + 1) % (n // 2 + 1)}", i % 3]))

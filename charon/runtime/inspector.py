@@ -31,6 +31,7 @@ __all__ = ["AbortLog", "Inspector", "InspectorSettings", "LiveRequest"]
 LOG = logging.getLogger("charon.requests")
 _KINDS = {ROOT: "root", ASYNC: "send"}  # else "call"
 _OVERHEAD = 256  # bytes counted per record beside its strings (the object, its fields)
+_NODE_BYTES = 112  # bytes counted per observed invocation (its tuple and list slot)
 #: (request, status "pending" | "deferred", the time its epoch started or None): what the engine has not answered
 LiveRequest = tuple[Request, str, float | None]
 
@@ -39,13 +40,15 @@ LiveRequest = tuple[Request, str, float | None]
 class InspectorSettings:
     """``enabled``: record requests (off: nothing recorded, aborts still logged); ``max_records``/``max_bytes``:
     retention (the oldest go first); ``max_nodes``: invocations kept of one call graph; ``log_rate``: abort log
-    records per second at most (a burst of as many), the rest counted in a "suppressed" line."""
+    records per second at most (a burst of as many), the rest counted in a "suppressed" line; ``log_aborts``: off
+    only for a scratch runtime (the engine's warm-up)."""
 
     enabled: bool = True
     max_records: int = 10_000
     max_bytes: int = 32 << 20
     max_nodes: int = 1000
     log_rate: float = 10.0
+    log_aborts: bool = True
 
     def __post_init__(self) -> None:
         if self.max_records < 1 or self.max_bytes < 1 or self.max_nodes < 1:
@@ -85,41 +88,50 @@ class AbortLog:
 
 
 class _Record:
-    __slots__ = ("seq", "rid", "op", "key", "fn", "status", "etype", "message", "tb", "epoch", "position",
-                 "accepted", "sequenced", "replied", "value", "graph", "truncated", "size")
+    """One answered request, kept as observed (the summary and the call graph are built when read)."""
+
+    __slots__ = ("seq", "op", "key", "fn", "reply", "tb", "accepted", "sequenced", "replied", "seen", "truncated",
+                 "size")
     seq: int
-    rid: str
     op: str
     key: str
     fn: str
-    status: str
-    etype: str | None
-    message: str
+    reply: Reply
     tb: str | None
-    epoch: int
-    position: int | None
     accepted: float | None
     sequenced: float | None
     replied: float
-    value: bytes
-    graph: list[tuple[str, str, str, str, str | None, str]]  # (kind, op, key, fn, outcome, invocation id)
+    seen: list[Observed]  # what the coordinator observed of its last run (see Inspector._take)
     truncated: bool
     size: int
 
     def summary(self) -> dict[str, object]:
-        return {"request_id": self.rid, "operator": self.op, "key": self.key, "function": self.fn,
-                "status": self.status, "error_type": self.etype, "epoch": self.epoch, "position": self.position,
+        r = self.reply
+        ok = r.ok
+        return {"request_id": r.request_id, "operator": self.op, "key": self.key, "function": self.fn,
+                "status": "committed" if ok else "quarantined" if r.error_type == "Quarantined" else "aborted",
+                "error_type": None if ok else r.error_type, "epoch": r.epoch, "position": r.position,
                 "accepted_at": self.accepted, "sequenced_at": self.sequenced, "replied_at": self.replied}
 
-
-class _Open:
-    """What was observed so far of one transaction not answered yet: its invocations by id, tracebacks by id."""
-
-    __slots__ = ("invs", "tbs")
-
-    def __init__(self) -> None:
-        self.invs: dict[str, tuple[str, str, str, int]] = {}
-        self.tbs: dict[str, str] = {}
+    def graph(self) -> list[dict[str, object]]:
+        """The call graph, root first, each invocation after its caller (in invocation-id order)."""
+        invs: dict[str, tuple[str, str, str, int]] = {}
+        raised: set[str] = set()
+        for t in self.seen:
+            if len(t) == 6:
+                invs[t[1]] = (t[2], t[3], t[4], t[5])
+            else:
+                raised.add(t[1])
+        ok = self.reply.ok
+        order = sorted(invs, key=_inv_path)
+        index = {inv: i for i, inv in enumerate(order)}
+        out: list[dict[str, object]] = []
+        for i, inv in enumerate(order):
+            op, key, fn, kind = invs[inv]
+            out.append({"index": i, "parent": index.get(inv.rpartition(".")[0]) if "." in inv else None,
+                        "kind": _KINDS.get(kind, "call"), "operator": op, "key": key, "function": fn,
+                        "outcome": "ok" if ok else ("raised" if inv in raised else None)})
+        return out
 
 
 def _inv_path(inv: str) -> tuple[int, ...]:
@@ -134,11 +146,14 @@ class Inspector(RequestLog):
         self.settings = s = settings or InspectorSettings()
         self.live = live
         self.aborts = AbortLog(s.log_rate)
-        self._records: OrderedDict[str, _Record] = OrderedDict()  # oldest first
+        self._records: OrderedDict[str, _Record] = OrderedDict()  # by request id, oldest first
         self._bytes = 0
         self._seq = 0
-        self._open: OrderedDict[int, _Open] = OrderedDict()  # by TID, observed, not answered yet
+        # by TID: what was observed of transactions not answered yet (their last run's invocations and tracebacks)
+        self._open: dict[int, list[Observed]] = {}
         self._lock = threading.Lock()
+        #: the engine replays logged epochs (a recovery): their replies are recorded, their aborts not logged again
+        self.replaying = False
 
     @property
     def observe(self) -> bool:
@@ -151,71 +166,52 @@ class Inspector(RequestLog):
         """Record ``replies`` (``requests``: their transactions' requests by TID; ``trace``: what the coordinator
         observed since the last call, taken from it; ``sequenced_at``: when their epoch started); log the aborts."""
         s = self.settings
-        if trace:
-            self._take(trace)
+        opened = self._open
+        if trace and s.enabled:
+            for t in trace:  # a run from the root replaces what an earlier run of the transaction did
+                tid = t[0]
+                seen = opened.get(tid)
+                if seen is None or (len(t) == 6 and t[5] == ROOT):
+                    opened[tid] = [t]
+                else:
+                    seen.append(t)
         now = time.time()
         recs: list[_Record] = []
+        cap = s.max_nodes
         for r in replies:
             req = requests.get(r.tid)
-            seen = self._open.pop(r.tid, None)
-            if not s.enabled and r.ok:
+            seen = opened.pop(r.tid, None) if opened else None
+            ok = r.ok
+            if ok and not s.enabled:
                 continue
             op, key, fn = (req.operator, req.key, req.function) if req is not None else ("", "", "")
             tb = None
-            if seen is not None and seen.tbs:
-                tb = seen.tbs[max(seen.tbs, key=_inv_path)]  # the innermost that raised
-            if not r.ok:
-                self.aborts.abort(r.request_id, op, fn, key, r.error_type, r.error_message, tb)
-            if not s.enabled:
-                continue
+            if not ok:
+                if seen:
+                    tbs = [t for t in seen if len(t) == 3]
+                    if tbs:
+                        tb = max(tbs, key=lambda t: _inv_path(t[1]))[2]  # the innermost
+                if s.log_aborts and not self.replaying:
+                    self.aborts.abort(r.request_id, op, fn, key, r.error_type, r.error_message, tb)
+                if not s.enabled:
+                    continue
             rec = _Record()
-            rec.rid, rec.op, rec.key, rec.fn = r.request_id, op, key, fn
-            rec.status = "committed" if r.ok else "quarantined" if r.error_type == "Quarantined" else "aborted"
-            rec.etype = None if r.ok else r.error_type
-            rec.message = r.error_message
-            rec.tb = tb
-            rec.epoch, rec.position = r.epoch, r.position
+            rec.op, rec.key, rec.fn, rec.reply, rec.tb = op, key, fn, r, tb
             rec.accepted = req.ts if req is not None and req.ts else None
             rec.sequenced, rec.replied = sequenced_at, now
-            rec.value = r.value
-            rec.graph, rec.truncated = self._graph(seen, r.ok)
-            rec.size = (_OVERHEAD + len(r.value) + len(r.error_message) + len(tb or "") + len(op) + len(key)
-                        + len(fn) + len(r.request_id) + sum(len(n[0]) + len(n[1]) + len(n[2]) + len(n[3]) + 64
-                                                            for n in rec.graph))
+            if seen is None:
+                seen = []
+            rec.truncated = len(seen) > cap
+            rec.seen = seen[:cap] if rec.truncated else seen
+            # the strings of a node are shared with the engine's messages: a node costs its tuple and list slot
+            rec.size = (_OVERHEAD + len(r.value) + len(r.error_message) + (len(tb) if tb else 0) + len(r.request_id)
+                        + _NODE_BYTES * len(rec.seen))
             recs.append(rec)
         if recs:
             self._keep(recs)
-        if len(self._open) > 4 * s.max_records:  # transactions observed but never answered here (bounded)
-            for _ in range(len(self._open) - 4 * s.max_records):
-                self._open.popitem(last=False)
-
-    def _take(self, trace: list[Observed]) -> None:
-        opened = self._open
-        for t in trace:
-            tid = t[0]
-            o = opened.get(tid)
-            if len(t) == 6:
-                if t[5] == ROOT or o is None:  # a (re)run from its root: an earlier attempt's graph is gone
-                    o = opened[tid] = _Open()
-                o.invs[t[1]] = (t[2], t[3], t[4], t[5])
-            else:
-                if o is None:
-                    o = opened[tid] = _Open()
-                o.tbs[t[1]] = t[2]
-
-    def _graph(self, seen: _Open | None, ok: bool) -> tuple[list[tuple[str, str, str, str, str | None, str]], bool]:
-        """The call graph as (kind, op, key, fn, outcome, inv) in invocation-id order (root first)."""
-        if seen is None:
-            return [], False
-        invs = sorted(seen.invs, key=_inv_path)
-        cap = self.settings.max_nodes
-        truncated = len(invs) > cap
-        out = []
-        for inv in invs[:cap]:
-            op, key, fn, kind = seen.invs[inv]
-            outcome = "ok" if ok else ("raised" if inv in seen.tbs else None)
-            out.append((_KINDS.get(kind, "call"), op, key, fn, outcome, inv))
-        return out, truncated
+        if len(opened) > 4 * s.max_records:  # observed but never answered here (e.g. a failed epoch's): bounded
+            for tid in list(opened)[: len(opened) - 4 * s.max_records]:
+                del opened[tid]
 
     def _keep(self, recs: list[_Record]) -> None:
         s = self.settings
@@ -224,10 +220,11 @@ class Inspector(RequestLog):
             for rec in recs:
                 self._seq += 1
                 rec.seq = self._seq
-                old = kept.pop(rec.rid, None)
+                rid = rec.reply.request_id
+                old = kept.pop(rid, None)
                 if old is not None:
                     self._bytes -= old.size
-                kept[rec.rid] = rec
+                kept[rid] = rec
                 self._bytes += rec.size
             while kept and (len(kept) > s.max_records or self._bytes > s.max_bytes):
                 _, old = kept.popitem(last=False)
@@ -277,7 +274,7 @@ class Inspector(RequestLog):
         live = self._live()
         with self._lock:
             recs = list(self._records.values())
-        answered = {r.rid for r in recs} if live else set()
+        answered = {r.reply.request_id for r in recs} if live else set()
 
         def newest_first() -> Iterable[tuple[tuple[int, float, str], dict[str, object]]]:
             # unanswered requests are newer than every answered one; then the records, newest first
@@ -285,7 +282,7 @@ class Inspector(RequestLog):
                 if req.request_id not in answered:
                     yield (1, float(req.ts), req.request_id), _live_summary(req, status, seq_at)
             for rec in reversed(recs):
-                yield (0, float(rec.seq), rec.rid), rec.summary()
+                yield (0, float(rec.seq), rec.reply.request_id), rec.summary()
 
         last: tuple[int, float, str] | None = None
         for key, d in newest_first():
@@ -309,17 +306,11 @@ class Inspector(RequestLog):
                     return {**_live_summary(req, status, seq_at), "reply": None, "error": None, "call_graph": [],
                             "truncated": False}
             return None
-        index = {inv: i for i, (*_, inv) in enumerate(rec.graph)}
-        graph = []
-        for i, (kind, op, key, fn, outcome, inv) in enumerate(rec.graph):
-            parent = index.get(inv.rpartition(".")[0]) if "." in inv else None
-            graph.append({"index": i, "parent": parent, "kind": kind, "operator": op, "key": key, "function": fn,
-                          "outcome": outcome})
-        ok = rec.status == "committed"
+        r = rec.reply
         return {**rec.summary(),
-                "reply": (serde.decode(rec.value) if rec.value else None) if ok else None,
-                "error": None if ok else {"type": rec.etype, "message": rec.message, "traceback": rec.tb},
-                "call_graph": graph, "truncated": rec.truncated}
+                "reply": (serde.decode(r.value) if r.value else None) if r.ok else None,
+                "error": None if r.ok else {"type": r.error_type, "message": r.error_message, "traceback": rec.tb},
+                "call_graph": rec.graph(), "truncated": rec.truncated}
 
 
 def _live_summary(req: Request, status: str, sequenced_at: float | None) -> dict[str, object]:

@@ -16,6 +16,7 @@ An engine without an inspector (a remote gateway's: its functions run elsewhere)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
@@ -38,6 +39,9 @@ class _Gateway(Protocol):
     engine: Engine
 
     def check_auth(self, request: HTTPRequest) -> None: ...
+
+    async def off_loop(self, method: Callable[[RequestQuery], dict[str, object]],
+                       query: RequestQuery) -> dict[str, object]: ...
 
 
 def _int(name: str, raw: str, lo: int, hi: int) -> int:
@@ -107,7 +111,7 @@ class RequestsAdmin:
         query = parse_query(request.query_params)
         log = self._log()
         try:
-            page = log.search(query)
+            page = await gw.off_loop(log.search, query)  # a scan of up to max_records: not on the event loop
         except ValueError as exc:  # a cursor this server did not give
             raise HTTPError("BadRequest", str(exc)) from None
         return respond(request, 200, page)

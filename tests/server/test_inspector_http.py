@@ -101,7 +101,9 @@ def test_detail_of_a_transfer_and_of_aborts(gateway: tuple[str, dict[str, str]])
     assert over["status"] == "aborted" and over["reply"] is None
     assert over["error"]["type"] == "Overdrawn" and "needs 1000" in over["error"]["message"]
     tb = over["error"]["traceback"]
-    assert "inspector_app.py" in tb and "in withdraw" in tb and "WITHDRAW-RAISES" in tb
+    src = inspector_app.__file__
+    line = next(i for i, text in enumerate(open(src).read().splitlines(), 1) if "WITHDRAW-RAISES" in text)
+    assert f'File "{src}", line {line}, in withdraw' in tb and "WITHDRAW-RAISES" in tb  # the user's file and line
     assert "charon/core" not in tb  # the engine's frames are left out
     assert [(n["function"], n["outcome"]) for n in over["call_graph"]] == [("transfer", None), ("withdraw", "raised")]
     boom = _get(url, "/admin/requests/boom").json()

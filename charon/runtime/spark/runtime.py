@@ -917,6 +917,7 @@ class SparkRuntime(EngineBacked):
             coord.timer_limit = self.config.max_timers_per_epoch
             coord.verdicts, coord.on_verdict = self.verdict_book.verdicts, self._record_verdict
             coord.observe = self.inspector.observe  # the tasks report what they ran beside their output
+            self.inspector.replaying = recovering  # a recovered epoch's aborts were logged when they first ran
             self._epoch_started = time.time()
             self._coord = coord  # the supervisor maps a probed epoch's culprit TID to its request
             coord.next_due = math.inf if epoch == 0 else -math.inf
