@@ -861,6 +861,16 @@ class AsyncClient(_Base):
                                                headers=self.headers))
         return list(doc["dead_letters"])
 
+    async def requests(self, **filters: str | int | float | None) -> dict[str, object]:
+        """A page of the invocation inspector (``GET /admin/requests``), newest first: see :meth:`Client.requests`."""
+        params = {k: str(v) for k, v in filters.items() if v is not None}
+        return self._admin_doc(await self._send("GET", "/admin/requests", params=params, headers=self.headers))
+
+    async def request_detail(self, request_id: str) -> dict[str, object]:
+        """One request in the inspector (``GET /admin/requests/{id}``): reply, error and traceback, call graph."""
+        return self._admin_doc(await self._send("GET", f"/admin/requests/{_segment(request_id)}",
+                                                headers=self.headers))
+
     async def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
         """Start no new epoch (now, or after epoch ``after_epoch``)."""
         body = {} if after_epoch is None else {"after_epoch": int(after_epoch)}

@@ -62,6 +62,12 @@ async def test_admin_update_code_update_and_metrics_over_http() -> None:
                 assert await c.invoke("account", "a0", "deposit", 1) == ["v2", 112]
                 assert (await c.status())["code_version"] == "v2"
                 assert 'version="v2"' in await c.metrics()
+                page = await c.requests(function="deposit", status="committed", limit=2)
+                items = page["items"]
+                assert isinstance(items, list) and len(items) == 2 and page["next"] is not None
+                newest = items[0]
+                detail = await c.request_detail(newest["request_id"])
+                assert detail["reply"] == ["v2", 112] and detail["call_graph"][0]["function"] == "deposit"
                 with pytest.raises(CharonError) as err:
                     await c.update_code("code_versions:nosuch", "v9")
                 assert err.value.status == 403
