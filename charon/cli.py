@@ -39,6 +39,8 @@ from rich.table import Table
 from rich.text import Text
 
 from charon.bench.harness import percentile
+from charon.clifail import fail as _fail
+from charon.clifail import request_failed as _request_failed
 from charon.config import DURABLE_REPLY_RETENTION, VOLATILE_REPLY_RETENTION
 from charon.errors import CharonError, EngineUnavailable, LogUnavailable, TransactionAborted
 from charon.exitcodes import ExitCode
@@ -196,29 +198,6 @@ def _client(url: str, token: str | None) -> Any:
     from charon.client import Client
 
     return Client(url, token=token, timeout=30.0, retries=2)
-
-
-def _fail(message: str, code: ExitCode) -> typer.Exit:
-    """Print ``error: message`` on stderr; the :class:`typer.Exit` to raise with ``code``."""
-    err_console.print("[bold red]error:[/] ", end="", soft_wrap=True)
-    err_console.print(message, soft_wrap=True, markup=False, highlight=False)
-    return typer.Exit(code)
-
-
-def _request_failed(exc: Exception, url: str) -> typer.Exit:
-    """An HTTP call's failure as one line and its exit code: aborted, unavailable or rejected."""
-    import httpx
-
-    from charon.client import GatewayError
-
-    if isinstance(exc, TransactionAborted):
-        return _fail(f"transaction aborted: {exc.error_type}: {exc.message}", ExitCode.ABORTED)
-    if isinstance(exc, httpx.HTTPError):
-        return _fail(f"cannot reach the gateway at {url}: {exc}", ExitCode.UNAVAILABLE)
-    if isinstance(exc, (EngineUnavailable, LogUnavailable)) or (
-            isinstance(exc, GatewayError) and (exc.status >= 500 or exc.status == 429)):
-        return _fail(f"{type(exc).__name__}: {exc}", ExitCode.UNAVAILABLE)
-    return _fail(f"{type(exc).__name__}: {exc}", ExitCode.REJECTED)
 
 
 UrlOpt = typer.Option(DEFAULT_URL, "--url", envvar="CHARON_URL", help="Gateway URL.")
@@ -471,7 +450,6 @@ def effects_work(
 
     async def main() -> None:
         from charon.client import AsyncClient, GatewayError
-        from charon.errors import EngineUnavailable, LogUnavailable
 
         async with AsyncClient(url, token=token, timeout=60.0, retries=2) as client:
             async def resume(op: str, key: str, fn: str, args: list[Any], rid: str) -> tuple[bool, str]:

@@ -12,6 +12,7 @@ from rich.table import Column, Table
 from rich.text import Text
 from rich.tree import Tree
 
+from charon.clifail import request_failed
 from charon.errors import CharonError
 
 requests_app = typer.Typer(help="The invocation inspector: list and search requests, show one with its call graph "
@@ -32,12 +33,8 @@ def _ask(url: str, token: str | None, what: str, *args: object, **kw: str | int 
         try:
             doc: dict[str, object] = getattr(client, what)(*args, **kw)
             return doc
-        except CharonError as exc:
-            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", soft_wrap=True)
-            raise typer.Exit(1) from None
-        except httpx.HTTPError as exc:
-            err_console.print(f"[bold red]error:[/] cannot reach the gateway at {url}: {exc}", soft_wrap=True)
-            raise typer.Exit(1) from None
+        except (CharonError, httpx.HTTPError) as exc:
+            raise request_failed(exc, url) from None
 
 
 def _when(t: float | None) -> str:
@@ -80,6 +77,9 @@ def list_requests(
         table.add_row(i["request_id"], i["status"], f'{i["operator"]}.{i["function"]}', i["key"],
                       i["error_type"] or "", "" if i["epoch"] is None else str(i["epoch"]),
                       _ms(i["accepted_at"], i["replied_at"]))
+    # a pipe or a file gets every column whole (rich assumes 80 columns when stdout is not a terminal)
+    if not console.is_terminal:
+        console.width = max(console.width, 200)
     console.print(table)
     ret = page["retention"]
     console.print(f"{len(page['items'])} shown; the inspector keeps at most {ret['max_records']} requests and "

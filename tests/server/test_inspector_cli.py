@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from charon.exitcodes import ExitCode
 from charon.server.serve import free_port
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
@@ -61,10 +62,15 @@ def test_requests_list_and_show_from_the_command_line(tmp_path: Path) -> None:
                 assert "root bank.transfer key='t9'" in out and "call account.withdraw key='nobody' [RAISED]" in out
                 table = _charon("requests", "list", "--status", "aborted", env=env)
                 assert table.returncode == 0 and "the-failing-one" in table.stdout
+                assert "bank.transfer" in table.stdout and "Overdrawn" in table.stdout  # whole columns in a pipe
         gone = _charon("requests", "show", "the-failing-one", env=env)  # dropped: 3 newer requests
-        assert gone.returncode == 1 and "NotFound" in gone.stderr
+        assert gone.returncode == ExitCode.REJECTED and "NotFound" in gone.stderr
         bad = _charon("requests", "list", "--status", "exploded", env=env)
-        assert bad.returncode == 1 and "BadRequest" in bad.stderr
+        assert bad.returncode == ExitCode.REJECTED and "BadRequest" in bad.stderr
+        wrong = _charon("requests", "list", env={**env, "CHARON_TOKEN": "wrong"})
+        assert wrong.returncode == ExitCode.REJECTED and "Unauthorized" in wrong.stderr
+        down = _charon("requests", "list", env={**env, "CHARON_URL": "http://127.0.0.1:9"})
+        assert down.returncode == ExitCode.UNAVAILABLE and "cannot reach the gateway" in down.stderr
     finally:
         proc.terminate()
         proc.wait(timeout=30)

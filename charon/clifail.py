@@ -1,0 +1,34 @@
+"""How every ``charon`` command fails: one ``error: ...`` line on stderr and an :class:`~charon.exitcodes.ExitCode`."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+from charon.errors import EngineUnavailable, LogUnavailable, TransactionAborted
+from charon.exitcodes import ExitCode
+
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: ExitCode) -> typer.Exit:
+    """Print ``error: message`` on stderr; the :class:`typer.Exit` to raise with ``code``."""
+    err_console.print("[bold red]error:[/] ", end="", soft_wrap=True)
+    err_console.print(message, soft_wrap=True, markup=False, highlight=False)
+    return typer.Exit(code)
+
+
+def request_failed(exc: Exception, url: str) -> typer.Exit:
+    """An HTTP call's failure as one line and its exit code: aborted, unavailable or rejected."""
+    import httpx
+
+    from charon.client import GatewayError
+
+    if isinstance(exc, TransactionAborted):
+        return fail(f"transaction aborted: {exc.error_type}: {exc.message}", ExitCode.ABORTED)
+    if isinstance(exc, httpx.HTTPError):
+        return fail(f"cannot reach the gateway at {url}: {exc}", ExitCode.UNAVAILABLE)
+    if isinstance(exc, (EngineUnavailable, LogUnavailable)) or (
+            isinstance(exc, GatewayError) and (exc.status >= 500 or exc.status == 429)):
+        return fail(f"{type(exc).__name__}: {exc}", ExitCode.UNAVAILABLE)
+    return fail(f"{type(exc).__name__}: {exc}", ExitCode.REJECTED)
