@@ -40,8 +40,8 @@ from rich.text import Text
 
 from charon.bench.harness import percentile
 from charon.config import DURABLE_REPLY_RETENTION, VOLATILE_REPLY_RETENTION
-from charon.errors import CharonError, EngineUnavailable, LogUnavailable, TransactionAborted
-from charon.exitcodes import ExitCode
+from charon.errors import CharonError, TransactionAborted
+from charon.exitcodes import ExitCode, exit_code_of
 from charon.requests_cli import requests_app
 from charon.runtime.contract import Engine
 from charon.runtime.factory import EngineSpec
@@ -206,19 +206,15 @@ def _fail(message: str, code: ExitCode) -> typer.Exit:
 
 
 def _request_failed(exc: Exception, url: str) -> typer.Exit:
-    """An HTTP call's failure as one line and its exit code: aborted, unavailable or rejected."""
+    """An HTTP call's failure as one line and its exit code (:func:`charon.exitcodes.exit_code_of`)."""
     import httpx
 
-    from charon.client import GatewayError
-
+    code = exit_code_of(exc)
     if isinstance(exc, TransactionAborted):
-        return _fail(f"transaction aborted: {exc.error_type}: {exc.message}", ExitCode.ABORTED)
+        return _fail(f"transaction aborted: {exc.error_type}: {exc.message}", code)
     if isinstance(exc, httpx.HTTPError):
-        return _fail(f"cannot reach the gateway at {url}: {exc}", ExitCode.UNAVAILABLE)
-    if isinstance(exc, (EngineUnavailable, LogUnavailable)) or (
-            isinstance(exc, GatewayError) and (exc.status >= 500 or exc.status == 429)):
-        return _fail(f"{type(exc).__name__}: {exc}", ExitCode.UNAVAILABLE)
-    return _fail(f"{type(exc).__name__}: {exc}", ExitCode.REJECTED)
+        return _fail(f"cannot reach the gateway at {url}: {exc}", code)
+    return _fail(f"{type(exc).__name__}: {exc}", code)
 
 
 UrlOpt = typer.Option(DEFAULT_URL, "--url", envvar="CHARON_URL", help="Gateway URL.")

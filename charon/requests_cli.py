@@ -13,6 +13,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from charon.errors import CharonError
+from charon.exitcodes import exit_code_of
 
 requests_app = typer.Typer(help="The invocation inspector: list and search requests, show one with its call graph "
                            "and traceback.", no_args_is_help=True)
@@ -34,10 +35,10 @@ def _ask(url: str, token: str | None, what: str, *args: object, **kw: str | int 
             return doc
         except CharonError as exc:
             err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", soft_wrap=True)
-            raise typer.Exit(1) from None
+            raise typer.Exit(exit_code_of(exc)) from None
         except httpx.HTTPError as exc:
             err_console.print(f"[bold red]error:[/] cannot reach the gateway at {url}: {exc}", soft_wrap=True)
-            raise typer.Exit(1) from None
+            raise typer.Exit(exit_code_of(exc)) from None
 
 
 def _when(t: float | None) -> str:

@@ -62,9 +62,9 @@ def test_requests_list_and_show_from_the_command_line(tmp_path: Path) -> None:
                 table = _charon("requests", "list", "--status", "aborted", env=env)
                 assert table.returncode == 0 and "the-failing-one" in table.stdout
         gone = _charon("requests", "show", "the-failing-one", env=env)  # dropped: 3 newer requests
-        assert gone.returncode == 1 and "NotFound" in gone.stderr
+        assert gone.returncode == 4 and "RequestNotFound" in gone.stderr  # ExitCode.REJECTED
         bad = _charon("requests", "list", "--status", "exploded", env=env)
-        assert bad.returncode == 1 and "BadRequest" in bad.stderr
+        assert bad.returncode == 4 and "BadRequest" in bad.stderr
     finally:
         proc.terminate()
         proc.wait(timeout=30)
