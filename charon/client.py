@@ -539,7 +539,8 @@ class Client(_Base):
         return self._admin_doc(self._send("GET", "/admin/requests", params=params, headers=self.headers))
 
     def request_detail(self, request_id: str) -> dict[str, object]:
-        """One request in the inspector (``GET /admin/requests/{id}``): reply, error and traceback, call graph."""
+        """One request in the inspector (``GET /admin/requests/{id}``): reply, error and traceback, call graph;
+        :class:`~charon.errors.RequestNotFound` for an id it does not know (or no longer retains)."""
         return self._admin_doc(self._send("GET", f"/admin/requests/{_segment(request_id)}", headers=self.headers))
 
     def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
@@ -822,6 +823,16 @@ class AsyncClient(_Base):
         doc = self._admin_doc(await self._send("GET", "/admin/dead-letters", params={"limit": limit},
                                                headers=self.headers))
         return list(doc["dead_letters"])
+
+    async def requests(self, **filters: str | int | float | None) -> dict[str, object]:
+        """See :meth:`Client.requests`."""
+        params = {k: str(v) for k, v in filters.items() if v is not None}
+        return self._admin_doc(await self._send("GET", "/admin/requests", params=params, headers=self.headers))
+
+    async def request_detail(self, request_id: str) -> dict[str, object]:
+        """See :meth:`Client.request_detail` (:class:`~charon.errors.RequestNotFound` for an unknown id)."""
+        return self._admin_doc(await self._send("GET", f"/admin/requests/{_segment(request_id)}",
+                                                headers=self.headers))
 
     async def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
         """Start no new epoch (now, or after epoch ``after_epoch``)."""
