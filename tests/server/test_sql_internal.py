@@ -40,9 +40,9 @@ APP = Application("reminders", [remind])
 QUERY = "SELECT key, item, value FROM remind ORDER BY key, item"
 
 
-def _fill(rt: InProcessRuntime, run: Any) -> None:
-    assert run(rt.invoke("remind", "r1", "note", "hello")) == "hello"
-    run(rt.invoke("remind", "r2", "alarm_only"))
+async def _fill(rt: InProcessRuntime) -> None:
+    assert await rt.invoke("remind", "r1", "note", "hello") == "hello"
+    await rt.invoke("remind", "r2", "alarm_only")
     for key in ("r1", "r2"):  # each timer is there, only left out of SQL
         assert [t.function for t in rt.engine().timers("remind", key)] == ["ping"]
 
@@ -53,7 +53,7 @@ def test_the_sql_box_leaves_out_timers(tmp_path: Path, durable: bool) -> None:
     rt = InProcessRuntime(APP, partitions=2, **kw)
     try:
         with BackgroundServer(rt, token=TOKEN) as srv, Client(srv.url, token=TOKEN) as c:
-            _fill(rt, lambda coro: srv.call(coro, 60))
+            srv.call(_fill(rt), 60)
             assert len(c.timers("remind", "r1")) == 1 and len(c.timers("remind", "r2")) == 1
             doc = c.sql(QUERY)
             assert doc["rows"] == [["r1", "text", "hello"]], doc
@@ -71,8 +71,13 @@ def test_charon_sql_views_leave_out_timers(tmp_path: Path, spark: Any) -> None:
     from charon.runtime.spark.statesql import layout_of, register_views
 
     rt = InProcessRuntime(APP, partitions=2, data_dir=str(tmp_path), fsync=False)
+
+    async def main() -> None:
+        async with rt:
+            await _fill(rt)
+
     try:
-        _fill(rt, asyncio.run)
+        asyncio.run(main())
     finally:
         rt.close()
     views = register_views(spark, layout_of(str(tmp_path)))
