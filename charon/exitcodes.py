@@ -31,8 +31,8 @@ DESCRIPTION: dict[ExitCode, str] = {
     ExitCode.USAGE: "The command line is wrong: unknown option, bad value, ARGS_JSON not a JSON list, options "
                     "that conflict.",
     ExitCode.UNAVAILABLE: "The server or engine is unavailable or refused to serve: the gateway cannot be reached "
-                          "or answers 5xx/429, the port is in use, the engine or its log cannot be opened, did not "
-                          "start, or failed for good.",
+                          "or answers 5xx/429 or a refusal for now (a rescale running, paused: retry later), the port "
+                          "is in use, the engine or its log cannot be opened, did not start, or failed for good.",
     ExitCode.REJECTED: "The gateway refused the request: unauthorized, unknown operator or function, bad "
                        "arguments, not found, conflicting request id; a SQL query that does not parse, analyse or fit "
                        "the sandbox; an epoch no longer retained; an operation the engine does not support.",
@@ -51,8 +51,8 @@ def exit_code_of(exc: BaseException) -> ExitCode:
     :class:`~charon.errors.CharonError`, the gateway could not be reached): aborted, unavailable or rejected."""
     if isinstance(exc, TransactionAborted):
         return ExitCode.ABORTED
-    if isinstance(exc, (EngineUnavailable, LogUnavailable)):
-        return ExitCode.UNAVAILABLE
+    if isinstance(exc, (EngineUnavailable, LogUnavailable)) or (isinstance(exc, CharonError) and exc.retryable):
+        return ExitCode.UNAVAILABLE  # availability: e.g. a rescale running, the engine paused (409)
     status = getattr(exc, "status", None)  # a GatewayError: 5xx after the retries, 429 busy
     if isinstance(status, int) and (status >= 500 or status == 429):
         return ExitCode.UNAVAILABLE
