@@ -13,6 +13,10 @@ An engine error that can happen both ways (``UnknownFunction`` named by the requ
 by a callee inside the call graph an abort) is raised as its refusal class before the log and as its abort
 class (e.g. :class:`UnknownFunctionAborted`, a subclass of both ``UnknownFunction`` and ``TransactionAborted``)
 after: ``except UnknownFunction`` catches both, ``except TransactionAborted`` catches every abort.
+
+The admin API's errors (SQL, epochs, rescales, pauses, the inspector) are here too: an engine's ``Controls``
+raise them in-process, and the HTTP clients raise the same class for the gateway's answer, found by its
+``error.type`` in one table, :data:`ERRORS`.
 """
 
 from __future__ import annotations
