@@ -2,27 +2,22 @@
 
 Every invocation carries an ``Idempotency-Key`` (the caller's ``request_id`` or a fresh uuid4 hex), so
 retries after connection errors, timeouts and 5xx answers reuse the same key and the transaction executes
-once. Requests and replies travel as msgpack (so ``bytes`` values round-trip); errors come back typed:
+once. Requests and replies travel as msgpack (so ``bytes`` values round-trip); errors come back typed, as the same
+classes the engine raises in-process (``InProcessRuntime.invoke``, the engine's ``Controls``):
 
-============  ====================================================================================
-HTTP status   raised
-============  ====================================================================================
-409           :class:`charon.errors.TransactionAborted` (``error_type``, ``message``, ``request_id``, ``tid``,
-              ``epoch``, ``position``); an engine error's abort class for its ``error_type`` (e.g.
-              ``UnknownFunctionAborted``), exactly as ``InProcessRuntime.invoke`` raises it
-404           :class:`charon.errors.UnknownOperator` / :class:`~charon.errors.UnknownFunction`
-              (or :class:`RequestNotFound` when polling an unknown request id)
-422           :class:`charon.errors.BadArguments`, or :class:`charon.errors.IdempotencyConflict` when a
-              request id is reused for another operation
-413           :class:`charon.errors.PayloadTooLarge`
-401           :class:`Unauthorized` (also a ``PermissionError``)
-400           :class:`charon.errors.InvalidKey` (key rules of :mod:`charon.core.routing`, also checked here
-              before sending), else :class:`BadRequest` (also a ``ValueError``)
-503           :class:`GatewayUnavailable` (a :class:`GatewayError` and a
-              :class:`charon.errors.EngineUnavailable`; :class:`GatewayLogUnavailable`, also a
-              :class:`charon.errors.LogUnavailable`, for ``LogUnavailable``), after the retries
-other         :class:`GatewayError` (after the retries, for 5xx)
-============  ====================================================================================
+* 409 with a ``tid`` (an abort): :class:`charon.errors.TransactionAborted` (``error_type``, ``message``,
+  ``request_id``, ``tid``, ``epoch``, ``position``), an engine error's abort class for its ``error_type`` (e.g.
+  ``UnknownFunctionAborted``, :data:`charon.errors.ABORTS`);
+* any other typed answer: the class :data:`charon.errors.ERRORS` names for its ``error.type`` (the invoke
+  path's ``UnknownOperator``, ``BadArguments``, ``InvalidKey``, ``IdempotencyConflict``, ``PayloadTooLarge``...;
+  the admin API's ``SQLRejected``, ``SQLSyntaxError``, ``EpochNotRetained``, ``NotSupported``, ``RescaleBusy``
+  for ``RescaleRunning``, ``GatePaused`` for ``Paused``, ``RequestNotFound`` for ``NotFound``, ``BadRequest``...);
+  an untyped 401/413/422/400 is ``Unauthorized``/``PayloadTooLarge``/``BadArguments``/``BadRequest``;
+* 503: :class:`GatewayUnavailable` (a :class:`GatewayError` and a :class:`charon.errors.EngineUnavailable`;
+  :class:`GatewayLogUnavailable`, also a :class:`charon.errors.LogUnavailable`, for ``LogUnavailable``), after
+  the retries; any other status: :class:`GatewayError`.
+
+The table of every error, its HTTP status and ``error.type``: docs/reference/errors.md.
 """
 
 from __future__ import annotations
@@ -47,16 +42,18 @@ import msgspec
 from charon.core.routing import check_key, check_stream
 from charon.errors import (
     AVAILABILITY,
+    ERRORS,
     BadArguments,
+    BadRequest,
     CharonError,
     EngineUnavailable,
-    IdempotencyConflict,
-    InvalidKey,
+    GatePaused,
     LogUnavailable,
     PayloadTooLarge,
+    RequestNotFound,
+    RescaleBusy,
     SerializationError,
-    UnknownFunction,
-    UnknownOperator,
+    Unauthorized,
     aborted,
 )
 
@@ -103,28 +100,9 @@ def _segment(name: str) -> str:
     return q.replace(".", "%2E") if set(name) == {"."} else q
 
 
-class Unauthorized(CharonError, PermissionError):
-    """The gateway refused the bearer token (missing or wrong)."""
-
-
-class BadRequest(CharonError, ValueError):
-    """The gateway could not parse the request (malformed body, bad header)."""
-
-
-class RequestNotFound(CharonError, LookupError):
-    """Neither the gateway nor the runtime knows this request id."""
-
-
-class RescaleRunning(CharonError):
-    """A rescale is already running (or the in-process runtime is paused); retry when it is done."""
-
-    kind: ClassVar[str] = AVAILABILITY
-
-
-class Paused(CharonError):
-    """The runtime is paused and the admin operation needs epochs to run (409 ``Paused``): resume, then retry."""
-
-    kind: ClassVar[str] = AVAILABILITY
+#: the admin API's availability refusals, by their answers' ``error.type`` (the classes the engine's controls raise)
+RescaleRunning = RescaleBusy
+Paused = GatePaused
 
 
 class GatewayError(CharonError):
@@ -147,22 +125,6 @@ class GatewayUnavailable(GatewayError, EngineUnavailable):
 class GatewayLogUnavailable(GatewayUnavailable, LogUnavailable):
     """503 ``LogUnavailable`` after all retries: the engine's input log could not take the request (nothing was
     appended); the HTTP face of :class:`charon.errors.LogUnavailable`; retry later."""
-
-
-_TYPED: dict[str, type[CharonError]] = {
-    "UnknownOperator": UnknownOperator,
-    "UnknownFunction": UnknownFunction,
-    "BadArguments": BadArguments,
-    "PayloadTooLarge": PayloadTooLarge,
-    "SerializationError": SerializationError,
-    "Unauthorized": Unauthorized,
-    "BadRequest": BadRequest,
-    "NotFound": RequestNotFound,
-    "InvalidKey": InvalidKey,
-    "IdempotencyConflict": IdempotencyConflict,
-    "RescaleRunning": RescaleRunning,
-    "Paused": Paused,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,10 +215,10 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
     if status == 409 and not (etype in ("RescaleRunning", "Paused") and "tid" not in doc):
         raise aborted(etype, message, str(doc.get("request_id", request_id or "")), tid=_int(doc.get("tid")),
                       epoch=_int(doc.get("epoch")), position=_int(doc.get("position")))
-    cls = _TYPED.get(etype)
-    if cls is None:
+    cls = ERRORS.get(etype)  # the class the engine raises in-process for the same mistake (501 NotSupported too)
+    if cls is None and status < 500:
         cls = {401: Unauthorized, 413: PayloadTooLarge, 422: BadArguments, 400: BadRequest}.get(status)
-    if cls is not None and status < 500:
+    if cls is not None:
         raise cls(message or etype or f"HTTP {status}")
     cls_5xx = GatewayError
     if status == 503:
@@ -277,7 +239,7 @@ def _result(resp: httpx.Response, request_id: str | None) -> Result:
 
 
 def _retryable(resp: httpx.Response) -> bool:
-    return resp.status_code >= 500
+    return resp.status_code >= 500 and resp.status_code != 501  # 501 NotSupported: the same again
 
 
 #: Connections per httpx pool: httpcore's pool does work quadratic in its size on every request, so the
@@ -577,7 +539,8 @@ class Client(_Base):
         return self._admin_doc(self._send("GET", "/admin/requests", params=params, headers=self.headers))
 
     def request_detail(self, request_id: str) -> dict[str, object]:
-        """One request in the inspector (``GET /admin/requests/{id}``): reply, error and traceback, call graph."""
+        """One request in the inspector (``GET /admin/requests/{id}``): reply, error and traceback, call graph;
+        :class:`~charon.errors.RequestNotFound` for an id it does not know (or no longer retains)."""
         return self._admin_doc(self._send("GET", f"/admin/requests/{_segment(request_id)}", headers=self.headers))
 
     def pause(self, after_epoch: int | None = None) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
-from charon.errors import EngineUnavailable, LogUnavailable, TransactionAborted
-from charon.exitcodes import ExitCode
+from charon.errors import TransactionAborted
+from charon.exitcodes import ExitCode, exit_code_of
 
 err_console = Console(stderr=True)
 
@@ -19,16 +19,12 @@ def fail(message: str, code: ExitCode) -> typer.Exit:
 
 
 def request_failed(exc: Exception, url: str) -> typer.Exit:
-    """An HTTP call's failure as one line and its exit code: aborted, unavailable or rejected."""
+    """An HTTP call's failure as one line and its exit code (:func:`charon.exitcodes.exit_code_of`)."""
     import httpx
 
-    from charon.client import GatewayError
-
+    code = exit_code_of(exc)
     if isinstance(exc, TransactionAborted):
-        return fail(f"transaction aborted: {exc.error_type}: {exc.message}", ExitCode.ABORTED)
+        return fail(f"transaction aborted: {exc.error_type}: {exc.message}", code)
     if isinstance(exc, httpx.HTTPError):
-        return fail(f"cannot reach the gateway at {url}: {exc}", ExitCode.UNAVAILABLE)
-    if isinstance(exc, (EngineUnavailable, LogUnavailable)) or (
-            isinstance(exc, GatewayError) and (exc.status >= 500 or exc.status == 429)):
-        return fail(f"{type(exc).__name__}: {exc}", ExitCode.UNAVAILABLE)
-    return fail(f"{type(exc).__name__}: {exc}", ExitCode.REJECTED)
+        return fail(f"cannot reach the gateway at {url}: {exc}", code)
+    return fail(f"{type(exc).__name__}: {exc}", code)

@@ -30,24 +30,20 @@ ROWS: dict[str, list[type[errors.CharonError]]] = {
     errors.REFUSAL: [
         errors.UnknownOperator, errors.UnknownFunction, errors.BadArguments, errors.SerializationError,
         errors.InvalidKey, errors.PayloadTooLarge, errors.IdempotencyConflict, errors.UndeclaredPortal,
-        client.Unauthorized, client.BadRequest, client.RequestNotFound,
-        contract.NotSupported, contract.EpochNotRetained, contract.SQLRejected, contract.SQLSyntaxError,
-        contract.SQLTimeout, contract.SQLTooExpensive, contract.SQLResultTooLarge, contract.StateTooLarge,
+        errors.Unauthorized, errors.BadRequest, errors.RequestNotFound,
+        errors.NotSupported, errors.EpochNotRetained, errors.SQLRejected, errors.SQLSyntaxError,
+        errors.SQLTimeout, errors.SQLTooExpensive, errors.SQLResultTooLarge, errors.StateTooLarge,
     ],
     errors.AVAILABILITY: [
         errors.EngineUnavailable, contract.EngineStopped, errors.LogUnavailable, client.GatewayUnavailable,
-        client.GatewayLogUnavailable,
-        client.GatewayError, client.RescaleRunning, client.Paused, contract.RescaleBusy, contract.GatePaused,
+        client.GatewayLogUnavailable, client.GatewayError, errors.RescaleBusy, errors.GatePaused,
     ],
 }
 
-#: the answer's ``error.type`` where it is not the class's name
+#: the answer's ``error.type`` where neither :data:`charon.errors.ERRORS` names it nor it is the class's name
 _WIRE = {
     errors.EngineUnavailable: "Unavailable",
     contract.EngineStopped: "Unavailable",
-    client.RequestNotFound: "NotFound",
-    contract.RescaleBusy: "RescaleRunning",
-    contract.GatePaused: "Paused",
     client.GatewayUnavailable: "(any)",
     client.GatewayLogUnavailable: "LogUnavailable",
     client.GatewayError: "(any)",
@@ -119,7 +115,7 @@ def wire_name(cls: type[errors.CharonError]) -> str:
         return cls.error_name()
     if cls is errors.TransactionAborted:
         return "(the exception's class name)"
-    return _WIRE.get(cls, cls.__name__)
+    return _WIRE.get(cls) or errors.wire_type(cls)
 
 
 def http_status(cls: type[errors.CharonError]) -> str:
@@ -184,7 +180,11 @@ def render() -> str:
         "Charon raises one error model on every path: `InProcessRuntime.invoke` (and the durable node's runtime, "
         "the runtimes of a `Deployment`), `SparkRuntime.invoke`, and the HTTP clients `Client` and `AsyncClient`. "
         "The same failing transaction raises the same class with the same attributes on each "
-        "(tests/contract/test_contract_errors.py runs the same aborts through all of them).",
+        "(tests/contract/test_contract_errors.py runs the same aborts through all of them). The admin API too: "
+        "an operator's mistake (a SQL query outside the sandbox, an epoch no longer retained, a rescale while "
+        "paused, a bad inspector filter) raises the same class with the same message from the engine's "
+        "`Controls` in-process and from the clients' admin methods (tests/contract/test_contract_admin_errors.py); "
+        "the clients find the class of each answer's `error.type` in one table, `charon.errors.ERRORS`.",
         "",
         "Every error is a `charon.CharonError` of one **kind** (`exc.kind`: `\"abort\"`, `\"refusal\"` or "
         "`\"availability\"`; `exc.retryable` is True only for availability):",

@@ -13,6 +13,10 @@ An engine error that can happen both ways (``UnknownFunction`` named by the requ
 by a callee inside the call graph an abort) is raised as its refusal class before the log and as its abort
 class (e.g. :class:`UnknownFunctionAborted`, a subclass of both ``UnknownFunction`` and ``TransactionAborted``)
 after: ``except UnknownFunction`` catches both, ``except TransactionAborted`` catches every abort.
+
+The admin API's errors (SQL, epochs, rescales, pauses, the inspector) are here too: an engine's ``Controls``
+raise them in-process, and the HTTP clients raise the same class for the gateway's answer, found by its
+``error.type`` in one table, :data:`ERRORS`.
 """
 
 from __future__ import annotations
@@ -193,6 +197,54 @@ class UnknownEffect(EngineAbort):
     (timeout, attempts): the transaction aborts, nothing is recorded."""
 
 
+# ---- refusals of the admin API (the same from an engine's Controls and through the HTTP clients)
+
+
+class Unauthorized(CharonError, PermissionError):
+    """The gateway refused the bearer token (missing or wrong)."""
+
+
+class BadRequest(CharonError, ValueError):
+    """The request is malformed (a body, header or parameter the gateway cannot use, an inspector filter or
+    cursor that is not valid)."""
+
+
+class RequestNotFound(CharonError, LookupError):
+    """Neither the gateway nor the runtime knows this request id (or the inspector no longer retains it)."""
+
+
+class NotSupported(CharonError):
+    """The engine has no such capability (HTTP 501): e.g. a remote gateway's engine has no controls."""
+
+
+class EpochNotRetained(CharonError):
+    """The state as of the requested epoch is not available (not reached yet, or compacted away)."""
+
+
+class SQLRejected(CharonError):
+    """The query is outside the safe subset (one SELECT over the state views, allowed functions only)."""
+
+
+class SQLSyntaxError(CharonError):
+    """The query does not parse or does not resolve (unknown table or column)."""
+
+
+class SQLTimeout(CharonError):
+    """The query ran longer than its time bound and was cancelled."""
+
+
+class SQLTooExpensive(CharonError):
+    """The query needed more memory (or built a larger value) than the SQL sandbox allows (``sql_max_memory``)."""
+
+
+class SQLResultTooLarge(CharonError):
+    """The query's answer is larger than ``sql_max_result_bytes`` of JSON."""
+
+
+class StateTooLarge(CharonError):
+    """An operator the query names holds more entities than the in-process SQL loads (``max_entities``)."""
+
+
 # ---- availability: nothing was decided; retry later
 
 
@@ -204,6 +256,21 @@ class LogUnavailable(CharonError):
 
 class EngineUnavailable(CharonError):
     """The engine cannot answer now (starting, recovering from a failure, or stopped after one)."""
+
+    kind: ClassVar[str] = AVAILABILITY
+
+
+class RescaleBusy(CharonError):
+    """A rescale cannot start now (another one runs, or the engine is paused): nothing moved (HTTP 409
+    ``RescaleRunning``; the clients' ``RescaleRunning`` is this class)."""
+
+    kind: ClassVar[str] = AVAILABILITY
+
+
+class GatePaused(CharonError):
+    """The engine is paused (its epoch gate closed) and the operation needs epochs to run: refused at once
+    instead of waiting for a resume until its timeout (HTTP 409 ``Paused``); nothing was changed. The clients'
+    ``Paused`` is this class."""
 
     kind: ClassVar[str] = AVAILABILITY
 
@@ -233,6 +300,42 @@ ABORTS: dict[str, type[EngineAbort]] = {
 #: Errors raised by the engine itself rather than by application code, looked up by ``error_type`` on decode
 #: (the older name of :data:`ABORTS`).
 ENGINE_ERRORS: dict[str, type[CharonError]] = dict(ABORTS)
+
+
+#: The class each typed refusal or availability answer of the gateway (``{"error": {"type": ...}}``, keyed by that
+#: type) is raised as by the HTTP clients: the class the engine and its ``Controls`` raise in-process for the same
+#: mistake (an abort's type is looked up in :data:`ABORTS` instead).
+ERRORS: dict[str, type[CharonError]] = {
+    "UnknownOperator": UnknownOperator,
+    "UnknownFunction": UnknownFunction,
+    "BadArguments": BadArguments,
+    "SerializationError": SerializationError,
+    "InvalidKey": InvalidKey,
+    "IdempotencyConflict": IdempotencyConflict,
+    "PayloadTooLarge": PayloadTooLarge,
+    "Unauthorized": Unauthorized,
+    "BadRequest": BadRequest,
+    "NotFound": RequestNotFound,
+    "NotSupported": NotSupported,
+    "EpochNotRetained": EpochNotRetained,
+    "SQLRejected": SQLRejected,
+    "SQLSyntaxError": SQLSyntaxError,
+    "SQLTimeout": SQLTimeout,
+    "SQLTooExpensive": SQLTooExpensive,
+    "SQLResultTooLarge": SQLResultTooLarge,
+    "StateTooLarge": StateTooLarge,
+    "RescaleRunning": RescaleBusy,
+    "Paused": GatePaused,
+}
+
+
+def wire_type(cls: type[CharonError]) -> str:
+    """The ``error.type`` the gateway answers an error of class ``cls`` with (its key in :data:`ERRORS`, else
+    the class's name)."""
+    for name, known in ERRORS.items():
+        if known is cls:
+            return name
+    return cls.__name__
 
 
 def aborted(error_type: str, message: str, request_id: str = "", *, tid: int | None = None,

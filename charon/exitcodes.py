@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["ExitCode", "DESCRIPTION"]
+from charon.errors import CharonError, EngineUnavailable, LogUnavailable, TransactionAborted
+
+__all__ = ["ExitCode", "DESCRIPTION", "exit_code_of"]
 
 
 class ExitCode(IntEnum):
@@ -29,10 +31,11 @@ DESCRIPTION: dict[ExitCode, str] = {
     ExitCode.USAGE: "The command line is wrong: unknown option, bad value, ARGS_JSON not a JSON list, options "
                     "that conflict.",
     ExitCode.UNAVAILABLE: "The server or engine is unavailable or refused to serve: the gateway cannot be reached "
-                          "or answers 5xx/429, the port is in use, the engine or its log cannot be opened, did not "
-                          "start, or failed for good.",
+                          "or answers 5xx/429 or a refusal for now (a rescale running, paused: retry later), the port "
+                          "is in use, the engine or its log cannot be opened, did not start, or failed for good.",
     ExitCode.REJECTED: "The gateway refused the request: unauthorized, unknown operator or function, bad "
-                       "arguments, not found, conflicting request id; a SQL query that does not parse or analyse.",
+                       "arguments, not found, conflicting request id; a SQL query that does not parse, analyse or fit "
+                       "the sandbox; an epoch no longer retained; an operation the engine does not support.",
     ExitCode.APP_ERROR: "The application MODULE:APP cannot be loaded: its module raises while importing (a "
                         "SyntaxError, any exception), does not exist, or the attribute is not a charon Application.",
     ExitCode.FAILED: "The command ran and failed: a check did not hold (`charon demo`'s invariants), no such data "
@@ -41,3 +44,16 @@ DESCRIPTION: dict[ExitCode, str] = {
     ExitCode.STUCK: "`charon run` (durable inprocess) quarantined a function it could not interrupt and exited "
                     "for its supervisor to restart it (`--exit-when-stuck`; EX_TEMPFAIL).",
 }
+
+
+def exit_code_of(exc: BaseException) -> ExitCode:
+    """The exit code of a command that failed with ``exc``, an error of the engine or the HTTP clients (or, not a
+    :class:`~charon.errors.CharonError`, the gateway could not be reached): aborted, unavailable or rejected."""
+    if isinstance(exc, TransactionAborted):
+        return ExitCode.ABORTED
+    if isinstance(exc, (EngineUnavailable, LogUnavailable)) or (isinstance(exc, CharonError) and exc.retryable):
+        return ExitCode.UNAVAILABLE  # availability: e.g. a rescale running, the engine paused (409)
+    status = getattr(exc, "status", None)  # a GatewayError: 5xx after the retries, 429 busy
+    if isinstance(status, int) and (status >= 500 or status == 429):
+        return ExitCode.UNAVAILABLE
+    return ExitCode.REJECTED if isinstance(exc, CharonError) else ExitCode.UNAVAILABLE

@@ -22,7 +22,20 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
-from charon.errors import AVAILABILITY, CharonError, EngineUnavailable
+from charon.errors import (
+    CharonError,
+    EngineUnavailable,
+    EpochNotRetained,
+    GatePaused,
+    NotSupported,
+    RescaleBusy,
+    SQLRejected,
+    SQLResultTooLarge,
+    SQLSyntaxError,
+    SQLTimeout,
+    SQLTooExpensive,
+    StateTooLarge,
+)
 from charon.messages import Reply, Request
 
 if TYPE_CHECKING:
@@ -56,50 +69,8 @@ class GateClosed(CharonError):
     """The engine stopped while an epoch waited at a closed gate (the epoch did not run)."""
 
 
-class GatePaused(CharonError):
-    """The engine is paused (its epoch gate closed) and the operation needs epochs to run: refused at once
-    instead of waiting for a resume until its timeout (HTTP 409 ``Paused``); nothing was changed."""
-
-    kind: ClassVar[str] = AVAILABILITY
-
-
-class EpochNotRetained(CharonError):
-    """The state as of the requested epoch is not available (not reached yet, or compacted away)."""
-
-
-class NotSupported(CharonError):
-    """The engine has no such capability (HTTP 501): e.g. a remote gateway's engine has no controls."""
-
-
-class RescaleBusy(CharonError):
-    """A rescale cannot start now (another one runs, or the engine is paused): nothing moved (HTTP 409)."""
-
-    kind: ClassVar[str] = AVAILABILITY
-
-
-# SQL (the SQL sandbox, :mod:`charon.runtime.sqlstate`, raises these on every engine)
-class SQLRejected(CharonError):
-    """The query is outside the safe subset (one SELECT over the state views, allowed functions only)."""
-
-
-class SQLSyntaxError(CharonError):
-    """The query does not parse or does not resolve (unknown table or column)."""
-
-
-class SQLTimeout(CharonError):
-    """The query ran longer than its time bound and was cancelled."""
-
-
-class SQLTooExpensive(CharonError):
-    """The query needed more memory (or built a larger value) than the SQL sandbox allows (``sql_max_memory``)."""
-
-
-class SQLResultTooLarge(CharonError):
-    """The query's answer is larger than ``sql_max_result_bytes`` of JSON."""
-
-
-class StateTooLarge(CharonError):
-    """An operator the query names holds more entities than the in-process SQL loads (``max_entities``)."""
+# the admin errors are defined in charon.errors (one table, :data:`charon.errors.ERRORS`, maps the gateway's
+# answers back to them in the HTTP clients) and named here as well
 
 
 #: the SQL errors (typed 4xx answers of ``/admin/sql``)
@@ -232,7 +203,8 @@ class RequestLog(abc.ABC):
 
     @abc.abstractmethod
     def search(self, query: RequestQuery) -> dict[str, object]:
-        """``{"items": [summary...], "next": cursor | None, "retention": {...}}``; ``ValueError`` for a bad cursor."""
+        """``{"items": [summary...], "next": cursor | None, "retention": {...}}``; ``BadRequest`` (a ``ValueError``)
+        for a bad status or cursor."""
 
     @abc.abstractmethod
     def detail(self, request_id: str) -> dict[str, object] | None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from charon import serde
 from charon.core.partition import ASYNC, ROOT, Observed
+from charon.errors import BadRequest
 from charon.messages import Reply, Request
 from charon.runtime.contract import REQUEST_STATUSES, RequestLog, RequestQuery
 
@@ -249,7 +250,7 @@ class Inspector(RequestLog):
     def search(self, query: RequestQuery) -> dict[str, object]:
         q = query
         if q.status is not None and q.status not in REQUEST_STATUSES:
-            raise ValueError(f"status must be one of {', '.join(REQUEST_STATUSES)}")
+            raise BadRequest(f"status must be one of {', '.join(REQUEST_STATUSES)}")
         after = _decode_cursor(q.cursor) if q.cursor else None
         items: list[dict[str, object]] = []
         nxt: tuple[int, float, str] | None = None
@@ -332,4 +333,4 @@ def _decode_cursor(cursor: str) -> tuple[int, float, str]:
             raise ValueError
         return (int(phase), float(t), rid)
     except Exception:  # noqa: BLE001 - any malformed cursor is the caller's error
-        raise ValueError("cursor is not one this server gave (pass a page's 'next' unchanged)") from None
+        raise BadRequest("cursor is not one this server gave (pass a page's 'next' unchanged)") from None

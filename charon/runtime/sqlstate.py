@@ -5,7 +5,8 @@ contained and typed. The runtime reads the operators the query names at one epoc
 committed epoch, or an earlier one the durable copy retains) from its committed-state read path, writes those
 store rows once to a temporary SQLite file, and a child process (:mod:`charon.runtime.sqlchild`) builds one
 table per operator, columns ``key``, ``item``, ``value``, ``value_json``, ``epoch`` (SQLite keeps each
-``value`` with its own type), and runs the query. The child limits itself first: address space
+``value`` with its own type; the engine's internal entries, an entity's pending timers, are left out as
+``charon read`` leaves them out), and runs the query. The child limits itself first: address space
 (``sql_max_memory``, ``RLIMIT_AS``), CPU time, the lowest CPU priority (``nice 19``: the engine's epochs are
 never starved); it is killed at ``sql_timeout_s``. SQLite's authorizer is the check, here on an empty schema
 (prepare only: the query does not run in this process) and again in the child: a single ``SELECT`` that
@@ -27,8 +28,10 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
+from charon.core.timers import ITEM_PREFIX
 from charon.errors import CharonError, EngineUnavailable
 from charon.runtime.contract import (
     SQLRejected,
@@ -38,7 +41,7 @@ from charon.runtime.contract import (
     SQLTooExpensive,
 )
 
-__all__ = ["ALLOWED_FUNCTIONS", "sqlite_sql", "referenced_tables"]
+__all__ = ["ALLOWED_FUNCTIONS", "sqlite_sql", "referenced_tables", "user_rows"]
 
 
 #: SQLite functions a query may call (aggregates, arithmetic, strings, JSON, conditionals).
@@ -101,9 +104,21 @@ def referenced_tables(sql: str, operators: list[str]) -> set[str]:
     return read
 
 
+_INTERNAL_ITEM = ITEM_PREFIX.encode()
+
+
+def user_rows(rows: dict[bytes, bytes]) -> Iterator[tuple[bytes, bytes]]:
+    """The store rows a user sees in SQL: the entities' values and items, not the engine's own entries stored
+    beside them (an entity's pending timers, items under :data:`charon.core.timers.ITEM_PREFIX`; ``charon read
+    --internal`` shows those)."""
+    for k, v in rows.items():
+        if not k.split(b"\0", 2)[-1].startswith(_INTERNAL_ITEM):
+            yield k, v
+
+
 def _snapshot(path: str, rows: dict[str, dict[bytes, bytes]]) -> None:
-    """The cut's store rows in a SQLite file: one table ``"charon/raw"(k BLOB, v BLOB)`` (no operator name has
-    a slash; the child decodes them)."""
+    """The cut's user rows (:func:`user_rows`) in a SQLite file: one table ``"charon/raw"(k BLOB, v BLOB)`` (no
+    operator name has a slash; the child decodes them)."""
     con = sqlite3.connect(path, isolation_level=None)
     try:
         con.execute("PRAGMA journal_mode=OFF")
@@ -111,7 +126,7 @@ def _snapshot(path: str, rows: dict[str, dict[bytes, bytes]]) -> None:
         con.execute("BEGIN")
         con.execute('CREATE TABLE "charon/raw" (k BLOB NOT NULL, v BLOB NOT NULL)')
         for part in rows.values():
-            con.executemany('INSERT INTO "charon/raw" VALUES (?, ?)', part.items())
+            con.executemany('INSERT INTO "charon/raw" VALUES (?, ?)', user_rows(part))
         con.execute("COMMIT")
     finally:
         con.close()

@@ -256,6 +256,9 @@ def test_sql_through_a_running_gateway() -> None:
         assert "total" in out.stdout and out.stderr == ""
         bad = charon("sql", "--url", srv.url, "--token", TOKEN, "SELEC nonsense")
         assert bad.returncode == ExitCode.REJECTED and "syntax error" in bad.stderr, bad.stderr
+        assert "SQLSyntaxError" in bad.stderr and "BadRequest" not in bad.stderr, bad.stderr  # the engine's class
+        refused = charon("sql", "--url", srv.url, "--token", TOKEN, "DROP TABLE account")
+        assert refused.returncode == ExitCode.REJECTED and "SQLRejected" in refused.stderr, refused.stderr
         denied = charon("sql", "--url", srv.url, "--token", "wrong", "SELECT 1")
         assert denied.returncode == ExitCode.REJECTED and "Unauthorized" in denied.stderr
     assert took < 30, took  # no local Spark session (a JVM start alone takes longer on this machine)

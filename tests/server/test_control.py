@@ -13,7 +13,7 @@ import pytest
 from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.client import Client
-from charon.errors import CharonError
+from charon.errors import CharonError, EpochNotRetained
 from charon.server.serve import BackgroundServer
 
 TOKEN = "s3cret"
@@ -159,7 +159,10 @@ def test_read_at_earlier_epoch_durable(tmp_path) -> None:
             for bad in [now["epoch"] + 100] + missing[:1]:
                 with pytest.raises(CharonError) as err:
                     c.read_state("account", epoch=bad)
-                assert err.value.status == 410 and err.value.error_type == "EpochNotRetained"
+                assert type(err.value) is EpochNotRetained  # the class the engine's controls raise
+                r = httpx.get(f"{srv.url}/admin/state/account", params={"epoch": bad},
+                              headers={"Authorization": f"Bearer {TOKEN}"})
+                assert r.status_code == 410 and r.json()["error"]["type"] == "EpochNotRetained"
     finally:
         rt.close()
 

@@ -80,3 +80,27 @@ def ycsb_request(i: int):
     from charon.messages import Request
 
     return Request(f"r{i}", "account", ycsb.key(i % 40), "transfer", serde.encode([ycsb.key((i * 7) % 40), 3]))
+
+
+def test_cli_admin_mistakes_name_the_engines_class_and_exit_by_kind() -> None:
+    """Each admin mistake prints the class the engine raises in-process (not BadRequest/GatewayError) and exits
+    with the code of its kind: a refusal 4 (REJECTED), a refusal for now 3 (UNAVAILABLE)."""
+    rt = InProcessRuntime(ycsb.app, partitions=2)
+    rt.load("account", ycsb.initial_state(10, 50))
+    with BackgroundServer(rt, token=TOKEN) as srv:
+        cases = [
+            (["sql", "SELEC 1"], "SQLSyntaxError", ExitCode.REJECTED),
+            (["sql", "DROP TABLE account"], "SQLRejected", ExitCode.REJECTED),
+            (["read", "account", "--epoch", "999999"], "EpochNotRetained", ExitCode.REJECTED),
+            (["rescale", "--log-partitions", "2"], "NotSupported", ExitCode.REJECTED),
+            (["requests", "list", "--status", "nope"], "BadRequest", ExitCode.REJECTED),
+            (["requests", "show", "nosuch"], "RequestNotFound", ExitCode.REJECTED),
+        ]
+        for args, name, code in cases:
+            res = CliRunner().invoke(app, [*args, "--url", srv.url, "--token", TOKEN])
+            assert res.exit_code == code and f"{name}: " in res.output, (args, res.exit_code, res.output)
+        assert _run("pause", url=srv.url)["state"] == "paused"
+        res = CliRunner().invoke(app, ["rescale", "3", "--url", srv.url, "--token", TOKEN])
+        assert res.exit_code == ExitCode.UNAVAILABLE and "RescaleBusy: " in res.output, res.output
+        assert rt.partitions == 2
+        _run("resume", url=srv.url)

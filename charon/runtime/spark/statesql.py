@@ -13,6 +13,9 @@ column          type       meaning
 ``epoch``       bigint     the epoch the whole frame reflects (one consistent cut)
 ==============  =========  ==========================================================================
 
+The engine's internal entries are left out, as ``charon read`` leaves them out: an entity's pending timers
+(items under :data:`charon.core.timers.ITEM_PREFIX`) and the timers' due-time index (an operator of its own).
+
 Each partition's durable copy (Arrow base + deltas, :class:`charon.state.durable.DurableState`) is read by one
 Spark task, so the read runs in parallel on the executors and never waits for (or stalls) the running
 query: it reads files the epochs already wrote. The Spark runtime can show every epoch since the durable
@@ -32,6 +35,7 @@ import msgspec
 
 from charon import serde
 from charon.core.routing import split_store_key
+from charon.core.timers import INDEX_PREFIX, ITEM_PREFIX
 from charon.runtime.contract import EpochNotRetained
 from charon.runtime.reads import node_retained_epochs
 from charon.runtime.spark.layout import read_layout, records_dir
@@ -95,9 +99,11 @@ def _read_partition(root: str, epoch: int, operator: str | None, pids: Iterator[
         except DurableStateError as exc:
             raise EpochNotRetained(f"the state as of epoch {epoch} is no longer retained: {exc}") from None
         for k, raw in state.items():
+            if k.startswith(INDEX_PREFIX):
+                continue  # the timers' due-time index: the engine's, not an operator's
             op, key, item = split_store_key(k)
-            if operator is not None and op != operator:
-                continue
+            if (operator is not None and op != operator) or item.startswith(ITEM_PREFIX):
+                continue  # an entity's pending timers: the engine's entries beside its items
             v = serde.decode(raw)
             yield (op, key, item.lstrip("\x01"), v, _kind(v))
 
