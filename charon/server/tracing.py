@@ -268,7 +268,9 @@ def call_graph_spans(tracer: trace.Tracer, nodes: Sequence[CallNode] | Sequence[
     has status error; with ``error`` (the reply's error type and message) also ``error.type`` and an
     ``exception`` event (``exception.type``, ``exception.message``). At most ``max_spans`` nodes (the rest:
     ``charon.call_graph.dropped`` on the root span). Returns the spans, ended, in the nodes' index order."""
-    by_index = sorted((_node(n) for n in nodes), key=lambda n: n[0])
+    by_index = [_node(n) for n in nodes]
+    if any(n[0] != i for i, n in enumerate(by_index)):  # the inspector's come in index order: no sort then
+        by_index.sort(key=lambda n: n[0])
     if by_index and (by_index[0][0] != 0 or by_index[0][1] is not None):
         raise CallGraphError("a call graph's node 0 is its root (no parent)")
     spans: dict[int, trace.Span] = {}
