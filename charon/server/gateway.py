@@ -681,7 +681,8 @@ def create_app(
     engine = as_engine(runtime)
     gw = Gateway(engine, token, cfg)
     gw.tracing = (Tracing(tracer_provider, engine.epoch_stats, call_graph_of=_call_graphs(engine),
-                          max_function_spans=cfg.otel_function_spans) if tracer_provider is not None
+                          max_function_spans=cfg.otel_function_spans, shared_epochs=cfg.otel_shared_epoch_spans)
+                  if tracer_provider is not None
                   else tracing_from_config(cfg, engine.epoch_stats, _call_graphs(engine)))
 
     async def start_in_background() -> None:

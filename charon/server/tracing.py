@@ -10,7 +10,9 @@ On (``charon run --otel-endpoint URL``, ``GatewayConfig.otel_endpoint``, or the 
   status error, ``charon.error_type``);
 - ``charon.log.append`` (durable node): the append (and fsync) of the batch that carried the request to the
   input log, child of the server span;
-- ``charon.epoch``: the epoch that ran it, child of the server span, with the epoch's figures;
+- ``charon.epoch``: the epoch that ran it, child of the server span, with the epoch's figures (with
+  ``otel_shared_epoch_spans``: one per epoch instead, the root of a trace of its own with a link to each of its
+  traced requests' server spans and the log append under it: per request, two spans fewer);
 - one span per function of its call graph (:func:`call_graph_spans`, from the invocation inspector through
   :meth:`charon.runtime.contract.RequestLog.call_graph`), children of the epoch span; the function that raised has
   status error, ``error.type`` and an ``exception`` event. With the inspector off (``--no-inspector``) there is no
@@ -57,6 +59,10 @@ STATS_TRIES = 50  # ... this many times
 MAX_WAITING = 10_000  # replies waiting for their epoch's figures at most (beyond: no epoch span for them)
 EPOCH_FIGURES = ("size", "rounds", "committed", "aborted", "conflicts", "duration_ms")  # on the epoch span
 MAX_CALL_GRAPH_SPANS = 1000  # function spans per request at most (default of GatewayConfig.otel_function_spans)
+SHARED_WAIT_S = 0.1  # shared epoch spans: how long an epoch's replies may keep joining its span once the first is in
+MAX_SHARED_PENDING = 1024  # shared epoch spans waiting for their epoch's replies at most (beyond: none for an epoch)
+MAX_LINKS = 128  # a shared epoch span's links to its requests at most (the SDK's default limit; the rest counted)
+_NEW_TRACE = trace.set_span_in_context(trace.INVALID_SPAN)  # a context whose spans start a trace of their own
 FIGURES_KEPT = 64  # recent epochs' figures looked up once and kept (the replies of one epoch share them)
 #: where a reply's call graph comes from: the request id to the inspector's Node dicts, or None (not kept)
 CallGraphSource = Callable[[str], Sequence[Mapping[str, object]] | None]
@@ -114,18 +120,20 @@ def tracing_from_config(cfg: GatewayConfig, epoch_stats: Callable[[], Sequence[M
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url), max_queue_size=cfg.otel_max_queue,
                                                    max_export_batch_size=min(512, cfg.otel_max_queue)))
     return Tracing(provider, epoch_stats, owns_provider=True, call_graph_of=call_graph_of,
-                   max_function_spans=cfg.otel_function_spans)
+                   max_function_spans=cfg.otel_function_spans, shared_epochs=cfg.otel_shared_epoch_spans)
 
 
 class Tracing:
     """The gateway's spans over one tracer provider (see the module docstring). ``epoch_stats``: the engine's
     recent epochs' figures (:meth:`charon.runtime.contract.Engine.epoch_stats`). ``call_graph_of``: where a
     reply's call graph comes from (the engine's :meth:`~charon.runtime.contract.RequestLog.call_graph`), if
-    anywhere; ``max_function_spans``: function spans per request at most (0: none)."""
+    anywhere; ``max_function_spans``: function spans per request at most (0: none); ``shared_epochs``: one epoch
+    span per epoch, in a trace of its own, linked to its requests' server spans (the function spans then hang from
+    the server span), instead of one child per request."""
 
     def __init__(self, provider: TracerProvider, epoch_stats: Callable[[], Sequence[Mapping[str, float]]], *,
                  owns_provider: bool = False, call_graph_of: CallGraphSource | None = None,
-                 max_function_spans: int = MAX_CALL_GRAPH_SPANS) -> None:
+                 max_function_spans: int = MAX_CALL_GRAPH_SPANS, shared_epochs: bool = False) -> None:
         if max_function_spans < 0:
             raise ValueError("max_function_spans must be 0 (no function spans) or more")
         self.provider = provider
@@ -134,6 +142,8 @@ class Tracing:
         self.owns_provider = owns_provider
         self.call_graph_of = call_graph_of
         self.max_function_spans = max_function_spans
+        self.shared_epochs = shared_epochs
+        self._shared: dict[int, tuple[list[trace.Link], list[int]]] = {}  # epoch -> its requests' links, count
         self._waiting = 0
         # epoch -> its figures and span attributes, looked up once for all its replies (the newest FIGURES_KEPT)
         self._figures: OrderedDict[int, tuple[Mapping[str, float], dict[str, AttributeValue]]] = OrderedDict()
@@ -241,20 +251,57 @@ class Tracing:
                                           "charon.tid": rep.tid}
         if rep.position is not None:
             ids["charon.position"] = rep.position
+        if self.shared_epochs:  # the request's functions under its own span; the epoch's span is shared
+            self._share(rep.epoch, parent.get_span_context(), rec, figures, start, end)
+            self._function_spans(rep, ctx, start, end, ids)
+            return
         if "log_started_at" in rec:
-            t0 = float(rec["log_started_at"])
-            log = self.tracer.start_span("charon.log.append", context=ctx, start_time=_ns(t0), attributes=ids)
-            log.end(end_time=_ns(t0 + float(rec.get("log_ms", 0.0)) / 1000.0))
+            self._log_span(rec, ctx, ids)
         epoch = self.tracer.start_span("charon.epoch", context=ctx, start_time=_ns(start),
                                        attributes={**ids, **figures})
         if not rep.ok:
             epoch.set_status(Status(StatusCode.ERROR, rep.error_type))
+        self._function_spans(rep, trace.set_span_in_context(epoch), start, end, ids)
+        epoch.end(end_time=_ns(end))
+
+    def _log_span(self, rec: Mapping[str, float], ctx: Context, attrs: Mapping[str, AttributeValue]) -> None:
+        t0 = float(rec["log_started_at"])
+        log = self.tracer.start_span("charon.log.append", context=ctx, start_time=_ns(t0), attributes=attrs)
+        log.end(end_time=_ns(t0 + float(rec.get("log_ms", 0.0)) / 1000.0))
+
+    def _function_spans(self, rep: Reply, ctx: Context, start: float, end: float,
+                        ids: Mapping[str, AttributeValue]) -> None:
         if self.call_graph_of is not None and self.max_function_spans:
             nodes = self.call_graph_of(rep.request_id)
             if nodes:
-                call_graph_spans(self.tracer, nodes, trace.set_span_in_context(epoch), _ns(start), _ns(end), ids,
-                                 self.max_function_spans, None if rep.ok else (rep.error_type, rep.error_message))
-        epoch.end(end_time=_ns(end))
+                call_graph_spans(self.tracer, nodes, ctx, _ns(start), _ns(end), ids, self.max_function_spans,
+                                 None if rep.ok else (rep.error_type, rep.error_message))
+
+    def _share(self, epoch: int, request: trace.SpanContext, rec: Mapping[str, float],
+               figures: dict[str, AttributeValue], start: float, end: float) -> None:
+        """Count ``request`` in its epoch's shared span, made once the epoch's replies had a moment to come in."""
+        pending = self._shared.get(epoch)
+        if pending is None:
+            if len(self._shared) >= MAX_SHARED_PENDING:
+                return
+            pending = self._shared[epoch] = ([], [0])
+            asyncio.get_running_loop().call_later(SHARED_WAIT_S, self._shared_epoch_span, epoch, rec, figures,
+                                                  start, end)
+        links, count = pending
+        count[0] += 1
+        if len(links) < MAX_LINKS:
+            links.append(trace.Link(request))
+
+    def _shared_epoch_span(self, epoch: int, rec: Mapping[str, float], figures: dict[str, AttributeValue],
+                           start: float, end: float) -> None:
+        links, count = self._shared.pop(epoch)
+        attrs: dict[str, AttributeValue] = {"charon.epoch": epoch, "charon.epoch.traced_requests": count[0],
+                                            **figures}
+        span = self.tracer.start_span("charon.epoch", context=_NEW_TRACE, start_time=_ns(start), links=links,
+                                      attributes=attrs)
+        if "log_started_at" in rec:
+            self._log_span(rec, trace.set_span_in_context(span), {"charon.epoch": epoch})
+        span.end(end_time=_ns(end))
 
 
 def call_graph_spans(tracer: trace.Tracer, nodes: Sequence[CallNode] | Sequence[Mapping[str, object]],

@@ -286,6 +286,59 @@ def test_function_spans_need_the_inspector_and_are_bounded(tmp_path: Path, inspe
         assert root.attributes["charon.call_graph.dropped"] == 1
 
 
+def test_shared_epoch_spans_link_their_requests(tmp_path: Path) -> None:
+    """``otel_shared_epoch_spans``: one charon.epoch span per epoch, the root of its own trace, linked to the
+    server span of each traced request it ran (the log append under it); each request's function spans hang from
+    its server span; per request two spans fewer."""
+    provider, exporter = _provider()
+    rt = InProcessRuntime(BANK, partitions=2, data_dir=str(tmp_path))
+    cfg = GatewayConfig(otel_shared_epoch_spans=True)
+    with BackgroundServer(rt, token=TOKEN, tracer_provider=provider, config=cfg) as srv:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
+            assert c.post("/invoke/acct/alice/deposit", json={"args": [100]}).status_code == 200
+        _wait_spans(exporter, {"charon.epoch"})
+        exporter.clear()
+
+        def transfer(i: int) -> dict:
+            with httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
+                r = c.post(f"/invoke/bank/s{i}/transfer", json={"args": ["alice", f"b{i}", 1]},
+                           headers={"Idempotency-Key": f"s{i}"})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+        replies = [None] * 8
+        threads = [threading.Thread(target=lambda i=i: replies.__setitem__(i, transfer(i))) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        epochs = {r["epoch"] for r in replies}
+        deadline = time.monotonic() + 10
+        while sum(s.name == "charon.epoch" for s in exporter.get_finished_spans()) < len(epochs):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)
+    spans = list(exporter.get_finished_spans())
+    servers = {s.attributes["charon.request_id"]: s for s in spans if s.name == SERVER}
+    shared = [s for s in spans if s.name == "charon.epoch"]
+    assert sorted(s.attributes["charon.epoch"] for s in shared) == sorted(epochs)  # one span per epoch
+    assert len(spans) == 8 * 4 + 2 * len(epochs)  # per request: server + 3 functions; per epoch: epoch + log
+    for ep in shared:
+        assert ep.parent is None and ep.links  # a trace of its own
+        mine = [r for r in replies if r["epoch"] == ep.attributes["charon.epoch"]]
+        assert ep.attributes["charon.epoch.traced_requests"] == len(mine)
+        assert {link.context.span_id for link in ep.links} == {servers[r["request_id"]].context.span_id
+                                                               for r in mine}
+        (log,) = [s for s in spans if s.name == "charon.log.append" and s.parent.span_id == ep.context.span_id]
+        assert log.context.trace_id == ep.context.trace_id
+    for r in replies:
+        server = servers[r["request_id"]]
+        root = next(s for s in spans if s.name == "bank.transfer" and s.attributes["charon.request_id"] ==
+                    r["request_id"])
+        assert root.parent.span_id == server.context.span_id
+        assert root.attributes["charon.epoch"] == r["epoch"] and root.attributes["charon.tid"] == r["tid"]
+
+
 def test_an_aborted_transaction_is_an_error_span(tmp_path: Path) -> None:
     provider, exporter = _provider()
     rt = InProcessRuntime(APP, partitions=2)
