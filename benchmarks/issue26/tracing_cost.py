@@ -11,7 +11,9 @@ Modes, alternated round by round (so that the machine's drift hits each alike):
   log append and epoch spans and one span per function of its call graph (``account.transfer`` and its call
   ``account.deposit``);
 - ``on_nofn``: ``on`` without function spans (``CHARON_GATEWAY_OTEL_FUNCTION_SPANS=0``): ``on`` minus ``on_nofn`` is
-  the function spans' cost.
+  the function spans' cost;
+- ``on_shared``: ``on`` with one epoch span per epoch (``CHARON_GATEWAY_OTEL_SHARED_EPOCH_SPANS=1``, linked to its
+  requests, the log append under it) instead of an epoch and a log span under each request.
 Then, in this process, the SDK alone (``sdk_only`` in the JSON; ``--sdk-only`` runs just that): the spans of one
 request made through :class:`charon.server.tracing.Tracing` (as the gateway makes them once a reply is in) with the
 SDK's batch processor, for call graphs of 0, 2 and 4 functions, with the OTLP protobuf encoding and without it.
@@ -48,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TOKEN = "t24"  # the token issue 24's client sends
 KEYS = 1000
-MODES = ("before", "off", "off_asgi", "on", "on_nofn")
+MODES = ("before", "off", "off_asgi", "on", "on_nofn", "on_shared")
 
 _spec = importlib.util.spec_from_file_location("gateway_cpu", ROOT / "benchmarks" / "issue24" / "gateway_cpu.py")
 assert _spec is not None and _spec.loader is not None
@@ -100,10 +102,12 @@ def one_round(mode: str, base_src: str, receiver: str, args: argparse.Namespace)
         env["PYTHONPATH"] = base_src
     else:
         env["PYTHONPATH"] = str(ROOT)
-    if mode in ("on", "on_nofn"):
+    if mode.startswith("on"):
         cmd += ["--otel-endpoint", receiver]
     if mode == "on_nofn":
         env["CHARON_GATEWAY_OTEL_FUNCTION_SPANS"] = "0"
+    if mode == "on_shared":
+        env["CHARON_GATEWAY_OTEL_SHARED_EPOCH_SPANS"] = "1"
     if mode == "off_asgi":
         env["CHARON_GATEWAY_DIRECT_INVOKE"] = "0"
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp, env=env)
@@ -140,8 +144,8 @@ def plot(doc: dict, path: Path) -> None:
                            (axes[1], "p50", "latency p50 (ms)")):
         for i, mode in enumerate(MODES):
             vals = [(r["latency_ms"]["p50"] if key == "p50" else r[key]) for r in rows if r["mode"] == mode]
-            ax.bar(i, statistics.median(vals), color=("#999999", "#4c72b0", "#55a868", "#dd8452", "#c44e52")[i],
-                   alpha=0.7)
+            colors = ("#999999", "#4c72b0", "#55a868", "#dd8452", "#c44e52", "#8172b3")
+            ax.bar(i, statistics.median(vals), color=colors[i], alpha=0.7)
             ax.scatter([i] * len(vals), vals, color="black", s=12, zorder=3)
         ax.set_xticks(range(len(MODES)), MODES)
         ax.set_ylabel(label)
