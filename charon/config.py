@@ -186,6 +186,9 @@ class GatewayConfig:
     otel_endpoint: str | None = None
     otel_max_queue: int = 2048  # spans waiting for export at most (more are dropped and counted by the SDK)
     otel_max_attribute_chars: int = 256  # longest span attribute value (a key, a function name...), cut beyond
+    otel_function_spans: int = 1000  # function spans per traced request at most (its call graph's nodes); 0: none
+    # one epoch span per epoch (a trace of its own, linked to its requests) instead of one under each request
+    otel_shared_epoch_spans: bool = False
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:

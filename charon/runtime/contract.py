@@ -210,6 +210,16 @@ class RequestLog(abc.ABC):
     def detail(self, request_id: str) -> dict[str, object] | None:
         """The summary plus ``reply``, ``error``, ``call_graph`` and ``truncated``; None when unknown or dropped."""
 
+    def call_graph(self, request_id: str) -> list[dict[str, object]] | None:
+        """An answered request's call graph alone (``detail(...)["call_graph"]``: the Node dicts ``index``,
+        ``parent``, ``kind``, ``operator``, ``key``, ``function``, ``outcome``, root first); None when not kept
+        (unknown, dropped, still unanswered, or the inspector is off). Tracing reads it per traced reply."""
+        d = self.detail(request_id)
+        if d is None or d.get("replied_at") is None:
+            return None
+        graph = d.get("call_graph")
+        return graph if isinstance(graph, list) else None
+
 
 # -- the contract ---------------------------------------------------------------------------------------------
 class Engine(abc.ABC):

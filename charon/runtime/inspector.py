@@ -298,6 +298,11 @@ class Inspector(RequestLog):
             last = key
         return {"items": items, "next": None if nxt is None else _encode_cursor(nxt), "retention": self.retention()}
 
+    def call_graph(self, request_id: str) -> list[dict[str, object]] | None:
+        with self._lock:
+            rec = self._records.get(request_id)
+        return None if rec is None else rec.graph()
+
     def detail(self, request_id: str) -> dict[str, object] | None:
         with self._lock:
             rec = self._records.get(request_id)

@@ -631,6 +631,16 @@ HEALTH_TIMEOUT_S = 2.0  # a runtime's health() slower than this is itself the an
 
 
 
+def _call_graphs(engine: Engine) -> Callable[[str], list[dict[str, object]] | None]:
+    """A traced reply's call graph, from the engine's invocation inspector (none where it has none)."""
+
+    def call_graph(request_id: str) -> list[dict[str, object]] | None:
+        log = engine.requests
+        return None if log is None else log.call_graph(request_id)
+
+    return call_graph
+
+
 def create_app(
     runtime: Engine | EngineSource,
     *,
@@ -670,8 +680,10 @@ def create_app(
             setattr(cfg, name, value)
     engine = as_engine(runtime)
     gw = Gateway(engine, token, cfg)
-    gw.tracing = (Tracing(tracer_provider, engine.epoch_stats) if tracer_provider is not None
-                  else tracing_from_config(cfg, engine.epoch_stats))
+    gw.tracing = (Tracing(tracer_provider, engine.epoch_stats, call_graph_of=_call_graphs(engine),
+                          max_function_spans=cfg.otel_function_spans, shared_epochs=cfg.otel_shared_epoch_spans)
+                  if tracer_provider is not None
+                  else tracing_from_config(cfg, engine.epoch_stats, _call_graphs(engine)))
 
     async def start_in_background() -> None:
         try:

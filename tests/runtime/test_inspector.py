@@ -231,3 +231,20 @@ def test_the_graph_comes_back_from_a_rest_and_a_fallback_run_elsewhere() -> None
         d = rt.inspector.detail(r.request_id)
         assert d is not None and d["status"] == "committed"
         assert [n["function"] for n in d["call_graph"]] == ["transfer", "withdraw", "deposit", "notify"]  # type: ignore[union-attr,index]
+
+
+def test_call_graph_alone_is_the_detail_s_and_none_when_not_kept() -> None:
+    """``RequestLog.call_graph`` (what tracing reads per traced reply): the detail's graph, for the inspector's
+    own store and for the contract's default built on ``detail``; None for an unknown request or with it off."""
+    from charon.runtime.contract import RequestLog
+
+    rt = _rt()
+    rt.run_epoch([_transfer("g1", "a1", "a2", 5)])
+    d = rt.inspector.detail("g1")
+    assert d is not None and len(d["call_graph"]) == 4  # type: ignore[arg-type]
+    assert rt.inspector.call_graph("g1") == d["call_graph"]
+    assert RequestLog.call_graph(rt.inspector, "g1") == d["call_graph"]  # the contract's default
+    assert rt.inspector.call_graph("nope") is None and RequestLog.call_graph(rt.inspector, "nope") is None
+    off = _rt(InspectorSettings(enabled=False))
+    off.run_epoch([_transfer("g2", "a1", "a2", 5)])
+    assert off.inspector.call_graph("g2") is None

@@ -1,6 +1,7 @@
 """OpenTelemetry traces on the Spark engine (issue 26): a transfer through a real gateway over a real PySpark
 runtime (local[2]) keeps the client's trace and gets its epoch span, placed by the driver's epoch record (Spark
-records an epoch after its replies: the gateway waits for the figures)."""
+records an epoch after its replies: the gateway waits for the figures), and under it one span per function of its
+call graph from the Spark runtime's invocation inspector; an aborted transfer's raising function is marked."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_a_transfer_traced_on_spark(spark, tmp_path) -> None:
             bad = c.post(f"/invoke/account/{ycsb.key(2)}/transfer", json={"args": [ycsb.key(1), 10_000]})
             assert bad.status_code == 409
         deadline = time.monotonic() + 30
-        while sum(s.name == "charon.epoch" for s in exporter.get_finished_spans()) < 2:
+        while sum(s.name == "account.transfer" for s in exporter.get_finished_spans()) < 2:
             assert time.monotonic() < deadline, [s.name for s in exporter.get_finished_spans()]
             time.sleep(0.05)
     finally:
@@ -57,6 +58,22 @@ def test_a_transfer_traced_on_spark(spark, tmp_path) -> None:
         (epoch.attributes["charon.epoch"], epoch.attributes["charon.tid"], epoch.attributes["charon.position"])
     assert epoch.start_time < epoch.end_time and epoch.attributes["charon.epoch.size"] >= 1
     assert not any(s.name == "charon.log.append" for s in spans)  # Spark's append is the submit's own
+    transfer = next(s for s in spans if s.name == "account.transfer")
+    deposit = next(s for s in spans if s.name == "account.deposit")
+    assert transfer.parent.span_id == epoch.context.span_id and deposit.parent.span_id == transfer.context.span_id
+    ident = {"charon.request_id": "spark-t1", "charon.epoch": reply["epoch"], "charon.tid": reply["tid"],
+             "charon.position": reply["position"]}
+    assert dict(transfer.attributes) == {**ident, "charon.operator": "account", "charon.function": "transfer",
+                                         "charon.key": ycsb.key(0), "charon.call.kind": "root",
+                                         "charon.call.index": 0}
+    assert dict(deposit.attributes) == {**ident, "charon.operator": "account", "charon.function": "deposit",
+                                        "charon.key": ycsb.key(1), "charon.call.kind": "call", "charon.call.index": 1}
+    assert (deposit.start_time, deposit.end_time) == (epoch.start_time, epoch.end_time)
     aborted = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER and s is not server]
     assert aborted and aborted[0].status.status_code is StatusCode.ERROR
     assert aborted[0].attributes["charon.error_type"] == "NotEnoughCredit"
+    mine = [s for s in exporter.get_finished_spans() if s.context.trace_id == aborted[0].context.trace_id]
+    raised = next(s for s in mine if s.name == "account.transfer")  # the root raised: no deposit ran
+    assert not any(s.name == "account.deposit" for s in mine)
+    assert raised.status.status_code is StatusCode.ERROR and raised.attributes["error.type"] == "NotEnoughCredit"
+    assert [(e.name, e.attributes["exception.type"]) for e in raised.events] == [("exception", "NotEnoughCredit")]
