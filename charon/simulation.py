@@ -37,7 +37,8 @@ lists of different lengths and epochs grow their sequencers, under the same faul
 With ``engine_rescale`` (``--rescale``) the engine partitions are rescaled at some epoch boundaries
 (:meth:`SparkRuntime.rescale`, the real move: a deferred finalize is recorded first, the state as of the last
 recorded epoch is re-placed by key group into a new layout, the driver may crash before or after its commit
-point); the state then lives in other partitions, which the simulated cluster places on other workers.
+point); the state then lives in other partitions, and the cluster follows: scaling out, a worker joins (a new
+Python process), scaling in, one leaves; keys therefore move to other workers for good.
 
 ``python -m charon.simulation --seeds 100000 [--start N]`` runs many seeds; ``--seed N`` reruns one and
 prints its trace. A failing seed prints one line that reproduces it. ``--without early,early2`` leaves
@@ -126,6 +127,12 @@ class Faults:
     max_crashes: int
 
     @classmethod
+    def stable(cls) -> Faults:
+        """A stable cluster: one worker that never fails, no task re-runs, no driver crash (only the faults of the
+        workload's plan, and rescales, which may bring more workers)."""
+        return cls(1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+
+    @classmethod
     def draw(cls, rng: random.Random) -> Faults:
         calm = rng.random() < 0.2  # some seeds without faults: the plain path must hold too
         p = (lambda hi: 0.0) if calm else (lambda hi: rng.choice([0.0, hi / 4, hi]))  # noqa: E731
@@ -203,6 +210,7 @@ class Simulation:
         )
         self.durable_root = os.path.join(self.config.checkpoint_dir, "state")
         self.workers = [Worker(i, os.path.join(root, "local")) for i in range(self.faults.workers)]
+        self.next_wid = len(self.workers)  # a rescale may add workers (:meth:`resize_cluster`)
         self.results: dict[int, Any] = {}  # epoch -> EpochResult of the run that completed it
         self.expected: dict[int, dict[bytes, bytes]] = {}  # epoch -> verified state after it
         self.delivered: dict[str, Reply] = {}
@@ -428,12 +436,26 @@ class Simulation:
                 rt.exchange = SimExchange(self, self.config)  # as the runtime does with a Spark session
                 self.trace(f"engine partitions {info['from']} -> {info['to']} after epoch {info['epoch']} "
                            f"({info['keys']} items moved)")
+                self.resize_cluster(partitions > info["from"])
                 break
             except SimCrash:
                 self.verify_recorded()
                 rt = self.start_runtime()
         self.engine_rescales += 1
         return rt
+
+    def resize_cluster(self, grow: bool) -> None:
+        """A rescale follows the cluster: scaling out, an executor joins (a new Python worker, an empty local
+        directory); scaling in, the newest one leaves (never the last)."""
+        if grow:
+            w = Worker(self.next_wid, os.path.join(self.root, "local"))
+            self.next_wid += 1
+            self.workers.append(w)
+            self.trace(f"w{w.wid} joins the cluster")
+        elif len(self.workers) > 1:
+            w = self.workers.pop()
+            w.close_stores()
+            self.trace(f"w{w.wid} leaves the cluster")
 
     def append_epoch(self, rt: sr.SparkRuntime, index: int) -> tuple[sr.SparkRuntime, list[str]]:
         """Append workload epoch ``index``'s requests (rescaling the engine partitions, resizing the input log
