@@ -241,11 +241,17 @@ def _ref(obj: object) -> str | None:
     return f"{mod}:{name}"
 
 
-def reproduction(ref: str, workload: WorkloadSource, invariants: Sequence[Invariant], seed: int, steps: int) -> str:
-    """The ``charon test-app`` line rerunning this seed, or the ``run_app`` call when the workload or an invariant
-    is not importable by name."""
+def reproduction(ref: str, workload: WorkloadSource, invariants: Sequence[Invariant], seed: int, steps: int,
+                 faults: Faults | None = None, partition_rescale: bool | None = None) -> str:
+    """The ``charon test-app`` line rerunning this seed, or the ``run_app`` call when the workload, an invariant
+    or the faults cannot be named on the command line."""
     line = f"charon test-app {ref} --seed {seed} --steps {steps}"
-    call = f"charon.testing.run_app({ref!r}, <the workload>, <the invariants>, seed={seed}, steps={steps})"
+    call = f"charon.testing.run_app({ref!r}, <the workload>, <the invariants>, seed={seed}, steps={steps}"
+    call += "" if faults is None else f", faults={faults!r}"
+    call += "" if partition_rescale is None else f", partition_rescale={partition_rescale}"
+    call += ")"
+    if faults is not None and faults != Faults.stable():
+        return call
     if isinstance(workload, HintsWorkload):
         if workload.strategies:  # strategies of its own: the command line cannot draw the same
             return call
@@ -260,6 +266,8 @@ def reproduction(ref: str, workload: WorkloadSource, invariants: Sequence[Invari
         if r is None:
             return call
         line += f" --invariant {r}"
+    line += " --cluster stable" if faults is not None else ""
+    line += "" if partition_rescale is None else " --rescales" if partition_rescale else " --no-rescales"
     return line
 
 
@@ -492,7 +500,7 @@ def run_app(app: Application | str, workload: WorkloadSource | None = None, inva
     rng = random.Random(f"charon-harness-{seed}")
     invs = _workload_list(source, rng, steps)
     plan = _plan(invs, rng, initial or {})
-    line = reproduce or reproduction(ref, source, invariants, seed, steps)
+    line = reproduce or reproduction(ref, source, invariants, seed, steps, faults, partition_rescale)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix=f"charon-harness-{seed}-", dir=base)
     grow = rng.random() < 0.5
