@@ -13,11 +13,14 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import typer
 
 from charon.exitcodes import ExitCode
+
+if TYPE_CHECKING:
+    from charon.operator import Application
 
 CLUSTERS = ("drawn", "stable")
 
@@ -45,7 +48,7 @@ def options_line(steps: int, workload: str | None, invariant: Sequence[str], key
     return opts
 
 
-def make_test_app(load_app: Callable[[str], Any]) -> Callable[..., None]:
+def make_test_app(load_app: Callable[[str], Application]) -> Callable[..., None]:
     """The ``test-app`` command, loading the application with ``load_app`` (the CLI's)."""
 
     def test_app(

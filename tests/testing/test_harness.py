@@ -70,7 +70,7 @@ def test_without_faults_the_defect_stays_hidden() -> None:
     the seeds that fail under faults, so it is the faults that expose it."""
     quiet = Faults(workers=1, hop=0.0, lose=0.0, restart=0.0, retry=0.0, read=0.0, crash=0.0, max_crashes=0)
     failing = _first_failure("buggy_app").seed
-    report = _wallets("buggy_app", failing, faults=quiet, rescale=False)
+    report = _wallets("buggy_app", failing, faults=quiet, rescale=False, partition_rescale=False)
     assert report.crashes == 0 and report.requests >= 40
     with pytest.raises(HarnessFailure):  # and the same seed with its drawn faults fails again
         _wallets("buggy_app", failing)
