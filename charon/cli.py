@@ -1044,9 +1044,9 @@ def demo(
         shutil.rmtree(data_dir, ignore_errors=True)  # a passing demo leaves nothing behind
 
 
-from charon.harness_cli import test_app  # noqa: E402 - the fault harness's command lives in its own module
+from charon.harness_cli import make_test_app  # noqa: E402 - the fault harness's command lives in its own module
 
-app.command("test-app")(test_app)
+app.command("test-app")(make_test_app(load_app))
 
 
 def main() -> None:

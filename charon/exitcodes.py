@@ -38,8 +38,8 @@ DESCRIPTION: dict[ExitCode, str] = {
                        "the sandbox; an epoch no longer retained; an operation the engine does not support.",
     ExitCode.APP_ERROR: "The application MODULE:APP cannot be loaded: its module raises while importing (a "
                         "SyntaxError, any exception), does not exist, or the attribute is not a charon Application.",
-    ExitCode.FAILED: "The command ran and failed: a check did not hold (`charon demo`'s invariants), no such data "
-                     "directory, or no such effect to retry or abandon.",
+    ExitCode.FAILED: "The command ran and failed: a check did not hold (`charon demo`'s invariants, a seed of "
+                     "`charon test-app`), no such data directory, or no such effect to retry or abandon.",
     ExitCode.INTERNAL: "An unexpected error inside charon (a bug): one line; the traceback with `--debug`.",
     ExitCode.STUCK: "`charon run` (durable inprocess) quarantined a function it could not interrupt and exited "
                     "for its supervisor to restart it (`--exit-when-stuck`; EX_TEMPFAIL).",

@@ -6,7 +6,8 @@ strategies) and invariants (callables over a :class:`Snapshot` of the committed 
 one seed it runs the workload through the real Spark runtime code with the simulated cluster of
 :mod:`charon.simulation`: tasks hop between workers, workers lose their local state or their Python process,
 tasks run twice, the driver crashes at every fault point and recovers, clients retry (the same request id,
-i.e. the same idempotency key), timers fire as time passes, and the input log is rescaled between epochs.
+i.e. the same idempotency key), timers fire as time passes, the input log is rescaled between epochs, and the
+engine partitions are rescaled at epoch boundaries (the state moves to other partitions, hence other workers).
 Every simulated Python worker has its own copy of the application's module (its own module-level memory, new
 after the worker restarts), as Spark's workers are separate processes.
 
@@ -136,6 +137,7 @@ class Report:
     rounds: int
     timers_fired: int
     log_resizes: int
+    rescales: int  # engine-partition rescales (the state moved between partitions at an epoch boundary)
     faults: str
     fingerprint: str
     isolated: bool  # each simulated worker had its own copy of the application's module
@@ -239,11 +241,17 @@ def _ref(obj: object) -> str | None:
     return f"{mod}:{name}"
 
 
-def reproduction(ref: str, workload: WorkloadSource, invariants: Sequence[Invariant], seed: int, steps: int) -> str:
-    """The ``charon test-app`` line rerunning this seed, or the ``run_app`` call when the workload or an invariant
-    is not importable by name."""
+def reproduction(ref: str, workload: WorkloadSource, invariants: Sequence[Invariant], seed: int, steps: int,
+                 faults: Faults | None = None, partition_rescale: bool | None = None) -> str:
+    """The ``charon test-app`` line rerunning this seed, or the ``run_app`` call when the workload, an invariant
+    or the faults cannot be named on the command line."""
     line = f"charon test-app {ref} --seed {seed} --steps {steps}"
-    call = f"charon.testing.run_app({ref!r}, <the workload>, <the invariants>, seed={seed}, steps={steps})"
+    call = f"charon.testing.run_app({ref!r}, <the workload>, <the invariants>, seed={seed}, steps={steps}"
+    call += "" if faults is None else f", faults={faults!r}"
+    call += "" if partition_rescale is None else f", partition_rescale={partition_rescale}"
+    call += ")"
+    if faults is not None and faults != Faults.stable():
+        return call
     if isinstance(workload, HintsWorkload):
         if workload.strategies:  # strategies of its own: the command line cannot draw the same
             return call
@@ -258,6 +266,8 @@ def reproduction(ref: str, workload: WorkloadSource, invariants: Sequence[Invari
         if r is None:
             return call
         line += f" --invariant {r}"
+    line += " --cluster stable" if faults is not None else ""
+    line += "" if partition_rescale is None else " --rescales" if partition_rescale else " --no-rescales"
     return line
 
 
@@ -351,8 +361,9 @@ class _AppSimulation(Simulation):
     """The simulator running a user's application, its plan and invariants."""
 
     def __init__(self, seed: int, root: str, app_ref: str, plan: _Plan, invariants: Sequence[Invariant],
-                 log_growth: bool, faults: Faults | None) -> None:
-        super().__init__(seed, root, workload=plan, faults=faults, log_growth=log_growth)
+                 log_growth: bool, faults: Faults | None, engine_rescale: bool = False) -> None:
+        super().__init__(seed, root, workload=plan, faults=faults, log_growth=log_growth,
+                         engine_rescale=engine_rescale)
         self.plan = plan
         self.invariants = list(invariants)
         self.copies: list[str] = []
@@ -413,7 +424,7 @@ class _AppSimulation(Simulation):
         w = self.rng.choice(self.workers)
         self.trace(f"{self.where}: state read at epoch {epoch} in w{w.wid}")
         with w.process():
-            got = dict(spark_tasks.read_entities(self.app_ref, w.dir, self.durable_root, self.config.checkpoint_dir,
+            got = dict(spark_tasks.read_entities(self.app_ref, w.dir, self.state_root, self.config.checkpoint_dir,
                                                  epoch, list(by_pid.items())))
         for k in keys:
             if got.get(k) != want.get(k):
@@ -464,14 +475,16 @@ class _AppSimulation(Simulation):
 def run_app(app: Application | str, workload: WorkloadSource | None = None, invariants: Sequence[Invariant] = (),
             *, seed: int, steps: int = STEPS, keys: Sequence[str] = ("k0", "k1", "k2", "k3"),
             initial: Mapping[tuple[str, str], object] | None = None, reproduce: str | None = None,
-            faults: Faults | None = None, rescale: bool | None = None, trace: bool = False) -> Report:
+            faults: Faults | None = None, rescale: bool | None = None, partition_rescale: bool | None = None,
+            trace: bool = False) -> Report:
     """Run ``workload`` (default: :func:`from_hints` over ``keys``) on ``app`` under the faults seed ``seed`` draws;
     check ``invariants`` and the serial oracle after every epoch. Raises :class:`HarnessFailure` (its last line
     is ``reproduce``, default a ``charon test-app`` command) or returns a :class:`Report`.
 
     ``app``: the application or its ``module:attribute``. ``initial``: {(operator, key): value} before the run.
     ``steps``: at most this many invocations are taken from the workload. ``faults`` (default: drawn from the
-    seed) and ``rescale`` (the input log resized between epochs; default: drawn) fix the faults instead."""
+    seed), ``rescale`` (the input log resized between epochs; default: drawn) and ``partition_rescale`` (the
+    engine partitions rescaled at epoch boundaries; default: drawn) fix the faults instead."""
     __tracebackhide__ = True  # pytest shows the failure, not the harness's frames
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
@@ -487,11 +500,13 @@ def run_app(app: Application | str, workload: WorkloadSource | None = None, inva
     rng = random.Random(f"charon-harness-{seed}")
     invs = _workload_list(source, rng, steps)
     plan = _plan(invs, rng, initial or {})
-    line = reproduce or reproduction(ref, source, invariants, seed, steps)
+    line = reproduce or reproduction(ref, source, invariants, seed, steps, faults, partition_rescale)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix=f"charon-harness-{seed}-", dir=base)
     grow = rng.random() < 0.5
-    sim = _AppSimulation(seed, root, ref, plan, invariants, grow if rescale is None else rescale, faults)
+    move = rng.random() < 0.6
+    sim = _AppSimulation(seed, root, ref, plan, invariants, grow if rescale is None else rescale, faults,
+                         move if partition_rescale is None else partition_rescale)
     sim.trace_on = trace
     try:
         stats = sim.run()
@@ -511,4 +526,5 @@ def run_app(app: Application | str, workload: WorkloadSource | None = None, inva
     for rid in sorted(sim.delivered):
         digest.update(repr(sim.delivered[rid]).encode() + b"\n")
     return Report(seed, stats["epochs"], stats["requests"], plan.retries, stats["crashes"], stats["rounds"],
-                  stats["fired"], stats["log_resizes"], repr(sim.faults), digest.hexdigest(), sim.isolated)
+                  stats["fired"], stats["log_resizes"], stats["engine_rescales"], repr(sim.faults),
+                  digest.hexdigest(), sim.isolated)

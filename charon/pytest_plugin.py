@@ -52,14 +52,16 @@ class HarnessRunner:
     def run(self, app: Application | str, workload: WorkloadSource | None = None,
             invariants: Sequence[Invariant] = (), *, seed: int | None = None, steps: int | None = None,
             keys: Sequence[str] = ("k0", "k1", "k2", "k3"), initial: Mapping[tuple[str, str], object] | None = None,
-            faults: Faults | None = None, rescale: bool | None = None) -> Report:
+            faults: Faults | None = None, rescale: bool | None = None, partition_rescale: bool | None = None,
+            ) -> Report:
         """:func:`charon.harness.run_app` with this test's seed (or ``seed``); a failure's line reruns this test."""
         __tracebackhide__ = True
         from charon.harness import STEPS, run_app
 
         s = self.seed if seed is None else seed
         return run_app(app, workload, invariants, seed=s, steps=STEPS if steps is None else steps, keys=keys,
-                       initial=initial, faults=faults, rescale=rescale, reproduce=self.reproduction(s))
+                       initial=initial, faults=faults, rescale=rescale, partition_rescale=partition_rescale,
+                       reproduce=self.reproduction(s))
 
 
 @pytest.fixture

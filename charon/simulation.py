@@ -34,6 +34,12 @@ With ``log_growth`` (``--log-growth``) the input log is resized before some epoc
 (:meth:`SparkRuntime.rescale_log`: it grows, then maybe shrinks its routing count), so batches read offsets
 lists of different lengths and epochs grow their sequencers, under the same faults and checks.
 
+With ``engine_rescale`` (``--rescale``) the engine partitions are rescaled at some epoch boundaries
+(:meth:`SparkRuntime.rescale`, the real move: a deferred finalize is recorded first, the state as of the last
+recorded epoch is re-placed by key group into a new layout, the driver may crash before or after its commit
+point); the state then lives in other partitions, and the cluster follows: scaling out, a worker joins (a new
+Python process), scaling in, one leaves; keys therefore move to other workers for good.
+
 ``python -m charon.simulation --seeds 100000 [--start N]`` runs many seeds; ``--seed N`` reruns one and
 prints its trace. A failing seed prints one line that reproduces it. ``--without early,early2`` leaves
 program features out (to tell apart failures of different defects).
@@ -67,6 +73,7 @@ from charon.runtime import faults
 from charon.runtime.spark import runtime as sr
 from charon.runtime.spark import tasks as spark_tasks
 from charon.runtime.spark.exchange import SparkExchange
+from charon.runtime.spark.layout import local_root, read_layout
 from charon.state import lmdbstore
 from charon.state.durable import DurableState
 from charon.workloads import (
@@ -118,6 +125,12 @@ class Faults:
     read: float  # per round: a state read between rounds
     crash: float  # per fault point: the driver crashes
     max_crashes: int
+
+    @classmethod
+    def stable(cls) -> Faults:
+        """A stable cluster: one worker that never fails, no task re-runs, no driver crash (only the faults of the
+        workload's plan, and rescales, which may bring more workers)."""
+        return cls(1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
 
     @classmethod
     def draw(cls, rng: random.Random) -> Faults:
@@ -172,6 +185,7 @@ class Simulation:
     def __init__(
         self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset(),
         workload: Plan | None = None, faults: Faults | None = None, log_growth: bool = False,
+        engine_rescale: bool = False,
     ) -> None:
         self.seed = seed
         self.app_ref, self.app = APP_REF, app  # the application under test (the harness runs others)
@@ -181,6 +195,9 @@ class Simulation:
         self.w: Plan = workload or w
         self.log_plan = self.draw_log_plan(seed, len(self.w.epochs), self.w.partitions) if log_growth else {}
         self.log_resizes = 0
+        self.engine_plan = (self.draw_engine_plan(seed, len(self.w.epochs), self.w.partitions) if engine_rescale
+                            else {})
+        self.engine_rescales = 0
         self.max_tid = 0  # the highest TID of the verified epochs
         f = Faults.draw(self.rng)
         self.faults = faults or f
@@ -193,6 +210,7 @@ class Simulation:
         )
         self.durable_root = os.path.join(self.config.checkpoint_dir, "state")
         self.workers = [Worker(i, os.path.join(root, "local")) for i in range(self.faults.workers)]
+        self.next_wid = len(self.workers)  # a rescale may add workers (:meth:`resize_cluster`)
         self.results: dict[int, Any] = {}  # epoch -> EpochResult of the run that completed it
         self.expected: dict[int, dict[bytes, bytes]] = {}  # epoch -> verified state after it
         self.delivered: dict[str, Reply] = {}
@@ -272,7 +290,7 @@ class Simulation:
 
     def run_task(self, w: Worker, task: list[tuple[int, bytes]], upto: int | None = None) -> list[tuple[int, bytes]]:
         """The real task function over the task's partitions in worker ``w`` (only the first ``upto``)."""
-        fn = partial(spark_tasks.run_partitions, self.app_ref, self.config.partitions, w.dir, self.durable_root,
+        fn = partial(spark_tasks.run_partitions, self.app_ref, self.config.partitions, w.dir, self.state_root,
                      self.config.checkpoint_dir)
         budget = self.rt.exchange.fn.keywords.get("function_timeout") if self.rt is not None else None
         with w.process(), self.overrunning(budget is not None):
@@ -337,7 +355,7 @@ class Simulation:
         w = self.rng.choice(self.workers)
         self.trace(f"{self.where}: state read at epoch {epoch} in w{w.wid}")
         with w.process():
-            got = dict(spark_tasks.read_entities(self.app_ref, w.dir, self.durable_root, self.config.checkpoint_dir,
+            got = dict(spark_tasks.read_entities(self.app_ref, w.dir, self.state_root, self.config.checkpoint_dir,
                                                  epoch, list(by_pid.items())))
         for k in keys:
             if got.get(k) != want.get(k):
@@ -386,10 +404,65 @@ class Simulation:
             plan[g.randrange(k + 1, epochs)] = g.randrange(1, m)
         return plan
 
+    @staticmethod
+    def draw_engine_plan(seed: int, epochs: int, n: int) -> dict[int, int]:
+        """Engine-partition rescales (``engine_rescale``): {workload epoch: partition count} applied at the epoch
+        boundary before its requests are appended; one or two, from a generator of their own."""
+        g = random.Random(f"engine-rescale-{seed}")
+        if epochs < 2:
+            return {}
+        plan: dict[int, int] = {}
+        for k in sorted(g.sample(range(1, epochs), min(epochs - 1, g.choice([1, 1, 2])))):
+            n = plan[k] = g.choice([m for m in range(1, 6) if m != n])
+        return plan
+
+    @property
+    def state_root(self) -> str:
+        """The durable state's directory of the layout in force (a rescale moves it)."""
+        return self.rt.durable.root if self.rt is not None else self.durable_root
+
+    def rescale_engine(self, rt: sr.SparkRuntime, partitions: int) -> sr.SparkRuntime:
+        """Rescale the engine partitions at this boundary, as the runtime does it when its query pauses at the
+        gate: a deferred finalize is recorded first, then the real move. The driver may crash in either (then
+        recovery, and the move again unless its layout was committed). Returns the runtime in use after it."""
+        while True:
+            try:
+                rt.flush()
+                self.verify_recorded()
+                if rt.config.partitions == partitions:
+                    break
+                info = rt.rescale(partitions)
+                self.config.partitions = partitions
+                rt.exchange = SimExchange(self, self.config)  # as the runtime does with a Spark session
+                self.trace(f"engine partitions {info['from']} -> {info['to']} after epoch {info['epoch']} "
+                           f"({info['keys']} items moved)")
+                self.resize_cluster(partitions > info["from"])
+                break
+            except SimCrash:
+                self.verify_recorded()
+                rt = self.start_runtime()
+        self.engine_rescales += 1
+        return rt
+
+    def resize_cluster(self, grow: bool) -> None:
+        """A rescale follows the cluster: scaling out, an executor joins (a new Python worker, an empty local
+        directory); scaling in, the newest one leaves (never the last)."""
+        if grow:
+            w = Worker(self.next_wid, os.path.join(self.root, "local"))
+            self.next_wid += 1
+            self.workers.append(w)
+            self.trace(f"w{w.wid} joins the cluster")
+        elif len(self.workers) > 1:
+            w = self.workers.pop()
+            w.close_stores()
+            self.trace(f"w{w.wid} leaves the cluster")
+
     def append_epoch(self, rt: sr.SparkRuntime, index: int) -> tuple[sr.SparkRuntime, list[str]]:
-        """Append workload epoch ``index``'s requests (resizing the input log first if the plan says so; the
-        driver may crash inside the switch: the restarted one opens the log at the recorded count). Returns the
-        runtime in use after it and the appended request ids."""
+        """Append workload epoch ``index``'s requests (rescaling the engine partitions, resizing the input log
+        first if the plans say so; the driver may crash inside either: the restarted one opens the layout
+        recorded). Returns the runtime in use after it and the appended request ids."""
+        if index in self.engine_plan:
+            rt = self.rescale_engine(rt, self.engine_plan[index])
         if index in self.log_plan:
             try:
                 info = rt.rescale_log(self.log_plan[index])
@@ -408,6 +481,9 @@ class Simulation:
             self.rt._replies.abandon()  # the old driver is gone: replies it had not written yet are lost
             self.rt.input_log.close()
             self.rt.output_log.close()
+        layout = read_layout(self.config.checkpoint_dir)
+        if layout is not None:  # the engine partitions of the layout in force (a rescale may have moved them)
+            self.config.partitions = layout.partitions
         rt = sr.SparkRuntime(self.app_ref, self.config)
         rt.exchange = SimExchange(self, self.config)
         rt._start_compaction = rt._compact  # type: ignore[method-assign]  # a deliberate patch: synchronous: compaction's crash point is an ordinary step
@@ -446,7 +522,7 @@ class Simulation:
         self.expected[-1] = dict(sorted(state.items()))
 
     def durable_state(self, epoch: int) -> dict[bytes, bytes]:
-        durable = DurableState(self.durable_root)
+        durable = DurableState(self.state_root)
         merged: dict[bytes, bytes] = {}
         for pid in range(self.config.partitions):
             data, reached = durable.load(pid, epoch)
@@ -588,14 +664,16 @@ class Simulation:
         return {"epochs": last + 1, "requests": len(submitted), "crashes": self.crashes, "rounds": self.rounds,
                 "pipelined": self.pipelined_epochs, "fallback_jobs": self.fallback_jobs,
                 "rest_jobs": self.rest_jobs, "atoms": self.atoms, "fired": self.fired,
-                "log_resizes": self.log_resizes, "log_partitions_read": len(rec.ends) if rec is not None else 0,
+                "log_resizes": self.log_resizes, "engine_rescales": self.engine_rescales,
+                "log_partitions_read": len(rec.ends) if rec is not None else 0,
                 "overruns": self.overruns, "verdicts": len(self.rt.verdict_book.verdicts) if self.rt else 0}
 
     def local_state(self, w: Worker, epoch: int) -> dict[bytes, bytes]:
         merged: dict[bytes, bytes] = {}
+        root = self.state_root
         with w.process():
-            for pid in range(self.config.partitions):
-                store = lmdbstore.open_store(w.dir, pid, self.durable_root)
+            for pid in range(self.config.partitions):  # where the task function keeps this layout's stores
+                store = lmdbstore.open_store(local_root(w.dir, self.config.checkpoint_dir, root), pid, root)
                 store.ensure_epoch(epoch)
                 merged.update(store.items())
         return dict(sorted(merged.items()))
@@ -611,13 +689,14 @@ class Outcome:
 
 
 def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozenset[str] = frozenset(),
-             log_growth: bool = False) -> Outcome:
+             log_growth: bool = False, engine_rescale: bool = False) -> Outcome:
     """Run one seed in a fresh directory (on tmpfs when available); never raises. ``log_growth``: the input
-    log is resized between epochs (:meth:`Simulation.draw_log_plan`)."""
+    log is resized between epochs (:meth:`Simulation.draw_log_plan`); ``engine_rescale``: the engine partitions
+    are rescaled at epoch boundaries (:meth:`Simulation.draw_engine_plan`)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix=f"charon-sim-{seed}-", dir=base)
     t0 = time.perf_counter()
-    sim = Simulation(seed, root, trace, without, log_growth=log_growth)
+    sim = Simulation(seed, root, trace, without, log_growth=log_growth, engine_rescale=engine_rescale)
     try:
         stats = sim.run()
         out = Outcome(seed, True, stats=stats)
@@ -630,9 +709,11 @@ def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozen
     return out
 
 
-def repro_line(o: Outcome, without: frozenset[str] = frozenset(), log_growth: bool = False) -> str:
+def repro_line(o: Outcome, without: frozenset[str] = frozenset(), log_growth: bool = False,
+               engine_rescale: bool = False) -> str:
     opt = f" --without {','.join(sorted(without))}" if without else ""
     opt += " --log-growth" if log_growth else ""
+    opt += " --rescale" if engine_rescale else ""
     return f"FAIL seed {o.seed}: {o.error} | reproduce: python -m charon.simulation --seed {o.seed}{opt}"
 
 
@@ -644,22 +725,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the seed's directory (with --seed)")
     ap.add_argument("--without", default="", help=f"program features to leave out, of {','.join(sorted(FEATURES))}")
     ap.add_argument("--log-growth", action="store_true", help="resize the input log between epochs")
+    ap.add_argument("--rescale", action="store_true", help="rescale the engine partitions at epoch boundaries")
     a = ap.parse_args(argv)
-    lg = a.log_growth
+    lg, er = a.log_growth, a.rescale
     without = frozenset(x for x in a.without.split(",") if x)
     if without - FEATURES:
         ap.error(f"unknown features: {sorted(without - FEATURES)}")
     if a.seed is not None:
-        o = run_seed(a.seed, trace=True, keep=a.keep, without=without, log_growth=lg)
-        print(repro_line(o, without, lg) if not o.ok else f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s")
+        o = run_seed(a.seed, trace=True, keep=a.keep, without=without, log_growth=lg, engine_rescale=er)
+        print(repro_line(o, without, lg, er) if not o.ok else f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s")
         return 0 if o.ok else 1
     t0 = time.perf_counter()
     failed = 0
     for seed in range(a.start, a.start + a.seeds):
-        o = run_seed(seed, without=without, log_growth=lg)
+        o = run_seed(seed, without=without, log_growth=lg, engine_rescale=er)
         if not o.ok:
             failed += 1
-            print(repro_line(o, without, lg), flush=True)
+            print(repro_line(o, without, lg, er), flush=True)
     dt = time.perf_counter() - t0
     print(f"{a.seeds} seeds from {a.start}: {failed} failed, {dt:.1f}s ({dt / max(1, a.seeds) * 1000:.0f} ms/seed)")
     return 1 if failed else 0

@@ -1,14 +1,15 @@
 """Wallets credited by a payment provider's webhook: the fault harness's example (``charon test-app``).
 
-The provider delivers each payment at least once: a redelivery is a new request carrying the same payment
-``token``, and a wallet must credit each token once. :data:`app` remembers the tokens it credited in the
-wallet's state (``ctx.put_item``), in the same transaction as the credit. :data:`buggy_app` remembers them in
-module-level process memory (by transaction, so that the engine's own re-execution of a transaction is not
-taken for a redelivery): that holds while a wallet's requests run in one Python process that never restarts,
-and credits a redelivered payment twice (money created) when the redelivery runs in another worker (a task
-moved, or an epoch's rest ran in one task) or after the worker restarted. ``charon test-app
-charon.apps.wallets:buggy_app --seeds 20 --workload charon.apps.wallets:payments --invariant
-charon.apps.wallets:credited_once`` finds it.
+The provider delivers each payment at least once: a redelivery (the provider's retry) is a new request carrying
+the same payment ``token``, and a wallet must credit each token once. :data:`app` checks the tokens it credited
+in the wallet's state (``ctx.put_item``), in the same transaction as the credit. :data:`buggy_app` is missing
+that check: it remembers the tokens in module-level process memory (by transaction, so that the engine's own
+re-execution of a transaction is not taken for a redelivery). On a stable cluster (one Python worker that never
+restarts) that holds, and the app passes; it credits a redelivered payment twice (the service pays twice) when
+the retry runs in another process than the first delivery: after a rescale moved the wallet to a worker that
+joined the cluster, a task moved, or the worker restarted. ``charon test-app charon.apps.wallets:buggy_app
+--seeds 10 --workload charon.apps.wallets:payments --invariant charon.apps.wallets:credited_once --cluster
+stable`` finds it with rescales, and not with ``--no-rescales``.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from charon.apps import holds, wallets
+from charon.exitcodes import ExitCode
 from charon.testing import Faults, HarnessFailure, Invocation, Snapshot, fault_seeds, from_hints, run_app
 
 WALLETS = "charon.apps.wallets"
@@ -50,7 +51,7 @@ def test_the_planted_defect_is_found_and_its_line_reproduces_it() -> None:
     argv = shlex.split(exc.reproduce)
     out = subprocess.run([CHARON, *argv[1:]], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONHASHSEED": "random"})
-    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.returncode == ExitCode.FAILED, out.stdout + out.stderr
     assert f"FAIL seed {exc.seed}: {exc.cause} | reproduce: {exc.reproduce}" in out.stdout.splitlines()
 
 
@@ -69,7 +70,7 @@ def test_without_faults_the_defect_stays_hidden() -> None:
     the seeds that fail under faults, so it is the faults that expose it."""
     quiet = Faults(workers=1, hop=0.0, lose=0.0, restart=0.0, retry=0.0, read=0.0, crash=0.0, max_crashes=0)
     failing = _first_failure("buggy_app").seed
-    report = _wallets("buggy_app", failing, faults=quiet, rescale=False)
+    report = _wallets("buggy_app", failing, faults=quiet, rescale=False, partition_rescale=False)
     assert report.crashes == 0 and report.requests >= 40
     with pytest.raises(HarnessFailure):  # and the same seed with its drawn faults fails again
         _wallets("buggy_app", failing)
@@ -160,7 +161,7 @@ def test_the_command_exits_nonzero_with_the_lines() -> None:
             "--invariant", f"{WALLETS}:credited_once"]
     bad = subprocess.run([CHARON, *args], capture_output=True, text=True, timeout=120)
     fails = [ln for ln in bad.stdout.splitlines() if ln.startswith("FAIL seed ")]
-    assert bad.returncode == 1 and fails, bad.stdout + bad.stderr
+    assert bad.returncode == ExitCode.FAILED and fails, bad.stdout + bad.stderr
     assert all(" | reproduce: charon test-app " in ln for ln in fails)
     assert bad.stdout.splitlines()[-1].startswith(f"3 seeds: {len(fails)} failed")
     args[1] = f"{WALLETS}:app"
