@@ -25,7 +25,7 @@ class ExitCode(IntEnum):
 
 #: One line per code, as in docs/reference/exit-codes.md.
 DESCRIPTION: dict[ExitCode, str] = {
-    ExitCode.OK: "The command did what was asked (an invoke committed; `charon run` stopped by Ctrl-C or SIGTERM).",
+    ExitCode.OK: "The command did what was asked (an invoke committed; `charon run` stopped by Ctrl-C).",
     ExitCode.ABORTED: "The transaction aborted: the application raised, or the engine aborted it; its error type "
                       "and message go to stderr.",
     ExitCode.USAGE: "The command line is wrong: unknown option, bad value, ARGS_JSON not a JSON list, options "

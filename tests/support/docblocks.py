@@ -10,6 +10,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"
 FRAGMENT = "<!-- fragment -->"  # put right above a ```python block that is compiled, not run
+# put right above a ```bash block that tests/docs/test_shell_blocks.py cannot run against one local node, with the
+# reason: `<!-- needs: spark -->` blocks run in its Spark-marked test, any other reason is listed (not run)
+NEEDS = re.compile(r"^<!-- needs: (.+?) -->$")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
 # languages and how they are checked: python runs (or compiles, as a marked fragment, or is an included example
 # that tests/docs/test_examples.py runs); bash is syntax-checked and every `.venv/bin/charon` command in it is
@@ -24,6 +27,7 @@ class Block:
     lang: str
     code: str
     fragment: bool
+    needs: str | None = None
 
     @property
     def snippets(self) -> list[str]:
@@ -58,6 +62,7 @@ def blocks() -> list[Block]:
                 j += 1
             body = "\n".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in lines[i + 1:j])
             prev = next((lines[k].strip() for k in range(start - 1, -1, -1) if lines[k].strip()), "")
-            out.append(Block(page.relative_to(DOCS).as_posix(), start + 1, lang, body + "\n", prev == FRAGMENT))
+            needs = n.group(1) if (n := NEEDS.match(prev)) else None
+            out.append(Block(page.relative_to(DOCS).as_posix(), start + 1, lang, body + "\n", prev == FRAGMENT, needs))
             i = j + 1
     return out
