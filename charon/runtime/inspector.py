@@ -82,8 +82,7 @@ class AbortLog:
             LOG.warning("suppressed %d aborts (more than %g per second)", self.suppressed, self.rate,
                         extra={"suppressed": self.suppressed})
             self.suppressed = 0
-        LOG.warning("request %s aborted: %s.%s on key %r raised %s: %s%s", rid, op, fn, key, etype, message,
-                    "\n" + tb.rstrip() if tb else "",
+        LOG.warning("request %s aborted: %s.%s on key %r raised %s: %s", rid, op, fn, key, etype, message,
                     extra={"request_id": rid, "operator": op, "function": fn, "key": key, "error_type": etype,
                            "error_message": message, "traceback": tb})
 

@@ -166,6 +166,7 @@ NOT_READS = {
     "code_update_modes", "pause", "resume", "control_status", "controller", "engine", "direct_enqueue", "backlog",
     "finish_lock", "retire_previous", "run_parked", "set_previous", "switch_app",
     "dead_letters", "in_engine", "verdict_book", "watchdog", "determinism_check",
+    "inspector",  # the invocation inspector: records fed as replies go out (their reply, call graph), never state
 }
 #: the engine's own methods, the only ones allowed the unguarded stores and stream log
 ENGINE_ONLY = {"__init__", "_units", "_recover", "_probe", "_probe_run", "stores", "streams", "_stream_log",
