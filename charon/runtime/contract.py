@@ -389,8 +389,11 @@ class Controls(abc.ABC):
 
     @abc.abstractmethod
     async def inspect(self, operator: str, keys: list[str] | None = None, epoch: int | None = None,
-                      limit: int = 10_000) -> Inspection:
-        """``operator``'s rows as of one committed epoch (default: the last); :class:`EpochNotRetained`."""
+                      limit: int = 10_000, *, after: str | None = None, prefix: str = "") -> Inspection:
+        """``operator``'s rows as of one committed epoch (default: the last); :class:`EpochNotRetained`. The
+        entities ``keys``, or a page: the first ``limit`` entities in key order (UTF-8 bytes) that sort after
+        ``after`` and start with ``prefix``, read at the cost of the page (pass the first page's epoch to read
+        the next ones from the same cut)."""
 
     @abc.abstractmethod
     async def sql(self, query: str, epoch: int | None = None, *, max_rows: int = 1000, timeout_s: float = 30.0,

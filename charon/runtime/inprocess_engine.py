@@ -115,13 +115,13 @@ class InProcessEngine(HostedEngine):
             stuck=rt.watchdog.stuck, dead_letters=dict(rt.verdict_book.counts))
 
     async def inspect(self, operator: str, keys: list[str] | None = None, epoch: int | None = None,
-                      limit: int = 10_000) -> Inspection:
+                      limit: int = 10_000, *, after: str | None = None, prefix: str = "") -> Inspection:
         """Rows as of ``epoch`` (default: the last committed one): the live stores between two epochs or, for an
         earlier epoch, the durable copy."""
         rt = self.rt
         last = rt.epoch - 1
         if epoch is None or epoch == last:
-            return Inspection(last, read_stores(rt.stores, operator, keys, limit))
+            return Inspection(last, read_stores(rt.stores, operator, keys, limit, after, prefix))
         if epoch > last or epoch < -1:
             raise EpochNotRetained(f"epoch {epoch} is not committed (the last committed epoch is {last})")
         node = rt.node
@@ -133,7 +133,8 @@ class InProcessEngine(HostedEngine):
         if epoch not in retained:
             raise EpochNotRetained(f"the state as of epoch {epoch} is not retained (retained: the checkpoints "
                                    f"{retained[-20:]} and the last committed epoch {last})")
-        rows = await asyncio.to_thread(read_durable, node.durable, rt.partitions, operator, epoch, keys, limit)
+        rows = await asyncio.to_thread(read_durable, node.durable, rt.partitions, operator, epoch, keys, limit,
+                                       after, prefix)
         return Inspection(epoch, rows)
 
     async def sql(self, query: str, epoch: int | None = None, *, max_rows: int = 1000, timeout_s: float = 30.0,

@@ -376,11 +376,13 @@ class DurableState:
         with self.fs.open_arrow(path) as src:
             return ipc.open_file(src).read_all()
 
-    def _merge_table(self, pid: int, m: Manifest, upto: int) -> tuple[pa.Table, int]:
+    def _merge_table(self, pid: int, m: Manifest, upto: int,
+                     bounds: tuple[bytes, bytes] | None = None) -> tuple[pa.Table, int]:
         """As :meth:`_merge`, in Arrow (no Python object per item): the base and the deltas ≤ ``upto``
         concatenated, sorted by key with the newest write first, the first row per key kept, deletes dropped.
         The result is sorted by key; it may reference the memory-mapped files, which stay mapped while it lives
-        (on Linux even after a later compaction deleted them)."""
+        (on Linux even after a later compaction deleted them). ``bounds``: only the keys ``lo <= key < hi``
+        (each file filtered before the merge, so the sort covers that range only)."""
         import pyarrow.compute as pc
 
         if m.base_epoch > upto:
@@ -390,6 +392,9 @@ class DurableState:
         parts = []
         for order, path in enumerate(paths):  # order: base 0, then deltas oldest first
             t = self._read_table(path)
+            if bounds is not None:
+                t = t.filter(pc.and_(pc.greater_equal(t.column("key"), pa.scalar(bounds[0], pa.binary())),
+                                     pc.less(t.column("key"), pa.scalar(bounds[1], pa.binary()))))
             parts.append(pa.table({"key": t.column("key"), "value": t.column("value"),
                                    "order": pa.repeat(pa.scalar(order, pa.int32()), t.num_rows)}))
         reached = min(upto, m.epoch)
@@ -413,6 +418,15 @@ class DurableState:
         def attempt() -> tuple[pa.Table, int]:
             m = self.manifest(pid)
             return self._merge_table(pid, m, m.epoch if upto_epoch is None else upto_epoch)
+
+        return self._retry(attempt)
+
+    def load_range(self, pid: int, upto_epoch: int, lo: bytes, hi: bytes) -> tuple[pa.Table, int]:
+        """As :meth:`load_table`, only the keys ``lo <= key < hi`` (a page of the state browser): the files are
+        memory-mapped and filtered in Arrow, no Python object per row outside the range."""
+
+        def attempt() -> tuple[pa.Table, int]:
+            return self._merge_table(pid, self.manifest(pid), upto_epoch, (lo, hi))
 
         return self._retry(attempt)
 
