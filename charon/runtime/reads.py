@@ -4,8 +4,8 @@ epoch, never mixing two; an epoch older than the durable copy's base is refused 
 
 A read of every entity is a page: the first ``limit`` entities in key order (UTF-8 bytes) after the key
 ``after`` whose keys start with ``prefix``, merged across partitions. Each partition is read from the page's
-first key on (the live stores are sorted; the durable copy's files are filtered in Arrow before the merge), so a
-page costs its own rows, not the operator's.
+first key on, lazily (the live stores are sorted; the durable copy's files are sorted and entered by binary
+search: :meth:`DurableState.iter_range`), so a page costs its own rows, not the operator's.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from charon.state.store import MemoryStore
 __all__ = ["check_entities", "decode_entities", "entity_count", "key_range", "node_retained_epochs", "read_durable",
            "read_stores", "retained_from"]
 
-#: rows are converted from Arrow to Python this many at a time while a page is filled
-_CHUNK = 256
 
 
 def decode_entities(rows: dict[bytes, bytes], operator: str) -> dict[str, dict[str, Any]]:
@@ -107,13 +105,6 @@ def _page(sources: list[Iterable[tuple[bytes, bytes]]], limit: int) -> dict[byte
     return rows
 
 
-def _arrow_rows(table: Any) -> Iterator[tuple[bytes, bytes]]:
-    """A sorted Arrow ``(key, value)`` table's rows, converted a chunk at a time."""
-    for off in range(0, table.num_rows, _CHUNK):
-        part = table.slice(off, _CHUNK)
-        yield from zip(part.column("key").to_pylist(), part.column("value").to_pylist(), strict=True)
-
-
 def read_stores(stores: list[MemoryStore], operator: str, keys: list[str] | None, limit: int,
                 after: str | None = None, prefix: str = "") -> dict[bytes, bytes]:
     """The committed rows of ``operator`` in live stores (call it at an epoch boundary): the entities ``keys``,
@@ -140,8 +131,8 @@ def read_durable(
     try:
         if keys is None:
             lo, hi = key_range(operator, after, prefix)
-            return _page([_arrow_rows(durable.load_range(pid, epoch, lo, hi)[0]) for pid in range(partitions)],
-                         limit)
+            window = max(16, min(limit, 4096))
+            return _page([durable.iter_range(pid, epoch, lo, hi, window) for pid in range(partitions)], limit)
         rows: dict[bytes, bytes] = {}
         for pid, wanted in sorted((_wanted(operator, keys, partitions) or {}).items()):
             state, _ = durable.load(pid, epoch)

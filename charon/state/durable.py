@@ -185,6 +185,20 @@ def _write_table(f: BinaryIO, rows: Iterable[tuple[bytes, bytes | None]], meta: 
     return ascending
 
 
+def _bisect(keys: pa.Array, key: bytes, *, right: bool, start: int = 0, end: int | None = None) -> int:
+    """The first index of the sorted ``keys`` (in ``[start, end)``) holding a key above ``key`` (``right``) or at
+    or above it."""
+    lo, hi = start, len(keys) if end is None else end
+    while lo < hi:
+        mid = (lo + hi) // 2
+        k = keys[mid].as_py()
+        if k < key or (right and k == key):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 class DurableState:
     """Base snapshot + per-epoch deltas for every partition under ``root`` (a local directory for now)."""
 
@@ -376,13 +390,11 @@ class DurableState:
         with self.fs.open_arrow(path) as src:
             return ipc.open_file(src).read_all()
 
-    def _merge_table(self, pid: int, m: Manifest, upto: int,
-                     bounds: tuple[bytes, bytes] | None = None) -> tuple[pa.Table, int]:
+    def _merge_table(self, pid: int, m: Manifest, upto: int) -> tuple[pa.Table, int]:
         """As :meth:`_merge`, in Arrow (no Python object per item): the base and the deltas ≤ ``upto``
         concatenated, sorted by key with the newest write first, the first row per key kept, deletes dropped.
         The result is sorted by key; it may reference the memory-mapped files, which stay mapped while it lives
-        (on Linux even after a later compaction deleted them). ``bounds``: only the keys ``lo <= key < hi``
-        (each file filtered before the merge, so the sort covers that range only)."""
+        (on Linux even after a later compaction deleted them)."""
         import pyarrow.compute as pc
 
         if m.base_epoch > upto:
@@ -392,9 +404,6 @@ class DurableState:
         parts = []
         for order, path in enumerate(paths):  # order: base 0, then deltas oldest first
             t = self._read_table(path)
-            if bounds is not None:
-                t = t.filter(pc.and_(pc.greater_equal(t.column("key"), pa.scalar(bounds[0], pa.binary())),
-                                     pc.less(t.column("key"), pa.scalar(bounds[1], pa.binary()))))
             parts.append(pa.table({"key": t.column("key"), "value": t.column("value"),
                                    "order": pa.repeat(pa.scalar(order, pa.int32()), t.num_rows)}))
         reached = min(upto, m.epoch)
@@ -421,14 +430,42 @@ class DurableState:
 
         return self._retry(attempt)
 
-    def load_range(self, pid: int, upto_epoch: int, lo: bytes, hi: bytes) -> tuple[pa.Table, int]:
-        """As :meth:`load_table`, only the keys ``lo <= key < hi`` (a page of the state browser): the files are
-        memory-mapped and filtered in Arrow, no Python object per row outside the range."""
+    def iter_range(self, pid: int, upto_epoch: int, lo: bytes, hi: bytes,
+                   window: int = 256) -> Iterator[tuple[bytes, bytes]]:
+        """The state's rows ``lo <= key < hi`` as of ``upto_epoch``, in key order, lazily: every file (sorted by
+        key, memory-mapped) is entered by binary search and read ``window`` rows at a time (doubling), merged
+        only up to the smallest key every file was read past, so a page costs about its own rows, not the
+        state's. Raises :class:`DurableStateError` if the base is already newer than ``upto_epoch``."""
 
-        def attempt() -> tuple[pa.Table, int]:
-            return self._merge_table(pid, self.manifest(pid), upto_epoch, (lo, hi))
+        def open_files() -> list[pa.Array]:
+            m = self.manifest(pid)
+            if m.base_epoch > upto_epoch:
+                raise DurableStateError(f"p{pid}: state as of {upto_epoch} was compacted into base {m.base_epoch}")
+            paths = ([self._path(pid, m.base)] if m.base is not None else []) + [
+                self._path(pid, self._delta_name(e)) for e in m.deltas if e <= upto_epoch]
+            tables = [self._read_table(path) for path in paths]  # oldest first: a later row wins
+            return [t.combine_chunks() for t in tables]
 
-        return self._retry(attempt)
+        tables = self._retry(open_files)
+        keys = [t.column("key").chunk(0) if t.num_rows else pa.array([], pa.binary()) for t in tables]
+        values = [t.column("value").chunk(0) if t.num_rows else pa.array([], pa.binary()) for t in tables]
+        starts = [_bisect(k, lo, right=False) for k in keys]
+        ends = [_bisect(k, hi, right=False) for k in keys]
+        while any(s < e for s, e in zip(starts, ends, strict=True)):
+            stops = [min(s + window, e) for s, e in zip(starts, ends, strict=True)]
+            more = [k[stop - 1].as_py() for k, stop, e in zip(keys, stops, ends, strict=True) if stop < e]
+            cut = min(more) if more else None  # every file is read up to and including this key
+            merged: dict[bytes, bytes | None] = {}
+            for f, (k, v) in enumerate(zip(keys, values, strict=True)):
+                stop = stops[f] if cut is None else _bisect(k, cut, right=True, start=starts[f], end=ends[f])
+                merged.update(zip(k.slice(starts[f], stop - starts[f]).to_pylist(),
+                                  v.slice(starts[f], stop - starts[f]).to_pylist(), strict=True))
+                starts[f] = stop
+            for key in sorted(merged):
+                value = merged[key]
+                if value is not None:
+                    yield key, value
+            window *= 2
 
     def load(self, pid: int, upto_epoch: int | None = None) -> tuple[dict[bytes, bytes], int]:
         """The state as of ``upto_epoch`` (default: latest): base merged with deltas ≤ upto_epoch.
