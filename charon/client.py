@@ -618,7 +618,7 @@ class Client(_Base):
                                           headers=self.headers))
 
     def iter_state(self, operator: str, *, limit: int = 1000, prefix: str | None = None,
-                   epoch: int | None = None) -> Iterator[dict[str, Any]]:
+                   epoch: int | None = None) -> Iterator[dict[str, object]]:
         """Every page of ``operator``'s entities (:meth:`read_state`), all read at the first page's epoch."""
         doc = self.read_state(operator, epoch=epoch, limit=limit, prefix=prefix)
         yield doc
