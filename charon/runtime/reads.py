@@ -20,8 +20,8 @@ from charon.runtime.contract import EpochNotRetained, StateTooLarge
 from charon.state.durable import DurableState, DurableStateError
 from charon.state.store import MemoryStore
 
-__all__ = ["check_entities", "decode_entities", "entity_count", "key_range", "node_retained_epochs", "read_durable",
-           "read_stores", "retained_from"]
+__all__ = ["check_entities", "decode_entities", "entity_count", "key_range", "node_retained_epochs", "page_durable",
+           "page_stores", "read_durable", "read_stores", "retained_from"]
 
 
 
@@ -93,16 +93,24 @@ def _grouped(rows: Iterable[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, list[
         yield cur, group
 
 
-def _page(sources: list[Iterable[tuple[bytes, bytes]]], limit: int) -> dict[bytes, bytes]:
+def _page(sources: list[Iterable[tuple[bytes, bytes]]], limit: int,
+          max_bytes: int | None = None) -> tuple[dict[bytes, bytes], bool]:
     """The rows of the first ``limit`` entities of the partitions' sorted rows (an entity lives in one
-    partition), pulled lazily: the partitions are read no further than the page."""
+    partition), pulled lazily: the partitions are read no further than the page. With ``max_bytes`` the page
+    stops before the entity that would take its rows (keys and values) past it (the first entity always comes):
+    ``(rows, True)`` then, as more entities follow."""
     rows: dict[bytes, bytes] = {}
+    size = 0
     merged = heapq.merge(*(_grouped(s) for s in sources), key=lambda e: e[0])
     for n, (_, group) in enumerate(merged):
         if n >= limit:
             break
+        more = sum(len(k) + len(v) for k, v in group)
+        if max_bytes is not None and n and size + more > max_bytes:
+            return rows, True
         rows.update(group)
-    return rows
+        size += more
+    return rows, False
 
 
 def read_stores(stores: list[MemoryStore], operator: str, keys: list[str] | None, limit: int,
@@ -110,12 +118,18 @@ def read_stores(stores: list[MemoryStore], operator: str, keys: list[str] | None
     """The committed rows of ``operator`` in live stores (call it at an epoch boundary): the entities ``keys``,
     or the page of at most ``limit`` entities after ``after`` starting with ``prefix``."""
     if keys is None:
-        lo, hi = key_range(operator, after, prefix)
-        return _page([s.range(lo, hi) for s in stores], limit)
+        return page_stores(stores, operator, limit, after, prefix)[0]
     rows: dict[bytes, bytes] = {}
     for pid, wanted in sorted((_wanted(operator, keys, len(stores)) or {}).items()):
         rows.update(_pick(stores[pid], operator, wanted))
     return rows
+
+
+def page_stores(stores: list[MemoryStore], operator: str, limit: int, after: str | None = None, prefix: str = "",
+                max_bytes: int | None = None) -> tuple[dict[bytes, bytes], bool]:
+    """A page of ``operator``'s entities in the live stores: ``(rows, stopped at max_bytes)``."""
+    lo, hi = key_range(operator, after, prefix)
+    return _page([s.range(lo, hi) for s in stores], limit, max_bytes)
 
 
 def entity_count(rows: dict[bytes, bytes]) -> int:
@@ -128,16 +142,28 @@ def read_durable(
 ) -> dict[bytes, bytes]:
     """The rows of ``operator`` as of ``epoch`` from the durable copy (every partition at the same epoch): the
     entities ``keys``, or a page as :func:`read_stores`."""
+    if keys is None:
+        return page_durable(durable, partitions, operator, epoch, limit, after, prefix)[0]
+    rows: dict[bytes, bytes] = {}
     try:
-        if keys is None:
-            lo, hi = key_range(operator, after, prefix)
-            window = max(16, min(limit, 4096))
-            return _page([durable.iter_range(pid, epoch, lo, hi, window) for pid in range(partitions)], limit)
-        rows: dict[bytes, bytes] = {}
         for pid, wanted in sorted((_wanted(operator, keys, partitions) or {}).items()):
             state, _ = durable.load(pid, epoch)
             rows.update(_pick(state, operator, wanted))
-        return rows
+    except DurableStateError as exc:
+        raise EpochNotRetained(f"the state as of epoch {epoch} is no longer retained: {exc}") from None
+    return rows
+
+
+def page_durable(
+    durable: DurableState, partitions: int, operator: str, epoch: int, limit: int, after: str | None = None,
+    prefix: str = "", max_bytes: int | None = None,
+) -> tuple[dict[bytes, bytes], bool]:
+    """A page of ``operator``'s entities as of ``epoch`` in the durable copy: ``(rows, stopped at max_bytes)``."""
+    lo, hi = key_range(operator, after, prefix)
+    window = max(16, min(limit, 4096))
+    try:
+        return _page([durable.iter_range(pid, epoch, lo, hi, window) for pid in range(partitions)], limit,
+                     max_bytes)
     except DurableStateError as exc:
         raise EpochNotRetained(f"the state as of epoch {epoch} is no longer retained: {exc}") from None
 

@@ -13,7 +13,8 @@
   else 410 ``EpochNotRetained``): ``{"operator", "epoch", "entities": {key: value}, "items": {key: {item:
   value}}, "count", "truncated", "next"}``. Every entity of one answer is read at the same epoch; ``next`` is
   the ``after`` of the following page (null on the last one): pass it with the first page's ``epoch`` to read
-  the next page from the same cut. A page costs its own rows, not the operator's.
+  the next page from the same cut. A page costs its own rows, not the operator's, and holds at most
+  ``max_scan_bytes`` of them (it stops early, with ``next``; a bigger entity comes alone).
 - ``POST /admin/update`` ``{"id", "operator", "function", "args": [...], "keys": [...]?}``: a serializable
   admin update (both runtimes): the deployed ``function`` runs on every
   key (default: every entity of the operator), alone at an epoch boundary, once per ``id`` (a repeat answers
@@ -219,7 +220,7 @@ def _count(name: str, v: object, cap: int) -> int | None:
     return v
 
 
-def _entities(rows: dict[bytes, bytes], limit: int) -> dict[str, object]:
+def _entities(rows: dict[bytes, bytes], limit: int, more: bool = False) -> dict[str, object]:
     """An inspection's store rows as ``{"entities", "items", "count", "truncated", "next"}``: at most ``limit``
     entities in key order, each with its value and its own items; ``next``: the cursor of the following page (the
     last key shown) when there are more, else None."""
@@ -234,7 +235,7 @@ def _entities(rows: dict[bytes, bytes], limit: int) -> dict[str, object]:
         else:
             entities.setdefault(key, None)
             items.setdefault(key, {})[item.lstrip("\x01")] = serde.decode(v)
-    truncated = len({split_store_key(k)[1] for k in rows}) > limit
+    truncated = more or len({split_store_key(k)[1] for k in rows}) > limit  # more: stopped at max_scan_bytes
     last = next(reversed(entities)) if entities else None
     return {"entities": entities, "items": items, "count": len(entities), "truncated": truncated,
             "next": last if truncated else None}
@@ -364,10 +365,12 @@ class AdminRoutes:
         if limit is None or limit < 1 or limit > cap:
             raise HTTPError("BadRequest", f"limit must be 1..{cap} (max_scan)")
         try:
-            got = await _controls(gw).inspect(operator, keys, epoch, limit + 1, after=after, prefix=prefix)
+            got = await _controls(gw).inspect(operator, keys, epoch, limit + 1, after=after, prefix=prefix,
+                                              max_bytes=gw.cfg.max_scan_bytes)
         except EpochNotRetained as exc:
             raise HTTPError("EpochNotRetained", str(exc)) from None
-        return respond(request, 200, {"operator": operator, "epoch": got.epoch, **_entities(got.rows, limit)})
+        return respond(request, 200, {"operator": operator, "epoch": got.epoch,
+                                      **_entities(got.rows, limit, got.more)})
 
     async def update(self, request: HTTPRequest) -> Response:
         gw = self.gw

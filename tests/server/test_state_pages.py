@@ -18,6 +18,7 @@ import pytest
 from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.client import Client
+from charon.config import GatewayConfig
 from charon.errors import CharonError
 from charon.server.serve import BackgroundServer
 
@@ -105,5 +106,20 @@ def test_durable_pages_stay_on_the_first_pages_cut(tmp_path) -> None:
             assert list(third["entities"]) == ALL[200:] and third["next"] is None
             total = {**first["entities"], **second["entities"], **third["entities"]}
             assert sum(total.values()) == N * BALANCE + 1  # that cut: the first deposit, not the later one
+    finally:
+        rt.close()
+
+
+def test_a_page_stops_at_max_scan_bytes_with_next() -> None:
+    rt = InProcessRuntime(ycsb.app, partitions=4, epoch_max_ms=2.0)
+    rt.load("account", {ycsb.key(i): "x" * 1000 for i in range(30)})  # ~1 KB an entity
+    cfg = GatewayConfig(max_scan_bytes=5_000)
+    try:
+        with BackgroundServer(rt, token=TOKEN, config=cfg) as srv, Client(srv.url, token=TOKEN) as c:
+            first = c.read_state("account", limit=100)
+            assert first["count"] == 4 and first["truncated"] is True and first["next"] == sorted(first["entities"])[-1]
+            pages = list(c.iter_state("account", limit=100))
+            assert all(p["count"] <= 4 for p in pages) and pages[-1]["next"] is None
+            assert [k for p in pages for k in p["entities"]] == sorted(ycsb.key(i) for i in range(30))
     finally:
         rt.close()

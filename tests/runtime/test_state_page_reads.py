@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from charon import serde
 from charon.core.routing import partition_of, store_key
 from charon.runtime.contract import EpochNotRetained
-from charon.runtime.reads import decode_entities, key_range, read_durable, read_stores
+from charon.runtime.reads import decode_entities, key_range, page_stores, read_durable, read_stores
 from charon.state.durable import DurableState
 from charon.state.store import MemoryStore
 
@@ -111,6 +111,26 @@ class _Counting(MemoryStore):
         for row in super().range(lo, hi):
             _Counting.pulled += 1
             yield row
+
+
+@settings(max_examples=40, deadline=None)
+@given(model=ENTITIES, max_bytes=st.integers(1, 120), partitions=st.integers(1, 3))
+def test_a_page_holds_at_most_max_bytes_of_rows_and_paging_still_covers_every_entity(model, max_bytes,
+                                                                                      partitions) -> None:
+    stores = _stores(_rows(model), partitions)
+    seen: list[str] = []
+    after = None
+    while True:
+        rows, more = page_stores(stores, OP, 1000, after, "", max_bytes)
+        keys = sorted(decode_entities(rows, OP), key=lambda k: k.encode())
+        size = sum(len(k) + len(v) for k, v in rows.items())
+        assert size <= max_bytes or len(keys) == 1, (size, keys)  # a bigger entity comes alone
+        seen += keys
+        if not more:
+            break
+        assert keys, "a page stopped by its bytes holds at least one entity"
+        after = keys[-1]
+    assert seen == _expected(model, "")
 
 
 def test_a_live_page_pulls_its_own_rows_not_the_operators() -> None:
