@@ -185,7 +185,7 @@ def _write_table(f: BinaryIO, rows: Iterable[tuple[bytes, bytes | None]], meta: 
     return ascending
 
 
-def _bisect(keys: pa.Array, key: bytes, *, right: bool, start: int = 0, end: int | None = None) -> int:
+def _bisect(keys: pa.ChunkedArray, key: bytes, *, right: bool, start: int = 0, end: int | None = None) -> int:
     """The first index of the sorted ``keys`` (in ``[start, end)``) holding a key above ``key`` (``right``) or at
     or above it."""
     lo, hi = start, len(keys) if end is None else end
@@ -437,18 +437,17 @@ class DurableState:
         only up to the smallest key every file was read past, so a page costs about its own rows, not the
         state's. Raises :class:`DurableStateError` if the base is already newer than ``upto_epoch``."""
 
-        def open_files() -> list[pa.Array]:
+        def open_files() -> list[pa.Table]:
             m = self.manifest(pid)
             if m.base_epoch > upto_epoch:
                 raise DurableStateError(f"p{pid}: state as of {upto_epoch} was compacted into base {m.base_epoch}")
             paths = ([self._path(pid, m.base)] if m.base is not None else []) + [
                 self._path(pid, self._delta_name(e)) for e in m.deltas if e <= upto_epoch]
-            tables = [self._read_table(path) for path in paths]  # oldest first: a later row wins
-            return [t.combine_chunks() for t in tables]
+            return [self._read_table(path) for path in paths]  # oldest first: a later row wins
 
-        tables = self._retry(open_files)
-        keys = [t.column("key").chunk(0) if t.num_rows else pa.array([], pa.binary()) for t in tables]
-        values = [t.column("value").chunk(0) if t.num_rows else pa.array([], pa.binary()) for t in tables]
+        tables = self._retry(open_files)  # written sorted by key; mapped, never copied (chunks stay as written)
+        keys = [t.column("key") for t in tables]
+        values = [t.column("value") for t in tables]
         starts = [_bisect(k, lo, right=False) for k in keys]
         ends = [_bisect(k, hi, right=False) for k in keys]
         while any(s < e for s, e in zip(starts, ends, strict=True)):

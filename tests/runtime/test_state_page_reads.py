@@ -153,3 +153,16 @@ def test_key_range_bounds() -> None:
     assert lo == b"acct\0ab\x01" and hi == b"acct\0b"
     assert key_range(OP, None, "") == (b"acct\0", b"acct\x01")
     assert key_range(OP, "a", "b")[0] == b"acct\0b"  # after sorts before the prefix: the prefix's first key
+
+
+def test_durable_pages_across_the_record_batches_of_a_big_base(tmp_path) -> None:
+    n = 70_000  # more than one record batch (BATCH_ROWS) in the base file
+    d = DurableState(str(tmp_path), fsync=False)
+    d.write_base(0, 0, sorted((store_key(OP, f"k{i:06d}"), serde.encode(i)) for i in range(n)))
+    d.write_delta(0, 1, {store_key(OP, "k065535"): None, store_key(OP, "k065536x"): serde.encode(-1),
+                         store_key(OP, "k065537"): serde.encode(7)})
+    got = decode_entities(read_durable(d, 1, OP, 1, None, 5, "k065534", ""), OP)
+    assert sorted(got) == ["k065536", "k065536x", "k065537", "k065538", "k065539"]
+    assert got["k065536x"]["value"] == -1 and got["k065537"]["value"] == 7
+    before = decode_entities(read_durable(d, 1, OP, 0, None, 3, "k065534", ""), OP)
+    assert {k: e["value"] for k, e in before.items()} == {"k065535": 65535, "k065536": 65536, "k065537": 65537}
