@@ -641,14 +641,19 @@ def read_state(
     operator: str = typer.Argument(..., help="Operator name."),
     keys: list[str] = typer.Argument(None, help="Entity keys (default: every entity, up to --limit)."),
     epoch: int | None = typer.Option(None, help="An earlier epoch still retained (default: the latest)."),
-    limit: int | None = typer.Option(None, min=1, help="Most entities to return."),
+    limit: int | None = typer.Option(None, min=1, help="Most entities to return (a page; at most max_scan)."),
+    after: str | None = typer.Option(None, help="Page on: the entities whose key sorts after this one (the "
+                                     "previous page's next; give its --epoch too for the same cut)."),
+    prefix: str | None = typer.Option(None, help="Only the entities whose key starts with this."),
     internal: bool = typer.Option(False, "--internal", help="Also show the engine's internal items (the "
                                   "entities' pending timers), hidden by default."),
     url: str = UrlOpt,
     token: str | None = TokenOpt,
 ) -> None:
-    """Print OPERATOR's entities as of one committed epoch (one consistent cut) as JSON, with that epoch."""
-    cut = _admin(url, token, lambda c: c.read_state(operator, keys or None, epoch=epoch, limit=limit))
+    """Print OPERATOR's entities as of one committed epoch (one consistent cut) as JSON, with that epoch and
+    ``next``, the --after of the following page (null on the last)."""
+    cut = _admin(url, token, lambda c: c.read_state(operator, keys or None, epoch=epoch, limit=limit, after=after,
+                                                    prefix=prefix))
     _print_json(cut if internal else hide_internal(cut))
 
 

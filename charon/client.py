@@ -332,12 +332,17 @@ class _Base:
         return {**self.headers, "Content-Type": MSGPACK, "Idempotency-Key": request_id}
 
     @staticmethod
-    def _scan_params(keys: Sequence[str] | None, epoch: int | None, limit: int | None) -> list[tuple[str, Any]]:
+    def _scan_params(keys: Sequence[str] | None, epoch: int | None, limit: int | None, after: str | None = None,
+                     prefix: str | None = None) -> list[tuple[str, Any]]:
         params: list[tuple[str, Any]] = [("key", check_key(k)) for k in keys or ()]
         if epoch is not None:
             params.append(("epoch", int(epoch)))
         if limit is not None:
             params.append(("limit", int(limit)))
+        if after is not None:
+            params.append(("after", check_key(after)))
+        if prefix:
+            params.append(("prefix", prefix))
         return params
 
     @staticmethod
@@ -563,12 +568,26 @@ class Client(_Base):
         return self._admin_doc(resp)
 
     def read_state(
-        self, operator: str, keys: Sequence[str] | None = None, *, epoch: int | None = None, limit: int | None = None
+        self, operator: str, keys: Sequence[str] | None = None, *, epoch: int | None = None, limit: int | None = None,
+        after: str | None = None, prefix: str | None = None,
     ) -> dict[str, Any]:
-        """Entities of ``operator`` (``keys``, or all up to ``limit``) as of one committed epoch (default: the
-        latest): ``{"epoch", "entities": {key: value}, "items": {key: {item: value}}, "count", "truncated"}``."""
+        """Entities of ``operator`` (``keys``, or a page: the first ``limit`` in key order after the key ``after``
+        starting with ``prefix``) as of one committed epoch (default: the latest): ``{"epoch", "entities": {key:
+        value}, "items": {key: {item: value}}, "count", "truncated", "next"}``. For the following page pass
+        ``after=doc["next"], epoch=doc["epoch"]`` (the same cut; ``EpochNotRetained`` once the engine dropped
+        it); :meth:`iter_state` does."""
         return self._admin_doc(self._send("GET", f"/admin/state/{_segment(operator)}",
-                                          params=self._scan_params(keys, epoch, limit), headers=self.headers))
+                                          params=self._scan_params(keys, epoch, limit, after, prefix),
+                                          headers=self.headers))
+
+    def iter_state(self, operator: str, *, limit: int = 1000, prefix: str | None = None,
+                   epoch: int | None = None) -> Iterator[dict[str, object]]:
+        """Every page of ``operator``'s entities (:meth:`read_state`), all read at the first page's epoch."""
+        doc = self.read_state(operator, epoch=epoch, limit=limit, prefix=prefix)
+        yield doc
+        while doc.get("next") is not None:
+            doc = self.read_state(operator, epoch=doc["epoch"], limit=limit, prefix=prefix, after=doc["next"])
+            yield doc
 
     def admin_update(
         self, update_id: str, operator: str, function: str, *args: object, keys: Sequence[str] | None = None
@@ -851,11 +870,13 @@ class AsyncClient(_Base):
         return self._admin_doc(resp)
 
     async def read_state(
-        self, operator: str, keys: Sequence[str] | None = None, *, epoch: int | None = None, limit: int | None = None
+        self, operator: str, keys: Sequence[str] | None = None, *, epoch: int | None = None, limit: int | None = None,
+        after: str | None = None, prefix: str | None = None,
     ) -> dict[str, Any]:
         """Entities of ``operator`` as of one committed epoch (see :meth:`Client.read_state`)."""
         return self._admin_doc(await self._send("GET", f"/admin/state/{_segment(operator)}",
-                                                params=self._scan_params(keys, epoch, limit), headers=self.headers))
+                                                params=self._scan_params(keys, epoch, limit, after, prefix),
+                                                headers=self.headers))
 
     async def sql(self, query: str, epoch: int | None = None) -> dict[str, Any]:
         """See :meth:`Client.sql`."""

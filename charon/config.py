@@ -167,6 +167,7 @@ class GatewayConfig:
     stream_max_waiters: int = 256  # concurrent long polls and server-sent-event connections (503 above)
     stream_sse_seconds: float = 300.0  # a server-sent-event connection ends after this; resume by offset
     max_scan: int = 10_000  # most entities one admin state read returns (/admin/state)
+    max_scan_bytes: int = 8 << 20  # most bytes of entity rows one /admin/state page holds (it stops early, with next)
     max_partitions: int = 64  # largest engine partition count POST /admin/rescale accepts (400 above)
     code_refs: str | None = None  # comma-separated "module:attribute" refs /admin/code may deploy (None: none)
     sql_max_rows: int = 1000  # rows one /admin/sql answer returns (the rest: "truncated": true)

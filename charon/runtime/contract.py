@@ -112,10 +112,12 @@ class ControlStatus(Result, kw_only=True):
 
 
 class Inspection(msgspec.Struct, frozen=True):
-    """An operator's store rows as of one committed epoch (one consistent cut)."""
+    """An operator's store rows as of one committed epoch (one consistent cut); ``more``: a page stopped at its
+    ``max_bytes`` before the entities that follow."""
 
     epoch: int
     rows: dict[bytes, bytes]
+    more: bool = False
 
 
 class SqlResult(Result, kw_only=True):
@@ -371,8 +373,12 @@ class Controls(abc.ABC):
 
     @abc.abstractmethod
     async def inspect(self, operator: str, keys: list[str] | None = None, epoch: int | None = None,
-                      limit: int = 10_000) -> Inspection:
-        """``operator``'s rows as of one committed epoch (default: the last); :class:`EpochNotRetained`."""
+                      limit: int = 10_000, *, after: str | None = None, prefix: str = "",
+                      max_bytes: int | None = None) -> Inspection:
+        """``operator``'s rows as of one committed epoch (default: the last); :class:`EpochNotRetained`. The
+        entities ``keys``, or a page: the first ``limit`` entities in key order (UTF-8 bytes) that sort after
+        ``after`` and start with ``prefix``, at most ``max_bytes`` of rows (the first entity always comes),
+        read at the cost of the page (pass the first page's epoch to read the next ones from the same cut)."""
 
     @abc.abstractmethod
     async def sql(self, query: str, epoch: int | None = None, *, max_rows: int = 1000, timeout_s: float = 30.0,

@@ -40,7 +40,14 @@ from charon.runtime.contract import (
     UpdateOutcome,
 )
 from charon.runtime.controls import GatedControls, HostedEngine
-from charon.runtime.reads import check_entities, node_retained_epochs, read_durable, read_stores
+from charon.runtime.reads import (
+    check_entities,
+    node_retained_epochs,
+    page_durable,
+    page_stores,
+    read_durable,
+    read_stores,
+)
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
     from charon.operator import Application
@@ -115,12 +122,15 @@ class InProcessEngine(HostedEngine):
             stuck=rt.watchdog.stuck, dead_letters=dict(rt.verdict_book.counts))
 
     async def inspect(self, operator: str, keys: list[str] | None = None, epoch: int | None = None,
-                      limit: int = 10_000) -> Inspection:
+                      limit: int = 10_000, *, after: str | None = None, prefix: str = "",
+                      max_bytes: int | None = None) -> Inspection:
         """Rows as of ``epoch`` (default: the last committed one): the live stores between two epochs or, for an
         earlier epoch, the durable copy."""
         rt = self.rt
         last = rt.epoch - 1
         if epoch is None or epoch == last:
+            if keys is None:
+                return Inspection(last, *page_stores(rt.stores, operator, limit, after, prefix, max_bytes))
             return Inspection(last, read_stores(rt.stores, operator, keys, limit))
         if epoch > last or epoch < -1:
             raise EpochNotRetained(f"epoch {epoch} is not committed (the last committed epoch is {last})")
@@ -133,6 +143,9 @@ class InProcessEngine(HostedEngine):
         if epoch not in retained:
             raise EpochNotRetained(f"the state as of epoch {epoch} is not retained (retained: the checkpoints "
                                    f"{retained[-20:]} and the last committed epoch {last})")
+        if keys is None:
+            return Inspection(epoch, *await asyncio.to_thread(page_durable, node.durable, rt.partitions, operator,
+                                                              epoch, limit, after, prefix, max_bytes))
         rows = await asyncio.to_thread(read_durable, node.durable, rt.partitions, operator, epoch, keys, limit)
         return Inspection(epoch, rows)
 

@@ -1,10 +1,17 @@
 """Consistent state reads for the control surface: an operator's rows from the live stores at an epoch boundary
 (:func:`read_stores`) or from the durable copy as of one epoch (:func:`read_durable`: every partition at the same
 epoch, never mixing two; an epoch older than the durable copy's base is refused with :class:`EpochNotRetained`).
+
+A read of every entity is a page: the first ``limit`` entities in key order (UTF-8 bytes) after the key
+``after`` whose keys start with ``prefix``, merged across partitions. Each partition is read from the page's
+first key on, lazily (the live stores are sorted; the durable copy's files are sorted and entered by binary
+search: :meth:`DurableState.iter_range`), so a page costs its own rows, not the operator's.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from charon import serde
@@ -13,8 +20,9 @@ from charon.runtime.contract import EpochNotRetained, StateTooLarge
 from charon.state.durable import DurableState, DurableStateError
 from charon.state.store import MemoryStore
 
-__all__ = ["check_entities", "decode_entities", "entity_count", "node_retained_epochs", "read_durable", "read_stores",
-           "retained_from"]
+__all__ = ["check_entities", "decode_entities", "entity_count", "key_range", "node_retained_epochs", "page_durable",
+           "page_stores", "read_durable", "read_stores", "retained_from"]
+
 
 
 def decode_entities(rows: dict[bytes, bytes], operator: str) -> dict[str, dict[str, Any]]:
@@ -41,26 +49,16 @@ def _wanted(operator: str, keys: list[str] | None, partitions: int) -> dict[int,
     return by_pid
 
 
-def _pick(state: Any, operator: str, keys: list[str] | None, limit: int) -> dict[bytes, bytes]:
-    """Rows of ``operator`` (only ``keys`` if given) from one partition's state; at most ``limit`` entities."""
+def _pick(state: Any, operator: str, keys: list[str]) -> dict[bytes, bytes]:
+    """Rows of the entities ``keys`` of ``operator`` from one partition's state."""
     rows: dict[bytes, bytes] = {}
-    if keys is not None:
-        for key in keys:
-            prefix = entity_prefix(operator, key)
-            main = state.get(store_key(operator, key))
-            if main is not None:
-                rows[store_key(operator, key)] = main
-            for k, v in _scan(state, prefix + b"\x01"):
-                rows[k] = v
-        return rows
-    seen: set[bytes] = set()
-    for k, v in _scan(state, f"{operator}\0".encode()):
-        ent = k.split(b"\0", 2)[1]
-        if ent not in seen:
-            if len(seen) >= limit:
-                continue
-            seen.add(ent)
-        rows[k] = v
+    for key in keys:
+        prefix = entity_prefix(operator, key)
+        main = state.get(store_key(operator, key))
+        if main is not None:
+            rows[store_key(operator, key)] = main
+        for k, v in _scan(state, prefix + b"\x01"):
+            rows[k] = v
     return rows
 
 
@@ -70,15 +68,68 @@ def _scan(state: Any, prefix: bytes) -> Any:
     return ((k, v) for k, v in state.items() if k.startswith(prefix))
 
 
-def read_stores(stores: list[MemoryStore], operator: str, keys: list[str] | None, limit: int) -> dict[bytes, bytes]:
-    """The committed rows of ``operator`` in live stores (call it at an epoch boundary)."""
-    wanted = _wanted(operator, keys, len(stores))
+def key_range(operator: str, after: str | None, prefix: str) -> tuple[bytes, bytes]:
+    """The store keys ``[lo, hi)`` of ``operator``'s entities whose key starts with ``prefix`` and sorts after
+    ``after`` (an entity's rows are ``operator\\0key\\0item``; a key never holds ``\\0``, so every row of an
+    entity sorting after ``after`` is at or above ``operator\\0after\\x01``)."""
+    head = f"{operator}\0{prefix}".encode()
+    lo = head if after is None else max(head, f"{operator}\0{after}\x01".encode())
+    top = head.rstrip(b"\xff")  # never empty: it holds the operator's \0
+    return lo, top[:-1] + bytes([top[-1] + 1])
+
+
+def _grouped(rows: Iterable[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, list[tuple[bytes, bytes]]]]:
+    """``(entity key, its rows)`` from rows sorted by key."""
+    cur: bytes | None = None
+    group: list[tuple[bytes, bytes]] = []
+    for k, v in rows:
+        ent = k.split(b"\0", 2)[1]
+        if ent != cur:
+            if cur is not None:
+                yield cur, group
+            cur, group = ent, []
+        group.append((k, v))
+    if cur is not None:
+        yield cur, group
+
+
+def _page(sources: list[Iterable[tuple[bytes, bytes]]], limit: int,
+          max_bytes: int | None = None) -> tuple[dict[bytes, bytes], bool]:
+    """The rows of the first ``limit`` entities of the partitions' sorted rows (an entity lives in one
+    partition), pulled lazily: the partitions are read no further than the page. With ``max_bytes`` the page
+    stops before the entity that would take its rows (keys and values) past it (the first entity always comes):
+    ``(rows, True)`` then, as more entities follow."""
     rows: dict[bytes, bytes] = {}
-    for pid, s in enumerate(stores):
-        if wanted is not None and pid not in wanted:
-            continue
-        rows.update(_pick(s, operator, None if wanted is None else wanted[pid], limit - entity_count(rows)))
+    size = 0
+    merged = heapq.merge(*(_grouped(s) for s in sources), key=lambda e: e[0])
+    for n, (_, group) in enumerate(merged):
+        if n >= limit:
+            break
+        more = sum(len(k) + len(v) for k, v in group)
+        if max_bytes is not None and n and size + more > max_bytes:
+            return rows, True
+        rows.update(group)
+        size += more
+    return rows, False
+
+
+def read_stores(stores: list[MemoryStore], operator: str, keys: list[str] | None, limit: int,
+                after: str | None = None, prefix: str = "") -> dict[bytes, bytes]:
+    """The committed rows of ``operator`` in live stores (call it at an epoch boundary): the entities ``keys``,
+    or the page of at most ``limit`` entities after ``after`` starting with ``prefix``."""
+    if keys is None:
+        return page_stores(stores, operator, limit, after, prefix)[0]
+    rows: dict[bytes, bytes] = {}
+    for pid, wanted in sorted((_wanted(operator, keys, len(stores)) or {}).items()):
+        rows.update(_pick(stores[pid], operator, wanted))
     return rows
+
+
+def page_stores(stores: list[MemoryStore], operator: str, limit: int, after: str | None = None, prefix: str = "",
+                max_bytes: int | None = None) -> tuple[dict[bytes, bytes], bool]:
+    """A page of ``operator``'s entities in the live stores: ``(rows, stopped at max_bytes)``."""
+    lo, hi = key_range(operator, after, prefix)
+    return _page([s.range(lo, hi) for s in stores], limit, max_bytes)
 
 
 def entity_count(rows: dict[bytes, bytes]) -> int:
@@ -86,20 +137,35 @@ def entity_count(rows: dict[bytes, bytes]) -> int:
 
 
 def read_durable(
-    durable: DurableState, partitions: int, operator: str, epoch: int, keys: list[str] | None, limit: int
+    durable: DurableState, partitions: int, operator: str, epoch: int, keys: list[str] | None, limit: int,
+    after: str | None = None, prefix: str = "",
 ) -> dict[bytes, bytes]:
-    """The rows of ``operator`` as of ``epoch`` from the durable copy (every partition at the same epoch)."""
-    wanted = _wanted(operator, keys, partitions)
+    """The rows of ``operator`` as of ``epoch`` from the durable copy (every partition at the same epoch): the
+    entities ``keys``, or a page as :func:`read_stores`."""
+    if keys is None:
+        return page_durable(durable, partitions, operator, epoch, limit, after, prefix)[0]
     rows: dict[bytes, bytes] = {}
-    for pid in range(partitions):
-        if wanted is not None and pid not in wanted:
-            continue
-        try:
+    try:
+        for pid, wanted in sorted((_wanted(operator, keys, partitions) or {}).items()):
             state, _ = durable.load(pid, epoch)
-        except DurableStateError as exc:
-            raise EpochNotRetained(f"the state as of epoch {epoch} is no longer retained: {exc}") from None
-        rows.update(_pick(state, operator, None if wanted is None else wanted[pid], limit - entity_count(rows)))
+            rows.update(_pick(state, operator, wanted))
+    except DurableStateError as exc:
+        raise EpochNotRetained(f"the state as of epoch {epoch} is no longer retained: {exc}") from None
     return rows
+
+
+def page_durable(
+    durable: DurableState, partitions: int, operator: str, epoch: int, limit: int, after: str | None = None,
+    prefix: str = "", max_bytes: int | None = None,
+) -> tuple[dict[bytes, bytes], bool]:
+    """A page of ``operator``'s entities as of ``epoch`` in the durable copy: ``(rows, stopped at max_bytes)``."""
+    lo, hi = key_range(operator, after, prefix)
+    window = max(16, min(limit, 4096))
+    try:
+        return _page([durable.iter_range(pid, epoch, lo, hi, window) for pid in range(partitions)], limit,
+                     max_bytes)
+    except DurableStateError as exc:
+        raise EpochNotRetained(f"the state as of epoch {epoch} is no longer retained: {exc}") from None
 
 
 def node_retained_epochs(durable: DurableState, partitions: int) -> list[int]:

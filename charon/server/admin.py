@@ -7,11 +7,14 @@
 - ``POST /admin/pause`` (body optional: ``{"after_epoch": N}``) stops starting epochs now, or once epoch N is
   done; ``POST /admin/resume`` lets them start again. Requests keep arriving while paused and wait (clients
   get 202 + a status URL after ``wait_timeout``, never an error). Both answer with the status.
-- ``GET /admin/state/{operator}?key=K&key=K2&epoch=N&limit=M``: the operator's entities (all of them, at
-  most ``limit`` <= ``max_scan``, or the given keys) as of one committed epoch (default the latest; an earlier
-  one while the durable copy retains it, else 410 ``EpochNotRetained``):
-  ``{"operator", "epoch", "entities": {key: value}, "items": {key: {item: value}}, "count", "truncated"}``.
-  Every entity of one answer is read at the same epoch.
+- ``GET /admin/state/{operator}?key=K&key=K2&epoch=N&limit=M&after=A&prefix=P``: the operator's entities (the
+  given keys, or a page: the first ``limit`` <= ``max_scan`` entities in key order after the key ``A`` whose keys
+  start with ``P``) as of one committed epoch (default the latest; an earlier one while the engine retains it,
+  else 410 ``EpochNotRetained``): ``{"operator", "epoch", "entities": {key: value}, "items": {key: {item:
+  value}}, "count", "truncated", "next"}``. Every entity of one answer is read at the same epoch; ``next`` is
+  the ``after`` of the following page (null on the last one): pass it with the first page's ``epoch`` to read
+  the next page from the same cut. A page costs its own rows, not the operator's, and holds at most
+  ``max_scan_bytes`` of them (it stops early, with ``next``; a bigger entity comes alone).
 - ``POST /admin/update`` ``{"id", "operator", "function", "args": [...], "keys": [...]?}``: a serializable
   admin update (both runtimes): the deployed ``function`` runs on every
   key (default: every entity of the operator), alone at an epoch boundary, once per ``id`` (a repeat answers
@@ -217,9 +220,10 @@ def _count(name: str, v: object, cap: int) -> int | None:
     return v
 
 
-def _entities(rows: dict[bytes, bytes], limit: int) -> dict[str, object]:
-    """An inspection's store rows as ``{"entities", "items", "count", "truncated"}``: at most ``limit`` entities,
-    each with its value and its own items."""
+def _entities(rows: dict[bytes, bytes], limit: int, more: bool = False) -> dict[str, object]:
+    """An inspection's store rows as ``{"entities", "items", "count", "truncated", "next"}``: at most ``limit``
+    entities in key order, each with its value and its own items; ``next``: the cursor of the following page (the
+    last key shown) when there are more, else None."""
     entities: dict[str, object] = {}
     items: dict[str, dict[str, object]] = {}
     for k, v in sorted(rows.items()):
@@ -231,8 +235,10 @@ def _entities(rows: dict[bytes, bytes], limit: int) -> dict[str, object]:
         else:
             entities.setdefault(key, None)
             items.setdefault(key, {})[item.lstrip("\x01")] = serde.decode(v)
-    truncated = len({split_store_key(k)[1] for k in rows}) > limit
-    return {"entities": entities, "items": items, "count": len(entities), "truncated": truncated}
+    truncated = more or len({split_store_key(k)[1] for k in rows}) > limit  # more: stopped at max_scan_bytes
+    last = next(reversed(entities)) if entities else None
+    return {"entities": entities, "items": items, "count": len(entities), "truncated": truncated,
+            "next": last if truncated else None}
 
 
 def _migration(mig: object) -> tuple[str, str, list[object]] | None:
@@ -344,16 +350,27 @@ class AdminRoutes:
                     check_key(k)
                 except InvalidKey as exc:
                     raise HTTPError("InvalidKey", str(exc)) from None
+        after, prefix = request.query_params.get("after"), request.query_params.get("prefix", "")
+        if keys is not None and (after is not None or prefix):
+            raise HTTPError("BadRequest", "give keys, or after/prefix to page through the entities, not both")
+        for name, v in (("after", after), ("prefix", prefix or None)):
+            if v is not None:
+                try:
+                    check_key(v)
+                except InvalidKey as exc:
+                    raise HTTPError("InvalidKey", f"{name}: {exc}") from None
         epoch = _epoch_param(request.query_params.get("epoch"), "epoch")
         limit_raw = request.query_params.get("limit")
         limit = cap if limit_raw is None else _epoch_param(limit_raw, "limit")
         if limit is None or limit < 1 or limit > cap:
             raise HTTPError("BadRequest", f"limit must be 1..{cap} (max_scan)")
         try:
-            got = await _controls(gw).inspect(operator, keys, epoch, limit + 1)
+            got = await _controls(gw).inspect(operator, keys, epoch, limit + 1, after=after, prefix=prefix,
+                                              max_bytes=gw.cfg.max_scan_bytes)
         except EpochNotRetained as exc:
             raise HTTPError("EpochNotRetained", str(exc)) from None
-        return respond(request, 200, {"operator": operator, "epoch": got.epoch, **_entities(got.rows, limit)})
+        return respond(request, 200, {"operator": operator, "epoch": got.epoch,
+                                      **_entities(got.rows, limit, got.more)})
 
     async def update(self, request: HTTPRequest) -> Response:
         gw = self.gw

@@ -185,6 +185,20 @@ def _write_table(f: BinaryIO, rows: Iterable[tuple[bytes, bytes | None]], meta: 
     return ascending
 
 
+def _bisect(keys: pa.ChunkedArray, key: bytes, *, right: bool, start: int = 0, end: int | None = None) -> int:
+    """The first index of the sorted ``keys`` (in ``[start, end)``) holding a key above ``key`` (``right``) or at
+    or above it."""
+    lo, hi = start, len(keys) if end is None else end
+    while lo < hi:
+        mid = (lo + hi) // 2
+        k = keys[mid].as_py()
+        if k < key or (right and k == key):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 class DurableState:
     """Base snapshot + per-epoch deltas for every partition under ``root`` (a local directory for now)."""
 
@@ -415,6 +429,42 @@ class DurableState:
             return self._merge_table(pid, m, m.epoch if upto_epoch is None else upto_epoch)
 
         return self._retry(attempt)
+
+    def iter_range(self, pid: int, upto_epoch: int, lo: bytes, hi: bytes,
+                   window: int = 256) -> Iterator[tuple[bytes, bytes]]:
+        """The state's rows ``lo <= key < hi`` as of ``upto_epoch``, in key order, lazily: every file (sorted by
+        key, memory-mapped) is entered by binary search and read ``window`` rows at a time (doubling), merged
+        only up to the smallest key every file was read past, so a page costs about its own rows, not the
+        state's. Raises :class:`DurableStateError` if the base is already newer than ``upto_epoch``."""
+
+        def open_files() -> list[pa.Table]:
+            m = self.manifest(pid)
+            if m.base_epoch > upto_epoch:
+                raise DurableStateError(f"p{pid}: state as of {upto_epoch} was compacted into base {m.base_epoch}")
+            paths = ([self._path(pid, m.base)] if m.base is not None else []) + [
+                self._path(pid, self._delta_name(e)) for e in m.deltas if e <= upto_epoch]
+            return [self._read_table(path) for path in paths]  # oldest first: a later row wins
+
+        tables = self._retry(open_files)  # written sorted by key; mapped, never copied (chunks stay as written)
+        keys = [t.column("key") for t in tables]
+        values = [t.column("value") for t in tables]
+        starts = [_bisect(k, lo, right=False) for k in keys]
+        ends = [_bisect(k, hi, right=False) for k in keys]
+        while any(s < e for s, e in zip(starts, ends, strict=True)):
+            stops = [min(s + window, e) for s, e in zip(starts, ends, strict=True)]
+            more = [k[stop - 1].as_py() for k, stop, e in zip(keys, stops, ends, strict=True) if stop < e]
+            cut = min(more) if more else None  # every file is read up to and including this key
+            merged: dict[bytes, bytes | None] = {}
+            for f, (k, v) in enumerate(zip(keys, values, strict=True)):
+                stop = stops[f] if cut is None else _bisect(k, cut, right=True, start=starts[f], end=ends[f])
+                merged.update(zip(k.slice(starts[f], stop - starts[f]).to_pylist(),
+                                  v.slice(starts[f], stop - starts[f]).to_pylist(), strict=True))
+                starts[f] = stop
+            for key in sorted(merged):
+                value = merged[key]
+                if value is not None:
+                    yield key, value
+            window *= 2
 
     def load(self, pid: int, upto_epoch: int | None = None) -> tuple[dict[bytes, bytes], int]:
         """The state as of ``upto_epoch`` (default: latest): base merged with deltas ≤ upto_epoch.

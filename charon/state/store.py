@@ -44,6 +44,12 @@ class MemoryStore:
                 break
             yield k, data[k]
 
+    def range(self, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """The rows with ``lo <= key < hi``, in key order (lazily: a page costs its own rows, not the store's)."""
+        data = self.data
+        for k in data.irange(minimum=lo, maximum=hi, inclusive=(True, False)):
+            yield k, data[k]
+
     def commit(self, epoch: int, delta: dict[bytes, bytes | None]) -> None:
         if epoch <= self.epoch:
             return

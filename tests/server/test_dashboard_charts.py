@@ -1,6 +1,7 @@
 """The dashboard over time, in real headless chromium (Debian's, driven by Playwright) against a real gateway
 under load (a background thread sending transfers, some of them aborting): the charts render and grow, a reload
-redraws them from the server's history, the state browser shows 200 entities a page at a time and finds a key,
+redraws them from the server's history, the state browser reads 200 entities from the server a page at a time at
+one epoch (refused, and said so, once the running engine dropped that epoch) and finds keys by prefix,
 a wrong token greys the numbers out with "last updated" and says so, a stopped node is reported as down, an
 error stays listed with its time until its condition clears, the code history shows "v2", not "vv2", and the
 timers and output-stream panels read an entity's timers and page through a stream.
@@ -125,31 +126,62 @@ def test_charts_grow_reload_keeps_them_state_pages_wrong_token_and_node_down(bro
             page.wait_for_function(f"Number(document.querySelector('#chart-throughput svg')"
                                    f"?.getAttribute('data-points')) >= {before}", timeout=WAIT)
 
-            # the state browser: 200 entities, 50 a page, next/prev, search by key
+            # the state browser reads pages from the server, every page of one browse at its first page's epoch:
+            # under load the volatile runtime moves on, and the next page of that cut is refused and said so
             page.fill("#browse-operator", "account")
             page.click("#browse-go")
-            page.wait_for_function(f"document.getElementById('browse-count').textContent === '{N}'", timeout=WAIT)
-            assert page.locator("#browse-result tr").count() == 50
-            assert page.text_content("#browse-page") == f"page 1 of 4 (1-50 of {N})"
+            page.wait_for_function("document.getElementById('browse-count').textContent === '50+'", timeout=WAIT)
+            at = int(page.text_content("#browse-at") or "")
+            page.wait_for_function(f"Number(document.getElementById('epoch').textContent) > {at}", timeout=WAIT)
+            page.click("#browse-next")
+            page.wait_for_selector("#error [data-problem='action:state']", timeout=WAIT)
+            moved = page.text_content("#error [data-problem='action:state']") or ""
+            assert "EpochNotRetained" in moved and f"read at epoch {at}" in moved and "Read again" in moved, moved
+            assert page.text_content("#browse-page") == "page 1 (1-50, more after)", "the shown page stays"
+            # paused, the cut stays retained: Next pages through all 200 entities, each once and in key order
+            page.click("#pause")
+            page.wait_for_function("document.getElementById('state').textContent === 'paused'", timeout=WAIT)
+            page.click("#browse-go")
+            page.wait_for_selector("#error [data-problem='action:state']", state="detached", timeout=WAIT)
+            at = int(page.text_content("#browse-at") or "")
             assert page.is_disabled("#browse-prev") and not page.is_disabled("#browse-next")
-            keys_p1 = page.locator("#browse-result tr td:first-child").all_text_contents()
-            page.click("#browse-next")
-            keys_p2 = page.locator("#browse-result tr td:first-child").all_text_contents()
-            assert len(keys_p2) == 50 and not set(keys_p1) & set(keys_p2)
-            assert page.text_content("#browse-page") == f"page 2 of 4 (51-100 of {N})"
+            pages = [page.locator("#browse-result tr td:first-child").all_text_contents()]
+            for i in range(2, 5):
+                page.click("#browse-next")
+                page.wait_for_function(f"document.getElementById('browse-page').textContent.startsWith('page {i}')",
+                                       timeout=WAIT)
+                pages.append(page.locator("#browse-result tr td:first-child").all_text_contents())
+            assert [k for p in pages for k in p] == sorted(ycsb.key(i) for i in range(N)), "each key once, in order"
+            assert page.text_content("#browse-page") == f"page 4, the last (151-200 of {N})"
+            assert page.text_content("#browse-count") == str(N) and page.is_disabled("#browse-next")
+            assert page.text_content("#browse-at") == str(at), "every page from the same cut"
+            for i in (3, 2, 1):  # Prev shows the same pages again
+                page.click("#browse-prev")
+                page.wait_for_function(f"document.getElementById('browse-page').textContent.startsWith('page {i}')",
+                                       timeout=WAIT)
+                assert page.locator("#browse-result tr td:first-child").all_text_contents() == pages[i - 1]
+            assert page.text_content("#browse-page") == "page 1 (1-50, more after)" and page.is_disabled("#browse-prev")
             page.select_option("#browse-size", "100")
+            page.wait_for_function("document.getElementById('browse-page').textContent === "
+                                   "'page 1 (1-100, more after)'", timeout=WAIT)
             page.click("#browse-next")
-            assert page.text_content("#browse-page") == f"page 2 of 2 (101-200 of {N})"
+            page.wait_for_function(f"document.getElementById('browse-page').textContent === "
+                                   f"'page 2, the last (101-200 of {N})'", timeout=WAIT)
             assert page.is_disabled("#browse-next")
+            # a key prefix: searched on the server, in the same cut
             page.fill("#browse-search", "a17")
+            page.wait_for_function("document.getElementById('browse-matching').textContent.includes('a17')",
+                                   timeout=WAIT)
             found = page.locator("#browse-result tr td:first-child").all_text_contents()
-            assert found == sorted(k for k in (ycsb.key(i) for i in range(N)) if "a17" in k) and "a17" in found
-            assert "matching" in (page.text_content("#browse-matching") or "")
+            assert found == sorted(k for k in (ycsb.key(i) for i in range(N)) if k.startswith("a17")) and "a17" in found
             height = page.evaluate("document.getElementById('sec-state').getBoundingClientRect().height")
             page.fill("#browse-search", "")
             page.select_option("#browse-size", "50")
+            page.wait_for_function("document.querySelectorAll('#browse-result tr').length === 50", timeout=WAIT)
             height50 = page.evaluate("document.getElementById('sec-state').getBoundingClientRect().height")
             assert height < height50 < 1600, (height, height50)  # 200 entities made a 4,834-pixel page
+            page.click("#resume")
+            page.wait_for_function("document.getElementById('state').textContent === 'running'", timeout=WAIT)
             page.click("nav button[data-go='sec-state']")
             shot(page, shots, "dashboard-state.png")
 

@@ -43,7 +43,7 @@ from charon.runtime.contract import (
     UpdateOutcome,
 )
 from charon.runtime.controls import GatedControls, HostedEngine
-from charon.runtime.reads import check_entities, read_durable, retained_from
+from charon.runtime.reads import check_entities, page_durable, read_durable, retained_from
 from charon.state.durable import write_file_atomic
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
@@ -125,7 +125,8 @@ class SparkEngine(HostedEngine):
             retained_from=retained_from(rt.durable, rt.config.partitions),
             code_version=self.code.label(last + 1), dead_letters=dict(rt.verdict_book.counts))
 
-    def inspect_now(self, operator: str, keys: list[str] | None, epoch: int | None, limit: int) -> Inspection:
+    def inspect_now(self, operator: str, keys: list[str] | None, epoch: int | None, limit: int,
+                    after: str | None = None, prefix: str = "", max_bytes: int | None = None) -> Inspection:
         """Rows as of ``epoch`` (default: the last recorded one, after the newest reply's) from the durable copy,
         on the driver (no Spark job: it never waits for the running query). Blocking."""
         rt = self.rt
@@ -138,11 +139,14 @@ class SparkEngine(HostedEngine):
             epoch = last
         if epoch > last or epoch < -1:
             raise EpochNotRetained(f"epoch {epoch} is not recorded (the last recorded epoch is {last})")
+        if keys is None:
+            return Inspection(epoch, *page_durable(durable, parts, operator, epoch, limit, after, prefix, max_bytes))
         return Inspection(epoch, read_durable(durable, parts, operator, epoch, keys, limit))
 
     async def inspect(self, operator: str, keys: list[str] | None = None, epoch: int | None = None,
-                      limit: int = 10_000) -> Inspection:
-        return await asyncio.to_thread(self.inspect_now, operator, keys, epoch, limit)
+                      limit: int = 10_000, *, after: str | None = None, prefix: str = "",
+                      max_bytes: int | None = None) -> Inspection:
+        return await asyncio.to_thread(self.inspect_now, operator, keys, epoch, limit, after, prefix, max_bytes)
 
     def sql_now(self, query: str, epoch: int | None, max_rows: int, timeout_s: float, max_entities: int,
                 max_bytes: int, max_memory: int) -> SqlResult:

@@ -386,44 +386,66 @@ async function control(path) {
 $("pause").addEventListener("click", () => control("/admin/pause"));
 $("resume").addEventListener("click", () => control("/admin/resume"));
 
-// -- the state browser: one read (at most max_scan entities), shown a page at a time, searchable by key ----------
-let browsed = { keys: [], entities: {}, items: {} }, browsePage = 0;
-function browseMatches() {
-  const needle = $("browse-search").value.trim().toLowerCase();
-  return needle ? browsed.keys.filter(k => k.toLowerCase().includes(needle)) : browsed.keys;
-}
-function renderBrowse() {
-  const keys = browseMatches(), size = Number($("browse-size").value);
-  const pages = Math.max(1, Math.ceil(keys.length / size));
-  browsePage = Math.min(Math.max(0, browsePage), pages - 1);
-  const shown = keys.slice(browsePage * size, (browsePage + 1) * size);
-  fillRows($("browse-result"), shown.map(k => [k, JSON.stringify(browsed.entities[k]),
-                                               JSON.stringify(browsed.items[k] || {})]));
-  $("browse-page").textContent = keys.length ? `page ${browsePage + 1} of ${pages} ` +
-    `(${browsePage * size + 1}-${browsePage * size + shown.length} of ${keys.length})` : "no entities";
-  $("browse-matching").textContent = keys.length === browsed.keys.length ? "" : `, ${keys.length} matching`;
-  $("browse-prev").disabled = browsePage === 0;
-  $("browse-next").disabled = browsePage >= pages - 1;
-}
-$("browse-prev").addEventListener("click", () => { browsePage -= 1; renderBrowse(); });
-$("browse-next").addEventListener("click", () => { browsePage += 1; renderBrowse(); });
-$("browse-search").addEventListener("input", () => { browsePage = 0; renderBrowse(); });
-$("browse-size").addEventListener("change", () => { browsePage = 0; renderBrowse(); });
-
-$("browse-go").addEventListener("click", async () => {
-  const op = $("browse-operator").value.trim();
+// -- the state browser: pages read from the server (GET /admin/state ?after=&limit=&prefix=), every page of one
+// browse at the epoch of its first page (one cut); Prev re-reads the previous page's cursor at that epoch --------
+let browse = null;  // {op, keys, prefix, epoch, size, cursors: the after of each page up to the one shown, page}
+let searchTimer = null;
+async function browseRead(b, page) {
   const q = new URLSearchParams();
-  $("browse-keys").value.split(",").map(k => k.trim()).filter(k => k).forEach(k => q.append("key", k));
-  if ($("browse-epoch").value.trim()) q.set("epoch", $("browse-epoch").value.trim());
+  if (b.keys.length) b.keys.forEach(k => q.append("key", k));
+  else {
+    q.set("limit", String(b.size));
+    if (b.prefix) q.set("prefix", b.prefix);
+    if (b.cursors[page] !== null) q.set("after", b.cursors[page]);
+  }
+  if (b.epoch !== null) q.set("epoch", String(b.epoch));
   try {
-    const doc = await api("GET", "/admin/state/" + encodeURIComponent(op) + "?" + q.toString());
-    $("browse-at").textContent = doc.epoch;
-    $("browse-count").textContent = doc.count + (doc.truncated ? "+" : "");
-    browsed = { keys: Object.keys(doc.entities), entities: doc.entities, items: doc.items };
-    browsePage = 0;
-    renderBrowse();
+    const doc = await api("GET", "/admin/state/" + encodeURIComponent(b.op) + "?" + q.toString());
+    if (browse !== b) return;  // a newer browse started meanwhile
+    b.epoch = doc.epoch;
+    b.page = page;
+    b.cursors.length = page + 1;
+    if (doc.next !== null && doc.next !== undefined) b.cursors.push(doc.next);
+    renderBrowse(b, doc);
     cleared("action:state");
-  } catch (e) { problem("action:state", "state browser: " + e.message); }
+  } catch (e) {
+    if (browse !== b) return;
+    const hint = e.type === "EpochNotRetained" ? ` (the pages are read at epoch ${b.epoch}, which the engine no ` +
+      "longer keeps: Read again for the latest state)" : "";
+    problem("action:state", "state browser: " + e.message + hint);
+  }
+}
+function renderBrowse(b, doc) {
+  const keys = Object.keys(doc.entities), more = b.cursors.length > b.page + 1;
+  const from = b.page * b.size + 1, to = b.page * b.size + keys.length;
+  fillRows($("browse-result"), keys.map(k => [k, JSON.stringify(doc.entities[k]), JSON.stringify(doc.items[k] || {})]));
+  $("browse-at").textContent = doc.epoch;
+  $("browse-count").textContent = b.keys.length ? String(doc.count) : to + (more ? "+" : "");
+  $("browse-page").textContent = !keys.length ? "no entities" : b.keys.length ? `${keys.length} of the keys given`
+    : more ? `page ${b.page + 1} (${from}-${to}, more after)` : `page ${b.page + 1}, the last (${from}-${to} of ${to})`;
+  $("browse-matching").textContent = b.prefix ? `, keys starting with ${b.prefix}` : "";
+  $("browse-prev").disabled = b.page === 0;
+  $("browse-next").disabled = !more;
+}
+function browseStart(epoch) {  // page 1 of a new browse (epoch null: the latest)
+  const keys = $("browse-keys").value.split(",").map(k => k.trim()).filter(k => k);
+  browse = { op: $("browse-operator").value.trim(), keys, prefix: keys.length ? "" : $("browse-search").value.trim(), epoch,
+             size: Number($("browse-size").value), cursors: [null], page: 0 };
+  return browseRead(browse, 0);
+}
+function browseAgain() {  // the same cut from page 1: another search or page size
+  if (!browse) return;
+  browseStart(browse.epoch);
+}
+$("browse-prev").addEventListener("click", () => { if (browse && browse.page > 0) browseRead(browse, browse.page - 1); });
+$("browse-next").addEventListener("click", () => {
+  if (browse && browse.cursors.length > browse.page + 1) browseRead(browse, browse.page + 1);
+});
+$("browse-search").addEventListener("input", () => { clearTimeout(searchTimer); searchTimer = setTimeout(browseAgain, 200); });
+$("browse-size").addEventListener("change", browseAgain);
+$("browse-go").addEventListener("click", () => {
+  const epoch = $("browse-epoch").value.trim();
+  browseStart(epoch ? Number(epoch) : null);
 });
 
 // -- the SQL box --------------------------------------------------------------------------------------------
