@@ -21,6 +21,8 @@ import logging
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 import timeit
 from pathlib import Path
@@ -109,6 +111,7 @@ def main() -> None:
         a.epochs, a.epoch, a.reps = 3, 200, 1
     logging.getLogger("charon.requests").disabled = True  # the abort lines go nowhere (their cost is the record)
     mixes = {"commits": 0, "10% aborts": 10}
+    load_before = os.getloadavg()
     res: dict[str, dict[str, object]] = {}
     for name, every in mixes.items():
         runs: dict[str, list[float]] = {"off": [], "capture": [], "on": []}
@@ -126,8 +129,12 @@ def main() -> None:
     doc = {"what": "engine CPU per YCSB-T transfer (2 invocations): inspector off, core capture only, on",
            "results": res, "core_statement_ns": statement_ns(), "traceback_us": traceback_us(),
            "settings": vars(a), "python": platform.python_version(), "cpus": os.cpu_count(),
-           "load_note": "CPU time of this process; other load on the machine still slows caches and frequency"}
-    Path(a.out + ".json").write_text(json.dumps(doc, indent=2) + "\n")
+           "load_note": "CPU time of this process; other load on the machine still slows caches and frequency",
+           "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip(),
+           "command": " ".join(["python", *sys.argv])}
+    Path(a.out.removesuffix(".json") + ".json").write_text(json.dumps(doc, indent=2) + "\n")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(res)
     x = range(len(names))
@@ -140,8 +147,8 @@ def main() -> None:
     ax.set_title("Invocation inspector: cost per request (in-process engine)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(a.out + ".png", dpi=110)
-    print(f"wrote {a.out}.json and {a.out}.png")
+    fig.savefig(a.out.removesuffix(".json") + ".png", dpi=110)
+    print(f"wrote {a.out.removesuffix('.json')}.json and .png")
 
 
 if __name__ == "__main__":
