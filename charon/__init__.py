@@ -6,6 +6,8 @@ are ``charon.core`` (the deterministic core), ``charon.state``, ``charon.log``, 
 ``charon.server``.
 """
 
+import logging as _logging
+
 from charon.core.context import Call, Context, Outcome
 from charon.core.timers import Timer
 from charon.errors import (
@@ -34,6 +36,10 @@ from charon.messages import Reply, Request
 from charon.operator import Application, Function, Operator
 from charon.runtime.deployment import Deployment
 from charon.runtime.inprocess import InProcessRuntime
+
+# A library logs through ``charon.*`` loggers and leaves their output to the application: without a logging setup
+# (``charon run`` has one, ``charon.server.logs.setup_logging``) an abort's WARNING is not printed on stderr.
+_logging.getLogger("charon").addHandler(_logging.NullHandler())
 
 __all__ = [
     "Application",

@@ -346,8 +346,15 @@ class Simulation:
         want = self.expected.get(epoch)
         if want is None:  # recorded but not verified yet (only right after a crash): nothing to compare
             return
-        keys = [store_key("node", k, i) for k in self.rng.sample(KEYS, 2)
+        self.compare_read(epoch, self.read_keys(want), want)
+
+    def read_keys(self, want: dict[bytes, bytes]) -> list[bytes]:
+        """The store keys a state read asks for (``want``: the verified state it is compared with)."""
+        return [store_key("node", k, i) for k in self.rng.sample(KEYS, 2)
                 for i in ("", *("\x01" + n for n in ITEMS + COUNTERS))]
+
+    def compare_read(self, epoch: int, keys: list[bytes], want: dict[bytes, bytes]) -> None:
+        """Read ``keys`` at ``epoch`` with the real ``read_entities`` in a random worker; each must equal ``want``."""
         by_pid: dict[int, list[bytes]] = {}
         for k in keys:
             op, key, _ = split_store_key(k)

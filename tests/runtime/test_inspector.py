@@ -163,8 +163,9 @@ def test_a_quarantine_verdict_shows_as_quarantined() -> None:
 
 
 _CRASHING_NODE = """
-import asyncio, sys
+import asyncio, logging, sys
 import inspector_app
+logging.basicConfig()  # the application's logging setup: charon's loggers print nothing without one
 from charon.runtime.inprocess import InProcessRuntime
 
 async def main():
