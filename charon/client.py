@@ -878,6 +878,15 @@ class AsyncClient(_Base):
                                                 params=self._scan_params(keys, epoch, limit, after, prefix),
                                                 headers=self.headers))
 
+    async def iter_state(self, operator: str, *, limit: int = 1000, prefix: str | None = None,
+                         epoch: int | None = None) -> AsyncIterator[dict[str, object]]:
+        """Every page of ``operator``'s entities, all read at the first page's epoch (see :meth:`Client.iter_state`)."""
+        doc = await self.read_state(operator, epoch=epoch, limit=limit, prefix=prefix)
+        yield doc
+        while doc.get("next") is not None:
+            doc = await self.read_state(operator, epoch=doc["epoch"], limit=limit, prefix=prefix, after=doc["next"])
+            yield doc
+
     async def sql(self, query: str, epoch: int | None = None) -> dict[str, Any]:
         """See :meth:`Client.sql`."""
         body: dict[str, Any] = {"sql": query} if epoch is None else {"sql": query, "epoch": epoch}

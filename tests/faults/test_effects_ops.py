@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from charon.client import Client
+from charon.exitcodes import ExitCode
 from charon.server.serve import free_port
 
 TESTS = Path(__file__).resolve().parents[1] / "support"  # the test apps and the external service
@@ -74,7 +75,8 @@ def test_parked_effects_listed_retried_and_abandoned(tmp_path: Path) -> None:
         assert a_state["runs"] == 1
         again = httpx.post(f"{url}/admin/effects/{ids['r']}/retry", headers=auth, timeout=10)
         assert again.status_code == 409 and again.json()["error"]["type"] == "NotParked"
-        assert _cli("effects", "retry", ids["a"], "--data-dir", str(data), service=service).returncode == 1
+        again_cli = _cli("effects", "retry", ids["a"], "--data-dir", str(data), service=service)
+        assert again_cli.returncode == ExitCode.FAILED and "is not parked" in again_cli.stderr  # exit-codes.md
         assert list(service.stats()["applied"]) == [ids["r"]]  # the abandoned one never applied
         assert "charon_effect_attempts_total 5" in metrics  # 2 + 2 failed, 1 after the retry
         assert "charon_effect_attempt_failures_total 4" in metrics and "charon_effect_exhausted_total 2" in metrics

@@ -62,6 +62,9 @@ async def test_admin_update_code_update_and_metrics_over_http() -> None:
                 assert await c.invoke("account", "a0", "deposit", 1) == ["v2", 112]
                 assert (await c.status())["code_version"] == "v2"
                 assert 'version="v2"' in await c.metrics()
+                pages = [p async for p in c.iter_state("account", limit=4)]
+                seen = [k for p in pages for k in p["entities"]]
+                assert seen == sorted(seen) and len(seen) == N and len({p["epoch"] for p in pages}) == 1
                 page = await c.requests(function="deposit", status="committed", limit=2)
                 items = page["items"]
                 assert isinstance(items, list) and len(items) == 2 and page["next"] is not None
