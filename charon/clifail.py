@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import typer
 from rich.console import Console
 
@@ -12,7 +14,10 @@ err_console = Console(stderr=True)
 
 
 def fail(message: str, code: ExitCode) -> typer.Exit:
-    """Print ``error: message`` on stderr; the :class:`typer.Exit` to raise with ``code``."""
+    """Print ``error: message`` on stderr, after the log lines queued before it; the :class:`typer.Exit` to raise
+    with ``code``."""
+    for handler in logging.getLogger("charon").handlers:  # the server log's writer thread (charon.server.logs)
+        handler.flush()
     err_console.print("[bold red]error:[/] ", end="", soft_wrap=True)
     err_console.print(message, soft_wrap=True, markup=False, highlight=False)
     return typer.Exit(code)

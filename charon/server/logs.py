@@ -10,20 +10,85 @@ outages), ``charon.requests`` (aborts).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import logging.handlers
+import queue
 import sys
+import time
 from datetime import UTC, datetime
 from typing import TextIO
 
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-__all__ = ["setup_logging", "LOG_FORMATS", "LOG_LEVELS", "JsonLines", "JsonFields", "TextLines", "extra_fields"]
+__all__ = ["setup_logging", "NonBlocking", "LOG_FORMATS", "LOG_LEVELS", "LOG_QUEUE",
+           "JsonLines", "JsonFields", "TextLines", "extra_fields"]
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _RESERVED = frozenset(RESERVED_ATTRS) | {"message", "asctime", "taskName"}
 _HANDLER_NAME = "charon-logs"
+LOG_QUEUE = 10_000  # records waiting for the writer thread at most; beyond, they are dropped and counted
+
+
+class NonBlocking(logging.handlers.QueueHandler):
+    """Hands each record to a writer thread (:class:`logging.handlers.QueueListener`) and never waits: the engine's
+    thread logs an abort without touching stderr, so a slow or unread stderr (a pipe nobody drains) cannot stall
+    it. When the queue is full a record is dropped and counted; the next record that fits is preceded by a
+    ``dropped N log lines`` warning. :meth:`flush` waits until the writer has written what is queued."""
+
+    def __init__(self, q: queue.Queue[logging.LogRecord]) -> None:
+        super().__init__(q)
+        self.pending = q
+        self.dropped = 0
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        record.msg = record.getMessage()  # the arguments as they are now; the formatter runs in the writer
+        record.args = None
+        return record
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        q = self.pending
+        try:
+            if self.dropped:
+                q.put_nowait(logging.makeLogRecord({
+                    "name": "charon.server", "levelno": logging.WARNING, "levelname": "WARNING",
+                    "msg": f"dropped {self.dropped} log lines (stderr was not read fast enough)",
+                    "event": "log_dropped", "dropped": self.dropped}))
+                self.dropped = 0
+            q.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Wait until the writer has written what is queued (at most ``timeout`` s: a stream may never move)."""
+        deadline = time.monotonic() + timeout
+        while self.pending.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+class _Writer(logging.handlers.QueueListener):
+    """The writer thread; its stop waits (a little) for room for its sentinel instead of failing on a full queue."""
+
+    def enqueue_sentinel(self) -> None:
+        try:
+            self.queue.put(self._sentinel, timeout=2.0)  # type: ignore[attr-defined]
+        except queue.Full:
+            pass
+
+
+_listener: _Writer | None = None
+
+
+def _stop_listener() -> None:
+    global _listener
+    if _listener is not None and _listener._thread is not None:
+        _listener.stop()  # writes what is queued
+    _listener = None
+
+
+atexit.register(_stop_listener)
 
 
 def extra_fields(record: logging.LogRecord) -> dict[str, object]:
@@ -72,16 +137,23 @@ class TextLines(logging.Formatter):
 
 def setup_logging(level: str = "info", fmt: str = "text", stream: TextIO | None = None) -> logging.Handler:
     """Send the ``charon`` loggers (at ``level``), uvicorn's and OpenTelemetry's (warnings and above) to ``stream``
-    (stderr) as text or JSON lines; called once per process (again: replaces its handler). Returns the handler."""
+    (stderr) as text or JSON lines, written by a thread of their own (:class:`NonBlocking`); called once per
+    process (again: replaces its handler). Returns the handler (``flush()`` waits until the lines are written)."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {fmt!r}")
     if level.lower() not in LOG_LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}, not {level!r}")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.set_name(_HANDLER_NAME)
-    handler.setFormatter(JsonLines() if fmt == "json" else TextLines())
+    global _listener
+    writer = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    writer.setFormatter(JsonLines() if fmt == "json" else TextLines())
     if fmt == "json":
-        handler.addFilter(JsonFields())
+        writer.addFilter(JsonFields())
+    _stop_listener()
+    q: queue.Queue[logging.LogRecord] = queue.Queue(LOG_QUEUE)
+    handler = NonBlocking(q)
+    handler.set_name(_HANDLER_NAME)
+    _listener = _Writer(q, writer)
+    _listener.start()
     for name, lvl in (("charon", level.upper()), ("uvicorn", "WARNING"), ("uvicorn.error", "WARNING"),
                       ("opentelemetry", "WARNING")):  # e.g. the span exporter's "collector unreachable"
         logger = logging.getLogger(name)

@@ -102,7 +102,7 @@ def serve(
         fatal.append(reason)
         if server is not None:
             server.should_exit = True
-        _log.critical("the runtime failed and cannot recover: %s", reason, extra={"event": "fatal"})
+        _log.critical("the runtime failed for good, stopping: %s", reason, extra={"event": "fatal"})
         line = f"charon: the runtime failed and cannot recover: {reason}"
         # a shutdown that hangs (a runtime stop that waits on a dead engine) must not keep the process alive
         timer = threading.Timer(60.0, lambda: (print(line, file=sys.stderr, flush=True), os._exit(1)))

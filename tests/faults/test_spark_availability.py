@@ -20,10 +20,12 @@ from charon import serde
 from charon.config import SparkConfig
 from charon.core.routing import store_key
 from charon.errors import EngineUnavailable
+from charon.exitcodes import ExitCode
 from charon.messages import Request
 from charon.runtime.spark.layout import LayoutMismatch
 from charon.runtime.spark.runtime import TICK, SparkRuntime
 from charon.runtime.spark.session import master_with_retries
+from charon.server.serve import free_port
 
 APP = "charon.apps.ycsb:app"
 CHARON = str(Path(sys.executable).parent / "charon")
@@ -71,8 +73,8 @@ def test_layout_mismatch_is_refused_in_one_line(tmp_path: Path) -> None:
     assert not (legacy / "checkpoint" / "layout.json").exists()  # nothing recorded from a refused start
     env = dict(os.environ, CHARON_MASTER="local[2]", CHARON_LOG_PARTITIONS="3")
     out = subprocess.run([CHARON, "run", APP, "--engine", "spark", "--data-dir", str(legacy), "--partitions", "2",
-                          "--port", "1"], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 1
+                          "--port", str(free_port())], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == ExitCode.UNAVAILABLE  # the engine cannot be opened (docs/reference/exit-codes.md)
     assert "Traceback" not in out.stderr and "state of 4 partitions" in out.stderr
     assert [ln for ln in out.stderr.splitlines() if ln.strip()] == [out.stderr.strip()]  # one line
 

@@ -28,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def restore_logging():
     yield
+    from charon.server import logs
+
+    logs._stop_listener()
     for name in ("charon", "uvicorn", "uvicorn.error", "opentelemetry"):  # as the test process had them
         logger = logging.getLogger(name)
         logger.handlers.clear()
@@ -38,7 +41,7 @@ def restore_logging():
 
 def test_json_lines_carry_extra_fields_and_the_traceback(restore_logging) -> None:
     out = io.StringIO()
-    setup_logging("info", "json", out)
+    handler = setup_logging("info", "json", out)
     log = logging.getLogger("charon.requests")
     try:
         raise ValueError("cannot transfer 50 of 5")
@@ -47,6 +50,7 @@ def test_json_lines_carry_extra_fields_and_the_traceback(restore_logging) -> Non
             "request_id": "r-1", "operator": "acct", "function": "transfer", "key": "a", "error_type": "ValueError",
             "epoch": 7, "position": 3})
     logging.getLogger("charon.engine").debug("below the level")
+    handler.flush()  # the writer thread has written what was logged
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert len(lines) == 1
     doc = lines[0]
@@ -61,12 +65,13 @@ def test_json_lines_carry_extra_fields_and_the_traceback(restore_logging) -> Non
 
 def test_text_lines_carry_the_fields_and_the_traceback(restore_logging) -> None:
     out = io.StringIO()
-    setup_logging("debug", "text", out)
+    handler = setup_logging("debug", "text", out)
     try:
         1 / 0  # noqa: B018
     except ZeroDivisionError:
         logging.getLogger("charon.requests").error("request aborted", exc_info=True,
                                                    extra={"request_id": "r-2", "error_type": "ZeroDivisionError"})
+    handler.flush()
     first, *rest = out.getvalue().splitlines()
     assert " ERROR charon.requests: request aborted " in first
     assert "request_id=r-2" in first and "error_type=ZeroDivisionError" in first
@@ -146,7 +151,7 @@ def test_a_log_outage_and_its_recovery_are_logged(restore_logging) -> None:
     from charon.runtime.node import NodeStorage
 
     out = io.StringIO()
-    setup_logging("info", "json", out)
+    handler = setup_logging("info", "json", out)
     failures = iter([ConnectionRefusedError("nats down"), ConnectionRefusedError("nats down")])
 
     def op() -> int:
@@ -157,8 +162,43 @@ def test_a_log_outage_and_its_recovery_are_logged(restore_logging) -> None:
 
     node = SimpleNamespace(log_wait=None)
     assert NodeStorage._retry_log(node, op, "logging epoch 3") == 42  # type: ignore[arg-type]
+    handler.flush()  # the writer thread has written what was logged
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [(d["logger"], d["event"], d["level"]) for d in lines] == [
         ("charon.engine", "outage", "warning"), ("charon.engine", "recovered", "warning")]
     assert lines[0]["error_type"] == "ConnectionRefusedError" and lines[0]["what"] == "logging epoch 3"
     assert lines[1]["waited_s"] > 0 and node.log_wait is None
+
+
+def test_an_unread_stderr_never_blocks_the_logging_thread(restore_logging, monkeypatch) -> None:
+    """A stream that blocks (a pipe nobody reads) holds the writer thread, never the caller: lines beyond the
+    queue are dropped and counted, then reported once the stream moves again."""
+    import threading
+
+    from charon.server import logs
+
+    gate = threading.Event()
+
+    class Stuck(io.StringIO):
+        def write(self, s: str) -> int:
+            gate.wait()
+            return super().write(s)
+
+    monkeypatch.setattr(logs, "LOG_QUEUE", 50)
+    out = Stuck()
+    handler = setup_logging("info", "json", out)
+    log = logging.getLogger("charon.requests")
+    t0 = time.monotonic()
+    for i in range(500):
+        log.warning("request r%d aborted", i, extra={"request_id": f"r{i}"})
+    assert time.monotonic() - t0 < 2.0  # 500 lines logged while the stream writes nothing
+    assert isinstance(handler, logs.NonBlocking) and handler.dropped >= 500 - 52
+    gate.set()
+    handler.flush()  # the stream moves again: the queued lines are written
+    log.warning("after", extra={"request_id": "last"})
+    handler.flush()
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    written = [x for x in lines if x["msg"].startswith("request r")]
+    dropped = [x for x in lines if x.get("event") == "log_dropped"]
+    assert len(dropped) == 1 and dropped[0]["dropped"] + len(written) == 500, lines[-3:]
+    assert lines[-2] == dropped[0] and lines[-1]["request_id"] == "last"
