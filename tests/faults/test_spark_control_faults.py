@@ -165,6 +165,9 @@ def test_health_and_rescale_while_the_nats_log_hangs(tmp_path: Path) -> None:
             rt.wait_idle(60)
             os.kill(nats.proc.pid, signal.SIGSTOP)
             stopped = True
+            # a log state probed just before the stop is reused for max_age_s (the dashboard's sampler probes
+            # every second): from then on every answer must say the log is down
+            time.sleep(rt.log_probe.max_age_s)
             seen: set[str] = set()
             deadline = time.monotonic() + 120
             while "recovering" not in seen:  # until the query failed on the log and the supervisor waits
