@@ -38,7 +38,7 @@ class NonBlocking(logging.handlers.QueueHandler):
     it. When the queue is full a record is dropped and counted; the next record that fits is preceded by a
     ``dropped N log lines`` warning. :meth:`flush` waits until the writer has written what is queued."""
 
-    def __init__(self, q: queue.Queue[logging.LogRecord]) -> None:
+    def __init__(self, q: queue.Queue[logging.LogRecord | None]) -> None:
         super().__init__(q)
         self.pending = q
         self.dropped = 0
@@ -71,9 +71,13 @@ class NonBlocking(logging.handlers.QueueHandler):
 class _Writer(logging.handlers.QueueListener):
     """The writer thread; its stop waits (a little) for room for its sentinel instead of failing on a full queue."""
 
+    def __init__(self, q: queue.Queue[logging.LogRecord | None], writer: logging.Handler) -> None:
+        super().__init__(q, writer)
+        self.pending = q
+
     def enqueue_sentinel(self) -> None:
         try:
-            self.queue.put(self._sentinel, timeout=2.0)  # type: ignore[attr-defined]
+            self.pending.put(None, timeout=2.0)  # QueueListener's sentinel is None
         except queue.Full:
             pass
 
@@ -149,7 +153,7 @@ def setup_logging(level: str = "info", fmt: str = "text", stream: TextIO | None 
     if fmt == "json":
         writer.addFilter(JsonFields())
     _stop_listener()
-    q: queue.Queue[logging.LogRecord] = queue.Queue(LOG_QUEUE)
+    q: queue.Queue[logging.LogRecord | None] = queue.Queue(LOG_QUEUE)
     handler = NonBlocking(q)
     handler.set_name(_HANDLER_NAME)
     _listener = _Writer(q, writer)
