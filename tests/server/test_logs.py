@@ -181,7 +181,7 @@ def test_an_unread_stderr_never_blocks_the_logging_thread(restore_logging, monke
 
     class Stuck(io.StringIO):
         def write(self, s: str) -> int:
-            gate.wait()
+            gate.wait(10)  # bounded: a failing test never hangs the suite
             return super().write(s)
 
     monkeypatch.setattr(logs, "LOG_QUEUE", 50)
