@@ -50,7 +50,8 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("block", FRAGMENTS, ids=_ids(FRAGMENTS))
 def test_python_fragment_compiles(block: Block) -> None:
-    compile(block.code, block.id, "exec")
+    code = compile(block.code, block.id, "exec")  # a SyntaxError fails the test
+    assert code.co_filename == block.id and block.code.strip(), f"{block.id}: an empty fragment"
 
 
 SHELL = [b for b in BLOCKS if b.lang == "bash"]
