@@ -47,6 +47,16 @@ def fresh_means_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+@pytest.fixture(autouse=True)
+def _logging_as_found() -> Iterator[None]:
+    """A test that ran ``charon run`` in this process (its ``setup_logging``) leaves no writer thread behind to
+    write, later, to a stream pytest has closed."""
+    yield
+    logs = sys.modules.get("charon.server.logs")
+    if logs is not None and logs._listener is not None:
+        logs.reset_logging()
+
+
 # -- engines ---------------------------------------------------------------------------------------------------
 #: The engines a test taking the ``engine`` fixture runs against: the in-process runtime (volatile), the durable
 #: single-node engine (the in-process runtime over a data directory) and the Spark runtime (real PySpark).

@@ -22,13 +22,14 @@ from typing import TextIO
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-__all__ = ["setup_logging", "NonBlocking", "LOG_FORMATS", "LOG_LEVELS", "LOG_QUEUE",
+__all__ = ["setup_logging", "reset_logging", "NonBlocking", "LOG_FORMATS", "LOG_LEVELS", "LOG_QUEUE",
            "JsonLines", "JsonFields", "TextLines", "extra_fields"]
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _RESERVED = frozenset(RESERVED_ATTRS) | {"message", "asctime", "taskName"}
 _HANDLER_NAME = "charon-logs"
+STOP_WAIT = 5.0  # seconds a stop (a new setup, the process's exit) waits for the writer to write what is queued
 LOG_QUEUE = 10_000  # records waiting for the writer thread at most; beyond, they are dropped and counted
 
 
@@ -41,7 +42,8 @@ class NonBlocking(logging.handlers.QueueHandler):
     def __init__(self, q: queue.Queue[logging.LogRecord | None]) -> None:
         super().__init__(q)
         self.pending = q
-        self.dropped = 0
+        self.dropped = 0  # dropped since the last ``log_dropped`` line
+        self.dropped_total = 0  # dropped since the handler was made
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         record.msg = record.getMessage()  # the arguments as they are now; the formatter runs in the writer
@@ -60,6 +62,7 @@ class NonBlocking(logging.handlers.QueueHandler):
             q.put_nowait(record)
         except queue.Full:
             self.dropped += 1
+            self.dropped_total += 1
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until the writer has written what is queued (at most ``timeout`` s: a stream may never move)."""
@@ -69,7 +72,8 @@ class NonBlocking(logging.handlers.QueueHandler):
 
 
 class _Writer(logging.handlers.QueueListener):
-    """The writer thread; its stop waits (a little) for room for its sentinel instead of failing on a full queue."""
+    """The writer thread; its stop waits (a little) for room for its sentinel instead of failing on a full queue,
+    and for the writer at most :data:`STOP_WAIT` s: a stream that never moves must not keep the process alive."""
 
     def __init__(self, q: queue.Queue[logging.LogRecord | None], writer: logging.Handler) -> None:
         super().__init__(q, writer)
@@ -80,6 +84,14 @@ class _Writer(logging.handlers.QueueListener):
             self.pending.put(None, timeout=2.0)  # QueueListener's sentinel is None
         except queue.Full:
             pass
+
+    def stop(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        self.enqueue_sentinel()
+        thread.join(STOP_WAIT)  # a daemon thread: left behind if its stream is stuck
+        self._thread = None
 
 
 _listener: _Writer | None = None
@@ -93,6 +105,18 @@ def _stop_listener() -> None:
 
 
 atexit.register(_stop_listener)
+
+
+def reset_logging() -> None:
+    """Undo :func:`setup_logging`: stop its writer and take its handler off the loggers (as before the setup)."""
+    _stop_listener()
+    for name in ("charon", "uvicorn", "uvicorn.error", "opentelemetry"):
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
+            logger.removeHandler(old)
+        logger.setLevel(logging.NOTSET)
+        logger.propagate = True
+    logging.getLogger("uvicorn.access").disabled = False
 
 
 def extra_fields(record: logging.LogRecord) -> dict[str, object]:
