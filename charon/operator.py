@@ -111,6 +111,33 @@ class Function(Generic[P, R_co]):
             except TypeError:  # a hint msgspec cannot check (e.g. a class): skip
                 pass
 
+    def by_position(self, args: tuple[object, ...], kwargs: Mapping[str, object]) -> tuple[object, ...]:
+        """``args`` and ``kwargs`` as the positional arguments they bind to (calls carry arguments by position): a
+        parameter skipped before one given by name takes its default. Raises BadArguments for a name this function
+        has no positional parameter for, or one given twice, or a required parameter left out before a named one."""
+        out = list(args)
+        rest = dict(kwargs)
+        named = [p for p in self.params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        for p in named[: len(args)]:
+            if p.name in rest:
+                raise BadArguments(f"{self.qualname} got two values for argument {p.name!r}")
+        filled = len(out)
+        for p in named[len(args):]:
+            if not rest:
+                break
+            if p.name in rest and p.kind is not p.POSITIONAL_ONLY:
+                out.append(rest.pop(p.name))
+                filled = len(out)
+            elif p.default is not p.empty:
+                out.append(p.default)  # kept only if a later parameter is given by name
+            else:
+                raise BadArguments(f"{self.qualname} is missing argument {p.name!r} (given: {', '.join(kwargs)})")
+        if rest:
+            names = ", ".join(repr(n) for n in rest)
+            raise BadArguments(f"{self.qualname} has no parameter {names} that can be passed (arguments are "
+                               "passed by position: a keyword-only or positional-only parameter cannot be named)")
+        return tuple(out[:filled])
+
     def signature(self) -> list[dict[str, Any]]:
         """Parameter names and annotations, for documentation (OpenAPI, CLI)."""
         return [

@@ -170,8 +170,10 @@ class SerialContext(Context):
         return fn
 
     def _call(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object,
-              ) -> _SerialCall:
+              **kwargs: object) -> _SerialCall:
         """Validated and numbered now; the callee runs inline when the call is first awaited."""
+        if kwargs:
+            args = self._txn.app.resolve(operator, function).by_position(args, kwargs)
         fn = self._target(operator, key, function, args)
         c = _SerialCall(self, fn, key, child_inv(self._inv, self._nchild), serde.encode(list(args)))
         self._made.append(c)
@@ -189,7 +191,10 @@ class SerialContext(Context):
     async def _run_all(self, calls: tuple[_SerialCall, ...]) -> list[object]:
         return [await c for c in calls]
 
-    def _send(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object) -> None:
+    def _send(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object,
+              **kwargs: object) -> None:
+        if kwargs:
+            args = self._txn.app.resolve(operator, function).by_position(args, kwargs)
         fn = self._target(operator, key, function, args)
         inv = child_inv(self._inv, self._nchild)
         self._txn.sends.append((fn, key, inv, self._depth + 1, serde.encode(list(args))))
@@ -217,8 +222,10 @@ class SerialContext(Context):
 
     # timers: the same items (ids, records) as the engine's; firing is modelled by check_epoch
     def _send_at(self, t: float, operator: Operator | str, key: str, function: Function[..., object] | str,
-                 *args: object) -> str:
+                 *args: object, **kwargs: object) -> str:
         due = _timers.check_due(t)
+        if kwargs:
+            args = self._txn.app.resolve(operator, function).by_position(args, kwargs)
         fn = self._txn.app.validate(operator, function, args, key=key)
         if self._depth >= MAX_DEPTH:
             raise CallGraphLimitExceeded(f"call depth exceeds {MAX_DEPTH}")
@@ -230,10 +237,10 @@ class SerialContext(Context):
         return tid
 
     def _send_after(self, seconds: float, operator: Operator | str, key: str, function: Function[..., object] | str,
-                    *args: object) -> str:
+                    *args: object, **kwargs: object) -> str:
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
             raise ValueError(f"send_after needs a number of seconds >= 0, got {seconds!r}")
-        return self._send_at(self.now() + seconds, operator, key, function, *args)
+        return self._send_at(self.now() + seconds, operator, key, function, *args, **kwargs)
 
     if not TYPE_CHECKING:  # the implementations of Context's typed declarations (no ask: the oracle has no portals)
         call, gather, send, send_at, send_after, effect = _call, _gather, _send, _send_at, _send_after, _effect

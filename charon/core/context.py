@@ -262,7 +262,8 @@ class Context:
     The one typed declaration of the context: the engine's (:class:`EngineContext`) and the serial oracle's
     (:class:`charon.testing.SerialContext`) implement it. A function referenced as a :class:`Function` types the
     call: its arguments are checked against the function's parameters and the awaited value has its return type
-    (a function named by a string is not checked: its value is ``Any``). Arguments are passed by position.
+    (a function named by a string is not checked: its value is ``Any``). Arguments given by name are bound to
+    the callee's parameters and travel by position (:meth:`charon.Function.by_position`).
     """
 
     __slots__ = ()
@@ -721,12 +722,19 @@ class EngineContext(Context):
                 break
         return (fn.operator.name, key, fn.name, data)
 
+    def _by_position(self, operator: Operator | str, function: Function[..., object] | str,
+                     args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[object, ...]:
+        """Arguments given by name, as the positional ones they bind to (:meth:`Function.by_position`)."""
+        return self._unit.app_for(self._frame.tid).resolve(operator, function).by_position(args, kwargs)
+
     def _call(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object,
-              ) -> _Call:
+              **kwargs: object) -> _Call:
         """:meth:`Context.call`."""
         # Validated when first created (every call site runs live once before any replay of it).
         if self._dropped:  # self._live(), inlined
             raise GeneratorExit
+        if kwargs:
+            args = self._by_position(operator, function, args, kwargs)
         target = self._target(operator, key, function, args) if self._frame.live else _replayed_target(
             operator, key, function, args
         )
@@ -744,9 +752,12 @@ class EngineContext(Context):
                 raise TypeError("ctx.gather takes the results of this context's ctx.call(...)")
         return _Gather(self, calls)
 
-    def _send(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object) -> None:
+    def _send(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object,
+              **kwargs: object) -> None:
         """:meth:`Context.send`."""
         live = self._live()
+        if kwargs:
+            args = self._by_position(operator, function, args, kwargs)
         target = self._target(operator, key, function, args) if live else _replayed_target(
             operator, key, function, args
         )
@@ -807,10 +818,12 @@ class EngineContext(Context):
 
     # -- timers (charon.core.timers) ---------------------------------------------------------------
     def _send_at(self, t: float, operator: Operator | str, key: str, function: Function[..., object] | str,
-                 *args: object) -> str:
+                 *args: object, **kwargs: object) -> str:
         """:meth:`Context.send_at`."""
         due = _timers.check_due(t)
         live = self._live()
+        if kwargs:
+            args = self._by_position(operator, function, args, kwargs)
         target = self._target(operator, key, function, args) if live else _replayed_target(
             operator, key, function, args
         )
@@ -824,11 +837,11 @@ class EngineContext(Context):
         return tid
 
     def _send_after(self, seconds: float, operator: Operator | str, key: str, function: Function[..., object] | str,
-                    *args: object) -> str:
+                    *args: object, **kwargs: object) -> str:
         """:meth:`Context.send_after`."""
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
             raise ValueError(f"send_after needs a number of seconds >= 0, got {seconds!r}")
-        return self._send_at(self.now() + seconds, operator, key, function, *args)
+        return self._send_at(self.now() + seconds, operator, key, function, *args, **kwargs)
 
     if not TYPE_CHECKING:  # the implementations of Context's typed declarations (the same functions: no wrapper)
         call, gather, send, ask, effect = _call, _gather, _send, _ask, _effect
