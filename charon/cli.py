@@ -12,7 +12,6 @@ stderr, its traceback only with ``charon --debug`` (or ``CHARON_DEBUG=1``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 import importlib.util
@@ -20,32 +19,37 @@ import inspect
 import json
 import logging
 import os
-import random
-import secrets
 import shutil
-import statistics
 import sys
 import time
 import traceback
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from charon.bench.harness import percentile
 from charon.clifail import fail as _fail
 from charon.clifail import request_failed as _request_failed
+from charon.cliparts import (
+    DEBUG_ENV,
+    TokenOpt,
+    UrlOpt,
+    console,
+    debug,
+    err_console,
+    error_site,
+    load_app,
+    make_engine,
+    print_json,
+)
 from charon.config import DURABLE_REPLY_RETENTION, VOLATILE_REPLY_RETENTION
-from charon.errors import CharonError, EngineUnavailable, LogUnavailable, TransactionAborted
+from charon.demo_cli import demo
+from charon.effects_cli import effects_app
+from charon.errors import CharonError
 from charon.exitcodes import ExitCode
 from charon.requests_cli import requests_app
-from charon.runtime.contract import Engine
 from charon.runtime.factory import EngineSpec
 
 app = typer.Typer(
@@ -56,18 +60,6 @@ app = typer.Typer(
     rich_markup_mode="markdown",  # docstrings' `code` renders as code, never as raw backticks
     pretty_exceptions_enable=False,  # main() turns an unexpected error into one line (--debug: the traceback)
 )
-console = Console()
-err_console = Console(stderr=True)
-
-DEFAULT_URL = "http://127.0.0.1:8000"
-DEBUG_ENV = "CHARON_DEBUG"
-
-
-def _debug() -> bool:
-    """Whether ``--debug`` (or ``CHARON_DEBUG``) asks for full tracebacks."""
-    return os.environ.get(DEBUG_ENV, "").lower() not in ("", "0", "false", "no")
-
-
 def package_version() -> str:
     """The installed charon distribution's version."""
     from importlib.metadata import PackageNotFoundError, version
@@ -92,93 +84,11 @@ def _options(
                                help="Show the full traceback of an error (default: one line)."),
 ) -> None:
     if debug:
-        os.environ[DEBUG_ENV] = "1"  # read by _debug(); inherited by a re-executed `charon run`
+        os.environ[DEBUG_ENV] = "1"  # read by debug(); inherited by a re-executed `charon run`
 
 
 # --------------------------------------------------------------------------------------------------
 # helpers
-
-
-def load_app(target: str) -> Any:
-    """Import ``module:attribute`` (attribute defaults to ``app``) and return the Application.
-
-    A module that cannot be imported, or raises while importing, is one line naming the file, line and the
-    offending source line (exit code ``APP_ERROR``); ``--debug`` prints the traceback too."""
-    module_name, _, attr = target.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):  # the target itself is missing
-            raise _fail(f"cannot import {module_name!r}: {exc}", ExitCode.APP_ERROR) from None
-        raise _app_error(f"importing {module_name!r} failed", exc) from None
-    except Exception as exc:  # noqa: BLE001 - anything the user's module raises while importing
-        raise _app_error(f"importing {module_name!r} failed", exc) from None
-    obj: object = module
-    for part in (attr or "app").split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise _fail(f"{module_name!r} has no attribute {attr or 'app'!r}", ExitCode.APP_ERROR)
-    if callable(obj) and not hasattr(obj, "validate"):
-        try:
-            obj = obj()  # an application factory
-        except Exception as exc:  # noqa: BLE001 - the user's factory failed
-            raise _app_error(f"the application factory {target!r} failed", exc) from None
-    if not hasattr(obj, "validate"):
-        raise _fail(f"{target!r} is not a charon Application", ExitCode.APP_ERROR)
-    return obj
-
-
-def _where(exc: BaseException) -> tuple[str, int, str] | None:
-    """Where ``exc`` points in the user's code: (file, line, source line). A SyntaxError's own position;
-    otherwise the innermost frame outside the standard library, installed packages and charon itself."""
-    if isinstance(exc, SyntaxError) and exc.filename:
-        return exc.filename, exc.lineno or 0, (exc.text or "").strip()
-    import sysconfig
-
-    skip = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-                 | {os.path.dirname(os.path.abspath(__file__))})
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
-    mine = [f for f in frames if not os.path.abspath(f.filename).startswith(skip)]
-    if not (mine or frames):
-        return None
-    frame = (mine or frames)[-1]
-    return frame.filename, frame.lineno or 0, (frame.line or "").strip()
-
-
-def _app_error(what: str, exc: BaseException) -> typer.Exit:
-    """One clean line for an exception raised by the user's code (the traceback only with ``--debug``)."""
-    if _debug():
-        err_console.print("".join(traceback.format_exception(exc)), markup=False, highlight=False)
-    msg = exc.msg if isinstance(exc, SyntaxError) else str(exc)
-    where = _where(exc)
-    loc = "" if where is None else f"\n  {os.path.relpath(where[0]) if not where[0].startswith('..') else where[0]}" \
-        f":{where[1]}" + (f": {where[2]}" if where[2] else "")
-    hint = "" if _debug() else f"\n  (run `charon --debug ...` or set {DEBUG_ENV}=1 for the traceback)"
-    return _fail(f"{what}: {type(exc).__name__}: {msg}{loc}{hint}", ExitCode.APP_ERROR)
-
-
-def spark_available() -> bool:
-    """Whether the Spark runtime module is part of this installation."""
-    try:
-        return importlib.util.find_spec("charon.runtime.spark.runtime") is not None
-    except ImportError:
-        return False
-
-
-def make_engine(spec: EngineSpec) -> Engine:
-    """Build (not start) the engine ``spec`` describes (:func:`charon.runtime.factory.make_engine`); its settings
-    errors as the command line's (``BadParameter``), failures to open it as one line and exit code ``UNAVAILABLE``."""
-    from charon.runtime.factory import EngineOpenFailed, EngineSpecError
-    from charon.runtime.factory import make_engine as build
-
-    try:
-        return build(spec)
-    except EngineSpecError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    except EngineOpenFailed as exc:
-        raise _fail(str(exc), ExitCode.UNAVAILABLE) from None
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -187,21 +97,12 @@ async def _maybe_await(value: Any) -> Any:
     return value
 
 
-def _print_json(value: Any) -> None:
-    try:
-        typer.echo(msgspec.json.encode(value).decode())
-    except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
-        raise _fail(f"the value cannot be shown as JSON: {exc}", ExitCode.FAILED) from None
-
-
 def _client(url: str, token: str | None) -> Any:
     from charon.client import Client
 
     return Client(url, token=token, timeout=30.0, retries=2)
 
 
-UrlOpt = typer.Option(DEFAULT_URL, "--url", envvar="CHARON_URL", help="Gateway URL.")
-TokenOpt = typer.Option(None, "--token", envvar="CHARON_TOKEN", help="Bearer token.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,131 +304,8 @@ def ready_line(app_name: str, engine: str, base_url: str) -> str:
     return f"charon: ready — {app_name} engine={engine} {base_url} (dashboard {base_url}/dashboard)"
 
 
-effects_app = typer.Typer(help="Durable effects: run them in worker processes, list them, retry or abandon one.",
-                          no_args_is_help=True)
 app.add_typer(effects_app, name="effects")
 app.add_typer(requests_app, name="requests")  # charon requests list|show (the invocation inspector)
-DataDirOpt = typer.Option("charon-data", "--data-dir", envvar="CHARON_DATA_DIR",
-                          help="The engine's data directory (its streams.sqlite; effects.sqlite is kept there).")
-
-
-def _effect_store(data_dir: str) -> Any:
-    from charon.runtime.effects import EFFECTS_FILE, EffectStore
-
-    path = os.path.join(data_dir, EFFECTS_FILE)
-    if not os.path.exists(path):
-        raise _fail(f"no effects recorded in {data_dir} (no {EFFECTS_FILE})", ExitCode.FAILED)
-    return EffectStore(path)
-
-
-@effects_app.command("work")
-def effects_work(
-    target: str = typer.Argument(..., metavar="MODULE:APP", help="The Application (its effect handlers)."),
-    url: str = UrlOpt,
-    token: str | None = TokenOpt,
-    data_dir: str = DataDirOpt,
-    index: int = typer.Option(0, "--index", min=0, help="This worker's number, 0 .. --workers - 1."),
-    workers: int = typer.Option(1, "--workers", min=1, help="How many workers share the effects (all the same)."),
-    concurrency: int = typer.Option(16, "--concurrency", min=1, help="Effects run at once."),
-    max_bytes: int = typer.Option(16 << 20, "--max-bytes", min=1, help="Bytes of effect requests in flight."),
-    park_failed: bool = typer.Option(False, "--park-failed", help="Park exhausted effects for an operator."),
-    backoff: float = typer.Option(0.2, "--backoff", min=0.001, help="First retry's delay in seconds (doubles)."),
-    metrics_port: int | None = typer.Option(None, "--metrics-port", min=1, max=65535,
-                                            help="Serve this worker's Prometheus metrics on 127.0.0.1:PORT/metrics."),
-) -> None:
-    """Run the effects of worker INDEX of WORKERS (by crc32 of the effect id): handlers here, continuations
-    submitted to the gateway at --url with the effect's Idempotency-Key."""
-    from charon.log.streams import StreamLog
-    from charon.runtime.effects import EffectExecutor
-
-    application = load_app(target)
-    if index >= workers:
-        raise typer.BadParameter(f"--index must be below --workers ({workers})")
-    path = os.path.join(data_dir, "streams.sqlite")
-    if not os.path.exists(path):
-        raise _fail(f"no output streams in {data_dir} (no streams.sqlite): is it the engine's data directory?",
-                    ExitCode.FAILED)
-
-    async def main() -> None:
-        from charon.client import AsyncClient, GatewayError
-
-        async with AsyncClient(url, token=token, timeout=60.0, retries=2) as client:
-            async def resume(op: str, key: str, fn: str, args: list[Any], rid: str) -> tuple[bool, str]:
-                try:
-                    await client.invoke_result(op, key, fn, *args, request_id=rid)
-                except (EngineUnavailable, LogUnavailable):
-                    raise  # the engine is away: the executor submits the same id again later
-                except GatewayError as exc:
-                    if exc.status >= 500 or exc.status == 429:
-                        raise
-                    return False, str(exc)
-                except CharonError as exc:  # the continuation aborted, or was refused for good
-                    return False, f"{getattr(exc, 'error_type', type(exc).__name__)}: {exc}"
-                return True, ""
-
-            ex = EffectExecutor(application, StreamLog(path, durable=False), resume, index=index, workers=workers,
-                                concurrency=concurrency, max_inflight_bytes=max_bytes, park_failed=park_failed,
-                                backoff_s=backoff, poll_s=0.01)  # the engine's appends are in another process
-            await ex.start()
-            server = None
-            if metrics_port is not None:
-                import uvicorn
-                from starlette.applications import Starlette
-                from starlette.responses import PlainTextResponse
-                from starlette.routing import Route
-
-                async def metrics(_: Any) -> PlainTextResponse:
-                    return PlainTextResponse(await asyncio.to_thread(ex.prometheus),
-                                             media_type="text/plain; version=0.0.4")
-
-                server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/metrics", metrics)]),
-                                                       host="127.0.0.1", port=metrics_port, log_level="warning"))
-            err_console.print(f"charon: effects worker {index}/{workers} of {application.name} on {data_dir}"
-                              + (f"; metrics on http://127.0.0.1:{metrics_port}/metrics" if server else ""),
-                              soft_wrap=True)
-            try:
-                await (server.serve() if server is not None else asyncio.Event().wait())
-            finally:
-                await ex.stop()
-
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
-
-
-@effects_app.command("list")
-def effects_list(
-    data_dir: str = DataDirOpt,
-    status: str | None = typer.Option(None, "--status", help="pending, running, resuming, failed or done."),
-    limit: int = typer.Option(100, "--limit", min=1),
-    as_json: bool = typer.Option(False, "--json", help="JSON lines instead of a table."),
-) -> None:
-    """Effects with their status, attempts and last error (newest first), and the counts per status."""
-    store = _effect_store(data_dir)
-    rows = store.list(status, limit)
-    if as_json:
-        _print_json({"counts": store.counts(), "effects": [msgspec.to_builtins(r) for r in rows]})
-        return
-    table = Table("id", "handler", "status", "attempts", "outcome", "last error")
-    for r in rows:
-        table.add_row(r.id, r.handler, r.status, f"{r.attempts}/{r.max_attempts}", r.outcome, r.last_error[:80])
-    console.print(table)
-    console.print(" ".join(f"{k}={v}" for k, v in store.counts().items()))
-
-
-@effects_app.command("retry")
-def effects_retry(effect_id: str = typer.Argument(...), data_dir: str = DataDirOpt) -> None:
-    """Give a parked (failed) effect a new round of attempts."""
-    if not _effect_store(data_dir).retry(effect_id):
-        raise _fail(f"effect {effect_id!r} is not parked", ExitCode.FAILED)
-    typer.echo(f"retrying {effect_id}")
-
-
-@effects_app.command("abandon")
-def effects_abandon(effect_id: str = typer.Argument(...), data_dir: str = DataDirOpt) -> None:
-    """Stop trying a parked or pending effect: its continuation runs with an EffectAbandoned failure."""
-    if not _effect_store(data_dir).abandon(effect_id):
-        raise _fail(f"effect {effect_id!r} is not parked or pending", ExitCode.FAILED)
-    typer.echo(f"abandoned {effect_id}")
 
 
 @app.command()
@@ -554,7 +332,7 @@ def invoke(
     if not isinstance(args, list):
         raise _fail("ARGS_JSON must be a JSON list, e.g. '[\"bob\", 10]'", ExitCode.USAGE)
     value = _admin(url, token, lambda c: c.invoke(operator, key, function, *args, request_id=request_id))
-    _print_json(value)
+    print_json(value)
 
 
 @app.command()
@@ -565,7 +343,7 @@ def state(
     token: str | None = TokenOpt,
 ) -> None:
     """Print the committed state of OPERATOR/KEY as JSON (an admin read)."""
-    _print_json(_admin(url, token, lambda c: c.state(operator, key)))
+    print_json(_admin(url, token, lambda c: c.state(operator, key)))
 
 
 def _admin(url: str, token: str | None, call: Any) -> Any:
@@ -583,7 +361,7 @@ def _admin(url: str, token: str | None, call: Any) -> Any:
 def status(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Print the runtime's control status (running/pausing/paused, last committed epoch, backlog, partitions;
     on Spark the input log's ``log_partitions``: routing count and physical count) as JSON."""
-    _print_json(_admin(url, token, lambda c: c.status()))
+    print_json(_admin(url, token, lambda c: c.status()))
 
 
 @app.command("dead-letters")
@@ -591,7 +369,7 @@ def dead_letters(url: str = UrlOpt, token: str | None = TokenOpt,
                  limit: int = typer.Option(100, min=1, max=10_000, help="How many, newest first.")) -> None:
     """List the transactions the engine set aside (timed out past their budget, or quarantined after stopping
     the engine), newest first, as JSON: request id, function, key, error, epoch."""
-    _print_json(_admin(url, token, lambda c: c.dead_letters(limit)))
+    print_json(_admin(url, token, lambda c: c.dead_letters(limit)))
 
 
 @app.command()
@@ -611,13 +389,13 @@ def pause(
             st = c.status()
         return st
 
-    _print_json(_admin(url, token, go))
+    print_json(_admin(url, token, go))
 
 
 @app.command()
 def resume(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Let epochs start again (waiting requests run in arrival order); prints the status."""
-    _print_json(_admin(url, token, lambda c: c.resume()))
+    print_json(_admin(url, token, lambda c: c.resume()))
 
 
 @app.command()
@@ -633,7 +411,7 @@ def rescale(
     ``{"log": ...}`` when only the log was resized."""
     if partitions is None and log_partitions is None:
         raise typer.BadParameter("give PARTITIONS, --log-partitions or both")
-    _print_json(_admin(url, token, lambda c: c.rescale(partitions, log_partitions=log_partitions)))
+    print_json(_admin(url, token, lambda c: c.rescale(partitions, log_partitions=log_partitions)))
 
 
 @app.command("read")
@@ -654,7 +432,7 @@ def read_state(
     ``next``, the --after of the following page (null on the last)."""
     cut = _admin(url, token, lambda c: c.read_state(operator, keys or None, epoch=epoch, limit=limit, after=after,
                                                     prefix=prefix))
-    _print_json(cut if internal else hide_internal(cut))
+    print_json(cut if internal else hide_internal(cut))
 
 
 def hide_internal(cut: dict[str, object]) -> dict[str, object]:
@@ -695,7 +473,7 @@ def update(
         raise _fail(f"ARGS_JSON is not valid JSON: {exc}", ExitCode.USAGE) from None
     if not isinstance(args, list):
         raise _fail("ARGS_JSON must be a JSON list", ExitCode.USAGE)
-    _print_json(_admin(url, token, lambda c: c.admin_update(update_id, operator, function, *args, keys=keys or None)))
+    print_json(_admin(url, token, lambda c: c.admin_update(update_id, operator, function, *args, keys=keys or None)))
 
 
 @app.command()
@@ -725,7 +503,7 @@ def deploy(
     if compatible and migration is not None:
         raise _fail("a --compatible update has no --migrate", ExitCode.USAGE)
     mode = "compatible" if compatible else "strict"
-    _print_json(_admin(url, token, lambda c: c.update_code(ref, version, migration, mode)))
+    print_json(_admin(url, token, lambda c: c.update_code(ref, version, migration, mode)))
 
 
 @app.command()
@@ -825,228 +603,7 @@ def bench(ctx: typer.Context) -> None:
         raise typer.Exit(result)
 
 
-# --------------------------------------------------------------------------------------------------
-# demo
-
-
-YCSB_REF = "charon.apps.ycsb:app"
-
-
-def _ycsb() -> Any:
-    try:
-        return importlib.import_module("charon.apps.ycsb")
-    except ImportError as exc:
-        raise _fail(f"the YCSB-T example app (charon.apps.ycsb) is not available: {exc}", ExitCode.APP_ERROR) from None
-
-
-async def _drive(
-    url: str, token: str, plan: list[tuple[str, str, str, int]], concurrency: int, progress: Progress
-) -> dict[str, Any]:
-    """Send ``plan`` (request id, debtor, creditor, amount) through the gateway; then retry a sample."""
-    from charon.client import AsyncClient
-
-    task = progress.add_task("transfers", total=len(plan), committed=0, aborted=0)
-    outcomes: dict[str, tuple[str, int | None]] = {}
-    latencies: list[float] = []
-    failures: Counter[str] = Counter()
-    aborts: Counter[str] = Counter()
-    counts = {"committed": 0, "aborted": 0}
-    sem = asyncio.Semaphore(concurrency)
-
-    async with AsyncClient(url, token=token, timeout=120.0, retries=5, max_connections=concurrency) as client:
-
-        async def one(rid: str, src: str, dst: str, amount: int) -> None:
-            async with sem:
-                t0 = time.perf_counter()
-                try:
-                    res = await client.invoke_result("account", src, "transfer", dst, amount, request_id=rid)
-                    outcomes[rid] = ("committed", res.tid)
-                    counts["committed"] += 1
-                except TransactionAborted as exc:
-                    outcomes[rid] = ("aborted", getattr(exc, "tid", None))
-                    aborts[exc.error_type] += 1
-                    counts["aborted"] += 1
-                except Exception as exc:  # noqa: BLE001 - counted and reported
-                    failures[type(exc).__name__] += 1
-                latencies.append(time.perf_counter() - t0)
-                progress.update(task, advance=1, committed=counts["committed"], aborted=counts["aborted"])
-
-        t_start = time.perf_counter()
-        await asyncio.gather(*(one(*p) for p in plan))
-        elapsed = time.perf_counter() - t_start
-
-        # exactly once: resending a sample with the same request ids must return the same transactions
-        sample = random.Random(len(plan)).sample(plan, min(len(plan), 100))
-        mismatched = 0
-        for rid, src, dst, amount in sample:
-            try:
-                res = await client.invoke_result("account", src, "transfer", dst, amount, request_id=rid)
-                again: tuple[str, int | None] = ("committed", res.tid)
-            except TransactionAborted as exc:
-                again = ("aborted", getattr(exc, "tid", None))
-            if again != outcomes.get(rid):
-                mismatched += 1
-        accounts = sorted({p[1] for p in plan} | {p[2] for p in plan})
-        touched = await asyncio.gather(*(client.state("account", a) for a in accounts))
-    return {
-        "elapsed": elapsed,
-        **counts,
-        "aborts": aborts,
-        "failures": failures,
-        "latencies": sorted(latencies),
-        "answered": len(outcomes),
-        "retried": len(sample),
-        "mismatched": mismatched,
-        "touched": dict(zip(accounts, touched, strict=True)),
-    }
-
-
-async def _serve_and_drive(
-    runtime: Engine, token: str, plan: list[tuple[str, str, str, int]], concurrency: int, shape: tuple
-) -> dict[str, Any]:
-    """Serve the gateway and drive the workload on one event loop (no GIL hand-offs between threads)."""
-    import uvicorn
-
-    from charon.server.gateway import create_app
-    from charon.server.serve import free_port
-
-    port = free_port()
-    gateway = create_app(runtime, token=token, manage_runtime=True)
-    server = uvicorn.Server(
-        uvicorn.Config(gateway, host="127.0.0.1", port=port, log_level="warning", lifespan="on", access_log=False)
-    )
-    serving = asyncio.create_task(server.serve())
-    with console.status("starting the gateway (and the runtime's epochs)…"):
-        while not server.started:
-            if serving.done():
-                serving.result()
-                raise _fail("the gateway stopped during startup", ExitCode.UNAVAILABLE)
-            await asyncio.sleep(0.05)
-    accounts, balance, max_amount, zipf = shape
-    console.print(
-        f"gateway on http://127.0.0.1:{port}: {accounts} accounts × {balance}, {len(plan)} transfers "
-        f"(amounts 1..{max_amount}, zipf {zipf}), {concurrency} in flight"
-    )
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("committed [green]{task.fields[committed]}[/] aborted [yellow]{task.fields[aborted]}[/]"),
-        TimeElapsedColumn(),
-        console=console,
-    )
-    try:
-        with progress:
-            return await _drive(f"http://127.0.0.1:{port}", token, plan, concurrency, progress)
-    finally:
-        server.should_exit = True
-        with console.status("stopping the gateway…"):
-            await serving
-
-
-@app.command()
-def demo(
-    engine: str = typer.Option("auto", help="auto (spark when available), spark or inprocess."),
-    accounts: int = typer.Option(1000, min=2, help="Number of accounts."),
-    transactions: int = typer.Option(3000, min=1, help="Number of transfers."),
-    concurrency: int = typer.Option(64, min=1, help="Transfers in flight at once."),
-    balance: int = typer.Option(100, min=0, help="Initial balance of every account."),
-    max_amount: int = typer.Option(30, min=1, help="Largest transfer amount."),
-    zipf: float = typer.Option(0.0, min=0.0, help="Zipf coefficient of the creditors (0 = uniform)."),
-    partitions: int = typer.Option(4, min=1, help="Number of partitions."),
-    seed: int = typer.Option(7, help="Workload seed."),
-    keep_data: bool = typer.Option(False, "--keep-data", help="Keep the temporary data directory (logs, state, "
-                                   "Spark log) after a passing run too."),
-) -> None:
-    """Deploy the YCSB-T bank end to end, drive transfers through the gateway and check the invariants."""
-    import tempfile
-
-    if engine == "auto":
-        engine = "spark" if spark_available() else "inprocess"
-        if engine == "inprocess":
-            console.print(
-                "[yellow]note:[/] the Spark runtime is not available here; running on the in-process runtime "
-                "(same engine core, in-memory exchange)."
-            )
-    ycsb = _ycsb()
-    token = secrets.token_urlsafe(16)
-    initial = ycsb.initial_state(accounts, balance)
-    plan = [
-        (f"demo-{seed}-{i}", key, args[0], args[1])
-        for i, (_, key, _, args) in enumerate(
-            ycsb.workload(accounts, transactions, zipf=zipf, seed=seed, max_amount=max_amount)
-        )
-    ]
-    data_dir = tempfile.mkdtemp(prefix="charon-demo-")
-    spark_log = None
-    runtime: Engine | None = None
-    try:
-        with console.status(f"starting the {engine} runtime…"):
-            runtime = make_engine(EngineSpec(engine, YCSB_REF, partitions, data_dir))
-            spark_log = runtime.log_file
-            if spark_log is not None:
-                console.print(f"Spark log: {spark_log}")
-        with console.status(f"loading {accounts} accounts…"):
-            runtime.load("account", initial)  # before the first epoch
-        stats = asyncio.run(_serve_and_drive(runtime, token, plan, concurrency, (accounts, balance, max_amount, zipf)))
-        replies_missing = sum(1 for p in plan if runtime.get_reply(p[0]) is None)
-    except (typer.Exit, KeyboardInterrupt):
-        raise
-    except Exception:  # noqa: BLE001 - the one place a traceback is shown: something failed
-        console.print_exception()
-        raise _fail("the demo failed" + (f"; Spark's own output is in {spark_log}" if spark_log else "")
-                    + (f" (data kept in {data_dir})" if data_dir else ""), ExitCode.FAILED) from None
-    finally:
-        if runtime is not None:
-            with console.status("stopping…"):
-                runtime.close()
-
-    expected_total = sum(initial.values())
-    final_total = expected_total + sum(int(v or 0) - initial.get(k, 0) for k, v in stats["touched"].items())
-    conserved = final_total == expected_total
-    once = (
-        stats["answered"] == transactions
-        and not stats["failures"]
-        and stats["mismatched"] == 0
-        and replies_missing == 0
-    )
-    lat = stats["latencies"]
-    table = Table(title=f"charon demo: YCSB-T transfers on {engine}", show_header=False)
-    table.add_column("metric", style="bold")
-    table.add_column("value", justify="right")
-    table.add_row("engine / partitions", f"{engine} / {partitions}")
-    table.add_row("accounts × initial balance", f"{accounts} × {balance}")
-    table.add_row("transfers sent (in flight)", f"{transactions} ({concurrency})")
-    table.add_row("committed", str(stats["committed"]))
-    aborts = ", ".join(f"{k} {v}" for k, v in stats["aborts"].most_common()) or "none"
-    table.add_row("aborted (typed)", f"{stats['aborted']} ({aborts})")
-    if stats["failures"]:
-        table.add_row("failed requests", ", ".join(f"{k} {v}" for k, v in stats["failures"].items()))
-    table.add_row("duration", f"{stats['elapsed']:.2f} s")
-    table.add_row("throughput", f"{transactions / stats['elapsed']:.0f} tx/s")
-    table.add_row(
-        "latency p50 / p95 / p99",
-        " / ".join(f"{percentile(lat, q) * 1000:.1f}" for q in (50, 95, 99)) + " ms",
-    )
-    if lat:
-        table.add_row("latency mean", f"{statistics.fmean(lat) * 1000:.1f} ms")
-    table.add_row("total balance before → after", f"{expected_total} → {final_total}")
-    table.add_row("balance conserved", "[green]✓[/]" if conserved else "[red]✗[/]")
-    table.add_row(
-        "every request answered once",
-        ("[green]✓[/]" if once else "[red]✗[/]")
-        + f" ({stats['answered']}/{transactions} answered; {stats['retried']} resent with the same id, "
-        f"{stats['mismatched']} got a different reply; {replies_missing} without a reply)",
-    )
-    console.print(table)
-    if not (conserved and once):
-        if data_dir:
-            console.print(f"the demo's data (logs, state, Spark log) is kept in {data_dir}")
-        raise typer.Exit(ExitCode.FAILED)
-    if data_dir and keep_data:
-        console.print(f"the demo's data is kept in {data_dir}")
-    elif data_dir:
-        shutil.rmtree(data_dir, ignore_errors=True)  # a passing demo leaves nothing behind
+app.command()(demo)
 
 
 from charon.harness_cli import make_test_app  # noqa: E402 - the fault harness's command lives in its own module
@@ -1061,11 +618,11 @@ def main() -> None:
     try:
         app()
     except Exception as exc:  # noqa: BLE001 - the last resort: never a bare traceback unless asked for
-        if _debug():
+        if debug():
             err_console.print("".join(traceback.format_exception(exc)), markup=False, highlight=False)
-        where = _where(exc)
+        where = error_site(exc)
         at = "" if where is None else f" (at {where[0]}:{where[1]})"
-        hint = "" if _debug() else f"; run `charon --debug ...` or set {DEBUG_ENV}=1 for the traceback"
+        hint = "" if debug() else f"; run `charon --debug ...` or set {DEBUG_ENV}=1 for the traceback"
         raise SystemExit(_fail(f"unexpected {type(exc).__name__}: {exc}{at}{hint}", ExitCode.INTERNAL).exit_code) \
             from None
 
