@@ -8,6 +8,7 @@ and repros the tests share are in ``support`` (on ``sys.path``, see ``pythonpath
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,12 +101,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.nats)
         if "pg_cluster" in names:
             item.add_marker(pytest.mark.postgres)
-        if rel[-1] == "test_dashboard.py":
+        if "browser" in names:
             item.add_marker(pytest.mark.browser)
         if axis == "simulation":
             item.add_marker(pytest.mark.simulation)
         if axis in ("simulation", "bench"):
             item.add_marker(pytest.mark.slow)
+
+
+# -- a headless browser ---------------------------------------------------------------------------------------
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Debian's chromium, headless, driven by Playwright: one per module (skips with a reason without either)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does)")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def shots(tmp_path: Path) -> str:
+    """Where a browser test's screenshots go: ``CHARON_DASHBOARD_SCREENSHOTS`` (the docs' images), else tmp."""
+    out = os.environ.get("CHARON_DASHBOARD_SCREENSHOTS") or str(tmp_path)
+    os.makedirs(out, exist_ok=True)
+    return out
 
 
 # -- the one Spark session -------------------------------------------------------------------------------------

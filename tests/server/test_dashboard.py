@@ -10,22 +10,14 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import threading
 import time
-
-import pytest
 
 from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.client import Client
 from charon.server.serve import BackgroundServer
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt-get install chromium; .ci/run does)"
-)
 TOKEN = "dash-t0ken"
 N = 50
 
@@ -45,9 +37,7 @@ def _shot(page, shots: str, name: str) -> None:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 10_000, path
 
 
-def test_dashboard_live_pause_resume_and_state_browser(tmp_path) -> None:
-    shots = os.environ.get("CHARON_DASHBOARD_SCREENSHOTS") or str(tmp_path)
-    os.makedirs(shots, exist_ok=True)
+def test_dashboard_live_pause_resume_and_state_browser(browser, shots) -> None:
     rt = InProcessRuntime(ycsb.app, partitions=4, epoch_max_ms=2.0)
     rt.load("account", ycsb.initial_state(N, 100))
     stop = threading.Event()
@@ -61,83 +51,77 @@ def test_dashboard_live_pause_resume_and_state_browser(tmp_path) -> None:
         loader = threading.Thread(target=drive, daemon=True)
         loader.start()
         try:
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox", "--disable-gpu"])
-                try:
-                    page = browser.new_page(viewport={"width": 1280, "height": 800})
-                    page.goto(f"{srv.url}/dashboard#token={TOKEN}")
-                    page.wait_for_function("Number(document.getElementById('throughput').textContent) > 0",
-                                           timeout=20_000)
-                    first = _number(page, "#epoch")
-                    page.wait_for_function(f"Number(document.getElementById('epoch').textContent) > {first}",
-                                           timeout=20_000)
-                    assert page.text_content("#state") == "running"
-                    assert page.text_content("#p50") != "-"
-                    _shot(page, shots, "dashboard.png")
-                    # pause: the epoch stops, the backlog grows
-                    page.click("#pause")
-                    page.wait_for_function("document.getElementById('state').textContent === 'paused'",
-                                           timeout=20_000)
-                    frozen = _number(page, "#epoch")
-                    page.wait_for_function("Number(document.getElementById('backlog').textContent) > 30",
-                                           timeout=20_000)
-                    assert _number(page, "#epoch") == frozen
-                    _shot(page, shots, "dashboard-paused.png")
-                    # resume: epochs run again, the backlog drains
-                    page.click("#resume")
-                    page.wait_for_function("document.getElementById('state').textContent === 'running'",
-                                           timeout=20_000)
-                    page.wait_for_function(f"Number(document.getElementById('epoch').textContent) > {frozen}",
-                                           timeout=20_000)
-                    stop.set()
-                    page.wait_for_function("document.getElementById('backlog').textContent === '0'", timeout=20_000)
-                    # the state browser: one consistent cut, with its epoch
-                    page.fill("#browse-operator", "account")
-                    page.click("#browse-go")
-                    page.wait_for_function("document.getElementById('browse-count').textContent === '50'",
-                                           timeout=20_000)
-                    rows = page.locator("#browse-result tr")
-                    assert rows.count() == N
-                    total = sum(int(rows.nth(i).locator("td").nth(1).text_content()) for i in range(N))
-                    assert total == N * 100
-                    assert _number(page, "#browse-at") >= frozen
-                    page.fill("#browse-keys", "a1, a2")
-                    page.click("#browse-go")
-                    page.wait_for_function("document.getElementById('browse-count').textContent === '2'",
-                                           timeout=20_000)
-                    # the SQL box: refusals are typed and shown; a good query answers over one cut
-                    for bad, kind in [("DROP TABLE account", "SQLRejected"),
-                                      ("ATTACH DATABASE '/tmp/x.db' AS x", "SQLRejected"),
-                                      ("SELECT load_extension('/tmp/x')", "SQLRejected"),
-                                      ("SELECT * FROM sqlite_master", "SQLRejected"),
-                                      ("SELECT 1; DELETE FROM account", "SQLSyntaxError")]:
-                        page.fill("#sql", bad)
-                        page.click("#sql-go")
-                        page.wait_for_function(
-                            f"document.getElementById('sql-error').textContent.startsWith('Error: {kind}')",
-                            timeout=20_000)
-                        assert page.locator("#sql-result tr").count() == 0
-                    page.fill("#sql", "SELECT count(*) AS entities, sum(value) AS total, max(epoch) AS epoch "
-                                      "FROM account")
-                    page.click("#sql-go")
-                    page.wait_for_function("document.getElementById('sql-count').textContent === '1'",
-                                           timeout=20_000)
-                    assert page.text_content("#sql-error") == ""
-                    cells = page.locator("#sql-result tr").nth(0).locator("td")
-                    assert [cells.nth(i).text_content() for i in range(2)] == [str(N), str(N * 100)]
-                    assert cells.nth(2).text_content() == page.text_content("#sql-at")
-                    assert page.text_content("#sql-engine") == "sqlite"
-                    assert [h.text_content() for h in page.locator("#sql-head th").all()] == \
-                        ["entities", "total", "epoch"]
-                    _shot(page, shots, "dashboard-sql.png")
-                    # a wrong token shows an error instead of numbers
-                    page.fill("#token", "wrong")
-                    page.dispatch_event("#token", "change")
-                    page.wait_for_function("document.getElementById('error').textContent.includes('Unauthorized')",
-                                           timeout=20_000)
-                finally:
-                    browser.close()
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.goto(f"{srv.url}/dashboard#token={TOKEN}")
+            page.wait_for_function("Number(document.getElementById('throughput').textContent) > 0",
+                                   timeout=20_000)
+            first = _number(page, "#epoch")
+            page.wait_for_function(f"Number(document.getElementById('epoch').textContent) > {first}",
+                                   timeout=20_000)
+            assert page.text_content("#state") == "running"
+            assert page.text_content("#p50") != "-"
+            _shot(page, shots, "dashboard.png")
+            # pause: the epoch stops, the backlog grows
+            page.click("#pause")
+            page.wait_for_function("document.getElementById('state').textContent === 'paused'",
+                                   timeout=20_000)
+            frozen = _number(page, "#epoch")
+            page.wait_for_function("Number(document.getElementById('backlog').textContent) > 30",
+                                   timeout=20_000)
+            assert _number(page, "#epoch") == frozen
+            _shot(page, shots, "dashboard-paused.png")
+            # resume: epochs run again, the backlog drains
+            page.click("#resume")
+            page.wait_for_function("document.getElementById('state').textContent === 'running'",
+                                   timeout=20_000)
+            page.wait_for_function(f"Number(document.getElementById('epoch').textContent) > {frozen}",
+                                   timeout=20_000)
+            stop.set()
+            page.wait_for_function("document.getElementById('backlog').textContent === '0'", timeout=20_000)
+            # the state browser: one consistent cut, with its epoch
+            page.fill("#browse-operator", "account")
+            page.click("#browse-go")
+            page.wait_for_function("document.getElementById('browse-count').textContent === '50'",
+                                   timeout=20_000)
+            rows = page.locator("#browse-result tr")
+            assert rows.count() == N
+            total = sum(int(rows.nth(i).locator("td").nth(1).text_content()) for i in range(N))
+            assert total == N * 100
+            assert _number(page, "#browse-at") >= frozen
+            page.fill("#browse-keys", "a1, a2")
+            page.click("#browse-go")
+            page.wait_for_function("document.getElementById('browse-count').textContent === '2'",
+                                   timeout=20_000)
+            # the SQL box: refusals are typed and shown; a good query answers over one cut
+            for bad, kind in [("DROP TABLE account", "SQLRejected"),
+                              ("ATTACH DATABASE '/tmp/x.db' AS x", "SQLRejected"),
+                              ("SELECT load_extension('/tmp/x')", "SQLRejected"),
+                              ("SELECT * FROM sqlite_master", "SQLRejected"),
+                              ("SELECT 1; DELETE FROM account", "SQLSyntaxError")]:
+                page.fill("#sql", bad)
+                page.click("#sql-go")
+                page.wait_for_function(
+                    f"document.getElementById('sql-error').textContent.startsWith('Error: {kind}')",
+                    timeout=20_000)
+                assert page.locator("#sql-result tr").count() == 0
+            page.fill("#sql", "SELECT count(*) AS entities, sum(value) AS total, max(epoch) AS epoch "
+                              "FROM account")
+            page.click("#sql-go")
+            page.wait_for_function("document.getElementById('sql-count').textContent === '1'",
+                                   timeout=20_000)
+            assert page.text_content("#sql-error") == ""
+            cells = page.locator("#sql-result tr").nth(0).locator("td")
+            assert [cells.nth(i).text_content() for i in range(2)] == [str(N), str(N * 100)]
+            assert cells.nth(2).text_content() == page.text_content("#sql-at")
+            assert page.text_content("#sql-engine") == "sqlite"
+            assert [h.text_content() for h in page.locator("#sql-head th").all()] == \
+                ["entities", "total", "epoch"]
+            _shot(page, shots, "dashboard-sql.png")
+            # a wrong token shows an error instead of numbers
+            page.fill("#token", "wrong")
+            page.dispatch_event("#token", "change")
+            page.wait_for_function("document.getElementById('error').textContent.includes('Unauthorized')",
+                                   timeout=20_000)
         finally:
             stop.set()
             loader.join()

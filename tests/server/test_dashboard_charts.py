@@ -14,13 +14,10 @@ from __future__ import annotations
 import os
 import random
 import re
-import shutil
 import threading
 import time
-from collections.abc import Iterator
 
 import code_versions
-import pytest
 import streams_app
 
 from charon import InProcessRuntime
@@ -29,31 +26,9 @@ from charon.client import Client
 from charon.config import GatewayConfig
 from charon.server.serve import BackgroundServer
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt-get install chromium; .ci/run does)"
-)
 TOKEN = "ch4rts"
 N = 200
 WAIT = 30_000
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-@pytest.fixture
-def shots(tmp_path) -> str:
-    out = os.environ.get("CHARON_DASHBOARD_SCREENSHOTS") or str(tmp_path)
-    os.makedirs(out, exist_ok=True)
-    return out
 
 
 def shot(page, shots: str, name: str, selector: str | None = None) -> None:

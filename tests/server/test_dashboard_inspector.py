@@ -10,21 +10,13 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import threading
 import time
-
-import pytest
 
 from charon import Application, Context, InProcessRuntime, Operator
 from charon.client import Client
 from charon.server.serve import BackgroundServer
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt-get install chromium; .ci/run does)"
-)
 TOKEN = "insp3ct"
 N = 30
 WAIT = 30_000
@@ -55,9 +47,7 @@ async def transfer(ctx: Context, to: str, amount: int) -> int:
 app = Application("frozen-bank", [account])
 
 
-def test_find_a_failing_request_by_error_type_and_open_its_call_graph_and_traceback(tmp_path) -> None:
-    shots = os.environ.get("CHARON_DASHBOARD_SCREENSHOTS") or str(tmp_path)
-    os.makedirs(shots, exist_ok=True)
+def test_find_a_failing_request_by_error_type_and_open_its_call_graph_and_traceback(browser, shots) -> None:
     rt = InProcessRuntime(app, partitions=4, epoch_max_ms=2.0)
     rt.load("account", {f"a{i}": 1000 for i in range(N)})
     stop = threading.Event()
@@ -75,70 +65,64 @@ def test_find_a_failing_request_by_error_type_and_open_its_call_graph_and_traceb
         loader.start()
         try:
             time.sleep(2.0)  # more than a page (50) of each kind
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox", "--disable-gpu"])
-                try:
-                    page = browser.new_page(viewport={"width": 1400, "height": 900})
-                    page.goto(f"{srv.url}/dashboard#token={TOKEN}")
-                    page.click("nav button[data-go='sec-inspector']")
-                    # find the failing requests by their error type
-                    page.fill("#req-error", "AccountFrozen")
-                    page.click("#req-go")
-                    page.wait_for_function("document.querySelectorAll('#req-list tr').length === 50",
-                                           timeout=WAIT)
-                    rows = page.locator("#req-list tr")
-                    cells = [rows.nth(i).locator("td").all_text_contents() for i in range(rows.count())]
-                    assert all(r[1] == "aborted" and r[4] == "AccountFrozen" and r[2] == "account.transfer"
-                               for r in cells), cells[:3]
-                    assert len({r[0] for r in cells}) == 50
-                    # older ones: the next page is appended, none repeated
-                    assert not page.is_disabled("#req-more")
-                    page.click("#req-more")
-                    page.wait_for_function("document.querySelectorAll('#req-list tr').length > 50", timeout=WAIT)
-                    ids = page.locator("#req-list tr td:first-child").all_text_contents()
-                    assert len(ids) == len(set(ids))
-                    # open one: its error, traceback and call graph
-                    first = cells[0][0]
-                    page.click(f"#req-list tr[data-request='{first}']")
-                    page.wait_for_function(f"document.getElementById('req-detail-id')?.textContent === '{first}'",
-                                           timeout=WAIT)
-                    assert (page.text_content("#req-error-line") or "").startswith("AccountFrozen: account frozen1")
-                    tb = page.text_content("#req-traceback") or ""
-                    assert "Traceback" in tb and "in deposit" in tb and "AccountFrozen" in tb, tb
-                    root = page.locator("#req-graph > li")
-                    assert root.count() == 1
-                    assert (root.first.text_content() or "").startswith(f"root account/{cells[0][3]}.transfer")
-                    raised = page.locator("#req-graph li.raised")
-                    assert "call account/frozen1.deposit → raised" in raised.all_text_contents()
-                    page.screenshot(path=os.path.join(shots, "dashboard-inspector.png"))
-                    assert os.path.getsize(os.path.join(shots, "dashboard-inspector.png")) > 10_000
-                    # the committed transfers, by status and function
-                    page.fill("#req-error", "")
-                    page.select_option("#req-status", "committed")
-                    page.fill("#req-function", "transfer")
-                    page.click("#req-go")
-                    page.wait_for_function(
-                        "[...document.querySelectorAll('#req-list tr td:nth-child(2)')].length > 0 && "
-                        "[...document.querySelectorAll('#req-list tr td:nth-child(2)')]"
-                        ".every(td => td.textContent === 'committed')", timeout=WAIT)
-                    ok = page.locator("#req-list tr").first.get_attribute("data-request")
-                    page.click(f"#req-list tr[data-request='{ok}']")
-                    page.wait_for_selector("#req-reply", timeout=WAIT)
-                    assert (page.text_content("#req-reply") or "").startswith("reply: ")
-                    assert page.locator("#req-graph li").count() == 2  # the transfer and its deposit call
-                    assert page.locator("#req-graph li.raised").count() == 0
-                    # a bad filter: the typed refusal is listed until the next good search
-                    page.fill("#req-epoch-min", "soon")
-                    page.click("#req-go")
-                    page.wait_for_selector("#error [data-problem='action:inspector']", timeout=WAIT)
-                    assert "BadRequest" in (page.text_content("#error") or "")
-                    page.fill("#req-epoch-min", "")
-                    page.click("#req-go")
-                    page.wait_for_selector("#error [data-problem='action:inspector']", state="detached",
-                                           timeout=WAIT)
-                finally:
-                    browser.close()
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(f"{srv.url}/dashboard#token={TOKEN}")
+            page.click("nav button[data-go='sec-inspector']")
+            # find the failing requests by their error type
+            page.fill("#req-error", "AccountFrozen")
+            page.click("#req-go")
+            page.wait_for_function("document.querySelectorAll('#req-list tr').length === 50",
+                                   timeout=WAIT)
+            rows = page.locator("#req-list tr")
+            cells = [rows.nth(i).locator("td").all_text_contents() for i in range(rows.count())]
+            assert all(r[1] == "aborted" and r[4] == "AccountFrozen" and r[2] == "account.transfer"
+                       for r in cells), cells[:3]
+            assert len({r[0] for r in cells}) == 50
+            # older ones: the next page is appended, none repeated
+            assert not page.is_disabled("#req-more")
+            page.click("#req-more")
+            page.wait_for_function("document.querySelectorAll('#req-list tr').length > 50", timeout=WAIT)
+            ids = page.locator("#req-list tr td:first-child").all_text_contents()
+            assert len(ids) == len(set(ids))
+            # open one: its error, traceback and call graph
+            first = cells[0][0]
+            page.click(f"#req-list tr[data-request='{first}']")
+            page.wait_for_function(f"document.getElementById('req-detail-id')?.textContent === '{first}'",
+                                   timeout=WAIT)
+            assert (page.text_content("#req-error-line") or "").startswith("AccountFrozen: account frozen1")
+            tb = page.text_content("#req-traceback") or ""
+            assert "Traceback" in tb and "in deposit" in tb and "AccountFrozen" in tb, tb
+            root = page.locator("#req-graph > li")
+            assert root.count() == 1
+            assert (root.first.text_content() or "").startswith(f"root account/{cells[0][3]}.transfer")
+            raised = page.locator("#req-graph li.raised")
+            assert "call account/frozen1.deposit → raised" in raised.all_text_contents()
+            page.screenshot(path=os.path.join(shots, "dashboard-inspector.png"))
+            assert os.path.getsize(os.path.join(shots, "dashboard-inspector.png")) > 10_000
+            # the committed transfers, by status and function
+            page.fill("#req-error", "")
+            page.select_option("#req-status", "committed")
+            page.fill("#req-function", "transfer")
+            page.click("#req-go")
+            page.wait_for_function(
+                "[...document.querySelectorAll('#req-list tr td:nth-child(2)')].length > 0 && "
+                "[...document.querySelectorAll('#req-list tr td:nth-child(2)')]"
+                ".every(td => td.textContent === 'committed')", timeout=WAIT)
+            ok = page.locator("#req-list tr").first.get_attribute("data-request")
+            page.click(f"#req-list tr[data-request='{ok}']")
+            page.wait_for_selector("#req-reply", timeout=WAIT)
+            assert (page.text_content("#req-reply") or "").startswith("reply: ")
+            assert page.locator("#req-graph li").count() == 2  # the transfer and its deposit call
+            assert page.locator("#req-graph li.raised").count() == 0
+            # a bad filter: the typed refusal is listed until the next good search
+            page.fill("#req-epoch-min", "soon")
+            page.click("#req-go")
+            page.wait_for_selector("#error [data-problem='action:inspector']", timeout=WAIT)
+            assert "BadRequest" in (page.text_content("#error") or "")
+            page.fill("#req-epoch-min", "")
+            page.click("#req-go")
+            page.wait_for_selector("#error [data-problem='action:inspector']", state="detached",
+                                   timeout=WAIT)
         finally:
             stop.set()
             loader.join()

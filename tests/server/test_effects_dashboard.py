@@ -4,12 +4,8 @@ parked failures are listed with attempts and last error; the Retry and Abandon b
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 from pathlib import Path
-
-import pytest
 
 from charon import InProcessRuntime
 from charon.client import Client
@@ -21,15 +17,10 @@ sys.path.insert(0, str(TESTS))
 from effects_app import app  # noqa: E402
 from effects_service import Service  # noqa: E402
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt-get install chromium; .ci/run does)"
-)
 TOKEN = "fx-dash"
 
 
-def test_dashboard_lists_parked_effects_and_retries_or_abandons_them(tmp_path, monkeypatch) -> None:
+def test_dashboard_lists_parked_effects_and_retries_or_abandons_them(browser, tmp_path, monkeypatch) -> None:
     service = Service(str(tmp_path / "service.sqlite")).start()
     monkeypatch.setenv("CHARON_TEST_SERVICE_URL", service.url)
     service.control(fail_rate=1.0)
@@ -39,26 +30,20 @@ def test_dashboard_lists_parked_effects_and_retries_or_abandons_them(tmp_path, m
     try:
         with BackgroundServer(rt, token=TOKEN, effects=ex) as srv, Client(srv.url, token=TOKEN) as c:
             ids = {k: c.invoke("acct", k, "pay", 4, 1.0, 1) for k in ("x", "y")}
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox", "--disable-gpu"])
-                try:
-                    page = browser.new_page(viewport={"width": 1280, "height": 900})
-                    page.goto(f"{srv.url}/dashboard#token={TOKEN}")
-                    page.wait_for_function("document.querySelectorAll('#effects button.effect-retry').length === 2",
-                                           timeout=20_000)
-                    row = page.locator(f"#effects tr[data-effect='{ids['x']}'] td")
-                    assert row.nth(2).text_content() == "failed" and row.nth(3).text_content() == "1/1"
-                    assert "503" in (row.nth(4).text_content() or "")
-                    assert "failed 2" in (page.text_content("#effect-counts") or "")
-                    service.control(fail_rate=0.0)
-                    page.click(f"#effects tr[data-effect='{ids['x']}'] button.effect-retry")
-                    page.click(f"#effects tr[data-effect='{ids['y']}'] button.effect-abandon")
-                    page.wait_for_function("document.getElementById('effect-counts').textContent.includes('done 2')",
-                                           timeout=20_000)
-                    assert page.locator("#effects button").count() == 0
-                finally:
-                    browser.close()
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(f"{srv.url}/dashboard#token={TOKEN}")
+            page.wait_for_function("document.querySelectorAll('#effects button.effect-retry').length === 2",
+                                   timeout=20_000)
+            row = page.locator(f"#effects tr[data-effect='{ids['x']}'] td")
+            assert row.nth(2).text_content() == "failed" and row.nth(3).text_content() == "1/1"
+            assert "503" in (row.nth(4).text_content() or "")
+            assert "failed 2" in (page.text_content("#effect-counts") or "")
+            service.control(fail_rate=0.0)
+            page.click(f"#effects tr[data-effect='{ids['x']}'] button.effect-retry")
+            page.click(f"#effects tr[data-effect='{ids['y']}'] button.effect-abandon")
+            page.wait_for_function("document.getElementById('effect-counts').textContent.includes('done 2')",
+                                   timeout=20_000)
+            assert page.locator("#effects button").count() == 0
             x, y = c.state("acct", "x"), c.state("acct", "y")
         assert x["state"] == "paid" and x["runs"] == 1
         assert y["state"] == "failed" and y["result"]["error_type"] == "EffectAbandoned" and y["runs"] == 1
