@@ -89,6 +89,11 @@ class LogClient:
     def _lookup(self, rid: str) -> tuple[Reply | None, Request | None]:
         return self.output_log.get(rid), stored_request(self.input_log, rid)
 
+    def waiting(self) -> list[Request]:
+        """The requests submitted here that have no reply yet (a copy; from any thread: a RuntimeError when the
+        loop changed them meanwhile)."""
+        return list(self._requests.values())
+
     def is_pending(self, request_id: str) -> bool:
         """Whether the request is in the input log (or waiting to be appended here) but not answered."""
         if request_id in self._waiters:

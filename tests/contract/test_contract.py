@@ -138,6 +138,10 @@ def test_pause_holds_epochs_and_resume_runs_the_backlog_in_arrival_order(dep: De
     assert st["epoch"] == frozen and st["paused"] is True and st["backlog"] >= 12
     r = httpx.get(f"{dep.url}/requests/{rids[0]}", headers=AUTH)
     assert r.status_code == 202 and r.json()["status"] == "pending"
+    # the inspector lists them as pending on every engine (on Spark: still in the input log, before any epoch)
+    page = httpx.get(f"{dep.url}/admin/requests", params={"status": "pending", "limit": 100}, headers=AUTH).json()
+    listed = {i["request_id"]: i for i in page["items"]}
+    assert set(rids) <= set(listed) and all(listed[r]["epoch"] is None for r in rids), sorted(listed)
     st = c.resume()
     assert st["paused"] is False
     results = [c.result_of(rid, 120) for rid in rids]
@@ -146,6 +150,9 @@ def test_pause_holds_epochs_and_resume_runs_the_backlog_in_arrival_order(dep: De
     assert order == sorted(order), "the requests that waited ran in arrival order"
     _wait(lambda: c.status()["backlog"] == 0, what="drained")
     assert sum(_balances(c, "pause").values()) == ACCOUNTS * BALANCE + 13
+    page = httpx.get(f"{dep.url}/admin/requests", params={"status": "pending", "limit": 100}, headers=AUTH).json()
+    assert not set(rids) & {i["request_id"] for i in page["items"]}
+    assert httpx.get(f"{dep.url}/admin/requests/{rids[0]}", headers=AUTH).json()["status"] == "committed"
 
 
 def test_status_and_metrics_say_the_same_on_every_engine(dep: Deployment) -> None:

@@ -941,12 +941,15 @@ class SparkRuntime(EngineBacked):
                 self.gate.leave()
 
     def _unanswered(self) -> list[LiveRequest]:
-        """The running epoch's requests not answered yet, and the deferred ones, for the inspector (requests still
-        in the input log, before their epoch, are not listed)."""
+        """The requests not answered yet, for the inspector: those submitted through this runtime still in the input
+        log (requests other processes appended are not listed), the running epoch's, and the deferred ones."""
+        out: dict[str, LiveRequest] = {}
+        lc = self._log_client
+        if lc is not None:
+            out.update((r.request_id, (r, "pending", None)) for r in lc.waiting())
         coord = self._coord
         if coord is None:
-            return []
-        out: dict[str, LiveRequest] = {}
+            return list(out.values())
         cur = coord.current
         if cur is not None:
             done = cur.replies
