@@ -249,3 +249,51 @@ def test_call_graph_alone_is_the_detail_s_and_none_when_not_kept() -> None:
     off = _rt(InspectorSettings(enabled=False))
     off.run_epoch([_transfer("g2", "a1", "a2", 5)])
     assert off.inspector.call_graph("g2") is None
+
+
+def test_a_chained_traceback_shows_its_causes_as_python_prints_them() -> None:
+    def lookup() -> None:
+        raise KeyError("acct-7")
+
+    def convert() -> None:
+        try:
+            lookup()
+        except KeyError as exc:
+            raise LookupError("no such account") from exc
+
+    def handle() -> None:
+        try:
+            convert()
+        except LookupError:
+            raise ValueError("transfer refused")  # noqa: B904 - raised while handling: the implicit context
+
+    try:
+        handle()
+    except ValueError as exc:
+        text = format_traceback(exc)
+        hidden = format_traceback(ValueError("plain").with_traceback(exc.__traceback__))
+        small = format_traceback(exc, limit=600)  # room for the last exception only: the chain is said to be cut
+    order = ["KeyError: 'acct-7'\n", "\nThe above exception was the direct cause of the following exception:\n",
+             "LookupError: no such account\n",
+             "\nDuring handling of the above exception, another exception occurred:\n",
+             "ValueError: transfer refused\n"]  # as Python prints the chain: the first cause first
+    at = [text.find(part) for part in order]
+    assert -1 not in at and at == sorted(at), text
+    assert text.count("Traceback (most recent call last)") == 3 and 'raise KeyError("acct-7")' in text
+    assert hidden.count("Traceback (most recent call last)") == 1  # no chain: one block
+    assert len(small.encode()) <= 600 and small.endswith("ValueError: transfer refused\n")
+    assert "KeyError" not in small and small.startswith("(earlier exceptions of the chain left out)")
+
+
+def test_a_long_chain_is_cut_at_max_chain() -> None:
+    from charon.core.tracebacks import MAX_CHAIN
+
+    exc: BaseException = RuntimeError("0")
+    for i in range(1, 12):
+        try:
+            raise RuntimeError(str(i)) from exc
+        except RuntimeError as e:
+            exc = e
+    text = format_traceback(exc)
+    assert text.count("Traceback (most recent call last)") == MAX_CHAIN
+    assert text.startswith("(earlier exceptions of the chain left out)") and text.endswith("RuntimeError: 11\n")
