@@ -92,25 +92,33 @@ def test_hostile_rescale_bodies_are_typed_4xx_and_move_nothing() -> None:
 
 
 def test_rescales_sent_together_admit_exactly_one() -> None:
-    """The in-process route awaits the runtime's status (is it paused?) before it runs: a second request
-    arriving in that window used to pass the "one at a time" check too (both ran, neither got 409)."""
+    """The route's "one at a time" check is taken before any await: of five rescales sent together, one runs and
+    four get 409 while it runs (the winner's move waits here until the other four were answered, so that a loaded
+    machine cannot let it finish before the others arrive; a second one that got through would wait too, and
+    show as a second 200)."""
     rt = _rt()
-    original = rt.control_status
+    original = rt.rescale
+    others_answered = threading.Event()
 
-    def slow_status() -> dict:  # widens the window between the check and the move to 0.3 s
-        time.sleep(0.3)
-        return original()
+    async def held_rescale(partitions: int) -> float:
+        await asyncio.to_thread(others_answered.wait, 30)
+        return await original(partitions)
 
     with BackgroundServer(rt, token=TOKEN) as srv:
-        rt.control_status = slow_status  # type: ignore[method-assign]
+        rt.rescale = held_rescale  # type: ignore[method-assign]
 
         async def together() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=60) as h:
-                return await asyncio.gather(*(h.post(srv.url + "/admin/rescale", json={"partitions": 3 + i},
-                                                     headers=AUTH) for i in range(5)))
+                sent = [asyncio.create_task(h.post(srv.url + "/admin/rescale", json={"partitions": 3 + i},
+                                                   headers=AUTH)) for i in range(5)]
+                for n, answer in enumerate(asyncio.as_completed(sent), 1):
+                    await answer
+                    if n == 4:
+                        others_answered.set()
+                return [t.result() for t in sent]
 
         answers = asyncio.run(together())
-        rt.control_status = original  # type: ignore[method-assign]
+        rt.rescale = original  # type: ignore[method-assign]
         codes = sorted(r.status_code for r in answers)
         assert codes == [200, 409, 409, 409, 409], [r.text for r in answers]
         assert all(r.json()["error"]["type"] == "RescaleRunning" for r in answers if r.status_code == 409)
