@@ -3,71 +3,12 @@ defect 1; ``repros/r1_fast_layer_leak.py``), through each path argued in ``Parti
 
 from __future__ import annotations
 
-import itertools
 import random
 
+from fallback_app import P, app, keys_at
+
 from charon import Application, Context, InProcessRuntime, Operator, Request, serde
-from charon.core.routing import partition_of
 from charon.testing import check_epoch
-
-acct = Operator("acct")
-P = 2
-
-
-@acct.function
-async def setall(ctx: Context, v: int, other: str) -> int:
-    ctx.put(v)
-    await ctx.call(acct, other, "setv", v * 2)
-    return 0
-
-
-@acct.function
-async def setv(ctx: Context, v: int) -> int:
-    ctx.put(v)
-    return 0
-
-
-@acct.function
-async def getv(ctx: Context) -> int:
-    return ctx.get(default=0)
-
-
-@acct.function
-async def write_if_big(ctx: Context, other: str) -> int:
-    """Writes its own entity only when the state says so: the dry run may only read it."""
-    x = ctx.get(default=0)
-    v = await ctx.call(acct, other, "getv")
-    if x > 3:
-        ctx.put(x * 100 + v)
-    return 0
-
-
-@acct.function
-async def copy_from(ctx: Context, other: str) -> int:
-    """Stores what another entity returns (invalid where that value changed, valid here)."""
-    v = await ctx.call(acct, other, "getv")
-    ctx.put(v)
-    return v
-
-
-@acct.function
-async def bump_remote(ctx: Context, other: str) -> int:
-    """Reads its own entity and writes another one with the value read plus one."""
-    x = ctx.get(default=0)
-    await ctx.call(acct, other, "setv", x + 1)
-    return x
-
-
-app = Application("fastleak", [acct])
-
-
-def _keys(*parts: int) -> list[str]:
-    """Distinct keys, the i-th owned by partition parts[i]."""
-    out: list[str] = []
-    for want in parts:
-        out.append(next(k for k in (f"k{i}" for i in itertools.count())
-                        if k not in out and partition_of("acct", k, P) == want))
-    return out
 
 
 def _req(i: int, key: str, fn: str, *args) -> Request:
@@ -92,7 +33,7 @@ def _run_all(rt: InProcessRuntime, requests: list[Request]) -> dict[str, object]
 
 def test_write_where_the_dry_run_only_read_does_not_leak() -> None:
     """r1: A replays validly at E (same calls) but now writes E, which its dry run only read; B reads E."""
-    E, C = _keys(0, 1)
+    E, C = keys_at(0, 1)
     rt = InProcessRuntime(app, partitions=P)
     before = rt.snapshot()
     res = rt.run_epoch([_req(0, E, "setall", 5, C), _req(1, E, "write_if_big", C), _req(2, E, "getv")])
@@ -106,7 +47,7 @@ def test_write_where_the_dry_run_only_read_does_not_leak() -> None:
 
 def test_write_of_a_transaction_invalid_elsewhere_does_not_leak() -> None:
     """T2 is invalid at C's partition (getv changed) but valid at F's, where T3 reads its write of F."""
-    E, C, F = _keys(0, 1, 0)
+    E, C, F = keys_at(0, 1, 0)
     rt = InProcessRuntime(app, partitions=P)
     values = _run_all(rt, [_req(0, E, "setall", 5, C), _req(1, F, "copy_from", C), _req(2, F, "getv")])
     assert values == {"r0": 0, "r1": 10, "r2": 10}
@@ -114,7 +55,7 @@ def test_write_of_a_transaction_invalid_elsewhere_does_not_leak() -> None:
 
 def test_write_of_a_valid_but_blocked_transaction_does_not_leak() -> None:
     """U replays validly everywhere but is blocked by the unresolved T2; T4 reads what U wrote to Y."""
-    E, C, F, Y = _keys(0, 1, 0, 1)
+    E, C, F, Y = keys_at(0, 1, 0, 1)
     rt = InProcessRuntime(app, partitions=P)
     values = _run_all(rt, [
         _req(0, E, "setall", 5, C),       # T1: lock-free, writes E and C

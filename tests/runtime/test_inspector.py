@@ -297,3 +297,26 @@ def test_a_long_chain_is_cut_at_max_chain() -> None:
     text = format_traceback(exc)
     assert text.count("Traceback (most recent call last)") == MAX_CHAIN
     assert text.startswith("(earlier exceptions of the chain left out)") and text.endswith("RuntimeError: 11\n")
+
+
+def test_a_deferred_transaction_is_listed_as_deferred_until_it_commits() -> None:
+    """A transaction the fallback moves to the next epoch (keeping its TID; ``fallback_app``'s write where the dry
+    run only read) is listed as deferred between the two epochs, then as committed by the epoch that ran it."""
+    from fallback_app import P, app, keys_at
+
+    e, c = keys_at(0, 1)
+    rt = InProcessRuntime(app, partitions=P, warmup_txns=0, gc_tuning=False)
+    first = rt.run_epoch([Request("r0", "acct", e, "setall", serde.encode([5, c]), 1.0),
+                          Request("r1", "acct", e, "write_if_big", serde.encode([c]), 2.0),
+                          Request("r2", "acct", e, "getv", serde.encode([]), 3.0)])
+    assert first.deferred == [2] and "r1" not in {r.request_id for r in first.replies.values()}
+    listed = rt.inspector.search(RequestQuery(status="deferred"))["items"]
+    assert [(i["request_id"], i["status"]) for i in listed] == [("r1", "deferred")]  # type: ignore[index]
+    assert rt.inspector.detail("r1")["status"] == "deferred"  # type: ignore[index]
+    assert rt.inspector.detail("r2")["status"] == "committed"  # type: ignore[index]
+    second = rt.run_epoch([])
+    (reply,) = second.replies.values()
+    assert (reply.request_id, reply.ok, reply.tid, reply.epoch) == ("r1", True, 2, 1)  # its TID, the next epoch
+    assert rt.inspector.detail("r1")["status"] == "committed"  # type: ignore[index]
+    assert rt.inspector.detail("r1")["epoch"] == 1  # type: ignore[index]
+    assert rt.inspector.search(RequestQuery(status="deferred"))["items"] == []
