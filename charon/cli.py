@@ -207,6 +207,11 @@ def run(
         help="Export OpenTelemetry traces over OTLP/HTTP to this URL (e.g. http://127.0.0.1:4318; default: off, "
         "or the standard OTEL_EXPORTER_OTLP_ENDPOINT).",
     ),
+    otel_sample_ratio: float | None = typer.Option(
+        None, "--otel-sample-ratio", min=0.0, max=1.0, envvar="CHARON_GATEWAY_OTEL_SAMPLE_RATIO", show_default=False,
+        help="Trace this share of the requests (0..1; a client's traceparent decides for its own; default: all, or "
+        "the standard OTEL_TRACES_SAMPLER).",
+    ),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted.
 
@@ -287,7 +292,7 @@ def run(
             executor = EffectExecutor(lambda: eng.app, lambda: eng.streams, engine_resume(eng.submit),
                                       concurrency=effects_concurrency, max_inflight_bytes=effects_max_bytes,
                                       park_failed=park_failed)
-        config = GatewayConfig.from_env(otel_endpoint=otel_endpoint)
+        config = GatewayConfig.from_env(otel_endpoint=otel_endpoint, otel_sample_ratio=otel_sample_ratio)
         try:
             serve(runtime, host, port, token, max_body=max_body, recent_replies=recent, effects=executor,
                   sock=listener, on_ready=ready, config=config, own_logging=True)

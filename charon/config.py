@@ -190,6 +190,9 @@ class GatewayConfig:
     otel_function_spans: int = 1000  # function spans per traced request at most (its call graph's nodes); 0: none
     # one epoch span per epoch (a trace of its own, linked to its requests) instead of one under each request
     otel_shared_epoch_spans: bool = False
+    # the share of requests without a sampled parent that are traced (0..1; parent-based: a client's traceparent
+    # decides for its requests); 1.0: the SDK's sampler, from OTEL_TRACES_SAMPLER[_ARG] (default: every request)
+    otel_sample_ratio: float = 1.0
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:

@@ -13,7 +13,9 @@ Modes, alternated round by round (so that the machine's drift hits each alike):
 - ``on_nofn``: ``on`` without function spans (``CHARON_GATEWAY_OTEL_FUNCTION_SPANS=0``): ``on`` minus ``on_nofn`` is
   the function spans' cost;
 - ``on_shared``: ``on`` with one epoch span per epoch (``CHARON_GATEWAY_OTEL_SHARED_EPOCH_SPANS=1``, linked to its
-  requests, the log append under it) instead of an epoch and a log span under each request.
+  requests, the log append under it) instead of an epoch and a log span under each request;
+- ``on_10pct``: ``on`` with ``CHARON_GATEWAY_OTEL_SAMPLE_RATIO=0.1``: one request in ten traced (the others take the
+  ASGI route with a span that records nothing).
 Then, in this process, the SDK alone (``sdk_only`` in the JSON; ``--sdk-only`` runs just that): the spans of one
 request made through :class:`charon.server.tracing.Tracing` (as the gateway makes them once a reply is in) with the
 SDK's batch processor, for call graphs of 0, 2 and 4 functions, with the OTLP protobuf encoding and without it.
@@ -50,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TOKEN = "t24"  # the token issue 24's client sends
 KEYS = 1000
-MODES = ("before", "off", "off_asgi", "on", "on_nofn", "on_shared")
+MODES = ("before", "off", "off_asgi", "on", "on_nofn", "on_shared", "on_10pct")
 
 _spec = importlib.util.spec_from_file_location("gateway_cpu", ROOT / "benchmarks" / "issue24" / "gateway_cpu.py")
 assert _spec is not None and _spec.loader is not None
@@ -108,6 +110,8 @@ def one_round(mode: str, base_src: str, receiver: str, args: argparse.Namespace)
         env["CHARON_GATEWAY_OTEL_FUNCTION_SPANS"] = "0"
     if mode == "on_shared":
         env["CHARON_GATEWAY_OTEL_SHARED_EPOCH_SPANS"] = "1"
+    if mode == "on_10pct":
+        env["CHARON_GATEWAY_OTEL_SAMPLE_RATIO"] = "0.1"
     if mode == "off_asgi":
         env["CHARON_GATEWAY_DIRECT_INVOKE"] = "0"
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp, env=env)
@@ -144,7 +148,7 @@ def plot(doc: dict, path: Path) -> None:
                            (axes[1], "p50", "latency p50 (ms)")):
         for i, mode in enumerate(MODES):
             vals = [(r["latency_ms"]["p50"] if key == "p50" else r[key]) for r in rows if r["mode"] == mode]
-            colors = ("#999999", "#4c72b0", "#55a868", "#dd8452", "#c44e52", "#8172b3")
+            colors = ("#999999", "#4c72b0", "#55a868", "#dd8452", "#c44e52", "#8172b3", "#937860")
             ax.bar(i, statistics.median(vals), color=colors[i], alpha=0.7)
             ax.scatter([i] * len(vals), vals, color="black", s=12, zorder=3)
         ax.set_xticks(range(len(MODES)), MODES)

@@ -46,12 +46,14 @@ from charon.messages import Reply, Request
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import Sampler
     from starlette.requests import Request as HTTPRequest
     from starlette.responses import Response
 
     from charon.config import GatewayConfig
 
-__all__ = ["Tracing", "CallNode", "call_graph_spans", "otlp_endpoint", "tracing_from_config", "CallGraphError"]
+__all__ = ["Tracing", "CallNode", "call_graph_spans", "otlp_endpoint", "sampler_for", "tracing_from_config",
+           "CallGraphError"]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 STATS_WAIT_S = 0.1  # a reply whose epoch's figures are not in yet (Spark records after the replies) looks again...
@@ -114,13 +116,24 @@ def tracing_from_config(cfg: GatewayConfig, epoch_stats: Callable[[], Sequence[M
     from opentelemetry.sdk.trace import TracerProvider as SdkProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    ratio = cfg.otel_sample_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"otel_sample_ratio must be a number from 0 to 1, not {ratio!r}")
     named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "charon"}
-    provider = SdkProvider(resource=Resource.create(named),
+    provider = SdkProvider(resource=Resource.create(named), sampler=sampler_for(ratio),
                            span_limits=SpanLimits(max_attribute_length=cfg.otel_max_attribute_chars))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url), max_queue_size=cfg.otel_max_queue,
                                                    max_export_batch_size=min(512, cfg.otel_max_queue)))
     return Tracing(provider, epoch_stats, owns_provider=True, call_graph_of=call_graph_of,
                    max_function_spans=cfg.otel_function_spans, shared_epochs=cfg.otel_shared_epoch_spans)
+
+
+def sampler_for(ratio: float) -> Sampler | None:
+    """``ratio`` of the traces that start here (parent-based: a sampled ``traceparent`` is followed, an unsampled one
+    too); 1.0: None, the SDK's own choice from ``OTEL_TRACES_SAMPLER`` (default: parent-based, always on)."""
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    return None if ratio >= 1.0 else ParentBased(TraceIdRatioBased(ratio))
 
 
 class Tracing:

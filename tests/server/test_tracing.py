@@ -490,3 +490,33 @@ def test_otlp_export_reaches_a_real_receiver(tmp_path: Path) -> None:
     server = next(span for _, span in spans if span.name.startswith("POST"))
     attrs = {a.key: a.value for a in server.attributes}
     assert attrs["charon.operator"].string_value == "acct" and attrs["charon.epoch"].int_value >= 0
+
+
+def test_a_sample_ratio_traces_a_share_and_follows_the_clients_decision(tmp_path: Path) -> None:
+    """``otel_sample_ratio`` (``--otel-sample-ratio``): parent-based, so a client's sampled ``traceparent`` is traced
+    in full even at 0, an unsampled one is not, and a request without one is traced at the ratio (0: never)."""
+    from charon.server.tracing import sampler_for, tracing_from_config
+
+    assert sampler_for(1.0) is None  # the SDK's own (OTEL_TRACES_SAMPLER, default parent-based always on)
+    assert "TraceIdRatioBased{0.25}" in sampler_for(0.25).get_description()  # type: ignore[union-attr]
+    for bad in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match="otel_sample_ratio"):
+            tracing_from_config(GatewayConfig(otel_endpoint="http://127.0.0.1:9", otel_sample_ratio=bad), list)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler_for(0.0))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    rt = InProcessRuntime(APP, partitions=2, data_dir=str(tmp_path))
+    with BackgroundServer(rt, token=TOKEN, tracer_provider=provider) as srv, \
+            httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
+        for i in range(20):  # no traceparent: none of them traced at ratio 0
+            assert c.post(f"/invoke/acct/s{i}/deposit", json={"args": [1]}).status_code == 200
+        unsampled = f"00-{TRACE_ID}-{PARENT_ID}-00"
+        assert c.post("/invoke/acct/u/deposit", json={"args": [1]}, headers={"traceparent": unsampled}).json()
+        sampled = f"00-{TRACE_ID}-{PARENT_ID}-01"
+        r = c.post("/invoke/acct/t/deposit", json={"args": [2]}, headers={"traceparent": sampled})
+        assert r.status_code == 200 and r.json()["value"] == ["v1", 2]
+        spans = _wait_spans(exporter, {SERVER, "charon.log.append", "charon.epoch"})
+        time.sleep(0.3)  # what else would arrive (nothing)
+        spans = list(exporter.get_finished_spans())
+    assert {format(s.context.trace_id, "032x") for s in spans} == {TRACE_ID}
+    assert [s.attributes["charon.key"] for s in spans if s.name == SERVER] == ["t"]  # the sampled one alone
