@@ -8,7 +8,6 @@ import importlib.util
 import os
 import sys
 import traceback
-from typing import Any
 
 import msgspec
 import typer
@@ -16,6 +15,7 @@ from rich.console import Console
 
 from charon.clifail import fail as _fail
 from charon.exitcodes import ExitCode
+from charon.operator import Application
 from charon.runtime.contract import Engine
 from charon.runtime.factory import EngineSpec
 
@@ -34,7 +34,7 @@ def debug() -> bool:
     return os.environ.get(DEBUG_ENV, "").lower() not in ("", "0", "false", "no")
 
 
-def load_app(target: str) -> Any:
+def load_app(target: str) -> Application:
     """Import ``module:attribute`` (attribute defaults to ``app``) and return the Application.
 
     A module that cannot be imported, or raises while importing, is one line naming the file, line and the
@@ -60,7 +60,7 @@ def load_app(target: str) -> Any:
             obj = obj()  # an application factory
         except Exception as exc:  # noqa: BLE001 - the user's factory failed
             raise app_error(f"the application factory {target!r} failed", exc) from None
-    if not hasattr(obj, "validate"):
+    if not isinstance(obj, Application):
         raise _fail(f"{target!r} is not a charon Application", ExitCode.APP_ERROR)
     return obj
 
@@ -116,7 +116,7 @@ def make_engine(spec: EngineSpec) -> Engine:
         raise _fail(str(exc), ExitCode.UNAVAILABLE) from None
 
 
-def print_json(value: Any) -> None:
+def print_json(value: object) -> None:
     try:
         typer.echo(msgspec.json.encode(value).decode())
     except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:

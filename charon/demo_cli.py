@@ -11,7 +11,8 @@ import shutil
 import statistics
 import time
 from collections import Counter
-from typing import Any
+from types import ModuleType
+from typing import TypedDict
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -28,7 +29,22 @@ from charon.runtime.factory import EngineSpec
 YCSB_REF = "charon.apps.ycsb:app"
 
 
-def _ycsb() -> Any:
+class DriveStats(TypedDict):
+    """What driving the demo's transfers through the gateway saw."""
+
+    elapsed: float
+    committed: int
+    aborted: int
+    aborts: Counter[str]
+    failures: Counter[str]
+    latencies: list[float]
+    answered: int
+    retried: int
+    mismatched: int
+    touched: dict[str, int | None]  # each account's balance after the run
+
+
+def _ycsb() -> ModuleType:
     try:
         return importlib.import_module("charon.apps.ycsb")
     except ImportError as exc:
@@ -37,7 +53,7 @@ def _ycsb() -> Any:
 
 async def _drive(
     url: str, token: str, plan: list[tuple[str, str, str, int]], concurrency: int, progress: Progress
-) -> dict[str, Any]:
+) -> DriveStats:
     """Send ``plan`` (request id, debtor, creditor, amount) through the gateway; then retry a sample."""
     from charon.client import AsyncClient
 
@@ -86,20 +102,22 @@ async def _drive(
         touched = await asyncio.gather(*(client.state("account", a) for a in accounts))
     return {
         "elapsed": elapsed,
-        **counts,
+        "committed": counts["committed"],
+        "aborted": counts["aborted"],
         "aborts": aborts,
         "failures": failures,
         "latencies": sorted(latencies),
         "answered": len(outcomes),
         "retried": len(sample),
         "mismatched": mismatched,
-        "touched": dict(zip(accounts, touched, strict=True)),
+        "touched": {a: None if v is None else int(v) for a, v in zip(accounts, touched, strict=True)},
     }
 
 
 async def _serve_and_drive(
-    runtime: Engine, token: str, plan: list[tuple[str, str, str, int]], concurrency: int, shape: tuple
-) -> dict[str, Any]:
+    runtime: Engine, token: str, plan: list[tuple[str, str, str, int]], concurrency: int,
+    shape: tuple[int, int, int, float],
+) -> DriveStats:
     """Serve the gateway and drive the workload on one event loop (no GIL hand-offs between threads)."""
     import uvicorn
 

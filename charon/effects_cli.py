@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import typer
@@ -16,13 +16,18 @@ from charon.cliparts import TokenOpt, UrlOpt, console, err_console, load_app, pr
 from charon.errors import CharonError, EngineUnavailable, LogUnavailable
 from charon.exitcodes import ExitCode
 
+if TYPE_CHECKING:
+    from starlette.requests import Request as HTTPRequest
+
+    from charon.runtime.effects import EffectStore
+
 effects_app = typer.Typer(help="Durable effects: run them in worker processes, list them, retry or abandon one.",
                           no_args_is_help=True)
 DataDirOpt = typer.Option("charon-data", "--data-dir", envvar="CHARON_DATA_DIR",
                           help="The engine's data directory (its streams.sqlite; effects.sqlite is kept there).")
 
 
-def _effect_store(data_dir: str) -> Any:
+def _effect_store(data_dir: str) -> EffectStore:
     from charon.runtime.effects import EFFECTS_FILE, EffectStore
 
     path = os.path.join(data_dir, EFFECTS_FILE)
@@ -63,7 +68,7 @@ def effects_work(
         from charon.client import AsyncClient, GatewayError
 
         async with AsyncClient(url, token=token, timeout=60.0, retries=2) as client:
-            async def resume(op: str, key: str, fn: str, args: list[Any], rid: str) -> tuple[bool, str]:
+            async def resume(op: str, key: str, fn: str, args: list[object], rid: str) -> tuple[bool, str]:
                 try:
                     await client.invoke_result(op, key, fn, *args, request_id=rid)
                 except (EngineUnavailable, LogUnavailable):
@@ -87,7 +92,7 @@ def effects_work(
                 from starlette.responses import PlainTextResponse
                 from starlette.routing import Route
 
-                async def metrics(_: Any) -> PlainTextResponse:
+                async def metrics(_: HTTPRequest) -> PlainTextResponse:
                     return PlainTextResponse(await asyncio.to_thread(ex.prometheus),
                                              media_type="text/plain; version=0.0.4")
 
