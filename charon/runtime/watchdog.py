@@ -193,6 +193,8 @@ class Watchdog:
                          "transaction is quarantined; exiting so that the supervisor restarts the node", frame.op,
                          frame.fn, frame.key, ran, extra={"event": "fatal", "operator": frame.op,
                                                           "function": frame.fn, "key": frame.key})
+        for handler in logging.getLogger("charon").handlers:
+            handler.flush()  # a log written by a thread of its own (charon run's) has the line out before the exit
         os._exit(75)
 
 

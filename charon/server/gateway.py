@@ -693,8 +693,10 @@ def create_app(
             _log.info("ready", extra={"event": "ready", "engine": engine.kind, "partitions": engine.partitions})
         except Exception as exc:  # noqa: BLE001 - reported in /health and to the server
             gw.start_error = f"{type(exc).__name__}: {exc}"
-            _log.error("the runtime failed to start: %s", gw.start_error, exc_info=exc,
+            # the message names the cause (a JVM's own output included); the engine's frames only at debug level
+            _log.error("the runtime failed to start: %s", gw.start_error,
                        extra={"event": "start_failed", "error_type": type(exc).__name__})
+            _log.debug("where the start failed", exc_info=exc, extra={"event": "start_failed_traceback"})
             if on_start_failure is not None:
                 on_start_failure(gw.start_error)
         finally:

@@ -105,7 +105,13 @@ def serve(
         _log.critical("the runtime failed for good, stopping: %s", reason, extra={"event": "fatal"})
         line = f"charon: the runtime failed and cannot recover: {reason}"
         # a shutdown that hangs (a runtime stop that waits on a dead engine) must not keep the process alive
-        timer = threading.Timer(60.0, lambda: (print(line, file=sys.stderr, flush=True), os._exit(1)))
+        def exit_now() -> None:
+            for handler in logging.getLogger("charon").handlers:
+                handler.flush()  # the queued log lines first
+            print(line, file=sys.stderr, flush=True)
+            os._exit(1)
+
+        timer = threading.Timer(60.0, exit_now)
         timer.daemon = True
         timer.start()
 

@@ -193,7 +193,9 @@ def test_the_pytest_plugin(tmp_path: Path) -> None:
     failed = [ln for ln in out.splitlines() if ln.startswith("FAILED ")]
     assert failed and all(ln.startswith("FAILED test_wallets.py::test_buggy[") for ln in failed), out
     assert f"{len(failed)} failed, {6 - len(failed)} passed" in out, out  # the fixed app's 2 seeds pass
-    lines = [ln.split("reproduce: ", 1)[1] for ln in out.splitlines() if "reproduce: CHARON_HARNESS_SEED=" in ln]
+    # one line per failing seed (pytest repeats it in the short summary where it does not cut it: with CI set)
+    lines = sorted({ln.split("reproduce: ", 1)[1] for ln in out.splitlines()
+                    if "reproduce: CHARON_HARNESS_SEED=" in ln})
     assert len(lines) == len(failed), out
     seed = lines[0].split()[0].split("=")[1]
     assert lines[0] == f"CHARON_HARNESS_SEED={seed} python -m pytest 'test_wallets.py::test_buggy[{seed}]'"
