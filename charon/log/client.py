@@ -7,7 +7,9 @@ and a single task tails the output log and resolves the waiting futures, instead
 Failure behaviour: an append that fails (e.g. the log stays locked longer than SQLite's busy wait) is
 retried with exponential backoff for up to ``append_retry_s`` seconds; if it still fails, the waiters of
 that batch get :class:`~charon.errors.LogUnavailable` (nothing of theirs was appended, a retry with the
-same request id is safe) and the pump keeps serving everyone else. A request id already in the log with a
+same request id is safe) and the pump keeps serving everyone else. A request that has waited ``RECHECK_S`` is
+looked up by id in the output log, besides the tail read: a reply stored before this client's tail position (a
+lookup at submit that missed it) still reaches its waiter. A request id already in the log with a
 different operator, key, function or arguments raises :class:`~charon.errors.IdempotencyConflict`.
 """
 
@@ -27,6 +29,8 @@ from charon.log.contract import InputLogLike, OutputLogLike
 from charon.messages import Reply, Request
 
 log = logging.getLogger(__name__)
+RECHECK_S = 2.0  # a request waiting this long has its reply looked up by id (not only in the tail read) ...
+RECHECK_MAX = 256  # ... at most this many per look (the longest waiting first)
 
 
 def check_same_request(stored: Request | None, req: Request) -> None:
@@ -78,6 +82,8 @@ class LogClient:
         self._pending: list[Request] = []
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._requests: dict[str, Request] = {}  # the request of each waiter (for the conflict check)
+        self._since: dict[str, float] = {}  # when each waiter started waiting (monotonic; oldest first)
+        self._recheck_at = 0.0
         self._seq = output_log.last_seq()
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -118,6 +124,7 @@ class LogClient:
         if fut is None:
             fut = self._waiters[rid] = asyncio.get_running_loop().create_future()
             self._requests[rid] = req
+            self._since[rid] = time.monotonic()
             self._pending.append(req)
             self._wake.set()
         else:
@@ -131,6 +138,7 @@ class LogClient:
     def _resolve(self, rid: str, rep: Reply | None = None, exc: BaseException | None = None) -> None:
         fut = self._waiters.pop(rid, None)
         self._requests.pop(rid, None)
+        self._since.pop(rid, None)
         if fut is not None and not fut.done():
             if exc is not None:
                 fut.set_exception(exc)
@@ -166,6 +174,24 @@ class LogClient:
                 self._resolve(batch[0].request_id, exc=LogUnavailable(f"the input log refused the request: {exc}"))
                 return
 
+    async def _recheck(self, before: float) -> None:
+        """Look up by id the replies of the requests waiting since ``before`` (at most ``RECHECK_MAX``)."""
+        ids: list[str] = []
+        for rid, t in self._since.items():  # insertion order: the longest waiting first
+            if t > before or len(ids) >= RECHECK_MAX:
+                break
+            ids.append(rid)
+        if not ids:
+            return
+        try:
+            found = await asyncio.to_thread(lambda: [(rid, self.output_log.get(rid)) for rid in ids])
+        except Exception as exc:  # noqa: BLE001 - the tail read goes on; the next look tries again
+            log.info("output log lookup failed (%s); looking again in %.1f s", exc, RECHECK_S)
+            return
+        for rid, rep in found:
+            if rep is not None:
+                self._resolve(rid, rep)
+
     async def _pump(self) -> None:
         """Append what is pending, read the replies that arrived, sleep ``poll_s`` (or until a submit)
         when nothing came. The output log is only read (in a worker thread) when its ``data_version`` moved:
@@ -196,6 +222,10 @@ class LogClient:
             for seq, rep in rows:
                 self._seq = max(self._seq, seq)
                 self._resolve(rep.request_id, rep)
+            now = time.monotonic()
+            if self._since and now >= self._recheck_at:
+                self._recheck_at = now + RECHECK_S
+                await self._recheck(now - RECHECK_S)
             if not rows:
                 self._wake.clear()
                 try:

@@ -129,3 +129,37 @@ def test_unloggable_requests_fail_alone(logs) -> None:
         assert serde.decode(results[1].value) == 9  # same batch, appended on its own
 
     asyncio.run(main())
+
+
+def test_a_reply_the_lookup_missed_still_reaches_its_waiter(tmp_path, monkeypatch) -> None:
+    """A request answered before this client's tail position whose lookup at submit missed its reply (a gateway
+    started after the answer; the output log did not find it that once): the pump's look by id delivers it,
+    within ``RECHECK_S``, where the tail read never would."""
+    from charon.log import client as client_mod
+    from charon.messages import Request
+
+    monkeypatch.setattr(client_mod, "RECHECK_S", 0.2)
+    inp = InputLog(os.path.join(tmp_path, "in.sqlite"), 1)
+    out = OutputLog(os.path.join(tmp_path, "out.sqlite"))
+    req = Request("done-1", "acct", "a", "f", serde.encode([7]), 1.0)
+    inp.append_many([req])
+    out.put(Reply("done-1", 1, 0, True, serde.encode(7)))  # answered by an engine before the client started
+    lc = LogClient(inp, out)  # its tail position is past that reply
+    misses = {"left": 1}
+    real_get = out.get
+
+    def flaky_get(rid: str) -> Reply | None:
+        if rid == "done-1" and misses["left"]:
+            misses["left"] -= 1
+            return None  # the one look at submit misses it
+        return real_get(rid)
+
+    monkeypatch.setattr(out, "get", flaky_get)
+
+    async def main() -> Reply:
+        return await lc.submit("acct", "a", "f", [7], request_id="done-1", timeout=5)
+
+    t0 = time.monotonic()
+    rep = asyncio.run(main())
+    assert rep.ok and serde.decode(rep.value) == 7 and misses["left"] == 0
+    assert time.monotonic() - t0 < 2.0
