@@ -169,7 +169,7 @@ class SerialContext(Context):
         self._nchild += 1
         return fn
 
-    def _call(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object,
+    def _call(self, operator: Operator | str, key: str, function: Function[..., object] | str, /, *args: object,
               **kwargs: object) -> _SerialCall:
         """Validated and numbered now; the callee runs inline when the call is first awaited."""
         if kwargs:
@@ -191,7 +191,7 @@ class SerialContext(Context):
     async def _run_all(self, calls: tuple[_SerialCall, ...]) -> list[object]:
         return [await c for c in calls]
 
-    def _send(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object,
+    def _send(self, operator: Operator | str, key: str, function: Function[..., object] | str, /, *args: object,
               **kwargs: object) -> None:
         if kwargs:
             args = self._txn.app.resolve(operator, function).by_position(args, kwargs)
@@ -211,7 +211,7 @@ class SerialContext(Context):
         if self._txn.log is not None:
             self._note("emit", stream, self._txn.events[-1][3])
 
-    def _effect(self, handler: str, *args: object, then: Function[..., object] | str, carry: Sequence[object] = (),
+    def _effect(self, handler: str, /, *args: object, then: Function[..., object] | str, carry: Sequence[object] = (),
                 timeout: float = 30.0, attempts: int = 5) -> str:
         """As the engine's ``ctx.effect``: the same checks, id and event on the reserved stream (not run here)."""
         self._nask += 1
@@ -221,7 +221,7 @@ class SerialContext(Context):
         return eid
 
     # timers: the same items (ids, records) as the engine's; firing is modelled by check_epoch
-    def _send_at(self, t: float, operator: Operator | str, key: str, function: Function[..., object] | str,
+    def _send_at(self, t: float, operator: Operator | str, key: str, function: Function[..., object] | str, /,
                  *args: object, **kwargs: object) -> str:
         due = _timers.check_due(t)
         if kwargs:
@@ -236,8 +236,8 @@ class SerialContext(Context):
         self._write(_timers.item_key(self._op, self._key, tid), _timers.encode(timer))
         return tid
 
-    def _send_after(self, seconds: float, operator: Operator | str, key: str, function: Function[..., object] | str,
-                    *args: object, **kwargs: object) -> str:
+    def _send_after(self, seconds: float, operator: Operator | str, key: str,
+                    function: Function[..., object] | str, /, *args: object, **kwargs: object) -> str:
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
             raise ValueError(f"send_after needs a number of seconds >= 0, got {seconds!r}")
         return self._send_at(self.now() + seconds, operator, key, function, *args, **kwargs)

@@ -310,7 +310,8 @@ class Context:
              **kwargs: P.kwargs) -> Call[R]: ...
 
     @overload
-    def call(self, operator: Operator | str, key: str, function: str, /, *args: object) -> Call[Any]: ...
+    def call(self, operator: Operator | str, key: str, function: str, /, *args: object,
+             **kwargs: object) -> Call[Any]: ...
 
     def call(self, operator: Operator | str, key: str, function: object, /, *args: object,
              **kwargs: object) -> Call[Any]:
@@ -361,7 +362,8 @@ class Context:
              **kwargs: P.kwargs) -> None: ...
 
     @overload
-    def send(self, operator: Operator | str, key: str, function: str, /, *args: object) -> None: ...
+    def send(self, operator: Operator | str, key: str, function: str, /, *args: object,
+             **kwargs: object) -> None: ...
 
     def send(self, operator: Operator | str, key: str, function: object, /, *args: object, **kwargs: object) -> None:
         """Call a function of another entity without waiting (it still belongs to this transaction)."""
@@ -373,7 +375,8 @@ class Context:
                 *args: P.args, **kwargs: P.kwargs) -> str: ...
 
     @overload
-    def send_at(self, t: float, operator: Operator | str, key: str, function: str, /, *args: object) -> str: ...
+    def send_at(self, t: float, operator: Operator | str, key: str, function: str, /, *args: object,
+                **kwargs: object) -> str: ...
 
     def send_at(self, t: float, operator: Operator | str, key: str, function: object, /, *args: object,
                 **kwargs: object) -> str:
@@ -391,7 +394,7 @@ class Context:
 
     @overload
     def send_after(self, seconds: float, operator: Operator | str, key: str, function: str, /,
-                   *args: object) -> str: ...
+                   *args: object, **kwargs: object) -> str: ...
 
     def send_after(self, seconds: float, operator: Operator | str, key: str, function: object, /, *args: object,
                    **kwargs: object) -> str:
@@ -684,7 +687,7 @@ class EngineContext(Context):
         return rid
 
     # -- effects (calls to the outside world) ---------------------------------------------------------
-    def _effect(self, handler: str, *args: object, then: Function[..., object] | str, carry: Sequence[object] = (),
+    def _effect(self, handler: str, /, *args: object, then: Function[..., object] | str, carry: Sequence[object] = (),
                 timeout: float = 30.0, attempts: int = 5) -> str:
         """:meth:`Context.effect`."""
         f = self._frame
@@ -727,7 +730,7 @@ class EngineContext(Context):
         """Arguments given by name, as the positional ones they bind to (:meth:`Function.by_position`)."""
         return self._unit.app_for(self._frame.tid).resolve(operator, function).by_position(args, kwargs)
 
-    def _call(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object,
+    def _call(self, operator: Operator | str, key: str, function: Function[..., object] | str, /, *args: object,
               **kwargs: object) -> _Call:
         """:meth:`Context.call`."""
         # Validated when first created (every call site runs live once before any replay of it).
@@ -752,7 +755,7 @@ class EngineContext(Context):
                 raise TypeError("ctx.gather takes the results of this context's ctx.call(...)")
         return _Gather(self, calls)
 
-    def _send(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object,
+    def _send(self, operator: Operator | str, key: str, function: Function[..., object] | str, /, *args: object,
               **kwargs: object) -> None:
         """:meth:`Context.send`."""
         live = self._live()
@@ -817,7 +820,7 @@ class EngineContext(Context):
         self._pending = None
 
     # -- timers (charon.core.timers) ---------------------------------------------------------------
-    def _send_at(self, t: float, operator: Operator | str, key: str, function: Function[..., object] | str,
+    def _send_at(self, t: float, operator: Operator | str, key: str, function: Function[..., object] | str, /,
                  *args: object, **kwargs: object) -> str:
         """:meth:`Context.send_at`."""
         due = _timers.check_due(t)
@@ -836,8 +839,8 @@ class EngineContext(Context):
             self._unit.timer_registered(due)
         return tid
 
-    def _send_after(self, seconds: float, operator: Operator | str, key: str, function: Function[..., object] | str,
-                    *args: object, **kwargs: object) -> str:
+    def _send_after(self, seconds: float, operator: Operator | str, key: str,
+                    function: Function[..., object] | str, /, *args: object, **kwargs: object) -> str:
         """:meth:`Context.send_after`."""
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
             raise ValueError(f"send_after needs a number of seconds >= 0, got {seconds!r}")

@@ -26,6 +26,11 @@ async def named(ctx: Context, a: int, b: int = 2, c: str = "c") -> list:
 
 
 @op.function
+async def labelled(ctx: Context, key: str, operator: str = "o", function: str = "f") -> list:
+    return [key, operator, function]  # parameters named like ctx.call's own (positional-only) ones
+
+
+@op.function
 async def caller(ctx: Context, how: str) -> object:
     if how == "all-named":
         return await ctx.call(op, "t", named, c="z", a=1)  # b skipped: its default is passed
@@ -33,6 +38,8 @@ async def caller(ctx: Context, how: str) -> object:
         return await ctx.call(op, "t", named, 5, b=7)
     if how == "string-name":
         return await ctx.call(op, "t", "named", 3, c="s")
+    if how == "reserved-names":
+        return await ctx.call(op, "t", labelled, function="F", key="K")
     if how == "gathered":
         return await ctx.gather(ctx.call(op, "t1", named, a=1), ctx.call(op, "t2", named, 2, c="x"))
     if how == "send":
@@ -68,7 +75,7 @@ def _run(how: str) -> tuple:
 @pytest.mark.parametrize("live", [False, True], ids=["replay", "live"])
 @pytest.mark.parametrize(("how", "value"), [
     ("all-named", [1, 2, "z"]), ("mixed", [5, 7, "c"]), ("string-name", [3, 2, "s"]),
-    ("gathered", [[1, 2, "c"], [2, 2, "x"]]),
+    ("gathered", [[1, 2, "c"], [2, 2, "x"]]), ("reserved-names", ["K", "o", "F"]),
 ])
 def test_named_arguments_bind_by_position_in_the_engine_and_the_oracle(monkeypatch, live, how, value) -> None:
     monkeypatch.setattr(partition, "KEEP_LIVE_COROUTINES", live)
