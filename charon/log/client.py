@@ -83,6 +83,7 @@ class LogClient:
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._requests: dict[str, Request] = {}  # the request of each waiter (for the conflict check)
         self._since: dict[str, float] = {}  # when each waiter started waiting (monotonic; oldest first)
+        self._turn: asyncio.Future[None] | None = None  # set once the latest submit registered (or gave up)
         self._recheck_at = 0.0
         self._seq = output_log.last_seq()
         self._task: asyncio.Task[None] | None = None
@@ -114,21 +115,31 @@ class LogClient:
         check_key(key)  # the log cannot hold every string (lone surrogates); the engine checks the rest again
         req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
         rid = req.request_id
-        fut = self._waiters.get(rid)
-        if fut is None and request_id is not None:
-            done, stored = await asyncio.to_thread(self._lookup, rid)
-            check_same_request(stored, req)
-            if done is not None:
-                return done
+        # requests are appended in the order their submits came (a client's next request after an accepted one
+        # runs after it), while the lookups of known ids run at once: each registers after the one before it
+        prev, mine = self._turn, asyncio.get_running_loop().create_future()
+        self._turn = mine
+        try:
+            fut = self._waiters.get(rid)
+            if fut is None and request_id is not None:
+                done, stored = await asyncio.to_thread(self._lookup, rid)
+                check_same_request(stored, req)
+                if done is not None:
+                    return done
+            if prev is not None and not prev.done():
+                await asyncio.shield(prev)
             fut = self._waiters.get(rid)  # another submit of this id may have registered meanwhile
-        if fut is None:
-            fut = self._waiters[rid] = asyncio.get_running_loop().create_future()
-            self._requests[rid] = req
-            self._since[rid] = time.monotonic()
-            self._pending.append(req)
-            self._wake.set()
-        else:
-            check_same_request(self._requests.get(rid), req)
+            if fut is None:
+                fut = self._waiters[rid] = asyncio.get_running_loop().create_future()
+                self._requests[rid] = req
+                self._since[rid] = time.monotonic()
+                self._pending.append(req)
+                self._wake.set()
+            else:
+                check_same_request(self._requests.get(rid), req)
+        finally:
+            if not mine.done():
+                mine.set_result(None)
         self._ensure_task()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)

@@ -163,3 +163,34 @@ def test_a_reply_the_lookup_missed_still_reaches_its_waiter(tmp_path, monkeypatc
     rep = asyncio.run(main())
     assert rep.ok and serde.decode(rep.value) == 7 and misses["left"] == 0
     assert time.monotonic() - t0 < 2.0
+
+
+def test_requests_are_appended_in_the_order_they_were_submitted(tmp_path, monkeypatch) -> None:
+    """The lookups of known ids run at once, in threads, and may return in any order; the requests still reach the
+    input log in the order their submits came (a client's request after an accepted one runs after it)."""
+    inp = InputLog(os.path.join(tmp_path, "in.sqlite"), 1)
+    out = OutputLog(os.path.join(tmp_path, "out.sqlite"))
+    echo = Echo(inp, out)
+    echo.thread.start()
+    lc = LogClient(inp, out)
+    real = lc._lookup
+
+    def slow_first(rid: str):  # the first lookups take longest: without the ordering, the later ones pass them
+        time.sleep({"o0": 0.3, "o1": 0.2, "o2": 0.1}.get(rid, 0.0))
+        return real(rid)
+
+    monkeypatch.setattr(lc, "_lookup", slow_first)
+
+    async def main() -> list[Reply]:
+        tasks = [asyncio.ensure_future(lc.submit("acct", "a", "f", [i], request_id=f"o{i}", timeout=10))
+                 for i in range(8)]
+        return await asyncio.gather(*tasks)
+
+    try:
+        replies = asyncio.run(main())
+    finally:
+        echo.stop.set()
+        echo.thread.join(5)
+    assert [serde.decode(r.value) for r in replies] == list(range(8))
+    logged = [req.request_id for _, _, req in inp.read_range([0], inp.end_offsets())]
+    assert logged == [f"o{i}" for i in range(8)]
