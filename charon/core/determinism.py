@@ -49,6 +49,14 @@ class _Twin(PartitionUnit[Any]):
     def current(self, frame: Frame | None) -> None:
         self.real.current = frame
 
+    @property
+    def doomed(self) -> Frame | None:
+        return self.real.doomed
+
+    @doomed.setter
+    def doomed(self, frame: Frame | None) -> None:
+        self.real.doomed = frame
+
     def _live_table(self) -> dict[int, LiveTable]:
         return self._ltab  # never the process's table of live coroutines (the real unit's)
 

@@ -59,11 +59,34 @@ _NONE = serde.encode(None)  # the value a sent invocation completes with (its re
 # from the very same inputs (the last successful scratch, the same inbox, a store that rounds only read):
 # the stale coroutine is then exactly where replaying its journal would bring it, and an attempt that runs
 # the frame again replaces the entry under the same key.
+class _Judged(Exception):
+    """Carries a judged step's verdict error to :meth:`PartitionUnit._run`'s handler (engine-internal)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+
 class Interrupt(BaseException):
     """Raised into the thread running a function that overran its time budget (``PyThreadState_SetAsyncExc``
     from the runtime's watchdog, :mod:`charon.runtime.watchdog`): a ``BaseException``, so application code's
     ``except Exception`` does not swallow it. :meth:`PartitionUnit._run` turns it into the transaction's
     failure (:attr:`PartitionUnit.interrupt`, the recorded ``InvocationTimeout``)."""
+
+
+_disarm: list[Callable[[], None]] = []
+
+
+def on_disarm(fn: Callable[[], None]) -> None:
+    """Register how to drop an interrupt set for this thread and not raised yet (the runtime's watchdog)."""
+    if fn not in _disarm:
+        _disarm.append(fn)
+
+
+def disarm() -> None:
+    """Drop an interrupt pending for this thread (a judged step ended before it landed)."""
+    for fn in _disarm:
+        fn()
 
 
 def timeout_message(frame: Any) -> str:
@@ -357,7 +380,7 @@ class PartitionUnit(Generic[S]):
     __slots__ = ("pid", "partitions", "app", "previous", "store", "max_invocations", "report_cache", "sole_writer",
                  "_due", "_ltab", "_fresh", "epoch", "buffers", "frames", "touched", "cache", "_clog", "overlay",
                  "dead", "fast_layer", "_recording", "emits", "emitted", "_out", "_stat_reads",
-                 "_stat_runs", "current", "interrupt", "twice", "__weakref__")
+                 "_stat_runs", "current", "doomed", "interrupt", "twice", "__weakref__")
 
     def __init__(self, pid: int, partitions: int, app: Application, store: S) -> None:
         self.pid = pid
@@ -382,6 +405,10 @@ class PartitionUnit(Generic[S]):
         #: the invocation whose code runs now (None between invocations): what a watchdog in another thread
         #: samples to find a function that overran its budget (see Interrupt)
         self.current: Frame | None = None
+        #: the step the watchdog judged past its budget (set only while it is ``current``, before any interrupt is
+        #: raised): whatever that step does next (return, raise, catch the interrupt), its transaction fails with
+        #: the verdict (:meth:`_judged`)
+        self.doomed: Frame | None = None
         #: called in this thread when an Interrupt stops ``frame``: records the verdict, returns the error that
         #: fails its transaction (the runtime's watchdog sets it; see Interrupt)
         self.interrupt: Callable[[Frame], BaseException] | None = None
@@ -796,6 +823,9 @@ class PartitionUnit(Generic[S]):
             try:
                 yielded = coro.send(None)
             except StopIteration as stop:
+                self.current = None  # from here on no verdict can be taken on this step (see doomed)
+                if self.doomed is not None:
+                    raise self._judged(frame) from None
                 if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
@@ -843,6 +873,9 @@ class PartitionUnit(Generic[S]):
                     else:
                         logged.append((frame, value, ctx._calls, self.touched.get(tid)))
                 return msgs
+            self.current = None
+            if self.doomed is not None:
+                raise self._judged(frame)
             if ctx._pending is None or getattr(yielded, "ctx", None) is not ctx:
                 ctx._drop(coro)
                 raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
@@ -856,17 +889,52 @@ class PartitionUnit(Generic[S]):
             else:
                 ctx._drop(coro)
             return msgs
+        except _Judged as judged:  # the step was judged past its budget: the recorded verdict aborts it
+            self._fail(frame.tid, judged.error)
+            return ()
         except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
-            self._fail(frame.tid, exc, frame)
+            try:  # raised by the step: its message is user code (str), still watched
+                message = self._user_str(exc) if self.current is not None else str(exc)
+            except Interrupt:  # pending at the call's first instruction: the step is doomed
+                message = ""
+            self.current = None
+            if self.doomed is not None:  # judged while it ran (or while its message was made)
+                try:
+                    verdict = self._judged(frame)
+                except Interrupt:  # pending at _judged's first instruction: none is left now
+                    verdict = self._judged(frame)
+                self._fail(frame.tid, verdict.error)
+                return ()
+            self._fail(frame.tid, exc, frame, message)
             return ()
         except Interrupt:  # the watchdog stopped a function past its budget: the recorded error aborts it
             self.current = None
-            hook = self.interrupt
-            err = hook(frame) if hook is not None else InvocationTimeout(timeout_message(frame))
-            self._fail(frame.tid, err)  # the verdict's message names the function already
+            self._fail(frame.tid, self._judged(frame).error)  # the verdict's message names the function already
             return ()
         finally:
             self.current = None
+
+    def _user_str(self, exc: BaseException) -> str:
+        """``str(exc)`` of an exception the step raised: application code, still watched (a driver of the
+        interrupt, see :mod:`charon.runtime.interrupts`); an interrupt landing in it leaves a placeholder (the
+        step is doomed then, and fails with its verdict instead)."""
+        try:
+            return str(exc)
+        except BaseException:  # noqa: BLE001 - an interrupt or a failing __str__
+            return f"<{type(exc).__name__}: str() failed>"
+
+    def _judged(self, frame: Frame) -> _Judged:
+        """The step ended after the watchdog judged it (:attr:`doomed`): drop an interrupt not raised yet, record
+        the verdict (the hook, in this thread, before anything depends on it) and return what fails the
+        transaction. An interrupt landing at this call's first instruction reaches the caller's ``except
+        Interrupt``, which settles again."""
+        self.doomed = None
+        self.current = None
+        disarm()
+        hook = self.interrupt
+        if hook is not None:
+            return _Judged(hook(frame))
+        return _Judged(InvocationTimeout(timeout_message(frame)))
 
     # Live coroutines of suspended frames, per process and thread:
     # {(thread, pid): (epoch, {tid: {token: (coro, ctx, nsusp)}})}. Per thread: rounds running at the same
@@ -909,12 +977,13 @@ class PartitionUnit(Generic[S]):
         for coro, ctx, _ in self._live_table().pop(tid, {}).values():
             ctx._drop(coro)
 
-    def _fail(self, tid: int, exc: BaseException, frame: Frame | None = None) -> None:
+    def _fail(self, tid: int, exc: BaseException, frame: Frame | None = None, message: str | None = None) -> None:
         """Abort ``tid``: the error names the called or sent function (``frame``) that raised it."""
         self._live_drop(tid)
         self.dead.add(tid)
         self.frames.pop(tid, None)
-        message = str(exc)
+        if message is None:
+            message = str(exc)
         if frame is not None:
             if frame.kind != ROOT:
                 message = raised_in(message, frame.op, frame.key, frame.fn)
@@ -1031,6 +1100,9 @@ class PartitionUnit(Generic[S]):
                 try:
                     coro.send(None)
                 except StopIteration as stop:
+                    self.current = None
+                    if self.doomed is not None:  # judged past its budget: the slow path runs it (and is judged)
+                        return self._undoom()
                     if ctx._calls != c.calls:
                         return False
                     if f.kind == ASYNC:  # its return value goes nowhere (see _run)
@@ -1043,15 +1115,25 @@ class PartitionUnit(Generic[S]):
                     elif f.kind == SYNC and value != c.result:  # the caller consumed the cached reply
                         return False
                     continue
+                self.current = None
                 coro.close()
-                return False
+                return self._undoom() if self.doomed is not None else False
             except Exception:  # noqa: BLE001 - raising in the fast path sends it to the slow path
-                return False
+                self.current = None
+                return self._undoom() if self.doomed is not None else False
             except Interrupt:  # past its budget: the slow path runs it again (and fails it the same way)
-                return False
+                self.current = None
+                return self._undoom()
             finally:
                 self.current = None
         return True
+
+    def _undoom(self) -> bool:
+        """A fast-path step judged past its budget: no verdict here (the slow path runs it again and is judged
+        there); an interrupt not raised yet is dropped. False: the transaction takes the slow path."""
+        self.doomed = None
+        disarm()
+        return False
 
     # -- end of epoch -----------------------------------------------------------------------------
     def epoch_delta(self) -> dict[bytes, bytes | None]:

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import gc
 import hashlib
+import logging
 import math
 import os
 import shutil
@@ -59,6 +60,7 @@ from charon.runtime.controls import EngineBacked
 from charon.runtime.gate import EpochGate
 from charon.runtime.inprocess_engine import InProcessEngine
 from charon.runtime.inspector import Inspector, InspectorSettings, LiveRequest
+from charon.runtime.interrupts import ThreadHandle, clear_pending
 from charon.runtime.quarantine import RecoveryAttempts, quarantine_killers
 from charon.runtime.verdicts import VerdictBook
 from charon.runtime.watchdog import DEFAULT_INTERVAL, DEFAULT_TIMEOUT, Watchdog
@@ -68,6 +70,8 @@ if TYPE_CHECKING:
     from charon.log.contract import InputLogLike
     from charon.runtime.node import NodeStorage
 
+
+_log = logging.getLogger("charon.engine")
 
 #: Young-generation threshold of :func:`tune_gc` (CPython's default is 700).
 T = TypeVar("T")
@@ -256,6 +260,7 @@ class InProcessRuntime(EngineBacked):
         function_timeout: float = DEFAULT_TIMEOUT,
         watchdog_interval: float = DEFAULT_INTERVAL,
         exit_when_stuck: float | None = None,
+        transaction_timeout: float | None = None,
         determinism_check: bool = False,
         inspector: InspectorSettings | None = None,
     ) -> None:
@@ -276,7 +281,9 @@ class InProcessRuntime(EngineBacked):
         ``InvocationTimeout`` (per function: ``@op.function(timeout=...)``), checked every ``watchdog_interval``
         seconds; ``exit_when_stuck`` (durable mode, ``charon run``): seconds past that budget after which a
         function blocked where it cannot be interrupted is quarantined and the process exits for its
-        supervisor (None: it is reported, never exited). See :mod:`charon.runtime.watchdog`.
+        supervisor (None: it is reported, never exited); ``transaction_timeout``: seconds a transaction's function
+        code may run in one epoch in all (default ``function_timeout``; at least the running step's own budget).
+        See :mod:`charon.runtime.watchdog`.
         ``determinism_check``: run every function step twice and abort its transaction with
         ``NonDeterministicFunction`` when the two runs' effects differ (:mod:`charon.core.determinism`).
         ``inspector``: the invocation inspector's settings (:mod:`charon.runtime.inspector`; default on)."""
@@ -306,10 +313,12 @@ class InProcessRuntime(EngineBacked):
                 raise ValueError("partitions must be at least 1")
             self._stores = [MemoryStore() for _ in range(partitions)]
         self.verdict_book = VerdictBook(data_dir, fsync=fsync)  # before recovery: a replay applies its verdicts
-        self._engine_ident = 0  # the thread running an epoch now (0: none): where the watchdog interrupts
+        self._engine_thread = ThreadHandle()  # the thread running an epoch now: where the watchdog interrupts
+        self.fatal_callback: Callable[[str], None] | None = None  # an engine error that escaped an epoch (on_fatal)
         self._frozen = False  # set by the watchdog giving up on a stuck function: no reply is released any more
-        self.watchdog = Watchdog(lambda: self.units, lambda: self.coordinator, lambda: self._engine_ident,
+        self.watchdog = Watchdog(lambda: self.units, lambda: self.coordinator, self._engine_thread,
                                  self.verdict_book, timeout=function_timeout, interval=watchdog_interval,
+                                 transaction_timeout=transaction_timeout,
                                  exit_after=exit_when_stuck if data_dir is not None else None, freeze=self._freeze)
         self._engine: ThreadPoolExecutor | None = None  # service mode: the thread epochs run in
         self._outbox: list[Reply] = []  # replies of the epoch running in the engine thread, for the loop
@@ -670,11 +679,12 @@ class InProcessRuntime(EngineBacked):
         """Run one epoch (see :meth:`_run_epoch_locked`) holding the finalize lock from start to end: a multi-key
         reader in another thread (:meth:`_consistent`) never sees part of an epoch's writes."""
         with self._finish_lock:
-            self._engine_ident = threading.get_ident()
+            self._engine_thread.attach()
             try:
                 return self._run_epoch_locked(requests, now, defer, carry)
             finally:
-                self._engine_ident = 0
+                self._engine_thread.detach()
+                clear_pending()  # no interrupt of a step that ended outlives the epoch (see charon.runtime.interrupts)
                 if self._outbox:  # its replies' waiters (on the event loop) run once the epoch is recorded
                     out, self._outbox = self._outbox, []
                     assert self._aloop is not None
@@ -807,6 +817,12 @@ class InProcessRuntime(EngineBacked):
                         serde.encode([f"k{(i * 7 + 1) % (n // 2 + 1)}", i % 3]))
                 for i in range(n)]
         scratch.run_epoch(reqs)
+
+    def _fatal(self, reason: str) -> None:
+        """Failed for good: log it and call the ``on_fatal`` callback (``charon run`` exits for its supervisor)."""
+        _log.critical("FATAL: %s", reason, extra={"event": "fatal"})
+        if self.fatal_callback is not None:
+            self.fatal_callback(reason)
 
     def _halt(self, exc: BaseException) -> None:
         """An epoch could not be logged or run: fail every waiting request and accept no more.
@@ -1090,8 +1106,15 @@ class InProcessRuntime(EngineBacked):
                             await self.in_engine(self._finish)
                 else:  # the batch is committed to the input log, then the epoch runs (in the engine thread)
                     await self.in_engine(self._log_and_run, batch)
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:  # noqa: BLE001 - the runtime stops loudly instead of hanging its clients
                 self._halt(exc)
+                return
+            except BaseException as exc:  # noqa: BLE001 - an interrupt that escaped an epoch: fatal, never a dead loop
+                self._halt(exc)
+                self._fatal(f"an epoch failed in the engine itself ({type(exc).__name__}); the node must restart "
+                            "(its logged epochs replay with their verdicts)")
                 return
             finally:
                 self.gate.leave()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
@@ -96,6 +96,9 @@ class InProcessEngine(HostedEngine):
 
     def health(self) -> dict[str, Any]:
         return self.rt.health()
+
+    def on_fatal(self, callback: Callable[[str], None]) -> None:
+        self.rt.fatal_callback = callback
 
     def describe(self) -> str:
         node = self.rt.node

@@ -1,41 +1,42 @@
-"""The watchdog: no function may hold the engine past its time budget.
+"""The watchdog: no function may hold the engine past its time budget, and no verdict contradicts a reply.
 
 Design (Python cannot stop ``while True: pass`` in a coroutine from the thread running it):
 
 * The engine runs epochs in a thread of its own (never on the gateway's event loop, see
-  :class:`charon.runtime.inprocess.InProcessRuntime`). Each :class:`~charon.core.partition.PartitionUnit` says
-  which invocation's code runs now (``unit.current``: two attribute stores per invocation step, the only cost
-  on the hot path).
-* This thread samples every ``interval`` seconds. An invocation step (a function running from one ``await`` to
-  the next) seen running for longer than its budget (``@op.function(timeout=...)``, else the runtime's
-  ``function_timeout``) is interrupted: :class:`~charon.core.partition.Interrupt` (a ``BaseException``, so
-  ``except Exception`` in application code does not swallow it) is raised in the engine thread with
-  ``PyThreadState_SetAsyncExc``, in the same GIL hold as the check that the step still runs, so it lands inside
-  the unit's ``_run`` and nowhere else (the engine thread is paused at an eval-breaker point of that step, where
-  it raises a pending asynchronous exception as soon as it resumes). It is repeated every interval while the
-  step still runs (code catching it).
-* Pure-Python code (loops, recursion, computation between awaits) stops at its next bytecode. The unit then
-  calls :meth:`Watchdog.timed_out` *in the engine thread*: the verdict, ``InvocationTimeout`` naming the function
-  and key, is recorded in the :class:`~charon.runtime.verdicts.VerdictBook` (fsynced in durable mode) before the
-  transaction fails with it, so the verdict exists exactly when the transaction failed by it. The coordinator
-  applies it (:meth:`charon.core.epoch.EpochCoordinator._judge`): the transaction reserves nothing and is never
-  rerun, so every other transaction of the epoch commits or aborts exactly as at a replay or rerun, where the
-  verdict refuses it up front (or takes it out of its chunk's fallback when it was stopped there).
-* Code blocked in C (``time.sleep``, a C extension's loop) cannot be interrupted from another thread: it is
-  reported from its budget on (``health()["stuck"]``; ``/health`` answers 503), the interrupt fires when the call
-  returns, and a durable node run by ``charon run`` (``exit_after``) gives it that many more seconds, then
-  records the transaction as ``Quarantined`` (no reply is released after that decision: ``freeze``) and exits
-  with one line so that its supervisor restarts it; the restart replays the epoch with the verdict, so the
-  transaction is never run again and the node is healthy.
+  :class:`charon.runtime.inprocess.InProcessRuntime`), attached to a :class:`~charon.runtime.interrupts.ThreadHandle`.
+  Each :class:`~charon.core.partition.PartitionUnit` says which invocation step runs now (``unit.current``: two
+  attribute stores per step, the only cost on the hot path besides one ``doomed`` check).
+* This thread samples every ``interval`` seconds. A step (a function running from one ``await`` to the next) seen
+  running for longer than its budget (``@op.function(timeout=...)``, else ``function_timeout``), or a transaction
+  whose steps together ran longer than ``transaction_timeout`` (default: ``function_timeout``; at least the step's
+  own budget), is **judged**: ``unit.doomed = frame``, set only while the step is ``unit.current`` (one indivisible
+  look). From then on the transaction's outcome is the verdict, whatever the step does next: the unit, in the
+  engine thread, records the verdict (:meth:`Watchdog.timed_out`, fsynced in durable mode) *before* the step's
+  outcome counts, and fails the transaction with it (:meth:`PartitionUnit._judged`), also when the function
+  caught the interrupt and returned normally.
+* The interrupt (:class:`~charon.core.partition.Interrupt`, a ``BaseException``) only ends the step early. It is
+  raised only where it lands in user code (:func:`charon.runtime.interrupts.deliver`: the engine thread's frames,
+  from the top one down to the engine's step driver, are all the application's), never in the engine or a library
+  (a lock held by ``logging`` stays balanced); elsewhere it is deferred to the next sample. An interrupt still
+  pending when the step ended is dropped (:func:`charon.runtime.interrupts.clear_pending`). An interrupt that
+  escapes anyway is a fatal error of the epoch (the runtime halts and calls ``on_fatal``), never a dead loop.
+* Code blocked in C (``time.sleep``, a C extension's loop) cannot be interrupted: it is reported from its budget
+  on (``health()["stuck"]``; ``/health`` answers 503), and a durable node run by ``charon run`` (``exit_after``)
+  gives it that many more seconds, then stops releasing replies (``freeze``), records the transaction as
+  ``Quarantined`` and exits 75 for its supervisor; the restart replays the epoch with the verdict.
+* **A replay takes no new verdict.** While recovery replays logged epochs (``interrupting = False``), their
+  replies may have left already (the durable node replies while an epoch still runs): only the verdicts recorded
+  when they first ran apply. A replayed step past its budget is reported stuck, never interrupted; past
+  ``exit_after`` more the process exits 75 with a FATAL line naming the function, recording nothing (the operator
+  raises the budget or fixes the function; the transaction's reply, which may have been given, stands).
 
 The watchdog's clock starts when it first sees a step, so a step is stopped between ``budget`` and
-``budget + interval`` seconds after it started.
+``budget + interval`` seconds after it started; a transaction's total is the sum of the samples that saw it run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -44,51 +45,80 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from charon.core import partition as _partition
 from charon.core.epoch import EpochCoordinator, Verdict
 from charon.core.partition import Interrupt, PartitionUnit, timeout_message
 from charon.errors import InvocationTimeout
+from charon.operator import Application
+from charon.runtime.interrupts import (
+    DELIVERED,
+    NOT_RUNNING,
+    ThreadHandle,
+    UserCode,
+    app_roots,
+    clear_pending,
+    deliver,
+    user_frame_chain,
+)
 from charon.runtime.verdicts import VerdictBook, letter
 
 _events = logging.getLogger("charon.engine")  # the server log
 
 DEFAULT_TIMEOUT = 5.0  # seconds a function may run without awaiting a call
 DEFAULT_INTERVAL = 0.1
+#: the engine's frames that run a step's user code: an interrupt lands only in user frames above one of them
+DRIVERS = frozenset({PartitionUnit._run.__code__, PartitionUnit._replay_cached.__code__,
+                     PartitionUnit._user_str.__code__})
+_partition.on_disarm(clear_pending)
 
-_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-_set_async_exc.argtypes = [ctypes.c_ulong, ctypes.py_object]
-_set_async_exc.restype = ctypes.c_int
+
+def total_message(frame: Any, budget: float) -> str:
+    """The error of a transaction whose steps together ran past its total budget (recorded as a verdict)."""
+    return (f"{frame.op}.{frame.fn} on key {frame.key!r}: the transaction ran past its total time budget "
+            f"({budget:g} s of function code in one epoch)")
 
 
 class Watchdog:
-    """Samples ``units()`` of a runtime whose epochs run in the thread ``engine_thread()`` (0: none now)."""
+    """Samples ``units()`` of a runtime whose epochs run in the thread attached to ``engine``."""
 
     def __init__(
         self,
         units: Callable[[], list[PartitionUnit]],
         coordinator: Callable[[], EpochCoordinator],
-        engine_thread: Callable[[], int],
+        engine: ThreadHandle,
         book: VerdictBook,
         *,
         timeout: float = DEFAULT_TIMEOUT,
         interval: float = DEFAULT_INTERVAL,
+        transaction_timeout: float | None = None,
         exit_after: float | None = None,
         freeze: Callable[[], None] | None = None,
     ) -> None:
-        if not timeout > 0 or not interval > 0:
-            raise ValueError("function_timeout and watchdog_interval must be positive")
+        if not timeout > 0 or not interval > 0 or (transaction_timeout is not None and not transaction_timeout > 0):
+            raise ValueError("function_timeout, transaction_timeout and watchdog_interval must be positive")
         self.units = units
         self.coordinator = coordinator
-        self.engine_thread = engine_thread
+        self.engine = engine
         self.book = book
         self.timeout = timeout
+        self.transaction_timeout = transaction_timeout if transaction_timeout is not None else timeout
         self.interval = interval
         self.exit_after = exit_after
         self.freeze = freeze
         self._stuck: tuple[Any, dict[str, Any]] | None = None  # (frame, report) while a step overruns its budget
         self.timeouts = 0  # InvocationTimeout verdicts taken (metrics: charon_invocation_timeouts_total)
+        #: interrupts raised, and deferred because the engine thread was not in user code (tests, metrics)
+        self.delivered = 0
+        self.deferred = 0
         #: False while a recovery replays logged epochs: only an epoch's first run takes new verdicts (a replayed
-        #: one may have replied already); a replayed step past its budget is reported, and given up on (exit_after)
+        #: one may have replied already); a replayed step past its budget is reported, and exited on (exit_after)
         self.interrupting = True
+        self._user = UserCode()
+        self._app: Application | None = None
+        self._reasons: dict[int, str] = {}  # tid -> the verdict's message, for the step judged (timed_out)
+        self._totals: dict[int, float] = {}  # tid -> seconds its steps were seen running, in the current epoch
+        self._epoch: int | None = None
+        self._last = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -125,6 +155,13 @@ class Watchdog:
                 _events.error("watchdog error: %s: %s", type(exc).__name__, exc, exc_info=exc,
                               extra={"event": "watchdog_error", "error_type": type(exc).__name__})
 
+    def _learn_app(self, unit: PartitionUnit) -> None:
+        app = unit.app
+        if app is not self._app:
+            self._app = app
+            fns = [f.body for op in app.operators.values() for f in op.functions.values()]
+            self._user = UserCode(app_roots(fns))
+
     def _sample(self, seen: tuple[Any, int, float] | None) -> tuple[Any, int, float] | None:
         """One look at the units: returns the step now being timed (None: no user code runs)."""
         unit = frame = None
@@ -133,37 +170,54 @@ class Watchdog:
             if f is not None:
                 unit, frame = u, f
                 break
+        now = time.monotonic()
+        last, self._last = self._last, now
         if unit is None or frame is None:
             self._stuck = None
             return None
-        now = time.monotonic()
+        cur = self.coordinator().current
+        epoch = cur.epoch if cur is not None else None
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._totals.clear()
+        tid = frame.tid
+        total = self._totals[tid] = self._totals.get(tid, 0.0) + (min(now - last, 2 * self.interval) if last else 0.0)
         if seen is None or seen[0] is not frame or seen[1] != frame.nsusp:
+            seen = (frame, frame.nsusp, now)
             self._stuck = None
-            return (frame, frame.nsusp, now)
         ran = now - seen[2]
         budget = self.budget(unit, frame)
-        if ran < budget:
+        tbudget = max(self.transaction_timeout, budget)
+        if ran < budget and total < tbudget:
             return seen
-        cur = self.coordinator().current
-        req = cur.requests.get(frame.tid) if cur is not None else None
-        self._stuck = (frame, {"operator": frame.op, "function": frame.fn, "key": frame.key, "tid": frame.tid,
+        req = cur.requests.get(tid) if cur is not None else None
+        self._stuck = (frame, {"operator": frame.op, "function": frame.fn, "key": frame.key, "tid": tid,
                                "request_id": req.request_id if req is not None else None,
-                               "seconds": round(ran, 3), "budget_s": budget})
-        ident = self.engine_thread()
-        # The check and the interrupt in one GIL hold (no Python call between them): see the module docstring.
-        if ident and self.interrupting and unit.current is frame:
-            _set_async_exc(ident, Interrupt)
+                               "seconds": round(ran, 3), "budget_s": budget,
+                               "transaction_seconds": round(total, 3), "transaction_budget_s": tbudget,
+                               "replaying": not self.interrupting})
+        if self.interrupting:
+            if tid not in self._reasons:
+                self._reasons[tid] = timeout_message(frame) if ran >= budget else total_message(frame, tbudget)
+            self._learn_app(unit)
+            got = deliver(self.engine, self._user, DRIVERS, unit, frame, Interrupt)
+            if got == DELIVERED:
+                self.delivered += 1
+            elif got != NOT_RUNNING:
+                self.deferred += 1
         if self.exit_after is not None and ran > budget + self.exit_after:
             self._give_up(frame, ran)
         return seen
 
     def timed_out(self, frame: Any) -> BaseException:
-        """Called by a unit, in the engine thread, when an Interrupt stopped ``frame``: record the verdict on its
-        transaction, then return the error it fails with (a verdict recorded earlier is kept as it was)."""
+        """Called by a unit, in the engine thread, when a judged step ended (interrupted or not): record the
+        verdict on its transaction (before anything depends on it), then return the error it fails with (a
+        verdict recorded earlier is kept as it was)."""
+        clear_pending()
         coord = self.coordinator()
         result = coord.current
         req = result.requests.get(frame.tid) if result is not None else None
-        msg = timeout_message(frame)
+        msg = self._reasons.pop(frame.tid, "") or timeout_message(frame)
         if req is None or result is None:  # pragma: no cover - every running frame belongs to the current epoch
             return InvocationTimeout(msg)
         verdict = coord.verdicts.get(req.request_id)
@@ -175,32 +229,37 @@ class Watchdog:
         return InvocationTimeout(verdict.message)
 
     def _give_up(self, frame: Any, ran: float) -> None:
-        """The step is blocked where it cannot be interrupted: no reply is released any more, the transaction is
-        recorded as Quarantined, and the process exits for its supervisor (the replay refuses it)."""
+        """The step is blocked where it cannot be interrupted (or is being replayed): no reply is released any
+        more and the process exits for its supervisor. A first run records the transaction as Quarantined (the
+        replay refuses it); a replay records nothing (its reply may have been given: see the module docstring)."""
         if self.freeze is not None:
             self.freeze()
         coord = self.coordinator()
         result = coord.current
         req = result.requests.get(frame.tid) if result is not None else None
-        if req is not None and result is not None and req.request_id not in coord.verdicts:
+        judging = self.interrupting
+        if judging and req is not None and result is not None and req.request_id not in coord.verdicts:
             msg = (f"{frame.op}.{frame.fn} on key {frame.key!r} held the engine past its time budget where it "
                    "could not be interrupted (blocked in C code); the engine restarted and set the transaction "
                    "aside")
             self.book.record(letter(req.request_id, frame.op, frame.fn, frame.key,
                                     Verdict("Quarantined", msg, coord.phase == 1), result.epoch,
                                     f"{req.operator}.{req.function}"))
-        _events.critical("FATAL: %s.%s on key %r has held the engine for %.0f s where it cannot be interrupted; its "
-                         "transaction is quarantined; exiting so that the supervisor restarts the node", frame.op,
-                         frame.fn, frame.key, ran, extra={"event": "fatal", "operator": frame.op,
-                                                          "function": frame.fn, "key": frame.key})
+        if judging:
+            _events.critical("FATAL: %s.%s on key %r has held the engine for %.0f s where it cannot be interrupted; "
+                             "its transaction is quarantined; exiting so that the supervisor restarts the node",
+                             frame.op, frame.fn, frame.key, ran,
+                             extra={"event": "fatal", "operator": frame.op, "function": frame.fn, "key": frame.key})
+        else:
+            _events.critical("FATAL: replaying epoch %s, %s.%s on key %r ran %.0f s past its budget; the epoch may "
+                             "have replied, so no verdict can be taken now: raise the function's budget "
+                             "(--function-timeout, @op.function(timeout=...)) or fix it; exiting for the supervisor",
+                             result.epoch if result is not None else "?", frame.op, frame.fn, frame.key, ran,
+                             extra={"event": "fatal", "operator": frame.op, "function": frame.fn, "key": frame.key,
+                                    "replaying": True})
         for handler in logging.getLogger("charon").handlers:
             handler.flush()  # a log written by a thread of its own (charon run's) has the line out before the exit
         os._exit(75)
-
-
-
-def _task_timed_out(frame: Any) -> BaseException:
-    return InvocationTimeout(timeout_message(frame))
 
 
 def _budget_of(unit: PartitionUnit, frame: Any, default: float) -> float:
@@ -213,23 +272,34 @@ def _budget_of(unit: PartitionUnit, frame: Any, default: float) -> float:
 
 @contextlib.contextmanager
 def task_budget(units: list[PartitionUnit], timeout: float | None, interval: float = DEFAULT_INTERVAL,
-                ) -> Iterator[None]:
+                transaction_timeout: float | None = None) -> Iterator[None]:
     """Within a Spark task: stop any function of ``units`` that runs past its budget.
 
     A PySpark worker runs its task in its main thread, so the sampler is a ``SIGALRM`` handler running *in* that
-    thread between bytecodes: it raises :class:`Interrupt` only while a step runs (``unit.current``), so it lands
-    in the unit's ``_run``, and it also stops ``time.sleep`` (a signal interrupts the sleep, PEP 475). The unit
-    fails the transaction with ``InvocationTimeout``; the round's output carries the failure to the driver, which
-    records the verdict before anything depends on it (:meth:`charon.core.epoch.EpochCoordinator._verdict`).
-    Elsewhere than the main thread (the simulator's workers) nothing is armed."""
+    thread between bytecodes (it also stops ``time.sleep``: a signal interrupts the sleep, PEP 475). A step past
+    its budget (or a transaction past its total) is judged (``unit.doomed``: it fails with ``InvocationTimeout``
+    whatever it does next) and :class:`Interrupt` is raised only when the interrupted frames, down to the step's
+    driver, are all user code (:func:`charon.runtime.interrupts.user_frame_chain`); else a later alarm tries again.
+    The round's output carries the failure to the driver, which records the verdict before anything depends on
+    it (:meth:`charon.core.epoch.EpochCoordinator._verdict`). Elsewhere than the main thread (the simulator's
+    workers) nothing is armed."""
     if timeout is None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    for u in units:
-        u.interrupt = _task_timed_out
-    seen: list[Any] = [None, 0, 0.0]
+    reasons: dict[int, str] = {}
+    totals: dict[int, float] = {}
+    tlimit = transaction_timeout if transaction_timeout is not None else timeout
 
-    def on_alarm(signum: int, _frame: Any) -> None:
+    def timed_out(frame: Any) -> BaseException:
+        return InvocationTimeout(reasons.pop(frame.tid, "") or timeout_message(frame))
+
+    for u in units:
+        u.interrupt = timed_out
+    seen: list[Any] = [None, 0, 0.0, 0.0]  # frame, nsusp, first seen, last alarm
+    fns = [f.body for u in units[:1] for op in u.app.operators.values() for f in op.functions.values()]
+    user = UserCode(app_roots(fns))
+
+    def on_alarm(signum: int, top: Any) -> None:
         for u in units:
             f = u.current
             if f is not None:
@@ -238,10 +308,20 @@ def task_budget(units: list[PartitionUnit], timeout: float | None, interval: flo
             seen[0] = None
             return
         now = time.monotonic()
+        total = totals[f.tid] = totals.get(f.tid, 0.0) + (min(now - seen[3], 2 * interval) if seen[3] else 0.0)
+        seen[3] = now
         if seen[0] is not f or seen[1] != f.nsusp:
             seen[0], seen[1], seen[2] = f, f.nsusp, now
             return
-        if now - seen[2] >= _budget_of(u, f, timeout):
+        budget = _budget_of(u, f, timeout)
+        tbudget = max(tlimit, budget)
+        ran = now - seen[2]
+        if ran < budget and total < tbudget:
+            return
+        if f.tid not in reasons:
+            reasons[f.tid] = timeout_message(f) if ran >= budget else total_message(f, tbudget)
+        u.doomed = f  # in this thread, while it is u.current: the step is judged whatever it does next
+        if user_frame_chain(top, user, DRIVERS):
             raise Interrupt
 
     old = signal.signal(signal.SIGALRM, on_alarm)
