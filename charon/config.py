@@ -160,6 +160,9 @@ class GatewayConfig:
     body_timeout: float = 30.0  # a request body must arrive completely within this (408 otherwise)
     keep_alive: float = 5.0  # idle keep-alive connections are closed after this (seconds)
     max_header_bytes: int = 16 << 10  # largest request head (h11's incomplete-event limit)
+    # pipelined requests waiting behind the one being answered, per connection (httptools): the last one kept
+    # answers with Connection: close, those beyond it are dropped unanswered (the client retries them)
+    max_pipeline: int = 128
     read_threads: int = 8  # threads for runtime reads (replies, state), off the event loop
     public_url: str | None = None  # base of status URLs (e.g. https://api.example.com); None: relative URLs
     max_batch_calls: int = 1000  # invocations in one client atomic batch (POST /batch; 422 above)

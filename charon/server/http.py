@@ -157,17 +157,34 @@ if HttpToolsProtocol is not None:
 
     class GuardedHttpTools(HeadGuard, HttpToolsProtocol):
         """uvicorn's httptools protocol with :class:`HeadGuard`, and ``max_header_bytes`` as h11's limit: a
-        connection that sends more than that without completing a request head gets 400 and is closed."""
+        connection that sends more than that without completing a request head gets 400 and is closed.
+
+        Pipelining, on both the direct path and the ASGI route: a request head that arrives ends the keep-alive
+        wait (an answer completed within a read armed it; it closed the connection under the next request of
+        that read), at most ``max_pipeline`` requests wait behind the one being answered (the last of them is
+        answered with ``Connection: close``, those beyond it are dropped unanswered and reading stops: the
+        client retries them, RFC 9112 9.3.2), and answers completed while the next pipelined request starts
+        start the one after it from a loop, not by recursion (the direct path answers some at once)."""
 
         max_header_bytes = 16 << 10
+        max_pipeline = 128
         direct: Any = None  # the gateway's charon.server.lane.DirectInvoke, if it answers invokes directly
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._reading = False  # within data_received
+            self._completing = False  # within on_response_complete's loop
+            self._completions = 0  # answers completed and not yet followed by the next pipelined request
+            self._overflow = False  # the pipeline overflowed: the rest of the input is dropped
             self._guard_open()
 
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-            if self.direct is not None and self.direct.take(self, cycle):
+            direct = self.direct
+            if direct is not None and direct.take(self, cycle):
+                if not self._reading:  # taken from the pipeline, not by a read: its body timer starts now
+                    call = getattr(cycle, "charon_call", None)
+                    if call is not None:
+                        direct.data_done(call)
                 return  # answered from the callbacks below, without a task
             super()._start_asgi_task(cycle, app)
 
@@ -184,8 +201,14 @@ if HttpToolsProtocol is not None:
                 self.direct.body_complete(call)
 
         def data_received(self, data: bytes) -> None:
+            if self._overflow:
+                return
             gen = self._head_gen
-            super().data_received(data)
+            self._reading = True
+            try:
+                super().data_received(data)
+            finally:
+                self._reading = False
             call = getattr(self.cycle, "charon_call", None)
             if call is not None:
                 self.direct.data_done(call)
@@ -199,11 +222,34 @@ if HttpToolsProtocol is not None:
 
         def on_headers_complete(self) -> None:
             self._disarm_head_timer()  # a request head arrived
+            self._unset_keepalive_if_required()  # ... so the connection is not idle
             super().on_headers_complete()
+            if len(self.pipeline) > self.max_pipeline:
+                self._pipeline_full()
+
+        def _pipeline_full(self) -> None:
+            """One request more than ``max_pipeline`` waits: it is dropped, the last one kept closes the
+            connection with its answer, and nothing more is read."""
+            self.pipeline.popleft()  # the newest (uvicorn queues at the left)
+            self.pipeline[0][0].keep_alive = False
+            if not self._overflow:
+                self._overflow = True
+                self.flow.pause_reading()
+                self.logger.warning("More than %d pipelined requests on one connection: the rest dropped.",
+                                    self.max_pipeline)
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._guard_response_complete()
+            self._completions += 1
+            if self._completing:  # answered at once while the loop below started it: the loop goes on
+                return
+            self._completing = True
+            try:
+                while self._completions:
+                    self._completions -= 1
+                    super().on_response_complete()  # the next pipelined request starts (or keep-alive waits)
+                    self._guard_response_complete()
+            finally:
+                self._completing = False
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._head_gone()
@@ -216,7 +262,7 @@ def uvicorn_config(app: Any, host: str, port: int, cfg: GatewayConfig, log_level
     when it is installed, else h11's). ``own_logging``: the process set its logging up
     (:func:`charon.server.logs.setup_logging`): uvicorn leaves it alone."""
     limits: dict[str, Any] = {"header_timeout": cfg.header_timeout, "max_connections": cfg.max_connections,
-              "max_header_bytes": cfg.max_header_bytes}
+              "max_header_bytes": cfg.max_header_bytes, "max_pipeline": max(1, cfg.max_pipeline)}
     base = GuardedH11 if HttpToolsProtocol is None else GuardedHttpTools
     if base is not GuardedH11 and isinstance(app, InvokeLane) and app.direct is not None:
         limits["direct"] = app.direct

@@ -10,9 +10,12 @@ checks, in the same order, with the same typed answers:
 - :class:`DirectInvoke`, used by the HTTP protocol (:class:`~charon.server.http.GuardedHttpTools`): a plain
   HTTP/1.1 ``POST`` without a query string whose checks run on the loop (the in-process node's local log, or no
   log) is answered from the protocol's callbacks: no task, no ASGI messages, one write per answer; the sync
-  wait's timeout (202 after ``wait_timeout``) is one timer for all calls.
+  wait's timeout (202 after ``wait_timeout``) is one timer for all calls. Pipelined requests are taken in
+  turn (the protocol starts the next one from a loop when an answer completes: some are answered at once), and
+  a body still incoming has its ``body_timeout`` (408) from the read that left it incomplete or, for a request
+  taken from the pipeline, from its taking, as the route's own body timer starts with its task.
 - :class:`InvokeLane`, in front of the ASGI app: any other invoke (a query string, msgpack, a networked log, the
-  h11 protocol, a pipelined request...) goes to the same guarded handler the router would call, with the same
+  h11 protocol, ``Expect: 100-continue``...) goes to the same guarded handler the router would call, with the same
   starlette ``Request``; everything else goes to the app unchanged.
 """
 
@@ -308,7 +311,13 @@ class DirectInvoke:
 
     def _write(self, call: _Call, status: int, headers: list[tuple[bytes, bytes]], data: bytes,
                close: bool = False) -> None:
-        """The whole answer in one write, then the connection goes on as uvicorn's cycle would have it."""
+        """The whole answer in one write, then the connection goes on as uvicorn's cycle would have it.
+
+        This sets the state uvicorn's ``RequestResponseCycle.send`` would (``response_started``,
+        ``response_complete``, ``message_event``, ``keep_alive``) and calls its ``on_response``: attributes that
+        are not a documented uvicorn API (issue 35). The protocol subclass (:mod:`charon.server.http`) relies on
+        uvicorn's internals in the same way (its ``pipeline``, ``cycle``, keep-alive timer); only a protocol of
+        Charon's own over httptools would end both."""
         if call.answered:
             return
         call.answered = True
