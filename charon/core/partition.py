@@ -1102,7 +1102,7 @@ class PartitionUnit(Generic[S]):
                 except StopIteration as stop:
                     self.current = None
                     if self.doomed is not None:  # judged past its budget: the slow path runs it (and is judged)
-                        return self._undoom()
+                        return self._undoom(frame)
                     if ctx._calls != c.calls:
                         return False
                     if f.kind == ASYNC:  # its return value goes nowhere (see _run)
@@ -1117,22 +1117,24 @@ class PartitionUnit(Generic[S]):
                     continue
                 self.current = None
                 coro.close()
-                return self._undoom() if self.doomed is not None else False
+                return self._undoom(frame) if self.doomed is not None else False
             except Exception:  # noqa: BLE001 - raising in the fast path sends it to the slow path
                 self.current = None
-                return self._undoom() if self.doomed is not None else False
+                return self._undoom(frame) if self.doomed is not None else False
             except Interrupt:  # past its budget: the slow path runs it again (and fails it the same way)
                 self.current = None
-                return self._undoom()
+                return self._undoom(frame) if self.doomed is not None else False
             finally:
                 self.current = None
         return True
 
-    def _undoom(self) -> bool:
-        """A fast-path step judged past its budget: no verdict here (the slow path runs it again and is judged
-        there); an interrupt not raised yet is dropped. False: the transaction takes the slow path."""
-        self.doomed = None
-        disarm()
+    def _undoom(self, frame: Frame) -> bool:
+        """A fast-path step judged past its budget: its verdict is effective from here (recorded, see
+        :meth:`_judged`), as where the slow path is judged. False: the transaction leaves the fast path."""
+        try:
+            self._judged(frame)
+        except Interrupt:  # pending at _judged's first instruction: none is left now
+            self._judged(frame)
         return False
 
     # -- end of epoch -----------------------------------------------------------------------------

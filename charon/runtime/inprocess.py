@@ -282,7 +282,8 @@ class InProcessRuntime(EngineBacked):
         seconds; ``exit_when_stuck`` (durable mode, ``charon run``): seconds past that budget after which a
         function blocked where it cannot be interrupted is quarantined and the process exits for its
         supervisor (None: it is reported, never exited); ``transaction_timeout``: seconds a transaction's function
-        code may run in one epoch in all (default ``function_timeout``; at least the running step's own budget).
+        code may run in one epoch in all (default twice ``function_timeout``; at least the running step's own
+        budget).
         See :mod:`charon.runtime.watchdog`.
         ``determinism_check``: run every function step twice and abort its transaction with
         ``NonDeterministicFunction`` when the two runs' effects differ (:mod:`charon.core.determinism`).

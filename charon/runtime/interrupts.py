@@ -27,6 +27,7 @@ the interrupt to the next sample (the function is still reported stuck, and give
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 import sys
@@ -83,6 +84,7 @@ def clear_pending() -> None:
 
 
 # -- which code is the application's --------------------------------------------------------------------------------
+@functools.cache
 def _library_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {os.path.dirname(os.path.abspath(charon.__file__))}

@@ -55,6 +55,7 @@ class VerdictBook:
         self.letters: deque[DeadLetter] = deque(maxlen=KEPT_IN_MEMORY)
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {}  # by error type, for metrics
+        self._reserved: dict[str, DeadLetter] = {}  # durable, not effective yet (see reserve)
         if self.path is not None and os.path.exists(self.path):
             self._load()
 
@@ -73,18 +74,53 @@ class VerdictBook:
         self.letters.append(d)
         self.counts[d.error_type] = self.counts.get(d.error_type, 0) + 1
 
+    def _write(self, letter: DeadLetter) -> None:
+        if self.path is not None:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, _enc.encode(letter) + b"\n")
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
     def record(self, letter: DeadLetter) -> None:
         """Make the verdict durable (fsynced before this returns, in durable mode), then effective."""
         with self._lock:
-            if self.path is not None:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                try:
-                    os.write(fd, _enc.encode(letter) + b"\n")
-                    if self.fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
+            self._write(letter)
             self._keep(letter)
+
+    def reserve(self, letter: DeadLetter) -> bool:
+        """From the watchdog's thread, before it interrupts a step: make the verdict durable, not yet effective
+        (the engine makes it effective in its own thread with :meth:`settle`, where the step ends; a recovery
+        loads it with the rest, so a crash in between replays the transaction refused). False if the request
+        already has a verdict or a reserved one."""
+        with self._lock:
+            if letter.request_id in self.verdicts or letter.request_id in self._reserved:
+                return False
+            self._write(letter)
+            self._reserved[letter.request_id] = letter
+            return True
+
+    def settle(self, letter: DeadLetter) -> Verdict:
+        """In the engine thread, where a judged step ended: the request's verdict, effective from now on: the one
+        it has, else the one reserved for it (waiting for a reservation being written), else ``letter``, recorded."""
+        with self._lock:
+            rid = letter.request_id
+            have = self.verdicts.get(rid)
+            if have is not None:
+                return have
+            reserved = self._reserved.pop(rid, None)
+            if reserved is None:
+                self._write(letter)
+                reserved = letter
+            self._keep(reserved)
+            return self.verdicts[rid]
+
+    def reserved(self, request_id: str) -> bool:
+        """Whether the request has a verdict, effective or reserved."""
+        with self._lock:
+            return request_id in self.verdicts or request_id in self._reserved
 
     def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
         """The newest dead letters first, as plain dicts."""

@@ -8,12 +8,12 @@ Design (Python cannot stop ``while True: pass`` in a coroutine from the thread r
   attribute stores per step, the only cost on the hot path besides one ``doomed`` check).
 * This thread samples every ``interval`` seconds. A step (a function running from one ``await`` to the next) seen
   running for longer than its budget (``@op.function(timeout=...)``, else ``function_timeout``), or a transaction
-  whose steps together ran longer than ``transaction_timeout`` (default: ``function_timeout``; at least the step's
-  own budget), is **judged**: ``unit.doomed = frame``, set only while the step is ``unit.current`` (one indivisible
-  look). From then on the transaction's outcome is the verdict, whatever the step does next: the unit, in the
-  engine thread, records the verdict (:meth:`Watchdog.timed_out`, fsynced in durable mode) *before* the step's
-  outcome counts, and fails the transaction with it (:meth:`PartitionUnit._judged`), also when the function
-  caught the interrupt and returned normally.
+  whose steps together ran longer than ``transaction_timeout`` (default: twice ``function_timeout``; at least
+  the step's own budget), is **judged**: ``unit.doomed = frame``, set only while the step is ``unit.current``
+  (one indivisible look). From then on the transaction's outcome is the verdict, whatever the step does next:
+  the unit, in the engine thread, records the verdict (:meth:`Watchdog.timed_out`, fsynced in durable mode)
+  *before* the step's outcome counts, and fails the transaction with it (:meth:`PartitionUnit._judged`), also
+  when the function caught the interrupt and returned normally.
 * The interrupt (:class:`~charon.core.partition.Interrupt`, a ``BaseException``) only ends the step early. It is
   raised only where it lands in user code (:func:`charon.runtime.interrupts.deliver`: the engine thread's frames,
   from the top one down to the engine's step driver, are all the application's), never in the engine or a library
@@ -46,8 +46,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from charon.core import partition as _partition
+from charon.core.context import raised_in
 from charon.core.epoch import EpochCoordinator, Verdict
-from charon.core.partition import Interrupt, PartitionUnit, timeout_message
+from charon.core.partition import ROOT, Interrupt, PartitionUnit, timeout_message
 from charon.errors import InvocationTimeout
 from charon.operator import Application
 from charon.runtime.interrupts import (
@@ -74,8 +75,9 @@ _partition.on_disarm(clear_pending)
 
 def total_message(frame: Any, budget: float) -> str:
     """The error of a transaction whose steps together ran past its total budget (recorded as a verdict)."""
-    return (f"{frame.op}.{frame.fn} on key {frame.key!r}: the transaction ran past its total time budget "
-            f"({budget:g} s of function code in one epoch)")
+    msg = (f"{frame.op}.{frame.fn} on key {frame.key!r}: its transaction ran past its total time budget "
+           f"({budget:g} s of function code in one epoch)")
+    return raised_in(msg, frame.op, frame.key, frame.fn) if frame.kind != ROOT else msg
 
 
 class Watchdog:
@@ -101,7 +103,7 @@ class Watchdog:
         self.engine = engine
         self.book = book
         self.timeout = timeout
-        self.transaction_timeout = transaction_timeout if transaction_timeout is not None else timeout
+        self.transaction_timeout = transaction_timeout if transaction_timeout is not None else 2 * timeout
         self.interval = interval
         self.exit_after = exit_after
         self.freeze = freeze
@@ -124,6 +126,8 @@ class Watchdog:
 
     def start(self) -> None:
         if self._thread is None:
+            for u in self.units()[:1]:
+                self._learn_app(u)  # classifying code costs a few ms once: not at the first overrun
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="charon-watchdog", daemon=True)
             self._thread.start()
@@ -181,7 +185,9 @@ class Watchdog:
             self._epoch = epoch
             self._totals.clear()
         tid = frame.tid
-        total = self._totals[tid] = self._totals.get(tid, 0.0) + (min(now - last, 2 * self.interval) if last else 0.0)
+        ran_before = seen is not None and seen[0].tid == tid  # its transaction ran at the last sample too
+        total = self._totals[tid] = self._totals.get(tid, 0.0) + (min(now - last, 2 * self.interval)
+                                                                   if ran_before and last else 0.0)
         if seen is None or seen[0] is not frame or seen[1] != frame.nsusp:
             seen = (frame, frame.nsusp, now)
             self._stuck = None
@@ -288,7 +294,7 @@ def task_budget(units: list[PartitionUnit], timeout: float | None, interval: flo
         return
     reasons: dict[int, str] = {}
     totals: dict[int, float] = {}
-    tlimit = transaction_timeout if transaction_timeout is not None else timeout
+    tlimit = transaction_timeout if transaction_timeout is not None else 2 * timeout
 
     def timed_out(frame: Any) -> BaseException:
         return InvocationTimeout(reasons.pop(frame.tid, "") or timeout_message(frame))
@@ -308,7 +314,9 @@ def task_budget(units: list[PartitionUnit], timeout: float | None, interval: flo
             seen[0] = None
             return
         now = time.monotonic()
-        total = totals[f.tid] = totals.get(f.tid, 0.0) + (min(now - seen[3], 2 * interval) if seen[3] else 0.0)
+        ran_before = seen[0] is not None and seen[0].tid == f.tid
+        total = totals[f.tid] = totals.get(f.tid, 0.0) + (min(now - seen[3], 2 * interval)
+                                                          if ran_before and seen[3] else 0.0)
         seen[3] = now
         if seen[0] is not f or seen[1] != f.nsusp:
             seen[0], seen[1], seen[2] = f, f.nsusp, now
