@@ -51,8 +51,9 @@ from charon.core.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUni
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import check_stream, entity_prefix, partition_of, store_key
 from charon.core.timers import MAX_TIMERS_PER_EPOCH, Timer
+from charon.errors import ReservedRequestId
 from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
-from charon.messages import Reply, Request
+from charon.messages import Reply, Request, is_reserved_id
 from charon.operator import Application, Operator, batch_request
 from charon.runtime.contract import EngineStopped, Enqueue
 from charon.runtime.controls import EngineBacked
@@ -1015,6 +1016,8 @@ class InProcessRuntime(EngineBacked):
         arglist = list(args)
         self.app.validate(op, fn, arglist, key=key)
         serde.check_value(arglist)
+        if request_id is not None and is_reserved_id(request_id):  # the engine's own (timers, continuations...)
+            raise ReservedRequestId(f"request id {request_id!r} is reserved for the engine's own transactions")
         return raise_for_reply(await self.submit(op, key, fn, arglist, request_id=request_id))
 
     async def _loop(self) -> None:
