@@ -14,9 +14,14 @@ An effect is a portal to the outside world (the shape of :mod:`charon.runtime.de
   after each attempt, so a crash between an attempt and its record means one more attempt (never one fewer).
 * The handler's value (or, after the last attempt, the failure) is recorded, then the continuation
   ``op/key.then(result, *carry)`` is submitted under the request id ``<effect id>.done``: the engine's request-id
-  dedup makes it run **exactly once** however often a crashed executor submits it again.
+  dedup makes it run **exactly once** however often a crashed executor submits it again. Those ids are reserved
+  (:data:`charon.messages.RESERVED_ID_PREFIXES`: the gateway and the clients refuse them from anyone else, so no
+  client's request can take a continuation's place); a worker process submits through the gateway's route of its
+  own (``POST /effects/continue/...``, :meth:`charon.client.AsyncClient.continue_effect`).
   ``result`` is ``{"ok": True, "value": v}`` or ``{"ok": False, "error_type": t, "error": message,
-  "attempts": n}``.
+  "attempts": n}``. A value above ``MAX_VALUE_BYTES`` is a ``ValueTooLarge`` failure (final); a continuation the
+  resume path refuses before the log (:class:`ContinuationRefused`) is submitted again with a
+  ``ContinuationRefused`` failure in place of the value; refused even so, the effect is parked for an operator.
 
 Several executors (``charon effects`` worker processes) split the effects by ``crc32(id) % workers``: each
 effect belongs to one worker, so no effect runs concurrently twice (all workers must be given the same count: to
