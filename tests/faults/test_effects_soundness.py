@@ -134,4 +134,13 @@ def test_r11_any_handler_value_reaches_the_continuation(node: tuple[str, Path]) 
     assert (s["ok"], s["error_type"], s["runs"]) == (False, "ValueTooLarge", 1), s
     rows = {e["id"]: e for e in _effects(data)}
     assert (rows[eid]["status"], rows[eid]["outcome"], rows[eid]["continuation_error"]) == ("done", "ok", "")
+    # the larger body limit is that route's alone, and bounded (2 x the value limit + 1 MiB)
+    big = b'{"args": ["' + b"y" * 2_000_000 + b'"]}'
+    r = httpx.post(url + "/invoke/orders/zz/peek", content=big, headers={"Content-Type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 413, r.text
+    huge = b'{"args": ["' + b"y" * (2 * VALUE_LIMIT + (1 << 20)) + b'"]}'
+    r = httpx.post(url + "/effects/continue/orders/zz/on_big", content=huge, timeout=60,
+                   headers={"Content-Type": "application/json", "Idempotency-Key": "fx.fxsound.1.0.9.done"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "PayloadTooLarge", r.text
     assert (rows[eid_over]["status"], rows[eid_over]["outcome"]) == ("done", "failed"), rows[eid_over]
