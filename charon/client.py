@@ -52,10 +52,12 @@ from charon.errors import (
     PayloadTooLarge,
     RequestNotFound,
     RescaleBusy,
+    ReservedRequestId,
     SerializationError,
     Unauthorized,
     aborted,
 )
+from charon.messages import is_reserved_id
 
 __all__ = [
     "Client",
@@ -329,6 +331,9 @@ class _Base:
                 "timeout": self.timeout + wait}
 
     def _invoke_headers(self, request_id: str) -> dict[str, str]:
+        if is_reserved_id(request_id):  # the gateway refuses it too (400 ReservedRequestId): not sent at all
+            raise ReservedRequestId(f"request id {request_id!r} is reserved for the engine's own transactions (no "
+                                    "client request id starts with '__charon' or 'fx.')")
         return {**self.headers, "Content-Type": MSGPACK, "Idempotency-Key": request_id}
 
     @staticmethod
@@ -722,6 +727,21 @@ class AsyncClient(_Base):
             return _result(resp, rid)
         except _Pending:
             return await self.result_of(rid, None)
+
+    async def continue_effect(self, operator: str, key: str, function: str, args: Sequence[Any],
+                              request_id: str) -> Result:
+        """An effect worker's continuation (``charon effects work --url``): ``operator/key.function(*args)`` under the
+        effect's continuation id ``request_id`` (``fx.<app>.<tid>.<inv>.<n>.done``, which :meth:`invoke` refuses),
+        through the gateway's route of its own, ``POST /effects/continue/...`` (a body limit that carries any value a
+        handler may return). Answers and errors as :meth:`invoke_result`."""
+        check_key(key)
+        path = f"/effects/continue/{_segment(operator)}/{_segment(key)}/{_segment(function)}"
+        resp = await self._post(path, self._payload(args),
+                                {**self.headers, "Content-Type": MSGPACK, "Idempotency-Key": request_id})
+        try:
+            return _result(resp, request_id)
+        except _Pending:
+            return await self.result_of(request_id, None)
 
     async def invoke(self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None) -> Any:
         """Run one transaction and return the root function's value (see :meth:`Client.invoke`)."""

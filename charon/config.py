@@ -147,6 +147,9 @@ class GatewayConfig:
     """Limits and settings of the HTTP gateway (each also ``CHARON_GATEWAY_<FIELD>`` in the environment)."""
 
     max_body: int = 1 << 20  # largest request body in bytes (413 above)
+    # largest body of an effect worker's continuation (POST /effects/continue/..., that route only: it carries a
+    # handler's value and the effect's carry, each up to CHARON_MAX_VALUE_BYTES); 0: twice that limit plus 1 MiB
+    max_continuation_body: int = 0
     max_depth: int = 64  # deepest nesting of lists/maps in arguments (400 above)
     wait_timeout: float = 25.0  # a synchronous invoke still running after this answers 202 + status URL
     recent_replies: int = DURABLE_REPLY_RETENTION  # replies the gateway keeps for polling and retries (count) ...

@@ -13,7 +13,14 @@ from rich.table import Table
 
 from charon.clifail import fail as _fail
 from charon.cliparts import TokenOpt, UrlOpt, console, err_console, load_app, print_json
-from charon.errors import CharonError, EngineUnavailable, LogUnavailable
+from charon.errors import (
+    CharonError,
+    EngineUnavailable,
+    LogUnavailable,
+    RequestNotFound,
+    TransactionAborted,
+    Unauthorized,
+)
 from charon.exitcodes import ExitCode
 
 if TYPE_CHECKING:
@@ -52,9 +59,10 @@ def effects_work(
                                             help="Serve this worker's Prometheus metrics on 127.0.0.1:PORT/metrics."),
 ) -> None:
     """Run the effects of worker INDEX of WORKERS (by crc32 of the effect id): handlers here, continuations
-    submitted to the gateway at --url with the effect's Idempotency-Key."""
+    submitted to the gateway at --url (its route for effect workers, POST /effects/continue/..., under the effect's
+    reserved continuation id)."""
     from charon.log.streams import StreamLog
-    from charon.runtime.effects import EffectExecutor
+    from charon.runtime.effects import ContinuationRefused, EffectExecutor
 
     application = load_app(target)
     if index >= workers:
@@ -69,16 +77,19 @@ def effects_work(
 
         async with AsyncClient(url, token=token, timeout=60.0, retries=2) as client:
             async def resume(op: str, key: str, fn: str, args: list[object], rid: str) -> tuple[bool, str]:
+                # the gateway's route for effect workers (POST /effects/continue/...), not the clients' /invoke
                 try:
-                    await client.invoke_result(op, key, fn, *args, request_id=rid)
-                except (EngineUnavailable, LogUnavailable):
-                    raise  # the engine is away: the executor submits the same id again later
+                    await client.continue_effect(op, key, fn, args, rid)
+                except TransactionAborted as exc:  # the continuation ran and aborted: its answer
+                    return False, f"{exc.error_type}: {exc.message}"
+                except (EngineUnavailable, LogUnavailable, Unauthorized, RequestNotFound):
+                    raise  # the engine is away, or this worker may not resume (yet): the same id again later
                 except GatewayError as exc:
-                    if exc.status >= 500 or exc.status == 429:
+                    if exc.status >= 500 or exc.status in (403, 404, 408, 429):
                         raise
-                    return False, str(exc)
-                except CharonError as exc:  # the continuation aborted, or was refused for good
-                    return False, f"{getattr(exc, 'error_type', type(exc).__name__)}: {exc}"
+                    raise ContinuationRefused(str(exc)) from None
+                except CharonError as exc:  # refused before the log (413, 422...): resumed with a failure instead
+                    raise ContinuationRefused(f"{getattr(exc, 'error_type', type(exc).__name__)}: {exc}") from None
                 return True, ""
 
             ex = EffectExecutor(application, StreamLog(path, durable=False), resume, index=index, workers=workers,

@@ -209,6 +209,11 @@ class BadRequest(CharonError, ValueError):
     cursor that is not valid)."""
 
 
+class ReservedRequestId(BadRequest):
+    """The request id (``Idempotency-Key``, ``request_id``, ``batch_id``) is one the engine mints for its own
+    transactions (``__charon...``, ``fx....``: :data:`charon.messages.RESERVED_ID_PREFIXES`); no client may use it."""
+
+
 class RequestNotFound(CharonError, LookupError):
     """Neither the gateway nor the runtime knows this request id (or the inspector no longer retains it)."""
 
@@ -315,6 +320,7 @@ ERRORS: dict[str, type[CharonError]] = {
     "PayloadTooLarge": PayloadTooLarge,
     "Unauthorized": Unauthorized,
     "BadRequest": BadRequest,
+    "ReservedRequestId": ReservedRequestId,
     "NotFound": RequestNotFound,
     "NotSupported": NotSupported,
     "EpochNotRetained": EpochNotRetained,

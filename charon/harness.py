@@ -11,6 +11,14 @@ engine partitions are rescaled at epoch boundaries (the state moves to other par
 Every simulated Python worker has its own copy of the application's module (its own module-level memory, new
 after the worker restarts), as Spark's workers are separate processes.
 
+The application's effect handlers (``ctx.effect``) run too, as an effect worker would run them outside the
+engine: each effect request of a recorded epoch is taken once; its handler (the application's own, as imported:
+point it at a test double) is attempted up to the request's ``attempts`` under seeded handler faults (an attempt
+fails before the call, or its reply is lost or times out after the handler ran: at least once), a value above
+the value limit is a ``ValueTooLarge`` failure, and the continuation ``then(result, *carry)`` is submitted under
+its reserved request id in a later epoch, sometimes several times (a worker that crashed before recording it).
+Every continuation must have exactly one outcome, however often it was delivered.
+
 After every recorded epoch the invariants are checked on the committed state, then the epoch is compared with
 a serial execution in (epoch, position) order (:func:`charon.testing.check_epoch`). A failure raises
 :class:`HarnessFailure` whose message ends with one line that reproduces it; the same seed gives the same run.
@@ -49,8 +57,8 @@ from charon.state.durable import DurableState
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
 
-__all__ = ["Faults", "HarnessFailure", "HintsWorkload", "Invocation", "Report", "Snapshot", "app_ref_of",
-           "from_hints", "invocations", "run_app"]
+__all__ = ["EffectFaults", "Faults", "HarnessFailure", "HintsWorkload", "Invocation", "Report", "Snapshot",
+           "app_ref_of", "from_hints", "invocations", "run_app"]
 
 #: Default number of invocations a run takes from its workload.
 STEPS = 50
@@ -141,6 +149,10 @@ class Report:
     faults: str
     fingerprint: str
     isolated: bool  # each simulated worker had its own copy of the application's module
+    effects: int = 0  # effect requests taken in (each continued exactly once)
+    effect_attempts: int = 0  # handler attempts (the handler ran in all but the faults before the call)
+    effect_failures: int = 0  # attempts that failed (injected, or the handler raised)
+    continuation_duplicates: int = 0  # continuations delivered again under the same request id
 
 
 Invariant = Callable[[Snapshot], object]
@@ -320,6 +332,129 @@ def _plan(invs: list[Invocation], rng: random.Random, initial: Mapping[tuple[str
                  rng.choice([1, 2, 4]), rng.random() < 0.5, retries, dict(initial))
 
 
+# -- effects: the handlers run as an effect worker would, under seeded faults ------------------------------------
+@dataclass(frozen=True)
+class EffectFaults:
+    """Per-seed rates of effect handler faults (per attempt) and continuation deliveries."""
+
+    fail: float  # the attempt fails before the handler is called (the service was not reached)
+    lost: float  # the handler ran, its reply is lost (the worker retries: at least once)
+    timeout: float  # the handler ran, too slowly: the attempt is a Timeout (retried)
+    duplicate: float  # the continuation is delivered again (same request id) in a later epoch
+    max_delay: int  # the continuation arrives up to this many epochs after the next one
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> EffectFaults:
+        if rng.random() < 0.2:
+            return cls(0.0, 0.0, 0.0, 0.0, 0)
+        p = lambda hi: rng.choice([0.0, hi / 3, hi])  # noqa: E731
+        return cls(p(0.3), p(0.2), p(0.15), p(0.5), rng.randint(0, 3))
+
+
+def _call_handler(handler: Callable[..., Any], eid: str, args: list[Any], timeout: float) -> Any:
+    """The handler's value, called as the executor calls it (an async one on an event loop of its own, in a thread:
+    the caller may be inside a running loop)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run() -> Any:
+        value = handler(eid, *args)
+        if inspect.isawaitable(value):
+            async def bounded() -> Any:
+                return await asyncio.wait_for(value, timeout)
+            value = asyncio.run(bounded())
+        return value
+
+    with ThreadPoolExecutor(1, thread_name_prefix="charon-harness-effect") as pool:
+        return pool.submit(run).result()
+
+
+class _Effects:
+    """The harness's effect worker: takes each recorded effect request once, runs its handler under
+    :class:`EffectFaults`, and schedules its continuation (and duplicates) into later epochs of the plan."""
+
+    def __init__(self, app: Application, plan: _Plan, seed: int) -> None:
+        self.app, self.plan = app, plan
+        self.rng = random.Random(f"charon-harness-effects-{seed}")  # apart from the plan's: old seeds unchanged
+        self.faults = EffectFaults.draw(self.rng)
+        self.appended = -1  # the last plan epoch appended to the input log
+        self.taken: set[str] = set()
+        self.attempts = self.failures = self.duplicates = 0
+
+    def take(self, e: int, res: EpochResult, trace: Callable[[str], None]) -> None:
+        from charon.core.context import CONTINUATION_SUFFIX, EFFECT_STREAM, MAX_VALUE_BYTES, too_large
+        from charon.runtime.effects import _well_formed
+
+        for _, stream, value in res.events:
+            if stream != EFFECT_STREAM:
+                continue
+            doc = serde.decode(value)
+            if not _well_formed(doc):
+                raise Violation(f"epoch {e}: a malformed effect request {doc!r}")
+            eid = doc["id"]
+            if eid in self.taken:
+                raise Violation(f"epoch {e}: effect {eid} requested twice (its id must be unique)")
+            self.taken.add(eid)
+            result = self.run(eid, doc, MAX_VALUE_BYTES, too_large)
+            trace(f"effect {eid} ({doc['handler']}): {result['ok']} after {result.get('attempts', '?')} attempts")
+            req = Request(eid + CONTINUATION_SUFFIX, doc["op"], doc["key"], doc["then"],
+                          serde.encode([result, *doc["carry"]]))
+            at = self.appended + 1 + self.rng.randint(0, self.faults.max_delay)
+            self.deliver(req, at, fresh=True)
+            while self.rng.random() < self.faults.duplicate:  # a worker resubmits after losing its record
+                self.duplicates += 1
+                self.deliver(req, at + self.rng.randint(0, 3), fresh=False)
+
+    def run(self, eid: str, doc: dict[str, Any], limit: int, too_large: Callable[[str, int], Exception],
+            ) -> dict[str, Any]:
+        handler = self.app.effects.get(doc["handler"])
+        f = self.faults
+        kind, error = "LookupError", f"no effect handler {doc['handler']!r}"
+        for attempt in range(1, doc["attempts"] + 1):
+            self.attempts += 1
+            draw = self.rng.random()
+            try:
+                if handler is None:
+                    raise LookupError(error)
+                if draw < f.fail:
+                    raise ConnectionError("injected: the service was not reached")
+                value = _call_handler(handler, eid, doc["args"], doc["timeout"])
+                if draw < f.fail + f.lost:
+                    raise ConnectionError("injected: the handler's reply was lost")
+                if draw < f.fail + f.lost + f.timeout:
+                    raise TimeoutError("injected: the attempt timed out")
+                size = len(serde.encode_value(value))
+            except Exception as exc:  # noqa: BLE001 - an attempt's failure, as the executor counts it
+                self.failures += 1
+                kind = "Timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
+                error = str(exc) or kind
+                continue
+            if size > limit:
+                return {"ok": False, "error_type": "ValueTooLarge", "attempts": attempt,
+                        "error": str(too_large("the effect handler's value", size))}
+            return {"ok": True, "value": value}
+        return {"ok": False, "error_type": kind, "error": error, "attempts": doc["attempts"]}
+
+    def deliver(self, req: Request, at: int, fresh: bool) -> None:
+        """Put ``req`` into plan epoch ``at``, or, where the plan has no such epoch left, into one new epoch: before
+        the final tick while it is not appended (continuations arrive before the timers' horizon), else at the end
+        (every epoch of the plan holds requests: an empty one would end the run)."""
+        epochs = self.plan.epochs
+        final = len(epochs) - 1
+        if self.appended < final and at >= final:
+            epochs.insert(final, [])
+            self.plan.fresh.insert(final, set())
+            at = final
+        elif at >= len(epochs):
+            epochs.append([])
+            self.plan.fresh.append(set())
+            at = len(epochs) - 1
+        ts = epochs[at][0].ts if epochs[at] else epochs[at - 1][0].ts + 0.5
+        epochs[at].append(Request(req.request_id, req.operator, req.key, req.function, req.args, ts=ts))
+        if fresh:
+            self.plan.fresh[at].add(req.request_id)
+
+
 # -- per-worker copies of the application module --------------------------------------------------------------
 _copies = itertools.count()
 
@@ -361,10 +496,12 @@ class _AppSimulation(Simulation):
     """The simulator running a user's application, its plan and invariants."""
 
     def __init__(self, seed: int, root: str, app_ref: str, plan: _Plan, invariants: Sequence[Invariant],
-                 log_growth: bool, faults: Faults | None, engine_rescale: bool = False) -> None:
+                 log_growth: bool, faults: Faults | None, engine_rescale: bool = False,
+                 effects: _Effects | None = None) -> None:
         super().__init__(seed, root, workload=plan, faults=faults, log_growth=log_growth,
                          engine_rescale=engine_rescale)
         self.plan = plan
+        self.effects = effects
         self.invariants = list(invariants)
         self.copies: list[str] = []
         self.app_ref = app_ref
@@ -414,7 +551,14 @@ class _AppSimulation(Simulation):
         return self.rng.sample(entities, min(3, len(entities)))
 
     def append_epoch(self, rt: SparkRuntime, index: int) -> tuple[SparkRuntime, list[str]]:
+        epoch = self.plan.epochs[index]
+        if not any(r.request_id in self.plan.fresh[index] for r in epoch) and not any(
+                r.operator == TICK for r in epoch):  # only resends, which the input log already holds: a tick,
+            # else the log would not grow, no batch would run and the run would end before the plan does
+            epoch.append(Request(f"{TICK}r{index}", TICK, "", "", serde.encode([]), ts=epoch[0].ts))
         rt, ids = super().append_epoch(rt, index)
+        if self.effects is not None:
+            self.effects.appended = index
         return rt, [i for i in dict.fromkeys(ids) if i in self.plan.fresh[index]]  # a resend is no new request
 
     def committed(self, e: int, after: dict[bytes, bytes], res: EpochResult) -> None:
@@ -432,6 +576,8 @@ class _AppSimulation(Simulation):
                 raise Violation(f"epoch {e}: invariant {name} broken" + (f": {why}" if why else "")) from None
             if ok is False:
                 raise Violation(f"epoch {e}: invariant {name} broken")
+        if self.effects is not None:  # the epoch's effect requests: run, their continuations scheduled
+            self.effects.take(e, res, self.trace)
 
     def verify_recorded(self) -> None:
         """As the simulator's, naming the request behind a transaction the oracle disagrees with."""
@@ -444,8 +590,9 @@ class _AppSimulation(Simulation):
             if req is None:
                 raise
             inv = self.plan.invocations.get(req.request_id)
+            kind = "an effect's continuation" if req.request_id.startswith("fx.") else "a timer"
             what = (f"{inv.operator}.{inv.function} on {inv.key!r} with {list(inv.args)!r}" if inv is not None
-                    else f"{req.operator}.{req.function} on {req.key!r} (a timer)")
+                    else f"{req.operator}.{req.function} on {req.key!r} ({kind})")
             raise Violation(f"{exc} -- request {req.request_id}: {what}; the engine's outcome differs from a serial "
                             "execution: does a function read the clock, random numbers, process memory or I/O "
                             "(use ctx.now(), ctx.random(), the entity's state)?") from None
@@ -488,11 +635,23 @@ def run_app(app: Application | str, workload: WorkloadSource | None = None, inva
     root = tempfile.mkdtemp(prefix=f"charon-harness-{seed}-", dir=base)
     grow = rng.random() < 0.5
     move = rng.random() < 0.6
+    effects = _Effects(app, plan, seed) if app.effects else None  # the handlers as imported (test doubles)
     sim = _AppSimulation(seed, root, ref, plan, invariants, grow if rescale is None else rescale, faults,
-                         move if partition_rescale is None else partition_rescale)
+                         move if partition_rescale is None else partition_rescale, effects)
     sim.trace_on = trace
     try:
         stats = sim.run()
+        if effects is not None:  # every effect taken in was continued, exactly once, however often delivered
+            ran: dict[str, int] = {}
+            for e in range(stats["epochs"]):
+                res = sim.results[e]
+                for tid in res.order:
+                    rid = res.requests[tid].request_id
+                    ran[rid] = ran.get(rid, 0) + 1
+            for eid in sorted(effects.taken):
+                n = ran.get(eid + ".done", 0)
+                if n != 1:
+                    raise Violation(f"effect {eid}: its continuation ran {n} times (exactly once expected)")
     except (Violation, SimCrash) as exc:
         raise HarnessFailure(seed, str(exc), line) from None
     except Exception as exc:  # noqa: BLE001 - an engine error under these faults is a failure of the seed too
@@ -509,5 +668,7 @@ def run_app(app: Application | str, workload: WorkloadSource | None = None, inva
     for rid in sorted(sim.delivered):
         digest.update(repr(sim.delivered[rid]).encode() + b"\n")
     return Report(seed, stats["epochs"], stats["requests"], plan.retries, stats["crashes"], stats["rounds"],
-                  stats["fired"], stats["log_resizes"], stats["engine_rescales"], repr(sim.faults),
-                  digest.hexdigest(), sim.isolated)
+                  stats["fired"], stats["log_resizes"], stats["engine_rescales"],
+                  repr(sim.faults) + ("" if effects is None else f", {effects.faults!r}"), digest.hexdigest(),
+                  sim.isolated, *(() if effects is None else (len(effects.taken), effects.attempts, effects.failures,
+                                                              effects.duplicates)))

@@ -33,3 +33,16 @@ class Reply(msgspec.Struct, frozen=True, gc=False):
     error_type: str = ""
     error_message: str = ""
     position: int | None = None
+
+
+#: Prefixes of the request ids the engine mints for its own transactions: ``__charon`` (timers' firings, portal
+#: requests and replies, stream wires, admin updates, Spark's epoch ticks), ``fx.`` (effect continuations,
+#: ``fx.<app>.<tid>.<inv>.<n>.done``) and NUL. No client may send one (the gateway answers 400
+#: ``ReservedRequestId`` on every route taking an ``Idempotency-Key``, the Python clients raise it before sending):
+#: a client holding such an id first would make the engine's own transaction a duplicate that never runs.
+RESERVED_ID_PREFIXES = ("__charon", "fx.", "\x00")
+
+
+def is_reserved_id(request_id: str) -> bool:
+    """Whether ``request_id`` is one only the engine may use (see :data:`RESERVED_ID_PREFIXES`)."""
+    return request_id.startswith(RESERVED_ID_PREFIXES)

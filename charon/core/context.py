@@ -66,11 +66,19 @@ RESERVED_STREAM_PREFIX = "charon."  # streams only the engine appends to (ctx.em
 PORTAL_STREAM = "charon.portal.requests"  # the output stream ctx.ask appends requests to
 PORTAL_ID_PREFIX = "__charon.portal."  # request ids of portal requests (+ '.reply' for continuations)
 EFFECT_STREAM = "charon.effects"  # the output stream ctx.effect appends effect requests to
-#: effect ids (the handler's idempotency key; + '.done' is the continuation's request id). Not under the reserved
-#: ``__charon`` prefix: ``charon effects`` workers submit continuations through the gateway like any client.
+#: effect ids (the handler's idempotency key; + '.done' is the continuation's request id). Reserved like
+#: ``__charon`` (:data:`charon.messages.RESERVED_ID_PREFIXES`): no client may send one; ``charon effects work``
+#: workers submit continuations through the gateway's route of their own, ``POST /effects/continue/...``.
 EFFECT_ID_PREFIX = "fx."
+CONTINUATION_SUFFIX = ".done"  # + an effect id: its continuation's request id
 MAX_EFFECT_TIMEOUT_S = 3600.0  # one attempt's longest timeout
 MAX_EFFECT_ATTEMPTS = 1000
+
+
+def is_continuation_id(request_id: str) -> bool:
+    """Whether ``request_id`` has the form of an effect continuation's id (``fx.<app>.<tid>.<inv>.<n>.done``)."""
+    return request_id.startswith(EFFECT_ID_PREFIX) and request_id.endswith(CONTINUATION_SUFFIX) and \
+        len(request_id) > len(EFFECT_ID_PREFIX) + len(CONTINUATION_SUFFIX)
 
 
 def effect_request(app: Application, op: str, key: str, tid: int, inv: str, n: int, handler: object,

@@ -14,9 +14,14 @@ An effect is a portal to the outside world (the shape of :mod:`charon.runtime.de
   after each attempt, so a crash between an attempt and its record means one more attempt (never one fewer).
 * The handler's value (or, after the last attempt, the failure) is recorded, then the continuation
   ``op/key.then(result, *carry)`` is submitted under the request id ``<effect id>.done``: the engine's request-id
-  dedup makes it run **exactly once** however often a crashed executor submits it again.
+  dedup makes it run **exactly once** however often a crashed executor submits it again. Those ids are reserved
+  (:data:`charon.messages.RESERVED_ID_PREFIXES`: the gateway and the clients refuse them from anyone else, so no
+  client's request can take a continuation's place); a worker process submits through the gateway's route of its
+  own (``POST /effects/continue/...``, :meth:`charon.client.AsyncClient.continue_effect`).
   ``result`` is ``{"ok": True, "value": v}`` or ``{"ok": False, "error_type": t, "error": message,
-  "attempts": n}``.
+  "attempts": n}``. A value above ``MAX_VALUE_BYTES`` is a ``ValueTooLarge`` failure (final); a continuation the
+  resume path refuses before the log (:class:`ContinuationRefused`) is submitted again with a
+  ``ContinuationRefused`` failure in place of the value; refused even so, the effect is parked for an operator.
 
 Several executors (``charon effects`` worker processes) split the effects by ``crc32(id) % workers``: each
 effect belongs to one worker, so no effect runs concurrently twice (all workers must be given the same count: to
@@ -46,12 +51,12 @@ from typing import Any
 import msgspec
 
 from charon import serde
-from charon.core.context import EFFECT_STREAM
+from charon.core.context import CONTINUATION_SUFFIX, EFFECT_STREAM, MAX_VALUE_BYTES, too_large
 from charon.log.streams import StreamLog
 from charon.operator import Application
 
-__all__ = ["EFFECTS_FILE", "EffectExecutor", "EffectMetrics", "EffectRow", "EffectStore", "Resume",
-           "effect_partition"]
+__all__ = ["EFFECTS_FILE", "ContinuationRefused", "EffectExecutor", "EffectMetrics", "EffectRow", "EffectStore",
+           "Resume", "effect_partition"]
 
 EFFECTS_FILE = "effects.sqlite"
 #: ``resume(operator, key, function, args, request_id) -> (committed, error)``: submit a continuation once; raise
@@ -422,7 +427,7 @@ class EffectExecutor:
             if handler is None:
                 raise LookupError(f"no effect handler {doc['handler']!r} in this deployment's application")
             value = await self._call(handler, eid, doc["args"], doc["timeout"])
-            serde.encode_value(value)  # the continuation's argument must be a value
+            size = len(serde.encode_value(value))  # the continuation's argument must be a value ...
         except Exception as exc:  # noqa: BLE001 - any failure of the outside world is an attempt's failure
             self.metrics.observe(time.perf_counter() - t0)
             self.metrics.failures += 1
@@ -436,14 +441,31 @@ class EffectExecutor:
                 await asyncio.to_thread(self.store.retry_later, eid, error, time.time() + self._backoff(attempt))
             return
         self.metrics.observe(time.perf_counter() - t0)
+        if size > MAX_VALUE_BYTES:  # ... within the value limit (any resume path carries that): final, not retried
+            self.metrics.failures += 1
+            error = str(too_large("the effect handler's value", size))
+            result = {"ok": False, "error_type": "ValueTooLarge", "error": error, "attempts": attempt}
+            await asyncio.to_thread(self.store.resolved, eid, result, "failed", f"ValueTooLarge: {error}")
+            await self._resume(eid, doc, result)
+            return
         self.metrics.succeeded += 1
         await asyncio.to_thread(self.store.resolved, eid, {"ok": True, "value": value}, "ok")
-        await self._resume(eid, doc, {"ok": True, "value": value})
+        await self._resume(eid, doc, {"ok": True, "value": value}, attempt)
 
-    async def _resume(self, eid: str, doc: dict[str, Any], result: dict[str, Any]) -> None:
+    async def _resume(self, eid: str, doc: dict[str, Any], result: dict[str, Any], attempts: int = 0) -> None:
         try:
             committed, error = await self.resume(doc["op"], doc["key"], doc["then"], [result, *doc["carry"]],
-                                                 eid + ".done")
+                                                 eid + CONTINUATION_SUFFIX)
+        except ContinuationRefused as exc:  # refused before the log: the continuation must still run, once
+            if result.get("ok", False):  # with a failure in place of the value it could not carry
+                error = f"the continuation with the handler's value was refused: {exc}"
+                failure = {"ok": False, "error_type": "ContinuationRefused", "error": error, "attempts": attempts}
+                await asyncio.to_thread(self.store.resolved, eid, failure, "failed", f"ContinuationRefused: {error}")
+                await self._resume(eid, doc, failure, attempts)
+            else:  # even a failure is refused (e.g. a code update removed the continuation): for an operator
+                await asyncio.to_thread(self.store.resolved, eid, result, "failed",
+                                        f"continuation refused: {exc}", True)
+            return
         except Exception as exc:  # noqa: BLE001 - the engine is away: submit the same id again later
             await asyncio.to_thread(self.store.resume_later, eid, f"resume: {type(exc).__name__}: {exc}",
                                     time.time() + self.backoff_s)
@@ -451,11 +473,11 @@ class EffectExecutor:
         self.metrics.resumed += 1
         await asyncio.to_thread(self.store.done, eid, "" if committed else error)
 
-    async def _run(self, eid: str, status: str, raw: bytes, result: bytes | None) -> None:
+    async def _run(self, eid: str, status: str, raw: bytes, result: bytes | None, attempts: int = 0) -> None:
         try:
             doc = serde.decode(raw)
             if status == "resuming" and result is not None:
-                await self._resume(eid, doc, serde.decode(result))
+                await self._resume(eid, doc, serde.decode(result), attempts)
             else:
                 await self._attempt(eid, doc)
         except Exception as exc:  # noqa: BLE001 - the store failed: the effect stays where it was, retried
@@ -471,7 +493,7 @@ class EffectExecutor:
             return 0
         n = 0
         due = await asyncio.to_thread(self.store.due, self.index, self.workers, time.time(), room, set(self.inflight))
-        for eid, status, raw, _attempts, result in due:
+        for eid, status, raw, attempts, result in due:
             if eid in self.inflight:  # started meanwhile
                 continue
             size = len(raw) + (len(result) if result else 0)
@@ -479,7 +501,7 @@ class EffectExecutor:
                 break  # bounded in bytes (one effect always fits: it is within the value-size bound)
             self.inflight[eid] = size
             self.inflight_bytes += size
-            task = asyncio.ensure_future(self._run(eid, status, raw, result))
+            task = asyncio.ensure_future(self._run(eid, status, raw, result, attempts))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             n += 1
@@ -549,6 +571,12 @@ class EffectExecutor:
             if loop.time() > deadline:
                 raise TimeoutError(f"the effects did not settle: {self.store.counts()}")
             await asyncio.sleep(0.02)
+
+
+class ContinuationRefused(Exception):  # noqa: N818 - the name says what happened
+    """Raised by a :data:`Resume` when the continuation was refused before it reached the engine's log (e.g. a
+    gateway's 413 or 422): nothing ran, so the executor submits it again (same request id) with a failure result
+    (``error_type`` ``ContinuationRefused``) in place of the handler's value, never dropping it."""
 
 
 def engine_resume(submit: Callable[..., Awaitable[Any]]) -> Resume:

@@ -107,6 +107,7 @@ def _inprocess(spec: EngineSpec) -> Engine:
                               reply_retention=spec.reply_retention, log_url=spec.log_url,
                               reply_retention_bytes=retained, exit_when_stuck=spec.exit_when_stuck,
                               determinism_check=spec.determinism_check,
+                              effects=False,  # charon run --effects runs its executor itself (or workers do)
                               function_timeout=DEFAULT_TIMEOUT if spec.function_timeout is None else
                               spec.function_timeout)
     except (NodeError, DataDirOwned) as exc:

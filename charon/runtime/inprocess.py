@@ -47,13 +47,15 @@ from charon.client_errors import raise_for_reply
 from charon.config import DURABLE_REPLY_RETENTION, VOLATILE_REPLY_RETENTION
 from charon.core import determinism
 from charon.core import timers as _timers
+from charon.core.context import EFFECT_STREAM
 from charon.core.epoch import EpochCoordinator, EpochResult
 from charon.core.partition import MAX_INVOCATIONS, Control, Invoke, PartitionUnit, RoundOutput
 from charon.core.partition import Reply as ReplyMsg
 from charon.core.routing import check_stream, entity_prefix, partition_of, store_key
 from charon.core.timers import MAX_TIMERS_PER_EPOCH, Timer
+from charon.errors import ReservedRequestId
 from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
-from charon.messages import Reply, Request
+from charon.messages import Reply, Request, is_reserved_id
 from charon.operator import Application, Operator, batch_request
 from charon.runtime.contract import EngineStopped, Enqueue
 from charon.runtime.controls import EngineBacked
@@ -68,6 +70,7 @@ from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
     from charon.log.contract import InputLogLike
+    from charon.runtime.effects import EffectExecutor
     from charon.runtime.node import NodeStorage
 
 
@@ -263,6 +266,7 @@ class InProcessRuntime(EngineBacked):
         transaction_timeout: float | None = None,
         determinism_check: bool = False,
         inspector: InspectorSettings | None = None,
+        effects: bool | None = None,
     ) -> None:
         """``reply_retention``: replies kept in memory for retries (default 100,000; durable mode: 10,000, a
         cache in front of the output log, which keeps replies for ``CHARON_DEDUP_WINDOW_S``, default 7 days), and
@@ -287,7 +291,13 @@ class InProcessRuntime(EngineBacked):
         See :mod:`charon.runtime.watchdog`.
         ``determinism_check``: run every function step twice and abort its transaction with
         ``NonDeterministicFunction`` when the two runs' effects differ (:mod:`charon.core.determinism`).
-        ``inspector``: the invocation inspector's settings (:mod:`charon.runtime.inspector`; default on)."""
+        ``inspector``: the invocation inspector's settings (:mod:`charon.runtime.inspector`; default on).
+        ``effects``: run the application's effect handlers (``ctx.effect``) in this process, from ``start()`` to
+        ``stop()``, with an :class:`~charon.runtime.effects.EffectExecutor` (:attr:`effects_executor`; its
+        continuations go straight to this runtime, under their reserved request ids). ``None`` (default): when
+        the application has effect handlers and the runtime is volatile (tests, examples); a durable runtime
+        runs them only with ``True`` (a deployment chooses ``charon run --effects`` or ``charon effects work``
+        processes: never both). :meth:`settle_effects` waits until every effect requested so far is done."""
         self.app = app
         self.determinism_check = determinism_check
         self.partitions: int  # the directory's layout, else ``partitions`` (4 by default): set below
@@ -344,6 +354,8 @@ class InProcessRuntime(EngineBacked):
         self._logged: tuple[float, float] | None = None  # the next epoch's log append: (wall start, ms)
         self._retain_events = retain_events
         self._streams: StreamLog | None = None
+        self.run_effects = bool(app.effects) and data_dir is None if effects is None else effects
+        self.effects_executor: EffectExecutor | None = None  # while started, when run_effects
         self._log_end = 0
         self._base_dirty = False
         self.replayed_epochs = 0  # durable mode: epochs replayed from the input log at recovery
@@ -805,6 +817,25 @@ class InProcessRuntime(EngineBacked):
             self._stopping = False
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
+            if self.run_effects and self.effects_executor is None:
+                from charon.runtime.effects import EffectExecutor, engine_resume
+
+                self.effects_executor = EffectExecutor(lambda: self.app, lambda: self.streams,
+                                                       engine_resume(self.submit), backoff_s=0.01, poll_s=0.01)
+                await self.effects_executor.start()
+
+    async def settle_effects(self, timeout: float = 60.0) -> None:
+        """Wait until every effect requested so far ran and its continuation committed or aborted (or was parked);
+        ``TimeoutError`` after ``timeout`` seconds. Needs ``effects`` on (see the constructor)."""
+        if self.effects_executor is None:
+            raise RuntimeError("this runtime runs no effects (InProcessRuntime(..., effects=True), then start())")
+        deadline = time.monotonic() + timeout
+        while True:  # a continuation may request further effects: settled when a round finds nothing new
+            await self.effects_executor.settle(max(0.0, deadline - time.monotonic()))
+            await asyncio.sleep(0.02)
+            if (self.streams.end_offset(EFFECT_STREAM) <= self.effects_executor.store.offset(
+                    self.effects_executor.reader) and not self.effects_executor.inflight):
+                return
 
     def _warm_up(self) -> None:
         """Run the engine's hot path on a scratch runtime of a built-in application (no user code runs, and
@@ -871,6 +902,10 @@ class InProcessRuntime(EngineBacked):
 
     async def stop(self) -> None:
         """Finish waiting work and stop (a paused runtime is resumed: its queued requests run first)."""
+        if self.effects_executor is not None:  # before the engine: no continuation is submitted to a stopped one
+            executor, self.effects_executor = self.effects_executor, None
+            await executor.stop()
+            executor.store.close()
         if self._task is not None:
             self.gate.resume()
             while (self._queue or self.coordinator.deferred or self._futures) and self.failed is None:
@@ -1032,6 +1067,8 @@ class InProcessRuntime(EngineBacked):
         arglist = list(args)
         self.app.validate(op, fn, arglist, key=key)
         serde.check_value(arglist)
+        if request_id is not None and is_reserved_id(request_id):  # the engine's own (timers, continuations...)
+            raise ReservedRequestId(f"request id {request_id!r} is reserved for the engine's own transactions")
         return raise_for_reply(await self.submit(op, key, fn, arglist, request_id=request_id))
 
     async def _loop(self) -> None:

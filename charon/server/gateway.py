@@ -86,6 +86,7 @@ from starlette.routing import Route
 
 from charon import serde
 from charon.config import GatewayConfig
+from charon.core.context import EFFECT_ID_PREFIX, MAX_VALUE_BYTES, is_continuation_id
 from charon.core.routing import check_key
 from charon.errors import (
     BadArguments,
@@ -99,7 +100,7 @@ from charon.errors import (
 )
 from charon.log.client import check_same_request, lookup_request, stored_request
 from charon.log.sqlite import InputLog as FileInputLog
-from charon.messages import Reply, Request
+from charon.messages import RESERVED_ID_PREFIXES, Reply, Request, is_reserved_id
 from charon.operator import BATCH_FUNCTION, BATCH_OPERATOR, batch_request, check_batch
 from charon.runtime.contract import Engine, EngineSource, as_engine
 from charon.server.admin import EffectsAdmin, admin_routes
@@ -112,7 +113,6 @@ from charon.server.streams import StreamReaders
 from charon.server.tracing import Tracing, tracing_from_config
 from charon.server.wire import (
     IDEMPOTENCY_KEY,
-    RESERVED_ID_PREFIX,
     STATUS_OF_ERROR,
     HTTPError,
     guard,
@@ -252,8 +252,10 @@ class Gateway:
             raise HTTPError(
                 "BadRequest", "Idempotency-Key must be 1-200 characters of A-Z a-z 0-9 and . _ ~ : @ + = -"
             )
-        if rid.startswith(RESERVED_ID_PREFIX):  # the runtimes' own log records (e.g. Spark's epoch ticks)
-            raise HTTPError("BadRequest", f"Idempotency-Key must not start with {RESERVED_ID_PREFIX!r} (reserved)")
+        if is_reserved_id(rid):  # the engine's own transactions (timers, portals, effect continuations, ticks)
+            prefixes = " or ".join(map(repr, RESERVED_ID_PREFIXES[:2]))
+            raise HTTPError("ReservedRequestId", f"Idempotency-Key {rid!r} is reserved for the engine's own "
+                            f"transactions (no client request id starts with {prefixes})")
         return rid
 
     def conflict(self, req: Request) -> None:
@@ -477,6 +479,36 @@ class Gateway:
         if mode == "async":
             return self.accepted(request, req.request_id)
         return await self.await_reply(request, req.request_id, fut, self.wait_timeout)
+
+    @property
+    def continuation_body(self) -> int:
+        """The body limit of ``POST /effects/continue/...`` (only): a continuation carries an effect's result (a value,
+        at most ``MAX_VALUE_BYTES``) and its ``carry`` (part of an effect request, at most ``MAX_VALUE_BYTES`` too),
+        plus framing; ``max_continuation_body`` (0: twice the value limit plus 1 MiB)."""
+        return self.cfg.max_continuation_body or 2 * MAX_VALUE_BYTES + (1 << 20)
+
+    async def continue_effect(self, request: HTTPRequest) -> Response:
+        """``POST /effects/continue/{operator}/{key}/{function}``: an effect worker's continuation (``charon effects
+        work --url``), under the effect's request id ``fx.<app>.<tid>.<inv>.<n>.done`` in the ``Idempotency-Key``
+        (required; reserved: ``/invoke`` and ``/batch`` refuse it). The same checks and answers as ``/invoke``
+        but a body limit of its own (:attr:`continuation_body`), so any value a handler may return is carried.
+        A route of its own: what may resume effects (an ``effects`` credential) is not what may invoke."""
+        self.check_auth(request)
+        mode = request.query_params.get("mode", "sync")
+        if mode not in ("sync", "async"):
+            raise HTTPError("BadRequest", "mode must be 'sync' or 'async'")
+        rid = request.headers.get("idempotency-key")
+        if rid is None or not IDEMPOTENCY_KEY.match(rid) or not is_continuation_id(rid):
+            raise HTTPError("BadRequest", "Idempotency-Key must be an effect's continuation id "
+                            f"({EFFECT_ID_PREFIX}<app>.<tid>.<inv>.<n>.done)")
+        body = await read_body(request, self.continuation_body, self.cfg.body_timeout)
+        req, args = self.prepare(request.path_params["operator"], request.path_params["key"],
+                                 request.path_params["function"], rid, request.headers.get("content-type"), body)
+        await self.check_log(req)
+        fut = self.start(req, args)
+        if mode == "async":
+            return self.accepted(request, rid)
+        return await self.await_reply(request, rid, fut, self.wait_timeout)
 
     def prepare(self, operator: str, key: str, function: str, given: str | None, ctype: str | None,
                 body: bytes) -> tuple[Request, list[Any]]:
@@ -744,9 +776,13 @@ def create_app(
         batch_handler = gw.tracing.route(batch_handler, "POST /batch")
     invoke = Route("/invoke/{operator}/{key:charonkey}/{function}", invoke_handler, methods=["POST"],
                    name="invoke")
+    # effect workers' continuations: a route (and, with scoped tokens, a credential) of their own, not /invoke's
+    resume = Route("/effects/continue/{operator}/{key:charonkey}/{function}", guard(gw.continue_effect),
+                   methods=["POST"], name="effect_continue")
     direct = DirectInvoke(gw, invoke) if cfg.direct_invoke and gw.tracing is None else None
     routes = [
         invoke,
+        resume,
         Route(
             "/requests/{request_id}", guard(gw.request_status), methods=["GET"], name="request_status"
         ),

@@ -177,7 +177,8 @@ def openapi_document(app: Any, secured: bool, effects: bool = False) -> dict[str
                 "responses": {
                     "200": reply_ok,
                     "202": accepted,
-                    "400": err("malformed body, invalid key (InvalidKey) or invalid Idempotency-Key"),
+                    "400": err("malformed body, invalid key (InvalidKey), invalid or reserved (ReservedRequestId) "
+                                          "Idempotency-Key"),
                     "401": err("missing or wrong bearer token"),
                     "404": err("unknown operator or function"),
                     "408": err("the body did not arrive in time"),
@@ -279,11 +280,37 @@ def openapi_document(app: Any, secured: bool, effects: bool = False) -> dict[str
             "responses": {
                 "200": reply_ok,
                 "202": accepted,
-                "400": err("malformed body or invalid key"),
+                "400": err("malformed body, invalid key, invalid or reserved (ReservedRequestId) Idempotency-Key"),
                 "401": err("missing or wrong bearer token"),
                 "404": err("unknown operator or function in a call"),
                 "409": err("a call raised: the whole batch aborted"),
                 "422": err("bad arguments, or the batch id was reused for other calls"),
+            },
+        }
+    }
+    paths["/effects/continue/{operator}/{key}/{function}"] = {
+        "post": {
+            "summary": "An effect worker's continuation (charon effects work --url): not for clients",
+            "description": "As /invoke, under the effect's reserved continuation id (fx.<app>.<tid>.<inv>.<n>.done, "
+                           "which /invoke and /batch refuse), with a body limit of its own that carries any value "
+                           "an effect handler may return (max_continuation_body).",
+            "security": security,
+            "parameters": [path_param("operator", "operator name"), path_param("key", "entity key"),
+                           path_param("function", "the continuation"),
+                           {"name": "Idempotency-Key", "in": "header", "required": True,
+                            "schema": {"type": "string", "pattern": r"^fx\.[A-Za-z0-9._~:@+=-]+\.done$"},
+                            "description": "the effect's continuation id"}],
+            "requestBody": {"required": True, "content": {ct: {"schema": {
+                "type": "object", "properties": {"args": {"type": "array"}}}} for ct in ("application/json", MSGPACK)}},
+            "responses": {
+                "200": reply_ok,
+                "202": accepted,
+                "400": err("not a continuation id, malformed body or invalid key"),
+                "401": err("missing or wrong bearer token"),
+                "404": err("unknown operator or function"),
+                "409": err("the continuation raised: it aborted"),
+                "413": err("the body exceeds max_continuation_body"),
+                "422": err("bad arguments, or the id was used for another call"),
             },
         }
     }

@@ -38,6 +38,7 @@ MSGPACK = "application/msgpack"
 #: HTTP status of each typed error the gateway answers with (the body names the type).
 STATUS_OF_ERROR: dict[str, int] = {
     "BadRequest": 400,
+    "ReservedRequestId": 400,
     "SerializationError": 400,
     "Unauthorized": 401,
     "InvalidKey": 400,

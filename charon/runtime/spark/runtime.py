@@ -45,12 +45,12 @@ from charon.core import timers as _timers
 from charon.core.epoch import EpochCoordinator, EpochResult, Verdict
 from charon.core.routing import partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
-from charon.errors import EngineUnavailable
+from charon.errors import EngineUnavailable, ReservedRequestId
 from charon.log.location import log_locations, open_input_log, open_output_log
 from charon.log.offsets import pad_pair
 from charon.log.sqlite import DedupRetention
 from charon.log.streams import StreamLog
-from charon.messages import Reply, Request
+from charon.messages import Reply, Request, is_reserved_id
 from charon.operator import Function, Operator
 from charon.runtime.controls import EngineBacked
 from charon.runtime.faults import crash_point, fault_point
@@ -790,6 +790,8 @@ class SparkRuntime(EngineBacked):
         arglist = list(args)
         self.app.validate(op, fn, arglist, key=key)
         serde.check_value(arglist)
+        if request_id is not None and is_reserved_id(request_id):  # the engine's own (timers, continuations...)
+            raise ReservedRequestId(f"request id {request_id!r} is reserved for the engine's own transactions")
         return raise_for_reply(await self.submit(op, key, fn, arglist, request_id=request_id, timeout=timeout))
 
     def get_reply(self, request_id: str) -> Reply | None:
