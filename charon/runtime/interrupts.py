@@ -149,14 +149,13 @@ def app_roots(functions: Iterable[Callable[..., Any]]) -> list[str]:
 
 # -- the indivisible look-and-deliver ------------------------------------------------------------------------------
 def _make_window(depth: int) -> Callable[..., int]:
-    """``window(top, files, drivers, unit, frame, exc, set_exc) -> int``: 0 the step is over (nothing done), else
-    the step is judged (``unit.doomed = frame``, while it is ``unit.current``) and 1 the interrupt was set, 2 it
-    was deferred (the thread is not in user code now). Straight-line code: see the module docstring."""
+    """``window(top, files, drivers, unit, frame, exc, set_exc) -> int``: 0 the judged step is over (nothing
+    done), 1 the interrupt was set, 2 it was deferred (the thread is not in user code now). Straight-line code:
+    see the module docstring."""
     src = [
         "def window(top, files, drivers, unit, frame, exc, set_exc):",
-        "    if unit.current is not frame:",
+        "    if unit.current is not frame or unit.doomed is not frame:",
         "        return 0",
-        "    unit.doomed = frame",
         "    if not top._as_parameter_:",
         "        return 2",
         "    try:",
@@ -196,9 +195,9 @@ NOT_RUNNING, DELIVERED, DEFERRED = 0, 1, 2
 
 def deliver(top: ThreadHandle, user: UserCode, drivers: frozenset[CodeType], unit: Any, frame: Any,
             exc: type[BaseException]) -> int:
-    """Judge ``frame``'s step if it still runs (``unit.current is frame``: then ``unit.doomed = frame``) and raise
-    ``exc`` in the thread of ``top`` if it runs user code now: :data:`DELIVERED`, :data:`DEFERRED` (judged, not
-    in user code now: a later sample tries again) or :data:`NOT_RUNNING` (nothing done)."""
+    """Raise ``exc`` in the thread of ``top`` if it still runs ``frame``'s judged step (``unit.current is frame
+    and unit.doomed is frame``) in user code: :data:`DELIVERED`, :data:`DEFERRED` (not in user code now: a later
+    look tries again) or :data:`NOT_RUNNING` (the step is over)."""
     if top._as_parameter_:
         try:
             user.learn(sys._current_frames().get(top.ident))
@@ -212,6 +211,21 @@ def deliver(top: ThreadHandle, user: UserCode, drivers: frozenset[CodeType], uni
     finally:
         if enabled:
             gc.enable()
+
+
+def _make_doom() -> Callable[[Any, Any], bool]:
+    ns: dict[str, Any] = {}
+    exec(compile("def doom(unit, frame):\n"  # noqa: S102 - our own generated code: no check between look and set
+                 "    if unit.current is not frame:\n"
+                 "        return False\n"
+                 "    unit.doomed = frame\n"
+                 "    return True\n", "<charon.interrupts.doom>", "exec"), ns)
+    return ns["doom"]
+
+
+#: ``doom(unit, frame) -> bool``: judge ``frame``'s step if it still runs (``unit.doomed = frame`` while it is
+#: ``unit.current``: one look, no eval-breaker check in between), else False
+doom = _make_doom()
 
 
 def user_frame_chain(top: FrameType | None, user: UserCode, drivers: frozenset[CodeType]) -> bool:

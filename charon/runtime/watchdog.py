@@ -40,6 +40,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,16 +50,17 @@ from charon.core import partition as _partition
 from charon.core.context import raised_in
 from charon.core.epoch import EpochCoordinator, Verdict
 from charon.core.partition import ROOT, Interrupt, PartitionUnit, timeout_message
-from charon.errors import InvocationTimeout
+from charon.errors import InvocationTimeout, Quarantined
 from charon.operator import Application
 from charon.runtime.interrupts import (
+    DEFERRED,
     DELIVERED,
-    NOT_RUNNING,
     ThreadHandle,
     UserCode,
     app_roots,
     clear_pending,
     deliver,
+    doom,
     user_frame_chain,
 )
 from charon.runtime.verdicts import VerdictBook, letter
@@ -67,6 +69,7 @@ _events = logging.getLogger("charon.engine")  # the server log
 
 DEFAULT_TIMEOUT = 5.0  # seconds a function may run without awaiting a call
 DEFAULT_INTERVAL = 0.1
+RETRY_SWITCH_S = 0.0002  # the GIL switch interval while an interrupt waits for the engine thread to be in user code
 #: the engine's frames that run a step's user code: an interrupt lands only in user frames above one of them
 DRIVERS = frozenset({PartitionUnit._run.__code__, PartitionUnit._replay_cached.__code__,
                      PartitionUnit._user_str.__code__})
@@ -202,18 +205,43 @@ class Watchdog:
                                "seconds": round(ran, 3), "budget_s": budget,
                                "transaction_seconds": round(total, 3), "transaction_budget_s": tbudget,
                                "replaying": not self.interrupting})
-        if self.interrupting:
-            if tid not in self._reasons:
-                self._reasons[tid] = timeout_message(frame) if ran >= budget else total_message(frame, tbudget)
+        if self.interrupting and doom(unit, frame):
+            # judged: the verdict is durable before the interrupt is raised (the engine makes it effective)
+            msg = self._reasons.get(tid)
+            if msg is None:
+                msg = self._reasons[tid] = timeout_message(frame) if ran >= budget else total_message(frame, tbudget)
+            if req is not None and cur is not None:
+                self.book.reserve(letter(req.request_id, frame.op, frame.fn, frame.key,
+                                         Verdict("InvocationTimeout", msg, self.coordinator().phase == 1),
+                                         cur.epoch, f"{req.operator}.{req.function}"))
             self._learn_app(unit)
-            got = deliver(self.engine, self._user, DRIVERS, unit, frame, Interrupt)
-            if got == DELIVERED:
-                self.delivered += 1
-            elif got != NOT_RUNNING:
-                self.deferred += 1
+            self._interrupt(unit, frame)
         if self.exit_after is not None and ran > budget + self.exit_after:
             self._give_up(frame, ran)
         return seen
+
+    def _interrupt(self, unit: PartitionUnit, frame: Any) -> None:
+        """Deliver the interrupt to the judged step; while the engine thread is in library code, look again at
+        once, for up to one interval, with a short GIL switch interval (each look lands wherever the engine thread
+        next yields the GIL: user code comes up within a few dozen looks)."""
+        got = deliver(self.engine, self._user, DRIVERS, unit, frame, Interrupt)
+        if got != DEFERRED:
+            self.delivered += got == DELIVERED
+            return
+        self.deferred += 1
+        end = time.monotonic() + self.interval
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, RETRY_SWITCH_S))
+        try:
+            while time.monotonic() < end and not self._stop.is_set():
+                time.sleep(RETRY_SWITCH_S)
+                got = deliver(self.engine, self._user, DRIVERS, unit, frame, Interrupt)
+                if got != DEFERRED:
+                    self.delivered += got == DELIVERED
+                    return
+                self.deferred += 1
+        finally:
+            sys.setswitchinterval(switch)
 
     def timed_out(self, frame: Any) -> BaseException:
         """Called by a unit, in the engine thread, when a judged step ended (interrupted or not): record the
@@ -226,12 +254,14 @@ class Watchdog:
         msg = self._reasons.pop(frame.tid, "") or timeout_message(frame)
         if req is None or result is None:  # pragma: no cover - every running frame belongs to the current epoch
             return InvocationTimeout(msg)
-        verdict = coord.verdicts.get(req.request_id)
-        if verdict is None:
-            verdict = Verdict("InvocationTimeout", msg, coord.phase == 1)
-            self.book.record(letter(req.request_id, frame.op, frame.fn, frame.key, verdict, result.epoch,
-                                    f"{req.operator}.{req.function}"))
+        had = coord.verdicts.get(req.request_id)
+        verdict = self.book.settle(letter(req.request_id, frame.op, frame.fn, frame.key,
+                                          Verdict("InvocationTimeout", msg, coord.phase == 1), result.epoch,
+                                          f"{req.operator}.{req.function}"))
+        if had is None:
             self.timeouts += 1
+        if verdict.error_type == "Quarantined":
+            return Quarantined(verdict.message)
         return InvocationTimeout(verdict.message)
 
     def _give_up(self, frame: Any, ran: float) -> None:
@@ -244,7 +274,7 @@ class Watchdog:
         result = coord.current
         req = result.requests.get(frame.tid) if result is not None else None
         judging = self.interrupting
-        if judging and req is not None and result is not None and req.request_id not in coord.verdicts:
+        if judging and req is not None and result is not None and not self.book.reserved(req.request_id):
             msg = (f"{frame.op}.{frame.fn} on key {frame.key!r} held the engine past its time budget where it "
                    "could not be interrupted (blocked in C code); the engine restarted and set the transaction "
                    "aside")
