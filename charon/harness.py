@@ -383,13 +383,13 @@ class _Effects:
 
     def take(self, e: int, res: EpochResult, trace: Callable[[str], None]) -> None:
         from charon.core.context import CONTINUATION_SUFFIX, EFFECT_STREAM, MAX_VALUE_BYTES, too_large
-        from charon.runtime.effects import _well_formed
+        from charon.runtime.effects import well_formed
 
         for _, stream, value in res.events:
             if stream != EFFECT_STREAM:
                 continue
             doc = serde.decode(value)
-            if not _well_formed(doc):
+            if not well_formed(doc):
                 raise Violation(f"epoch {e}: a malformed effect request {doc!r}")
             eid = doc["id"]
             if eid in self.taken:

@@ -73,7 +73,7 @@ def effect_partition(eid: str, workers: int) -> int:
     return zlib.crc32(eid.encode()) % workers
 
 
-def _well_formed(doc: object) -> bool:
+def well_formed(doc: object) -> bool:
     return isinstance(doc, dict) and all(isinstance(doc.get(k), t) for k, t in _FIELDS.items())
 
 
@@ -389,7 +389,7 @@ class EffectExecutor:
         docs = []
         for e in page.events:
             doc = serde.decode(e.value)
-            if not _well_formed(doc):
+            if not well_formed(doc):
                 self.malformed += 1
                 continue
             if effect_partition(doc["id"], self.workers) == self.index:

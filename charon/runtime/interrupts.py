@@ -37,8 +37,7 @@ from collections.abc import Callable, Iterable
 from types import CodeType, FrameType
 from typing import Any
 
-import charon
-
+_CHARON = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the charon package's directory
 DEPTH = 96  # frames between the top one and the driver that the delivery walks at most
 
 _set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
@@ -87,7 +86,7 @@ def clear_pending() -> None:
 @functools.cache
 def _library_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
-    roots = {os.path.dirname(os.path.abspath(charon.__file__))}
+    roots = {_CHARON}
     for k in ("stdlib", "platstdlib", "purelib", "platlib"):
         if paths.get(k):
             roots.add(os.path.abspath(paths[k]))
@@ -102,7 +101,7 @@ class UserCode:
 
     def __init__(self, app_roots: Iterable[str] = ()) -> None:
         self.library = _library_roots()
-        apps = os.path.join(os.path.dirname(os.path.abspath(charon.__file__)), "apps") + os.sep
+        apps = os.path.join(_CHARON, "apps") + os.sep
         self.apps = (apps, *(os.path.abspath(r).rstrip(os.sep) + os.sep for r in app_roots))
         self._known: dict[str, bool] = {}
         self.files: frozenset[str] = frozenset()

@@ -61,13 +61,17 @@ class VerdictBook:
 
     def _load(self) -> None:
         assert self.path is not None
+        last: dict[str, DeadLetter] = {}  # the last record of a request id is its verdict (see Watchdog._give_up)
         with open(self.path, "rb") as f:
             for line in f:
                 try:
                     d = _dec.decode(line)
                 except msgspec.DecodeError:  # a torn last line (killed while writing): it was never relied on
                     continue
-                self._keep(d)
+                last.pop(d.request_id, None)
+                last[d.request_id] = d
+        for d in last.values():
+            self._keep(d)
 
     def _keep(self, d: DeadLetter) -> None:
         self.verdicts[d.request_id] = Verdict(d.error_type, d.message, d.fallback)

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from charon.core import partition as _partition
 from charon.core.context import raised_in
@@ -274,28 +274,39 @@ class Watchdog:
         result = coord.current
         req = result.requests.get(frame.tid) if result is not None else None
         judging = self.interrupting
-        if judging and req is not None and result is not None and not self.book.reserved(req.request_id):
+        # a reserved InvocationTimeout (not effective: nothing saw it, and nothing is released any more) is
+        # superseded: the last record of a request id is the one a recovery applies
+        if judging and req is not None and result is not None and req.request_id not in coord.verdicts:
             msg = (f"{frame.op}.{frame.fn} on key {frame.key!r} held the engine past its time budget where it "
                    "could not be interrupted (blocked in C code); the engine restarted and set the transaction "
                    "aside")
             self.book.record(letter(req.request_id, frame.op, frame.fn, frame.key,
                                     Verdict("Quarantined", msg, coord.phase == 1), result.epoch,
                                     f"{req.operator}.{req.function}"))
+        where = f"{frame.op}.{frame.fn} on key {frame.key!r}"
         if judging:
-            _events.critical("FATAL: %s.%s on key %r has held the engine for %.0f s where it cannot be interrupted; "
-                             "its transaction is quarantined; exiting so that the supervisor restarts the node",
-                             frame.op, frame.fn, frame.key, ran,
-                             extra={"event": "fatal", "operator": frame.op, "function": frame.fn, "key": frame.key})
+            line = (f"FATAL: {where} has held the engine for {ran:.0f} s where it cannot be interrupted; its "
+                    "transaction is quarantined; exiting so that the supervisor restarts the node")
         else:
-            _events.critical("FATAL: replaying epoch %s, %s.%s on key %r ran %.0f s past its budget; the epoch may "
-                             "have replied, so no verdict can be taken now: raise the function's budget "
-                             "(--function-timeout, @op.function(timeout=...)) or fix it; exiting for the supervisor",
-                             result.epoch if result is not None else "?", frame.op, frame.fn, frame.key, ran,
-                             extra={"event": "fatal", "operator": frame.op, "function": frame.fn, "key": frame.key,
-                                    "replaying": True})
-        for handler in logging.getLogger("charon").handlers:
-            handler.flush()  # a log written by a thread of its own (charon run's) has the line out before the exit
-        os._exit(75)
+            epoch = result.epoch if result is not None else "?"
+            line = (f"FATAL: replaying epoch {epoch}, {where} ran {ran:.0f} s past its budget; the epoch may have "
+                    "replied, so no verdict can be taken now: raise the function's budget (--function-timeout, "
+                    "@op.function(timeout=...)) or fix it; exiting for the supervisor")
+        fatal_exit(line, {"event": "fatal", "operator": frame.op, "function": frame.fn, "key": frame.key,
+                          "replaying": not judging})
+
+
+def fatal_exit(line: str, extra: dict[str, Any], code: int = 75) -> NoReturn:
+    """Log ``line`` (critical) and exit the process at once with ``code`` for its supervisor: the ``charon``
+    handlers are flushed first (``charon run`` writes its log from a thread of its own); with none configured (an
+    embedded runtime: a NullHandler), the line goes to stderr, so that an exit is never silent."""
+    _events.critical("%s", line, extra=extra)
+    handlers = [h for h in logging.getLogger("charon").handlers if not isinstance(h, logging.NullHandler)]
+    for handler in handlers:
+        handler.flush()
+    if not handlers and not logging.getLogger().handlers:
+        print(line, file=sys.stderr, flush=True)
+    os._exit(code)
 
 
 def _budget_of(unit: PartitionUnit, frame: Any, default: float) -> float:
