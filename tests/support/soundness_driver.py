@@ -87,7 +87,7 @@ def _workload(rng: random.Random, epoch: int, budget: float) -> list[Request]:
         elif kind.startswith("caught_"):
             out.append(_req(rid, key, "caught", kind[len("caught_"):], t))
         elif kind == "chatty":
-            out.append(_req(rid, key, "chatty", t))
+            out.append(_req(rid, key, "chatty", int(t / 4e-6)))  # about 4 us a line
         elif kind == "slow":
             out.append(_req(rid, key, "slow", t, rng.randint(1, 99)))
         elif kind == "hog":
