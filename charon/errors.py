@@ -204,6 +204,14 @@ class Unauthorized(CharonError, PermissionError):
     """The gateway refused the bearer token (missing or wrong)."""
 
 
+class Forbidden(CharonError, PermissionError):
+    """The gateway knows the bearer token but it lacks the scope the route needs (``invoke``, ``read``, ``admin``
+    or ``effects``; :mod:`charon.server.auth`), or the action is not allowed (a code ref outside ``code_refs``).
+    HTTP 403."""
+
+    status: ClassVar[int] = 403
+
+
 class BadRequest(CharonError, ValueError):
     """The request is malformed (a body, header or parameter the gateway cannot use, an inspector filter or
     cursor that is not valid)."""
@@ -314,6 +322,7 @@ ERRORS: dict[str, type[CharonError]] = {
     "IdempotencyConflict": IdempotencyConflict,
     "PayloadTooLarge": PayloadTooLarge,
     "Unauthorized": Unauthorized,
+    "Forbidden": Forbidden,
     "BadRequest": BadRequest,
     "NotFound": RequestNotFound,
     "NotSupported": NotSupported,

@@ -77,15 +77,18 @@ def _schema_of(tp: Any) -> dict[str, Any]:
     return {}
 
 
-def describe_app(app: Any) -> dict[str, dict[str, list[tuple[str, dict[str, Any]]]]]:
+def describe_app(app: Any, public_only: bool = False) -> dict[str, dict[str, list[tuple[str, dict[str, Any]]]]]:
     """``{operator: {function: [(parameter name, JSON schema), ...]}}`` for the application's functions.
 
-    The first parameter (the ``Context``) is left out.
+    The first parameter (the ``Context``) is left out. ``public_only``: only the functions clients may invoke
+    (``@op.function(public=True)``), and only the operators that have one.
     """
     out: dict[str, dict[str, list[tuple[str, dict[str, Any]]]]] = {}
     for op in _operators(app):
         fns: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         for name, fn in _functions(op).items():
+            if public_only and getattr(fn, "public", False) is not True:
+                continue
             target = _callable_of(fn)
             params: list[tuple[str, dict[str, Any]]] = []
             if target is not None:
@@ -100,7 +103,8 @@ def describe_app(app: Any) -> dict[str, dict[str, list[tuple[str, dict[str, Any]
                             continue  # ctx
                         params.append((p.name, _schema_of(hints.get(p.name, Any))))
             fns[name] = params
-        out[_op_name(op)] = fns
+        if fns or not public_only:
+            out[_op_name(op)] = fns
     return out
 
 
@@ -212,7 +216,7 @@ def openapi_document(app: Any, secured: bool, effects: bool = False) -> dict[str
         )
     }
     operators: dict[str, Any] = {}
-    for op, fns in describe_app(app).items():
+    for op, fns in describe_app(app, public_only=True).items():  # internal functions are not the clients' to call
         operators[op] = {"functions": {}}
         for fn, params in fns.items():
             operators[op]["functions"][fn] = {"parameters": [{"name": n, "schema": s} for n, s in params]}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 from starlette.datastructures import QueryParams
@@ -38,7 +38,7 @@ _PARAMS = frozenset(_STR_PARAMS + ("epoch_min", "epoch_max", "since", "until", "
 class _Gateway(Protocol):
     engine: Engine
 
-    def check_auth(self, request: HTTPRequest) -> None: ...
+    def check_auth(self, request: HTTPRequest, scopes: frozenset[str] | None = None) -> Any: ...
 
     async def off_loop(self, method: Callable[[RequestQuery], dict[str, object]],
                        query: RequestQuery) -> dict[str, object]: ...
