@@ -16,7 +16,7 @@ class NotEnoughCredit(Exception):
     """The debtor's balance is below the amount."""
 
 
-@account.function
+@account.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     """Move ``amount`` from this account to ``to``; returns this account's new balance."""
     balance = ctx.get(default=0)
@@ -33,7 +33,7 @@ async def deposit(ctx: Context, amount: int) -> None:
     ctx.put(ctx.get(default=0) + amount)
 
 
-@account.function
+@account.function(public=True)
 async def balance(ctx: Context) -> int:
     """This account's balance."""
     return ctx.get(default=0)
