@@ -27,7 +27,7 @@ async def transfer(ctx: Context, to: str, amount: int) -> int:
     return balance - amount
 
 
-@account.function
+@account.function(public=True)
 async def deposit(ctx: Context, amount: int) -> None:
     """Add ``amount`` to this account."""
     ctx.put(ctx.get(default=0) + amount)
