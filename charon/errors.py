@@ -95,11 +95,13 @@ class EngineAbort(TransactionAborted):
 
 
 class UnknownOperator(CharonError):
-    """The request names an operator the application does not define."""
+    """The request names an operator the application does not define (over HTTP: none with a public function)."""
 
 
 class UnknownFunction(CharonError):
-    """The request names a function its operator does not define."""
+    """The request names a function its operator does not define, or, over HTTP, an internal one: functions are
+    internal unless declared ``@op.function(public=True)``, and a client's call of an internal function is answered
+    exactly as one of a missing function (HTTP 404, nothing logged)."""
 
 
 class BadArguments(CharonError):
