@@ -219,7 +219,9 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
                       epoch=_int(doc.get("epoch")), position=_int(doc.get("position")))
     cls = ERRORS.get(etype)  # the class the engine raises in-process for the same mistake (501 NotSupported too)
     if cls is None and status < 500:
-        cls = {401: Unauthorized, 403: Forbidden, 413: PayloadTooLarge, 422: BadArguments, 400: BadRequest}.get(status)
+        untyped: dict[int, type[CharonError]] = {401: Unauthorized, 403: Forbidden, 413: PayloadTooLarge,
+                                                 422: BadArguments, 400: BadRequest}
+        cls = untyped.get(status)
     if cls is not None:
         raise cls(message or etype or f"HTTP {status}")
     cls_5xx = GatewayError

@@ -1,4 +1,5 @@
-"""The gateway's admin API (every route needs the bearer token), ``/metrics`` and the dashboard.
+"""The gateway's admin API (every route needs a bearer token with its scope: ``read`` for what only reads,
+``admin`` for what changes the deployment; :mod:`charon.server.auth`), ``/metrics`` and the dashboard.
 
 - ``GET /admin/status``: ``{"state": "running"|"pausing"|"paused", "paused", "epoch", "backlog",
   "pause_after", "active_epoch", "engine", "durable", "retained_from", "inflight"}``. ``epoch`` is the last

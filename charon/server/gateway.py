@@ -4,7 +4,9 @@ Routes (bodies of mutating routes must be ``application/json`` or ``application/
 empty body without a type means no arguments; every response is JSON unless the request says
 ``Accept: application/msgpack``):
 
-- ``POST /invoke/{operator}/{key}/{function}`` with body ``{"args": [...]}`` runs one transaction.
+- ``POST /invoke/{operator}/{key}/{function}`` with body ``{"args": [...]}`` runs one transaction, if the function
+  is public (``@op.function(public=True)``): an internal one is 404 ``UnknownFunction`` exactly as a missing one
+  (except for an effect worker's continuation: the ``effects`` scope with an ``fx.<effect id>.done`` request id).
   200 ``{"request_id", "tid", "epoch", "position", "value", "status": "committed"}`` when it committed;
   409 ``{"error": {"type", "message"}, "request_id", "tid", "epoch", "position", "status": "aborted"}`` when
   a function in its call graph raised (nothing was applied). Replies ordered by (epoch, position) form a
@@ -41,12 +43,13 @@ empty body without a type means no arguments; every response is JSON unless the 
   including one ``/invoke`` path per function of the application with its parameter names and types.
 
 Everything is checked *before* anything reaches the runtime (and so its input log): the bearer token
-(401), the body size (413, from ``Content-Length`` and again while streaming) and arrival time (408), the
-content type (415), the body syntax and plainness (400: malformed, non-UTF-8 strings, msgpack extension
-types, nesting deeper than ``max_depth``), the URL path (400 unless it percent-decodes to valid UTF-8), the
-key (400 ``InvalidKey``, by :func:`charon.core.routing.check_key`), the operator and function names (404) and the
-arguments' arity and types (422, through ``Application.validate``). Keys may contain ``/`` (the last path
-segment is the function) and any other character ``check_key`` accepts, line breaks included (percent-encoded):
+(401) and its scope for the route (403, :mod:`charon.server.auth`), the body size (413, from ``Content-Length``
+and again while streaming) and arrival time (408), the content type (415), the body syntax and plainness (400:
+malformed, non-UTF-8 strings, msgpack extension types, nesting deeper than ``max_depth``), the URL path (400
+unless it percent-decodes to valid UTF-8), the key (400 ``InvalidKey``, by :func:`charon.core.routing.check_key`),
+the operator and function names (404; a client's call names public functions only) and the arguments' arity and
+types (422, through ``Application.validate``). Keys may contain ``/`` (the last path segment is the function) and
+any other character ``check_key`` accepts, line breaks included (percent-encoded):
 every valid key is addressable by every route. Bodies are decoded with msgspec; nothing is ever unpickled.
 
 Idempotency: a reused ``Idempotency-Key`` with the same operator, key, function and arguments gets the

@@ -333,9 +333,18 @@ def openapi_document(app: Any, secured: bool, effects: bool = False) -> dict[str
     paths.update(admin_paths(security))
     if effects:  # an effect executor runs beside the engine (charon run --effects)
         paths.update(effect_paths(security))
+    if secured:  # every route that asks for a token asks for one of its scopes (charon.server.auth)
+        for item in paths.values():
+            for op in item.values():
+                if isinstance(op, dict) and op.get("security"):
+                    op.setdefault("responses", {}).setdefault("403", err("the token lacks the scope this route needs"))
     return {
         "openapi": "3.1.0",
-        "info": {"title": f"Charon gateway: {getattr(app, 'name', 'app')}", "version": "1"},
+        "info": {"title": f"Charon gateway: {getattr(app, 'name', 'app')}", "version": "1",
+                 "description": "Only the application's public functions (@op.function(public=True)) are listed and "
+                 "invocable. Bearer tokens carry scopes: invoke (/invoke, /batch, /requests), read (state, "
+                 "streams, timers, inspector, SQL, metrics, status), admin (pause, resume, rescale, updates, code, "
+                 "dead letters, effect actions), effects (effect workers' continuations)."},
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
