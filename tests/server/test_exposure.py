@@ -93,6 +93,17 @@ def test_an_internal_function_is_404_like_a_missing_one_and_nothing_is_logged(ga
     assert call(srv, "GET", f"/state/{op}/{key}", SECRETS["read"]).json()["value"] is None
 
 
+def test_without_tokens_internal_functions_are_still_404() -> None:
+    rt = InProcessRuntime(app, partitions=1)
+    try:
+        with BackgroundServer(rt) as srv:
+            r = call(srv, "POST", "/invoke/customer/c/refund", None, json={"args": [5]})
+            assert r.status_code == 404 and r.json()["error"]["type"] == "UnknownFunction", r.text
+            assert call(srv, "POST", "/invoke/customer/c/deposit", None, json={"args": [5]}).status_code == 200
+    finally:
+        rt.close()
+
+
 def test_a_batch_or_nested_batch_naming_an_internal_function_is_404(gateway: Any) -> None:
     srv, eng = gateway
     calls = [["customer", "c-b", "deposit", [5]], ["customer", "c-b", "refund", [1000]]]
