@@ -102,6 +102,7 @@ from charon.runtime.contract import (
     RescaleBusy,
 )
 from charon.server.audit import audited, note
+from charon.server.auth import Principal
 from charon.server.limits import Slots
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from charon.server.requests_admin import RequestsAdmin
@@ -124,7 +125,7 @@ class AdminGateway(Protocol):
     known_ops: set[str]
     inflight: dict[str, asyncio.Future[Reply]]
 
-    def check_auth(self, request: HTTPRequest, scopes: frozenset[str] | None = None) -> Any: ...
+    def check_auth(self, request: HTTPRequest, scopes: frozenset[str] | None = None) -> Principal: ...
 
     def check_ready(self) -> None: ...
 

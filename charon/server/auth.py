@@ -48,12 +48,15 @@ import re
 import threading
 import time
 import tomllib
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from charon.core.context import EFFECT_ID_PREFIX
 from charon.server.wire import HTTPError
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 __all__ = ["SCOPES", "ALL_SCOPES", "ROUTE_SCOPES", "OPEN_ROUTES", "Principal", "ANONYMOUS", "Tokens",
            "TokensFileError", "load_tokens_file", "is_effect_continuation", "scoped_route_app"]
@@ -283,8 +286,6 @@ class Tokens:
         return who
 
 
-ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
-                   Awaitable[None]]
 SCOPES_KEY = "charon.scopes"  # the ASGI scope's entry naming the route's scopes (set by scoped_route_app)
 
 
@@ -292,7 +293,7 @@ def scoped_route_app(app: ASGIApp, scopes: frozenset[str]) -> ASGIApp:
     """``app`` (a route's ASGI app) with the route's scopes put in the ASGI scope, where the handler's
     ``check_auth`` finds them."""
 
-    async def scoped(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+    async def scoped(scope: Scope, receive: Receive, send: Send) -> None:
         scope[SCOPES_KEY] = scopes
         await app(scope, receive, send)
 
