@@ -30,13 +30,13 @@ HANDLER_S = 0.0
 acct = Operator("acct")
 
 
-@acct.function
+@acct.function(public=True)
 async def pay(ctx: Context, amount: int) -> str:
     ctx.put(amount)
     return ctx.effect("charge", amount, then=paid, timeout=10.0, attempts=3)
 
 
-@acct.function
+@acct.function(public=True)
 async def paid(ctx: Context, result: dict) -> None:
     ctx.put_item("paid", result["ok"])
 

@@ -190,30 +190,30 @@ def _shapes_app() -> object:
 
     account = Operator("account")
 
-    @account.function
+    @account.function(public=True)
     async def noop(ctx: Context, to: str, amount: int) -> int:
         return amount
 
-    @account.function
+    @account.function(public=True)
     async def rw(ctx: Context, to: str, amount: int) -> int:
         b = ctx.get(default=0)
         ctx.put(b - amount)
         return b
 
-    @account.function
+    @account.function(public=True)
     async def nothing(ctx: Context, amount: int) -> None:
         return None
 
-    @account.function
+    @account.function(public=True)
     async def call(ctx: Context, to: str, amount: int) -> int:
         await ctx.call(account, to, nothing, amount)
         return amount
 
-    @account.function
+    @account.function(public=True)
     async def deposit(ctx: Context, amount: int) -> None:
         ctx.put(ctx.get(default=0) + amount)
 
-    @account.function
+    @account.function(public=True)
     async def transfer(ctx: Context, to: str, amount: int) -> int:
         b = ctx.get(default=0)
         ctx.put(b - amount)

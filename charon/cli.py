@@ -116,7 +116,13 @@ def run(
                                "runs elsewhere on the same --log)."),
     host: str = typer.Option("127.0.0.1", envvar="CHARON_HOST", help="Interface to listen on."),
     port: int = typer.Option(8000, envvar="CHARON_PORT", help="TCP port."),
-    token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send."),
+    token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send: one "
+                                     "token with every scope (invoke, read, admin, effects)."),
+    tokens_file: str | None = typer.Option(
+        None, "--tokens-file", envvar="CHARON_TOKENS_FILE", show_default=False,
+        help="A TOML file of named bearer tokens, each with its scopes (invoke, read, admin, effects); re-read when "
+        "it changes, so a token removed from it is revoked without a restart. With --token or alone.",
+    ),
     partitions: int | None = typer.Option(
         None, min=1, envvar="CHARON_PARTITIONS", show_default=False,
         help="Engine partitions (default: the data directory's recorded count, else 4; another count rescales it).",
@@ -240,6 +246,20 @@ def run(
         raise typer.BadParameter("--effects runs beside the engine (its output streams): not with --engine remote "
                                  "(run `charon effects work` next to the engine's data directory)")
     application = load_app(target)
+    if tokens_file is not None:
+        from charon.server.auth import Tokens, TokensFileError
+
+        try:
+            names = Tokens(None, tokens_file).names
+        except TokensFileError as exc:
+            raise _fail(str(exc), ExitCode.USAGE) from None
+        say(f"charon: {len(names)} tokens from {tokens_file} ({', '.join(names)})", event="tokens",
+            tokens=len(names))
+    public = application.public_functions()
+    if not public:
+        say(f"{application.name} has no public function: clients can invoke nothing over HTTP (functions are "
+            "internal unless declared @op.function(public=True); internal ones run only when other functions, "
+            "timers or effect continuations call them)", logging.WARNING, event="no_public_function")
     try:  # the port first: a busy port is one line before anything else is created or printed
         listener = bind_socket(host, port)
     except PortUnavailable as exc:
@@ -256,8 +276,9 @@ def run(
     except BaseException:
         listener.close()
         raise
-    if token is None:
-        say("no --token: the gateway accepts unauthenticated requests", logging.WARNING, event="no_token")
+    if token is None and tokens_file is None:
+        say("no --token or --tokens-file: the gateway accepts unauthenticated requests", logging.WARNING,
+            event="no_token")
     replayed = runtime.replayed_epochs
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else f'[{host}]' if ':' in host else host}:{port}"
     name = application.name if log_format == "json" else f"[bold]{application.name}[/]"
@@ -295,7 +316,7 @@ def run(
         config = GatewayConfig.from_env(otel_endpoint=otel_endpoint, otel_sample_ratio=otel_sample_ratio)
         try:
             serve(runtime, host, port, token, max_body=max_body, recent_replies=recent, effects=executor,
-                  sock=listener, on_ready=ready, config=config, own_logging=True)
+                  sock=listener, on_ready=ready, config=config, own_logging=True, tokens_file=tokens_file)
         except RuntimeStartError as exc:
             raise _fail(f"the {runtime.kind} runtime did not start: {exc}", ExitCode.UNAVAILABLE) from None
         except RuntimeFailed as exc:  # one line, non-zero: a process supervisor restarts it

@@ -12,7 +12,7 @@ classes the engine raises in-process (``InProcessRuntime.invoke``, the engine's 
   path's ``UnknownOperator``, ``BadArguments``, ``InvalidKey``, ``IdempotencyConflict``, ``PayloadTooLarge``...;
   the admin API's ``SQLRejected``, ``SQLSyntaxError``, ``EpochNotRetained``, ``NotSupported``, ``RescaleBusy``
   for ``RescaleRunning``, ``GatePaused`` for ``Paused``, ``RequestNotFound`` for ``NotFound``, ``BadRequest``...);
-  an untyped 401/413/422/400 is ``Unauthorized``/``PayloadTooLarge``/``BadArguments``/``BadRequest``;
+  an untyped 401/403/413/422/400 is ``Unauthorized``/``Forbidden``/``PayloadTooLarge``/``BadArguments``/``BadRequest``;
 * 503: :class:`GatewayUnavailable` (a :class:`GatewayError` and a :class:`charon.errors.EngineUnavailable`;
   :class:`GatewayLogUnavailable`, also a :class:`charon.errors.LogUnavailable`, for ``LogUnavailable``), after
   the retries; any other status: :class:`GatewayError`.
@@ -47,6 +47,7 @@ from charon.errors import (
     BadRequest,
     CharonError,
     EngineUnavailable,
+    Forbidden,
     GatePaused,
     LogUnavailable,
     PayloadTooLarge,
@@ -67,6 +68,7 @@ __all__ = [
     "Event",
     "StreamPage",
     "Unauthorized",
+    "Forbidden",
     "BadRequest",
     "RequestNotFound",
     "RescaleRunning",
@@ -219,7 +221,9 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
                       epoch=_int(doc.get("epoch")), position=_int(doc.get("position")))
     cls = ERRORS.get(etype)  # the class the engine raises in-process for the same mistake (501 NotSupported too)
     if cls is None and status < 500:
-        cls = {401: Unauthorized, 413: PayloadTooLarge, 422: BadArguments, 400: BadRequest}.get(status)
+        untyped: dict[int, type[CharonError]] = {401: Unauthorized, 403: Forbidden, 413: PayloadTooLarge,
+                                                 422: BadArguments, 400: BadRequest}
+        cls = untyped.get(status)
     if cls is not None:
         raise cls(message or etype or f"HTTP {status}")
     cls_5xx = GatewayError

@@ -30,7 +30,7 @@ ROWS: dict[str, list[type[errors.CharonError]]] = {
     errors.REFUSAL: [
         errors.UnknownOperator, errors.UnknownFunction, errors.BadArguments, errors.SerializationError,
         errors.InvalidKey, errors.PayloadTooLarge, errors.IdempotencyConflict, errors.UndeclaredPortal,
-        errors.Unauthorized, errors.BadRequest, errors.ReservedRequestId, errors.RequestNotFound,
+        errors.Unauthorized, errors.Forbidden, errors.BadRequest, errors.ReservedRequestId, errors.RequestNotFound,
         errors.NotSupported, errors.EpochNotRetained, errors.SQLRejected, errors.SQLSyntaxError,
         errors.SQLTimeout, errors.SQLTooExpensive, errors.SQLResultTooLarge, errors.StateTooLarge,
     ],

@@ -95,11 +95,13 @@ class EngineAbort(TransactionAborted):
 
 
 class UnknownOperator(CharonError):
-    """The request names an operator the application does not define."""
+    """The request names an operator the application does not define (over HTTP: none with a public function)."""
 
 
 class UnknownFunction(CharonError):
-    """The request names a function its operator does not define."""
+    """The request names a function its operator does not define, or, over HTTP, an internal one: functions are
+    internal unless declared ``@op.function(public=True)``, and a client's call of an internal function is answered
+    exactly as one of a missing function (HTTP 404, nothing logged)."""
 
 
 class BadArguments(CharonError):
@@ -202,6 +204,14 @@ class UnknownEffect(EngineAbort):
 
 class Unauthorized(CharonError, PermissionError):
     """The gateway refused the bearer token (missing or wrong)."""
+
+
+class Forbidden(CharonError, PermissionError):
+    """The gateway knows the bearer token but it lacks the scope the route needs (``invoke``, ``read``, ``admin``
+    or ``effects``; :mod:`charon.server.auth`), or the action is not allowed (a code ref outside ``code_refs``).
+    HTTP 403."""
+
+    status: ClassVar[int] = 403
 
 
 class BadRequest(CharonError, ValueError):
@@ -319,6 +329,7 @@ ERRORS: dict[str, type[CharonError]] = {
     "IdempotencyConflict": IdempotencyConflict,
     "PayloadTooLarge": PayloadTooLarge,
     "Unauthorized": Unauthorized,
+    "Forbidden": Forbidden,
     "BadRequest": BadRequest,
     "ReservedRequestId": ReservedRequestId,
     "NotFound": RequestNotFound,

@@ -32,7 +32,8 @@ class Function(Generic[P, R_co]):
     ``await ctx.call(op, key, deposit, 5)`` is an ``int`` for a type checker.
     """
 
-    def __init__(self, operator: Operator, body: Body[P, R_co], *, timeout: float | None = None) -> None:
+    def __init__(self, operator: Operator, body: Body[P, R_co], *, timeout: float | None = None,
+                 public: bool = False) -> None:
         if not inspect.iscoroutinefunction(body):
             raise TypeError(f"{body.__qualname__} must be an `async def` function")
         if timeout is not None and not timeout > 0:
@@ -43,6 +44,11 @@ class Function(Generic[P, R_co]):
         #: this function's time budget in seconds (None: the runtime's ``function_timeout``); see
         #: :mod:`charon.runtime.watchdog`
         self.timeout = timeout
+        #: whether clients may invoke it over HTTP (``@op.function(public=True)``); an internal function (the
+        #: default) runs only when another function calls it (``ctx.call``/``ctx.send``, timers, effect
+        #: continuations) or when trusted in-process code submits it (``InProcessRuntime.invoke``): the gateway
+        #: answers 404 for it, as for a function that does not exist, and leaves it out of its OpenAPI document
+        self.public = bool(public)
         sig = inspect.signature(body)
         params = list(sig.parameters.values())
         if not params:
@@ -161,20 +167,24 @@ class Operator:
         self.functions: dict[str, Function[..., object]] = {}
 
     @typing.overload
-    def function(self, body: Body[P, R], /, *, timeout: float | None = None) -> Function[P, R]: ...
+    def function(self, body: Body[P, R], /, *, timeout: float | None = None, public: bool = False,
+                 ) -> Function[P, R]: ...
 
     @typing.overload
-    def function(self, body: None = None, /, *, timeout: float | None = None,
+    def function(self, body: None = None, /, *, timeout: float | None = None, public: bool = False,
                  ) -> Callable[[Body[P, R]], Function[P, R]]: ...
 
-    def function(self, body: Body[P, R] | None = None, /, *, timeout: float | None = None,
+    def function(self, body: Body[P, R] | None = None, /, *, timeout: float | None = None, public: bool = False,
                  ) -> Function[P, R] | Callable[[Body[P, R]], Function[P, R]]:
         """Decorator registering an ``async def f(ctx, *args)`` as a function of this operator:
-        ``@op.function``, or ``@op.function(timeout=30.0)`` to give it a time budget of its own (seconds it may
-        run without awaiting a call; default: the runtime's ``function_timeout``)."""
+        ``@op.function``, or with options: ``@op.function(public=True)`` makes it an entry point clients may
+        invoke over HTTP (functions are internal by default: only other functions, timers, effect continuations
+        and trusted in-process code run them; the gateway answers 404 for them), ``@op.function(timeout=30.0)``
+        gives it a time budget of its own (seconds it may run without awaiting a call; default: the runtime's
+        ``function_timeout``)."""
         if body is None:
-            return lambda b: self.function(b, timeout=timeout)
-        fn: Function[P, R] = Function(self, body, timeout=timeout)
+            return lambda b: self.function(b, timeout=timeout, public=public)
+        fn: Function[P, R] = Function(self, body, timeout=timeout, public=public)
         if fn.name in self.functions:
             raise ValueError(f"{self.name}.{fn.name} is defined twice")
         self.functions[fn.name] = fn
@@ -273,19 +283,48 @@ class Application:
         return fn
 
     def validate(
-        self, operator: str | Operator, function: str | Function[..., object], args: list | tuple, key: object = None
+        self, operator: str | Operator, function: str | Function[..., object], args: list | tuple, key: object = None,
+        *, public_only: bool = False,
     ) -> Function[..., object]:
         """Check a request before it enters the log: names exist, the key is valid and arguments fit.
 
-        ``key`` is checked with :func:`charon.core.routing.check_key` unless it is ``None``.
+        ``key`` is checked with :func:`charon.core.routing.check_key` unless it is ``None``. ``public_only``: the
+        function must be public (:meth:`exposed`; the gateway's check of a client's call).
         """
         if not isinstance(args, list | tuple):
             raise BadArguments("args must be a list")
-        fn = self.resolve(operator, function)
+        if public_only and type(operator) is str and type(function) is str:
+            fn = self.exposed(operator, function)
+        else:
+            fn = self.resolve(operator, function)
         if key is not None:
             check_key(key)
         fn.check_args(args)
         return fn
+
+    def public_functions(self) -> dict[str, list[str]]:
+        """``{operator: [function, ...]}`` of the functions clients may invoke over HTTP (``public=True``), in name
+        order; operators without one are left out."""
+        out = {name: sorted(f for f, fn in op.functions.items() if fn.public) for name, op in self.operators.items()}
+        return {name: fns for name, fns in sorted(out.items()) if fns}
+
+    def exposed(self, operator: str, function: str) -> Function[..., object]:
+        """The function a client names over HTTP, if it is public (or the built-in batch); otherwise
+        UnknownOperator/UnknownFunction exactly as for a name that does not exist, naming only the public
+        functions (an internal function is not told from a missing one)."""
+        try:
+            fn = self.resolve(operator, function)
+        except (UnknownOperator, UnknownFunction):
+            if type(operator) is not str or type(function) is not str:
+                raise
+            fn = None
+        if fn is not None and fn.public:
+            return fn
+        public = self.public_functions()
+        if operator not in public and operator != BATCH_OPERATOR:
+            raise UnknownOperator(f"unknown operator {operator!r} (have: {', '.join(public)})")
+        have = public.get(operator) or sorted(_batch_operator.functions)
+        raise UnknownFunction(f"operator {operator!r} has no function {function!r} (have: {', '.join(have)})")
 
     def describe(self) -> dict[str, dict[str, list[dict[str, Any]]]]:
         """Operators, their functions and parameters (for OpenAPI and the CLI)."""
@@ -316,7 +355,7 @@ def check_batch(calls: object, max_calls: int = MAX_BATCH_CALLS) -> list[list]:
     return out
 
 
-@_batch_operator.function
+@_batch_operator.function(public=True)  # its calls are checked one by one (the gateway: public ones only)
 async def run(ctx: Any, calls: list) -> list:
     """Run a client's atomic batch: each call in order, each seeing the writes of the ones before it, all
     in this one transaction (so all commit or none: any call that raises aborts the batch)."""

@@ -10,7 +10,7 @@ from charon import Application, Context, Operator
 shelf = Operator("shelf")
 
 
-@shelf.function
+@shelf.function(public=True)
 async def stock(ctx: Context, sku: str, qty: int) -> int:
     """Add ``qty`` of ``sku`` (an item of this shelf); returns the new quantity."""
     n: int = ctx.get_item(sku, 0) + qty
@@ -24,7 +24,7 @@ async def stock(ctx: Context, sku: str, qty: int) -> int:
     return n
 
 
-@shelf.function
+@shelf.function(public=True)
 async def restock_and_list(ctx: Context, skus: list[str], prefix: str) -> list[list[object]]:
     """Stock each sku once, then list the items with ``prefix`` (own writes are visible to the scan)."""
     for s in skus:
@@ -32,13 +32,13 @@ async def restock_and_list(ctx: Context, skus: list[str], prefix: str) -> list[l
     return [[k, v] for k, v in ctx.scan_items(prefix)]
 
 
-@shelf.function
+@shelf.function(public=True)
 async def between(ctx: Context, start: str, stop: str) -> list[list[object]]:
     """Items with names in [start, stop)."""
     return [[k, v] for k, v in ctx.scan_items(start=start, stop=stop)]
 
 
-@shelf.function
+@shelf.function(public=True)
 async def move(ctx: Context, sku: str, to: str, qty: int) -> int:
     """Move stock to another shelf in one transaction (raises, so nothing moves, when short)."""
     left = await ctx.call(shelf, ctx.key, stock, sku, -qty)

@@ -138,7 +138,7 @@ def _nearest(ctx: Context, lat: float, lon: float, n: int) -> list[tuple[str, li
     return rows[:n]
 
 
-@geo.function
+@geo.function(public=True)
 async def search(ctx: Context, lat: float, lon: float, k: int) -> list:
     """The ``k`` nearest hotels with rooms left among the ``2k`` nearest, nearest first: grid range scans widening
     from the point; the ``k`` nearest are asked for their profile, the next ``k`` only if some are sold out."""
@@ -158,7 +158,7 @@ async def search(ctx: Context, lat: float, lon: float, k: int) -> list:
     return found[:k]
 
 
-@geo.function
+@geo.function(public=True)
 async def recommend(ctx: Context, lat: float, lon: float, require: str) -> list:
     """Recommend up to 5 hotels around the point by ``require``: ``"dis"``, ``"rate"`` or ``"price"``."""
     if require == "dis":
@@ -172,7 +172,7 @@ async def recommend(ctx: Context, lat: float, lon: float, require: str) -> list:
     return [p["id"] for p in profs[:5]]
 
 
-@user.function
+@user.function(public=True)
 async def login(ctx: Context, password: str) -> bool:
     """Check the password (raises InvalidLogin) and count the login."""
     u = ctx.get()
@@ -185,7 +185,7 @@ async def login(ctx: Context, password: str) -> bool:
     return True
 
 
-@user.function
+@user.function(public=True)
 async def reserve(ctx: Context, hotel_id: str, flight_id: str) -> dict:
     """Book a room and a seat together: both or neither."""
     u = ctx.get()
@@ -272,7 +272,7 @@ async def add_movie_review(ctx: Context, review_id: str) -> None:
     ctx.put(v)
 
 
-@compose_review.function
+@compose_review.function(public=True)
 async def compose(ctx: Context, username: str, title: str, rating: int, text: str) -> dict:
     """Compose a review (this entity's key is the review id) across the 7 review services."""
     if ctx.get() is not None:

@@ -4,6 +4,9 @@
 while; ``capture`` cancels that timer and pays the held money to another account. Money is conserved
 (balances plus holds), and each release counts its firings in an item, so a timer that fired twice (or a
 hold released twice) shows in the state. Used by the timer tests on both runtimes.
+
+The timer targets ``release`` and ``noted`` are internal (only their timers run them: a client calling
+``release`` would free a hold early); every other function is public (``@op.function(public=True)``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from charon import Application, Context, Operator
 acct = Operator("acct")
 
 
-@acct.function
+@acct.function(public=True)
 async def deposit(ctx: Context, amount: int) -> int:
     """Add ``amount`` to the balance; returns the new balance."""
     b: int = ctx.get(default=0) + amount
@@ -21,7 +24,7 @@ async def deposit(ctx: Context, amount: int) -> int:
     return b
 
 
-@acct.function
+@acct.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     """Move ``amount`` to ``to`` (aborts if the balance is short); returns the new balance."""
     b: int = ctx.get(default=0)
@@ -32,7 +35,7 @@ async def transfer(ctx: Context, to: str, amount: int) -> int:
     return b - amount
 
 
-@acct.function
+@acct.function(public=True)
 async def hold(ctx: Context, tag: str, amount: int, seconds: float) -> str:
     """Hold ``amount`` for ``seconds``, then release it (unless captured); returns the timer id."""
     b = ctx.get(default=0)
@@ -58,7 +61,7 @@ async def release(ctx: Context, tag: str) -> int:
     return n
 
 
-@acct.function
+@acct.function(public=True)
 async def capture(ctx: Context, tag: str, to: str) -> bool:
     """Cancel the hold's timer and pay the held amount to ``to``; False if the hold was released already."""
     h = ctx.get_item("hold:" + tag)
@@ -69,7 +72,7 @@ async def capture(ctx: Context, tag: str, to: str) -> bool:
     return True
 
 
-@acct.function
+@acct.function(public=True)
 async def remind(ctx: Context, to: str, note: str, at: float) -> str:
     """A timer that calls another entity (``to.noted(note)``) at time ``at``; returns its id."""
     return ctx.send_at(at, acct, to, noted, note)
@@ -83,20 +86,20 @@ async def noted(ctx: Context, note: str) -> int:
     return n
 
 
-@acct.function
+@acct.function(public=True)
 async def doomed(ctx: Context, seconds: float) -> None:
     """Register a timer, then abort: the timer must never exist."""
     ctx.send_after(seconds, acct, ctx.key, noted, "doomed")
     raise ValueError("aborted after registering a timer")
 
 
-@acct.function
+@acct.function(public=True)
 async def pending(ctx: Context) -> list[list[object]]:
     """This account's pending timers: [id, due, function] each."""
     return [[t.id, t.due, t.function] for t in ctx.timers()]
 
 
-@acct.function
+@acct.function(public=True)
 async def cancel(ctx: Context, timer: str) -> bool:
     """Cancel one of this account's timers by id."""
     return ctx.cancel_timer(timer)

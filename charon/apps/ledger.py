@@ -12,14 +12,14 @@ from charon import Application, Context, Operator
 account = Operator("account")
 
 
-@account.function
+@account.function(public=True)
 async def balance(ctx: Context) -> int:
     """The account's balance (0 for a new account)."""
     value: int = ctx.get(default=0)
     return value
 
 
-@account.function
+@account.function(public=True)
 async def deposit(ctx: Context, amount: int, note: str = "") -> int:
     """Add ``amount`` (may be negative, not below zero); returns the new balance."""
     new = await ctx.call(account, ctx.key, balance) + amount
@@ -31,7 +31,7 @@ async def deposit(ctx: Context, amount: int, note: str = "") -> int:
     return new
 
 
-@account.function
+@account.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     """Move ``amount`` from this account to ``to`` in one transaction; returns this account's new balance."""
     if amount <= 0 or to == ctx.key:
@@ -41,7 +41,7 @@ async def transfer(ctx: Context, to: str, amount: int) -> int:
     return left
 
 
-@account.function
+@account.function(public=True)
 async def total(ctx: Context, others: list[str]) -> int:
     """This account's balance plus ``others``' balances, read concurrently."""
     mine, first = await ctx.gather(ctx.call(account, ctx.key, balance), ctx.call(account, others[0], balance))
@@ -49,7 +49,7 @@ async def total(ctx: Context, others: list[str]) -> int:
     return mine + first + sum(rest)
 
 
-@account.function(timeout=5.0)  # with arguments, the decorator keeps the signature too
+@account.function(timeout=5.0, public=True)  # with arguments, the decorator keeps the signature too
 async def pay_later(ctx: Context, to: str, amount: int, seconds: float) -> str:
     """Transfer ``amount`` to ``to`` in ``seconds`` (a timer of this account); returns the timer's id."""
     ctx.send(account, to, balance)  # a call whose result is not needed

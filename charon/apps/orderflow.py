@@ -10,6 +10,10 @@
   completes it, or asks ``payments.refund`` when the stock ran out; ``on_refunded`` cancels it.
 
 Each step is its own transaction in its own application; the portals make the whole flow exactly once.
+Clients may invoke only ``orders.place`` and the set-up functions ``wallets.deposit`` and ``stock.restock``
+(``@op.function(public=True)``): the portal targets (``charge``, ``refund``, ``ship``) and the continuations
+(``on_paid``, ``on_shipped``, ``on_refunded``) are internal, so no client can forge a payment's reply or a refund
+(the gateway answers 404 for them, as for a function that does not exist).
 Once settled, every order is ``shipped``, ``rejected`` or ``cancelled``, and money and stock are conserved:
 ``sum(wallets) + sum(amount of shipped orders) == initial money`` and
 ``sum(stock) + sum(qty of shipped orders) == initial stock`` (:func:`check_conservation`).
@@ -33,7 +37,7 @@ FINAL = ("shipped", "rejected", "cancelled")
 wallets = Operator("wallets")
 
 
-@wallets.function
+@wallets.function(public=True)
 async def deposit(ctx: Context, amount: int) -> int:
     """Add ``amount`` to the customer's balance."""
     bal = ctx.get(0) + amount
@@ -70,7 +74,7 @@ payments_app = Application("payments", [wallets], portals={"charge": ("wallets",
 stock = Operator("stock")
 
 
-@stock.function
+@stock.function(public=True)
 async def restock(ctx: Context, qty: int) -> int:
     """Add ``qty`` units of this item."""
     n = ctx.get(0) + qty
@@ -96,7 +100,7 @@ shipping_app = Application("shipping", [stock], portals={"ship": ("stock", "ship
 orders = Operator("orders")
 
 
-@orders.function
+@orders.function(public=True)
 async def place(ctx: Context, customer: str, item: str, qty: int, price: int) -> str:
     """Record the order and ask payments to charge it (the request commits with the order)."""
     if ctx.get() is not None:

@@ -11,6 +11,11 @@ them, so a saga completes or compensates, never both, never neither.
 
 The handlers call ``<CHARON_SAGA_SERVICE_URL>/apply`` with ``{"key": idempotency key, "op", ...}``: an answer 402
 is a decline (a final answer, not retried), a 5xx or a timeout is retried by the executor.
+
+Clients invoke ``orders.place`` (and ``stock.fill`` to set up): both ``@op.function(public=True)``. The effect
+continuations (``on_charged``, ``on_shipped``, ``on_compensated``) and the stock helpers (``reserve``,
+``release``) are internal: only the saga's own steps run them, never a client (a forged ``on_charged`` would ship
+an unpaid order).
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ async def release(ctx: Context, qty: int) -> int:
     return int(ctx.get(0))
 
 
-@stock.function
+@stock.function(public=True)
 async def fill(ctx: Context, qty: int) -> None:
     ctx.put(qty)
 
@@ -97,7 +102,7 @@ def _set(ctx: Context, **changes: Any) -> dict[str, Any]:
     return doc
 
 
-@orders.function
+@orders.function(public=True)
 async def place(ctx: Context, customer: str, item: str, qty: int, amount: int, decline_charge: bool = False,
                 fail_ship: bool = False) -> str:
     """Start the saga: reserve the stock (same transaction), then charge the card (an effect)."""

@@ -194,7 +194,7 @@ async def add_history(ctx: Context, row: dict) -> None:
 # ---------------------------------------------------------------------------------------------- roots
 
 
-@district.function
+@district.function(public=True)
 async def new_order(ctx: Context, c_id: int, lines: list) -> dict:
     """TPC-C NewOrder. ``lines`` = ``[[i_id, supply_w_id, quantity], ...]``; returns ``{o_id, total}``."""
     d = ctx.get()
@@ -236,7 +236,7 @@ async def new_order(ctx: Context, c_id: int, lines: list) -> dict:
     return {"o_id": o_id, "total": total_cents, "c_last": cust["last"], "c_credit": cust["credit"]}
 
 
-@district.function
+@district.function(public=True)
 async def payment(ctx: Context, c_w_id: int, c_d_id: int, c_id: int, c_last: str, amount: int) -> dict:
     """TPC-C Payment at this (home) district; the customer by id, or by last name when ``c_id`` is 0."""
     w_s, d_s = ctx.key.split(":")

@@ -33,7 +33,7 @@ def make_app(remember: str) -> Application:
     defect)."""
     wallet = Operator("wallet")
 
-    @wallet.function
+    @wallet.function(public=True)
     async def credit(ctx: Context, token: str, amount: int) -> int:
         """Credit ``amount`` once per payment ``token``; returns the balance."""
         if remember == "state":
@@ -47,7 +47,7 @@ def make_app(remember: str) -> Application:
         ctx.put(b)
         return b
 
-    @wallet.function
+    @wallet.function(public=True)
     async def pay(ctx: Context, to: str, amount: int) -> int:
         """Move ``amount`` to wallet ``to`` (aborts if short); returns the balance left."""
         b = ctx.get(default=0)

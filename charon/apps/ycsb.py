@@ -16,7 +16,7 @@ class NotEnoughCredit(Exception):
     """The debtor's balance is below the amount."""
 
 
-@account.function
+@account.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     """Move ``amount`` from this account to ``to``; returns this account's new balance."""
     balance = ctx.get(default=0)
@@ -27,13 +27,13 @@ async def transfer(ctx: Context, to: str, amount: int) -> int:
     return balance - amount
 
 
-@account.function
+@account.function(public=True)
 async def deposit(ctx: Context, amount: int) -> None:
     """Add ``amount`` to this account."""
     ctx.put(ctx.get(default=0) + amount)
 
 
-@account.function
+@account.function(public=True)
 async def balance(ctx: Context) -> int:
     """This account's balance."""
     return ctx.get(default=0)

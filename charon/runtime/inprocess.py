@@ -1056,7 +1056,9 @@ class InProcessRuntime(EngineBacked):
 
     async def invoke(self, operator: str | Operator, key: str, function: Any, *args: Any,
                      request_id: str | None = None) -> Any:
-        """Like :meth:`submit` but returns the value; the same errors as the HTTP client's ``invoke``: a request
+        """Like :meth:`submit` but returns the value (any function, internal ones included: code in the operator's
+        own process is trusted; the gateway is where only public functions are let through); the same errors as
+        the HTTP client's ``invoke``: a request
         naming nothing runnable (``UnknownOperator``, ``UnknownFunction``, ``InvalidKey``, ``BadArguments``,
         ``SerializationError``) is refused before it is queued, and any abort inside the call graph, whatever
         raised it (application code or the engine: ``InvocationTimeout``, ``ValueTooLarge``, ...), raises

@@ -1,4 +1,5 @@
-"""The gateway's admin API (every route needs the bearer token), ``/metrics`` and the dashboard.
+"""The gateway's admin API (every route needs a bearer token with its scope: ``read`` for what only reads,
+``admin`` for what changes the deployment; :mod:`charon.server.auth`), ``/metrics`` and the dashboard.
 
 - ``GET /admin/status``: ``{"state": "running"|"pausing"|"paused", "paused", "epoch", "backlog",
   "pause_after", "active_epoch", "engine", "durable", "retained_from", "inflight"}``. ``epoch`` is the last
@@ -101,6 +102,7 @@ from charon.runtime.contract import (
     RescaleBusy,
 )
 from charon.server.audit import audited, note
+from charon.server.auth import Principal
 from charon.server.limits import Slots
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from charon.server.requests_admin import RequestsAdmin
@@ -123,7 +125,7 @@ class AdminGateway(Protocol):
     known_ops: set[str]
     inflight: dict[str, asyncio.Future[Reply]]
 
-    def check_auth(self, request: HTTPRequest) -> None: ...
+    def check_auth(self, request: HTTPRequest, scopes: frozenset[str] | None = None) -> Principal: ...
 
     def check_ready(self) -> None: ...
 

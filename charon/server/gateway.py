@@ -4,7 +4,9 @@ Routes (bodies of mutating routes must be ``application/json`` or ``application/
 empty body without a type means no arguments; every response is JSON unless the request says
 ``Accept: application/msgpack``):
 
-- ``POST /invoke/{operator}/{key}/{function}`` with body ``{"args": [...]}`` runs one transaction.
+- ``POST /invoke/{operator}/{key}/{function}`` with body ``{"args": [...]}`` runs one transaction, if the function
+  is public (``@op.function(public=True)``): an internal one is 404 ``UnknownFunction`` exactly as a missing one
+  (except for an effect worker's continuation: the ``effects`` scope with an ``fx.<effect id>.done`` request id).
   200 ``{"request_id", "tid", "epoch", "position", "value", "status": "committed"}`` when it committed;
   409 ``{"error": {"type", "message"}, "request_id", "tid", "epoch", "position", "status": "aborted"}`` when
   a function in its call graph raised (nothing was applied). Replies ordered by (epoch, position) form a
@@ -41,12 +43,13 @@ empty body without a type means no arguments; every response is JSON unless the 
   including one ``/invoke`` path per function of the application with its parameter names and types.
 
 Everything is checked *before* anything reaches the runtime (and so its input log): the bearer token
-(401), the body size (413, from ``Content-Length`` and again while streaming) and arrival time (408), the
-content type (415), the body syntax and plainness (400: malformed, non-UTF-8 strings, msgpack extension
-types, nesting deeper than ``max_depth``), the URL path (400 unless it percent-decodes to valid UTF-8), the
-key (400 ``InvalidKey``, by :func:`charon.core.routing.check_key`), the operator and function names (404) and the
-arguments' arity and types (422, through ``Application.validate``). Keys may contain ``/`` (the last path
-segment is the function) and any other character ``check_key`` accepts, line breaks included (percent-encoded):
+(401) and its scope for the route (403, :mod:`charon.server.auth`), the body size (413, from ``Content-Length``
+and again while streaming) and arrival time (408), the content type (415), the body syntax and plainness (400:
+malformed, non-UTF-8 strings, msgpack extension types, nesting deeper than ``max_depth``), the URL path (400
+unless it percent-decodes to valid UTF-8), the key (400 ``InvalidKey``, by :func:`charon.core.routing.check_key`),
+the operator and function names (404; a client's call names public functions only) and the arguments' arity and
+types (422, through ``Application.validate``). Keys may contain ``/`` (the last path segment is the function) and
+any other character ``check_key`` accepts, line breaks included (percent-encoded):
 every valid key is addressable by every route. Bodies are decoded with msgspec; nothing is ever unpickled.
 
 Idempotency: a reused ``Idempotency-Key`` with the same operator, key, function and arguments gets the
@@ -68,7 +71,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import inspect
 import logging
 import time
@@ -104,6 +106,20 @@ from charon.messages import RESERVED_ID_PREFIXES, Reply, Request, is_reserved_id
 from charon.operator import BATCH_FUNCTION, BATCH_OPERATOR, batch_request, check_batch
 from charon.runtime.contract import Engine, EngineSource, as_engine
 from charon.server.admin import EffectsAdmin, admin_routes
+from charon.server.audit import note
+from charon.server.auth import (
+    ADMIN,
+    EFFECTS,
+    INVOKE,
+    OPEN_ROUTES,
+    ROUTE_SCOPES,
+    SCOPES_KEY,
+    Principal,
+    Tokens,
+    is_effect_continuation,
+    route_scopes,
+    scoped_route_app,
+)
 from charon.server.http import StrictPath
 from charon.server.lane import DirectInvoke, InvokeLane
 from charon.server.limits import inflight_size, read_body, reply_size
@@ -133,14 +149,15 @@ _log = logging.getLogger("charon.server")
 
 
 class Gateway:
-    def __init__(self, engine: Engine, token: str | None, cfg: GatewayConfig) -> None:
+    def __init__(self, engine: Engine, token: str | None, cfg: GatewayConfig, tokens: Tokens | None = None) -> None:
         self.engine = engine
         self._enqueue = engine.enqueuer()  # the engine's direct entry, if it has one (asked once)
         controls = engine.controls
         # replies name the code version they ran with where code updates exist; by transaction where a compatible
         # update lets two versions run at once (None: no code updates)
         self.versions_by_tid = None if controls is None else "compatible" in controls.code_update_modes
-        self.token = token.encode() if token else None
+        #: who may call which route (charon.server.auth): the all-scope ``token`` and a tokens file's
+        self.auth = tokens if tokens is not None else Tokens(token)
         self.cfg = cfg
         self.max_body = cfg.max_body
         self.wait_timeout = cfg.wait_timeout
@@ -173,19 +190,35 @@ class Gateway:
 
     # ---- helpers
 
-    def check_auth(self, request: HTTPRequest) -> None:
-        if self.token is not None:
-            self.check_token(request.headers.get("authorization", ""))
+    def check_auth(self, request: HTTPRequest, scopes: frozenset[str] | None = None) -> Principal:
+        """Who sent ``request``: 401 without a known bearer token, 403 when it lacks every scope the route
+        accepts (``scopes``, else the route's in :data:`charon.server.auth.ROUTE_SCOPES`; a route without scopes
+        asks for ``admin``). The token's name goes to the route's audit line."""
+        if not self.auth.enabled:
+            return self.auth.authenticate("")
+        header = request.headers.get("authorization", "")
+        if scopes is not None:
+            return self.auth.authorize(header, scopes)
+        who = self.auth.authorize(header, request.scope.get(SCOPES_KEY) or (ADMIN,))
+        note(request, token=who.name)
+        return who
 
-    def check_token(self, header: str) -> None:
-        """401 unless ``header`` (the request's ``Authorization``) carries the bearer token."""
-        if self.token is None:
-            return
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise HTTPError("Unauthorized", "missing bearer token")
-        if not hmac.compare_digest(given.strip().encode(), self.token):
-            raise HTTPError("Unauthorized", "wrong bearer token")
+    def check_token(self, header: str, scopes: frozenset[str] = ROUTE_SCOPES["invoke"]) -> Principal:
+        """The principal of ``header`` (the request's ``Authorization``) if it has one of ``scopes`` (401, 403)."""
+        return self.auth.authorize(header, scopes)
+
+    def check_invoker(self, who: Principal, given: str | None) -> bool:
+        """Whether this invoke may name an internal function (an effect worker's continuation: the ``effects``
+        scope and an ``fx.<effect id>.done`` request id); 403 for a token that may not make it (only the
+        ``effects`` scope uses ``fx.`` request ids; without the ``invoke`` scope, only continuations)."""
+        continuation = who.has(EFFECTS) and is_effect_continuation(given)
+        if given is not None and given.startswith(EFFECT_ID_PREFIX) and not who.has(EFFECTS):
+            raise HTTPError("Forbidden", f"request ids starting with {EFFECT_ID_PREFIX!r} are effect continuations: "
+                            f"the token {who.name!r} lacks the effects scope")
+        if not who.has(INVOKE) and not continuation:
+            raise HTTPError("Forbidden", f"the token {who.name!r} lacks the invoke scope (with the effects scope it "
+                            "submits effect continuations only)")
+        return continuation
 
     async def off_loop(self, method: Callable[..., Any], *args: Any) -> Any:
         """Call a runtime method without blocking the event loop (awaited if it is a coroutine function)."""
@@ -200,27 +233,30 @@ class Gateway:
         """The request's body, within ``max_body`` bytes and ``body_timeout`` seconds (413, 408)."""
         return await read_body(request, self.max_body, self.cfg.body_timeout)
 
-    def validate(self, operator: str, key: str, function: str, args: list[Any]) -> Request:
+    def validate(self, operator: str, key: str, function: str, args: list[Any], public_only: bool = False
+                 ) -> Request:
         """The request, if its names, key and arguments are valid (typed 4xx otherwise).
 
         The one validator of every call a client sends, whatever the route (``/invoke``, each call of a
         ``/batch``, ``/admin/update``): the arguments are plain data (400), the names exist (404), the key is
-        valid (400) and the arguments fit the function (422). A call of the built-in batch operator (a batch
-        nested in a batch, or sent to ``/invoke``) has each of its inner calls validated the same way, and
-        every call at every level counts toward ``max_batch_calls``."""
+        valid (400) and the arguments fit the function (422). ``public_only``: a client's call (``/invoke``,
+        ``/batch``): an internal function is answered 404 as if it did not exist (``Application.exposed``). A call
+        of the built-in batch operator (a batch nested in a batch, or sent to ``/invoke``) has each of its inner
+        calls validated the same way, and every call at every level counts toward ``max_batch_calls``."""
         try:
             serde.check_plain(args, self.cfg.max_depth)
         except SerializationError as exc:
             raise HTTPError("BadRequest", f"malformed body: {exc}") from None
-        self._check_call(operator, key, function, args, [0])
+        self._check_call(operator, key, function, args, [0], public_only)
         try:
             return Request("", operator, key, function, serde.encode(list(args)))
         except SerializationError as exc:  # e.g. an integer msgpack cannot carry
             raise HTTPError("SerializationError", str(exc)) from None
 
-    def _check_call(self, operator: str, key: str, function: str, args: list[Any], count: list[int]) -> None:
+    def _check_call(self, operator: str, key: str, function: str, args: list[Any], count: list[int],
+                    public_only: bool = False) -> None:
         try:
-            self.engine.app.validate(operator, function, args, key=key)
+            self.engine.app.validate(operator, function, args, key=key, public_only=public_only)
         except (UnknownOperator, UnknownFunction, BadArguments, PayloadTooLarge, SerializationError,
                 InvalidKey) as exc:
             raise HTTPError(type(exc).__name__, str(exc) or type(exc).__name__) from None
@@ -237,7 +273,7 @@ class Gateway:
                 raise HTTPError("BadArguments", f"a batch holds at most {cap} calls, nested batches' calls "
                                  "included (max_batch_calls)")
             try:
-                self._check_call(op, k, fn, a, count)
+                self._check_call(op, k, fn, a, count, public_only)
             except HTTPError as exc:
                 raise HTTPError(exc.error_type, f"batch call {i}: {exc.message}", exc.status) from None
 
@@ -463,7 +499,7 @@ class Gateway:
     # ---- endpoints
 
     async def invoke(self, request: HTTPRequest) -> Response:
-        self.check_auth(request)
+        who = self.check_auth(request, ROUTE_SCOPES["invoke"])  # also reached past the router (InvokeLane)
         operator = request.path_params["operator"]
         key = request.path_params["key"]
         function = request.path_params["function"]
@@ -471,8 +507,10 @@ class Gateway:
         if mode not in ("sync", "async"):
             raise HTTPError("BadRequest", "mode must be 'sync' or 'async'")
         given = self.request_id(request)
+        internal = self.check_invoker(who, given)
         body = await self.read_body(request)
-        req, args = self.prepare(operator, key, function, given, request.headers.get("content-type"), body)
+        req, args = self.prepare(operator, key, function, given, request.headers.get("content-type"), body,
+                                 internal)
         if given is not None:
             await self.check_log(req)
         fut = self.start(req, args, fresh=given is None)  # a generated id: a new uuid4
@@ -503,7 +541,8 @@ class Gateway:
                             f"({EFFECT_ID_PREFIX}<app>.<tid>.<inv>.<n>.done)")
         body = await read_body(request, self.continuation_body, self.cfg.body_timeout)
         req, args = self.prepare(request.path_params["operator"], request.path_params["key"],
-                                 request.path_params["function"], rid, request.headers.get("content-type"), body)
+                                 request.path_params["function"], rid, request.headers.get("content-type"), body,
+                                 internal=True)  # a continuation's function is usually internal
         await self.check_log(req)
         fut = self.start(req, args)
         if mode == "async":
@@ -511,11 +550,13 @@ class Gateway:
         return await self.await_reply(request, rid, fut, self.wait_timeout)
 
     def prepare(self, operator: str, key: str, function: str, given: str | None, ctype: str | None,
-                body: bytes) -> tuple[Request, list[Any]]:
+                body: bytes, internal: bool = False) -> tuple[Request, list[Any]]:
         """An invoke's request and arguments from its body (``ctype``: its Content-Type), every check but the
-        input log's (:meth:`check_log`) made: typed 4xx otherwise. ``given``: the client's request id."""
+        input log's (:meth:`check_log`) made: typed 4xx otherwise. ``given``: the client's request id.
+        ``internal``: the function may be internal (an effect continuation, :meth:`check_invoker`); else only a
+        public one is found."""
         args = parse_body(ctype, body)
-        req = self.validate(operator, key, function, args)
+        req = self.validate(operator, key, function, args, public_only=not internal)
         rid = given or uuid.uuid4().hex
         req = Request(rid, req.operator, req.key, req.function, req.args)
         if self.start_error is not None:  # nothing would ever run it (while starting, the log takes it)
@@ -526,15 +567,18 @@ class Gateway:
 
     async def batch(self, request: HTTPRequest) -> Response:
         """A client atomic batch: the calls run in order as one transaction (all commit or none)."""
-        self.check_auth(request)
+        who = self.check_auth(request)
         mode = request.query_params.get("mode", "sync")
         if mode not in ("sync", "async"):
             raise HTTPError("BadRequest", "mode must be 'sync' or 'async'")
         given = self.request_id(request)
+        if given is not None and given.startswith(EFFECT_ID_PREFIX) and not who.has(EFFECTS):
+            self.check_invoker(who, given)  # 403: only effect workers take fx. ids
         calls = parse_args(request, await self.read_body(request), "calls")
         rid = given or uuid.uuid4().hex
         _, function, args = BATCH_OPERATOR, BATCH_FUNCTION, [calls]
-        self.validate(BATCH_OPERATOR, rid, function, args)  # every call, nested ones too (typed 4xx naming it)
+        # every call, nested ones too (typed 4xx naming it); public functions only
+        self.validate(BATCH_OPERATOR, rid, function, args, public_only=True)
         _, function, args = batch_request(calls)
         req = Request(rid, BATCH_OPERATOR, rid, function, serde.encode(args))
         if self.start_error is not None:  # as for invoke: nothing would ever run it
@@ -654,7 +698,7 @@ class Gateway:
 
     async def openapi(self, request: HTTPRequest) -> Response:
         if self._openapi is None:
-            self._openapi = json_encoder.encode(openapi_document(self.engine.app, self.token is not None,
+            self._openapi = json_encoder.encode(openapi_document(self.engine.app, self.auth.enabled,
                                                                  self.has_effects))
         return Response(self._openapi, media_type="application/json")
 
@@ -677,6 +721,7 @@ def create_app(
     runtime: Engine | EngineSource,
     *,
     token: str | None,
+    tokens_file: str | None = None,
     max_body: int | None = None,
     wait_timeout: float | None = None,
     manage_runtime: bool = False,
@@ -690,9 +735,11 @@ def create_app(
     """Build the gateway's ASGI app over ``runtime`` (an :class:`~charon.runtime.contract.Engine`, or a runtime
     that gives one: the gateway uses nothing but the contract).
 
-    ``token``: the bearer token required on every route but ``/health`` and ``/openapi.json`` (``None``
-    disables authentication: development only). ``config``: limits and settings (default
-    :meth:`GatewayConfig.from_env`); ``max_body``, ``wait_timeout`` and ``recent_replies`` override it.
+    ``token``: a bearer token with every scope, required on every route but ``/health``, ``/openapi.json`` and
+    the dashboard's files; ``tokens_file``: a TOML file of named tokens with scopes, re-read when it changes
+    (:mod:`charon.server.auth`). Neither disables authentication (development only). ``config``: limits and
+    settings (default :meth:`GatewayConfig.from_env`); ``max_body``, ``wait_timeout`` and ``recent_replies``
+    override it.
     ``manage_runtime``: start and stop the runtime with the app's lifespan (the runtime then lives on the
     server's event loop, which is what the in-process runtime needs).
     ``background_start``: a blocking ``start`` (the Spark runtime's, ~20 s) runs in a thread while the port
@@ -711,7 +758,7 @@ def create_app(
         if value is not None:
             setattr(cfg, name, value)
     engine = as_engine(runtime)
-    gw = Gateway(engine, token, cfg)
+    gw = Gateway(engine, token, cfg, Tokens(token, tokens_file))
     gw.tracing = (Tracing(tracer_provider, engine.epoch_stats, call_graph_of=_call_graphs(engine),
                           max_function_spans=cfg.otel_function_spans, shared_epochs=cfg.otel_shared_epoch_spans)
                   if tracer_provider is not None
@@ -797,6 +844,10 @@ def create_app(
                                 history_bytes=cfg.metrics_history_bytes)
     gw.has_effects = effects is not None
     routes += admin_routes(gw, gw.metrics, effects)
+    route_scopes(r.name for r in routes)  # every route has its scopes (or is open)
+    for r in routes:
+        if r.name not in OPEN_ROUTES:
+            r.app = scoped_route_app(r.app, ROUTE_SCOPES[r.name])
     async def http_error(request: HTTPRequest, exc: Exception) -> Response:
         # routing errors (no such route, wrong method) in the same typed JSON shape as every other error
         status = getattr(exc, "status_code", 500)

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
     from charon.config import GatewayConfig
     from charon.messages import Request
+    from charon.server.auth import Principal, Tokens
 
 __all__ = ["InvokeLane", "DirectInvoke", "LaneGateway"]
 
@@ -54,17 +55,18 @@ class LaneGateway(Protocol):
     """What the direct path uses of the gateway (:class:`charon.server.gateway.Gateway` provides it): the
     route's checks, in the route's order, and its answers."""
 
-    token: bytes | None
+    auth: Tokens
     cfg: GatewayConfig
     max_body: int
     wait_timeout: float
 
     @property
     def log_inline(self) -> bool: ...
-    def check_token(self, header: str) -> None: ...
+    def check_token(self, header: str, scopes: frozenset[str] = ...) -> Principal: ...
+    def check_invoker(self, who: Principal, given: str | None) -> bool: ...
     def id_of(self, rid: str | None) -> str | None: ...
     def prepare(self, operator: str, key: str, function: str, given: str | None, ctype: str | None,
-                body: bytes) -> tuple[Request, list[Any]]: ...
+                body: bytes, internal: bool = False) -> tuple[Request, list[Any]]: ...
     def check_log_inline(self, req: Request) -> bool: ...
     def start(self, req: Request, args: list[Any], then: Callable[[asyncio.Future[Reply]], None] | None = None,
               fresh: bool = False) -> asyncio.Future[Reply]: ...
@@ -128,7 +130,8 @@ class _Call:
     was answered. Answered, it lets go of its connection (the cycle points back at it: a reference cycle the
     collector would otherwise have to find, a few thousand per second)."""
 
-    __slots__ = ("proto", "cycle", "params", "headers", "given", "rid", "answered", "waiting", "body_timer")
+    __slots__ = ("proto", "cycle", "params", "headers", "given", "internal", "rid", "answered", "waiting",
+                 "body_timer")
 
     def __init__(self, proto: HttpToolsProtocol, cycle: RequestResponseCycle, params: dict[str, str],
                  headers: dict[bytes, bytes]) -> None:
@@ -137,6 +140,7 @@ class _Call:
         self.params = params
         self.headers = headers
         self.given: str | None = None  # the client's request id
+        self.internal = False  # an effect continuation: it may name an internal function (Gateway.check_invoker)
         self.rid = ""  # the request id (given or generated), once the request went to the runtime
         self.answered = False
         self.waiting = False  # for its reply, counted in DirectInvoke._pending
@@ -178,9 +182,9 @@ class DirectInvoke:
         setattr(cycle, "charon_call", call)  # noqa: B010 - an attribute uvicorn's cycle does not declare
         gw = self.gw
         try:  # the route's checks before its body, in its order (auth, request id, declared size)
-            if gw.token is not None:
-                gw.check_token(_text(headers.get(b"authorization", b"")))
+            who = gw.check_token(_text(headers.get(b"authorization", b"")))
             call.given = gw.id_of(_text(headers[b"idempotency-key"]) if b"idempotency-key" in headers else None)
+            call.internal = gw.check_invoker(who, call.given)
             cl = headers.get(b"content-length")
             if cl is not None:
                 try:
@@ -231,7 +235,7 @@ class DirectInvoke:
         try:
             ctype = call.headers.get(b"content-type")
             req, args = gw.prepare(params["operator"], params["key"], params["function"], call.given,
-                                   None if ctype is None else _text(ctype), body)
+                                   None if ctype is None else _text(ctype), body, call.internal)
             fresh = gw.check_log_inline(req) if call.given is not None else True  # a generated id: a new uuid4
             fut = gw.start(req, args, lambda f: self._replied(call, f), fresh)
         except Exception as exc:  # noqa: BLE001 - answered as the route answers it

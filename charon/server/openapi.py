@@ -77,15 +77,18 @@ def _schema_of(tp: Any) -> dict[str, Any]:
     return {}
 
 
-def describe_app(app: Any) -> dict[str, dict[str, list[tuple[str, dict[str, Any]]]]]:
+def describe_app(app: Any, public_only: bool = False) -> dict[str, dict[str, list[tuple[str, dict[str, Any]]]]]:
     """``{operator: {function: [(parameter name, JSON schema), ...]}}`` for the application's functions.
 
-    The first parameter (the ``Context``) is left out.
+    The first parameter (the ``Context``) is left out. ``public_only``: only the functions clients may invoke
+    (``@op.function(public=True)``), and only the operators that have one.
     """
     out: dict[str, dict[str, list[tuple[str, dict[str, Any]]]]] = {}
     for op in _operators(app):
         fns: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         for name, fn in _functions(op).items():
+            if public_only and getattr(fn, "public", False) is not True:
+                continue
             target = _callable_of(fn)
             params: list[tuple[str, dict[str, Any]]] = []
             if target is not None:
@@ -100,7 +103,8 @@ def describe_app(app: Any) -> dict[str, dict[str, list[tuple[str, dict[str, Any]
                             continue  # ctx
                         params.append((p.name, _schema_of(hints.get(p.name, Any))))
             fns[name] = params
-        out[_op_name(op)] = fns
+        if fns or not public_only:
+            out[_op_name(op)] = fns
     return out
 
 
@@ -213,7 +217,7 @@ def openapi_document(app: Any, secured: bool, effects: bool = False) -> dict[str
         )
     }
     operators: dict[str, Any] = {}
-    for op, fns in describe_app(app).items():
+    for op, fns in describe_app(app, public_only=True).items():  # internal functions are not the clients' to call
         operators[op] = {"functions": {}}
         for fn, params in fns.items():
             operators[op]["functions"][fn] = {"parameters": [{"name": n, "schema": s} for n, s in params]}
@@ -356,9 +360,18 @@ def openapi_document(app: Any, secured: bool, effects: bool = False) -> dict[str
     paths.update(admin_paths(security))
     if effects:  # an effect executor runs beside the engine (charon run --effects)
         paths.update(effect_paths(security))
+    if secured:  # every route that asks for a token asks for one of its scopes (charon.server.auth)
+        for item in paths.values():
+            for op in item.values():
+                if isinstance(op, dict) and op.get("security"):
+                    op.setdefault("responses", {}).setdefault("403", err("the token lacks the scope this route needs"))
     return {
         "openapi": "3.1.0",
-        "info": {"title": f"Charon gateway: {getattr(app, 'name', 'app')}", "version": "1"},
+        "info": {"title": f"Charon gateway: {getattr(app, 'name', 'app')}", "version": "1",
+                 "description": "Only the application's public functions (@op.function(public=True)) are listed and "
+                 "invocable. Bearer tokens carry scopes: invoke (/invoke, /batch, /requests), read (state, "
+                 "streams, timers, inspector, SQL, metrics, status), admin (pause, resume, rescale, updates, code, "
+                 "dead letters, effect actions), effects (effect workers' continuations)."},
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

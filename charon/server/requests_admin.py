@@ -26,6 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from charon.runtime.contract import REQUEST_STATUSES, Engine, RequestLog, RequestQuery
+from charon.server.auth import Principal
 from charon.server.wire import HTTPError, guard, respond
 
 __all__ = ["MAX_LIMIT", "RequestsAdmin", "parse_query"]
@@ -38,7 +39,7 @@ _PARAMS = frozenset(_STR_PARAMS + ("epoch_min", "epoch_max", "since", "until", "
 class _Gateway(Protocol):
     engine: Engine
 
-    def check_auth(self, request: HTTPRequest) -> None: ...
+    def check_auth(self, request: HTTPRequest, scopes: frozenset[str] | None = None) -> Principal: ...
 
     async def off_loop(self, method: Callable[[RequestQuery], dict[str, object]],
                        query: RequestQuery) -> dict[str, object]: ...

@@ -76,6 +76,7 @@ def serve(
     sock: socket.socket | None = None,
     on_ready: Callable[[], None] | None = None,
     own_logging: bool = False,
+    tokens_file: str | None = None,
 ) -> None:
     """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it.
 
@@ -87,7 +88,8 @@ def serve(
     :func:`create_app`'s ``background_start``). If it fails, the server stops and :class:`RuntimeStartError`
     is raised. Settings come from ``config`` (default :meth:`GatewayConfig.from_env`); ``max_body`` and
     ``recent_replies`` override it when given. ``own_logging``: the process's logging is set up
-    (:func:`charon.server.logs.setup_logging`); uvicorn's then goes through it.
+    (:func:`charon.server.logs.setup_logging`); uvicorn's then goes through it. ``token`` (every scope) and
+    ``tokens_file`` (named tokens with scopes): :mod:`charon.server.auth`.
     """
     failed: list[str] = []
     fatal: list[str] = []
@@ -120,7 +122,7 @@ def serve(
 
     app = create_app(
         engine, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
-        background_start=True, on_start_failure=start_failed, effects=effects,
+        background_start=True, on_start_failure=start_failed, effects=effects, tokens_file=tokens_file,
     )
     server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level, own_logging))
     listener = sock if sock is not None else bind_socket(host, port)
@@ -191,13 +193,14 @@ class BackgroundServer:
         config: GatewayConfig | None = None,
         effects: EffectsAdmin | None = None,
         tracer_provider: TracerProvider | None = None,
+        tokens_file: str | None = None,
     ) -> None:
         self.runtime = runtime
         self.host = host
         self.port = port or free_port(host)
         self.app = create_app(
             runtime, token=token, max_body=max_body, wait_timeout=wait_timeout, manage_runtime=True, config=config,
-            effects=effects, tracer_provider=tracer_provider,
+            effects=effects, tracer_provider=tracer_provider, tokens_file=tokens_file,
         )
         self.server = uvicorn.Server(uvicorn_config(self.app, host, self.port, self.app.config))
         self.loop: asyncio.AbstractEventLoop | None = None

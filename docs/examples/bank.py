@@ -8,7 +8,7 @@ class NotEnoughCredit(Exception):
     pass
 
 
-@account.function
+@account.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     if amount <= 0:
         raise ValueError("amount must be positive")
@@ -20,7 +20,7 @@ async def transfer(ctx: Context, to: str, amount: int) -> int:
     return balance - amount  # the reply to the client
 
 
-@account.function
+@account.function(public=True)
 async def deposit(ctx: Context, amount: int) -> None:
     ctx.put(ctx.get(default=0) + amount)
 

@@ -4,7 +4,7 @@ from charon import Application, Context, Operator
 acct = Operator("acct")
 
 
-@acct.function
+@acct.function(public=True)
 async def hold(ctx: Context, amount: int, seconds: float) -> str:
     ctx.put(ctx.get(default=0) - amount)
     timer = ctx.send_after(seconds, acct, ctx.key, release, amount)  # or ctx.send_at(unix_time, ...)
@@ -18,7 +18,7 @@ async def release(ctx: Context, amount: int) -> None:  # runs when the timer fir
     ctx.put(ctx.get(default=0) + amount)
 
 
-@acct.function
+@acct.function(public=True)
 async def capture(ctx: Context) -> bool:
     held = ctx.get_item("hold")
     if held is None:

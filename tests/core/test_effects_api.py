@@ -14,7 +14,7 @@ from charon.core.context import EFFECT_STREAM, MAX_VALUE_BYTES
 shop = Operator("shop")
 
 
-@shop.function
+@shop.function(public=True)
 async def buy(ctx: Context, amount: int, fail: bool) -> str:
     ctx.put(amount)
     eid = ctx.effect("charge", ctx.key, amount, then=paid, carry=[amount], timeout=2.0, attempts=3)
@@ -23,12 +23,12 @@ async def buy(ctx: Context, amount: int, fail: bool) -> str:
     return eid
 
 
-@shop.function
+@shop.function(public=True)
 async def paid(ctx: Context, result: dict, amount: int) -> None:
     ctx.put_item("paid", [result, amount])
 
 
-@shop.function
+@shop.function(public=True)
 async def bad(ctx: Context, what: str) -> None:
     if what == "handler":
         ctx.effect("no_such_handler", then=paid)
@@ -100,7 +100,7 @@ def test_run_refuses_effects_without_an_engine_here() -> None:
     assert r.exit_code != 0 and "--effects runs beside the engine" in r.output
 
 
-@shop.function
+@shop.function(public=True)
 async def buy_two(ctx: Context, amount: int) -> list:
     """Two effects, a callee's effect, and one that aborts: the ids and events the oracle must reproduce."""
     a = ctx.effect("charge", ctx.key, amount, then=paid, carry=[amount])

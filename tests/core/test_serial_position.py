@@ -30,7 +30,7 @@ class NotEnough(Exception):
     pass
 
 
-@acct.function
+@acct.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     balance = ctx.get(default=0)
     if balance < amount:
@@ -40,14 +40,14 @@ async def transfer(ctx: Context, to: str, amount: int) -> int:
     return balance - amount
 
 
-@acct.function
+@acct.function(public=True)
 async def deposit(ctx: Context, amount: int) -> int:
     v = ctx.get(default=0) + amount
     ctx.put(v)
     return v
 
 
-@acct.function
+@acct.function(public=True)
 async def route(ctx: Context, base: str) -> int:
     """The callee's key depends on the state read: the read/write set changes when the state does."""
     v = ctx.get(default=0)
@@ -56,25 +56,25 @@ async def route(ctx: Context, base: str) -> int:
     return r
 
 
-@acct.function
+@acct.function(public=True)
 async def setall(ctx: Context, v: int, other: str) -> int:
     ctx.put(v)
     await ctx.call(acct, other, "setv", v * 2)
     return 0
 
 
-@acct.function
+@acct.function(public=True)
 async def setv(ctx: Context, v: int) -> int:
     ctx.put(v)
     return 0
 
 
-@acct.function
+@acct.function(public=True)
 async def getv(ctx: Context) -> int:
     return ctx.get(default=0)
 
 
-@acct.function
+@acct.function(public=True)
 async def write_if_big(ctx: Context, other: str) -> int:
     x = ctx.get(default=0)
     v = await ctx.call(acct, other, "getv")
@@ -83,7 +83,7 @@ async def write_if_big(ctx: Context, other: str) -> int:
     return x
 
 
-@acct.function
+@acct.function(public=True)
 async def audit(ctx: Context, keys: list) -> int:
     values = await ctx.gather(*(ctx.call(acct, k, "getv") for k in keys))
     ctx.send(acct, keys[0], "deposit", 0)

@@ -78,13 +78,13 @@ def test_state_reads_do_not_show_the_engines_timer_entries() -> None:
 
     acct = Operator("acct")
 
-    @acct.function
+    @acct.function(public=True)
     async def later(ctx: Context) -> None:
         ctx.put(1)
         ctx.put_item("mine", 2)
         ctx.send_after(3600, acct, ctx.key, noop)
 
-    @acct.function
+    @acct.function(public=True)
     async def noop(ctx: Context) -> None:
         pass
 

@@ -32,7 +32,7 @@ FAR = 10_000_000.0  # a timer's delay: it never fires during the test
 acct = Operator("acct")
 
 
-@acct.function
+@acct.function(public=True)
 async def write(ctx: Context, n: int) -> int:
     """Set the value, an item, a timer and an event: every kind of committed output."""
     ctx.put(n)
@@ -42,13 +42,13 @@ async def write(ctx: Context, n: int) -> int:
     return n
 
 
-@acct.function
+@acct.function(public=True)
 async def read(ctx: Context) -> Any:
     """The committed value, as a transaction of the next epoch sees it."""
     return ctx.get()
 
 
-@acct.function
+@acct.function(public=True)
 async def touch(ctx: Context) -> str:
     """An admin update's function: names the entity it ran on."""
     return ctx.key

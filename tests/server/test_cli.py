@@ -34,14 +34,14 @@ class Broke(Exception):
     """Raised by ``wallet.spend`` when the balance is too low."""
 
 
-@wallet.function
+@wallet.function(public=True)
 async def top_up(ctx: Context, amount: int) -> int:
     value = ctx.get(default=0) + amount
     ctx.put(value)
     return value
 
 
-@wallet.function
+@wallet.function(public=True)
 async def spend(ctx: Context, amount: int) -> int:
     value = ctx.get(default=0)
     if value < amount:
@@ -58,7 +58,7 @@ APP_SOURCE = textwrap.dedent(
 
     wallet = Operator("wallet")
 
-    @wallet.function
+    @wallet.function(public=True)
     async def top_up(ctx: Context, amount: int) -> int:
         value = ctx.get(default=0) + amount
         ctx.put(value)

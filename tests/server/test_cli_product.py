@@ -267,19 +267,19 @@ def test_sql_through_a_running_gateway() -> None:
 remind = Operator("remind")
 
 
-@remind.function
+@remind.function(public=True)
 async def note(ctx: Context, text: str) -> str:
     ctx.put_item("text", text)
     ctx.send_after(3600, remind, ctx.key, "ping")  # pending for an hour: an internal item of this entity
     return text
 
 
-@remind.function
+@remind.function(public=True)
 async def ping(ctx: Context) -> None:
     return None
 
 
-@remind.function
+@remind.function(public=True)
 async def alarm_only(ctx: Context) -> None:
     ctx.send_after(3600, remind, ctx.key, "ping")  # no value, no item of its own: only the timer
 

@@ -46,7 +46,7 @@ class TooMuch(Exception):
     """Raised by ``counter.add`` when asked to add more than 1000."""
 
 
-@counter.function
+@counter.function(public=True)
 async def add(ctx: Context, n: int) -> int:
     if n > 1000:
         raise TooMuch(f"{n} is more than 1000")
@@ -55,7 +55,7 @@ async def add(ctx: Context, n: int) -> int:
     return value
 
 
-@counter.function
+@counter.function(public=True)
 async def echo(ctx: Context, payload: Any) -> Any:
     return payload
 

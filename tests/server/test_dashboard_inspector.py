@@ -28,7 +28,7 @@ class AccountFrozen(Exception):
     """The receiving account takes no deposits."""
 
 
-@account.function
+@account.function(public=True)
 async def deposit(ctx: Context, amount: int) -> int:
     if ctx.key.startswith("frozen"):
         raise AccountFrozen(f"account {ctx.key} is frozen")
@@ -36,7 +36,7 @@ async def deposit(ctx: Context, amount: int) -> int:
     return int(ctx.get())
 
 
-@account.function
+@account.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     balance = ctx.get(default=0)
     ctx.put(balance - amount)

@@ -30,25 +30,25 @@ class NotEnoughCredit(Exception):
     """Raised by ``account.transfer`` after the callee already deposited."""
 
 
-@counter.function
+@counter.function(public=True)
 async def incr(ctx: Context, n: int) -> int:
     value = ctx.get(default=0) + n
     ctx.put(value)
     return value
 
 
-@counter.function
+@counter.function(public=True)
 async def echo(ctx: Context, payload: Any) -> list:
     return [ctx.key, payload]
 
 
-@counter.function
+@counter.function(public=True)
 async def boom(ctx: Context, message: str) -> None:
     ctx.put(-1)
     raise Boom(message)
 
 
-@account.function
+@account.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     balance = ctx.get(default=0)
     ctx.put(balance - amount)
@@ -58,7 +58,7 @@ async def transfer(ctx: Context, to: str, amount: int) -> int:
     return balance - amount
 
 
-@account.function
+@account.function(public=True)
 async def deposit(ctx: Context, amount: int) -> int:
     value = ctx.get(default=0) + amount
     ctx.put(value)

@@ -31,13 +31,13 @@ class Rejected(Exception):
     """A function's own abort (409, not 5xx)."""
 
 
-@item.function
+@item.function(public=True)
 async def store(ctx: Context, value: Any) -> Any:
     ctx.put(value)
     return value
 
 
-@item.function
+@item.function(public=True)
 async def add(ctx: Context, n: int, label: str = "") -> int:
     v = ctx.get(default=0) + n
     if v < 0:
@@ -46,18 +46,18 @@ async def add(ctx: Context, n: int, label: str = "") -> int:
     return v
 
 
-@item.function
+@item.function(public=True)
 async def tag(ctx: Context, name: str, values: list[int], extra: dict[str, float]) -> list:
     ctx.put_item(name, values)
     return ctx.scan_items()
 
 
-@item.function
+@item.function(public=True)
 async def link(ctx: Context, other: str) -> Any:
     return await ctx.call(item, other, store, ctx.key)
 
 
-@item.function
+@item.function(public=True)
 async def nothing(ctx: Context) -> None:
     return None
 

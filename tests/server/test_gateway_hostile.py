@@ -30,20 +30,20 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 box = Operator("box")
 
 
-@box.function
+@box.function(public=True)
 async def put(ctx: Context, value: Any) -> Any:
     ctx.put(value)
     return value
 
 
-@box.function
+@box.function(public=True)
 async def add(ctx: Context, n: int) -> int:
     v = ctx.get(default=0) + n
     ctx.put(v)
     return v
 
 
-@box.function
+@box.function(public=True)
 async def ping(ctx: Context) -> str:
     return "pong"
 

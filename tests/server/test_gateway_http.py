@@ -18,7 +18,7 @@ from charon.server.serve import BackgroundServer
 box = Operator("box")
 
 
-@box.function
+@box.function(public=True)
 async def put(ctx: Any, v: int) -> int:
     ctx.put(v)
     return v

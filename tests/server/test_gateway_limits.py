@@ -22,7 +22,7 @@ from charon.runtime.inprocess import InProcessRuntime
 
 c = Operator("c")
 
-@c.function
+@c.function(public=True)
 async def incr(ctx: Context, n: int) -> int:
     v = ctx.get(default=0) + n
     ctx.put(v)

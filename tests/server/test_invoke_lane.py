@@ -23,14 +23,14 @@ TOKEN = "lane-token"
 box = Operator("box")
 
 
-@box.function
+@box.function(public=True)
 async def add(ctx: Context, n: int) -> int:
     v = ctx.get(default=0) + n
     ctx.put(v)
     return v
 
 
-@box.function
+@box.function(public=True)
 async def fail(ctx: Context, why: str) -> None:
     raise ValueError(why)
 

@@ -19,19 +19,19 @@ TOKEN = "sq1-internal"
 remind = Operator("remind")
 
 
-@remind.function
+@remind.function(public=True)
 async def note(ctx: Context, text: str) -> str:
     ctx.put_item("text", text)
     ctx.send_after(3600, remind, ctx.key, "ping")  # pending for an hour: an internal entry of this entity
     return text
 
 
-@remind.function
+@remind.function(public=True)
 async def ping(ctx: Context) -> None:
     return None
 
 
-@remind.function
+@remind.function(public=True)
 async def alarm_only(ctx: Context) -> None:
     ctx.send_after(3600, remind, ctx.key, "ping")  # nothing of its own: only the timer
 

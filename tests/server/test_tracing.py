@@ -44,12 +44,12 @@ def _bank() -> Application:
     the payer, then ``acct.deposit`` on the payee: a call graph of three functions."""
     acct, bank = Operator("acct"), Operator("bank")
 
-    @acct.function
+    @acct.function(public=True)
     async def deposit(ctx: Context, amount: int) -> int:
         ctx.put(ctx.get(default=0) + amount)
         return int(ctx.get())
 
-    @acct.function
+    @acct.function(public=True)
     async def withdraw(ctx: Context, amount: int) -> int:
         b = ctx.get(default=0)
         if b < amount:
@@ -57,7 +57,7 @@ def _bank() -> Application:
         ctx.put(b - amount)
         return b - amount
 
-    @bank.function
+    @bank.function(public=True)
     async def transfer(ctx: Context, src: str, dst: str, amount: int) -> int:
         left = await ctx.call(acct, src, "withdraw", amount)
         await ctx.call(acct, dst, "deposit", amount)

@@ -12,7 +12,7 @@ class NotEnoughCredit(Exception):
     pass
 
 
-@account.function
+@account.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     balance = ctx.get(default=0)
     if balance < amount:
@@ -22,12 +22,12 @@ async def transfer(ctx: Context, to: str, amount: int) -> int:
     return balance - amount
 
 
-@account.function
+@account.function(public=True)
 async def deposit(ctx: Context, amount: int) -> None:
     ctx.put(ctx.get(default=0) + amount)
 
 
-@account.function
+@account.function(public=True)
 async def incr(ctx: Context) -> int:
     # exactly-once probe: every execution adds 1
     n = ctx.get(default=0) + 1
@@ -35,51 +35,51 @@ async def incr(ctx: Context) -> int:
     return n
 
 
-@kv.function
+@kv.function(public=True)
 async def set(ctx: Context, value: Any) -> Any:
     ctx.put(value)
     return value
 
 
-@kv.function
+@kv.function(public=True)
 async def put_item(ctx: Context, name: str, value: Any) -> None:
     ctx.put_item(name, value)
 
 
-@kv.function
+@kv.function(public=True)
 async def items(ctx: Context) -> list:
     return [[n, v] for n, v in ctx.scan_items()]
 
 
-@kv.function
+@kv.function(public=True)
 async def echo(ctx: Context, value: Any) -> Any:
     return value
 
 
-@kv.function
+@kv.function(public=True)
 async def big_put(ctx: Context, n: int) -> int:
     ctx.put("x" * n)
     return n
 
 
-@kv.function
+@kv.function(public=True)
 async def big_item(ctx: Context, n: int) -> int:
     ctx.put_item("blob", "x" * n)
     return n
 
 
-@kv.function
+@kv.function(public=True)
 async def big_return(ctx: Context, n: int) -> str:
     return "x" * n
 
 
-@kv.function
+@kv.function(public=True)
 async def big_callee(ctx: Context, n: int) -> int:
     value = await ctx.call(kv, ctx.key + "-callee", big_return, n)
     return len(value)
 
 
-@kv.function
+@kv.function(public=True)
 async def emit(ctx: Context, value: Any) -> None:
     ctx.emit("ticks", value)
 

@@ -8,7 +8,7 @@ from charon import Application, Context, Operator
 account_v1 = Operator("account")
 
 
-@account_v1.function
+@account_v1.function(public=True)
 async def deposit(ctx: Context, amount: int) -> list:
     """v1: an int balance."""
     value = ctx.get(default=0)
@@ -23,7 +23,7 @@ v1 = Application("bank", [account_v1])
 account_v2 = Operator("account")
 
 
-@account_v2.function  # type: ignore[no-redef]
+@account_v2.function(public=True)  # type: ignore[no-redef]
 async def deposit(ctx: Context, amount: int) -> list:  # noqa: F811
     """v2: a record with a currency (requires the migration)."""
     value = ctx.get()
@@ -34,7 +34,7 @@ async def deposit(ctx: Context, amount: int) -> list:  # noqa: F811
     return ["v2", value["balance"]]
 
 
-@account_v2.function
+@account_v2.function(public=True)
 async def migrate(ctx: Context, currency: str) -> None:
     """Convert an int balance to a record (idempotent)."""
     value = ctx.get(default=0)
@@ -49,12 +49,12 @@ v2 = Application("bank", [account_v2])
 def _compatible(label: str) -> Application:
     op = Operator("acct")
 
-    @op.function
+    @op.function(public=True)
     async def deposit(ctx: Context, amount: int) -> str:
         ctx.put(ctx.get(default=0) + amount)
         return label
 
-    @op.function
+    @op.function(public=True)
     async def route(ctx: Context, base: str) -> list:
         """The callee depends on the state read, so contended runs defer some transactions."""
         v = ctx.get(default=0)
@@ -62,7 +62,7 @@ def _compatible(label: str) -> Application:
         ctx.put(v + 1)
         return [label, callee]
 
-    @op.function
+    @op.function(public=True)
     async def transfer(ctx: Context, to: str, amount: int) -> list:
         ctx.put(ctx.get(default=0) - amount)
         callee = await ctx.call(op, to, "deposit", amount)

@@ -10,7 +10,7 @@ from charon import Application, Context, Operator
 def _version(label: str) -> Application:
     acct = Operator("acct")
 
-    @acct.function
+    @acct.function(public=True)
     async def deposit(ctx: Context, amount: int) -> list:
         """Add ``amount``, emit ``[key, amount]`` on ``deposits``; returns ``[version, balance]``."""
         b = ctx.get(default=0) + amount
@@ -18,7 +18,7 @@ def _version(label: str) -> Application:
         ctx.emit("deposits", [ctx.key, amount])
         return [label, b]
 
-    @acct.function
+    @acct.function(public=True)
     async def transfer(ctx: Context, to: str, amount: int) -> int:
         """Move ``amount`` to ``to`` (aborts with ValueError when the balance is short); returns the balance."""
         b = ctx.get(default=0)
@@ -28,7 +28,7 @@ def _version(label: str) -> Application:
         await ctx.call(acct, to, "deposit", amount)
         return b - amount
 
-    @acct.function
+    @acct.function(public=True)
     async def hold(ctx: Context, tag: str, amount: int, seconds: float) -> str:
         """Take ``amount`` into a hold released by a timer after ``seconds``; returns the timer id."""
         b = ctx.get(default=0)
@@ -39,7 +39,7 @@ def _version(label: str) -> Application:
         ctx.put_item("hold:" + tag, amount)
         return timer
 
-    @acct.function
+    @acct.function(public=True)
     async def release(ctx: Context, tag: str, amount: int) -> int:
         """The hold's timer: give ``amount`` back and count this tag's firings in an item."""
         n = ctx.get_item("fired:" + tag, 0) + 1

@@ -13,20 +13,20 @@ from charon import Application, Context, Operator
 acct = Operator("acct")
 
 
-@acct.function
+@acct.function(public=True)
 async def pay(ctx: Context, amount: int, timeout: float = 5.0, attempts: int = 50) -> str:
     ctx.put({"amount": amount, "state": "charging"})
     return ctx.effect("charge", ctx.key, amount, then=charged, carry=[amount], timeout=timeout, attempts=attempts)
 
 
-@acct.function
+@acct.function(public=True)
 async def pay_sync(ctx: Context, amount: int, timeout: float, attempts: int) -> str:
     ctx.put({"amount": amount, "state": "charging"})
     return ctx.effect("charge_sync", ctx.key, amount, then=charged, carry=[amount], timeout=timeout,
                       attempts=attempts)
 
 
-@acct.function
+@acct.function(public=True)
 async def charged(ctx: Context, result: dict, amount: int) -> None:
     runs = ctx.get({}).get("runs", 0) + 1  # how often the continuation ran (exactly once is the point)
     ctx.put({"amount": amount, "state": "paid" if result["ok"] else "failed", "result": result, "runs": runs})

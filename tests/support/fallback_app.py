@@ -13,25 +13,25 @@ acct = Operator("acct")
 P = 2
 
 
-@acct.function
+@acct.function(public=True)
 async def setall(ctx: Context, v: int, other: str) -> int:
     ctx.put(v)
     await ctx.call(acct, other, "setv", v * 2)
     return 0
 
 
-@acct.function
+@acct.function(public=True)
 async def setv(ctx: Context, v: int) -> int:
     ctx.put(v)
     return 0
 
 
-@acct.function
+@acct.function(public=True)
 async def getv(ctx: Context) -> int:
     return ctx.get(default=0)
 
 
-@acct.function
+@acct.function(public=True)
 async def write_if_big(ctx: Context, other: str) -> int:
     """Writes its own entity only when the state says so: the dry run may only read it."""
     x = ctx.get(default=0)
@@ -41,7 +41,7 @@ async def write_if_big(ctx: Context, other: str) -> int:
     return 0
 
 
-@acct.function
+@acct.function(public=True)
 async def copy_from(ctx: Context, other: str) -> int:
     """Stores what another entity returns (invalid where that value changed, valid here)."""
     v = await ctx.call(acct, other, "getv")
@@ -49,7 +49,7 @@ async def copy_from(ctx: Context, other: str) -> int:
     return v
 
 
-@acct.function
+@acct.function(public=True)
 async def bump_remote(ctx: Context, other: str) -> int:
     """Reads its own entity and writes another one with the value read plus one."""
     x = ctx.get(default=0)

@@ -11,7 +11,7 @@ from charon import Application, Context, Operator
 orders = Operator("orders")
 
 
-@orders.function
+@orders.function(public=True)
 async def place(ctx: Context, amount: int) -> str:
     ctx.put({"state": "charging", "amount": amount})
     return ctx.effect("charge", amount, then=on_charged, carry=[amount], timeout=5.0, attempts=3)
@@ -24,7 +24,7 @@ async def on_charged(ctx: Context, result: dict, amount: int) -> None:
              "error_type": result.get("error_type", "")})
 
 
-@orders.function
+@orders.function(public=True)
 async def big(ctx: Context, size: int) -> str:
     ctx.put({"state": "waiting"})
     return ctx.effect("bigresult", size, then=on_big, carry=[size], timeout=10.0, attempts=2)
@@ -37,12 +37,12 @@ async def on_big(ctx: Context, result: dict, size: int) -> None:
              "len": len(result["value"]) if result["ok"] else -1})
 
 
-@orders.function
+@orders.function(public=True)
 async def noop(ctx: Context) -> int:
     return 0
 
 
-@orders.function
+@orders.function(public=True)
 async def peek(ctx: Context) -> object:
     return ctx.get()
 

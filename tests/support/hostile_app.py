@@ -9,14 +9,14 @@ from charon import Application, Context, Operator
 acc = Operator("acc")
 
 
-@acc.function
+@acc.function(public=True)
 async def deposit(ctx: Context, amount: int) -> int:
     v = ctx.get(default=0) + amount
     ctx.put(v)
     return v
 
 
-@acc.function
+@acc.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int) -> int:
     balance = ctx.get(default=0)
     if balance < amount:
@@ -26,31 +26,31 @@ async def transfer(ctx: Context, to: str, amount: int) -> int:
     return balance - amount
 
 
-@acc.function
+@acc.function(public=True)
 async def balance(ctx: Context) -> int:
     return ctx.get(default=0)
 
 
-@acc.function
+@acc.function(public=True)
 async def spin(ctx: Context) -> None:
     ctx.put(-1)
     while True:
         pass
 
 
-@acc.function
+@acc.function(public=True)
 async def spin_callee(ctx: Context, other: str) -> None:
     ctx.put(-2)
     await ctx.call(acc, other, spin)
 
 
-@acc.function(timeout=0.5)
+@acc.function(timeout=0.5, public=True)
 async def sleepy(ctx: Context, seconds: float) -> str:
     time.sleep(seconds)  # blocked in C: cannot be interrupted until it returns
     return "slept"
 
 
-@acc.function
+@acc.function(public=True)
 async def spin_if_set(ctx: Context) -> int:
     """Spins only when the entity holds 1 (in an epoch where a lower transaction set it, only its fallback rerun
     sees that)."""
@@ -61,23 +61,23 @@ async def spin_if_set(ctx: Context) -> int:
     return v
 
 
-@acc.function
+@acc.function(public=True)
 async def set_one(ctx: Context) -> None:
     ctx.put(1)
 
 
-@acc.function
+@acc.function(public=True)
 async def blob(ctx: Context, data: str) -> int:
     """Takes a large argument (the paused-flood scenario); keeps nothing."""
     return len(data)
 
 
-@acc.function
+@acc.function(public=True)
 async def boom(ctx: Context) -> None:
     raise RuntimeError("boom")
 
 
-@acc.function
+@acc.function(public=True)
 async def die(ctx: Context) -> None:
     """Kills the process running it (as a crash in a C extension or an out-of-memory kill would)."""
     import os

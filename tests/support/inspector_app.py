@@ -12,7 +12,7 @@ class Overdrawn(Exception):
     """The account has less than the amount."""
 
 
-@account.function
+@account.function(public=True)
 async def withdraw(ctx: Context, amount: int) -> int:
     balance = ctx.get(default=0)
     if balance < amount:
@@ -21,18 +21,18 @@ async def withdraw(ctx: Context, amount: int) -> int:
     return balance - amount
 
 
-@account.function
+@account.function(public=True)
 async def deposit(ctx: Context, amount: int) -> int:
     ctx.put(ctx.get(default=0) + amount)
     return ctx.get()
 
 
-@account.function
+@account.function(public=True)
 async def notify(ctx: Context, note: str) -> None:
     ctx.put_item("last_note", note)
 
 
-@bank.function
+@bank.function(public=True)
 async def transfer(ctx: Context, frm: str, to: str, amount: int) -> list[int]:
     """Withdraw from ``frm``, deposit to ``to`` (two calls), tell ``to`` (a send)."""
     left = await ctx.call(account, frm, withdraw, amount)
@@ -41,7 +41,7 @@ async def transfer(ctx: Context, frm: str, to: str, amount: int) -> list[int]:
     return [left, now]
 
 
-@bank.function
+@bank.function(public=True)
 async def fail(ctx: Context, why: str) -> None:
     raise ValueError(why)  # ROOT-RAISES
 

@@ -6,7 +6,7 @@ from charon import Application, Context, Operator
 acct = Operator("acct")
 
 
-@acct.function
+@acct.function(public=True)
 async def pay(ctx: Context, to: str, tag: str) -> list:
     """Count ``tag`` here and at ``to``; returns [this tag's count here, payments seen here]."""
     n = ctx.get_item(tag, 0) + 1
@@ -17,13 +17,13 @@ async def pay(ctx: Context, to: str, tag: str) -> list:
     return [n, total]
 
 
-@acct.function
+@acct.function(public=True)
 async def receive(ctx: Context, tag: str) -> None:
     """Count ``tag`` as received."""
     ctx.put_item("in:" + tag, ctx.get_item("in:" + tag, 0) + 1)
 
 
-@acct.function
+@acct.function(public=True)
 async def fail(ctx: Context, tag: str) -> None:
     """Write, then abort: nothing of it may survive."""
     ctx.put_item(tag, 99)

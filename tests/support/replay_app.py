@@ -13,19 +13,19 @@ acct = Operator("acct")
 s = Operator("s")
 
 
-@acct.function
+@acct.function(public=True)
 async def getv(ctx: Context) -> int:
     return ctx.get(default=0)
 
 
-@acct.function
+@acct.function(public=True)
 async def add(ctx: Context, n: int) -> int:
     v = ctx.get(default=0) + n
     ctx.put(v)
     return v
 
 
-@acct.function
+@acct.function(public=True)
 async def early(ctx: Context, k: str) -> int:
     """A callee that itself creates a call, sends, and awaits later (nested suspension)."""
     c = ctx.call(acct, f"{k}.B", add, 1)
@@ -34,7 +34,7 @@ async def early(ctx: Context, k: str) -> int:
     return await c + ctx.get()
 
 
-@s.function
+@s.function(public=True)
 async def early_send(ctx: Context) -> int:
     k = ctx.key
     c = ctx.call(acct, f"{k}.B", getv)
@@ -42,7 +42,7 @@ async def early_send(ctx: Context) -> int:
     return await c
 
 
-@s.function
+@s.function(public=True)
 async def early_read(ctx: Context) -> list:
     k = ctx.key
     c1 = ctx.call(acct, f"{k}.B", getv)
@@ -53,7 +53,7 @@ async def early_read(ctx: Context) -> list:
     return [a, b, v1, v2]
 
 
-@s.function
+@s.function(public=True)
 async def early_write(ctx: Context) -> int:
     k = ctx.key
     c = ctx.call(acct, f"{k}.B", add, 1)
@@ -63,7 +63,7 @@ async def early_write(ctx: Context) -> int:
     return ctx.get()
 
 
-@s.function
+@s.function(public=True)
 async def reversed_awaits(ctx: Context) -> list:
     k = ctx.key
     c1 = ctx.call(acct, f"{k}.B", add, 1)
@@ -74,7 +74,7 @@ async def reversed_awaits(ctx: Context) -> list:
     return [v1, v2, ctx.get_item("between")]
 
 
-@s.function
+@s.function(public=True)
 async def await_twice(ctx: Context) -> list:
     k = ctx.key
     c = ctx.call(acct, f"{k}.B", add, 1)
@@ -85,7 +85,7 @@ async def await_twice(ctx: Context) -> list:
     return [v1, v2, v3, v4]
 
 
-@s.function
+@s.function(public=True)
 async def created_before_suspension(ctx: Context) -> list:
     k = ctx.key
     c1 = ctx.call(acct, f"{k}.B", add, 1)
@@ -96,7 +96,7 @@ async def created_before_suspension(ctx: Context) -> list:
     return [v1, v2, a]
 
 
-@s.function
+@s.function(public=True)
 async def never_awaited(ctx: Context) -> list:
     k = ctx.key
     c0 = ctx.call(acct, f"{k}.B", add, 1000)  # created first, awaited only at the end
@@ -108,7 +108,7 @@ async def never_awaited(ctx: Context) -> list:
     return [v, int(r * 1000), int(ctx.random() * 1000), late]
 
 
-@s.function
+@s.function(public=True)
 async def gather_early(ctx: Context) -> list:
     k = ctx.key
     c1 = ctx.call(acct, f"{k}.B", add, 1)
@@ -123,7 +123,7 @@ async def gather_early(ctx: Context) -> list:
     return [a, b, vals, more, dup]
 
 
-@s.function
+@s.function(public=True)
 async def random_between(ctx: Context) -> list:
     k = ctx.key
     c = ctx.call(acct, f"{k}.B", getv)
@@ -135,7 +135,7 @@ async def random_between(ctx: Context) -> list:
     return [int(r * 1000), int(r2 * 1000), v]
 
 
-@s.function
+@s.function(public=True)
 async def scan_between(ctx: Context) -> list:
     k = ctx.key
     c = ctx.call(acct, f"{k}.B", add, 1)
@@ -146,7 +146,7 @@ async def scan_between(ctx: Context) -> list:
     return [len(first), len(second), v]
 
 
-@s.function
+@s.function(public=True)
 async def finally_block(ctx: Context) -> list:
     k = ctx.key
     c1 = ctx.call(acct, f"{k}.B", add, 1)
@@ -159,7 +159,7 @@ async def finally_block(ctx: Context) -> list:
     return [v, w, ctx.get_item("fin")]
 
 
-@s.function
+@s.function(public=True)
 async def nested(ctx: Context) -> list:
     k = ctx.key
     c = ctx.call(acct, f"{k}.D", add, 7)

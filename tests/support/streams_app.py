@@ -5,7 +5,7 @@ from charon import Application, Context, Operator
 acct = Operator("acct")
 
 
-@acct.function
+@acct.function(public=True)
 async def transfer(ctx: Context, to: str, amount: int, tag: str) -> int:
     """Move ``amount`` to ``to`` (another account) and emit the payment; aborts (no event) when the balance is
     too low."""
@@ -18,7 +18,7 @@ async def transfer(ctx: Context, to: str, amount: int, tag: str) -> int:
     return bal - amount
 
 
-@acct.function
+@acct.function(public=True)
 async def credit(ctx: Context, amount: int, tag: str) -> int:
     """Add ``amount`` and emit the credit."""
     bal = ctx.get(default=0) + amount

@@ -5,7 +5,7 @@ from charon import Application, Context, Operator
 s = Operator("s")
 
 
-@s.function
+@s.function(public=True)
 async def swallow(ctx: Context) -> None:
     while True:
         try:

@@ -6,14 +6,14 @@ from charon import Application, Context, Operator
 orders = Operator("orders")
 
 
-@orders.function
+@orders.function(public=True)
 async def place(ctx: Context, customer: str, amount: int) -> None:
     """Record an order and ask the bank (through the ``to_pay`` stream) to charge it."""
     ctx.put({"customer": customer, "amount": amount, "paid": 0})
     ctx.emit("to_pay", {"key": customer, "args": [amount, ctx.key]})
 
 
-@orders.function
+@orders.function(public=True)
 async def mark_paid(ctx: Context) -> int:
     """Count the bank's confirmation (exactly once: the count must end at 1)."""
     o = ctx.get()
@@ -27,7 +27,7 @@ shop = Application("shop", [orders])
 accounts = Operator("accounts")
 
 
-@accounts.function
+@accounts.function(public=True)
 async def charge(ctx: Context, amount: int, order: str) -> int:
     """Charge ``order`` once per delivery (an item counts deliveries) and confirm it on ``paid``."""
     n = ctx.get_item(order, 0) + 1

@@ -6,22 +6,22 @@ from charon.testing import check_epoch
 
 acct = Operator("acct")
 
-@acct.function
+@acct.function(public=True)
 async def setall(ctx: Context, v: int, other: str) -> int:   # L
     ctx.put(v)
     await ctx.call(acct, other, "setv", v * 2)
     return 0
 
-@acct.function
+@acct.function(public=True)
 async def setv(ctx: Context, v: int) -> int:
     ctx.put(v)
     return 0
 
-@acct.function
+@acct.function(public=True)
 async def getv(ctx: Context) -> int:
     return ctx.get(default=0)
 
-@acct.function
+@acct.function(public=True)
 async def a_fn(ctx: Context, other: str) -> int:             # A: writes only when the state says so
     x = ctx.get(default=0)
     v = await ctx.call(acct, other, "getv")
@@ -29,7 +29,7 @@ async def a_fn(ctx: Context, other: str) -> int:             # A: writes only wh
         ctx.put(x * 100 + v)
     return 0
 
-@acct.function
+@acct.function(public=True)
 async def b_fn(ctx: Context) -> int:                          # B: a pure read of E
     return ctx.get(default=0)
 

@@ -10,22 +10,22 @@ from charon.testing import check_epoch
 
 acct = Operator("acct")
 
-@acct.function
+@acct.function(public=True)
 async def getv(ctx: Context) -> int:
     return ctx.get(default=0)
 
-@acct.function
+@acct.function(public=True)
 async def add(ctx: Context, n: int) -> int:
     ctx.put(ctx.get(default=0) + n)
     return 0
 
-@acct.function
+@acct.function(public=True)
 async def early_send(ctx: Context) -> int:
     c = ctx.call(acct, "B", getv)          # call created ...
     ctx.send(acct, "C", add, 10)           # ... an async call in between ...
     return await c                         # ... awaited here
 
-@acct.function
+@acct.function(public=True)
 async def early_read(ctx: Context) -> list:
     c1 = ctx.call(acct, "B", getv)
     a = ctx.get_item("a", 0)               # read between creating and awaiting the call

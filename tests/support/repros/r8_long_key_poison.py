@@ -11,7 +11,7 @@ from charon.core.partition import PartitionUnit
 
 op = Operator("u")
 
-@op.function
+@op.function(public=True)
 async def put(ctx: Context, v: int) -> int:
     ctx.put(v)
     return v
