@@ -24,6 +24,12 @@ from typing import Any, Generic, NamedTuple, TypeVar, final
 
 from charon import serde
 from charon.core import timers as _timers
+from charon.core.awaits import GUARD as _GUARD
+from charon.core.awaits import TRIPS as _TRIPS
+from charon.core.awaits import foreign_await, trip_error, tripped
+from charon.core.awaits import get_running_loop as _get_running_loop
+from charon.core.awaits import raise_tripped as _raise_tripped
+from charon.core.awaits import set_running_loop as _set_running_loop
 from charon.core.context import (
     MAX_VALUE_BYTES,
     CallRecord,
@@ -38,7 +44,7 @@ from charon.core.routing import entity_prefix, key_group, store_key
 from charon.core.shares import ZERO as _ZERO
 from charon.core.shares import Share, add, split
 from charon.core.tracebacks import format_traceback
-from charon.errors import CallGraphLimitExceeded, IllegalAwait, InvocationTimeout, NonDeterministicFunction
+from charon.errors import CallGraphLimitExceeded, InvocationTimeout, NonDeterministicFunction
 from charon.operator import Application
 from charon.state.store import PartitionStore
 
@@ -793,9 +799,14 @@ class PartitionUnit(Generic[S]):
                 fn = app._resolved.get((frame.op, frame.fn)) or app.resolve(frame.op, frame.fn)
                 coro = fn.body(ctx, *_decode(frame.args))  # the engine's own encoding of checked arguments
             self.current = frame
+            prev_loop = _get_running_loop()  # awaits.enter(), inlined: the guard is the step's event loop
+            _set_running_loop(_GUARD)
             try:
                 yielded = coro.send(None)
             except StopIteration as stop:
+                _set_running_loop(prev_loop)
+                if _TRIPS:  # a foreign await (or blocking I/O under the check) the function caught
+                    _raise_tripped(frame)
                 if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
@@ -843,9 +854,16 @@ class PartitionUnit(Generic[S]):
                     else:
                         logged.append((frame, value, ctx._calls, self.touched.get(tid)))
                 return msgs
+            except BaseException:
+                _set_running_loop(prev_loop)
+                raise
+            _set_running_loop(prev_loop)
+            if _TRIPS:
+                ctx._drop(coro)
+                _raise_tripped(frame)
             if ctx._pending is None or getattr(yielded, "ctx", None) is not ctx:
                 ctx._drop(coro)
-                raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
+                raise foreign_await(frame.op, frame.fn, yielded)
             msgs = self._suspend(frame, ctx)
             if KEEP_LIVE_COROUTINES:  # self._live_put(frame, coro, ctx), inlined
                 table = self._ltab
@@ -857,9 +875,11 @@ class PartitionUnit(Generic[S]):
                 ctx._drop(coro)
             return msgs
         except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
-            self._fail(frame.tid, exc, frame)
+            trip = tripped()  # what the guard raised (a library may have wrapped it): its typed error
+            self._fail(frame.tid, exc if trip is None else trip_error(frame, *trip), frame)
             return ()
         except Interrupt:  # the watchdog stopped a function past its budget: the recorded error aborts it
+            tripped()
             self.current = None
             hook = self.interrupt
             err = hook(frame) if hook is not None else InvocationTimeout(timeout_message(frame))
@@ -1028,9 +1048,13 @@ class PartitionUnit(Generic[S]):
                 fn = self.app_for(tid).resolve(f.op, f.fn)
                 coro = fn.body(ctx, *serde.decode(f.args))
                 self.current = frame
+                prev_loop = _get_running_loop()
+                _set_running_loop(_GUARD)
                 try:
                     coro.send(None)
                 except StopIteration as stop:
+                    if _TRIPS and tripped() is not None:  # the slow path runs it again and aborts it
+                        return False
                     if ctx._calls != c.calls:
                         return False
                     if f.kind == ASYNC:  # its return value goes nowhere (see _run)
@@ -1043,11 +1067,16 @@ class PartitionUnit(Generic[S]):
                     elif f.kind == SYNC and value != c.result:  # the caller consumed the cached reply
                         return False
                     continue
+                finally:
+                    _set_running_loop(prev_loop)
+                tripped()
                 coro.close()
                 return False
             except Exception:  # noqa: BLE001 - raising in the fast path sends it to the slow path
+                tripped()
                 return False
             except Interrupt:  # past its budget: the slow path runs it again (and fails it the same way)
+                tripped()
                 return False
             finally:
                 self.current = None
