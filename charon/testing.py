@@ -355,6 +355,9 @@ def _drive(coro: Any) -> Any:
                        f"{awaits.EFFECT_HINT}")
 
 
+awaits.DRIVERS.add(_drive.__code__)
+
+
 def serial_execute(
     app: Application, state: dict[bytes, bytes], tid: int, request: Request, *,
     max_invocations: int = MAX_INVOCATIONS, events: list[tuple[str, bytes]] | None = None,

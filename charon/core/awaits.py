@@ -3,26 +3,32 @@ blocking I/O found at the call that does it.
 
 **Foreign awaits.** A function's coroutine is driven by the engine, not by an event loop: awaiting an asyncio sleep
 or future, an async HTTP client (httpx, aiohttp), anyio or anything else that needs a loop would fail inside the
-library with an unrelated error (``RuntimeError: no running event loop``, sniffio's ``AsyncLibraryNotFoundError``,
-a ``TypeError`` from anyio), which the function might even catch. While a step of a function runs (the engine's
-``coro.send``), :data:`GUARD` is the thread's *running event loop* and its *current task*: any library that looks
-for a loop or a task gets the guard, and the guard's first attribute used (``create_future``, ``call_later``,
-``get_debug``...) raises :class:`~charon.errors.IllegalAwait` pointing at ``ctx.effect`` and notes it for the
-thread (:func:`tripped`): the engine aborts the transaction with ``IllegalAwait`` even if the function caught it.
-The cost: two C calls around each step (``asyncio._get_running_loop`` and ``_set_running_loop``, twice), and one
-test of a module global after it (see ``PartitionUnit._run``).
+library with an unrelated error (``RuntimeError: no running event loop``, sniffio's ``AsyncLibraryNotFoundError``, a
+``TypeError`` from anyio), which the function might even catch. While a round of a partition runs functions
+(``PartitionUnit._process``, the fast round; the oracle's ``_drive``), :data:`GUARD` is the thread's *running event
+loop* and its *current task*: any library that looks for a loop or a task gets the guard, and the guard's first
+attribute used (``create_future``, ``call_later``, ``get_debug``...) raises :class:`~charon.errors.IllegalAwait`
+pointing at ``ctx.effect`` and notes it for the thread (:data:`TRIPS`): the engine aborts the transaction with
+``IllegalAwait`` even if the function caught it. The cost: asyncio's ``_set_running_loop`` twice per round (each a
+``getpid``: about 0.7 us on a sandboxed machine, so not per step) and, per step, one test of a module global (``if
+TRIPS``: ~15 ns; see ``PartitionUnit._run``). The round's engine code around the steps never asks asyncio for a
+loop.
 
-**Blocking I/O** (sockets, files, subprocesses) does not go through a loop; it is found only by the
-determinism check (:mod:`charon.core.determinism`): an audit hook (:func:`sys.addaudithook`, installed once when the
-check first runs in a process, never removed) is gated by a thread-local flag the check sets around its runs of a
-step, and by :data:`GUARD` being the running loop (the function's own code, not the engine's around it); a gated
-event raises :class:`~charon.errors.NonDeterministicFunction` naming the operation, and is noted like a foreign
-await so that catching it changes nothing.
+**Blocking I/O** (sockets, files, subprocesses) does not go through a loop; it is found only by the determinism
+check (:mod:`charon.core.determinism`): an audit hook (:func:`sys.addaudithook`, installed once when the check first
+runs in a process, never removed) is gated by a thread-local flag the check sets around its runs of a step, by
+:data:`GUARD` being the running loop, and by a walk up the stack (the function's own coroutine comes before the
+engine's driver of the step, :data:`DRIVERS`, and before the engine's or the interpreter's own I/O: imports, source
+lines of a traceback, finalizers the garbage collector runs); a gated event raises
+:class:`~charon.errors.NonDeterministicFunction` naming the operation, and is noted like a foreign await so that
+catching it changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import os
 import sys
 import threading
 from asyncio import events, tasks
@@ -164,13 +170,27 @@ class checking:  # noqa: N801 - used as a statement: with checking(): ...
 _BENIGN = ("linecache.py", "tokenize.py", "traceback.py", "warnings.py", "weakref.py")
 
 
-def _benign() -> bool:
-    """Whether the interpreter itself raised the event (see :data:`_BENIGN`)."""
+_CHARON = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: the code of the engine's drivers of a function's steps (``PartitionUnit._run``, the oracle's): the walk up the
+#: stack from an event stops there
+DRIVERS: set[Any] = set()
+
+
+def _functions_own() -> bool:
+    """Whether the event was raised by a function's own code: walking up the stack, a coroutine outside the
+    engine comes before the engine's driver of the step (:data:`DRIVERS`: engine code around the step, such as
+    the watchdog recording a verdict, is not the function's), before the engine's own code (a state read under
+    ``ctx.get``), and before the interpreter's own I/O (:data:`_BENIGN`)."""
     f: Any = sys._getframe(2)
     while f is not None:
         code = f.f_code
+        if code in DRIVERS:
+            return False
         name = code.co_filename
-        if name.startswith("<frozen importlib") or name.endswith(_BENIGN) or code.co_name == "__del__":
+        if name.startswith(_CHARON) or name.startswith("<frozen importlib") or name.endswith(_BENIGN) \
+                or code.co_name == "__del__":
+            return False
+        if code.co_flags & inspect.CO_COROUTINE:
             return True
         f = f.f_back
     return False
@@ -189,9 +209,9 @@ def _describe(event: str, args: tuple[Any, ...]) -> str:
 
 
 def _hook(event: str, args: tuple[Any, ...]) -> None:
-    if event not in BLOCKING or get_running_loop() is not GUARD or not getattr(_checking, "on", False):
+    if event not in BLOCKING or not getattr(_checking, "on", False) or get_running_loop() is not GUARD:
         return
-    if _benign():
+    if not _functions_own():
         return
     what = f"blocking I/O ({_describe(event, args)})"
     TRIPS[_ident()] = (NonDeterministicFunction, what)

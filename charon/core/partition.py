@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any, Generic, NamedTuple, TypeVar, final
 
 from charon import serde
+from charon.core import awaits as _awaits
 from charon.core import timers as _timers
 from charon.core.awaits import GUARD as _GUARD
 from charon.core.awaits import TRIPS as _TRIPS
@@ -650,7 +651,12 @@ class PartitionUnit(Generic[S]):
         if control.timers is not None:
             self._collect_timers(*control.timers)
         if control.fast:
-            self._fast_round(control.fast)
+            prev_loop = _get_running_loop()  # the guard is the running loop (see _process)
+            _set_running_loop(_GUARD)
+            try:
+                self._fast_round(control.fast)
+            finally:
+                _set_running_loop(prev_loop)
         if inbox:
             self._process(inbox)
         if self._clog and self.report_cache:
@@ -702,11 +708,7 @@ class PartitionUnit(Generic[S]):
     def _process(self, inbox: list[Invoke | Reply]) -> None:
         self._ltab = self._live_table()  # for _run (the table stays the same within the round)
         queue = deque(inbox)
-        pid, parts = self.pid, self.partitions
         out = self._out
-        remote = out.messages
-        frames = self.frames
-        dead = self.dead
         started = out.invocations
         limit = self.max_invocations
         trace = out.trace  # Control.observe (None: off, one test per invocation)
@@ -714,6 +716,22 @@ class PartitionUnit(Generic[S]):
         twice = self.twice
         if twice is not None:  # each step twice (per round: nothing per invocation when off)
             run = partial(twice, self)
+        # the guard is asyncio's running loop while the round runs functions (per round: asyncio's setter costs
+        # a getpid each time): a foreign await trips at once (charon.core.awaits; the round's engine code around
+        # the steps never asks asyncio for a loop)
+        prev_loop = _get_running_loop()
+        _set_running_loop(_GUARD)
+        try:
+            self._run_queue(queue, run, trace, started, limit)
+        finally:
+            _set_running_loop(prev_loop)
+
+    def _run_queue(self, queue: deque[Invoke | Reply], run: Callable[[Frame], Outgoing], trace: Any,
+                   started: dict[int, int], limit: int) -> None:
+        pid, parts = self.pid, self.partitions
+        remote = self._out.messages
+        frames = self.frames
+        dead = self.dead
         frame: Frame | None
         while queue:
             m = queue.popleft()
@@ -799,12 +817,9 @@ class PartitionUnit(Generic[S]):
                 fn = app._resolved.get((frame.op, frame.fn)) or app.resolve(frame.op, frame.fn)
                 coro = fn.body(ctx, *_decode(frame.args))  # the engine's own encoding of checked arguments
             self.current = frame
-            prev_loop = _get_running_loop()  # awaits.enter(), inlined: the guard is the step's event loop
-            _set_running_loop(_GUARD)
             try:
-                yielded = coro.send(None)
+                yielded = coro.send(None)  # (the guard is the running event loop: _process sets it per round)
             except StopIteration as stop:
-                _set_running_loop(prev_loop)
                 if _TRIPS:  # a foreign await (or blocking I/O under the check) the function caught
                     _raise_tripped(frame)
                 if not frame.live:
@@ -854,10 +869,6 @@ class PartitionUnit(Generic[S]):
                     else:
                         logged.append((frame, value, ctx._calls, self.touched.get(tid)))
                 return msgs
-            except BaseException:
-                _set_running_loop(prev_loop)
-                raise
-            _set_running_loop(prev_loop)
             if _TRIPS:
                 ctx._drop(coro)
                 _raise_tripped(frame)
@@ -1048,10 +1059,8 @@ class PartitionUnit(Generic[S]):
                 fn = self.app_for(tid).resolve(f.op, f.fn)
                 coro = fn.body(ctx, *serde.decode(f.args))
                 self.current = frame
-                prev_loop = _get_running_loop()
-                _set_running_loop(_GUARD)
                 try:
-                    coro.send(None)
+                    coro.send(None)  # (the guard is the running loop: step sets it for the fast round)
                 except StopIteration as stop:
                     if _TRIPS and tripped() is not None:  # the slow path runs it again and aborts it
                         return False
@@ -1067,8 +1076,6 @@ class PartitionUnit(Generic[S]):
                     elif f.kind == SYNC and value != c.result:  # the caller consumed the cached reply
                         return False
                     continue
-                finally:
-                    _set_running_loop(prev_loop)
                 tripped()
                 coro.close()
                 return False
@@ -1136,6 +1143,9 @@ class PartitionUnit(Generic[S]):
         self._clear(self.epoch)
         self._live_clear()
         return len(delta)
+
+
+_awaits.DRIVERS.update((PartitionUnit._run.__code__, PartitionUnit._replay_cached.__code__))
 
 
 def _new_invoke(*st: Any) -> Invoke:
