@@ -70,3 +70,14 @@ def test_a_gateway_that_is_down_is_a_typed_unavailable_error() -> None:
                 await ac.health()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("status", "etype", "code"), [(403, "Forbidden", 4), (404, "NotFound", 4),
+                                                       (503, "Unavailable", 3), (500, "Internal", 3)])
+def test_a_gateway_refusal_exits_rejected_and_an_outage_unavailable(status: int, etype: str, code: int) -> None:
+    from charon import client
+    from charon.exitcodes import exit_code_of
+
+    with pytest.raises(CharonError) as raised:
+        client._raise_error(status, {"error": {"type": etype, "message": "m"}}, None)
+    assert exit_code_of(raised.value) == code
