@@ -97,11 +97,11 @@ class Snapshot:
     #: request id -> what the client sent
     invocations: dict[str, Invocation]
 
-    def get(self, operator: str, key: str, default: object = None) -> object:
+    def get(self, operator: str, key: str, default: Any = None) -> Any:
         raw = self.state.get(store_key(operator, key))
         return default if raw is None else serde.decode(raw)
 
-    def entities(self, operator: str) -> dict[str, object]:
+    def entities(self, operator: str) -> dict[str, Any]:
         """Every entity of ``operator`` that has a value: key -> value."""
         out = {}
         for k, v in self.state.items():
@@ -110,7 +110,7 @@ class Snapshot:
                 out[key] = serde.decode(v)
         return out
 
-    def items(self, operator: str, key: str) -> dict[str, object]:
+    def items(self, operator: str, key: str) -> dict[str, Any]:
         """The entity's items (``ctx.put_item``): name -> value."""
         out = {}
         for k, v in self.state.items():

@@ -47,17 +47,16 @@ from charon.messages import Request
 from charon.operator import Application, Function, Operator
 
 if TYPE_CHECKING:
-    from charon.harness import (  # noqa: F401 - re-exported (imported on first use by __getattr__ below)
-        Faults,
-        HarnessFailure,
-        Invocation,
-        Report,
-        Snapshot,
-        from_hints,
-        invocations,
-        run_app,
-    )
-    from charon.pytest_plugin import fault_seeds  # noqa: F401 - re-exported
+    # re-exported (``X as X``: explicit for a user's ``mypy --strict``), imported on first use by __getattr__ below
+    from charon.harness import Faults as Faults
+    from charon.harness import HarnessFailure as HarnessFailure
+    from charon.harness import Invocation as Invocation
+    from charon.harness import Report as Report
+    from charon.harness import Snapshot as Snapshot
+    from charon.harness import from_hints as from_hints
+    from charon.harness import invocations as invocations
+    from charon.harness import run_app as run_app
+    from charon.pytest_plugin import fault_seeds as fault_seeds
     from charon.runtime.inprocess import InProcessRuntime
     from charon.runtime.spark.runtime import SparkRuntime
 
