@@ -59,6 +59,7 @@ from charon.errors import (
     aborted,
 )
 from charon.messages import is_reserved_id
+from charon.serde import check_value
 
 __all__ = [
     "Client",
@@ -107,6 +108,28 @@ def _segment(name: str) -> str:
 #: the admin API's availability refusals, by their answers' ``error.type`` (the classes the engine's controls raise)
 RescaleRunning = RescaleBusy
 Paused = GatePaused
+
+
+_PLAIN = frozenset((str, int, float, bool, bytes, type(None)))
+
+
+def _check_args(args: Sequence[Any]) -> None:
+    """Refuse arguments outside the value model (sets, datetimes, objects...) as the engine does
+    (:func:`charon.serde.check_value`): msgpack would silently turn them into something else (a set into a list)."""
+    for a in args:
+        if type(a) not in _PLAIN:
+            check_value(a)
+
+
+def _unreachable(exc: httpx.TransportError) -> CharonError | httpx.TransportError:
+    """A transport error after all retries: the gateway could not be reached at all (connection refused, no
+    route, a connect timeout: nothing was sent) is :class:`GatewayUnavailable`; any other (the request may have
+    reached the engine) stays as httpx raised it."""
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        err = GatewayUnavailable(503, "Unavailable", f"cannot reach the gateway: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+    return exc
 
 
 class GatewayError(CharonError):
@@ -315,15 +338,19 @@ class _Base:
     @staticmethod
     def _payload(args: Sequence[Any]) -> bytes:
         try:
-            return _enc.encode({"args": list(args)})
+            body = _enc.encode({"args": list(args)})
         except (TypeError, OverflowError, msgspec.EncodeError) as exc:
             raise SerializationError(f"arguments are not msgpack-serializable: {exc}") from None
+        _check_args(args)
+        return body
 
     @staticmethod
     def _batch_payload(calls: Iterable[Call | Sequence[Any]]) -> bytes:
         items = [_as_call(c) for c in calls]
         for c in items:
             check_key(c.key)
+        for c in items:
+            _check_args(c.args)
         try:
             return _enc.encode({"calls": [[c.operator, c.key, c.function, list(c.args)] for c in items]})
         except (TypeError, OverflowError, msgspec.EncodeError) as exc:
@@ -419,7 +446,7 @@ class Client(_Base):
             if attempt < self.retries:
                 time.sleep(_backoff(attempt))
         assert last is not None
-        raise last
+        raise _unreachable(last) if isinstance(last, httpx.TransportError) else last
 
     def invoke_result(
         self, operator: str, key: str, function: str, *args: Any, request_id: str | None = None
@@ -695,7 +722,7 @@ class AsyncClient(_Base):
             if attempt < self.retries:
                 await asyncio.sleep(_backoff(attempt))
         assert last is not None
-        raise last
+        raise _unreachable(last) if isinstance(last, httpx.TransportError) else last
 
     async def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         return await self._retrying(lambda: self._shards[next(self._next) % len(self._shards)].request(

@@ -171,11 +171,13 @@ class CallGraphLimitExceeded(EngineAbort):
 
 
 class NonDeterministicFunction(EngineAbort):
-    """A function behaved differently when replayed from its journal (it must be deterministic)."""
+    """A function behaved differently when replayed from its journal (it must be deterministic), or, under the
+    determinism check, ran twice with different effects or did blocking I/O (a file, a socket, a subprocess)."""
 
 
 class IllegalAwait(EngineAbort):
-    """A function awaited something other than ``ctx.call`` (functions cannot block on I/O)."""
+    """A function awaited something other than ``ctx.call`` (an asyncio sleep or future, an async HTTP client,
+    anyio): functions cannot wait on I/O or time; do I/O with ``ctx.effect``."""
 
 
 class InvocationTimeout(EngineAbort):

@@ -51,9 +51,11 @@ def exit_code_of(exc: BaseException) -> ExitCode:
     :class:`~charon.errors.CharonError`, the gateway could not be reached): aborted, unavailable or rejected."""
     if isinstance(exc, TransactionAborted):
         return ExitCode.ABORTED
+    status = getattr(exc, "status", None)  # a GatewayError of a 4xx refusal (403 Forbidden: a code ref not allowed)
+    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 429):
+        return ExitCode.REJECTED
     if isinstance(exc, (EngineUnavailable, LogUnavailable)) or (isinstance(exc, CharonError) and exc.retryable):
         return ExitCode.UNAVAILABLE  # availability: e.g. a rescale running, the engine paused (409)
-    status = getattr(exc, "status", None)  # a GatewayError: 5xx after the retries, 429 busy
-    if isinstance(status, int) and (status >= 500 or status == 429):
+    if isinstance(status, int) and (status >= 500 or status == 429):  # a GatewayError: 5xx after the retries, busy
         return ExitCode.UNAVAILABLE
     return ExitCode.REJECTED if isinstance(exc, CharonError) else ExitCode.UNAVAILABLE

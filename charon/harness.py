@@ -26,6 +26,7 @@ a serial execution in (epoch, position) order (:func:`charon.testing.check_epoch
 
 from __future__ import annotations
 
+import collections.abc
 import hashlib
 import importlib
 import importlib.util
@@ -37,6 +38,7 @@ import re
 import shutil
 import sys
 import tempfile
+import types
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,11 +105,11 @@ class Snapshot:
     #: request id -> what the client sent
     invocations: dict[str, Invocation]
 
-    def get(self, operator: str, key: str, default: object = None) -> object:
+    def get(self, operator: str, key: str, default: Any = None) -> Any:
         raw = self.state.get(store_key(operator, key))
         return default if raw is None else serde.decode(raw)
 
-    def entities(self, operator: str) -> dict[str, object]:
+    def entities(self, operator: str) -> dict[str, Any]:
         """Every entity of ``operator`` that has a value: key -> value."""
         out = {}
         for k, v in self.state.items():
@@ -116,7 +118,7 @@ class Snapshot:
                 out[key] = serde.decode(v)
         return out
 
-    def items(self, operator: str, key: str) -> dict[str, object]:
+    def items(self, operator: str, key: str) -> dict[str, Any]:
         """The entity's items (``ctx.put_item``): name -> value."""
         out = {}
         for k, v in self.state.items():
@@ -182,22 +184,50 @@ def invocations(app: Application, keys: Sequence[str], strategies: Mapping[str, 
                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is inspect.Parameter.empty]
             options.append(st.tuples(st.just(op.name), st.sampled_from(list(keys)), st.just(fn.name), *args).map(
                 lambda t: Invocation(t[0], t[1], t[2], tuple(t[3:]))))
+    if allowed is not None:
+        known = {fn.qualname for op in app.operators.values() for fn in op.functions.values()}
+        if unknown := sorted(allowed - known):
+            raise ValueError(f"no function {', '.join(unknown)} in application {app.name!r} (give operator.function; "
+                             f"it has: {', '.join(sorted(known)) or 'none'})")
     if not options:
         raise ValueError("the application has no functions to call")
     return st.one_of(options)
 
 
-def _hint_strategy(hint: object, keys: Sequence[str]) -> SearchStrategy[object]:
+#: the value model's integers (signed 64-bit: serde refuses the others)
+INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def _hint_strategy(hint: object, keys: Sequence[str], nested: bool = False) -> SearchStrategy[object]:
+    """A parameter's strategy: ``str`` from ``keys``, ``int`` from 0..1000 (inside a container: the value model's
+    64-bit range), ``float`` from 0..1000; lists, dicts, tuples, optionals and unions of those element by element
+    (``st.from_type`` would draw unbounded ints, outside the value model); anything else ``st.from_type``."""
     from hypothesis import strategies as st
 
     if hint is str:
         return st.sampled_from(list(keys))
     if hint is int:
-        return st.integers(0, 1000)
+        return st.integers(INT_MIN, INT_MAX) if nested else st.integers(0, 1000)
     if hint is float:
         return st.floats(0, 1000, allow_nan=False)
+    if hint is bool:
+        return st.booleans()
     if hint is Any:
         return st.integers(0, 1000)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (list, collections.abc.Sequence, collections.abc.Iterable) and len(args) == 1:
+        return st.lists(_hint_strategy(args[0], keys, True), max_size=5)
+    if origin in (dict, collections.abc.Mapping) and len(args) == 2:
+        return st.dictionaries(_hint_strategy(args[0], keys, True), _hint_strategy(args[1], keys, True),
+                               max_size=5)
+    if origin is tuple and args:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return st.lists(_hint_strategy(args[0], keys, True), max_size=5)
+        return st.tuples(*(_hint_strategy(a, keys, True) for a in args)).map(list)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of([st.none() if a is type(None) else _hint_strategy(a, keys, nested) for a in args])
+    if origin is typing.Literal:
+        return st.sampled_from(list(args))
     return st.from_type(typing.cast("type[object]", hint))
 
 

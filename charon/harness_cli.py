@@ -88,6 +88,10 @@ def make_test_app(load_app: Callable[[str], Application]) -> Callable[..., None]
                                      "invocations")
         if wl is None:
             only = [f for f in functions.split(",") if f] or None
+            known = {fn.qualname for op in application.operators.values() for fn in op.functions.values()}
+            if unknown := sorted(set(only or ()) - known):
+                raise typer.BadParameter(f"--functions: no function {', '.join(unknown)} in {target} (give "
+                                         f"operator.function; it has: {', '.join(sorted(known)) or 'none'})")
             wl = from_hints(application, [k for k in keys.split(",") if k], functions=only)
         invs = [cast(Invariant, _load(ref, "invariant")) for ref in invariant]
         if not all(callable(f) for f in invs):

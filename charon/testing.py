@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from charon import serde
-from charon.core import determinism
+from charon.core import awaits, determinism
 from charon.core import timers as _timers
 from charon.core.context import (
     EFFECT_STREAM,
@@ -47,17 +47,16 @@ from charon.messages import Request
 from charon.operator import Application, Function, Operator
 
 if TYPE_CHECKING:
-    from charon.harness import (  # noqa: F401 - re-exported (imported on first use by __getattr__ below)
-        Faults,
-        HarnessFailure,
-        Invocation,
-        Report,
-        Snapshot,
-        from_hints,
-        invocations,
-        run_app,
-    )
-    from charon.pytest_plugin import fault_seeds  # noqa: F401 - re-exported
+    # re-exported (``X as X``: explicit for a user's ``mypy --strict``), imported on first use by __getattr__ below
+    from charon.harness import Faults as Faults
+    from charon.harness import HarnessFailure as HarnessFailure
+    from charon.harness import Invocation as Invocation
+    from charon.harness import Report as Report
+    from charon.harness import Snapshot as Snapshot
+    from charon.harness import from_hints as from_hints
+    from charon.harness import invocations as invocations
+    from charon.harness import run_app as run_app
+    from charon.pytest_plugin import fault_seeds as fault_seeds
     from charon.runtime.inprocess import InProcessRuntime
     from charon.runtime.spark.runtime import SparkRuntime
 
@@ -343,12 +342,19 @@ def _encoded(value: Any) -> bytes | str:
 
 
 def _drive(coro: Any) -> Any:
+    prev = awaits.enter()  # as the engine: the guard is the running loop while functions run
     try:
-        coro.send(None)
+        yielded = coro.send(None)
     except StopIteration as stop:
         return stop.value
+    finally:
+        awaits.leave(prev)
     coro.close()
-    raise IllegalAwait("oracle: a function awaited something other than ctx.call")
+    raise IllegalAwait(f"oracle: a function awaited something other than ctx.call ({awaits.described(yielded)}); "
+                       f"{awaits.EFFECT_HINT}")
+
+
+awaits.DRIVERS.add(_drive.__code__)
 
 
 def serial_execute(
@@ -367,11 +373,13 @@ def serial_execute(
         return _serial_execute(app, state, tid, request, max_invocations, events, None)
     runs: list[tuple[_Outcome, dict[bytes, bytes], list[tuple[str, bytes]], _Log]] = []
     logs: tuple[_Log, _Log] = (([], {}), ([], {}))
+    awaits.install_audit_hook()
     for log in logs:
         copy: dict[bytes, bytes] = dict(state)
         evs: list[tuple[str, bytes]] = []
-        runs.append((_serial_execute(app, copy, tid, request, max_invocations, evs, log, warn=not runs), copy,
-                     evs, log))
+        with awaits.checking():
+            outcome = _serial_execute(app, copy, tid, request, max_invocations, evs, log, warn=not runs)
+        runs.append((outcome, copy, evs, log))
     first, second = runs[0][0], runs[1][0]
     same_abort = not first[0] and not second[0] and first[1][0] == second[1][0]
     diff = None if same_abort else _log_difference(runs[0][3], runs[1][3])
@@ -429,6 +437,9 @@ def _serial_execute(
     except Exception as exc:  # noqa: BLE001 - the transaction aborts
         if txn.abort is None:
             txn.abort = (type(exc).__name__, str(exc))
+    trip = awaits.tripped()  # a foreign await or blocking I/O (caught or not): its typed error, as the engine
+    if trip is not None:
+        txn.abort = (trip[0].__name__, f"oracle: a function did {trip[1]}; {awaits.EFFECT_HINT}")
     for note in txn.caught if warn else ():
         warnings.warn(CaughtCalleeError(note), stacklevel=3)
     if txn.abort is not None:

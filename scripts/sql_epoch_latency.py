@@ -24,10 +24,12 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
-REPROS = "/work/shared/repros"
+ROOT = Path(__file__).resolve().parents[1]  # the repository (this checkout)
+REPROS = str(ROOT / "tests" / "support" / "repros")
 H = {"Authorization": "Bearer s3cret"}
 
 
@@ -61,8 +63,8 @@ def main() -> None:
     ap.add_argument("--baseline-s", type=float, default=10.0)
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="charon-sqllat-")
-    py = os.path.abspath(".venv/bin/python")
-    path = [REPROS] + ([a.old_code] if a.old_code else [])
+    py = str(ROOT / ".venv" / "bin" / "python")
+    path = [REPROS] + ([a.old_code] if a.old_code else []) + [str(ROOT)]  # this checkout's charon (or --old-code)
     env = dict(os.environ, PYSPARK_PYTHON=py, PYSPARK_DRIVER_PYTHON=py, PYTHONPATH=os.pathsep.join(path))
     url = f"http://127.0.0.1:{a.port}"
     cmd = [py, "-c", "from charon.cli import app; app()", "run", "bank:app", "--engine", a.engine, "--port",

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from charon.core import timers as _timers
+from charon.core.awaits import checking, install_audit_hook
 from charon.core.partition import ASYNC, SYNC, Frame, Invoke, LiveTable, Outgoing, PartitionUnit, Reply, RoundOutput
 from charon.core.shares import Share
 from charon.errors import NonDeterministicFunction
@@ -131,11 +132,13 @@ class _Run:
 def run_twice(unit: PartitionUnit[Any], frame: Frame) -> Outgoing:
     """``unit._run(frame)`` under the determinism check (see the module docstring): the messages to route."""
     tid = frame.tid
+    install_audit_hook()  # once per process: blocking I/O in the function's code (see charon.core.awaits)
     hook = _Hook(unit.interrupt)
     twin = _twin_of(unit, tid, hook)
     shadow = _copy_frame(frame)
     try:
-        msgs = twin._run(shadow)
+        with checking():
+            msgs = twin._run(shadow)
     finally:
         for t in twin._ltab.values():  # the twin's suspended coroutine: closed (nothing of it runs again)
             for coro, ctx, _ in t.values():
@@ -150,7 +153,8 @@ def run_twice(unit: PartitionUnit[Any], frame: Frame) -> Outgoing:
     saved = unit.interrupt
     unit.interrupt = hook
     try:
-        msgs = unit._run(frame)
+        with checking():
+            msgs = unit._run(frame)
     finally:
         unit.interrupt = saved
     if hook.fired:  # the real run was stopped past its budget: its InvocationTimeout stands

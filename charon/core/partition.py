@@ -23,7 +23,14 @@ from functools import partial
 from typing import Any, Generic, NamedTuple, TypeVar, final
 
 from charon import serde
+from charon.core import awaits as _awaits
 from charon.core import timers as _timers
+from charon.core.awaits import GUARD as _GUARD
+from charon.core.awaits import TRIPS as _TRIPS
+from charon.core.awaits import foreign_await, trip_error, tripped
+from charon.core.awaits import get_running_loop as _get_running_loop
+from charon.core.awaits import raise_tripped as _raise_tripped
+from charon.core.awaits import set_running_loop as _set_running_loop
 from charon.core.context import (
     MAX_VALUE_BYTES,
     CallRecord,
@@ -38,7 +45,7 @@ from charon.core.routing import entity_prefix, key_group, store_key
 from charon.core.shares import ZERO as _ZERO
 from charon.core.shares import Share, add, split
 from charon.core.tracebacks import format_traceback
-from charon.errors import CallGraphLimitExceeded, IllegalAwait, InvocationTimeout, NonDeterministicFunction
+from charon.errors import CallGraphLimitExceeded, InvocationTimeout, NonDeterministicFunction
 from charon.operator import Application
 from charon.state.store import PartitionStore
 
@@ -671,7 +678,12 @@ class PartitionUnit(Generic[S]):
         if control.timers is not None:
             self._collect_timers(*control.timers)
         if control.fast:
-            self._fast_round(control.fast)
+            prev_loop = _get_running_loop()  # the guard is the running loop (see _process)
+            _set_running_loop(_GUARD)
+            try:
+                self._fast_round(control.fast)
+            finally:
+                _set_running_loop(prev_loop)
         if inbox:
             self._process(inbox)
         if self._clog and self.report_cache:
@@ -723,11 +735,7 @@ class PartitionUnit(Generic[S]):
     def _process(self, inbox: list[Invoke | Reply]) -> None:
         self._ltab = self._live_table()  # for _run (the table stays the same within the round)
         queue = deque(inbox)
-        pid, parts = self.pid, self.partitions
         out = self._out
-        remote = out.messages
-        frames = self.frames
-        dead = self.dead
         started = out.invocations
         limit = self.max_invocations
         trace = out.trace  # Control.observe (None: off, one test per invocation)
@@ -735,6 +743,22 @@ class PartitionUnit(Generic[S]):
         twice = self.twice
         if twice is not None:  # each step twice (per round: nothing per invocation when off)
             run = partial(twice, self)
+        # the guard is asyncio's running loop while the round runs functions (per round: asyncio's setter costs
+        # a getpid each time): a foreign await trips at once (charon.core.awaits; the round's engine code around
+        # the steps never asks asyncio for a loop)
+        prev_loop = _get_running_loop()
+        _set_running_loop(_GUARD)
+        try:
+            self._run_queue(queue, run, trace, started, limit)
+        finally:
+            _set_running_loop(prev_loop)
+
+    def _run_queue(self, queue: deque[Invoke | Reply], run: Callable[[Frame], Outgoing], trace: Any,
+                   started: dict[int, int], limit: int) -> None:
+        pid, parts = self.pid, self.partitions
+        remote = self._out.messages
+        frames = self.frames
+        dead = self.dead
         frame: Frame | None
         while queue:
             m = queue.popleft()
@@ -821,11 +845,13 @@ class PartitionUnit(Generic[S]):
                 coro = fn.body(ctx, *_decode(frame.args))  # the engine's own encoding of checked arguments
             self.current = frame
             try:
-                yielded = coro.send(None)
+                yielded = coro.send(None)  # (the guard is the running event loop: _process sets it per round)
             except StopIteration as stop:
                 self.current = None  # from here on no verdict can be taken on this step (see doomed)
                 if self.doomed is not None:
                     raise self._judged(frame) from None
+                if _TRIPS:  # a foreign await (or blocking I/O under the check) the function caught
+                    _raise_tripped(frame)
                 if not frame.live:
                     msg = f"{frame.op}.{frame.fn} returned before replaying its journal"
                     raise NonDeterministicFunction(msg) from None
@@ -876,9 +902,12 @@ class PartitionUnit(Generic[S]):
             self.current = None
             if self.doomed is not None:
                 raise self._judged(frame)
+            if _TRIPS:
+                ctx._drop(coro)
+                _raise_tripped(frame)
             if ctx._pending is None or getattr(yielded, "ctx", None) is not ctx:
                 ctx._drop(coro)
-                raise IllegalAwait(f"{frame.op}.{frame.fn} awaited something other than ctx.call")
+                raise foreign_await(frame.op, frame.fn, yielded)
             msgs = self._suspend(frame, ctx)
             if KEEP_LIVE_COROUTINES:  # self._live_put(frame, coro, ctx), inlined
                 table = self._ltab
@@ -890,6 +919,7 @@ class PartitionUnit(Generic[S]):
                 ctx._drop(coro)
             return msgs
         except _Judged as judged:  # the step was judged past its budget: the recorded verdict aborts it
+            tripped()  # a foreign await it also made changes nothing: the verdict stands
             self._fail(frame.tid, judged.error)
             return ()
         except Exception as exc:  # noqa: BLE001 - any application exception aborts the transaction
@@ -898,6 +928,7 @@ class PartitionUnit(Generic[S]):
             except Interrupt:  # pending at the call's first instruction: the step is doomed
                 message = ""
             self.current = None
+            trip = tripped()  # what the guard raised (a library may have wrapped it): its typed error
             if self.doomed is not None:  # judged while it ran (or while its message was made)
                 try:
                     verdict = self._judged(frame)
@@ -905,9 +936,13 @@ class PartitionUnit(Generic[S]):
                     verdict = self._judged(frame)
                 self._fail(frame.tid, verdict.error)
                 return ()
-            self._fail(frame.tid, exc, frame, message)
+            if trip is not None:
+                self._fail(frame.tid, trip_error(frame, *trip), frame)
+            else:
+                self._fail(frame.tid, exc, frame, message)
             return ()
         except Interrupt:  # the watchdog stopped a function past its budget: the recorded error aborts it
+            tripped()
             self.current = None
             self._fail(frame.tid, self._judged(frame).error)  # the verdict's message names the function already
             return ()
@@ -1098,11 +1133,14 @@ class PartitionUnit(Generic[S]):
                 coro = fn.body(ctx, *serde.decode(f.args))
                 self.current = frame
                 try:
-                    coro.send(None)
+                    coro.send(None)  # (the guard is the running loop: step sets it for the fast round)
                 except StopIteration as stop:
                     self.current = None
-                    if self.doomed is not None:  # judged past its budget: the slow path runs it (and is judged)
+                    if self.doomed is not None:  # judged past its budget: its verdict (the slow path is judged)
+                        tripped()
                         return self._undoom(frame)
+                    if _TRIPS and tripped() is not None:  # the slow path runs it again and aborts it
+                        return False
                     if ctx._calls != c.calls:
                         return False
                     if f.kind == ASYNC:  # its return value goes nowhere (see _run)
@@ -1116,13 +1154,16 @@ class PartitionUnit(Generic[S]):
                         return False
                     continue
                 self.current = None
+                tripped()
                 coro.close()
                 return self._undoom(frame) if self.doomed is not None else False
             except Exception:  # noqa: BLE001 - raising in the fast path sends it to the slow path
                 self.current = None
+                tripped()
                 return self._undoom(frame) if self.doomed is not None else False
             except Interrupt:  # past its budget: the slow path runs it again (and fails it the same way)
                 self.current = None
+                tripped()
                 return self._undoom(frame) if self.doomed is not None else False
             finally:
                 self.current = None
@@ -1191,6 +1232,9 @@ class PartitionUnit(Generic[S]):
         self._clear(self.epoch)
         self._live_clear()
         return len(delta)
+
+
+_awaits.DRIVERS.update((PartitionUnit._run.__code__, PartitionUnit._replay_cached.__code__))
 
 
 def _new_invoke(*st: Any) -> Invoke:

@@ -42,7 +42,8 @@ class App:
             [sys.executable, "-c", "from charon.cli import main; main()", "run", "mistakes_app:app", "--engine",
              "inprocess", "--port", str(self.port), "--token", TOKEN, "--partitions", "2", *extra],
             cwd=REPROS, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**{k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}, "PYTHONPATH": str(REPROS)},
+            env={**{k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"},
+                 "PYTHONPATH": os.pathsep.join([str(REPROS), str(REPROS.parents[2])])},  # this checkout's charon
         )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60

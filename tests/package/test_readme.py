@@ -30,3 +30,9 @@ def test_readme_setup_commands_and_links_exist() -> None:
     assert len(links) > 15
     missing = [link for link in links if not link.startswith("http") and not (ROOT / link).exists()]
     assert missing == []
+
+
+def test_the_readme_lists_every_guide() -> None:
+    links = set(re.findall(r"\]\((docs/guides/[^)#]+\.md)\)", README.read_text()))
+    guides = {str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "guides").glob("*.md")}
+    assert sorted(guides - links) == []

@@ -210,3 +210,33 @@ def test_keyword_arguments_a_checker_accepts_run() -> None:
     check_epoch(app, before, rt.snapshot(), result)
     (reply,) = result.replies.values()
     assert reply.ok and serde.decode(reply.value) == 5
+
+
+HARNESS_USER = '''
+import random
+
+from charon.apps import wallets
+from charon.testing import Invocation, Snapshot, fault_seeds, from_hints, run_app
+
+
+def workload(rng: random.Random) -> list[Invocation]:
+    return [Invocation("wallet", f"w{rng.randrange(3)}", "credit", ("p1", 5))]
+
+
+def conserved(snapshot: Snapshot) -> bool:
+    total: int = sum(snapshot.entities("wallet").values())
+    return total >= 0 and snapshot.get("wallet", "w0", 0) >= 0
+
+
+@fault_seeds(2)
+def test_it(charon_harness: object) -> None:
+    run_app("charon.apps.wallets:app", workload, [conserved], seed=1)
+    from_hints(wallets.app)
+'''
+
+
+def test_the_testing_helpers_type_check_in_a_users_project(project: Path) -> None:
+    """``Invocation``, ``Snapshot``, ``fault_seeds`` are explicitly exported by ``charon.testing`` (``mypy --strict``
+    refused them: "does not explicitly export"), and a snapshot's values are usable (``Any``, not ``object``)."""
+    (project / "harness_user.py").write_text(HARNESS_USER)
+    assert mypy(project, "harness_user.py") == []

@@ -105,6 +105,14 @@ def test_update_is_recorded_and_survives_a_restart(tmp_path) -> None:
             with pytest.raises(CharonError) as err:
                 c.update_code("code_versions:nosuch", "v9")
             assert err.value.status == 403
+            from typer.testing import CliRunner
+
+            from charon.cli import app as cli
+            from charon.exitcodes import ExitCode
+
+            res = CliRunner().invoke(cli, ["deploy", "code_versions:nosuch", "v9", "--url", srv.url, "--token",
+                                           TOKEN])
+            assert res.exit_code == ExitCode.REJECTED, res.output  # a refusal, not "unavailable, retry" (3)
     finally:
         rt.close()
 

@@ -22,6 +22,7 @@ from charon.client import (
     Call,
     Client,
     GatewayError,
+    GatewayUnavailable,
     RequestNotFound,
     Result,
     Unauthorized,
@@ -322,8 +323,9 @@ def test_503_is_retried(server: BackgroundServer) -> None:
 
 def test_connection_refused_raises_after_retries() -> None:
     with Client(f"http://127.0.0.1:{free_port()}", token=TOKEN, retries=2, timeout=2.0) as c:
-        with pytest.raises(httpx.ConnectError):
+        with pytest.raises(GatewayUnavailable) as raised:  # typed (availability, retryable), httpx's as the cause
             c.invoke("counter", "k", "add", 1)
+    assert isinstance(raised.value.__cause__, httpx.ConnectError)
 
 
 # ---------------------------------------------------------------------------------------------- async client
@@ -403,7 +405,7 @@ def test_async_client_pools_honour_http_proxy_and_no_proxy(monkeypatch: pytest.M
         seen.clear()
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
         c = AsyncClient(target, retries=0)
-        with pytest.raises(httpx.ConnectError):  # straight to the (closed) target port, not through the proxy
+        with pytest.raises(GatewayUnavailable):  # straight to the (closed) target port, not through the proxy
             await c.invoke("acct", "k", "get")
         await c.aclose()
         assert seen == []

@@ -213,3 +213,45 @@ def test_fault_seeds_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert list(fault_seeds(3).args[1]) == [0, 1]
     monkeypatch.setenv("CHARON_HARNESS_SEED", "42")
     assert list(fault_seeds(3).args[1]) == [42]
+
+
+DICT_APP = '''
+from charon import Application, Context, Operator
+
+order = Operator("order")
+
+
+@order.function
+async def place(ctx: Context, items: dict[str, int], tags: list[int] | None) -> int:
+    ctx.put({"items": items, "tags": tags})
+    return len(items)
+
+
+app = Application("orders", [order])
+'''
+
+
+def _test_app(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "dictapp.py").write_text(DICT_APP)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, str(tmp_path)])}
+    return subprocess.run([CHARON, "test-app", "dictapp:app", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_a_generated_workload_draws_container_ints_in_the_value_model(tmp_path: Path) -> None:
+    """``dict[str, int]``: hypothesis' unbounded ints used to crash the command (exit 70, SerializationError)."""
+    run = _test_app(tmp_path, "--seeds", "2", "--steps", "30", "--cluster", "stable")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 seeds: 0 failed" in run.stdout
+
+
+def test_an_unknown_function_is_a_usage_error(tmp_path: Path) -> None:
+    run = _test_app(tmp_path, "--seeds", "1", "--functions", "order.place,order.nosuch")
+    assert run.returncode == ExitCode.USAGE == 2, run.stdout + run.stderr
+    assert "no function order.nosuch" in run.stderr and "order.place" in run.stderr
+
+
+def test_from_hints_refuses_an_unknown_function() -> None:
+    with pytest.raises(ValueError, match="no function wallet.nosuch"):
+        from_hints(wallets.app, functions=["wallet.nosuch"])(random.Random(0), 3)
