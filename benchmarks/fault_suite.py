@@ -18,6 +18,11 @@ Writes ``benchmarks/issue22/fault_suite-<engine>.json`` and prints a table. Scen
   ``--exit-when-stuck 2``, the node exits 75 and is restarted; Spark: the task's alarm stops it).
 - ``die``: a function that kills the process running it, in every attempt (in-process: the node and the first
   restart die, the second restart quarantines it; Spark: the Python worker dies).
+- ``killspin`` (issue 31): the node SIGKILLed while an endless function runs inside its budget; the restart's
+  replay takes no new verdict (the epoch may have replied): it exits 75 naming the function, and the next restart's
+  probe (the step outlives its deadline) quarantines it.
+- ``caught`` (issue 31): a function past its budget catches the interrupt; its reply is the verdict
+  (InvocationTimeout), then the node is SIGKILLed and restarted: the reply read back is the same.
 - ``flood``: pause, 700 async requests of 512 KB (typed 503 past the byte bound), resume; every accepted one
   answered.
 - ``sql``: the repros' hostile /admin/sql queries at once (one ran Spark's JVM out of heap, two cross joins).
@@ -277,6 +282,24 @@ def scenario(engine: str, name: str, workdir: Path, nats: Any = None) -> dict[st
         _fire(node, "sleepy", [30.0])
     elif name == "die":
         _fire(node, "die", [])
+    elif name == "killspin":
+        _fire(node, "spin", [], key="ks")
+        time.sleep(0.5)  # inside its 1 s budget
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGKILL)
+    elif name == "caught":
+        _fire(node, "caught", [5.0], key="cx")
+        r = httpx.Client(base_url=node.url, headers=H, timeout=30)
+        deadline = time.monotonic() + 30
+        first = None
+        while time.monotonic() < deadline and first is None:
+            got = r.get("/requests/fault-caught")
+            if got.status_code in (200, 409):
+                first = got.json()
+            time.sleep(0.1)
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGKILL)
+        detail = {"caught_reply": (first or {}).get("error", {}).get("type")}
     elif name == "flood":
         assert c.post("/admin/pause", json={}).status_code == 200
         codes: dict[int, int] = {}
@@ -330,7 +353,7 @@ def scenario(engine: str, name: str, workdir: Path, nats: Any = None) -> dict[st
         nats.kill()
         time.sleep(secs)
         nats.start()
-    disrupts = name in ("die", "jvm") or name.startswith("nats") or (name == "sleep" and engine == "inprocess")
+    disrupts = name in ("die", "jvm", "killspin", "caught") or name.startswith("nats") or (name == "sleep" and engine == "inprocess")
     healed = healed_after(node, load, health, t_fault, disrupts)
     time.sleep(2)
     t_end = time.monotonic()
@@ -352,8 +375,9 @@ def scenario(engine: str, name: str, workdir: Path, nats: Any = None) -> dict[st
     }
     node.wait_healthy()
     fc = httpx.Client(base_url=node.url, headers=H, timeout=30)
-    if name in ("spin", "sleep", "die"):
-        r = fc.get(f"/requests/fault-{name if name != 'sleep' else 'sleepy'}")
+    if name in ("spin", "sleep", "die", "killspin", "caught"):
+        fid = {"sleep": "sleepy", "killspin": "spin"}.get(name, name)
+        r = fc.get(f"/requests/fault-{fid}")
         out["fault_reply"] = r.json().get("error", {}).get("type") if r.status_code == 409 else r.status_code
         out["dead_letters"] = [d["error_type"] for d in fc.get("/admin/dead-letters").json()["dead_letters"]]
     out.update(check_ledger(node, load))
@@ -366,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", default="inprocess", choices=["inprocess", "spark"])
     ap.add_argument("--only", default="")
     args = ap.parse_args(argv)
-    names = ["spin", "sleep", "die", "flood", "sql"] + (
+    names = ["spin", "sleep", "die", "killspin", "caught", "flood", "sql"] + (
         ["nats5", "nats30", "nats120"] if args.engine == "inprocess" else ["jvm"])
     if args.only:
         names = [n for n in names if n in args.only.split(",")]

@@ -86,4 +86,17 @@ async def die(ctx: Context) -> None:
     os._exit(3)
 
 
+@acc.function(public=True)
+async def caught(ctx: Context, seconds: float) -> str:
+    """Works past its budget and catches the interrupt (a bare except): its outcome is the verdict anyway."""
+    ctx.put(-3)
+    t = time.monotonic()
+    try:
+        while time.monotonic() - t < seconds:
+            pass
+    except:  # noqa: E722 - the mistake under test
+        return "caught"
+    return "finished"
+
+
 app = Application("hostile", [acc])
