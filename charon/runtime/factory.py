@@ -149,7 +149,9 @@ def _spark(spec: EngineSpec) -> Engine:
         if layout is not None:
             config = dataclasses.replace(config, partitions=layout.partitions)
     try:
-        return SparkRuntime(target, config).engine()
+        rt = SparkRuntime(target, config)
+        rt.exit_when_stuck = spec.exit_when_stuck is not None  # charon run: a step it cannot judge exits (75)
+        return rt.engine()
     except LayoutMismatch as exc:  # the checkpoint was made with another partition count
         raise EngineOpenFailed(str(exc)) from None
     except OSError as exc:  # e.g. the NATS log is not reachable

@@ -459,7 +459,8 @@ class InProcessRuntime(EngineBacked):
             self._run_logged(requests, now)
 
         deadline = 30.0 + 3 * self.watchdog.timeout
-        quarantine_killers(epoch, _probe_run, lambda: self.coordinator, self.verdict_book, deadline)
+        quarantine_killers(epoch, _probe_run, lambda: self.coordinator, self.verdict_book, deadline,
+                           default_budget=self.watchdog.timeout)  # each step's deadline: its function's budget
 
     def close(self) -> None:
         """Durable mode: checkpoint everything and release the data directory (volatile: nothing)."""

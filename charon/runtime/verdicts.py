@@ -11,11 +11,14 @@ letter*: ``charon dead-letters``, ``GET /admin/dead-letters`` and the dashboard 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -23,6 +26,7 @@ from charon.core.epoch import Verdict
 
 FILE = "verdicts.jsonl"
 KEPT_IN_MEMORY = 10_000  # dead letters listed (the verdicts themselves are all kept: recovery needs them)
+T = TypeVar("T")
 
 
 class DeadLetter(msgspec.Struct, frozen=True):
@@ -42,6 +46,85 @@ class DeadLetter(msgspec.Struct, frozen=True):
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(DeadLetter)
+_START = b'{"request_id":'  # how every record line starts (the encoder keeps the fields in their declared order)
+_log = logging.getLogger("charon.engine")
+
+
+class CorruptRecords(RuntimeError):
+    """An append-only record file has an undecodable record that was relied on (not a torn tail)."""
+
+
+def load_records(path: str, decode: Callable[[bytes], T], start: bytes = b"") -> list[T]:
+    """The records of the append-only, one-line-per-record file ``path``, its torn tail (anything after the last
+    complete record: never relied on) cut off the file, so that the next append starts a line of its own. A line
+    that does not decode but holds ``start`` (an older version appended after a torn tail without cutting it) is
+    decoded from the last ``start`` that decodes to its end. A complete line that cannot be decoded at all with a
+    complete record after it raises :class:`CorruptRecords`."""
+    with open(path, "rb") as f:
+        data = f.read()
+    out: list[T] = []
+    good = 0  # the offset after the last complete record
+    bad: int | None = None  # an undecodable complete line after ``good``
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            break  # a line without its newline: torn
+        line = data[pos:nl]
+        rec = _decode_line(line, decode, start)
+        if rec is None:
+            if line.strip() and bad is None:
+                bad = pos
+        else:
+            if bad is not None:
+                raise CorruptRecords(f"{path}: the record at byte {bad} cannot be decoded and records follow it (it "
+                                     "was relied on); restore the file or remove that line knowingly")
+            out.append(rec)
+            good = nl + 1
+        pos = nl + 1
+    if good < len(data):
+        _log.warning("%s: dropping a torn tail of %d bytes (a write cut short; never relied on)", path,
+                     len(data) - good, extra={"event": "torn_record", "path": path})
+        with open(path, "r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+    return out
+
+
+def _decode_line(line: bytes, decode: Callable[[bytes], T], start: bytes) -> T | None:
+    try:
+        return decode(line)
+    except (msgspec.DecodeError, ValueError):
+        pass
+    if start:
+        at = line.rfind(start)
+        while at > 0:  # a record glued to a torn prefix (at 0 it was tried whole above)
+            try:
+                return decode(line[at:])
+            except (msgspec.DecodeError, ValueError):
+                at = line.rfind(start, 0, at)
+    return None
+
+
+def append_record(path: str, data: bytes, fsync: bool = True) -> None:
+    """Append the line ``data`` (ending in a newline) to ``path`` and fsync it; a write that fails or is cut short
+    is cut off the file again before the error is raised (the next append starts a line of its own)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            n = os.write(fd, data)
+            if n != len(data):
+                raise OSError(f"short write to {path}: {n} of {len(data)} bytes")
+            if fsync:
+                os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 class VerdictBook:
@@ -62,14 +145,9 @@ class VerdictBook:
     def _load(self) -> None:
         assert self.path is not None
         last: dict[str, DeadLetter] = {}  # the last record of a request id is its verdict (see Watchdog._give_up)
-        with open(self.path, "rb") as f:
-            for line in f:
-                try:
-                    d = _dec.decode(line)
-                except msgspec.DecodeError:  # a torn last line (killed while writing): it was never relied on
-                    continue
-                last.pop(d.request_id, None)
-                last[d.request_id] = d
+        for d in load_records(self.path, _dec.decode, _START):  # a torn tail is cut off here, before any append
+            last.pop(d.request_id, None)
+            last[d.request_id] = d
         for d in last.values():
             self._keep(d)
 
@@ -80,13 +158,7 @@ class VerdictBook:
 
     def _write(self, letter: DeadLetter) -> None:
         if self.path is not None:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, _enc.encode(letter) + b"\n")
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            append_record(self.path, _enc.encode(letter) + b"\n", self.fsync)
 
     def record(self, letter: DeadLetter) -> None:
         """Make the verdict durable (fsynced before this returns, in durable mode), then effective."""

@@ -46,25 +46,25 @@ def _nested(n: int) -> None:
     _nested(n - 1)
 
 
-@acc.function
+@acc.function(public=True)
 async def inc(ctx: Context, n: int = 1) -> int:
     v = ctx.get(default=0) + n
     ctx.put(v)
     return v
 
 
-@acc.function
+@acc.function(public=True)
 async def slow_str_boom(ctx: Context) -> None:
     raise SlowMessage()
 
 
-@acc.function
+@acc.function(public=True)
 async def work_then_raise(ctx: Context, seconds: float) -> None:
     burn(seconds)
     _nested(20)
 
 
-@acc.function
+@acc.function(public=True)
 async def caught(ctx: Context, kind: str, seconds: float) -> str:
     """Catches the interrupt the way application code does; the outcome must be the verdict anyway."""
     outcome = "full"
@@ -87,7 +87,7 @@ async def caught(ctx: Context, kind: str, seconds: float) -> str:
     return outcome
 
 
-@acc.function
+@acc.function(public=True)
 async def chatty(ctx: Context, lines: int) -> int:
     """Logs ``lines`` lines through a handler with a lock (a few microseconds each), unless it is interrupted."""
     for n in range(lines):
@@ -96,26 +96,26 @@ async def chatty(ctx: Context, lines: int) -> int:
     return lines
 
 
-@acc.function
+@acc.function(public=True)
 async def spin(ctx: Context) -> None:
     ctx.put(-1)
     while True:
         pass
 
 
-@acc.function
+@acc.function(public=True)
 async def slow(ctx: Context, seconds: float, n: int) -> int:
     burn(seconds)
     ctx.put(n)
     return n
 
 
-@acc.function
+@acc.function(public=True)
 async def noop(ctx: Context) -> int:
     return 0
 
 
-@acc.function
+@acc.function(public=True)
 async def hog(ctx: Context, steps: int, seconds: float) -> int:
     """Each step below the budget, the transaction far past it."""
     for i in range(steps):
@@ -124,7 +124,7 @@ async def hog(ctx: Context, steps: int, seconds: float) -> int:
     return steps
 
 
-@acc.function
+@acc.function(public=True)
 async def quick(ctx: Context) -> str:
     return "quick"
 

@@ -127,7 +127,13 @@ class SparkRuntime(EngineBacked):
         self.ckpt = cfg.checkpoint_dir
         os.makedirs(self.ckpt, exist_ok=True)
         self.verdict_book = VerdictBook(self.ckpt)  # every epoch's coordinator applies (and adds to) its verdicts
-        self._attempts = RecoveryAttempts(self.ckpt)  # which epoch ran last: a rerun takes no new verdicts
+        self._attempts = RecoveryAttempts(self.ckpt)  # which epoch ran last: a rerun may have replied already
+        #: the epoch running now when an earlier run of it may have replied: none of its steps may take a new
+        #: verdict (see _record_verdict)
+        self._replied_epoch: int | None = None
+        #: ``charon run``: a step that cannot be judged exits the process (75) for its supervisor; else the runtime
+        #: fails for good (``on_fatal``)
+        self.exit_when_stuck = False
         self._probe_epoch = -1  # an epoch that failed: its next run probes for a worker-killing transaction
         self._coord: EpochCoordinator | None = None  # the coordinator of the epoch running (or last run)
         self.inspector = Inspector(InspectorSettings(cfg.inspector, cfg.inspector_records, cfg.inspector_bytes),
@@ -302,8 +308,8 @@ class SparkRuntime(EngineBacked):
                 err = e
             outage = self._outage(err)
             with self._lock:
-                if self._query is not q or self._status == "stopped":
-                    return  # stopped on purpose
+                if self._query is not q or self._status == "stopped" or self._fatal is not None:
+                    return  # stopped on purpose, or failed for good
                 epoch = self.last_recorded_epoch() + 1
                 msg = short_error(err) if err is not None else "the streaming query terminated"
                 code = jvm_exit_code()
@@ -472,9 +478,48 @@ class SparkRuntime(EngineBacked):
             self._status = "ok"
 
     def _record_verdict(self, req: Request, verdict: Verdict, epoch: int) -> None:
-        """A task stopped a function past its budget: recorded (fsynced) before the epoch goes on."""
+        """A task stopped a function past its budget: recorded (fsynced) before the epoch goes on. Not in a rerun
+        of an epoch whose replies may have left (they may say the transaction ran): the runtime cannot judge
+        there, and gives up (:meth:`_cannot_judge`)."""
+        if self._replied_epoch == epoch:
+            self._cannot_judge(req, verdict, epoch)
         self.verdict_book.record(letter(req.request_id, req.operator, req.function, req.key, verdict, epoch,
                                         f"{req.operator}.{req.function}"))
+
+    def _replied_before(self, epoch: int, requests: list[Request], prev: EpochRecord | None) -> bool:
+        """Whether an earlier run of ``epoch`` may have answered a client: a reply of this epoch is in the output
+        log (clients read replies only from there; a reply a dead driver had not written yet never left). True
+        when it cannot be told (the log failing)."""
+        try:
+            self._replies.flush(30)  # this process's earlier run (a query restart): its replies are written first
+            reqs = list(requests)
+            if prev is not None:
+                reqs += [serde.decode_request(b) for _, b in prev.deferred]
+            for r in reqs:
+                rep = self.output_log.get(r.request_id)
+                if rep is not None and rep.epoch == epoch:
+                    return True
+            return False
+        except Exception as e:  # noqa: BLE001 - cannot prove nothing left: it may have
+            _events.warning("cannot tell whether epoch %d replied before (%s: %s): it takes no new verdicts", epoch,
+                            type(e).__name__, e, extra={"event": "replied_unknown", "epoch": epoch})
+            return True
+
+    def _cannot_judge(self, req: Request, verdict: Verdict, epoch: int) -> None:
+        """A step of a rerun epoch whose replies may have left ran past its budget: no verdict can be taken (the
+        replies sent may depend on it completing). FATAL, naming the function, then ``charon run`` exits (75) for
+        its supervisor; a runtime in a program fails for good (``on_fatal``). Raises to stop the epoch."""
+        reason = (f"{verdict.message} while epoch {epoch} was run again after a restart, and that epoch may have "
+                  f"replied already (request {req.request_id!r}): no new verdict can be taken there; exiting for "
+                  "the supervisor (a larger budget, @op.function(timeout=...), lets it complete)")
+        if self.exit_when_stuck:
+            _events.critical("FATAL: %s", reason, extra={"event": "fatal", "epoch": epoch, "operator": req.operator,
+                                                          "function": req.function, "key": req.key})
+            for handler in logging.getLogger("charon").handlers:
+                handler.flush()
+            os._exit(75)
+        self._give_up(reason)
+        raise _Stopping(f"epoch {epoch}: {reason}")
 
     def dead_letters(self, limit: int = 1000) -> list[dict[str, Any]]:
         """Transactions the engine set aside (timed out, quarantined), newest first."""
@@ -859,15 +904,17 @@ class SparkRuntime(EngineBacked):
         from charon.runtime.spark.source import batch_offsets
 
         cpu0 = time.thread_time()  # this thread's CPU in the epoch, by phase (epoch stats driver_*_cpu_s)
-        # Budgets stop functions only in an epoch's first run: a rerun (after a driver crash, or of an epoch Spark
-        # committed) may have delivered replies already, and only the verdicts its first run recorded apply.
+        # Budgets stop functions in every run of an epoch (a rerun without them would hold the engine forever on
+        # an endless function). A rerun (after a driver crash, or of an epoch Spark committed) whose earlier run
+        # may have delivered replies takes no new verdict: only those its earlier runs recorded apply
+        # (_record_verdict gives up instead); one whose earlier runs provably replied nothing judges anew.
         rerun = recovering or self._attempts.failed_before(epoch)
         self._attempts.starting(epoch)  # durable before any reply of this run can go out
         probe = None
         if self._probe_epoch == epoch:  # it failed before: find a transaction that kills its worker
             probe = os.path.join(self.ckpt, "probe", str(epoch))
             shutil.rmtree(probe, ignore_errors=True)
-        self.exchange.set_budget(None if rerun else self.config.function_timeout, probe)
+        self.exchange.set_budget(self.config.function_timeout, probe)
         prev = pending[0] if pending is not None else (self.read_record(epoch - 1) if epoch > 0 else None)
         if epoch > 0 and prev is None and self.last_recorded_epoch() >= 0:
             raise RuntimeError(f"epoch record {epoch - 1} is missing under {self.ckpt}")
@@ -875,6 +922,7 @@ class SparkRuntime(EngineBacked):
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
         now = max((r.ts for _, _, r in rows), default=None)  # logged: the epoch's time (ticks included)
+        self._replied_epoch = epoch if rerun and self._replied_before(epoch, [r for _, r in requests], prev) else None
         cpu = {"read": time.thread_time() - cpu0, "deliver": 0.0}
 
         def deliver(replies: list[Reply]) -> None:
