@@ -7,8 +7,9 @@ epoch runs): when the epoch about to be replayed already killed an earlier recov
 runs. A forked child runs the epoch on a copy of the state while reporting, through a pipe, the start of every
 invocation step (which transaction's code runs, and its function's time budget) and its end. The probe blames only
 a step that started and did not end: the child died in it, or the step ran past ten times its own budget
-(``PROBE_FACTOR``, plus ``STEP_GRACE_S``; the child is killed then). That transaction gets a ``Quarantined`` verdict (recorded before the
-epoch replays, see :mod:`charon.runtime.verdicts`) and the probe repeats until the epoch completes in the child.
+(``PROBE_FACTOR``, plus ``STEP_GRACE_S``; the child is killed then). That transaction gets a ``Quarantined``
+verdict (recorded before the epoch replays, see :mod:`charon.runtime.verdicts`) and the probe repeats until the
+epoch completes in the child.
 Then the epoch replays for real, the quarantined transactions refused up front; their clients get the typed
 ``Quarantined`` reply and ``charon dead-letters`` lists them. The decision is taken before anything depends on it,
 so it is replay-exact like any verdict.
