@@ -293,7 +293,10 @@ class Simulation:
         fn = partial(spark_tasks.run_partitions, self.app_ref, self.config.partitions, w.dir, self.state_root,
                      self.config.checkpoint_dir)
         budget = self.rt.exchange.fn.keywords.get("function_timeout") if self.rt is not None else None
-        with w.process(), self.overrunning(budget is not None):
+        # an overrun stands for a function past its budget in a run that may judge it: a first run, or a rerun
+        # that provably replied nothing (a rerun that may have replied cannot judge, and exits for its supervisor)
+        judging = self.rt is not None and self.rt.judging
+        with w.process(), self.overrunning(budget is not None and judging):
             return list(itertools.islice(fn(task), upto))
 
     @contextlib.contextmanager

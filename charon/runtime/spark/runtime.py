@@ -477,6 +477,12 @@ class SparkRuntime(EngineBacked):
                 and q.isActive and self.caught_up(log_ends):
             self._status = "ok"
 
+    @property
+    def judging(self) -> bool:
+        """Whether the epoch running now may take new verdicts (False: a rerun of an epoch whose replies may have
+        left, where only its recorded verdicts apply; the simulator overruns functions only where this holds)."""
+        return self._replied_epoch is None  # set for each epoch before it runs
+
     def _record_verdict(self, req: Request, verdict: Verdict, epoch: int) -> None:
         """A task stopped a function past its budget: recorded (fsynced) before the epoch goes on. Not in a rerun
         of an epoch whose replies may have left (they may say the transaction ran): the runtime cannot judge
