@@ -177,7 +177,7 @@ def probe(run_epoch: Callable[[], Any], coordinator: Callable[[], EpochCoordinat
 def _report_steps(coord: EpochCoordinator, fd: int, default_budget: float) -> None:
     """In the probing child only: every unit writes what it is about to run (and the function's budget) to ``fd``
     before each step, and ``E`` after it (the class is patched: this process ends with the probe)."""
-    from charon.runtime.watchdog import _budget_of
+    from charon.runtime.watchdog import budget_of
 
     run, replay = PartitionUnit._run, PartitionUnit._replay_cached
 
@@ -189,7 +189,7 @@ def _report_steps(coord: EpochCoordinator, fd: int, default_budget: float) -> No
         if req is None:
             return False
         f = frames[0]
-        budget = sum(_budget_of(unit, fr, default_budget) for fr in frames)
+        budget = sum(budget_of(unit, fr, default_budget) for fr in frames)
         send(json.dumps([req.request_id, f"{req.operator}.{req.function}", f.op, f.fn, f.key, fallback,
                          budget]).encode())
         return True

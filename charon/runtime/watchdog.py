@@ -151,7 +151,7 @@ class Watchdog:
         return st[1]
 
     def budget(self, unit: PartitionUnit, frame: Any) -> float:
-        return _budget_of(unit, frame, self.timeout)
+        return budget_of(unit, frame, self.timeout)
 
     def _run(self) -> None:
         seen: tuple[Any, int, float] | None = None  # the step being timed: (frame, nsusp, first seen at)
@@ -309,7 +309,7 @@ def fatal_exit(line: str, extra: dict[str, Any], code: int = 75) -> NoReturn:
     os._exit(code)
 
 
-def _budget_of(unit: PartitionUnit, frame: Any, default: float) -> float:
+def budget_of(unit: PartitionUnit, frame: Any, default: float) -> float:
     try:
         fn = unit.app_for(frame.tid).resolve(frame.op, frame.fn)
     except Exception:  # noqa: BLE001 - a function of a replaced application: the default
@@ -362,7 +362,7 @@ def task_budget(units: list[PartitionUnit], timeout: float | None, interval: flo
         if seen[0] is not f or seen[1] != f.nsusp:
             seen[0], seen[1], seen[2] = f, f.nsusp, now
             return
-        budget = _budget_of(u, f, timeout)
+        budget = budget_of(u, f, timeout)
         tbudget = max(tlimit, budget)
         ran = now - seen[2]
         if ran < budget and total < tbudget:

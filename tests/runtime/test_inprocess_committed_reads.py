@@ -167,6 +167,8 @@ NOT_READS = {
     "finish_lock", "retire_previous", "run_parked", "set_previous", "switch_app",
     "dead_letters", "in_engine", "verdict_book", "watchdog", "determinism_check",
     "inspector",  # the invocation inspector: records fed as replies go out (their reply, call graph), never state
+    "fatal_callback",  # the on_fatal hook (charon run's exit), not state
+    "effects_executor", "run_effects", "settle_effects",  # the in-process effect executor: its own store, not state
 }
 #: the engine's own methods, the only ones allowed the unguarded stores and stream log
 ENGINE_ONLY = {"__init__", "_units", "_recover", "_probe", "_probe_run", "stores", "streams", "_stream_log",
