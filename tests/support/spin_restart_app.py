@@ -4,14 +4,14 @@ from charon import Application, Context, Operator
 acct = Operator("acct")
 
 
-@acct.function
+@acct.function(public=True)
 async def add(ctx: Context, n: int) -> int:
     v = ctx.get(default=0) + n
     ctx.put(v)
     return v
 
 
-@acct.function
+@acct.function(public=True)
 async def churn(ctx: Context, n: int) -> int:
     x = 0
     while n != -1:  # never ends: pure bytecode, no I/O, no ctx call

@@ -11,38 +11,38 @@ from charon import Application, Context, Operator
 io = Operator("io")
 
 
-@io.function
+@io.function(public=True)
 async def sleeps(ctx: Context) -> None:
     ctx.put(1)
     await asyncio.sleep(0.01)
 
 
-@io.function
+@io.function(public=True)
 async def sleeps0(ctx: Context) -> None:
     ctx.put(1)
     await asyncio.sleep(0)
 
 
-@io.function
+@io.function(public=True)
 async def future(ctx: Context) -> None:
     ctx.put(1)
     await asyncio.get_running_loop().create_future()
 
 
-@io.function
+@io.function(public=True)
 async def bare_future(ctx: Context) -> None:
     ctx.put(1)
     await asyncio.Future()
 
 
-@io.function
+@io.function(public=True)
 async def http(ctx: Context, url: str) -> int:
     ctx.put(1)
     async with httpx.AsyncClient() as client:
         return (await client.get(url)).status_code
 
 
-@io.function
+@io.function(public=True)
 async def http_caught(ctx: Context, url: str) -> str:
     """Catches whatever the client raises and goes on: still an IllegalAwait."""
     ctx.put(1)
@@ -54,20 +54,20 @@ async def http_caught(ctx: Context, url: str) -> str:
     return "fetched"
 
 
-@io.function
+@io.function(public=True)
 async def anyio_sleep(ctx: Context) -> None:
     ctx.put(1)
     await anyio.sleep(0.01)
 
 
-@io.function
+@io.function(public=True)
 async def reads_file(ctx: Context, path: str) -> str:
     ctx.put(1)
     with open(path) as f:
         return f.read()
 
 
-@io.function
+@io.function(public=True)
 async def connects(ctx: Context, url: str) -> int:
     ctx.put(1)
     u = urllib.parse.urlsplit(url)
@@ -76,7 +76,7 @@ async def connects(ctx: Context, url: str) -> int:
         return len(s.recv(100))
 
 
-@io.function
+@io.function(public=True)
 async def ok(ctx: Context) -> int:
     ctx.put(2)
     return 2
