@@ -1170,12 +1170,11 @@ class PartitionUnit(Generic[S]):
         return True
 
     def _undoom(self, frame: Frame) -> bool:
-        """A fast-path step judged past its budget: its verdict is effective from here (recorded, see
-        :meth:`_judged`), as where the slow path is judged. False: the transaction leaves the fast path."""
-        try:
-            self._judged(frame)
-        except Interrupt:  # pending at _judged's first instruction: none is left now
-            self._judged(frame)
+        """A fast-path step stopped past its budget: no verdict (the transaction only leaves the fast path; the slow
+        path runs it again and is judged there, so a verdict never stands beside a reply the slow path gives); an
+        interrupt not raised yet is dropped. False: the transaction takes the slow path."""
+        self.doomed = None
+        disarm()
         return False
 
     # -- end of epoch -----------------------------------------------------------------------------

@@ -212,19 +212,22 @@ def deliver(top: ThreadHandle, user: UserCode, drivers: frozenset[CodeType], uni
             gc.enable()
 
 
-def _make_doom() -> Callable[[Any, Any], bool]:
+def _make_doom() -> Callable[[Any, Any], int]:
     ns: dict[str, Any] = {}
     exec(compile("def doom(unit, frame):\n"  # noqa: S102 - our own generated code: no check between look and set
                  "    if unit.current is not frame:\n"
-                 "        return False\n"
+                 "        return 0\n"
                  "    unit.doomed = frame\n"
-                 "    return True\n", "<charon.interrupts.doom>", "exec"), ns)
+                 "    return 2 if unit.fast_layer is not None else 1\n", "<charon.interrupts.doom>", "exec"), ns)
     return ns["doom"]
 
 
-#: ``doom(unit, frame) -> bool``: judge ``frame``'s step if it still runs (``unit.doomed = frame`` while it is
-#: ``unit.current``: one look, no eval-breaker check in between), else False
+#: ``doom(unit, frame) -> int``: mark ``frame``'s step if it still runs (``unit.doomed = frame`` while it is
+#: ``unit.current``: one look, no eval-breaker check in between): :data:`JUDGED` (a step whose outcome is now the
+#: verdict), :data:`FAST` (a step of the cached fallback's fast path: it only leaves the fast path, no verdict; the
+#: slow path runs the transaction again and is judged there), or 0 (the step is over: nothing done)
 doom = _make_doom()
+JUDGED, FAST = 1, 2
 
 
 def user_frame_chain(top: FrameType | None, user: UserCode, drivers: frozenset[CodeType]) -> bool:

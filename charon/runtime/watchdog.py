@@ -55,6 +55,7 @@ from charon.operator import Application
 from charon.runtime.interrupts import (
     DEFERRED,
     DELIVERED,
+    JUDGED,
     ThreadHandle,
     UserCode,
     app_roots,
@@ -205,12 +206,14 @@ class Watchdog:
                                "seconds": round(ran, 3), "budget_s": budget,
                                "transaction_seconds": round(total, 3), "transaction_budget_s": tbudget,
                                "replaying": not self.interrupting})
-        if self.interrupting and doom(unit, frame):
-            # judged: the verdict is durable before the interrupt is raised (the engine makes it effective)
+        marked = doom(unit, frame) if self.interrupting else 0
+        if marked:
+            # judged: the verdict is durable before the interrupt is raised (the engine makes it effective); a
+            # fast-path step only leaves the fast path (no verdict: the slow path runs it and is judged there)
             msg = self._reasons.get(tid)
             if msg is None:
                 msg = self._reasons[tid] = timeout_message(frame) if ran >= budget else total_message(frame, tbudget)
-            if req is not None and cur is not None:
+            if marked == JUDGED and req is not None and cur is not None:
                 self.book.reserve(letter(req.request_id, frame.op, frame.fn, frame.key,
                                          Verdict("InvocationTimeout", msg, self.coordinator().phase == 1),
                                          cur.epoch, f"{req.operator}.{req.function}"))
