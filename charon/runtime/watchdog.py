@@ -233,8 +233,7 @@ class Watchdog:
             return
         self.deferred += 1
         end = time.monotonic() + self.interval
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch, RETRY_SWITCH_S))
+        _short_switch(True)
         try:
             while time.monotonic() < end and not self._stop.is_set():
                 time.sleep(RETRY_SWITCH_S)
@@ -244,7 +243,7 @@ class Watchdog:
                     return
                 self.deferred += 1
         finally:
-            sys.setswitchinterval(switch)
+            _short_switch(False)
 
     def timed_out(self, frame: Any) -> BaseException:
         """Called by a unit, in the engine thread, when a judged step ended (interrupted or not): record the
@@ -297,6 +296,25 @@ class Watchdog:
                     "@op.function(timeout=...)) or fix it; exiting for the supervisor")
         fatal_exit(line, {"event": "fatal", "operator": frame.op, "function": frame.fn, "key": frame.key,
                           "replaying": not judging})
+
+
+_switch_lock = threading.Lock()
+_switch_users = [0, 0.0]  # watchdogs looking again now, and the switch interval before the first of them
+
+
+def _short_switch(on: bool) -> None:
+    """Lower the GIL switch interval while any watchdog looks again (see :meth:`Watchdog._interrupt`); the last one
+    to finish restores what the first one found (several runtimes' watchdogs never leave it lowered)."""
+    with _switch_lock:
+        if on:
+            if _switch_users[0] == 0:
+                _switch_users[1] = sys.getswitchinterval()
+                sys.setswitchinterval(min(_switch_users[1], RETRY_SWITCH_S))
+            _switch_users[0] += 1
+        else:
+            _switch_users[0] -= 1
+            if _switch_users[0] == 0:
+                sys.setswitchinterval(_switch_users[1])
 
 
 def fatal_exit(line: str, extra: dict[str, Any], code: int = 75) -> NoReturn:

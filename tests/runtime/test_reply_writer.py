@@ -102,6 +102,19 @@ def test_a_write_that_failed_once_does_not_fail_every_later_put(tmp_path) -> Non
 
 
 def test_a_put_right_after_close_is_written(tmp_path) -> None:
+    """In a fresh interpreter: the profile hook it installs meets process-wide hooks other tests leave (the
+    determinism check's audit hook), which hung the writer's start in the shared test process."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    code = (f"import sys, pathlib, tempfile; sys.path.insert(0, {here!r}); import test_reply_writer as t; "
+            "t.put_right_after_close(pathlib.Path(tempfile.mkdtemp())); print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stdout + p.stderr
+
+
+def put_right_after_close(tmp_path) -> None:  # noqa: ANN001
     """``close`` lets the thread end; a put while that thread has left its loop but is not dead yet must start
     another (it used to see the ending thread alive, queue the batch for nobody, and flush waited forever)."""
     log = OutputLog(os.path.join(tmp_path, "out.sqlite"))

@@ -25,7 +25,7 @@ from charon.server.serve import BackgroundServer
 box = Operator("box")
 
 
-@box.function
+@box.function(public=True)
 async def add(ctx: Context, n: int) -> int:
     v = ctx.get(default=0) + n
     ctx.put(v)
