@@ -154,3 +154,53 @@ def test_resident_epoch_latency_against_a_job_per_round(spark, tmp_path) -> None
           + "; ".join(f"{k}: p50 {p50[k]:.1f} ms, p90 {_p(v, 0.9):.1f} ms, p99 {_p(v, 0.99):.1f} ms, first "
                       f"{lat[k][0]:.0f} ms" for k, v in warm.items()))
     assert p50["resident"] < p50["jobs"] / 3, "no Spark job per epoch"
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_gang_worker_relaunches_the_gang_and_replies_stay_exactly_once(spark, tmp_path) -> None:
+    """SIGKILL the Python worker of one of the gang's tasks mid-run: the round in flight fails (GangLost), the
+    runtime restarts the query, a new gang (new token: the old one fenced) restores the partitions from the
+    durable copy and the epoch is replayed from the log. Every request gets exactly one reply, and replies and
+    state equal the in-process runtime's replay of the same epochs."""
+    import signal
+
+    cfg = SparkConfig(master="local[2]", data_dir=str(tmp_path), partitions=4, max_batch=50, compact_every=5,
+                      truncate_log=False, exchange="resident", restart_backoff_s=0.2)
+    rt = SparkRuntime(APP, cfg, spark=spark)
+    n = 1_000
+    rt.load("account", ycsb.initial_state(n, balance=500))
+    initial = rt.snapshot()
+    reqs = _requests(n, 1_200, seed=9, prefix="k")
+    rt.input_log.append_many(reqs[:300])
+    rt.start()
+    try:
+        first = rt.exchange
+        assert isinstance(first, ResidentExchange)
+        deadline = time.monotonic() + 300
+        while len(first.pids) < first.tasks or rt.last_epoch < 2:  # the gang is up and has run epochs
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        rt.input_log.append_many(reqs[300:])
+        time.sleep(0.3)  # epochs running
+        os.kill(first.pids[first.tasks - 1], signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while rt.exchange is first:  # the query restarted with a new exchange
+            assert time.monotonic() < deadline, "the query did not restart"
+            time.sleep(0.05)
+        rt.wait_idle(600)
+        second = rt.exchange
+        killed_at = first.broken
+    finally:
+        rt.stop()
+    assert isinstance(second, ResidentExchange) and second is not first and second.token != first.token
+    assert first.closed and killed_at is not None, "the old gang was marked lost and closed (fenced)"
+    assert rt._restarts >= 1
+    state = rt.snapshot()
+    replies = rt.replies()
+    assert len(replies) == len(reqs) == len({r.request_id for r in replies}), "exactly one reply per request"
+    assert sum(serde.decode(v) for v in state.values()) == 500 * n, "money is conserved"
+    ip, results = replay_in_process(ycsb.app, rt, initial)
+    assert ip.snapshot() == state, "the same state as the in-process runtime"
+    by_id = {r.request_id: r for res in results for r in res.replies.values()}
+    assert all(by_id[r.request_id] == r for r in replies), "replies unchanged by the replay"
+    print(f"\nkilled a gang worker: {killed_at}; restarts {rt._restarts}")

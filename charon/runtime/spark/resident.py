@@ -6,9 +6,9 @@ host the partitions and take round after round, epoch after epoch, over sockets;
 See ``docs/internals/resident.md``.
 
 Frames (both ways): 4-byte big-endian length, then a pickle. A task's hello (before any frame): the gang's 16-byte
-token, its attempt number, its index and the gang's task count (4 bytes each). Then per round the driver sends
-``("round", control, {pid: inbox}, app_ref, previous, function_timeout, probe_dir)`` and the task answers
-``[(pid, RoundOutput)]`` with its stats; ``("stop",)`` ends the task.
+token, its attempt number, its index, the gang's task count and its process id (4 bytes each). Then per round the
+driver sends ``("round", control, {pid: inbox}, app_ref, previous, function_timeout, probe_dir)`` and the task
+answers ``([(pid, RoundOutput)], stats)``; ``("stop",)`` ends the task.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from charon.runtime.spark.layout import state_root
 from charon.state.records import EpochRecord
 
 _LEN = struct.Struct(">I")
-_HELLO = struct.Struct(">16sIII")
+_HELLO = struct.Struct(">16sIIII")
 MEET_S = 120.0  # longest the driver waits for a new gang's tasks to connect
 POLL_S = 0.5  # how often a waiting side checks that the other is still there
 
@@ -108,6 +108,7 @@ class ResidentExchange:
         self.lock = threading.Lock()
         self.seated: dict[int, socket.socket] = {}
         self.attempts: dict[int, int] = {}
+        self.pids: dict[int, int] = {}  # each seated task's Python worker (fault tests kill one)
         self.broken: str | None = None
         self.closed = False
         self.launched = False
@@ -270,7 +271,7 @@ class ResidentExchange:
                 return  # closed
             try:
                 sock.settimeout(10.0)
-                token, attempt, index, tasks = _HELLO.unpack(_recv(sock, _HELLO.size))
+                token, attempt, index, tasks, pid = _HELLO.unpack(_recv(sock, _HELLO.size))
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except (OSError, struct.error):
@@ -288,6 +289,7 @@ class ResidentExchange:
                     fenced = True
                 if not fenced:
                     self.attempts[index] = attempt
+                    self.pids[index] = pid
                     self.seated[index] = sock
             if fenced:
                 _shut(sock)
@@ -323,7 +325,7 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
     root = local_root(local_dir, checkpoint, durable_root)
     sock = socket.create_connection(address, timeout=MEET_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.sendall(_HELLO.pack(token, attempt, index, tasks))
+    sock.sendall(_HELLO.pack(token, attempt, index, tasks, os.getpid()))
     sock.settimeout(None)
     scratch: dict[int, bytes | None] = {}
     caches: dict[int, dict[int, list]] = {}
