@@ -157,6 +157,12 @@ def run(
         help="spark: input-log partitions (default: CHARON_LOG_PARTITIONS, else the log's recorded count, else "
         "--partitions; another count resizes the log, no pause).",
     ),
+    spark_exchange: str | None = typer.Option(
+        None, "--spark-exchange", show_default=False,
+        help="spark: how an epoch's rounds reach the partitions: jobs (the default: a Spark job per round) or "
+        "resident (opt-in: one long-running barrier job hosts the partitions, rounds go over sockets; "
+        "default: CHARON_EXCHANGE, else jobs).",
+    ),
     function_timeout: float | None = typer.Option(
         None, "--function-timeout", min=0.001, envvar="CHARON_FUNCTION_TIMEOUT", show_default=False,
         help="Seconds a function may run without awaiting a call before its transaction aborts with "
@@ -271,6 +277,7 @@ def run(
         runtime = make_engine(EngineSpec(
             engine, target, partitions, data_dir, ephemeral=ephemeral, fsync=fsync, reply_retention=reply_retention,
             log_url=log, log_partitions=log_partitions, function_timeout=function_timeout,
+            spark_exchange=spark_exchange,
             exit_when_stuck=exit_when_stuck, determinism_check=check_determinism, inspector=inspector,
             inspector_records=inspector_records, inspector_bytes=inspector_bytes))
     except BaseException:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+#: How the Spark runtime's rounds reach the partitions (SparkConfig.exchange): the first is the default.
+EXCHANGES = ("jobs", "resident")
+
 
 @dataclass
 class SparkConfig:
@@ -59,6 +62,13 @@ class SparkConfig:
     split_rest: str = "off"
     split_rest_min_bytes: int = 262_144
     split_rest_tasks: int = 0
+    # how an epoch's rounds reach the partitions: "jobs" (the default: each round a Spark job, SparkExchange) or
+    # "resident" (opt-in, issue 32: one long-running barrier job hosts the partitions and takes every round over
+    # sockets, charon.runtime.spark.resident; docs/internals/resident.md)
+    exchange: str = "jobs"
+    # tasks of the resident gang, each over a group of partitions (0: as many as the partitions and the cores
+    # allow); the gang holds its slots while the runtime runs: other Spark jobs need one left over
+    resident_tasks: int = 0
     finalize_threads: int = 4  # a one-task rest writes the previous epoch's partitions' deltas in this many threads
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task
     pipeline_finalize: bool = True  # under load, an epoch's finalize rides in the next epoch's first round
@@ -119,6 +129,8 @@ class SparkConfig:
                 setattr(cfg, k, v)
         if cfg.partitions < 1:
             raise ValueError("partitions must be at least 1")
+        if cfg.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, not {cfg.exchange!r}")
         return cfg
 
 

@@ -292,7 +292,9 @@ class Simulation:
         """The real task function over the task's partitions in worker ``w`` (only the first ``upto``)."""
         fn = partial(spark_tasks.run_partitions, self.app_ref, self.config.partitions, w.dir, self.state_root,
                      self.config.checkpoint_dir)
-        budget = self.rt.exchange.fn.keywords.get("function_timeout") if self.rt is not None else None
+        ex = self.rt.exchange if self.rt is not None else None
+        assert ex is None or isinstance(ex, SparkExchange)  # the simulated runtime's (SimExchange)
+        budget = ex.fn.keywords.get("function_timeout") if ex is not None else None
         # an overrun stands for a function past its budget in a run that may judge it: a first run, or a rerun
         # that provably replied nothing (a rerun that may have replied cannot judge, and exits for its supervisor)
         judging = self.rt is not None and self.rt.judging

@@ -55,6 +55,7 @@ class EngineSpec:
     inspector: bool = True  # the invocation inspector (charon.runtime.inspector); off: aborts are still logged
     inspector_records: int | None = None  # requests it keeps (default 10,000)
     inspector_bytes: int | None = None  # bytes of them it keeps (default 32 MiB)
+    spark_exchange: str | None = None  # spark: "jobs" (default) or "resident" (opt-in; else CHARON_EXCHANGE)
 
     def check(self) -> None:
         """Raise :class:`EngineSpecError` for settings that do not fit together."""
@@ -71,6 +72,14 @@ class EngineSpec:
         if self.log_partitions is not None and self.kind != "spark":
             raise EngineSpecError("--log-partitions applies to --engine spark only (the in-process engine logs its "
                                   "epochs in one partition)")
+        if self.spark_exchange is not None:
+            from charon.config import EXCHANGES
+
+            if self.kind != "spark":
+                raise EngineSpecError("--spark-exchange applies to --engine spark only")
+            if self.spark_exchange not in EXCHANGES:
+                raise EngineSpecError(f"--spark-exchange must be one of {', '.join(EXCHANGES)}, not "
+                                      f"{self.spark_exchange!r}")
         if self.kind == "remote" and self.log_url is None:
             raise EngineSpecError("--engine remote needs --log nats://host:port/deployment (the engine's log)")
         if self.kind == "remote" and self.determinism_check:
@@ -137,7 +146,8 @@ def _spark(spec: EngineSpec) -> Engine:
         extra["determinism_check"] = True
     if not spec.inspector:  # else CHARON_INSPECTOR decides
         extra["inspector"] = False
-    extra.update(inspector_records=spec.inspector_records, inspector_bytes=spec.inspector_bytes)
+    extra.update(inspector_records=spec.inspector_records, inspector_bytes=spec.inspector_bytes,
+                 exchange=spec.spark_exchange)  # None: CHARON_EXCHANGE, else the default ("jobs")
     config = SparkConfig.from_env(partitions=spec.partitions, data_dir=spec.data_dir, log_url=spec.log_url,
                                   log_partitions=spec.log_partitions, **extra)
     try:  # the directory belongs to one engine and application (refused otherwise)

@@ -207,6 +207,18 @@ def test_run_refuses_log_partitions_in_process(tmp_path: Path) -> None:
     assert not (tmp_path / "d").exists()  # refused before anything was created
 
 
+def test_run_refuses_a_spark_exchange_in_process_or_unknown(tmp_path: Path) -> None:
+    r = runner.invoke(cli, ["run", "charon.apps.ycsb:app", "--data-dir", str(tmp_path / "d"),
+                            "--spark-exchange", "resident"])
+    assert r.exit_code != 0
+    assert "--spark-exchange applies to --engine spark only" in r.output
+    r = runner.invoke(cli, ["run", "charon.apps.ycsb:app", "--engine", "spark", "--data-dir", str(tmp_path / "d"),
+                            "--spark-exchange", "sockets"])
+    assert r.exit_code != 0
+    assert "--spark-exchange must be one of jobs, resident" in r.output
+    assert not (tmp_path / "d").exists()  # refused before anything was created
+
+
 def test_demo_inprocess_checks_invariants() -> None:
     r = cli_run("demo", "--engine", "inprocess", "--accounts", "50", "--transactions", "300", "--concurrency", "32")
     assert r.exit_code == 0, r.output

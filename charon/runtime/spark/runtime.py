@@ -61,7 +61,7 @@ from charon.runtime.probe import LogProbe
 from charon.runtime.quarantine import RecoveryAttempts, culprit_in
 from charon.runtime.replies import ReplyWriter
 from charon.runtime.spark.engine import SparkEngine
-from charon.runtime.spark.exchange import SparkExchange
+from charon.runtime.spark.exchange import make_exchange
 from charon.runtime.spark.layout import (
     Layout,
     check_layout,
@@ -256,7 +256,7 @@ class SparkRuntime(EngineBacked):
 
     def _start_query(self) -> None:
         spark = self.spark
-        self.exchange = SparkExchange(spark, self.app_ref, self.config, self.controller.previous)
+        self._new_exchange(spark)
         df = (
             spark.readStream.format("charon_log")
             .option("path", self.input_location)
@@ -270,6 +270,18 @@ class SparkRuntime(EngineBacked):
         if self.config.trigger_ms > 0:
             w = w.trigger(processingTime=f"{self.config.trigger_ms} milliseconds")
         self._query = w.start()
+
+    def _new_exchange(self, spark: Any) -> None:
+        """The exchange of the epochs to come (``config.exchange``), after closing the one before if it has a gang
+        to end (the resident exchange; the job-per-round exchange holds nothing)."""
+        self._close_exchange()
+        self.exchange = make_exchange(spark, self.app_ref, self.config, self.controller.previous)
+
+    def _close_exchange(self) -> None:
+        close = getattr(getattr(self, "exchange", None), "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):  # a gang already gone
+                close()
 
     def _supervise(self) -> None:
         """Restart the query from its checkpoint when it fails (back-off doubling from ``restart_backoff_s``);
@@ -576,6 +588,7 @@ class SparkRuntime(EngineBacked):
                 self.flush()
             with contextlib.suppress(Exception):  # else the unrecorded epoch runs again after a restart
                 self._replies.close()
+        self._close_exchange()  # a resident gang ends here (after the flush, which may need it)
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(timeout=60)
             self._supervisor = None
@@ -737,7 +750,7 @@ class SparkRuntime(EngineBacked):
                 self.durable = new
                 self.layout_gen += 1
             if self._spark is not None and getattr(self, "exchange", None) is not None:
-                self.exchange = SparkExchange(self._spark, self.app_ref, self.config, self.controller.previous)
+                self._new_exchange(self._spark)
         # the old directory goes with the next compaction (a state read may still be reading it) or restart
         return {"from": old, "to": partitions, "epoch": epoch, "keys": n, "cpu_s": time.process_time() - c0}
 

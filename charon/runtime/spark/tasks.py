@@ -44,7 +44,6 @@ def run_partitions(
     (:func:`charon.runtime.watchdog.task_budget`). ``determinism_check``: every function step runs twice
     (:mod:`charon.core.determinism`). ``probe_dir``: an epoch that failed is probed for a transaction that kills
     its worker (:func:`charon.runtime.quarantine.probing`)."""
-    from charon.state.lmdbstore import open_store
 
     if probe_dir is not None:
         with probing(probe_dir):
@@ -70,33 +69,47 @@ def run_partitions(
             continue
         c0 = time.thread_time()  # the task's CPU for this partition (unpickling included): stats cpu_us
         control, scratch, inbox, cached = pickle.loads(payload)
-        store = open_store(root, pid, durable_root)
-        unit = PartitionUnit(pid, parts, app, store)
-        unit.previous = prev
-        unit.twice = determinism.run_twice if determinism_check else None
-        unit.load_scratch(scratch)
-        t0 = time.perf_counter()
-        prior = control.prior
-        done = None
-        if prior is not None:  # the previous epoch's deferred finalize: its delta first (idempotent)
-            store.ensure_epoch(prior.epoch - 1)
-            done = unit.finalize_prior(prior)  # its events and next due time return with this round
-            control.prior = None
-        store.ensure_epoch(control.epoch - 1)
-        t1 = time.perf_counter()
-        if cached:
-            unit.load_cache(cached)
-        if control.finalize:
-            out = unit.step(control, inbox, done)
-        else:
-            with store.reading(), task_budget([unit], function_timeout):
-                out = unit.step(control, inbox, done)
-        t2 = time.perf_counter()
-        out.stats["restore_us"] = int((t1 - t0) * 1e6)
-        out.stats["step_us"] = int((t2 - t1) * 1e6)
-        scratch_out = None if control.finalize else unit.dump_scratch()
+        scratch_out, out = step_partition(app, parts, root, durable_root, pid, control, scratch, inbox, cached,
+                                          prev, function_timeout, determinism_check)
         out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
         yield pid, pickle.dumps((scratch_out, out), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def step_partition(app: Any, parts: int, root: str, durable_root: str, pid: int, control: Control,
+                   scratch: bytes | None, inbox: list, cached: dict | None, prev: tuple[int, Any] | None,
+                   function_timeout: float | None, determinism_check: bool) -> tuple[bytes | None, RoundOutput]:
+    """One partition's round in a task: its unit over its resident store and ``scratch``, the previous epoch's
+    deferred finalize first if ``control`` carries it (``control.prior`` is cleared: give each partition its
+    own copy); returns the scratch after the round (None after a finalize) and the round's output. The
+    job-per-round task (:func:`run_partitions`) and the resident gang (:mod:`~charon.runtime.spark.resident`)
+    both step partitions here."""
+    from charon.state.lmdbstore import open_store
+
+    store = open_store(root, pid, durable_root)
+    unit = PartitionUnit(pid, parts, app, store)
+    unit.previous = prev
+    unit.twice = determinism.run_twice if determinism_check else None
+    unit.load_scratch(scratch)
+    t0 = time.perf_counter()
+    prior = control.prior
+    done = None
+    if prior is not None:  # the previous epoch's deferred finalize: its delta first (idempotent)
+        store.ensure_epoch(prior.epoch - 1)
+        done = unit.finalize_prior(prior)  # its events and next due time return with this round
+        control.prior = None
+    store.ensure_epoch(control.epoch - 1)
+    t1 = time.perf_counter()
+    if cached:
+        unit.load_cache(cached)
+    if control.finalize:
+        out = unit.step(control, inbox, done)
+    else:
+        with store.reading(), task_budget([unit], function_timeout):
+            out = unit.step(control, inbox, done)
+    t2 = time.perf_counter()
+    out.stats["restore_us"] = int((t1 - t0) * 1e6)
+    out.stats["step_us"] = int((t2 - t1) * 1e6)
+    return (None if control.finalize else unit.dump_scratch()), out
 
 
 FALLBACK_TASK = -1  # the payload id of a task that runs an epoch's whole fallback over every partition

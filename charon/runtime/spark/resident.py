@@ -1,0 +1,372 @@
+"""The resident exchange (opt-in, ``SparkConfig.exchange = "resident"``): one long-running barrier job whose tasks
+host the partitions and take round after round, epoch after epoch, over sockets; no Spark job per round.
+
+:class:`ResidentExchange` is the driver's side, an exchange like :class:`~charon.runtime.spark.exchange.SparkExchange`
+(the coordinator and ``PartitionUnit.step`` unchanged); :func:`resident_task` is what each task of the gang runs.
+See ``docs/internals/resident.md``.
+
+Frames (both ways): 4-byte big-endian length, then a pickle. A task's hello (before any frame): the gang's 16-byte
+token, its attempt number, its index, the gang's task count and its process id (4 bytes each). Then per round the
+driver sends ``("round", control, {pid: inbox}, app_ref, previous, function_timeout, probe_dir)`` and the task
+answers ``([(pid, RoundOutput)], stats)``; ``("stop",)`` ends the task.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from functools import partial
+from typing import Any
+
+from charon.config import SparkConfig
+from charon.core.epoch import EpochResult
+from charon.core.partition import Control, RoundOutput
+from charon.errors import EngineUnavailable
+from charon.runtime.faults import crash_point
+from charon.runtime.spark.exchange import SparkExchange
+from charon.runtime.spark.layout import state_root
+from charon.state.records import EpochRecord
+
+_LEN = struct.Struct(">I")
+_HELLO = struct.Struct(">16sIIII")
+MEET_S = 120.0  # longest the driver waits for a new gang's tasks to connect
+POLL_S = 0.5  # how often a waiting side checks that the other is still there
+
+_log = logging.getLogger("charon.engine")
+
+
+class GangLost(EngineUnavailable):
+    """The resident gang failed (a task, worker or executor died, or Spark relaunched its stage): the epoch in
+    flight fails and the runtime restarts the query, which builds a new exchange and a new gang."""
+
+
+def _recv(sock: socket.socket, n: int, alive: Any = None) -> bytes:
+    """``n`` bytes; ``alive()`` (when given) is asked every :data:`POLL_S` while none come, and a false answer
+    raises :class:`GangLost` (a round may legitimately take long: a function runs up to its budget)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        if alive is not None:
+            ready, _, _ = select.select([sock], [], [], POLL_S)
+            if not ready:
+                why = alive()
+                if why:
+                    raise GangLost(why)
+                continue
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError("resident gang: connection closed")
+        got += k
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket, alive: Any = None) -> bytes:
+    (n,) = _LEN.unpack(_recv(sock, 4, alive))
+    return _recv(sock, n, alive)
+
+
+def _send_frame(sock: socket.socket, frame: bytes) -> None:
+    sock.sendall(_LEN.pack(len(frame)) + frame)
+
+
+class ResidentExchange:
+    """Rounds over sockets to a resident barrier gang (see the module's docstring). The same face as
+    :class:`SparkExchange` toward the runtime: ``partitions``, ``round``, ``set_budget``, ``set_code``, ``stats``,
+    ``pending``; plus :meth:`close`, which ends the gang (the runtime calls it when it replaces the exchange
+    or stops). No ``rest``/``fallback`` hooks: the coordinator runs every round through :meth:`round`."""
+
+    def __init__(self, spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
+                 ) -> None:
+        self.sc = spark.sparkContext
+        self.config = config
+        self.partitions = config.partitions
+        self.app_ref = app_ref
+        self.previous = previous
+        self.durable_root = state_root(config.checkpoint_dir)
+        self.function_timeout: float | None = config.function_timeout
+        self.probe_dir: str | None = None
+        self.stats: dict[str, float] = {}
+        self.pending: tuple[EpochRecord, EpochResult] | None = None  # as SparkExchange's
+        local = config.master.strip().startswith("local")
+        slots = max(1, min(config.partitions, self.sc.defaultParallelism)) if local else None
+        probe = SparkExchange.__new__(SparkExchange)  # its gang_slots() needs only these
+        probe.sc, probe.config, probe.slots = self.sc, config, slots or 1
+        want = config.resident_tasks or probe.gang_slots()
+        self.tasks = max(1, min(want, config.partitions))
+        self.groups = SparkExchange.groups(config.partitions, self.tasks)
+        self.token = os.urandom(16)
+        self.group_id = f"charon-resident-{self.token.hex()[:12]}"
+        self.lock = threading.Lock()
+        self.seated: dict[int, socket.socket] = {}
+        self.attempts: dict[int, int] = {}
+        self.pids: dict[int, int] = {}  # each seated task's Python worker (fault tests kill one)
+        self.broken: str | None = None
+        self.closed = False
+        self.launched = False
+        self.listener: socket.socket | None = None
+        self.job: threading.Thread | None = None
+        self.job_done = threading.Event()
+        self.launches = 0
+
+    # -- the runtime's face ------------------------------------------------------------------------------------
+    def set_budget(self, timeout: float | None, probe_dir: str | None = None) -> None:
+        """As :meth:`SparkExchange.set_budget`: sent with every round from now on."""
+        self.function_timeout, self.probe_dir = timeout, probe_dir
+
+    def set_code(self, app_ref: str, previous: tuple[int, str] | None = None) -> None:
+        """As :meth:`SparkExchange.set_code`: the tasks load the refs the next round names."""
+        self.app_ref, self.previous = app_ref, previous
+
+    def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
+        t0 = time.perf_counter()
+        self._ensure_gang()
+        busy = bool(control.apply or control.reset or control.fast or control.finalize or control.prior
+                    or control.timers)
+        outs: list[RoundOutput] = [RoundOutput() for _ in range(self.partitions)]
+        frames: list[tuple[int, bytes]] = []
+        for i, group in enumerate(self.groups):
+            mine = {p: inboxes[p] for p in group if busy or inboxes[p]}
+            if mine:
+                frames.append((i, pickle.dumps(("round", control, mine, self.app_ref, self.previous,
+                                                self.function_timeout, self.probe_dir),
+                                               protocol=pickle.HIGHEST_PROTOCOL)))
+        got = 0
+        task: dict[str, float] = {}
+        if frames:
+            socks = self.seated
+            try:
+                for i, frame in frames:
+                    _send_frame(socks[i], frame)
+                for i, _ in frames:
+                    blob = _recv_frame(socks[i], self._dead)
+                    got += len(blob)
+                    results, stats = pickle.loads(blob)
+                    for pid, out in results:
+                        outs[pid] = out
+                    for k, v in stats.items():
+                        task[k] = task.get(k, 0) + v
+            except (OSError, EOFError, pickle.UnpicklingError) as e:
+                raise self._lost(f"a task of the resident gang is gone ({type(e).__name__}: {e})") from e
+            except GangLost as e:
+                raise self._lost(str(e)) from e
+        crash_point("after_round", control.epoch)  # fires after the epoch's first round (fault tests)
+        s = self.stats
+        s["round_s"] = s.get("round_s", 0.0) + time.perf_counter() - t0
+        s["rounds"] = s.get("rounds", 0) + (1 if frames else 0)
+        s["tasks"] = s.get("tasks", 0) + len(frames)
+        s["bytes_out"] = s.get("bytes_out", 0) + sum(len(f) for _, f in frames)
+        s["bytes_in"] = s.get("bytes_in", 0) + got
+        s["task_cpu_s"] = s.get("task_cpu_s", 0.0) + task.get("cpu_us", 0) / 1e6
+        s["step_s"] = s.get("step_s", 0.0) + task.get("step_us", 0) / 1e6
+        s["restore_s"] = s.get("restore_s", 0.0) + task.get("restore_us", 0) / 1e6
+        return outs
+
+    def close(self) -> None:
+        """End the gang: its tasks are told to stop (their job then ends), its links closed; a job still running
+        after that is cancelled. Idempotent."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            socks = list(self.seated.values())
+            self.seated = {}
+        for sock in socks:
+            try:
+                _send_frame(sock, pickle.dumps(("stop",)))
+            except OSError:
+                pass
+            _shut(sock)
+        if self.listener is not None:
+            _shut(self.listener)
+        if self.job is not None and self.job.is_alive():
+            if not self.job_done.wait(5.0):
+                try:
+                    self.sc.cancelJobGroup(self.group_id)
+                except Exception:  # noqa: BLE001 - the session is gone: the job went with it
+                    pass
+                self.job_done.wait(10.0)
+
+    # -- the gang ----------------------------------------------------------------------------------------------
+    def _dead(self) -> str | None:
+        """Why the gang cannot answer any more (None: it still can)."""
+        if self.broken is not None:
+            return self.broken
+        if self.job_done.is_set():
+            return "the resident gang's job ended"
+        return None
+
+    def _lost(self, why: str) -> GangLost:
+        """Mark the gang broken for good (its tasks' scratch is gone): every later round fails too, until the
+        runtime replaces this exchange."""
+        with self.lock:
+            if self.broken is None:
+                self.broken = why
+        _log.warning("resident gang lost: %s", why, extra={"event": "gang_lost"})
+        return GangLost(self.broken or why)
+
+    def _ensure_gang(self) -> None:
+        if self.closed:
+            raise GangLost("the resident exchange is closed")
+        if self.broken is not None:
+            raise GangLost(self.broken)
+        if not self.launched:
+            self._launch()
+
+    def _launch(self) -> None:
+        """Open the meeting socket, start the barrier job in a driver thread, wait for every task's hello."""
+        conf = self.sc.getConf()
+        host = conf.get("spark.driver.host") or socket.gethostname()
+        bind = conf.get("spark.driver.bindAddress") or "0.0.0.0"
+        self.listener = socket.create_server((bind, 0))
+        port = self.listener.getsockname()[1]
+        self.launched = True
+        self.launches += 1
+        threading.Thread(target=self._accept, name="charon-resident-meet", daemon=True).start()
+        cfg = self.config
+        fn = partial(resident_task, (host, port), self.token, self.tasks, self.partitions, cfg.local_dir,
+                     self.durable_root, cfg.checkpoint_dir, cfg.gc_threshold, cfg.determinism_check)
+        self.job = threading.Thread(target=self._run_job, args=(fn,), name="charon-resident-gang", daemon=True)
+        self.job.start()
+        deadline = time.monotonic() + MEET_S
+        while True:
+            with self.lock:
+                if len(self.seated) == self.tasks:
+                    return
+            why = self._dead()
+            if why is not None:
+                raise self._lost(f"the resident gang did not start: {why}")
+            if time.monotonic() > deadline:
+                raise self._lost(f"the resident gang's {self.tasks} tasks did not all start within {MEET_S:.0f} s "
+                                 "(a barrier job needs a free slot per task)")
+            time.sleep(0.005)
+
+    def _run_job(self, fn: Any) -> None:
+        try:
+            self.sc.setJobGroup(self.group_id, "charon resident gang", interruptOnCancel=True)
+            self.sc.parallelize(range(self.tasks), self.tasks).barrier().mapPartitions(fn).collect()
+            why = "the resident gang's job ended"
+        except Exception as e:  # noqa: BLE001 - reported through the next round
+            why = f"the resident gang's job failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        with self.lock:
+            if not self.closed and self.broken is None:
+                self.broken = why
+        self.job_done.set()
+
+    def _accept(self) -> None:
+        listener = self.listener
+        assert listener is not None
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                sock.settimeout(10.0)
+                token, attempt, index, tasks, pid = _HELLO.unpack(_recv(sock, _HELLO.size))
+                sock.settimeout(None)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, struct.error):
+                _shut(sock)
+                continue
+            with self.lock:
+                fenced = (self.closed or token != self.token or tasks != self.tasks or not 0 <= index < tasks)
+                if not fenced and index in self.attempts:
+                    # Spark relaunched the barrier stage: the seated tasks' scratch is gone, so this gang is broken
+                    # (the epoch in flight fails; the runtime replaces the exchange). The new attempt is never
+                    # seated: only the first attempt of a gang ever gets a frame.
+                    if self.broken is None:
+                        self.broken = (f"Spark relaunched the resident gang (task {index}, attempt {attempt} after "
+                                       f"{self.attempts[index]})")
+                    fenced = True
+                if not fenced:
+                    self.attempts[index] = attempt
+                    self.pids[index] = pid
+                    self.seated[index] = sock
+            if fenced:
+                _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+# -- in the executors -----------------------------------------------------------------------------------------------
+def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int, local_dir: str | None,
+                  durable_root: str, checkpoint: str, gc_threshold: int, determinism_check: bool,
+                  items: Iterable[int]) -> Iterator[int]:
+    """One task of the resident gang: meet the driver, then step this task's partitions round after round (their
+    scratch and call-graph caches kept here between rounds and epochs) until told to stop or the driver's socket
+    closes. Yields nothing."""
+    from pyspark import BarrierTaskContext
+
+    from charon.runtime.quarantine import probing
+    from charon.runtime.spark.layout import local_root
+    from charon.runtime.spark.session import load_app
+    from charon.runtime.spark.tasks import step_partition, tune_worker_gc
+
+    for _ in items:
+        pass
+    ctx = BarrierTaskContext.get()
+    index, attempt = ctx.partitionId(), ctx.attemptNumber()
+    tune_worker_gc(gc_threshold)
+    root = local_root(local_dir, checkpoint, durable_root)
+    sock = socket.create_connection(address, timeout=MEET_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(_HELLO.pack(token, attempt, index, tasks, os.getpid()))
+    sock.settimeout(None)
+    scratch: dict[int, bytes | None] = {}
+    caches: dict[int, dict[int, list]] = {}
+    epoch = -1
+    try:
+        while True:
+            try:
+                frame = _recv_frame(sock)
+            except (ConnectionError, OSError):
+                return  # the driver is gone or replaced this gang
+            msg = pickle.loads(frame)
+            if msg[0] != "round":
+                return
+            _, control, inboxes, app_ref, previous, function_timeout, probe_dir = msg
+            c0 = time.thread_time()
+            app = load_app(app_ref)
+            prev = None if previous is None else (previous[0], load_app(previous[1]))
+            if control.epoch != epoch:  # the call-graph cache serves one epoch's fallback
+                epoch = control.epoch
+                caches = {}
+            results = []
+            stats = {"step_us": 0, "restore_us": 0}
+            with probing(probe_dir):
+                for pid, inbox in inboxes.items():
+                    cache = caches.setdefault(pid, {})
+                    cached = {t: cache[t] for t in control.fast if t in cache} if control.fast else None
+                    mine = copy.copy(control) if control.prior is not None else control  # step clears its prior
+                    scratch[pid], out = step_partition(app, parts, root, durable_root, pid, mine, scratch.get(pid),
+                                                       inbox, cached, prev, function_timeout, determinism_check)
+                    if out.cached:
+                        for tid, entries in out.cached.items():
+                            cache.setdefault(tid, []).extend(entries)
+                        out.cached = {}
+                    stats["step_us"] += out.stats.get("step_us", 0)
+                    stats["restore_us"] += out.stats.get("restore_us", 0)
+                    results.append((pid, out))
+            if control.finalize:  # the epoch is over: nothing of it stays
+                scratch = {}
+                caches = {}
+            stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
+            _send_frame(sock, pickle.dumps((results, stats), protocol=pickle.HIGHEST_PROTOCOL))
+    finally:
+        sock.close()
+    yield 0  # pragma: no cover - never reached: a generator for mapPartitions
