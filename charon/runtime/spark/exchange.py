@@ -8,7 +8,7 @@ import pickle
 import time
 from collections.abc import Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from charon.config import SparkConfig
 from charon.core.epoch import EpochResult, FallbackJob, FallbackOutcome, RestJob, RestOutcome
@@ -17,9 +17,6 @@ from charon.runtime.faults import crash_point
 from charon.runtime.spark.layout import state_root
 from charon.runtime.spark.tasks import FALLBACK_TASK, REST_TASK, SPLIT_REST_TASK, run_partitions
 from charon.state.records import EpochRecord
-
-if TYPE_CHECKING:
-    from charon.runtime.spark.resident import ResidentExchange
 
 
 class SparkExchange:
@@ -289,17 +286,3 @@ class SparkExchange:
         """How many tasks a round's payloads get (see :meth:`run_job`)."""
         size = sum(len(b) for _, b in payloads)
         return max(1, min(self.slots, len(payloads), size // max(1, self.config.task_min_bytes)))
-
-
-def make_exchange(spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
-                  ) -> SparkExchange | ResidentExchange:
-    """The exchange ``config.exchange`` names: :class:`SparkExchange` (``"jobs"``, the default: a Spark job per
-    round) or :class:`~charon.runtime.spark.resident.ResidentExchange` (``"resident"``, opt-in: one long-running
-    barrier job takes every round over sockets)."""
-    if config.exchange == "resident":
-        from charon.runtime.spark.resident import ResidentExchange
-
-        return ResidentExchange(spark, app_ref, config, previous)
-    if config.exchange != "jobs":
-        raise ValueError(f"exchange must be 'jobs' or 'resident', not {config.exchange!r}")
-    return SparkExchange(spark, app_ref, config, previous)

@@ -370,3 +370,15 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
     finally:
         sock.close()
     yield 0  # pragma: no cover - never reached: a generator for mapPartitions
+
+
+def make_exchange(spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
+                  ) -> SparkExchange | ResidentExchange:
+    """The exchange ``config.exchange`` names: :class:`SparkExchange` (``"jobs"``, the default: a Spark job per
+    round) or :class:`~charon.runtime.spark.resident.ResidentExchange` (``"resident"``, opt-in: one long-running
+    barrier job takes every round over sockets)."""
+    if config.exchange == "resident":
+        return ResidentExchange(spark, app_ref, config, previous)
+    if config.exchange != "jobs":
+        raise ValueError(f"exchange must be 'jobs' or 'resident', not {config.exchange!r}")
+    return SparkExchange(spark, app_ref, config, previous)

@@ -61,7 +61,6 @@ from charon.runtime.probe import LogProbe
 from charon.runtime.quarantine import RecoveryAttempts, culprit_in
 from charon.runtime.replies import ReplyWriter
 from charon.runtime.spark.engine import SparkEngine
-from charon.runtime.spark.exchange import make_exchange
 from charon.runtime.spark.layout import (
     Layout,
     check_layout,
@@ -73,6 +72,7 @@ from charon.runtime.spark.layout import (
     records_dir,
     remove_old_layouts,
 )
+from charon.runtime.spark.resident import make_exchange
 from charon.runtime.spark.session import (
     discard_dead_jvm,
     jvm_exit_code,
