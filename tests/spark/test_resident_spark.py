@@ -19,8 +19,8 @@ from charon.config import SparkConfig
 from charon.core.epoch import EpochCoordinator
 from charon.core.routing import partition_of, split_store_key
 from charon.messages import Request
-from charon.runtime.spark.exchange import SparkExchange, make_exchange
-from charon.runtime.spark.resident import ResidentExchange
+from charon.runtime.spark.exchange import SparkExchange
+from charon.runtime.spark.resident import ResidentExchange, make_exchange
 from charon.runtime.spark.runtime import SparkRuntime
 from charon.state.durable import DurableState
 from charon.testing import replay_in_process
