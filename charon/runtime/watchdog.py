@@ -188,6 +188,7 @@ class Watchdog:
         if epoch != self._epoch:
             self._epoch = epoch
             self._totals.clear()
+            self._reasons.clear()  # a fast-path step's reason is never taken by timed_out: bounded to one epoch
         tid = frame.tid
         ran_before = seen is not None and seen[0].tid == tid  # its transaction ran at the last sample too
         total = self._totals[tid] = self._totals.get(tid, 0.0) + (min(now - last, 2 * self.interval)
