@@ -119,12 +119,13 @@ class UserCode:
                 self.files = self.files | {filename}
         return v
 
-    def learn(self, top: FrameType | None, limit: int = DEPTH + 1) -> None:
-        """Classify the files of the frames from ``top`` down (before a delivery is tried: see :func:`deliver`)."""
-        f, n = top, 0
-        while f is not None and n < limit:
-            self.is_user(f.f_code.co_filename)
-            f, n = f.f_back, n + 1
+    def learn(self, top: ThreadHandle) -> None:
+        """Classify the files of the frames of ``top``'s thread, from its top frame down (before a delivery is
+        tried: see :func:`deliver`). The frames are read in one indivisible step (:func:`_files_of`): walking
+        another thread's frames while it runs can crash CPython 3.11 (a frame popped or a coroutine suspended
+        between two ``f_back`` reads), so no frame of it is held across an eval-breaker check."""
+        for name in _files_of(top):
+            self.is_user(name)
 
 
 def app_roots(functions: Iterable[Callable[..., Any]]) -> list[str]:
@@ -192,16 +193,52 @@ _window = _make_window(DEPTH)
 NOT_RUNNING, DELIVERED, DEFERRED = 0, 1, 2
 
 
+def _make_files_of(depth: int) -> Callable[[ThreadHandle], tuple[str, ...]]:
+    """``files_of(top) -> tuple``: the source files of the top ``depth + 1`` frames of ``top``'s thread, read
+    with attribute loads and tuple concatenation only (no call, no backward jump: no eval-breaker check, so the
+    thread does not move meanwhile; the caller keeps the collector off)."""
+    src = [
+        "def files_of(top):",
+        "    if not top._as_parameter_:",
+        "        return ()",
+        "    try:",
+        "        f = top.frame",
+        "    except ValueError:",
+        "        return ()",
+        "    names = (f.f_code.co_filename,)",
+    ]
+    for _ in range(depth):
+        src += [
+            "    if f is not None:",
+            "        f = f.f_back",
+            "        if f is not None:",
+            "            names = names + (f.f_code.co_filename,)",
+        ]
+    src.append("    return names")
+    ns: dict[str, Any] = {}
+    exec(compile("\n".join(src), "<charon.interrupts.files_of>", "exec"), ns)  # noqa: S102 - our own generated code
+    return ns["files_of"]
+
+
+_files_of_unguarded = _make_files_of(DEPTH)
+
+
+def _files_of(top: ThreadHandle) -> tuple[str, ...]:
+    enabled = gc.isenabled()
+    gc.disable()  # a collection could run a finalizer (Python code: a check) in the middle of the walk
+    try:
+        return _files_of_unguarded(top)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def deliver(top: ThreadHandle, user: UserCode, drivers: frozenset[CodeType], unit: Any, frame: Any,
             exc: type[BaseException]) -> int:
     """Raise ``exc`` in the thread of ``top`` if it still runs ``frame``'s judged step (``unit.current is frame
     and unit.doomed is frame``) in user code: :data:`DELIVERED`, :data:`DEFERRED` (not in user code now: a later
     look tries again) or :data:`NOT_RUNNING` (the step is over)."""
-    if top._as_parameter_:
-        try:
-            user.learn(sys._current_frames().get(top.ident))
-        except Exception:  # noqa: BLE001 - a thread that left meanwhile: the window sees it
-            pass
+    user.learn(top)
     files = user.files
     enabled = gc.isenabled()
     gc.disable()

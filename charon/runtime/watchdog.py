@@ -70,7 +70,7 @@ _events = logging.getLogger("charon.engine")  # the server log
 
 DEFAULT_TIMEOUT = 5.0  # seconds a function may run without awaiting a call
 DEFAULT_INTERVAL = 0.1
-RETRY_SWITCH_S = 0.0002  # the GIL switch interval while an interrupt waits for the engine thread to be in user code
+RETRY_SWITCH_S = 0.00005  # the GIL switch interval while an interrupt waits for the engine thread to be in user code
 #: the engine's frames that run a step's user code: an interrupt lands only in user frames above one of them
 DRIVERS = frozenset({PartitionUnit._run.__code__, PartitionUnit._replay_cached.__code__,
                      PartitionUnit._user_str.__code__})

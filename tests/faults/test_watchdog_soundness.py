@@ -31,7 +31,7 @@ from charon.server.serve import free_port
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 sys.path.insert(0, str(SUPPORT))
-from soundness_app import app, handler  # noqa: E402
+from soundness_app import app, handler, log  # noqa: E402
 
 DRIVER = SUPPORT / "soundness_driver.py"
 TOKEN = "t0k"
@@ -113,6 +113,8 @@ def test_r7_an_interrupt_never_lands_in_a_library_holding_a_lock() -> None:
     rt = InProcessRuntime(app, partitions=1, function_timeout=0.02, watchdog_interval=0.005, warmup_txns=0)
     rt.watchdog.start()
     outcomes: dict[str, int] = {}
+    captured = log.handlers[:]  # pytest (9) attaches its capture handlers here too: they would hold every line
+    log.handlers[:] = [handler]
     try:
         for b in range(12):
             res = rt.run_epoch([_req(f"r{b}-{i}", f"k{i}", "chatty", 10**9) for i in range(25)])
@@ -121,6 +123,7 @@ def test_r7_an_interrupt_never_lands_in_a_library_holding_a_lock() -> None:
             assert _lock_free(), f"the handler's lock leaked after epoch {b}"
     finally:
         rt.watchdog.stop()
+        log.handlers[:] = captured
     assert outcomes == {"InvocationTimeout": 300}, outcomes
     assert rt.watchdog.delivered >= 300 and rt.watchdog.deferred > 0, (rt.watchdog.delivered, rt.watchdog.deferred)
 
