@@ -168,6 +168,11 @@ def run(
         help="Seconds a function may run without awaiting a call before its transaction aborts with "
         "InvocationTimeout (default 5; per function: @op.function(timeout=...)).",
     ),
+    transaction_timeout: float | None = typer.Option(
+        None, "--transaction-timeout", min=0.001, envvar="CHARON_TRANSACTION_TIMEOUT", show_default=False,
+        help="inprocess: seconds a transaction's functions may run in all within an epoch before it aborts with "
+        "InvocationTimeout (default: twice --function-timeout; at least the running function's own budget).",
+    ),
     exit_when_stuck: float = typer.Option(
         30.0, "--exit-when-stuck", min=0.0, envvar="CHARON_EXIT_WHEN_STUCK",
         help="durable inprocess: seconds past its budget after which a function blocked where it cannot be "
@@ -277,7 +282,7 @@ def run(
         runtime = make_engine(EngineSpec(
             engine, target, partitions, data_dir, ephemeral=ephemeral, fsync=fsync, reply_retention=reply_retention,
             log_url=log, log_partitions=log_partitions, function_timeout=function_timeout,
-            spark_exchange=spark_exchange,
+            transaction_timeout=transaction_timeout, spark_exchange=spark_exchange,
             exit_when_stuck=exit_when_stuck, determinism_check=check_determinism, inspector=inspector,
             inspector_records=inspector_records, inspector_bytes=inspector_bytes))
     except BaseException:

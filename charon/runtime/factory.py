@@ -50,6 +50,7 @@ class EngineSpec:
     log_url: str | None = None
     log_partitions: int | None = None
     function_timeout: float | None = None
+    transaction_timeout: float | None = None  # inprocess: a transaction's steps in all per epoch (default 2x)
     exit_when_stuck: float | None = None
     determinism_check: bool = False
     inspector: bool = True  # the invocation inspector (charon.runtime.inspector); off: aborts are still logged
@@ -80,6 +81,9 @@ class EngineSpec:
             if self.spark_exchange not in EXCHANGES:
                 raise EngineSpecError(f"--spark-exchange must be one of {', '.join(EXCHANGES)}, not "
                                       f"{self.spark_exchange!r}")
+        if self.transaction_timeout is not None and self.kind != "inprocess":
+            raise EngineSpecError("--transaction-timeout applies to --engine inprocess only (on spark a "
+                                  "transaction's steps in a task are bounded by twice --function-timeout)")
         if self.kind == "remote" and self.log_url is None:
             raise EngineSpecError("--engine remote needs --log nats://host:port/deployment (the engine's log)")
         if self.kind == "remote" and self.determinism_check:
@@ -118,7 +122,7 @@ def _inprocess(spec: EngineSpec) -> Engine:
                               determinism_check=spec.determinism_check,
                               effects=False,  # charon run --effects runs its executor itself (or workers do)
                               function_timeout=DEFAULT_TIMEOUT if spec.function_timeout is None else
-                              spec.function_timeout)
+                              spec.function_timeout, transaction_timeout=spec.transaction_timeout)
     except (NodeError, DataDirOwned) as exc:
         raise EngineOpenFailed(str(exc)) from None
     return rt.engine()

@@ -100,3 +100,19 @@ def test_sigkill_of_the_consuming_application_keeps_exactly_once(tmp_path: Path)
     finally:
         bank_rt.close()
         shop_rt.close()
+
+
+def test_transaction_timeout_reaches_the_durable_nodes_watchdog_and_is_refused_elsewhere(tmp_path: Path) -> None:
+    import pytest
+
+    from charon.runtime.factory import EngineSpec, EngineSpecError, make_engine
+
+    eng = make_engine(EngineSpec("inprocess", "charon.apps.holds:app", data_dir=str(tmp_path), transaction_timeout=0.7,
+                                 function_timeout=0.2))
+    try:
+        assert eng.rt.watchdog.transaction_timeout == 0.7  # type: ignore[attr-defined]
+        assert eng.rt.watchdog.timeout == 0.2  # type: ignore[attr-defined]
+    finally:
+        eng.rt.close()  # type: ignore[attr-defined]
+    with pytest.raises(EngineSpecError, match="--transaction-timeout applies to --engine inprocess only"):
+        EngineSpec("spark", "charon.apps.holds:app", transaction_timeout=1.0).check()
