@@ -44,11 +44,14 @@ import sqlite3
 import threading
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from charon import serde
 from charon.core.context import CONTINUATION_SUFFIX, EFFECT_STREAM, MAX_VALUE_BYTES, too_large
@@ -256,7 +259,8 @@ class EffectStore:
 
 
 class EffectMetrics:
-    """The executor's counters (Prometheus text by :meth:`prometheus`)."""
+    """The executor's counters, exposed through prometheus-client (:meth:`prometheus`): the counts are plain
+    attributes the executor bumps (read at scrape time by a collector), the attempt latency a histogram."""
 
     def __init__(self) -> None:
         self.attempts = 0
@@ -264,32 +268,44 @@ class EffectMetrics:
         self.exhausted = 0  # effects whose attempts ran out
         self.succeeded = 0
         self.resumed = 0  # continuations submitted and answered
-        self.latency: list[float] = []  # seconds per attempt (the newest 1000)
+        self.lost = 0  # requests dropped by the stream's retention before they were taken in
+        self.store: EffectStore | None = None  # its rows by status, as a gauge
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.latency = Histogram("charon_effect_attempt_seconds", "Seconds per effect attempt",
+                                 buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30), registry=self.registry)
+        self.registry.register(_EffectCounts(self))
 
     def observe(self, seconds: float) -> None:
-        self.latency.append(seconds)
-        if len(self.latency) > 2000:
-            del self.latency[:1000]
+        self.latency.observe(seconds)
 
-    def prometheus(self, store: EffectStore | None = None) -> str:
-        lines = [
-            "# TYPE charon_effect_attempts_total counter", f"charon_effect_attempts_total {self.attempts}",
-            "# TYPE charon_effect_attempt_failures_total counter",
-            f"charon_effect_attempt_failures_total {self.failures}",
-            "# TYPE charon_effect_exhausted_total counter", f"charon_effect_exhausted_total {self.exhausted}",
-            "# TYPE charon_effect_succeeded_total counter", f"charon_effect_succeeded_total {self.succeeded}",
-            "# TYPE charon_effect_continuations_total counter", f"charon_effect_continuations_total {self.resumed}",
-        ]
-        lat = sorted(self.latency[-1000:])
-        lines.append("# TYPE charon_effect_attempt_seconds summary")
-        for q in (0.5, 0.99):
-            v = lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
-            lines.append(f'charon_effect_attempt_seconds{{quantile="{q}"}} {v:.6f}')
-        lines.append(f"charon_effect_attempt_seconds_count {len(self.latency)}")
-        if store is not None:
-            lines.append("# TYPE charon_effects gauge")
-            lines += [f'charon_effects{{status="{s}"}} {n}' for s, n in sorted(store.counts().items())]
-        return "\n".join(lines) + "\n"
+    def prometheus(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+class _EffectCounts(Collector):
+    """The counters and the store's gauge of an :class:`EffectMetrics`, read when scraped."""
+
+    def __init__(self, m: EffectMetrics) -> None:
+        self.m = m
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        for name, doc, value in (
+                ("charon_effect_attempts", "Effect attempts", m.attempts),
+                ("charon_effect_attempt_failures", "Effect attempts that raised or timed out", m.failures),
+                ("charon_effect_exhausted", "Effects whose attempts ran out", m.exhausted),
+                ("charon_effect_succeeded", "Effects that succeeded", m.succeeded),
+                ("charon_effect_continuations", "Continuations submitted and answered", m.resumed),
+                ("charon_effect_requests_lost", "Effect requests the stream dropped before intake", m.lost)):
+            yield CounterMetricFamily(name, doc, value=value)
+        if m.store is not None:
+            g = GaugeMetricFamily("charon_effects", "Effects by status", labels=["status"])
+            for status, n in sorted(m.store.counts().items()):
+                g.add_metric([status], n)
+            yield g
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class EffectExecutor:
@@ -374,8 +390,8 @@ class EffectExecutor:
             self._event_loop.call_soon_threadsafe(self._wake.set)
 
     def prometheus(self) -> str:
-        return self.metrics.prometheus(self.store) + (
-            f"# TYPE charon_effect_requests_lost_total counter\ncharon_effect_requests_lost_total {self.lost}\n")
+        self.metrics.lost, self.metrics.store = self.lost, self.store if self._opened else None
+        return self.metrics.prometheus()
 
     # -- intake
     def intake(self) -> int:

@@ -147,9 +147,9 @@ def test_sigkill_a_worker_and_the_service_each_effect_applied_once(tmp_path: Pat
         states = _wait_all_continued(url)
         _check(service, states)
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text  # worker 1's own
-        attempts = int(next(ln.split()[1] for ln in text.splitlines()
-                            if ln.startswith("charon_effect_attempts_total")))
-        assert attempts > 0 and 'charon_effects{status="done"} 40' in text
+        attempts = float(next(ln.split()[1] for ln in text.splitlines()
+                              if ln.startswith("charon_effect_attempts_total")))
+        assert attempts > 0 and 'charon_effects{status="done"} 40.0' in text
         r = subprocess.run([sys.executable, "-m", "charon.cli", "effects", "list", "--data-dir", str(data), "--json",
                             "--limit", "1000"], env=_env(service), capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr

@@ -78,8 +78,9 @@ def test_parked_effects_listed_retried_and_abandoned(tmp_path: Path) -> None:
         again_cli = _cli("effects", "retry", ids["a"], "--data-dir", str(data), service=service)
         assert again_cli.returncode == ExitCode.FAILED and "is not parked" in again_cli.stderr  # exit-codes.md
         assert list(service.stats()["applied"]) == [ids["r"]]  # the abandoned one never applied
-        assert "charon_effect_attempts_total 5" in metrics  # 2 + 2 failed, 1 after the retry
-        assert "charon_effect_attempt_failures_total 4" in metrics and "charon_effect_exhausted_total 2" in metrics
+        assert "charon_effect_attempts_total 5.0\n" in metrics  # 2 + 2 failed, 1 after the retry
+        assert "charon_effect_attempt_failures_total 4.0\n" in metrics
+        assert "charon_effect_exhausted_total 2.0\n" in metrics
     finally:
         _kill(engine)
         service.kill()

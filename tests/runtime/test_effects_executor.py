@@ -216,7 +216,7 @@ def test_requests_dropped_by_the_stream_retention_are_counted(tmp_path) -> None:
     ex = run(go())
     assert ex.lost == 3 and "dropped by the stream's retention" in ex.errors[0]
     assert {r.id for r in ex.store.list()} == {"fx.fxtest.3.0.1", "fx.fxtest.4.0.1"}
-    assert "charon_effect_requests_lost_total 3" in ex.prometheus()
+    assert "charon_effect_requests_lost_total 3.0\n" in ex.prometheus()
 
 
 def test_hung_sync_handlers_time_out_without_starving_the_executor(tmp_path, service) -> None:
