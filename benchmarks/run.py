@@ -1,10 +1,10 @@
 """benchmarks/RESULTS.md from one run: run every benchmark it shows into JSON, then render it from that JSON.
 
-    .venv/bin/python benchmarks/results.py run                  # every table (prints an estimate first)
-    .venv/bin/python benchmarks/results.py run --only ycsb,engine
-    .venv/bin/python benchmarks/results.py run --quick --only engine   # tiny durations: checks the scripts
-    .venv/bin/python benchmarks/results.py render               # benchmarks/RESULTS.md from benchmarks/results/
-    .venv/bin/python benchmarks/results.py list                 # the registry, with time estimates
+    .venv/bin/python benchmarks/run.py run                  # every table (prints an estimate first)
+    .venv/bin/python benchmarks/run.py run --only ycsb,engine
+    .venv/bin/python benchmarks/run.py run --quick --only engine   # tiny durations: checks the scripts
+    .venv/bin/python benchmarks/run.py render               # benchmarks/RESULTS.md from benchmarks/results/
+    .venv/bin/python benchmarks/run.py list                 # the registry, with time estimates
 
 Run it on a quiet machine (no test suites, helpers or other benchmarks at the same time): every table is
 headed with the commit, date and 1-minute load average (before -> after) of its own run, and the render
@@ -15,7 +15,7 @@ The registry (:data:`REGISTRY`) maps a name to (how to run it, its JSON path, ho
 - ``engine``: the in-process engine alone (``engine_perf.py``'s engine child: batches of 1,000 YCSB-T
   transfers through ``run_epoch``, one core, CPU µs per transaction, best of 3 runs).
 - ``ycsb``, ``zipf``, ``tpcc``, ``deathstar``, ``movie``: the suite (:mod:`charon.bench.suite`, i.e.
-  ``benchmarks/run_all.py``), one process per experiment and system (``inprocess``; ``postgres``, which runs
+  ``benchmarks/workloads/suite.py``), one process per experiment and system (``inprocess``; ``postgres``, which runs
   both SERIALIZABLE with retries and READ COMMITTED with ``FOR UPDATE`` in key order on one cluster;
   ``spark``, ``local[2]``), each with rates suited to that system; the load average is recorded around
   every point.
@@ -464,17 +464,17 @@ REGISTRY: dict[str, Entry] = {
                        lambda o: 45.0 + (1 if o.quick else len(o.spark_rates.split(",")))
                        * (o.duration + warmup("spark", o) + 3.0)),
     "e2e": Entry("e2e", "End to end through HTTP: Charon against a PostgreSQL service",
-                 plugin_run("benchmarks/e2e/run.py", ["--out", "benchmarks/e2e/results.json"]), e2e_render,
-                 lambda o: None, json="benchmarks/e2e/results.json", default=False, plugin=True),
+                 plugin_run("benchmarks/e2e/run.py", ["--out", "benchmarks/results/e2e/e2e.json"]), e2e_render,
+                 lambda o: None, json="benchmarks/results/e2e/e2e.json", default=False, plugin=True),
     "spark_scaling": Entry("spark_scaling", "Spark on every core: scaling with tasks and executors",
-                           plugin_run("benchmarks/issue24/spark_scaling.py",
-                                      ["--out", "benchmarks/issue24/spark_scaling.json"]), generic_render,
-                           lambda o: None, json="benchmarks/issue24/spark_scaling.json", default=False, plugin=True),
+                           plugin_run("benchmarks/spark/spark_scaling.py",
+                                      ["--out", "benchmarks/results/spark/spark_scaling.json"]), generic_render,
+                           lambda o: None, json="benchmarks/results/spark/spark_scaling.json", default=False, plugin=True),
     "gateway_cpu": Entry("gateway_cpu", "Gateway CPU per request (durable node through HTTP, closed loop)",
-                         plugin_run("benchmarks/issue24/gateway_cpu.py",
+                         plugin_run("benchmarks/gateway/gateway_cpu.py",
                                     ["--concurrency", "1,16,64", "--duration", "10",
-                                     "--out", "benchmarks/issue24/gateway_cpu.json"]), generic_render,
-                         lambda o: None, json="benchmarks/issue24/gateway_cpu.json", default=False, plugin=True),
+                                     "--out", "benchmarks/results/gateway/gateway_cpu.json"]), generic_render,
+                         lambda o: None, json="benchmarks/results/gateway/gateway_cpu.json", default=False, plugin=True),
 }
 
 
@@ -530,13 +530,13 @@ def cmd_run(a: argparse.Namespace) -> int:
                     doc.setdefault(k, v)
         else:
             doc = {"name": e.name, "title": e.title,
-                   "command": f"benchmarks/results.py run{' --quick' if o.quick else ''} --only {e.name}",
+                   "command": f"benchmarks/run.py run{' --quick' if o.quick else ''} --only {e.name}",
                    **run_facts, "data": data}
         path.write_text(json.dumps(doc, indent=1, default=float, allow_nan=True))
         print(f"[results] {e.name}: wrote {os.path.relpath(path, ROOT)} ({run_facts['elapsed_s']:.0f} s, load "
               f"{lb} → {run_facts['load_after']})", flush=True)
     print(f"[results] done{'; failed: ' + ', '.join(failed) if failed else ''}. Now: "
-          f"{'.venv/bin/python benchmarks/results.py render'}", flush=True)
+          f"{'.venv/bin/python benchmarks/run.py render'}", flush=True)
     return 1 if failed else 0
 
 

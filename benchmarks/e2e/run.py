@@ -20,8 +20,8 @@ sweep stops after the first saturated rate (achieved < 90% of offered, p99 > 2 s
 target the balances are summed: money must be conserved (the run fails otherwise).
 
     .venv/bin/python benchmarks/e2e/run.py --rates 500,1000,2000,4000,8000,12000 --duration 20 \
-        --pool-sweep 4,8,16,32 --spark --out benchmarks/e2e/results.json
-    .venv/bin/python benchmarks/e2e/report.py benchmarks/e2e/results.json     # the RESULTS.md tables
+        --pool-sweep 4,8,16,32 --spark --out benchmarks/results/e2e/e2e.json
+    .venv/bin/python benchmarks/e2e/report.py benchmarks/results/e2e/e2e.json     # the RESULTS.md tables
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                          "is saturated and ends its target's sweep")
     ap.add_argument("--base-src", default=None, help="the charon-base target: a checkout holding the baseline's "
                     "charon package (e.g. `git archive <commit> charon | tar -x -C DIR`)")
-    ap.add_argument("--out", default=str(HERE / "results.json"))
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "e2e" / "e2e.json"))
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]

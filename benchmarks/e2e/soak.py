@@ -9,8 +9,8 @@ latency. The verdict fits a line to the total RSS after ``--warmup-min`` minutes
 when the fitted growth over that window is at most max(10 MB, 3 % of its mean).
 At the end the total balance is checked (money is conserved) and a JSON file and a PNG plot are written.
 
-    .venv/bin/python benchmarks/soak.py --engine inprocess --minutes 10
-    .venv/bin/python benchmarks/soak.py --engine spark --minutes 10      # Spark local mode, CHARON_* honoured
+    .venv/bin/python benchmarks/e2e/soak.py --engine inprocess --minutes 10
+    .venv/bin/python benchmarks/e2e/soak.py --engine spark --minutes 10      # Spark local mode, CHARON_* honoured
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from charon.apps.ycsb import INITIAL_BALANCE
 from charon.bench.harness import percentile
 from charon.server.serve import free_port
 
-OUT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "e2e"
 TOKEN = "soak"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 MIX = (("transfer", 0.60), ("balance", 0.20), ("abort", 0.10), ("state", 0.10))
@@ -347,7 +347,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stall-s", type=float, default=90.0, help="stop when nothing is answered this long")
     ap.add_argument("--data-dir", default=None, help="default: a fresh temporary directory")
-    ap.add_argument("--out", default=None, help="output prefix (default benchmarks/soak-ENGINE)")
+    ap.add_argument("--out", default=None, help="output prefix (default benchmarks/results/e2e/soak-ENGINE)")
     ap.add_argument("--verbose", "-v", action="store_true")
     ap.add_argument("--replot", default=None, help="only redraw the PNG of this result JSON")
     ap.add_argument("extra", nargs="*", help="more `charon run` options after --, e.g. -- --no-fsync")

@@ -5,9 +5,9 @@ On the durable in-process node (fsync per epoch) with the effect executor in the
 request that called ``ctx.effect``) to its continuation's commit (the reply of ``<effect id>.done``), through a
 handler that sleeps ``--handler-ms`` (0: returns at once; the outside world's latency is not Charon's).
 Latency: one effect at a time, p50/p99. Throughput: ``--burst`` effects requested at once, effects per second
-from the first request to the last continuation committed. Writes ``benchmarks/issue23/effects_latency.json``.
+from the first request to the last continuation committed. Writes ``benchmarks/results/effects/effects_latency.json``.
 
-    .venv/bin/python benchmarks/effects_latency.py --effects 300 --burst 2000
+    .venv/bin/python benchmarks/effects/effects_latency.py --effects 300 --burst 2000
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from charon import Application, Context, InProcessRuntime, Operator, serde
 from charon.bench.harness import percentile
 from charon.runtime.effects import EffectExecutor, engine_resume
 
-OUT = Path(__file__).resolve().parent / "issue23" / "effects_latency.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "effects" / "effects_latency.json"
 HANDLER_S = 0.0
 
 acct = Operator("acct")

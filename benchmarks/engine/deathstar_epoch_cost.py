@@ -1,11 +1,11 @@
 """Cost of one-request Deathstar epochs (the in-process engine at low rates: every request is its own epoch).
 
-    .venv/bin/python benchmarks/deathstar_epoch_cost.py                     # CPU µs per epoch, by request kind
-    .venv/bin/python benchmarks/deathstar_epoch_cost.py --perf              # + user instructions per epoch
-    .venv/bin/python benchmarks/deathstar_epoch_cost.py --src /tmp/before   # another checkout (before/after)
-    .venv/bin/python benchmarks/deathstar_epoch_cost.py --profile           # cProfile of the mix
-    .venv/bin/python benchmarks/deathstar_epoch_cost.py --perf --size 4     # epochs of 4 requests each
-    .venv/bin/python benchmarks/deathstar_epoch_cost.py --fixed             # fixed costs: empty epoch, rounds
+    .venv/bin/python benchmarks/engine/deathstar_epoch_cost.py                     # CPU µs per epoch, by request kind
+    .venv/bin/python benchmarks/engine/deathstar_epoch_cost.py --perf              # + user instructions per epoch
+    .venv/bin/python benchmarks/engine/deathstar_epoch_cost.py --src /tmp/before   # another checkout (before/after)
+    .venv/bin/python benchmarks/engine/deathstar_epoch_cost.py --profile           # cProfile of the mix
+    .venv/bin/python benchmarks/engine/deathstar_epoch_cost.py --perf --size 4     # epochs of 4 requests each
+    .venv/bin/python benchmarks/engine/deathstar_epoch_cost.py --fixed             # fixed costs: empty epoch, rounds
 
 Kinds: ``mix`` (the travel mix), ``search``, ``dis`` (recommend by distance), ``rp`` (recommend by rate or
 price). CPU time is disturbed by a shared machine; ``--perf`` counts instructions (``perf stat -e

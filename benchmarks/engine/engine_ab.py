@@ -1,9 +1,9 @@
 """Issue 24, target 3: the engine alone (YCSB-T transfers, one core, no HTTP), before against after, alternating.
 
-    .venv/bin/python benchmarks/issue24/engine_ab.py --before-src /tmp/engine-base --repeat 5
+    .venv/bin/python benchmarks/engine/engine_ab.py --before-src /tmp/engine-base --repeat 5
 
 ``--before-src``: a checkout of the code before (``git worktree add --detach /tmp/engine-base 06716c6``); the after
-side is this checkout. Each run is :func:`benchmarks.engine_perf.child_engine` in a fresh interpreter (batches of
+side is this checkout. Each run is ``engine_perf.py``'s engine child in a fresh interpreter (batches of
 1,000 transfers over 10k accounts, 4 partitions, default and tuned collector, plus the bare epoch loop in the same
 process); the sides alternate, in ABBA order (the second child of a pair measured up to ~6% slower with the default
 collector, whichever code it ran), so the neighbours' load hits both alike. Reported: per side the best of the runs'
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE.parent))
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
 
 from engine_perf import _count_instructions, _use_src, git_head, instruction_tool, run_child  # noqa: E402
 
@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--after-src", default=None, help="checkout of the code after (default: this checkout)")
     ap.add_argument("--repeat", type=int, default=5, help="run pairs (before, after alternating)")
     ap.add_argument("--epochs", type=int, default=23, help="epochs of 1,000 transfers per run (3 warm up)")
-    ap.add_argument("--out", default=str(HERE / "engine_ab.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine" / "engine_ab.json"))
     ap.add_argument("--instructions", type=int, default=0, metavar="EPOCHS",
                     help="also count user instructions per transfer over EPOCHS epochs (3 warm up) per side: perf "
                          "stat, else Valgrind (about 30x slower); load-independent")

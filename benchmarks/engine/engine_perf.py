@@ -1,10 +1,10 @@
 """Issue 10, in-process targets: the engine alone, the YCSB-T open loop, Deathstar travel against PostgreSQL.
 
-    .venv/bin/python benchmarks/engine_perf.py --before-src /work/main      # before (that checkout) and after
-    .venv/bin/python benchmarks/engine_perf.py --quick                      # shorter runs
-    .venv/bin/python benchmarks/engine_perf.py --only-engine --before-src /work/main   # figure 1 only
+    .venv/bin/python benchmarks/engine/engine_perf.py --before-src /work/main      # before (that checkout) and after
+    .venv/bin/python benchmarks/engine/engine_perf.py --quick                      # shorter runs
+    .venv/bin/python benchmarks/engine/engine_perf.py --only-engine --before-src /work/main   # figure 1 only
 
-Writes ``benchmarks/engine_perf.json`` and ``benchmarks/engine_perf.png``. Every measurement runs in a fresh
+Writes ``benchmarks/results/engine/engine_perf.json`` and ``.png``. Every measurement runs in a fresh
 child process; ``--before-src`` points at a checkout of the code before the change (the child imports
 ``charon`` from there), so before and after come from the same run on the same machine.
 
@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
+OUT = ROOT / "benchmarks" / "results" / "engine"
 
 
 # ------------------------------------------------------------------------------------------- child side
@@ -689,7 +690,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="engine-alone runs per side, alternating")
     ap.add_argument("--engine-epochs", type=int, default=None,
                     help="epochs of 1,000 of the engine-alone runs (default 23, --quick 13)")
-    ap.add_argument("--out", default=str(HERE / "engine_perf.json"))
+    ap.add_argument("--out", default=str(OUT / "engine_perf.json"))
     a = ap.parse_args()
     if a.child:
         print(json.dumps(CHILDREN[a.child](**json.loads(a.child_args))))

@@ -1,8 +1,8 @@
 """Issue 24, target 3: where the engine-alone path spends its time (sampling profile, no instrumentation).
 
     .venv/bin/py-spy record -r 2000 -f raw -o /tmp/engine.spy -- \
-        .venv/bin/python benchmarks/issue24/engine_profile.py run
-    .venv/bin/python benchmarks/issue24/engine_profile.py table /tmp/engine.spy     # markdown tables
+        .venv/bin/python benchmarks/engine/engine_profile.py run
+    .venv/bin/python benchmarks/engine/engine_profile.py table /tmp/engine.spy     # markdown tables
 
 ``run``: the engine-alone workload of ``engine_perf.py`` (YCSB-T transfers in epochs of 1,000, 10k accounts,
 4 partitions, the tuned collector a started runtime uses), ``--epochs`` measured epochs after 3 warm-up ones.

@@ -1,17 +1,17 @@
 """Issue 21 (one engine contract): the engine and Spark figures before and after the refactor, in one run.
 
-    .venv/bin/python benchmarks/issue21_ab.py --before-src /tmp/before21     # a checkout of the code before
+    .venv/bin/python benchmarks/engine/engine_spark_ab.py --before-src /tmp/before21     # a checkout of the code before
 
 The code before the change runs from ``--before-src`` (each side runs its own copy of the benchmark scripts with
 its own ``charon`` first on ``PYTHONPATH``); the code after from this checkout. Sides alternate
 (before, after, before, after) so that drift in the machine's load falls on both. Two figures:
 
-1. the engine alone (``benchmarks/engine_perf.py --only-engine``): CPU µs and user-space instructions per YCSB-T
+1. the engine alone (``benchmarks/engine/engine_perf.py --only-engine``): CPU µs and user-space instructions per YCSB-T
    transaction through ``run_epoch`` (the instructions hardly move with the neighbours' load);
-2. YCSB-T on the Spark runtime (``benchmarks/spark_ycsb.py``, ``local[2]``, one rate): committed/s, latency p50
+2. YCSB-T on the Spark runtime (``benchmarks/spark/spark_ycsb.py``, ``local[2]``, one rate): committed/s, latency p50
    and p99, Spark-side CPU µs per request.
 
-Writes ``benchmarks/issue21/ab.json`` and ``benchmarks/issue21/ab.png``, with the load average at each run.
+Writes ``benchmarks/results/engine/engine_spark_ab.json`` and ``.png``, with the load average at each run.
 """
 
 from __future__ import annotations
@@ -27,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-AFTER = HERE.parent
+AFTER = HERE.parents[1]
+
+
+def script(src: Path, area: str, name: str) -> Path:
+    """A benchmark script of checkout ``src``: ``benchmarks/AREA/NAME`` (``benchmarks/NAME`` before the folders)."""
+    new = src / "benchmarks" / area / name
+    return new if new.exists() else src / "benchmarks" / name
 
 
 def _env(src: Path) -> dict[str, str]:
@@ -39,7 +45,7 @@ def _env(src: Path) -> dict[str, str]:
 def engine_alone(before: Path, repeat: int) -> dict[str, Any]:
     """engine_perf's figure 1, before and after alternating inside it (it takes both sources)."""
     out = Path(tempfile.mkdtemp(prefix="charon-ab-")) / "engine.json"
-    cmd = [sys.executable, str(AFTER / "benchmarks" / "engine_perf.py"), "--only-engine", "--before-src",
+    cmd = [sys.executable, str(script(AFTER, "engine", "engine_perf.py")), "--only-engine", "--before-src",
            str(before), "--after-src", str(AFTER), "--repeat", str(repeat), "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=AFTER)
     doc = json.loads(out.read_text())
@@ -49,7 +55,7 @@ def engine_alone(before: Path, repeat: int) -> dict[str, Any]:
 def spark_run(side: str, src: Path, rate: int, duration: float) -> dict[str, Any]:
     """One YCSB-T run on Spark with the code of ``src``."""
     out = Path(tempfile.mkdtemp(prefix=f"charon-ab-{side}-"))
-    cmd = [sys.executable, str(src / "benchmarks" / "spark_ycsb.py"), "--rates", str(rate), "--duration",
+    cmd = [sys.executable, str(script(src, "spark", "spark_ycsb.py")), "--rates", str(rate), "--duration",
            str(duration), "--out", str(out), "--label", side]
     load0 = os.getloadavg()[0]
     subprocess.run(cmd, check=True, cwd=src, env=_env(src))
@@ -96,7 +102,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=15.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--spark-pairs", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=HERE / "issue21")
+    ap.add_argument("--out", type=Path, default=AFTER / "benchmarks" / "results" / "engine")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
@@ -108,9 +114,9 @@ def main() -> None:
             doc["spark"].append(spark_run(side, src, args.rate, args.duration))
             print(json.dumps(doc["spark"][-1]), flush=True)
     doc["load_average_end"] = os.getloadavg()[0]
-    path = args.out / "ab.json"
+    path = args.out / "engine_spark_ab.json"
     path.write_text(json.dumps(doc, indent=1))
-    plot(doc, args.out / "ab.png")
+    plot(doc, args.out / "engine_spark_ab.png")
     print(f"wrote {path}")
 
 

@@ -8,7 +8,7 @@ exchange and task function in the child (``spark_epoch_structure.run``: pickled 
 each epoch in one task, the previous epoch's finalize carried), as Spark's task would; its figure includes making
 each epoch's requests (a few thousand instructions per transaction, the same for both variants).
 
-    .venv/bin/python benchmarks/epoch_chunks.py --sizes 1000,2000,4500,8000 --chunks 0,256
+    .venv/bin/python benchmarks/engine/epoch_chunks.py --sizes 1000,2000,4500,8000 --chunks 0,256
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
+OUT = ROOT / "benchmarks" / "results" / "engine"
 
 
 def child(path: str, size: int, chunk: int, epochs: int, total: int) -> dict:
@@ -36,7 +37,7 @@ def child(path: str, size: int, chunk: int, epochs: int, total: int) -> dict:
 
     ep.EPOCH_CHUNK = chunk
     if path == "spark":
-        sys.path.insert(0, str(HERE))
+        sys.path.insert(0, str(ROOT / "benchmarks" / "spark"))
         import spark_epoch_structure
 
         r = spark_epoch_structure.run("ycsb", "after", size, epochs=2 + epochs)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", default="0,256")
     ap.add_argument("--paths", default="inprocess,spark")
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--out", default=str(HERE / "issue10"))
+    ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:

@@ -5,8 +5,8 @@ transaction (``time.process_time``, so other load on the machine disturbs it lit
 rounds per epoch (dry run + fallback), re-queued and deferred transactions. ``--profile`` prints a cProfile
 of the largest size. Output: JSON (+ PNG with ``--plot``).
 
-    .venv/bin/python benchmarks/tpcc_fallback.py --sizes 100,500 --epochs 6 \
-        --out benchmarks/issue10/tpcc_fallback.json
+    .venv/bin/python benchmarks/engine/tpcc_fallback.py --sizes 100,500 --epochs 6 \
+        --out benchmarks/results/engine/tpcc_fallback.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Attribute the server's measured CPU per request to the stages of a request, from a py-spy profile.
 
-    .venv/bin/python benchmarks/issue24/attribute.py benchmarks/issue24/pyspy_c64.txt.gz \
+    .venv/bin/python benchmarks/gateway/cpu_attribution.py benchmarks/issue24/pyspy_c64.txt.gz \
         benchmarks/issue24/gateway_cpu_profiled.json [--json benchmarks/issue24/attribution.json]
 
 Input: py-spy's raw collapsed stacks recorded with --threads (`thread (TID): name;frame;...;frame N`) and the

@@ -6,8 +6,8 @@ the accounts with one POST /admin/update (deposit on every key), then drives YCS
 seconds and reads the server's CPU seconds (psutil, user + system) before and after: CPU per request = delta / requests.
 With --profile, py-spy samples the server during the measured window (raw collapsed stacks, --format raw).
 
-    .venv/bin/python benchmarks/issue24/gateway_cpu.py --concurrency 64 --duration 15
-    .venv/bin/python benchmarks/issue24/gateway_cpu.py --concurrency 64 --duration 15 --profile
+    .venv/bin/python benchmarks/gateway/gateway_cpu.py --concurrency 64 --duration 15
+    .venv/bin/python benchmarks/gateway/gateway_cpu.py --concurrency 64 --duration 15 --profile
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from charon.bench.harness import latency_summary
 from charon.server.serve import free_port
 
 HERE = Path(__file__).resolve().parent
+OUT = HERE.parent / "results" / "gateway"
 TOKEN = "t24"
 KEYS = 1000
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--tag", default="")
     ap.add_argument("--src", default=None, help="run the server from this checkout's charon package (A/B)")
-    ap.add_argument("--out", default=str(HERE / "gateway_cpu.json"))
+    ap.add_argument("--out", default=str(OUT / "gateway_cpu.json"))
     args = ap.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="charon-i24-")
     port = free_port()
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in [int(x) for x in args.concurrency.split(",")]:
             spy = None
             if args.profile:
-                raw = HERE / f"pyspy_c{c}{args.tag}.txt"
+                raw = OUT / f"pyspy_c{c}{args.tag}.txt"
                 spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
                                         str(server.pid), "--format", "raw", "--threads", "-o", str(raw),
                                         "-r", str(args.rate),

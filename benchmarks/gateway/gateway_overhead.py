@@ -2,7 +2,7 @@
 
 Both measured in the same run, closed loop at a fixed number of requests in flight, YCSB-T deposits.
 
-    .venv/bin/python benchmarks/gateway_overhead.py --requests 3000 --concurrency 1,16,64
+    .venv/bin/python benchmarks/gateway/gateway_overhead.py --requests 3000 --concurrency 1,16,64
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import httpx
 
 from charon.bench.harness import latency_summary
 
-ROOT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "gateway"
 TOKEN = "bench"
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--concurrency", default="1,16,64")
-    ap.add_argument("--out", default=str(ROOT / "out" / "gateway_overhead.json"))
+    ap.add_argument("--out", default=str(OUT / "gateway_overhead.json"))
     args = ap.parse_args(argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,7 +4,7 @@ One client, one request in flight (YCSB-T deposits with Idempotency-Keys), after
 ``--ephemeral`` (volatile), durable with ``--no-fsync`` (survives a killed process) and durable with fsync per
 epoch (the default: survives an OS crash). Modes are interleaved round by round so machine load hits all alike.
 
-    .venv/bin/python benchmarks/node_latency.py --requests 300 --rounds 3
+    .venv/bin/python benchmarks/gateway/node_latency.py --requests 300 --rounds 3
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "node_latency.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "gateway"
+                                         / "node_latency.json"))
     ap.add_argument("--before", default=None, help="a checkout of the code before (e.g. /work/main)")
     args = ap.parse_args()
     global BEFORE

@@ -6,7 +6,7 @@ batches every ``--epoch-ms``. Measured in the client's process: CPU seconds (``t
 thread, so the append and tail threads count) per transaction, which other load on the machine does not
 inflate the way it inflates wall-clock time. ``--profile`` prints the client's top functions (cProfile).
 
-    .venv/bin/python benchmarks/log_client_cost.py --n 20000 --rate 2000
+    .venv/bin/python benchmarks/log/log_client_cost.py --n 20000 --rate 2000
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "log"
 
 
 def _engine(data: str, n: int, epoch_ms: float) -> None:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epoch-ms", type=float, default=100.0)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--label", default="")
-    ap.add_argument("--out", default=str(ROOT / "out"))
+    ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     results = []
     for rate in [float(r) for r in a.rates.split(",")]:

@@ -4,7 +4,7 @@ reads and reply writes, measured in the same run (a real nats-server on 127.0.0.
 Wall time per request and this process's CPU time per request are both reported (the machine is shared: CPU
 time and the SQLite/NATS ratio are the stable figures). Writes ``log_nats.json`` and ``log_nats.png``.
 
-    .venv/bin/python benchmarks/log_nats.py --n 2000
+    .venv/bin/python benchmarks/log/log_nats.py --n 2000
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from charon.messages import Reply, Request
 from charon.runtime.spark.cluster import free_port
 from charon.serde import encode
 
-OUT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "log"
 
 
 def start_nats(root: Path) -> tuple[subprocess.Popen, str]:
@@ -89,7 +89,7 @@ def main() -> int:
     doc = {
         "what": "per-request cost of log operations, SQLite (durable=True, fsync per commit) vs NATS JetStream "
                 "(nats-server 2.9 on 127.0.0.1, file storage), same run",
-        "command": "python benchmarks/log_nats.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/log/log_nats.py " + " ".join(sys.argv[1:]),
         "n": args.n, "batch": args.batch, "sqlite": sqlite, "nats": nats,
         "note": "2-core machine shared with other jobs: wall times are disturbed, cpu_us is this process only "
                 "(for NATS the server's CPU is not included)",

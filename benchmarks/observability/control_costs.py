@@ -5,7 +5,7 @@
 * consistent reads: CPU ms of one cut over every entity (``InProcessRuntime.inspect``) per entity count;
 * pause: wall ms from ``pause()`` to the ``paused`` state under load (an epoch finishing), and epochs run.
 
-    .venv/bin/python benchmarks/control_costs.py        # writes benchmarks/control_costs.{json,png}
+    .venv/bin/python benchmarks/observability/control_costs.py  # writes results/observability/control_costs.{json,png}
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from charon.apps import ycsb  # noqa: E402
 from charon.messages import Reply, Request  # noqa: E402
 from charon.server.metrics import GatewayMetrics  # noqa: E402
 
-OUT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "observability"
 
 
 def metrics_cost(n: int = 50_000) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """The dashboard history's cost: CPU per observed reply, CPU per one-second tick with a full 10,000-reply window
 (the worst case, at >= 10k replies/s), and the bytes one sample takes.
 
-Run: ``.venv/bin/python benchmarks/dashboard_history_cost.py``"""
+Run: ``.venv/bin/python benchmarks/observability/dashboard_history_cost.py``"""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ engine thread), over ``--accounts`` accounts; one mix without aborts and one whe
 each: off, the core's capture only (the partitions report each invocation, the store keeps nothing) and on; the
 medians per request are reported. Beside them, ``timeit`` of the statement the core runs per invocation when on.
 
-    .venv/bin/python benchmarks/issue26/inspector_cost.py            # writes inspector_cost.{json,png} here
-    .venv/bin/python benchmarks/issue26/inspector_cost.py --quick    # a smoke run (figures not meaningful)
+    .venv/bin/python benchmarks/observability/inspector_cost.py  # writes results/observability/inspector_cost.{json,png}
+    .venv/bin/python benchmarks/observability/inspector_cost.py --quick    # a smoke run (figures not meaningful)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from charon.messages import Request  # noqa: E402
 from charon.runtime.inprocess import GC_THRESHOLD, InProcessRuntime  # noqa: E402
 from charon.runtime.inspector import InspectorSettings  # noqa: E402
 
-OUT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "observability"
 
 
 def run(mode: str, epochs: int, size: int, accounts: int, abort_every: int) -> float:

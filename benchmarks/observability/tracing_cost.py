@@ -23,7 +23,7 @@ Each round starts ``charon run charon.apps.ycsb:app`` (fsync per epoch) afresh, 
 transfers with issue 24's lean closed-loop client (keep-alive HTTP/1.1, one Idempotency-Key each) and reads the
 server's CPU seconds (psutil) over the window: CPU per request = delta / requests. JSON and a PNG.
 
-    .venv/bin/python benchmarks/issue26/tracing_cost.py --rounds 3 --duration 10 --concurrency 32
+    .venv/bin/python benchmarks/observability/tracing_cost.py --rounds 3 --duration 10 --concurrency 32
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ from charon.server.serve import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+OUT = ROOT / "benchmarks" / "results" / "observability"
 TOKEN = "t24"  # the token issue 24's client sends
 KEYS = 1000
 MODES = ("before", "off", "off_asgi", "on", "on_nofn", "on_shared", "on_10pct")
 
-_spec = importlib.util.spec_from_file_location("gateway_cpu", ROOT / "benchmarks" / "issue24" / "gateway_cpu.py")
+_spec = importlib.util.spec_from_file_location("gateway_cpu", ROOT / "benchmarks" / "gateway" / "gateway_cpu.py")
 assert _spec is not None and _spec.loader is not None
 gateway_cpu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gateway_cpu)
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=10)
     ap.add_argument("--warmup", type=float, default=2)
     ap.add_argument("--base", default="f37e7bc", help="the commit whose server is 'before'")
-    ap.add_argument("--out", default=str(HERE / "tracing_cost.json"))
+    ap.add_argument("--out", default=str(OUT / "tracing_cost.json"))
     ap.add_argument("--sdk-only", action="store_true", help="only the in-process SDK measurement (printed)")
     args = ap.parse_args(argv)
     spans_alone = sdk_only()

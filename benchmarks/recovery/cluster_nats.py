@@ -11,7 +11,7 @@ later a new Worker joins. At the end the script checks that every request was an
 the balances equal the initial ones plus the acknowledged transfers (money conserved), and writes
 ``cluster_nats.json`` and ``cluster_nats.png`` (throughput and latency per second, the kill marked).
 
-    .venv/bin/python benchmarks/cluster_nats.py --seconds 90 --rate 20
+    .venv/bin/python benchmarks/recovery/cluster_nats.py --seconds 90 --rate 20
 
 On a real multi-machine cluster the same deployment is: nats-server on one host (``nats://logs:4222/ycsb``),
 ``CHARON_MASTER=spark://master:7077`` and ``CHARON_CHECKPOINT`` on storage every executor and the driver reach
@@ -42,7 +42,7 @@ from charon.config import SparkConfig
 from charon.runtime.spark.cluster import StandaloneCluster, free_port
 from charon.runtime.spark.runtime import SparkRuntime
 
-OUT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "recovery"
 TOKEN = "cluster"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 BALANCE = 1000
@@ -223,7 +223,7 @@ def main() -> int:
         doc = {
             "what": "YCSB-T on a standalone Spark cluster (Master + Workers on 127.0.0.1), NATS JetStream log, "
                     "remote gateways; worker 1 SIGKILLed and replaced mid-run",
-            "command": "python benchmarks/cluster_nats.py " + " ".join(sys.argv[1:]),
+            "command": "python benchmarks/recovery/cluster_nats.py " + " ".join(sys.argv[1:]),
             "args": vars(args),
             "cluster_start_s": round(cluster_start_s, 1), "driver_start_s": round(driver_start_s, 1),
             "events_s": {k: round(v, 1) for k, v in events.items()},

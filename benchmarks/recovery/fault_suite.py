@@ -7,11 +7,11 @@ p50/p99 latency over the scenario and how many failed; the time from the fault t
 and a new transfer committed) without a person; that nothing acknowledged was lost (every acknowledged transfer's
 reply read back by its request id equals the acknowledged one) and that money is conserved.
 
-    .venv/bin/python benchmarks/fault_suite.py                       # in-process durable node, every scenario
-    .venv/bin/python benchmarks/fault_suite.py --only spin,sleep     # some of them
-    .venv/bin/python benchmarks/fault_suite.py --engine spark        # the Spark engine (local mode)
+    .venv/bin/python benchmarks/recovery/fault_suite.py                       # in-process durable node, every scenario
+    .venv/bin/python benchmarks/recovery/fault_suite.py --only spin,sleep     # some of them
+    .venv/bin/python benchmarks/recovery/fault_suite.py --engine spark        # the Spark engine (local mode)
 
-Writes ``benchmarks/issue22/fault_suite-<engine>.json`` and prints a table. Scenarios:
+Writes ``benchmarks/results/recovery/fault_suite-<engine>.json`` and prints a table. Scenarios:
 
 - ``spin``: a function in an endless loop (budget 1 s).
 - ``sleep``: a function blocked 30 s in ``time.sleep`` (its own budget 0.5 s; in-process: stuck, quarantined after
@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests" / "support"  # the apps and helpers the tests share
 TOKEN = "fault-suite"
 H = {"Authorization": f"Bearer {TOKEN}"}
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 nats.stop()
     doc = {"engine": args.engine, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
            "results": results}
-    out = ROOT / "benchmarks" / "issue22" / f"fault_suite-{args.engine}.json"
+    out = ROOT / "benchmarks" / "results" / "recovery" / f"fault_suite-{args.engine}.json"
     if not args.only:
         out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"{'scenario':<10} {'healed s':>9} {'health!=200 at s':>17} {'unrelated p50/p99 ms':>21} {'lost':>5} money")

@@ -7,7 +7,7 @@ pending checkpoints, re-placing every key group, writing the new layout's bases,
 and committed transactions per 100 ms around it. Wall times are disturbed by other work on the machine;
 the CPU time is the steadier figure.
 
-    .venv/bin/python benchmarks/rescale_node.py --keys 10000 100000 --duration 6
+    .venv/bin/python benchmarks/recovery/rescale_node.py --keys 10000 100000 --duration 6
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from charon import InProcessRuntime
 from charon.apps.holds import app
 
-OUT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "recovery"
 
 
 async def client(rt: InProcessRuntime, keys: int, seed: int, end: float, done: list[float]) -> None:
@@ -105,7 +105,7 @@ def main() -> None:
         print(r["keys"], [(m["to"], round(m["pause_s"] * 1000, 1), round(m["cpu_s"] * 1000, 1)) for m in r["moves"]],
               r["committed"])
     (OUT / "rescale_node.json").write_text(json.dumps(
-        {"command": "benchmarks/rescale_node.py --keys " + " ".join(str(k) for k in a.keys)
+        {"command": "benchmarks/recovery/rescale_node.py --keys " + " ".join(str(k) for k in a.keys)
          + f" --duration {a.duration}", "results": results}, indent=1))
     plot(results, OUT / "rescale_node.png")
 

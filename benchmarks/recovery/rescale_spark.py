@@ -14,7 +14,7 @@ seconds before and after it, answered transactions per second, latency p50/p99 a
 two answers (a pause would show there). Wall times are disturbed by other work on the machine (2 cores
 shared); the CPU time is the steadier figure.
 
-    .venv/bin/python benchmarks/rescale_spark.py --keys 10000 100000 --duration 30
+    .venv/bin/python benchmarks/recovery/rescale_spark.py --keys 10000 100000 --duration 30
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from charon.config import SparkConfig
 from charon.runtime.spark.runtime import SparkRuntime
 from charon.runtime.spark.session import make_session
 
-OUT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "recovery"
 APP = "charon.apps.holds:app"
 BIN = 1.0
 WINDOW_S = 2.0  # seconds before/after a log switch compared
@@ -167,7 +167,7 @@ def main() -> None:
     spark = make_session(SparkConfig(master="local[2]", partitions=2))
     results = [run(spark, k, args.duration, args.clients) for k in args.keys]
     spark.stop()  # type: ignore[attr-defined]
-    cmd = f"benchmarks/rescale_spark.py --keys {' '.join(map(str, args.keys))} --duration {args.duration} " \
+    cmd = f"benchmarks/recovery/rescale_spark.py --keys {' '.join(map(str, args.keys))} --duration {args.duration} " \
           f"--clients {args.clients}"
     (OUT / "rescale_spark.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
     plot(results, OUT / "rescale_spark.png")

@@ -7,7 +7,7 @@ function runs in this process (``run_job`` replaced: payloads and results pickle
 are exact and independent of load: each round is one Spark job (~40 ms of PySpark each, whatever it carries),
 and every round ships each busy partition's whole scratch (the epoch's overlay so far) both ways.
 
-    .venv/bin/python benchmarks/chunk_rounds_cluster.py --sizes 500,2000,4000,8000
+    .venv/bin/python benchmarks/spark/chunk_rounds_cluster.py --sizes 500,2000,4000,8000
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def measure(size: int, chunk: int | None, parts: int = 4, accounts: int = 10_000
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="500,2000,4000,8000")
-    ap.add_argument("--out", default=str(HERE / "chunk_rounds_cluster"))
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "spark" / "chunk_rounds_cluster"))
     args = ap.parse_args()
     rows = [measure(int(s), c) for s in args.sizes.split(",") for c in (0, None)]
     for r in rows:

@@ -3,7 +3,7 @@
 Each variant ships the same per-partition payloads (bytes of a given size) to tasks that return them,
 as a round of the epoch protocol does; local[2], UDS on. Reports ms per round (median of N).
 
-    .venv/bin/python benchmarks/exchange_choice.py --partitions 4 --sizes 1000,100000,1000000
+    .venv/bin/python benchmarks/spark/exchange_choice.py --partitions 4 --sizes 1000,100000,1000000
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--sizes", default="1000,100000,1000000")
     ap.add_argument("--repeat", type=int, default=15)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "exchange_choice.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "spark"
+                                         / "exchange_choice.json"))
     args = ap.parse_args(argv)
     from charon.config import SparkConfig
     from charon.runtime.spark.session import make_session

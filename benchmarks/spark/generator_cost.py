@@ -10,13 +10,13 @@ Measured in the generator's process, around the ``_lean_generator`` call only (i
 CPU seconds (``time.process_time``, user + system) and, with ``perf`` installed, user-space instructions
 (``perf stat -e instructions:u`` enabled and disabled around the call through a control FIFO). Instructions
 do not depend on what the neighbours on the machine do; CPU time barely does. ``--variant name=ROOT``
-runs the ``benchmarks/spark_ycsb.py`` and ``charon`` package under ROOT (e.g. an exported older commit), so a
+runs the ``benchmarks/spark/spark_ycsb.py`` and ``charon`` package under ROOT (e.g. an exported older commit), so a
 before/after is one command; variants alternate ``--repeat`` times.
 
-    .venv/bin/python benchmarks/generator_cost.py --rate 16000 --duration 5 --warmup 1
+    .venv/bin/python benchmarks/spark/generator_cost.py --rate 16000 --duration 5 --warmup 1
     git archive 2fc19ae | tar -x -C /tmp/gen-before
-    .venv/bin/python benchmarks/generator_cost.py --variant before=/tmp/gen-before --variant after=. --repeat 3
-    .venv/bin/python benchmarks/generator_cost.py --profile      # cProfile of the generator (top functions)
+    .venv/bin/python benchmarks/spark/generator_cost.py --variant before=/tmp/gen-before --variant after=. --repeat 3
+    .venv/bin/python benchmarks/spark/generator_cost.py --profile      # cProfile of the generator (top functions)
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-REPO = ROOT.parent
+REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / "benchmarks" / "results" / "spark"
 
 
 def _engine(data: str, epoch_ms: float, stop: str, compact_every: int = 50) -> None:
@@ -248,14 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accounts", type=int, default=10_000)
     ap.add_argument("--epoch-ms", type=float, default=200.0, help="the fake engine's reply batch interval")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ROOT",
-                    help="a checkout whose benchmarks/spark_ycsb.py and charon/ to run (default: this one)")
+                    help="a checkout whose benchmarks/spark/spark_ycsb.py and charon/ to run (default: this one)")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--count", choices=("loop", "call"), default="loop",
                     help="what perf counts: the open loop (a generator with an on_clock hook; others: the whole call) "
                          "or the whole _lean_generator call (schedule and summary too) for every variant")
     ap.add_argument("--no-perf", dest="perf", action="store_false", help="do not count instructions with perf")
     ap.add_argument("--profile", action="store_true", help="print the generator's cProfile (no perf counts)")
-    ap.add_argument("--out", default=str(ROOT / "out"))
+    ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--label", default="")
     # the generator process (started by run_one)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

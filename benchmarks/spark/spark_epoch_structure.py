@@ -9,7 +9,7 @@ Workloads: YCSB-T transfers (10k accounts, uniform) and TPC-C NewOrder+Payment a
 epochs of ``--sizes`` transactions; variants ``before`` (every lever off: whole epochs, a finalize round of its own,
 rounds of one task per core, the fallback round by round) and ``after`` (the defaults).
 
-    .venv/bin/python benchmarks/spark_epoch_structure.py --sizes 100,500
+    .venv/bin/python benchmarks/spark/spark_epoch_structure.py --sizes 100,500
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "spark"
 BEFORE = {"pipeline_finalize": False, "single_task_fallback": False, "single_task_rest": False, "task_min_bytes": 1,
           "gc_threshold": 0}
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="before,after", help="comma-separated: before, after")
     ap.add_argument("--epochs", type=int, default=3, help="epochs per point (the first is not counted)")
     ap.add_argument("--label", default="", help="suffix of the output file names")
-    ap.add_argument("--out", default=str(ROOT / "issue10"))
+    ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--fixed-ms", type=float, default=250.0,
                     help="per-epoch cost outside the engine (jobs, micro-batch) for the printed tx/s estimate")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",

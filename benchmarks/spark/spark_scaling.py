@@ -15,9 +15,9 @@ cost that does not spread over cores (the driver's log read, sequencing, picklin
 coordinator), ``p`` the per-transaction cost per core (the partitions' steps). :func:`predict` gives an epoch's
 time and the throughput at any ``k`` (e.g. 100 cores) and epoch size; the ceiling as epochs grow is ``1 / (s + p/k)``.
 
-    .venv/bin/python benchmarks/issue24/spark_scaling.py --cores 1,2 --sizes 4000,10000 --epochs 8 --repeat 2
-    .venv/bin/python benchmarks/issue24/spark_scaling.py --mode local --cores 1,2 --sizes 4000,10000
-    .venv/bin/python benchmarks/issue24/spark_scaling.py --fit benchmarks/issue24/spark_scaling.json
+    .venv/bin/python benchmarks/spark/spark_scaling.py --cores 1,2 --sizes 4000,10000 --epochs 8 --repeat 2
+    .venv/bin/python benchmarks/spark/spark_scaling.py --mode local --cores 1,2 --sizes 4000,10000
+    .venv/bin/python benchmarks/spark/spark_scaling.py --fit benchmarks/results/spark/spark_scaling.json
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # benchmarks/: spark_ycsb's process-tree CPU helpers
+sys.path.insert(0, str(HERE))  # spark_ycsb's process-tree CPU helpers
 
 
 def fit(rows: list[dict]) -> dict:
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a SparkConfig setting for every row (e.g. split_rest=off)")
     ap.add_argument("--predict", default="1,2,4,16,100", help="core counts the model predicts")
-    ap.add_argument("--out", default=str(HERE / "spark_scaling"))
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "spark" / "spark_scaling"))
     ap.add_argument("--fit", metavar="JSON", help="only fit (and plot) the rows of this JSON")
     a = ap.parse_args(argv)
     if a.fit:

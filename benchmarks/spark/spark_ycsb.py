@@ -4,8 +4,8 @@ The driver (Spark, the epoch coordinator) runs in this process; the open-loop lo
 separate process that appends to the input log and tails the output log (as a gateway would), so the two
 do not share a GIL.
 
-    .venv/bin/python benchmarks/spark_ycsb.py --rates 250,500,1000,2000,4000 --duration 20
-    .venv/bin/python benchmarks/spark_ycsb.py --rates 1000 --variants before,after,before,after --label ab
+    .venv/bin/python benchmarks/spark/spark_ycsb.py --rates 250,500,1000,2000,4000 --duration 20
+    .venv/bin/python benchmarks/spark/spark_ycsb.py --rates 1000 --variants before,after,before,after --label ab
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-ROOT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "spark"
 
 
 def _generator(data_dir: str, rate: float, duration: float, warmup: float, n: int, zipf: float, seed: int,
@@ -63,7 +63,7 @@ def _lean_generator(data_dir: str, rate: float, duration: float, warmup: float, 
     output log's ``data_version`` moved. Latency is measured from each request's due time to the moment its
     reply is seen. Per request the loop only appends it and matches its reply (the replies of a read decoded in
     one call, only their id and outcome; outcomes in flat arrays), so it measures the engine's ceiling on a
-    machine whose cores the generator shares (``benchmarks/generator_cost.py`` measures its CPU per request;
+    machine whose cores the generator shares (``benchmarks/spark/generator_cost.py`` measures its CPU per request;
     the schedule takes ~300 bytes per request: 120 MiB at 16,000/s for 25 s). In the result,
     ``generator_cpu_s`` is the process's CPU time, ``generator_loop_cpu_s`` the open loop's alone;
     ``on_clock(True)`` / ``on_clock(False)`` are called as the open loop starts and ends (a profiler's hook)."""
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=5000,
                     help="SparkConfig.max_batch, most requests per epoch (uniform YCSB-T over 10k accounts: beyond "
                          "~5,000 conflicts make a transaction cost more than the per-epoch overhead saves)")
-    ap.add_argument("--out", default=str(ROOT / "out"))
+    ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--label", default="", help="suffix of the output file names")
     ap.add_argument("--variants", default="after",
                     help="comma-separated, run in turn on one Spark session per rate (e.g. before,after,before,"

@@ -2,7 +2,7 @@
 the Python-object merge (base + deltas into a dict, sorted, written row by row) against the Arrow merge
 (:meth:`DurableState.load_table`: concatenate, sort, keep the newest row per key) in the same process.
 
-    .venv/bin/python benchmarks/compaction_cpu.py --keys 250000 --deltas 20 --delta-keys 600
+    .venv/bin/python benchmarks/state/compaction_cpu.py --keys 250000 --deltas 20 --delta-keys 600
 
 250,000 keys is one of four partitions of the 1M-account YCSB-T state; a delta is one epoch's writes.
 """
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "state"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deltas", type=int, default=20)
     ap.add_argument("--delta-keys", type=int, default=600)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "compaction_cpu.json"))
+    ap.add_argument("--out", default=str(OUT / "compaction_cpu.json"))
     args = ap.parse_args(argv)
 
     import random
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             table, _ = d.load_table(0)
             return sum(1 for _ in _rows(table))
 
-        res: dict = {"command": " ".join([".venv/bin/python", "benchmarks/compaction_cpu.py", *sys.argv[1:]]),
+        res: dict = {"command": " ".join([".venv/bin/python", "benchmarks/state/compaction_cpu.py", *sys.argv[1:]]),
                      "keys": args.keys, "deltas": args.deltas, "delta_keys": args.delta_keys}
         for name, fn in [("snapshot_python", python_path), ("snapshot_arrow", arrow_path),
                          ("restore_rows_python", restore_python), ("restore_rows_arrow", restore_arrow)]:

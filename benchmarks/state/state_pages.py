@@ -1,7 +1,7 @@
 """What one page of the state browser costs against a read of max_scan entities, from the live stores
 (in-process) and from the durable copy (Spark, an earlier in-process epoch): 100,000 entities in 4 partitions.
 
-    .venv/bin/python benchmarks/state_pages.py
+    .venv/bin/python benchmarks/state/state_pages.py
 """
 
 from __future__ import annotations

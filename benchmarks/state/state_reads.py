@@ -5,7 +5,7 @@ then reads single keys both ways, alternating, in the same run. For each way: th
 CPU time per read of the driver Python process and of the JVM (psutil, all threads), which are less disturbed
 by other load on the machine than wall time. Both ways must return the same values. Writes JSON and a PNG.
 
-    .venv/bin/python benchmarks/state_reads.py --reads 200
+    .venv/bin/python benchmarks/state/state_reads.py --reads 200
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import psutil
 from charon.config import SparkConfig
 from charon.runtime.spark.runtime import SparkRuntime
 
-OUT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "state"
 
 
 def jvm_of(me: psutil.Process) -> psutil.Process:

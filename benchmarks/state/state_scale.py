@@ -10,15 +10,16 @@ A *snapshot* is a compaction of every partition's durable copy into a new immuta
 a recovery loads); every epoch's delta file (the incremental snapshot) is always written.
 
     # Fig. 13: snapshots every second vs rare, alternating phases in one driver session
-    .venv/bin/python benchmarks/state_scale.py interference --keys 1000000 --rate 300 --phase-s 45
+    .venv/bin/python benchmarks/state/state_scale.py interference --keys 1000000 --rate 300 --phase-s 45
     # Fig. 14: SIGKILL the driver (restarted at once), then lose the Python workers (pyspark daemon)
-    .venv/bin/python benchmarks/state_scale.py recovery --keys 1000000 --rate 300 --kill driver
-    .venv/bin/python benchmarks/state_scale.py recovery --keys 1000000 --rate 300 --kill worker
+    .venv/bin/python benchmarks/state/state_scale.py recovery --keys 1000000 --rate 300 --kill driver
+    .venv/bin/python benchmarks/state/state_scale.py recovery --keys 1000000 --rate 300 --kill worker
     # the driver restart without the restart ramp (SparkConfig.restart_batch = max_batch); the JSON's
     # recovery.trace lists the restarted driver's events (query start, micro-batches, Spark jobs, records)
-    .venv/bin/python benchmarks/state_scale.py recovery --keys 1000000 --rate 200 --kill driver --restart-batch 20000
+    .venv/bin/python benchmarks/state/state_scale.py recovery --keys 1000000 --rate 200 --kill driver \
+        --restart-batch 20000
     # Fig. 15 scaled down: a 3 GB state imported and snapshotted; disk use over a run with snapshots
-    .venv/bin/python benchmarks/state_scale.py import --keys 1000000 --value-bytes 3000 --seconds 120
+    .venv/bin/python benchmarks/state/state_scale.py import --keys 1000000 --value-bytes 3000 --seconds 120
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "state"
 APP = "charon.apps.ycsb:app"
 
 
@@ -376,7 +377,7 @@ def _setup(args: argparse.Namespace, value_bytes: int = 0) -> tuple[str, dict]:
 
 
 def _meta(args: argparse.Namespace) -> dict:
-    return {"command": " ".join([".venv/bin/python", "benchmarks/state_scale.py", *sys.argv[1:]]),
+    return {"command": " ".join([".venv/bin/python", "benchmarks/state/state_scale.py", *sys.argv[1:]]),
             "master": args.master, "partitions": args.partitions, "keys": args.keys, "when": time.time(),
             "cpus": os.cpu_count(), "restart_batch": getattr(args, "restart_batch", None)}
 
@@ -624,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--master", default="local[2]")
     common.add_argument("--rate", type=float, default=300.0)
     common.add_argument("--tmp", default=None, help="parent of the run's data directory")
-    common.add_argument("--out", default=str(ROOT), help="directory of the JSON and PNG")
+    common.add_argument("--out", default=str(OUT), help="directory of the JSON and PNG")
     common.add_argument("--label", default="")
     common.add_argument("--keep", action="store_true", help="keep the data directory")
     common.add_argument("--restart-batch", type=int, default=None,

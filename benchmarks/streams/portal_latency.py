@@ -11,7 +11,7 @@ Both one request at a time (``--n`` each) on volatile runtimes and on durable no
 Wall times on a shared 2-core machine are disturbed by other processes; the CPU time of this process per
 operation (``time.process_time``) is reported alongside.
 
-    .venv/bin/python benchmarks/portal_latency.py --n 300
+    .venv/bin/python benchmarks/streams/portal_latency.py --n 300
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from charon import Application, Context, Deployment, InProcessRuntime, Operator 
 from charon.bench.harness import percentile  # noqa: E402
 from charon.log.streams import StreamLog  # noqa: E402
 
-HERE = Path(__file__).parent
+OUT = Path(__file__).resolve().parents[1] / "results" / "streams"
 
 asker = Operator("asker")
 echo_op = Operator("echo")
@@ -99,8 +99,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=300)
     args = ap.parse_args()
     results = {"volatile": asyncio.run(measure(False, args.n)), "durable": asyncio.run(measure(True, args.n))}
-    (HERE / "portal_latency.json").write_text(json.dumps(
-        {"command": f"benchmarks/portal_latency.py --n {args.n}", "results": results}, indent=2) + "\n")
+    (OUT / "portal_latency.json").write_text(json.dumps(
+        {"command": f"benchmarks/streams/portal_latency.py --n {args.n}", "results": results}, indent=2) + "\n")
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels, xs = [], 0
     for mode, r in results.items():
@@ -113,7 +113,7 @@ def main() -> None:
     ax.set_ylabel("ms (bar p50, whisker p99)")
     ax.set_title("Portal round trip and stream delivery latency (one at a time)")
     fig.tight_layout()
-    fig.savefig(HERE / "portal_latency.png", dpi=120)
+    fig.savefig(OUT / "portal_latency.png", dpi=120)
     print(json.dumps(results, indent=2))
 
 

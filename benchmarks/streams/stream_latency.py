@@ -14,7 +14,7 @@ clock:
 
 The machine is shared (2 cores, several other processes): read the figures as orders of magnitude.
 
-    .venv/bin/python benchmarks/stream_latency.py --atoms 200 --interval-ms 50
+    .venv/bin/python benchmarks/streams/stream_latency.py --atoms 200 --interval-ms 50
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "support"))
+sys.path.insert(0, str(HERE.parents[1] / "tests" / "support"))
 
 from streams_app import app  # noqa: E402
 
@@ -54,7 +54,7 @@ def main() -> int:
     p.add_argument("--interval-ms", type=float, default=50.0)
     p.add_argument("--skip-spark", action="store_true")
     p.add_argument("--skip-http", action="store_true")
-    p.add_argument("--out", default=str(HERE / "stream_latency"))
+    p.add_argument("--out", default=str(HERE.parent / "results" / "streams" / "stream_latency"))
     a = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="charon-stream-lat-")
     rt = InProcessRuntime(app, partitions=2, data_dir=os.path.join(tmp, "node"), fsync=False)
@@ -156,7 +156,7 @@ def main() -> int:
            "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, "
                       f"Python {platform.python_version()})",
            "generated": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-           "command": "benchmarks/stream_latency.py " + " ".join(sys.argv[1:]),
+           "command": "benchmarks/streams/stream_latency.py " + " ".join(sys.argv[1:]),
            "atoms": a.atoms, "interval_ms": a.interval_ms, "results": results,
            "samples_ms": {k: [round((seen[k][e] - t) * 1000, 3) for e, t in appended.items() if e in seen[k]]
                           for k in active}}

@@ -145,7 +145,7 @@ def test_charon_bench_arguments_map_to_the_suite():
 
 
 def _spark_ycsb_module():
-    """benchmarks/spark_ycsb.py, imported from its file (benchmarks/ is not a package)."""
+    """benchmarks/spark/spark_ycsb.py, imported from its file (benchmarks/ is not a package)."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "spark_ycsb.py"

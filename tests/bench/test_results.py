@@ -1,4 +1,4 @@
-"""benchmarks/results.py: one command runs benchmarks into JSON, another renders RESULTS.md from that JSON."""
+"""benchmarks/run.py: one command runs benchmarks into JSON, another renders RESULTS.md from that JSON."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_quick_run_then_render_gives_the_tables_with_their_run_facts(tmp_path: P
     md = tmp_path / "RESULTS.md"
     results("render", "--results-dir", str(tmp_path), "--md", str(md))
     text = md.read_text()
-    assert "benchmarks/results.py run" in text and "quiet" in text  # the preface
+    assert "benchmarks/run.py run" in text and "quiet" in text  # the preface
     for title in ("## The in-process engine alone (one core)", "## YCSB-T (transfers, uniform)"):
         section = text.split(title, 1)[1].split("\n## ", 1)[0]
         head = section.strip().splitlines()[0]
