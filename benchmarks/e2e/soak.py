@@ -20,9 +20,7 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,8 +31,8 @@ import httpx
 import psutil
 
 from charon.apps.ycsb import INITIAL_BALANCE
+from charon.bench.engines import start_node
 from charon.bench.harness import percentile
-from charon.server.serve import free_port
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "e2e"
 TOKEN = "soak"
@@ -51,30 +49,6 @@ def parse_mix(spec: str) -> dict[str, float]:
             raise argparse.ArgumentTypeError(f"unknown kind {kind!r} (one of {', '.join(dict(MIX))})")
         out[kind] = float(w)
     return out
-
-
-def start_server(engine: str, port: int, data_dir: str, partitions: int, extra: list[str]) -> subprocess.Popen:
-    args = [sys.executable, "-c", "from charon.cli import main; main()", "run", "charon.apps.ycsb:app",
-            "--engine", engine, "--port", str(port), "--token", TOKEN, "--partitions", str(partitions), *extra]
-    if "--ephemeral" not in extra:
-        args += ["--data-dir", data_dir]
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-    log = open(os.path.join(data_dir, "server.log"), "w")  # noqa: SIM115 - lives as long as the server
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("the server did not become healthy")
 
 
 def rss_sample(root: psutil.Process) -> dict[str, int]:
@@ -358,19 +332,14 @@ def main() -> None:
     data_dir = args.data_dir or tempfile.mkdtemp(prefix=f"charon-soak-{args.engine}-")
     os.makedirs(data_dir, exist_ok=True)
     args.data_dir_used = data_dir
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    srv = start_server(args.engine, port, data_dir, args.partitions, args.extra)
+    node = start_node("charon.apps.ycsb:app", engine=args.engine, token=TOKEN, workdir=data_dir,
+                      data_dir=data_dir, durable="--ephemeral" not in args.extra,
+                      args=["--partitions", str(args.partitions), *args.extra], log=Path(data_dir) / "server.log")
     try:
-        wait_healthy(url, srv, 300 if args.engine == "spark" else 60)
         t_start = time.time()
-        run = asyncio.run(soak(args, url, psutil.Process(srv.pid)))
+        run = asyncio.run(soak(args, node.url, node.process()))
     finally:
-        srv.send_signal(signal.SIGTERM)
-        try:
-            srv.wait(120)
-        except subprocess.TimeoutExpired:
-            srv.kill()
+        node.stop(timeout=120)
     warmup_s = 60 * (args.warmup_min if args.warmup_min is not None else min(2.0, args.minutes / 5))
     ws = run["windows"]
     lat_ok = [w for w in ws if w["p50_ms"] is not None]

@@ -1,4 +1,4 @@
-"""Issue 10, in-process targets: the engine alone, the YCSB-T open loop, Deathstar travel against PostgreSQL.
+"""In-process targets: the engine alone, the YCSB-T open loop, Deathstar travel against PostgreSQL.
 
     .venv/bin/python benchmarks/engine/engine_perf.py --before-src /work/main      # before (that checkout) and after
     .venv/bin/python benchmarks/engine/engine_perf.py --quick                      # shorter runs
@@ -499,29 +499,17 @@ def http_layout(src: str | None, rates: list[float], duration: float, warmup: fl
     generator in another (one fresh generator per rate, the server kept), as PostgreSQL is driven; the server's
     CPU per request is read from /proc around each rate."""
     import signal
-    import socket
 
-    import httpx
+    from charon.bench.engines import free_port, wait_healthy
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     url, token = f"http://127.0.0.1:{port}", "bench"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "serve", "--child-args",
            json.dumps({"src": src, "port": port, "token": token})]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start")
-            time.sleep(0.2)
+        wait_healthy(url, proc, timeout=120, interval=0.2)
         pts = []
         for rate in rates:
             before = proc_cpu_s(proc.pid)

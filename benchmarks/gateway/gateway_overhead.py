@@ -10,16 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
-
+from charon.bench.engines import inprocess, start_node
 from charon.bench.harness import latency_summary
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "gateway"
@@ -44,10 +38,7 @@ async def closed_loop(call, n: int, concurrency: int) -> dict:
 
 async def direct(n: int, concurrency: int) -> dict:
     from charon.apps import ycsb
-    from charon.runtime.inprocess import InProcessRuntime
-
-    rt = InProcessRuntime(ycsb.app, partitions=4)
-    async with rt:
+    async with inprocess(ycsb.app, partitions=4) as rt:
         async def call(i: int) -> None:
             rep = await rt.submit("account", f"a{i % 1000}", "deposit", [1])
             assert rep.ok
@@ -69,30 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--out", default=str(OUT / "gateway_overhead.json"))
     args = ap.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "charon"), "run", "charon.apps.ycsb:app", "--engine", "inprocess",
-         "--port", str(port), "--token", TOKEN], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    # no --data-dir: the node's own default, in its temporary working directory
+    node = start_node("charon.apps.ycsb:app", engine="inprocess", token=TOKEN, durable=False)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("gateway did not start")
-            time.sleep(0.2)
         rows = []
         for c in [int(x) for x in args.concurrency.split(",")]:
             d = asyncio.run(direct(args.requests, c))
-            h = asyncio.run(http(url, args.requests, c))
+            h = asyncio.run(http(node.url, args.requests, c))
             rows.append({"concurrency": c, "direct": d, "http": h,
                          "throughput_ratio_http_over_direct": h["requests_per_s"] / d["requests_per_s"],
                          "p50_ratio_http_over_direct": h["latency_ms"]["p50"] / d["latency_ms"]["p50"]})
@@ -100,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"http {h['requests_per_s']:7.0f}/s p50 {h['latency_ms']['p50']:6.2f} ms "
                   f"p99 {h['latency_ms']['p99']:6.2f} ms", flush=True)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        node.stop(timeout=30)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out}")

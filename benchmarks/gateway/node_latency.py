@@ -12,18 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from charon.bench.engines import start_node
 from charon.bench.harness import percentile
-from charon.server.serve import free_port
 
 MODES = {"ephemeral": ["--ephemeral"], "durable-no-fsync": ["--no-fsync"], "durable-fsync": []}
 BEFORE: str | None = None  # --before CHECKOUT: also measure that checkout's (volatile) `charon run`
@@ -31,29 +26,13 @@ TOKEN = "lat"
 
 
 def measure(mode: str, n: int, warmup: int) -> list[float]:
-    port = free_port()
-    tmp = tempfile.mkdtemp(prefix="charon-lat-")
-    args = [sys.executable, "-c", "from charon.cli import main; main()", "run", "charon.apps.ycsb:app",
-            "--engine", "inprocess", "--port", str(port), "--token", TOKEN, *MODES.get(mode, [])]
-    env = dict(os.environ)
-    if mode == "before":
-        env["PYTHONPATH"] = BEFORE or ""
-    elif mode != "ephemeral":
-        args += ["--data-dir", os.path.join(tmp, "data")]
-    # cwd: `python -c` puts the working directory first on sys.path, which must not shadow --before
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp)
-    url = f"http://127.0.0.1:{port}"
+    flags = list(MODES.get(mode, []))
+    # "before": that checkout's volatile node (its flags may differ); "ephemeral": no data directory
+    node = start_node("charon.apps.ycsb:app", engine="inprocess", token=TOKEN, args=flags,
+                      durable=mode not in ("before", "ephemeral"),
+                      env={"PYTHONPATH": BEFORE or ""} if mode == "before" else None)
     try:
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if c.get("/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    if time.monotonic() > deadline:
-                        raise
-                time.sleep(0.05)
+        with httpx.Client(base_url=node.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
             lat = []
             for i in range(warmup + n):
                 t = time.perf_counter()
@@ -65,9 +44,7 @@ def measure(mode: str, n: int, warmup: int) -> list[float]:
                     lat.append(ms)
             return lat
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        shutil.rmtree(tmp, ignore_errors=True)
+        node.stop()
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Issue 26: the cost of OpenTelemetry tracing per request, off and on, through HTTP on the durable in-process node.
+"""The cost of OpenTelemetry tracing per request, off and on, through HTTP on the durable in-process node.
 
 Modes, alternated round by round (so that the machine's drift hits each alike):
 - ``before``: the server from the commit before tracing and the log setup existed (``--base``, default
@@ -34,7 +34,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,9 +43,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-import psutil
 
-from charon.server.serve import free_port
+from charon.bench.engines import free_port, start_node, wait_healthy
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -81,30 +79,9 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_foreve
 '''
 
 
-def _wait_ok(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not answer")
-        time.sleep(0.1)
-
-
 def one_round(mode: str, base_src: str, receiver: str, args: argparse.Namespace) -> dict:
-    tmp = tempfile.mkdtemp(prefix="charon-i26-")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "charon.cli", "run", "charon.apps.ycsb:app", "--engine", "inprocess",
-           "--data-dir", os.path.join(tmp, "data"), "--port", str(port), "--token", TOKEN]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    if mode == "before":
-        env["PYTHONPATH"] = base_src
-    else:
-        env["PYTHONPATH"] = str(ROOT)
+    cmd: list[str] = []
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("OTEL_")}
     if mode.startswith("on"):
         cmd += ["--otel-endpoint", receiver]
     if mode == "on_nofn":
@@ -115,23 +92,18 @@ def one_round(mode: str, base_src: str, receiver: str, args: argparse.Namespace)
         env["CHARON_GATEWAY_OTEL_SAMPLE_RATIO"] = "0.1"
     if mode == "off_asgi":
         env["CHARON_GATEWAY_DIRECT_INVOKE"] = "0"
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp, env=env)
+    node = start_node("charon.apps.ycsb:app", engine="inprocess", token=TOKEN, args=cmd, env=env,
+                      src=base_src if mode == "before" else ROOT)
     try:
-        _wait_ok(f"{url}/health")
-        r = httpx.post(f"{url}/admin/update", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120,
-                       json={"id": "seed", "operator": "account", "function": "deposit", "args": [1_000_000],
-                             "keys": [f"a{i}" for i in range(KEYS)]})
-        r.raise_for_status()
+        node.seed(KEYS, 1_000_000, timeout=120)
         spans0 = int(httpx.get(receiver).text)
         load0 = os.getloadavg()[0]
-        row = asyncio.run(gateway_cpu.drive(url, args.concurrency, args.duration, args.warmup,
-                                            psutil.Process(server.pid)))
+        row = asyncio.run(gateway_cpu.drive(node.url, args.concurrency, args.duration, args.warmup,
+                                            node.process()))
         row.pop("server_thread_cpu_s", None)
         row["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
-        shutil.rmtree(tmp, ignore_errors=True)
+        node.stop()
     row["spans_received"] = int(httpx.get(receiver).text) - spans0  # after the shutdown's flush
     row["mode"] = mode
     return row
@@ -234,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(rport)])
     rows = []
     try:
-        _wait_ok(f"http://127.0.0.1:{rport}/")
+        wait_healthy(f"http://127.0.0.1:{rport}", receiver)  # the receiver answers any GET
         for rnd in range(args.rounds):
             for mode in MODES:
                 row = one_round(mode, base_src, f"http://127.0.0.1:{rport}", args)

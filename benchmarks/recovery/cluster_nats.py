@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from charon.apps import ycsb
+from charon.bench.engines import start_node
 from charon.bench.harness import percentile
 from charon.config import SparkConfig
 from charon.runtime.spark.cluster import StandaloneCluster, free_port
@@ -66,23 +67,9 @@ def start_nats(root: Path) -> tuple[subprocess.Popen, str]:
 
 
 def start_gateway(log_url: str, root: Path, i: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(root / f"gateway{i}.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from charon.cli import main; main()", "run", "charon.apps.ycsb:app", "--engine",
-         "remote", "--log", log_url, "--port", str(port), "--token", TOKEN],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"gateway {i} did not start")
+    node = start_node("charon.apps.ycsb:app", engine="remote", token=TOKEN, durable=False,
+                      args=["--log", log_url], workdir=root, log=root / f"gateway{i}.log")
+    return node.proc, node.url
 
 
 async def drive(gateways: list[str], accounts: int, rate: float, seconds: float, clients: int,

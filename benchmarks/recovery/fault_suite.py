@@ -1,4 +1,4 @@
-"""The isolation fault suite (issue 22): one bad thing at a time against a real `charon run`, under a steady load of
+"""The isolation fault suite: one bad thing at a time against a real `charon run`, under a steady load of
 unrelated transfers, with this script as the supervisor (a node that exits is started again at once).
 
 For each scenario it reports: whether /health told the truth (a non-200 answer naming the problem while the engine
@@ -48,20 +48,14 @@ from typing import Any
 
 import httpx
 
+from charon.bench.engines import free_port, node_command
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests" / "support"  # the apps and helpers the tests share
 TOKEN = "fault-suite"
 H = {"Authorization": f"Bearer {TOKEN}"}
 ACCOUNTS = [f"a{i}" for i in range(20)]
 START = 1_000
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Node:
@@ -76,9 +70,8 @@ class Node:
         self.starts = 0
 
     def start(self) -> None:
-        args = [sys.executable, "-c", "from charon.cli import main; main()", "run", "hostile_app:app", "--engine",
-                self.engine, "--port", str(self.port), "--token", TOKEN, "--data-dir", str(self.data_dir),
-                *self.extra]
+        args = node_command("hostile_app:app", engine=self.engine, port=self.port, token=TOKEN,
+                            data_dir=str(self.data_dir), args=self.extra)
         env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "COLUMNS": "300"}
         self.proc = subprocess.Popen(args, cwd=TESTS, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
