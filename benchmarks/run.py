@@ -1,22 +1,27 @@
-"""benchmarks/RESULTS.md from one run: run every benchmark it shows into JSON, then render it from that JSON.
+"""The benchmark runner: one run of a chosen set into one results folder, then RESULTS.md and its plots from it.
 
-    .venv/bin/python benchmarks/run.py run                  # every table (prints an estimate first)
-    .venv/bin/python benchmarks/run.py run --only ycsb,engine
-    .venv/bin/python benchmarks/run.py run --quick --only engine   # tiny durations: checks the scripts
+    .venv/bin/python benchmarks/run.py                      # the quiet full run (prints an estimate first)
+    .venv/bin/python benchmarks/run.py --quick              # a smoke: tiny durations, one low rate each
+    .venv/bin/python benchmarks/run.py --only ycsb,engine   # some tables (`run.py list` names them)
+    .venv/bin/python benchmarks/run.py --quick --results-dir /tmp/r   # elsewhere (RESULTS.md written there)
     .venv/bin/python benchmarks/run.py render               # benchmarks/RESULTS.md from benchmarks/results/
     .venv/bin/python benchmarks/run.py list                 # the registry, with time estimates
 
-Run it on a quiet machine (no test suites, helpers or other benchmarks at the same time): every table is
-headed with the commit, date and 1-minute load average (before -> after) of its own run, and the render
-says so when tables come from different commits.
+(``run.py OPTIONS`` is ``run.py run OPTIONS``.) A run writes each benchmark's JSON under
+``RESULTS/AREA/NAME.json`` (``RESULTS`` = ``--results-dir``, default ``benchmarks/results``), the run's manifest
+``RESULTS/run.json`` (commit, date, the command, and per benchmark its JSON, elapsed time and the 1/5/15-minute
+load averages before and after), each benchmark's output in ``RESULTS/logs/``, and then renders RESULTS.md and
+its plots from that folder alone (``--no-render``: not). Run it on a quiet machine (no test suites, helpers or
+other benchmarks at the same time): every table is headed with the commit, date and 1-minute load average
+(before -> after) of its own run, and the render says so when tables come from different commits.
 
 The registry (:data:`REGISTRY`) maps a name to (how to run it, its JSON path, how to render it):
 
 - ``engine``: the in-process engine alone (``engine_perf.py``'s engine child: batches of 1,000 YCSB-T
   transfers through ``run_epoch``, one core, CPU µs per transaction, best of 3 runs).
 - ``ycsb``, ``zipf``, ``tpcc``, ``deathstar``, ``movie``: the suite (:mod:`charon.bench.suite`, i.e.
-  ``benchmarks/workloads/suite.py``), one process per experiment and system (``inprocess``; ``postgres``, which runs
-  both SERIALIZABLE with retries and READ COMMITTED with ``FOR UPDATE`` in key order on one cluster;
+  ``benchmarks/workloads/suite.py``), one process per experiment and system (``inprocess``; ``postgres``, which
+  runs both SERIALIZABLE with retries and READ COMMITTED with ``FOR UPDATE`` in key order on one cluster;
   ``spark``, ``local[2]``), each with rates suited to that system; the load average is recorded around
   every point.
 - ``spark_max``: YCSB-T on Spark ``local[2]`` fed straight into the log by the lean generator
@@ -28,10 +33,10 @@ The registry (:data:`REGISTRY`) maps a name to (how to run it, its JSON path, ho
   ``commit``, ``date``, ``load_before``, ``load_after``, ``machine`` and ``command`` (``run`` adds those
   it lacks after running the script).
 
-Each table's JSON (``benchmarks/results/NAME.json``): ``{"name", "title", "command", "commit", "dirty",
-"date", "load_before", "load_after", "machine": {"cores", "ram_gb", "cpu", "python"}, "elapsed_s",
-"quick", "data"}``. The static parts of RESULTS.md (the preface, the Styx paper's figures) are in
-``benchmarks/results/template.md``. One-off experiments that no longer describe the code are in
+Each table's JSON (``benchmarks/results/AREA/NAME.json``): ``{"name", "title", "command", "commit", "dirty",
+"date", "load_before", "load_after", "loadavg_before", "loadavg_after", "machine": {"cores", "ram_gb", "cpu",
+"python"}, "elapsed_s", "quick", "data"}``. The static parts of RESULTS.md (the preface, the Styx paper's
+figures) are in ``benchmarks/results/template.md``. One-off experiments that no longer describe the code are in
 ``benchmarks/HISTORY.md``.
 """
 
@@ -86,6 +91,11 @@ def machine() -> dict:
 
 def load() -> float:
     return round(os.getloadavg()[0], 2)
+
+
+def loadavg() -> list[float]:
+    """The 1, 5 and 15-minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def env() -> dict:
@@ -190,7 +200,8 @@ def suite_run(exp: str) -> Callable[[Opts], dict]:
                 continue
             tmp = Path(tempfile.mkdtemp(prefix=f"charon-results-{exp}-"))
             try:
-                cmd = [sys.executable, str(HERE / "run_all.py"), "--only", exp, "--systems", SUITE_SYSTEMS[system],
+                cmd = [sys.executable, str(HERE / "workloads" / "suite.py"), "--only", exp,
+                       "--systems", SUITE_SYSTEMS[system],
                        "--duration", f"{o.duration:g}", "--warmup", f"{warmup(system, o):g}",
                        "--drain", "20" if system == "spark" else ("3" if o.quick else "10"),
                        *suite_args(exp, system, o)]
@@ -256,7 +267,7 @@ def suite_render(exp: str) -> Callable[[dict, RenderCtx], str]:
             parts.append(f"- `{run['command']}` — load average {_f(run['load_before'])} → {_f(run['load_after'])}, "
                          f"{run['elapsed_s']:.0f} s")
             if not run["points"]:
-                parts.append("  — **no points**: it failed (its log is under benchmarks/results/logs/)")
+                parts.append("  — **no points**: it failed (its log is under the results folder's logs/)")
         parts += ["", suite_table(points, zipf=exp == "zipf"), ""]
         if exp != "zipf":
             best = []
@@ -272,7 +283,7 @@ def suite_render(exp: str) -> Callable[[dict, RenderCtx], str]:
             parts += ["Consistency checks after the runs: " + ("**all passed**." if not bad else
                                                                 f"**{len(bad)} violations**."), ""]
             parts += [f"- {s}: {v}" for s, v in bad[:20]]
-        png = c.png(exp)
+        png = c.png(exp, "workloads")
         fig = report.plot_zipf(points, png) if exp == "zipf" else report.plot_latency_throughput(points, exp, png)
         if fig is not None:
             parts += [f"![{exp}]({c.rel(fig)})", ""]
@@ -284,7 +295,7 @@ def suite_render(exp: str) -> Callable[[dict, RenderCtx], str]:
 
 
 def engine_run(o: Opts) -> dict:
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE / "engine"))
     import engine_perf
 
     epochs, repeat = (5, 1) if o.quick else (23, 3)
@@ -321,7 +332,7 @@ def spark_max_run(o: Opts) -> dict:
         rates = "500" if o.quick else o.spark_rates
         from charon.config import SparkConfig
 
-        cmd = [sys.executable, str(HERE / "spark_ycsb.py"), "--rates", rates, "--duration", f"{o.duration:g}",
+        cmd = [sys.executable, str(HERE / "spark" / "spark_ycsb.py"), "--rates", rates, "--duration", f"{o.duration:g}",
                "--warmup", f"{warmup('spark', o):g}", "--variants", "after",
                "--stop-p99-ms", "2000", "--generator", "lean", "--max-batch", str(SparkConfig.max_batch)]
         print(f"[results] spark_max: {shown(cmd)}", flush=True)
@@ -397,19 +408,23 @@ def e2e_render(doc: dict, c: RenderCtx) -> str:
     spec.loader.exec_module(mod)
     d = doc.get("data", doc)
     out = mod.render_markdown(d)
-    png = HERE / "e2e" / "results.png"
+    png = c.out / "e2e" / "e2e.png"
     if png.exists():
         out += f"\n![latency against rate, CPU per request]({c.rel(png)})\n"
     return out
 
 
-def plugin_run(script: str, args: list[str]) -> Callable[[Opts], dict]:
-    """Run another script (it writes the JSON itself); ``run`` then adds the run facts its JSON lacks."""
+def plugin_run(script: str, args: Callable[[Opts, Path], list[str]]) -> Callable[[Opts], dict]:
+    """Run another script (it writes the JSON itself, at ``args(opts, json_path)``'s ``--out``); ``run`` then
+    adds the run facts its JSON lacks."""
     def run(o: Opts) -> dict:
-        path = ROOT / script
+        path = HERE / script
         if not path.exists():
-            raise FileNotFoundError(f"{script} does not exist in this checkout")
-        cmd = [sys.executable, str(path), *args]
+            raise FileNotFoundError(f"benchmarks/{script} does not exist in this checkout")
+        entry = next(e for e in REGISTRY.values() if e.script == script)
+        out = entry.path(o.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(path), *args(o, out)]
         print(f"[results] {shown(cmd)}", flush=True)
         sh(cmd, o.logs / f"{path.stem}.log")
         return {"command": shown(cmd)}
@@ -424,8 +439,9 @@ class RenderCtx:
     md: Path  # the Markdown file being written
     out: Path  # the results directory (PNGs go there)
 
-    def png(self, name: str) -> Path:
-        return self.out / f"{name}.png"
+    def png(self, name: str, area: str) -> Path:
+        (self.out / area).mkdir(parents=True, exist_ok=True)
+        return self.out / area / f"{name}.png"
 
     def rel(self, p: Path) -> str:
         return Path(os.path.relpath(Path(p).resolve(), self.md.parent.resolve())).as_posix()
@@ -438,12 +454,14 @@ class Entry:
     run: Callable[[Opts], dict]
     render: Callable[[dict, RenderCtx], str]
     estimate: Callable[[Opts], float | None]
-    json: str | None = None  # a plug-in's JSON path (relative to the repository root); else results/NAME.json
+    area: str  # what it measures: its JSON (and plots) go under results/AREA/
+    json: str | None = None  # a plug-in's JSON file name (in results/AREA/); else NAME.json
     default: bool = True  # part of a run without --only
     plugin: bool = False
+    script: str | None = None  # a plug-in's script, relative to benchmarks/
 
     def path(self, out: Path) -> Path:
-        return ROOT / self.json if self.json else out / f"{self.name}.json"
+        return out / self.area / (self.json or f"{self.name}.json")
 
 
 SUITE_TITLES = {
@@ -456,25 +474,28 @@ SUITE_TITLES = {
 
 REGISTRY: dict[str, Entry] = {
     "engine": Entry("engine", "The in-process engine alone (one core)", engine_run, engine_render,
-                    lambda o: 4.0 if o.quick else 3 * 9.0),
-    **{exp: Entry(exp, title, suite_run(exp), suite_render(exp), lambda o, e=exp: suite_estimate(e, o))
+                    lambda o: 4.0 if o.quick else 3 * 9.0, area="engine"),
+    **{exp: Entry(exp, title, suite_run(exp), suite_render(exp), lambda o, e=exp: suite_estimate(e, o),
+                  area="workloads")
        for exp, title in SUITE_TITLES.items()},
     "spark_max": Entry("spark_max", "Spark `local[2]` fed straight into the log: highest rate with p99 < 2 s",
                        spark_max_run, spark_max_render,
                        lambda o: 45.0 + (1 if o.quick else len(o.spark_rates.split(",")))
-                       * (o.duration + warmup("spark", o) + 3.0)),
+                       * (o.duration + warmup("spark", o) + 3.0), area="spark"),
     "e2e": Entry("e2e", "End to end through HTTP: Charon against a PostgreSQL service",
-                 plugin_run("benchmarks/e2e/run.py", ["--out", "benchmarks/results/e2e/e2e.json"]), e2e_render,
-                 lambda o: None, json="benchmarks/results/e2e/e2e.json", default=False, plugin=True),
+                 plugin_run("e2e/run.py", lambda o, out: ["--out", str(out)]), e2e_render,
+                 lambda o: None, area="e2e", json="e2e.json", default=False, plugin=True, script="e2e/run.py"),
     "spark_scaling": Entry("spark_scaling", "Spark on every core: scaling with tasks and executors",
-                           plugin_run("benchmarks/spark/spark_scaling.py",
-                                      ["--out", "benchmarks/results/spark/spark_scaling.json"]), generic_render,
-                           lambda o: None, json="benchmarks/results/spark/spark_scaling.json", default=False, plugin=True),
+                           plugin_run("spark/spark_scaling.py",
+                                      lambda o, out: ["--out", str(out.with_suffix(""))]), generic_render,
+                           lambda o: None, area="spark", json="spark_scaling.json", default=False, plugin=True,
+                           script="spark/spark_scaling.py"),
     "gateway_cpu": Entry("gateway_cpu", "Gateway CPU per request (durable node through HTTP, closed loop)",
-                         plugin_run("benchmarks/gateway/gateway_cpu.py",
-                                    ["--concurrency", "1,16,64", "--duration", "10",
-                                     "--out", "benchmarks/results/gateway/gateway_cpu.json"]), generic_render,
-                         lambda o: None, json="benchmarks/results/gateway/gateway_cpu.json", default=False, plugin=True),
+                         plugin_run("gateway/gateway_cpu.py",
+                                    lambda o, out: ["--concurrency", "1,16,64", "--duration", "10",
+                                                    "--out", str(out)]), generic_render,
+                         lambda o: None, area="gateway", json="gateway_cpu.json", default=False, plugin=True,
+                         script="gateway/gateway_cpu.py"),
 }
 
 
@@ -512,17 +533,22 @@ def cmd_run(a: argparse.Namespace) -> int:
           flush=True)
     o.out.mkdir(parents=True, exist_ok=True)
     failed = []
+    manifest: dict[str, Any] = {**facts(), "command": shown([sys.executable, str(HERE / "run.py"), *a.argv]),
+                                "quick": o.quick, "loadavg_before": loadavg(), "benchmarks": []}
     for e in entries:
-        lb, t0, when = load(), time.time(), facts()
+        lb, lbs, t0, when = load(), loadavg(), time.time(), facts()
         try:
             data = e.run(o)
         except Exception as exc:  # one failing benchmark must not lose the others' tables
             print(f"[results] {e.name} failed: {exc}", flush=True)
             failed.append(e.name)
+            manifest["benchmarks"].append({"name": e.name, "ok": False, "error": str(exc)[-500:],
+                                           "loadavg_before": lbs, "loadavg_after": loadavg()})
             continue
-        run_facts = {**when, "load_before": lb, "load_after": load(), "elapsed_s": round(time.time() - t0, 1),
-                     "quick": o.quick}
+        run_facts = {**when, "load_before": lb, "load_after": load(), "loadavg_before": lbs,
+                     "loadavg_after": loadavg(), "elapsed_s": round(time.time() - t0, 1), "quick": o.quick}
         path = e.path(o.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
         if e.plugin:  # the script wrote its own JSON: add the run facts it lacks
             doc = json.loads(path.read_text())
             if isinstance(doc, dict):
@@ -535,8 +561,15 @@ def cmd_run(a: argparse.Namespace) -> int:
         path.write_text(json.dumps(doc, indent=1, default=float, allow_nan=True))
         print(f"[results] {e.name}: wrote {os.path.relpath(path, ROOT)} ({run_facts['elapsed_s']:.0f} s, load "
               f"{lb} → {run_facts['load_after']})", flush=True)
-    print(f"[results] done{'; failed: ' + ', '.join(failed) if failed else ''}. Now: "
-          f"{'.venv/bin/python benchmarks/run.py render'}", flush=True)
+        manifest["benchmarks"].append({"name": e.name, "ok": True, "json": path.relative_to(o.out).as_posix(),
+                                       "elapsed_s": run_facts["elapsed_s"], "loadavg_before": lbs,
+                                       "loadavg_after": run_facts["loadavg_after"]})
+    manifest["loadavg_after"] = loadavg()
+    (o.out / "run.json").write_text(json.dumps(manifest, indent=1))
+    print(f"[results] done{'; failed: ' + ', '.join(failed) if failed else ''}; wrote "
+          f"{os.path.relpath(o.out / 'run.json', ROOT)}", flush=True)
+    if not a.no_render:  # RESULTS.md and its plots, from this run's folder
+        cmd_render(argparse.Namespace(results_dir=str(o.out), md=a.md))
     return 1 if failed else 0
 
 
@@ -561,8 +594,14 @@ def header(doc: dict) -> str:
     return "_" + ", ".join(bits) + "._" + (f" Command: `{cmd}`." if isinstance(cmd, str) else "")
 
 
+def default_md(results_dir: Path) -> Path:
+    """benchmarks/RESULTS.md for benchmarks/results/; RESULTS.md inside any other results folder."""
+    return RESULTS_MD if results_dir.resolve() == RESULTS_DIR.resolve() else results_dir / "RESULTS.md"
+
+
 def cmd_render(a: argparse.Namespace) -> int:
-    out, md = Path(a.results_dir), Path(a.md)
+    out = Path(a.results_dir)
+    md = Path(a.md) if a.md else default_md(out)
     c = RenderCtx(md=md, out=out)
     sections, commits, skipped = [], {}, []
     for e in REGISTRY.values():
@@ -616,13 +655,20 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--warmup", type=float, help="discarded seconds per point (default 1; --quick 0.5)")
     r.add_argument("--spark-rates", default="2000,8000,12000,16000,20000,30000",
                    help="spark_max's rates (it stops after the first with p99 > 2 s)")
+    r.add_argument("--no-render", action="store_true", help="only the JSON: do not rewrite RESULTS.md after")
+    r.add_argument("--md", help="the RESULTS.md to write after the run (default: as `render`)")
     rd = sub.add_parser("render", help="write RESULTS.md from the JSON")
-    rd.add_argument("--md", default=str(RESULTS_MD))
+    rd.add_argument("--md", help="the file to write (default: benchmarks/RESULTS.md for benchmarks/results/, "
+                    "else RESULTS.md in the results folder)")
     ls = sub.add_parser("list", help="the registry and the time estimates of a full run")
     ls.add_argument("--spark-rates", default="2000,8000,12000,16000,20000,30000")
     for p in (r, rd, ls):
         p.add_argument("--results-dir", default=str(RESULTS_DIR), help="where the JSON files are")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["run", *argv]  # `run.py --quick` = `run.py run --quick`
     a = ap.parse_args(argv)
+    a.argv = argv
     return {"run": cmd_run, "render": cmd_render, "list": cmd_list}[a.cmd](a)
 
 

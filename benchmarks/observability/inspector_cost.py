@@ -8,7 +8,7 @@ engine thread), over ``--accounts`` accounts; one mix without aborts and one whe
 each: off, the core's capture only (the partitions report each invocation, the store keeps nothing) and on; the
 medians per request are reported. Beside them, ``timeit`` of the statement the core runs per invocation when on.
 
-    .venv/bin/python benchmarks/observability/inspector_cost.py  # writes results/observability/inspector_cost.{json,png}
+    .venv/bin/python benchmarks/observability/inspector_cost.py  # writes results/observability/inspector_cost.*
     .venv/bin/python benchmarks/observability/inspector_cost.py --quick    # a smoke run (figures not meaningful)
 """
 

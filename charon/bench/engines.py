@@ -127,7 +127,7 @@ class Node:
 
     def process(self) -> Any:
         """The node's :class:`psutil.Process` (CPU times, threads, children)."""
-        import psutil
+        import psutil  # type: ignore[import-untyped]
 
         return psutil.Process(self.proc.pid)
 
