@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "issue24" / "spark_scaling.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "spark" / "spark_scaling.py"
 
 
 def _module():
