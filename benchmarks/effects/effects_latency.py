@@ -1,4 +1,4 @@
-"""Durable effects: round-trip latency and executor throughput (issue 23).
+"""Durable effects: round-trip latency and executor throughput.
 
 On the durable in-process node (fsync per epoch) with the effect executor in the same process (as
 ``charon run --effects``): an effect's round trip is from its transaction's commit (the reply of the

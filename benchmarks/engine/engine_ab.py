@@ -1,4 +1,4 @@
-"""Issue 24, target 3: the engine alone (YCSB-T transfers, one core, no HTTP), before against after, alternating.
+"""The engine alone (YCSB-T transfers, one core, no HTTP), before against after, alternating.
 
     .venv/bin/python benchmarks/engine/engine_ab.py --before-src /tmp/engine-base --repeat 5
 

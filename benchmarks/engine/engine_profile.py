@@ -1,4 +1,4 @@
-"""Issue 24, target 3: where the engine-alone path spends its time (sampling profile, no instrumentation).
+"""Where the engine-alone path spends its time (sampling profile, no instrumentation).
 
     .venv/bin/py-spy record -r 2000 -f raw -o /tmp/engine.spy -- \
         .venv/bin/python benchmarks/engine/engine_profile.py run

@@ -1,4 +1,4 @@
-"""Issue 21 (one engine contract): the engine and Spark figures before and after the refactor, in one run.
+"""The engine alone and YCSB-T on Spark, before and after a change (two checkouts), in one run.
 
     .venv/bin/python benchmarks/engine/engine_spark_ab.py --before-src /tmp/before21     # a checkout of the code before
 

@@ -1,7 +1,9 @@
 """Attribute the server's measured CPU per request to the stages of a request, from a py-spy profile.
 
-    .venv/bin/python benchmarks/gateway/cpu_attribution.py benchmarks/issue24/pyspy_c64.txt.gz \
-        benchmarks/issue24/gateway_cpu_profiled.json [--json benchmarks/issue24/attribution.json]
+    .venv/bin/python benchmarks/gateway/gateway_cpu.py --concurrency 64 --duration 15 --profile \
+        --out /tmp/profiled.json                 # py-spy's stacks: benchmarks/results/gateway/pyspy_c64.txt
+    .venv/bin/python benchmarks/gateway/cpu_attribution.py benchmarks/results/gateway/pyspy_c64.txt \
+        /tmp/profiled.json [--json /tmp/attribution.json]
 
 Input: py-spy's raw collapsed stacks recorded with --threads (`thread (TID): name;frame;...;frame N`) and the
 run's JSON (per-thread CPU seconds from psutil and the request count). Per thread, samples whose leaf is a wait

@@ -1,4 +1,4 @@
-"""CPU cost of the client path over the SQLite logs, per transaction (issue 10, lever 3); JSON + PNG.
+"""CPU cost of the client path over the SQLite logs, per transaction; JSON + PNG.
 
 A :class:`~charon.log.client.LogClient` submits ``--n`` requests open-loop at ``--rate`` per second; a separate
 process plays the engine: it reads the input log and writes one reply per request to the output log, in

@@ -20,7 +20,7 @@ Then, in this process, the SDK alone (``sdk_only`` in the JSON; ``--sdk-only`` r
 request made through :class:`charon.server.tracing.Tracing` (as the gateway makes them once a reply is in) with the
 SDK's batch processor, for call graphs of 0, 2 and 4 functions, with the OTLP protobuf encoding and without it.
 Each round starts ``charon run charon.apps.ycsb:app`` (fsync per epoch) afresh, seeds the accounts, drives YCSB-T
-transfers with issue 24's lean closed-loop client (keep-alive HTTP/1.1, one Idempotency-Key each) and reads the
+transfers with gateway_cpu.py's lean closed-loop client (keep-alive HTTP/1.1, one Idempotency-Key each) and reads the
 server's CPU seconds (psutil) over the window: CPU per request = delta / requests. JSON and a PNG.
 
     .venv/bin/python benchmarks/observability/tracing_cost.py --rounds 3 --duration 10 --concurrency 32
@@ -49,7 +49,7 @@ from charon.bench.engines import free_port, start_node, wait_healthy
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 OUT = ROOT / "benchmarks" / "results" / "observability"
-TOKEN = "t24"  # the token issue 24's client sends
+TOKEN = "t24"  # the token gateway_cpu's client sends
 KEYS = 1000
 MODES = ("before", "off", "off_asgi", "on", "on_nofn", "on_shared", "on_10pct")
 

@@ -1,4 +1,4 @@
-"""Latency of a portal round trip and of stream delivery, in-process and on durable nodes (issue 12).
+"""Latency of a portal round trip and of stream delivery, in-process and on durable nodes.
 
 * **portal round trip**: ``asker/k.go`` commits ``ctx.ask("echo.ping", k)``; the router submits it to the
   ``echo`` application, and the reply resumes ``asker/k.done``, which emits to stream ``done``; measured from

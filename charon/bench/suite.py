@@ -258,7 +258,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="JSON and PNG directory")
     p.add_argument("--results-md", default=None,
                    help="this run's report (default: RESULTS.md in --out; benchmarks/RESULTS.md itself is "
-                        "rendered by benchmarks/run.py from benchmarks/results/*.json)")
+                        "rendered by benchmarks/run.py from benchmarks/results/)")
     p.add_argument("--only", default=",".join(EXPERIMENTS), help="experiments, comma-separated")
     p.add_argument("--systems", default="inprocess,postgres,postgres-rc",
                    help="inprocess,postgres,postgres-rc[,spark] (postgres: SERIALIZABLE with retries; "
