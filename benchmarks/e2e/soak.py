@@ -337,7 +337,7 @@ def main() -> None:
                       args=["--partitions", str(args.partitions), *args.extra], log=Path(data_dir) / "server.log")
     try:
         t_start = time.time()
-        run = asyncio.run(soak(args, node.url, node.process()))
+        run = asyncio.run(soak(args, node.url, psutil.Process(node.pid)))
     finally:
         node.stop(timeout=120)
     warmup_s = 60 * (args.warmup_min if args.warmup_min is not None else min(2.0, args.minutes / 5))

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         node.seed(KEYS, 1_000_000, timeout=120)
-        proc = node.process()
+        proc = psutil.Process(node.pid)
         for c in [int(x) for x in args.concurrency.split(",")]:
             spy = None
             if args.profile:

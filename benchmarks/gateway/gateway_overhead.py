@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from charon.bench.engines import inprocess, start_node
+from charon.bench.engines import start_node
 from charon.bench.harness import latency_summary
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "gateway"
@@ -38,7 +38,9 @@ async def closed_loop(call, n: int, concurrency: int) -> dict:
 
 async def direct(n: int, concurrency: int) -> dict:
     from charon.apps import ycsb
-    async with inprocess(ycsb.app, partitions=4) as rt:
+    from charon.runtime.inprocess import InProcessRuntime
+
+    async with InProcessRuntime(ycsb.app, partitions=4) as rt:
         async def call(i: int) -> None:
             rep = await rt.submit("account", f"a{i % 1000}", "deposit", [1])
             assert rep.ok

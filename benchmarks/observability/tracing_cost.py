@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+import psutil
 
 from charon.bench.engines import free_port, start_node, wait_healthy
 
@@ -99,7 +100,7 @@ def one_round(mode: str, base_src: str, receiver: str, args: argparse.Namespace)
         spans0 = int(httpx.get(receiver).text)
         load0 = os.getloadavg()[0]
         row = asyncio.run(gateway_cpu.drive(node.url, args.concurrency, args.duration, args.warmup,
-                                            node.process()))
+                                            psutil.Process(node.pid)))
         row.pop("server_thread_cpu_s", None)
         row["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     finally:

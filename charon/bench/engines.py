@@ -2,7 +2,7 @@
 
 One copy of what every script that measures through HTTP needs:
 
-- :func:`start_node` (and the context manager :func:`node`): the durable node as a user runs it,
+- :func:`start_node`: the durable node as a user runs it (a :class:`Node`, a context manager that stops it),
   ``charon run APP --engine inprocess|spark|remote`` in its own process and working directory (a data
   directory under it unless ``data_dir=None``), returned once ``GET /health`` answers 200 (:func:`wait_healthy`).
   ``src=CHECKOUT`` runs another checkout's ``charon`` package (a before/after in one run); ``log`` keeps the
@@ -13,8 +13,9 @@ One copy of what every script that measures through HTTP needs:
   (a request is one write, a reply one header read and one body read; httpx's own CPU, ~1 ms per request,
   would cap one client process below what the server serves), with :func:`transfer_request` building a YCSB-T
   transfer with its ``Idempotency-Key``.
-- :func:`inprocess`: the in-process runtime in this process, started and stopped (the Spark runtime as a
-  target: :func:`charon.bench.spark.spark_target`).
+
+In this process, ``async with InProcessRuntime(app, ...)`` starts and stops the in-process runtime; the Spark
+runtime as a target is :func:`charon.bench.spark.spark_target` (its driver in a child process).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 #: how long a node may take to answer /health: Spark starts a JVM and a streaming query
 HEALTH_TIMEOUT_S = {"spark": 300.0}
@@ -125,14 +126,15 @@ class Node:
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
-    def process(self) -> Any:
-        """The node's :class:`psutil.Process` (CPU times, threads, children)."""
-        import psutil  # type: ignore[import-untyped]
+    def seed(self, keys: int | Iterable[str], amount: int, *, timeout: float = 300.0) -> None:
+        """:func:`seed_accounts` on this node."""
+        seed_accounts(self.url, self.token, keys, amount, timeout=timeout)
 
-        return psutil.Process(self.proc.pid)
+    def __enter__(self) -> Node:
+        return self
 
-    def seed(self, keys: int | Iterable[str], amount: int, **kw: Any) -> None:
-        seed_accounts(self.url, self.token, keys, amount, **kw)
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self, timeout: float = 60.0) -> None:
         stop_process(self.proc, timeout)
@@ -186,18 +188,6 @@ def start_node(app: str = "charon.apps.ycsb:app", *, engine: str = "inprocess", 
         n.stop()
         raise
     return n
-
-
-@contextlib.contextmanager
-def node(app: str = "charon.apps.ycsb:app", *, seed: tuple[int, int] | None = None, **kw: Any) -> Iterator[Node]:
-    """:func:`start_node` as a context manager; ``seed=(keys, amount)`` seeds the accounts first."""
-    n = start_node(app, **kw)
-    try:
-        if seed is not None:
-            n.seed(*seed)
-        yield n
-    finally:
-        n.stop()
 
 
 # ------------------------------------------------------------------------------------- the lean HTTP client
@@ -282,16 +272,3 @@ class ConnectionPool:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
-
-
-# ------------------------------------------------------------------------------------------ in this process
-
-
-@contextlib.asynccontextmanager
-async def inprocess(app: Any, **kw: Any) -> AsyncIterator[Any]:
-    """The in-process runtime (``InProcessRuntime(app, **kw)``) started in this process, stopped after."""
-    from charon.runtime.inprocess import InProcessRuntime
-
-    rt = InProcessRuntime(app, **kw)
-    async with rt:
-        yield rt

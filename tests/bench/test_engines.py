@@ -23,7 +23,8 @@ AREAS = {"engine", "gateway", "e2e", "workloads", "spark", "recovery", "state", 
 
 @pytest.mark.timeout(120)
 def test_a_node_serves_once_started_and_takes_seeded_transfers_over_the_pool() -> None:
-    with engines.node(token="t", seed=(10, 100)) as node:
+    with engines.start_node(token="t") as node:
+        node.seed(10, 100)
         assert httpx.get(f"{node.url}/health", timeout=5).status_code == 200
         assert node.data_dir is not None and node.data_dir.is_relative_to(node.workdir)
 
