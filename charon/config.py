@@ -57,7 +57,7 @@ class SparkConfig:
     # local mode a task per split_rest_min_bytes of it (else one task); at most split_rest_tasks (0: one per core)
     # and the partitions. split_rest:
     # "off" (the default: on local[2] one task measured faster, the driver and its JVM sharing the cores, and no
-    # multi-machine cluster was at hand to show a split paying off, benchmarks/issue24/spark_scaling.md),
+    # multi-machine cluster was at hand to show a split paying off, benchmarks/results/spark/spark_scaling.md),
     # "cluster" (on a cluster only) or "on" (local mode too)
     split_rest: str = "off"
     split_rest_min_bytes: int = 262_144

@@ -31,6 +31,8 @@ import time
 
 import psutil
 
+from charon.bench.engines import HttpConnection, transfer_request
+
 
 def cpu_snapshot(pid: int, tree: bool) -> dict[int, float]:
     """CPU seconds (user + system) of ``pid`` and, with ``tree``, of each of its descendants."""
@@ -84,35 +86,27 @@ async def run(args: argparse.Namespace) -> dict:
         a, b = rng.randrange(args.keys), rng.randrange(args.keys)
         while b == a and args.keys > 1:
             b = rng.randrange(args.keys)
-        body = b'{"args":["a%d",%d]}' % (b, rng.randint(1, args.max_amount))
-        return (b"POST /invoke/account/a%d/transfer HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"
-                b"Content-Type: application/json\r\nIdempotency-Key: %s%d\r\nContent-Length: %d\r\n\r\n"
-                % (a, hostb, token, prefix, i, len(body))) + body
+        return transfer_request(hostb, token, a, b, rng.randint(1, args.max_amount), b"%s%d" % (prefix, i))
 
-    async def worker() -> None:
-        reader, writer = await asyncio.open_connection(host, int(port))
+    async def worker(conn: HttpConnection) -> None:
+        await conn.open()
         try:
             while True:
                 i, due = await due_q.get()
                 if i < 0:
                     return
                 try:
-                    writer.write(request(i))
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    status = int(head[9:12])
-                    j = head.lower().index(b"content-length:")
-                    await reader.readexactly(int(head[j + 15:head.index(b"\r\n", j)]))
+                    status, _ = await conn.send(request(i))
                 except (OSError, asyncio.IncompleteReadError, ValueError):
                     results.append((due, time.perf_counter() - t0, 0))
-                    writer.close()
-                    reader, writer = await asyncio.open_connection(host, int(port))
+                    await conn.reopen()
                     continue
                 results.append((due, time.perf_counter() - t0, status))
         finally:
-            writer.close()
+            conn.close()
 
     t0 = time.perf_counter() + 0.5  # the connections open first
-    workers = [asyncio.create_task(worker()) for _ in range(args.connections)]
+    workers = [asyncio.create_task(worker(HttpConnection(host, int(port)))) for _ in range(args.connections)]
     await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
     i = 0
     measuring = False

@@ -1,7 +1,7 @@
 """Tables (markdown, for RESULTS.md) and plots of the end-to-end benchmark's JSON (``run.py``'s output).
 
-    .venv/bin/python benchmarks/e2e/report.py benchmarks/e2e/results.json            # prints the markdown
-    .venv/bin/python benchmarks/e2e/report.py benchmarks/e2e/results.json --png      # and (re)draws the PNG
+    .venv/bin/python benchmarks/e2e/report.py benchmarks/results/e2e/e2e.json            # prints the markdown
+    .venv/bin/python benchmarks/e2e/report.py benchmarks/results/e2e/e2e.json --png      # and (re)draws the PNG
 """
 
 from __future__ import annotations

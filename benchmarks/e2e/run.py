@@ -20,8 +20,8 @@ sweep stops after the first saturated rate (achieved < 90% of offered, p99 > 2 s
 target the balances are summed: money must be conserved (the run fails otherwise).
 
     .venv/bin/python benchmarks/e2e/run.py --rates 500,1000,2000,4000,8000,12000 --duration 20 \
-        --pool-sweep 4,8,16,32 --spark --out benchmarks/e2e/results.json
-    .venv/bin/python benchmarks/e2e/report.py benchmarks/e2e/results.json     # the RESULTS.md tables
+        --pool-sweep 4,8,16,32 --spark --out benchmarks/results/e2e/e2e.json
+    .venv/bin/python benchmarks/e2e/report.py benchmarks/results/e2e/e2e.json     # the RESULTS.md tables
 """
 
 from __future__ import annotations
@@ -30,12 +30,8 @@ import argparse
 import datetime
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +43,8 @@ sys.path.insert(0, str(HERE))
 import pg_service  # noqa: E402  (benchmarks/ is not a package)
 import report  # noqa: E402
 
-from charon.server.serve import free_port  # noqa: E402
+from charon.bench.engines import free_port, start_node, wait_healthy  # noqa: E402
+from charon.bench.engines import stop_process as stop  # noqa: E402
 
 TOKEN = "e2e"
 LABELS = {
@@ -70,32 +67,6 @@ def git_commit() -> str:
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not healthy after {timeout} s")
-        time.sleep(0.2)
-
-
-def stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 def saturated(row: dict, p99_limit_ms: float) -> bool:
@@ -157,37 +128,19 @@ def charon_total(url: str, keys: int) -> int:
 
 def run_charon(args: argparse.Namespace, engine: str, src: str | None = None) -> dict:
     """``src``: run the server from this checkout's ``charon`` package (a baseline in the same run)."""
-    tmp = tempfile.mkdtemp(prefix=f"charon-e2e-{engine}-")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [str(Path(sys.executable).parent / "charon"), "run", "charon.apps.ycsb:app", "--engine", engine,
-           "--data-dir", os.path.join(tmp, "data"), "--port", str(port), "--token", TOKEN]
-    env = dict(os.environ)
-    if src is not None:
-        env["PYTHONPATH"] = str(Path(src).resolve())
-    if engine == "spark":
-        env.setdefault("PYSPARK_PYTHON", sys.executable)
-        env.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    log = open(os.path.join(tmp, "server.log"), "wb")  # noqa: SIM115
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=env)
+    node = start_node("charon.apps.ycsb:app", engine=engine, token=TOKEN, src=src, log="server.log")
     try:
-        wait_healthy(url, server, 300 if engine == "spark" else 60)
-        r = httpx.post(f"{url}/admin/update", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300,
-                       json={"id": "seed", "operator": "account", "function": "deposit", "args": [args.balance],
-                             "keys": [f"a{i}" for i in range(args.keys)]})
-        r.raise_for_status()
+        node.seed(args.keys, args.balance)
         expected = args.keys * args.balance
-        before = charon_total(url, args.keys)
-        rows = sweep(args, url, [f"server={server.pid}+"], engine)
-        actual = charon_total(url, args.keys)
+        before = charon_total(node.url, args.keys)
+        rows = sweep(args, node.url, [f"server={node.pid}+"], engine)
+        actual = charon_total(node.url, args.keys)
         label = LABELS["charon-base" if src else "charon" if engine == "inprocess" else engine]
-        return {"label": label, "command": " ".join(cmd[1:]), "rows": rows,
+        return {"label": label, "command": " ".join(node.command[3:]), "rows": rows,
                 "conservation": {"expected": expected, "seeded": before, "actual": actual,
                                  "ok": before == expected == actual}}
     finally:
-        stop(server)
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        node.stop()
 
 
 # ---------------------------------------------------------------------------------------------- PostgreSQL
@@ -295,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                          "is saturated and ends its target's sweep")
     ap.add_argument("--base-src", default=None, help="the charon-base target: a checkout holding the baseline's "
                     "charon package (e.g. `git archive <commit> charon | tar -x -C DIR`)")
-    ap.add_argument("--out", default=str(HERE / "results.json"))
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "e2e" / "e2e.json"))
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]

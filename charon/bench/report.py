@@ -221,7 +221,7 @@ def write_report(out_dir: str | Path, md_path: str | Path, command: str = "", no
         parts += [f"- {note}"]
     parts.append("")
     kept = _kept_section(md)
-    if kept:  # benchmarks/issue10_table.py's section survives a regeneration of the rest
+    if kept:  # a section marked as kept (an earlier table's) survives a regeneration of the rest
         parts += [kept, ""]
     for exp in ("ycsb", "zipf", "tpcc", "deathstar", "movie"):
         groups = _group(results, exp)
@@ -249,7 +249,7 @@ def write_report(out_dir: str | Path, md_path: str | Path, command: str = "", no
     spark = [r for r in results if "spark" in str(r.get("system", ""))]
     if not spark:
         parts += ["## Spark runtime", "", "Not measured in this run (the Spark runtime's numbers are added with "
-                  "`benchmarks/run_all.py --systems spark`).", ""]
+                  "`benchmarks/workloads/suite.py --systems spark`).", ""]
     parts += ["## Reference: the Styx paper (SIGMOD 2025), other hardware", "",
               "These figures are **from the paper**, measured on the authors' cluster, not on this machine; they "
               "are listed for orientation only.", "", "| what | figure (paper) |", "|---|---|"]
@@ -278,5 +278,5 @@ def _cpus() -> int:
 if __name__ == "__main__":
     import sys
 
-    print(write_report(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/out",
-                       sys.argv[2] if len(sys.argv) > 2 else "benchmarks/RESULTS.md"))
+    out = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/workloads/suite"
+    print(write_report(out, sys.argv[2] if len(sys.argv) > 2 else f"{out}/RESULTS.md"))

@@ -1,10 +1,10 @@
-"""The Spark runtime as a benchmark target for ``benchmarks/run_all.py`` (system ``spark``).
+"""The Spark runtime as a benchmark target for ``benchmarks/workloads/suite.py`` (system ``spark``).
 
 :func:`spark_target` starts a :class:`~charon.runtime.spark.runtime.SparkRuntime` (``local[2]`` by default, a temporary
 data directory) **in a child process** and gives the benchmark a :class:`SparkTarget` in its own process:
 
 - ``submit`` appends to the runtime's SQLite input log (group-committed) and tails its output log through a
-  :class:`~charon.log.client.LogClient`, exactly as the HTTP gateway or ``benchmarks/spark_ycsb.py``'s load
+  :class:`~charon.log.client.LogClient`, exactly as the HTTP gateway or ``benchmarks/spark/spark_ycsb.py``'s load
   generator does. The Spark driver (the streaming query, the epoch coordinator, the serialization of every
   round) and the open-loop generator therefore do not share a GIL: in one process the generator's event loop
   and the coordinator would slow each other down and the measured latency would include that contention.

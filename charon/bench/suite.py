@@ -1,11 +1,11 @@
 """The benchmark suite: JSON results, PNG plots and a report (RESULTS.md in ``--out``), in one command.
 
-``benchmarks/results.py run`` runs it (one process per experiment and system) with the other benchmarks
-``benchmarks/RESULTS.md`` shows, and ``benchmarks/results.py render`` writes that file from their JSON.
+``benchmarks/run.py run`` runs it (one process per experiment and system) with the other benchmarks
+``benchmarks/RESULTS.md`` shows, and ``benchmarks/run.py render`` writes that file from their JSON.
 
-    .venv/bin/python benchmarks/run_all.py                      # defaults: 10 s per point
-    .venv/bin/python benchmarks/run_all.py --duration 60 --only ycsb,tpcc
-    .venv/bin/python benchmarks/run_all.py --systems inprocess   # without the PostgreSQL baseline
+    .venv/bin/python benchmarks/workloads/suite.py                      # defaults: 10 s per point
+    .venv/bin/python benchmarks/workloads/suite.py --duration 60 --only ycsb,tpcc
+    .venv/bin/python benchmarks/workloads/suite.py --systems inprocess   # without the PostgreSQL baseline
 
 Experiments: YCSB-T at several input rates; a Zipf sweep (0.0/0.5/0.9/0.99/0.999) with abort rates; TPC-C
 NewOrder+Payment (W=1, reduced scale by default); the Deathstar travel mix and movie reviews. Systems:
@@ -14,7 +14,7 @@ COMMITTED with ``SELECT ... FOR UPDATE`` in a fixed lock order; quote Charon aga
 (:func:`charon.bench.spark.spark_target`: the Spark runtime on ``--spark-master``, default local[2], its driver
 in a child process so it does not share a GIL with the load generator):
 
-    .venv/bin/python benchmarks/run_all.py --systems inprocess,postgres,spark
+    .venv/bin/python benchmarks/workloads/suite.py --systems inprocess,postgres,spark
 
 The TPC-C population is :class:`charon.apps.tpcc_spark.Population`: every system loads the same database,
 which the Spark target generates in parallel in Spark.
@@ -254,10 +254,11 @@ def floats(s: str) -> list[float]:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"), help="JSON and PNG directory")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "workloads" / "suite"),
+                   help="JSON and PNG directory")
     p.add_argument("--results-md", default=None,
                    help="this run's report (default: RESULTS.md in --out; benchmarks/RESULTS.md itself is "
-                        "rendered by benchmarks/results.py from benchmarks/results/*.json)")
+                        "rendered by benchmarks/run.py from benchmarks/results/)")
     p.add_argument("--only", default=",".join(EXPERIMENTS), help="experiments, comma-separated")
     p.add_argument("--systems", default="inprocess,postgres,postgres-rc",
                    help="inprocess,postgres,postgres-rc[,spark] (postgres: SERIALIZABLE with retries; "
@@ -314,7 +315,8 @@ async def main(argv: list[str] | None = None) -> int:
     finally:
         if ctx.cluster is not None:
             ctx.cluster.stop()
-    cmd = "benchmarks/run_all.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
+    argv_ = argv if argv is not None else sys.argv[1:]
+    cmd = "benchmarks/workloads/suite.py " + " ".join(shlex.quote(x) for x in argv_)
     md = report.write_report(out, args.results_md or out / "RESULTS.md", command=cmd.strip(), notes=notes)
     print(f"wrote {md}")
     return 0

@@ -60,9 +60,9 @@ async def test_open_loop_against_the_inprocess_runtime(tmp_path: Path) -> None:
     assert (tmp_path / "ycsb_latency_throughput.png").stat().st_size > 1000
 
 
-def test_report_keeps_the_issue10_section_and_precise_loop_wakes_on_time(tmp_path: Path) -> None:
+def test_report_keeps_a_marked_section_and_precise_loop_wakes_on_time(tmp_path: Path) -> None:
     md = tmp_path / "RESULTS.md"
-    kept = f"{report.KEPT_START}\n## Issue 10 table\n| row | figure |\n{report.KEPT_END}"
+    kept = f"{report.KEPT_START}\n## An earlier table\n| row | figure |\n{report.KEPT_END}"
     md.write_text(f"# Benchmark results\n\nold text\n\n{kept}\n\nold tail\n")
     report.write_report(tmp_path, md, command="test")
     text = md.read_text()
@@ -145,10 +145,10 @@ def test_charon_bench_arguments_map_to_the_suite():
 
 
 def _spark_ycsb_module():
-    """benchmarks/spark_ycsb.py, imported from its file (benchmarks/ is not a package)."""
+    """benchmarks/spark/spark_ycsb.py, imported from its file (benchmarks/ is not a package)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "spark_ycsb.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "spark" / "spark_ycsb.py"
     spec = importlib.util.spec_from_file_location("spark_ycsb_under_test", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

@@ -1,4 +1,4 @@
-"""benchmarks/results.py: one command runs benchmarks into JSON, another renders RESULTS.md from that JSON."""
+"""benchmarks/run.py: one command runs benchmarks into JSON, another renders RESULTS.md from that JSON."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "results.py"
+SCRIPT = ROOT / "benchmarks" / "run.py"
 
 
 def results_module():
@@ -32,20 +32,21 @@ def results(*args: str) -> str:
 def test_quick_run_then_render_gives_the_tables_with_their_run_facts(tmp_path: Path) -> None:
     out = results("run", "--quick", "--only", "engine,ycsb", "--systems", "inprocess", "--results-dir", str(tmp_path))
     assert "estimate:" in out
-    for name in ("engine", "ycsb"):
-        doc = json.loads((tmp_path / f"{name}.json").read_text())
+    for area, name in (("engine", "engine"), ("workloads", "ycsb")):
+        doc = json.loads((tmp_path / area / f"{name}.json").read_text())
         assert re.fullmatch(r"[0-9a-f]{40}", doc["commit"])
         assert doc["quick"] is True and doc["date"].endswith("UTC")
         assert isinstance(doc["load_before"], float) and isinstance(doc["load_after"], float)
         assert doc["machine"]["cores"] >= 1 and doc["machine"]["ram_gb"] > 0
-    assert json.loads((tmp_path / "engine.json").read_text())["data"]["us_per_tx_tuned"] > 0
-    points = json.loads((tmp_path / "ycsb.json").read_text())["data"]["inprocess"]["points"]
+        assert len(doc["loadavg_before"]) == 3 and len(doc["loadavg_after"]) == 3
+    assert json.loads((tmp_path / "engine" / "engine.json").read_text())["data"]["us_per_tx_tuned"] > 0
+    points = json.loads((tmp_path / "workloads" / "ycsb.json").read_text())["data"]["inprocess"]["points"]
     assert points and all("load_before" in p and "load_after" in p for p in points)
 
     md = tmp_path / "RESULTS.md"
     results("render", "--results-dir", str(tmp_path), "--md", str(md))
     text = md.read_text()
-    assert "benchmarks/results.py run" in text and "quiet" in text  # the preface
+    assert "benchmarks/run.py run" in text and "quiet" in text  # the preface
     for title in ("## The in-process engine alone (one core)", "## YCSB-T (transfers, uniform)"):
         section = text.split(title, 1)[1].split("\n## ", 1)[0]
         head = section.strip().splitlines()[0]

@@ -1,4 +1,4 @@
-"""benchmarks/issue24/spark_scaling.py's model: the fit recovers F, s, p from exact rows, never goes negative, and
+"""benchmarks/spark/spark_scaling.py's model: the fit recovers F, s, p from exact rows, never goes negative, and
 predicts a throughput from them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "issue24" / "spark_scaling.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "spark" / "spark_scaling.py"
 
 
 def _module():

@@ -372,7 +372,7 @@ KEPT = '_SHIM_MARK = "written by charon.spark.java"'
 #: Where ``charon.epoch`` is the OpenTelemetry span and attribute name (issue 26), not a module path.
 TRACE_NAMES = frozenset({"charon/server/tracing.py", "tests/server/test_tracing.py", "docs/guides/tracing.md",
                          "tests/server/test_tracing_spark.py",
-                         "benchmarks/issue26/tracing_cost.py"})
+                         "benchmarks/observability/tracing_cost.py"})
 
 
 def _stale(rel: str, line: str) -> bool:

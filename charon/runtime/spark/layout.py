@@ -52,7 +52,7 @@ def chunk_for(config: SparkConfig) -> int:
     """Transactions per chunk of an epoch (:data:`charon.core.epoch.EPOCH_CHUNK`) where the rest of an epoch
     runs in one job (``single_task_rest`` in local mode; a split rest, ``split_rest`` on a cluster), where a
     round costs little; 0 (whole epochs) where each round is a Spark job of its own, as chunks would multiply the
-    rounds (``benchmarks/chunk_rounds_cluster.py``)."""
+    rounds (``benchmarks/spark/chunk_rounds_cluster.py``)."""
     local = config.master.strip().startswith("local")
     one_job = config.single_task_rest if local else config.split_rest in ("on", "cluster")
     return EPOCH_CHUNK if one_job else 0

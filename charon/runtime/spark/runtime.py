@@ -1287,7 +1287,7 @@ class SparkRuntime(EngineBacked):
         As consistent as reading the executors' stores: every partition's delta of a recorded epoch is durable
         (the finalize round writes it before the record), deltas after ``epoch`` are skipped, and a base
         compacted past ``epoch`` raises (the caller reads again at a newer epoch). Much cheaper than a Spark
-        job per read (no job, stage, task or py4j objects on the driver; benchmarks/state_reads.py), and it
+        job per read (no job, stage, task or py4j objects on the driver; benchmarks/state/state_reads.py), and it
         works while the query restarts. Its cost grows with the partition's durable files (a scan of their
         memory-mapped key columns): for very large states, ``driver_reads=False`` reads the executors' indexed
         stores with a Spark job instead.
