@@ -215,8 +215,8 @@ class Application:
         for op in operators:
             if op.name in self.operators:
                 raise ValueError(f"operator {op.name!r} is registered twice")
-            if op.name == BATCH_OPERATOR:
-                raise ValueError(f"operator name {BATCH_OPERATOR!r} is reserved (client atomic batches)")
+            if op.name in _BUILTINS:
+                raise ValueError(f"operator name {op.name!r} is reserved (a built-in operator)")
             self.operators[op.name] = op
         self.portals: dict[str, tuple[str, str]] = {}
         for pname, (op_name, fn_name) in (portals or {}).items():
@@ -267,8 +267,8 @@ class Application:
         if not isinstance(function, (str, Function)):
             raise UnknownFunction(f"a function is named by a string or a Function, got {type(function).__name__}")
         op = self.operators.get(op_name)
-        if op is None and op_name == BATCH_OPERATOR:
-            op = _batch_operator  # every application runs client atomic batches
+        if op is None:
+            op = _BUILTINS.get(op_name)  # every application runs client atomic batches, promises, schedules
         if op is None:
             raise UnknownOperator(f"unknown operator {op_name!r} (have: {', '.join(sorted(self.operators))})")
         fn_name = function.name if isinstance(function, Function) else function
@@ -340,6 +340,14 @@ BATCH_OPERATOR = "charon.batch"
 BATCH_FUNCTION = "run"
 MAX_BATCH_CALLS = 1000  # invocations in one batch (the gateway's default bound)
 _batch_operator = Operator(BATCH_OPERATOR)
+#: the built-in operators every application has (by name; their functions are internal but the batch's ``run``)
+_BUILTINS: dict[str, Operator] = {BATCH_OPERATOR: _batch_operator}
+
+
+def register_builtin(op: Operator) -> None:
+    """Make ``op`` an operator of every application (``charon.core.promises``, ``charon.core.schedules``)."""
+    if _BUILTINS.setdefault(op.name, op) is not op:
+        raise ValueError(f"built-in operator {op.name!r} is registered twice")
 
 
 def check_batch(calls: object, max_calls: int = MAX_BATCH_CALLS) -> list[list]:

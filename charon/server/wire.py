@@ -69,6 +69,10 @@ STATUS_OF_ERROR: dict[str, int] = {
     "RescaleTimeout": 503,
     "Paused": 409,
     "NotParked": 409,
+    # the promise and schedule routes' (charon.server.promises, charon.server.schedules)
+    "UnknownPromise": 404,
+    "UnknownSchedule": 404,
+    "ScheduleExists": 409,
 }
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 #: what a client-chosen request id (the ``Idempotency-Key``, an admin update's ``id``) may be
