@@ -12,7 +12,8 @@ from typing import Any, Concatenate, Generic, Never, ParamSpec, TypeVar
 import msgspec
 
 from charon.core.routing import check_key, check_operator_name, check_stream
-from charon.errors import BadArguments, InvalidKey, UnknownFunction, UnknownOperator
+from charon.errors import BadArguments, InvalidKey, UnknownFunction, UnknownOperator, ValueTooLarge
+from charon.schedule_spec import schedule_spec
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -230,6 +231,8 @@ class Application:
         self.effects: dict[str, Callable[..., Any]] = {}
         for hname, handler in (effects or {}).items():
             self.effect_handler(hname)(handler)
+        #: schedules declared in code (:meth:`schedule`): name -> spec (see :mod:`charon.core.schedules`)
+        self.schedules: dict[str, dict[str, Any]] = {}
         for u in self.uses:
             if not isinstance(u, str) or u.count(".") < 1 or not all(u.split(".", 1)):
                 raise ValueError(f"uses entries are 'app.portal' or 'app.stream', got {u!r}")
@@ -252,6 +255,29 @@ class Application:
             return handler
 
         return register
+
+    def schedule(self, expr: str, *, key: str, name: str | None = None, args: Iterable[object] = (),
+                 catch_up: int = 0) -> Callable[[Function[P, R]], Function[P, R]]:
+        """Decorator declaring a schedule in code: ``@app.schedule("*/5 * * * *", key="main")`` over an operator's
+        function ``f(ctx, firing, *args)`` runs it on entity ``key`` at every slot of the cron expression (5
+        fields, or 6 with seconds first; UTC), each slot once (:mod:`charon.core.schedules`). ``name`` (default:
+        ``operator.function``) names it for the schedule routes and CLI; ``catch_up``: how many slots missed while
+        the engine was down also fire (0..100; the slot due now always fires). Upserted at every engine start."""
+
+        def declare(fn: Function[P, R]) -> Function[P, R]:
+            if not isinstance(fn, Function):
+                raise TypeError("@app.schedule goes above @operator.function (it schedules an operator's function)")
+            sname = fn.qualname if name is None else name
+            if sname in self.schedules:
+                raise ValueError(f"schedule {sname!r} is declared twice")
+            try:
+                self.schedules[sname] = schedule_spec(self, sname, expr, fn.operator.name, key, fn.name,
+                                                      list(args), catch_up)
+            except (BadArguments, InvalidKey, UnknownOperator, UnknownFunction, ValueTooLarge) as exc:
+                raise ValueError(f"schedule {sname!r}: {exc}") from None
+            return fn
+
+        return declare
 
     def resolve(self, operator: str | Operator, function: str | Function[..., object]) -> Function[..., object]:
         """The function object for (operator, function) names; raises UnknownOperator/UnknownFunction."""

@@ -31,6 +31,7 @@ from types import FunctionType
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from charon import serde
+from charon.core import schedules as _schedules  # noqa: F401 - registers the built-in operator charon.schedule
 from charon.core import timers as _timers
 from charon.core.promises import DEFAULT_TIMEOUT_S, PROMISE_OPERATOR, promise_request
 from charon.core.routing import MAX_KEY_BYTES, check_item, check_key, check_stream
