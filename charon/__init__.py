@@ -9,6 +9,7 @@ are ``charon.core`` (the deterministic core), ``charon.state``, ``charon.log``, 
 import logging as _logging
 
 from charon.core.context import Call, Context, Outcome
+from charon.core.promises import promise_value
 from charon.core.timers import Timer
 from charon.errors import (
     BadArguments,
@@ -22,6 +23,11 @@ from charon.errors import (
     LogUnavailable,
     NonDeterministicFunction,
     PayloadTooLarge,
+    PromiseCancelled,
+    PromiseConflict,
+    PromiseFailed,
+    PromiseRejected,
+    PromiseTimedOut,
     Quarantined,
     SerializationError,
     TransactionAborted,
@@ -30,6 +36,8 @@ from charon.errors import (
     UnknownEffect,
     UnknownFunction,
     UnknownOperator,
+    UnknownPromise,
+    UnknownSchedule,
     ValueTooLarge,
 )
 from charon.messages import Reply, Request
@@ -61,6 +69,11 @@ __all__ = [
     "Operator",
     "Outcome",
     "PayloadTooLarge",
+    "PromiseCancelled",
+    "PromiseConflict",
+    "PromiseFailed",
+    "PromiseRejected",
+    "PromiseTimedOut",
     "Quarantined",
     "Reply",
     "Request",
@@ -72,5 +85,8 @@ __all__ = [
     "UnknownEffect",
     "UnknownFunction",
     "UnknownOperator",
+    "UnknownPromise",
+    "UnknownSchedule",
     "ValueTooLarge",
+    "promise_value",
 ]

@@ -49,6 +49,7 @@ from charon.demo_cli import demo
 from charon.effects_cli import effects_app
 from charon.errors import CharonError
 from charon.exitcodes import ExitCode
+from charon.promises_cli import promises_app, schedules_app
 from charon.requests_cli import requests_app
 from charon.runtime.factory import EngineSpec
 
@@ -117,11 +118,11 @@ def run(
     host: str = typer.Option("127.0.0.1", envvar="CHARON_HOST", help="Interface to listen on."),
     port: int = typer.Option(8000, envvar="CHARON_PORT", help="TCP port."),
     token: str | None = typer.Option(None, envvar="CHARON_TOKEN", help="Bearer token clients must send: one "
-                                     "token with every scope (invoke, read, admin, effects)."),
+                                     "token with every scope (invoke, read, admin, effects, promises)."),
     tokens_file: str | None = typer.Option(
         None, "--tokens-file", envvar="CHARON_TOKENS_FILE", show_default=False,
-        help="A TOML file of named bearer tokens, each with its scopes (invoke, read, admin, effects); re-read when "
-        "it changes, so a token removed from it is revoked without a restart. With --token or alone.",
+        help="A TOML file of named bearer tokens, each with its scopes (invoke, read, admin, effects, promises); "
+        "re-read when it changes, so a token removed from it is revoked without a restart. With --token or alone.",
     ),
     partitions: int | None = typer.Option(
         None, min=1, envvar="CHARON_PARTITIONS", show_default=False,
@@ -344,6 +345,8 @@ def ready_line(app_name: str, engine: str, base_url: str) -> str:
 
 app.add_typer(effects_app, name="effects")
 app.add_typer(requests_app, name="requests")  # charon requests list|show (the invocation inspector)
+app.add_typer(promises_app, name="promises")  # durable promises (issue 34)
+app.add_typer(schedules_app, name="schedules")
 
 
 @app.command()

@@ -400,6 +400,39 @@ class _Base:
             body["migration"] = {"operator": migration[0], "function": migration[1], "args": list(migration[2])}
         return msgspec.msgpack.encode(body)
 
+    # -- durable promises and schedules (charon.server.promises, charon.server.schedules) -------------------
+    def _action(self, path: str, body: dict[str, Any], request_id: str | None) -> tuple[str, bytes, dict[str, str]]:
+        """A promise or schedule action's path, msgpack body and headers (an ``Idempotency-Key``: retries are
+        answered once)."""
+        try:
+            content = _enc.encode(body)
+        except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+            raise SerializationError(f"not msgpack-serializable: {exc}") from None
+        return path, content, self._invoke_headers(request_id or uuid.uuid4().hex)
+
+    @staticmethod
+    def _promise_path(promise_id: str, action: str = "") -> str:
+        return f"/promises/{_segment(promise_id)}" + (f"/{action}" if action else "")
+
+    @staticmethod
+    def _schedule_path(name: str, action: str = "") -> str:
+        return f"/schedules/{_segment(name)}" + (f"/{action}" if action else "")
+
+    @staticmethod
+    def _schedule_body(name: str, cron: str, operator: str, key: str, function: str, args: Sequence[Any],
+                       catch_up: int) -> dict[str, Any]:
+        return {"name": name, "cron": cron, "operator": operator, "key": key, "function": function,
+                "args": list(args), "catch_up": catch_up}
+
+    @staticmethod
+    def _page_params(after: str | None, limit: int, status: str | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {"limit": int(limit)}
+        if after is not None:
+            params["after"] = after
+        if status is not None:
+            params["status"] = status
+        return params
+
     @staticmethod
     def _metrics_text(resp: httpx.Response) -> str:
         if resp.status_code != 200:
@@ -563,6 +596,67 @@ class Client(_Base):
             offset = page.next_offset
 
     # -- admin (token) -----------------------------------------------------------------------------------
+    # -- durable promises (the ``promises`` scope resolves and rejects; ``read`` lists; ``admin`` cancels) --------
+    def _act(self, method: str, path: str, body: dict[str, Any], request_id: str | None) -> Any:
+        path, content, headers = self._action(path, body, request_id)
+        rid = headers["Idempotency-Key"]
+        try:
+            return _result(self._send(method, path, content=content, headers=headers), rid).value
+        except _Pending:
+            return self.result_of(rid, None).value
+
+    def resolve(self, promise_id: str, value: Any = None, *, request_id: str | None = None) -> dict[str, Any]:
+        """Resolve a durable promise (``POST /promises/{id}/resolve``): its continuation runs once with ``{"ok":
+        True, "value": value}``; :class:`~charon.errors.PromiseConflict` if it was settled before,
+        :class:`~charon.errors.UnknownPromise` if there is none. Retried under one request id (answered once)."""
+        return dict(self._act("POST", self._promise_path(promise_id, "resolve"), {"value": value}, request_id))
+
+    def reject(self, promise_id: str, error: str = "rejected", *, request_id: str | None = None) -> dict[str, Any]:
+        """Reject a durable promise: its continuation runs once with ``PromiseRejected`` (``error``)."""
+        return dict(self._act("POST", self._promise_path(promise_id, "reject"), {"error": error}, request_id))
+
+    def cancel_promise(self, promise_id: str, reason: str = "cancelled by an operator", *,
+                       request_id: str | None = None) -> dict[str, Any]:
+        """Cancel a pending promise (admin): its continuation runs once with ``PromiseCancelled``."""
+        return dict(self._act("POST", self._promise_path(promise_id, "cancel"), {"reason": reason}, request_id))
+
+    def promise(self, promise_id: str) -> dict[str, Any]:
+        """One promise's record (status, outcome, deadline, the continuation's request id)."""
+        return self._admin_doc(self._send("GET", self._promise_path(promise_id), headers=self.headers))
+
+    def promises(self, status: str | None = None, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
+        """A page of promises in id order: ``{"promises": [...], "next": cursor or None}``."""
+        return self._admin_doc(self._send("GET", "/promises", params=self._page_params(after, limit, status),
+                                          headers=self.headers))
+
+    # -- schedules (``read`` lists; ``admin`` changes) --------------------------------------------------------
+    def schedules(self, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
+        """A page of schedules in name order: ``{"schedules": [...], "next": cursor or None}``."""
+        return self._admin_doc(self._send("GET", "/schedules", params=self._page_params(after, limit),
+                                          headers=self.headers))
+
+    def schedule(self, name: str) -> dict[str, Any]:
+        """One schedule's record (spec, paused, next and last slot, fired and skipped counts)."""
+        return self._admin_doc(self._send("GET", self._schedule_path(name), headers=self.headers))
+
+    def create_schedule(self, name: str, cron: str, operator: str, key: str, function: str,
+                        args: Sequence[Any] = (), *, catch_up: int = 0) -> dict[str, Any]:
+        """Create a schedule at run time (its target a public function ``f(ctx, firing, *args)``)."""
+        body = self._schedule_body(name, cron, operator, key, function, args, catch_up)
+        return dict(self._act("POST", "/schedules", body, None))
+
+    def pause_schedule(self, name: str) -> dict[str, Any]:
+        """Stop firing a schedule until :meth:`resume_schedule`."""
+        return dict(self._act("POST", self._schedule_path(name, "pause"), {}, None))
+
+    def resume_schedule(self, name: str) -> dict[str, Any]:
+        """Fire a paused schedule again, from its first slot after now."""
+        return dict(self._act("POST", self._schedule_path(name, "resume"), {}, None))
+
+    def delete_schedule(self, name: str) -> dict[str, Any]:
+        """Delete a schedule."""
+        return dict(self._act("DELETE", self._schedule_path(name), {}, None))
+
     def status(self) -> dict[str, Any]:
         """The runtime's control status: ``state`` (running, pausing, paused), ``epoch``, ``backlog``..."""
         return self._admin_doc(self._send("GET", "/admin/status", headers=self.headers))
@@ -882,6 +976,67 @@ class AsyncClient(_Base):
             for ev in page.events:
                 yield ev
             offset = page.next_offset
+
+    # -- durable promises and schedules: see :class:`Client` ------------------------------------------------
+    async def _act(self, method: str, path: str, body: dict[str, Any], request_id: str | None) -> Any:
+        path, content, headers = self._action(path, body, request_id)
+        rid = headers["Idempotency-Key"]
+        try:
+            return _result(await self._send(method, path, content=content, headers=headers), rid).value
+        except _Pending:
+            return (await self.result_of(rid, None)).value
+
+    async def resolve(self, promise_id: str, value: Any = None, *, request_id: str | None = None) -> dict[str, Any]:
+        """Resolve a durable promise (see :meth:`Client.resolve`)."""
+        return dict(await self._act("POST", self._promise_path(promise_id, "resolve"), {"value": value}, request_id))
+
+    async def reject(self, promise_id: str, error: str = "rejected", *,
+                     request_id: str | None = None) -> dict[str, Any]:
+        """Reject a durable promise."""
+        return dict(await self._act("POST", self._promise_path(promise_id, "reject"), {"error": error}, request_id))
+
+    async def cancel_promise(self, promise_id: str, reason: str = "cancelled by an operator", *,
+                             request_id: str | None = None) -> dict[str, Any]:
+        """Cancel a pending promise (admin)."""
+        return dict(await self._act("POST", self._promise_path(promise_id, "cancel"), {"reason": reason},
+                                    request_id))
+
+    async def promise(self, promise_id: str) -> dict[str, Any]:
+        """One promise's record."""
+        return self._admin_doc(await self._send("GET", self._promise_path(promise_id), headers=self.headers))
+
+    async def promises(self, status: str | None = None, *, after: str | None = None,
+                       limit: int = 100) -> dict[str, Any]:
+        """A page of promises in id order."""
+        return self._admin_doc(await self._send("GET", "/promises", params=self._page_params(after, limit, status),
+                                                headers=self.headers))
+
+    async def schedules(self, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
+        """A page of schedules in name order."""
+        return self._admin_doc(await self._send("GET", "/schedules", params=self._page_params(after, limit),
+                                                headers=self.headers))
+
+    async def schedule(self, name: str) -> dict[str, Any]:
+        """One schedule's record."""
+        return self._admin_doc(await self._send("GET", self._schedule_path(name), headers=self.headers))
+
+    async def create_schedule(self, name: str, cron: str, operator: str, key: str, function: str,
+                              args: Sequence[Any] = (), *, catch_up: int = 0) -> dict[str, Any]:
+        """Create a schedule at run time."""
+        body = self._schedule_body(name, cron, operator, key, function, args, catch_up)
+        return dict(await self._act("POST", "/schedules", body, None))
+
+    async def pause_schedule(self, name: str) -> dict[str, Any]:
+        """Stop firing a schedule."""
+        return dict(await self._act("POST", self._schedule_path(name, "pause"), {}, None))
+
+    async def resume_schedule(self, name: str) -> dict[str, Any]:
+        """Fire a paused schedule again."""
+        return dict(await self._act("POST", self._schedule_path(name, "resume"), {}, None))
+
+    async def delete_schedule(self, name: str) -> dict[str, Any]:
+        """Delete a schedule."""
+        return dict(await self._act("DELETE", self._schedule_path(name), {}, None))
 
     # -- admin (token): see :class:`Client` ----------------------------------------------------------------
     async def status(self) -> dict[str, Any]:

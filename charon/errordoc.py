@@ -25,7 +25,9 @@ ROWS: dict[str, list[type[errors.CharonError]]] = {
         errors.Quarantined, errors.UnawaitedCall, errors.UnknownEffect, errors.ValueTooLarge,
         errors.UnknownOperatorAborted, errors.UnknownFunctionAborted, errors.BadArgumentsAborted,
         errors.SerializationErrorAborted, errors.InvalidKeyAborted, errors.PayloadTooLargeAborted,
-        errors.UndeclaredPortalAborted,
+        errors.UndeclaredPortalAborted, errors.PromiseConflict, errors.UnknownPromiseAborted,
+        errors.UnknownScheduleAborted, errors.PromiseFailed, errors.PromiseRejected, errors.PromiseTimedOut,
+        errors.PromiseCancelled,
     ],
     errors.REFUSAL: [
         errors.UnknownOperator, errors.UnknownFunction, errors.BadArguments, errors.SerializationError,
@@ -33,6 +35,7 @@ ROWS: dict[str, list[type[errors.CharonError]]] = {
         errors.Unauthorized, errors.Forbidden, errors.BadRequest, errors.ReservedRequestId, errors.RequestNotFound,
         errors.NotSupported, errors.EpochNotRetained, errors.SQLRejected, errors.SQLSyntaxError,
         errors.SQLTimeout, errors.SQLTooExpensive, errors.SQLResultTooLarge, errors.StateTooLarge,
+        errors.UnknownPromise, errors.UnknownSchedule,
     ],
     errors.AVAILABILITY: [
         errors.EngineUnavailable, contract.EngineStopped, errors.LogUnavailable, client.GatewayUnavailable,

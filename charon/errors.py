@@ -201,6 +201,45 @@ class UnknownEffect(EngineAbort):
     (timeout, attempts): the transaction aborts, nothing is recorded."""
 
 
+class PromiseConflict(EngineAbort):
+    """The promise was already settled (resolved, rejected, timed out or cancelled): its continuation ran or
+    will run once, with the first outcome; this resolve, reject or cancel changed nothing (HTTP 409)."""
+
+
+class UnknownPromise(CharonError, LookupError):
+    """No promise has this id (never created, its transaction aborted, or forgotten after its retention):
+    HTTP 404, refused before the log."""
+
+
+class UnknownPromiseAborted(EngineAbort, UnknownPromise):
+    """A resolve, reject or cancel inside a transaction named a promise that does not exist."""
+
+
+class UnknownSchedule(CharonError, LookupError):
+    """No schedule has this name (never created, or deleted): HTTP 404."""
+
+
+class UnknownScheduleAborted(EngineAbort, UnknownSchedule):
+    """A schedule operation inside a transaction named a schedule that does not exist."""
+
+
+class PromiseFailed(EngineAbort):
+    """A promise settled without a value: raised by :func:`charon.promise_value` in its continuation (uncaught,
+    it aborts the continuation's transaction with this class's name as ``error_type``)."""
+
+
+class PromiseRejected(PromiseFailed):
+    """The promise was rejected (``POST /promises/{id}/reject``, ``Client.reject``, ``ctx.reject_promise``)."""
+
+
+class PromiseTimedOut(PromiseFailed):
+    """The promise was not settled within its ``timeout``: its continuation ran with this outcome."""
+
+
+class PromiseCancelled(PromiseFailed):
+    """An operator cancelled the promise (``POST /promises/{id}/cancel``, ``charon promises cancel``)."""
+
+
 # ---- refusals of the admin API (the same from an engine's Controls and through the HTTP clients)
 
 
@@ -310,6 +349,13 @@ ABORTS: dict[str, type[EngineAbort]] = {
         IllegalAwait,
         UnawaitedCall,
         UnknownEffect,
+        PromiseConflict,
+        UnknownPromiseAborted,
+        UnknownScheduleAborted,
+        PromiseFailed,
+        PromiseRejected,
+        PromiseTimedOut,
+        PromiseCancelled,
         InvocationTimeout,
         Quarantined,
     )
@@ -345,6 +391,8 @@ ERRORS: dict[str, type[CharonError]] = {
     "StateTooLarge": StateTooLarge,
     "RescaleRunning": RescaleBusy,
     "Paused": GatePaused,
+    "UnknownPromise": UnknownPromise,
+    "UnknownSchedule": UnknownSchedule,
 }
 
 

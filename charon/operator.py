@@ -12,7 +12,8 @@ from typing import Any, Concatenate, Generic, Never, ParamSpec, TypeVar
 import msgspec
 
 from charon.core.routing import check_key, check_operator_name, check_stream
-from charon.errors import BadArguments, InvalidKey, UnknownFunction, UnknownOperator
+from charon.errors import BadArguments, InvalidKey, UnknownFunction, UnknownOperator, ValueTooLarge
+from charon.schedule_spec import schedule_spec
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -215,8 +216,8 @@ class Application:
         for op in operators:
             if op.name in self.operators:
                 raise ValueError(f"operator {op.name!r} is registered twice")
-            if op.name == BATCH_OPERATOR:
-                raise ValueError(f"operator name {BATCH_OPERATOR!r} is reserved (client atomic batches)")
+            if op.name in _BUILTINS:
+                raise ValueError(f"operator name {op.name!r} is reserved (a built-in operator)")
             self.operators[op.name] = op
         self.portals: dict[str, tuple[str, str]] = {}
         for pname, (op_name, fn_name) in (portals or {}).items():
@@ -230,6 +231,8 @@ class Application:
         self.effects: dict[str, Callable[..., Any]] = {}
         for hname, handler in (effects or {}).items():
             self.effect_handler(hname)(handler)
+        #: schedules declared in code (:meth:`schedule`): name -> spec (see :mod:`charon.core.schedules`)
+        self.schedules: dict[str, dict[str, Any]] = {}
         for u in self.uses:
             if not isinstance(u, str) or u.count(".") < 1 or not all(u.split(".", 1)):
                 raise ValueError(f"uses entries are 'app.portal' or 'app.stream', got {u!r}")
@@ -253,6 +256,29 @@ class Application:
 
         return register
 
+    def schedule(self, expr: str, *, key: str, name: str | None = None, args: Iterable[object] = (),
+                 catch_up: int = 0) -> Callable[[Function[P, R]], Function[P, R]]:
+        """Decorator declaring a schedule in code: ``@app.schedule("*/5 * * * *", key="main")`` over an operator's
+        function ``f(ctx, firing, *args)`` runs it on entity ``key`` at every slot of the cron expression (5
+        fields, or 6 with seconds first; UTC), each slot once (:mod:`charon.core.schedules`). ``name`` (default:
+        ``operator.function``) names it for the schedule routes and CLI; ``catch_up``: how many slots missed while
+        the engine was down also fire (0..100; the slot due now always fires). Upserted at every engine start."""
+
+        def declare(fn: Function[P, R]) -> Function[P, R]:
+            if not isinstance(fn, Function):
+                raise TypeError("@app.schedule goes above @operator.function (it schedules an operator's function)")
+            sname = fn.qualname if name is None else name
+            if sname in self.schedules:
+                raise ValueError(f"schedule {sname!r} is declared twice")
+            try:
+                self.schedules[sname] = schedule_spec(self, sname, expr, fn.operator.name, key, fn.name,
+                                                      list(args), catch_up)
+            except (BadArguments, InvalidKey, UnknownOperator, UnknownFunction, ValueTooLarge) as exc:
+                raise ValueError(f"schedule {sname!r}: {exc}") from None
+            return fn
+
+        return declare
+
     def resolve(self, operator: str | Operator, function: str | Function[..., object]) -> Function[..., object]:
         """The function object for (operator, function) names; raises UnknownOperator/UnknownFunction."""
         try:
@@ -267,8 +293,8 @@ class Application:
         if not isinstance(function, (str, Function)):
             raise UnknownFunction(f"a function is named by a string or a Function, got {type(function).__name__}")
         op = self.operators.get(op_name)
-        if op is None and op_name == BATCH_OPERATOR:
-            op = _batch_operator  # every application runs client atomic batches
+        if op is None:
+            op = _BUILTINS.get(op_name)  # every application runs client atomic batches, promises, schedules
         if op is None:
             raise UnknownOperator(f"unknown operator {op_name!r} (have: {', '.join(sorted(self.operators))})")
         fn_name = function.name if isinstance(function, Function) else function
@@ -340,6 +366,14 @@ BATCH_OPERATOR = "charon.batch"
 BATCH_FUNCTION = "run"
 MAX_BATCH_CALLS = 1000  # invocations in one batch (the gateway's default bound)
 _batch_operator = Operator(BATCH_OPERATOR)
+#: the built-in operators every application has (by name; their functions are internal but the batch's ``run``)
+_BUILTINS: dict[str, Operator] = {BATCH_OPERATOR: _batch_operator}
+
+
+def register_builtin(op: Operator) -> None:
+    """Make ``op`` an operator of every application (``charon.core.promises``, ``charon.core.schedules``)."""
+    if _BUILTINS.setdefault(op.name, op) is not op:
+        raise ValueError(f"built-in operator {op.name!r} is registered twice")
 
 
 def check_batch(calls: object, max_calls: int = MAX_BATCH_CALLS) -> list[list]:

@@ -40,6 +40,7 @@ from charon.core.context import (
 )
 from charon.core.epoch import EpochResult, Verdict
 from charon.core.partition import MAX_INVOCATIONS, too_many_invocations
+from charon.core.promises import DEFAULT_TIMEOUT_S, PROMISE_OPERATOR, promise_request
 from charon.core.routing import check_item, check_stream, entity_prefix, partition_of, split_store_key, store_key
 from charon.core.sequencer import Sequencer
 from charon.errors import CallGraphLimitExceeded, CharonError, IllegalAwait, UnawaitedCall
@@ -219,6 +220,15 @@ class SerialContext(Context):
         self.emit(EFFECT_STREAM, doc)
         return eid
 
+    def _promise(self, *, then: Function[..., object] | str, carry: Sequence[object] = (),
+                 timeout: float = DEFAULT_TIMEOUT_S) -> str:
+        """As the engine's ``ctx.promise``: the same id, and ``create`` sent to the promise's entity."""
+        self._nask += 1
+        pid, spec = promise_request(self._txn.app, self._op, self._key, self._txn.tid, self._inv, self._nask, then,
+                                    carry, timeout)
+        self._send(PROMISE_OPERATOR, pid, "create", spec)
+        return pid
+
     # timers: the same items (ids, records) as the engine's; firing is modelled by check_epoch
     def _send_at(self, t: float, operator: Operator | str, key: str, function: Function[..., object] | str, /,
                  *args: object, **kwargs: object) -> str:
@@ -243,6 +253,7 @@ class SerialContext(Context):
 
     if not TYPE_CHECKING:  # the implementations of Context's typed declarations (no ask: the oracle has no portals)
         call, gather, send, send_at, send_after, effect = _call, _gather, _send, _send_at, _send_after, _effect
+        promise = _promise
 
     def cancel_timer(self, timer_id: str) -> bool:
         if type(timer_id) is not str or not timer_id:

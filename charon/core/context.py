@@ -31,7 +31,9 @@ from types import FunctionType
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from charon import serde
+from charon.core import schedules as _schedules  # noqa: F401 - registers the built-in operator charon.schedule
 from charon.core import timers as _timers
+from charon.core.promises import DEFAULT_TIMEOUT_S, PROMISE_OPERATOR, promise_request
 from charon.core.routing import MAX_KEY_BYTES, check_item, check_key, check_stream
 from charon.errors import (
     BadArguments,
@@ -446,6 +448,29 @@ class Context:
         """
         raise NotImplementedError
 
+    # -- durable promises (charon.core.promises) ----------------------------------------------------------------
+    def promise(self, *, then: Function[Concatenate[Outcome, ...], object] | str, carry: Sequence[object] = (),
+                timeout: float = DEFAULT_TIMEOUT_S) -> str:
+        """Create a durable promise, iff this transaction commits; returns its id (minted by the engine).
+
+        Resolving it from outside (``POST /promises/{id}/resolve``, ``Client.resolve``) or from another transaction
+        (:meth:`resolve_promise`) runs this operator's function ``then(ctx, outcome, *carry)`` on *this entity*
+        exactly once, as a transaction of its own, with ``outcome`` = ``{"ok": True, "value": v}``; a rejection, a
+        cancel or ``timeout`` seconds without either run it with ``{"ok": False, "error_type": "PromiseRejected" |
+        "PromiseCancelled" | "PromiseTimedOut", "error": message}`` (:func:`charon.promise_value` turns an outcome
+        into its value or the typed exception). Settling it again is :class:`~charon.errors.PromiseConflict`.
+        """
+        raise NotImplementedError
+
+    def resolve_promise(self, promise_id: str, value: object = None) -> Call[dict[str, Any]]:
+        """Resolve a promise inside this transaction (await it): its continuation runs once this transaction
+        commits. A promise settled before aborts this transaction with :class:`~charon.errors.PromiseConflict`."""
+        return self.call(PROMISE_OPERATOR, promise_id, "resolve", value)
+
+    def reject_promise(self, promise_id: str, error: str = "rejected") -> Call[dict[str, Any]]:
+        """Reject a promise inside this transaction (await it): its continuation gets ``PromiseRejected``."""
+        return self.call(PROMISE_OPERATOR, promise_id, "reject", error)
+
     # -- determinism ----------------------------------------------------------------------------------------------
     def random(self) -> float:
         """A pseudo-random float in [0, 1), the same on every replay of this transaction."""
@@ -705,6 +730,16 @@ class EngineContext(Context):
         self._emit(EFFECT_STREAM, doc)
         return eid
 
+    def _promise(self, *, then: Function[..., object] | str, carry: Sequence[object] = (),
+                 timeout: float = DEFAULT_TIMEOUT_S) -> str:
+        """:meth:`Context.promise`."""
+        f = self._frame
+        self._nask += 1  # asks, effects and promises share the numbering (their ids differ by prefix)
+        pid, spec = promise_request(self._unit.app_for(f.tid), f.op, f.key, f.tid, f.inv, self._nask, then, carry,
+                                    timeout)
+        self._send(PROMISE_OPERATOR, pid, "create", spec)
+        return pid
+
     # -- calls ------------------------------------------------------------------------------------
     def _target(self, operator: Operator | str, key: str, function: Function[..., object] | str,
                 args: tuple[object, ...]) -> Target:
@@ -855,7 +890,7 @@ class EngineContext(Context):
         return self._send_at(self.now() + seconds, operator, key, function, *args, **kwargs)
 
     if not TYPE_CHECKING:  # the implementations of Context's typed declarations (the same functions: no wrapper)
-        call, gather, send, ask, effect = _call, _gather, _send, _ask, _effect
+        call, gather, send, ask, effect, promise = _call, _gather, _send, _ask, _effect, _promise
         send_at, send_after = _send_at, _send_after
 
     def cancel_timer(self, timer_id: str) -> bool:
@@ -896,7 +931,7 @@ class EngineContext(Context):
 def name_implementations(cls: type[Context]) -> None:
     """Give the implementations of :class:`Context`'s typed methods in ``cls`` (bound as ``call = _call``...) their
     public names, for tracebacks and ``TypeError`` messages (``EngineContext.call() got an unexpected keyword...``)."""
-    for name in ("call", "gather", "send", "send_at", "send_after", "ask", "effect"):
+    for name in ("call", "gather", "send", "send_at", "send_after", "ask", "effect", "promise"):
         fn = cls.__dict__.get(name)
         if fn is cls.__dict__.get("_" + name) and isinstance(fn, FunctionType):
             fn.__name__, fn.__qualname__ = name, f"{cls.__name__}.{name}"

@@ -64,6 +64,7 @@ from charon.runtime.inprocess_engine import InProcessEngine
 from charon.runtime.inspector import Inspector, InspectorSettings, LiveRequest
 from charon.runtime.interrupts import ThreadHandle, clear_pending
 from charon.runtime.quarantine import RecoveryAttempts, quarantine_killers
+from charon.runtime.schedules import start_declaring
 from charon.runtime.verdicts import VerdictBook
 from charon.runtime.watchdog import DEFAULT_INTERVAL, DEFAULT_TIMEOUT, Watchdog
 from charon.state.store import MemoryStore
@@ -356,6 +357,7 @@ class InProcessRuntime(EngineBacked):
         self._streams: StreamLog | None = None
         self.run_effects = bool(app.effects) and data_dir is None if effects is None else effects
         self.effects_executor: EffectExecutor | None = None  # while started, when run_effects
+        self.declaring: asyncio.Task[int] | None = None  # the start's upserts of the declared schedules
         self._log_end = 0
         self._base_dirty = False
         self.replayed_epochs = 0  # durable mode: epochs replayed from the input log at recovery
@@ -818,6 +820,7 @@ class InProcessRuntime(EngineBacked):
             self._stopping = False
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
+            self.declaring = start_declaring(self.engine())  # schedules declared in code (charon.core.schedules)
             if self.run_effects and self.effects_executor is None:
                 from charon.runtime.effects import EffectExecutor, engine_resume
 
@@ -903,6 +906,10 @@ class InProcessRuntime(EngineBacked):
 
     async def stop(self) -> None:
         """Finish waiting work and stop (a paused runtime is resumed: its queued requests run first)."""
+        if self.declaring is not None:
+            await asyncio.wait({self.declaring}, timeout=5.0)
+            self.declaring.cancel()
+            self.declaring = None
         if self.effects_executor is not None:  # before the engine: no continuation is submitted to a stopped one
             executor, self.effects_executor = self.effects_executor, None
             await executor.stop()

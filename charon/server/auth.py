@@ -10,7 +10,9 @@ Scopes:
 - ``admin``: what changes the deployment: pause/resume, rescale, code updates, admin (bulk) updates, dead
   letters, effect retry/abandon;
 - ``effects``: effect workers (``charon effects work --url``): submit effect continuations (request ids
-  ``fx.<...>.done``, internal functions included) and poll them. Only this scope may use ``fx.`` request ids.
+  ``fx.<...>.done``, internal functions included) and poll them. Only this scope may use ``fx.`` request ids;
+- ``promises``: resolve and reject durable promises (``POST /promises/{id}/resolve|reject``): what a webhook, an
+  approver or an agent holds. Listing them needs ``read``; cancelling them and managing schedules, ``admin``.
 
 :data:`ROUTE_SCOPES` gives every route its scopes (any one of them suffices); a route missing from it cannot be
 built (``create_app`` raises), and ``tests/server/test_auth.py`` calls every route of the real table with each
@@ -63,9 +65,9 @@ __all__ = ["SCOPES", "ALL_SCOPES", "ROUTE_SCOPES", "OPEN_ROUTES", "Principal", "
 
 _log = logging.getLogger("charon.server")
 
-SCOPES = ("invoke", "read", "admin", "effects")
+SCOPES = ("invoke", "read", "admin", "effects", "promises")
 ALL_SCOPES = frozenset(SCOPES)
-INVOKE, READ, ADMIN, EFFECTS = SCOPES
+INVOKE, READ, ADMIN, EFFECTS, PROMISES = SCOPES
 #: routes anyone may call (no token asked)
 OPEN_ROUTES = frozenset({"health", "openapi", "dashboard", "dashboard_asset"})
 #: the scopes each route (by its name) accepts: a token with any one of them may call it
@@ -94,6 +96,16 @@ ROUTE_SCOPES: dict[str, frozenset[str]] = {
     "admin_update": frozenset({ADMIN}),
     "admin_code": frozenset({ADMIN}),
     "admin_effect_action": frozenset({ADMIN}),
+    # durable promises and schedules (charon.server.promises, charon.server.schedules)
+    "promises": frozenset({READ}),
+    "promise": frozenset({READ}),
+    "promise_settle": frozenset({PROMISES}),  # resolve and reject: what a webhook or an approver holds
+    "promise_cancel": frozenset({ADMIN}),
+    "schedules": frozenset({READ}),
+    "schedule": frozenset({READ}),
+    "schedule_create": frozenset({ADMIN}),
+    "schedule_action": frozenset({ADMIN}),
+    "schedule_delete": frozenset({ADMIN}),
 }
 _NAME = re.compile(r"^[A-Za-z0-9._:@+-]{1,100}$")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")

@@ -125,6 +125,8 @@ from charon.server.lane import DirectInvoke, InvokeLane
 from charon.server.limits import inflight_size, read_body, reply_size
 from charon.server.metrics import GatewayMetrics
 from charon.server.openapi import describe_app, openapi_document
+from charon.server.promises import promise_routes
+from charon.server.schedules import schedule_routes
 from charon.server.streams import StreamReaders
 from charon.server.tracing import Tracing, tracing_from_config
 from charon.server.wire import (
@@ -844,6 +846,7 @@ def create_app(
                                 history_bytes=cfg.metrics_history_bytes)
     gw.has_effects = effects is not None
     routes += admin_routes(gw, gw.metrics, effects)
+    routes += promise_routes(gw) + schedule_routes(gw)  # durable promises and schedules (issue 34)
     route_scopes(r.name for r in routes)  # every route has its scopes (or is open)
     for r in routes:
         if r.name not in OPEN_ROUTES:

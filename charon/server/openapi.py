@@ -11,7 +11,7 @@ from typing import Any
 
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK
 
-__all__ = ["describe_app", "openapi_document", "admin_paths", "effect_paths"]
+__all__ = ["describe_app", "openapi_document", "admin_paths", "effect_paths", "promise_paths"]
 
 
 def _operators(app: Any) -> list[Any]:
@@ -358,6 +358,7 @@ def openapi_document(app: Any, secured: bool, effects: bool = False) -> dict[str
         "get": {"summary": "This document", "responses": {"200": {"description": "ok"}}}
     }
     paths.update(admin_paths(security))
+    paths.update(promise_paths(security))
     if effects:  # an effect executor runs beside the engine (charon run --effects)
         paths.update(effect_paths(security))
     if secured:  # every route that asks for a token asks for one of its scopes (charon.server.auth)
@@ -431,6 +432,63 @@ def effect_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
                 {"name": "action", "in": "path", "required": True,
                  "schema": {"type": "string", "enum": ["retry", "abandon"]}}],
             "responses": {"200": ok, "401": err, "404": err, "409": err}}},
+    }
+
+
+def promise_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
+    """The OpenAPI path items of the promise and schedule routes (:mod:`charon.server.promises`,
+    :mod:`charon.server.schedules`)."""
+    err = {"description": "a typed error", "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/Error"}}}}
+    ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
+
+    def body(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+        schema = {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+        return {"required": bool(required),
+                "content": {ct: {"schema": schema} for ct in ("application/json", "application/msgpack")}}
+
+    def path(name: str) -> dict[str, Any]:
+        return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+
+    page = [{"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+            {"name": "limit", "in": "query", "required": False,
+             "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}]
+    acted = {"200": ok, "400": err, "401": err, "404": err, "409": err, "413": err, "415": err, "422": err}
+    spec = {"name": {"type": "string"}, "cron": {"type": "string"}, "operator": {"type": "string"},
+            "key": {"type": "string"}, "function": {"type": "string"}, "args": {"type": "array"},
+            "catch_up": {"type": "integer", "minimum": 0, "maximum": 100}}
+    return {
+        "/promises": {"get": {"summary": "A page of durable promises in id order (read)", "security": security,
+                              "parameters": [*page, {"name": "status", "in": "query", "required": False,
+                                                     "schema": {"type": "string"}}],
+                              "responses": {"200": ok, "400": err, "401": err}}},
+        "/promises/{promise_id}": {"get": {"summary": "One promise's record (read)", "security": security,
+                                           "parameters": [path("promise_id")],
+                                           "responses": {"200": ok, "400": err, "401": err, "404": err}}},
+        "/promises/{promise_id}/{action}": {"post": {
+            "summary": "resolve ({value}) or reject ({error}) a promise (promises scope); cancel ({reason}, admin): "
+                       "its continuation runs once; 409 PromiseConflict when it was settled before",
+            "security": security, "parameters": [path("promise_id"), {
+                "name": "action", "in": "path", "required": True,
+                "schema": {"type": "string", "enum": ["resolve", "reject", "cancel"]}}],
+            "requestBody": body({"value": {}, "error": {"type": "string"}, "reason": {"type": "string"}}, []),
+            "responses": acted}},
+        "/schedules": {
+            "get": {"summary": "A page of schedules in name order (read)", "security": security,
+                    "parameters": page, "responses": {"200": ok, "400": err, "401": err}},
+            "post": {"summary": "Create a schedule at run time; its target a public function (admin)",
+                     "security": security, "requestBody": body(spec, ["name", "cron", "operator", "key", "function"]),
+                     "responses": acted}},
+        "/schedules/{name}": {
+            "get": {"summary": "One schedule's record (read)", "security": security, "parameters": [path("name")],
+                    "responses": {"200": ok, "400": err, "401": err, "404": err}},
+            "delete": {"summary": "Delete a schedule (admin)", "security": security, "parameters": [path("name")],
+                       "responses": acted}},
+        "/schedules/{name}/{action}": {"post": {
+            "summary": "pause or resume a schedule (admin)", "security": security,
+            "parameters": [path("name"), {"name": "action", "in": "path", "required": True,
+                                          "schema": {"type": "string", "enum": ["pause", "resume"]}}],
+            "responses": acted}},
     }
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "json_encoder",
     "parse_args",
     "parse_body",
+    "parse_fields",
     "encode_answer",
     "error_answer",
     "respond",
@@ -69,6 +70,10 @@ STATUS_OF_ERROR: dict[str, int] = {
     "RescaleTimeout": 503,
     "Paused": 409,
     "NotParked": 409,
+    # the promise and schedule routes' (charon.server.promises, charon.server.schedules)
+    "UnknownPromise": 404,
+    "UnknownSchedule": 404,
+    "ScheduleExists": 409,
 }
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 #: what a client-chosen request id (the ``Idempotency-Key``, an admin update's ``id``) may be
@@ -103,6 +108,17 @@ def parse_body(raw_ctype: str | None, body: bytes, field: str = "args") -> list[
     """:func:`parse_args` given the request's ``Content-Type`` header (None: none)."""
     if raw_ctype is None and not body:
         return []  # `POST` with no body at all: no arguments
+    doc = parse_fields(raw_ctype, body, {field}, f'body must be an object {{"{field}": [...]}}')
+    args = doc.get(field, [])
+    if not isinstance(args, list):
+        raise HTTPError("BadArguments", f'"{field}" must be a list')
+    return args  # plain data: checked by validate (every route's one validator)
+
+
+def parse_fields(raw_ctype: str | None, body: bytes, fields: set[str], shape: str = "body must be an object"
+                 ) -> dict[str, Any]:
+    """A JSON or msgpack body's object, with no field but ``fields`` (an empty JSON body: ``{}``); typed 4xx
+    otherwise."""
     ctype = (raw_ctype or "").split(";")[0].strip().lower()
     try:
         if ctype in MSGPACK_TYPES:
@@ -110,7 +126,7 @@ def parse_body(raw_ctype: str | None, body: bytes, field: str = "args") -> list[
         elif ctype in ("application/json", "text/json") or (ctype.startswith("application/") and
                                                              ctype.endswith("+json")):
             if not body.strip():
-                return []
+                return {}
             doc = _json_dec.decode(body)
         else:
             raise HTTPError(
@@ -122,14 +138,11 @@ def parse_body(raw_ctype: str | None, body: bytes, field: str = "args") -> list[
     except RecursionError:
         raise HTTPError("BadRequest", "malformed body: nested too deeply") from None
     if not isinstance(doc, dict):
-        raise HTTPError("BadRequest", f'body must be an object {{"{field}": [...]}}')
-    extra = set(doc) - {field}
+        raise HTTPError("BadRequest", shape)
+    extra = set(doc) - fields
     if extra:
         raise HTTPError("BadRequest", f"unexpected body fields: {sorted(map(str, extra))}")
-    args = doc.get(field, [])
-    if not isinstance(args, list):
-        raise HTTPError("BadArguments", f'"{field}" must be a list')
-    return args  # plain data: checked by validate (every route's one validator)
+    return doc
 
 
 def encode_answer(accept: str | None, status: int, body: Any) -> tuple[int, bytes, str]:

@@ -20,8 +20,8 @@ PKG = ROOT / "charon"
 
 #: Top-level modules every layer may use: the programming model, its errors, records, encoding and config.
 #: (The HTTP client, cli, testing, simulation, apps and bench are entry points above every layer.)
-MODEL = {"charon.errors", "charon.serde", "charon.messages", "charon.operator", "charon.config",
-         "charon.client_errors"}
+MODEL = {"charon.errors", "charon.serde", "charon.messages", "charon.operator", "charon.config", "charon.cron",
+         "charon.schedule_spec", "charon.client_errors"}
 LAYERS = ("core", "state", "log", "runtime", "server")
 #: What each layer may import besides itself and MODEL (a module name or a ``layer.`` prefix).
 ALLOWED = {
@@ -317,6 +317,11 @@ PUBLIC = [
     "Operator",
     "Outcome",
     "PayloadTooLarge",
+    "PromiseCancelled",
+    "PromiseConflict",
+    "PromiseFailed",
+    "PromiseRejected",
+    "PromiseTimedOut",
     "Quarantined",
     "Reply",
     "Request",
@@ -328,7 +333,10 @@ PUBLIC = [
     "UnknownEffect",
     "UnknownFunction",
     "UnknownOperator",
+    "UnknownPromise",
+    "UnknownSchedule",
     "ValueTooLarge",
+    "promise_value",
 ]
 
 
@@ -339,7 +347,7 @@ def test_public_surface_is_pinned() -> None:
     errors = {n for n in PUBLIC if n.endswith(("Error", "Aborted", "Unavailable", "Large", "Exceeded"))}
     errors |= {"BadArguments", "IdempotencyConflict", "IllegalAwait", "InvalidKey", "InvocationTimeout",
                "NonDeterministicFunction", "Quarantined", "UnawaitedCall", "UndeclaredPortal", "UnknownFunction",
-               "UnknownOperator", "UnknownEffect"}
+               "UnknownOperator", "UnknownEffect", "PromiseConflict", "UnknownPromise", "UnknownSchedule"}
     for name in errors:
         assert issubclass(getattr(charon, name), charon.CharonError), name
     # Every engine error a reply can carry is importable from the top level.

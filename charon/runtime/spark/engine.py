@@ -44,6 +44,7 @@ from charon.runtime.contract import (
 )
 from charon.runtime.controls import GatedControls, HostedEngine
 from charon.runtime.reads import check_entities, page_durable, read_durable, retained_from
+from charon.runtime.schedules import start_declaring
 from charon.state.durable import write_file_atomic
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
@@ -74,6 +75,7 @@ class SparkEngine(HostedEngine):
         self.previous: tuple[int, str] | None = None
         self.hold_submissions: asyncio.Event | None = None  # cleared while an admin update runs alone
         self.submitting = 0  # submissions under way (an admin update waits for them)
+        self.declaring: asyncio.Task[int] | None = None  # the start's upserts of the declared schedules
 
     # -- Engine
     @property
@@ -86,8 +88,11 @@ class SparkEngine(HostedEngine):
 
     async def start(self) -> None:
         await asyncio.to_thread(self.rt.start)
+        self.declaring = start_declaring(self)  # schedules declared in code (charon.core.schedules)
 
     async def stop(self) -> None:
+        if self.declaring is not None:
+            self.declaring.cancel()
         await asyncio.to_thread(self.rt.stop)
 
     def health(self) -> dict[str, Any]:
