@@ -153,6 +153,13 @@ def run(
         None, "--log", envvar="CHARON_LOG_URL", help="Put the input and output logs on NATS JetStream, e.g. "
         "nats://127.0.0.1:4222/mydeployment (default: SQLite files in the data directory).",
     ),
+    storage: str | None = typer.Option(
+        None, "--storage", envvar="CHARON_STORAGE_URL", show_default=False,
+        help="inprocess: keep the checkpoints (snapshots, epoch records, layout, code history) on object storage "
+        "too, e.g. s3://bucket/prefix (configured by AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_REGION) or file:///dir; the data directory becomes a cache: with a networked --log, a node on an "
+        "empty one resumes where the last checkpoint stopped.",
+    ),
     log_partitions: int | None = typer.Option(
         None, "--log-partitions", min=1, show_default=False,
         help="spark: input-log partitions (default: CHARON_LOG_PARTITIONS, else the log's recorded count, else "
@@ -282,7 +289,7 @@ def run(
     try:
         runtime = make_engine(EngineSpec(
             engine, target, partitions, data_dir, ephemeral=ephemeral, fsync=fsync, reply_retention=reply_retention,
-            log_url=log, log_partitions=log_partitions, function_timeout=function_timeout,
+            log_url=log, storage_url=storage, log_partitions=log_partitions, function_timeout=function_timeout,
             transaction_timeout=transaction_timeout, spark_exchange=spark_exchange,
             exit_when_stuck=exit_when_stuck, determinism_check=check_determinism, inspector=inspector,
             inspector_records=inspector_records, inspector_bytes=inspector_bytes))

@@ -87,9 +87,9 @@ _TESTS = Path(__file__).resolve().parent
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Markers from what a test is and uses (registered in pyproject.toml): ``spark`` (a real PySpark session:
     the ``spark`` fixture or the Spark engine, besides the modules marked so), ``nats`` (a real nats-server),
-    ``postgres`` (a real PostgreSQL), ``browser`` (headless chromium), ``simulation`` (the simulator's seeds),
-    ``slow`` (the benchmarks' harness tests and the simulator's thousand seeds here; tests over ~20 s mark
-    themselves; see the README's fast subset)."""
+    ``s3`` (a real SeaweedFS), ``postgres`` (a real PostgreSQL), ``browser`` (headless chromium), ``simulation``
+    (the simulator's seeds), ``slow`` (the benchmarks' harness tests and the simulator's thousand seeds here;
+    tests over ~20 s mark themselves; see the README's fast subset)."""
     for item in items:
         rel = Path(str(item.fspath)).resolve().relative_to(_TESTS).parts
         axis = rel[0] if len(rel) > 1 else ""
@@ -99,6 +99,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.spark)
         if "nats" in item.nodeid.lower() or names & {"nats_url", "nats_server"}:
             item.add_marker(pytest.mark.nats)
+        if names & {"seaweed", "s3_env"}:
+            item.add_marker(pytest.mark.s3)
         if "pg_cluster" in names:
             item.add_marker(pytest.mark.postgres)
         if "browser" in names:

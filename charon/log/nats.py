@@ -43,7 +43,10 @@ unlike SQLite, not atomically: a crash can leave a prefix of a batch in the log 
 Durability: streams use file storage. nats-server acknowledges a message once it is written to its store
 (it survives the server being killed, as the SIGKILL tests check) and fsyncs every ``sync_interval`` (2 min by
 default; nats-server 2.10+ accepts ``jetstream { sync_interval: always }`` for power-loss safety, or run a
-3-node cluster with replicas). The ``durable`` argument is accepted for interface parity and changes nothing.
+3-node cluster with replicas: ``nats://h1:p1,h2:p2,h3:p3/deployment?replicas=3`` lists the cluster's servers,
+the client fails over between them, and every stream and bucket is replicated on 3 servers, so a message
+acknowledged is on a quorum and survives losing any one server).
+The ``durable`` argument is accepted for interface parity and changes nothing.
 
 Failures: while the server is unreachable the client reconnects forever; an operation that does not complete
 within ``timeout_s`` raises :class:`NatsLogError` (an ``OSError``: :class:`~charon.log.client.LogClient` retries
@@ -73,7 +76,8 @@ from charon.log.offsets import pad_offsets
 from charon.messages import Reply, Request
 from charon.serde import decode_reply, decode_request, encode_reply, encode_request
 
-__all__ = ["NatsInputLog", "NatsLogError", "NatsLogUnreachable", "NatsOutputLog", "is_nats_url", "parse_nats_url"]
+__all__ = ["NatsInputLog", "NatsLogError", "NatsLogUnreachable", "NatsOutputLog", "is_nats_url", "nats_replicas",
+           "parse_nats_url"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -108,15 +112,27 @@ def is_nats_url(location: str | os.PathLike[str]) -> bool:
 
 
 def parse_nats_url(url: str) -> tuple[str, str]:
-    """``(server URL, deployment name)`` of ``nats://host:port[/name]`` (name default ``charon``)."""
+    """``(server URLs, deployment name)`` of ``nats://host:port[,host:port...][/name][?replicas=N]`` (name default
+    ``charon``); several servers (a cluster's) come back comma-separated, each with the scheme."""
     u = urlsplit(url)
-    if u.scheme not in ("nats", "tls") or not u.hostname:
+    hosts = u.netloc.split(",")
+    if u.scheme not in ("nats", "tls") or not all(h and not h.startswith(":") for h in hosts):
         raise ValueError(f"not a NATS log URL: {url!r} (expected nats://host:port/deployment)")
+    nats_replicas(url)
     name = u.path.strip("/") or "charon"
     if not _NAME.match(name):
         raise ValueError(f"deployment name {name!r} in {url!r} must match [A-Za-z0-9_-]{{1,64}}")
-    server = f"{u.scheme}://{u.netloc}"
+    server = ",".join(f"{u.scheme}://{h}" for h in hosts)
     return server, name
+
+
+def nats_replicas(url: str) -> int:
+    """The stream replicas a NATS log URL asks for (``?replicas=3`` on a 3-server cluster; default 1)."""
+    query = dict(p.split("=", 1) for p in urlsplit(url).query.split("&") if "=" in p)
+    raw = query.get("replicas", "1")
+    if not raw.isdigit() or not 1 <= int(raw) <= 5:
+        raise ValueError(f"replicas in {url!r} must be 1 to 5 (JetStream's limit), not {raw!r}")
+    return int(raw)
 
 
 #: request ids of the runtimes' own records (Spark's ticks, the node's epoch markers): indexed in a separate
@@ -169,7 +185,7 @@ class _Client:
             log.info("NATS connection to %s: %s: %s", self.server, type(e).__name__, e)
 
         self.nc = await nats.connect(
-            self.server, connect_timeout=self.timeout_s, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+            self.server.split(","), connect_timeout=self.timeout_s, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
             allow_reconnect=True, ping_interval=5, max_outstanding_pings=3, name=f"charon-{os.getpid()}",
             error_cb=error_cb,
         )
@@ -224,6 +240,7 @@ class _Base:
     def __init__(self, url: str, timeout_s: float, dedup_window_s: float) -> None:
         self.path = url  # the location string (what ``charon_log``'s ``path`` option carries)
         self.server, self.name = parse_nats_url(url)
+        self.replicas = nats_replicas(url)
         self.timeout_s = timeout_s
         self.dedup_window_s = dedup_window_s
         self._pid = os.getpid()
@@ -249,7 +266,7 @@ class _Base:
 
         cfg = StreamConfig(
             name=name, subjects=[subject], storage=StorageType.FILE, retention=RetentionPolicy.LIMITS,
-            discard=DiscardPolicy.OLD, duplicate_window=self.dedup_window_s, num_replicas=1,
+            discard=DiscardPolicy.OLD, duplicate_window=self.dedup_window_s, num_replicas=self.replicas,
         )
         try:
             await self.c.js.add_stream(cfg)
@@ -266,7 +283,7 @@ class _Base:
                 self._kv = await self.c.js.key_value(bucket)
             except BucketNotFoundError:
                 self._kv = await self.c.js.create_key_value(
-                    KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE)
+                    KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE, replicas=self.replicas)
                 )
             self._kv_pid = os.getpid()
         return self._kv
@@ -282,7 +299,7 @@ class _Base:
                 self._rt = await self.c.js.key_value(bucket)
             except BucketNotFoundError:
                 self._rt = await self.c.js.create_key_value(
-                    KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE)
+                    KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE, replicas=self.replicas)
                 )
             self._rt_pid = os.getpid()
         return self._rt

@@ -48,6 +48,7 @@ class EngineSpec:
     fsync: bool = True
     reply_retention: int | None = None
     log_url: str | None = None
+    storage_url: str | None = None  # inprocess: checkpoints also on object storage (file:///dir, s3://bucket/prefix)
     log_partitions: int | None = None
     function_timeout: float | None = None
     transaction_timeout: float | None = None  # inprocess: a transaction's steps in all per epoch (default 2x)
@@ -70,6 +71,16 @@ class EngineSpec:
             raise EngineSpecError(f"--log must be a nats://host:port/deployment URL, got {self.log_url!r}")
         if self.kind == "inprocess" and self.log_url is not None and self.ephemeral:
             raise EngineSpecError("--log needs a durable deployment (not --ephemeral)")
+        if self.storage_url is not None:
+            from charon.storage.location import StorageUrlError, check_storage_url
+
+            if self.kind != "inprocess" or self.ephemeral:
+                raise EngineSpecError("--storage applies to a durable --engine inprocess (not --ephemeral; the Spark "
+                                      "engine keeps its checkpoint location, CHARON_CHECKPOINT)")
+            try:
+                check_storage_url(self.storage_url)
+            except StorageUrlError as exc:
+                raise EngineSpecError(f"--storage: {exc}") from None
         if self.log_partitions is not None and self.kind != "spark":
             raise EngineSpecError("--log-partitions applies to --engine spark only (the in-process engine logs its "
                                   "epochs in one partition)")
@@ -108,6 +119,7 @@ def _inprocess(spec: EngineSpec) -> Engine:
     from charon.runtime.node import NodeError
     from charon.runtime.owner import DataDirOwned, claim_data_dir
     from charon.runtime.watchdog import DEFAULT_TIMEOUT
+    from charon.storage.contract import StorageError
 
     application = load_app_ref(spec.target)
     data_dir = None if spec.ephemeral else os.path.abspath(spec.data_dir or "charon-data")
@@ -118,6 +130,7 @@ def _inprocess(spec: EngineSpec) -> Engine:
         rt = InProcessRuntime(application, partitions=spec.partitions, data_dir=data_dir, fsync=spec.fsync,
                               inspector=_inspector(spec),
                               reply_retention=spec.reply_retention, log_url=spec.log_url,
+                              storage_url=spec.storage_url,
                               reply_retention_bytes=retained, exit_when_stuck=spec.exit_when_stuck,
                               determinism_check=spec.determinism_check,
                               effects=False,  # charon run --effects runs its executor itself (or workers do)
@@ -125,6 +138,8 @@ def _inprocess(spec: EngineSpec) -> Engine:
                               spec.function_timeout, transaction_timeout=spec.transaction_timeout)
     except (NodeError, DataDirOwned) as exc:
         raise EngineOpenFailed(str(exc)) from None
+    except StorageError as exc:  # object storage unreachable, refusing the credentials, or fencing this node
+        raise EngineOpenFailed(f"object storage ({spec.storage_url}): {type(exc).__name__}: {exc}") from None
     return rt.engine()
 
 

@@ -255,6 +255,7 @@ class InProcessRuntime(EngineBacked):
         compact_every: int = 20,
         stats_kept: int = 1000,
         log_url: str | None = None,
+        storage_url: str | None = None,
         retain_events: int = DEFAULT_RETAIN_EVENTS,
         max_timers_per_epoch: int = MAX_TIMERS_PER_EPOCH,
         gc_tuning: bool = True,
@@ -275,7 +276,8 @@ class InProcessRuntime(EngineBacked):
         ``partitions``: engine partitions (default 4; a durable directory keeps the count it has unless another
         one is given, which rescales it). ``data_dir``: durable mode (see
         :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``; ``log_url`` puts its logs
-        on NATS, see :mod:`charon.log.nats`). ``stats_kept``: how many
+        on NATS, see :mod:`charon.log.nats`; ``storage_url`` also keeps its checkpoints on object storage, e.g.
+        ``s3://bucket/prefix``, see :mod:`charon.storage`). ``stats_kept``: how many
         recent epochs ``epoch_stats`` keeps. ``retain_events``: events kept per output stream
         (:class:`charon.log.streams.StreamLog`; durable mode: ``data_dir/streams.sqlite``, volatile: a temporary
         file removed with the runtime). ``max_timers_per_epoch``: timers one partition fires per epoch (the
@@ -316,7 +318,7 @@ class InProcessRuntime(EngineBacked):
 
             claim_data_dir(data_dir, "inprocess")  # not a Spark deployment's directory (DataDirOwned)
             self.node = NodeStorage(data_dir, partitions or 4, fsync=fsync, checkpoint_s=checkpoint_s,
-                                    compact_every=compact_every, log_url=log_url)
+                                    compact_every=compact_every, log_url=log_url, storage_url=storage_url)
             self.partitions = self.node.partitions  # the directory's layout; rescaled after recovery
             self._stores: list[MemoryStore] = [RecordingStore() for _ in range(self.partitions)]
         else:

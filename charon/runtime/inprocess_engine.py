@@ -289,7 +289,7 @@ class InProcessEngine(HostedEngine):
                 data = self.code.encoded([entry])
                 path = self.code.path
                 assert path is not None
-                await asyncio.to_thread(node.durable.fs.write_atomic, path, lambda f: f.write(data))
+                await asyncio.to_thread(node.write_file, path, data)
             kept = len(rt.coordinator.deferred)  # deferred before e: they finish on the old code
             if compatible and first_tid is not None:
                 rt.set_previous((first_tid, rt.app))

@@ -14,8 +14,13 @@ whole files. Compaction writes a new base, swaps the manifest, then deletes what
 
 Data files are Arrow IPC files with columns ``key: binary`` and ``value: binary`` (nullable).
 
-All filesystem access goes through :class:`_LocalFS`, so another backend (e.g. an fsspec URI) can be
-added in one place.
+All filesystem access goes through :class:`_LocalFS`. With a ``remote`` object store
+(:mod:`charon.storage`, e.g. ``s3://bucket/prefix/state``) the local directory is a cache of it: every data file
+is uploaded (``p{pid}/<name>``) before a manifest names it, the remote manifest is the commit point (written with
+``If-Match`` on the ETag this process last wrote or read, so a stale writer is fenced with
+:class:`~charon.storage.contract.StorageConflict`), :meth:`DurableState.hydrate` takes the remote manifest into an
+empty or outdated cache, and a data file missing locally is downloaded when it is first read. Garbage is deleted
+on both sides.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from typing import BinaryIO, TypeVar
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
+
+from charon.storage.contract import ObjectNotFound, ObjectStore, StorageConflict, StorageError
 
 SCHEMA = pa.schema([pa.field("key", pa.binary(), nullable=False), pa.field("value", pa.binary())])
 BATCH_ROWS = 65536
@@ -202,12 +209,59 @@ def _bisect(keys: pa.ChunkedArray, key: bytes, *, right: bool, start: int = 0, e
 class DurableState:
     """Base snapshot + per-epoch deltas for every partition under ``root`` (a local directory for now)."""
 
-    def __init__(self, root: str, *, fsync: bool = True) -> None:
+    def __init__(self, root: str, *, fsync: bool = True, remote: ObjectStore | None = None) -> None:
         self.root = root
         self.fs = _LocalFS(fsync=fsync)
         self.fs.makedirs(root)
+        self.remote = remote
+        self._etags: dict[int, str | None] = {}  # pid -> ETag of the remote manifest this process knows
         self.bytes_written = 0
         self.bytes_read = 0
+
+    # ---- the remote copy ----------------------------------------------------------------------
+    def _key(self, path: str) -> str:
+        return os.path.relpath(path, self.root).replace(os.sep, "/")
+
+    def _ship(self, path: str) -> None:
+        """Upload a data file just written locally (before any manifest names it)."""
+        if self.remote is not None:
+            self.remote.put_file(self._key(path), path)
+
+    def _fetch(self, path: str) -> None:
+        """Download a data file the local cache lacks (:class:`FileNotFoundError` if the remote has none either)."""
+        if self.remote is not None and not self.fs.exists(path):
+            self.fs.makedirs(os.path.dirname(path))
+            self.remote.get_file(self._key(path), path)
+
+    def _remove(self, path: str) -> None:
+        self.fs.remove(path)
+        if self.remote is not None:
+            with contextlib.suppress(StorageError):  # left for the next collection
+                self.remote.delete(self._key(path))
+
+    def hydrate(self, pid: int) -> Manifest:
+        """Make the local cache's manifest the remote one (the remote is the truth); a partition the remote
+        lacks but the cache has (a local directory moved onto object storage) is uploaded. Data files come
+        later, as they are read. Returns the manifest."""
+        if self.remote is None:
+            return self.manifest(pid)
+        with self._locked(pid):
+            try:
+                data, etag = self.remote.get(f"p{pid}/manifest.json")
+            except ObjectNotFound:
+                m = self.manifest(pid)
+                self._etags[pid] = None
+                if m.epoch >= 0 or m.base is not None:
+                    names = ([m.base] if m.base is not None else []) + [self._delta_name(e) for e in m.deltas]
+                    for name in names:
+                        self._ship(self._path(pid, name))
+                    self._put_manifest(pid, m)
+                return m
+            self._etags[pid] = etag
+            m = Manifest.from_json(data)
+            if self.manifest(pid) != m:
+                self.bytes_written += self.fs.write_atomic(self._path(pid, "manifest.json"), lambda f: f.write(data))
+            return m
 
     # ---- paths and manifest -------------------------------------------------------------------
     def _dir(self, pid: int) -> str:
@@ -229,6 +283,18 @@ class DurableState:
 
     def _put_manifest(self, pid: int, m: Manifest) -> None:
         data = m.to_json()
+        if self.remote is not None:  # the commit point; fenced: only over the version this process knows
+            if pid not in self._etags:
+                raise DurableStateError(f"p{pid}: hydrate() the partition before writing it")
+            known = self._etags[pid]
+            try:
+                self._etags[pid] = self.remote.put(f"p{pid}/manifest.json", data, if_absent=known is None,
+                                                   if_match=known)
+            except StorageConflict:
+                have, etag = self.remote.get(f"p{pid}/manifest.json")
+                if have != data:  # another writer moved on: this one is stale
+                    raise
+                self._etags[pid] = etag  # our own write, its answer lost and the request retried
         self.bytes_written += self.fs.write_atomic(self._path(pid, "manifest.json"), lambda f: f.write(data))
 
     @contextlib.contextmanager
@@ -254,6 +320,7 @@ class DurableState:
             self.bytes_written += self.fs.write_atomic(
                 path, lambda f: _write_table(f, rows, meta), sync_dir=False
             )
+            self._ship(path)
         with self._locked(pid):
             m = self.manifest(pid)
             if m.epoch >= epoch:
@@ -275,6 +342,7 @@ class DurableState:
         self.bytes_written += self.fs.write_atomic(
             path, lambda f: _write_table(f, rows, meta), sync_dir=False
         )
+        self._ship(path)
         return name
 
     def _write_base_table(self, pid: int, epoch: int, table: pa.Table) -> str:
@@ -289,23 +357,24 @@ class DurableState:
                 w.write_table(table, max_chunksize=BATCH_ROWS)
 
         self.bytes_written += self.fs.write_atomic(self._path(pid, name), write, sync_dir=False)
+        self._ship(self._path(pid, name))
         return name
 
     def _swap_base(self, pid: int, epoch: int, name: str, check: Callable[[Manifest], bool] | None) -> bool:
         with self._locked(pid):
             m = self.manifest(pid)
             if check is not None and not check(m):
-                self.fs.remove(self._path(pid, name))  # raced with another compaction or a truncation
+                self._remove(self._path(pid, name))  # raced with another compaction or a truncation
                 return False
             old = m
             m = Manifest(name, epoch, [e for e in old.deltas if e > epoch], max(old.epoch, epoch))
             self._put_manifest(pid, m)
         # The new manifest is durable: what only the old one named is garbage now.
         if old.base is not None and old.base != name:
-            self.fs.remove(self._path(pid, old.base))
+            self._remove(self._path(pid, old.base))
         for e in old.deltas:
             if e <= epoch:
-                self.fs.remove(self._path(pid, self._delta_name(e)))
+                self._remove(self._path(pid, self._delta_name(e)))
         self._collect_garbage(pid)
         return True
 
@@ -319,15 +388,23 @@ class DurableState:
                 if name.startswith(".tmp-"):
                     if now - self.fs.mtime(path) > TMP_MAX_AGE:
                         self.fs.remove(path)
-                elif mb := _BASE_RE.match(name):
-                    # bases newer than the current one may belong to a compaction still in flight
-                    if name != m.base and int(mb.group(1)) <= m.base_epoch:
-                        self.fs.remove(path)
-                elif md := _DELTA_RE.match(name):
-                    if int(md.group(1)) <= m.base_epoch:
-                        self.fs.remove(path)
+                elif self._is_garbage(name, m):
+                    self.fs.remove(path)
             except FileNotFoundError:
                 pass
+        if self.remote is not None:
+            with contextlib.suppress(StorageError):  # what a killed writer left in the bucket
+                for o in self.remote.list(f"p{pid}/"):
+                    if self._is_garbage(o.key.rsplit("/", 1)[-1], m):
+                        self.remote.delete(o.key)
+
+    @staticmethod
+    def _is_garbage(name: str, m: Manifest) -> bool:
+        if mb := _BASE_RE.match(name):  # bases newer than the current one may be a compaction in flight
+            return name != m.base and int(mb.group(1)) <= m.base_epoch
+        if md := _DELTA_RE.match(name):
+            return int(md.group(1)) <= m.base_epoch
+        return False
 
     def truncate_after(self, pid: int, epoch: int) -> None:
         """Forget every epoch after ``epoch`` (an epoch replayed after a crash will be recorded again)."""
@@ -344,10 +421,11 @@ class DurableState:
             m.epoch = epoch
             self._put_manifest(pid, m)
         for e in sorted(dropped, reverse=True):
-            self.fs.remove(self._path(pid, self._delta_name(e)))
+            self._remove(self._path(pid, self._delta_name(e)))
 
     # ---- reading ------------------------------------------------------------------------------
     def _read_rows(self, path: str) -> tuple[list[bytes], list[bytes | None]]:
+        self._fetch(path)
         self.bytes_read += self.fs.size(path)
         with self.fs.open_arrow(path) as src:
             t = ipc.open_file(src).read_all()
@@ -386,6 +464,7 @@ class DurableState:
         return state, min(upto, m.epoch)
 
     def _read_table(self, path: str) -> pa.Table:
+        self._fetch(path)
         self.bytes_read += self.fs.size(path)
         with self.fs.open_arrow(path) as src:
             return ipc.open_file(src).read_all()
@@ -488,6 +567,7 @@ class DurableState:
         wanted = pa.array(sorted(set(keys)), pa.binary())
 
         def pick(path: str) -> dict[bytes, bytes | None]:
+            self._fetch(path)
             self.bytes_read += self.fs.size(path)
             with self.fs.open_arrow(path) as src:
                 t = ipc.open_file(src).read_all()

@@ -22,14 +22,15 @@ PKG = ROOT / "charon"
 #: (The HTTP client, cli, testing, simulation, apps and bench are entry points above every layer.)
 MODEL = {"charon.errors", "charon.serde", "charon.messages", "charon.operator", "charon.config", "charon.cron",
          "charon.schedule_spec", "charon.client_errors"}
-LAYERS = ("core", "state", "log", "runtime", "server")
+LAYERS = ("core", "storage", "state", "log", "runtime", "server")
 #: What each layer may import besides itself and MODEL (a module name or a ``layer.`` prefix).
 ALLOWED = {
     "model": {"charon.core.routing"},
     "core": {"charon.state.store"},
-    "state": set(),
+    "storage": set(),
+    "state": {"charon.storage."},
     "log": {"charon.core."},
-    "runtime": {"charon.core.", "charon.state.", "charon.log."},
+    "runtime": {"charon.core.", "charon.storage.", "charon.state.", "charon.log."},
     "server": {"charon.core.", "charon.log.", "charon.runtime.contract"},  # engines only through the contract
 }
 

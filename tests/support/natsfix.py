@@ -32,10 +32,11 @@ def free_port() -> int:
 class NatsServer:
     """One JetStream server process; :meth:`kill` (SIGKILL) and :meth:`start` again keep its store."""
 
-    def __init__(self, store: Path, port: int | None = None) -> None:
+    def __init__(self, store: Path, port: int | None = None, extra: list[str] | None = None) -> None:
         self.binary = require_nats_server()
         self.store = store
         self.port = port or free_port()
+        self.extra = extra or []
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -46,7 +47,7 @@ class NatsServer:
         self.store.mkdir(parents=True, exist_ok=True)
         log = open(self.store / "server.log", "ab")
         self.proc = subprocess.Popen(
-            [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store)],
+            [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store), *self.extra],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
@@ -73,3 +74,29 @@ class NatsServer:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class NatsCluster:
+    """Three JetStream servers routed into one cluster (free client and route ports, a store each); :attr:`url`
+    lists them all, for a log with ``?replicas=3``."""
+
+    def __init__(self, root: Path, size: int = 3) -> None:
+        routes = [free_port() for _ in range(size)]
+        all_routes = ",".join(f"nats://127.0.0.1:{p}" for p in routes)
+        self.servers = [
+            NatsServer(root / f"n{i}", extra=["--server_name", f"n{i}", "--cluster_name", "charon",
+                                              "--cluster", f"nats://127.0.0.1:{routes[i]}", "--routes", all_routes])
+            for i in range(size)]
+
+    def url(self, deployment: str, replicas: int = 3) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        return f"nats://{hosts}/{deployment}?replicas={replicas}"
+
+    def start(self) -> NatsCluster:
+        for s in self.servers:
+            s.start()
+        return self
+
+    def kill(self) -> None:
+        for s in self.servers:
+            s.kill()

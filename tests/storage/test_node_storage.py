@@ -1,0 +1,105 @@
+"""The durable node with its checkpoints on object storage (``storage_url`` / ``charon run --storage``): a node on
+an empty data directory with the same location and NATS log resumes where the lost one stopped."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from natsfix import NatsServer
+from node_app import app as ledger
+
+from charon import serde
+from charon.messages import Request
+from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node import NodeError
+from charon.storage.contract import StorageConflict
+from tests.support.seaweedfix import SeaweedS3
+
+ACCOUNTS = [f"a{i}" for i in range(8)]
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path):
+    srv = NatsServer(tmp_path / "nats").start()
+    yield f"{srv.url}/n{uuid.uuid4().hex[:8]}"
+    srv.kill()
+
+
+@pytest.fixture(params=["file", "s3"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path / 'bucket'}"
+    server: SeaweedS3 = request.getfixturevalue("s3_env")
+    return server.url(f"node-{uuid.uuid4().hex[:8]}")
+
+
+def _pay(e: int) -> list[Request]:
+    return [Request(f"r{e}-{i}", "acct", ACCOUNTS[(e + i) % 8], "pay",
+                    serde.encode([ACCOUNTS[(e + i + 3) % 8], f"t{e}-{i}"]), 1.0) for i in range(3)]
+
+
+def test_a_node_on_an_empty_directory_resumes_from_object_storage(tmp_path: Path, nats_url: str,
+                                                                  storage: str) -> None:
+    rt = InProcessRuntime(ledger, partitions=2, data_dir=str(tmp_path / "m1"), compact_every=3, log_url=nats_url,
+                          storage_url=storage)
+    rt.load("acct", {a: 0 for a in ACCOUNTS})
+    for e in range(7):
+        rt.run_epoch(_pay(e))
+        rt.node.flush()
+    for e in range(7, 10):  # logged and run, never checkpointed: the new node replays them from the log
+        rt.run_epoch(_pay(e))
+    before, epoch = rt.snapshot(), rt.epoch
+    assert rt.node.checkpointed_epoch < epoch - 1
+    rt.node.input_log.close()  # the machine is lost: nothing more is written, its directory is gone
+    rt.node.output_log.close()
+    shutil.rmtree(tmp_path / "m1")
+    again = InProcessRuntime(ledger, data_dir=str(tmp_path / "m2"), log_url=nats_url, storage_url=storage)
+    try:
+        assert again.partitions == 2  # the layout came from object storage
+        assert again.replayed_epochs == 3
+        assert (again.snapshot(), again.epoch) == (before, epoch)
+        again.run_epoch(_pay(10))
+        again.node.flush()
+    finally:
+        again.close()
+
+
+def test_a_stale_node_is_fenced(tmp_path: Path, nats_url: str, storage: str) -> None:
+    old = InProcessRuntime(ledger, partitions=2, data_dir=str(tmp_path / "old"), log_url=nats_url,
+                           storage_url=storage)
+    old.load("acct", {a: 0 for a in ACCOUNTS})
+    old.run_epoch(_pay(0))
+    old.node.flush()
+    old.run_epoch(_pay(1))  # logged and run; the old node stalls before its checkpoint
+    new = InProcessRuntime(ledger, data_dir=str(tmp_path / "new"), log_url=nats_url, storage_url=storage)
+    try:
+        assert new.replayed_epochs == 1
+        new.run_epoch(_pay(2))
+        new.node.flush()
+        with pytest.raises(StorageConflict):  # its checkpoint would overwrite the new node's: refused
+            old.node.flush()
+        new.close()
+        third = InProcessRuntime(ledger, data_dir=str(tmp_path / "third"), log_url=nats_url, storage_url=storage)
+        assert (third.snapshot(), third.epoch) == (new.snapshot(), 3)
+        third.close()
+    finally:
+        new.close()
+        old.node.input_log.close()
+        old.node.output_log.close()
+
+
+def test_sqlite_log_on_a_fresh_directory_is_refused(tmp_path: Path, storage: str) -> None:
+    rt = InProcessRuntime(ledger, partitions=2, data_dir=str(tmp_path / "m1"), storage_url=storage)
+    rt.load("acct", {a: 0 for a in ACCOUNTS})
+    rt.run_epoch(_pay(0))
+    rt.close()
+    with pytest.raises(NodeError, match="SQLite log"):
+        InProcessRuntime(ledger, data_dir=str(tmp_path / "m2"), storage_url=storage)
+    again = InProcessRuntime(ledger, data_dir=str(tmp_path / "m1"), storage_url=storage)  # its own directory
+    try:
+        assert again.epoch == 1
+    finally:
+        again.close()
