@@ -42,10 +42,10 @@ class DriverProbe:
         self.timeout_s = timeout_s
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
-        self._last: tuple[float, dict[str, Any]] | None = None
+        self._last: tuple[float, dict[str, object]] | None = None
         self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=2))
 
-    def check(self) -> dict[str, Any]:
+    def check(self) -> dict[str, object]:
         """The driver's health document (``ok`` true or false), or ``{"status": "driver unreachable", "ok":
         False, "error": ...}`` when it does not answer within ``timeout_s`` or answers something else."""
         with self._lock:
@@ -57,7 +57,7 @@ class DriverProbe:
                 doc = resp.json()
                 if not isinstance(doc, dict):
                     raise ValueError(f"HTTP {resp.status_code} without a health document")
-                doc = dict(doc, ok=bool(doc.get("ok")) and resp.status_code == 200)
+                doc = {**doc, "ok": bool(doc.get("ok")) and resp.status_code == 200}
             except (httpx.HTTPError, ValueError) as exc:
                 doc = {"status": "driver unreachable", "ok": False,
                        "error": f"the driver at {self.url} does not answer: {type(exc).__name__}: {exc}"[:500]}

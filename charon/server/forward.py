@@ -15,9 +15,9 @@ never a hang or a 500.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from charon.server.wire import json_encoder
 
@@ -38,7 +38,7 @@ class _TooLarge(Exception):
 class DriverForward:
     """ASGI: requests under :data:`LOCAL_PREFIXES` go to ``app``; the rest to the driver at ``driver_url``."""
 
-    def __init__(self, app: Any, driver_url: str, *, max_body: int, max_connections: int = 64,
+    def __init__(self, app: ASGIApp, driver_url: str, *, max_body: int, max_connections: int = 64,
                  connect_timeout: float = 2.0, read_timeout: float = 60.0) -> None:
         self.app = app
         self.driver_url = driver_url.rstrip("/")
@@ -47,7 +47,7 @@ class DriverForward:
         self._timeout = httpx.Timeout(read_timeout, connect=connect_timeout, pool=connect_timeout)
         self._client: httpx.AsyncClient | None = None  # made on the server's loop
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
             return
@@ -56,8 +56,8 @@ class DriverForward:
             return
         await self._forward(scope, receive, send)
 
-    async def _lifespan(self, scope: Any, receive: Any, send: Any) -> None:
-        async def closing_send(message: Any) -> None:  # the pool closes with the app
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def closing_send(message: Message) -> None:  # the pool closes with the app
             if message["type"] == "lifespan.shutdown.complete" and self._client is not None:
                 await self._client.aclose()
                 self._client = None
@@ -65,7 +65,7 @@ class DriverForward:
 
         await self.app(scope, receive, closing_send)
 
-    async def _forward(self, scope: Any, receive: Any, send: Any) -> None:
+    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._client is None:
             self._client = httpx.AsyncClient(limits=self._limits, timeout=self._timeout)
         size = next((v for k, v in scope["headers"] if k == b"content-length"), None)
@@ -102,7 +102,7 @@ class DriverForward:
         finally:
             await resp.aclose()
 
-    async def _body(self, receive: Any) -> AsyncIterator[bytes]:
+    async def _body(self, receive: Receive) -> AsyncIterator[bytes]:
         got = 0
         while True:
             message = await receive()
@@ -118,7 +118,7 @@ class DriverForward:
                 return
 
 
-async def _error(send: Any, status: int, kind: str, message: str, retry: bool = False) -> None:
+async def _error(send: Send, status: int, kind: str, message: str, retry: bool = False) -> None:
     body = json_encoder.encode({"error": {"type": kind, "message": message}})
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if retry:
