@@ -12,6 +12,7 @@ stderr, its traceback only with ``charon --debug`` (or ``CHARON_DEBUG=1``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import importlib.util
@@ -20,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 import traceback
@@ -237,6 +239,29 @@ def run(
         help="Trace this share of the requests (0..1; a client's traceparent decides for its own; default: all, or "
         "the standard OTEL_TRACES_SAMPLER).",
     ),
+    gateways: int = typer.Option(
+        1, "--gateways", min=0, envvar="CHARON_GATEWAYS",
+        help="spark: HTTP gateway processes beside the driver, on --port, --port+1, ... (each over the logs; one "
+        "that dies is restarted). 0: the gateway runs in the driver's interpreter.",
+    ),
+    control_port: int = typer.Option(
+        0, "--control-port", min=0, envvar="CHARON_CONTROL_PORT",
+        help="spark with --gateways: the driver's control channel port (default: a free one), where the gateways "
+        "forward state, stream and admin routes (with the client's token).",
+    ),
+    control_host: str = typer.Option(
+        "127.0.0.1", "--control-host", envvar="CHARON_CONTROL_HOST",
+        help="spark with --gateways: the interface of the driver's control channel (gateways on other machines need "
+        "one they reach; it takes the same tokens as the gateways).",
+    ),
+    driver: str | None = typer.Option(
+        None, "--driver", envvar="CHARON_DRIVER_URL", show_default=False,
+        help="remote: the driver's control channel (http://host:port): /health reports the driver's health, and "
+        "state, stream and admin routes are forwarded there.",
+    ),
+    listen_fd: int | None = typer.Option(None, "--listen-fd", hidden=True, help="Serve on this inherited socket."),
+    child_of: int | None = typer.Option(None, "--child-of", hidden=True,
+                                        help="A gateway process of this driver process: stop when it is gone."),
 ) -> None:
     """Start the runtime for MODULE:APP and serve its HTTP gateway until interrupted.
 
@@ -253,7 +278,10 @@ def run(
     server_log = logging.getLogger("charon.server")
 
     def say(message: str, level: int = logging.INFO, **fields: object) -> None:
-        """A line for people: as it always was in text, a JSON log line with ``fields`` in JSON."""
+        """A line for people: as it always was in text, a JSON log line with ``fields`` in JSON (a gateway process
+        of a driver says only errors: the driver speaks for the deployment)."""
+        if child_of is not None and level < logging.ERROR:
+            return
         if log_format == "json":
             server_log.log(level, message.removeprefix("charon: "), extra=fields)
         elif level >= logging.WARNING:
@@ -261,6 +289,12 @@ def run(
         else:
             err_console.print(message, soft_wrap=True)
 
+    if child_of is not None:  # a gateway process of a driver: it stops when the driver is gone
+        from charon.gatewayprocs import watch_parent
+
+        watch_parent(child_of)
+    if gateways and engine == "spark" and (listen_fd is not None or driver is not None):
+        raise typer.BadParameter("--listen-fd and --driver belong to a gateway process (--engine remote)")
     if effects and engine == "remote":
         raise typer.BadParameter("--effects runs beside the engine (its output streams): not with --engine remote "
                                  "(run `charon effects work` next to the engine's data directory)")
@@ -274,14 +308,23 @@ def run(
             raise _fail(str(exc), ExitCode.USAGE) from None
         say(f"charon: {len(names)} tokens from {tokens_file} ({', '.join(names)})", event="tokens",
             tokens=len(names))
-    public = application.public_functions()
-    if not public:
+    if not application.public_functions():
         say(f"{application.name} has no public function: clients can invoke nothing over HTTP (functions are "
             "internal unless declared @op.function(public=True); internal ones run only when other functions, "
             "timers or effect continuations call them)", logging.WARNING, event="no_public_function")
-    try:  # the port first: a busy port is one line before anything else is created or printed
-        listener = bind_socket(host, port)
+    n_gateways = gateways if engine == "spark" else 0
+    public: list[socket.socket] = []
+    try:  # the ports first: a busy port is one line before anything else is created or printed
+        if listen_fd is not None:
+            listener = socket.socket(fileno=listen_fd)
+        elif n_gateways:
+            public = [bind_socket(host, port + i) for i in range(n_gateways)]
+            listener = bind_socket(control_host, control_port)
+        else:
+            listener = bind_socket(host, port)
     except PortUnavailable as exc:
+        for sock in public:
+            sock.close()
         raise _fail(str(exc), ExitCode.UNAVAILABLE) from None
     # A function running pure-Python code past its budget holds the GIL until the watchdog stops it: the gateway's
     # threads get it back within this interval (default 5 ms; each request needs several hand-overs).
@@ -292,9 +335,11 @@ def run(
             log_url=log, storage_url=storage, log_partitions=log_partitions, function_timeout=function_timeout,
             transaction_timeout=transaction_timeout, spark_exchange=spark_exchange,
             exit_when_stuck=exit_when_stuck, determinism_check=check_determinism, inspector=inspector,
-            inspector_records=inspector_records, inspector_bytes=inspector_bytes))
+            inspector_records=inspector_records, inspector_bytes=inspector_bytes, driver_url=driver))
     except BaseException:
         listener.close()
+        for sock in public:
+            sock.close()
         raise
     if token is None and tokens_file is None:
         say("no --token or --tokens-file: the gateway accepts unauthenticated requests", logging.WARNING,
@@ -315,8 +360,29 @@ def run(
         url=f"http://{host}:{port}", replayed_epochs=replayed, pid=os.getpid(),
     )
 
+    procs = None
+    if public:
+        from charon.gatewayprocs import GatewayProcesses
+
+        control = listener.getsockname()
+        control_url = f"http://{'127.0.0.1' if control[0] in ('0.0.0.0', '') else control[0]}:{control[1]}"
+        procs = GatewayProcesses(public, _gateway_argv(
+            target, log, data_dir or os.path.abspath("charon-data"), control_url,
+            tokens_file, max_body, reply_retention, log_format, log_level, otel_endpoint, otel_sample_ratio),
+            {**os.environ, **({"CHARON_TOKEN": token} if token else {})})
+        say(f"charon: driver control channel on {control_url}; {n_gateways} gateway process"
+            f"{'es' if n_gateways > 1 else ''} on port{'s' if n_gateways > 1 else ''} "
+            f"{', '.join(str(port + i) for i in range(n_gateways))}", event="gateways", control=control_url,
+            gateways=n_gateways)
+
     def ready() -> None:
+        if child_of is not None:  # the driver says when the deployment is ready
+            return
+        if procs is not None and not procs.wait_ready(120.0):
+            return
         line = ready_line(application.name, runtime.kind, base)
+        if procs is not None and n_gateways > 1:
+            line += f" — {n_gateways} gateways on ports {port}-{port + n_gateways - 1}"
         if log_format == "json":  # the gateway logged "ready" when the engine started; this is /health's 200
             server_log.info(line.removeprefix("charon: "), extra={"event": "accepting", "url": base})
         else:
@@ -334,15 +400,43 @@ def run(
                                       concurrency=effects_concurrency, max_inflight_bytes=effects_max_bytes,
                                       park_failed=park_failed)
         config = GatewayConfig.from_env(otel_endpoint=otel_endpoint, otel_sample_ratio=otel_sample_ratio)
+
+        async def stop_gateways() -> None:  # first, while the engine still answers their waiting requests
+            if procs is not None:
+                await asyncio.to_thread(procs.stop)
+
+        if procs is not None:
+            procs.start()
         try:
             serve(runtime, host, port, token, max_body=max_body, recent_replies=recent, effects=executor,
-                  sock=listener, on_ready=ready, config=config, own_logging=True, tokens_file=tokens_file)
+                  sock=listener, on_ready=ready, config=config, own_logging=True, tokens_file=tokens_file,
+                  forward_to=driver, on_shutdown=stop_gateways)
         except RuntimeStartError as exc:
             raise _fail(f"the {runtime.kind} runtime did not start: {exc}", ExitCode.UNAVAILABLE) from None
         except RuntimeFailed as exc:  # one line, non-zero: a process supervisor restarts it
             raise _fail(f"the {runtime.kind} runtime failed and cannot recover: {exc}", ExitCode.UNAVAILABLE) from None
     finally:
+        if procs is not None:
+            procs.stop()
         runtime.close()
+
+
+def _gateway_argv(target: str, log: str | None, data_dir: str, control_url: str, tokens_file: str | None,
+                  max_body: int | None, reply_retention: int | None, log_format: str, log_level: str,
+                  otel_endpoint: str | None, otel_sample_ratio: float | None) -> list[str]:
+    """The command line of a gateway process of this driver (``--listen-fd`` is added per process; the token goes
+    in its environment, never on a command line)."""
+    argv = [sys.executable, "-m", "charon.cli", "run", target, "--engine", "remote", "--driver", control_url,
+            "--child-of", str(os.getpid()), "--log-format", log_format,
+            # its own start and stop lines would repeat the driver's: warnings and errors, unless debugging
+            "--log-level", log_level if log_level.lower() == "debug" else "warning"]
+    argv += ["--log", log] if log else ["--data-dir", os.path.abspath(data_dir)]
+    for flag, value in (("--tokens-file", tokens_file), ("--max-body", max_body),
+                        ("--reply-retention", reply_retention), ("--otel-endpoint", otel_endpoint),
+                        ("--otel-sample-ratio", otel_sample_ratio)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def ready_line(app_name: str, engine: str, base_url: str) -> str:

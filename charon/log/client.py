@@ -96,6 +96,10 @@ class LogClient:
     def _lookup(self, rid: str) -> tuple[Reply | None, Request | None]:
         return self.output_log.get(rid), stored_request(self.input_log, rid)
 
+    def pending(self) -> int:
+        """How many submits here wait for their reply."""
+        return len(self._waiters)
+
     def waiting(self) -> list[Request]:
         """The requests submitted here that have no reply yet (a copy; from any thread: a RuntimeError when the
         loop changed them meanwhile)."""

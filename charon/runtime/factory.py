@@ -37,7 +37,8 @@ class EngineSpec:
 
     ``inprocess``: volatile without ``data_dir``, a durable node with one. ``spark``: configured from
     ``CHARON_*`` variables, then these settings (``log_partitions``: the input log's partition count). ``remote``:
-    a gateway whose engine runs elsewhere, reading the networked log at ``log_url``. ``log_url``
+    a gateway whose engine runs elsewhere, over the networked log at ``log_url`` or the SQLite logs in ``data_dir``,
+    asking the driver at ``driver_url`` (if given) for its health and the routes it does not serve. ``log_url``
     (``nats://host:port/deployment``) puts the logs on NATS JetStream instead of SQLite files."""
 
     kind: str
@@ -58,6 +59,7 @@ class EngineSpec:
     inspector_records: int | None = None  # requests it keeps (default 10,000)
     inspector_bytes: int | None = None  # bytes of them it keeps (default 32 MiB)
     spark_exchange: str | None = None  # spark: "jobs" (default) or "resident" (opt-in; else CHARON_EXCHANGE)
+    driver_url: str | None = None  # remote: the driver's control channel (its health; the routes not served here)
 
     def check(self) -> None:
         """Raise :class:`EngineSpecError` for settings that do not fit together."""
@@ -95,8 +97,11 @@ class EngineSpec:
         if self.transaction_timeout is not None and self.kind != "inprocess":
             raise EngineSpecError("--transaction-timeout applies to --engine inprocess only (on spark a "
                                   "transaction's steps in a task are bounded by twice --function-timeout)")
-        if self.kind == "remote" and self.log_url is None:
-            raise EngineSpecError("--engine remote needs --log nats://host:port/deployment (the engine's log)")
+        if self.kind == "remote" and self.log_url is None and self.data_dir is None:
+            raise EngineSpecError("--engine remote needs --log nats://host:port/deployment or the driver's "
+                                  "--data-dir (the engine's log)")
+        if self.driver_url is not None and self.kind != "remote":
+            raise EngineSpecError("--driver applies to --engine remote only (a gateway whose engine runs elsewhere)")
         if self.kind == "remote" and self.determinism_check:
             raise EngineSpecError("--check-determinism applies where functions run (the engine), not to "
                                   "--engine remote")
@@ -191,8 +196,7 @@ def _remote(spec: EngineSpec) -> Engine:
     from charon.runtime.codeversions import load_app_ref
     from charon.runtime.remote import LogRuntime
 
-    assert spec.log_url is not None  # checked
     try:
-        return LogRuntime(load_app_ref(spec.target), spec.log_url)
+        return LogRuntime(load_app_ref(spec.target), spec.log_url, data_dir=spec.data_dir, driver_url=spec.driver_url)
     except OSError as exc:
-        raise EngineOpenFailed(f"the log at {spec.log_url} is not reachable: {exc}") from None
+        raise EngineOpenFailed(f"the log at {spec.log_url or spec.data_dir} is not reachable: {exc}") from None

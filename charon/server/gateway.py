@@ -76,7 +76,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -120,6 +120,7 @@ from charon.server.auth import (
     route_scopes,
     scoped_route_app,
 )
+from charon.server.forward import DriverForward
 from charon.server.http import StrictPath
 from charon.server.lane import DirectInvoke, InvokeLane
 from charon.server.limits import inflight_size, read_body, reply_size
@@ -733,6 +734,8 @@ def create_app(
     on_start_failure: Callable[[str], None] | None = None,
     effects: EffectsAdmin | None = None,
     tracer_provider: TracerProvider | None = None,
+    forward_to: str | None = None,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
 ) -> Any:
     """Build the gateway's ASGI app over ``runtime`` (an :class:`~charon.runtime.contract.Engine`, or a runtime
     that gives one: the gateway uses nothing but the contract).
@@ -754,6 +757,10 @@ def create_app(
     ``tracer_provider``: an OpenTelemetry tracer provider to trace requests with (default: one exporting over OTLP
     when ``config.otel_endpoint`` or the ``OTEL_*`` variables name an endpoint, else tracing is off;
     :mod:`charon.server.tracing`).
+    ``forward_to``: the driver's control URL: the routes this gateway cannot serve from its engine's logs go there
+    (:class:`charon.server.forward.DriverForward`; a gateway process of ``charon run --engine spark``).
+    ``on_shutdown``: awaited first when the app shuts down, before anything is stopped (the driver stops its
+    gateway processes there, while its engine still answers their requests).
     """
     cfg = dataclasses.replace(config) if config is not None else GatewayConfig.from_env()
     for name, value in (("max_body", max_body), ("wait_timeout", wait_timeout), ("recent_replies", recent_replies)):
@@ -801,6 +808,8 @@ def create_app(
             yield
         finally:
             sampler.cancel()
+            if on_shutdown is not None:
+                await on_shutdown()
             if manage_runtime:
                 _log.info("shutting down", extra={"event": "shutdown", "inflight": len(gw.inflight)})
             if starter is not None and not starter.done():
@@ -863,7 +872,8 @@ def create_app(
     app.state.gateway = gw
     app.state.runtime = runtime
     app.state.engine = engine
-    outer = InvokeLane(StrictPath(app), invoke, invoke.endpoint, direct)  # the hot route around the dispatch
+    inner: Any = app if forward_to is None else DriverForward(app, forward_to, max_body=cfg.max_body)
+    outer = InvokeLane(StrictPath(inner), invoke, invoke.endpoint, direct)  # the hot route around the dispatch
     outer.state = app.state  # type: ignore[attr-defined]
     outer.config = cfg  # type: ignore[attr-defined]
     return outer

@@ -77,6 +77,8 @@ def serve(
     on_ready: Callable[[], None] | None = None,
     own_logging: bool = False,
     tokens_file: str | None = None,
+    forward_to: str | None = None,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Run the gateway with uvicorn until interrupted; the runtime is started and stopped with it.
 
@@ -89,7 +91,8 @@ def serve(
     is raised. Settings come from ``config`` (default :meth:`GatewayConfig.from_env`); ``max_body`` and
     ``recent_replies`` override it when given. ``own_logging``: the process's logging is set up
     (:func:`charon.server.logs.setup_logging`); uvicorn's then goes through it. ``token`` (every scope) and
-    ``tokens_file`` (named tokens with scopes): :mod:`charon.server.auth`.
+    ``tokens_file`` (named tokens with scopes): :mod:`charon.server.auth`. ``forward_to`` and ``on_shutdown``: see
+    :func:`create_app`.
     """
     failed: list[str] = []
     fatal: list[str] = []
@@ -123,6 +126,7 @@ def serve(
     app = create_app(
         engine, token=token, max_body=max_body, manage_runtime=True, recent_replies=recent_replies, config=config,
         background_start=True, on_start_failure=start_failed, effects=effects, tokens_file=tokens_file,
+        forward_to=forward_to, on_shutdown=on_shutdown,
     )
     server = uvicorn.Server(uvicorn_config(app, host, port, app.config, log_level, own_logging))
     listener = sock if sock is not None else bind_socket(host, port)
