@@ -9,6 +9,7 @@ are ``charon.core`` (the deterministic core), ``charon.state``, ``charon.log``, 
 import logging as _logging
 
 from charon.core.context import Call, Context, Outcome
+from charon.core.limits import Limit
 from charon.core.promises import promise_value
 from charon.core.timers import Timer
 from charon.errors import (
@@ -64,6 +65,7 @@ __all__ = [
     "InProcessRuntime",
     "InvalidKey",
     "InvocationTimeout",
+    "Limit",
     "LogUnavailable",
     "NonDeterministicFunction",
     "Operator",

@@ -25,7 +25,7 @@ MODEL = {"charon.errors", "charon.serde", "charon.messages", "charon.operator", 
 LAYERS = ("core", "storage", "state", "log", "runtime", "server")
 #: What each layer may import besides itself and MODEL (a module name or a ``layer.`` prefix).
 ALLOWED = {
-    "model": {"charon.core.routing"},
+    "model": {"charon.core.routing", "charon.core.limits"},
     "core": {"charon.state.store"},
     "storage": set(),
     "state": {"charon.storage."},
@@ -313,6 +313,7 @@ PUBLIC = [
     "InProcessRuntime",
     "InvalidKey",
     "InvocationTimeout",
+    "Limit",
     "LogUnavailable",
     "NonDeterministicFunction",
     "Operator",
