@@ -174,10 +174,12 @@ class Admission:
                                           and (lvl := self._level((t, b), lim, now)) < 1.0]) for ms in held_ms),
                             default=-math.inf)
         if self.buckets:  # a full bucket is the same as none: forget it (bounded by recent use)
-            self.buckets = {b: v for b, v in self.buckets.items()
-                            if (lim := table.get(b[0])) is not None and lim.rate is not None
-                            and self._level(b, lim, now) < lim.size}
+            self.buckets = {b: v for b, v in self.buckets.items() if self._short(table.get(b[0]), b, now)}
         return dec
+
+    def _short(self, lim: Limit | None, b: Bucket, now: float) -> bool:
+        """Whether bucket ``b`` of ``lim`` is not full at ``now`` (a full one need not be kept)."""
+        return lim is not None and lim.rate is not None and self._level(b, lim, now) < lim.size
 
     # -- run-time changes (requests to LIMITS_OPERATOR) --------------------------------------------------
     def change(self, declared: Mapping[str, Limit], req: Request,

@@ -135,7 +135,8 @@ def test_a_limit_changed_through_the_log_applies_at_its_epoch_and_shows_the_wait
 def test_replay_from_a_record_takes_the_same_decisions() -> None:
     epochs = workload(7, 200)
     straight = InProcessRuntime(app(), partitions=2)
-    want = [(r.epoch, sorted((t, rep.ok, rep.error_type) for t, rep in r.replies.items())) for r in run(straight, epochs)]
+    want = [(r.epoch, sorted((t, rep.ok, rep.error_type) for t, rep in r.replies.items()))
+            for r in run(straight, epochs)]
     first = InProcessRuntime(app(), partitions=2)
     run(first, epochs[:90])
     c = first.coordinator
