@@ -198,16 +198,12 @@ class UnawaitedCall(EngineAbort):
 
 class RateLimited(EngineAbort):
     """Refused at admission: the request's limit has as many requests waiting as its queue holds (HTTP 429 with
-    ``Retry-After``); nothing ran. See :mod:`charon.core.admission`."""
-
-    kind: ClassVar[str] = AVAILABILITY
+    ``Retry-After``); nothing ran: a retry later may run it. See :mod:`charon.core.admission`."""
 
 
 class Overloaded(EngineAbort):
     """Refused at admission: the engine holds as many waiting requests as it may (HTTP 429 with
-    ``Retry-After``, also before the log); nothing ran."""
-
-    kind: ClassVar[str] = AVAILABILITY
+    ``Retry-After``, also before the log); nothing ran: a retry later may run it."""
 
 
 class UnknownEffect(EngineAbort):

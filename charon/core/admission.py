@@ -89,10 +89,10 @@ class Admission:
     def _level(self, b: Bucket, lim: Limit, now: float) -> float:
         had = self.buckets.get(b)
         size = lim.size
-        if had is None:
+        if had is None or lim.rate is None:
             return size
         tokens, at = had
-        return min(size, tokens + lim.rate * max(0.0, now - at))  # type: ignore[operator]
+        return min(size, tokens + lim.rate * max(0.0, now - at))
 
     # -- one epoch --------------------------------------------------------------------------------------
     def admit(self, declared: Mapping[str, Limit], now: float, candidates: Iterable[tuple[int, Request]],

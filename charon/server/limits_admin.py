@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 from starlette.requests import Request as HTTPRequest
@@ -87,7 +87,7 @@ class LimitsAdmin:
         self.gw = gw
         self.timeout_s = timeout_s
 
-    async def _submit(self, function: str, target: str, args: list[Any]) -> dict[str, Any]:
+    async def _submit(self, function: str, target: str, args: list[object]) -> dict[str, object]:
         import asyncio
 
         rid = f"__charon.limits:{uuid.uuid4().hex}"  # reserved: never held, never a client's
@@ -99,7 +99,7 @@ class LimitsAdmin:
                             "(paused?); it applies when one does") from None
         if not rep.ok:
             raise HTTPError("BadArguments", rep.error_message)
-        doc: dict[str, Any] = serde.decode(rep.value)
+        doc: dict[str, object] = serde.decode(rep.value)
         doc["epoch"] = rep.epoch
         return doc
 
@@ -121,7 +121,10 @@ class LimitsAdmin:
         if len(ops) != 1:
             raise HTTPError("BadRequest", "give exactly one of limit, clear, remove")
         try:
-            target = check_target(doc.get("target"))  # type: ignore[arg-type]
+            raw = doc.get("target")
+            if type(raw) is not str:
+                raise ValueError("target must be a string: 'operator' or 'operator/function'")
+            target = check_target(raw)
             if ops[0] == "limit":
                 if type(doc["limit"]) is not dict:
                     raise ValueError("limit must be an object")
