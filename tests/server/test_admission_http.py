@@ -5,6 +5,7 @@ decision, before and after the kill, is the one a straight in-process replay of 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -109,6 +110,13 @@ def test_limits_hold_429_and_decisions_replay_exactly_across_a_sigkill(tmp_path:
         assert limited and not odd, odd
         assert all(a.json()["error"]["type"] == "RateLimited" and int(a.headers["Retry-After"]) >= 1
                    for a in limited)
+        cli = [sys.executable, "-m", "charon.cli", "limits"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "CHARON_URL": url, "CHARON_TOKEN": TOKEN}
+        subprocess.run([*cli, "set", "lim/take", "--concurrency", "1", "--rate", "100"], env=env, check=True,
+                       capture_output=True, timeout=60)
+        shown = json.loads(subprocess.run([*cli, "show", "--json"], env=env, check=True, capture_output=True,
+                                          timeout=60).stdout)
+        assert shown["limits"]["lim/take"]["concurrency"] == 1 and shown["limits"]["lim/take"]["source"] == "admin"
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
