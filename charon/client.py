@@ -679,16 +679,16 @@ class Client(_Base):
         :class:`~charon.errors.RequestNotFound` for an id it does not know (or no longer retains)."""
         return self._admin_doc(self._send("GET", f"/admin/requests/{_segment(request_id)}", headers=self.headers))
 
-    def limits(self) -> dict[str, Any]:
+    def limits(self) -> dict[str, object]:
         """The admission limits in force and the requests waiting per bucket (``GET /admin/limits``)."""
         return self._admin_doc(self._send("GET", "/admin/limits", headers=self.headers))
 
-    def set_limit(self, target: str, limit: dict[str, Any] | None = None, *, clear: bool = False,
-                  remove: bool = False) -> dict[str, Any]:
+    def set_limit(self, target: str, limit: dict[str, object] | None = None, *, clear: bool = False,
+                  remove: bool = False) -> dict[str, object]:
         """Change an admission limit at run time (``POST /admin/limits``): ``limit`` sets one on ``target``
         (``"op"`` or ``"op/fn"``), ``clear`` goes back to the code's, ``remove`` lifts it; applied at an epoch
         boundary, recorded in the log."""
-        body: dict[str, Any] = {"target": target}
+        body: dict[str, object] = {"target": target}
         if limit is not None:
             body["limit"] = limit
         if clear:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import cast
 
 import typer
 from rich.console import Console
@@ -20,26 +20,28 @@ TokenOpt = typer.Option(None, "--token", envvar="CHARON_TOKEN", help="Bearer tok
 JsonOpt = typer.Option(False, "--json", help="The JSON document instead of a table.")
 
 
-def _ask(url: str, token: str | None, what: str, *args: object, **kw: object) -> dict[str, Any]:
+def _ask(url: str, token: str | None, what: str, *args: object, **kw: object) -> dict[str, object]:
     import httpx
 
     from charon.client import Client
 
     with Client(url, token=token, timeout=60.0, retries=2) as client:
         try:
-            doc: dict[str, Any] = getattr(client, what)(*args, **kw)
+            doc: dict[str, object] = getattr(client, what)(*args, **kw)
             return doc
         except (CharonError, httpx.HTTPError) as exc:
             raise request_failed(exc, url) from None
 
 
-def _print(doc: dict[str, Any], as_json: bool) -> None:
+def _print(doc: dict[str, object], as_json: bool) -> None:
     if as_json:
         console.print_json(json.dumps(doc))
         return
+    limits = cast(dict[str, dict[str, object]], doc["limits"])
+    waiting_by = cast(dict[str, dict[str, int]], doc["waiting"])
     table = Table("target", "concurrency", "rate", "burst", "per", "priority", "queue", "source", "waiting")
-    for target, lim in doc["limits"].items():
-        waiting = sum(doc["waiting"].get(target, {}).values())
+    for target, lim in limits.items():
+        waiting = sum(waiting_by.get(target, {}).values())
         table.add_row(target, *(str(lim.get(k, "")) for k in ("concurrency", "rate", "burst", "per", "priority",
                                                              "queue", "source")), str(waiting))
     console.print(table)
