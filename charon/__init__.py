@@ -9,6 +9,7 @@ are ``charon.core`` (the deterministic core), ``charon.state``, ``charon.log``, 
 import logging as _logging
 
 from charon.core.context import Call, Context, Outcome
+from charon.core.limits import Limit
 from charon.core.promises import promise_value
 from charon.core.timers import Timer
 from charon.errors import (
@@ -22,6 +23,7 @@ from charon.errors import (
     InvocationTimeout,
     LogUnavailable,
     NonDeterministicFunction,
+    Overloaded,
     PayloadTooLarge,
     PromiseCancelled,
     PromiseConflict,
@@ -29,6 +31,7 @@ from charon.errors import (
     PromiseRejected,
     PromiseTimedOut,
     Quarantined,
+    RateLimited,
     SerializationError,
     TransactionAborted,
     UnawaitedCall,
@@ -64,10 +67,12 @@ __all__ = [
     "InProcessRuntime",
     "InvalidKey",
     "InvocationTimeout",
+    "Limit",
     "LogUnavailable",
     "NonDeterministicFunction",
     "Operator",
     "Outcome",
+    "Overloaded",
     "PayloadTooLarge",
     "PromiseCancelled",
     "PromiseConflict",
@@ -75,6 +80,7 @@ __all__ = [
     "PromiseRejected",
     "PromiseTimedOut",
     "Quarantined",
+    "RateLimited",
     "Reply",
     "Request",
     "SerializationError",

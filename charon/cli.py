@@ -51,6 +51,7 @@ from charon.demo_cli import demo
 from charon.effects_cli import effects_app
 from charon.errors import CharonError
 from charon.exitcodes import ExitCode
+from charon.limits_cli import limits_app
 from charon.promises_cli import promises_app, schedules_app
 from charon.requests_cli import requests_app
 from charon.runtime.factory import EngineSpec
@@ -445,6 +446,7 @@ def ready_line(app_name: str, engine: str, base_url: str) -> str:
 
 
 app.add_typer(effects_app, name="effects")
+app.add_typer(limits_app, name="limits")  # charon limits show|set|clear|remove (admission control)
 app.add_typer(requests_app, name="requests")  # charon requests list|show (the invocation inspector)
 app.add_typer(promises_app, name="promises")  # durable promises (issue 34)
 app.add_typer(schedules_app, name="schedules")

@@ -239,7 +239,8 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
     etype = str(err.get("type", "")) if isinstance(err, dict) else ""
     message = str(err.get("message", "")) if isinstance(err, dict) else ""
     doc = body if isinstance(body, dict) else {}
-    if status == 409 and not (etype in ("RescaleRunning", "Paused") and "tid" not in doc):
+    if (status == 409 and not (etype in ("RescaleRunning", "Paused") and "tid" not in doc)) or (
+            status == 429 and etype in ("RateLimited", "Overloaded")):  # admission's refusals are aborts
         raise aborted(etype, message, str(doc.get("request_id", request_id or "")), tid=_int(doc.get("tid")),
                       epoch=_int(doc.get("epoch")), position=_int(doc.get("position")))
     cls = ERRORS.get(etype)  # the class the engine raises in-process for the same mistake (501 NotSupported too)
@@ -677,6 +678,24 @@ class Client(_Base):
         """One request in the inspector (``GET /admin/requests/{id}``): reply, error and traceback, call graph;
         :class:`~charon.errors.RequestNotFound` for an id it does not know (or no longer retains)."""
         return self._admin_doc(self._send("GET", f"/admin/requests/{_segment(request_id)}", headers=self.headers))
+
+    def limits(self) -> dict[str, object]:
+        """The admission limits in force and the requests waiting per bucket (``GET /admin/limits``)."""
+        return self._admin_doc(self._send("GET", "/admin/limits", headers=self.headers))
+
+    def set_limit(self, target: str, limit: dict[str, object] | None = None, *, clear: bool = False,
+                  remove: bool = False) -> dict[str, object]:
+        """Change an admission limit at run time (``POST /admin/limits``): ``limit`` sets one on ``target``
+        (``"op"`` or ``"op/fn"``), ``clear`` goes back to the code's, ``remove`` lifts it; applied at an epoch
+        boundary, recorded in the log."""
+        body: dict[str, object] = {"target": target}
+        if limit is not None:
+            body["limit"] = limit
+        if clear:
+            body["clear"] = True
+        if remove:
+            body["remove"] = True
+        return self._admin_doc(self._send("POST", "/admin/limits", json=body, headers=self.headers))
 
     def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
         """Start no new epoch (now, or after epoch ``after_epoch``); requests keep being accepted."""

@@ -27,7 +27,7 @@ ROWS: dict[str, list[type[errors.CharonError]]] = {
         errors.SerializationErrorAborted, errors.InvalidKeyAborted, errors.PayloadTooLargeAborted,
         errors.UndeclaredPortalAborted, errors.PromiseConflict, errors.UnknownPromiseAborted,
         errors.UnknownScheduleAborted, errors.PromiseFailed, errors.PromiseRejected, errors.PromiseTimedOut,
-        errors.PromiseCancelled,
+        errors.PromiseCancelled, errors.RateLimited, errors.Overloaded,
     ],
     errors.REFUSAL: [
         errors.UnknownOperator, errors.UnknownFunction, errors.BadArguments, errors.SerializationError,
@@ -52,7 +52,8 @@ _WIRE = {
     client.GatewayError: "(any)",
 }
 _STATUS = {client.GatewayUnavailable: "503", client.GatewayLogUnavailable: "503", client.GatewayError: "5xx",
-           errors.UndeclaredPortal: "— (in-process: a `Deployment`'s wiring)"}
+           errors.UndeclaredPortal: "— (in-process: a `Deployment`'s wiring)", errors.RateLimited: "429",
+           errors.Overloaded: "429"}
 _KIND_TEXT = {
     errors.ABORT: "The transaction ran and aborted, nothing of it was applied. Retrying the same request "
                   "id returns the same abort; retrying with a new id runs the transaction again (it will abort "
@@ -124,7 +125,7 @@ def wire_name(cls: type[errors.CharonError]) -> str:
 def http_status(cls: type[errors.CharonError]) -> str:
     """The HTTP status the gateway answers ``cls`` with."""
     if issubclass(cls, errors.TransactionAborted):
-        return "409"
+        return _STATUS.get(cls, "409")
     return _STATUS.get(cls) or str(STATUS_OF_ERROR[wire_name(cls)])
 
 

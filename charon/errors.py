@@ -196,6 +196,16 @@ class UnawaitedCall(EngineAbort):
     call whose result is not needed). The transaction aborts: nothing of it is applied."""
 
 
+class RateLimited(EngineAbort):
+    """Refused at admission: the request's limit has as many requests waiting as its queue holds (HTTP 429 with
+    ``Retry-After``); nothing ran: a retry later may run it. See :mod:`charon.core.admission`."""
+
+
+class Overloaded(EngineAbort):
+    """Refused at admission: the engine holds as many waiting requests as it may (HTTP 429 with
+    ``Retry-After``, also before the log); nothing ran: a retry later may run it."""
+
+
 class UnknownEffect(EngineAbort):
     """``ctx.effect`` named an effect handler the application does not register, or gave it a bad policy
     (timeout, attempts): the transaction aborts, nothing is recorded."""
@@ -357,6 +367,8 @@ ABORTS: dict[str, type[EngineAbort]] = {
         PromiseTimedOut,
         PromiseCancelled,
         InvocationTimeout,
+        RateLimited,
+        Overloaded,
         Quarantined,
     )
 }

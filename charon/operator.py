@@ -11,6 +11,7 @@ from typing import Any, Concatenate, Generic, Never, ParamSpec, TypeVar
 
 import msgspec
 
+from charon.core.limits import Limit, check_target
 from charon.core.routing import check_key, check_operator_name, check_stream
 from charon.errors import BadArguments, InvalidKey, UnknownFunction, UnknownOperator, ValueTooLarge
 from charon.schedule_spec import schedule_spec
@@ -34,7 +35,7 @@ class Function(Generic[P, R_co]):
     """
 
     def __init__(self, operator: Operator, body: Body[P, R_co], *, timeout: float | None = None,
-                 public: bool = False) -> None:
+                 public: bool = False, limit: Limit | None = None) -> None:
         if not inspect.iscoroutinefunction(body):
             raise TypeError(f"{body.__qualname__} must be an `async def` function")
         if timeout is not None and not timeout > 0:
@@ -50,6 +51,10 @@ class Function(Generic[P, R_co]):
         #: continuations) or when trusted in-process code submits it (``InProcessRuntime.invoke``): the gateway
         #: answers 404 for it, as for a function that does not exist, and leaves it out of its OpenAPI document
         self.public = bool(public)
+        if limit is not None and not isinstance(limit, Limit):
+            raise TypeError(f"{body.__qualname__}: limit must be a charon.Limit")
+        #: its admission limit (``@op.function(limit=Limit(...))``; see :mod:`charon.core.admission`)
+        self.limit = limit
         sig = inspect.signature(body)
         params = list(sig.parameters.values())
         if not params:
@@ -169,23 +174,24 @@ class Operator:
 
     @typing.overload
     def function(self, body: Body[P, R], /, *, timeout: float | None = None, public: bool = False,
-                 ) -> Function[P, R]: ...
+                 limit: Limit | None = None) -> Function[P, R]: ...
 
     @typing.overload
     def function(self, body: None = None, /, *, timeout: float | None = None, public: bool = False,
-                 ) -> Callable[[Body[P, R]], Function[P, R]]: ...
+                 limit: Limit | None = None) -> Callable[[Body[P, R]], Function[P, R]]: ...
 
     def function(self, body: Body[P, R] | None = None, /, *, timeout: float | None = None, public: bool = False,
-                 ) -> Function[P, R] | Callable[[Body[P, R]], Function[P, R]]:
+                 limit: Limit | None = None) -> Function[P, R] | Callable[[Body[P, R]], Function[P, R]]:
         """Decorator registering an ``async def f(ctx, *args)`` as a function of this operator:
         ``@op.function``, or with options: ``@op.function(public=True)`` makes it an entry point clients may
         invoke over HTTP (functions are internal by default: only other functions, timers, effect continuations
         and trusted in-process code run them; the gateway answers 404 for them), ``@op.function(timeout=30.0)``
         gives it a time budget of its own (seconds it may run without awaiting a call; default: the runtime's
-        ``function_timeout``)."""
+        ``function_timeout``), ``@op.function(limit=Limit(concurrency=4))`` an admission limit
+        (:mod:`charon.core.admission`)."""
         if body is None:
-            return lambda b: self.function(b, timeout=timeout, public=public)
-        fn: Function[P, R] = Function(self, body, timeout=timeout, public=public)
+            return lambda b: self.function(b, timeout=timeout, public=public, limit=limit)
+        fn: Function[P, R] = Function(self, body, timeout=timeout, public=public, limit=limit)
         if fn.name in self.functions:
             raise ValueError(f"{self.name}.{fn.name} is defined twice")
         self.functions[fn.name] = fn
@@ -236,6 +242,23 @@ class Application:
         for u in self.uses:
             if not isinstance(u, str) or u.count(".") < 1 or not all(u.split(".", 1)):
                 raise ValueError(f"uses entries are 'app.portal' or 'app.stream', got {u!r}")
+        self._limits: dict[str, Limit] = {}
+
+    def limit(self, target: str, limit: Limit) -> None:
+        """Declare an admission limit on ``target``: an operator (``"account"``) or one of its functions
+        (``"account/withdraw"``, as ``@op.function(limit=...)``); see :mod:`charon.core.admission`."""
+        check_target(target)
+        if not isinstance(limit, Limit):
+            raise TypeError("limit must be a charon.Limit")
+        self._limits[target] = limit
+
+    @property
+    def limits(self) -> dict[str, Limit]:
+        """The admission limits the code declares, by target (``operator`` or ``operator/function``)."""
+        out = {f"{op.name}/{fn.name}": fn.limit for op in self.operators.values() for fn in op.functions.values()
+               if fn.limit is not None}
+        out.update(self._limits)
+        return out
 
     def effect_handler(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator registering ``handler(idempotency_key, *args)`` (sync or async; I/O allowed) as the effect

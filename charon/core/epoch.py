@@ -47,6 +47,7 @@ from typing import NamedTuple, Protocol
 
 from charon import serde
 from charon.core import timers as _timers
+from charon.core.admission import LIMITS_OPERATOR, Admission
 from charon.core.partition import (
     MAX_INVOCATIONS,
     ROOT,
@@ -568,6 +569,9 @@ class EpochCoordinator:
         self._held: list[Reply] = []  # replies decided before that finalize ran (see run_epoch)
         self.due_seen = math.inf  # the least next due time any partition reported in this epoch's rounds
         self.deferred: list[tuple[int, Request]] = []
+        self.deferred_in: list[tuple[int, Request]] = []  # the deferred ones this epoch started with
+        #: admission control (:mod:`charon.core.admission`): its held requests are in :attr:`deferred`
+        self.admission = Admission()
         # the earliest due timer after the last epoch (-inf: unknown, e.g. after a restart; inf: none)
         self.next_due = -math.inf
         self.timer_limit = _timers.MAX_TIMERS_PER_EPOCH  # timers one partition fires per epoch (at most)
@@ -730,7 +734,7 @@ class EpochCoordinator:
         t_start = time.perf_counter()
         stats: dict[str, float] = {}
         txns: dict[int, Request] = dict(self.deferred)
-        self.deferred = []
+        self.deferred_in, self.deferred = self.deferred, []
         self.due_seen = math.inf
         self._held = []
         self._prior = prior if prior is not None and prior.finalize is not None else None
@@ -754,6 +758,7 @@ class EpochCoordinator:
         for sid, req in requests:
             txns[self.sequencer.assign(sid)] = req
         self.sequencer.end_epoch()
+        answered = self._admit(txns, requests, t_epoch, stats)
         result = EpochResult(epoch, {}, txns, [], time=t_epoch, timers=fired)
         self.current, self.phase = result, 0
         last_tid = max(txns, default=0)
@@ -765,6 +770,8 @@ class EpochCoordinator:
         judged: list[int] = []  # refused by a dry-run verdict: they keep their place in the chunks
         for tid in sorted(txns):
             req = txns[tid]
+            if answered and tid in answered:
+                continue
             if verdicts:
                 v = verdicts.get(req.request_id)
                 if v is not None and not v.fallback:
@@ -800,6 +807,9 @@ class EpochCoordinator:
         for tid, err in refused:  # at its chunk's place (a chunk's transactions lie in (bound before, bound])
             j = bisect.bisect_left(bounds, tid) if bases else 0
             early.append(_reply(result, bounds[j], tid, False, False, err=err, base=bases[j] if bases else 0))
+        for tid, (ok, value, err) in sorted(answered.items()) if answered else ():  # admission's (as refused)
+            j = bisect.bisect_left(bounds, tid) if bases else 0
+            early.append(_reply(result, bounds[j], tid, False, ok, value, err, base=bases[j] if bases else 0))
         if self._prior is not None:  # its on_finalized (a runtime records it, cuts its replies there) comes first
             self._held = early
         else:
@@ -832,6 +842,40 @@ class EpochCoordinator:
         stats["committed"] = len(result.lockfree) + len(result.fast) + sum(1 for t in result.slow if replies[t].ok)
         result.stats = stats
         return result
+
+    def idle_until(self) -> float:
+        """The time before which an epoch without new requests would do nothing (fire no timer, run no deferred
+        transaction, admit no held request): -inf when a deferred transaction can run now. For a runtime's
+        pacing only (when epochs run, never what they decide)."""
+        if len(self.deferred) > len(self.admission.held):
+            return -math.inf
+        return min(self.next_due, self.admission.retry_at) if self.deferred else self.next_due
+
+    def _admit(self, txns: dict[int, Request], requests: list[tuple[int, Request]], now: float,
+               stats: dict[str, float]) -> dict[int, tuple[bool, bytes, tuple[str, str]]]:
+        """Admission control over a sequenced epoch (:mod:`charon.core.admission`): applies the epoch's limit
+        changes, moves the requests held over a limit from ``txns`` to :attr:`deferred` (keeping their TIDs) and
+        returns the replies decided here by TID: the changes' and the refusals (``RateLimited``, ``Overloaded``)."""
+        adm = self.admission
+        declared = self.app.limits
+        changes = [t for t, r in txns.items() if r.operator == LIMITS_OPERATOR] if any(
+            r.operator == LIMITS_OPERATOR for _, r in requests) else []
+        carried = [(t, r) for t, r in self.deferred_in if t not in adm.held]
+        self.deferred_in = []
+        if not (declared or changes or adm.held or adm.overrides or adm.buckets):
+            return {}
+        out: dict[int, tuple[bool, bytes, tuple[str, str]]] = {}
+        for t in sorted(changes):
+            out[t] = adm.change(declared, txns[t], [txns[h] for h in sorted(adm.held)])
+        skip = {t for t, _ in carried}
+        dec = adm.admit(declared, now, [(t, txns[t]) for t in sorted(txns) if t not in skip and t not in out],
+                        carried)
+        self.deferred = [(t, txns.pop(t)) for t in dec.held]
+        for t, etype, msg, value in dec.refused:
+            out[t] = (False, value, (etype, msg))
+        stats.update(admission_held=len(dec.held), admission_admitted=dec.admitted,
+                     admission_refused=len(dec.refused), admission_max_waiting=adm.max_waiting)
+        return out
 
     def _prior_ran(self, events: list[RawEvent]) -> None:
         """The round carrying the previous epoch's deferred finalize returned with its (raw) events."""

@@ -437,6 +437,7 @@ class InProcessRuntime(EngineBacked):
             self.coordinator.deferred = [(tid, serde.decode_request(b)) for tid, b in rec.deferred]
             self.coordinator.sequencer.time = rec.time
             self.coordinator.next_due = rec.next_due
+            self.coordinator.admission.restore(rec.admission)
         self.controller.recover_code()  # the newest code version recorded (code updates)
         attempts = RecoveryAttempts(self.node.data_dir)
         self.watchdog.interrupting = False  # a replayed epoch may have replied: only its recorded verdicts apply
@@ -735,7 +736,8 @@ class InProcessRuntime(EngineBacked):
         if self.node is not None:
             c = self.coordinator
             self.node.epoch_done(self.epoch, c.sequencer.counters, c.deferred, self._log_end,
-                                 self._stores, c.sequencer.time, c.next_due)  # type: ignore[arg-type]
+                                 self._stores, c.sequencer.time, c.next_due,  # type: ignore[arg-type]
+                                 c.admission.snapshot())
         self.epoch += 1
         if self.coordinator.previous is not None:  # a compatible code update's old code, while still needed
             self.retire_previous()
@@ -1096,10 +1098,12 @@ class InProcessRuntime(EngineBacked):
                 else:
                     if not fut.done():
                         fut.set_result(pause)
-            if not self._queue and not self.coordinator.deferred and not self._parked:
-                if self._stopping:
+            if not self._queue and not self._parked and (not self.coordinator.deferred
+                                                         or self.coordinator.idle_until() > time.time()):
+                if self._stopping and not self.coordinator.deferred:
                     return
-                wait = self.coordinator.next_due - time.time()  # an empty epoch fires a due timer
+                # an empty epoch fires a due timer, or admits a request held by a rate limit
+                wait = self.coordinator.idle_until() - time.time()
                 if wait > 0:
                     self._wake.clear()
                     if wait == math.inf:

@@ -100,6 +100,7 @@ class _Finished:
     replies: list[Reply] = field(default_factory=list)
     time: float = 0.0
     next_due: float = -math.inf
+    admission: bytes = b""
 
 
 class NodeStorage:
@@ -402,11 +403,12 @@ class NodeStorage:
 
     def epoch_done(
         self, epoch: int, counters: list[int], deferred: list[tuple[int, Request]], log_end: int,
-        stores: list[RecordingStore], time: float = 0.0, next_due: float = -math.inf,
+        stores: list[RecordingStore], time: float = 0.0, next_due: float = -math.inf, admission: bytes = b"",
     ) -> None:
-        """Hand a finished epoch (its deltas and replies, its time and next due timer) to the writer."""
+        """Hand a finished epoch (its deltas and replies, its time, next due timer and admission state) to the
+        writer."""
         item = _Finished(epoch, list(counters), list(deferred), log_end, [s.take() for s in stores],
-                         self._epoch_replies, time, next_due)
+                         self._epoch_replies, time, next_due, admission)
         self._epoch_replies = []
         with self._cv:
             self._finished.append(item)
@@ -461,7 +463,7 @@ class NodeStorage:
                 crash_point("node:delta0", last.epoch)  # one partition's delta written, the others not
         crash_point("node:deltas", last.epoch)
         rec = EpochRecord(last.epoch, last.counters, [(t, serde.encode_request(r)) for t, r in last.deferred],
-                          time=last.time, next_due=last.next_due, log_end=last.log_end)
+                          time=last.time, next_due=last.next_due, log_end=last.log_end, admission=last.admission)
         self._retry_log(lambda: self._write_record(rec), f"storing the checkpoint of epoch {last.epoch}")  # commit
         self.checkpointed_epoch = last.epoch
         for r in replies:

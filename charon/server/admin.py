@@ -104,6 +104,7 @@ from charon.runtime.contract import (
 from charon.server.audit import audited, note
 from charon.server.auth import Principal
 from charon.server.limits import Slots
+from charon.server.limits_admin import LimitsAdmin
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from charon.server.requests_admin import RequestsAdmin
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK_TYPES, HTTPError, guard, respond
@@ -563,7 +564,7 @@ class AdminRoutes:
             Route("/admin/code/history", guard(self.code_history), methods=["GET"], name="admin_code_history"),
             Route("/dashboard", self.dashboard, methods=["GET"], name="dashboard"),
             Route("/dashboard/{name}", guard(self.asset), methods=["GET"], name="dashboard_asset"),
-        ] + RequestsAdmin(self.gw).routes() + (
+        ] + RequestsAdmin(self.gw).routes() + LimitsAdmin(self.gw).routes() + (
             [] if self.effects is None else [  # only beside an effect executor (charon run --effects)
             Route("/admin/effects", guard(self.list_effects), methods=["GET"], name="admin_effects"),
             Route("/admin/effects/{effect_id}/{action}", guard(audited("effect action", self.effect_action)),

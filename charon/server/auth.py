@@ -88,6 +88,7 @@ ROUTE_SCOPES: dict[str, frozenset[str]] = {
     "admin_requests": frozenset({READ}),
     "admin_request": frozenset({READ}),
     "admin_effects": frozenset({READ}),
+    "admin_limits": frozenset({READ}),
     "metrics": frozenset({READ}),
     "admin_dead_letters": frozenset({ADMIN}),
     "admin_pause": frozenset({ADMIN}),
@@ -106,6 +107,7 @@ ROUTE_SCOPES: dict[str, frozenset[str]] = {
     "schedule_create": frozenset({ADMIN}),
     "schedule_action": frozenset({ADMIN}),
     "schedule_delete": frozenset({ADMIN}),
+    "admin_limits_change": frozenset({ADMIN}),
 }
 _NAME = re.compile(r"^[A-Za-z0-9._:@+-]{1,100}$")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")

@@ -124,6 +124,7 @@ from charon.server.forward import DriverForward
 from charon.server.http import StrictPath
 from charon.server.lane import DirectInvoke, InvokeLane
 from charon.server.limits import inflight_size, read_body, reply_size
+from charon.server.limits_admin import ADMISSION_ERRORS, AdmissionGuard, retry_after
 from charon.server.metrics import GatewayMetrics
 from charon.server.openapi import describe_app, openapi_document
 from charon.server.promises import promise_routes
@@ -182,6 +183,7 @@ class Gateway:
         self.starting = False
         self.start_error: str | None = None
         self.metrics: Any = None  # charon.server.metrics.GatewayMetrics, set by create_app
+        self.admission = AdmissionGuard(self.engine)  # refuses invokes early while admission is at its bound
         self.tracing: Tracing | None = None  # OpenTelemetry spans (charon.server.tracing), when on
 
     def check_ready(self) -> None:
@@ -374,6 +376,7 @@ class Gateway:
             if then is not None:
                 done.add_done_callback(then)
             return done
+        self.admission.check()  # 429 before the log while the engine holds all the waiting it may
         size = inflight_size(req)
         if self.inflight_bytes + size > self.cfg.max_inflight_bytes:
             raise HTTPError("BacklogFull", f"{len(self.inflight)} requests ({self.inflight_bytes} bytes) are waiting "
@@ -449,7 +452,7 @@ class Gateway:
 
     def reply_response(self, request: HTTPRequest, rep: Reply) -> Response:
         status, body = self.reply_doc(rep)
-        return respond(request, status, body)
+        return respond(request, status, body, retry_after(rep) if status == 429 else None)
 
     def reply_doc(self, rep: Reply) -> tuple[int, dict[str, Any]]:
         """A reply's status and document (200 committed, 409 aborted)."""
@@ -481,7 +484,7 @@ class Gateway:
             "status": "aborted",
             **extra,
         }
-        return 409, body
+        return 429 if rep.error_type in ADMISSION_ERRORS else 409, body
 
     def status_url(self, request: HTTPRequest, rid: str) -> str:
         """The poll URL of a request: under the configured public URL, else relative (never the Host header)."""

@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from charon.errors import CharonError
 from charon.messages import Reply
+from charon.server.limits_admin import retry_after
 from charon.server.wire import STATUS_OF_ERROR, HTTPError, encode_answer, error_answer
 
 if TYPE_CHECKING:
@@ -270,7 +271,7 @@ class DirectInvoke:
         except Exception as exc:  # noqa: BLE001 - answered as the route answers it
             self._fail(call, exc)
             return
-        self._answer(call, status, doc, None)
+        self._answer(call, status, doc, retry_after(fut.result()) if status == 429 else None)
 
     def _sweep(self) -> None:
         """The sync waits past their deadline answer 202 with their status URL (the transaction keeps running)."""

@@ -73,6 +73,8 @@ class GatewayMetrics:
                                       ["partition"], registry=r)
         self.g_epoch = Gauge("charon_epoch", "Last committed epoch.", registry=r)
         self.g_backlog = Gauge("charon_backlog", "Requests waiting for an epoch.", registry=r)
+        self.g_admission = Gauge("charon_admission_waiting", "Requests waiting for admission after the last epoch.",
+                                 registry=r)
         self.g_deferred = Gauge("charon_deferred", "Transactions deferred by the last epoch.", registry=r)
         self.g_paused = Gauge("charon_paused", "1 while no epoch may start (paused).", registry=r)
         self.g_inflight = Gauge("charon_inflight", "Requests in flight at the gateway.", registry=r)
@@ -151,6 +153,8 @@ class GatewayMetrics:
                 self.epoch_aborted.inc(aborted)
                 self.fallback.inc(max(0.0, size - float(s.get("lockfree", 0)) - aborted))
                 self.g_deferred.set(float(s.get("deferred", 0)))
+                if "admission_held" in s:
+                    self.g_admission.set(float(s["admission_held"]))
                 self._epochs.append({"epoch": e, "t": time.time(), "duration_ms": float(s.get("duration_ms", 0.0)),
                                      "size": size, "committed": float(s.get("committed", 0)), "aborted": aborted,
                                      "rounds": float(s.get("rounds", 0)), "deferred": float(s.get("deferred", 0))})

@@ -74,6 +74,8 @@ STATUS_OF_ERROR: dict[str, int] = {
     "UnknownPromise": 404,
     "UnknownSchedule": 404,
     "ScheduleExists": 409,
+    "RateLimited": 429,  # admission (charon.core.admission): with Retry-After
+    "Overloaded": 429,
 }
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 #: what a client-chosen request id (the ``Idempotency-Key``, an admin update's ``id``) may be
@@ -174,7 +176,7 @@ def error_answer(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] | 
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         if exc.status in (408, 413):
             headers = {"Connection": "close"}
-        if exc.status == 503:
+        if exc.status in (429, 503):
             headers = {"Retry-After": str(RETRY_AFTER_S)}
         return exc.status, {"error": {"type": exc.error_type, "message": exc.message}}, headers
     return None

@@ -31,6 +31,8 @@ class EpochRecord(msgspec.Struct, omit_defaults=True):
     # replay of that epoch (its replies out, its record not written) cuts it where its first run did, whatever
     # the configuration after a restart (-1: not recorded, the runtime's own choice)
     next_chunk: int = -1
+    # the admission state after this epoch (charon.core.admission: held TIDs, token buckets, run-time limits)
+    admission: bytes = b""
 
 
 _encoder = msgspec.msgpack.Encoder()

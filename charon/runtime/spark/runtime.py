@@ -996,6 +996,7 @@ class SparkRuntime(EngineBacked):
                 coord.sequencer.resize(len(ends))
                 coord.next_due = prev.next_due
                 coord.deferred = [(tid, serde.decode_request(b)) for tid, b in prev.deferred]
+                coord.admission.restore(prev.admission)
             if self.controller.previous is not None:  # a compatible update: deferred transactions keep the old code
                 coord.previous = (self.controller.previous[0], load_app(self.controller.previous[1]))
             self.exchange.stats = {}
@@ -1040,7 +1041,7 @@ class SparkRuntime(EngineBacked):
         rec = EpochRecord(
             epoch, list(coord.sequencer.counters),
             [(tid, serde.encode_request(r)) for tid, r in coord.deferred], list(starts), list(ends), stats,
-            coord.sequencer.time, coord.next_due, next_chunk=self._chunk(),
+            coord.sequencer.time, coord.next_due, next_chunk=self._chunk(), admission=coord.admission.snapshot(),
         )
         if result.finalize is not None:  # written by the next epoch's first round, recorded after it
             if coord.deferred:  # the next epoch must come even if no request does
