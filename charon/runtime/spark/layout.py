@@ -48,6 +48,17 @@ def record_path(checkpoint: str, epoch: int) -> str:
     return os.path.join(records_dir(checkpoint), f"{epoch:012d}.msgpack")
 
 
+def bounds_dir(checkpoint: str) -> str:
+    """The directory of the direct sequencer's epoch bounds (:mod:`~charon.runtime.spark.sequencer`): the offsets
+    each epoch covers, written before it runs and removed once its record is written."""
+    return os.path.join(checkpoint, "bounds")
+
+
+def bound_path(checkpoint: str, epoch: int) -> str:
+    """The file of epoch ``epoch``'s bound."""
+    return os.path.join(bounds_dir(checkpoint), f"{epoch:012d}.json")
+
+
 def chunk_for(config: SparkConfig) -> int:
     """Transactions per chunk of an epoch (:data:`charon.core.epoch.EPOCH_CHUNK`) where the rest of an epoch
     runs in one job (``single_task_rest`` in local mode; a split rest, ``split_rest`` on a cluster), where a

@@ -170,6 +170,16 @@ class ResidentExchange:
         s["restore_s"] = s.get("restore_s", 0.0) + task.get("restore_us", 0) / 1e6
         return outs
 
+    def start(self) -> None:
+        """Launch the gang now (else the first round does): the direct sequencer warms it up before any request."""
+        self._ensure_gang()
+
+    def failure(self) -> str | None:
+        """Why this exchange cannot run a round any more (its gang failed or it was closed), or None."""
+        if self.closed:
+            return "the resident exchange is closed"
+        return self._dead() if self.launched else None
+
     def close(self) -> None:
         """End the gang: its tasks are told to stop (their job then ends), its links closed; a job still running
         after that is cancelled. Idempotent."""

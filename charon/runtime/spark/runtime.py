@@ -73,6 +73,7 @@ from charon.runtime.spark.layout import (
     remove_old_layouts,
 )
 from charon.runtime.spark.resident import make_exchange
+from charon.runtime.spark.sequencer import DirectSequencer, read_bound, sequenced_directly
 from charon.runtime.spark.session import (
     discard_dead_jvm,
     jvm_exit_code,
@@ -254,9 +255,21 @@ class SparkRuntime(EngineBacked):
             except Exception as e:  # noqa: BLE001 - the log or Spark's JVM is down: tick once it answers (never end)
                 self._last_tick_error = f"{type(e).__name__}: {e}"
 
+    @property
+    def direct(self) -> bool:
+        """Whether epochs are sequenced by the driver's own loop (the resident exchange,
+        :mod:`~charon.runtime.spark.sequencer`) rather than by a Structured Streaming micro-batch."""
+        return self.config.exchange == "resident"
+
     def _start_query(self) -> None:
         spark = self.spark
         self._new_exchange(spark)
+        if self.direct:
+            self._start_sequencer()
+            return
+        if sequenced_directly(self.ckpt) and self.last_recorded_epoch() >= 0:
+            raise ValueError(f"the epochs under {self.ckpt} were sequenced by the resident mode (no streaming "
+                             "query checkpoint describes them): run it with exchange='resident'")
         df = (
             spark.readStream.format("charon_log")
             .option("path", self.input_location)
@@ -270,6 +283,35 @@ class SparkRuntime(EngineBacked):
         if self.config.trigger_ms > 0:
             w = w.trigger(processingTime=f"{self.config.trigger_ms} milliseconds")
         self._query = w.start()
+
+    def _start_sequencer(self) -> None:
+        """The resident mode's epochs: the driver's loop fixes them from the log (no streaming query)."""
+        last = self.read_record(self.last_recorded_epoch())
+        if last is not None and last.deferred:  # a crash may have come before the tick that runs them
+            self.input_log.append(Request(f"{TICK}{last.epoch}", TICK, "", "", serde.encode([])))  # once (by id)
+        self._query = DirectSequencer(
+            self.ckpt, self.input_log, self.input_location, self.config,
+            run_epoch=partial(self._on_batch, None), last_recorded=self.last_recorded_epoch,
+            read_record=self.read_record, exchange=self.exchange, stopping=lambda: self._stopping,
+            migrate=self._batch_offsets_if_any,
+        ).start()
+
+    def _batch_offsets_if_any(self, epoch: int) -> tuple[list[int], list[int]] | None:
+        """The offsets the micro-batch mode fixed for ``epoch`` in its query checkpoint, if it did."""
+        from charon.runtime.spark.source import batch_offsets, read_offset_log
+
+        if read_offset_log(self._query_ckpt, epoch) is None:
+            return None
+        return batch_offsets(self._query_ckpt, epoch)
+
+    def _epoch_offsets(self, epoch: int) -> tuple[list[int], list[int]]:
+        """``(starts, ends)`` of epoch ``epoch`` as fixed before it ran: its bound (the direct sequencer) or its
+        micro-batch's offsets in the query checkpoint."""
+        if self.direct:
+            return read_bound(self.ckpt, epoch)
+        from charon.runtime.spark.source import batch_offsets
+
+        return batch_offsets(self._query_ckpt, epoch)
 
     def _new_exchange(self, spark: Any) -> None:
         """The exchange of the epochs to come (``config.exchange``), after closing the one before if it has a gang
@@ -582,7 +624,9 @@ class SparkRuntime(EngineBacked):
             self._stopping = True
             self._epoch_cv.wait_for(lambda: not self._in_epoch, timeout=self.config.stop_timeout_s)
         if q is not None:
-            if not self._need_session and jvm_exit_code() is None:  # else it died with its JVM
+            if isinstance(q, DirectSequencer):
+                q.stop(self.config.stop_timeout_s)
+            elif not self._need_session and jvm_exit_code() is None:  # else it died with its JVM
                 q.stop()
             with contextlib.suppress(Exception):  # else the next start finalizes it (replays the epoch)
                 self.flush()
@@ -920,8 +964,6 @@ class SparkRuntime(EngineBacked):
         """Run epoch ``epoch`` (its first round also finalizes ``pending``, the previous epoch, whose record is
         written once that round returned). Its own finalize is deferred to the next epoch when the input log
         already holds more (so that the next micro-batch comes at once) and ``pipeline_finalize`` is on."""
-        from charon.runtime.spark.source import batch_offsets
-
         cpu0 = time.thread_time()  # this thread's CPU in the epoch, by phase (epoch stats driver_*_cpu_s)
         # Budgets stop functions in every run of an epoch (a rerun without them would hold the engine forever on
         # an endless function). A rerun (after a driver crash, or of an epoch Spark committed) whose earlier run
@@ -937,7 +979,7 @@ class SparkRuntime(EngineBacked):
         prev = pending[0] if pending is not None else (self.read_record(epoch - 1) if epoch > 0 else None)
         if epoch > 0 and prev is None and self.last_recorded_epoch() >= 0:
             raise RuntimeError(f"epoch record {epoch - 1} is missing under {self.ckpt}")
-        starts, ends = batch_offsets(self._query_ckpt, epoch)
+        starts, ends = self._epoch_offsets(epoch)
         rows = self.input_log.read_range(starts, ends)
         requests = [(p, r) for p, _, r in rows if r.operator != TICK]
         now = max((r.ts for _, _, r in rows), default=None)  # logged: the epoch's time (ticks included)

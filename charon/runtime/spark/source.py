@@ -81,6 +81,7 @@ __all__ = [
     "CharonLogDataSource",
     "CharonRepliesDataSource",
     "batch_offsets",
+    "cap_bytes",
     "cap_offsets",
     "read_offset_log",
     "register",
@@ -201,6 +202,19 @@ def cap_offsets(starts: Sequence[int], ends: Sequence[int], max_records: int) ->
     return [s + a for s, a in zip(starts, alloc, strict=True)]
 
 
+def cap_bytes(log: Any, starts: list[int], ends: list[int], max_bytes: int) -> list[int]:
+    """Fewer entries while ``[starts, ends)`` of a SQLite input log (its ``range_bytes``) would hold more than
+    ``max_bytes`` (at least one entry): an epoch's payload is bounded in bytes, not only in count (a flood of large
+    requests once ran the JVM out of heap)."""
+    total = log.range_bytes(starts, ends)
+    n = sum(max(0, e - s) for s, e in zip(starts, ends, strict=True))
+    while total > max_bytes and n > 1:
+        n = max(1, min(n - 1, int(n * max_bytes / total)))
+        ends = cap_offsets(starts, ends, n)
+        total = log.range_bytes(starts, ends)
+    return ends
+
+
 class LogRange(InputPartition):
     """Offsets ``[start, end)`` of one input-log partition (one Spark task)."""
 
@@ -314,19 +328,11 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return {"offsets": ends, "start": starts}
 
     def _cap_bytes(self, starts: list[int], ends: list[int]) -> list[int]:
-        """Fewer entries while the batch would hold more than ``maxBytesPerBatch`` (at least one entry): an epoch's
-        payload is bounded in bytes, not only in count (a flood of large requests once ran the JVM out of heap)."""
         from charon.log.sqlite import InputLog
 
         log = self.log
         assert isinstance(log, InputLog), log  # a SQLite log only (the caller checks): NATS does not tell sizes
-        total = log.range_bytes(starts, ends)
-        n = sum(max(0, e - s) for s, e in zip(starts, ends, strict=True))
-        while total > self.max_bytes and n > 1:
-            n = max(1, min(n - 1, int(n * self.max_bytes / total)))
-            ends = cap_offsets(starts, ends, n)
-            total = log.range_bytes(starts, ends)
-        return ends
+        return cap_bytes(log, starts, ends, self.max_bytes)
 
     def reportLatestOffset(self) -> dict:
         return {"offsets": self.log.end_offsets()}
