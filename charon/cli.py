@@ -170,9 +170,10 @@ def run(
     ),
     spark_exchange: str | None = typer.Option(
         None, "--spark-exchange", show_default=False,
-        help="spark: how an epoch's rounds reach the partitions: jobs (the default: a Spark job per round) or "
-        "resident (opt-in: one long-running barrier job hosts the partitions, rounds go over sockets; "
-        "default: CHARON_EXCHANGE, else jobs).",
+        help="spark: how epochs reach the partitions: resident (the default: one long-running barrier job hosts "
+        "the partitions, rounds go over sockets, the driver fixes epochs from the log) or jobs (a streaming "
+        "micro-batch per epoch, a Spark job per round: where a barrier gang cannot run, e.g. dynamic "
+        "allocation; default: CHARON_EXCHANGE, else resident).",
     ),
     function_timeout: float | None = typer.Option(
         None, "--function-timeout", min=0.001, envvar="CHARON_FUNCTION_TIMEOUT", show_default=False,

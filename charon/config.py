@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-#: How the Spark runtime's rounds reach the partitions (SparkConfig.exchange): the first is the default.
-EXCHANGES = ("jobs", "resident")
+#: How the Spark runtime's epochs reach the partitions (SparkConfig.exchange): the first is the default.
+EXCHANGES = ("resident", "jobs")
 
 
 @dataclass
@@ -62,12 +62,14 @@ class SparkConfig:
     split_rest: str = "off"
     split_rest_min_bytes: int = 262_144
     split_rest_tasks: int = 0
-    # how an epoch's rounds reach the partitions: "jobs" (the default: each round a Spark job, SparkExchange) or
-    # "resident" (opt-in, issue 32: one long-running barrier job hosts the partitions and takes every round over
-    # sockets, charon.runtime.spark.resident; docs/internals/resident.md)
-    exchange: str = "jobs"
-    # tasks of the resident gang, each over a group of partitions (0: as many as the partitions and the cores
-    # allow); the gang holds its slots while the runtime runs: other Spark jobs need one left over
+    # how epochs reach the partitions: "resident" (the default, issue 32: one long-running barrier job hosts the
+    # partitions and takes every round over sockets, charon.runtime.spark.resident; epochs fixed by the driver's
+    # own loop, charon.runtime.spark.sequencer) or "jobs" (a Structured Streaming micro-batch per epoch and a
+    # Spark job per round, SparkExchange: for clusters where a barrier gang cannot run, e.g. dynamic allocation;
+    # docs/internals/resident.md)
+    exchange: str = "resident"
+    # tasks of the resident gang, each over a group of partitions (0: local mode its cores but one, at least one,
+    # so a Spark job beside the gang finds a slot; a cluster every executor core); at most the partitions
     resident_tasks: int = 0
     finalize_threads: int = 4  # a one-task rest writes the previous epoch's partitions' deltas in this many threads
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task

@@ -207,6 +207,7 @@ class Simulation:
         self.config = SparkConfig(
             data_dir=os.path.join(root, "data"), partitions=self.w.partitions,
             compact_every=self.rng.choice([0, 1, 2]),
+            exchange="jobs",  # the micro-batch sequencer and the job-per-round exchange, simulated here
         )
         self.durable_root = os.path.join(self.config.checkpoint_dir, "state")
         self.workers = [Worker(i, os.path.join(root, "local")) for i in range(self.faults.workers)]

@@ -58,7 +58,7 @@ class EngineSpec:
     inspector: bool = True  # the invocation inspector (charon.runtime.inspector); off: aborts are still logged
     inspector_records: int | None = None  # requests it keeps (default 10,000)
     inspector_bytes: int | None = None  # bytes of them it keeps (default 32 MiB)
-    spark_exchange: str | None = None  # spark: "jobs" (default) or "resident" (opt-in; else CHARON_EXCHANGE)
+    spark_exchange: str | None = None  # spark: "resident" (default) or "jobs" (else CHARON_EXCHANGE)
     driver_url: str | None = None  # remote: the driver's control channel (its health; the routes not served here)
 
     def check(self) -> None:
@@ -171,7 +171,7 @@ def _spark(spec: EngineSpec) -> Engine:
     if not spec.inspector:  # else CHARON_INSPECTOR decides
         extra["inspector"] = False
     extra.update(inspector_records=spec.inspector_records, inspector_bytes=spec.inspector_bytes,
-                 exchange=spec.spark_exchange)  # None: CHARON_EXCHANGE, else the default ("jobs")
+                 exchange=spec.spark_exchange)  # None: CHARON_EXCHANGE, else the default ("resident")
     config = SparkConfig.from_env(partitions=spec.partitions, data_dir=spec.data_dir, log_url=spec.log_url,
                                   log_partitions=spec.log_partitions, **extra)
     try:  # the directory belongs to one engine and application (refused otherwise)

@@ -146,8 +146,8 @@ class GatewayMetrics:
                 self.epoch_duration.observe(float(s.get("duration_ms", 0.0)) / 1000.0)
                 self.epoch_size.observe(size)
                 self.epoch_rounds.observe(float(s.get("rounds", 0)))
-                if "spark_jobs" in s:  # engines that run epochs as jobs (Spark)
-                    self.epoch_jobs.observe(float(s["spark_jobs"]))
+                if "spark_jobs" in s or "spark_rounds" in s:  # Spark: its resident gang's epochs run no job
+                    self.epoch_jobs.observe(float(s.get("spark_jobs", 0)))
                 self.epoch_tx.inc(size)
                 aborted = float(s.get("aborted", 0))
                 self.epoch_aborted.inc(aborted)

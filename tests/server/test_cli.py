@@ -215,7 +215,7 @@ def test_run_refuses_a_spark_exchange_in_process_or_unknown(tmp_path: Path) -> N
     r = runner.invoke(cli, ["run", "charon.apps.ycsb:app", "--engine", "spark", "--data-dir", str(tmp_path / "d"),
                             "--spark-exchange", "sockets"])
     assert r.exit_code != 0
-    assert "--spark-exchange must be one of jobs, resident" in r.output
+    assert "--spark-exchange must be one of resident, jobs" in r.output
     assert not (tmp_path / "d").exists()  # refused before anything was created
 
 

@@ -36,11 +36,11 @@ def _requests(n_accounts: int, count: int, seed: int, prefix: str) -> list[Reque
                                                               max_amount=400))]
 
 
-def test_the_default_exchange_is_the_job_per_round_one(tmp_path) -> None:
-    """Opt-in: nothing changes unless asked; an unknown exchange is refused."""
+def test_the_default_exchange_is_the_resident_one(tmp_path) -> None:
+    """Resident by default, the job-per-round exchange on request; an unknown exchange is refused."""
     cfg = SparkConfig(data_dir=str(tmp_path))
-    assert cfg.exchange == "jobs"
-    assert type(make_exchange(None, APP, cfg)) is SparkExchange
+    assert cfg.exchange == "resident" and SparkConfig.from_env().exchange in ("resident", "jobs")
+    assert type(make_exchange(None, APP, SparkConfig(data_dir=str(tmp_path), exchange="jobs"))) is SparkExchange
     with pytest.raises(ValueError, match="exchange must be one of"):
         SparkConfig.from_env(exchange="sockets")
 

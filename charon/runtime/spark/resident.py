@@ -1,5 +1,5 @@
-"""The resident exchange (opt-in, ``SparkConfig.exchange = "resident"``): one long-running barrier job whose tasks
-host the partitions and take round after round, epoch after epoch, over sockets; no Spark job per round.
+"""The resident exchange (the default, ``SparkConfig.exchange = "resident"``): one long-running barrier job whose
+tasks host the partitions and take round after round, epoch after epoch, over sockets; no Spark job per round.
 
 :class:`ResidentExchange` is the driver's side, an exchange like :class:`~charon.runtime.spark.exchange.SparkExchange`
 (the coordinator and ``PartitionUnit.step`` unchanged); :func:`resident_task` is what each task of the gang runs.
@@ -96,12 +96,7 @@ class ResidentExchange:
         self.probe_dir: str | None = None
         self.stats: dict[str, float] = {}
         self.pending: tuple[EpochRecord, EpochResult] | None = None  # as SparkExchange's
-        local = config.master.strip().startswith("local")
-        slots = max(1, min(config.partitions, self.sc.defaultParallelism)) if local else None
-        probe = SparkExchange.__new__(SparkExchange)  # its gang_slots() needs only these
-        probe.sc, probe.config, probe.slots = self.sc, config, slots or 1
-        want = config.resident_tasks or probe.gang_slots()
-        self.tasks = max(1, min(want, config.partitions))
+        self.tasks = max(1, min(config.resident_tasks or default_tasks(self.sc, config), config.partitions))
         self.groups = SparkExchange.groups(config.partitions, self.tasks)
         self.token = os.urandom(16)
         self.group_id = f"charon-resident-{self.token.hex()[:12]}"
@@ -305,6 +300,18 @@ class ResidentExchange:
                 _shut(sock)
 
 
+def default_tasks(sc: Any, config: SparkConfig) -> int:
+    """The gang's size when ``resident_tasks`` is 0. Local mode: its cores but one (at least one), so that a Spark
+    job beside the gang (a ``state_frame`` query, a bulk load, ``driver_reads=False`` reads) finds a free slot. A
+    cluster: every executor core registered now (:meth:`SparkExchange.gang_slots`; a job beside the gang waits for
+    a slot there: set ``resident_tasks`` lower when there are such jobs)."""
+    if config.master.strip().startswith("local"):
+        return max(1, sc.defaultParallelism - 1)
+    probe = SparkExchange.__new__(SparkExchange)  # its gang_slots() needs only these
+    probe.sc, probe.config, probe.slots = sc, config, 1
+    return probe.gang_slots()
+
+
 def _shut(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -384,9 +391,9 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
 
 def make_exchange(spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
                   ) -> SparkExchange | ResidentExchange:
-    """The exchange ``config.exchange`` names: :class:`SparkExchange` (``"jobs"``, the default: a Spark job per
-    round) or :class:`~charon.runtime.spark.resident.ResidentExchange` (``"resident"``, opt-in: one long-running
-    barrier job takes every round over sockets)."""
+    """The exchange ``config.exchange`` names: :class:`ResidentExchange` (``"resident"``, the default: one
+    long-running barrier job takes every round over sockets) or :class:`SparkExchange` (``"jobs"``: a Spark job
+    per round)."""
     if config.exchange == "resident":
         return ResidentExchange(spark, app_ref, config, previous)
     if config.exchange != "jobs":

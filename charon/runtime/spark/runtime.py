@@ -86,7 +86,7 @@ from charon.runtime.spark.session import (
 )
 from charon.runtime.spark.tasks import read_entities, scan_prefix, tune_worker_gc, write_bases
 from charon.runtime.verdicts import VerdictBook, letter
-from charon.state.durable import DurableState, write_file_atomic
+from charon.state.durable import DurableState, DurableStateError, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 
 _Layout = TypeVar("_Layout")
@@ -94,6 +94,12 @@ _Layout = TypeVar("_Layout")
 _events = logging.getLogger("charon.engine")  # restarts, outages, quarantines: the server log
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest key above every key that starts with ``prefix`` (a non-empty prefix, not all 0xff)."""
+    head = prefix.rstrip(b"\xff")
+    return head[:-1] + bytes([head[-1] + 1])
 
 
 class _Stopping(Exception):
@@ -185,6 +191,7 @@ class SparkRuntime(EngineBacked):
         self._restarts = 0
         self._jvm_restarts = 0  # new Spark sessions after the JVM died (see _supervise_loop)
         self._need_session = False  # the JVM died and the query runs in no new session yet
+        self._reship = False  # a code update shipped a module with addPyFile: a resident gang must be replaced
         # called once with the reason when the runtime gives up (charon run then exits non-zero: see serve)
         self.on_fatal: Callable[[str], None] | None = None
         self._failures: dict[int, int] = {}  # epoch -> query failures while running it
@@ -292,7 +299,7 @@ class SparkRuntime(EngineBacked):
         self._query = DirectSequencer(
             self.ckpt, self.input_log, self.input_location, self.config,
             run_epoch=partial(self._on_batch, None), last_recorded=self.last_recorded_epoch,
-            read_record=self.read_record, exchange=self.exchange, stopping=lambda: self._stopping,
+            read_record=self.read_record, exchange=lambda: self.exchange, stopping=lambda: self._stopping,
             migrate=self._batch_offsets_if_any,
         ).start()
 
@@ -307,6 +314,9 @@ class SparkRuntime(EngineBacked):
     def _epoch_offsets(self, epoch: int) -> tuple[list[int], list[int]]:
         """``(starts, ends)`` of epoch ``epoch`` as fixed before it ran: its bound (the direct sequencer) or its
         micro-batch's offsets in the query checkpoint."""
+        q = self._query
+        if isinstance(q, DirectSequencer):
+            return q.fixed(epoch)
         if self.direct:
             return read_bound(self.ckpt, epoch)
         from charon.runtime.spark.source import batch_offsets
@@ -986,7 +996,13 @@ class SparkRuntime(EngineBacked):
         self._replied_epoch = epoch if rerun and self._replied_before(epoch, [r for _, r in requests], prev) else None
         cpu = {"read": time.thread_time() - cpu0, "deliver": 0.0}
 
+        q = self._query
+        # the direct sequencer writes the epoch's bound while its first rounds run: durable before a reply or the
+        # finalize depends on it
+        bound_durable = partial(q.wait_durable, epoch) if isinstance(q, DirectSequencer) else (lambda: None)
+
         def deliver(replies: list[Reply]) -> None:
+            bound_durable()
             if replies and self._unconfirmed is None:
                 self._unconfirmed = epoch  # from here on, the state must reach this epoch before reads
             c = time.thread_time()
@@ -1006,6 +1022,7 @@ class SparkRuntime(EngineBacked):
             self._recorded(pending[0])
 
         def defer() -> bool:
+            bound_durable()  # asked once the outcome is decided, before the finalize runs (now or deferred)
             if recovering or not self.config.pipeline_finalize or self.gate.closed_for(epoch + 1):
                 return False  # paused after this epoch: it is recorded before the pause, as without pipelining
             return bool(coord.deferred) or any(t > e for t, e in zip(*pad_pair(self.input_log.end_offsets(), ends),
@@ -1214,14 +1231,22 @@ class SparkRuntime(EngineBacked):
 
     def ship_code(self, ref: str) -> None:
         """Make the installed module of ``ref`` importable by the executors (a code update, before its switch)."""
-        ship_app_module(self.spark, ref)
+        if ship_app_module(self.spark, ref):
+            self._reship = True  # a running gang's tasks do not fetch files added after they started
 
     def set_exchange_code(self, ref: str, previous: tuple[int, str] | None) -> None:
         """The executors run ``ref`` from the next epoch on (and ``previous`` for the transactions below its
-        TID); nothing to do before the first start (the query's start builds the exchange)."""
+        TID); nothing to do before the first start (the query's start builds the exchange). A module shipped
+        with ``addPyFile`` reaches a resident gang only in a new gang: the exchange is replaced (at the update's
+        epoch boundary, nothing of an epoch in its tasks)."""
         ex = getattr(self, "exchange", None)
-        if ex is not None:
-            ex.set_code(ref, previous)
+        if ex is None:
+            return
+        if self._reship and self.direct and self._spark is not None:
+            self._reship = False
+            self._new_exchange(self._spark)  # built with the runtime's app_ref and the controller's previous
+            return
+        ex.set_code(ref, previous)
 
     code_update_modes = SparkEngine.code_update_modes
 
@@ -1342,16 +1367,26 @@ class SparkRuntime(EngineBacked):
         return out
 
     def timers(self, operator: str, key: str) -> list[_timers.Timer]:
-        """The pending timers an entity registered, as of the last recorded epoch (by id)."""
-        for _ in range(5):
-            parts, durable, gen = self.placement()
-            epoch = self.settled_epoch()
-            if gen == self.layout_gen:
-                break
-        fn = partial(scan_prefix, self.config.local_dir, durable.root, self.ckpt, epoch)
-        item = (partition_of(operator, key, parts), _timers.owner_prefix(operator, key))
-        rows = self.spark.sparkContext.parallelize([item], 1).mapPartitions(fn).collect()
-        return [_timers.decode(v) for _, v in rows]
+        """The pending timers an entity registered, as of the last recorded epoch (by id): read from the durable copy
+        in the driver (``driver_reads``: no Spark job, so no free slot beside the resident gang is needed), else by
+        a Spark job over the executor's store."""
+        for attempt in range(5):
+            for _ in range(5):
+                parts, durable, gen = self.placement()
+                epoch = self.settled_epoch()
+                if gen == self.layout_gen:
+                    break
+            pid, prefix = partition_of(operator, key, parts), _timers.owner_prefix(operator, key)
+            if not self.config.driver_reads:
+                fn = partial(scan_prefix, self.config.local_dir, durable.root, self.ckpt, epoch)
+                rows = self.spark.sparkContext.parallelize([(pid, prefix)], 1).mapPartitions(fn).collect()
+                return [_timers.decode(v) for _, v in rows]
+            try:
+                return [_timers.decode(v) for _, v in durable.iter_range(pid, epoch, prefix, _prefix_end(prefix))]
+            except DurableStateError:  # compacted past the epoch meanwhile: read again at a newer one
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def snapshot(self) -> dict[bytes, bytes]:
         """All committed state (from the durable copy, as of the last recorded epoch)."""

@@ -33,6 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -92,13 +93,14 @@ def _bound_epochs(checkpoint: str) -> list[int]:
 
 class DirectSequencer:
     """The driver loop of the resident mode (see the module's docstring). ``run_epoch(epoch)`` runs one epoch whose
-    bound is written (the runtime's epoch path); ``exchange`` is warmed up (its gang launched) before the first
-    epoch and asked while idle whether it failed (``failure()``); ``stopping()`` says that an error is the
+    bound is written (the runtime's epoch path); ``exchange()`` (the runtime's exchange now: a rescale or a code
+    update replaces it) is warmed up (its gang launched) before the first epoch and asked while idle whether it
+    failed (``failure()``); ``stopping()`` says that an error is the
     runtime's own stop, not a failure."""
 
     def __init__(self, checkpoint: str, input_log: InputLogLike, location: str, config: SparkConfig, *,
                  run_epoch: Callable[[int], None], last_recorded: Callable[[], int],
-                 read_record: Callable[[int], EpochRecord | None], exchange: Any,
+                 read_record: Callable[[int], EpochRecord | None], exchange: Callable[[], Any],
                  stopping: Callable[[], bool], migrate: Callable[[int], tuple[list[int], list[int]] | None],
                  ) -> None:
         self.checkpoint = checkpoint
@@ -120,6 +122,10 @@ class DirectSequencer:
         self._last_start = 0.0
         self.next_epoch = -1  # the epoch the loop fixes next (known once it resumed)
         self.epochs = 0  # epochs this loop started
+        # the bound of the epoch running is written (fsynced) on this thread while the epoch's first rounds run;
+        # the runtime waits for it before anything depends on it (wait_durable: a reply, the epoch's finalize)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="charon-bounds")
+        self._fixed: tuple[int, list[int], list[int], Future[None]] | None = None
 
     # -- the StreamingQuery face ----------------------------------------------------------------------------------
     def start(self) -> DirectSequencer:
@@ -155,19 +161,38 @@ class DirectSequencer:
                     return
                 epoch = self.next_epoch
                 starts, ends = self._cut(prev_ends, avail)
-                write_file_atomic(bound_path(self.checkpoint, epoch),  # durable before the epoch runs
-                                  msgspec.json.encode(EpochBound(epoch, starts, ends)))
+                wrote = self._writer.submit(write_file_atomic, bound_path(self.checkpoint, epoch),
+                                            msgspec.json.encode(EpochBound(epoch, starts, ends)))
+                self._fixed = (epoch, starts, ends, wrote)
                 self._last_start = time.monotonic()
                 self.epochs += 1
                 self._run(epoch)
+                self.wait_durable(epoch)  # an epoch that neither replied nor finalized (all its work deferred)
+                self._fixed = None
                 self.next_epoch = epoch + 1
                 prev_ends = ends
-                self._trim()
+                self._writer.submit(self._trim)
         except BaseException as e:  # noqa: BLE001 - awaitTermination raises it to the supervisor
             if not (self._stop.is_set() or self._stopping()):
                 self._error = e
         finally:
+            self._writer.shutdown(wait=True)
             self._done.set()
+
+    def fixed(self, epoch: int) -> tuple[list[int], list[int]]:
+        """``(starts, ends)`` of epoch ``epoch``: the bound this loop just fixed (its file may still be being
+        written: see :meth:`wait_durable`), else the bound file."""
+        f = self._fixed
+        if f is not None and f[0] == epoch:
+            return list(f[1]), list(f[2])
+        return read_bound(self.checkpoint, epoch)
+
+    def wait_durable(self, epoch: int) -> None:
+        """Block until epoch ``epoch``'s bound is durable (raises if its write failed): called before anything
+        depends on the epoch's offsets (its first reply, its finalize). At once for a bound read from its file."""
+        f = self._fixed
+        if f is not None and f[0] == epoch:
+            f[3].result()
 
     def _resume(self) -> list[int]:
         """Rerun the epochs bound but not recorded; the end offsets of the last epoch fixed so far."""
@@ -186,16 +211,17 @@ class DirectSequencer:
         planned = [x for x in _bound_epochs(self.checkpoint) if x > last]
         if planned != list(range(last + 1, last + 1 + len(planned))):
             raise RuntimeError(f"epoch bounds {planned} do not follow the last recorded epoch {last}")
-        warm = getattr(self._exchange, "start", None)
+        warm = getattr(self._exchange(), "start", None)
         if warm is not None:
             warm()  # the gang is up before the first request waits for it
         if planned:
+            ends = read_bound(self.checkpoint, planned[-1])[1]
             self.next_epoch = planned[-1]
             self._last_start = time.monotonic()
             self._run(planned[-1])  # the ones before it first, as recovered epochs (SparkRuntime._run_batch)
             self.next_epoch = planned[-1] + 1
             self._trim()
-            return read_bound(self.checkpoint, planned[-1])[1]
+            return ends
         self.next_epoch = last + 1
         rec = self._read_record(last) if last >= 0 else None
         return list(rec.ends) if rec is not None else list(self.input_log.start_offsets())
@@ -235,17 +261,20 @@ class DirectSequencer:
                 return None
         stamp: tuple | None = None
         looked = checked = time.monotonic()
+        hot = 0.0  # the files changed: an append is being committed (visible once its sync is done), look again
         while not self._stop.is_set():
             now = time.monotonic()
             fresh = None if self._networked else self._stamp()
-            if fresh is None or fresh != stamp or now - looked >= RESCAN_S:
+            if fresh != stamp and stamp is not None:
+                hot, pause = now + RESCAN_S, POLL_S[0]
+            if fresh is None or fresh != stamp or now < hot or now - looked >= RESCAN_S:
                 stamp, looked = fresh, now
                 ends = self.input_log.end_offsets()
                 if any(e > s for s, e in zip(*pad_pair(prev_ends, ends), strict=True)):
                     return ends
             if now - checked >= GANG_CHECK_S:
                 checked = now
-                failure = getattr(self._exchange, "failure", None)
+                failure = getattr(self._exchange(), "failure", None)
                 why = failure() if failure is not None else None
                 if why:
                     raise EngineUnavailable(f"the resident gang failed while idle: {why}")

@@ -231,19 +231,19 @@ def load_app(ref: str) -> Application:
     return app
 
 
-def ship_app_module(spark: Any, app_ref: str) -> None:
+def ship_app_module(spark: Any, app_ref: str) -> bool:
     """Make an application module that is not installed (e.g. ``bank.py`` beside the CLI) importable on
-    the executors, with ``addPyFile``; installed modules and Charon's own apps need nothing."""
+    the executors, with ``addPyFile`` (True); installed modules and Charon's own apps need nothing (False)."""
     import importlib.util
     import zipfile
 
     name = app_ref.partition(":")[0]
     if name.split(".")[0] == "charon":
-        return
+        return False
     spec = importlib.util.find_spec(name.split(".")[0])
     origin = getattr(spec, "origin", None) if spec else None
     if not origin or "site-packages" in origin or "dist-packages" in origin:
-        return
+        return False
     if os.path.basename(origin) == "__init__.py":  # a package: ship it zipped
         pkg_dir = os.path.dirname(origin)
         zpath = os.path.join(tempfile.mkdtemp(prefix="charon-app-"), f"{os.path.basename(pkg_dir)}.zip")
@@ -256,3 +256,4 @@ def ship_app_module(spark: Any, app_ref: str) -> None:
         spark.sparkContext.addPyFile(zpath)
     else:
         spark.sparkContext.addPyFile(origin)
+    return True
