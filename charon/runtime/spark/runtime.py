@@ -1,14 +1,19 @@
-"""The Spark runtime: one epoch per Structured Streaming micro-batch, partition state resident on executors.
+"""The Spark runtime: epochs fixed from the input log, partition state resident on executors.
 
-* The input log (:mod:`charon.log.sqlite`) is read by the ``charon_log`` streaming source; Spark writes
-  ``offsets/N`` before batch N runs, which makes epoch boundaries durable. ``foreachBatch`` runs epoch
-  ``N = batch_id``: the driver reads the batch's requests straight from the log (cheaper than a Spark read
-  job) and calls the one core, :class:`~charon.core.epoch.EpochCoordinator`, through :class:`SparkExchange`.
-* Each round is one Spark job: the partitions' inboxes and scratch go out in as many tasks as there are
-  cores; each task opens its partitions' executor-local LMDB stores (:mod:`charon.state.lmdbstore`), brings them
-  to the previous epoch from the durable copy if they are missing or behind, and steps the
-  :class:`~charon.core.partition.PartitionUnit`. Rounds only read the store; the finalize round writes the
-  epoch's delta (durable file first, then LMDB) idempotently, so a replayed epoch is harmless.
+* Resident mode (the default, ``exchange="resident"``): the driver's :class:`~charon.runtime.spark.sequencer.
+  DirectSequencer` fixes epoch ``N``'s offsets straight from the input log and records them durably before anything
+  depends on them; the epoch's rounds go over sockets to one long-running barrier gang
+  (:mod:`~charon.runtime.spark.resident`). The ``jobs`` mode instead reads the log with the ``charon_log``
+  streaming source: Spark writes ``offsets/N`` before batch N runs, and ``foreachBatch`` runs epoch ``N =
+  batch_id``, each round a Spark job (:class:`SparkExchange`). Either way the driver reads the epoch's requests
+  straight from the log (cheaper than a Spark read job) and calls the one core,
+  :class:`~charon.core.epoch.EpochCoordinator`, through the same epoch path (:meth:`SparkRuntime._on_batch`).
+* In the ``jobs`` mode each round is one Spark job: the partitions' inboxes and scratch go out in as many tasks
+  as there are cores (the resident gang keeps them in its tasks); each task opens its partitions' executor-local
+  LMDB stores (:mod:`charon.state.lmdbstore`), brings them to the previous epoch from the durable copy if they
+  are missing or behind, and steps the :class:`~charon.core.partition.PartitionUnit`. Rounds only read the
+  store; the finalize round writes the epoch's delta (durable file first, then LMDB) idempotently, so a
+  replayed epoch is harmless.
 * After the epoch, an epoch record (sequencer counters, deferred transactions, offsets) is written under
   the checkpoint; a replayed batch whose record exists is skipped. Replies go to the output log at once
   (early replies; ``INSERT OR IGNORE`` by request id makes delivery exactly-once).
