@@ -545,6 +545,14 @@ class DurableState:
                     yield key, value
             window *= 2
 
+    def iter_prefix(self, pid: int, upto_epoch: int, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """The state's rows whose key starts with ``prefix`` (not empty) as of ``upto_epoch``, in key order
+        (:meth:`iter_range`)."""
+        head = prefix.rstrip(b"\xff")
+        if not head:
+            raise ValueError("a prefix of only 0xff bytes has no range end")
+        return self.iter_range(pid, upto_epoch, prefix, head[:-1] + bytes([head[-1] + 1]))
+
     def load(self, pid: int, upto_epoch: int | None = None) -> tuple[dict[bytes, bytes], int]:
         """The state as of ``upto_epoch`` (default: latest): base merged with deltas ≤ upto_epoch.
 

@@ -96,7 +96,7 @@ class ResidentExchange:
         self.probe_dir: str | None = None
         self.stats: dict[str, float] = {}
         self.pending: tuple[EpochRecord, EpochResult] | None = None  # as SparkExchange's
-        self.tasks = max(1, min(config.resident_tasks or default_tasks(self.sc, config), config.partitions))
+        self.tasks = max(1, min(config.resident_tasks or self._default_tasks(), config.partitions))
         self.groups = SparkExchange.groups(config.partitions, self.tasks)
         self.token = os.urandom(16)
         self.group_id = f"charon-resident-{self.token.hex()[:12]}"
@@ -111,6 +111,17 @@ class ResidentExchange:
         self.job: threading.Thread | None = None
         self.job_done = threading.Event()
         self.launches = 0
+
+    def _default_tasks(self) -> int:
+        """The gang's size when ``resident_tasks`` is 0. Local mode: its cores but one (at least one), so that a
+        Spark job beside the gang (a ``state_frame`` query, a bulk load, ``driver_reads=False`` reads) finds a free
+        slot. A cluster: every executor core registered now (:meth:`SparkExchange.gang_slots`; a job beside the
+        gang waits for a slot there: set ``resident_tasks`` lower when there are such jobs)."""
+        if self.config.master.strip().startswith("local"):
+            return max(1, int(self.sc.defaultParallelism) - 1)
+        probe = SparkExchange.__new__(SparkExchange)  # its gang_slots() needs only these
+        probe.sc, probe.config, probe.slots = self.sc, self.config, 1
+        return probe.gang_slots()
 
     # -- the runtime's face ------------------------------------------------------------------------------------
     def set_budget(self, timeout: float | None, probe_dir: str | None = None) -> None:
@@ -298,18 +309,6 @@ class ResidentExchange:
                     self.seated[index] = sock
             if fenced:
                 _shut(sock)
-
-
-def default_tasks(sc: Any, config: SparkConfig) -> int:
-    """The gang's size when ``resident_tasks`` is 0. Local mode: its cores but one (at least one), so that a Spark
-    job beside the gang (a ``state_frame`` query, a bulk load, ``driver_reads=False`` reads) finds a free slot. A
-    cluster: every executor core registered now (:meth:`SparkExchange.gang_slots`; a job beside the gang waits for
-    a slot there: set ``resident_tasks`` lower when there are such jobs)."""
-    if config.master.strip().startswith("local"):
-        return max(1, sc.defaultParallelism - 1)
-    probe = SparkExchange.__new__(SparkExchange)  # its gang_slots() needs only these
-    probe.sc, probe.config, probe.slots = sc, config, 1
-    return probe.gang_slots()
 
 
 def _shut(sock: socket.socket) -> None:

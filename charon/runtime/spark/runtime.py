@@ -101,12 +101,6 @@ _events = logging.getLogger("charon.engine")  # restarts, outages, quarantines: 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
 
 
-def _prefix_end(prefix: bytes) -> bytes:
-    """The smallest key above every key that starts with ``prefix`` (a non-empty prefix, not all 0xff)."""
-    head = prefix.rstrip(b"\xff")
-    return head[:-1] + bytes([head[-1] + 1])
-
-
 class _Stopping(Exception):
     """Raised into a micro-batch that would start while the runtime stops (the batch stays uncommitted)."""
 
@@ -1387,7 +1381,7 @@ class SparkRuntime(EngineBacked):
                 rows = self.spark.sparkContext.parallelize([(pid, prefix)], 1).mapPartitions(fn).collect()
                 return [_timers.decode(v) for _, v in rows]
             try:
-                return [_timers.decode(v) for _, v in durable.iter_range(pid, epoch, prefix, _prefix_end(prefix))]
+                return [_timers.decode(v) for _, v in durable.iter_prefix(pid, epoch, prefix)]
             except DurableStateError:  # compacted past the epoch meanwhile: read again at a newer one
                 if attempt == 4:
                     raise

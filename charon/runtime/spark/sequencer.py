@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import msgspec
 
@@ -100,7 +99,7 @@ class DirectSequencer:
 
     def __init__(self, checkpoint: str, input_log: InputLogLike, location: str, config: SparkConfig, *,
                  run_epoch: Callable[[int], None], last_recorded: Callable[[], int],
-                 read_record: Callable[[int], EpochRecord | None], exchange: Callable[[], Any],
+                 read_record: Callable[[int], EpochRecord | None], exchange: Callable[[], object],
                  stopping: Callable[[], bool], migrate: Callable[[int], tuple[list[int], list[int]] | None],
                  ) -> None:
         self.checkpoint = checkpoint
@@ -229,17 +228,18 @@ class DirectSequencer:
     def _cut(self, prev_ends: list[int], avail: list[int]) -> tuple[list[int], list[int]]:
         """The next epoch's offsets: everything from ``prev_ends`` up to ``avail``, at most the ramp's cap of
         requests (``max_batch`` once ramped up) and ``max_batch_bytes`` of them (a SQLite log)."""
+        from charon.log.sqlite import InputLog
         from charon.runtime.spark.source import cap_bytes, cap_offsets
 
         starts, ends = pad_pair(prev_ends, avail)  # the log grew: its new partitions from 0
         ends = cap_offsets(starts, [max(s, x) for s, x in zip(starts, ends, strict=True)],
                            min(self.config.max_batch, self._ramp))
-        if self.config.max_batch_bytes and not self._networked:
+        if self.config.max_batch_bytes and isinstance(self.input_log, InputLog):  # NATS does not tell sizes
             ends = cap_bytes(self.input_log, starts, ends, self.config.max_batch_bytes)
         self._ramp = min(self.config.max_batch, RAMP_GROWTH * self._ramp)
         return starts, ends
 
-    def _stamp(self) -> tuple:
+    def _stamp(self) -> tuple[tuple[int, int] | None, ...]:
         """Changes whenever the log is written (SQLite in WAL mode: its ``-wal`` file or the database file)."""
         out: list[tuple[int, int] | None] = []
         for path in (self.location + "-wal", self.location):
@@ -259,7 +259,7 @@ class DirectSequencer:
             wait = self._last_start + trigger - time.monotonic()
             if wait > 0 and self._stop.wait(wait):
                 return None
-        stamp: tuple | None = None
+        stamp: tuple[tuple[int, int] | None, ...] | None = None
         looked = checked = time.monotonic()
         hot = 0.0  # the files changed: an append is being committed (visible once its sync is done), look again
         while not self._stop.is_set():

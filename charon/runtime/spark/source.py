@@ -74,6 +74,7 @@ from charon.log.offsets import pad_offsets, pad_pair
 
 if TYPE_CHECKING:
     from charon.log.contract import InputLogLike, OutputLogLike
+    from charon.log.sqlite import InputLog
 
 __all__ = [
     "LOG_SCHEMA",
@@ -202,7 +203,7 @@ def cap_offsets(starts: Sequence[int], ends: Sequence[int], max_records: int) ->
     return [s + a for s, a in zip(starts, alloc, strict=True)]
 
 
-def cap_bytes(log: Any, starts: list[int], ends: list[int], max_bytes: int) -> list[int]:
+def cap_bytes(log: InputLog, starts: list[int], ends: list[int], max_bytes: int) -> list[int]:
     """Fewer entries while ``[starts, ends)`` of a SQLite input log (its ``range_bytes``) would hold more than
     ``max_bytes`` (at least one entry): an epoch's payload is bounded in bytes, not only in count (a flood of large
     requests once ran the JVM out of heap)."""
