@@ -1,5 +1,6 @@
 """The resident exchange on real PySpark (local[2]): one barrier gang takes every round of every epoch over
-sockets (``SparkConfig.exchange = "resident"``, opt-in; docs/internals/resident.md). Differential against the
+sockets, the driver's own sequencer fixes the epochs (``SparkConfig.exchange = "resident"``, the default;
+docs/internals/resident.md). Differential against the
 in-process runtime through the Spark runtime, and the per-epoch latency against the job-per-round exchange."""
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def test_resident_equals_in_process_on_bank_transfers(spark, tmp_path) -> None:
     lat: list[float] = []
     try:
         assert isinstance(rt.exchange, ResidentExchange)
+        assert not spark.streams.active, "no streaming query: the driver's sequencer fixes the epochs"
         rt.input_log.append_many(reqs[700:])
         rt.wait_idle(600)
         rng = random.Random(3)
@@ -97,7 +99,7 @@ def test_resident_equals_in_process_on_bank_transfers(spark, tmp_path) -> None:
     assert ip.snapshot() == state, "resident Spark and in-process reach byte-identical state"
     by_id = {r.request_id: r for res in results for r in res.replies.values()}
     assert all(by_id[r.request_id] == r for r in replies), "and identical replies (TIDs, epochs, values)"
-    print(f"\nresident, through the runtime (micro-batch + log + rounds), 60 single transfers one at a time: "
+    print(f"\nresident, through the runtime (direct sequencer + log + rounds), 60 single transfers one at a time: "
           f"p50 {statistics.median(lat[5:]):.1f} ms, p90 {_p(lat[5:], 0.9):.1f} ms")
 
 
