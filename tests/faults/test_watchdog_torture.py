@@ -51,6 +51,12 @@ def torture_cycle(data_dir: Path, seed: int, cycle: int, epochs: int) -> dict:
     proc = subprocess.Popen([sys.executable, str(DRIVER), "torture", str(data_dir), str(seed * 1000 + cycle),
                              str(epochs), str(BUDGET)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env())
+    acks = data_dir / "acked.jsonl"
+    before = acks.stat().st_size if acks.exists() else 0
+    started = time.monotonic() + 120  # the seeded moment counts from the run's first answer (a slow start on a
+    while proc.poll() is None and time.monotonic() < started and (  # loaded machine would kill it before any)
+            not acks.exists() or acks.stat().st_size <= before):
+        time.sleep(0.01)
     kill_at = time.monotonic() + rng.uniform(1.0, 1.0 + epochs * 0.15)
     while proc.poll() is None and time.monotonic() < kill_at:
         time.sleep(0.01)
