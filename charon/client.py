@@ -277,6 +277,18 @@ def _retryable(resp: httpx.Response) -> bool:
 _SHARD_CONNECTIONS = 8
 
 
+def _limit_body(target: str, limit: dict[str, object] | None, clear: bool, remove: bool) -> dict[str, object]:
+    """The body of ``POST /admin/limits``."""
+    body: dict[str, object] = {"target": target}
+    if limit is not None:
+        body["limit"] = limit
+    if clear:
+        body["clear"] = True
+    if remove:
+        body["remove"] = True
+    return body
+
+
 def _shard_limits() -> httpx.Limits:
     return httpx.Limits(max_connections=_SHARD_CONNECTIONS, max_keepalive_connections=_SHARD_CONNECTIONS)
 
@@ -688,13 +700,7 @@ class Client(_Base):
         """Change an admission limit at run time (``POST /admin/limits``): ``limit`` sets one on ``target``
         (``"op"`` or ``"op/fn"``), ``clear`` goes back to the code's, ``remove`` lifts it; applied at an epoch
         boundary, recorded in the log."""
-        body: dict[str, object] = {"target": target}
-        if limit is not None:
-            body["limit"] = limit
-        if clear:
-            body["clear"] = True
-        if remove:
-            body["remove"] = True
+        body = _limit_body(target, limit, clear, remove)
         return self._admin_doc(self._send("POST", "/admin/limits", json=body, headers=self.headers))
 
     def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
@@ -1067,6 +1073,16 @@ class AsyncClient(_Base):
         doc = self._admin_doc(await self._send("GET", "/admin/dead-letters", params={"limit": limit},
                                                headers=self.headers))
         return list(doc["dead_letters"])
+
+    async def limits(self) -> dict[str, object]:
+        """The admission limits in force and the requests waiting per bucket: see :meth:`Client.limits`."""
+        return self._admin_doc(await self._send("GET", "/admin/limits", headers=self.headers))
+
+    async def set_limit(self, target: str, limit: dict[str, object] | None = None, *, clear: bool = False,
+                        remove: bool = False) -> dict[str, object]:
+        """Change an admission limit at run time: see :meth:`Client.set_limit`."""
+        body = _limit_body(target, limit, clear, remove)
+        return self._admin_doc(await self._send("POST", "/admin/limits", json=body, headers=self.headers))
 
     async def requests(self, **filters: str | int | float | None) -> dict[str, object]:
         """A page of the invocation inspector (``GET /admin/requests``), newest first: see :meth:`Client.requests`."""

@@ -58,6 +58,18 @@ def _logging_as_found() -> Iterator[None]:
         logs.reset_logging()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _lmdb_closed_after_the_module() -> Iterator[None]:
+    """The LMDB environments a module's in-process deployments opened (the simulator's workers, pickled rounds)
+    are closed when it ends, as their worker processes' exits would: without it the suite's one process held
+    a thousand descriptors (and 16 GiB mappings) by its last modules."""
+    from charon.state import lmdbstore
+
+    before = lmdbstore.opened()
+    yield
+    lmdbstore.close_opened_since(before)
+
+
 # -- engines ---------------------------------------------------------------------------------------------------
 #: The engines a test taking the ``engine`` fixture runs against: the in-process runtime (volatile), the durable
 #: single-node engine (the in-process runtime over a data directory) and the Spark runtime (real PySpark).

@@ -139,8 +139,9 @@ def probe(run_epoch: Callable[[], Any], coordinator: Callable[[], EpochCoordinat
                 else:
                     idle_killed = True
                 break
-            ready, _, _ = select.select([r], [], [], min(end - now, 0.5))
-            if ready:
+            poller = select.poll()  # (not select: any descriptor number)
+            poller.register(r, select.POLLIN)
+            if poller.poll(min(end - now, 0.5) * 1000):
                 chunk = os.read(r, 65536)
                 if not chunk:
                     break  # the child closed the pipe: exited

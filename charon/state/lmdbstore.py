@@ -400,6 +400,28 @@ def open_store(path: str, pid: int, durable_root: str | None = None) -> LmdbStor
     return s
 
 
+def opened() -> frozenset[tuple[str, int]]:
+    """The environments this process holds open now (see :func:`close_opened_since`)."""
+    with _ENVS_LOCK:
+        return frozenset(_ENVS)
+
+
+def close_opened_since(before: frozenset[tuple[str, int]]) -> int:
+    """Close the stores and environments this process opened since ``before`` (:func:`opened`): what a
+    worker process's exit does, for a process that hosts many short-lived deployments (a test suite); returns
+    how many environments it closed."""
+    me = os.getpid()
+    with _ENVS_LOCK:
+        keys = [k for k in _STORES if k[3] == me and (os.path.join(k[0], f"p{k[1]}"), me) not in before]
+        stores = [_STORES.pop(k) for k in keys]
+        envs = [_ENVS.pop(k) for k in list(_ENVS) if k not in before and k[1] == me]
+    for st in stores:
+        st.end_read()
+    for e in envs:
+        e.env.close()
+    return len(envs)
+
+
 def close_stores(under: str, keep_durable_root: str) -> None:
     """Close this process's cached stores under local directory ``under`` except those restored from
     ``keep_durable_root`` (the stores of a layout a rescale retired; their files are deleted next)."""

@@ -168,6 +168,7 @@ NOT_READS = {
     "dead_letters", "in_engine", "verdict_book", "watchdog", "determinism_check",
     "inspector",  # the invocation inspector: records fed as replies go out (their reply, call graph), never state
     "fatal_callback",  # the on_fatal hook (charon run's exit), not state
+    "declaring",  # the start's upserts of the schedules declared in code: a task, not state
     "effects_executor", "run_effects", "settle_effects",  # the in-process effect executor: its own store, not state
 }
 #: the engine's own methods, the only ones allowed the unguarded stores and stream log

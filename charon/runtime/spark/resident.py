@@ -48,6 +48,14 @@ class GangLost(EngineUnavailable):
     flight fails and the runtime restarts the query, which builds a new exchange and a new gang."""
 
 
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` has data (or EOF) within ``timeout`` seconds (``poll``: any descriptor number, where
+    ``select`` refuses one past 1023)."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(timeout * 1000))
+
+
 def _recv(sock: socket.socket, n: int, alive: Any = None) -> bytes:
     """``n`` bytes; ``alive()`` (when given) is asked every :data:`POLL_S` while none come, and a false answer
     raises :class:`GangLost` (a round may legitimately take long: a function runs up to its budget)."""
@@ -56,8 +64,7 @@ def _recv(sock: socket.socket, n: int, alive: Any = None) -> bytes:
     got = 0
     while got < n:
         if alive is not None:
-            ready, _, _ = select.select([sock], [], [], POLL_S)
-            if not ready:
+            if not _readable(sock, POLL_S):
                 why = alive()
                 if why:
                     raise GangLost(why)
