@@ -8,7 +8,9 @@ See ``docs/internals/resident.md``.
 Frames (both ways): 4-byte big-endian length, then a pickle. A task's hello (before any frame): the gang's 16-byte
 token, its attempt number, its index, the gang's task count and its process id (4 bytes each). Then per round the
 driver sends ``("round", control, {pid: inbox}, app_ref, previous, function_timeout, probe_dir)`` and the task
-answers ``([(pid, RoundOutput)], stats)``; ``("stop",)`` ends the task.
+answers ``([(pid, RoundOutput)], stats)``, or ``(None, {"error": traceback})`` when the round raised (the task then
+ends: the driver raises :class:`GangTaskFailed` naming the error, as a failed Spark task's error names it);
+``("stop",)`` ends the task.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import socket
 import struct
 import threading
 import time
+import traceback
 from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Any
@@ -46,6 +49,13 @@ _log = logging.getLogger("charon.engine")
 class GangLost(EngineUnavailable):
     """The resident gang failed (a task, worker or executor died, or Spark relaunched its stage): the epoch in
     flight fails and the runtime restarts the query, which builds a new exchange and a new gang."""
+
+
+class GangTaskFailed(RuntimeError):
+    """A round raised in a task of the resident gang (e.g. its finalize could not write a delta): the message
+    carries the task's traceback, so the failure names the innermost Python error as a failed Spark task's does
+    (:func:`~charon.runtime.spark.session.short_error`). The task ended; its gang is broken (the epoch fails, and
+    the runtime restarts it on a new gang, counting the failure as any epoch's)."""
 
 
 def _readable(sock: socket.socket, timeout: float) -> bool:
@@ -163,6 +173,10 @@ class ResidentExchange:
                     blob = _recv_frame(socks[i], self._dead)
                     got += len(blob)
                     results, stats = pickle.loads(blob)
+                    if results is None:  # the round raised in that task (which ended): its error, named
+                        tb = str(stats.get("error", "")).strip()
+                        self._lost(f"task {i} failed: {tb.splitlines()[-1] if tb else '?'}")
+                        raise GangTaskFailed(f"a round failed in task {i} of the resident gang:\n{tb}")
                     for pid, out in results:
                         outs[pid] = out
                     for k, v in stats.items():
@@ -335,10 +349,8 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
     closes. Yields nothing."""
     from pyspark import BarrierTaskContext
 
-    from charon.runtime.quarantine import probing
     from charon.runtime.spark.layout import local_root
-    from charon.runtime.spark.session import load_app
-    from charon.runtime.spark.tasks import step_partition, tune_worker_gc
+    from charon.runtime.spark.tasks import tune_worker_gc
 
     for _ in items:
         pass
@@ -363,36 +375,58 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
             if msg[0] != "round":
                 return
             _, control, inboxes, app_ref, previous, function_timeout, probe_dir = msg
-            c0 = time.thread_time()
-            app = load_app(app_ref)
-            prev = None if previous is None else (previous[0], load_app(previous[1]))
-            if control.epoch != epoch:  # the call-graph cache serves one epoch's fallback
-                epoch = control.epoch
-                caches = {}
-            results = []
-            stats = {"step_us": 0, "restore_us": 0}
-            with probing(probe_dir):
-                for pid, inbox in inboxes.items():
-                    cache = caches.setdefault(pid, {})
-                    cached = {t: cache[t] for t in control.fast if t in cache} if control.fast else None
-                    mine = copy.copy(control) if control.prior is not None else control  # step clears its prior
-                    scratch[pid], out = step_partition(app, parts, root, durable_root, pid, mine, scratch.get(pid),
-                                                       inbox, cached, prev, function_timeout, determinism_check)
-                    if out.cached:
-                        for tid, entries in out.cached.items():
-                            cache.setdefault(tid, []).extend(entries)
-                        out.cached = {}
-                    stats["step_us"] += out.stats.get("step_us", 0)
-                    stats["restore_us"] += out.stats.get("restore_us", 0)
-                    results.append((pid, out))
+            try:
+                results, stats, epoch, caches = _round(control, inboxes, app_ref, previous, function_timeout,
+                                                       probe_dir, scratch, caches, epoch, parts, root,
+                                                       durable_root, determinism_check)
+            except Exception:  # noqa: BLE001 - told to the driver (its round raises it); this task then ends
+                _send_frame(sock, pickle.dumps((None, {"error": traceback.format_exc()[-20_000:]}),
+                                               protocol=pickle.HIGHEST_PROTOCOL))
+                return
             if control.finalize:  # the epoch is over: nothing of it stays
-                scratch = {}
+                scratch.clear()
                 caches = {}
-            stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
             _send_frame(sock, pickle.dumps((results, stats), protocol=pickle.HIGHEST_PROTOCOL))
     finally:
         sock.close()
     yield 0  # pragma: no cover - never reached: a generator for mapPartitions
+
+
+def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: tuple[int, str] | None,
+           function_timeout: float | None, probe_dir: str | None, scratch: dict[int, bytes | None],
+           caches: dict[int, dict[int, list]], epoch: int, parts: int, root: str, durable_root: str,
+           determinism_check: bool) -> tuple[list[tuple[int, RoundOutput]], dict[str, int], int,
+                                             dict[int, dict[int, list]]]:
+    """One round in a gang task: each of ``inboxes``' partitions stepped over its store and ``scratch`` (updated in
+    place); returns the outputs, the task's stats, and the epoch and call-graph caches the task keeps."""
+    from charon.runtime.quarantine import probing
+    from charon.runtime.spark.session import load_app
+    from charon.runtime.spark.tasks import step_partition
+
+    c0 = time.thread_time()
+    app = load_app(app_ref)
+    prev = None if previous is None else (previous[0], load_app(previous[1]))
+    if control.epoch != epoch:  # the call-graph cache serves one epoch's fallback
+        epoch = control.epoch
+        caches = {}
+    results: list[tuple[int, RoundOutput]] = []
+    stats = {"step_us": 0, "restore_us": 0}
+    with probing(probe_dir):
+        for pid, inbox in inboxes.items():
+            cache = caches.setdefault(pid, {})
+            cached = {t: cache[t] for t in control.fast if t in cache} if control.fast else None
+            mine = copy.copy(control) if control.prior is not None else control  # step clears its prior
+            scratch[pid], out = step_partition(app, parts, root, durable_root, pid, mine, scratch.get(pid),
+                                               inbox, cached, prev, function_timeout, determinism_check)
+            if out.cached:
+                for tid, entries in out.cached.items():
+                    cache.setdefault(tid, []).extend(entries)
+                out.cached = {}
+            stats["step_us"] += out.stats.get("step_us", 0)
+            stats["restore_us"] += out.stats.get("restore_us", 0)
+            results.append((pid, out))
+    stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
+    return results, stats, epoch, caches
 
 
 def make_exchange(spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
