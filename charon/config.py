@@ -133,7 +133,17 @@ class SparkConfig:
             raise ValueError("partitions must be at least 1")
         if cfg.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, not {cfg.exchange!r}")
+        cfg.check_exchange()
         return cfg
+
+    def check_exchange(self) -> None:
+        """Refuse (``ValueError``) settings the chosen exchange cannot honour: a split rest (``split_rest`` "on" or
+        "cluster") is a rest hook of the job-per-round exchange; the resident gang already steps its groups of
+        partitions in parallel tasks and has no split rest (docs/internals/resident.md, Limits)."""
+        if self.exchange == "resident" and self.split_rest != "off":
+            raise ValueError(f"split_rest={self.split_rest!r} needs exchange='jobs' (a split rest is the job-per-round "
+                             "exchange's; the resident exchange, the default, has none: set split_rest='off' or "
+                             "exchange='jobs')")
 
 
 def _default_max_connections() -> int:

@@ -282,10 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         "cap5k": {"max_batch": 5000},
         "cap10k": {"max_batch": 10_000},
         "uncapped": {"max_batch": 20_000},  # the fixed cap before --max-batch
-        # issue 24: the rest of an epoch in one task, or split over the cores (every rest, whatever its size)
-        "onetask": {"split_rest": "off"},
-        "split": {"split_rest": "on", "split_rest_min_bytes": 1},
-        "splitlarge": {"split_rest": "on"},  # split only a rest of >= 2 x split_rest_min_bytes (the "on" setting)
+        # issue 24: the rest of an epoch in one task, or split over the cores (every rest, whatever its size): the
+        # job-per-round exchange's levers (the resident exchange has no split rest)
+        "onetask": {"split_rest": "off", "exchange": "jobs"},
+        "split": {"split_rest": "on", "split_rest_min_bytes": 1, "exchange": "jobs"},
+        "splitlarge": {"split_rest": "on", "exchange": "jobs"},  # split only a rest of >= 2 x split_rest_min_bytes
     }
     variants = args.variants.split(",")
     unknown = set(variants) - levers.keys()

@@ -170,13 +170,19 @@ def _spark_run(spark, tmp, reqs, **settings):
 @pytest.mark.spark
 def test_split_rest_on_pyspark_equals_one_task_and_in_process(spark, tmp_path) -> None:
     """On PySpark local[2] (barrier mode, the driver's hub): the split rest's replies and state equal the one-task
-    rest's on the same input, and the in-process runtime's replay of its epochs."""
+    rest's on the same input, and the in-process runtime's replay of its epochs. The split rest is the job-per-round
+    exchange's (the resident exchange refuses it); the other run is on the default, resident exchange: the same
+    epochs, the same replies."""
     from charon.testing import replay_in_process
 
     reqs = [Request(f"s{i}", op, k, f, serde.encode(a))
             for i, (op, k, f, a) in enumerate(ycsb.workload(2_000, 5_000, zipf=0.99, seed=3, max_amount=400))]
-    split, initial = _spark_run(spark, tmp_path / "split", reqs, split_rest="on", split_rest_min_bytes=1)
+    with pytest.raises(ValueError, match="split_rest='on' needs exchange='jobs'"):
+        _spark_run(spark, tmp_path / "refused", reqs, split_rest="on")
+    split, initial = _spark_run(spark, tmp_path / "split", reqs, split_rest="on", split_rest_min_bytes=1,
+                                exchange="jobs")
     one, _ = _spark_run(spark, tmp_path / "one", reqs, split_rest="off")
+    assert one.config.exchange == "resident"
     assert sum(s.get("spark_split_rests", 0) > 0 for s in split.epoch_stats) >= 3, "split rests ran"
     assert not any(s.get("spark_split_rests", 0) for s in one.epoch_stats)
     key = lambda r: r.request_id  # noqa: E731

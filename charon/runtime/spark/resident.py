@@ -434,6 +434,7 @@ def make_exchange(spark: Any, app_ref: str, config: SparkConfig, previous: tuple
     """The exchange ``config.exchange`` names: :class:`ResidentExchange` (``"resident"``, the default: one
     long-running barrier job takes every round over sockets) or :class:`SparkExchange` (``"jobs"``: a Spark job
     per round)."""
+    config.check_exchange()
     if config.exchange == "resident":
         return ResidentExchange(spark, app_ref, config, previous)
     if config.exchange != "jobs":

@@ -129,6 +129,7 @@ class SparkRuntime(EngineBacked):
         self.app_ref = app_ref
         self.app = load_app(app_ref)
         cfg = config or SparkConfig.from_env()
+        cfg.check_exchange()  # before anything is written: a setting the exchange cannot honour is refused
         claim_data_dir(cfg.data_dir, "spark")  # not an in-process node's directory (DataDirOwned)
         self.ckpt = cfg.checkpoint_dir
         os.makedirs(self.ckpt, exist_ok=True)
