@@ -258,7 +258,8 @@ def test_a_checkpoint_outage_is_not_a_deterministic_failure(tmp_path: Path) -> N
 def test_python_workers_killed_around_a_rescales_move(tmp_path: Path) -> None:
     """Task workers SIGKILLed while rescales 2 -> 4 -> 3 run under load: while the gate is held for the move,
     and again as the first epochs after it restore the new layout's stores from its bases. Spark retries the
-    tasks (or the supervisor restarts the query); nothing is lost or run twice and money is conserved."""
+    tasks (or the supervisor restarts the query; on the resident exchange, on a new gang); nothing is lost or run
+    twice and money is conserved."""
     from test_spark_availability import _task_workers_of_this_process
 
     from charon import serde
@@ -305,7 +306,13 @@ def test_python_workers_killed_around_a_rescales_move(tmp_path: Path) -> None:
                     while moving() and not stop.is_set():
                         time.sleep(0.005)
                     time.sleep(0.05)
-                    kill_workers("restore")  # the first epochs on the new layout read its bases
+                    # the first epochs on the new layout read its bases: on the resident exchange they run on a new
+                    # gang, whose task workers start a few seconds after the move (the move's kill may have left
+                    # none): wait for one
+                    deadline = time.monotonic() + 30
+                    while not _task_workers_of_this_process() and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    kill_workers("restore")
                 time.sleep(0.002)
 
         threads = [threading.Thread(target=load), threading.Thread(target=killer)]

@@ -77,7 +77,7 @@ from charon.runtime.spark.layout import (
     records_dir,
     remove_old_layouts,
 )
-from charon.runtime.spark.resident import make_exchange
+from charon.runtime.spark.resident import GangLost, make_exchange
 from charon.runtime.spark.sequencer import DirectSequencer, read_bound, sequenced_directly
 from charon.runtime.spark.session import (
     discard_dead_jvm,
@@ -99,6 +99,16 @@ _Layout = TypeVar("_Layout")
 _events = logging.getLogger("charon.engine")  # restarts, outages, quarantines: the server log
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
+
+
+def _gang_lost(err: BaseException | None) -> bool:
+    """Whether ``err`` (or an error it was raised from) is a lost resident gang."""
+    seen = 0
+    while err is not None and seen < 10:
+        if isinstance(err, GangLost):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
 
 
 class _Stopping(Exception):
@@ -195,6 +205,7 @@ class SparkRuntime(EngineBacked):
         # called once with the reason when the runtime gives up (charon run then exits non-zero: see serve)
         self.on_fatal: Callable[[str], None] | None = None
         self._failures: dict[int, int] = {}  # epoch -> query failures while running it
+        self._gang_losses: dict[int, int] = {}  # epoch -> resident gangs lost while running it (see _gang_retry)
         self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
         # shutdown between epochs (see stop): stopping a query while an epoch's job runs cancels the job from
         # under the py4j callback (a StackOverflowError in Spark's stream thread, an epoch left half done)
@@ -387,6 +398,14 @@ class SparkRuntime(EngineBacked):
                     _events.warning("the streaming query stopped at epoch %d during an outage (not counted as a "
                                     "failure); restarting when it is over: %s", epoch, outage,
                                     extra={"event": "outage", "epoch": epoch})
+                elif code is None and (k := self._gang_retry(epoch, err)) is not None:
+                    n = k  # the back-off grows with the gang's losses; the epoch's failures do not
+                    self._quarantine_culprit(epoch)  # a probed run's worker-killing transaction is set aside
+                    self._last_error = f"epoch {epoch}: {msg}"
+                    self._status = "recovering"
+                    _events.warning("the resident gang was lost at epoch %d (loss %d; as Spark retries a task, "
+                                    "not counted as a failure of the epoch); restarting on a new gang: %s", epoch, k,
+                                    msg, extra={"event": "gang_lost", "epoch": epoch, "losses": k})
                 else:
                     n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
                     self._last_error = f"epoch {epoch}: {msg}"
@@ -453,6 +472,20 @@ class SparkRuntime(EngineBacked):
                         return
             with contextlib.suppress(OSError, sqlite3.Error):  # the log is down again: the ticker settles it
                 self._settle_recovery()
+
+    def _gang_retry(self, epoch: int, err: BaseException | None) -> int | None:
+        """The resident mode's task retries. In the ``jobs`` mode Spark retries a task whose worker or executor died
+        (``task_max_failures`` attempts) before the query fails; a resident gang cannot be retried in place (its
+        tasks' scratch went with it), so the supervisor restarts the epoch on a new gang instead, and such a loss
+        (:class:`~charon.runtime.spark.resident.GangLost`: a task, worker or executor gone, a relaunched stage, a
+        gang that did not start or failed while idle) counts as a failure of the epoch only every
+        ``task_max_failures``-th time, as Spark's retries would have absorbed the ones before. Returns the number
+        of losses of ``epoch`` so far when this one is not counted, else None (an error raised by a round, e.g. an
+        application's, is always counted: :class:`~charon.runtime.spark.resident.GangTaskFailed`)."""
+        if not self.direct or not _gang_lost(err):
+            return None
+        k = self._gang_losses[epoch] = self._gang_losses.get(epoch, 0) + 1
+        return None if k % max(1, self.config.task_max_failures) == 0 else k
 
     def _quarantine_culprit(self, epoch: int) -> bool:
         """After a probed run of ``epoch`` failed: the transaction its dead worker was running, if one can be told,
@@ -1146,6 +1179,7 @@ class SparkRuntime(EngineBacked):
         self.output_log.mark_epoch(epoch)  # the replies stream cuts its atoms here
         self.last_epoch = epoch
         self._failures.pop(epoch, None)
+        self._gang_losses.pop(epoch, None)
         if self._status == "recovering":
             self._status = "ok"
         self.epoch_stats.append({"epoch": epoch, "recorded_at": time.time(), **rec.stats})

@@ -38,11 +38,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 
 from charon.config import SparkConfig
-from charon.errors import EngineUnavailable
 from charon.log.contract import InputLogLike
 from charon.log.location import is_networked
 from charon.log.offsets import pad_pair
 from charon.runtime.spark.layout import bound_path, bounds_dir
+from charon.runtime.spark.resident import GangLost
 from charon.state.durable import write_file_atomic
 from charon.state.records import EpochRecord
 
@@ -252,7 +252,8 @@ class DirectSequencer:
 
     def _wait(self, prev_ends: list[int]) -> list[int] | None:
         """The log's end offsets once it holds a request past ``prev_ends`` (None: stopped). Raises
-        :class:`~charon.errors.EngineUnavailable` when the exchange failed meanwhile (the supervisor restarts)."""
+        :class:`~charon.runtime.spark.resident.GangLost` (an :class:`~charon.errors.EngineUnavailable`) when the
+        exchange failed meanwhile (the supervisor restarts)."""
         pause, longest = NETWORK_POLL_S if self._networked else POLL_S
         trigger = self.config.trigger_ms / 1000.0
         if trigger > 0:
@@ -277,7 +278,7 @@ class DirectSequencer:
                 failure = getattr(self._exchange(), "failure", None)
                 why = failure() if failure is not None else None
                 if why:
-                    raise EngineUnavailable(f"the resident gang failed while idle: {why}")
+                    raise GangLost(f"the resident gang failed while idle: {why}")
             self._stop.wait(pause)
             pause = min(longest, pause * 1.5)
         return None
