@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from charon.apps import holds, wallets
-from charon.exitcodes import ExitCode
+from charon.cli.exitcodes import ExitCode
 from charon.testing import Faults, HarnessFailure, Invocation, Snapshot, fault_seeds, from_hints, run_app
 
 WALLETS = "charon.apps.wallets"

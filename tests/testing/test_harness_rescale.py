@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from charon.apps import wallets
-from charon.exitcodes import ExitCode
+from charon.cli.exitcodes import ExitCode
 from charon.simulation import run_seed
 from charon.testing import Faults, HarnessFailure, Report, run_app
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 import typer
 
-from charon.exitcodes import ExitCode
+from charon.cli.exitcodes import ExitCode
 
 if TYPE_CHECKING:
     from charon.operator import Application
