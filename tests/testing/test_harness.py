@@ -1,4 +1,4 @@
-"""The fault harness for applications (charon.harness, ``charon test-app``, the pytest plugin).
+"""The fault harness for applications (charon.testing.harness, ``charon test-app``, the pytest plugin).
 
 The example is :mod:`charon.apps.wallets`: ``buggy_app`` deduplicates a payment provider's redeliveries in
 process memory, ``app`` in the wallet's state. The harness must find the defect within a few seeds, print a
