@@ -7,7 +7,8 @@ One module per command group: :mod:`~charon.cli.app` (the application, its globa
 :mod:`~charon.cli.effects`, :mod:`~charon.cli.harness` (``test-app``), :mod:`~charon.cli.requests`,
 :mod:`~charon.cli.limits`, :mod:`~charon.cli.promises` (promises and schedules); what they share is in
 :mod:`~charon.cli.parts`, how a command fails in :mod:`~charon.cli.fail`, the exit codes in
-:mod:`~charon.cli.exitcodes`.
+:mod:`~charon.cli.exitcodes`. :mod:`~charon.cli.errordoc` renders the error reference page
+(``python -m charon.cli.errordoc --write``).
 
 ``--url`` and ``--token`` default to the ``CHARON_URL`` and ``CHARON_TOKEN`` environment variables. Every command
 exits with a code of :class:`charon.cli.exitcodes.ExitCode` (docs/reference/exit-codes.md); an error is one line on
