@@ -373,10 +373,15 @@ def test_no_pre_layer_aliases() -> None:
         assert importlib.util.find_spec(f"charon.{old}") is None, old
 
 
+#: Top-level modules moved into charon/cli/, charon/testing/ and charon/core/ ("the tree as a map").
+MOVED = ("cliparts", "clifail", "exitcodes", "demo_cli", "effects_cli", "harness_cli", "requests_cli", "limits_cli",
+         "promises_cli", "gatewayprocs", "errordoc", "harness", "simulation", "workloads", "pytest_plugin", "cron",
+         "schedule_spec")
 OLD = re.compile(
     r"(?<![\w.])charon\.(spark|partition|context|epoch|sequencer|routing|inprocess|node|store|lmdbstore|durable"
     r"|logclient|gateway)\b|(?<![\w.])charon\.log\.(InputLog|OutputLog)\b|(?<![\w/])charon/(spark/|"
     r"(partition|context|epoch|sequencer|routing|inprocess|node|store|lmdbstore|durable|log|logclient|gateway)\.py)"
+    rf"|(?<![\w.])charon\.({'|'.join(MOVED)})\b|(?<![\w/])charon/({'|'.join(MOVED)}|cli|testing)\.py"
 )
 #: The Java shim's on-disk marker keeps the old module name so shims written before the move still match.
 KEPT = '_SHIM_MARK = "written by charon.spark.java"'
