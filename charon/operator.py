@@ -13,8 +13,8 @@ import msgspec
 
 from charon.core.limits import Limit, check_target
 from charon.core.routing import check_key, check_operator_name, check_stream
+from charon.core.schedule_spec import schedule_spec
 from charon.errors import BadArguments, InvalidKey, UnknownFunction, UnknownOperator, ValueTooLarge
-from charon.schedule_spec import schedule_spec
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from charon import Application, Context, Operator
 
 if TYPE_CHECKING:
-    from charon.harness import Snapshot
+    from charon.testing.harness import Snapshot
 
 WALLETS = ("w0", "w1", "w2")
 #: buggy_app's defect: (wallet, token) -> the transaction (TID) that credited it, in this process's memory. Keyed by TID

@@ -28,11 +28,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from charon import cron
+from charon.core import cron
 from charon.core import timers as _timers
+from charon.core.schedule_spec import MAX_CATCH_UP, spec_hash
 from charon.errors import UnknownSchedule
 from charon.operator import Application, Operator, register_builtin
-from charon.schedule_spec import MAX_CATCH_UP, spec_hash
 
 __all__ = ["DECLARE_ID_PREFIX", "MAX_CATCH_UP", "MAX_COUNTED_MISSES", "SCHEDULE_OPERATOR", "ScheduleExists",
            "declarations"]

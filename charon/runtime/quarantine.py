@@ -93,7 +93,7 @@ STEP_GRACE_S = 1.0  # a probed step may run this long past PROBE_FACTOR x its bu
 #: the epoch's first run (functions are deterministic; the margin is for a slower host), so its transaction never
 #: answered and a new verdict contradicts no reply (docs/internals/verdicts.md, rule 5)
 PROBE_FACTOR = 10.0
-EXIT_CODE = 75  # EX_TEMPFAIL: as the watchdog's give-up (charon.exitcodes.ExitCode.STUCK)
+EXIT_CODE = 75  # EX_TEMPFAIL: as the watchdog's give-up (charon.cli.exitcodes.ExitCode.STUCK)
 _events = logging.getLogger("charon.engine")
 
 

@@ -17,9 +17,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
 from starlette.routing import Route
 
+from charon.core.schedule_spec import check_name, schedule_spec
 from charon.core.schedules import SCHEDULE_OPERATOR
 from charon.errors import BadArguments, InvalidKey, UnknownFunction, UnknownOperator, ValueTooLarge
-from charon.schedule_spec import check_name, schedule_spec
 from charon.server.promises import BuiltinGateway, entity_page, list_page, run_builtin
 from charon.server.wire import HTTPError, guard, parse_fields, respond
 

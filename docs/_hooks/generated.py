@@ -29,7 +29,7 @@ def cli_markdown() -> str:
         cwd=ROOT, capture_output=True, text=True, check=True, timeout=120,
     ).stdout
     intro = (
-        "Generated from the Typer application (`charon/cli.py`) when the site is built. After the set-up "
+        "Generated from the Typer application (`charon/cli/`) when the site is built. After the set-up "
         "(`./scripts/test` or `./scripts/demo`) the command is `.venv/bin/charon` (or `charon` once "
         "`.venv/bin` is on your `PATH`, e.g. after `source .venv/bin/activate`).\n\n"
     )

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from charon import Application, Context, InProcessRuntime, Operator, Request, serde
-from charon import workloads as wl
 from charon.core import partition
+from charon.testing import workloads as wl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support" / "repros"))

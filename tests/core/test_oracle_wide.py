@@ -1,4 +1,4 @@
-"""Widened oracle checks: generated programs (charon.workloads) on the in-process runtime, every epoch
+"""Widened oracle checks: generated programs (charon.testing.workloads) on the in-process runtime, every epoch
 against the serial oracle, and across epochs every request accounted for exactly once, the replies
 delivered through the runtime equal to the epochs' results, the final state equal to serial execution.
 
@@ -14,7 +14,7 @@ import os
 import pytest
 from hypothesis import given, settings
 
-from charon.workloads import (
+from charon.testing.workloads import (
     CI,
     FEATURES,
     Shape,
@@ -67,5 +67,5 @@ def test_found_cases(name: str) -> None:
 
 def test_r5_the_oracle_itself_models_the_abort_rule() -> None:
     """r5: charon.testing's oracle aborts a transaction whose caller caught its callee's exception, as the
-    engine does (the checks above model the rule themselves until then: charon.workloads.engine_abort_rule)."""
+    engine does (the checks above model the rule themselves until then: charon.testing.workloads.engine_abort_rule)."""
     assert oracle_aborts_caught_callee()

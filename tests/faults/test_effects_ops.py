@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from charon.cli.exitcodes import ExitCode
 from charon.client import Client
-from charon.exitcodes import ExitCode
 from charon.server.serve import free_port
 
 TESTS = Path(__file__).resolve().parents[1] / "support"  # the test apps and the external service

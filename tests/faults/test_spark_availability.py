@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from charon import serde
+from charon.cli.exitcodes import ExitCode
 from charon.config import SparkConfig
 from charon.core.routing import store_key
 from charon.errors import EngineUnavailable
-from charon.exitcodes import ExitCode
 from charon.messages import Request
 from charon.runtime.spark.layout import LayoutMismatch
 from charon.runtime.spark.runtime import TICK, SparkRuntime

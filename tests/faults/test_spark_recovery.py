@@ -37,8 +37,8 @@ BACKLOG = 5 * MAX_BATCH  # unconsumed requests before each start: enough to reac
 MID_RUN = 100  # appended while the driver runs
 FINAL = 300
 # where each run dies: a named crash point at a coming epoch, or "random" (SIGKILL at a wall-clock moment)
-PLAN = ["before_epoch", "after_round", "after_finalize", "after_record", "compaction", "random",
-        "after_finalize", "random", "compaction", "random"]
+# (each named point once, then a random kill: the seeded simulator covers the combinations at scale)
+PLAN = ["before_epoch", "after_round", "after_finalize", "after_record", "compaction", "random"]
 START_TIMEOUT = 300.0  # JVM + SparkSession start on a loaded 2-core machine
 RUN_TIMEOUT = 400.0
 
@@ -153,7 +153,7 @@ def test_driver_killed_repeatedly_matches_in_process(tmp_path: Path) -> None:
 
     print(f"\nkills: {outcomes}\nappended {len(appended)}, epochs {last_epoch(data) + 1}, "
           f"{time.monotonic() - t_start:.0f} s")
-    assert len(outcomes) == len(PLAN) >= 10
+    assert len(outcomes) == len(PLAN) >= 6
     # every named crash fired at its epoch (the run before it reached it: records stop right below it)
     for how, _, died_at in outcomes:
         if how != "random":
@@ -166,7 +166,7 @@ def test_driver_killed_repeatedly_matches_in_process(tmp_path: Path) -> None:
                 assert died_at in (int(e) - 1, int(e) - 2), (how, died_at)
             else:
                 assert died_at == (int(e) if point == "after_record" else int(e) - 1), (how, died_at)
-    assert last_epoch(data) + 1 >= 20
+    assert last_epoch(data) + 1 >= 12
 
     rt = check_result(data, initial, appended, ACCOUNTS * BALANCE)
     # compaction ran (and survived being killed): every partition's durable base is past the bulk load

@@ -1,4 +1,4 @@
-"""The error table (docs/reference/errors.md) matches the code: the page is what ``charon.errordoc`` renders from
+"""The error table (docs/reference/errors.md) matches the code: the page is what ``charon.cli.errordoc`` renders from
 the classes, it lists every public exception, each under its kind, with the HTTP status and ``error.type`` the
 client really maps back to that class; and the page's example runs."""
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from charon import client, errordoc, errors
+from charon import client, errors
+from charon.cli import errordoc
 from charon.server.wire import STATUS_OF_ERROR
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +19,7 @@ PAGE = ROOT / "docs" / "reference" / "errors.md"
 
 
 def test_the_page_is_generated_from_the_code() -> None:
-    assert PAGE.read_text() == errordoc.render(), "regenerate it: python -m charon.errordoc --write"
+    assert PAGE.read_text() == errordoc.render(), "regenerate it: python -m charon.cli.errordoc --write"
 
 
 def test_every_public_exception_is_listed_once_under_its_kind() -> None:

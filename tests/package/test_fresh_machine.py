@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from charon.exitcodes import ExitCode
+from charon.cli.exitcodes import ExitCode
 from charon.runtime.spark import java as charon_java
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -108,7 +108,7 @@ def test_update_is_recorded_and_survives_a_restart(tmp_path) -> None:
             from typer.testing import CliRunner
 
             from charon.cli import app as cli
-            from charon.exitcodes import ExitCode
+            from charon.cli.exitcodes import ExitCode
 
             res = CliRunner().invoke(cli, ["deploy", "code_versions:nosuch", "v9", "--url", srv.url, "--token",
                                            TOKEN])

@@ -163,8 +163,8 @@ def test_carried_finalizes_equal_finalizes_alone_on_generated_workloads() -> Non
     carrying the previous finalize give the same replies, in the same order, and the same state."""
     import random
 
-    from charon import workloads as wl
     from charon.core import partition
+    from charon.testing import workloads as wl
 
     saved = partition.KEEP_LIVE_COROUTINES
     try:

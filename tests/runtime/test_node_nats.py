@@ -145,7 +145,7 @@ def test_node_over_nats_serves_again_after_a_log_outage(tmp_path: Path, outage_s
         health: list[dict] = []
 
         async def outage() -> tuple[dict, set, float]:
-            load = asyncio.ensure_future(_load(srv.url, outage_s + 40.0, workers=8))
+            load = asyncio.ensure_future(_load(srv.url, outage_s + 20.0, workers=8))
             await asyncio.sleep(2.0)
             nats.kill()
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as client:

@@ -76,7 +76,7 @@ def test_a_gateway_that_is_down_is_a_typed_unavailable_error() -> None:
                                                        (503, "Unavailable", 3), (500, "Internal", 3)])
 def test_a_gateway_refusal_exits_rejected_and_an_outage_unavailable(status: int, etype: str, code: int) -> None:
     from charon import client
-    from charon.exitcodes import exit_code_of
+    from charon.cli.exitcodes import exit_code_of
 
     with pytest.raises(CharonError) as raised:
         client._raise_error(status, {"error": {"type": etype, "message": "m"}}, None)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.cli import app
-from charon.exitcodes import ExitCode
+from charon.cli.exitcodes import ExitCode
 from charon.server.serve import BackgroundServer
 
 TOKEN = "cli-t0ken"

@@ -1,5 +1,5 @@
 """Gateway processes over the logs (issue 32 item 3), without Spark: a real ``charon run --engine remote`` process
-over SQLite logs, supervised by :class:`charon.gatewayprocs.GatewayProcesses`, forwarding what it cannot serve to
+over SQLite logs, supervised by :class:`charon.cli.gatewayprocs.GatewayProcesses`, forwarding what it cannot serve to
 a "driver" (an in-process node's gateway here; Spark's in tests/spark/test_gateways_spark.py). A thread plays the
 engine: it reads the input log another process appends to and writes replies to the output log."""
 
@@ -18,7 +18,7 @@ import pytest
 
 from charon import serde
 from charon.apps import ycsb
-from charon.gatewayprocs import GatewayProcesses
+from charon.cli.gatewayprocs import GatewayProcesses
 from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply
 from charon.runtime.inprocess import InProcessRuntime

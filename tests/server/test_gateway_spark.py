@@ -70,8 +70,12 @@ class Gateway:
         headers = {"Authorization": f"Bearer {TOKEN}"}
         if idem:
             headers["Idempotency-Key"] = idem
-        return httpx.post(f"{self.url}/invoke/account/{key}/{fn}", json={"args": args}, headers=headers,
-                          timeout=kw.pop("timeout", 120), **kw)
+        r = httpx.post(f"{self.url}/invoke/account/{key}/{fn}", json={"args": args}, headers=headers,
+                       timeout=kw.pop("timeout", 120), **kw)
+        deadline = time.monotonic() + 180  # a restarted JVM on a loaded machine: past the gateway's wait
+        while r.status_code == 202 and time.monotonic() < deadline:
+            r = httpx.get(self.url + r.json()["status_url"] + "?wait=20", headers=headers, timeout=60)
+        return r
 
     def state(self, key: str):
         r = httpx.get(f"{self.url}/state/account/{key}", headers={"Authorization": f"Bearer {TOKEN}"},

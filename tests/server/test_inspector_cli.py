@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from charon.exitcodes import ExitCode
+from charon.cli.exitcodes import ExitCode
 from charon.server.serve import free_port
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"

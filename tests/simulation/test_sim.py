@@ -1,7 +1,7 @@
-"""The deterministic simulator of the Spark paths (charon.simulation) as part of the suite.
+"""The deterministic simulator of the Spark paths (charon.testing.simulation) as part of the suite.
 
 ``CHARON_SIM_SEEDS`` seeds (default 1,000) run in chunks; a failure lists one reproduction line per seed
-(``python -m charon.simulation --seed N``). The explicit cases are defects the simulator found on the code
+(``python -m charon.testing.simulation --seed N``). The explicit cases are defects the simulator found on the code
 it was written against (each names its defect); they fail until that defect is fixed.
 """
 
@@ -13,8 +13,8 @@ import pytest
 
 from charon import serde
 from charon.core.routing import store_key
-from charon.simulation import Faults, Simulation, repro_line, run_seed
-from charon.workloads import Workload
+from charon.testing.simulation import Faults, Simulation, repro_line, run_seed
+from charon.testing.workloads import Workload
 
 pytestmark = pytest.mark.usefixtures("fresh_means_empty")  # see conftest.py
 

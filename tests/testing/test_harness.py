@@ -1,4 +1,4 @@
-"""The fault harness for applications (charon.harness, ``charon test-app``, the pytest plugin).
+"""The fault harness for applications (charon.testing.harness, ``charon test-app``, the pytest plugin).
 
 The example is :mod:`charon.apps.wallets`: ``buggy_app`` deduplicates a payment provider's redeliveries in
 process memory, ``app`` in the wallet's state. The harness must find the defect within a few seeds, print a
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from charon.apps import holds, wallets
-from charon.exitcodes import ExitCode
+from charon.cli.exitcodes import ExitCode
 from charon.testing import Faults, HarnessFailure, Invocation, Snapshot, fault_seeds, from_hints, run_app
 
 WALLETS = "charon.apps.wallets"

@@ -45,7 +45,7 @@ def test_the_harness_runs_handlers_under_faults_and_continues_each_effect_once()
 
 def test_a_continuation_lost_to_the_engine_is_caught() -> None:
     """The exactly-once check has teeth: a harness whose continuations never reach the engine fails the seed."""
-    from charon import harness
+    from charon.testing import harness
 
     real = harness._Effects.deliver
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from charon.apps import wallets
-from charon.exitcodes import ExitCode
-from charon.simulation import run_seed
+from charon.cli.exitcodes import ExitCode
 from charon.testing import Faults, HarnessFailure, Report, run_app
+from charon.testing.simulation import run_seed
 
 WALLETS = "charon.apps.wallets"
 SEEDS = range(10)
@@ -83,7 +83,7 @@ def test_rescales_are_drawn_from_the_seed_and_in_the_fingerprint() -> None:
 
 
 def test_the_simulator_rescales_under_every_fault() -> None:
-    """``python -m charon.simulation --rescale``: the engine's own workloads, crashes at the move's fault points
+    """``python -m charon.testing.simulation --rescale``: the engine's own workloads, crashes at the move's fault points
     included, stay serializable across the rescales (the input log growing too)."""
     outs = [run_seed(s, log_growth=True, engine_rescale=True) for s in range(40)]
     assert [o.error for o in outs if not o.ok] == []

@@ -8,8 +8,8 @@ from typing import Any
 
 import typer
 
-from charon.clifail import request_failed
-from charon.cliparts import TokenOpt, UrlOpt, print_json
+from charon.cli.fail import request_failed
+from charon.cli.parts import TokenOpt, UrlOpt, print_json
 from charon.errors import CharonError
 
 promises_app = typer.Typer(help="Durable promises: list, show, resolve, reject, cancel.", no_args_is_help=True)

@@ -11,8 +11,9 @@ import msgspec
 import typer
 from rich.table import Table
 
-from charon.clifail import fail as _fail
-from charon.cliparts import TokenOpt, UrlOpt, console, err_console, load_app, print_json
+from charon.cli.exitcodes import ExitCode
+from charon.cli.fail import fail as _fail
+from charon.cli.parts import TokenOpt, UrlOpt, console, err_console, load_app, print_json
 from charon.errors import (
     CharonError,
     EngineUnavailable,
@@ -21,7 +22,6 @@ from charon.errors import (
     TransactionAborted,
     Unauthorized,
 )
-from charon.exitcodes import ExitCode
 
 if TYPE_CHECKING:
     from starlette.requests import Request as HTTPRequest

@@ -1,6 +1,6 @@
 """Deterministic simulation of the Spark runtime's paths, driving the real code with a simulated cluster.
 
-Per seed, a generated workload (:mod:`charon.workloads`) runs through the real
+Per seed, a generated workload (:mod:`charon.testing.workloads`) runs through the real
 :meth:`charon.runtime.spark.runtime.SparkRuntime._on_batch` (epoch records, replay of a recorded batch, ticks for
 deferred work, compaction, the output log) and the real :class:`~charon.runtime.spark.exchange.SparkExchange`,
 whose ``run_job`` is replaced by a simulated cluster: each round's payloads are cut into tasks that run
@@ -40,7 +40,7 @@ recorded epoch is re-placed by key group into a new layout, the driver may crash
 point); the state then lives in other partitions, and the cluster follows: scaling out, a worker joins (a new
 Python process), scaling in, one leaves; keys therefore move to other workers for good.
 
-``python -m charon.simulation --seeds 100000 [--start N]`` runs many seeds; ``--seed N`` reruns one and
+``python -m charon.testing.simulation --seeds 100000 [--start N]`` runs many seeds; ``--seed N`` reruns one and
 prints its trace. A failing seed prints one line that reproduces it. ``--without early,early2`` leaves
 program features out (to tell apart failures of different defects).
 """
@@ -76,7 +76,7 @@ from charon.runtime.spark.exchange import SparkExchange
 from charon.runtime.spark.layout import local_root, read_layout
 from charon.state import lmdbstore
 from charon.state.durable import DurableState
-from charon.workloads import (
+from charon.testing.workloads import (
     COUNTERS,
     FEATURES,
     ITEMS,
@@ -89,11 +89,11 @@ from charon.workloads import (
     random_workload,
 )
 
-APP_REF = "charon.workloads:app"
+APP_REF = "charon.testing.workloads:app"
 
 
 class Plan(Protocol):
-    """What the simulator reads of a workload (:class:`~charon.workloads.Workload`, or the application harness's
+    """What the simulator reads of a workload (:class:`~charon.testing.workloads.Workload`, or the application harness's
     plan): its epochs of requests and the run's placement."""
 
     partitions: int
@@ -546,7 +546,7 @@ class Simulation:
 
     def verify_recorded(self) -> None:
         """Check every newly recorded epoch against the oracle, in order."""
-        from charon import testing
+        from charon.testing import oracle
 
         assert self.rt is not None
         last = self.rt.last_recorded_epoch()
@@ -558,7 +558,7 @@ class Simulation:
             after = self.durable_state(e)
             self.committed(e, after, res)
             try:
-                testing.check_epoch(self.app, self.expected[e - 1], after, res, partitions=self.config.partitions,
+                oracle.check_epoch(self.app, self.expected[e - 1], after, res, partitions=self.config.partitions,
                                     timer_limit=self.config.max_timers_per_epoch,
                                     verdicts=self.rt.verdict_book.verdicts)
             except AssertionError as exc:
@@ -727,11 +727,11 @@ def repro_line(o: Outcome, without: frozenset[str] = frozenset(), log_growth: bo
     opt = f" --without {','.join(sorted(without))}" if without else ""
     opt += " --log-growth" if log_growth else ""
     opt += " --rescale" if engine_rescale else ""
-    return f"FAIL seed {o.seed}: {o.error} | reproduce: python -m charon.simulation --seed {o.seed}{opt}"
+    return f"FAIL seed {o.seed}: {o.error} | reproduce: python -m charon.testing.simulation --seed {o.seed}{opt}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m charon.simulation", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m charon.testing.simulation", description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=1000, help="how many seeds to run")
     ap.add_argument("--start", type=int, default=0, help="first seed")
     ap.add_argument("--seed", type=int, default=None, help="rerun one seed and print its trace")

@@ -13,8 +13,8 @@ import msgspec
 import typer
 from rich.console import Console
 
-from charon.clifail import fail as _fail
-from charon.exitcodes import ExitCode
+from charon.cli.exitcodes import ExitCode
+from charon.cli.fail import fail as _fail
 from charon.operator import Application
 from charon.runtime.contract import Engine
 from charon.runtime.factory import EngineSpec
@@ -73,7 +73,7 @@ def error_site(exc: BaseException) -> tuple[str, int, str] | None:
     import sysconfig
 
     skip = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-                 | {os.path.dirname(os.path.abspath(__file__))})
+                 | {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})  # charon/, not charon/cli/
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
     mine = [f for f in frames if not os.path.abspath(f.filename).startswith(skip)]
     if not (mine or frames):

@@ -1,4 +1,4 @@
-"""``charon test-app``: the fault harness (:mod:`charon.harness`) from the command line.
+"""``charon test-app``: the fault harness (:mod:`charon.testing.harness`) from the command line.
 
 :func:`make_test_app` builds the command around the CLI's ``load_app`` (one-line import errors, exit code
 ``APP_ERROR``), so that this module does not import the CLI. A failing seed exits ``FAILED``; a wrong option
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 import typer
 
-from charon.exitcodes import ExitCode
+from charon.cli.exitcodes import ExitCode
 
 if TYPE_CHECKING:
     from charon.operator import Application
@@ -75,7 +75,7 @@ def make_test_app(load_app: Callable[[str], Application]) -> Callable[..., None]
         re-runs, driver crashes at every fault point, client retries, timers, input-log rescales, engine-partition
         rescales), checking the serial oracle and the invariants after every epoch. Exits 6 (FAILED) if a seed
         fails, printing the line that reproduces it."""
-        from charon.harness import Faults, HarnessFailure, Invariant, WorkloadSource, from_hints, run_app
+        from charon.testing.harness import Faults, HarnessFailure, Invariant, WorkloadSource, from_hints, run_app
 
         if cluster not in CLUSTERS:
             raise typer.BadParameter(f"--cluster {cluster!r}: one of {', '.join(CLUSTERS)}")

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from charon.clifail import request_failed
+from charon.cli.fail import request_failed
 from charon.errors import CharonError
 
 limits_app = typer.Typer(help="Admission limits: show them with the waiting requests, change them at run time.",

@@ -1,4 +1,4 @@
-"""Test support: the serial-execution oracle (DESIGN §2) and helpers to check epochs against it.
+"""The serial-execution oracle (DESIGN §2) and helpers to check epochs against it.
 
 :func:`serial_execute` runs transactions one at a time with plain nested calls, independently of the
 engine: a synchronous call runs the callee to completion inline when it is first awaited (a call never
@@ -48,16 +48,6 @@ from charon.messages import Request
 from charon.operator import Application, Function, Operator
 
 if TYPE_CHECKING:
-    # re-exported (``X as X``: explicit for a user's ``mypy --strict``), imported on first use by __getattr__ below
-    from charon.harness import Faults as Faults
-    from charon.harness import HarnessFailure as HarnessFailure
-    from charon.harness import Invocation as Invocation
-    from charon.harness import Report as Report
-    from charon.harness import Snapshot as Snapshot
-    from charon.harness import from_hints as from_hints
-    from charon.harness import invocations as invocations
-    from charon.harness import run_app as run_app
-    from charon.pytest_plugin import fault_seeds as fault_seeds
     from charon.runtime.inprocess import InProcessRuntime
     from charon.runtime.spark.runtime import SparkRuntime
 
@@ -532,19 +522,3 @@ def replay_in_process(
             rt.coordinator.sequencer.resize(len(rec.ends))
         results.append(rt.coordinator.run_epoch(e, runtime.epoch_requests(e), rec.time if rec else None))
     return rt, results
-
-
-#: The fault harness's public names (:mod:`charon.harness`, :mod:`charon.pytest_plugin`), imported on first use so
-#: that importing this module stays light (the harness loads the Spark runtime's code and hypothesis).
-_HARNESS = {"Faults": "charon.harness", "HarnessFailure": "charon.harness", "Invocation": "charon.harness",
-            "Report": "charon.harness", "Snapshot": "charon.harness", "from_hints": "charon.harness",
-            "invocations": "charon.harness", "run_app": "charon.harness", "fault_seeds": "charon.pytest_plugin"}
-
-
-def __getattr__(name: str) -> object:
-    module = _HARNESS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'charon.testing' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)

@@ -9,7 +9,7 @@
         charon_harness.run(wallets.app, wallets.payments, [wallets.credited_once])
 
 ``fault_seeds(n)`` runs the test once per seed (``CHARON_HARNESS_SEEDS`` overrides ``n``;
-``CHARON_HARNESS_SEED`` runs that one seed). ``charon_harness.run`` is :func:`charon.harness.run_app` with the
+``CHARON_HARNESS_SEED`` runs that one seed). ``charon_harness.run`` is :func:`charon.testing.harness.run_app` with the
 test's seed, and a failure's reproduction line is the pytest command that reruns that seed.
 """
 
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from charon.harness import Faults, Invariant, Report, WorkloadSource
     from charon.operator import Application
+    from charon.testing.harness import Faults, Invariant, Report, WorkloadSource
 
 SEED_ENV = "CHARON_HARNESS_SEED"
 SEEDS_ENV = "CHARON_HARNESS_SEEDS"
@@ -41,7 +41,7 @@ def fault_seeds(n: int, start: int = 0) -> pytest.MarkDecorator:
 
 
 class HarnessRunner:
-    """``charon_harness``: runs :func:`charon.harness.run_app` with this test's seed and reproduction line."""
+    """``charon_harness``: runs :func:`charon.testing.harness.run_app` with this test's seed and reproduction line."""
 
     def __init__(self, nodeid: str, seed: int) -> None:
         self.nodeid, self.seed = nodeid, seed
@@ -54,9 +54,10 @@ class HarnessRunner:
             keys: Sequence[str] = ("k0", "k1", "k2", "k3"), initial: Mapping[tuple[str, str], object] | None = None,
             faults: Faults | None = None, rescale: bool | None = None, partition_rescale: bool | None = None,
             ) -> Report:
-        """:func:`charon.harness.run_app` with this test's seed (or ``seed``); a failure's line reruns this test."""
+        """:func:`charon.testing.harness.run_app` with this test's seed (or ``seed``); a failure's line reruns this
+        test."""
         __tracebackhide__ = True
-        from charon.harness import STEPS, run_app
+        from charon.testing.harness import STEPS, run_app
 
         s = self.seed if seed is None else seed
         return run_app(app, workload, invariants, seed=s, steps=STEPS if steps is None else steps, keys=keys,

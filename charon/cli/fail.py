@@ -1,4 +1,5 @@
-"""How every ``charon`` command fails: one ``error: ...`` line on stderr and an :class:`~charon.exitcodes.ExitCode`."""
+"""How every ``charon`` command fails: one ``error: ...`` line on stderr and an
+:class:`~charon.cli.exitcodes.ExitCode`."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import logging
 import typer
 from rich.console import Console
 
+from charon.cli.exitcodes import ExitCode, exit_code_of
 from charon.errors import TransactionAborted
-from charon.exitcodes import ExitCode, exit_code_of
 
 err_console = Console(stderr=True)
 
@@ -24,7 +25,7 @@ def fail(message: str, code: ExitCode) -> typer.Exit:
 
 
 def request_failed(exc: Exception, url: str) -> typer.Exit:
-    """An HTTP call's failure as one line and its exit code (:func:`charon.exitcodes.exit_code_of`)."""
+    """An HTTP call's failure as one line and its exit code (:func:`charon.cli.exitcodes.exit_code_of`)."""
     import httpx
 
     code = exit_code_of(exc)

@@ -1,6 +1,6 @@
 """Generated applications for testing the engine against the serial oracle (hypothesis and seeded).
 
-The application is fixed and importable (``charon.workloads:app``, so Spark workers and the simulator can
+The application is fixed and importable (``charon.testing.workloads:app``, so Spark workers and the simulator can
 load it); what varies is the *program* each transaction runs. ``node.run(err, prog)`` interprets ``prog``, a
 list of ops, through its context: reads, state-dependent writes and aborts, calls whose target is chosen
 from state, calls created early and awaited late (in any order), sends, gathers, ``ctx.random()`` and
@@ -365,12 +365,12 @@ settings.register_profile("charon-ci", CI)
 
 def oracle_aborts_caught_callee() -> bool:
     """Whether ``charon.testing``'s oracle already aborts when a caller catches its callee's exception."""
-    from charon import testing
+    from charon.testing import oracle
 
     req = Request("probe", "node", "a", "run", serde.encode([0, [["try", "b", [["raise_if", -1]]]]]), ts=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ok, _ = testing.serial_execute(app, {}, 1, req)
+        ok, _ = oracle.serial_execute(app, {}, 1, req)
     return not ok
 
 
@@ -408,10 +408,9 @@ def check_inprocess(w: Workload, max_drain: int = 20) -> list:
 
 
 def _check_inprocess(w: Workload, max_drain: int) -> list:
-    from charon import testing
     from charon.runtime.inprocess import InProcessRuntime
+    from charon.testing.oracle import check_epoch, serial_execute
 
-    check_epoch, serial_execute = testing.check_epoch, testing.serial_execute
     rt = InProcessRuntime(app, partitions=w.partitions)
     load(rt, w)
     delivered: dict[str, Any] = {}
@@ -460,12 +459,12 @@ def _check_inprocess(w: Workload, max_drain: int) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m charon.workloads --seeds N [--start S]``: seeded workloads checked in-process; ``--seed N``
+    """``python -m charon.testing.workloads --seeds N [--start S]``: seeded workloads checked in-process; ``--seed N``
     shows one workload and its outcome. A failure prints one line that reproduces it."""
     import argparse
     import time
 
-    ap = argparse.ArgumentParser(prog="python -m charon.workloads", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m charon.testing.workloads", description=main.__doc__)
     ap.add_argument("--seeds", type=int, default=1000)
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
@@ -481,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         except AssertionError as exc:
             failed += 1
             msg = " ".join(str(exc).split())[:300]
-            print(f"FAIL seed {seed}: {msg} | reproduce: python -m charon.workloads --seed {seed}", flush=True)
+            print(f"FAIL seed {seed}: {msg} | reproduce: python -m charon.testing.workloads --seed {seed}", flush=True)
     print(f"{len(seeds)} workloads: {failed} failed, {time.perf_counter() - t0:.1f}s")
     return 1 if failed else 0
 

@@ -1,6 +1,6 @@
 """A schedule's spec (``@app.schedule``, ``POST /schedules``): checked once, where it is declared or created.
 
-See :mod:`charon.core.schedules` for what a schedule does; cron expressions are :mod:`charon.cron`'s.
+See :mod:`charon.core.schedules` for what a schedule does; cron expressions are :mod:`charon.core.cron`'s.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import hashlib
 import re
 from typing import Any
 
-from charon import cron, serde
+from charon import serde
+from charon.core import cron
 from charon.core.routing import check_key
 from charon.errors import BadArguments, ValueTooLarge
 

@@ -19,10 +19,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from charon.bench.harness import percentile
-from charon.clifail import fail as _fail
-from charon.cliparts import console, make_engine, spark_available
+from charon.cli.exitcodes import ExitCode
+from charon.cli.fail import fail as _fail
+from charon.cli.parts import console, make_engine, spark_available
 from charon.errors import TransactionAborted
-from charon.exitcodes import ExitCode
 from charon.runtime.contract import Engine
 from charon.runtime.factory import EngineSpec
 

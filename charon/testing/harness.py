@@ -4,7 +4,7 @@
 ``random.Random`` returning one, or :func:`from_hints`: drawn from the functions' type hints with hypothesis
 strategies) and invariants (callables over a :class:`Snapshot` of the committed state and the replies). From
 one seed it runs the workload through the real Spark runtime code with the simulated cluster of
-:mod:`charon.simulation`: tasks hop between workers, workers lose their local state or their Python process,
+:mod:`charon.testing.simulation`: tasks hop between workers, workers lose their local state or their Python process,
 tasks run twice, the driver crashes at every fault point and recovers, clients retry (the same request id,
 i.e. the same idempotency key), timers fire as time passes, the input log is rescaled between epochs, and the
 engine partitions are rescaled at epoch boundaries (the state moves to other partitions, hence other workers).
@@ -53,8 +53,8 @@ from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime.spark import tasks as spark_tasks
 from charon.runtime.spark.runtime import TICK, SparkRuntime
-from charon.simulation import Faults, SimCrash, Simulation, Violation, Worker
 from charon.state.durable import DurableState
+from charon.testing.simulation import Faults, SimCrash, Simulation, Violation, Worker
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
@@ -317,7 +317,7 @@ def reproduction(ref: str, workload: WorkloadSource, invariants: Sequence[Invari
 @dataclass
 class _Plan:
     """A seed's workload cut into epochs, with client retries, the clock and the final tick (the workload
-    :class:`~charon.simulation.Plan` the simulator reads)."""
+    :class:`~charon.testing.simulation.Plan` the simulator reads)."""
 
     epochs: list[list[Request]]
     fresh: list[set[str]]

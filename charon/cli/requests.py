@@ -12,7 +12,7 @@ from rich.table import Column, Table
 from rich.text import Text
 from rich.tree import Tree
 
-from charon.clifail import request_failed
+from charon.cli.fail import request_failed
 from charon.errors import CharonError
 
 requests_app = typer.Typer(help="The invocation inspector: list and search requests, show one with its call graph "
