@@ -7,6 +7,8 @@ import os
 import resource
 import socket
 
+import pytest
+
 from charon.runtime.spark.resident import _readable
 from charon.state import lmdbstore
 
@@ -30,6 +32,8 @@ def test_close_opened_since_closes_exactly_what_was_opened_after(tmp_path) -> No
 
 def test_a_socket_past_descriptor_1023_is_polled() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"the descriptor limit ({hard}) allows none past 1023")
     if soft < 2048:  # room for descriptors past 1023 (the hard limit allows it on Linux)
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
     a, b = socket.socketpair()
