@@ -49,7 +49,7 @@ def test_hostile_sql_never_reaches_the_jvm(tmp_path: Path) -> None:
             assert [(a.status_code, a.json()["error"]["type"]) for a in answers] == [(422, "SQLTimeout")] * 2
             during = trickle.window(t0, t1)
             lat = sorted(x for _, x, _ in during)
-            assert len(during) >= 15 and all(st == 200 for _, _, st in during), during
+            assert len(during) >= 8 and all(st == 200 for _, _, st in during), during
             assert p99(lat) < 3.0, lat[-5:]  # the old code: invokes waited ~10-25 s
         assert java[0].is_running() and d.java() == java, "the same JVM serves"
         assert httpx.get(d.url + "/health", timeout=5).status_code == 200

@@ -149,6 +149,15 @@ def test_s3_server_restart_keeps_objects_and_outage_is_typed(s3_env: SeaweedS3) 
             store.get("state/p0/manifest.json")
     finally:
         s3_env.start()
-    assert store.get("state/p0/manifest.json") == (b"before", etag)
+    deadline = time.monotonic() + 60  # a restarted SeaweedFS answers 500 until its volumes are back
+    while True:
+        try:
+            got = store.get("state/p0/manifest.json")
+            break
+        except StorageUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+    assert got == (b"before", etag)
     store.put("state/p0/manifest.json", b"after", if_match=etag)
     assert store.get("state/p0/manifest.json")[0] == b"after"
