@@ -46,6 +46,12 @@ def check_same_request(stored: Request | None, req: Request) -> None:
     raise IdempotencyConflict(f"request id {req.request_id!r} was already used for {what}")
 
 
+def _differs(stored: Request, req: Request) -> bool:
+    """Whether ``req`` reuses ``stored``'s id for another operation (:func:`check_same_request` raises then)."""
+    return (stored.operator, stored.key, stored.function, stored.args) != (req.operator, req.key, req.function,
+                                                                          req.args)
+
+
 def stored_request(input_log: InputLogLike, request_id: str) -> Request | None:
     """The request appended under ``request_id`` if the log still holds it (None if unknown or truncated)."""
     return lookup_request(input_log, request_id)[1]
@@ -83,7 +89,7 @@ class LogClient:
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._requests: dict[str, Request] = {}  # the request of each waiter (for the conflict check)
         self._since: dict[str, float] = {}  # when each waiter started waiting (monotonic; oldest first)
-        self._turn: asyncio.Future[None] | None = None  # set once the latest submit registered (or gave up)
+        self._given: set[str] = set()  # pending ids a client chose: looked up before their append
         self._recheck_at = 0.0
         self._seq = output_log.last_seq()
         self._task: asyncio.Task[None] | None = None
@@ -120,30 +126,18 @@ class LogClient:
         req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
         rid = req.request_id
         # requests are appended in the order their submits came (a client's next request after an accepted one
-        # runs after it), while the lookups of known ids run at once: each registers after the one before it
-        prev, mine = self._turn, asyncio.get_running_loop().create_future()
-        self._turn = mine
-        try:
-            fut = self._waiters.get(rid)
-            if fut is None and request_id is not None:
-                done, stored = await asyncio.to_thread(self._lookup, rid)
-                check_same_request(stored, req)
-                if done is not None:
-                    return done
-            if prev is not None and not prev.done():
-                await asyncio.shield(prev)
-            fut = self._waiters.get(rid)  # another submit of this id may have registered meanwhile
-            if fut is None:
-                fut = self._waiters[rid] = asyncio.get_running_loop().create_future()
-                self._requests[rid] = req
-                self._since[rid] = time.monotonic()
-                self._pending.append(req)
-                self._wake.set()
-            else:
-                check_same_request(self._requests.get(rid), req)
-        finally:
-            if not mine.done():
-                mine.set_result(None)
+        # runs after it); a client's id is looked up by the appender, for its whole batch in one thread hop
+        fut = self._waiters.get(rid)
+        if fut is None:
+            fut = self._waiters[rid] = asyncio.get_running_loop().create_future()
+            self._requests[rid] = req
+            self._since[rid] = time.monotonic()
+            self._pending.append(req)
+            if request_id is not None:
+                self._given.add(rid)
+            self._wake.set()
+        else:
+            check_same_request(self._requests.get(rid), req)
         self._ensure_task()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
@@ -161,6 +155,44 @@ class LogClient:
             else:
                 assert rep is not None  # a reply or an error, never neither
                 fut.set_result(rep)
+
+    def _fresh(self, batch: list[Request], given: set[str]) -> tuple[list[Request], list[tuple[Request, Reply | None, Request | None]]]:
+        """In the appender's thread: the batch's requests to append, and those whose client-chosen id the logs
+        know (with their stored reply and request): answered with the stored reply, or refused as a conflict."""
+        fresh: list[Request] = []
+        known: list[tuple[Request, Reply | None, Request | None]] = []
+        for req in batch:
+            if req.request_id in given:
+                done, stored = self._lookup(req.request_id)
+                if done is not None or (stored is not None and _differs(stored, req)):
+                    known.append((req, done, stored))
+                    continue
+            fresh.append(req)
+        return fresh, known
+
+    async def _check_and_append(self, batch: list[Request]) -> None:
+        """The batch's id lookups (one thread hop), then the append of what is new (:meth:`_append`)."""
+        ids = {r.request_id for r in batch if r.request_id in self._given}
+        if ids:
+            try:
+                batch, known = await asyncio.to_thread(self._fresh, batch, ids)
+            except (sqlite3.Error, OSError) as exc:  # the logs cannot be read: nothing of the batch is appended
+                err = LogUnavailable(f"the input log could not be read: {exc}; retry with the same id")
+                for req in batch:
+                    self._resolve(req.request_id, exc=err)
+                return
+            finally:
+                self._given.difference_update(ids)
+            for req, done, stored in known:
+                try:
+                    check_same_request(stored, req)
+                except IdempotencyConflict as exc:
+                    self._resolve(req.request_id, exc=exc)
+                    continue
+                assert done is not None
+                self._resolve(req.request_id, done)
+        if batch:
+            await self._append(batch)
 
     async def _append(self, batch: list[Request]) -> None:
         """Append with retries and backoff; on final failure fail the batch's waiters (never the pump)."""
@@ -222,7 +254,7 @@ class LogClient:
                         await asyncio.sleep(wait)
                     self._last_append = time.monotonic()
                     batch, self._pending = self._pending, []
-                    await self._append(batch)
+                    await self._check_and_append(batch)
                 # a log without a cheap change counter (NATS: None) is read on every pass
                 version = self.output_log.version()
                 if version is None or version != seen:

@@ -254,6 +254,13 @@ class Engine(abc.ABC):
         return None
 
     @property
+    def submit_checks_ids(self) -> bool:
+        """Whether :meth:`submit` itself refuses a client's request id that the input log holds for another
+        operation (:class:`~charon.errors.IdempotencyConflict`) and answers a known one with its stored reply,
+        in its batched append: a synchronous invoke then needs no lookup of its own first."""
+        return False
+
+    @property
     def streams(self) -> StreamLog | None:
         """The engine's output streams (``GET /streams``); ``None`` when it keeps none."""
         return None

@@ -319,13 +319,18 @@ class Gateway:
         log = self.engine.input_log
         return log is None or (self._enqueue is not None and type(log) is FileInputLog)
 
-    async def check_log(self, req: Request) -> None:
-        """422 if the runtime's input log holds this request id for another operation."""
+    async def check_log(self, req: Request, sync: bool = False) -> None:
+        """422 if the runtime's input log holds this request id for another operation. ``sync``: the caller
+        awaits the reply, so an engine whose submit makes this check itself (in its batched append,
+        :attr:`~charon.runtime.contract.Engine.submit_checks_ids`) is left to make it: its conflict reaches the
+        caller as the same 422."""
         if self.log_inline:
             self.check_log_inline(req)
             return
         log = self.engine.input_log
         if log is None or req.request_id in self.inflight or req.request_id in self.recent:
+            return
+        if sync and self.engine.submit_checks_ids:
             return
         # a networked log, or one another process serves: off the loop
         stored = await self.off_loop(stored_request, log, req.request_id)
@@ -518,7 +523,7 @@ class Gateway:
         req, args = self.prepare(operator, key, function, given, request.headers.get("content-type"), body,
                                  internal)
         if given is not None:
-            await self.check_log(req)
+            await self.check_log(req, sync=mode == "sync")
         fut = self.start(req, args, fresh=given is None)  # a generated id: a new uuid4
         if mode == "async":
             return self.accepted(request, req.request_id)

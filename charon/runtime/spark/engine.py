@@ -86,6 +86,10 @@ class SparkEngine(HostedEngine):
     def durable(self) -> bool:
         return True
 
+    @property
+    def submit_checks_ids(self) -> bool:
+        return True  # the runtime's log client looks each batch's client ids up before appending it
+
     async def start(self) -> None:
         await asyncio.to_thread(self.rt.start)
         self.declaring = start_declaring(self)  # schedules declared in code (charon.core.schedules)
