@@ -470,6 +470,12 @@ class PartitionUnit(Generic[S]):
         for n, v in zip(self._SCRATCH, pickle.loads(data), strict=True):
             setattr(self, n, v)
         self._fresh = False
+        self.next_round()
+
+    def next_round(self) -> None:
+        """Before a round of a unit that holds an epoch's scratch (loaded, or kept from the round before by a
+        runtime that keeps its units between rounds, like the resident gang): the call-graph cache of a round
+        that reports it (:meth:`load_cache` gives this round's) and the fast path's layer start empty."""
         self.cache = {}
         self._clog = {}
         self.fast_layer = None

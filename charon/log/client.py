@@ -156,7 +156,8 @@ class LogClient:
                 assert rep is not None  # a reply or an error, never neither
                 fut.set_result(rep)
 
-    def _fresh(self, batch: list[Request], given: set[str]) -> tuple[list[Request], list[tuple[Request, Reply | None, Request | None]]]:
+    def _fresh(self, batch: list[Request], given: set[str]
+               ) -> tuple[list[Request], list[tuple[Request, Reply | None, Request | None]]]:
         """In the appender's thread: the batch's requests to append, and those whose client-chosen id the logs
         know (with their stored reply and request): answered with the stored reply, or refused as a conflict."""
         fresh: list[Request] = []

@@ -31,7 +31,7 @@ from typing import Any
 
 from charon.config import SparkConfig
 from charon.core.epoch import EpochResult
-from charon.core.partition import Control, RoundOutput
+from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.errors import EngineUnavailable
 from charon.runtime.faults import crash_point
 from charon.runtime.spark.exchange import SparkExchange
@@ -362,7 +362,7 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.sendall(_HELLO.pack(token, attempt, index, tasks, os.getpid()))
     sock.settimeout(None)
-    scratch: dict[int, bytes | None] = {}
+    scratch: dict[int, PartitionUnit | None] = {}  # each partition's unit, with the epoch's scratch
     caches: dict[int, dict[int, list]] = {}
     epoch = -1
     try:
@@ -393,7 +393,7 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
 
 
 def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: tuple[int, str] | None,
-           function_timeout: float | None, probe_dir: str | None, scratch: dict[int, bytes | None],
+           function_timeout: float | None, probe_dir: str | None, scratch: dict[int, PartitionUnit | None],
            caches: dict[int, dict[int, list]], epoch: int, parts: int, root: str, durable_root: str,
            determinism_check: bool) -> tuple[list[tuple[int, RoundOutput]], dict[str, int], int,
                                              dict[int, dict[int, list]]]:
@@ -401,7 +401,7 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
     place); returns the outputs, the task's stats, and the epoch and call-graph caches the task keeps."""
     from charon.runtime.quarantine import probing
     from charon.runtime.spark.session import load_app
-    from charon.runtime.spark.tasks import step_partition
+    from charon.runtime.spark.tasks import step_unit
 
     c0 = time.thread_time()
     app = load_app(app_ref)
@@ -416,8 +416,8 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
             cache = caches.setdefault(pid, {})
             cached = {t: cache[t] for t in control.fast if t in cache} if control.fast else None
             mine = copy.copy(control) if control.prior is not None else control  # step clears its prior
-            scratch[pid], out = step_partition(app, parts, root, durable_root, pid, mine, scratch.get(pid),
-                                               inbox, cached, prev, function_timeout, determinism_check)
+            scratch[pid], out = step_unit(app, parts, root, durable_root, pid, mine, scratch.get(pid),
+                                          inbox, cached, prev, function_timeout, determinism_check)
             if out.cached:
                 for tid, entries in out.cached.items():
                     cache.setdefault(tid, []).extend(entries)

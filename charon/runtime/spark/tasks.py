@@ -78,18 +78,36 @@ def run_partitions(
 def step_partition(app: Any, parts: int, root: str, durable_root: str, pid: int, control: Control,
                    scratch: bytes | None, inbox: list, cached: dict | None, prev: tuple[int, Any] | None,
                    function_timeout: float | None, determinism_check: bool) -> tuple[bytes | None, RoundOutput]:
+    """One partition's round in a task from its pickled ``scratch`` (see :func:`step_unit`); returns the scratch
+    after the round, pickled (None after a finalize), and the round's output: the job-per-round task's form."""
+    unit, out = step_unit(app, parts, root, durable_root, pid, control, scratch, inbox, cached, prev,
+                          function_timeout, determinism_check)
+    return (None if unit is None else unit.dump_scratch()), out
+
+
+def step_unit(app: Any, parts: int, root: str, durable_root: str, pid: int, control: Control,
+              scratch: bytes | PartitionUnit | None, inbox: list, cached: dict | None, prev: tuple[int, Any] | None,
+              function_timeout: float | None, determinism_check: bool) -> tuple[PartitionUnit | None, RoundOutput]:
     """One partition's round in a task: its unit over its resident store and ``scratch``, the previous epoch's
     deferred finalize first if ``control`` carries it (``control.prior`` is cleared: give each partition its
-    own copy); returns the scratch after the round (None after a finalize) and the round's output. The
-    job-per-round task (:func:`run_partitions`) and the resident gang (:mod:`~charon.runtime.spark.resident`)
-    both step partitions here."""
+    own copy); returns the unit holding the scratch after the round (None after a finalize) and the round's
+    output. ``scratch``: pickled (:meth:`~PartitionUnit.dump_scratch`), or the unit this process kept from the
+    partition's round before (the resident gang: reused as is if its store and code are still the ones this
+    round runs with). The job-per-round task (:func:`step_partition`) and the resident gang
+    (:mod:`~charon.runtime.spark.resident`) both step partitions here."""
     from charon.state.lmdbstore import open_store
 
     store = open_store(root, pid, durable_root)
-    unit = PartitionUnit(pid, parts, app, store)
+    if isinstance(scratch, PartitionUnit) and scratch.store is store and scratch.app is app:
+        unit = scratch  # kept between rounds in this process (the resident gang): nothing to unpickle
+        unit.next_round()
+    else:
+        if isinstance(scratch, PartitionUnit):  # its store or code changed meanwhile: its scratch moves over
+            scratch = scratch.dump_scratch()
+        unit = PartitionUnit(pid, parts, app, store)
+        unit.load_scratch(scratch)
     unit.previous = prev
     unit.twice = determinism.run_twice if determinism_check else None
-    unit.load_scratch(scratch)
     t0 = time.perf_counter()
     prior = control.prior
     done = None
@@ -109,7 +127,7 @@ def step_partition(app: Any, parts: int, root: str, durable_root: str, pid: int,
     t2 = time.perf_counter()
     out.stats["restore_us"] = int((t1 - t0) * 1e6)
     out.stats["step_us"] = int((t2 - t1) * 1e6)
-    return (None if control.finalize else unit.dump_scratch()), out
+    return (None if control.finalize else unit), out
 
 
 FALLBACK_TASK = -1  # the payload id of a task that runs an epoch's whole fallback over every partition
