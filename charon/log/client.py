@@ -125,24 +125,32 @@ class LogClient:
         check_key(key)  # the log cannot hold every string (lone surrogates); the engine checks the rest again
         req = Request(request_id or uuid.uuid4().hex, operator, key, function, serde.encode(list(args)), time.time())
         rid = req.request_id
-        # requests are appended in the order their submits came (a client's next request after an accepted one
-        # runs after it); a client's id is looked up by the appender, for its whole batch in one thread hop
+        fut = self.enqueue(req, given=request_id is not None)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"no reply for request {rid} within {timeout} s") from None
+
+    def enqueue(self, req: Request, given: bool = True) -> asyncio.Future[Reply]:
+        """Register ``req`` (its arguments encoded, its key checked) and return its reply to come, without a
+        coroutine per request (on the loop). Requests are appended in the order they came here (a client's next
+        request after an accepted one runs after it); ``given``: the id is the client's, so the appender looks
+        it up first (a stored reply answers it, another operation under it is an ``IdempotencyConflict``), for
+        its whole batch in one thread hop. A request whose id waits here already shares its future."""
+        rid = req.request_id
         fut = self._waiters.get(rid)
         if fut is None:
             fut = self._waiters[rid] = asyncio.get_running_loop().create_future()
             self._requests[rid] = req
             self._since[rid] = time.monotonic()
             self._pending.append(req)
-            if request_id is not None:
+            if given:
                 self._given.add(rid)
             self._wake.set()
         else:
             check_same_request(self._requests.get(rid), req)
         self._ensure_task()
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            raise TimeoutError(f"no reply for request {rid} within {timeout} s") from None
+        return fut
 
     def _resolve(self, rid: str, rep: Reply | None = None, exc: BaseException | None = None) -> None:
         fut = self._waiters.pop(rid, None)

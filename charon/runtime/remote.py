@@ -15,6 +15,7 @@ entity state and admin routes are not served here (503 / 501).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -25,9 +26,9 @@ import httpx
 from charon.errors import EngineUnavailable
 from charon.log.client import LogClient
 from charon.log.location import is_networked, log_locations, open_input_log, open_output_log
-from charon.messages import Reply
+from charon.messages import Reply, Request
 from charon.operator import Application
-from charon.runtime.contract import Engine
+from charon.runtime.contract import Engine, Enqueue
 from charon.runtime.probe import LogProbe
 
 __all__ = ["DriverProbe", "LogRuntime"]
@@ -144,14 +145,28 @@ class LogRuntime(Engine):
     def submit_checks_ids(self) -> bool:
         return True  # the log client looks each batch's client ids up before appending it
 
+    @property
+    def client(self) -> LogClient:
+        """The log client (made on first use, on the serving loop)."""
+        if self._client is None:
+            self._client = LogClient(self._input_log, self.output_log)
+        return self._client
+
     async def submit(
         self, operator: str, key: str, function: str, args: list[Any], *, request_id: str | None = None,
         timeout: float = 120.0,
     ) -> Reply:
         """Append the request to the input log and await its reply from the output log."""
-        if self._client is None:
-            self._client = LogClient(self._input_log, self.output_log)
-        return await self._client.submit(operator, key, function, args, request_id=request_id, timeout=timeout)
+        return await self.client.submit(operator, key, function, args, request_id=request_id, timeout=timeout)
+
+    def enqueuer(self) -> Enqueue:
+        """The gateway's direct entry: the checked request registered with the log client, no coroutine per
+        request; an id the gateway did not mint (not ``fresh``) is looked up by the client's appender."""
+
+        def enqueue(request: Request, fresh: bool = False) -> asyncio.Future[Reply]:
+            return self.client.enqueue(request, given=not fresh)
+
+        return enqueue
 
     def get_reply(self, request_id: str) -> Reply | None:
         return self.output_log.get(request_id)

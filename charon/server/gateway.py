@@ -317,7 +317,8 @@ class Gateway:
         pool's hop, ~40 us of server CPU per request in issue 24's profile, and the runtime's enqueue makes the
         same kind of lookup on the loop right after it)."""
         log = self.engine.input_log
-        return log is None or (self._enqueue is not None and type(log) is FileInputLog)
+        return log is None or (self._enqueue is not None and type(log) is FileInputLog
+                               and not self.engine.submit_checks_ids)
 
     async def check_log(self, req: Request, sync: bool = False) -> None:
         """422 if the runtime's input log holds this request id for another operation. ``sync``: the caller

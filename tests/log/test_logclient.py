@@ -18,7 +18,7 @@ from charon import serde
 from charon.errors import IdempotencyConflict, InvalidKey, LogUnavailable
 from charon.log.client import LogClient
 from charon.log.sqlite import InputLog, OutputLog
-from charon.messages import Reply
+from charon.messages import Reply, Request
 
 
 class Echo:
@@ -194,3 +194,31 @@ def test_requests_are_appended_in_the_order_they_were_submitted(tmp_path, monkey
     assert [serde.decode(r.value) for r in replies] == list(range(8))
     logged = [req.request_id for _, _, req in inp.read_range([0], inp.end_offsets())]
     assert logged == [f"o{i}" for i in range(8)]
+
+
+def test_one_batch_mixes_known_conflicting_and_new_ids(logs) -> None:
+    """The appender looks a batch's client ids up together: a known id is answered with its stored reply and not
+    appended again, another operation under a known id fails alone, a new one and a minted one are appended."""
+    inp, out = logs
+
+    async def main() -> None:
+        first = await LogClient(inp, out).submit("op", "k", "f", [5], request_id="known", timeout=30)
+        c = LogClient(inp, out, group_commit_s=0.05)  # one window: the four below form one batch
+        c._last_append = time.monotonic()
+
+        futs = [c.enqueue(Request("known", "op", "k", "f", serde.encode([5]), time.time())),
+                c.enqueue(Request("new", "op", "k", "f", serde.encode([6]), time.time())),
+                c.enqueue(Request("minted", "op", "k", "f", serde.encode([7]), time.time()), given=False)]
+        with pytest.raises(IdempotencyConflict):  # another operation under an id waiting here: at once
+            await c.submit("op", "k", "f", [8], request_id="new", timeout=30)
+        other = c.enqueue(Request("known", "op", "k", "f", serde.encode([5]), time.time()))  # shares the future
+        assert other is futs[0]
+        results = await asyncio.gather(*futs, return_exceptions=True)
+        assert results[0] == first
+        assert [serde.decode(r.value) for r in results[1:]] == [6, 7]
+        with pytest.raises(IdempotencyConflict):  # from the log: the appender's lookup
+            await c.submit("op", "k", "f", [9], request_id="known", timeout=30)
+
+    asyncio.run(main())
+    appended = [req.request_id for _, _, req in inp.read_range([0] * inp.partitions, inp.end_offsets())]
+    assert appended.count("known") == 1 and "new" in appended and "minted" in appended
