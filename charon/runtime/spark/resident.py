@@ -51,6 +51,16 @@ class GangLost(EngineUnavailable):
     flight fails and the runtime restarts the query, which builds a new exchange and a new gang."""
 
 
+def gang_lost(err: BaseException | None) -> bool:
+    """Whether ``err`` (or an error it was raised from) is a lost resident gang (:class:`GangLost`)."""
+    seen = 0
+    while err is not None and seen < 10:
+        if isinstance(err, GangLost):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
 class GangTaskFailed(RuntimeError):
     """A round raised in a task of the resident gang (e.g. its finalize could not write a delta): the message
     carries the task's traceback, so the failure names the innermost Python error as a failed Spark task's does

@@ -77,7 +77,7 @@ from charon.runtime.spark.layout import (
     records_dir,
     remove_old_layouts,
 )
-from charon.runtime.spark.resident import GangLost, make_exchange
+from charon.runtime.spark.resident import gang_lost, make_exchange
 from charon.runtime.spark.sequencer import DirectSequencer, read_bound, sequenced_directly
 from charon.runtime.spark.session import (
     discard_dead_jvm,
@@ -99,16 +99,6 @@ _Layout = TypeVar("_Layout")
 _events = logging.getLogger("charon.engine")  # restarts, outages, quarantines: the server log
 
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
-
-
-def _gang_lost(err: BaseException | None) -> bool:
-    """Whether ``err`` (or an error it was raised from) is a lost resident gang."""
-    seen = 0
-    while err is not None and seen < 10:
-        if isinstance(err, GangLost):
-            return True
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return False
 
 
 class _Stopping(Exception):
@@ -482,7 +472,7 @@ class SparkRuntime(EngineBacked):
         ``task_max_failures``-th time, as Spark's retries would have absorbed the ones before. Returns the number
         of losses of ``epoch`` so far when this one is not counted, else None (an error raised by a round, e.g. an
         application's, is always counted: :class:`~charon.runtime.spark.resident.GangTaskFailed`)."""
-        if not self.direct or not _gang_lost(err):
+        if not self.direct or not gang_lost(err):
             return None
         k = self._gang_losses[epoch] = self._gang_losses.get(epoch, 0) + 1
         return None if k % max(1, self.config.task_max_failures) == 0 else k
