@@ -731,10 +731,12 @@ class ResidentSimulation(Simulation):
 
     def __init__(self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset(),
                  workload: Plan | None = None, faults: Faults | None = None,
-                 gang_faults: GangFaults | None = None) -> None:
+                 gang_faults: GangFaults | None = None, zombies: bool = True) -> None:
         super().__init__(seed, root, trace, without, workload, faults)
         g = random.Random(f"resident-{seed}")  # the resident draws, from a generator of their own
         self.gang_faults = gang_faults or (GangFaults.draw(g) if faults is None else GangFaults.calm())
+        if not zombies:  # --no-zombies: no task of an abandoned gang runs a frame late (see the module's docstring)
+            self.gang_faults.zombie = self.gang_faults.linger = 0.0
         self.config.exchange = "resident"
         self.config.resident_tasks = g.randint(1, self.config.partitions)
         self.config.single_task_rest = False  # job-per-round levers: the resident exchange ignores them
@@ -756,7 +758,8 @@ class ResidentSimulation(Simulation):
     def judging_budget(self) -> bool:
         """Whether a round runs with budgets in a run that may judge them (see :meth:`overrunning`)."""
         ex = self.rt.exchange if self.rt is not None else None
-        return ex is not None and ex.function_timeout is not None and self.rt is not None and self.rt.judging
+        return (isinstance(ex, ResidentExchange) and ex.function_timeout is not None and self.rt is not None
+                and self.rt.judging)
 
     def new_runtime(self) -> sr.SparkRuntime:
         return sr.SparkRuntime(self.app_ref, self.config, spark=SIM_SPARK)
@@ -785,7 +788,7 @@ class ResidentSimulation(Simulation):
         self.maybe_crash("before_round", -1)
         gang = self.gangs[-1] if self.gangs else None
         if (gang is not None and gang.ex is ex and ex.launched and ex.broken is None
-                and self.rng.random() < self.gang_faults.relaunch):
+                and self.rng.random() < self.gang_faults.relaunch and self.gang_faults.lose()):
             gang.relaunch_hello()
 
     def launch(self, ex: ResidentExchange) -> None:
@@ -821,7 +824,7 @@ class ResidentSimulation(Simulation):
             return Gang(config, previous)
 
         saved = (sr.make_exchange, sr.DirectSequencer)
-        sr.make_exchange, sr.DirectSequencer = make, Driven  # type: ignore[assignment,misc]  # deliberate patches (restored below)
+        sr.make_exchange, sr.DirectSequencer = make, Driven  # type: ignore[misc]  # deliberate patches (restored below)
         try:
             with super().patched():
                 yield
@@ -857,7 +860,9 @@ class ResidentSimulation(Simulation):
                     self.trace("the supervisor restarts the query on a new gang")
                     self.rt._start_query()
                 assert self.seq is not None
-                return self.seq.resume()
+                ends = self.seq.resume()
+                self.verify_recorded()  # the epochs it re-ran
+                return ends
             except SimCrash:
                 crashed = True
             except GangLost as e:
@@ -877,12 +882,13 @@ class ResidentSimulation(Simulation):
         assert self.seq is not None
         try:
             prev_ends = self.seq.resume()
+            self.verify_recorded()
         except (SimCrash, GangLost) as e:
             self.verify_recorded()
             prev_ends = self.restart(isinstance(e, SimCrash))
         while True:
+            assert self.rt is not None and self.seq is not None
             rt = self.rt
-            assert rt is not None and self.seq is not None
             if not early and next_epoch < len(self.w.epochs):
                 rt, ids = self.append_epoch(rt, next_epoch)
                 submitted += ids
@@ -917,6 +923,7 @@ class ResidentSimulation(Simulation):
             z.tick()
             self.zombie_runs += 1
         self.zombies = []
+        assert self.rt is not None
         stats = self.end_checks(self.rt, submitted)
         stats.update({"gangs": len(self.gangs), "query_restarts": self.query_restarts,
                       "zombie_runs": self.zombie_runs,
@@ -949,24 +956,28 @@ def seed_exchange(seed: int, exchange: str) -> str:
 
 
 def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozenset[str] = frozenset(),
-             log_growth: bool = False, engine_rescale: bool = False, exchange: str = "jobs") -> Outcome:
+             log_growth: bool = False, engine_rescale: bool = False, exchange: str = "jobs",
+             zombies: bool = True) -> Outcome:
     """Run one seed in a fresh directory (on tmpfs when available); never raises. ``log_growth``: the input
     log is resized between epochs (:meth:`Simulation.draw_log_plan`); ``engine_rescale``: the engine partitions
     are rescaled at epoch boundaries (:meth:`Simulation.draw_engine_plan`); ``exchange``: "jobs" (the micro-batch
-    path), "resident" (:class:`ResidentSimulation`) or "drawn" (per seed)."""
+    path), "resident" (:class:`ResidentSimulation`) or "drawn" (per seed); ``zombies`` False: the resident mode's
+    abandoned gang tasks never run a frame late."""
     mode = seed_exchange(seed, exchange)
     if mode == "resident" and (log_growth or engine_rescale):
         raise ValueError("the resident mode's simulation does not resize the log or rescale (not modelled yet)")
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix=f"charon-sim-{seed}-", dir=base)
     t0 = time.perf_counter()
-    sim = (ResidentSimulation(seed, root, trace, without) if mode == "resident" else
+    sim = (ResidentSimulation(seed, root, trace, without, zombies=zombies) if mode == "resident" else
            Simulation(seed, root, trace, without, log_growth=log_growth, engine_rescale=engine_rescale))
     try:
         stats = sim.run()
         out = Outcome(seed, True, stats=stats)
     except Exception as exc:  # noqa: BLE001 - any failure of a seed is reported, not raised
-        out = Outcome(seed, False, f"{type(exc).__name__}: {exc}".replace("\n", " ")[:400])
+        lines = [x for x in str(exc).splitlines() if x.strip()]
+        msg = lines[0] + (f" ... {lines[-1].strip()}" if len(lines) > 1 else "") if lines else ""
+        out = Outcome(seed, False, f"{type(exc).__name__}: {msg}"[:400])
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -975,8 +986,9 @@ def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozen
 
 
 def repro_line(o: Outcome, without: frozenset[str] = frozenset(), log_growth: bool = False,
-               engine_rescale: bool = False, exchange: str = "jobs") -> str:
+               engine_rescale: bool = False, exchange: str = "jobs", zombies: bool = True) -> str:
     opt = f" --exchange {seed_exchange(o.seed, exchange)}"
+    opt += "" if zombies else " --no-zombies"
     opt += f" --without {','.join(sorted(without))}" if without else ""
     opt += " --log-growth" if log_growth else ""
     opt += " --rescale" if engine_rescale else ""
@@ -994,24 +1006,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rescale", action="store_true", help="rescale the engine partitions at epoch boundaries")
     ap.add_argument("--exchange", choices=EXCHANGES, default="drawn",
                     help="the micro-batch path with the job exchange, the resident mode, or drawn per seed")
+    ap.add_argument("--no-zombies", action="store_true",
+                    help="resident mode: no task of an abandoned gang runs a frame late")
     a = ap.parse_args(argv)
-    lg, er, ex = a.log_growth, a.rescale, a.exchange
+    lg, er, ex, zb = a.log_growth, a.rescale, a.exchange, not a.no_zombies
     if (lg or er) and ex == "drawn":
         ex = "jobs"  # resizes and rescales are simulated on the micro-batch path only
     without = frozenset(x for x in a.without.split(",") if x)
     if without - FEATURES:
         ap.error(f"unknown features: {sorted(without - FEATURES)}")
     if a.seed is not None:
-        o = run_seed(a.seed, trace=True, keep=a.keep, without=without, log_growth=lg, engine_rescale=er, exchange=ex)
-        print(repro_line(o, without, lg, er, ex) if not o.ok else f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s")
+        o = run_seed(a.seed, trace=True, keep=a.keep, without=without, log_growth=lg, engine_rescale=er, exchange=ex,
+                     zombies=zb)
+        print(repro_line(o, without, lg, er, ex, zb) if not o.ok else f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s")
         return 0 if o.ok else 1
     t0 = time.perf_counter()
     failed = 0
     for seed in range(a.start, a.start + a.seeds):
-        o = run_seed(seed, without=without, log_growth=lg, engine_rescale=er, exchange=ex)
+        o = run_seed(seed, without=without, log_growth=lg, engine_rescale=er, exchange=ex, zombies=zb)
         if not o.ok:
             failed += 1
-            print(repro_line(o, without, lg, er, ex), flush=True)
+            print(repro_line(o, without, lg, er, ex, zb), flush=True)
     dt = time.perf_counter() - t0
     print(f"{a.seeds} seeds from {a.start}: {failed} failed, {dt:.1f}s ({dt / max(1, a.seeds) * 1000:.0f} ms/seed)")
     return 1 if failed else 0

@@ -57,17 +57,25 @@ class GangFaults:
     zombie: float  # the socket drops; the task runs the frame later, while newer gangs run
     linger: float  # a task of an abandoned gang with frames not run yet runs them later (a zombie)
     relaunch: float  # per round: Spark relaunches the stage; a second hello breaks the gang
+    max_losses: int = 0  # at most this many gangs lost to these faults (the run must finish)
 
     @classmethod
     def calm(cls) -> GangFaults:
         return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def lose(self) -> bool:
+        """Whether a gang-losing fault may still happen (then it counts)."""
+        if self.max_losses <= 0:
+            return False
+        self.max_losses -= 1
+        return True
 
     @classmethod
     def draw(cls, rng: random.Random) -> GangFaults:
         if rng.random() < 0.2:  # some seeds without gang faults
             return cls.calm()
         p = (lambda hi: rng.choice([0.0, hi / 4, hi]))  # noqa: E731
-        return cls(p(0.08), p(0.08), p(0.3), p(0.08), p(0.5), p(0.04))
+        return cls(p(0.15), p(0.1), p(0.3), p(0.1), p(0.6), p(0.05), rng.randint(1, 4))
 
 
 class LazyWriter(Executor):
@@ -81,7 +89,7 @@ class LazyWriter(Executor):
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         writer = self
 
-        class Lazy(Future):  # type: ignore[type-arg]
+        class Lazy(Future):
             def result(self, timeout: float | None = None) -> Any:
                 writer.run_until(self)
                 return super().result(timeout)
@@ -181,6 +189,8 @@ class SimTask:
             return
         f, rng = self.gang.faults, self.sim.rng
         x = rng.random()
+        if x < f.die + f.drop + f.zombie and not f.lose():
+            x = 1.0  # no more gang losses this run
         if x < f.die:
             self.run_queue(die_after=rng.randint(0, len(pickle.loads(frame)[2])))
         elif x < f.die + f.drop:
@@ -279,11 +289,11 @@ class SimTask:
             count[0] += 1
             return real(*args, **kwargs)
 
-        spark_tasks.step_partition = step  # type: ignore[assignment]  # a deliberate patch (restored below)
+        spark_tasks.step_partition = step  # a deliberate patch (restored below)
         try:
             yield
         finally:
-            spark_tasks.step_partition = real  # type: ignore[assignment]
+            spark_tasks.step_partition = real
 
     def end(self) -> None:
         """The task returned: its socket closes, its Python process goes back to its worker's pool."""
