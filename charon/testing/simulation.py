@@ -1,4 +1,4 @@
-"""Deterministic simulation of the Spark runtime's paths, driving the real code with a simulated cluster.
+"""Deterministic simulation of the Spark runtime's paths (micro-batch, resident), driving the real code, simulated cluster.
 
 Per seed, a generated workload (:mod:`charon.testing.workloads`) runs through the real
 :meth:`charon.runtime.spark.runtime.SparkRuntime._on_batch` (epoch records, replay of a recorded batch, ticks for
@@ -39,6 +39,20 @@ With ``engine_rescale`` (``--rescale``) the engine partitions are rescaled at so
 recorded epoch is re-placed by key group into a new layout, the driver may crash before or after its commit
 point); the state then lives in other partitions, and the cluster follows: scaling out, a worker joins (a new
 Python process), scaling in, one leaves; keys therefore move to other workers for good.
+
+With ``exchange="resident"`` (``--exchange resident``; ``--exchange drawn``, the command line's default, gives
+half the seeds to each mode) a seed runs the resident mode (:class:`ResidentSimulation`): the real
+:class:`~charon.runtime.spark.sequencer.DirectSequencer`, driven turn by turn (its bounds written as late as it
+allows and lost with a driver crash), and the real :class:`~charon.runtime.spark.resident.ResidentExchange` over a
+simulated gang (:mod:`charon.testing.simulation_resident`: each task the real ``GangTask`` in a simulated Python
+worker of a simulated executor, saying hello through the real ``admit``). Its fault points, drawn from the seed:
+a task dies mid-round (before, between or after its partitions, i.e. after a finalize wrote its deltas and before
+replying), a socket drops (before or after the task ran the frame) or is slow (the reply after the other tasks'),
+the driver dies between rounds and at every crash point above (its gang dies with it), Spark relaunches the stage
+(a second hello breaks the gang), and a task of an abandoned gang runs a frame already sent later, in its old
+process, while newer gangs replay the epoch (a zombie; ``--no-zombies`` leaves them out). A lost gang restarts the
+query as the runtime's supervisor does (a new exchange and sequencer resuming from the records and bounds); the
+checks are the same. Resizes and rescales are simulated on the micro-batch path only.
 
 ``python -m charon.testing.simulation --seeds 100000 [--start N]`` runs many seeds; ``--seed N`` reruns one and
 prints its trace. A failing seed prints one line that reproduces it. ``--without early,early2`` leaves
@@ -1018,7 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.seed is not None:
         o = run_seed(a.seed, trace=True, keep=a.keep, without=without, log_growth=lg, engine_rescale=er, exchange=ex,
                      zombies=zb)
-        print(repro_line(o, without, lg, er, ex, zb) if not o.ok else f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s")
+        ok = f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s"
+        print(repro_line(o, without, lg, er, ex, zb) if not o.ok else ok)
         return 0 if o.ok else 1
     t0 = time.perf_counter()
     failed = 0
