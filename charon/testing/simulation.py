@@ -1,4 +1,4 @@
-"""Deterministic simulation of the Spark runtime's paths (micro-batch, resident), driving the real code, simulated cluster.
+"""Deterministic simulation of the Spark runtime's paths (micro-batch, resident): the real code, a simulated cluster.
 
 Per seed, a generated workload (:mod:`charon.testing.workloads`) runs through the real
 :meth:`charon.runtime.spark.runtime.SparkRuntime._on_batch` (epoch records, replay of a recorded batch, ticks for
