@@ -1037,13 +1037,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if o.ok else 1
     t0 = time.perf_counter()
     failed = 0
+    totals: dict[str, int] = {}
     for seed in range(a.start, a.start + a.seeds):
         o = run_seed(seed, without=without, log_growth=lg, engine_rescale=er, exchange=ex, zombies=zb)
         if not o.ok:
             failed += 1
             print(repro_line(o, without, lg, er, ex, zb), flush=True)
+        for k, v in o.stats.items():
+            totals[k] = totals.get(k, 0) + v
     dt = time.perf_counter() - t0
     print(f"{a.seeds} seeds from {a.start}: {failed} failed, {dt:.1f}s ({dt / max(1, a.seeds) * 1000:.0f} ms/seed)")
+    print(f"totals over the seeds that passed: {totals}")
     return 1 if failed else 0
 
 

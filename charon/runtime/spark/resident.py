@@ -107,7 +107,7 @@ class ResidentExchange:
         this exchange instead of starting the barrier job; it must start the gang's tasks, each of which says
         hello through :meth:`admit` (the exchange then waits for all of them as for Spark's). ``spark`` may then be
         None (with ``config.resident_tasks`` set)."""
-        self.sc = spark.sparkContext if spark is not None else None
+        self.sc: Any = spark.sparkContext if spark is not None else None
         self.launch_hook = launch
         self.config = config
         self.partitions = config.partitions
