@@ -941,7 +941,7 @@ class ResidentSimulation(Simulation):
         stats = self.end_checks(self.rt, submitted)
         stats.update({"gangs": len(self.gangs), "query_restarts": self.query_restarts,
                       "zombie_runs": self.zombie_runs,
-                      "bounds_written": 0 if self.writer is None else self.writer.written})
+                      "writer_jobs": 0 if self.writer is None else self.writer.written})
         return stats
 
     def close_gangs(self) -> None:

@@ -83,7 +83,7 @@ class LazyWriter(Executor):
     waited for, or at :meth:`poke`; :meth:`drop` (the driver died) forgets the jobs not run."""
 
     def __init__(self) -> None:
-        self.jobs: list[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = []
+        self.jobs: list[tuple[Future[Any], Callable[[], Any]]] = []
         self.written = 0
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
@@ -95,16 +95,16 @@ class LazyWriter(Executor):
                 return super().result(timeout)
 
         f: Future[Any] = Lazy()
-        self.jobs.append((f, fn, tuple(args) + tuple(kwargs.items()) if kwargs else tuple(args)))
+        self.jobs.append((f, lambda: fn(*args, **kwargs)))
         return f
 
     def run_until(self, target: Future[Any] | None) -> None:
         """Run the pending jobs in order, up to ``target`` (all when None)."""
         while self.jobs and (target is None or not target.done()):
-            f, fn, args = self.jobs.pop(0)
+            f, job = self.jobs.pop(0)
             self.written += 1
             try:
-                f.set_result(fn(*args))
+                f.set_result(job())
             except Exception as e:  # noqa: BLE001 - the waiter raises it, as a thread pool's future does
                 f.set_exception(e)
 

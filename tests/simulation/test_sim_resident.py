@@ -26,8 +26,8 @@ def test_resident_seeds() -> None:
     failed = [repro_line(o, exchange="resident", zombies=False) for o in outcomes if not o.ok]
     assert not failed, "\n".join(failed)
     total = {k: sum(o.stats[k] for o in outcomes) for k in ("requests", "crashes", "query_restarts", "gangs",
-                                                              "pipelined", "bounds_written")}
-    assert total["requests"] > 0 and total["bounds_written"] > 0
+                                                              "pipelined", "writer_jobs")}
+    assert total["requests"] > 0 and total["writer_jobs"] > 0
     assert total["query_restarts"] > 0, "no gang was lost to a gang fault"
     assert total["crashes"] > 0, "no driver crash"
     assert total["gangs"] > SEEDS, "no gang was ever relaunched"
