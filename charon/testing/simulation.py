@@ -757,6 +757,7 @@ class ResidentSimulation(Simulation):
         self.gangs: list[SimGang] = []
         self.zombies: list[SimTask] = []
         self.writer: LazyWriter | None = None
+        self.writer_jobs = 0  # bounds written and trimmed by the sequencers' writers before the last one
         self.seq: DirectSequencer | None = None
         self.query_restarts = 0
         self.gang_rounds = 0
@@ -826,6 +827,8 @@ class ResidentSimulation(Simulation):
 
         class Driven(DirectSequencer):
             def __init__(self, *a: Any, **kw: Any) -> None:
+                if sim.writer is not None:
+                    sim.writer_jobs += sim.writer.written
                 sim.writer = LazyWriter()
                 super().__init__(*a, writer=sim.writer, **kw)
                 sim.seq = self
@@ -870,6 +873,8 @@ class ResidentSimulation(Simulation):
                     self.start_runtime()
                 else:
                     assert self.rt is not None
+                    if self.writer is not None:  # the failed loop's writer shuts down: its jobs complete first
+                        self.writer.shutdown()
                     self.query_restarts += 1
                     self.trace("the supervisor restarts the query on a new gang")
                     self.rt._start_query()
@@ -941,7 +946,7 @@ class ResidentSimulation(Simulation):
         stats = self.end_checks(self.rt, submitted)
         stats.update({"gangs": len(self.gangs), "query_restarts": self.query_restarts,
                       "zombie_runs": self.zombie_runs,
-                      "writer_jobs": 0 if self.writer is None else self.writer.written})
+                      "writer_jobs": self.writer_jobs + (0 if self.writer is None else self.writer.written)})
         return stats
 
     def close_gangs(self) -> None:

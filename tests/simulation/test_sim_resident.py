@@ -71,6 +71,23 @@ def test_a_second_hello_breaks_the_gang(tmp_path) -> None:
     assert stats["query_restarts"] >= 2 and stats["gangs"] >= 3
 
 
+#: Seeds of the resident mode that found a defect, fixed since (each names it): they must pass.
+FIXED_SEEDS = {
+    413: "a driver crash before epoch 1's bound was durable: the direct sequencer resumed epoch 0 (its deferred "
+         "finalize lost) as the epoch in flight, not as a recovered one, and the recovery record named epoch 1: "
+         "the rerun took a new verdict (an overrun) contradicting a reply epoch 0's first run had delivered",
+    554: "the same defect (a Boom reply delivered, then an InvocationTimeout verdict on replay)",
+    619: "the same defect",
+}
+
+
+@pytest.mark.parametrize("seed", sorted(FIXED_SEEDS))
+def test_fixed_resident_seeds(seed: int) -> None:
+    o = run_seed(seed, exchange="resident", zombies=False)
+    assert o.ok, f"{FIXED_SEEDS[seed]}\n{repro_line(o, exchange='resident', zombies=False)}"
+    assert o.stats["crashes"] >= 1 and o.stats["overruns"] >= 1
+
+
 #: Seeds of the resident mode that fail on the code the simulator was written against: defect, first failure.
 FOUND_SEEDS = {
     60: "a zombie task of an abandoned gang runs epoch 0's first round after epoch 0 was recorded: its "
