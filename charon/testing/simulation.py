@@ -1,4 +1,4 @@
-"""Deterministic simulation of the Spark runtime's paths, driving the real code with a simulated cluster.
+"""Deterministic simulation of the Spark runtime's paths (micro-batch, resident): the real code, a simulated cluster.
 
 Per seed, a generated workload (:mod:`charon.testing.workloads`) runs through the real
 :meth:`charon.runtime.spark.runtime.SparkRuntime._on_batch` (epoch records, replay of a recorded batch, ticks for
@@ -40,6 +40,20 @@ recorded epoch is re-placed by key group into a new layout, the driver may crash
 point); the state then lives in other partitions, and the cluster follows: scaling out, a worker joins (a new
 Python process), scaling in, one leaves; keys therefore move to other workers for good.
 
+With ``exchange="resident"`` (``--exchange resident``; ``--exchange drawn``, the command line's default, gives
+half the seeds to each mode) a seed runs the resident mode (:class:`ResidentSimulation`): the real
+:class:`~charon.runtime.spark.sequencer.DirectSequencer`, driven turn by turn (its bounds written as late as it
+allows and lost with a driver crash), and the real :class:`~charon.runtime.spark.resident.ResidentExchange` over a
+simulated gang (:mod:`charon.testing.simulation_resident`: each task the real ``GangTask`` in a simulated Python
+worker of a simulated executor, saying hello through the real ``admit``). Its fault points, drawn from the seed:
+a task dies mid-round (before, between or after its partitions, i.e. after a finalize wrote its deltas and before
+replying), a socket drops (before or after the task ran the frame) or is slow (the reply after the other tasks'),
+the driver dies between rounds and at every crash point above (its gang dies with it), Spark relaunches the stage
+(a second hello breaks the gang), and a task of an abandoned gang runs a frame already sent later, in its old
+process, while newer gangs replay the epoch (a zombie; ``--no-zombies`` leaves them out). A lost gang restarts the
+query as the runtime's supervisor does (a new exchange and sequencer resuming from the records and bounds); the
+checks are the same. Resizes and rescales are simulated on the micro-batch path only.
+
 ``python -m charon.testing.simulation --seeds 100000 [--start N]`` runs many seeds; ``--seed N`` reruns one and
 prints its trace. A failing seed prints one line that reproduces it. ``--without early,early2`` leaves
 program features out (to tell apart failures of different defects).
@@ -67,15 +81,18 @@ from charon.config import SparkConfig
 from charon.core import partition, timers
 from charon.core.epoch import EpochResult
 from charon.core.routing import partition_of, split_store_key, store_key
-from charon.log.offsets import pad_offsets
+from charon.log.offsets import pad_offsets, pad_pair
 from charon.messages import Reply, Request
 from charon.runtime import faults
 from charon.runtime.spark import runtime as sr
 from charon.runtime.spark import tasks as spark_tasks
 from charon.runtime.spark.exchange import SparkExchange
 from charon.runtime.spark.layout import local_root, read_layout
+from charon.runtime.spark.resident import GangLost, ResidentExchange
+from charon.runtime.spark.sequencer import DirectSequencer
 from charon.state import lmdbstore
 from charon.state.durable import DurableState
+from charon.testing.simulation_resident import GangFaults, LazyWriter, SimGang, SimTask
 from charon.testing.workloads import (
     COUNTERS,
     FEATURES,
@@ -90,6 +107,8 @@ from charon.testing.workloads import (
 )
 
 APP_REF = "charon.testing.workloads:app"
+SIM_SPARK = object()  # the resident mode's runtime has a "session" (it never asks it anything: the gang is simulated)
+EXCHANGES = ("jobs", "resident", "drawn")  # --exchange: drawn = per seed, half of each
 
 
 class Plan(Protocol):
@@ -146,6 +165,15 @@ class Worker:
         self.wid = wid
         self.dir = os.path.join(root, f"w{wid}")
         self.live: dict = {}
+        self.procs: list[dict] = []  # idle Python workers' live tables (the resident gang's tasks reuse them)
+
+    def take_process(self) -> dict:
+        """A Python worker for a gang task (an idle one, as Spark reuses them, or a new one): its live table."""
+        return self.procs.pop() if self.procs else {}
+
+    def give_back(self, live: dict) -> None:
+        """A gang task ended: its Python worker (and live coroutines) stays for the next task."""
+        self.procs.append(live)
 
     @contextlib.contextmanager
     def process(self) -> Iterator[None]:
@@ -497,8 +525,7 @@ class Simulation:
         layout = read_layout(self.config.checkpoint_dir)
         if layout is not None:  # the engine partitions of the layout in force (a rescale may have moved them)
             self.config.partitions = layout.partitions
-        rt = sr.SparkRuntime(self.app_ref, self.config)
-        rt.exchange = SimExchange(self, self.config)
+        rt = self.new_runtime()
         rt._start_compaction = rt._compact  # type: ignore[method-assign]  # a deliberate patch: synchronous: compaction's crash point is an ordinary step
         put_many = rt.output_log.put_many
 
@@ -513,6 +540,12 @@ class Simulation:
 
         rt.output_log.put_many = deliver  # type: ignore[method-assign]  # a deliberate patch: the simulator sees every delivery
         self.rt = rt
+        return rt
+
+    def new_runtime(self) -> sr.SparkRuntime:
+        """The real constructor; its exchange the simulated cluster's."""
+        rt = sr.SparkRuntime(self.app_ref, self.config)
+        rt.exchange = SimExchange(self, self.config)
         return rt
 
     def write_offsets(self, batch: int, starts: list[int], ends: list[int]) -> None:
@@ -610,6 +643,10 @@ class Simulation:
                     self.rt.output_log.close()
                 for w in self.workers:
                     w.close_stores()
+                self.close_gangs()
+
+    def close_gangs(self) -> None:
+        """Close what a simulated gang holds (the resident mode's)."""
 
     def _run(self) -> dict[str, int]:
         self.trace(f"workload: {len(self.w.epochs)} epochs, {self.w.partitions} partitions, live={self.w.live}, "
@@ -657,6 +694,11 @@ class Simulation:
             if self.rng.random() < self.faults.read:
                 self.where = f"after batch {batch - 1}"
                 self.read_check()
+        return self.end_checks(rt, submitted)
+
+    def end_checks(self, rt: sr.SparkRuntime, submitted: list[str]) -> dict[str, int]:
+        """The end of a run: every request has exactly one outcome and one reply, nothing deferred is left, every
+        executor's local copy equals the verified state; returns the run's counters."""
         last = rt.last_recorded_epoch()
         rec = rt.read_record(last)
         if rec is not None and rec.deferred:
@@ -692,6 +734,228 @@ class Simulation:
         return dict(sorted(merged.items()))
 
 
+class ResidentSimulation(Simulation):
+    """A seed of the resident mode (``exchange="resident"``): the real :class:`~charon.runtime.spark.sequencer.
+    DirectSequencer` (driven turn by turn: ``resume``, then ``run_next``; its bounds written by a
+    :class:`~charon.testing.simulation_resident.LazyWriter`) and the real :class:`~charon.runtime.spark.resident.
+    ResidentExchange`, whose gang is simulated (:mod:`charon.testing.simulation_resident`) with the gang's fault
+    points. A lost gang (``GangLost``) restarts the query as the runtime's supervisor does (``_start_query``: the
+    old exchange closed, a new one and a new sequencer resuming from the records and bounds); a driver crash
+    abandons the runtime, its gang dies with it (tasks with frames not run yet may linger as zombies)."""
+
+    def __init__(self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset(),
+                 workload: Plan | None = None, faults: Faults | None = None,
+                 gang_faults: GangFaults | None = None, zombies: bool = True) -> None:
+        super().__init__(seed, root, trace, without, workload, faults)
+        g = random.Random(f"resident-{seed}")  # the resident draws, from a generator of their own
+        self.gang_faults = gang_faults or (GangFaults.draw(g) if faults is None else GangFaults.calm())
+        if not zombies:  # --no-zombies: no task of an abandoned gang runs a frame late (see the module's docstring)
+            self.gang_faults.zombie = self.gang_faults.linger = 0.0
+        self.config.exchange = "resident"
+        self.config.resident_tasks = g.randint(1, self.config.partitions)
+        self.config.single_task_rest = False  # job-per-round levers: the resident exchange ignores them
+        self.gangs: list[SimGang] = []
+        self.zombies: list[SimTask] = []
+        self.writer: LazyWriter | None = None
+        self.writer_jobs = 0  # bounds written and trimmed by the sequencers' writers before the last one
+        self.seq: DirectSequencer | None = None
+        self.query_restarts = 0
+        self.gang_rounds = 0
+        self.zombie_runs = 0
+
+    def trace_faults(self) -> str:
+        return f"{self.faults}, {self.gang_faults}, {self.config.resident_tasks} gang task(s)"
+
+    def local_dir(self, w: Worker) -> str:
+        """A gang task's executor-local store directory in worker ``w`` (as ``resident_task`` computes it)."""
+        return local_root(w.dir, self.config.checkpoint_dir, self.state_root)
+
+    def judging_budget(self) -> bool:
+        """Whether a round runs with budgets in a run that may judge them (see :meth:`overrunning`)."""
+        ex = self.rt.exchange if self.rt is not None else None
+        return (isinstance(ex, ResidentExchange) and ex.function_timeout is not None and self.rt is not None
+                and self.rt.judging)
+
+    def new_runtime(self) -> sr.SparkRuntime:
+        return sr.SparkRuntime(self.app_ref, self.config, spark=SIM_SPARK)
+
+    def maybe_crash(self, point: str, epoch: int) -> None:
+        if self.writer is not None:
+            self.writer.poke(self.rng)  # the bound writer's thread ran meanwhile, or not
+        super().maybe_crash(point, epoch)
+
+    def between_rounds(self) -> None:
+        if self.rng.random() < self.faults.restart / 2:  # idle Python workers restart (live coroutines lost)
+            w = self.rng.choice(self.workers)
+            self.trace(f"{self.where}: w{w.wid}'s idle Python workers restart")
+            w.procs.clear()
+        super().between_rounds()
+
+    def before_round(self, ex: ResidentExchange) -> None:
+        """Before each round the driver sends: zombies run when their time came; perhaps a driver crash; perhaps
+        Spark relaunches the gang's stage (a second hello)."""
+        self.gang_rounds += 1
+        for z in list(self.zombies):
+            if z.tick():
+                self.zombies.remove(z)
+                self.zombie_runs += 1
+        self.where = f"before round {self.gang_rounds}"
+        self.maybe_crash("before_round", -1)
+        gang = self.gangs[-1] if self.gangs else None
+        if (gang is not None and gang.ex is ex and ex.launched and ex.broken is None
+                and self.rng.random() < self.gang_faults.relaunch and self.gang_faults.lose()):
+            gang.relaunch_hello()
+
+    def launch(self, ex: ResidentExchange) -> None:
+        gang = SimGang(self, ex, len(self.gangs), self.gang_faults)
+        self.gangs.append(gang)
+        gang.launch()
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """As :meth:`Simulation.patched`, and the runtime's exchange and sequencer are the simulated gang's and a
+        sequencer this simulation drives (no thread of its own)."""
+        sim = self
+
+        class Gang(ResidentExchange):
+            def __init__(self, config: SparkConfig, previous: tuple[int, str] | None) -> None:
+                super().__init__(None, sim.app_ref, config, previous, launch=sim.launch)
+
+            def round(self, control: Any, inboxes: list[list]) -> Any:
+                sim.before_round(self)
+                return super().round(control, inboxes)
+
+        class Driven(DirectSequencer):
+            def __init__(self, *a: Any, **kw: Any) -> None:
+                if sim.writer is not None:
+                    sim.writer_jobs += sim.writer.written
+                sim.writer = LazyWriter()
+                super().__init__(*a, writer=sim.writer, **kw)
+                sim.seq = self
+
+            def start(self) -> Driven:
+                return self  # the simulation calls resume() and run_next()
+
+        def make(spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None) -> Any:
+            config.check_exchange()
+            return Gang(config, previous)
+
+        saved = (sr.make_exchange, sr.DirectSequencer)
+        sr.make_exchange, sr.DirectSequencer = make, Driven  # type: ignore[misc]  # deliberate patches (restored below)
+        try:
+            with super().patched():
+                yield
+        finally:
+            sr.make_exchange, sr.DirectSequencer = saved  # type: ignore[misc]
+
+    def start_runtime(self) -> sr.SparkRuntime:
+        """A driver (re)start: the old driver's gang dies with it (perhaps leaving zombies), its bound writer's
+        jobs not run are lost; the real constructor, then the query's start (a new exchange, a new sequencer)."""
+        if self.gangs:
+            self.gangs[-1].driver_died()
+        for w in self.workers:  # a new application: new executors, new Python workers (local dirs stay)
+            w.procs.clear()
+        if self.writer is not None:
+            self.writer.drop()
+        rt = super().start_runtime()
+        rt._start_query()
+        return rt
+
+    def restart(self, crashed: bool) -> list[int]:
+        """Recovery after a driver crash (``crashed``) or a lost gang (the supervisor's restart of the query):
+        until the sequencer resumed; returns the end offsets of the last epoch fixed."""
+        while True:
+            self.attempts += 1
+            if self.attempts > 200:
+                raise Violation("the run does not finish")
+            try:
+                if crashed:
+                    self.start_runtime()
+                else:
+                    assert self.rt is not None
+                    if self.writer is not None:  # the failed loop's writer shuts down: its jobs complete first
+                        self.writer.shutdown()
+                    self.query_restarts += 1
+                    self.trace("the supervisor restarts the query on a new gang")
+                    self.rt._start_query()
+                assert self.seq is not None
+                ends = self.seq.resume()
+                self.verify_recorded()  # the epochs it re-ran
+                return ends
+            except SimCrash:
+                crashed = True
+            except GangLost as e:
+                self.trace(f"gang lost: {e}")
+                crashed = False
+            self.verify_recorded()
+
+    def _run(self) -> dict[str, int]:
+        self.trace(f"workload: {len(self.w.epochs)} epochs, {self.w.partitions} partitions, live={self.w.live}, "
+                   f"{self.trace_faults()}")
+        self.load_initial()
+        self.attempts = 0
+        rt = self.start_runtime()
+        submitted: list[str] = []
+        next_epoch = 0
+        early = False
+        assert self.seq is not None
+        try:
+            prev_ends = self.seq.resume()
+            self.verify_recorded()
+        except (SimCrash, GangLost) as e:
+            self.verify_recorded()
+            prev_ends = self.restart(isinstance(e, SimCrash))
+        while True:
+            assert self.rt is not None and self.seq is not None
+            rt = self.rt
+            if not early and next_epoch < len(self.w.epochs):
+                rt, ids = self.append_epoch(rt, next_epoch)
+                submitted += ids
+                next_epoch += 1
+            early = False
+            avail = rt.input_log.end_offsets()
+            if not any(e > s for s, e in zip(*pad_pair(prev_ends, avail), strict=True)):
+                break  # nothing new: the sequencer waits
+            self.attempts += 1
+            if self.attempts > 200:
+                raise Violation("the run does not finish")
+            if next_epoch < len(self.w.epochs) and self.rng.random() < self.pipelined:
+                rt, ids = self.append_epoch(rt, next_epoch)  # arrives while the epoch runs: its finalize deferred
+                submitted += ids
+                next_epoch += 1
+                early = True
+            try:
+                self.trace(f"epoch {self.seq.next_epoch} over {avail}")
+                prev_ends = self.seq.run_next(prev_ends, avail)
+            except (SimCrash, GangLost) as e:
+                if isinstance(e, GangLost):
+                    self.trace(f"gang lost: {e}")
+                self.verify_recorded()
+                prev_ends = self.restart(isinstance(e, SimCrash))
+                continue
+            self.verify_recorded()
+            if self.rng.random() < self.faults.read:
+                self.where = "after an epoch"
+                self.read_check()
+        for z in self.zombies:  # the lingering tasks finish before the end checks (they must not change anything)
+            z.zombie_after = 0
+            z.tick()
+            self.zombie_runs += 1
+        self.zombies = []
+        assert self.rt is not None
+        stats = self.end_checks(self.rt, submitted)
+        stats.update({"gangs": len(self.gangs), "query_restarts": self.query_restarts,
+                      "zombie_runs": self.zombie_runs,
+                      "writer_jobs": self.writer_jobs + (0 if self.writer is None else self.writer.written)})
+        return stats
+
+    def close_gangs(self) -> None:
+        for g in self.gangs:
+            for t in g.tasks:
+                t.sock.close()
+                t.drv.close()
+
+
 @dataclass
 class Outcome:
     seed: int
@@ -701,20 +965,38 @@ class Outcome:
     seconds: float = 0.0
 
 
+def seed_exchange(seed: int, exchange: str) -> str:
+    """The exchange seed ``seed`` runs (``exchange`` "drawn": half the seeds each, from a generator of its own)."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, not {exchange!r}")
+    if exchange != "drawn":
+        return exchange
+    return "resident" if random.Random(f"exchange-{seed}").random() < 0.5 else "jobs"
+
+
 def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozenset[str] = frozenset(),
-             log_growth: bool = False, engine_rescale: bool = False) -> Outcome:
+             log_growth: bool = False, engine_rescale: bool = False, exchange: str = "jobs",
+             zombies: bool = True) -> Outcome:
     """Run one seed in a fresh directory (on tmpfs when available); never raises. ``log_growth``: the input
     log is resized between epochs (:meth:`Simulation.draw_log_plan`); ``engine_rescale``: the engine partitions
-    are rescaled at epoch boundaries (:meth:`Simulation.draw_engine_plan`)."""
+    are rescaled at epoch boundaries (:meth:`Simulation.draw_engine_plan`); ``exchange``: "jobs" (the micro-batch
+    path), "resident" (:class:`ResidentSimulation`) or "drawn" (per seed); ``zombies`` False: the resident mode's
+    abandoned gang tasks never run a frame late."""
+    mode = seed_exchange(seed, exchange)
+    if mode == "resident" and (log_growth or engine_rescale):
+        raise ValueError("the resident mode's simulation does not resize the log or rescale (not modelled yet)")
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix=f"charon-sim-{seed}-", dir=base)
     t0 = time.perf_counter()
-    sim = Simulation(seed, root, trace, without, log_growth=log_growth, engine_rescale=engine_rescale)
+    sim = (ResidentSimulation(seed, root, trace, without, zombies=zombies) if mode == "resident" else
+           Simulation(seed, root, trace, without, log_growth=log_growth, engine_rescale=engine_rescale))
     try:
         stats = sim.run()
         out = Outcome(seed, True, stats=stats)
     except Exception as exc:  # noqa: BLE001 - any failure of a seed is reported, not raised
-        out = Outcome(seed, False, f"{type(exc).__name__}: {exc}".replace("\n", " ")[:400])
+        lines = [x for x in str(exc).splitlines() if x.strip()]
+        msg = lines[0] + (f" ... {lines[-1].strip()}" if len(lines) > 1 else "") if lines else ""
+        out = Outcome(seed, False, f"{type(exc).__name__}: {msg}"[:400])
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -723,8 +1005,10 @@ def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozen
 
 
 def repro_line(o: Outcome, without: frozenset[str] = frozenset(), log_growth: bool = False,
-               engine_rescale: bool = False) -> str:
-    opt = f" --without {','.join(sorted(without))}" if without else ""
+               engine_rescale: bool = False, exchange: str = "jobs", zombies: bool = True) -> str:
+    opt = f" --exchange {seed_exchange(o.seed, exchange)}"
+    opt += "" if zombies else " --no-zombies"
+    opt += f" --without {','.join(sorted(without))}" if without else ""
     opt += " --log-growth" if log_growth else ""
     opt += " --rescale" if engine_rescale else ""
     return f"FAIL seed {o.seed}: {o.error} | reproduce: python -m charon.testing.simulation --seed {o.seed}{opt}"
@@ -739,24 +1023,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--without", default="", help=f"program features to leave out, of {','.join(sorted(FEATURES))}")
     ap.add_argument("--log-growth", action="store_true", help="resize the input log between epochs")
     ap.add_argument("--rescale", action="store_true", help="rescale the engine partitions at epoch boundaries")
+    ap.add_argument("--exchange", choices=EXCHANGES, default="drawn",
+                    help="the micro-batch path with the job exchange, the resident mode, or drawn per seed")
+    ap.add_argument("--no-zombies", action="store_true",
+                    help="resident mode: no task of an abandoned gang runs a frame late")
     a = ap.parse_args(argv)
-    lg, er = a.log_growth, a.rescale
+    lg, er, ex, zb = a.log_growth, a.rescale, a.exchange, not a.no_zombies
+    if (lg or er) and ex == "drawn":
+        ex = "jobs"  # resizes and rescales are simulated on the micro-batch path only
     without = frozenset(x for x in a.without.split(",") if x)
     if without - FEATURES:
         ap.error(f"unknown features: {sorted(without - FEATURES)}")
     if a.seed is not None:
-        o = run_seed(a.seed, trace=True, keep=a.keep, without=without, log_growth=lg, engine_rescale=er)
-        print(repro_line(o, without, lg, er) if not o.ok else f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s")
+        o = run_seed(a.seed, trace=True, keep=a.keep, without=without, log_growth=lg, engine_rescale=er, exchange=ex,
+                     zombies=zb)
+        ok = f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s"
+        print(repro_line(o, without, lg, er, ex, zb) if not o.ok else ok)
         return 0 if o.ok else 1
     t0 = time.perf_counter()
     failed = 0
+    totals: dict[str, int] = {}
     for seed in range(a.start, a.start + a.seeds):
-        o = run_seed(seed, without=without, log_growth=lg, engine_rescale=er)
+        o = run_seed(seed, without=without, log_growth=lg, engine_rescale=er, exchange=ex, zombies=zb)
         if not o.ok:
             failed += 1
-            print(repro_line(o, without, lg, er), flush=True)
+            print(repro_line(o, without, lg, er, ex, zb), flush=True)
+        for k, v in o.stats.items():
+            totals[k] = totals.get(k, 0) + v
     dt = time.perf_counter() - t0
     print(f"{a.seeds} seeds from {a.start}: {failed} failed, {dt:.1f}s ({dt / max(1, a.seeds) * 1000:.0f} ms/seed)")
+    print(f"totals over the seeds that passed: {totals}")
     return 1 if failed else 0
 
 

@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -112,8 +112,13 @@ class ResidentExchange:
     or stops). No ``rest``/``fallback`` hooks: the coordinator runs every round through :meth:`round`."""
 
     def __init__(self, spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
-                 ) -> None:
-        self.sc = spark.sparkContext
+                 *, launch: Callable[[ResidentExchange], None] | None = None) -> None:
+        """``launch`` (a seam for the seeded simulator, :mod:`charon.testing.simulation_resident`): called with
+        this exchange instead of starting the barrier job; it must start the gang's tasks, each of which says
+        hello through :meth:`admit` (the exchange then waits for all of them as for Spark's). ``spark`` may then be
+        None (with ``config.resident_tasks`` set)."""
+        self.sc: Any = spark.sparkContext if spark is not None else None
+        self.launch_hook = launch
         self.config = config
         self.partitions = config.partitions
         self.app_ref = app_ref
@@ -269,20 +274,13 @@ class ResidentExchange:
             self._launch()
 
     def _launch(self) -> None:
-        """Open the meeting socket, start the barrier job in a driver thread, wait for every task's hello."""
-        conf = self.sc.getConf()
-        host = conf.get("spark.driver.host") or socket.gethostname()
-        bind = conf.get("spark.driver.bindAddress") or "0.0.0.0"
-        self.listener = socket.create_server((bind, 0))
-        port = self.listener.getsockname()[1]
+        """Start the gang (the barrier job, or ``launch``'s), wait for every task's hello."""
         self.launched = True
         self.launches += 1
-        threading.Thread(target=self._accept, name="charon-resident-meet", daemon=True).start()
-        cfg = self.config
-        fn = partial(resident_task, (host, port), self.token, self.tasks, self.partitions, cfg.local_dir,
-                     self.durable_root, cfg.checkpoint_dir, cfg.gc_threshold, cfg.determinism_check)
-        self.job = threading.Thread(target=self._run_job, args=(fn,), name="charon-resident-gang", daemon=True)
-        self.job.start()
+        if self.launch_hook is not None:
+            self.launch_hook(self)
+        else:
+            self._launch_job()
         deadline = time.monotonic() + MEET_S
         while True:
             with self.lock:
@@ -295,6 +293,20 @@ class ResidentExchange:
                 raise self._lost(f"the resident gang's {self.tasks} tasks did not all start within {MEET_S:.0f} s "
                                  "(a barrier job needs a free slot per task)")
             time.sleep(0.005)
+
+    def _launch_job(self) -> None:
+        """Open the meeting socket, start the barrier job in a driver thread (its tasks connect to the socket)."""
+        conf = self.sc.getConf()
+        host = conf.get("spark.driver.host") or socket.gethostname()
+        bind = conf.get("spark.driver.bindAddress") or "0.0.0.0"
+        self.listener = socket.create_server((bind, 0))
+        port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, name="charon-resident-meet", daemon=True).start()
+        cfg = self.config
+        fn = partial(resident_task, (host, port), self.token, self.tasks, self.partitions, cfg.local_dir,
+                     self.durable_root, cfg.checkpoint_dir, cfg.gc_threshold, cfg.determinism_check)
+        self.job = threading.Thread(target=self._run_job, args=(fn,), name="charon-resident-gang", daemon=True)
+        self.job.start()
 
     def _run_job(self, fn: Any) -> None:
         try:
@@ -316,30 +328,37 @@ class ResidentExchange:
                 sock, _ = listener.accept()
             except OSError:
                 return  # closed
-            try:
-                sock.settimeout(10.0)
-                token, attempt, index, tasks, pid = _HELLO.unpack(_recv(sock, _HELLO.size))
-                sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, struct.error):
-                _shut(sock)
-                continue
-            with self.lock:
-                fenced = (self.closed or token != self.token or tasks != self.tasks or not 0 <= index < tasks)
-                if not fenced and index in self.attempts:
-                    # Spark relaunched the barrier stage: the seated tasks' scratch is gone, so this gang is broken
-                    # (the epoch in flight fails; the runtime replaces the exchange). The new attempt is never
-                    # seated: only the first attempt of a gang ever gets a frame.
-                    if self.broken is None:
-                        self.broken = (f"Spark relaunched the resident gang (task {index}, attempt {attempt} after "
-                                       f"{self.attempts[index]})")
-                    fenced = True
-                if not fenced:
-                    self.attempts[index] = attempt
-                    self.pids[index] = pid
-                    self.seated[index] = sock
-            if fenced:
-                _shut(sock)
+            self.admit(sock)
+
+    def admit(self, sock: Any) -> bool:
+        """A task connected on ``sock``: read its hello and seat it, or fence it (``sock`` closed; False). A hello
+        naming another token or gang size is refused; a second hello for a seated index (Spark relaunched the
+        barrier stage) marks the gang broken, and the new attempt is never seated."""
+        try:
+            sock.settimeout(10.0)
+            token, attempt, index, tasks, pid = _HELLO.unpack(_recv(sock, _HELLO.size))
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (OSError, struct.error):
+            _shut(sock)
+            return False
+        with self.lock:
+            fenced = (self.closed or token != self.token or tasks != self.tasks or not 0 <= index < tasks)
+            if not fenced and index in self.attempts:
+                # Spark relaunched the barrier stage: the seated tasks' scratch is gone, so this gang is broken
+                # (the epoch in flight fails; the runtime replaces the exchange). The new attempt is never
+                # seated: only the first attempt of a gang ever gets a frame.
+                if self.broken is None:
+                    self.broken = (f"Spark relaunched the resident gang (task {index}, attempt {attempt} after "
+                                   f"{self.attempts[index]})")
+                fenced = True
+            if not fenced:
+                self.attempts[index] = attempt
+                self.pids[index] = pid
+                self.seated[index] = sock
+        if fenced:
+            _shut(sock)
+        return not fenced
 
 
 def _shut(sock: socket.socket) -> None:
@@ -367,39 +386,66 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
     ctx = BarrierTaskContext.get()
     index, attempt = ctx.partitionId(), ctx.attemptNumber()
     tune_worker_gc(gc_threshold)
-    root = local_root(local_dir, checkpoint, durable_root)
+    task = GangTask(parts, local_root(local_dir, checkpoint, durable_root), durable_root, determinism_check)
     sock = socket.create_connection(address, timeout=MEET_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.sendall(_HELLO.pack(token, attempt, index, tasks, os.getpid()))
+    sock.sendall(hello(token, attempt, index, tasks, os.getpid()))
     sock.settimeout(None)
-    scratch: dict[int, PartitionUnit | None] = {}  # each partition's unit, with the epoch's scratch
-    caches: dict[int, dict[int, list]] = {}
-    epoch = -1
     try:
         while True:
             try:
                 frame = _recv_frame(sock)
             except (ConnectionError, OSError):
                 return  # the driver is gone or replaced this gang
-            msg = pickle.loads(frame)
-            if msg[0] != "round":
+            reply = task.handle(frame)
+            if reply is None:
                 return
-            _, control, inboxes, app_ref, previous, function_timeout, probe_dir = msg
-            try:
-                results, stats, epoch, caches = _round(control, inboxes, app_ref, previous, function_timeout,
-                                                       probe_dir, scratch, caches, epoch, parts, root,
-                                                       durable_root, determinism_check)
-            except Exception:  # noqa: BLE001 - told to the driver (its round raises it); this task then ends
-                _send_frame(sock, pickle.dumps((None, {"error": traceback.format_exc()[-20_000:]}),
-                                               protocol=pickle.HIGHEST_PROTOCOL))
-                return
-            if control.finalize:  # the epoch is over: nothing of it stays
-                scratch.clear()
-                caches = {}
-            _send_frame(sock, pickle.dumps((results, stats), protocol=pickle.HIGHEST_PROTOCOL))
+            _send_frame(sock, reply)
+            if task.failed:
+                return  # the round raised: its error was told to the driver
     finally:
         sock.close()
     yield 0  # pragma: no cover - never reached: a generator for mapPartitions
+
+
+def hello(token: bytes, attempt: int, index: int, tasks: int, pid: int) -> bytes:
+    """A gang task's hello (see the module's docstring), the first bytes it sends the driver."""
+    return _HELLO.pack(token, attempt, index, tasks, pid)
+
+
+class GangTask:
+    """What a task of the gang keeps and does between frames: its partitions' scratch and call-graph caches
+    (kept between rounds and epochs, dropped after a finalize). :func:`resident_task` runs it over its socket;
+    the seeded simulator (:mod:`charon.testing.simulation_resident`) runs it in simulated workers."""
+
+    def __init__(self, parts: int, root: str, durable_root: str, determinism_check: bool) -> None:
+        self.parts = parts
+        self.root = root  # the executor-local stores' directory
+        self.durable_root = durable_root
+        self.determinism_check = determinism_check
+        self.scratch: dict[int, PartitionUnit | None] = {}  # each partition's unit, with the epoch's scratch
+        self.caches: dict[int, dict[int, list]] = {}
+        self.epoch = -1
+        self.failed = False  # a round raised: the task ends after telling the driver
+
+    def handle(self, frame: bytes) -> bytes | None:
+        """The reply to one frame from the driver: a round's outputs, or its error's traceback when it raised
+        (:attr:`failed` is then set); None for a stop frame (the task ends)."""
+        msg = pickle.loads(frame)
+        if msg[0] != "round":
+            return None
+        _, control, inboxes, app_ref, previous, function_timeout, probe_dir = msg
+        try:
+            results, stats, self.epoch, self.caches = _round(
+                control, inboxes, app_ref, previous, function_timeout, probe_dir, self.scratch, self.caches,
+                self.epoch, self.parts, self.root, self.durable_root, self.determinism_check)
+        except Exception:  # noqa: BLE001 - told to the driver (its round raises it); this task then ends
+            self.failed = True
+            return pickle.dumps((None, {"error": traceback.format_exc()[-20_000:]}), protocol=pickle.HIGHEST_PROTOCOL)
+        if control.finalize:  # the epoch is over: nothing of it stays
+            self.scratch.clear()
+            self.caches = {}
+        return pickle.dumps((results, stats), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: tuple[int, str] | None,

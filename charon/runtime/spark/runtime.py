@@ -1002,7 +1002,10 @@ class SparkRuntime(EngineBacked):
         # an endless function). A rerun (after a driver crash, or of an epoch Spark committed) whose earlier run
         # may have delivered replies takes no new verdict: only those its earlier runs recorded apply
         # (_record_verdict gives up instead); one whose earlier runs provably replied nothing judges anew.
-        rerun = recovering or self._attempts.failed_before(epoch)
+        # A later epoch already started: this one ran before (epochs start in order) and its deferred finalize was
+        # lost with a crash. The direct sequencer resumes it as the epoch in flight (not as a recovered one) when
+        # the next epoch's bound was not durable yet; its earlier run may have replied all the same.
+        rerun = recovering or self._attempts.failed_before(epoch) or self._attempts.epoch > epoch
         self._attempts.starting(epoch)  # durable before any reply of this run can go out
         probe = None
         if self._probe_epoch == epoch:  # it failed before: find a transaction that kills its worker

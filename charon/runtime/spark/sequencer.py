@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import msgspec
 
@@ -101,7 +101,9 @@ class DirectSequencer:
                  run_epoch: Callable[[int], None], last_recorded: Callable[[], int],
                  read_record: Callable[[int], EpochRecord | None], exchange: Callable[[], object],
                  stopping: Callable[[], bool], migrate: Callable[[int], tuple[list[int], list[int]] | None],
-                 ) -> None:
+                 writer: Executor | None = None) -> None:
+        """``writer`` (a seam for the seeded simulator): the executor that writes the bounds (default: one thread
+        of its own); whatever it does, a bound is durable once :meth:`wait_durable` returned."""
         self.checkpoint = checkpoint
         self.input_log = input_log
         self.location = location
@@ -123,7 +125,7 @@ class DirectSequencer:
         self.epochs = 0  # epochs this loop started
         # the bound of the epoch running is written (fsynced) on this thread while the epoch's first rounds run;
         # the runtime waits for it before anything depends on it (wait_durable: a reply, the epoch's finalize)
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="charon-bounds")
+        self._writer: Executor = writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="charon-bounds")
         self._fixed: tuple[int, list[int], list[int], Future[None]] | None = None
 
     # -- the StreamingQuery face ----------------------------------------------------------------------------------
@@ -153,30 +155,36 @@ class DirectSequencer:
     # -- the loop -------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            prev_ends = self._resume()
+            prev_ends = self.resume()
             while not self._stop.is_set():
                 avail = self._wait(prev_ends)
                 if avail is None:
                     return
-                epoch = self.next_epoch
-                starts, ends = self._cut(prev_ends, avail)
-                wrote = self._writer.submit(write_file_atomic, bound_path(self.checkpoint, epoch),
-                                            msgspec.json.encode(EpochBound(epoch, starts, ends)))
-                self._fixed = (epoch, starts, ends, wrote)
-                self._last_start = time.monotonic()
-                self.epochs += 1
-                self._run(epoch)
-                self.wait_durable(epoch)  # an epoch that neither replied nor finalized (all its work deferred)
-                self._fixed = None
-                self.next_epoch = epoch + 1
-                prev_ends = ends
-                self._writer.submit(self._trim)
+                prev_ends = self.run_next(prev_ends, avail)
         except BaseException as e:  # noqa: BLE001 - awaitTermination raises it to the supervisor
             if not (self._stop.is_set() or self._stopping()):
                 self._error = e
         finally:
             self._writer.shutdown(wait=True)
             self._done.set()
+
+    def run_next(self, prev_ends: list[int], avail: list[int]) -> list[int]:
+        """One turn of the loop: cut the next epoch from ``prev_ends`` (the previous epoch's ends) up to ``avail``
+        (the log's end offsets), write its bound (on the writer, durable before anything depends on it), run it;
+        returns its end offsets. The loop calls it; the seeded simulator drives it directly."""
+        epoch = self.next_epoch
+        starts, ends = self._cut(prev_ends, avail)
+        wrote = self._writer.submit(write_file_atomic, bound_path(self.checkpoint, epoch),
+                                    msgspec.json.encode(EpochBound(epoch, starts, ends)))
+        self._fixed = (epoch, starts, ends, wrote)
+        self._last_start = time.monotonic()
+        self.epochs += 1
+        self._run(epoch)
+        self.wait_durable(epoch)  # an epoch that neither replied nor finalized (all its work deferred)
+        self._fixed = None
+        self.next_epoch = epoch + 1
+        self._writer.submit(self._trim)
+        return ends
 
     def fixed(self, epoch: int) -> tuple[list[int], list[int]]:
         """``(starts, ends)`` of epoch ``epoch``: the bound this loop just fixed (its file may still be being
@@ -193,8 +201,9 @@ class DirectSequencer:
         if f is not None and f[0] == epoch:
             f[3].result()
 
-    def _resume(self) -> list[int]:
-        """Rerun the epochs bound but not recorded; the end offsets of the last epoch fixed so far."""
+    def resume(self) -> list[int]:
+        """Rerun the epochs bound but not recorded; the end offsets of the last epoch fixed so far (the loop's
+        start; the seeded simulator calls it directly)."""
         os.makedirs(bounds_dir(self.checkpoint), exist_ok=True)
         if not sequenced_directly(self.checkpoint):
             write_file_atomic(_marker(self.checkpoint), DIRECT.encode())
