@@ -633,7 +633,9 @@ class SparkRuntime(EngineBacked):
         epoch, the last error, the number of query restarts and of new Spark sessions after the JVM died
         (``jvm_restarts``); ``ok`` is true only when serving and the
         input log answers. ``log_error`` says why the log does not (unreachable, or no answer within
-        ``health_timeout_s``: health never waits for a hung log longer than that)."""
+        ``health_timeout_s``: health never waits for a hung log longer than that). In the resident mode ``gang``
+        says where the gang runs (:meth:`~charon.runtime.spark.resident.ResidentExchange.placement`: each task's
+        executor, Python worker and partitions)."""
         probe = self.log_probe.check()
         status = self._status
         last_error = self._last_error
@@ -651,9 +653,13 @@ class SparkRuntime(EngineBacked):
         except Exception as e:  # noqa: BLE001 - a JVM that died between the checks: truthful, never an error
             status = "recovering" if status in ("ok", "recovering") else status
             last_error = f"Spark does not answer ({type(e).__name__}); the supervisor restarts it"
-        return {"status": status, "ok": status == "ok" and probe.ok, "epoch": self.last_recorded_epoch(),
-                "last_error": last_error, "log_error": probe.error, "restarts": self._restarts,
-                "jvm_restarts": self._jvm_restarts, "fatal": self._fatal, "unconfirmed_epoch": self._unconfirmed}
+        doc = {"status": status, "ok": status == "ok" and probe.ok, "epoch": self.last_recorded_epoch(),
+               "last_error": last_error, "log_error": probe.error, "restarts": self._restarts,
+               "jvm_restarts": self._jvm_restarts, "fatal": self._fatal, "unconfirmed_epoch": self._unconfirmed}
+        placement = getattr(getattr(self, "exchange", None), "placement", None)
+        if placement is not None:  # the resident gang: where its tasks run (ResidentExchange.placement)
+            doc["gang"] = placement()
+        return doc
 
     def stop(self) -> None:
         """Stop between epochs: no new epoch starts (its batch is left uncommitted, to run after a restart),
