@@ -382,6 +382,7 @@ class SparkRuntime(EngineBacked):
             except BaseException as e:  # noqa: BLE001 - StreamingQueryException or a py4j error
                 err = e
             outage = self._outage(err)
+            gang = False  # a lost resident gang, retried as Spark retries a task: the first time at once
             with self._lock:
                 if self._query is not q or self._status == "stopped" or self._fatal is not None:
                     return  # stopped on purpose, or failed for good
@@ -399,7 +400,7 @@ class SparkRuntime(EngineBacked):
                                     "failure); restarting when it is over: %s", epoch, outage,
                                     extra={"event": "outage", "epoch": epoch})
                 elif code is None and (k := self._gang_retry(epoch, err)) is not None:
-                    n = k  # the back-off grows with the gang's losses; the epoch's failures do not
+                    n, gang = k, True  # the back-off grows with the gang's losses; the epoch's failures do not
                     self._quarantine_culprit(epoch)  # a probed run's worker-killing transaction is set aside
                     self._last_error = f"epoch {epoch}: {msg}"
                     self._status = "recovering"
@@ -427,6 +428,8 @@ class SparkRuntime(EngineBacked):
             waits = 0
             while True:
                 delay = min(30.0, cfg.restart_backoff_s * 2 ** (n - 1))
+                if gang:  # Spark retries a lost task at once: so is an epoch's first gang loss, then backing off
+                    delay = 0.0 if n == 1 else min(30.0, cfg.restart_backoff_s * 2 ** (n - 2))
                 if outage is not None:  # poll until the outage is over (at most every 5 s)
                     delay = min(5.0, cfg.restart_backoff_s * 2 ** min(waits, 10))
                     waits += 1
@@ -466,6 +469,7 @@ class SparkRuntime(EngineBacked):
                     if self._status == "stopped":
                         return
                     n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
+                    gang = False
                     if n >= cfg.epoch_max_failures:
                         assert failed is not None
                         self._give_up(f"cannot restart the streaming query: {short_error(failed)}")
