@@ -139,10 +139,9 @@ def run_row(spark: Any, master: str, conf: dict[str, str], tasks: int, size: int
         while rt.last_recorded_epoch() < epochs and time.monotonic() < deadline:  # the load's epoch is 0
             time.sleep(0.02)
         executors = sorted({t["executor"] for t in rt.health().get("gang", {}).get("seated", [])})
-        rt.stop()
         stats = [s for s in rt.epoch_stats if s.get("size", 0) > 0][skip:]
     finally:
-        rt.close()
+        rt.stop()  # not close(): the session serves the next rows
         shutil.rmtree(data, ignore_errors=True)
     points = [{"n": int(s["size"]), "t": tasks, "f": int(s.get("spark_tasks", 0)), "rounds": s.get("spark_rounds", 0),
                "wall_ms": float(s.get("duration_ms", 0.0)), "driver_ms": float(s.get("driver_cpu_s", 0.0)) * 1000,
