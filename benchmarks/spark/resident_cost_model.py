@@ -134,9 +134,10 @@ def run_row(spark: Any, master: str, conf: dict[str, str], tasks: int, size: int
     try:
         rt.load("account", ycsb.initial_state(accounts))
         rt.input_log.append_many(_requests(size * epochs, accounts, seed))
+        target = rt.last_recorded_epoch() + epochs
         rt.start()
         deadline = time.monotonic() + 120 + epochs * 30
-        while rt.last_recorded_epoch() < epochs and time.monotonic() < deadline:  # the load's epoch is 0
+        while rt.last_recorded_epoch() < target and time.monotonic() < deadline:
             time.sleep(0.02)
         executors = sorted({t["executor"] for t in rt.health().get("gang", {}).get("seated", [])})
         stats = [s for s in rt.epoch_stats if s.get("size", 0) > 0][skip:]
