@@ -13,8 +13,9 @@ would). This script is the process supervisor. In turn, ``--settle`` seconds apa
   ``charon run`` again at once on the same data directory and port.
 
 Per fault: ``recovery_s``, from the kill to the first acknowledged reply of an epoch the old gang could not have
-run (after every epoch recorded when ``/health`` first names a new gang: a dead JVM's Python workers go on serving
-the driver's sockets until the driver notices, ``old_gang_commits_after_kill`` counts those commits);
+run, answered after ``/health`` first names a new gang (its epoch after every one recorded then: a dead JVM's
+Python workers go on serving the driver's sockets until the driver notices, and the old gang may reply early to an
+epoch it cannot record; ``old_gang_commits_after_kill`` counts the answers before the new gang);
 ``new_gang_s``, to that ``/health``; ``first_sent_after_s``, to the first acknowledged reply of a transfer sent
 after the kill; ``longest_answer_gap_s``, the longest stretch without an answer. The issue's bounds: worker <= 3 s,
 JVM <= 20 s, driver <= 30 s. At the end: every acknowledged reply read back by its id is the same (tid, epoch,
@@ -232,10 +233,13 @@ def measure(load: Load, watch: HealthWatch, t_kill: float, old_gang: str | None,
     kill until the driver notices (a dead JVM leaves its Python workers serving the driver's sockets)."""
     acks = sorted((t1, t0, doc) for t0, t1, doc in list(load.acked.values()) if t_kill <= t1 <= until)
     switch = watch.new_gang(t_kill, old_gang)
-    new = [t1 for t1, _, doc in acks if switch is not None and int(doc.get("epoch", -1)) > switch[1]]
-    old = [t1 for t1, _, doc in acks if switch is None or int(doc.get("epoch", -1)) <= switch[1]]
+    # an epoch after the switch's records, answered after the switch: the old gang may have replied early to an
+    # epoch it could not record (the new one reruns it, with the same replies)
+    new = [t1 for t1, _, doc in acks
+           if switch is not None and t1 >= switch[0] and int(doc.get("epoch", -1)) > switch[1]]
+    old = [t1 for t1, _, _ in acks if switch is None or t1 < switch[0]]
     after = [t1 for t1, t0, _ in acks if t0 >= t_kill]
-    answered = sorted([t1 for _, t1, _ in list(load.acked.values()) if t1 <= until] + [t_kill])
+    answered = sorted([t1 for _, t1, _ in list(load.acked.values()) if t1 <= until] + [t_kill, until])
     gaps = [b - a for a, b in zip(answered, answered[1:], strict=False) if b >= t_kill]
     return {"recovery_s": round(new[0] - t_kill, 3) if new else None,
             "new_gang_s": round(switch[0] - t_kill, 3) if switch else None,
