@@ -210,3 +210,62 @@ def test_a_killed_gang_worker_relaunches_the_gang_and_replies_stay_exactly_once(
     assert all(by_id[r.request_id] == r for r in replies), "replies unchanged by the replay"
     print(f"\nkilled a gang worker: {killed_at}; restarts {rt._restarts}; kill to the new gang's first commit "
           f"{recovery:.1f} s (restart_backoff_s 0.2)")
+
+
+class _FakeJvmContext:
+    """What ``resident.task_slots`` asks of the JVM's SparkContext: its task slots now (a Worker lost: fewer)."""
+
+    def __init__(self, slots: list[int]) -> None:
+        self.slots = slots
+
+    def sc(self) -> _FakeJvmContext:
+        return self
+
+    def resourceProfileManager(self) -> _FakeJvmContext:  # noqa: N802 - the JVM's name
+        return self
+
+    def defaultResourceProfile(self) -> str:  # noqa: N802 - the JVM's name
+        return "default"
+
+    def maxNumConcurrentTasks(self, profile: str) -> int:  # noqa: N802 - the JVM's name
+        assert profile == "default"
+        return self.slots[0]
+
+
+class _FakeContext:
+    def __init__(self, slots: list[int]) -> None:
+        self._jsc = _FakeJvmContext(slots)
+        self.defaultParallelism = 2
+
+
+class _FakeSession:
+    def __init__(self, slots: list[int]) -> None:
+        self.sparkContext = _FakeContext(slots)
+
+
+def test_a_cluster_gang_takes_the_slots_there_are_and_is_lost_when_fewer_are_left(tmp_path) -> None:
+    """On a cluster, ``resident_tasks`` 0 sizes the gang by Spark's task slots now; while it waits for its tasks,
+    fewer slots than tasks (a Worker lost meanwhile) fail it at once (GangLost) instead of waiting for slots that
+    are gone, so the restart's gang takes the slots left. An explicit ``resident_tasks`` is never resized."""
+    from charon.runtime.spark.resident import GangLost, task_slots
+
+    slots = [3]
+    cfg = SparkConfig(master="spark://127.0.0.1:7077", data_dir=str(tmp_path), partitions=4)
+    ex = ResidentExchange(_FakeSession(slots), APP, cfg)
+    assert ex.tasks == 3 and ex.groups == [[0], [1], [2, 3]]
+    ex._check_slots()  # as many slots as tasks: waits on
+    slots[0] = 2  # a Worker lost
+    with pytest.raises(GangLost, match="2 task slots left, fewer than the gang's 3 tasks"):
+        ex._check_slots()
+    assert ex.broken is not None, "marked lost for good"
+    again = ResidentExchange(_FakeSession(slots), APP, cfg)
+    assert again.tasks == 2 and again.groups == [[0, 1], [2, 3]], "the next gang takes the slots left"
+    fixed = ResidentExchange(_FakeSession(slots), APP, SparkConfig(master="spark://127.0.0.1:7077",
+                                                                  data_dir=str(tmp_path), partitions=4,
+                                                                  resident_tasks=3))
+    slots[0] = 1
+    fixed._check_slots()  # an explicit size waits for its slots
+    assert fixed.tasks == 3
+    assert task_slots(object()) is None, "no JVM to ask: unknown"
+    assert ResidentExchange(_FakeSession(slots), APP, SparkConfig(master="local[2]", data_dir=str(tmp_path),
+                                                                   partitions=4)).tasks == 1

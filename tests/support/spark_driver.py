@@ -1,7 +1,8 @@
 """A Charon Spark driver for the fault and cluster tests, run as a subprocess (so it can be SIGKILLed).
 
     python tests/support/spark_driver.py DATA_DIR [--load N] [--master URL] [--partitions 4] [--max-batch 100]
-                                 [--compact-every 3] [--conf k=v ...] [--idle-timeout S]
+                                 [--compact-every 3] [--conf k=v ...] [--idle-timeout S] [--exchange resident|jobs]
+                                 [--status-file PATH]
 
 ``--load N`` bulk-loads N YCSB accounts (``SparkRuntime.load``) and exits, or with ``--run`` waits for the
 file ``DATA_DIR/go`` (the test records the initial snapshot meanwhile) and goes on. Then the driver starts
@@ -9,12 +10,14 @@ file ``DATA_DIR/go`` (the test records the initial snapshot meanwhile) and goes 
 exists (the test writes it after its last append) and every request appended by then has run; then it
 stops the query and exits 0. ``CHARON_CRASH_AT`` (see ``charon.runtime.faults.crash_point``) makes it
 SIGKILL itself at a named point. It prints ``started`` once the query runs and ``idle <last epoch>`` at
-the end.
+the end. ``--status-file`` has it write ``SparkRuntime.health()`` there as JSON (atomically) every 0.2 s while it
+runs (the resident gang's placement is in it: ``gang``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -33,6 +36,7 @@ def config(args: argparse.Namespace) -> SparkConfig:
     return SparkConfig(
         master=args.master, data_dir=args.data_dir, partitions=args.partitions, max_batch=args.max_batch,
         compact_every=args.compact_every, truncate_log=False, spark_conf=conf,
+        exchange=getattr(args, "exchange", None) or "resident",
         **({} if getattr(args, "restart_batch", None) is None else {"restart_batch": args.restart_batch}),
     )
 
@@ -50,6 +54,8 @@ def main() -> int:
     p.add_argument("--compact-every", type=int, default=3)
     p.add_argument("--conf", action="append", default=[])
     p.add_argument("--idle-timeout", type=float, default=600.0)
+    p.add_argument("--exchange", default="resident", choices=("resident", "jobs"))
+    p.add_argument("--status-file", default=None)
     args = p.parse_args()
     rt = SparkRuntime(APP, config(args))
     try:
@@ -68,6 +74,8 @@ def main() -> int:
         done = os.path.join(args.data_dir, "done")
         while not os.path.exists(done):
             h = rt.health()
+            if args.status_file:
+                write_status(args.status_file, h)
             if h["fatal"]:  # the supervisor restarts a failed query; it gives up only on a repeating failure
                 raise RuntimeError(f"the runtime gave up: {h['fatal']}")
             time.sleep(0.2)
@@ -79,6 +87,13 @@ def main() -> int:
         rt.close()
 
 
+def write_status(path: str, health: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(health, f, default=str)
+    os.replace(tmp, path)
+
+
 if __name__ == "__main__":
     sys.exit(main())
 
@@ -87,18 +102,22 @@ if __name__ == "__main__":
 # (imported by tests/faults/test_spark_recovery.py and tests/spark/test_spark_cluster.py; not used by the driver itself)
 def make_config(
     data_dir: str, *, master: str = "local[2]", partitions: int = 4, max_batch: int = 100, compact_every: int = 3,
+    exchange: str = "resident",
 ) -> SparkConfig:
     """The configuration the driver builds from the same options (for snapshots and checks in the test)."""
     return config(argparse.Namespace(master=master, data_dir=data_dir, partitions=partitions, max_batch=max_batch,
-                                     compact_every=compact_every, conf=[]))
+                                     compact_every=compact_every, conf=[], exchange=exchange))
 
 
 def driver_args(
     *, master: str = "local[2]", partitions: int = 4, max_batch: int = 100, compact_every: int = 3,
-    conf: dict[str, str] | None = None, restart_batch: int | None = None,
+    conf: dict[str, str] | None = None, restart_batch: int | None = None, exchange: str = "resident",
+    status_file: str | None = None,
 ) -> list[str]:
     out = ["--master", master, "--partitions", str(partitions), "--max-batch", str(max_batch),
-           "--compact-every", str(compact_every)]
+           "--compact-every", str(compact_every), "--exchange", exchange]
+    if status_file is not None:
+        out += ["--status-file", status_file]
     if restart_batch is not None:
         out += ["--restart-batch", str(restart_batch)]
     for k, v in (conf or {}).items():

@@ -279,11 +279,16 @@ class StandaloneCluster:
         )
 
     def app_conf(self, executor_cores: int = 1, max_cores: int | None = None) -> dict[str, str]:
-        """Spark settings for an application on this cluster (one executor of ``executor_cores`` per Worker)."""
+        """Spark settings for an application on this cluster (one executor of ``executor_cores`` per Worker).
+        The application's first job waits until executors with all ``spark.cores.max`` cores registered (at most
+        120 s: ``spark.scheduler.minRegisteredResourcesRatio``), so that a resident gang sized by the cluster
+        (``resident_tasks`` 0: every task slot registered when it launches) takes every Worker."""
         total = max_cores if max_cores is not None else executor_cores * self.n_workers
         return {
             "spark.executor.cores": str(executor_cores),
             "spark.cores.max": str(total),
+            "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+            "spark.scheduler.maxRegisteredResourcesWaitingTime": "120s",
             "spark.executor.memory": "512m",
             "spark.driver.host": HOST,
             "spark.driver.bindAddress": HOST,

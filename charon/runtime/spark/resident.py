@@ -6,7 +6,9 @@ tasks host the partitions and take round after round, epoch after epoch, over so
 See ``docs/internals/resident.md``.
 
 Frames (both ways): 4-byte big-endian length, then a pickle. A task's hello (before any frame): the gang's 16-byte
-token, its attempt number, its index, the gang's task count and its process id (4 bytes each). Then per round the
+token, its attempt number, its index, the gang's task count and its process id (4 bytes each), then its executor's
+address (``host:port``, as Spark's ``BarrierTaskInfo`` names it; UTF-8, length-prefixed as a frame, at most
+:data:`ADDRESS_MAX` bytes): :meth:`ResidentExchange.placement` reports where the gang runs. Then per round the
 driver sends ``("round", control, {pid: inbox}, app_ref, previous, function_timeout, probe_dir)`` and the task
 answers ``([(pid, RoundOutput)], stats)``, or ``(None, {"error": traceback})`` when the round raised (the task then
 ends: the driver raises :class:`GangTaskFailed` naming the error, as a failed Spark task's error names it);
@@ -41,6 +43,7 @@ from charon.state.records import EpochRecord
 _LEN = struct.Struct(">I")
 _HELLO = struct.Struct(">16sIIII")
 MEET_S = 120.0  # longest the driver waits for a new gang's tasks to connect
+ADDRESS_MAX = 1024  # longest executor address a hello may carry
 POLL_S = 0.5  # how often a waiting side checks that the other is still there
 
 _log = logging.getLogger("charon.engine")
@@ -136,6 +139,7 @@ class ResidentExchange:
         self.seated: dict[int, socket.socket] = {}
         self.attempts: dict[int, int] = {}
         self.pids: dict[int, int] = {}  # each seated task's Python worker (fault tests kill one)
+        self.executors: dict[int, str] = {}  # each seated task's executor (host:port, from Spark's BarrierTaskInfo)
         self.broken: str | None = None
         self.closed = False
         self.launched = False
@@ -147,13 +151,26 @@ class ResidentExchange:
     def _default_tasks(self) -> int:
         """The gang's size when ``resident_tasks`` is 0. Local mode: its cores but one (at least one), so that a
         Spark job beside the gang (a ``state_frame`` query, a bulk load, ``driver_reads=False`` reads) finds a free
-        slot. A cluster: every executor core registered now (:meth:`SparkExchange.gang_slots`; a job beside the
-        gang waits for a slot there: set ``resident_tasks`` lower when there are such jobs)."""
-        if self.config.master.strip().startswith("local"):
+        slot. A cluster: every task slot of the executors registered now (:func:`task_slots`; a job beside the
+        gang waits for a slot there: set ``resident_tasks`` lower when there are such jobs). After an executor is
+        lost, the next gang is sized again: it takes the slots that are left."""
+        if self.local:
             return max(1, int(self.sc.defaultParallelism) - 1)
-        probe = SparkExchange.__new__(SparkExchange)  # its gang_slots() needs only these
-        probe.sc, probe.config, probe.slots = self.sc, self.config, 1
-        return probe.gang_slots()
+        return max(1, task_slots(self.sc) or 1)
+
+    @property
+    def local(self) -> bool:
+        return self.config.master.strip().startswith("local")
+
+    def placement(self) -> dict[str, Any]:
+        """Where the gang runs (``SparkRuntime.health()["gang"]``): its token (first 12 hex digits), size and
+        launches, and per seated task its index, partitions, executor (``host:port``, Spark's ``BarrierTaskInfo``),
+        Python worker's process id and attempt number."""
+        with self.lock:
+            seated = [{"task": i, "partitions": self.groups[i], "executor": self.executors.get(i),
+                       "pid": self.pids.get(i), "attempt": self.attempts.get(i)} for i in sorted(self.seated)]
+        return {"token": self.token.hex()[:12], "tasks": self.tasks, "launches": self.launches,
+                "broken": self.broken, "seated": seated}
 
     # -- the runtime's face ------------------------------------------------------------------------------------
     def set_budget(self, timeout: float | None, probe_dir: str | None = None) -> None:
@@ -240,7 +257,9 @@ class ResidentExchange:
         if self.listener is not None:
             _shut(self.listener)
         if self.job is not None and self.job.is_alive():
-            if not self.job_done.wait(5.0):
+            # told to stop, a whole gang's tasks return and its job ends at once; a broken one's (a task gone, a
+            # gang still waiting for slots) may never end by itself: cancelled without waiting long
+            if not self.job_done.wait(5.0 if self.broken is None else 0.5):
                 try:
                     self.sc.cancelJobGroup(self.group_id)
                 except Exception:  # noqa: BLE001 - the session is gone: the job went with it
@@ -282,6 +301,7 @@ class ResidentExchange:
         else:
             self._launch_job()
         deadline = time.monotonic() + MEET_S
+        recount = time.monotonic() + POLL_S
         while True:
             with self.lock:
                 if len(self.seated) == self.tasks:
@@ -289,6 +309,9 @@ class ResidentExchange:
             why = self._dead()
             if why is not None:
                 raise self._lost(f"the resident gang did not start: {why}")
+            if time.monotonic() > recount:
+                recount = time.monotonic() + POLL_S
+                self._check_slots()
             if time.monotonic() > deadline:
                 raise self._lost(f"the resident gang's {self.tasks} tasks did not all start within {MEET_S:.0f} s "
                                  "(a barrier job needs a free slot per task)")
@@ -307,6 +330,18 @@ class ResidentExchange:
                      self.durable_root, cfg.checkpoint_dir, cfg.gc_threshold, cfg.determinism_check)
         self.job = threading.Thread(target=self._run_job, args=(fn,), name="charon-resident-gang", daemon=True)
         self.job.start()
+
+    def _check_slots(self) -> None:
+        """While a gang sized by the cluster (``resident_tasks`` 0) waits for its tasks: when fewer task slots are
+        left than it has tasks (an executor or a Worker was lost meanwhile; Spark would hold the barrier job until
+        its slot check gives up), it is lost now, so that the runtime's restart sizes the next gang by what is
+        left."""
+        if self.local or self.config.resident_tasks:
+            return
+        slots = task_slots(self.sc)
+        if slots is not None and slots < self.tasks:
+            raise self._lost(f"the cluster has {slots} task slot{'s' if slots != 1 else ''} left, fewer than the "
+                             f"gang's {self.tasks} tasks (an executor was lost): the next gang takes {slots}")
 
     def _run_job(self, fn: Any) -> None:
         try:
@@ -337,9 +372,13 @@ class ResidentExchange:
         try:
             sock.settimeout(10.0)
             token, attempt, index, tasks, pid = _HELLO.unpack(_recv(sock, _HELLO.size))
+            (n,) = _LEN.unpack(_recv(sock, _LEN.size))
+            if n > ADDRESS_MAX:
+                raise ValueError(f"an executor address of {n} bytes")
+            executor = _recv(sock, n).decode("utf-8", "replace")
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except (OSError, struct.error):
+        except (OSError, struct.error, ValueError):
             _shut(sock)
             return False
         with self.lock:
@@ -355,6 +394,7 @@ class ResidentExchange:
             if not fenced:
                 self.attempts[index] = attempt
                 self.pids[index] = pid
+                self.executors[index] = executor
                 self.seated[index] = sock
         if fenced:
             _shut(sock)
@@ -385,11 +425,13 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
         pass
     ctx = BarrierTaskContext.get()
     index, attempt = ctx.partitionId(), ctx.attemptNumber()
+    infos = ctx.getTaskInfos()  # ordered by partition: this task's is its executor's host:port
+    executor = (infos[index].address if index < len(infos) else "").encode("utf-8")[:ADDRESS_MAX]
     tune_worker_gc(gc_threshold)
     task = GangTask(parts, local_root(local_dir, checkpoint, durable_root), durable_root, determinism_check)
     sock = socket.create_connection(address, timeout=MEET_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.sendall(hello(token, attempt, index, tasks, os.getpid()))
+    sock.sendall(hello(token, attempt, index, tasks, os.getpid(), executor))
     sock.settimeout(None)
     try:
         while True:
@@ -408,9 +450,10 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
     yield 0  # pragma: no cover - never reached: a generator for mapPartitions
 
 
-def hello(token: bytes, attempt: int, index: int, tasks: int, pid: int) -> bytes:
-    """A gang task's hello (see the module's docstring), the first bytes it sends the driver."""
-    return _HELLO.pack(token, attempt, index, tasks, pid)
+def hello(token: bytes, attempt: int, index: int, tasks: int, pid: int, executor: bytes = b"") -> bytes:
+    """A gang task's hello (see the module's docstring), the first bytes it sends the driver: ``executor`` its
+    executor's ``host:port`` (at most ``ADDRESS_MAX`` bytes)."""
+    return _HELLO.pack(token, attempt, index, tasks, pid) + _LEN.pack(len(executor)) + executor
 
 
 class GangTask:
@@ -483,6 +526,18 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
             results.append((pid, out))
     stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
     return results, stats, epoch, caches
+
+
+def task_slots(sc: Any) -> int | None:
+    """How many tasks Spark can run at once now: the figure its barrier scheduling checks a gang against (the
+    active executors' cores over ``spark.task.cpus``; ``SparkContext.maxNumConcurrentTasks`` of the default
+    resource profile), so a lost executor no longer counts once Spark removed it. None when it cannot tell (a
+    JVM gone, an API it lacks)."""
+    try:
+        jsc = sc._jsc.sc()
+        return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    except Exception:  # noqa: BLE001 - py4j errors of every kind: unknown, the caller keeps its own figure
+        return None
 
 
 def make_exchange(spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,

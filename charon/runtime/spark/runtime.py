@@ -372,6 +372,7 @@ class SparkRuntime(EngineBacked):
             except BaseException as e:  # noqa: BLE001 - StreamingQueryException or a py4j error
                 err = e
             outage = self._outage(err)
+            gang = False  # a lost resident gang, retried as Spark retries a task: the first time at once
             with self._lock:
                 if self._query is not q or self._status == "stopped" or self._fatal is not None:
                     return  # stopped on purpose, or failed for good
@@ -389,7 +390,7 @@ class SparkRuntime(EngineBacked):
                                     "failure); restarting when it is over: %s", epoch, outage,
                                     extra={"event": "outage", "epoch": epoch})
                 elif code is None and (k := self._gang_retry(epoch, err)) is not None:
-                    n = k  # the back-off grows with the gang's losses; the epoch's failures do not
+                    n, gang = k, True  # the back-off grows with the gang's losses; the epoch's failures do not
                     self._quarantine_culprit(epoch)  # a probed run's worker-killing transaction is set aside
                     self._last_error = f"epoch {epoch}: {msg}"
                     self._status = "recovering"
@@ -417,6 +418,8 @@ class SparkRuntime(EngineBacked):
             waits = 0
             while True:
                 delay = min(30.0, cfg.restart_backoff_s * 2 ** (n - 1))
+                if gang:  # Spark retries a lost task at once: so is an epoch's first gang loss, then backing off
+                    delay = 0.0 if n == 1 else min(30.0, cfg.restart_backoff_s * 2 ** (n - 2))
                 if outage is not None:  # poll until the outage is over (at most every 5 s)
                     delay = min(5.0, cfg.restart_backoff_s * 2 ** min(waits, 10))
                     waits += 1
@@ -456,6 +459,7 @@ class SparkRuntime(EngineBacked):
                     if self._status == "stopped":
                         return
                     n = self._failures[epoch] = self._failures.get(epoch, 0) + 1
+                    gang = False
                     if n >= cfg.epoch_max_failures:
                         assert failed is not None
                         self._give_up(f"cannot restart the streaming query: {short_error(failed)}")
@@ -623,7 +627,9 @@ class SparkRuntime(EngineBacked):
         epoch, the last error, the number of query restarts and of new Spark sessions after the JVM died
         (``jvm_restarts``); ``ok`` is true only when serving and the
         input log answers. ``log_error`` says why the log does not (unreachable, or no answer within
-        ``health_timeout_s``: health never waits for a hung log longer than that)."""
+        ``health_timeout_s``: health never waits for a hung log longer than that). In the resident mode ``gang``
+        says where the gang runs (:meth:`~charon.runtime.spark.resident.ResidentExchange.placement`: each task's
+        executor, Python worker and partitions)."""
         probe = self.log_probe.check()
         status = self._status
         last_error = self._last_error
@@ -641,9 +647,13 @@ class SparkRuntime(EngineBacked):
         except Exception as e:  # noqa: BLE001 - a JVM that died between the checks: truthful, never an error
             status = "recovering" if status in ("ok", "recovering") else status
             last_error = f"Spark does not answer ({type(e).__name__}); the supervisor restarts it"
-        return {"status": status, "ok": status == "ok" and probe.ok, "epoch": self.last_recorded_epoch(),
-                "last_error": last_error, "log_error": probe.error, "restarts": self._restarts,
-                "jvm_restarts": self._jvm_restarts, "fatal": self._fatal, "unconfirmed_epoch": self._unconfirmed}
+        doc = {"status": status, "ok": status == "ok" and probe.ok, "epoch": self.last_recorded_epoch(),
+               "last_error": last_error, "log_error": probe.error, "restarts": self._restarts,
+               "jvm_restarts": self._jvm_restarts, "fatal": self._fatal, "unconfirmed_epoch": self._unconfirmed}
+        placement = getattr(getattr(self, "exchange", None), "placement", None)
+        if placement is not None:  # the resident gang: where its tasks run (ResidentExchange.placement)
+            doc["gang"] = placement()
+        return doc
 
     def stop(self) -> None:
         """Stop between epochs: no new epoch starts (its batch is left uncommitted, to run after a restart),
