@@ -330,7 +330,7 @@ class DurableState:
         rewritten under ``fence``: from then on a writer of an older generation (a zombie task of a lost gang) is
         refused with :class:`~charon.storage.contract.StorageConflict` at its next write, and so is this one if
         a newer generation claims it (raised here at once if one already has). Without object storage: nothing."""
-        if self.remote is None:
+        if self.remote is None or self._fences.get(pid) == fence:
             return self.manifest(pid)
         with self._locked(pid):
             m = self._pull(pid)
