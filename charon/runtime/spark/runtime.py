@@ -240,13 +240,22 @@ class SparkRuntime(EngineBacked):
     def spark(self) -> Any:
         if self._spark is None:
             self._spark = make_session(self.config)
+            self._storage_env(self._spark)
         return self._spark
+
+    def _storage_env(self, spark: Any) -> None:
+        """With object storage: a session made elsewhere (a shared one) lacks ``spark.executorEnv.AWS_*``; the
+        Python workers of this runtime's jobs get the driver's ``AWS_*`` as their environment all the same (the
+        job's environment, never a task's closure)."""
+        if self.storage is not None:
+            spark.sparkContext.environment.update({k: v for k, v in os.environ.items() if k.startswith("AWS_")})
 
     def start(self) -> None:
         """Start the streaming query (epochs run in Spark's micro-batch thread) and its supervisor."""
         from charon.runtime.spark.source import register
 
         spark = self.spark
+        self._storage_env(spark)
         register(spark)
         ship_app_module(spark, self.app_ref)
         tune_worker_gc(self.config.gc_threshold)  # the driver: loaded code, the session's objects frozen
@@ -536,6 +545,7 @@ class SparkRuntime(EngineBacked):
         from charon.runtime.spark.source import register
 
         spark = self.spark
+        self._storage_env(spark)
         register(spark)
         ship_app_module(spark, self.app_ref)
         if self.controller.previous is not None:  # a compatible code update's old code, still running deferred ones
