@@ -316,11 +316,11 @@ class DurableState:
 
     def refresh(self, pid: int, upto: int | None = None) -> None:
         """A follower's read (see ``follow``): take the remote manifest if the cached one is older than ``upto``
-        (None: always)."""
+        (None or -1: always)."""
         if self.remote is None or not self.follow:
             return
-        if upto is not None and self.manifest(pid).epoch >= upto:
-            return
+        if upto is not None and upto >= 0 and self.manifest(pid).epoch >= upto:
+            return  # (-1: the bulk load's bases, written by other processes at epoch -1)
         with self._locked(pid):
             self._pull(pid)
 

@@ -152,3 +152,70 @@ def test_a_driver_and_its_executors_lost_resume_from_object_storage(tmp_path: Pa
         if second is not None:
             second.kill()
         nats.kill()
+
+
+def test_a_cluster_sharing_only_object_storage_and_the_log_loses_a_worker(
+        tmp_path: Path, s3_env: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standalone cluster of 3 Workers x 1 core, each with its own directories (``CHARON_LOCAL_DIR``, Spark's
+    local and work dirs), whose only shared things are S3 and the NATS log (the driver's data directory is its
+    own): a Worker SIGKILLed mid-run and its directories wiped; the run completes, its state and replies equal the
+    in-process runtime's over the same epochs, each request answered once, money conserved."""
+    from spark_driver import Driver, check_result, driver_args, last_epoch, make_config, transfers
+
+    from charon.log.location import open_input_log
+    from charon.runtime.spark.cluster import StandaloneCluster
+    from charon.runtime.spark.runtime import SparkRuntime
+
+    accounts, balance = 200, 100
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    for k in aws:  # the Workers do not have the credentials: the application passes them (spark.executorEnv)
+        monkeypatch.delenv(k)
+    cluster = StandaloneCluster(str(tmp_path / "cluster"), workers=3, cores=1, memory="1g")
+    nats = NatsServer(tmp_path / "nats").start()
+    d: Driver | None = None
+    log = None
+    try:
+        cluster.start()
+        for k, v in aws.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("CHARON_LOG_URL", f"{nats.url}/cl{uuid.uuid4().hex[:6]}")
+        monkeypatch.setenv("CHARON_STORAGE_URL", s3_env.url(f"cluster-{uuid.uuid4().hex[:8]}"))
+        data = str(tmp_path / "driver")
+        opts = {"master": cluster.master_url, "max_batch": 50, "compact_every": 4}
+        args = driver_args(**opts, conf=cluster.app_conf(executor_cores=1))  # type: ignore[arg-type]
+        d = Driver(data, ["--load", str(accounts), "--run", "--balance", str(balance), *args],
+                   str(tmp_path / "driver.log"))
+        d.wait_until(lambda: "loaded" in d.output(), 300, "the bulk load")
+        initial = SparkRuntime("charon.apps.ycsb:app", make_config(data, **opts)).snapshot()  # type: ignore[arg-type]
+        assert len(initial) == accounts
+        workload = transfers(accounts, 900, seed=5)
+        log = open_input_log(os.environ["CHARON_LOG_URL"], 4)
+        log.append_many(workload[:600])
+        Path(data, "go").touch()
+        dirs = [cluster.worker_store_dir(i) for i in range(3)]
+
+        def all_resident() -> bool:
+            cluster.scan()
+            return last_epoch(data) >= 2 and all(any(Path(x).glob("charon-*/p*/data.mdb")) for x in dirs)
+
+        d.wait_until(all_resident, 300, "partition stores on every worker")
+        at_kill = last_epoch(data)
+        assert cluster.kill_worker(1), "worker 1 survived SIGKILL"
+        for path in cluster.workers[1].dirs.values():  # its machine's disks are gone with it
+            shutil.rmtree(path)
+        log.append_many(workload[600:])
+        Path(data, "done").touch()
+        rc = d.wait(400)
+        assert rc == 0, f"the run failed after losing a worker (exit {rc})\n{d.tail()}"
+        assert "Lost executor" in Path(data, "spark.log").read_text(errors="replace")
+        last = last_epoch(data)
+        print(f"\nworker 1 lost at epoch {at_kill}; the run ended at epoch {last}")
+        assert last > at_kill
+        check_result(data, initial, workload, accounts * balance, **opts)
+    finally:
+        if d is not None:
+            d.kill()
+        if log is not None:
+            log.close()
+        cluster.stop()
+        nats.kill()
