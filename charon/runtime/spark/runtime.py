@@ -132,7 +132,7 @@ class RescaleIncomplete(EngineUnavailable):
 # error texts naming a transient failure of the infrastructure, not of the epoch (see SparkRuntime._outage): the
 # log did not answer, SQLite busy past its timeout, a full / read-only / stale file system
 _OUTAGE_ERRORS = ("NatsLogUnreachable", "database is locked", "database is busy", "No space left on device",
-                  "Read-only file system", "Stale file handle")
+                  "Read-only file system", "Stale file handle", "StorageUnavailable")
 
 
 class SparkRuntime(EngineBacked):
@@ -556,8 +556,9 @@ class SparkRuntime(EngineBacked):
         rule for what the supervisor does not count towards ``epoch_max_failures`` (it waits instead).
 
         Either the input/output logs do not answer now, or the checkpoint directory (epoch records, durable
-        state) cannot be written now, or the failure names a transient one (:data:`_OUTAGE_ERRORS`: a NATS
-        timeout or lost connection, possibly wrapped by Spark; SQLite busy; a full or read-only file system).
+        state) cannot be written now, or object storage (``storage_url``) does not answer, or the failure names a
+        transient one (:data:`_OUTAGE_ERRORS`: a NATS timeout or lost connection, possibly wrapped by Spark; SQLite
+        busy; a full or read-only file system; object storage unavailable after its retries).
         A Python worker or executor lost is not: Spark already retried its tasks, and an epoch that kills its
         worker every time (e.g. too large for its memory) is the epoch's."""
         try:
@@ -578,6 +579,11 @@ class SparkRuntime(EngineBacked):
                 os.remove(probe)
             except OSError as e:
                 return f"the checkpoint directory is not writable: {type(e).__name__}: {e}"
+        if self.storage is not None:
+            try:
+                self.storage.get("layout.json")
+            except StorageError as e:  # down, throttling or refusing: the epoch is not at fault
+                return f"object storage is unavailable: {type(e).__name__}: {e}"
         text = str(err) if err is not None else ""
         if any(name in text for name in _OUTAGE_ERRORS):
             return f"a transient infrastructure failure: {short_error(err)}"  # type: ignore[arg-type]
