@@ -188,9 +188,9 @@ def test_a_cluster_sharing_only_object_storage_and_the_log_loses_a_worker(
         d.wait_until(lambda: "loaded" in d.output(), 300, "the bulk load")
         initial = SparkRuntime("charon.apps.ycsb:app", make_config(data, **opts)).snapshot()  # type: ignore[arg-type]
         assert len(initial) == accounts
-        workload = transfers(accounts, 900, seed=5)
+        workload = transfers(accounts, 600, seed=5)
         log = open_input_log(os.environ["CHARON_LOG_URL"], 4)
-        log.append_many(workload[:600])
+        log.append_many(workload[:400])
         Path(data, "go").touch()
         dirs = [cluster.worker_store_dir(i) for i in range(3)]
 
@@ -203,7 +203,7 @@ def test_a_cluster_sharing_only_object_storage_and_the_log_loses_a_worker(
         assert cluster.kill_worker(1), "worker 1 survived SIGKILL"
         for path in cluster.workers[1].dirs.values():  # its machine's disks are gone with it
             shutil.rmtree(path)
-        log.append_many(workload[600:])
+        log.append_many(workload[400:])
         Path(data, "done").touch()
         rc = d.wait(400)
         assert rc == 0, f"the run failed after losing a worker (exit {rc})\n{d.tail()}"
