@@ -20,6 +20,11 @@ class SparkConfig:
     master: str = "local[*]"  # local[N], spark://host:port, yarn, k8s://...
     data_dir: str = "charon-data"  # input log, output log and (by default) the checkpoint location
     checkpoint: str | None = None  # durable state, epoch records and Spark's query checkpoint
+    # object storage for everything durable that is not the log (s3://bucket/prefix or file:///dir, configured by
+    # AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...; docs/guides/object-storage.md): the durable state, layout, epoch
+    # records, bounds, verdicts and code history; the checkpoint directory and the executors' local directories
+    # are then caches (no directory shared by the executors). Needs exchange="resident"
+    storage_url: str | None = None
     log_url: str | None = None  # input/output logs on NATS JetStream (nats://host:port/deployment); default:
     # SQLite files under data_dir (see charon.log.nats)
     partitions: int = 4  # engine partitions (each with its own resident store)
@@ -140,6 +145,9 @@ class SparkConfig:
         """Refuse (``ValueError``) settings the chosen exchange cannot honour: a split rest (``split_rest`` "on" or
         "cluster") is a rest hook of the job-per-round exchange; the resident gang already steps its groups of
         partitions in parallel tasks and has no split rest (docs/internals/resident.md, Limits)."""
+        if self.storage_url and self.exchange != "resident":
+            raise ValueError("storage_url needs exchange='resident' (the job-per-round exchange's streaming query "
+                             "keeps its own checkpoint in the checkpoint directory)")
         if self.exchange == "resident" and self.split_rest != "off":
             raise ValueError(f"split_rest={self.split_rest!r} needs exchange='jobs' (a split rest is the job-per-round "
                              "exchange's; the resident exchange, the default, has none: set split_rest='off' or "

@@ -76,9 +76,8 @@ class EngineSpec:
         if self.storage_url is not None:
             from charon.storage.location import StorageUrlError, check_storage_url
 
-            if self.kind != "inprocess" or self.ephemeral:
-                raise EngineSpecError("--storage applies to a durable --engine inprocess (not --ephemeral; the Spark "
-                                      "engine keeps its checkpoint location, CHARON_CHECKPOINT)")
+            if self.kind not in ("inprocess", "spark") or self.ephemeral:
+                raise EngineSpecError("--storage applies to a durable --engine inprocess or spark (not --ephemeral)")
             try:
                 check_storage_url(self.storage_url)
             except StorageUrlError as exc:
@@ -162,6 +161,7 @@ def _spark(spec: EngineSpec) -> Engine:
     from charon.runtime.owner import DataDirOwned, claim_data_dir
     from charon.runtime.spark.layout import LayoutMismatch, read_layout
     from charon.runtime.spark.runtime import SparkRuntime
+    from charon.storage.contract import StorageError
 
     target = spec.target if ":" in spec.target else f"{spec.target}:app"
     application = load_app_ref(target)  # fail early with a clear message
@@ -173,7 +173,7 @@ def _spark(spec: EngineSpec) -> Engine:
     extra.update(inspector_records=spec.inspector_records, inspector_bytes=spec.inspector_bytes,
                  exchange=spec.spark_exchange)  # None: CHARON_EXCHANGE, else the default ("resident")
     config = SparkConfig.from_env(partitions=spec.partitions, data_dir=spec.data_dir, log_url=spec.log_url,
-                                  log_partitions=spec.log_partitions, **extra)
+                                  log_partitions=spec.log_partitions, storage_url=spec.storage_url, **extra)
     try:  # the directory belongs to one engine and application (refused otherwise)
         claim_data_dir(config.data_dir, "spark", application.name)
     except DataDirOwned as exc:
@@ -188,6 +188,8 @@ def _spark(spec: EngineSpec) -> Engine:
         return rt.engine()
     except LayoutMismatch as exc:  # the checkpoint was made with another partition count
         raise EngineOpenFailed(str(exc)) from None
+    except StorageError as exc:  # object storage unreachable, refusing the credentials, or fencing this driver
+        raise EngineOpenFailed(f"object storage ({config.storage_url}): {type(exc).__name__}: {exc}") from None
     except OSError as exc:  # e.g. the NATS log is not reachable
         raise EngineOpenFailed(f"the log is not reachable: {exc}") from None
 

@@ -45,8 +45,10 @@ MAX_PROBES = 8  # transactions quarantined in one epoch at most (then the replay
 class RecoveryAttempts:
     """Which epoch recovery was replaying when the process last died, and how many times."""
 
-    def __init__(self, data_dir: str) -> None:
+    def __init__(self, data_dir: str, write: Callable[[str, bytes], None] = write_file_atomic,
+                 remove: Callable[[str], None] | None = None) -> None:
         self.path = os.path.join(data_dir, FILE)
+        self._write, self._remove = write, remove  # e.g. also on object storage (the Spark checkpoint's files)
         self.epoch, self.attempts = -1, 0
         try:
             with open(self.path) as f:
@@ -65,15 +67,16 @@ class RecoveryAttempts:
         if epoch < self.epoch:
             return
         n = self.attempts + 1 if epoch == self.epoch else 1
-        write_file_atomic(self.path, json.dumps({"epoch": epoch, "attempts": n}).encode())
+        self._write(self.path, json.dumps({"epoch": epoch, "attempts": n}).encode())
         self.epoch, self.attempts = epoch, n
 
     def done(self) -> None:
         """Recovery completed: nothing to count any more."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self._remove is not None:
+            self._remove(self.path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         self.epoch, self.attempts = -1, 0
 
 

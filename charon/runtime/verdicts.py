@@ -131,9 +131,11 @@ class VerdictBook:
     """The verdicts by request id (the dict the coordinator reads) and the dead letters, durable under
     ``data_dir`` when given. Thread-safe: a watchdog thread records while the engine thread reads."""
 
-    def __init__(self, data_dir: str | None = None, *, fsync: bool = True) -> None:
+    def __init__(self, data_dir: str | None = None, *, fsync: bool = True,
+                 on_write: Callable[[str], None] | None = None) -> None:
         self.path = os.path.join(data_dir, FILE) if data_dir is not None else None
         self.fsync = fsync
+        self.on_write = on_write  # called with the file's path after each append (e.g. copied to object storage)
         self.verdicts: dict[str, Verdict] = {}
         self.letters: deque[DeadLetter] = deque(maxlen=KEPT_IN_MEMORY)
         self._lock = threading.Lock()
@@ -159,6 +161,8 @@ class VerdictBook:
     def _write(self, letter: DeadLetter) -> None:
         if self.path is not None:
             append_record(self.path, _enc.encode(letter) + b"\n", self.fsync)
+            if self.on_write is not None:
+                self.on_write(self.path)
 
     def record(self, letter: DeadLetter) -> None:
         """Make the verdict durable (fsynced before this returns, in durable mode), then effective."""

@@ -26,7 +26,9 @@ on both sides.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import io
 import json
 import os
 import re
@@ -47,6 +49,7 @@ TMP_MAX_AGE = 3600.0  # seconds: temp files older than this are debris of a kill
 _BASE_RE = re.compile(r"^base-(-?\d+)-([0-9a-f]+)\.arrow$")
 _DELTA_RE = re.compile(r"^delta-(-?\d+)\.arrow$")
 T = TypeVar("T")
+_REBASES = 50  # a write that meets a co-writer's newer manifest is made again over it at most this many times
 
 
 class DurableStateError(Exception):
@@ -156,17 +159,22 @@ class Manifest:
     base_epoch: int = -1
     deltas: list[int] = field(default_factory=list)  # ascending epochs > base_epoch with a delta file
     epoch: int = -1  # last epoch recorded (>= base_epoch and >= every delta)
+    # the fence of the writer generation that owns the partition (object storage, :meth:`DurableState.claim`):
+    # a writer of an older one is refused; 0 = never claimed (written only if nonzero: older manifests read the same)
+    fence: int = 0
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {"version": 1, "base": self.base, "base_epoch": self.base_epoch, "deltas": self.deltas,
-             "epoch": self.epoch}
-        ).encode()
+        doc: dict[str, object] = {"version": 1, "base": self.base, "base_epoch": self.base_epoch,
+                                  "deltas": self.deltas, "epoch": self.epoch}
+        if self.fence:
+            doc["fence"] = self.fence
+        return json.dumps(doc).encode()
 
     @classmethod
     def from_json(cls, b: bytes) -> Manifest:
         d = json.loads(b)
-        return cls(d["base"], int(d["base_epoch"]), [int(e) for e in d["deltas"]], int(d["epoch"]))
+        return cls(d["base"], int(d["base_epoch"]), [int(e) for e in d["deltas"]], int(d["epoch"]),
+                   int(d.get("fence", 0)))
 
 
 def _write_table(f: BinaryIO, rows: Iterable[tuple[bytes, bytes | None]], meta: dict[str, str]) -> bool:
@@ -209,12 +217,18 @@ def _bisect(keys: pa.ChunkedArray, key: bytes, *, right: bool, start: int = 0, e
 class DurableState:
     """Base snapshot + per-epoch deltas for every partition under ``root`` (a local directory for now)."""
 
-    def __init__(self, root: str, *, fsync: bool = True, remote: ObjectStore | None = None) -> None:
+    def __init__(self, root: str, *, fsync: bool = True, remote: ObjectStore | None = None,
+                 follow: bool = False) -> None:
         self.root = root
         self.fs = _LocalFS(fsync=fsync)
         self.fs.makedirs(root)
         self.remote = remote
+        #: ``follow`` (object storage only): other processes write the partitions too (a Spark driver, whose
+        #: executors write the deltas): reads take the remote manifest when the cached one is older than the epoch
+        #: read, and a write that meets a newer manifest (a compaction against new deltas) is made again over it
+        self.follow = follow
         self._etags: dict[int, str | None] = {}  # pid -> ETag of the remote manifest this process knows
+        self._fences: dict[int, int] = {}  # pid -> the fence this process writes it under (see claim)
         self.bytes_written = 0
         self.bytes_read = 0
 
@@ -255,12 +269,12 @@ class DurableState:
                     names = ([m.base] if m.base is not None else []) + [self._delta_name(e) for e in m.deltas]
                     for name in names:
                         self._ship(self._path(pid, name))
-                    self._put_manifest(pid, m)
+                    self._commit(pid, lambda _: m)
                 return m
             self._etags[pid] = etag
             m = Manifest.from_json(data)
             if self.manifest(pid) != m:
-                self.bytes_written += self.fs.write_atomic(self._path(pid, "manifest.json"), lambda f: f.write(data))
+                self._write_local_manifest(pid, data)
             return m
 
     # ---- paths and manifest -------------------------------------------------------------------
@@ -281,21 +295,106 @@ class DurableState:
         except FileNotFoundError:
             return Manifest()
 
-    def _put_manifest(self, pid: int, m: Manifest) -> None:
-        data = m.to_json()
-        if self.remote is not None:  # the commit point; fenced: only over the version this process knows
-            if pid not in self._etags:
+    def _write_local_manifest(self, pid: int, data: bytes) -> None:
+        self.bytes_written += self.fs.write_atomic(self._path(pid, "manifest.json"), lambda f: f.write(data))
+
+    def _pull(self, pid: int) -> Manifest:
+        """Take the remote manifest (and its ETag) into the cache; the remote is the truth (a partition it lacks is
+        empty, whatever the cache held). Call with the partition's lock held."""
+        assert self.remote is not None
+        try:
+            data, etag = self.remote.get(f"p{pid}/manifest.json")
+        except ObjectNotFound:
+            self._etags[pid] = None
+            self.fs.remove(self._path(pid, "manifest.json"))
+            return Manifest()
+        self._etags[pid] = etag
+        m = Manifest.from_json(data)
+        if self.manifest(pid) != m:
+            self._write_local_manifest(pid, data)
+        return m
+
+    def refresh(self, pid: int, upto: int | None = None) -> None:
+        """A follower's read (see ``follow``): take the remote manifest if the cached one is older than ``upto``
+        (None or -1: always)."""
+        if self.remote is None or not self.follow:
+            return
+        if upto is not None and upto >= 0 and self.manifest(pid).epoch >= upto:
+            return  # (-1: the bulk load's bases, written by other processes at epoch -1)
+        with self._locked(pid):
+            self._pull(pid)
+
+    def claim(self, pid: int, fence: int) -> Manifest:
+        """Write the partition from now on as the writer generation ``fence`` (object storage: a Spark gang's, larger
+        for every new gang). The remote manifest is taken into the cache and, if an older generation wrote it,
+        rewritten under ``fence``: from then on a writer of an older generation (a zombie task of a lost gang) is
+        refused with :class:`~charon.storage.contract.StorageConflict` at its next write, and so is this one if
+        a newer generation claims it (raised here at once if one already has). Without object storage: nothing."""
+        if self.remote is None or self._fences.get(pid) == fence:
+            return self.manifest(pid)
+        with self._locked(pid):
+            m = self._pull(pid)
+            if m.fence > fence:
+                raise StorageConflict(f"p{pid}: claimed by a newer writer (fence {m.fence}, this one {fence})")
+            self._fences[pid] = fence
+            if m.fence < fence:
+                m = self._commit(pid, lambda cur: dataclasses.replace(cur)) or m
+            return m
+
+    def _commit(self, pid: int, change: Callable[[Manifest], Manifest | None]) -> Manifest | None:
+        """Replace the partition's manifest by ``change(current)`` (None: leave it); with object storage first
+        there, the commit point, with ``If-Match`` on the ETag this process knows. A conflict: the writer is stale
+        and :class:`~charon.storage.contract.StorageConflict` raised, except (a) its own write whose answer was lost
+        (the same bytes there), (b) under a fence (:meth:`claim`), a manifest of the same or an older fence: a
+        co-writer's (the driver's compaction) or an unclaimed one, ``change`` applied again over it, (c) an unfenced
+        follower (``follow``: the driver), which applies it again over whatever is there. Call with the partition's
+        lock."""
+        remote = self.remote
+        if remote is None:
+            m = change(self.manifest(pid))
+            if m is not None:
+                self._write_local_manifest(pid, m.to_json())
+            return m
+        fence = self._fences.get(pid)
+        if pid not in self._etags:
+            if fence is None and not self.follow:
                 raise DurableStateError(f"p{pid}: hydrate() the partition before writing it")
+            self._pull(pid)
+        cur = self.manifest(pid)
+        for _ in range(_REBASES):
+            m = change(cur)
+            if m is None:
+                return None
+            m.fence = cur.fence if fence is None else fence
+            data = m.to_json()
             known = self._etags[pid]
             try:
-                self._etags[pid] = self.remote.put(f"p{pid}/manifest.json", data, if_absent=known is None,
-                                                   if_match=known)
+                self._etags[pid] = remote.put(f"p{pid}/manifest.json", data, if_absent=known is None,
+                                              if_match=known)
             except StorageConflict:
-                have, etag = self.remote.get(f"p{pid}/manifest.json")
-                if have != data:  # another writer moved on: this one is stale
-                    raise
-                self._etags[pid] = etag  # our own write, its answer lost and the request retried
-        self.bytes_written += self.fs.write_atomic(self._path(pid, "manifest.json"), lambda f: f.write(data))
+                try:
+                    have_data, etag = remote.get(f"p{pid}/manifest.json")
+                except ObjectNotFound:
+                    have_data, etag = b"", None
+                if have_data == data:  # our own write, its answer lost and the request retried
+                    self._etags[pid] = etag
+                    self._write_local_manifest(pid, data)
+                    return m
+                have = Manifest.from_json(have_data) if have_data else Manifest()
+                if not (have.fence <= fence if fence is not None else self.follow):
+                    raise StorageConflict(f"p{pid}: the manifest was written by another writer (fence "
+                                          f"{have.fence}; this one {fence if fence is not None else 'unfenced'})"
+                                          ) from None
+                self._etags[pid] = etag
+                if have_data:
+                    self._write_local_manifest(pid, have_data)
+                else:
+                    self.fs.remove(self._path(pid, "manifest.json"))
+                cur = have
+                continue
+            self._write_local_manifest(pid, data)
+            return m
+        raise StorageConflict(f"p{pid}: the manifest kept changing under this writer ({_REBASES} attempts)")
 
     @contextlib.contextmanager
     def _locked(self, pid: int) -> Iterator[None]:
@@ -313,6 +412,9 @@ class DurableState:
         if self.manifest(pid).epoch >= epoch:
             return
         self.fs.makedirs(self._dir(pid))
+        if self.remote is not None:
+            self._write_delta_remote(pid, epoch, delta)
+            return
         if delta:
             rows = sorted(delta.items())
             meta = {"charon": "delta", "pid": str(pid), "epoch": str(epoch)}
@@ -320,7 +422,6 @@ class DurableState:
             self.bytes_written += self.fs.write_atomic(
                 path, lambda f: _write_table(f, rows, meta), sync_dir=False
             )
-            self._ship(path)
         with self._locked(pid):
             m = self.manifest(pid)
             if m.epoch >= epoch:
@@ -328,7 +429,53 @@ class DurableState:
             if delta:
                 m.deltas.append(epoch)
             m.epoch = epoch
-            self._put_manifest(pid, m)
+            self._commit(pid, lambda _: m)
+
+    def _write_delta_remote(self, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
+        """As :meth:`write_delta` on object storage: the delta is uploaded (created once, see
+        :meth:`_upload_delta`), the manifest committed (fenced), and only then the file written into the cache, so
+        a refused (stale) writer leaves nothing behind in a cache it may share with the partition's new writer."""
+        if pid not in self._etags and pid not in self._fences and not self.follow:
+            raise DurableStateError(f"p{pid}: hydrate() the partition before writing it")
+        name = self._delta_name(epoch)
+        data = b""
+        if delta:
+            buf = io.BytesIO()
+            _write_table(buf, sorted(delta.items()), {"charon": "delta", "pid": str(pid), "epoch": str(epoch)})
+            data = buf.getvalue()
+            self._upload_delta(pid, epoch, name, data)
+
+        def change(m: Manifest) -> Manifest | None:
+            if m.epoch >= epoch:
+                return None
+            return Manifest(m.base, m.base_epoch, m.deltas + ([epoch] if delta else []), epoch, m.fence)
+
+        with self._locked(pid):
+            if self._commit(pid, change) is not None and delta:
+                self.bytes_written += self.fs.write_atomic(self._path(pid, name), lambda f: f.write(data))
+
+    def _upload_delta(self, pid: int, epoch: int, name: str, data: bytes) -> None:
+        """Create the delta's object; one already there (an earlier attempt's, one a truncation's delete missed, or
+        a stale writer's never named by a manifest) is replaced, unless the writer is fenced out or the manifest
+        already names that epoch's delta (then it is left as it is and the manifest's commit decides)."""
+        assert self.remote is not None
+        key = f"p{pid}/{name}"
+        try:
+            self.remote.put(key, data, if_absent=True)
+            return
+        except StorageConflict:
+            pass
+        fence = self._fences.get(pid)
+        if fence is not None or self.follow:
+            try:
+                have = Manifest.from_json(self.remote.get(f"p{pid}/manifest.json")[0])
+            except ObjectNotFound:
+                have = Manifest()
+            if fence is not None and have.fence > fence:
+                raise StorageConflict(f"p{pid}: claimed by a newer writer (fence {have.fence}, this one {fence})")
+            if epoch <= have.epoch:
+                return
+        self.remote.put(key, data)
 
     def write_base(self, pid: int, epoch: int, items: Iterable[tuple[bytes, bytes]]) -> None:
         """Install a full snapshot as of ``epoch`` (the bulk load uses -1 or 0); drops deltas ≤ epoch."""
@@ -362,13 +509,18 @@ class DurableState:
 
     def _swap_base(self, pid: int, epoch: int, name: str, check: Callable[[Manifest], bool] | None) -> bool:
         with self._locked(pid):
-            m = self.manifest(pid)
-            if check is not None and not check(m):
+            seen: list[Manifest] = []
+
+            def change(cur: Manifest) -> Manifest | None:
+                if check is not None and not check(cur):
+                    return None
+                seen[:] = [cur]
+                return Manifest(name, epoch, [e for e in cur.deltas if e > epoch], max(cur.epoch, epoch), cur.fence)
+
+            if self._commit(pid, change) is None:
                 self._remove(self._path(pid, name))  # raced with another compaction or a truncation
                 return False
-            old = m
-            m = Manifest(name, epoch, [e for e in old.deltas if e > epoch], max(old.epoch, epoch))
-            self._put_manifest(pid, m)
+            old = seen[0]
         # The new manifest is durable: what only the old one named is garbage now.
         if old.base is not None and old.base != name:
             self._remove(self._path(pid, old.base))
@@ -408,18 +560,21 @@ class DurableState:
 
     def truncate_after(self, pid: int, epoch: int) -> None:
         """Forget every epoch after ``epoch`` (an epoch replayed after a crash will be recorded again)."""
-        with self._locked(pid):
-            m = self.manifest(pid)
+        dropped: list[int] = []
+
+        def change(m: Manifest) -> Manifest | None:
             if m.base_epoch > epoch:
                 raise DurableStateError(
                     f"p{pid}: cannot truncate after {epoch}: compacted up to {m.base_epoch}"
                 )
             if m.epoch <= epoch:
+                return None
+            dropped[:] = [e for e in m.deltas if e > epoch]
+            return Manifest(m.base, m.base_epoch, [e for e in m.deltas if e <= epoch], epoch, m.fence)
+
+        with self._locked(pid):
+            if self._commit(pid, change) is None:
                 return
-            dropped = [e for e in m.deltas if e > epoch]
-            m.deltas = [e for e in m.deltas if e <= epoch]
-            m.epoch = epoch
-            self._put_manifest(pid, m)
         for e in sorted(dropped, reverse=True):
             self._remove(self._path(pid, self._delta_name(e)))
 
@@ -435,14 +590,18 @@ class DurableState:
         keys, values = self._read_rows(self._path(pid, self._delta_name(epoch)))
         return dict(zip(keys, values, strict=True))
 
-    def _retry(self, fn: Callable[[], T]) -> T:
-        # a concurrent compaction may delete files named by the manifest we read: read it again
+    def _retry(self, fn: Callable[[], T], pid: int | None = None) -> T:
+        # a concurrent compaction may delete files named by the manifest we read: read it again (with object
+        # storage, the remote one: the compaction may have run in another process)
         for attempt in range(20):
             try:
                 return fn()
             except FileNotFoundError:
                 if attempt == 19:
                     raise
+                if self.remote is not None and pid is not None:
+                    with self._locked(pid):
+                        self._pull(pid)
                 time.sleep(0.005 * (attempt + 1))
         raise AssertionError("unreachable")
 
@@ -507,7 +666,8 @@ class DurableState:
             m = self.manifest(pid)
             return self._merge_table(pid, m, m.epoch if upto_epoch is None else upto_epoch)
 
-        return self._retry(attempt)
+        self.refresh(pid, upto_epoch)
+        return self._retry(attempt, pid)
 
     def iter_range(self, pid: int, upto_epoch: int, lo: bytes, hi: bytes,
                    window: int = 256) -> Iterator[tuple[bytes, bytes]]:
@@ -524,7 +684,8 @@ class DurableState:
                 self._path(pid, self._delta_name(e)) for e in m.deltas if e <= upto_epoch]
             return [self._read_table(path) for path in paths]  # oldest first: a later row wins
 
-        tables = self._retry(open_files)  # written sorted by key; mapped, never copied (chunks stay as written)
+        self.refresh(pid, upto_epoch)
+        tables = self._retry(open_files, pid)  # written sorted by key; mapped, never copied (chunks stay as written)
         keys = [t.column("key") for t in tables]
         values = [t.column("value") for t in tables]
         starts = [_bisect(k, lo, right=False) for k in keys]
@@ -564,7 +725,8 @@ class DurableState:
             m = self.manifest(pid)
             return self._merge(pid, m, m.epoch if upto_epoch is None else upto_epoch)
 
-        return self._retry(attempt)
+        self.refresh(pid, upto_epoch)
+        return self._retry(attempt, pid)
 
     def read_keys(self, pid: int, keys: list[bytes], upto_epoch: int) -> tuple[dict[bytes, bytes | None], int]:
         """The values of ``keys`` as of ``upto_epoch`` (None = absent), and the epoch reached.
@@ -595,7 +757,8 @@ class DurableState:
                 state.update(pick(self._path(pid, self._delta_name(e))))
             return state, min(upto_epoch, m.epoch)
 
-        return self._retry(attempt)
+        self.refresh(pid, upto_epoch)
+        return self._retry(attempt, pid)
 
     def deltas_after(
         self, pid: int, epoch: int, upto: int | None = None
@@ -614,7 +777,8 @@ class DurableState:
             out = [(e, self._read_delta(pid, e)) for e in m.deltas if epoch < e <= hi]
             return out, max(epoch, min(hi, m.epoch))
 
-        return self._retry(attempt)
+        self.refresh(pid, upto)
+        return self._retry(attempt, pid)
 
     # ---- compaction ---------------------------------------------------------------------------
     def compact(self, pid: int, upto_epoch: int) -> bool:
@@ -633,7 +797,8 @@ class DurableState:
             table, reached = self._merge_table(pid, m, upto)
             return m, reached, table
 
-        got = self._retry(attempt)
+        self.refresh(pid)
+        got = self._retry(attempt, pid)
         if got is None:
             with self._locked(pid):  # a compaction killed after its swap may have left superseded files
                 self._collect_garbage(pid)
@@ -652,3 +817,23 @@ class DurableState:
     def files(self, pid: int) -> list[str]:
         """Names of the data files in the partition directory (for tests and tooling)."""
         return sorted(n for n in self.fs.listdir(self._dir(pid)) if n.endswith(".arrow"))
+
+
+def is_remote_location(location: str) -> bool:
+    """Whether a durable-state location names object storage (``<storage URL>/<state dir>``), not a directory."""
+    return "://" in location
+
+
+def durable_at(location: str, cache: str, *, fsync: bool = True) -> DurableState:
+    """The durable state at ``location``: a directory (used as it is; ``cache`` unused), or on object storage
+    ``<storage URL>/<state dir>`` (``s3://bucket/prefix/state``, ``file:///dir/state``), cached in the local
+    directory ``cache``, its writes fenced per partition (:meth:`DurableState.claim`) and its reads taking the
+    remote manifest when the cached one is older (``follow``): the executors' view of a Spark checkpoint on
+    object storage."""
+    if not is_remote_location(location):
+        return DurableState(location, fsync=fsync)
+    from charon.storage.location import open_storage
+    from charon.storage.prefix import Prefixed
+
+    url, name = location.rstrip("/").rsplit("/", 1)
+    return DurableState(cache, fsync=fsync, remote=Prefixed(open_storage(url, fsync=fsync), name), follow=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import lmdb
 
-from charon.state.durable import DurableState, DurableStateError
+from charon.state.durable import DurableState, DurableStateError, durable_at
 
 MAP_SIZE = 1 << 34  # 16 GiB of address space (sparse); must be the same in every process
 _EPOCH_KEY = b"epoch"
@@ -393,7 +393,8 @@ def open_store(path: str, pid: int, durable_root: str | None = None) -> LmdbStor
         if durable_root is not None:
             durable = _DURABLES.get((durable_root, me))
             if durable is None:
-                durable = _DURABLES[(durable_root, me)] = DurableState(durable_root)
+                # a directory, or object storage cached beside the stores (charon.state.durable.durable_at)
+                durable = _DURABLES[(durable_root, me)] = durable_at(durable_root, os.path.join(path, "durable"))
         s = LmdbStore(path, pid, durable)
         with _ENVS_LOCK:
             s = _STORES.setdefault(key, s)

@@ -84,3 +84,51 @@ def test_a_local_directory_moves_onto_object_storage(remote: ObjectStore, tmp_pa
     fresh = DurableState(str(tmp_path / "fresh"), remote=remote)
     fresh.hydrate(0)
     assert fresh.load(0) == (want, 3)
+
+
+def test_a_writer_of_an_older_gang_is_fenced_and_leaves_nothing(remote: ObjectStore, tmp_path: Path) -> None:
+    """Spark's resident gangs (DurableState.claim): a task of a lost gang that writes after a newer gang claimed its
+    partition is refused, even with a cache shared with the new gang's task, and even for an epoch the new gang has
+    not written yet; what it refused to write is neither named nor cached."""
+    shared = str(tmp_path / "executor")  # the same machine's cache
+    old = DurableState(shared, remote=remote, follow=True)
+    old.claim(0, fence=10)
+    want = _write(old, 0, range(0, 3))
+    new = DurableState(shared, remote=remote, follow=True)  # another Python worker, a new gang
+    assert new.claim(0, fence=20).epoch == 2
+    with pytest.raises(StorageConflict):  # the zombie's next epoch, before the new gang wrote anything
+        old.write_delta(0, 3, {b"k0": b"zombie"})
+    with pytest.raises(StorageConflict):
+        old.truncate_after(0, 1)
+    with pytest.raises(StorageConflict):  # a gang that starts late is refused at once
+        DurableState(str(tmp_path / "late"), remote=remote, follow=True).claim(0, fence=15)
+    assert new.manifest(0).epoch == 2 and not (tmp_path / "executor" / "p0" / "delta-000000000003.arrow").exists()
+    new.write_delta(0, 3, {b"k0": b"new"})
+    want[b"k0"] = b"new"
+    fresh = DurableState(str(tmp_path / "elsewhere"), remote=remote, follow=True)
+    assert fresh.load(0) == (want, 3)
+
+
+def _delta(d: DurableState, epoch: int) -> dict[bytes, bytes | None]:
+    got = d.deltas_after(0, epoch - 1, epoch)
+    assert got is not None
+    return got[0][0][1]
+
+
+def test_the_drivers_compaction_meets_the_executors_newer_deltas(remote: ObjectStore, tmp_path: Path) -> None:
+    """The driver (a follower) compacts recorded epochs while an executor's gang writes newer ones: each makes its
+    manifest write again over the other's (the same fence, or the follower's), nothing is lost."""
+    reference = DurableState(str(tmp_path / "reference"))  # the same writes, no object storage
+    want = _write(reference, 0, range(0, 9))
+    executor = DurableState(str(tmp_path / "executor"), remote=remote, follow=True)
+    executor.claim(0, fence=7)
+    _write(executor, 0, range(0, 6))
+    driver = DurableState(str(tmp_path / "driver"), remote=remote, follow=True)
+    assert driver.load(0, 5) == reference.load(0, 5)  # its cache follows the executor's writes
+    for e in range(6, 8):  # written after the driver last read the manifest
+        executor.write_delta(0, e, _delta(reference, e))
+    assert driver.compact(0, 4)
+    m = driver.manifest(0)
+    assert (m.base_epoch, m.epoch, m.fence) == (4, 7, 7)  # compacted over the newer manifest, the fence kept
+    executor.write_delta(0, 8, _delta(reference, 8))  # meets the compaction's manifest: made again over it
+    assert DurableState(str(tmp_path / "fresh"), remote=remote, follow=True).load(0) == (want, 8)

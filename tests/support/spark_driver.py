@@ -37,6 +37,8 @@ def config(args: argparse.Namespace) -> SparkConfig:
         master=args.master, data_dir=args.data_dir, partitions=args.partitions, max_batch=args.max_batch,
         compact_every=args.compact_every, truncate_log=False, spark_conf=conf,
         exchange=getattr(args, "exchange", None) or "resident",
+        # a NATS log and object storage when the environment names them (as charon run reads them)
+        log_url=os.environ.get("CHARON_LOG_URL") or None, storage_url=os.environ.get("CHARON_STORAGE_URL") or None,
         **({} if getattr(args, "restart_batch", None) is None else {"restart_batch": args.restart_batch}),
     )
 

@@ -45,7 +45,6 @@ from charon.runtime.contract import (
 from charon.runtime.controls import GatedControls, HostedEngine
 from charon.runtime.reads import check_entities, page_durable, read_durable, retained_from
 from charon.runtime.schedules import start_declaring
-from charon.state.durable import write_file_atomic
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
     from charon.runtime.spark.runtime import SparkRuntime
@@ -324,7 +323,7 @@ class SparkEngine(HostedEngine):
                 # every TID from epoch e on is >= it (the recorded counters' own count: the log may have grown)
                 first_tid = Sequencer.restore(rec.counters).first_tid() if rec is not None and rec.counters else 1
                 entry = CodeVersion(e, version, ref, None, first_tid)
-                await asyncio.to_thread(self.code.record, write_file_atomic, [entry])  # the commit point
+                await asyncio.to_thread(self.code.record, rt.files.write, [entry])  # the commit point
                 self.code.versions.append(entry)
                 old_ref = rt.app_ref
                 kept = sum(1 for tid, _ in (rec.deferred if rec is not None else []) if tid < first_tid)
@@ -373,7 +372,7 @@ class SparkEngine(HostedEngine):
             if migration is not None:
                 mig = [uid + "?", migration[0], migration[1], list(migration[2])]
             entry = CodeVersion(e, version, ref, mig)
-            await asyncio.to_thread(hist.record, write_file_atomic, [entry])
+            await asyncio.to_thread(hist.record, rt.files.write, [entry])
             hist.versions.append(entry)
             await asyncio.to_thread(rt.ship_code, ref)
             rt.app_ref, rt.app = ref, app
@@ -383,7 +382,7 @@ class SparkEngine(HostedEngine):
             if migration is not None:
                 out = await self._update_epochs(uid, migration[0], migration[1], migration[2], None, deadline)
                 entry.migration = [uid, migration[0], migration[1], list(migration[2])]
-                await asyncio.to_thread(hist.record, write_file_atomic)
+                await asyncio.to_thread(hist.record, rt.files.write)
         return CodeUpdate(version=version, ref=ref, from_epoch=e, migration=out, mode="strict")
 
     # -- rescale

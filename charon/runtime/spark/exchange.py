@@ -14,7 +14,7 @@ from charon.config import SparkConfig
 from charon.core.epoch import EpochResult, FallbackJob, FallbackOutcome, RestJob, RestOutcome
 from charon.core.partition import Control, RoundOutput
 from charon.runtime.faults import crash_point
-from charon.runtime.spark.layout import state_root
+from charon.runtime.spark.layout import durable_location
 from charon.runtime.spark.tasks import FALLBACK_TASK, REST_TASK, SPLIT_REST_TASK, run_partitions
 from charon.state.records import EpochRecord
 
@@ -31,7 +31,7 @@ class SparkExchange:
         self.scratch: list[bytes | None] = [None] * config.partitions
         # The dry run's call-graph cache stays here; a cached fallback round gets back only its transactions.
         self.cache: list[dict[int, list]] = [{} for _ in range(config.partitions)]
-        self.durable_root = state_root(config.checkpoint_dir)  # the layout in force (a rescale changes it)
+        self.durable_root = durable_location(config)  # the layout in force (a rescale changes it)
         self.fn: partial[Iterator[tuple[int, bytes]]]  # a round's task (set_code)
         self.set_code(app_ref, previous)
         self.stats: dict[str, float] = {}

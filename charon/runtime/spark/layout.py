@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import msgspec
 
@@ -84,6 +85,27 @@ def state_root(checkpoint: str) -> str:
     return os.path.join(checkpoint, layout.state if layout is not None else "state")
 
 
+def storage_location(url: str) -> str:
+    """A storage URL as the executors are given it: ``s3://bucket/prefix`` or ``file:///abs/dir`` (a plain path
+    made a ``file://`` URL), without a trailing ``/``."""
+    from charon.storage.location import check_storage_url
+
+    scheme, where, _ = check_storage_url(url)
+    if scheme == "file":
+        return "file://" + os.path.abspath(where).rstrip("/")
+    return url.rstrip("/")
+
+
+def durable_location(config: SparkConfig) -> str:
+    """Where the executors find the durable state of the layout in force: its directory under the checkpoint, or,
+    with object storage (``storage_url``), ``<storage URL>/<state dir>`` (:func:`charon.state.durable.durable_at`:
+    each executor caches it in its local directory)."""
+    root = state_root(config.checkpoint_dir)
+    if not config.storage_url:
+        return root
+    return f"{storage_location(config.storage_url)}/{os.path.basename(root)}"
+
+
 def remove_old_layouts(checkpoint: str, keep: str) -> None:
     """Delete the state directories of layouts other than ``keep`` (a rescale's old one, or the new one of a
     rescale that did not reach its commit point)."""
@@ -92,7 +114,8 @@ def remove_old_layouts(checkpoint: str, keep: str) -> None:
             shutil.rmtree(os.path.join(checkpoint, name), ignore_errors=True)
 
 
-def check_layout(checkpoint: str, partitions: int, log_partitions: int, first_chunk: int = -1) -> Layout:
+def check_layout(checkpoint: str, partitions: int, log_partitions: int, first_chunk: int = -1,
+                 write: Callable[[str, bytes], None] = write_file_atomic) -> Layout:
     """Record the layout at a checkpoint's first start; later, record the input log's routing count (the
     runtime resized the log to it) and return the recorded layout (whose engine partition count the runtime
     then rescales to the configured one, :meth:`SparkRuntime.rescale`). State directories of an interrupted
@@ -111,11 +134,11 @@ def check_layout(checkpoint: str, partitions: int, log_partitions: int, first_ch
                 "(rescaling is not supported: keep the original count or use a new data directory)"
             ) from None
         os.makedirs(checkpoint, exist_ok=True)
-        write_file_atomic(path, msgspec.json.encode(want))
+        write(path, msgspec.json.encode(want))
         return want
     if have.log_partitions != log_partitions:
         have = msgspec.structs.replace(have, log_partitions=log_partitions)
-        write_file_atomic(path, msgspec.json.encode(have))
+        write(path, msgspec.json.encode(have))
     remove_old_layouts(checkpoint, have.state)
     return have
 
@@ -164,7 +187,7 @@ def local_root(configured: str | None, checkpoint: str, durable_root: str) -> st
         if os.path.isdir(base):
             for entry in os.listdir(base):
                 older = (entry.startswith("state") and _layout_rank(entry) < rank) or (
-                    rank > 0 and entry.startswith("p") and entry[1:].isdigit())
+                    rank > 0 and ((entry.startswith("p") and entry[1:].isdigit()) or entry == "durable"))
                 if older:
                     shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
         _LOCAL_LAYOUT[base] = name

@@ -37,7 +37,7 @@ from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.errors import EngineUnavailable
 from charon.runtime.faults import crash_point
 from charon.runtime.spark.exchange import SparkExchange
-from charon.runtime.spark.layout import state_root
+from charon.runtime.spark.layout import durable_location
 from charon.state.records import EpochRecord
 
 _LEN = struct.Struct(">I")
@@ -126,7 +126,8 @@ class ResidentExchange:
         self.partitions = config.partitions
         self.app_ref = app_ref
         self.previous = previous
-        self.durable_root = state_root(config.checkpoint_dir)
+        self.durable_root = durable_location(config)
+        self.fence = new_fence()  # this gang's writer generation on object storage (DurableState.claim)
         self.function_timeout: float | None = config.function_timeout
         self.probe_dir: str | None = None
         self.stats: dict[str, float] = {}
@@ -327,7 +328,7 @@ class ResidentExchange:
         threading.Thread(target=self._accept, name="charon-resident-meet", daemon=True).start()
         cfg = self.config
         fn = partial(resident_task, (host, port), self.token, self.tasks, self.partitions, cfg.local_dir,
-                     self.durable_root, cfg.checkpoint_dir, cfg.gc_threshold, cfg.determinism_check)
+                     self.durable_root, cfg.checkpoint_dir, cfg.gc_threshold, cfg.determinism_check, self.fence)
         self.job = threading.Thread(target=self._run_job, args=(fn,), name="charon-resident-gang", daemon=True)
         self.job.start()
 
@@ -401,6 +402,18 @@ class ResidentExchange:
         return not fenced
 
 
+_FENCES = [0]
+_FENCE_LOCK = threading.Lock()
+
+
+def new_fence() -> int:
+    """A writer generation for a new gang: larger than every earlier one of this driver (the wall clock in
+    nanoseconds, so also than a restarted driver's earlier gangs unless its clock went back)."""
+    with _FENCE_LOCK:
+        _FENCES[0] = max(time.time_ns(), _FENCES[0] + 1)
+        return _FENCES[0]
+
+
 def _shut(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -412,7 +425,7 @@ def _shut(sock: socket.socket) -> None:
 # -- in the executors -----------------------------------------------------------------------------------------------
 def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int, local_dir: str | None,
                   durable_root: str, checkpoint: str, gc_threshold: int, determinism_check: bool,
-                  items: Iterable[int]) -> Iterator[int]:
+                  fence: int | None, items: Iterable[int]) -> Iterator[int]:
     """One task of the resident gang: meet the driver, then step this task's partitions round after round (their
     scratch and call-graph caches kept here between rounds and epochs) until told to stop or the driver's socket
     closes. Yields nothing."""
@@ -428,7 +441,7 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
     infos = ctx.getTaskInfos()  # ordered by partition: this task's is its executor's host:port
     executor = (infos[index].address if index < len(infos) else "").encode("utf-8")[:ADDRESS_MAX]
     tune_worker_gc(gc_threshold)
-    task = GangTask(parts, local_root(local_dir, checkpoint, durable_root), durable_root, determinism_check)
+    task = GangTask(parts, local_root(local_dir, checkpoint, durable_root), durable_root, determinism_check, fence)
     sock = socket.create_connection(address, timeout=MEET_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.sendall(hello(token, attempt, index, tasks, os.getpid(), executor))
@@ -461,8 +474,10 @@ class GangTask:
     (kept between rounds and epochs, dropped after a finalize). :func:`resident_task` runs it over its socket;
     the seeded simulator (:mod:`charon.testing.simulation_resident`) runs it in simulated workers."""
 
-    def __init__(self, parts: int, root: str, durable_root: str, determinism_check: bool) -> None:
+    def __init__(self, parts: int, root: str, durable_root: str, determinism_check: bool,
+                 fence: int | None = None) -> None:
         self.parts = parts
+        self.fence = fence  # the gang's writer generation on object storage (see new_fence)
         self.root = root  # the executor-local stores' directory
         self.durable_root = durable_root
         self.determinism_check = determinism_check
@@ -481,7 +496,7 @@ class GangTask:
         try:
             results, stats, self.epoch, self.caches = _round(
                 control, inboxes, app_ref, previous, function_timeout, probe_dir, self.scratch, self.caches,
-                self.epoch, self.parts, self.root, self.durable_root, self.determinism_check)
+                self.epoch, self.parts, self.root, self.durable_root, self.determinism_check, self.fence)
         except Exception:  # noqa: BLE001 - told to the driver (its round raises it); this task then ends
             self.failed = True
             return pickle.dumps((None, {"error": traceback.format_exc()[-20_000:]}), protocol=pickle.HIGHEST_PROTOCOL)
@@ -494,8 +509,8 @@ class GangTask:
 def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: tuple[int, str] | None,
            function_timeout: float | None, probe_dir: str | None, scratch: dict[int, PartitionUnit | None],
            caches: dict[int, dict[int, list]], epoch: int, parts: int, root: str, durable_root: str,
-           determinism_check: bool) -> tuple[list[tuple[int, RoundOutput]], dict[str, int], int,
-                                             dict[int, dict[int, list]]]:
+           determinism_check: bool, fence: int | None = None,
+           ) -> tuple[list[tuple[int, RoundOutput]], dict[str, int], int, dict[int, dict[int, list]]]:
     """One round in a gang task: each of ``inboxes``' partitions stepped over its store and ``scratch`` (updated in
     place); returns the outputs, the task's stats, and the epoch and call-graph caches the task keeps."""
     from charon.runtime.quarantine import probing
@@ -516,7 +531,7 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
             cached = {t: cache[t] for t in control.fast if t in cache} if control.fast else None
             mine = copy.copy(control) if control.prior is not None else control  # step clears its prior
             scratch[pid], out = step_unit(app, parts, root, durable_root, pid, mine, scratch.get(pid),
-                                          inbox, cached, prev, function_timeout, determinism_check)
+                                          inbox, cached, prev, function_timeout, determinism_check, fence)
             if out.cached:
                 for tid, entries in out.cached.items():
                     cache.setdefault(tid, []).extend(entries)

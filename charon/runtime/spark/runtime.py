@@ -66,6 +66,7 @@ from charon.runtime.probe import LogProbe
 from charon.runtime.quarantine import RecoveryAttempts, culprit_in
 from charon.runtime.replies import ReplyWriter
 from charon.runtime.spark.engine import SparkEngine
+from charon.runtime.spark.files import CheckpointFiles
 from charon.runtime.spark.layout import (
     Layout,
     check_layout,
@@ -76,6 +77,7 @@ from charon.runtime.spark.layout import (
     record_path,
     records_dir,
     remove_old_layouts,
+    storage_location,
 )
 from charon.runtime.spark.resident import gang_lost, make_exchange
 from charon.runtime.spark.sequencer import DirectSequencer, read_bound, sequenced_directly
@@ -93,6 +95,9 @@ from charon.runtime.spark.tasks import read_entities, scan_prefix, tune_worker_g
 from charon.runtime.verdicts import VerdictBook, letter
 from charon.state.durable import DurableState, DurableStateError, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
+from charon.storage.contract import ObjectStore, StorageError
+from charon.storage.location import open_storage
+from charon.storage.prefix import Prefixed, delete_prefix
 
 _Layout = TypeVar("_Layout")
 
@@ -117,7 +122,7 @@ class RescaleIncomplete(EngineUnavailable):
 # error texts naming a transient failure of the infrastructure, not of the epoch (see SparkRuntime._outage): the
 # log did not answer, SQLite busy past its timeout, a full / read-only / stale file system
 _OUTAGE_ERRORS = ("NatsLogUnreachable", "database is locked", "database is busy", "No space left on device",
-                  "Read-only file system", "Stale file handle")
+                  "Read-only file system", "Stale file handle", "StorageUnavailable")
 
 
 class SparkRuntime(EngineBacked):
@@ -133,8 +138,14 @@ class SparkRuntime(EngineBacked):
         claim_data_dir(cfg.data_dir, "spark")  # not an in-process node's directory (DataDirOwned)
         self.ckpt = cfg.checkpoint_dir
         os.makedirs(self.ckpt, exist_ok=True)
-        self.verdict_book = VerdictBook(self.ckpt)  # every epoch's coordinator applies (and adds to) its verdicts
-        self._attempts = RecoveryAttempts(self.ckpt)  # which epoch ran last: a rerun may have replied already
+        # object storage (storage_url): the checkpoint directory is a cache of it, taken from it first
+        self.storage: ObjectStore | None = open_storage(cfg.storage_url) if cfg.storage_url else None
+        self.files = CheckpointFiles(self.ckpt, self.storage)
+        self.files.hydrate()
+        # every epoch's coordinator applies (and adds to) its verdicts
+        self.verdict_book = VerdictBook(self.ckpt, on_write=self.files.upload)
+        # which epoch ran last: a rerun may have replied already
+        self._attempts = RecoveryAttempts(self.ckpt, self.files.write, self.files.remove)
         #: the epoch running now when an earlier run of it may have replied: none of its steps may take a new
         #: verdict (see _record_verdict)
         self._replied_epoch: int | None = None
@@ -151,7 +162,10 @@ class SparkRuntime(EngineBacked):
             cfg = dataclasses.replace(cfg, log_partitions=recorded.log_partitions)
         self.input_location, self.output_location = log_locations(os.path.abspath(cfg.data_dir), cfg.log_url)
         layout = check_layout(self.ckpt, cfg.partitions, cfg.n_log_partitions,  # records the log count first
-                              chunk_for(cfg))
+                              chunk_for(cfg), write=self.files.write)
+        self._retired: list[str] = []  # state directories a rescale retired (deleted from storage after a compaction)
+        if self.storage is not None:
+            self._retired = self._stored_layouts(layout.state)
         self._first_chunk = layout.first_chunk
         # another count than the log's routes appends over it from now on (physical partitions only grow;
         # the epoch that first reads the new ones grows the sequencers, see _run_epoch)
@@ -166,7 +180,7 @@ class SparkRuntime(EngineBacked):
         self._replies = ReplyWriter(lambda replies: self.output_log.put_many(replies))
         self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
         self.streams = StreamLog(os.path.join(cfg.data_dir, "streams.sqlite"))  # ctx.emit's atoms
-        self.durable = DurableState(os.path.join(self.ckpt, layout.state))
+        self.durable = self._open_durable(layout.state)
         self._layout_lock = threading.Lock()  # (config.partitions, durable) change together (see placement)
         self.layout_gen = 0
         self._rescale_lock = threading.Lock()
@@ -216,13 +230,22 @@ class SparkRuntime(EngineBacked):
     def spark(self) -> Any:
         if self._spark is None:
             self._spark = make_session(self.config)
+            self._storage_env(self._spark)
         return self._spark
+
+    def _storage_env(self, spark: Any) -> None:
+        """With object storage: a session made elsewhere (a shared one) lacks ``spark.executorEnv.AWS_*``; the
+        Python workers of this runtime's jobs get the driver's ``AWS_*`` as their environment all the same (the
+        job's environment, never a task's closure)."""
+        if self.storage is not None:
+            spark.sparkContext.environment.update({k: v for k, v in os.environ.items() if k.startswith("AWS_")})
 
     def start(self) -> None:
         """Start the streaming query (epochs run in Spark's micro-batch thread) and its supervisor."""
         from charon.runtime.spark.source import register
 
         spark = self.spark
+        self._storage_env(spark)
         register(spark)
         ship_app_module(spark, self.app_ref)
         tune_worker_gc(self.config.gc_threshold)  # the driver: loaded code, the session's objects frozen
@@ -301,7 +324,8 @@ class SparkRuntime(EngineBacked):
             self.ckpt, self.input_log, self.input_location, self.config,
             run_epoch=partial(self._on_batch, None), last_recorded=self.last_recorded_epoch,
             read_record=self.read_record, exchange=lambda: self.exchange, stopping=lambda: self._stopping,
-            migrate=self._batch_offsets_if_any,
+            migrate=self._batch_offsets_if_any, write=self.files.write,
+            remove=self.files.remove if self.storage is not None else None,
         ).start()
 
     def _batch_offsets_if_any(self, epoch: int) -> tuple[list[int], list[int]] | None:
@@ -515,6 +539,7 @@ class SparkRuntime(EngineBacked):
         from charon.runtime.spark.source import register
 
         spark = self.spark
+        self._storage_env(spark)
         register(spark)
         ship_app_module(spark, self.app_ref)
         if self.controller.previous is not None:  # a compatible code update's old code, still running deferred ones
@@ -525,8 +550,9 @@ class SparkRuntime(EngineBacked):
         rule for what the supervisor does not count towards ``epoch_max_failures`` (it waits instead).
 
         Either the input/output logs do not answer now, or the checkpoint directory (epoch records, durable
-        state) cannot be written now, or the failure names a transient one (:data:`_OUTAGE_ERRORS`: a NATS
-        timeout or lost connection, possibly wrapped by Spark; SQLite busy; a full or read-only file system).
+        state) cannot be written now, or object storage (``storage_url``) does not answer, or the failure names a
+        transient one (:data:`_OUTAGE_ERRORS`: a NATS timeout or lost connection, possibly wrapped by Spark; SQLite
+        busy; a full or read-only file system; object storage unavailable after its retries).
         A Python worker or executor lost is not: Spark already retried its tasks, and an epoch that kills its
         worker every time (e.g. too large for its memory) is the epoch's."""
         try:
@@ -547,6 +573,11 @@ class SparkRuntime(EngineBacked):
                 os.remove(probe)
             except OSError as e:
                 return f"the checkpoint directory is not writable: {type(e).__name__}: {e}"
+        if self.storage is not None:
+            try:
+                self.storage.get("layout.json")
+            except StorageError as e:  # down, throttling or refusing: the epoch is not at fault
+                return f"object storage is unavailable: {type(e).__name__}: {e}"
         text = str(err) if err is not None else ""
         if any(name in text for name in _OUTAGE_ERRORS):
             return f"a transient infrastructure failure: {short_error(err)}"  # type: ignore[arg-type]
@@ -771,12 +802,12 @@ class SparkRuntime(EngineBacked):
                 layout = read_layout(self.ckpt) or Layout(self.config.partitions, old)
                 path = layout_path(self.ckpt)
                 wanted = msgspec.structs.replace(layout, log_partitions=log_partitions)
-                write_file_atomic(path, msgspec.json.encode(wanted))
+                self.files.write(path, msgspec.json.encode(wanted))
                 crash_point("log_relayout", epoch)  # recorded, the log not resized yet: the restart resizes it
                 try:
                     physical, route = self.input_log.resize(log_partitions)
                 except BaseException:  # the log did not switch (or not knowingly): the layout keeps the old count
-                    write_file_atomic(path, msgspec.json.encode(layout))
+                    self.files.write(path, msgspec.json.encode(layout))
                     raise
                 self.config = dataclasses.replace(self.config, log_partitions=route)
             crash_point("log_resized", epoch)
@@ -814,26 +845,27 @@ class SparkRuntime(EngineBacked):
         parts: list[list[tuple[bytes, bytes]]] = [[] for _ in range(partitions)]
         n = 0
         for pid in range(old):
-            if not os.path.isdir(os.path.join(self.durable.root, f"p{pid}")):
+            if self.storage is None and not os.path.isdir(os.path.join(self.durable.root, f"p{pid}")):
                 continue  # nothing was ever stored there
             state, _ = self.durable.load(pid, epoch)
             for k, v in state.items():
                 parts[partition_of(*_timers.placed_by(k, v), partitions)].append((k, v))
             n += len(state)
         name = f"state-{time.time_ns():x}"
-        new = DurableState(os.path.join(self.ckpt, name))
+        new = self._open_durable(name)
         for pid, items in enumerate(parts):
             items.sort()
             new.write_base(pid, epoch, items)
         fsync_dir(new.root)
         crash_point("relayout", epoch)  # the new state is written, the layout not switched
         with self._lock:  # a supervisor restarting the query meanwhile builds its exchange after the switch
-            write_file_atomic(layout_path(self.ckpt),
-                              msgspec.json.encode(Layout(partitions, self.config.n_log_partitions, name,
-                                                                 self._first_chunk)))
+            self.files.write(layout_path(self.ckpt),
+                             msgspec.json.encode(Layout(partitions, self.config.n_log_partitions, name,
+                                                        self._first_chunk)))
             crash_point("relayout_committed", epoch)  # switched; the old state directory is still there
             with self._layout_lock:
                 self.config = dataclasses.replace(self.config, partitions=partitions)
+                self._retired.append(os.path.basename(self.durable.root))
                 self.durable = new
                 self.layout_gen += 1
             if self._spark is not None and getattr(self, "exchange", None) is not None:
@@ -881,14 +913,42 @@ class SparkRuntime(EngineBacked):
         return read_record(self._record_path(epoch))
 
     def _write_record(self, rec: EpochRecord) -> None:
-        write_file_atomic(self._record_path(rec.epoch), encode_record(rec))
+        self.files.create(self._record_path(rec.epoch), encode_record(rec))
+
+    # -- object storage ---------------------------------------------------------------------------------------
+    def _open_durable(self, name: str) -> DurableState:
+        """The durable state of the layout ``name``: its directory under the checkpoint, with object storage the
+        cache of ``<storage>/<name>/`` (a follower: the executors write its partitions), each partition's manifest
+        taken from there (a checkpoint directory moving onto object storage uploads what it has)."""
+        root = os.path.join(self.ckpt, name)
+        if self.storage is None:
+            return DurableState(root)
+        durable = DurableState(root, remote=Prefixed(self.storage, name), follow=True)
+        for pid in range(self.config.partitions if hasattr(self, "config") else 0):
+            durable.hydrate(pid)
+        return durable
+
+    def durable_location(self, durable: DurableState | None = None) -> str:
+        """Where the executors (and Spark jobs reading state) find ``durable`` (default: the layout in force): its
+        directory, or with object storage ``<storage URL>/<state dir>`` (:func:`charon.state.durable.durable_at`)."""
+        d = durable if durable is not None else self.durable
+        if self.storage is None or self.config.storage_url is None:
+            return d.root
+        return f"{storage_location(self.config.storage_url)}/{os.path.basename(d.root)}"
+
+    def _stored_layouts(self, keep: str) -> list[str]:
+        """The state directories on object storage other than ``keep`` (a rescale's old one, or a new one a crash
+        left before its commit point): one listing, at the start."""
+        assert self.storage is not None
+        names = {o.key.split("/", 1)[0] for o in self.storage.list("state")}
+        return sorted(n for n in names if n != keep and (n == "state" or n.startswith("state-")))
 
     # -- bulk load --------------------------------------------------------------------------------------------
     def load_dataframe(self, df: Any) -> int:
         """Initial state from a DataFrame (operator, key, item, value: msgpack bytes) as the first snapshot."""
         if self.last_epoch >= 0:
             raise RuntimeError("bulk load is only possible before the first epoch")
-        fn = partial(write_bases, self.durable.root, self.config.partitions)
+        fn = partial(write_bases, self.durable_location(), self.config.partitions)
         parts = self.config.partitions
         rdd = df.rdd.keyBy(lambda r: partition_of(r[0], r[1], parts)).partitionBy(parts).values()
         return sum(rdd.mapPartitions(fn).collect())
@@ -901,7 +961,7 @@ class SparkRuntime(EngineBacked):
         Returns the number of items written."""
         if self.last_epoch >= 0:
             raise RuntimeError("bulk load is only possible before the first epoch")
-        return sum(write_bases(os.path.join(self.ckpt, "state"), self.config.partitions, rows))
+        return sum(write_bases(self.durable_location(), self.config.partitions, rows))
 
     def load(self, operator: str, values: dict[str, Any]) -> int:
         """Bulk-load entity values from the driver (small states; use :meth:`load_rows` or
@@ -1229,6 +1289,10 @@ class SparkRuntime(EngineBacked):
         layout = read_layout(self.ckpt)  # the layout in force (never the one this compaction began on)
         if layout is not None:
             remove_old_layouts(self.ckpt, layout.state)
+            if self.storage is not None:
+                for name in [n for n in self._retired if n != layout.state]:
+                    delete_prefix(self.storage, name + "/")
+                    self._retired.remove(name)
         rec = self.read_record(upto)
         if rec is not None and self.config.truncate_log:
             self.input_log.truncate(rec.ends)
@@ -1248,8 +1312,8 @@ class SparkRuntime(EngineBacked):
         epochs = records_dir(self.ckpt)
         for name in os.listdir(epochs):
             if name.endswith(".msgpack") and name[:-8].isdigit() and int(name[:-8]) < lo:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(epochs, name))
+                with contextlib.suppress(FileNotFoundError, StorageError):
+                    self.files.remove(os.path.join(epochs, name))
 
     # -- control: the engine contract (charon.runtime.spark.engine) -----------------------------------
     def engine(self) -> SparkEngine:
@@ -1308,7 +1372,7 @@ class SparkRuntime(EngineBacked):
             epoch = self.settled_epoch()
             if gen == self.layout_gen:
                 break
-        return kind(durable.root, parts, epoch, "spark")
+        return kind(self.durable_location(durable), parts, epoch, "spark")
 
     def sql(
         self, query: str, epoch: int | None = None, max_rows: int = 1000, timeout_s: float = 30.0,
@@ -1376,7 +1440,8 @@ class SparkRuntime(EngineBacked):
             try:
                 if self.config.driver_reads:
                     return epoch, self._read_durable(durable, items, epoch)
-                fn = partial(read_entities, self.app_ref, self.config.local_dir, durable.root, self.ckpt, epoch)
+                fn = partial(read_entities, self.app_ref, self.config.local_dir, self.durable_location(durable),
+                             self.ckpt, epoch)
                 return epoch, dict(self.spark.sparkContext.parallelize(items, len(items)).mapPartitions(fn).collect())
             except Exception as e:
                 # a compaction after the epoch was chosen: read again at a newer one
@@ -1415,7 +1480,7 @@ class SparkRuntime(EngineBacked):
                     break
             pid, prefix = partition_of(operator, key, parts), _timers.owner_prefix(operator, key)
             if not self.config.driver_reads:
-                fn = partial(scan_prefix, self.config.local_dir, durable.root, self.ckpt, epoch)
+                fn = partial(scan_prefix, self.config.local_dir, self.durable_location(durable), self.ckpt, epoch)
                 rows = self.spark.sparkContext.parallelize([(pid, prefix)], 1).mapPartitions(fn).collect()
                 return [_timers.decode(v) for _, v in rows]
             try:
@@ -1431,7 +1496,7 @@ class SparkRuntime(EngineBacked):
         epoch = self.last_recorded_epoch()
         merged: dict[bytes, bytes] = {}
         for pid in range(parts):
-            if durable.latest_epoch(pid) >= -1 and os.path.isdir(os.path.join(durable.root, f"p{pid}")):
+            if self.storage is not None or os.path.isdir(os.path.join(durable.root, f"p{pid}")):
                 data, _ = durable.load(pid, epoch)
                 merged.update(data)
         return dict(sorted(merged.items()))

@@ -101,10 +101,15 @@ class DirectSequencer:
                  run_epoch: Callable[[int], None], last_recorded: Callable[[], int],
                  read_record: Callable[[int], EpochRecord | None], exchange: Callable[[], object],
                  stopping: Callable[[], bool], migrate: Callable[[int], tuple[list[int], list[int]] | None],
-                 writer: Executor | None = None) -> None:
+                 writer: Executor | None = None, write: Callable[[str, bytes], None] = write_file_atomic,
+                 remove: Callable[[str], None] | None = None) -> None:
         """``writer`` (a seam for the seeded simulator): the executor that writes the bounds (default: one thread
-        of its own); whatever it does, a bound is durable once :meth:`wait_durable` returned."""
+        of its own); whatever it does, a bound is durable once :meth:`wait_durable` returned. ``write`` and
+        ``remove``: how a bound (and the marker) is written and removed."""
         self.checkpoint = checkpoint
+        # how a bound (and the marker) is written and removed: the checkpoint directory, and object storage with
+        # it when the runtime has one (charon.runtime.spark.files.CheckpointFiles)
+        self._write_file, self._remove_file = write, remove
         self.input_log = input_log
         self.location = location
         self.config = config
@@ -174,7 +179,7 @@ class DirectSequencer:
         returns its end offsets. The loop calls it; the seeded simulator drives it directly."""
         epoch = self.next_epoch
         starts, ends = self._cut(prev_ends, avail)
-        wrote = self._writer.submit(write_file_atomic, bound_path(self.checkpoint, epoch),
+        wrote = self._writer.submit(self._write_file, bound_path(self.checkpoint, epoch),
                                     msgspec.json.encode(EpochBound(epoch, starts, ends)))
         self._fixed = (epoch, starts, ends, wrote)
         self._last_start = time.monotonic()
@@ -206,7 +211,7 @@ class DirectSequencer:
         start; the seeded simulator calls it directly)."""
         os.makedirs(bounds_dir(self.checkpoint), exist_ok=True)
         if not sequenced_directly(self.checkpoint):
-            write_file_atomic(_marker(self.checkpoint), DIRECT.encode())
+            self._write_file(_marker(self.checkpoint), DIRECT.encode())
         last = self._last_recorded()
         self._trim(last)
         e = last + 1
@@ -214,7 +219,7 @@ class DirectSequencer:
             got = self._migrate(e)
             if got is None:
                 break
-            write_file_atomic(bound_path(self.checkpoint, e), msgspec.json.encode(EpochBound(e, *got)))
+            self._write_file(bound_path(self.checkpoint, e), msgspec.json.encode(EpochBound(e, *got)))
             e += 1
         planned = [x for x in _bound_epochs(self.checkpoint) if x > last]
         if planned != list(range(last + 1, last + 1 + len(planned))):
@@ -298,6 +303,9 @@ class DirectSequencer:
         for e in _bound_epochs(self.checkpoint):
             if e > last:
                 break
+            if self._remove_file is not None:
+                self._remove_file(bound_path(self.checkpoint, e))
+                continue
             with contextlib.suppress(FileNotFoundError):
                 os.remove(bound_path(self.checkpoint, e))
 

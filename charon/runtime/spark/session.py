@@ -164,6 +164,10 @@ def make_session(config: SparkConfig) -> Any:
         "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "3",
         # Spark's own query checkpoint keeps this many batches (offsets/commits files) and no more
         "spark.sql.streaming.minBatchesToRetain": str(config.checkpoint_batches),
+        # object storage: the executors reach it configured as the driver is, by the standard AWS_* variables
+        # (passed as their environment, never in a task's closure; Spark redacts secrets' values in its UI/logs)
+        **({f"spark.executorEnv.{k}": v for k, v in os.environ.items() if k.startswith("AWS_")}
+           if config.storage_url else {}),
         **config.spark_conf,
     }
     # executors elsewhere keep their cluster's log4j setup (this file's path is only known to exist here)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,7 +40,7 @@ from charon.core.timers import INDEX_PREFIX, ITEM_PREFIX
 from charon.runtime.contract import EpochNotRetained
 from charon.runtime.reads import node_retained_epochs
 from charon.runtime.spark.layout import read_layout, records_dir
-from charon.state.durable import DurableState, DurableStateError
+from charon.state.durable import DurableState, DurableStateError, durable_at
 
 __all__ = ["state_frame", "layout_of", "register_views", "DataDirLayout"]
 
@@ -92,7 +93,12 @@ def _kind(v: Any) -> str:
 
 
 def _read_partition(root: str, epoch: int, operator: str | None, pids: Iterator[int]) -> Iterator[tuple]:
-    durable = DurableState(root, fsync=False)
+    with tempfile.TemporaryDirectory(prefix="charon-sql-") as cache:  # object storage: what the task read
+        yield from _read_durable_rows(durable_at(root, cache, fsync=False), epoch, operator, pids)
+
+
+def _read_durable_rows(durable: DurableState, epoch: int, operator: str | None, pids: Iterator[int],
+                       ) -> Iterator[tuple]:
     for pid in pids:
         try:
             state, _ = durable.load(pid, epoch)

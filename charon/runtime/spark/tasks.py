@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from charon.runtime.quarantine import probing
 from charon.runtime.spark.layout import local_root
 from charon.runtime.spark.session import load_app
 from charon.runtime.watchdog import task_budget
-from charon.state.durable import DurableState
+from charon.state.durable import DurableState, durable_at
 
 if TYPE_CHECKING:
     from charon.runtime.spark.hub import PeerLinks
@@ -77,27 +78,33 @@ def run_partitions(
 
 def step_partition(app: Any, parts: int, root: str, durable_root: str, pid: int, control: Control,
                    scratch: bytes | None, inbox: list, cached: dict | None, prev: tuple[int, Any] | None,
-                   function_timeout: float | None, determinism_check: bool) -> tuple[bytes | None, RoundOutput]:
+                   function_timeout: float | None, determinism_check: bool, fence: int | None = None,
+                   ) -> tuple[bytes | None, RoundOutput]:
     """One partition's round in a task from its pickled ``scratch`` (see :func:`step_unit`); returns the scratch
     after the round, pickled (None after a finalize), and the round's output: the job-per-round task's form."""
     unit, out = step_unit(app, parts, root, durable_root, pid, control, scratch, inbox, cached, prev,
-                          function_timeout, determinism_check)
+                          function_timeout, determinism_check, fence)
     return (None if unit is None else unit.dump_scratch()), out
 
 
 def step_unit(app: Any, parts: int, root: str, durable_root: str, pid: int, control: Control,
               scratch: bytes | PartitionUnit | None, inbox: list, cached: dict | None, prev: tuple[int, Any] | None,
-              function_timeout: float | None, determinism_check: bool) -> tuple[PartitionUnit | None, RoundOutput]:
+              function_timeout: float | None, determinism_check: bool, fence: int | None = None,
+              ) -> tuple[PartitionUnit | None, RoundOutput]:
     """One partition's round in a task: its unit over its resident store and ``scratch``, the previous epoch's
     deferred finalize first if ``control`` carries it (``control.prior`` is cleared: give each partition its
     own copy); returns the unit holding the scratch after the round (None after a finalize) and the round's
     output. ``scratch``: pickled (:meth:`~PartitionUnit.dump_scratch`), or the unit this process kept from the
     partition's round before (the resident gang: reused as is if its store and code are still the ones this
     round runs with). The job-per-round task (:func:`step_partition`) and the resident gang
-    (:mod:`~charon.runtime.spark.resident`) both step partitions here."""
+    (:mod:`~charon.runtime.spark.resident`) both step partitions here. ``fence``: the resident gang's writer
+    generation, which claims the partition's durable copy on object storage before its first write
+    (:meth:`~charon.state.durable.DurableState.claim`: a task of an older gang is refused from then on)."""
     from charon.state.lmdbstore import open_store
 
     store = open_store(root, pid, durable_root)
+    if fence is not None and store.durable is not None:
+        store.durable.claim(pid, fence)
     if isinstance(scratch, PartitionUnit) and scratch.store is store and scratch.app is app:
         unit = scratch  # kept between rounds in this process (the resident gang): nothing to unpickle
         unit.next_round()
@@ -376,16 +383,20 @@ def scan_prefix(
             if store.epoch == epoch:
                 yield from list(store.scan(prefix))
                 continue
-        state, _ = DurableState(durable_root).load(pid, epoch)  # the local copy is already ahead
+        durable = store.durable if store.durable is not None else DurableState(durable_root)
+        state, _ = durable.load(pid, epoch)  # the local copy is already ahead
         yield from sorted((k, v) for k, v in state.items() if k.startswith(prefix))
 
 
 def write_bases(durable_root: str, parts: int, rows: Iterable[Any]) -> Iterator[int]:
+    """The bulk load's bases (epoch -1) of the partitions ``rows`` fall in, written into the durable copy at
+    ``durable_root`` (a directory, or object storage through a temporary cache)."""
     by_pid: dict[int, dict[bytes, bytes]] = {}
     for r in rows:
         op, key, item, value = r[0], r[1], r[2] or "", r[3]
         by_pid.setdefault(partition_of(op, key, parts), {})[store_key(op, key, item)] = bytes(value)
-    durable = DurableState(durable_root)
-    for pid, items in by_pid.items():
-        durable.write_base(pid, -1, sorted(items.items()))
-        yield len(items)
+    with tempfile.TemporaryDirectory(prefix="charon-load-") as cache:
+        durable = durable_at(durable_root, cache)
+        for pid, items in by_pid.items():
+            durable.write_base(pid, -1, sorted(items.items()))
+            yield len(items)

@@ -1,0 +1,221 @@
+"""The Spark engine with its checkpoint on object storage (``charon run --engine spark --storage s3://...``): the
+driver's checkpoint directory and the executors' local directories are caches. A driver SIGKILLed mid-run, its
+whole data directory and the executors' directories deleted, and a new driver on fresh directories with the same
+S3 location and NATS log: every acknowledged transfer is there exactly once, money is conserved, and every reply
+is the one given before the loss (real SeaweedFS, nats-server, PySpark ``local[2]``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from natsfix import NatsServer, free_port
+
+from charon.storage.location import open_storage
+from tests.support.seaweedfix import SeaweedS3
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
+CHARON = str(Path(sys.executable).parent / "charon")
+TOKEN = "t0k"
+N = 8  # accounts
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class SparkDriver:
+    """``charon run charon.apps.ycsb:app --engine spark`` in its own process group."""
+
+    def __init__(self, tmp: Path, name: str, log_url: str, storage: str) -> None:
+        self.data = tmp / f"{name}-data"
+        self.local = tmp / f"{name}-executors"  # CHARON_LOCAL_DIR: the executors' stores and state cache
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "CHARON_MASTER": "local[2]", "CHARON_LOCAL_DIR": str(self.local),
+               "CHARON_COMPACT_EVERY": "4", "CHARON_MAX_BATCH": "20", "CHARON_IDLE_WAIT_MS": "200",
+               "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+        self.out = tmp / f"{name}.log"
+        with open(self.out, "wb") as out:
+            self.proc = subprocess.Popen(
+                [CHARON, "run", "charon.apps.ycsb:app", "--engine", "spark", "--partitions", "2", "--data-dir",
+                 str(self.data), "--log", log_url, "--storage", storage, "--port", str(self.port), "--token", TOKEN],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def wait_ok(self, timeout: float = 240.0) -> float:
+        t0 = time.monotonic()
+        while True:
+            assert self.proc.poll() is None, f"the driver exited:\n{self.out.read_text()[-3000:]}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() - t0 < timeout, f"the driver did not start:\n{self.out.read_text()[-3000:]}"
+            time.sleep(0.3)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+async def _invoke_all(url: str, calls: list[tuple[str, str, list, str]], out: dict[str, dict],
+                      timeout: float = 240.0) -> None:
+    """POST every call with its Idempotency-Key (retried with the same key), its answer into ``out``."""
+
+    async def one(client: httpx.AsyncClient, key: str, fn: str, args: list, tag: str) -> None:
+        while True:
+            try:
+                r = await client.post(f"/invoke/account/{key}/{fn}", json={"args": args},
+                                      headers={**HEADERS, "Idempotency-Key": tag})
+            except httpx.HTTPError:
+                await asyncio.sleep(0.3)
+                continue
+            if r.status_code in (200, 409):
+                out[tag] = {**r.json(), "http": r.status_code}
+                return
+            assert r.status_code in (202, 503), (tag, r.status_code, r.text)
+            await asyncio.sleep(0.3)
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        await asyncio.wait_for(asyncio.gather(*(one(client, *c) for c in calls)), timeout)
+
+
+def _kill_mid_run(driver: SparkDriver, calls: list[tuple[str, str, list, str]], after: int) -> dict[str, dict]:
+    """Send ``calls``; SIGKILL the driver once ``after`` of them are answered; the answers given by then."""
+    got: dict[str, dict] = {}
+
+    async def run() -> None:
+        task = asyncio.ensure_future(_invoke_all(driver.url, calls, got))
+        while len(got) < after:
+            assert not task.done() or task.exception() is None, task.exception()
+            await asyncio.sleep(0.05)
+        driver.kill()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    return got
+
+
+def test_a_driver_and_its_executors_lost_resume_from_object_storage(tmp_path: Path, s3_env: SeaweedS3) -> None:
+    nats = NatsServer(tmp_path / "nats").start()
+    log_url = f"{nats.url}/s3spark{uuid.uuid4().hex[:6]}"
+    storage = s3_env.url(f"spark-{uuid.uuid4().hex[:8]}")
+    first = SparkDriver(tmp_path, "m1", log_url, storage)
+    second: SparkDriver | None = None
+    try:
+        first.wait_ok()
+        seed: dict[str, dict] = {}
+        asyncio.run(_invoke_all(first.url, [(f"a{i}", "deposit", [100], f"seed{i}") for i in range(N)], seed))
+        assert all(r["http"] == 200 for r in seed.values())
+        transfers = [(f"a{i % N}", "transfer", [f"a{(i * 5 + 3) % N}", 1 + i % 7], f"t{i}") for i in range(120)]
+        acked = _kill_mid_run(first, transfers, after=70)
+        assert 70 <= len(acked) < len(transfers), len(acked)
+        store = open_storage(storage)
+        keys = {o.key.split("/", 1)[0] for o in store.list("")}
+        assert {"layout.json", "epochs", "state"} <= keys, keys  # the checkpoint is on object storage
+        # the machine is lost: the driver's data directory (its checkpoint cache) and the executors' directories
+        shutil.rmtree(first.data)
+        shutil.rmtree(first.local)
+
+        second = SparkDriver(tmp_path, "m2", log_url, storage)
+        recovery_s = second.wait_ok()
+        print(f"\nrecovery: the new driver served after {recovery_s:.1f} s (JVM start included); "
+              f"{len(acked)} of {len(transfers)} transfers acknowledged before the loss")
+        again: dict[str, dict] = {}
+        asyncio.run(_invoke_all(second.url, transfers, again))
+        for tag, reply in acked.items():  # replies unchanged by the replay
+            assert again[tag] == reply, (tag, reply, again[tag])
+        balances = {}
+        for i in range(N):
+            r = httpx.get(f"{second.url}/state/account/a{i}", headers=HEADERS, timeout=60)
+            assert r.status_code == 200, r.text
+            balances[f"a{i}"] = r.json()["value"]
+        assert sum(balances.values()) == 100 * N, balances  # money conserved
+        want = {f"a{i}": 100 for i in range(N)}
+        for key, _, args, tag in transfers:  # every answered transfer applied exactly once, the refused ones not
+            if again[tag]["http"] == 200:
+                want[key] -= args[1]
+                want[args[0]] += args[1]
+        assert balances == want, (balances, want)
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+        nats.kill()
+
+
+def test_a_cluster_sharing_only_object_storage_and_the_log_loses_a_worker(
+        tmp_path: Path, s3_env: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standalone cluster of 3 Workers x 1 core, each with its own directories (``CHARON_LOCAL_DIR``, Spark's
+    local and work dirs), whose only shared things are S3 and the NATS log (the driver's data directory is its
+    own): a Worker SIGKILLed mid-run and its directories wiped; the run completes, its state and replies equal the
+    in-process runtime's over the same epochs, each request answered once, money conserved."""
+    from spark_driver import Driver, check_result, driver_args, last_epoch, make_config, transfers
+
+    from charon.log.location import open_input_log
+    from charon.runtime.spark.cluster import StandaloneCluster
+    from charon.runtime.spark.runtime import SparkRuntime
+
+    accounts, balance = 200, 100
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    for k in aws:  # the Workers do not have the credentials: the application passes them (spark.executorEnv)
+        monkeypatch.delenv(k)
+    cluster = StandaloneCluster(str(tmp_path / "cluster"), workers=3, cores=1, memory="1g")
+    nats = NatsServer(tmp_path / "nats").start()
+    d: Driver | None = None
+    log = None
+    try:
+        cluster.start()
+        for k, v in aws.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("CHARON_LOG_URL", f"{nats.url}/cl{uuid.uuid4().hex[:6]}")
+        monkeypatch.setenv("CHARON_STORAGE_URL", s3_env.url(f"cluster-{uuid.uuid4().hex[:8]}"))
+        data = str(tmp_path / "driver")
+        opts = {"master": cluster.master_url, "max_batch": 50, "compact_every": 4}
+        args = driver_args(**opts, conf=cluster.app_conf(executor_cores=1))  # type: ignore[arg-type]
+        d = Driver(data, ["--load", str(accounts), "--run", "--balance", str(balance), *args],
+                   str(tmp_path / "driver.log"))
+        d.wait_until(lambda: "loaded" in d.output(), 300, "the bulk load")
+        initial = SparkRuntime("charon.apps.ycsb:app", make_config(data, **opts)).snapshot()  # type: ignore[arg-type]
+        assert len(initial) == accounts
+        workload = transfers(accounts, 600, seed=5)
+        log = open_input_log(os.environ["CHARON_LOG_URL"], 4)
+        log.append_many(workload[:400])
+        Path(data, "go").touch()
+        dirs = [cluster.worker_store_dir(i) for i in range(3)]
+
+        def all_resident() -> bool:
+            cluster.scan()
+            return last_epoch(data) >= 2 and all(any(Path(x).glob("charon-*/p*/data.mdb")) for x in dirs)
+
+        d.wait_until(all_resident, 300, "partition stores on every worker")
+        at_kill = last_epoch(data)
+        assert cluster.kill_worker(1), "worker 1 survived SIGKILL"
+        for path in cluster.workers[1].dirs.values():  # its machine's disks are gone with it
+            shutil.rmtree(path)
+        log.append_many(workload[400:])
+        Path(data, "done").touch()
+        rc = d.wait(400)
+        assert rc == 0, f"the run failed after losing a worker (exit {rc})\n{d.tail()}"
+        assert "Lost executor" in Path(data, "spark.log").read_text(errors="replace")
+        last = last_epoch(data)
+        print(f"\nworker 1 lost at epoch {at_kill}; the run ended at epoch {last}")
+        assert last > at_kill
+        check_result(data, initial, workload, accounts * balance, **opts)
+    finally:
+        if d is not None:
+            d.kill()
+        if log is not None:
+            log.close()
+        cluster.stop()
+        nats.kill()
