@@ -47,7 +47,7 @@ from typing import NamedTuple, Protocol
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.admission import LIMITS_OPERATOR, Admission
+from charon.core.admission import BULK_FUNCTIONS, LIMITS_OPERATOR, Admission
 from charon.core.partition import (
     MAX_INVOCATIONS,
     ROOT,
@@ -866,6 +866,11 @@ class EpochCoordinator:
             return {}
         out: dict[int, tuple[bool, bytes, tuple[str, str]]] = {}
         for t in sorted(changes):
+            if txns[t].function in BULK_FUNCTIONS:  # a bulk cancel (or its dry run) of held requests
+                out[t], gone = adm.cancel_held(txns[t], [(h, txns[h]) for h in sorted(adm.held) if h not in out])
+                for h, why in gone:
+                    out[h] = (False, b"", ("InvocationCancelled", why))
+                continue
             out[t] = adm.change(declared, txns[t], [txns[h] for h in sorted(adm.held)])
         skip = {t for t, _ in carried}
         dec = adm.admit(declared, now, [(t, txns[t]) for t in sorted(txns) if t not in skip and t not in out],
