@@ -250,8 +250,12 @@ def test_a_sigkill_during_a_bulk_cancel_leaves_each_promise_cancelled_once_or_in
             _wait(settled(lambda k: int(k in cut)), "the continuations of the promises cancelled before the kill")
             # the same operation again: what was cancelled is not again (its continuation ran once)
             total = c.bulk_all("promises", "cancel", {"operator": "orders"}, limit=50, operation=op)
-            assert total["done"] == n - len(cut) and total["skipped"] == {}
-            assert {c.promise(p)["status"] for p in pids.values()} == {"cancelled"}
+            now = {k: c.promise(p)["status"] for k, p in pids.items()}
+            assert set(now.values()) == {"cancelled"}, ({k: v for k, v in now.items() if v != "cancelled"}, total)
+            # a cancel the cut-short page had logged may run only now, after the records were read: the rerun's
+            # own cancel of that promise then finds it settled (PromiseConflict, nothing changed)
+            late = total["skipped"].pop("PromiseConflict", 0)
+            assert total["done"] + late == n - len(cut) and late <= 10 and total["skipped"] == {}, (total, cut)
             _wait(settled(lambda k: 1), "every continuation, once")
             ents = c.read_state("orders", list(pids))["entities"]
             assert {v["outcome"]["error_type"] for v in ents.values()} == {"PromiseCancelled"}
@@ -266,4 +270,4 @@ def test_a_sigkill_during_a_bulk_cancel_leaves_each_promise_cancelled_once_or_in
     before = sum(a["done"] for a in ends)
     assert before <= len(cut) <= before + 10 * cut_short  # plus what the page cut short had committed
     after = [a for a in _audit(tmp_path) if a not in first and a.get("event") != "started"]
-    assert sum(a["done"] for a in after) == n - len(cut)
+    assert sum(a["done"] for a in after) == total["done"]
