@@ -1,6 +1,7 @@
-"""The contract suite's application (tests/contract): accounts that deposit, transfer (a call), hold money under
-a timer, emit their deposits to a stream, fail on purpose, wait on promises and for admission. ``v1`` and ``v2`` differ only in the version their
-``deposit`` reports (a compatible state format), so a code update is visible in every reply."""
+"""The contract suite's application (tests/contract): accounts that deposit, transfer (a call), hold money under a
+timer, emit their deposits to a stream, fail on purpose, wait on promises and for admission. ``v1`` and ``v2``
+differ only in the version their ``deposit`` reports (a compatible state format), so a code update is visible in
+every reply."""
 
 from __future__ import annotations
 
