@@ -76,7 +76,7 @@ def parse_where(doc: object, resource: str) -> Where:
     if type(doc) is not dict:
         raise ValueError("where must be an object of operator, function, key_prefix, error_type, since, until")
     try:
-        w = msgspec.convert(doc, Where, strict=False)
+        w = msgspec.convert(doc, Where)
     except msgspec.ValidationError as exc:
         raise ValueError(f"where: {exc}") from None
     for name in ("operator", "function", "key_prefix", "error_type"):
