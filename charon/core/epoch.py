@@ -854,8 +854,10 @@ class EpochCoordinator:
     def _admit(self, txns: dict[int, Request], requests: list[tuple[int, Request]], now: float,
                stats: dict[str, float]) -> dict[int, tuple[bool, bytes, tuple[str, str]]]:
         """Admission control over a sequenced epoch (:mod:`charon.core.admission`): applies the epoch's limit
-        changes, moves the requests held over a limit from ``txns`` to :attr:`deferred` (keeping their TIDs) and
-        returns the replies decided here by TID: the changes' and the refusals (``RateLimited``, ``Overloaded``)."""
+        changes and bulk cancels (a cancel answers the held requests it matches ``InvocationCancelled``: they
+        are held no more), moves the requests held over a limit from ``txns`` to :attr:`deferred` (keeping their
+        TIDs) and returns the replies decided here by TID: the changes', the cancelled ones and the refusals
+        (``RateLimited``, ``Overloaded``)."""
         adm = self.admission
         declared = self.app.limits
         changes = [t for t, r in txns.items() if r.operator == LIMITS_OPERATOR] if any(
