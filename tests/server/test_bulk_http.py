@@ -21,11 +21,16 @@ from typing import Any
 import httpx
 import pytest
 
+from charon import serde
 from charon.client import Client, GatewayError
+from charon.log.sqlite import InputLog, OutputLog
+from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node import EPOCH_MARK
 from charon.server.serve import free_port
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(SUPPORT))
 TOKEN = "bulk-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -198,6 +203,30 @@ def test_bulk_operations_by_filter_over_http(tmp_path: Path) -> None:
                and a["where"].get("key_prefix") == "eu-" and a["done"]]
     assert sum(a["done"] for a in cancels) == 10 and len({a["operation"] for a in cancels}) == 1
     assert any(a["resource"] == "invocations" and a["done"] == 5 for a in ok)
+    # replay-exact: the node's input log, replayed epoch by epoch in a fresh runtime, decides every request alike
+    inp = InputLog(tmp_path / "data" / "input.sqlite", durable=False)
+    out = OutputLog(tmp_path / "data" / "output.sqlite", durable=False)
+    epochs: list[tuple[float, list[Any]]] = []
+    batch: list[Any] = []
+    for _, data in inp.read_raw(0, inp.start_offsets()[0], inp.end_offsets()[0]):
+        req = serde.decode_request(data)
+        if req.operator == EPOCH_MARK:
+            epochs.append((req.ts, batch))
+            batch = []
+        else:
+            batch.append(req)
+    from bulk_app import app
+
+    replay = InProcessRuntime(app, partitions=2, effects=False)
+    decided: dict[str, str] = {}
+    for ts, reqs in epochs:
+        for rep in replay.run_epoch(reqs, now=ts).replies.values():
+            live = out.get(rep.request_id)
+            if live is not None:
+                assert (live.ok, live.error_type, live.tid, live.value) == (rep.ok, rep.error_type, rep.tid,
+                                                                            rep.value), rep.request_id
+                decided[rep.request_id] = rep.error_type
+    assert [decided[f"take-{i}"] for i in range(6)] == [""] + ["InvocationCancelled"] * 5
 
 
 def _cancel_pages(url: str, op: str, out: dict[str, Any]) -> None:
