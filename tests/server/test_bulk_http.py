@@ -1,9 +1,10 @@
-"""Bulk operations over real HTTP on the durable node (issue 34 item 5): ``charon run`` (a subprocess, durable
-in-process engine, effects beside it) takes bulk cancels of promises and queued invocations, bulk pauses and
-deletes of schedules and bulk retries of parked effects, by filter, a page per call with a dry run first; bad
-filters are typed 4xx; every call is audited. Then the node is SIGKILLed during a bulk cancel: after the restart
-every promise is either cancelled exactly once (its continuation ran once, with ``PromiseCancelled``) or still
-pending, and the audit's lines say which call was cut short; the operation repeated under its id finishes it."""
+"""Bulk operations over real HTTP on the durable node (issue 34 item 5): ``charon run`` (a subprocess, durable in-
+process engine, effects beside it) takes bulk cancels of promises and queued invocations, bulk pauses and deletes of
+schedules and bulk retries of parked effects, by filter, a page per call with a dry run first; bad filters are typed
+4xx; every call is audited; the input log replayed epoch by epoch decides every request alike. Then the node is
+SIGKILLed during a bulk cancel: after the restart every promise is either cancelled exactly once (its continuation
+ran once, with ``PromiseCancelled``) or still pending, and the audit's lines say which call was cut short; the
+operation repeated under its id finishes it."""
 
 from __future__ import annotations
 
