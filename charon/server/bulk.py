@@ -157,7 +157,7 @@ class BulkRoutes:
         function = "match" if dry else "cancel"
         after = None if cursor is None else int(cursor)
         rid = self._rid(op, "invocations", function, cursor or "")
-        (rep,) = await self._wait(op, [self.gw.engine.submit(LIMITS_OPERATOR, "", function,
+        (rep,) = await self._wait(op, [self.gw.engine.submit(LIMITS_OPERATOR, "bulk", function,
                                                              [where.doc(), limit, after, reason], request_id=rid)])
         if not rep.ok:
             raise HTTPError("BadArguments", rep.error_message)

@@ -105,7 +105,7 @@ class LimitsAdmin:
 
     async def show(self, request: HTTPRequest) -> Response:
         self.gw.check_auth(request)
-        return respond(request, 200, await self._submit("show", "", []))
+        return respond(request, 200, await self._submit("show", "all", [])  # a key the log takes (Spark's refuses ""))
 
     async def change(self, request: HTTPRequest) -> Response:
         self.gw.check_auth(request)
