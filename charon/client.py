@@ -30,7 +30,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
@@ -446,6 +446,32 @@ class _Base:
             params["status"] = status
         return params
 
+    def _bulk(self, resource: str, action: str, where: Mapping[str, Any] | None, dry_run: bool, limit: int,
+              cursor: str | None, reason: str | None, operation: str | None
+              ) -> tuple[str, dict[str, Any], dict[str, str]]:
+        """``POST /admin/bulk/{resource}/{action}``'s path, JSON body and headers (the operation id as its
+        ``Idempotency-Key``: a retried call sends nothing twice)."""
+        body: dict[str, Any] = {"where": dict(where or {}), "dry_run": bool(dry_run), "limit": int(limit),
+                                "cursor": cursor}
+        if reason is not None:
+            body["reason"] = reason
+        headers = {**self.headers, "Idempotency-Key": operation or uuid.uuid4().hex}
+        return f"/admin/bulk/{_segment(resource)}/{_segment(action)}", body, headers
+
+    @staticmethod
+    def _bulk_total(total: dict[str, Any] | None, page: dict[str, Any]) -> dict[str, Any]:
+        """The sum of a bulk operation's pages so far (``items`` kept from the first 1000)."""
+        if total is None:
+            return {**page, "pages": 1, "items": list(page["items"])[:1000]}
+        for k in ("examined", "matched", "done"):
+            total[k] += page[k]
+        for why, n in page["skipped"].items():
+            total["skipped"][why] = total["skipped"].get(why, 0) + n
+        total["items"] += list(page["items"])[:max(0, 1000 - len(total["items"]))]
+        total["pages"] += 1
+        total["next"] = page["next"]
+        return total
+
     @staticmethod
     def _metrics_text(resp: httpx.Response) -> str:
         if resp.status_code != 200:
@@ -702,6 +728,34 @@ class Client(_Base):
         boundary, recorded in the log."""
         body = _limit_body(target, limit, clear, remove)
         return self._admin_doc(self._send("POST", "/admin/limits", json=body, headers=self.headers))
+
+    def bulk(self, resource: str, action: str, where: Mapping[str, Any] | None = None, *, dry_run: bool = False,
+             limit: int = 100, cursor: str | None = None, reason: str | None = None,
+             operation: str | None = None) -> dict[str, Any]:
+        """One page of a bulk operation (``POST /admin/bulk/{resource}/{action}``, admin): ``resource`` one of
+        ``invocations`` (cancel those waiting for admission), ``promises`` (cancel pending ones), ``schedules``
+        (pause, resume, delete), ``effects`` (retry or abandon parked ones); ``where`` a filter of ``operator``,
+        ``function``, ``key_prefix``, ``error_type`` (effects), ``since``, ``until``. At most ``limit`` items are
+        looked at after ``cursor``: ``{"operation", "examined", "matched", "done", "skipped", "items", "next",
+        ...}``; pass ``next`` (and the same ``operation``) for the following page. ``dry_run``: count only."""
+        path, body, headers = self._bulk(resource, action, where, dry_run, limit, cursor, reason, operation)
+        return self._admin_doc(self._send("POST", path, json=body, headers=headers))
+
+    def bulk_all(self, resource: str, action: str, where: Mapping[str, Any] | None = None, *,
+                 dry_run: bool = False, limit: int = 100, reason: str | None = None,
+                 operation: str | None = None) -> dict[str, Any]:
+        """:meth:`bulk` page after page under one operation id until the last page; the counts summed
+        (``pages``: how many calls; ``items``: the first 1000 matched)."""
+        op = operation or uuid.uuid4().hex
+        total: dict[str, Any] | None = None
+        cursor: str | None = None
+        while True:
+            page = self.bulk(resource, action, where, dry_run=dry_run, limit=limit, cursor=cursor, reason=reason,
+                             operation=op)
+            total = self._bulk_total(total, page)
+            cursor = page["next"]
+            if cursor is None:
+                return total
 
     def pause(self, after_epoch: int | None = None) -> dict[str, Any]:
         """Start no new epoch (now, or after epoch ``after_epoch``); requests keep being accepted."""
@@ -1083,6 +1137,28 @@ class AsyncClient(_Base):
         """Change an admission limit at run time: see :meth:`Client.set_limit`."""
         body = _limit_body(target, limit, clear, remove)
         return self._admin_doc(await self._send("POST", "/admin/limits", json=body, headers=self.headers))
+
+    async def bulk(self, resource: str, action: str, where: Mapping[str, Any] | None = None, *,
+                   dry_run: bool = False, limit: int = 100, cursor: str | None = None, reason: str | None = None,
+                   operation: str | None = None) -> dict[str, Any]:
+        """One page of a bulk operation: see :meth:`Client.bulk`."""
+        path, body, headers = self._bulk(resource, action, where, dry_run, limit, cursor, reason, operation)
+        return self._admin_doc(await self._send("POST", path, json=body, headers=headers))
+
+    async def bulk_all(self, resource: str, action: str, where: Mapping[str, Any] | None = None, *,
+                       dry_run: bool = False, limit: int = 100, reason: str | None = None,
+                       operation: str | None = None) -> dict[str, Any]:
+        """Every page of a bulk operation, the counts summed: see :meth:`Client.bulk_all`."""
+        op = operation or uuid.uuid4().hex
+        total: dict[str, Any] | None = None
+        cursor: str | None = None
+        while True:
+            page = await self.bulk(resource, action, where, dry_run=dry_run, limit=limit, cursor=cursor,
+                                   reason=reason, operation=op)
+            total = self._bulk_total(total, page)
+            cursor = page["next"]
+            if cursor is None:
+                return total
 
     async def requests(self, **filters: str | int | float | None) -> dict[str, object]:
         """A page of the invocation inspector (``GET /admin/requests``), newest first: see :meth:`Client.requests`."""

@@ -206,6 +206,12 @@ class Overloaded(EngineAbort):
     ``Retry-After``, also before the log); nothing ran: a retry later may run it."""
 
 
+class InvocationCancelled(EngineAbort):
+    """An operator cancelled the invocation while it waited for admission (a bulk cancel, ``POST
+    /admin/bulk/invocations/cancel``, ``charon requests bulk cancel``): it never ran; decided at the epoch that took
+    the cancel, from its log, so a replay decides the same (HTTP 409)."""
+
+
 class UnknownEffect(EngineAbort):
     """``ctx.effect`` named an effect handler the application does not register, or gave it a bad policy
     (timeout, attempts): the transaction aborts, nothing is recorded."""
@@ -369,6 +375,7 @@ ABORTS: dict[str, type[EngineAbort]] = {
         InvocationTimeout,
         RateLimited,
         Overloaded,
+        InvocationCancelled,
         Quarantined,
     )
 }

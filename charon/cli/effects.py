@@ -11,6 +11,7 @@ import msgspec
 import typer
 from rich.table import Table
 
+from charon.cli.bulk import add_bulk_command
 from charon.cli.exitcodes import ExitCode
 from charon.cli.fail import fail as _fail
 from charon.cli.parts import TokenOpt, UrlOpt, console, err_console, load_app, print_json
@@ -155,3 +156,6 @@ def effects_abandon(effect_id: str = typer.Argument(...), data_dir: str = DataDi
     if not _effect_store(data_dir).abandon(effect_id):
         raise _fail(f"effect {effect_id!r} is not parked or pending", ExitCode.FAILED)
     typer.echo(f"abandoned {effect_id}")
+
+
+add_bulk_command(effects_app, "effects")

@@ -27,7 +27,7 @@ ROWS: dict[str, list[type[errors.CharonError]]] = {
         errors.SerializationErrorAborted, errors.InvalidKeyAborted, errors.PayloadTooLargeAborted,
         errors.UndeclaredPortalAborted, errors.PromiseConflict, errors.UnknownPromiseAborted,
         errors.UnknownScheduleAborted, errors.PromiseFailed, errors.PromiseRejected, errors.PromiseTimedOut,
-        errors.PromiseCancelled, errors.RateLimited, errors.Overloaded,
+        errors.PromiseCancelled, errors.RateLimited, errors.Overloaded, errors.InvocationCancelled,
     ],
     errors.REFUSAL: [
         errors.UnknownOperator, errors.UnknownFunction, errors.BadArguments, errors.SerializationError,

@@ -8,12 +8,15 @@ from typing import Any
 
 import typer
 
+from charon.cli.bulk import add_bulk_command
 from charon.cli.fail import request_failed
 from charon.cli.parts import TokenOpt, UrlOpt, print_json
 from charon.errors import CharonError
 
-promises_app = typer.Typer(help="Durable promises: list, show, resolve, reject, cancel.", no_args_is_help=True)
-schedules_app = typer.Typer(help="Schedules: list, show, create, pause, resume, delete.", no_args_is_help=True)
+promises_app = typer.Typer(help="Durable promises: list, show, resolve, reject, cancel (one, or in bulk by "
+                            "filter).", no_args_is_help=True)
+schedules_app = typer.Typer(help="Schedules: list, show, create, pause, resume, delete (one, or in bulk by "
+                             "filter).", no_args_is_help=True)
 LimitOpt = typer.Option(100, min=1, max=1000, help="Page size.")
 AfterOpt = typer.Option(None, "--after", help="The previous page's `next` cursor.")
 
@@ -120,3 +123,7 @@ def schedules_resume(name: str = typer.Argument(...), url: str = UrlOpt, token: 
 def schedules_delete(name: str = typer.Argument(...), url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Delete a schedule."""
     print_json(_call(url, token, "delete_schedule", name))
+
+
+add_bulk_command(promises_app, "promises")
+add_bulk_command(schedules_app, "schedules")

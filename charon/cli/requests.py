@@ -12,6 +12,7 @@ from rich.table import Column, Table
 from rich.text import Text
 from rich.tree import Tree
 
+from charon.cli.bulk import add_bulk_command
 from charon.cli.fail import request_failed
 from charon.errors import CharonError
 
@@ -127,3 +128,6 @@ def show_request(
         console.print(root)
         if d["truncated"]:
             console.print("(call graph truncated)")
+
+
+add_bulk_command(requests_app, "invocations")

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import msgspec
 
 from charon import serde
+from charon.core.bulk import MAX_BULK_LIMIT, MAX_TEXT, match_request, parse_where
 from charon.core.limits import Limit, check_target
 from charon.messages import Request, is_reserved_id
 
-__all__ = ["LIMITS_OPERATOR", "MAX_BUCKETS", "MAX_OVERRIDES", "MAX_WAITING", "Admission", "Decision"]
+__all__ = ["BULK_FUNCTIONS", "LIMITS_OPERATOR", "MAX_BUCKETS", "MAX_OVERRIDES", "MAX_WAITING", "Admission", "Decision"]
 
 #: The reserved operator of run-time limit changes travelling the input log (functions ``set``, ``clear``,
 #: ``show``; the key is the target).
@@ -26,6 +27,9 @@ LIMITS_OPERATOR = "charon.limits"
 MAX_WAITING = 10_000  # held requests, all limits together (default of Admission.max_waiting)
 MAX_BUCKETS = 65_536  # token buckets tracked (full ones are forgotten)
 MAX_OVERRIDES = 1_024  # run-time overrides
+#: the ``charon.limits`` functions of a bulk cancel of held requests: ``cancel`` and its dry run ``match``, each
+#: with the arguments ``[where, limit, after_tid, reason]`` (:mod:`charon.core.bulk`)
+BULK_FUNCTIONS = frozenset({"cancel", "match"})
 
 Bucket = tuple[str, str]  # (target, bucket)
 Match = tuple[str, Limit, str]  # (target, limit, bucket)
@@ -206,6 +210,38 @@ class Admission:
         except (ValueError, msgspec.ValidationError) as exc:
             return False, b"", ("BadArguments", str(exc))
         return True, serde.encode(self.status(declared, held)), ("", "")
+
+    def cancel_held(self, req: Request, held: list[tuple[int, Request]]
+                    ) -> tuple[tuple[bool, bytes, tuple[str, str]], list[tuple[int, str]]]:
+        """A bulk cancel (``match``: its dry run) of the held requests ``held`` ((TID, request), TID order):
+        the first ``limit`` of them after TID ``after`` are looked at, those matching ``where`` are cancelled.
+        Returns the cancel's reply ``(ok, value, error)`` and the cancelled ``(TID, message)``; the caller answers
+        them ``InvocationCancelled`` and leaves them out of this epoch's admission (so they are held no more).
+        Decided on logged data only (the requests, their TIDs and append times): a replay cancels the same."""
+        try:
+            args = serde.decode(req.args)
+            if type(args) is not list or len(args) != 4:
+                raise ValueError("a bulk cancel takes [where, limit, after, reason]")
+            where = parse_where(args[0], "invocations")
+            limit, after, reason = args[1], args[2], args[3]
+            if type(limit) is not int or not 1 <= limit <= MAX_BULK_LIMIT:
+                raise ValueError(f"limit must be an integer in 1..{MAX_BULK_LIMIT}")
+            if after is not None and type(after) is not int:
+                raise ValueError("after must be an integer (a page's next) or null")
+            if type(reason) is not str or len(reason) > MAX_TEXT:
+                raise ValueError(f"reason must be a string of at most {MAX_TEXT} characters")
+        except (ValueError, msgspec.ValidationError) as exc:
+            return (False, b"", ("BadArguments", str(exc))), []
+        page = [(t, r) for t, r in held if after is None or t > after]
+        more = len(page) > limit
+        page = page[:limit]
+        hits = [(t, r) for t, r in page if match_request(where, r)]
+        dry = req.function == "match"
+        gone = [] if dry else [(t, f"{reason} (bulk operation {req.request_id})") for t, _ in hits]
+        doc = {"dry_run": dry, "examined": len(page), "matched": len(hits),
+               "cancelled": 0 if dry else len(hits), "items": [r.request_id for _, r in hits],
+               "held": len(held) - len(gone), "next": str(page[-1][0]) if more and page else None}
+        return (True, serde.encode(doc), ("", "")), gone
 
     def status(self, declared: Mapping[str, Limit], held: Iterable[Request]) -> dict[str, object]:
         """The table in force (with where each limit comes from) and the waiting requests per bucket."""

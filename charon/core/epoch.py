@@ -47,7 +47,7 @@ from typing import NamedTuple, Protocol
 
 from charon import serde
 from charon.core import timers as _timers
-from charon.core.admission import LIMITS_OPERATOR, Admission
+from charon.core.admission import BULK_FUNCTIONS, LIMITS_OPERATOR, Admission
 from charon.core.partition import (
     MAX_INVOCATIONS,
     ROOT,
@@ -854,8 +854,10 @@ class EpochCoordinator:
     def _admit(self, txns: dict[int, Request], requests: list[tuple[int, Request]], now: float,
                stats: dict[str, float]) -> dict[int, tuple[bool, bytes, tuple[str, str]]]:
         """Admission control over a sequenced epoch (:mod:`charon.core.admission`): applies the epoch's limit
-        changes, moves the requests held over a limit from ``txns`` to :attr:`deferred` (keeping their TIDs) and
-        returns the replies decided here by TID: the changes' and the refusals (``RateLimited``, ``Overloaded``)."""
+        changes and bulk cancels (a cancel answers the held requests it matches ``InvocationCancelled``: they
+        are held no more), moves the requests held over a limit from ``txns`` to :attr:`deferred` (keeping their
+        TIDs) and returns the replies decided here by TID: the changes', the cancelled ones and the refusals
+        (``RateLimited``, ``Overloaded``)."""
         adm = self.admission
         declared = self.app.limits
         changes = [t for t, r in txns.items() if r.operator == LIMITS_OPERATOR] if any(
@@ -866,6 +868,11 @@ class EpochCoordinator:
             return {}
         out: dict[int, tuple[bool, bytes, tuple[str, str]]] = {}
         for t in sorted(changes):
+            if txns[t].function in BULK_FUNCTIONS:  # a bulk cancel (or its dry run) of held requests
+                out[t], gone = adm.cancel_held(txns[t], [(h, txns[h]) for h in sorted(adm.held) if h not in out])
+                for h, why in gone:
+                    out[h] = (False, b"", ("InvocationCancelled", why))
+                continue
             out[t] = adm.change(declared, txns[t], [txns[h] for h in sorted(adm.held)])
         skip = {t for t, _ in carried}
         dec = adm.admit(declared, now, [(t, txns[t]) for t in sorted(txns) if t not in skip and t not in out],

@@ -212,6 +212,21 @@ class EffectStore:
                 self._db.execute("DELETE FROM effects WHERE status = 'done' AND seq <= ?", (seq[0] - self.retain_done,))
 
     # -- operators
+    def parked(self, after: str | None = None, limit: int = 100) -> list[EffectRow]:
+        """A page of the parked (``failed``) effects in id order after the id ``after`` (bulk retries page
+        through them with it)."""
+        q = ("SELECT id, handler, status, attempts, max_attempts, last_error, next_at, doc, outcome, cont_error, "
+             "created, updated FROM effects WHERE status = 'failed' AND id > ? ORDER BY id LIMIT ?")
+        return [self._row(r) for r in self._rows(q, (after or "", limit))]
+
+    @staticmethod
+    def _row(r: Any) -> EffectRow:
+        eid, handler, st, att, mx, err, nxt, raw, outcome, cerr, created, updated = r
+        doc = serde.decode(raw)
+        return EffectRow(id=eid, handler=handler, status=st, attempts=att, max_attempts=mx, last_error=err,
+                         next_at=nxt, operator=doc["op"], key=doc["key"], then=doc["then"], outcome=outcome,
+                         continuation_error=cerr, created=created, updated=updated)
+
     def list(self, status: str | None = None, limit: int = 1000) -> list[EffectRow]:
         """Effects (newest first), all or of one status."""
         q = ("SELECT id, handler, status, attempts, max_attempts, last_error, next_at, doc, outcome, cont_error, "
@@ -373,6 +388,9 @@ class EffectExecutor:
 
     def effect_counts(self) -> dict[str, int]:
         return self.store.counts()
+
+    def parked_effects(self, after: str | None, limit: int) -> list[dict[str, Any]]:
+        return [msgspec.to_builtins(r) for r in self.store.parked(after, limit)]
 
     def retry_effect(self, effect_id: str) -> bool:
         ok = self.store.retry(effect_id)

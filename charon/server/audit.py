@@ -1,7 +1,8 @@
 """Operator actions in the server log: :func:`audited` wraps an admin route's handler and logs one line on logger
 ``charon.admin`` per call (``info`` when done, ``warning`` when refused), with ``action``, ``client`` (the peer's
 address: the bearer token names nobody), ``status`` and what the handler noted with :func:`note` (e.g.
-``after_epoch``, ``partitions``, ``version``, ``sql``)."""
+``after_epoch``, ``partitions``, ``version``, ``sql``). An action that may take long also logs, once it has
+parsed what it was asked, a ``started`` line (:func:`started`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from starlette.responses import Response
 
 from charon.server.wire import HTTPError
 
-__all__ = ["audited", "note", "MAX_FIELD_CHARS"]
+__all__ = ["audited", "note", "started", "MAX_FIELD_CHARS"]
 
 _log = logging.getLogger("charon.admin")
 MAX_FIELD_CHARS = 500  # a noted value (a SQL text...) is cut to this many characters in the log line
@@ -27,6 +28,13 @@ def note(request: HTTPRequest, **fields: object) -> None:
         audit = request.state.audit = {}
     for k, v in fields.items():
         audit[k] = v[:MAX_FIELD_CHARS] if isinstance(v, str) else v
+
+
+def started(request: HTTPRequest, action: str) -> None:
+    """A line that an action which may take long (a bulk operation) has started, with what was noted so far: if
+    the process dies before the action's own line, this one says what was under way."""
+    _log.info("operator action %s started", action, extra={"action": action, "event": "started",
+                                                           **getattr(request.state, "audit", {})})
 
 
 def audited(action: str, handler: Callable[[HTTPRequest], Awaitable[Response]]

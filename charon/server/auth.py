@@ -8,7 +8,7 @@ Scopes:
   (``/admin/requests``), ``/admin/sql``, the dashboard's reads (``/admin/status``, ``/admin/summary``,
   ``/admin/metrics/history``, ``/admin/code/history``, ``/admin/effects``) and ``/metrics``;
 - ``admin``: what changes the deployment: pause/resume, rescale, code updates, admin (bulk) updates, dead
-  letters, effect retry/abandon;
+  letters, effect retry/abandon, bulk operations (``/admin/bulk/...``);
 - ``effects``: effect workers (``charon effects work --url``): submit effect continuations (request ids
   ``fx.<...>.done``, internal functions included) and poll them. Only this scope may use ``fx.`` request ids;
 - ``promises``: resolve and reject durable promises (``POST /promises/{id}/resolve|reject``): what a webhook, an
@@ -108,6 +108,7 @@ ROUTE_SCOPES: dict[str, frozenset[str]] = {
     "schedule_action": frozenset({ADMIN}),
     "schedule_delete": frozenset({ADMIN}),
     "admin_limits_change": frozenset({ADMIN}),
+    "admin_bulk": frozenset({ADMIN}),  # bulk cancels, pauses, deletes, retries (charon.server.bulk)
 }
 _NAME = re.compile(r"^[A-Za-z0-9._:@+-]{1,100}$")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")

@@ -120,6 +120,7 @@ from charon.server.auth import (
     route_scopes,
     scoped_route_app,
 )
+from charon.server.bulk import bulk_routes
 from charon.server.forward import DriverForward
 from charon.server.http import StrictPath
 from charon.server.lane import DirectInvoke, InvokeLane
@@ -865,6 +866,7 @@ def create_app(
     gw.has_effects = effects is not None
     routes += admin_routes(gw, gw.metrics, effects)
     routes += promise_routes(gw) + schedule_routes(gw)  # durable promises and schedules (issue 34)
+    routes += bulk_routes(gw, effects)  # bulk operations over them, queued invocations and parked effects
     route_scopes(r.name for r in routes)  # every route has its scopes (or is open)
     for r in routes:
         if r.name not in OPEN_ROUTES:

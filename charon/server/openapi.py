@@ -489,6 +489,26 @@ def promise_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
             "parameters": [path("name"), {"name": "action", "in": "path", "required": True,
                                           "schema": {"type": "string", "enum": ["pause", "resume"]}}],
             "responses": acted}},
+        "/admin/bulk/{resource}/{action}": {"post": {
+            "summary": "A bulk operation by filter, one page per call (admin, audited): cancel queued invocations "
+                       "or pending promises, pause, resume or delete schedules, retry or abandon parked effects; "
+                       "dry_run counts first; next is the following call's cursor",
+            "security": security,
+            "parameters": [
+                {"name": "resource", "in": "path", "required": True,
+                 "schema": {"type": "string", "enum": ["invocations", "promises", "schedules", "effects"]}},
+                {"name": "action", "in": "path", "required": True, "schema": {
+                    "type": "string", "enum": ["cancel", "pause", "resume", "delete", "retry", "abandon"]}},
+                {"name": "Idempotency-Key", "in": "header", "required": False,
+                 "schema": {"type": "string", "pattern": "^[A-Za-z0-9._~:@+=-]{1,200}$"}}],
+            "requestBody": body({
+                "where": {"type": "object", "additionalProperties": False, "properties": {
+                    "operator": {"type": "string"}, "function": {"type": "string"},
+                    "key_prefix": {"type": "string"}, "error_type": {"type": "string"},
+                    "since": {"type": "number", "minimum": 0}, "until": {"type": "number", "minimum": 0}}},
+                "dry_run": {"type": "boolean"}, "limit": {"type": "integer", "minimum": 1, "maximum": 1000},
+                "cursor": {"type": ["string", "null"]}, "reason": {"type": "string"}}, []),
+            "responses": {**acted, "501": err, "503": err}}},
     }
 
 

@@ -218,6 +218,36 @@ def test_events_of_committed_transactions_reach_the_stream_once(dep: Deployment)
 
 
 # -- run alone (a serializable admin update) -------------------------------------------------------------------
+def test_bulk_cancels_by_filter_go_through_the_engine(dep: Deployment) -> None:
+    """Bulk cancels (issue 34 item 5): pending promises through their own cancel, queued invocations by the epoch
+    that takes the cancel; a dry run changes nothing; each item is cancelled once."""
+    c = dep.c
+    keys = [f"bulk{i}" for i in range(4)]
+    pids = {k: c.invoke("acct", k, "wait", 3600.0) for k in keys}
+    dry = c.bulk("promises", "cancel", {"key_prefix": "bulk", "function": "woken"}, dry_run=True, limit=1000)
+    assert (dry["matched"], dry["done"]) == (4, 0) and {c.promise(p)["status"] for p in pids.values()} == {"pending"}
+    total = c.bulk_all("promises", "cancel", {"key_prefix": "bulk", "operator": "acct"}, limit=3)
+    assert total["done"] == 4 and total["pages"] >= 2
+    assert {c.promise(p)["status"] for p in pids.values()} == {"cancelled"}
+    _wait(lambda: all(c.read_state("acct", [k])["items"].get(k, {}).get("woken") for k in keys),
+          what="the continuations")
+    time.sleep(0.5)  # a second continuation would have run by now
+    assert all(c.read_state("acct", [k])["items"][k]["woken"] == ["PromiseCancelled"] for k in keys)
+    assert c.bulk("promises", "cancel", {"key_prefix": "bulk"}, limit=1000)["matched"] == 0
+
+    rids = [c.submit("acct", "bulkq", "queued", 1, request_id=f"bulkq-{uuid.uuid4().hex}") for _ in range(3)]
+    _wait(lambda: c.limits()["held"] == 2, what="two requests waiting for admission")
+    assert c.bulk("invocations", "cancel", {"function": "queued"}, dry_run=True)["matched"] == 2
+    gone = c.bulk("invocations", "cancel", {"operator": "acct", "key_prefix": "bulkq"})
+    assert gone["done"] == 2 and sorted(gone["items"]) == sorted(rids[1:]) and c.limits()["held"] == 0
+    assert c.result_of(rids[0]).value == 1
+    for rid in rids[1:]:
+        with pytest.raises(TransactionAborted) as info:
+            c.result_of(rid)
+        assert info.value.error_type == "InvocationCancelled"
+    assert c.read_state("acct", ["bulkq"])["items"]["bulkq"]["queued"] == 1
+
+
 def test_an_admin_update_runs_alone_once_per_id(dep: Deployment) -> None:
     c = dep.c
     keys = [f"alone{i}" for i in range(ACCOUNTS)]

@@ -317,6 +317,7 @@ PUBLIC = [
     "NonDeterministicFunction",
     "Operator",
     "Outcome",
+    "InvocationCancelled",
     "Overloaded",
     "PayloadTooLarge",
     "PromiseCancelled",

@@ -1,10 +1,13 @@
-"""The contract suite's application (tests/contract): accounts that deposit, transfer (a call), hold money under
-a timer, emit their deposits to a stream and fail on purpose. ``v1`` and ``v2`` differ only in the version their
-``deposit`` reports (a compatible state format), so a code update is visible in every reply."""
+"""The contract suite's application (tests/contract): accounts that deposit, transfer (a call), hold money under a
+timer, emit their deposits to a stream, fail on purpose, wait on promises and for admission. ``v1`` and ``v2``
+differ only in the version their ``deposit`` reports (a compatible state format), so a code update is visible in
+every reply."""
 
 from __future__ import annotations
 
-from charon import Application, Context, Operator
+from typing import Any
+
+from charon import Application, Context, Limit, Operator
 
 
 def _version(label: str) -> Application:
@@ -46,6 +49,21 @@ def _version(label: str) -> Application:
         ctx.put_item("fired:" + tag, n)
         ctx.delete_item("hold:" + tag)
         ctx.put(ctx.get(default=0) + amount)
+        return n
+
+    @acct.function(public=True)
+    async def wait(ctx: Context, timeout: float) -> str:
+        """Wait on a durable promise (bulk cancels); its continuation counts its runs in an item."""
+        return ctx.promise(then=woken, carry=[], timeout=timeout)
+
+    @acct.function
+    async def woken(ctx: Context, outcome: dict[str, Any]) -> None:
+        ctx.put_item("woken", [*ctx.get_item("woken", []), outcome.get("error_type")])
+
+    @acct.function(public=True, limit=Limit(rate=0.001, burst=1, per="key"))
+    async def queued(ctx: Context, n: int) -> int:
+        """At most one per key and ~17 minutes: the others wait for admission (bulk cancels)."""
+        ctx.put_item("queued", ctx.get_item("queued", 0) + n)
         return n
 
     app = Application("contract", [acct])

@@ -333,6 +333,69 @@ async function refreshEffects() {
   }
 }
 
+// -- bulk operations (POST /admin/bulk/{resource}/{action}): a dry run counts, then Run follows every page -----
+let bulkCounted = null;  // the target and filter the last count was for (Run needs the same)
+function bulkRequest() {
+  const where = {};
+  for (const [field, id] of [["operator", "bulk-operator"], ["function", "bulk-function"], ["key_prefix", "bulk-key"],
+                             ["error_type", "bulk-error"]]) {
+    const v = $(id).value.trim();
+    if (v) where[field] = v;
+  }
+  for (const [field, id] of [["since", "bulk-since"], ["until", "bulk-until"]]) {
+    const v = $(id).value.trim();
+    if (v) where[field] = Number(v);
+  }
+  return { target: $("bulk-target").value, where };
+}
+async function bulkPages(req, dryRun) {
+  const op = "dash-" + Date.now().toString(36) + "-" + Math.random().toString(36).slice(2, 10);
+  const total = { examined: 0, matched: 0, done: 0, skipped: {}, pages: 0 };
+  let cursor = null;
+  do {  // each page its own call: none holds the engine for more than a page
+    const r = await fetch("/admin/bulk/" + req.target, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", "Accept": "application/json", "Idempotency-Key": op,
+                 ...($("token").value ? { "Authorization": "Bearer " + $("token").value } : {}) },
+      body: JSON.stringify({ where: req.where, dry_run: dryRun, limit: 500, cursor }) });
+    const doc = await r.json();
+    if (!r.ok) throw new ApiError(r.status, doc.error.type, doc.error.message);
+    for (const k of ["examined", "matched", "done"]) total[k] += doc[k];
+    for (const [k, n] of Object.entries(doc.skipped)) total.skipped[k] = (total.skipped[k] || 0) + n;
+    total.pages += 1;
+    cursor = doc.next;
+  } while (cursor !== null);
+  total.operation = op;
+  return total;
+}
+$("bulk-count").addEventListener("click", async () => {
+  const req = bulkRequest();
+  $("bulk-result").textContent = "counting...";
+  try {
+    const t = await bulkPages(req, true);
+    bulkCounted = JSON.stringify(req);
+    $("bulk-run").disabled = t.matched === 0;
+    $("bulk-result").textContent = `${t.matched} match (of ${t.examined} looked at); nothing changed`;
+  } catch (e) { bulkCounted = null; $("bulk-run").disabled = true; $("bulk-result").textContent = String(e); }
+});
+$("bulk-run").addEventListener("click", async () => {
+  const req = bulkRequest();
+  if (JSON.stringify(req) !== bulkCounted) { $("bulk-result").textContent = "the filter changed: count again"; return; }
+  if (!confirm(`${req.target.replace("/", ": ")} what matches ${JSON.stringify(req.where)}?`)) return;
+  $("bulk-run").disabled = true;
+  $("bulk-result").textContent = "running...";
+  try {
+    const t = await bulkPages(req, false);
+    const skipped = Object.keys(t.skipped).length ? `; skipped ${JSON.stringify(t.skipped)}` : "";
+    $("bulk-result").textContent = `${t.done} done of ${t.matched} matched${skipped} (operation ${t.operation})`;
+  } catch (e) { $("bulk-result").textContent = String(e); }
+  bulkCounted = null;
+  refreshEffects();
+});
+for (const id of ["bulk-target", "bulk-operator", "bulk-function", "bulk-key", "bulk-error", "bulk-since", "bulk-until"]) {
+  $(id).addEventListener("input", () => { $("bulk-run").disabled = JSON.stringify(bulkRequest()) !== bulkCounted; });
+}
+
 function fillRows(body, rows) {
   body.replaceChildren();
   for (const cells of rows) {
