@@ -60,6 +60,20 @@ CACHE_KIB = int(os.environ.get("CHARON_SQLITE_CACHE_KIB", "256"))
 # a row on the appends and reply writes). The stored value is the same BLOB and reads back as ``bytes``.
 
 
+def write_stamp(path: str) -> tuple[tuple[int, int] | None, ...]:
+    """What changes whenever the SQLite log at ``path`` is written (WAL mode: its ``-wal`` file, or the database
+    file after a checkpoint): ``(mtime_ns, size)`` of each, None for one that does not exist. A reader polls it
+    (a ``stat``) instead of querying the log."""
+    out: list[tuple[int, int] | None] = []
+    for name in (path + "-wal", path):
+        try:
+            st = os.stat(name)
+            out.append((st.st_mtime_ns, st.st_size))
+        except FileNotFoundError:
+            out.append(None)
+    return tuple(out)
+
+
 def log_partition_of(key: str, partitions: int) -> int:
     """Default input-log partition of a request: crc32 of its key string mod ``partitions``."""
     return zlib.crc32(key.encode()) % partitions

@@ -41,6 +41,7 @@ from charon.config import SparkConfig
 from charon.log.contract import InputLogLike
 from charon.log.location import is_networked
 from charon.log.offsets import pad_pair
+from charon.log.sqlite import write_stamp
 from charon.runtime.spark.layout import bound_path, bounds_dir
 from charon.runtime.spark.resident import GangLost
 from charon.state.durable import write_file_atomic
@@ -255,14 +256,7 @@ class DirectSequencer:
 
     def _stamp(self) -> tuple[tuple[int, int] | None, ...]:
         """Changes whenever the log is written (SQLite in WAL mode: its ``-wal`` file or the database file)."""
-        out: list[tuple[int, int] | None] = []
-        for path in (self.location + "-wal", self.location):
-            try:
-                st = os.stat(path)
-                out.append((st.st_mtime_ns, st.st_size))
-            except FileNotFoundError:
-                out.append(None)
-        return tuple(out)
+        return write_stamp(self.location)
 
     def _wait(self, prev_ends: list[int]) -> list[int] | None:
         """The log's end offsets once it holds a request past ``prev_ends`` (None: stopped). Raises

@@ -276,16 +276,11 @@ class CharonLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def _stamp(self) -> tuple:
         """Changes whenever the log is written (SQLite WAL mode: the -wal file, or the db after a checkpoint;
         a NATS log: its end offsets, one request to the server)."""
+        from charon.log.sqlite import write_stamp
+
         if self.networked:
             return tuple(self.log.end_offsets())
-        out: list[tuple[int, int] | None] = []
-        for path in (self.path + "-wal", self.path):
-            try:
-                st = os.stat(path)
-                out.append((st.st_mtime_ns, st.st_size))
-            except FileNotFoundError:
-                out.append(None)
-        return tuple(out)
+        return write_stamp(self.path)
 
     def _end_offsets(self, starts: list[int]) -> list[int]:
         """The log's end offsets; when nothing is new, wait up to ``idleWaitMs`` for an append first.
