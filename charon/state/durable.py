@@ -329,11 +329,12 @@ class DurableState:
         for every new gang). The remote manifest is taken into the cache and, if an older generation wrote it,
         rewritten under ``fence``: from then on a writer of an older generation (a zombie task of a lost gang) is
         refused with :class:`~charon.storage.contract.StorageConflict` at its next write, and so is this one if
-        a newer generation claims it (raised here at once if one already has). Without object storage: nothing."""
-        if self.remote is None or self._fences.get(pid) == fence:
+        a newer generation claims it (raised here at once if one already has). On a local directory the same,
+        with the partition's file lock as the commit point."""
+        if self._fences.get(pid) == fence:
             return self.manifest(pid)
         with self._locked(pid):
-            m = self._pull(pid)
+            m = self._pull(pid) if self.remote is not None else self.manifest(pid)
             if m.fence > fence:
                 raise StorageConflict(f"p{pid}: claimed by a newer writer (fence {m.fence}, this one {fence})")
             self._fences[pid] = fence
@@ -350,12 +351,15 @@ class DurableState:
         follower (``follow``: the driver), which applies it again over whatever is there. Call with the partition's
         lock."""
         remote = self.remote
+        fence = self._fences.get(pid)
         if remote is None:
-            m = change(self.manifest(pid))
+            cur = self.manifest(pid)
+            self._check_fence(pid, cur)
+            m = change(cur)
             if m is not None:
+                m.fence = cur.fence if fence is None else fence
                 self._write_local_manifest(pid, m.to_json())
             return m
-        fence = self._fences.get(pid)
         if pid not in self._etags:
             if fence is None and not self.follow:
                 raise DurableStateError(f"p{pid}: hydrate() the partition before writing it")
@@ -396,6 +400,13 @@ class DurableState:
             return m
         raise StorageConflict(f"p{pid}: the manifest kept changing under this writer ({_REBASES} attempts)")
 
+    def _check_fence(self, pid: int, cur: Manifest) -> None:
+        """Raise :class:`~charon.storage.contract.StorageConflict` if a newer writer generation than this process's
+        claimed the partition (``cur``: its manifest, read under the lock)."""
+        fence = self._fences.get(pid)
+        if fence is not None and cur.fence > fence:
+            raise StorageConflict(f"p{pid}: claimed by a newer writer (fence {cur.fence}, this one {fence})")
+
     @contextlib.contextmanager
     def _locked(self, pid: int) -> Iterator[None]:
         self.fs.makedirs(self._dir(pid))
@@ -415,21 +426,26 @@ class DurableState:
         if self.remote is not None:
             self._write_delta_remote(pid, epoch, delta)
             return
-        if delta:
-            rows = sorted(delta.items())
-            meta = {"charon": "delta", "pid": str(pid), "epoch": str(epoch)}
-            path = self._path(pid, self._delta_name(epoch))
-            self.bytes_written += self.fs.write_atomic(
-                path, lambda f: _write_table(f, rows, meta), sync_dir=False
-            )
+        fenced = pid in self._fences
+        if delta and not fenced:
+            self._write_delta_file(pid, epoch, delta)
         with self._locked(pid):
             m = self.manifest(pid)
             if m.epoch >= epoch:
                 return
+            if delta and fenced:  # under the lock, after the fence held: a refused writer leaves no file behind
+                self._check_fence(pid, m)
+                self._write_delta_file(pid, epoch, delta)
             if delta:
                 m.deltas.append(epoch)
             m.epoch = epoch
             self._commit(pid, lambda _: m)
+
+    def _write_delta_file(self, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
+        rows = sorted(delta.items())
+        meta = {"charon": "delta", "pid": str(pid), "epoch": str(epoch)}
+        path = self._path(pid, self._delta_name(epoch))
+        self.bytes_written += self.fs.write_atomic(path, lambda f: _write_table(f, rows, meta), sync_dir=False)
 
     def _write_delta_remote(self, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
         """As :meth:`write_delta` on object storage: the delta is uploaded (created once, see

@@ -358,8 +358,8 @@ class LmdbStore:
         return self.scan(b"")
 
 
-_STORES: dict[tuple[str, int, str | None, int], LmdbStore] = {}
-_DURABLES: dict[tuple[str, int], DurableState] = {}
+_STORES: dict[tuple[str, int, str | None, int, int | None], LmdbStore] = {}
+_DURABLES: dict[tuple[str, int, int | None], DurableState] = {}
 
 
 def _rows(table: Any) -> Iterator[tuple[bytes, bytes]]:
@@ -382,22 +382,36 @@ def _apply(t: lmdb.Transaction[bytes], delta: dict[bytes, bytes | None]) -> int:
     return written
 
 
-def open_store(path: str, pid: int, durable_root: str | None = None) -> LmdbStore:
-    """The calling process's cached store for partition ``pid`` under ``path`` (use this on executors)."""
+def open_store(path: str, pid: int, durable_root: str | None = None, writer: int | None = None) -> LmdbStore:
+    """The calling process's cached store for partition ``pid`` under ``path`` (use this on executors).
+
+    ``writer``: the writer generation (a resident gang's fence, :meth:`DurableState.claim`) the store writes the
+    durable copy as: each generation has its own durable handle, as each task has in its own process, so a task
+    of an older gang run later in this process (the seeded simulator's zombie) is fenced like one elsewhere. A
+    newer generation's store retires this process's older ones of the partition (their handles stay with whoever
+    holds them)."""
     me = os.getpid()
-    key = (os.path.realpath(path), pid, durable_root, me)
+    where = (os.path.realpath(path), pid, durable_root, me)
+    key = (*where, writer)
     with _ENVS_LOCK:
         s = _STORES.get(key)
     if s is None:
         durable = None
         if durable_root is not None:
-            durable = _DURABLES.get((durable_root, me))
+            durable = _DURABLES.get((durable_root, me, writer))
             if durable is None:
                 # a directory, or object storage cached beside the stores (charon.state.durable.durable_at)
-                durable = _DURABLES[(durable_root, me)] = durable_at(durable_root, os.path.join(path, "durable"))
+                durable = _DURABLES[(durable_root, me, writer)] = durable_at(durable_root,
+                                                                             os.path.join(path, "durable"))
         s = LmdbStore(path, pid, durable)
         with _ENVS_LOCK:
             s = _STORES.setdefault(key, s)
+            if writer is not None:  # older generations' handles: retired (bounded by the live writers)
+                for k in [k for k in _STORES if k[:4] == where and k[4] is not None and k[4] < writer]:
+                    del _STORES[k]
+                for d in [d for d in _DURABLES if d[:2] == (durable_root, me) and d[2] is not None
+                          and d[2] < writer]:
+                    del _DURABLES[d]
     return s
 
 

@@ -162,7 +162,8 @@ class SimTask:
         self.gang, self.sim, self.index, self.attempt, self.worker = gang, sim, index, attempt, worker
         self.proc: dict = worker.take_process()  # a Python worker of its executor (its live coroutines)
         root = sim.local_dir(worker)
-        self.task = GangTask(sim.config.partitions, root, sim.state_root, sim.config.determinism_check)
+        self.task = GangTask(sim.config.partitions, root, sim.state_root, sim.config.determinism_check,
+                             gang.ex.fence)
         self.drv, self.sock = socket.socketpair()
         self.sock.settimeout(5.0)  # a reply never blocks the one simulated thread
         self.queue: list[bytes] = []

@@ -88,16 +88,18 @@ def test_fixed_resident_seeds(seed: int) -> None:
     assert o.stats["crashes"] >= 1 and o.stats["overruns"] >= 1
 
 
-#: Seeds of the resident mode that fail on the code the simulator was written against: defect, first failure.
-FOUND_SEEDS = {
+#: Seeds of the resident mode that failed before a fix: defect, first failure.
+ZOMBIE_SEEDS = {
     60: "a zombie task of an abandoned gang runs epoch 0's first round after epoch 0 was recorded: its "
-        "ensure_epoch(-1) finds the local copy ahead and rewinds, truncating the durable copy after -1 (the "
-        "recorded epoch's delta is gone: 'p0: durable copy reaches only epoch -1, need 0', every later gang fails)",
+        "ensure_epoch(-1) found the local copy ahead and rewound, truncating the durable copy after -1 (the "
+        "recorded epoch's delta was gone: 'p0: durable copy reaches only epoch -1, need 0'); now each gang claims "
+        "its partitions' durable copy under its fence, on a directory as on object storage, and the zombie is "
+        "refused",
 }
 
 
-@pytest.mark.xfail(strict=True, reason="open defect (see FOUND_SEEDS): a zombie round truncates recorded epochs")
-@pytest.mark.parametrize("seed", sorted(FOUND_SEEDS))
-def test_found_resident_seeds(seed: int) -> None:
+@pytest.mark.parametrize("seed", sorted(ZOMBIE_SEEDS))
+def test_zombie_resident_seeds(seed: int) -> None:
     o = run_seed(seed, exchange="resident")
-    assert o.ok, f"{FOUND_SEEDS[seed]}\n{repro_line(o, exchange='resident')}"
+    assert o.ok, f"{ZOMBIE_SEEDS[seed]}\n{repro_line(o, exchange='resident')}"
+    assert o.stats["zombie_runs"] >= 1

@@ -111,6 +111,49 @@ keys = st.binary(min_size=0, max_size=4)
 deltas_st = st.lists(st.dictionaries(keys, st.none() | st.binary(max_size=6), max_size=12), max_size=12)
 
 
+def test_a_writer_of_an_older_gang_is_fenced_on_a_directory(tmp_path):
+    """A resident gang claims its partitions (DurableState.claim) on a local directory as on object storage: a task
+    of a lost gang (its own handle, as in its own process) that rewinds or writes after a newer gang claimed is
+    refused, and the recorded epochs stay; the driver's unfenced compaction keeps the fence."""
+    from charon.storage.contract import StorageConflict
+
+    old = DurableState(str(tmp_path))
+    old.claim(0, 10)
+    for e in range(3):
+        old.write_delta(0, e, {b"k": str(e).encode()})
+    new = DurableState(str(tmp_path))
+    assert new.claim(0, 20).epoch == 2
+    new.write_delta(0, 3, {b"k": b"3"})
+    with pytest.raises(StorageConflict):  # the zombie's rewind (ensure_epoch of an epoch it was sent)
+        old.truncate_after(0, 0)
+    with pytest.raises(StorageConflict):
+        old.write_delta(0, 4, {b"k": b"zombie"})
+    with pytest.raises(StorageConflict):  # a gang that starts late is refused at once
+        DurableState(str(tmp_path)).claim(0, 15)
+    assert new.load(0) == ({b"k": b"3"}, 3)
+    assert sorted(n for n in os.listdir(tmp_path / "p0") if n.startswith("delta-")) == [
+        f"delta-{e:012d}.arrow" for e in range(4)]
+    driver = DurableState(str(tmp_path))
+    driver.compact(0, 2)
+    assert driver.manifest(0).fence == 20 and new.load(0) == ({b"k": b"3"}, 3)
+    new.truncate_after(0, 2)  # the gang's own replay (the driver decided nothing after 2 is committed)
+    assert new.load(0) == ({b"k": b"2"}, 2)
+
+
+def test_open_store_gives_each_writer_generation_its_own_handle(tmp_path):
+    """Two gangs' tasks in one process (the simulator's zombie) write through separate durable handles, so the
+    older one stays fenced; a newer generation retires the older one's cached store."""
+    from charon.state.lmdbstore import open_store
+
+    durable = str(tmp_path / "durable")
+    a = open_store(str(tmp_path / "local"), 0, durable, 10)
+    assert open_store(str(tmp_path / "local"), 0, durable, 10) is a
+    b = open_store(str(tmp_path / "local"), 0, durable, 20)
+    assert b is not a and b.durable is not a.durable
+    assert open_store(str(tmp_path / "local"), 0, durable, 10) is not a  # retired: a fresh handle, unclaimed
+    assert open_store(str(tmp_path / "local"), 0, durable) is open_store(str(tmp_path / "local"), 0, durable)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     base=st.dictionaries(keys, st.binary(max_size=6), max_size=20),

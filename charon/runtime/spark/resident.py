@@ -127,7 +127,7 @@ class ResidentExchange:
         self.app_ref = app_ref
         self.previous = previous
         self.durable_root = durable_location(config)
-        self.fence = new_fence()  # this gang's writer generation on object storage (DurableState.claim)
+        self.fence = new_fence()  # this gang's writer generation (DurableState.claim)
         self.function_timeout: float | None = config.function_timeout
         self.probe_dir: str | None = None
         self.stats: dict[str, float] = {}
@@ -477,7 +477,7 @@ class GangTask:
     def __init__(self, parts: int, root: str, durable_root: str, determinism_check: bool,
                  fence: int | None = None) -> None:
         self.parts = parts
-        self.fence = fence  # the gang's writer generation on object storage (see new_fence)
+        self.fence = fence  # the gang's writer generation (see new_fence)
         self.root = root  # the executor-local stores' directory
         self.durable_root = durable_root
         self.determinism_check = determinism_check

@@ -98,11 +98,11 @@ def step_unit(app: Any, parts: int, root: str, durable_root: str, pid: int, cont
     partition's round before (the resident gang: reused as is if its store and code are still the ones this
     round runs with). The job-per-round task (:func:`step_partition`) and the resident gang
     (:mod:`~charon.runtime.spark.resident`) both step partitions here. ``fence``: the resident gang's writer
-    generation, which claims the partition's durable copy on object storage before its first write
+    generation, which claims the partition's durable copy (a directory or object storage) before its first write
     (:meth:`~charon.state.durable.DurableState.claim`: a task of an older gang is refused from then on)."""
     from charon.state.lmdbstore import open_store
 
-    store = open_store(root, pid, durable_root)
+    store = open_store(root, pid, durable_root, fence)
     if fence is not None and store.durable is not None:
         store.durable.claim(pid, fence)
     if isinstance(scratch, PartitionUnit) and scratch.store is store and scratch.app is app:
