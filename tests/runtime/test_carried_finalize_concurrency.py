@@ -41,7 +41,9 @@ def _reader(rt: InProcessRuntime, stop: threading.Event, seen: list, errors: lis
         time.sleep(0.01)  # a reader holds the epochs back while it reads: leave them room to carry finalizes
 
 
-async def test_readers_in_other_threads_see_whole_epochs_while_finalizes_are_carried() -> None:
+async def _readers_run(seed: int) -> int:
+    """One run of transfers with two reader threads; asserts every read saw a whole epoch; returns how many epochs
+    carried their predecessor's finalize."""
     rt = InProcessRuntime(ycsb.app, partitions=3, warmup_txns=0)
     rt.load("account", ycsb.initial_state(N, BALANCE))
     stop = threading.Event()
@@ -52,17 +54,28 @@ async def test_readers_in_other_threads_see_whole_epochs_while_finalizes_are_car
         for t in readers:
             t.start()
         try:
-            replies = await _load(rt, clients=40, per_client=15, seed=1)
+            replies = await _load(rt, clients=40, per_client=15, seed=seed)
         finally:
             stop.set()
             for t in readers:
                 t.join()
-    carried = sum(1 for s in rt.epoch_stats if s.get("finalize_carried"))
-    assert carried > 0, "the load made epochs carry their predecessor's finalize"
     assert errors == [], errors[:3]
     assert seen and set(seen) == {N * BALANCE}, sorted(set(seen))[:5]
     assert all(r.ok for r in replies)
     assert sum(rt.entities("account").values()) == N * BALANCE
+    return sum(1 for s in rt.epoch_stats if s.get("finalize_carried"))
+
+
+async def test_readers_in_other_threads_see_whole_epochs_while_finalizes_are_carried() -> None:
+    """Whether an epoch carries its predecessor's finalize depends on timing (a quiet machine may finish each
+    finalize before the next epoch needs it): runs repeat, each with a fresh runtime and seed, until one did; every
+    run must show whole epochs only."""
+    carried_runs = []
+    for seed in range(1, 6):
+        carried_runs.append(await _readers_run(seed))
+        if carried_runs[-1] > 0:
+            break
+    assert carried_runs[-1] > 0, f"no epoch carried a finalize in {len(carried_runs)} runs"
 
 
 async def test_pause_resume_and_rescale_at_boundaries_lose_no_reply() -> None:

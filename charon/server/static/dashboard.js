@@ -490,7 +490,9 @@ function renderBrowse(b, doc) {
   $("browse-prev").disabled = b.page === 0;
   $("browse-next").disabled = !more;
 }
-function browseStart(epoch) {  // page 1 of a new browse (epoch null: the latest)
+function browseStart(epoch) {  // page 1 of a new browse (epoch null: the latest); the last browse's error goes
+  clearTimeout(searchTimer);  // a search typed before this browse does not re-read the last one after it
+  cleared("action:state");
   const keys = $("browse-keys").value.split(",").map(k => k.trim()).filter(k => k);
   browse = { op: $("browse-operator").value.trim(), keys, prefix: keys.length ? "" : $("browse-search").value.trim(), epoch,
              size: Number($("browse-size").value), cursors: [null], page: 0 };

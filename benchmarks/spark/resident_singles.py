@@ -3,7 +3,7 @@ from the output log), per Spark mode: ``resident`` (the direct sequencer over th
 ``jobs`` (a Structured Streaming micro-batch per epoch, a Spark job per round). Prints p50/p90 of the request
 latency and of the epochs' own duration (issue 32 step 2's smoke; the quiet benchmarks are separate).
 
-    python benchmarks/resident_singles.py --modes resident,jobs --count 60
+    python benchmarks/spark/resident_singles.py --modes resident,jobs --count 60
 """
 
 from __future__ import annotations
