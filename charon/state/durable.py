@@ -335,8 +335,7 @@ class DurableState:
             return self.manifest(pid)
         with self._locked(pid):
             m = self._pull(pid) if self.remote is not None else self.manifest(pid)
-            if m.fence > fence:
-                raise StorageConflict(f"p{pid}: claimed by a newer writer (fence {m.fence}, this one {fence})")
+            self._check_fence(pid, m, fence)
             self._fences[pid] = fence
             if m.fence < fence:
                 m = self._commit(pid, lambda cur: dataclasses.replace(cur)) or m
@@ -400,10 +399,10 @@ class DurableState:
             return m
         raise StorageConflict(f"p{pid}: the manifest kept changing under this writer ({_REBASES} attempts)")
 
-    def _check_fence(self, pid: int, cur: Manifest) -> None:
-        """Raise :class:`~charon.storage.contract.StorageConflict` if a newer writer generation than this process's
-        claimed the partition (``cur``: its manifest, read under the lock)."""
-        fence = self._fences.get(pid)
+    def _check_fence(self, pid: int, cur: Manifest, fence: int | None = None) -> None:
+        """Raise :class:`~charon.storage.contract.StorageConflict` if a newer writer generation than ``fence`` (by
+        default this process's) claimed the partition (``cur``: its manifest, read under the lock)."""
+        fence = self._fences.get(pid) if fence is None else fence
         if fence is not None and cur.fence > fence:
             raise StorageConflict(f"p{pid}: claimed by a newer writer (fence {cur.fence}, this one {fence})")
 
