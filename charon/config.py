@@ -76,7 +76,7 @@ class SparkConfig:
     # tasks of the resident gang, each over a group of partitions (0: local mode its cores but one, at least one,
     # so a Spark job beside the gang finds a slot; a cluster every executor core); at most the partitions
     resident_tasks: int = 0
-    finalize_threads: int = 4  # a one-task rest writes the previous epoch's partitions' deltas in this many threads
+    finalize_threads: int = 4  # a task writes a finalize's partitions (a one-task rest's, a resident task's) in this many threads
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task
     pipeline_finalize: bool = True  # under load, an epoch's finalize rides in the next epoch's first round
     # Python's collector in the driver and the Python workers (charon.runtime.inprocess.tune_gc): what is alive

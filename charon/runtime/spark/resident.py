@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any
 
@@ -328,7 +329,8 @@ class ResidentExchange:
         threading.Thread(target=self._accept, name="charon-resident-meet", daemon=True).start()
         cfg = self.config
         fn = partial(resident_task, (host, port), self.token, self.tasks, self.partitions, cfg.local_dir,
-                     self.durable_root, cfg.checkpoint_dir, cfg.gc_threshold, cfg.determinism_check, self.fence)
+                     self.durable_root, cfg.checkpoint_dir, cfg.gc_threshold, cfg.determinism_check, self.fence,
+                     cfg.finalize_threads)
         self.job = threading.Thread(target=self._run_job, args=(fn,), name="charon-resident-gang", daemon=True)
         self.job.start()
 
@@ -425,7 +427,7 @@ def _shut(sock: socket.socket) -> None:
 # -- in the executors -----------------------------------------------------------------------------------------------
 def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int, local_dir: str | None,
                   durable_root: str, checkpoint: str, gc_threshold: int, determinism_check: bool,
-                  fence: int | None, items: Iterable[int]) -> Iterator[int]:
+                  fence: int | None, finalize_threads: int, items: Iterable[int]) -> Iterator[int]:
     """One task of the resident gang: meet the driver, then step this task's partitions round after round (their
     scratch and call-graph caches kept here between rounds and epochs) until told to stop or the driver's socket
     closes. Yields nothing."""
@@ -441,7 +443,8 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
     infos = ctx.getTaskInfos()  # ordered by partition: this task's is its executor's host:port
     executor = (infos[index].address if index < len(infos) else "").encode("utf-8")[:ADDRESS_MAX]
     tune_worker_gc(gc_threshold)
-    task = GangTask(parts, local_root(local_dir, checkpoint, durable_root), durable_root, determinism_check, fence)
+    task = GangTask(parts, local_root(local_dir, checkpoint, durable_root), durable_root, determinism_check, fence,
+                    finalize_threads)
     sock = socket.create_connection(address, timeout=MEET_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.sendall(hello(token, attempt, index, tasks, os.getpid(), executor))
@@ -460,6 +463,7 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
                 return  # the round raised: its error was told to the driver
     finally:
         sock.close()
+        task.close()
     yield 0  # pragma: no cover - never reached: a generator for mapPartitions
 
 
@@ -475,8 +479,10 @@ class GangTask:
     the seeded simulator (:mod:`charon.testing.simulation_resident`) runs it in simulated workers."""
 
     def __init__(self, parts: int, root: str, durable_root: str, determinism_check: bool,
-                 fence: int | None = None) -> None:
+                 fence: int | None = None, finalize_threads: int = 1) -> None:
         self.parts = parts
+        self.finalize_threads = finalize_threads  # a finalize's partitions written in this many threads (_round)
+        self.pool: ThreadPoolExecutor | None = None
         self.fence = fence  # the gang's writer generation (see new_fence)
         self.root = root  # the executor-local stores' directory
         self.durable_root = durable_root
@@ -486,6 +492,12 @@ class GangTask:
         self.epoch = -1
         self.failed = False  # a round raised: the task ends after telling the driver
 
+    def close(self) -> None:
+        """The task ended: its finalize threads go (after the write they may be running)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
     def handle(self, frame: bytes) -> bytes | None:
         """The reply to one frame from the driver: a round's outputs, or its error's traceback when it raised
         (:attr:`failed` is then set); None for a stop frame (the task ends)."""
@@ -493,10 +505,12 @@ class GangTask:
         if msg[0] != "round":
             return None
         _, control, inboxes, app_ref, previous, function_timeout, probe_dir = msg
+        if self.pool is None and self.finalize_threads > 1 and len(inboxes) > 1:
+            self.pool = ThreadPoolExecutor(self.finalize_threads, thread_name_prefix="charon-finalize")
         try:
             results, stats, self.epoch, self.caches = _round(
                 control, inboxes, app_ref, previous, function_timeout, probe_dir, self.scratch, self.caches,
-                self.epoch, self.parts, self.root, self.durable_root, self.determinism_check, self.fence)
+                self.epoch, self.parts, self.root, self.durable_root, self.determinism_check, self.fence, self.pool)
         except Exception:  # noqa: BLE001 - told to the driver (its round raises it); this task then ends
             self.failed = True
             return pickle.dumps((None, {"error": traceback.format_exc()[-20_000:]}), protocol=pickle.HIGHEST_PROTOCOL)
@@ -506,16 +520,29 @@ class GangTask:
         return pickle.dumps((results, stats), protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def _each(pool: ThreadPoolExecutor, fn: Callable[[int], Any], pids: list[int]) -> list[Any]:
+    """``fn`` of each of ``pids`` in ``pool``, in order; every call has ended when this returns (the first error
+    is raised only then: no write of the round goes on after the task told the driver it failed)."""
+    futures = [pool.submit(fn, pid) for pid in pids]
+    wait(futures)
+    return [f.result() for f in futures]
+
+
 def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: tuple[int, str] | None,
            function_timeout: float | None, probe_dir: str | None, scratch: dict[int, PartitionUnit | None],
            caches: dict[int, dict[int, list]], epoch: int, parts: int, root: str, durable_root: str,
-           determinism_check: bool, fence: int | None = None,
+           determinism_check: bool, fence: int | None = None, pool: ThreadPoolExecutor | None = None,
            ) -> tuple[list[tuple[int, RoundOutput]], dict[str, int], int, dict[int, dict[int, list]]]:
     """One round in a gang task: each of ``inboxes``' partitions stepped over its store and ``scratch`` (updated in
-    place); returns the outputs, the task's stats, and the epoch and call-graph caches the task keeps."""
+    place); returns the outputs, the task's stats, and the epoch and call-graph caches the task keeps.
+
+    ``pool`` (a task hosting several partitions): the writes of a finalize run there, one partition per thread,
+    as the job-per-round rest's do (``SparkConfig.finalize_threads``): each partition's delta goes to its own
+    durable files and LMDB environment, each with its fsyncs, and in threads the waits overlap. Only a finalize
+    runs there (a carried one, or a round that only finalizes): no application code, which runs in this thread."""
     from charon.runtime.quarantine import probing
     from charon.runtime.spark.session import load_app
-    from charon.runtime.spark.tasks import step_unit
+    from charon.runtime.spark.tasks import finalize_prior, step_unit, unit_for
 
     c0 = time.thread_time()
     app = load_app(app_ref)
@@ -525,13 +552,45 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
         caches = {}
     results: list[tuple[int, RoundOutput]] = []
     stats = {"step_us": 0, "restore_us": 0}
+    done: dict[int, RoundOutput] = {}
+    threaded = pool is not None and len(inboxes) > 1
+    prior = control.prior
+    only_finalize = (control.finalize and prior is None and not control.fast and control.timers is None
+                     and not any(inboxes.values()))
     with probing(probe_dir):
+        if threaded and only_finalize:
+            assert pool is not None
+
+            def whole(pid: int) -> tuple[PartitionUnit | None, RoundOutput]:
+                return step_unit(app, parts, root, durable_root, pid, control, scratch.get(pid), [], None, prev,
+                                 function_timeout, determinism_check, fence)
+
+            for pid, (unit, out) in zip(inboxes, _each(pool, whole, list(inboxes)), strict=True):
+                scratch[pid] = unit
+                stats["step_us"] += out.stats.get("step_us", 0)
+                stats["restore_us"] += out.stats.get("restore_us", 0)
+                results.append((pid, out))
+            stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
+            return results, stats, epoch, caches
+        if threaded and prior is not None:
+            assert pool is not None
+
+            def carried(pid: int) -> tuple[PartitionUnit, RoundOutput]:
+                unit = unit_for(app, parts, root, durable_root, pid, scratch.get(pid), prev, determinism_check,
+                                fence)
+                return unit, finalize_prior(unit, prior)
+
+            for pid, (unit, out) in zip(inboxes, _each(pool, carried, list(inboxes)), strict=True):
+                scratch[pid], done[pid] = unit, out
+            control = copy.copy(control)
+            control.prior = None
         for pid, inbox in inboxes.items():
             cache = caches.setdefault(pid, {})
             cached = {t: cache[t] for t in control.fast if t in cache} if control.fast else None
             mine = copy.copy(control) if control.prior is not None else control  # step clears its prior
             scratch[pid], out = step_unit(app, parts, root, durable_root, pid, mine, scratch.get(pid),
-                                          inbox, cached, prev, function_timeout, determinism_check, fence)
+                                          inbox, cached, prev, function_timeout, determinism_check, fence,
+                                          done.get(pid))
             if out.cached:
                 for tid, entries in out.cached.items():
                     cache.setdefault(tid, []).extend(entries)

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from charon.core import determinism
-from charon.core.partition import Control, Invoke, PartitionUnit, Reply, RoundOutput
+from charon.core.partition import Control, Invoke, PartitionUnit, Prior, Reply, RoundOutput
 from charon.core.routing import partition_of, store_key
 from charon.runtime.quarantine import probing
 from charon.runtime.spark.layout import local_root
@@ -87,19 +87,13 @@ def step_partition(app: Any, parts: int, root: str, durable_root: str, pid: int,
     return (None if unit is None else unit.dump_scratch()), out
 
 
-def step_unit(app: Any, parts: int, root: str, durable_root: str, pid: int, control: Control,
-              scratch: bytes | PartitionUnit | None, inbox: list, cached: dict | None, prev: tuple[int, Any] | None,
-              function_timeout: float | None, determinism_check: bool, fence: int | None = None,
-              ) -> tuple[PartitionUnit | None, RoundOutput]:
-    """One partition's round in a task: its unit over its resident store and ``scratch``, the previous epoch's
-    deferred finalize first if ``control`` carries it (``control.prior`` is cleared: give each partition its
-    own copy); returns the unit holding the scratch after the round (None after a finalize) and the round's
-    output. ``scratch``: pickled (:meth:`~PartitionUnit.dump_scratch`), or the unit this process kept from the
-    partition's round before (the resident gang: reused as is if its store and code are still the ones this
-    round runs with). The job-per-round task (:func:`step_partition`) and the resident gang
-    (:mod:`~charon.runtime.spark.resident`) both step partitions here. ``fence``: the resident gang's writer
-    generation, which claims the partition's durable copy (a directory or object storage) before its first write
-    (:meth:`~charon.state.durable.DurableState.claim`: a task of an older gang is refused from then on)."""
+def unit_for(app: Any, parts: int, root: str, durable_root: str, pid: int, scratch: bytes | PartitionUnit | None,
+             prev: tuple[int, Any] | None, determinism_check: bool, fence: int | None = None) -> PartitionUnit:
+    """Partition ``pid``'s unit for a round, over its resident store (claimed as the writer generation ``fence``
+    before its first write, :meth:`~charon.state.durable.DurableState.claim`: a task of an older gang is refused
+    from then on) and ``scratch``: pickled (:meth:`~PartitionUnit.dump_scratch`), or the unit this process kept
+    from the partition's round before (the resident gang: reused as is if its store and code are still the ones
+    this round runs with)."""
     from charon.state.lmdbstore import open_store
 
     store = open_store(root, pid, durable_root, fence)
@@ -115,12 +109,32 @@ def step_unit(app: Any, parts: int, root: str, durable_root: str, pid: int, cont
         unit.load_scratch(scratch)
     unit.previous = prev
     unit.twice = determinism.run_twice if determinism_check else None
+    return unit
+
+
+def finalize_prior(unit: PartitionUnit, prior: Prior) -> RoundOutput:
+    """The previous epoch's deferred finalize of ``unit`` (idempotent): its store brought to the epoch before,
+    then its delta written; the output carries its events and next due time (``step_unit(done=...)``)."""
+    unit.store.ensure_epoch(prior.epoch - 1)
+    return unit.finalize_prior(prior)
+
+
+def step_unit(app: Any, parts: int, root: str, durable_root: str, pid: int, control: Control,
+              scratch: bytes | PartitionUnit | None, inbox: list, cached: dict | None, prev: tuple[int, Any] | None,
+              function_timeout: float | None, determinism_check: bool, fence: int | None = None,
+              done: RoundOutput | None = None) -> tuple[PartitionUnit | None, RoundOutput]:
+    """One partition's round in a task: its unit (:func:`unit_for`) over its resident store and ``scratch``, the
+    previous epoch's deferred finalize first if ``control`` carries it (``control.prior`` is cleared: give each
+    partition its own copy) or ``done``, its output when the caller ran it (:func:`finalize_prior`); returns the
+    unit holding the scratch after the round (None after a finalize) and the round's output. The job-per-round
+    task (:func:`step_partition`) and the resident gang (:mod:`~charon.runtime.spark.resident`) both step
+    partitions here."""
+    unit = unit_for(app, parts, root, durable_root, pid, scratch, prev, determinism_check, fence)
+    store = unit.store
     t0 = time.perf_counter()
     prior = control.prior
-    done = None
     if prior is not None:  # the previous epoch's deferred finalize: its delta first (idempotent)
-        store.ensure_epoch(prior.epoch - 1)
-        done = unit.finalize_prior(prior)  # its events and next due time return with this round
+        done = finalize_prior(unit, prior)  # its events and next due time return with this round
         control.prior = None
     store.ensure_epoch(control.epoch - 1)
     t1 = time.perf_counter()
