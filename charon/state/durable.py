@@ -324,6 +324,11 @@ class DurableState:
         with self._locked(pid):
             self._pull(pid)
 
+    def holds(self, pid: int, fence: int) -> bool:
+        """Whether this process already claimed the partition as the writer generation ``fence`` (:meth:`claim`
+        would change nothing)."""
+        return self._fences.get(pid) == fence
+
     def claim(self, pid: int, fence: int) -> Manifest:
         """Write the partition from now on as the writer generation ``fence`` (object storage: a Spark gang's, larger
         for every new gang). The remote manifest is taken into the cache and, if an older generation wrote it,

@@ -97,8 +97,8 @@ def unit_for(app: Any, parts: int, root: str, durable_root: str, pid: int, scrat
     from charon.state.lmdbstore import open_store
 
     store = open_store(root, pid, durable_root, fence)
-    if fence is not None and store.durable is not None:
-        store.durable.claim(pid, fence)
+    if fence is not None and store.durable is not None and not store.durable.holds(pid, fence):
+        store.durable.claim(pid, fence)  # (once per partition and gang: a round after the first reads nothing)
     if isinstance(scratch, PartitionUnit) and scratch.store is store and scratch.app is app:
         unit = scratch  # kept between rounds in this process (the resident gang): nothing to unpickle
         unit.next_round()
