@@ -320,3 +320,39 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_a_bulk_operations_item_ids_cannot_be_taken_by_a_client(gateway: Any) -> None:
+    """A bulk operation's transactions run under ids derived from its Idempotency-Key (``__charon.bulk:...``). A
+    client holding a token who knows (or guesses) the key and computes such an id cannot take it: every route
+    taking an Idempotency-Key refuses it with 400 ``ReservedRequestId`` before anything reaches the log, whatever
+    the token's scopes; the operation repeated under its key then finds its own transaction, not a client's."""
+    srv, eng = gateway
+    op = "ops-cancel-2026-11-29"
+    body = {"where": {"function": "place"}, "dry_run": True}
+    r = call(srv, "POST", "/admin/bulk/invocations/cancel", SECRETS["admin"], json=body,
+             headers={"Idempotency-Key": op})
+    assert r.status_code == 200 and r.json()["operation"] == op, r.text
+    first = r.json()
+    digest = hashlib.blake2b("\0".join((op, "invocations", "match", "")).encode(), digest_size=16).hexdigest()
+    rid = f"__charon.bulk:{digest}"
+    assert eng.input_log.contains(rid), "the derived id is not the one the operation used (update this test)"
+    taken = 0
+    for secret in (SECRETS["invoke"], LEGACY):
+        for method, path, kw in (
+                ("POST", "/invoke/order/o-bulk/place", {"json": {"args": ["a", "b", 1]}}),
+                ("POST", "/invoke/order/o-bulk/place?mode=sync", {"json": {"args": ["a", "b", 1]}}),
+                ("POST", "/admin/bulk/invocations/cancel", {"json": body})):
+            r = call(srv, method, path, secret, headers={"Idempotency-Key": rid}, **kw)
+            if method == "POST" and path.startswith("/admin") and secret != LEGACY:
+                assert r.status_code == 403, r.text  # an invoke token has no admin scope at all
+                continue
+            assert r.status_code == 400 and r.json()["error"]["type"] == "ReservedRequestId", (path, r.text)
+            taken += 1
+    assert taken == 5
+    r = call(srv, "POST", "/batch", SECRETS["invoke"], headers={"Idempotency-Key": rid},
+             json={"calls": [{"operator": "order", "key": "o-bulk", "function": "place", "args": ["a", "b", 1]}]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "ReservedRequestId", r.text
+    again = call(srv, "POST", "/admin/bulk/invocations/cancel", SECRETS["admin"], json=body,
+                 headers={"Idempotency-Key": op})
+    assert again.status_code == 200 and again.json()["matched"] == first["matched"], again.text
