@@ -131,6 +131,21 @@ class _LocalFS:
             self.sync_dir(d)
         return size
 
+    def write_in_place(self, path: str, write: Callable[[BinaryIO], object]) -> int:
+        """Write a file straight to ``path`` and fsync it; returns its size. Only for a file no reader opens
+        until a later (atomic) write names it: a crash may leave it partial."""
+        try:
+            with open(path, "wb") as f:
+                write(f)
+                f.flush()
+                size = f.tell()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            self.remove(path)
+            raise
+        return size
+
     def sync_dir(self, path: str) -> None:
         if not self.fsync:
             return
@@ -346,18 +361,19 @@ class DurableState:
                 m = self._commit(pid, lambda cur: dataclasses.replace(cur)) or m
             return m
 
-    def _commit(self, pid: int, change: Callable[[Manifest], Manifest | None]) -> Manifest | None:
+    def _commit(self, pid: int, change: Callable[[Manifest], Manifest | None], current: Manifest | None = None
+                ) -> Manifest | None:
         """Replace the partition's manifest by ``change(current)`` (None: leave it); with object storage first
         there, the commit point, with ``If-Match`` on the ETag this process knows. A conflict: the writer is stale
         and :class:`~charon.storage.contract.StorageConflict` raised, except (a) its own write whose answer was lost
         (the same bytes there), (b) under a fence (:meth:`claim`), a manifest of the same or an older fence: a
         co-writer's (the driver's compaction) or an unclaimed one, ``change`` applied again over it, (c) an unfenced
         follower (``follow``: the driver), which applies it again over whatever is there. Call with the partition's
-        lock."""
+        lock; ``current``: on a directory, the manifest the caller read under it (not read again)."""
         remote = self.remote
         fence = self._fences.get(pid)
         if remote is None:
-            cur = self.manifest(pid)
+            cur = self.manifest(pid) if current is None else current
             self._check_fence(pid, cur)
             m = change(cur)
             if m is not None:
@@ -423,15 +439,23 @@ class DurableState:
 
     # ---- writing ------------------------------------------------------------------------------
     def write_delta(self, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
-        """Record the writes of ``epoch`` (None deletes). A no-op if ``epoch`` is already recorded."""
-        if self.manifest(pid).epoch >= epoch:
-            return
-        self.fs.makedirs(self._dir(pid))
+        """Record the writes of ``epoch`` (None deletes). A no-op if ``epoch`` is already recorded.
+
+        On a directory the manifest is read once under the partition's lock (and once before it when a file is
+        written outside it); under a fence (:meth:`claim`) the delta is written under the lock, after the fence
+        held, straight to its name: no reader opens a delta its manifest does not list, and a listed one is
+        never written again."""
         if self.remote is not None:
+            if self.manifest(pid).epoch >= epoch:
+                return
+            self.fs.makedirs(self._dir(pid))
             self._write_delta_remote(pid, epoch, delta)
             return
         fenced = pid in self._fences
         if delta and not fenced:
+            if self.manifest(pid).epoch >= epoch:
+                return  # a replayed epoch: its file is not written again
+            self.fs.makedirs(self._dir(pid))
             self._write_delta_file(pid, epoch, delta)
         with self._locked(pid):
             m = self.manifest(pid)
@@ -439,16 +463,22 @@ class DurableState:
                 return
             if delta and fenced:  # under the lock, after the fence held: a refused writer leaves no file behind
                 self._check_fence(pid, m)
-                self._write_delta_file(pid, epoch, delta)
+                self._write_delta_file(pid, epoch, delta, unlisted=True)
             if delta:
                 m.deltas.append(epoch)
             m.epoch = epoch
-            self._commit(pid, lambda _: m)
+            self._commit(pid, lambda _: m, current=m)
 
-    def _write_delta_file(self, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
+    def _write_delta_file(self, pid: int, epoch: int, delta: dict[bytes, bytes | None], *,
+                          unlisted: bool = False) -> None:
+        """The delta file of ``epoch``: under a temporary name renamed into place, or (``unlisted``: the caller
+        holds the partition's lock and its manifest does not list the epoch) straight to its name, fsynced."""
         rows = sorted(delta.items())
         meta = {"charon": "delta", "pid": str(pid), "epoch": str(epoch)}
         path = self._path(pid, self._delta_name(epoch))
+        if unlisted:
+            self.bytes_written += self.fs.write_in_place(path, lambda f: _write_table(f, rows, meta))
+            return
         self.bytes_written += self.fs.write_atomic(path, lambda f: _write_table(f, rows, meta), sync_dir=False)
 
     def _write_delta_remote(self, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
