@@ -47,7 +47,7 @@ from charon.errors import (
 from charon.messages import Reply, Request
 from charon.operator import Application, Function, Operator
 from charon.runtime.deployment import Deployment
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 # A library logs through ``charon.*`` loggers and leaves their output to the application: without a logging setup
 # (``charon run`` has one, ``charon.server.logs.setup_logging``) an abort's WARNING is not printed on stderr.

@@ -46,7 +46,7 @@ class SparkConfig:
     keep_epoch_records: int = 100  # epoch records kept before the last compacted epoch
     max_invocations: int = 100_000  # most invocations of one transaction, over all partitions
     # seconds a function may run without awaiting a call (per function: @op.function(timeout=...)); see
-    # charon.runtime.watchdog.task_budget
+    # charon.runtime.guard.watchdog.task_budget
     function_timeout: float = 5.0
     task_max_failures: int = 4  # Spark attempts per task (local[N,F] in local mode, spark.task.maxFailures)
     epoch_max_failures: int = 3  # query restarts on the same epoch before the runtime gives up (deterministic)
@@ -76,10 +76,11 @@ class SparkConfig:
     # tasks of the resident gang, each over a group of partitions (0: local mode its cores but one, at least one,
     # so a Spark job beside the gang finds a slot; a cluster every executor core); at most the partitions
     resident_tasks: int = 0
-    finalize_threads: int = 4  # a task writes a finalize's partitions (a one-task rest's, a resident task's) in this many threads
+    # a task writes a finalize's partitions (a one-task rest's, a resident task's) in this many threads
+    finalize_threads: int = 4
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task
     pipeline_finalize: bool = True  # under load, an epoch's finalize rides in the next epoch's first round
-    # Python's collector in the driver and the Python workers (charon.runtime.inprocess.tune_gc): what is alive
+    # Python's collector in the driver and the Python workers (charon.runtime.node.inprocess.tune_gc): what is alive
     # at start is frozen, young collections every gc_threshold allocations (0: CPython's defaults untouched)
     gc_threshold: int = 50_000
     driver_reads: bool = True  # state reads from the durable copy in the driver (False: a Spark job per read)
@@ -96,7 +97,8 @@ class SparkConfig:
     # run every function step twice on the same inputs and abort its transaction with NonDeterministicFunction
     # when the two runs' effects differ (charon.core.determinism; a development aid, ~2x the functions' CPU)
     determinism_check: bool = False
-    # the invocation inspector (charon.runtime.inspector): on, records kept, bytes of them kept (the oldest go first)
+    # the invocation inspector (charon.runtime.control.inspector): on, records kept, bytes of them kept (the
+    # oldest go first)
     inspector: bool = True
     inspector_records: int = 10_000
     inspector_bytes: int = 32 << 20

@@ -183,7 +183,7 @@ class IllegalAwait(EngineAbort):
 class InvocationTimeout(EngineAbort):
     """A function ran past its time budget without awaiting (an endless loop, a long sleep, heavy work): the
     transaction aborted, the decision was recorded before anything depended on it, and the transaction is never
-    run again (a retry with the same request id gets this reply; see :mod:`charon.runtime.watchdog`)."""
+    run again (a retry with the same request id gets this reply; see :mod:`charon.runtime.guard.watchdog`)."""
 
 
 class Quarantined(EngineAbort):

@@ -44,7 +44,7 @@ class Function(Generic[P, R_co]):
         self.body: FunctionBody = body
         self.name = body.__name__
         #: this function's time budget in seconds (None: the runtime's ``function_timeout``); see
-        #: :mod:`charon.runtime.watchdog`
+        #: :mod:`charon.runtime.guard.watchdog`
         self.timeout = timeout
         #: whether clients may invoke it over HTTP (``@op.function(public=True)``); an internal function (the
         #: default) runs only when another function calls it (``ctx.call``/``ctx.send``, timers, effect

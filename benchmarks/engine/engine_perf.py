@@ -65,7 +65,7 @@ def _run(main: object) -> object:
 
 def _deathstar_runtime(**kw: object) -> object:
     from charon.apps import deathstar
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     rt = InProcessRuntime(deathstar.app, partitions=4, **kw)
     for op, key, value, items in deathstar.populate():
@@ -116,7 +116,7 @@ def child_engine(src: str | None, epochs: int) -> dict:
     from charon import serde
     from charon.apps import ycsb
     from charon.messages import Request
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     n = 10_000
     rng = random.Random(0)
@@ -157,7 +157,7 @@ def child_engine_run(src: str | None, epochs: int, run: int) -> dict:
     from charon import serde
     from charon.apps import ycsb
     from charon.messages import Request
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     n = 10_000
     rng = random.Random(0)
@@ -235,7 +235,7 @@ def child_shape_run(src: str | None, shape: str, epochs: int, run: int) -> dict:
 
     from charon import serde
     from charon.messages import Request
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     n = 10_000
     rng = random.Random(0)
@@ -256,7 +256,7 @@ def child_deathstar_batch(src: str | None, epochs: int, size: int) -> dict:
     from charon import serde
     from charon.apps import deathstar
     from charon.messages import Request
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     rt = InProcessRuntime(deathstar.app, partitions=4)
     for op, key, value, items in deathstar.populate():
@@ -287,7 +287,7 @@ def child_open_loop(src: str | None, workload: str, rates: list[float], duration
 
     from charon.apps import deathstar, ycsb
     from charon.bench import harness
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     async def main() -> list[dict]:
         if workload == "ycsb":

@@ -27,7 +27,7 @@ def run(epochs: int) -> None:
     from charon import serde
     from charon.apps import ycsb
     from charon.messages import Request
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     n = 10_000
     rng = random.Random(0)

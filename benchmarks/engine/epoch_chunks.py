@@ -45,7 +45,7 @@ def child(path: str, size: int, chunk: int, epochs: int, total: int) -> dict:
     from charon import serde
     from charon.apps import ycsb
     from charon.messages import Request
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     rng = random.Random(1)
     rt = InProcessRuntime(ycsb.app, partitions=4)

@@ -22,7 +22,7 @@ from pathlib import Path
 from charon import serde
 from charon.apps import tpcc
 from charon.messages import Request
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 
 def _req(rid: str, r: tuple) -> Request:

@@ -38,7 +38,7 @@ async def closed_loop(call, n: int, concurrency: int) -> dict:
 
 async def direct(n: int, concurrency: int) -> dict:
     from charon.apps import ycsb
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     async with InProcessRuntime(ycsb.app, partitions=4) as rt:
         async def call(i: int) -> None:

@@ -36,8 +36,8 @@ from charon import serde  # noqa: E402
 from charon.apps import ycsb  # noqa: E402
 from charon.core.tracebacks import format_traceback  # noqa: E402
 from charon.messages import Request  # noqa: E402
-from charon.runtime.inprocess import GC_THRESHOLD, InProcessRuntime  # noqa: E402
-from charon.runtime.inspector import InspectorSettings  # noqa: E402
+from charon.runtime.control.inspector import InspectorSettings  # noqa: E402
+from charon.runtime.node.inprocess import GC_THRESHOLD, InProcessRuntime  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "observability"
 

@@ -45,7 +45,7 @@ def run(workload: str, variant: str, size: int, epochs: int = 3, overrides: dict
 
     import gc
 
-    import charon.runtime.inprocess as inprocess
+    import charon.runtime.node.inprocess as inprocess
 
     # the collector as a fresh process has it (tune_gc, which the after variant's tasks call, is per process)
     gc.unfreeze()

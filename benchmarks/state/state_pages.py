@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from charon import serde
 from charon.core.routing import partition_of, store_key
-from charon.runtime.reads import read_durable, read_stores
+from charon.runtime.control.reads import read_durable, read_stores
 from charon.state.durable import DurableState
 from charon.state.store import MemoryStore
 

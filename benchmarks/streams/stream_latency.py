@@ -39,7 +39,7 @@ from charon import serde  # noqa: E402
 from charon.bench.harness import percentile  # noqa: E402
 from charon.log.streams import StreamLog  # noqa: E402
 from charon.messages import Request  # noqa: E402
-from charon.runtime.inprocess import InProcessRuntime  # noqa: E402
+from charon.runtime.node.inprocess import InProcessRuntime  # noqa: E402
 
 
 def summary(lat_ms: list[float]) -> dict[str, float]:

@@ -188,7 +188,7 @@ async def demo(n_orders: int = 200, customers: int = 8, items: int = 4, seed: in
     import random
 
     from charon.runtime.deployment import Deployment
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     o, p, s = (InProcessRuntime(a, partitions=2) for a in (orders_app, payments_app, shipping_app))
     rng = random.Random(seed)

@@ -42,7 +42,7 @@ from charon.bench.postgres import (
     TpccSql,
     YcsbSql,
 )
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 ROOT = Path.cwd()  # results go under ./benchmarks of the directory the suite runs from
 Record = tuple[str, str, Any, Any]

@@ -76,7 +76,7 @@ class _Judged(Exception):
 
 class Interrupt(BaseException):
     """Raised into the thread running a function that overran its time budget (``PyThreadState_SetAsyncExc``
-    from the runtime's watchdog, :mod:`charon.runtime.watchdog`): a ``BaseException``, so application code's
+    from the runtime's watchdog, :mod:`charon.runtime.guard.watchdog`): a ``BaseException``, so application code's
     ``except Exception`` does not swallow it. :meth:`PartitionUnit._run` turns it into the transaction's
     failure (:attr:`PartitionUnit.interrupt`, the recorded ``InvocationTimeout``)."""
 
@@ -957,7 +957,7 @@ class PartitionUnit(Generic[S]):
 
     def _user_str(self, exc: BaseException) -> str:
         """``str(exc)`` of an exception the step raised: application code, still watched (a driver of the
-        interrupt, see :mod:`charon.runtime.interrupts`); an interrupt landing in it leaves a placeholder (the
+        interrupt, see :mod:`charon.runtime.guard.interrupts`); an interrupt landing in it leaves a placeholder (the
         step is doomed then, and fails with its verdict instead)."""
         try:
             return str(exc)

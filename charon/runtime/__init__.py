@@ -1,5 +1,10 @@
-"""Engines that drive the core: the in-process runtime, the durable single-node engine
-(:mod:`charon.runtime.node`) and the Spark data plane (:mod:`charon.runtime.spark`). A runtime may import
-``charon.core``, ``charon.state``, ``charon.log`` and the top-level model modules; never ``charon.server``
-(the gateway talks to a runtime through its protocol, not the other way round).
+"""Engines that drive the core, and what they share: the durable node (:mod:`charon.runtime.node`), the Spark data
+plane (:mod:`charon.runtime.spark`), the guards every engine runs (:mod:`charon.runtime.guard`: budgets,
+interrupts, quarantine, verdicts) and the engine side of the control surface (:mod:`charon.runtime.control`).
+
+At the root: the engine contract (``contract.py``), the one place engines are built (``factory.py``), a gateway's
+runtime when the engine runs elsewhere (``remote.py``), effects, replies, schedules, deployments of several
+applications and their wiring, and fault injection. A runtime may import ``charon.core``, ``charon.storage``,
+``charon.state``, ``charon.log`` and the top-level model modules; never ``charon.server`` (the gateway talks to a
+runtime through its protocol, not the other way round).
 """

@@ -199,7 +199,7 @@ class RequestQuery(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RequestLog(abc.ABC):
-    """The invocation inspector's store (:mod:`charon.runtime.inspector`): requests, newest first, each with its
+    """The invocation inspector's store (:mod:`charon.runtime.control.inspector`): requests, newest first, each with its
     timings, reply, call graph and, for an abort, its error and traceback. Bounded; kept in memory (a restart
     loses it). Callable from any thread."""
 

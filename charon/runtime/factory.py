@@ -15,7 +15,7 @@ from charon.log.location import is_networked
 from charon.runtime.contract import Engine
 
 if TYPE_CHECKING:
-    from charon.runtime.inspector import InspectorSettings
+    from charon.runtime.control.inspector import InspectorSettings
 
 __all__ = ["ENGINE_KINDS", "EngineOpenFailed", "EngineSpec", "EngineSpecError", "make_engine"]
 
@@ -55,7 +55,7 @@ class EngineSpec:
     transaction_timeout: float | None = None  # inprocess: a transaction's steps in all per epoch (default 2x)
     exit_when_stuck: float | None = None
     determinism_check: bool = False
-    inspector: bool = True  # the invocation inspector (charon.runtime.inspector); off: aborts are still logged
+    inspector: bool = True  # the invocation inspector (charon.runtime.control.inspector); off: aborts are still logged
     inspector_records: int | None = None  # requests it keeps (default 10,000)
     inspector_bytes: int | None = None  # bytes of them it keeps (default 32 MiB)
     spark_exchange: str | None = None  # spark: "resident" (default) or "jobs" (else CHARON_EXCHANGE)
@@ -118,11 +118,11 @@ def make_engine(spec: EngineSpec) -> Engine:
 
 
 def _inprocess(spec: EngineSpec) -> Engine:
-    from charon.runtime.codeversions import load_app_ref
-    from charon.runtime.inprocess import InProcessRuntime
-    from charon.runtime.node import NodeError
-    from charon.runtime.owner import DataDirOwned, claim_data_dir
-    from charon.runtime.watchdog import DEFAULT_TIMEOUT
+    from charon.runtime.control.codeversions import load_app_ref
+    from charon.runtime.control.owner import DataDirOwned, claim_data_dir
+    from charon.runtime.guard.watchdog import DEFAULT_TIMEOUT
+    from charon.runtime.node.inprocess import InProcessRuntime
+    from charon.runtime.node.storage import NodeError
     from charon.storage.contract import StorageError
 
     application = load_app_ref(spec.target)
@@ -148,7 +148,7 @@ def _inprocess(spec: EngineSpec) -> Engine:
 
 
 def _inspector(spec: EngineSpec) -> InspectorSettings:
-    from charon.runtime.inspector import InspectorSettings
+    from charon.runtime.control.inspector import InspectorSettings
 
     base = InspectorSettings()
     return InspectorSettings(spec.inspector, spec.inspector_records or base.max_records,
@@ -157,8 +157,8 @@ def _inspector(spec: EngineSpec) -> InspectorSettings:
 
 def _spark(spec: EngineSpec) -> Engine:
     from charon.config import SparkConfig
-    from charon.runtime.codeversions import load_app_ref
-    from charon.runtime.owner import DataDirOwned, claim_data_dir
+    from charon.runtime.control.codeversions import load_app_ref
+    from charon.runtime.control.owner import DataDirOwned, claim_data_dir
     from charon.runtime.spark.layout import LayoutMismatch, read_layout
     from charon.runtime.spark.runtime import SparkRuntime
     from charon.storage.contract import StorageError
@@ -195,7 +195,7 @@ def _spark(spec: EngineSpec) -> Engine:
 
 
 def _remote(spec: EngineSpec) -> Engine:
-    from charon.runtime.codeversions import load_app_ref
+    from charon.runtime.control.codeversions import load_app_ref
     from charon.runtime.remote import LogRuntime
 
     try:

@@ -29,7 +29,7 @@ from charon.log.location import is_networked, log_locations, open_input_log, ope
 from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime.contract import Engine, Enqueue
-from charon.runtime.probe import LogProbe
+from charon.runtime.control.probe import LogProbe
 
 __all__ = ["DriverProbe", "LogRuntime"]
 

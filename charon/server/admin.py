@@ -35,7 +35,7 @@
 - ``POST /admin/sql`` ``{"sql": "SELECT ...", "epoch": N?}``: the dashboard's SQL box, one safe ``SELECT``
   over the state views (one per operator: ``key``, ``item``, ``value``, ``value_json``, ``epoch``) at one
   consistent epoch (default the latest): ``{"epoch", "columns", "rows", "truncated", "engine": "sqlite"}``.
-  Both runtimes answer it in the SQL sandbox (:mod:`charon.runtime.sqlstate`): SQLite in a child process
+  Both runtimes answer it in the SQL sandbox (:mod:`charon.runtime.control.sqlstate`): SQLite in a child process
   with bounded memory and the lowest CPU priority, over a cut of the committed state; never in the engine's
   process or JVM. Anything but a single SELECT over the views with allowed functions is 422 ``SQLRejected``
   (DDL/DML, commands, unknown or disallowed functions, other tables); a query that does not parse or resolve

@@ -48,7 +48,7 @@ from charon.messages import Request
 from charon.operator import Application, Function, Operator
 
 if TYPE_CHECKING:
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
     from charon.runtime.spark.runtime import SparkRuntime
 
 
@@ -507,7 +507,7 @@ def replay_in_process(
 ) -> tuple[InProcessRuntime, list[EpochResult]]:
     """Run the Spark runtime's recorded epochs through the in-process runtime (same boundaries, same TIDs): the
     differential oracle of the Spark tests (their outcomes and state must equal the in-process run's)."""
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     rt = InProcessRuntime(app, partitions=runtime.config.partitions,
                           max_timers_per_epoch=runtime.config.max_timers_per_epoch)

@@ -408,7 +408,7 @@ def check_inprocess(w: Workload, max_drain: int = 20) -> list:
 
 
 def _check_inprocess(w: Workload, max_drain: int) -> list:
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
     from charon.testing.oracle import check_epoch, serial_execute
 
     rt = InProcessRuntime(app, partitions=w.partitions)

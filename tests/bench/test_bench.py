@@ -10,7 +10,7 @@ import pytest
 
 from charon.apps import tpcc, ycsb
 from charon.bench import harness, report
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 
 def test_percentiles_on_known_input() -> None:

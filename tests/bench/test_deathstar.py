@@ -7,7 +7,7 @@ import random
 
 from charon import serde
 from charon.apps import deathstar as ds
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 SIZES = {"hotels": 3, "flights": 3, "users": 40, "movies": 15, "movie_users": 15}
 

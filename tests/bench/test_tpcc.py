@@ -7,7 +7,7 @@ import random
 
 from charon import serde
 from charon.apps import tpcc
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 SCALE = tpcc.Scale(districts=2, customers=30, items=200)
 

@@ -21,7 +21,7 @@ from charon.config import SparkConfig
 from charon.core import partition
 from charon.core.epoch import EpochCoordinator, RestJob, run_rest
 from charon.core.partition import PartitionUnit
-from charon.runtime.inprocess import LocalExchange
+from charon.runtime.node.inprocess import LocalExchange
 from charon.runtime.spark.exchange import SparkExchange
 from charon.state.durable import DurableState
 from charon.state.store import MemoryStore

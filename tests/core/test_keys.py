@@ -25,7 +25,7 @@ from charon.core.routing import (
     store_key,
 )
 from charon.errors import BadArguments, InvalidKey
-from charon.runtime.inprocess import LocalExchange
+from charon.runtime.node.inprocess import LocalExchange
 from charon.state.durable import DurableState
 from charon.state.lmdbstore import LmdbStore
 from charon.testing import check_epoch

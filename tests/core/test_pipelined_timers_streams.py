@@ -13,7 +13,7 @@ import pytest
 from charon import Application, Context, Operator, Request, serde
 from charon.core.epoch import EpochCoordinator, EpochResult, FallbackJob, RestJob, run_fallback, run_rest
 from charon.core.partition import PartitionUnit
-from charon.runtime.inprocess import LocalExchange
+from charon.runtime.node.inprocess import LocalExchange
 from charon.state.store import MemoryStore
 
 acct = Operator("acct")

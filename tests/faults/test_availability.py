@@ -58,7 +58,7 @@ def test_a_log_only_rescale_answer_has_no_engine_fields() -> None:
 def test_a_runtime_hold_survives_a_user_resume_and_keeps_the_users_pause() -> None:
     """The gate's hold (a rescale's move, a code switch) is the runtime's own: a user's resume meanwhile does not
     let an epoch start in the middle of the move, and a user's pause-after set before is still there after it."""
-    from charon.runtime.gate import EpochGate
+    from charon.runtime.control.gate import EpochGate
 
     gate = EpochGate()
     gate.pause(after_epoch=5)

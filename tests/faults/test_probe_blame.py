@@ -14,7 +14,7 @@ _SETUP = """
 import os, sys, time
 from charon import Application, Context, InProcessRuntime, Operator, serde
 from charon.messages import Request
-from charon.runtime.quarantine import quarantine_killers
+from charon.runtime.guard.quarantine import quarantine_killers
 
 op = Operator("acct")
 
@@ -88,7 +88,7 @@ finally:
 def test_spark_probe_files_blame_only_a_started_step_never_a_torn_marker(tmp_path: object) -> None:
     from pathlib import Path
 
-    from charon.runtime.quarantine import culprit_in
+    from charon.runtime.guard.quarantine import culprit_in
 
     d = Path(str(tmp_path))
     (d / "1.log").write_bytes(b"S 3 0\nE\nS 12 1\n")  # died in tid 12's step (in its fallback)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from charon.core.epoch import Verdict
-from charon.runtime.verdicts import FILE, CorruptRecords, VerdictBook, letter
+from charon.runtime.guard.verdicts import FILE, CorruptRecords, VerdictBook, letter
 
 TESTS = Path(__file__).resolve().parents[1] / "support"
 

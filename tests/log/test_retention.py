@@ -72,7 +72,7 @@ def test_spark_runtime_retention_bounds_replies_ids_and_epoch_records(tmp_path: 
 
 async def test_durable_inprocess_engine_forgets_after_the_window(tmp_path: Path, monkeypatch) -> None:
     from charon.apps.ycsb import app
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
     monkeypatch.setenv("CHARON_DEDUP_WINDOW_S", "0")
     rt = InProcessRuntime(app, partitions=2, data_dir=str(tmp_path), checkpoint_s=0.0, compact_every=1,

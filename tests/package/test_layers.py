@@ -121,16 +121,16 @@ def test_layer_import_directions() -> None:
 
 def test_layer_check_rejects_wrong_directions() -> None:
     graph = {
-        "charon.core.epoch": {"charon.runtime.node", "charon.state.lmdbstore", "charon.errors"},
-        "charon.server.gateway": {"charon.runtime.inprocess"},
+        "charon.core.epoch": {"charon.runtime.node.storage", "charon.state.lmdbstore", "charon.errors"},
+        "charon.server.gateway": {"charon.runtime.node.inprocess"},
         "charon.state.store": {"charon.core.routing"},
         "charon.log.sqlite": {"charon"},
         "charon.cli": {"charon.runtime.spark.runtime", "charon.server.gateway"},
     }
     assert violations(graph) == [
-        "charon.core.epoch (core) imports charon.runtime.node",
+        "charon.core.epoch (core) imports charon.runtime.node.storage",
         "charon.core.epoch (core) imports charon.state.lmdbstore",
-        "charon.server.gateway (server) imports charon.runtime.inprocess",
+        "charon.server.gateway (server) imports charon.runtime.node.inprocess",
         "charon.state.store (state) imports charon.core.routing",
         "charon.log.sqlite (log) imports charon",
     ]
@@ -231,7 +231,8 @@ def cycle_problems(graph: dict[str, set[str]], known: list[frozenset[str]]) -> l
 def test_no_import_cycles() -> None:
     """No cycle among the modules' imports as they run: every import counts, function-local ones included.
     Imports under ``if TYPE_CHECKING:`` never run and are left out: an engine and the runtime it faces name each
-    other's types there (``charon.runtime.inprocess_engine`` / ``inprocess``), which is no dependency at run time."""
+    other's types there (``charon.runtime.node.inprocess_engine`` / ``inprocess``), which is no dependency at run
+    time."""
     graph = import_graph(typing=False)
     assert graph["charon.core.epoch"]  # the parser sees edges (an empty graph has no cycle)
     problems = cycle_problems(graph, KNOWN_CYCLES)
@@ -241,9 +242,9 @@ def test_no_import_cycles() -> None:
 def test_typing_only_imports_are_told_apart() -> None:
     """The cycle check's view leaves out exactly the TYPE_CHECKING imports (the engines name their runtime's
     type there), and the layer check still sees them."""
-    path = PKG / "runtime" / "inprocess_engine.py"
-    assert "charon.runtime.inprocess" in imports_of(path)
-    assert "charon.runtime.inprocess" not in imports_of(path, typing=False)
+    path = PKG / "runtime" / "node" / "inprocess_engine.py"
+    assert "charon.runtime.node.inprocess" in imports_of(path)
+    assert "charon.runtime.node.inprocess" not in imports_of(path, typing=False)
     assert "charon.runtime.contract" in imports_of(path, typing=False)
 
 

@@ -122,7 +122,7 @@ def test_a_migration_interrupted_by_a_crash_is_finished_at_restart(tmp_path) -> 
     import msgspec
 
     from charon import serde
-    from charon.runtime.codeversions import CodeVersion
+    from charon.runtime.control.codeversions import CodeVersion
 
     data = tmp_path / "node"
     rt = _runtime(data_dir=str(data), fsync=False)

@@ -7,7 +7,7 @@ import gc
 
 from charon import InProcessRuntime
 from charon.apps import ycsb
-from charon.runtime.inprocess import GC_THRESHOLD, EpochSizer
+from charon.runtime.node.inprocess import GC_THRESHOLD, EpochSizer
 
 
 def test_sizer_limits_conflicting_backlogs_and_waits_boundedly():

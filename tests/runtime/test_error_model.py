@@ -74,7 +74,7 @@ def test_state_reads_do_not_show_the_engines_timer_entries() -> None:
     """`charon read` / the admin scan list an entity's value and its own items, not the engine's timer entries
     (they once showed "\\u0002t2-0-1" beside the items)."""
     from charon import Application, Context, Operator
-    from charon.runtime.reads import decode_entities
+    from charon.runtime.control.reads import decode_entities
 
     acct = Operator("acct")
 

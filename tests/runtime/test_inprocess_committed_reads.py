@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from charon import Application, Context, Operator, Request, serde
-from charon.runtime.codeversions import ADMIN_PREFIX
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.control.codeversions import ADMIN_PREFIX
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.gateway import create_app
 
 TOKEN = "reads-token"

@@ -8,7 +8,7 @@ import asyncio
 import threading
 
 from charon import Application, Context, Operator, Request, serde
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 acct = Operator("acct")
 

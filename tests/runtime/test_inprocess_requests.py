@@ -8,7 +8,7 @@ import asyncio
 from charon import serde
 from charon.apps import ycsb
 from charon.messages import Request
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 
 def _runtime() -> InProcessRuntime:

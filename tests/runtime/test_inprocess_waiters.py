@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from charon import Application, Operator
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 counter = Operator("counter")
 

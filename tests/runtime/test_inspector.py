@@ -15,8 +15,8 @@ from charon import serde
 from charon.core.tracebacks import MAX_TRACEBACK_BYTES, format_traceback
 from charon.messages import Request
 from charon.runtime.contract import RequestQuery
-from charon.runtime.inprocess import InProcessRuntime
-from charon.runtime.inspector import AbortLog, InspectorSettings
+from charon.runtime.control.inspector import AbortLog, InspectorSettings
+from charon.runtime.node.inprocess import InProcessRuntime
 
 
 def _rt(settings: InspectorSettings | None = None, partitions: int = 2) -> InProcessRuntime:
@@ -166,7 +166,7 @@ _CRASHING_NODE = """
 import asyncio, logging, sys
 import inspector_app
 logging.basicConfig()  # the application's logging setup: charon's loggers print nothing without one
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 async def main():
     rt = InProcessRuntime(inspector_app.app, partitions=2, warmup_txns=0, gc_tuning=False, data_dir=sys.argv[1])
@@ -208,7 +208,7 @@ def test_the_graph_comes_back_from_a_rest_and_a_fallback_run_elsewhere() -> None
     import pickle
 
     from charon.core.epoch import run_fallback, run_rest
-    from charon.runtime.inprocess import LocalExchange
+    from charon.runtime.node.inprocess import LocalExchange
 
     taken = {"rest": 0, "fallback": 0}
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 
-from charon.runtime import interrupts
+from charon.runtime.guard import interrupts
 
 
 def _checks(fn: object) -> list[str]:
@@ -75,7 +75,7 @@ def test_files_of_reads_the_engine_threads_frames() -> None:
 
 _STRESS = textwrap.dedent("""
     import random, sys, threading, time
-    from charon.runtime import interrupts
+    from charon.runtime.guard import interrupts
 
     sys.setswitchinterval(1e-6)
     stop = False

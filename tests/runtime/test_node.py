@@ -16,8 +16,8 @@ import pytest
 
 from charon import serde
 from charon.messages import Request
-from charon.runtime.inprocess import InProcessRuntime
-from charon.runtime.node import EPOCH_MARK, NodeError, NodeStorage
+from charon.runtime.node.inprocess import InProcessRuntime
+from charon.runtime.node.storage import EPOCH_MARK, NodeError, NodeStorage
 from charon.server.serve import free_port
 
 TESTS = Path(__file__).resolve().parents[1] / "support"
@@ -288,7 +288,7 @@ sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[1] + "/../runtime")
 from node_app import app
 from test_node import epoch_requests
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 rt = InProcessRuntime(app, partitions=4, data_dir=sys.argv[2], compact_every=int(sys.argv[3]),
                       fsync=sys.argv[4] == "fsync")
 rt.load("acct", {"a0": 0})

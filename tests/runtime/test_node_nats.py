@@ -27,7 +27,7 @@ from test_node import (  # noqa: F401 - _no_server_left: the autouse fixture tha
 from charon import serde
 from charon.log.nats import NatsInputLog
 from charon.messages import Request
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 
 @pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""Rescaling the in-process engine (charon.runtime.inprocess.InProcessRuntime.rescale): key groups move to
+"""Rescaling the in-process engine (charon.runtime.node.inprocess.InProcessRuntime.rescale): key groups move to
 their partition under the new count at an epoch boundary; nothing is lost or duplicated, timers move with
 their owner, the oracle agrees epoch by epoch, and a durable node keeps (and survives a crash in) the move."""
 
@@ -18,7 +18,7 @@ from charon import InProcessRuntime, Request, serde
 from charon.apps.holds import app
 from charon.core import timers
 from charon.core.routing import partition_of
-from charon.runtime.inprocess_engine import InProcessEngine
+from charon.runtime.node.inprocess_engine import InProcessEngine
 from charon.testing import check_epoch
 
 KEYS = [f"k{i}" for i in range(40)]
@@ -158,7 +158,7 @@ _CRASH = """
 import sys
 from charon import Request, serde
 from charon.apps.holds import app
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 rt = InProcessRuntime(app, partitions=int(sys.argv[2]), data_dir=sys.argv[1])
 if rt.epoch == 0:
     rt.load("acct", {f"k{i}": 100 for i in range(40)})

@@ -1,4 +1,4 @@
-"""Paged state reads (:mod:`charon.runtime.reads`): pages in key order (UTF-8 bytes) across partitions, each
+"""Paged state reads (:mod:`charon.runtime.control.reads`): pages in key order (UTF-8 bytes) across partitions, each
 entity once, with a prefix, from the live stores and from the durable copy at an epoch (an older one compacted
 away is EpochNotRetained); a page of the live stores pulls its own rows, not the operator's."""
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from charon import serde
 from charon.core.routing import partition_of, store_key
 from charon.runtime.contract import EpochNotRetained
-from charon.runtime.reads import decode_entities, key_range, page_stores, read_durable, read_stores
+from charon.runtime.control.reads import decode_entities, key_range, page_stores, read_durable, read_stores
 from charon.state.durable import DurableState
 from charon.state.store import MemoryStore
 

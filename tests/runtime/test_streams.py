@@ -252,7 +252,7 @@ sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[1] + "/../runtime")
 from streams_app import app
 from test_streams import durable_epoch
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 rt = InProcessRuntime(app, partitions=3, data_dir=sys.argv[2], compact_every=2)
 rt.load("acct", {f"a{i}": 50 for i in range(6)})
 for e in range(6):

@@ -228,7 +228,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from test_timers import node_epoch
 from charon.apps.holds import app
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 rt = InProcessRuntime(app, partitions=3, data_dir=sys.argv[2], compact_every=int(sys.argv[3]))
 rt.load("acct", {f"a{i}": 100 for i in range(4)})
 for e in range(8):
@@ -277,7 +277,7 @@ def test_node_sigkill_fires_each_timer_once_in_the_same_epoch(tmp_path: Path, po
 _SERVICE_SCRIPT = """
 import asyncio, sys, time
 from charon.apps.holds import app
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 async def main():
     rt = InProcessRuntime(app, partitions=2, data_dir=sys.argv[1], checkpoint_s=0.05)

@@ -17,8 +17,8 @@ import httpx
 
 from charon import serde
 from charon.log.sqlite import InputLog, OutputLog
-from charon.runtime.inprocess import InProcessRuntime
-from charon.runtime.node import EPOCH_MARK
+from charon.runtime.node.inprocess import InProcessRuntime
+from charon.runtime.node.storage import EPOCH_MARK
 from charon.server.serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,8 +25,8 @@ import pytest
 from charon import serde
 from charon.client import Client, GatewayError
 from charon.log.sqlite import InputLog, OutputLog
-from charon.runtime.inprocess import InProcessRuntime
-from charon.runtime.node import EPOCH_MARK
+from charon.runtime.node.inprocess import InProcessRuntime
+from charon.runtime.node.storage import EPOCH_MARK
 from charon.server.serve import free_port
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"

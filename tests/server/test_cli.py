@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from charon import Application, Context, Operator
 from charon.cli import app as cli
 from charon.cli.exitcodes import ExitCode
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer, free_port
 
 TOKEN = "cli-test-token"

@@ -327,7 +327,7 @@ def test_reply_retention_defaults_agree_in_help_docs_and_code() -> None:
 
 def test_run_option_defaults_in_help_are_the_code_defaults() -> None:
     from charon.config import SparkConfig
-    from charon.runtime.watchdog import DEFAULT_TIMEOUT
+    from charon.runtime.guard.watchdog import DEFAULT_TIMEOUT
 
     assert GatewayConfig().max_body == 1 << 20 and "(default 1 MiB)" in _option_help("run", "max_body")
     stated = re.search(r"\(default ([\d.]+);", _option_help("run", "function_timeout"))

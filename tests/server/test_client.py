@@ -35,7 +35,7 @@ from charon.errors import (
     UnknownFunction,
     UnknownOperator,
 )
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer, free_port
 
 TOKEN = "client-test-token"

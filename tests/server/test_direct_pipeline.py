@@ -19,7 +19,7 @@ import pytest
 
 from charon import Application, Context, Operator
 from charon.config import GatewayConfig
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer
 
 box = Operator("box")

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from charon import Application, Context, Operator
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer
 
 TOKEN = "gw-test-token"

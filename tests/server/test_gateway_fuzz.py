@@ -83,7 +83,7 @@ def child(mode_name: str, skip: set[str]) -> None:
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
     from charon.server.serve import BackgroundServer
 
     mode = GenerationMode.POSITIVE if mode_name == "positive" else GenerationMode.NEGATIVE

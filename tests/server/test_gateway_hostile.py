@@ -21,7 +21,7 @@ from charon.log.client import LogClient
 from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply
 from charon.runtime.contract import Engine
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer
 
 TOKEN = "hostile-token"

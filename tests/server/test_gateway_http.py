@@ -11,7 +11,7 @@ import pytest
 
 from charon import Application, Operator
 from charon.config import GatewayConfig
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server import http as server_http
 from charon.server.serve import BackgroundServer
 

@@ -18,7 +18,7 @@ SERVER = """
 import sys
 from charon import Application, Context, Operator
 from charon.server.serve import serve
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 c = Operator("c")
 

@@ -21,7 +21,7 @@ from charon.apps import ycsb
 from charon.cli.gatewayprocs import GatewayProcesses
 from charon.log.sqlite import InputLog, OutputLog
 from charon.messages import Reply
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer, bind_socket, free_port
 
 TOKEN = "gw-token"

@@ -11,7 +11,7 @@ import httpx
 import inspector_app
 import pytest
 
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer
 
 TOKEN = "inspector-token"

@@ -16,7 +16,7 @@ import pytest
 
 from charon import Application, Context, Operator
 from charon.config import GatewayConfig
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer
 
 TOKEN = "lane-token"

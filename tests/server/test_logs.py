@@ -150,7 +150,7 @@ def test_a_log_outage_and_its_recovery_are_logged(restore_logging) -> None:
     """The durable node's log retry (a NATS outage is an OSError) logs the outage at once and its end."""
     from types import SimpleNamespace
 
-    from charon.runtime.node import NodeStorage
+    from charon.runtime.node.storage import NodeStorage
 
     out = io.StringIO()
     handler = only_this_thread(setup_logging("info", "json", out))

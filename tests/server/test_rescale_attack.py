@@ -17,7 +17,7 @@ from charon import InProcessRuntime
 from charon.apps import ycsb
 from charon.client import BadRequest, Client
 from charon.config import GatewayConfig
-from charon.runtime.inprocess_engine import InProcessEngine
+from charon.runtime.node.inprocess_engine import InProcessEngine
 from charon.server.gateway import create_app
 from charon.server.http import uvicorn_config
 from charon.server.serve import BackgroundServer

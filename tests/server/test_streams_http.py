@@ -15,7 +15,7 @@ import pytest
 from charon.client import AsyncClient, BadRequest, Client, Event, Unauthorized
 from charon.config import GatewayConfig
 from charon.errors import InvalidKey, TransactionAborted
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))

@@ -24,7 +24,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from charon import Application, Context, InProcessRuntime, Operator
 from charon.config import GatewayConfig
-from charon.runtime.inspector import InspectorSettings
+from charon.runtime.control.inspector import InspectorSettings
 from charon.server.serve import BackgroundServer
 from charon.server.tracing import CallGraphError, call_graph_spans, otlp_endpoint
 from tests.support.contract_app import v1 as APP

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 TESTS = Path(__file__).resolve().parents[1] / "support"
 sys.path.insert(0, str(TESTS))

@@ -13,7 +13,7 @@ import pytest
 
 from charon import InProcessRuntime
 from charon.apps import ycsb
-from charon.runtime.node import NodeStorage
+from charon.runtime.node.storage import NodeStorage
 from charon.runtime.spark.runtime import EpochRecord as SparkEpochRecord
 from charon.state.records import EpochRecord, decode_record, encode_record, read_record
 

@@ -13,8 +13,8 @@ from node_app import app as ledger
 
 from charon import serde
 from charon.messages import Request
-from charon.runtime.inprocess import InProcessRuntime
-from charon.runtime.node import NodeError
+from charon.runtime.node.inprocess import InProcessRuntime
+from charon.runtime.node.storage import NodeError
 from charon.storage.contract import StorageConflict
 from tests.support.seaweedfix import SeaweedS3
 

@@ -14,7 +14,7 @@ import sys
 
 from charon.apps.orderflow import orders_app, payments_app, shipping_app
 from charon.runtime.deployment import Deployment
-from charon.runtime.inprocess import InProcessRuntime
+from charon.runtime.node.inprocess import InProcessRuntime
 
 CUSTOMERS, ITEMS, MONEY_EACH, STOCK_EACH = 8, 4, 200, 40
 

@@ -17,7 +17,7 @@ from portal_deployment import CUSTOMERS, ITEMS, MONEY_EACH, STOCK_EACH, order  #
 
 from charon.apps.orderflow import FINAL, orders_app, payments_app, shipping_app  # noqa: E402
 from charon.runtime.deployment import PortalOutbox, PortalServer, ReplyPump  # noqa: E402
-from charon.runtime.inprocess import InProcessRuntime  # noqa: E402
+from charon.runtime.node.inprocess import InProcessRuntime  # noqa: E402
 
 
 def node(root: str, app):  # noqa: ANN001, ANN201

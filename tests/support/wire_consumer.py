@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from wire_apps import bank  # noqa: E402
 
 from charon.log.streams import StreamLog  # noqa: E402
-from charon.runtime.inprocess import InProcessRuntime  # noqa: E402
+from charon.runtime.node.inprocess import InProcessRuntime  # noqa: E402
 from charon.runtime.wiring import StreamWire  # noqa: E402
 
 

@@ -22,15 +22,6 @@ from charon.core.routing import split_store_key
 from charon.core.sequencer import Sequencer
 from charon.log.offsets import pad_pair
 from charon.messages import Request
-from charon.runtime import sqlstate
-from charon.runtime.codeversions import (
-    CodeHistory,
-    CodeVersion,
-    admin_requests,
-    load_app_ref,
-    migration_of,
-    update_outcome,
-)
 from charon.runtime.contract import (
     CodeUpdate,
     ControlStatus,
@@ -42,8 +33,17 @@ from charon.runtime.contract import (
     SqlResult,
     UpdateOutcome,
 )
-from charon.runtime.controls import GatedControls, HostedEngine
-from charon.runtime.reads import check_entities, page_durable, read_durable, retained_from
+from charon.runtime.control import sqlstate
+from charon.runtime.control.codeversions import (
+    CodeHistory,
+    CodeVersion,
+    admin_requests,
+    load_app_ref,
+    migration_of,
+    update_outcome,
+)
+from charon.runtime.control.controls import GatedControls, HostedEngine
+from charon.runtime.control.reads import check_entities, page_durable, read_durable, retained_from
 from charon.runtime.schedules import start_declaring
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from charon.config import SparkConfig
 from charon.core.epoch import EpochResult
@@ -41,6 +41,7 @@ from charon.runtime.spark.exchange import SparkExchange
 from charon.runtime.spark.layout import durable_location
 from charon.state.records import EpochRecord
 
+_T = TypeVar("_T")
 _LEN = struct.Struct(">I")
 _HELLO = struct.Struct(">16sIIII")
 MEET_S = 120.0  # longest the driver waits for a new gang's tasks to connect
@@ -520,7 +521,7 @@ class GangTask:
         return pickle.dumps((results, stats), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _each(pool: ThreadPoolExecutor, fn: Callable[[int], Any], pids: list[int]) -> list[Any]:
+def _each(pool: ThreadPoolExecutor, fn: Callable[[int], _T], pids: list[int]) -> list[_T]:
     """``fn`` of each of ``pids`` in ``pool``, in order; every call has ended when this returns (the first error
     is raised only then: no write of the round goes on after the task told the driver it failed)."""
     futures = [pool.submit(fn, pid) for pid in pids]
@@ -540,7 +541,7 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
     as the job-per-round rest's do (``SparkConfig.finalize_threads``): each partition's delta goes to its own
     durable files and LMDB environment, each with its fsyncs, and in threads the waits overlap. Only a finalize
     runs there (a carried one, or a round that only finalizes): no application code, which runs in this thread."""
-    from charon.runtime.quarantine import probing
+    from charon.runtime.guard.quarantine import probing
     from charon.runtime.spark.session import load_app
     from charon.runtime.spark.tasks import finalize_prior, step_unit, unit_for
 

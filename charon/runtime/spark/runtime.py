@@ -57,13 +57,14 @@ from charon.log.sqlite import DedupRetention
 from charon.log.streams import StreamLog
 from charon.messages import Reply, Request, is_reserved_id
 from charon.operator import Function, Operator
-from charon.runtime.controls import EngineBacked
+from charon.runtime.control.controls import EngineBacked
+from charon.runtime.control.gate import EpochGate
+from charon.runtime.control.inspector import Inspector, InspectorSettings, LiveRequest
+from charon.runtime.control.owner import claim_data_dir
+from charon.runtime.control.probe import LogProbe
 from charon.runtime.faults import crash_point, fault_point
-from charon.runtime.gate import EpochGate
-from charon.runtime.inspector import Inspector, InspectorSettings, LiveRequest
-from charon.runtime.owner import claim_data_dir
-from charon.runtime.probe import LogProbe
-from charon.runtime.quarantine import RecoveryAttempts, culprit_in
+from charon.runtime.guard.quarantine import RecoveryAttempts, culprit_in
+from charon.runtime.guard.verdicts import VerdictBook, letter
 from charon.runtime.replies import ReplyWriter
 from charon.runtime.spark.engine import SparkEngine
 from charon.runtime.spark.files import CheckpointFiles
@@ -92,7 +93,6 @@ from charon.runtime.spark.session import (
     trim_native_heap,
 )
 from charon.runtime.spark.tasks import read_entities, scan_prefix, tune_worker_gc, write_bases
-from charon.runtime.verdicts import VerdictBook, letter
 from charon.state.durable import DurableState, DurableStateError, write_file_atomic
 from charon.state.records import EpochRecord, encode_record, read_record
 from charon.storage.contract import ObjectStore, StorageError
@@ -508,7 +508,8 @@ class SparkRuntime(EngineBacked):
     def _quarantine_culprit(self, epoch: int) -> bool:
         """After a probed run of ``epoch`` failed: the transaction its dead worker was running, if one can be told,
         is recorded as Quarantined (before the epoch runs again, which refuses it). See
-        :mod:`charon.runtime.quarantine`; the probe files must be readable here (local mode, a shared directory)."""
+        :mod:`charon.runtime.guard.quarantine`; the probe files must be readable here (local mode, a shared
+        directory)."""
         if self._probe_epoch != epoch:
             return False
         found = culprit_in(os.path.join(self.ckpt, "probe", str(epoch)))

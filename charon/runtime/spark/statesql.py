@@ -21,7 +21,7 @@ Spark task, so the read runs in parallel on the executors and never waits for (o
 query: it reads files the epochs already wrote. The Spark runtime can show every epoch since the durable
 copy's base; an in-process node's data directory the epochs it checkpointed (``retained_epochs``).
 This is ``charon sql``'s path (a Spark session of its own); the gateway's SQL box never runs a query in the
-engine's JVM (:mod:`charon.runtime.sqlstate`).
+engine's JVM (:mod:`charon.runtime.control.sqlstate`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from charon import serde
 from charon.core.routing import split_store_key
 from charon.core.timers import INDEX_PREFIX, ITEM_PREFIX
 from charon.runtime.contract import EpochNotRetained
-from charon.runtime.reads import node_retained_epochs
+from charon.runtime.control.reads import node_retained_epochs
 from charon.runtime.spark.layout import read_layout, records_dir
 from charon.state.durable import DurableState, DurableStateError, durable_at
 

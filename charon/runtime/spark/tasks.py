@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 from charon.core import determinism
 from charon.core.partition import Control, Invoke, PartitionUnit, Prior, Reply, RoundOutput
 from charon.core.routing import partition_of, store_key
-from charon.runtime.quarantine import probing
+from charon.runtime.guard.quarantine import probing
+from charon.runtime.guard.watchdog import task_budget
 from charon.runtime.spark.layout import local_root
 from charon.runtime.spark.session import load_app
-from charon.runtime.watchdog import task_budget
 from charon.state.durable import DurableState, durable_at
 
 if TYPE_CHECKING:
+    from charon.operator import Application
     from charon.runtime.spark.hub import PeerLinks
 
 
@@ -28,7 +29,7 @@ def tune_worker_gc(threshold: int) -> None:
     unpickling a round's scratch and messages allocates objects by the hundred thousand, and with CPython's
     default threshold (700) each young collection walks the survivors again (half a big epoch's CPU)."""
     if threshold > 0:
-        from charon.runtime.inprocess import tune_gc
+        from charon.runtime.node.inprocess import tune_gc
 
         tune_gc(threshold)
 
@@ -42,9 +43,9 @@ def run_partitions(
     """One task of a round. ``previous``: a compatible code update's (first TID on ``app_ref``, the old
     code's ref): a transaction with a lower TID started before the update and runs the old code.
     ``gc_threshold``: see :func:`tune_worker_gc`. ``function_timeout``: the functions' default time budget
-    (:func:`charon.runtime.watchdog.task_budget`). ``determinism_check``: every function step runs twice
+    (:func:`charon.runtime.guard.watchdog.task_budget`). ``determinism_check``: every function step runs twice
     (:mod:`charon.core.determinism`). ``probe_dir``: an epoch that failed is probed for a transaction that kills
-    its worker (:func:`charon.runtime.quarantine.probing`)."""
+    its worker (:func:`charon.runtime.guard.quarantine.probing`)."""
 
     if probe_dir is not None:
         with probing(probe_dir):
@@ -87,8 +88,9 @@ def step_partition(app: Any, parts: int, root: str, durable_root: str, pid: int,
     return (None if unit is None else unit.dump_scratch()), out
 
 
-def unit_for(app: Any, parts: int, root: str, durable_root: str, pid: int, scratch: bytes | PartitionUnit | None,
-             prev: tuple[int, Any] | None, determinism_check: bool, fence: int | None = None) -> PartitionUnit:
+def unit_for(app: Application, parts: int, root: str, durable_root: str, pid: int,
+             scratch: bytes | PartitionUnit | None, prev: tuple[int, Application] | None, determinism_check: bool,
+             fence: int | None = None) -> PartitionUnit:
     """Partition ``pid``'s unit for a round, over its resident store (claimed as the writer generation ``fence``
     before its first write, :meth:`~charon.state.durable.DurableState.claim`: a task of an older gang is refused
     from then on) and ``scratch``: pickled (:meth:`~PartitionUnit.dump_scratch`), or the unit this process kept

@@ -5,7 +5,7 @@ import os, tempfile, shutil
 from charon import Application, Context, Operator, Request, serde
 from charon.state.durable import DurableState
 from charon.core.epoch import EpochCoordinator
-from charon.runtime.inprocess import LocalExchange
+from charon.runtime.node.inprocess import LocalExchange
 from charon.state.lmdbstore import LmdbStore
 from charon.core.partition import PartitionUnit
 

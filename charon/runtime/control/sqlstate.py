@@ -3,7 +3,7 @@
 A query never runs inside the engine (not in its process, not in Spark's JVM): a failure of the query is
 contained and typed. The runtime reads the operators the query names at one epoch boundary (the latest
 committed epoch, or an earlier one the durable copy retains) from its committed-state read path, writes those
-store rows once to a temporary SQLite file, and a child process (:mod:`charon.runtime.sqlchild`) builds one
+store rows once to a temporary SQLite file, and a child process (:mod:`charon.runtime.control.sqlchild`) builds one
 table per operator, columns ``key``, ``item``, ``value``, ``value_json``, ``epoch`` (SQLite keeps each
 ``value`` with its own type; the engine's internal entries, an entity's pending timers, are left out as
 ``charon read`` leaves them out), and runs the query. The child limits itself first: address space

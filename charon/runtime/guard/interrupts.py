@@ -1,6 +1,6 @@
 """Interrupts that land only in user code.
 
-The watchdog (:mod:`charon.runtime.watchdog`) stops a function past its budget by raising
+The watchdog (:mod:`charon.runtime.guard.watchdog`) stops a function past its budget by raising
 :class:`~charon.core.partition.Interrupt` into the engine thread (``PyThreadState_SetAsyncExc``). An asynchronous
 exception fires at the target thread's next *eval-breaker check*, which may be anywhere: in the engine's own code
 (where it would escape the step) or in a library holding a lock (``logging.Handler.handle`` acquires before its

@@ -8,7 +8,7 @@ runs. A forked child runs the epoch on a copy of the state while reporting, thro
 invocation step (which transaction's code runs, and its function's time budget) and its end. The probe blames only
 a step that started and did not end: the child died in it, or the step ran past ten times its own budget
 (``PROBE_FACTOR``, plus ``STEP_GRACE_S``; the child is killed then). That transaction gets a ``Quarantined``
-verdict (recorded before the epoch replays, see :mod:`charon.runtime.verdicts`) and the probe repeats until the
+verdict (recorded before the epoch replays, see :mod:`charon.runtime.guard.verdicts`) and the probe repeats until the
 epoch completes in the child.
 Then the epoch replays for real, the quarantined transactions refused up front; their clients get the typed
 ``Quarantined`` reply and ``charon dead-letters`` lists them. The decision is taken before anything depends on it,
@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, NoReturn
 
 from charon.core.epoch import EpochCoordinator, Verdict
 from charon.core.partition import Frame, Outgoing, PartitionUnit
-from charon.runtime.verdicts import VerdictBook, letter
+from charon.runtime.guard.verdicts import VerdictBook, letter
 from charon.state.durable import write_file_atomic
 
 FILE = "recovery.json"
@@ -181,7 +181,7 @@ def probe(run_epoch: Callable[[], Any], coordinator: Callable[[], EpochCoordinat
 def _report_steps(coord: EpochCoordinator, fd: int, default_budget: float) -> None:
     """In the probing child only: every unit writes what it is about to run (and the function's budget) to ``fd``
     before each step, and ``E`` after it (the class is patched: this process ends with the probe)."""
-    from charon.runtime.watchdog import budget_of
+    from charon.runtime.guard.watchdog import budget_of
 
     run, replay = PartitionUnit._run, PartitionUnit._replay_cached
 

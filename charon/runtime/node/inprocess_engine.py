@@ -1,7 +1,7 @@
 """The in-process runtime seen through the engine contract, and the owner of its control state.
 
 :class:`InProcessEngine` is what the gateway, admin routes, metrics and CLI hold for an
-:class:`~charon.runtime.inprocess.InProcessRuntime` (volatile or a durable node): it answers the contract's calls
+:class:`~charon.runtime.node.inprocess.InProcessRuntime` (volatile or a durable node): it answers the contract's calls
 and owns what control needs beyond the epoch loop (the code history, the admin lock, the admin updates done).
 Control operations run at an epoch boundary: the gate is held, the running epoch finishes, and the work runs in
 the engine thread, where epochs run.
@@ -18,15 +18,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import msgspec
 
 from charon.core.routing import split_store_key
-from charon.runtime import sqlstate
-from charon.runtime.codeversions import (
-    CodeHistory,
-    CodeVersion,
-    admin_requests,
-    load_app_ref,
-    migration_of,
-    update_outcome,
-)
 from charon.runtime.contract import (
     CodeUpdate,
     ControlStatus,
@@ -39,8 +30,17 @@ from charon.runtime.contract import (
     SqlResult,
     UpdateOutcome,
 )
-from charon.runtime.controls import GatedControls, HostedEngine
-from charon.runtime.reads import (
+from charon.runtime.control import sqlstate
+from charon.runtime.control.codeversions import (
+    CodeHistory,
+    CodeVersion,
+    admin_requests,
+    load_app_ref,
+    migration_of,
+    update_outcome,
+)
+from charon.runtime.control.controls import GatedControls, HostedEngine
+from charon.runtime.control.reads import (
     check_entities,
     node_retained_epochs,
     page_durable,
@@ -51,7 +51,7 @@ from charon.runtime.reads import (
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
     from charon.operator import Application
-    from charon.runtime.inprocess import InProcessRuntime
+    from charon.runtime.node.inprocess import InProcessRuntime
 
 __all__ = ["InProcessEngine"]
 
@@ -156,8 +156,8 @@ class InProcessEngine(HostedEngine):
                   max_entities: int = 100_000, max_bytes: int = 4 << 20,
                   max_memory: int = 512 << 20) -> SqlResult:
         """``query`` (one safe SELECT, checked by SQLite's authorizer) over the operators it names, read as one
-        cut at ``epoch``, run in the SQL sandbox (:mod:`charon.runtime.sqlstate`). The cut's rows are copied in a
-        thread holding the runtime's epoch lock; the check, the snapshot and the query run off the loop."""
+        cut at ``epoch``, run in the SQL sandbox (:mod:`charon.runtime.control.sqlstate`). The cut's rows are copied
+        in a thread holding the runtime's epoch lock; the check, the snapshot and the query run off the loop."""
         rt = self.rt
         ops = sorted(rt.app.operators)
         used = sorted(await asyncio.to_thread(sqlstate.referenced_tables, query, ops))

@@ -3,7 +3,8 @@
 Design (Python cannot stop ``while True: pass`` in a coroutine from the thread running it):
 
 * The engine runs epochs in a thread of its own (never on the gateway's event loop, see
-  :class:`charon.runtime.inprocess.InProcessRuntime`), attached to a :class:`~charon.runtime.interrupts.ThreadHandle`.
+  :class:`charon.runtime.node.inprocess.InProcessRuntime`), attached to a
+  :class:`~charon.runtime.guard.interrupts.ThreadHandle`.
   Each :class:`~charon.core.partition.PartitionUnit` says which invocation step runs now (``unit.current``: two
   attribute stores per step, the only cost on the hot path besides one ``doomed`` check).
 * This thread samples every ``interval`` seconds. A step (a function running from one ``await`` to the next) seen
@@ -15,10 +16,10 @@ Design (Python cannot stop ``while True: pass`` in a coroutine from the thread r
   *before* the step's outcome counts, and fails the transaction with it (:meth:`PartitionUnit._judged`), also
   when the function caught the interrupt and returned normally.
 * The interrupt (:class:`~charon.core.partition.Interrupt`, a ``BaseException``) only ends the step early. It is
-  raised only where it lands in user code (:func:`charon.runtime.interrupts.deliver`: the engine thread's frames,
+  raised only where it lands in user code (:func:`charon.runtime.guard.interrupts.deliver`: the engine thread's frames,
   from the top one down to the engine's step driver, are all the application's), never in the engine or a library
   (a lock held by ``logging`` stays balanced); elsewhere it is deferred to the next sample. An interrupt still
-  pending when the step ended is dropped (:func:`charon.runtime.interrupts.clear_pending`). An interrupt that
+  pending when the step ended is dropped (:func:`charon.runtime.guard.interrupts.clear_pending`). An interrupt that
   escapes anyway is a fatal error of the epoch (the runtime halts and calls ``on_fatal``), never a dead loop.
 * Code blocked in C (``time.sleep``, a C extension's loop) cannot be interrupted: it is reported from its budget
   on (``health()["stuck"]``; ``/health`` answers 503), and a durable node run by ``charon run`` (``exit_after``)
@@ -52,7 +53,7 @@ from charon.core.epoch import EpochCoordinator, Verdict
 from charon.core.partition import ROOT, Interrupt, PartitionUnit, timeout_message
 from charon.errors import InvocationTimeout, Quarantined
 from charon.operator import Application
-from charon.runtime.interrupts import (
+from charon.runtime.guard.interrupts import (
     DEFERRED,
     DELIVERED,
     JUDGED,
@@ -64,7 +65,7 @@ from charon.runtime.interrupts import (
     doom,
     user_frame_chain,
 )
-from charon.runtime.verdicts import VerdictBook, letter
+from charon.runtime.guard.verdicts import VerdictBook, letter
 
 _events = logging.getLogger("charon.engine")  # the server log
 
@@ -348,7 +349,8 @@ def task_budget(units: list[PartitionUnit], timeout: float | None, interval: flo
     thread between bytecodes (it also stops ``time.sleep``: a signal interrupts the sleep, PEP 475). A step past
     its budget (or a transaction past its total) is judged (``unit.doomed``: it fails with ``InvocationTimeout``
     whatever it does next) and :class:`Interrupt` is raised only when the interrupted frames, down to the step's
-    driver, are all user code (:func:`charon.runtime.interrupts.user_frame_chain`); else a later alarm tries again.
+    driver, are all user code (:func:`charon.runtime.guard.interrupts.user_frame_chain`); else a later alarm tries
+    again.
     The round's output carries the failure to the driver, which records the verdict before anything depends on
     it (:meth:`charon.core.epoch.EpochCoordinator._verdict`). Elsewhere than the main thread (the simulator's
     workers) nothing is armed."""

@@ -1,5 +1,5 @@
 """The SQL sandbox's child process: one ``/admin/sql`` query, run away from the engine (see
-:mod:`charon.runtime.sqlstate`). Run as a script (``python -I sqlchild.py``), never imported by the engine: it
+:mod:`charon.runtime.control.sqlstate`). Run as a script (``python -I sqlchild.py``), never imported by the engine: it
 uses only the standard library and msgspec, so it starts in ~50 ms.
 
 Protocol: stdin is one JSON object ``{"db", "sql", "operators", "functions", "epoch", "max_rows", "max_bytes",

@@ -1,6 +1,6 @@
 """Verdicts: decisions taken on a transaction from outside the deterministic core, and the dead letters they make.
 
-A function that overran its time budget (:mod:`charon.runtime.watchdog`) or a transaction quarantined after it
+A function that overran its time budget (:mod:`charon.runtime.guard.watchdog`) or a transaction quarantined after it
 stopped the engine on repeated attempts gets a :class:`~charon.core.epoch.Verdict` keyed by its request id. The
 book records it *before* anything that depends on it is replied or recorded (durable mode: one fsynced line of
 ``verdicts.jsonl`` in the data directory), and the coordinator applies it the same way live, at recovery and on

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from charon import serde
 from charon.messages import Reply
 from charon.operator import Application
-from charon.runtime.codeversions import CodeHistory
 from charon.runtime.contract import Controls, ControlStatus, Engine, RequestLog
-from charon.runtime.gate import EpochGate
-from charon.runtime.verdicts import VerdictBook
+from charon.runtime.control.codeversions import CodeHistory
+from charon.runtime.control.gate import EpochGate
+from charon.runtime.guard.verdicts import VerdictBook
 
 if TYPE_CHECKING:
     from charon.core.timers import Timer

@@ -16,8 +16,8 @@ allocations instead of 700; a short warm-up (``warmup_txns`` transfers of a buil
 runtime; no user code runs) takes the engine's hot path once before the first request.
 
 Without ``data_dir`` it is *volatile*: state, replies and request ids live in memory only. With
-``data_dir`` it is *durable* (:mod:`charon.runtime.node`): every epoch's batch is in the SQLite input log before the
-epoch runs, state and replies are checkpointed in the background, and a restart (clean or after SIGKILL)
+``data_dir`` it is *durable* (:mod:`charon.runtime.node.storage`): every epoch's batch is in the SQLite input log
+before the epoch runs, state and replies are checkpointed in the background, and a restart (clean or after SIGKILL)
 recovers by replaying the log; a request id runs once across restarts and a retry gets the first reply.
 """
 
@@ -58,21 +58,21 @@ from charon.log.streams import DEFAULT_RETAIN_EVENTS, StreamEvent, StreamLog
 from charon.messages import Reply, Request, is_reserved_id
 from charon.operator import Application, Operator, batch_request
 from charon.runtime.contract import EngineStopped, Enqueue
-from charon.runtime.controls import EngineBacked
-from charon.runtime.gate import EpochGate
-from charon.runtime.inprocess_engine import InProcessEngine
-from charon.runtime.inspector import Inspector, InspectorSettings, LiveRequest
-from charon.runtime.interrupts import ThreadHandle, clear_pending
-from charon.runtime.quarantine import RecoveryAttempts, quarantine_killers
+from charon.runtime.control.controls import EngineBacked
+from charon.runtime.control.gate import EpochGate
+from charon.runtime.control.inspector import Inspector, InspectorSettings, LiveRequest
+from charon.runtime.guard.interrupts import ThreadHandle, clear_pending
+from charon.runtime.guard.quarantine import RecoveryAttempts, quarantine_killers
+from charon.runtime.guard.verdicts import VerdictBook
+from charon.runtime.guard.watchdog import DEFAULT_INTERVAL, DEFAULT_TIMEOUT, Watchdog
+from charon.runtime.node.inprocess_engine import InProcessEngine
 from charon.runtime.schedules import start_declaring
-from charon.runtime.verdicts import VerdictBook
-from charon.runtime.watchdog import DEFAULT_INTERVAL, DEFAULT_TIMEOUT, Watchdog
 from charon.state.store import MemoryStore
 
 if TYPE_CHECKING:
     from charon.log.contract import InputLogLike
     from charon.runtime.effects import EffectExecutor
-    from charon.runtime.node import NodeStorage
+    from charon.runtime.node.storage import NodeStorage
 
 
 _log = logging.getLogger("charon.engine")
@@ -275,8 +275,8 @@ class InProcessRuntime(EngineBacked):
         at most ``reply_retention_bytes`` of their values (default 128 MiB; the oldest go first).
         ``partitions``: engine partitions (default 4; a durable directory keeps the count it has unless another
         one is given, which rescales it). ``data_dir``: durable mode (see
-        :mod:`charon.runtime.node` for ``fsync``, ``checkpoint_s`` and ``compact_every``; ``log_url`` puts its logs
-        on NATS, see :mod:`charon.log.nats`; ``storage_url`` also keeps its checkpoints on object storage, e.g.
+        :mod:`charon.runtime.node.storage` for ``fsync``, ``checkpoint_s`` and ``compact_every``; ``log_url`` puts
+        its logs on NATS, see :mod:`charon.log.nats`; ``storage_url`` also keeps its checkpoints on object storage, e.g.
         ``s3://bucket/prefix``, see :mod:`charon.storage`). ``stats_kept``: how many
         recent epochs ``epoch_stats`` keeps. ``retain_events``: events kept per output stream
         (:class:`charon.log.streams.StreamLog`; durable mode: ``data_dir/streams.sqlite``, volatile: a temporary
@@ -291,10 +291,10 @@ class InProcessRuntime(EngineBacked):
         supervisor (None: it is reported, never exited); ``transaction_timeout``: seconds a transaction's function
         code may run in one epoch in all (default twice ``function_timeout``; at least the running step's own
         budget).
-        See :mod:`charon.runtime.watchdog`.
+        See :mod:`charon.runtime.guard.watchdog`.
         ``determinism_check``: run every function step twice and abort its transaction with
         ``NonDeterministicFunction`` when the two runs' effects differ (:mod:`charon.core.determinism`).
-        ``inspector``: the invocation inspector's settings (:mod:`charon.runtime.inspector`; default on).
+        ``inspector``: the invocation inspector's settings (:mod:`charon.runtime.control.inspector`; default on).
         ``effects``: run the application's effect handlers (``ctx.effect``) in this process, from ``start()`` to
         ``stop()``, with an :class:`~charon.runtime.effects.EffectExecutor` (:attr:`effects_executor`; its
         continuations go straight to this runtime, under their reserved request ids). ``None`` (default): when
@@ -313,8 +313,8 @@ class InProcessRuntime(EngineBacked):
         self._arrived = 0
         self.node: NodeStorage | None = None
         if data_dir is not None:
-            from charon.runtime.node import NodeStorage, RecordingStore
-            from charon.runtime.owner import claim_data_dir
+            from charon.runtime.control.owner import claim_data_dir
+            from charon.runtime.node.storage import NodeStorage, RecordingStore
 
             claim_data_dir(data_dir, "inprocess")  # not a Spark deployment's directory (DataDirOwned)
             self.node = NodeStorage(data_dir, partitions or 4, fsync=fsync, checkpoint_s=checkpoint_s,
@@ -457,7 +457,7 @@ class InProcessRuntime(EngineBacked):
         self.controller.finish_migration()  # a code update's migration a crash interrupted
 
     def _probe(self, epoch: int, requests: list[Request], now: float) -> None:
-        """Recovery of an epoch that killed the process before: see :mod:`charon.runtime.quarantine`."""
+        """Recovery of an epoch that killed the process before: see :mod:`charon.runtime.guard.quarantine`."""
 
         def _probe_run() -> None:  # in the forked child: nothing it does reaches a file
             self._streams = _NullStreams()  # type: ignore[assignment]
@@ -555,7 +555,7 @@ class InProcessRuntime(EngineBacked):
         for p in parts:
             p.sort()
         if self.node is not None:
-            from charon.runtime.node import RecordingStore
+            from charon.runtime.node.storage import RecordingStore
 
             self.node.relayout(partitions, parts, self.epoch - 1)
             self._base_dirty = False
@@ -703,7 +703,8 @@ class InProcessRuntime(EngineBacked):
                 return self._run_epoch_locked(requests, now, defer, carry)
             finally:
                 self._engine_thread.detach()
-                clear_pending()  # no interrupt of a step that ended outlives the epoch (see charon.runtime.interrupts)
+                # no interrupt of a step that ended outlives the epoch (see charon.runtime.guard.interrupts)
+                clear_pending()
                 if self._outbox:  # its replies' waiters (on the event loop) run once the epoch is recorded
                     out, self._outbox = self._outbox, []
                     assert self._aloop is not None
@@ -895,7 +896,8 @@ class InProcessRuntime(EngineBacked):
             status = "ok"
         stuck = self.watchdog.stuck
         if stuck is not None and status == "ok":
-            status = "stuck"  # a function overran its budget and still holds the engine (see charon.runtime.watchdog)
+            # a function overran its budget and still holds the engine (see charon.runtime.guard.watchdog)
+            status = "stuck"
         wait = self.node.log_wait if self.node is not None else None
         if wait is not None and status == "ok":  # a log outage: epochs (or checkpoints) wait for the log
             status = "waiting for log"
@@ -1196,7 +1198,7 @@ class InProcessRuntime(EngineBacked):
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(engine, fn, *args)
 
-    # -- control: the engine contract (charon.runtime.inprocess_engine) ---------------------------------
+    # -- control: the engine contract (charon.runtime.node.inprocess_engine) ---------------------------------
     def engine(self) -> InProcessEngine:
         """This runtime under the engine contract (what the gateway, admin routes, metrics and CLI use)."""
         return self.controller
@@ -1249,7 +1251,7 @@ class InProcessRuntime(EngineBacked):
         max_entities: int = 100_000, max_bytes: int = 4 << 20, max_memory: int = 512 << 20,
     ) -> dict[str, Any]:
         """One safe SELECT over the operators' state at one committed epoch, answered by SQLite in the SQL
-        sandbox (:mod:`charon.runtime.sqlstate`): ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
+        sandbox (:mod:`charon.runtime.control.sqlstate`): ``{"epoch", "columns", "rows", "truncated", "engine"}``."""
         out = await self.controller.sql(query, epoch, max_rows=max_rows, timeout_s=timeout_s,
                                         max_entities=max_entities, max_bytes=max_bytes, max_memory=max_memory)
         return out.doc()
