@@ -50,7 +50,7 @@ from charon.errors import UndeclaredPortal
 from charon.log.streams import StreamLog
 from charon.messages import Reply
 from charon.runtime.wiring import StreamWire, load_offset, store_offset
-from charon.state.durable import write_file_atomic
+from charon.storage.files import write_file_atomic
 
 __all__ = ["Deployment", "PortalOutbox", "PortalRouter", "PortalServer", "ReplyPump"]
 

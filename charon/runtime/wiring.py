@@ -27,7 +27,7 @@ from charon import serde
 from charon.core.routing import check_stream
 from charon.log.streams import StreamLog
 from charon.messages import Reply
-from charon.state.durable import write_file_atomic
+from charon.storage.files import write_file_atomic
 
 __all__ = ["StreamWire", "WIRE_ID_PREFIX"]
 

@@ -105,6 +105,7 @@ from charon.log.sqlite import InputLog as FileInputLog
 from charon.messages import RESERVED_ID_PREFIXES, Reply, Request, is_reserved_id
 from charon.operator import BATCH_FUNCTION, BATCH_OPERATOR, batch_request, check_batch
 from charon.runtime.contract import Engine, EngineSource, as_engine
+from charon.server import uvicorn_pin
 from charon.server.admin import EffectsAdmin, admin_routes
 from charon.server.audit import note
 from charon.server.auth import (
@@ -847,7 +848,11 @@ def create_app(
     # effect workers' continuations: a route (and, with scoped tokens, a credential) of their own, not /invoke's
     resume = Route("/effects/continue/{operator}/{key:charonkey}/{function}", guard(gw.continue_effect),
                    methods=["POST"], name="effect_continue")
-    direct = DirectInvoke(gw, invoke) if cfg.direct_invoke and gw.tracing is None else None
+    lacking = uvicorn_pin.missing() if cfg.direct_invoke and gw.tracing is None else ()
+    if lacking:  # a uvicorn outside the pinned range: every invoke through the ASGI route (same answers, slower)
+        _log.warning("the direct invoke path is off: the installed uvicorn lacks %s (pyproject.toml pins the tested "
+                     "versions)", ", ".join(lacking), extra={"event": "direct_invoke_off"})
+    direct = DirectInvoke(gw, invoke) if cfg.direct_invoke and gw.tracing is None and not lacking else None
     routes = [
         invoke,
         resume,

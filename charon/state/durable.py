@@ -56,12 +56,6 @@ class DurableStateError(Exception):
     """The durable copy cannot provide the requested version."""
 
 
-def write_file_atomic(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically and durably (temporary file, fsync, rename, directory fsync):
-    for small files such as epoch records and the checkpoint's layout."""
-    _LocalFS().write_atomic(path, lambda f: f.write(data))
-
-
 class _LocalFS:
     """Local-filesystem backend: the one place that knows how paths are read, written and locked."""
 
@@ -116,13 +110,8 @@ class _LocalFS:
         (the manifest's), saving one fsync."""
         d, name = os.path.split(path)
         tmp = os.path.join(d, f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        size = self.write_in_place(tmp, write)
         try:
-            with open(tmp, "wb") as f:
-                write(f)
-                f.flush()
-                size = f.tell()
-                if self.fsync:
-                    os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             self.remove(tmp)
@@ -132,8 +121,8 @@ class _LocalFS:
         return size
 
     def write_in_place(self, path: str, write: Callable[[BinaryIO], object]) -> int:
-        """Write a file straight to ``path`` and fsync it; returns its size. Only for a file no reader opens
-        until a later (atomic) write names it: a crash may leave it partial."""
+        """Write a file straight to ``path`` and fsync it; returns its size (a failed write removes it). Only for a
+        file no reader opens until a later (atomic) write names it: a crash may leave it partial."""
         try:
             with open(path, "wb") as f:
                 write(f)

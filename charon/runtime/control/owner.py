@@ -14,7 +14,7 @@ import json
 import os
 
 from charon.errors import CharonError
-from charon.state.durable import write_file_atomic
+from charon.storage.files import write_file_atomic
 
 __all__ = ["OWNER_FILE", "DataDirOwned", "claim_data_dir", "data_dir_owner"]
 

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, NoReturn
 from charon.core.epoch import EpochCoordinator, Verdict
 from charon.core.partition import Frame, Outgoing, PartitionUnit
 from charon.runtime.guard.verdicts import VerdictBook, letter
-from charon.state.durable import write_file_atomic
+from charon.storage.files import write_file_atomic
 
 FILE = "recovery.json"
 MAX_PROBES = 8  # transactions quarantined in one epoch at most (then the replay runs as it is)

@@ -51,10 +51,11 @@ from charon.log.location import open_input_log, open_output_log
 from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.runtime.faults import crash_point
-from charon.state.durable import DurableState, write_file_atomic
+from charon.state.durable import DurableState
 from charon.state.records import EpochRecord, encode_record, read_record
 from charon.state.store import MemoryStore
 from charon.storage.contract import ObjectNotFound, ObjectStore, StorageConflict, StorageDenied
+from charon.storage.files import write_file_atomic
 from charon.storage.location import open_storage
 from charon.storage.prefix import Prefixed, delete_prefix
 

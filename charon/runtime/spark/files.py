@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from charon.state.durable import write_file_atomic
 from charon.storage.contract import ObjectNotFound, ObjectStore, StorageConflict
+from charon.storage.files import write_file_atomic
 
 __all__ = ["CheckpointFiles", "TOP_FILES", "MIRRORED_DIRS"]
 

@@ -14,7 +14,7 @@ import msgspec
 from charon.config import SparkConfig
 from charon.core.epoch import EPOCH_CHUNK
 from charon.errors import CharonError
-from charon.state.durable import write_file_atomic
+from charon.storage.files import write_file_atomic
 
 
 class LayoutMismatch(CharonError):

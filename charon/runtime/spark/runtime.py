@@ -93,9 +93,10 @@ from charon.runtime.spark.session import (
     trim_native_heap,
 )
 from charon.runtime.spark.tasks import read_entities, scan_prefix, tune_worker_gc, write_bases
-from charon.state.durable import DurableState, DurableStateError, write_file_atomic
+from charon.state.durable import DurableState, DurableStateError
 from charon.state.records import EpochRecord, encode_record, read_record
 from charon.storage.contract import ObjectStore, StorageError
+from charon.storage.files import write_file_atomic
 from charon.storage.location import open_storage
 from charon.storage.prefix import Prefixed, delete_prefix
 

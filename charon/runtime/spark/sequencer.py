@@ -44,8 +44,8 @@ from charon.log.offsets import pad_pair
 from charon.log.sqlite import write_stamp
 from charon.runtime.spark.layout import bound_path, bounds_dir
 from charon.runtime.spark.resident import GangLost
-from charon.state.durable import write_file_atomic
 from charon.state.records import EpochRecord
+from charon.storage.files import write_file_atomic
 
 __all__ = ["DIRECT", "EpochBound", "DirectSequencer", "read_bound", "sequenced_directly"]
 
