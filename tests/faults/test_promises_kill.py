@@ -31,9 +31,10 @@ def _env() -> dict[str, str]:
             "CHARON_TOKEN": TOKEN}
 
 
-def _start(target: str, data: Path, port: int) -> subprocess.Popen:
+def _start(target: str, data: Path, port: int, partitions: int = 2) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "charon.cli", "run", target, "--data-dir", str(data),
-                             "--port", str(port), "--partitions", "2"], env=_env(), stdout=subprocess.DEVNULL,
+                             "--port", str(port), "--partitions", str(partitions)], env=_env(),
+                            stdout=subprocess.DEVNULL,
                             stderr=open(data.parent / f"node-{time.time():.3f}.log", "wb"))  # noqa: SIM115
     deadline = time.monotonic() + 60
     while True:
@@ -125,12 +126,15 @@ def _slots(url: str) -> list[float]:
 
 
 def test_a_schedule_fires_each_slot_at_most_once_across_kills(tmp_path: Path) -> None:
+    """Each restart also rescales the node (2 -> 3 -> 4 -> 2 partitions): the schedule's entity moves between
+    partitions, and its slots still fire at most once, each fired or counted as skipped."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     data = tmp_path / "data"
     node = _start("schedules_app:app", data, port)
     try:
-        for down in (0.0, 4.2, 0.5):  # killed right after a firing, then down past catch_up, then briefly
+        # killed right after a firing, then down past catch_up, then briefly; restarted on another partition count
+        for down, parts in ((0.0, 3), (4.2, 4), (0.5, 2)):
             seen = len(_slots(url))
             deadline = time.monotonic() + 30
             while len(_slots(url)) < seen + 2:  # wait for two more firings
@@ -138,7 +142,9 @@ def test_a_schedule_fires_each_slot_at_most_once_across_kills(tmp_path: Path) ->
                 time.sleep(0.05)
             _kill(node)  # just after a firing committed
             time.sleep(down)
-            node = _start("schedules_app:app", data, port)
+            node = _start("schedules_app:app", data, port, partitions=parts)
+            with Client(url, token=TOKEN, timeout=10, retries=5) as c:
+                assert c.status()["partitions"] == parts, c.status()
         deadline = time.monotonic() + 30
         while len(_slots(url)) < seen + 4:
             assert time.monotonic() < deadline
