@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+from nodeproc import kill, start_charon
 
 from charon.client import Client
 from charon.server.serve import free_port
@@ -30,20 +30,9 @@ def _env(service: Service) -> dict[str, str]:
             "CHARON_TEST_SERVICE_URL": service.url}
 
 
-def _start_engine(data: Path, port: int, service: Service, *extra: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "charon.cli", "run", "effects_app:app", "--data-dir", str(data),
-                             "--port", str(port), "--partitions", "2", *extra],
-                            env=_env(service), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        assert time.monotonic() < deadline, "charon run did not come up"
-        time.sleep(0.1)
+def _start_engine(data: Path, port: int, service: Service, *extra: str) -> subprocess.Popen[bytes]:
+    return start_charon(["run", "effects_app:app", "--data-dir", str(data), "--partitions", "2", *extra], port=port,
+                        env=_env(service), log=data.parent / f"engine-{time.time():.3f}.log")
 
 
 def _start_worker(data: Path, url: str, service: Service, index: int, workers: int, *extra: str) -> subprocess.Popen:
@@ -51,12 +40,6 @@ def _start_worker(data: Path, url: str, service: Service, index: int, workers: i
                              "--data-dir", str(data), "--index", str(index), "--workers", str(workers),
                              "--backoff", "0.05", *extra], env=_env(service), stdout=subprocess.DEVNULL,
                             stderr=open(data.parent / f"worker{index}-{time.time():.3f}.log", "wb"))  # noqa: SIM115
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-    proc.wait()
 
 
 def _submit_all(url: str) -> None:
@@ -102,7 +85,7 @@ def test_sigkill_engine_and_service_each_effect_applied_once(tmp_path: Path) -> 
     try:
         _submit_all(url)
         _wait_applied(service, 8)
-        _kill(engine)  # the engine and its in-process executor, mid-run
+        kill(engine)  # the engine and its in-process executor, mid-run
         service.kill()  # and the external service
         service.start()
         service.control(fail_rate=0.3)
@@ -117,7 +100,7 @@ def test_sigkill_engine_and_service_each_effect_applied_once(tmp_path: Path) -> 
         assert doc["counts"]["done"] == N and len(doc["effects"]) == N
         assert httpx.get(url + "/admin/effects", params={"status": "bogus"}, timeout=10).status_code == 400
     finally:
-        _kill(engine)
+        kill(engine)
         service.kill()
 
 
@@ -136,12 +119,12 @@ def test_sigkill_a_worker_and_the_service_each_effect_applied_once(tmp_path: Pat
         _wait_applied(service, 8)
         assert httpx.get(url + "/admin/effects", timeout=10).status_code == 404  # no executor in this process
         assert "/admin/effects" not in httpx.get(url + "/openapi.json", timeout=10).json()["paths"]
-        _kill(workers[0])
+        kill(workers[0])
         service.kill()
         time.sleep(0.3)
         service.start()
         service.control(fail_rate=0.3)
-        _kill(engine)  # the engine too, while worker 1 keeps trying
+        kill(engine)  # the engine too, while worker 1 keeps trying
         engine = _start_engine(data, port, service)
         workers[0] = _start_worker(data, url, service, 0, 2)
         states = _wait_all_continued(url)
@@ -160,6 +143,6 @@ def test_sigkill_a_worker_and_the_service_each_effect_applied_once(tmp_path: Pat
         assert sum(e["attempts"] for e in doc["effects"]) >= sum(service.stats()["attempts"].values())
     finally:
         for w in workers:
-            _kill(w)
-        _kill(engine)
+            kill(w)
+        kill(engine)
         service.kill()

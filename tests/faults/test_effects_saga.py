@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+from nodeproc import kill, start_charon
 
 from charon.client import Client
 from charon.server.serve import free_port
@@ -26,27 +25,10 @@ ITEMS = {"apple": 25, "pear": 20, "fig": 5}  # fig runs out: some orders are rej
 N = 30
 
 
-def _start(data: Path, port: int, service: Service) -> subprocess.Popen:
+def _start(data: Path, port: int, service: Service) -> subprocess.Popen[bytes]:
     env = {**os.environ, "CHARON_SAGA_SERVICE_URL": service.url}
-    proc = subprocess.Popen([sys.executable, "-m", "charon.cli", "run", "charon.apps.saga:app", "--data-dir",
-                             str(data), "--port", str(port), "--effects"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    return start_charon(["run", "charon.apps.saga:app", "--data-dir", str(data), "--effects"], port=port, env=env,
+                        log=data.parent / f"engine-{time.time():.3f}.log")
 
 
 def test_saga_under_random_failures_and_a_kill_conserves_money_and_stock(tmp_path: Path) -> None:
@@ -73,7 +55,7 @@ def test_saga_under_random_failures_and_a_kill_conserves_money_and_stock(tmp_pat
         while len(service.stats()["applied"]) < 10:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        _kill(engine)  # mid-saga: some charged, some shipping, some compensating
+        kill(engine)  # mid-saga: some charged, some shipping, some compensating
         engine = _start(tmp_path / "data", port, service)
         place_all()  # clients retry: each order placed once
         deadline = time.monotonic() + 180
@@ -86,7 +68,7 @@ def test_saga_under_random_failures_and_a_kill_conserves_money_and_stock(tmp_pat
                 time.sleep(0.2)
             stock_left = {item: c.state("stock", item) for item in ITEMS}
     finally:
-        _kill(engine)
+        kill(engine)
     applied = service.stats()["applied"]
     attempts = service.stats()["attempts"]
     service.kill()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from nodeproc import wait_healthy
 
 from charon import errors
 from charon.client import Client
@@ -45,16 +46,7 @@ def node(tmp_path_factory: pytest.TempPathFactory):
                               stdout=subprocess.DEVNULL, stderr=open(logs / "engine.log", "wb"))  # noqa: SIM115
     worker = None
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert engine.poll() is None, (logs / "engine.log").read_text()
-            assert time.monotonic() < deadline, "charon run did not come up"
-            time.sleep(0.1)
+        wait_healthy(engine, url, log=logs / "engine.log")
         worker = subprocess.Popen([sys.executable, "-m", "charon.cli", "effects", "work", "fx_soundness_app:app",
                                    "--url", url, "--data-dir", str(data), "--backoff", "0.05"], env=_env(),
                                   stdout=subprocess.DEVNULL, stderr=open(logs / "worker.log", "wb"))  # noqa: SIM115

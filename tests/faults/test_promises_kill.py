@@ -6,8 +6,6 @@ typed 409; every schedule slot fires at most once, and each slot is either fired
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -16,42 +14,23 @@ from pathlib import Path
 
 import httpx
 import pytest
+from nodeproc import kill, start_charon, support_env
 
 from charon import PromiseConflict
 from charon.client import Client, GatewayError
 from charon.server.serve import free_port
 
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
 N = 30
 TOKEN = "promise-kill-test-token"
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
-            "CHARON_TOKEN": TOKEN}
+    return support_env(CHARON_TOKEN=TOKEN)
 
 
-def _start(target: str, data: Path, port: int, partitions: int = 2) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "charon.cli", "run", target, "--data-dir", str(data),
-                             "--port", str(port), "--partitions", str(partitions)], env=_env(),
-                            stdout=subprocess.DEVNULL,
-                            stderr=open(data.parent / f"node-{time.time():.3f}.log", "wb"))  # noqa: SIM115
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, "charon run exited"
-        assert time.monotonic() < deadline, "charon run did not come up"
-        time.sleep(0.1)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-    proc.wait()
+def _start(target: str, data: Path, port: int, partitions: int = 2) -> subprocess.Popen[bytes]:
+    return start_charon(["run", target, "--data-dir", str(data), "--partitions", str(partitions)], port=port,
+                        env=_env(), log=data.parent / f"node-{time.time():.3f}.log")
 
 
 def _resolve_all(url: str, pids: list[str], answers: dict[int, dict]) -> None:
@@ -80,7 +59,7 @@ def test_a_promise_is_resolved_exactly_once_while_the_engine_is_killed_around_th
             while len(answers) < 3 + len(answers) // 2 and resolver.is_alive():
                 time.sleep(0.01)
             time.sleep(0.05)
-            _kill(node)
+            kill(node)
             time.sleep(0.3)
             node = _start("promises_app:app", data, port)
         resolver.join(timeout=120)
@@ -112,7 +91,7 @@ def test_a_promise_is_resolved_exactly_once_while_the_engine_is_killed_around_th
                              env=_env(), capture_output=True, text=True, timeout=60)
         assert cli.returncode == 1 and "PromiseConflict" in cli.stderr, (cli.returncode, cli.stderr)
     finally:
-        _kill(node)
+        kill(node)
 
 
 def _record(url: str) -> dict:
@@ -140,7 +119,7 @@ def test_a_schedule_fires_each_slot_at_most_once_across_kills(tmp_path: Path) ->
             while len(_slots(url)) < seen + 2:  # wait for two more firings
                 assert time.monotonic() < deadline, "the schedule does not fire"
                 time.sleep(0.05)
-            _kill(node)  # just after a firing committed
+            kill(node)  # just after a firing committed
             time.sleep(down)
             node = _start("schedules_app:app", data, port, partitions=parts)
             with Client(url, token=TOKEN, timeout=10, retries=5) as c:
@@ -172,4 +151,4 @@ def test_a_schedule_fires_each_slot_at_most_once_across_kills(tmp_path: Path) ->
             c.delete_schedule("other")
             assert [s["name"] for s in c.schedules()["schedules"]] == ["heartbeat"]
     finally:
-        _kill(node)
+        kill(node)

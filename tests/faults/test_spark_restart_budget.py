@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from nodeproc import wait_healthy
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 TOKEN = "t0k"
@@ -38,16 +39,8 @@ def _start(data: Path, port: int) -> subprocess.Popen[bytes]:
     p = subprocess.Popen([CHARON, "run", "spin_restart_app:app", "--engine", "spark", "--data-dir", str(data / "d"),
                           "--token", TOKEN, "--port", str(port), "--partitions", "2"],
                          cwd=SUPPORT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        assert p.poll() is None, (data / "gateway.log").read_text()[-3000:]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return p
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the node did not start")
+    wait_healthy(p, f"http://127.0.0.1:{port}", timeout=240, log=data / "gateway.log", interval=0.5)
+    return p
 
 
 def _kill(p: subprocess.Popen[bytes]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from nodeproc import kill, wait_healthy
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
 TOKEN = "t0ken"
@@ -50,21 +51,10 @@ class Gateway:
              "--port", str(self.port), "--token", TOKEN, "--partitions", "2"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "the gateway exited during start-up"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("gateway did not start")
+        wait_healthy(self.proc, self.url, timeout=240, log=Path(log.name), interval=0.5)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        kill(self.proc, group=True)
         time.sleep(3)  # the killed driver's JVM and Python workers may linger briefly
 
     def python_workers(self) -> list[int]:

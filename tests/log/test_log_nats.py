@@ -260,6 +260,7 @@ def test_remote_gateway_answers_503_while_the_log_is_down(server: NatsServer, tm
 
     import httpx
     from natsfix import free_port
+    from nodeproc import wait_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -268,15 +269,7 @@ def test_remote_gateway_answers_503_while_the_log_is_down(server: NatsServer, tm
                            "--engine", "remote", "--log", f"{server.url}/g", "--port", str(port), "--token", "t"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert gw.poll() is None and time.monotonic() < deadline, "the remote gateway did not start"
-            time.sleep(0.1)
+        wait_healthy(gw, url)
         server.kill()
         r = httpx.post(f"{url}/invoke/account/a0/deposit", json={"args": [1]}, timeout=60,
                        headers={**auth, "Idempotency-Key": "k1"})

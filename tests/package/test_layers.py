@@ -292,6 +292,77 @@ def test_private_import_check_sees_them(tmp_path: Path) -> None:
                    ("charon.x.y", "charon.x._impl", "")}
 
 
+#: Inside the runtime layer, its parts (a package or a root module under ``charon/runtime/``) in tiers: a part may
+#: import parts of a lower tier; the shared pieces (tier 2 and below) may also use each other; the engines, the
+#: remote runtime and composition (tier 3) never import each other; only the factory builds engines. A part not
+#: listed (a new module) is a shared piece: it may not import an engine, the remote runtime, a deployment or the
+#: factory.
+RUNTIME_TIERS = {
+    "contract": 0,  # what every engine offers the layers above it
+    "guard": 1,  # budgets, interrupts, quarantine, verdicts
+    "control": 2, "effects": 2, "faults": 2, "replies": 2, "schedules": 2, "wiring": 2,  # shared services
+    "node": 3, "spark": 3, "remote": 3, "deployment": 3,  # engines and composition
+    "factory": 4,  # builds any engine
+}
+SHARED_TIER = 2
+#: Imports across the runtime's parts beyond those rules that exist today: (importer, imported). Others fail, and
+#: so does an entry no module makes any more (remove it).
+KNOWN_RUNTIME_CROSSINGS = {("charon.runtime.spark.tasks", "charon.runtime.node.inprocess")}  # tune_gc
+
+
+def runtime_part(mod: str) -> str | None:
+    """The part of the runtime layer ``mod`` belongs to (``node``, ``guard``, ``contract``, ...); None outside it."""
+    parts = mod.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["charon", "runtime"] else None
+
+
+def runtime_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        part = runtime_part(mod)
+        if part is None:
+            continue
+        tier = RUNTIME_TIERS.get(part, SHARED_TIER)
+        for dep in sorted(deps):
+            other = runtime_part(dep)
+            if other is None or other == part:
+                continue
+            dep_tier = RUNTIME_TIERS.get(other, SHARED_TIER)
+            if dep_tier < tier or (dep_tier == tier <= SHARED_TIER):
+                continue
+            bad.append((mod, dep))
+    return bad
+
+
+def test_runtime_parts_import_directions() -> None:
+    graph = import_graph()
+    assert "charon.runtime.guard.watchdog" in graph["charon.runtime.node.inprocess"]  # the parser sees the edges
+    found = set(runtime_violations(graph))
+    new = [f"{m} imports {d}" for m, d in sorted(found - KNOWN_RUNTIME_CROSSINGS)]
+    gone = [f"KNOWN_RUNTIME_CROSSINGS lists {e}: no module imports it any more, remove the entry"
+            for e in sorted(KNOWN_RUNTIME_CROSSINGS - found)]
+    assert not new + gone, ("imports against the runtime's tiers (RUNTIME_TIERS: an engine never imports another, a "
+                            "shared piece never an engine):\n  " + "\n  ".join(new + gone))
+
+
+def test_runtime_check_rejects_wrong_directions() -> None:
+    graph = {
+        "charon.runtime.guard.watchdog": {"charon.runtime.contract", "charon.runtime.control.gate"},
+        "charon.runtime.control.gate": {"charon.runtime.guard.verdicts", "charon.runtime.effects"},
+        "charon.runtime.node.inprocess": {"charon.runtime.node.storage", "charon.runtime.spark.runtime",
+                                          "charon.runtime.newservice"},
+        "charon.runtime.newservice": {"charon.runtime.faults", "charon.runtime.remote"},
+        "charon.runtime.contract": {"charon.runtime.guard.verdicts"},
+        "charon.runtime.factory": {"charon.runtime.spark.runtime", "charon.runtime.node.inprocess"},
+    }
+    assert runtime_violations(graph) == [
+        ("charon.runtime.contract", "charon.runtime.guard.verdicts"),
+        ("charon.runtime.guard.watchdog", "charon.runtime.control.gate"),
+        ("charon.runtime.newservice", "charon.runtime.remote"),
+        ("charon.runtime.node.inprocess", "charon.runtime.spark.runtime"),
+    ]
+
+
 def test_every_layer_documents_its_rules() -> None:
     for layer in LAYERS:
         doc = ast.get_docstring(ast.parse((PKG / layer / "__init__.py").read_text()))
@@ -385,6 +456,15 @@ OLD = re.compile(
     r"(partition|context|epoch|sequencer|routing|inprocess|node|store|lmdbstore|durable|log|logclient|gateway)\.py)"
     rf"|(?<![\w.])charon\.({'|'.join(MOVED)})\b|(?<![\w/])charon/({'|'.join(MOVED)}|cli|testing)\.py"
 )
+#: Runtime modules moved from ``charon/runtime/`` into ``node/``, ``guard/`` and ``control/`` (their old flat paths).
+RUNTIME_MOVED = ("codeversions", "controls", "gate", "inspector", "owner", "probe", "reads", "sqlchild", "sqlstate",
+                 "interrupts", "quarantine", "verdicts", "watchdog", "inprocess", "inprocess_engine")
+OLD_RUNTIME = re.compile(
+    rf"(?<![\w.])charon\.runtime\.({'|'.join(RUNTIME_MOVED)})\b"
+    rf"|(?<![\w/])charon/runtime/({'|'.join(RUNTIME_MOVED)}|node)\.py"
+    r"|(?<![\w.])charon\.runtime\.node\.(?!(inprocess|inprocess_engine|storage)\b)\w"
+    r"|(?<![\w.])charon\.runtime\.node\.storage\.(inprocess|inprocess_engine|storage)\b"
+)
 #: The Java shim's on-disk marker keeps the old module name so shims written before the move still match.
 KEPT = '_SHIM_MARK = "written by charon.spark.java"'
 #: Where ``charon.epoch`` is the OpenTelemetry span and attribute name (issue 26), not a module path.
@@ -396,7 +476,7 @@ TRACE_NAMES = frozenset({"charon/server/tracing.py", "tests/server/test_tracing.
 def _stale(rel: str, line: str) -> bool:
     if rel in TRACE_NAMES:
         line = re.sub(r"(?<![\w.])charon\.epoch(\.\w+)?(?![\w/])", "", line)
-    return bool(OLD.search(line))
+    return bool(OLD.search(line) or OLD_RUNTIME.search(line))
 
 
 def test_no_stale_module_paths_in_the_repo() -> None:

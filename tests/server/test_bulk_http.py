@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from nodeproc import kill, start_charon
 
 from charon import serde
 from charon.client import Client, GatewayError
@@ -42,27 +43,13 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def _start(tmp: Path, port: int) -> subprocess.Popen[bytes]:
-    log = open(tmp / f"node-{time.time():.3f}.log", "wb")  # noqa: SIM115 - the child writes it
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "charon.cli", "run", "bulk_app:app", "--data-dir", str(tmp / "data"), "--port",
-         str(port), "--partitions", "2", "--effects", "--park-failed", "--log-format", "json"],
-        env=_env(tmp), stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, "charon run exited"
-        assert time.monotonic() < deadline, "charon run did not come up"
-        time.sleep(0.1)
+    return start_charon(["run", "bulk_app:app", "--data-dir", str(tmp / "data"), "--partitions", "2", "--effects",
+                         "--park-failed", "--log-format", "json"], port=port, env=_env(tmp),
+                        log=tmp / f"node-{time.time():.3f}.log", group=True)
 
 
 def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-    proc.wait(60)
+    kill(proc, sig, group=True)
 
 
 def _wait(pred: Callable[[], bool], what: str, timeout: float = 60.0) -> None:

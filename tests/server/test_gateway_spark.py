@@ -7,7 +7,6 @@ restart on the same data directory, the retried request (same Idempotency-Key) h
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from nodeproc import kill, wait_healthy
 
 from charon.log.sqlite import OutputLog
 
@@ -49,21 +49,10 @@ class Gateway:
              "--port", str(self.port), "--token", TOKEN, "--partitions", "2"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "the gateway exited during start-up"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("gateway did not start")
+        wait_healthy(self.proc, self.url, timeout=180, log=Path(log.name), interval=0.5)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        kill(self.proc, group=True)
         time.sleep(3)  # JVM and Python workers of the killed driver may linger briefly (DESIGN §6)
 
     def invoke(self, key: str, fn: str, args: list, idem: str | None = None, **kw) -> httpx.Response:

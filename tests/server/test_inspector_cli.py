@@ -7,10 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+from nodeproc import wait_healthy
 
 from charon.cli.exitcodes import ExitCode
 from charon.server.serve import free_port
@@ -35,15 +35,7 @@ def test_requests_list_and_show_from_the_command_line(tmp_path: Path) -> None:
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         h = {"Authorization": f"Bearer {TOKEN}"}
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, (tmp_path / "server.err").read_text()
-            time.sleep(0.2)
+        wait_healthy(proc, url, log=tmp_path / "server.err", interval=0.2)
         r = httpx.post(url + "/invoke/bank/t9/transfer", json={"args": ["nobody", "b", 5]},
                        headers={**h, "Idempotency-Key": "the-failing-one"}, timeout=30)
         assert r.status_code == 409 and r.json()["error"]["type"] == "Overdrawn"

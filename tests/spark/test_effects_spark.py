@@ -5,15 +5,13 @@ every continuation exactly once."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+from nodeproc import kill, start_charon, support_env
 
 from charon.client import Client
 from charon.server.serve import free_port
@@ -26,30 +24,16 @@ pytestmark = pytest.mark.spark
 N = 12
 
 
-def _start(data: Path, port: int, service: Service) -> subprocess.Popen:
-    env = {**os.environ, "CHARON_MASTER": "local[2]", "PYSPARK_PYTHON": sys.executable,
-           "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "CHARON_TEST_SERVICE_URL": service.url}
-    log = open(data.parent / f"spark-{time.time():.0f}.log", "wb")  # noqa: SIM115 - the child's output
-    proc = subprocess.Popen([sys.executable, "-m", "charon.cli", "run", "effects_app:app", "--engine", "spark",
-                             "--data-dir", str(data), "--port", str(port), "--partitions", "2", "--effects"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "charon run exited during start-up"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the Spark gateway did not start")
+def _start(data: Path, port: int, service: Service) -> subprocess.Popen[bytes]:
+    env = support_env(CHARON_MASTER="local[2]", PYSPARK_PYTHON=sys.executable,
+                      CHARON_TEST_SERVICE_URL=service.url)
+    return start_charon(["run", "effects_app:app", "--engine", "spark", "--data-dir", str(data), "--partitions", "2",
+                         "--effects"], port=port, env=env, log=data.parent / f"spark-{time.time():.0f}.log",
+                        timeout=240, group=True, stdout=True, interval=0.5)
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill(proc, group=True)
     time.sleep(3)  # the killed driver's JVM and Python workers may linger briefly
 
 
