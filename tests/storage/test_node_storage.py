@@ -12,7 +12,9 @@ from natsfix import NatsServer
 from node_app import app as ledger
 
 from charon import serde
+from charon.core.epoch import Verdict
 from charon.messages import Request
+from charon.runtime.guard.verdicts import letter
 from charon.runtime.node.inprocess import InProcessRuntime
 from charon.runtime.node.storage import NodeError
 from charon.storage.contract import StorageConflict
@@ -41,17 +43,26 @@ def _pay(e: int) -> list[Request]:
                     serde.encode([ACCOUNTS[(e + i + 3) % 8], f"t{e}-{i}"]), 1.0) for i in range(3)]
 
 
+def _quarantine(rt: InProcessRuntime, rid: str, epoch: int) -> Request:
+    """A payment with a verdict recorded before its epoch runs (what the quarantine does to a transaction that
+    killed the engine): it is refused, never run, live and on every replay."""
+    rt.verdict_book.record(letter(rid, "acct", "pay", "a1", Verdict("Quarantined", "killed the engine", False), epoch))
+    return Request(rid, "acct", "a1", "pay", serde.encode(["a5", f"t-{rid}"]), 1.0)
+
+
 def test_a_node_on_an_empty_directory_resumes_from_object_storage(tmp_path: Path, nats_url: str,
                                                                   storage: str) -> None:
     rt = InProcessRuntime(ledger, partitions=2, data_dir=str(tmp_path / "m1"), compact_every=3, log_url=nats_url,
                           storage_url=storage)
     rt.load("acct", {a: 0 for a in ACCOUNTS})
     for e in range(7):
-        rt.run_epoch(_pay(e))
+        rt.run_epoch([*_pay(e), _quarantine(rt, "q-early", e)] if e == 2 else _pay(e))
         rt.node.flush()
     for e in range(7, 10):  # logged and run, never checkpointed: the new node replays them from the log
-        rt.run_epoch(_pay(e))
+        rt.run_epoch([*_pay(e), _quarantine(rt, "q-late", e)] if e == 8 else _pay(e))
     before, epoch = rt.snapshot(), rt.epoch
+    replies = {rid: rt.get_reply(rid) for rid in ("q-early", "q-late", "r8-0")}
+    assert replies["q-late"].error_type == "Quarantined" and replies["r8-0"].ok
     assert rt.node.checkpointed_epoch < epoch - 1
     rt.node.input_log.close()  # the machine is lost: nothing more is written, its directory is gone
     rt.node.output_log.close()
@@ -60,7 +71,11 @@ def test_a_node_on_an_empty_directory_resumes_from_object_storage(tmp_path: Path
     try:
         assert again.partitions == 2  # the layout came from object storage
         assert again.replayed_epochs == 3
+        # the verdicts came back before the replay: the refused payment stays refused (its tag never counted)
+        assert sorted(again.verdict_book.verdicts) == ["q-early", "q-late"]
         assert (again.snapshot(), again.epoch) == (before, epoch)
+        assert {rid: again.get_reply(rid) for rid in replies} == replies  # replies unchanged by the replay
+        assert not any("t-q-" in str(k) for k in before)  # money conserved: the refused payment moved nothing
         again.run_epoch(_pay(10))
         again.node.flush()
     finally:
@@ -77,13 +92,17 @@ def test_a_stale_node_is_fenced(tmp_path: Path, nats_url: str, storage: str) -> 
     new = InProcessRuntime(ledger, data_dir=str(tmp_path / "new"), log_url=nats_url, storage_url=storage)
     try:
         assert new.replayed_epochs == 1
-        new.run_epoch(_pay(2))
+        new.run_epoch([*_pay(2), _quarantine(new, "q-new", 2)])
         new.node.flush()
         with pytest.raises(StorageConflict):  # its checkpoint would overwrite the new node's: refused
             old.node.flush()
+        with pytest.raises(StorageConflict):  # so would its verdicts
+            _quarantine(old, "q-old", 2)
+        assert "q-old" not in old.verdict_book.verdicts  # never effective
         new.close()
         third = InProcessRuntime(ledger, data_dir=str(tmp_path / "third"), log_url=nats_url, storage_url=storage)
         assert (third.snapshot(), third.epoch) == (new.snapshot(), 3)
+        assert sorted(third.verdict_book.verdicts) == ["q-new"]
         third.close()
     finally:
         new.close()

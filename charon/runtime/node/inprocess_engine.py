@@ -52,6 +52,7 @@ from charon.runtime.control.reads import (
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
     from charon.operator import Application
     from charon.runtime.node.inprocess import InProcessRuntime
+    from charon.storage.metered import StorageMeter
 
 __all__ = ["InProcessEngine"]
 
@@ -87,6 +88,11 @@ class InProcessEngine(HostedEngine):
     @property
     def replayed_epochs(self) -> int:
         return self.rt.replayed_epochs
+
+    @property
+    def storage_meter(self) -> StorageMeter | None:
+        """Requests and bytes to object storage (None without ``--storage``): the gateway's metrics."""
+        return self.rt.node.meter if self.rt.node is not None else None
 
     async def start(self) -> None:
         await self.rt.start()

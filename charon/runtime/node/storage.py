@@ -51,12 +51,14 @@ from charon.log.location import open_input_log, open_output_log
 from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.runtime.faults import crash_point
+from charon.runtime.guard.verdicts import FILE as VERDICTS_FILE
 from charon.state.durable import DurableState
 from charon.state.records import EpochRecord, encode_record, read_record
 from charon.state.store import MemoryStore
 from charon.storage.contract import ObjectNotFound, ObjectStore, StorageConflict, StorageDenied
 from charon.storage.files import write_file_atomic
 from charon.storage.location import open_storage
+from charon.storage.metered import Metered, StorageMeter
 from charon.storage.prefix import Prefixed, delete_prefix
 
 T = TypeVar("T")
@@ -128,9 +130,14 @@ class NodeStorage:
             os.close(self._lock_fd)
             raise NodeError(f"{self.data_dir} is in use by another process") from None
         try:
-            self.remote: ObjectStore | None = open_storage(storage_url, fsync=fsync) if storage_url else None
+            #: requests and bytes to object storage (None without it): metrics, the storage benchmark
+            self.meter: StorageMeter | None = StorageMeter() if storage_url else None
+            self.remote: ObjectStore | None = (Metered(open_storage(storage_url, fsync=fsync), self.meter)
+                                               if storage_url else None)
             for name in ("node.json", "code.json"):
                 self._hydrate_file(name)
+            self._verdicts_etag: str | None = None  # the version of verdicts.jsonl this node wrote or read
+            self._hydrate_verdicts()
             state_dir = self._check_layout()
             in_loc = log_url or os.path.join(self.data_dir, "input.sqlite")
             self.input_log = open_input_log(in_loc, 1, durable=fsync)
@@ -192,6 +199,46 @@ class NodeStorage:
         for key in names[-_RECORDS_KEPT:]:
             if int(key.split("/")[-1].split(".")[0]) not in have:
                 self.remote.get_file(key, os.path.join(self.data_dir, key))
+
+    def _hydrate_verdicts(self) -> None:
+        """The verdicts on object storage are the truth: taken into the directory (over a cached copy, whose lines
+        past the stored ones were never relied on: a verdict is effective only once stored), or, when the store has
+        none, the directory's uploaded (a data directory moving onto object storage)."""
+        if self.remote is None:
+            return
+        path = os.path.join(self.data_dir, VERDICTS_FILE)
+        try:
+            data, self._verdicts_etag = self.remote.get(VERDICTS_FILE)
+        except ObjectNotFound:
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    self._verdicts_etag = self.remote.put(VERDICTS_FILE, f.read(), if_absent=True)
+            return
+        write_file_atomic(path, data)
+
+    def ship_verdicts(self, path: str) -> None:
+        """After a verdict's line is appended (and fsynced) to ``path``: the file replaces the stored one, over the
+        version this node knows (``If-Match``; created with ``If-None-Match`` the first time), before the verdict
+        takes effect (:class:`~charon.runtime.guard.verdicts.VerdictBook` calls this before it returns). An outage
+        is waited out (nothing depends on the verdict meanwhile); a node that lost its place gets
+        :class:`~charon.storage.contract.StorageConflict` instead of overwriting the newer node's verdicts."""
+        remote = self.remote
+        if remote is None:
+            return
+        with open(path, "rb") as f:
+            data = f.read()
+
+        def put() -> str:
+            etag = self._verdicts_etag
+            try:
+                return remote.put(VERDICTS_FILE, data, if_absent=etag is None, if_match=etag)
+            except StorageConflict:  # an attempt that reached the store before its answer was lost: it is ours
+                have, tag = remote.get(VERDICTS_FILE)
+                if have != data:
+                    raise
+                return tag
+
+        self._verdicts_etag = self._retry_log(put, "storing a verdict")
 
     def write_file(self, path: str, data: bytes) -> None:
         """Replace a file of the data directory (e.g. the code history), on object storage too."""
