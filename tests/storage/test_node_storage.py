@@ -122,3 +122,51 @@ def test_sqlite_log_on_a_fresh_directory_is_refused(tmp_path: Path, storage: str
         assert again.epoch == 1
     finally:
         again.close()
+
+
+def test_effects_and_offsets_survive_the_machine(tmp_path: Path, nats_url: str, storage: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An effect done before the loss is not run again, one requested and checkpointed, and one only logged, run
+    once on the new machine; every continuation runs once; a stream reader's offset file comes back."""
+    import asyncio
+
+    from fx_storage_app import app as fx
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("CHARON_TEST_FX_RUNS", str(runs))
+    m1, m2 = str(tmp_path / "m1"), str(tmp_path / "m2")
+
+    async def first() -> None:  # the effect of p1 requested, run and continued
+        rt = InProcessRuntime(fx, partitions=2, data_dir=m1, log_url=nats_url, storage_url=storage, effects=True,
+                              warmup_txns=0)
+        async with rt:
+            assert (await rt.submit("acct", "k1", "pay", [5], request_id="p1")).ok
+            await rt.settle_effects()
+        rt.close()
+
+    asyncio.run(first())
+    assert len(runs.read_text().split()) == 1
+    rt = InProcessRuntime(fx, data_dir=m1, log_url=nats_url, storage_url=storage, effects=False, warmup_txns=0)
+    rt.run_epoch([Request("p2", "acct", "k2", "pay", serde.encode([7]), 1.0)])
+    (tmp_path / "m1" / "portals.offset").write_bytes(b"3")  # a portal router's checkpoint (see deployment.py)
+    rt.node.flush()  # p2's effect requested and checkpointed, not run
+    rt.run_epoch([Request("p3", "acct", "k3", "pay", serde.encode([9]), 1.0)])  # logged, never checkpointed
+    rt.node.input_log.close()  # the machine is lost
+    rt.node.output_log.close()
+    shutil.rmtree(m1)
+
+    async def second() -> dict:
+        again = InProcessRuntime(fx, data_dir=m2, log_url=nats_url, storage_url=storage, effects=True,
+                                 warmup_txns=0)
+        async with again:
+            await again.settle_effects()
+            out = {k: again.read_state("acct", k) for k in ("k1", "k2", "k3")}
+        again.close()
+        return out
+
+    state = asyncio.run(second())
+    assert (tmp_path / "m2" / "portals.offset").read_bytes() == b"3"
+    done = runs.read_text().split()
+    assert len(done) == len(set(done)) == 3, done  # each effect's handler ran exactly once
+    assert {k: (v["amount"], v["runs"], v["ok"]) for k, v in state.items()} == {
+        "k1": (5, 1, True), "k2": (7, 1, True), "k3": (9, 1, True)}

@@ -52,6 +52,7 @@ from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.runtime.faults import crash_point
 from charon.runtime.guard.verdicts import FILE as VERDICTS_FILE
+from charon.runtime.node.sidefiles import SideFiles
 from charon.state.durable import DurableState
 from charon.state.records import EpochRecord, encode_record, read_record
 from charon.state.store import MemoryStore
@@ -138,6 +139,10 @@ class NodeStorage:
                 self._hydrate_file(name)
             self._verdicts_etag: str | None = None  # the version of verdicts.jsonl this node wrote or read
             self._hydrate_verdicts()
+            #: the effects store, output streams and stream offsets, shipped per checkpoint (object storage only)
+            self.side = SideFiles(self.data_dir, self.remote) if self.remote is not None else None
+            if self.side is not None:
+                self.side.restore()
             state_dir = self._check_layout()
             in_loc = log_url or os.path.join(self.data_dir, "input.sqlite")
             self.input_log = open_input_log(in_loc, 1, durable=fsync)
@@ -510,6 +515,8 @@ class NodeStorage:
             if pid == 0:
                 crash_point("node:delta0", last.epoch)  # one partition's delta written, the others not
         crash_point("node:deltas", last.epoch)
+        if self.side is not None:  # before the record: a restored node finds the files its record implies
+            self._retry_log(self.side.ship, f"storing the side files of epoch {last.epoch}")
         rec = EpochRecord(last.epoch, last.counters, [(t, serde.encode_request(r)) for t, r in last.deferred],
                           time=last.time, next_due=last.next_due, log_end=last.log_end, admission=last.admission)
         self._retry_log(lambda: self._write_record(rec), f"storing the checkpoint of epoch {last.epoch}")  # commit
