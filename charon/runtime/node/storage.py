@@ -17,7 +17,9 @@ One owner for what makes ``InProcessRuntime(app, data_dir=...)`` durable (the Sp
   log already has are not stored again.
 
 **Object storage** (``storage_url``, ``charon run --storage s3://bucket/prefix``): the layout, the code history,
-the epoch records and the partitions' snapshot files are also written there (:mod:`charon.storage`), the data
+the epoch records, the partitions' snapshot files and the verdicts (each before it takes effect) are also written
+there (:mod:`charon.storage`), and the effects store, streams and stream offsets per checkpoint
+(:mod:`charon.runtime.node.sidefiles`); the data
 directory becoming a cache: a node started on an empty directory with the same location (and the same networked
 log, ``log_url``) takes them back and resumes where the lost machine's last checkpoint stopped, replaying the log
 after it. Records are created once (``If-None-Match``) and manifests replaced only over the version this node
