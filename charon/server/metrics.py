@@ -31,7 +31,6 @@ from charon.core.routing import partition_of
 from charon.messages import Reply, Request
 from charon.runtime.contract import Engine
 from charon.server.history import MetricsHistory, Sample
-from charon.storage.metered import MeterCollector
 
 __all__ = ["GatewayMetrics", "CONTENT_TYPE_LATEST", "MAX_REASONS"]
 
@@ -83,9 +82,9 @@ class GatewayMetrics:
                             "budget, quarantined), by error type.", ["type"], registry=r)
         self.g_stuck = Gauge("charon_engine_stuck_seconds", "How long a function has held the engine past its "
                              "budget (0: none).", registry=r)
-        meter = getattr(engine, "storage_meter", None)  # the durable node on object storage
-        if meter is not None:
-            r.register(MeterCollector(meter))
+        storage = getattr(engine, "storage_metrics", None)  # the durable node on object storage: a Collector
+        if storage is not None:
+            r.register(storage)
         self.code = Info("charon_code", "The deployed application and its code version.", registry=r)
         self._version = engine.version_at(0)
         self.code.info({"app": engine.app.name, "version": self._version})

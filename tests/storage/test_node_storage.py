@@ -170,3 +170,53 @@ def test_effects_and_offsets_survive_the_machine(tmp_path: Path, nats_url: str, 
     assert len(done) == len(set(done)) == 3, done  # each effect's handler ran exactly once
     assert {k: (v["amount"], v["runs"], v["ok"]) for k, v in state.items()} == {
         "k1": (5, 1, True), "k2": (7, 1, True), "k3": (9, 1, True)}
+
+
+# A real process: one spinning transaction times out (its verdict recorded, its reply out), then the process is
+# SIGKILLed without a checkpoint; its directory is deleted.
+_SPIN = """
+import asyncio, os, signal, sys
+from charon import InProcessRuntime
+from hostile_app import app
+async def main():
+    rt = InProcessRuntime(app, partitions=2, data_dir=sys.argv[1], log_url=sys.argv[2], storage_url=sys.argv[3],
+                          function_timeout=0.3, watchdog_interval=0.05, checkpoint_s=3600, warmup_txns=0)
+    async with rt:
+        r = await asyncio.wait_for(rt.submit("acc", "k", "spin", [], request_id="s1"), 30)
+        print(r.request_id, r.error_type, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+asyncio.run(main())
+"""
+
+# On a new machine: recovery replays the logged epoch (a spin without its verdict would run forever: no budget
+# applies to a replay) with the verdict taken from object storage.
+_CHECK = """
+import sys
+from charon import InProcessRuntime
+from hostile_app import app
+rt = InProcessRuntime(app, partitions=2, data_dir=sys.argv[1], log_url=sys.argv[2], storage_url=sys.argv[3],
+                      function_timeout=0.3, warmup_txns=0)
+print(sorted(rt.verdict_book.verdicts), rt.replayed_epochs, rt.get_reply("s1").error_type, flush=True)
+rt.close()
+"""
+
+
+def test_a_verdict_survives_a_sigkilled_machine(tmp_path: Path, nats_url: str, storage: str) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "support"),
+                                                        str(Path(__file__).parents[2])])}
+
+    def child(script: str, data: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script, str(data), nats_url, storage], env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    p = child(_SPIN, tmp_path / "m1")
+    assert p.returncode == -signal.SIGKILL and p.stdout.split() == ["s1", "InvocationTimeout"], p.stdout + p.stderr
+    shutil.rmtree(tmp_path / "m1")
+    p = child(_CHECK, tmp_path / "m2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.split() == ["['s1']", "1", "InvocationTimeout"], p.stdout + p.stderr

@@ -48,11 +48,11 @@ from charon.runtime.control.reads import (
     read_durable,
     read_stores,
 )
+from charon.storage.metered import MeterCollector
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
     from charon.operator import Application
     from charon.runtime.node.inprocess import InProcessRuntime
-    from charon.storage.metered import StorageMeter
 
 __all__ = ["InProcessEngine"]
 
@@ -90,9 +90,11 @@ class InProcessEngine(HostedEngine):
         return self.rt.replayed_epochs
 
     @property
-    def storage_meter(self) -> StorageMeter | None:
-        """Requests and bytes to object storage (None without ``--storage``): the gateway's metrics."""
-        return self.rt.node.meter if self.rt.node is not None else None
+    def storage_metrics(self) -> MeterCollector | None:
+        """Requests and bytes to object storage as Prometheus counters (None without ``--storage``): registered
+        by the gateway's metrics."""
+        meter = self.rt.node.meter if self.rt.node is not None else None
+        return MeterCollector(meter) if meter is not None else None
 
     async def start(self) -> None:
         await self.rt.start()
