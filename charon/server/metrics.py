@@ -82,6 +82,9 @@ class GatewayMetrics:
                             "budget, quarantined), by error type.", ["type"], registry=r)
         self.g_stuck = Gauge("charon_engine_stuck_seconds", "How long a function has held the engine past its "
                              "budget (0: none).", registry=r)
+        storage = getattr(engine, "storage_metrics", None)  # the durable node on object storage: a Collector
+        if storage is not None:
+            r.register(storage)
         self.code = Info("charon_code", "The deployed application and its code version.", registry=r)
         self._version = engine.version_at(0)
         self.code.info({"app": engine.app.name, "version": self._version})

@@ -12,7 +12,9 @@ from natsfix import NatsServer
 from node_app import app as ledger
 
 from charon import serde
+from charon.core.epoch import Verdict
 from charon.messages import Request
+from charon.runtime.guard.verdicts import letter
 from charon.runtime.node.inprocess import InProcessRuntime
 from charon.runtime.node.storage import NodeError
 from charon.storage.contract import StorageConflict
@@ -41,17 +43,26 @@ def _pay(e: int) -> list[Request]:
                     serde.encode([ACCOUNTS[(e + i + 3) % 8], f"t{e}-{i}"]), 1.0) for i in range(3)]
 
 
+def _quarantine(rt: InProcessRuntime, rid: str, epoch: int) -> Request:
+    """A payment with a verdict recorded before its epoch runs (what the quarantine does to a transaction that
+    killed the engine): it is refused, never run, live and on every replay."""
+    rt.verdict_book.record(letter(rid, "acct", "pay", "a1", Verdict("Quarantined", "killed the engine", False), epoch))
+    return Request(rid, "acct", "a1", "pay", serde.encode(["a5", f"t-{rid}"]), 1.0)
+
+
 def test_a_node_on_an_empty_directory_resumes_from_object_storage(tmp_path: Path, nats_url: str,
                                                                   storage: str) -> None:
     rt = InProcessRuntime(ledger, partitions=2, data_dir=str(tmp_path / "m1"), compact_every=3, log_url=nats_url,
                           storage_url=storage)
     rt.load("acct", {a: 0 for a in ACCOUNTS})
     for e in range(7):
-        rt.run_epoch(_pay(e))
+        rt.run_epoch([*_pay(e), _quarantine(rt, "q-early", e)] if e == 2 else _pay(e))
         rt.node.flush()
     for e in range(7, 10):  # logged and run, never checkpointed: the new node replays them from the log
-        rt.run_epoch(_pay(e))
+        rt.run_epoch([*_pay(e), _quarantine(rt, "q-late", e)] if e == 8 else _pay(e))
     before, epoch = rt.snapshot(), rt.epoch
+    replies = {rid: rt.get_reply(rid) for rid in ("q-early", "q-late", "r8-0")}
+    assert replies["q-late"].error_type == "Quarantined" and replies["r8-0"].ok
     assert rt.node.checkpointed_epoch < epoch - 1
     rt.node.input_log.close()  # the machine is lost: nothing more is written, its directory is gone
     rt.node.output_log.close()
@@ -60,7 +71,11 @@ def test_a_node_on_an_empty_directory_resumes_from_object_storage(tmp_path: Path
     try:
         assert again.partitions == 2  # the layout came from object storage
         assert again.replayed_epochs == 3
+        # the verdicts came back before the replay: the refused payment stays refused (its tag never counted)
+        assert sorted(again.verdict_book.verdicts) == ["q-early", "q-late"]
         assert (again.snapshot(), again.epoch) == (before, epoch)
+        assert {rid: again.get_reply(rid) for rid in replies} == replies  # replies unchanged by the replay
+        assert not any("t-q-" in str(k) for k in before)  # money conserved: the refused payment moved nothing
         again.run_epoch(_pay(10))
         again.node.flush()
     finally:
@@ -77,13 +92,17 @@ def test_a_stale_node_is_fenced(tmp_path: Path, nats_url: str, storage: str) -> 
     new = InProcessRuntime(ledger, data_dir=str(tmp_path / "new"), log_url=nats_url, storage_url=storage)
     try:
         assert new.replayed_epochs == 1
-        new.run_epoch(_pay(2))
+        new.run_epoch([*_pay(2), _quarantine(new, "q-new", 2)])
         new.node.flush()
         with pytest.raises(StorageConflict):  # its checkpoint would overwrite the new node's: refused
             old.node.flush()
+        with pytest.raises(StorageConflict):  # so would its verdicts
+            _quarantine(old, "q-old", 2)
+        assert "q-old" not in old.verdict_book.verdicts  # never effective
         new.close()
         third = InProcessRuntime(ledger, data_dir=str(tmp_path / "third"), log_url=nats_url, storage_url=storage)
         assert (third.snapshot(), third.epoch) == (new.snapshot(), 3)
+        assert sorted(third.verdict_book.verdicts) == ["q-new"]
         third.close()
     finally:
         new.close()
@@ -103,3 +122,101 @@ def test_sqlite_log_on_a_fresh_directory_is_refused(tmp_path: Path, storage: str
         assert again.epoch == 1
     finally:
         again.close()
+
+
+def test_effects_and_offsets_survive_the_machine(tmp_path: Path, nats_url: str, storage: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An effect done before the loss is not run again, one requested and checkpointed, and one only logged, run
+    once on the new machine; every continuation runs once; a stream reader's offset file comes back."""
+    import asyncio
+
+    from fx_storage_app import app as fx
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("CHARON_TEST_FX_RUNS", str(runs))
+    m1, m2 = str(tmp_path / "m1"), str(tmp_path / "m2")
+
+    async def first() -> None:  # the effect of p1 requested, run and continued
+        rt = InProcessRuntime(fx, partitions=2, data_dir=m1, log_url=nats_url, storage_url=storage, effects=True,
+                              warmup_txns=0)
+        async with rt:
+            assert (await rt.submit("acct", "k1", "pay", [5], request_id="p1")).ok
+            await rt.settle_effects()
+        rt.close()
+
+    asyncio.run(first())
+    assert len(runs.read_text().split()) == 1
+    rt = InProcessRuntime(fx, data_dir=m1, log_url=nats_url, storage_url=storage, effects=False, warmup_txns=0)
+    rt.run_epoch([Request("p2", "acct", "k2", "pay", serde.encode([7]), 1.0)])
+    (tmp_path / "m1" / "portals.offset").write_bytes(b"3")  # a portal router's checkpoint (see deployment.py)
+    rt.node.flush()  # p2's effect requested and checkpointed, not run
+    rt.run_epoch([Request("p3", "acct", "k3", "pay", serde.encode([9]), 1.0)])  # logged, never checkpointed
+    rt.node.input_log.close()  # the machine is lost
+    rt.node.output_log.close()
+    shutil.rmtree(m1)
+
+    async def second() -> dict:
+        again = InProcessRuntime(fx, data_dir=m2, log_url=nats_url, storage_url=storage, effects=True,
+                                 warmup_txns=0)
+        async with again:
+            await again.settle_effects()
+            out = {k: again.read_state("acct", k) for k in ("k1", "k2", "k3")}
+        again.close()
+        return out
+
+    state = asyncio.run(second())
+    assert (tmp_path / "m2" / "portals.offset").read_bytes() == b"3"
+    done = runs.read_text().split()
+    assert len(done) == len(set(done)) == 3, done  # each effect's handler ran exactly once
+    assert {k: (v["amount"], v["runs"], v["ok"]) for k, v in state.items()} == {
+        "k1": (5, 1, True), "k2": (7, 1, True), "k3": (9, 1, True)}
+
+
+# A real process: one spinning transaction times out (its verdict recorded, its reply out), then the process is
+# SIGKILLed without a checkpoint; its directory is deleted.
+_SPIN = """
+import asyncio, os, signal, sys
+from charon import InProcessRuntime
+from hostile_app import app
+async def main():
+    rt = InProcessRuntime(app, partitions=2, data_dir=sys.argv[1], log_url=sys.argv[2], storage_url=sys.argv[3],
+                          function_timeout=0.3, watchdog_interval=0.05, checkpoint_s=3600, warmup_txns=0)
+    async with rt:
+        r = await asyncio.wait_for(rt.submit("acc", "k", "spin", [], request_id="s1"), 30)
+        print(r.request_id, r.error_type, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+asyncio.run(main())
+"""
+
+# On a new machine: recovery replays the logged epoch (a spin without its verdict would run forever: no budget
+# applies to a replay) with the verdict taken from object storage.
+_CHECK = """
+import sys
+from charon import InProcessRuntime
+from hostile_app import app
+rt = InProcessRuntime(app, partitions=2, data_dir=sys.argv[1], log_url=sys.argv[2], storage_url=sys.argv[3],
+                      function_timeout=0.3, warmup_txns=0)
+print(sorted(rt.verdict_book.verdicts), rt.replayed_epochs, rt.get_reply("s1").error_type, flush=True)
+rt.close()
+"""
+
+
+def test_a_verdict_survives_a_sigkilled_machine(tmp_path: Path, nats_url: str, storage: str) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "support"),
+                                                        str(Path(__file__).parents[2])])}
+
+    def child(script: str, data: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script, str(data), nats_url, storage], env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    p = child(_SPIN, tmp_path / "m1")
+    assert p.returncode == -signal.SIGKILL and p.stdout.split() == ["s1", "InvocationTimeout"], p.stdout + p.stderr
+    shutil.rmtree(tmp_path / "m1")
+    p = child(_CHECK, tmp_path / "m2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.split() == ["['s1']", "1", "InvocationTimeout"], p.stdout + p.stderr

@@ -326,7 +326,9 @@ class InProcessRuntime(EngineBacked):
             if partitions < 1:
                 raise ValueError("partitions must be at least 1")
             self._stores = [MemoryStore() for _ in range(partitions)]
-        self.verdict_book = VerdictBook(data_dir, fsync=fsync)  # before recovery: a replay applies its verdicts
+        # before recovery: a replay applies its verdicts; on object storage too before one takes effect
+        ship = self.node.ship_verdicts if self.node is not None and self.node.remote is not None else None
+        self.verdict_book = VerdictBook(data_dir, fsync=fsync, on_write=ship)
         self._engine_thread = ThreadHandle()  # the thread running an epoch now: where the watchdog interrupts
         self.fatal_callback: Callable[[str], None] | None = None  # an engine error that escaped an epoch (on_fatal)
         self._frozen = False  # set by the watchdog giving up on a stuck function: no reply is released any more

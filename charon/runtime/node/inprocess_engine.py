@@ -48,6 +48,7 @@ from charon.runtime.control.reads import (
     read_durable,
     read_stores,
 )
+from charon.storage.metered import MeterCollector
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
     from charon.operator import Application
@@ -87,6 +88,13 @@ class InProcessEngine(HostedEngine):
     @property
     def replayed_epochs(self) -> int:
         return self.rt.replayed_epochs
+
+    @property
+    def storage_metrics(self) -> MeterCollector | None:
+        """Requests and bytes to object storage as Prometheus counters (None without ``--storage``): registered
+        by the gateway's metrics."""
+        meter = self.rt.node.meter if self.rt.node is not None else None
+        return MeterCollector(meter) if meter is not None else None
 
     async def start(self) -> None:
         await self.rt.start()

@@ -17,7 +17,9 @@ One owner for what makes ``InProcessRuntime(app, data_dir=...)`` durable (the Sp
   log already has are not stored again.
 
 **Object storage** (``storage_url``, ``charon run --storage s3://bucket/prefix``): the layout, the code history,
-the epoch records and the partitions' snapshot files are also written there (:mod:`charon.storage`), the data
+the epoch records, the partitions' snapshot files and the verdicts (each before it takes effect) are also written
+there (:mod:`charon.storage`), and the effects store, streams and stream offsets per checkpoint
+(:mod:`charon.runtime.node.sidefiles`); the data
 directory becoming a cache: a node started on an empty directory with the same location (and the same networked
 log, ``log_url``) takes them back and resumes where the lost machine's last checkpoint stopped, replaying the log
 after it. Records are created once (``If-None-Match``) and manifests replaced only over the version this node
@@ -51,12 +53,15 @@ from charon.log.location import open_input_log, open_output_log
 from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.runtime.faults import crash_point
+from charon.runtime.guard.verdicts import FILE as VERDICTS_FILE
+from charon.runtime.node.sidefiles import SideFiles
 from charon.state.durable import DurableState
 from charon.state.records import EpochRecord, encode_record, read_record
 from charon.state.store import MemoryStore
 from charon.storage.contract import ObjectNotFound, ObjectStore, StorageConflict, StorageDenied
 from charon.storage.files import write_file_atomic
 from charon.storage.location import open_storage
+from charon.storage.metered import Metered, StorageMeter
 from charon.storage.prefix import Prefixed, delete_prefix
 
 T = TypeVar("T")
@@ -128,9 +133,18 @@ class NodeStorage:
             os.close(self._lock_fd)
             raise NodeError(f"{self.data_dir} is in use by another process") from None
         try:
-            self.remote: ObjectStore | None = open_storage(storage_url, fsync=fsync) if storage_url else None
+            #: requests and bytes to object storage (None without it): metrics, the storage benchmark
+            self.meter: StorageMeter | None = StorageMeter() if storage_url else None
+            self.remote: ObjectStore | None = (Metered(open_storage(storage_url, fsync=fsync), self.meter)
+                                               if storage_url else None)
             for name in ("node.json", "code.json"):
                 self._hydrate_file(name)
+            self._verdicts_etag: str | None = None  # the version of verdicts.jsonl this node wrote or read
+            self._hydrate_verdicts()
+            #: the effects store, output streams and stream offsets, shipped per checkpoint (object storage only)
+            self.side = SideFiles(self.data_dir, self.remote) if self.remote is not None else None
+            if self.side is not None:
+                self.side.restore()
             state_dir = self._check_layout()
             in_loc = log_url or os.path.join(self.data_dir, "input.sqlite")
             self.input_log = open_input_log(in_loc, 1, durable=fsync)
@@ -192,6 +206,46 @@ class NodeStorage:
         for key in names[-_RECORDS_KEPT:]:
             if int(key.split("/")[-1].split(".")[0]) not in have:
                 self.remote.get_file(key, os.path.join(self.data_dir, key))
+
+    def _hydrate_verdicts(self) -> None:
+        """The verdicts on object storage are the truth: taken into the directory (over a cached copy, whose lines
+        past the stored ones were never relied on: a verdict is effective only once stored), or, when the store has
+        none, the directory's uploaded (a data directory moving onto object storage)."""
+        if self.remote is None:
+            return
+        path = os.path.join(self.data_dir, VERDICTS_FILE)
+        try:
+            data, self._verdicts_etag = self.remote.get(VERDICTS_FILE)
+        except ObjectNotFound:
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    self._verdicts_etag = self.remote.put(VERDICTS_FILE, f.read(), if_absent=True)
+            return
+        write_file_atomic(path, data)
+
+    def ship_verdicts(self, path: str) -> None:
+        """After a verdict's line is appended (and fsynced) to ``path``: the file replaces the stored one, over the
+        version this node knows (``If-Match``; created with ``If-None-Match`` the first time), before the verdict
+        takes effect (:class:`~charon.runtime.guard.verdicts.VerdictBook` calls this before it returns). An outage
+        is waited out (nothing depends on the verdict meanwhile); a node that lost its place gets
+        :class:`~charon.storage.contract.StorageConflict` instead of overwriting the newer node's verdicts."""
+        remote = self.remote
+        if remote is None:
+            return
+        with open(path, "rb") as f:
+            data = f.read()
+
+        def put() -> str:
+            etag = self._verdicts_etag
+            try:
+                return remote.put(VERDICTS_FILE, data, if_absent=etag is None, if_match=etag)
+            except StorageConflict:  # an attempt that reached the store before its answer was lost: it is ours
+                have, tag = remote.get(VERDICTS_FILE)
+                if have != data:
+                    raise
+                return tag
+
+        self._verdicts_etag = self._retry_log(put, "storing a verdict")
 
     def write_file(self, path: str, data: bytes) -> None:
         """Replace a file of the data directory (e.g. the code history), on object storage too."""
@@ -463,6 +517,8 @@ class NodeStorage:
             if pid == 0:
                 crash_point("node:delta0", last.epoch)  # one partition's delta written, the others not
         crash_point("node:deltas", last.epoch)
+        if self.side is not None:  # before the record: a restored node finds the files its record implies
+            self._retry_log(self.side.ship, f"storing the side files of epoch {last.epoch}")
         rec = EpochRecord(last.epoch, last.counters, [(t, serde.encode_request(r)) for t, r in last.deferred],
                           time=last.time, next_due=last.next_due, log_end=last.log_end, admission=last.admission)
         self._retry_log(lambda: self._write_record(rec), f"storing the checkpoint of epoch {last.epoch}")  # commit
