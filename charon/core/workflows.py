@@ -89,7 +89,8 @@ class Finish:
 @dataclass
 class WorkflowHandle:
     """The handle ``w`` a step gets: the workflow's ``id``, ``version``, current ``step``, ``seq`` and ``attempt``
-    (1, then 2... when a run of the step aborted), its ``state`` (a dict the step may change; kept iff the step commits), and what the step may return."""
+    (1, then 2... when a run of the step aborted), its ``state`` (a dict the step may change; kept iff the step
+    commits), and what the step may return."""
 
     ctx: Any
     workflow: Workflow
