@@ -20,9 +20,10 @@ Nothing is added to the epoch protocol: a workflow is transactions and timers.
   ``give_up`` marks the workflow ``failed``.
 * Every await carries ``seq``, the record's current await number: a delivery or a ``run`` whose ``seq`` is past
   (a stale timer, a second outcome) does nothing but count itself in ``stale``.
-* ``w.undo(op, key, fn, *args)`` pushes a compensating call (kept only if the step commits); ``w.compensate()``
-  runs the recorded undos newest first, in the same transaction as the step that returns it, and ends the
-  workflow ``compensated``.
+* ``w.undo(op, key, fn, *args)`` pushes a compensating call, ``w.undo_effect(handler, *args)`` a compensating
+  effect (kept only if the step commits); ``w.compensate()`` pops the undos newest first: calls run in the same
+  transaction as the step that returns it, an effect is requested and awaited (the built-in step
+  :data:`COMPENSATE_STEP` gets its outcome and goes on), and at the end the workflow is ``compensated``.
 
 Bounds: at most :data:`MAX_UNDO` undos, :data:`MAX_HISTORY` history entries kept (older ones counted), at most
 ``max_steps`` steps per workflow (:class:`~charon.errors.WorkflowTooLong`), a start's input at most
@@ -43,12 +44,14 @@ from charon.core.promises import MAX_ERROR_CHARS, MAX_PROMISE_VALUE_BYTES, MAX_T
 from charon.errors import BadArguments, UnknownWorkflowAborted, ValueTooLarge, WorkflowExists, WorkflowTooLong
 from charon.operator import Operator
 
-__all__ = ["MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_PREFIX", "Await", "Finish", "Workflow",
+__all__ = ["COMPENSATE_STEP", "MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_PREFIX", "Await", "Finish", "Workflow",
            "WorkflowHandle", "check_workflow_name", "workflow_operator"]
 
 WORKFLOW_PREFIX = "charon.workflow."
 MAX_HISTORY = 1000
 MAX_UNDO = 100
+#: the built-in step that runs the undos (``w.compensate()``), awaiting each undo effect in its turn
+COMPENSATE_STEP = "charon.compensate"
 STATUSES = ("running", "waiting", "done", "failed", "compensated", "cancelled")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,60}")
 Step = Callable[..., Awaitable[Any]]
@@ -100,12 +103,12 @@ class WorkflowHandle:
     seq: int
     state: dict[str, Any]
     attempt: int = 1
-    undos: list[list[Any]] = field(default_factory=list)
+    undos: list[dict[str, Any]] = field(default_factory=list)
     awaits: list[Await] = field(default_factory=list)
 
     def _then(self, then: Step | str) -> str:
         name = then if isinstance(then, str) else getattr(then, "__name__", "")
-        if name not in self.workflow.steps:
+        if name not in self.workflow.steps and name != COMPENSATE_STEP:
             raise BadArguments(f"workflow {self.workflow.workflow!r} has no step {name!r} "
                                f"(have: {', '.join(sorted(self.workflow.steps))})")
         return name
@@ -157,9 +160,19 @@ class WorkflowHandle:
         """Record a compensating call ``ctx.call(operator, key, function, *args)`` (run by ``w.compensate()``)."""
         op = operator.name if isinstance(operator, Operator) else operator
         fn = function if isinstance(function, str) else function.name
+        self._push({"call": [op, key, fn, list(args)]})
+
+    def undo_effect(self, handler: str, *args: object, timeout: float = 30.0, attempts: int = 5) -> None:
+        """Record a compensating effect (``ctx.effect(handler, *args)``), requested and awaited by
+        ``w.compensate()`` in its turn; a failed one ends the workflow ``failed`` (``CompensationFailed``)."""
+        if not isinstance(handler, str):
+            raise BadArguments("an effect handler is named by a string")
+        self._push({"effect": [handler, list(args), float(timeout), int(attempts)]})
+
+    def _push(self, undo: dict[str, Any]) -> None:
         if len(self.undos) >= MAX_UNDO:
             raise BadArguments(f"a workflow records at most {MAX_UNDO} undos")
-        self.undos.append([op, key, fn, list(args)])
+        self.undos.append(undo)
 
 
 class Workflow(Operator):
@@ -304,7 +317,7 @@ class Workflow(Operator):
         ctx.put(rec)
 
     async def _run(self, ctx: Any, rec: dict[str, Any], attempt: int) -> dict[str, Any]:
-        step = self.steps.get(rec["step"])
+        step = self.steps.get(rec["step"]) if rec["step"] != COMPENSATE_STEP else _compensate
         if step is None:
             raise BadArguments(f"workflow {self.workflow!r} has no step {rec['step']!r} (removed by a code update?)")
         if rec["steps"] >= self.max_steps:
@@ -324,12 +337,17 @@ class Workflow(Operator):
             entry["awaits"] = {"kind": nxt.kind, "id": nxt.id}
             rec.update(status="waiting", step=nxt.then, seq=rec["seq"] + 1,
                        awaiting=[{"kind": nxt.kind, "id": nxt.id, "deadline": nxt.deadline}])
+        elif isinstance(nxt, Finish) and nxt.status == "compensated" and rec["step"] != COMPENSATE_STEP:
+            nxt = await _compensate(ctx, w, None)  # the undos, newest first: calls now, then the first effect
+            if isinstance(nxt, Await):
+                entry["awaits"] = {"kind": nxt.kind, "id": nxt.id}
+                rec.update(status="waiting", step=nxt.then, seq=rec["seq"] + 1,
+                           awaiting=[{"kind": nxt.kind, "id": nxt.id, "deadline": nxt.deadline}])
+            else:
+                entry["finished"] = nxt.status
+                rec.update(status=nxt.status, result=nxt.result, error=nxt.error, awaiting=[], seq=rec["seq"] + 1)
         elif isinstance(nxt, Finish):
             status = nxt.status
-            if status == "compensated":
-                for op, key, fn, args in reversed(w.undos):
-                    await ctx.call(op, key, fn, *args)
-                w.undos = []
             entry["finished"] = status
             rec.update(status=status, result=nxt.result, error=nxt.error, awaiting=[], seq=rec["seq"] + 1)
         else:
@@ -345,3 +363,22 @@ class Workflow(Operator):
                    updated=now)
         ctx.put(rec)
         return {"id": ctx.key, "step": entry["step"], "status": rec["status"], "seq": rec["seq"]}
+
+
+async def _compensate(ctx: Any, w: WorkflowHandle, outcome: dict[str, Any] | None) -> Await | Finish:
+    """The built-in step :data:`COMPENSATE_STEP`: pop the undos newest first, running calls in this transaction;
+    an undo effect is requested and awaited (this step runs again with its outcome); then end ``compensated``
+    (``failed`` with ``CompensationFailed`` if an undo effect failed)."""
+    if outcome is not None and not outcome.get("ok", True):
+        return Finish("failed", error=f"CompensationFailed: an undo effect failed: {outcome.get('error_type')}: "
+                                      f"{outcome.get('error')}"[:MAX_ERROR_CHARS])
+    while w.undos:
+        undo = w.undos.pop()
+        if "call" in undo:
+            op, key, fn, args = undo["call"]
+            await ctx.call(op, key, fn, *args)
+        else:
+            handler, args, timeout, attempts = undo["effect"]
+            return w.effect(handler, *args, then=COMPENSATE_STEP, timeout=timeout, attempts=attempts)
+    return Finish("compensated")
+
