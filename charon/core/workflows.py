@@ -37,12 +37,13 @@ import inspect
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from charon import serde
+from charon.core.context import Context
 from charon.core.promises import MAX_ERROR_CHARS, MAX_PROMISE_VALUE_BYTES, MAX_TIMEOUT_S
 from charon.errors import BadArguments, UnknownWorkflowAborted, ValueTooLarge, WorkflowExists, WorkflowTooLong
-from charon.operator import Operator
+from charon.operator import Function, Operator
 
 __all__ = ["COMPENSATE_STEP", "MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_PREFIX", "Await", "Finish", "Workflow",
            "WorkflowHandle", "check_workflow_name", "workflow_operator"]
@@ -55,6 +56,7 @@ COMPENSATE_STEP = "charon.compensate"
 STATUSES = ("running", "waiting", "done", "failed", "compensated", "cancelled")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,60}")
 Step = Callable[..., Awaitable[Any]]
+S = TypeVar("S", bound=Step)
 
 
 def check_workflow_name(name: object) -> str:
@@ -95,7 +97,7 @@ class WorkflowHandle:
     (1, then 2... when a run of the step aborted), its ``state`` (a dict the step may change; kept iff the step
     commits), and what the step may return."""
 
-    ctx: Any
+    ctx: Context
     workflow: Workflow
     id: str
     version: str
@@ -156,7 +158,7 @@ class WorkflowHandle:
         """Run the recorded undos, newest first (in this step's transaction), then end ``compensated``."""
         return Finish("compensated")
 
-    def undo(self, operator: Operator | str, key: str, function: Any, *args: object) -> None:
+    def undo(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object) -> None:
         """Record a compensating call ``ctx.call(operator, key, function, *args)`` (run by ``w.compensate()``)."""
         op = operator.name if isinstance(operator, Operator) else operator
         fn = function if isinstance(function, str) else function.name
@@ -199,11 +201,18 @@ class Workflow(Operator):
         self._register()
 
     # -- declaring ---------------------------------------------------------------------------------------------
-    def step(self, body: Step | None = None, /, *, first: bool = False) -> Any:
+    @overload
+    def step(self, body: S, /, *, first: bool = False) -> S: ...
+
+    @overload
+    def step(self, body: None = None, /, *, first: bool = False) -> Callable[[S], S]: ...
+
+    def step(self, body: S | None = None, /, *, first: bool = False) -> S | Callable[[S], S]:
         """Decorator registering ``async def step(ctx, w, outcome)`` (``@wf.step`` or ``@wf.step(first=True)``)."""
         if body is None:
             return lambda b: self.step(b, first=first)
-        if not inspect.iscoroutinefunction(body):
+        as_object: object = body  # (iscoroutinefunction narrows what it checks)
+        if not inspect.iscoroutinefunction(as_object):
             raise TypeError(f"{body.__qualname__} must be an `async def` function")
         if len(inspect.signature(body).parameters) != 3:
             raise TypeError(f"{body.__qualname__} must take (ctx, w, outcome)")
@@ -216,7 +225,7 @@ class Workflow(Operator):
         self.steps[body.__name__] = body
         return body
 
-    def start(self, ctx: Any, input: Any = None, *, id: str | None = None) -> str:  # noqa: A002 - the API's words
+    def start(self, ctx: Context, input: Any = None, *, id: str | None = None) -> str:  # noqa: A002 - the API's words
         """Start a workflow from a transaction, iff it commits; returns its id: ``id``, or one minted from the
         transaction (``<tid>.<entity hash>``; a second start from the same entity in the same transaction needs
         its own ``id``). An id in use aborts the transaction with :class:`~charon.errors.WorkflowExists`."""
@@ -230,7 +239,7 @@ class Workflow(Operator):
     def _register(self) -> None:
         wf = self
 
-        async def start(ctx: Any, input: Any = None) -> dict[str, Any]:  # noqa: A002
+        async def start(ctx: Context, input: Any = None) -> dict[str, Any]:  # noqa: A002
             """Create the workflow and deliver ``input`` to its first step."""
             if wf.first is None:
                 raise BadArguments(f"workflow {wf.workflow!r} has no first step (@{wf.workflow}.step(first=True))")
@@ -248,7 +257,7 @@ class Workflow(Operator):
             wf._deliver(ctx, rec, {"ok": True, "value": input})
             return {"id": ctx.key, "workflow": wf.workflow, "status": rec["status"]}
 
-        async def deliver(ctx: Any, outcome: dict[str, Any], seq: int) -> dict[str, Any]:
+        async def deliver(ctx: Context, outcome: dict[str, Any], seq: int) -> dict[str, Any]:
             """An awaited outcome arrives (an effect's or a promise's continuation, a sleep's timer)."""
             rec = ctx.get()
             if rec is None:
@@ -260,7 +269,7 @@ class Workflow(Operator):
             wf._deliver(ctx, rec, outcome)
             return {"id": ctx.key, "seq": seq}
 
-        async def run(ctx: Any, seq: int, attempt: int) -> dict[str, Any]:
+        async def run(ctx: Context, seq: int, attempt: int) -> dict[str, Any]:
             """Run the current step (attempt ``attempt``) with the delivered outcome."""
             rec = ctx.get()
             if rec is None or rec["seq"] != seq or rec["status"] != "running":
@@ -270,7 +279,7 @@ class Workflow(Operator):
                 return {"stale": True}
             return await wf._run(ctx, rec, attempt)
 
-        async def give_up(ctx: Any, seq: int) -> dict[str, Any]:
+        async def give_up(ctx: Context, seq: int) -> dict[str, Any]:
             """After the last attempt: the step aborted every time, the workflow fails."""
             rec = ctx.get()
             if rec is None or rec["seq"] != seq or rec["status"] != "running":
@@ -281,7 +290,7 @@ class Workflow(Operator):
             ctx.put(rec)
             return {"id": ctx.key, "status": "failed"}
 
-        async def cancel(ctx: Any, reason: str = "cancelled by an operator") -> dict[str, Any]:
+        async def cancel(ctx: Context, reason: str = "cancelled by an operator") -> dict[str, Any]:
             """Cancel a workflow that has not finished (its timers are cancelled; later deliveries are stale)."""
             rec = ctx.get()
             if rec is None:
@@ -294,7 +303,7 @@ class Workflow(Operator):
                 ctx.put(rec)
             return {"id": ctx.key, "status": rec["status"]}
 
-        async def get(ctx: Any) -> dict[str, Any] | None:
+        async def get(ctx: Context) -> dict[str, Any] | None:
             """The workflow's record (None: no such workflow)."""
             rec = ctx.get()
             return None if rec is None else dict(rec)
@@ -303,7 +312,7 @@ class Workflow(Operator):
             self.function(body)
         self.deliver_fn = self.functions["deliver"]
 
-    def _deliver(self, ctx: Any, rec: dict[str, Any], outcome: dict[str, Any]) -> None:
+    def _deliver(self, ctx: Context, rec: dict[str, Any], outcome: dict[str, Any]) -> None:
         """Record ``outcome`` for the current step and arm its runs (attempt 1 now, retries after a backoff)."""
         now = ctx.now()
         timers = [ctx.send_at(now, self.name, ctx.key, "run", rec["seq"], 1)]
@@ -316,7 +325,7 @@ class Workflow(Operator):
         rec.update(status="running", outcome=outcome, awaiting=[], timers=timers, attempt=0, updated=now)
         ctx.put(rec)
 
-    async def _run(self, ctx: Any, rec: dict[str, Any], attempt: int) -> dict[str, Any]:
+    async def _run(self, ctx: Context, rec: dict[str, Any], attempt: int) -> dict[str, Any]:
         step = self.steps.get(rec["step"]) if rec["step"] != COMPENSATE_STEP else _compensate
         if step is None:
             raise BadArguments(f"workflow {self.workflow!r} has no step {rec['step']!r} (removed by a code update?)")
@@ -365,7 +374,7 @@ class Workflow(Operator):
         return {"id": ctx.key, "step": entry["step"], "status": rec["status"], "seq": rec["seq"]}
 
 
-async def _compensate(ctx: Any, w: WorkflowHandle, outcome: dict[str, Any] | None) -> Await | Finish:
+async def _compensate(ctx: Context, w: WorkflowHandle, outcome: dict[str, Any] | None) -> Await | Finish:
     """The built-in step :data:`COMPENSATE_STEP`: pop the undos newest first, running calls in this transaction;
     an undo effect is requested and awaited (this step runs again with its outcome); then end ``compensated``
     (``failed`` with ``CompensationFailed`` if an undo effect failed)."""
