@@ -12,6 +12,7 @@ from charon.core.context import Call, Context, Outcome
 from charon.core.limits import Limit
 from charon.core.promises import promise_value
 from charon.core.timers import Timer
+from charon.core.workflows import Workflow
 from charon.errors import (
     BadArguments,
     CallGraphLimitExceeded,
@@ -42,7 +43,10 @@ from charon.errors import (
     UnknownOperator,
     UnknownPromise,
     UnknownSchedule,
+    UnknownWorkflow,
     ValueTooLarge,
+    WorkflowExists,
+    WorkflowTooLong,
 )
 from charon.messages import Reply, Request
 from charon.operator import Application, Function, Operator
@@ -95,6 +99,10 @@ __all__ = [
     "UnknownOperator",
     "UnknownPromise",
     "UnknownSchedule",
+    "UnknownWorkflow",
     "ValueTooLarge",
+    "Workflow",
+    "WorkflowExists",
+    "WorkflowTooLong",
     "promise_value",
 ]

@@ -428,6 +428,11 @@ class _Base:
         return f"/promises/{_segment(promise_id)}" + (f"/{action}" if action else "")
 
     @staticmethod
+    def _workflow_path(name: str, workflow_id: str | None = None, action: str = "") -> str:
+        return f"/workflows/{_segment(name)}" + (f"/{_segment(workflow_id)}" if workflow_id is not None else "") \
+            + (f"/{action}" if action else "")
+
+    @staticmethod
     def _schedule_path(name: str, action: str = "") -> str:
         return f"/schedules/{_segment(name)}" + (f"/{action}" if action else "")
 
@@ -667,6 +672,27 @@ class Client(_Base):
         """A page of promises in id order: ``{"promises": [...], "next": cursor or None}``."""
         return self._admin_doc(self._send("GET", "/promises", params=self._page_params(after, limit, status),
                                           headers=self.headers))
+
+    # -- workflows (``invoke`` starts; ``read`` reads; ``admin`` cancels) ----------------------------------------
+    def start_workflow(self, name: str, input: Any = None, *, id: str | None = None,  # noqa: A002
+                       request_id: str | None = None) -> dict[str, Any]:
+        """Start workflow ``name`` (``POST /workflows/{name}``) with ``input`` under ``id`` (default: the request id,
+        so a retry starts one workflow): ``{"id", "workflow", "status"}``; :class:`~charon.errors.WorkflowExists`
+        if the id is in use, :class:`~charon.errors.UnknownWorkflow` if there is no such workflow."""
+        return dict(self._act("POST", self._workflow_path(name), {"id": id, "input": input}, request_id))
+
+    def workflow(self, name: str, workflow_id: str) -> dict[str, Any]:
+        """One workflow's record (status, step, what it awaits, state, the history of its steps)."""
+        return self._admin_doc(self._send("GET", self._workflow_path(name, workflow_id), headers=self.headers))
+
+    def workflows(self, name: str, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
+        """A page of a workflow's records in id order: ``{"workflows": [...], "next": cursor or None}``."""
+        return self._admin_doc(self._send("GET", self._workflow_path(name), params=self._page_params(after, limit),
+                                          headers=self.headers))
+
+    def cancel_workflow(self, name: str, workflow_id: str, reason: str = "cancelled by an operator") -> dict[str, Any]:
+        """Cancel a workflow that has not finished (admin)."""
+        return dict(self._act("POST", self._workflow_path(name, workflow_id, "cancel"), {"reason": reason}, None))
 
     # -- schedules (``read`` lists; ``admin`` changes) --------------------------------------------------------
     def schedules(self, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
@@ -1089,6 +1115,26 @@ class AsyncClient(_Base):
         """A page of promises in id order."""
         return self._admin_doc(await self._send("GET", "/promises", params=self._page_params(after, limit, status),
                                                 headers=self.headers))
+
+    async def start_workflow(self, name: str, input: Any = None, *, id: str | None = None,  # noqa: A002
+                             request_id: str | None = None) -> dict[str, Any]:
+        """Start a workflow (see :meth:`Client.start_workflow`)."""
+        return dict(await self._act("POST", self._workflow_path(name), {"id": id, "input": input}, request_id))
+
+    async def workflow(self, name: str, workflow_id: str) -> dict[str, Any]:
+        """One workflow's record."""
+        return self._admin_doc(await self._send("GET", self._workflow_path(name, workflow_id), headers=self.headers))
+
+    async def workflows(self, name: str, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
+        """A page of a workflow's records in id order."""
+        return self._admin_doc(await self._send("GET", self._workflow_path(name),
+                                                params=self._page_params(after, limit), headers=self.headers))
+
+    async def cancel_workflow(self, name: str, workflow_id: str,
+                              reason: str = "cancelled by an operator") -> dict[str, Any]:
+        """Cancel a workflow that has not finished (admin)."""
+        return dict(await self._act("POST", self._workflow_path(name, workflow_id, "cancel"), {"reason": reason},
+                                    None))
 
     async def schedules(self, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
         """A page of schedules in name order."""

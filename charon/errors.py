@@ -231,6 +231,23 @@ class UnknownPromiseAborted(EngineAbort, UnknownPromise):
     """A resolve, reject or cancel inside a transaction named a promise that does not exist."""
 
 
+class WorkflowExists(EngineAbort):
+    """A workflow was started under an id that is in use (:mod:`charon.core.workflows`; HTTP 409): nothing
+    changed."""
+
+
+class UnknownWorkflow(CharonError, LookupError):
+    """No workflow of that name, or no workflow with that id (HTTP 404, refused before the log)."""
+
+
+class UnknownWorkflowAborted(EngineAbort, UnknownWorkflow):
+    """A workflow operation inside a transaction named a workflow that does not exist."""
+
+
+class WorkflowTooLong(EngineAbort):
+    """A workflow ran its ``max_steps`` steps (the step's transaction aborts, the workflow then fails)."""
+
+
 class UnknownSchedule(CharonError, LookupError):
     """No schedule has this name (never created, or deleted): HTTP 404."""
 
@@ -368,6 +385,9 @@ ABORTS: dict[str, type[EngineAbort]] = {
         PromiseConflict,
         UnknownPromiseAborted,
         UnknownScheduleAborted,
+        WorkflowExists,
+        UnknownWorkflowAborted,
+        WorkflowTooLong,
         PromiseFailed,
         PromiseRejected,
         PromiseTimedOut,
@@ -412,6 +432,7 @@ ERRORS: dict[str, type[CharonError]] = {
     "Paused": GatePaused,
     "UnknownPromise": UnknownPromise,
     "UnknownSchedule": UnknownSchedule,
+    "UnknownWorkflow": UnknownWorkflow,
 }
 
 

@@ -213,15 +213,27 @@ class Application:
     def __init__(
         self, name: str, operators: Iterable[Operator], *, portals: Mapping[str, tuple[str, str]] | None = None,
         streams: Iterable[str] = (), uses: Iterable[str] = (),
-        effects: Mapping[str, Callable[..., Any]] | None = None,
+        effects: Mapping[str, Callable[..., Any]] | None = None, workflows: Iterable[Operator] = (),
     ) -> None:
         self.name = name
         self.operators: dict[str, Operator] = {}
         # (names or this application's own objects) -> function
         self._resolved: dict[tuple[str | Operator, str | Function[..., object]], Function[..., object]] = {}
-        for op in operators:
+        #: the workflows (``charon.Workflow``, each an operator of its own: ``charon.workflow.<name>``), by name
+        self.workflows: dict[str, Operator] = {}
+        for wf in workflows:
+            wname = getattr(wf, "workflow", None)
+            if not isinstance(wname, str) or wf.name != WORKFLOW_OPERATOR_PREFIX + wname:
+                raise TypeError(f"workflows= takes charon.Workflow objects, got {wf!r}")
+            if wname in self.workflows:
+                raise ValueError(f"workflow {wname!r} is registered twice")
+            self.workflows[wname] = wf
+        for op in [*operators, *self.workflows.values()]:
             if op.name in self.operators:
                 raise ValueError(f"operator {op.name!r} is registered twice")
+            if op.name.startswith(WORKFLOW_OPERATOR_PREFIX) and op.name[len(WORKFLOW_OPERATOR_PREFIX):] not in \
+                    self.workflows:
+                raise ValueError(f"operator name {op.name!r} is reserved (workflows: Application(workflows=[...]))")
             if op.name in _BUILTINS:
                 raise ValueError(f"operator name {op.name!r} is reserved (a built-in operator)")
             self.operators[op.name] = op
@@ -381,6 +393,10 @@ class Application:
             name: {fname: fn.signature() for fname, fn in op.functions.items()}
             for name, op in self.operators.items()
         }
+
+
+#: the operator name prefix of workflows (``charon.core.workflows``; an operator of its own per workflow)
+WORKFLOW_OPERATOR_PREFIX = "charon.workflow."
 
 
 # -- client atomic batches (S-Store) -------------------------------------------------------------------------

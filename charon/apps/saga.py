@@ -1,21 +1,22 @@
-"""A saga over durable effects (issue 23 item 3): order -> reserve stock -> charge the card through an external
-service -> ship through an external service; a failed charge releases the stock; a failed shipment releases the
-stock and refunds the card.
+"""A saga on a workflow (issue 34 item 4; first built over bare effects for issue 23 item 3): order -> reserve
+stock -> charge the card through an external service -> ship through an external service; a failed charge
+releases the stock; a failed shipment releases the stock and refunds the card.
 
-Each step is one transaction; the external calls are effects (``ctx.effect``), so each is requested iff its step
-commits, applied at most once per idempotency key by the service, and continued exactly once. :class:`Saga` makes
-compensation explicit: a step that succeeded records its undo (a call inside the application, or an effect
-to the outside world) in the order's state; :meth:`Saga.compensate` runs the recorded undos in reverse order
-(calls at once, in the compensating transaction; effects requested by it, continued by ``then``) and forgets
-them, so a saga completes or compensates, never both, never neither.
+The saga is the workflow ``saga`` (:class:`charon.Workflow`) with three steps, each one transaction: ``reserve``
+takes the stock (its undo: a ``release`` call) and awaits the ``charge`` effect; ``charged`` records the refund as
+an undo effect and awaits the ``ship`` effect, or compensates; ``shipped`` ends the workflow ``done`` or
+compensates. ``w.compensate()`` runs the undos newest first (the release in the compensating transaction, the
+refund an effect it awaits), then ends the workflow ``compensated``: a saga completes or compensates, never both,
+never neither. Each effect is requested iff its step commits, applied at most once per idempotency key by the
+service, and delivered to the next step exactly once.
 
 The handlers call ``<CHARON_SAGA_SERVICE_URL>/apply`` with ``{"key": idempotency key, "op", ...}``: an answer 402
 is a decline (a final answer, not retried), a 5xx or a timeout is retried by the executor.
 
-Clients invoke ``orders.place`` (and ``stock.fill`` to set up): both ``@op.function(public=True)``. The effect
-continuations (``on_charged``, ``on_shipped``, ``on_compensated``) and the stock helpers (``reserve``,
-``release``) are internal: only the saga's own steps run them, never a client (a forged ``on_charged`` would ship
-an unpaid order).
+Clients invoke ``orders.place`` (and ``stock.fill`` to set up): both ``@op.function(public=True)``; ``place``
+starts the order's workflow (id: the order's key) in its own transaction, iff it commits. The workflow's own
+functions and the stock helpers (``reserve``, ``release``) are internal: only the saga's steps run them, never a
+client (a forged delivery would ship an unpaid order). Its progress: ``GET /workflows/saga/{order}``.
 """
 
 from __future__ import annotations
@@ -23,55 +24,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from charon import Application, Context, Operator
+from charon import Application, Context, Operator, Workflow
+from charon.core.workflows import WorkflowHandle
 
-__all__ = ["Saga", "app", "orders", "stock"]
+__all__ = ["app", "orders", "saga", "stock"]
 
 ORDERS, STOCK = "orders", "stock"
 orders = Operator(ORDERS)
 stock = Operator(STOCK)
-
-
-class Saga:
-    """The explicit compensation list of one saga, kept in its entity's item ``saga`` (see the module docstring).
-
-    ``undo`` entries: ``{"call": [operator, key, function, args]}`` (run inside the compensating transaction) or
-    ``{"effect": [handler, args]}`` (requested by it; its result resumes ``then``)."""
-
-    ITEM = "saga"
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-
-    def steps(self) -> list[dict[str, Any]]:
-        steps: list[dict[str, Any]] = self.ctx.get_item(self.ITEM, [])
-        return steps
-
-    def done(self, step: str, *, call: list[Any] | None = None, effect: list[Any] | None = None) -> None:
-        """Record that ``step`` succeeded and how to undo it (one of ``call`` or ``effect``)."""
-        if (call is None) == (effect is None):
-            raise ValueError("a step is undone by one call or one effect")
-        undo = {"call": call} if call is not None else {"effect": effect}
-        self.ctx.put_item(self.ITEM, [*self.steps(), {"step": step, **undo}])
-
-    def finish(self) -> None:
-        """The saga completed: nothing is left to undo."""
-        self.ctx.delete_item(self.ITEM)
-
-    async def compensate(self, *, then: str, carry: list[Any] | None = None) -> int:
-        """Undo every recorded step, newest first; returns how many undo effects were requested (each resumes
-        ``then(result, *carry)``)."""
-        pending = 0
-        for s in reversed(self.steps()):
-            if "call" in s:
-                op, key, fn, args = s["call"]
-                await self.ctx.call(op, key, fn, *args)
-            else:
-                handler, args = s["effect"]
-                self.ctx.effect(handler, *args, then=then, carry=carry or [], timeout=5.0, attempts=1000)
-                pending += 1
-        self.ctx.delete_item(self.ITEM)
-        return pending
+saga = Workflow("saga")
 
 
 # -- stock ----------------------------------------------------------------------------------------------------
@@ -96,64 +57,50 @@ async def fill(ctx: Context, qty: int) -> None:
 
 
 # -- orders ---------------------------------------------------------------------------------------------------
-def _set(ctx: Context, **changes: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = {**ctx.get({}), **changes}
-    ctx.put(doc)
-    return doc
-
-
 @orders.function(public=True)
 async def place(ctx: Context, customer: str, item: str, qty: int, amount: int, decline_charge: bool = False,
                 fail_ship: bool = False) -> str:
-    """Start the saga: reserve the stock (same transaction), then charge the card (an effect)."""
+    """Start the order's saga (a workflow whose id is the order's key), iff this transaction commits."""
     if ctx.get() is not None:
-        return str(ctx.get()["state"])  # placed already
-    doc = {"customer": customer, "item": item, "qty": qty, "amount": amount, "fail_ship": fail_ship,
-           "state": "reserving", "continued": 0}
-    if not await ctx.call(stock, item, reserve, qty):
-        ctx.put({**doc, "state": "rejected"})
-        return "rejected"
-    ctx.put({**doc, "state": "charging"})
-    saga = Saga(ctx)
-    saga.done("reserve", call=[STOCK, item, "release", [qty]])
-    ctx.effect("charge", customer, amount, decline_charge, then=on_charged, timeout=5.0, attempts=20)
-    return "charging"
+        return str(ctx.get()["workflow"])  # placed already
+    order = {"order": ctx.key, "customer": customer, "item": item, "qty": qty, "amount": amount,
+             "decline_charge": decline_charge, "fail_ship": fail_ship}
+    wid = saga.start(ctx, order, id=ctx.key)
+    ctx.put({**order, "workflow": wid})
+    return wid
 
 
-@orders.function
-async def on_charged(ctx: Context, result: dict) -> None:
-    doc = ctx.get()
-    doc["continued"] += 1
-    ctx.put(doc)
-    if result["ok"] and not result["value"]["declined"]:
-        Saga(ctx).done("charge", effect=["refund", [doc["customer"], doc["amount"], ctx.key]])
-        _set(ctx, state="shipping")
-        ctx.effect("ship", ctx.key, doc["item"], doc["qty"], doc["fail_ship"], then=on_shipped, timeout=5.0,
-                   attempts=20)
-        return
-    pending = await Saga(ctx).compensate(then="on_compensated")
-    _set(ctx, state="compensating" if pending else "compensated", why="charge failed")
+# -- the saga's steps -----------------------------------------------------------------------------------------
+@saga.step(first=True)
+async def take_stock(ctx: Context, w: WorkflowHandle, outcome: dict[str, Any]) -> Any:
+    o = w.state["order"] = outcome["value"]
+    if not await ctx.call(stock, o["item"], reserve, o["qty"]):
+        return w.done("rejected")
+    w.undo(stock, o["item"], release, o["qty"])
+    return w.effect("charge", o["customer"], o["amount"], o["decline_charge"], then=charged, timeout=5.0,
+                    attempts=20)
 
 
-@orders.function
-async def on_shipped(ctx: Context, result: dict) -> None:
-    doc = _set(ctx, continued=ctx.get()["continued"] + 1)
-    if result["ok"] and not result["value"]["declined"]:
-        Saga(ctx).finish()
-        _set(ctx, state="completed")
-        return
-    pending = await Saga(ctx).compensate(then="on_compensated")
-    _set(ctx, state="compensating" if pending else "compensated", why="shipment failed", qty=doc["qty"])
+@saga.step
+async def charged(ctx: Context, w: WorkflowHandle, result: dict[str, Any]) -> Any:
+    o = w.state["order"]
+    if not result["ok"] or result["value"]["declined"]:
+        w.state["why"] = "charge failed"
+        return w.compensate()
+    w.undo_effect("refund", o["customer"], o["amount"], o["order"], timeout=5.0, attempts=1000)
+    return w.effect("ship", o["order"], o["item"], o["qty"], o["fail_ship"], then=shipped, timeout=5.0,
+                    attempts=20)
 
 
-@orders.function
-async def on_compensated(ctx: Context, result: dict) -> None:
-    doc = _set(ctx, continued=ctx.get()["continued"] + 1)
-    _set(ctx, state="compensated" if result["ok"] else "compensation_failed",
-         refund=result.get("value") if result["ok"] else result, why=doc.get("why", ""))
+@saga.step
+async def shipped(ctx: Context, w: WorkflowHandle, result: dict[str, Any]) -> Any:
+    if not result["ok"] or result["value"]["declined"]:
+        w.state["why"] = "shipment failed"
+        return w.compensate()
+    return w.done("completed")
 
 
-app = Application("saga", [orders, stock])
+app = Application("saga", [orders, stock], workflows=[saga])
 
 
 async def _apply(key: str, body: dict[str, Any]) -> dict[str, Any]:

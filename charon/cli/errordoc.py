@@ -26,7 +26,8 @@ ROWS: dict[str, list[type[errors.CharonError]]] = {
         errors.UnknownOperatorAborted, errors.UnknownFunctionAborted, errors.BadArgumentsAborted,
         errors.SerializationErrorAborted, errors.InvalidKeyAborted, errors.PayloadTooLargeAborted,
         errors.UndeclaredPortalAborted, errors.PromiseConflict, errors.UnknownPromiseAborted,
-        errors.UnknownScheduleAborted, errors.PromiseFailed, errors.PromiseRejected, errors.PromiseTimedOut,
+        errors.UnknownScheduleAborted, errors.WorkflowExists, errors.UnknownWorkflowAborted,
+        errors.WorkflowTooLong, errors.PromiseFailed, errors.PromiseRejected, errors.PromiseTimedOut,
         errors.PromiseCancelled, errors.RateLimited, errors.Overloaded, errors.InvocationCancelled,
     ],
     errors.REFUSAL: [
@@ -35,7 +36,7 @@ ROWS: dict[str, list[type[errors.CharonError]]] = {
         errors.Unauthorized, errors.Forbidden, errors.BadRequest, errors.ReservedRequestId, errors.RequestNotFound,
         errors.NotSupported, errors.EpochNotRetained, errors.SQLRejected, errors.SQLSyntaxError,
         errors.SQLTimeout, errors.SQLTooExpensive, errors.SQLResultTooLarge, errors.StateTooLarge,
-        errors.UnknownPromise, errors.UnknownSchedule,
+        errors.UnknownPromise, errors.UnknownSchedule, errors.UnknownWorkflow,
     ],
     errors.AVAILABILITY: [
         errors.EngineUnavailable, contract.EngineStopped, errors.LogUnavailable, client.GatewayUnavailable,

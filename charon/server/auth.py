@@ -102,6 +102,11 @@ ROUTE_SCOPES: dict[str, frozenset[str]] = {
     "promise": frozenset({READ}),
     "promise_settle": frozenset({PROMISES}),  # resolve and reject: what a webhook or an approver holds
     "promise_cancel": frozenset({ADMIN}),
+    # workflows (charon.server.workflows): started like an invocation, read like state, cancelled by an operator
+    "workflows": frozenset({READ}),
+    "workflow": frozenset({READ}),
+    "workflow_start": frozenset({INVOKE}),
+    "workflow_cancel": frozenset({ADMIN}),
     "schedules": frozenset({READ}),
     "schedule": frozenset({READ}),
     "schedule_create": frozenset({ADMIN}),

@@ -74,6 +74,8 @@ STATUS_OF_ERROR: dict[str, int] = {
     "UnknownPromise": 404,
     "UnknownSchedule": 404,
     "ScheduleExists": 409,
+    "UnknownWorkflow": 404,  # the workflow routes' (charon.server.workflows)
+    "WorkflowExists": 409,
     "RateLimited": 429,  # admission (charon.core.admission): with Retry-After
     "Overloaded": 429,
 }

@@ -42,6 +42,13 @@ def test_timer_example_prints_what_its_comments_promise() -> None:
     assert out.stdout.splitlines() == ["70 ['release']", "100 ['release']", "False", "True 50", "50 []"]
 
 
+def test_workflow_example_prints_what_its_guide_says() -> None:
+    out = _run([sys.executable, "checkout.py"], cwd=EXAMPLES)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["done {'shipped': 'apple'} ['reserve', 'charged', 'approved', 'ship']",
+                                       "compensated ['reserve', 'charged'] 3"]
+
+
 def test_quickstart_against_a_real_node(tmp_path: Path) -> None:
     port = free_port()
     node = subprocess.Popen(

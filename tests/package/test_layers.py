@@ -411,7 +411,11 @@ PUBLIC = [
     "UnknownOperator",
     "UnknownPromise",
     "UnknownSchedule",
+    "UnknownWorkflow",
     "ValueTooLarge",
+    "Workflow",
+    "WorkflowExists",
+    "WorkflowTooLong",
     "promise_value",
 ]
 
@@ -423,7 +427,8 @@ def test_public_surface_is_pinned() -> None:
     errors = {n for n in PUBLIC if n.endswith(("Error", "Aborted", "Unavailable", "Large", "Exceeded"))}
     errors |= {"BadArguments", "IdempotencyConflict", "IllegalAwait", "InvalidKey", "InvocationTimeout",
                "NonDeterministicFunction", "Quarantined", "UnawaitedCall", "UndeclaredPortal", "UnknownFunction",
-               "UnknownOperator", "UnknownEffect", "PromiseConflict", "UnknownPromise", "UnknownSchedule"}
+               "UnknownOperator", "UnknownEffect", "PromiseConflict", "UnknownPromise", "UnknownSchedule",
+               "UnknownWorkflow", "WorkflowExists"}
     for name in errors:
         assert issubclass(getattr(charon, name), charon.CharonError), name
     # Every engine error a reply can carry is importable from the top level.

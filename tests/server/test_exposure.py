@@ -157,7 +157,7 @@ def test_openapi_lists_public_functions_only(gateway: Any) -> None:
 # -- scopes ------------------------------------------------------------------------------------------------------
 PARAMS = {"operator": "order", "key": "k1", "function": "place", "request_id": "no-such-request", "stream": "s1",
           "effect_id": "no-such-effect", "action": "retry", "name": "dashboard.js", "promise_id": "pr.x.1.0.1",
-          "resource": "promises"}
+          "resource": "promises", "wid": "w1"}
 
 
 def _routes(srv: BackgroundServer) -> list[Route]:

@@ -1,0 +1,393 @@
+"""Workflows (issue 34 item 4): a durable multi-step helper over continuations, promises, effects and timers.
+
+A :class:`Workflow` is an operator (named ``charon.workflow.<name>``) whose entities are its running workflows,
+one per workflow id. Its functions are internal (``/invoke`` and ``/batch`` refuse them): only the engine, the
+workflow routes (``POST /workflows/{name}``) and other functions run them. A step is a plain ``async def
+step(ctx, w, outcome)`` registered with ``@wf.step``; it runs as one transaction on the workflow's entity (it may
+call any entity: serializable across them) and **returns what comes next**: ``w.effect(...)``, ``w.promise(...)``,
+``w.sleep(...)`` (each naming the step that gets the outcome), ``w.done(value)``, ``w.fail(error)`` or
+``w.compensate()``.
+
+Nothing is added to the epoch protocol: a workflow is transactions and timers.
+
+* ``start(input)`` (sent by :meth:`Workflow.start` inside a transaction, iff it commits; or a transaction of its
+  own from ``POST /workflows/{name}``) creates the record and *delivers* the input to the first step.
+* A delivery (``deliver(outcome, seq)``: the continuation of the effect or promise a step awaited, or the timer of
+  ``w.sleep``) records the outcome and arms ``run(seq, attempt)`` timers: attempt 1 due at once, the retries after
+  a backoff, and a ``give_up(seq)`` after the last. ``run`` executes the step; a ``run`` that commits cancels the
+  remaining timers, so the step's transaction commits exactly once; a step that raises aborts its own transaction
+  (Charon has no savepoints), the delivered outcome stays recorded and the next attempt runs; after the last one
+  ``give_up`` marks the workflow ``failed``.
+* Every await carries ``seq``, the record's current await number: a delivery or a ``run`` whose ``seq`` is past
+  (a stale timer, a second outcome) does nothing but count itself in ``stale``.
+* ``w.undo(op, key, fn, *args)`` pushes a compensating call, ``w.undo_effect(handler, *args)`` a compensating
+  effect (kept only if the step commits); ``w.compensate()`` pops the undos newest first: calls run in the same
+  transaction as the step that returns it, an effect is requested and awaited (the built-in step
+  :data:`COMPENSATE_STEP` gets its outcome and goes on), and at the end the workflow is ``compensated``.
+
+Bounds: at most :data:`MAX_UNDO` undos, :data:`MAX_HISTORY` history entries kept (older ones counted), at most
+``max_steps`` steps per workflow (:class:`~charon.errors.WorkflowTooLong`), a start's input at most
+``CHARON_MAX_PROMISE_VALUE_BYTES``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, overload
+
+from charon import serde
+from charon.core.context import Context
+from charon.core.promises import MAX_ERROR_CHARS, MAX_PROMISE_VALUE_BYTES, MAX_TIMEOUT_S
+from charon.errors import BadArguments, UnknownWorkflowAborted, ValueTooLarge, WorkflowExists, WorkflowTooLong
+from charon.operator import Function, Operator
+
+__all__ = ["COMPENSATE_STEP", "MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_PREFIX", "Await", "Finish", "Workflow",
+           "WorkflowHandle", "check_workflow_name", "workflow_operator"]
+
+WORKFLOW_PREFIX = "charon.workflow."
+MAX_HISTORY = 1000
+MAX_UNDO = 100
+#: the built-in step that runs the undos (``w.compensate()``), awaiting each undo effect in its turn
+COMPENSATE_STEP = "charon.compensate"
+STATUSES = ("running", "waiting", "done", "failed", "compensated", "cancelled")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,60}")
+Step = Callable[..., Awaitable[Any]]
+S = TypeVar("S", bound=Step)
+
+
+def check_workflow_name(name: object) -> str:
+    """``name`` if it is a valid workflow name (1-60 of A-Z a-z 0-9 _ -); BadArguments otherwise."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise BadArguments(f"a workflow name is 1-60 characters of A-Z a-z 0-9 _ -, got {name!r}")
+    return name
+
+
+def workflow_operator(name: str) -> str:
+    """The operator name of workflow ``name``."""
+    return WORKFLOW_PREFIX + name
+
+
+@dataclass
+class Await:
+    """What a step awaits (returned by ``w.effect``, ``w.promise``, ``w.sleep``): ``id`` is the effect's, the
+    promise's or the timer's id, created by the step's transaction (it exists iff the step commits)."""
+
+    kind: str
+    id: str
+    then: str
+    deadline: float | None = None
+
+
+@dataclass
+class Finish:
+    """How a step ends the workflow (``w.done``, ``w.fail``, ``w.compensate``)."""
+
+    status: str
+    result: Any = None
+    error: str | None = None
+
+
+@dataclass
+class WorkflowHandle:
+    """The handle ``w`` a step gets: the workflow's ``id``, ``version``, current ``step``, ``seq`` and ``attempt``
+    (1, then 2... when a run of the step aborted), its ``state`` (a dict the step may change; kept iff the step
+    commits), and what the step may return."""
+
+    ctx: Context
+    workflow: Workflow
+    id: str
+    version: str
+    step: str
+    seq: int
+    state: dict[str, Any]
+    attempt: int = 1
+    undos: list[dict[str, Any]] = field(default_factory=list)
+    awaits: list[Await] = field(default_factory=list)
+
+    def _then(self, then: Step | str) -> str:
+        name = then if isinstance(then, str) else getattr(then, "__name__", "")
+        if name not in self.workflow.steps and name != COMPENSATE_STEP:
+            raise BadArguments(f"workflow {self.workflow.workflow!r} has no step {name!r} "
+                               f"(have: {', '.join(sorted(self.workflow.steps))})")
+        return name
+
+    def _await(self, a: Await) -> Await:
+        if self.awaits:
+            raise BadArguments("a step awaits one thing (return the first w.effect/w.promise/w.sleep it made)")
+        self.awaits.append(a)
+        return a
+
+    def effect(self, handler: str, *args: object, then: Step | str, timeout: float = 30.0,
+               attempts: int = 5) -> Await:
+        """Run the effect handler once this step commits (``ctx.effect``); its result goes to step ``then``."""
+        name = self._then(then)
+        eid = self.ctx.effect(handler, *args, then=self.workflow.deliver_fn, carry=[self.seq + 1],
+                              timeout=timeout, attempts=attempts)
+        return self._await(Await("effect", eid, name))
+
+    def promise(self, *, then: Step | str, timeout: float = 86_400.0) -> Await:
+        """Create a durable promise (``ctx.promise``; its id in the returned ``Await.id`` and in the record's
+        ``awaiting``); its outcome (``{"ok": ..., "value" | "error_type", "error"}``) goes to step ``then``."""
+        name = self._then(then)
+        pid = self.ctx.promise(then=self.workflow.deliver_fn, carry=[self.seq + 1], timeout=timeout)
+        return self._await(Await("promise", pid, name, self.ctx.now() + timeout))
+
+    def sleep(self, seconds: float, *, then: Step | str) -> Await:
+        """Wait ``seconds`` (a timer), then run step ``then`` with ``{"ok": True, "value": None}``."""
+        name = self._then(then)
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds <= MAX_TIMEOUT_S:
+            raise BadArguments(f"sleep needs seconds in [0, {MAX_TIMEOUT_S:g}], got {seconds!r}")
+        tid = self.ctx.send_after(seconds, self.workflow.name, self.id, self.workflow.deliver_fn,
+                                  {"ok": True, "value": None}, self.seq + 1)
+        return self._await(Await("timer", tid, name, self.ctx.now() + seconds))
+
+    def done(self, value: Any = None) -> Finish:
+        """End the workflow ``done`` with ``value`` as its result."""
+        return Finish("done", result=value)
+
+    def fail(self, error: object) -> Finish:
+        """End the workflow ``failed`` (``error``: an exception or a message); the undos do not run."""
+        msg = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+        return Finish("failed", error=msg[:MAX_ERROR_CHARS])
+
+    def compensate(self) -> Finish:
+        """Run the recorded undos, newest first (in this step's transaction), then end ``compensated``."""
+        return Finish("compensated")
+
+    def undo(self, operator: Operator | str, key: str, function: Function[..., object] | str, *args: object) -> None:
+        """Record a compensating call ``ctx.call(operator, key, function, *args)`` (run by ``w.compensate()``)."""
+        op = operator.name if isinstance(operator, Operator) else operator
+        fn = function if isinstance(function, str) else function.name
+        self._push({"call": [op, key, fn, list(args)]})
+
+    def undo_effect(self, handler: str, *args: object, timeout: float = 30.0, attempts: int = 5) -> None:
+        """Record a compensating effect (``ctx.effect(handler, *args)``), requested and awaited by
+        ``w.compensate()`` in its turn; a failed one ends the workflow ``failed`` (``CompensationFailed``)."""
+        if not isinstance(handler, str):
+            raise BadArguments("an effect handler is named by a string")
+        self._push({"effect": [handler, list(args), float(timeout), int(attempts)]})
+
+    def _push(self, undo: dict[str, Any]) -> None:
+        if len(self.undos) >= MAX_UNDO:
+            raise BadArguments(f"a workflow records at most {MAX_UNDO} undos")
+        self.undos.append(undo)
+
+
+class Workflow(Operator):
+    """A workflow: ``wf = Workflow("checkout")``, steps with ``@wf.step`` (the first with ``first=True``), given
+    to the application (``Application(..., workflows=[wf])``). ``version`` names the code of its steps (kept in
+    each record: ``w.version``); ``attempts`` and ``backoff`` (seconds, doubled per attempt) are how often and when
+    a step that aborts is run again; ``max_steps`` bounds a workflow's length."""
+
+    def __init__(self, name: str, *, version: str = "1", attempts: int = 3, backoff: float = 1.0,
+                 max_steps: int = 100_000) -> None:
+        check_workflow_name(name)
+        super().__init__(workflow_operator(name))
+        if type(attempts) is not int or not 1 <= attempts <= 10:
+            raise ValueError("attempts must be an integer in [1, 10]")
+        if not 0 < backoff <= 3600:
+            raise ValueError("backoff must be in (0, 3600] seconds")
+        self.workflow = name
+        self.version = str(version)
+        self.attempts = attempts
+        self.backoff = float(backoff)
+        self.max_steps = int(max_steps)
+        self.steps: dict[str, Step] = {}
+        self.first: str | None = None
+        self._register()
+
+    # -- declaring ---------------------------------------------------------------------------------------------
+    @overload
+    def step(self, body: S, /, *, first: bool = False) -> S: ...
+
+    @overload
+    def step(self, body: None = None, /, *, first: bool = False) -> Callable[[S], S]: ...
+
+    def step(self, body: S | None = None, /, *, first: bool = False) -> S | Callable[[S], S]:
+        """Decorator registering ``async def step(ctx, w, outcome)`` (``@wf.step`` or ``@wf.step(first=True)``)."""
+        if body is None:
+            return lambda b: self.step(b, first=first)
+        as_object: object = body  # (iscoroutinefunction narrows what it checks)
+        if not inspect.iscoroutinefunction(as_object):
+            raise TypeError(f"{body.__qualname__} must be an `async def` function")
+        if len(inspect.signature(body).parameters) != 3:
+            raise TypeError(f"{body.__qualname__} must take (ctx, w, outcome)")
+        if body.__name__ in self.steps:
+            raise ValueError(f"step {body.__name__!r} of workflow {self.workflow!r} is defined twice")
+        if first:
+            if self.first is not None:
+                raise ValueError(f"workflow {self.workflow!r} has two first steps")
+            self.first = body.__name__
+        self.steps[body.__name__] = body
+        return body
+
+    def start(self, ctx: Context, input: Any = None, *, id: str | None = None) -> str:  # noqa: A002 - the API's words
+        """Start a workflow from a transaction, iff it commits; returns its id: ``id``, or one minted from the
+        transaction (``<tid>.<entity hash>``; a second start from the same entity in the same transaction needs
+        its own ``id``). An id in use aborts the transaction with :class:`~charon.errors.WorkflowExists`."""
+        if id is None:
+            h = hashlib.blake2b(f"{ctx.operator}/{ctx.key}".encode(), digest_size=6).hexdigest()
+            id = f"{ctx.tid}.{h}"  # noqa: A001
+        ctx.send(self.name, id, "start", input)
+        return id
+
+    # -- the internal functions --------------------------------------------------------------------------------
+    def _register(self) -> None:
+        wf = self
+
+        async def start(ctx: Context, input: Any = None) -> dict[str, Any]:  # noqa: A002
+            """Create the workflow and deliver ``input`` to its first step."""
+            if wf.first is None:
+                raise BadArguments(f"workflow {wf.workflow!r} has no first step (@{wf.workflow}.step(first=True))")
+            if ctx.get() is not None:
+                raise WorkflowExists(f"workflow {wf.workflow!r} {ctx.key!r} exists already")
+            n = len(serde.encode_value(input))
+            if n > MAX_PROMISE_VALUE_BYTES:
+                raise ValueTooLarge(f"a workflow's input of {n} bytes exceeds the maximum of "
+                                    f"{MAX_PROMISE_VALUE_BYTES} (CHARON_MAX_PROMISE_VALUE_BYTES)")
+            now = ctx.now()
+            rec = {"id": ctx.key, "workflow": wf.workflow, "version": wf.version, "status": "waiting",
+                   "step": wf.first, "seq": 1, "awaiting": [], "attempt": 0, "state": {}, "undo": [],
+                   "history": [], "dropped": 0, "steps": 0, "stale": 0, "created": now, "updated": now,
+                   "result": None, "error": None, "outcome": None, "timers": []}
+            wf._deliver(ctx, rec, {"ok": True, "value": input})
+            return {"id": ctx.key, "workflow": wf.workflow, "status": rec["status"]}
+
+        async def deliver(ctx: Context, outcome: dict[str, Any], seq: int) -> dict[str, Any]:
+            """An awaited outcome arrives (an effect's or a promise's continuation, a sleep's timer)."""
+            rec = ctx.get()
+            if rec is None:
+                return {"stale": True}
+            if rec["seq"] != seq or rec["status"] != "waiting":
+                rec["stale"] += 1
+                ctx.put(rec)
+                return {"stale": True}
+            wf._deliver(ctx, rec, outcome)
+            return {"id": ctx.key, "seq": seq}
+
+        async def run(ctx: Context, seq: int, attempt: int) -> dict[str, Any]:
+            """Run the current step (attempt ``attempt``) with the delivered outcome."""
+            rec = ctx.get()
+            if rec is None or rec["seq"] != seq or rec["status"] != "running":
+                if rec is not None:
+                    rec["stale"] += 1
+                    ctx.put(rec)
+                return {"stale": True}
+            return await wf._run(ctx, rec, attempt)
+
+        async def give_up(ctx: Context, seq: int) -> dict[str, Any]:
+            """After the last attempt: the step aborted every time, the workflow fails."""
+            rec = ctx.get()
+            if rec is None or rec["seq"] != seq or rec["status"] != "running":
+                return {"stale": True}
+            rec.update(status="failed", timers=[], updated=ctx.now(),
+                       error=f"StepFailed: step {rec['step']!r} aborted {wf.attempts} times (its transactions' "
+                             "replies and the inspector have the tracebacks)")
+            ctx.put(rec)
+            return {"id": ctx.key, "status": "failed"}
+
+        async def cancel(ctx: Context, reason: str = "cancelled by an operator") -> dict[str, Any]:
+            """Cancel a workflow that has not finished (its timers are cancelled; later deliveries are stale)."""
+            rec = ctx.get()
+            if rec is None:
+                raise UnknownWorkflowAborted(f"no workflow {wf.workflow!r} {ctx.key!r}")
+            if rec["status"] in ("running", "waiting"):
+                for t in rec["timers"] + [a["id"] for a in rec["awaiting"] if a["kind"] == "timer"]:
+                    ctx.cancel_timer(t)
+                rec.update(status="cancelled", timers=[], awaiting=[], error=str(reason)[:MAX_ERROR_CHARS],
+                           updated=ctx.now())
+                ctx.put(rec)
+            return {"id": ctx.key, "status": rec["status"]}
+
+        async def get(ctx: Context) -> dict[str, Any] | None:
+            """The workflow's record (None: no such workflow)."""
+            rec = ctx.get()
+            return None if rec is None else dict(rec)
+
+        for body in (start, deliver, run, give_up, cancel, get):
+            self.function(body)
+        self.deliver_fn = self.functions["deliver"]
+
+    def _deliver(self, ctx: Context, rec: dict[str, Any], outcome: dict[str, Any]) -> None:
+        """Record ``outcome`` for the current step and arm its runs (attempt 1 now, retries after a backoff)."""
+        now = ctx.now()
+        timers = [ctx.send_at(now, self.name, ctx.key, "run", rec["seq"], 1)]
+        due = now
+        for a in range(2, self.attempts + 1):
+            due += self.backoff * 2 ** (a - 2)
+            timers.append(ctx.send_at(due, self.name, ctx.key, "run", rec["seq"], a))
+        timers.append(ctx.send_at(due + self.backoff * 2 ** (self.attempts - 1), self.name, ctx.key, "give_up",
+                                  rec["seq"]))
+        rec.update(status="running", outcome=outcome, awaiting=[], timers=timers, attempt=0, updated=now)
+        ctx.put(rec)
+
+    async def _run(self, ctx: Context, rec: dict[str, Any], attempt: int) -> dict[str, Any]:
+        step = self.steps.get(rec["step"]) if rec["step"] != COMPENSATE_STEP else _compensate
+        if step is None:
+            raise BadArguments(f"workflow {self.workflow!r} has no step {rec['step']!r} (removed by a code update?)")
+        if rec["steps"] >= self.max_steps:
+            raise WorkflowTooLong(f"workflow {self.workflow!r} {ctx.key!r} ran {rec['steps']} steps "
+                                  f"(max_steps={self.max_steps})")
+        for t in rec["timers"]:
+            ctx.cancel_timer(t)
+        w = WorkflowHandle(ctx, self, str(ctx.key), rec["version"], rec["step"], rec["seq"], rec["state"],
+                           attempt=attempt, undos=list(rec["undo"]))
+        nxt = await step(ctx, w, rec["outcome"])
+        now = ctx.now()
+        entry: dict[str, Any] = {"step": rec["step"], "seq": rec["seq"], "attempt": attempt, "tid": ctx.tid,
+                                 "time": now, "ok": bool((rec["outcome"] or {}).get("ok", True))}
+        if isinstance(nxt, Await):
+            if not w.awaits or w.awaits[0] is not nxt:
+                raise BadArguments("a step returns the w.effect/w.promise/w.sleep it made")
+            entry["awaits"] = {"kind": nxt.kind, "id": nxt.id}
+            rec.update(status="waiting", step=nxt.then, seq=rec["seq"] + 1,
+                       awaiting=[{"kind": nxt.kind, "id": nxt.id, "deadline": nxt.deadline}])
+        elif isinstance(nxt, Finish) and nxt.status == "compensated" and rec["step"] != COMPENSATE_STEP:
+            nxt = await _compensate(ctx, w, None)  # the undos, newest first: calls now, then the first effect
+            if isinstance(nxt, Await):
+                entry["awaits"] = {"kind": nxt.kind, "id": nxt.id}
+                rec.update(status="waiting", step=nxt.then, seq=rec["seq"] + 1,
+                           awaiting=[{"kind": nxt.kind, "id": nxt.id, "deadline": nxt.deadline}])
+            else:
+                entry["finished"] = nxt.status
+                rec.update(status=nxt.status, result=nxt.result, error=nxt.error, awaiting=[], seq=rec["seq"] + 1)
+        elif isinstance(nxt, Finish):
+            status = nxt.status
+            entry["finished"] = status
+            rec.update(status=status, result=nxt.result, error=nxt.error, awaiting=[], seq=rec["seq"] + 1)
+        else:
+            raise BadArguments(f"step {rec['step']!r} of workflow {self.workflow!r} returned "
+                               f"{type(nxt).__name__}: a step returns w.effect(...), w.promise(...), w.sleep(...), "
+                               "w.done(...), w.fail(...) or w.compensate()")
+        history = rec["history"]
+        history.append(entry)
+        if len(history) > MAX_HISTORY:
+            rec["dropped"] += len(history) - MAX_HISTORY
+            del history[: len(history) - MAX_HISTORY]
+        rec.update(state=w.state, undo=w.undos, timers=[], outcome=None, attempt=attempt, steps=rec["steps"] + 1,
+                   updated=now)
+        ctx.put(rec)
+        return {"id": ctx.key, "step": entry["step"], "status": rec["status"], "seq": rec["seq"]}
+
+
+async def _compensate(ctx: Context, w: WorkflowHandle, outcome: dict[str, Any] | None) -> Await | Finish:
+    """The built-in step :data:`COMPENSATE_STEP`: pop the undos newest first, running calls in this transaction;
+    an undo effect is requested and awaited (this step runs again with its outcome); then end ``compensated``
+    (``failed`` with ``CompensationFailed`` if an undo effect failed)."""
+    if outcome is not None and not outcome.get("ok", True):
+        return Finish("failed", error=f"CompensationFailed: an undo effect failed: {outcome.get('error_type')}: "
+                                      f"{outcome.get('error')}"[:MAX_ERROR_CHARS])
+    while w.undos:
+        undo = w.undos.pop()
+        if "call" in undo:
+            op, key, fn, args = undo["call"]
+            await ctx.call(op, key, fn, *args)
+        else:
+            handler, args, timeout, attempts = undo["effect"]
+            return w.effect(handler, *args, then=COMPENSATE_STEP, timeout=timeout, attempts=attempts)
+    return Finish("compensated")
+

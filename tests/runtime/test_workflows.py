@@ -1,0 +1,133 @@
+"""Workflows (charon.core.workflows) on the in-process runtime: each step one transaction that commits once,
+effects, promises and timers awaited between steps, compensation, stale deliveries ignored, started from a
+transaction iff it commits, a step that aborts retried, typed errors, and the internal functions not exposed."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from charon import (
+    Application,
+    BadArguments,
+    InProcessRuntime,
+    Operator,
+    TransactionAborted,
+    UnknownFunction,
+    UnknownOperator,
+    Workflow,
+    WorkflowExists,
+)
+from charon.core.workflows import workflow_operator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from workflows_app import app  # noqa: E402
+
+OP = workflow_operator("checkout")
+
+
+async def _finished(rt: InProcessRuntime, wid: str, status: tuple[str, ...] = ("done", "failed", "compensated"),
+                    ) -> dict[str, Any]:
+    for _ in range(1000):
+        rec = rt.read_state(OP, wid)
+        if rec and rec["status"] in status:
+            await asyncio.sleep(0.3)  # a second run or delivery would have committed by now
+            return dict(rt.read_state(OP, wid))
+        await asyncio.sleep(0.01)
+    raise AssertionError(rt.read_state(OP, wid))
+
+
+def _order(**kw: Any) -> dict[str, Any]:
+    return {"sku": "apple", "qty": 2, "card": "visa", "amount": 10, **kw}
+
+
+async def test_a_workflow_runs_its_steps_once_through_an_effect_and_a_timer() -> None:
+    async with InProcessRuntime(app) as rt:
+        await rt.invoke("stock", "apple", "put", 5)
+        out = await rt.invoke(OP, "w1", "start", _order())
+        assert out == {"id": "w1", "workflow": "checkout", "status": "running"}
+        rec = await _finished(rt, "w1")
+        eid = rec["history"][0]["awaits"]["id"]
+        assert rec["status"] == "done" and rec["result"] == {"shipped": "apple", "charge": f"ch-{eid}"}
+        assert [h["step"] for h in rec["history"]] == ["reserve", "charged", "ship"]
+        assert [h.get("awaits", {}).get("kind") for h in rec["history"]] == ["effect", "timer", None]
+        assert rec["history"][-1]["finished"] == "done" and rec["steps"] == 3 and rec["version"] == "1"
+        assert rt.read_state("steps", "w1") == {"reserve": 1, "charged": 1, "ship": 1}
+        assert rt.read_state("stock", "apple") == 3
+        with pytest.raises(WorkflowExists):
+            await rt.invoke(OP, "w1", "start", _order())
+        # a stale delivery (an old seq) and a stale run change nothing but the count
+        assert await rt.invoke(OP, "w1", "deliver", {"ok": True, "value": 1}, 2) == {"stale": True}
+        assert await rt.invoke(OP, "w1", "run", 1, 1) == {"stale": True}
+        again = rt.read_state(OP, "w1")
+        assert again["stale"] == rec["stale"] + 2 and again["history"] == rec["history"]
+        assert rt.read_state("steps", "w1") == {"reserve": 1, "charged": 1, "ship": 1}
+
+
+async def test_a_promise_drives_the_next_step_and_a_declined_card_compensates() -> None:
+    async with InProcessRuntime(app) as rt:
+        await rt.invoke("stock", "apple", "put", 10)
+        await rt.invoke(OP, "a", "start", _order(approval=True))
+        await rt.invoke(OP, "d", "start", _order(card="declined"))
+        for _ in range(500):
+            rec = rt.read_state(OP, "a")
+            if rec["awaiting"] and rec["awaiting"][0]["kind"] == "promise":
+                break
+            await asyncio.sleep(0.01)
+        assert rec["status"] == "waiting" and rec["step"] == "approved"
+        pid = rec["awaiting"][0]["id"]
+        await rt.invoke("charon.promise", pid, "resolve", {"by": "alice"})
+        done = await _finished(rt, "a")
+        assert done["status"] == "done"
+        assert rt.read_state("steps", "a") == {"reserve": 1, "charged": 1, "approved": 1, "ship": 1}
+        comp = await _finished(rt, "d")
+        assert comp["status"] == "compensated" and comp["undo"] == []
+        assert rt.read_state("steps", "d") == {"reserve": 1, "charged": 1}
+        assert rt.read_state("stock", "apple") == 8, "the declined order's stock was given back, once"
+
+
+async def test_started_from_a_transaction_iff_it_commits_with_a_minted_id() -> None:
+    async with InProcessRuntime(app) as rt:
+        await rt.invoke("stock", "apple", "put", 5)
+        wid = await rt.invoke("steps", "b1", "begin", _order())
+        assert isinstance(wid, str) and wid.split(".")[0].isdigit()
+        assert (await _finished(rt, wid))["status"] == "done"
+        with pytest.raises(TransactionAborted, match="never exists"):
+            await rt.invoke("steps", "b2", "begin", _order(abort=True))
+        await asyncio.sleep(0.3)
+        assert rt.read_state("steps", "b2") is None
+        assert rt.read_state("stock", "apple") == 3, "the aborted start took nothing"
+
+
+async def test_a_step_that_aborts_is_retried_and_its_transaction_commits_once() -> None:
+    async with InProcessRuntime(app) as rt:
+        await rt.invoke("stock", "apple", "put", 5)
+        await rt.invoke(OP, "f", "start", _order(flaky=True))
+        await rt.invoke(OP, "g", "start", _order(flaky="always"))
+        rec = await _finished(rt, "f")
+        # ship's first attempt raised (its transaction, and its count, aborted), the second committed
+        assert rec["status"] == "done" and rec["history"][-1]["attempt"] == 2
+        assert rt.read_state("steps", "f") == {"reserve": 1, "charged": 1, "ship": 1}
+        failed = await _finished(rt, "g")
+        assert failed["status"] == "failed" and failed["error"].startswith("StepFailed: step 'ship' aborted 3 times")
+        assert rt.read_state("steps", "g") == {"reserve": 1, "charged": 1}
+
+
+def test_the_internal_functions_are_not_exposed_and_bad_declarations_are_typed() -> None:
+    with pytest.raises((UnknownOperator, UnknownFunction)):
+        app.exposed(OP, "deliver")
+    with pytest.raises((UnknownOperator, UnknownFunction)):
+        app.exposed(OP, "start")
+    assert OP not in app.public_functions()
+    with pytest.raises(ValueError, match="reserved"):
+        Application("x", [Operator(OP)])
+    with pytest.raises(BadArguments):
+        Workflow("no/slash")
+    wf = Workflow("w")
+    with pytest.raises(TypeError, match=r"\(ctx, w, outcome\)"):
+        @wf.step
+        async def bad(ctx: Any) -> None: ...
