@@ -49,6 +49,7 @@ __all__ = ["COMPENSATE_STEP", "MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_P
            "WorkflowHandle", "check_workflow_name", "workflow_operator"]
 
 WORKFLOW_PREFIX = "charon.workflow."
+MINTED_PREFIX = "__charon.wf."  # the ids start() mints: no client may start a workflow under one (gateway: 400)
 MAX_HISTORY = 1000
 MAX_UNDO = 100
 #: the built-in step that runs the undos (``w.compensate()``), awaiting each undo effect in its turn
@@ -227,11 +228,12 @@ class Workflow(Operator):
 
     def start(self, ctx: Context, input: Any = None, *, id: str | None = None) -> str:  # noqa: A002 - the API's words
         """Start a workflow from a transaction, iff it commits; returns its id: ``id``, or one minted from the
-        transaction (``<tid>.<entity hash>``; a second start from the same entity in the same transaction needs
+        transaction (``__charon.wf.<tid>.<entity hash>``, :data:`MINTED_PREFIX`: reserved, so no client can take
+        one before the transaction that mints it; a second start from the same entity in the same transaction needs
         its own ``id``). An id in use aborts the transaction with :class:`~charon.errors.WorkflowExists`."""
         if id is None:
             h = hashlib.blake2b(f"{ctx.operator}/{ctx.key}".encode(), digest_size=6).hexdigest()
-            id = f"{ctx.tid}.{h}"  # noqa: A001
+            id = f"{MINTED_PREFIX}{ctx.tid}.{h}"  # noqa: A001
         ctx.send(self.name, id, "start", input)
         return id
 

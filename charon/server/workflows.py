@@ -27,8 +27,9 @@ from starlette.routing import Route
 from charon import serde
 from charon.core.promises import MAX_PROMISE_VALUE_BYTES
 from charon.core.routing import check_key
-from charon.core.workflows import workflow_operator
+from charon.core.workflows import MINTED_PREFIX, workflow_operator
 from charon.errors import InvalidKey, SerializationError
+from charon.messages import is_reserved_id
 from charon.server.promises import BuiltinGateway, entity_page, list_page, run_builtin
 from charon.server.wire import HTTPError, guard, parse_fields, respond
 
@@ -65,6 +66,9 @@ class WorkflowRoutes:
             check_key(wid)
         except InvalidKey as exc:
             raise HTTPError("InvalidKey", f"a workflow id: {exc}") from None
+        if is_reserved_id(wid):  # the ids a transaction's start() mints (and the engine's own): never a client's
+            raise HTTPError("ReservedRequestId", f"workflow id {wid!r} is reserved: ids starting with "
+                            f"{MINTED_PREFIX!r} are minted by the engine")
         value = doc.get("input")
         try:
             size = len(serde.encode_value(value))

@@ -22,7 +22,7 @@ from charon import (
     Workflow,
     WorkflowExists,
 )
-from charon.core.workflows import workflow_operator
+from charon.core.workflows import MINTED_PREFIX, workflow_operator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from workflows_app import app  # noqa: E402
@@ -94,7 +94,7 @@ async def test_started_from_a_transaction_iff_it_commits_with_a_minted_id() -> N
     async with InProcessRuntime(app) as rt:
         await rt.invoke("stock", "apple", "put", 5)
         wid = await rt.invoke("steps", "b1", "begin", _order())
-        assert isinstance(wid, str) and wid.split(".")[0].isdigit()
+        assert isinstance(wid, str) and wid.startswith(MINTED_PREFIX) and wid.split(".")[2].isdigit()
         assert (await _finished(rt, wid))["status"] == "done"
         with pytest.raises(TransactionAborted, match="never exists"):
             await rt.invoke("steps", "b2", "begin", _order(abort=True))
@@ -131,3 +131,27 @@ def test_the_internal_functions_are_not_exposed_and_bad_declarations_are_typed()
     with pytest.raises(TypeError, match=r"\(ctx, w, outcome\)"):
         @wf.step
         async def bad(ctx: Any) -> None: ...
+
+
+def test_a_client_cannot_take_a_minted_workflow_id_over_http() -> None:
+    """The ids a transaction's ``start`` mints (``__charon.wf.<tid>.<hash>``) are guessable (the tid is a
+    number): a client starting a workflow under one would make that transaction abort with WorkflowExists, or
+    run its own input in its place. The gateway refuses such an id (400 ``ReservedRequestId``, before the log),
+    whoever asks; a client's own id is started."""
+    import httpx
+
+    from charon.server.serve import BackgroundServer
+
+    rt = InProcessRuntime(app, partitions=2)
+    with BackgroundServer(rt, token="t") as srv:
+        auth = {"Authorization": "Bearer t"}
+        for wid in (f"{MINTED_PREFIX}17.abcdef012345", "__charon.other", "fx.x.1.0.done"):
+            r = httpx.post(f"{srv.url}/workflows/checkout", json={"id": wid, "input": _order()}, headers=auth,
+                           timeout=10)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "ReservedRequestId", (wid, r.text)
+            assert httpx.get(f"{srv.url}/workflows/checkout/{wid}", headers=auth, timeout=10).status_code == 404
+        r = httpx.post(f"{srv.url}/workflows/checkout", json={"id": "mine-1", "input": _order()}, headers=auth,
+                       timeout=10)
+        assert r.status_code == 200, r.text
+        rec = httpx.get(f"{srv.url}/workflows/checkout/mine-1", headers=auth, timeout=10)
+        assert rec.status_code == 200 and rec.json()["id"] == "mine-1", rec.text
