@@ -464,10 +464,12 @@ OLD = re.compile(
 #: Runtime modules moved from ``charon/runtime/`` into ``node/``, ``guard/`` and ``control/`` (their old flat paths).
 RUNTIME_MOVED = ("codeversions", "controls", "gate", "inspector", "owner", "probe", "reads", "sqlchild", "sqlstate",
                  "interrupts", "quarantine", "verdicts", "watchdog", "inprocess", "inprocess_engine")
+#: The durable node package's modules now (``charon.runtime.node.X`` naming anything else is the old ``node.py``'s).
+NODE_MODULES = tuple(sorted(p.stem for p in (ROOT / "charon" / "runtime" / "node").glob("*.py") if p.stem != "__init__"))
 OLD_RUNTIME = re.compile(
     rf"(?<![\w.])charon\.runtime\.({'|'.join(RUNTIME_MOVED)})\b"
     rf"|(?<![\w/])charon/runtime/({'|'.join(RUNTIME_MOVED)}|node)\.py"
-    r"|(?<![\w.])charon\.runtime\.node\.(?!(inprocess|inprocess_engine|storage)\b)\w"
+    rf"|(?<![\w.])charon\.runtime\.node\.(?!({'|'.join(NODE_MODULES)})\b)\w"
     r"|(?<![\w.])charon\.runtime\.node\.storage\.(inprocess|inprocess_engine|storage)\b"
 )
 #: The Java shim's on-disk marker keeps the old module name so shims written before the move still match.
