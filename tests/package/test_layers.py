@@ -465,7 +465,8 @@ OLD = re.compile(
 RUNTIME_MOVED = ("codeversions", "controls", "gate", "inspector", "owner", "probe", "reads", "sqlchild", "sqlstate",
                  "interrupts", "quarantine", "verdicts", "watchdog", "inprocess", "inprocess_engine")
 #: The durable node package's modules now (``charon.runtime.node.X`` naming anything else is the old ``node.py``'s).
-NODE_MODULES = tuple(sorted(p.stem for p in (ROOT / "charon" / "runtime" / "node").glob("*.py") if p.stem != "__init__"))
+NODE_MODULES = tuple(sorted(p.stem for p in (ROOT / "charon" / "runtime" / "node").glob("*.py")
+                           if p.stem != "__init__"))
 OLD_RUNTIME = re.compile(
     rf"(?<![\w.])charon\.runtime\.({'|'.join(RUNTIME_MOVED)})\b"
     rf"|(?<![\w/])charon/runtime/({'|'.join(RUNTIME_MOVED)}|node)\.py"
