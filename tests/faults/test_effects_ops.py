@@ -19,7 +19,8 @@ from charon.server.serve import free_port
 TESTS = Path(__file__).resolve().parents[1] / "support"  # the test apps and the external service
 sys.path.insert(0, str(TESTS))
 from effects_service import Service  # noqa: E402
-from test_effects_kill import _env, _kill, _start_engine  # noqa: E402
+from nodeproc import kill as _kill  # noqa: E402
+from test_effects_kill import _env, _start_engine  # noqa: E402
 
 TOKEN = "fx-ops-token"
 
