@@ -145,3 +145,31 @@ def test_resumes_from_its_bounds_and_from_a_micro_batch_checkpoint(tmp_path, log
     finally:
         seq.stop()
     assert other.ran[0][:3] == (0, [0, 0], [2, 1])
+
+
+def test_a_finalize_thread_that_raises_is_told_only_after_every_write_ended() -> None:
+    """A resident task's finalize threads (resident._each): when one partition's write raises, the error reaches
+    the task (which tells the driver its round failed) only once every other partition's write has ended, so no
+    write of the round goes on after the driver replaced the gang."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from charon.runtime.spark.resident import _each
+
+    ended: list[int] = []
+    lock = threading.Lock()
+
+    def write(pid: int) -> int:
+        if pid == 0:
+            raise OSError("p0: disk full")
+        time.sleep(0.2)
+        with lock:
+            ended.append(pid)
+        return pid
+
+    with ThreadPoolExecutor(4) as pool:
+        with pytest.raises(OSError, match="p0"):
+            _each(pool, write, [0, 1, 2, 3])
+        assert sorted(ended) == [1, 2, 3], "the error was raised before the other writes ended"
+        assert _each(pool, lambda p: p * 2, [3, 1, 2]) == [6, 2, 4], "results in the order of the partitions"

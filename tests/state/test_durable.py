@@ -289,3 +289,29 @@ def test_compaction_in_another_process_races_with_writes(tmp_path):
     assert p.returncode == 0 and int(out) >= 2, "the compactor ran concurrently more than once"
     assert d.load(0) == (model, last)
     assert d.manifest(0).base_epoch > 0
+
+
+def test_a_fenced_delta_whose_write_fails_leaves_no_file_and_no_manifest_entry(tmp_path, monkeypatch):
+    """Under a fence the delta is written straight to its name (no temporary file): a write that fails midway
+    (disk full, an interrupt) removes the partial file and records nothing; the same epoch written again then
+    succeeds and reads back whole."""
+    from charon.state import durable as mod
+
+    d = DurableState(str(tmp_path))
+    d.claim(0, 7)
+    d.write_delta(0, 1, {b"a": b"1"})
+    real = mod._write_table
+
+    def torn(f, rows, meta):
+        f.write(b"partial arrow bytes")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(mod, "_write_table", torn)
+    with pytest.raises(OSError, match="disk full"):
+        d.write_delta(0, 2, {b"b": b"2"})
+    assert not os.path.exists(os.path.join(str(tmp_path), "p0", "delta-000000000002.arrow"))
+    assert d.manifest(0).epoch == 1 and d.manifest(0).deltas == [1]
+    monkeypatch.setattr(mod, "_write_table", real)
+    d.write_delta(0, 2, {b"b": b"2"})
+    assert d.manifest(0).epoch == 2
+    assert d.holds(0, 7) and not d.holds(0, 8)
