@@ -6,22 +6,19 @@ not invokable)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from nodeproc import kill, start_charon, support_env
 
 from charon import UnknownWorkflow, WorkflowExists
 from charon.client import Client, GatewayError
 from charon.server.serve import free_port
 
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
 N = 12
 TOKEN = "workflow-kill-test-token"
 ORDER = {"sku": "apple", "qty": 1, "card": "visa", "amount": 5, "approval": True}
@@ -29,31 +26,16 @@ H = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
-            "CHARON_TOKEN": TOKEN}
+    return support_env(CHARON_TOKEN=TOKEN)
 
 
-def _start(data: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "charon.cli", "run", "workflows_app:app", "--data-dir", str(data),
-                             "--port", str(port), "--partitions", "2", "--effects"], env=_env(),
-                            stdout=subprocess.DEVNULL,
-                            stderr=open(data.parent / f"node-{time.time():.3f}.log", "wb"))  # noqa: SIM115
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, "charon run exited"
-        assert time.monotonic() < deadline, "charon run did not come up"
-        time.sleep(0.1)
+def _start(data: Path, port: int) -> subprocess.Popen[bytes]:
+    return start_charon(["run", "workflows_app:app", "--data-dir", str(data), "--partitions", "2", "--effects"],
+                        port=port, env=_env(), log=data.parent / f"node-{time.time():.3f}.log")
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-    proc.wait()
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    kill(proc)
 
 
 def _records(url: str) -> list[dict]:
