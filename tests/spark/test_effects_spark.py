@@ -39,7 +39,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def test_effects_on_spark_across_a_sigkill(tmp_path: Path) -> None:
     service = Service(str(tmp_path / "service.sqlite")).start()
-    service.control(fail_rate=0.3)
+    service.control(fail_rate=0.3, fail_next=3)  # three certain failures: the retry path always runs
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     data = tmp_path / "data"
