@@ -1,7 +1,7 @@
 """Durable promises and schedules on the real PySpark engine (issue 34; one test: it is slow): ``charon run --engine
 spark``, through the engine contract like every engine: continuations run once whatever settles first, a second
 resolve is a typed 409, the declared schedule fires each slot at most once, across a SIGKILL of the driver, its
-JVM and workers."""
+JVM and workers, and across a rescale (2 -> 3 partitions) after it."""
 
 from __future__ import annotations
 
@@ -65,6 +65,10 @@ def test_promises_and_a_schedule_on_spark_across_a_sigkill(tmp_path: Path) -> No
                 c.resolve(pids[1], "late")
             c.resolve(pids[2], {"n": 2})
             _until(lambda: c.state("orders", "o2")["runs"])
+            before = len(c.state("ticks", "every-second")["slots"])
+            _until(lambda: len(c.state("ticks", "every-second")["slots"]) >= before + 2)
+            moved = c.rescale(3)  # the schedule's entity moves to a new partition layout between two firings
+            assert (moved["from"], moved["to"]) == (2, 3), moved
             before = len(c.state("ticks", "every-second")["slots"])
             _until(lambda: len(c.state("ticks", "every-second")["slots"]) >= before + 2)
             states = [c.state("orders", f"o{i}") for i in range(4)]
