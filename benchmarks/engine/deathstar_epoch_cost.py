@@ -45,8 +45,8 @@ def _wanted(kind: str, fn: str, args: list) -> bool:
 
 def _loaded_runtime() -> Any:
     """An in-process Deathstar runtime (4 partitions) loaded with the benchmark's data."""
+    from charon import InProcessRuntime
     from charon.apps import deathstar
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     rt = InProcessRuntime(deathstar.app, partitions=4)
     for op, key, value, items in deathstar.populate():

@@ -38,10 +38,9 @@ def child_fixed(src: str | None, epochs: int, run: int) -> None:
     import gc
     import random
 
-    from charon import serde
+    from charon import InProcessRuntime, serde
     from charon.apps import ycsb
     from charon.messages import Request
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     n = 10_000
     rng = random.Random(0)
@@ -62,7 +61,8 @@ def child_fixed(src: str | None, epochs: int, run: int) -> None:
 def instructions(src: str, epochs: int) -> float | None:
     """User-space instructions per transfer of ``epochs - 3`` epochs (perf stat, else Valgrind's cachegrind):
     the difference of two :func:`child_fixed` processes (``PYTHONHASHSEED=0``), per transaction."""
-    env = dict(os.environ, PYTHONHASHSEED="0")
+    # (one OpenBLAS thread: an imported numpy's idle BLAS threads spin, thousands of instructions per transfer of noise)
+    env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1")
     counts = []
     for run in (0, epochs - 3):
         n = _count_instructions([sys.executable, str(Path(__file__).resolve()), "--child",
@@ -123,7 +123,9 @@ def main() -> int:
               f"after {s['after']['tx_per_s']:,.0f}/s", flush=True)
     if a.instructions:
         ins = {side: instructions(src, a.instructions) for side, src in sides.items()}
-        if None not in ins.values():
+        if None in ins.values():
+            print("instructions: not counted (neither perf stat nor valgrind could count a child)", flush=True)
+        else:
             summary["instructions_per_tx"] = ins
             summary["instructions_tool"] = instruction_tool()
             summary["instructions_ratio"] = ins["after"] / ins["before"]  # type: ignore[operator]

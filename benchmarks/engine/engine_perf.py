@@ -64,8 +64,8 @@ def _run(main: object) -> object:
 
 
 def _deathstar_runtime(**kw: object) -> object:
+    from charon import InProcessRuntime
     from charon.apps import deathstar
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     rt = InProcessRuntime(deathstar.app, partitions=4, **kw)
     for op, key, value, items in deathstar.populate():
@@ -113,10 +113,9 @@ def child_engine(src: str | None, epochs: int) -> dict:
     import random
     import uuid
 
-    from charon import serde
+    from charon import InProcessRuntime, serde
     from charon.apps import ycsb
     from charon.messages import Request
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     n = 10_000
     rng = random.Random(0)
@@ -154,10 +153,9 @@ def child_engine_run(src: str | None, epochs: int, run: int) -> dict:
     import random
     import uuid
 
-    from charon import serde
+    from charon import InProcessRuntime, serde
     from charon.apps import ycsb
     from charon.messages import Request
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     n = 10_000
     rng = random.Random(0)
@@ -233,9 +231,8 @@ def child_shape_run(src: str | None, shape: str, epochs: int, run: int) -> dict:
     import random
     import uuid
 
-    from charon import serde
+    from charon import InProcessRuntime, serde
     from charon.messages import Request
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     n = 10_000
     rng = random.Random(0)
@@ -253,10 +250,9 @@ def child_deathstar_batch(src: str | None, epochs: int, size: int) -> dict:
     import random
     import uuid
 
-    from charon import serde
+    from charon import InProcessRuntime, serde
     from charon.apps import deathstar
     from charon.messages import Request
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     rt = InProcessRuntime(deathstar.app, partitions=4)
     for op, key, value, items in deathstar.populate():
@@ -285,9 +281,9 @@ def child_deathstar_batch(src: str | None, epochs: int, size: int) -> dict:
 def child_open_loop(src: str | None, workload: str, rates: list[float], duration: float, warmup: float) -> dict:
     _use_src(src)
 
+    from charon import InProcessRuntime
     from charon.apps import deathstar, ycsb
     from charon.bench import harness
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     async def main() -> list[dict]:
         if workload == "ycsb":

@@ -24,10 +24,9 @@ def run(epochs: int) -> None:
     import random
     import uuid
 
-    from charon import serde
+    from charon import InProcessRuntime, serde
     from charon.apps import ycsb
     from charon.messages import Request
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     n = 10_000
     rng = random.Random(0)

@@ -42,10 +42,9 @@ def child(path: str, size: int, chunk: int, epochs: int, total: int) -> dict:
 
         r = spark_epoch_structure.run("ycsb", "after", size, epochs=2 + epochs)
         return {"conflicts": r["fallback_share"]}
-    from charon import serde
+    from charon import InProcessRuntime, serde
     from charon.apps import ycsb
     from charon.messages import Request
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     rng = random.Random(1)
     rt = InProcessRuntime(ycsb.app, partitions=4)

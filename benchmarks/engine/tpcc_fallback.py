@@ -19,10 +19,9 @@ import random
 import time
 from pathlib import Path
 
-from charon import serde
+from charon import InProcessRuntime, serde
 from charon.apps import tpcc
 from charon.messages import Request
-from charon.runtime.node.inprocess import InProcessRuntime
 
 
 def _req(rid: str, r: tuple) -> Request:

@@ -37,8 +37,8 @@ async def closed_loop(call, n: int, concurrency: int) -> dict:
 
 
 async def direct(n: int, concurrency: int) -> dict:
+    from charon import InProcessRuntime
     from charon.apps import ycsb
-    from charon.runtime.node.inprocess import InProcessRuntime
 
     async with InProcessRuntime(ycsb.app, partitions=4) as rt:
         async def call(i: int) -> None:

@@ -35,11 +35,10 @@ sys.path.insert(0, str(HERE.parents[1] / "tests" / "support"))
 
 from streams_app import app  # noqa: E402
 
-from charon import serde  # noqa: E402
+from charon import InProcessRuntime, serde  # noqa: E402
 from charon.bench.harness import percentile  # noqa: E402
 from charon.log.streams import StreamLog  # noqa: E402
 from charon.messages import Request  # noqa: E402
-from charon.runtime.node.inprocess import InProcessRuntime  # noqa: E402
 
 
 def summary(lat_ms: list[float]) -> dict[str, float]:
