@@ -140,9 +140,22 @@ class InProcessEngine(HostedEngine):
         rt = self.rt
         last = rt.epoch - 1
         if epoch is None or epoch == last:
-            if keys is None:
-                return Inspection(last, *page_stores(rt.stores, operator, limit, after, prefix, max_bytes))
-            return Inspection(last, read_stores(rt.stores, operator, keys, limit))
+            def cut() -> Inspection | None:
+                # held by a running epoch (its commit inserts keys into the sorted stores a page iterates): the
+                # rows and their epoch as of one boundary, never part of an epoch's writes or a skipped entity
+                with rt.finish_lock:
+                    at = rt.epoch - 1
+                    if epoch is not None and at != epoch:
+                        return None  # the epoch asked for ended meanwhile: read it from the durable copy
+                    if keys is None:
+                        return Inspection(at, *page_stores(rt.stores, operator, limit, after, prefix, max_bytes))
+                    return Inspection(at, read_stores(rt.stores, operator, keys, limit))
+
+            live = await asyncio.to_thread(cut)  # off the loop: an epoch may hold the lock up to a budget
+            if live is not None:
+                return live
+            assert epoch is not None  # (a read at the latest epoch always answers live)
+            last = rt.epoch - 1
         if epoch > last or epoch < -1:
             raise EpochNotRetained(f"epoch {epoch} is not committed (the last committed epoch is {last})")
         node = rt.node
