@@ -36,14 +36,21 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, TypeVar
-
-import pyarrow as pa
-import pyarrow.ipc as ipc
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 from charon.storage.contract import ObjectNotFound, ObjectStore, StorageConflict, StorageError
 
-SCHEMA = pa.schema([pa.field("key", pa.binary(), nullable=False), pa.field("value", pa.binary())])
+if TYPE_CHECKING:  # pyarrow is imported where a file is read or written: `import charon` (every CLI call) skips it
+    import pyarrow as pa
+
+
+
+def _schema() -> pa.Schema:
+    """The files' Arrow schema: a key and a value, both binary."""
+    import pyarrow as pa
+
+    return pa.schema([pa.field("key", pa.binary(), nullable=False), pa.field("value", pa.binary())])
+
 BATCH_ROWS = 65536
 TMP_MAX_AGE = 3600.0  # seconds: temp files older than this are debris of a killed writer
 _BASE_RE = re.compile(r"^base-(-?\d+)-([0-9a-f]+)\.arrow$")
@@ -101,6 +108,7 @@ class _LocalFS:
 
     @staticmethod
     def open_arrow(path: str) -> pa.NativeFile:
+        import pyarrow as pa
         return pa.memory_map(path, "r")
 
     def write_atomic(self, path: str, write: Callable[[BinaryIO], object], sync_dir: bool = True) -> int:
@@ -183,7 +191,9 @@ class Manifest:
 
 def _write_table(f: BinaryIO, rows: Iterable[tuple[bytes, bytes | None]], meta: dict[str, str]) -> bool:
     """Stream rows into an Arrow IPC file; returns whether keys came strictly ascending."""
-    schema = SCHEMA.with_metadata({k: v.encode() for k, v in meta.items()})
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    schema = _schema().with_metadata({k: v.encode() for k, v in meta.items()})
     ascending = True
     prev: bytes | None = None
     keys: list[bytes] = []
@@ -223,6 +233,10 @@ class DurableState:
 
     def __init__(self, root: str, *, fsync: bool = True, remote: ObjectStore | None = None,
                  follow: bool = False) -> None:
+        # pyarrow is loaded here, when a process opens durable state, never first inside an epoch (where an
+        # interrupt could land in the import); `import charon` alone (a CLI call) does not load it
+        import pyarrow.ipc  # noqa: F401
+
         self.root = root
         self.fs = _LocalFS(fsync=fsync)
         self.fs.makedirs(root)
@@ -533,9 +547,11 @@ class DurableState:
 
     def _write_base_table(self, pid: int, epoch: int, table: pa.Table) -> str:
         """A base file from a table sorted by key (the compaction's path: no Python object per item)."""
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
         self.fs.makedirs(self._dir(pid))
         name = f"base-{epoch:012d}-{uuid.uuid4().hex[:12]}.arrow"
-        schema = SCHEMA.with_metadata({"charon": "base", "pid": str(pid), "epoch": str(epoch)})
+        schema = _schema().with_metadata({"charon": "base", "pid": str(pid), "epoch": str(epoch)})
         table = pa.Table.from_arrays([table.column("key"), table.column("value")], schema=schema)
 
         def write(f: BinaryIO) -> None:
@@ -619,6 +635,7 @@ class DurableState:
 
     # ---- reading ------------------------------------------------------------------------------
     def _read_rows(self, path: str) -> tuple[list[bytes], list[bytes | None]]:
+        import pyarrow.ipc as ipc
         self._fetch(path)
         self.bytes_read += self.fs.size(path)
         with self.fs.open_arrow(path) as src:
@@ -662,6 +679,7 @@ class DurableState:
         return state, min(upto, m.epoch)
 
     def _read_table(self, path: str) -> pa.Table:
+        import pyarrow.ipc as ipc
         self._fetch(path)
         self.bytes_read += self.fs.size(path)
         with self.fs.open_arrow(path) as src:
@@ -672,6 +690,7 @@ class DurableState:
         concatenated, sorted by key with the newest write first, the first row per key kept, deletes dropped.
         The result is sorted by key; it may reference the memory-mapped files, which stay mapped while it lives
         (on Linux even after a later compaction deleted them)."""
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         if m.base_epoch > upto:
@@ -771,7 +790,9 @@ class DurableState:
         """The values of ``keys`` as of ``upto_epoch`` (None = absent), and the epoch reached.
 
         Raises :class:`DurableStateError` if the base is already newer than ``upto_epoch``."""
+        import pyarrow as pa
         import pyarrow.compute as pc
+        import pyarrow.ipc as ipc
 
         wanted = pa.array(sorted(set(keys)), pa.binary())
 
