@@ -134,14 +134,15 @@ def _longest_files_first(items: list[pytest.Item]) -> None:
     """Under ``--dist loadfile`` (scripts/test) the workers take whole files in collection order (with
     ``--no-loadscope-reorder``; xdist's default orders them by test count, which put the long Spark files with
     few tests last): the longest files first, so that no worker runs a long file alone at the end. A file not in
-    the table (new) counts as 0 s and runs last; within a file the order is unchanged."""
+    the table (new) runs first: unknown, it may be long, and a long file last is what this order avoids. Within a
+    file the order is unchanged."""
     try:
         seconds: dict[str, float] = json.loads(_DURATIONS.read_text())
     except (OSError, ValueError):
         return
 
     def cost(item: pytest.Item) -> float:
-        return -seconds.get(Path(str(item.fspath)).resolve().relative_to(_TESTS.parent).as_posix(), 0.0)
+        return -seconds.get(Path(str(item.fspath)).resolve().relative_to(_TESTS.parent).as_posix(), float("inf"))
 
     items.sort(key=cost)  # stable: a file's tests stay together and in their order
 
