@@ -44,12 +44,20 @@ RUN_TIMEOUT = 600.0
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[StandaloneCluster]:
+    """A Master and 2 Workers; it checks the cluster's own start and stop (they were a test of their own, with a
+    cluster start of its own): the Master on 127.0.0.1, every daemon alive and the Workers registered, then after
+    ``stop`` no daemon and no descendant left."""
     cl = StandaloneCluster(str(tmp_path / "cluster"), workers=2, cores=1, memory="1g")
     try:
         cl.start()  # stops what it started if it fails
+        assert cl.master_url.startswith("spark://127.0.0.1:")
+        assert all(d.alive() for d in cl.daemons)
+        assert "Registering worker 127.0.0.1" in cl.master.log()
         yield cl
     finally:
         cl.stop()
+    assert not any(d.alive() for d in cl.daemons)
+    assert all(not d.tree._alive() for d in cl.daemons)
 
 
 def stores(root: str) -> dict[int, str]:
@@ -69,19 +77,6 @@ def consumed(data_dir: str) -> int:
     path = os.path.join(make_config(data_dir).checkpoint_dir, "epochs", f"{last_epoch(data_dir):012d}.msgpack")
     with open(path, "rb") as f:
         return sum(msgspec.msgpack.decode(f.read(), type=EpochRecord).ends)
-
-
-def test_cluster_starts_and_stops(tmp_path: Path) -> None:
-    cl = StandaloneCluster(str(tmp_path / "c"), workers=1)
-    try:
-        cl.start()
-        assert cl.master_url.startswith("spark://127.0.0.1:")
-        assert all(d.alive() for d in cl.daemons)
-        assert "Registering worker 127.0.0.1" in cl.master.log()
-    finally:
-        cl.stop()
-    assert not any(d.alive() for d in cl.daemons)
-    assert all(not d.tree._alive() for d in cl.daemons)
 
 
 def test_worker_killed_mid_run_matches_in_process(cluster: StandaloneCluster, tmp_path: Path) -> None:
