@@ -7,6 +7,7 @@ and repros the tests share are in ``support`` (on ``sys.path``, see ``pythonpath
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -121,6 +122,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.simulation)
         if axis in ("simulation", "bench"):
             item.add_marker(pytest.mark.slow)
+    if getattr(config.option, "dist", "no") == "loadfile":
+        _longest_files_first(items)
+
+
+#: Seconds per test file from a full run (relative figures; scripts/test-durations writes it from a JUnit report).
+_DURATIONS = _TESTS / "durations.json"
+
+
+def _longest_files_first(items: list[pytest.Item]) -> None:
+    """Under ``--dist loadfile`` (scripts/test) the workers take whole files in collection order (with
+    ``--no-loadscope-reorder``; xdist's default orders them by test count, which put the long Spark files with
+    few tests last): the longest files first, so that no worker runs a long file alone at the end. A file not in
+    the table (new) runs first: unknown, it may be long, and a long file last is what this order avoids. Within a
+    file the order is unchanged."""
+    try:
+        seconds: dict[str, float] = json.loads(_DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+
+    def cost(item: pytest.Item) -> float:
+        return -seconds.get(Path(str(item.fspath)).resolve().relative_to(_TESTS.parent).as_posix(), float("inf"))
+
+    items.sort(key=cost)  # stable: a file's tests stay together and in their order
 
 
 # -- a headless browser ---------------------------------------------------------------------------------------

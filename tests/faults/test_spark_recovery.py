@@ -2,11 +2,11 @@
 in-process runtime's result, with one reply per request.
 
 The driver (``tests/support/spark_driver.py``, ``local[2]``) runs as a subprocess in its own session. It is killed
-at each named crash point (``CHARON_CRASH_AT``: before an epoch, after its first round, between the state
-commit and the epoch record, between the record and Spark's commit log, in the middle of a compaction) and
-at random wall-clock moments, and restarted each time, while the test keeps appending YCSB-T transfers to
-the input log. Compaction runs every 3 epochs and the log is never truncated, so the whole history can be
-replayed through the in-process runtime at the end.
+at named crash points (``CHARON_CRASH_AT``: before an epoch, after its first round, between the state commit
+and the epoch record, in the middle of a compaction; between the record and Spark's commit log in the deferred
+transactions test) and restarted each time, while the test keeps appending YCSB-T transfers to the input log.
+Compaction runs every 3 epochs and the log is never truncated, so the whole history can be replayed through the
+in-process runtime at the end.
 """
 
 from __future__ import annotations
@@ -37,8 +37,13 @@ BACKLOG = 5 * MAX_BATCH  # unconsumed requests before each start: enough to reac
 MID_RUN = 100  # appended while the driver runs
 FINAL = 300
 # where each run dies: a named crash point at a coming epoch, or "random" (SIGKILL at a wall-clock moment)
-# (each named point once, then a random kill: the seeded simulator covers the combinations at scale)
-PLAN = ["before_epoch", "after_round", "after_finalize", "after_record", "compaction", "random"]
+# (the seeded simulator covers every point and their combinations at scale). Each start costs a JVM and a
+# SparkSession, so two kills live in other tests: after_record in
+# test_crash_after_recording_an_epoch_with_deferred_transactions below (killed at after_record:0, the records
+# stop at 0, the restart's result equals the in-process runtime's), a SIGKILL at a wall-clock moment under load
+# in test_spark_supervision.py::test_driver_sigkill_under_load_then_restart (every reply unchanged, money
+# conserved) and test_spark_streams.py's consumer SIGKILL.
+PLAN = ["before_epoch", "after_round", "after_finalize", "compaction"]
 START_TIMEOUT = 300.0  # JVM + SparkSession start on a loaded 2-core machine
 RUN_TIMEOUT = 400.0
 
@@ -153,7 +158,7 @@ def test_driver_killed_repeatedly_matches_in_process(tmp_path: Path) -> None:
 
     print(f"\nkills: {outcomes}\nappended {len(appended)}, epochs {last_epoch(data) + 1}, "
           f"{time.monotonic() - t_start:.0f} s")
-    assert len(outcomes) == len(PLAN) >= 6
+    assert len(outcomes) == len(PLAN) >= 4
     # every named crash fired at its epoch (the run before it reached it: records stop right below it)
     for how, _, died_at in outcomes:
         if how != "random":

@@ -130,9 +130,10 @@ def test_node_recovery_completes_a_partial_batch(tmp_path: Path, nats_url: str) 
 
 @pytest.mark.slow  # 1.5-3 min: waits out a real log outage
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("outage_s", [10.0, 30.0])
+# 30 s only: a 10 s outage took the same path (waiting, then serving again) and cost 90 s of CI
+@pytest.mark.parametrize("outage_s", [30.0])
 def test_node_over_nats_serves_again_after_a_log_outage(tmp_path: Path, outage_s: float) -> None:
-    """The repro nats_node_outage.py: nats-server down for 10 s (and 30 s) with requests arriving. Before, the
+    """The repro nats_node_outage.py: nats-server down for 30 s with requests arriving. Before, the
     checkpoint writer kept its first error and the node answered 503 "storage failed ... within 31 s" for good.
     Now /health says "waiting for log" (naming the wait that happened) during the outage, the node serves
     again once NATS is back, every request is answered once (retries return the first reply) and the ledger

@@ -2,21 +2,21 @@
 
 YCSB-T runs with one single-core executor per Worker; each Worker has its own ``CHARON_LOCAL_DIR``, so the
 executors' resident partition stores are per Worker, and one Worker (with its executor and Python workers) is
-SIGKILLed mid-run:
+SIGKILLed mid-run: in the job-per-round mode (``exchange="jobs"``, kept for clusters where a gang cannot run) on
+2 Workers, Spark reschedules the lost tasks on the remaining executor and the result still equals the in-process
+runtime's.
 
-* the resident mode (the default) on 3 Workers: the gang's three tasks run on the three Workers' executors (the
-  runtime's ``health()["gang"]``, each task's Python worker found under its Worker's process tree); after the kill
-  the gang is relaunched with two tasks on the two Workers left (sized by the slots left), restores the
-  partitions it lacks from the durable copy, and the result still equals the in-process runtime's;
-* the job-per-round mode (``exchange="jobs"``, kept for clusters where a gang cannot run) on 2 Workers: Spark
-  reschedules the lost tasks on the remaining executor, with the same outcome.
+The resident mode (the default) on 3 Workers is one cluster run with the object-storage test
+(tests/storage/test_spark_storage.py::test_a_cluster_sharing_only_object_storage_and_the_log_loses_a_worker):
+the gang's three tasks run on the three Workers' executors (the runtime's ``health()["gang"]``, each task's
+Python worker found under its Worker's process tree); after the kill the gang is relaunched with two tasks on the
+two Workers left (sized by the slots left), restores the partitions it lacks from the durable copy, and the
+result still equals the in-process runtime's.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,12 +44,20 @@ RUN_TIMEOUT = 600.0
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[StandaloneCluster]:
+    """A Master and 2 Workers; it checks the cluster's own start and stop (they were a test of their own, with a
+    cluster start of its own): the Master on 127.0.0.1, every daemon alive and the Workers registered, then after
+    ``stop`` no daemon and no descendant left."""
     cl = StandaloneCluster(str(tmp_path / "cluster"), workers=2, cores=1, memory="1g")
     try:
         cl.start()  # stops what it started if it fails
+        assert cl.master_url.startswith("spark://127.0.0.1:")
+        assert all(d.alive() for d in cl.daemons)
+        assert "Registering worker 127.0.0.1" in cl.master.log()
         yield cl
     finally:
         cl.stop()
+    assert not any(d.alive() for d in cl.daemons)
+    assert all(not d.tree._alive() for d in cl.daemons)
 
 
 def stores(root: str) -> dict[int, str]:
@@ -69,19 +77,6 @@ def consumed(data_dir: str) -> int:
     path = os.path.join(make_config(data_dir).checkpoint_dir, "epochs", f"{last_epoch(data_dir):012d}.msgpack")
     with open(path, "rb") as f:
         return sum(msgspec.msgpack.decode(f.read(), type=EpochRecord).ends)
-
-
-def test_cluster_starts_and_stops(tmp_path: Path) -> None:
-    cl = StandaloneCluster(str(tmp_path / "c"), workers=1)
-    try:
-        cl.start()
-        assert cl.master_url.startswith("spark://127.0.0.1:")
-        assert all(d.alive() for d in cl.daemons)
-        assert "Registering worker 127.0.0.1" in cl.master.log()
-    finally:
-        cl.stop()
-    assert not any(d.alive() for d in cl.daemons)
-    assert all(not d.tree._alive() for d in cl.daemons)
 
 
 def test_worker_killed_mid_run_matches_in_process(cluster: StandaloneCluster, tmp_path: Path) -> None:
@@ -141,126 +136,3 @@ def test_worker_killed_mid_run_matches_in_process(cluster: StandaloneCluster, tm
     survivor = stores(dirs[0])
     assert sorted(survivor) == [0, 1, 2, 3]
     assert [local_epoch(survivor[p], p) for p in range(4)] == [last] * 4
-
-
-# -- the resident gang on three Workers --------------------------------------------------------------------------
-GANG_BATCH = 50  # small epochs: many of them while the load is fed
-
-
-@pytest.fixture
-def cluster3(tmp_path: Path) -> Iterator[StandaloneCluster]:
-    cl = StandaloneCluster(str(tmp_path / "cluster3"), workers=3, cores=1, memory="1g")
-    try:
-        cl.start()
-        yield cl
-    finally:
-        cl.stop()
-
-
-def read_status(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return {}
-
-
-def worker_of(cluster: StandaloneCluster, pid: int) -> int | None:
-    """The Worker whose process tree (its executor's Python workers) holds ``pid``."""
-    cluster.scan()
-    found = [i for i, w in enumerate(cluster.workers) if pid in w.tree.seen]
-    return found[0] if len(found) == 1 else None
-
-
-def test_gang_spreads_over_three_workers_and_relaunches_on_the_two_left(cluster3: StandaloneCluster,
-                                                                        tmp_path: Path) -> None:
-    """Resident mode on 3 Workers x 1 core: the gang (3 tasks, ``resident_tasks`` 0: every slot) runs one task on
-    each Worker's executor; a Worker SIGKILLed while requests keep coming: the gang is relaunched with 2 tasks on
-    the 2 Workers left (never waiting for the lost slot), every reply exactly once and equal to the in-process
-    runtime's, the state the same, money conserved."""
-    cluster = cluster3
-    t0 = time.monotonic()
-    data = str(tmp_path / "data")
-    status = tmp_path / "status.json"
-    args = driver_args(master=cluster.master_url, max_batch=GANG_BATCH, compact_every=COMPACT_EVERY,
-                       conf={**cluster.app_conf(executor_cores=1, max_cores=3), "spark.task.maxFailures": "2"},
-                       status_file=str(status))
-    workload = transfers(ACCOUNTS, 3000, seed=5)
-    log: InputLog | None = None
-    feeder: threading.Thread | None = None
-    stop_feeding = threading.Event()
-    d = Driver(data, ["--load", str(ACCOUNTS), "--run", "--balance", str(BALANCE), *args],
-               str(tmp_path / "driver.log"))
-    try:
-        d.wait_until(lambda: "loaded" in d.output(), START_TIMEOUT, "the bulk load")
-        initial = SparkRuntime(APP, make_config(data)).snapshot()
-        assert len(initial) == ACCOUNTS
-        log = InputLog(os.path.join(data, "input.sqlite"), 4)
-        log.append_many(workload[:600])
-        Path(data, "go").touch()
-
-        def gang(tasks: int, token: str | None = None) -> dict:
-            g = read_status(status).get("gang") or {}
-            ok = (g.get("tasks") == tasks and len(g.get("seated", [])) == tasks and not g.get("broken")
-                  and g.get("token") != token)
-            return g if ok else {}
-
-        d.wait_until(lambda: gang(3) and last_epoch(data) >= 2, RUN_TIMEOUT, "a gang of 3 tasks running epochs")
-        first = gang(3)
-        executors = {t["executor"] for t in first["seated"]}
-        assert len(executors) == 3, f"the gang's tasks share an executor: {first}"
-        where = {t["task"]: worker_of(cluster, t["pid"]) for t in first["seated"]}
-        assert sorted(where.values()) == [0, 1, 2], f"the gang is not on all three Workers: {where} {first}"
-
-        def feed() -> None:  # requests keep coming through the kill
-            assert log is not None
-            for i in range(600, len(workload), 40):
-                if stop_feeding.is_set():
-                    return
-                log.append_many(workload[i:i + 40])
-                time.sleep(0.05)
-
-        feeder = threading.Thread(target=feed, daemon=True)
-        feeder.start()
-        time.sleep(1.0)
-        victim_task = first["seated"][-1]
-        victim = where[victim_task["task"]]
-        at_kill = last_epoch(data)
-        assert feeder.is_alive(), "the load ended before the kill"
-        t_kill = time.monotonic()
-        assert cluster.kill_worker(victim), f"worker {victim} survived SIGKILL"
-        survivors = sorted(set(range(3)) - {victim})
-        assert all(cluster.workers[i].alive() for i in survivors) and not cluster.workers[victim].alive()
-
-        d.wait_until(lambda: gang(2, first["token"]) and last_epoch(data) > at_kill + 1, RUN_TIMEOUT,
-                     "a gang of 2 tasks on the Workers left")
-        recovery = time.monotonic() - t_kill
-        second = gang(2, first["token"])
-        feeder.join(RUN_TIMEOUT)
-        assert not feeder.is_alive()
-        Path(data, "done").touch()
-        rc = d.wait(RUN_TIMEOUT)
-        assert rc == 0, f"the run failed after losing a worker (exit {rc})\n{d.tail()}"
-        spark_log = Path(data, "spark.log").read_text(errors="replace")
-        assert "Lost executor" in spark_log or "Removing executor" in spark_log, "Spark did not notice the loss"
-    finally:
-        stop_feeding.set()
-        if feeder is not None:
-            feeder.join(30)
-        d.kill()
-        if log is not None:
-            log.close()
-
-    print(f"\ngang on Workers {where} (executors {sorted(executors)}); killed Worker {victim} at epoch {at_kill}; "
-          f"a 2-task gang committed {recovery:.1f} s after the kill on {[t['executor'] for t in second['seated']]}; "
-          f"last epoch {last_epoch(data)}; {time.monotonic() - t0:.0f} s in all")
-    left = {t["executor"] for t in second["seated"]}
-    assert left == executors - {victim_task["executor"]}, (second, first)
-    assert sorted(where[t["task"]] for t in first["seated"] if t["executor"] in left) == survivors
-    assert last_epoch(data) >= at_kill + 3, "too few epochs ran after the kill"
-    check_result(data, initial, workload, ACCOUNTS * BALANCE, master=cluster.master_url, max_batch=GANG_BATCH,
-                 compact_every=COMPACT_EVERY)
-    # the two Workers left ran every partition to the end: their stores hold all of them at the last epoch
-    last = last_epoch(data)
-    held = {p: root for i in survivors for p, root in stores(cluster.worker_store_dir(i)).items()
-            if local_epoch(root, p) == last}
-    assert sorted(held) == [0, 1, 2, 3], held
