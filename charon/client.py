@@ -491,6 +491,16 @@ class _Base:
         return body
 
 
+
+def _sum_migration(total: dict[str, Any], page: dict[str, Any]) -> None:
+    """Add one page of a workflow migration to the running totals."""
+    total["pages"] += 1
+    for k in ("examined", "matched", "done"):
+        total[k] += page[k]
+    for why, n in page["skipped"].items():
+        total["skipped"][why] = total["skipped"].get(why, 0) + n
+    total["items"] = (total["items"] + page["items"])[:1000]
+
 class Client(_Base):
     """Blocking client (httpx). Thread-safe; use as a context manager or call :meth:`close`."""
 
@@ -693,6 +703,29 @@ class Client(_Base):
     def cancel_workflow(self, name: str, workflow_id: str, reason: str = "cancelled by an operator") -> dict[str, Any]:
         """Cancel a workflow that has not finished (admin)."""
         return dict(self._act("POST", self._workflow_path(name, workflow_id, "cancel"), {"reason": reason}, None))
+
+    def workflow_versions(self) -> dict[str, Any]:
+        """The drain (``GET /admin/workflows/versions``, read): in-flight workflows per code version,
+        ``{"current", "versions": {v: {"running", "waiting"}}, "workflows": {name: {v: ...}}, "truncated"}``."""
+        return self._admin_doc(self._send("GET", "/admin/workflows/versions", headers=self.headers))
+
+    def migrate_workflows(self, name: str, from_version: str, *, dry_run: bool = False, limit: int = 100,
+                          operation: str | None = None) -> dict[str, Any]:
+        """Move workflow ``name``'s in-flight workflows on ``from_version`` to the deployed code version (``POST
+        /admin/workflows/migrate``, admin, audited), page after page under one operation id; the counts summed
+        (``done``; ``skipped`` by why: ``NotMigratable``; ``items``: the first 1000 matched; ``pages``)."""
+        op = operation or uuid.uuid4().hex
+        total: dict[str, Any] = {"operation": op, "workflow": name, "from": from_version, "dry_run": dry_run,
+                                 "examined": 0, "matched": 0, "done": 0, "skipped": {}, "items": [], "pages": 0}
+        cursor: str | None = None
+        while True:
+            body = {"workflow": name, "from": from_version, "dry_run": dry_run, "limit": limit, "cursor": cursor}
+            page = self._admin_doc(self._send("POST", "/admin/workflows/migrate", json=body,
+                                              headers={**self.headers, "Idempotency-Key": op}))
+            _sum_migration(total, page)
+            cursor = page["next"]
+            if cursor is None:
+                return total
 
     # -- schedules (``read`` lists; ``admin`` changes) --------------------------------------------------------
     def schedules(self, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
@@ -1135,6 +1168,26 @@ class AsyncClient(_Base):
         """Cancel a workflow that has not finished (admin)."""
         return dict(await self._act("POST", self._workflow_path(name, workflow_id, "cancel"), {"reason": reason},
                                     None))
+
+    async def workflow_versions(self) -> dict[str, Any]:
+        """The drain: see :meth:`Client.workflow_versions`."""
+        return self._admin_doc(await self._send("GET", "/admin/workflows/versions", headers=self.headers))
+
+    async def migrate_workflows(self, name: str, from_version: str, *, dry_run: bool = False, limit: int = 100,
+                                operation: str | None = None) -> dict[str, Any]:
+        """Migrate in-flight workflows to the deployed version: see :meth:`Client.migrate_workflows`."""
+        op = operation or uuid.uuid4().hex
+        total: dict[str, Any] = {"operation": op, "workflow": name, "from": from_version, "dry_run": dry_run,
+                                 "examined": 0, "matched": 0, "done": 0, "skipped": {}, "items": [], "pages": 0}
+        cursor: str | None = None
+        while True:
+            body = {"workflow": name, "from": from_version, "dry_run": dry_run, "limit": limit, "cursor": cursor}
+            page = self._admin_doc(await self._send("POST", "/admin/workflows/migrate", json=body,
+                                                    headers={**self.headers, "Idempotency-Key": op}))
+            _sum_migration(total, page)
+            cursor = page["next"]
+            if cursor is None:
+                return total
 
     async def schedules(self, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
         """A page of schedules in name order."""

@@ -42,7 +42,15 @@ from typing import Any, TypeVar, overload
 from charon import serde
 from charon.core.context import Context
 from charon.core.promises import MAX_ERROR_CHARS, MAX_PROMISE_VALUE_BYTES, MAX_TIMEOUT_S
-from charon.errors import BadArguments, UnknownWorkflowAborted, ValueTooLarge, WorkflowExists, WorkflowTooLong
+from charon.errors import (
+    BadArguments,
+    NotMigratable,
+    UnknownWorkflowAborted,
+    ValueTooLarge,
+    VersionUnavailable,
+    WorkflowExists,
+    WorkflowTooLong,
+)
 from charon.operator import Function, Operator
 
 __all__ = ["COMPENSATE_STEP", "MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_PREFIX", "Await", "Finish", "Workflow",
@@ -252,7 +260,9 @@ class Workflow(Operator):
                 raise ValueTooLarge(f"a workflow's input of {n} bytes exceeds the maximum of "
                                     f"{MAX_PROMISE_VALUE_BYTES} (CHARON_MAX_PROMISE_VALUE_BYTES)")
             now = ctx.now()
-            rec = {"id": ctx.key, "workflow": wf.workflow, "version": wf.version, "status": "waiting",
+            # pinned: the code version this start runs with (the engine's recorded label; the same on replay)
+            version = ctx.code_version() or wf.version
+            rec = {"id": ctx.key, "workflow": wf.workflow, "version": version, "status": "waiting",
                    "step": wf.first, "seq": 1, "awaiting": [], "attempt": 0, "state": {}, "undo": [],
                    "history": [], "dropped": 0, "steps": 0, "stale": 0, "created": now, "updated": now,
                    "result": None, "error": None, "outcome": None, "timers": []}
@@ -305,12 +315,39 @@ class Workflow(Operator):
                 ctx.put(rec)
             return {"id": ctx.key, "status": rec["status"]}
 
+        async def migrate(ctx: Context, from_version: str) -> dict[str, Any]:
+            """An operator's move of this workflow from code version ``from_version`` to the one this transaction
+            runs with (the deployed one): decided here, so a replay decides the same. Applies only to a workflow
+            still on ``from_version``, not finished, whose current step the deployed code has; anything else is
+            a typed abort (:class:`~charon.errors.NotMigratable`) that changes nothing."""
+            rec = ctx.get()
+            if rec is None:
+                raise UnknownWorkflowAborted(f"no workflow {wf.workflow!r} {ctx.key!r}")
+            to = ctx.code_version() or wf.version
+            if rec["version"] != from_version:
+                raise NotMigratable(f"workflow {ctx.key!r} runs version {rec['version']!r}, not {from_version!r}")
+            if rec["status"] not in ("running", "waiting"):
+                raise NotMigratable(f"workflow {ctx.key!r} is {rec['status']}")
+            if to == from_version:
+                raise NotMigratable(f"workflow {ctx.key!r} runs the deployed version {to!r} already")
+            if rec["step"] != COMPENSATE_STEP and rec["step"] not in wf.steps:
+                raise NotMigratable(f"version {to!r} of workflow {wf.workflow!r} has no step {rec['step']!r}")
+            now = ctx.now()
+            rec["history"].append({"migrated": [from_version, to], "step": rec["step"], "seq": rec["seq"],
+                                   "tid": ctx.tid, "time": now})
+            if len(rec["history"]) > MAX_HISTORY:
+                rec["dropped"] += 1
+                del rec["history"][0]
+            rec.update(version=to, updated=now)
+            ctx.put(rec)
+            return {"id": ctx.key, "from": from_version, "to": to}
+
         async def get(ctx: Context) -> dict[str, Any] | None:
             """The workflow's record (None: no such workflow)."""
             rec = ctx.get()
             return None if rec is None else dict(rec)
 
-        for body in (start, deliver, run, give_up, cancel, get):
+        for body in (start, deliver, run, give_up, cancel, migrate, get):
             self.function(body)
         self.deliver_fn = self.functions["deliver"]
 
@@ -327,16 +364,36 @@ class Workflow(Operator):
         rec.update(status="running", outcome=outcome, awaiting=[], timers=timers, attempt=0, updated=now)
         ctx.put(rec)
 
+    def pinned(self, ctx: Context, version: str) -> Workflow:
+        """This workflow as code version ``version`` declares it (its steps run a pinned workflow's steps): this
+        object when ``version`` is the one the transaction runs (or the engine keeps no code history), else the
+        same-named workflow of that version's application, from the engine's recorded code history (the same on
+        replay). :class:`~charon.errors.VersionUnavailable` (the step aborts, is retried, then fails) when the
+        version is not recorded or its application has no such workflow."""
+        current = ctx.code_version()
+        if current is None or current == version:
+            return self
+        app = ctx.code_of(version)
+        if app is None:
+            raise VersionUnavailable(f"workflow {self.workflow!r} is pinned to code version {version!r}, which the "
+                                     f"engine has not recorded (running {current!r}): migrate it "
+                                     f"(charon workflows migrate --from {version})")
+        old = app.workflows.get(self.workflow)
+        if not isinstance(old, Workflow):
+            raise VersionUnavailable(f"code version {version!r} has no workflow {self.workflow!r}")
+        return old
+
     async def _run(self, ctx: Context, rec: dict[str, Any], attempt: int) -> dict[str, Any]:
-        step = self.steps.get(rec["step"]) if rec["step"] != COMPENSATE_STEP else _compensate
+        code = self.pinned(ctx, rec["version"])  # the steps of the version the workflow started on (or moved to)
+        step = code.steps.get(rec["step"]) if rec["step"] != COMPENSATE_STEP else _compensate
         if step is None:
-            raise BadArguments(f"workflow {self.workflow!r} has no step {rec['step']!r} (removed by a code update?)")
-        if rec["steps"] >= self.max_steps:
+            raise BadArguments(f"workflow {self.workflow!r} version {rec['version']!r} has no step {rec['step']!r}")
+        if rec["steps"] >= code.max_steps:
             raise WorkflowTooLong(f"workflow {self.workflow!r} {ctx.key!r} ran {rec['steps']} steps "
-                                  f"(max_steps={self.max_steps})")
+                                  f"(max_steps={code.max_steps})")
         for t in rec["timers"]:
             ctx.cancel_timer(t)
-        w = WorkflowHandle(ctx, self, str(ctx.key), rec["version"], rec["step"], rec["seq"], rec["state"],
+        w = WorkflowHandle(ctx, code, str(ctx.key), rec["version"], rec["step"], rec["seq"], rec["state"],
                            attempt=attempt, undos=list(rec["undo"]))
         nxt = await step(ctx, w, rec["outcome"])
         now = ctx.now()
