@@ -39,8 +39,7 @@ from charon.core.promises import MAX_PROMISE_VALUE_BYTES
 from charon.core.routing import check_key
 from charon.core.workflows import MINTED_PREFIX, workflow_operator
 from charon.errors import InvalidKey, SerializationError
-from charon.messages import is_reserved_id
-from charon.messages import Reply
+from charon.messages import Reply, is_reserved_id
 from charon.server.audit import audited, note, started
 from charon.server.promises import BuiltinGateway, entity_page, list_page, run_builtin
 from charon.server.wire import HTTPError, guard, parse_fields, respond

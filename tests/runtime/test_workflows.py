@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -155,3 +155,23 @@ def test_a_client_cannot_take_a_minted_workflow_id_over_http() -> None:
         assert r.status_code == 200, r.text
         rec = httpx.get(f"{srv.url}/workflows/checkout/mine-1", headers=auth, timeout=10)
         assert rec.status_code == 200 and rec.json()["id"] == "mine-1", rec.text
+
+
+def test_the_openapi_document_declares_every_workflow_route() -> None:
+    """Each workflow route of the gateway (the drain and migration too) is in /openapi.json, its workflow names
+    enumerated."""
+    from starlette.routing import Route
+
+    from charon.server.openapi import openapi_document
+    from charon.server.workflows import workflow_routes
+
+    doc = openapi_document(app, secured=True)
+    routes = [r for r in workflow_routes(cast(Any, None)) if isinstance(r, Route)]
+    assert len(routes) == 6
+    for r in routes:
+        path = r.path.replace("{wid:charonkey}", "{wid}")
+        for method in r.methods or ():
+            if method != "HEAD":
+                assert method.lower() in doc["paths"][path], (method, path)
+    name = doc["paths"]["/workflows/{name}"]["post"]["parameters"][0]
+    assert name["schema"]["enum"] == sorted(app.workflows)
