@@ -21,9 +21,9 @@ from charon.cli.harness import make_test_app
 from charon.cli.limits import limits_app
 from charon.cli.parts import DEBUG_ENV, debug, err_console, error_site, load_app
 from charon.cli.promises import promises_app, schedules_app
-from charon.cli.workflows import workflows_app
 from charon.cli.requests import requests_app
 from charon.cli.run import run
+from charon.cli.workflows import workflows_app
 
 __all__ = ["app", "main", "package_version"]
 
