@@ -25,6 +25,12 @@ Nothing is added to the epoch protocol: a workflow is transactions and timers.
   transaction as the step that returns it, an effect is requested and awaited (the built-in step
   :data:`COMPENSATE_STEP` gets its outcome and goes on), and at the end the workflow is ``compensated``.
 
+Version pinning: ``start`` records the code version its transaction runs (``ctx.code_version()``, from the engine's
+recorded code history); ``run`` executes the steps of that version (:meth:`Workflow.pinned`: the same-named workflow
+of ``ctx.code_of(version)``), so a workflow in flight keeps its code across a deploy; ``migrate(from_version)``, an
+operator's move, sets it to the deployed version (only if still on ``from_version``, in flight, at a step the
+deployed code has; :class:`~charon.errors.NotMigratable` otherwise).
+
 Bounds: at most :data:`MAX_UNDO` undos, :data:`MAX_HISTORY` history entries kept (older ones counted), at most
 ``max_steps`` steps per workflow (:class:`~charon.errors.WorkflowTooLong`), a start's input at most
 ``CHARON_MAX_PROMISE_VALUE_BYTES``.
@@ -188,8 +194,10 @@ class WorkflowHandle:
 
 class Workflow(Operator):
     """A workflow: ``wf = Workflow("checkout")``, steps with ``@wf.step`` (the first with ``first=True``), given
-    to the application (``Application(..., workflows=[wf])``). ``version`` names the code of its steps (kept in
-    each record: ``w.version``); ``attempts`` and ``backoff`` (seconds, doubled per attempt) are how often and when
+    to the application (``Application(..., workflows=[wf])``). Each record keeps the code version its start ran
+    with (``w.version``: the engine's deployed label), and its later steps run that version's steps
+    (:meth:`pinned`) until an operator migrates it; ``version`` is the label recorded where the engine keeps no code
+    history (a Spark executor); ``attempts`` and ``backoff`` (seconds, doubled per attempt) are how often and when
     a step that aborts is run again; ``max_steps`` bounds a workflow's length."""
 
     def __init__(self, name: str, *, version: str = "1", attempts: int = 3, backoff: float = 1.0,
