@@ -33,7 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, TypedDict, cast
 from urllib.parse import quote
 
 import httpx
@@ -77,6 +77,9 @@ __all__ = [
     "GatewayError",
     "GatewayUnavailable",
     "GatewayLogUnavailable",
+    "VersionCounts",
+    "WorkflowMigration",
+    "WorkflowVersions",
 ]
 
 try:  # httpcore re-imports sniffio on every async request; a failed import is not cached by Python
@@ -492,14 +495,43 @@ class _Base:
 
 
 
-def _sum_migration(total: dict[str, Any], page: dict[str, Any]) -> None:
-    """Add one page of a workflow migration to the running totals."""
+class VersionCounts(TypedDict):
+    """Workflows in flight on one code version (:meth:`Client.workflow_versions`)."""
+
+    running: int
+    waiting: int
+
+
+class WorkflowVersions(TypedDict):
+    """The drain (:meth:`Client.workflow_versions`): in-flight workflows per code version, in all and per workflow."""
+
+    current: str | None
+    versions: dict[str, VersionCounts]
+    workflows: dict[str, dict[str, VersionCounts]]
+    truncated: bool
+
+
+#: What :meth:`Client.migrate_workflows` answers: the pages' counts summed
+WorkflowMigration = TypedDict("WorkflowMigration", {
+    "operation": str, "workflow": str, "from": str, "dry_run": bool, "examined": int, "matched": int, "done": int,
+    "skipped": dict[str, int], "items": list[str], "pages": int})
+
+
+def _migration(op: str, name: str, from_version: str, dry_run: bool) -> WorkflowMigration:
+    return {"operation": op, "workflow": name, "from": from_version, "dry_run": dry_run, "examined": 0,
+            "matched": 0, "done": 0, "skipped": {}, "items": [], "pages": 0}
+
+
+def _sum_migration(total: WorkflowMigration, page: Mapping[str, object]) -> str | None:
+    """Add one page of a workflow migration to the running totals; the next page's cursor."""
     total["pages"] += 1
-    for k in ("examined", "matched", "done"):
-        total[k] += page[k]
-    for why, n in page["skipped"].items():
+    total["examined"] += cast(int, page["examined"])
+    total["matched"] += cast(int, page["matched"])
+    total["done"] += cast(int, page["done"])
+    for why, n in cast(dict[str, int], page["skipped"]).items():
         total["skipped"][why] = total["skipped"].get(why, 0) + n
-    total["items"] = (total["items"] + page["items"])[:1000]
+    total["items"] = (total["items"] + cast(list[str], page["items"]))[:1000]
+    return cast(str | None, page["next"])
 
 class Client(_Base):
     """Blocking client (httpx). Thread-safe; use as a context manager or call :meth:`close`."""
@@ -704,26 +736,24 @@ class Client(_Base):
         """Cancel a workflow that has not finished (admin)."""
         return dict(self._act("POST", self._workflow_path(name, workflow_id, "cancel"), {"reason": reason}, None))
 
-    def workflow_versions(self) -> dict[str, Any]:
+    def workflow_versions(self) -> WorkflowVersions:
         """The drain (``GET /admin/workflows/versions``, read): in-flight workflows per code version,
         ``{"current", "versions": {v: {"running", "waiting"}}, "workflows": {name: {v: ...}}, "truncated"}``."""
-        return self._admin_doc(self._send("GET", "/admin/workflows/versions", headers=self.headers))
+        return cast(WorkflowVersions, self._admin_doc(self._send("GET", "/admin/workflows/versions",
+                                                                 headers=self.headers)))
 
     def migrate_workflows(self, name: str, from_version: str, *, dry_run: bool = False, limit: int = 100,
-                          operation: str | None = None) -> dict[str, Any]:
+                          operation: str | None = None) -> WorkflowMigration:
         """Move workflow ``name``'s in-flight workflows on ``from_version`` to the deployed code version (``POST
         /admin/workflows/migrate``, admin, audited), page after page under one operation id; the counts summed
         (``done``; ``skipped`` by why: ``NotMigratable``; ``items``: the first 1000 matched; ``pages``)."""
         op = operation or uuid.uuid4().hex
-        total: dict[str, Any] = {"operation": op, "workflow": name, "from": from_version, "dry_run": dry_run,
-                                 "examined": 0, "matched": 0, "done": 0, "skipped": {}, "items": [], "pages": 0}
+        total = _migration(op, name, from_version, dry_run)
         cursor: str | None = None
         while True:
             body = {"workflow": name, "from": from_version, "dry_run": dry_run, "limit": limit, "cursor": cursor}
-            page = self._admin_doc(self._send("POST", "/admin/workflows/migrate", json=body,
-                                              headers={**self.headers, "Idempotency-Key": op}))
-            _sum_migration(total, page)
-            cursor = page["next"]
+            cursor = _sum_migration(total, self._admin_doc(self._send(
+                "POST", "/admin/workflows/migrate", json=body, headers={**self.headers, "Idempotency-Key": op})))
             if cursor is None:
                 return total
 
@@ -1169,23 +1199,21 @@ class AsyncClient(_Base):
         return dict(await self._act("POST", self._workflow_path(name, workflow_id, "cancel"), {"reason": reason},
                                     None))
 
-    async def workflow_versions(self) -> dict[str, Any]:
+    async def workflow_versions(self) -> WorkflowVersions:
         """The drain: see :meth:`Client.workflow_versions`."""
-        return self._admin_doc(await self._send("GET", "/admin/workflows/versions", headers=self.headers))
+        return cast(WorkflowVersions, self._admin_doc(await self._send("GET", "/admin/workflows/versions",
+                                                                       headers=self.headers)))
 
     async def migrate_workflows(self, name: str, from_version: str, *, dry_run: bool = False, limit: int = 100,
-                                operation: str | None = None) -> dict[str, Any]:
+                                operation: str | None = None) -> WorkflowMigration:
         """Migrate in-flight workflows to the deployed version: see :meth:`Client.migrate_workflows`."""
         op = operation or uuid.uuid4().hex
-        total: dict[str, Any] = {"operation": op, "workflow": name, "from": from_version, "dry_run": dry_run,
-                                 "examined": 0, "matched": 0, "done": 0, "skipped": {}, "items": [], "pages": 0}
+        total = _migration(op, name, from_version, dry_run)
         cursor: str | None = None
         while True:
             body = {"workflow": name, "from": from_version, "dry_run": dry_run, "limit": limit, "cursor": cursor}
-            page = self._admin_doc(await self._send("POST", "/admin/workflows/migrate", json=body,
-                                                    headers={**self.headers, "Idempotency-Key": op}))
-            _sum_migration(total, page)
-            cursor = page["next"]
+            cursor = _sum_migration(total, self._admin_doc(await self._send(
+                "POST", "/admin/workflows/migrate", json=body, headers={**self.headers, "Idempotency-Key": op})))
             if cursor is None:
                 return total
 

@@ -3,8 +3,6 @@ list, show, cancel, and the version drain and migration (an operator's move of i
 
 from __future__ import annotations
 
-from typing import Any
-
 import typer
 
 from charon.cli.fail import request_failed
@@ -15,14 +13,15 @@ workflows_app = typer.Typer(help="Workflows: list, show, cancel; versions (the d
                             "version) and migrate (move them to the deployed version).", no_args_is_help=True)
 
 
-def _call(url: str, token: str | None, what: str, *args: Any, **kw: Any) -> Any:
+def _call(url: str, token: str | None, what: str, *args: object, **kw: object) -> dict[str, object]:
     import httpx
 
     from charon.client import Client
 
     with Client(url, token=token, timeout=70.0, retries=2) as client:
         try:
-            return getattr(client, what)(*args, **kw)
+            out: dict[str, object] = getattr(client, what)(*args, **kw)
+            return out
         except (CharonError, httpx.HTTPError) as exc:
             raise request_failed(exc, url) from None
 
@@ -68,7 +67,8 @@ def workflows_migrate(from_version: str = typer.Option(..., "--from", help="The 
     decides: one finished meanwhile, or at a step the deployed code lacks, is skipped as NotMigratable)."""
     names = list(workflow)
     if not names:
-        drain = _call(url, token, "workflow_versions")
-        names = sorted(n for n, per in drain["workflows"].items() if from_version in per)
+        per_workflow = _call(url, token, "workflow_versions")["workflows"]
+        assert isinstance(per_workflow, dict)
+        names = sorted(n for n, per in per_workflow.items() if from_version in per)
     print_json({name: _call(url, token, "migrate_workflows", name, from_version, dry_run=dry_run, limit=limit)
                 for name in names})

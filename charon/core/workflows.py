@@ -323,7 +323,7 @@ class Workflow(Operator):
                 ctx.put(rec)
             return {"id": ctx.key, "status": rec["status"]}
 
-        async def migrate(ctx: Context, from_version: str) -> dict[str, Any]:
+        async def migrate(ctx: Context, from_version: str) -> dict[str, str]:
             """An operator's move of this workflow from code version ``from_version`` to the one this transaction
             runs with (the deployed one): decided here, so a replay decides the same. Applies only to a workflow
             still on ``from_version``, not finished, whose current step the deployed code has; anything else is
@@ -348,7 +348,7 @@ class Workflow(Operator):
                 del rec["history"][0]
             rec.update(version=to, updated=now)
             ctx.put(rec)
-            return {"id": ctx.key, "from": from_version, "to": to}
+            return {"id": str(ctx.key), "from": from_version, "to": str(to)}
 
         async def get(ctx: Context) -> dict[str, Any] | None:
             """The workflow's record (None: no such workflow)."""

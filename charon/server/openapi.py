@@ -513,19 +513,19 @@ def promise_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def workflow_paths(security: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+def workflow_paths(security: list[dict[str, list[str]]], names: list[str]) -> dict[str, object]:
     """The OpenAPI path items of the workflow routes (:mod:`charon.server.workflows`); ``names``: the application's
     workflows (the ``name`` path parameter's values)."""
     err = {"description": "a typed error", "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/Error"}}}}
     ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
 
-    def body(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    def body(props: dict[str, object], required: list[str]) -> dict[str, object]:
         schema = {"type": "object", "properties": props, "required": required, "additionalProperties": False}
         return {"required": bool(required),
                 "content": {ct: {"schema": schema} for ct in ("application/json", "application/msgpack")}}
 
-    name_schema: dict[str, Any] = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,60}$"}
+    name_schema: dict[str, object] = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,60}$"}
     if names:
         name_schema = {"type": "string", "enum": names}
     name = {"name": "name", "in": "path", "required": True, "schema": name_schema,
