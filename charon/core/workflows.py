@@ -59,13 +59,14 @@ from charon.errors import (
 )
 from charon.operator import Function, Operator
 
-__all__ = ["COMPENSATE_STEP", "MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_PREFIX", "Await", "Finish", "Workflow",
-           "WorkflowHandle", "check_workflow_name", "workflow_operator"]
+__all__ = ["COMPENSATE_STEP", "MAX_AWAITS", "MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_PREFIX", "Await",
+           "Finish", "Workflow", "WorkflowHandle", "check_workflow_name", "workflow_operator"]
 
 WORKFLOW_PREFIX = "charon.workflow."
 MINTED_PREFIX = "__charon.wf."  # the ids start() mints: no client may start a workflow under one (gateway: 400)
 MAX_HISTORY = 1000
 MAX_UNDO = 100
+MAX_AWAITS = 64  # what one step may await at once (w.all / w.any)
 #: the built-in step that runs the undos (``w.compensate()``), awaiting each undo effect in its turn
 COMPENSATE_STEP = "charon.compensate"
 STATUSES = ("running", "waiting", "done", "failed", "compensated", "cancelled")
@@ -89,12 +90,14 @@ def workflow_operator(name: str) -> str:
 @dataclass
 class Await:
     """What a step awaits (returned by ``w.effect``, ``w.promise``, ``w.sleep``): ``id`` is the effect's, the
-    promise's or the timer's id, created by the step's transaction (it exists iff the step commits)."""
+    promise's or the timer's id, created by the step's transaction (it exists iff the step commits); ``w.all`` and
+    ``w.any`` return one of kind ``all`` / ``any`` over ``parts``."""
 
     kind: str
     id: str
     then: str
     deadline: float | None = None
+    parts: list[Await] = field(default_factory=list)
 
 
 @dataclass
@@ -123,42 +126,71 @@ class WorkflowHandle:
     undos: list[dict[str, Any]] = field(default_factory=list)
     awaits: list[Await] = field(default_factory=list)
 
-    def _then(self, then: Step | str) -> str:
+    def _then(self, then: Step | str | None) -> str:
+        if then is None:
+            return ""  # one part of a w.all / w.any (which names the step)
         name = then if isinstance(then, str) else getattr(then, "__name__", "")
         if name not in self.workflow.steps and name != COMPENSATE_STEP:
             raise BadArguments(f"workflow {self.workflow.workflow!r} has no step {name!r} "
                                f"(have: {', '.join(sorted(self.workflow.steps))})")
         return name
 
+    def _index(self) -> int:
+        """The index the next await is delivered with (its place among this step's awaits)."""
+        if len(self.awaits) >= MAX_AWAITS:
+            raise BadArguments(f"a step awaits at most {MAX_AWAITS} things (w.all / w.any)")
+        return len(self.awaits)
+
     def _await(self, a: Await) -> Await:
-        if self.awaits:
-            raise BadArguments("a step awaits one thing (return the first w.effect/w.promise/w.sleep it made)")
         self.awaits.append(a)
         return a
 
-    def effect(self, handler: str, *args: object, then: Step | str, timeout: float = 30.0,
+    def effect(self, handler: str, *args: object, then: Step | str | None = None, timeout: float = 30.0,
                attempts: int = 5) -> Await:
-        """Run the effect handler once this step commits (``ctx.effect``); its result goes to step ``then``."""
-        name = self._then(then)
-        eid = self.ctx.effect(handler, *args, then=self.workflow.deliver_fn, carry=[self.seq + 1],
+        """Run the effect handler once this step commits (``ctx.effect``); its result goes to step ``then`` (no
+        ``then``: a part of ``w.all`` / ``w.any``)."""
+        name, i = self._then(then), self._index()
+        eid = self.ctx.effect(handler, *args, then=self.workflow.deliver_fn, carry=[self.seq + 1, i],
                               timeout=timeout, attempts=attempts)
         return self._await(Await("effect", eid, name))
 
-    def promise(self, *, then: Step | str, timeout: float = 86_400.0) -> Await:
+    def promise(self, *, then: Step | str | None = None, timeout: float = 86_400.0) -> Await:
         """Create a durable promise (``ctx.promise``; its id in the returned ``Await.id`` and in the record's
         ``awaiting``); its outcome (``{"ok": ..., "value" | "error_type", "error"}``) goes to step ``then``."""
-        name = self._then(then)
-        pid = self.ctx.promise(then=self.workflow.deliver_fn, carry=[self.seq + 1], timeout=timeout)
+        name, i = self._then(then), self._index()
+        pid = self.ctx.promise(then=self.workflow.deliver_fn, carry=[self.seq + 1, i], timeout=timeout)
         return self._await(Await("promise", pid, name, self.ctx.now() + timeout))
 
-    def sleep(self, seconds: float, *, then: Step | str) -> Await:
+    def sleep(self, seconds: float, *, then: Step | str | None = None) -> Await:
         """Wait ``seconds`` (a timer), then run step ``then`` with ``{"ok": True, "value": None}``."""
-        name = self._then(then)
+        name, i = self._then(then), self._index()
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds <= MAX_TIMEOUT_S:
             raise BadArguments(f"sleep needs seconds in [0, {MAX_TIMEOUT_S:g}], got {seconds!r}")
         tid = self.ctx.send_after(seconds, self.workflow.name, self.id, self.workflow.deliver_fn,
-                                  {"ok": True, "value": None}, self.seq + 1)
+                                  {"ok": True, "value": None}, self.seq + 1, i)
         return self._await(Await("timer", tid, name, self.ctx.now() + seconds))
+
+    def _group(self, kind: str, awaits: list[Await], then: Step | str) -> Await:
+        name = self._then(then)
+        if not name:
+            raise BadArguments(f"w.{kind} needs then=step")
+        if not awaits or [id(a) for a in awaits] != [id(a) for a in self.awaits]:
+            raise BadArguments(f"w.{kind} takes every w.effect/w.promise/w.sleep this step made, in the order made")
+        if any(a.then for a in awaits):
+            raise BadArguments(f"the parts of w.{kind} name no step (then= goes on w.{kind})")
+        deadlines = [a.deadline for a in awaits if a.deadline is not None]
+        return Await(kind, "", name, max(deadlines) if deadlines else None, list(awaits))
+
+    def all(self, awaits: list[Await], *, then: Step | str) -> Await:
+        """Await every one of ``awaits`` (made by this step, without ``then``): step ``then`` gets ``{"ok": every
+        one ok, "value": [their values], "outcomes": [their outcomes]}`` in the order made, once the last
+        arrives."""
+        return self._group("all", awaits, then)
+
+    def any(self, awaits: list[Await], *, then: Step | str) -> Await:
+        """Await the first of ``awaits`` to arrive: step ``then`` gets its outcome with ``"index"`` (its place in
+        ``awaits``); the others' timers are cancelled, their later outcomes ignored (counted in ``stale``)."""
+        return self._group("any", awaits, then)
 
     def done(self, value: Any = None) -> Finish:
         """End the workflow ``done`` with ``value`` as its result."""
@@ -277,15 +309,32 @@ class Workflow(Operator):
             wf._deliver(ctx, rec, {"ok": True, "value": input})
             return {"id": ctx.key, "workflow": wf.workflow, "status": rec["status"]}
 
-        async def deliver(ctx: Context, outcome: dict[str, Any], seq: int) -> dict[str, Any]:
-            """An awaited outcome arrives (an effect's or a promise's continuation, a sleep's timer)."""
+        async def deliver(ctx: Context, outcome: dict[str, Any], seq: int, index: int = 0) -> dict[str, Any]:
+            """An awaited outcome arrives (an effect's or a promise's continuation, a sleep's timer); ``index``: its
+            place among the step's awaits (``w.all`` / ``w.any``)."""
             rec = ctx.get()
             if rec is None:
                 return {"stale": True}
-            if rec["seq"] != seq or rec["status"] != "waiting":
+            mode = rec.get("mode", "one")
+            outs = rec.get("outcomes") or []
+            if rec["seq"] != seq or rec["status"] != "waiting" or (mode == "all" and (
+                    not 0 <= index < len(outs) or outs[index] is not None)):
                 rec["stale"] += 1
                 ctx.put(rec)
                 return {"stale": True}
+            if mode == "all":
+                outs[index] = outcome
+                if any(o is None for o in outs):
+                    rec.update(outcomes=outs, updated=ctx.now())
+                    ctx.put(rec)
+                    return {"id": ctx.key, "seq": seq, "waiting": sum(1 for o in outs if o is None)}
+                outcome = {"ok": all(bool(o.get("ok")) for o in outs), "value": [o.get("value") for o in outs],
+                           "outcomes": outs}
+            elif mode == "any":
+                for a in rec["awaiting"]:  # the others' timers: cancelled (their other outcomes arrive stale)
+                    if a["kind"] == "timer" and a.get("index") != index:
+                        ctx.cancel_timer(a["id"])
+                outcome = {**outcome, "index": index}
             wf._deliver(ctx, rec, outcome)
             return {"id": ctx.key, "seq": seq}
 
@@ -369,7 +418,8 @@ class Workflow(Operator):
             timers.append(ctx.send_at(due, self.name, ctx.key, "run", rec["seq"], a))
         timers.append(ctx.send_at(due + self.backoff * 2 ** (self.attempts - 1), self.name, ctx.key, "give_up",
                                   rec["seq"]))
-        rec.update(status="running", outcome=outcome, awaiting=[], timers=timers, attempt=0, updated=now)
+        rec.update(status="running", outcome=outcome, awaiting=[], timers=timers, attempt=0, updated=now, mode="one",
+                   outcomes=None)
         ctx.put(rec)
 
     def pinned(self, ctx: Context, version: str) -> Workflow:
@@ -408,11 +458,24 @@ class Workflow(Operator):
         entry: dict[str, Any] = {"step": rec["step"], "seq": rec["seq"], "attempt": attempt, "tid": ctx.tid,
                                  "time": now, "ok": bool((rec["outcome"] or {}).get("ok", True))}
         if isinstance(nxt, Await):
-            if not w.awaits or w.awaits[0] is not nxt:
-                raise BadArguments("a step returns the w.effect/w.promise/w.sleep it made")
-            entry["awaits"] = {"kind": nxt.kind, "id": nxt.id}
-            rec.update(status="waiting", step=nxt.then, seq=rec["seq"] + 1,
-                       awaiting=[{"kind": nxt.kind, "id": nxt.id, "deadline": nxt.deadline}])
+            if nxt.kind in ("all", "any"):
+                parts = nxt.parts
+                if [id(a) for a in parts] != [id(a) for a in w.awaits]:
+                    raise BadArguments(f"a step returns the w.{nxt.kind} over every await it made")
+                entry["awaits"] = {"kind": nxt.kind, "ids": [a.id for a in parts]}
+                rec.update(status="waiting", step=nxt.then, seq=rec["seq"] + 1, mode=nxt.kind,
+                           outcomes=[None] * len(parts) if nxt.kind == "all" else None,
+                           awaiting=[{"kind": a.kind, "id": a.id, "deadline": a.deadline, "index": i}
+                                     for i, a in enumerate(parts)])
+            else:
+                if len(w.awaits) != 1 or w.awaits[0] is not nxt:
+                    raise BadArguments("a step returns the w.effect/w.promise/w.sleep it made (several: return "
+                                       "w.all([...]) or w.any([...]))")
+                if not nxt.then:
+                    raise BadArguments(f"the {nxt.kind} a step returns names the next step (then=step)")
+                entry["awaits"] = {"kind": nxt.kind, "id": nxt.id}
+                rec.update(status="waiting", step=nxt.then, seq=rec["seq"] + 1, mode="one", outcomes=None,
+                           awaiting=[{"kind": nxt.kind, "id": nxt.id, "deadline": nxt.deadline}])
         elif isinstance(nxt, Finish) and nxt.status == "compensated" and rec["step"] != COMPENSATE_STEP:
             nxt = await _compensate(ctx, w, None)  # the undos, newest first: calls now, then the first effect
             if isinstance(nxt, Await):

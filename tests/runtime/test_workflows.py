@@ -175,3 +175,73 @@ def test_the_openapi_document_declares_every_workflow_route() -> None:
                 assert method.lower() in doc["paths"][path], (method, path)
     name = doc["paths"]["/workflows/{name}"]["post"]["parameters"][0]
     assert name["schema"]["enum"] == sorted(app.workflows)
+
+
+# -- w.all / w.any ------------------------------------------------------------------------------------------------
+def _gather_app() -> Any:
+    from charon import Application, Context, Workflow
+
+    flow = Workflow("gather", backoff=0.2)
+
+    @flow.step(first=True)
+    async def ask(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
+        kind = outcome["value"]
+        parts = [w.promise(timeout=60), w.promise(timeout=60), w.sleep(30 if kind == "any" else 0.05)]
+        return w.all(parts, then=got) if kind == "all" else w.any(parts, then=got)
+
+    @flow.step
+    async def got(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
+        return w.done(outcome)
+
+    return Application("gathering", [], workflows=[flow]), flow
+
+
+async def test_all_waits_for_every_await_and_any_for_the_first() -> None:
+    gapp, _ = _gather_app()
+    op = workflow_operator("gather")
+
+    async def waiting(wid: str) -> dict[str, Any]:
+        for _ in range(500):
+            rec = rt.read_state(op, wid)
+            if rec and rec["status"] == "waiting":
+                return dict(rec)
+            await asyncio.sleep(0.01)
+        raise AssertionError(rt.read_state(op, wid))
+
+    async def finished(wid: str) -> dict[str, Any]:
+        for _ in range(500):
+            rec = rt.read_state(op, wid)
+            if rec and rec["status"] == "done":
+                await asyncio.sleep(0.3)  # a second run would have committed by now
+                return dict(rt.read_state(op, wid))
+            await asyncio.sleep(0.01)
+        raise AssertionError(rt.read_state(op, wid))
+
+    async with InProcessRuntime(gapp) as rt:
+        await rt.invoke(op, "all", "start", "all")
+        rec = await waiting("all")
+        assert [a["kind"] for a in rec["awaiting"]] == ["promise", "promise", "timer"] and rec["mode"] == "all"
+        p1, p2 = rec["awaiting"][0]["id"], rec["awaiting"][1]["id"]
+        await rt.invoke("charon.promise", p2, "resolve", "second")
+        await asyncio.sleep(0.3)  # the timer fired too: one promise still missing
+        rec = rt.read_state(op, "all")
+        assert rec["status"] == "waiting" and rec["outcomes"][0] is None and rec["outcomes"][1]["value"] == "second"
+        await rt.invoke("charon.promise", p1, "reject", "no")
+        rec = await finished("all")
+        assert rec["result"]["ok"] is False and rec["result"]["value"] == [None, "second", None]
+        assert [o["ok"] for o in rec["result"]["outcomes"]] == [False, True, True]
+        assert rec["history"][0]["awaits"] == {"kind": "all", "ids": [p1, p2, rec["history"][0]["awaits"]["ids"][2]]}
+        assert rec["steps"] == 2
+
+        await rt.invoke(op, "any", "start", "any")
+        rec = await waiting("any")
+        q1, q2 = rec["awaiting"][0]["id"], rec["awaiting"][1]["id"]
+        timer = rec["awaiting"][2]["id"]
+        await rt.invoke("charon.promise", q2, "resolve", "fast")
+        rec = await finished("any")
+        assert rec["result"] == {"ok": True, "value": "fast", "index": 1}
+        assert timer not in {t.id for t in rt.timers(op, "any")}  # the other timer is cancelled
+        await rt.invoke("charon.promise", q1, "resolve", "late")
+        await asyncio.sleep(0.3)
+        late = rt.read_state(op, "any")
+        assert late["result"] == rec["result"] and late["stale"] == rec["stale"] + 1 and late["steps"] == 2
