@@ -274,6 +274,16 @@ def test_a_workflow_step_awaits_a_promise(dep: Deployment) -> None:
     time.sleep(0.5)  # a second step would have run by now
     assert _balances(c, "wf")["wf0"] == BALANCE + 12 and c.workflow("approve", "wf-a")["steps"] == 2
     assert [r["id"] for r in c.workflows("approve")["workflows"]] == ["wf-a"]
+    # the drain counts the ones in flight per code version; a migration to the version they run on is refused by
+    # each one's own transaction (NotMigratable); a cancelled one leaves the drain
+    c.start_workflow("approve", {"acct": "wf1", "amount": 1}, id="wf-b")
+    _wait(lambda: c.workflow("approve", "wf-b")["status"] == "waiting", what="wf-b to wait")
+    assert c.workflow_versions()["versions"] == {"v1": {"running": 0, "waiting": 1}}
+    assert c.migrate_workflows("approve", "v1", dry_run=True)["matched"] == 1
+    moved = c.migrate_workflows("approve", "v1")
+    assert moved["done"] == 0 and moved["skipped"] == {"NotMigratable": 1}, moved
+    assert c.cancel_workflow("approve", "wf-b")["status"] == "cancelled"
+    assert c.workflow_versions()["versions"] == {}
 
 
 def test_an_admin_update_runs_alone_once_per_id(dep: Deployment) -> None:
