@@ -432,6 +432,8 @@ class Workflow(Operator):
         if current is None or current == version:
             return self
         app = ctx.code_of(version)
+        if app is None and version == self.version:  # a record that names the declared label (started before
+            return self                                # pinning recorded code versions): the deployed steps
         if app is None:
             raise VersionUnavailable(f"workflow {self.workflow!r} is pinned to code version {version!r}, which the "
                                      f"engine has not recorded (running {current!r}): migrate it "

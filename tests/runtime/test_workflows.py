@@ -245,3 +245,38 @@ async def test_all_waits_for_every_await_and_any_for_the_first() -> None:
         await asyncio.sleep(0.3)
         late = rt.read_state(op, "any")
         assert late["result"] == rec["result"] and late["stale"] == rec["stale"] + 1 and late["steps"] == 2
+
+
+async def test_a_step_pinned_to_an_unrecorded_version_fails_and_a_declared_label_runs_the_deployed_code() -> None:
+    """A record naming a code version the engine never recorded: its step aborts (``VersionUnavailable``) on every
+    attempt, then the workflow fails; a record naming the workflow's declared ``version`` (one started before
+    versions were recorded) runs the deployed steps."""
+    from charon import Application, Context, VersionUnavailable, Workflow
+
+    flow = Workflow("old", version="7", attempts=2, backoff=0.05)
+
+    @flow.step(first=True)
+    async def only(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
+        return w.done(w.version)
+
+    op = workflow_operator("old")
+    async with InProcessRuntime(Application("olds", [], workflows=[flow])) as rt:
+        assert (await rt.invoke(op, "fresh", "start", None))["status"] == "running"
+        started = {"id": "", "workflow": "old", "status": "waiting", "step": "only", "seq": 1, "awaiting": [],
+                   "attempt": 0, "state": {}, "undo": [], "history": [], "dropped": 0, "steps": 0, "stale": 0,
+                   "created": 0.0, "updated": 0.0, "result": None, "error": None, "outcome": None, "timers": []}
+        for wid, version in (("gone", "9"), ("declared", "7")):
+            rt.load(op, {wid: {**started, "id": wid, "version": version}})
+            await rt.invoke(op, wid, "deliver", {"ok": True, "value": None}, 1)
+        for _ in range(500):
+            recs = {w: rt.read_state(op, w) for w in ("fresh", "gone", "declared")}
+            if all(r["status"] in ("done", "failed") for r in recs.values()):
+                break
+            await asyncio.sleep(0.01)
+        assert recs["fresh"]["version"] == "1" and recs["fresh"]["result"] == "1"  # the engine's code version
+        assert recs["declared"]["status"] == "done" and recs["declared"]["result"] == "7"
+        assert recs["gone"]["status"] == "failed" and "StepFailed" in recs["gone"]["error"], recs["gone"]
+        rt.load(op, {"due": {**started, "id": "due", "version": "9", "status": "running",
+                             "outcome": {"ok": True, "value": None}}})
+        with pytest.raises(VersionUnavailable):  # what each attempt of its step aborts with
+            await rt.invoke(op, "due", "run", 1, 1)
