@@ -33,7 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, TypedDict, cast
 from urllib.parse import quote
 
 import httpx
@@ -77,6 +77,9 @@ __all__ = [
     "GatewayError",
     "GatewayUnavailable",
     "GatewayLogUnavailable",
+    "VersionCounts",
+    "WorkflowMigration",
+    "WorkflowVersions",
 ]
 
 try:  # httpcore re-imports sniffio on every async request; a failed import is not cached by Python
@@ -491,6 +494,45 @@ class _Base:
         return body
 
 
+
+class VersionCounts(TypedDict):
+    """Workflows in flight on one code version (:meth:`Client.workflow_versions`)."""
+
+    running: int
+    waiting: int
+
+
+class WorkflowVersions(TypedDict):
+    """The drain (:meth:`Client.workflow_versions`): in-flight workflows per code version, in all and per workflow."""
+
+    current: str | None
+    versions: dict[str, VersionCounts]
+    workflows: dict[str, dict[str, VersionCounts]]
+    truncated: bool
+
+
+#: What :meth:`Client.migrate_workflows` answers: the pages' counts summed
+WorkflowMigration = TypedDict("WorkflowMigration", {
+    "operation": str, "workflow": str, "from": str, "dry_run": bool, "examined": int, "matched": int, "done": int,
+    "skipped": dict[str, int], "items": list[str], "pages": int})
+
+
+def _migration(op: str, name: str, from_version: str, dry_run: bool) -> WorkflowMigration:
+    return {"operation": op, "workflow": name, "from": from_version, "dry_run": dry_run, "examined": 0,
+            "matched": 0, "done": 0, "skipped": {}, "items": [], "pages": 0}
+
+
+def _sum_migration(total: WorkflowMigration, page: Mapping[str, object]) -> str | None:
+    """Add one page of a workflow migration to the running totals; the next page's cursor."""
+    total["pages"] += 1
+    total["examined"] += cast(int, page["examined"])
+    total["matched"] += cast(int, page["matched"])
+    total["done"] += cast(int, page["done"])
+    for why, n in cast(dict[str, int], page["skipped"]).items():
+        total["skipped"][why] = total["skipped"].get(why, 0) + n
+    total["items"] = (total["items"] + cast(list[str], page["items"]))[:1000]
+    return cast(str | None, page["next"])
+
 class Client(_Base):
     """Blocking client (httpx). Thread-safe; use as a context manager or call :meth:`close`."""
 
@@ -693,6 +735,27 @@ class Client(_Base):
     def cancel_workflow(self, name: str, workflow_id: str, reason: str = "cancelled by an operator") -> dict[str, Any]:
         """Cancel a workflow that has not finished (admin)."""
         return dict(self._act("POST", self._workflow_path(name, workflow_id, "cancel"), {"reason": reason}, None))
+
+    def workflow_versions(self) -> WorkflowVersions:
+        """The drain (``GET /admin/workflows/versions``, read): in-flight workflows per code version,
+        ``{"current", "versions": {v: {"running", "waiting"}}, "workflows": {name: {v: ...}}, "truncated"}``."""
+        return cast(WorkflowVersions, self._admin_doc(self._send("GET", "/admin/workflows/versions",
+                                                                 headers=self.headers)))
+
+    def migrate_workflows(self, name: str, from_version: str, *, dry_run: bool = False, limit: int = 100,
+                          operation: str | None = None) -> WorkflowMigration:
+        """Move workflow ``name``'s in-flight workflows on ``from_version`` to the deployed code version (``POST
+        /admin/workflows/migrate``, admin, audited), page after page under one operation id; the counts summed
+        (``done``; ``skipped`` by why: ``NotMigratable``; ``items``: the first 1000 matched; ``pages``)."""
+        op = operation or uuid.uuid4().hex
+        total = _migration(op, name, from_version, dry_run)
+        cursor: str | None = None
+        while True:
+            body = {"workflow": name, "from": from_version, "dry_run": dry_run, "limit": limit, "cursor": cursor}
+            cursor = _sum_migration(total, self._admin_doc(self._send(
+                "POST", "/admin/workflows/migrate", json=body, headers={**self.headers, "Idempotency-Key": op})))
+            if cursor is None:
+                return total
 
     # -- schedules (``read`` lists; ``admin`` changes) --------------------------------------------------------
     def schedules(self, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
@@ -1135,6 +1198,24 @@ class AsyncClient(_Base):
         """Cancel a workflow that has not finished (admin)."""
         return dict(await self._act("POST", self._workflow_path(name, workflow_id, "cancel"), {"reason": reason},
                                     None))
+
+    async def workflow_versions(self) -> WorkflowVersions:
+        """The drain: see :meth:`Client.workflow_versions`."""
+        return cast(WorkflowVersions, self._admin_doc(await self._send("GET", "/admin/workflows/versions",
+                                                                       headers=self.headers)))
+
+    async def migrate_workflows(self, name: str, from_version: str, *, dry_run: bool = False, limit: int = 100,
+                                operation: str | None = None) -> WorkflowMigration:
+        """Migrate in-flight workflows to the deployed version: see :meth:`Client.migrate_workflows`."""
+        op = operation or uuid.uuid4().hex
+        total = _migration(op, name, from_version, dry_run)
+        cursor: str | None = None
+        while True:
+            body = {"workflow": name, "from": from_version, "dry_run": dry_run, "limit": limit, "cursor": cursor}
+            cursor = _sum_migration(total, self._admin_doc(await self._send(
+                "POST", "/admin/workflows/migrate", json=body, headers={**self.headers, "Idempotency-Key": op})))
+            if cursor is None:
+                return total
 
     async def schedules(self, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
         """A page of schedules in name order."""

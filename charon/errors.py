@@ -248,6 +248,16 @@ class WorkflowTooLong(EngineAbort):
     """A workflow ran its ``max_steps`` steps (the step's transaction aborts, the workflow then fails)."""
 
 
+class NotMigratable(EngineAbort):
+    """An operator's migration of a workflow did not apply (another version, finished, or a step the deployed code
+    lacks; HTTP 409): nothing changed (:mod:`charon.core.workflows`)."""
+
+
+class VersionUnavailable(EngineAbort):
+    """A workflow's step is pinned to a code version the engine has not recorded (or whose code lacks the
+    workflow): the step aborts; migrate the workflow (``charon workflows migrate --from V``)."""
+
+
 class UnknownSchedule(CharonError, LookupError):
     """No schedule has this name (never created, or deleted): HTTP 404."""
 
@@ -388,6 +398,8 @@ ABORTS: dict[str, type[EngineAbort]] = {
         WorkflowExists,
         UnknownWorkflowAborted,
         WorkflowTooLong,
+        NotMigratable,
+        VersionUnavailable,
         PromiseFailed,
         PromiseRejected,
         PromiseTimedOut,

@@ -23,6 +23,7 @@ from charon.cli.parts import DEBUG_ENV, debug, err_console, error_site, load_app
 from charon.cli.promises import promises_app, schedules_app
 from charon.cli.requests import requests_app
 from charon.cli.run import run
+from charon.cli.workflows import workflows_app
 
 __all__ = ["app", "main", "package_version"]
 
@@ -69,6 +70,7 @@ app.add_typer(limits_app, name="limits")  # charon limits show|set|clear|remove 
 app.add_typer(requests_app, name="requests")  # charon requests list|show (the invocation inspector)
 app.add_typer(promises_app, name="promises")  # durable promises (issue 34)
 app.add_typer(schedules_app, name="schedules")
+app.add_typer(workflows_app, name="workflows")  # workflows, their version drain and migration (issue 34 item 4)
 app.command()(ops.invoke)
 app.command()(ops.state)
 app.command()(ops.status)

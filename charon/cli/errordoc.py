@@ -27,7 +27,8 @@ ROWS: dict[str, list[type[errors.CharonError]]] = {
         errors.SerializationErrorAborted, errors.InvalidKeyAborted, errors.PayloadTooLargeAborted,
         errors.UndeclaredPortalAborted, errors.PromiseConflict, errors.UnknownPromiseAborted,
         errors.UnknownScheduleAborted, errors.WorkflowExists, errors.UnknownWorkflowAborted,
-        errors.WorkflowTooLong, errors.PromiseFailed, errors.PromiseRejected, errors.PromiseTimedOut,
+        errors.WorkflowTooLong, errors.NotMigratable, errors.VersionUnavailable,
+        errors.PromiseFailed, errors.PromiseRejected, errors.PromiseTimedOut,
         errors.PromiseCancelled, errors.RateLimited, errors.Overloaded, errors.InvocationCancelled,
     ],
     errors.REFUSAL: [

@@ -206,6 +206,16 @@ class FrameView(Protocol):
     def suspend(self, pending: dict[str, int]) -> None: ...
 
 
+class CodeBook(Protocol):
+    """What an engine that keeps code versions lends its partition units (workflow version pinning,
+    :mod:`charon.core.workflows`): the version label a transaction runs with, and the application of a recorded
+    version. Both follow from the engine's recorded code history only, so a replay gets the same answers."""
+
+    def label_of(self, epoch: int, tid: int) -> str: ...
+
+    def application_of(self, label: str) -> Application | None: ...
+
+
 class UnitView(Protocol):
     """What a :class:`Context` uses of the partition unit that runs it (a
     :class:`charon.core.partition.PartitionUnit`; declared here for the same reason as :class:`FrameView`)."""
@@ -217,6 +227,12 @@ class UnitView(Protocol):
     def previous(self) -> tuple[int, Application] | None: ...
 
     def app_for(self, tid: int) -> Application: ...
+
+    @property
+    def code(self) -> CodeBook | None: ...
+
+    @property
+    def epoch(self) -> int: ...
 
     def read(self, tid: int, op: str, key: str, item: str) -> bytes | None: ...
 
@@ -479,6 +495,17 @@ class Context:
     def now(self) -> float:
         """The transaction's timestamp (its request's append time), the same on every replay."""
         raise NotImplementedError
+
+    # -- code versions ----------------------------------------------------------------------------------------------
+    def code_version(self) -> str | None:
+        """The code version (the deployment's label, e.g. ``charon deploy mod:app v2``) this transaction runs with,
+        from the engine's recorded code history (the same on replay); None where the engine keeps none."""
+        return None
+
+    def code_of(self, version: str) -> Application | None:
+        """The application of recorded code version ``version`` (what a pinned workflow's steps run; None: not
+        recorded, or an engine that keeps no code history)."""
+        return None
 
 
 class _Call(Call[Any]):
@@ -926,6 +953,16 @@ class EngineContext(Context):
     def now(self) -> float:
         """The transaction's timestamp (its request's append time), the same on every replay."""
         return self._frame.ts
+
+    def code_version(self) -> str | None:
+        """:meth:`Context.code_version` (the engine's code book, lent to the partition unit)."""
+        book = self._unit.code
+        return None if book is None else book.label_of(self._unit.epoch, self.tid)
+
+    def code_of(self, version: str) -> Application | None:
+        """:meth:`Context.code_of`."""
+        book = self._unit.code
+        return None if book is None else book.application_of(version)
 
 
 def name_implementations(cls: type[Context]) -> None:

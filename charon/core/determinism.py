@@ -84,6 +84,7 @@ def _twin_of(unit: PartitionUnit[Any], tid: int, hook: _Hook) -> _Twin:
     t = _Twin.__new__(_Twin)
     t.real = unit
     t.pid, t.partitions, t.app, t.previous, t.store = unit.pid, unit.partitions, unit.app, unit.previous, unit.store
+    t.code = unit.code
     t.max_invocations = unit.max_invocations
     t.report_cache = t.sole_writer = t._recording = t._fresh = False
     t._due = None

@@ -34,6 +34,7 @@ from charon.core.awaits import set_running_loop as _set_running_loop
 from charon.core.context import (
     MAX_VALUE_BYTES,
     CallRecord,
+    CodeBook,
     EngineContext,
     Journal,
     check_awaited,
@@ -384,9 +385,9 @@ class PartitionUnit(Generic[S]):
     # Slots: attribute access stays the fast kind whatever the number of attributes (CPython 3.11 measured: with
     # a plain instance dict, a 27th attribute made a Deathstar search epoch ~2.5% more instructions). A new
     # attribute goes here.
-    __slots__ = ("pid", "partitions", "app", "previous", "store", "max_invocations", "report_cache", "sole_writer",
-                 "_due", "_ltab", "_fresh", "epoch", "buffers", "frames", "touched", "cache", "_clog", "overlay",
-                 "dead", "fast_layer", "_recording", "emits", "emitted", "_out", "_stat_reads",
+    __slots__ = ("pid", "partitions", "app", "previous", "code", "store", "max_invocations", "report_cache",
+                 "sole_writer", "_due", "_ltab", "_fresh", "epoch", "buffers", "frames", "touched", "cache", "_clog",
+                 "overlay", "dead", "fast_layer", "_recording", "emits", "emitted", "_out", "_stat_reads",
                  "_stat_runs", "current", "doomed", "interrupt", "twice", "__weakref__")
 
     def __init__(self, pid: int, partitions: int, app: Application, store: S) -> None:
@@ -396,6 +397,9 @@ class PartitionUnit(Generic[S]):
         # a compatible code update (the engines): (first TID on ``app``, the previous application);
         # a transaction with a lower TID started before the update and finishes on the previous application
         self.previous: tuple[int, Application] | None = None
+        #: the engine's code versions (a :class:`~charon.core.context.CodeBook`: workflow version pinning); None:
+        #: an engine that keeps no code history here (a Spark executor)
+        self.code: CodeBook | None = None
         self.store = store
         self.max_invocations = MAX_INVOCATIONS  # set by each round's Control
         #: Whether rounds hand their dry-run invocations out in ``RoundOutput.cached``: a runtime that keeps this

@@ -25,6 +25,12 @@ Nothing is added to the epoch protocol: a workflow is transactions and timers.
   transaction as the step that returns it, an effect is requested and awaited (the built-in step
   :data:`COMPENSATE_STEP` gets its outcome and goes on), and at the end the workflow is ``compensated``.
 
+Version pinning: ``start`` records the code version its transaction runs (``ctx.code_version()``, from the engine's
+recorded code history); ``run`` executes the steps of that version (:meth:`Workflow.pinned`: the same-named workflow
+of ``ctx.code_of(version)``), so a workflow in flight keeps its code across a deploy; ``migrate(from_version)``, an
+operator's move, sets it to the deployed version (only if still on ``from_version``, in flight, at a step the
+deployed code has; :class:`~charon.errors.NotMigratable` otherwise).
+
 Bounds: at most :data:`MAX_UNDO` undos, :data:`MAX_HISTORY` history entries kept (older ones counted), at most
 ``max_steps`` steps per workflow (:class:`~charon.errors.WorkflowTooLong`), a start's input at most
 ``CHARON_MAX_PROMISE_VALUE_BYTES``.
@@ -42,16 +48,25 @@ from typing import Any, TypeVar, overload
 from charon import serde
 from charon.core.context import Context
 from charon.core.promises import MAX_ERROR_CHARS, MAX_PROMISE_VALUE_BYTES, MAX_TIMEOUT_S
-from charon.errors import BadArguments, UnknownWorkflowAborted, ValueTooLarge, WorkflowExists, WorkflowTooLong
+from charon.errors import (
+    BadArguments,
+    NotMigratable,
+    UnknownWorkflowAborted,
+    ValueTooLarge,
+    VersionUnavailable,
+    WorkflowExists,
+    WorkflowTooLong,
+)
 from charon.operator import Function, Operator
 
-__all__ = ["COMPENSATE_STEP", "MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_PREFIX", "Await", "Finish", "Workflow",
-           "WorkflowHandle", "check_workflow_name", "workflow_operator"]
+__all__ = ["COMPENSATE_STEP", "MAX_AWAITS", "MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_PREFIX", "Await",
+           "Finish", "Workflow", "WorkflowHandle", "check_workflow_name", "workflow_operator"]
 
 WORKFLOW_PREFIX = "charon.workflow."
 MINTED_PREFIX = "__charon.wf."  # the ids start() mints: no client may start a workflow under one (gateway: 400)
 MAX_HISTORY = 1000
 MAX_UNDO = 100
+MAX_AWAITS = 64  # what one step may await at once (w.all / w.any)
 #: the built-in step that runs the undos (``w.compensate()``), awaiting each undo effect in its turn
 COMPENSATE_STEP = "charon.compensate"
 STATUSES = ("running", "waiting", "done", "failed", "compensated", "cancelled")
@@ -75,12 +90,14 @@ def workflow_operator(name: str) -> str:
 @dataclass
 class Await:
     """What a step awaits (returned by ``w.effect``, ``w.promise``, ``w.sleep``): ``id`` is the effect's, the
-    promise's or the timer's id, created by the step's transaction (it exists iff the step commits)."""
+    promise's or the timer's id, created by the step's transaction (it exists iff the step commits); ``w.all`` and
+    ``w.any`` return one of kind ``all`` / ``any`` over ``parts``."""
 
     kind: str
     id: str
     then: str
     deadline: float | None = None
+    parts: list[Await] = field(default_factory=list)
 
 
 @dataclass
@@ -109,42 +126,71 @@ class WorkflowHandle:
     undos: list[dict[str, Any]] = field(default_factory=list)
     awaits: list[Await] = field(default_factory=list)
 
-    def _then(self, then: Step | str) -> str:
+    def _then(self, then: Step | str | None) -> str:
+        if then is None:
+            return ""  # one part of a w.all / w.any (which names the step)
         name = then if isinstance(then, str) else getattr(then, "__name__", "")
         if name not in self.workflow.steps and name != COMPENSATE_STEP:
             raise BadArguments(f"workflow {self.workflow.workflow!r} has no step {name!r} "
                                f"(have: {', '.join(sorted(self.workflow.steps))})")
         return name
 
+    def _index(self) -> int:
+        """The index the next await is delivered with (its place among this step's awaits)."""
+        if len(self.awaits) >= MAX_AWAITS:
+            raise BadArguments(f"a step awaits at most {MAX_AWAITS} things (w.all / w.any)")
+        return len(self.awaits)
+
     def _await(self, a: Await) -> Await:
-        if self.awaits:
-            raise BadArguments("a step awaits one thing (return the first w.effect/w.promise/w.sleep it made)")
         self.awaits.append(a)
         return a
 
-    def effect(self, handler: str, *args: object, then: Step | str, timeout: float = 30.0,
+    def effect(self, handler: str, *args: object, then: Step | str | None = None, timeout: float = 30.0,
                attempts: int = 5) -> Await:
-        """Run the effect handler once this step commits (``ctx.effect``); its result goes to step ``then``."""
-        name = self._then(then)
-        eid = self.ctx.effect(handler, *args, then=self.workflow.deliver_fn, carry=[self.seq + 1],
+        """Run the effect handler once this step commits (``ctx.effect``); its result goes to step ``then`` (no
+        ``then``: a part of ``w.all`` / ``w.any``)."""
+        name, i = self._then(then), self._index()
+        eid = self.ctx.effect(handler, *args, then=self.workflow.deliver_fn, carry=[self.seq + 1, i],
                               timeout=timeout, attempts=attempts)
         return self._await(Await("effect", eid, name))
 
-    def promise(self, *, then: Step | str, timeout: float = 86_400.0) -> Await:
+    def promise(self, *, then: Step | str | None = None, timeout: float = 86_400.0) -> Await:
         """Create a durable promise (``ctx.promise``; its id in the returned ``Await.id`` and in the record's
         ``awaiting``); its outcome (``{"ok": ..., "value" | "error_type", "error"}``) goes to step ``then``."""
-        name = self._then(then)
-        pid = self.ctx.promise(then=self.workflow.deliver_fn, carry=[self.seq + 1], timeout=timeout)
+        name, i = self._then(then), self._index()
+        pid = self.ctx.promise(then=self.workflow.deliver_fn, carry=[self.seq + 1, i], timeout=timeout)
         return self._await(Await("promise", pid, name, self.ctx.now() + timeout))
 
-    def sleep(self, seconds: float, *, then: Step | str) -> Await:
+    def sleep(self, seconds: float, *, then: Step | str | None = None) -> Await:
         """Wait ``seconds`` (a timer), then run step ``then`` with ``{"ok": True, "value": None}``."""
-        name = self._then(then)
+        name, i = self._then(then), self._index()
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds <= MAX_TIMEOUT_S:
             raise BadArguments(f"sleep needs seconds in [0, {MAX_TIMEOUT_S:g}], got {seconds!r}")
         tid = self.ctx.send_after(seconds, self.workflow.name, self.id, self.workflow.deliver_fn,
-                                  {"ok": True, "value": None}, self.seq + 1)
+                                  {"ok": True, "value": None}, self.seq + 1, i)
         return self._await(Await("timer", tid, name, self.ctx.now() + seconds))
+
+    def _group(self, kind: str, awaits: list[Await], then: Step | str) -> Await:
+        name = self._then(then)
+        if not name:
+            raise BadArguments(f"w.{kind} needs then=step")
+        if not awaits or [id(a) for a in awaits] != [id(a) for a in self.awaits]:
+            raise BadArguments(f"w.{kind} takes every w.effect/w.promise/w.sleep this step made, in the order made")
+        if any(a.then for a in awaits):
+            raise BadArguments(f"the parts of w.{kind} name no step (then= goes on w.{kind})")
+        deadlines = [a.deadline for a in awaits if a.deadline is not None]
+        return Await(kind, "", name, max(deadlines) if deadlines else None, list(awaits))
+
+    def all(self, awaits: list[Await], *, then: Step | str) -> Await:
+        """Await every one of ``awaits`` (made by this step, without ``then``): step ``then`` gets ``{"ok": every
+        one ok, "value": [their values], "outcomes": [their outcomes]}`` in the order made, once the last
+        arrives."""
+        return self._group("all", awaits, then)
+
+    def any(self, awaits: list[Await], *, then: Step | str) -> Await:
+        """Await the first of ``awaits`` to arrive: step ``then`` gets its outcome with ``"index"`` (its place in
+        ``awaits``); the others' timers are cancelled, their later outcomes ignored (counted in ``stale``)."""
+        return self._group("any", awaits, then)
 
     def done(self, value: Any = None) -> Finish:
         """End the workflow ``done`` with ``value`` as its result."""
@@ -180,8 +226,10 @@ class WorkflowHandle:
 
 class Workflow(Operator):
     """A workflow: ``wf = Workflow("checkout")``, steps with ``@wf.step`` (the first with ``first=True``), given
-    to the application (``Application(..., workflows=[wf])``). ``version`` names the code of its steps (kept in
-    each record: ``w.version``); ``attempts`` and ``backoff`` (seconds, doubled per attempt) are how often and when
+    to the application (``Application(..., workflows=[wf])``). Each record keeps the code version its start ran
+    with (``w.version``: the engine's deployed label), and its later steps run that version's steps
+    (:meth:`pinned`) until an operator migrates it; ``version`` is the label recorded where the engine keeps no code
+    history (a Spark executor); ``attempts`` and ``backoff`` (seconds, doubled per attempt) are how often and when
     a step that aborts is run again; ``max_steps`` bounds a workflow's length."""
 
     def __init__(self, name: str, *, version: str = "1", attempts: int = 3, backoff: float = 1.0,
@@ -252,22 +300,41 @@ class Workflow(Operator):
                 raise ValueTooLarge(f"a workflow's input of {n} bytes exceeds the maximum of "
                                     f"{MAX_PROMISE_VALUE_BYTES} (CHARON_MAX_PROMISE_VALUE_BYTES)")
             now = ctx.now()
-            rec = {"id": ctx.key, "workflow": wf.workflow, "version": wf.version, "status": "waiting",
+            # pinned: the code version this start runs with (the engine's recorded label; the same on replay)
+            version = ctx.code_version() or wf.version
+            rec = {"id": ctx.key, "workflow": wf.workflow, "version": version, "status": "waiting",
                    "step": wf.first, "seq": 1, "awaiting": [], "attempt": 0, "state": {}, "undo": [],
                    "history": [], "dropped": 0, "steps": 0, "stale": 0, "created": now, "updated": now,
                    "result": None, "error": None, "outcome": None, "timers": []}
             wf._deliver(ctx, rec, {"ok": True, "value": input})
             return {"id": ctx.key, "workflow": wf.workflow, "status": rec["status"]}
 
-        async def deliver(ctx: Context, outcome: dict[str, Any], seq: int) -> dict[str, Any]:
-            """An awaited outcome arrives (an effect's or a promise's continuation, a sleep's timer)."""
+        async def deliver(ctx: Context, outcome: dict[str, Any], seq: int, index: int = 0) -> dict[str, Any]:
+            """An awaited outcome arrives (an effect's or a promise's continuation, a sleep's timer); ``index``: its
+            place among the step's awaits (``w.all`` / ``w.any``)."""
             rec = ctx.get()
             if rec is None:
                 return {"stale": True}
-            if rec["seq"] != seq or rec["status"] != "waiting":
+            mode = rec.get("mode", "one")
+            outs = rec.get("outcomes") or []
+            if rec["seq"] != seq or rec["status"] != "waiting" or (mode == "all" and (
+                    not 0 <= index < len(outs) or outs[index] is not None)):
                 rec["stale"] += 1
                 ctx.put(rec)
                 return {"stale": True}
+            if mode == "all":
+                outs[index] = outcome
+                if any(o is None for o in outs):
+                    rec.update(outcomes=outs, updated=ctx.now())
+                    ctx.put(rec)
+                    return {"id": ctx.key, "seq": seq, "waiting": sum(1 for o in outs if o is None)}
+                outcome = {"ok": all(bool(o.get("ok")) for o in outs), "value": [o.get("value") for o in outs],
+                           "outcomes": outs}
+            elif mode == "any":
+                for a in rec["awaiting"]:  # the others' timers: cancelled (their other outcomes arrive stale)
+                    if a["kind"] == "timer" and a.get("index") != index:
+                        ctx.cancel_timer(a["id"])
+                outcome = {**outcome, "index": index}
             wf._deliver(ctx, rec, outcome)
             return {"id": ctx.key, "seq": seq}
 
@@ -305,12 +372,39 @@ class Workflow(Operator):
                 ctx.put(rec)
             return {"id": ctx.key, "status": rec["status"]}
 
+        async def migrate(ctx: Context, from_version: str) -> dict[str, str]:
+            """An operator's move of this workflow from code version ``from_version`` to the one this transaction
+            runs with (the deployed one): decided here, so a replay decides the same. Applies only to a workflow
+            still on ``from_version``, not finished, whose current step the deployed code has; anything else is
+            a typed abort (:class:`~charon.errors.NotMigratable`) that changes nothing."""
+            rec = ctx.get()
+            if rec is None:
+                raise UnknownWorkflowAborted(f"no workflow {wf.workflow!r} {ctx.key!r}")
+            to = ctx.code_version() or wf.version
+            if rec["version"] != from_version:
+                raise NotMigratable(f"workflow {ctx.key!r} runs version {rec['version']!r}, not {from_version!r}")
+            if rec["status"] not in ("running", "waiting"):
+                raise NotMigratable(f"workflow {ctx.key!r} is {rec['status']}")
+            if to == from_version:
+                raise NotMigratable(f"workflow {ctx.key!r} runs the deployed version {to!r} already")
+            if rec["step"] != COMPENSATE_STEP and rec["step"] not in wf.steps:
+                raise NotMigratable(f"version {to!r} of workflow {wf.workflow!r} has no step {rec['step']!r}")
+            now = ctx.now()
+            rec["history"].append({"migrated": [from_version, to], "step": rec["step"], "seq": rec["seq"],
+                                   "tid": ctx.tid, "time": now})
+            if len(rec["history"]) > MAX_HISTORY:
+                rec["dropped"] += 1
+                del rec["history"][0]
+            rec.update(version=to, updated=now)
+            ctx.put(rec)
+            return {"id": str(ctx.key), "from": from_version, "to": str(to)}
+
         async def get(ctx: Context) -> dict[str, Any] | None:
             """The workflow's record (None: no such workflow)."""
             rec = ctx.get()
             return None if rec is None else dict(rec)
 
-        for body in (start, deliver, run, give_up, cancel, get):
+        for body in (start, deliver, run, give_up, cancel, migrate, get):
             self.function(body)
         self.deliver_fn = self.functions["deliver"]
 
@@ -324,30 +418,66 @@ class Workflow(Operator):
             timers.append(ctx.send_at(due, self.name, ctx.key, "run", rec["seq"], a))
         timers.append(ctx.send_at(due + self.backoff * 2 ** (self.attempts - 1), self.name, ctx.key, "give_up",
                                   rec["seq"]))
-        rec.update(status="running", outcome=outcome, awaiting=[], timers=timers, attempt=0, updated=now)
+        rec.update(status="running", outcome=outcome, awaiting=[], timers=timers, attempt=0, updated=now, mode="one",
+                   outcomes=None)
         ctx.put(rec)
 
+    def pinned(self, ctx: Context, version: str) -> Workflow:
+        """This workflow as code version ``version`` declares it (its steps run a pinned workflow's steps): this
+        object when ``version`` is the one the transaction runs (or the engine keeps no code history), else the
+        same-named workflow of that version's application, from the engine's recorded code history (the same on
+        replay). :class:`~charon.errors.VersionUnavailable` (the step aborts, is retried, then fails) when the
+        version is not recorded or its application has no such workflow."""
+        current = ctx.code_version()
+        if current is None or current == version:
+            return self
+        app = ctx.code_of(version)
+        if app is None and version == self.version:  # a record that names the declared label (started before
+            return self                                # pinning recorded code versions): the deployed steps
+        if app is None:
+            raise VersionUnavailable(f"workflow {self.workflow!r} is pinned to code version {version!r}, which the "
+                                     f"engine has not recorded (running {current!r}): migrate it "
+                                     f"(charon workflows migrate --from {version})")
+        old = app.workflows.get(self.workflow)
+        if not isinstance(old, Workflow):
+            raise VersionUnavailable(f"code version {version!r} has no workflow {self.workflow!r}")
+        return old
+
     async def _run(self, ctx: Context, rec: dict[str, Any], attempt: int) -> dict[str, Any]:
-        step = self.steps.get(rec["step"]) if rec["step"] != COMPENSATE_STEP else _compensate
+        code = self.pinned(ctx, rec["version"])  # the steps of the version the workflow started on (or moved to)
+        step = code.steps.get(rec["step"]) if rec["step"] != COMPENSATE_STEP else _compensate
         if step is None:
-            raise BadArguments(f"workflow {self.workflow!r} has no step {rec['step']!r} (removed by a code update?)")
-        if rec["steps"] >= self.max_steps:
+            raise BadArguments(f"workflow {self.workflow!r} version {rec['version']!r} has no step {rec['step']!r}")
+        if rec["steps"] >= code.max_steps:
             raise WorkflowTooLong(f"workflow {self.workflow!r} {ctx.key!r} ran {rec['steps']} steps "
-                                  f"(max_steps={self.max_steps})")
+                                  f"(max_steps={code.max_steps})")
         for t in rec["timers"]:
             ctx.cancel_timer(t)
-        w = WorkflowHandle(ctx, self, str(ctx.key), rec["version"], rec["step"], rec["seq"], rec["state"],
+        w = WorkflowHandle(ctx, code, str(ctx.key), rec["version"], rec["step"], rec["seq"], rec["state"],
                            attempt=attempt, undos=list(rec["undo"]))
         nxt = await step(ctx, w, rec["outcome"])
         now = ctx.now()
         entry: dict[str, Any] = {"step": rec["step"], "seq": rec["seq"], "attempt": attempt, "tid": ctx.tid,
                                  "time": now, "ok": bool((rec["outcome"] or {}).get("ok", True))}
         if isinstance(nxt, Await):
-            if not w.awaits or w.awaits[0] is not nxt:
-                raise BadArguments("a step returns the w.effect/w.promise/w.sleep it made")
-            entry["awaits"] = {"kind": nxt.kind, "id": nxt.id}
-            rec.update(status="waiting", step=nxt.then, seq=rec["seq"] + 1,
-                       awaiting=[{"kind": nxt.kind, "id": nxt.id, "deadline": nxt.deadline}])
+            if nxt.kind in ("all", "any"):
+                parts = nxt.parts
+                if [id(a) for a in parts] != [id(a) for a in w.awaits]:
+                    raise BadArguments(f"a step returns the w.{nxt.kind} over every await it made")
+                entry["awaits"] = {"kind": nxt.kind, "ids": [a.id for a in parts]}
+                rec.update(status="waiting", step=nxt.then, seq=rec["seq"] + 1, mode=nxt.kind,
+                           outcomes=[None] * len(parts) if nxt.kind == "all" else None,
+                           awaiting=[{"kind": a.kind, "id": a.id, "deadline": a.deadline, "index": i}
+                                     for i, a in enumerate(parts)])
+            else:
+                if len(w.awaits) != 1 or w.awaits[0] is not nxt:
+                    raise BadArguments("a step returns the w.effect/w.promise/w.sleep it made (several: return "
+                                       "w.all([...]) or w.any([...]))")
+                if not nxt.then:
+                    raise BadArguments(f"the {nxt.kind} a step returns names the next step (then=step)")
+                entry["awaits"] = {"kind": nxt.kind, "id": nxt.id}
+                rec.update(status="waiting", step=nxt.then, seq=rec["seq"] + 1, mode="one", outcomes=None,
+                           awaiting=[{"kind": nxt.kind, "id": nxt.id, "deadline": nxt.deadline}])
         elif isinstance(nxt, Finish) and nxt.status == "compensated" and rec["step"] != COMPENSATE_STEP:
             nxt = await _compensate(ctx, w, None)  # the undos, newest first: calls now, then the first effect
             if isinstance(nxt, Await):

@@ -107,6 +107,8 @@ ROUTE_SCOPES: dict[str, frozenset[str]] = {
     "workflow": frozenset({READ}),
     "workflow_start": frozenset({INVOKE}),
     "workflow_cancel": frozenset({ADMIN}),
+    "admin_workflow_versions": frozenset({READ}),  # the drain: in-flight workflows per code version
+    "admin_workflow_migrate": frozenset({ADMIN}),  # an operator's move of in-flight workflows (audited)
     "schedules": frozenset({READ}),
     "schedule": frozenset({READ}),
     "schedule_create": frozenset({ADMIN}),

@@ -11,7 +11,7 @@ from typing import Any
 
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK
 
-__all__ = ["describe_app", "openapi_document", "admin_paths", "effect_paths", "promise_paths"]
+__all__ = ["describe_app", "openapi_document", "admin_paths", "effect_paths", "promise_paths", "workflow_paths"]
 
 
 def _operators(app: Any) -> list[Any]:
@@ -359,6 +359,7 @@ def openapi_document(app: Any, secured: bool, effects: bool = False) -> dict[str
     }
     paths.update(admin_paths(security))
     paths.update(promise_paths(security))
+    paths.update(workflow_paths(security, sorted(getattr(app, "workflows", {}))))
     if effects:  # an effect executor runs beside the engine (charon run --effects)
         paths.update(effect_paths(security))
     if secured:  # every route that asks for a token asks for one of its scopes (charon.server.auth)
@@ -509,6 +510,68 @@ def promise_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
                 "dry_run": {"type": "boolean"}, "limit": {"type": "integer", "minimum": 1, "maximum": 1000},
                 "cursor": {"type": ["string", "null"]}, "reason": {"type": "string"}}, []),
             "responses": {**acted, "501": err, "503": err}}},
+    }
+
+
+def workflow_paths(security: list[dict[str, list[str]]], names: list[str]) -> dict[str, object]:
+    """The OpenAPI path items of the workflow routes (:mod:`charon.server.workflows`); ``names``: the application's
+    workflows (the ``name`` path parameter's values)."""
+    err = {"description": "a typed error", "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/Error"}}}}
+    ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
+
+    def body(props: dict[str, object], required: list[str]) -> dict[str, object]:
+        schema = {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+        return {"required": bool(required),
+                "content": {ct: {"schema": schema} for ct in ("application/json", "application/msgpack")}}
+
+    name_schema: dict[str, object] = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,60}$"}
+    if names:
+        name_schema = {"type": "string", "enum": names}
+    name = {"name": "name", "in": "path", "required": True, "schema": name_schema,
+            "description": "the workflow's name (Workflow(name), given to Application(workflows=[...]))"}
+    wid = {"name": "wid", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1,
+                                                                     "maxLength": 256}}
+    key = {"name": "Idempotency-Key", "in": "header", "required": False,
+           "schema": {"type": "string", "pattern": "^[A-Za-z0-9._~:@+=-]{1,200}$"}}
+    page = [{"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+            {"name": "limit", "in": "query", "required": False,
+             "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}]
+    read = {"200": ok, "400": err, "401": err, "404": err}
+    acted = {"200": ok, "400": err, "401": err, "404": err, "409": err, "413": err, "415": err, "422": err,
+             "503": err}
+    return {
+        "/workflows/{name}": {
+            "get": {"summary": "A page of a workflow's records in id order (read)", "security": security,
+                    "parameters": [name, *page], "responses": read},
+            "post": {"summary": "Start a workflow (invoke): {id, input}; id defaults to the Idempotency-Key; 409 "
+                                "WorkflowExists when the id is in use", "security": security,
+                     "parameters": [name, key],
+                     "requestBody": body({"id": {"type": ["string", "null"]}, "input": {}}, []),
+                     "responses": acted}},
+        "/workflows/{name}/{wid}": {"get": {
+            "summary": "One workflow's record: status, version (the code version its steps run), step, what it "
+                       "awaits, state, undo stack, the history of its steps (read)",
+            "security": security, "parameters": [name, wid], "responses": read}},
+        "/workflows/{name}/{wid}/cancel": {"post": {
+            "summary": "Cancel a workflow that has not finished (admin)", "security": security,
+            "parameters": [name, wid], "requestBody": body({"reason": {"type": "string", "maxLength": 2000}}, []),
+            "responses": acted}},
+        "/admin/workflows/versions": {"get": {
+            "summary": "The drain: in-flight workflows (running, waiting) per code version, per workflow and in "
+                       "all, and the deployed version (read)",
+            "security": security, "responses": {"200": ok, "401": err, "501": err, "503": err}}},
+        "/admin/workflows/migrate": {"post": {
+            "summary": "Move one page of a workflow's in-flight workflows on code version `from` to the deployed "
+                       "one (admin, audited); each move is the workflow's own transaction (NotMigratable: "
+                       "skipped); dry_run counts; next is the following call's cursor",
+            "security": security, "parameters": [key],
+            "requestBody": body({"workflow": {"type": "string"}, "from": {"type": "string", "minLength": 1,
+                                                                          "maxLength": 200},
+                                 "dry_run": {"type": "boolean"},
+                                 "limit": {"type": "integer", "minimum": 1, "maximum": 1000},
+                                 "cursor": {"type": ["string", "null"]}}, ["workflow", "from"]),
+            "responses": acted}},
     }
 
 

@@ -76,6 +76,7 @@ STATUS_OF_ERROR: dict[str, int] = {
     "ScheduleExists": 409,
     "UnknownWorkflow": 404,  # the workflow routes' (charon.server.workflows)
     "WorkflowExists": 409,
+    "NotMigratable": 409,
     "RateLimited": 429,  # admission (charon.core.admission): with Retry-After
     "Overloaded": 429,
 }

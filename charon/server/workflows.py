@@ -7,7 +7,15 @@
 * ``GET /workflows/{name}/{id}`` (``read``): one record: status, current step, what it awaits (the promise's id
   and deadline, the effect's or the timer's id), state, the undo stack, and the history of its steps (each
   step's ``tid``, its attempt, what it awaited next), the tree the inspector draws;
-* ``POST /workflows/{name}/{id}/cancel`` with ``{"reason": "..."}`` (``admin``).
+* ``POST /workflows/{name}/{id}/cancel`` with ``{"reason": "..."}`` (``admin``);
+* ``GET /admin/workflows/versions`` (``read``): the drain, how many workflows still run (``running``: a step due or
+  retrying; ``waiting``: awaiting an effect, a promise or a timer) on each code version, per workflow and in all,
+  and the deployed version; at most :data:`MAX_SCAN` records read per workflow (``truncated`` says so);
+* ``POST /admin/workflows/migrate`` with ``{"workflow", "from", "dry_run", "limit", "cursor"}`` (``admin``,
+  audited: one ``charon.admin`` line ``workflows migrate`` per call): one page of the workflow's records; each one
+  in flight on ``from`` is sent its own ``migrate`` transaction, which decides (``NotMigratable``: counted in
+  ``skipped``, nothing changed). Request ids derive from the ``Idempotency-Key`` (the operation) and the workflow
+  id, so a repeated call sends nothing twice. ``next`` is the following page's ``cursor`` (null: done).
 
 Refused before the log: an unknown workflow (404 ``UnknownWorkflow``), an invalid id (400), an input above
 ``CHARON_MAX_PROMISE_VALUE_BYTES`` (413), an id in use (409 ``WorkflowExists``, also decided by the start's own
@@ -17,6 +25,8 @@ internal: ``/invoke`` and ``/batch`` answer 404 for them as for any internal fun
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import uuid
 from typing import Any
 
@@ -29,11 +39,18 @@ from charon.core.promises import MAX_PROMISE_VALUE_BYTES
 from charon.core.routing import check_key
 from charon.core.workflows import MINTED_PREFIX, workflow_operator
 from charon.errors import InvalidKey, SerializationError
-from charon.messages import is_reserved_id
+from charon.messages import Reply, is_reserved_id
+from charon.server.audit import audited, note, started
 from charon.server.promises import BuiltinGateway, entity_page, list_page, run_builtin
 from charon.server.wire import HTTPError, guard, parse_fields, respond
 
-__all__ = ["workflow_routes"]
+__all__ = ["MAX_SCAN", "workflow_routes"]
+
+MAX_SCAN = 100_000  # records GET /admin/workflows/versions reads per workflow (truncated beyond)
+_SCAN_PAGE = 1000
+_MIGRATE_LIMIT = 1000  # most records one migrate call looks at
+_MIGRATE_TIMEOUT_S = 60.0
+IN_FLIGHT = ("running", "waiting")
 
 
 class WorkflowRoutes:
@@ -111,10 +128,98 @@ class WorkflowRoutes:
         return await run_builtin(self.gw, request, op, wid, "cancel", [reason])
 
 
+    # -- drain and migration
+    async def versions(self, request: HTTPRequest) -> Response:
+        self.gw.check_auth(request)
+        self.gw.check_ready()
+        per: dict[str, dict[str, dict[str, int]]] = {}
+        total: dict[str, dict[str, int]] = {}
+        truncated = False
+        for name in sorted(self.gw.engine.app.workflows):
+            counts: dict[str, dict[str, int]] = {}
+            after: str | None = None
+            seen = 0
+            while True:
+                rows, after = await entity_page(self.gw, workflow_operator(name), after, _SCAN_PAGE)
+                seen += len(rows)
+                for rec in rows:
+                    if rec.get("status") in IN_FLIGHT:
+                        for c in (counts, total):
+                            slot = c.setdefault(str(rec.get("version")), {"running": 0, "waiting": 0})
+                            slot[rec["status"]] += 1
+                if after is None:
+                    break
+                if seen >= MAX_SCAN:
+                    truncated = True
+                    break
+            per[name] = counts
+        controls = self.gw.engine.controls
+        current = None if controls is None else controls.status_now().code_version
+        return respond(request, 200, {"current": current, "versions": total, "workflows": per,
+                                      "truncated": truncated})
+
+    async def migrate(self, request: HTTPRequest) -> Response:
+        gw = self.gw
+        gw.check_auth(request)
+        given = gw.request_id(request)
+        doc = parse_fields(request.headers.get("content-type"), await gw.read_body(request),
+                           {"workflow", "from", "dry_run", "limit", "cursor"},
+                           'body must be {"workflow": "...", "from": "V", "dry_run", "limit", "cursor"}')
+        name, old = doc.get("workflow"), doc.get("from")
+        dry, limit, cursor = doc.get("dry_run", False), doc.get("limit", 100), doc.get("cursor")
+        if not isinstance(name, str) or name not in gw.engine.app.workflows:
+            have = ", ".join(sorted(gw.engine.app.workflows)) or "none"
+            raise HTTPError("UnknownWorkflow", f"no workflow {name!r} (have: {have})")
+        if not isinstance(old, str) or not 0 < len(old) <= 200:
+            raise HTTPError("BadRequest", '"from" must be a code version (a string of 1-200 characters)')
+        if type(dry) is not bool:
+            raise HTTPError("BadRequest", "dry_run must be true or false")
+        if type(limit) is not int or not 1 <= limit <= _MIGRATE_LIMIT:
+            raise HTTPError("BadRequest", f"limit must be an integer in 1..{_MIGRATE_LIMIT}")
+        if cursor is not None:
+            try:
+                check_key(cursor)
+            except (InvalidKey, TypeError):
+                raise HTTPError("BadRequest", "cursor must be a previous answer's next (a workflow id)") from None
+        op = given or uuid.uuid4().hex
+        note(request, operation=op, workflow=name, version=old, dry_run=dry, limit=limit, cursor=cursor)
+        gw.check_ready()
+        started(request, "workflows migrate")
+        operator = workflow_operator(name)
+        rows, nxt = await entity_page(gw, operator, cursor, limit)
+        hits = [str(r["id"]) for r in rows if r.get("version") == old and r.get("status") in IN_FLIGHT]
+        out: dict[str, Any] = {"operation": op, "workflow": name, "from": old, "dry_run": dry,
+                               "examined": len(rows), "matched": len(hits), "done": 0, "skipped": {},
+                               "items": hits, "next": nxt}
+        if not dry and hits:
+            def rid(wid: str) -> str:
+                digest = hashlib.blake2b("\0".join((op, name, wid)).encode(), digest_size=16).hexdigest()
+                return f"__charon.wfmigrate:{digest}"
+
+            calls = [gw.engine.submit(operator, wid, "migrate", [old], request_id=rid(wid)) for wid in hits]
+            try:
+                replies: list[Reply] = list(await asyncio.wait_for(asyncio.gather(*calls), _MIGRATE_TIMEOUT_S))
+            except TimeoutError:
+                raise HTTPError("Unavailable", f"no epoch answered migration {op} within {_MIGRATE_TIMEOUT_S:.0f} "
+                                f"s (paused?): repeat the call with the Idempotency-Key {op} (nothing is sent "
+                                "twice)") from None
+            for rep in replies:
+                if rep.ok:
+                    out["done"] += 1
+                else:
+                    out["skipped"][rep.error_type] = out["skipped"].get(rep.error_type, 0) + 1
+        note(request, examined=out["examined"], matched=out["matched"], done=out["done"], skipped=out["skipped"],
+             next=nxt)
+        return respond(request, 200, out)
+
+
 def workflow_routes(gw: BuiltinGateway) -> list[Route]:
     """The workflow routes over ``gw`` (their scopes: :data:`charon.server.auth.ROUTE_SCOPES`)."""
     r = WorkflowRoutes(gw)
     return [
+        Route("/admin/workflows/versions", guard(r.versions), methods=["GET"], name="admin_workflow_versions"),
+        Route("/admin/workflows/migrate", guard(audited("workflows migrate", r.migrate)), methods=["POST"],
+              name="admin_workflow_migrate"),
         Route("/workflows/{name}", guard(r.list), methods=["GET"], name="workflows"),
         Route("/workflows/{name}", guard(r.start), methods=["POST"], name="workflow_start"),
         Route("/workflows/{name}/{wid:charonkey}/cancel", guard(r.cancel), methods=["POST"], name="workflow_cancel"),

@@ -20,14 +20,14 @@ from contract_engines import served
 
 from charon.client import Client
 from charon.config import GatewayConfig
-from charon.errors import TransactionAborted
+from charon.errors import PromiseConflict, TransactionAborted
 from charon.server.serve import BackgroundServer
 
 TOKEN = "c0ntract"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PARTITIONS = 2
 #: per test, its own accounts (loaded with BALANCE each before the engine starts)
-PREFIXES = ("sub", "idem", "err", "read", "pause", "stat", "sql", "tmr", "str", "alone", "resc", "code")
+PREFIXES = ("sub", "idem", "err", "read", "pause", "stat", "sql", "tmr", "str", "alone", "resc", "code", "wf")
 ACCOUNTS = 6
 BALANCE = 100
 
@@ -246,6 +246,44 @@ def test_bulk_cancels_by_filter_go_through_the_engine(dep: Deployment) -> None:
             c.result_of(rid)
         assert info.value.error_type == "InvocationCancelled"
     assert c.read_state("acct", ["bulkq"])["items"]["bulkq"]["queued"] == 1
+
+
+def test_a_workflow_step_awaits_a_promise(dep: Deployment) -> None:
+    """A workflow (issue 34 item 4): its first step deposits and awaits a durable promise; resolving it runs the
+    next step once (a second resolve is a conflict, never a second step); the record shows both steps' TIDs."""
+    c = dep.c
+    started = c.start_workflow("approve", {"acct": "wf0", "amount": 5}, id="wf-a")
+    assert started["id"] == "wf-a" and started["workflow"] == "approve"
+
+    def waiting() -> bool:
+        rec = c.workflow("approve", "wf-a")
+        return rec["status"] == "waiting" and rec["step"] == "approved" and bool(rec["awaiting"])
+
+    _wait(waiting, what="the first step to await its promise")
+    rec = c.workflow("approve", "wf-a")
+    (awaited,) = rec["awaiting"]
+    assert awaited["kind"] == "promise" and c.promise(awaited["id"])["status"] == "pending"
+    assert rec["version"] == "v1" and _balances(c, "wf")["wf0"] == BALANCE + 5
+    c.resolve(awaited["id"], 7)
+    _wait(lambda: c.workflow("approve", "wf-a")["status"] == "done", what="the workflow to finish")
+    rec = c.workflow("approve", "wf-a")
+    assert rec["result"] == ["v1:ask", "v1:approved"]
+    assert [h["step"] for h in rec["history"]] == ["ask", "approved"] and all(h["tid"] for h in rec["history"])
+    with pytest.raises(PromiseConflict):
+        c.resolve(awaited["id"], 7)
+    time.sleep(0.5)  # a second step would have run by now
+    assert _balances(c, "wf")["wf0"] == BALANCE + 12 and c.workflow("approve", "wf-a")["steps"] == 2
+    assert [r["id"] for r in c.workflows("approve")["workflows"]] == ["wf-a"]
+    # the drain counts the ones in flight per code version; a migration to the version they run on is refused by
+    # each one's own transaction (NotMigratable); a cancelled one leaves the drain
+    c.start_workflow("approve", {"acct": "wf1", "amount": 1}, id="wf-b")
+    _wait(lambda: c.workflow("approve", "wf-b")["status"] == "waiting", what="wf-b to wait")
+    assert c.workflow_versions()["versions"] == {"v1": {"running": 0, "waiting": 1}}
+    assert c.migrate_workflows("approve", "v1", dry_run=True)["matched"] == 1
+    moved = c.migrate_workflows("approve", "v1")
+    assert moved["done"] == 0 and moved["skipped"] == {"NotMigratable": 1}, moved
+    assert c.cancel_workflow("approve", "wf-b")["status"] == "cancelled"
+    assert c.workflow_versions()["versions"] == {}
 
 
 def test_an_admin_update_runs_alone_once_per_id(dep: Deployment) -> None:

@@ -49,6 +49,13 @@ def test_workflow_example_prints_what_its_guide_says() -> None:
                                        "compensated ['reserve', 'charged'] 3"]
 
 
+def test_pinning_example_prints_what_its_guide_says() -> None:
+    out = _run([sys.executable, "pinning.py"], cwd=EXAMPLES)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["['v1:welcome', 'v1:verify']", "['v1:welcome', 'v2:verify']",
+                                       "2 ['v2:welcome']"]
+
+
 def test_quickstart_against_a_real_node(tmp_path: Path) -> None:
     port = free_port()
     node = subprocess.Popen(

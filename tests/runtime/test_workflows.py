@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -155,3 +155,128 @@ def test_a_client_cannot_take_a_minted_workflow_id_over_http() -> None:
         assert r.status_code == 200, r.text
         rec = httpx.get(f"{srv.url}/workflows/checkout/mine-1", headers=auth, timeout=10)
         assert rec.status_code == 200 and rec.json()["id"] == "mine-1", rec.text
+
+
+def test_the_openapi_document_declares_every_workflow_route() -> None:
+    """Each workflow route of the gateway (the drain and migration too) is in /openapi.json, its workflow names
+    enumerated."""
+    from starlette.routing import Route
+
+    from charon.server.openapi import openapi_document
+    from charon.server.workflows import workflow_routes
+
+    doc = openapi_document(app, secured=True)
+    routes = [r for r in workflow_routes(cast(Any, None)) if isinstance(r, Route)]
+    assert len(routes) == 6
+    for r in routes:
+        path = r.path.replace("{wid:charonkey}", "{wid}")
+        for method in r.methods or ():
+            if method != "HEAD":
+                assert method.lower() in doc["paths"][path], (method, path)
+    name = doc["paths"]["/workflows/{name}"]["post"]["parameters"][0]
+    assert name["schema"]["enum"] == sorted(app.workflows)
+
+
+# -- w.all / w.any ------------------------------------------------------------------------------------------------
+def _gather_app() -> Any:
+    from charon import Application, Context, Workflow
+
+    flow = Workflow("gather", backoff=0.2)
+
+    @flow.step(first=True)
+    async def ask(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
+        kind = outcome["value"]
+        parts = [w.promise(timeout=60), w.promise(timeout=60), w.sleep(30 if kind == "any" else 0.05)]
+        return w.all(parts, then=got) if kind == "all" else w.any(parts, then=got)
+
+    @flow.step
+    async def got(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
+        return w.done(outcome)
+
+    return Application("gathering", [], workflows=[flow]), flow
+
+
+async def test_all_waits_for_every_await_and_any_for_the_first() -> None:
+    gapp, _ = _gather_app()
+    op = workflow_operator("gather")
+
+    async def waiting(wid: str) -> dict[str, Any]:
+        for _ in range(500):
+            rec = rt.read_state(op, wid)
+            if rec and rec["status"] == "waiting":
+                return dict(rec)
+            await asyncio.sleep(0.01)
+        raise AssertionError(rt.read_state(op, wid))
+
+    async def finished(wid: str) -> dict[str, Any]:
+        for _ in range(500):
+            rec = rt.read_state(op, wid)
+            if rec and rec["status"] == "done":
+                await asyncio.sleep(0.3)  # a second run would have committed by now
+                return dict(rt.read_state(op, wid))
+            await asyncio.sleep(0.01)
+        raise AssertionError(rt.read_state(op, wid))
+
+    async with InProcessRuntime(gapp) as rt:
+        await rt.invoke(op, "all", "start", "all")
+        rec = await waiting("all")
+        assert [a["kind"] for a in rec["awaiting"]] == ["promise", "promise", "timer"] and rec["mode"] == "all"
+        p1, p2 = rec["awaiting"][0]["id"], rec["awaiting"][1]["id"]
+        await rt.invoke("charon.promise", p2, "resolve", "second")
+        await asyncio.sleep(0.3)  # the timer fired too: one promise still missing
+        rec = rt.read_state(op, "all")
+        assert rec["status"] == "waiting" and rec["outcomes"][0] is None and rec["outcomes"][1]["value"] == "second"
+        await rt.invoke("charon.promise", p1, "reject", "no")
+        rec = await finished("all")
+        assert rec["result"]["ok"] is False and rec["result"]["value"] == [None, "second", None]
+        assert [o["ok"] for o in rec["result"]["outcomes"]] == [False, True, True]
+        assert rec["history"][0]["awaits"] == {"kind": "all", "ids": [p1, p2, rec["history"][0]["awaits"]["ids"][2]]}
+        assert rec["steps"] == 2
+
+        await rt.invoke(op, "any", "start", "any")
+        rec = await waiting("any")
+        q1, q2 = rec["awaiting"][0]["id"], rec["awaiting"][1]["id"]
+        timer = rec["awaiting"][2]["id"]
+        await rt.invoke("charon.promise", q2, "resolve", "fast")
+        rec = await finished("any")
+        assert rec["result"] == {"ok": True, "value": "fast", "index": 1}
+        assert timer not in {t.id for t in rt.timers(op, "any")}  # the other timer is cancelled
+        await rt.invoke("charon.promise", q1, "resolve", "late")
+        await asyncio.sleep(0.3)
+        late = rt.read_state(op, "any")
+        assert late["result"] == rec["result"] and late["stale"] == rec["stale"] + 1 and late["steps"] == 2
+
+
+async def test_a_step_pinned_to_an_unrecorded_version_fails_and_a_declared_label_runs_the_deployed_code() -> None:
+    """A record naming a code version the engine never recorded: its step aborts (``VersionUnavailable``) on every
+    attempt, then the workflow fails; a record naming the workflow's declared ``version`` (one started before
+    versions were recorded) runs the deployed steps."""
+    from charon import Application, Context, VersionUnavailable, Workflow
+
+    flow = Workflow("old", version="7", attempts=2, backoff=0.05)
+
+    @flow.step(first=True)
+    async def only(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
+        return w.done(w.version)
+
+    op = workflow_operator("old")
+    async with InProcessRuntime(Application("olds", [], workflows=[flow])) as rt:
+        assert (await rt.invoke(op, "fresh", "start", None))["status"] == "running"
+        started = {"id": "", "workflow": "old", "status": "waiting", "step": "only", "seq": 1, "awaiting": [],
+                   "attempt": 0, "state": {}, "undo": [], "history": [], "dropped": 0, "steps": 0, "stale": 0,
+                   "created": 0.0, "updated": 0.0, "result": None, "error": None, "outcome": None, "timers": []}
+        for wid, version in (("gone", "9"), ("declared", "7")):
+            rt.load(op, {wid: {**started, "id": wid, "version": version}})
+            await rt.invoke(op, wid, "deliver", {"ok": True, "value": None}, 1)
+        for _ in range(500):
+            recs = {w: rt.read_state(op, w) for w in ("fresh", "gone", "declared")}
+            if all(r["status"] in ("done", "failed") for r in recs.values()):
+                break
+            await asyncio.sleep(0.01)
+        assert recs["fresh"]["version"] == "1" and recs["fresh"]["result"] == "1"  # the engine's code version
+        assert recs["declared"]["status"] == "done" and recs["declared"]["result"] == "7"
+        assert recs["gone"]["status"] == "failed" and "StepFailed" in recs["gone"]["error"], recs["gone"]
+        rt.load(op, {"due": {**started, "id": "due", "version": "9", "status": "running",
+                             "outcome": {"ok": True, "value": None}}})
+        with pytest.raises(VersionUnavailable):  # what each attempt of its step aborts with
+            await rt.invoke(op, "due", "run", 1, 1)

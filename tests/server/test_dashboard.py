@@ -125,3 +125,40 @@ def test_dashboard_live_pause_resume_and_state_browser(browser, shots) -> None:
         finally:
             stop.set()
             loader.join()
+
+
+def test_dashboard_shows_the_workflow_drain(browser, shots) -> None:
+    """The workflows panel: a bar per code version with workflows in flight; after a deploy the old version's
+    workflows stay on it (pinned) until ``migrate`` moves them, and its row goes."""
+    import wf_pin_v1
+
+    from charon.config import GatewayConfig
+
+    def waiting(c: Client, wid: str) -> None:
+        deadline = time.monotonic() + 20
+        while (rec := c.workflow("pin", wid))["status"] != "waiting" or not rec["awaiting"]:
+            assert time.monotonic() < deadline, rec
+            time.sleep(0.05)
+
+    rt = InProcessRuntime(wf_pin_v1.app, partitions=2, epoch_max_ms=2.0)
+    with BackgroundServer(rt, token=TOKEN, config=GatewayConfig(code_refs="wf_pin_v2:app")) as srv, \
+            Client(srv.url, token=TOKEN) as c:
+        for wid in ("a", "b"):
+            c.start_workflow("pin", None, id=wid)
+            waiting(c, wid)
+        c.update_code("wf_pin_v2:app", "v2")
+        c.start_workflow("pin", None, id="n")
+        waiting(c, "n")
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.goto(f"{srv.url}/dashboard#token={TOKEN}")
+        page.wait_for_selector('#wf-versions tr[data-version="1"]', timeout=20_000)
+        page.wait_for_selector('#wf-versions tr[data-version="v2"]', timeout=20_000)
+        rows = {tr.get_attribute("data-version"): [td.text_content() for td in tr.query_selector_all("td")][:3]
+                for tr in page.query_selector_all("#wf-versions tr")}
+        assert rows == {"1": ["v1", "0", "2"], "v2": ["v2 (current)", "0", "1"]}, rows
+        page.locator("#sec-workflows").screenshot(path=os.path.join(shots, "dashboard-workflows.png"))
+        assert c.migrate_workflows("pin", "1")["done"] == 2
+        page.wait_for_function("!document.querySelector('#wf-versions tr[data-version=\"1\"]')", timeout=20_000)
+        cells = [td.text_content() for td in page.query_selector_all('#wf-versions tr[data-version="v2"] td')][:3]
+        assert cells == ["v2 (current)", "0", "3"]
+        page.close()

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from charon import Application, Context, Operator
+from charon import Application, Context, Operator, Workflow
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -69,7 +69,20 @@ async def nothing(ctx: Context) -> None:
     return None
 
 
-APP = Application("fuzz", [item])
+flow = Workflow("flow", backoff=0.2)
+
+
+@flow.step(first=True)
+async def begin(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
+    return w.promise(then=finish, timeout=60.0)
+
+
+@flow.step
+async def finish(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
+    return w.done(outcome)
+
+
+APP = Application("fuzz", [item], workflows=[flow])
 
 
 def _key(op: Any) -> str:

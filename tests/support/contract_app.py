@@ -1,5 +1,6 @@
 """The contract suite's application (tests/contract): accounts that deposit, transfer (a call), hold money under a
-timer, emit their deposits to a stream, fail on purpose, wait on promises and for admission. ``v1`` and ``v2``
+timer, emit their deposits to a stream, fail on purpose, wait on promises and for admission, and a workflow
+(``approve``: a deposit, then a durable promise awaited, then a deposit of its value). ``v1`` and ``v2``
 differ only in the version their ``deposit`` reports (a compatible state format), so a code update is visible in
 every reply."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from charon import Application, Context, Limit, Operator
+from charon import Application, Context, Limit, Operator, Workflow
 
 
 def _version(label: str) -> Application:
@@ -66,7 +67,25 @@ def _version(label: str) -> Application:
         ctx.put_item("queued", ctx.get_item("queued", 0) + n)
         return n
 
-    app = Application("contract", [acct])
+    approve = Workflow("approve", version=label, backoff=0.2)
+
+    @approve.step(first=True)
+    async def ask(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
+        """Deposit the input's ``amount`` into its ``acct``, then await an approver's promise."""
+        order = outcome["value"]
+        w.state.update(order, ran=[f"{label}:ask"])
+        await ctx.call(acct, order["acct"], "deposit", order["amount"])
+        return w.promise(then=approved, timeout=600.0)
+
+    @approve.step
+    async def approved(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
+        """Deposit the promise's value (a number) too; done with the versions that ran each step."""
+        if not outcome["ok"]:
+            return w.fail(outcome.get("error_type", "rejected"))
+        await ctx.call(acct, w.state["acct"], "deposit", outcome["value"])
+        return w.done([*w.state["ran"], f"{label}:approved"])
+
+    app = Application("contract", [acct], workflows=[approve])
     app.version = label  # type: ignore[attr-defined]  # the label the runtime reports before any update
     return app
 

@@ -386,6 +386,8 @@ class InProcessRuntime(EngineBacked):
         self.rescale_pauses: list[dict[str, float]] = []  # one per rescale: from, to, epoch, pause_s, keys
         self.gate = EpochGate()  # pause/resume at an epoch boundary
         self.controller = InProcessEngine(self)  # the engine contract's face, and the control state it owns
+        for u in self.units:  # its code versions: workflow version pinning (charon.core.context.CodeBook)
+            u.code = self.controller
         # durable mode, paused: epochs logged (their requests durable) but not run yet, with their log ends and times
         self._parked: list[tuple[list[Request], int, float]] = []
         if self.node is not None:
@@ -403,7 +405,9 @@ class InProcessRuntime(EngineBacked):
 
     def _units(self, stores: list[MemoryStore]) -> list[PartitionUnit]:
         units = [PartitionUnit(p, len(stores), self.app, s) for p, s in enumerate(stores)]
+        book = getattr(self, "controller", None)  # (none yet while the constructor builds the first units)
         for u in units:
+            u.code = book
             u.interrupt = self.watchdog.timed_out
             u.twice = determinism.run_twice if self.determinism_check else None
         return units

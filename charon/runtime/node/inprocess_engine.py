@@ -255,6 +255,19 @@ class InProcessEngine(HostedEngine):
     def app_of(self, entry: CodeVersion) -> Application:
         return load_app_ref(entry.ref) if entry.ref is not None else self.base_app
 
+    # the code book lent to the partition units (charon.core.context.CodeBook): workflow version pinning
+    def label_of(self, epoch: int, tid: int) -> str:
+        """The code version transaction ``tid`` of ``epoch`` runs with (what its reply's ``code_version`` says)."""
+        return self.code.label(epoch, tid)
+
+    def application_of(self, label: str) -> Application | None:
+        """The application of the newest recorded version labelled ``label`` (imported once by its ref; the
+        constructed application for the first one); None if no recorded version has that label."""
+        for entry in reversed(self.code.versions):
+            if entry.version == label:
+                return self.app_of(entry)
+        return None
+
     def recover_code(self) -> None:
         """Durable mode, at start-up (before replay): run the newest recorded code version (a code update
         flushes a checkpoint before it is recorded, so every epoch a recovery replays ran with the newest)."""

@@ -441,6 +441,34 @@ async function refreshCodeHistory() {
     v.ref || "(as started)", v.migration || "-"]));
 }
 
+// the drain: workflows still in flight on each code version (charon workflows versions); after a deploy an old
+// version's bar only shrinks; charon workflows migrate --from V moves them to the deployed one
+async function refreshWorkflowVersions() {
+  let doc;
+  try { doc = await api("GET", "/admin/workflows/versions"); } catch (e) { return; }
+  const body = $("wf-versions");
+  body.replaceChildren();
+  const rows = Object.entries(doc.versions);
+  const most = Math.max(1, ...rows.map(([, c]) => c.running + c.waiting));
+  for (const [version, c] of rows) {
+    const tr = document.createElement("tr");
+    tr.dataset.version = version;
+    const label = versionLabel(version) + (version === doc.current ? " (current)" : "");
+    for (const text of [label, String(c.running), String(c.waiting)]) {
+      const td = document.createElement("td"); td.textContent = text; tr.appendChild(td);
+    }
+    const td = document.createElement("td");
+    const bar = document.createElement("div");
+    bar.className = "wf-bar";
+    bar.style.cssText = "height:10px;background:" + (version === doc.current ? "#4a8" : "#d84") +
+      ";width:" + Math.round(100 * (c.running + c.waiting) / most) + "px";
+    td.appendChild(bar); tr.appendChild(td);
+    body.appendChild(tr);
+  }
+  $("wf-note").textContent = (rows.length ? "old versions drain as their workflows finish; migrate: charon " +
+    "workflows migrate --from VERSION" : "no workflow in flight") + (doc.truncated ? " (counted in part)" : "");
+}
+
 // -- pause / resume -------------------------------------------------------------------------------------------
 async function control(path) {
   try { showStatus(await api("POST", path, {})); cleared("action:control"); }
@@ -543,7 +571,7 @@ for (const b of document.querySelectorAll("nav button")) {
   });
 }
 function refreshAll() {
-  refresh(); refreshHistory(); refreshDeadLetters(); refreshEffects(); refreshCodeHistory();
+  refresh(); refreshHistory(); refreshDeadLetters(); refreshEffects(); refreshCodeHistory(); refreshWorkflowVersions();
 }
 $("token").addEventListener("change", () => {
   tokenGen += 1;
@@ -556,3 +584,4 @@ setInterval(refresh, 500);
 setInterval(refreshHistory, 1000);
 setInterval(refreshDeadLetters, 2000);
 setInterval(refreshEffects, 1000);
+setInterval(refreshWorkflowVersions, 2000);
