@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -53,6 +54,8 @@ from charon.storage.metered import MeterCollector
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
     from charon.operator import Application
     from charon.runtime.node.inprocess import InProcessRuntime
+
+_log = logging.getLogger("charon.engine")
 
 __all__ = ["InProcessEngine"]
 
@@ -278,6 +281,14 @@ class InProcessEngine(HostedEngine):
             self.rt.retire_previous()
         if newest.ref is not None:
             self.rt.switch_app(load_app_ref(newest.ref))
+        for entry in hist[:-1]:  # a pinned workflow's steps may need an older version: imported now, never first
+            if entry.ref is not None:  # inside an epoch (where a budget's interrupt could land in the import)
+                try:
+                    load_app_ref(entry.ref)
+                except Exception as exc:  # noqa: BLE001 - its steps then fail with VersionUnavailable
+                    _log.warning("code version %s (%s) cannot be imported: %s: %s; a workflow pinned to it fails "
+                                "its next step with VersionUnavailable", entry.version, entry.ref,
+                                type(exc).__name__, exc)
 
     def finish_migration(self) -> None:
         """After recovery: run the newest update's migration if it never ran (idempotent by its request ids)."""
