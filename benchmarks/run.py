@@ -26,7 +26,8 @@ The registry (:data:`REGISTRY`) maps a name to (how to run it, its JSON path, ho
   every point.
 - ``spark_max``: YCSB-T on Spark ``local[2]`` fed straight into the log by the lean generator
   (``spark_ycsb.py --generator lean``), rising rates until p99 exceeds 2 s.
-- ``e2e``, ``spark_scaling``, ``gateway_cpu``: plug-ins for other scripts. Not run by default (name them in
+- ``e2e``, ``spark_scaling``, ``gateway_cpu``, ``promise_latency``, ``schedule_jitter``, ``admission_cost``:
+  plug-ins for other scripts. Not run by default (name them in
   ``--only``); rendered whenever their JSON exists, skipped otherwise. Their JSON is read as is: a dict
   with ``markdown`` (a ready section body) or ``rows`` (a list of dicts; nested dicts such as
   ``latency_ms`` become ``latency_ms.p50`` columns; ``columns`` picks and orders them), plus optionally
@@ -496,6 +497,14 @@ REGISTRY: dict[str, Entry] = {
                                                     "--out", str(out)]), generic_render,
                          lambda o: None, area="gateway", json="gateway_cpu.json", default=False, plugin=True,
                          script="gateway/gateway_cpu.py"),
+    **{name: Entry(name, title, plugin_run(f"services/{name}.py",
+                                           lambda o, out: [*(["--quick"] if o.quick else []), "--out", str(out)]),
+                   generic_render, lambda o: None, area="services", json=f"{name}.json", default=False, plugin=True,
+                   script=f"services/{name}.py")
+       for name, title in (
+           ("promise_latency", "Durable promises: resolve sent -> continuation committed (ms, durable node)"),
+           ("schedule_jitter", "Schedules: a firing's ctx.now() - its slot, every second (ms, durable node)"),
+           ("admission_cost", "Admission control: server CPU per request and latency, off vs on (same run)"))},
 }
 
 

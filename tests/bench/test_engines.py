@@ -18,7 +18,7 @@ from charon.bench import engines
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 AREAS = {"engine", "gateway", "e2e", "workloads", "spark", "recovery", "state", "effects", "streams",
-         "observability", "log"}
+         "observability", "log", "services"}
 
 
 @pytest.mark.timeout(120)
