@@ -39,3 +39,8 @@ def ms_summary(xs: list[float]) -> dict:
         return {"n": 0}
     return {"n": len(xs), **{f"p{q}": round(percentile(xs, q) * 1000, 3) for q in (50, 90, 99)},
             "max": round(max(xs) * 1000, 3), "mean": round(sum(xs) / len(xs) * 1000, 3)}
+
+
+def pythonpath(first: Path) -> str:
+    """``first`` before this process's ``PYTHONPATH`` (the node imports its application from there)."""
+    return os.pathsep.join(filter(None, [str(first), os.environ.get("PYTHONPATH")]))

@@ -29,7 +29,7 @@ import json
 import time
 from pathlib import Path
 
-from _meta import ROOT, header, loadavg, ms_summary
+from _meta import ROOT, header, loadavg, ms_summary, pythonpath
 
 from charon.bench.engines import ConnectionPool, HttpConnection, start_node
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         a.promises, a.rate, a.duration = 40, 50.0, 2.0
     n_open = int(a.rate * a.duration)
     load0 = loadavg()
-    node = start_node("promises_app:app", token=TOKEN, env={"PYTHONPATH": str(SUPPORT)})
+    node = start_node("promises_app:app", token=TOKEN, env={"PYTHONPATH": pythonpath(SUPPORT)})
     try:
         async def run() -> dict:
             names_a = [f"s{i}" for i in range(a.promises + WARMUP)]

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
-from _meta import ROOT, header, loadavg, ms_summary
+from _meta import ROOT, header, loadavg, ms_summary, pythonpath
 
 from charon.bench.engines import ConnectionPool, start_node, transfer_request
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.duration, a.rate = 6.0, 100.0
     load0 = loadavg()
-    node = start_node("services_app:app", token=TOKEN, env={"PYTHONPATH": str(HERE)})
+    node = start_node("services_app:app", token=TOKEN, env={"PYTHONPATH": pythonpath(HERE)})
     try:
         node.seed(KEYS, 1_000_000, timeout=120)
 
