@@ -17,15 +17,17 @@ import os
 import shutil
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import lmdb
 
 from charon.state.durable import DurableState, DurableStateError, durable_at
+from charon.storage.contract import StorageConflict
 
 MAP_SIZE = 1 << 34  # 16 GiB of address space (sparse); must be the same in every process
 _EPOCH_KEY = b"epoch"
+_FENCE_KEY = b"fence"  # meta: the newest writer generation that claimed the local copy (see LmdbStore.claim)
 _EPOCH = struct.Struct(">q")
 
 
@@ -107,6 +109,15 @@ class LmdbStore:
         self._rtxn_pid = 0
         self._h = _get_env(self.path, map_size, sync)
         self._owner = os.getpid()
+        #: the writer generation this store commits as (a resident gang's fence, :meth:`claim`): a commit into a
+        #: local copy a newer generation claimed is refused (:class:`StorageConflict`), as its durable write is
+        self.fence: int | None = None
+        #: the resident gang's background writer: ``defer(pid, epoch, delta)`` takes each commit's durable write,
+        #: made later (the local copy is then ahead of the durable one until it is; records wait for it)
+        self.defer: Callable[[int, int, dict[bytes, bytes | None]], None] | None = None
+        #: waits until every write ``defer`` took ended: before the local copy is restored or rewound from the
+        #: durable one (which lacks those epochs until then)
+        self.settle: Callable[[], None] | None = None
 
     # ---- handles ------------------------------------------------------------------------------
     @property
@@ -203,7 +214,7 @@ class LmdbStore:
             if not 0 < len(k) <= limit:
                 raise ValueError(f"LMDB keys must be 1..{limit} bytes, got {len(k)}: {k[:40]!r}...")
         d = self.durable
-        if d is not None:
+        if d is not None and self.defer is None:
             m = d.manifest(self.pid)
             if m.epoch < epoch:  # else: a replayed epoch already recorded durably
                 fresh_durable = m.base is None and m.epoch == -1
@@ -220,9 +231,29 @@ class LmdbStore:
             if cur is not None and epoch <= cur:
                 t.abort()  # a concurrent (stale) task committed it meanwhile
                 return
+            if self.fence is not None:
+                self._check_fence(t)
             written = _apply(t, delta)
             t.put(_EPOCH_KEY, _EPOCH.pack(epoch), db=h.meta)
         self.bytes_written += written
+        if self.defer is not None:
+            self.defer(self.pid, epoch, delta)
+
+    def _check_fence(self, t: lmdb.Transaction[bytes]) -> None:
+        v = t.get(_FENCE_KEY, db=self._env.meta)
+        if v is not None and self.fence is not None and _EPOCH.unpack(v)[0] > self.fence:
+            raise StorageConflict(f"p{self.pid}: the local copy was claimed by a newer writer "
+                                  f"(fence {_EPOCH.unpack(v)[0]}, this one {self.fence})")
+
+    def claim(self, fence: int) -> None:
+        """Commit into the local copy as the writer generation ``fence`` from now on (a resident gang's): a commit of
+        an older generation (a zombie task of a lost gang on the same executor) is refused from then on, and so is
+        this one's once a newer generation claimed it (raised here at once if one already has)."""
+        self.fence = fence
+        h = self._env
+        with h.env.begin(write=True, db=h.data) as t:
+            self._check_fence(t)
+            t.put(_FENCE_KEY, _EPOCH.pack(fence), db=h.meta)
 
     def _replace_all(
         self, epoch: int, items: Iterable[tuple[bytes, bytes]], expect: int | None | bool = False
@@ -265,6 +296,8 @@ class LmdbStore:
                 cur = self._local_epoch(t)
             if cur is not None and cur >= epoch:
                 return cur
+            if self.settle is not None:
+                self.settle()  # (the local copy was lost with epochs the durable copy has not received yet)
             self._forward(cur, epoch)
 
     def ensure_epoch(self, epoch: int) -> None:
@@ -282,6 +315,8 @@ class LmdbStore:
         d = self.durable
         if d is None:
             raise StoreError(f"p{self.pid}: local copy ahead of {epoch}, and no durable copy")
+        if self.settle is not None:
+            self.settle()  # the writes in flight first: the truncation then drops them too
         try:
             d.truncate_after(self.pid, epoch)
         except DurableStateError as e:
