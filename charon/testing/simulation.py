@@ -920,7 +920,7 @@ class ResidentSimulation(Simulation):
                 # nothing new: the sequencer waits, and the epochs held for their durable writes are recorded
                 try:
                     self.where = "idle"
-                    rt.record_held(wait=True)
+                    rt.record_idle(wait=True)
                 except (SimCrash, GangLost) as e:
                     if isinstance(e, GangLost):
                         self.trace(f"gang lost: {e}")
@@ -949,7 +949,7 @@ class ResidentSimulation(Simulation):
             self.verify_recorded()
             if self.rng.random() < 0.3:  # the sequencer was idle a moment: the records whose writes ended
                 try:
-                    rt.record_held(wait=self.rng.random() < 0.3)
+                    rt.record_idle(wait=self.rng.random() < 0.3)
                 except (SimCrash, GangLost) as e:
                     self.verify_recorded()
                     prev_ends = self.restart(isinstance(e, SimCrash))

@@ -545,8 +545,8 @@ class DurableWriter:
         epoch = max(e for _, _, e, _ in items)
         size = sum(len(k) + len(v or b"") for _, _, _, d in items for k, v in d.items())
         with self.cv:
-            while (self.queue and (len(self.queue) >= self.max_epochs or self.queued_bytes + size > self.max_bytes)
-                   and self.error is None):
+            while ((self.queue or self.writing) and self.error is None
+                   and (len(self.queue) >= self.max_epochs or self.queued_bytes + size > self.max_bytes)):
                 if not self.threaded:
                     self.cv.release()
                     try:
@@ -589,6 +589,7 @@ class DurableWriter:
                 return
             batch, self.queue = self.queue, []
             self.writing = True
+            self.cv.notify_all()  # room in the queue: a finalize waiting for it goes on
         try:
             by_pid: dict[int, tuple[Any, list[tuple[int, dict[bytes, bytes | None]]]]] = {}
             for _, _, group in batch:

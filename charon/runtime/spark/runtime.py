@@ -1169,7 +1169,9 @@ class SparkRuntime(EngineBacked):
                                  "driver_cpu_s": time.thread_time() - cpu0})
             deferred = self._after_epoch(epoch, coord, result, starts, ends)
         finally:
-            if not deferred:  # a deferred epoch stays the gate's running one until it is recorded
+            # a deferred epoch stays the gate's running one until it is recorded, and so does a held one (a pause
+            # waits for its record: record_idle)
+            if not deferred and not self._held():
                 self.gate.leave()
 
     def _unanswered(self) -> list[LiveRequest]:
@@ -1260,15 +1262,26 @@ class SparkRuntime(EngineBacked):
         while held and held[0].epoch <= upto:
             self._recorded(held.pop(0))
 
+    def _held(self) -> bool:
+        ex = self.exchange
+        return isinstance(ex, ResidentExchange) and bool(ex.held)
+
     def _idle(self) -> None:
         """The direct sequencer found the log idle: the held epochs' records are written as their writes end (the
         tasks are asked how far they got, at most every :data:`IDLE_SYNC_S`)."""
-        ex = self.exchange
-        if not isinstance(ex, ResidentExchange) or not ex.held or time.monotonic() - self._synced < IDLE_SYNC_S:
+        if not self._held() or time.monotonic() - self._synced < IDLE_SYNC_S:
             return
         self._synced = time.monotonic()
-        ex.sync(False)
-        self.record_held()
+        self.exchange.sync(False)  # type: ignore[union-attr]
+        self.record_idle()
+
+    def record_idle(self, wait: bool = False) -> None:
+        """Between epochs: :meth:`record_held`; once no epoch is held (nor deferred) the gate has no epoch running
+        (a pause waiting for the boundary completes)."""
+        self.record_held(wait)
+        ex = self.exchange
+        if not self._held() and getattr(ex, "pending", None) is None:
+            self.gate.leave()
 
     def _last_finished(self) -> int:
         """The newest epoch finalized by this exchange (recorded, or held for its durable writes)."""
@@ -1311,7 +1324,7 @@ class SparkRuntime(EngineBacked):
         pending = ex.pending if ex is not None else None
         if ex is None or pending is None:
             if ex is not None:
-                self.record_held(wait=True)
+                self.record_idle(wait=True)
             return
         ex.pending = None
         self._flush(pending)
