@@ -3,7 +3,12 @@
 One LMDB environment per partition directory (``path/p{pid}``) with two named databases: ``data`` (the
 state) and ``meta`` (``epoch``: the last committed epoch, 8-byte signed big-endian; absent in a fresh env).
 A commit writes the epoch's delta and the epoch marker in one write transaction, after the delta was made
-durable (:mod:`charon.state.durable`), so the local copy is never ahead of the durable one.
+durable (:mod:`charon.state.durable`), so the local copy is never ahead of the durable one; except for the
+resident gang's background finalize (``defer``), whose durable writes follow the commit (the epoch is recorded
+only once they ended; a local copy ahead of the durable one is rewound by the epoch's rerun). The executors'
+stores (:func:`open_store`) commit without syncing, under a marker of the machine's boot
+(:func:`_unsynced_since_boot`): a killed process loses nothing, a copy possibly half-written by a machine crash
+is deleted and restored from the durable copy.
 
 Multi-process rules (measured, see DESIGN.md §6): never open an environment in a process that later forks;
 handles are cached per ``(path, os.getpid())``; one constant ``map_size``; locking stays on;
@@ -13,6 +18,7 @@ handles are cached per ``(path, os.getpid())``; one constant ``map_size``; locki
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import struct
@@ -47,11 +53,55 @@ class _Env:
 
     @staticmethod
     def _open(path: str, map_size: int, sync: bool) -> lmdb.Environment:
+        if not sync and not _unsynced_since_boot(path):
+            sync = True  # no boot id (not Linux): every commit synced
         os.makedirs(path, exist_ok=True)
         env = lmdb.open(path, map_size=map_size, subdir=True, max_dbs=2, lock=True, sync=sync,
                         readahead=False, max_readers=256)
         env.reader_check()
         return env
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _unsynced_since_boot(path: str) -> bool:
+    """Make the environment at ``path`` safe to commit without syncing (False: it cannot be; sync every commit).
+
+    An unsynced LMDB commit (``MDB_NOSYNC``) is in the kernel's page cache once it returned: a killed process loses
+    nothing, but a crash of the machine may leave the file half-written. So the environment is opened unsynced only
+    under a marker naming this boot (``<path>.boot``, written and synced before): an environment whose marker names
+    another boot may have been written unsynced before a machine crash and is deleted (the durable copy restores
+    it, as any lost local copy); one without a marker was only ever written synced."""
+    boot = _boot_id()
+    if boot is None:
+        return False
+    marker = path.rstrip(os.sep) + ".boot"
+    os.makedirs(os.path.dirname(marker) or ".", exist_ok=True)
+    fd = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # one process decides (a machine's restart: the first opener deletes)
+        seen = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+        if seen == boot:
+            return True
+        if seen:
+            shutil.rmtree(path, ignore_errors=True)  # written unsynced before the machine restarted
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, boot.encode(), 0)
+        os.fsync(fd)
+        dfd = os.open(os.path.dirname(marker) or ".", os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return True
+    finally:
+        os.close(fd)  # (releases the flock)
 
 
 _ENVS: dict[tuple[str, int], _Env] = {}
@@ -438,7 +488,7 @@ def open_store(path: str, pid: int, durable_root: str | None = None, writer: int
                 # a directory, or object storage cached beside the stores (charon.state.durable.durable_at)
                 durable = _DURABLES[(durable_root, me, writer)] = durable_at(durable_root,
                                                                              os.path.join(path, "durable"))
-        s = LmdbStore(path, pid, durable)
+        s = LmdbStore(path, pid, durable, sync=False)  # a cache of the durable copy: see _unsynced_since_boot
         with _ENVS_LOCK:
             s = _STORES.setdefault(key, s)
             if writer is not None:  # older generations' handles: retired (bounded by the live writers)

@@ -6,6 +6,7 @@ with K epochs not written, a crash mid-write): the seeded simulator (tests/fault
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -137,3 +138,32 @@ def test_the_queue_is_bounded_by_epochs_and_bytes() -> None:
     big.drain()
     assert big.durable == 1
     big.close()
+
+
+def test_an_unsynced_local_copy_is_kept_within_a_boot_and_deleted_after_another(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from charon.state import lmdbstore
+
+    if lmdbstore._boot_id() is None:
+        pytest.skip("no boot id on this system (every commit is synced there)")
+    root = str(tmp_path / "local")
+
+    def forget() -> None:  # what a new process has: no cached store of this directory
+        for k in [k for k in lmdbstore._STORES if k[0].startswith(os.path.realpath(root))]:
+            del lmdbstore._STORES[k]
+
+    s = lmdbstore.open_store(root, 0)
+    s.commit(0, {b"k": b"v"})
+    marker = Path(root) / "p0.boot"
+    assert marker.read_text() == lmdbstore._boot_id()  # written (and synced) before the first unsynced commit
+    s.close()
+    forget()
+    assert lmdbstore.open_store(root, 0).get(b"k") == b"v"  # the same boot: a killed process lost nothing
+    lmdbstore.open_store(root, 0).close()
+    forget()
+    monkeypatch.setattr(lmdbstore, "_boot_id", lambda: "another-boot")
+    again = lmdbstore.open_store(root, 0)  # the machine restarted since: maybe half-written, so deleted
+    assert (again.epoch, again.get(b"k")) == (-1, None)
+    assert marker.read_text() == "another-boot"
+    again.close()
+    forget()
