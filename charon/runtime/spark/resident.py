@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any, TypeVar
@@ -40,9 +40,11 @@ from charon.errors import EngineUnavailable
 from charon.runtime.faults import crash_point
 from charon.runtime.spark.exchange import SparkExchange
 from charon.runtime.spark.layout import durable_location
+from charon.state.durable import DurableState
 from charon.state.records import EpochRecord
 
 _T = TypeVar("_T")
+_Write = tuple[DurableState, int, int, dict[bytes, bytes | None]]  # a durable write: (durable copy, pid, epoch, delta)
 _LEN = struct.Struct(">I")
 _HELLO = struct.Struct(">16sIIII")
 MEET_S = 120.0  # longest the driver waits for a new gang's tasks to connect
@@ -224,7 +226,8 @@ class ResidentExchange:
         s["restore_s"] = s.get("restore_s", 0.0) + task.get("restore_us", 0) / 1e6
         return outs
 
-    def _exchange_frames(self, frames: list[tuple[int, bytes]]) -> list[tuple[list, dict[str, float], int]]:
+    def _exchange_frames(self, frames: list[tuple[int, bytes]],
+                         ) -> list[tuple[list[tuple[int, RoundOutput]], dict[str, float], int]]:
         """Send each ``(task, frame)``, then read every reply: ``(results, stats, bytes)`` in order; each task's
         durable epoch taken out of its stats (:attr:`durables`). A reply naming an error, a task gone: the gang is
         lost (:class:`GangTaskFailed`, :class:`GangLost`)."""
@@ -522,8 +525,8 @@ class DurableWriter:
         self.pool = pool
         self.threaded = threaded
         self.cv = threading.Condition()
-        self.staged: list[tuple[Any, int, int, dict[bytes, bytes | None]]] = []  # (durable, pid, epoch, delta)
-        self.queue: list[tuple[int, int, list[tuple[Any, int, int, dict[bytes, bytes | None]]]]] = []
+        self.staged: list[_Write] = []  # (durable, pid, epoch, delta)
+        self.queue: list[tuple[int, int, list[_Write]]] = []
         self.queued_bytes = 0
         self.writing = False
         self.durable = -1  # every write of an epoch up to this one ended
@@ -532,7 +535,7 @@ class DurableWriter:
         self.closed = False
         self.thread: threading.Thread | None = None
 
-    def stage(self, durable: Any, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
+    def stage(self, durable: DurableState, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
         """A finalize committed ``delta`` of ``epoch`` into partition ``pid``'s local copy: its durable write."""
         self.staged.append((durable, pid, epoch, delta))
         self.highest = max(self.highest, epoch)
@@ -591,7 +594,7 @@ class DurableWriter:
             self.writing = True
             self.cv.notify_all()  # room in the queue: a finalize waiting for it goes on
         try:
-            by_pid: dict[int, tuple[Any, list[tuple[int, dict[bytes, bytes | None]]]]] = {}
+            by_pid: dict[int, tuple[DurableState, list[tuple[int, dict[bytes, bytes | None]]]]] = {}
             for _, _, group in batch:
                 for durable, pid, epoch, delta in group:
                     by_pid.setdefault(pid, (durable, []))[1].append((epoch, delta))
@@ -599,7 +602,7 @@ class DurableWriter:
             if items is not None:
                 jobs = jobs[:items]
 
-            def write(job: tuple[int, tuple[Any, list[tuple[int, dict[bytes, bytes | None]]]]]) -> None:
+            def write(job: tuple[int, tuple[DurableState, list[tuple[int, dict[bytes, bytes | None]]]]]) -> None:
                 pid, (durable, deltas) = job
                 durable.write_deltas(pid, deltas)
 
@@ -719,7 +722,7 @@ class GangTask:
         """The epoch up to which this task's durable writes ended (a large number: none is deferred)."""
         return self.writer.durable if self.writer is not None else DURABLE_NOW
 
-    def _writer(self, control: Control, inboxes: dict[int, list]) -> DurableWriter | None:
+    def _writer(self, control: Control, pids: Collection[int]) -> DurableWriter | None:
         """The background writer for this round (None: finalizes write in the round), its partitions' stores handing
         it their durable writes. A round of an epoch this task finalized already (the driver reruns it) first waits
         for every write in flight: a rewind of the local copy truncates the durable one after them."""
@@ -731,12 +734,12 @@ class GangTask:
         if self.writer is None:
             # its own threads: a round's finalize threads may wait for the writer (LmdbStore.settle)
             pool = (ThreadPoolExecutor(self.finalize_threads, thread_name_prefix="charon-durable")
-                    if threaded and self.finalize_threads > 1 and len(inboxes) > 1 else None)
+                    if threaded and self.finalize_threads > 1 and len(pids) > 1 else None)
             self.writer = DurableWriter(lag_epochs, lag_bytes, pool, threaded)
         w = self.writer
         if (control.prior.epoch if control.prior is not None else control.epoch) <= w.highest:
             w.drain()
-        for pid in inboxes:
+        for pid in pids:
             store = open_store(self.root, pid, self.durable_root, self.fence)
             if store.durable is not None and store.defer is None:
                 store.defer = partial(w.stage, store.durable)

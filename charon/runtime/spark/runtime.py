@@ -1269,10 +1269,11 @@ class SparkRuntime(EngineBacked):
     def _idle(self) -> None:
         """The direct sequencer found the log idle: the held epochs' records are written as their writes end (the
         tasks are asked how far they got, at most every :data:`IDLE_SYNC_S`)."""
-        if not self._held() or time.monotonic() - self._synced < IDLE_SYNC_S:
+        ex = self.exchange
+        if not isinstance(ex, ResidentExchange) or not ex.held or time.monotonic() - self._synced < IDLE_SYNC_S:
             return
         self._synced = time.monotonic()
-        self.exchange.sync(False)  # type: ignore[union-attr]
+        ex.sync(False)
         self.record_idle()
 
     def record_idle(self, wait: bool = False) -> None:
