@@ -1134,7 +1134,7 @@ class SparkRuntime(EngineBacked):
             if pending is not None:  # the previous epoch, deferred, is finalized and recorded before the pause
                 self._flush(pending)
                 pending = None
-            self.record_held(wait=True)  # every epoch before the pause is recorded
+            self.record_idle(wait=True)  # every epoch before the pause is recorded, and none runs: paused now
             self.gate.enter(epoch)
         deferred = False
         try:
