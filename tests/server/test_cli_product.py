@@ -295,11 +295,11 @@ def test_read_hides_internal_items_unless_asked() -> None:
         with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
             assert c.post("/invoke/remind/r1/note", json={"args": ["hello"]}).status_code == 200
             assert c.post("/invoke/remind/r2/alarm_only", json={"args": []}).status_code == 200
-        args = ["read", "remind", "--url", srv.url, "--token", TOKEN]
-        plain = json.loads(charon(*args).stdout)
+        args = ["read", "remind", "--url", srv.url, "--token", TOKEN]  # in this process: not about the process
+        plain = json.loads(CliRunner().invoke(cli, args).stdout)
         assert plain["items"] == {"r1": {"text": "hello"}}
         assert plain["entities"] == {"r1": None} and plain["count"] == 1
-        full = json.loads(charon(*args, "--internal").stdout)
+        full = json.loads(CliRunner().invoke(cli, [*args, "--internal"]).stdout)
         timers = [name for name in full["items"]["r1"] if name != "text"]
         assert len(timers) == 1 and timers[0].startswith("\x02"), full
         assert set(full["entities"]) == {"r1", "r2"} and full["count"] == 2
