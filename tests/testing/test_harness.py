@@ -16,8 +16,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from charon.apps import holds, wallets
+from charon.cli import app as cli
 from charon.cli.exitcodes import ExitCode
 from charon.testing import Faults, HarnessFailure, Invocation, Snapshot, fault_seeds, from_hints, run_app
 
@@ -159,14 +161,15 @@ def test_an_application_not_at_module_level_is_refused() -> None:
 def test_the_command_exits_nonzero_with_the_lines() -> None:
     args = ["test-app", f"{WALLETS}:buggy_app", "--seeds", "3", "--workload", f"{WALLETS}:payments",
             "--invariant", f"{WALLETS}:credited_once"]
-    bad = subprocess.run([CHARON, *args], capture_output=True, text=True, timeout=120)
+    # in this process (the command's code as `charon` runs it; the line run as a new process: the test above)
+    bad = CliRunner().invoke(cli, args)
     fails = [ln for ln in bad.stdout.splitlines() if ln.startswith("FAIL seed ")]
-    assert bad.returncode == ExitCode.FAILED and fails, bad.stdout + bad.stderr
+    assert bad.exit_code == ExitCode.FAILED and fails, bad.stdout + bad.stderr
     assert all(" | reproduce: charon test-app " in ln for ln in fails)
     assert bad.stdout.splitlines()[-1].startswith(f"3 seeds: {len(fails)} failed")
     args[1] = f"{WALLETS}:app"
-    good = subprocess.run([CHARON, *args], capture_output=True, text=True, timeout=120)
-    assert good.returncode == 0 and good.stdout.startswith("3 seeds: 0 failed"), good.stdout + good.stderr
+    good = CliRunner().invoke(cli, args)
+    assert good.exit_code == 0 and good.stdout.startswith("3 seeds: 0 failed"), good.stdout + good.stderr
 
 
 def test_the_pytest_plugin(tmp_path: Path) -> None:
