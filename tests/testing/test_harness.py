@@ -16,7 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from charon.apps import holds, wallets
 from charon.cli import app as cli
@@ -234,24 +234,27 @@ app = Application("orders", [order])
 '''
 
 
-def _test_app(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _test_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> Result:
+    """``charon test-app dictapp:app ARGS`` in this process (CliRunner), the module in ``tmp_path`` on the path as
+    the current directory is for the command."""
     (tmp_path / "dictapp.py").write_text(DICT_APP)
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, str(tmp_path)])}
-    return subprocess.run([CHARON, "test-app", "dictapp:app", *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env=env)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "dictapp", raising=False)
+    return CliRunner().invoke(cli, ["test-app", "dictapp:app", *args])
 
 
-def test_a_generated_workload_draws_container_ints_in_the_value_model(tmp_path: Path) -> None:
+def test_a_generated_workload_draws_container_ints_in_the_value_model(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """``dict[str, int]``: hypothesis' unbounded ints used to crash the command (exit 70, SerializationError)."""
-    run = _test_app(tmp_path, "--seeds", "2", "--steps", "30", "--cluster", "stable")
-    assert run.returncode == 0, run.stdout + run.stderr
+    run = _test_app(tmp_path, monkeypatch, "--seeds", "2", "--steps", "30", "--cluster", "stable")
+    assert run.exit_code == 0, run.stdout + run.stderr + repr(run.exception)
     assert "2 seeds: 0 failed" in run.stdout
 
 
-def test_an_unknown_function_is_a_usage_error(tmp_path: Path) -> None:
-    run = _test_app(tmp_path, "--seeds", "1", "--functions", "order.place,order.nosuch")
-    assert run.returncode == ExitCode.USAGE == 2, run.stdout + run.stderr
+def test_an_unknown_function_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _test_app(tmp_path, monkeypatch, "--seeds", "1", "--functions", "order.place,order.nosuch")
+    assert run.exit_code == ExitCode.USAGE == 2, run.stdout + run.stderr
     assert "no function order.nosuch" in run.stderr and "order.place" in run.stderr
 
 
