@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nodeproc import wait_healthy
+from nodeproc import kill_tree, wait_healthy
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 TOKEN = "t0k"
@@ -65,8 +65,7 @@ def test_a_replayed_epoch_stops_an_endless_function_past_its_budget(tmp_path: Pa
         assert r.status_code in (200, 202), r.text
         time.sleep(2)  # churn runs, inside its 5 s budget
     finally:
-        _kill(p)
-    time.sleep(2)
+        kill_tree(p)  # until the killed driver's JVM and Python workers are gone (was a fixed 2 s after the kill)
     p = _start(tmp_path, port)
     try:
         r = httpx.post(f"{url}/invoke/acct/steady/add?mode=async", headers={**H, "Idempotency-Key": "check"},

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nodeproc import kill, wait_healthy
+from nodeproc import kill_tree, wait_healthy
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
 TOKEN = "t0ken"
@@ -54,8 +54,7 @@ class Gateway:
         wait_healthy(self.proc, self.url, timeout=240, log=Path(log.name), interval=0.5)
 
     def kill(self) -> None:
-        kill(self.proc, group=True)
-        time.sleep(3)  # the killed driver's JVM and Python workers may linger briefly
+        kill_tree(self.proc)  # until the killed driver's JVM and Python workers are gone (they may linger briefly)
 
     def python_workers(self) -> list[int]:
         """Forked task workers of this gateway's Spark: children of a `pyspark.daemon pyspark.worker`."""

@@ -4,6 +4,7 @@ installed package data, and no stale references to pre-layer module paths."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import shutil
 import subprocess
@@ -63,11 +64,18 @@ def _typing_only(tree: ast.Module) -> set[int]:
     return skip
 
 
+@functools.cache
+def _parse(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once per run (the layer, tier, cycle and private-import checks each walk every
+    module; the trees are only read)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def imports_of(path: Path, typing: bool = True) -> set[str]:
     """Every ``charon`` module the file imports anywhere (function bodies included; TYPE_CHECKING blocks too
     unless ``typing`` is False)."""
     found: set[str] = set()
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parse(path)
     skip = set() if typing else _typing_only(tree)
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -208,7 +216,7 @@ def private_imports(paths: list[Path]) -> set[tuple[str, str, str]]:
     found: set[tuple[str, str, str]] = set()
     for path in paths:
         importer = module_name(path)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_parse(path)):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module != importer \
                     and node.module.split(".")[0] == "charon":
                 found |= {(importer, node.module, a.name) for a in node.names

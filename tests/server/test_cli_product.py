@@ -257,13 +257,15 @@ def test_sql_through_a_running_gateway() -> None:
         assert out.returncode == 0, out.stderr
         assert re.search(r"│\s*600\s*│\s*12\s*│", out.stdout), out.stdout
         assert "total" in out.stdout and out.stderr == ""
-        bad = charon("sql", "--url", srv.url, "--token", TOKEN, "SELEC nonsense")
-        assert bad.returncode == ExitCode.REJECTED and "syntax error" in bad.stderr, bad.stderr
+        # the refusals in this process (the CLI's code as the subprocess runs it; a `charon` start each cost ~1 s)
+        bad = CliRunner().invoke(cli, ["sql", "--url", srv.url, "--token", TOKEN, "SELEC nonsense"])
+        assert bad.exit_code == ExitCode.REJECTED and "syntax error" in bad.stderr, bad.stderr
         assert "SQLSyntaxError" in bad.stderr and "BadRequest" not in bad.stderr, bad.stderr  # the engine's class
-        refused = charon("sql", "--url", srv.url, "--token", TOKEN, "DROP TABLE account")
-        assert refused.returncode == ExitCode.REJECTED and "SQLRejected" in refused.stderr, refused.stderr
-        denied = charon("sql", "--url", srv.url, "--token", "wrong", "SELECT 1")
-        assert denied.returncode == ExitCode.REJECTED and "Unauthorized" in denied.stderr
+        assert "syntax error" not in bad.stdout, bad.stdout
+        refused = CliRunner().invoke(cli, ["sql", "--url", srv.url, "--token", TOKEN, "DROP TABLE account"])
+        assert refused.exit_code == ExitCode.REJECTED and "SQLRejected" in refused.stderr, refused.stderr
+        denied = CliRunner().invoke(cli, ["sql", "--url", srv.url, "--token", "wrong", "SELECT 1"])
+        assert denied.exit_code == ExitCode.REJECTED and "Unauthorized" in denied.stderr, denied.stderr
     assert took < 30, took  # no local Spark session (a JVM start alone takes longer on this machine)
 
 
@@ -293,11 +295,11 @@ def test_read_hides_internal_items_unless_asked() -> None:
         with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
             assert c.post("/invoke/remind/r1/note", json={"args": ["hello"]}).status_code == 200
             assert c.post("/invoke/remind/r2/alarm_only", json={"args": []}).status_code == 200
-        args = ["read", "remind", "--url", srv.url, "--token", TOKEN]
-        plain = json.loads(charon(*args).stdout)
+        args = ["read", "remind", "--url", srv.url, "--token", TOKEN]  # in this process: not about the process
+        plain = json.loads(CliRunner().invoke(cli, args).stdout)
         assert plain["items"] == {"r1": {"text": "hello"}}
         assert plain["entities"] == {"r1": None} and plain["count"] == 1
-        full = json.loads(charon(*args, "--internal").stdout)
+        full = json.loads(CliRunner().invoke(cli, [*args, "--internal"]).stdout)
         timers = [name for name in full["items"]["r1"] if name != "text"]
         assert len(timers) == 1 and timers[0].startswith("\x02"), full
         assert set(full["entities"]) == {"r1", "r2"} and full["count"] == 2

@@ -70,9 +70,8 @@ def test_cli_sql_over_a_node_data_dir(tmp_path) -> None:
     assert stages == ["charon: reading the data directory's layout…", "charon: starting Spark (JVM warm-up ~40 s)…",
                       "charon: running the query at epoch 29…", "charon: stopping Spark…"], out.stderr
     assert "charon: " not in out.stdout
-    bad = subprocess.run([CHARON, "sql", "--data-dir", str(tmp_path / "none"), "SELECT 1"], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == ExitCode.FAILED and "no Charon deployment" in bad.stderr
+    bad = CliRunner().invoke(app, ["sql", "--data-dir", str(tmp_path / "none"), "SELECT 1"])  # in this process
+    assert bad.exit_code == ExitCode.FAILED and "no Charon deployment" in bad.stderr, bad.stderr
 
 
 def ycsb_request(i: int):

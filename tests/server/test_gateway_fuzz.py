@@ -92,10 +92,11 @@ def _key(op: Any) -> str:
 def child(mode_name: str, skip: set[str]) -> None:
     """The cases of every operation not in ``skip``, in order; one JSON line per event on stdout."""
     import schemathesis
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
+    from charon.runtime.effects import EffectExecutor, engine_resume
     from charon.runtime.node.inprocess import InProcessRuntime
     from charon.server.serve import BackgroundServer
 
@@ -104,7 +105,12 @@ def child(mode_name: str, skip: set[str]) -> None:
     def say(**doc: Any) -> None:
         print(json.dumps(doc), flush=True)
 
-    with BackgroundServer(InProcessRuntime(APP, partitions=2), token=TOKEN) as srv:
+    rt = InProcessRuntime(APP, partitions=2)
+    eng = rt.engine()
+    # an effect executor beside the engine, as `charon run --effects` runs one: the effects routes answer (without
+    # it the bulk effects actions are a documented 501 NotSupported, which this test counts as a server error)
+    executor = EffectExecutor(APP, lambda: eng.streams, engine_resume(eng.submit))
+    with BackgroundServer(rt, token=TOKEN, effects=executor) as srv:
         schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")
         operations = [result.ok() for result in schema.get_all_operations()]
         say(operations=[_key(op) for op in operations])
@@ -115,24 +121,28 @@ def child(mode_name: str, skip: set[str]) -> None:
             say(start=_key(op))
             seen.clear()
 
+            # no shrink phase: a 5xx is reported at once (shrinking it took the whole budget, and the operation was
+            # then recorded as stalled, its failure lost)
             @given(op.as_strategy(generation_mode=mode))
             @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
-                      derandomize=True, database=None)
+                      derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+                      report_multiple_bugs=False)
             def run(case: Any) -> None:
                 response = case.call(headers=AUTH, timeout=30)
                 if case.operation.path == "/admin/pause" and response.status_code == 200:
                     httpx.post(case.operation.base_url + "/admin/resume", headers=AUTH, timeout=30)  # the rest runs
                 seen[response.status_code] = seen.get(response.status_code, 0) + 1
-                assert response.status_code < 500, (
-                    f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:300]}"
-                )
+                if response.status_code >= 500:  # reported now: a child killed later as stalled still counts it
+                    error = f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:300]}"
+                    say(failed=_key(case.operation), error=error)
+                    raise AssertionError(error)
 
             try:
                 run()
             except Unsatisfiable:  # an operation without inputs has no negative cases (/health)
                 assert mode is GenerationMode.NEGATIVE
-            except AssertionError as e:
-                say(failed=_key(op), error=str(e)[:2000])
+            except AssertionError:  # a 5xx, reported by run
+                pass
             say(done=_key(op), seen=dict(seen))
         say(end=True)
 
@@ -167,8 +177,9 @@ def test_no_server_errors(mode: str) -> None:
                     operations = doc["operations"]
                 elif "start" in doc:
                     current = doc["start"]
-                elif "failed" in doc:
-                    failures.append(f"{doc['failed']}: {doc['error']}")
+                elif "failed" in doc:  # hypothesis replays a failing case once more at the end
+                    if f"{doc['failed']}: {doc['error']}" not in failures:
+                        failures.append(f"{doc['failed']}: {doc['error']}")
                 elif "done" in doc:
                     done[doc["done"]] = doc["seen"]
                     skip.add(doc["done"])

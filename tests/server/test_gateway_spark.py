@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nodeproc import kill, wait_healthy
+from nodeproc import kill_tree, wait_healthy
 
 from charon.log.sqlite import OutputLog
 
@@ -52,8 +52,7 @@ class Gateway:
         wait_healthy(self.proc, self.url, timeout=180, log=Path(log.name), interval=0.5)
 
     def kill(self) -> None:
-        kill(self.proc, group=True)
-        time.sleep(3)  # JVM and Python workers of the killed driver may linger briefly (DESIGN §6)
+        kill_tree(self.proc)  # until the JVM and Python workers of the killed driver are gone (DESIGN §6)
 
     def invoke(self, key: str, fn: str, args: list, idem: str | None = None, **kw) -> httpx.Response:
         headers = {"Authorization": f"Bearer {TOKEN}"}

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nodeproc import kill, start_charon, support_env
+from nodeproc import kill_tree, start_charon, support_env
 
 from charon import PromiseConflict
 from charon.client import Client
@@ -28,8 +28,7 @@ def _start(data: Path, port: int) -> subprocess.Popen[bytes]:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    kill(proc, group=True)
-    time.sleep(3)  # the killed driver's JVM and Python workers may linger briefly
+    kill_tree(proc)  # until the killed driver's JVM and Python workers are gone (they may linger briefly)
 
 
 def _until(check, timeout: float = 180.0):  # noqa: ANN001, ANN202

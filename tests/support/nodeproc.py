@@ -80,3 +80,21 @@ def kill(proc: subprocess.Popen[Any] | None, sig: int = signal.SIGKILL, *, group
         except ProcessLookupError:
             pass
     proc.wait(timeout)
+
+
+def kill_tree(proc: subprocess.Popen[Any] | None, *, timeout: float = 10.0) -> float:
+    """SIGKILL ``proc``'s process group and wait until every process of its tree is gone (at most ``timeout``): a
+    Spark driver's JVM dies with the group, but PySpark's worker daemon runs in a process group of its own and
+    exits once the JVM's pipe closes. Replaces a fixed sleep after the kill; returns the seconds waited."""
+    import psutil
+
+    if proc is None:
+        return 0.0
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    except psutil.NoSuchProcess:
+        family = []
+    t0 = time.monotonic()
+    kill(proc, group=True)
+    psutil.wait_procs(family, timeout=timeout)
+    return time.monotonic() - t0

@@ -16,8 +16,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner, Result
 
 from charon.apps import holds, wallets
+from charon.cli import app as cli
 from charon.cli.exitcodes import ExitCode
 from charon.testing import Faults, HarnessFailure, Invocation, Snapshot, fault_seeds, from_hints, run_app
 
@@ -159,14 +161,15 @@ def test_an_application_not_at_module_level_is_refused() -> None:
 def test_the_command_exits_nonzero_with_the_lines() -> None:
     args = ["test-app", f"{WALLETS}:buggy_app", "--seeds", "3", "--workload", f"{WALLETS}:payments",
             "--invariant", f"{WALLETS}:credited_once"]
-    bad = subprocess.run([CHARON, *args], capture_output=True, text=True, timeout=120)
+    # in this process (the command's code as `charon` runs it; the line run as a new process: the test above)
+    bad = CliRunner().invoke(cli, args)
     fails = [ln for ln in bad.stdout.splitlines() if ln.startswith("FAIL seed ")]
-    assert bad.returncode == ExitCode.FAILED and fails, bad.stdout + bad.stderr
+    assert bad.exit_code == ExitCode.FAILED and fails, bad.stdout + bad.stderr
     assert all(" | reproduce: charon test-app " in ln for ln in fails)
     assert bad.stdout.splitlines()[-1].startswith(f"3 seeds: {len(fails)} failed")
     args[1] = f"{WALLETS}:app"
-    good = subprocess.run([CHARON, *args], capture_output=True, text=True, timeout=120)
-    assert good.returncode == 0 and good.stdout.startswith("3 seeds: 0 failed"), good.stdout + good.stderr
+    good = CliRunner().invoke(cli, args)
+    assert good.exit_code == 0 and good.stdout.startswith("3 seeds: 0 failed"), good.stdout + good.stderr
 
 
 def test_the_pytest_plugin(tmp_path: Path) -> None:
@@ -231,24 +234,27 @@ app = Application("orders", [order])
 '''
 
 
-def _test_app(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _test_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> Result:
+    """``charon test-app dictapp:app ARGS`` in this process (CliRunner), the module in ``tmp_path`` on the path as
+    the current directory is for the command."""
     (tmp_path / "dictapp.py").write_text(DICT_APP)
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, str(tmp_path)])}
-    return subprocess.run([CHARON, "test-app", "dictapp:app", *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env=env)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "dictapp", raising=False)
+    return CliRunner().invoke(cli, ["test-app", "dictapp:app", *args])
 
 
-def test_a_generated_workload_draws_container_ints_in_the_value_model(tmp_path: Path) -> None:
+def test_a_generated_workload_draws_container_ints_in_the_value_model(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """``dict[str, int]``: hypothesis' unbounded ints used to crash the command (exit 70, SerializationError)."""
-    run = _test_app(tmp_path, "--seeds", "2", "--steps", "30", "--cluster", "stable")
-    assert run.returncode == 0, run.stdout + run.stderr
+    run = _test_app(tmp_path, monkeypatch, "--seeds", "2", "--steps", "30", "--cluster", "stable")
+    assert run.exit_code == 0, run.stdout + run.stderr + repr(run.exception)
     assert "2 seeds: 0 failed" in run.stdout
 
 
-def test_an_unknown_function_is_a_usage_error(tmp_path: Path) -> None:
-    run = _test_app(tmp_path, "--seeds", "1", "--functions", "order.place,order.nosuch")
-    assert run.returncode == ExitCode.USAGE == 2, run.stdout + run.stderr
+def test_an_unknown_function_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _test_app(tmp_path, monkeypatch, "--seeds", "1", "--functions", "order.place,order.nosuch")
+    assert run.exit_code == ExitCode.USAGE == 2, run.stdout + run.stderr
     assert "no function order.nosuch" in run.stderr and "order.place" in run.stderr
 
 
