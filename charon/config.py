@@ -78,12 +78,6 @@ class SparkConfig:
     resident_tasks: int = 0
     # a task writes a finalize's partitions (a one-task rest's, a resident task's) in this many threads
     finalize_threads: int = 4
-    # the resident gang writes its partitions' durable deltas in the background (docs/internals/resident.md,
-    # "The background finalize"): a finalize applies the local copy in the round and hands the durable write to the
-    # task's writer; an epoch is recorded once every task wrote it. At most this many finalized epochs and bytes of
-    # their deltas wait for the writer (a finalize past either waits for it); 0 epochs: written in the round
-    durable_lag_epochs: int = 32
-    durable_lag_bytes: int = 64 << 20
     single_task_fallback: bool = True  # an epoch's whole fallback (every wave) in one Spark job of one task
     pipeline_finalize: bool = True  # under load, an epoch's finalize rides in the next epoch's first round
     # Python's collector in the driver and the Python workers (charon.runtime.node.inprocess.tune_gc): what is alive

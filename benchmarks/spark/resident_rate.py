@@ -59,12 +59,10 @@ def main() -> None:
     ap.add_argument("--accounts", type=int, default=10_000)
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--warm", type=int, default=50, help="single transfers first (the gang's launch, restores)")
-    ap.add_argument("--durable-lag-epochs", type=int, default=SparkConfig.durable_lag_epochs,
-                    help="the background finalize's bound (0: each finalize writes the durable copy in its round)")
     a = ap.parse_args()
     rounds = timed_rounds()
     cfg = SparkConfig(master="local[2]", data_dir=tempfile.mkdtemp(prefix="resident-rate-"),
-                      partitions=a.partitions, exchange="resident", durable_lag_epochs=a.durable_lag_epochs)
+                      partitions=a.partitions, exchange="resident")
     rt = SparkRuntime("charon.apps.ycsb:app", cfg)
     rt.load_rows(("account", ycsb.key(i), "", serde.encode(10_000)) for i in range(a.accounts))
     rt.start()

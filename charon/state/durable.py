@@ -472,32 +472,6 @@ class DurableState:
             m.epoch = epoch
             self._commit(pid, lambda _: m, current=m)
 
-    def write_deltas(self, pid: int, items: list[tuple[int, dict[bytes, bytes | None]]]) -> None:
-        """Record the writes of several epochs at once (ascending; each as :meth:`write_delta` would, epochs
-        already recorded skipped): the resident gang's background writer. Under a fence on a directory, one lock,
-        each epoch's delta file straight to its name and one manifest write for them all (the layout is the
-        same as epoch by epoch: a reader sees every epoch or none of them); elsewhere epoch by epoch."""
-        if not items:
-            return
-        if self.remote is not None or pid not in self._fences:
-            for epoch, delta in items:
-                self.write_delta(pid, epoch, delta)
-            return
-        with self._locked(pid):
-            m = self.manifest(pid)
-            self._check_fence(pid, m)
-            wrote = False
-            for epoch, delta in items:
-                if epoch <= m.epoch:
-                    continue  # recorded already (a replayed epoch)
-                if delta:
-                    self._write_delta_file(pid, epoch, delta, unlisted=True)
-                    m.deltas.append(epoch)
-                m.epoch = epoch
-                wrote = True
-            if wrote:
-                self._commit(pid, lambda _: m, current=m)
-
     def _write_delta_file(self, pid: int, epoch: int, delta: dict[bytes, bytes | None], *,
                           unlisted: bool = False) -> None:
         """The delta file of ``epoch``: under a temporary name renamed into place, or (``unlisted``: the caller

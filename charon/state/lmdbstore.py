@@ -3,12 +3,7 @@
 One LMDB environment per partition directory (``path/p{pid}``) with two named databases: ``data`` (the
 state) and ``meta`` (``epoch``: the last committed epoch, 8-byte signed big-endian; absent in a fresh env).
 A commit writes the epoch's delta and the epoch marker in one write transaction, after the delta was made
-durable (:mod:`charon.state.durable`), so the local copy is never ahead of the durable one; except for the
-resident gang's background finalize (``defer``), whose durable writes follow the commit (the epoch is recorded
-only once they ended; a local copy ahead of the durable one is rewound by the epoch's rerun). The executors'
-stores (:func:`open_store`) commit without syncing, under a marker of the machine's boot
-(:func:`_unsynced_since_boot`): a killed process loses nothing, a copy possibly half-written by a machine crash
-is deleted and restored from the durable copy.
+durable (:mod:`charon.state.durable`), so the local copy is never ahead of the durable one.
 
 Multi-process rules (measured, see DESIGN.md §6): never open an environment in a process that later forks;
 handles are cached per ``(path, os.getpid())``; one constant ``map_size``; locking stays on;
@@ -18,22 +13,19 @@ handles are cached per ``(path, os.getpid())``; one constant ``map_size``; locki
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import lmdb
 
 from charon.state.durable import DurableState, DurableStateError, durable_at
-from charon.storage.contract import StorageConflict
 
 MAP_SIZE = 1 << 34  # 16 GiB of address space (sparse); must be the same in every process
 _EPOCH_KEY = b"epoch"
-_FENCE_KEY = b"fence"  # meta: the newest writer generation that claimed the local copy (see LmdbStore.claim)
 _EPOCH = struct.Struct(">q")
 
 
@@ -53,55 +45,11 @@ class _Env:
 
     @staticmethod
     def _open(path: str, map_size: int, sync: bool) -> lmdb.Environment:
-        if not sync and not _unsynced_since_boot(path):
-            sync = True  # no boot id (not Linux): every commit synced
         os.makedirs(path, exist_ok=True)
         env = lmdb.open(path, map_size=map_size, subdir=True, max_dbs=2, lock=True, sync=sync,
                         readahead=False, max_readers=256)
         env.reader_check()
         return env
-
-
-def _boot_id() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def _unsynced_since_boot(path: str) -> bool:
-    """Make the environment at ``path`` safe to commit without syncing (False: it cannot be; sync every commit).
-
-    An unsynced LMDB commit (``MDB_NOSYNC``) is in the kernel's page cache once it returned: a killed process loses
-    nothing, but a crash of the machine may leave the file half-written. So the environment is opened unsynced only
-    under a marker naming this boot (``<path>.boot``, written and synced before): an environment whose marker names
-    another boot may have been written unsynced before a machine crash and is deleted (the durable copy restores
-    it, as any lost local copy); one without a marker was only ever written synced."""
-    boot = _boot_id()
-    if boot is None:
-        return False
-    marker = path.rstrip(os.sep) + ".boot"
-    os.makedirs(os.path.dirname(marker) or ".", exist_ok=True)
-    fd = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # one process decides (a machine's restart: the first opener deletes)
-        seen = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-        if seen == boot:
-            return True
-        if seen:
-            shutil.rmtree(path, ignore_errors=True)  # written unsynced before the machine restarted
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, boot.encode(), 0)
-        os.fsync(fd)
-        dfd = os.open(os.path.dirname(marker) or ".", os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-        return True
-    finally:
-        os.close(fd)  # (releases the flock)
 
 
 _ENVS: dict[tuple[str, int], _Env] = {}
@@ -159,15 +107,6 @@ class LmdbStore:
         self._rtxn_pid = 0
         self._h = _get_env(self.path, map_size, sync)
         self._owner = os.getpid()
-        #: the writer generation this store commits as (a resident gang's fence, :meth:`claim`): a commit into a
-        #: local copy a newer generation claimed is refused (:class:`StorageConflict`), as its durable write is
-        self.fence: int | None = None
-        #: the resident gang's background writer: ``defer(pid, epoch, delta)`` takes each commit's durable write,
-        #: made later (the local copy is then ahead of the durable one until it is; records wait for it)
-        self.defer: Callable[[int, int, dict[bytes, bytes | None]], None] | None = None
-        #: waits until every write ``defer`` took ended: before the local copy is restored or rewound from the
-        #: durable one (which lacks those epochs until then)
-        self.settle: Callable[[], None] | None = None
 
     # ---- handles ------------------------------------------------------------------------------
     @property
@@ -264,7 +203,7 @@ class LmdbStore:
             if not 0 < len(k) <= limit:
                 raise ValueError(f"LMDB keys must be 1..{limit} bytes, got {len(k)}: {k[:40]!r}...")
         d = self.durable
-        if d is not None and self.defer is None:
+        if d is not None:
             m = d.manifest(self.pid)
             if m.epoch < epoch:  # else: a replayed epoch already recorded durably
                 fresh_durable = m.base is None and m.epoch == -1
@@ -281,29 +220,9 @@ class LmdbStore:
             if cur is not None and epoch <= cur:
                 t.abort()  # a concurrent (stale) task committed it meanwhile
                 return
-            if self.fence is not None:
-                self._check_fence(t)
             written = _apply(t, delta)
             t.put(_EPOCH_KEY, _EPOCH.pack(epoch), db=h.meta)
         self.bytes_written += written
-        if self.defer is not None:
-            self.defer(self.pid, epoch, delta)
-
-    def _check_fence(self, t: lmdb.Transaction[bytes]) -> None:
-        v = t.get(_FENCE_KEY, db=self._env.meta)
-        if v is not None and self.fence is not None and _EPOCH.unpack(v)[0] > self.fence:
-            raise StorageConflict(f"p{self.pid}: the local copy was claimed by a newer writer "
-                                  f"(fence {_EPOCH.unpack(v)[0]}, this one {self.fence})")
-
-    def claim(self, fence: int) -> None:
-        """Commit into the local copy as the writer generation ``fence`` from now on (a resident gang's): a commit of
-        an older generation (a zombie task of a lost gang on the same executor) is refused from then on, and so is
-        this one's once a newer generation claimed it (raised here at once if one already has)."""
-        self.fence = fence
-        h = self._env
-        with h.env.begin(write=True, db=h.data) as t:
-            self._check_fence(t)
-            t.put(_FENCE_KEY, _EPOCH.pack(fence), db=h.meta)
 
     def _replace_all(
         self, epoch: int, items: Iterable[tuple[bytes, bytes]], expect: int | None | bool = False
@@ -346,8 +265,6 @@ class LmdbStore:
                 cur = self._local_epoch(t)
             if cur is not None and cur >= epoch:
                 return cur
-            if self.settle is not None:
-                self.settle()  # (the local copy was lost with epochs the durable copy has not received yet)
             self._forward(cur, epoch)
 
     def ensure_epoch(self, epoch: int) -> None:
@@ -365,8 +282,6 @@ class LmdbStore:
         d = self.durable
         if d is None:
             raise StoreError(f"p{self.pid}: local copy ahead of {epoch}, and no durable copy")
-        if self.settle is not None:
-            self.settle()  # the writes in flight first: the truncation then drops them too
         try:
             d.truncate_after(self.pid, epoch)
         except DurableStateError as e:
@@ -488,7 +403,7 @@ def open_store(path: str, pid: int, durable_root: str | None = None, writer: int
                 # a directory, or object storage cached beside the stores (charon.state.durable.durable_at)
                 durable = _DURABLES[(durable_root, me, writer)] = durable_at(durable_root,
                                                                              os.path.join(path, "durable"))
-        s = LmdbStore(path, pid, durable, sync=False)  # a cache of the durable copy: see _unsynced_since_boot
+        s = LmdbStore(path, pid, durable)
         with _ENVS_LOCK:
             s = _STORES.setdefault(key, s)
             if writer is not None:  # older generations' handles: retired (bounded by the live writers)

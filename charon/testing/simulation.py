@@ -762,8 +762,6 @@ class ResidentSimulation(Simulation):
         self.query_restarts = 0
         self.gang_rounds = 0
         self.zombie_runs = 0
-        self.writer_deaths = 0  # gang tasks that died with durable writes queued (or in the middle of them)
-        self.config.durable_lag_epochs = g.choice([0, 1, 2, 4, 32])  # the background finalize (0: off)
 
     def trace_faults(self) -> str:
         return f"{self.faults}, {self.gang_faults}, {self.config.resident_tasks} gang task(s)"
@@ -917,18 +915,7 @@ class ResidentSimulation(Simulation):
             early = False
             avail = rt.input_log.end_offsets()
             if not any(e > s for s, e in zip(*pad_pair(prev_ends, avail), strict=True)):
-                # nothing new: the sequencer waits, and the epochs held for their durable writes are recorded
-                try:
-                    self.where = "idle"
-                    rt.record_idle(wait=True)
-                except (SimCrash, GangLost) as e:
-                    if isinstance(e, GangLost):
-                        self.trace(f"gang lost: {e}")
-                    self.verify_recorded()
-                    prev_ends = self.restart(isinstance(e, SimCrash))
-                    continue
-                self.verify_recorded()
-                break
+                break  # nothing new: the sequencer waits
             self.attempts += 1
             if self.attempts > 200:
                 raise Violation("the run does not finish")
@@ -947,14 +934,6 @@ class ResidentSimulation(Simulation):
                 prev_ends = self.restart(isinstance(e, SimCrash))
                 continue
             self.verify_recorded()
-            if self.rng.random() < 0.3:  # the sequencer was idle a moment: the records whose writes ended
-                try:
-                    rt.record_idle(wait=self.rng.random() < 0.3)
-                except (SimCrash, GangLost) as e:
-                    self.verify_recorded()
-                    prev_ends = self.restart(isinstance(e, SimCrash))
-                    continue
-                self.verify_recorded()
             if self.rng.random() < self.faults.read:
                 self.where = "after an epoch"
                 self.read_check()
@@ -966,7 +945,7 @@ class ResidentSimulation(Simulation):
         assert self.rt is not None
         stats = self.end_checks(self.rt, submitted)
         stats.update({"gangs": len(self.gangs), "query_restarts": self.query_restarts,
-                      "zombie_runs": self.zombie_runs, "writer_deaths": self.writer_deaths,
+                      "zombie_runs": self.zombie_runs,
                       "writer_jobs": self.writer_jobs + (0 if self.writer is None else self.writer.written)})
         return stats
 

@@ -162,11 +162,8 @@ class SimTask:
         self.gang, self.sim, self.index, self.attempt, self.worker = gang, sim, index, attempt, worker
         self.proc: dict = worker.take_process()  # a Python worker of its executor (its live coroutines)
         root = sim.local_dir(worker)
-        # the background finalize's writer without a thread: it writes when this task's process gets to it (after
-        # a frame, by chance), when a frame waits for it, when the task ends, or never (the task dies first)
         self.task = GangTask(sim.config.partitions, root, sim.state_root, sim.config.determinism_check,
-                             gang.ex.fence, 1, sim.config.durable_lag_epochs, sim.config.durable_lag_bytes,
-                             threaded_writer=False)
+                             gang.ex.fence)
         self.drv, self.sock = socket.socketpair()
         self.sock.settimeout(5.0)  # a reply never blocks the one simulated thread
         self.queue: list[bytes] = []
@@ -245,9 +242,6 @@ class SimTask:
             if reply is None:  # stop frame: the task ends
                 self.end()
                 return
-            writer = self.task.writer
-            if writer is not None and writer.queue and self.sim.rng.random() < 0.5:
-                writer.run()  # the writer's thread got to run
             if self.zombie_after is None:
                 try:
                     self.sock.sendall(_LEN.pack(len(reply)) + reply)
@@ -303,29 +297,16 @@ class SimTask:
             spark_tasks.step_unit = real
 
     def end(self) -> None:
-        """The task returned: its queued durable writes are made (a zombie's refused by the fence once a newer gang
-        claimed the partition), its socket closes, its Python process goes back to its worker's pool."""
+        """The task returned: its socket closes, its Python process goes back to its worker's pool."""
         if self.state == "live":
             self.state = "ended"
             self.queue.clear()
-            with self.in_process():
-                self.task.close()
             self.sock.close()
             self.worker.give_back(self.proc)
 
     def die(self) -> None:
-        """The task's process is gone: its live coroutines with it, its socket closes (the driver sees EOF); its
-        durable writes not made yet are lost, or it dies in the middle of them (some partitions written)."""
+        """The task's process is gone: its live coroutines with it, its socket closes (the driver sees EOF)."""
         if self.state == "live":
-            writer = self.task.writer
-            if writer is not None and writer.queue:
-                if self.sim.rng.random() < 0.5:
-                    n = self.sim.rng.randint(0, self.sim.config.partitions)
-                    self.sim.trace(f"{self.name}: dies writing its durable deltas ({n} partition(s) written)")
-                    writer.run(items=n)
-                else:
-                    self.sim.trace(f"{self.name}: dies with {len(writer.queue)} epoch(s) not written durably")
-                self.sim.writer_deaths += 1
             self.state = "dead"
             self.queue.clear()
             self.sock.close()

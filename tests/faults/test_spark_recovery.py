@@ -44,7 +44,6 @@ FINAL = 300
 # in test_spark_supervision.py::test_driver_sigkill_under_load_then_restart (every reply unchanged, money
 # conserved) and test_spark_streams.py's consumer SIGKILL.
 PLAN = ["before_epoch", "after_round", "after_finalize", "compaction"]
-HELD_SLACK = 3  # finalized epochs whose records may wait for their background durable writes at a crash
 START_TIMEOUT = 300.0  # JVM + SparkSession start on a loaded 2-core machine
 RUN_TIMEOUT = 400.0
 
@@ -168,14 +167,10 @@ def test_driver_killed_repeatedly_matches_in_process(tmp_path: Path) -> None:
                 assert died_at in (int(e), int(e) + 1), (how, died_at)
             elif point in ("before_epoch", "after_round"):
                 # under load epoch e-1's finalize rides in epoch e's first round (pipeline_finalize), and its
-                # record is written after that round: then the records stop two below; and a finalized epoch's
-                # record waits for its background durable writes (docs/internals/resident.md, "The background
-                # finalize"): a few epochs may be held then
-                assert int(e) - 2 - HELD_SLACK <= died_at <= int(e) - 1, (how, died_at)
-            elif point == "after_record":
-                assert died_at == int(e), (how, died_at)
-            else:  # after_finalize: e-1 recorded, or held for its durable writes with a few before it
-                assert int(e) - 1 - HELD_SLACK <= died_at <= int(e) - 1, (how, died_at)
+                # record is written after that round: then the records stop two below
+                assert died_at in (int(e) - 1, int(e) - 2), (how, died_at)
+            else:
+                assert died_at == (int(e) if point == "after_record" else int(e) - 1), (how, died_at)
     assert last_epoch(data) + 1 >= 12
 
     rt = check_result(data, initial, appended, ACCOUNTS * BALANCE)

@@ -17,7 +17,6 @@ ends: the driver raises :class:`GangTaskFailed` naming the error, as a failed Sp
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
@@ -28,7 +27,7 @@ import struct
 import threading
 import time
 import traceback
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any, TypeVar
@@ -40,11 +39,9 @@ from charon.errors import EngineUnavailable
 from charon.runtime.faults import crash_point
 from charon.runtime.spark.exchange import SparkExchange
 from charon.runtime.spark.layout import durable_location
-from charon.state.durable import DurableState
 from charon.state.records import EpochRecord
 
 _T = TypeVar("_T")
-_Write = tuple[DurableState, int, int, dict[bytes, bytes | None]]  # a durable write: (durable copy, pid, epoch, delta)
 _LEN = struct.Struct(">I")
 _HELLO = struct.Struct(">16sIIII")
 MEET_S = 120.0  # longest the driver waits for a new gang's tasks to connect
@@ -137,11 +134,6 @@ class ResidentExchange:
         self.probe_dir: str | None = None
         self.stats: dict[str, float] = {}
         self.pending: tuple[EpochRecord, EpochResult] | None = None  # as SparkExchange's
-        # the background finalize: records of epochs finalized (their atoms appended) whose durable writes may not
-        # have ended at every task; the runtime writes each once durable_through() reaches it. They go with this
-        # exchange: after a restart the sequencer reruns the unrecorded epochs from their bounds
-        self.held: list[EpochRecord] = []
-        self.durables: dict[int, int] = {}  # per task: the epoch up to which its durable writes ended
         self.tasks = max(1, min(config.resident_tasks or self._default_tasks(), config.partitions))
         self.groups = SparkExchange.groups(config.partitions, self.tasks)
         self.token = os.urandom(16)
@@ -208,12 +200,26 @@ class ResidentExchange:
         got = 0
         task: dict[str, float] = {}
         if frames:
-            for results, stats, size in self._exchange_frames(frames):
-                got += size
-                for pid, out in results:
-                    outs[pid] = out
-                for k, v in stats.items():
-                    task[k] = task.get(k, 0) + v
+            socks = self.seated
+            try:
+                for i, frame in frames:
+                    _send_frame(socks[i], frame)
+                for i, _ in frames:
+                    blob = _recv_frame(socks[i], self._dead)
+                    got += len(blob)
+                    results, stats = pickle.loads(blob)
+                    if results is None:  # the round raised in that task (which ended): its error, named
+                        tb = str(stats.get("error", "")).strip()
+                        self._lost(f"task {i} failed: {tb.splitlines()[-1] if tb else '?'}")
+                        raise GangTaskFailed(f"a round failed in task {i} of the resident gang:\n{tb}")
+                    for pid, out in results:
+                        outs[pid] = out
+                    for k, v in stats.items():
+                        task[k] = task.get(k, 0) + v
+            except (OSError, EOFError, pickle.UnpicklingError) as e:
+                raise self._lost(f"a task of the resident gang is gone ({type(e).__name__}: {e})") from e
+            except GangLost as e:
+                raise self._lost(str(e)) from e
         crash_point("after_round", control.epoch)  # fires after the epoch's first round (fault tests)
         s = self.stats
         s["round_s"] = s.get("round_s", 0.0) + time.perf_counter() - t0
@@ -225,45 +231,6 @@ class ResidentExchange:
         s["step_s"] = s.get("step_s", 0.0) + task.get("step_us", 0) / 1e6
         s["restore_s"] = s.get("restore_s", 0.0) + task.get("restore_us", 0) / 1e6
         return outs
-
-    def _exchange_frames(self, frames: list[tuple[int, bytes]],
-                         ) -> list[tuple[list[tuple[int, RoundOutput]], dict[str, float], int]]:
-        """Send each ``(task, frame)``, then read every reply: ``(results, stats, bytes)`` in order; each task's
-        durable epoch taken out of its stats (:attr:`durables`). A reply naming an error, a task gone: the gang is
-        lost (:class:`GangTaskFailed`, :class:`GangLost`)."""
-        socks = self.seated
-        out = []
-        try:
-            for i, frame in frames:
-                _send_frame(socks[i], frame)
-            for i, _ in frames:
-                blob = _recv_frame(socks[i], self._dead)
-                results, stats = pickle.loads(blob)
-                if results is None:  # the round raised in that task (which ended): its error, named
-                    tb = str(stats.get("error", "")).strip()
-                    self._lost(f"task {i} failed: {tb.splitlines()[-1] if tb else '?'}")
-                    raise GangTaskFailed(f"a round failed in task {i} of the resident gang:\n{tb}")
-                durable = stats.pop("durable", None)
-                if durable is not None:
-                    self.durables[i] = int(durable)  # (a task's replies come in order)
-                out.append((results, stats, len(blob)))
-        except (OSError, EOFError, pickle.UnpicklingError) as e:
-            raise self._lost(f"a task of the resident gang is gone ({type(e).__name__}: {e})") from e
-        except GangLost as e:
-            raise self._lost(str(e)) from e
-        return out
-
-    def durable_through(self) -> int:
-        """The epoch up to which every task's durable writes ended (-1: none known)."""
-        return min((self.durables.get(i, -1) for i in range(self.tasks)), default=-1)
-
-    def sync(self, wait: bool) -> int:
-        """Ask every task how far its durable writes got (``wait``: once every write it queued ended, for a pause,
-        a stop or a bound); returns :meth:`durable_through`."""
-        self._ensure_gang()
-        frame = pickle.dumps(("sync", wait), protocol=pickle.HIGHEST_PROTOCOL)
-        self._exchange_frames([(i, frame) for i in range(self.tasks)])
-        return self.durable_through()
 
     def start(self) -> None:
         """Launch the gang now (else the first round does): the direct sequencer warms it up before any request."""
@@ -364,7 +331,7 @@ class ResidentExchange:
         cfg = self.config
         fn = partial(resident_task, (host, port), self.token, self.tasks, self.partitions, cfg.local_dir,
                      self.durable_root, cfg.checkpoint_dir, cfg.gc_threshold, cfg.determinism_check, self.fence,
-                     cfg.finalize_threads, cfg.durable_lag_epochs, cfg.durable_lag_bytes)
+                     cfg.finalize_threads)
         self.job = threading.Thread(target=self._run_job, args=(fn,), name="charon-resident-gang", daemon=True)
         self.job.start()
 
@@ -461,8 +428,7 @@ def _shut(sock: socket.socket) -> None:
 # -- in the executors -----------------------------------------------------------------------------------------------
 def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int, local_dir: str | None,
                   durable_root: str, checkpoint: str, gc_threshold: int, determinism_check: bool,
-                  fence: int | None, finalize_threads: int, lag_epochs: int, lag_bytes: int,
-                  items: Iterable[int]) -> Iterator[int]:
+                  fence: int | None, finalize_threads: int, items: Iterable[int]) -> Iterator[int]:
     """One task of the resident gang: meet the driver, then step this task's partitions round after round (their
     scratch and call-graph caches kept here between rounds and epochs) until told to stop or the driver's socket
     closes. Yields nothing."""
@@ -479,7 +445,7 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
     executor = (infos[index].address if index < len(infos) else "").encode("utf-8")[:ADDRESS_MAX]
     tune_worker_gc(gc_threshold)
     task = GangTask(parts, local_root(local_dir, checkpoint, durable_root), durable_root, determinism_check, fence,
-                    finalize_threads, lag_epochs, lag_bytes)
+                    finalize_threads)
     sock = socket.create_connection(address, timeout=MEET_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.sendall(hello(token, attempt, index, tasks, os.getpid(), executor))
@@ -508,159 +474,14 @@ def hello(token: bytes, attempt: int, index: int, tasks: int, pid: int, executor
     return _HELLO.pack(token, attempt, index, tasks, pid) + _LEN.pack(len(executor)) + executor
 
 
-class DurableWriter:
-    """A gang task's background writer of its partitions' durable deltas (``SparkConfig.durable_lag_epochs``; see
-    ``docs/internals/resident.md``, "The background finalize"). A finalize commits the local copy in the round and
-    :meth:`stage` takes its durable write; :meth:`seal` (after the round) queues the round's writes, waiting while
-    ``max_epochs`` finalized epochs or ``max_bytes`` of deltas already wait. The writer takes everything queued at
-    once: per partition, every epoch's delta file and one manifest write (:meth:`DurableState.write_deltas`), the
-    partitions in ``pool``'s threads. :attr:`durable` is the epoch up to which every write of this task ended (the
-    driver records an epoch once every task's reached it); a failed write is kept in :attr:`error` and fails the
-    task's next frame. ``threaded=False`` (the seeded simulator): no thread, the queue is written by :meth:`run`,
-    :meth:`drain` or never (a task that dies first)."""
-
-    def __init__(self, max_epochs: int, max_bytes: int, pool: ThreadPoolExecutor | None = None,
-                 threaded: bool = True) -> None:
-        self.max_epochs, self.max_bytes = max(1, max_epochs), max(1, max_bytes)
-        self.pool = pool
-        self.threaded = threaded
-        self.cv = threading.Condition()
-        self.staged: list[_Write] = []  # (durable, pid, epoch, delta)
-        self.queue: list[tuple[int, int, list[_Write]]] = []
-        self.queued_bytes = 0
-        self.writing = False
-        self.durable = -1  # every write of an epoch up to this one ended
-        self.highest = -1  # the newest epoch staged
-        self.error: str | None = None
-        self.closed = False
-        self.thread: threading.Thread | None = None
-
-    def stage(self, durable: DurableState, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
-        """A finalize committed ``delta`` of ``epoch`` into partition ``pid``'s local copy: its durable write."""
-        self.staged.append((durable, pid, epoch, delta))
-        self.highest = max(self.highest, epoch)
-
-    def seal(self) -> None:
-        """Queue the round's staged writes (one epoch's), waiting for room first (the bound)."""
-        if not self.staged:
-            return
-        items, self.staged = self.staged, []
-        epoch = max(e for _, _, e, _ in items)
-        size = sum(len(k) + len(v or b"") for _, _, _, d in items for k, v in d.items())
-        with self.cv:
-            while ((self.queue or self.writing) and self.error is None
-                   and (len(self.queue) >= self.max_epochs or self.queued_bytes + size > self.max_bytes)):
-                if not self.threaded:
-                    self.cv.release()
-                    try:
-                        self.run()
-                    finally:
-                        self.cv.acquire()
-                    continue
-                self.cv.wait()
-            self._raise()
-            self.queue.append((epoch, size, items))
-            self.queued_bytes += size
-            if self.threaded and self.thread is None:
-                self.thread = threading.Thread(target=self._loop, name="charon-durable-writer", daemon=True)
-                self.thread.start()
-            self.cv.notify_all()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"the background write of a finalize failed:\n{self.error}")
-
-    def check(self) -> None:
-        """Raise the error of a write that failed (the task then fails its frame)."""
-        with self.cv:
-            self._raise()
-
-    def drain(self) -> None:
-        """Wait until every queued write ended (raises the error of one that failed)."""
-        if not self.threaded:
-            self.run()
-        with self.cv:
-            while (self.queue or self.writing) and self.error is None:
-                self.cv.wait()
-            self._raise()
-
-    def run(self, items: int | None = None) -> None:
-        """Write what is queued now, in this thread (the writer's loop, or ``threaded=False``); ``items``: only
-        that many partitions' writes of it, then stop as a process dying mid-write would (the seeded simulator)."""
-        with self.cv:
-            if not self.queue or self.error is not None or self.writing:
-                return
-            batch, self.queue = self.queue, []
-            self.writing = True
-            self.cv.notify_all()  # room in the queue: a finalize waiting for it goes on
-        try:
-            by_pid: dict[int, tuple[DurableState, list[tuple[int, dict[bytes, bytes | None]]]]] = {}
-            for _, _, group in batch:
-                for durable, pid, epoch, delta in group:
-                    by_pid.setdefault(pid, (durable, []))[1].append((epoch, delta))
-            jobs = list(by_pid.items())
-            if items is not None:
-                jobs = jobs[:items]
-
-            def write(job: tuple[int, tuple[DurableState, list[tuple[int, dict[bytes, bytes | None]]]]]) -> None:
-                pid, (durable, deltas) = job
-                durable.write_deltas(pid, deltas)
-
-            if self.pool is not None and len(jobs) > 1:
-                _each(self.pool, lambda i: write(jobs[i]), list(range(len(jobs))))
-            else:
-                for job in jobs:
-                    write(job)
-            failed = None if items is None else "the process died mid-write"
-        except Exception:  # noqa: BLE001 - told to the driver with the task's next frame
-            failed = traceback.format_exc()[-20_000:]
-        with self.cv:
-            self.writing = False
-            if failed is not None:
-                self.error = self.error or failed
-            else:
-                self.durable = max(self.durable, batch[-1][0])
-                self.queued_bytes -= sum(size for _, size, _ in batch)
-            self.cv.notify_all()
-
-    def _loop(self) -> None:
-        while True:
-            with self.cv:
-                while not self.queue and not self.closed:
-                    self.cv.wait()
-                if not self.queue and self.closed:
-                    return
-            self.run()
-            with self.cv:
-                if self.error is not None:
-                    self.cv.notify_all()
-                    return
-
-    def close(self) -> None:
-        """Write what is queued (a writer of a replaced gang is refused by its fence), then end the thread."""
-        with contextlib.suppress(Exception):
-            self.drain()
-        with self.cv:
-            self.closed = True
-            self.cv.notify_all()
-        if self.thread is not None:
-            self.thread.join(timeout=60)
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-
-
 class GangTask:
     """What a task of the gang keeps and does between frames: its partitions' scratch and call-graph caches
     (kept between rounds and epochs, dropped after a finalize). :func:`resident_task` runs it over its socket;
     the seeded simulator (:mod:`charon.testing.simulation_resident`) runs it in simulated workers."""
 
     def __init__(self, parts: int, root: str, durable_root: str, determinism_check: bool,
-                 fence: int | None = None, finalize_threads: int = 1, lag_epochs: int = 0,
-                 lag_bytes: int = 64 << 20, threaded_writer: bool = True) -> None:
+                 fence: int | None = None, finalize_threads: int = 1) -> None:
         self.parts = parts
-        # the background finalize (lag_epochs > 0): the durable writes of a finalize go to this writer
-        self.lag = (lag_epochs, lag_bytes, threaded_writer)
-        self.writer: DurableWriter | None = None
         self.finalize_threads = finalize_threads  # a finalize's partitions written in this many threads (_round)
         self.pool: ThreadPoolExecutor | None = None
         self.fence = fence  # the gang's writer generation (see new_fence)
@@ -673,10 +494,7 @@ class GangTask:
         self.failed = False  # a round raised: the task ends after telling the driver
 
     def close(self) -> None:
-        """The task ended: its queued durable writes are made (refused by the fence if a newer gang started), its
-        finalize threads go (after the write they may be running)."""
-        if self.writer is not None:
-            self.writer.close()
+        """The task ended: its finalize threads go (after the write they may be running)."""
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
@@ -685,69 +503,22 @@ class GangTask:
         """The reply to one frame from the driver: a round's outputs, or its error's traceback when it raised
         (:attr:`failed` is then set); None for a stop frame (the task ends)."""
         msg = pickle.loads(frame)
-        if msg[0] == "sync":  # the driver asks how far this task's durable writes got (wait: until all ended)
-            try:
-                if self.writer is not None:
-                    if msg[1]:
-                        self.writer.drain()
-                    self.writer.check()
-            except Exception:  # noqa: BLE001 - told to the driver; this task then ends
-                self.failed = True
-                return pickle.dumps((None, {"error": traceback.format_exc()[-20_000:]}),
-                                    protocol=pickle.HIGHEST_PROTOCOL)
-            return pickle.dumps(([], {"durable": self.durable()}), protocol=pickle.HIGHEST_PROTOCOL)
         if msg[0] != "round":
             return None
         _, control, inboxes, app_ref, previous, function_timeout, probe_dir = msg
         if self.pool is None and self.finalize_threads > 1 and len(inboxes) > 1:
             self.pool = ThreadPoolExecutor(self.finalize_threads, thread_name_prefix="charon-finalize")
         try:
-            writer = self._writer(control, inboxes)
             results, stats, self.epoch, self.caches = _round(
                 control, inboxes, app_ref, previous, function_timeout, probe_dir, self.scratch, self.caches,
                 self.epoch, self.parts, self.root, self.durable_root, self.determinism_check, self.fence, self.pool)
-            if writer is not None:
-                writer.seal()
-                writer.check()
         except Exception:  # noqa: BLE001 - told to the driver (its round raises it); this task then ends
             self.failed = True
             return pickle.dumps((None, {"error": traceback.format_exc()[-20_000:]}), protocol=pickle.HIGHEST_PROTOCOL)
         if control.finalize:  # the epoch is over: nothing of it stays
             self.scratch.clear()
             self.caches = {}
-        stats["durable"] = self.durable()
         return pickle.dumps((results, stats), protocol=pickle.HIGHEST_PROTOCOL)
-
-    def durable(self) -> int:
-        """The epoch up to which this task's durable writes ended (a large number: none is deferred)."""
-        return self.writer.durable if self.writer is not None else DURABLE_NOW
-
-    def _writer(self, control: Control, pids: Collection[int]) -> DurableWriter | None:
-        """The background writer for this round (None: finalizes write in the round), its partitions' stores handing
-        it their durable writes. A round of an epoch this task finalized already (the driver reruns it) first waits
-        for every write in flight: a rewind of the local copy truncates the durable one after them."""
-        lag_epochs, lag_bytes, threaded = self.lag
-        if lag_epochs <= 0:
-            return None
-        from charon.state.lmdbstore import open_store
-
-        if self.writer is None:
-            # its own threads: a round's finalize threads may wait for the writer (LmdbStore.settle)
-            pool = (ThreadPoolExecutor(self.finalize_threads, thread_name_prefix="charon-durable")
-                    if threaded and self.finalize_threads > 1 and len(pids) > 1 else None)
-            self.writer = DurableWriter(lag_epochs, lag_bytes, pool, threaded)
-        w = self.writer
-        if (control.prior.epoch if control.prior is not None else control.epoch) <= w.highest:
-            w.drain()
-        for pid in pids:
-            store = open_store(self.root, pid, self.durable_root, self.fence)
-            if store.durable is not None and store.defer is None:
-                store.defer = partial(w.stage, store.durable)
-                store.settle = w.drain
-        return w
-
-
-DURABLE_NOW = 1 << 62  # a task whose finalizes write in the round: every epoch it finalized is durable
 
 
 def _each(pool: ThreadPoolExecutor, fn: Callable[[int], _T], pids: list[int]) -> list[_T]:

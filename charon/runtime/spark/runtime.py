@@ -80,7 +80,7 @@ from charon.runtime.spark.layout import (
     remove_old_layouts,
     storage_location,
 )
-from charon.runtime.spark.resident import ResidentExchange, gang_lost, make_exchange
+from charon.runtime.spark.resident import gang_lost, make_exchange
 from charon.runtime.spark.sequencer import DirectSequencer, read_bound, sequenced_directly
 from charon.runtime.spark.session import (
     discard_dead_jvm,
@@ -104,8 +104,6 @@ _Layout = TypeVar("_Layout")
 
 _events = logging.getLogger("charon.engine")  # restarts, outages, quarantines: the server log
 
-HELD_MAX_FACTOR = 4  # held epochs past this many times durable_lag_epochs: the driver waits for their writes
-IDLE_SYNC_S = 0.005  # while idle with held epochs, the gang is asked this often how far its durable writes got
 TICK = "__charon_tick__"  # input-log records that only make Spark run an epoch (for deferred work)
 
 
@@ -195,7 +193,6 @@ class SparkRuntime(EngineBacked):
         self._spark = spark
         self._query: Any = None
         self._compactor: threading.Thread | None = None
-        self._synced = 0.0  # when the idle sequencer last asked the gang how far its durable writes got
         self._log_client: Any = None
         self.epoch_stats: list[dict[str, float]] = []  # the newest ``keep_epoch_stats`` epochs
         self.last_epoch = self.last_recorded_epoch()
@@ -328,7 +325,6 @@ class SparkRuntime(EngineBacked):
             self.ckpt, self.input_log, self.input_location, self.config,
             run_epoch=partial(self._on_batch, None), last_recorded=self.last_recorded_epoch,
             read_record=self.read_record, exchange=lambda: self.exchange, stopping=lambda: self._stopping,
-            idle=self._idle,
             migrate=self._batch_offsets_if_any, write=self.files.write,
             remove=self.files.remove if self.storage is not None else None,
         ).start()
@@ -1064,7 +1060,7 @@ class SparkRuntime(EngineBacked):
         if pending is None:
             # epochs Spark committed whose deferred finalize was lost with a crash: run them again (a replay is
             # deterministic: same TIDs, same outcomes, replies already delivered are not delivered twice)
-            for e in range(self._last_finished() + 1, epoch):
+            for e in range(self.last_recorded_epoch() + 1, epoch):
                 self._run_epoch(e, None, recovering=True)
         self._run_epoch(epoch, pending)
 
@@ -1088,7 +1084,7 @@ class SparkRuntime(EngineBacked):
             probe = os.path.join(self.ckpt, "probe", str(epoch))
             shutil.rmtree(probe, ignore_errors=True)
         self.exchange.set_budget(self.config.function_timeout, probe)
-        prev = pending[0] if pending is not None else (self._finished_record(epoch - 1) if epoch > 0 else None)
+        prev = pending[0] if pending is not None else (self.read_record(epoch - 1) if epoch > 0 else None)
         if epoch > 0 and prev is None and self.last_recorded_epoch() >= 0:
             raise RuntimeError(f"epoch record {epoch - 1} is missing under {self.ckpt}")
         starts, ends = self._epoch_offsets(epoch)
@@ -1121,7 +1117,7 @@ class SparkRuntime(EngineBacked):
             assert pending is not None and pending[0].epoch == res.epoch
             self._append_atom(res)
             crash_point("after_finalize", res.epoch)  # its state and atom are written, its record is not
-            self._hold(pending[0])
+            self._recorded(pending[0])
 
         def defer() -> bool:
             bound_durable()  # asked once the outcome is decided, before the finalize runs (now or deferred)
@@ -1134,7 +1130,6 @@ class SparkRuntime(EngineBacked):
             if pending is not None:  # the previous epoch, deferred, is finalized and recorded before the pause
                 self._flush(pending)
                 pending = None
-            self.record_idle(wait=True)  # every epoch before the pause is recorded, and none runs: paused now
             self.gate.enter(epoch)
         deferred = False
         try:
@@ -1169,9 +1164,7 @@ class SparkRuntime(EngineBacked):
                                  "driver_cpu_s": time.thread_time() - cpu0})
             deferred = self._after_epoch(epoch, coord, result, starts, ends)
         finally:
-            # a deferred epoch stays the gate's running one until it is recorded, and so does a held one (a pause
-            # waits for its record: record_idle)
-            if not deferred and not self._held():
+            if not deferred:  # a deferred epoch stays the gate's running one until it is recorded
                 self.gate.leave()
 
     def _unanswered(self) -> list[LiveRequest]:
@@ -1213,9 +1206,7 @@ class SparkRuntime(EngineBacked):
             crash_point("after_defer", epoch)
             self.exchange.pending = (rec, result)
             return True
-        self._hold(rec)
-        if self.gate.closed_for(epoch + 1):  # paused after this epoch: recorded before the pause
-            self.record_held(wait=True)
+        self._recorded(rec)
         if coord.deferred:
             self.input_log.append(Request(f"{TICK}{epoch}", TICK, "", "", serde.encode([])))
         return False
@@ -1240,61 +1231,6 @@ class SparkRuntime(EngineBacked):
         re-derives the same atom, and ``append_atom`` appends an epoch's atom once."""
         if result.events:
             self.streams.append_atom(result.epoch, [(s, v) for _, s, v in result.events])
-
-    def _hold(self, rec: EpochRecord) -> None:
-        """An epoch was finalized and its atom appended: record it now, or (the resident gang's background finalize,
-        :attr:`ResidentExchange.held`) once every task's durable writes reached it."""
-        ex = self.exchange
-        if not isinstance(ex, ResidentExchange) or self.config.durable_lag_epochs <= 0:
-            self._recorded(rec)
-            return
-        ex.held.append(rec)
-        self.record_held(wait=len(ex.held) > HELD_MAX_FACTOR * self.config.durable_lag_epochs)
-
-    def record_held(self, wait: bool = False) -> None:
-        """Write the records of the held epochs whose durable writes every task finished (``wait``: all of them,
-        after waiting for the writes: before a pause, a stop, or past the bound)."""
-        ex = self.exchange
-        if not isinstance(ex, ResidentExchange) or not ex.held:
-            return
-        held = ex.held
-        upto = ex.sync(True) if wait else ex.durable_through()
-        while held and held[0].epoch <= upto:
-            self._recorded(held.pop(0))
-
-    def _held(self) -> bool:
-        ex = self.exchange
-        return isinstance(ex, ResidentExchange) and bool(ex.held)
-
-    def _idle(self) -> None:
-        """The direct sequencer found the log idle: the held epochs' records are written as their writes end (the
-        tasks are asked how far they got, at most every :data:`IDLE_SYNC_S`)."""
-        ex = self.exchange
-        if not isinstance(ex, ResidentExchange) or not ex.held or time.monotonic() - self._synced < IDLE_SYNC_S:
-            return
-        self._synced = time.monotonic()
-        ex.sync(False)
-        self.record_idle()
-
-    def record_idle(self, wait: bool = False) -> None:
-        """Between epochs: :meth:`record_held`; once no epoch is held (nor deferred) the gate has no epoch running
-        (a pause waiting for the boundary completes)."""
-        self.record_held(wait)
-        ex = self.exchange
-        if not self._held() and getattr(ex, "pending", None) is None:
-            self.gate.leave()
-
-    def _last_finished(self) -> int:
-        """The newest epoch finalized by this exchange (recorded, or held for its durable writes)."""
-        held = getattr(self.exchange, "held", None)
-        return held[-1].epoch if held else self.last_recorded_epoch()
-
-    def _finished_record(self, epoch: int) -> EpochRecord | None:
-        """Epoch ``epoch``'s record: held (written once durable) or read."""
-        for rec in getattr(self.exchange, "held", None) or ():
-            if rec.epoch == epoch:
-                return rec
-        return self.read_record(epoch)
 
     def _recorded(self, rec: EpochRecord) -> None:
         """Write the record of an epoch whose state is durable at every partition (and whose atom is
@@ -1324,8 +1260,6 @@ class SparkRuntime(EngineBacked):
         ex = getattr(self, "exchange", None)
         pending = ex.pending if ex is not None else None
         if ex is None or pending is None:
-            if ex is not None:
-                self.record_idle(wait=True)
             return
         ex.pending = None
         self._flush(pending)
@@ -1338,8 +1272,7 @@ class SparkRuntime(EngineBacked):
         coord.finalize(result)
         self._append_atom(result)
         crash_point("after_finalize", rec.epoch)
-        self._hold(rec)
-        self.record_held(wait=True)
+        self._recorded(rec)
         self.gate.leave()
 
     def _start_compaction(self, upto: int) -> None:

@@ -103,11 +103,10 @@ class DirectSequencer:
                  read_record: Callable[[int], EpochRecord | None], exchange: Callable[[], object],
                  stopping: Callable[[], bool], migrate: Callable[[int], tuple[list[int], list[int]] | None],
                  writer: Executor | None = None, write: Callable[[str, bytes], None] = write_file_atomic,
-                 remove: Callable[[str], None] | None = None, idle: Callable[[], None] | None = None) -> None:
+                 remove: Callable[[str], None] | None = None) -> None:
         """``writer`` (a seam for the seeded simulator): the executor that writes the bounds (default: one thread
         of its own); whatever it does, a bound is durable once :meth:`wait_durable` returned. ``write`` and
-        ``remove``: how a bound (and the marker) is written and removed. ``idle``: called while the log has nothing
-        new (the runtime then records the epochs whose background durable writes ended)."""
+        ``remove``: how a bound (and the marker) is written and removed."""
         self.checkpoint = checkpoint
         # how a bound (and the marker) is written and removed: the checkpoint directory, and object storage with
         # it when the runtime has one (charon.runtime.spark.files.CheckpointFiles)
@@ -121,7 +120,6 @@ class DirectSequencer:
         self._exchange = exchange
         self._stopping = stopping
         self._migrate = migrate  # an unrecorded epoch's offsets from the micro-batch mode's query checkpoint
-        self._idle = idle
         self._networked = is_networked(location)
         self._stop = threading.Event()
         self._done = threading.Event()
@@ -283,8 +281,6 @@ class DirectSequencer:
                 ends = self.input_log.end_offsets()
                 if any(e > s for s, e in zip(*pad_pair(prev_ends, ends), strict=True)):
                     return ends
-            if self._idle is not None:
-                self._idle()
             if now - checked >= GANG_CHECK_S:
                 checked = now
                 failure = getattr(self._exchange(), "failure", None)

@@ -101,8 +101,6 @@ def unit_for(app: Application, parts: int, root: str, durable_root: str, pid: in
     store = open_store(root, pid, durable_root, fence)
     if fence is not None and store.durable is not None and not store.durable.holds(pid, fence):
         store.durable.claim(pid, fence)  # (once per partition and gang: a round after the first reads nothing)
-    if fence is not None and store.fence != fence:
-        store.claim(fence)  # the local copy too: an older gang's commit into it is refused (its writes may lag)
     if isinstance(scratch, PartitionUnit) and scratch.store is store and scratch.app is app:
         unit = scratch  # kept between rounds in this process (the resident gang): nothing to unpickle
         unit.next_round()
