@@ -511,10 +511,11 @@ class WorkflowVersions(TypedDict):
     truncated: bool
 
 
-#: What :meth:`Client.migrate_workflows` answers: the pages' counts summed
 WorkflowMigration = TypedDict("WorkflowMigration", {
     "operation": str, "workflow": str, "from": str, "dry_run": bool, "examined": int, "matched": int, "done": int,
     "skipped": dict[str, int], "items": list[str], "pages": int})
+"""What :meth:`Client.migrate_workflows` answers: the pages' counts summed (the functional form: ``from`` is a
+keyword)."""
 
 
 def _migration(op: str, name: str, from_version: str, dry_run: bool) -> WorkflowMigration:
