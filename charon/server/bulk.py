@@ -28,8 +28,6 @@ the latter alone). A bad filter, resource, action, limit or cursor is a typed 4x
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import uuid
 from typing import Any
 
@@ -48,6 +46,7 @@ from charon.errors import BadArguments
 from charon.messages import Reply
 from charon.server.admin import EffectsAdmin
 from charon.server.audit import audited, note, started
+from charon.server.itemops import await_replies, derived_id, tally
 from charon.server.promises import BuiltinGateway
 from charon.server.wire import HTTPError, guard, parse_fields, respond
 
@@ -140,17 +139,11 @@ class BulkRoutes:
 
     # -- the resources
     async def _wait(self, op: str, calls: list[Any]) -> list[Reply]:
-        try:
-            return list(await asyncio.wait_for(asyncio.gather(*calls), self.timeout_s))
-        except TimeoutError:
-            raise HTTPError("Unavailable", f"no epoch answered bulk operation {op} within {self.timeout_s:.0f} s "
-                            "(paused?): what was sent applies when epochs run; repeat the call with the "
-                            f"Idempotency-Key {op} to see it (nothing is sent twice)") from None
+        return await await_replies(calls, self.timeout_s, "bulk operation", op)
 
     def _rid(self, op: str, *parts: str) -> str:
         """The request id of one of operation ``op``'s transactions (reserved: no client can take it)."""
-        digest = hashlib.blake2b("\0".join((op, *parts)).encode(), digest_size=16).hexdigest()
-        return f"__charon.bulk:{digest}"
+        return derived_id("bulk", op, *parts)
 
     async def _invocations(self, op: str, action: str, where: Where, dry: bool, limit: int, cursor: str | None,
                            reason: str) -> dict[str, Any]:
@@ -203,13 +196,7 @@ class BulkRoutes:
         replies = await self._wait(op, [engine.submit(operator, key, action, args,
                                                       request_id=self._rid(op, resource, action, key))
                                         for key in hits])
-        skipped: dict[str, int] = {}
-        for rep in replies:
-            if rep.ok:
-                out["done"] += 1
-            else:  # the transaction decided it did not apply (settled or deleted meanwhile): nothing changed
-                skipped[rep.error_type] = skipped.get(rep.error_type, 0) + 1
-        out["skipped"] = skipped
+        out["done"], out["skipped"] = tally(replies)  # a skipped one was settled or deleted meanwhile
         return out
 
     async def _effects(self, action: str, where: Where, dry: bool, limit: int, cursor: str | None

@@ -25,8 +25,6 @@ internal: ``/invoke`` and ``/batch`` answer 404 for them as for any internal fun
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import uuid
 from typing import Any
 
@@ -39,8 +37,9 @@ from charon.core.promises import MAX_PROMISE_VALUE_BYTES
 from charon.core.routing import check_key
 from charon.core.workflows import MINTED_PREFIX, workflow_operator
 from charon.errors import InvalidKey, SerializationError
-from charon.messages import Reply, is_reserved_id
+from charon.messages import is_reserved_id
 from charon.server.audit import audited, note, started
+from charon.server.itemops import await_replies, derived_id, tally
 from charon.server.promises import BuiltinGateway, entity_page, list_page, run_builtin
 from charon.server.wire import HTTPError, guard, parse_fields, respond
 
@@ -192,22 +191,10 @@ class WorkflowRoutes:
                                "examined": len(rows), "matched": len(hits), "done": 0, "skipped": {},
                                "items": hits, "next": nxt}
         if not dry and hits:
-            def rid(wid: str) -> str:
-                digest = hashlib.blake2b("\0".join((op, name, wid)).encode(), digest_size=16).hexdigest()
-                return f"__charon.wfmigrate:{digest}"
-
-            calls = [gw.engine.submit(operator, wid, "migrate", [old], request_id=rid(wid)) for wid in hits]
-            try:
-                replies: list[Reply] = list(await asyncio.wait_for(asyncio.gather(*calls), _MIGRATE_TIMEOUT_S))
-            except TimeoutError:
-                raise HTTPError("Unavailable", f"no epoch answered migration {op} within {_MIGRATE_TIMEOUT_S:.0f} "
-                                f"s (paused?): repeat the call with the Idempotency-Key {op} (nothing is sent "
-                                "twice)") from None
-            for rep in replies:
-                if rep.ok:
-                    out["done"] += 1
-                else:
-                    out["skipped"][rep.error_type] = out["skipped"].get(rep.error_type, 0) + 1
+            calls = [gw.engine.submit(operator, wid, "migrate", [old],
+                                      request_id=derived_id("wfmigrate", op, name, wid)) for wid in hits]
+            replies = await await_replies(calls, _MIGRATE_TIMEOUT_S, "migration", op)
+            out["done"], out["skipped"] = tally(replies)
         note(request, examined=out["examined"], matched=out["matched"], done=out["done"], skipped=out["skipped"],
              next=nxt)
         return respond(request, 200, out)
