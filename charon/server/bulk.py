@@ -39,7 +39,6 @@ from charon import serde
 from charon.core.admission import LIMITS_OPERATOR
 from charon.core.bulk import BULK_ACTIONS, MAX_BULK_LIMIT, MAX_TEXT, Where, parse_where
 from charon.core.promises import PROMISE_OPERATOR, is_promise_id
-from charon.core.routing import split_store_key
 from charon.core.schedule_spec import check_name
 from charon.core.schedules import SCHEDULE_OPERATOR
 from charon.errors import BadArguments
@@ -47,7 +46,7 @@ from charon.messages import Reply
 from charon.server.admin import EffectsAdmin
 from charon.server.audit import audited, note, started
 from charon.server.itemops import await_replies, derived_id, tally
-from charon.server.promises import BuiltinGateway
+from charon.server.promises import BuiltinGateway, entity_page
 from charon.server.wire import HTTPError, guard, parse_fields, respond
 
 __all__ = ["BULK_TIMEOUT_S", "BulkRoutes", "bulk_routes"]
@@ -158,31 +157,15 @@ class BulkRoutes:
         return {"examined": doc["examined"], "matched": doc["matched"], "done": doc["cancelled"], "skipped": {},
                 "items": doc["items"], "next": doc["next"], "epoch": rep.epoch}
 
-    async def _page(self, operator: str, after: str | None, limit: int, prefix: str
-                    ) -> tuple[list[dict[str, Any]], str | None]:
-        controls = self.gw.engine.controls
-        if controls is None:
-            raise HTTPError("NotSupported", f"this engine ({self.gw.engine.kind}) cannot list its state: ask the "
-                            "gateway beside the engine")
-        page = await controls.inspect(operator, None, None, limit + 1, after=after, prefix=prefix)
-        rows: list[tuple[str, dict[str, Any]]] = []
-        for k, v in sorted(page.rows.items()):
-            _, key, item = split_store_key(k)
-            if item == "":
-                rows.append((key, serde.decode(v)))
-        more = len(rows) > limit or page.more
-        rows = rows[:limit]
-        return [r for _, r in rows], (rows[-1][0] if more and rows else None)
-
     async def _entities(self, op: str, resource: str, action: str, where: Where, dry: bool, limit: int,
                         cursor: str | None, reason: str) -> dict[str, Any]:
         if resource == "promises":
-            recs, nxt = await self._page(PROMISE_OPERATOR, cursor, limit, "")
+            recs, nxt = await entity_page(self.gw, PROMISE_OPERATOR, cursor, limit)
             hits = [r["id"] for r in recs if r.get("status") == "pending"
                     and where.match(r["operator"], r["then"], r["key"], r["created"])]
             operator, args = PROMISE_OPERATOR, [reason]
         else:  # schedules: the key prefix is the name's (read as a prefix of the operator's keys)
-            recs, nxt = await self._page(SCHEDULE_OPERATOR, cursor, limit, where.key_prefix or "")
+            recs, nxt = await entity_page(self.gw, SCHEDULE_OPERATOR, cursor, limit, where.key_prefix or "")
             wanted = {"pause": lambda r: not r.get("paused"), "resume": lambda r: bool(r.get("paused")),
                       "delete": lambda r: True}[action]
             hits = [r["name"] for r in recs if not r.get("deleted") and wanted(r)

@@ -93,22 +93,23 @@ def list_page(request: HTTPRequest) -> tuple[str | None, int]:
     return after, limit
 
 
-async def entity_page(gw: BuiltinGateway, operator: str, after: str | None, limit: int
+async def entity_page(gw: BuiltinGateway, operator: str, after: str | None, limit: int, prefix: str = ""
                       ) -> tuple[list[dict[str, Any]], str | None]:
-    """A page of a built-in operator's records (their main values, in key order) and the next page's cursor."""
+    """A page of a built-in operator's records (their main values, in key order; keys starting with ``prefix``)
+    and the next page's cursor (the last record's key)."""
     controls = gw.engine.controls
     if controls is None:
         raise HTTPError("NotSupported", f"this engine ({gw.engine.kind}) cannot list its state")
     gw.check_ready()
-    page = await controls.inspect(operator, None, None, limit + 1, after=after)
-    out: list[dict[str, Any]] = []
+    page = await controls.inspect(operator, None, None, limit + 1, after=after, prefix=prefix)
+    rows: list[tuple[str, dict[str, Any]]] = []
     for k, v in sorted(page.rows.items()):
-        _, _, item = split_store_key(k)
+        _, key, item = split_store_key(k)
         if item == "":
-            out.append(serde.decode(v))
-    more = len(out) > limit or page.more
-    out = out[:limit]
-    return out, (str(out[-1].get("id") or out[-1].get("name")) if more and out else None)
+            rows.append((key, serde.decode(v)))
+    more = len(rows) > limit or page.more
+    rows = rows[:limit]
+    return [r for _, r in rows], (rows[-1][0] if more and rows else None)
 
 
 def _pid(request: HTTPRequest) -> str:
