@@ -9,28 +9,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from charon.cli.fail import request_failed
-from charon.errors import CharonError
+from charon.cli.parts import JsonOpt, TokenOpt, UrlOpt, call_gateway
 
 limits_app = typer.Typer(help="Admission limits: show them with the waiting requests, change them at run time.",
                          no_args_is_help=True)
 console = Console()
-UrlOpt = typer.Option("http://127.0.0.1:8000", "--url", envvar="CHARON_URL", help="Gateway URL.")
-TokenOpt = typer.Option(None, "--token", envvar="CHARON_TOKEN", help="Bearer token.")
-JsonOpt = typer.Option(False, "--json", help="The JSON document instead of a table.")
-
-
-def _ask(url: str, token: str | None, what: str, *args: object, **kw: object) -> dict[str, object]:
-    import httpx
-
-    from charon.client import Client
-
-    with Client(url, token=token, timeout=60.0, retries=2) as client:
-        try:
-            doc: dict[str, object] = getattr(client, what)(*args, **kw)
-            return doc
-        except (CharonError, httpx.HTTPError) as exc:
-            raise request_failed(exc, url) from None
 
 
 def _print(doc: dict[str, object], as_json: bool) -> None:
@@ -51,7 +34,7 @@ def _print(doc: dict[str, object], as_json: bool) -> None:
 @limits_app.command("show")
 def show(url: str = UrlOpt, token: str | None = TokenOpt, as_json: bool = JsonOpt) -> None:
     """The limits in force and the requests waiting per limit."""
-    _print(_ask(url, token, "limits"), as_json)
+    _print(call_gateway(url, token, "limits", timeout=60.0), as_json)
 
 
 @limits_app.command("set")
@@ -71,18 +54,18 @@ def set_limit(
     for k, v in (("concurrency", concurrency), ("rate", rate), ("burst", burst)):
         if v is not None:
             lim[k] = v
-    _print(_ask(url, token, "set_limit", target, lim), as_json)
+    _print(call_gateway(url, token, "set_limit", target, lim, timeout=60.0), as_json)
 
 
 @limits_app.command("clear")
 def clear(target: str = typer.Argument(...), url: str = UrlOpt, token: str | None = TokenOpt,
           as_json: bool = JsonOpt) -> None:
     """Go back to the limit the code declares for a target (if any)."""
-    _print(_ask(url, token, "set_limit", target, clear=True), as_json)
+    _print(call_gateway(url, token, "set_limit", target, clear=True, timeout=60.0), as_json)
 
 
 @limits_app.command("remove")
 def remove(target: str = typer.Argument(...), url: str = UrlOpt, token: str | None = TokenOpt,
            as_json: bool = JsonOpt) -> None:
     """Lift a target's limit (the code's included) until cleared."""
-    _print(_ask(url, token, "set_limit", target, remove=True), as_json)
+    _print(call_gateway(url, token, "set_limit", target, remove=True, timeout=60.0), as_json)

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import sys
 import traceback
+from typing import Any
 
 import msgspec
 import typer
@@ -15,11 +16,14 @@ from rich.console import Console
 
 from charon.cli.exitcodes import ExitCode
 from charon.cli.fail import fail as _fail
+from charon.cli.fail import request_failed
+from charon.errors import CharonError
 from charon.operator import Application
 from charon.runtime.contract import Engine
 from charon.runtime.factory import EngineSpec
 
-__all__ = ["console", "err_console", "DEFAULT_URL", "DEBUG_ENV", "UrlOpt", "TokenOpt", "load_app", "make_engine",
+__all__ = ["console", "err_console", "DEFAULT_URL", "DEBUG_ENV", "UrlOpt", "TokenOpt", "JsonOpt",
+           "call_gateway", "load_app", "make_engine",
            "spark_available", "print_json", "app_error", "error_site", "debug"]
 
 console = Console()
@@ -125,3 +129,18 @@ def print_json(value: object) -> None:
 
 UrlOpt = typer.Option(DEFAULT_URL, "--url", envvar="CHARON_URL", help="Gateway URL.")
 TokenOpt = typer.Option(None, "--token", envvar="CHARON_TOKEN", help="Bearer token.")
+JsonOpt = typer.Option(False, "--json", help="The JSON document instead of a table.")
+
+
+def call_gateway(url: str, token: str | None, what: str, *args: object, timeout: float = 30.0,
+                 **kw: object) -> Any:
+    """``Client(url).what(*args, **kw)``, its failure the command's typed exit (:func:`request_failed`)."""
+    import httpx
+
+    from charon.client import Client
+
+    with Client(url, token=token, timeout=timeout, retries=2) as client:
+        try:
+            return getattr(client, what)(*args, **kw)
+        except (CharonError, httpx.HTTPError) as exc:
+            raise request_failed(exc, url) from None

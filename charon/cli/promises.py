@@ -9,9 +9,7 @@ from typing import Any
 import typer
 
 from charon.cli.bulk import add_bulk_command
-from charon.cli.fail import request_failed
-from charon.cli.parts import TokenOpt, UrlOpt, print_json
-from charon.errors import CharonError
+from charon.cli.parts import TokenOpt, UrlOpt, call_gateway, print_json
 
 promises_app = typer.Typer(help="Durable promises: list, show, resolve, reject, cancel (one, or in bulk by "
                             "filter).", no_args_is_help=True)
@@ -19,18 +17,6 @@ schedules_app = typer.Typer(help="Schedules: list, show, create, pause, resume, 
                              "filter).", no_args_is_help=True)
 LimitOpt = typer.Option(100, min=1, max=1000, help="Page size.")
 AfterOpt = typer.Option(None, "--after", help="The previous page's `next` cursor.")
-
-
-def _call(url: str, token: str | None, what: str, *args: Any, **kw: Any) -> Any:
-    import httpx
-
-    from charon.client import Client
-
-    with Client(url, token=token, timeout=30.0, retries=2) as client:
-        try:
-            return getattr(client, what)(*args, **kw)
-        except (CharonError, httpx.HTTPError) as exc:
-            raise request_failed(exc, url) from None
 
 
 def _json(text: str, what: str) -> Any:
@@ -45,13 +31,13 @@ def promises_list(status: str | None = typer.Option(None, help="pending, resolve
                   after: str | None = AfterOpt, limit: int = LimitOpt, url: str = UrlOpt,
                   token: str | None = TokenOpt) -> None:
     """A page of promises in id order (`next`: the cursor of the following page)."""
-    print_json(_call(url, token, "promises", status, after=after, limit=limit))
+    print_json(call_gateway(url, token, "promises", status, after=after, limit=limit))
 
 
 @promises_app.command("show")
 def promises_show(promise_id: str = typer.Argument(...), url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """One promise's record."""
-    print_json(_call(url, token, "promise", promise_id))
+    print_json(call_gateway(url, token, "promise", promise_id))
 
 
 @promises_app.command("resolve")
@@ -60,14 +46,14 @@ def promises_resolve(promise_id: str = typer.Argument(...),
                      request_id: str | None = typer.Option(None, "--request-id", help="Idempotency key."),
                      url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Resolve a promise with VALUE_JSON: its continuation runs once (exit 1 PromiseConflict if settled before)."""
-    print_json(_call(url, token, "resolve", promise_id, _json(value_json, "VALUE_JSON"), request_id=request_id))
+    print_json(call_gateway(url, token, "resolve", promise_id, _json(value_json, "VALUE_JSON"), request_id=request_id))
 
 
 @promises_app.command("reject")
 def promises_reject(promise_id: str = typer.Argument(...), error: str = typer.Argument("rejected"),
                     url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Reject a promise: its continuation runs once with PromiseRejected."""
-    print_json(_call(url, token, "reject", promise_id, error))
+    print_json(call_gateway(url, token, "reject", promise_id, error))
 
 
 @promises_app.command("cancel")
@@ -75,20 +61,20 @@ def promises_cancel(promise_id: str = typer.Argument(...),
                     reason: str = typer.Option("cancelled by an operator", help="Given to the continuation."),
                     url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Cancel a pending promise: its continuation runs once with PromiseCancelled."""
-    print_json(_call(url, token, "cancel_promise", promise_id, reason))
+    print_json(call_gateway(url, token, "cancel_promise", promise_id, reason))
 
 
 @schedules_app.command("list")
 def schedules_list(after: str | None = AfterOpt, limit: int = LimitOpt, url: str = UrlOpt,
                    token: str | None = TokenOpt) -> None:
     """A page of schedules in name order."""
-    print_json(_call(url, token, "schedules", after=after, limit=limit))
+    print_json(call_gateway(url, token, "schedules", after=after, limit=limit))
 
 
 @schedules_app.command("show")
 def schedules_show(name: str = typer.Argument(...), url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """One schedule's record: spec, paused, next and last slot, fired and skipped counts."""
-    print_json(_call(url, token, "schedule", name))
+    print_json(call_gateway(url, token, "schedule", name))
 
 
 @schedules_app.command("create")
@@ -104,25 +90,26 @@ def schedules_create(name: str = typer.Argument(...), cron: str = typer.Argument
     args = _json(args_json, "ARGS_JSON")
     if not isinstance(args, list):
         raise typer.BadParameter("ARGS_JSON must be a JSON list")
-    print_json(_call(url, token, "create_schedule", name, cron, operator, key, function, args, catch_up=catch_up))
+    print_json(call_gateway(url, token, "create_schedule", name, cron, operator, key, function, args,
+                            catch_up=catch_up))
 
 
 @schedules_app.command("pause")
 def schedules_pause(name: str = typer.Argument(...), url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Stop firing until resumed."""
-    print_json(_call(url, token, "pause_schedule", name))
+    print_json(call_gateway(url, token, "pause_schedule", name))
 
 
 @schedules_app.command("resume")
 def schedules_resume(name: str = typer.Argument(...), url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Fire again from the first slot after now."""
-    print_json(_call(url, token, "resume_schedule", name))
+    print_json(call_gateway(url, token, "resume_schedule", name))
 
 
 @schedules_app.command("delete")
 def schedules_delete(name: str = typer.Argument(...), url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Delete a schedule."""
-    print_json(_call(url, token, "delete_schedule", name))
+    print_json(call_gateway(url, token, "delete_schedule", name))
 
 
 add_bulk_command(promises_app, "promises")

@@ -13,29 +13,12 @@ from rich.text import Text
 from rich.tree import Tree
 
 from charon.cli.bulk import add_bulk_command
-from charon.cli.fail import request_failed
-from charon.errors import CharonError
+from charon.cli.parts import JsonOpt, TokenOpt, UrlOpt, call_gateway
 
 requests_app = typer.Typer(help="The invocation inspector: list and search requests, show one with its call graph "
                            "and traceback.", no_args_is_help=True)
 console = Console()
 err_console = Console(stderr=True)
-UrlOpt = typer.Option("http://127.0.0.1:8000", "--url", envvar="CHARON_URL", help="Gateway URL.")
-TokenOpt = typer.Option(None, "--token", envvar="CHARON_TOKEN", help="Bearer token.")
-JsonOpt = typer.Option(False, "--json", help="The JSON document instead of a table.")
-
-
-def _ask(url: str, token: str | None, what: str, *args: object, **kw: str | int | float | None) -> dict[str, object]:
-    import httpx
-
-    from charon.client import Client
-
-    with Client(url, token=token, timeout=30.0, retries=2) as client:
-        try:
-            doc: dict[str, object] = getattr(client, what)(*args, **kw)
-            return doc
-        except (CharonError, httpx.HTTPError) as exc:
-            raise request_failed(exc, url) from None
 
 
 def _when(t: float | None) -> str:
@@ -66,9 +49,9 @@ def list_requests(
     as_json: bool = JsonOpt,
 ) -> None:
     """Requests the gateway's engine ran or holds, newest first, filtered; the next page's cursor at the end."""
-    page: dict[str, Any] = _ask(url, token, "requests", status=status, operator=operator, key=key, function=function,
-                error_type=error_type, epoch_min=epoch_min, epoch_max=epoch_max, since=since, until=until,
-                limit=limit, cursor=cursor)
+    page: dict[str, Any] = call_gateway(url, token, "requests", status=status, operator=operator, key=key,
+                                        function=function, error_type=error_type, epoch_min=epoch_min,
+                                        epoch_max=epoch_max, since=since, until=until, limit=limit, cursor=cursor)
     if as_json:
         typer.echo(msgspec.json.encode(page).decode())
         return
@@ -96,7 +79,7 @@ def show_request(
     as_json: bool = JsonOpt,
 ) -> None:
     """One request: status, timings, (epoch, position), reply or error with its traceback, and its call graph."""
-    d: dict[str, Any] = _ask(url, token, "request_detail", request_id)
+    d: dict[str, Any] = call_gateway(url, token, "request_detail", request_id)
     if as_json:
         typer.echo(msgspec.json.encode(d).decode())
         return

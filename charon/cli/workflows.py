@@ -5,25 +5,10 @@ from __future__ import annotations
 
 import typer
 
-from charon.cli.fail import request_failed
-from charon.cli.parts import TokenOpt, UrlOpt, print_json
-from charon.errors import CharonError
+from charon.cli.parts import TokenOpt, UrlOpt, call_gateway, print_json
 
 workflows_app = typer.Typer(help="Workflows: list, show, cancel; versions (the drain: in-flight workflows per code "
                             "version) and migrate (move them to the deployed version).", no_args_is_help=True)
-
-
-def _call(url: str, token: str | None, what: str, *args: object, **kw: object) -> dict[str, object]:
-    import httpx
-
-    from charon.client import Client
-
-    with Client(url, token=token, timeout=70.0, retries=2) as client:
-        try:
-            out: dict[str, object] = getattr(client, what)(*args, **kw)
-            return out
-        except (CharonError, httpx.HTTPError) as exc:
-            raise request_failed(exc, url) from None
 
 
 @workflows_app.command("list")
@@ -32,14 +17,14 @@ def workflows_list(name: str = typer.Argument(..., help="The workflow's name."),
                    limit: int = typer.Option(100, min=1, max=1000, help="Page size."),
                    url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """A page of workflow NAME's records in id order (`next`: the cursor of the following page)."""
-    print_json(_call(url, token, "workflows", name, after=after, limit=limit))
+    print_json(call_gateway(url, token, "workflows", name, after=after, limit=limit, timeout=70.0))
 
 
 @workflows_app.command("show")
 def workflows_show(name: str = typer.Argument(...), workflow_id: str = typer.Argument(..., metavar="ID"),
                    url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """One workflow's record: status, version, step, what it awaits, state, the history of its steps."""
-    print_json(_call(url, token, "workflow", name, workflow_id))
+    print_json(call_gateway(url, token, "workflow", name, workflow_id, timeout=70.0))
 
 
 @workflows_app.command("cancel")
@@ -47,13 +32,13 @@ def workflows_cancel(name: str = typer.Argument(...), workflow_id: str = typer.A
                      reason: str = typer.Option("cancelled by an operator", help="Recorded as its error."),
                      url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Cancel a workflow that has not finished (its timers cancelled; later deliveries are stale)."""
-    print_json(_call(url, token, "cancel_workflow", name, workflow_id, reason))
+    print_json(call_gateway(url, token, "cancel_workflow", name, workflow_id, reason, timeout=70.0))
 
 
 @workflows_app.command("versions")
 def workflows_versions(url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """The drain: how many workflows still run (running, waiting) on each code version, and the deployed one."""
-    print_json(_call(url, token, "workflow_versions"))
+    print_json(call_gateway(url, token, "workflow_versions", timeout=70.0))
 
 
 @workflows_app.command("migrate")
@@ -67,8 +52,9 @@ def workflows_migrate(from_version: str = typer.Option(..., "--from", help="The 
     decides: one finished meanwhile, or at a step the deployed code lacks, is skipped as NotMigratable)."""
     names = list(workflow)
     if not names:
-        per_workflow = _call(url, token, "workflow_versions")["workflows"]
+        per_workflow = call_gateway(url, token, "workflow_versions", timeout=70.0)["workflows"]
         assert isinstance(per_workflow, dict)
         names = sorted(n for n, per in per_workflow.items() if from_version in per)
-    print_json({name: _call(url, token, "migrate_workflows", name, from_version, dry_run=dry_run, limit=limit)
+    print_json({name: call_gateway(url, token, "migrate_workflows", name, from_version, dry_run=dry_run, limit=limit,
+                                   timeout=70.0)
                 for name in names})

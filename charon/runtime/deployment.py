@@ -38,7 +38,6 @@ an offset checkpoint and rely on the same request-id dedup, so either process ma
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sqlite3
 from collections.abc import Iterable, Mapping
@@ -50,7 +49,6 @@ from charon.errors import UndeclaredPortal
 from charon.log.streams import StreamLog
 from charon.messages import Reply
 from charon.runtime.wiring import StreamWire, load_offset, store_offset
-from charon.storage.files import write_file_atomic
 
 __all__ = ["Deployment", "PortalOutbox", "PortalRouter", "PortalServer", "ReplyPump"]
 
@@ -270,20 +268,6 @@ def _reply_doc(reply: Reply) -> dict[str, Any]:
     return {"ok": False, "error_type": reply.error_type, "error": reply.error_message}
 
 
-def _load_offset(path: str | None) -> int:
-    if path is None:
-        return 0
-    with contextlib.suppress(FileNotFoundError, ValueError):
-        with open(path, encoding="ascii") as f:
-            return int(f.read().strip())
-    return 0
-
-
-def _store_offset(path: str | None, offset: int) -> None:
-    if path is not None:
-        write_file_atomic(path, str(offset).encode("ascii"))
-
-
 class PortalOutbox:
     """The replies of one callee application, each recorded once by request id, read in insertion order."""
 
@@ -328,7 +312,7 @@ class PortalServer:
         self.sources = {c: StreamLog(p, durable=False) for c, p in callers.items()}
         self._ck = {c: os.path.join(checkpoint_dir, f"portal-server.{c}.offset") if checkpoint_dir else None
                     for c in callers}
-        self.offsets = {c: _load_offset(self._ck[c]) for c in callers}
+        self.offsets = {c: load_offset(self._ck[c]) for c in callers}
         self.served = 0
 
     async def _serve(self, caller: str, doc: dict[str, Any]) -> None:
@@ -358,7 +342,7 @@ class PortalServer:
                 n += len(page.events)
             if page.next_offset != self.offsets[caller]:
                 self.offsets[caller] = max(self.offsets[caller], page.next_offset)
-                _store_offset(self._ck[caller], self.offsets[caller])
+                store_offset(self._ck[caller], self.offsets[caller])
         return n
 
 
@@ -375,7 +359,7 @@ class ReplyPump:
         self.max_events = max_events
         self._ck = {c: os.path.join(checkpoint_dir, f"reply-pump.{c}.offset") if checkpoint_dir else None
                     for c in outboxes}
-        self.offsets = {c: _load_offset(self._ck[c]) for c in outboxes}
+        self.offsets = {c: load_offset(self._ck[c]) for c in outboxes}
         self.continuations = 0
         self.failed: list[Reply] = []  # replies of continuations that aborted (the newest max_events)
         self.malformed = 0  # events of the request stream that are not requests (skipped)
@@ -397,6 +381,6 @@ class ReplyPump:
                 continue
             await asyncio.gather(*(self._resume(rid, doc) for _, rid, doc in rows))
             self.offsets[callee] = rows[-1][0]
-            _store_offset(self._ck[callee], self.offsets[callee])
+            store_offset(self._ck[callee], self.offsets[callee])
             n += len(rows)
         return n

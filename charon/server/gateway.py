@@ -644,8 +644,8 @@ class Gateway:
                 raise HTTPError("NotFound", f"unknown request id {rid!r}")
         return self.reply_response(request, rep)
 
-    async def state(self, request: HTTPRequest) -> Response:
-        self.check_auth(request)
+    def entity_of(self, request: HTTPRequest) -> tuple[str, str]:
+        """The ``{operator}/{key}`` of an entity route, checked (typed 404/400 before anything is read)."""
         operator = request.path_params["operator"]
         key = request.path_params["key"]
         if self.known_ops and operator not in self.known_ops:
@@ -654,6 +654,11 @@ class Gateway:
             check_key(key)
         except InvalidKey as exc:
             raise HTTPError("InvalidKey", str(exc)) from None
+        return operator, key
+
+    async def state(self, request: HTTPRequest) -> Response:
+        self.check_auth(request)
+        operator, key = self.entity_of(request)
         self.check_ready()
         value = await self.off_loop(self.engine.read_state, operator, key)
         return respond(request, 200, {"operator": operator, "key": key, "value": value})
@@ -677,14 +682,7 @@ class Gateway:
     async def timers(self, request: HTTPRequest) -> Response:
         """The pending timers an entity registered (an admin read)."""
         self.check_auth(request)
-        operator = request.path_params["operator"]
-        key = request.path_params["key"]
-        if self.known_ops and operator not in self.known_ops:
-            raise HTTPError("UnknownOperator", f"unknown operator {operator!r}")
-        try:
-            check_key(key)
-        except InvalidKey as exc:
-            raise HTTPError("InvalidKey", str(exc)) from None
+        operator, key = self.entity_of(request)
         found = await self.off_loop(self.engine.timers, operator, key)
         doc = [{"id": t.id, "due": t.due, "operator": t.operator, "key": t.key, "function": t.function,
                 "args": serde.decode(t.args)} for t in found]
