@@ -175,6 +175,14 @@ async def cancel(ctx: Any, reason: str = "cancelled by an operator") -> dict[str
 
 
 @_op.function
+async def withdraw(ctx: Any, reason: str) -> dict[str, Any] | None:
+    """Cancel the promise if it is still pending (``PromiseCancelled``: ``reason``; its continuation runs), else
+    nothing: what a workflow sends for the awaits it no longer waits for (``w.any``'s others, a cancel)."""
+    return _settle(ctx, "cancelled", {"ok": False, "error_type": "PromiseCancelled",
+                                      "error": str(reason)[:MAX_ERROR_CHARS]}, strict=False)
+
+
+@_op.function
 async def expire(ctx: Any) -> dict[str, Any] | None:
     """The timeout's timer: settle a still pending promise with ``PromiseTimedOut``."""
     rec = ctx.get()

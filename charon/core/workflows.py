@@ -47,7 +47,7 @@ from typing import Any, TypeVar, overload
 
 from charon import serde
 from charon.core.context import Context
-from charon.core.promises import MAX_ERROR_CHARS, MAX_PROMISE_VALUE_BYTES, MAX_TIMEOUT_S
+from charon.core.promises import MAX_ERROR_CHARS, MAX_PROMISE_VALUE_BYTES, MAX_TIMEOUT_S, PROMISE_OPERATOR, withdraw
 from charon.errors import (
     BadArguments,
     NotMigratable,
@@ -224,6 +224,15 @@ class WorkflowHandle:
         self.undos.append(undo)
 
 
+async def _give_up_awaits(ctx: Context, awaits: list[dict[str, Any]], reason: str) -> None:
+    """Awaits a workflow no longer waits for: their timers cancelled, their promises withdrawn (cancelled if still
+    pending, in this transaction; their continuations arrive stale). An effect runs on: its outcome arrives stale."""
+    for a in awaits:
+        if a["kind"] == "timer":
+            ctx.cancel_timer(a["id"])
+        elif a["kind"] == "promise":
+            await ctx.call(PROMISE_OPERATOR, a["id"], withdraw, reason)
+
 class Workflow(Operator):
     """A workflow: ``wf = Workflow("checkout")``, steps with ``@wf.step`` (the first with ``first=True``), given
     to the application (``Application(..., workflows=[wf])``). Each record keeps the code version its start ran
@@ -330,10 +339,9 @@ class Workflow(Operator):
                     return {"id": ctx.key, "seq": seq, "waiting": sum(1 for o in outs if o is None)}
                 outcome = {"ok": all(bool(o.get("ok")) for o in outs), "value": [o.get("value") for o in outs],
                            "outcomes": outs}
-            elif mode == "any":
-                for a in rec["awaiting"]:  # the others' timers: cancelled (their other outcomes arrive stale)
-                    if a["kind"] == "timer" and a.get("index") != index:
-                        ctx.cancel_timer(a["id"])
+            elif mode == "any":  # the others are given up: their outcomes, if any still come, arrive stale
+                await _give_up_awaits(ctx, [a for a in rec["awaiting"] if a.get("index") != index],
+                                      f"workflow {ctx.key!r}: another await of its w.any arrived first")
                 outcome = {**outcome, "index": index}
             wf._deliver(ctx, rec, outcome)
             return {"id": ctx.key, "seq": seq}
@@ -365,8 +373,9 @@ class Workflow(Operator):
             if rec is None:
                 raise UnknownWorkflowAborted(f"no workflow {wf.workflow!r} {ctx.key!r}")
             if rec["status"] in ("running", "waiting"):
-                for t in rec["timers"] + [a["id"] for a in rec["awaiting"] if a["kind"] == "timer"]:
+                for t in rec["timers"]:
                     ctx.cancel_timer(t)
+                await _give_up_awaits(ctx, rec["awaiting"], f"workflow {ctx.key!r} cancelled: {reason}")
                 rec.update(status="cancelled", timers=[], awaiting=[], error=str(reason)[:MAX_ERROR_CHARS],
                            updated=ctx.now())
                 ctx.put(rec)

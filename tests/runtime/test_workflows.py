@@ -16,6 +16,7 @@ from charon import (
     BadArguments,
     InProcessRuntime,
     Operator,
+    PromiseConflict,
     TransactionAborted,
     UnknownFunction,
     UnknownOperator,
@@ -241,10 +242,24 @@ async def test_all_waits_for_every_await_and_any_for_the_first() -> None:
         rec = await finished("any")
         assert rec["result"] == {"ok": True, "value": "fast", "index": 1}
         assert timer not in {t.id for t in rt.timers(op, "any")}  # the other timer is cancelled
-        await rt.invoke("charon.promise", q1, "resolve", "late")
+        # the other promise is withdrawn in the same transaction: cancelled, its continuation arrives stale
+        assert rt.read_state("charon.promise", q1)["status"] == "cancelled"
+        assert rt.read_state("charon.promise", q2)["status"] == "resolved"
+        with pytest.raises(PromiseConflict):
+            await rt.invoke("charon.promise", q1, "resolve", "late")
         await asyncio.sleep(0.3)
         late = rt.read_state(op, "any")
-        assert late["result"] == rec["result"] and late["stale"] == rec["stale"] + 1 and late["steps"] == 2
+        assert late["result"] == rec["result"] and late["stale"] >= 1 and late["steps"] == 2
+
+        # cancelling a waiting workflow withdraws its pending promises and cancels its timers
+        await rt.invoke(op, "gone", "start", "any")
+        rec = await waiting("gone")
+        r1, r2, gone_timer = (a["id"] for a in rec["awaiting"])
+        await rt.invoke(op, "gone", "cancel", "no longer needed")
+        assert rt.read_state(op, "gone")["status"] == "cancelled"
+        assert {rt.read_state("charon.promise", r)["status"] for r in (r1, r2)} == {"cancelled"}
+        assert rt.read_state("charon.promise", r1)["error"].endswith("no longer needed")
+        assert gone_timer not in {t.id for t in rt.timers(op, "gone")}
 
 
 async def test_a_step_pinned_to_an_unrecorded_version_fails_and_a_declared_label_runs_the_deployed_code() -> None:
