@@ -51,7 +51,9 @@ The ``durable`` argument is accepted for interface parity and changes nothing.
 Failures: while the server is unreachable the client reconnects forever; an operation that does not complete
 within ``timeout_s`` raises :class:`NatsLogError` (an ``OSError``: :class:`~charon.log.client.LogClient` retries
 it like a locked SQLite file). Connections are per process (re-opened after ``fork``), one background event
-loop thread each, shared by every thread of the process.
+loop thread each, shared by every thread of the process. Opening a log waits out an outage of up to
+:data:`OPEN_WAIT_S` (``CHARON_NATS_OPEN_WAIT_S``): a cluster that just lost a server answers its first JetStream
+requests only once it elected new leaders, and a node started on a new machine meets exactly that.
 """
 
 from __future__ import annotations
@@ -83,7 +85,11 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 DEFAULT_DEDUP_WINDOW_S = 600.0
 DEFAULT_TIMEOUT_S = 10.0
+#: how long opening a log retries while the servers do not answer (then :class:`NatsLogUnreachable`)
+OPEN_WAIT_S = float(os.environ.get("CHARON_NATS_OPEN_WAIT_S", "60"))
 FETCH_BATCH = 5000  # messages per pull request of a range read
+DIRECT_READ_MAX = 8  # a read of at most this many messages by sequence gets them one by one (no consumer)
+CONSUMER_CREATE_S = 2.0  # one attempt to create a range read's consumer (retried within the operation's timeout)
 #: how old a handle's cached partition counts may get before an operation reads them again (see resize)
 COUNTS_REFRESH_S = 1.0
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -143,6 +149,14 @@ RUNTIME_ID_PREFIXES = ("__charon", "\x00")
 def _rid_hash(request_id: str) -> str:
     """A subject-safe fixed-length key for an arbitrary request id (the id itself is kept in the values)."""
     return hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class _Msg(msgspec.Struct, frozen=True):
+    """One stored message of a range read: its stream sequence and payload."""
+
+    seq: int
+    data: bytes
+    headers: dict[str, str] | None = None
 
 
 class _Client:
@@ -260,6 +274,19 @@ class _Base:
     def _run(self, fn: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
         return self.c.run(fn, timeout)
 
+    def _open_waiting(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run the idempotent ``fn`` that opens the log, again while the servers do not answer, for at most
+        :data:`OPEN_WAIT_S` (a cluster electing new leaders after losing a server times out its first requests)."""
+        deadline = time.monotonic() + OPEN_WAIT_S
+        while True:
+            try:
+                return self._run(fn)
+            except NatsLogUnreachable as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("opening the NATS log %s: %s; trying again", self.path, exc)
+                time.sleep(0.5)
+
     async def _ensure_stream(self, name: str, subject: str) -> None:
         from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
         from nats.js.errors import BadRequestError
@@ -344,60 +371,81 @@ class _Base:
     async def _fetch(
         self, stream: str, subject: str, first_seq: int, last_seq: int, limit: int | None = None,
         start_time: float | None = None,
-    ) -> list[Any]:
+    ) -> list[_Msg]:
         """Messages of ``stream`` with sequence in ``[first_seq, last_seq]`` (or from ``start_time`` up to
-        ``last_seq``), at most ``limit``, in order.
+        ``last_seq``), at most ``limit``, in order (deleted ones left out).
 
-        An ephemeral pull consumer (no acks, removed after reading, else by the server after 30 s idle) reads
-        them; it stops at ``last_seq``, at ``limit``, or when nothing more arrives (deleted messages).
+        Up to :data:`DIRECT_READ_MAX` messages by sequence are read one by one (``STREAM.MSG.GET``, answered by the
+        stream's leader: a request-id lookup reads one); more through an ephemeral pull consumer (no acks, removed
+        after reading, else by the server after 30 s idle), whose creation is retried with a short timeout: on a
+        cluster that lost a server, the server may place the consumer on the lost one, and that create never
+        answers (nats-server 2.9).
         """
         from datetime import UTC, datetime
 
         import nats.errors
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+        from nats.js.errors import NotFoundError
 
         if last_seq < max(first_seq, 1) and start_time is None:
             return []
+        if start_time is None and last_seq - max(first_seq, 1) < min(DIRECT_READ_MAX, limit or DIRECT_READ_MAX):
+            out: list[_Msg] = []
+            for seq in range(max(first_seq, 1), last_seq + 1):
+                try:
+                    raw = await self.c.js.get_msg(stream, seq)
+                except NotFoundError:  # deleted (a duplicate another attempt stored)
+                    continue
+                out.append(_Msg(seq, raw.data or b"", raw.headers))
+            return out
         if start_time is not None:
             cfg = ConsumerConfig(
                 deliver_policy=DeliverPolicy.BY_START_TIME,
                 # nats-py passes a string through as is (older releases took only one); its stub says datetime
                 opt_start_time=datetime.fromtimestamp(start_time, UTC).isoformat(),  # type: ignore[arg-type]
-                ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True,
+                ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True, filter_subject=subject,
             )
             bound = last_seq
         else:
             cfg = ConsumerConfig(
                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(first_seq, 1),
-                ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True,
+                ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True, filter_subject=subject,
             )
             bound = last_seq - max(first_seq, 1) + 1
         if limit is not None:
             bound = min(bound, limit)
-        sub = await self.c.js.pull_subscribe(subject, stream=stream, config=cfg)
-        out: list[Any] = []
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                info = await self.c.js.add_consumer(stream, config=cfg, timeout=CONSUMER_CREATE_S)
+                break
+            except nats.errors.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+        sub = await self.c.js.pull_subscribe_bind(consumer=info.name, stream=stream)
+        got: list[_Msg] = []
         try:
-            while len(out) < bound:
+            while len(got) < bound:
                 try:
-                    msgs = await sub.fetch(min(FETCH_BATCH, bound - len(out)), timeout=2.0)
+                    msgs = await sub.fetch(min(FETCH_BATCH, bound - len(got)), timeout=2.0)
                 except nats.errors.TimeoutError:
                     break
                 for m in msgs:
                     seq = m.metadata.sequence.stream
                     if seq > last_seq:
-                        return out
-                    out.append(m)
-                    if seq == last_seq or len(out) >= bound:
-                        return out
+                        return got
+                    got.append(_Msg(seq, m.data, m.headers))
+                    if seq == last_seq or len(got) >= bound:
+                        return got
                 if not msgs:
                     break
         finally:
             try:
-                await self.c.js.delete_consumer(stream, sub._consumer)  # noqa: SLF001
+                await self.c.js.delete_consumer(stream, info.name)
             except Exception:  # noqa: BLE001 - it expires anyway
                 pass
             await sub.unsubscribe()
-        return out
+        return got
 
     def close(self) -> None:
         """Release this object's use of the process's connection (closed with its last user)."""
@@ -437,7 +485,7 @@ class NatsInputLog(_Base):
         self._route = 0
         self._counts_at = -math.inf  # time.monotonic() of the last refresh
         try:
-            self._run(lambda: self._open(partitions, resize))
+            self._open_waiting(lambda: self._open(partitions, resize))
         except BaseException:
             self.close()
             raise
@@ -607,7 +655,7 @@ class NatsInputLog(_Base):
         last = info.state.last_seq
         for m in await self._fetch(self._stream(p), self._subject(p), 0, last, start_time=since - 5):
             if (m.headers or {}).get("Nats-Msg-Id", "").split(".")[0] == h:
-                off: int = m.metadata.sequence.stream - 1
+                off: int = m.seq - 1
                 return off
         return None
 
@@ -756,7 +804,7 @@ class NatsInputLog(_Base):
         if end > nxt:
             raise ValueError(f"partition {p}: ends at {nxt}, asked up to {end}")
         msgs = await self._fetch(self._stream(p), self._subject(p), start + 1, end)
-        rows = [(m.metadata.sequence.stream - 1, m.data) for m in msgs]
+        rows = [(m.seq - 1, m.data) for m in msgs]
         if [o for o, _ in rows] != list(range(start, end)):
             raise ValueError(f"partition {p}: offsets [{start}, {end}) are not all retained")
         return rows
@@ -784,7 +832,7 @@ class NatsOutputLog(_Base):
         self._indexed = False  # this process re-indexed the stream's tail (done by the writer, once)
         self._wlock = threading.Lock()
         try:
-            self._run(self._open)
+            self._open_waiting(self._open)
         except BaseException:
             self.close()
             raise
@@ -806,7 +854,7 @@ class NatsOutputLog(_Base):
         if last > start:
             for m in await self._fetch(self.stream, self.subject, start + 1, last):
                 h = (m.headers or {}).get("Nats-Msg-Id", "").split(".")[0]
-                seq = m.metadata.sequence.stream
+                seq = m.seq
                 old = await self._kv_create(f"out.{h}", str(seq).encode())
                 if old is not None and int(old) != seq:
                     await self.c.js.delete_msg(self.stream, seq)  # a second copy: never deliver it
@@ -885,7 +933,7 @@ class NatsOutputLog(_Base):
             if hi <= start:
                 return []
             msgs = await self._fetch(self.stream, self.subject, start + 1, hi, limit)
-            return [(m.metadata.sequence.stream, decode_reply(m.data)) for m in msgs]
+            return [(m.seq, decode_reply(m.data)) for m in msgs]
 
         return self._run(go, timeout=self.timeout_s * 6)
 
@@ -926,8 +974,8 @@ class NatsOutputLog(_Base):
         if last > self._marks_read:
             for m in await self._fetch(self.marks_stream, self.marks_subject, self._marks_read + 1, last):
                 e, s = msgspec.msgpack.decode(m.data)
-                self._marks.append((int(e), int(s), m.metadata.sequence.stream))
-                self._marks_read = m.metadata.sequence.stream
+                self._marks.append((int(e), int(s), m.seq))
+                self._marks_read = m.seq
 
     def epoch_boundaries(self, after: int, upto: int | None = None) -> list[int]:
         """Seqs that end a complete epoch, greater than ``after`` (and at most ``upto``), ascending."""
@@ -945,7 +993,7 @@ class NatsOutputLog(_Base):
             if not info.state.num_deleted:
                 return max(seq, min(seq + n, last))
             msgs = await self._fetch(self.stream, self.subject, seq + 1, last, n)
-            nth: int = msgs[-1].metadata.sequence.stream if len(msgs) >= n else max(seq, last)
+            nth: int = msgs[-1].seq if len(msgs) >= n else max(seq, last)
             return nth
 
         return self._run(go)

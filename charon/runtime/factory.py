@@ -118,6 +118,7 @@ def make_engine(spec: EngineSpec) -> Engine:
 
 
 def _inprocess(spec: EngineSpec) -> Engine:
+    from charon.log.nats import NatsLogError
     from charon.runtime.control.codeversions import load_app_ref
     from charon.runtime.control.owner import DataDirOwned, claim_data_dir
     from charon.runtime.guard.watchdog import DEFAULT_TIMEOUT
@@ -144,6 +145,8 @@ def _inprocess(spec: EngineSpec) -> Engine:
         raise EngineOpenFailed(str(exc)) from None
     except StorageError as exc:  # object storage unreachable, refusing the credentials, or fencing this node
         raise EngineOpenFailed(f"object storage ({spec.storage_url}): {type(exc).__name__}: {exc}") from None
+    except NatsLogError as exc:  # the NATS log did not answer within its open wait (CHARON_NATS_OPEN_WAIT_S)
+        raise EngineOpenFailed(f"the log is not reachable: {exc}") from None
     return rt.engine()
 
 
