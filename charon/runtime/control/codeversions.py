@@ -4,8 +4,6 @@
   which version an epoch (or a transaction, after a compatible update) ran with.
 * :class:`RecordedCode`: the code book (:class:`charon.core.context.CodeBook`) of shipped code-history entries,
   for processes that do not own the history (Spark's executors): workflow version pinning.
-* :func:`dropped_versions`: the versions whose code a deploy would drop (``VersionInUse`` if one has workflows in
-  flight).
 * :func:`admin_requests` / :func:`update_outcome`: the requests of a run-alone admin update (request ids
   ``__charon_admin:<id>:<key>``, so an update id runs once) and its typed outcome.
 """
@@ -13,11 +11,10 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -26,7 +23,7 @@ from charon.operator import Application
 from charon.runtime.contract import UpdateOutcome
 
 __all__ = ["ADMIN_PREFIX", "CodeHistory", "CodeVersion", "RecordedCode", "admin_requests", "code_entries",
-           "dropped_versions", "load_app_ref", "migration_of", "ref_installed", "update_outcome"]
+           "load_app_ref", "migration_of", "update_outcome"]
 
 _log = logging.getLogger("charon.code")
 
@@ -121,32 +118,6 @@ class RecordedCode:
             if version == label:
                 return None if ref is None else self.apps.get(ref)
         return None
-
-
-def ref_installed(ref: str) -> bool:
-    """Whether ``ref``'s module can still be imported from what is installed: found on the path, and (when it was
-    imported already) its source file still there."""
-    try:
-        spec = importlib.util.find_spec(ref.partition(":")[0])
-    except (ImportError, ValueError):
-        return False
-    if spec is None:
-        return False
-    origin = spec.origin
-    return origin is None or not os.path.isabs(origin) or os.path.exists(origin)
-
-
-def dropped_versions(versions: Sequence[Mapping[str, object]], new_ref: str,
-                     installed: Callable[[str], bool] = ref_installed) -> list[str]:
-    """The labels of the recorded versions (``versions``: the engine's code versions, oldest first) whose code a
-    deploy of ``new_ref`` would drop: their newest recorded ref is another than ``new_ref`` and no longer
-    installed (a version without a ref is the application the engine was constructed with: it stays loaded).
-    A deploy is refused (``VersionInUse``) if one of them still has workflows in flight."""
-    refs: dict[str, object] = {}
-    for v in versions:
-        refs[str(v.get("version"))] = v.get("ref")
-    return sorted(label for label, ref in refs.items()
-                  if isinstance(ref, str) and ref != new_ref and not installed(ref))
 
 
 def migration_of(entry: CodeVersion) -> tuple[str, str, str, bytes] | None:

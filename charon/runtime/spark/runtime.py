@@ -249,7 +249,7 @@ class SparkRuntime(EngineBacked):
         spark = self.spark
         self._storage_env(spark)
         register(spark)
-        self._ship_recorded(spark)
+        self._ship_recorded()
         tune_worker_gc(self.config.gc_threshold)  # the driver: loaded code, the session's objects frozen
         with self._epoch_cv:
             self._stopping = False
@@ -545,14 +545,14 @@ class SparkRuntime(EngineBacked):
         spark = self.spark
         self._storage_env(spark)
         register(spark)
-        self._ship_recorded(spark)
+        self._ship_recorded()
 
-    def _ship_recorded(self, spark: Any) -> None:
+    def _ship_recorded(self) -> None:
         """Make the running code and every recorded version's (a compatible update's old code still running
         deferred transactions; the code a pinned workflow's steps run) importable by the executors."""
         refs = [self.app_ref, *(v.ref for v in self.controller.code.versions if v.ref is not None)]
         for ref in dict.fromkeys(refs):
-            ship_app_module(spark, ref)
+            ship_app_module(self.spark, ref)
 
     def _outage(self, err: BaseException | None) -> str | None:
         """Why a query failure is an outage of the infrastructure rather than the epoch's fault, or None: the one
