@@ -242,7 +242,7 @@ def _raise_error(status: int, body: Any, request_id: str | None) -> NoReturn:
     etype = str(err.get("type", "")) if isinstance(err, dict) else ""
     message = str(err.get("message", "")) if isinstance(err, dict) else ""
     doc = body if isinstance(body, dict) else {}
-    if (status == 409 and not (etype in ("RescaleRunning", "Paused") and "tid" not in doc)) or (
+    if (status == 409 and not (etype in ("RescaleRunning", "Paused", "VersionInUse") and "tid" not in doc)) or (
             status == 429 and etype in ("RateLimited", "Overloaded")):  # admission's refusals are aborts
         raise aborted(etype, message, str(doc.get("request_id", request_id or "")), tid=_int(doc.get("tid")),
                       epoch=_int(doc.get("epoch")), position=_int(doc.get("position")))

@@ -258,6 +258,11 @@ class VersionUnavailable(EngineAbort):
     workflow): the step aborts; migrate the workflow (``charon workflows migrate --from V``)."""
 
 
+class VersionInUse(CharonError):
+    """A code update would drop the code of a version that still has workflows in flight (its ref is no longer
+    installed): refused before anything is recorded (HTTP 409); migrate or cancel them first."""
+
+
 class UnknownSchedule(CharonError, LookupError):
     """No schedule has this name (never created, or deleted): HTTP 404."""
 
@@ -445,6 +450,7 @@ ERRORS: dict[str, type[CharonError]] = {
     "UnknownPromise": UnknownPromise,
     "UnknownSchedule": UnknownSchedule,
     "UnknownWorkflow": UnknownWorkflow,
+    "VersionInUse": VersionInUse,
 }
 
 

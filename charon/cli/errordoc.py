@@ -37,7 +37,7 @@ ROWS: dict[str, list[type[errors.CharonError]]] = {
         errors.Unauthorized, errors.Forbidden, errors.BadRequest, errors.ReservedRequestId, errors.RequestNotFound,
         errors.NotSupported, errors.EpochNotRetained, errors.SQLRejected, errors.SQLSyntaxError,
         errors.SQLTimeout, errors.SQLTooExpensive, errors.SQLResultTooLarge, errors.StateTooLarge,
-        errors.UnknownPromise, errors.UnknownSchedule, errors.UnknownWorkflow,
+        errors.UnknownPromise, errors.UnknownSchedule, errors.UnknownWorkflow, errors.VersionInUse,
     ],
     errors.AVAILABILITY: [
         errors.EngineUnavailable, contract.EngineStopped, errors.LogUnavailable, client.GatewayUnavailable,

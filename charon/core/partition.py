@@ -398,7 +398,7 @@ class PartitionUnit(Generic[S]):
         # a transaction with a lower TID started before the update and finishes on the previous application
         self.previous: tuple[int, Application] | None = None
         #: the engine's code versions (a :class:`~charon.core.context.CodeBook`: workflow version pinning); None:
-        #: an engine that keeps no code history here (a Spark executor)
+        #: an engine that lends none (Spark's executors get one built from the shipped history)
         self.code: CodeBook | None = None
         self.store = store
         self.max_invocations = MAX_INVOCATIONS  # set by each round's Control

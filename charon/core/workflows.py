@@ -237,9 +237,9 @@ class Workflow(Operator):
     """A workflow: ``wf = Workflow("checkout")``, steps with ``@wf.step`` (the first with ``first=True``), given
     to the application (``Application(..., workflows=[wf])``). Each record keeps the code version its start ran
     with (``w.version``: the engine's deployed label), and its later steps run that version's steps
-    (:meth:`pinned`) until an operator migrates it; ``version`` is the label recorded where the engine keeps no code
-    history (a Spark executor); ``attempts`` and ``backoff`` (seconds, doubled per attempt) are how often and when
-    a step that aborts is run again; ``max_steps`` bounds a workflow's length."""
+    (:meth:`pinned`) until an operator migrates it; ``version`` is the label recorded where the engine lends its
+    partition units no code book; ``attempts`` and ``backoff`` (seconds, doubled per attempt) are how often and
+    when a step that aborts is run again; ``max_steps`` bounds a workflow's length."""
 
     def __init__(self, name: str, *, version: str = "1", attempts: int = 3, backoff: float = 1.0,
                  max_steps: int = 100_000) -> None:

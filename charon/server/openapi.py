@@ -666,7 +666,9 @@ def admin_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
             }, ["ref", "version"]),
             "responses": {"200": ok("{version, ref, from_epoch, migration, mode}"), "400": err("malformed body"),
                           "403": err("not a deployable ref"),
-                          "409": err("Paused: the update needs epochs to run and the runtime is paused"),
+                          "409": err("Paused: the update needs epochs to run and the runtime is paused; "
+                                     "VersionInUse: it would drop the code (its ref no longer installed) of a "
+                                     "version with workflows in flight"),
                           "415": err("unsupported body type"), **common}}},
         "/admin/sql": {"post": {
             "summary": "One safe SELECT over the operators' state views at one consistent epoch (admin)",

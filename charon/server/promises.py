@@ -30,9 +30,17 @@ from charon.runtime.contract import Engine
 from charon.server.auth import Principal
 from charon.server.wire import HTTPError, guard, parse_fields, respond
 
-__all__ = ["BuiltinGateway", "list_page", "promise_routes", "run_builtin"]
+__all__ = ["BuiltinGateway", "StateReader", "entity_page", "list_page", "promise_routes", "run_builtin"]
 
 MAX_PAGE = 1000
+
+
+class StateReader(Protocol):
+    """What reading a built-in operator's records uses of the gateway (:func:`entity_page`)."""
+
+    engine: Engine
+
+    def check_ready(self) -> None: ...
 
 
 class BuiltinGateway(Protocol):
@@ -93,7 +101,7 @@ def list_page(request: HTTPRequest) -> tuple[str | None, int]:
     return after, limit
 
 
-async def entity_page(gw: BuiltinGateway, operator: str, after: str | None, limit: int, prefix: str = ""
+async def entity_page(gw: StateReader, operator: str, after: str | None, limit: int, prefix: str = ""
                       ) -> tuple[list[dict[str, Any]], str | None]:
     """A page of a built-in operator's records (their main values, in key order; keys starting with ``prefix``)
     and the next page's cursor (the last record's key)."""

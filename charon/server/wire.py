@@ -77,6 +77,7 @@ STATUS_OF_ERROR: dict[str, int] = {
     "UnknownWorkflow": 404,  # the workflow routes' (charon.server.workflows)
     "WorkflowExists": 409,
     "NotMigratable": 409,
+    "VersionInUse": 409,  # a code update that would drop a version with workflows in flight (charon.server.admin)
     "RateLimited": 429,  # admission (charon.core.admission): with Retry-After
     "Overloaded": 429,
 }

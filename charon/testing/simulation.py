@@ -84,6 +84,7 @@ from charon.core.routing import partition_of, split_store_key, store_key
 from charon.log.offsets import pad_offsets, pad_pair
 from charon.messages import Reply, Request
 from charon.runtime import faults
+from charon.runtime.control.codeversions import CodeEntry
 from charon.runtime.spark import runtime as sr
 from charon.runtime.spark import tasks as spark_tasks
 from charon.runtime.spark.exchange import SparkExchange
@@ -818,8 +819,9 @@ class ResidentSimulation(Simulation):
         sim = self
 
         class Gang(ResidentExchange):
-            def __init__(self, config: SparkConfig, previous: tuple[int, str] | None) -> None:
-                super().__init__(None, sim.app_ref, config, previous, launch=sim.launch)
+            def __init__(self, config: SparkConfig, previous: tuple[int, str] | None,
+                         versions: tuple[CodeEntry, ...]) -> None:
+                super().__init__(None, sim.app_ref, config, previous, versions, launch=sim.launch)
 
             def round(self, control: Any, inboxes: list[list]) -> Any:
                 sim.before_round(self)
@@ -836,9 +838,10 @@ class ResidentSimulation(Simulation):
             def start(self) -> Driven:
                 return self  # the simulation calls resume() and run_next()
 
-        def make(spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None) -> Any:
+        def make(spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
+                 versions: tuple[CodeEntry, ...] = ()) -> Any:
             config.check_exchange()
-            return Gang(config, previous)
+            return Gang(config, previous, versions)
 
         saved = (sr.make_exchange, sr.DirectSequencer)
         sr.make_exchange, sr.DirectSequencer = make, Driven  # type: ignore[misc]  # deliberate patches (restored below)

@@ -422,6 +422,7 @@ PUBLIC = [
     "UnknownSchedule",
     "UnknownWorkflow",
     "ValueTooLarge",
+    "VersionInUse",
     "VersionUnavailable",
     "Workflow",
     "WorkflowExists",

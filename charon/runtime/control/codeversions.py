@@ -2,6 +2,8 @@
 
 * :class:`CodeHistory`: the deployed code versions, oldest first (``code.json`` in a durable engine's directory):
   which version an epoch (or a transaction, after a compatible update) ran with.
+* :class:`RecordedCode`: the code book (:class:`charon.core.context.CodeBook`) of shipped code-history entries,
+  for processes that do not own the history (Spark's executors): workflow version pinning.
 * :func:`admin_requests` / :func:`update_outcome`: the requests of a run-alone admin update (request ids
   ``__charon_admin:<id>:<key>``, so an update id runs once) and its typed outcome.
 """
@@ -9,6 +11,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -19,8 +22,10 @@ from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime.contract import UpdateOutcome
 
-__all__ = ["ADMIN_PREFIX", "CodeHistory", "CodeVersion", "admin_requests", "load_app_ref", "migration_of",
-           "update_outcome"]
+__all__ = ["ADMIN_PREFIX", "CodeHistory", "CodeVersion", "RecordedCode", "admin_requests", "code_entries",
+           "load_app_ref", "migration_of", "update_outcome"]
+
+_log = logging.getLogger("charon.code")
 
 ADMIN_PREFIX = "__charon_admin:"  # request ids of admin updates (the gateway reserves __charon* for runtimes)
 
@@ -68,6 +73,51 @@ class CodeHistory:
         point of an update); a history without a path records nothing."""
         if self.path is not None:
             write(self.path, self.encoded(extra))
+
+
+CodeEntry = tuple[int, str, str | None, int | None]  # (from epoch, version, ref, first TID): what tasks receive
+
+
+def code_entries(history: CodeHistory) -> tuple[CodeEntry, ...]:
+    """The history's entries as shipped to the processes that run partitions (picklable, comparable)."""
+    return tuple((v.from_epoch, v.version, v.ref, v.first_tid) for v in history.versions)
+
+
+class RecordedCode:
+    """The code book (:class:`charon.core.context.CodeBook`) of shipped history ``entries``: labels as the owner's
+    :meth:`CodeHistory.label`, applications imported with ``load`` by :meth:`preload` only (before an epoch runs,
+    never inside a step, where a budget's interrupt could land in the import). Nothing else is consulted, so a
+    replay or a relaunched process gets the same answers."""
+
+    def __init__(self, entries: Sequence[CodeEntry], load: Callable[[str], Application]) -> None:
+        self.entries = tuple(entries)
+        self.history = CodeHistory(None, CodeVersion(0, "1", None))
+        self.history.versions = [CodeVersion(e, v, r, None, t) for e, v, r, t in self.entries]
+        self.load = load
+        self.apps: dict[str, Application] = {}
+
+    def preload(self) -> RecordedCode:
+        """Import every entry's application (a failure is logged: a workflow pinned to it fails its next step
+        with ``VersionUnavailable``); returns this book."""
+        for _, version, ref, _ in self.entries:
+            if ref is not None and ref not in self.apps:
+                try:
+                    self.apps[ref] = self.load(ref)
+                except Exception as exc:  # noqa: BLE001 - its pinned steps fail, typed
+                    _log.warning("code version %s (%s) cannot be imported: %s: %s", version, ref,
+                                 type(exc).__name__, exc)
+        return self
+
+    def label_of(self, epoch: int, tid: int) -> str:
+        """The code version transaction ``tid`` of ``epoch`` runs with."""
+        return self.history.label(epoch, tid)
+
+    def application_of(self, label: str) -> Application | None:
+        """The preloaded application of the newest entry labelled ``label`` (None: none, or not importable)."""
+        for _, version, ref, _ in reversed(self.entries):
+            if version == label:
+                return None if ref is None else self.apps.get(ref)
+        return None
 
 
 def migration_of(entry: CodeVersion) -> tuple[str, str, str, bytes] | None:

@@ -13,6 +13,7 @@ from typing import Any
 from charon.config import SparkConfig
 from charon.core.epoch import EpochResult, FallbackJob, FallbackOutcome, RestJob, RestOutcome
 from charon.core.partition import Control, RoundOutput
+from charon.runtime.control.codeversions import CodeEntry
 from charon.runtime.faults import crash_point
 from charon.runtime.spark.layout import durable_location
 from charon.runtime.spark.tasks import FALLBACK_TASK, REST_TASK, SPLIT_REST_TASK, run_partitions
@@ -23,7 +24,7 @@ class SparkExchange:
     """Runs one round as one Spark job; holds each partition's scratch between rounds of an epoch."""
 
     def __init__(self, spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
-                 ) -> None:
+                 versions: tuple[CodeEntry, ...] = ()) -> None:
         self.sc = spark.sparkContext if spark is not None else None
         self.partitions = config.partitions
         self.config = config
@@ -33,7 +34,7 @@ class SparkExchange:
         self.cache: list[dict[int, list]] = [{} for _ in range(config.partitions)]
         self.durable_root = durable_location(config)  # the layout in force (a rescale changes it)
         self.fn: partial[Iterator[tuple[int, bytes]]]  # a round's task (set_code)
-        self.set_code(app_ref, previous)
+        self.set_code(app_ref, previous, versions)
         self.stats: dict[str, float] = {}
         self.epoch = -1
         # One task over every partition only where every task sees every partition's resident store (local
@@ -60,14 +61,16 @@ class SparkExchange:
             self.fn = partial(self.fn.func, *self.fn.args,
                               **{**kw, "function_timeout": timeout, "probe_dir": probe_dir})
 
-    def set_code(self, app_ref: str, previous: tuple[int, str] | None = None) -> None:
+    def set_code(self, app_ref: str, previous: tuple[int, str] | None = None,
+                 versions: tuple[CodeEntry, ...] = ()) -> None:
         """The code the next rounds' tasks run (a code update, at an epoch boundary): ``app_ref``, and for a
-        compatible update ``previous`` = (first TID on ``app_ref``, the old ref) while the old one is needed."""
+        compatible update ``previous`` = (first TID on ``app_ref``, the old ref) while the old one is needed;
+        ``versions``: the recorded code history, the units' code book (workflow version pinning)."""
         cfg = self.config
         self.fn = partial(run_partitions, app_ref, cfg.partitions, cfg.local_dir, self.durable_root,
                           cfg.checkpoint_dir, previous=previous, gc_threshold=cfg.gc_threshold,
                           finalize_threads=cfg.finalize_threads, function_timeout=cfg.function_timeout,
-                          determinism_check=cfg.determinism_check)
+                          determinism_check=cfg.determinism_check, versions=versions)
 
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
         t0 = time.perf_counter()

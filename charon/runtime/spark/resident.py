@@ -9,7 +9,9 @@ Frames (both ways): 4-byte big-endian length, then a pickle. A task's hello (bef
 token, its attempt number, its index, the gang's task count and its process id (4 bytes each), then its executor's
 address (``host:port``, as Spark's ``BarrierTaskInfo`` names it; UTF-8, length-prefixed as a frame, at most
 :data:`ADDRESS_MAX` bytes): :meth:`ResidentExchange.placement` reports where the gang runs. Then per round the
-driver sends ``("round", control, {pid: inbox}, app_ref, previous, function_timeout, probe_dir)`` and the task
+driver sends ``("round", control, {pid: inbox}, app_ref, previous, function_timeout, probe_dir, versions)``
+(``versions``: the recorded code history, the units' code book, :func:`~charon.runtime.spark.tasks.code_book`) and
+the task
 answers ``([(pid, RoundOutput)], stats)``, or ``(None, {"error": traceback})`` when the round raised (the task then
 ends: the driver raises :class:`GangTaskFailed` naming the error, as a failed Spark task's error names it);
 ``("stop",)`` ends the task.
@@ -36,6 +38,7 @@ from charon.config import SparkConfig
 from charon.core.epoch import EpochResult
 from charon.core.partition import Control, PartitionUnit, RoundOutput
 from charon.errors import EngineUnavailable
+from charon.runtime.control.codeversions import CodeEntry
 from charon.runtime.faults import crash_point
 from charon.runtime.spark.exchange import SparkExchange
 from charon.runtime.spark.layout import durable_location
@@ -117,7 +120,8 @@ class ResidentExchange:
     or stops). No ``rest``/``fallback`` hooks: the coordinator runs every round through :meth:`round`."""
 
     def __init__(self, spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
-                 *, launch: Callable[[ResidentExchange], None] | None = None) -> None:
+                 versions: tuple[CodeEntry, ...] = (), *,
+                 launch: Callable[[ResidentExchange], None] | None = None) -> None:
         """``launch`` (a seam for the seeded simulator, :mod:`charon.testing.simulation_resident`): called with
         this exchange instead of starting the barrier job; it must start the gang's tasks, each of which says
         hello through :meth:`admit` (the exchange then waits for all of them as for Spark's). ``spark`` may then be
@@ -128,6 +132,7 @@ class ResidentExchange:
         self.partitions = config.partitions
         self.app_ref = app_ref
         self.previous = previous
+        self.versions = versions
         self.durable_root = durable_location(config)
         self.fence = new_fence()  # this gang's writer generation (DurableState.claim)
         self.function_timeout: float | None = config.function_timeout
@@ -180,9 +185,10 @@ class ResidentExchange:
         """As :meth:`SparkExchange.set_budget`: sent with every round from now on."""
         self.function_timeout, self.probe_dir = timeout, probe_dir
 
-    def set_code(self, app_ref: str, previous: tuple[int, str] | None = None) -> None:
+    def set_code(self, app_ref: str, previous: tuple[int, str] | None = None,
+                 versions: tuple[CodeEntry, ...] = ()) -> None:
         """As :meth:`SparkExchange.set_code`: the tasks load the refs the next round names."""
-        self.app_ref, self.previous = app_ref, previous
+        self.app_ref, self.previous, self.versions = app_ref, previous, versions
 
     def round(self, control: Control, inboxes: list[list]) -> list[RoundOutput]:
         t0 = time.perf_counter()
@@ -195,7 +201,7 @@ class ResidentExchange:
             mine = {p: inboxes[p] for p in group if busy or inboxes[p]}
             if mine:
                 frames.append((i, pickle.dumps(("round", control, mine, self.app_ref, self.previous,
-                                                self.function_timeout, self.probe_dir),
+                                                self.function_timeout, self.probe_dir, self.versions),
                                                protocol=pickle.HIGHEST_PROTOCOL)))
         got = 0
         task: dict[str, float] = {}
@@ -505,13 +511,14 @@ class GangTask:
         msg = pickle.loads(frame)
         if msg[0] != "round":
             return None
-        _, control, inboxes, app_ref, previous, function_timeout, probe_dir = msg
+        _, control, inboxes, app_ref, previous, function_timeout, probe_dir, versions = msg
         if self.pool is None and self.finalize_threads > 1 and len(inboxes) > 1:
             self.pool = ThreadPoolExecutor(self.finalize_threads, thread_name_prefix="charon-finalize")
         try:
             results, stats, self.epoch, self.caches = _round(
                 control, inboxes, app_ref, previous, function_timeout, probe_dir, self.scratch, self.caches,
-                self.epoch, self.parts, self.root, self.durable_root, self.determinism_check, self.fence, self.pool)
+                self.epoch, self.parts, self.root, self.durable_root, self.determinism_check, self.fence, self.pool,
+                versions)
         except Exception:  # noqa: BLE001 - told to the driver (its round raises it); this task then ends
             self.failed = True
             return pickle.dumps((None, {"error": traceback.format_exc()[-20_000:]}), protocol=pickle.HIGHEST_PROTOCOL)
@@ -533,6 +540,7 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
            function_timeout: float | None, probe_dir: str | None, scratch: dict[int, PartitionUnit | None],
            caches: dict[int, dict[int, list]], epoch: int, parts: int, root: str, durable_root: str,
            determinism_check: bool, fence: int | None = None, pool: ThreadPoolExecutor | None = None,
+           versions: tuple[CodeEntry, ...] = (),
            ) -> tuple[list[tuple[int, RoundOutput]], dict[str, int], int, dict[int, dict[int, list]]]:
     """One round in a gang task: each of ``inboxes``' partitions stepped over its store and ``scratch`` (updated in
     place); returns the outputs, the task's stats, and the epoch and call-graph caches the task keeps.
@@ -543,11 +551,12 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
     runs there (a carried one, or a round that only finalizes): no application code, which runs in this thread."""
     from charon.runtime.guard.quarantine import probing
     from charon.runtime.spark.session import load_app
-    from charon.runtime.spark.tasks import finalize_prior, step_unit, unit_for
+    from charon.runtime.spark.tasks import code_book, finalize_prior, step_unit, unit_for
 
     c0 = time.thread_time()
     app = load_app(app_ref)
     prev = None if previous is None else (previous[0], load_app(previous[1]))
+    book = code_book(versions)  # every recorded version imported now, before any step runs
     if control.epoch != epoch:  # the call-graph cache serves one epoch's fallback
         epoch = control.epoch
         caches = {}
@@ -564,7 +573,7 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
 
             def whole(pid: int) -> tuple[PartitionUnit | None, RoundOutput]:
                 return step_unit(app, parts, root, durable_root, pid, control, scratch.get(pid), [], None, prev,
-                                 function_timeout, determinism_check, fence)
+                                 function_timeout, determinism_check, fence, book=book)
 
             for pid, (unit, out) in zip(inboxes, _each(pool, whole, list(inboxes)), strict=True):
                 scratch[pid] = unit
@@ -578,7 +587,7 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
 
             def carried(pid: int) -> tuple[PartitionUnit, RoundOutput]:
                 unit = unit_for(app, parts, root, durable_root, pid, scratch.get(pid), prev, determinism_check,
-                                fence)
+                                fence, book)
                 return unit, finalize_prior(unit, prior)
 
             for pid, (unit, out) in zip(inboxes, _each(pool, carried, list(inboxes)), strict=True):
@@ -591,7 +600,7 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
             mine = copy.copy(control) if control.prior is not None else control  # step clears its prior
             scratch[pid], out = step_unit(app, parts, root, durable_root, pid, mine, scratch.get(pid),
                                           inbox, cached, prev, function_timeout, determinism_check, fence,
-                                          done.get(pid))
+                                          done.get(pid), book)
             if out.cached:
                 for tid, entries in out.cached.items():
                     cache.setdefault(tid, []).extend(entries)
@@ -616,13 +625,13 @@ def task_slots(sc: Any) -> int | None:
 
 
 def make_exchange(spark: Any, app_ref: str, config: SparkConfig, previous: tuple[int, str] | None = None,
-                  ) -> SparkExchange | ResidentExchange:
+                  versions: tuple[CodeEntry, ...] = ()) -> SparkExchange | ResidentExchange:
     """The exchange ``config.exchange`` names: :class:`ResidentExchange` (``"resident"``, the default: one
     long-running barrier job takes every round over sockets) or :class:`SparkExchange` (``"jobs"``: a Spark job
     per round)."""
     config.check_exchange()
     if config.exchange == "resident":
-        return ResidentExchange(spark, app_ref, config, previous)
+        return ResidentExchange(spark, app_ref, config, previous, versions)
     if config.exchange != "jobs":
         raise ValueError(f"exchange must be 'jobs' or 'resident', not {config.exchange!r}")
-    return SparkExchange(spark, app_ref, config, previous)
+    return SparkExchange(spark, app_ref, config, previous, versions)

@@ -57,6 +57,7 @@ from charon.log.sqlite import DedupRetention
 from charon.log.streams import StreamLog
 from charon.messages import Reply, Request, is_reserved_id
 from charon.operator import Function, Operator
+from charon.runtime.control.codeversions import code_entries
 from charon.runtime.control.controls import EngineBacked
 from charon.runtime.control.gate import EpochGate
 from charon.runtime.control.inspector import Inspector, InspectorSettings, LiveRequest
@@ -248,7 +249,7 @@ class SparkRuntime(EngineBacked):
         spark = self.spark
         self._storage_env(spark)
         register(spark)
-        ship_app_module(spark, self.app_ref)
+        self._ship_recorded()
         tune_worker_gc(self.config.gc_threshold)  # the driver: loaded code, the session's objects frozen
         with self._epoch_cv:
             self._stopping = False
@@ -353,7 +354,8 @@ class SparkRuntime(EngineBacked):
         """The exchange of the epochs to come (``config.exchange``), after closing the one before if it has a gang
         to end (the resident exchange; the job-per-round exchange holds nothing)."""
         self._close_exchange()
-        self.exchange = make_exchange(spark, self.app_ref, self.config, self.controller.previous)
+        self.exchange = make_exchange(spark, self.app_ref, self.config, self.controller.previous,
+                                      code_entries(self.controller.code))
 
     def _close_exchange(self) -> None:
         close = getattr(getattr(self, "exchange", None), "close", None)
@@ -543,9 +545,14 @@ class SparkRuntime(EngineBacked):
         spark = self.spark
         self._storage_env(spark)
         register(spark)
-        ship_app_module(spark, self.app_ref)
-        if self.controller.previous is not None:  # a compatible code update's old code, still running deferred ones
-            ship_app_module(spark, self.controller.previous[1])
+        self._ship_recorded()
+
+    def _ship_recorded(self) -> None:
+        """Make the running code and every recorded version's (a compatible update's old code still running
+        deferred transactions; the code a pinned workflow's steps run) importable by the executors."""
+        refs = [self.app_ref, *(v.ref for v in self.controller.code.versions if v.ref is not None)]
+        for ref in dict.fromkeys(refs):
+            ship_app_module(self.spark, ref)
 
     def _outage(self, err: BaseException | None) -> str | None:
         """Why a query failure is an outage of the infrastructure rather than the epoch's fault, or None: the one
@@ -1349,7 +1356,7 @@ class SparkRuntime(EngineBacked):
             self._reship = False
             self._new_exchange(self._spark)  # built with the runtime's app_ref and the controller's previous
             return
-        ex.set_code(ref, previous)
+        ex.set_code(ref, previous, code_entries(self.controller.code))
 
     code_update_modes = SparkEngine.code_update_modes
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from charon.core import determinism
 from charon.core.partition import Control, Invoke, PartitionUnit, Prior, Reply, RoundOutput
 from charon.core.routing import partition_of, store_key
+from charon.runtime.control.codeversions import CodeEntry, RecordedCode
 from charon.runtime.guard.quarantine import probing
 from charon.runtime.guard.watchdog import task_budget
 from charon.runtime.spark.layout import local_root
@@ -34,45 +35,64 @@ def tune_worker_gc(threshold: int) -> None:
         tune_gc(threshold)
 
 
+_BOOK: list[RecordedCode] = []  # the last code book this process built (a resident gang's rounds reuse it)
+
+
+def code_book(versions: tuple[CodeEntry, ...]) -> RecordedCode | None:
+    """The code book of the recorded code history ``versions`` (:func:`~charon.runtime.control.codeversions.
+    code_entries`): workflow version pinning in the partitions' units. Every version's application is imported
+    here, before the round's steps run (never inside one); kept while the history is the same."""
+    if not versions:
+        return None
+    if _BOOK and _BOOK[0].entries == versions:
+        return _BOOK[0]
+    book = RecordedCode(versions, load_app).preload()
+    _BOOK[:] = [book]
+    return book
+
+
 def run_partitions(
     app_ref: str, parts: int, local_dir: str | None, durable_root: str, checkpoint: str,
     items: Iterable[tuple[int, bytes]], previous: tuple[int, str] | None = None, gc_threshold: int = 0,
     finalize_threads: int = 1, function_timeout: float | None = None, determinism_check: bool = False,
-    probe_dir: str | None = None,
+    probe_dir: str | None = None, versions: tuple[CodeEntry, ...] = (),
 ) -> Iterator[tuple[int, bytes]]:
     """One task of a round. ``previous``: a compatible code update's (first TID on ``app_ref``, the old
     code's ref): a transaction with a lower TID started before the update and runs the old code.
     ``gc_threshold``: see :func:`tune_worker_gc`. ``function_timeout``: the functions' default time budget
     (:func:`charon.runtime.guard.watchdog.task_budget`). ``determinism_check``: every function step runs twice
     (:mod:`charon.core.determinism`). ``probe_dir``: an epoch that failed is probed for a transaction that kills
-    its worker (:func:`charon.runtime.guard.quarantine.probing`)."""
+    its worker (:func:`charon.runtime.guard.quarantine.probing`). ``versions``: the recorded code history, the
+    units' code book (:func:`code_book`)."""
 
     if probe_dir is not None:
         with probing(probe_dir):
             yield from run_partitions(app_ref, parts, local_dir, durable_root, checkpoint, items, previous,
-                                       gc_threshold, finalize_threads, function_timeout, determinism_check)
+                                       gc_threshold, finalize_threads, function_timeout, determinism_check,
+                                       versions=versions)
         return
     tune_worker_gc(gc_threshold)
     app = load_app(app_ref)
     prev = None if previous is None else (previous[0], load_app(previous[1]))
+    book = code_book(versions)
     root = local_root(local_dir, checkpoint, durable_root)
     for pid, payload in items:
         if pid == FALLBACK_TASK:
             yield pid, _run_fallback_task(app, parts, root, durable_root, payload, prev, function_timeout,
-                                          determinism_check)
+                                          determinism_check, book)
             continue
         if pid == REST_TASK:
             yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads,
-                                      function_timeout, determinism_check)
+                                      function_timeout, determinism_check, book=book)
             continue
         if pid == SPLIT_REST_TASK:
             yield pid, _run_rest_task(app, parts, root, durable_root, payload, prev, finalize_threads,
-                                      function_timeout, determinism_check, split=True)
+                                      function_timeout, determinism_check, split=True, book=book)
             continue
         c0 = time.thread_time()  # the task's CPU for this partition (unpickling included): stats cpu_us
         control, scratch, inbox, cached = pickle.loads(payload)
         scratch_out, out = step_partition(app, parts, root, durable_root, pid, control, scratch, inbox, cached,
-                                          prev, function_timeout, determinism_check)
+                                          prev, function_timeout, determinism_check, book=book)
         out.stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
         yield pid, pickle.dumps((scratch_out, out), protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -80,22 +100,22 @@ def run_partitions(
 def step_partition(app: Any, parts: int, root: str, durable_root: str, pid: int, control: Control,
                    scratch: bytes | None, inbox: list, cached: dict | None, prev: tuple[int, Any] | None,
                    function_timeout: float | None, determinism_check: bool, fence: int | None = None,
-                   ) -> tuple[bytes | None, RoundOutput]:
+                   book: RecordedCode | None = None) -> tuple[bytes | None, RoundOutput]:
     """One partition's round in a task from its pickled ``scratch`` (see :func:`step_unit`); returns the scratch
     after the round, pickled (None after a finalize), and the round's output: the job-per-round task's form."""
     unit, out = step_unit(app, parts, root, durable_root, pid, control, scratch, inbox, cached, prev,
-                          function_timeout, determinism_check, fence)
+                          function_timeout, determinism_check, fence, book=book)
     return (None if unit is None else unit.dump_scratch()), out
 
 
 def unit_for(app: Application, parts: int, root: str, durable_root: str, pid: int,
              scratch: bytes | PartitionUnit | None, prev: tuple[int, Application] | None, determinism_check: bool,
-             fence: int | None = None) -> PartitionUnit:
+             fence: int | None = None, book: RecordedCode | None = None) -> PartitionUnit:
     """Partition ``pid``'s unit for a round, over its resident store (claimed as the writer generation ``fence``
     before its first write, :meth:`~charon.state.durable.DurableState.claim`: a task of an older gang is refused
     from then on) and ``scratch``: pickled (:meth:`~PartitionUnit.dump_scratch`), or the unit this process kept
     from the partition's round before (the resident gang: reused as is if its store and code are still the ones
-    this round runs with)."""
+    this round runs with); ``book``: its code book (:func:`code_book`)."""
     from charon.state.lmdbstore import open_store
 
     store = open_store(root, pid, durable_root, fence)
@@ -109,7 +129,7 @@ def unit_for(app: Application, parts: int, root: str, durable_root: str, pid: in
             scratch = scratch.dump_scratch()
         unit = PartitionUnit(pid, parts, app, store)
         unit.load_scratch(scratch)
-    unit.previous = prev
+    unit.previous, unit.code = prev, book
     unit.twice = determinism.run_twice if determinism_check else None
     return unit
 
@@ -124,14 +144,15 @@ def finalize_prior(unit: PartitionUnit, prior: Prior) -> RoundOutput:
 def step_unit(app: Any, parts: int, root: str, durable_root: str, pid: int, control: Control,
               scratch: bytes | PartitionUnit | None, inbox: list, cached: dict | None, prev: tuple[int, Any] | None,
               function_timeout: float | None, determinism_check: bool, fence: int | None = None,
-              done: RoundOutput | None = None) -> tuple[PartitionUnit | None, RoundOutput]:
+              done: RoundOutput | None = None, book: RecordedCode | None = None,
+              ) -> tuple[PartitionUnit | None, RoundOutput]:
     """One partition's round in a task: its unit (:func:`unit_for`) over its resident store and ``scratch``, the
     previous epoch's deferred finalize first if ``control`` carries it (``control.prior`` is cleared: give each
     partition its own copy) or ``done``, its output when the caller ran it (:func:`finalize_prior`); returns the
     unit holding the scratch after the round (None after a finalize) and the round's output. The job-per-round
     task (:func:`step_partition`) and the resident gang (:mod:`~charon.runtime.spark.resident`) both step
     partitions here."""
-    unit = unit_for(app, parts, root, durable_root, pid, scratch, prev, determinism_check, fence)
+    unit = unit_for(app, parts, root, durable_root, pid, scratch, prev, determinism_check, fence, book)
     store = unit.store
     t0 = time.perf_counter()
     prior = control.prior
@@ -173,7 +194,7 @@ class _TaskExchange:
 
 def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
                        prev: tuple[int, Any] | None = None, function_timeout: float | None = None,
-                       determinism_check: bool = False) -> bytes:
+                       determinism_check: bool = False, book: RecordedCode | None = None) -> bytes:
     """An epoch's whole fallback (all cached rounds and locked waves) in this task, over every partition's
     store as of the previous epoch; returns the outcome and each partition's scratch. Writes nothing."""
     from charon.core.epoch import run_fallback
@@ -187,7 +208,7 @@ def _run_fallback_task(app: Any, parts: int, root: str, durable_root: str, paylo
         store = open_store(root, pid, durable_root)
         store.ensure_epoch(job.epoch - 1)
         unit = PartitionUnit(pid, parts, app, store)
-        unit.previous = prev
+        unit.previous, unit.code = prev, book
         unit.twice = determinism.run_twice if determinism_check else None
         unit.load_scratch(scratches[pid])
         unit.load_cache(caches[pid])
@@ -271,7 +292,7 @@ def _follow(units: dict[int, PartitionUnit], links: PeerLinks, stats: dict[str, 
 def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: bytes,
                    prev: tuple[int, Any] | None = None, finalize_threads: int = 1,
                    function_timeout: float | None = None, determinism_check: bool = False,
-                   split: bool = False) -> bytes:
+                   split: bool = False, book: RecordedCode | None = None) -> bytes:
     """The rest of an epoch (remaining dry-run rounds, lock-free decision, fallback) in this task over every
     partition; first the previous epoch's finalize if the job carries it (idempotent, as in any round), the
     partitions' in up to ``finalize_threads`` threads.
@@ -298,7 +319,7 @@ def _run_rest_task(app: Any, parts: int, root: str, durable_root: str, payload: 
     t0 = time.perf_counter()
     for pid in pids:
         unit = PartitionUnit(pid, parts, app, open_store(root, pid, durable_root))
-        unit.previous = prev
+        unit.previous, unit.code = prev, book
         unit.twice = determinism.run_twice if determinism_check else None
         unit.report_cache = False  # the rest of the epoch runs here: the call-graph cache stays in the unit
         unit.load_scratch(scratches[pid])
