@@ -224,7 +224,7 @@ class WorkflowHandle:
         self.undos.append(undo)
 
 
-async def _give_up_awaits(ctx: Context, awaits: list[dict[str, Any]], reason: str) -> None:
+async def _give_up_awaits(ctx: Context, awaits: list[dict[str, str]], reason: str) -> None:
     """Awaits a workflow no longer waits for: their timers cancelled, their promises withdrawn (cancelled if still
     pending, in this transaction; their continuations arrive stale). An effect runs on: its outcome arrives stale."""
     for a in awaits:
