@@ -19,7 +19,7 @@ One owner for what makes ``InProcessRuntime(app, data_dir=...)`` durable (the Sp
 **Object storage** (``storage_url``, ``charon run --storage s3://bucket/prefix``): the layout, the code history,
 the epoch records, the partitions' snapshot files and the verdicts (each before it takes effect) are also written
 there (:mod:`charon.storage`), and the effects store, streams and stream offsets per checkpoint
-(:mod:`charon.runtime.node.sidefiles`); the data
+(:mod:`charon.runtime.sidefiles`); the data
 directory becoming a cache: a node started on an empty directory with the same location (and the same networked
 log, ``log_url``) takes them back and resumes where the lost machine's last checkpoint stopped, replaying the log
 after it. Records are created once (``If-None-Match``) and manifests replaced only over the version this node
@@ -54,7 +54,7 @@ from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.runtime.faults import crash_point
 from charon.runtime.guard.verdicts import FILE as VERDICTS_FILE
-from charon.runtime.node.sidefiles import SideFiles
+from charon.runtime.sidefiles import SideFiles
 from charon.state.durable import DurableState
 from charon.state.records import EpochRecord, encode_record, read_record
 from charon.state.store import MemoryStore
