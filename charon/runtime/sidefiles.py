@@ -7,8 +7,10 @@ They are written by other parts of the engine (the effect executor, the stream l
 files and small offset files in the data directory), not by the checkpoint writer, so they are shipped as
 snapshots: at every checkpoint, before its epoch record (the commit point), each file that changed since it was
 last shipped is uploaded whole (a SQLite file through SQLite's online backup, so a concurrent writer cannot tear
-it). The order keeps every reader behind what it reads: the offsets first, then the effects store (its intake
-offset into the ``charon.effects`` stream), then the streams; and the streams hold every atom of the epochs the
+it), in one conditional request through the store's upload budget (:class:`~charon.storage.s3.ByteBudget`: a
+file larger than the budget takes all of it, waiting until nothing else is in flight). The order keeps every reader
+behind what it reads: the offsets first, then the effects store (its intake offset into the ``charon.effects``
+stream), then the streams; and the streams hold every atom of the epochs the
 record covers (an atom is appended before its epoch is handed to the writer). An engine on an empty data directory
 takes them back before it opens them; the epochs it replays after the record append their atoms again
 (idempotent by epoch) and what a reader did after the snapshot is done again: an effect taken in or attempted
@@ -106,28 +108,28 @@ class SideFiles:
                     finally:
                         dst.close()
                         src.close()
-                    with open(tmp, "rb") as f:
-                        data = f.read()
+                    self._put(PREFIX + name, tmp)
                 finally:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(tmp)
             else:
                 try:
-                    with open(path, "rb") as f:
-                        data = f.read()
-                except FileNotFoundError:
+                    self._put(PREFIX + name, path)
+                except FileNotFoundError:  # removed by its reader meanwhile
                     continue
-            self._put(PREFIX + name, data)
             self._shipped[name] = sig
             n += 1
         return n
 
-    def _put(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, path: str) -> None:
+        """Upload the file ``path`` as ``key`` over the version this engine knows: one conditional request through
+        the store's upload budget (a file larger than the budget takes all of it)."""
         etag = self._etags.get(key)
         try:
-            self._etags[key] = self.store.put(key, data, if_absent=etag is None, if_match=etag)
+            self._etags[key] = self.store.put_file(key, path, if_absent=etag is None, if_match=etag)
         except StorageConflict:  # an earlier attempt reached the store before its answer was lost: it is ours
             have, tag = self.store.get(key)
-            if have != data:
-                raise
+            with open(path, "rb") as f:
+                if have != f.read():
+                    raise
             self._etags[key] = tag

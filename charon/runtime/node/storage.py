@@ -135,8 +135,8 @@ class NodeStorage:
         try:
             #: requests and bytes to object storage (None without it): metrics, the storage benchmark
             self.meter: StorageMeter | None = StorageMeter() if storage_url else None
-            self.remote: ObjectStore | None = (Metered(open_storage(storage_url, fsync=fsync), self.meter)
-                                               if storage_url else None)
+            self.remote: ObjectStore | None = (
+                Metered(open_storage(storage_url, fsync=fsync, meter=self.meter), self.meter) if storage_url else None)
             for name in ("node.json", "code.json"):
                 self._hydrate_file(name)
             self._verdicts_etag: str | None = None  # the version of verdicts.jsonl this node wrote or read
