@@ -69,6 +69,9 @@ T = TypeVar("T")
 _outage = logging.getLogger("charon.engine")  # outages and recoveries, in the server log
 EPOCH_MARK = "\x00epoch"  # operator of the marker entry that closes an epoch's batch in the input log
 _RECORDS_KEPT = 2
+#: seconds the object-store client retries one request: the node's writes are waited out by :meth:`_retry_log`
+#: beyond that, which reports the outage (``/health``: ``log_wait``) from then on
+STORAGE_RETRY_S = 3.0
 
 
 class NodeError(Exception):
@@ -136,7 +139,8 @@ class NodeStorage:
             #: requests and bytes to object storage (None without it): metrics, the storage benchmark
             self.meter: StorageMeter | None = StorageMeter() if storage_url else None
             self.remote: ObjectStore | None = (
-                Metered(open_storage(storage_url, fsync=fsync, meter=self.meter), self.meter) if storage_url else None)
+                Metered(open_storage(storage_url, fsync=fsync, meter=self.meter, retry_s=STORAGE_RETRY_S), self.meter)
+                if storage_url else None)
             for name in ("node.json", "code.json"):
                 self._hydrate_file(name)
             self._verdicts_etag: str | None = None  # the version of verdicts.jsonl this node wrote or read
