@@ -104,6 +104,20 @@ def test_files_stream_both_ways(store: ObjectStore, tmp_path: Path) -> None:
     assert not (tmp_path / "none").exists()
 
 
+def test_conditional_file_puts_fence_like_puts(store: ObjectStore, tmp_path: Path) -> None:
+    src = tmp_path / "effects.sqlite"
+    src.write_bytes(b"one")
+    v1 = store.put_file("files/effects.sqlite", str(src), if_absent=True)
+    with pytest.raises(StorageConflict):
+        store.put_file("files/effects.sqlite", str(src), if_absent=True)
+    src.write_bytes(b"two")
+    v2 = store.put_file("files/effects.sqlite", str(src), if_match=v1)
+    src.write_bytes(b"stale")
+    with pytest.raises(StorageConflict):  # a writer still holding v1 is fenced
+        store.put_file("files/effects.sqlite", str(src), if_match=v1)
+    assert store.get("files/effects.sqlite") == (b"two", v2)
+
+
 @pytest.mark.parametrize("url", ["http://x/y", "s3://", "s3://b/p?x=1", "file://host/dir", "gs://b"])
 def test_bad_urls_are_refused(url: str) -> None:
     with pytest.raises(StorageUrlError):
