@@ -5,9 +5,11 @@ PySpark ``local[2]``, SeaweedFS and nats-server; ``charon run --engine spark --e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ import httpx
 import pytest
 from natsfix import NatsServer, free_port
 
+from charon.storage.contract import ObjectNotFound
 from charon.storage.location import open_storage
 from tests.support.seaweedfix import SeaweedS3
 
@@ -86,8 +89,19 @@ def test_a_spark_driver_on_a_fresh_directory_takes_its_side_files_back(tmp_path:
             _wait(first, tmp_path / "m1.log", lambda: all(
                 "ok" in (c.get(f"/state/acct/{k}").json()["value"] or {}) for k in KEYS[:6]), "no effect continued")
         assert len(runs.read_text().split()) == 6
-        _kill(first)  # the machine is lost: its data directory and executors' directories with it
         store = open_storage(storage)
+
+        def shipped_results() -> bool:  # the effects store on storage has k0..k5's results
+            try:
+                store.get_file("files/effects.sqlite", str(tmp_path / "fx.sqlite"))
+            except ObjectNotFound:
+                return False
+            with contextlib.closing(sqlite3.connect(tmp_path / "fx.sqlite")) as db:
+                done = "SELECT count(*) FROM effects WHERE status IN ('resuming', 'done')"
+                return db.execute(done).fetchone()[0] == 6
+
+        _wait(first, tmp_path / "m1.log", shipped_results, "the effects' results were not shipped")
+        _kill(first)  # the machine is lost: its data directory and executors' directories with it
         shipped = {o.key for o in store.list("files/")}
         assert {"files/effects.sqlite", "files/streams.sqlite"} <= shipped, shipped
         shutil.rmtree(m1)
@@ -115,8 +129,8 @@ def test_a_spark_driver_on_a_fresh_directory_takes_its_side_files_back(tmp_path:
         events = sorted(tuple(e["value"]) for e in page["events"])
         assert events == sorted((k, a) for k, a in acked.items()), events
         assert page["next_offset"] == page["end_offset"] == len(KEYS)
-        handled = runs.read_text().split()  # handlers run at least once, with the effect id as idempotency key
-        assert len(set(handled)) == len(KEYS), handled
+        handled = runs.read_text().split()  # the results shipped are not asked for again, the others once
+        assert len(handled) == len(set(handled)) == len(KEYS), handled
     finally:
         _kill(first)
         if second is not None:
