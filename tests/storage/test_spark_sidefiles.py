@@ -59,6 +59,16 @@ def _wait(proc: subprocess.Popen, out: Path, cond, what: str, timeout: float = 1
         time.sleep(0.3)
 
 
+def _metrics(text: str) -> dict[str, float]:
+    """The samples of a Prometheus exposition, by name with labels."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def _kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -78,6 +88,7 @@ def test_a_spark_driver_on_a_fresh_directory_takes_its_side_files_back(tmp_path:
     try:
         _wait(first, tmp_path / "m1.log", lambda: httpx.get(url1 + "/health", timeout=2).status_code == 200,
               "the first driver did not start")
+        started = _metrics(httpx.get(url1 + "/metrics", headers=HEADERS, timeout=30).text)
         acked = {}
         with httpx.Client(base_url=url1, headers=HEADERS, timeout=60) as c:
             for i, k in enumerate(KEYS):  # each acknowledged (its epoch logged, its reply given)
@@ -101,6 +112,15 @@ def test_a_spark_driver_on_a_fresh_directory_takes_its_side_files_back(tmp_path:
                 return db.execute(done).fetchone()[0] == 6
 
         _wait(first, tmp_path / "m1.log", shipped_results, "the effects' results were not shipped")
+        metrics = _metrics(httpx.get(url1 + "/metrics", headers=HEADERS, timeout=30).text)
+        put, get, delete = (f'charon_storage_requests_total{{op="{op}"}}' for op in ("put", "get", "delete"))
+        epochs, puts, gets, deletes = (metrics[k] - started.get(k, 0.0) for k in ("charon_epochs_total", put, get,
+                                                                                  delete))
+        print(f"\nthe first driver, after its start: {epochs:.0f} epochs, {puts:.0f} PUTs, {gets:.0f} GETs, "
+              f"{deletes:.0f} DELETEs to storage ({puts / epochs:.2f} PUTs an epoch); at its start "
+              f"{started[put]:.0f} PUTs, {started[get]:.0f} GETs")
+        # per epoch its bound, recovery.json and record, and the side files it changed (streams, effects store)
+        assert 3 * epochs <= puts <= 5 * epochs, (epochs, puts)
         _kill(first)  # the machine is lost: its data directory and executors' directories with it
         shipped = {o.key for o in store.list("files/")}
         assert {"files/effects.sqlite", "files/streams.sqlite"} <= shipped, shipped

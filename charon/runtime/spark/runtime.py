@@ -99,6 +99,7 @@ from charon.state.records import EpochRecord, encode_record, read_record
 from charon.storage.contract import ObjectStore, StorageError
 from charon.storage.files import write_file_atomic
 from charon.storage.location import open_storage
+from charon.storage.metered import Metered, StorageMeter
 from charon.storage.prefix import Prefixed, delete_prefix
 
 _Layout = TypeVar("_Layout")
@@ -141,7 +142,11 @@ class SparkRuntime(EngineBacked):
         self.ckpt = cfg.checkpoint_dir
         os.makedirs(self.ckpt, exist_ok=True)
         # object storage (storage_url): the checkpoint directory is a cache of it, taken from it first
-        self.storage: ObjectStore | None = open_storage(cfg.storage_url) if cfg.storage_url else None
+        #: the driver's requests and bytes to it (None without it): ``/metrics``
+        self.storage_meter: StorageMeter | None = StorageMeter() if cfg.storage_url else None
+        self.storage: ObjectStore | None = (
+            Metered(open_storage(cfg.storage_url, meter=self.storage_meter), self.storage_meter)
+            if cfg.storage_url else None)
         self.files = CheckpointFiles(self.ckpt, self.storage)
         self.files.hydrate()
         #: the effects store, output streams and stream offsets of the data directory, shipped before every epoch
