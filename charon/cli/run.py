@@ -64,8 +64,8 @@ def run(
     ),
     storage: str | None = typer.Option(
         None, "--storage", envvar="CHARON_STORAGE_URL", show_default=False,
-        help="Keep the checkpoints (snapshots, epoch records, layout, code history, verdicts; inprocess: also the "
-        "effects store, output streams and stream offsets; spark: also the bounds) on object storage too, e.g. "
+        help="Keep the checkpoints (snapshots, epoch records, layout, code history, verdicts, the effects store, "
+        "output streams and stream offsets; spark: also the bounds) on object storage too, e.g. "
         "s3://bucket/prefix (configured by AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
         "AWS_SECRET_ACCESS_KEY, AWS_REGION) or file:///dir; the data directory becomes a cache: with a networked "
         "--log, a node (or a Spark driver) on an empty one resumes where the last checkpoint stopped, and Spark "

@@ -53,8 +53,10 @@ class ObjectStore(Protocol):
         """Store ``data`` under ``key``; the new ETag."""
         ...
 
-    def put_file(self, key: str, path: str) -> str:
-        """Store the local file ``path`` under ``key`` (streamed, not read whole into memory); the new ETag."""
+    def put_file(self, key: str, path: str, *, if_absent: bool = False, if_match: str | None = None) -> str:
+        """Store the local file ``path`` under ``key``; the new ETag. Unconditional: streamed, not read whole into
+        memory; conditional (``if_absent``, ``if_match``): one whole request (object storage takes a condition on
+        a single PUT only)."""
         ...
 
     def get(self, key: str) -> tuple[bytes, str]:

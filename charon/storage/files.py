@@ -110,12 +110,12 @@ class FileStore:
     def put(self, key: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> str:
         return self._store(key, lambda f: f.write(data), if_absent, if_match)
 
-    def put_file(self, key: str, path: str) -> str:
+    def put_file(self, key: str, path: str, *, if_absent: bool = False, if_match: str | None = None) -> str:
         def copy(f: BinaryIO) -> None:
             with open(path, "rb") as src:
                 shutil.copyfileobj(src, f, 1 << 20)
 
-        return self._store(key, copy, False, None)
+        return self._store(key, copy, if_absent, if_match)
 
     def get(self, key: str) -> tuple[bytes, str]:
         try:

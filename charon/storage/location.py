@@ -6,6 +6,7 @@ import os
 from urllib.parse import urlsplit
 
 from charon.storage.contract import ObjectStore
+from charon.storage.metered import StorageMeter
 
 __all__ = ["StorageUrlError", "open_storage", "check_storage_url"]
 
@@ -30,13 +31,16 @@ def check_storage_url(url: str) -> tuple[str, str, str]:
     raise StorageUrlError(f"storage URLs are file:///dir or s3://bucket/prefix, not {url!r}")
 
 
-def open_storage(url: str, *, fsync: bool = True) -> ObjectStore:
-    """The object store at ``url`` (see :func:`check_storage_url`)."""
+def open_storage(url: str, *, fsync: bool = True, meter: StorageMeter | None = None,
+                 retry_s: float | None = None) -> ObjectStore:
+    """The object store at ``url`` (see :func:`check_storage_url`); an S3 store reports its upload bytes in flight
+    to ``meter`` and retries a request for at most ``retry_s`` seconds (default
+    :data:`~charon.storage.s3.DEFAULT_RETRY_S`)."""
     scheme, where, prefix = check_storage_url(url)
     if scheme == "file":
         from charon.storage.files import FileStore
 
         return FileStore(where, fsync=fsync)
-    from charon.storage.s3 import S3Store
+    from charon.storage.s3 import DEFAULT_RETRY_S, S3Store
 
-    return S3Store(where, prefix)
+    return S3Store(where, prefix, meter=meter, retry_s=DEFAULT_RETRY_S if retry_s is None else retry_s)

@@ -5,6 +5,10 @@
 downloaded (``get``, ``get_file``). :class:`StorageMeter` holds the counters (thread-safe) and
 :class:`MeterCollector` exposes them as Prometheus counters ``charon_storage_requests_total{op}`` and
 ``charon_storage_bytes_total{direction}``. A retried request counts once (the retries are the client's).
+
+The upload bytes in flight are the store's own to report (an S3 store's :class:`~charon.storage.s3.ByteBudget` holds
+them, given the meter: ``open_storage(url, meter=...)``): :meth:`StorageMeter.in_flight` keeps the gauge and its
+peak, exposed as ``charon_storage_upload_bytes_in_flight``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 import threading
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from charon.storage.contract import ObjectInfo, ObjectStore
@@ -32,6 +36,8 @@ class StorageMeter:
         self.requests: dict[str, int] = dict.fromkeys(OPS, 0)
         self.bytes_up = 0
         self.bytes_down = 0
+        self.inflight_up = 0  # upload bytes held in the store's budget now
+        self.peak_inflight_up = 0  # the most ever held at once
 
     def count(self, op: str, up: int = 0, down: int = 0) -> None:
         with self._lock:
@@ -39,10 +45,18 @@ class StorageMeter:
             self.bytes_up += up
             self.bytes_down += down
 
-    def snapshot(self) -> dict[str, int]:
-        """``{"put": n, "get": n, "list": n, "delete": n, "bytes_up": n, "bytes_down": n}``."""
+    def in_flight(self, held: int) -> None:
+        """The store's budget now holds ``held`` upload bytes."""
         with self._lock:
-            return {**self.requests, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
+            self.inflight_up = held
+            self.peak_inflight_up = max(self.peak_inflight_up, held)
+
+    def snapshot(self) -> dict[str, int]:
+        """``{"put": n, "get": n, "list": n, "delete": n, "bytes_up": n, "bytes_down": n, "inflight_up": n,
+        "peak_inflight_up": n}``."""
+        with self._lock:
+            return {**self.requests, "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
+                    "inflight_up": self.inflight_up, "peak_inflight_up": self.peak_inflight_up}
 
 
 class Metered:
@@ -57,9 +71,9 @@ class Metered:
         self.meter.count("put", up=len(data))
         return self.store.put(key, data, if_absent=if_absent, if_match=if_match)
 
-    def put_file(self, key: str, path: str) -> str:
+    def put_file(self, key: str, path: str, *, if_absent: bool = False, if_match: str | None = None) -> str:
         self.meter.count("put", up=os.path.getsize(path))
-        return self.store.put_file(key, path)
+        return self.store.put_file(key, path, if_absent=if_absent, if_match=if_match)
 
     def get(self, key: str) -> tuple[bytes, str]:
         try:
@@ -103,6 +117,9 @@ class MeterCollector(Collector):
         b.add_metric(["up"], s["bytes_up"])
         b.add_metric(["down"], s["bytes_down"])
         yield b
+        yield GaugeMetricFamily("charon_storage_upload_bytes_in_flight",
+                                "Upload bytes in flight to object storage (held in its byte budget).",
+                                value=s["inflight_up"])
 
     def describe(self) -> Iterator[Metric]:
         return self.collect()

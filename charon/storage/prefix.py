@@ -20,8 +20,8 @@ class Prefixed:
     def put(self, key: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> str:
         return self.store.put(self.prefix + key, data, if_absent=if_absent, if_match=if_match)
 
-    def put_file(self, key: str, path: str) -> str:
-        return self.store.put_file(self.prefix + key, path)
+    def put_file(self, key: str, path: str, *, if_absent: bool = False, if_match: str | None = None) -> str:
+        return self.store.put_file(self.prefix + key, path, if_absent=if_absent, if_match=if_match)
 
     def get(self, key: str) -> tuple[bytes, str]:
         return self.store.get(self.prefix + key)

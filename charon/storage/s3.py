@@ -4,8 +4,11 @@ Configured the standard way, from the environment: ``AWS_ENDPOINT_URL`` (e.g. a 
 ``http://`` endpoints are allowed and addressed path-style), ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_REGION`` (default ``us-east-1``), and every other ``AWS_*`` variable obstore knows. Requests are retried with
 exponential backoff for at most ``retry_s`` seconds (obstore retries 5xx, 429/503 SlowDown and connection errors),
-then fail with :class:`StorageUnavailable`. At most ``max_inflight_bytes`` of uploads are in flight at once
-(a larger one waits until it is alone).
+then fail with :class:`StorageUnavailable`. At most ``max_inflight_bytes`` of uploads are in flight at once: an
+upload larger than that takes the whole budget (it waits until nothing else is in flight, and nothing else starts
+until it is done); a whole-file upload without a condition goes up in 5 MiB parts, 4 at a time (multipart), one with
+a condition (``if_absent``, ``if_match``) in one request, read whole into memory (S3 takes a condition on a single
+PUT only). Given a :class:`~charon.storage.metered.StorageMeter`, the budget reports what it holds to it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from charon.storage.contract import (
     StorageError,
     StorageUnavailable,
 )
+from charon.storage.metered import StorageMeter
 
 __all__ = ["ByteBudget", "S3Store", "DEFAULT_RETRY_S", "DEFAULT_INFLIGHT_BYTES"]
 
@@ -39,24 +43,31 @@ DEFAULT_INFLIGHT_BYTES = 64 << 20
 
 
 class ByteBudget:
-    """At most ``limit`` bytes held at once; a request above the limit waits until nothing else is held."""
+    """At most ``limit`` bytes held at once; a request above the limit holds all of it (it waits until nothing else
+    is held). ``report`` is told what is held after every change."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, report: Callable[[int], None] | None = None) -> None:
         self.limit = limit
         self.held = 0
+        self._report = report
         self._cv = threading.Condition()
 
     @contextlib.contextmanager
     def hold(self, n: int) -> Iterator[None]:
+        n = min(n, self.limit)
         with self._cv:
-            while self.held and self.held + n > self.limit:
+            while self.held + n > self.limit:
                 self._cv.wait()
             self.held += n
+            if self._report is not None:
+                self._report(self.held)
         try:
             yield
         finally:
             with self._cv:
                 self.held -= n
+                if self._report is not None:
+                    self._report(self.held)
                 self._cv.notify_all()
 
 
@@ -81,7 +92,8 @@ class S3Store:
     """Objects under ``prefix`` in ``bucket`` (see the module docstring)."""
 
     def __init__(self, bucket: str, prefix: str = "", *, retry_s: float = DEFAULT_RETRY_S,
-                 max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES, request_timeout_s: float = 30.0) -> None:
+                 max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES, request_timeout_s: float = 30.0,
+                 meter: StorageMeter | None = None) -> None:
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         config: dict[str, Any] = {}
@@ -99,7 +111,7 @@ class S3Store:
                                              "max_backoff": timedelta(seconds=2), "base": 2}}
         self._store = _ObS3(bucket, prefix=self.prefix or None, config=config,  # type: ignore[arg-type]
                             client_options=client, retry_config=retry)  # type: ignore[arg-type]
-        self._budget = ByteBudget(max_inflight_bytes)
+        self._budget = ByteBudget(max_inflight_bytes, meter.in_flight if meter is not None else None)
         self.requests = {"put": 0, "get": 0, "list": 0, "delete": 0}
         self.bytes_put = 0
         self.bytes_got = 0
@@ -112,10 +124,14 @@ class S3Store:
         self.bytes_put += len(data)
         return str(r["e_tag"])
 
-    def put_file(self, key: str, path: str) -> str:
+    def put_file(self, key: str, path: str, *, if_absent: bool = False, if_match: str | None = None) -> str:
         size = os.path.getsize(path)
-        with self._budget.hold(min(size, self._budget.limit)), open(path, "rb") as f:
-            r = _call(key, lambda: obstore.put(self._store, key, f, max_concurrency=4))
+        mode: Any = "create" if if_absent else {"e_tag": if_match} if if_match is not None else None
+        with self._budget.hold(size), open(path, "rb") as f:
+            if mode is None:  # streamed in parts
+                r = _call(key, lambda: obstore.put(self._store, key, f, max_concurrency=4))
+            else:  # conditional: one request
+                r = _call(key, lambda: obstore.put(self._store, key, f, mode=mode, use_multipart=False))
         self.requests["put"] += 1
         self.bytes_put += size
         return str(r["e_tag"])

@@ -220,3 +220,110 @@ def test_a_verdict_survives_a_sigkilled_machine(tmp_path: Path, nats_url: str, s
     p = child(_CHECK, tmp_path / "m2")
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.split() == ["['s1']", "1", "InvocationTimeout"], p.stdout + p.stderr
+
+
+
+# The outage test's first machine (a real process, SIGKILLed at the end: nothing checkpointed, so the new machine
+# replays every epoch): deposits, then (once the parent has stopped the storage and says "go") a spinning
+# transaction and more deposits; /health printed until the verdict is seen waiting, then every reply.
+_OUTAGE = """
+import asyncio, json, os, signal, sys, time
+from charon import InProcessRuntime
+from hostile_app import app
+async def main():
+    rt = InProcessRuntime(app, partitions=2, data_dir=sys.argv[1], log_url=sys.argv[2], storage_url=sys.argv[3],
+                          function_timeout=0.3, watchdog_interval=0.05, checkpoint_s=3600, warmup_txns=0)
+    async with rt:
+        subs = [await rt.submit("acc", f"a{i}", "deposit", [10 + i], request_id=f"d{i}") for i in range(3)]
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # storage is down now
+        futs = [asyncio.ensure_future(rt.submit("acc", "k", "spin", [], request_id="s1"))]
+        futs += [asyncio.ensure_future(rt.submit("acc", f"a{i}", "deposit", [1], request_id=f"e{i}"))
+                 for i in range(3)]
+        t0 = time.monotonic()
+        while True:
+            h = rt.health()
+            print("health", json.dumps({**h, "spin_done": futs[0].done()}), flush=True)
+            if h.get("log_wait", {}).get("what") == "storing a verdict" or time.monotonic() - t0 > 60:
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # storage is back
+        subs += [await asyncio.wait_for(f, 120) for f in futs]
+        print("health", json.dumps(rt.health()), flush=True)
+        print("replies", json.dumps({r.request_id: [r.ok, r.error_type, r.value.hex()] for r in subs}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+asyncio.run(main())
+"""
+
+
+def test_a_verdict_recorded_during_a_storage_outage_lands_after_it(tmp_path: Path, nats_url: str,
+                                                                   s3_env: SeaweedS3) -> None:
+    """SeaweedFS down while a budget timeout's verdict is being recorded: /health says so (not ok, naming what
+    waits), the transaction is not refused before its verdict is stored, the verdict lands once storage is back,
+    nothing acknowledged is lost, and a new machine (an empty directory; the first one SIGKILLed before any
+    checkpoint) replays every epoch to the same replies, the verdict taken from storage."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from hostile_app import app as hostile
+
+    storage = s3_env.url(f"outage-{uuid.uuid4().hex[:8]}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "support"),
+                                                        str(Path(__file__).parents[2])])}
+    child = subprocess.Popen([sys.executable, "-c", _OUTAGE, str(tmp_path / "m1"), nats_url, storage], env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read() if child.stderr else ""
+        s3_env.kill()  # storage is down from here
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        seen = []
+        while True:
+            line = child.stdout.readline()
+            assert line.startswith("health "), line + (child.stderr.read() if child.stderr else "")
+            seen.append(json.loads(line.split(" ", 1)[1]))
+            if "log_wait" in seen[-1]:
+                break
+        s3_env.start()
+        child.stdin.write("back\n")
+        child.stdin.flush()
+        after = json.loads(child.stdout.readline().split(" ", 1)[1])
+        line = child.stdout.readline()
+        assert line.startswith("replies "), line + (child.stderr.read() if child.stderr else "")
+        replies = json.loads(line.split(" ", 1)[1])
+        assert child.wait(30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if s3_env.proc is None or s3_env.proc.poll() is not None:
+            s3_env.start()
+    wait = seen[-1]
+    assert not wait["ok"] and wait["log_wait"]["what"] == "storing a verdict", wait  # /health names the wait
+    assert not any(h["spin_done"] for h in seen)  # the verdict is not effective before it is stored
+    assert after["ok"] and "log_wait" not in after, after
+    assert replies["s1"][:2] == [False, "InvocationTimeout"], replies
+    assert all(replies[f"e{i}"][0] and replies[f"d{i}"][0] for i in range(3)), replies
+    assert '"s1"' in open_storage_text(storage, "verdicts.jsonl")  # the verdict landed
+
+    again = InProcessRuntime(hostile, partitions=2, data_dir=str(tmp_path / "m2"), log_url=nats_url,
+                             storage_url=storage, function_timeout=0.3, warmup_txns=0)
+    try:
+        assert sorted(again.verdict_book.verdicts) == ["s1"]
+        assert again.replayed_epochs >= 2  # nothing was checkpointed: every epoch replayed
+        for rid, want in replies.items():  # replies unchanged by the replay
+            r = again.get_reply(rid)
+            assert r is not None and [r.ok, r.error_type, r.value.hex()] == want, (rid, r, want)
+        assert [again.read_state("acc", f"a{i}") for i in range(3)] == [11, 12, 13]  # nothing lost, once each
+    finally:
+        again.close()
+
+
+def open_storage_text(url: str, key: str) -> str:
+    from charon.storage.location import open_storage
+
+    return open_storage(url).get(key)[0].decode(errors="replace")

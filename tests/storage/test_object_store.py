@@ -104,6 +104,20 @@ def test_files_stream_both_ways(store: ObjectStore, tmp_path: Path) -> None:
     assert not (tmp_path / "none").exists()
 
 
+def test_conditional_file_puts_fence_like_puts(store: ObjectStore, tmp_path: Path) -> None:
+    src = tmp_path / "effects.sqlite"
+    src.write_bytes(b"one")
+    v1 = store.put_file("files/effects.sqlite", str(src), if_absent=True)
+    with pytest.raises(StorageConflict):
+        store.put_file("files/effects.sqlite", str(src), if_absent=True)
+    src.write_bytes(b"two")
+    v2 = store.put_file("files/effects.sqlite", str(src), if_match=v1)
+    src.write_bytes(b"stale")
+    with pytest.raises(StorageConflict):  # a writer still holding v1 is fenced
+        store.put_file("files/effects.sqlite", str(src), if_match=v1)
+    assert store.get("files/effects.sqlite") == (b"two", v2)
+
+
 @pytest.mark.parametrize("url", ["http://x/y", "s3://", "s3://b/p?x=1", "file://host/dir", "gs://b"])
 def test_bad_urls_are_refused(url: str) -> None:
     with pytest.raises(StorageUrlError):
@@ -133,7 +147,63 @@ def test_byte_budget_bounds_what_is_in_flight() -> None:
     for t in threads:
         t.join()
     assert budget.held == 0
-    assert 60 <= peak <= 150  # the 150-byte upload ran alone; nothing else ever exceeded 100 together
+    assert 60 <= peak <= 100  # the 150-byte upload took the whole budget (alone); nothing ever exceeded 100
+
+
+def test_a_whole_file_over_the_budget_waits_for_it(s3_env: SeaweedS3, tmp_path: Path) -> None:
+    """A side file larger than the upload budget (a 2 MiB effects store, a 1 MiB budget) waits while another upload
+    is in flight (the server stopped under it), then takes the whole budget: the bytes in flight, as the store
+    reports them to its meter, never exceed the budget."""
+    import os
+    import signal
+    import sqlite3
+
+    from charon.runtime.sidefiles import SideFiles
+    from charon.storage.metered import Metered, StorageMeter
+
+    budget = 1 << 20
+    meter = StorageMeter()
+    store = Metered(S3Store(s3_env.bucket, f"budget-{uuid.uuid4().hex[:8]}", max_inflight_bytes=budget,
+                            meter=meter), meter)
+    data = tmp_path / "data"
+    data.mkdir()
+    db = sqlite3.connect(data / "effects.sqlite")
+    db.execute("CREATE TABLE t (b BLOB)")
+    db.executemany("INSERT INTO t VALUES (?)", [(os.urandom(64 << 10),) for _ in range(32)])  # 2 MiB
+    db.commit()
+    db.close()
+    side = SideFiles(str(data), store)
+    other = 600 << 10
+    done: dict[str, float] = {}
+
+    def run(name: str, op) -> None:  # noqa: ANN001
+        op()
+        done[name] = time.monotonic()
+
+    os.killpg(s3_env.proc.pid, signal.SIGSTOP)  # the server takes requests and answers none
+    try:
+        a = threading.Thread(target=run, args=("other", lambda: store.put("other", b"x" * other)))
+        a.start()
+        deadline = time.monotonic() + 10
+        while meter.inflight_up != other:  # the other upload is in flight (its request sent, unanswered)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        b = threading.Thread(target=run, args=("side", side.ship))
+        b.start()
+        time.sleep(1.5)
+        assert not done  # the side file waits for the budget ...
+        assert meter.inflight_up == meter.peak_inflight_up == other  # ... instead of going up beside the other
+    finally:
+        os.killpg(s3_env.proc.pid, signal.SIGCONT)
+    a.join(60)
+    b.join(60)
+    assert set(done) == {"other", "side"} and done["other"] <= done["side"]
+    snap = meter.snapshot()
+    assert snap["inflight_up"] == 0 and snap["peak_inflight_up"] == budget  # it took the whole budget, no more
+    restored = tmp_path / "restored"
+    restored.mkdir()
+    assert SideFiles(str(restored), store).restore() == 1
+    assert sqlite3.connect(restored / "effects.sqlite").execute("SELECT count(*) FROM t").fetchone() == (32,)
 
 
 def test_s3_server_restart_keeps_objects_and_outage_is_typed(s3_env: SeaweedS3) -> None:

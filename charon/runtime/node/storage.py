@@ -19,7 +19,7 @@ One owner for what makes ``InProcessRuntime(app, data_dir=...)`` durable (the Sp
 **Object storage** (``storage_url``, ``charon run --storage s3://bucket/prefix``): the layout, the code history,
 the epoch records, the partitions' snapshot files and the verdicts (each before it takes effect) are also written
 there (:mod:`charon.storage`), and the effects store, streams and stream offsets per checkpoint
-(:mod:`charon.runtime.node.sidefiles`); the data
+(:mod:`charon.runtime.sidefiles`); the data
 directory becoming a cache: a node started on an empty directory with the same location (and the same networked
 log, ``log_url``) takes them back and resumes where the lost machine's last checkpoint stopped, replaying the log
 after it. Records are created once (``If-None-Match``) and manifests replaced only over the version this node
@@ -54,7 +54,7 @@ from charon.log.sqlite import DedupRetention
 from charon.messages import Reply, Request
 from charon.runtime.faults import crash_point
 from charon.runtime.guard.verdicts import FILE as VERDICTS_FILE
-from charon.runtime.node.sidefiles import SideFiles
+from charon.runtime.sidefiles import SideFiles
 from charon.state.durable import DurableState
 from charon.state.records import EpochRecord, encode_record, read_record
 from charon.state.store import MemoryStore
@@ -69,6 +69,9 @@ T = TypeVar("T")
 _outage = logging.getLogger("charon.engine")  # outages and recoveries, in the server log
 EPOCH_MARK = "\x00epoch"  # operator of the marker entry that closes an epoch's batch in the input log
 _RECORDS_KEPT = 2
+#: seconds the object-store client retries one request: the node's writes are waited out by :meth:`_retry_log`
+#: beyond that, which reports the outage (``/health``: ``log_wait``) from then on
+STORAGE_RETRY_S = 3.0
 
 
 class NodeError(Exception):
@@ -135,8 +138,9 @@ class NodeStorage:
         try:
             #: requests and bytes to object storage (None without it): metrics, the storage benchmark
             self.meter: StorageMeter | None = StorageMeter() if storage_url else None
-            self.remote: ObjectStore | None = (Metered(open_storage(storage_url, fsync=fsync), self.meter)
-                                               if storage_url else None)
+            self.remote: ObjectStore | None = (
+                Metered(open_storage(storage_url, fsync=fsync, meter=self.meter, retry_s=STORAGE_RETRY_S), self.meter)
+                if storage_url else None)
             for name in ("node.json", "code.json"):
                 self._hydrate_file(name)
             self._verdicts_etag: str | None = None  # the version of verdicts.jsonl this node wrote or read

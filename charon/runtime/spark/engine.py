@@ -45,6 +45,7 @@ from charon.runtime.control.codeversions import (
 from charon.runtime.control.controls import GatedControls, HostedEngine
 from charon.runtime.control.reads import check_entities, page_durable, read_durable, retained_from
 from charon.runtime.schedules import start_declaring
+from charon.storage.metered import MeterCollector
 
 if TYPE_CHECKING:  # typing only: the runtime builds its engine
     from charon.runtime.spark.runtime import SparkRuntime
@@ -84,6 +85,13 @@ class SparkEngine(HostedEngine):
     @property
     def durable(self) -> bool:
         return True
+
+    @property
+    def storage_metrics(self) -> MeterCollector | None:
+        """The driver's requests and bytes to object storage as Prometheus counters (None without ``--storage``;
+        the executors' own requests are not counted here): registered by the gateway's metrics."""
+        meter = self.rt.storage_meter
+        return MeterCollector(meter) if meter is not None else None
 
     @property
     def submit_checks_ids(self) -> bool:

@@ -67,6 +67,7 @@ from charon.runtime.faults import crash_point, fault_point
 from charon.runtime.guard.quarantine import RecoveryAttempts, culprit_in
 from charon.runtime.guard.verdicts import VerdictBook, letter
 from charon.runtime.replies import ReplyWriter
+from charon.runtime.sidefiles import SideFiles
 from charon.runtime.spark.engine import SparkEngine
 from charon.runtime.spark.files import CheckpointFiles
 from charon.runtime.spark.layout import (
@@ -99,6 +100,7 @@ from charon.state.records import EpochRecord, encode_record, read_record
 from charon.storage.contract import ObjectStore, StorageError
 from charon.storage.files import write_file_atomic
 from charon.storage.location import open_storage
+from charon.storage.metered import Metered, StorageMeter
 from charon.storage.prefix import Prefixed, delete_prefix
 
 _Layout = TypeVar("_Layout")
@@ -141,9 +143,19 @@ class SparkRuntime(EngineBacked):
         self.ckpt = cfg.checkpoint_dir
         os.makedirs(self.ckpt, exist_ok=True)
         # object storage (storage_url): the checkpoint directory is a cache of it, taken from it first
-        self.storage: ObjectStore | None = open_storage(cfg.storage_url) if cfg.storage_url else None
+        #: the driver's requests and bytes to it (None without it): ``/metrics``
+        self.storage_meter: StorageMeter | None = StorageMeter() if cfg.storage_url else None
+        self.storage: ObjectStore | None = (
+            Metered(open_storage(cfg.storage_url, meter=self.storage_meter), self.storage_meter)
+            if cfg.storage_url else None)
         self.files = CheckpointFiles(self.ckpt, self.storage)
         self.files.hydrate()
+        #: the effects store, output streams and stream offsets of the data directory, shipped before every epoch
+        #: record (object storage only); taken back (on an empty directory) before anything opens them
+        self.side = SideFiles(cfg.data_dir, self.storage) if self.storage is not None else None
+        if self.side is not None:
+            os.makedirs(cfg.data_dir, exist_ok=True)
+            self.side.restore()
         # every epoch's coordinator applies (and adds to) its verdicts
         self.verdict_book = VerdictBook(self.ckpt, on_write=self.files.upload)
         # which epoch ran last: a rerun may have replied already
@@ -1244,6 +1256,8 @@ class SparkRuntime(EngineBacked):
         appended, :meth:`_append_atom`); then it counts as done."""
         epoch = rec.epoch
         self._replies.flush()  # a recorded epoch never runs again: its replies are in the log first
+        if self.side is not None:  # so are its atoms on object storage: a driver restored from it has them
+            self.side.ship()
         self._write_record(rec)
         if self._unconfirmed is not None and self._unconfirmed <= epoch:
             self._unconfirmed = None

@@ -1,22 +1,26 @@
-"""The durable node's files beside its checkpoint on object storage: the effects store, the output streams and the
-stream readers' offsets (portals, wires), under ``files/`` of the storage location.
+"""An engine's files beside its checkpoint on object storage: the effects store, the output streams and the stream
+readers' offsets (portals, wires), under ``files/`` of the storage location. The durable node
+(:mod:`charon.runtime.node.storage`) ships them at every checkpoint, the Spark driver
+(:mod:`charon.runtime.spark.runtime`) before every epoch record it writes.
 
-They are written by other parts of the node (the effect executor, the stream log, the portal routers: SQLite
+They are written by other parts of the engine (the effect executor, the stream log, the portal routers: SQLite
 files and small offset files in the data directory), not by the checkpoint writer, so they are shipped as
 snapshots: at every checkpoint, before its epoch record (the commit point), each file that changed since it was
 last shipped is uploaded whole (a SQLite file through SQLite's online backup, so a concurrent writer cannot tear
-it). The order keeps every reader behind what it reads: the offsets first, then the effects store (its intake
-offset into the ``charon.effects`` stream), then the streams; and the streams hold every atom of the epochs the
-record covers (an atom is appended before its epoch is handed to the writer). A node on an empty data directory
+it), in one conditional request through the store's upload budget (:class:`~charon.storage.s3.ByteBudget`: a
+file larger than the budget takes all of it, waiting until nothing else is in flight). The order keeps every reader
+behind what it reads: the offsets first, then the effects store (its intake offset into the ``charon.effects``
+stream), then the streams; and the streams hold every atom of the epochs the
+record covers (an atom is appended before its epoch is handed to the writer). An engine on an empty data directory
 takes them back before it opens them; the epochs it replays after the record append their atoms again
 (idempotent by epoch) and what a reader did after the snapshot is done again: an effect taken in or attempted
 after it is taken in (by id, once) or attempted again, as after a crash (handlers run at least once, with the
 effect id as idempotency key; continuations exactly once, by request id), a portal request is submitted again
 under its own id.
 
-Each object is replaced only over the version this node wrote or read (``If-Match``; created with
-``If-None-Match``), so a node that lost its place fails with
-:class:`~charon.storage.contract.StorageConflict` instead of overwriting the newer node's files.
+Each object is replaced only over the version this engine wrote or read (``If-Match``; created with
+``If-None-Match``), so an engine that lost its place fails with
+:class:`~charon.storage.contract.StorageConflict` instead of overwriting the newer one's files.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ class SideFiles:
     def __init__(self, data_dir: str, store: ObjectStore) -> None:
         self.data_dir = data_dir
         self.store = store
-        self._etags: dict[str, str] = {}  # key -> the version this node wrote or read
+        self._etags: dict[str, str] = {}  # key -> the version this engine wrote or read
         self._shipped: dict[str, tuple[int, ...]] = {}  # name -> the signature shipped
 
     def names(self) -> list[str]:
@@ -66,7 +70,7 @@ class SideFiles:
 
     def restore(self) -> int:
         """Before anything opens them: take the stored files the data directory lacks (a new machine); a file the
-        directory has is its own newer copy (the same node restarting). Returns the number downloaded."""
+        directory has is its own newer copy (the same engine restarting). Returns the number downloaded."""
         n = 0
         for o in self.store.list(PREFIX):
             name = o.key[len(PREFIX):]
@@ -104,28 +108,28 @@ class SideFiles:
                     finally:
                         dst.close()
                         src.close()
-                    with open(tmp, "rb") as f:
-                        data = f.read()
+                    self._put(PREFIX + name, tmp)
                 finally:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(tmp)
             else:
                 try:
-                    with open(path, "rb") as f:
-                        data = f.read()
-                except FileNotFoundError:
+                    self._put(PREFIX + name, path)
+                except FileNotFoundError:  # removed by its reader meanwhile
                     continue
-            self._put(PREFIX + name, data)
             self._shipped[name] = sig
             n += 1
         return n
 
-    def _put(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, path: str) -> None:
+        """Upload the file ``path`` as ``key`` over the version this engine knows: one conditional request through
+        the store's upload budget (a file larger than the budget takes all of it)."""
         etag = self._etags.get(key)
         try:
-            self._etags[key] = self.store.put(key, data, if_absent=etag is None, if_match=etag)
+            self._etags[key] = self.store.put_file(key, path, if_absent=etag is None, if_match=etag)
         except StorageConflict:  # an earlier attempt reached the store before its answer was lost: it is ours
             have, tag = self.store.get(key)
-            if have != data:
-                raise
+            with open(path, "rb") as f:
+                if have != f.read():
+                    raise
             self._etags[key] = tag
