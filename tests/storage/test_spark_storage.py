@@ -21,7 +21,8 @@ from typing import Any
 
 import httpx
 import pytest
-from natsfix import NatsServer, free_port
+from http_transfers import balances, expected_balances, invoke_all, kill_mid_run
+from natsfix import NatsCluster, NatsServer, free_port
 
 from charon.storage.location import open_storage
 from tests.support.seaweedfix import SeaweedS3
@@ -30,7 +31,6 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 CHARON = str(Path(sys.executable).parent / "charon")
 TOKEN = "t0k"
 N = 8  # accounts
-HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class SparkDriver:
@@ -69,59 +69,28 @@ class SparkDriver:
         self.proc.wait()
 
 
-async def _invoke_all(url: str, calls: list[tuple[str, str, list, str]], out: dict[str, dict],
-                      timeout: float = 240.0) -> None:
-    """POST every call with its Idempotency-Key (retried with the same key), its answer into ``out``."""
-
-    async def one(client: httpx.AsyncClient, key: str, fn: str, args: list, tag: str) -> None:
-        while True:
-            try:
-                r = await client.post(f"/invoke/account/{key}/{fn}", json={"args": args},
-                                      headers={**HEADERS, "Idempotency-Key": tag})
-            except httpx.HTTPError:
-                await asyncio.sleep(0.3)
-                continue
-            if r.status_code in (200, 409):
-                out[tag] = {**r.json(), "http": r.status_code}
-                return
-            assert r.status_code in (202, 503), (tag, r.status_code, r.text)
-            await asyncio.sleep(0.3)
-
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        await asyncio.wait_for(asyncio.gather(*(one(client, *c) for c in calls)), timeout)
-
-
-def _kill_mid_run(driver: SparkDriver, calls: list[tuple[str, str, list, str]], after: int) -> dict[str, dict]:
-    """Send ``calls``; SIGKILL the driver once ``after`` of them are answered; the answers given by then."""
-    got: dict[str, dict] = {}
-
-    async def run() -> None:
-        task = asyncio.ensure_future(_invoke_all(driver.url, calls, got))
-        while len(got) < after:
-            assert not task.done() or task.exception() is None, task.exception()
-            await asyncio.sleep(0.05)
-        driver.kill()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(run())
-    return got
-
-
 def test_a_driver_and_its_executors_lost_resume_from_object_storage(tmp_path: Path, s3_env: SeaweedS3) -> None:
-    nats = NatsServer(tmp_path / "nats").start()
-    log_url = f"{nats.url}/s3spark{uuid.uuid4().hex[:6]}"
+    """The log on a 3-server NATS cluster (replicas 3): the machine lost takes one of its servers with it."""
+    cluster = NatsCluster(tmp_path / "nats").start()
+    log_url = cluster.url(f"s3spark{uuid.uuid4().hex[:6]}")
     storage = s3_env.url(f"spark-{uuid.uuid4().hex[:8]}")
     first = SparkDriver(tmp_path, "m1", log_url, storage)
     second: SparkDriver | None = None
     try:
         first.wait_ok()
         seed: dict[str, dict] = {}
-        asyncio.run(_invoke_all(first.url, [(f"a{i}", "deposit", [100], f"seed{i}") for i in range(N)], seed))
+        asyncio.run(invoke_all(first.url, [(f"a{i}", "deposit", [100], f"seed{i}") for i in range(N)], seed, TOKEN))
         assert all(r["http"] == 200 for r in seed.values())
         transfers = [(f"a{i % N}", "transfer", [f"a{(i * 5 + 3) % N}", 1 + i % 7], f"t{i}") for i in range(120)]
-        acked = _kill_mid_run(first, transfers, after=70)
+        lost_at = 0.0
+
+        def lose_the_machine() -> None:
+            nonlocal lost_at
+            lost_at = time.monotonic()
+            first.kill()
+            cluster.servers[0].kill()  # the NATS server of the driver's machine
+
+        acked = kill_mid_run(first.url, lose_the_machine, transfers, after=70, token=TOKEN)
         assert 70 <= len(acked) < len(transfers), len(acked)
         store = open_storage(storage)
         keys = {o.key.split("/", 1)[0] for o in store.list("")}
@@ -131,30 +100,23 @@ def test_a_driver_and_its_executors_lost_resume_from_object_storage(tmp_path: Pa
         shutil.rmtree(first.local)
 
         second = SparkDriver(tmp_path, "m2", log_url, storage)
-        recovery_s = second.wait_ok()
-        print(f"\nrecovery: the new driver served after {recovery_s:.1f} s (JVM start included); "
-              f"{len(acked)} of {len(transfers)} transfers acknowledged before the loss")
+        second.wait_ok()
+        print(f"\nrecovery: the new driver served {time.monotonic() - lost_at:.1f} s after the loss (JVM start "
+              f"included); {len(acked)} of {len(transfers)} transfers acknowledged before it")
         again: dict[str, dict] = {}
-        asyncio.run(_invoke_all(second.url, transfers, again))
+        asyncio.run(invoke_all(second.url, transfers, again, TOKEN))
         for tag, reply in acked.items():  # replies unchanged by the replay
             assert again[tag] == reply, (tag, reply, again[tag])
-        balances = {}
-        for i in range(N):
-            r = httpx.get(f"{second.url}/state/account/a{i}", headers=HEADERS, timeout=60)
-            assert r.status_code == 200, r.text
-            balances[f"a{i}"] = r.json()["value"]
-        assert sum(balances.values()) == 100 * N, balances  # money conserved
-        want = {f"a{i}": 100 for i in range(N)}
-        for key, _, args, tag in transfers:  # every answered transfer applied exactly once, the refused ones not
-            if again[tag]["http"] == 200:
-                want[key] -= args[1]
-                want[args[0]] += args[1]
-        assert balances == want, (balances, want)
+        accounts = [f"a{i}" for i in range(N)]
+        got = balances(second.url, accounts, TOKEN)
+        assert sum(got.values()) == 100 * N, got  # money conserved
+        # every answered transfer applied exactly once, the refused ones not
+        assert got == expected_balances({a: 100 for a in accounts}, transfers, again)
     finally:
         first.kill()
         if second is not None:
             second.kill()
-        nats.kill()
+        cluster.kill()
 
 
 def test_a_cluster_sharing_only_object_storage_and_the_log_loses_a_worker(
