@@ -1265,15 +1265,19 @@ class SparkRuntime(EngineBacked):
         self._flush(pending)
 
     def _flush(self, pending: tuple[EpochRecord, EpochResult]) -> None:
-        """Finalize a deferred epoch in a round of its own, then append its atom and write its record."""
+        """Finalize a deferred epoch in a round of its own, then append its atom and write its record. The gate's
+        running epoch ends either way: one whose finalize failed (a lost gang) runs again after the restart, and a
+        pause or a rescale waiting for the boundary must not wait for it meanwhile."""
         rec, result = pending
-        coord = EpochCoordinator(self.app, self.exchange, sequencers=len(rec.counters),
-                                 max_invocations=self.config.max_invocations)
-        coord.finalize(result)
-        self._append_atom(result)
-        crash_point("after_finalize", rec.epoch)
-        self._recorded(rec)
-        self.gate.leave()
+        try:
+            coord = EpochCoordinator(self.app, self.exchange, sequencers=len(rec.counters),
+                                     max_invocations=self.config.max_invocations)
+            coord.finalize(result)
+            self._append_atom(result)
+            crash_point("after_finalize", rec.epoch)
+            self._recorded(rec)
+        finally:
+            self.gate.leave()
 
     def _start_compaction(self, upto: int) -> None:
         if self._compactor is not None and self._compactor.is_alive():
