@@ -618,8 +618,10 @@ class SparkRuntime(EngineBacked):
 
     def _replied_before(self, epoch: int, requests: list[Request], prev: EpochRecord | None) -> bool:
         """Whether an earlier run of ``epoch`` may have answered a client: a reply of this epoch is in the output
-        log (clients read replies only from there; a reply a dead driver had not written yet never left). True
-        when it cannot be told (the log failing)."""
+        log (clients read replies only from there; a reply a dead driver had not written yet never left), or its
+        finalize reached a partition's durable copy (a replayed epoch's delta and atom are never written again, so
+        they hold the earlier run's outcomes, which a new verdict would contradict). True when it cannot be told
+        (the log or the durable state failing)."""
         try:
             self._replies.flush(30)  # this process's earlier run (a query restart): its replies are written first
             reqs = list(requests)
@@ -629,7 +631,8 @@ class SparkRuntime(EngineBacked):
                 rep = self.output_log.get(r.request_id)
                 if rep is not None and rep.epoch == epoch:
                     return True
-            return False
+            parts, durable, _ = self.placement()
+            return any(durable.recorded_epoch(pid) >= epoch for pid in range(parts))
         except Exception as e:  # noqa: BLE001 - cannot prove nothing left: it may have
             _events.warning("cannot tell whether epoch %d replied before (%s: %s): it takes no new verdicts", epoch,
                             type(e).__name__, e, extra={"event": "replied_unknown", "epoch": epoch})
