@@ -196,6 +196,32 @@ class Worker:
         self.live = {}
 
 
+class LateReplies:
+    """The runtime's reply writer (``ReplyWriter``) on the simulated thread: a batch is written when put, or left
+    for a later write (``late()``: the writer's thread had not run yet), which a driver crash loses (``abandon``);
+    a flush writes every batch left. A rerun then finds its earlier run's replies in the output log, or not."""
+
+    def __init__(self, write: Any, late: Any) -> None:
+        self.write, self.late = write, late
+        self.queue: list[list[Reply]] = []
+
+    def put(self, replies: list[Reply]) -> None:
+        if replies:
+            self.queue.append(replies)
+            if not self.late():
+                self.flush()
+
+    def flush(self, timeout: float | None = None) -> None:
+        while self.queue:
+            self.write(self.queue.pop(0))
+
+    def close(self) -> None:
+        self.flush()
+
+    def abandon(self) -> None:
+        self.queue.clear()
+
+
 class SimExchange(SparkExchange):
     """The real SparkExchange with ``run_job`` replaced by the simulated cluster."""
 
@@ -258,6 +284,9 @@ class Simulation:
         self.orng = random.Random(seed * 104_729 + 3)
         self.overrun = self.orng.choice([0.0, 0.0, 0.02, 0.1]) if faults is None and workload is None else 0.0
         self.overruns = 0
+        # replies written at once or left for later (lost with a crash), from an RNG of its own
+        self.reply_rng = random.Random(f"replies-{seed}")
+        self.reply_late = self.reply_rng.choice([0.0, 0.5, 1.0])
         self.pipelined_epochs = 0
         self.fallback_jobs = 0
         self.atoms = 0  # epochs whose atom of events was checked in the stream log
@@ -424,14 +453,18 @@ class Simulation:
                 sim.results[epoch] = res
                 return res
 
-        saved = (sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES)
+        def replies(write: Any, name: str = "") -> LateReplies:
+            return LateReplies(write, lambda: sim.reply_rng.random() < sim.reply_late)
+
+        saved = (sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES, sr.ReplyWriter)
         sr.EpochCoordinator = Recording  # type: ignore[misc]  # a deliberate patch of the module (restored below)
+        sr.ReplyWriter = replies  # type: ignore[misc,assignment]  # replies written on this thread, drawn
         partition.KEEP_LIVE_COROUTINES = self.w.live
         try:
             with faults.intercepted(self.fault_point), engine_abort_rule():
                 yield
         finally:
-            sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES = saved  # type: ignore[misc]
+            sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES, sr.ReplyWriter = saved  # type: ignore[misc]
 
     @staticmethod
     def draw_log_plan(seed: int, epochs: int, n: int) -> dict[int, int]:
