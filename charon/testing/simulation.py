@@ -52,7 +52,21 @@ the driver dies between rounds and at every crash point above (its gang dies wit
 (a second hello breaks the gang), and a task of an abandoned gang runs a frame already sent later, in its old
 process, while newer gangs replay the epoch (a zombie; ``--no-zombies`` leaves them out). A lost gang restarts the
 query as the runtime's supervisor does (a new exchange and sequencer resuming from the records and bounds); the
-checks are the same. Resizes and rescales are simulated on the micro-batch path only.
+checks are the same.
+
+In the resident mode the boundaries are the running runtime's: the rescale (``--rescale``) is the real
+:meth:`SparkRuntime.rescale` of a running query (it holds the epoch gate, waits for the boundary, moves, commits the
+layout, replaces the exchange: the next gang is launched with the new key groups), either while the sequencer is
+idle or while the next epoch, its bound fixed, waits at the gate (a :class:`~charon.testing.simulation_resident.
+SimGate` runs the move when that epoch would block, after a deferred finalize was recorded); the driver may crash
+before or after the commit (the restarted one holds the gate again and retries), and a task may die in the new
+gang's first round. With ``pauses`` (``--pause``) the operator pauses at some boundaries (now, or after the last
+recorded epoch) and resumes; while paused a state read may run and the driver may die (a new driver's gate is open:
+the operator pauses again, or not), and a rescale drawn at the same boundary is made while paused. The input log's
+resize (``--log-growth``) runs between epochs, as on the micro-batch path (the real one needs no pause).
+
+In both modes the runtime's reply writer runs on the simulated thread: a batch of replies is written when put or
+later (then a driver crash loses it), drawn per seed, so a rerun finds its earlier run's replies, or not.
 
 ``python -m charon.testing.simulation --seeds 100000 [--start N]`` runs many seeds; ``--seed N`` reruns one and
 prints its trace. A failing seed prints one line that reproduces it. ``--without early,early2`` leaves
