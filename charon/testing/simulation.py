@@ -85,7 +85,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -98,6 +98,7 @@ from charon.core.routing import partition_of, split_store_key, store_key
 from charon.log.offsets import pad_offsets, pad_pair
 from charon.messages import Reply, Request
 from charon.runtime import faults
+from charon.runtime.replies import ReplyWriter
 from charon.runtime.spark import runtime as sr
 from charon.runtime.spark import tasks as spark_tasks
 from charon.runtime.spark.exchange import SparkExchange
@@ -210,13 +211,16 @@ class Worker:
         self.live = {}
 
 
-class LateReplies:
-    """The runtime's reply writer (``ReplyWriter``) on the simulated thread: a batch is written when put, or left
-    for a later write (``late()``: the writer's thread had not run yet), which a driver crash loses (``abandon``);
-    a flush writes every batch left. A rerun then finds its earlier run's replies in the output log, or not."""
+class LateReplies(ReplyWriter):
+    """The runtime's reply writer on the simulated thread: a batch is written when put, or left for a later write
+    (``late()``: the writer's thread had not run yet), which a driver crash loses (``abandon``); a flush writes
+    every batch left. A rerun then finds its earlier run's replies in the output log, or not."""
 
-    def __init__(self, write: Any, late: Any) -> None:
-        self.write, self.late = write, late
+    late: Callable[[], bool] = staticmethod(lambda: False)  # set per simulation (see Simulation.patched)
+
+    def __init__(self, write: Callable[[list[Reply]], object], name: str = "charon-replies") -> None:
+        super().__init__(write, name)
+        self.write = write
         self.queue: list[list[Reply]] = []
 
     def put(self, replies: list[Reply]) -> None:
@@ -467,12 +471,14 @@ class Simulation:
                 sim.results[epoch] = res
                 return res
 
-        def replies(write: Any, name: str = "") -> LateReplies:
-            return LateReplies(write, lambda: sim.reply_rng.random() < sim.reply_late)
+        class Replies(LateReplies):
+            @staticmethod
+            def late() -> bool:
+                return sim.reply_rng.random() < sim.reply_late
 
         saved = (sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES, sr.ReplyWriter)
-        sr.EpochCoordinator = Recording  # type: ignore[misc]  # a deliberate patch of the module (restored below)
-        sr.ReplyWriter = replies  # type: ignore[misc,assignment]  # replies written on this thread, drawn
+        # deliberate patches of the module (restored below): the epochs recorded, replies written on this thread
+        sr.EpochCoordinator, sr.ReplyWriter = Recording, Replies  # type: ignore[misc]
         partition.KEEP_LIVE_COROUTINES = self.w.live
         try:
             with faults.intercepted(self.fault_point), engine_abort_rule():
@@ -1010,8 +1016,8 @@ class ResidentSimulation(Simulation):
             self.trace(f"engine partitions {info['from']} -> {info['to']} after epoch {info['epoch']} "
                        f"({info['keys']} items moved)")
             self.resize_cluster(partitions > info["from"])
-            if self.brng.random() < 0.5:
-                self.doomed = rt.exchange  # type: ignore[assignment]  # the simulated gang's (a ResidentExchange)
+            if self.brng.random() < 0.5 and isinstance(rt.exchange, ResidentExchange):
+                self.doomed = rt.exchange
                 self.trace("a task of the new gang will die in its first round")
         self.engine_rescales += 1
 
