@@ -808,7 +808,9 @@ class ResidentSimulation(Simulation):
     ResidentExchange`, whose gang is simulated (:mod:`charon.testing.simulation_resident`) with the gang's fault
     points. A lost gang (``GangLost``) restarts the query as the runtime's supervisor does (``_start_query``: the
     old exchange closed, a new one and a new sequencer resuming from the records and bounds); a driver crash
-    abandons the runtime, its gang dies with it (tasks with frames not run yet may linger as zombies)."""
+    abandons the runtime, its gang dies with it (tasks with frames not run yet may linger as zombies). At some epoch
+    boundaries (``engine_rescale``, ``pauses``, ``log_growth``) the running runtime is rescaled, paused and resumed,
+    or its input log resized (:meth:`append_epoch`, :meth:`at_gate`)."""
 
     def __init__(self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset(),
                  workload: Plan | None = None, faults: Faults | None = None,
@@ -1029,7 +1031,9 @@ class ResidentSimulation(Simulation):
         pause, parts = index in self.pause_plan, self.engine_plan.get(index)
         self.pause_plan.discard(index)
         self.engine_plan.pop(index, None)
-        if (pause or parts is not None) and self.due is None:
+        if (pause or parts is not None) and self.due is not None:
+            self.trace(f"the operation before epoch {index} is still under way: none more here")
+        elif pause or parts is not None:
             idle = rt.exchange.pending is None and not pause
             self.due = Boundary(pause, parts, inline=idle and self.brng.random() < 0.5)
             if not self.due.inline:
