@@ -440,6 +440,17 @@ class DurableState:
         """The last epoch recorded durably for the partition (-1 if none)."""
         return self.manifest(pid).epoch
 
+    def recorded_epoch(self, pid: int) -> int:
+        """The last epoch recorded for the partition as its writers left it: on object storage the remote manifest,
+        read now (the local cache may be behind the executors' writes), else :meth:`latest_epoch`."""
+        if self.remote is None:
+            return self.latest_epoch(pid)
+        try:
+            data, _ = self.remote.get(f"p{pid}/manifest.json")
+        except ObjectNotFound:
+            return -1
+        return Manifest.from_json(data).epoch
+
     # ---- writing ------------------------------------------------------------------------------
     def write_delta(self, pid: int, epoch: int, delta: dict[bytes, bytes | None]) -> None:
         """Record the writes of ``epoch`` (None deletes). A no-op if ``epoch`` is already recorded.

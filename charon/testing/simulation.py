@@ -52,7 +52,21 @@ the driver dies between rounds and at every crash point above (its gang dies wit
 (a second hello breaks the gang), and a task of an abandoned gang runs a frame already sent later, in its old
 process, while newer gangs replay the epoch (a zombie; ``--no-zombies`` leaves them out). A lost gang restarts the
 query as the runtime's supervisor does (a new exchange and sequencer resuming from the records and bounds); the
-checks are the same. Resizes and rescales are simulated on the micro-batch path only.
+checks are the same.
+
+In the resident mode the boundaries are the running runtime's: the rescale (``--rescale``) is the real
+:meth:`SparkRuntime.rescale` of a running query (it holds the epoch gate, waits for the boundary, moves, commits the
+layout, replaces the exchange: the next gang is launched with the new key groups), either while the sequencer is
+idle or while the next epoch, its bound fixed, waits at the gate (a :class:`~charon.testing.simulation_resident.
+SimGate` runs the move when that epoch would block, after a deferred finalize was recorded); the driver may crash
+before or after the commit (the restarted one holds the gate again and retries), and a task may die in the new
+gang's first round. With ``pauses`` (``--pause``) the operator pauses at some boundaries (now, or after the last
+recorded epoch) and resumes; while paused a state read may run and the driver may die (a new driver's gate is open:
+the operator pauses again, or not), and a rescale drawn at the same boundary is made while paused. The input log's
+resize (``--log-growth``) runs between epochs, as on the micro-batch path (the real one needs no pause).
+
+In both modes the runtime's reply writer runs on the simulated thread: a batch of replies is written when put or
+later (then a driver crash loses it), drawn per seed, so a rerun finds its earlier run's replies, or not.
 
 ``python -m charon.testing.simulation --seeds 100000 [--start N]`` runs many seeds; ``--seed N`` reruns one and
 prints its trace. A failing seed prints one line that reproduces it. ``--without early,early2`` leaves
@@ -71,7 +85,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -85,6 +99,7 @@ from charon.log.offsets import pad_offsets, pad_pair
 from charon.messages import Reply, Request
 from charon.runtime import faults
 from charon.runtime.control.codeversions import CodeEntry
+from charon.runtime.replies import ReplyWriter
 from charon.runtime.spark import runtime as sr
 from charon.runtime.spark import tasks as spark_tasks
 from charon.runtime.spark.exchange import SparkExchange
@@ -93,7 +108,7 @@ from charon.runtime.spark.resident import GangLost, ResidentExchange
 from charon.runtime.spark.sequencer import DirectSequencer
 from charon.state import lmdbstore
 from charon.state.durable import DurableState
-from charon.testing.simulation_resident import GangFaults, LazyWriter, SimGang, SimTask
+from charon.testing.simulation_resident import GangFaults, LazyWriter, SimGang, SimGate, SimTask
 from charon.testing.workloads import (
     COUNTERS,
     FEATURES,
@@ -197,6 +212,35 @@ class Worker:
         self.live = {}
 
 
+class LateReplies(ReplyWriter):
+    """The runtime's reply writer on the simulated thread: a batch is written when put, or left for a later write
+    (``late()``: the writer's thread had not run yet), which a driver crash loses (``abandon``); a flush writes
+    every batch left. A rerun then finds its earlier run's replies in the output log, or not."""
+
+    late: Callable[[], bool] = staticmethod(lambda: False)  # set per simulation (see Simulation.patched)
+
+    def __init__(self, write: Callable[[list[Reply]], object], name: str = "charon-replies") -> None:
+        super().__init__(write, name)
+        self.write = write
+        self.queue: list[list[Reply]] = []
+
+    def put(self, replies: list[Reply]) -> None:
+        if replies:
+            self.queue.append(replies)
+            if not self.late():
+                self.flush()
+
+    def flush(self, timeout: float | None = None) -> None:
+        while self.queue:
+            self.write(self.queue.pop(0))
+
+    def close(self) -> None:
+        self.flush()
+
+    def abandon(self) -> None:
+        self.queue.clear()
+
+
 class SimExchange(SparkExchange):
     """The real SparkExchange with ``run_job`` replaced by the simulated cluster."""
 
@@ -245,6 +289,7 @@ class Simulation:
         self.expected: dict[int, dict[bytes, bytes]] = {}  # epoch -> verified state after it
         self.delivered: dict[str, Reply] = {}
         self.crashes = 0
+        self.crash_at: dict[str, int] = {}  # fault point -> driver crashes there
         self.rounds = 0
         self.pipelined = self.rng.choice([0.0, 0.5, 1.0])  # chance that the next epoch's requests come early
         # an epoch's rest in one task from the round where it is small, or round by round (fallback in one task)
@@ -258,6 +303,9 @@ class Simulation:
         self.orng = random.Random(seed * 104_729 + 3)
         self.overrun = self.orng.choice([0.0, 0.0, 0.02, 0.1]) if faults is None and workload is None else 0.0
         self.overruns = 0
+        # replies written at once or left for later (lost with a crash), from an RNG of its own
+        self.reply_rng = random.Random(f"replies-{seed}")
+        self.reply_late = self.reply_rng.choice([0.0, 0.5, 1.0])
         self.pipelined_epochs = 0
         self.fallback_jobs = 0
         self.atoms = 0  # epochs whose atom of events was checked in the stream log
@@ -280,6 +328,7 @@ class Simulation:
     def maybe_crash(self, point: str, epoch: int) -> None:
         if self.crashes < self.faults.max_crashes and self.rng.random() < self.faults.crash:
             self.crashes += 1
+            self.crash_at[point] = self.crash_at.get(point, 0) + 1
             self.trace(f"CRASH at {point} (epoch {epoch})")
             for w in self.workers:  # executors die with the driver's application; local dirs stay
                 w.live = {}
@@ -423,14 +472,20 @@ class Simulation:
                 sim.results[epoch] = res
                 return res
 
-        saved = (sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES)
-        sr.EpochCoordinator = Recording  # type: ignore[misc]  # a deliberate patch of the module (restored below)
+        class Replies(LateReplies):
+            @staticmethod
+            def late() -> bool:
+                return sim.reply_rng.random() < sim.reply_late
+
+        saved = (sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES, sr.ReplyWriter)
+        # deliberate patches of the module (restored below): the epochs recorded, replies written on this thread
+        sr.EpochCoordinator, sr.ReplyWriter = Recording, Replies  # type: ignore[misc]
         partition.KEEP_LIVE_COROUTINES = self.w.live
         try:
             with faults.intercepted(self.fault_point), engine_abort_rule():
                 yield
         finally:
-            sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES = saved  # type: ignore[misc]
+            sr.EpochCoordinator, partition.KEEP_LIVE_COROUTINES, sr.ReplyWriter = saved  # type: ignore[misc]
 
     @staticmethod
     def draw_log_plan(seed: int, epochs: int, n: int) -> dict[int, int]:
@@ -735,6 +790,18 @@ class Simulation:
         return dict(sorted(merged.items()))
 
 
+@dataclass
+class Boundary:
+    """An operation of the resident mode at an epoch boundary: a pause (then a resume), an engine rescale, or both
+    (the rescale made while paused); ``inline``: the rescale runs while the sequencer is idle, else the next epoch
+    waits at the gate for it (``ResidentSimulation.at_gate``)."""
+
+    pause: bool
+    partitions: int | None
+    inline: bool = False
+    crashes: int = 0  # driver crashes while paused (at most two: the run must finish)
+
+
 class ResidentSimulation(Simulation):
     """A seed of the resident mode (``exchange="resident"``): the real :class:`~charon.runtime.spark.sequencer.
     DirectSequencer` (driven turn by turn: ``resume``, then ``run_next``; its bounds written by a
@@ -742,12 +809,23 @@ class ResidentSimulation(Simulation):
     ResidentExchange`, whose gang is simulated (:mod:`charon.testing.simulation_resident`) with the gang's fault
     points. A lost gang (``GangLost``) restarts the query as the runtime's supervisor does (``_start_query``: the
     old exchange closed, a new one and a new sequencer resuming from the records and bounds); a driver crash
-    abandons the runtime, its gang dies with it (tasks with frames not run yet may linger as zombies)."""
+    abandons the runtime, its gang dies with it (tasks with frames not run yet may linger as zombies). At some epoch
+    boundaries (``engine_rescale``, ``pauses``, ``log_growth``) the running runtime is rescaled, paused and resumed,
+    or its input log resized (:meth:`append_epoch`, :meth:`at_gate`)."""
 
     def __init__(self, seed: int, root: str, trace: bool = False, without: frozenset[str] = frozenset(),
                  workload: Plan | None = None, faults: Faults | None = None,
-                 gang_faults: GangFaults | None = None, zombies: bool = True) -> None:
-        super().__init__(seed, root, trace, without, workload, faults)
+                 gang_faults: GangFaults | None = None, zombies: bool = True, log_growth: bool = False,
+                 engine_rescale: bool = False, pauses: bool = False) -> None:
+        super().__init__(seed, root, trace, without, workload, faults, log_growth=log_growth,
+                         engine_rescale=engine_rescale)
+        # the boundaries' draws, from a generator of their own (a seed without them keeps every other draw)
+        self.brng = random.Random(f"boundaries-{seed}")
+        self.pause_plan = self.draw_pause_plan(seed, len(self.w.epochs)) if pauses else set()
+        self.due: Boundary | None = None  # the boundary operation under way
+        self.doomed: ResidentExchange | None = None  # a task dies in this exchange's first round (after a rescale)
+        self.doomed_deaths = 0
+        self.paused = self.paused_crashes = 0
         g = random.Random(f"resident-{seed}")  # the resident draws, from a generator of their own
         self.gang_faults = gang_faults or (GangFaults.draw(g) if faults is None else GangFaults.calm())
         if not zombies:  # --no-zombies: no task of an abandoned gang runs a frame late (see the module's docstring)
@@ -861,8 +939,120 @@ class ResidentSimulation(Simulation):
         if self.writer is not None:
             self.writer.drop()
         rt = super().start_runtime()
+        rt.gate = rt.controller.gate = SimGate(self.at_gate)
+        rt._status = "ok"  # a started runtime's (a rescale waits for a boundary only in a running one)
+        op = self.due
+        if op is not None and not op.inline:  # the operator's pause or rescale, again on the new driver
+            if op.pause and self.brng.random() < 0.5:
+                self.trace("the pause ended with the driver (a new driver's gate is open)")
+                op.pause = False
+            if op.pause or op.partitions is not None:
+                self.arm(rt, op)
+            else:
+                self.due = None
         rt._start_query()
         return rt
+
+    @staticmethod
+    def draw_pause_plan(seed: int, epochs: int) -> set[int]:
+        """Pauses (``pauses``): the workload epochs before whose requests the operator pauses the runtime (one or
+        two boundaries), from a generator of their own."""
+        g = random.Random(f"pauses-{seed}")
+        if epochs < 2:
+            return set()
+        return set(g.sample(range(1, epochs), min(epochs - 1, g.choice([1, 1, 2]))))
+
+    def arm(self, rt: sr.SparkRuntime, op: Boundary) -> None:
+        """Close the gate for ``op``: the operator's pause (now, or after the last recorded epoch), else the rescale's
+        own hold taken before the sequencer reached the boundary (the real rescale holds again: holds nest)."""
+        if op.pause:
+            last = rt.last_recorded_epoch()
+            after = last if last >= 0 and self.brng.random() < 0.5 else None
+            rt.gate.pause(after_epoch=after)
+            self.trace(f"the operator pauses the runtime{'' if after is None else f' after epoch {after}'}")
+        else:
+            rt.gate.hold()
+            self.trace(f"a rescale to {op.partitions} partitions holds the gate")
+
+    def at_gate(self, epoch: int) -> None:
+        """Epoch ``epoch`` is about to wait at the closed gate: the other threads' turn. Every epoch before it is
+        recorded and none runs; while paused a state read may run and the driver may die; the rescale's move runs
+        (the real :meth:`SparkRuntime.rescale`); then the gate opens (the operator's resume, the hold's release)."""
+        rt, op = self.rt, self.due
+        if rt is None or op is None or op.inline:
+            raise Violation(f"epoch {epoch} waits at a gate nobody opens")
+        self.verify_recorded()  # a deferred finalize was recorded before the pause
+        if rt.last_recorded_epoch() != epoch - 1 or rt.gate.active is not None:
+            raise Violation(f"epoch {epoch} waits at the gate after epoch {rt.last_recorded_epoch()}, "
+                            f"{rt.gate.active} running")
+        self.where = f"at the gate before epoch {epoch}"
+        if op.pause:
+            state = rt.gate.status(epoch - 1)["state"]
+            if state != "paused":
+                raise Violation(f"the gate holds epoch {epoch} but says {state!r}")
+            self.paused += 1
+            self.trace(f"paused before epoch {epoch}")
+            if self.brng.random() < 0.5:
+                self.read_check()
+            if op.crashes < 2 and self.brng.random() < 0.4:
+                op.crashes += 1
+                self.crashes += 1
+                self.paused_crashes += 1
+                self.trace(f"CRASH while paused before epoch {epoch}")
+                for w in self.workers:
+                    w.live = {}
+                raise SimCrash("paused")
+        if op.partitions is not None:
+            self.move(rt, op.partitions)
+        if op.pause:
+            rt.gate.resume()
+            self.trace("the operator resumes the runtime")
+        else:
+            rt.gate.release()
+        self.due = None
+
+    def move(self, rt: sr.SparkRuntime, partitions: int) -> None:
+        """The real rescale of the running runtime (it holds the gate, finds the boundary, moves the state, commits
+        the layout, replaces the exchange and releases; the driver may crash before or after the commit); the
+        cluster follows; perhaps a task dies in the new gang's first round."""
+        if rt.config.partitions != partitions:
+            info = rt.rescale(partitions, timeout=0.0)
+            self.config.partitions = partitions
+            self.trace(f"engine partitions {info['from']} -> {info['to']} after epoch {info['epoch']} "
+                       f"({info['keys']} items moved)")
+            self.resize_cluster(partitions > info["from"])
+            if self.brng.random() < 0.5 and isinstance(rt.exchange, ResidentExchange):
+                self.doomed = rt.exchange
+                self.trace("a task of the new gang will die in its first round")
+        self.engine_rescales += 1
+
+    def append_epoch(self, rt: sr.SparkRuntime, index: int) -> tuple[sr.SparkRuntime, list[str]]:
+        """As :meth:`Simulation.append_epoch`, at a boundary of the resident mode: a pause and a rescale close the
+        gate for the next epoch (:meth:`at_gate`), or a rescale runs at once while the sequencer is idle; the input
+        log may be resized (no pause). A driver crash in either raises :class:`SimCrash` (the caller recovers and
+        appends again: the rescale is retried, as the micro-batch path does)."""
+        pause, parts = index in self.pause_plan, self.engine_plan.get(index)
+        self.pause_plan.discard(index)
+        self.engine_plan.pop(index, None)
+        if (pause or parts is not None) and self.due is not None:
+            self.trace(f"the operation before epoch {index} is still under way: none more here")
+        elif pause or parts is not None:
+            idle = rt.exchange.pending is None and not pause
+            self.due = Boundary(pause, parts, inline=idle and self.brng.random() < 0.5)
+            if not self.due.inline:
+                self.arm(rt, self.due)
+        if self.due is not None and self.due.inline:
+            assert self.due.partitions is not None
+            self.move(rt, self.due.partitions)
+            self.due = None
+        if index in self.log_plan:
+            m = self.log_plan.pop(index)
+            self.log_resizes += 1
+            info = rt.rescale_log(m)
+            self.trace(f"input log {info['from']} -> {info['to']} partitions (physical {info['physical']})")
+        reqs = self.w.requests(index)
+        rt.input_log.append_many(reqs)
+        return rt, [r.request_id for r in reqs]
 
     def restart(self, crashed: bool) -> list[int]:
         """Recovery after a driver crash (``crashed``) or a lost gang (the supervisor's restart of the query):
@@ -911,22 +1101,28 @@ class ResidentSimulation(Simulation):
         while True:
             assert self.rt is not None and self.seq is not None
             rt = self.rt
-            if not early and next_epoch < len(self.w.epochs):
-                rt, ids = self.append_epoch(rt, next_epoch)
-                submitted += ids
-                next_epoch += 1
-            early = False
-            avail = rt.input_log.end_offsets()
-            if not any(e > s for s, e in zip(*pad_pair(prev_ends, avail), strict=True)):
-                break  # nothing new: the sequencer waits
-            self.attempts += 1
-            if self.attempts > 200:
-                raise Violation("the run does not finish")
-            if next_epoch < len(self.w.epochs) and self.rng.random() < self.pipelined:
-                rt, ids = self.append_epoch(rt, next_epoch)  # arrives while the epoch runs: its finalize deferred
-                submitted += ids
-                next_epoch += 1
-                early = True
+            try:
+                if not early and next_epoch < len(self.w.epochs):
+                    rt, ids = self.append_epoch(rt, next_epoch)
+                    submitted += ids
+                    next_epoch += 1
+                early = False
+                avail = rt.input_log.end_offsets()
+                if not any(e > s for s, e in zip(*pad_pair(prev_ends, avail), strict=True)):
+                    break  # nothing new: the sequencer waits
+                self.attempts += 1
+                if self.attempts > 200:
+                    raise Violation("the run does not finish")
+                if next_epoch < len(self.w.epochs) and self.rng.random() < self.pipelined:
+                    rt, ids = self.append_epoch(rt, next_epoch)  # arrives while the epoch runs: finalize deferred
+                    submitted += ids
+                    next_epoch += 1
+                    early = True
+            except SimCrash:  # in a rescale or a log resize at a boundary: nothing of this epoch was appended
+                early = False
+                self.verify_recorded()
+                prev_ends = self.restart(True)
+                continue
             try:
                 self.trace(f"epoch {self.seq.next_epoch} over {avail}")
                 prev_ends = self.seq.run_next(prev_ends, avail)
@@ -947,8 +1143,13 @@ class ResidentSimulation(Simulation):
         self.zombies = []
         assert self.rt is not None
         stats = self.end_checks(self.rt, submitted)
+        if self.due is not None:
+            raise Violation(f"a boundary operation never ran: {self.due}")
         stats.update({"gangs": len(self.gangs), "query_restarts": self.query_restarts,
-                      "zombie_runs": self.zombie_runs,
+                      "zombie_runs": self.zombie_runs, "paused": self.paused, "paused_crashes": self.paused_crashes,
+                      "relayout_crashes": self.crash_at.get("relayout", 0),
+                      "committed_crashes": self.crash_at.get("relayout_committed", 0),
+                      "rescale_task_deaths": self.doomed_deaths,
                       "writer_jobs": self.writer_jobs + (0 if self.writer is None else self.writer.written)})
         return stats
 
@@ -979,19 +1180,19 @@ def seed_exchange(seed: int, exchange: str) -> str:
 
 def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozenset[str] = frozenset(),
              log_growth: bool = False, engine_rescale: bool = False, exchange: str = "jobs",
-             zombies: bool = True) -> Outcome:
+             zombies: bool = True, pauses: bool = False) -> Outcome:
     """Run one seed in a fresh directory (on tmpfs when available); never raises. ``log_growth``: the input
     log is resized between epochs (:meth:`Simulation.draw_log_plan`); ``engine_rescale``: the engine partitions
     are rescaled at epoch boundaries (:meth:`Simulation.draw_engine_plan`); ``exchange``: "jobs" (the micro-batch
     path), "resident" (:class:`ResidentSimulation`) or "drawn" (per seed); ``zombies`` False: the resident mode's
-    abandoned gang tasks never run a frame late."""
+    abandoned gang tasks never run a frame late; ``pauses``: the resident mode pauses and resumes at some epoch
+    boundaries (:meth:`ResidentSimulation.draw_pause_plan`; the micro-batch path ignores it)."""
     mode = seed_exchange(seed, exchange)
-    if mode == "resident" and (log_growth or engine_rescale):
-        raise ValueError("the resident mode's simulation does not resize the log or rescale (not modelled yet)")
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix=f"charon-sim-{seed}-", dir=base)
     t0 = time.perf_counter()
-    sim = (ResidentSimulation(seed, root, trace, without, zombies=zombies) if mode == "resident" else
+    sim = (ResidentSimulation(seed, root, trace, without, zombies=zombies, log_growth=log_growth,
+                              engine_rescale=engine_rescale, pauses=pauses) if mode == "resident" else
            Simulation(seed, root, trace, without, log_growth=log_growth, engine_rescale=engine_rescale))
     try:
         stats = sim.run()
@@ -1008,12 +1209,14 @@ def run_seed(seed: int, trace: bool = False, keep: bool = False, without: frozen
 
 
 def repro_line(o: Outcome, without: frozenset[str] = frozenset(), log_growth: bool = False,
-               engine_rescale: bool = False, exchange: str = "jobs", zombies: bool = True) -> str:
+               engine_rescale: bool = False, exchange: str = "jobs", zombies: bool = True,
+               pauses: bool = False) -> str:
     opt = f" --exchange {seed_exchange(o.seed, exchange)}"
     opt += "" if zombies else " --no-zombies"
     opt += f" --without {','.join(sorted(without))}" if without else ""
     opt += " --log-growth" if log_growth else ""
     opt += " --rescale" if engine_rescale else ""
+    opt += " --pause" if pauses else ""
     return f"FAIL seed {o.seed}: {o.error} | reproduce: python -m charon.testing.simulation --seed {o.seed}{opt}"
 
 
@@ -1028,29 +1231,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rescale", action="store_true", help="rescale the engine partitions at epoch boundaries")
     ap.add_argument("--exchange", choices=EXCHANGES, default="drawn",
                     help="the micro-batch path with the job exchange, the resident mode, or drawn per seed")
+    ap.add_argument("--pause", action="store_true", help="resident mode: pause and resume at epoch boundaries")
     ap.add_argument("--no-zombies", action="store_true",
                     help="resident mode: no task of an abandoned gang runs a frame late")
     a = ap.parse_args(argv)
-    lg, er, ex, zb = a.log_growth, a.rescale, a.exchange, not a.no_zombies
-    if (lg or er) and ex == "drawn":
-        ex = "jobs"  # resizes and rescales are simulated on the micro-batch path only
+    lg, er, ex, zb, pz = a.log_growth, a.rescale, a.exchange, not a.no_zombies, a.pause
     without = frozenset(x for x in a.without.split(",") if x)
     if without - FEATURES:
         ap.error(f"unknown features: {sorted(without - FEATURES)}")
     if a.seed is not None:
         o = run_seed(a.seed, trace=True, keep=a.keep, without=without, log_growth=lg, engine_rescale=er, exchange=ex,
-                     zombies=zb)
+                     zombies=zb, pauses=pz)
         ok = f"ok seed {o.seed}: {o.stats} in {o.seconds:.2f}s"
-        print(repro_line(o, without, lg, er, ex, zb) if not o.ok else ok)
+        print(repro_line(o, without, lg, er, ex, zb, pz) if not o.ok else ok)
         return 0 if o.ok else 1
     t0 = time.perf_counter()
     failed = 0
     totals: dict[str, int] = {}
     for seed in range(a.start, a.start + a.seeds):
-        o = run_seed(seed, without=without, log_growth=lg, engine_rescale=er, exchange=ex, zombies=zb)
+        o = run_seed(seed, without=without, log_growth=lg, engine_rescale=er, exchange=ex, zombies=zb, pauses=pz)
         if not o.ok:
             failed += 1
-            print(repro_line(o, without, lg, er, ex, zb), flush=True)
+            print(repro_line(o, without, lg, er, ex, zb, pz), flush=True)
         for k, v in o.stats.items():
             totals[k] = totals.get(k, 0) + v
     dt = time.perf_counter() - t0

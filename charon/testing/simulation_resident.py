@@ -19,6 +19,11 @@ frame and runs it later as a *zombie*: a few rounds into the next gangs (which r
 process, its reply going nowhere. A gang abandoned with frames not run yet (a driver crash; the runtime
 replacing a broken gang) leaves its tasks as zombies with chance ``linger``.
 
+The runtime's epoch gate is a :class:`SimGate`: an epoch that would wait at the closed gate (a pause, a rescale's
+hold) lets the simulation run what the other threads do meanwhile (the operator's resume, the rescale's move)
+instead of blocking the one thread. The first round of a gang launched after a rescale may be *doomed*: a task dies
+running it (``SimTask.receive``).
+
 The bounds of the direct sequencer are written by a :class:`LazyWriter`: as late as the sequencer allows (when
 something waits for them), and never when the driver crashes first.
 """
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from charon.core import partition
+from charon.runtime.control.gate import EpochGate
 from charon.runtime.spark import tasks as spark_tasks
 from charon.runtime.spark.resident import GangTask, ResidentExchange, hello
 
@@ -120,6 +126,23 @@ class LazyWriter(Executor):
         self.run_until(None)
 
 
+class SimGate(EpochGate):
+    """The real epoch gate, on one thread: an epoch about to wait at the closed gate first calls ``at_gate(epoch)``
+    (the other threads' turn: they resume, or move the state and release); still closed after it, it raises (the
+    one thread would wait forever)."""
+
+    def __init__(self, at_gate: Callable[[int], None]) -> None:
+        super().__init__()
+        self.at_gate = at_gate
+
+    def enter(self, epoch: int, timeout: float | None = None) -> None:
+        if self.closed_for(epoch):
+            self.at_gate(epoch)
+        if self.closed_for(epoch):
+            raise RuntimeError(f"epoch {epoch} would wait at the closed gate forever: {self.status(epoch - 1)}")
+        super().enter(epoch, timeout)
+
+
 class SimLink:
     """The driver's end of a gang task's link, as ``ResidentExchange`` uses a socket: ``sendall`` hands the frame to
     the task (which runs it now, later or never, per the fault drawn); ``fileno``/``recv_into`` read the task's
@@ -187,6 +210,11 @@ class SimTask:
                 self.become_zombie("its gang was replaced with a frame not run yet")
             else:
                 self.run_queue()
+            return
+        if self.sim.doomed is self.gang.ex:  # the first round after a rescale: this task dies in it
+            self.sim.doomed = None
+            self.sim.doomed_deaths += 1
+            self.run_queue(die_after=self.sim.brng.randint(0, len(pickle.loads(frame)[2])))
             return
         f, rng = self.gang.faults, self.sim.rng
         x = rng.random()

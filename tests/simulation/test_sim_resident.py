@@ -1,9 +1,11 @@
 """The seeded simulator's resident mode (charon.testing.simulation.ResidentSimulation): the real direct sequencer
 and resident exchange over a simulated gang, with the gang's fault points (task death mid-round, a dropped or slow
-socket, driver death between rounds, a relaunched stage's second hello, a lingering old gang's zombie task).
+socket, driver death between rounds, a relaunched stage's second hello, a lingering old gang's zombie task), and at
+epoch boundaries engine rescales, pauses and input-log resizes.
 
-``CHARON_SIM_RESIDENT_SEEDS`` seeds (default 40: CI-sized) run here; ``python -m charon.testing.simulation --seeds
-1000 --exchange resident`` runs many.
+``CHARON_SIM_RESIDENT_SEEDS`` seeds (default 40: CI-sized) run here, as many with the boundaries' draws
+(``CHARON_SIM_RESIDENT_BOUNDARY_SEEDS``); ``python -m charon.testing.simulation --seeds 1000 --exchange resident
+--rescale --pause --log-growth`` runs many.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import os
 
 import pytest
 
-from charon.testing.simulation import ResidentSimulation, repro_line, run_seed, seed_exchange
+from charon.testing.simulation import Faults, ResidentSimulation, Simulation, repro_line, run_seed, seed_exchange
 from charon.testing.simulation_resident import GangFaults
 
 pytestmark = pytest.mark.usefixtures("fresh_means_empty")  # see conftest.py
 
 SEEDS = int(os.environ.get("CHARON_SIM_RESIDENT_SEEDS", "40"))
+BOUNDARY_SEEDS = int(os.environ.get("CHARON_SIM_RESIDENT_BOUNDARY_SEEDS", "40"))
+BOUNDARIES = {"engine_rescale": True, "pauses": True, "log_growth": True}
 
 
 def test_resident_seeds() -> None:
@@ -103,3 +107,97 @@ def test_zombie_resident_seeds(seed: int) -> None:
     o = run_seed(seed, exchange="resident")
     assert o.ok, f"{ZOMBIE_SEEDS[seed]}\n{repro_line(o, exchange='resident')}"
     assert o.stats["zombie_runs"] >= 1
+
+
+def test_resident_seeds_with_rescales_pauses_and_log_resizes() -> None:
+    """Every check holds over resident seeds that rescale the engine partitions (the real rescale, at a boundary),
+    pause and resume, and resize the input log, under the gang's and the driver's faults."""
+    outcomes = [run_seed(s, exchange="resident", **BOUNDARIES) for s in range(1000, 1000 + BOUNDARY_SEEDS)]
+    failed = [repro_line(o, exchange="resident", **BOUNDARIES) for o in outcomes if not o.ok]
+    assert not failed, "\n".join(failed)
+    total = {k: sum(o.stats[k] for o in outcomes) for k in ("engine_rescales", "paused", "log_resizes",
+                                                              "paused_crashes", "rescale_task_deaths")}
+    assert all(total.values()), total
+
+
+@pytest.mark.parametrize("point", ["relayout", "relayout_committed"])
+def test_a_driver_crash_inside_the_rescale(tmp_path, point: str) -> None:
+    """The driver dies inside the rescale, before its layout is committed or after: the restarted driver opens the
+    layout recorded, the rescale runs again (or finds it done), and every check holds."""
+    for seed in range(40):
+        sim = ResidentSimulation(seed, str(tmp_path / str(seed)), engine_rescale=True,
+                                 faults=Faults(1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0),
+                                 gang_faults=GangFaults.calm())
+        if not sim.engine_plan:
+            continue
+        crash = sim.maybe_crash
+
+        def at(p: str, epoch: int, sim: ResidentSimulation = sim, crash=crash) -> None:
+            if p == point and not sim.crash_at:  # the first time the rescale passes it
+                sim.faults.crash, sim.faults.max_crashes = 1.0, sim.crashes + 1
+            crash(p, epoch)
+            sim.faults.crash = 0.0
+
+        sim.maybe_crash = at  # type: ignore[method-assign]
+        stats = sim.run()
+        assert stats["relayout_crashes" if point == "relayout" else "committed_crashes"] == 1
+        assert stats["engine_rescales"] >= 1
+        return
+    pytest.fail("no seed rescales")
+
+
+def test_a_task_dies_in_the_first_epoch_after_a_rescale(tmp_path) -> None:
+    """The new gang's first round loses a task: the supervisor's restart reruns the epoch on another gang of the new
+    layout; the checks hold."""
+    hit = 0
+    for seed in range(10):
+        sim = ResidentSimulation(seed, str(tmp_path / str(seed)), engine_rescale=True,
+                                 faults=Faults(2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0), gang_faults=GangFaults.calm())
+        sim.brng.random = lambda: 0.0  # type: ignore[method-assign]  # every drawn choice: doom the new gang
+        stats = sim.run()
+        hit += stats["rescale_task_deaths"]
+        assert stats["rescale_task_deaths"] <= stats["query_restarts"]
+    assert hit > 0, "no task died after a rescale"
+
+
+def test_a_crash_while_paused_then_resume(tmp_path) -> None:
+    """The driver dies while the runtime is paused at a boundary (every epoch before it recorded, none running):
+    the restarted driver reruns the epoch that waited, the operator pauses again or not, resumes; the checks hold."""
+    crashed = paused = 0
+    for seed in range(10):
+        sim = ResidentSimulation(seed, str(tmp_path / str(seed)), pauses=True,
+                                 faults=Faults(1, 0.0, 0.0, 0.0, 0.0, 0.4, 0.0, 0), gang_faults=GangFaults.calm())
+        stats = sim.run()
+        crashed += stats["paused_crashes"]
+        paused += stats["paused"]
+        assert any("paused before epoch" in e for e in sim.events) == (stats["paused"] > 0)
+    assert crashed > 0 and paused > crashed, (crashed, paused)
+
+
+#: Seeds of the resident mode with boundaries that found a defect, fixed since: they must pass.
+BOUNDARY_FIXED = {
+    (52, "log_growth"): "a gang lost while flushing a deferred epoch at a held gate left the gate's running epoch "
+                        "set: the rescale waiting for the boundary timed out (300 s in a real runtime)",
+    (3184, "log_growth,pauses"): "a query restart (a task died) reran an epoch whose only delivered reply was a fired "
+                                 "timer's (its request is in no log): the rerun judged anew and contradicted it",
+}
+
+
+@pytest.mark.parametrize("seed,flags", sorted(BOUNDARY_FIXED))
+def test_fixed_boundary_seeds(seed: int, flags: str) -> None:
+    kw = {f: True for f in flags.split(",")}
+    o = run_seed(seed, exchange="resident", engine_rescale=True, **kw)
+    assert o.ok, f"{BOUNDARY_FIXED[seed, flags]}\n{repro_line(o, exchange='resident', engine_rescale=True, **kw)}"
+    assert o.stats["engine_rescales"] >= 1 and o.stats["query_restarts"] >= 1
+
+
+@pytest.mark.parametrize("seed,exchange", [(471, "resident"), (22, "jobs"), (115, "jobs")])
+def test_a_rerun_after_its_finalize_takes_no_new_verdict(tmp_path, seed: int, exchange: str) -> None:
+    """The driver died after an epoch's finalize but before its replies were written; the rerun, which provably
+    replied nothing, used to judge anew (an overrun's verdict) while the durable copy and the stream kept the first
+    run's outcomes (a replayed delta or atom is never written again): the state differed from the serial run."""
+    cls = ResidentSimulation if exchange == "resident" else Simulation
+    sim = cls(seed, str(tmp_path))
+    sim.reply_late = 1.0  # no reply is written before the epoch's record
+    stats = sim.run()  # raised Violation ("state after the epoch differs from the serial execution") before the fix
+    assert stats["crashes"] >= 1 and stats["epochs"] >= 1

@@ -225,6 +225,8 @@ class SparkRuntime(EngineBacked):
         self._failures: dict[int, int] = {}  # epoch -> query failures while running it
         self._gang_losses: dict[int, int] = {}  # epoch -> resident gangs lost while running it (see _gang_retry)
         self._unconfirmed: int | None = None  # an epoch whose replies went out but that is not recorded yet
+        # the epochs not recorded yet that this process delivered a reply of (a fired timer's too: see _replied_before)
+        self._delivered: set[int] = set()
         # shutdown between epochs (see stop): stopping a query while an epoch's job runs cancels the job from
         # under the py4j callback (a StackOverflowError in Spark's stream thread, an epoch left half done)
         self._epoch_cv = threading.Condition()
@@ -637,10 +639,15 @@ class SparkRuntime(EngineBacked):
 
     def _replied_before(self, epoch: int, requests: list[Request], prev: EpochRecord | None) -> bool:
         """Whether an earlier run of ``epoch`` may have answered a client: a reply of this epoch is in the output
-        log (clients read replies only from there; a reply a dead driver had not written yet never left). True
-        when it cannot be told (the log failing)."""
+        log (clients read replies only from there; a reply a dead driver had not written yet never left), or this
+        process delivered one (a query restart: also a fired timer's, whose request is in no log), or its
+        finalize reached a partition's durable copy (a replayed epoch's delta and atom are never written again, so
+        they hold the earlier run's outcomes, which a new verdict would contradict). True when it cannot be told
+        (the log or the durable state failing)."""
         try:
             self._replies.flush(30)  # this process's earlier run (a query restart): its replies are written first
+            if epoch in self._delivered:
+                return True
             reqs = list(requests)
             if prev is not None:
                 reqs += [serde.decode_request(b) for _, b in prev.deferred]
@@ -648,7 +655,8 @@ class SparkRuntime(EngineBacked):
                 rep = self.output_log.get(r.request_id)
                 if rep is not None and rep.epoch == epoch:
                     return True
-            return False
+            parts, durable, _ = self.placement()
+            return any(durable.recorded_epoch(pid) >= epoch for pid in range(parts))
         except Exception as e:  # noqa: BLE001 - cannot prove nothing left: it may have
             _events.warning("cannot tell whether epoch %d replied before (%s: %s): it takes no new verdicts", epoch,
                             type(e).__name__, e, extra={"event": "replied_unknown", "epoch": epoch})
@@ -1122,6 +1130,8 @@ class SparkRuntime(EngineBacked):
             bound_durable()
             if replies and self._unconfirmed is None:
                 self._unconfirmed = epoch  # from here on, the state must reach this epoch before reads
+            if replies:
+                self._delivered.add(epoch)
             c = time.thread_time()
             self._replies.put(replies)
             observed = coord.trace
@@ -1261,6 +1271,7 @@ class SparkRuntime(EngineBacked):
         self._write_record(rec)
         if self._unconfirmed is not None and self._unconfirmed <= epoch:
             self._unconfirmed = None
+        self._delivered = {e for e in self._delivered if e > epoch}
         self._next_due = rec.next_due
         self.output_log.mark_epoch(epoch)  # the replies stream cuts its atoms here
         self.last_epoch = epoch
@@ -1286,15 +1297,19 @@ class SparkRuntime(EngineBacked):
         self._flush(pending)
 
     def _flush(self, pending: tuple[EpochRecord, EpochResult]) -> None:
-        """Finalize a deferred epoch in a round of its own, then append its atom and write its record."""
+        """Finalize a deferred epoch in a round of its own, then append its atom and write its record. The gate's
+        running epoch ends either way: one whose finalize failed (a lost gang) runs again after the restart, and a
+        pause or a rescale waiting for the boundary must not wait for it meanwhile."""
         rec, result = pending
-        coord = EpochCoordinator(self.app, self.exchange, sequencers=len(rec.counters),
-                                 max_invocations=self.config.max_invocations)
-        coord.finalize(result)
-        self._append_atom(result)
-        crash_point("after_finalize", rec.epoch)
-        self._recorded(rec)
-        self.gate.leave()
+        try:
+            coord = EpochCoordinator(self.app, self.exchange, sequencers=len(rec.counters),
+                                     max_invocations=self.config.max_invocations)
+            coord.finalize(result)
+            self._append_atom(result)
+            crash_point("after_finalize", rec.epoch)
+            self._recorded(rec)
+        finally:
+            self.gate.leave()
 
     def _start_compaction(self, upto: int) -> None:
         if self._compactor is not None and self._compactor.is_alive():
