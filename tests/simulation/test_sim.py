@@ -223,3 +223,39 @@ def test_overruns_become_replay_exact_verdicts(tmp_path) -> None:
         verdicts += stats["verdicts"]
         crashed += bool(stats["verdicts"] and stats["crashes"])
     assert overruns >= 10 and verdicts >= 5 and crashed >= 1, (overruns, verdicts, crashed)
+
+
+def test_a_rerun_sees_the_fired_timers_replies_a_dead_driver_wrote(monkeypatch) -> None:
+    """A fired timer's request is in no log, so a rerun after a driver crash found its reply only through the
+    reply mark its epoch's first start recorded (``recovery.json``): with fired timers' replies written at once and
+    every other reply late (lost with the crash), seed 260 judged its rerun anew and contradicted such a reply."""
+    from charon.core import timers
+    from charon.testing import simulation as sim
+
+    def timers_first(self, replies):  # type: ignore[no-untyped-def]
+        fired = [r for r in replies if r.request_id.startswith(timers.REQUEST_PREFIX)]
+        if fired:
+            self.queue.append(fired)
+            self.flush()
+        rest = [r for r in replies if not r.request_id.startswith(timers.REQUEST_PREFIX)]
+        if rest:
+            self.queue.append(rest)  # late: lost with a crash
+
+    monkeypatch.setattr(sim.LateReplies, "put", timers_first)
+    for seed in (260,):
+        out = run_seed(seed, exchange="jobs")
+        assert out.ok, (seed, out.error)
+
+
+def test_recovery_attempts_keep_the_first_starts_reply_mark(tmp_path) -> None:
+    from charon.runtime.guard.quarantine import KEEP_MARKS, RecoveryAttempts
+
+    a = RecoveryAttempts(str(tmp_path))
+    a.starting(3, 10)
+    a.starting(3, 25)  # a rerun: the first start's mark stays
+    a.starting(4, 30)
+    a.starting(2, 99)  # an older epoch run again: nothing written
+    b = RecoveryAttempts(str(tmp_path))  # read back from the file
+    assert (b.epoch, b.attempts, b.reply_mark(3), b.reply_mark(4), b.reply_mark(2)) == (4, 1, 10, 30, None)
+    b.starting(4 + KEEP_MARKS, 40)
+    assert RecoveryAttempts(str(tmp_path)).reply_marks == {4 + KEEP_MARKS: 40}

@@ -39,6 +39,7 @@ from charon.runtime.guard.verdicts import VerdictBook, letter
 from charon.storage.files import write_file_atomic
 
 FILE = "recovery.json"
+KEEP_MARKS = 16  # the recent epochs whose reply marks are kept (a rerun is of the last few unrecorded ones)
 MAX_PROBES = 8  # transactions quarantined in one epoch at most (then the replay runs as it is)
 
 
@@ -50,25 +51,41 @@ class RecoveryAttempts:
         self.path = os.path.join(data_dir, FILE)
         self._write, self._remove = write, remove  # e.g. also on object storage (the Spark checkpoint's files)
         self.epoch, self.attempts = -1, 0
+        # per recent epoch: the output log's last seq when it first started (every reply it wrote comes after)
+        self.reply_marks: dict[int, int] = {}
         try:
             with open(self.path) as f:
                 doc = json.load(f)
             self.epoch, self.attempts = int(doc["epoch"]), int(doc["attempts"])
-        except (OSError, ValueError, KeyError, TypeError):
+            self.reply_marks = {int(e): int(s) for e, s in doc.get("marks", {}).items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
 
     def failed_before(self, epoch: int) -> bool:
         """Whether an earlier recovery died replaying ``epoch``."""
         return self.epoch == epoch and self.attempts > 0
 
-    def starting(self, epoch: int) -> None:
+    def starting(self, epoch: int, reply_mark: int | None = None) -> None:
         """Recovery is about to replay ``epoch``: count the attempt (durably, before it runs). The epochs before
-        the one an earlier recovery died in completed then: they are not counted (nor written)."""
+        the one an earlier recovery died in completed then: they are not counted (nor written). ``reply_mark``:
+        the output log's last seq now, kept for the epoch's first start only (see :meth:`reply_mark`)."""
         if epoch < self.epoch:
             return
         n = self.attempts + 1 if epoch == self.epoch else 1
-        self._write(self.path, json.dumps({"epoch": epoch, "attempts": n}).encode())
-        self.epoch, self.attempts = epoch, n
+        marks = dict(self.reply_marks)
+        if reply_mark is not None:
+            marks.setdefault(epoch, reply_mark)
+            marks = {e: m for e, m in marks.items() if epoch - KEEP_MARKS < e <= epoch}
+        doc: dict[str, Any] = {"epoch": epoch, "attempts": n}
+        if marks:
+            doc["marks"] = {str(e): m for e, m in sorted(marks.items())}
+        self._write(self.path, json.dumps(doc).encode())
+        self.epoch, self.attempts, self.reply_marks = epoch, n, marks
+
+    def reply_mark(self, epoch: int) -> int | None:
+        """The output log's last seq when ``epoch`` first started: every reply an earlier run of it wrote (a fired
+        timer's too, whose request is in no log) comes after it. None when not kept (too old, or never given)."""
+        return self.reply_marks.get(epoch)
 
     def done(self) -> None:
         """Recovery completed: nothing to count any more."""

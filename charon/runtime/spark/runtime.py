@@ -655,12 +655,26 @@ class SparkRuntime(EngineBacked):
                 rep = self.output_log.get(r.request_id)
                 if rep is not None and rep.epoch == epoch:
                     return True
+            if self._wrote_replies_of(epoch):  # a fired timer's reply (its request is in no log)
+                return True
             parts, durable, _ = self.placement()
             return any(durable.recorded_epoch(pid) >= epoch for pid in range(parts))
         except Exception as e:  # noqa: BLE001 - cannot prove nothing left: it may have
             _events.warning("cannot tell whether epoch %d replied before (%s: %s): it takes no new verdicts", epoch,
                             type(e).__name__, e, extra={"event": "replied_unknown", "epoch": epoch})
             return True
+
+    def _wrote_replies_of(self, epoch: int) -> bool:
+        """Whether the output log holds a reply of ``epoch`` past the mark its first start recorded (True when no
+        mark was kept: it cannot be told)."""
+        seq = self._attempts.reply_mark(epoch)
+        if seq is None:
+            return True
+        while page := self.output_log.read_since(seq, 5000):
+            if any(rep.epoch == epoch for _, rep in page):
+                return True
+            seq = page[-1][0]
+        return False
 
     def _cannot_judge(self, req: Request, verdict: Verdict, epoch: int) -> None:
         """A step of a rerun epoch whose replies may have left ran past its budget: no verdict can be taken (the
@@ -1105,7 +1119,9 @@ class SparkRuntime(EngineBacked):
         # lost with a crash. The direct sequencer resumes it as the epoch in flight (not as a recovered one) when
         # the next epoch's bound was not durable yet; its earlier run may have replied all the same.
         rerun = recovering or self._attempts.failed_before(epoch) or self._attempts.epoch > epoch
-        self._attempts.starting(epoch)  # durable before any reply of this run can go out
+        # durable before any reply of this run can go out, with the output log's end at its first start
+        mark = self._attempts.reply_mark(epoch)
+        self._attempts.starting(epoch, self.output_log.last_seq() if mark is None else mark)
         probe = None
         if self._probe_epoch == epoch:  # it failed before: find a transaction that kills its worker
             probe = os.path.join(self.ckpt, "probe", str(epoch))
