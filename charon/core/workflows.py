@@ -45,7 +45,7 @@ import hashlib
 import inspect
 import json
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
@@ -78,7 +78,7 @@ STATUSES = ("running", "waiting", "done", "failed", "compensated", "cancelled")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,60}")
 Step = Callable[..., Awaitable[Any]]
 S = TypeVar("S", bound=Step)
-StateMap = Callable[[dict[str, Any]], dict[str, Any]]
+StateMap = Callable[[dict[str, object]], dict[str, object]]
 M = TypeVar("M", bound=StateMap)
 
 
@@ -336,7 +336,7 @@ class Workflow(Operator):
                                      f"{old!r} to {new!r}, which it does not have (have: "
                                      f"{', '.join(sorted(self.steps))})")
 
-    def migration(self, rec: dict[str, Any], from_version: str, to: str) -> tuple[str, dict[str, Any]]:
+    def migration(self, rec: Mapping[str, object], from_version: str, to: str) -> tuple[str, object]:
         """The step and state a workflow's record ``rec`` would have once moved from ``from_version`` to this code
         (version ``to``); :class:`~charon.errors.NotMigratable` with the reason when the move does not apply.
         Pure (its ``migrate`` transaction and the dry run decide alike): a declared migration (:meth:`migrates`)
@@ -348,14 +348,15 @@ class Workflow(Operator):
             raise NotMigratable(f"workflow {rec['id']!r} is {rec['status']}")
         if to == from_version:
             raise NotMigratable(f"workflow {rec['id']!r} runs the deployed version {to!r} already")
+        step = str(rec["step"])
         m = self.migrations.get(from_version)
         if m is None:
-            if rec["step"] != COMPENSATE_STEP and rec["step"] not in self.steps:
+            if step != COMPENSATE_STEP and step not in self.steps:
                 raise NotMigratable(f"version {to!r} of workflow {self.workflow!r} has no step {rec['step']!r}")
-            return rec["step"], rec["state"]
+            return step, rec["state"]
         if rec["status"] != "waiting":
             raise NotMigratable(f"workflow {rec['id']!r} is mid-step (its step {rec['step']!r} is due): try again")
-        new_step = m.steps.get(rec["step"])
+        new_step = m.steps.get(step)
         if new_step is None or (new_step != COMPENSATE_STEP and new_step not in self.steps):
             raise NotMigratable(f"the migration of workflow {self.workflow!r} from {from_version!r} maps no step "
                                 f"{rec['step']!r} (maps: {', '.join(sorted(m.steps))})")
@@ -595,7 +596,7 @@ class Workflow(Operator):
         return {"id": ctx.key, "step": entry["step"], "status": rec["status"], "seq": rec["seq"]}
 
 
-def _checked_state(state: object, rec: dict[str, Any], workflow: str) -> dict[str, Any]:
+def _checked_state(state: object, rec: Mapping[str, object], workflow: str) -> object:
     """``state`` (a migration function's result) as the record's new state, a copy: a JSON-able dict (str keys;
     None, bool, int, float, str, lists and dicts) with which the record stays within ``CHARON_MAX_VALUE_BYTES``;
     NotMigratable otherwise."""
@@ -612,7 +613,7 @@ def _checked_state(state: object, rec: dict[str, Any], workflow: str) -> dict[st
     if n > MAX_VALUE_BYTES:
         raise NotMigratable(f"{what} returned a state that makes the record {n} bytes, above the maximum of "
                             f"{MAX_VALUE_BYTES} (CHARON_MAX_VALUE_BYTES)")
-    return dict(copy)
+    return copy
 
 
 async def _compensate(ctx: Context, w: WorkflowHandle, outcome: dict[str, Any] | None) -> Await | Finish:

@@ -245,7 +245,7 @@ class WorkflowRoutes:
         return respond(request, 200, out)
 
 
-    def _forecast(self, name: str, old: str, matched: list[dict[str, Any]]) -> dict[str, int]:
+    def _forecast(self, name: str, old: str, matched: Sequence[Mapping[str, object]]) -> dict[str, int]:
         """What a dry run says the matched records' own ``migrate`` transactions would skip (``{"NotMigratable":
         n}``): the deployed workflow's pure decision (:meth:`~charon.core.workflows.Workflow.migration`, a declared
         migration's function included) on the records as read; each transaction decides again on its own."""

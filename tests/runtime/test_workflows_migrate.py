@@ -92,7 +92,7 @@ def test_bad_declarations_are_typed() -> None:
     with pytest.raises(ValueError, match="non-empty dict"):
         wf.migrates("2", steps={})
     with pytest.raises(TypeError, match="plain function"):
-        @wf.migrates("3", steps={"old": "one"})
+        @wf.migrates("3", steps={"old": "one"})  # type: ignore[type-var]
         async def coro(state: dict[str, Any]) -> dict[str, Any]:
             return state
 
