@@ -56,6 +56,16 @@ def test_pinning_example_prints_what_its_guide_says() -> None:
                                        "2 ['v2:welcome']"]
 
 
+def test_migration_example_prints_what_its_guide_says() -> None:
+    out = _run([sys.executable, "migrating.py"], cwd=EXAMPLES)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "2 approved_v2 {'amount': 40, 'currency': 'EUR'}",
+        "bob stays on 1: the migration of workflow 'checkout' from '1' maps no step 'review' (maps: approved, "
+        "charged)",
+        "v2 paid 40 EUR | v1 reviewed 500"]
+
+
 def test_quickstart_against_a_real_node(tmp_path: Path) -> None:
     port = free_port()
     node = subprocess.Popen(
