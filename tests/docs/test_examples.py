@@ -21,7 +21,7 @@ SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in NEEDS_NO
 
 
 def _run(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(EXAMPLES)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(EXAMPLES), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, **kw)  # type: ignore[call-overload,no-any-return]
 
 
