@@ -513,14 +513,14 @@ class WorkflowVersions(TypedDict):
 
 WorkflowMigration = TypedDict("WorkflowMigration", {
     "operation": str, "workflow": str, "from": str, "dry_run": bool, "examined": int, "matched": int, "done": int,
-    "skipped": dict[str, int], "items": list[str], "pages": int})
+    "skipped": dict[str, int], "would_skip": dict[str, int], "items": list[str], "pages": int})
 """What :meth:`Client.migrate_workflows` answers: the pages' counts summed (the functional form: ``from`` is a
 keyword)."""
 
 
 def _migration(op: str, name: str, from_version: str, dry_run: bool) -> WorkflowMigration:
     return {"operation": op, "workflow": name, "from": from_version, "dry_run": dry_run, "examined": 0,
-            "matched": 0, "done": 0, "skipped": {}, "items": [], "pages": 0}
+            "matched": 0, "done": 0, "skipped": {}, "would_skip": {}, "items": [], "pages": 0}
 
 
 def _sum_migration(total: WorkflowMigration, page: Mapping[str, object]) -> str | None:
@@ -531,6 +531,8 @@ def _sum_migration(total: WorkflowMigration, page: Mapping[str, object]) -> str 
     total["done"] += cast(int, page["done"])
     for why, n in cast(dict[str, int], page["skipped"]).items():
         total["skipped"][why] = total["skipped"].get(why, 0) + n
+    for why, n in cast(dict[str, int], page.get("would_skip") or {}).items():  # a dry run's forecast (absent
+        total["would_skip"][why] = total["would_skip"].get(why, 0) + n      # from older gateways)
     total["items"] = (total["items"] + cast(list[str], page["items"]))[:1000]
     return cast(str | None, page["next"])
 

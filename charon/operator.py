@@ -227,6 +227,9 @@ class Application:
                 raise TypeError(f"workflows= takes charon.Workflow objects, got {wf!r}")
             if wname in self.workflows:
                 raise ValueError(f"workflow {wname!r} is registered twice")
+            check = getattr(wf, "check_declared", None)  # its declared migrations map to steps it has
+            if callable(check):
+                check()
             self.workflows[wname] = wf
         for op in [*operators, *self.workflows.values()]:
             if op.name in self.operators:

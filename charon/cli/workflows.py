@@ -49,7 +49,9 @@ def workflows_migrate(from_version: str = typer.Option(..., "--from", help="The 
                       limit: int = typer.Option(100, min=1, max=1000, help="Records per call."),
                       url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """Move the in-flight workflows on --from to the deployed code version (audited; each workflow's own transaction
-    decides: one finished meanwhile, or at a step the deployed code lacks, is skipped as NotMigratable)."""
+    decides: one finished meanwhile, or at a step the deployed code lacks, is skipped as NotMigratable). A migration
+    the deployed code declares (@wf.migrates) also maps the step and the state; --dry-run forecasts the skips
+    (would_skip)."""
     names = list(workflow)
     if not names:
         per_workflow = call_gateway(url, token, "workflow_versions", timeout=70.0)["workflows"]

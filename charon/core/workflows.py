@@ -29,7 +29,10 @@ Version pinning: ``start`` records the code version its transaction runs (``ctx.
 recorded code history); ``run`` executes the steps of that version (:meth:`Workflow.pinned`: the same-named workflow
 of ``ctx.code_of(version)``), so a workflow in flight keeps its code across a deploy; ``migrate(from_version)``, an
 operator's move, sets it to the deployed version (only if still on ``from_version``, in flight, at a step the
-deployed code has; :class:`~charon.errors.NotMigratable` otherwise).
+deployed code has; :class:`~charon.errors.NotMigratable` otherwise). A migration the new code declares,
+``@wf.migrates(from_version, steps={old: new})`` on a pure function ``state -> state``, also rewrites the step and
+the state, for a workflow waiting (not mid-step) at a mapped step (:meth:`Workflow.migration` decides, for the
+transaction and the dry run alike).
 
 Bounds: at most :data:`MAX_UNDO` undos, :data:`MAX_HISTORY` history entries kept (older ones counted), at most
 ``max_steps`` steps per workflow (:class:`~charon.errors.WorkflowTooLong`), a start's input at most
@@ -40,17 +43,19 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
 from charon import serde
-from charon.core.context import Context
+from charon.core.context import MAX_VALUE_BYTES, Context
 from charon.core.promises import MAX_ERROR_CHARS, MAX_PROMISE_VALUE_BYTES, MAX_TIMEOUT_S, PROMISE_OPERATOR, withdraw
 from charon.errors import (
     BadArguments,
     NotMigratable,
+    SerializationError,
     UnknownWorkflowAborted,
     ValueTooLarge,
     VersionUnavailable,
@@ -60,7 +65,7 @@ from charon.errors import (
 from charon.operator import Function, Operator
 
 __all__ = ["COMPENSATE_STEP", "MAX_AWAITS", "MAX_HISTORY", "MAX_UNDO", "STATUSES", "WORKFLOW_PREFIX", "Await",
-           "Finish", "Workflow", "WorkflowHandle", "check_workflow_name", "workflow_operator"]
+           "Finish", "Migration", "Workflow", "WorkflowHandle", "check_workflow_name", "workflow_operator"]
 
 WORKFLOW_PREFIX = "charon.workflow."
 MINTED_PREFIX = "__charon.wf."  # the ids start() mints: no client may start a workflow under one (gateway: 400)
@@ -73,6 +78,8 @@ STATUSES = ("running", "waiting", "done", "failed", "compensated", "cancelled")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,60}")
 Step = Callable[..., Awaitable[Any]]
 S = TypeVar("S", bound=Step)
+StateMap = Callable[[dict[str, object]], dict[str, object]]
+M = TypeVar("M", bound=StateMap)
 
 
 def check_workflow_name(name: object) -> str:
@@ -98,6 +105,16 @@ class Await:
     then: str
     deadline: float | None = None
     parts: list[Await] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Migration:
+    """A declared migration (:meth:`Workflow.migrates`): from code version ``source``, an old step maps to a step of
+    this code (``steps``), and ``state`` is the pure function rewriting the old state."""
+
+    source: str
+    steps: dict[str, str]
+    state: StateMap
 
 
 @dataclass
@@ -256,6 +273,8 @@ class Workflow(Operator):
         self.max_steps = int(max_steps)
         self.steps: dict[str, Step] = {}
         self.first: str | None = None
+        #: the declared migrations (:meth:`migrates`), by the code version they move workflows from
+        self.migrations: dict[str, Migration] = {}
         self._register()
 
     # -- declaring ---------------------------------------------------------------------------------------------
@@ -282,6 +301,71 @@ class Workflow(Operator):
             self.first = body.__name__
         self.steps[body.__name__] = body
         return body
+
+    def migrates(self, from_version: str, *, steps: dict[str, str]) -> Callable[[M], M]:
+        """Decorator declaring how a workflow on code version ``from_version`` moves to this code: ``steps`` maps
+        each old step it may be waiting at to a step of this workflow, and the decorated pure function ``state ->
+        state`` rewrites its state (``@wf.migrates("v1", steps={"charged": "charged", "approved": "approved_v2"})``).
+        A second migration from the same version, or a bad mapping, is a ``ValueError`` here; a step it maps to
+        that the workflow lacks, at :meth:`check_declared` (``Application`` construction)."""
+        if not isinstance(from_version, str) or not 0 < len(from_version) <= 200:
+            raise ValueError(f"from_version is a code version (a string of 1-200 characters), got {from_version!r}")
+        if from_version in self.migrations:
+            raise ValueError(f"workflow {self.workflow!r} declares two migrations from version {from_version!r}")
+        if not isinstance(steps, dict) or not steps or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in steps.items()):
+            raise ValueError("steps maps the old steps' names to this workflow's (a non-empty dict of str to str)")
+
+        def declare(fn: M) -> M:
+            as_object: object = fn
+            if not callable(fn) or inspect.iscoroutinefunction(as_object):
+                raise TypeError(f"a migration is a plain function state -> state, got {fn!r}")
+            if from_version in self.migrations:
+                raise ValueError(f"workflow {self.workflow!r} declares two migrations from version {from_version!r}")
+            self.migrations[from_version] = Migration(from_version, dict(steps), fn)
+            return fn
+
+        return declare
+
+    def check_declared(self) -> None:
+        """Called by ``Application``: every declared migration maps to a step this workflow has (ValueError)."""
+        for m in self.migrations.values():
+            for old, new in sorted(m.steps.items()):
+                if new != COMPENSATE_STEP and new not in self.steps:
+                    raise ValueError(f"the migration of workflow {self.workflow!r} from {m.source!r} maps step "
+                                     f"{old!r} to {new!r}, which it does not have (have: "
+                                     f"{', '.join(sorted(self.steps))})")
+
+    def migration(self, rec: Mapping[str, object], from_version: str, to: str) -> tuple[str, object]:
+        """The step and state a workflow's record ``rec`` would have once moved from ``from_version`` to this code
+        (version ``to``); :class:`~charon.errors.NotMigratable` with the reason when the move does not apply.
+        Pure (its ``migrate`` transaction and the dry run decide alike): a declared migration (:meth:`migrates`)
+        needs the workflow waiting (not mid-step) at a mapped step, and its function's result a JSON-able dict
+        within the value bound; without one the step and state stay, at a step this code has."""
+        if rec["version"] != from_version:
+            raise NotMigratable(f"workflow {rec['id']!r} runs version {rec['version']!r}, not {from_version!r}")
+        if rec["status"] not in ("running", "waiting"):
+            raise NotMigratable(f"workflow {rec['id']!r} is {rec['status']}")
+        if to == from_version:
+            raise NotMigratable(f"workflow {rec['id']!r} runs the deployed version {to!r} already")
+        step = str(rec["step"])
+        m = self.migrations.get(from_version)
+        if m is None:
+            if step != COMPENSATE_STEP and step not in self.steps:
+                raise NotMigratable(f"version {to!r} of workflow {self.workflow!r} has no step {rec['step']!r}")
+            return step, rec["state"]
+        if rec["status"] != "waiting":
+            raise NotMigratable(f"workflow {rec['id']!r} is mid-step (its step {rec['step']!r} is due): try again")
+        new_step = m.steps.get(step)
+        if new_step is None or (new_step != COMPENSATE_STEP and new_step not in self.steps):
+            raise NotMigratable(f"the migration of workflow {self.workflow!r} from {from_version!r} maps no step "
+                                f"{rec['step']!r} (maps: {', '.join(sorted(m.steps))})")
+        try:
+            out = m.state(serde.decode(serde.encode(rec["state"])))  # a copy: the record is never touched
+        except Exception as exc:  # noqa: BLE001 - whatever it raises, the move does not apply
+            raise NotMigratable(f"the migration function of workflow {self.workflow!r} from {from_version!r} "
+                                f"raised {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]) from None
+        return new_step, _checked_state(out, {**rec, "step": new_step}, self.workflow)
 
     def start(self, ctx: Context, input: Any = None, *, id: str | None = None) -> str:  # noqa: A002 - the API's words
         """Start a workflow from a transaction, iff it commits; returns its id: ``id``, or one minted from the
@@ -383,30 +467,27 @@ class Workflow(Operator):
 
         async def migrate(ctx: Context, from_version: str) -> dict[str, str]:
             """An operator's move of this workflow from code version ``from_version`` to the one this transaction
-            runs with (the deployed one): decided here, so a replay decides the same. Applies only to a workflow
-            still on ``from_version``, not finished, whose current step the deployed code has; anything else is
-            a typed abort (:class:`~charon.errors.NotMigratable`) that changes nothing."""
+            runs with (the deployed one): decided here (:meth:`Workflow.migration`), so a replay decides the same.
+            Its step and state are rewritten by a declared migration (:meth:`Workflow.migrates`); anything that does
+            not apply is a typed abort (:class:`~charon.errors.NotMigratable`) that changes nothing. Its pending
+            await is kept: a delivery names ``seq``, not the version."""
             rec = ctx.get()
             if rec is None:
                 raise UnknownWorkflowAborted(f"no workflow {wf.workflow!r} {ctx.key!r}")
-            to = ctx.code_version() or wf.version
-            if rec["version"] != from_version:
-                raise NotMigratable(f"workflow {ctx.key!r} runs version {rec['version']!r}, not {from_version!r}")
-            if rec["status"] not in ("running", "waiting"):
-                raise NotMigratable(f"workflow {ctx.key!r} is {rec['status']}")
-            if to == from_version:
-                raise NotMigratable(f"workflow {ctx.key!r} runs the deployed version {to!r} already")
-            if rec["step"] != COMPENSATE_STEP and rec["step"] not in wf.steps:
-                raise NotMigratable(f"version {to!r} of workflow {wf.workflow!r} has no step {rec['step']!r}")
+            to = str(ctx.code_version() or wf.version)
+            step, state = wf.migration(rec, from_version, to)
             now = ctx.now()
-            rec["history"].append({"migrated": [from_version, to], "step": rec["step"], "seq": rec["seq"],
-                                   "tid": ctx.tid, "time": now})
+            entry: dict[str, Any] = {"migrated": [from_version, to], "step": rec["step"], "seq": rec["seq"],
+                                     "tid": ctx.tid, "time": now}
+            if from_version in wf.migrations:
+                entry["to_step"] = step
+            rec["history"].append(entry)
             if len(rec["history"]) > MAX_HISTORY:
                 rec["dropped"] += 1
                 del rec["history"][0]
-            rec.update(version=to, updated=now)
+            rec.update(version=to, step=step, state=state, updated=now)
             ctx.put(rec)
-            return {"id": str(ctx.key), "from": from_version, "to": str(to)}
+            return {"id": str(ctx.key), "from": from_version, "to": to}
 
         async def get(ctx: Context) -> dict[str, Any] | None:
             """The workflow's record (None: no such workflow)."""
@@ -513,6 +594,26 @@ class Workflow(Operator):
                    updated=now)
         ctx.put(rec)
         return {"id": ctx.key, "step": entry["step"], "status": rec["status"], "seq": rec["seq"]}
+
+
+def _checked_state(state: object, rec: Mapping[str, object], workflow: str) -> object:
+    """``state`` (a migration function's result) as the record's new state, a copy: a JSON-able dict (str keys;
+    None, bool, int, float, str, lists and dicts) with which the record stays within ``CHARON_MAX_VALUE_BYTES``;
+    NotMigratable otherwise."""
+    what = f"the migration function of workflow {workflow!r}"
+    if type(state) is not dict:
+        raise NotMigratable(f"{what} returned {type(state).__name__}, not a dict")
+    try:
+        copy = serde.decode(serde.encode_value(state))
+        if json.loads(json.dumps(copy, allow_nan=False)) != copy:
+            raise ValueError("its keys are not all strings")
+    except (SerializationError, TypeError, ValueError, RecursionError) as exc:
+        raise NotMigratable(f"{what} returned a state that is not JSON-able: {exc}"[:MAX_ERROR_CHARS]) from None
+    n = len(serde.encode_value({**rec, "state": copy}))
+    if n > MAX_VALUE_BYTES:
+        raise NotMigratable(f"{what} returned a state that makes the record {n} bytes, above the maximum of "
+                            f"{MAX_VALUE_BYTES} (CHARON_MAX_VALUE_BYTES)")
+    return copy
 
 
 async def _compensate(ctx: Context, w: WorkflowHandle, outcome: dict[str, Any] | None) -> Await | Finish:

@@ -564,7 +564,8 @@ def workflow_paths(security: list[dict[str, list[str]]], names: list[str]) -> di
         "/admin/workflows/migrate": {"post": {
             "summary": "Move one page of a workflow's in-flight workflows on code version `from` to the deployed "
                        "one (admin, audited); each move is the workflow's own transaction (NotMigratable: "
-                       "skipped); dry_run counts; next is the following call's cursor",
+                       "skipped); dry_run counts, would_skip its forecast of the skips; next is the following "
+                       "call's cursor",
             "security": security, "parameters": [key],
             "requestBody": body({"workflow": {"type": "string"}, "from": {"type": "string", "minLength": 1,
                                                                           "maxLength": 200},

@@ -15,7 +15,10 @@
   audited: one ``charon.admin`` line ``workflows migrate`` per call): one page of the workflow's records; each one
   in flight on ``from`` is sent its own ``migrate`` transaction, which decides (``NotMigratable``: counted in
   ``skipped``, nothing changed). Request ids derive from the ``Idempotency-Key`` (the operation) and the workflow
-  id, so a repeated call sends nothing twice. ``next`` is the following page's ``cursor`` (null: done).
+  id, so a repeated call sends nothing twice. ``next`` is the following page's ``cursor`` (null: done). A dry run
+  sends nothing and forecasts in ``would_skip`` (``{"NotMigratable": n}``; ``{}`` on a real run) the matched
+  records that would be skipped: at a step the declared migration (``@wf.migrates``) does not map, mid-step, or
+  whose migration function raises or returns a bad state.
 
 A code update (``POST /admin/code``, :mod:`charon.server.admin`) that would drop the code of a version with
 workflows in flight is refused, 409 ``VersionInUse``: :func:`dropped_versions` names the versions whose recorded ref
@@ -42,8 +45,8 @@ from starlette.routing import Route
 from charon import serde
 from charon.core.promises import MAX_PROMISE_VALUE_BYTES
 from charon.core.routing import check_key
-from charon.core.workflows import MINTED_PREFIX, workflow_operator
-from charon.errors import InvalidKey, SerializationError
+from charon.core.workflows import MINTED_PREFIX, Workflow, workflow_operator
+from charon.errors import InvalidKey, NotMigratable, SerializationError
 from charon.messages import is_reserved_id
 from charon.server.audit import audited, note, started
 from charon.server.itemops import await_replies, derived_id, tally
@@ -226,9 +229,11 @@ class WorkflowRoutes:
         started(request, "workflows migrate")
         operator = workflow_operator(name)
         rows, nxt = await entity_page(gw, operator, cursor, limit)
-        hits = [str(r["id"]) for r in rows if r.get("version") == old and r.get("status") in IN_FLIGHT]
+        matched = [r for r in rows if r.get("version") == old and r.get("status") in IN_FLIGHT]
+        hits = [str(r["id"]) for r in matched]
         out: dict[str, Any] = {"operation": op, "workflow": name, "from": old, "dry_run": dry,
                                "examined": len(rows), "matched": len(hits), "done": 0, "skipped": {},
+                               "would_skip": self._forecast(name, old, matched) if dry else {},
                                "items": hits, "next": nxt}
         if not dry and hits:
             calls = [gw.engine.submit(operator, wid, "migrate", [old],
@@ -238,6 +243,24 @@ class WorkflowRoutes:
         note(request, examined=out["examined"], matched=out["matched"], done=out["done"], skipped=out["skipped"],
              next=nxt)
         return respond(request, 200, out)
+
+
+    def _forecast(self, name: str, old: str, matched: Sequence[Mapping[str, object]]) -> dict[str, int]:
+        """What a dry run says the matched records' own ``migrate`` transactions would skip (``{"NotMigratable":
+        n}``): the deployed workflow's pure decision (:meth:`~charon.core.workflows.Workflow.migration`, a declared
+        migration's function included) on the records as read; each transaction decides again on its own."""
+        wf = self.gw.engine.app.workflows[name]
+        if not isinstance(wf, Workflow):
+            return {}
+        controls = self.gw.engine.controls
+        label = None if controls is None else controls.status_now().code_version
+        n = 0
+        for rec in matched:
+            try:
+                wf.migration(rec, old, str(label or wf.version))
+            except NotMigratable:
+                n += 1
+        return {"NotMigratable": n} if n else {}
 
 
 def workflow_routes(gw: BuiltinGateway) -> list[Route]:

@@ -21,7 +21,7 @@ SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in NEEDS_NO
 
 
 def _run(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(EXAMPLES)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(EXAMPLES), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, **kw)  # type: ignore[call-overload,no-any-return]
 
 
@@ -54,6 +54,16 @@ def test_pinning_example_prints_what_its_guide_says() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["['v1:welcome', 'v1:verify']", "['v1:welcome', 'v2:verify']",
                                        "2 ['v2:welcome']"]
+
+
+def test_migration_example_prints_what_its_guide_says() -> None:
+    out = _run([sys.executable, "migrating.py"], cwd=EXAMPLES)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "2 approved_v2 {'amount': 40, 'currency': 'EUR'}",
+        "bob stays on 1: the migration of workflow 'checkout' from '1' maps no step 'review' (maps: approved, "
+        "charged)",
+        "v2 paid 40 EUR | v1 reviewed 500"]
 
 
 def test_quickstart_against_a_real_node(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 between steps and restarted (with the old ref: the recorded code is kept); a workflow started before the update
 runs its later steps on v1's code, one started after on v2's; ``charon workflows versions`` shows the drain;
 ``charon workflows migrate --from 1`` moves the rest (audited, each move its own transaction: a finished one is
-skipped), after which their steps run v2, also across another SIGKILL."""
+skipped; v2's ``@pin.migrates("1", ...)`` maps their step and state), after which their steps run v2, also across
+another SIGKILL."""
 
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def test_pinned_versions_drain_and_migrate_across_sigkills(tmp_path: Path) -> No
             r = _wait(c, "old1", lambda r: r["status"] == "done", "old1 done")
             assert r["result"] == {"ran": ["v1:begin", "v1:middle", "v1:end"], "pinned": "1"}  # v1 to the end
             dry = _cli(url, "workflows", "migrate", "--from", "1", "--dry-run")
-            assert dry["pin"]["matched"] == 2 and dry["pin"]["done"] == 0
+            assert dry["pin"]["matched"] == 2 and dry["pin"]["done"] == 0 and dry["pin"]["would_skip"] == {}
             assert c.workflow("pin", "old2")["version"] == "1"  # a dry run changes nothing
             moved = _cli(url, "workflows", "migrate", "--from", "1")
             assert moved["pin"]["done"] == 2 and sorted(moved["pin"]["items"]) == ["old2", "old3"], moved
@@ -105,6 +106,7 @@ def test_pinned_versions_drain_and_migrate_across_sigkills(tmp_path: Path) -> No
             assert _cli(url, "workflows", "versions")["versions"] == {"v2": {"running": 0, "waiting": 2}}
             r2 = c.workflow("pin", "old2")
             assert r2["version"] == "v2" and r2["history"][-1]["migrated"] == ["1", "v2"]
+            assert r2["history"][-1]["to_step"] == "middle" and r2["state"]["from"] == "1"  # v2's declared mapping
         kill(proc)  # migrated, then killed: the move is durable
         proc = _start(data, port)
         with Client(url, token=TOKEN, timeout=20, retries=5) as c:
@@ -114,6 +116,7 @@ def test_pinned_versions_drain_and_migrate_across_sigkills(tmp_path: Path) -> No
                 c.resolve(r["awaiting"][0]["id"], 1)
                 r = _wait(c, wid, _waiting_at("end"), f"{wid}'s middle step")
                 assert r["state"]["ran"] == ["v1:begin", "v2:middle"], r  # the old start, then the new code
+                assert r["state"]["from"] == "1"  # the migration's state, kept across the kill
                 c.resolve(r["awaiting"][0]["id"], 1)
                 r = _wait(c, wid, lambda r: r["status"] == "done", f"{wid} done")
                 assert r["result"] == {"ran": ["v1:begin", "v2:middle", "v2:end"], "pinned": "v2"}

@@ -1,5 +1,6 @@
 """Workflow version pinning, version 2 (``wf_pin_v1`` is version 1): workflow ``pin`` awaits two durable promises;
-each step appends ``"<version>:<step>"`` to the workflow's state, so a record says which code ran each step."""
+each step appends ``"<version>:<step>"`` to the workflow's state, so a record says which code ran each step. It
+declares the migration from version ``"1"`` (the steps keep their names; the state gains ``"from": "1"``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ async def middle(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
 async def end(ctx: Context, w: Any, outcome: dict[str, Any]) -> Any:
     w.state["ran"].append(f"{VERSION}:end")
     return w.done({"ran": w.state["ran"], "pinned": w.version})
+
+
+@pin.migrates("1", steps={"middle": "middle", "end": "end"})
+def from_v1(state: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "from": "1"}
 
 
 app = Application("pinapp", [probe], workflows=[pin])
