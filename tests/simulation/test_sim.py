@@ -259,3 +259,12 @@ def test_recovery_attempts_keep_the_first_starts_reply_mark(tmp_path) -> None:
     assert (b.epoch, b.attempts, b.reply_mark(3), b.reply_mark(4), b.reply_mark(2)) == (4, 1, 10, 30, None)
     b.starting(4 + KEEP_MARKS, 40)
     assert RecoveryAttempts(str(tmp_path)).reply_marks == {4 + KEEP_MARKS: 40}
+
+
+def test_a_rerun_keeps_the_verdicts_its_stream_atom_shows() -> None:
+    """Seed 21286: epoch 0 finalized and appended its stream atom, the driver died before its record, a rescale
+    at the restart moved the state as of the last record (its durable copies back at -1): the rerun judged anew
+    (an overrun) and its state contradicted the atom a reader may have read. An appended atom now counts as
+    replied: the rerun takes only the verdicts recorded before."""
+    o = run_seed(21286, exchange="jobs", log_growth=True, engine_rescale=True, pauses=True)
+    assert o.ok, repro_line(o, log_growth=True, engine_rescale=True, exchange="jobs", pauses=True)

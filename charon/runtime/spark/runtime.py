@@ -639,9 +639,10 @@ class SparkRuntime(EngineBacked):
 
     def _replied_before(self, epoch: int, requests: list[Request], prev: EpochRecord | None) -> bool:
         """Whether an earlier run of ``epoch`` may have answered a client: a reply of this epoch is in the output
-        log (clients read replies only from there; a reply a dead driver had not written yet never left), or this
-        process delivered one (a query restart: also a fired timer's, whose request is in no log), or its
-        finalize reached a partition's durable copy (a replayed epoch's delta and atom are never written again, so
+        log (clients read replies only from there; a reply a dead driver had not written yet never left; a fired
+        timer's is found past the epoch's reply mark), or this process delivered one, or its output streams' atom
+        was appended (a reader may have it; a rerun's atom is never appended again), or its finalize reached a
+        partition's durable copy (a replayed epoch's delta and atom are never written again, so
         they hold the earlier run's outcomes, which a new verdict would contradict). True when it cannot be told
         (the log or the durable state failing)."""
         try:
@@ -656,6 +657,8 @@ class SparkRuntime(EngineBacked):
                 if rep is not None and rep.epoch == epoch:
                     return True
             if self._wrote_replies_of(epoch):  # a fired timer's reply (its request is in no log)
+                return True
+            if self.streams.last_epoch() >= epoch:  # its atoms are out (readers may have them; never rewritten)
                 return True
             parts, durable, _ = self.placement()
             return any(durable.recorded_epoch(pid) >= epoch for pid in range(parts))
