@@ -5,14 +5,13 @@ the version's recorded ref is no longer installed. Once its workflows finished, 
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from wf_pin_v1 import app
+from wf_wait import at, until
 
 from charon import VersionInUse
 from charon.client import Client
@@ -21,20 +20,6 @@ from charon.runtime.node.inprocess import InProcessRuntime
 from charon.server.serve import BackgroundServer
 
 TOKEN = "version-in-use-token"
-
-
-def _until(c: Client, wid: str, pred: Any, what: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
-    while True:
-        rec = c.workflow("pin", wid)
-        if pred(rec):
-            return rec
-        assert time.monotonic() < deadline, f"{what}: {rec}"
-        time.sleep(0.05)
-
-
-def _at(step: str) -> Any:
-    return lambda r: r["status"] == "waiting" and r["step"] == step and r["awaiting"]
 
 
 def test_a_deploy_that_drops_a_version_in_use_is_refused_until_it_drained(tmp_path: Path,
@@ -48,7 +33,7 @@ def test_a_deploy_that_drops_a_version_in_use_is_refused_until_it_drained(tmp_pa
     with BackgroundServer(rt, token=TOKEN, config=cfg) as srv, Client(srv.url, token=TOKEN, timeout=30) as c:
         assert c.update_code(f"{name}:app", "gone")["version"] == "gone"
         c.start_workflow("pin", None, id="w1")
-        first = _until(c, "w1", _at("middle"), "started on 'gone'")["awaiting"][0]["id"]
+        first = until(c, "w1", at("middle"), "started on 'gone'")["awaiting"][0]["id"]
         assert c.workflow("pin", "w1")["version"] == "gone"
         module.unlink()  # the version's code is no longer installed (its module stays imported in this process)
         auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -64,10 +49,10 @@ def test_a_deploy_that_drops_a_version_in_use_is_refused_until_it_drained(tmp_pa
         assert [v["version"] for v in history["versions"]] == ["1", "gone"]
         assert c.status()["code_version"] == "gone"
         c.resolve(first, 1)  # its steps still run its own (loaded) code
-        second = _until(c, "w1", _at("end"), "its middle step")
+        second = until(c, "w1", at("end"), "its middle step")
         assert second["state"]["ran"] == ["v1:begin", "v1:middle"]
         c.resolve(second["awaiting"][0]["id"], 1)
-        done = _until(c, "w1", lambda r: r["status"] == "done", "w1 done")
+        done = until(c, "w1", lambda r: r["status"] == "done", "w1 done")
         assert done["result"] == {"ran": ["v1:begin", "v1:middle", "v1:end"], "pinned": "gone"}
         out = c.update_code("wf_pin_v2:app", "v2")  # nothing in flight on 'gone' any more: applied
         assert out["version"] == "v2" and c.invoke("probe", "x", "ping") == "v2"

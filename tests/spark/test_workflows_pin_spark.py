@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from nodeproc import kill_tree, start_charon, support_env
+from wf_wait import at, until
 
 from charon.client import Client
 from charon.server.serve import free_port
@@ -30,20 +31,6 @@ def _start(data: Path, port: int) -> subprocess.Popen[bytes]:
                         group=True, stdout=True, interval=0.5)
 
 
-def _until(c: Client, wid: str, pred: Any, what: str, timeout: float = 90.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        rec = c.workflow("pin", wid)
-        if pred(rec):
-            return rec
-        assert time.monotonic() < deadline, f"{what}: {rec}"
-        time.sleep(0.2)
-
-
-def _at(step: str) -> Any:
-    return lambda r: r["status"] == "waiting" and r["step"] == step and r["awaiting"]
-
-
 def _done(r: dict[str, Any]) -> bool:
     return r["status"] == "done"
 
@@ -57,19 +44,19 @@ def test_a_workflow_keeps_its_version_on_spark_across_an_update_and_a_sigkill(tm
     try:
         with Client(url, token=TOKEN, timeout=120, retries=5) as c:
             c.start_workflow("pin", None, id="old")
-            old = _until(c, "old", _at("middle"), "started on v1")
+            old = until(c, "old", at("middle"), "started on v1", timeout=90.0, interval=0.2)
             assert old["version"] == "1" and old["state"]["ran"] == ["v1:begin"]
             assert c.update_code("wf_pin_v2:app", "v2")["version"] == "v2"
             assert c.invoke("probe", "x", "ping") == "v2"
             c.start_workflow("pin", None, id="new")
-            new = _until(c, "new", _at("middle"), "started on v2")
+            new = until(c, "new", at("middle"), "started on v2", timeout=90.0, interval=0.2)
             assert new["version"] == "v2" and new["state"]["ran"] == ["v2:begin"]
             first = old["awaiting"][0]["id"]
             c.resolve(first, 1, request_id="r-old-1")
-            old = _until(c, "old", _at("end"), "old's middle step")
+            old = until(c, "old", at("end"), "old's middle step", timeout=90.0, interval=0.2)
             assert old["version"] == "1" and old["state"]["ran"] == ["v1:begin", "v1:middle"], old  # pinned
             c.resolve(new["awaiting"][0]["id"], 1, request_id="r-new-1")
-            new = _until(c, "new", _at("end"), "new's middle step")
+            new = until(c, "new", at("end"), "new's middle step", timeout=90.0, interval=0.2)
             assert new["state"]["ran"] == ["v2:begin", "v2:middle"], new
         kill_tree(proc)  # between steps: both workflows await a promise
         proc = _start(data, port)  # started with the old ref: the recorded code (v2) runs, v1 stays for "old"
@@ -81,8 +68,8 @@ def test_a_workflow_keeps_its_version_on_spark_across_an_update_and_a_sigkill(tm
             assert c.workflow("pin", "old")["state"]["ran"] == ["v1:begin", "v1:middle"]
             c.resolve(old["awaiting"][0]["id"], 2, request_id="r-old-2")
             c.resolve(new["awaiting"][0]["id"], 2, request_id="r-new-2")
-            r_old = _until(c, "old", _done, "old done")
-            r_new = _until(c, "new", _done, "new done")
+            r_old = until(c, "old", _done, "old done", timeout=90.0, interval=0.2)
+            r_new = until(c, "new", _done, "new done", timeout=90.0, interval=0.2)
     finally:
         kill_tree(proc)
     assert r_old["result"] == {"ran": ["v1:begin", "v1:middle", "v1:end"], "pinned": "1"}, r_old
