@@ -4,6 +4,7 @@ list, show, cancel, and the version drain and migration (an operator's move of i
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import typer
@@ -24,6 +25,13 @@ def workflows_list(name: str = typer.Argument(..., help="The workflow's name."),
                    url: str = UrlOpt, token: str | None = TokenOpt) -> None:
     """A page of workflow NAME's records in id order (`next`: the cursor of the following page)."""
     print_json(call_gateway(url, token, "workflows", name, after=after, limit=limit, timeout=70.0))
+
+
+def _when(t: object) -> str:
+    """Unix seconds as a UTC time (``-`` when not a number)."""
+    if isinstance(t, bool) or not isinstance(t, int | float):
+        return "-"
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _next(entry: Mapping[str, object]) -> str:
@@ -68,14 +76,14 @@ def draw_tree(tree: Mapping[str, object]) -> Tree:
         label = f"awaiting {a['kind']} {a['id']}"
         if a.get("promise"):
             p = a["promise"]
-            label += f": {p['status']}, deadline {p['deadline']}"
+            label += f": {p['status']}, deadline {_when(p['deadline'])}"
         elif a.get("effect"):
             e = a["effect"]
             label += f": {e['status']}, attempts {e['attempts']}/{e['max_attempts']}"
             if e.get("last_error"):
                 label += f", last error {e['last_error']}"
         elif a["kind"] == "timer":
-            label += f": due {a.get('due')}"
+            label += f": due {_when(a.get('due'))}"
         if a.get("note"):
             label += f" ({a['note']})"
         root.add(Text(label, style="yellow"))
