@@ -46,13 +46,13 @@ def served(tmp_path: Path) -> Any:
         with BackgroundServer(rt, token=TOKEN, effects=ex) as srv, Client(srv.url, token=TOKEN) as c:
             c.invoke("stock", "apple", "put", 10)
             c.start_workflow("checkout", ORDER, id="o-1")
-            yield srv, c, _waiting_on_approval(c, "o-1")
+            yield srv, c, _waiting_on_approval(c, "o-1"), ex
     finally:
         rt.close()
 
 
 def test_the_tree_has_each_step_with_its_call_graph_and_the_pending_promise(served: Any) -> None:
-    srv, c, rec = served
+    srv, c, rec, _ = served
     tree = c.workflow_tree("checkout", "o-1")
     assert {k: tree[k] for k in ("id", "workflow", "status", "step")} == {
         "id": "o-1", "workflow": "checkout", "status": "waiting", "step": "approved"}
@@ -86,7 +86,7 @@ def test_the_tree_has_each_step_with_its_call_graph_and_the_pending_promise(serv
 
 
 def test_charon_workflows_show_tree_draws_it(served: Any) -> None:
-    srv, _, _ = served
+    srv, _, _, _ = served
     env = {"CHARON_URL": srv.url, "CHARON_TOKEN": TOKEN, "COLUMNS": "200"}
     out = CliRunner().invoke(cli, ["workflows", "show", "checkout", "o-1", "--tree"], env=env)
     assert out.exit_code == 0, out.output
@@ -98,3 +98,28 @@ def test_charon_workflows_show_tree_draws_it(served: Any) -> None:
     assert "awaiting promise pr." in text and ": pending, deadline " in text
     gone = CliRunner().invoke(cli, ["workflows", "show", "checkout", "nobody", "--tree"], env=env)
     assert gone.exit_code != 0 and "UnknownWorkflow" in gone.output
+
+
+def test_an_awaited_effect_shows_its_executor_row_or_why_not(served: Any, tmp_path: Path) -> None:
+    """The executor's row of an effect (what the tree shows for an awaited one: status, attempts, last error) is
+    found by its id; a gateway without an executor says so in the awaited effect's note."""
+    _, _, rec, ex = served
+    eid = rec["history"][0]["awaits"]["id"]
+    row = ex.get_effect(eid)
+    assert row is not None and (row["status"], row["attempts"], row["outcome"], row["last_error"]) == (
+        "done", 1, "ok", "")
+    assert ex.get_effect(eid + "9") is None
+    rt = InProcessRuntime(app, partitions=2, data_dir=str(tmp_path / "bare"))
+    try:
+        with BackgroundServer(rt, token=TOKEN) as bare, Client(bare.url, token=TOKEN) as b:
+            b.invoke("stock", "apple", "put", 10)
+            b.start_workflow("checkout", ORDER, id="o-2")
+            deadline = time.monotonic() + 20
+            while (t := b.workflow_tree("checkout", "o-2"))["step"] != "charged" or not t["awaiting"]:
+                assert time.monotonic() < deadline, t
+                time.sleep(0.05)
+            [waiting] = t["awaiting"]
+            assert waiting["kind"] == "effect" and "effect" not in waiting
+            assert waiting["note"].startswith("no effect executor beside this gateway")
+    finally:
+        rt.close()

@@ -507,7 +507,7 @@ async function refreshWorkflowTree() {
   for (const s of t.steps) {
     const li = document.createElement("li");
     li.className = "wf-step"; li.dataset.step = s.step;
-    li.textContent = `step ${s.step} seq ${s.seq} attempt ${s.attempt} tid ${s.tid}` + stepNext(s);
+    li.textContent = `step ${s.step} seq ${s.seq} attempt ${s.attempt ?? "-"} tid ${s.tid}` + stepNext(s);
     if (s.call_graph) li.appendChild(callGraph(s.call_graph, null));
     else { const n = document.createElement("div"); n.className = "muted"; n.textContent = s.note; li.appendChild(n); }
     ul.appendChild(li);
