@@ -730,6 +730,12 @@ class Client(_Base):
         """One workflow's record (status, step, what it awaits, state, the history of its steps)."""
         return self._admin_doc(self._send("GET", self._workflow_path(name, workflow_id), headers=self.headers))
 
+    def workflow_tree(self, name: str, workflow_id: str, *, steps: int = 50) -> dict[str, object]:
+        """One workflow as a tree: the workflow, its newest ``steps`` steps each with its call graph (while the
+        inspector keeps it), and what it awaits now (a promise's status, an effect's attempts, a timer's due time)."""
+        return self._admin_doc(self._send("GET", self._workflow_path(name, workflow_id, "tree"),
+                                          params={"steps": steps}, headers=self.headers))
+
     def workflows(self, name: str, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
         """A page of a workflow's records in id order: ``{"workflows": [...], "next": cursor or None}``."""
         return self._admin_doc(self._send("GET", self._workflow_path(name), params=self._page_params(after, limit),
@@ -1190,6 +1196,11 @@ class AsyncClient(_Base):
     async def workflow(self, name: str, workflow_id: str) -> dict[str, Any]:
         """One workflow's record."""
         return self._admin_doc(await self._send("GET", self._workflow_path(name, workflow_id), headers=self.headers))
+
+    async def workflow_tree(self, name: str, workflow_id: str, *, steps: int = 50) -> dict[str, object]:
+        """One workflow as a tree (see :meth:`Client.workflow_tree`)."""
+        return self._admin_doc(await self._send("GET", self._workflow_path(name, workflow_id, "tree"),
+                                                params={"steps": steps}, headers=self.headers))
 
     async def workflows(self, name: str, *, after: str | None = None, limit: int = 100) -> dict[str, Any]:
         """A page of a workflow's records in id order."""

@@ -3,7 +3,14 @@ list, show, cancel, and the version drain and migration (an operator's move of i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
 import typer
+from rich.console import Console
+from rich.text import Text
+from rich.tree import Tree
 
 from charon.cli.parts import TokenOpt, UrlOpt, call_gateway, print_json
 
@@ -20,10 +27,81 @@ def workflows_list(name: str = typer.Argument(..., help="The workflow's name."),
     print_json(call_gateway(url, token, "workflows", name, after=after, limit=limit, timeout=70.0))
 
 
+def _when(t: object) -> str:
+    """Unix seconds as a UTC time (``-`` when not a number)."""
+    if isinstance(t, bool) or not isinstance(t, int | float):
+        return "-"
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _next(entry: Mapping[str, object]) -> str:
+    """What a step led to: what it awaited next, how it finished, or a migration."""
+    step: Any = entry
+    if step.get("awaits"):
+        a = step["awaits"]
+        return f"awaits {a['kind']} " + (a["id"] if "id" in a else ", ".join(a.get("ids", [])))
+    if step.get("finished"):
+        return f"finished {step['finished']}"
+    if step.get("migrated"):
+        return "migrated {} -> {}".format(*step["migrated"])
+    return ""
+
+
+def draw_tree(tree: Mapping[str, object]) -> Tree:
+    """A workflow's tree (``GET /workflows/{name}/{id}/tree``) as a rich Tree."""
+    doc: Any = tree  # a JSON document
+    root = Tree(Text(f"workflow {doc['workflow']} {doc['id']!r}: {doc['status']} at step {doc['step']!r} "
+                     f"(version {doc['version']}, epoch {doc['epoch']})", style="bold"))
+    if doc.get("error"):
+        root.add(Text(f"error: {doc['error']}", style="red"))
+    if doc.get("omitted"):
+        root.add(Text(f"({doc['omitted']} earlier steps not shown)"))
+    for s in doc["steps"]:
+        mark = "ok" if s.get("ok", True) else "after a failed outcome"
+        label = f"step {s['step']} seq={s['seq']} attempt={s.get('attempt', '-')} tid={s.get('tid')} [{mark}]"
+        node = root.add(Text(f"{label} {_next(s)}".rstrip()))
+        graph = s.get("call_graph")
+        if graph is None:
+            node.add(Text(f"call graph {s.get('note', 'not kept')}", style="dim"))
+            continue
+        nodes: dict[int, Tree] = {}
+        for n in graph:
+            parent = nodes.get(n["parent"], node) if n["parent"] is not None else node
+            outcome = {"ok": "ok", "raised": "RAISED"}.get(n["outcome"], "-")
+            nodes[n["index"]] = parent.add(Text(f"{n['kind']} {n['operator']}.{n['function']} key={n['key']!r} "
+                                                f"[{outcome}]"))
+        if s.get("truncated"):
+            node.add(Text("(call graph truncated)", style="dim"))
+    for a in doc["awaiting"]:
+        label = f"awaiting {a['kind']} {a['id']}"
+        if a.get("promise"):
+            p = a["promise"]
+            label += f": {p['status']}, deadline {_when(p['deadline'])}"
+        elif a.get("effect"):
+            e = a["effect"]
+            label += f": {e['status']}, attempts {e['attempts']}/{e['max_attempts']}"
+            if e.get("last_error"):
+                label += f", last error {e['last_error']}"
+        elif a["kind"] == "timer":
+            label += f": due {_when(a.get('due'))}"
+        if a.get("note"):
+            label += f" ({a['note']})"
+        root.add(Text(label, style="yellow"))
+    return root
+
+
 @workflows_app.command("show")
 def workflows_show(name: str = typer.Argument(...), workflow_id: str = typer.Argument(..., metavar="ID"),
+                   tree: bool = typer.Option(False, "--tree", help="Draw it as one tree: its steps with their call "
+                                             "graphs, and what it awaits now."),
+                   steps: int = typer.Option(50, min=1, max=200, help="With --tree: the newest steps shown."),
                    url: str = UrlOpt, token: str | None = TokenOpt) -> None:
-    """One workflow's record: status, version, step, what it awaits, state, the history of its steps."""
+    """One workflow's record: status, version, step, what it awaits, state, the history of its steps (--tree: the
+    same drawn as one tree, each step with its transaction's call graph while the inspector keeps it)."""
+    if tree:
+        doc = call_gateway(url, token, "workflow_tree", name, workflow_id, steps=steps, timeout=70.0)
+        Console(soft_wrap=True).print(draw_tree(doc))
+        return
     print_json(call_gateway(url, token, "workflow", name, workflow_id, timeout=70.0))
 
 

@@ -212,6 +212,11 @@ class RequestLog(abc.ABC):
     def detail(self, request_id: str) -> dict[str, object] | None:
         """The summary plus ``reply``, ``error``, ``call_graph`` and ``truncated``; None when unknown or dropped."""
 
+    def by_tid(self, tid: int) -> dict[str, object] | None:
+        """:meth:`detail` of the answered request whose transaction is ``tid`` (a workflow's history names its
+        steps' TIDs); None when not kept."""
+        return None
+
     def call_graph(self, request_id: str) -> list[dict[str, object]] | None:
         """An answered request's call graph alone (``detail(...)["call_graph"]``: the Node dicts ``index``,
         ``parent``, ``kind``, ``operator``, ``key``, ``function``, ``outcome``, root first); None when not kept

@@ -212,6 +212,12 @@ class EffectStore:
                 self._db.execute("DELETE FROM effects WHERE status = 'done' AND seq <= ?", (seq[0] - self.retain_done,))
 
     # -- operators
+    def get(self, eid: str) -> EffectRow | None:
+        """One effect by id (None: not taken in yet, or a finished one past the retention)."""
+        rows = self._rows("SELECT id, handler, status, attempts, max_attempts, last_error, next_at, doc, outcome, "
+                          "cont_error, created, updated FROM effects WHERE id = ?", (eid,))
+        return self._row(rows[0]) if rows else None
+
     def parked(self, after: str | None = None, limit: int = 100) -> list[EffectRow]:
         """A page of the parked (``failed``) effects in id order after the id ``after`` (bulk retries page
         through them with it)."""
@@ -388,6 +394,10 @@ class EffectExecutor:
 
     def effect_counts(self) -> dict[str, int]:
         return self.store.counts()
+
+    def get_effect(self, effect_id: str) -> dict[str, object] | None:
+        row = self.store.get(effect_id)
+        return None if row is None else msgspec.to_builtins(row)
 
     def parked_effects(self, after: str | None, limit: int) -> list[dict[str, Any]]:
         return [msgspec.to_builtins(r) for r in self.store.parked(after, limit)]

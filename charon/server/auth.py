@@ -105,6 +105,7 @@ ROUTE_SCOPES: dict[str, frozenset[str]] = {
     # workflows (charon.server.workflows): started like an invocation, read like state, cancelled by an operator
     "workflows": frozenset({READ}),
     "workflow": frozenset({READ}),
+    "workflow_tree": frozenset({READ}),
     "workflow_start": frozenset({INVOKE}),
     "workflow_cancel": frozenset({ADMIN}),
     "admin_workflow_versions": frozenset({READ}),  # the drain: in-flight workflows per code version

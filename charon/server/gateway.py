@@ -870,7 +870,7 @@ def create_app(
     gw.has_effects = effects is not None
     routes += admin_routes(gw, gw.metrics, effects)
     routes += promise_routes(gw) + schedule_routes(gw)  # durable promises and schedules (issue 34)
-    routes += workflow_routes(gw)  # workflows (issue 34 item 4)
+    routes += workflow_routes(gw, None if effects is None else effects.get_effect)  # workflows (issue 34 item 4)
     routes += bulk_routes(gw, effects)  # bulk operations over them, queued invocations and parked effects
     route_scopes(r.name for r in routes)  # every route has its scopes (or is open)
     for r in routes:

@@ -553,6 +553,13 @@ def workflow_paths(security: list[dict[str, list[str]]], names: list[str]) -> di
             "summary": "One workflow's record: status, version (the code version its steps run), step, what it "
                        "awaits, state, undo stack, the history of its steps (read)",
             "security": security, "parameters": [name, wid], "responses": read}},
+        "/workflows/{name}/{wid}/tree": {"get": {
+            "summary": "One workflow as a tree: the workflow, its newest `steps` steps (1..200, default 50) each "
+                       "with its transaction's call graph from the inspector, and what it awaits now (a promise's "
+                       "status and deadline, an effect's attempts and last error, a timer's due time) (read)",
+            "security": security, "responses": read,
+            "parameters": [name, wid, {"name": "steps", "in": "query", "required": False,
+                                       "schema": {"type": "integer", "minimum": 1, "maximum": 200}}]}},
         "/workflows/{name}/{wid}/cancel": {"post": {
             "summary": "Cancel a workflow that has not finished (admin)", "security": security,
             "parameters": [name, wid], "requestBody": body({"reason": {"type": "string", "maxLength": 2000}}, []),

@@ -7,6 +7,10 @@
 * ``GET /workflows/{name}/{id}`` (``read``): one record: status, current step, what it awaits (the promise's id
   and deadline, the effect's or the timer's id), state, the undo stack, and the history of its steps (each
   step's ``tid``, its attempt, what it awaited next), the tree the inspector draws;
+* ``GET /workflows/{name}/{id}/tree?steps=N`` (``read``): the same as one tree (:mod:`charon.server.workflow_tree`):
+  the workflow, its newest ``N`` steps (1..200, default 50) each with its transaction's call graph from the
+  inspector, and what it awaits now (a promise's status and deadline, an effect's attempts and last error, a
+  timer's due time), read as of one epoch;
 * ``POST /workflows/{name}/{id}/cancel`` with ``{"reason": "..."}`` (``admin``);
 * ``GET /admin/workflows/versions`` (``read``): the drain, how many workflows still run (``running``: a step due or
   retrying; ``waiting``: awaiting an effect, a promise or a timer) on each code version, per workflow and in all,
@@ -52,6 +56,7 @@ from charon.server.audit import audited, note, started
 from charon.server.itemops import await_replies, derived_id, tally
 from charon.server.promises import BuiltinGateway, StateReader, entity_page, list_page, run_builtin
 from charon.server.wire import HTTPError, guard, parse_fields, respond
+from charon.server.workflow_tree import MAX_STEPS, EffectLookup, workflow_tree
 
 __all__ = ["MAX_SCAN", "dropped_versions", "in_flight", "ref_installed", "workflow_routes"]
 
@@ -118,8 +123,9 @@ async def in_flight(gw: StateReader) -> tuple[dict[str, dict[str, int]], dict[st
 class WorkflowRoutes:
     """The routes, each a method over one gateway."""
 
-    def __init__(self, gw: BuiltinGateway) -> None:
+    def __init__(self, gw: BuiltinGateway, effect: EffectLookup | None = None) -> None:
         self.gw = gw
+        self.effect = effect
 
     def _operator(self, request: HTTPRequest) -> str:
         name = request.path_params["name"]
@@ -175,6 +181,24 @@ class WorkflowRoutes:
         if rec is None:
             raise HTTPError("UnknownWorkflow", f"no workflow {request.path_params['name']!r} {wid!r}")
         return respond(request, 200, rec)
+
+    async def tree(self, request: HTTPRequest) -> Response:
+        self.gw.check_auth(request)
+        op = self._operator(request)
+        wid = request.path_params["wid"]
+        unknown = set(request.query_params.keys()) - {"steps"}
+        if unknown:
+            raise HTTPError("BadRequest", f"unknown parameters {sorted(unknown)} (known: steps)")
+        try:
+            steps = int(request.query_params.get("steps", 50))
+        except ValueError:
+            raise HTTPError("BadRequest", "steps must be an integer") from None
+        if not 1 <= steps <= MAX_STEPS:
+            raise HTTPError("BadRequest", f"steps must be 1..{MAX_STEPS}")
+        tree = await workflow_tree(self.gw, op, wid, steps, self.effect)
+        if tree is None:
+            raise HTTPError("UnknownWorkflow", f"no workflow {request.path_params['name']!r} {wid!r}")
+        return respond(request, 200, tree)
 
     async def cancel(self, request: HTTPRequest) -> Response:
         self.gw.check_auth(request)
@@ -263,9 +287,10 @@ class WorkflowRoutes:
         return {"NotMigratable": n} if n else {}
 
 
-def workflow_routes(gw: BuiltinGateway) -> list[Route]:
-    """The workflow routes over ``gw`` (their scopes: :data:`charon.server.auth.ROUTE_SCOPES`)."""
-    r = WorkflowRoutes(gw)
+def workflow_routes(gw: BuiltinGateway, effect: EffectLookup | None = None) -> list[Route]:
+    """The workflow routes over ``gw`` (``effect``: the effect executor's lookup by id, if one runs beside it; their
+    scopes: :data:`charon.server.auth.ROUTE_SCOPES`)."""
+    r = WorkflowRoutes(gw, effect)
     return [
         Route("/admin/workflows/versions", guard(r.versions), methods=["GET"], name="admin_workflow_versions"),
         Route("/admin/workflows/migrate", guard(audited("workflows migrate", r.migrate)), methods=["POST"],
@@ -273,5 +298,6 @@ def workflow_routes(gw: BuiltinGateway) -> list[Route]:
         Route("/workflows/{name}", guard(r.list), methods=["GET"], name="workflows"),
         Route("/workflows/{name}", guard(r.start), methods=["POST"], name="workflow_start"),
         Route("/workflows/{name}/{wid:charonkey}/cancel", guard(r.cancel), methods=["POST"], name="workflow_cancel"),
+        Route("/workflows/{name}/{wid:charonkey}/tree", guard(r.tree), methods=["GET"], name="workflow_tree"),
         Route("/workflows/{name}/{wid:charonkey}", guard(r.get), methods=["GET"], name="workflow"),
     ]

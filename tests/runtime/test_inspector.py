@@ -65,6 +65,18 @@ def test_retention_by_count() -> None:
     assert page["retention"]["records"] == 5  # type: ignore[index]
 
 
+def test_a_kept_request_is_found_by_its_tid_until_it_is_dropped() -> None:
+    """``by_tid`` (a workflow's history names its steps' TIDs) answers the request's detail while it is kept, and
+    None once the retention dropped it (the index is bounded with the records)."""
+    rt = _rt(InspectorSettings(max_records=5))
+    res = rt.run_epoch([Request(f"d{i}", "account", f"k{i}", "deposit", serde.encode([i]), 1.0) for i in range(8)])
+    tids = {r.request_id: tid for tid, r in res.replies.items()}
+    kept = rt.inspector.by_tid(tids["d7"])
+    assert kept is not None and kept["request_id"] == "d7" and kept["call_graph"][0]["key"] == "k7"  # type: ignore[index]
+    assert rt.inspector.by_tid(tids["d2"]) is None and rt.inspector.by_tid(-1) is None
+    assert len(rt.inspector._tids) == 5
+
+
 def test_retention_by_bytes() -> None:
     rt = _rt(InspectorSettings(max_bytes=10_000))
     big = "x" * 2000  # each reply carries ~2 KB

@@ -168,7 +168,7 @@ def test_the_openapi_document_declares_every_workflow_route() -> None:
 
     doc = openapi_document(app, secured=True)
     routes = [r for r in workflow_routes(cast(Any, None)) if isinstance(r, Route)]
-    assert len(routes) == 6
+    assert len(routes) == 7
     for r in routes:
         path = r.path.replace("{wid:charonkey}", "{wid}")
         for method in r.methods or ():

@@ -161,4 +161,23 @@ def test_dashboard_shows_the_workflow_drain(browser, shots) -> None:
         page.wait_for_function("!document.querySelector('#wf-versions tr[data-version=\"1\"]')", timeout=20_000)
         cells = [td.text_content() for td in page.query_selector_all('#wf-versions tr[data-version="v2"] td')][:3]
         assert cells == ["v2 (current)", "0", "3"]
+        # one workflow as a tree: its first step with the call graph of its transaction, the promise it awaits
+        assert page.eval_on_selector_all("#wf-names option", "os => os.map(o => o.value)") == ["pin"]
+        page.fill("#wf-name", "pin")
+        page.fill("#wf-id", "n")
+        page.click("#wf-form button")
+        page.wait_for_selector("#wf-tree li.wf-step", timeout=10_000)
+        assert (page.text_content("#wf-root") or "").startswith("pin n: waiting at step middle (version v2")
+        step = page.locator("#wf-tree li.wf-step").first
+        assert (step.text_content() or "").startswith("step begin seq 1 attempt 1 tid ")
+        graph = step.locator("li[data-node='0']").text_content() or ""
+        assert graph.startswith("root charon.workflow.pin/n.run → ok") and "send charon.promise/pr." in graph, graph
+        pending = page.locator("#wf-tree li.wf-await").text_content() or ""
+        assert pending.startswith("awaiting promise pr.") and ": pending, deadline " in pending, pending
+        c.resolve(c.workflow("pin", "n")["awaiting"][0]["id"], "yes")  # refreshed: the second step
+        page.wait_for_function("document.querySelectorAll('#wf-tree li.wf-step').length === 2", timeout=10_000)
+        page.fill("#wf-id", "nobody")
+        page.click("#wf-form button")
+        page.wait_for_function("document.getElementById('wf-tree').textContent.startsWith('UnknownWorkflow')",
+                               timeout=10_000)
         page.close()

@@ -147,6 +147,7 @@ class Inspector(RequestLog):
         self.live = live
         self.aborts = AbortLog(s.log_rate)
         self._records: OrderedDict[str, _Record] = OrderedDict()  # by request id, oldest first
+        self._tids: dict[int, str] = {}  # the kept records' request ids by TID (a workflow's history names TIDs)
         self._bytes = 0
         self._seq = 0
         # by TID: what was observed of transactions not answered yet (their last run's invocations and tracebacks)
@@ -224,11 +225,18 @@ class Inspector(RequestLog):
                 old = kept.pop(rid, None)
                 if old is not None:
                     self._bytes -= old.size
+                    self._forget(old)
                 kept[rid] = rec
+                self._tids[rec.reply.tid] = rid
                 self._bytes += rec.size
             while kept and (len(kept) > s.max_records or self._bytes > s.max_bytes):
                 _, old = kept.popitem(last=False)
                 self._bytes -= old.size
+                self._forget(old)
+
+    def _forget(self, rec: _Record) -> None:
+        if self._tids.get(rec.reply.tid) == rec.reply.request_id:
+            del self._tids[rec.reply.tid]
 
     # -- reading (any thread) ----------------------------------------------------------------------------------
     def retention(self) -> dict[str, object]:
@@ -301,6 +309,11 @@ class Inspector(RequestLog):
         with self._lock:
             rec = self._records.get(request_id)
         return None if rec is None else rec.graph()
+
+    def by_tid(self, tid: int) -> dict[str, object] | None:
+        with self._lock:
+            rid = self._tids.get(tid)
+        return None if rid is None else self.detail(rid)
 
     def detail(self, request_id: str) -> dict[str, object] | None:
         with self._lock:

@@ -228,7 +228,7 @@ function kvTable(pairs) {
   return div;
 }
 
-function callGraph(nodes) {
+function callGraph(nodes, id = "req-graph") {
   const children = new Map();
   for (const n of nodes) {
     const p = n.parent === null ? -1 : n.parent;
@@ -247,7 +247,7 @@ function callGraph(nodes) {
     }
     return ul;
   };
-  const root = build(-1); root.className = "graph"; root.id = "req-graph";
+  const root = build(-1); root.className = "graph"; if (id) root.id = id;
   return root;
 }
 
@@ -465,9 +465,61 @@ async function refreshWorkflowVersions() {
     td.appendChild(bar); tr.appendChild(td);
     body.appendChild(tr);
   }
+  $("wf-names").replaceChildren(...Object.keys(doc.workflows).map((n) => {
+    const o = document.createElement("option"); o.value = n; return o;
+  }));
   $("wf-note").textContent = (rows.length ? "old versions drain as their workflows finish; migrate: charon " +
     "workflows migrate --from VERSION" : "no workflow in flight") + (doc.truncated ? " (counted in part)" : "");
 }
+
+// one workflow as a tree (GET /workflows/{name}/{id}/tree, charon workflows show --tree): its steps in order, each
+// with its transaction's call graph while the inspector keeps it, and what it awaits now
+const when = (t) => t ? new Date(t * 1000).toTimeString().slice(0, 8) : "-";
+function stepNext(s) {
+  if (s.awaits) return " → awaits " + s.awaits.kind + " " + (s.awaits.id || (s.awaits.ids || []).join(", "));
+  if (s.finished) return " → " + s.finished;
+  return s.migrated ? " → migrated " + s.migrated.join(" → ") : "";
+}
+function awaitedText(a) {
+  let t = `awaiting ${a.kind} ${a.id}`;
+  if (a.promise) t += `: ${a.promise.status}, deadline ${when(a.promise.deadline)}`;
+  else if (a.effect) t += `: ${a.effect.status}, attempts ${a.effect.attempts}/${a.effect.max_attempts}` +
+    (a.effect.last_error ? ", last error " + a.effect.last_error : "");
+  else if (a.kind === "timer") t += ": due " + when(a.due);
+  return t + (a.note ? ` (${a.note})` : "");
+}
+async function refreshWorkflowTree() {
+  const name = $("wf-name").value.trim(), wid = $("wf-id").value.trim();
+  if (!name || !wid) return;
+  const box = $("wf-tree");
+  let t;
+  try {
+    t = await api("GET", `/workflows/${encodeURIComponent(name)}/${encodeURIComponent(wid)}/tree`);
+  } catch (e) { box.className = "action-error"; box.textContent = e.message; return; }
+  box.className = "";
+  const head = document.createElement("div");
+  head.id = "wf-root";
+  head.textContent = `${t.workflow} ${t.id}: ${t.status} at step ${t.step} (version ${t.version}, epoch ` +
+    `${t.epoch}, updated ${when(t.updated)})` + (t.error ? " " + t.error : "") +
+    (t.omitted ? ` (${t.omitted} earlier steps not shown)` : "");
+  const ul = document.createElement("ul");
+  ul.className = "graph";
+  for (const s of t.steps) {
+    const li = document.createElement("li");
+    li.className = "wf-step"; li.dataset.step = s.step;
+    li.textContent = `step ${s.step} seq ${s.seq} attempt ${s.attempt ?? "-"} tid ${s.tid}` + stepNext(s);
+    if (s.call_graph) li.appendChild(callGraph(s.call_graph, null));
+    else { const n = document.createElement("div"); n.className = "muted"; n.textContent = s.note; li.appendChild(n); }
+    ul.appendChild(li);
+  }
+  for (const a of t.awaiting) {
+    const li = document.createElement("li");
+    li.className = "wf-await"; li.textContent = awaitedText(a);
+    ul.appendChild(li);
+  }
+  box.replaceChildren(head, ul);
+}
+$("wf-form").addEventListener("submit", (e) => { e.preventDefault(); refreshWorkflowTree(); });
 
 // -- pause / resume -------------------------------------------------------------------------------------------
 async function control(path) {
@@ -572,6 +624,7 @@ for (const b of document.querySelectorAll("nav button")) {
 }
 function refreshAll() {
   refresh(); refreshHistory(); refreshDeadLetters(); refreshEffects(); refreshCodeHistory(); refreshWorkflowVersions();
+  refreshWorkflowTree();
 }
 $("token").addEventListener("change", () => {
   tokenGen += 1;
@@ -585,3 +638,4 @@ setInterval(refreshHistory, 1000);
 setInterval(refreshDeadLetters, 2000);
 setInterval(refreshEffects, 1000);
 setInterval(refreshWorkflowVersions, 2000);
+setInterval(refreshWorkflowTree, 2000);
