@@ -1145,7 +1145,13 @@ class EpochCoordinator:
                 finished.append(tid)
             replies: list[Reply] = []
             fast_set = set(fast_now)
+            verdicts = self.verdicts
             for tid in sorted(fast_set.union(finished)):
+                verdict = verdicts.get(result.requests[tid].request_id) if verdicts else None
+                if verdict is not None:  # judged in this run (a function past its budget): final, see _judged_here
+                    started.pop(tid, None)
+                    dirty |= self._judged_here(tid, verdict, q, rounds, candidates, reply, replies, reset_next)
+                    continue
                 touched = st.rw.get(tid, {})
                 if tid in fast_set:
                     if tid in st.invalid:
@@ -1193,3 +1199,15 @@ class EpochCoordinator:
                      ("outside", outside)):  # outside: re-runs that stepped outside their known set, decided at once
             stats[k] = stats.get(k, 0) + v
         return apply_next, reset_next
+
+    @staticmethod
+    def _judged_here(tid: int, v: Verdict, q: _Queues, rnd: int, candidates: set[int], reply: Callable[..., Reply],
+                     replies: list[Reply], reset_next: list[int]) -> set[int]:
+        """A fallback run of ``tid`` reported a verdict (recorded already, by :meth:`_verdict`): the transaction
+        leaves the fallback with the verdict's error at once, as a replay's :meth:`_judge_late` has it, and is
+        never queued again (a re-run would forget the failure and might commit, contradicting the verdict). Its
+        error depends on no state and it has no effect, so it needs no clearance and marks nothing decided.
+        Returns the transactions its released locks may wake."""
+        replies.append(reply(tid, False, err=(v.error_type, v.message)))
+        reset_next.append(tid)  # whatever its runs wrote to the overlay
+        return q.resolve(tid, {}, rnd, False, candidates)

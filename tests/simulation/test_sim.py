@@ -38,6 +38,8 @@ FOUND_SEEDS = {
     5: "r7: a state read during an epoch rolled the durable copy back ('durable copy reaches -1')",
     8: "r2: a read journaled twice shifts the replay: a scan gets None (TypeError abort the oracle never sees)",
     272: "r3: after a driver crash the replayed epoch contradicts a reply already delivered",
+    2534: "a verdict taken in the fallback (an overrun in a locked re-run) was forgotten by the transaction's next "
+          "run once it was queued again: its reply (another error) contradicted the recorded verdict",
 }
 
 

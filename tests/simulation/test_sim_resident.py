@@ -201,3 +201,16 @@ def test_a_rerun_after_its_finalize_takes_no_new_verdict(tmp_path, seed: int, ex
     sim.reply_late = 1.0  # no reply is written before the epoch's record
     stats = sim.run()  # raised Violation ("state after the epoch differs from the serial execution") before the fix
     assert stats["crashes"] >= 1 and stats["epochs"] >= 1
+
+
+@pytest.mark.parametrize("boundaries", [False, True], ids=["plain", "boundaries"])
+def test_a_verdict_taken_in_the_fallback_is_final(boundaries: bool) -> None:
+    """Seed 1598, in a first run of epoch 2 (no crash in it; with or without the boundaries' draws): a transaction's
+    locked re-run in the fallback overran its budget (the verdict recorded) while a lower transaction, grown onto an
+    entity it read, was still queued; it was queued again, its next run forgot the failure and committed: an ok
+    reply despite the recorded verdict (a replay judges it late, so the two runs disagreed). The verdict is now
+    final in the run that takes it."""
+    kw = BOUNDARIES if boundaries else {}
+    o = run_seed(1598, exchange="resident", **kw)
+    assert o.ok, repro_line(o, exchange="resident", **kw)
+    assert o.stats["verdicts"] >= 2 and o.stats["overruns"] >= 2
