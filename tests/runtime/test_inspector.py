@@ -181,11 +181,13 @@ logging.basicConfig()  # the application's logging setup: charon's loggers print
 from charon.runtime.node.inprocess import InProcessRuntime
 
 async def main():
-    rt = InProcessRuntime(inspector_app.app, partitions=2, warmup_txns=0, gc_tuning=False, data_dir=sys.argv[1])
+    rt = InProcessRuntime(inspector_app.app, partitions=2, warmup_txns=0, gc_tuning=False, data_dir=sys.argv[1],
+                          checkpoint_s=3600)
     async with rt:
         reply = await rt.submit("bank", "t", "fail", ["before the crash"], request_id="f1")
         print("replied", reply.error_type, flush=True)
-        await asyncio.sleep(30)  # killed at its first checkpoint
+        rt.node.flush()  # killed at its first checkpoint, after the reply was printed
+        await asyncio.sleep(30)
 
 asyncio.run(main())
 """

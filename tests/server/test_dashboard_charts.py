@@ -118,6 +118,8 @@ def test_charts_grow_reload_keeps_them_state_pages_wrong_token_and_node_down(bro
             page.wait_for_function("document.getElementById('state').textContent === 'paused'", timeout=WAIT)
             page.click("#browse-go")
             page.wait_for_selector("#error [data-problem='action:state']", state="detached", timeout=WAIT)
+            # the new browse's first page shown (the error may be cleared before it arrives): a later cut
+            page.wait_for_function(f"Number(document.getElementById('browse-at').textContent) > {at}", timeout=WAIT)
             at = int(page.text_content("#browse-at") or "")
             assert page.is_disabled("#browse-prev") and not page.is_disabled("#browse-next")
             pages = [page.locator("#browse-result tr td:first-child").all_text_contents()]
