@@ -175,7 +175,7 @@ def test_a_quarantine_verdict_shows_as_quarantined() -> None:
 
 
 _CRASHING_NODE = """
-import asyncio, logging, sys
+import asyncio, logging, os, sys
 import inspector_app
 logging.basicConfig()  # the application's logging setup: charon's loggers print nothing without one
 from charon.runtime.node.inprocess import InProcessRuntime
@@ -186,7 +186,8 @@ async def main():
     async with rt:
         reply = await rt.submit("bank", "t", "fail", ["before the crash"], request_id="f1")
         print("replied", reply.error_type, flush=True)
-        rt.node.flush()  # killed at its first checkpoint, after the reply was printed
+        os.environ["CHARON_CRASH_AT"] = "node:deltas:*"  # killed at its next checkpoint, after the reply was printed
+        rt.node.flush()
         await asyncio.sleep(30)
 
 asyncio.run(main())
@@ -200,7 +201,7 @@ def test_a_replayed_abort_is_recorded_again_and_not_logged_again(tmp_path, caplo
     data = tmp_path / "node"
     support = os.path.dirname(inspector_app.__file__)
     # SIGKILL before the first checkpoint is written: the restart replays the abort's epoch
-    env = {**os.environ, "CHARON_CRASH_AT": "node:deltas:*", "PYTHONPATH": support}
+    env = {**os.environ, "PYTHONPATH": support}
     out = subprocess.run([sys.executable, "-c", _CRASHING_NODE, str(data)], env=env, capture_output=True, text=True,
                          timeout=60)
     assert "replied ValueError" in out.stdout and out.returncode == -9, out.stderr

@@ -171,7 +171,7 @@ class NodeStorage:
         self._writer: threading.Thread | None = None
         self._stop = False
         self._force = False
-        self._last_checkpoint = 0.0
+        self._last_checkpoint = time.monotonic()  # the first checkpoint comes checkpoint_s after the start
         self._checkpoints = 0
         self.error: BaseException | None = None
         #: while a log operation waits for the log to come back (an outage): what waits, since when
