@@ -349,9 +349,10 @@ class Engine(abc.ABC):
         return []
 
     def code_versions(self) -> list[dict[str, str | int | None]]:
-        """The deployed code versions, oldest first: ``{"from_epoch", "version", "ref", "migration"}``
-        each (``ref`` None: the application the engine was built with; ``migration`` "operator.function" or None)."""
-        return [{"from_epoch": 0, "version": self.version_at(0), "ref": None, "migration": None}]
+        """The deployed code versions, oldest first: ``{"from_epoch", "version", "ref", "migration", "unloaded_at"}``
+        each (``ref`` None: the application the engine was built with; ``migration`` "operator.function" or None;
+        ``unloaded_at``: the epoch of the update that unloaded its drained application, or None)."""
+        return [{"from_epoch": 0, "version": self.version_at(0), "ref": None, "migration": None, "unloaded_at": None}]
 
     @property
     def requests(self) -> RequestLog | None:
@@ -406,7 +407,12 @@ class Controls(abc.ABC):
     @abc.abstractmethod
     async def update_code(self, ref: str, version: str, migration: tuple[str, str, bytes] | None = None,
                           mode: str = "strict") -> CodeUpdate:
-        """Switch to the installed application ``ref`` at one epoch boundary (``migration`` args encoded)."""
+        """Switch to the installed application ``ref`` at one epoch boundary (``migration`` args encoded).
+
+        Decided at that boundary before anything is recorded (:func:`charon.runtime.control.drain.plan_update`):
+        :class:`~charon.errors.VersionInUse` if it would drop the code (its recorded ref no longer installed) of a
+        version with workflows in flight; the drained versions (no longer current, none in flight) are unloaded,
+        recorded with the update."""
 
     @abc.abstractmethod
     async def rescale(self, partitions: int | None = None, *,

@@ -33,8 +33,9 @@
   the runtime is paused, an update (or admin update) that needs epochs to run answers 409 ``Paused`` at once
   (nothing changed; resume, then retry) instead of waiting for its timeout; a compatible one applies at once.
   Every engine: an update that would drop the code of a version with workflows in flight (its recorded ref no
-  longer installed, :func:`~charon.server.workflows.dropped_versions`) answers 409 ``VersionInUse``
-  naming the version and its count, before anything is recorded (migrate or cancel them first).
+  longer installed) answers 409 ``VersionInUse`` naming the version and its count, before anything is recorded
+  (migrate or cancel them first): the engine's ``update_code`` decides it at its boundary
+  (:func:`charon.runtime.control.drain.plan_update`), where it also unloads the drained versions.
 - ``POST /admin/sql`` ``{"sql": "SELECT ...", "epoch": N?}``: the dashboard's SQL box, one safe ``SELECT``
   over the state views (one per operator: ``key``, ``item``, ``value``, ``value_json``, ``epoch``) at one
   consistent epoch (default the latest): ``{"epoch", "columns", "rows", "truncated", "engine": "sqlite"}``.
@@ -93,7 +94,7 @@ from starlette.routing import Route
 from charon import serde
 from charon.config import GatewayConfig
 from charon.core.routing import check_key, split_store_key
-from charon.errors import InvalidKey
+from charon.errors import InvalidKey, VersionInUse
 from charon.messages import Reply, Request
 from charon.runtime.contract import (
     SQL_ERRORS,
@@ -111,7 +112,6 @@ from charon.server.limits_admin import LimitsAdmin
 from charon.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from charon.server.requests_admin import RequestsAdmin
 from charon.server.wire import IDEMPOTENCY_KEY, MSGPACK_TYPES, HTTPError, guard, respond
-from charon.server.workflows import dropped_versions, in_flight
 
 __all__ = ["AdminGateway", "AdminRoutes", "EffectsAdmin", "admin_routes"]
 
@@ -263,24 +263,6 @@ def _migration(mig: object) -> tuple[str, str, list[object]] | None:
             or not isinstance(args, list):
         raise HTTPError("BadRequest", "migration operator and function are strings, args a list")
     return (mig["operator"], mig["function"], args)
-
-
-async def _refuse_dropping(gw: AdminGateway, ref: str) -> None:
-    """409 ``VersionInUse`` (before anything is recorded) if deploying ``ref`` would drop the code of a version
-    that still has workflows in flight: its recorded ref is no longer installed
-    (:func:`~charon.server.workflows.dropped_versions`). The records are read only when a version's
-    code is gone."""
-    dropped = dropped_versions(gw.engine.code_versions(), ref)
-    if not dropped or not gw.engine.app.workflows:
-        return
-    total, _, _ = await in_flight(gw)
-    for version in dropped:
-        counts = total.get(version)
-        n = 0 if counts is None else counts["running"] + counts["waiting"]
-        if n:
-            raise HTTPError("VersionInUse", f"code version {version!r} has {n} workflow(s) in flight and its code is "
-                            f"no longer installed: migrate or cancel them first (charon workflows migrate --from "
-                            f"{version})")
 
 
 class AdminRoutes:
@@ -450,7 +432,6 @@ class AdminRoutes:
         if ref not in allowed:
             raise HTTPError("Forbidden", f"{ref!r} is not among the deployable code refs (code_refs setting)")
         migration = _migration(mig)
-        await _refuse_dropping(gw, ref)
         encoded = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
         try:
             out = await controls.update_code(ref, version, encoded, mode)
@@ -458,6 +439,8 @@ class AdminRoutes:
             raise HTTPError("BadRequest", f"cannot deploy {ref!r}: {exc}") from None
         except GatePaused as exc:
             raise HTTPError("Paused", str(exc)) from None
+        except VersionInUse as exc:  # decided at the update's boundary, nothing recorded
+            raise HTTPError("VersionInUse", str(exc)) from None
         return respond(request, 200, out.doc())
 
     async def sql(self, request: HTTPRequest) -> Response:

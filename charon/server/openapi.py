@@ -701,7 +701,7 @@ def admin_paths(security: list[dict[str, Any]]) -> dict[str, Any]:
                           "400": err("since is not a number, or an unknown parameter"), **common}}},
         "/admin/code/history": {"get": {
             "summary": "The deployed code versions, oldest first (admin)", "security": security,
-            "responses": {"200": ok("{app, current, versions: [{from_epoch, version, ref, migration}]}"),
+            "responses": {"200": ok("{app, current, versions: [{from_epoch, version, ref, migration, unloaded_at}]}"),
                           **common}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "security": security, "responses": {
             "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},

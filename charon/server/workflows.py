@@ -14,7 +14,8 @@
 * ``POST /workflows/{name}/{id}/cancel`` with ``{"reason": "..."}`` (``admin``);
 * ``GET /admin/workflows/versions`` (``read``): the drain, how many workflows still run (``running``: a step due or
   retrying; ``waiting``: awaiting an effect, a promise or a timer) on each code version, per workflow and in all,
-  and the deployed version; at most :data:`MAX_SCAN` records read per workflow (``truncated`` says so);
+  and the deployed version; at most :data:`~charon.runtime.control.drain.MAX_SCAN` records read per workflow
+  (``truncated`` says so);
 * ``POST /admin/workflows/migrate`` with ``{"workflow", "from", "dry_run", "limit", "cursor"}`` (``admin``,
   audited: one ``charon.admin`` line ``workflows migrate`` per call): one page of the workflow's records; each one
   in flight on ``from`` is sent its own ``migrate`` transaction, which decides (``NotMigratable``: counted in
@@ -25,8 +26,8 @@
   whose migration function raises or returns a bad state.
 
 A code update (``POST /admin/code``, :mod:`charon.server.admin`) that would drop the code of a version with
-workflows in flight is refused, 409 ``VersionInUse``: :func:`dropped_versions` names the versions whose recorded ref
-is no longer installed, :func:`in_flight` counts their workflows.
+workflows in flight is refused, 409 ``VersionInUse``: the engine's ``update_code`` decides it at its epoch boundary
+(:mod:`charon.runtime.control.drain`, whose count :func:`in_flight` also answers the drain route).
 
 Refused before the log: an unknown workflow (404 ``UnknownWorkflow``), an invalid id (400), an input above
 ``CHARON_MAX_PROMISE_VALUE_BYTES`` (413), an id in use (409 ``WorkflowExists``, also decided by the start's own
@@ -36,10 +37,8 @@ internal: ``/invoke`` and ``/batch`` answer 404 for them as for any internal fun
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
@@ -52,72 +51,28 @@ from charon.core.routing import check_key
 from charon.core.workflows import MINTED_PREFIX, Workflow, workflow_operator
 from charon.errors import InvalidKey, NotMigratable, SerializationError
 from charon.messages import is_reserved_id
+from charon.runtime.control import drain
 from charon.server.audit import audited, note, started
 from charon.server.itemops import await_replies, derived_id, tally
 from charon.server.promises import BuiltinGateway, StateReader, entity_page, list_page, run_builtin
 from charon.server.wire import HTTPError, guard, parse_fields, respond
 from charon.server.workflow_tree import MAX_STEPS, EffectLookup, workflow_tree
 
-__all__ = ["MAX_SCAN", "dropped_versions", "in_flight", "ref_installed", "workflow_routes"]
+__all__ = ["in_flight", "workflow_routes"]
 
-MAX_SCAN = 100_000  # records GET /admin/workflows/versions reads per workflow (truncated beyond)
-_SCAN_PAGE = 1000
 _MIGRATE_LIMIT = 1000  # most records one migrate call looks at
 _MIGRATE_TIMEOUT_S = 60.0
-IN_FLIGHT = ("running", "waiting")
+IN_FLIGHT = drain.IN_FLIGHT
 
 
-def ref_installed(ref: str) -> bool:
-    """Whether ``ref``'s module can still be imported from what is installed: found on the path, and (when it was
-    imported already) its source file still there."""
-    try:
-        spec = importlib.util.find_spec(ref.partition(":")[0])
-    except (ImportError, ValueError):
-        return False
-    if spec is None:
-        return False
-    origin = spec.origin
-    return origin is None or not os.path.isabs(origin) or os.path.exists(origin)
-
-
-def dropped_versions(versions: Sequence[Mapping[str, object]], new_ref: str,
-                     installed: Callable[[str], bool] = ref_installed) -> list[str]:
-    """The labels of the recorded versions (``versions``: the engine's code versions, oldest first) whose code a
-    deploy of ``new_ref`` would drop: their newest recorded ref is another than ``new_ref`` and no longer
-    installed (a version without a ref is the application the engine was constructed with: it stays loaded).
-    A deploy is refused (``VersionInUse``) if one of them still has workflows in flight."""
-    refs: dict[str, object] = {}
-    for v in versions:
-        refs[str(v.get("version"))] = v.get("ref")
-    return sorted(label for label, ref in refs.items()
-                  if isinstance(ref, str) and ref != new_ref and not installed(ref))
-
-
-async def in_flight(gw: StateReader) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, dict[str, int]]], bool]:
-    """The workflows in flight per code version: in all (``{version: {"running": n, "waiting": m}}``), per
-    workflow, and whether a workflow had more than :data:`MAX_SCAN` records (the counts then stop there)."""
-    per: dict[str, dict[str, dict[str, int]]] = {}
-    total: dict[str, dict[str, int]] = {}
-    truncated = False
-    for name in sorted(gw.engine.app.workflows):
-        counts: dict[str, dict[str, int]] = {}
-        after: str | None = None
-        seen = 0
-        while True:
-            rows, after = await entity_page(gw, workflow_operator(name), after, _SCAN_PAGE)
-            seen += len(rows)
-            for rec in rows:
-                if rec.get("status") in IN_FLIGHT:
-                    for c in (counts, total):
-                        slot = c.setdefault(str(rec.get("version")), {"running": 0, "waiting": 0})
-                        slot[rec["status"]] += 1
-            if after is None:
-                break
-            if seen >= MAX_SCAN:
-                truncated = True
-                break
-        per[name] = counts
-    return total, per, truncated
+async def in_flight(gw: StateReader) -> drain.Drain:
+    """The workflows in flight per code version (:func:`charon.runtime.control.drain.in_flight`, at most
+    :data:`~charon.runtime.control.drain.MAX_SCAN` records read per workflow) of the deployed workflows."""
+    controls = gw.engine.controls
+    if controls is None:
+        raise HTTPError("NotSupported", f"this engine ({gw.engine.kind}) cannot list its state")
+    gw.check_ready()
+    return await drain.in_flight(controls, gw.engine.app.workflows)
 
 
 class WorkflowRoutes:
@@ -218,11 +173,11 @@ class WorkflowRoutes:
     async def versions(self, request: HTTPRequest) -> Response:
         self.gw.check_auth(request)
         self.gw.check_ready()
-        total, per, truncated = await in_flight(self.gw)
+        counts = await in_flight(self.gw)
         controls = self.gw.engine.controls
         current = None if controls is None else controls.status_now().code_version
-        return respond(request, 200, {"current": current, "versions": total, "workflows": per,
-                                      "truncated": truncated})
+        return respond(request, 200, {"current": current, "versions": counts.total, "workflows": counts.per,
+                                      "truncated": counts.truncated})
 
     async def migrate(self, request: HTTPRequest) -> Response:
         gw = self.gw

@@ -2,8 +2,9 @@
 
 * :class:`CodeHistory`: the deployed code versions, oldest first (``code.json`` in a durable engine's directory):
   which version an epoch (or a transaction, after a compatible update) ran with.
-* :class:`RecordedCode`: the code book (:class:`charon.core.context.CodeBook`) of shipped code-history entries,
-  for processes that do not own the history (Spark's executors): workflow version pinning.
+* :class:`RecordedCode`: the code book (:class:`charon.core.context.CodeBook`) of code-history entries (the node's,
+  and shipped to Spark's executors): workflow version pinning; a drained version's application is unloaded
+  (``unloaded_at``, decided by :func:`charon.runtime.control.drain.plan_update` and recorded with an update).
 * :func:`admin_requests` / :func:`update_outcome`: the requests of a run-alone admin update (request ids
   ``__charon_admin:<id>:<key>``, so an update id runs once) and its typed outcome.
 """
@@ -13,8 +14,9 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import msgspec
 
@@ -22,8 +24,8 @@ from charon.messages import Reply, Request
 from charon.operator import Application
 from charon.runtime.contract import UpdateOutcome
 
-__all__ = ["ADMIN_PREFIX", "CodeHistory", "CodeVersion", "RecordedCode", "admin_requests", "code_entries",
-           "load_app_ref", "migration_of", "update_outcome"]
+__all__ = ["ADMIN_PREFIX", "CodeEntry", "CodeHistory", "CodeVersion", "RecordedCode", "admin_requests",
+           "code_entries", "forget_module", "load_app_ref", "migration_of", "update_outcome"]
 
 _log = logging.getLogger("charon.code")
 
@@ -39,6 +41,9 @@ class CodeVersion(msgspec.Struct):
     migration: list[object] | None = None  # [update id, operator, function, encoded args]
     # compatible updates: the first TID on this version (a lower TID started before, on the previous one)
     first_tid: int | None = None
+    # drained: the epoch of the code update from which its application is no longer loaded (no workflow was in
+    # flight on it and it was no longer the current code, :func:`charon.runtime.control.drain.plan_update`)
+    unloaded_at: int | None = None
 
 
 class CodeHistory:
@@ -64,48 +69,76 @@ class CodeHistory:
                 label = v.version
         return label
 
-    def encoded(self, extra: Sequence[CodeVersion] = ()) -> bytes:
-        """The JSON document of the versions (with ``extra`` appended): what ``code.json`` holds."""
-        return msgspec.json.encode([*self.versions, *extra])
+    def updated(self, entry: CodeVersion, unload: Collection[str] = ()) -> list[CodeVersion]:
+        """The versions after an update that appends ``entry`` and unloads the applications of the labels
+        ``unload`` from its epoch on (copies: nothing changes here until the caller recorded and assigned them)."""
+        marked = [msgspec.structs.replace(v, unloaded_at=entry.from_epoch)
+                  if v.version in unload and v.unloaded_at is None else v for v in self.versions]
+        return [*marked, entry]
 
-    def record(self, write: Callable[[str, bytes], None], extra: Sequence[CodeVersion] = ()) -> None:
-        """Write the versions (and ``extra``) to :attr:`path` with ``write(path, data)`` (atomic: the commit
-        point of an update); a history without a path records nothing."""
+    def encoded(self, versions: Sequence[CodeVersion] | None = None) -> bytes:
+        """The JSON document of ``versions`` (default: this history's): what ``code.json`` holds."""
+        return msgspec.json.encode(list(self.versions if versions is None else versions))
+
+    def record(self, write: Callable[[str, bytes], None], versions: Sequence[CodeVersion] | None = None) -> None:
+        """Write ``versions`` (default: this history's) to :attr:`path` with ``write(path, data)`` (atomic: the
+        commit point of an update); a history without a path records nothing."""
         if self.path is not None:
-            write(self.path, self.encoded(extra))
+            write(self.path, self.encoded(versions))
 
 
-CodeEntry = tuple[int, str, str | None, int | None]  # (from epoch, version, ref, first TID): what tasks receive
+# (from epoch, version, ref, first TID, loaded): what tasks receive; loaded is False once the version drained
+CodeEntry = tuple[int, str, str | None, int | None, bool]
 
 
 def code_entries(history: CodeHistory) -> tuple[CodeEntry, ...]:
     """The history's entries as shipped to the processes that run partitions (picklable, comparable)."""
-    return tuple((v.from_epoch, v.version, v.ref, v.first_tid) for v in history.versions)
+    return tuple((v.from_epoch, v.version, v.ref, v.first_tid, v.unloaded_at is None) for v in history.versions)
 
 
 class RecordedCode:
-    """The code book (:class:`charon.core.context.CodeBook`) of shipped history ``entries``: labels as the owner's
+    """The code book (:class:`charon.core.context.CodeBook`) of history ``entries``: labels as the owner's
     :meth:`CodeHistory.label`, applications imported with ``load`` by :meth:`preload` only (before an epoch runs,
-    never inside a step, where a budget's interrupt could land in the import). Nothing else is consulted, so a
-    replay or a relaunched process gets the same answers."""
+    never inside a step, where a budget's interrupt could land in the import). Only the loaded entries' refs are
+    held (a drained version's application is unloaded: :attr:`CodeVersion.unloaded_at`); ``base``: the
+    application of an entry without a ref (the one the node was built with); ``prior``: the book this one
+    replaces, whose applications it reuses. Nothing else is consulted, so a replay or a relaunched process gets
+    the same answers."""
 
-    def __init__(self, entries: Sequence[CodeEntry], load: Callable[[str], Application]) -> None:
+    def __init__(self, entries: Sequence[CodeEntry], load: Callable[[str], Application],
+                 base: Application | None = None, prior: RecordedCode | None = None) -> None:
         self.entries = tuple(entries)
         self.history = CodeHistory(None, CodeVersion(0, "1", None))
-        self.history.versions = [CodeVersion(e, v, r, None, t) for e, v, r, t in self.entries]
+        self.history.versions = [CodeVersion(e, v, r, None, t) for e, v, r, t, _ in self.entries]
         self.load = load
+        self.base = base
+        self.prior = prior
         self.apps: dict[str, Application] = {}
 
+    @property
+    def refs(self) -> list[str]:
+        """The refs whose applications this book holds: the newest entry's of each label, if still loaded."""
+        newest = {version: (ref, loaded) for _, version, ref, _, loaded in self.entries}
+        return list(dict.fromkeys(ref for ref, loaded in newest.values() if loaded and ref is not None))
+
     def preload(self) -> RecordedCode:
-        """Import every entry's application (a failure is logged: a workflow pinned to it fails its next step
-        with ``VersionUnavailable``); returns this book."""
-        for _, version, ref, _ in self.entries:
-            if ref is not None and ref not in self.apps:
-                try:
-                    self.apps[ref] = self.load(ref)
-                except Exception as exc:  # noqa: BLE001 - its pinned steps fail, typed
-                    _log.warning("code version %s (%s) cannot be imported: %s: %s", version, ref,
-                                 type(exc).__name__, exc)
+        """Import every loaded entry's application (reused from the prior book if it held it; a failure is
+        logged: a workflow pinned to it fails its next step with ``VersionUnavailable``); returns this book,
+        which no longer refers to the prior one."""
+        held = {} if self.prior is None else self.prior.apps
+        self.prior = None
+        for ref in self.refs:
+            if ref in self.apps:
+                continue
+            if ref in held:
+                self.apps[ref] = held[ref]
+                continue
+            try:
+                self.apps[ref] = self.load(ref)
+            except Exception as exc:  # noqa: BLE001 - its pinned steps fail, typed
+                version = next(v for _, v, r, _, _ in reversed(self.entries) if r == ref)
+                _log.warning("code version %s (%s) cannot be imported: %s: %s", version, ref,
+                             type(exc).__name__, exc)
         return self
 
     def label_of(self, epoch: int, tid: int) -> str:
@@ -113,11 +146,28 @@ class RecordedCode:
         return self.history.label(epoch, tid)
 
     def application_of(self, label: str) -> Application | None:
-        """The preloaded application of the newest entry labelled ``label`` (None: none, or not importable)."""
-        for _, version, ref, _ in reversed(self.entries):
+        """The preloaded application of the newest entry labelled ``label`` (None: none, unloaded, or not
+        importable)."""
+        for _, version, ref, _, loaded in reversed(self.entries):
             if version == label:
-                return None if ref is None else self.apps.get(ref)
+                if not loaded:
+                    return None
+                return self.base if ref is None else self.apps.get(ref)
         return None
+
+
+def forget_module(ref: str, keep: Iterable[object]) -> None:
+    """Drop ``ref``'s module from the import cache, so an unloaded version's application is freed once nothing else
+    refers to it (a later import of the module, a redeploy, imports it afresh); kept if it holds one of the
+    applications in ``keep`` (the ones still loaded, the running one, the one the engine was built with), or is
+    Charon's own."""
+    name = ref.partition(":")[0]
+    module = sys.modules.get(name)
+    if module is None or name.split(".")[0] == "charon":
+        return
+    held = {id(app) for app in keep}
+    if not any(id(value) in held for value in vars(module).values()):
+        sys.modules.pop(name, None)
 
 
 def migration_of(entry: CodeVersion) -> tuple[str, str, str, bytes] | None:

@@ -142,7 +142,8 @@ class HostedEngine(Engine, GatedControls):
 
     def code_versions(self) -> list[dict[str, str | int | None]]:
         return [{"from_epoch": v.from_epoch, "version": v.version, "ref": v.ref,
-                 "migration": None if v.migration is None else f"{v.migration[1]}.{v.migration[2]}"}
+                 "migration": None if v.migration is None else f"{v.migration[1]}.{v.migration[2]}",
+                 "unloaded_at": v.unloaded_at}
                 for v in self.code.versions]
 
     @property
@@ -183,7 +184,8 @@ class EngineBacked:
         self, ref: str, version: str, migration: tuple[str, str, list[Any] | tuple[Any, ...]] | None = None,
         mode: str = "strict",
     ) -> dict[str, Any]:
-        """Code update to ``ref`` (``module:attribute``) at one epoch boundary (the engine's ``update_code``)."""
+        """Code update to ``ref`` (``module:attribute``) at one epoch boundary (the engine's ``update_code``;
+        :class:`~charon.errors.VersionInUse` if it would drop the code of a version with workflows in flight)."""
         mig = None if migration is None else (migration[0], migration[1], serde.encode(list(migration[2])))
         return (await self.controller.update_code(ref, version, mig, mode)).doc()
 

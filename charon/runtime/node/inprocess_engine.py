@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -35,12 +34,16 @@ from charon.runtime.control import sqlstate
 from charon.runtime.control.codeversions import (
     CodeHistory,
     CodeVersion,
+    RecordedCode,
     admin_requests,
+    code_entries,
+    forget_module,
     load_app_ref,
     migration_of,
     update_outcome,
 )
 from charon.runtime.control.controls import GatedControls, HostedEngine
+from charon.runtime.control.drain import plan_update
 from charon.runtime.control.reads import (
     check_entities,
     node_retained_epochs,
@@ -55,7 +58,6 @@ if TYPE_CHECKING:  # typing only: the runtime builds its engine
     from charon.operator import Application
     from charon.runtime.node.inprocess import InProcessRuntime
 
-_log = logging.getLogger("charon.engine")
 
 __all__ = ["InProcessEngine"]
 
@@ -77,6 +79,8 @@ class InProcessEngine(HostedEngine):
         self.base_app: Application = rt.app  # the constructed application (before any code switch)
         path = os.path.join(rt.node.data_dir, "code.json") if rt.node is not None else None
         self.code = CodeHistory(path, CodeVersion(0, str(getattr(rt.app, "version", "1")), None))
+        # the recorded versions' applications (preloaded by recover_code and after each update, never in an epoch)
+        self.book = RecordedCode(code_entries(self.code), load_app_ref, base=self.base_app)
         self.updates_done: dict[str, UpdateOutcome] = {}
 
     # -- Engine
@@ -264,12 +268,20 @@ class InProcessEngine(HostedEngine):
         return self.code.label(epoch, tid)
 
     def application_of(self, label: str) -> Application | None:
-        """The application of the newest recorded version labelled ``label`` (imported once by its ref; the
-        constructed application for the first one); None if no recorded version has that label."""
-        for entry in reversed(self.code.versions):
-            if entry.version == label:
-                return self.app_of(entry)
-        return None
+        """The application of the newest recorded version labelled ``label`` from the code book (imported by its
+        ref before any epoch ran with it; the constructed application for the first one); None if no recorded
+        version has that label, or it drained and was unloaded (``unloaded_at``)."""
+        return self.book.application_of(label)
+
+    def reload_book(self) -> None:
+        """The code book of the recorded history now: the loaded versions' applications imported (those the book
+        before held are reused), an unloaded one's dropped (its module too: :func:`forget_module`). Call it where
+        no epoch runs (start-up, or holding the boundary of an update)."""
+        old = self.book
+        self.book = RecordedCode(code_entries(self.code), load_app_ref, base=self.base_app, prior=old).preload()
+        keep = [*self.book.apps.values(), self.base_app, self.rt.app]
+        for ref in sorted(set(old.apps) - set(self.book.apps)):
+            forget_module(ref, keep)
 
     def recover_code(self) -> None:
         """Durable mode, at start-up (before replay): run the newest recorded code version (a code update
@@ -281,14 +293,10 @@ class InProcessEngine(HostedEngine):
             self.rt.retire_previous()
         if newest.ref is not None:
             self.rt.switch_app(load_app_ref(newest.ref))
-        for entry in hist[:-1]:  # a pinned workflow's steps may need an older version: imported now, never first
-            if entry.ref is not None:  # inside an epoch (where a budget's interrupt could land in the import)
-                try:
-                    load_app_ref(entry.ref)
-                except Exception as exc:  # noqa: BLE001 - its steps then fail with VersionUnavailable
-                    _log.warning("code version %s (%s) cannot be imported: %s: %s; a workflow pinned to it fails "
-                                "its next step with VersionUnavailable", entry.version, entry.ref,
-                                type(exc).__name__, exc)
+        # a pinned workflow's steps may need an older version: imported now, never first inside an epoch (where a
+        # budget's interrupt could land in the import); a version that fails to import is logged, its workflows'
+        # next steps fail with VersionUnavailable; a drained one (unloaded_at) is not imported
+        self.reload_book()
 
     def finish_migration(self) -> None:
         """After recovery: run the newest update's migration if it never ran (idempotent by its request ids)."""
@@ -324,22 +332,28 @@ class InProcessEngine(HostedEngine):
                         rt.retire_previous()
                     e = rt.epoch
                 first_tid = rt.coordinator.sequencer.first_tid()  # every later TID is at least this
+            # at the boundary, before anything is recorded: VersionInUse, and the drained versions to unload
+            keep = self.code.newest.version if compatible else None
+            unload = await plan_update(self, self.code.versions, {*rt.app.workflows, *app.workflows}, ref, version,
+                                       keep)
             mig: list[object] | None = None
             if migration is not None:
                 mig = [f"code-{len(self.code.versions)}-{version}", migration[0], migration[1], list(migration[2])]
             entry = CodeVersion(e, version, ref, mig, first_tid)
+            versions = self.code.updated(entry, unload)
             node = rt.node
             if node is not None:
                 await asyncio.to_thread(node.flush)  # every epoch before e is checkpointed: no replay crosses e
-                data = self.code.encoded([entry])
+                data = self.code.encoded(versions)
                 path = self.code.path
                 assert path is not None
                 await asyncio.to_thread(node.write_file, path, data)
             kept = len(rt.coordinator.deferred)  # deferred before e: they finish on the old code
             if compatible and first_tid is not None:
                 rt.set_previous((first_tid, rt.app))
-            self.code.versions.append(entry)
+            self.code.versions = versions
             rt.switch_app(app)
+            self.reload_book()
             if compatible:
                 rt.retire_previous()  # nothing deferred: no need to keep the old code
             out = None

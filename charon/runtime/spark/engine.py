@@ -43,6 +43,7 @@ from charon.runtime.control.codeversions import (
     update_outcome,
 )
 from charon.runtime.control.controls import GatedControls, HostedEngine
+from charon.runtime.control.drain import plan_update
 from charon.runtime.control.reads import check_entities, page_durable, read_durable, retained_from
 from charon.runtime.schedules import start_declaring
 from charon.storage.metered import MeterCollector
@@ -325,14 +326,19 @@ class SparkEngine(HostedEngine):
             async with self._boundary(deadline):
                 # at the boundary: record the update (the commit point), then run ``ref`` with the old code kept
                 # for the transactions deferred before it
+                # before anything is recorded: VersionInUse, and the drained versions to unload (the version
+                # running now is kept: a transaction deferred before the boundary may start a workflow on it)
+                unload = await plan_update(self, self.code.versions, {*rt.app.workflows, *app.workflows}, ref,
+                                           version, keep=self.code.newest.version)
                 last = rt.last_recorded_epoch()
                 rec = rt.read_record(last) if last >= 0 else None
                 e = last + 1
                 # every TID from epoch e on is >= it (the recorded counters' own count: the log may have grown)
                 first_tid = Sequencer.restore(rec.counters).first_tid() if rec is not None and rec.counters else 1
                 entry = CodeVersion(e, version, ref, None, first_tid)
-                await asyncio.to_thread(self.code.record, rt.files.write, [entry])  # the commit point
-                self.code.versions.append(entry)
+                versions = self.code.updated(entry, unload)
+                await asyncio.to_thread(self.code.record, rt.files.write, versions)  # the commit point
+                self.code.versions = versions
                 old_ref = rt.app_ref
                 kept = sum(1 for tid, _ in (rec.deferred if rec is not None else []) if tid < first_tid)
                 self.previous = (first_tid, old_ref) if kept else None
@@ -374,14 +380,17 @@ class SparkEngine(HostedEngine):
         async with self._alone(deadline):
             if migration is not None:
                 self.refuse_if_paused("a strict code update's migration")
+            # before anything is recorded: VersionInUse, and the drained versions to unload
+            unload = await plan_update(self, hist.versions, {*rt.app.workflows, *app.workflows}, ref, version)
             e = rt.last_recorded_epoch() + 1
             uid = f"code-{len(hist.versions)}-{version}"
             mig: list[object] | None = None
             if migration is not None:
                 mig = [uid + "?", migration[0], migration[1], list(migration[2])]
             entry = CodeVersion(e, version, ref, mig)
-            await asyncio.to_thread(hist.record, rt.files.write, [entry])
-            hist.versions.append(entry)
+            versions = hist.updated(entry, unload)
+            await asyncio.to_thread(hist.record, rt.files.write, versions)
+            hist.versions = versions
             await asyncio.to_thread(rt.ship_code, ref)
             rt.app_ref, rt.app = ref, app
             self.previous = None  # nothing is deferred here: no transaction of an older version is left

@@ -562,9 +562,10 @@ class SparkRuntime(EngineBacked):
         self._ship_recorded()
 
     def _ship_recorded(self) -> None:
-        """Make the running code and every recorded version's (a compatible update's old code still running
-        deferred transactions; the code a pinned workflow's steps run) importable by the executors."""
-        refs = [self.app_ref, *(v.ref for v in self.controller.code.versions if v.ref is not None)]
+        """Make the running code and every recorded version's still loaded (a compatible update's old code still
+        running deferred transactions; the code a pinned workflow's steps run) importable by the executors."""
+        refs = [self.app_ref, *(v.ref for v in self.controller.code.versions
+                                if v.ref is not None and v.unloaded_at is None)]
         for ref in dict.fromkeys(refs):
             ship_app_module(self.spark, ref)
 

@@ -9,10 +9,12 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterable
 from typing import Any
 
 from charon.config import SparkConfig
 from charon.operator import Application
+from charon.runtime.control.codeversions import forget_module
 
 
 def jvm_exit_code() -> int | None:
@@ -233,6 +235,14 @@ def load_app(ref: str) -> Application:
             raise TypeError(f"{ref} is not a charon.Application")
         _APPS[ref] = app
     return app
+
+
+def forget_app(ref: str, keep: Iterable[Application]) -> None:
+    """Unload ``ref``'s application (a drained code version): out of :func:`load_app`'s cache, and its module out
+    of the import cache unless it holds an application of ``keep`` or of that cache (the running code's):
+    :func:`~charon.runtime.control.codeversions.forget_module`."""
+    _APPS.pop(ref, None)
+    forget_module(ref, [*keep, *_APPS.values()])
 
 
 def ship_app_module(spark: Any, app_ref: str) -> bool:

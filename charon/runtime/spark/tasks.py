@@ -17,7 +17,7 @@ from charon.runtime.control.codeversions import CodeEntry, RecordedCode
 from charon.runtime.guard.quarantine import probing
 from charon.runtime.guard.watchdog import task_budget
 from charon.runtime.spark.layout import local_root
-from charon.runtime.spark.session import load_app
+from charon.runtime.spark.session import forget_app, load_app
 from charon.state.durable import DurableState, durable_at
 
 if TYPE_CHECKING:
@@ -40,14 +40,20 @@ _BOOK: list[RecordedCode] = []  # the last code book this process built (a resid
 
 def code_book(versions: tuple[CodeEntry, ...]) -> RecordedCode | None:
     """The code book of the recorded code history ``versions`` (:func:`~charon.runtime.control.codeversions.
-    code_entries`): workflow version pinning in the partitions' units. Every version's application is imported
-    here, before the round's steps run (never inside one); kept while the history is the same."""
+    code_entries`): workflow version pinning in the partitions' units. Every loaded version's application is
+    imported here, before the round's steps run (never inside one); kept while the history is the same. A version
+    the history marks drained is unloaded: dropped from the book, this process's application cache and its import
+    cache (:func:`~charon.runtime.control.codeversions.forget_module`)."""
     if not versions:
         return None
     if _BOOK and _BOOK[0].entries == versions:
         return _BOOK[0]
-    book = RecordedCode(versions, load_app).preload()
+    prior = _BOOK[0] if _BOOK else None
+    book = RecordedCode(versions, load_app, prior=prior).preload()
     _BOOK[:] = [book]
+    if prior is not None:
+        for ref in sorted(set(prior.apps) - set(book.apps)):
+            forget_app(ref, book.apps.values())
     return book
 
 
