@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
+from charon import serde
+from charon.core.routing import split_store_key
+from charon.core.workflows import workflow_operator
 from charon.errors import (
     CharonError,
     EngineUnavailable,
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
     from charon.operator import Application
 
 __all__ = [
+    "IN_FLIGHT", "MAX_WORKFLOW_SCAN", "WorkflowsInFlight",
     "CodeUpdate", "ControlStatus", "Controls", "Engine", "EngineSource", "Enqueue", "EngineStopped", "EpochNotRetained",
     "GateClosed", "GatePaused", "Inspection", "NotSupported", "REQUEST_STATUSES", "RequestLog", "RequestQuery",
     "RescaleBusy", "RescaleOutcome", "Result", "SQLRejected",
@@ -118,6 +122,25 @@ class Inspection(msgspec.Struct, frozen=True):
     epoch: int
     rows: dict[bytes, bytes]
     more: bool = False
+
+
+IN_FLIGHT = ("running", "waiting")  # the statuses of a workflow in flight (a step due or retrying; awaiting)
+MAX_WORKFLOW_SCAN = 100_000  # records :meth:`Controls.workflows_in_flight` reads per workflow (then: truncated)
+_SCAN_PAGE = 1000
+
+
+class WorkflowsInFlight(Result, kw_only=True):
+    """The workflows in flight per code version (the drain): in all (``{version: {"running": n, "waiting": m}}``),
+    per workflow, and whether a workflow had more than :data:`MAX_WORKFLOW_SCAN` records (the counts stop there)."""
+
+    total: dict[str, dict[str, int]]
+    per: dict[str, dict[str, dict[str, int]]]
+    truncated: bool
+
+    def count(self, version: str) -> int:
+        """How many workflows are in flight on ``version`` (as far as read)."""
+        c = self.total.get(version)
+        return 0 if c is None else c["running"] + c["waiting"]
 
 
 class SqlResult(Result, kw_only=True):
@@ -392,6 +415,39 @@ class Controls(abc.ABC):
         entities ``keys``, or a page: the first ``limit`` entities in key order (UTF-8 bytes) that sort after
         ``after`` and start with ``prefix``, at most ``max_bytes`` of rows (the first entity always comes),
         read at the cost of the page (pass the first page's epoch to read the next ones from the same cut)."""
+
+    async def workflows_in_flight(self, workflows: Iterable[str], epoch: int | None = None,
+                                  max_scan: int = MAX_WORKFLOW_SCAN) -> WorkflowsInFlight:
+        """The workflows in flight per code version, from the records of ``workflows`` (names) as of ``epoch``
+        (default: the last committed), read a page at a time with :meth:`inspect`."""
+        per: dict[str, dict[str, dict[str, int]]] = {}
+        total: dict[str, dict[str, int]] = {}
+        truncated = False
+        for name in sorted(set(workflows)):
+            counts: dict[str, dict[str, int]] = {}
+            after: str | None = None
+            seen = 0
+            while True:
+                page = await self.inspect(workflow_operator(name), None, epoch, _SCAN_PAGE, after=after)
+                keys: set[str] = set()
+                for k, v in page.rows.items():
+                    _, key, item = split_store_key(k)
+                    keys.add(key)
+                    rec = serde.decode(v) if item == "" else None
+                    status = rec.get("status") if isinstance(rec, dict) else None
+                    if isinstance(rec, dict) and status in IN_FLIGHT:
+                        for c in (counts, total):
+                            slot = c.setdefault(str(rec.get("version")), {"running": 0, "waiting": 0})
+                            slot[str(status)] += 1
+                seen += len(keys)
+                if not keys or (len(keys) < _SCAN_PAGE and not page.more):
+                    break
+                if seen >= max_scan:
+                    truncated = True
+                    break
+                after = max(keys, key=str.encode)  # entities come in key order (UTF-8 bytes)
+            per[name] = counts
+        return WorkflowsInFlight(total=total, per=per, truncated=truncated)
 
     @abc.abstractmethod
     async def sql(self, query: str, epoch: int | None = None, *, max_rows: int = 1000, timeout_s: float = 30.0,

@@ -14,7 +14,7 @@
 * ``POST /workflows/{name}/{id}/cancel`` with ``{"reason": "..."}`` (``admin``);
 * ``GET /admin/workflows/versions`` (``read``): the drain, how many workflows still run (``running``: a step due or
   retrying; ``waiting``: awaiting an effect, a promise or a timer) on each code version, per workflow and in all,
-  and the deployed version; at most :data:`~charon.runtime.control.drain.MAX_SCAN` records read per workflow
+  and the deployed version; at most :data:`~charon.runtime.contract.MAX_WORKFLOW_SCAN` records read per workflow
   (``truncated`` says so);
 * ``POST /admin/workflows/migrate`` with ``{"workflow", "from", "dry_run", "limit", "cursor"}`` (``admin``,
   audited: one ``charon.admin`` line ``workflows migrate`` per call): one page of the workflow's records; each one
@@ -27,7 +27,8 @@
 
 A code update (``POST /admin/code``, :mod:`charon.server.admin`) that would drop the code of a version with
 workflows in flight is refused, 409 ``VersionInUse``: the engine's ``update_code`` decides it at its epoch boundary
-(:mod:`charon.runtime.control.drain`, whose count :func:`in_flight` also answers the drain route).
+(:mod:`charon.runtime.control.drain`), with the count the drain route answers
+(:meth:`~charon.runtime.contract.Controls.workflows_in_flight`).
 
 Refused before the log: an unknown workflow (404 ``UnknownWorkflow``), an invalid id (400), an input above
 ``CHARON_MAX_PROMISE_VALUE_BYTES`` (413), an id in use (409 ``WorkflowExists``, also decided by the start's own
@@ -51,7 +52,7 @@ from charon.core.routing import check_key
 from charon.core.workflows import MINTED_PREFIX, Workflow, workflow_operator
 from charon.errors import InvalidKey, NotMigratable, SerializationError
 from charon.messages import is_reserved_id
-from charon.runtime.control import drain
+from charon.runtime.contract import IN_FLIGHT, WorkflowsInFlight
 from charon.server.audit import audited, note, started
 from charon.server.itemops import await_replies, derived_id, tally
 from charon.server.promises import BuiltinGateway, StateReader, entity_page, list_page, run_builtin
@@ -62,17 +63,16 @@ __all__ = ["in_flight", "workflow_routes"]
 
 _MIGRATE_LIMIT = 1000  # most records one migrate call looks at
 _MIGRATE_TIMEOUT_S = 60.0
-IN_FLIGHT = drain.IN_FLIGHT
 
 
-async def in_flight(gw: StateReader) -> drain.Drain:
-    """The workflows in flight per code version (:func:`charon.runtime.control.drain.in_flight`, at most
-    :data:`~charon.runtime.control.drain.MAX_SCAN` records read per workflow) of the deployed workflows."""
+async def in_flight(gw: StateReader) -> WorkflowsInFlight:
+    """The deployed workflows in flight per code version (the engine's
+    :meth:`~charon.runtime.contract.Controls.workflows_in_flight`)."""
     controls = gw.engine.controls
     if controls is None:
         raise HTTPError("NotSupported", f"this engine ({gw.engine.kind}) cannot list its state")
     gw.check_ready()
-    return await drain.in_flight(controls, gw.engine.app.workflows)
+    return await controls.workflows_in_flight(gw.engine.app.workflows)
 
 
 class WorkflowRoutes:

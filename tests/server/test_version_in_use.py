@@ -1,7 +1,9 @@
 """A code update that would drop the code of a version with workflows in flight is refused (issue 34): 409
 ``VersionInUse`` over HTTP on the node, naming the version and how many still run on it, before anything is
 recorded; the clients raise :class:`~charon.VersionInUse`. "Dropped" is the rule of docs/internals/workflows.md:
-the version's recorded ref is no longer installed. Once its workflows finished, the same deploy applies."""
+the version's recorded ref is no longer installed. The engine's ``update_code`` decides it (every caller gets the
+rule: tests/runtime/test_version_drain.py); the route maps it to its 409. Once its workflows finished, the same
+deploy applies and unloads the drained version (``unloaded_at`` in the code history)."""
 
 from __future__ import annotations
 
@@ -56,3 +58,6 @@ def test_a_deploy_that_drops_a_version_in_use_is_refused_until_it_drained(tmp_pa
         assert done["result"] == {"ran": ["v1:begin", "v1:middle", "v1:end"], "pinned": "gone"}
         out = c.update_code("wf_pin_v2:app", "v2")  # nothing in flight on 'gone' any more: applied
         assert out["version"] == "v2" and c.invoke("probe", "x", "ping") == "v2"
+        after = httpx.get(f"{srv.url}/admin/code/history", headers=auth, timeout=30).json()["versions"]
+        assert [(v["version"], v["unloaded_at"]) for v in after] == [("1", None), ("gone", out["from_epoch"]),
+                                                                     ("v2", None)]  # drained: unloaded

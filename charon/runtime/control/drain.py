@@ -1,7 +1,5 @@
 """The drain of code versions (issue 34), one owner for every engine and every caller of ``update_code``.
 
-* :func:`in_flight`: how many workflows are in flight (``running``: a step due or retrying; ``waiting``: awaiting an
-  effect, a promise or a timer) on each code version, read from the records through the engine's ``inspect``;
 * :func:`plan_update`: what a code update decides at its epoch boundary, before anything is recorded: it refuses
   (:class:`~charon.errors.VersionInUse`) to drop the code of a version with workflows in flight
   (:func:`dropped_versions`: its recorded ref is no longer installed), and names the drained versions whose
@@ -15,36 +13,11 @@ import importlib.util
 import os
 from collections.abc import Callable, Iterable, Sequence
 
-import msgspec
-
-from charon import serde
-from charon.core.routing import split_store_key
-from charon.core.workflows import workflow_operator
 from charon.errors import VersionInUse
 from charon.runtime.contract import Controls
 from charon.runtime.control.codeversions import CodeVersion
 
-__all__ = ["IN_FLIGHT", "MAX_SCAN", "Drain", "dropped_versions", "in_flight", "plan_update", "ref_installed"]
-
-IN_FLIGHT = ("running", "waiting")  # the statuses of a workflow in flight
-MAX_SCAN = 100_000  # records read per workflow (the count stops there: ``truncated``)
-SCAN_PAGE = 1000
-
-Counts = dict[str, dict[str, int]]  # {version: {"running": n, "waiting": m}}
-
-
-class Drain(msgspec.Struct, frozen=True):
-    """The workflows in flight per code version: in all, per workflow, and whether a workflow had more than
-    :data:`MAX_SCAN` records (the counts then stop there)."""
-
-    total: Counts
-    per: dict[str, Counts]
-    truncated: bool
-
-    def count(self, version: str) -> int:
-        """How many workflows are in flight on ``version`` (as far as read)."""
-        c = self.total.get(version)
-        return 0 if c is None else c["running"] + c["waiting"]
+__all__ = ["dropped_versions", "plan_update", "ref_installed"]
 
 
 def ref_installed(ref: str) -> bool:
@@ -69,42 +42,6 @@ def dropped_versions(versions: Sequence[CodeVersion], new_ref: str,
     return sorted(label for label, ref in refs.items() if ref is not None and ref != new_ref and not installed(ref))
 
 
-async def in_flight(controls: Controls, workflows: Iterable[str], epoch: int | None = None,
-                    max_scan: int = MAX_SCAN) -> Drain:
-    """The workflows in flight per code version, from the records of ``workflows`` (names) as of ``epoch``
-    (default: the last committed), a page at a time through ``controls.inspect``."""
-    per: dict[str, Counts] = {}
-    total: Counts = {}
-    truncated = False
-    for name in sorted(set(workflows)):
-        counts: Counts = {}
-        after: str | None = None
-        seen = 0
-        while True:
-            page = await controls.inspect(workflow_operator(name), None, epoch, SCAN_PAGE, after=after)
-            keys: set[str] = set()
-            for k, v in page.rows.items():
-                _, key, item = split_store_key(k)
-                keys.add(key)
-                if item != "":
-                    continue
-                rec = serde.decode(v)
-                status = rec.get("status") if isinstance(rec, dict) else None
-                if status in IN_FLIGHT:
-                    for c in (counts, total):
-                        slot = c.setdefault(str(rec.get("version")), {"running": 0, "waiting": 0})
-                        slot[str(status)] += 1
-            seen += len(keys)
-            if not keys or (len(keys) < SCAN_PAGE and not page.more):
-                break
-            if seen >= max_scan:
-                truncated = True
-                break
-            after = max(keys, key=str.encode)  # entities come in key order (UTF-8 bytes)
-        per[name] = counts
-    return Drain(total, per, truncated)
-
-
 async def plan_update(controls: Controls, versions: Sequence[CodeVersion], workflows: Iterable[str], ref: str,
                       version: str, keep: str | None = None,
                       installed: Callable[[str], bool] = ref_installed) -> list[str]:
@@ -114,7 +51,8 @@ async def plan_update(controls: Controls, versions: Sequence[CodeVersion], workf
     recorded versions with a ref (the node's first, built-in application stays), still loaded, neither ``version``
     nor ``keep`` (a compatible update's previous version: a transaction deferred before the boundary may still
     start a workflow on it), with no workflow of ``workflows`` in flight. The records are read only when some
-    version could be dropped or unloaded; a count stopped at :data:`MAX_SCAN` unloads nothing."""
+    version could be dropped or unloaded (:meth:`~charon.runtime.contract.Controls.workflows_in_flight`); a count
+    stopped at its :data:`~charon.runtime.contract.MAX_WORKFLOW_SCAN` unloads nothing."""
     dropped = dropped_versions(versions, ref, installed)
     newest = {v.version: v for v in versions}
     candidates = sorted(label for label, v in newest.items()
@@ -124,7 +62,7 @@ async def plan_update(controls: Controls, versions: Sequence[CodeVersion], workf
     names = sorted(set(workflows))
     if not names:
         return candidates
-    drain = await in_flight(controls, names)
+    drain = await controls.workflows_in_flight(names)  # (the drain's count)
     for label in dropped:
         n = drain.count(label)
         if n:
