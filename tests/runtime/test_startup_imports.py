@@ -2,8 +2,9 @@
 
 * ``import charon`` (every CLI call) does not load pyarrow; opening durable state does, so no epoch's checkpoint
   imports it first (an interrupt could land in the import);
-* a durable node restarted with older recorded code versions has imported each of them before its first epoch: a
-  pinned workflow's step never imports its version's code inside an epoch."""
+* a durable node restarted with older recorded code versions has imported each of them still loaded (one with a
+  workflow in flight: not drained) before its first epoch: a pinned workflow's step never imports its version's
+  code inside an epoch."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def test_a_restarted_node_imports_older_code_versions_before_its_first_epoch(tmp
                 await rt.invoke("probe", "k", "ping")
                 await rt.engine().update_code("wf_pin_v2:app", "2")
                 await rt.invoke("probe", "k", "ping")
+                await rt.invoke("charon.workflow.pin", "w", "start", None)  # in flight on "2": kept loaded
                 await rt.engine().update_code("wf_pin_v1:app", "3")
                 await rt.invoke("probe", "k", "ping")
 

@@ -2,7 +2,7 @@
 spark`` runs ``wf_pin_v1``; a workflow starts on it; a code update deploys ``wf_pin_v2``; the old workflow's later
 steps run v1's code in the executors (their code book, from the recorded code history) while a new one runs v2's;
 after a SIGKILL of the driver, its JVM and workers, the restarted driver answers the same and the workflows finish on
-their own versions."""
+their own versions; the next update then unloads the drained versions (recorded, and the executors still run)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from nodeproc import kill_tree, start_charon, support_env
 from wf_wait import at, until
@@ -70,6 +71,14 @@ def test_a_workflow_keeps_its_version_on_spark_across_an_update_and_a_sigkill(tm
             c.resolve(new["awaiting"][0]["id"], 2, request_id="r-new-2")
             r_old = until(c, "old", _done, "old done", timeout=90.0, interval=0.2)
             r_new = until(c, "new", _done, "new done", timeout=90.0, interval=0.2)
+            out = c.update_code("wf_pin_v2:app", "v3")  # nothing in flight: '1' and 'v2' drained, unloaded
+            hist = httpx.get(f"{url}/admin/code/history", headers={"Authorization": f"Bearer {TOKEN}"},
+                             timeout=60).json()["versions"]
+            assert [(v["version"], v["unloaded_at"]) for v in hist] == [
+                ("1", out["from_epoch"]), ("v2", out["from_epoch"]), ("v3", None)], hist
+            c.start_workflow("pin", None, id="third")  # the executors' books without them still run workflows
+            third = until(c, "third", at("middle"), "started on v3", timeout=90.0, interval=0.2)
+            assert third["version"] == "v3" and third["state"]["ran"] == ["v2:begin"], third
     finally:
         kill_tree(proc)
     assert r_old["result"] == {"ran": ["v1:begin", "v1:middle", "v1:end"], "pinned": "1"}, r_old
