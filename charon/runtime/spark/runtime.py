@@ -926,6 +926,8 @@ class SparkRuntime(EngineBacked):
 
     def close(self) -> None:
         self.stop()
+        if self.side is not None:
+            self.side.close()
         if self._spark is not None:
             self._spark.stop()
             self._spark = None
