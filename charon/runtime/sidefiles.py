@@ -3,33 +3,33 @@ readers' offsets (portals, wires), under ``files/`` of the storage location. The
 (:mod:`charon.runtime.node.storage`) ships them at every checkpoint, the Spark driver
 (:mod:`charon.runtime.spark.runtime`) before every epoch record it writes.
 
-They are written by other parts of the engine (the effect executor, the stream log, the portal routers: SQLite
-files and small offset files in the data directory), not by the checkpoint writer, so they are shipped as
-snapshots: at every checkpoint, before its epoch record (the commit point), each file that changed since it was
-last shipped is uploaded whole (a SQLite file through SQLite's online backup, so a concurrent writer cannot tear
-it), in one conditional request through the store's upload budget (:class:`~charon.storage.s3.ByteBudget`: a
-file larger than the budget takes all of it, waiting until nothing else is in flight). The order keeps every reader
-behind what it reads: the offsets first, then the effects store (its intake offset into the ``charon.effects``
-stream), then the streams; and the streams hold every atom of the epochs the
-record covers (an atom is appended before its epoch is handed to the writer). An engine on an empty data directory
-takes them back before it opens them; the epochs it replays after the record append their atoms again
-(idempotent by epoch) and what a reader did after the snapshot is done again: an effect taken in or attempted
-after it is taken in (by id, once) or attempted again, as after a crash (handlers run at least once, with the
-effect id as idempotency key; continuations exactly once, by request id), a portal request is submitted again
-under its own id.
+They are written by other parts of the engine (the effect executor, the stream log, the portal routers: SQLite files
+and small offset files in the data directory), not by the checkpoint writer, so they are shipped as snapshots (the
+streams incrementally, below): at every checkpoint, before its epoch record (the commit point), each file that
+changed since it was last shipped is uploaded whole (a SQLite file through SQLite's online backup, so a concurrent
+writer cannot tear it), in one conditional request through the store's upload budget
+(:class:`~charon.storage.s3.ByteBudget`: a file larger than the budget takes all of it, waiting until nothing else
+is in flight). The order keeps every reader behind what it reads: the offsets first, then the effects store (its
+intake offset into the ``charon.effects`` stream), then the streams; and the streams stored hold every atom of the
+epochs the record covers (an atom is appended before its epoch is handed to the writer). An engine on an empty data
+directory takes them back before it opens them; the epochs it replays after the record append their atoms again
+(idempotent by epoch) and what a reader did after the snapshot is done again: an effect taken in or attempted after
+it is taken in (by id, once) or attempted again, as after a crash (handlers run at least once, with the effect id as
+idempotency key; continuations exactly once, by request id), a portal request is submitted again under its own id.
 
 The output streams grow at every epoch that emits, so they are shipped incrementally: a ship uploads the atoms of
 the epochs after the last one stored as one *segment* (:class:`~charon.log.streams.EpochAtoms`, msgpack) under
 ``files/streams/<first epoch>-<last epoch>.atoms``, created once (``If-None-Match``); the whole file (a snapshot,
 ``files/streams.sqlite``) goes up only once the segments since the last snapshot number ``snapshot_segments`` (a
-restore reads at most that many), or hold as many bytes as the snapshot itself (at least ``snapshot_bytes``: the
-bytes shipped stay within about twice the bytes appended), or when the pending atoms alone exceed
+restore reads at most that many), or hold as many bytes as the snapshot itself (at least ``snapshot_bytes``: a
+snapshot's bytes are spread over that many epochs' or bytes' worth of atoms), or when the pending atoms alone exceed
 ``snapshot_bytes`` (a segment is held in memory whole; the durable node, shipping per checkpoint, may have many);
-after a snapshot the segments it covers are deleted. A restore takes the snapshot, then puts the segments' atoms
-in epoch order, at their offsets (:meth:`~charon.log.streams.StreamLog.put_atoms`, idempotent by epoch: a
-segment a snapshot covers, left by a crash before its deletion, adds nothing). Where the stored atoms end is
-learnt from the listing at :meth:`SideFiles.restore`; when it is unknown (the data directory kept, no segment
-stored) the next ship is a snapshot.
+after a snapshot the segments it covers are deleted. A restore takes the snapshot, then puts the segments' atoms in
+epoch order (in a file built aside, renamed into place when whole), at their offsets
+(:meth:`~charon.log.streams.StreamLog.put_atoms`, idempotent by epoch: a segment a snapshot covers, left by a crash
+before its deletion, adds nothing). Where the stored atoms end is learnt from the listing at
+:meth:`SideFiles.restore`; when it is unknown (the data directory kept, no segment stored) the next ship is a
+snapshot.
 
 Each object is replaced only over the version this engine wrote or read (``If-Match``; created with
 ``If-None-Match``), so an engine that lost its place fails with
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import msgspec
 
 from charon.log.streams import EpochAtoms, StreamLog
-from charon.storage.contract import ObjectStore, StorageConflict
+from charon.storage.contract import ObjectInfo, ObjectStore, StorageConflict
 
 __all__ = ["PREFIX", "SEGMENTS", "SNAPSHOT_BYTES", "SNAPSHOT_SEGMENTS", "SQLITE_FILES", "SideFiles"]
 
@@ -132,39 +132,60 @@ class SideFiles:
         """Before anything opens them: take the stored files the data directory lacks (a new machine); a file the
         directory has is its own newer copy (the same engine restarting). Returns the number downloaded."""
         n = 0
-        streams = os.path.join(self.data_dir, STREAMS)
-        had_streams = os.path.exists(streams)
-        snapshot = False
+        snapshot: ObjectInfo | None = None
         for o in self.store.list(PREFIX):
             name = o.key[len(PREFIX):]
             if "/" in name or not name:
                 continue
             self._etags[o.key] = o.etag
             if name == STREAMS:
-                snapshot, self._snapshot_size = True, o.size
+                snapshot = o
+                continue
             path = os.path.join(self.data_dir, name)
             if os.path.exists(path):
                 continue
             self._take(o.key, path)
             self._shipped[name] = _signature(path) or ()
             n += 1
+        return n + self._restore_streams(snapshot)
+
+    def _restore_streams(self, snapshot: ObjectInfo | None) -> int:
+        """The streams: the snapshot, then the segments' atoms after it, built aside and renamed into place (a
+        crash meanwhile leaves no partial file that a restart would take for its own). Returns 1 if restored."""
+        path = os.path.join(self.data_dir, STREAMS)
         self._segments = _segments(self.store)
-        if had_streams:  # its own newer copy: what is stored is known up to the last segment only
+        self._snapshot_size = snapshot.size if snapshot is not None else 0
+        if os.path.exists(path):  # its own newer copy: what is stored is known up to the last segment only
             self._stored_upto = self._segments[-1].last if self._segments else None
-            return n
-        if not snapshot and not self._segments:  # nothing stored, nothing here
+            return 0
+        if snapshot is None and not self._segments:  # nothing stored, nothing here
             self._stored_upto = -1
-            return n
-        with StreamLog(streams) as log:  # the snapshot just taken, or a new log
+            return 0
+        aside = path + ".restoring"
+        for extra in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(aside + extra)
+        if snapshot is not None:
+            self._take(snapshot.key, aside)
+        with StreamLog(aside, durable=False) as log:
             covered = log.last_epoch()
             for seg in self._segments:
                 if seg.last > covered:
                     for copy in _decoder.decode(self.store.get(seg.key)[0]):
                         log.put_atoms(copy)
             self._stored_upto = log.last_epoch()
+        with contextlib.closing(sqlite3.connect(aside)) as db:  # its WAL into the file, which stands alone
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        for extra in ("-wal", "-shm", "-journal"):  # never pair the restored database with another's log
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path + extra)
+        os.replace(aside, path)
+        for extra in ("-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(aside + extra)
         self._segments = [g for g in self._segments if g.last > covered]
-        self._shipped[STREAMS] = _signature(streams) or ()
-        return n + (not snapshot)
+        self._shipped[STREAMS] = _signature(path) or ()
+        return 1
 
     def _take(self, key: str, path: str) -> None:
         """Download ``key`` to ``path``, never paired with another database's log."""

@@ -43,6 +43,7 @@ def _all(log: StreamLog) -> dict[str, list[tuple[int, int, bytes]]]:
 def _restored(tmp_path: Path, store: ObjectStore, name: str) -> StreamLog:
     fresh = tmp_path / name
     fresh.mkdir()
+    (fresh / "streams.sqlite.restoring").write_bytes(b"a restore killed midway")  # built aside: not taken
     side = SideFiles(str(fresh), store)
     side.restore()
     side.close()
