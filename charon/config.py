@@ -25,6 +25,11 @@ class SparkConfig:
     # records, bounds, verdicts and code history; the checkpoint directory and the executors' local directories
     # are then caches (no directory shared by the executors). Needs exchange="resident"
     storage_url: str | None = None
+    # ... and the driver's output streams there (charon.runtime.sidefiles): each epoch's atom as a small segment, the
+    # whole file once the segments since its last snapshot number streams_snapshot_segments or hold as many bytes
+    # as that snapshot (at least streams_snapshot_bytes, also the most a segment holds)
+    streams_snapshot_segments: int = 1000
+    streams_snapshot_bytes: int = 16 << 20
     log_url: str | None = None  # input/output logs on NATS JetStream (nats://host:port/deployment); default:
     # SQLite files under data_dir (see charon.log.nats)
     partitions: int = 4  # engine partitions (each with its own resident store)

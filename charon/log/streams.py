@@ -12,6 +12,10 @@ never ends a read inside an atom (it may start inside one when asked to), so a c
 
 Retention (a bound): at most ``retain_events`` events per stream are kept (the oldest whole atoms are
 dropped first); a read from a dropped offset starts at the first retained one (``first_offset``).
+
+Copies: :meth:`StreamLog.epoch_atoms` reads the atoms of the epochs after a given one (what an engine ships to
+object storage, :mod:`charon.runtime.sidefiles`) and :meth:`StreamLog.put_atoms` stores them in another log at
+the same offsets, idempotent by epoch as appends are.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import msgspec
 from charon.core.routing import check_stream
 from charon.log.sqlite import SQLiteFile
 
-__all__ = ["DEFAULT_RETAIN_EVENTS", "MAX_READ_EVENTS", "StreamEvent", "StreamLog", "StreamRead"]
+__all__ = ["DEFAULT_RETAIN_EVENTS", "MAX_READ_EVENTS", "EpochAtoms", "StreamEvent", "StreamLog", "StreamRead"]
 
 DEFAULT_RETAIN_EVENTS = 1_000_000  # per stream
 MAX_READ_EVENTS = 10_000  # a single read returns at most this many events (plus the rest of one atom)
@@ -41,6 +45,13 @@ class StreamEvent(msgspec.Struct, frozen=True):
     offset: int
     epoch: int
     value: bytes  # charon.serde encoding (msgpack)
+
+
+class EpochAtoms(msgspec.Struct, frozen=True, array_like=True):
+    """One epoch's atoms as stored: ``(stream, first offset, encoded values)`` per stream (a copy of the log)."""
+
+    epoch: int
+    atoms: list[tuple[str, int, list[bytes]]]
 
 
 class StreamRead(msgspec.Struct, frozen=True):
@@ -78,6 +89,7 @@ class StreamLog:
                 "CREATE TABLE IF NOT EXISTS events (stream TEXT NOT NULL, offset INTEGER NOT NULL, "
                 "epoch INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (stream, offset)) WITHOUT ROWID"
             )
+            c.execute("CREATE INDEX IF NOT EXISTS atoms_by_epoch ON atoms (epoch)")  # epoch_atoms, without a scan
 
     # -- writing -------------------------------------------------------------------------------------
     def append_atom(self, epoch: int, events: Sequence[tuple[str, bytes]]) -> bool:
@@ -89,29 +101,52 @@ class StreamLog:
         if not events:
             return False
         with self._db.write() as c:
-            last = c.execute("SELECT coalesce(max(epoch), -1) FROM epochs").fetchone()[0]
-            if epoch <= last:
+            if not self._claim(c, epoch):
                 return False
-            c.execute("INSERT INTO epochs (epoch) VALUES (?)", (epoch,))
             by_stream: dict[str, list[bytes]] = {}
             for stream, value in events:
                 by_stream.setdefault(stream, []).append(value)
             for stream, values in by_stream.items():
-                start = self._end(c, stream)
-                c.executemany(
-                    "INSERT INTO events (stream, offset, epoch, data) VALUES (?, ?, ?, ?)",
-                    [(stream, start + i, epoch, v) for i, v in enumerate(values)],
-                )
-                end = start + len(values)
-                c.execute("INSERT INTO atoms (stream, epoch, start, end) VALUES (?, ?, ?, ?)",
-                          (stream, epoch, start, end))
-                self._trim(c, stream, start, end)
+                self._insert(c, stream, epoch, self._end(c, stream), values)
         with self._cv:
             self._cv.notify_all()
         appended = frozenset(s for s, _ in events)
         for listener in list(self._listeners):
             listener(appended)
         return True
+
+    def put_atoms(self, copy: EpochAtoms) -> bool:
+        """Store an epoch's atoms at the offsets they have in the log they were read from (:meth:`epoch_atoms`):
+        restoring a copy. Idempotent as :meth:`append_atom` is (False if an epoch >= ``copy.epoch`` is stored);
+        an atom may start after its stream's end (older events were dropped by retention before the copy), never
+        before it."""
+        with self._db.write() as c:
+            if not self._claim(c, copy.epoch):
+                return False
+            for stream, start, values in copy.atoms:
+                check_stream(stream)
+                if start < self._end(c, stream):
+                    raise ValueError(f"epoch {copy.epoch}'s atom of {stream!r} starts at {start}, inside the log")
+                self._insert(c, stream, copy.epoch, start, values)
+        with self._cv:
+            self._cv.notify_all()
+        return True
+
+    @staticmethod
+    def _claim(c: sqlite3.Connection, epoch: int) -> bool:
+        """Record ``epoch`` as appended, unless an epoch >= it is already (False)."""
+        if epoch <= c.execute("SELECT coalesce(max(epoch), -1) FROM epochs").fetchone()[0]:
+            return False
+        c.execute("INSERT INTO epochs (epoch) VALUES (?)", (epoch,))
+        return True
+
+    def _insert(self, c: sqlite3.Connection, stream: str, epoch: int, start: int, values: Sequence[bytes]) -> None:
+        """One atom: ``values`` at offsets from ``start``, then the retention trim."""
+        c.executemany("INSERT INTO events (stream, offset, epoch, data) VALUES (?, ?, ?, ?)",
+                      [(stream, start + i, epoch, v) for i, v in enumerate(values)])
+        end = start + len(values)
+        c.execute("INSERT INTO atoms (stream, epoch, start, end) VALUES (?, ?, ?, ?)", (stream, epoch, start, end))
+        self._trim(c, stream, start, end)
 
     def add_listener(self, listener: Callable[[frozenset[str]], object]) -> None:
         """Call ``listener(streams)`` after each append by this process, with the streams it appended to (on the
@@ -168,6 +203,26 @@ class StreamLog:
             q += " AND end <= ?"
             args.append(upto)
         return [r[0] for r in self._db.conn().execute(q + " ORDER BY end", args).fetchall()]
+
+    def epoch_atoms(self, after: int, max_bytes: int) -> list[EpochAtoms] | None:
+        """The retained atoms of the epochs after ``after``, in epoch order (the streams of one epoch by name);
+        None if their values hold more than ``max_bytes`` bytes (read no further). One read transaction."""
+        out: list[EpochAtoms] = []
+        size = 0
+        with self._db.read() as c:
+            rows = c.execute("SELECT epoch, stream, start, end FROM atoms WHERE epoch > ? ORDER BY epoch, stream",
+                             (after,))
+            for epoch, stream, start, end in rows.fetchall():
+                values = [r[0] for r in c.execute(
+                    "SELECT data FROM events WHERE stream = ? AND offset >= ? AND offset < ? ORDER BY offset",
+                    (stream, start, end)).fetchall()]
+                size += sum(len(v) for v in values)
+                if size > max_bytes:
+                    return None
+                if not out or out[-1].epoch != epoch:
+                    out.append(EpochAtoms(epoch, []))
+                out[-1].atoms.append((stream, start, values))
+        return out
 
     def read(self, stream: str, from_offset: int = 0, max_events: int = 1000) -> StreamRead:
         """Events of ``stream`` from ``from_offset``: whole atoms up to about ``max_events`` (at least the

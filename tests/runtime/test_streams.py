@@ -321,3 +321,29 @@ def test_stream_log_retention_and_reads_generated(sizes: list[int], retain: int,
             off = page.next_offset
         assert seen == list(range(first, end))
         log.close()
+
+
+def test_a_copy_of_the_atoms_restores_the_same_offsets(tmp_path: Path) -> None:
+    """``epoch_atoms`` reads the atoms after an epoch (None past its byte bound); ``put_atoms`` stores them in another
+    log at their offsets, once per epoch, after a retention gap too, and never over events the log has."""
+    from charon.log.streams import EpochAtoms
+
+    src = StreamLog(tmp_path / "src.sqlite", retain_events=4)
+    for epoch in (1, 2, 4, 7):
+        src.append_atom(epoch, [("s", b"%d" % epoch), ("s", b"x"), *([("t", b"t")] if epoch != 2 else [])])
+    atoms = src.epoch_atoms(-1, 1 << 20)
+    assert atoms is not None and [a.epoch for a in atoms] == [1, 4, 7]  # 1 and 2 dropped from s by retention ...
+    assert atoms[0] == EpochAtoms(1, [("t", 0, [b"t"])])
+    assert atoms[1] == EpochAtoms(4, [("s", 4, [b"4", b"x"]), ("t", 1, [b"t"])])  # ... the offsets kept
+    assert [a.epoch for a in src.epoch_atoms(4, 1 << 20) or []] == [7]
+    assert src.epoch_atoms(-1, 7) is not None and src.epoch_atoms(-1, 6) is None and src.epoch_atoms(7, 0) == []
+    dst = StreamLog(tmp_path / "dst.sqlite")
+    assert dst.put_atoms(EpochAtoms(2, [("s", 2, [b"2", b"x"]), ("t", 0, [b"t"])]))
+    assert [dst.put_atoms(a) for a in [EpochAtoms(1, []), *atoms, atoms[1]]] == [False, False, True, True, False]
+    assert [(e.offset, e.epoch, e.value) for e in dst.read_range("s", 0, 10)] == [
+        (2, 2, b"2"), (3, 2, b"x"), (4, 4, b"4"), (5, 4, b"x"), (6, 7, b"7"), (7, 7, b"x")]
+    assert dst.streams() == src.streams() == {"s": 8, "t": 3}
+    assert dst.append_atom(8, [("s", b"8")]) and dst.end_offset("s") == 9
+    with pytest.raises(ValueError, match="inside the log"):
+        dst.put_atoms(EpochAtoms(9, [("s", 5, [b"again"])]))
+    assert dst.last_epoch() == 8  # the refused copy wrote nothing

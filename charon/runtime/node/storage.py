@@ -585,5 +585,7 @@ class NodeStorage:
         finally:
             self.input_log.close()
             self.output_log.close()
+            if self.side is not None:
+                self.side.close()
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)

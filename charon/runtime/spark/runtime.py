@@ -152,7 +152,8 @@ class SparkRuntime(EngineBacked):
         self.files.hydrate()
         #: the effects store, output streams and stream offsets of the data directory, shipped before every epoch
         #: record (object storage only); taken back (on an empty directory) before anything opens them
-        self.side = SideFiles(cfg.data_dir, self.storage) if self.storage is not None else None
+        self.side = SideFiles(cfg.data_dir, self.storage, snapshot_segments=cfg.streams_snapshot_segments,
+                              snapshot_bytes=cfg.streams_snapshot_bytes) if self.storage is not None else None
         if self.side is not None:
             os.makedirs(cfg.data_dir, exist_ok=True)
             self.side.restore()
@@ -927,6 +928,8 @@ class SparkRuntime(EngineBacked):
 
     def close(self) -> None:
         self.stop()
+        if self.side is not None:
+            self.side.close()
         if self._spark is not None:
             self._spark.stop()
             self._spark = None
@@ -1286,8 +1289,8 @@ class SparkRuntime(EngineBacked):
         appended, :meth:`_append_atom`); then it counts as done."""
         epoch = rec.epoch
         self._replies.flush()  # a recorded epoch never runs again: its replies are in the log first
-        if self.side is not None:  # so are its atoms on object storage: a driver restored from it has them
-            self.side.ship()
+        if self.side is not None and self.side.ship():  # so are its atoms on object storage: a driver restored
+            crash_point("after_side_files", epoch)  # from it has them (shipped, the record not written)
         self._write_record(rec)
         if self._unconfirmed is not None and self._unconfirmed <= epoch:
             self._unconfirmed = None
