@@ -44,7 +44,9 @@ class SparkConfig:
     trigger_ms: int = 0  # micro-batch trigger interval; 0 = as soon as the previous one ends
     idle_wait_ms: int = 1000  # an idle source waits this long for an append before reporting "no data"
     local_dir: str | None = None  # executor-local store directory (default: per-executor temp dir)
-    compact_every: int = 20  # compact durable deltas every N epochs (in the background)
+    # compact durable deltas every N epochs (in the background; each compaction merges the whole state once, so with
+    # millisecond epochs N bounds its CPU: 200 is about once a second at full load)
+    compact_every: int = 200
     truncate_log: bool = True  # drop input-log entries older than the last compacted snapshot
     # request ids (dedup) and their replies are kept this long; a retry after the window may run again
     dedup_window_s: float = 7 * 24 * 3600.0
@@ -113,6 +115,18 @@ class SparkConfig:
     @property
     def checkpoint_dir(self) -> str:
         return os.path.abspath(self.checkpoint or os.path.join(self.data_dir, "checkpoint"))
+
+    def default_partitions(self) -> int:
+        """The engine partitions a new deployment gets when none are given (``charon run``, ``charon demo``): in
+        local mode the resident gang's size (the cores but one, at least one: each task then hosts one partition,
+        and a partition costs every round and every finalize its own work, so more partitions than tasks only
+        slow epochs down); on a cluster :attr:`partitions` (4; a rescale changes it at run time)."""
+        m = self.master.strip()
+        if not m.startswith("local"):
+            return self.partitions
+        inner = m[len("local"):].strip("[]").split(",")[0].strip()
+        cores = (os.cpu_count() or 1) if inner in ("", "*") else int(inner) if inner.isdigit() else 1
+        return max(1, cores - 1)
 
     @property
     def n_log_partitions(self) -> int:

@@ -58,11 +58,13 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--accounts", type=int, default=10_000)
     ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--compact-every", type=int, default=20)
     ap.add_argument("--warm", type=int, default=50, help="single transfers first (the gang's launch, restores)")
     a = ap.parse_args()
     rounds = timed_rounds()
     cfg = SparkConfig(master="local[2]", data_dir=tempfile.mkdtemp(prefix="resident-rate-"),
-                      partitions=a.partitions, exchange="resident")
+                      partitions=a.partitions, exchange="resident",
+                      compact_every=a.compact_every)
     rt = SparkRuntime("charon.apps.ycsb:app", cfg)
     rt.load_rows(("account", ycsb.key(i), "", serde.encode(10_000)) for i in range(a.accounts))
     rt.start()

@@ -166,7 +166,8 @@ def demo(
     balance: int = typer.Option(100, min=0, help="Initial balance of every account."),
     max_amount: int = typer.Option(30, min=1, help="Largest transfer amount."),
     zipf: float = typer.Option(0.0, min=0.0, help="Zipf coefficient of the creditors (0 = uniform)."),
-    partitions: int = typer.Option(4, min=1, help="Number of partitions."),
+    partitions: int | None = typer.Option(None, min=1, show_default=False,
+                                          help="Number of partitions (default: as charon run chooses them)."),
     seed: int = typer.Option(7, help="Workload seed."),
     keep_data: bool = typer.Option(False, "--keep-data", help="Keep the temporary data directory (logs, state, "
                                    "Spark log) after a passing run too."),
@@ -193,9 +194,11 @@ def demo(
     data_dir = tempfile.mkdtemp(prefix="charon-demo-")
     spark_log = None
     runtime: Engine | None = None
+    parts = partitions
     try:
         with console.status(f"starting the {engine} runtime…"):
             runtime = make_engine(EngineSpec(engine, YCSB_REF, partitions, data_dir))
+            parts = runtime.partitions
             spark_log = runtime.log_file
             if spark_log is not None:
                 console.print(f"Spark log: {spark_log}")
@@ -227,7 +230,7 @@ def demo(
     table = Table(title=f"charon demo: YCSB-T transfers on {engine}", show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
-    table.add_row("engine / partitions", f"{engine} / {partitions}")
+    table.add_row("engine / partitions", f"{engine} / {parts}")
     table.add_row("accounts × initial balance", f"{accounts} × {balance}")
     table.add_row("transfers sent (in flight)", f"{transactions} ({concurrency})")
     table.add_row("committed", str(stats["committed"]))

@@ -35,7 +35,8 @@ def run(
     ),
     partitions: int | None = typer.Option(
         None, min=1, envvar="CHARON_PARTITIONS", show_default=False,
-        help="Engine partitions (default: the data directory's recorded count, else 4; another count rescales it).",
+        help="Engine partitions (default: the data directory's recorded count, else for spark in local mode the "
+        "resident gang's size (cores but one), else 4; another count rescales it).",
     ),
     max_body: int | None = typer.Option(
         None, min=1, envvar="CHARON_GATEWAY_MAX_BODY", help="Largest request body in bytes (default 1 MiB).",

@@ -16,6 +16,7 @@ different operator, key, function or arguments raises :class:`~charon.errors.Ide
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sqlite3
 import time
@@ -74,11 +75,12 @@ class LogClient:
     """Async submit over an input log and an output log (one instance per event loop)."""
 
     def __init__(
-        self, input_log: InputLogLike, output_log: OutputLogLike, poll_s: float = 0.003, append_retry_s: float = 60.0,
-        group_commit_s: float = 0.004,
+        self, input_log: InputLogLike, output_log: OutputLogLike, poll_s: float = 0.001, append_retry_s: float = 60.0,
+        group_commit_s: float = 0.001,
     ) -> None:
         """``group_commit_s``: appends start at most this often, so that one SQLite transaction (and sync)
-        takes every request of that window rather than one each (a few ms of latency for a lot of CPU)."""
+        takes every request of that window rather than one each (1 ms: at most a thousand appends a second,
+        whatever the rate). ``poll_s``: how often the output log's change counter is looked at while waiting."""
         self.input_log = input_log
         self.output_log = output_log
         self.poll_s = poll_s
@@ -94,10 +96,20 @@ class LogClient:
         self._seq = output_log.last_seq()
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._pump())
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._pump())
+
+    def replies_written(self) -> None:
+        """From any thread: replies were just written to the output log (by a writer in this process), so the
+        pump reads them now instead of at its next poll."""
+        loop = self._loop
+        if loop is not None and self._waiters:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._wake.set)
 
     def _lookup(self, rid: str) -> tuple[Reply | None, Request | None]:
         return self.output_log.get(rid), stored_request(self.input_log, rid)

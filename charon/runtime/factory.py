@@ -185,6 +185,10 @@ def _spark(spec: EngineSpec) -> Engine:
         layout = read_layout(config.checkpoint_dir)
         if layout is not None:
             config = dataclasses.replace(config, partitions=layout.partitions)
+        elif "CHARON_PARTITIONS" not in os.environ and not config.storage_url:
+            # a new deployment (not one whose layout may be on object storage, restored only later): as many as
+            # the resident gang has tasks in local mode (SparkConfig.default_partitions)
+            config = dataclasses.replace(config, partitions=config.default_partitions())
     try:
         rt = SparkRuntime(target, config)
         rt.exit_when_stuck = spec.exit_when_stuck is not None  # charon run: a step it cannot judge exits (75)

@@ -46,7 +46,9 @@ class _Env:
     @staticmethod
     def _open(path: str, map_size: int, sync: bool) -> lmdb.Environment:
         os.makedirs(path, exist_ok=True)
-        env = lmdb.open(path, map_size=map_size, subdir=True, max_dbs=2, lock=True, sync=sync,
+        # metasync=False: one flush per commit, not two; a system crash may then undo the last commit (never
+        # tear one), which leaves the local copy behind the durable one: ensure_epoch applies the missing deltas
+        env = lmdb.open(path, map_size=map_size, subdir=True, max_dbs=2, lock=True, sync=sync, metasync=False,
                         readahead=False, max_readers=256)
         env.reader_check()
         return env

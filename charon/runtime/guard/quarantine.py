@@ -65,10 +65,14 @@ class RecoveryAttempts:
         """Whether an earlier recovery died replaying ``epoch``."""
         return self.epoch == epoch and self.attempts > 0
 
-    def starting(self, epoch: int, reply_mark: int | None = None) -> None:
+    def starting(self, epoch: int, reply_mark: int | None = None,
+                 later: Callable[[Callable[[], None]], bool] | None = None) -> None:
         """Recovery is about to replay ``epoch``: count the attempt (durably, before it runs). The epochs before
         the one an earlier recovery died in completed then: they are not counted (nor written). ``reply_mark``:
-        the output log's last seq now, kept for the epoch's first start only (see :meth:`reply_mark`)."""
+        the output log's last seq now, kept for the epoch's first start only (see :meth:`reply_mark`).
+        ``later``: hands the file's write to a writer that makes it durable before anything depends on the epoch
+        (the resident sequencer's, beside the epoch's bound: off the epoch's path), returning False when it
+        cannot (then it is written here, before the epoch runs)."""
         if epoch < self.epoch:
             return
         n = self.attempts + 1 if epoch == self.epoch else 1
@@ -79,8 +83,10 @@ class RecoveryAttempts:
         doc: dict[str, Any] = {"epoch": epoch, "attempts": n}
         if marks:
             doc["marks"] = {str(e): m for e, m in sorted(marks.items())}
-        self._write(self.path, json.dumps(doc).encode())
+        data = json.dumps(doc).encode()
         self.epoch, self.attempts, self.reply_marks = epoch, n, marks
+        if later is None or not later(lambda: self._write(self.path, data)):
+            self._write(self.path, data)
 
     def reply_mark(self, epoch: int) -> int | None:
         """The output log's last seq when ``epoch`` first started: every reply an earlier run of it wrote (a fired

@@ -192,7 +192,7 @@ class SparkRuntime(EngineBacked):
         self.output_log = open_output_log(self.output_location)
         self.output_log.mark_epoch(-1)  # this log's replies come in whole epochs (see charon_replies)
         # an epoch's replies are written while the next epoch runs, before the epoch's record (see _recorded)
-        self._replies = ReplyWriter(lambda replies: self.output_log.put_many(replies))
+        self._replies = ReplyWriter(self._write_replies)
         self._retention = DedupRetention(self.input_log, self.output_log, cfg.dedup_window_s, TICK)
         self.streams = StreamLog(os.path.join(cfg.data_dir, "streams.sqlite"))  # ctx.emit's atoms
         self.durable = self._open_durable(layout.state)
@@ -1128,7 +1128,11 @@ class SparkRuntime(EngineBacked):
         rerun = recovering or self._attempts.failed_before(epoch) or self._attempts.epoch > epoch
         # durable before any reply of this run can go out, with the output log's end at its first start
         mark = self._attempts.reply_mark(epoch)
-        self._attempts.starting(epoch, self.output_log.last_seq() if mark is None else mark)
+        q = self._query
+        # the resident sequencer writes the file beside the epoch's bound, durable before a reply or the finalize;
+        # a rerun counts its attempt before it runs (an epoch that kills the process is then seen failing)
+        beside = partial(q.write_beside, epoch) if isinstance(q, DirectSequencer) and not rerun else None
+        self._attempts.starting(epoch, self.output_log.last_seq() if mark is None else mark, later=beside)
         probe = None
         if self._probe_epoch == epoch:  # it failed before: find a transaction that kills its worker
             probe = os.path.join(self.ckpt, "probe", str(epoch))
@@ -1144,7 +1148,6 @@ class SparkRuntime(EngineBacked):
         self._replied_epoch = epoch if rerun and self._replied_before(epoch, [r for _, r in requests], prev) else None
         cpu = {"read": time.thread_time() - cpu0, "deliver": 0.0}
 
-        q = self._query
         # the direct sequencer writes the epoch's bound while its first rounds run: durable before a reply or the
         # finalize depends on it
         bound_durable = partial(q.wait_durable, epoch) if isinstance(q, DirectSequencer) else (lambda: None)
@@ -1275,6 +1278,13 @@ class SparkRuntime(EngineBacked):
         if prev is not None:
             return max(prev.next_chunk, 0)
         return max(self._first_chunk, 0)
+
+    def _write_replies(self, replies: list[Reply]) -> None:
+        """The reply writer's write: into the output log, then a submit waiting here is woken at once."""
+        self.output_log.put_many(replies)
+        lc = self._log_client
+        if lc is not None:
+            lc.replies_written()
 
     def _append_atom(self, result: EpochResult) -> None:
         """Append an epoch's atom of events once its finalize ran and before its record is written (the one

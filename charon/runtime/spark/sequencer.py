@@ -133,6 +133,7 @@ class DirectSequencer:
         # the runtime waits for it before anything depends on it (wait_durable: a reply, the epoch's finalize)
         self._writer: Executor = writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="charon-bounds")
         self._fixed: tuple[int, list[int], list[int], Future[None]] | None = None
+        self._beside: tuple[int, Future[None]] | None = None  # a write made durable with the bound (write_beside)
 
     # -- the StreamingQuery face ----------------------------------------------------------------------------------
     def start(self) -> DirectSequencer:
@@ -187,7 +188,7 @@ class DirectSequencer:
         self.epochs += 1
         self._run(epoch)
         self.wait_durable(epoch)  # an epoch that neither replied nor finalized (all its work deferred)
-        self._fixed = None
+        self._fixed = self._beside = None
         self.next_epoch = epoch + 1
         self._writer.submit(self._trim)
         return ends
@@ -200,12 +201,26 @@ class DirectSequencer:
             return list(f[1]), list(f[2])
         return read_bound(self.checkpoint, epoch)
 
+    def write_beside(self, epoch: int, write: Callable[[], None]) -> bool:
+        """Run ``write`` on the bounds' writer after epoch ``epoch``'s bound, made durable with it (:meth:`wait_durable`
+        waits for both): the epoch's own files (the recovery attempts) off its path. False (nothing done) when the
+        epoch's bound is not the one this loop is fixing now."""
+        f = self._fixed
+        if f is None or f[0] != epoch or self._beside is not None:
+            return False
+        self._beside = (epoch, self._writer.submit(write))
+        return True
+
     def wait_durable(self, epoch: int) -> None:
-        """Block until epoch ``epoch``'s bound is durable (raises if its write failed): called before anything
-        depends on the epoch's offsets (its first reply, its finalize). At once for a bound read from its file."""
+        """Block until epoch ``epoch``'s bound is durable (raises if its write failed), and what was written beside
+        it (:meth:`write_beside`): called before anything depends on the epoch's offsets (its first reply, its
+        finalize). At once for a bound read from its file."""
         f = self._fixed
         if f is not None and f[0] == epoch:
             f[3].result()
+            b = self._beside
+            if b is not None and b[0] == epoch:
+                b[1].result()
 
     def resume(self) -> list[int]:
         """Rerun the epochs bound but not recorded; the end offsets of the last epoch fixed so far (the loop's
