@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--accounts", type=int, default=10_000)
     ap.add_argument("--partitions", type=int, default=4)
-    ap.add_argument("--compact-every", type=int, default=20)
+    ap.add_argument("--compact-every", type=int, default=SparkConfig.compact_every)
     ap.add_argument("--warm", type=int, default=50, help="single transfers first (the gang's launch, restores)")
     a = ap.parse_args()
     rounds = timed_rounds()
