@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=500.0)
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--accounts", type=int, default=10_000)
-    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--partitions", type=int, default=SparkConfig(master="local[2]").default_partitions(),
+                    help="engine partitions (default: what charon run gives a new deployment on local[2])")
     ap.add_argument("--compact-every", type=int, default=SparkConfig.compact_every)
     ap.add_argument("--warm", type=int, default=50, help="single transfers first (the gang's launch, restores)")
     a = ap.parse_args()

@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--accounts", type=int, default=10_000)
     ap.add_argument("--zipf", type=float, default=0.0)
-    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--partitions", type=int, default=None,
+                    help="engine partitions (default: what charon run gives a new deployment on --master)")
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--max-batch", type=int, default=5000,
                     help="SparkConfig.max_batch, most requests per epoch (uniform YCSB-T over 10k accounts: beyond "
@@ -270,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     from charon.apps import ycsb
     from charon.bench.harness import save
     from charon.config import SparkConfig
+    if args.partitions is None:
+        args.partitions = SparkConfig(master=args.master).default_partitions()
     from charon.runtime.spark.runtime import SparkRuntime
     from charon.runtime.spark.session import make_session
 
