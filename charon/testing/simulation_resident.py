@@ -43,7 +43,7 @@ from typing import Any
 from charon.core import partition
 from charon.runtime.control.gate import EpochGate
 from charon.runtime.spark import tasks as spark_tasks
-from charon.runtime.spark.resident import GangTask, ResidentExchange, hello
+from charon.runtime.spark.resident import NO_REPLY, GangTask, ResidentExchange, hello
 
 _LEN = struct.Struct(">I")  # the gang's framing (see charon.runtime.spark.resident): 4-byte length, then a pickle
 
@@ -270,6 +270,11 @@ class SimTask:
             if reply is None:  # stop frame: the task ends
                 self.end()
                 return
+            if reply == NO_REPLY:  # an early finalize: no answer
+                if self.task.failed:
+                    self.end()
+                    return
+                continue
             if self.zombie_after is None:
                 try:
                     self.sock.sendall(_LEN.pack(len(reply)) + reply)

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from charon.config import SparkConfig
 from charon.core.epoch import EpochResult
-from charon.core.partition import Control, PartitionUnit, RoundOutput
+from charon.core.partition import Control, PartitionUnit, Prior, RoundOutput
 from charon.errors import EngineUnavailable
 from charon.runtime.control.codeversions import CodeEntry
 from charon.runtime.faults import crash_point
@@ -237,6 +237,23 @@ class ResidentExchange:
         s["step_s"] = s.get("step_s", 0.0) + task.get("step_us", 0) / 1e6
         s["restore_s"] = s.get("restore_s", 0.0) + task.get("restore_us", 0) / 1e6
         return outs
+
+    def prefinalize(self, prior: Prior) -> None:
+        """Send an epoch's deferred finalize to every task now, without waiting for it: each task writes it while
+        the driver records the epoch and cuts the next, and the next epoch's first round (which carries the same
+        ``prior``) takes the output it kept instead of writing then. Nothing is sent unless the whole gang is
+        seated (the round then carries the finalize as before); a task that is gone is found by that round."""
+        if self.closed or not self.launched or self._dead() or len(self.seated) != len(self.groups):
+            return
+        frames = [(i, pickle.dumps(("prior", prior, list(group), self.app_ref, self.previous, self.versions),
+                                   protocol=pickle.HIGHEST_PROTOCOL)) for i, group in enumerate(self.groups)]
+        try:
+            for i, frame in frames:
+                _send_frame(self.seated[i], frame)
+        except (OSError, KeyError):
+            return  # the next round finds the gang lost
+        s = self.stats
+        s["early_finalizes"] = s.get("early_finalizes", 0) + 1
 
     def start(self) -> None:
         """Launch the gang now (else the first round does): the direct sequencer warms it up before any request."""
@@ -465,6 +482,8 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
             reply = task.handle(frame)
             if reply is None:
                 return
+            if reply == NO_REPLY:
+                continue
             _send_frame(sock, reply)
             if task.failed:
                 return  # the round raised: its error was told to the driver
@@ -498,6 +517,10 @@ class GangTask:
         self.caches: dict[int, dict[int, list]] = {}
         self.epoch = -1
         self.failed = False  # a round raised: the task ends after telling the driver
+        # an epoch's finalize written ahead of the round that carries it (ResidentExchange.prefinalize): per
+        # partition (epoch, output), taken by that round; its error, told by the next round
+        self.early: dict[int, tuple[int, RoundOutput]] = {}
+        self.early_error: str | None = None
 
     def close(self) -> None:
         """The task ended: its finalize threads go (after the write they may be running)."""
@@ -509,16 +532,22 @@ class GangTask:
         """The reply to one frame from the driver: a round's outputs, or its error's traceback when it raised
         (:attr:`failed` is then set); None for a stop frame (the task ends)."""
         msg = pickle.loads(frame)
+        if msg[0] == "prior":
+            self._early(*msg[1:])
+            return NO_REPLY
         if msg[0] != "round":
             return None
         _, control, inboxes, app_ref, previous, function_timeout, probe_dir, versions = msg
         if self.pool is None and self.finalize_threads > 1 and len(inboxes) > 1:
             self.pool = ThreadPoolExecutor(self.finalize_threads, thread_name_prefix="charon-finalize")
+        early, self.early = self.early, {}
         try:
+            if self.early_error is not None:
+                raise RuntimeError(f"an epoch's finalize written ahead failed:\n{self.early_error}")
             results, stats, self.epoch, self.caches = _round(
                 control, inboxes, app_ref, previous, function_timeout, probe_dir, self.scratch, self.caches,
                 self.epoch, self.parts, self.root, self.durable_root, self.determinism_check, self.fence, self.pool,
-                versions)
+                versions, early)
         except Exception:  # noqa: BLE001 - told to the driver (its round raises it); this task then ends
             self.failed = True
             return pickle.dumps((None, {"error": traceback.format_exc()[-20_000:]}), protocol=pickle.HIGHEST_PROTOCOL)
@@ -526,6 +555,38 @@ class GangTask:
             self.scratch.clear()
             self.caches = {}
         return pickle.dumps((results, stats), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+    def _early(self, prior: Prior, pids: list[int], app_ref: str, previous: tuple[int, str] | None,
+               versions: tuple[CodeEntry, ...]) -> None:
+        """Write ``prior`` (an epoch's deferred finalize) for ``pids`` now, keeping each output for the round that
+        carries it; an error is kept for the next round to tell (no reply goes to this frame)."""
+        from charon.runtime.spark.session import load_app
+        from charon.runtime.spark.tasks import code_book, finalize_prior, unit_for
+
+        if self.early_error is not None:
+            return
+        try:
+            app = load_app(app_ref)
+            prev = None if previous is None else (previous[0], load_app(previous[1]))
+            book = code_book(versions)
+
+            def one(pid: int) -> tuple[PartitionUnit, RoundOutput]:
+                unit = unit_for(app, self.parts, self.root, self.durable_root, pid, self.scratch.get(pid), prev,
+                                self.determinism_check, self.fence, book)
+                return unit, finalize_prior(unit, prior)
+
+            if self.pool is None and self.finalize_threads > 1 and len(pids) > 1:
+                self.pool = ThreadPoolExecutor(self.finalize_threads, thread_name_prefix="charon-finalize")
+            got = _each(self.pool, one, pids) if self.pool is not None and len(pids) > 1 else [one(p) for p in pids]
+            for pid, (unit, out) in zip(pids, got, strict=True):
+                self.scratch[pid] = unit
+                self.early[pid] = (prior.epoch, out)
+        except Exception:  # noqa: BLE001 - told by the next round (the task then ends)
+            self.early_error = traceback.format_exc()[-20_000:]
+
+
+NO_REPLY = b""  # GangTask.handle's answer to a frame that takes no reply (an early finalize)
 
 
 def _each(pool: ThreadPoolExecutor, fn: Callable[[int], _T], pids: list[int]) -> list[_T]:
@@ -540,7 +601,7 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
            function_timeout: float | None, probe_dir: str | None, scratch: dict[int, PartitionUnit | None],
            caches: dict[int, dict[int, list]], epoch: int, parts: int, root: str, durable_root: str,
            determinism_check: bool, fence: int | None = None, pool: ThreadPoolExecutor | None = None,
-           versions: tuple[CodeEntry, ...] = (),
+           versions: tuple[CodeEntry, ...] = (), early: dict[int, tuple[int, RoundOutput]] | None = None,
            ) -> tuple[list[tuple[int, RoundOutput]], dict[str, int], int, dict[int, dict[int, list]]]:
     """One round in a gang task: each of ``inboxes``' partitions stepped over its store and ``scratch`` (updated in
     place); returns the outputs, the task's stats, and the epoch and call-graph caches the task keeps.
@@ -548,7 +609,11 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
     ``pool`` (a task hosting several partitions): the writes of a finalize run there, one partition per thread,
     as the job-per-round rest's do (``SparkConfig.finalize_threads``): each partition's delta goes to its own
     durable files and LMDB environment, each with its fsyncs, and in threads the waits overlap. Only a finalize
-    runs there (a carried one, or a round that only finalizes): no application code, which runs in this thread."""
+    runs there (a carried one, or a round that only finalizes): no application code, which runs in this thread.
+
+    ``early``: the outputs of a finalize the task wrote ahead (:meth:`GangTask._early`), per partition with its
+    epoch: a round carrying that epoch's finalize (``control.prior``), or finalizing that epoch in a round of its
+    own (a flush before a pause), takes the kept output instead of finalizing again."""
     from charon.runtime.guard.quarantine import probing
     from charon.runtime.spark.session import load_app
     from charon.runtime.spark.tasks import code_book, finalize_prior, step_unit, unit_for
@@ -565,6 +630,16 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
     done: dict[int, RoundOutput] = {}
     threaded = pool is not None and len(inboxes) > 1
     prior = control.prior
+    if early:
+        if prior is not None:
+            done = {pid: out for pid, (e, out) in early.items() if e == prior.epoch and pid in inboxes}
+        elif control.finalize and not control.fast and control.timers is None and not any(inboxes.values()):
+            kept = [(pid, out) for pid, (e, out) in early.items() if e == control.epoch and pid in inboxes]
+            if len(kept) == len(inboxes):  # a flush's round: the finalize is written already
+                for pid, _ in kept:
+                    scratch[pid] = None
+                stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
+                return kept, stats, epoch, caches
     only_finalize = (control.finalize and prior is None and not control.fast and control.timers is None
                      and not any(inboxes.values()))
     with probing(probe_dir):
@@ -582,7 +657,15 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
                 results.append((pid, out))
             stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
             return results, stats, epoch, caches
-        if threaded and prior is not None:
+        if prior is not None and done:  # written ahead: the rest of the partitions (if any) carry it here
+            left = [pid for pid in inboxes if pid not in done]
+            for pid in left:
+                unit = unit_for(app, parts, root, durable_root, pid, scratch.get(pid), prev, determinism_check,
+                                fence, book)
+                scratch[pid], done[pid] = unit, finalize_prior(unit, prior)
+            control = copy.copy(control)
+            control.prior = None
+        elif threaded and prior is not None:
             assert pool is not None
 
             def carried(pid: int) -> tuple[PartitionUnit, RoundOutput]:
