@@ -86,6 +86,7 @@ def test_resident_equals_in_process_on_bank_transfers(spark, tmp_path) -> None:
         rt.stop()
     assert isinstance(ex, ResidentExchange)
     assert ex.launches == 1, "one barrier job served every epoch"
+    assert ex.early_sent > 0, "deferred finalizes went to the gang ahead of the rounds that carry them"
     assert ex.closed, "stop() ended the gang"
     assert rt.last_epoch >= 15
     stats = rt.epoch_stats

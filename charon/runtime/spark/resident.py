@@ -155,6 +155,7 @@ class ResidentExchange:
         self.job: threading.Thread | None = None
         self.job_done = threading.Event()
         self.launches = 0
+        self.early_sent = 0  # deferred finalizes sent ahead of their round (prefinalize)
 
     def _default_tasks(self) -> int:
         """The gang's size when ``resident_tasks`` is 0. Local mode: its cores but one (at least one), so that a
@@ -252,8 +253,7 @@ class ResidentExchange:
                 _send_frame(self.seated[i], frame)
         except (OSError, KeyError):
             return  # the next round finds the gang lost
-        s = self.stats
-        s["early_finalizes"] = s.get("early_finalizes", 0) + 1
+        self.early_sent += 1
 
     def start(self) -> None:
         """Launch the gang now (else the first round does): the direct sequencer warms it up before any request."""
