@@ -103,13 +103,18 @@ class LogClient:
             self._loop = asyncio.get_running_loop()
             self._task = self._loop.create_task(self._pump())
 
-    def replies_written(self) -> None:
-        """From any thread: replies were just written to the output log (by a writer in this process), so the
-        pump reads them now instead of at its next poll."""
+    def replies_written(self, replies: Sequence[Reply]) -> None:
+        """From any thread: ``replies`` were just written to the output log (by a writer in this process), so
+        their waiters here are answered now, not at the pump's next read (which finds them answered)."""
         loop = self._loop
         if loop is not None and self._waiters:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._wake.set)
+                loop.call_soon_threadsafe(self._answer, replies)
+
+    def _answer(self, replies: Sequence[Reply]) -> None:
+        for rep in replies:
+            if rep.request_id in self._waiters:
+                self._resolve(rep.request_id, rep)
 
     def _lookup(self, rid: str) -> tuple[Reply | None, Request | None]:
         return self.output_log.get(rid), stored_request(self.input_log, rid)

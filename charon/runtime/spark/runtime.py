@@ -1287,7 +1287,7 @@ class SparkRuntime(EngineBacked):
         self.output_log.put_many(replies)
         lc = self._log_client
         if lc is not None:
-            lc.replies_written()
+            lc.replies_written(replies)
 
     def _append_atom(self, result: EpochResult) -> None:
         """Append an epoch's atom of events once its finalize ran and before its record is written (the one
