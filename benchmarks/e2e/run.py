@@ -51,6 +51,7 @@ LABELS = {
     "charon": "Charon durable node (inprocess, fsync per epoch)",
     "charon-base": "Charon durable node, the baseline checkout (--base-src)",
     "spark": "Charon on Spark (local)",
+    "spark-base": "Charon on Spark (local), the baseline checkout (--base-src)",
     "pg-rc": "PostgreSQL service, READ COMMITTED + FOR UPDATE",
     "pg-ser": "PostgreSQL service, SERIALIZABLE + retry",
 }
@@ -135,7 +136,8 @@ def run_charon(args: argparse.Namespace, engine: str, src: str | None = None) ->
         before = charon_total(node.url, args.keys)
         rows = sweep(args, node.url, [f"server={node.pid}+"], engine)
         actual = charon_total(node.url, args.keys)
-        label = LABELS["charon-base" if src else "charon" if engine == "inprocess" else engine]
+        label = LABELS[("charon-base" if engine == "inprocess" else "spark-base") if src else
+                       "charon" if engine == "inprocess" else engine]
         return {"label": label, "command": " ".join(node.command[3:]), "rows": rows,
                 "conservation": {"expected": expected, "seeded": before, "actual": actual,
                                  "ok": before == expected == actual}}
@@ -267,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for t in targets:
             print(f"# {t}: {LABELS[t]}", flush=True)
-            if t == "charon-base":
+            if t in ("charon-base", "spark-base"):
                 if not args.base_src:
-                    ap.error("the charon-base target needs --base-src")
-                doc["targets"][t] = run_charon(args, "inprocess", args.base_src)
+                    ap.error(f"the {t} target needs --base-src")
+                doc["targets"][t] = run_charon(args, "inprocess" if t == "charon-base" else "spark", args.base_src)
                 doc["targets"][t]["src"] = args.base_src
             elif t in ("charon", "spark"):
                 doc["targets"][t] = run_charon(args, "inprocess" if t == "charon" else t)
