@@ -87,6 +87,7 @@ DEFAULT_DEDUP_WINDOW_S = 600.0
 DEFAULT_TIMEOUT_S = 10.0
 #: how long opening a log retries while the servers do not answer (then :class:`NatsLogUnreachable`)
 OPEN_WAIT_S = float(os.environ.get("CHARON_NATS_OPEN_WAIT_S", "60"))
+OPEN_ATTEMPT_S = 2.0  # an opening's first attempt waits this long for the servers, each next one twice as long
 FETCH_BATCH = 5000  # messages per pull request of a range read
 DIRECT_READ_MAX = 8  # a read of at most this many messages by sequence gets them one by one (no consumer)
 CONSUMER_CREATE_S = 2.0  # one attempt to create a range read's consumer (retried within the operation's timeout)
@@ -278,13 +279,15 @@ class _Base:
         """Run the idempotent ``fn`` that opens the log, again while the servers do not answer, for at most
         :data:`OPEN_WAIT_S` (a cluster electing new leaders after losing a server times out its first requests)."""
         deadline = time.monotonic() + OPEN_WAIT_S
+        attempt = OPEN_ATTEMPT_S  # short first (an election is over in seconds), doubling up to timeout_s
         while True:
             try:
-                return self._run(fn)
+                return self._run(fn, min(attempt, self.timeout_s))
             except NatsLogUnreachable as exc:
                 if time.monotonic() >= deadline:
                     raise
                 log.warning("opening the NATS log %s: %s; trying again", self.path, exc)
+                attempt *= 2
                 time.sleep(0.5)
 
     async def _ensure_stream(self, name: str, subject: str) -> None:
