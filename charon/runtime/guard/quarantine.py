@@ -67,7 +67,8 @@ class RecoveryAttempts:
 
     def starting(self, epoch: int, reply_mark: int | None = None,
                  later: Callable[[Callable[[], None]], bool] | None = None) -> None:
-        """Recovery is about to replay ``epoch``: count the attempt (durably, before it runs). The epochs before
+        """Recovery is about to replay ``epoch``: count the attempt (durably: before it runs, or with ``later``
+        before anything depends on it; a rerun is always counted before it runs). The epochs before
         the one an earlier recovery died in completed then: they are not counted (nor written). ``reply_mark``:
         the output log's last seq now, kept for the epoch's first start only (see :meth:`reply_mark`).
         ``later``: hands the file's write to a writer that makes it durable before anything depends on the epoch
