@@ -614,7 +614,9 @@ class EpochCoordinator:
         """A round reported ``tid`` failed by a decision from outside the core (``InvocationTimeout``): recorded
         (durably, by ``on_verdict``) before anything depends on it, then applied as every verdict (_judge)."""
         cur = self.current
-        req = cur.requests.get(tid) if cur is not None else None
+        if cur is None:  # pragma: no cover - a round runs within an epoch
+            return
+        req = cur.requests.get(tid)
         if req is not None and req.request_id not in self.verdicts:
             fb = self.phase == 1
             self._adopt({req.request_id: Verdict(etype, msg, fb, self.fallback_round if fb else None, cur.epoch)},
@@ -1178,10 +1180,10 @@ class EpochCoordinator:
             if verdicts:
                 reqs = result.requests
                 for tid in todo.union(started):
-                    v = verdicts.get(reqs[tid].request_id)
-                    if v is not None and v.judges_fallback(epoch):
-                        held[tid] = v
-                        if v.in_round is None or v.in_round <= rounds:
+                    vd = verdicts.get(reqs[tid].request_id)
+                    if vd is not None and vd.judges_fallback(epoch):
+                        held[tid] = vd
+                        if vd.in_round is None or vd.in_round <= rounds:
                             todo.add(tid)  # its round: judged now, whether its run ended or not
             fast_cut: int | None = None  # a candidate judged in this round's replays (see _judged_here)
             for tid in sorted(todo):
