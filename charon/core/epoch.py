@@ -1136,6 +1136,14 @@ class EpochCoordinator:
         fast_now: list[int] = []  # candidates replayed in the coming round
         msgs: list[Invoke | ReplyMsg] = []
         dirty = set(conflicted)
+        verdicts, reqs = self.verdicts, result.requests
+        known: dict[int, Verdict] = {}  # verdicts taken in this fallback before it ran (replayed): see _judged_here
+        if verdicts:
+            for tid in conflicted:
+                vd = verdicts.get(reqs[tid].request_id)
+                if vd is not None and vd.judges_fallback(epoch):
+                    known[tid] = vd
+        due: set[int] = set()
         # a safety net, like max_rounds: every transaction runs at most MAX_REQUEUES + 1 times (more only while
         # a lower one commits first), each run in at most max_rounds rounds; a livelock fails loudly, not hangs
         round_cap = 4 * (len(conflicted) + 1) * (MAX_REQUEUES + 2) * (self.max_rounds + 1)
@@ -1158,7 +1166,14 @@ class EpochCoordinator:
             self.fallback_round = rounds  # a verdict taken in this round records it (Verdict.in_round)
             if self.outer is not None:
                 self.outer.fallback_round = rounds
-            control = Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, fast=fast_now)
+            fast_run = fast_now
+            if known:  # judged in this round: their runs do not run in it (live, it is where they overran)
+                due = {t for t in started.keys() | set(fast_now) if (vd := known.get(t)) is not None
+                       and (vd.in_round is None or vd.in_round <= rounds)}
+                if due:
+                    fast_run = [t for t in fast_now if t not in due]
+                    msgs = [m for m in msgs if m.tid not in due]
+            control = Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, fast=fast_run)
             msgs = self._round(control, msgs, st, stats)
             fast_rounds += bool(fast_now)
             slow_rounds += bool(started)
@@ -1166,6 +1181,8 @@ class EpochCoordinator:
             in_flight = {m.tid for m in msgs}
             finished: list[int] = []
             for tid in sorted(started):
+                if tid in due:
+                    continue
                 if tid not in st.failed and not st.complete(tid):
                     if rounds - started[tid] + 1 < self.max_rounds and tid in in_flight:
                         continue  # the cap: a safety net, never binds
@@ -1174,20 +1191,14 @@ class EpochCoordinator:
                 finished.append(tid)
             replies: list[Reply] = []
             fast_set = set(fast_now)
-            todo = fast_set.union(finished)
-            verdicts = self.verdicts
-            held: dict[int, Verdict] = {}  # the ones with a verdict (see _judged_here)
-            if verdicts:
-                reqs = result.requests
-                for tid in todo.union(started):
-                    vd = verdicts.get(reqs[tid].request_id)
-                    if vd is not None and vd.judges_fallback(epoch):
-                        held[tid] = vd
-                        if vd.in_round is None or vd.in_round <= rounds:
-                            todo.add(tid)  # its round: judged now, whether its run ended or not
+            todo = fast_set.union(finished, due)
             fast_cut: int | None = None  # a candidate judged in this round's replays (see _judged_here)
             for tid in sorted(todo):
-                verdict = held.get(tid) if held else None
+                verdict = known.get(tid) if known else None
+                if verdict is None and verdicts:  # taken in this round (live), recorded already (_verdict)
+                    verdict = verdicts.get(reqs[tid].request_id)
+                    if verdict is not None and not verdict.judges_fallback(epoch):  # a later epoch's (replayed)
+                        verdict = None
                 if verdict is not None and (verdict.in_round is None or verdict.in_round <= rounds):
                     started.pop(tid, None)  # its round (live: a run of it reported the verdict): see _judged_here
                     if tid in fast_set and fast_cut is None:
@@ -1264,9 +1275,10 @@ class EpochCoordinator:
         Replay-exact: which transactions the fallback commits, aborts or defers (and so their replies' epochs and
         values) depends on when each leaves the queues, so a verdict takes effect in the round it was taken in,
         live and replayed alike. Live, a run of it reports the verdict in round r (recorded with r before the
-        round's replies go out); replayed, it runs as it did live up to round r (every earlier round is the same:
-        the same grants and runs, the same earlier verdicts at the same rounds) and leaves there, whether its run
-        ended or not. A run of it that would be decided before its round (committed, aborted or deferred: only when
+        round's replies go out); replayed, it runs as it did live before round r (every earlier round is the same:
+        the same grants and runs, the same earlier verdicts at the same rounds) and leaves in round r, where its run
+        does not run (live, that is where it overran: a replay takes no new verdict, so it could spin). What a run
+        does in a round is its own (its buffers, messages, read/write set), so the others' decisions are the same. A run of it that would be decided before its round (committed, aborted or deferred: only when
         the epoch's earlier run took another course, e.g. a crash between the watchdog's reservation and the step's
         end, or a rerun judging anew) is judged instead: never an outcome beside a verdict. A candidate judged in a
         cached replay (stopped at some partitions live, at none replayed) may have fed its writes to the higher

@@ -40,6 +40,7 @@ class Overruns:
     epoch: int | None = None  # only in this epoch
     coord: EpochCoordinator | None = None
     counts: dict[str, int] = field(default_factory=dict)
+    fired: int = 0
 
     def check(self, tag: str) -> None:
         c = self.coord
@@ -49,6 +50,7 @@ class Overruns:
             return
         n = self.counts[tag] = self.counts.get(tag, 0) + 1
         if n == self.starts[tag] or (self.after and n > self.starts[tag]):
+            self.fired += 1
             raise partition.Interrupt
 
 
@@ -196,7 +198,11 @@ def test_random_workloads_with_a_verdict_in_the_fallback_replay_exactly(parts: i
         plan = Overruns({"T": rng.randint(1, 4)}, after=rng.random() < 0.5)
         replies, deferred, taken = run([epoch], plan, parts=parts, oracle=True)
         judged_final(replies, taken)
-        assert run([epoch], None, taken, parts=parts)[:2] == (replies, deferred), f"seed {seed}"
+        # replayed with the same budgets (a Spark rerun keeps them): the judged step never runs again in its round
+        again = Overruns(dict(plan.starts), after=plan.after)
+        assert run([epoch], again, taken, parts=parts)[:2] == (replies, deferred), f"seed {seed}"
+        assert again.fired == 0, f"seed {seed}"
+        assert bool(plan.fired) == bool(taken), f"seed {seed}: every overrun is a verdict (a cached replay's too)"
         for rid, v in taken.items():
             if v.fallback and v.in_round:
                 late += 1
