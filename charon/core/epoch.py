@@ -1268,25 +1268,25 @@ class EpochCoordinator:
     @staticmethod
     def _judged_here(tid: int, v: Verdict, q: _Queues, rnd: int, candidates: set[int], reply: Callable[..., Reply],
                      replies: list[Reply], reset_next: list[int]) -> set[int]:
-        """``tid`` has a verdict taken in this fallback (:attr:`Verdict.in_round`): it leaves with the verdict's
-        error, never queued again (a re-run would forget the failure and might commit, contradicting the verdict).
-        The error depends on no state and it has no effect, so it needs no clearance and marks nothing decided.
+        """``tid`` has a verdict taken in this fallback (:attr:`Verdict.in_round`): it leaves with the verdict's error,
+        never queued again (a re-run would forget the failure and might commit, contradicting the verdict). The error
+        depends on no state and it has no effect, so it needs no clearance and marks nothing decided.
 
         Replay-exact: which transactions the fallback commits, aborts or defers (and so their replies' epochs and
-        values) depends on when each leaves the queues, so a verdict takes effect in the round it was taken in,
-        live and replayed alike. Live, a run of it reports the verdict in round r (recorded with r before the
-        round's replies go out); replayed, it runs as it did live before round r (every earlier round is the same:
-        the same grants and runs, the same earlier verdicts at the same rounds) and leaves in round r, where its run
-        does not run (live, that is where it overran: a replay takes no new verdict, so it could spin). What a run
-        does in a round is its own (its buffers, messages, read/write set), so the others' decisions are the same. A run of it that would be decided before its round (committed, aborted or deferred: only when
-        the epoch's earlier run took another course, e.g. a crash between the watchdog's reservation and the step's
-        end, or a rerun judging anew) is judged instead: never an outcome beside a verdict. A candidate judged in a
-        cached replay (stopped at some partitions live, at none replayed) may have fed its writes to the higher
-        candidates replayed in the same round: those are requeued as if invalid (the caller's ``fast_cut``), so that
-        round decides the same both ways. (Removing it before the fallback on replay, as :meth:`_judge_late` does
-        for a verdict of no known round, frees its queue places earlier and can change who commits: a reply
-        contradicted, see tests/core/test_fallback_verdicts.py.) Returns the transactions its released locks may
-        wake."""
+        values) depends on when each leaves the queues, so a verdict takes effect in the round it was taken in, live and
+        replayed alike. Live, a run of it reports the verdict in round r (recorded with r before the round's replies go
+        out); replayed, it runs as it did live before round r (every earlier round is the same: the same grants and
+        runs, the same earlier verdicts at the same rounds) and leaves in round r, where its run does not run (live,
+        that is where it overran: a replay takes no new verdict, so it could spin). What a run does in a round is its
+        own (its buffers, messages, read/write set), so the others' decisions are the same. A run of it that would be
+        decided before its round (committed, aborted or deferred: only when the epoch's earlier run took another course,
+        e.g. a crash between the watchdog's reservation and the step's end, or a rerun judging anew) is judged instead:
+        never an outcome beside a verdict. A candidate judged in a cached replay (live, stopped at some partitions and
+        maybe valid at others; replayed, not run) may have fed its writes to the higher candidates replayed in that
+        round: those are requeued as if invalid (the caller's ``fast_cut``), so that round decides the same both ways.
+        (Removing it before the fallback on replay, as :meth:`_judge_late` does for a verdict of no known round, frees
+        its queue places earlier and can change who commits: a reply contradicted, see
+        tests/core/test_fallback_verdicts.py.) Returns the transactions its released locks may wake."""
         replies.append(reply(tid, False, err=(v.error_type, v.message)))
         reset_next.append(tid)  # whatever its runs wrote to the overlay
         return q.resolve(tid, {}, rnd, False, candidates)
