@@ -397,6 +397,7 @@ class FallbackJob:
     max_invocations: int
     base: int = 0  # the chunk's position offset (chunk_bases)
     observe: bool = False  # EpochCoordinator.observe
+    verdicts: dict[str, Verdict] = field(default_factory=dict)  # of its transactions, taken in it before (a rerun)
 
 
 @dataclass
@@ -435,6 +436,8 @@ def run_fallback(
         coord.verdicts, coord.on_verdict, coord.taken = outer.verdicts, outer.on_verdict, outer.taken
         coord.outer = outer
         coord.trace = outer.trace  # observed straight into the outer coordinator's (the outcome's stays empty)
+    else:
+        coord.verdicts = dict(job.verdicts)
 
     def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
         return _reply(result, job.last_tid, tid, True, ok, value, err, job.base)
@@ -941,7 +944,7 @@ class EpochCoordinator:
             while msgs and n < self.max_rounds:
                 if taker is not None:
                     job = RestJob(epoch, {t: result.requests[t] for t in roots}, roots, msgs, track, n, prior, bounds,
-                                  self.max_invocations, j, carry, self.verdicts, self.observe)
+                                  self.max_invocations, j, carry, self._verdicts_of(roots, result), self.observe)
                     out = taker(job)
                     if out is not None:
                         return self._taken(out, prior is not None, result, stats)
@@ -1052,7 +1055,7 @@ class EpochCoordinator:
             epoch, conflicted, {t: rw.get(t, {}) for t in conflicted},
             {t: track.failed[t] for t in conflicted if t in track.failed},
             {t: result.requests[t] for t in conflicted}, lockfree, last_tid, self.max_invocations, base,
-            self.observe,
+            self.observe, self._verdicts_of(conflicted, result),
         )
         runner = getattr(self.exchange, "fallback", None)
         self.phase = 1
@@ -1079,6 +1082,13 @@ class EpochCoordinator:
             k = inner.get(k, k)
             stats[k] = stats.get(k, 0) + v
         return out.apply, out.reset
+
+    def _verdicts_of(self, tids: list[int], result: EpochResult) -> dict[str, Verdict]:
+        """The verdicts of ``tids`` (by request id), for a job that runs them elsewhere."""
+        verdicts, reqs = self.verdicts, result.requests
+        if not verdicts:
+            return {}
+        return {rid: verdicts[rid] for rid in (reqs[t].request_id for t in tids) if rid in verdicts}
 
     def _judge(self, roots: list[int], result: EpochResult, failed: dict[int, tuple[str, str]]) -> set[int]:
         """The chunk's transactions with a dry-run verdict (taken while this dry run ran, e.g. a function
