@@ -19,7 +19,7 @@ import pytest
 
 from charon import Application, Context, Operator, Request, serde
 from charon.core import partition
-from charon.core.epoch import EpochCoordinator, EpochResult, Verdict
+from charon.core.epoch import EpochCoordinator, EpochResult, FallbackJob, FallbackOutcome, Verdict, run_fallback
 from charon.core.partition import PartitionUnit
 from charon.runtime.node.inprocess import LocalExchange
 from charon.state.store import MemoryStore
@@ -83,6 +83,13 @@ async def transfer(ctx: Context, to: str, amt: int, tag: str = "") -> int:
 
 
 app = Application("fallback_verdicts", [acct])
+
+
+class OneTask(LocalExchange):
+    """The whole fallback at once where the units are (as a Spark task runs it): its verdicts return with it."""
+
+    def fallback(self, job: FallbackJob) -> FallbackOutcome:
+        return run_fallback(app, LocalExchange(self.units), job)
 Outcome = list[tuple[str, bool, bytes, str, int, int]]
 
 
@@ -91,13 +98,14 @@ def req(rid: str, key: str, fn: str, *args: object) -> Request:
 
 
 def run(epochs: list[list[Request]], plan: Overruns | None, verdicts: dict[str, Verdict] | None = None,
-        parts: int = 1, oracle: bool = False) -> tuple[list[Outcome], list[list[str]], dict[str, Verdict]]:
+        parts: int = 1, oracle: bool = False, exchange: type[LocalExchange] = LocalExchange,
+        ) -> tuple[list[Outcome], list[list[str]], dict[str, Verdict]]:
     """Run ``epochs`` on fresh partitions, with ``plan``'s overruns (None: none) and ``verdicts`` known from the
     start (a replay): each epoch's replies and deferred request ids, and the verdicts taken."""
     global PLAN
     PLAN = plan if plan is not None else Overruns()
     stores = [MemoryStore() for _ in range(parts)]
-    coord = EpochCoordinator(app, LocalExchange([PartitionUnit(p, parts, app, s) for p, s in enumerate(stores)]))
+    coord = EpochCoordinator(app, exchange([PartitionUnit(p, parts, app, s) for p, s in enumerate(stores)]))
     PLAN.coord = coord
     taken: dict[str, Verdict] = {}
     coord.on_verdict = lambda r, v, e: taken.__setitem__(r.request_id, v)
@@ -189,24 +197,25 @@ def workload(rng: random.Random, prefix: str, tag: str | None) -> list[Request]:
     return reqs
 
 
+@pytest.mark.parametrize("exchange", [LocalExchange, OneTask])
 @pytest.mark.parametrize("parts", [1, 2])
-def test_random_workloads_with_a_verdict_in_the_fallback_replay_exactly(parts: int) -> None:
+def test_random_workloads_with_a_verdict_in_the_fallback_replay_exactly(parts: int, exchange: type) -> None:
     late = contradicted = 0
     for seed in [*range(300), 659, 1178, 1355, 1470, 1835]:  # (the last ones: where the old rule contradicts)
         rng = random.Random(seed)
         epoch = workload(rng, "r", "T")
         plan = Overruns({"T": rng.randint(1, 4)}, after=rng.random() < 0.5)
-        replies, deferred, taken = run([epoch], plan, parts=parts, oracle=True)
+        replies, deferred, taken = run([epoch], plan, parts=parts, oracle=True, exchange=exchange)
         judged_final(replies, taken)
         # replayed with the same budgets (a Spark rerun keeps them): the judged step never runs again in its round
         again = Overruns(dict(plan.starts), after=plan.after)
-        assert run([epoch], again, taken, parts=parts)[:2] == (replies, deferred), f"seed {seed}"
+        assert run([epoch], again, taken, parts=parts, exchange=exchange)[:2] == (replies, deferred), f"seed {seed}"
         assert again.fired == 0, f"seed {seed}"
         assert bool(plan.fired) == bool(taken), f"seed {seed}: every overrun is a verdict (a cached replay's too)"
         for rid, v in taken.items():
             if v.fallback and v.in_round:
                 late += 1
-                old = run([epoch], None, {rid: v._replace(in_round=None)}, parts=parts)
+                old = run([epoch], None, {rid: v._replace(in_round=None)}, parts=parts, exchange=exchange)
                 contradicted += old[:2] != (replies, deferred)
     assert late >= 40, "verdicts in a fallback round after the first"
     assert contradicted >= 2, "judging before the fallback would contradict some live replies"
