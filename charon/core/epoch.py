@@ -1008,7 +1008,7 @@ class EpochCoordinator:
             if tid not in failed and (tid not in done or s is None or s[0] != 1 << s[1]):  # pragma: no cover
                 raise AssertionError(f"transaction {tid}: call graph ended with shares {track.shares.get(tid)}")
 
-        forced = self._judge(roots, result, failed) if self.verdicts else ()
+        forced, late = self._judge(roots, result, failed) if self.verdicts else ((), None)
         # Aria's rule, with reservations from every transaction that did not raise.
         rw = track.rw
         min_writer: dict[Entity, int] = {}
@@ -1031,7 +1031,11 @@ class EpochCoordinator:
                     conflicted.append(tid)
                     break
             else:
-                if tid in failed:
+                lv = late.get(tid) if late else None
+                if lv is not None:  # a fallback verdict, yet no conflict (see _judge): aborted with it
+                    failed[tid] = (lv.error_type, lv.message)
+                    aborted_now.append(tid)
+                elif tid in failed:
                     aborted_now.append(tid)
                 else:
                     lockfree.append(tid)
@@ -1090,18 +1094,27 @@ class EpochCoordinator:
             return {}
         return {rid: verdicts[rid] for rid in (reqs[t].request_id for t in tids) if rid in verdicts}
 
-    def _judge(self, roots: list[int], result: EpochResult, failed: dict[int, tuple[str, str]]) -> set[int]:
+    def _judge(self, roots: list[int], result: EpochResult, failed: dict[int, tuple[str, str]],
+               ) -> tuple[set[int], dict[int, Verdict]]:
         """The chunk's transactions with a dry-run verdict (taken while this dry run ran, e.g. a function
         stopped past its budget): they fail with the verdict's error, reserve nothing, and are not rerun in the
-        fallback, exactly as when validation refuses them at a replay (run_epoch)."""
-        reqs, verdicts = result.requests, self.verdicts
+        fallback, exactly as when validation refuses them at a replay (run_epoch). And those with a verdict taken
+        in this epoch's fallback: they reserve as they did when it was taken; one that does not conflict now (a rerun
+        judging anew, whose dry run changed with a new dry-run verdict) is aborted with it, never committed beside
+        it."""
+        reqs, verdicts, epoch = result.requests, self.verdicts, result.epoch
         forced = set()
+        late: dict[int, Verdict] = {}
         for tid in roots:
             v = verdicts.get(reqs[tid].request_id)
-            if v is not None and v.refuses(result.epoch):
+            if v is None:
+                continue
+            if v.refuses(epoch):
                 failed[tid] = (v.error_type, v.message)
                 forced.add(tid)
-        return forced
+            elif v.judges_fallback(epoch):
+                late[tid] = v
+        return forced, late
 
     def _judge_late(self, conflicted: list[int], result: EpochResult, last_tid: int, base: int) -> list[int]:
         """Conflicted transactions with a fallback verdict of no known round (:attr:`Verdict.in_round`) leave the

@@ -247,3 +247,18 @@ def test_verdict_scope() -> None:
     assert [fb.refuses(e) for e in (2, 3, 4)] == [False, False, True]
     assert [fb.judges_fallback(e) for e in (2, 3, 4)] == [False, True, False]
     assert legacy.judges_fallback(7) and not legacy.refuses(7) and Verdict("E", "m").refuses(0)
+
+
+def test_a_rerun_judging_anew_never_commits_a_transaction_beside_its_fallback_verdict() -> None:
+    """A rerun of an epoch that provably replied nothing takes new verdicts: here in the dry run, on the two lower
+    writers T conflicted with, so T has no conflict any more and the lock-free decision would commit it beside the
+    verdict the first run took in its fallback (simulator seed 1019). It is aborted with its verdict there; a replay
+    with every verdict gives the rerun's replies."""
+    epoch = [req("A0", "c", "add", 1, "A"), req("L", "c", "bump", "L"), *SCENARIO[2:]]
+    first = run([epoch], Overruns({"T": 3}))[2]
+    assert set(first) == {"T"} and first["T"].fallback
+    replies, deferred, taken = run([epoch], Overruns({"A": 1, "L": 1}, dry=True), first, oracle=True)
+    assert set(taken) == {"A0", "L"} and not taken["A0"].fallback
+    judged_final(replies, {**first, **taken})
+    assert {r[0]: r[4:] for r in replies[0]}["T"] == (0, 3), "aborted at its place among the lock-free outcomes"
+    assert run([epoch], None, {**first, **taken}, oracle=True)[:2] == (replies, deferred)
