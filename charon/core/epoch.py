@@ -397,6 +397,7 @@ class FallbackJob:
     max_invocations: int
     base: int = 0  # the chunk's position offset (chunk_bases)
     observe: bool = False  # EpochCoordinator.observe
+    verdicts: dict[str, Verdict] = field(default_factory=dict)  # of its transactions, taken in it before (a rerun)
 
 
 @dataclass
@@ -433,7 +434,10 @@ def run_fallback(
     coord.observe = job.observe
     if outer is not None:
         coord.verdicts, coord.on_verdict, coord.taken = outer.verdicts, outer.on_verdict, outer.taken
+        coord.outer = outer
         coord.trace = outer.trace  # observed straight into the outer coordinator's (the outcome's stays empty)
+    else:
+        coord.verdicts = dict(job.verdicts)
 
     def reply(tid: int, ok: bool, value: bytes = b"", err: tuple[str, str] = ("", "")) -> Reply:
         return _reply(result, job.last_tid, tid, True, ok, value, err, job.base)
@@ -463,11 +467,28 @@ class Verdict(NamedTuple):
     """A recorded decision the engine took on a transaction from outside the deterministic core (a time budget
     overrun, a quarantine): by request id in :attr:`EpochCoordinator.verdicts`, applied the same way live, at
     recovery and on rerun. ``fallback``: it was taken while the transaction ran in its chunk's fallback (its dry
-    run stays as it was, and it leaves the fallback with this error); otherwise in the dry run (it never runs)."""
+    run stays as it was, and it leaves the fallback with this error); otherwise in the dry run (it never runs).
+    ``in_round``: the round of that fallback it was taken in (:attr:`EpochCoordinator.fallback_round`): a replay
+    judges it there, see :meth:`EpochCoordinator._judged_here` (None: unknown, a record from before rounds were
+    kept, or a quarantine decided after a crash: it leaves before the fallback starts, :meth:`_judge_late`)."""
 
     error_type: str
     message: str
     fallback: bool = False
+    in_round: int | None = None
+    epoch: int | None = None  # the epoch it was taken in (None: any)
+
+    def refuses(self, epoch: int) -> bool:
+        """Whether it refuses its transaction before it runs in ``epoch``: taken in that epoch's dry run, or in an
+        earlier epoch (a retry of the request). A verdict taken in a later epoch (on a transaction this one
+        deferred) does not apply here: replayed, this epoch runs the transaction as it did without it."""
+        if self.epoch is None:
+            return not self.fallback
+        return self.epoch < epoch or (self.epoch == epoch and not self.fallback)
+
+    def judges_fallback(self, epoch: int) -> bool:
+        """Whether it was taken in the fallback of ``epoch`` (its transaction leaves it there)."""
+        return self.fallback and (self.epoch is None or self.epoch == epoch)
 
 
 @dataclass
@@ -588,14 +609,21 @@ class EpochCoordinator:
         #: appended to :attr:`trace` (observation only; the runtime takes them, nothing here reads them)
         self.observe = False
         self.trace: list[Observed] = []
+        #: the round of the chunk's fallback running now (a verdict taken in it records it: Verdict.in_round)
+        self.fallback_round = 0
+        self.outer: EpochCoordinator | None = None  # run_fallback's: the epoch's coordinator, told the round too
 
     def _verdict(self, tid: int, etype: str, msg: str) -> None:
         """A round reported ``tid`` failed by a decision from outside the core (``InvocationTimeout``): recorded
         (durably, by ``on_verdict``) before anything depends on it, then applied as every verdict (_judge)."""
         cur = self.current
-        req = cur.requests.get(tid) if cur is not None else None
+        if cur is None:  # pragma: no cover - a round runs within an epoch
+            return
+        req = cur.requests.get(tid)
         if req is not None and req.request_id not in self.verdicts:
-            self._adopt({req.request_id: Verdict(etype, msg, self.phase == 1)}, {req.request_id: req})
+            fb = self.phase == 1
+            self._adopt({req.request_id: Verdict(etype, msg, fb, self.fallback_round if fb else None, cur.epoch)},
+                        {req.request_id: req})
 
     def _adopt(self, verdicts: dict[str, Verdict], reqs: dict[str, Request] | None = None) -> None:
         """Take in verdicts a task took (or this coordinator): each recorded first, then effective."""
@@ -774,7 +802,7 @@ class EpochCoordinator:
                 continue
             if verdicts:
                 v = verdicts.get(req.request_id)
-                if v is not None and not v.fallback:
+                if v is not None and v.refuses(epoch):
                     refused.append((tid, (v.error_type, v.message)))
                     judged.append(tid)
                     continue
@@ -916,7 +944,7 @@ class EpochCoordinator:
             while msgs and n < self.max_rounds:
                 if taker is not None:
                     job = RestJob(epoch, {t: result.requests[t] for t in roots}, roots, msgs, track, n, prior, bounds,
-                                  self.max_invocations, j, carry, self.verdicts, self.observe)
+                                  self.max_invocations, j, carry, self._verdicts_of(roots, result), self.observe)
                     out = taker(job)
                     if out is not None:
                         return self._taken(out, prior is not None, result, stats)
@@ -980,7 +1008,7 @@ class EpochCoordinator:
             if tid not in failed and (tid not in done or s is None or s[0] != 1 << s[1]):  # pragma: no cover
                 raise AssertionError(f"transaction {tid}: call graph ended with shares {track.shares.get(tid)}")
 
-        forced = self._judge(roots, result, failed) if self.verdicts else ()
+        forced, late = self._judge(roots, result, failed) if self.verdicts else ((), None)
         # Aria's rule, with reservations from every transaction that did not raise.
         rw = track.rw
         min_writer: dict[Entity, int] = {}
@@ -1003,7 +1031,11 @@ class EpochCoordinator:
                     conflicted.append(tid)
                     break
             else:
-                if tid in failed:
+                lv = late.get(tid) if late else None
+                if lv is not None:  # a fallback verdict, yet no conflict (see _judge): aborted with it
+                    failed[tid] = (lv.error_type, lv.message)
+                    aborted_now.append(tid)
+                elif tid in failed:
                     aborted_now.append(tid)
                 else:
                     lockfree.append(tid)
@@ -1027,7 +1059,7 @@ class EpochCoordinator:
             epoch, conflicted, {t: rw.get(t, {}) for t in conflicted},
             {t: track.failed[t] for t in conflicted if t in track.failed},
             {t: result.requests[t] for t in conflicted}, lockfree, last_tid, self.max_invocations, base,
-            self.observe,
+            self.observe, self._verdicts_of(conflicted, result),
         )
         runner = getattr(self.exchange, "fallback", None)
         self.phase = 1
@@ -1055,27 +1087,44 @@ class EpochCoordinator:
             stats[k] = stats.get(k, 0) + v
         return out.apply, out.reset
 
-    def _judge(self, roots: list[int], result: EpochResult, failed: dict[int, tuple[str, str]]) -> set[int]:
+    def _verdicts_of(self, tids: list[int], result: EpochResult) -> dict[str, Verdict]:
+        """The verdicts of ``tids`` (by request id), for a job that runs them elsewhere."""
+        verdicts, reqs = self.verdicts, result.requests
+        if not verdicts:
+            return {}
+        return {rid: verdicts[rid] for rid in (reqs[t].request_id for t in tids) if rid in verdicts}
+
+    def _judge(self, roots: list[int], result: EpochResult, failed: dict[int, tuple[str, str]],
+               ) -> tuple[set[int], dict[int, Verdict]]:
         """The chunk's transactions with a dry-run verdict (taken while this dry run ran, e.g. a function
         stopped past its budget): they fail with the verdict's error, reserve nothing, and are not rerun in the
-        fallback, exactly as when validation refuses them at a replay (run_epoch)."""
-        reqs, verdicts = result.requests, self.verdicts
+        fallback, exactly as when validation refuses them at a replay (run_epoch). And those with a verdict taken
+        in this epoch's fallback: they reserve as they did when it was taken; one that does not conflict now (a rerun
+        judging anew, whose dry run changed with a new dry-run verdict) is aborted with it, never committed beside
+        it."""
+        reqs, verdicts, epoch = result.requests, self.verdicts, result.epoch
         forced = set()
+        late: dict[int, Verdict] = {}
         for tid in roots:
             v = verdicts.get(reqs[tid].request_id)
-            if v is not None and not v.fallback:
+            if v is None:
+                continue
+            if v.refuses(epoch):
                 failed[tid] = (v.error_type, v.message)
                 forced.add(tid)
-        return forced
+            elif v.judges_fallback(epoch):
+                late[tid] = v
+        return forced, late
 
     def _judge_late(self, conflicted: list[int], result: EpochResult, last_tid: int, base: int) -> list[int]:
-        """Conflicted transactions with a fallback verdict leave the fallback with its error, at their place in
-        it (replayed, the dry run is as it was when the verdict was taken live, so the same ones conflict)."""
+        """Conflicted transactions with a fallback verdict of no known round (:attr:`Verdict.in_round`) leave the
+        fallback with its error before it starts, at their place in it (replayed, the dry run is as it was when
+        the verdict was taken, so the same ones conflict). One with a round stays: it is judged there."""
         reqs, verdicts = result.requests, self.verdicts
         late = []
         for tid in conflicted:
             v = verdicts.get(reqs[tid].request_id)
-            if v is not None and v.fallback:
+            if v is not None and v.in_round is None and v.judges_fallback(result.epoch):
                 late.append(_reply(result, last_tid, tid, True, False, err=(v.error_type, v.message), base=base))
         if not late:
             return conflicted
@@ -1110,6 +1159,14 @@ class EpochCoordinator:
         fast_now: list[int] = []  # candidates replayed in the coming round
         msgs: list[Invoke | ReplyMsg] = []
         dirty = set(conflicted)
+        verdicts, reqs = self.verdicts, result.requests
+        known: dict[int, Verdict] = {}  # verdicts taken in this fallback before it ran (replayed): see _judged_here
+        if verdicts:
+            for tid in conflicted:
+                vd = verdicts.get(reqs[tid].request_id)
+                if vd is not None and vd.judges_fallback(epoch):
+                    known[tid] = vd
+        due: set[int] = set()
         # a safety net, like max_rounds: every transaction runs at most MAX_REQUEUES + 1 times (more only while
         # a lower one commits first), each run in at most max_rounds rounds; a livelock fails loudly, not hangs
         round_cap = 4 * (len(conflicted) + 1) * (MAX_REQUEUES + 2) * (self.max_rounds + 1)
@@ -1129,7 +1186,17 @@ class EpochCoordinator:
                 st.forget(tid)
                 started[tid] = rounds
                 msgs.append(_root(tid, result.requests[tid]))
-            control = Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, fast=fast_now)
+            self.fallback_round = rounds  # a verdict taken in this round records it (Verdict.in_round)
+            if self.outer is not None:
+                self.outer.fallback_round = rounds
+            fast_run = fast_now
+            if known:  # judged in this round: their runs do not run in it (live, it is where they overran)
+                due = {t for t in started.keys() | set(fast_now) if (vd := known.get(t)) is not None
+                       and (vd.in_round is None or vd.in_round <= rounds)}
+                if due:
+                    fast_run = [t for t in fast_now if t not in due]
+                    msgs = [m for m in msgs if m.tid not in due]
+            control = Control(epoch, Control.FALLBACK, apply=apply_next, reset=reset_next, fast=fast_run)
             msgs = self._round(control, msgs, st, stats)
             fast_rounds += bool(fast_now)
             slow_rounds += bool(started)
@@ -1137,6 +1204,8 @@ class EpochCoordinator:
             in_flight = {m.tid for m in msgs}
             finished: list[int] = []
             for tid in sorted(started):
+                if tid in due:
+                    continue
                 if tid not in st.failed and not st.complete(tid):
                     if rounds - started[tid] + 1 < self.max_rounds and tid in in_flight:
                         continue  # the cap: a safety net, never binds
@@ -1145,18 +1214,30 @@ class EpochCoordinator:
                 finished.append(tid)
             replies: list[Reply] = []
             fast_set = set(fast_now)
-            verdicts = self.verdicts
-            for tid in sorted(fast_set.union(finished)):
-                verdict = verdicts.get(result.requests[tid].request_id) if verdicts else None
-                if verdict is not None:  # judged in this run (a function past its budget): final, see _judged_here
-                    started.pop(tid, None)
+            todo = fast_set.union(finished, due)
+            fast_cut: int | None = None  # a candidate judged in this round's replays (see _judged_here)
+            for tid in sorted(todo):
+                verdict = known.get(tid) if known else None
+                if verdict is None and verdicts:  # taken in this round (live), recorded already (_verdict)
+                    verdict = verdicts.get(reqs[tid].request_id)
+                    if verdict is not None and not verdict.judges_fallback(epoch):  # a later epoch's (replayed)
+                        verdict = None
+                if verdict is not None and (verdict.in_round is None or verdict.in_round <= rounds):
+                    started.pop(tid, None)  # its round (live: a run of it reported the verdict): see _judged_here
+                    if tid in fast_set and fast_cut is None:
+                        fast_cut = tid
                     dirty |= self._judged_here(tid, verdict, q, rounds, candidates, reply, replies, reset_next)
                     continue
                 touched = st.rw.get(tid, {})
                 if tid in fast_set:
-                    if tid in st.invalid:
+                    if fast_cut is not None or tid in st.invalid:  # above a judged one: as if invalid
                         candidates.discard(tid)
                     elif tid in st.done and q.clear(tid, K[tid], None):
+                        if verdict is not None:  # before its round: never an outcome beside its verdict
+                            fast_cut = tid
+                            dirty |= self._judged_here(tid, verdict, q, rounds, candidates, reply, replies,
+                                                       reset_next)
+                            continue
                         replies.append(reply(tid, True, st.done[tid]))
                         result.fast.append(tid)
                         apply_next.append(tid)
@@ -1170,6 +1251,9 @@ class EpochCoordinator:
                 start = started.pop(tid)
                 grows = not _within(touched, K[tid])
                 if q.clear(tid, touched, start):
+                    if verdict is not None:  # before its round: never an outcome beside its verdict
+                        dirty |= self._judged_here(tid, verdict, q, rounds, candidates, reply, replies, reset_next)
+                        continue
                     outside += grows
                     failed = st.failed.get(tid)
                     if failed is not None:
@@ -1181,12 +1265,16 @@ class EpochCoordinator:
                     result.slow.append(tid)
                     dirty |= q.resolve(tid, touched, rounds, failed is None, candidates)
                     continue
-                reset_next.append(tid)
                 if grows and requeues.get(tid, 0) >= MAX_REQUEUES or not q.settled_below(tid, touched):
+                    if verdict is not None:  # nor a deferral (its next epoch would not judge it where this one did)
+                        dirty |= self._judged_here(tid, verdict, q, rounds, candidates, reply, replies, reset_next)
+                        continue
+                    reset_next.append(tid)
                     self.deferred.append((tid, result.requests[tid]))
                     result.deferred.append(tid)
                     dirty |= q.resolve(tid, {}, rounds, False, candidates)
                     continue
+                reset_next.append(tid)
                 if grows:  # reconnaissance (Calvin's OLLP): queue again with the larger set
                     requeues[tid] = requeues.get(tid, 0) + 1
                 dirty |= q.requeue(tid, touched if grows else None, candidates)
@@ -1203,11 +1291,25 @@ class EpochCoordinator:
     @staticmethod
     def _judged_here(tid: int, v: Verdict, q: _Queues, rnd: int, candidates: set[int], reply: Callable[..., Reply],
                      replies: list[Reply], reset_next: list[int]) -> set[int]:
-        """A fallback run of ``tid`` reported a verdict (recorded already, by :meth:`_verdict`): the transaction
-        leaves the fallback with the verdict's error at once, as a replay's :meth:`_judge_late` has it, and is
-        never queued again (a re-run would forget the failure and might commit, contradicting the verdict). Its
-        error depends on no state and it has no effect, so it needs no clearance and marks nothing decided.
-        Returns the transactions its released locks may wake."""
+        """``tid`` has a verdict taken in this fallback (:attr:`Verdict.in_round`): it leaves with the verdict's error,
+        never queued again (a re-run would forget the failure and might commit, contradicting the verdict). The error
+        depends on no state and it has no effect, so it needs no clearance and marks nothing decided.
+
+        Replay-exact: which transactions the fallback commits, aborts or defers (and so their replies' epochs and
+        values) depends on when each leaves the queues, so a verdict takes effect in the round it was taken in, live and
+        replayed alike. Live, a run of it reports the verdict in round r (recorded with r before the round's replies go
+        out); replayed, it runs as it did live before round r (every earlier round is the same: the same grants and
+        runs, the same earlier verdicts at the same rounds) and leaves in round r, where its run does not run (live,
+        that is where it overran: a replay takes no new verdict, so it could spin). What a run does in a round is its
+        own (its buffers, messages, read/write set), so the others' decisions are the same. A run of it that would be
+        decided before its round (committed, aborted or deferred: only when the epoch's earlier run took another course,
+        e.g. a crash between the watchdog's reservation and the step's end, or a rerun judging anew) is judged instead:
+        never an outcome beside a verdict. A candidate judged in a cached replay (live, stopped at some partitions and
+        maybe valid at others; replayed, not run) may have fed its writes to the higher candidates replayed in that
+        round: those are requeued as if invalid (the caller's ``fast_cut``), so that round decides the same both ways.
+        (Removing it before the fallback on replay, as :meth:`_judge_late` does for a verdict of no known round, frees
+        its queue places earlier and can change who commits: a reply contradicted, see
+        tests/core/test_fallback_verdicts.py.) Returns the transactions its released locks may wake."""
         replies.append(reply(tid, False, err=(v.error_type, v.message)))
         reset_next.append(tid)  # whatever its runs wrote to the overlay
         return q.resolve(tid, {}, rnd, False, candidates)

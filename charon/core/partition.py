@@ -1146,9 +1146,9 @@ class PartitionUnit(Generic[S]):
                     coro.send(None)  # (the guard is the running loop: step sets it for the fast round)
                 except StopIteration as stop:
                     self.current = None
-                    if self.doomed is not None:  # judged past its budget: its verdict (the slow path is judged)
+                    if self.doomed is not None:  # judged past its budget: its verdict
                         tripped()
-                        return self._undoom(frame)
+                        return self._judged_fast(frame)
                     if _TRIPS and tripped() is not None:  # the slow path runs it again and aborts it
                         return False
                     if ctx._calls != c.calls:
@@ -1166,25 +1166,29 @@ class PartitionUnit(Generic[S]):
                 self.current = None
                 tripped()
                 coro.close()
-                return self._undoom(frame) if self.doomed is not None else False
+                return self._judged_fast(frame) if self.doomed is not None else False
             except Exception:  # noqa: BLE001 - raising in the fast path sends it to the slow path
                 self.current = None
                 tripped()
-                return self._undoom(frame) if self.doomed is not None else False
-            except Interrupt:  # past its budget: the slow path runs it again (and fails it the same way)
+                return self._judged_fast(frame) if self.doomed is not None else False
+            except Interrupt:  # past its budget: its verdict, as in the slow path
                 self.current = None
                 tripped()
-                return self._undoom(frame) if self.doomed is not None else False
+                return self._judged_fast(frame)
             finally:
                 self.current = None
         return True
 
-    def _undoom(self, frame: Frame) -> bool:
-        """A fast-path step stopped past its budget: no verdict (the transaction only leaves the fast path; the slow
-        path runs it again and is judged there, so a verdict never stands beside a reply the slow path gives); an
-        interrupt not raised yet is dropped. False: the transaction takes the slow path."""
-        self.doomed = None
-        disarm()
+    def _judged_fast(self, frame: Frame) -> bool:
+        """A cached replay's step was stopped past its budget: its transaction gets the verdict here, as in the slow
+        path (an interrupt that only sent it to the slow path would change the fallback's schedule, which no replay
+        could follow; the coordinator judges it in this round, see ``EpochCoordinator._judged_here``). False: the
+        replay is invalid."""
+        try:
+            err = self._judged(frame).error
+        except Interrupt:  # pending at _judged's first instruction: none is left now
+            err = self._judged(frame).error
+        self._fail(frame.tid, err)
         return False
 
     # -- end of epoch -----------------------------------------------------------------------------

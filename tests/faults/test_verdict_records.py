@@ -90,3 +90,21 @@ def test_an_undecodable_record_that_was_relied_on_is_an_error(tmp_path: Path) ->
     (tmp_path / FILE).write_bytes(a + b"garbage\n")  # last and undecodable: a torn tail (never relied on)
     assert sorted(VerdictBook(str(tmp_path)).verdicts) == ["a"]
     assert (tmp_path / FILE).read_bytes() == a
+
+
+def test_a_fallback_verdict_keeps_its_round_and_epoch_and_older_records_read(tmp_path: Path) -> None:
+    """The fallback round a verdict was taken in (replayed there: tests/core/test_fallback_verdicts.py) and its epoch
+    survive a restart; a record written before rounds were kept reads with none (judged before the fallback)."""
+    old = (b'{"request_id":"o","operator":"acc","function":"f","key":"k","error_type":"InvocationTimeout",'
+           b'"message":"m","epoch":4,"fallback":true,"at":1.0,"root":"acc.f"}\n')
+    (tmp_path / FILE).write_bytes(old)
+    book = VerdictBook(str(tmp_path))
+    assert book.verdicts["o"] == Verdict("InvocationTimeout", "m", True, None, 4)
+    book.record(letter("n", "acc", "f", "k", Verdict("InvocationTimeout", "m", True, 3, 5), 5))
+    # the watchdog reserves with the round it read once the step was judged (maybe a later one); the engine thread
+    # settles with the round the step ends in, recorded again when they differ
+    assert book.reserve(letter("w", "acc", "f", "k", Verdict("InvocationTimeout", "m", True, 8, 5), 5))
+    assert book.settle(letter("w", "acc", "f", "k", Verdict("InvocationTimeout", "m", True, 7, 5), 5)).in_round == 7
+    again = VerdictBook(str(tmp_path)).verdicts
+    assert again["n"] == Verdict("InvocationTimeout", "m", True, 3, 5)
+    assert again["w"].in_round == 7 and again["o"].in_round is None

@@ -261,8 +261,8 @@ def _make_doom() -> Callable[[Any, Any], int]:
 
 #: ``doom(unit, frame) -> int``: mark ``frame``'s step if it still runs (``unit.doomed = frame`` while it is
 #: ``unit.current``: one look, no eval-breaker check in between): :data:`JUDGED` (a step whose outcome is now the
-#: verdict), :data:`FAST` (a step of the cached fallback's fast path: it only leaves the fast path, no verdict; the
-#: slow path runs the transaction again and is judged there), or 0 (the step is over: nothing done)
+#: verdict), :data:`FAST` (a step of the cached fallback's fast path: judged as well, its transaction leaves the
+#: fallback in that round), or 0 (the step is over: nothing done)
 doom = _make_doom()
 JUDGED, FAST = 1, 2
 

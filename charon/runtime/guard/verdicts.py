@@ -42,6 +42,7 @@ class DeadLetter(msgspec.Struct, frozen=True):
     fallback: bool = False
     at: float = 0.0  # wall-clock time of the decision
     root: str = ""  # the transaction's root "operator.function" (the function above may be a callee)
+    in_round: int | None = None  # the fallback round it was taken in (Verdict.in_round; None in older records)
 
 
 _enc = msgspec.json.Encoder()
@@ -154,7 +155,7 @@ class VerdictBook:
             self._keep(d)
 
     def _keep(self, d: DeadLetter) -> None:
-        self.verdicts[d.request_id] = Verdict(d.error_type, d.message, d.fallback)
+        self.verdicts[d.request_id] = Verdict(d.error_type, d.message, d.fallback, d.in_round, d.epoch)
         self.letters.append(d)
         self.counts[d.error_type] = self.counts.get(d.error_type, 0) + 1
 
@@ -184,14 +185,18 @@ class VerdictBook:
 
     def settle(self, letter: DeadLetter) -> Verdict:
         """In the engine thread, where a judged step ended: the request's verdict, effective from now on: the one
-        it has, else the one reserved for it (waiting for a reservation being written), else ``letter``, recorded."""
+        it has, else the one reserved for it (waiting for a reservation being written), else ``letter``, recorded.
+        A reservation naming another fallback round than ``letter`` (the round the step ends in, known here) is
+        recorded again with that round first (the last record of a request id is its verdict)."""
         with self._lock:
             rid = letter.request_id
             have = self.verdicts.get(rid)
             if have is not None:
                 return have
             reserved = self._reserved.pop(rid, None)
-            if reserved is None:
+            if reserved is None or reserved.in_round != letter.in_round:  # (the watchdog may have read a later round)
+                if reserved is not None:
+                    letter = msgspec.structs.replace(reserved, in_round=letter.in_round)
                 self._write(letter)
                 reserved = letter
             self._keep(reserved)
@@ -212,4 +217,4 @@ class VerdictBook:
 def letter(request_id: str, operator: str, function: str, key: str, verdict: Verdict, epoch: int,
            root: str = "") -> DeadLetter:
     return DeadLetter(request_id, operator, function, key, verdict.error_type, verdict.message, epoch,
-                      verdict.fallback, time.time(), root)
+                      verdict.fallback, time.time(), root, verdict.in_round)

@@ -56,7 +56,6 @@ from charon.operator import Application
 from charon.runtime.guard.interrupts import (
     DEFERRED,
     DELIVERED,
-    JUDGED,
     ThreadHandle,
     UserCode,
     app_roots,
@@ -76,6 +75,14 @@ RETRY_SWITCH_S = 0.00005  # the GIL switch interval while an interrupt waits for
 DRIVERS = frozenset({PartitionUnit._run.__code__, PartitionUnit._replay_cached.__code__,
                      PartitionUnit._user_str.__code__})
 _partition.on_disarm(clear_pending)
+
+
+def _verdict(etype: str, msg: str, coord: EpochCoordinator) -> Verdict:
+    """A verdict on a step running now: in the dry run, or in the fallback's current round (Verdict.in_round; read
+    once the step is judged, so never a round before the one it ends in)."""
+    fb = coord.phase == 1
+    cur = coord.current
+    return Verdict(etype, msg, fb, coord.fallback_round if fb else None, cur.epoch if cur is not None else None)
 
 
 def total_message(frame: Any, budget: float) -> str:
@@ -189,7 +196,7 @@ class Watchdog:
         if epoch != self._epoch:
             self._epoch = epoch
             self._totals.clear()
-            self._reasons.clear()  # a fast-path step's reason is never taken by timed_out: bounded to one epoch
+            self._reasons.clear()  # a reason timed_out did not take (the step ended first): bounded to one epoch
         tid = frame.tid
         ran_before = seen is not None and seen[0].tid == tid  # its transaction ran at the last sample too
         total = self._totals[tid] = self._totals.get(tid, 0.0) + (min(now - last, 2 * self.interval)
@@ -210,15 +217,15 @@ class Watchdog:
                                "replaying": not self.interrupting})
         marked = doom(unit, frame) if self.interrupting else 0
         if marked:
-            # judged: the verdict is durable before the interrupt is raised (the engine makes it effective); a
-            # fast-path step only leaves the fast path (no verdict: the slow path runs it and is judged there)
+            # judged (a step of the cached fallback's fast path too): the verdict is durable before the interrupt
+            # is raised (the engine makes it effective, with the round it ends in: see Watchdog.timed_out)
             msg = self._reasons.get(tid)
             if msg is None:
                 msg = self._reasons[tid] = timeout_message(frame) if ran >= budget else total_message(frame, tbudget)
-            if marked == JUDGED and req is not None and cur is not None:
+            if req is not None and cur is not None:
                 self.book.reserve(letter(req.request_id, frame.op, frame.fn, frame.key,
-                                         Verdict("InvocationTimeout", msg, self.coordinator().phase == 1),
-                                         cur.epoch, f"{req.operator}.{req.function}"))
+                                         _verdict("InvocationTimeout", msg, self.coordinator()), cur.epoch,
+                                         f"{req.operator}.{req.function}"))
             self._learn_app(unit)
             self._interrupt(unit, frame)
         if self.exit_after is not None and ran > budget + self.exit_after:
@@ -260,7 +267,7 @@ class Watchdog:
             return InvocationTimeout(msg)
         had = coord.verdicts.get(req.request_id)
         verdict = self.book.settle(letter(req.request_id, frame.op, frame.fn, frame.key,
-                                          Verdict("InvocationTimeout", msg, coord.phase == 1), result.epoch,
+                                          _verdict("InvocationTimeout", msg, coord), result.epoch,
                                           f"{req.operator}.{req.function}"))
         if had is None:
             self.timeouts += 1
@@ -285,7 +292,7 @@ class Watchdog:
                    "could not be interrupted (blocked in C code); the engine restarted and set the transaction "
                    "aside")
             self.book.record(letter(req.request_id, frame.op, frame.fn, frame.key,
-                                    Verdict("Quarantined", msg, coord.phase == 1), result.epoch,
+                                    _verdict("Quarantined", msg, coord), result.epoch,
                                     f"{req.operator}.{req.function}"))
         where = f"{frame.op}.{frame.fn} on key {frame.key!r}"
         if judging:
