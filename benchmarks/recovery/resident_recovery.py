@@ -289,7 +289,7 @@ def replay_check(data: Path, partitions: int) -> dict[str, Any]:
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from charon.bench.engines import free_port
 
-    node = Node(workdir, free_port(), ["--partitions", str(args.partitions)])
+    node = Node(workdir, free_port(), ["--partitions", str(args.partitions)])  # (resolved in main)
     node.start()
     try:
         node.wait_healthy()
@@ -391,11 +391,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=None, help="transfers per second (default 300; quick 40)")
     ap.add_argument("--clients", type=int, default=None, help="connections (default 32; quick 8)")
     ap.add_argument("--accounts", type=int, default=None, help="default 1000; quick 200")
-    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--partitions", type=int, default=None,
+                    help="engine partitions (default: what charon run gives a new deployment on local[2])")
     ap.add_argument("--settle", type=float, default=None, help="seconds of load before each fault (default 15)")
     ap.add_argument("--after", type=float, default=None, help="seconds of load after each recovery (default 10)")
     ap.add_argument("--out", default=None, help="output stem (default results/recovery/resident_recovery)")
     a = ap.parse_args(argv)
+    if a.partitions is None:
+        from charon.config import SparkConfig
+
+        a.partitions = SparkConfig(master=os.environ.get("CHARON_MASTER", "local[2]")).default_partitions()
     q = a.quick
     a.rate = a.rate or (40.0 if q else 300.0)
     a.clients = a.clients or (8 if q else 32)
