@@ -136,6 +136,9 @@ async def _serve_and_drive(
                 serving.result()
                 raise _fail("the gateway stopped during startup", ExitCode.UNAVAILABLE)
             await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 300
+        while runtime.health().get("status") == "starting" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the engine is still starting (the Spark gang launching)
     accounts, balance, max_amount, zipf = shape
     console.print(
         f"gateway on http://127.0.0.1:{port}: {accounts} accounts × {balance}, {len(plan)} transfers "

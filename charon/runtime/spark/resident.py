@@ -459,6 +459,7 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
 
     from charon.runtime.spark.layout import local_root
     from charon.runtime.spark.tasks import tune_worker_gc
+    from charon.state.durable import preload
 
     for _ in items:
         pass
@@ -466,6 +467,7 @@ def resident_task(address: tuple[str, int], token: bytes, tasks: int, parts: int
     index, attempt = ctx.partitionId(), ctx.attemptNumber()
     infos = ctx.getTaskInfos()  # ordered by partition: this task's is its executor's host:port
     executor = (infos[index].address if index < len(infos) else "").encode("utf-8")[:ADDRESS_MAX]
+    preload()  # before the hello: the gang's first round does not pay the imports of its first restore
     tune_worker_gc(gc_threshold)
     task = GangTask(parts, local_root(local_dir, checkpoint, durable_root), durable_root, determinism_check, fence,
                     finalize_threads)

@@ -720,6 +720,8 @@ class SparkRuntime(EngineBacked):
                               f"Spark's JVM died (exit {jvm_exit_code()}); a new Spark session is starting")
             elif status == "ok" and q is not None and not q.isActive:
                 status = "recovering"  # terminated; the supervisor is about to notice
+            elif status == "ok" and isinstance(q, DirectSequencer) and not q.warmed.is_set():
+                status = "starting"  # the gang is launching (or the unrecorded epochs run again): not serving yet
             elif status == "recovering" and probe.ends is not None:
                 self._settle_recovery(probe.ends)
                 status = self._status

@@ -134,6 +134,7 @@ class DirectSequencer:
         self._writer: Executor = writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="charon-bounds")
         self._fixed: tuple[int, list[int], list[int], Future[None]] | None = None
         self._beside: tuple[int, Future[None]] | None = None  # a write made durable with the bound (write_beside)
+        self.warmed = threading.Event()  # resumed: the gang launched, the unrecorded epochs run again (or it ended)
 
     # -- the StreamingQuery face ----------------------------------------------------------------------------------
     def start(self) -> DirectSequencer:
@@ -163,6 +164,7 @@ class DirectSequencer:
     def _loop(self) -> None:
         try:
             prev_ends = self.resume()
+            self.warmed.set()
             while not self._stop.is_set():
                 avail = self._wait(prev_ends)
                 if avail is None:
@@ -173,6 +175,7 @@ class DirectSequencer:
                 self._error = e
         finally:
             self._writer.shutdown(wait=True)
+            self.warmed.set()
             self._done.set()
 
     def run_next(self, prev_ends: list[int], avail: list[int]) -> list[int]:
