@@ -125,7 +125,7 @@ class SparkConfig:
         if not m.startswith("local"):
             return self.partitions
         inner = m[len("local"):].strip("[]").split(",")[0].strip()
-        cores = (os.cpu_count() or 1) if inner in ("", "*") else int(inner) if inner.isdigit() else 1
+        cores = (os.cpu_count() or 1) if inner == "*" else int(inner) if inner.isdigit() else 1  # "local": one
         return max(1, cores - 1)
 
     @property

@@ -222,3 +222,32 @@ def test_one_batch_mixes_known_conflicting_and_new_ids(logs) -> None:
     asyncio.run(main())
     appended = [req.request_id for _, _, req in inp.read_range([0] * inp.partitions, inp.end_offsets())]
     assert appended.count("known") == 1 and "new" in appended and "minted" in appended
+
+
+def test_replies_a_writer_of_this_process_wrote_answer_their_waiters_without_a_poll(tmp_path) -> None:
+    """``replies_written`` (the Spark driver's reply writer, after its write): the waiting submit is answered at
+    once, not at the pump's next look at the output log (here a poll every 30 s would never come in time)."""
+    inp = InputLog(os.path.join(tmp_path, "in.sqlite"), 1)
+    out = OutputLog(os.path.join(tmp_path, "out.sqlite"))
+    lc = LogClient(inp, out, poll_s=30.0)
+    waited: list[float] = []
+
+    def writer() -> None:  # stands for the driver's reply writer thread
+        while inp.position("push-1") is None:
+            time.sleep(0.005)
+        time.sleep(0.3)  # the pump has looked and is asleep by now
+        rep = Reply("push-1", 1, 0, True, serde.encode(3))
+        out.put_many([rep])
+        lc.replies_written([rep])
+
+    async def main() -> Reply:
+        t = threading.Thread(target=writer, daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        rep = await lc.submit("acct", "a", "f", [3], request_id="push-1", timeout=10)
+        waited.append(time.monotonic() - t0)
+        return rep
+
+    rep = asyncio.run(main())
+    assert rep.ok and serde.decode(rep.value) == 3
+    assert waited[0] < 2.0, f"answered by the writer's call, not by a poll ({waited[0]:.2f} s)"

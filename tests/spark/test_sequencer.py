@@ -173,3 +173,81 @@ def test_a_finalize_thread_that_raises_is_told_only_after_every_write_ended() ->
             _each(pool, write, [0, 1, 2, 3])
         assert sorted(ended) == [1, 2, 3], "the error was raised before the other writes ended"
         assert _each(pool, lambda p: p * 2, [3, 1, 2]) == [6, 2, 4], "results in the order of the partitions"
+
+
+def test_a_write_beside_the_bound_is_durable_with_it_and_its_failure_fails_the_epoch(tmp_path, log) -> None:
+    """``write_beside`` (the recovery file of an epoch's first start): written on the bounds' writer after the bound,
+    ``wait_durable`` waits for both (the file is on disk once it returned) and raises the write's failure, so no reply
+    or finalize goes out without it and the loop ends with the error (the supervisor restarts); it is refused for an
+    epoch that is not the one being fixed."""
+    from charon.runtime.guard.quarantine import RecoveryAttempts
+
+    ckpt = str(tmp_path / "ckpt")
+    rec = Recorder(ckpt)
+    attempts = RecoveryAttempts(ckpt)
+    on_disk: list[tuple[int, int | None]] = []
+    failures: list[str] = []
+
+    def fail() -> None:
+        raise OSError("disk full")
+
+    def run(epoch: int) -> None:
+        seq = rec.seq
+        assert not seq.write_beside(epoch + 1, lambda: None), "only the epoch being fixed"
+        if epoch == 1:
+            assert seq.write_beside(epoch, fail)
+            try:
+                seq.wait_durable(epoch)
+            except OSError as e:
+                failures.append(str(e))
+                raise
+        attempts.starting(epoch, 7, later=lambda write: seq.write_beside(epoch, write))
+        seq.wait_durable(epoch)
+        disk = RecoveryAttempts(ckpt)
+        on_disk.append((disk.epoch, disk.reply_mark(epoch)))
+        Recorder.run(rec, epoch)
+
+    rec.run = run  # type: ignore[method-assign]
+    seq = _sequencer(tmp_path, log, rec)
+    try:
+        log.append(_req(0))
+        _until(lambda: rec.last() == 0)
+        log.append(_req(1))
+        _until(lambda: not seq.isActive)
+    finally:
+        seq.stop()
+    assert on_disk == [(0, 7)], "the recovery file named the epoch before anything depended on it"
+    assert failures == ["disk full"], "a failed write beside the bound fails the wait for it"
+    with pytest.raises(OSError, match="disk full"):
+        seq.awaitTermination(0)
+    assert rec.last() == 0, "the epoch whose write failed is not recorded"
+
+
+def test_a_finalize_sent_ahead_takes_no_answer_and_its_failure_is_told_by_the_next_round(tmp_path) -> None:
+    """``ResidentExchange.prefinalize``'s frame in a gang task (``GangTask``): it takes no answer; a finalize that
+    raised (here its code cannot be loaded) is told by the task's next round, which answers with the error and ends
+    the task, so the driver's round fails as for a round that raised."""
+    import pickle
+
+    from charon.core.partition import Control, Prior
+    from charon.runtime.spark.resident import NO_REPLY, GangTask
+
+    task = GangTask(1, str(tmp_path / "local"), str(tmp_path / "state"), False)
+    ahead = pickle.dumps(("prior", Prior(3, [], []), [0], "no_such_module_xyz:app", None, ()))
+    assert task.handle(ahead) == NO_REPLY and not task.failed
+    rnd = pickle.dumps(("round", Control(4, Control.DRY, prior=Prior(3, [], [])), {0: []}, "no_such_module_xyz:app",
+                        None, None, None, ()))
+    results, stats = pickle.loads(task.handle(rnd))
+    assert results is None and "written ahead failed" in stats["error"] and "no_such_module_xyz" in stats["error"]
+    assert task.failed, "the task ends after telling the driver"
+
+
+@pytest.mark.parametrize(("master", "cpus", "want"), [
+    ("local[2]", 8, 1), ("local[4]", 8, 3), ("local[1]", 8, 1), ("local", 8, 1), ("local[*]", 2, 1),
+    ("local[*]", 8, 7), ("local[3,2]", 8, 2), ("spark://h:7077", 8, 4), ("yarn", 8, 4),
+])
+def test_a_new_deployment_gets_one_partition_per_gang_task_in_local_mode(monkeypatch, master, cpus, want) -> None:
+    """``SparkConfig.default_partitions``: in local mode the resident gang's size (cores but one, at least one),
+    on a cluster the configured count."""
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    assert SparkConfig(master=master).default_partitions() == want
