@@ -564,7 +564,7 @@ class GangTask:
         """Write ``prior`` (an epoch's deferred finalize) for ``pids`` now, keeping each output for the round that
         carries it; an error is kept for the next round to tell (no reply goes to this frame)."""
         from charon.runtime.spark.session import load_app
-        from charon.runtime.spark.tasks import code_book, finalize_prior, unit_for
+        from charon.runtime.spark.tasks import code_book, unit_for
 
         if self.early_error is not None:
             return
@@ -573,14 +573,11 @@ class GangTask:
             prev = None if previous is None else (previous[0], load_app(previous[1]))
             book = code_book(versions)
 
-            def one(pid: int) -> tuple[PartitionUnit, RoundOutput]:
-                unit = unit_for(app, self.parts, self.root, self.durable_root, pid, self.scratch.get(pid), prev,
-                                self.determinism_check, self.fence, book)
-                return unit, finalize_prior(unit, prior)
-
             if self.pool is None and self.finalize_threads > 1 and len(pids) > 1:
                 self.pool = ThreadPoolExecutor(self.finalize_threads, thread_name_prefix="charon-finalize")
-            got = _each(self.pool, one, pids) if self.pool is not None and len(pids) > 1 else [one(p) for p in pids]
+            got = _finalize_priors(self.pool, pids, lambda pid: unit_for(
+                app, self.parts, self.root, self.durable_root, pid, self.scratch.get(pid), prev,
+                self.determinism_check, self.fence, book), prior)
             for pid, (unit, out) in zip(pids, got, strict=True):
                 self.scratch[pid] = unit
                 self.early[pid] = (prior.epoch, out)
@@ -589,6 +586,19 @@ class GangTask:
 
 
 NO_REPLY = b""  # GangTask.handle's answer to a frame that takes no reply (an early finalize)
+
+
+def _finalize_priors(pool: ThreadPoolExecutor | None, pids: list[int], unit: Callable[[int], PartitionUnit],
+                     prior: Prior) -> list[tuple[PartitionUnit, RoundOutput]]:
+    """``prior`` (an earlier epoch's deferred finalize) written for each of ``pids`` over its ``unit(pid)``: in
+    ``pool``, one partition per thread, when there is one and several partitions; each unit with its output."""
+    from charon.runtime.spark.tasks import finalize_prior
+
+    def one(pid: int) -> tuple[PartitionUnit, RoundOutput]:
+        u = unit(pid)
+        return u, finalize_prior(u, prior)
+
+    return _each(pool, one, pids) if pool is not None and len(pids) > 1 else [one(pid) for pid in pids]
 
 
 def _each(pool: ThreadPoolExecutor, fn: Callable[[int], _T], pids: list[int]) -> list[_T]:
@@ -618,7 +628,7 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
     own (a flush before a pause), takes the kept output instead of finalizing again."""
     from charon.runtime.guard.quarantine import probing
     from charon.runtime.spark.session import load_app
-    from charon.runtime.spark.tasks import code_book, finalize_prior, step_unit, unit_for
+    from charon.runtime.spark.tasks import code_book, step_unit, unit_for
 
     c0 = time.thread_time()
     app = load_app(app_ref)
@@ -632,18 +642,18 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
     done: dict[int, RoundOutput] = {}
     threaded = pool is not None and len(inboxes) > 1
     prior = control.prior
+    only_finalize = (control.finalize and prior is None and not control.fast and control.timers is None
+                     and not any(inboxes.values()))
     if early:
         if prior is not None:
             done = {pid: out for pid, (e, out) in early.items() if e == prior.epoch and pid in inboxes}
-        elif control.finalize and not control.fast and control.timers is None and not any(inboxes.values()):
+        elif only_finalize:
             kept = [(pid, out) for pid, (e, out) in early.items() if e == control.epoch and pid in inboxes]
             if len(kept) == len(inboxes):  # a flush's round: the finalize is written already
                 for pid, _ in kept:
                     scratch[pid] = None
                 stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
                 return kept, stats, epoch, caches
-    only_finalize = (control.finalize and prior is None and not control.fast and control.timers is None
-                     and not any(inboxes.values()))
     with probing(probe_dir):
         if threaded and only_finalize:
             assert pool is not None
@@ -659,23 +669,11 @@ def _round(control: Control, inboxes: dict[int, list], app_ref: str, previous: t
                 results.append((pid, out))
             stats["cpu_us"] = int((time.thread_time() - c0) * 1e6)
             return results, stats, epoch, caches
-        if prior is not None and done:  # written ahead: the rest of the partitions (if any) carry it here
+        if prior is not None and (done or threaded):  # the carried finalize first, of those not written ahead
             left = [pid for pid in inboxes if pid not in done]
-            for pid in left:
-                unit = unit_for(app, parts, root, durable_root, pid, scratch.get(pid), prev, determinism_check,
-                                fence, book)
-                scratch[pid], done[pid] = unit, finalize_prior(unit, prior)
-            control = copy.copy(control)
-            control.prior = None
-        elif threaded and prior is not None:
-            assert pool is not None
-
-            def carried(pid: int) -> tuple[PartitionUnit, RoundOutput]:
-                unit = unit_for(app, parts, root, durable_root, pid, scratch.get(pid), prev, determinism_check,
-                                fence, book)
-                return unit, finalize_prior(unit, prior)
-
-            for pid, (unit, out) in zip(inboxes, _each(pool, carried, list(inboxes)), strict=True):
+            for pid, (unit, out) in zip(left, _finalize_priors(
+                    pool, left, lambda pid: unit_for(app, parts, root, durable_root, pid, scratch.get(pid), prev,
+                                                     determinism_check, fence, book), prior), strict=True):
                 scratch[pid], done[pid] = unit, out
             control = copy.copy(control)
             control.prior = None
